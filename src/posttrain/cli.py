@@ -1,0 +1,113 @@
+"""The ``posttrain`` command line: parsing only.
+
+Each subcommand names the module whose ``run(args) -> int`` does the work. That module is imported
+only when its subcommand runs, so ``posttrain --help`` stays fast and never imports torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from posttrain.errors import PosttrainError
+
+# subcommand -> module with run(args)
+COMMANDS = {
+    "plan": "posttrain.config.plan_cmd",
+    "train": "posttrain.trainers.train_cmd",
+    "preprocess": "posttrain.data.preprocess",
+    "init-model": "posttrain.models.init_model",
+    "score": "posttrain.reward.score_cmd",
+    "eval": "posttrain.trainers.eval_cmd",
+    "bench": "posttrain.trainers.bench_cmd",
+}
+
+
+def _add_config_args(p: argparse.ArgumentParser, default_path_help: str = "configs/") -> None:
+    p.add_argument("--config-name", required=True, help="config file name, with or without .yaml")
+    p.add_argument("--config-path", default=None, help=f"folder of configs (default: {default_path_help})")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                   help="dotted overrides, e.g. rl_config.n_samples_per_prompt=16")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="posttrain", description=__doc__.splitlines()[0])
+    parser.add_argument("--debug", action="store_true", help="show tracebacks for user errors")
+    parser.add_argument("--version", action="version", version=_version())
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    p = sub.add_parser("plan", help="validate a training config and print its batch plan and memory estimate")
+    _add_config_args(p)
+    p.add_argument("--hf-config", default=None, help="an HF config.json to size the model (default: the model yaml)")
+
+    p = sub.add_parser("train", help="run training (GRPO, DAPO, PPO, DPO or SFT, by megatron_training.stage)")
+    _add_config_args(p)
+
+    p = sub.add_parser("preprocess", help="raw JSON/JSONL/Parquet/CSV/Arrow -> Megatron indexed dataset")
+    _add_config_args(p, "configs/datasets/")
+    p.add_argument("--strict", action="store_true", help="stop at the first malformed row instead of skipping it")
+
+    p = sub.add_parser("init-model", help="write a random-init HF model directory from a model yaml")
+    p.add_argument("--model", default="tiny_qwen2", help="model yaml name in configs/model/, or a path")
+    p.add_argument("--output", required=True, help="output directory")
+    p.add_argument("--corpus", default=None, help="text file to train the tokenizer on (default: built-in)")
+    p.add_argument("--vocab-size", type=int, default=None, help="tokenizer vocabulary size")
+    p.add_argument("--tokenizer", default=None, help="use this HF tokenizer directory instead of training one")
+    p.add_argument("--seed", type=int, default=1234)
+
+    p = sub.add_parser("score", help="score responses in a JSONL file with named verifiers")
+    p.add_argument("--verifier", action="append", required=True, help="verifier name (repeatable)")
+    p.add_argument("--input", required=True, help="JSONL with response and label fields")
+    p.add_argument("--output", required=True, help="JSONL written with a 'scores' field added")
+    p.add_argument("--response-field", default="response")
+    p.add_argument("--label-field", default="label")
+    p.add_argument("--parallel", type=int, default=1, help="verifier worker processes")
+    p.add_argument("--timeout", type=float, default=30.0, help="seconds per sample")
+    p.add_argument("--verifier-module", action="append", default=[], help="module that registers verifiers")
+
+    p = sub.add_parser("eval", help="generate on a prompt dataset and score with verifiers")
+    p.add_argument("--model", required=True, help="HF model directory (or a checkpoint iter_XXXXXXX)")
+    p.add_argument("--data", required=True, help="indexed dataset prefix or JSONL file")
+    p.add_argument("--verifier", action="append", default=None, help="verifier name (repeatable)")
+    p.add_argument("--n", type=int, default=1, help="samples per prompt (avg@k, pass@k)")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--limit", type=int, default=None, help="evaluate at most this many prompts")
+    p.add_argument("--prompt-type", default=None, help="chat template for JSONL prompts")
+    p.add_argument("--output", default=None, help="JSON file for the results")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--dtype", default="float32")
+
+    p = sub.add_parser("bench", help="time training iterations: per-phase times, tokens/s, MFU")
+    _add_config_args(p)
+    p.add_argument("--iters", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--output", default=None, help="JSON file for the results")
+    return parser
+
+
+def _version() -> str:
+    from posttrain import __version__
+
+    return f"posttrain {__version__}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        module = importlib.import_module(COMMANDS[args.command])
+        return int(module.run(args) or 0)
+    except PosttrainError as err:
+        if args.debug:
+            raise
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
