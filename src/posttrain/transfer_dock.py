@@ -1,0 +1,295 @@
+"""TransferDock: the experience table that carries data between the stages of one RL iteration.
+
+The table has ``max_len`` rows (one per sample: ``max_len = num_prompts * n_samples_per_prompt``)
+and named columns (``prompts``, ``responses``, ``old_log_prob``, ...). Each cell holds a 1-D
+tensor whose length may differ from row to row (a response of 17 tokens next to one of 512), so a
+column is stored as a Python list of tensors, with a boolean *ready* vector beside it.
+
+Producers ``put`` cells by row index. Consumers (``actor_log_prob``, ``compute_advantage``, ...)
+``get`` rows whose requested columns are all ready and that this consumer has not consumed yet;
+each consumer has its own *consumed* vector, so two consumers can read the same rows.
+
+Row choice when no indexes are given:
+
+* ``guarantee_order=True``: the lowest eligible indexes, in ascending order (reproducible runs);
+* otherwise: a uniformly random choice among the eligible rows (the seed's ``torch.multinomial``
+  with equal weights), drawn from the dock's own seeded ``random.Random``.
+
+``get_n_samples=True`` hands out whole groups only: rows ``[g*n, (g+1)*n)`` of prompt ``g`` are
+chosen together, so a group-normalised advantage sees its complete group.
+
+Ray-readiness: the state is plain Python (lists, numpy arrays, tensors, ``random.Random``) and the
+API is plain methods returning picklable values, so ``ray.remote(TransferDock)`` can host it as an
+actor unchanged. The dock itself never imports ray; ``posttrain.cluster`` does the wrapping.
+Single-process use needs no locking; a Ray actor with ``max_concurrency > 1`` would need one lock
+around ``get`` (the seed's per-consumer lock), which is the only mutable-read path.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from posttrain.errors import PosttrainError
+
+GRPO_COLUMNS = ("prompts", "prompt_length", "responses", "response_length", "attention_mask",
+                "labels", "input_ids", "input_ids_length", "actor_rollout", "rm_scores",
+                "token_level_rewards", "old_log_prob", "ref_log_prob", "advantages", "returns")
+GRPO_CONSUMERS = ("trainer", "actor_rollout", "actor_image_embeds", "actor_log_prob",
+                  "ref_log_prob", "actor_train", "compute_advantage", "rule_reward",
+                  "reward_scores", "grpo_metrics")
+PPO_EXTRA_COLUMNS = ("values",)
+PPO_EXTRA_CONSUMERS = ("compute_kl", "critic_train", "critic_compute_values", "ppo_metrics")
+DAPO_EXTRA_COLUMNS = ("metric_for_dapo",)
+DAPO_EXTRA_CONSUMERS = ("dynamic_sampling", "dapo_metrics")
+
+
+class TransferDockError(PosttrainError, ValueError):
+    """A read or write that the dock cannot serve (bad column, index or dispatch size)."""
+
+
+def _as_rows(values: Any, count: int, column: str) -> list[torch.Tensor]:
+    """Split ``values`` into ``count`` 1-D row tensors.
+
+    Accepts a sequence of tensors/numbers/lists (one per row) or a tensor whose first dim is the
+    row dim (a 1-D tensor gives one scalar per row, stored with shape ``[1]``).
+    """
+    if isinstance(values, torch.Tensor):
+        rows = list(values.unbind(0)) if values.dim() > 0 else [values]
+    else:
+        rows = list(values)
+    if len(rows) != count:
+        raise TransferDockError(f"put experience ERROR: column {column} got {len(rows)} rows "
+                                f"for {count} indexes")
+    out = []
+    for row in rows:
+        t = row if isinstance(row, torch.Tensor) else torch.as_tensor(row)
+        out.append(t.reshape(-1) if t.dim() != 1 else t)
+    return out
+
+
+def pad_rows(rows: Sequence[torch.Tensor], pad_value: float = 0) -> torch.Tensor:
+    """Stack variable-length 1-D rows into a right-padded ``[B, T_max]`` tensor."""
+    if not rows:
+        return torch.empty(0, 0)
+    width = max(int(r.numel()) for r in rows)
+    out = torch.full((len(rows), width), pad_value, dtype=rows[0].dtype)
+    for i, row in enumerate(rows):
+        out[i, : row.numel()] = row
+    return out
+
+
+class TransferDock:
+    """Columns x rows experience table with per-consumer readiness (see the module docstring).
+
+    Args:
+        max_len: number of rows (samples) per iteration.
+        columns: column names; ``put`` to any other name raises.
+        consumers: consumer names; ``get`` for any other name raises.
+        n_samples_per_prompt: group size ``n`` (rows of prompt ``g`` are ``g*n .. g*n+n-1``).
+        guarantee_order: hand out the lowest eligible indexes in order instead of random ones.
+        seed: seed of the dock's random row choice.
+    """
+
+    def __init__(self, max_len: int, columns: Iterable[str] = GRPO_COLUMNS,
+                 consumers: Iterable[str] = GRPO_CONSUMERS, *, n_samples_per_prompt: int = 1,
+                 guarantee_order: bool = False, seed: int = 0) -> None:
+        if max_len <= 0:
+            raise TransferDockError(f"TD max_len must be positive, got {max_len}")
+        if n_samples_per_prompt <= 0 or max_len % n_samples_per_prompt:
+            raise TransferDockError(f"TD max_len: {max_len} must be a positive multiple of "
+                                    f"n_samples_per_prompt: {n_samples_per_prompt}")
+        self.max_len = max_len
+        self.n_samples_per_prompt = n_samples_per_prompt
+        self.guarantee_order = guarantee_order
+        self.columns = list(dict.fromkeys(columns))
+        self.consumers = list(dict.fromkeys(consumers))
+        self._rng = random.Random(seed)
+        self._data: dict[str, list[torch.Tensor | None]] = {}
+        self._ready: dict[str, np.ndarray] = {}
+        self._consumed: dict[str, np.ndarray] = {}
+        self.clear()
+
+    # ------------------------------------------------------------------ state
+    def clear(self) -> None:
+        """Empty every cell and reset readiness and consumption (call between iterations)."""
+        self._data = {c: [None] * self.max_len for c in self.columns}
+        self._ready = {c: np.zeros(self.max_len, dtype=bool) for c in self.columns}
+        self._consumed = {c: np.zeros(self.max_len, dtype=bool) for c in self.consumers}
+
+    def add_columns(self, names: Iterable[str]) -> None:
+        """Register extra columns (dataset_additional_keys, ``values`` for PPO, ...)."""
+        for name in names:
+            if name not in self._data:
+                self.columns.append(name)
+                self._data[name] = [None] * self.max_len
+                self._ready[name] = np.zeros(self.max_len, dtype=bool)
+
+    def add_consumers(self, names: Iterable[str]) -> None:
+        """Register extra consumers."""
+        for name in names:
+            if name not in self._consumed:
+                self.consumers.append(name)
+                self._consumed[name] = np.zeros(self.max_len, dtype=bool)
+
+    # ------------------------------------------------------------------ writes
+    def put(self, column_names: Sequence[str], indexes: Sequence[int],
+            tensors: Sequence[Any]) -> None:
+        """Write ``tensors[k]`` (one row per index) into column ``column_names[k]`` and mark ready."""
+        if len(column_names) != len(tensors):
+            raise TransferDockError(f"put experience ERROR: {len(column_names)} column names "
+                                    f"for {len(tensors)} tensors")
+        idx = self._check_indexes(indexes)
+        for col, values in zip(column_names, tensors):
+            if col not in self._data:
+                raise TransferDockError(f"put experience ERROR: {col} not in TD experience_column "
+                                        f"{self.columns}")
+            cells, ready = self._data[col], self._ready[col]
+            for i, row in zip(idx, _as_rows(values, len(idx), col)):
+                cells[i] = row
+                ready[i] = True
+
+    def put_experience(self, data: Mapping[str, Any], indexes: Sequence[int]) -> None:
+        """``put`` with a ``{column: rows}`` mapping (the seed's call shape)."""
+        self.put(list(data), indexes, list(data.values()))
+
+    def put_prompts(self, data: Mapping[str, Any], first_prompt: int = 0) -> list[int]:
+        """Write each prompt row into its ``n`` sample rows; returns the row indexes written.
+
+        Prompt ``p`` (counting from ``first_prompt``) fills rows ``p*n .. p*n+n-1``.
+        """
+        n = self.n_samples_per_prompt
+        num_prompts = None
+        repeated = {}
+        for col, values in data.items():
+            rows = _as_rows(values, len(values), col)
+            num_prompts = len(rows) if num_prompts is None else num_prompts
+            if len(rows) != num_prompts:
+                raise TransferDockError(f"put experience ERROR: column {col} has {len(rows)} "
+                                        f"prompts, expected {num_prompts}")
+            repeated[col] = [r for r in rows for _ in range(n)]
+        indexes = list(range(first_prompt * n, (first_prompt + (num_prompts or 0)) * n))
+        self.put(list(repeated), indexes, list(repeated.values()))
+        return indexes
+
+    # ------------------------------------------------------------------ reads
+    def get(self, consumer: str, column_names: Sequence[str], experience_count: int | None = None,
+            *, indexes: Sequence[int] | None = None, get_n_samples: bool = False,
+            pad: bool = False, pad_value: float = 0,
+            ) -> tuple[dict[str, Any] | None, list[int] | None]:
+        """Read rows for ``consumer``; they are marked consumed for this consumer only.
+
+        Without ``indexes``, ``experience_count`` rows are chosen among the rows that are ready in
+        every column of ``column_names`` and not yet consumed by ``consumer``; if fewer are
+        eligible, returns ``(None, None)`` (the caller runs the producer first or stops).
+        With ``indexes``, exactly those rows are read; they must be ready.
+
+        Returns ``({column: list of 1-D tensors, or a [B, T_max] tensor if pad}, indexes)``.
+        """
+        self._check_consumer(consumer)
+        self._check_columns(column_names)
+        if indexes is not None:
+            chosen = self._check_indexes(indexes)
+            not_ready = [i for i in chosen for c in column_names if not self._ready[c][i]]
+            if not_ready:
+                raise TransferDockError(f"get experience ERROR: rows {sorted(set(not_ready))} are not "
+                                        f"ready in columns {list(column_names)} for {consumer}")
+        else:
+            if experience_count is None:
+                raise TransferDockError("get experience ERROR: give experience_count or indexes")
+            self._check_experience_count(experience_count, get_n_samples)
+            chosen = self._choose(consumer, column_names, experience_count, get_n_samples)
+            if chosen is None:
+                return None, None
+        self._consumed[consumer][chosen] = True
+        batch = {c: [self._data[c][i] for i in chosen] for c in column_names}
+        if pad:
+            batch = {c: pad_rows(rows, pad_value) for c, rows in batch.items()}
+        return batch, chosen
+
+    def get_experience(self, consumer: str, column_names: Sequence[str],
+                       experience_count: int | None = None, **kwargs: Any):
+        """Alias of :meth:`get` (the seed's name)."""
+        return self.get(consumer, column_names, experience_count, **kwargs)
+
+    def _eligible(self, consumer: str, column_names: Sequence[str]) -> np.ndarray:
+        mask = ~self._consumed[consumer]
+        for col in column_names:
+            mask &= self._ready[col]
+        return mask
+
+    def _choose(self, consumer: str, column_names: Sequence[str], count: int,
+                get_n_samples: bool) -> list[int] | None:
+        mask = self._eligible(consumer, column_names)
+        if get_n_samples:
+            n = self.n_samples_per_prompt
+            groups = np.flatnonzero(mask.reshape(-1, n).all(axis=1))
+            picked = self._pick(groups.tolist(), count // n)
+            if picked is None:
+                return None
+            return [g * n + j for g in picked for j in range(n)]
+        return self._pick(np.flatnonzero(mask).tolist(), count)
+
+    def _pick(self, candidates: list[int], k: int) -> list[int] | None:
+        if len(candidates) < k:
+            return None
+        if self.guarantee_order:
+            return candidates[:k]
+        return self._rng.sample(candidates, k)
+
+    # ------------------------------------------------------------------ status
+    def ready_count(self, column_names: Sequence[str]) -> int:
+        """Rows ready in every one of ``column_names``."""
+        self._check_columns(column_names)
+        mask = np.ones(self.max_len, dtype=bool)
+        for col in column_names:
+            mask &= self._ready[col]
+        return int(mask.sum())
+
+    def consumed_count(self, consumer: str) -> int:
+        self._check_consumer(consumer)
+        return int(self._consumed[consumer].sum())
+
+    def all_consumed(self, consumer: str) -> bool:
+        """True once ``consumer`` has read every row."""
+        return self.consumed_count(consumer) == self.max_len
+
+    def is_ready(self, column: str, index: int) -> bool:
+        self._check_columns([column])
+        return bool(self._ready[column][self._check_indexes([index])[0]])
+
+    # ------------------------------------------------------------------ checks
+    def _check_indexes(self, indexes: Sequence[int]) -> list[int]:
+        out = [int(i) for i in indexes]
+        for i in out:
+            if i < 0 or i >= self.max_len:
+                raise TransferDockError(f"Put experience index {i} exceeds the Transfer Dock range "
+                                        f"{self.max_len}.")
+        return out
+
+    def _check_columns(self, column_names: Sequence[str]) -> None:
+        for col in column_names:
+            if col not in self._data:
+                raise TransferDockError(f"get experience ERROR: {col} not in TD experience_column "
+                                        f"{self.columns}")
+
+    def _check_consumer(self, consumer: str) -> None:
+        if consumer not in self._consumed:
+            raise TransferDockError(f"get experience ERROR: {consumer} not in TD experience_consumers "
+                                    f"{self.consumers}")
+
+    def _check_experience_count(self, count: int, get_n_samples: bool) -> None:
+        if count <= 0:
+            raise TransferDockError(f"experience_count must be positive, got {count}")
+        if self.max_len < count:
+            raise TransferDockError(f"TD max_len: {self.max_len} need >= experience_count: {count}")
+        if self.max_len % count:
+            raise TransferDockError(f"TD max_len:{self.max_len} need be divisible by "
+                                    f"experience_count: {count}")
+        if get_n_samples and count % self.n_samples_per_prompt:
+            raise TransferDockError(f"get_n_samples need experience_count:{count} must be divisible "
+                                    f"by n_samples_per_prompt: {self.n_samples_per_prompt}")

@@ -1,0 +1,127 @@
+"""TransferDock: readiness per column, consumption per consumer, dispatch sizes, groups, errors."""
+
+import pickle
+
+import pytest
+import torch
+
+from posttrain.transfer_dock import TransferDock, TransferDockError, pad_rows
+
+
+def _dock(max_len=8, n=2, **kw):
+    return TransferDock(max_len, ["prompts", "responses", "rm_scores", "advantages"],
+                        ["rule_reward", "compute_advantage", "actor_train"],
+                        n_samples_per_prompt=n, **kw)
+
+
+def test_put_then_get_returns_variable_length_rows_in_order():
+    td = _dock(guarantee_order=True)
+    rows = [torch.arange(k + 1) for k in range(8)]
+    td.put(["responses"], list(range(8)), [rows])
+    batch, idx = td.get("rule_reward", ["responses"], 4)
+    assert idx == [0, 1, 2, 3]
+    assert [r.tolist() for r in batch["responses"]] == [[0], [0, 1], [0, 1, 2], [0, 1, 2, 3]]
+    batch, idx = td.get("rule_reward", ["responses"], 4)
+    assert idx == [4, 5, 6, 7]
+    assert td.get("rule_reward", ["responses"], 4) == (None, None)
+    assert td.all_consumed("rule_reward")
+    # another consumer sees all rows again
+    _, idx = td.get("actor_train", ["responses"], 8)
+    assert idx == list(range(8))
+
+
+def test_get_only_returns_rows_ready_in_all_requested_columns():
+    td = _dock(guarantee_order=True)
+    td.put(["responses"], range(8), [torch.zeros(8, 3)])
+    td.put(["rm_scores"], [1, 3, 5], [torch.tensor([1.0, 2.0, 3.0])])
+    assert td.get("compute_advantage", ["responses", "rm_scores"], 4) == (None, None)
+    batch, idx = td.get("compute_advantage", ["responses", "rm_scores"], 2)
+    assert idx == [1, 3]
+    assert [r.tolist() for r in batch["rm_scores"]] == [[1.0], [2.0]]
+    assert td.ready_count(["responses", "rm_scores"]) == 3
+
+
+def test_random_choice_is_seeded_and_covers_all_rows_once():
+    picks = []
+    for _ in range(2):
+        td = _dock(seed=7)
+        td.put(["responses"], range(8), [torch.zeros(8, 1)])
+        got = [td.get("rule_reward", ["responses"], 2)[1] for _ in range(4)]
+        picks.append(got)
+    assert picks[0] == picks[1]
+    assert sorted(i for chunk in picks[0] for i in chunk) == list(range(8))
+
+
+def test_get_n_samples_returns_whole_groups():
+    td = _dock(n=4, seed=3)
+    # only group 1 (rows 4..7) is complete; row 0 of group 0 is missing
+    td.put(["rm_scores"], [1, 2, 3, 4, 5, 6, 7], [torch.ones(7)])
+    assert td.get("compute_advantage", ["rm_scores"], 8, get_n_samples=True) == (None, None)
+    _, idx = td.get("compute_advantage", ["rm_scores"], 4, get_n_samples=True)
+    assert idx == [4, 5, 6, 7]
+    with pytest.raises(TransferDockError, match="get_n_samples need experience_count:2 must be "
+                                                "divisible by n_samples_per_prompt: 4"):
+        td.get("compute_advantage", ["rm_scores"], 2, get_n_samples=True)
+
+
+def test_put_prompts_repeats_each_prompt_n_times():
+    td = _dock(n=2, guarantee_order=True)
+    idx = td.put_prompts({"prompts": [torch.tensor([5, 6]), torch.tensor([7])]}, first_prompt=1)
+    assert idx == [2, 3, 4, 5]
+    batch, _ = td.get("actor_train", ["prompts"], indexes=idx)
+    assert [r.tolist() for r in batch["prompts"]] == [[5, 6], [5, 6], [7], [7]]
+
+
+def test_padded_get_and_explicit_indexes():
+    td = _dock(guarantee_order=True)
+    td.put(["responses"], [0, 1], [[torch.tensor([1, 2, 3]), torch.tensor([4])]])
+    batch, idx = td.get("actor_train", ["responses"], indexes=[1, 0], pad=True, pad_value=-1)
+    assert idx == [1, 0]
+    assert batch["responses"].tolist() == [[4, -1, -1], [1, 2, 3]]
+    with pytest.raises(TransferDockError, match="not ready"):
+        td.get("actor_train", ["responses"], indexes=[2])
+    assert pad_rows([torch.tensor([1.0]), torch.tensor([2.0, 3.0])]).tolist() == [[1, 0], [2, 3]]
+
+
+def test_clear_resets_data_readiness_and_consumption():
+    td = _dock(guarantee_order=True)
+    td.put(["responses"], range(8), [torch.zeros(8, 1)])
+    td.get("rule_reward", ["responses"], 8)
+    td.clear()
+    assert td.ready_count(["responses"]) == 0 and td.consumed_count("rule_reward") == 0
+    assert td.get("rule_reward", ["responses"], 8) == (None, None)
+
+
+@pytest.mark.parametrize("call,message", [
+    (lambda td: td.put(["nope"], [0], [[1]]),
+     r"put experience ERROR: nope not in TD experience_column \['prompts'"),
+    (lambda td: td.put(["responses"], [8], [[1]]),
+     r"Put experience index 8 exceeds the Transfer Dock range 8\."),
+    (lambda td: td.get("rule_reward", ["responses"], 16), r"TD max_len: 8 need >= experience_count: 16"),
+    (lambda td: td.get("rule_reward", ["responses"], 3), r"TD max_len:8 need be divisible by experience_count: 3"),
+    (lambda td: td.get("nobody", ["responses"], 2), r"nobody not in TD experience_consumers"),
+    (lambda td: td.put(["responses"], [0, 1], [[1]]), r"got 1 rows for 2 indexes"),
+])
+def test_seed_error_messages(call, message):
+    with pytest.raises(TransferDockError, match=message):
+        call(_dock())
+
+
+def test_dock_pickles_with_its_state():
+    td = _dock(seed=1)
+    td.put(["responses"], [0, 1], [[torch.tensor([1, 2]), torch.tensor([3])]])
+    td.get("rule_reward", ["responses"], indexes=[0])
+    clone = pickle.loads(pickle.dumps(td))
+    assert clone.consumed_count("rule_reward") == 1
+    assert clone.get("actor_train", ["responses"], indexes=[0, 1])[0]["responses"][1].tolist() == [3]
+    assert clone.get("rule_reward", ["responses"], 1)[1] == td.get("rule_reward", ["responses"], 1)[1] == [1]
+
+
+def test_extra_columns_and_consumers():
+    td = _dock()
+    td.add_columns(["values"])
+    td.add_consumers(["critic_train"])
+    td.put(["values"], [0], [[torch.tensor([0.5, 0.25])]])
+    assert td.is_ready("values", 0) and not td.is_ready("values", 1)
+    batch, _ = td.get("critic_train", ["values"], indexes=[0])
+    assert batch["values"][0].tolist() == [0.5, 0.25]
