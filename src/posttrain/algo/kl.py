@@ -1,0 +1,138 @@
+"""Per-token KL penalties between the policy and the reference, and KL coefficient controllers.
+
+Penalties (``d = logprobs - ref_logprobs``, per token; Schulman, "Approximating KL Divergence",
+2020), by the seed's ``kl_penalty`` names:
+
+* ``kl`` (k1): ``d``
+* ``abs``: ``|d|``
+* ``mse`` (k2): ``0.5 * d^2``
+* ``low_var_kl`` (k3, the seed's default): ``k = clamp(-d, -20, 20)``, ``exp(k) - k - 1`` clamped
+  to ``[-10, 10]``.
+
+Seed unit test: logp=[0.5, 1.0], ref=[1.0, 0.5] -> kl [-0.5, 0.5], abs [0.5, 0.5],
+mse [0.125, 0.125], low_var_kl [0.148721, 0.106531].
+
+Controllers (Ziegler et al. 2019): ``fixed`` keeps ``init_kl_coef``; ``adaptive`` moves the
+coefficient toward a target KL. Unlike the seed (quirk 5: its adaptive controller is updated on a
+Ray-task copy and so never changes), the controller here is an ordinary object that keeps its
+value across iterations and has ``state_dict()`` for checkpoints.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from posttrain.errors import ConfigError
+
+KLFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+_PENALTIES: dict[str, KLFn] = {}
+
+
+def register_kl_penalty(name: str) -> Callable[[KLFn], KLFn]:
+    """Register a per-token KL penalty under ``name``."""
+
+    def wrap(fn: KLFn) -> KLFn:
+        assert name not in _PENALTIES, f"kl penalty {name!r} registered twice"
+        _PENALTIES[name] = fn
+        return fn
+
+    return wrap
+
+
+@register_kl_penalty("kl")
+def _kl(logprobs, ref_logprobs):
+    return logprobs - ref_logprobs
+
+
+@register_kl_penalty("abs")
+def _abs(logprobs, ref_logprobs):
+    return (logprobs - ref_logprobs).abs()
+
+
+@register_kl_penalty("mse")
+def _mse(logprobs, ref_logprobs):
+    return 0.5 * (logprobs - ref_logprobs).square()
+
+
+@register_kl_penalty("low_var_kl")
+def _low_var_kl(logprobs, ref_logprobs):
+    log_ratio = torch.clamp(ref_logprobs - logprobs, min=-20.0, max=20.0)
+    kld = torch.exp(log_ratio) - log_ratio - 1.0
+    return torch.clamp(kld, min=-10.0, max=10.0)
+
+
+def kl_penalty_types() -> list[str]:
+    """The registered ``kl_penalty`` names."""
+    return sorted(_PENALTIES)
+
+
+def kl_penalty(
+    logprobs: torch.Tensor, ref_logprobs: torch.Tensor, *, kl_penalty: str = "low_var_kl"
+) -> torch.Tensor:
+    """Per-token KL estimate of the named type (see module docstring); same shape as the inputs."""
+    if kl_penalty not in _PENALTIES:
+        raise ConfigError(
+            f"Unknown rl_config.kl_penalty={kl_penalty!r}; known: {', '.join(kl_penalty_types())}."
+        )
+    return _PENALTIES[kl_penalty](logprobs, ref_logprobs)
+
+
+class FixedKLController:
+    """``value = init_kl_coef`` forever; ``update`` is a no-op."""
+
+    def __init__(self, init_kl_coef: float):
+        self.value = float(init_kl_coef)
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        """Nothing to do: the coefficient is fixed."""
+
+    def state_dict(self) -> dict:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.value = float(state["value"])
+
+
+class AdaptiveKLController:
+    """Proportional controller (Ziegler et al. 2019, "Fine-Tuning LMs from Human Preferences").
+
+    ``e = clip(current_kl / target_kl - 1, -0.2, 0.2)``;
+    ``value <- value * (1 + e * n_steps / horizon)``.
+    """
+
+    def __init__(self, init_kl_coef: float, target_kl: float, horizon: int):
+        if horizon <= 0:
+            raise ConfigError(f"rl_config.kl_horizon must be larger than 0. Got {horizon}.")
+        self.value = float(init_kl_coef)
+        self.target = float(target_kl)
+        self.horizon = int(horizon)
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        """Move ``value`` toward the target; the change persists in this object."""
+        error = min(max(float(current_kl) / self.target - 1.0, -0.2), 0.2)
+        self.value *= 1.0 + error * n_steps / self.horizon
+
+    def state_dict(self) -> dict:
+        return {"value": self.value, "target": self.target, "horizon": self.horizon}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.value = float(state["value"])
+        self.target = float(state.get("target", self.target))
+        self.horizon = int(state.get("horizon", self.horizon))
+
+
+def build_kl_controller(
+    kl_ctrl_type: str = "fixed",
+    *,
+    init_kl_coef: float = 0.001,
+    kl_target: float = 100.0,
+    kl_horizon: int = 1000,
+) -> FixedKLController | AdaptiveKLController:
+    """``fixed`` or ``adaptive`` controller (seed defaults: target 100.0, horizon 1000)."""
+    if kl_ctrl_type == "fixed":
+        return FixedKLController(init_kl_coef)
+    if kl_ctrl_type == "adaptive":
+        return AdaptiveKLController(init_kl_coef, kl_target, kl_horizon)
+    raise ConfigError(f"Unknown rl_config.kl_ctrl_type={kl_ctrl_type!r}; known: adaptive, fixed.")

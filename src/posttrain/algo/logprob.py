@@ -1,0 +1,68 @@
+"""Per-token log-probabilities and entropies from logits.
+
+Shapes: ``logits [B, T, V]``, ``labels [B, T]`` (int64), results ``[B, T]`` in float32.
+
+Both functions divide the logits by the sampling ``temperature`` first, as the seed does for the
+actor and the reference (``output.div_(temperature)``), so that the training-side log-prob of a
+token equals the sampler's log-prob of the same token.
+
+Memory: ``log_softmax`` would materialise a second ``[B, T, V]`` tensor. Instead
+``log p(y) = z_y - logsumexp(z)`` gathers one logit per token and reduces the vocabulary once.
+Low-precision logits (bf16/fp16) are upcast to float32 one row-chunk at a time, so the float32
+copy never exceeds ``chunk_tokens x V``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+DEFAULT_CHUNK_TOKENS = 4096
+
+
+def _scaled_chunks(logits: torch.Tensor, temperature: float, chunk_tokens: int):
+    """Yield ``(start, end, z)`` with ``z`` the float32, temperature-scaled logits of rows start:end."""
+    flat = logits.reshape(-1, logits.shape[-1])
+    for start in range(0, flat.shape[0], chunk_tokens):
+        end = min(start + chunk_tokens, flat.shape[0])
+        z = flat[start:end].float()
+        if temperature != 1.0:
+            z = z / temperature
+        yield start, end, z
+
+
+def logprobs_from_logits(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float = 1.0,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+) -> torch.Tensor:
+    """``log softmax(logits / temperature)[labels]`` per token.
+
+    ``log p_t = z_{t, y_t} - logsumexp_v z_{t, v}`` with ``z = logits / temperature`` in float32.
+    Differentiable. Returns ``[B, T]`` float32.
+    """
+    assert temperature > 0, "temperature must be positive"
+    flat_labels = labels.reshape(-1)
+    pieces = []
+    for start, end, z in _scaled_chunks(logits, temperature, chunk_tokens):
+        picked = torch.gather(z, -1, flat_labels[start:end, None]).squeeze(-1)
+        pieces.append(picked - torch.logsumexp(z, dim=-1))
+    return torch.cat(pieces).reshape(labels.shape)
+
+
+def entropy_from_logits(
+    logits: torch.Tensor,
+    temperature: float = 1.0,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+) -> torch.Tensor:
+    """Entropy of ``softmax(logits / temperature)`` per token.
+
+    ``H = logsumexp(z) - sum_v softmax(z)_v * z_v`` (the seed's formula). Returns ``[B, T]``
+    float32, differentiable.
+    """
+    assert temperature > 0, "temperature must be positive"
+    pieces = []
+    for _, _, z in _scaled_chunks(logits, temperature, chunk_tokens):
+        probs = torch.softmax(z, dim=-1)
+        pieces.append(torch.logsumexp(z, dim=-1) - (probs * z).sum(dim=-1))
+    return torch.cat(pieces).reshape(logits.shape[:-1])
