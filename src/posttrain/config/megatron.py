@@ -1,0 +1,227 @@
+"""``megatron_training`` / ``actor_config`` / ``ref_config`` / ``reward_config`` / ``critic_config``.
+
+Every key the seed's MegatronConfig knows, with its default. Many are Megatron-only (fused kernels,
+sequence parallelism...): posttrain maps those that have a PyTorch equivalent and accepts the rest,
+warning once about those that are set (see :data:`MAPPED_KEYS` and :data:`IGNORED_KEYS`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from posttrain.config.fields import F, Section
+
+Opt = Optional
+
+
+class MegatronConfig(Section):
+    # ---- architecture (usually from configs/model/<name>.yaml) -----------------------------------
+    model: Opt[str] = F(None, "model yaml name whose architecture keys this section takes first")
+    hf_model_type: Opt[str] = F(None, "posttrain: HF model_type of a random-init model (qwen2, qwen3, llama)")
+    tokenizer_vocab_size: Opt[int] = F(None, "posttrain: vocab size of the tokenizer init-model trains")
+    use_mcore_models: bool = F(False, "Megatron-core model classes (accepted; posttrain uses HF models)")
+    spec: Any = F(None, "Megatron layer spec (ignored)")
+    num_layers: Opt[int] = F(None, "transformer layers")
+    hidden_size: Opt[int] = F(None, "hidden size")
+    ffn_hidden_size: Opt[int] = F(None, "MLP intermediate size")
+    num_attention_heads: Opt[int] = F(None, "attention heads")
+    kv_channels: Opt[int] = F(None, "head dimension (default hidden/heads)")
+    group_query_attention: bool = F(False, "grouped-query attention")
+    num_query_groups: int = F(1, "KV heads when group_query_attention")
+    untie_embeddings_and_output_weights: bool = F(False, "separate output projection")
+    add_qkv_bias: bool = F(False, "bias on the QKV projection (Qwen2)")
+    disable_bias_linear: bool = F(False, "no bias on other linear layers")
+    attention_bias: bool = F(False, "bias on attention projections")
+    qk_layernorm: bool = F(False, "RMSNorm on queries and keys (Qwen3)")
+    position_embedding_type: str = F("learned_absolute", "rope or learned_absolute")
+    use_rotary_position_embeddings: bool = F(False, "RoPE")
+    rotary_base: float = F(10000, "RoPE theta")
+    max_position_embeddings: Opt[int] = F(None, "maximum positions")
+    rope_scaling_type: Opt[str] = F(None, "RoPE scaling (llama3, yarn)")
+    rope_scaling_factor: float = F(1.0, "RoPE scaling factor")
+    low_freq_factor: Opt[float] = F(None, "llama3 RoPE scaling")
+    high_freq_factor: Opt[float] = F(None, "llama3 RoPE scaling")
+    original_max_position_embeddings: Opt[int] = F(None, "RoPE scaling")
+    beta_fast: float = F(32, "yarn")
+    beta_slow: float = F(1, "yarn")
+    rope_scaling_mscale: float = F(1.0, "yarn")
+    rope_scaling_mscale_all_dim: float = F(0.0, "yarn")
+    rope_scaling_original_max_position_embeddings: Opt[int] = F(None, "yarn")
+    normalization: str = F("LayerNorm", "LayerNorm or RMSNorm")
+    norm_epsilon: float = F(1e-5, "norm epsilon")
+    swiglu: bool = F(False, "SwiGLU MLP")
+    attention_dropout: float = F(0.1, "attention dropout")
+    hidden_dropout: float = F(0.1, "hidden dropout")
+    init_method_std: float = F(0.02, "init std")
+    make_vocab_size_divisible_by: int = F(128, "pad the vocabulary to a multiple of this")
+    padded_vocab_size: Opt[int] = F(None, "padded vocabulary size")
+    vocab_extra_ids: int = F(0, "extra vocab ids")
+    multi_latent_attention: bool = F(False, "MLA (DeepSeek)")
+    qk_pos_emb_head_dim: Opt[int] = F(None, "MLA")
+    qk_head_dim: Opt[int] = F(None, "MLA")
+    q_lora_rank: Opt[int] = F(None, "MLA")
+    kv_lora_rank: Opt[int] = F(None, "MLA")
+    v_head_dim: Opt[int] = F(None, "MLA")
+    # ---- MoE ------------------------------------------------------------------------------------
+    num_experts: Opt[int] = F(None, "MoE experts")
+    n_shared_experts: Opt[int] = F(None, "MoE shared experts")
+    moe_ffn_hidden_size: Opt[int] = F(None, "expert MLP size")
+    moe_router_topk: int = F(2, "experts per token")
+    moe_grouped_gemm: bool = F(False, "Megatron kernel (ignored)")
+    moe_permutation_async_comm: bool = F(False, "Megatron kernel (ignored)")
+    moe_tp_extend_ep: bool = F(False, "Megatron layout (ignored)")
+    moe_alltoall_overlap_comm: bool = F(False, "Megatron kernel (ignored)")
+    use_fused_moe_token_permute_and_unpermute: bool = F(False, "Megatron kernel (ignored)")
+    moe_token_dispatcher_type: Opt[str] = F(None, "Megatron (ignored)")
+    seq_aux: bool = F(False, "MoE aux loss per sequence")
+    first_k_dense_replace: Opt[int] = F(None, "dense layers before MoE")
+    moe_layer_freq: Opt[int] = F(None, "MoE layer frequency")
+    moe_router_load_balancing_type: str = F("aux_loss", "router balancing")
+    moe_router_num_groups: Opt[int] = F(None, "router groups")
+    moe_router_group_topk: Opt[int] = F(None, "router group top-k")
+    moe_router_topk_scaling_factor: Opt[float] = F(None, "router scaling")
+    norm_topk_prob: bool = F(False, "normalise top-k probabilities")
+    moe_router_score_function: str = F("softmax", "router score")
+    moe_router_enable_expert_bias: bool = F(False, "router expert bias")
+    moe_aux_loss_coeff: float = F(0.001, "aux loss weight")
+    # ---- kernels / fusions (Megatron-only) ------------------------------------------------------
+    sequence_parallel: bool = F(False, "Megatron sequence parallelism (ignored)")
+    use_flash_attn: bool = F(False, "flash attention: mapped to the sdpa attention implementation")
+    use_fused_rmsnorm: bool = F(False, "fused kernel (ignored)")
+    use_fused_swiglu: bool = F(False, "fused kernel (ignored)")
+    use_fused_rotary_pos_emb: bool = F(False, "fused kernel (ignored)")
+    shape_order: str = F("SBH", "Megatron layout (ignored)")
+    no_bias_dropout_fusion: bool = F(False, "fused kernel (ignored)")
+    no_masked_softmax_fusion: bool = F(False, "fused kernel (ignored)")
+    attention_softmax_in_fp32: bool = F(False, "softmax in fp32 (always true in posttrain)")
+    no_gradient_accumulation_fusion: bool = F(False, "fused kernel (ignored)")
+    gemm_gradient_accumulation_fusion: bool = F(False, "fused kernel (ignored)")
+    transformer_impl: str = F("local", "Megatron implementation (ignored)")
+    # ---- precision / optimizer ------------------------------------------------------------------
+    bf16: bool = F(True, "bf16 training (autocast); on CPU used only where AMX/bf16 is supported")
+    optimizer: str = F("adam", "adam (AdamW with decoupled weight decay)")
+    lr: Opt[float] = F(None, "peak learning rate")
+    lr_decay_style: str = F("linear", "constant, linear or cosine")
+    min_lr: float = F(0.0, "final learning rate")
+    weight_decay: float = F(0.01, "AdamW weight decay")
+    lr_warmup_fraction: Opt[float] = F(None, "fraction of steps for linear warmup")
+    clip_grad: float = F(1.0, "gradient-norm clip")
+    adam_beta1: float = F(0.9, "Adam beta1")
+    adam_beta2: float = F(0.999, "Adam beta2")
+    initial_loss_scale: float = F(2**32, "fp16 loss scale (ignored)")
+    use_distributed_optimizer: bool = F(False, "ZeRO-1 optimizer sharding (FSDP2 on Ray)")
+    overlap_grad_reduce: bool = F(False, "Megatron (ignored)")
+    overlap_param_gather: bool = F(False, "Megatron (ignored)")
+    accumulate_allreduce_grads_in_fp32: bool = F(False, "Megatron (ignored)")
+    ddp_bucket_size: Opt[int] = F(None, "Megatron (ignored)")
+    no_check_for_nan_in_loss_and_grad: bool = F(False, "skip the NaN check")
+    reuse_fp32_param: bool = F(False, "Megatron (ignored)")
+    swap_optimizer: bool = F(False, "Megatron (ignored)")
+    # ---- parallelism ----------------------------------------------------------------------------
+    tensor_model_parallel_size: int = F(1, "TP size (used by the plan; training uses FSDP/DP)")
+    pipeline_model_parallel_size: int = F(1, "PP size (used by the plan)")
+    expert_model_parallel_size: int = F(1, "EP size (used by the plan)")
+    num_layers_per_virtual_pipeline_stage: Opt[int] = F(None, "Megatron (ignored)")
+    num_layer_list: Any = F(None, "Megatron (ignored)")
+    noop_layers: Any = F(None, "Megatron (ignored)")
+    context_parallel_size: int = F(1, "CP size (used by the plan)")
+    context_parallel_algo: str = F("ulysses_cp_algo", "ulysses_cp_algo or megatron_cp_algo")
+    attention_mask_type: str = F("causal", "attention mask")
+    reset_attention_mask: bool = F(False, "per-document attention in packed data")
+    reset_position_ids: bool = F(False, "per-document positions in packed data")
+    use_cp_send_recv_overlap: bool = F(False, "Megatron (ignored)")
+    use_fused_ring_attention_update: bool = F(False, "Megatron (ignored)")
+    use_tp_pp_dp_mapping: bool = F(False, "Megatron (ignored)")
+    distributed_backend: str = F("nccl", "nccl on GPU; gloo is used on CPU")
+    use_ascend_coc: bool = F(False, "Ascend (ignored)")
+    coc_mode: int = F(-1, "Ascend (ignored)")
+    coc_parallel_num: int = F(1, "Ascend (ignored)")
+    coc_fused_kernel: bool = F(False, "Ascend (ignored)")
+    # ---- recompute ------------------------------------------------------------------------------
+    recompute_granularity: Opt[str] = F(None, "full or selective: activation checkpointing")
+    recompute_method: Opt[str] = F(None, "uniform or block")
+    recompute_num_layers: Opt[int] = F(None, "layers to recompute")
+    recompute_activation_function: bool = F(False, "Megatron (ignored)")
+    swap_attention: bool = F(False, "Megatron (ignored)")
+    # ---- data / loop ----------------------------------------------------------------------------
+    global_batch_size: Opt[int] = F(None, "prompts per iteration")
+    micro_batch_size: Opt[int] = F(None, "sequences per forward/backward")
+    seq_length: Opt[int] = F(None, "maximum prompt+response length")
+    train_iters: Opt[int] = F(None, "iterations to run")
+    eval_iters: int = F(100, "evaluation iterations")
+    eval_interval: int = F(1000, "evaluate every N iterations")
+    log_interval: int = F(100, "log every N iterations (SFT/DPO)")
+    log_throughput: bool = F(False, "log throughput")
+    data_path: Opt[str] = F(None, "indexed dataset prefix")
+    split: Opt[str] = F(None, "train,valid,test weights, e.g. 100,0,0")
+    dataloader_type: Opt[str] = F(None, "single or cyclic")
+    no_shuffle: bool = F(False, "read the dataset in order")
+    full_shuffle_instruction_dataset: bool = F(False, "shuffle across epochs as one permutation")
+    is_instruction_dataset: bool = F(False, "SFT data")
+    is_pairwise_dataset: bool = F(False, "DPO/reward-model data")
+    variable_seq_lengths: bool = F(False, "do not pad to seq_length")
+    no_pad_to_seq_lengths: bool = F(False, "do not pad to seq_length")
+    dataset_additional_keys: list[str] = F([], "extra dataset columns (labels for rule rewards)")
+    num_workers: int = F(2, "data loader workers")
+    seed: int = F(1234, "random seed")
+    skip_train: bool = F(False, "skip training")
+    stage: Opt[str] = F(None, "ray_grpo, ray_dapo, ray_ppo, dpo or sft")
+    algorithm: Opt[str] = F(None, "alias of stage")
+    do_sample: bool = F(False, "sampling in eval")
+    use_kv_cache: bool = F(False, "KV cache in eval")
+    npu_deterministic: bool = F(False, "deterministic kernels (torch.use_deterministic_algorithms)")
+    enable_high_availability: bool = F(False, "Ascend (ignored)")
+    ai_framework: Opt[str] = F(None, "None or mindspore")
+    # ---- tokenizer / templates ------------------------------------------------------------------
+    tokenizer_type: Opt[str] = F(None, "PretrainedFromHF")
+    tokenizer_name_or_path: Opt[str] = F(None, "HF tokenizer directory (default: the model's)")
+    tokenizer_not_use_fast: bool = F(False, "slow tokenizer")
+    tokenizer_padding_side: str = F("right", "padding side")
+    prompt_type: Opt[str] = F(None, "chat template name")
+    prompt_type_path: str = F("configs/model/templates.json", "chat templates file")
+    # ---- checkpoints ----------------------------------------------------------------------------
+    load: Opt[str] = F(None, "checkpoint or HF model directory to start from")
+    save: Opt[str] = F(None, "checkpoint directory")
+    save_interval: Opt[int] = F(None, "save every N iterations")
+    finetune: bool = F(False, "load weights only; start at iteration 0")
+    no_load_optim: Opt[bool] = F(None, "do not load the optimizer state")
+    no_load_rng: Opt[bool] = F(None, "do not load RNG states")
+    no_save_optim: Opt[bool] = F(None, "do not save the optimizer state")
+    no_save_rng: Opt[bool] = F(None, "do not save RNG states")
+    no_shared_storage: bool = F(False, "nodes do not share storage (ignored)")
+    load_checkpoint_loosely: bool = F(False, "allow missing keys")
+    pretrained_checkpoint: Opt[str] = F(None, "pretrained checkpoint")
+    # ---- DPO ------------------------------------------------------------------------------------
+    dpo_loss_type: str = F("sigmoid", "sigmoid, hinge, ipo or kto_pair")
+    dpo_beta: float = F(0.1, "DPO beta")
+    dpo_label_smoothing: float = F(0.0, "DPO label smoothing")
+    pref_ftx: float = F(0.0, "SFT loss weight on chosen responses")
+    ref_model: Opt[str] = F("", "reference model path (DPO)")
+    refer_model_iter: int = F(1, "reference model iteration")
+    # ---- LoRA / multimodal ----------------------------------------------------------------------
+    lora_r: int = F(8, "LoRA rank")
+    lora_alpha: int = F(16, "LoRA alpha")
+    lora_fusion: bool = F(False, "CCLoRA (ignored)")
+    lora_target_modules: Any = F(None, "LoRA target modules")
+    lora_ckpt_filter: bool = F(False, "save only LoRA weights")
+    mm_model: Opt[str] = F(None, "multimodal model")
+
+
+# Megatron keys with a PyTorch equivalent: key -> what it does here.
+MAPPED_KEYS = {
+    "bf16": "bf16 autocast where the hardware supports it",
+    "use_flash_attn": "the sdpa attention implementation",
+    "recompute_granularity": "activation checkpointing",
+    "npu_deterministic": "torch.use_deterministic_algorithms",
+}
+
+# Keys accepted for compatibility that change nothing here; one warning lists those set.
+IGNORED_KEYS = frozenset(
+    name for name, field in MegatronConfig.model_fields.items()
+    if "(ignored)" in (field.description or "")
+)
+
+
+def ignored_keys_set(data: dict[str, Any]) -> list[str]:
+    """The Megatron-only keys that a section sets to something other than the default."""
+    return sorted(k for k in data if k in IGNORED_KEYS and data[k] != MegatronConfig.model_fields[k].default)

@@ -1,0 +1,69 @@
+"""``posttrain plan``: validate a config and print its batch plan and memory estimate."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from posttrain.config.plan import GIB, Plan, build_plan
+from posttrain.config.run import RunConfig, load_run_config
+from posttrain.config.validate import validate_run_config
+from posttrain.models.arch import ModelArch, arch_from_hf_config, arch_from_model_yaml
+
+
+def model_arch(cfg: RunConfig, hf_config: str | None = None) -> ModelArch | None:
+    """The actor's architecture: an explicit HF config, else the model yaml, else ``load``'s config.json."""
+    if hf_config:
+        return arch_from_hf_config(hf_config)
+    a = cfg.actor
+    if a.num_layers and a.hidden_size and a.num_attention_heads and a.padded_vocab_size:
+        return arch_from_model_yaml(a.model or "actor", a.model_dump())
+    for candidate in (a.load, a.tokenizer_name_or_path):
+        if candidate and (Path(candidate) / "config.json").is_file():
+            return arch_from_hf_config(candidate)
+    return None
+
+
+def format_plan(plan: Plan) -> str:
+    lines = [f"stage {plan.stage} on {plan.num_devices} device(s)", "", "batch plan (per iteration)"]
+    rows = [
+        ("prompts", f"{plan.prompts_per_iteration}  (global_batch_size)"),
+        ("responses", f"{plan.responses_per_iteration}  (prompts x n_samples_per_prompt)"),
+        ("mini-batches", f"{plan.mini_batches_per_iteration}  of {plan.responses_per_mini_batch} responses"),
+        ("optimizer steps", f"{plan.optimizer_steps_per_iteration}  (mini-batches x epochs)"),
+        ("responses per mini-batch per DP rank", str(plan.responses_per_mini_batch_per_dp)),
+        ("micro-batch size", f"{plan.micro_batch_size} sequences"),
+        ("micro-batches (grad accumulation) per update", str(plan.grad_accumulation_steps)),
+        ("max tokens per sequence", f"{plan.max_tokens_per_sequence}  (prompt <= {plan.max_prompt_length}, "
+                                    f"response <= {plan.max_response_tokens})"),
+        ("max tokens per iteration", f"{plan.max_tokens_per_iteration:,}"),
+    ]
+    if plan.train_iters:
+        rows.append(("iterations", f"{plan.train_iters}  ({plan.total_prompts:,} prompts in all)"))
+    lines += [f"  {k:<46} {v}" for k, v in rows]
+    lines += ["", "parallel layout",
+              f"  {'actor: TP x PP x CP':<46} {plan.tp} x {plan.pp} x {plan.cp}, data parallel {plan.actor_dp}",
+              f"  {'rollout: infer TP':<46} {plan.infer_tp}, data parallel {plan.infer_dp}"]
+    if plan.dispatch_sizes:
+        lines += ["", "dispatch sizes (TransferDock reads)"]
+        lines += [f"  {k:<46} {v}" for k, v in sorted(plan.dispatch_sizes.items())]
+    if plan.memory is not None and plan.arch is not None:
+        m = plan.memory
+        lines += ["", f"memory per device for the actor ({plan.num_params / 1e9:.2f}B parameters, estimate)"]
+        for name, value in (("weights", m.weights), ("gradients", m.gradients), ("optimizer states", m.optimizer),
+                            ("activations (one micro-batch)", m.activations), ("rollout KV cache", m.kv_cache),
+                            ("total", m.total)):
+            lines.append(f"  {name:<46} {value / GIB:8.2f} GiB")
+    else:
+        lines += ["", "memory: no model architecture known (give --hf-config or a model yaml)"]
+    return "\n".join(lines)
+
+
+def run(args) -> int:
+    cfg = load_run_config(args.config_name, args.config_path, args.overrides)
+    layout = validate_run_config(cfg, device_type="cpu")
+    plan = build_plan(cfg, layout, model_arch(cfg, args.hf_config))
+    print(f"config {cfg.path}: valid")
+    if cfg.ignored_keys:
+        print(f"note: Megatron-only keys accepted and ignored: {', '.join(cfg.ignored_keys)}")
+    print(format_plan(plan))
+    return 0

@@ -1,0 +1,250 @@
+"""The seed's ``validate_rl_args`` rules, with its messages, plus posttrain's own checks.
+
+Rules are numbered as in seed_system.md 3.6. :func:`validate_run_config` raises
+:class:`~posttrain.errors.ConfigError` on the first broken rule, and fills in the dispatch sizes the
+seed derives (only those the config leaves unset).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from posttrain.config.megatron import MegatronConfig
+from posttrain.config.run import RunConfig
+from posttrain.errors import ConfigError
+
+
+@dataclass
+class Layout:
+    """Device counts and data-parallel sizes that the plan and the dispatch sizes derive from."""
+
+    num_devices: int
+    actor_dp: int
+    infer_dp: int
+    ref_dp: int
+    num_nodes: int
+
+
+def _model_parallel(c: MegatronConfig) -> int:
+    return c.tensor_model_parallel_size * c.pipeline_model_parallel_size * c.context_parallel_size
+
+
+def _check_resource(component: str, resource: int, c: MegatronConfig) -> None:
+    t, p, cp = c.tensor_model_parallel_size, c.pipeline_model_parallel_size, c.context_parallel_size
+    if resource % (t * p * cp) != 0:
+        raise ConfigError(f"Invalid {component} resource allocation! Resource={resource} must be divisible by "
+                          f"(tensor_parallel * pipeline_parallel * context_parallel) = {t}*{p}*{cp}={t * p * cp}")
+
+
+def _check_batch_ratio(component: str, gbs: int, n: int, mbs: int) -> None:
+    if (gbs * n) % mbs != 0:
+        raise ConfigError(f"Invalid {component} batch configuration! (global_batch_size * n_samples) = "
+                          f"{gbs}*{n} = {gbs * n} must be divisible by micro_batch_size {mbs}")
+
+
+def _check_data_parallel(component: str, gbs: int, dp: int, n: int, mbs: int) -> None:
+    if gbs % dp != 0:
+        raise ConfigError(f"{component} global_batch_size {gbs} must be divisible by data_parallel_size {dp}")
+    if (gbs // dp * n) % mbs != 0:
+        raise ConfigError(f"{component} global_batch_size {gbs}  // data_parallel {dp}  * n_samples {n} "
+                          f"must be divisible by micro_batch_size {mbs} ")
+
+
+def _require(value, key: str):
+    if value is None:
+        raise ConfigError(f"{key} is not set; it is required for this stage")
+    return value
+
+
+def validate_run_config(cfg: RunConfig, *, device_type: str = "cpu", num_nodes: int = 1) -> Layout:
+    """Check ``cfg`` as the seed does and derive the dispatch sizes. Returns the device layout."""
+    a, rl, gen = cfg.actor, cfg.rl, cfg.generate
+    stage = cfg.stage
+    # 1
+    if a.ai_framework not in (None, "mindspore"):
+        raise ConfigError(f"Invalid value for ai_framework: '{a.ai_framework}'. Only None or mindspore are allowed")
+    # 2 (not on CPU: fp32 is the sensible default there)
+    if device_type != "cpu" and (a.bf16 is False or gen.dtype != "bfloat16"):
+        raise ConfigError(" megatron_config.bf16 should be true and generate_config.dtype should be bfloat16.")
+    if gen.dtype not in ("bfloat16", "float32", "float16"):
+        raise ConfigError(f"generate_config.dtype: unknown dtype '{gen.dtype}'; use bfloat16 or float32")
+    if stage in ("dpo", "sft"):
+        return _validate_offline(cfg, num_nodes)
+    # 3
+    if rl.use_integrated_worker:
+        if rl.reference_resource is not None:
+            raise ConfigError("reference_resource should not be set when use_integrated_worker mode is on.")
+        if rl.reward_resource is not None:
+            raise ConfigError(" Reward model is not supported when use_integrated_worker mode is on.")
+        if cfg.raw.get("ref_config") is not None:
+            raise ConfigError("ref_config should not be set when use_integrated_worker mode is on.")
+        if cfg.raw.get("reward_config") is not None:
+            raise ConfigError("reward_config should not be set when use_integrated_worker mode is on.")
+    elif rl.integrated_mode_config is not None:
+        raise ConfigError("integrated_mode_config should not be set when use_integrated_worker mode is off.")
+    if stage == "dapo" and cfg.raw.get("ref_config") is not None:
+        raise ConfigError("ref_config should not be set when use_integrated_worker mode is on.")
+    # 4
+    seq_length = _require(a.seq_length, "megatron_training.seq_length")
+    if gen.max_model_len < seq_length:
+        raise ConfigError(f"Sequence length exceeds vLLM max_model_len! Actor.seq_length={seq_length} vs "
+                          f"GenerateConfig.max_model_len={gen.max_model_len}")
+    # 5
+    if a.context_parallel_size > 1 and a.context_parallel_algo not in ("ulysses_cp_algo", "megatron_cp_algo"):
+        raise ConfigError("Now just support ulysses CP and megatron cp(ring)")
+    if (a.context_parallel_size > 1 and a.context_parallel_algo == "megatron_cp_algo" and rl.use_remove_padding
+            and not a.reset_attention_mask):
+        raise ConfigError("when use ring cp and remove_padding, reset_attention_mask must be true")
+    # 6
+    if rl.use_remove_padding:
+        if a.pipeline_model_parallel_size > 1 and not a.no_pad_to_seq_lengths:
+            raise ConfigError("'use_remove_padding' feature requires 'no_pad_to_seq_lengths=True' when using "
+                              "pipeline parallelism! Please set 'no_pad_to_seq_lengths=True'.")
+        if not a.reset_attention_mask:
+            raise ConfigError("'use_remove_padding' feature requires 'reset_attention_mask=True'! ")
+        if rl.is_multimodal:
+            raise ConfigError("'multimodal' models cannot use 'use_remove_padding' feature! Please set "
+                              "'use_remove_padding=False' in the RLConfig.")
+    # 7
+    num_devices = rl.actor_resource.num_npus or 1
+    _check_resource("Actor", num_devices, a)
+    gbs = _require(a.global_batch_size, "megatron_training.global_batch_size")
+    mbs = _require(a.micro_batch_size, "actor_config.micro_batch_size")
+    n = rl.n_samples_per_prompt
+    # 8
+    _check_batch_ratio("Actor", gbs, n, mbs)
+    _check_batch_ratio("Reference", gbs, n, (cfg.ref or a).micro_batch_size or mbs)
+    # 9
+    if gen.infer_pipeline_parallel_size > 1:
+        raise ConfigError("pipeline_parallel for vllm is not supported yet ! ")
+    actor_dp = num_devices // _model_parallel(a)
+    infer_model_parallel = gen.infer_tensor_parallel_size * gen.infer_pipeline_parallel_size
+    if num_devices % infer_model_parallel != 0:
+        raise ConfigError(f"Invalid Generation resource allocation! Resource={num_devices} must be divisible by "
+                          f"(infer_tensor_parallel * infer_pipeline_parallel) = {infer_model_parallel}")
+    infer_dp = num_devices // infer_model_parallel
+    ref_dp = actor_dp
+    # 10
+    _check_data_parallel("Actor", gbs, actor_dp, n, mbs)
+    rollout_dispatch = rl.actor_rollout_dispatch_size or gbs * n // infer_dp
+    _check_data_parallel("Generation", gbs, infer_dp, n, rollout_dispatch)
+    # 11
+    filtering = stage == "dapo" and rl.filter_groups_enable
+    train_gbs = rl.filter_groups_train_batch_size if filtering else gbs
+    if filtering:
+        _check_data_parallel("ActorForDapo", train_gbs, actor_dp, n, mbs)
+    if rl.rule_reward and gbs % num_nodes != 0:
+        raise ConfigError(f"Reward dispatch size configuration error!global_batch_size {gbs} must be divisible "
+                          f"by the number of nodes in the ray cluster")
+    derived = {
+        "actor_rollout_dispatch_size": gbs * n // infer_dp,
+        "actor_logprob_dispatch_size": train_gbs * n // actor_dp,
+        "adv_dispatch_size": train_gbs * n,
+        "dynamic_sampling_dispatch_size": gbs * n // num_nodes,
+        "ref_dispatch_size": gbs * n // ref_dp,
+        "reward_dispatch_size": gbs * n // num_nodes,
+        "actor_update_dispatch_size": train_gbs * n // actor_dp,
+    }
+    if stage == "ppo":
+        critic = cfg.critic or a
+        critic_dp = (rl.critic_resource.num_npus if rl.critic_resource and rl.critic_resource.num_npus
+                     else num_devices) // _model_parallel(critic)
+        derived.update(critic_update_dispatch_size=gbs * n // critic_dp,
+                       critic_value_dispatch_size=gbs * n // critic_dp, kl_dispatch_size=gbs * n)
+    for key, value in derived.items():
+        if getattr(rl, key) is None:
+            setattr(rl, key, value)
+    # 12
+    if rl.share_backbone and not a.lora_target_modules:
+        raise ConfigError("The shared backbone can only be used with LoRA.")
+    if rl.share_backbone and stage == "dapo":
+        raise ConfigError("'share_backbone' cannot be True when 'stage' is set to 'ray_dapo'.")
+    # 13
+    experience = {"Actor Infer": rl.actor_rollout_dispatch_size, "Advantages": rl.adv_dispatch_size,
+                  "Reference": rl.ref_dispatch_size, "Rule Reward": rl.reward_dispatch_size,
+                  "Actor Update": rl.actor_update_dispatch_size}
+    if filtering:
+        experience["Dynamic Sampling"] = rl.dynamic_sampling_dispatch_size
+    if stage == "ppo":
+        experience.update({"Critic Infer": rl.critic_value_dispatch_size, "KL": rl.kl_dispatch_size,
+                           "Critic Update": rl.critic_update_dispatch_size})
+    for component, dispatch in experience.items():
+        if (gbs * n) % dispatch != 0:
+            raise ConfigError(f"{component} global_batch_size {gbs} must be divisible by experience_count {dispatch}")
+    if filtering and rl.dynamic_sampling_dispatch_size % n != 0:
+        raise ConfigError(f"dynamic sampling dispatch size {rl.dynamic_sampling_dispatch_size} must be divisible "
+                          f"by n samples per prompt {n}")
+    # 14
+    mini = rl.mini_batch_size * n
+    if rl.actor_update_dispatch_size < mini // actor_dp:
+        raise ConfigError(f"actor_update_dispatch_size={rl.actor_update_dispatch_size} must be >= "
+                          f"mini_batch_size/actor_data_parallel_size ({mini}/{actor_dp}={mini // actor_dp})")
+    # 15
+    for key in ("actor_rollout_dispatch_size", "actor_logprob_dispatch_size", "ref_dispatch_size",
+                "actor_update_dispatch_size", "critic_update_dispatch_size", "critic_value_dispatch_size"):
+        value = getattr(rl, key)
+        dp = infer_dp if key == "actor_rollout_dispatch_size" else actor_dp  # rollout runs on inference DP
+        per_dp = gbs * n // dp
+        if value is not None and value > per_dp:
+            raise ConfigError(f"{key} {value} cannot be greater than the number of samples generated on each data "
+                              f"parallel worker, which is global_batch_size * n_samples_per_prompt // "
+                              f"data_parallel_size = {gbs}*{n}//{dp} = {per_dp}")
+    # 16
+    if len(rl.verifier_function) != len(rl.verifier_weight):
+        raise ConfigError(f"Verifier function and weight length mismatch: {len(rl.verifier_function)} vs "
+                          f"{len(rl.verifier_weight)}")
+    max_tokens = gen.sampling_config.max_tokens
+    # 17
+    if rl.overlong_buffer_enable:
+        if rl.overlong_buffer >= max_tokens:
+            raise ConfigError(f"Response max length {max_tokens} must greater than Dapo overlong buffer "
+                              f"{rl.overlong_buffer}")
+        if rl.rollout_max_tokens != max_tokens:
+            raise ConfigError(f"overlong rollout_max_tokens and generate rollout_max_tokens mismatch: "
+                              f"{rl.rollout_max_tokens} vs {max_tokens}")
+    # 18
+    if rl.clip_higher_enable and rl.clip_ratio_low > rl.clip_ratio_high:
+        raise ConfigError(f"clip_ratio_low {rl.clip_ratio_low} must less than clip_ratio_high {rl.clip_ratio_high}")
+    # 19
+    if filtering and rl.filter_groups_metric not in rl.verifier_function:
+        raise ConfigError(f"filter_groups_metric {rl.filter_groups_metric} must in verifier_function "
+                          f"{rl.verifier_function}")
+    # 20
+    if rl.partial_rollout_max_split > 1 and rl.guarantee_order:
+        raise ConfigError("guarantee_order must be false when partial_rollout_max_split > 1")
+    # 21
+    if rl.multi_turn_enable:
+        if rl.max_total_response_length < max_tokens:
+            raise ConfigError(f"max_total_response_length must greater than max_tokens:"
+                              f"{rl.max_total_response_length} vs {max_tokens}")
+        if not rl.async_engine:
+            raise ConfigError("async_engine must be True when multi_turn_enable is True")
+    # posttrain's own rules
+    if gbs % rl.mini_batch_size != 0:
+        raise ConfigError(f"rl_config.mini_batch_size {rl.mini_batch_size} must divide global_batch_size {gbs} "
+                          f"(both count prompts)")
+    if (mini // actor_dp) % mbs != 0:
+        raise ConfigError(f"mini_batch_size * n_samples_per_prompt / actor_dp = {mini}/{actor_dp} must be divisible "
+                          f"by micro_batch_size {mbs}")
+    if rl.kl_penalty not in ("kl", "abs", "mse", "low_var_kl"):
+        raise ConfigError(f"rl_config.kl_penalty: unknown '{rl.kl_penalty}'. Known: kl, abs, mse, low_var_kl")
+    if rl.kl_ctrl_type not in ("fixed", "adaptive"):
+        raise ConfigError(f"rl_config.kl_ctrl_type: unknown '{rl.kl_ctrl_type}'. Known: fixed, adaptive")
+    return Layout(num_devices=num_devices, actor_dp=actor_dp, infer_dp=infer_dp, ref_dp=ref_dp, num_nodes=num_nodes)
+
+
+def _validate_offline(cfg: RunConfig, num_nodes: int) -> Layout:
+    a = cfg.actor
+    num_devices = cfg.rl.actor_resource.num_npus or 1
+    _check_resource("Actor", num_devices, a)
+    gbs = _require(a.global_batch_size, "megatron_training.global_batch_size")
+    mbs = _require(a.micro_batch_size, "megatron_training.micro_batch_size")
+    dp = num_devices // _model_parallel(a)
+    if gbs % (mbs * dp) != 0:
+        raise ConfigError(f"global_batch_size {gbs} must be divisible by micro_batch_size {mbs} * "
+                          f"data_parallel_size {dp}")
+    _require(a.seq_length, "megatron_training.seq_length")
+    if cfg.stage == "dpo" and a.dpo_loss_type not in ("sigmoid", "hinge", "ipo", "kto_pair"):
+        raise ConfigError(f"Unknown loss type: {a.dpo_loss_type}. Should be one of "
+                          f"['sigmoid', 'hinge', 'ipo', 'kto_pair']")
+    return Layout(num_devices=num_devices, actor_dp=dp, infer_dp=dp, ref_dp=dp, num_nodes=num_nodes)
