@@ -1,0 +1,82 @@
+"""The verifier worker process (see :mod:`posttrain.reward.pool`).
+
+Imported once by the forkserver (so forked workers start with math-verify, sympy and the
+built-in verifiers already loaded) or once per spawned worker, never per sample.
+
+Protocol on the duplex pipe, worker side:
+  send ("ready",) or ("init_error", text) once at start;
+  recv (chunk_id, [(item_id, verifier_index, response, label, kwargs), ...]) or None (exit);
+  send (item_id, score, status, error_text) after every item, then ("done", chunk_id).
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+import traceback
+
+STATUS_OK, STATUS_TIMEOUT, STATUS_ERROR = 0, 1, 2
+
+try:  # warm imports: done once in the forkserver or the spawned worker
+    import posttrain.reward.verifiers as _registry
+    _registry.known_verifiers()
+    from posttrain.reward.verifiers.equiv import _mv
+    _mv()
+except Exception:  # pragma: no cover - surfaced by worker_main's own import below
+    pass
+
+
+def _limit_memory(limit_mb: int) -> None:
+    if limit_mb and limit_mb > 0:
+        import resource
+
+        limit = limit_mb * 1024 * 1024
+        soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+        if hard != resource.RLIM_INFINITY:
+            limit = min(limit, hard)
+        resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
+
+
+def _init(specs, modules, mv_timeout, memory_limit_mb) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's business
+    from posttrain.reward.verifiers import import_verifier_modules
+    from posttrain.reward.verifiers.equiv import set_math_verify_timeout
+
+    import_verifier_modules(list(modules))
+    set_math_verify_timeout(mv_timeout)
+    _limit_memory(memory_limit_mb)
+
+
+def score_item(spec, response: str, label: str, kwargs: dict) -> tuple[float, int, str]:
+    """(score, status, error text) of one verifier call; exceptions and NaN become errors."""
+    try:
+        score = spec.call(response, label, kwargs)
+    except MemoryError:
+        return 0.0, STATUS_ERROR, f"{spec.name}: MemoryError (worker memory limit)"
+    except Exception as e:  # a verifier bug must not stop the batch
+        return 0.0, STATUS_ERROR, f"{spec.name}: {type(e).__name__}: {str(e)[:300]}"
+    if not math.isfinite(score):
+        return 0.0, STATUS_ERROR, f"{spec.name}: returned {score}"
+    return score, STATUS_OK, ""
+
+
+def worker_main(conn, specs, modules, mv_timeout, memory_limit_mb) -> None:
+    """Entry point of one worker process: score chunks until told to stop or the pipe closes."""
+    try:
+        _init(specs, modules, mv_timeout, memory_limit_mb)
+    except BaseException:
+        conn.send(("init_error", traceback.format_exc(limit=5)))
+        return
+    conn.send(("ready",))
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            return
+        if msg is None:
+            return
+        chunk_id, items = msg
+        for item_id, vi, response, label, kwargs in items:
+            score, status, err = score_item(specs[vi], response, label, kwargs)
+            conn.send((item_id, score, status, err))
+        conn.send(("done", chunk_id))

@@ -1,0 +1,236 @@
+"""A process pool for verifiers with a real per-item timeout and automatic recovery.
+
+Design
+------
+* ``num_workers`` long-lived processes, created once (forkserver on Linux, so a worker starts by
+  forking a server that has already imported math-verify/sympy: milliseconds, not seconds) and
+  reused across training iterations.
+* The parent sends each idle worker a *chunk* of items (one item = one verifier on one sample);
+  the worker answers after every item. The parent therefore always knows which item a worker is
+  on and since when.
+* Timeout: if a worker has been on one item longer than ``timeout`` seconds, the parent kills it
+  (SIGKILL: this also stops C-level work such as a huge sympy power, which no signal-based guard
+  can interrupt), scores the item 0.0 with status *timeout*, starts a replacement and puts the
+  rest of the chunk back at the front of the queue.
+* A worker that dies (segfault, out-of-memory kill, ``os._exit``) is handled the same way with
+  status *error*.
+* ``num_workers = 0`` scores inline in the calling process (no timeout; for debugging).
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import time
+import weakref
+from collections import deque
+from multiprocessing.connection import wait as wait_conns
+
+from posttrain.errors import ConfigError, PosttrainError
+from posttrain.reward._worker import STATUS_ERROR, STATUS_OK, STATUS_TIMEOUT, score_item, worker_main
+
+log = logging.getLogger(__name__)
+
+_STARTUP_TIMEOUT_S = 180.0
+_POLL_S = 1.0
+
+
+def _default_context() -> mp.context.BaseContext:
+    if "forkserver" in mp.get_all_start_methods():
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(["posttrain.reward._worker"])
+        return ctx
+    return mp.get_context("spawn")
+
+
+class _Worker:
+    """Parent-side handle of one worker process."""
+
+    def __init__(self, ctx, args: tuple):
+        self.conn, child_conn = ctx.Pipe(duplex=True)
+        self.proc = ctx.Process(target=worker_main, args=(child_conn, *args), daemon=True,
+                                name="posttrain-verifier")
+        self.proc.start()
+        child_conn.close()
+        self.started = time.monotonic()
+        self.ready = False
+        self.chunk: list | None = None
+        self.pos = 0           # index in chunk of the item being scored
+        self.since = 0.0       # when that item started (last message from the worker)
+
+    def kill(self) -> None:
+        if self.proc.is_alive():
+            self.proc.kill()
+        self.proc.join(timeout=10)
+        self.conn.close()
+
+
+def _shutdown(workers: list) -> None:
+    for w in workers:
+        if w is None:
+            continue
+        try:
+            w.conn.send(None)
+        except (OSError, ValueError):
+            pass
+    deadline = time.monotonic() + 2.0
+    for w in workers:
+        if w is not None:
+            w.proc.join(timeout=max(0.0, deadline - time.monotonic()))
+            w.kill()
+
+
+class VerifierPool:
+    """Score ``(verifier, sample)`` items in worker processes with a per-item timeout.
+
+    Args:
+        specs: the :class:`~posttrain.reward.verifiers.VerifierSpec` list items index into.
+        num_workers: worker processes (0 = inline, no timeout).
+        timeout: seconds one item may take before its worker is killed (score 0.0, *timeout*).
+        modules: user verifier modules every worker imports at start.
+        memory_limit_mb: address-space limit per worker (0 = none); a blow-up raises MemoryError
+            in the worker (score 0.0, *error*) instead of exhausting the machine.
+    """
+
+    def __init__(self, specs, num_workers: int = 1, timeout: float = 30.0, modules=(),
+                 memory_limit_mb: int = 8192, ctx=None):
+        if num_workers < 0:
+            raise ConfigError(f"rl_config.verifier_parallel must be >= 0, got {num_workers}")
+        if timeout <= 0:
+            raise ConfigError(f"rl_config.verifier_timeout must be > 0 seconds, got {timeout}")
+        self.specs = list(specs)
+        self.timeout = float(timeout)
+        self.num_workers = num_workers
+        self.restarts = 0
+        mv_timeout = max(1, min(5, int(self.timeout / 2)))
+        self._args = (self.specs, tuple(modules), mv_timeout, memory_limit_mb)
+        self._ctx = ctx or (_default_context() if num_workers else None)
+        self._workers: list[_Worker | None] = [self._spawn() for _ in range(num_workers)]
+        self._finalizer = weakref.finalize(self, _shutdown, self._workers)
+        self._chunk_counter = 0
+
+    def _spawn(self) -> _Worker:
+        return _Worker(self._ctx, self._args)
+
+    def close(self) -> None:
+        """Stop every worker (idempotent)."""
+        self._finalizer()
+
+    def run(self, items: list[tuple]) -> tuple[list[float], list[int], list[str]]:
+        """Score ``items`` = ``[(verifier_index, response, label, kwargs), ...]``.
+
+        Returns (scores, statuses, errors) aligned with ``items``; status is 0 ok, 1 timeout,
+        2 error, and a non-ok item scores 0.0.
+        """
+        if not self._finalizer.alive:
+            raise PosttrainError("the verifier pool is closed")
+        if self.num_workers == 0:
+            out = [score_item(self.specs[vi], r, lab, kw) for vi, r, lab, kw in items]
+            return [o[0] for o in out], [o[1] for o in out], [o[2] for o in out]
+        return _Run(self, items).execute()
+
+
+class _Run:
+    """One call of :meth:`VerifierPool.run`: the dispatch loop and its bookkeeping."""
+
+    def __init__(self, pool: VerifierPool, items: list[tuple]):
+        self.pool = pool
+        n = len(items)
+        size = max(1, min(64, -(-n // (4 * pool.num_workers))))
+        tagged = [(i, *item) for i, item in enumerate(items)]
+        self.queue = deque(tagged[i:i + size] for i in range(0, n, size))
+        self.scores = [0.0] * n
+        self.status = [STATUS_OK] * n
+        self.errors = [""] * n
+        self.remaining = n
+        self.startup_failures = 0
+
+    def execute(self):
+        while self.remaining:
+            self._dispatch()
+            self._receive()
+            self._enforce_deadlines()
+        return self.scores, self.status, self.errors
+
+    def _dispatch(self) -> None:
+        for idx, w in enumerate(self.pool._workers):
+            if w.ready and w.chunk is None and self.queue:
+                chunk = self.queue.popleft()
+                self.pool._chunk_counter += 1
+                w.chunk, w.pos, w.since = chunk, 0, time.monotonic()
+                try:
+                    w.conn.send((self.pool._chunk_counter, chunk))
+                except (OSError, ValueError):
+                    self._fail_current(idx, STATUS_ERROR, "verifier worker died")
+
+    def _next_deadline(self) -> float:
+        now, nearest = time.monotonic(), time.monotonic() + _POLL_S
+        for w in self.pool._workers:
+            if w.chunk is not None:
+                nearest = min(nearest, w.since + self.pool.timeout)
+            elif not w.ready:
+                nearest = min(nearest, w.started + _STARTUP_TIMEOUT_S)
+        return max(0.0, nearest - now)
+
+    def _receive(self) -> None:
+        by_conn = {w.conn: i for i, w in enumerate(self.pool._workers)}
+        for conn in wait_conns(list(by_conn), timeout=self._next_deadline()):
+            idx = by_conn[conn]
+            try:
+                while conn.poll():
+                    self._handle(idx, conn.recv())
+            except (EOFError, OSError):
+                self._fail_current(idx, STATUS_ERROR, "verifier worker died")
+
+    def _handle(self, idx: int, msg: tuple) -> None:
+        w = self.pool._workers[idx]
+        kind = msg[0]
+        if kind == "ready":
+            w.ready, w.since = True, time.monotonic()
+        elif kind == "done":
+            w.chunk = None
+        elif kind == "init_error":
+            raise ConfigError(f"a verifier worker could not start:\n{msg[1]}")
+        else:
+            item_id, score, status, err = msg
+            self._record(item_id, score, status, err)
+            w.pos += 1
+            w.since = time.monotonic()
+
+    def _record(self, item_id: int, score: float, status: int, err: str) -> None:
+        self.scores[item_id], self.status[item_id], self.errors[item_id] = score, status, err
+        self.remaining -= 1
+
+    def _enforce_deadlines(self) -> None:
+        now = time.monotonic()
+        for idx, w in enumerate(self.pool._workers):
+            if w.chunk is not None and now - w.since > self.pool.timeout:
+                self._fail_current(idx, STATUS_TIMEOUT, f"timed out after {self.pool.timeout:g} s")
+            elif w.chunk is None and not w.ready and now - w.started > _STARTUP_TIMEOUT_S:
+                raise PosttrainError(
+                    f"a verifier worker did not start within {_STARTUP_TIMEOUT_S:g} s; check that "
+                    f"the verifier modules import quickly")
+            elif w.chunk is None and w.ready and not w.proc.is_alive():
+                self._replace(idx)
+
+    def _fail_current(self, idx: int, status: int, why: str) -> None:
+        """Kill worker ``idx``, score its current item 0.0 (``status``), requeue the rest."""
+        w = self.pool._workers[idx]
+        if not w.ready:
+            self.startup_failures += 1
+            if self.startup_failures > 3:
+                raise PosttrainError("verifier workers keep dying while starting; run with "
+                                     "verifier_parallel=0 to see the error in this process")
+        if w.chunk is not None and w.pos < len(w.chunk):
+            item = w.chunk[w.pos]
+            name = self.pool.specs[item[1]].name
+            self._record(item[0], 0.0, status, f"{name}: {why}")
+            rest = w.chunk[w.pos + 1:]
+            if rest:
+                self.queue.appendleft(rest)
+        self._replace(idx)
+
+    def _replace(self, idx: int) -> None:
+        self.pool._workers[idx].kill()
+        self.pool._workers[idx] = self.pool._spawn()
+        self.pool.restarts += 1
