@@ -1,0 +1,309 @@
+"""``posttrain preprocess``: raw rows -> chat template -> token ids -> Megatron indexed datasets.
+
+Output: ``{output_prefix}_packed_{key}_document.{bin,idx}`` per key of the handler. Files are
+written under hidden temporary names and renamed only when every key is complete, so an
+interrupted run never leaves a dataset that looks valid.
+
+Filtering (the seed's): without ``pack``, a sample is skipped when any of its keys has
+``>= seq_length`` tokens; with ``pack`` likewise (the seed drops only ``> seq_length`` there, but a
+sample of exactly ``seq_length`` tokens cannot fit the ``seq_length - 1`` knapsack).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from itertools import chain
+from pathlib import Path
+
+import numpy as np
+
+from posttrain.data.config import DataHandlerConfig, make_config, resolve_path, warn_inert
+from posttrain.errors import ConfigError, DataError
+
+BATCH_ROWS = 1000
+SKIP_TOO_LONG = "exceeds seq_length"
+SKIP_MALFORMED = "malformed row"
+MAX_LOGGED_PER_REASON = 5
+
+
+@dataclass
+class PreprocessSummary:
+    """What a run did: rows read / written, rows skipped per reason, and the output prefixes."""
+
+    rows_read: int = 0
+    rows_written: int = 0
+    skipped: dict[str, int] = field(default_factory=dict)
+    outputs: dict[str, str] = field(default_factory=dict)  # key -> path prefix (no .bin/.idx)
+    packed_rows: int | None = None
+    seconds: float = 0.0
+
+    @property
+    def rows_skipped(self) -> int:
+        return sum(self.skipped.values())
+
+    def format(self) -> str:
+        rate = self.rows_read / self.seconds if self.seconds > 0 else 0.0
+        lines = [f"rows read: {self.rows_read}, rows written: {self.rows_written}, "
+                 f"rows skipped: {self.rows_skipped} ({self.seconds:.1f} s, {rate:.0f} rows/s)"]
+        for reason, n in sorted(self.skipped.items()):
+            lines.append(f"  skipped ({reason}): {n}")
+        if self.packed_rows is not None:
+            lines.append(f"packed into {self.packed_rows} rows")
+        lines += [f"wrote {p}.{{bin,idx}}" for p in self.outputs.values()]
+        return "\n".join(lines)
+
+
+@dataclass
+class BatchResult:
+    rows: int
+    keys: dict[str, tuple[np.ndarray, np.ndarray]]  # key -> (flat int32 tokens, lengths)
+    skipped: list[tuple[str, str]]  # (where, reason)
+
+
+# --- the per-process work ---------------------------------------------------------------
+_STATE: dict = {}
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(path, use_fast=True, trust_remote_code=False)
+    except Exception as err:  # noqa: BLE001 (transformers raises many types; the user needs one message)
+        raise ConfigError(f"tokenizer_name_or_path {path}: cannot load a tokenizer ({type(err).__name__}: "
+                          f"{str(err).splitlines()[0] if str(err) else ''}). Give a local HF model or tokenizer directory.") from None
+    if tok.pad_token_id is None and tok.eos_token_id is not None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def build_handler(cfg: DataHandlerConfig, columns: list[str], tokenizer=None):
+    from posttrain.data.handlers import get_handler_class
+    from posttrain.data.templates import get_template
+
+    cls = get_handler_class(cfg.handler_name)
+    template = get_template(cfg.prompt_type or "empty", cfg.prompt_type_path, enable_thinking=cfg.enable_thinking)
+    tokenizer = tokenizer or load_tokenizer(resolve_path(cfg.tokenizer_name_or_path))
+    handler = cls(cfg, tokenizer, template)
+    handler.bind_columns(columns)
+    return handler
+
+
+def _init_worker(cfg: DataHandlerConfig, columns: list[str]) -> None:
+    _STATE["handler"] = build_handler(cfg, columns)
+    _STATE["cfg"] = cfg
+
+
+def process_batch(rows: list[tuple[dict, str]], handler=None, cfg=None) -> BatchResult:
+    """Align, encode (one batched tokenizer call) and filter one batch of rows."""
+    handler = handler or _STATE["handler"]
+    cfg = cfg or _STATE["cfg"]
+    skipped, aligned, wheres = [], [], []
+    for row, where in rows:
+        item = handler.align(row)
+        if isinstance(item, str):
+            skipped.append((where, item))
+        else:
+            aligned.append(item)
+            wheres.append(where)
+    encoded = handler.encode_batch(aligned) if aligned else []
+    keep = []
+    for enc, where in zip(encoded, wheres):
+        longest = max(len(v) for v in enc.values())
+        if cfg.seq_length is not None and longest >= cfg.seq_length:
+            skipped.append((where, SKIP_TOO_LONG))
+        else:
+            keep.append(enc)
+    keys = {}
+    for key in handler.output_keys():
+        seqs = [enc[key] for enc in keep]
+        lengths = np.fromiter((len(s) for s in seqs), dtype=np.int64, count=len(seqs))
+        flat = np.fromiter(chain.from_iterable(seqs), dtype=np.int32, count=int(lengths.sum()))
+        keys[key] = (flat, lengths)
+    return BatchResult(rows=len(rows), keys=keys, skipped=skipped)
+
+
+# --- the job ----------------------------------------------------------------------------
+class _Outputs:
+    """One IndexedDatasetBuilder per key, writing to hidden temporaries until commit()."""
+
+    def __init__(self, prefix: str, keys: list[str]):
+        from posttrain.data.indexed import IndexedDatasetBuilder
+
+        self.final = {k: f"{prefix}_packed_{k}_document" for k in keys}
+        tag = f"tmp{os.getpid()}"
+        self.tmp = {k: str(Path(p).parent / f".{Path(p).name}.{tag}") for k, p in self.final.items()}
+        self.builders = {k: IndexedDatasetBuilder(f"{self.tmp[k]}.bin") for k in keys}
+
+    def add(self, key: str, flat: np.ndarray, lengths: np.ndarray) -> None:
+        self.builders[key].add_items(flat, lengths)
+
+    def commit(self) -> dict[str, str]:
+        for k, b in self.builders.items():
+            b.finalize(f"{self.tmp[k]}.idx")
+        for k in self.builders:  # every key complete: now rename (.bin first, .idx last)
+            os.replace(f"{self.tmp[k]}.bin", f"{self.final[k]}.bin")
+            os.replace(f"{self.tmp[k]}.idx", f"{self.final[k]}.idx")
+        return dict(self.final)
+
+    def discard(self) -> None:
+        for k, b in self.builders.items():
+            b.close()
+            for ext in (".bin", ".idx"):
+                try:
+                    os.remove(self.tmp[k] + ext)
+                except FileNotFoundError:
+                    pass
+
+
+class _Progress:
+    """A rich progress line on a terminal, else a log line every ``log_interval`` rows."""
+
+    def __init__(self, enabled: bool, log_interval: int):
+        self.enabled, self.log_interval, self.start = enabled, max(1, log_interval), time.perf_counter()
+        self.done, self._next_log, self._bar = 0, max(1, log_interval), None
+        if enabled and sys.stderr.isatty():
+            from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+            self._bar = Progress(SpinnerColumn(), TextColumn("preprocess: {task.completed} rows"),
+                                 TextColumn("{task.fields[rate]:.0f} rows/s"), TimeElapsedColumn(), transient=True)
+            self._bar.start()
+            self._task = self._bar.add_task("rows", total=None, rate=0.0)
+
+    def update(self, n: int) -> None:
+        self.done += n
+        rate = self.done / max(time.perf_counter() - self.start, 1e-9)
+        if self._bar is not None:
+            self._bar.update(self._task, completed=self.done, rate=rate)
+        elif self.enabled and self.done >= self._next_log:
+            print(f"preprocess: {self.done} rows ({rate:.0f} rows/s)", file=sys.stderr)
+            while self._next_log <= self.done:
+                self._next_log += self.log_interval
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+
+
+def _columns(first_batch: list[tuple[dict, str]]) -> list[str]:
+    return list(dict.fromkeys(k for row, _ in first_batch for k in row))
+
+
+def preprocess(config: dict | DataHandlerConfig, strict: bool = False, progress: bool = True) -> PreprocessSummary:
+    """Run the whole job for one dataset config; returns the summary (also for the tests and the demo)."""
+    from posttrain.data.readers import RowReader
+
+    cfg = make_config(config)
+    warn_inert(cfg)
+    start = time.perf_counter()
+    summary = PreprocessSummary()
+    skip_counts: Counter = Counter()
+    logged: Counter = Counter()
+
+    def note_skip(where: str, reason: str, detail: str = "") -> None:
+        skip_counts[reason] += 1
+        if logged[reason] < MAX_LOGGED_PER_REASON:
+            logged[reason] += 1
+            print(f"skip {where}: {detail or reason}", file=sys.stderr)
+
+    def on_malformed(where: str, why: str) -> None:
+        if strict:
+            raise DataError(f"{where}: {why} (stopping because of --strict)")
+        note_skip(where, SKIP_MALFORMED, why)
+
+    reader = iter(RowReader(resolve_path(cfg.input), BATCH_ROWS, on_malformed))
+    first = next(reader, None)
+    if first is None:
+        raise DataError(f"input {cfg.input}: no rows to read")
+    columns = _columns(first)
+    tokenizer = load_tokenizer(resolve_path(cfg.tokenizer_name_or_path))
+    handler = build_handler(cfg, columns, tokenizer)
+    prefix = _output_prefix(cfg)
+    outputs = _Outputs(prefix, handler.output_keys())
+    bar = _Progress(progress, cfg.log_interval)
+    packed: dict[str, list[np.ndarray]] = {"input_ids": [], "labels": []}
+    try:
+        for result in _results(cfg, columns, chain([first], reader), handler):
+            summary.rows_read += result.rows
+            for where, reason in result.skipped:
+                note_skip(where, reason)
+            n_kept = len(next(iter(result.keys.values()))[1]) if result.keys else 0
+            summary.rows_written += n_kept
+            if cfg.pack:
+                for key in packed:
+                    flat, lengths = result.keys[key]
+                    packed[key].extend(np.split(flat, np.cumsum(lengths)[:-1]) if len(lengths) else [])
+            else:
+                for key, (flat, lengths) in result.keys.items():
+                    outputs.add(key, flat, lengths)
+            bar.update(result.rows)
+        if cfg.pack:
+            summary.packed_rows = _write_packed(outputs, packed, cfg, tokenizer)
+        if summary.rows_written == 0:
+            raise DataError(f"input {cfg.input}: every row was skipped ({dict(skip_counts)}); nothing written")
+        summary.outputs = outputs.commit()
+    except BaseException:
+        outputs.discard()
+        raise
+    finally:
+        bar.close()
+    summary.skipped = dict(skip_counts)
+    summary.rows_read += skip_counts[SKIP_MALFORMED]  # lines that never became rows
+    summary.seconds = time.perf_counter() - start
+    return summary
+
+
+def _results(cfg, columns, batches, handler):
+    if cfg.workers <= 1:
+        for batch in batches:
+            yield process_batch(batch, handler, cfg)
+        return
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    with mp.get_context("fork" if sys.platform == "linux" else "spawn").Pool(
+            cfg.workers, initializer=_init_worker, initargs=(cfg, columns)) as pool:
+        yield from pool.imap(process_batch, batches, chunksize=1)
+
+
+def _write_packed(outputs: _Outputs, packed: dict, cfg: DataHandlerConfig, tokenizer) -> int:
+    from posttrain.data.packing import pack_samples
+
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    rows = pack_samples(packed["input_ids"], packed["labels"], cfg.seq_length, pad_id or 0, cfg.neat_pack)
+    for key, seqs in rows.items():
+        if seqs:
+            outputs.add(key, np.concatenate(seqs), np.full(len(seqs), cfg.seq_length))
+    return len(rows["input_ids"])
+
+
+def _output_prefix(cfg: DataHandlerConfig) -> str:
+    prefix = resolve_path(cfg.output_prefix)
+    parent = Path(prefix).parent
+    if not parent.is_dir():
+        try:
+            parent.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise ConfigError(f"output_prefix {prefix}: cannot create the directory {parent}: {err}") from None
+        print(f"created output directory {parent}", file=sys.stderr)
+    return prefix
+
+
+def load_config(config_name: str, config_path: str | None = None, overrides: list[str] | None = None) -> DataHandlerConfig:
+    """``configs/datasets/NAME.yaml`` (or ``config_path``) with dotted ``key=value`` overrides."""
+    from posttrain.config.loader import apply_overrides, normalise_keys, read_yaml, resolve_config_file
+
+    path = resolve_config_file(config_name, config_path, subdir="datasets")
+    data = normalise_keys(read_yaml(path))
+    data = apply_overrides(data, list(overrides or []))
+    return make_config(data, source=str(path))
+
+
+def run(args) -> int:
+    cfg = load_config(args.config_name, args.config_path, args.overrides)
+    summary = preprocess(cfg, strict=getattr(args, "strict", False))
+    print(summary.format())
+    return 0

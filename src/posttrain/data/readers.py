@@ -1,0 +1,146 @@
+"""Raw input: a file, or a directory of json/jsonl/parquet/csv/arrow files (most frequent extension).
+
+Rows come out in batches of ``(row_dict, where)`` pairs, ``where`` being ``file:line`` (JSON Lines) or
+``file:row N``, so that later errors can name the row. JSON Lines are parsed line by line with the
+``json`` module, so that one malformed line is reported (file and line number) and skipped instead
+of failing the whole file; Parquet, CSV and Arrow are read with pyarrow, a JSON array with ``json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator
+
+from posttrain.errors import DataError
+
+FORMATS = {"json": "json", "jsonl": "jsonl", "parquet": "parquet", "arrow": "arrow", "csv": "csv"}
+Row = tuple[dict, str]
+
+
+@dataclass
+class InputFiles:
+    fmt: str
+    paths: list[Path] = field(default_factory=list)
+
+
+def find_input_files(input_path: str | Path) -> InputFiles:
+    """The files to read and their format; a directory uses its most frequent supported extension."""
+    path = Path(input_path)
+    if path.is_file():
+        ext = path.suffix.lstrip(".").lower()
+        if ext not in FORMATS:
+            raise DataError(f"input {path}: unsupported file type '.{ext}'; supported: "
+                            f"{', '.join('.' + e for e in FORMATS)}")
+        return InputFiles(FORMATS[ext], [path])
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lstrip(".").lower() in FORMATS)
+        if not files:
+            raise DataError(f"input {path}: the directory has no {'/'.join(FORMATS)} files")
+        counts = Counter(p.suffix.lstrip(".").lower() for p in files)
+        ext = max(counts, key=lambda e: (counts[e], e))  # ties broken by name, deterministically
+        return InputFiles(FORMATS[ext], [p for p in files if p.suffix.lstrip(".").lower() == ext])
+    raise DataError(f"input {path}: no such file or directory (relative paths are relative to {os.getcwd()})")
+
+
+class RowReader:
+    """Iterate over rows of the input in batches; malformed rows go to ``on_malformed(where, why)``."""
+
+    def __init__(self, input_path: str | Path, batch_size: int = 1000,
+                 on_malformed: Callable[[str, str], None] | None = None):
+        self.files = find_input_files(input_path)
+        self.batch_size = batch_size
+        self.on_malformed = on_malformed or _raise_malformed
+
+    def __iter__(self) -> Iterator[list[Row]]:
+        batch: list[Row] = []
+        for path in self.files.paths:
+            for row in _READERS[self.files.fmt](self, path):
+                batch.append(row)
+                if len(batch) >= self.batch_size:
+                    yield batch
+                    batch = []
+        if batch:
+            yield batch
+
+    def _bad(self, where: str, why: str) -> None:
+        self.on_malformed(where, why)
+
+    # --- formats ---------------------------------------------------------------------
+    def _jsonl(self, path: Path) -> Iterator[Row]:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                where = f"{path}:{lineno}"
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError as err:
+                    self._bad(where, f"malformed JSON ({err.msg} at column {err.colno})")
+                    continue
+                if not isinstance(obj, dict):
+                    self._bad(where, f"expected a JSON object, got {type(obj).__name__}")
+                    continue
+                yield obj, where
+
+    def _json(self, path: Path) -> Iterator[Row]:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            head = f.read(4096).lstrip()
+        if not head.startswith("["):
+            yield from self._jsonl(path)  # many ".json" files are JSON Lines
+            return
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as err:
+            raise DataError(f"{path}:{err.lineno}: malformed JSON array ({err.msg} at column {err.colno}); "
+                            "a JSON array cannot be read past an error, fix the file or convert it to JSON Lines") from None
+        for i, obj in enumerate(data):
+            where = f"{path}:item {i}"
+            if not isinstance(obj, dict):
+                self._bad(where, f"expected a JSON object, got {type(obj).__name__}")
+                continue
+            yield obj, where
+
+    def _record_batches(self, path: Path):
+        import pyarrow as pa
+
+        fmt = self.files.fmt
+        try:
+            if fmt == "parquet":
+                import pyarrow.parquet as pq
+
+                yield from pq.ParquetFile(path).iter_batches(batch_size=self.batch_size)
+            elif fmt == "csv":
+                import pyarrow.csv as pcsv
+
+                yield from pcsv.open_csv(path)
+            else:  # arrow: HF datasets writes the IPC stream format; also accept the file format
+                with pa.memory_map(str(path)) as source:
+                    try:
+                        reader = pa.ipc.open_stream(source)
+                    except pa.ArrowInvalid:
+                        reader = pa.ipc.open_file(source)
+                        for i in range(reader.num_record_batches):
+                            yield reader.get_batch(i)
+                        return
+                    yield from reader
+        except (pa.ArrowInvalid, OSError) as err:
+            raise DataError(f"{path}: cannot read as {fmt}: {err}") from None
+
+    def _columnar(self, path: Path) -> Iterator[Row]:
+        n = 0
+        for batch in self._record_batches(path):
+            for row in batch.to_pylist():
+                yield row, f"{path}:row {n}"
+                n += 1
+
+
+_READERS = {"json": RowReader._json, "jsonl": RowReader._jsonl, "parquet": RowReader._columnar,
+            "csv": RowReader._columnar, "arrow": RowReader._columnar}
+
+
+def _raise_malformed(where: str, why: str) -> None:
+    raise DataError(f"{where}: {why}")
