@@ -1,0 +1,38 @@
+"""Verifiers used by the reward tests (imported by name in worker processes; not a test file)."""
+
+import os
+import time
+
+from posttrain.reward.verifiers import register_verifier
+
+
+@register_verifier("t_sleep")
+def sleepy(response: str, label: str, **kw) -> float:
+    """Sleeps ``float(response)`` seconds, then scores 1.0."""
+    time.sleep(float(response))
+    return 1.0
+
+
+@register_verifier("t_crash")
+def crashy(response: str, label: str, **kw) -> float:
+    """Kills its own process on ``crash``; otherwise 1.0."""
+    if response == "crash":
+        os._exit(3)
+    return 1.0
+
+
+@register_verifier("t_raise")
+def raisy(response: str, label: str, **kw) -> float:
+    raise RuntimeError("boom " + response)
+
+
+@register_verifier("t_pid")
+def pid(response: str, label: str, **kw) -> float:
+    """The worker's process id (to check processes are reused or replaced)."""
+    return float(os.getpid())
+
+
+@register_verifier("t_prompt")
+def prompt_len(response: str, label: str, prompt: str = "", tool_call_num: int = 0) -> float:
+    """len(prompt) + tool_call_num: checks which keyword arguments reach a verifier."""
+    return float(len(prompt) + tool_call_num)
