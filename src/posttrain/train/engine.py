@@ -1,0 +1,229 @@
+"""Training engine: micro/mini-batching, gradient accumulation, clipping, optimizer and LR steps.
+
+The batch layout is described in :mod:`posttrain.train.forward`. ``update`` splits the ``B`` rows
+into mini-batches of ``mini_batch_size`` rows (one optimizer step each) and every mini-batch into
+micro-batches of ``micro_batch_size`` rows (one forward/backward each, gradients accumulated).
+
+A loss function has the signature::
+
+    loss_fn(model, micro_batch: dict[str, Tensor], *, num_tokens, num_seqs) -> (loss, metrics)
+
+``num_tokens`` is the number of valid tokens (``loss_mask_key``, default ``response_mask``) of the
+whole **mini-batch** and ``num_seqs`` its number of rows. A loss normalised by these (as the
+``posttrain.algo`` losses are when given them) makes the accumulated gradient independent of the
+micro-batch size: 1 micro-batch of 8 rows and 8 micro-batches of 1 row give the same step. The
+``metrics`` of the micro-batches are **summed**, so each should be this micro-batch's share of the
+mini-batch value (again what ``posttrain.algo`` returns when given the counts). Ready-made loss
+functions for actor, critic, SFT and DPO are in :mod:`posttrain.train.loss_fns`.
+
+Per optimizer step the engine reports the loss-function metrics plus ``<prefix>/grad_norm``
+(before clipping) and ``<prefix>/lr`` (the rate used for that step); ``prefix`` is ``actor`` by
+default (``critic`` for the value model). A non-finite loss or gradient norm raises
+:class:`NaNLossError` and the optimizer is not stepped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable
+
+import torch
+
+from posttrain.errors import ConfigError, PosttrainError
+from posttrain.train.forward import response_logprobs
+
+LossFn = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
+_DTYPES = {"float32": None, "fp32": None, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+class NaNLossError(PosttrainError):
+    """The loss or the gradient norm is NaN/inf; the optimizer step was skipped."""
+
+
+def _split(rows: torch.Tensor, size: int) -> list[torch.Tensor]:
+    return [rows[i : i + size] for i in range(0, rows.numel(), size)]
+
+
+def _take(batch: dict[str, torch.Tensor], rows: torch.Tensor) -> dict[str, torch.Tensor]:
+    return {key: value[rows] for key, value in batch.items()}
+
+
+def _num_rows(batch: dict[str, torch.Tensor]) -> int:
+    sizes = {key: value.shape[0] for key, value in batch.items()}
+    if len(set(sizes.values())) != 1:
+        raise ConfigError(f"All batch tensors must have the same number of rows; got {sizes}.")
+    return next(iter(sizes.values()))
+
+
+class TrainEngine:
+    """Owns a model, its optimizer and LR schedule; runs forward/backward in micro-batches."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        scheduler=None,
+        *,
+        clip_grad: float = 1.0,
+        micro_batch_size: int = 1,
+        dtype: str = "float32",
+        activation_checkpointing: bool = False,
+        metric_prefix: str = "actor",
+        loss_mask_key: str = "response_mask",
+    ):
+        if dtype not in _DTYPES:
+            raise ConfigError(f"Unsupported training dtype {dtype!r}; known: {', '.join(_DTYPES)}.")
+        if micro_batch_size < 1:
+            raise ConfigError(f"micro_batch_size must be >= 1; got {micro_batch_size}.")
+        self.model = model
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.clip_grad = clip_grad
+        self.micro_batch_size = micro_batch_size
+        self.autocast_dtype = _DTYPES[dtype]
+        self.metric_prefix = metric_prefix
+        self.loss_mask_key = loss_mask_key
+        if activation_checkpointing:
+            self._enable_checkpointing()
+
+    def _enable_checkpointing(self) -> None:
+        if not hasattr(self.model, "gradient_checkpointing_enable"):
+            raise ConfigError(
+                "Activation checkpointing (recompute_granularity) needs a Hugging Face model with "
+                "gradient_checkpointing_enable(); remove the recompute_* keys for this model."
+            )
+        self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """bf16 autocast on the model's device type when ``dtype='bfloat16'``, else a no-op."""
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
+    @torch.no_grad()
+    def compute_logprobs(
+        self,
+        batch: dict[str, torch.Tensor],
+        *,
+        temperature: float = 1.0,
+        micro_batch_size: int | None = None,
+        with_entropy: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Response-token log-probs ``[B, R]`` (0 on padding); with entropy ``[B, R]`` if asked.
+
+        Runs in eval mode (no dropout) without gradients, ``micro_batch_size`` rows at a time.
+        """
+        was_training = self.model.training
+        self.model.eval()
+        rows = torch.arange(_num_rows(batch))
+        logprobs, entropies = [], []
+        try:
+            for chunk in _split(rows, micro_batch_size or self.micro_batch_size):
+                with self.autocast():
+                    lp, ent = response_logprobs(
+                        self.model, _take(batch, chunk), temperature=temperature, with_entropy=with_entropy
+                    )
+                logprobs.append(lp)
+                entropies.append(ent)
+        finally:
+            self.model.train(was_training)
+        if with_entropy:
+            return torch.cat(logprobs), torch.cat(entropies)
+        return torch.cat(logprobs)
+
+    def update(
+        self,
+        batch: dict[str, torch.Tensor],
+        loss_fn: LossFn,
+        *,
+        mini_batch_size: int,
+        epochs: int = 1,
+        shuffle: bool = False,
+        seed: int = 0,
+        micro_batch_size: int | None = None,
+    ) -> list[dict[str, float]]:
+        """``epochs`` passes over ``batch`` in mini-batches; returns one metrics dict per step.
+
+        With ``shuffle`` the rows are permuted (``torch.Generator`` seeded with ``seed + epoch``)
+        before being cut into mini-batches.
+        """
+        assert self.optimizer is not None, "update() needs an optimizer"
+        num_rows = _num_rows(batch)
+        if mini_batch_size < 1 or num_rows % mini_batch_size:
+            raise ConfigError(
+                f"The batch of {num_rows} rows cannot be split into mini-batches of {mini_batch_size} "
+                "rows; make rl_config.mini_batch_size x n_samples_per_prompt divide the batch."
+            )
+        self.model.train()
+        step_metrics = []
+        for epoch in range(epochs):
+            if shuffle:
+                generator = torch.Generator().manual_seed(seed + epoch)
+                order = torch.randperm(num_rows, generator=generator)
+            else:
+                order = torch.arange(num_rows)
+            for rows in _split(order, mini_batch_size):
+                step_metrics.append(self._step(_take(batch, rows), loss_fn, micro_batch_size))
+        return step_metrics
+
+    def _step(self, mini_batch, loss_fn: LossFn, micro_batch_size: int | None) -> dict[str, float]:
+        """One optimizer step over a mini-batch (gradient accumulation over micro-batches)."""
+        num_seqs = _num_rows(mini_batch)
+        mask = mini_batch.get(self.loss_mask_key)
+        num_tokens = None if mask is None else mask.sum().to(torch.float32)
+        self.optimizer.zero_grad(set_to_none=True)
+        totals: dict[str, torch.Tensor] = {}
+        for rows in _split(torch.arange(num_seqs), micro_batch_size or self.micro_batch_size):
+            with self.autocast():
+                loss, metrics = loss_fn(
+                    self.model, _take(mini_batch, rows), num_tokens=num_tokens, num_seqs=num_seqs
+                )
+            if not torch.isfinite(loss):
+                self.optimizer.zero_grad(set_to_none=True)
+                raise NaNLossError(
+                    f"The loss is {loss.item()}; the optimizer step was skipped. Lower the learning "
+                    "rate, train in float32, or check the batch for empty/invalid rows."
+                )
+            loss.backward()
+            for key, value in metrics.items():
+                totals[key] = totals.get(key, 0.0) + value.detach().float()
+        grad_norm = self._clip_gradients()
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.optimizer.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
+        out = {key: float(value) for key, value in totals.items()}
+        out[f"{self.metric_prefix}/grad_norm"] = grad_norm
+        out[f"{self.metric_prefix}/lr"] = lr
+        return out
+
+    def _clip_gradients(self) -> float:
+        """Clip the global gradient norm to ``clip_grad`` (if > 0); returns the norm before clipping."""
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        max_norm = self.clip_grad if self.clip_grad and self.clip_grad > 0 else math.inf
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        if not math.isfinite(grad_norm):
+            self.optimizer.zero_grad(set_to_none=True)
+            raise NaNLossError(
+                f"The gradient norm is {grad_norm}; the optimizer step was skipped. Lower the "
+                "learning rate or train in float32."
+            )
+        return grad_norm
+
+    def state_dict(self) -> dict:
+        """Optimizer and scheduler state (the model weights are saved by the checkpoint module)."""
+        state = {"optimizer": self.optimizer.state_dict() if self.optimizer is not None else None}
+        state["scheduler"] = self.scheduler.state_dict() if self.scheduler is not None else None
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what :meth:`state_dict` returned."""
+        if self.optimizer is not None and state.get("optimizer") is not None:
+            self.optimizer.load_state_dict(state["optimizer"])
+        if self.scheduler is not None and state.get("scheduler") is not None:
+            self.scheduler.load_state_dict(state["scheduler"])

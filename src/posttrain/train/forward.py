@@ -1,0 +1,104 @@
+"""Batch layout and the response-token forward pass shared by training and log-prob computation.
+
+Batch layout (one dict of tensors, first dimension ``B`` rows):
+
+* ``input_ids [B, P + R]`` (int64): the prompt **left**-padded to ``P`` columns, followed by the
+  response **right**-padded to ``R`` columns. Every response therefore starts at column ``P``.
+* ``attention_mask [B, P + R]``: 1 on real (prompt or response) tokens, 0 on padding.
+* ``position_ids [B, P + R]`` (optional): defaults to ``cumsum(attention_mask) - 1`` clamped at 0,
+  so the first real token of every row is at position 0 whatever its left padding.
+* ``response_mask [B, R]``: 1 on the response tokens that count in the loss (usually
+  ``attention_mask[:, P:]``; multi-turn rollouts zero tool-output tokens).
+
+Response token ``t`` of row ``b`` is ``input_ids[b, P + t]`` and its log-prob is read from the
+logits at position ``P + t - 1`` (the seed's ``[prompt_len - 1, prompt_len + resp_len - 1)``
+window). Logits are divided by the sampling temperature (seed section 2.1), so the result equals
+the sampler's log-prob of the same token. When the model accepts ``logits_to_keep`` (HF causal
+LMs), logits are only computed for the last ``R + 1`` positions, not for the prompt.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+from posttrain.algo.logprob import entropy_from_logits, logprobs_from_logits
+
+
+def default_position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
+    """``cumsum(attention_mask) - 1`` clamped at 0: positions count real tokens only."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def response_width(batch: dict[str, torch.Tensor]) -> int:
+    """``R``, the number of response columns (from ``response_mask``)."""
+    return batch["response_mask"].shape[1]
+
+
+def _accepts_logits_to_keep(model: torch.nn.Module) -> bool:
+    cached = getattr(model, "_posttrain_logits_to_keep", None)
+    if cached is None:
+        cached = "logits_to_keep" in inspect.signature(model.forward).parameters
+        model._posttrain_logits_to_keep = cached
+    return cached
+
+
+def _model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    position_ids = batch.get("position_ids")
+    if position_ids is None:
+        position_ids = default_position_ids(batch["attention_mask"])
+    return {
+        "input_ids": batch["input_ids"],
+        "attention_mask": batch["attention_mask"],
+        "position_ids": position_ids,
+    }
+
+
+def response_logits(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Logits predicting each response token: ``[B, R, V]`` (positions ``P-1 .. P+R-2``)."""
+    num_resp = response_width(batch)
+    kwargs = _model_inputs(batch)
+    if _accepts_logits_to_keep(model):
+        kwargs["logits_to_keep"] = num_resp + 1
+    output = model(**kwargs, use_cache=False)
+    logits = output.logits if hasattr(output, "logits") else output
+    return logits[:, -(num_resp + 1) : -1]
+
+
+def response_logprobs(
+    model: torch.nn.Module,
+    batch: dict[str, torch.Tensor],
+    *,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    entropy_grad: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs ``[B, R]`` of the response tokens (0 on padding) and optionally their entropy.
+
+    ``entropy_grad=False`` computes the entropy without building a graph (for a metric only).
+    """
+    num_resp = response_width(batch)
+    logits = response_logits(model, batch)
+    labels = batch["input_ids"][:, -num_resp:]
+    mask = batch["response_mask"].to(torch.float32)
+    logprobs = logprobs_from_logits(logits, labels, temperature) * mask
+    entropy = None
+    if with_entropy:
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            entropy = entropy_from_logits(logits, temperature) * mask
+    return logprobs, entropy
+
+
+def response_values(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Critic values ``[B, R]`` at the same shifted positions as the log-probs (seed 2.4).
+
+    The model returns ``[B, T, 1]`` (or ``[B, T]``) scores, as an object with ``.logits`` or a
+    tensor; values are not temperature-scaled (seed quirk 6).
+    """
+    num_resp = response_width(batch)
+    output = model(**_model_inputs(batch), use_cache=False)
+    scores = output.logits if hasattr(output, "logits") else output
+    if scores.ndim == 3:
+        scores = scores[..., 0]
+    return scores[:, -(num_resp + 1) : -1].float() * batch["response_mask"].to(torch.float32)

@@ -1,0 +1,140 @@
+"""Ready-made loss functions for :meth:`TrainEngine.update`: actor (GRPO/DAPO/PPO), critic, SFT, DPO.
+
+Each factory takes the hyperparameters and returns ``loss_fn(model, micro_batch, *, num_tokens,
+num_seqs) -> (loss, metrics)``. Batch keys (layout in :mod:`posttrain.train.forward`):
+
+* actor: ``input_ids``, ``attention_mask``, ``response_mask``, ``old_logprobs``, ``advantages``,
+  optional ``ref_logprobs`` (GRPO's KL term; used only when ``kl_coef`` is non-zero)
+* critic: ``input_ids``, ``attention_mask``, ``response_mask``, ``values`` (old), ``returns``
+* sft: ``input_ids``, ``attention_mask``, ``response_mask``
+* dpo: ``chosen_*`` and ``rejected_*`` versions of the three model keys, plus per-pair
+  ``ref_chosen_logps [N]`` and ``ref_rejected_logps [N]`` (sums over response tokens under the
+  reference; see :func:`sequence_logps`). Use ``TrainEngine(loss_mask_key="chosen_response_mask")``
+  or any key: DPO normalises by pairs (``num_seqs``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from posttrain.algo.dpo_loss import dpo_loss
+from posttrain.algo.policy_loss import actor_loss
+from posttrain.algo.value_loss import value_loss
+from posttrain.train.forward import response_logprobs, response_values
+
+MODEL_KEYS = ("input_ids", "attention_mask", "position_ids", "response_mask")
+
+
+def make_actor_loss_fn(
+    *,
+    temperature: float = 1.0,
+    entropy_coeff: float = 0.0,
+    kl_coef: float = 0.0,
+    kl_penalty: str = "low_var_kl",
+    loss_agg_mode: str = "token-mean",
+    **policy_kwargs,
+):
+    """GRPO/DAPO/PPO actor loss (:func:`posttrain.algo.policy_loss.actor_loss`).
+
+    The entropy is always reported (``actor/entropy``); it carries gradient only when
+    ``entropy_coeff`` is non-zero (the seed skips it entirely then).
+    """
+
+    def loss_fn(model, micro_batch, *, num_tokens=None, num_seqs=None):
+        logprobs, entropy = response_logprobs(
+            model, micro_batch, temperature=temperature, with_entropy=True, entropy_grad=bool(entropy_coeff)
+        )
+        ref = micro_batch.get("ref_logprobs") if kl_coef else None
+        return actor_loss(
+            logprobs,
+            micro_batch["old_logprobs"],
+            micro_batch["advantages"],
+            micro_batch["response_mask"],
+            entropy=entropy,
+            entropy_coeff=entropy_coeff,
+            ref_logprobs=ref,
+            kl_coef=kl_coef,
+            kl_penalty=kl_penalty,
+            loss_agg_mode=loss_agg_mode,
+            num_tokens=num_tokens,
+            num_seqs=num_seqs,
+            **policy_kwargs,
+        )
+
+    return loss_fn
+
+
+def make_critic_loss_fn(*, cliprange_value: float = 0.5, loss_agg_mode: str = "token-mean"):
+    """PPO clipped value loss (:func:`posttrain.algo.value_loss.value_loss`)."""
+
+    def loss_fn(model, micro_batch, *, num_tokens=None, num_seqs=None):
+        values = response_values(model, micro_batch)
+        return value_loss(
+            values,
+            micro_batch["values"],
+            micro_batch["returns"],
+            micro_batch["response_mask"],
+            cliprange_value=cliprange_value,
+            loss_agg_mode=loss_agg_mode,
+            num_tokens=num_tokens,
+            num_seqs=num_seqs,
+        )
+
+    return loss_fn
+
+
+def make_sft_loss_fn():
+    """Cross-entropy on response tokens, token-mean over the mini-batch. Metric ``sft/loss``."""
+
+    def loss_fn(model, micro_batch, *, num_tokens=None, num_seqs=None):
+        logprobs, _ = response_logprobs(model, micro_batch)
+        mask = micro_batch["response_mask"].to(logprobs.dtype)
+        denom = mask.sum() if num_tokens is None else num_tokens
+        loss = -(logprobs * mask).sum() / torch.clamp(torch.as_tensor(denom, dtype=logprobs.dtype), min=1e-8)
+        return loss, {"sft/loss": loss.detach()}
+
+    return loss_fn
+
+
+def _side(micro_batch, prefix):
+    return {key: micro_batch[f"{prefix}_{key}"] for key in MODEL_KEYS if f"{prefix}_{key}" in micro_batch}
+
+
+def sequence_logps(model, batch, *, average: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row sum (or, with ``average``, mean) of response log-probs, and the per-row mean NLL."""
+    logprobs, _ = response_logprobs(model, batch)
+    count = batch["response_mask"].sum(-1).clamp(min=1).to(logprobs.dtype)
+    total = logprobs.sum(-1)
+    return (total / count if average else total), -total / count
+
+
+def make_dpo_loss_fn(
+    *,
+    beta: float = 0.1,
+    loss_type: str = "sigmoid",
+    label_smoothing: float = 0.0,
+    pref_ftx: float = 0.0,
+):
+    """DPO (:func:`posttrain.algo.dpo_loss.dpo_loss`); ``ipo`` uses length-averaged log-probs.
+
+    The reference log-probs in the batch must be computed the same way (``average`` for ipo).
+    """
+    average = loss_type == "ipo"
+
+    def loss_fn(model, micro_batch, *, num_tokens=None, num_seqs=None):
+        chosen, chosen_nll = sequence_logps(model, _side(micro_batch, "chosen"), average=average)
+        rejected, _ = sequence_logps(model, _side(micro_batch, "rejected"), average=average)
+        return dpo_loss(
+            chosen,
+            rejected,
+            micro_batch["ref_chosen_logps"],
+            micro_batch["ref_rejected_logps"],
+            beta=beta,
+            loss_type=loss_type,
+            label_smoothing=label_smoothing,
+            pref_ftx=pref_ftx,
+            chosen_nll=chosen_nll,
+            num_pairs=num_seqs,
+        )
+
+    return loss_fn
