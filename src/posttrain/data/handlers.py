@@ -25,6 +25,7 @@ class Handler:
     """Base: ``align(row)`` then ``encode_batch(aligned)``; subclasses set the details."""
 
     needed_keys: tuple[str, ...] = ("prompt", "response")
+    uses_template = True  # registered handlers accept any prompt_type
     align_fn = staticmethod(align.align_alpaca)
 
     def __init__(self, cfg, tokenizer, template):
