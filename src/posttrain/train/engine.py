@@ -31,7 +31,7 @@ from collections.abc import Callable
 import torch
 
 from posttrain.errors import ConfigError, PosttrainError
-from posttrain.train.forward import response_logprobs
+from posttrain.train.forward import response_logprobs, response_values
 
 LossFn = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
 _DTYPES = {"float32": None, "fp32": None, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
@@ -88,12 +88,17 @@ class TrainEngine:
             self._enable_checkpointing()
 
     def _enable_checkpointing(self) -> None:
-        if not hasattr(self.model, "gradient_checkpointing_enable"):
+        """HF activation checkpointing (non-reentrant), under its transformers>=5 name if present."""
+        kwargs = {"use_reentrant": False}
+        if hasattr(self.model, "activation_checkpointing_enable"):
+            self.model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        elif hasattr(self.model, "gradient_checkpointing_enable"):
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        else:
             raise ConfigError(
-                "Activation checkpointing (recompute_granularity) needs a Hugging Face model with "
-                "gradient_checkpointing_enable(); remove the recompute_* keys for this model."
+                "Activation checkpointing (recompute_granularity) needs a Hugging Face model; "
+                "remove the recompute_* keys for this model."
             )
-        self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
     @property
     def device(self) -> torch.device:
@@ -106,6 +111,20 @@ class TrainEngine:
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
     @torch.no_grad()
+    def _inference(self, batch, fn, micro_batch_size: int | None) -> list:
+        """``fn(micro_batch)`` in eval mode under autocast, ``micro_batch_size`` rows at a time."""
+        was_training = self.model.training
+        self.model.eval()
+        rows = torch.arange(_num_rows(batch))
+        try:
+            outputs = []
+            for chunk in _split(rows, micro_batch_size or self.micro_batch_size):
+                with self.autocast():
+                    outputs.append(fn(_take(batch, chunk)))
+            return outputs
+        finally:
+            self.model.train(was_training)
+
     def compute_logprobs(
         self,
         batch: dict[str, torch.Tensor],
@@ -118,23 +137,20 @@ class TrainEngine:
 
         Runs in eval mode (no dropout) without gradients, ``micro_batch_size`` rows at a time.
         """
-        was_training = self.model.training
-        self.model.eval()
-        rows = torch.arange(_num_rows(batch))
-        logprobs, entropies = [], []
-        try:
-            for chunk in _split(rows, micro_batch_size or self.micro_batch_size):
-                with self.autocast():
-                    lp, ent = response_logprobs(
-                        self.model, _take(batch, chunk), temperature=temperature, with_entropy=with_entropy
-                    )
-                logprobs.append(lp)
-                entropies.append(ent)
-        finally:
-            self.model.train(was_training)
+        outputs = self._inference(
+            batch,
+            lambda mb: response_logprobs(self.model, mb, temperature=temperature, with_entropy=with_entropy),
+            micro_batch_size,
+        )
+        logprobs = torch.cat([lp for lp, _ in outputs])
         if with_entropy:
-            return torch.cat(logprobs), torch.cat(entropies)
-        return torch.cat(logprobs)
+            return logprobs, torch.cat([ent for _, ent in outputs])
+        return logprobs
+
+    def compute_values(self, batch: dict[str, torch.Tensor], *, micro_batch_size: int | None = None) -> torch.Tensor:
+        """Critic values ``[B, R]`` at the response positions (0 on padding), no gradients."""
+        outputs = self._inference(batch, lambda mb: response_values(self.model, mb), micro_batch_size)
+        return torch.cat(outputs)
 
     def update(
         self,
