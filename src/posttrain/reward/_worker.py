@@ -6,16 +6,24 @@ built-in verifiers already loaded) or once per spawned worker, never per sample.
 Protocol on the duplex pipe, worker side:
   send ("ready",) or ("init_error", text) once at start;
   recv (chunk_id, [(item_id, verifier_index, response, label, kwargs), ...]) or None (exit);
-  send (item_id, score, status, error_text) after every item, then ("done", chunk_id).
+  send ("results", [(item_id, score, status, error_text), ...]) every FLUSH_ITEMS items or
+  FLUSH_S seconds, and ("done", chunk_id, [remaining results]) at the end of the chunk.
+
+Before each item the worker writes ``progress = [item_id, time.monotonic()]`` to shared memory
+(no system call), so the parent knows which item is running and since when without a message
+per item; ``progress[1] = 0`` means idle.
 """
 
 from __future__ import annotations
 
 import math
 import signal
+import time
 import traceback
 
 STATUS_OK, STATUS_TIMEOUT, STATUS_ERROR = 0, 1, 2
+FLUSH_ITEMS = 64
+FLUSH_S = 0.05
 
 try:  # warm imports: done once in the forkserver or the spawned worker
     import posttrain.reward.verifiers as _registry
@@ -60,7 +68,7 @@ def score_item(spec, response: str, label: str, kwargs: dict) -> tuple[float, in
     return score, STATUS_OK, ""
 
 
-def worker_main(conn, specs, modules, mv_timeout, memory_limit_mb) -> None:
+def worker_main(conn, progress, specs, modules, mv_timeout, memory_limit_mb) -> None:
     """Entry point of one worker process: score chunks until told to stop or the pipe closes."""
     try:
         _init(specs, modules, mv_timeout, memory_limit_mb)
@@ -76,7 +84,14 @@ def worker_main(conn, specs, modules, mv_timeout, memory_limit_mb) -> None:
         if msg is None:
             return
         chunk_id, items = msg
+        buf, last_flush = [], time.monotonic()
         for item_id, vi, response, label, kwargs in items:
-            score, status, err = score_item(specs[vi], response, label, kwargs)
-            conn.send((item_id, score, status, err))
-        conn.send(("done", chunk_id))
+            progress[1] = 0.0  # mark 'changing' so the parent never pairs an id with a stale time
+            progress[0], progress[1] = item_id, time.monotonic()
+            buf.append((item_id, *score_item(specs[vi], response, label, kwargs)))
+            now = time.monotonic()
+            if len(buf) >= FLUSH_ITEMS or now - last_flush >= FLUSH_S:
+                conn.send(("results", buf))
+                buf, last_flush = [], now
+        progress[1] = 0.0
+        conn.send(("done", chunk_id, buf))
