@@ -143,6 +143,29 @@ def _write_tracker(save_dir: Path, iteration: int) -> None:
     _fsync_dir(save_dir)
 
 
+def _publish(tmp: Path, target: Path, aside: Path, save_dir: Path, iteration: int) -> None:
+    """Rename ``tmp`` to ``target`` and update the tracker; on failure restore the old state.
+
+    Re-saving an existing iteration moves the old directory aside first and deletes it only
+    once the tracker is written.
+    """
+    had_old = target.exists()
+    if had_old:
+        os.rename(target, aside)
+    try:
+        os.rename(tmp, target)
+        _fsync_dir(save_dir)
+        _write_tracker(save_dir, iteration)
+    except BaseException:
+        if target.exists() and not tmp.exists():
+            shutil.rmtree(target, ignore_errors=True)
+        if had_old:
+            os.rename(aside, target)
+        raise
+    if had_old:
+        shutil.rmtree(aside, ignore_errors=True)
+
+
 def _remove_stale_temps(save_dir: Path) -> None:
     """Remove temporary dirs left by a save that was killed (single writer per save dir)."""
     for path in save_dir.glob(".iter_*.tmp*"):
@@ -183,24 +206,12 @@ def save_checkpoint(save_dir: str | Path, iteration: int, model: Any, optimizer:
     except OSError as err:
         raise CheckpointError(f"cannot create the checkpoint directory {save_dir}: {err}") from err
     previous = _previous(save_dir)
-    replaced = None
+    aside = save_dir / f".{target.name}.tmp-old-{os.getpid()}"
     try:
         _write_checkpoint(tmp, iteration, model, optimizer, scheduler, tokenizer, generator,
                           sampler_state, trainer_state, extra or {}, save_optim, save_rng)
         _fsync_tree(tmp)
-        if target.exists():  # re-saving the same iteration: move the old one aside first
-            replaced = save_dir / f".{target.name}.tmp-old-{os.getpid()}"
-            os.rename(target, replaced)
-        os.rename(tmp, target)
-        _fsync_dir(save_dir)
-        try:
-            _write_tracker(save_dir, iteration)
-        except BaseException:
-            shutil.rmtree(target, ignore_errors=True)
-            if replaced is not None:
-                os.rename(replaced, target)
-                replaced = None
-            raise
+        _publish(tmp, target, aside, save_dir, iteration)
     except BaseException as err:
         shutil.rmtree(tmp, ignore_errors=True)
         if not isinstance(err, (OSError, RuntimeError, ValueError, pickle.PicklingError)):
@@ -208,9 +219,6 @@ def save_checkpoint(save_dir: str | Path, iteration: int, model: Any, optimizer:
         kept = f"the previous checkpoint {previous} is intact" if previous else "nothing was saved"
         raise CheckpointError(f"saving checkpoint iteration {iteration} to {target} failed: "
                               f"{err}; {kept}. Free disk space or change `save`.") from err
-    finally:
-        if replaced is not None:
-            shutil.rmtree(replaced, ignore_errors=True)
     if keep_last:
         prune_checkpoints(save_dir, keep_last)
     return target
