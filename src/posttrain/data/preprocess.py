@@ -40,7 +40,8 @@ class PreprocessSummary:
     skipped: dict[str, int] = field(default_factory=dict)
     outputs: dict[str, str] = field(default_factory=dict)  # key -> path prefix (no .bin/.idx)
     packed_rows: int | None = None
-    seconds: float = 0.0
+    seconds: float = 0.0  # reading, tokenising and writing (not imports and tokenizer loading)
+    setup_seconds: float = 0.0
 
     @property
     def rows_skipped(self) -> int:
@@ -49,7 +50,8 @@ class PreprocessSummary:
     def format(self) -> str:
         rate = self.rows_read / self.seconds if self.seconds > 0 else 0.0
         lines = [f"rows read: {self.rows_read}, rows written: {self.rows_written}, "
-                 f"rows skipped: {self.rows_skipped} ({self.seconds:.1f} s, {rate:.0f} rows/s)"]
+                 f"rows skipped: {self.rows_skipped} ({self.seconds:.1f} s, {rate:.0f} rows/s; "
+                 f"setup {self.setup_seconds:.1f} s)"]
         for reason, n in sorted(self.skipped.items()):
             lines.append(f"  skipped ({reason}): {n}")
         if self.packed_rows is not None:
@@ -226,6 +228,8 @@ def preprocess(config: dict | DataHandlerConfig, strict: bool = False, progress:
     prefix = _output_prefix(cfg)
     outputs = _Outputs(prefix, handler.output_keys())
     bar = _Progress(progress, cfg.log_interval)
+    summary.setup_seconds = time.perf_counter() - start
+    start = time.perf_counter()
     packed: dict[str, list[np.ndarray]] = {"input_ids": [], "labels": []}
     try:
         for result in _results(cfg, columns, chain([first], reader), handler):

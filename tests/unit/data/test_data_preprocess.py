@@ -250,3 +250,9 @@ def test_cli_with_overrides(tmp_path, tok_dir, capsys):
     assert main(["preprocess", "--config-name", "demo_chain_sum", "input=/nonexistent.jsonl",
                  f"tokenizer_name_or_path={tok_dir}", f"output_prefix={tmp_path / 'x'}"]) == 2
     assert "no such file or directory" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["deepscaler", "math_17k", "orca_rlhf", "demo_chain_sum", "demo_chain_sum_sft"])
+def test_shipped_dataset_configs_validate(name):
+    cfg = pp.load_config(name, overrides=["tokenizer_name_or_path=some/dir", "workers=2"])
+    assert cfg.workers == 2 and cfg.tokenizer_name_or_path == "some/dir" and cfg.map_keys["prompt"]
