@@ -1,7 +1,8 @@
 """The verifier worker process (see :mod:`posttrain.reward.pool`).
 
-Imported once by the forkserver (so forked workers start with math-verify, sympy and the
-built-in verifiers already loaded) or once per spawned worker, never per sample.
+The forkserver preloads :mod:`posttrain.reward._preload`, so forked workers start with
+math-verify, sympy and the built-in verifiers already imported; a spawned worker imports them
+once in :func:`_init`, never per sample.
 
 Protocol on the duplex pipe, worker side:
   send ("ready",) or ("init_error", text) once at start;
@@ -25,13 +26,6 @@ STATUS_OK, STATUS_TIMEOUT, STATUS_ERROR = 0, 1, 2
 FLUSH_ITEMS = 64
 FLUSH_S = 0.05
 
-try:  # warm imports: done once in the forkserver or the spawned worker
-    import posttrain.reward.verifiers as _registry
-    _registry.known_verifiers()
-    from posttrain.reward.verifiers.equiv import _mv
-    _mv()
-except Exception:  # pragma: no cover - surfaced by worker_main's own import below
-    pass
 
 
 def _limit_memory(limit_mb: int) -> None:
@@ -49,6 +43,8 @@ def _init(specs, modules, mv_timeout, memory_limit_mb) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's business
     from posttrain.reward.verifiers import import_verifier_modules
     from posttrain.reward.verifiers.equiv import set_math_verify_timeout
+
+    import posttrain.reward._preload  # noqa: F401  (no-op when the forkserver preloaded it)
 
     import_verifier_modules(list(modules))
     set_math_verify_timeout(mv_timeout)

@@ -39,7 +39,7 @@ _POLL_S = 1.0
 def _default_context() -> mp.context.BaseContext:
     if "forkserver" in mp.get_all_start_methods():
         ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["posttrain.reward._worker"])
+        ctx.set_forkserver_preload(["posttrain.reward._preload", "posttrain.reward._worker"])
         return ctx
     return mp.get_context("spawn")
 
