@@ -72,15 +72,29 @@ def _as_rows(values: Any, count: int, column: str) -> list[torch.Tensor]:
     return out
 
 
-def pad_rows(rows: Sequence[torch.Tensor], pad_value: float = 0) -> torch.Tensor:
-    """Stack variable-length 1-D rows into a right-padded ``[B, T_max]`` tensor."""
+LENGTH_COLUMNS = ("prompt_length", "response_length", "input_ids_length")
+
+
+def pad_rows(rows: Sequence[torch.Tensor], pad_value: float = 0, multiple: int = 1) -> torch.Tensor:
+    """Stack variable-length 1-D rows into a right-padded ``[B, T]`` tensor.
+
+    ``T`` is the longest row rounded up to a multiple of ``multiple`` (e.g. the TP size).
+    """
     if not rows:
         return torch.empty(0, 0)
     width = max(int(r.numel()) for r in rows)
+    width = (width + multiple - 1) // multiple * multiple
     out = torch.full((len(rows), width), pad_value, dtype=rows[0].dtype)
     for i, row in enumerate(rows):
         out[i, : row.numel()] = row
     return out
+
+
+def _pad_column(column: str, rows: list[torch.Tensor], pad_id: int, multiple: int) -> torch.Tensor:
+    if column in LENGTH_COLUMNS:
+        return torch.cat(rows).reshape(-1, 1)
+    value = 0.0 if rows and rows[0].is_floating_point() else pad_id
+    return pad_rows(rows, value, multiple)
 
 
 class TransferDock:
@@ -143,6 +157,8 @@ class TransferDock:
         if len(column_names) != len(tensors):
             raise TransferDockError(f"put experience ERROR: {len(column_names)} column names "
                                     f"for {len(tensors)} tensors")
+        if not len(indexes):
+            raise TransferDockError("put experience into TD without indexes, indexes must be provided")
         idx = self._check_indexes(indexes)
         for col, values in zip(column_names, tensors):
             if col not in self._data:
@@ -154,7 +170,8 @@ class TransferDock:
                 ready[i] = True
 
     def put_experience(self, data: Mapping[str, Any], indexes: Sequence[int]) -> None:
-        """``put`` with a ``{column: rows}`` mapping (the seed's call shape)."""
+        """``put`` with a ``{column: rows}`` mapping (the seed's call shape); None values are skipped."""
+        data = {k: v for k, v in data.items() if v is not None}
         self.put(list(data), indexes, list(data.values()))
 
     def put_prompts(self, data: Mapping[str, Any], first_prompt: int = 0) -> list[int]:
@@ -179,7 +196,7 @@ class TransferDock:
     # ------------------------------------------------------------------ reads
     def get(self, consumer: str, column_names: Sequence[str], experience_count: int | None = None,
             *, indexes: Sequence[int] | None = None, get_n_samples: bool = False,
-            pad: bool = False, pad_value: float = 0,
+            pad: bool = False, pad_id: int = 0, multiple: int = 1,
             ) -> tuple[dict[str, Any] | None, list[int] | None]:
         """Read rows for ``consumer``; they are marked consumed for this consumer only.
 
@@ -188,7 +205,9 @@ class TransferDock:
         eligible, returns ``(None, None)`` (the caller runs the producer first or stops).
         With ``indexes``, exactly those rows are read; they must be ready.
 
-        Returns ``({column: list of 1-D tensors, or a [B, T_max] tensor if pad}, indexes)``.
+        Returns ``({column: list of 1-D tensors}, indexes)``. With ``pad`` each column is one
+        tensor instead, like the seed's output: length columns ``[B, 1]``; float columns
+        right-padded with 0.0 and integer columns with ``pad_id``, to a multiple of ``multiple``.
         """
         self._check_consumer(consumer)
         self._check_columns(column_names)
@@ -208,7 +227,7 @@ class TransferDock:
         self._consumed[consumer][chosen] = True
         batch = {c: [self._data[c][i] for i in chosen] for c in column_names}
         if pad:
-            batch = {c: pad_rows(rows, pad_value) for c, rows in batch.items()}
+            batch = {c: _pad_column(c, rows, pad_id, multiple) for c, rows in batch.items()}
         return batch, chosen
 
     def get_experience(self, consumer: str, column_names: Sequence[str],
@@ -265,10 +284,11 @@ class TransferDock:
     # ------------------------------------------------------------------ checks
     def _check_indexes(self, indexes: Sequence[int]) -> list[int]:
         out = [int(i) for i in indexes]
-        for i in out:
-            if i < 0 or i >= self.max_len:
-                raise TransferDockError(f"Put experience index {i} exceeds the Transfer Dock range "
-                                        f"{self.max_len}.")
+        if out and max(out) >= self.max_len:
+            raise TransferDockError(f"Put experience index {max(out)} exceeds the Transfer Dock range "
+                                    f"{self.max_len}.")
+        if out and min(out) < 0:
+            raise TransferDockError(f"experience index {min(out)} is negative; rows are 0..{self.max_len - 1}")
         return out
 
     def _check_columns(self, column_names: Sequence[str]) -> None:

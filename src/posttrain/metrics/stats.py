@@ -63,6 +63,14 @@ def score_metrics(rm_scores: Any, algorithm: str = "grpo") -> dict[str, float]:
     return stat_metrics(f"{algorithm}/score", per_row(rm_scores))
 
 
+def data_metrics(rm_scores: Any, response_length: Any, prompt_length: Any, *,
+                 algorithm: str = "grpo", max_response_length: int | None = None) -> dict[str, float]:
+    """The per-iteration data block: ``{algorithm}/score/*``, ``response_length/*``, ``prompt_length/*``."""
+    return {**score_metrics(rm_scores, algorithm),
+            **response_length_metrics(response_length, max_response_length),
+            **prompt_length_metrics(prompt_length)}
+
+
 def verifier_reward_metrics(rewards: Mapping[str, Sequence[float]]) -> dict[str, float]:
     """``{verifier}_rewards/mean`` = mean over samples of each verifier's score."""
     out = {}

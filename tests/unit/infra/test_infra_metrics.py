@@ -7,7 +7,8 @@ import types
 import pytest
 import torch
 
-from posttrain.metrics import (MetricAccumulator, MetricsLogger, Timers, compute_tps, format_line,
+from posttrain.metrics import (MetricAccumulator, MetricsLogger, Timers, compute_tps, data_metrics,
+                               format_line,
                                non_overlap_timings, plot_metrics, prompt_length_metrics,
                                response_length_metrics, score_metrics, sort_metrics, stat_metrics,
                                verifier_reward_metrics)
@@ -100,6 +101,9 @@ def test_length_and_score_metrics_from_dock_rows():
     assert stat_metrics("critic/advantages", adv, mask) == {
         "critic/advantages/mean": 2.0, "critic/advantages/max": 3.0, "critic/advantages/min": 1.0}
     assert verifier_reward_metrics({"acc": [1, 0, 1, 1]}) == {"acc_rewards/mean": 0.75}
+    block = data_metrics(scores, resp[:3], [torch.tensor([2])] * 3, max_response_length=8)
+    assert block["grpo/score/max"] == 1.0 and block["response_length/mean"] == 6.0
+    assert block["response_length/clip_ratio"] == pytest.approx(1 / 3) and block["prompt_length/min"] == 2.0
 
 
 def test_tps_formulas():

@@ -73,11 +73,17 @@ def test_put_prompts_repeats_each_prompt_n_times():
 
 
 def test_padded_get_and_explicit_indexes():
-    td = _dock(guarantee_order=True)
-    td.put(["responses"], [0, 1], [[torch.tensor([1, 2, 3]), torch.tensor([4])]])
-    batch, idx = td.get("actor_train", ["responses"], indexes=[1, 0], pad=True, pad_value=-1)
+    td = TransferDock(8, ["responses", "response_length", "old_log_prob"], ["actor_train"],
+                      guarantee_order=True)
+    td.put_experience({"responses": [torch.tensor([1, 2, 3]), torch.tensor([4])],
+                       "response_length": torch.tensor([3, 1]),
+                       "old_log_prob": [torch.tensor([-0.5, -1.0, -2.0]), torch.tensor([-3.0])]}, [0, 1])
+    batch, idx = td.get("actor_train", ["responses", "response_length", "old_log_prob"],
+                        indexes=[1, 0], pad=True, pad_id=-1, multiple=2)
     assert idx == [1, 0]
-    assert batch["responses"].tolist() == [[4, -1, -1], [1, 2, 3]]
+    assert batch["responses"].tolist() == [[4, -1, -1, -1], [1, 2, 3, -1]]
+    assert batch["response_length"].tolist() == [[1], [3]]
+    assert batch["old_log_prob"].tolist() == [[-3.0, 0.0, 0.0, 0.0], [-0.5, -1.0, -2.0, 0.0]]
     with pytest.raises(TransferDockError, match="not ready"):
         td.get("actor_train", ["responses"], indexes=[2])
     assert pad_rows([torch.tensor([1.0]), torch.tensor([2.0, 3.0])]).tolist() == [[1, 0], [2, 3]]
@@ -95,8 +101,10 @@ def test_clear_resets_data_readiness_and_consumption():
 @pytest.mark.parametrize("call,message", [
     (lambda td: td.put(["nope"], [0], [[1]]),
      r"put experience ERROR: nope not in TD experience_column \['prompts'"),
-    (lambda td: td.put(["responses"], [8], [[1]]),
-     r"Put experience index 8 exceeds the Transfer Dock range 8\."),
+    (lambda td: td.put(["responses"], [9, 3], [[1, 2]]),
+     r"Put experience index 9 exceeds the Transfer Dock range 8\."),
+    (lambda td: td.put(["responses"], [], [[]]),
+     r"put experience into TD without indexes, indexes must be provided"),
     (lambda td: td.get("rule_reward", ["responses"], 16), r"TD max_len: 8 need >= experience_count: 16"),
     (lambda td: td.get("rule_reward", ["responses"], 3), r"TD max_len:8 need be divisible by experience_count: 3"),
     (lambda td: td.get("nobody", ["responses"], 2), r"nobody not in TD experience_consumers"),
