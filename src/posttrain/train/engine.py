@@ -20,6 +20,11 @@ Per optimizer step the engine reports the loss-function metrics plus ``<prefix>/
 (before clipping) and ``<prefix>/lr`` (the rate used for that step); ``prefix`` is ``actor`` by
 default (``critic`` for the value model). A non-finite loss or gradient norm raises
 :class:`NaNLossError` and the optimizer is not stepped.
+
+Data parallel: when torch.distributed is initialised, each rank passes its own rows; the counts
+are summed over ``dp_group`` (default: the world), the loss is scaled by the world size to undo
+DDP/FSDP gradient averaging, and the metrics are summed over ranks (see ``train/parallel.py``).
+The model must already be wrapped (DDP or FSDP2) by the caller.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import torch
 
 from posttrain.errors import ConfigError, PosttrainError
 from posttrain.train.forward import response_logprobs, response_values
+from posttrain.train.parallel import dp_world_size, global_counts, maybe_no_sync, reduce_metric_totals
 
 LossFn = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
 _DTYPES = {"float32": None, "fp32": None, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
@@ -71,6 +77,7 @@ class TrainEngine:
         activation_checkpointing: bool = False,
         metric_prefix: str = "actor",
         loss_mask_key: str = "response_mask",
+        dp_group=None,
     ):
         if dtype not in _DTYPES:
             raise ConfigError(f"Unsupported training dtype {dtype!r}; known: {', '.join(_DTYPES)}.")
@@ -84,6 +91,7 @@ class TrainEngine:
         self.autocast_dtype = _DTYPES[dtype]
         self.metric_prefix = metric_prefix
         self.loss_mask_key = loss_mask_key
+        self.dp_group = dp_group
         if activation_checkpointing:
             self._enable_checkpointing()
 
@@ -189,23 +197,27 @@ class TrainEngine:
 
     def _step(self, mini_batch, loss_fn: LossFn, micro_batch_size: int | None) -> dict[str, float]:
         """One optimizer step over a mini-batch (gradient accumulation over micro-batches)."""
-        num_seqs = _num_rows(mini_batch)
+        local_rows = _num_rows(mini_batch)
         mask = mini_batch.get(self.loss_mask_key)
         num_tokens = None if mask is None else mask.sum().to(torch.float32)
+        num_tokens, num_seqs = global_counts(num_tokens, local_rows, self.device, self.dp_group)
+        loss_scale = dp_world_size(self.dp_group)  # DDP/FSDP average gradients over ranks
         self.optimizer.zero_grad(set_to_none=True)
         totals: dict[str, torch.Tensor] = {}
-        for rows in _split(torch.arange(num_seqs), micro_batch_size or self.micro_batch_size):
-            with self.autocast():
-                loss, metrics = loss_fn(
-                    self.model, _take(mini_batch, rows), num_tokens=num_tokens, num_seqs=num_seqs
-                )
-            if not torch.isfinite(loss):
-                self.optimizer.zero_grad(set_to_none=True)
-                raise NaNLossError(
-                    f"The loss is {loss.item()}; the optimizer step was skipped. Lower the learning "
-                    "rate, train in float32, or check the batch for empty/invalid rows."
-                )
-            loss.backward()
+        chunks = _split(torch.arange(local_rows), micro_batch_size or self.micro_batch_size)
+        for i, rows in enumerate(chunks):
+            with maybe_no_sync(self.model, i < len(chunks) - 1):
+                with self.autocast():
+                    loss, metrics = loss_fn(
+                        self.model, _take(mini_batch, rows), num_tokens=num_tokens, num_seqs=num_seqs
+                    )
+                if not torch.isfinite(loss):
+                    self.optimizer.zero_grad(set_to_none=True)
+                    raise NaNLossError(
+                        f"The loss is {loss.item()}; the optimizer step was skipped. Lower the learning "
+                        "rate, train in float32, or check the batch for empty/invalid rows."
+                    )
+                (loss * loss_scale if loss_scale > 1 else loss).backward()
             for key, value in metrics.items():
                 totals[key] = totals.get(key, 0.0) + value.detach().float()
         grad_norm = self._clip_gradients()
@@ -213,7 +225,7 @@ class TrainEngine:
         self.optimizer.step()
         if self.scheduler is not None:
             self.scheduler.step()
-        out = {key: float(value) for key, value in totals.items()}
+        out = reduce_metric_totals(totals, self.dp_group)
         out[f"{self.metric_prefix}/grad_norm"] = grad_norm
         out[f"{self.metric_prefix}/lr"] = lr
         return out

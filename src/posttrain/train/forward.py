@@ -39,7 +39,8 @@ def response_width(batch: dict[str, torch.Tensor]) -> int:
 def _accepts_logits_to_keep(model: torch.nn.Module) -> bool:
     cached = getattr(model, "_posttrain_logits_to_keep", None)
     if cached is None:
-        cached = "logits_to_keep" in inspect.signature(model.forward).parameters
+        inner = getattr(model, "module", model)  # DDP wraps the HF model in .module
+        cached = "logits_to_keep" in inspect.signature(inner.forward).parameters
         model._posttrain_logits_to_keep = cached
     return cached
 
