@@ -197,6 +197,7 @@ class TransferDock:
     def get(self, consumer: str, column_names: Sequence[str], experience_count: int | None = None,
             *, indexes: Sequence[int] | None = None, get_n_samples: bool = False,
             pad: bool = False, pad_id: int = 0, multiple: int = 1,
+            dp_rank: int | None = None, dp_size: int = 1,
             ) -> tuple[dict[str, Any] | None, list[int] | None]:
         """Read rows for ``consumer``; they are marked consumed for this consumer only.
 
@@ -204,6 +205,8 @@ class TransferDock:
         every column of ``column_names`` and not yet consumed by ``consumer``; if fewer are
         eligible, returns ``(None, None)`` (the caller runs the producer first or stops).
         With ``indexes``, exactly those rows are read; they must be ready.
+        With ``dp_rank``, only rows ``[dp_rank*B, (dp_rank+1)*B)``, ``B = max_len // dp_size``,
+        are candidates (the seed's per-DP ranges under ``guarantee_order``).
 
         Returns ``({column: list of 1-D tensors}, indexes)``. With ``pad`` each column is one
         tensor instead, like the seed's output: length columns ``[B, 1]``; float columns
@@ -221,7 +224,8 @@ class TransferDock:
             if experience_count is None:
                 raise TransferDockError("get experience ERROR: give experience_count or indexes")
             self._check_experience_count(experience_count, get_n_samples)
-            chosen = self._choose(consumer, column_names, experience_count, get_n_samples)
+            chosen = self._choose(consumer, column_names, experience_count, get_n_samples,
+                                  self._dp_range(dp_rank, dp_size))
             if chosen is None:
                 return None, None
         self._consumed[consumer][chosen] = True
@@ -241,9 +245,21 @@ class TransferDock:
             mask &= self._ready[col]
         return mask
 
+    def _dp_range(self, dp_rank: int | None, dp_size: int) -> range:
+        if dp_rank is None:
+            return range(self.max_len)
+        if dp_size <= 0 or self.max_len % dp_size or not 0 <= dp_rank < dp_size:
+            raise TransferDockError(f"dp_rank {dp_rank} / dp_size {dp_size}: dp_size must divide "
+                                    f"TD max_len {self.max_len} and 0 <= dp_rank < dp_size")
+        size = self.max_len // dp_size
+        return range(dp_rank * size, (dp_rank + 1) * size)
+
     def _choose(self, consumer: str, column_names: Sequence[str], count: int,
-                get_n_samples: bool) -> list[int] | None:
+                get_n_samples: bool, rows: range) -> list[int] | None:
         mask = self._eligible(consumer, column_names)
+        outside = np.ones(self.max_len, dtype=bool)
+        outside[rows.start:rows.stop] = False
+        mask[outside] = False
         if get_n_samples:
             n = self.n_samples_per_prompt
             groups = np.flatnonzero(mask.reshape(-1, n).all(axis=1))

@@ -133,3 +133,14 @@ def test_extra_columns_and_consumers():
     assert td.is_ready("values", 0) and not td.is_ready("values", 1)
     batch, _ = td.get("critic_train", ["values"], indexes=[0])
     assert batch["values"][0].tolist() == [0.5, 0.25]
+
+
+def test_dp_rank_reads_only_its_range():
+    td = _dock(n=2, guarantee_order=True)
+    td.put(["responses"], range(8), [torch.zeros(8, 1)])
+    assert td.get("rule_reward", ["responses"], 2, dp_rank=1, dp_size=2)[1] == [4, 5]
+    assert td.get("rule_reward", ["responses"], 2, dp_rank=1, dp_size=2)[1] == [6, 7]
+    assert td.get("rule_reward", ["responses"], 2, dp_rank=1, dp_size=2) == (None, None)
+    assert td.get("rule_reward", ["responses"], 4, dp_rank=0, dp_size=2, get_n_samples=True)[1] == [0, 1, 2, 3]
+    with pytest.raises(TransferDockError, match="dp_size must divide"):
+        td.get("actor_train", ["responses"], 2, dp_rank=0, dp_size=3)
