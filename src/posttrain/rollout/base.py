@@ -1,0 +1,118 @@
+"""The rollout interface: sampling parameters, per-sample outputs, the engine protocol, the registry.
+
+Engines take prompt token ids and return response token ids; they never re-tokenise text.
+``generate`` returns, for each prompt, its ``n`` samples::
+
+    engine.generate([[1, 2, 3], [4, 5]], n=8, sampling=SamplingParams(seed=0))
+    # -> [[RolloutOutput x 8], [RolloutOutput x 8]]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from dataclasses import dataclass, field
+from typing import Any, Callable, Literal, Protocol, runtime_checkable
+
+from posttrain.errors import ConfigError
+
+FinishReason = Literal["stop", "length"]
+
+
+@dataclass
+class SamplingParams:
+    """The seed's ``generate_config.sampling_config`` (defaults identical to the seed).
+
+    - ``temperature``: logits are divided by it; ``0`` means greedy (argmax).
+    - ``top_k``: keep the k most likely tokens; ``-1`` (or ``0``) turns it off.
+    - ``top_p``: keep the smallest set of tokens whose probability reaches ``top_p``; ``1.0`` is off.
+    - ``min_p``: drop tokens with ``p < min_p * max_p``; ``0.0`` is off.
+    - ``max_tokens``: the most response tokens per sample (finish reason ``"length"``).
+    - ``seed``: seeds the sampler's generator; ``None`` draws from torch's global generator.
+    - ``logprobs``: kept for compatibility with the seed; the engines always return the logprob of
+      the sampled token (``logprobs >= 1``); top-N alternatives are not returned.
+    - ``detokenize``: kept for compatibility; engines return token ids only.
+    """
+
+    logprobs: int = 1
+    max_tokens: int = 128
+    top_p: float = 1.0
+    top_k: int = 50
+    min_p: float = 0.0
+    temperature: float = 0.2
+    seed: int | None = None
+    detokenize: bool = False
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ConfigError naming the ``sampling_config`` key that is out of range."""
+        checks = [
+            ("max_tokens", self.max_tokens >= 1, "an integer >= 1"),
+            ("temperature", self.temperature >= 0, "a number >= 0 (0 means greedy)"),
+            ("top_p", 0 < self.top_p <= 1, "a number in (0, 1]"),
+            ("top_k", self.top_k == -1 or self.top_k >= 0, "-1 (off) or an integer >= 0"),
+            ("min_p", 0 <= self.min_p <= 1, "a number in [0, 1]"),
+            ("logprobs", self.logprobs is None or self.logprobs >= 0, "an integer >= 0"),
+        ]
+        for key, ok, want in checks:
+            if not ok:
+                raise ConfigError(f"generate_config.sampling_config.{key}={getattr(self, key)!r}: must be {want}.")
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any] | None) -> "SamplingParams":
+        """Build from a ``sampling_config`` dict; unknown keys raise ConfigError listing the known ones."""
+        config = dict(config or {})
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(config) - known)
+        if unknown:
+            raise ConfigError(f"generate_config.sampling_config: unknown key(s) {unknown}; "
+                              f"known keys are {sorted(known)}.")
+        return cls(**config)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass
+class RolloutOutput:
+    """One sample: response token ids (stop token included when it ended the sample), the logprob
+    of each token under the sampling distribution after temperature, and why it ended."""
+
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: FinishReason = "length"
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """What the trainer calls. Outer list: prompts, in order; inner list: that prompt's n samples."""
+
+    def generate(self, prompt_token_ids: list[list[int]], n: int, sampling: SamplingParams,
+                 stop_token_ids: list[int] | None = None) -> list[list[RolloutOutput]]:
+        ...
+
+
+# name -> "module:attribute"; modules are imported on use so vllm stays lazy.
+_ENGINES: dict[str, str] = {
+    "native": "posttrain.rollout.native:NativeEngine",
+    "vllm": "posttrain.rollout.vllm_engine:VLLMEngine",
+}
+
+
+def register_engine(name: str, target: str | Callable[..., RolloutEngine]) -> None:
+    """Register an engine factory (a callable, or a ``"module:attr"`` string imported on use)."""
+    _ENGINES[name] = target  # type: ignore[assignment]
+
+
+def get_engine(name: str, **kwargs: Any) -> RolloutEngine:
+    """Build the engine registered as ``name``; an unknown name raises ConfigError listing the known ones."""
+    if name not in _ENGINES:
+        raise ConfigError(f"unknown rollout engine {name!r}; known engines: {sorted(_ENGINES)}.")
+    target = _ENGINES[name]
+    if isinstance(target, str):
+        module, attr = target.split(":")
+        target = getattr(importlib.import_module(module), attr)
+    return target(**kwargs)

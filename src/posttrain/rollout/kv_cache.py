@@ -1,0 +1,103 @@
+"""KV caches for the native engine, on Hugging Face's ``Cache`` API.
+
+``SlabLayer`` preallocates one [B, H, capacity, D] buffer per key/value and writes each step's
+keys/values in place, so a decode step costs no copy of the cache (``DynamicLayer`` concatenates,
+copying the whole cache every step). Models with sliding-window or linear-attention layers fall
+back to ``DynamicCache``. ``select_rows`` keeps/repeats batch rows (expanding a prompt to its n
+samples, dropping finished rows); ``concat_caches`` joins prefill chunks of equal length.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
+
+
+class SlabLayer(DynamicLayer):
+    """A full-attention cache layer with a preallocated sequence capacity."""
+
+    def __init__(self, capacity: int, **kwargs):
+        super().__init__(**kwargs)
+        self.capacity = capacity
+        self.length = 0
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device = key_states.device
+        batch, heads, _, dim = key_states.shape
+        self.key_buf = key_states.new_empty((batch, heads, self.capacity, dim))
+        self.value_buf = value_states.new_empty((batch, value_states.shape[1], self.capacity, value_states.shape[3]))
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        end = self.length + key_states.shape[-2]
+        assert end <= self.capacity, "SlabLayer capacity exceeded"
+        self.key_buf[:, :, self.length:end] = key_states
+        self.value_buf[:, :, self.length:end] = value_states
+        self.length = end
+        self._refresh_views()
+        return self.keys, self.values
+
+    def _refresh_views(self) -> None:
+        self.keys = self.key_buf[:, :, :self.length]
+        self.values = self.value_buf[:, :, :self.length]
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def select(self, index: torch.Tensor) -> None:
+        self.key_buf = self.key_buf.index_select(0, index)
+        self.value_buf = self.value_buf.index_select(0, index)
+        self._refresh_views()
+
+    def concat(self, others: list["SlabLayer"]) -> None:
+        self.key_buf = torch.cat([self.key_buf] + [o.key_buf for o in others], dim=0)
+        self.value_buf = torch.cat([self.value_buf] + [o.value_buf for o in others], dim=0)
+        self._refresh_views()
+
+
+def new_cache(model: Any, capacity: int) -> Cache:
+    """A cache for ``capacity`` positions: slab layers when every layer is plain full attention."""
+    from transformers import PretrainedConfig
+
+    config = getattr(model, "config", None)
+    if not isinstance(config, PretrainedConfig):
+        return DynamicCache()
+    cache = DynamicCache(config=config)
+    if cache.layers and all(type(layer) is DynamicLayer for layer in cache.layers):
+        cache.layers = [SlabLayer(capacity) for _ in cache.layers]
+    return cache
+
+
+def _initialized(layer) -> bool:
+    return bool(getattr(layer, "is_initialized", False)) and getattr(layer, "keys", None) is not None
+
+
+def concat_caches(caches: list[Cache]) -> Cache:
+    """Concatenate caches of equal sequence length along the batch dimension (into the first)."""
+    first = caches[0]
+    for layer_idx, layer in enumerate(first.layers):
+        if len(caches) == 1 or not _initialized(layer):
+            continue
+        others = [c.layers[layer_idx] for c in caches[1:]]
+        if isinstance(layer, SlabLayer):
+            layer.concat(others)
+        else:
+            layer.keys = torch.cat([layer.keys] + [o.keys for o in others], dim=0)
+            layer.values = torch.cat([layer.values] + [o.values for o in others], dim=0)
+    return first
+
+
+def select_rows(cache: Cache, index: torch.Tensor) -> None:
+    """Keep (and repeat, where ``index`` repeats) the batch rows ``index`` of every layer, in place."""
+    for layer in cache.layers:
+        if not _initialized(layer):
+            continue
+        if isinstance(layer, SlabLayer):
+            layer.select(index)
+        elif layer.keys.numel() > 0:
+            layer.keys = layer.keys.index_select(0, index)
+            layer.values = layer.values.index_select(0, index)

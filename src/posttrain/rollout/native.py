@@ -1,0 +1,205 @@
+"""The native rollout engine: batched sampling on a Hugging Face causal LM with a KV cache.
+
+It runs on the actor's own model object (colocated: no copy, so after an optimizer step the next
+``generate`` sees the new weights) on any torch device. Per wave of prompts (see ``scheduling``):
+
+1. prefill: the wave's unique prompts, left-padded to a common length, in chunks of at most
+   ``max_num_batched_tokens`` tokens; logits are computed for the last position only;
+2. expand: the prompt cache rows are index-selected ``n`` times (one copy per sample), so each
+   prompt is prefilled once, not n times;
+3. decode: one token per row per step with ``past_key_values``; rows that hit a stop token or
+   ``max_tokens`` are dropped from the batch (cache rows index-selected away) once at least
+   ``compact_fraction`` of the batch is finished, so finished rows cost nothing for long.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from typing import Any, Iterator
+
+import torch
+
+from posttrain.errors import ConfigError, DataError
+from posttrain.rollout.base import RolloutOutput, SamplingParams
+from posttrain.rollout.kv_cache import concat_caches, new_cache, select_rows
+from posttrain.rollout.sampling import sample_next
+from posttrain.rollout.scheduling import plan_waves, prefill_chunks
+
+# generate_config.dtype -> torch dtype used for the forward (autocast when weights are wider)
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32, "fp32": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16,
+}
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise ConfigError(f"generate_config.dtype={name!r}: unknown; known: {sorted(DTYPES)}.")
+    return DTYPES[name]
+
+
+class NativeEngine:
+    """``RolloutEngine`` on a PyTorch/HF causal LM. See the module docstring for the algorithm."""
+
+    def __init__(self, model: Any, *, pad_token_id: int, eos_token_ids: list[int] | int | None,
+                 max_num_seqs: int = 256, max_num_batched_tokens: int = 8192, dtype: str = "float32",
+                 compact_fraction: float = 0.125):
+        if max_num_seqs < 1 or max_num_batched_tokens < 1:
+            raise ConfigError("generate_config.max_num_seqs and max_num_batched_tokens must be >= 1 "
+                              f"(got {max_num_seqs}, {max_num_batched_tokens}).")
+        self.model = model
+        self.pad_token_id = int(pad_token_id)
+        eos = [] if eos_token_ids is None else ([eos_token_ids] if isinstance(eos_token_ids, int) else eos_token_ids)
+        self.eos_token_ids = [int(t) for t in eos]
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.dtype = resolve_dtype(dtype)
+        self.compact_fraction = compact_fraction
+        params = inspect.signature(model.forward).parameters
+        self._has_logits_to_keep = "logits_to_keep" in params or any(
+            p.kind is p.VAR_KEYWORD for p in params.values())
+        # transformers >= 5.2x names the cache argument `cache`; older ones `past_key_values`
+        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
+
+    # ------------------------------------------------------------------ public
+    def generate(self, prompt_token_ids: list[list[int]], n: int, sampling: SamplingParams,
+                 stop_token_ids: list[int] | None = None) -> list[list[RolloutOutput]]:
+        """Sample ``n`` responses per prompt; outer list = prompts (in order), inner = samples."""
+        if n < 1:
+            raise ConfigError(f"rl_config.n_samples_per_prompt={n}: must be >= 1.")
+        for i, prompt in enumerate(prompt_token_ids):
+            if len(prompt) == 0:
+                raise DataError(f"prompt {i} is empty: every prompt needs at least one token.")
+        results: list[list[RolloutOutput]] = [[] for _ in prompt_token_ids]
+        if not prompt_token_ids:
+            return results
+        stops = torch.tensor(sorted(set(self.eos_token_ids) | set(stop_token_ids or [])),
+                             dtype=torch.long, device=self.device)
+        generator = self._generator(sampling.seed)
+        waves = plan_waves([len(p) for p in prompt_token_ids], n, self.max_num_seqs)
+        with self._generation_mode():
+            for wave in waves:
+                prompts = [prompt_token_ids[i] for i, _ in wave]
+                counts = [c for _, c in wave]
+                for (idx, _), outs in zip(wave, self._run_wave(prompts, counts, sampling, stops, generator)):
+                    results[idx].extend(outs)
+        return results
+
+    @property
+    def device(self) -> torch.device:
+        param = next(iter(self.model.parameters()), None)
+        return param.device if param is not None else torch.device("cpu")
+
+    # ------------------------------------------------------------------ internals
+    def _generator(self, seed: int | None) -> torch.Generator | None:
+        if seed is None:
+            return None
+        gen = torch.Generator(device=self.device)
+        gen.manual_seed(int(seed))
+        return gen
+
+    @contextlib.contextmanager
+    def _generation_mode(self) -> Iterator[None]:
+        """eval mode + inference_mode + (autocast when the requested dtype is narrower than the weights)."""
+        was_training = self.model.training
+        self.model.eval()
+        param = next(iter(self.model.parameters()), None)
+        autocast = (param is not None and param.dtype.is_floating_point
+                    and torch.finfo(self.dtype).bits < torch.finfo(param.dtype).bits)
+        try:
+            with torch.inference_mode():
+                if autocast:
+                    with torch.autocast(device_type=self.device.type, dtype=self.dtype):
+                        yield
+                else:
+                    yield
+        finally:
+            self.model.train(was_training)
+
+    def _forward(self, input_ids, attention_mask, position_ids, cache) -> torch.Tensor:
+        """One model call; returns the last-position logits [B, V] in float32."""
+        kwargs = {"logits_to_keep": 1} if self._has_logits_to_keep else {}
+        kwargs[self._cache_kwarg] = cache
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                         use_cache=True, **kwargs)
+        return out.logits[:, -1, :].float()
+
+    def _prefill(self, prompts: list[list[int]], capacity: int) -> tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Left-pad and prefill each prompt once. Returns (cache, last logits [P, V], mask [P, L], lengths [P])."""
+        length = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), length), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(prompts), length), dtype=torch.long)
+        for row, prompt in enumerate(prompts):
+            ids[row, length - len(prompt):] = torch.tensor(prompt, dtype=torch.long)
+            mask[row, length - len(prompt):] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        caches, logits = [], []
+        for rows in prefill_chunks(len(prompts), length, self.max_num_batched_tokens):
+            cache = new_cache(self.model, capacity)
+            sl = slice(rows.start, rows.stop)
+            logits.append(self._forward(ids[sl], mask[sl], positions[sl], cache))
+            caches.append(cache)
+        lengths = mask.sum(-1)
+        return concat_caches(caches), torch.cat(logits), mask, lengths
+
+    def _run_wave(self, prompts: list[list[int]], counts: list[int], sampling: SamplingParams,
+                  stops: torch.Tensor, generator: torch.Generator | None) -> list[list[RolloutOutput]]:
+        """Prefill ``prompts`` once, expand to ``counts`` rows each, decode all rows to completion."""
+        device, max_tokens = self.device, sampling.max_tokens
+        capacity = max(len(p) for p in prompts) + max_tokens
+        cache, logits, prompt_mask, lengths = self._prefill(prompts, capacity)
+        expand = torch.repeat_interleave(torch.arange(len(prompts), device=device),
+                                         torch.tensor(counts, device=device))
+        select_rows(cache, expand)
+        logits, positions = logits.index_select(0, expand), lengths.index_select(0, expand)
+        num_rows, prompt_len = expand.numel(), prompt_mask.shape[1]
+        mask = torch.ones((num_rows, prompt_len + max_tokens), dtype=torch.long, device=device)
+        mask[:, :prompt_len] = prompt_mask.index_select(0, expand)
+
+        out_tokens = torch.full((num_rows, max_tokens), self.pad_token_id, dtype=torch.long, device=device)
+        out_logprobs = torch.zeros((num_rows, max_tokens), dtype=torch.float32, device=device)
+        out_len = torch.full((num_rows,), max_tokens, dtype=torch.long, device=device)
+        out_stop = torch.zeros((num_rows,), dtype=torch.bool, device=device)
+        active = torch.arange(num_rows, device=device)  # original row id of each batch row
+        finished = torch.zeros((num_rows,), dtype=torch.bool, device=device)
+
+        for step in range(max_tokens):
+            tokens, logprobs = sample_next(logits, sampling, generator)
+            live = active[~finished]
+            out_tokens[live, step] = tokens[~finished]
+            out_logprobs[live, step] = logprobs[~finished]
+            hit = torch.isin(tokens, stops) & ~finished
+            if bool(hit.any()):
+                out_len[active[hit]] = step + 1
+                out_stop[active[hit]] = True
+                finished |= hit
+            if step + 1 == max_tokens or bool(finished.all()):
+                break
+            num_done = int(finished.sum())
+            if num_done and num_done >= self.compact_fraction * finished.numel():
+                keep = (~finished).nonzero().squeeze(1)
+                select_rows(cache, keep)
+                mask, positions, active = mask[keep], positions[keep], active[keep]
+                tokens, finished = tokens[keep], finished[keep]
+            tokens = tokens.masked_fill(finished, self.pad_token_id)
+            cur_len = prompt_len + step + 1
+            logits = self._forward(tokens[:, None], mask[:, :cur_len], positions[:, None], cache)
+            positions = positions + 1
+        return self._collect(counts, out_tokens, out_logprobs, out_len, out_stop)
+
+    @staticmethod
+    def _collect(counts, out_tokens, out_logprobs, out_len, out_stop) -> list[list[RolloutOutput]]:
+        tokens, logprobs = out_tokens.tolist(), out_logprobs.tolist()
+        lens, stopped = out_len.tolist(), out_stop.tolist()
+        grouped, row = [], 0
+        for count in counts:
+            group = []
+            for r in range(row, row + count):
+                group.append(RolloutOutput(token_ids=tokens[r][:lens[r]], logprobs=logprobs[r][:lens[r]],
+                                           finish_reason="stop" if stopped[r] else "length"))
+            grouped.append(group)
+            row += count
+        return grouped
