@@ -1,0 +1,12 @@
+"""Rewards: rule verifiers (registry), the weighted rule reward with a timed worker pool,
+DAPO's overlong penalty, reward-model scoring and decoding. See docs/rewards.md.
+
+Public entry points (import the submodules; nothing heavy is imported here):
+
+* :mod:`posttrain.reward.verifiers`: ``register_verifier``, ``get_verifier``, ``known_verifiers``,
+  ``import_verifier_modules``
+* :class:`posttrain.reward.rule_reward.RuleReward`
+* :func:`posttrain.reward.overlong.overlong_penalty`
+* :class:`posttrain.reward.reward_model.RewardModelScorer`
+* :func:`posttrain.reward.decoding.decode_responses`, :func:`~posttrain.reward.decoding.decode_labels`
+"""

@@ -36,3 +36,16 @@ def pid(response: str, label: str, **kw) -> float:
 def prompt_len(response: str, label: str, prompt: str = "", tool_call_num: int = 0) -> float:
     """len(prompt) + tool_call_num: checks which keyword arguments reach a verifier."""
     return float(len(prompt) + tool_call_num)
+
+
+@register_verifier("t_bigpow")
+def bigpow(response: str, label: str, **kw) -> float:
+    """A C-level computation no signal can interrupt (what sympy does on 9^(9^9))."""
+    return float(pow(9, 9 ** 9 * int(response)) % 7)
+
+
+@register_verifier("t_alloc")
+def alloc(response: str, label: str, **kw) -> float:
+    """Asks for ``response`` GiB at once (beyond the worker's address-space limit)."""
+    buf = bytearray(int(response) << 30)
+    return float(len(buf) > 0)

@@ -134,3 +134,20 @@ def test_config_errors():
         RuleReward(["nope"], [1.0], verifier_parallel=0)
     with pytest.raises(ConfigError, match="cannot import"):
         RuleReward(["acc"], [1.0], verifier_parallel=0, verifier_modules=["no_such_module_xyz"])
+
+
+@pytest.mark.slow
+def test_uninterruptible_c_computation_is_killed():
+    with RuleReward(["t_bigpow"], [1.0], verifier_parallel=1, verifier_timeout=1.0,
+                    verifier_modules=MODULES) as rr:
+        batch = rr.score_detailed(["1000"], [""])
+        assert batch.status["t_bigpow"] == [1] and batch.metrics["reward/timeouts"] == 1.0
+
+
+def test_memory_blowup_is_an_error_not_a_dead_machine():
+    with RuleReward(["t_alloc"], [1.0], verifier_parallel=1, verifier_modules=MODULES,
+                    memory_limit_mb=2048) as rr:
+        batch = rr.score_detailed(["64", "0"], ["", ""])
+    assert batch.per_verifier["t_alloc"] == [0.0, 0.0]
+    assert batch.status["t_alloc"] == [2, 0]
+    assert any("MemoryError" in m for m in batch.errors)
