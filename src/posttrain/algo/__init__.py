@@ -15,6 +15,7 @@ from posttrain.algo.advantages import (
 from posttrain.algo.aggregation import aggregate_loss, aggregation_modes
 from posttrain.algo.dpo_loss import dpo_loss, dpo_loss_types
 from posttrain.algo.kl import (
+    apply_kl_in_reward,
     AdaptiveKLController,
     FixedKLController,
     build_kl_controller,
@@ -30,6 +31,7 @@ __all__ = [
     "AdaptiveKLController",
     "FixedKLController",
     "actor_loss",
+    "apply_kl_in_reward",
     "advantage_estimators",
     "aggregate_loss",
     "aggregation_modes",

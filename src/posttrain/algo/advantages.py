@@ -185,7 +185,9 @@ def gae(token_level_rewards, response_mask, *, values=None, gamma=1.0, lam=1.0, 
     r=[1,2,3], V=[.5,1,1.5], gamma=0 -> advantages [-1,0,1], returns [1,2,3].
     """
     if values is None:
-        raise ConfigError("adv_estimator 'gae' needs critic values; it is only valid for PPO (with a critic).")
+        raise ConfigError(
+            "adv_estimator 'gae' needs critic values; it is only valid for PPO (with a critic)."
+        )
     mask = response_mask.to(torch.float32)
     rewards = token_level_rewards.to(torch.float32) * mask
     values = values.to(torch.float32) * mask

@@ -72,11 +72,13 @@ def kl_penalty(
     logprobs: torch.Tensor, ref_logprobs: torch.Tensor, *, kl_penalty: str = "low_var_kl"
 ) -> torch.Tensor:
     """Per-token KL estimate of the named type (see module docstring); same shape as the inputs."""
-    if kl_penalty not in _PENALTIES:
-        raise ConfigError(
-            f"Unknown rl_config.kl_penalty={kl_penalty!r}; known: {', '.join(kl_penalty_types())}."
-        )
-    return _PENALTIES[kl_penalty](logprobs, ref_logprobs)
+    return _lookup(kl_penalty)(logprobs, ref_logprobs)
+
+
+def _lookup(name: str) -> KLFn:
+    if name not in _PENALTIES:
+        raise ConfigError(f"Unknown rl_config.kl_penalty={name!r}; known: {', '.join(kl_penalty_types())}.")
+    return _PENALTIES[name]
 
 
 class FixedKLController:
@@ -136,3 +138,28 @@ def build_kl_controller(
     if kl_ctrl_type == "adaptive":
         return AdaptiveKLController(init_kl_coef, kl_target, kl_horizon)
     raise ConfigError(f"Unknown rl_config.kl_ctrl_type={kl_ctrl_type!r}; known: adaptive, fixed.")
+
+
+def apply_kl_in_reward(
+    token_level_rewards: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    kl_coef: float,
+    kl_penalty: str = "low_var_kl",
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """PPO's KL-in-reward (seed ``apply_kl_penalty``, ``use_kl_in_reward: true``).
+
+    ``kld = KL_penalty(old_logp, ref_logp) * M``; ``rewards = token_level_rewards - kl_coef * kld``;
+    ``current_kl = mean_b(masked_mean_t(kld))`` (feed it to ``controller.update(current_kl, B)``).
+    Returns the shaped rewards ``[B, R]`` and ``{"actor/reward_kl_penalty": current_kl,
+    "actor/reward_kl_penalty_coeff": kl_coef}``.
+    """
+    mask = response_mask.to(torch.float32)
+    kld = _lookup(kl_penalty)(old_logprobs, ref_logprobs) * mask
+    per_row = kld.sum(-1) / (mask.sum(-1) + 1e-8)
+    current_kl = float(per_row.mean())
+    rewards = token_level_rewards.to(torch.float32) - kl_coef * kld
+    return rewards, {"actor/reward_kl_penalty": current_kl, "actor/reward_kl_penalty_coeff": float(kl_coef)}
+

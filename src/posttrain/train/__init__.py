@@ -6,7 +6,7 @@ loss functions for ``TrainEngine.update``). Imports torch; ``import posttrain`` 
 """
 
 from posttrain.train.engine import NaNLossError, TrainEngine
-from posttrain.train.forward import default_position_ids, response_logprobs, response_values
+from posttrain.train.forward import default_position_ids, pack_batch, response_logprobs, response_values
 from posttrain.train.loss_fns import (
     make_actor_loss_fn,
     make_critic_loss_fn,
@@ -27,6 +27,7 @@ __all__ = [
     "make_critic_loss_fn",
     "make_dpo_loss_fn",
     "make_sft_loss_fn",
+    "pack_batch",
     "response_logprobs",
     "response_values",
     "sequence_logps",

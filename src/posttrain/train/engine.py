@@ -155,7 +155,9 @@ class TrainEngine:
             return logprobs, torch.cat([ent for _, ent in outputs])
         return logprobs
 
-    def compute_values(self, batch: dict[str, torch.Tensor], *, micro_batch_size: int | None = None) -> torch.Tensor:
+    def compute_values(
+        self, batch: dict[str, torch.Tensor], *, micro_batch_size: int | None = None
+    ) -> torch.Tensor:
         """Critic values ``[B, R]`` at the response positions (0 on padding), no gradients."""
         outputs = self._inference(batch, lambda mb: response_values(self.model, mb), micro_batch_size)
         return torch.cat(outputs)

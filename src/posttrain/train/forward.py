@@ -103,3 +103,36 @@ def response_values(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> t
     if scores.ndim == 3:
         scores = scores[..., 0]
     return scores[:, -(num_resp + 1) : -1].float() * batch["response_mask"].to(torch.float32)
+
+
+def pack_batch(
+    prompt_ids: list[list[int]],
+    response_ids: list[list[int]],
+    *,
+    pad_token_id: int,
+    prompt_width: int | None = None,
+    response_width: int | None = None,
+) -> dict[str, torch.Tensor]:
+    """Build the layout above from token-id lists: prompts left-padded, responses right-padded.
+
+    ``prompt_width``/``response_width`` default to the longest prompt/response (at least 1
+    response column). Returns ``input_ids``, ``attention_mask``, ``position_ids``,
+    ``response_mask`` (CPU tensors).
+    """
+    assert len(prompt_ids) == len(response_ids), "one response per prompt row"
+    num_prompt = prompt_width or max(len(p) for p in prompt_ids)
+    num_resp = response_width or max(1, max(len(r) for r in response_ids))
+    rows = len(prompt_ids)
+    input_ids = torch.full((rows, num_prompt + num_resp), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((rows, num_prompt + num_resp), dtype=torch.long)
+    for b, (prompt, response) in enumerate(zip(prompt_ids, response_ids)):
+        assert len(prompt) <= num_prompt and len(response) <= num_resp, "row wider than the batch"
+        input_ids[b, num_prompt - len(prompt) : num_prompt] = torch.tensor(prompt, dtype=torch.long)
+        input_ids[b, num_prompt : num_prompt + len(response)] = torch.tensor(response, dtype=torch.long)
+        attention_mask[b, num_prompt - len(prompt) : num_prompt + len(response)] = 1
+    return {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "position_ids": default_position_ids(attention_mask),
+        "response_mask": attention_mask[:, num_prompt:].to(torch.float32),
+    }

@@ -3,8 +3,9 @@
 Each factory takes the hyperparameters and returns ``loss_fn(model, micro_batch, *, num_tokens,
 num_seqs) -> (loss, metrics)``. Batch keys (layout in :mod:`posttrain.train.forward`):
 
-* actor: ``input_ids``, ``attention_mask``, ``response_mask``, ``old_logprobs``, ``advantages``,
-  optional ``ref_logprobs`` (GRPO's KL term; used only when ``kl_coef`` is non-zero)
+* actor: ``input_ids``, ``attention_mask``, ``response_mask``, ``advantages``, optional
+  ``old_logprobs`` (when absent: the seed's on-policy skip, ``old_logprobs = logprobs.detach()``,
+  ratio 1) and ``ref_logprobs`` (GRPO's KL term, weighted by ``kl_coef``)
 * critic: ``input_ids``, ``attention_mask``, ``response_mask``, ``values`` (old), ``returns``
 * sft: ``input_ids``, ``attention_mask``, ``response_mask``
 * dpo: ``chosen_*`` and ``rejected_*`` versions of the three model keys, plus per-pair
@@ -32,22 +33,29 @@ def make_actor_loss_fn(
     kl_coef: float = 0.0,
     kl_penalty: str = "low_var_kl",
     loss_agg_mode: str = "token-mean",
+    report_entropy: bool = True,
     **policy_kwargs,
 ):
     """GRPO/DAPO/PPO actor loss (:func:`posttrain.algo.policy_loss.actor_loss`).
 
-    The entropy is always reported (``actor/entropy``); it carries gradient only when
-    ``entropy_coeff`` is non-zero (the seed skips it entirely then).
+    With ``report_entropy`` the entropy is reported (``actor/entropy``); it carries gradient only
+    when ``entropy_coeff`` is non-zero (the seed computes it only then). ``kl_coef`` is fixed per
+    function: build a new one each iteration from ``kl_controller.value``.
     """
 
     def loss_fn(model, micro_batch, *, num_tokens=None, num_seqs=None):
         logprobs, entropy = response_logprobs(
-            model, micro_batch, temperature=temperature, with_entropy=True, entropy_grad=bool(entropy_coeff)
+            model,
+            micro_batch,
+            temperature=temperature,
+            with_entropy=report_entropy or bool(entropy_coeff),
+            entropy_grad=bool(entropy_coeff),
         )
-        ref = micro_batch.get("ref_logprobs") if kl_coef else None
+        old = micro_batch.get("old_logprobs")
+        ref = micro_batch.get("ref_logprobs")  # reported as actor/kl_loss even when kl_coef is 0
         return actor_loss(
             logprobs,
-            micro_batch["old_logprobs"],
+            logprobs.detach() if old is None else old,
             micro_batch["advantages"],
             micro_batch["response_mask"],
             entropy=entropy,

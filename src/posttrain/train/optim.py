@@ -52,7 +52,9 @@ def build_optimizer(
 ) -> torch.optim.AdamW:
     """AdamW over the trainable parameters; no decay on biases and norm weights (module docstring)."""
     if lr is None or lr <= 0:
-        raise ConfigError(f"The learning rate (actor_config.lr / megatron_training.lr) must be > 0; got {lr}.")
+        raise ConfigError(
+            f"The learning rate (actor_config.lr / megatron_training.lr) must be > 0; got {lr}."
+        )
     decay, no_decay = [], []
     for name, param in model.named_parameters():
         if param.requires_grad:

@@ -54,3 +54,18 @@ def test_fixed_controller_and_errors():
         build_kl_controller("adaptive", kl_horizon=0)
     with pytest.raises(ConfigError, match="adaptive"):
         build_kl_controller("pid")
+
+
+def test_apply_kl_in_reward_values():
+    from posttrain.algo.kl import apply_kl_in_reward
+
+    rewards = torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 2.0]])
+    old = torch.tensor([[0.5, 1.0, 9.0], [0.0, 0.0, 0.0]])
+    ref = torch.tensor([[1.0, 0.5, 0.0], [0.0, 0.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    shaped, metrics = apply_kl_in_reward(rewards, old, ref, mask, kl_coef=0.1, kl_penalty="kl")
+    # row 0: kld [-0.5, 0.5, 0 (masked)], row 1: zeros
+    assert torch.allclose(shaped, torch.tensor([[0.05, 0.95, 0.0], [0.0, 0.0, 2.0]]))
+    assert metrics["actor/reward_kl_penalty"] == pytest.approx(0.0, abs=1e-7)
+    _, metrics = apply_kl_in_reward(rewards, old, ref, mask, kl_coef=0.1, kl_penalty="abs")
+    assert metrics["actor/reward_kl_penalty"] == pytest.approx((0.5 + 0.0) / 2)  # mean of row means

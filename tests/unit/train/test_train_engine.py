@@ -201,3 +201,26 @@ def test_bf16_autocast_and_activation_checkpointing():
     assert all(torch.isfinite(torch.tensor(v)) for v in metrics.values())
     with pytest.raises(ConfigError, match="dtype"):
         TrainEngine(bf, dtype="float16")
+
+
+def test_pack_batch_layout():
+    from posttrain.train.forward import pack_batch
+
+    batch = pack_batch([[5, 6, 7], [8]], [[9], [10, 11]], pad_token_id=0)
+    assert batch["input_ids"].tolist() == [[5, 6, 7, 9, 0], [0, 0, 8, 10, 11]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1, 1, 0], [0, 0, 1, 1, 1]]
+    assert batch["position_ids"].tolist() == [[0, 1, 2, 3, 3], [0, 0, 0, 1, 2]]
+    assert batch["response_mask"].tolist() == [[1, 0], [1, 1]]
+
+
+def test_on_policy_skip_equals_explicit_old_logprobs():
+    base = tiny_model()
+    batch = _actor_batch(base)
+    skip = {k: v for k, v in batch.items() if k != "old_logprobs"}
+    explicit, skipped = copy.deepcopy(base), copy.deepcopy(base)
+    m_explicit = _run_update(explicit, batch, micro=4, loss_fn=make_actor_loss_fn())[0]
+    m_skip = _run_update(skipped, skip, micro=4, loss_fn=make_actor_loss_fn())[0]
+    assert m_skip["actor/ppo_kl"] == 0.0 and m_skip["actor/pg_clipfrac"] == 0.0
+    for a, b in zip(explicit.parameters(), skipped.parameters()):
+        assert torch.allclose(a, b, atol=1e-6)
+    assert m_explicit["actor/pg_loss"] == pytest.approx(m_skip["actor/pg_loss"], abs=1e-5)
