@@ -148,9 +148,11 @@ class _Outputs:
     def commit(self) -> dict[str, str]:
         for k, b in self.builders.items():
             b.finalize(f"{self.tmp[k]}.idx")
-        for k in self.builders:  # every key complete: now rename (.bin first, .idx last)
-            os.replace(f"{self.tmp[k]}.bin", f"{self.final[k]}.bin")
-            os.replace(f"{self.tmp[k]}.idx", f"{self.final[k]}.idx")
+        # every key is complete: rename all .bin files, then all .idx files (a field is visible to
+        # readers only once its .idx exists, so the window with a partial set is a few renames)
+        for ext in (".bin", ".idx"):
+            for k in self.builders:
+                os.replace(f"{self.tmp[k]}{ext}", f"{self.final[k]}{ext}")
         return dict(self.final)
 
     def discard(self) -> None:

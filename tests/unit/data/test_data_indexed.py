@@ -82,6 +82,7 @@ def test_reader_checks(tmp_path):
         IndexedDataset(tmp_path / "missing")
 
 
+@pytest.mark.slow  # importing megatron-core takes ~10-20 s
 def test_megatron_core_reads_our_files(tmp_path):
     pytest.importorskip("megatron.core", reason="megatron-core not installed (pip install megatron-core --no-deps)")
     pytest.importorskip("torch")

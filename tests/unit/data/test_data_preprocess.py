@@ -62,11 +62,11 @@ def test_r1_handler_outputs(tmp_path, tok_dir, tok):
 
 
 def test_workers_2_writes_identical_files(tmp_path, tok_dir):
-    rows = [{"problem": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(2500)]
+    rows = [{"problem": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(1500)]
     path = _jsonl(tmp_path / "in.jsonl", rows)
     pp.preprocess(_cfg(tmp_path, tok_dir, path, output_prefix=str(tmp_path / "a" / "d")), progress=False)
     s = pp.preprocess(_cfg(tmp_path, tok_dir, path, output_prefix=str(tmp_path / "b" / "d"), workers=2), progress=False)
-    assert s.rows_written == 2500
+    assert s.rows_written == 1500
     for key in ("input_ids", "labels"):
         for ext in (".bin", ".idx"):
             a = (tmp_path / "a" / f"d_packed_{key}_document{ext}").read_bytes()
@@ -174,6 +174,12 @@ def test_input_formats_and_directory(tmp_path, tok_dir):
     assert s.rows_written == 1
     (tmp_path / "arr.json").write_text(json.dumps(ROWS))  # a JSON array
     assert pp.preprocess(_cfg(tmp_path, tok_dir, tmp_path / "arr.json"), progress=False).rows_written == 2
+    import pyarrow.ipc as ipc
+
+    table = pa.Table.from_pylist(ROWS[:1] * 3)
+    with ipc.new_stream(str(tmp_path / "d.arrow"), table.schema) as w:  # HF datasets' cache format
+        w.write_table(table)
+    assert pp.preprocess(_cfg(tmp_path, tok_dir, tmp_path / "d.arrow"), progress=False).rows_written == 3
 
 
 # --- bad input --------------------------------------------------------------------------
