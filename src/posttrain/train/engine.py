@@ -51,11 +51,17 @@ def _split(rows: torch.Tensor, size: int) -> list[torch.Tensor]:
     return [rows[i : i + size] for i in range(0, rows.numel(), size)]
 
 
-def _take(batch: dict[str, torch.Tensor], rows: torch.Tensor) -> dict[str, torch.Tensor]:
-    return {key: value[rows] for key, value in batch.items()}
+def _take(batch: dict[str, torch.Tensor], rows: torch.Tensor, device=None) -> dict[str, torch.Tensor]:
+    """Rows ``rows`` of every tensor, moved to ``device`` when given."""
+    if device is None:
+        return {key: value[rows] for key, value in batch.items()}
+    return {key: value[rows.to(value.device)].to(device, non_blocking=True) for key, value in batch.items()}
 
 
 def _num_rows(batch: dict[str, torch.Tensor]) -> int:
+    bad = [key for key, value in batch.items() if not isinstance(value, torch.Tensor)]
+    if bad:
+        raise ConfigError(f"Batch values must be tensors with one row per sample; not tensors: {bad}.")
     sizes = {key: value.shape[0] for key, value in batch.items()}
     if len(set(sizes.values())) != 1:
         raise ConfigError(f"All batch tensors must have the same number of rows; got {sizes}.")
@@ -128,7 +134,7 @@ class TrainEngine:
             outputs = []
             for chunk in _split(rows, micro_batch_size or self.micro_batch_size):
                 with self.autocast():
-                    outputs.append(fn(_take(batch, chunk)))
+                    outputs.append(fn(_take(batch, chunk, self.device)))
             return outputs
         finally:
             self.model.train(was_training)
@@ -175,6 +181,9 @@ class TrainEngine:
     ) -> list[dict[str, float]]:
         """``epochs`` passes over ``batch`` in mini-batches; returns one metrics dict per step.
 
+        Batch tensors may live on the CPU: each micro-batch is moved to the model's device. The
+        model is put in train mode for the update and returned to its previous mode afterwards.
+
         With ``shuffle`` the rows are permuted (``torch.Generator`` seeded with ``seed + epoch``)
         before being cut into mini-batches.
         """
@@ -185,16 +194,20 @@ class TrainEngine:
                 f"The batch of {num_rows} rows cannot be split into mini-batches of {mini_batch_size} "
                 "rows; make rl_config.mini_batch_size x n_samples_per_prompt divide the batch."
             )
+        was_training = self.model.training
         self.model.train()
         step_metrics = []
-        for epoch in range(epochs):
-            if shuffle:
-                generator = torch.Generator().manual_seed(seed + epoch)
-                order = torch.randperm(num_rows, generator=generator)
-            else:
-                order = torch.arange(num_rows)
-            for rows in _split(order, mini_batch_size):
-                step_metrics.append(self._step(_take(batch, rows), loss_fn, micro_batch_size))
+        try:
+            for epoch in range(epochs):
+                if shuffle:
+                    generator = torch.Generator().manual_seed(seed + epoch)
+                    order = torch.randperm(num_rows, generator=generator)
+                else:
+                    order = torch.arange(num_rows)
+                for rows in _split(order, mini_batch_size):
+                    step_metrics.append(self._step(_take(batch, rows), loss_fn, micro_batch_size))
+        finally:
+            self.model.train(was_training)
         return step_metrics
 
     def _step(self, mini_batch, loss_fn: LossFn, micro_batch_size: int | None) -> dict[str, float]:
@@ -210,9 +223,8 @@ class TrainEngine:
         for i, rows in enumerate(chunks):
             with maybe_no_sync(self.model, i < len(chunks) - 1):
                 with self.autocast():
-                    loss, metrics = loss_fn(
-                        self.model, _take(mini_batch, rows), num_tokens=num_tokens, num_seqs=num_seqs
-                    )
+                    micro_batch = _take(mini_batch, rows, self.device)
+                    loss, metrics = loss_fn(self.model, micro_batch, num_tokens=num_tokens, num_seqs=num_seqs)
                 if not torch.isfinite(loss):
                     self.optimizer.zero_grad(set_to_none=True)
                     raise NaNLossError(
