@@ -219,6 +219,7 @@ class TrainEngine:
         loss_scale = dp_world_size(self.dp_group)  # DDP/FSDP average gradients over ranks
         self.optimizer.zero_grad(set_to_none=True)
         totals: dict[str, torch.Tensor] = {}
+        bad_loss = None
         chunks = _split(torch.arange(local_rows), micro_batch_size or self.micro_batch_size)
         for i, rows in enumerate(chunks):
             with maybe_no_sync(self.model, i < len(chunks) - 1):
@@ -226,14 +227,16 @@ class TrainEngine:
                     micro_batch = _take(mini_batch, rows, self.device)
                     loss, metrics = loss_fn(self.model, micro_batch, num_tokens=num_tokens, num_seqs=num_seqs)
                 if not torch.isfinite(loss):
-                    self.optimizer.zero_grad(set_to_none=True)
-                    raise NaNLossError(
-                        f"The loss is {loss.item()}; the optimizer step was skipped. Lower the learning "
-                        "rate, train in float32, or check the batch for empty/invalid rows."
-                    )
+                    bad_loss = loss.item()
+                    if loss_scale == 1:
+                        self._raise_nan(f"The loss is {bad_loss}")
+                # with several ranks, backward still runs so the NaN reaches every rank's gradients
+                # through the all-reduce and all ranks stop together at the gradient-norm check
                 (loss * loss_scale if loss_scale > 1 else loss).backward()
             for key, value in metrics.items():
                 totals[key] = totals.get(key, 0.0) + value.detach().float()
+        if bad_loss is not None:
+            self._raise_nan(f"The loss is {bad_loss}")
         grad_norm = self._clip_gradients()
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
@@ -250,12 +253,15 @@ class TrainEngine:
         max_norm = self.clip_grad if self.clip_grad and self.clip_grad > 0 else math.inf
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
         if not math.isfinite(grad_norm):
-            self.optimizer.zero_grad(set_to_none=True)
-            raise NaNLossError(
-                f"The gradient norm is {grad_norm}; the optimizer step was skipped. Lower the "
-                "learning rate or train in float32."
-            )
+            self._raise_nan(f"The gradient norm is {grad_norm}")
         return grad_norm
+
+    def _raise_nan(self, what: str) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        raise NaNLossError(
+            f"{what}; the optimizer step was skipped. Lower the learning rate, train in float32, "
+            "or check the batch for empty or invalid rows."
+        )
 
     def state_dict(self) -> dict:
         """Optimizer and scheduler state (the model weights are saved by the checkpoint module)."""

@@ -224,3 +224,18 @@ def test_on_policy_skip_equals_explicit_old_logprobs():
     for a, b in zip(explicit.parameters(), skipped.parameters()):
         assert torch.allclose(a, b, atol=1e-6)
     assert m_explicit["actor/pg_loss"] == pytest.approx(m_skip["actor/pg_loss"], abs=1e-5)
+
+
+def test_nan_gradient_raises_without_stepping():
+    model = tiny_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    engine = TrainEngine(model, opt, micro_batch_size=2)
+    before = copy.deepcopy(model.state_dict())
+
+    def nan_grad(model, mb, *, num_tokens, num_seqs):  # finite loss, NaN gradient (sqrt at 0)
+        return torch.sqrt(model.lm_head.weight[0, 0] * 0.0), {}
+
+    with pytest.raises(NaNLossError, match="gradient norm"):
+        engine.update(make_batch([2, 2], [2, 2]), nan_grad, mini_batch_size=2)
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, before[key])
