@@ -28,7 +28,7 @@ def _alive(pid: int) -> bool:
 
 @pytest.fixture(scope="module")
 def rr():
-    with RuleReward(["t_sleep", "t_pid"], [1.0, 0.0], verifier_parallel=1, verifier_timeout=1.0,
+    with RuleReward(["t_sleep", "t_pid"], [1.0, 0.0], verifier_parallel=1, verifier_timeout=2.0,
                     verifier_modules=MODULES) as reward:
         yield reward
 
