@@ -1,0 +1,1 @@
+"""Rollout engines: the interface (base), the native PyTorch engine, the vLLM adapter."""
