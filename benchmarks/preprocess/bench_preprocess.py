@@ -6,7 +6,8 @@ Builds a local byte-level BPE tokenizer (vocab 4096, trained on the synthetic te
 writes the rows as JSONL, then runs ``posttrain.data.preprocess.preprocess`` with the qwen_r1
 template and the R1 handler (the GRPO path) and, with ``--sft``, the SFT handler. Rows/s counts
 reading, tokenising and writing (not imports and tokenizer loading; see PreprocessSummary).
-Prints the median over repeats. This is a benchmark, not a test.
+Prints the median over repeats, as wall-clock rows/s and as rows per CPU-second (less
+sensitive to a shared, loaded machine). This is a benchmark, not a test.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import argparse
 import json
 import os
 import random
+import resource
 import statistics
 import tempfile
 import time
@@ -36,6 +38,12 @@ def build_tokenizer(out: Path) -> str:
     texts = default_corpus(2000) + [r["problem"] for r in synthetic_rows(5000, seed=1)]
     train_tokenizer(texts, 4096).save_pretrained(str(out))
     return str(out)
+
+
+def cpu_seconds() -> float:
+    """User + system CPU time of this process and its finished children (the pool workers)."""
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
 
 
 def run_once(data: str, tok: str, out: str, workers: int, handler: str, prompt_type: str) -> tuple[float, int]:
@@ -68,14 +76,18 @@ def main() -> None:
         print(f"{args.rows} synthetic rows, {os.cpu_count()} CPUs visible (shared machine: numbers are noisy)")
         for handler, template in cases:
             for workers in args.workers:
-                rates = []
+                rates, cpu_rates = [], []
                 for r in range(args.repeats):
-                    t = time.perf_counter()
+                    t, cpu = time.perf_counter(), cpu_seconds()
                     rate, written = run_once(str(data), tok, str(tmp / f"out{workers}_{r}" / "d"), workers, handler, template)
+                    cpu = cpu_seconds() - cpu
                     rates.append(rate)
-                    print(f"  {handler} workers={workers} repeat {r}: {rate:,.0f} rows/s "
+                    cpu_rates.append(args.rows / cpu)
+                    print(f"  {handler} workers={workers} repeat {r}: {rate:,.0f} rows/s wall, "
+                          f"{args.rows / cpu:,.0f} rows per CPU-second "
                           f"({written} written, {time.perf_counter() - t:.1f} s with setup)", flush=True)
                 print(f"{handler} / {template}, workers={workers}: median {statistics.median(rates):,.0f} rows/s "
+                      f"(wall), {statistics.median(cpu_rates):,.0f} rows per CPU-second (incl. setup), "
                       f"over {args.repeats} repeats")
 
 
