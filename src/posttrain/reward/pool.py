@@ -20,7 +20,6 @@ Design
 
 from __future__ import annotations
 
-import logging
 import multiprocessing as mp
 import time
 import weakref
@@ -30,7 +29,6 @@ from multiprocessing.connection import wait as wait_conns
 from posttrain.errors import ConfigError, PosttrainError
 from posttrain.reward._worker import STATUS_ERROR, STATUS_OK, STATUS_TIMEOUT, score_item, worker_main
 
-log = logging.getLogger(__name__)
 
 _STARTUP_TIMEOUT_S = 180.0
 _POLL_S = 1.0

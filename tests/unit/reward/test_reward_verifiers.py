@@ -88,7 +88,10 @@ CASES = {
     "math_equiv": [
         ("... so the answer is 17.", "17", 1.0),
         ("<answer>17</answer>", "17", 1.0),
+        ("<answer>The answer is 17.</answer>", "17", 1.0),
+        ("<answer>The answer is 16.</answer>", "17", 0.0),
         ("\\boxed{17}", "17", 1.0),
+        ("\\boxed{16 or 17}", "17", 0.0),
         ("\\boxed{17.0}", "17", 1.0),
         ("\\boxed{1,000}", "1000", 1.0),
         ("\\boxed{\\frac{1}{2}}", "0.5", 1.0),

@@ -66,20 +66,20 @@ def verify_parsed(gold, pred) -> bool:
     return bool(_mv().verify(list(gold), pred, timeout_seconds=_mv_timeout()))
 
 
-def answers_equivalent(pred: str, ref: str) -> bool:
-    """Equivalence of two already-extracted answers (plain numbers exactly, else math-verify)."""
+def answers_equivalent(pred: str, ref: str, free_text: bool = False) -> bool:
+    """Equivalence of an extracted answer with the label: plain numbers exactly, else math-verify.
+
+    ``pred`` is read as the content of a ``\\boxed{}``; with ``free_text`` (an ``<answer>`` tag
+    that may hold a sentence such as "The answer is 17.") math-verify's extraction from the
+    text is tried first.
+    """
     if to_fraction(pred) is not None and to_fraction(ref) is not None:
         return numbers_equal(pred, ref)
-    return verify_parsed(parse_gold(ref), parse_pred("\\boxed{" + pred + "}", latex_only=True)
-                         or parse_pred(pred))
-
-
-def final_answer(response: str) -> str | None:
-    """The response's explicit final answer: its last ``\\boxed{}``, else its last ``<answer>`` tag."""
-    boxed = last_boxed(response)
-    if boxed is not None:
-        return boxed
-    return last_answer_tag(response)
+    gold = parse_gold(ref)
+    if free_text and verify_parsed(gold, parse_pred(pred)):
+        return True
+    boxed = parse_pred("\\boxed{" + pred + "}", latex_only=True)
+    return verify_parsed(gold, boxed or parse_pred(pred))
 
 
 @register_verifier("math_equiv")
@@ -93,8 +93,11 @@ def math_equiv(response: str, label: str, **kw) -> float:
     """
     if not label or not label.strip():
         return 0.0
-    answer = final_answer(response)
-    if answer is not None:
-        return 1.0 if answer.strip() and answers_equivalent(answer, label) else 0.0
+    boxed = last_boxed(response)
+    if boxed is not None:
+        return 1.0 if boxed.strip() and answers_equivalent(boxed, label) else 0.0
+    tagged = last_answer_tag(response)
+    if tagged is not None:
+        return 1.0 if tagged and answers_equivalent(tagged, label, free_text=True) else 0.0
     gold = parse_gold(label)
     return 1.0 if verify_parsed(gold, parse_pred(response[-4000:])) else 0.0
