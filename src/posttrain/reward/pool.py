@@ -152,6 +152,7 @@ class _Run:
         self.errors = [""] * n
         self.remaining = n
         self.startup_failures = 0
+        self.blameless_deaths = 0
 
     def execute(self):
         while self.remaining:
@@ -237,6 +238,12 @@ class _Run:
                                      "verifier_parallel=0 to see the error in this process")
         if w.chunk is not None and w.pos < len(w.chunk):
             unreported = w.chunk[w.pos:]
+            if item_id is None and self.blameless_deaths < 3:
+                # died between items (e.g. killed from outside): nothing to blame, retry all
+                self.blameless_deaths += 1
+                self.queue.appendleft(unreported)
+                self._replace(idx)
+                return
             culprit = next((it for it in unreported if it[0] == item_id), unreported[0])
             name = self.pool.specs[culprit[1]].name
             self._record(culprit[0], 0.0, status, f"{name}: {why}")

@@ -151,3 +151,16 @@ def test_memory_blowup_is_an_error_not_a_dead_machine():
     assert batch.per_verifier["t_alloc"] == [0.0, 0.0]
     assert batch.status["t_alloc"] == [2, 0]
     assert any("MemoryError" in m for m in batch.errors)
+
+
+def test_worker_killed_from_outside_while_idle_is_replaced_without_losing_samples():
+    import signal
+
+    with RuleReward(["t_pid"], [1.0], verifier_parallel=1, verifier_modules=MODULES) as rr:
+        pid = int(rr.score(["x"], [""])[0][0])
+        os.kill(pid, signal.SIGKILL)
+        time.sleep(0.2)
+        batch = rr.score_detailed(["x", "y", "z"], [""] * 3)
+    assert batch.metrics["reward/errors"] == 0.0
+    new = {int(p) for p in batch.per_verifier["t_pid"]}
+    assert len(new) == 1 and pid not in new
