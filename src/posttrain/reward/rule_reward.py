@@ -73,6 +73,16 @@ class RuleReward:
         self.pool = VerifierPool(self.specs, verifier_parallel, verifier_timeout,
                                  modules=verifier_modules, memory_limit_mb=memory_limit_mb)
 
+    @classmethod
+    def from_rl_config(cls, rl) -> "RuleReward":
+        """Build from an ``rl_config`` section (any object with the seed's attribute names)."""
+        return cls(rl.verifier_function, rl.verifier_weight, rl.verifier_parallel, rl.verifier_timeout,
+                   getattr(rl, "verifier_modules", ()) or (),
+                   overlong_buffer_enable=getattr(rl, "overlong_buffer_enable", False),
+                   overlong_buffer=getattr(rl, "overlong_buffer", 0),
+                   overlong_buffer_penalty_factor=getattr(rl, "overlong_buffer_penalty_factor", 1.0),
+                   rollout_max_tokens=getattr(rl, "rollout_max_tokens", 2048))
+
     def score(self, responses: list[str], labels: list[str], prompts: list[str] | None = None,
               **columns) -> tuple[list[float], dict[str, float]]:
         """Weighted reward per sample and the metrics dict (see module docstring)."""
