@@ -82,12 +82,14 @@ def response_logprobs(
     num_resp = response_width(batch)
     logits = response_logits(model, batch)
     labels = batch["input_ids"][:, -num_resp:]
-    mask = batch["response_mask"].to(torch.float32)
-    logprobs = logprobs_from_logits(logits, labels, temperature) * mask
+    valid = batch["response_mask"].bool()
+    zero = torch.zeros((), device=logits.device)
+    # where, not a product: a padded label may have a -inf logit (masked vocab), and -inf * 0 = NaN
+    logprobs = torch.where(valid, logprobs_from_logits(logits, labels, temperature), zero)
     entropy = None
     if with_entropy:
         with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-            entropy = entropy_from_logits(logits, temperature) * mask
+            entropy = torch.where(valid, entropy_from_logits(logits, temperature), zero)
     return logprobs, entropy
 
 
