@@ -1,0 +1,89 @@
+"""Chain-sum task generator and the demo scorer."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from posttrain.demo.scoring import extract_answer, score
+from posttrain.demo.tasks import (
+    format_prompt,
+    make_chain_sum,
+    make_splits,
+    read_jsonl,
+    write_splits,
+)
+from posttrain.errors import ConfigError
+
+
+def _evaluate(problem: str) -> int:
+    """Independent left-to-right evaluation of 'What is a + b - c?'."""
+    tokens = re.findall(r"\d+|[+-]", problem)
+    value = int(tokens[0])
+    for op, num in zip(tokens[1::2], tokens[2::2]):
+        value += int(num) if op == "+" else -int(num)
+    return value
+
+
+def test_same_seed_same_problems_and_different_seed_differs():
+    a = make_chain_sum(50, seed=3)
+    assert a == make_chain_sum(50, seed=3)
+    assert a != make_chain_sum(50, seed=4)
+
+
+def test_answers_are_correct_and_ranges_respected():
+    rows = make_chain_sum(200, seed=1, num_terms=4, min_value=1, max_value=9)
+    for row in rows:
+        numbers = [int(x) for x in re.findall(r"\d+", row["problem"])]
+        assert len(numbers) == 4 and all(1 <= x <= 9 for x in numbers)
+        assert int(row["answer"]) == _evaluate(row["problem"]) >= 0
+        assert row["problem"] in row["prompt"]
+    assert len({r["problem"] for r in rows}) == 200
+
+
+def test_hand_checked_example_and_negative_option():
+    assert _evaluate("What is 3 + 5 + 2 - 4?") == 6
+    rows = make_chain_sum(300, seed=2, num_terms=3, allow_negative=True)
+    assert any(int(r["answer"]) < 0 for r in rows)
+    assert all(int(r["answer"]) == _evaluate(r["problem"]) for r in rows)
+
+
+def test_splits_are_disjoint_and_written_atomically(tmp_path):
+    train_path, test_path = write_splits(tmp_path, num_train=300, num_test=100, seed=0,
+                                         num_terms=2, max_value=20)
+    train, test = read_jsonl(train_path), read_jsonl(test_path)
+    assert (len(train), len(test)) == (300, 100)
+    assert not {r["problem"] for r in train} & {r["problem"] for r in test}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["test.jsonl", "train.jsonl"]
+    assert make_splits(300, 100, 0, num_terms=2, max_value=20) == (train, test)
+
+
+def test_too_small_space_and_bad_style_raise():
+    with pytest.raises(ConfigError, match="distinct"):
+        make_chain_sum(200, seed=0, num_terms=2, min_value=1, max_value=3)  # only 18 problems
+    with pytest.raises(ConfigError, match="known: answer_is, boxed, plain"):
+        format_prompt("What is 1 + 1?", "latex")
+
+
+@pytest.mark.parametrize(
+    ("text", "strict", "expected"),
+    [
+        ("so \\boxed{12} and later 13", True, "12"),
+        ("<answer> -4 </answer>", True, "-4"),
+        ("3 + 4 = 7. The answer is 7.", True, "7"),
+        ("The answer is: 1,234", True, "1234"),
+        ("2 + 6 - 8 = 0", True, None),
+        ("2 + 6 - 8 = 0", False, "0"),
+        ("no numbers", False, None),
+    ],
+)
+def test_extract_answer(text, strict, expected):
+    assert extract_answer(text, strict=strict) == expected
+
+
+def test_score():
+    assert score("The answer is 15.", "15") == 1.0
+    assert score("The answer is 16.", "15") == 0.0
+    assert score("9 + 6 = 15", "15") == 0.0
+    assert score("9 + 6 = 15", "15", strict=False) == 1.0
