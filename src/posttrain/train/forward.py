@@ -78,7 +78,9 @@ def response_logprobs(
     """Log-probs ``[B, R]`` of the response tokens (0 on padding) and optionally their entropy.
 
     ``entropy_grad=False`` computes the entropy without building a graph (for a metric only).
+    ``temperature=0`` (greedy sampling) means 1, as the rollout engine reports greedy log-probs.
     """
+    temperature = temperature if temperature > 0 else 1.0
     num_resp = response_width(batch)
     logits = response_logits(model, batch)
     labels = batch["input_ids"][:, -num_resp:]
