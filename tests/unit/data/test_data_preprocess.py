@@ -262,3 +262,16 @@ def test_cli_with_overrides(tmp_path, tok_dir, capsys):
 def test_shipped_dataset_configs_validate(name):
     cfg = pp.load_config(name, overrides=["tokenizer_name_or_path=some/dir", "workers=2"])
     assert cfg.workers == 2 and cfg.tokenizer_name_or_path == "some/dir" and cfg.map_keys["prompt"]
+
+
+def test_sft_append_eod_and_hf_chat_template(tmp_path, tok_dir, tok):
+    path = _jsonl(tmp_path / "in.jsonl", ROWS[:1])
+    pp.preprocess(_cfg(tmp_path, tok_dir, path, handler_name="AlpacaStyleInstructionHandler", prompt_type="empty",
+                       dataset_additional_keys=[], append_eod=True), progress=False)
+    ids, labels = _read(str(tmp_path / "out" / "data"), "input_ids")[0], _read(str(tmp_path / "out" / "data"), "labels")[0]
+    assert ids[-1] == labels[-1] == tok.eos_token_id and tok.decode(ids) == "What is 2 + 3?5<|im_end|>"
+    pp.preprocess(_cfg(tmp_path, tok_dir, path, prompt_type="hf_chat_template",
+                       output_prefix=str(tmp_path / "hf" / "d")), progress=False)
+    prompt = _read(str(tmp_path / "hf" / "d"), "input_ids")[0]
+    assert tok.decode(prompt) == tok.apply_chat_template([{"role": "user", "content": "What is 2 + 3?"}],
+                                                         tokenize=False, add_generation_prompt=True)
