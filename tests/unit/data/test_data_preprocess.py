@@ -275,3 +275,12 @@ def test_sft_append_eod_and_hf_chat_template(tmp_path, tok_dir, tok):
     prompt = _read(str(tmp_path / "hf" / "d"), "input_ids")[0]
     assert tok.decode(prompt) == tok.apply_chat_template([{"role": "user", "content": "What is 2 + 3?"}],
                                                          tokenize=False, add_generation_prompt=True)
+
+
+def test_r1_history_keeps_user_turns_only(tmp_path, tok_dir, tok):
+    rows = [{"instruction": "Q2", "output": "A2", "hist": [["Q1", "A1"]], "sys": "S"}]
+    pp.preprocess(_cfg(tmp_path, tok_dir, _jsonl(tmp_path / "in.jsonl", rows), prompt_type="qwen",
+                       map_keys={"history": "hist", "system": "sys"}), progress=False)
+    text = tok.decode(_read(str(tmp_path / "out" / "data"), "input_ids")[0])
+    assert text == ("<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nQ1<|im_end|>\n<|im_start|>assistant\n"
+                    "\n<|im_start|>user\nQ2<|im_end|>\n<|im_start|>assistant\n")  # the seed drops A1<|im_end|>
