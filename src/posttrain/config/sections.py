@@ -55,7 +55,7 @@ class RLConfig(Section):
     kl_horizon: float = F(1000, "adaptive KL horizon")
     kl_target: float = F(100.0, "adaptive KL target")
     adv_estimator: str = F("group_norm", "group_norm, gae, grpo_no_std, rloo, reinforce_plus_plus, ...")
-    policy_loss: str = F("ppo_clip", "posttrain: ppo_clip, dual_clip or gspo")
+    policy_loss: str = F("ppo", "posttrain: ppo (clipped surrogate; dual-clip with clip_ratio_c) or gspo")
     verifier_function: list[str] = F(["base_acc"], "rule verifiers")
     verifier_weight: list[float] = F([1.0], "weights, one per verifier")
     verifier_parallel: int = F(1, "verifier worker processes (honoured, unlike the seed)")

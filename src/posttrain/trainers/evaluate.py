@@ -1,0 +1,47 @@
+"""Accuracy of a policy on held-out prompts: greedy or sampled generation scored by verifiers.
+
+* ``accuracy`` / ``pass@1``: the share of prompts whose first sample scores >= ``threshold``
+  (with greedy decoding, the greedy accuracy);
+* ``avg@k``: the mean over all k samples of each prompt, averaged over prompts;
+* ``pass@k``: the share of prompts with at least one sample scoring >= ``threshold``;
+* ``score/mean``: the mean weighted verifier score.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+
+def evaluate(engine, tokenizer, prompts: list[list[int]], labels: list[str], reward, *, sampling,
+             n: int = 1, stop_token_ids=None, threshold: float = 1.0, batch_size: int = 64) -> dict[str, float]:
+    """Generate ``n`` samples per prompt with ``engine`` and score them with ``reward`` (a RuleReward)."""
+    from posttrain.reward.decoding import decode_responses
+
+    scores_by_prompt: list[list[float]] = []
+    for start in range(0, len(prompts), batch_size):
+        chunk = prompts[start:start + batch_size]
+        outs = engine.generate(chunk, n, sampling, stop_token_ids)
+        texts = decode_responses(tokenizer, [o.token_ids for group in outs for o in group])
+        chunk_labels = [labels[start + i] for i, group in enumerate(outs) for _ in group]
+        scores, _ = reward.score(texts, chunk_labels)
+        for i in range(len(chunk)):
+            scores_by_prompt.append(scores[i * n:(i + 1) * n])
+    if not scores_by_prompt:
+        return {}
+    t = torch.tensor(scores_by_prompt, dtype=torch.float64)
+    correct = (t >= threshold - 1e-9).to(torch.float64)
+    return {
+        "accuracy": correct[:, 0].mean().item(),
+        "pass@1": correct[:, 0].mean().item(),
+        f"avg@{n}": correct.mean().item(),
+        f"pass@{n}": correct.max(dim=1).values.mean().item(),
+        "score/mean": t.mean().item(),
+        "num_prompts": float(len(scores_by_prompt)),
+    }
+
+
+def greedy(sampling):
+    """The same sampling parameters with temperature 0 (greedy decoding)."""
+    return replace(sampling, temperature=0.0, seed=0)

@@ -1,0 +1,117 @@
+"""The offline loop (SFT): batches from a fixed dataset, one optimizer step per global batch.
+
+SFT samples come from ``AlpacaStyleInstructionHandler`` data: ``input_ids`` with ``labels`` that are
+-100 (IGNORE) on the prompt tokens. Each sample is split there into prompt and response, put in the
+training layout of :mod:`posttrain.train.forward`, and trained with cross-entropy on the response
+tokens, token-mean over the whole global batch.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from posttrain.config.run import RunConfig
+from posttrain.config.validate import Layout
+from posttrain.device import resolve_device
+from posttrain.errors import DataError
+from posttrain.metrics.reduce import MetricAccumulator
+from posttrain.metrics.timers import Timers
+from posttrain.trainers import setup
+from posttrain.trainers.experience import sequence_batch
+
+log = logging.getLogger(__name__)
+IGNORE_INDEX = -100
+
+
+def split_sample(input_ids: np.ndarray, labels: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """(prompt, response) of one unpacked SFT sample: the response starts at the first label."""
+    valid = np.flatnonzero(labels != IGNORE_INDEX)
+    if valid.size == 0:
+        raise DataError("an SFT sample has no response tokens (every label is -100)")
+    start = int(valid[0])
+    if not np.all(labels[start:] != IGNORE_INDEX):
+        raise DataError("packed SFT samples (several prompts per row) are not supported by the SFT trainer; "
+                        "preprocess with pack: false")
+    return torch.as_tensor(input_ids[:start], dtype=torch.long), torch.as_tensor(input_ids[start:], dtype=torch.long)
+
+
+class SFTTrainer:
+    def __init__(self, cfg: RunConfig, layout: Layout, run_dir: Path):
+        from posttrain.checkpoint import load_checkpoint, resolve_checkpoint
+        from posttrain.data.datasets import SFTDataset
+        from posttrain.data.sampler import ResumableSampler
+        from posttrain.metrics.sinks import MetricsLogger
+
+        a = cfg.actor
+        self.cfg, self.run_dir = cfg, run_dir
+        run_dir.mkdir(parents=True, exist_ok=True)
+        setup.seed_everything(a.seed)
+        self.device = resolve_device(cfg.rl.device)
+        dtype, _ = setup.precision(cfg, self.device)
+        if not a.data_path:
+            raise DataError("megatron_training.data_path is not set: give the prefix of a preprocessed SFT dataset")
+        self.dataset = SFTDataset(a.data_path, seq_length=a.seq_length, split=a.split)
+        if len(self.dataset) == 0:
+            raise DataError(f"the SFT dataset {a.data_path} is empty")
+        self.model, self.tokenizer, source = setup.build_actor_model(cfg, self.device)
+        self.engine = setup.build_train_engine(self.model, a, a.train_iters, dtype, metric_prefix="sft")
+        self.iteration, sampler_state = 0, None
+        _, full = resolve_checkpoint(source)
+        if full and not a.finetune:
+            state = load_checkpoint(source, self.model, self.engine.optimizer, self.engine.scheduler,
+                                    no_load_optim=bool(a.no_load_optim), no_load_rng=bool(a.no_load_rng))
+            self.iteration, sampler_state = int(state["iteration"]), state.get("sampler_state")
+        self.sampler = ResumableSampler.from_seed_flags(
+            len(self.dataset), a.global_batch_size, a.seed, no_shuffle=a.no_shuffle,
+            full_shuffle_instruction_dataset=a.full_shuffle_instruction_dataset,
+            total_samples=a.train_iters * a.global_batch_size)
+        if sampler_state is not None:
+            self.sampler.load_state_dict(sampler_state)
+        self.logger = MetricsLogger(run_dir, cfg.rl.use_tensorboard, cfg.rl.tensorboard_log_dir,
+                                    total_iters=a.train_iters, start_iteration=self.iteration)
+        (run_dir / "config.json").write_text(json.dumps(cfg.raw, indent=2, default=str))
+
+    def batch(self) -> dict[str, torch.Tensor]:
+        pairs = [split_sample(it["input_ids"], it["labels"]) for it in
+                 (self.dataset[i] for i in self.sampler.next_batch())]
+        tensors = sequence_batch([p for p, _ in pairs], [r for _, r in pairs], self.tokenizer.pad_token_id)
+        return {k: v.to(self.device) for k, v in tensors.items()}
+
+    def fit(self) -> dict[str, float]:
+        from posttrain.train.loss_fns import make_sft_loss_fn
+
+        a, loss_fn, last = self.cfg.actor, make_sft_loss_fn(), {}
+        try:
+            for iteration in range(self.iteration + 1, a.train_iters + 1):
+                timers, acc = Timers(), MetricAccumulator()
+                with timers("all"):
+                    batch = self.batch()
+                    steps = self.engine.update(batch, loss_fn, mini_batch_size=a.global_batch_size)
+                for step in steps:
+                    acc.update(step)
+                last = {**acc.reduce(), **timers.metrics(),
+                        "sft/tokens": float(batch["attention_mask"].sum())}
+                self.iteration = iteration
+                self.logger.log(iteration, last)
+                if a.save and a.save_interval and iteration % a.save_interval == 0:
+                    self.save(iteration)
+            if a.save and self.iteration > 0:
+                self.save(self.iteration)
+        finally:
+            self.logger.close()
+        return last
+
+    def save(self, iteration: int):
+        from posttrain.checkpoint import save_checkpoint
+
+        a = self.cfg.actor
+        return save_checkpoint(a.save, iteration, self.model, self.engine.optimizer, self.engine.scheduler,
+                               tokenizer=self.tokenizer, sampler_state=self.sampler.state_dict(),
+                               trainer_state={"iteration": iteration,
+                                              "consumed_samples": iteration * a.global_batch_size},
+                               save_optim=not a.no_save_optim, save_rng=not a.no_save_rng)

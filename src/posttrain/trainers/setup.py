@@ -1,0 +1,150 @@
+"""Building the pieces of a run from its config: device, precision, models, data, rewards, logs.
+
+Each function takes the config values it needs and returns one component; the trainers call them.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import random
+from pathlib import Path
+
+import numpy as np
+
+from posttrain.config.megatron import MegatronConfig
+from posttrain.config.run import RunConfig
+from posttrain.errors import ConfigError, DataError
+
+log = logging.getLogger(__name__)
+
+
+def seed_everything(seed: int) -> None:
+    import torch
+
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def cpu_supports_bf16() -> bool:
+    """AMX or AVX512-BF16 on this CPU (where a bf16 matmul beats fp32)."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
+def explicitly_set(cfg: RunConfig, section_key: tuple[str, ...]) -> bool:
+    """Whether a key was written in the YAML or the overrides (not just a schema default)."""
+    node = cfg.raw
+    for part in section_key:
+        if not isinstance(node, dict) or part not in node:
+            return False
+        node = node[part]
+    return True
+
+
+def precision(cfg: RunConfig, device: str) -> tuple[str, str]:
+    """(training dtype, rollout dtype). On CPU: fp32 unless bf16 is asked for explicitly and the CPU
+    has bf16 matmuls; on GPU: the config's bf16 / generate_config.dtype."""
+    want_train_bf16 = cfg.actor.bf16
+    want_rollout = cfg.generate.dtype
+    if device.startswith("cpu"):
+        asked = (explicitly_set(cfg, ("megatron_training", "bf16")) or explicitly_set(cfg, ("actor_config", "bf16")))
+        want_train_bf16 = want_train_bf16 and asked and cpu_supports_bf16()
+        if not explicitly_set(cfg, ("generate_config", "dtype")) or not cpu_supports_bf16():
+            want_rollout = "float32"
+    return ("bfloat16" if want_train_bf16 else "float32"), ("bfloat16" if want_rollout == "bfloat16" else "float32")
+
+
+def model_source(actor: MegatronConfig) -> str:
+    """Where the actor's initial weights come from: ``load`` (a checkpoint or HF dir), else the
+    tokenizer path, which for Hugging Face models is the model directory."""
+    source = actor.load or actor.tokenizer_name_or_path
+    if not source:
+        raise ConfigError("set actor_config.load (an HF model or checkpoint directory) or "
+                          "megatron_training.tokenizer_name_or_path (an HF model directory)")
+    if not Path(source).exists():
+        raise ConfigError(f"actor_config.load / tokenizer_name_or_path: {source} does not exist")
+    return source
+
+
+def build_actor_model(cfg: RunConfig, device: str):
+    """The HF actor model (fp32 master weights) and its tokenizer."""
+    from posttrain.checkpoint import resolve_checkpoint
+    from posttrain.models.loading import check_vocab, load_causal_lm, load_tokenizer
+
+    source = model_source(cfg.actor)
+    path, _ = resolve_checkpoint(source)
+    model = load_causal_lm(path, device=device, dtype="float32")
+    tok_path = cfg.actor.tokenizer_name_or_path or path
+    tokenizer = load_tokenizer(tok_path)
+    check_vocab(model, tokenizer, f"tokenizer {tok_path} vs model {path}")
+    if getattr(model.config, "use_cache", None) is not None:
+        model.config.use_cache = False
+    return model, tokenizer, source
+
+
+def build_frozen_copy(model, ref_path: str | None, device: str):
+    """The reference policy: a frozen copy of the initial actor, or a model loaded from ref_path."""
+    import torch
+
+    if ref_path:
+        from posttrain.checkpoint import resolve_checkpoint
+        from posttrain.models.loading import load_causal_lm
+
+        ref = load_causal_lm(resolve_checkpoint(ref_path)[0], device=device)
+    else:
+        ref = copy.deepcopy(model)
+    ref.eval()
+    for p in ref.parameters():
+        p.requires_grad_(False)
+    assert all(not p.requires_grad for p in ref.parameters())
+    return ref.to(torch.float32)
+
+
+def build_train_engine(model, actor: MegatronConfig, total_steps: int, dtype: str, *, metric_prefix="actor"):
+    from posttrain.train.engine import TrainEngine
+    from posttrain.train.optim import build_lr_scheduler, build_optimizer
+
+    optimizer = build_optimizer(model, actor.lr, actor.weight_decay, actor.adam_beta1, actor.adam_beta2)
+    scheduler = build_lr_scheduler(optimizer, lr=actor.lr, min_lr=actor.min_lr, lr_decay_style=actor.lr_decay_style,
+                                   lr_warmup_fraction=actor.lr_warmup_fraction, total_steps=max(total_steps, 1))
+    return TrainEngine(model, optimizer, scheduler, clip_grad=actor.clip_grad,
+                       micro_batch_size=actor.micro_batch_size, dtype=dtype,
+                       activation_checkpointing=actor.recompute_granularity is not None,
+                       metric_prefix=metric_prefix)
+
+
+def stop_token_ids(tokenizer, prompt_type: str | None, prompt_type_path: str | None) -> list[int]:
+    """eos plus the template's stop words that are single tokens."""
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    words: list[str] = []
+    if prompt_type and prompt_type != "hf_chat_template":
+        from posttrain.data.templates import get_template
+
+        path = prompt_type_path if prompt_type_path and Path(prompt_type_path).is_file() else None
+        words = list(get_template(prompt_type, path).stop_words)
+    for word in words:
+        tid = tokenizer.convert_tokens_to_ids(word)
+        if isinstance(tid, int) and tid != tokenizer.unk_token_id:
+            ids.add(tid)
+    return sorted(ids)
+
+
+def build_prompt_dataset(actor: MegatronConfig, max_prompt_length: int, data_path: str | None = None):
+    from posttrain.data.datasets import PromptDataset
+
+    prefix = data_path or actor.data_path
+    if not prefix:
+        raise ConfigError("megatron_training.data_path is not set: give the prefix of a preprocessed dataset")
+    dataset = PromptDataset(prefix, max_prompt_length=max_prompt_length,
+                            additional_keys=actor.dataset_additional_keys or ["labels"], split=actor.split)
+    if len(dataset) == 0:
+        why = (f" all {dataset.num_filtered} prompts are at least max_prompt_length={max_prompt_length} tokens"
+               if dataset.num_filtered else "")
+        raise DataError(f"the prompt dataset {prefix} is empty:{why or ' no rows'}; raise "
+                        f"rl_config.max_prompt_length or check the data")
+    return dataset
