@@ -21,6 +21,7 @@ PROMPT_STYLES = {
     "plain": "{problem}",
     "boxed": "{problem} Put the final answer in \\boxed{{}}.",
     "answer_is": "{problem} End your reply with 'The answer is N.' where N is the result.",
+    "equation": "{problem} Write the calculation as an equation, e.g. 2 + 3 = 5.",
 }
 
 

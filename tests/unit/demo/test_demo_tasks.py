@@ -62,7 +62,7 @@ def test_splits_are_disjoint_and_written_atomically(tmp_path):
 def test_too_small_space_and_bad_style_raise():
     with pytest.raises(ConfigError, match="distinct"):
         make_chain_sum(200, seed=0, num_terms=2, min_value=1, max_value=3)  # only 18 problems
-    with pytest.raises(ConfigError, match="known: answer_is, boxed, plain"):
+    with pytest.raises(ConfigError, match="known: answer_is, boxed, equation, plain"):
         format_prompt("What is 1 + 1?", "latex")
 
 
