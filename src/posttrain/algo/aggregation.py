@@ -11,6 +11,11 @@ in so that a mini-batch split into micro-batches gives the same gradient as one 
   (rows in the mini-batch). The DAPO ``token_level_loss: false`` mode and GSPO's default.
 * ``seq-mean-token-sum``: each row's token sum, summed over rows, divided by ``num_seqs``
   (Dr. GRPO's length-unbiased sum; divide the result by a constant length if wanted).
+* ``seq-mean-token-sum-norm``: ``sum_i sum_t loss_it / (num_seqs * L)`` with a **constant**
+  length ``L = norm_length`` (the generation budget ``max_tokens``; default the padded width
+  ``T``). Dr. GRPO (Liu et al. 2025, "Understanding R1-Zero-Like Training") replaces the
+  per-response ``1/|o_i|`` of GRPO by this constant, so long wrong answers are not penalised
+  less per token than short ones.
 
 When ``num_tokens`` / ``num_seqs`` are None the micro-batch's own counts are used.
 """
@@ -46,22 +51,29 @@ def _safe(count) -> torch.Tensor | float:
 
 
 @register_aggregation("token-mean")
-def _token_mean(loss_mat, mask, num_tokens=None, num_seqs=None):
+def _token_mean(loss_mat, mask, num_tokens=None, num_seqs=None, **_):
     total = mask.sum() if num_tokens is None else num_tokens
     return (loss_mat * mask).sum() / _safe(total)
 
 
 @register_aggregation("seq-mean-token-mean")
-def _seq_mean_token_mean(loss_mat, mask, num_tokens=None, num_seqs=None):
+def _seq_mean_token_mean(loss_mat, mask, num_tokens=None, num_seqs=None, **_):
     per_seq = (loss_mat * mask).sum(-1) / mask.sum(-1).clamp(min=1e-8)
     total = loss_mat.shape[0] if num_seqs is None else num_seqs
     return per_seq.sum() / _safe(total)
 
 
 @register_aggregation("seq-mean-token-sum")
-def _seq_mean_token_sum(loss_mat, mask, num_tokens=None, num_seqs=None):
+def _seq_mean_token_sum(loss_mat, mask, num_tokens=None, num_seqs=None, **_):
     total = loss_mat.shape[0] if num_seqs is None else num_seqs
     return (loss_mat * mask).sum() / _safe(total)
+
+
+@register_aggregation("seq-mean-token-sum-norm")
+def _seq_mean_token_sum_norm(loss_mat, mask, num_tokens=None, num_seqs=None, norm_length=None):
+    total = loss_mat.shape[0] if num_seqs is None else num_seqs
+    length = loss_mat.shape[-1] if norm_length is None else norm_length
+    return (loss_mat * mask).sum() / _safe(total) / _safe(length)
 
 
 def aggregation_modes() -> list[str]:
@@ -76,11 +88,15 @@ def aggregate_loss(
     mode: str = "token-mean",
     num_tokens: torch.Tensor | float | None = None,
     num_seqs: torch.Tensor | float | None = None,
+    norm_length: float | None = None,
 ) -> torch.Tensor:
-    """Reduce ``loss_mat [B, T]`` under ``mask`` with the named ``mode`` (see module docstring)."""
+    """Reduce ``loss_mat [B, T]`` under ``mask`` with the named ``mode`` (see module docstring).
+
+    ``norm_length`` is the constant length of ``seq-mean-token-sum-norm`` (ignored by the others).
+    """
     if mode not in _AGGREGATORS:
         raise ConfigError(
             f"Unknown loss aggregation mode {mode!r}; known modes: {', '.join(aggregation_modes())}."
         )
     mask = mask.to(loss_mat.dtype)
-    return _AGGREGATORS[mode](loss_mat, mask, num_tokens=num_tokens, num_seqs=num_seqs)
+    return _AGGREGATORS[mode](loss_mat, mask, num_tokens=num_tokens, num_seqs=num_seqs, norm_length=norm_length)

@@ -112,10 +112,15 @@ def compute_policy_loss(
     loss_agg_mode: str = "token-mean",
     num_tokens: torch.Tensor | float | None = None,
     num_seqs: torch.Tensor | float | None = None,
+    norm_length: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The named policy-gradient loss; metrics ``actor/pg_clipfrac``, ``actor/ppo_kl``."""
+    """The named policy-gradient loss; metrics ``actor/pg_clipfrac``, ``actor/ppo_kl``.
+
+    ``norm_length``: the constant length of ``loss_agg_mode="seq-mean-token-sum-norm"``.
+    """
     mask = response_mask.to(logprobs.dtype)
-    agg = partial(aggregate_loss, mode=loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs)
+    agg = partial(aggregate_loss, mode=loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs,
+                  norm_length=norm_length)
     token_agg = partial(aggregate_loss, mode="token-mean", num_tokens=num_tokens)
     return get_policy_loss(policy_loss)(
         logprobs,
@@ -144,6 +149,7 @@ def actor_loss(
     loss_agg_mode: str = "token-mean",
     num_tokens: torch.Tensor | float | None = None,
     num_seqs: torch.Tensor | float | None = None,
+    norm_length: float | None = None,
     **policy_kwargs,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """``pg + kl_coef * KL - entropy_coeff * H`` (GRPO puts the KL in the loss; DAPO/PPO pass no ref).
@@ -154,7 +160,7 @@ def actor_loss(
     ``actor/pg_clipfrac``, ``actor/ppo_kl``, ``actor/kl_loss`` (when ``ref_logprobs`` is given),
     ``actor/entropy`` (when ``entropy`` is given).
     """
-    counts = {"num_tokens": num_tokens, "num_seqs": num_seqs}
+    counts = {"num_tokens": num_tokens, "num_seqs": num_seqs, "norm_length": norm_length}
     mask = response_mask.to(logprobs.dtype)
     pg, metrics = compute_policy_loss(
         logprobs, old_logprobs, advantages, mask, loss_agg_mode=loss_agg_mode, **counts, **policy_kwargs

@@ -56,6 +56,8 @@ class RLConfig(Section):
     kl_target: float = F(100.0, "adaptive KL target")
     adv_estimator: str = F("group_norm", "group_norm, gae, grpo_no_std, rloo, reinforce_plus_plus, ...")
     policy_loss: str = F("ppo", "posttrain: ppo (clipped surrogate; dual-clip with clip_ratio_c) or gspo")
+    loss_agg_mode: Opt[str] = F(None, "posttrain: token-mean, seq-mean-token-mean, seq-mean-token-sum or "
+                                      "seq-mean-token-sum-norm; default: the algorithm's (DAPO: token_level_loss)")
     verifier_function: list[str] = F(["base_acc"], "rule verifiers")
     verifier_weight: list[float] = F([1.0], "weights, one per verifier")
     verifier_parallel: int = F(1, "verifier worker processes (honoured, unlike the seed)")

@@ -22,6 +22,7 @@ from posttrain.metrics.reduce import MetricAccumulator
 from posttrain.metrics.stats import compute_tps, prompt_length_metrics, response_length_metrics, score_metrics
 from posttrain.metrics.timers import Timers
 from posttrain.trainers.bundles import Bundle
+from posttrain.trainers.dynamic_sampling import score_columns
 from posttrain.trainers.experience import per_token, sequence_batch, unpad
 from posttrain.trainers.session import Session
 from posttrain.transfer_dock import TransferDock
@@ -47,6 +48,16 @@ class OnPolicyTrainer:
             self.kl_ctrl.load_state_dict(session.trainer_state["kl_ctrl"])
         # The seed skips the old-logprob pass when the update is purely on-policy (ratio == 1).
         self.skip_old_logprobs = rl.mini_batch_size == self.gbs and rl.epochs == 1 and not rl.use_kl_in_reward
+        # PPO: the critic role (values, GAE, value-loss update); DAPO: dynamic sampling
+        from posttrain.trainers.dynamic_sampling import DynamicSampler
+        from posttrain.trainers.ppo import Critic
+
+        self.critic = Critic(cfg, session) if bundle.uses_critic else None
+        self.dynamic = (DynamicSampler(rl, self.gbs, cfg.actor.seed)
+                        if bundle.name == "dapo" and rl.filter_groups_enable else None)
+        self.train_rows = self.dynamic.train_rows if self.dynamic is not None else self.gbs * self.n
+        if self.dynamic is not None:  # dynamic sampling updates on filter_groups_train_batch_size prompts
+            self.skip_old_logprobs = rl.mini_batch_size == self.dynamic.train_prompts and rl.epochs == 1
 
     # ------------------------------------------------------------------------------------------
     def fit(self) -> dict[str, float]:
@@ -63,16 +74,20 @@ class OnPolicyTrainer:
     def train_step(self, iteration: int) -> dict[str, float]:
         rl, s = self.cfg.rl, self.s
         timers, acc = Timers(), MetricAccumulator()
-        td = TransferDock(self.gbs * self.n, COLUMNS, CONSUMERS, n_samples_per_prompt=self.n,
+        td = TransferDock(self.train_rows, COLUMNS, CONSUMERS, n_samples_per_prompt=self.n,
                           guarantee_order=rl.guarantee_order, seed=self.cfg.actor.seed + iteration)
         with timers("all"):
-            self.put_prompts(td)
-            with timers("rollout"):
-                self.rollout(td, iteration)
-            with timers("rule_reward"):
-                self.reward(td, acc)
-            with timers("adv"):
-                self.advantages(td)
+            if self.dynamic is not None:  # DAPO: generate and filter until the batch is full
+                self.dynamic.fill(self, td, timers, acc, iteration)
+            else:
+                self.put_prompts(td)
+                with timers("rollout"):
+                    self.rollout(td, iteration)
+                with timers("rule_reward"):
+                    self.reward(td, acc)
+            if self.critic is None:
+                with timers("adv"):
+                    self.advantages(td)
             if self.s.reference is not None:
                 with timers("reference_model"):
                     self.logprobs(td, "ref_log_prob", "ref_log_prob", s.reference, rl.ref_dispatch_size,
@@ -81,14 +96,26 @@ class OnPolicyTrainer:
                 with timers("old_log_p"):
                     self.logprobs(td, "actor_log_prob", "old_log_prob", s.actor, rl.actor_logprob_dispatch_size,
                                   rl.actor_forward_micro_batch_size)
+            if self.critic is not None:  # PPO: values, then GAE on them, then the critic's own update
+                with timers("critic_model"):
+                    self.critic.compute_values(td)
+                with timers("adv"):
+                    self.critic.advantages(td, acc, self.kl_ctrl)
+                with timers("update_critic"):
+                    self.critic.update(td, acc, iteration)
             with timers("update"):
                 self.update(td, acc, iteration)
         metrics = acc.reduce()
         metrics.update(self.data_metrics(td))
         metrics.update(timers.metrics())
+        if self.dynamic is not None:
+            metrics.update(self.dynamic.metrics())
+        gen = self.dynamic.num_gen_batches if self.dynamic is not None else 1
         metrics.update(compute_tps(metrics, global_batch_size=self.gbs, n_samples_per_prompt=self.n,
-                                   world_size=self.layout.num_devices, log_max_throughput=rl.log_max_throughput))
-        self.kl_ctrl.update(metrics.get("actor/kl_loss", 0.0), self.gbs * self.n)
+                                   world_size=self.layout.num_devices, log_max_throughput=rl.log_max_throughput,
+                                   num_gen_batches=gen, update_batch_size=self.train_rows // self.n))
+        current_kl = metrics.get("actor/kl_loss", metrics.get("actor/reward_kl_penalty", 0.0))
+        self.kl_ctrl.update(current_kl, self.train_rows)
         metrics["actor/kl_coef"] = self.kl_ctrl.value
         return metrics
 
@@ -120,6 +147,9 @@ class OnPolicyTrainer:
             lengths = [int(x) for x in batch["response_length"]]
             result = self.s.rule_reward.score_detailed(texts, labels, response_lengths=lengths)
             td.put(["rm_scores"], idx, [torch.tensor(result.scores, dtype=torch.float32)])
+            names, per_verifier = score_columns(td, result.per_verifier)  # DAPO's filter metric, when the dock has it
+            if names:
+                td.put(names, idx, per_verifier)
             acc.update(result.metrics)
 
     def advantages(self, td: TransferDock) -> None:

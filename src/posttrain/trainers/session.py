@@ -49,6 +49,7 @@ class Session:
 
         # resume or start
         self.trainer_state: dict[str, Any] = {}
+        self.extra_parts: dict[str, Any] = {}  # more trained modules to checkpoint (PPO: "critic")
         self.iteration, self.consumed_samples = 0, 0
         sampler_state = None
         _, full = resolve_checkpoint(source)
@@ -108,7 +109,7 @@ class Session:
     def actor_loss_fn(self, bundle, kl_coef: float):
         from posttrain.train.loss_fns import make_actor_loss_fn
 
-        kwargs = bundle.actor_loss_kwargs(self.cfg.rl)
+        kwargs = bundle.actor_loss_kwargs(self.cfg.rl, self.cfg.generate.sampling_config.max_tokens)
         temperature = self.cfg.generate.sampling_config.temperature or 1.0
         return make_actor_loss_fn(temperature=temperature, kl_coef=kl_coef if self.reference is not None else 0.0,
                                   **kwargs)
@@ -143,7 +144,8 @@ class Session:
                  "initial_model": self.initial_model, **extra_state}
         return save_checkpoint(a.save, iteration, self.model, self.actor.optimizer, self.actor.scheduler,
                                tokenizer=self.tokenizer, sampler_state=self.sampler.state_dict(),
-                               trainer_state=state, save_optim=not a.no_save_optim, save_rng=not a.no_save_rng)
+                               trainer_state=state, save_optim=not a.no_save_optim, save_rng=not a.no_save_rng,
+                               extra=self.extra_parts)
 
     # ---- held-out evaluation -------------------------------------------------------------------
     def _load_eval_data(self):

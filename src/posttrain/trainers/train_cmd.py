@@ -18,12 +18,18 @@ def run_dir_for(cfg: RunConfig) -> Path:
 def train(cfg: RunConfig) -> dict[str, float]:
     """Run the training job ``cfg`` describes; returns the last iteration's metrics."""
     layout = validate_run_config(cfg, device_type=device_type(cfg.rl.device))
+    from posttrain.trainers.bundles import check_algorithm_config, get_bundle
+
+    check_algorithm_config(cfg)
     run_dir = run_dir_for(cfg)
     if cfg.stage == "sft":
         from posttrain.trainers.offline import SFTTrainer
 
         return SFTTrainer(cfg, layout, run_dir).fit()
-    from posttrain.trainers.bundles import get_bundle
+    if cfg.stage == "dpo":
+        from posttrain.trainers.dpo import DPOTrainer
+
+        return DPOTrainer(cfg, layout, run_dir).fit()
     from posttrain.trainers.onpolicy import OnPolicyTrainer
     from posttrain.trainers.session import Session
 
