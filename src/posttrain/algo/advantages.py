@@ -63,9 +63,12 @@ def scores_to_token_level_rewards(scores: torch.Tensor, response_mask: torch.Ten
     gets no reward.
     """
     rewards = torch.zeros(response_mask.shape, dtype=torch.float32, device=response_mask.device)
-    lengths = response_mask.long().sum(-1)
-    rows = torch.nonzero(lengths > 0).squeeze(-1)
-    rewards[rows, lengths[rows] - 1] = scores.to(torch.float32)[rows]
+    valid = response_mask > 0
+    positions = torch.arange(response_mask.shape[-1], device=response_mask.device)
+    # the last valid position (not count - 1: a multi-turn mask has holes for tool output)
+    last = torch.where(valid, positions, -1).max(-1).values
+    rows = torch.nonzero(last >= 0).squeeze(-1)
+    rewards[rows, last[rows]] = scores.to(torch.float32)[rows]
     return rewards
 
 

@@ -1,0 +1,153 @@
+"""For each algorithm, wrong configs fail validation with a clear message; bundles map keys to losses."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from posttrain.config.run import run_config_from_dict
+from posttrain.config.validate import validate_run_config
+from posttrain.errors import ConfigError
+from posttrain.trainers.bundles import BUNDLES, check_algorithm_config
+
+BASE = {
+    "megatron_training": {"stage": "ray_grpo", "global_batch_size": 8, "seq_length": 256, "micro_batch_size": 4},
+    "rl_config": {"n_samples_per_prompt": 4, "mini_batch_size": 4, "verifier_function": ["acc", "format"],
+                  "verifier_weight": [1.0, 0.5]},
+    "generate_config": {"infer_tensor_parallel_size": 1, "max_model_len": 512, "sampling_config": {"max_tokens": 128}},
+}
+
+
+def make(stage, rl=None, sections=None, train=None):
+    data = copy.deepcopy(BASE)
+    rl = dict(rl or {})
+    if "global_batch_size" in rl:
+        data["megatron_training"]["global_batch_size"] = rl.pop("global_batch_size")
+    data["megatron_training"]["stage"] = stage
+    data["megatron_training"].update(train or {})
+    data["rl_config"].update(rl or {})
+    data.update(copy.deepcopy(sections or {}))
+    return run_config_from_dict(data)
+
+
+def check(cfg):
+    validate_run_config(cfg)
+    check_algorithm_config(cfg)
+
+
+@pytest.mark.parametrize("stage,rl", [
+    ("ray_grpo", {}),
+    ("ray_grpo", {"adv_estimator": "rloo", "policy_loss": "gspo", "loss_agg_mode": "seq-mean-token-sum-norm",
+                  "clip_ratio_c": 3.0}),
+    ("ray_dapo", {"filter_groups_enable": True, "filter_groups_metric": "acc", "filter_groups_train_batch_size": 4,
+                  "clip_higher_enable": True, "clip_ratio_low": 0.2, "clip_ratio_high": 0.28}),
+    ("ray_ppo", {"adv_estimator": "gae", "use_kl_in_reward": True}),
+])
+def test_good_configs_pass(stage, rl):
+    check(make(stage, rl))
+
+
+@pytest.mark.parametrize("stage,rl,message", [
+    # GRPO
+    ("ray_grpo", {"adv_estimator": "gae"}, "'gae' needs a critic; it is only valid with stage ray_ppo"),
+    ("ray_grpo", {"use_kl_in_reward": True}, "use_kl_in_reward is a PPO option"),
+    ("ray_grpo", {"filter_groups_enable": True, "filter_groups_metric": "acc"}, "filter_groups_enable .* is a DAPO"),
+    ("ray_grpo", {"adv_estimator": "best"}, "Unknown advantage estimator .*known: .*rloo"),
+    ("ray_grpo", {"policy_loss": "ppo2"}, "Unknown policy loss 'ppo2'; known: .*gspo"),
+    ("ray_grpo", {"loss_agg_mode": "sum"}, "loss_agg_mode: unknown 'sum'. Known: .*seq-mean-token-sum-norm"),
+    ("ray_grpo", {"clip_ratio_c": 0.5}, "clip_ratio_c must be > 1"),
+    ("ray_grpo", {"adv_estimator": "rloo", "n_samples_per_prompt": 1, "mini_batch_size": 8},
+     "'rloo' needs n_samples_per_prompt >= 2"),
+    # DAPO
+    ("ray_dapo", {"filter_groups_enable": True, "filter_groups_metric": "math_verify", "filter_groups_train_batch_size": 4},
+     r"filter_groups_metric math_verify must in verifier_function \['acc', 'format'\]"),
+    ("ray_dapo", {"filter_groups_enable": True, "filter_groups_metric": "acc", "filter_groups_train_batch_size": 6,
+                  "global_batch_size": 12}, "mini_batch_size 4 must divide filter_groups_train_batch_size 6"),
+    ("ray_dapo", {"clip_higher_enable": True, "clip_ratio_low": 0.3, "clip_ratio_high": 0.2},
+     "clip_ratio_low 0.3 must less than clip_ratio_high 0.2"),
+    ("ray_dapo", {"overlong_buffer_enable": True, "overlong_buffer": 128, "rollout_max_tokens": 128},
+     "Response max length 128 must greater than Dapo overlong buffer 128"),
+    ("ray_dapo", {"overlong_buffer_enable": True, "overlong_buffer": 32, "rollout_max_tokens": 256},
+     "overlong rollout_max_tokens and generate rollout_max_tokens mismatch: 256 vs 128"),
+    ("ray_dapo", {"adv_estimator": "gae"}, "needs a critic"),
+    # PPO
+    ("ray_ppo", {}, "stage ray_ppo trains a critic and needs rl_config.adv_estimator: gae"),
+    ("ray_ppo", {"adv_estimator": "gae", "cliprange_value": 0.0}, "cliprange_value must be > 0"),
+    ("ray_ppo", {"adv_estimator": "gae", "lam": 1.5}, "gamma and lam must be in"),
+    ("ray_ppo", {"adv_estimator": "gae", "use_kl_in_reward": True, "init_kl_coef": 0.0}, "needs init_kl_coef > 0"),
+    ("ray_ppo", {"adv_estimator": "gae", "filter_groups_enable": True}, "is a DAPO option"),
+])
+def test_wrong_config_message(stage, rl, message):
+    with pytest.raises(ConfigError, match=message):
+        check(make(stage, rl))
+
+
+def test_dapo_rejects_ref_config_with_the_seed_message():
+    cfg = make("ray_dapo", sections={"ref_config": {"micro_batch_size": 4}})
+    with pytest.raises(ConfigError, match="^ref_config should not be set when use_integrated_worker mode is on.$"):
+        check(cfg)
+    cfg = make("ray_dapo", rl={"use_integrated_worker": False}, sections={"ref_config": {"micro_batch_size": 4}})
+    with pytest.raises(ConfigError, match="ref_config should not be set"):
+        check(cfg)
+
+
+def test_critic_config_only_for_ppo():
+    with pytest.raises(ConfigError, match="critic_config is only used by stage ray_ppo"):
+        check(make("ray_grpo", sections={"critic_config": {"micro_batch_size": 4}}))
+    cfg = make("ray_ppo", rl={"adv_estimator": "gae"}, sections={"critic_config": {"micro_batch_size": 2,
+                                                                                  "lr": 1e-5}})
+    check(cfg)
+    assert cfg.critic.micro_batch_size == 2 and cfg.critic.seq_length == 256  # megatron_training + critic_config
+
+
+DPO = {"global_batch_size": 8, "micro_batch_size": 4, "is_pairwise_dataset": True}
+
+
+@pytest.mark.parametrize("train,message", [
+    ({"dpo_loss_type": "orpo"}, r"Unknown loss type: orpo. Should be one of \['sigmoid', 'hinge', 'ipo', 'kto_pair'\]"),
+    ({"is_pairwise_dataset": False}, "set megatron_training.is_pairwise_dataset: true"),
+    ({"dpo_beta": 0.0}, "dpo_beta must be > 0"),
+    ({"dpo_label_smoothing": 0.5}, r"dpo_label_smoothing must be in \[0, 0.5\)"),
+    ({"pref_ftx": -1.0}, "pref_ftx must be >= 0"),
+])
+def test_dpo_wrong_config_message(train, message):
+    with pytest.raises(ConfigError, match=message):
+        check(make("dpo", train={**DPO, **train}))
+
+
+def test_dpo_good_config():
+    check(make("dpo", train={**DPO, "dpo_loss_type": "kto_pair", "dpo_label_smoothing": 0.1, "pref_ftx": 0.5}))
+
+
+# ---- what each bundle hands the actor loss -------------------------------------------------------
+def test_grpo_bundle_loss_kwargs():
+    rl = make("ray_grpo", {"kl_penalty": "kl", "clip_ratio": 0.3}).rl
+    kw = BUNDLES["grpo"].actor_loss_kwargs(rl, 128)
+    assert kw["clip_ratio_low"] == kw["clip_ratio_high"] == 0.3
+    assert kw["kl_penalty"] == "kl" and kw["loss_agg_mode"] == "token-mean" and "norm_length" not in kw
+    assert BUNDLES["grpo"].uses_reference(rl) and not BUNDLES["grpo"].uses_critic
+
+
+def test_dapo_bundle_clip_higher_token_level_loss_and_no_reference():
+    rl = make("ray_dapo", {"clip_higher_enable": True, "clip_ratio_low": 0.2, "clip_ratio_high": 0.28,
+                           "token_level_loss": False, "init_kl_coef": 0.5}).rl
+    kw = BUNDLES["dapo"].actor_loss_kwargs(rl, 128)
+    assert (kw["clip_ratio_low"], kw["clip_ratio_high"]) == (0.2, 0.28)
+    assert kw["loss_agg_mode"] == "seq-mean-token-mean" and "kl_penalty" not in kw
+    assert not BUNDLES["dapo"].uses_reference(rl)
+    rl = make("ray_dapo", {"clip_ratio_low": 0.2, "clip_ratio_high": 0.28}).rl  # clip-higher off
+    kw = BUNDLES["dapo"].actor_loss_kwargs(rl, 128)
+    assert kw["clip_ratio_low"] == kw["clip_ratio_high"] == 0.2 and kw["loss_agg_mode"] == "token-mean"
+
+
+def test_loss_agg_mode_override_and_norm_length():
+    rl = make("ray_dapo", {"loss_agg_mode": "seq-mean-token-sum-norm", "token_level_loss": True}).rl
+    kw = BUNDLES["dapo"].actor_loss_kwargs(rl, 128)
+    assert kw["loss_agg_mode"] == "seq-mean-token-sum-norm" and kw["norm_length"] == 128.0
+
+
+def test_ppo_bundle_reference_only_for_kl_in_reward():
+    assert not BUNDLES["ppo"].uses_reference(make("ray_ppo", {"adv_estimator": "gae"}).rl)
+    assert BUNDLES["ppo"].uses_reference(make("ray_ppo", {"adv_estimator": "gae", "use_kl_in_reward": True}).rl)
+    assert BUNDLES["ppo"].uses_critic and BUNDLES["ppo"].metric_prefix == "critic"
