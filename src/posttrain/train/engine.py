@@ -36,6 +36,8 @@ from collections.abc import Callable
 import torch
 
 from posttrain.errors import ConfigError, PosttrainError
+from posttrain.train import remove_padding
+from posttrain.train.dynamic_batch import TokenBudget, split_by_tokens
 from posttrain.train.forward import response_logprobs, response_values
 from posttrain.train.parallel import dp_world_size, global_counts, maybe_no_sync, reduce_metric_totals
 
@@ -84,6 +86,9 @@ class TrainEngine:
         metric_prefix: str = "actor",
         loss_mask_key: str = "response_mask",
         dp_group=None,
+        use_remove_padding: bool = False,
+        forward_budget: TokenBudget | None = None,
+        update_budget: TokenBudget | None = None,
     ):
         if dtype not in _DTYPES:
             raise ConfigError(f"Unsupported training dtype {dtype!r}; known: {', '.join(_DTYPES)}.")
@@ -98,6 +103,11 @@ class TrainEngine:
         self.metric_prefix = metric_prefix
         self.loss_mask_key = loss_mask_key
         self.dp_group = dp_group
+        # performance options (remove_padding.py, dynamic_batch.py): a token budget replaces the
+        # fixed micro-batch size of log-prob passes (forward_budget) and of updates (update_budget)
+        self.use_remove_padding = use_remove_padding
+        self.forward_budget = forward_budget
+        self.update_budget = update_budget
         if activation_checkpointing:
             self._enable_checkpointing()
 
@@ -124,18 +134,35 @@ class TrainEngine:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
+    def _chunks(self, batch, micro_batch_size: int | None, budget: TokenBudget | None) -> list[torch.Tensor]:
+        """Row indices of each micro-batch: fixed-size chunks, or token-balanced ones under a budget."""
+        rows = torch.arange(_num_rows(batch))
+        if budget is None:
+            return _split(rows, micro_batch_size or self.micro_batch_size)
+        lengths = batch["attention_mask"].sum(-1).tolist()
+        return [torch.tensor(g, dtype=torch.long) for g in split_by_tokens(lengths, budget, self._dp_max)]
+
+    def _dp_max(self, value: int) -> int:
+        if dp_world_size(self.dp_group) == 1:
+            return value
+        t = torch.tensor([value], device=self.device)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=self.dp_group)
+        return int(t.item())
+
     @torch.no_grad()
-    def _inference(self, batch, fn, micro_batch_size: int | None) -> list:
-        """``fn(micro_batch)`` in eval mode under autocast, ``micro_batch_size`` rows at a time."""
+    def _inference(self, batch, fn, micro_batch_size: int | None) -> tuple[list, torch.Tensor]:
+        """``fn(micro_batch)`` in eval mode under autocast, ``micro_batch_size`` rows at a time (or
+        token-budget micro-batches); returns the outputs and the order that restores the rows."""
         was_training = self.model.training
         self.model.eval()
-        rows = torch.arange(_num_rows(batch))
+        chunks = self._chunks(batch, micro_batch_size, self.forward_budget)
         try:
             outputs = []
-            for chunk in _split(rows, micro_batch_size or self.micro_batch_size):
-                with self.autocast():
-                    outputs.append(fn(_take(batch, chunk, self.device)))
-            return outputs
+            with remove_padding.packing(self.use_remove_padding):
+                for chunk in chunks:
+                    with self.autocast():
+                        outputs.append(fn(_take(batch, chunk, self.device)))
+            return outputs, torch.cat(chunks).argsort()
         finally:
             self.model.train(was_training)
 
@@ -151,22 +178,22 @@ class TrainEngine:
 
         Runs in eval mode (no dropout) without gradients, ``micro_batch_size`` rows at a time.
         """
-        outputs = self._inference(
+        outputs, order = self._inference(
             batch,
             lambda mb: response_logprobs(self.model, mb, temperature=temperature, with_entropy=with_entropy),
             micro_batch_size,
         )
-        logprobs = torch.cat([lp for lp, _ in outputs])
+        logprobs = torch.cat([lp for lp, _ in outputs])[order.to(outputs[0][0].device)]
         if with_entropy:
-            return logprobs, torch.cat([ent for _, ent in outputs])
+            return logprobs, torch.cat([ent for _, ent in outputs])[order.to(logprobs.device)]
         return logprobs
 
     def compute_values(
         self, batch: dict[str, torch.Tensor], *, micro_batch_size: int | None = None
     ) -> torch.Tensor:
         """Critic values ``[B, R]`` at the response positions (0 on padding), no gradients."""
-        outputs = self._inference(batch, lambda mb: response_values(self.model, mb), micro_batch_size)
-        return torch.cat(outputs)
+        outputs, order = self._inference(batch, lambda mb: response_values(self.model, mb), micro_batch_size)
+        return torch.cat(outputs)[order.to(outputs[0].device)]
 
     def update(
         self,
@@ -220,9 +247,9 @@ class TrainEngine:
         self.optimizer.zero_grad(set_to_none=True)
         totals: dict[str, torch.Tensor] = {}
         bad_loss = None
-        chunks = _split(torch.arange(local_rows), micro_batch_size or self.micro_batch_size)
+        chunks = self._chunks(mini_batch, micro_batch_size, self.update_budget)
         for i, rows in enumerate(chunks):
-            with maybe_no_sync(self.model, i < len(chunks) - 1):
+            with maybe_no_sync(self.model, i < len(chunks) - 1), remove_padding.packing(self.use_remove_padding):
                 with self.autocast():
                     micro_batch = _take(mini_batch, rows, self.device)
                     loss, metrics = loss_fn(self.model, micro_batch, num_tokens=num_tokens, num_seqs=num_seqs)

@@ -24,6 +24,7 @@ import inspect
 import torch
 
 from posttrain.algo.logprob import entropy_from_logits, logprobs_from_logits
+from posttrain.train import remove_padding
 
 
 def default_position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -80,6 +81,9 @@ def response_logprobs(
     ``entropy_grad=False`` computes the entropy without building a graph (for a metric only).
     ``temperature=0`` (greedy sampling) means 1, as the rollout engine reports greedy log-probs.
     """
+    if remove_padding.active():  # rl_config.use_remove_padding: the packed row (remove_padding.py)
+        return remove_padding.packed_response_logprobs(model, batch, temperature=temperature,
+                                                       with_entropy=with_entropy, entropy_grad=entropy_grad)
     temperature = temperature if temperature > 0 else 1.0
     num_resp = response_width(batch)
     logits = response_logits(model, batch)

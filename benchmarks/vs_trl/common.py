@@ -1,0 +1,94 @@
+"""Shared setup of the posttrain-vs-TRL benchmark: one model, one dataset, one reward, one set of
+hyperparameters, written once into a work folder and read by both sides.
+
+* model ``tiny``: ``posttrain.models.init_model.init_model_dir("tiny_qwen2")`` (9.6M parameters);
+  ``smollm2``: a random-init model of SmolLM2-135M's shape (``configs/model/smollm2_135m.yaml``,
+  with the tiny tokenizer; speed does not depend on the weights' values).
+* data: "What is a + b?" prompts (a, b in 0..9), label a + b, preprocessed by posttrain's
+  ``R1AlpacaStyleInstructionHandler``; TRL gets the same prompt token ids decoded back to text.
+* reward: posttrain's ``last_number`` verifier (1 if the last number in the completion is a + b).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+SETTINGS = {  # equal on both sides
+    "num_prompts": 8, "n": 8, "max_tokens": 64, "lr": 1e-5, "temperature": 1.0, "seed": 1,
+    "clip_grad": 1.0, "epsilon": 0.2, "verifier": "last_number",
+}
+MODELS = {"tiny": "tiny_qwen2", "smollm2": "smollm2_135m"}
+
+
+def prepare(work: Path, size: str = "tiny") -> dict[str, str]:
+    """Create (once) the model and the preprocessed data under ``work``; return their paths."""
+    from posttrain.data.preprocess import preprocess
+    from posttrain.models.init_model import init_model_dir
+
+    work.mkdir(parents=True, exist_ok=True)
+    tok_dir = work / "tiny_qwen2"
+    if not (tok_dir / "config.json").exists():
+        init_model_dir("tiny_qwen2", tok_dir)
+    model_dir = work / MODELS[size]
+    if not (model_dir / "config.json").exists():
+        init_model_dir(MODELS[size], model_dir, tokenizer=tok_dir)
+    data_prefix = work / "data" / "rl"
+    if not Path(str(data_prefix) + "_packed_prompts_document.idx").exists() and not list(
+            (work / "data").glob("rl*.idx")):
+        rng = random.Random(0)
+        rows = []
+        for _ in range(4000):
+            a, b = rng.randint(0, 9), rng.randint(0, 9)
+            rows.append({"problem": f"What is {a} + {b}?", "answer": str(a + b)})
+        raw = work / "rl.jsonl"
+        raw.write_text("\n".join(json.dumps(r) for r in rows))
+        preprocess(dict(input=str(raw), handler_name="R1AlpacaStyleInstructionHandler",
+                        output_prefix=str(data_prefix), map_keys={"prompt": "problem", "response": "answer"},
+                        dataset_additional_keys=["labels"], tokenizer_name_or_path=str(tok_dir),
+                        prompt_type="trl", workers=1), progress=False)
+    return {"model": str(model_dir), "data": str(data_prefix), "tokenizer": str(tok_dir)}
+
+
+def posttrain_config(paths: dict[str, str], steps: int, out_dir: str, extra: dict | None = None) -> dict:
+    """The posttrain GRPO run: one optimizer step per iteration over all 64 samples, no KL."""
+    s = SETTINGS
+    cfg = {
+        "megatron_training": {
+            "stage": "ray_grpo", "global_batch_size": s["num_prompts"], "micro_batch_size": s["num_prompts"] * s["n"],
+            "seq_length": 128, "train_iters": steps, "lr": s["lr"], "lr_decay_style": "constant",
+            "weight_decay": 0.0, "clip_grad": s["clip_grad"], "data_path": paths["data"],
+            "tokenizer_name_or_path": paths["tokenizer"], "load": paths["model"], "finetune": True,
+            "seed": s["seed"], "bf16": False, "dataset_additional_keys": ["labels"], "prompt_type": "trl",
+        },
+        "rl_config": {
+            "output_dir": out_dir, "n_samples_per_prompt": s["n"], "mini_batch_size": s["num_prompts"],
+            "verifier_function": [s["verifier"]], "verifier_weight": [1.0], "init_kl_coef": 0.0,
+            "max_prompt_length": 32, "verifier_parallel": 1, "clip_ratio": s["epsilon"],
+        },
+        "generate_config": {
+            "max_model_len": 128, "max_num_seqs": 256, "infer_tensor_parallel_size": 1,
+            "sampling_config": {"max_tokens": s["max_tokens"], "temperature": s["temperature"], "top_k": -1,
+                                "top_p": 1.0},
+        },
+    }
+    for dotted, value in (extra or {}).items():
+        section, key = dotted.split(".", 1)
+        cfg[section][key] = value
+    return cfg
+
+
+def prompt_texts(paths: dict[str, str], count: int) -> list[tuple[str, str]]:
+    """The first ``count`` (prompt text, label text) pairs of the preprocessed data, decoded."""
+    from transformers import AutoTokenizer
+
+    from posttrain.data.datasets import PromptDataset
+
+    tok = AutoTokenizer.from_pretrained(paths["tokenizer"])
+    ds = PromptDataset(paths["data"], max_prompt_length=32, additional_keys=["labels"])
+    out = []
+    for i in range(min(count, len(ds))):
+        item = ds[i]
+        out.append((tok.decode([int(t) for t in item["prompts"]]), tok.decode([int(t) for t in item["labels"]])))
+    return out

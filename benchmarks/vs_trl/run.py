@@ -1,0 +1,95 @@
+"""posttrain vs TRL GRPOTrainer, same model/data/reward/hyperparameters, alternating runs.
+
+    python benchmarks/vs_trl/run.py --size tiny --steps 4 --repeats 2 --threads 2
+
+Each run is a fresh process (``run_posttrain.py`` / ``run_trl.py``); the side that goes first
+alternates between repeats. Step 1 of every run is a warm-up and is not timed. Per run: the median
+over its timed steps of end-to-end tokens/s (prompt + completion tokens of all 64 samples / step
+wall time); then the median over repeats per side and the ratio posttrain / TRL. Also printed:
+the reward per step of each side (mean over repeats) and the CPU cores that *other* processes used
+during the timed steps (from /proc/stat), since the machine is shared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+SCRIPTS = {"posttrain": HERE / "run_posttrain.py", "trl": HERE / "run_trl.py"}
+
+
+def one_run(side: str, args, rep: int) -> dict:
+    out = Path(args.work) / "runs" / f"{args.size}_{side}_{rep}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, str(SCRIPTS[side]), "--work", args.work, "--size", args.size, "--steps",
+           str(args.steps), "--threads", str(args.threads), "--out", str(out)]
+    if side == "posttrain":
+        for item in args.set:
+            cmd += ["--set", item]
+    start = time.time()
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"{side} run failed:\n{proc.stderr[-4000:]}")
+    result = json.loads(out.read_text())
+    timed = result["records"][1:]
+    result["tps"] = statistics.median(r["e2e_tokens_per_s"] for r in timed)
+    result["step_s"] = statistics.median(r["cpu/wall_s"] for r in timed)
+    result["others_cores"] = statistics.median(r["cpu/others_cores"] for r in timed)
+    print(f"  rep {rep} {side:<9} {result['tps']:8.1f} tok/s  step {result['step_s']:6.2f} s  "
+          f"others {result['others_cores']:.2f} cores  ({time.time() - start:.0f} s)", flush=True)
+    return result
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--work", default="/tmp/perf/work")
+    p.add_argument("--size", default="tiny", choices=["tiny", "smollm2"])
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--set", action="append", default=[], help="extra posttrain config key=value")
+    p.add_argument("--output", default=None)
+    args = p.parse_args()
+
+    sys.path.insert(0, str(HERE))
+    from common import prepare
+
+    prepare(Path(args.work), args.size)
+    runs: dict[str, list[dict]] = {"posttrain": [], "trl": []}
+    for rep in range(args.repeats):
+        order = ["posttrain", "trl"] if rep % 2 == 0 else ["trl", "posttrain"]
+        for side in order:
+            runs[side].append(one_run(side, args, rep))
+    summary = {}
+    for side, results in runs.items():
+        rewards = [[r.get("reward") for r in res["records"]] for res in results]
+        summary[side] = {
+            "tps_median": statistics.median(r["tps"] for r in results),
+            "tps_runs": [r["tps"] for r in results],
+            "step_s_median": statistics.median(r["step_s"] for r in results),
+            "others_cores_runs": [r["others_cores"] for r in results],
+            "reward_curve": [statistics.mean(x for x in col if x is not None) for col in zip(*rewards)],
+        }
+    ratio = summary["posttrain"]["tps_median"] / summary["trl"]["tps_median"]
+    print(f"\n{args.size}: posttrain {summary['posttrain']['tps_median']:.1f} tok/s, "
+          f"TRL {summary['trl']['tps_median']:.1f} tok/s, ratio {ratio:.2f}x "
+          f"({args.repeats} repeats x {args.steps - 1} timed steps, {args.threads} threads)")
+    for side in runs:
+        curve = " ".join(f"{x:.3f}" for x in summary[side]["reward_curve"])
+        print(f"  reward per step {side:<9}: {curve}")
+    report = {"size": args.size, "steps": args.steps, "repeats": args.repeats, "threads": args.threads,
+              "posttrain_settings": args.set, "ratio": ratio, "summary": summary,
+              "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    out = Path(args.output or Path(args.work) / f"vs_trl_{args.size}.json")
+    out.write_text(json.dumps(report, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

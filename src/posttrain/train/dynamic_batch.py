@@ -1,0 +1,137 @@
+"""Dynamic batch size (``rl_config.use_dynamic_bsz``): micro-batches formed by a token budget.
+
+Instead of a fixed number of rows, the rows of a batch are split into ``k`` micro-batches of
+balanced token counts (seed section 7.6)::
+
+    k = max(ceil(sum(lengths) / max_tokens), ceil(B / max_rows))   (max-reduced over DP ranks)
+
+then the Karmarkar-Karp largest-differencing method (:func:`karmarkar_karp`) partitions the rows
+into ``k`` groups of nearly equal token sums. If a group still exceeds the budget (or the row cap),
+``k`` grows by one and the partition is redone, so every micro-batch fits. Each sequence must fit
+the budget alone (``prompt_len + response_len <= max_tokens``; the seed's docs recommend
+``2 x (max_prompt_length + max_tokens)``).
+
+The gradient equals the fixed-micro-batch path: the training engine normalises every micro-batch
+loss by the token (or sequence) count of the whole **mini-batch**, so summing the micro-batch
+gradients gives the same step whatever the rows' grouping; ``tests/unit/perf`` checks it.
+Outputs of log-prob passes are put back in the original row order by the engine.
+
+Per-phase budgets (``ref_``, ``actor_`` (old log-probs), ``update_`` prefixes) come from
+:func:`budgets_from_rl_config`. As in the seed, ``max_packing_token_size`` is only the default of
+the three per-phase keys when they are not set (here: when they are left at the schema default).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from posttrain.errors import ConfigError
+
+PHASES = ("ref", "actor", "update")
+
+
+@dataclass(frozen=True)
+class TokenBudget:
+    """``max_tokens`` per micro-batch (padded-free token count) and at most ``max_rows`` rows."""
+
+    max_tokens: int
+    max_rows: int | None = None
+
+
+def karmarkar_karp(lengths: Sequence[int], k: int) -> list[list[int]]:
+    """Partition row indices into ``k`` groups with nearly equal sums of ``lengths``.
+
+    Largest differencing method, k-way: every row starts as a k-tuple of subsets (the row alone
+    in one of them); the two tuples with the largest spread (max sum - min sum) are merged by
+    pairing the heaviest subset of one with the lightest of the other, until one tuple remains.
+    Groups come back sorted by their smallest index; empty groups (``k > len(lengths)``) are dropped.
+    """
+    if k < 1:
+        raise ValueError(f"k must be >= 1; got {k}")
+    heap = []
+    for i, length in enumerate(lengths):
+        subsets = [(int(length), [i])] + [(0, []) for _ in range(k - 1)]
+        heap.append((-int(length), i, subsets))
+    heapq.heapify(heap)
+    tie = len(lengths)
+    while len(heap) > 1:
+        _, _, a = heapq.heappop(heap)
+        _, _, b = heapq.heappop(heap)
+        a = sorted(a, key=lambda s: -s[0])  # heaviest first
+        b = sorted(b, key=lambda s: s[0])  # lightest first
+        merged = [(sa + sb, ia + ib) for (sa, ia), (sb, ib) in zip(a, b)]
+        sums = [s for s, _ in merged]
+        heapq.heappush(heap, (-(max(sums) - min(sums)), tie, merged))
+        tie += 1
+    groups = [sorted(idx) for _, idx in heap[0][2] if idx] if heap else []
+    return sorted(groups, key=lambda g: g[0])
+
+
+def num_micro_batches(lengths: Sequence[int], budget: TokenBudget,
+                      reduce_max: Callable[[int], int] | None = None) -> int:
+    """``k`` of the module docstring; ``reduce_max`` max-reduces it over data-parallel ranks."""
+    total = int(sum(lengths))
+    k = max(1, math.ceil(total / budget.max_tokens))
+    if budget.max_rows:
+        k = max(k, math.ceil(len(lengths) / budget.max_rows))
+    return reduce_max(k) if reduce_max is not None else k
+
+
+def _fits(groups: list[list[int]], lengths: Sequence[int], budget: TokenBudget) -> bool:
+    return all(sum(lengths[i] for i in g) <= budget.max_tokens and (not budget.max_rows or len(g) <= budget.max_rows)
+               for g in groups)
+
+
+def split_by_tokens(lengths: Sequence[int], budget: TokenBudget,
+                    reduce_max: Callable[[int], int] | None = None) -> list[list[int]]:
+    """Row indices of each micro-batch: balanced by tokens, each within ``budget``."""
+    longest = max(lengths, default=0)
+    if longest > budget.max_tokens:
+        raise ConfigError(
+            f"A sequence of {longest} tokens does not fit the dynamic batch token budget of {budget.max_tokens}; "
+            "raise rl_config.max_packing_token_size (and the ref_/actor_/update_ variants) to at least "
+            "max_prompt_length + max_tokens (the seed's docs recommend twice that).")
+    if not lengths:
+        return []
+    k = num_micro_batches(lengths, budget, reduce_max)
+    while True:
+        groups = karmarkar_karp(lengths, k)
+        if _fits(groups, lengths, budget) or k >= len(lengths):
+            return groups
+        k += 1
+
+
+def budgets_from_rl_config(rl) -> dict[str, TokenBudget] | None:
+    """Per-phase budgets (``ref``, ``actor``, ``update``) from an RLConfig, or None when
+    ``use_dynamic_bsz`` is off. A per-phase key left at the schema default falls back to the
+    base ``max_packing_token_size`` / ``dynamic_max_batch_size``."""
+    if not getattr(rl, "use_dynamic_bsz", False):
+        return None
+    fields = type(rl).model_fields
+    base_tokens = rl.max_packing_token_size
+    out = {}
+    for phase in PHASES:
+        tokens = getattr(rl, f"{phase}_max_packing_token_size")
+        if tokens == fields[f"{phase}_max_packing_token_size"].default:
+            tokens = base_tokens
+        rows = getattr(rl, f"{phase}_dynamic_max_batch_size") or rl.dynamic_max_batch_size
+        if tokens < 1 or (rows is not None and rows < 1):
+            raise ConfigError(f"rl_config.{phase}_max_packing_token_size / {phase}_dynamic_max_batch_size must be "
+                              f">= 1; got {tokens} / {rows}")
+        out[phase] = TokenBudget(int(tokens), rows)
+    return out
+
+
+def apply_rl_config(engine, rl, forward_phase: str = "actor") -> None:
+    """Set a :class:`~posttrain.train.engine.TrainEngine`'s performance options from an RLConfig:
+    ``use_remove_padding``, and under ``use_dynamic_bsz`` the budget of its log-prob passes
+    (``forward_phase``: ``actor`` for old log-probs, ``ref`` for the reference) and of its updates."""
+    if forward_phase not in PHASES:
+        raise ValueError(f"forward_phase must be one of {PHASES}; got {forward_phase!r}")
+    engine.use_remove_padding = bool(getattr(rl, "use_remove_padding", False))
+    budgets = budgets_from_rl_config(rl)
+    engine.forward_budget = budgets[forward_phase] if budgets else None
+    engine.update_budget = budgets["update"] if budgets else None

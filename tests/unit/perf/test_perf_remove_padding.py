@@ -1,0 +1,86 @@
+"""Remove padding: the packed row gives the padded path's log-probs, entropies and gradients."""
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from posttrain.train import remove_padding as rp
+from posttrain.train.engine import TrainEngine
+from posttrain.train.forward import pack_batch, response_logprobs
+from posttrain.train.loss_fns import make_actor_loss_fn
+
+SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, attn_implementation="sdpa")
+
+
+def _model(kind="qwen2", seed=0):
+    torch.manual_seed(seed)
+    cls, cfg = {"qwen2": (Qwen2ForCausalLM, Qwen2Config), "llama": (LlamaForCausalLM, LlamaConfig)}[kind]
+    return cls(cfg(**SMALL)).eval()
+
+
+def _batch(prompt_lens=(3, 5, 2, 4), resp_lens=(4, 1, 6, 3), seed=1):
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(1, 64, (n,), generator=g).tolist() for n in prompt_lens]
+    resps = [torch.randint(1, 64, (n,), generator=g).tolist() for n in resp_lens]
+    return pack_batch(prompts, resps, pad_token_id=0)
+
+
+def test_pack_layout_by_hand():
+    batch = _batch(prompt_lens=(2, 1), resp_lens=(1, 3))
+    # row 0: [p, p, r, pad, pad]; row 1: [pad, p, r, r, r]  (P = 2, R = 3)
+    packed = rp.pack(batch)
+    assert packed["input_ids"].shape == (1, 7)
+    assert packed["position_ids"].tolist() == [[0, 1, 2, 0, 1, 2, 3]]  # restarts per sequence
+    assert packed["valid"].tolist() == [[True, True, True, False], [True, True, True, True]]
+    assert packed["pad_index"][1].tolist() == [3, 4, 5, 6]
+    # logits that predict response tokens: row 0 from its 2nd prompt token (packed 1);
+    # row 1 from packed 3 (its prompt token), 4 and 5 (its first two response tokens)
+    assert packed["keep"].tolist() == [1, 3, 4, 5]
+    assert torch.equal(packed["labels"], torch.cat([batch["input_ids"][0, 2:3], batch["input_ids"][1, 2:5]]))
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "llama"])
+def test_logprobs_and_entropy_equal_padded(kind):
+    model, batch = _model(kind), _batch()
+    ref_lp, ref_ent = response_logprobs(model, batch, temperature=0.7, with_entropy=True)
+    lp, ent = rp.packed_response_logprobs(model, batch, temperature=0.7, with_entropy=True)
+    assert torch.allclose(lp, ref_lp, atol=1e-5) and torch.allclose(ent, ref_ent, atol=1e-5)
+    assert (lp[batch["response_mask"] == 0] == 0).all()
+    # a cross-sequence leak would change the first sequence's values when another row changes
+    other = _batch()
+    other["input_ids"][1:, :] = torch.where(other["attention_mask"][1:] == 1, 7, 0)
+    lp2, _ = rp.packed_response_logprobs(model, other, temperature=0.7)
+    assert torch.allclose(lp2[0], lp[0], atol=1e-6)
+    # the padded path still works on the model after the packed attention was installed
+    again, _ = response_logprobs(model, batch, temperature=0.7)
+    assert torch.allclose(again, ref_lp, atol=1e-6)
+
+
+def test_gradients_equal_padded():
+    batch = _batch()
+    grads = []
+    for packed in (False, True):
+        model = _model().train()
+        with rp.packing(packed):
+            lp, _ = response_logprobs(model, batch)
+        (lp * torch.linspace(-1, 1, lp.numel()).reshape(lp.shape)).sum().backward()
+        grads.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
+    assert grads[0].abs().sum() > 0
+    assert torch.allclose(grads[0], grads[1], atol=1e-5)
+
+
+def test_engine_remove_padding_matches():
+    batch = _batch()
+    batch["advantages"] = torch.randn(batch["response_mask"].shape, generator=torch.Generator().manual_seed(3))
+    results = []
+    for packed in (False, True):
+        model = _model()
+        engine = TrainEngine(model, torch.optim.SGD(model.parameters(), lr=0.1), micro_batch_size=2,
+                             use_remove_padding=packed)
+        before = engine.compute_logprobs(batch)
+        engine.update(batch, make_actor_loss_fn(), mini_batch_size=4)
+        results.append((before, engine.compute_logprobs(batch)))
+    assert torch.allclose(results[0][0], results[1][0], atol=1e-5)
+    assert not torch.allclose(results[0][0], results[0][1])  # the step changed the model
+    assert torch.allclose(results[0][1], results[1][1], atol=1e-5)
