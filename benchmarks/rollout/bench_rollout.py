@@ -124,6 +124,7 @@ def bench(args):
                 tokens = fn(model, prompts, args.n, args.new_tokens, dtype, stops, 100 + r)
                 rates[name].append(tokens / (time.perf_counter() - t0))
                 toks[name].append(tokens)
+                print(f"    repeat {r} {name}: {rates[name][-1]:.1f} tokens/s", flush=True)
         for name, _ in engines:
             med = statistics.median(rates[name])
             print(f"  {dtype:9s} {name:12s} tokens/s median={med:8.1f} "
