@@ -112,7 +112,22 @@ def test_ppo_raises_reward_and_saves_the_critic(work):
     assert "actor/kl_loss" not in last  # PPO has no KL term in the loss
     critic_dir = work / "ckpt_ppo" / "iter_0000012" / "critic"
     assert (critic_dir / "optimizer.pt").is_file()
-    AutoModelForSequenceClassification.from_pretrained(critic_dir)  # an HF-loadable value model
+    saved = AutoModelForSequenceClassification.from_pretrained(critic_dir)  # an HF-loadable value model
+    # a resumed run restores the critic (weights and optimizer) from the checkpoint's critic/
+    from types import SimpleNamespace
+
+    import torch
+
+    from posttrain.trainers.ppo import Critic
+
+    session = SimpleNamespace(initial_model=str(work / "model"), device="cpu", train_dtype="float32", iteration=12,
+                              trainer_state={"checkpoint_dir": str(critic_dir.parent)}, extra_parts={},
+                              pad_token_id=0)
+    critic = Critic(cfg, session)
+    for name, value in saved.state_dict().items():
+        assert torch.equal(critic.model.model.state_dict()[name], value), name
+    assert critic.engine.optimizer.state_dict()["state"]  # Adam moments restored
+    assert session.extra_parts["critic"].model is critic.model.model
 
 
 def test_dapo_dynamic_sampling_reports_num_gen_batches(work):
