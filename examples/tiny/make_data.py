@@ -1,8 +1,10 @@
-"""Data for the tiny pipeline: single-digit additions ("What is 3 + 4?" -> "7").
+"""Data for the tiny pipeline: small additions ("What is 3 + 4?" -> "7").
 
-Writes <out>/sft.jsonl (instruction/output pairs answering "<answer>N</answer>"), <out>/train.jsonl and
-<out>/test.jsonl (problem/answer rows for RL and held-out evaluation; the test problems never appear in
-train or SFT data).
+The SFT warm start is deliberately unsure: for each problem it sees the right answer half of the
+time and an off-by-one answer otherwise, so the warm-started model answers about half of the
+problems right and its groups of samples have mixed rewards. GRPO's job is then to make it prefer
+the right answer, which the reward alone tells it. Writes <out>/sft.jsonl (instruction/output),
+<out>/train.jsonl and <out>/test.jsonl (problem/answer; test = every problem once, greedy-scored).
 
     python examples/tiny/make_data.py runs/tiny/raw
 """
@@ -14,21 +16,26 @@ import random
 import sys
 from pathlib import Path
 
+MAX_TERM = 4  # a, b in 0..4: 25 problems, small enough for a 10M-parameter model to memorise
+
 
 def main(out: str, seed: int = 0) -> None:
-    problems = [(a, b) for a in range(10) for b in range(10)]
-    random.Random(seed).shuffle(problems)
-    test, train = problems[:20], problems[20:]
-    rng = random.Random(seed + 1)
+    rng = random.Random(seed)
+    problems = [(a, b) for a in range(MAX_TERM + 1) for b in range(MAX_TERM + 1)]
     out_dir = Path(out)
     out_dir.mkdir(parents=True, exist_ok=True)
 
-    def rows(pairs, n):
-        return [{"problem": f"What is {a} + {b}?", "answer": str(a + b)} for a, b in (rng.choice(pairs) for _ in range(n))]
+    def row(a, b):
+        return {"problem": f"What is {a} + {b}?", "answer": str(a + b)}
 
-    sft = [{"instruction": r["problem"], "output": f"<answer>{r['answer']}</answer>"} for r in rows(train, 3000)]
-    for name, data in (("sft", sft), ("train", rows(train, 1000)),
-                       ("test", [{"problem": f"What is {a} + {b}?", "answer": str(a + b)} for a, b in test])):
+    sft = []
+    for _ in range(3200):
+        a, b = rng.choice(problems)
+        answer = a + b if rng.random() < 0.5 else a + b + rng.choice((-1, 1))
+        sft.append({"instruction": f"What is {a} + {b}?", "output": f"<answer>{answer}</answer>"})
+    train = [row(*rng.choice(problems)) for _ in range(1000)]
+    test = [row(a, b) for a, b in problems]
+    for name, data in (("sft", sft), ("train", train), ("test", test)):
         (out_dir / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in data))
 
 

@@ -44,7 +44,6 @@ class SFTTrainer:
     def __init__(self, cfg: RunConfig, layout: Layout, run_dir: Path):
         from posttrain.checkpoint import load_checkpoint, resolve_checkpoint
         from posttrain.data.datasets import SFTDataset
-        from posttrain.data.sampler import ResumableSampler
         from posttrain.metrics.sinks import MetricsLogger
 
         a = cfg.actor
@@ -66,12 +65,7 @@ class SFTTrainer:
             state = load_checkpoint(source, self.model, self.engine.optimizer, self.engine.scheduler,
                                     no_load_optim=bool(a.no_load_optim), no_load_rng=bool(a.no_load_rng))
             self.iteration, sampler_state = int(state["iteration"]), state.get("sampler_state")
-        self.sampler = ResumableSampler.from_seed_flags(
-            len(self.dataset), a.global_batch_size, a.seed, no_shuffle=a.no_shuffle,
-            full_shuffle_instruction_dataset=a.full_shuffle_instruction_dataset,
-            total_samples=a.train_iters * a.global_batch_size)
-        if sampler_state is not None:
-            self.sampler.load_state_dict(sampler_state)
+        self.sampler = setup.build_sampler(len(self.dataset), a, sampler_state)
         self.logger = MetricsLogger(run_dir, cfg.rl.use_tensorboard, cfg.rl.tensorboard_log_dir,
                                     total_iters=a.train_iters, start_iteration=self.iteration)
         (run_dir / "config.json").write_text(json.dumps(cfg.raw, indent=2, default=str))

@@ -22,7 +22,6 @@ class Session:
         import torch
 
         from posttrain.checkpoint import load_checkpoint, resolve_checkpoint
-        from posttrain.data.sampler import ResumableSampler
         from posttrain.metrics.sinks import MetricsLogger
         from posttrain.reward.rule_reward import RuleReward
         from posttrain.rollout.base import SamplingParams, get_engine
@@ -64,12 +63,7 @@ class Session:
             log.info("resumed from %s at iteration %d", state["checkpoint_dir"], self.iteration)
         self.initial_model = str(initial_model)
 
-        self.sampler = ResumableSampler.from_seed_flags(
-            len(self.dataset), a.global_batch_size, a.seed, no_shuffle=a.no_shuffle,
-            full_shuffle_instruction_dataset=a.full_shuffle_instruction_dataset,
-            total_samples=a.train_iters * a.global_batch_size)
-        if sampler_state is not None:
-            self.sampler.load_state_dict(sampler_state)
+        self.sampler = setup.build_sampler(len(self.dataset), a, sampler_state)
 
         self.reference = None
         if uses_reference:

@@ -148,3 +148,17 @@ def build_prompt_dataset(actor: MegatronConfig, max_prompt_length: int, data_pat
         raise DataError(f"the prompt dataset {prefix} is empty:{why or ' no rows'}; raise "
                         f"rl_config.max_prompt_length or check the data")
     return dataset
+
+
+def build_sampler(num_samples: int, actor: MegatronConfig, state: dict | None = None):
+    """The seeded, resumable batch sampler, with the seed's shuffle flags; ``state`` resumes it."""
+    from posttrain.data.sampler import ResumableSampler
+
+    full = actor.full_shuffle_instruction_dataset
+    sampler = ResumableSampler.from_seed_flags(
+        num_samples, actor.global_batch_size, actor.seed, no_shuffle=actor.no_shuffle,
+        full_shuffle_instruction_dataset=full,
+        total_samples=actor.train_iters * actor.global_batch_size if full else None)
+    if state is not None:
+        sampler.load_state_dict(state)
+    return sampler
