@@ -130,6 +130,16 @@ def test_ppo_raises_reward_and_saves_the_critic(work):
     assert session.extra_parts["critic"].model is critic.model.model
 
 
+def test_ppo_kl_in_reward_uses_the_reference_only_in_the_reward(work):
+    from posttrain.trainers.train_cmd import train
+
+    rl = {"adv_estimator": "gae", "use_kl_in_reward": True, "init_kl_coef": 0.05, "kl_penalty": "low_var_kl"}
+    last = train(onpolicy_config(work, "ray_ppo", 2, rl, "ppo_kl"))
+    assert "timing/reference_model" in last and "timing/old_log_p" in last
+    assert last["actor/reward_kl_penalty"] > 0 and last["actor/reward_kl_penalty_coeff"] == 0.05
+    assert "actor/kl_loss" not in last  # no KL term in the PPO actor loss
+
+
 def test_dapo_dynamic_sampling_reports_num_gen_batches(work):
     from posttrain.trainers.train_cmd import train
 

@@ -179,9 +179,10 @@ class OnPolicyTrainer:
         columns = ["prompts", "responses", "advantages"]
         if not self.skip_old_logprobs:
             columns.append("old_log_prob")
-        if self.s.reference is not None:
+        kl_in_loss = self.s.reference is not None and self.bundle.kl_in_loss  # PPO: the KL is in the reward
+        if kl_in_loss:
             columns.append("ref_log_prob")
-        loss_fn = self.s.actor_loss_fn(self.bundle, self.kl_ctrl.value)
+        loss_fn = self.s.actor_loss_fn(self.bundle, self.kl_ctrl.value if kl_in_loss else 0.0)
         while not td.all_consumed("actor_train"):
             batch, _ = td.get("actor_train", columns, rl.actor_update_dispatch_size)
             tensors = sequence_batch(batch["prompts"], batch["responses"], self.s.pad_token_id)
