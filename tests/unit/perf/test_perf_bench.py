@@ -1,0 +1,89 @@
+"""posttrain bench: FLOP counts by hand, the CPU meter, and one small end-to-end run of the CLI."""
+
+import json
+import os
+
+import pytest
+import torch
+import yaml
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from posttrain.trainers import bench_cmd
+
+
+def _model():
+    return Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2))
+
+
+def test_forward_flops_by_hand():
+    model = _model()
+    # per layer: q 32x32 + k, v 32x16 + o 32x32 + gate/up/down 3 x 32x64 = 9216; 2 layers + lm_head 64x32
+    assert bench_cmd.matmul_params(model) == 2 * 9216 + 2048
+    # 2 N S B + 2 L d S^2 B with N = 20480, S = 10, B = 3, L = 2, d = 32
+    assert bench_cmd.forward_flops(model, 10, 3) == 2 * 20480 * 30 + 2 * 2 * 32 * 100 * 3
+
+
+def test_iteration_flops_phases():
+    model = _model()
+    metrics = {"prompt_length/mean": 4.0, "response_length/mean": 6.0, "timing/reference_model": 1.0}
+    flops = bench_cmd.iteration_flops(model, metrics, num_prompts=2, n=3)
+    full = bench_cmd.forward_flops(model, 10, 6)
+    assert flops["reference_model"] == full and flops["update"] == 3 * full and "old_log_p" not in flops
+    prefill_once = bench_cmd.forward_flops(model, 4, 2)
+    assert flops["rollout"] == pytest.approx(prefill_once + full - bench_cmd.forward_flops(model, 4, 6))
+    assert flops["all"] == pytest.approx(flops["rollout"] + 4 * full)
+
+
+def test_cpu_meter_counts_own_work():
+    with bench_cmd.CpuMeter() as meter:
+        x = torch.randn(256, 256)
+        for _ in range(200):
+            x = torch.tanh(x @ x)
+    r = meter.result
+    assert r["wall_s"] > 0 and r["own_cores"] > 0 and r["others_cores"] >= 0
+    assert r["num_cpus"] == os.cpu_count()
+
+
+def test_matmul_peak_positive():
+    assert bench_cmd.matmul_peak("float32", "cpu", size=64, seconds=0.01) > 0
+
+
+@pytest.mark.slow
+def test_bench_cli_end_to_end(tiny_model_dir, tmp_path):
+    from posttrain.cli import main
+    from posttrain.data.preprocess import preprocess
+
+    rows = [{"problem": f"What is {a} + {b}?", "answer": str(a + b)} for a in range(4) for b in range(4)]
+    (tmp_path / "rl.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    preprocess({"input": str(tmp_path / "rl.jsonl"), "handler_name": "R1AlpacaStyleInstructionHandler",
+                "tokenizer_name_or_path": str(tiny_model_dir), "prompt_type": "default",
+                "output_prefix": str(tmp_path / "rl" / "data"), "map_keys": {"prompt": "problem", "response": "answer"},
+                "dataset_additional_keys": ["labels"]}, progress=False)
+    cfg = {
+        "megatron_training": {"stage": "ray_grpo", "global_batch_size": 2, "micro_batch_size": 4, "seq_length": 48,
+                              "train_iters": 1, "lr": 1e-4, "lr_decay_style": "constant",
+                              "tokenizer_name_or_path": str(tiny_model_dir), "data_path": str(tmp_path / "rl" / "data"),
+                              "dataset_additional_keys": ["labels"], "prompt_type": "default",
+                              "reset_attention_mask": True},
+        "rl_config": {"n_samples_per_prompt": 2, "mini_batch_size": 2, "verifier_function": ["last_number"],
+                      "verifier_weight": [1.0], "verifier_parallel": 0, "init_kl_coef": 0.01, "max_prompt_length": 48,
+                      "output_dir": str(tmp_path / "run"), "use_remove_padding": True, "use_dynamic_bsz": True,
+                      "max_packing_token_size": 64},
+        "generate_config": {"max_model_len": 64, "max_num_seqs": 16, "infer_tensor_parallel_size": 1,
+                            "sampling_config": {"max_tokens": 6, "temperature": 1.0, "top_k": -1}},
+    }
+    (tmp_path / "bench.yaml").write_text(yaml.safe_dump(cfg))
+    out = tmp_path / "bench.json"
+    torch.set_num_threads(1)
+    code = main(["bench", "--config-name", "bench", "--config-path", str(tmp_path), "--iters", "2", "--warmup", "1",
+                 "--output", str(out)])
+    assert code == 0
+    report = json.loads(out.read_text())
+    assert report["iters"] == 2 and len(report["iterations"]) == 3
+    summary = report["summary"]
+    for key in ("timing/rollout", "timing/reference_model", "timing/update", "timing/all", "e2e_tps", "mfu/update",
+                "cpu/others_cores"):
+        assert key in summary, key
+    assert summary["timing/all"]["min"] <= summary["timing/all"]["median"] <= summary["timing/all"]["max"]
+    assert report["matmul_peak_gflops"] > 0 and report["peak_memory_mib"] > 0
