@@ -87,3 +87,13 @@ def test_score():
     assert score("The answer is 16.", "15") == 0.0
     assert score("9 + 6 = 15", "15") == 0.0
     assert score("9 + 6 = 15", "15", strict=False) == 1.0
+
+
+def test_demo_data_covers_the_whole_small_space(tmp_path):
+    from posttrain.demo.tasks import write_demo_data
+
+    train_path, test_path = write_demo_data(tmp_path)
+    train, test = read_jsonl(train_path), read_jsonl(test_path)
+    problems = {r["problem"] for r in train} | {r["problem"] for r in test}
+    assert len(problems) == 126 == 81 + 45  # every a+b and every a-b >= 0 with a, b in 1..9
+    assert all("The answer is N." in r["prompt"] for r in test)
