@@ -1,7 +1,7 @@
 """Preference pairs for DPO on the tiny pipeline: the right sum preferred over an off-by-one sum.
 
-Writes <out>/pairs.jsonl with {"problem", "chosen", "rejected"} rows over the same 25 additions
-as examples/tiny/make_data.py (the SFT warm start answers about half of them right).
+Writes <out>/pairs.jsonl with {"problem", "chosen", "rejected"} rows ("7+2" -> "9" over "8" or
+"10") over the problems of examples/tiny/make_data.py (rendered "7+2=" by the tiny_math template).
 
     python examples/tiny/make_pairs.py runs/tiny/raw
 """
@@ -13,17 +13,16 @@ import random
 import sys
 from pathlib import Path
 
-MAX_TERM = 4
+FIRST, SECOND = range(10), (1, 2)  # as examples/tiny/make_data.py
 
 
 def main(out: str, count: int = 2000, seed: int = 0) -> None:
     rng = random.Random(seed)
+    problems = [(a, b) for a in FIRST for b in SECOND]
     rows = []
     for _ in range(count):
-        a, b = rng.randint(0, MAX_TERM), rng.randint(0, MAX_TERM)
-        wrong = a + b + rng.choice((-1, 1))
-        rows.append({"problem": f"What is {a} + {b}?", "chosen": f"<answer>{a + b}</answer>",
-                     "rejected": f"<answer>{wrong}</answer>"})
+        a, b = rng.choice(problems)
+        rows.append({"problem": f"{a}+{b}", "chosen": str(a + b), "rejected": str(a + b + rng.choice((-1, 1)))})
     out_dir = Path(out)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))

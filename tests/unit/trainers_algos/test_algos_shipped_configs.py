@@ -8,8 +8,8 @@ from posttrain.config.run import load_run_config
 from posttrain.config.validate import validate_run_config
 from posttrain.trainers.bundles import check_algorithm_config
 
-CONFIGS = ["ppo_tiny_qwen2", "dapo_tiny_qwen2", "dpo_tiny_qwen2", "ppo_smollm2_135m", "dapo_smollm2_135m",
-           "dpo_smollm2_135m", "ppo_qwen25_32b", "dapo_qwen25_32b", "dpo_qwen3_30b_a3b"]
+CONFIGS = ["ppo_tiny_qwen2", "dapo_tiny_qwen2", "dpo_tiny_qwen2", "ppo_smollm2_demo", "dapo_smollm2_demo",
+           "dpo_smollm2_demo", "ppo_qwen25_32b", "dapo_qwen25_32b", "dpo_qwen3_30b_a3b"]
 
 
 @pytest.mark.parametrize("name", CONFIGS)
