@@ -27,7 +27,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q
 
 demo: $(STAMP)
-	$(VENV)/bin/posttrain plan --config-name r1_zero_qwen25_7b
+	$(PY) -m posttrain.demo --out runs/demo
 
 plan: $(STAMP)
 	$(VENV)/bin/posttrain plan --config-name r1_zero_qwen25_7b

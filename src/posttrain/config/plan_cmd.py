@@ -61,6 +61,9 @@ def format_plan(plan: Plan) -> str:
 def run(args) -> int:
     cfg = load_run_config(args.config_name, args.config_path, args.overrides)
     layout = validate_run_config(cfg, device_type="cpu")
+    from posttrain.trainers.bundles import check_algorithm_config
+
+    check_algorithm_config(cfg)  # the same per-algorithm checks as `posttrain train`
     plan = build_plan(cfg, layout, model_arch(cfg, args.hf_config))
     print(f"config {cfg.path}: valid")
     if cfg.ignored_keys:

@@ -76,8 +76,11 @@ class Session:
             self.reference = TrainEngine(ref_model, micro_batch_size=a.micro_batch_size, dtype=self.train_dtype)
 
         self.stop_token_ids = setup.stop_token_ids(self.tokenizer, a.prompt_type, a.prompt_type_path)
+        # The seed's default max_num_seqs (1) is a vLLM setting; one row per batch would make the
+        # native engine needlessly slow, so an unset value means 256 here.
+        max_num_seqs = gen.max_num_seqs if setup.explicitly_set(cfg, ("generate_config", "max_num_seqs")) else 256
         self.rollout = get_engine(rl.rollout_engine, model=model, pad_token_id=self.pad_token_id,
-                                  eos_token_ids=self.stop_token_ids, max_num_seqs=gen.max_num_seqs,
+                                  eos_token_ids=self.stop_token_ids, max_num_seqs=max_num_seqs,
                                   max_num_batched_tokens=gen.max_num_batched_tokens, dtype=self.rollout_dtype)
         self.sampling = SamplingParams.from_config(gen.sampling_config.model_dump())
         self.rule_reward = RuleReward(rl.verifier_function, rl.verifier_weight, rl.verifier_parallel,
