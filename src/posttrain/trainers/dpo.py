@@ -22,21 +22,15 @@ initial policy. Metrics: ``dpo/loss``, ``rewards/chosen``, ``rewards/rejected``
 
 from __future__ import annotations
 
-import json
 import logging
-from pathlib import Path
 
 import torch
 
 from posttrain.config.run import RunConfig
-from posttrain.config.validate import Layout
-from posttrain.device import resolve_device
-from posttrain.errors import ConfigError, DataError
-from posttrain.metrics.reduce import MetricAccumulator
-from posttrain.metrics.timers import Timers
+from posttrain.errors import ConfigError
 from posttrain.trainers import setup
 from posttrain.trainers.experience import sequence_batch
-from posttrain.trainers.offline import split_sample
+from posttrain.trainers.offline import OfflineTrainer, split_sample
 
 log = logging.getLogger(__name__)
 SIDES = ("chosen", "rejected")
@@ -99,47 +93,21 @@ def with_loss_metric(loss_fn):
     return wrapped
 
 
-class DPOTrainer:
-    def __init__(self, cfg: RunConfig, layout: Layout, run_dir: Path):
-        from posttrain.checkpoint import load_checkpoint, resolve_checkpoint
-        from posttrain.data.datasets import PairwiseDataset
-        from posttrain.data.sampler import ResumableSampler
-        from posttrain.metrics.sinks import MetricsLogger
+class DPOTrainer(OfflineTrainer):
+    metric_prefix = "dpo"
+    dataset_kind = "pairwise dataset (AlpacaStylePairwiseHandler)"
+    batch_phase = "reference_model"  # building a batch runs the reference
 
-        a = cfg.actor
-        self.cfg, self.run_dir = cfg, run_dir
-        run_dir.mkdir(parents=True, exist_ok=True)
-        setup.seed_everything(a.seed)
-        self.device = resolve_device(cfg.rl.device)
-        dtype, _ = setup.precision(cfg, self.device)
-        if not a.data_path:
-            raise DataError("megatron_training.data_path is not set: give the prefix of a pairwise dataset "
-                            "(preprocessed with AlpacaStylePairwiseHandler)")
-        self.dataset = PairwiseDataset(a.data_path, seq_length=a.seq_length, split=a.split)
-        if len(self.dataset) == 0:
-            raise DataError(f"the pairwise dataset {a.data_path} is empty")
-        self.model, self.tokenizer, source = setup.build_actor_model(cfg, self.device)
-        self.engine = setup.build_train_engine(self.model, a, a.train_iters, dtype, metric_prefix="dpo")
+    def make_dataset(self, actor):
+        from posttrain.data.datasets import PairwiseDataset
+
+        return PairwiseDataset(actor.data_path, seq_length=actor.seq_length, split=actor.split)
+
+    def prepare(self) -> None:
         self.engine.loss_mask_key = "chosen_response_mask"
-        self.iteration, sampler_state, initial = 0, None, source
-        _, full = resolve_checkpoint(source)
-        if full and not a.finetune:
-            state = load_checkpoint(source, self.model, self.engine.optimizer, self.engine.scheduler,
-                                    no_load_optim=bool(a.no_load_optim), no_load_rng=bool(a.no_load_rng))
-            self.iteration, sampler_state = int(state["iteration"]), state.get("sampler_state")
-            initial = state.get("initial_model", source)
-        self.initial_model = str(initial)
+        a = self.cfg.actor
         ref_path = a.ref_model or (self.initial_model if self.iteration > 0 else None)
         self.reference = setup.build_frozen_copy(self.model, ref_path, self.device)
-        self.sampler = ResumableSampler.from_seed_flags(
-            len(self.dataset), a.global_batch_size, a.seed, no_shuffle=a.no_shuffle,
-            full_shuffle_instruction_dataset=a.full_shuffle_instruction_dataset,
-            total_samples=a.train_iters * a.global_batch_size)
-        if sampler_state is not None:
-            self.sampler.load_state_dict(sampler_state)
-        self.logger = MetricsLogger(run_dir, cfg.rl.use_tensorboard, cfg.rl.tensorboard_log_dir,
-                                    total_iters=a.train_iters, start_iteration=self.iteration)
-        (run_dir / "config.json").write_text(json.dumps(cfg.raw, indent=2, default=str))
 
     def loss_fn(self):
         from posttrain.train.loss_fns import make_dpo_loss_fn
@@ -155,36 +123,3 @@ class DPOTrainer:
         batch.update(reference_logps(self.reference, batch, average=a.dpo_loss_type == "ipo",
                                      micro_batch_size=a.micro_batch_size, device=self.device))
         return batch
-
-    def fit(self) -> dict[str, float]:
-        a, loss_fn, last = self.cfg.actor, self.loss_fn(), {}
-        try:
-            for iteration in range(self.iteration + 1, a.train_iters + 1):
-                timers, acc = Timers(), MetricAccumulator()
-                with timers("all"):
-                    with timers("reference_model"):
-                        batch = self.batch()
-                    with timers("update"):
-                        steps = self.engine.update(batch, loss_fn, mini_batch_size=a.global_batch_size)
-                for step in steps:
-                    acc.update(step)
-                last = {**acc.reduce(), **timers.metrics()}
-                self.iteration = iteration
-                self.logger.log(iteration, last)
-                if a.save and a.save_interval and iteration % a.save_interval == 0:
-                    self.save(iteration)
-            if a.save and self.iteration > 0:
-                self.save(self.iteration)
-        finally:
-            self.logger.close()
-        return last
-
-    def save(self, iteration: int):
-        from posttrain.checkpoint import save_checkpoint
-
-        a = self.cfg.actor
-        return save_checkpoint(a.save, iteration, self.model, self.engine.optimizer, self.engine.scheduler,
-                               tokenizer=self.tokenizer, sampler_state=self.sampler.state_dict(),
-                               trainer_state={"iteration": iteration, "initial_model": self.initial_model,
-                                              "consumed_samples": iteration * a.global_batch_size},
-                               save_optim=not a.no_save_optim, save_rng=not a.no_save_rng)
