@@ -53,7 +53,6 @@ class OfflineTrainer:
     batch_phase = "data"  # the timing key of building a batch
 
     def __init__(self, cfg: RunConfig, layout: Layout, run_dir: Path):
-        from posttrain.checkpoint import load_checkpoint, resolve_checkpoint
         from posttrain.metrics.sinks import MetricsLogger
 
         a = cfg.actor
@@ -70,16 +69,10 @@ class OfflineTrainer:
             raise DataError(f"the {self.dataset_kind} {a.data_path} is empty")
         self.model, self.tokenizer, source = setup.build_actor_model(cfg, self.device)
         self.engine = setup.build_train_engine(self.model, a, a.train_iters, dtype, metric_prefix=self.metric_prefix)
-        self.iteration, sampler_state, initial = 0, None, source
-        _, full = resolve_checkpoint(source)
-        if full and not a.finetune:
-            state = load_checkpoint(source, self.model, self.engine.optimizer, self.engine.scheduler,
-                                    no_load_optim=bool(a.no_load_optim), no_load_rng=bool(a.no_load_rng))
-            self.iteration, sampler_state = int(state["iteration"]), state.get("sampler_state")
-            initial = state.get("initial_model", source)
-        self.initial_model = str(initial)
+        state = setup.resume(source, self.model, self.engine, a)
+        self.iteration, self.initial_model = int(state["iteration"]), str(state["initial_model"])
         self.prepare()
-        self.sampler = setup.build_sampler(len(self.dataset), a, sampler_state)
+        self.sampler = setup.build_sampler(len(self.dataset), a, state.get("sampler_state"))
         self.logger = MetricsLogger(run_dir, cfg.rl.use_tensorboard, cfg.rl.tensorboard_log_dir,
                                     total_iters=a.train_iters, start_iteration=self.iteration)
         (run_dir / "config.json").write_text(json.dumps(cfg.raw, indent=2, default=str))

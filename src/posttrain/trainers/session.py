@@ -21,7 +21,6 @@ class Session:
     def __init__(self, cfg: RunConfig, layout: Layout, *, uses_reference: bool, run_dir: Path):
         import torch
 
-        from posttrain.checkpoint import load_checkpoint, resolve_checkpoint
         from posttrain.metrics.sinks import MetricsLogger
         from posttrain.reward.rule_reward import RuleReward
         from posttrain.rollout.base import SamplingParams, get_engine
@@ -47,23 +46,12 @@ class Session:
         self.actor = setup.build_train_engine(model, a, a.train_iters * steps_per_iter, self.train_dtype)
 
         # resume or start
-        self.trainer_state: dict[str, Any] = {}
+        state = setup.resume(source, model, self.actor, a)
+        self.trainer_state: dict[str, Any] = state
         self.extra_parts: dict[str, Any] = {}  # more trained modules to checkpoint (PPO: "critic")
-        self.iteration, self.consumed_samples = 0, 0
-        sampler_state = None
-        _, full = resolve_checkpoint(source)
-        initial_model = source
-        if full and not a.finetune:
-            state = load_checkpoint(source, model, self.actor.optimizer, self.actor.scheduler,
-                                    finetune=False, no_load_optim=bool(a.no_load_optim), no_load_rng=bool(a.no_load_rng))
-            self.iteration, self.consumed_samples = int(state["iteration"]), int(state["consumed_samples"])
-            sampler_state = state.get("sampler_state")
-            self.trainer_state = state
-            initial_model = state.get("initial_model", source)
-            log.info("resumed from %s at iteration %d", state["checkpoint_dir"], self.iteration)
-        self.initial_model = str(initial_model)
-
-        self.sampler = setup.build_sampler(len(self.dataset), a, sampler_state)
+        self.iteration, self.consumed_samples = int(state["iteration"]), int(state["consumed_samples"])
+        self.initial_model = str(state["initial_model"])
+        self.sampler = setup.build_sampler(len(self.dataset), a, state.get("sampler_state"))
 
         self.reference = None
         if uses_reference:
@@ -83,12 +71,7 @@ class Session:
                                   eos_token_ids=self.stop_token_ids, max_num_seqs=max_num_seqs,
                                   max_num_batched_tokens=gen.max_num_batched_tokens, dtype=self.rollout_dtype)
         self.sampling = SamplingParams.from_config(gen.sampling_config.model_dump())
-        self.rule_reward = RuleReward(rl.verifier_function, rl.verifier_weight, rl.verifier_parallel,
-                                      rl.verifier_timeout, rl.verifier_modules,
-                                      overlong_buffer_enable=rl.overlong_buffer_enable,
-                                      overlong_buffer=rl.overlong_buffer,
-                                      overlong_buffer_penalty_factor=rl.overlong_buffer_penalty_factor,
-                                      rollout_max_tokens=rl.rollout_max_tokens)
+        self.rule_reward = RuleReward.from_rl_config(rl)
         self.eval_data = self._load_eval_data()
         self.logger = MetricsLogger(run_dir, rl.use_tensorboard, rl.tensorboard_log_dir, rl.use_wandb,
                                     rl.wandb_project, rl.wandb_exp_name, rl.wandb_save_dir, a.train_iters,

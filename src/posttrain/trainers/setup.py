@@ -162,3 +162,20 @@ def build_sampler(num_samples: int, actor: MegatronConfig, state: dict | None = 
     if state is not None:
         sampler.load_state_dict(state)
     return sampler
+
+
+def resume(source: str, model, engine, actor: MegatronConfig) -> dict:
+    """Load a full checkpoint's state into ``model`` and ``engine`` when ``source`` is one (and
+    ``finetune`` is off). Returns the trainer state: ``iteration`` (0 when starting fresh),
+    ``consumed_samples``, ``sampler_state`` and ``initial_model`` (where the run first started,
+    which is what a reference model must be loaded from after a resume)."""
+    from posttrain.checkpoint import load_checkpoint, resolve_checkpoint
+
+    _, full = resolve_checkpoint(source)
+    if not full or actor.finetune:
+        return {"iteration": 0, "consumed_samples": 0, "sampler_state": None, "initial_model": str(source)}
+    state = load_checkpoint(source, model, engine.optimizer, engine.scheduler,
+                            no_load_optim=bool(actor.no_load_optim), no_load_rng=bool(actor.no_load_rng))
+    state.setdefault("initial_model", str(source))
+    log.info("resumed from %s at iteration %d", state["checkpoint_dir"], int(state["iteration"]))
+    return state
