@@ -184,7 +184,6 @@ def bench(cfg, *, iters: int = 3, warmup: int = 1) -> dict:
     run_dir = Path(tempfile.mkdtemp(prefix="posttrain_bench_"))
     session = Session(cfg, layout, uses_reference=bundle.uses_reference(cfg.rl), run_dir=run_dir)
     try:
-        configure_engines(session, cfg.rl)
         trainer = OnPolicyTrainer(cfg, layout, bundle, session)
         peak = matmul_peak(session.train_dtype, session.device)
         records = []
@@ -202,16 +201,6 @@ def bench(cfg, *, iters: int = 3, warmup: int = 1) -> dict:
         return _report(cfg, session, records, peak, warmup)
     finally:
         session.close()
-
-
-def configure_engines(session, rl) -> None:
-    """Apply use_remove_padding / use_dynamic_bsz to the session's engines (a no-op once the
-    session does it itself)."""
-    from posttrain.train.dynamic_batch import apply_rl_config
-
-    apply_rl_config(session.actor, rl, "actor")
-    if session.reference is not None:
-        apply_rl_config(session.reference, rl, "ref")
 
 
 def _record(metrics, cpu, model, trainer, peak) -> dict[str, float]:

@@ -63,6 +63,12 @@ class Session:
 
             self.reference = TrainEngine(ref_model, micro_batch_size=a.micro_batch_size, dtype=self.train_dtype)
 
+        from posttrain.train.dynamic_batch import apply_rl_config
+
+        apply_rl_config(self.actor, rl, "actor")  # use_remove_padding, use_dynamic_bsz budgets
+        if self.reference is not None:
+            apply_rl_config(self.reference, rl, "ref")
+
         self.stop_token_ids = setup.stop_token_ids(self.tokenizer, a.prompt_type, a.prompt_type_path)
         # The seed's default max_num_seqs (1) is a vLLM setting; one row per batch would make the
         # native engine needlessly slow, so an unset value means 256 here.
