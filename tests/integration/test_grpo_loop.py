@@ -80,3 +80,27 @@ def test_resume_repeats_the_uninterrupted_run(tiny_model_dir, tiny_prompt_data, 
         assert "actor/pg_loss" in keys and "grpo/score/mean" in keys
         for k in keys:
             assert b[it][k] == pytest.approx(a[it][k], rel=1e-5, abs=1e-7), k
+
+
+def test_all_prompts_filtered_is_a_clear_error_before_training(tiny_model_dir, tiny_prompt_data, tmp_path):
+    from posttrain.errors import DataError
+    from posttrain.trainers.train_cmd import train
+
+    cfg = grpo_config(tiny_model_dir, tiny_prompt_data, tmp_path, rl_config__max_prompt_length=2)
+    with pytest.raises(DataError, match="is empty: all 64 prompts are at least max_prompt_length=2 tokens"):
+        train(cfg)
+    assert not (tmp_path / "ckpt").exists()
+
+
+def test_tokenizer_that_does_not_fit_the_model_is_a_clear_error(tiny_model_dir, tiny_prompt_data, tmp_path):
+    from posttrain.errors import ConfigError
+    from posttrain.models.init_model import train_tokenizer
+    from posttrain.trainers.train_cmd import train
+
+    big_tok = tmp_path / "big_tokenizer"
+    train_tokenizer([f"word{i} number {i * 7}" for i in range(3000)], vocab_size=600).save_pretrained(big_tok)
+    cfg = grpo_config(tiny_model_dir, tiny_prompt_data, tmp_path)
+    cfg.actor.load = str(tiny_model_dir)
+    cfg.actor.tokenizer_name_or_path = str(big_tok)
+    with pytest.raises(ConfigError, match="the tokenizer has .* tokens but the model's embedding has only 300 rows"):
+        train(cfg)
