@@ -36,6 +36,7 @@ class Plan:
     num_devices: int
     prompts_per_iteration: int
     responses_per_iteration: int
+    prompts_per_update: int
     mini_batches_per_iteration: int
     optimizer_steps_per_iteration: int
     responses_per_mini_batch: int
@@ -65,7 +66,10 @@ def build_plan(cfg: RunConfig, layout: Layout, arch: ModelArch | None) -> Plan:
     n = rl.n_samples_per_prompt if cfg.stage not in ("dpo", "sft") else 1
     gbs = a.global_batch_size
     mini = rl.mini_batch_size if cfg.stage not in ("dpo", "sft") else gbs
-    mini_batches = gbs // mini
+    # DAPO's dynamic sampling updates on filter_groups_train_batch_size prompts, not on gbs
+    filtering = cfg.stage == "dapo" and rl.filter_groups_enable
+    update_prompts = rl.filter_groups_train_batch_size if filtering else gbs
+    mini_batches = update_prompts // mini
     per_dp = mini * n // layout.actor_dp
     max_resp = gen.sampling_config.max_tokens if cfg.stage not in ("dpo", "sft") else 0
     max_prompt = rl.max_prompt_length - 1 if cfg.stage not in ("dpo", "sft") else a.seq_length
@@ -74,7 +78,7 @@ def build_plan(cfg: RunConfig, layout: Layout, arch: ModelArch | None) -> Plan:
                 if k.endswith("_dispatch_size") and getattr(rl, k) is not None}
     plan = Plan(
         stage=cfg.stage, num_devices=layout.num_devices,
-        prompts_per_iteration=gbs, responses_per_iteration=gbs * n,
+        prompts_per_iteration=gbs, responses_per_iteration=gbs * n, prompts_per_update=update_prompts,
         mini_batches_per_iteration=mini_batches, optimizer_steps_per_iteration=mini_batches * rl.epochs,
         responses_per_mini_batch=mini * n, responses_per_mini_batch_per_dp=per_dp,
         micro_batch_size=a.micro_batch_size, grad_accumulation_steps=per_dp // a.micro_batch_size,

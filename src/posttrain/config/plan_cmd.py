@@ -28,6 +28,9 @@ def format_plan(plan: Plan) -> str:
     rows = [
         ("prompts", f"{plan.prompts_per_iteration}  (global_batch_size)"),
         ("responses", f"{plan.responses_per_iteration}  (prompts x n_samples_per_prompt)"),
+        *([("prompts per update", f"{plan.prompts_per_update}  (DAPO: filter_groups_train_batch_size kept "
+                                  f"after dynamic sampling)")] if plan.prompts_per_update != plan.prompts_per_iteration
+          else []),
         ("mini-batches", f"{plan.mini_batches_per_iteration}  of {plan.responses_per_mini_batch} responses"),
         ("optimizer steps", f"{plan.optimizer_steps_per_iteration}  (mini-batches x epochs)"),
         ("responses per mini-batch per DP rank", str(plan.responses_per_mini_batch_per_dp)),

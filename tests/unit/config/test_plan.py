@@ -65,3 +65,14 @@ def test_plan_command_bad_input_exit_2(capsys):
     assert main(["plan", "--config-name", "r1_zero_qwen25_7b", "actor_config.micro_batch_size=5"]) == 2
     assert "must be divisible by micro_batch_size 5" in capsys.readouterr().err
     assert main(["plan", "--config-name", "no_such_config"]) == 2
+
+
+def test_dapo_dynamic_sampling_updates_on_the_kept_prompts():
+    cfg = load_run_config("r1_zero_qwen25_7b", overrides=[
+        "megatron_training.stage=ray_dapo", "rl_config.filter_groups_enable=true",
+        "rl_config.filter_groups_metric=acc", "rl_config.filter_groups_train_batch_size=16",
+        "rl_config.mini_batch_size=8"])
+    plan = build_plan(cfg, validate_run_config(cfg), None)
+    # 32 prompts generated per batch; 16 kept prompts are updated on, in mini-batches of 8 prompts
+    assert plan.prompts_per_iteration == 32 and plan.prompts_per_update == 16
+    assert plan.mini_batches_per_iteration == 2 and plan.optimizer_steps_per_iteration == 2
