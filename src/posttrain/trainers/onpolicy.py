@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import math
-from pathlib import Path
 
 import torch
 
