@@ -101,6 +101,8 @@ class RLConfig(Section):
     actor_image_embeds_dispatch_size: Opt[int] = F(None, "multimodal")
     is_multimodal: bool = F(False, "multimodal")
     use_remove_padding: bool = F(False, "pack valid tokens of a micro-batch into one row")
+    share_prompt_prefix: bool = F(True, "posttrain: with use_remove_padding, pack a prompt shared by several "
+                                        "rows (a group's n samples) once")
     reuse_image_embeds: bool = F(False, "multimodal")
     colocate_actor_and_vit: bool = F(False, "multimodal")
     n_samples_per_prompt: int = F(1, "group size n")
@@ -145,6 +147,8 @@ class RLConfig(Section):
     missing_eos_penalty: float = F(1.0, "unused, as in the seed")
     # ---- posttrain additions --------------------------------------------------------------------
     ray_address: Opt[str] = F(None, "posttrain: Ray cluster address (or RAY_ADDRESS)")
+    ray_timeout_s: float = F(600.0, "posttrain: seconds any Ray remote call or torch.distributed collective may take")
+    ray_num_cpus_per_worker: int = F(1, "posttrain: CPUs (and torch threads) per actor worker without accelerators")
     device: str = F("auto", "posttrain: auto, cpu, cuda or cuda:N")
     rollout_engine: str = F("native", "posttrain: native or vllm")
     output_dir: Opt[str] = F(None, "posttrain: run directory for metrics (default runs/<config>)")

@@ -9,6 +9,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from posttrain.cluster.launch import wants_ray
 from posttrain.config.run import RunConfig
 from posttrain.config.validate import Layout
 from posttrain.device import resolve_device
@@ -23,9 +24,9 @@ class Session:
 
         from posttrain.metrics.sinks import MetricsLogger
         from posttrain.reward.rule_reward import RuleReward
-        from posttrain.rollout.base import SamplingParams, get_engine
+        from posttrain.rollout.base import SamplingParams
 
-        a, rl, gen = cfg.actor, cfg.rl, cfg.generate
+        a, rl = cfg.actor, cfg.rl
         self.cfg, self.layout, self.run_dir = cfg, layout, run_dir
         run_dir.mkdir(parents=True, exist_ok=True)
         setup.seed_everything(a.seed)
@@ -39,45 +40,28 @@ class Session:
 
         # data first: a bad dataset fails before any model loads
         self.dataset = setup.build_prompt_dataset(a, rl.max_prompt_length)
-        model, self.tokenizer, source = setup.build_actor_model(cfg, self.device)
-        self.model = model
-        self.pad_token_id = self.tokenizer.pad_token_id
-        steps_per_iter = (a.global_batch_size // rl.mini_batch_size) * rl.epochs
-        self.actor = setup.build_train_engine(model, a, a.train_iters * steps_per_iter, self.train_dtype)
-
-        # resume or start
-        state = setup.resume(source, model, self.actor, a)
-        self.trainer_state: dict[str, Any] = state
         self.extra_parts: dict[str, Any] = {}  # more trained modules to checkpoint (PPO: "critic")
+        self.cluster = None
+        if wants_ray(cfg):  # the roles run as Ray actors (posttrain.cluster); same methods as below
+            from posttrain.cluster import build_cluster
+
+            self.cluster = build_cluster(cfg, layout, uses_reference=uses_reference, device=self.device,
+                                         train_dtype=self.train_dtype, rollout_dtype=self.rollout_dtype)
+            policy = self.cluster.policy
+        else:
+            policy = setup.build_policy(cfg, self.device, self.train_dtype, self.rollout_dtype, uses_reference)
+        self.model, self.tokenizer = policy.model, policy.tokenizer  # model: None with Ray (weights in workers)
+        self.pad_token_id = self.tokenizer.pad_token_id
+        self.actor, self.reference, self.rollout = policy.actor, policy.reference, policy.rollout
+        self.stop_token_ids = policy.stop_token_ids
+
+        state = policy.state  # resumed or fresh
+        self.trainer_state: dict[str, Any] = state
         self.iteration, self.consumed_samples = int(state["iteration"]), int(state["consumed_samples"])
         self.initial_model = str(state["initial_model"])
         self.sampler = setup.build_sampler(len(self.dataset), a, state.get("sampler_state"))
-
-        self.reference = None
-        if uses_reference:
-            ref_path = (rl.integrated_mode_config or {}).get("ref_model_load_path")
-            if ref_path is None and self.iteration > 0:
-                ref_path = self.initial_model  # a resumed actor is not the reference
-            ref_model = setup.build_frozen_copy(model, ref_path, self.device)
-            from posttrain.train.engine import TrainEngine
-
-            self.reference = TrainEngine(ref_model, micro_batch_size=a.micro_batch_size, dtype=self.train_dtype)
-
-        from posttrain.train.dynamic_batch import apply_rl_config
-
-        apply_rl_config(self.actor, rl, "actor")  # use_remove_padding, use_dynamic_bsz budgets
-        if self.reference is not None:
-            apply_rl_config(self.reference, rl, "ref")
-
-        self.stop_token_ids = setup.stop_token_ids(self.tokenizer, a.prompt_type, a.prompt_type_path)
-        # The seed's default max_num_seqs (1) is a vLLM setting; one row per batch would make the
-        # native engine needlessly slow, so an unset value means 256 here.
-        max_num_seqs = gen.max_num_seqs if setup.explicitly_set(cfg, ("generate_config", "max_num_seqs")) else 256
-        self.rollout = get_engine(rl.rollout_engine, model=model, pad_token_id=self.pad_token_id,
-                                  eos_token_ids=self.stop_token_ids, max_num_seqs=max_num_seqs,
-                                  max_num_batched_tokens=gen.max_num_batched_tokens, dtype=self.rollout_dtype)
-        self.sampling = SamplingParams.from_config(gen.sampling_config.model_dump())
-        self.rule_reward = RuleReward.from_rl_config(rl)
+        self.sampling = SamplingParams.from_config(cfg.generate.sampling_config.model_dump())
+        self.rule_reward = self.cluster.rule_reward if self.cluster else RuleReward.from_rl_config(rl)
         self.eval_data = self._load_eval_data()
         self.logger = MetricsLogger(run_dir, rl.use_tensorboard, rl.tensorboard_log_dir, rl.use_wandb,
                                     rl.wandb_project, rl.wandb_exp_name, rl.wandb_save_dir, a.train_iters,
@@ -121,6 +105,8 @@ class Session:
     def close(self) -> None:
         self.rule_reward.close()
         self.logger.close()
+        if self.cluster is not None:
+            self.cluster.close()
 
     def save(self, iteration: int, extra_state: dict):
         from posttrain.checkpoint import save_checkpoint
@@ -128,6 +114,9 @@ class Session:
         a = self.cfg.actor
         state = {"iteration": iteration, "consumed_samples": self.consumed_samples,
                  "initial_model": self.initial_model, **extra_state}
+        if self.cluster is not None:  # rank 0 of the actor workers saves the full state
+            return self.cluster.save(a.save, iteration, sampler_state=self.sampler.state_dict(), trainer_state=state,
+                                     save_optim=not a.no_save_optim, save_rng=not a.no_save_rng)
         return save_checkpoint(a.save, iteration, self.model, self.actor.optimizer, self.actor.scheduler,
                                tokenizer=self.tokenizer, sampler_state=self.sampler.state_dict(),
                                trainer_state=state, save_optim=not a.no_save_optim, save_rng=not a.no_save_rng,

@@ -178,3 +178,40 @@ def resume(source: str, model, engine, actor: MegatronConfig) -> dict:
     state.setdefault("initial_model", str(source))
     log.info("resumed from %s at iteration %d", state["checkpoint_dir"], int(state["iteration"]))
     return state
+
+
+def build_policy(cfg: RunConfig, device: str, train_dtype: str, rollout_dtype: str, uses_reference: bool):
+    """The colocated policy roles of one process: the actor model and its training engine (resumed
+    from a checkpoint when ``load`` names one), the frozen reference (when used) and the rollout
+    engine on the actor's model object. The in-process session and each Ray actor worker
+    (:mod:`posttrain.cluster.worker`) build the same things with this function."""
+    from types import SimpleNamespace
+
+    from posttrain.rollout.base import get_engine
+    from posttrain.train.dynamic_batch import apply_rl_config
+    from posttrain.train.engine import TrainEngine
+
+    a, rl, gen = cfg.actor, cfg.rl, cfg.generate
+    model, tokenizer, source = build_actor_model(cfg, device)
+    steps_per_iter = (a.global_batch_size // rl.mini_batch_size) * rl.epochs
+    actor = build_train_engine(model, a, a.train_iters * steps_per_iter, train_dtype)
+    state = resume(source, model, actor, a)
+    reference = None
+    if uses_reference:
+        ref_path = (rl.integrated_mode_config or {}).get("ref_model_load_path")
+        if ref_path is None and int(state["iteration"]) > 0:
+            ref_path = str(state["initial_model"])  # a resumed actor is not the reference
+        ref_model = build_frozen_copy(model, ref_path, device)
+        reference = TrainEngine(ref_model, micro_batch_size=a.micro_batch_size, dtype=train_dtype)
+    apply_rl_config(actor, rl, "actor")  # use_remove_padding, use_dynamic_bsz budgets
+    if reference is not None:
+        apply_rl_config(reference, rl, "ref")
+    stops = stop_token_ids(tokenizer, a.prompt_type, a.prompt_type_path)
+    # The seed's default max_num_seqs (1) is a vLLM setting; one row per batch would make the
+    # native engine needlessly slow, so an unset value means 256 here.
+    max_num_seqs = gen.max_num_seqs if explicitly_set(cfg, ("generate_config", "max_num_seqs")) else 256
+    rollout = get_engine(rl.rollout_engine, model=model, pad_token_id=tokenizer.pad_token_id,
+                         eos_token_ids=stops, max_num_seqs=max_num_seqs,
+                         max_num_batched_tokens=gen.max_num_batched_tokens, dtype=rollout_dtype)
+    return SimpleNamespace(model=model, tokenizer=tokenizer, source=source, actor=actor, reference=reference,
+                           rollout=rollout, state=state, stop_token_ids=stops)

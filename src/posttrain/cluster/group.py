@@ -1,0 +1,246 @@
+"""The actor workers as one role: the in-process roles' methods, sharded over Ray actors.
+
+:class:`Cluster` starts (or joins) Ray, places one :class:`~posttrain.cluster.worker.ActorWorker`
+per bundle of a placement group, and offers the on-policy loop the same objects an in-process
+session has:
+
+* ``rollout.generate(prompts, n, sampling, stop_ids)``: the prompts are cut into one contiguous
+  share per worker; worker ``r`` samples with seed ``sampling.seed + r * RANK_SEED_STRIDE``, so a
+  1-worker cluster repeats the in-process samples and more workers draw different, equally
+  valid ones.
+* ``actor.compute_logprobs`` / ``reference.compute_logprobs``: rows cut into contiguous shares,
+  results concatenated in order.
+* ``actor.update(batch, loss_fn, mini_batch_size, epochs, shuffle, seed)``: the driver orders the
+  rows exactly as :meth:`TrainEngine.update` does (same permutation for ``shuffle``), cuts every
+  mini-batch into ``W`` equal slices and sends worker ``r`` its slices in step order. Each worker
+  runs one optimizer step per slice; the engine sums token counts over ranks and DDP averages
+  gradients, so every step is the step of the whole global mini-batch.
+* ``save``: rank 0 writes the full state with :func:`posttrain.checkpoint.save_checkpoint`; the
+  checkpoint is the same as an in-process one, so it resumes on any number of workers.
+
+Every call waits with ``rl_config.ray_timeout_s``; the first failure closes the group (kills the
+workers, which may be blocked in a collective with a dead peer) and raises a ClusterError.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+from types import SimpleNamespace
+
+import torch
+
+from posttrain.cluster import launch
+from posttrain.cluster.remote import ClusterError, gather
+from posttrain.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+RANK_SEED_STRIDE = 1_000_003
+# dispatch sizes are rows per data-parallel worker (the seed's meaning); the driver reads W at once
+ACTOR_DISPATCH_KEYS = ("actor_rollout_dispatch_size", "actor_logprob_dispatch_size", "ref_dispatch_size",
+                       "actor_update_dispatch_size")
+
+
+def spans(count: int, parts: int) -> list[tuple[int, int]]:
+    """Contiguous, balanced ``(start, stop)`` shares of ``count`` rows; empty shares dropped."""
+    bounds = [count * i // parts for i in range(parts + 1)]
+    return [(bounds[i], bounds[i + 1]) for i in range(parts) if bounds[i + 1] > bounds[i]]
+
+
+def update_shards(num_rows: int, mini_batch_size: int, world: int, epochs: int, shuffle: bool,
+                  seed: int) -> list[torch.Tensor]:
+    """Row indices for each rank: the mini-batches of :meth:`TrainEngine.update` (same order, same
+    shuffle), each cut into ``world`` equal slices; rank ``r`` gets slice ``r`` of every step."""
+    if mini_batch_size < 1 or num_rows % mini_batch_size:
+        raise ConfigError(f"The batch of {num_rows} rows cannot be split into mini-batches of {mini_batch_size} "
+                          "rows; make rl_config.mini_batch_size x n_samples_per_prompt divide the batch.")
+    if mini_batch_size % world:
+        raise ConfigError(f"a mini-batch of {mini_batch_size} rows (rl_config.mini_batch_size x "
+                          f"n_samples_per_prompt) cannot be shared equally by {world} actor workers "
+                          f"(rl_config.actor_resource.num_npus); make it a multiple of the worker count.")
+    local = mini_batch_size // world
+    per_rank: list[list[torch.Tensor]] = [[] for _ in range(world)]
+    for epoch in range(epochs):
+        if shuffle:
+            order = torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed + epoch))
+        else:
+            order = torch.arange(num_rows)
+        for start in range(0, num_rows, mini_batch_size):
+            step = order[start:start + mini_batch_size]
+            for rank in range(world):
+                per_rank[rank].append(step[rank * local:(rank + 1) * local])
+    return [torch.cat(rows) for rows in per_rank]
+
+
+class Cluster:
+    """Ray actor workers (one per device / CPU worker) and reward workers (one per node)."""
+
+    def __init__(self, cfg, layout, *, uses_reference: bool, device: str, train_dtype: str, rollout_dtype: str):
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from posttrain.cluster.reward import RewardGroup
+        from posttrain.cluster.worker import ActorWorker
+
+        a, rl = cfg.actor, cfg.rl
+        if a.tensor_model_parallel_size > 1 or a.pipeline_model_parallel_size > 1:
+            raise ConfigError("Ray workers are data-parallel only: set tensor_model_parallel_size and "
+                              "pipeline_model_parallel_size to 1")
+        if cfg.stage == "ppo":
+            raise ConfigError("PPO's critic does not run on Ray workers yet: run ray_ppo in one process "
+                              "(actor_resource.num_npus: 1 and no ray_address / RAY_ADDRESS)")
+        self.timeout_s = float(rl.ray_timeout_s)
+        self.world = launch.num_workers(cfg)
+        self.closed = False
+        self.owns_ray = launch.connect(cfg)
+        self.workers: list = []
+        self.pg = None
+        self.rewards = None
+        try:
+            use_gpu = device.startswith("cuda")
+            cpus = rl.ray_num_cpus_per_worker
+            self.pg = launch.placement_group(self.world, use_gpu, cpus, self.timeout_s)
+            remote = ray.remote(ActorWorker)
+            for rank in range(self.world):
+                strategy = PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=rank)
+                options = {"num_cpus": 1 if use_gpu else cpus, "num_gpus": 1 if use_gpu else 0, "max_restarts": 0,
+                           "scheduling_strategy": strategy}
+                self.workers.append(remote.options(**options).remote(rank, self.world, cpus))
+            self.names = [f"actor worker rank {r}" for r in range(self.world)]
+            ip, port, _ = self._call("find the rendezvous", [self.workers[0].address.remote()], self.names[:1])[0]
+            states = self._all("set-up", "setup", cfg, (ip, port), uses_reference, device, train_dtype,
+                               rollout_dtype, self.timeout_s)
+            self.info = self._all("ready check", "ready_info")
+            self.rewards = RewardGroup(rl, self.timeout_s)
+        except BaseException:
+            self.close()
+            raise
+        for key in ACTOR_DISPATCH_KEYS:
+            value = getattr(rl, key)
+            if value is not None:
+                setattr(rl, key, value * self.world)
+        tokenizer, stops = driver_tokenizer(cfg)
+        self.policy = SimpleNamespace(
+            model=None, tokenizer=tokenizer, stop_token_ids=stops, state=states[0],
+            actor=ActorRole(self), rollout=RolloutRole(self),
+            reference=ReferenceRole(self) if uses_reference else None)
+        self.rule_reward = self.rewards
+        log.info("Ray: %d actor workers %s", self.world, self.info)
+
+    # ---- calls --------------------------------------------------------------------------------
+    def _call(self, what: str, refs: list, names: list[str]) -> list:
+        try:
+            return gather(refs, names, what, self.timeout_s)
+        except ClusterError:
+            self.close()  # the other workers may wait forever in a collective with the failed one
+            raise
+
+    def _all(self, what: str, method: str, *args) -> list:
+        return self._call(what, [getattr(w, method).remote(*args) for w in self.workers], self.names)
+
+    def _check(self) -> None:
+        if self.closed:
+            raise ClusterError("the Ray worker group is closed (an earlier call failed or the run ended)")
+
+    def sharded(self, what: str, method: str, count: int, make_args) -> list:
+        """Call ``method`` on the workers with ``make_args(rank, start, stop)`` for each share."""
+        self._check()
+        shares = spans(count, self.world)
+        refs = [getattr(self.workers[r], method).remote(*make_args(r, lo, hi)) for r, (lo, hi) in enumerate(shares)]
+        return self._call(what, refs, self.names[:len(refs)])
+
+    # ---- checkpoints, tests -----------------------------------------------------------------------
+    def save(self, save_dir, iteration: int, *, sampler_state, trainer_state: dict, save_optim: bool,
+             save_rng: bool):
+        from pathlib import Path
+
+        self._check()
+        ref = self.workers[0].save.remote(str(save_dir), iteration, sampler_state, trainer_state, save_optim,
+                                          save_rng)
+        return Path(self._call("save checkpoint", [ref], self.names[:1])[0])
+
+    def state_dicts(self) -> list[dict]:
+        self._check()
+        return self._all("state_dict", "state_dict")
+
+    def grads(self) -> list[dict]:
+        self._check()
+        return self._all("grads", "grads")
+
+    def close(self) -> None:
+        import ray
+
+        if self.closed:
+            return
+        self.closed = True
+        if self.rewards is not None:
+            self.rewards.close()
+        for worker in self.workers:
+            ray.kill(worker)
+        if self.pg is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            remove_placement_group(self.pg)
+        if self.owns_ray:
+            ray.shutdown()
+
+
+def driver_tokenizer(cfg):
+    """The tokenizer and stop ids the driver needs (it never loads the weights)."""
+    from posttrain.checkpoint import resolve_checkpoint
+    from posttrain.models.loading import load_tokenizer
+    from posttrain.trainers import setup
+
+    path, _ = resolve_checkpoint(setup.model_source(cfg.actor))
+    tokenizer = load_tokenizer(cfg.actor.tokenizer_name_or_path or path)
+    return tokenizer, setup.stop_token_ids(tokenizer, cfg.actor.prompt_type, cfg.actor.prompt_type_path)
+
+
+def _rows(batch: dict, lo: int, hi: int) -> dict:
+    return {k: v[lo:hi].cpu() for k, v in batch.items()}
+
+
+class RolloutRole:
+    def __init__(self, cluster: Cluster):
+        self.c = cluster
+
+    def generate(self, prompt_token_ids, n, sampling, stop_token_ids=None):
+        def args(rank, lo, hi):
+            seeded = sampling if sampling.seed is None else replace(sampling, seed=sampling.seed + rank * RANK_SEED_STRIDE)
+            return prompt_token_ids[lo:hi], n, seeded, stop_token_ids
+
+        parts = self.c.sharded("rollout", "generate", len(prompt_token_ids), args)
+        return [group for part in parts for group in part]
+
+
+class ActorRole:
+    def __init__(self, cluster: Cluster):
+        self.c = cluster
+
+    def compute_logprobs(self, batch, *, temperature=1.0, micro_batch_size=None, reference=False):
+        count = next(iter(batch.values())).shape[0]
+        what = "reference log-probs" if reference else "actor log-probs"
+        parts = self.c.sharded(what, "compute_logprobs", count,
+                               lambda r, lo, hi: (_rows(batch, lo, hi), temperature, micro_batch_size, reference))
+        return torch.cat(parts)
+
+    def update(self, batch, loss_fn, *, mini_batch_size, epochs=1, shuffle=False, seed=0, micro_batch_size=None):
+        self.c._check()
+        if micro_batch_size is not None:
+            raise ConfigError("the Ray actor group uses actor_config.micro_batch_size; do not pass micro_batch_size")
+        count = next(iter(batch.values())).shape[0]
+        shards = update_shards(count, mini_batch_size, self.c.world, epochs, shuffle, seed)
+        local = mini_batch_size // self.c.world
+        refs = [w.update.remote({k: v[rows].cpu() for k, v in batch.items()}, loss_fn, local)
+                for w, rows in zip(self.c.workers, shards)]
+        return self.c._call("actor update", refs, self.c.names)[0]  # metrics are already summed over ranks
+
+
+class ReferenceRole:
+    def __init__(self, cluster: Cluster):
+        self.actor = ActorRole(cluster)
+
+    def compute_logprobs(self, batch, *, temperature=1.0, micro_batch_size=None):
+        return self.actor.compute_logprobs(batch, temperature=temperature, micro_batch_size=micro_batch_size,
+                                           reference=True)

@@ -1,0 +1,43 @@
+"""Waiting on Ray calls: every wait has a timeout, and the first failure stops the wait.
+
+A worker that raised is reported with its remote traceback; a worker that died (killed, out of
+memory, segfault) with Ray's account of the death. Either way the caller gets a
+:class:`ClusterError` as soon as the first call fails, without waiting for the other workers,
+which may be blocked in a collective with the dead one.
+"""
+
+from __future__ import annotations
+
+import time
+
+from posttrain.errors import PosttrainError
+
+
+class ClusterError(PosttrainError):
+    """A Ray worker failed, died or did not answer in time (rl_config.ray_timeout_s)."""
+
+
+def gather(refs: list, names: list[str], what: str, timeout_s: float) -> list:
+    """The results of ``refs`` in order; raises :class:`ClusterError` on the first error or death,
+    or when they are not all done after ``timeout_s`` seconds. ``names`` say which worker each is."""
+    import ray
+    from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+
+    index = {ref: i for i, ref in enumerate(refs)}
+    pending, deadline = list(refs), time.monotonic() + timeout_s
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+        if not ready:
+            late = ", ".join(names[index[r]] for r in pending)
+            raise ClusterError(f"{what}: no answer from {late} within rl_config.ray_timeout_s={timeout_s:.0f} s; "
+                               f"the worker is stuck or too slow. Raise ray_timeout_s for long steps.")
+        for ref in ready:
+            try:
+                ray.get(ref, timeout=0)
+            except RayTaskError as err:  # the worker raised: its traceback is in the message
+                raise ClusterError(f"{what} failed on {names[index[ref]]}:\n{err}") from None
+            except RayActorError as err:  # the process is gone
+                raise ClusterError(f"{what}: {names[index[ref]]} died: {err}") from None
+            except GetTimeoutError as err:  # not expected after ray.wait said ready
+                raise ClusterError(f"{what}: {names[index[ref]]} did not answer: {err}") from None
+    return ray.get(refs)

@@ -1,0 +1,140 @@
+"""The actor worker: one process per device (or per CPU worker), holding a full copy of the policy.
+
+Each worker builds what the in-process session builds (:func:`posttrain.trainers.setup.build_policy`:
+the actor model and its :class:`~posttrain.train.engine.TrainEngine`, the optional frozen reference,
+the native rollout engine on the actor's model object), joins a torch.distributed group (gloo on
+CPU, nccl on GPU) and wraps the model in DistributedDataParallel for the update. Inference
+(rollout, log-probs, reference) uses the unwrapped model and needs no collective, so the driver may
+give workers uneven shares; the update is a collective: every worker gets a slice of every
+mini-batch (see :mod:`posttrain.cluster.group`).
+
+This module is imported inside Ray worker processes; the ``ray.remote`` wrapping is done by the group.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import socket
+
+log = logging.getLogger(__name__)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])
+
+
+def wrap_ddp(model, device_ids):
+    """DDP without buffer syncs in forward (the rotary buffers are equal on all ranks, and the
+    log-prob passes must not need a collective); torch >= 2.13 names the option forward_sync_buffers."""
+    import inspect
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    params = inspect.signature(DistributedDataParallel.__init__).parameters
+    option = "forward_sync_buffers" if "forward_sync_buffers" in params else "broadcast_buffers"
+    return DistributedDataParallel(model, device_ids=device_ids, **{option: False})
+
+
+class ActorWorker:
+    """Rank ``rank`` of ``world_size`` data-parallel policy workers."""
+
+    def __init__(self, rank: int, world_size: int, cpu_threads: int):
+        self.rank, self.world_size, self.cpu_threads = rank, world_size, cpu_threads
+        self.policy = None
+
+    # ---- set-up ---------------------------------------------------------------------------------
+    def address(self) -> tuple[str, int, int]:
+        """(node IP, a free port, pid): rank 0's become the rendezvous of the process group."""
+        import ray
+
+        return ray.util.get_node_ip_address(), free_port(), os.getpid()
+
+    def setup(self, cfg, master: tuple[str, int], uses_reference: bool, device: str, train_dtype: str,
+              rollout_dtype: str, timeout_s: float) -> dict:
+        """Join the process group, build the policy, wrap it in DDP. Rank 0 returns the trainer
+        state (resumed or fresh); the others return {}."""
+        import torch
+        import torch.distributed as dist
+
+        from posttrain.train.dynamic_batch import apply_rl_config
+        from posttrain.train.engine import TrainEngine
+        from posttrain.trainers import setup
+
+        use_gpu = device.startswith("cuda")
+        if use_gpu:  # Ray sets CUDA_VISIBLE_DEVICES to this worker's GPU
+            torch.cuda.set_device(0)
+            device = "cuda:0"
+        else:
+            torch.set_num_threads(self.cpu_threads)
+        timeout = datetime.timedelta(seconds=timeout_s)
+        dist.init_process_group("nccl" if use_gpu else "gloo", init_method=f"tcp://{master[0]}:{master[1]}",
+                                rank=self.rank, world_size=self.world_size, timeout=timeout)
+        # one single-rank group per rank (created by all ranks, in order): inference engines use
+        # their own, so log-prob passes never wait on other ranks (uneven shares are fine)
+        own = [dist.new_group([r], timeout=timeout) for r in range(self.world_size)][self.rank]
+        cfg.rl.actor_resource.num_npus = self.world_size  # keep the config the driver validated
+        setup.seed_everything(cfg.actor.seed)
+        self.policy = p = setup.build_policy(cfg, device, train_dtype, rollout_dtype, uses_reference)
+        self.device = device
+        # log-probs on the plain model, no collective; the update through DDP over all ranks
+        self.infer = TrainEngine(p.model, micro_batch_size=cfg.actor.micro_batch_size, dtype=train_dtype,
+                                 dp_group=own)
+        apply_rl_config(self.infer, cfg.rl, "actor")
+        if p.reference is not None:
+            p.reference.dp_group = own
+        p.actor.model = wrap_ddp(p.model, [0] if use_gpu else None)
+        if self.rank != 0:
+            return {}
+        state = dict(p.state)
+        state["sampler_state"] = p.state.get("sampler_state")
+        return state
+
+    def ready_info(self) -> dict:
+        import torch
+
+        return {"rank": self.rank, "pid": os.getpid(), "threads": torch.get_num_threads(),
+                "device": self.device}
+
+    # ---- roles ----------------------------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], n: int, sampling, stop_token_ids) -> list:
+        return self.policy.rollout.generate(prompts, n, sampling, stop_token_ids)
+
+    def compute_logprobs(self, batch: dict, temperature: float, micro_batch_size, reference: bool = False):
+        engine = self.policy.reference if reference else self.infer
+        batch = {k: v.to(self.device) for k, v in batch.items()}
+        return engine.compute_logprobs(batch, temperature=temperature, micro_batch_size=micro_batch_size).cpu()
+
+    def update(self, batch: dict, loss_fn, mini_batch_size: int) -> list[dict[str, float]]:
+        """One optimizer step per ``mini_batch_size`` rows of ``batch`` (this rank's slices of the
+        global mini-batches, already in the global order)."""
+        return self.policy.actor.update(batch, loss_fn, mini_batch_size=mini_batch_size, epochs=1, shuffle=False)
+
+    def save(self, save_dir: str, iteration: int, sampler_state, trainer_state: dict, save_optim: bool,
+             save_rng: bool) -> str:
+        """Rank 0 only: the full model (DDP keeps every rank's copy whole) and optimizer state."""
+        from posttrain.checkpoint import save_checkpoint
+
+        p = self.policy
+        path = save_checkpoint(save_dir, iteration, p.model, p.actor.optimizer, p.actor.scheduler,
+                               tokenizer=p.tokenizer, sampler_state=sampler_state, trainer_state=trainer_state,
+                               save_optim=save_optim, save_rng=save_rng)
+        return str(path)
+
+    def state_dict(self) -> dict:
+        """The model weights on CPU (for tests and checks)."""
+        return {k: v.detach().cpu().clone() for k, v in self.policy.model.state_dict().items()}
+
+    def grads(self) -> dict:
+        """The gradients of the last optimizer step (after the all-reduce and clipping), on CPU."""
+        return {n: p.grad.detach().cpu().clone() for n, p in self.policy.model.named_parameters()
+                if p.grad is not None}
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
