@@ -8,9 +8,13 @@ which may be blocked in a collective with the dead one.
 
 from __future__ import annotations
 
+import re
 import time
 
 from posttrain.errors import PosttrainError
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
 class ClusterError(PosttrainError):
@@ -35,9 +39,14 @@ def gather(refs: list, names: list[str], what: str, timeout_s: float) -> list:
             try:
                 ray.get(ref, timeout=0)
             except RayTaskError as err:  # the worker raised: its traceback is in the message
-                raise ClusterError(f"{what} failed on {names[index[ref]]}:\n{err}") from None
+                raise ClusterError(f"{what} failed on {names[index[ref]]}:\n{_plain(err)}") from None
             except RayActorError as err:  # the process is gone
-                raise ClusterError(f"{what}: {names[index[ref]]} died: {err}") from None
+                raise ClusterError(f"{what}: {names[index[ref]]} died: {_plain(err)}") from None
             except GetTimeoutError as err:  # not expected after ray.wait said ready
                 raise ClusterError(f"{what}: {names[index[ref]]} did not answer: {err}") from None
     return ray.get(refs)
+
+
+def _plain(err: Exception) -> str:
+    """The error's text without Ray's terminal colours."""
+    return _ANSI.sub("", str(err))

@@ -1,0 +1,70 @@
+"""Failures on Ray: a killed worker, a worker that raises and one that hangs stop the driver with a
+ClusterError that names the worker and says why, instead of a hang."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from cluster_helpers import grpo_config
+
+pytestmark = pytest.mark.ray
+
+
+def test_a_worker_killed_mid_iteration_stops_the_run_with_a_clear_error(ray_cluster, work, monkeypatch):
+    from posttrain.cluster import group
+    from posttrain.cluster.remote import ClusterError
+    from posttrain.trainers.train_cmd import train
+
+    killed = {}
+    original = group.ActorRole.update
+
+    def kill_then_update(self, *args, **kwargs):
+        # after rollout, reward and advantages of iteration 2: SIGKILL rank 1, as an OOM killer would
+        if not killed:
+            pid = self.c.info[1]["pid"]
+            os.kill(pid, signal.SIGKILL)
+            killed["pid"], killed["cluster"] = pid, self.c
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(group.ActorRole, "update", kill_then_update)
+    cfg = grpo_config(work, "killed", workers=2, iters=3, rl={"ray_timeout_s": 300})
+    with pytest.raises(ClusterError, match=r"actor update: actor worker rank 1 died") as err:
+        train(cfg)
+    assert "no answer" not in str(err.value)  # the death was seen, not the timeout
+    print(err.value)
+    # the group was torn down: rank 0 (blocked in a collective with the dead rank) is gone too
+    cluster = killed["cluster"]
+    assert cluster.closed
+    with pytest.raises(ray_cluster.exceptions.RayActorError):
+        ray_cluster.get(cluster.workers[0].ready_info.remote(), timeout=60)
+
+
+def test_a_remote_error_carries_the_worker_traceback(ray_cluster):
+    from posttrain.cluster.remote import ClusterError, gather
+
+    @ray_cluster.remote(num_cpus=0)
+    def broken():
+        raise ValueError("the verifier module is missing")
+
+    with pytest.raises(ClusterError, match="the verifier module is missing") as err:
+        gather([broken.remote()], ["reward worker 0"], "rule reward", timeout_s=60)
+    text = str(err.value)
+    assert "rule reward failed on reward worker 0" in text and "in broken" in text  # the remote frames
+    assert "\x1b[" not in text
+
+
+def test_a_call_that_does_not_answer_times_out(ray_cluster):
+    from posttrain.cluster.remote import ClusterError, gather
+
+    @ray_cluster.remote(num_cpus=0)
+    def stuck():
+        time.sleep(60)
+
+    ref = stuck.remote()
+    with pytest.raises(ClusterError, match=r"no answer from actor worker rank 0 within rl_config.ray_timeout_s=1 s"):
+        gather([ref], ["actor worker rank 0"], "actor update", timeout_s=1)
+    ray_cluster.cancel(ref, force=True)
