@@ -2,10 +2,13 @@
 hyperparameters, written once into a work folder and read by both sides.
 
 * model ``tiny``: ``posttrain.models.init_model.init_model_dir("tiny_qwen2")`` (9.6M parameters,
-  random init); ``smollm2``: the demo's SmolLM2-135M-Instruct (real weights, vocab 49152).
-* data: "What is a + b?" prompts (a, b in 0..9), label a + b, preprocessed by posttrain's
-  ``R1AlpacaStyleInstructionHandler``; TRL gets the same prompt token ids decoded back to text.
-* reward: posttrain's ``last_number`` verifier (1 if the last number in the completion is a + b).
+  random init); ``smollm2`` and ``demo``: the demo's SmolLM2-135M-Instruct (real weights, vocab 49152).
+* data: ``tiny``/``smollm2``: "What is a + b?" prompts (a, b in 0..9), label a + b, preprocessed
+  by posttrain's ``R1AlpacaStyleInstructionHandler`` as plain text; ``demo``: the demo's own task
+  (``posttrain.demo.tasks``, two-term sums and differences) in the model's chat template, as
+  ``make demo`` trains. TRL gets the same prompt token ids decoded back to text.
+* reward: posttrain's ``last_number`` verifier (1 if the last number in the completion is a + b);
+  ``demo``: ``math_equiv`` (math-verify), as the demo.
 """
 
 from __future__ import annotations
@@ -16,11 +19,16 @@ from pathlib import Path
 
 SETTINGS = {  # equal on both sides
     "num_prompts": 8, "n": 8, "max_tokens": 64, "lr": 1e-5, "temperature": 1.0, "seed": 1,
-    "clip_grad": 1.0, "epsilon": 0.2, "verifier": "last_number",
+    "clip_grad": 1.0, "epsilon": 0.2, "verifier": "last_number", "adam_beta2": 0.999,
+    "max_prompt_length": 32, "prompt_type": "trl",
 }
-MODELS = {"tiny": "tiny_qwen2", "smollm2": "smollm2_135m"}
-# SmolLM2-135M is 14x the tiny model: fewer, shorter samples keep a step near a minute on 2 cores
-SIZE_SETTINGS = {"tiny": {}, "smollm2": {"num_prompts": 2, "n": 4, "max_tokens": 32}}
+MODELS = {"tiny": "tiny_qwen2", "smollm2": "smollm2_135m", "demo": "smollm2_135m"}
+# SmolLM2-135M is 14x the tiny model: fewer, shorter samples keep a step near a minute on 2 cores.
+# "demo" is configs/grpo_smollm2_demo.yaml: the setting in which the model learns in 8 steps.
+SIZE_SETTINGS = {"tiny": {}, "smollm2": {"num_prompts": 2, "n": 4, "max_tokens": 32},
+                 "demo": {"num_prompts": 4, "n": 8, "max_tokens": 16, "lr": 2e-5, "temperature": 0.5,
+                          "seed": 1234, "verifier": "math_equiv", "adam_beta2": 0.99, "max_prompt_length": 80,
+                          "prompt_type": "hf_chat_template"}}
 
 
 def settings(size: str) -> dict:
@@ -38,7 +46,7 @@ def prepare(work: Path, size: str = "tiny") -> dict[str, str]:
     from posttrain.data.preprocess import preprocess
 
     work.mkdir(parents=True, exist_ok=True)
-    if size == "smollm2":
+    if size in ("smollm2", "demo"):
         from posttrain.models.pretrained import ensure_smollm2
 
         model_dir = tok_dir = ensure_smollm2()
@@ -50,7 +58,15 @@ def prepare(work: Path, size: str = "tiny") -> dict[str, str]:
             init_model_dir(MODELS[size], model_dir)
     data_dir = work / f"data_{size}"
     data_prefix = data_dir / "rl"
-    if not list(data_dir.glob("*.idx")):
+    if size == "demo" and not list(data_dir.glob("*.idx")):
+        from posttrain.demo.tasks import write_demo_data
+
+        train_path, _ = write_demo_data(work / "raw_demo")
+        preprocess(dict(input=str(train_path), handler_name="R1AlpacaStyleInstructionHandler",
+                        output_prefix=str(data_prefix), map_keys={"prompt": "prompt", "response": "answer"},
+                        dataset_additional_keys=["labels"], tokenizer_name_or_path=str(tok_dir),
+                        prompt_type="hf_chat_template", workers=1), progress=False)
+    elif not list(data_dir.glob("*.idx")):
         rng = random.Random(0)
         rows = []
         for _ in range(4000):
@@ -75,12 +91,13 @@ def posttrain_config(paths: dict[str, str], steps: int, out_dir: str, extra: dic
             "seq_length": 128, "train_iters": steps, "lr": s["lr"], "lr_decay_style": "constant",
             "weight_decay": 0.0, "clip_grad": s["clip_grad"], "data_path": paths["data"],
             "tokenizer_name_or_path": paths["tokenizer"], "load": paths["model"], "finetune": True,
-            "seed": s["seed"], "bf16": False, "dataset_additional_keys": ["labels"], "prompt_type": "trl",
+            "seed": s["seed"], "bf16": False, "dataset_additional_keys": ["labels"],
+            "prompt_type": s["prompt_type"], "adam_beta2": s["adam_beta2"],
         },
         "rl_config": {
             "output_dir": out_dir, "n_samples_per_prompt": s["n"], "mini_batch_size": s["num_prompts"],
             "verifier_function": [s["verifier"]], "verifier_weight": [1.0], "init_kl_coef": 0.0,
-            "max_prompt_length": 32, "verifier_parallel": 1, "clip_ratio": s["epsilon"],
+            "max_prompt_length": s["max_prompt_length"], "verifier_parallel": 1, "clip_ratio": s["epsilon"],
         },
         "generate_config": {
             "max_model_len": 128, "max_num_seqs": 256, "infer_tensor_parallel_size": 1,
@@ -94,14 +111,14 @@ def posttrain_config(paths: dict[str, str], steps: int, out_dir: str, extra: dic
     return cfg
 
 
-def prompt_texts(paths: dict[str, str], count: int) -> list[tuple[str, str]]:
+def prompt_texts(paths: dict[str, str], count: int, max_prompt_length: int = 32) -> list[tuple[str, str]]:
     """The first ``count`` (prompt text, label text) pairs of the preprocessed data, decoded."""
     from transformers import AutoTokenizer
 
     from posttrain.data.datasets import PromptDataset
 
     tok = AutoTokenizer.from_pretrained(paths["tokenizer"])
-    ds = PromptDataset(paths["data"], max_prompt_length=32, additional_keys=["labels"])
+    ds = PromptDataset(paths["data"], max_prompt_length=max_prompt_length, additional_keys=["labels"])
     out = []
     for i in range(min(count, len(ds))):
         item = ds[i]

@@ -49,7 +49,7 @@ def one_run(side: str, args, rep: int) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--work", default="/tmp/perf/work")
-    p.add_argument("--size", default="tiny", choices=["tiny", "smollm2"])
+    p.add_argument("--size", default="tiny", choices=["tiny", "smollm2", "demo"])
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--threads", type=int, default=2)

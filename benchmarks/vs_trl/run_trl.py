@@ -40,7 +40,7 @@ def main() -> None:
 
     s = settings(args.size)
     paths = prepare(Path(args.work), args.size)
-    pairs = prompt_texts(paths, 4000)
+    pairs = prompt_texts(paths, 4000, s["max_prompt_length"])
     data = Dataset.from_list([{"prompt": prompt, "label": label} for prompt, label in pairs])
     verifier = get_verifier(s["verifier"])
 
@@ -68,7 +68,7 @@ def main() -> None:
         per_device_train_batch_size=s["num_prompts"] * s["n"], gradient_accumulation_steps=1,
         num_generations=s["n"], max_completion_length=s["max_tokens"], temperature=s["temperature"],
         top_p=1.0, top_k=0, learning_rate=s["lr"], lr_scheduler_type="constant", weight_decay=0.0,
-        max_grad_norm=s["clip_grad"], epsilon=s["epsilon"], beta=0.0, loss_type="dapo", scale_rewards="group",
+        max_grad_norm=s["clip_grad"], adam_beta2=s["adam_beta2"], epsilon=s["epsilon"], beta=0.0, loss_type="dapo", scale_rewards="group",
         bf16=False, fp16=False, gradient_checkpointing=False, use_cpu=True, seed=s["seed"], logging_steps=1,
         report_to="none", save_strategy="no", disable_tqdm=True, dataloader_num_workers=0,
     )

@@ -127,11 +127,12 @@ def budgets_from_rl_config(rl) -> dict[str, TokenBudget] | None:
 
 def apply_rl_config(engine, rl, forward_phase: str = "actor") -> None:
     """Set a :class:`~posttrain.train.engine.TrainEngine`'s performance options from an RLConfig:
-    ``use_remove_padding``, and under ``use_dynamic_bsz`` the budget of its log-prob passes
+    ``use_remove_padding`` (with ``share_prompt_prefix``), and under ``use_dynamic_bsz`` the budget of its log-prob passes
     (``forward_phase``: ``actor`` for old log-probs, ``ref`` for the reference) and of its updates."""
     if forward_phase not in PHASES:
         raise ValueError(f"forward_phase must be one of {PHASES}; got {forward_phase!r}")
     engine.use_remove_padding = bool(getattr(rl, "use_remove_padding", False))
+    engine.share_prompt_prefix = bool(getattr(rl, "share_prompt_prefix", True))
     budgets = budgets_from_rl_config(rl)
     engine.forward_budget = budgets[forward_phase] if budgets else None
     engine.update_budget = budgets["update"] if budgets else None

@@ -106,6 +106,7 @@ class TrainEngine:
         # performance options (remove_padding.py, dynamic_batch.py): a token budget replaces the
         # fixed micro-batch size of log-prob passes (forward_budget) and of updates (update_budget)
         self.use_remove_padding = use_remove_padding
+        self.share_prompt_prefix = True  # with remove padding: pack a repeated prompt once
         self.forward_budget = forward_budget
         self.update_budget = update_budget
         if activation_checkpointing:
@@ -136,8 +137,10 @@ class TrainEngine:
 
     def _chunks(self, batch, micro_batch_size: int | None, budget: TokenBudget | None) -> list[torch.Tensor]:
         """Row indices of each micro-batch: fixed-size chunks, or token-balanced ones under a budget."""
-        rows = torch.arange(_num_rows(batch))
         if budget is None:
+            rows = torch.arange(_num_rows(batch))
+            if self.use_remove_padding and self.share_prompt_prefix:  # a group's rows together: one prompt copy
+                rows = remove_padding.group_rows_by_prompt(batch)
             return _split(rows, micro_batch_size or self.micro_batch_size)
         lengths = batch["attention_mask"].sum(-1).tolist()
         return [torch.tensor(g, dtype=torch.long) for g in split_by_tokens(lengths, budget, self._dp_max)]
@@ -158,7 +161,7 @@ class TrainEngine:
         chunks = self._chunks(batch, micro_batch_size, self.forward_budget)
         try:
             outputs = []
-            with remove_padding.packing(self.use_remove_padding):
+            with remove_padding.packing(self.use_remove_padding, self.share_prompt_prefix):
                 for chunk in chunks:
                     with self.autocast():
                         outputs.append(fn(_take(batch, chunk, self.device)))
@@ -249,7 +252,8 @@ class TrainEngine:
         bad_loss = None
         chunks = self._chunks(mini_batch, micro_batch_size, self.update_budget)
         for i, rows in enumerate(chunks):
-            with maybe_no_sync(self.model, i < len(chunks) - 1), remove_padding.packing(self.use_remove_padding):
+            packing = remove_padding.packing(self.use_remove_padding, self.share_prompt_prefix)
+            with maybe_no_sync(self.model, i < len(chunks) - 1), packing:
                 with self.autocast():
                     micro_batch = _take(mini_batch, rows, self.device)
                     loss, metrics = loss_fn(self.model, micro_batch, num_tokens=num_tokens, num_seqs=num_seqs)

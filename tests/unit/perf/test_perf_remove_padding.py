@@ -26,6 +26,15 @@ def _batch(prompt_lens=(3, 5, 2, 4), resp_lens=(4, 1, 6, 3), seed=1):
     return pack_batch(prompts, resps, pad_token_id=0)
 
 
+def _grouped_batch(seed=4):
+    """Two prompts with 3 samples each (a GRPO group layout), plus two prompts with one sample each."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(1, 64, (n,), generator=g).tolist() for n in (5, 2, 3, 4)]
+    rows = [prompts[0]] * 3 + [prompts[1]] * 3 + [prompts[2], prompts[3]]
+    resps = [torch.randint(1, 64, (n,), generator=g).tolist() for n in (4, 1, 6, 3, 2, 5, 2, 3)]
+    return pack_batch(rows, resps, pad_token_id=0)
+
+
 def test_pack_layout_by_hand():
     batch = _batch(prompt_lens=(2, 1), resp_lens=(1, 3))
     # row 0: [p, p, r, pad, pad]; row 1: [pad, p, r, r, r]  (P = 2, R = 3)
@@ -70,8 +79,9 @@ def test_gradients_equal_padded():
     assert torch.allclose(grads[0], grads[1], atol=1e-5)
 
 
-def test_engine_remove_padding_matches():
-    batch = _batch()
+@pytest.mark.parametrize("make_batch", [_batch, _grouped_batch], ids=["distinct", "grouped"])
+def test_engine_remove_padding_matches(make_batch):
+    batch = make_batch()
     batch["advantages"] = torch.randn(batch["response_mask"].shape, generator=torch.Generator().manual_seed(3))
     results = []
     for packed in (False, True):
@@ -84,3 +94,61 @@ def test_engine_remove_padding_matches():
     assert torch.allclose(results[0][0], results[1][0], atol=1e-5)
     assert not torch.allclose(results[0][0], results[0][1])  # the step changed the model
     assert torch.allclose(results[0][1], results[1][1], atol=1e-5)
+
+
+def test_shared_prompt_layout_by_hand():
+    # rows 0 and 1 share the prompt [5, 6]; row 2 has its own [7]
+    batch = pack_batch([[5, 6], [5, 6], [7]], [[1], [2, 3], [4]], pad_token_id=0)
+    packed = rp.pack(batch, share_prompts=True)
+    # packed row: [5, 6 | 1 | 2, 3] [7 | 4]: the shared prompt once
+    assert packed["input_ids"].tolist() == [[5, 6, 1, 2, 3, 7, 4]]
+    assert packed["position_ids"].tolist() == [[0, 1, 2, 2, 3, 0, 1]]  # responses continue the prompt
+    real = torch.where(packed["valid"], packed["pad_index"], -1)  # padding slots point anywhere
+    assert real.tolist() == [[0, 1, 2, -1], [0, 1, 3, 4], [5, 6, -1, -1]]
+    assert packed["valid"].tolist() == [[True, True, True, False], [True, True, True, True],
+                                        [True, True, False, False]]
+    # each packed position's output comes from one block slot (b * 4 + l): the prompt from row 0
+    assert packed["owner"].tolist() == [0, 1, 2, 6, 7, 8, 9]
+    # both first response tokens are predicted by the shared prompt's last token (packed 1)
+    assert packed["keep"].tolist() == [1, 1, 3, 5]
+    assert packed["labels"].tolist() == [1, 2, 3, 4]
+    unshared = rp.pack(batch, share_prompts=False)
+    assert unshared["input_ids"].tolist() == [[5, 6, 1, 5, 6, 2, 3, 7, 4]]
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "llama"])
+def test_shared_prompts_equal_padded(kind):
+    model, batch = _model(kind), _grouped_batch()
+    ref_lp, ref_ent = response_logprobs(model, batch, temperature=0.7, with_entropy=True)
+    with rp.packing(True, share_prompts=True):
+        lp, ent = response_logprobs(model, batch, temperature=0.7, with_entropy=True)
+    assert torch.allclose(lp, ref_lp, atol=1e-5) and torch.allclose(ent, ref_ent, atol=1e-5)
+    packed = rp.pack(batch, share_prompts=True)
+    assert packed["input_ids"].shape[1] == 5 + 2 + 3 + 4 + sum((4, 1, 6, 3, 2, 5, 2, 3))  # each prompt once
+
+
+def test_shared_prompt_gradients_equal_padded():
+    batch = _grouped_batch()
+    weights = torch.linspace(-1, 1, batch["response_mask"].numel()).reshape(batch["response_mask"].shape)
+    grads = []
+    for packed, share in ((False, False), (True, True)):
+        model = _model().train()
+        with rp.packing(packed, share_prompts=share):
+            lp, _ = response_logprobs(model, batch)
+        (lp * weights).sum().backward()
+        grads.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
+    assert grads[0].abs().sum() > 0
+    assert torch.allclose(grads[0], grads[1], atol=1e-5)
+
+
+def test_engine_micro_batches_keep_a_group_together():
+    # rows of two groups interleaved (as a shuffled dock returns them): micro-batches of 3 rows each
+    # hold one group after the engine's reordering, so each packs a single prompt copy
+    batch = pack_batch([[5, 6], [7], [5, 6], [7], [5, 6], [7]], [[1], [2], [3], [4], [5], [6]], pad_token_id=0)
+    assert rp.group_rows_by_prompt(batch).tolist() == [0, 2, 4, 1, 3, 5]
+    model = _model()
+    engine = TrainEngine(model, micro_batch_size=3, use_remove_padding=True)
+    chunks = engine._chunks(batch, None, None)
+    assert [c.tolist() for c in chunks] == [[0, 2, 4], [1, 3, 5]]
+    engine.share_prompt_prefix = False
+    assert [c.tolist() for c in engine._chunks(batch, None, None)] == [[0, 1, 2], [3, 4, 5]]
