@@ -1,4 +1,4 @@
-"""Fixtures for the Ray tests: one local Ray cluster per session (2 CPUs, one per actor worker), a
+"""Fixtures for the Ray tests: one local Ray cluster per module (2 CPUs, one per actor worker), a
 2-layer random-init Qwen2 with the tiny tokenizer, and a prompt dataset."""
 
 from __future__ import annotations
@@ -14,9 +14,10 @@ import pytest
 E2E = Path(__file__).resolve().parents[1] / "e2e"  # e2e_algo_verifiers: the graded e2e_lowercase reward
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def ray_cluster():
-    ray = pytest.importorskip("ray")
+    """A local Ray cluster for one test module (shut down after it, so later tests run without it)."""
+    import ray  # installed by `make install` (the ray extra); CI runs these tests
     import torch
 
     # the workers import e2e_algo_verifiers by name: the driver's PYTHONPATH reaches them
