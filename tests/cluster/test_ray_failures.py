@@ -8,7 +8,6 @@ import signal
 import time
 
 import pytest
-
 from cluster_helpers import grpo_config
 
 pytestmark = pytest.mark.ray

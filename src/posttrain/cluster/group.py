@@ -25,6 +25,7 @@ workers, which may be blocked in a collective with a dead peer) and raises a Clu
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import replace
 from types import SimpleNamespace
 
@@ -110,7 +111,7 @@ class Cluster:
             self.names = [f"actor worker rank {r}" for r in range(self.world)]
             ip, port, _ = self._call("find the rendezvous", [self.workers[0].address.remote()], self.names[:1])[0]
             states = self._all("set-up", "setup", cfg, (ip, port), uses_reference, device, train_dtype,
-                               rollout_dtype, self.timeout_s)
+                               rollout_dtype, self.timeout_s, os.getcwd())
             self.info = self._all("ready check", "ready_info")
             self.rewards = RewardGroup(rl, self.timeout_s)
         except BaseException:

@@ -13,7 +13,6 @@ import time
 
 from posttrain.errors import PosttrainError
 
-
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 

@@ -54,9 +54,10 @@ class ActorWorker:
         return ray.util.get_node_ip_address(), free_port(), os.getpid()
 
     def setup(self, cfg, master: tuple[str, int], uses_reference: bool, device: str, train_dtype: str,
-              rollout_dtype: str, timeout_s: float) -> dict:
+              rollout_dtype: str, timeout_s: float, cwd: str) -> dict:
         """Join the process group, build the policy, wrap it in DDP. Rank 0 returns the trainer
-        state (resumed or fresh); the others return {}."""
+        state (resumed or fresh); the others return {}. ``cwd`` is the driver's working directory:
+        relative paths in the config mean the same here (multi-node: same paths on every node)."""
         import torch
         import torch.distributed as dist
 
@@ -64,6 +65,8 @@ class ActorWorker:
         from posttrain.train.engine import TrainEngine
         from posttrain.trainers import setup
 
+        if os.path.isdir(cwd):
+            os.chdir(cwd)
         use_gpu = device.startswith("cuda")
         if use_gpu:  # Ray sets CUDA_VISIBLE_DEVICES to this worker's GPU
             torch.cuda.set_device(0)
@@ -132,6 +135,23 @@ class ActorWorker:
         """The gradients of the last optimizer step (after the all-reduce and clipping), on CPU."""
         return {n: p.grad.detach().cpu().clone() for n, p in self.policy.model.named_parameters()
                 if p.grad is not None}
+
+    def allreduce_probe(self, numel: int, repeats: int) -> float:
+        """Median milliseconds of one all-reduce of ``numel`` float32 over the group (all ranks call
+        it together; benchmarks/cluster uses it to price DDP's gradient exchange)."""
+        import statistics
+        import time
+
+        import torch
+        import torch.distributed as dist
+
+        t = torch.ones(numel, device=self.device)
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            dist.all_reduce(t)
+            times.append(time.perf_counter() - start)
+        return 1e3 * statistics.median(times)
 
     def close(self) -> None:
         import torch.distributed as dist

@@ -48,6 +48,7 @@ class Session:
             self.cluster = build_cluster(cfg, layout, uses_reference=uses_reference, device=self.device,
                                          train_dtype=self.train_dtype, rollout_dtype=self.rollout_dtype)
             policy = self.cluster.policy
+            self.device = "cpu"  # the driver's batches stay on CPU; the workers move them to their device
         else:
             policy = setup.build_policy(cfg, self.device, self.train_dtype, self.rollout_dtype, uses_reference)
         self.model, self.tokenizer = policy.model, policy.tokenizer  # model: None with Ray (weights in workers)

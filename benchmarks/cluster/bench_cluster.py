@@ -1,0 +1,176 @@
+"""Ray start-up and per-iteration cost: GRPO on the tiny Qwen2 with 2 CPU Ray workers vs in process.
+
+    .venv/bin/python benchmarks/cluster/bench_cluster.py --work /tmp/bench_cluster --iters 5 --warmup 1
+
+Each mode runs in a fresh process (one after the other, never two at once):
+
+* ``inproc1`` / ``inproc2``: the in-process session, torch with 1 / 2 threads;
+* ``ray2``: 2 Ray actor workers x 1 thread (one CPU each) on a local Ray cluster; the driver
+  holds only the tokenizer.
+
+Workload: tiny Qwen2 (hidden 384, 6 layers, ~9.6M parameters, fp32), 8 prompts x 8 samples, at most
+64 new tokens, one optimizer step per iteration (mini-batch = global batch), no reference model.
+Reported: start-up (``ray.init``; building the session: worker processes, model loads, process
+group, DDP), per-iteration wall time and phases (median), and for Ray the round trip of an empty
+remote call and a gloo all-reduce of the model's gradient size between the two workers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+MODES = ("inproc1", "inproc2", "ray2")
+
+
+def prepare(work: Path) -> tuple[Path, str]:
+    from posttrain.data.preprocess import preprocess
+    from posttrain.models.init_model import init_model_dir
+
+    model = work / "model"
+    if not (model / "config.json").is_file():
+        init_model_dir("tiny_qwen2", model, seed=1234)
+    data = work / "data" / "rl"
+    if not Path(str(data) + ".idx").is_file() and not any((work / "data").glob("*")):
+        rng = random.Random(0)
+        rows = [{"problem": f"What is {a} + {b}?", "answer": str(a + b)}
+                for a, b in ((rng.randint(0, 99), rng.randint(0, 99)) for _ in range(256))]
+        (work / "rl.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+        preprocess({"input": str(work / "rl.jsonl"), "handler_name": "R1AlpacaStyleInstructionHandler",
+                    "tokenizer_name_or_path": str(model), "prompt_type": "default", "output_prefix": str(data),
+                    "map_keys": {"prompt": "problem", "response": "answer"},
+                    "dataset_additional_keys": ["labels"]}, progress=False)
+    return model, str(data)
+
+
+def config(model: Path, data: str, work: Path, mode: str, iters: int):
+    from posttrain.config.run import run_config_from_dict
+
+    workers = 2 if mode == "ray2" else 1
+    return run_config_from_dict({
+        "megatron_training": {"stage": "ray_grpo", "global_batch_size": 8, "micro_batch_size": 16,
+                              "seq_length": 128, "train_iters": iters, "lr": 1e-4, "lr_decay_style": "constant",
+                              "tokenizer_name_or_path": str(model), "data_path": data, "seed": 1, "bf16": False,
+                              "dataset_additional_keys": ["labels"], "prompt_type": "default"},
+        "rl_config": {"n_samples_per_prompt": 8, "mini_batch_size": 8, "verifier_function": ["base_acc"],
+                      "verifier_weight": [1.0], "verifier_parallel": 1, "init_kl_coef": 0.0, "device": "cpu",
+                      "max_prompt_length": 64, "output_dir": str(work / f"run_{mode}"),
+                      "actor_resource": {"num_devices": workers}},
+        "generate_config": {"max_model_len": 128, "max_num_seqs": 256, "infer_tensor_parallel_size": 1,
+                            "sampling_config": {"max_tokens": 64, "temperature": 1.0, "top_k": -1, "top_p": 1.0}},
+    }, name=f"bench_{mode}")
+
+
+def ray_micro(cluster) -> dict[str, float]:
+    """Median round trip of an empty remote call, and of a gloo all-reduce of the gradient size."""
+    import ray
+
+    worker = cluster.workers[0]
+    times = []
+    for _ in range(30):
+        start = time.perf_counter()
+        ray.get(worker.ready_info.remote())
+        times.append(time.perf_counter() - start)
+    return {"remote_call_ms": 1e3 * statistics.median(times)}
+
+
+def run_mode(mode: str, work: Path, iters: int, warmup: int) -> dict:
+    import torch
+
+    torch.set_num_threads(2 if mode == "inproc2" else 1)
+    from posttrain.config.validate import validate_run_config
+    from posttrain.trainers.bundles import get_bundle
+    from posttrain.trainers.onpolicy import OnPolicyTrainer
+    from posttrain.trainers.session import Session
+    from posttrain.trainers.train_cmd import run_dir_for
+
+    model, data = prepare(work)
+    cfg = config(model, data, work, mode, iters + warmup)
+    out: dict = {"mode": mode}
+    if mode == "ray2":
+        import ray
+
+        start = time.perf_counter()
+        ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
+        out["ray_init_s"] = time.perf_counter() - start
+    layout = validate_run_config(cfg, device_type="cpu")
+    bundle = get_bundle(cfg.stage)
+    start = time.perf_counter()
+    session = Session(cfg, layout, uses_reference=False, run_dir=run_dir_for(cfg))
+    out["session_build_s"] = time.perf_counter() - start
+    trainer = OnPolicyTrainer(cfg, layout, bundle, session)
+    rows = []
+    try:
+        for it in range(1, iters + warmup + 1):
+            start = time.perf_counter()
+            metrics = trainer.train_step(it)
+            wall = time.perf_counter() - start
+            if it > warmup:
+                rows.append({"wall": wall, **{k: v for k, v in metrics.items() if k.startswith("timing/")},
+                             "response_length/mean": metrics["response_length/mean"]})
+        if mode == "ray2":
+            out.update(ray_micro(session.cluster))
+            out.update(allreduce_ms(session.cluster))
+    finally:
+        session.close()
+    out["iterations"] = rows
+    out["median"] = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+    return out
+
+
+def allreduce_ms(cluster) -> dict[str, float]:
+    """Median time of one gloo all-reduce as large as all gradients (what DDP sends per step)."""
+    import ray
+
+    numel = sum(v.numel() for v in ray.get(cluster.workers[0].grads.remote()).values())
+    times = ray.get([w.allreduce_probe.remote(numel, 10) for w in cluster.workers])
+    return {"grad_allreduce_ms": times[0], "grad_mbytes": numel * 4 / 1e6}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--work", default="/tmp/bench_cluster")
+    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--mode", choices=MODES)
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if args.mode:
+        result = run_mode(args.mode, work, args.iters, args.warmup)
+        Path(args.out).write_text(json.dumps(result, indent=2))
+        return
+    prepare(work)
+    results = []
+    for mode in MODES:
+        out = work / f"{mode}.json"
+        cmd = [sys.executable, __file__, "--mode", mode, "--work", str(work), "--iters", str(args.iters),
+               "--warmup", str(args.warmup), "--out", str(out)]
+        start = time.perf_counter()
+        subprocess.run(cmd, check=True)
+        result = json.loads(out.read_text())
+        result["process_s"] = time.perf_counter() - start
+        results.append(result)
+    (work / "results.json").write_text(json.dumps(results, indent=2))
+    phases = sorted({k for r in results for k in r["median"] if k.startswith("timing/")})
+    print(f"{'mode':8} {'start-up s':>10} {'iter s':>7} " + " ".join(f"{k[7:]:>11}" for k in phases))
+    for r in results:
+        startup = r["session_build_s"] + r.get("ray_init_s", 0.0)
+        print(f"{r['mode']:8} {startup:10.2f} {r['median']['wall']:7.3f} "
+              + " ".join(f"{r['median'].get(k, float('nan')):11.3f}" for k in phases))
+    for r in results:
+        extra = {k: round(v, 3) for k, v in r.items() if k.endswith(("_s", "_ms"))}
+        print(r["mode"], extra)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,76 @@
+"""The pure parts of posttrain.cluster (no Ray started): when a run goes to Ray, how update rows are
+shared out, the runtime env, and how reward shares are merged."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from cluster_helpers import grpo_config
+
+
+def test_wants_ray_for_more_than_one_device_or_an_address(tmp_path, monkeypatch):
+    from posttrain.cluster.launch import wants_ray
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    assert not wants_ray(grpo_config(tmp_path, "a", workers=1, iters=1))
+    assert wants_ray(grpo_config(tmp_path, "b", workers=2, iters=1))
+    assert wants_ray(grpo_config(tmp_path, "c", workers=1, iters=1, rl={"ray_address": "10.0.0.1:6766"}))
+    monkeypatch.setenv("RAY_ADDRESS", "auto")
+    assert wants_ray(grpo_config(tmp_path, "d", workers=1, iters=1))
+
+
+@pytest.mark.parametrize(("shuffle", "epochs"), [(False, 1), (True, 2)])
+def test_update_shards_give_every_rank_a_slice_of_every_engine_mini_batch(shuffle, epochs):
+    from posttrain.cluster.group import update_shards
+
+    rows, mini, world = 32, 8, 2
+    shards = update_shards(rows, mini, world, epochs, shuffle, seed=7)
+    local = mini // world
+    steps = []  # the engine's mini-batches (TrainEngine.update's order)
+    for epoch in range(epochs):
+        order = torch.randperm(rows, generator=torch.Generator().manual_seed(7 + epoch)) if shuffle \
+            else torch.arange(rows)
+        steps += [order[i:i + mini] for i in range(0, rows, mini)]
+    for k, step in enumerate(steps):
+        got = torch.cat([shards[r][k * local:(k + 1) * local] for r in range(world)])
+        assert torch.equal(got, step)
+
+
+def test_update_shards_reject_a_mini_batch_the_workers_cannot_share():
+    from posttrain.cluster.group import update_shards
+    from posttrain.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="cannot be shared equally by 3 actor workers"):
+        update_shards(16, 8, 3, 1, False, 0)
+
+
+def test_spans_are_contiguous_and_balanced():
+    from posttrain.cluster.group import spans
+
+    assert spans(5, 2) == [(0, 2), (2, 5)]
+    assert spans(1, 3) == [(0, 1)]  # idle workers are not called
+
+
+def test_runtime_env_has_the_seed_vars_and_rejects_a_bad_file(tmp_path):
+    from posttrain.cluster.launch import runtime_env_vars
+    from posttrain.errors import ConfigError
+
+    env = runtime_env_vars(grpo_config(tmp_path, "e", workers=2, iters=1))
+    assert env["HCCL_CONNECT_TIMEOUT"] == "1800" and env["HCCL_BUFFSIZE"] == "256"
+    bad = tmp_path / "env.yaml"
+    bad.write_text("env_vars: [A, B]\n")
+    with pytest.raises(ConfigError, match="env.yaml"):
+        runtime_env_vars(grpo_config(tmp_path, "f", workers=2, iters=1, rl={"runtime_env_path": str(bad)}))
+
+
+def test_reward_shares_merge_with_count_weighted_means():
+    from posttrain.cluster.reward import merge
+    from posttrain.reward.rule_reward import RewardBatch
+
+    a = RewardBatch([1.0], {"v": [1.0]}, {"v": [0]}, {"v_rewards/mean": 1.0, "reward/errors": 0.0})
+    b = RewardBatch([0.0, 0.0, 1.0], {"v": [0.0, 0.0, 1.0]}, {"v": [0, 2, 0]},
+                    {"v_rewards/mean": 1 / 3, "reward/errors": 1.0}, ["boom"])
+    out = merge([a, b], [1, 3])
+    assert out.scores == [1.0, 0.0, 0.0, 1.0] and out.status["v"] == [0, 0, 2, 0]
+    assert out.metrics["v_rewards/mean"] == pytest.approx(0.5) and out.metrics["reward/errors"] == 1.0
+    assert out.errors == ["boom"]
