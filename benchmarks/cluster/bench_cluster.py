@@ -81,7 +81,7 @@ def ray_micro(cluster) -> dict[str, float]:
     return {"remote_call_ms": 1e3 * statistics.median(times)}
 
 
-def run_mode(mode: str, work: Path, iters: int, warmup: int) -> dict:
+def run_mode(mode: str, work: Path, iters: int, warmup: int, niceness0: bool = True) -> dict:
     import torch
 
     torch.set_num_threads(2 if mode == "inproc2" else 1)
@@ -93,12 +93,13 @@ def run_mode(mode: str, work: Path, iters: int, warmup: int) -> dict:
 
     model, data = prepare(work)
     cfg = config(model, data, work, mode, iters + warmup)
-    out: dict = {"mode": mode}
+    out: dict = {"mode": mode, "load_before": os.getloadavg()[0]}
     if mode == "ray2":
         import ray
 
         start = time.perf_counter()
-        ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
+        ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING",
+                 _system_config={"worker_niceness": 0 if niceness0 else 15})
         out["ray_init_s"] = time.perf_counter() - start
     layout = validate_run_config(cfg, device_type="cpu")
     bundle = get_bundle(cfg.stage)
@@ -120,6 +121,7 @@ def run_mode(mode: str, work: Path, iters: int, warmup: int) -> dict:
             out.update(allreduce_ms(session.cluster))
     finally:
         session.close()
+    out["load_after"] = os.getloadavg()[0]
     out["iterations"] = rows
     out["median"] = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
     return out
@@ -139,22 +141,24 @@ def main() -> None:
     p.add_argument("--work", default="/tmp/bench_cluster")
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--mode", choices=MODES)
+    p.add_argument("--mode", choices=MODES, help="run one mode in this process (internal)")
+    p.add_argument("--modes", default=",".join(MODES), help="modes to run, in this order")
+    p.add_argument("--ray-niceness-15", action="store_true", help="keep Ray's default worker niceness (15)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if args.mode:
-        result = run_mode(args.mode, work, args.iters, args.warmup)
+        result = run_mode(args.mode, work, args.iters, args.warmup, not args.ray_niceness_15)
         Path(args.out).write_text(json.dumps(result, indent=2))
         return
     prepare(work)
     results = []
-    for mode in MODES:
+    for mode in args.modes.split(","):
         out = work / f"{mode}.json"
         cmd = [sys.executable, __file__, "--mode", mode, "--work", str(work), "--iters", str(args.iters),
-               "--warmup", str(args.warmup), "--out", str(out)]
+               "--warmup", str(args.warmup), "--out", str(out)] + (["--ray-niceness-15"] if args.ray_niceness_15 else [])
         start = time.perf_counter()
         subprocess.run(cmd, check=True)
         result = json.loads(out.read_text())
@@ -168,7 +172,7 @@ def main() -> None:
         print(f"{r['mode']:8} {startup:10.2f} {r['median']['wall']:7.3f} "
               + " ".join(f"{r['median'].get(k, float('nan')):11.3f}" for k in phases))
     for r in results:
-        extra = {k: round(v, 3) for k, v in r.items() if k.endswith(("_s", "_ms"))}
+        extra = {k: round(v, 3) for k, v in r.items() if k.endswith(("_s", "_ms", "_before", "_after"))}
         print(r["mode"], extra)
 
 

@@ -67,7 +67,9 @@ def connect(cfg: RunConfig) -> bool:
         ray.init(address=address, **kwargs)
     else:  # a local cluster with at least one CPU per worker (CPU workers are processes)
         cpus = max(os.cpu_count() or 1, num_workers(cfg) * cfg.rl.ray_num_cpus_per_worker)
-        ray.init(num_cpus=cpus, **kwargs)
+        # Ray runs workers at nice 15 by default (to keep its own daemons responsive); here the
+        # workers are the job, and at nice 15 they lose to every other process on a shared machine
+        ray.init(num_cpus=cpus, _system_config={"worker_niceness": 0}, **kwargs)
     return True
 
 

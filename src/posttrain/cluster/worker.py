@@ -79,8 +79,9 @@ class ActorWorker:
         # one single-rank group per rank (created by all ranks, in order): inference engines use
         # their own, so log-prob passes never wait on other ranks (uneven shares are fine)
         own = [dist.new_group([r], timeout=timeout) for r in range(self.world_size)][self.rank]
-        cfg.rl.actor_resource.num_npus = self.world_size  # keep the config the driver validated
         setup.seed_everything(cfg.actor.seed)
+        if cfg.actor.npu_deterministic:
+            torch.use_deterministic_algorithms(True)
         self.policy = p = setup.build_policy(cfg, device, train_dtype, rollout_dtype, uses_reference)
         self.device = device
         # log-probs on the plain model, no collective; the update through DDP over all ranks
@@ -90,11 +91,7 @@ class ActorWorker:
         if p.reference is not None:
             p.reference.dp_group = own
         p.actor.model = wrap_ddp(p.model, [0] if use_gpu else None)
-        if self.rank != 0:
-            return {}
-        state = dict(p.state)
-        state["sampler_state"] = p.state.get("sampler_state")
-        return state
+        return dict(p.state) if self.rank == 0 else {}
 
     def ready_info(self) -> dict:
         import torch
