@@ -85,6 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--output", default=None, help="JSON file for the results")
+    p.add_argument("--profile", default=None, metavar="DIR",
+                   help="run the last iteration under torch.profiler: top ops in DIR/profile.txt, trace in "
+                        "DIR/trace.json (chrome://tracing or Perfetto)")
     return parser
 
 

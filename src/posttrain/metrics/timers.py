@@ -67,9 +67,12 @@ class Timers:
 
     @contextmanager
     def __call__(self, name: str) -> Iterator[None]:
+        from torch.profiler import record_function  # a named span when a profiler runs
+
         start = self.clock()
         try:
-            yield
+            with record_function(name if name.startswith("timing/") else f"timing/{name}"):
+                yield
         finally:
             self.record(name, start, self.clock())
 

@@ -13,7 +13,10 @@ It builds the same session and loop as ``posttrain train`` (checkpoints and eval
 * how many CPU cores other processes used during each iteration (:class:`CpuMeter`, from
   ``/proc/stat``), since a shared machine makes every timing noisy.
 
-The JSON written by ``--output`` holds the summary and every measured iteration.
+The JSON written by ``--output`` holds the summary and every measured iteration. With
+``--profile DIR`` the last iteration runs under ``torch.profiler`` (:func:`profiled`): the ops
+that took the most time go to ``DIR/profile.txt`` (each phase is a ``record_function`` span named
+``timing/<phase>``) and a trace to ``DIR/trace.json``.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import json
 import os
 import resource
 import statistics
+import contextlib
 import tempfile
 import time
 from pathlib import Path
@@ -134,14 +138,17 @@ def forward_flops(model, seq_len: float, num_seqs: float) -> float:
 def iteration_flops(model, metrics: dict[str, float], *, num_prompts: int, n: int) -> dict[str, float]:
     """Useful model FLOPs of one iteration, per phase, from its mean prompt/response lengths.
 
-    rollout: the ``num_prompts`` prompts prefilled once, plus every sample's response decoded
-    (``forward(P + R) - forward(P)`` per sample, attention over the growing context); each log-prob
-    pass: one forward over the ``num_prompts * n`` sequences; update: 3x forward (backward = 2x).
+    A group's ``n`` samples share their prompt, and under causal attention the prompt's forward is
+    the same for all of them, so the useful work of every pass is the ``num_prompts`` prompts once
+    plus every sample's response over its context (``forward(P + R) - forward(P)`` per sample).
+    Recomputing a prompt ``n`` times is wasted work, like padding (``share_prompt_prefix`` avoids
+    it). rollout and each log-prob pass: one such forward; update: 3x (backward = 2x forward).
     """
     prompt, resp = metrics.get("prompt_length/mean", 0.0), metrics.get("response_length/mean", 0.0)
     rows = num_prompts * n
-    full = forward_flops(model, prompt + resp, rows)
-    out = {"rollout": forward_flops(model, prompt, num_prompts) + full - forward_flops(model, prompt, rows)}
+    full = (forward_flops(model, prompt, num_prompts) + forward_flops(model, prompt + resp, rows)
+            - forward_flops(model, prompt, rows))
+    out = {"rollout": full}
     for phase in ("reference_model", "old_log_p"):
         if f"timing/{phase}" in metrics:
             out[phase] = full
@@ -163,8 +170,33 @@ def peak_memory_mib(device: str) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
-def bench(cfg, *, iters: int = 3, warmup: int = 1) -> dict:
-    """Run ``warmup + iters`` iterations of the on-policy loop for ``cfg``; return the report dict."""
+@contextlib.contextmanager
+def profiled(out_dir: str | Path | None, device: str = "cpu"):
+    """Run the block under ``torch.profiler`` and write ``profile.txt`` (ops by self time, then by
+    total time, which includes the ``timing/<phase>`` spans) and ``trace.json`` into ``out_dir``;
+    a no-op when ``out_dir`` is None."""
+    if out_dir is None:
+        yield
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
+    with profile(activities=activities) as prof:
+        yield
+    averages = prof.key_averages()
+    text = ("ops by self time\n" + averages.table(sort_by="self_cpu_time_total", row_limit=25)
+            + "\n\nops and phases by total time\n" + averages.table(sort_by="cpu_time_total", row_limit=25))
+    tmp = out / "profile.txt.tmp"
+    tmp.write_text(text)
+    tmp.replace(out / "profile.txt")
+    prof.export_chrome_trace(str(out / "trace.json"))
+
+
+def bench(cfg, *, iters: int = 3, warmup: int = 1, profile_dir: str | None = None) -> dict:
+    """Run ``warmup + iters`` iterations of the on-policy loop for ``cfg``; return the report dict.
+    With ``profile_dir`` the last iteration is profiled (:func:`profiled`)."""
     from posttrain.config.validate import validate_run_config
     from posttrain.device import device_type
     from posttrain.errors import ConfigError
@@ -187,8 +219,9 @@ def bench(cfg, *, iters: int = 3, warmup: int = 1) -> dict:
         trainer = OnPolicyTrainer(cfg, layout, bundle, session)
         peak = matmul_peak(session.train_dtype, session.device)
         records = []
-        for iteration in range(1, warmup + iters + 1):
-            with CpuMeter() as meter:
+        last = warmup + iters
+        for iteration in range(1, last + 1):
+            with profiled(profile_dir if iteration == last else None, session.device), CpuMeter() as meter:
                 metrics = trainer.train_step(iteration)
             session.iteration = iteration
             records.append(_record(metrics, meter.result, session.model, trainer, peak))
@@ -275,7 +308,7 @@ def run(args) -> int:
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     cfg = load_run_config(args.config_name, args.config_path, args.overrides)
-    report = bench(cfg, iters=args.iters, warmup=args.warmup)
+    report = bench(cfg, iters=args.iters, warmup=args.warmup, profile_dir=getattr(args, "profile", None))
     print(format_table(report))
     if args.output:
         write_json(args.output, report)

@@ -28,11 +28,12 @@ def test_iteration_flops_phases():
     model = _model()
     metrics = {"prompt_length/mean": 4.0, "response_length/mean": 6.0, "timing/reference_model": 1.0}
     flops = bench_cmd.iteration_flops(model, metrics, num_prompts=2, n=3)
-    full = bench_cmd.forward_flops(model, 10, 6)
-    assert flops["reference_model"] == full and flops["update"] == 3 * full and "old_log_p" not in flops
+    # each of the 2 prompts once, plus the 6 responses over their 10-token contexts
     prefill_once = bench_cmd.forward_flops(model, 4, 2)
-    assert flops["rollout"] == pytest.approx(prefill_once + full - bench_cmd.forward_flops(model, 4, 6))
-    assert flops["all"] == pytest.approx(flops["rollout"] + 4 * full)
+    full = prefill_once + bench_cmd.forward_flops(model, 10, 6) - bench_cmd.forward_flops(model, 4, 6)
+    assert flops["rollout"] == pytest.approx(full) and flops["reference_model"] == pytest.approx(full)
+    assert flops["update"] == pytest.approx(3 * full) and "old_log_p" not in flops
+    assert flops["all"] == pytest.approx(5 * full)
 
 
 def test_cpu_meter_counts_own_work():
@@ -77,7 +78,7 @@ def test_bench_cli_end_to_end(tiny_model_dir, tmp_path):
     out = tmp_path / "bench.json"
     torch.set_num_threads(1)
     code = main(["bench", "--config-name", "bench", "--config-path", str(tmp_path), "--iters", "2", "--warmup", "1",
-                 "--output", str(out)])
+                 "--output", str(out), "--profile", str(tmp_path / "prof")])
     assert code == 0
     report = json.loads(out.read_text())
     assert report["iters"] == 2 and len(report["iterations"]) == 3
@@ -87,3 +88,6 @@ def test_bench_cli_end_to_end(tiny_model_dir, tmp_path):
         assert key in summary, key
     assert summary["timing/all"]["min"] <= summary["timing/all"]["median"] <= summary["timing/all"]["max"]
     assert report["matmul_peak_gflops"] > 0 and report["peak_memory_mib"] > 0
+    profile = (tmp_path / "prof" / "profile.txt").read_text()  # the last iteration, op by op and per phase
+    assert "aten::mm" in profile and "timing/update" in profile and "timing/rollout" in profile
+    assert json.loads((tmp_path / "prof" / "trace.json").read_text())["traceEvents"]
