@@ -139,10 +139,12 @@ class TrainEngine:
         """Row indices of each micro-batch: fixed-size chunks, or token-balanced ones under a budget."""
         if budget is None:
             rows = torch.arange(_num_rows(batch))
-            if self.use_remove_padding and self.share_prompt_prefix:  # a group's rows together: one prompt copy
+            if self.use_remove_padding and self.share_prompt_prefix and "input_ids" in batch:
+                # a group's rows side by side, so a micro-batch packs their prompt once
                 rows = remove_padding.group_rows_by_prompt(batch)
             return _split(rows, micro_batch_size or self.micro_batch_size)
-        lengths = batch["attention_mask"].sum(-1).tolist()
+        # a row's tokens (a DPO pair's row has chosen_ and rejected_ sides: both count)
+        lengths = sum(v.sum(-1) for k, v in batch.items() if k.endswith("attention_mask")).tolist()
         return [torch.tensor(g, dtype=torch.long) for g in split_by_tokens(lengths, budget, self._dp_max)]
 
     def _dp_max(self, value: int) -> int:

@@ -152,3 +152,30 @@ def test_engine_micro_batches_keep_a_group_together():
     assert [c.tolist() for c in chunks] == [[0, 2, 4], [1, 3, 5]]
     engine.share_prompt_prefix = False
     assert [c.tolist() for c in engine._chunks(batch, None, None)] == [[0, 1, 2], [3, 4, 5]]
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["fixed", "token_budget"])
+def test_dpo_update_with_remove_padding_matches(dynamic):
+    # a pairwise batch (chosen_* / rejected_* sides): packing and token-budget micro-batches count both sides
+    from posttrain.train.dynamic_batch import TokenBudget
+    from posttrain.train.loss_fns import make_dpo_loss_fn
+
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(1, 64, (n,), generator=g).tolist() for n in (3, 5, 2, 4)]
+    batch = {}
+    for side, lens in (("chosen", (2, 4, 3, 1)), ("rejected", (5, 1, 2, 3))):
+        resps = [torch.randint(1, 64, (n,), generator=g).tolist() for n in lens]
+        batch.update({f"{side}_{k}": v for k, v in pack_batch(prompts, resps, pad_token_id=0).items()})
+    batch["ref_chosen_logps"] = torch.tensor([-9.0, -14.0, -11.0, -4.0])
+    batch["ref_rejected_logps"] = torch.tensor([-17.0, -4.0, -8.0, -12.0])
+    results = []
+    for packed in (False, True):
+        model = _model()
+        engine = TrainEngine(model, torch.optim.SGD(model.parameters(), lr=0.1), micro_batch_size=2,
+                             use_remove_padding=packed, loss_mask_key="chosen_response_mask")
+        if packed and dynamic:
+            engine.update_budget = TokenBudget(24, None)
+        step = engine.update(batch, make_dpo_loss_fn(beta=0.5), mini_batch_size=4)[0]
+        results.append((step, torch.cat([p.detach().reshape(-1) for p in model.parameters()])))
+    assert results[0][0]["actor/grad_norm"] == pytest.approx(results[1][0]["actor/grad_norm"], rel=1e-4)
+    assert torch.allclose(results[0][1], results[1][1], atol=1e-5)
