@@ -108,6 +108,40 @@ def _side(micro_batch, prefix):
     return {key: micro_batch[f"{prefix}_{key}"] for key in MODEL_KEYS if f"{prefix}_{key}" in micro_batch}
 
 
+def _joint_sides(micro_batch) -> dict[str, torch.Tensor] | None:
+    """The chosen rows then the rejected rows as one batch (responses right-padded to the wider
+    side), so a packed forward stores each pair's prompt once; None if the prompt widths differ."""
+    chosen, rejected = _side(micro_batch, "chosen"), _side(micro_batch, "rejected")
+    widths = [b["input_ids"].shape[1] - b["response_mask"].shape[1] for b in (chosen, rejected)]
+    if widths[0] != widths[1] or set(chosen) != set(rejected):
+        return None
+    resp = max(b["response_mask"].shape[1] for b in (chosen, rejected))
+    joint = {}
+    for key in chosen:
+        parts = []
+        for side in (chosen, rejected):
+            tensor = side[key]
+            short = widths[0] + resp - tensor.shape[1] if key != "response_mask" else resp - tensor.shape[1]
+            parts.append(torch.nn.functional.pad(tensor, (0, short)))
+        joint[key] = torch.cat(parts)
+    return joint
+
+
+def _pair_logps(model, micro_batch, average: bool):
+    """(chosen, rejected, chosen NLL) per pair; one forward over both sides when remove padding
+    is on (the pair's shared prompt is then packed once), else one forward per side."""
+    from posttrain.train import remove_padding
+
+    joint = _joint_sides(micro_batch) if remove_padding.active() else None
+    if joint is None:
+        chosen, chosen_nll = sequence_logps(model, _side(micro_batch, "chosen"), average=average)
+        rejected, _ = sequence_logps(model, _side(micro_batch, "rejected"), average=average)
+        return chosen, rejected, chosen_nll
+    logps, nll = sequence_logps(model, joint, average=average)
+    pairs = logps.shape[0] // 2
+    return logps[:pairs], logps[pairs:], nll[:pairs]
+
+
 def sequence_logps(model, batch, *, average: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row sum (or, with ``average``, mean) of response log-probs, and the per-row mean NLL."""
     logprobs, _ = response_logprobs(model, batch)
@@ -130,8 +164,7 @@ def make_dpo_loss_fn(
     average = loss_type == "ipo"
 
     def loss_fn(model, micro_batch, *, num_tokens=None, num_seqs=None):
-        chosen, chosen_nll = sequence_logps(model, _side(micro_batch, "chosen"), average=average)
-        rejected, _ = sequence_logps(model, _side(micro_batch, "rejected"), average=average)
+        chosen, rejected, chosen_nll = _pair_logps(model, micro_batch, average)
         return dpo_loss(
             chosen,
             rejected,
