@@ -140,3 +140,17 @@ def test_checkpoint_resumes_on_another_number_of_workers(trained, work, saved_by
     assert [r["iteration"] for r in rows if "actor/pg_loss" in r] == [13]
     after = checkpoint_weights(work / f"ckpt_{name}" / "iter_0000013")
     assert any(not torch.equal(after[k], saved[k]) for k in saved)  # it trained from the resumed state
+
+
+def test_dapo_with_dynamic_sampling_runs_on_two_workers(ray_cluster, work):
+    """DAPO's loop (regenerate until enough groups vary) drives the Ray roles unchanged."""
+    from posttrain.trainers.train_cmd import train
+
+    rl = {"verifier_function": ["e2e_has_lowercase"], "verifier_weight": [1.0], "filter_groups_enable": True,
+          "filter_groups_metric": "e2e_has_lowercase", "filter_groups_train_batch_size": 2,
+          "filter_groups_max_batches": 0, "clip_higher_enable": True, "clip_ratio_low": 0.2,
+          "clip_ratio_high": 0.28, "token_level_loss": True}
+    cfg = grpo_config(work, "dapo_ray", workers=2, iters=2, rl=rl, train={"stage": "ray_dapo"})
+    last = train(cfg)
+    assert last["train/num_gen_batches"] >= 1 and "dapo/score/mean" in last
+    assert last["actor/grad_norm"] > 0
