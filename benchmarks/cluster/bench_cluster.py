@@ -5,6 +5,8 @@
 Each mode runs in a fresh process (one after the other, never two at once):
 
 * ``inproc1`` / ``inproc2``: the in-process session, torch with 1 / 2 threads;
+* ``ray1``: 1 Ray actor worker x 1 thread: the same work as ``inproc1`` (even the same samples), so
+  the difference is what Ray itself costs per iteration;
 * ``ray2``: 2 Ray actor workers x 1 thread (one CPU each) on a local Ray cluster; the driver
   holds only the tokenizer.
 
@@ -27,7 +29,7 @@ import sys
 import time
 from pathlib import Path
 
-MODES = ("inproc1", "inproc2", "ray2")
+MODES = ("inproc1", "inproc2", "ray1", "ray2")
 
 
 def prepare(work: Path) -> tuple[Path, str]:
@@ -54,6 +56,7 @@ def config(model: Path, data: str, work: Path, mode: str, iters: int):
     from posttrain.config.run import run_config_from_dict
 
     workers = 2 if mode == "ray2" else 1
+    address = {"ray_address": "local"} if mode == "ray1" else {}  # Ray with one worker (already initialised)
     return run_config_from_dict({
         "megatron_training": {"stage": "ray_grpo", "global_batch_size": 8, "micro_batch_size": 16,
                               "seq_length": 128, "train_iters": iters, "lr": 1e-4, "lr_decay_style": "constant",
@@ -62,7 +65,7 @@ def config(model: Path, data: str, work: Path, mode: str, iters: int):
         "rl_config": {"n_samples_per_prompt": 8, "mini_batch_size": 8, "verifier_function": ["base_acc"],
                       "verifier_weight": [1.0], "verifier_parallel": 1, "init_kl_coef": 0.0, "device": "cpu",
                       "max_prompt_length": 64, "output_dir": str(work / f"run_{mode}"),
-                      "actor_resource": {"num_devices": workers}},
+                      "actor_resource": {"num_devices": workers}, **address},
         "generate_config": {"max_model_len": 128, "max_num_seqs": 256, "infer_tensor_parallel_size": 1,
                             "sampling_config": {"max_tokens": 64, "temperature": 1.0, "top_k": -1, "top_p": 1.0}},
     }, name=f"bench_{mode}")
@@ -81,7 +84,7 @@ def ray_micro(cluster) -> dict[str, float]:
     return {"remote_call_ms": 1e3 * statistics.median(times)}
 
 
-def run_mode(mode: str, work: Path, iters: int, warmup: int, niceness0: bool = True) -> dict:
+def run_mode(mode: str, work: Path, iters: int, warmup: int, niceness0: bool = True, ray_up: bool = False) -> dict:
     import torch
 
     torch.set_num_threads(2 if mode == "inproc2" else 1)
@@ -94,11 +97,11 @@ def run_mode(mode: str, work: Path, iters: int, warmup: int, niceness0: bool = T
     model, data = prepare(work)
     cfg = config(model, data, work, mode, iters + warmup)
     out: dict = {"mode": mode, "load_before": os.getloadavg()[0]}
-    if mode == "ray2":
+    if mode.startswith("ray") or ray_up:
         import ray
 
         start = time.perf_counter()
-        ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING",
+        ray.init(num_cpus=2 if mode == "ray2" else 1, include_dashboard=False, logging_level="WARNING",
                  _system_config={"worker_niceness": 0 if niceness0 else 15})
         out["ray_init_s"] = time.perf_counter() - start
     layout = validate_run_config(cfg, device_type="cpu")
@@ -116,8 +119,9 @@ def run_mode(mode: str, work: Path, iters: int, warmup: int, niceness0: bool = T
             if it > warmup:
                 rows.append({"wall": wall, **{k: v for k, v in metrics.items() if k.startswith("timing/")},
                              "response_length/mean": metrics["response_length/mean"]})
-        if mode == "ray2":
+        if mode.startswith("ray"):
             out.update(ray_micro(session.cluster))
+        if mode == "ray2":
             out.update(allreduce_ms(session.cluster))
     finally:
         session.close()
@@ -144,13 +148,15 @@ def main() -> None:
     p.add_argument("--mode", choices=MODES, help="run one mode in this process (internal)")
     p.add_argument("--modes", default=",".join(MODES), help="modes to run, in this order")
     p.add_argument("--ray-niceness-15", action="store_true", help="keep Ray's default worker niceness (15)")
+    p.add_argument("--ray-up", action="store_true",
+                   help="in-process modes run with an idle local Ray started (same machine state as the Ray modes)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if args.mode:
-        result = run_mode(args.mode, work, args.iters, args.warmup, not args.ray_niceness_15)
+        result = run_mode(args.mode, work, args.iters, args.warmup, not args.ray_niceness_15, args.ray_up)
         Path(args.out).write_text(json.dumps(result, indent=2))
         return
     prepare(work)
@@ -158,7 +164,9 @@ def main() -> None:
     for mode in args.modes.split(","):
         out = work / f"{mode}.json"
         cmd = [sys.executable, __file__, "--mode", mode, "--work", str(work), "--iters", str(args.iters),
-               "--warmup", str(args.warmup), "--out", str(out)] + (["--ray-niceness-15"] if args.ray_niceness_15 else [])
+               "--warmup", str(args.warmup), "--out", str(out)]
+        cmd += ["--ray-niceness-15"] if args.ray_niceness_15 else []
+        cmd += ["--ray-up"] if args.ray_up else []
         start = time.perf_counter()
         subprocess.run(cmd, check=True)
         result = json.loads(out.read_text())
@@ -168,7 +176,7 @@ def main() -> None:
     phases = sorted({k for r in results for k in r["median"] if k.startswith("timing/")})
     print(f"{'mode':8} {'start-up s':>10} {'iter s':>7} " + " ".join(f"{k[7:]:>11}" for k in phases))
     for r in results:
-        startup = r["session_build_s"] + r.get("ray_init_s", 0.0)
+        startup = r["session_build_s"] + (r.get("ray_init_s", 0.0) if r["mode"].startswith("ray") else 0.0)
         print(f"{r['mode']:8} {startup:10.2f} {r['median']['wall']:7.3f} "
               + " ".join(f"{r['median'].get(k, float('nan')):11.3f}" for k in phases))
     for r in results:
