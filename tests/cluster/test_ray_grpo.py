@@ -95,6 +95,7 @@ def trained(ray_cluster, work):
     runs = {}
     for name, workers in (("ray", 2), ("local", 1)):
         cfg = grpo_config(work, f"learn_{name}", workers=workers, iters=12,
+                          rl={"eval_data_path": str(work / "prompts/data"), "eval_limit": 4},
                           train={"save": str(work / f"ckpt_{name}"), "save_interval": 12})
         last = train(cfg)
         runs[name] = {"last": last, "metrics": read_metrics(work / f"run_learn_{name}"),
@@ -108,6 +109,8 @@ def test_reward_goes_up_on_two_workers_as_in_process(trained):
         assert len(scores) == 12, name
         assert mean(scores[-3:]) > mean(scores[:3]) + 0.15, (name, scores)
         assert (run["ckpt"] / "iter_0000012" / "model.safetensors").is_file()
+        evals = (run["ckpt"].parent / f"run_learn_{name}" / "eval.jsonl").read_text().splitlines()
+        assert len(evals) == 2 and all('"eval/num_prompts": 4.0' in line for line in evals)  # before, after
     assert "timing/update" in trained["ray"]["last"] and trained["ray"]["last"]["actor/grad_norm"] > 0
 
 

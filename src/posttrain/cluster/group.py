@@ -117,8 +117,9 @@ class Cluster:
         except BaseException:
             self.close()
             raise
-        for key in ACTOR_DISPATCH_KEYS:
-            value = getattr(rl, key)
+        # the loop reads W shares at a time; restored by close() so the config can build another session
+        self.rl, self.per_worker_dispatch = rl, {key: getattr(rl, key) for key in ACTOR_DISPATCH_KEYS}
+        for key, value in self.per_worker_dispatch.items():
             if value is not None:
                 setattr(rl, key, value * self.world)
         tokenizer, stops = driver_tokenizer(cfg)
@@ -175,6 +176,8 @@ class Cluster:
         if self.closed:
             return
         self.closed = True
+        for key, value in getattr(self, "per_worker_dispatch", {}).items():
+            setattr(self.rl, key, value)
         if self.rewards is not None:
             self.rewards.close()
         for worker in self.workers:
