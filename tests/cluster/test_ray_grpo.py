@@ -36,14 +36,18 @@ def column(td, name):
     return torch.cat([r.reshape(-1) for r in batch[name]])
 
 
-def test_two_workers_update_equals_one_process_on_the_same_batch(ray_cluster, work):
+@pytest.mark.parametrize("sharding", ["ddp", "fsdp2"])
+def test_two_workers_update_equals_one_process_on_the_same_batch(ray_cluster, work, sharding):
+    """DDP replicas or FSDP2 shards: the same step as one process; the saved state (gathered from the
+    shards for FSDP2) resumes in one process with the same weights and AdamW moments."""
     from posttrain.metrics.reduce import MetricAccumulator
     from posttrain.trainers.onpolicy import COLUMNS, CONSUMERS
     from posttrain.transfer_dock import TransferDock
 
     over = {"epochs": 2, "shuffle_mini_batch": True, "init_kl_coef": 0.05, "guarantee_order": True}
-    local, local_trainer = session_and_trainer(grpo_config(work, "eq_local", workers=1, iters=1, rl=over))
-    remote, remote_trainer = session_and_trainer(grpo_config(work, "eq_ray", workers=2, iters=1, rl=over))
+    local, local_trainer = session_and_trainer(grpo_config(work, f"eq_local_{sharding}", workers=1, iters=1, rl=over))
+    remote, remote_trainer = session_and_trainer(grpo_config(work, f"eq_ray_{sharding}", workers=2, iters=1,
+                                                             rl={**over, "ray_sharding": sharding}))
     try:
         assert remote.model is None and remote.cluster.world == 2  # the driver holds no weights
         assert {i["pid"] for i in remote.cluster.info} and all(i["threads"] == 1 for i in remote.cluster.info)
@@ -78,6 +82,24 @@ def test_two_workers_update_equals_one_process_on_the_same_batch(ray_cluster, wo
         for name, value in local.model.state_dict().items():
             torch.testing.assert_close(weights[0][name], value, rtol=1e-4, atol=1e-5)
             assert torch.equal(weights[1][name], weights[0][name]), name
+        # rank 0 saves the full state; one process resumes it
+        ckpt = work / f"ckpt_eq_{sharding}"
+        remote.cluster.save(ckpt, 1, sampler_state=remote.sampler.state_dict(), trainer_state={
+            "consumed_samples": 4, "initial_model": str(work / "model")}, save_optim=True, save_rng=True)
+        resumed, _ = session_and_trainer(grpo_config(work, f"eq_resumed_{sharding}", workers=1, iters=2, rl=over,
+                                                     train={"load": str(ckpt)}))
+        try:
+            assert resumed.iteration == 1
+            for name, value in local.model.state_dict().items():
+                torch.testing.assert_close(resumed.model.state_dict()[name], value, rtol=1e-4, atol=1e-5)
+            want, got = local.actor.optimizer.state_dict(), resumed.actor.optimizer.state_dict()
+            assert sorted(got["state"]) == sorted(want["state"])
+            for index, moments in want["state"].items():
+                for key in ("exp_avg", "exp_avg_sq", "step"):
+                    torch.testing.assert_close(got["state"][index][key], moments[key], rtol=1e-3, atol=1e-8)
+            assert resumed.actor.scheduler.state_dict() == local.actor.scheduler.state_dict() == {"num_steps": 4}
+        finally:
+            resumed.close()
     finally:
         local.close()
         remote.close()

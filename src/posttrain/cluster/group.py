@@ -43,10 +43,11 @@ ACTOR_DISPATCH_KEYS = ("actor_rollout_dispatch_size", "actor_logprob_dispatch_si
                        "actor_update_dispatch_size")
 
 
-def spans(count: int, parts: int) -> list[tuple[int, int]]:
-    """Contiguous, balanced ``(start, stop)`` shares of ``count`` rows; empty shares dropped."""
+def spans(count: int, parts: int, keep_empty: bool = False) -> list[tuple[int, int]]:
+    """Contiguous, balanced ``(start, stop)`` shares of ``count`` rows; empty shares dropped
+    unless ``keep_empty`` (FSDP2: every worker must take part in the parameter gather)."""
     bounds = [count * i // parts for i in range(parts + 1)]
-    return [(bounds[i], bounds[i + 1]) for i in range(parts) if bounds[i + 1] > bounds[i]]
+    return [(bounds[i], bounds[i + 1]) for i in range(parts) if keep_empty or bounds[i + 1] > bounds[i]]
 
 
 def update_shards(num_rows: int, mini_batch_size: int, world: int, epochs: int, shuffle: bool,
@@ -91,6 +92,9 @@ class Cluster:
         if cfg.stage == "ppo":
             raise ConfigError("PPO's critic does not run on Ray workers yet: run ray_ppo in one process "
                               "(actor_resource.num_npus: 1 and no ray_address / RAY_ADDRESS)")
+        if rl.ray_sharding not in ("ddp", "fsdp2"):
+            raise ConfigError(f"rl_config.ray_sharding: unknown {rl.ray_sharding!r}; use ddp or fsdp2")
+        self.fsdp = rl.ray_sharding == "fsdp2"
         self.timeout_s = float(rl.ray_timeout_s)
         self.world = launch.num_workers(cfg)
         self.closed = False
@@ -145,10 +149,11 @@ class Cluster:
         if self.closed:
             raise ClusterError("the Ray worker group is closed (an earlier call failed or the run ended)")
 
-    def sharded(self, what: str, method: str, count: int, make_args) -> list:
-        """Call ``method`` on the workers with ``make_args(rank, start, stop)`` for each share."""
+    def sharded(self, what: str, method: str, count: int, make_args, collective: bool = True) -> list:
+        """Call ``method`` on the workers with ``make_args(rank, start, stop)`` for each share
+        (with FSDP2 a ``collective`` call goes to every worker, even with an empty share)."""
         self._check()
-        shares = spans(count, self.world)
+        shares = spans(count, self.world, keep_empty=self.fsdp and collective)
         refs = [getattr(self.workers[r], method).remote(*make_args(r, lo, hi)) for r, (lo, hi) in enumerate(shares)]
         return self._call(what, refs, self.names[:len(refs)])
 
@@ -158,9 +163,10 @@ class Cluster:
         from pathlib import Path
 
         self._check()
-        ref = self.workers[0].save.remote(str(save_dir), iteration, sampler_state, trainer_state, save_optim,
-                                          save_rng)
-        return Path(self._call("save checkpoint", [ref], self.names[:1])[0])
+        workers = self.workers if self.fsdp else self.workers[:1]  # FSDP2: all ranks gather the full state
+        refs = [w.save.remote(str(save_dir), iteration, sampler_state, trainer_state, save_optim, save_rng)
+                for w in workers]
+        return Path(self._call("save checkpoint", refs, self.names[:len(refs)])[0])
 
     def state_dicts(self) -> list[dict]:
         self._check()
@@ -226,7 +232,8 @@ class ActorRole:
         count = next(iter(batch.values())).shape[0]
         what = "reference log-probs" if reference else "actor log-probs"
         parts = self.c.sharded(what, "compute_logprobs", count,
-                               lambda r, lo, hi: (_rows(batch, lo, hi), temperature, micro_batch_size, reference))
+                               lambda r, lo, hi: (_rows(batch, lo, hi), temperature, micro_batch_size, reference),
+                               collective=not reference)
         return torch.cat(parts)
 
     def update(self, batch, loss_fn, *, mini_batch_size, epochs=1, shuffle=False, seed=0, micro_batch_size=None):

@@ -18,6 +18,8 @@ import logging
 import os
 import socket
 
+import torch
+
 log = logging.getLogger(__name__)
 
 
@@ -39,6 +41,12 @@ def wrap_ddp(model, device_ids):
     return DistributedDataParallel(model, device_ids=device_ids, **{option: False})
 
 
+def _full(tensor):
+    """A CPU copy of a tensor, gathered first when it is an FSDP2 shard (DTensor)."""
+    full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+    return full.detach().cpu().clone()
+
+
 class ActorWorker:
     """Rank ``rank`` of ``world_size`` data-parallel policy workers."""
 
@@ -58,7 +66,6 @@ class ActorWorker:
         """Join the process group, build the policy, wrap it in DDP. Rank 0 returns the trainer
         state (resumed or fresh); the others return {}. ``cwd`` is the driver's working directory:
         relative paths in the config mean the same here (multi-node: same paths on every node)."""
-        import torch
         import torch.distributed as dist
 
         from posttrain.train.dynamic_batch import apply_rl_config
@@ -90,23 +97,38 @@ class ActorWorker:
         apply_rl_config(self.infer, cfg.rl, "actor")
         if p.reference is not None:
             p.reference.dp_group = own
-        p.actor.model = wrap_ddp(p.model, [0] if use_gpu else None)
+        self.fsdp = cfg.rl.ray_sharding == "fsdp2"
+        if self.fsdp:  # parameters, gradients and optimizer state sharded (cluster/fsdp.py)
+            from posttrain.cluster import fsdp
+
+            steps = (cfg.actor.global_batch_size // cfg.rl.mini_batch_size) * cfg.rl.epochs * cfg.actor.train_iters
+            self.param_names = fsdp.shard(p.model, p.actor, cfg.actor, steps)
+        else:
+            p.actor.model = wrap_ddp(p.model, [0] if use_gpu else None)
         return dict(p.state) if self.rank == 0 else {}
 
     def ready_info(self) -> dict:
-        import torch
-
         return {"rank": self.rank, "pid": os.getpid(), "threads": torch.get_num_threads(),
                 "device": self.device}
 
     # ---- roles ----------------------------------------------------------------------------------
+    def _gathered(self, needed: bool = True):
+        from posttrain.cluster.fsdp import gathered
+
+        return gathered(self.policy.model, self.fsdp and needed)
+
     def generate(self, prompts: list[list[int]], n: int, sampling, stop_token_ids) -> list:
-        return self.policy.rollout.generate(prompts, n, sampling, stop_token_ids)
+        with self._gathered():  # FSDP2: every rank enters, even with no prompts
+            return self.policy.rollout.generate(prompts, n, sampling, stop_token_ids) if prompts else []
 
     def compute_logprobs(self, batch: dict, temperature: float, micro_batch_size, reference: bool = False):
         engine = self.policy.reference if reference else self.infer
-        batch = {k: v.to(self.device) for k, v in batch.items()}
-        return engine.compute_logprobs(batch, temperature=temperature, micro_batch_size=micro_batch_size).cpu()
+        rows, width = batch["response_mask"].shape
+        with self._gathered(not reference):  # the reference is a plain frozen copy
+            if rows == 0:
+                return torch.zeros(0, width)
+            batch = {k: v.to(self.device) for k, v in batch.items()}
+            return engine.compute_logprobs(batch, temperature=temperature, micro_batch_size=micro_batch_size).cpu()
 
     def update(self, batch: dict, loss_fn, mini_batch_size: int) -> list[dict[str, float]]:
         """One optimizer step per ``mini_batch_size`` rows of ``batch`` (this rank's slices of the
@@ -115,23 +137,33 @@ class ActorWorker:
 
     def save(self, save_dir: str, iteration: int, sampler_state, trainer_state: dict, save_optim: bool,
              save_rng: bool) -> str:
-        """Rank 0 only: the full model (DDP keeps every rank's copy whole) and optimizer state."""
+        """Rank 0 writes the full model and optimizer state (DDP: its own whole replica; FSDP2: all
+        ranks call this to gather the full state first, and the others return None)."""
         from posttrain.checkpoint import save_checkpoint
 
         p = self.policy
-        path = save_checkpoint(save_dir, iteration, p.model, p.actor.optimizer, p.actor.scheduler,
+        model, optimizer = p.model, p.actor.optimizer
+        if self.fsdp:
+            from posttrain.cluster.fsdp import FullCopy, full_state
+
+            weights, optim_state = full_state(p.model, p.actor.optimizer, self.param_names)
+            if self.rank != 0:
+                return None
+            copy = FullCopy(p.model, weights, optim_state)
+            model, optimizer = copy.model, copy
+        path = save_checkpoint(save_dir, iteration, model, optimizer, p.actor.scheduler,
                                tokenizer=p.tokenizer, sampler_state=sampler_state, trainer_state=trainer_state,
                                save_optim=save_optim, save_rng=save_rng)
         return str(path)
 
     def state_dict(self) -> dict:
-        """The model weights on CPU (for tests and checks)."""
-        return {k: v.detach().cpu().clone() for k, v in self.policy.model.state_dict().items()}
+        """The full model weights on CPU (for tests and checks; FSDP2: a collective)."""
+        return {k: _full(v) for k, v in self.policy.model.state_dict().items()}
 
     def grads(self) -> dict:
-        """The gradients of the last optimizer step (after the all-reduce and clipping), on CPU."""
-        return {n: p.grad.detach().cpu().clone() for n, p in self.policy.model.named_parameters()
-                if p.grad is not None}
+        """The full gradients of the last optimizer step (after the all-reduce and clipping), on
+        CPU (FSDP2: a collective)."""
+        return {n: _full(p.grad) for n, p in self.policy.model.named_parameters() if p.grad is not None}
 
     def allreduce_probe(self, numel: int, repeats: int) -> float:
         """Median milliseconds of one all-reduce of ``numel`` float32 over the group (all ranks call

@@ -149,6 +149,8 @@ class RLConfig(Section):
     ray_address: Opt[str] = F(None, "posttrain: Ray cluster address (or RAY_ADDRESS)")
     ray_timeout_s: float = F(600.0, "posttrain: seconds any Ray remote call or torch.distributed collective may take")
     ray_num_cpus_per_worker: int = F(1, "posttrain: CPUs (and torch threads) per actor worker without accelerators")
+    ray_sharding: str = F("ddp", "posttrain: Ray actor workers: ddp (full replicas) or fsdp2 (sharded parameters, "
+                                 "gradients and optimizer state)")
     device: str = F("auto", "posttrain: auto, cpu, cuda or cuda:N")
     rollout_engine: str = F("native", "posttrain: native or vllm")
     output_dir: Opt[str] = F(None, "posttrain: run directory for metrics (default runs/<config>)")

@@ -1,0 +1,119 @@
+"""FSDP2 for the actor workers (``rl_config.ray_sharding: fsdp2``): parameters, gradients and
+AdamW state sharded over the workers instead of replicated (DDP).
+
+* **Sharding**: every decoder layer (the HF model's ``_no_split_modules`` classes) and then the
+  whole model get ``fully_shard``. The parameters become DTensors, so the optimizer and the LR
+  schedule are rebuilt on them; a state resumed into the unsharded model is carried over
+  (``get_optimizer_state_dict`` before, ``set_optimizer_state_dict`` after).
+* **Update**: unchanged :class:`TrainEngine` code. FSDP2 averages gradients over ranks (reduce-
+  scatter) like DDP, so the engine's loss scale by the world size applies; ``clip_grad_norm_``
+  computes the global norm of the DTensor gradients.
+* **Inference** (rollout, old log-probs) runs inside :func:`gathered`: all ranks all-gather the
+  full parameters once and keep them for the call (``reshard_after_forward`` off), so a worker
+  may run any number of forward passes, or none, without further collectives; the shards are
+  restored afterwards. Every rank must enter it, so the group calls all workers, even with no rows.
+* **Checkpoints**: all ranks gather the full model and optimizer state (a collective); rank 0
+  writes them through :func:`posttrain.checkpoint.save_checkpoint` in the in-process layout
+  (optimizer state keyed by parameter index), so the checkpoint resumes on any number of workers
+  with DDP, FSDP2 or in one process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+
+def _options(**kw):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=True, **kw)
+
+
+def shard(model, engine, actor_cfg, total_steps: int) -> list[str]:
+    """``fully_shard`` the decoder layers and the model; rebuild ``engine``'s optimizer and
+    scheduler on the sharded parameters, carrying over their state. Returns the parameter names
+    in the optimizer's order (the index order of an in-process optimizer state)."""
+    from torch.distributed.checkpoint.state_dict import (
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+    from torch.distributed.fsdp import fully_shard
+
+    from posttrain.train.optim import build_lr_scheduler, build_optimizer
+
+    names = [name for name, _ in model.named_parameters()]
+    has_state = bool(engine.optimizer.state)
+    full_optim = get_optimizer_state_dict(model, engine.optimizer, options=_options()) if has_state else None
+    scheduler_state = engine.scheduler.state_dict() if engine.scheduler is not None else None
+    layers = set(getattr(model, "_no_split_modules", None) or [])
+    for module in list(model.modules()):
+        if type(module).__name__ in layers:
+            fully_shard(module)
+    fully_shard(model)
+    a = actor_cfg
+    engine.optimizer = build_optimizer(model, a.lr, a.weight_decay, a.adam_beta1, a.adam_beta2)
+    engine.scheduler = build_lr_scheduler(engine.optimizer, lr=a.lr, min_lr=a.min_lr,
+                                          lr_decay_style=a.lr_decay_style,
+                                          lr_warmup_fraction=a.lr_warmup_fraction, total_steps=max(total_steps, 1))
+    if full_optim is not None:
+        set_optimizer_state_dict(model, engine.optimizer, full_optim, options=_options())
+    if scheduler_state is not None:
+        engine.scheduler.load_state_dict(scheduler_state)
+    return names
+
+
+def fsdp_modules(model) -> list:
+    from torch.distributed.fsdp import FSDPModule
+
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+@contextlib.contextmanager
+def gathered(model, enabled: bool):
+    """Full parameters on every rank for the duration (a collective on entry and exit)."""
+    if not enabled:
+        yield
+        return
+    modules = fsdp_modules(model)
+    model.set_reshard_after_forward(False)
+    for module in modules:
+        module.unshard()
+    try:
+        yield
+    finally:
+        model.set_reshard_after_forward(True)
+        for module in modules:
+            module.reshard()
+
+
+def full_state(model, optimizer, names: list[str]) -> tuple[dict, dict]:
+    """(full model state dict, optimizer state keyed like an in-process optimizer's), on CPU, on
+    rank 0 (the other ranks get empty dicts). A collective: every rank calls it."""
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    weights = get_model_state_dict(model, options=_options(cpu_offload=True))
+    optim = get_optimizer_state_dict(model, optimizer, options=_options(cpu_offload=True))
+    if "state" not in optim:  # with cpu_offload only rank 0 receives the full state
+        return weights, {}
+    index = {name: i for i, name in enumerate(names)}
+    state = {index[name]: value for name, value in optim["state"].items()}
+    groups = [{**g, "params": [index[name] for name in g["params"]]} for g in optim["param_groups"]]
+    return weights, {"state": state, "param_groups": groups}
+
+
+class FullCopy:
+    """What save_checkpoint needs from a model and an optimizer, from gathered full states: a CPU
+    HF model with the full weights (``save_pretrained``) and the optimizer's ``state_dict``."""
+
+    def __init__(self, model, weights: dict, optim_state: dict):
+        from transformers import AutoModelForCausalLM
+
+        copy = AutoModelForCausalLM.from_config(model.config)
+        copy.load_state_dict(weights, strict=False)
+        self.model, self.optim_state = copy, optim_state
+
+    def state_dict(self) -> dict:
+        return self.optim_state
