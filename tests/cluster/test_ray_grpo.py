@@ -142,13 +142,14 @@ def checkpoint_weights(path):
     return load_file(str(path / "model.safetensors"))
 
 
-@pytest.mark.parametrize(("saved_by", "resumed_on"), [("ray", 1), ("local", 2)])
-def test_checkpoint_resumes_on_another_number_of_workers(trained, work, saved_by, resumed_on):
-    """A 2-worker checkpoint resumes in one process, and a 1-process one on 2 workers: same
-    iteration, sampler position, weights and optimizer state, and training continues."""
+@pytest.mark.parametrize(("saved_by", "resumed_on", "sharding"), [("ray", 1, "ddp"), ("local", 2, "ddp"),
+                                                                  ("local", 2, "fsdp2")])
+def test_checkpoint_resumes_on_another_number_of_workers(trained, work, saved_by, resumed_on, sharding):
+    """A 2-worker checkpoint resumes in one process, and a 1-process one on 2 workers (replicas or
+    FSDP2 shards): same iteration, sampler position and weights, and training continues."""
     ckpt = trained[saved_by]["ckpt"]
-    name = f"resume_{saved_by}_on_{resumed_on}"
-    cfg = grpo_config(work, name, workers=resumed_on, iters=13,
+    name = f"resume_{saved_by}_on_{resumed_on}_{sharding}"
+    cfg = grpo_config(work, name, workers=resumed_on, iters=13, rl={"ray_sharding": sharding},
                       train={"load": str(ckpt), "save": str(work / f"ckpt_{name}"), "save_interval": 13})
     session, trainer = session_and_trainer(cfg)
     try:

@@ -3,10 +3,11 @@
 Each worker builds what the in-process session builds (:func:`posttrain.trainers.setup.build_policy`:
 the actor model and its :class:`~posttrain.train.engine.TrainEngine`, the optional frozen reference,
 the native rollout engine on the actor's model object), joins a torch.distributed group (gloo on
-CPU, nccl on GPU) and wraps the model in DistributedDataParallel for the update. Inference
-(rollout, log-probs, reference) uses the unwrapped model and needs no collective, so the driver may
-give workers uneven shares; the update is a collective: every worker gets a slice of every
-mini-batch (see :mod:`posttrain.cluster.group`).
+CPU, nccl on GPU) and wraps the model in DistributedDataParallel for the update (or shards it
+with FSDP2, :mod:`posttrain.cluster.fsdp`). Inference (rollout, log-probs, reference) uses the
+unwrapped model and needs no collective (FSDP2: after one parameter gather per call), so the
+driver may give workers uneven shares; the update is a collective: every worker gets a slice of
+every mini-batch (see :mod:`posttrain.cluster.group`).
 
 This module is imported inside Ray worker processes; the ``ray.remote`` wrapping is done by the group.
 """
@@ -171,7 +172,6 @@ class ActorWorker:
         import statistics
         import time
 
-        import torch
         import torch.distributed as dist
 
         t = torch.ones(numel, device=self.device)
