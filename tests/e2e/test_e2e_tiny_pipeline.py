@@ -1,8 +1,10 @@
-"""The tiny pipeline end to end, as a user runs it: examples/tiny/run_pipeline.sh.
+"""The tiny pipeline end to end, as a user runs it: examples/tiny/run_pipeline.sh, then run_algorithms.sh.
 
-init-model -> data -> preprocess -> SFT warm start -> GRPO -> eval, on a ~10M-parameter Qwen2.
-The warm start answers "?" (no answer) about half of the time; GRPO must
-raise the reward and the greedy accuracy.
+init-model -> data -> preprocess -> SFT warm start -> GRPO -> eval, on a ~10M-parameter Qwen2, run
+once for the module. The warm start answers "?" (no answer) about half of the time; GRPO must
+raise the reward and the greedy accuracy. PPO, DAPO and DPO then start from the same SFT
+checkpoint (examples/tiny/run_algorithms.sh, one leg per test): PPO must raise the reward, DAPO
+must report its generation batches, DPO must prefer the right sum over a wrong one.
 """
 
 from __future__ import annotations
@@ -16,28 +18,86 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.slow
 
 
-@pytest.mark.slow
-def test_tiny_pipeline_learns(tmp_path):
-    out = tmp_path / "tiny"
+def run_script(name: str, *args: str) -> None:
     env = {**os.environ, "PYTHON": sys.executable, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"),
            "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.run(["bash", str(ROOT / "examples/tiny/run_pipeline.sh"), str(out)], cwd=ROOT, env=env,
+    proc = subprocess.run(["bash", str(ROOT / "examples/tiny" / name), *args], cwd=ROOT, env=env, check=False,
                           capture_output=True, text=True, timeout=1500)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
-    rows = [json.loads(x) for x in (out / "grpo" / "metrics.jsonl").read_text().splitlines()]
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+
+
+def first_last(values: list[float], k: int = 5) -> tuple[float, float]:
+    return sum(values[:k]) / k, sum(values[-k:]) / k
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("tiny") / "tiny"
+    run_script("run_pipeline.sh", str(out))
+    return out
+
+
+def test_tiny_pipeline_learns(tiny):
+    rows = read_jsonl(tiny / "grpo" / "metrics.jsonl")
     rewards = [r["grpo/score/mean"] for r in rows if "grpo/score/mean" in r]
     assert len(rewards) == 20
-    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
+    first, last = first_last(rewards)
     assert last > first + 0.1, f"reward did not go up: {rewards}"
 
-    evals = [json.loads(x) for x in (out / "grpo" / "eval.jsonl").read_text().splitlines()]
+    evals = read_jsonl(tiny / "grpo" / "eval.jsonl")
     assert evals[0]["iteration"] == 0 and evals[-1]["iteration"] == 20
     assert evals[-1]["eval/accuracy"] > evals[0]["eval/accuracy"]
 
-    result = json.loads((out / "eval.json").read_text())
+    result = json.loads((tiny / "eval.json").read_text())
     assert result["accuracy"] == pytest.approx(evals[-1]["eval/accuracy"])
-    assert (out / "grpo_ckpt" / "iter_0000020" / "model.safetensors").is_file()
-    assert list((out / "grpo" / "tensorboard").iterdir())
+    assert (tiny / "grpo_ckpt" / "iter_0000020" / "model.safetensors").is_file()
+    assert list((tiny / "grpo" / "tensorboard").iterdir())
+
+
+def test_ppo_raises_the_reward(tiny):
+    run_script("run_algorithms.sh", str(tiny), "ppo")
+    rows = read_jsonl(tiny / "ppo" / "metrics.jsonl")
+    rewards = [r["critic/score/mean"] for r in rows if "critic/score/mean" in r]
+    assert len(rewards) == 20
+    first, last = first_last(rewards)
+    assert last > first + 0.1, f"reward did not go up: {rewards}"
+    trained = [r for r in rows if "critic/vf_loss" in r]
+    assert trained[-1]["critic/values/mean"] != 0.0  # the critic (zero-initialised head) learned
+    evals = read_jsonl(tiny / "ppo" / "eval.jsonl")
+    assert evals[0]["iteration"] == 0 and evals[-1]["iteration"] == 20
+    assert evals[-1]["eval/accuracy"] > evals[0]["eval/accuracy"]
+    assert (tiny / "ppo_ckpt" / "iter_0000020" / "critic" / "model.safetensors").is_file()
+
+
+def test_dapo_dynamic_sampling_reports_generation_batches(tiny):
+    run_script("run_algorithms.sh", str(tiny), "dapo")
+    rows = [r for r in read_jsonl(tiny / "dapo" / "metrics.jsonl") if "train/num_gen_batches" in r]
+    assert len(rows) == 15
+    assert all(r["train/num_gen_batches"] >= 1 for r in rows)
+    # filter_groups_train_batch_size = global_batch_size (8 prompts): a dropped group means another batch
+    for r in rows:
+        assert r["dapo/num_kept_groups"] >= 8
+        if r["train/num_gen_batches"] == 1:
+            assert r["dapo/num_kept_groups"] == 8
+    assert max(r["train/num_gen_batches"] for r in rows) >= 2  # groups were dropped and regenerated
+    assert "dapo/score/mean" in rows[-1] and "actor/kl_loss" not in rows[-1]
+
+
+def test_dpo_prefers_the_right_sum(tiny):
+    run_script("run_algorithms.sh", str(tiny), "dpo")
+    rows = [r for r in read_jsonl(tiny / "dpo" / "metrics.jsonl") if "rewards/accuracies" in r]
+    assert len(rows) == 40
+    accuracies = [r["rewards/accuracies"] for r in rows]
+    margins = [r["rewards/margins"] for r in rows]
+    assert sum(accuracies[-5:]) / 5 > 0.9, accuracies
+    first, last = first_last(margins)
+    assert last > first + 0.5, f"margin did not grow: {margins}"
+    assert rows[-1]["rewards/chosen"] > rows[-1]["rewards/rejected"]
+    assert json.loads((tiny / "dpo" / "eval.json").read_text())["num_prompts"] == 20
