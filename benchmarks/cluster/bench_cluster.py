@@ -8,7 +8,9 @@ Each mode runs in a fresh process (one after the other, never two at once):
 * ``ray1``: 1 Ray actor worker x 1 thread: the same work as ``inproc1`` (even the same samples), so
   the difference is what Ray itself costs per iteration;
 * ``ray2``: 2 Ray actor workers x 1 thread (one CPU each) on a local Ray cluster; the driver
-  holds only the tokenizer.
+  holds only the tokenizer;
+* ``ray2fsdp``: as ``ray2`` with ``rl_config.ray_sharding: fsdp2`` (sharded training state; the
+  parameters are gathered before each rollout / log-prob call).
 
 Workload: tiny Qwen2 (hidden 384, 6 layers, ~9.6M parameters, fp32), 8 prompts x 8 samples, at most
 64 new tokens, one optimizer step per iteration (mini-batch = global batch), no reference model.
@@ -29,7 +31,7 @@ import sys
 import time
 from pathlib import Path
 
-MODES = ("inproc1", "inproc2", "ray1", "ray2")
+MODES = ("inproc1", "inproc2", "ray1", "ray2", "ray2fsdp")
 
 
 def prepare(work: Path) -> tuple[Path, str]:
@@ -55,8 +57,10 @@ def prepare(work: Path) -> tuple[Path, str]:
 def config(model: Path, data: str, work: Path, mode: str, iters: int):
     from posttrain.config.run import run_config_from_dict
 
-    workers = 2 if mode == "ray2" else 1
+    workers = 2 if mode.startswith("ray2") else 1
     address = {"ray_address": "local"} if mode == "ray1" else {}  # Ray with one worker (already initialised)
+    if mode == "ray2fsdp":
+        address["ray_sharding"] = "fsdp2"
     return run_config_from_dict({
         "megatron_training": {"stage": "ray_grpo", "global_batch_size": 8, "micro_batch_size": 16,
                               "seq_length": 128, "train_iters": iters, "lr": 1e-4, "lr_decay_style": "constant",
@@ -101,7 +105,7 @@ def run_mode(mode: str, work: Path, iters: int, warmup: int, niceness0: bool = T
         import ray
 
         start = time.perf_counter()
-        ray.init(num_cpus=2 if mode == "ray2" else 1, include_dashboard=False, logging_level="WARNING",
+        ray.init(num_cpus=2 if mode.startswith("ray2") else 1, include_dashboard=False, logging_level="WARNING",
                  _system_config={"worker_niceness": 0 if niceness0 else 15})
         out["ray_init_s"] = time.perf_counter() - start
     layout = validate_run_config(cfg, device_type="cpu")
@@ -121,7 +125,7 @@ def run_mode(mode: str, work: Path, iters: int, warmup: int, niceness0: bool = T
                              "response_length/mean": metrics["response_length/mean"]})
         if mode.startswith("ray"):
             out.update(ray_micro(session.cluster))
-        if mode == "ray2":
+        if mode.startswith("ray2"):
             out.update(allreduce_ms(session.cluster))
     finally:
         session.close()
@@ -135,7 +139,8 @@ def allreduce_ms(cluster) -> dict[str, float]:
     """Median time of one gloo all-reduce as large as all gradients (what DDP sends per step)."""
     import ray
 
-    numel = sum(v.numel() for v in ray.get(cluster.workers[0].grads.remote()).values())
+    grads = ray.get([w.grads.remote() for w in cluster.workers])[0]  # all ranks: a collective under FSDP2
+    numel = sum(v.numel() for v in grads.values())
     times = ray.get([w.allreduce_probe.remote(numel, 10) for w in cluster.workers])
     return {"grad_allreduce_ms": times[0], "grad_mbytes": numel * 4 / 1e6}
 
