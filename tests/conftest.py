@@ -30,6 +30,25 @@ def tiny_tokenizer(tiny_model_dir):
     return AutoTokenizer.from_pretrained(str(tiny_model_dir))
 
 
+@pytest.fixture(scope="session")
+def mini_qwen2_dir(tmp_path_factory, tiny_tokenizer) -> Path:
+    """A 2-layer Qwen2 (hidden 64, seed 0) saved with the tiny tokenizer: fast enough for loops
+    that must learn within a few iterations in a test (tests/e2e, tests/cluster). Read-only: copy it
+    before training into it."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    out = tmp_path_factory.mktemp("models") / "mini_qwen2"
+    tok = tiny_tokenizer
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         tie_word_embeddings=True, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    Qwen2ForCausalLM(config).save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
 def pytest_collection_modifyitems(config, items):
     try:
         import torch

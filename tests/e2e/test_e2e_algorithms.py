@@ -34,21 +34,14 @@ def _threads():
 
 
 @pytest.fixture(scope="module")
-def work(tmp_path_factory, tiny_tokenizer):
+def work(tmp_path_factory, mini_qwen2_dir):
     """A 2-layer Qwen2 with the tiny tokenizer, a prompt dataset and a pairwise dataset."""
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    import shutil
 
     from posttrain.data.preprocess import preprocess
 
     root = tmp_path_factory.mktemp("algos")
-    tok = tiny_tokenizer
-    torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                         tie_word_embeddings=True, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
-    Qwen2ForCausalLM(config).save_pretrained(root / "model")
-    tok.save_pretrained(root / "model")
+    shutil.copytree(mini_qwen2_dir, root / "model")
     rng = random.Random(0)
     prompts, pairs = [], []
     for _ in range(256):
