@@ -163,25 +163,24 @@ def pack(batch: dict[str, torch.Tensor], share_prompts: bool = False) -> dict[st
         positions = (attn.long().cumsum(-1) - 1).clamp(min=0)
     prompt_lens = attn[:, :prompt_width].sum(-1).tolist()
     resp_lens = attn[:, prompt_width:].sum(-1).tolist()
-    prompt_ids = ids[:, :prompt_width].tolist()
+    prompt_ids, prompt_pos = ids[:, :prompt_width].tolist(), positions[:, :prompt_width].tolist()
 
     # the packed row: [prompt of a group][response of each row in the group]... (a group is one row
     # when nothing is shared); for each row, the packed positions of its prompt and response
-    prompt_at: dict[tuple, int] = {}  # prompt key -> packed start of its copy
     order: list[int] = []  # packed position -> flat index into the padded [B, P + R] layout
     prompt_start, resp_start, owner = [0] * rows, [0] * rows, []
     groups: dict[tuple, list[int]] = {}
     for b in range(rows):
-        key = (tuple(prompt_ids[b][prompt_width - prompt_lens[b]:]),) if share_prompts else (b,)
+        first = prompt_width - prompt_lens[b]  # same tokens at the same positions: one copy
+        key = (tuple(prompt_ids[b][first:]), tuple(prompt_pos[b][first:])) if share_prompts else (b,)
         groups.setdefault(key, []).append(b)
     width = max(p + r for p, r in zip(prompt_lens, resp_lens))
-    for key, members in groups.items():
-        lead, plen = members[0], prompt_lens[members[0]]
-        prompt_at[key] = len(order)
+    for members in groups.values():
+        lead, plen, start = members[0], prompt_lens[members[0]], len(order)
         order.extend(lead * ids.shape[1] + prompt_width - plen + t for t in range(plen))
         owner.extend(lead * width + t for t in range(plen))
         for b in members:
-            prompt_start[b] = prompt_at[key]
+            prompt_start[b] = start
             resp_start[b] = len(order)
             order.extend(b * ids.shape[1] + prompt_width + t for t in range(resp_lens[b]))
             owner.extend(b * width + prompt_lens[b] + t for t in range(resp_lens[b]))
