@@ -87,6 +87,7 @@ class TrainEngine:
         loss_mask_key: str = "response_mask",
         dp_group=None,
         use_remove_padding: bool = False,
+        share_prompt_prefix: bool = True,
         forward_budget: TokenBudget | None = None,
         update_budget: TokenBudget | None = None,
     ):
@@ -106,7 +107,7 @@ class TrainEngine:
         # performance options (remove_padding.py, dynamic_batch.py): a token budget replaces the
         # fixed micro-batch size of log-prob passes (forward_budget) and of updates (update_budget)
         self.use_remove_padding = use_remove_padding
-        self.share_prompt_prefix = True  # with remove padding: pack a repeated prompt once
+        self.share_prompt_prefix = share_prompt_prefix  # with remove padding: a repeated prompt packed once
         self.forward_budget = forward_budget
         self.update_budget = update_budget
         if activation_checkpointing:

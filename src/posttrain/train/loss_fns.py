@@ -116,15 +116,9 @@ def _joint_sides(micro_batch) -> dict[str, torch.Tensor] | None:
     if widths[0] != widths[1] or set(chosen) != set(rejected):
         return None
     resp = max(b["response_mask"].shape[1] for b in (chosen, rejected))
-    joint = {}
-    for key in chosen:
-        parts = []
-        for side in (chosen, rejected):
-            tensor = side[key]
-            short = widths[0] + resp - tensor.shape[1] if key != "response_mask" else resp - tensor.shape[1]
-            parts.append(torch.nn.functional.pad(tensor, (0, short)))
-        joint[key] = torch.cat(parts)
-    return joint
+    # every key of a side is R_side columns short of the joint width (the prompt part is equal)
+    return {key: torch.cat([torch.nn.functional.pad(side[key], (0, resp - side["response_mask"].shape[1]))
+                            for side in (chosen, rejected)]) for key in chosen}
 
 
 def _pair_logps(model, micro_batch, average: bool):

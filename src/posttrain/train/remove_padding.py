@@ -157,62 +157,73 @@ def pack(batch: dict[str, torch.Tensor], share_prompts: bool = False) -> dict[st
     """
     ids, attn = batch["input_ids"], batch["attention_mask"].bool()
     rows, num_resp = ids.shape[0], batch["response_mask"].shape[1]
-    prompt_width = ids.shape[1] - num_resp
-    positions = batch.get("position_ids")
-    if positions is None:
-        positions = (attn.long().cumsum(-1) - 1).clamp(min=0)
+    prompt_width, row_width = ids.shape[1] - num_resp, ids.shape[1]
+    positions = _positions(batch)
     prompt_lens = attn[:, :prompt_width].sum(-1).tolist()
     resp_lens = attn[:, prompt_width:].sum(-1).tolist()
-    prompt_ids, prompt_pos = ids[:, :prompt_width].tolist(), positions[:, :prompt_width].tolist()
-
-    # the packed row: [prompt of a group][response of each row in the group]... (a group is one row
-    # when nothing is shared); for each row, the packed positions of its prompt and response
-    order: list[int] = []  # packed position -> flat index into the padded [B, P + R] layout
-    prompt_start, resp_start, owner = [0] * rows, [0] * rows, []
-    groups: dict[tuple, list[int]] = {}
-    for b in range(rows):
-        first = prompt_width - prompt_lens[b]  # same tokens at the same positions: one copy
-        key = (tuple(prompt_ids[b][first:]), tuple(prompt_pos[b][first:])) if share_prompts else (b,)
-        groups.setdefault(key, []).append(b)
     width = max(p + r for p, r in zip(prompt_lens, resp_lens))
+    groups: dict[tuple, list[int]] = {}
+    for b, key in enumerate(_prompt_keys(batch) if share_prompts else range(rows)):
+        groups.setdefault(key, []).append(b)
+
+    # the packed row is a list of segments: [prompt of a group][response of each row in the
+    # group]... (a group is one row when nothing is shared). A segment is (its first token in the
+    # flat padded [B, P + R] layout, its first slot in the flat [B, L] attention blocks, length).
+    segments: list[tuple[int, int, int]] = []
+    prompt_start, resp_start, packed = [0] * rows, [0] * rows, 0
     for members in groups.values():
-        lead, plen, start = members[0], prompt_lens[members[0]], len(order)
-        order.extend(lead * ids.shape[1] + prompt_width - plen + t for t in range(plen))
-        owner.extend(lead * width + t for t in range(plen))
+        lead, plen = members[0], prompt_lens[members[0]]
+        segments.append((lead * row_width + prompt_width - plen, lead * width, plen))
+        start, packed = packed, packed + plen
         for b in members:
-            prompt_start[b] = start
-            resp_start[b] = len(order)
-            order.extend(b * ids.shape[1] + prompt_width + t for t in range(resp_lens[b]))
-            owner.extend(b * width + prompt_lens[b] + t for t in range(resp_lens[b]))
+            prompt_start[b], resp_start[b] = start, packed
+            segments.append((b * row_width + prompt_width, b * width + prompt_lens[b], resp_lens[b]))
+            packed += resp_lens[b]
     device = ids.device
-    order_t = torch.tensor(order, dtype=torch.long, device=device)
-    slots = torch.arange(width, device=device)
+    src, slot, length = torch.tensor(segments, device=device).reshape(-1, 3).unbind(1)
+    offset = torch.arange(packed, device=device) - torch.repeat_interleave(length.cumsum(0) - length, length)
+    order = torch.repeat_interleave(src, length) + offset  # packed position -> flat padded token
+    owner = torch.repeat_interleave(slot, length) + offset  # packed position -> block slot computing it
+
+    slots = torch.arange(width, device=device)[None, :]
     plen_t = torch.tensor(prompt_lens, device=device)[:, None]
-    rlen_t = torch.tensor(resp_lens, device=device)[:, None]
-    valid = slots[None, :] < plen_t + rlen_t
-    in_prompt = slots[None, :] < plen_t
-    pad_index = torch.where(in_prompt, torch.tensor(prompt_start, device=device)[:, None] + slots[None, :],
-                            torch.tensor(resp_start, device=device)[:, None] + slots[None, :] - plen_t)
-    pad_index = pad_index.clamp(max=max(len(order) - 1, 0))
+    pstart_t = torch.tensor(prompt_start, device=device)[:, None]
+    rstart_t = torch.tensor(resp_start, device=device)[:, None]
+    valid = slots < plen_t + torch.tensor(resp_lens, device=device)[:, None]
+    pad_index = torch.where(slots < plen_t, pstart_t + slots, rstart_t + slots - plen_t).clamp(max=max(packed - 1, 0))
 
     select = batch["response_mask"].bool() & attn[:, prompt_width:]
     # response token t of row b is predicted at the previous token: the prompt's last one for t = 0
     t = torch.arange(num_resp, device=device)[None, :]
-    predictor = torch.where(t == 0, torch.tensor(prompt_start, device=device)[:, None] + plen_t - 1,
-                            torch.tensor(resp_start, device=device)[:, None] + t - 1)
-    return {"input_ids": ids.reshape(-1)[order_t][None], "position_ids": positions.reshape(-1)[order_t][None],
-            "pad_index": pad_index, "valid": valid, "owner": torch.tensor(owner, dtype=torch.long, device=device),
+    predictor = torch.where(t == 0, pstart_t + plen_t - 1, rstart_t + t - 1)
+    return {"input_ids": ids.reshape(-1)[order][None], "position_ids": positions.reshape(-1)[order][None],
+            "pad_index": pad_index, "valid": valid, "owner": owner,
             "keep": predictor[select], "labels": ids[:, prompt_width:][select], "select": select}
+
+
+def _positions(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    positions = batch.get("position_ids")
+    if positions is None:
+        positions = (batch["attention_mask"].long().cumsum(-1) - 1).clamp(min=0)
+    return positions
+
+
+def _prompt_keys(batch: dict[str, torch.Tensor]) -> list[tuple]:
+    """One hashable key per row: its prompt's tokens and their positions. Rows with equal keys have
+    identical prompt hidden states, so they may share one copy of the prompt."""
+    num_prompt = batch["input_ids"].shape[1] - batch["response_mask"].shape[1]
+    real = batch["attention_mask"][:, :num_prompt].bool()
+    ids = torch.where(real, batch["input_ids"][:, :num_prompt], -1).tolist()
+    pos = torch.where(real, _positions(batch)[:, :num_prompt], -1).tolist()
+    return [(tuple(i), tuple(p)) for i, p in zip(ids, pos)]
 
 
 def group_rows_by_prompt(batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """A row order in which rows with identical prompts are adjacent (groups in order of first
     appearance, rows in order within a group), so fixed-size micro-batches share prompts."""
-    num_prompt = batch["input_ids"].shape[1] - batch["response_mask"].shape[1]
-    prompts = torch.where(batch["attention_mask"][:, :num_prompt].bool(), batch["input_ids"][:, :num_prompt], -1)
     groups: dict[tuple, list[int]] = {}
-    for row, prompt in enumerate(prompts.tolist()):
-        groups.setdefault(tuple(prompt), []).append(row)
+    for row, key in enumerate(_prompt_keys(batch)):
+        groups.setdefault(key, []).append(row)
     return torch.tensor([row for members in groups.values() for row in members], dtype=torch.long)
 
 

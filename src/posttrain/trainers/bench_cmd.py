@@ -21,11 +21,11 @@ that took the most time go to ``DIR/profile.txt`` (each phase is a ``record_func
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import resource
 import statistics
-import contextlib
 import tempfile
 import time
 from pathlib import Path

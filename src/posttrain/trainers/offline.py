@@ -22,6 +22,7 @@ from posttrain.device import resolve_device
 from posttrain.errors import DataError
 from posttrain.metrics.reduce import MetricAccumulator
 from posttrain.metrics.timers import Timers
+from posttrain.train.dynamic_batch import apply_rl_config
 from posttrain.trainers import setup
 from posttrain.trainers.experience import sequence_batch
 
@@ -69,8 +70,6 @@ class OfflineTrainer:
             raise DataError(f"the {self.dataset_kind} {a.data_path} is empty")
         self.model, self.tokenizer, source = setup.build_actor_model(cfg, self.device)
         self.engine = setup.build_train_engine(self.model, a, a.train_iters, dtype, metric_prefix=self.metric_prefix)
-        from posttrain.train.dynamic_batch import apply_rl_config
-
         apply_rl_config(self.engine, cfg.rl, "actor")  # use_remove_padding, use_dynamic_bsz budgets
         state = setup.resume(source, self.model, self.engine, a)
         self.iteration, self.initial_model = int(state["iteration"]), str(state["initial_model"])
