@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from posttrain.trainers.bench_cmd import CpuMeter, matmul_peak
+from posttrain.commands.bench import CpuMeter, matmul_peak
 
 
 def main() -> None:

@@ -18,8 +18,9 @@ from pathlib import Path
 
 import torch
 
-from posttrain.trainers.bench_cmd import CpuMeter
-from posttrain.train.forward import pack_batch, response_logprobs
+from posttrain.commands.bench import CpuMeter
+from posttrain.train.forward import response_logprobs
+from posttrain.train.layout import build_batch
 
 
 def load(model: str):
@@ -70,7 +71,7 @@ def main() -> None:
     vocab = model.config.vocab_size
     prompts = [torch.randint(3, vocab, (8,), generator=g).tolist() for _ in range(args.rows)]
     resps = [torch.randint(3, vocab, (args.seq - 8,), generator=g).tolist() for _ in range(args.rows)]
-    batch = pack_batch(prompts, resps, pad_token_id=0)
+    batch = build_batch(prompts, resps, pad_token_id=0)
     variants = {"fp32 eager": (model, "fp32")}
     if not args.no_bf16:
         variants["bf16 autocast eager"] = (model, "bf16")

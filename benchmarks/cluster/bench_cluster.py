@@ -92,11 +92,8 @@ def run_mode(mode: str, work: Path, iters: int, warmup: int, niceness0: bool = T
     import torch
 
     torch.set_num_threads(2 if mode == "inproc2" else 1)
-    from posttrain.config.validate import validate_run_config
-    from posttrain.trainers.bundles import get_bundle
-    from posttrain.trainers.onpolicy import OnPolicyTrainer
-    from posttrain.trainers.session import Session
-    from posttrain.trainers.train_cmd import run_dir_for
+    from posttrain.config.plan import resolve_plan
+    from posttrain.trainers.stages import build_trainer, run_dir_for
 
     model, data = prepare(work)
     cfg = config(model, data, work, mode, iters + warmup)
@@ -108,12 +105,11 @@ def run_mode(mode: str, work: Path, iters: int, warmup: int, niceness0: bool = T
         ray.init(num_cpus=2 if mode.startswith("ray2") else 1, include_dashboard=False, logging_level="WARNING",
                  _system_config={"worker_niceness": 0 if niceness0 else 15})
         out["ray_init_s"] = time.perf_counter() - start
-    layout = validate_run_config(cfg, device_type="cpu")
-    bundle = get_bundle(cfg.stage)
+    plan = resolve_plan(cfg, device="cpu")
     start = time.perf_counter()
-    session = Session(cfg, layout, uses_reference=False, run_dir=run_dir_for(cfg))
+    trainer = build_trainer(cfg, plan, run_dir_for(cfg))
+    session = trainer.s
     out["session_build_s"] = time.perf_counter() - start
-    trainer = OnPolicyTrainer(cfg, layout, bundle, session)
     rows = []
     try:
         for it in range(1, iters + warmup + 1):

@@ -33,7 +33,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     from common import posttrain_config, prepare, settings
     from posttrain.config.run import run_config_from_dict
-    from posttrain.trainers.bench_cmd import bench
+    from posttrain.commands.bench import bench
 
     paths = prepare(Path(args.work), args.size)
     extra = {k: yaml.safe_load(v) for k, v in (item.split("=", 1) for item in args.set)}

@@ -36,7 +36,7 @@ def main() -> None:
 
     from common import prepare, prompt_texts, settings
     from posttrain.reward.verifiers import get_verifier
-    from posttrain.trainers.bench_cmd import CpuMeter
+    from posttrain.commands.bench import CpuMeter
 
     s = settings(args.size)
     paths = prepare(Path(args.work), args.size)

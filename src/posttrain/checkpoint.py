@@ -340,6 +340,18 @@ def _load_optim(path: Path, optimizer: Any, scheduler: Any) -> None:
                                   f"set no_load_optim: true to start with a fresh one") from err
 
 
+def load_part(checkpoint_dir: str | Path, name: str, part: Part, *, no_load_optim: bool = False) -> bool:
+    """Restore an extra part saved by ``save_checkpoint(extra={name: part})`` (weights, and unless
+    ``no_load_optim`` its optimizer and scheduler); False when the checkpoint has no such part."""
+    path = Path(checkpoint_dir) / name
+    if not (path / "config.json").is_file():
+        return False
+    load_weights(path, part.model)
+    if not no_load_optim:
+        _load_optim(path, part.optimizer, part.scheduler)
+    return True
+
+
 def resolve_checkpoint(load_dir: str | Path) -> tuple[Path, bool]:
     """``(directory, is_full_checkpoint)`` for a save dir, an ``iter_*`` dir or a plain HF dir."""
     load_dir = Path(load_dir)
@@ -368,15 +380,14 @@ def load_checkpoint(load_dir: str | Path, model: Any, optimizer: Any = None, sch
     """
     path, full = resolve_checkpoint(load_dir)
     load_weights(path, model)
+    if not (finetune or not full or no_load_optim):
+        _load_optim(path, optimizer, scheduler)
     for name, part in (extra or {}).items():
-        load_weights(path / name, part.model)
+        if not load_part(path, name, part, no_load_optim=finetune or not full or no_load_optim):
+            raise CheckpointError(f"{path / name} is missing: this checkpoint has no {name}")
     if finetune or not full:
         return {"iteration": 0, "consumed_samples": 0, "sampler_state": None,
                 "checkpoint_dir": str(path)}
-    if not no_load_optim:
-        _load_optim(path, optimizer, scheduler)
-        for name, part in (extra or {}).items():
-            _load_optim(path / name, part.optimizer, part.scheduler)
     if not no_load_rng:
         if not (path / "rng.pt").is_file():
             raise CheckpointError(f"{path / 'rng.pt'} is missing (saved with no_save_rng?); set "

@@ -14,13 +14,13 @@ from posttrain.errors import PosttrainError
 
 # subcommand -> module with run(args)
 COMMANDS = {
-    "plan": "posttrain.config.plan_cmd",
-    "train": "posttrain.trainers.train_cmd",
-    "preprocess": "posttrain.data.preprocess",
-    "init-model": "posttrain.models.init_model",
-    "score": "posttrain.reward.score_cmd",
-    "eval": "posttrain.trainers.eval_cmd",
-    "bench": "posttrain.trainers.bench_cmd",
+    "plan": "posttrain.commands.plan",
+    "train": "posttrain.commands.train",
+    "preprocess": "posttrain.commands.preprocess",
+    "init-model": "posttrain.commands.init_model",
+    "score": "posttrain.commands.score",
+    "eval": "posttrain.commands.eval",
+    "bench": "posttrain.commands.bench",
 }
 
 

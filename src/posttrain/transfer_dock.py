@@ -1,11 +1,12 @@
 """TransferDock: the experience table that carries data between the stages of one RL iteration.
 
 The table has ``max_len`` rows (one per sample: ``max_len = num_prompts * n_samples_per_prompt``)
-and named columns (``prompts``, ``responses``, ``old_log_prob``, ...). Each cell holds a 1-D
+and named columns (``prompts``, ``responses``, ``old_logprobs``, ...; the on-policy loop's schema
+is in :mod:`posttrain.trainers.experience`, in the one vocabulary used from rollout to loss). Each cell holds a 1-D
 tensor whose length may differ from row to row (a response of 17 tokens next to one of 512), so a
 column is stored as a Python list of tensors, with a boolean *ready* vector beside it.
 
-Producers ``put`` cells by row index. Consumers (``actor_log_prob``, ``compute_advantage``, ...)
+Producers ``put`` cells by row index. Consumers (the phases: ``rollout``, ``advantages``, ...)
 ``get`` rows whose requested columns are all ready and that this consumer has not consumed yet;
 each consumer has its own *consumed* vector, so two consumers can read the same rows.
 
@@ -18,11 +19,8 @@ Row choice when no indexes are given:
 ``get_n_samples=True`` hands out whole groups only: rows ``[g*n, (g+1)*n)`` of prompt ``g`` are
 chosen together, so a group-normalised advantage sees its complete group.
 
-Ray-readiness: the state is plain Python (lists, numpy arrays, tensors, ``random.Random``) and the
-API is plain methods returning picklable values, so ``ray.remote(TransferDock)`` can host it as an
-actor unchanged. The dock itself never imports ray; ``posttrain.cluster`` does the wrapping.
-Single-process use needs no locking; a Ray actor with ``max_concurrency > 1`` would need one lock
-around ``get`` (the seed's per-consumer lock), which is the only mutable-read path.
+The dock lives in the driver process, also on Ray (docs/cluster.md says why); its state is plain
+Python (lists, numpy arrays, tensors, ``random.Random``), so it pickles.
 """
 
 from __future__ import annotations
@@ -35,18 +33,6 @@ import numpy as np
 import torch
 
 from posttrain.errors import PosttrainError
-
-GRPO_COLUMNS = ("prompts", "prompt_length", "responses", "response_length", "attention_mask",
-                "labels", "input_ids", "input_ids_length", "actor_rollout", "rm_scores",
-                "token_level_rewards", "old_log_prob", "ref_log_prob", "advantages", "returns")
-GRPO_CONSUMERS = ("trainer", "actor_rollout", "actor_image_embeds", "actor_log_prob",
-                  "ref_log_prob", "actor_train", "compute_advantage", "rule_reward",
-                  "reward_scores", "grpo_metrics")
-PPO_EXTRA_COLUMNS = ("values",)
-PPO_EXTRA_CONSUMERS = ("compute_kl", "critic_train", "critic_compute_values", "ppo_metrics")
-DAPO_EXTRA_COLUMNS = ("metric_for_dapo",)
-DAPO_EXTRA_CONSUMERS = ("dynamic_sampling", "dapo_metrics")
-
 
 class TransferDockError(PosttrainError, ValueError):
     """A read or write that the dock cannot serve (bad column, index or dispatch size)."""
@@ -72,9 +58,6 @@ def _as_rows(values: Any, count: int, column: str) -> list[torch.Tensor]:
     return out
 
 
-LENGTH_COLUMNS = ("prompt_length", "response_length", "input_ids_length")
-
-
 def pad_rows(rows: Sequence[torch.Tensor], pad_value: float = 0, multiple: int = 1) -> torch.Tensor:
     """Stack variable-length 1-D rows into a right-padded ``[B, T]`` tensor.
 
@@ -90,13 +73,6 @@ def pad_rows(rows: Sequence[torch.Tensor], pad_value: float = 0, multiple: int =
     return out
 
 
-def _pad_column(column: str, rows: list[torch.Tensor], pad_id: int, multiple: int) -> torch.Tensor:
-    if column in LENGTH_COLUMNS:
-        return torch.cat(rows).reshape(-1, 1)
-    value = 0.0 if rows and rows[0].is_floating_point() else pad_id
-    return pad_rows(rows, value, multiple)
-
-
 class TransferDock:
     """Columns x rows experience table with per-consumer readiness (see the module docstring).
 
@@ -109,8 +85,8 @@ class TransferDock:
         seed: seed of the dock's random row choice.
     """
 
-    def __init__(self, max_len: int, columns: Iterable[str] = GRPO_COLUMNS,
-                 consumers: Iterable[str] = GRPO_CONSUMERS, *, n_samples_per_prompt: int = 1,
+    def __init__(self, max_len: int, columns: Iterable[str], consumers: Iterable[str], *,
+                 n_samples_per_prompt: int = 1,
                  guarantee_order: bool = False, seed: int = 0) -> None:
         if max_len <= 0:
             raise TransferDockError(f"TD max_len must be positive, got {max_len}")
@@ -135,21 +111,6 @@ class TransferDock:
         self._ready = {c: np.zeros(self.max_len, dtype=bool) for c in self.columns}
         self._consumed = {c: np.zeros(self.max_len, dtype=bool) for c in self.consumers}
 
-    def add_columns(self, names: Iterable[str]) -> None:
-        """Register extra columns (dataset_additional_keys, ``values`` for PPO, ...)."""
-        for name in names:
-            if name not in self._data:
-                self.columns.append(name)
-                self._data[name] = [None] * self.max_len
-                self._ready[name] = np.zeros(self.max_len, dtype=bool)
-
-    def add_consumers(self, names: Iterable[str]) -> None:
-        """Register extra consumers."""
-        for name in names:
-            if name not in self._consumed:
-                self.consumers.append(name)
-                self._consumed[name] = np.zeros(self.max_len, dtype=bool)
-
     # ------------------------------------------------------------------ writes
     def put(self, column_names: Sequence[str], indexes: Sequence[int],
             tensors: Sequence[Any]) -> None:
@@ -168,11 +129,6 @@ class TransferDock:
             for i, row in zip(idx, _as_rows(values, len(idx), col)):
                 cells[i] = row
                 ready[i] = True
-
-    def put_experience(self, data: Mapping[str, Any], indexes: Sequence[int]) -> None:
-        """``put`` with a ``{column: rows}`` mapping (the seed's call shape); None values are skipped."""
-        data = {k: v for k, v in data.items() if v is not None}
-        self.put(list(data), indexes, list(data.values()))
 
     def put_prompts(self, data: Mapping[str, Any], first_prompt: int = 0) -> list[int]:
         """Write each prompt row into its ``n`` sample rows; returns the row indexes written.
@@ -196,21 +152,15 @@ class TransferDock:
     # ------------------------------------------------------------------ reads
     def get(self, consumer: str, column_names: Sequence[str], experience_count: int | None = None,
             *, indexes: Sequence[int] | None = None, get_n_samples: bool = False,
-            pad: bool = False, pad_id: int = 0, multiple: int = 1,
-            dp_rank: int | None = None, dp_size: int = 1,
-            ) -> tuple[dict[str, Any] | None, list[int] | None]:
+            ) -> tuple[dict[str, list[torch.Tensor]] | None, list[int] | None]:
         """Read rows for ``consumer``; they are marked consumed for this consumer only.
 
         Without ``indexes``, ``experience_count`` rows are chosen among the rows that are ready in
         every column of ``column_names`` and not yet consumed by ``consumer``; if fewer are
         eligible, returns ``(None, None)`` (the caller runs the producer first or stops).
         With ``indexes``, exactly those rows are read; they must be ready.
-        With ``dp_rank``, only rows ``[dp_rank*B, (dp_rank+1)*B)``, ``B = max_len // dp_size``,
-        are candidates (the seed's per-DP ranges under ``guarantee_order``).
 
-        Returns ``({column: list of 1-D tensors}, indexes)``. With ``pad`` each column is one
-        tensor instead, like the seed's output: length columns ``[B, 1]``; float columns
-        right-padded with 0.0 and integer columns with ``pad_id``, to a multiple of ``multiple``.
+        Returns ``({column: list of 1-D tensors}, indexes)``.
         """
         self._check_consumer(consumer)
         self._check_columns(column_names)
@@ -224,20 +174,11 @@ class TransferDock:
             if experience_count is None:
                 raise TransferDockError("get experience ERROR: give experience_count or indexes")
             self._check_experience_count(experience_count, get_n_samples)
-            chosen = self._choose(consumer, column_names, experience_count, get_n_samples,
-                                  self._dp_range(dp_rank, dp_size))
+            chosen = self._choose(consumer, column_names, experience_count, get_n_samples)
             if chosen is None:
                 return None, None
         self._consumed[consumer][chosen] = True
-        batch = {c: [self._data[c][i] for i in chosen] for c in column_names}
-        if pad:
-            batch = {c: _pad_column(c, rows, pad_id, multiple) for c, rows in batch.items()}
-        return batch, chosen
-
-    def get_experience(self, consumer: str, column_names: Sequence[str],
-                       experience_count: int | None = None, **kwargs: Any):
-        """Alias of :meth:`get` (the seed's name)."""
-        return self.get(consumer, column_names, experience_count, **kwargs)
+        return {c: [self._data[c][i] for i in chosen] for c in column_names}, chosen
 
     def _eligible(self, consumer: str, column_names: Sequence[str]) -> np.ndarray:
         mask = ~self._consumed[consumer]
@@ -245,21 +186,9 @@ class TransferDock:
             mask &= self._ready[col]
         return mask
 
-    def _dp_range(self, dp_rank: int | None, dp_size: int) -> range:
-        if dp_rank is None:
-            return range(self.max_len)
-        if dp_size <= 0 or self.max_len % dp_size or not 0 <= dp_rank < dp_size:
-            raise TransferDockError(f"dp_rank {dp_rank} / dp_size {dp_size}: dp_size must divide "
-                                    f"TD max_len {self.max_len} and 0 <= dp_rank < dp_size")
-        size = self.max_len // dp_size
-        return range(dp_rank * size, (dp_rank + 1) * size)
-
     def _choose(self, consumer: str, column_names: Sequence[str], count: int,
-                get_n_samples: bool, rows: range) -> list[int] | None:
+                get_n_samples: bool) -> list[int] | None:
         mask = self._eligible(consumer, column_names)
-        outside = np.ones(self.max_len, dtype=bool)
-        outside[rows.start:rows.stop] = False
-        mask[outside] = False
         if get_n_samples:
             n = self.n_samples_per_prompt
             groups = np.flatnonzero(mask.reshape(-1, n).all(axis=1))
@@ -277,14 +206,6 @@ class TransferDock:
         return self._rng.sample(candidates, k)
 
     # ------------------------------------------------------------------ status
-    def ready_count(self, column_names: Sequence[str]) -> int:
-        """Rows ready in every one of ``column_names``."""
-        self._check_columns(column_names)
-        mask = np.ones(self.max_len, dtype=bool)
-        for col in column_names:
-            mask &= self._ready[col]
-        return int(mask.sum())
-
     def consumed_count(self, consumer: str) -> int:
         self._check_consumer(consumer)
         return int(self._consumed[consumer].sum())
@@ -292,10 +213,6 @@ class TransferDock:
     def all_consumed(self, consumer: str) -> bool:
         """True once ``consumer`` has read every row."""
         return self.consumed_count(consumer) == self.max_len
-
-    def is_ready(self, column: str, index: int) -> bool:
-        self._check_columns([column])
-        return bool(self._ready[column][self._check_indexes([index])[0]])
 
     # ------------------------------------------------------------------ checks
     def _check_indexes(self, indexes: Sequence[int]) -> list[int]:

@@ -8,15 +8,28 @@ import torch
 from cluster_helpers import grpo_config
 
 
-def test_wants_ray_for_more_than_one_device_or_an_address(tmp_path, monkeypatch):
-    from posttrain.cluster.launch import wants_ray
+def test_uses_ray_for_more_than_one_device_or_an_address(tmp_path, monkeypatch):
+    from posttrain.config.plan import uses_ray
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    assert not wants_ray(grpo_config(tmp_path, "a", workers=1, iters=1))
-    assert wants_ray(grpo_config(tmp_path, "b", workers=2, iters=1))
-    assert wants_ray(grpo_config(tmp_path, "c", workers=1, iters=1, rl={"ray_address": "10.0.0.1:6766"}))
+    assert not uses_ray(grpo_config(tmp_path, "a", workers=1, iters=1))
+    assert uses_ray(grpo_config(tmp_path, "b", workers=2, iters=1))
+    assert uses_ray(grpo_config(tmp_path, "c", workers=1, iters=1, rl={"ray_address": "10.0.0.1:6766"}))
     monkeypatch.setenv("RAY_ADDRESS", "auto")
-    assert wants_ray(grpo_config(tmp_path, "d", workers=1, iters=1))
+    assert uses_ray(grpo_config(tmp_path, "d", workers=1, iters=1))
+
+
+def test_the_plan_reads_w_times_the_per_worker_dispatch_sizes(tmp_path, monkeypatch):
+    """The seed's dispatch sizes are per data-parallel worker; the driver reads them for all W at
+    once, derived once in the plan (the config is never rewritten)."""
+    from posttrain.config.plan import resolve_plan
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    cfg = grpo_config(tmp_path, "w", workers=2, iters=1)
+    plan = resolve_plan(cfg, device="cpu")
+    assert plan.workers == 2 and plan.dispatch_sizes["actor_update_dispatch_size"] == 16  # 4 x 8 / DP 2
+    assert plan.reads["actor_update_dispatch_size"] == 32 and plan.reads["adv_dispatch_size"] == 32
+    assert cfg.rl.actor_update_dispatch_size is None
 
 
 @pytest.mark.parametrize(("shuffle", "epochs"), [(False, 1), (True, 2)])

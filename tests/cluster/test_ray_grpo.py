@@ -19,20 +19,15 @@ pytestmark = pytest.mark.ray
 
 
 def session_and_trainer(cfg):
-    from posttrain.config.validate import validate_run_config
-    from posttrain.trainers.bundles import get_bundle
-    from posttrain.trainers.onpolicy import OnPolicyTrainer
-    from posttrain.trainers.session import Session
-    from posttrain.trainers.train_cmd import run_dir_for
+    from posttrain.config.plan import resolve_plan
+    from posttrain.trainers.stages import build_trainer, run_dir_for
 
-    layout = validate_run_config(cfg, device_type="cpu")
-    bundle = get_bundle(cfg.stage)
-    session = Session(cfg, layout, uses_reference=bundle.uses_reference(cfg.rl), run_dir=run_dir_for(cfg))
-    return session, OnPolicyTrainer(cfg, layout, bundle, session)
+    trainer = build_trainer(cfg, resolve_plan(cfg, device="cpu"), run_dir_for(cfg))
+    return trainer.s, trainer
 
 
 def column(td, name):
-    batch, _ = td.get("critic_train", [name], indexes=list(range(td.max_len)))
+    batch, _ = td.get("metrics", [name], indexes=list(range(td.max_len)))
     return torch.cat([r.reshape(-1) for r in batch[name]])
 
 
@@ -41,18 +36,17 @@ def test_two_workers_update_equals_one_process_on_the_same_batch(ray_cluster, wo
     """DDP replicas or FSDP2 shards: the same step as one process; the saved state (gathered from the
     shards for FSDP2) resumes in one process with the same weights and AdamW moments."""
     from posttrain.metrics.reduce import MetricAccumulator
-    from posttrain.trainers.onpolicy import COLUMNS, CONSUMERS
-    from posttrain.transfer_dock import TransferDock
+    from posttrain.trainers.experience import new_dock
 
     over = {"epochs": 2, "shuffle_mini_batch": True, "init_kl_coef": 0.05, "guarantee_order": True}
     local, local_trainer = session_and_trainer(grpo_config(work, f"eq_local_{sharding}", workers=1, iters=1, rl=over))
     remote, remote_trainer = session_and_trainer(grpo_config(work, f"eq_ray_{sharding}", workers=2, iters=1,
                                                              rl={**over, "ray_sharding": sharding}))
     try:
-        assert remote.model is None and remote.cluster.world == 2  # the driver holds no weights
+        assert remote.policy.model is None and remote.cluster.world == 2  # the driver holds no weights
         assert {i["pid"] for i in remote.cluster.info} and all(i["threads"] == 1 for i in remote.cluster.info)
         # one experience batch, made in process: rollout, reward, advantages
-        td = TransferDock(local_trainer.train_rows, COLUMNS, CONSUMERS, n_samples_per_prompt=8, guarantee_order=True)
+        td = new_dock(local_trainer.plan.rows_per_update, 8, guarantee_order=True, seed=0)
         local_trainer.put_prompts(td)
         local_trainer.rollout(td, 1)
         local_trainer.reward(td, MetricAccumulator())
@@ -61,25 +55,24 @@ def test_two_workers_update_equals_one_process_on_the_same_batch(ray_cluster, wo
         docks = {"local": td, "ray": copy.deepcopy(td)}
         metrics = {}
         for key, trainer, s in (("local", local_trainer, local), ("ray", remote_trainer, remote)):
-            rl = trainer.cfg.rl
-            assert not trainer.skip_old_logprobs
-            trainer.logprobs(docks[key], "ref_log_prob", "ref_log_prob", s.reference, rl.ref_dispatch_size, None)
-            trainer.logprobs(docks[key], "actor_log_prob", "old_log_prob", s.actor, rl.actor_logprob_dispatch_size,
-                             None)
+            reads = trainer.plan.reads
+            assert not trainer.plan.skip_old_logprobs
+            trainer.logprobs(docks[key], "ref_logprobs", s.policy.reference, reads["ref_dispatch_size"], None)
+            trainer.logprobs(docks[key], "old_logprobs", s.policy.actor, reads["actor_logprob_dispatch_size"], None)
             acc = MetricAccumulator()
             trainer.update(docks[key], acc, 1)
             metrics[key] = acc.reduce()
-        for name in ("ref_log_prob", "old_log_prob"):
+        for name in ("ref_logprobs", "old_logprobs"):
             torch.testing.assert_close(column(docks["ray"], name), column(docks["local"], name), rtol=1e-5, atol=1e-5)
         for name in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "actor/entropy"):
             assert metrics["ray"][name] == pytest.approx(metrics["local"][name], rel=1e-4, abs=1e-6), name
         assert metrics["local"]["actor/grad_norm"] > 0
         grads = remote.cluster.grads()
-        for name, grad in local.model.named_parameters():
+        for name, grad in local.policy.model.named_parameters():
             torch.testing.assert_close(grads[0][name], grad.grad, rtol=1e-3, atol=1e-6)
             torch.testing.assert_close(grads[1][name], grads[0][name], rtol=0, atol=0)  # DDP: identical on ranks
         weights = remote.cluster.state_dicts()
-        for name, value in local.model.state_dict().items():
+        for name, value in local.policy.model.state_dict().items():
             torch.testing.assert_close(weights[0][name], value, rtol=1e-4, atol=1e-5)
             assert torch.equal(weights[1][name], weights[0][name]), name
         # rank 0 saves the full state; one process resumes it
@@ -90,14 +83,15 @@ def test_two_workers_update_equals_one_process_on_the_same_batch(ray_cluster, wo
                                                      train={"load": str(ckpt)}))
         try:
             assert resumed.iteration == 1
-            for name, value in local.model.state_dict().items():
-                torch.testing.assert_close(resumed.model.state_dict()[name], value, rtol=1e-4, atol=1e-5)
-            want, got = local.actor.optimizer.state_dict(), resumed.actor.optimizer.state_dict()
+            for name, value in local.policy.model.state_dict().items():
+                torch.testing.assert_close(resumed.policy.model.state_dict()[name], value, rtol=1e-4, atol=1e-5)
+            want, got = local.policy.actor.optimizer.state_dict(), resumed.policy.actor.optimizer.state_dict()
             assert sorted(got["state"]) == sorted(want["state"])
             for index, moments in want["state"].items():
                 for key in ("exp_avg", "exp_avg_sq", "step"):
                     torch.testing.assert_close(got["state"][index][key], moments[key], rtol=1e-3, atol=1e-8)
-            assert resumed.actor.scheduler.state_dict() == local.actor.scheduler.state_dict() == {"num_steps": 4}
+            assert resumed.policy.actor.scheduler.state_dict() == local.policy.actor.scheduler.state_dict() == {
+                "num_steps": 4}
         finally:
             resumed.close()
     finally:
@@ -112,7 +106,7 @@ def mean(values):
 @pytest.fixture(scope="module")
 def trained(ray_cluster, work):
     """12 GRPO iterations on 2 Ray workers and in process, each saving its last iteration."""
-    from posttrain.trainers.train_cmd import train
+    from posttrain.trainers.stages import train
 
     runs = {}
     for name, workers in (("ray", 2), ("local", 1)):
@@ -156,7 +150,7 @@ def test_checkpoint_resumes_on_another_number_of_workers(trained, work, saved_by
         assert session.iteration == 12 and session.consumed_samples == 48
         assert session.sampler.state_dict() == torch.load(ckpt / "iter_0000012" / "sampler.pt", weights_only=True)
         saved = checkpoint_weights(ckpt / "iter_0000012")
-        loaded = session.model.state_dict() if resumed_on == 1 else session.cluster.state_dicts()[1]
+        loaded = session.policy.model.state_dict() if resumed_on == 1 else session.cluster.state_dicts()[1]
         for key, value in saved.items():
             assert torch.equal(loaded[key], value), key
         trainer.fit()
@@ -170,7 +164,7 @@ def test_checkpoint_resumes_on_another_number_of_workers(trained, work, saved_by
 
 def test_dapo_with_dynamic_sampling_runs_on_two_workers(ray_cluster, work):
     """DAPO's loop (regenerate until enough groups vary) drives the Ray roles unchanged."""
-    from posttrain.trainers.train_cmd import train
+    from posttrain.trainers.stages import train
 
     rl = {"verifier_function": ["e2e_has_lowercase"], "verifier_weight": [1.0], "filter_groups_enable": True,
           "filter_groups_metric": "e2e_has_lowercase", "filter_groups_train_batch_size": 2,

@@ -89,7 +89,7 @@ def read_metrics(run_dir: Path) -> list[dict]:
 def test_ppo_raises_reward_and_saves_the_critic(work):
     from transformers import AutoModelForSequenceClassification
 
-    from posttrain.trainers.train_cmd import train
+    from posttrain.trainers.stages import train
 
     cfg = onpolicy_config(work, "ray_ppo", 12, {"adv_estimator": "gae", "gamma": 1.0, "lam": 1.0, "epochs": 2,
                                                 "cliprange_value": 0.5}, "ppo", save=True)
@@ -107,24 +107,21 @@ def test_ppo_raises_reward_and_saves_the_critic(work):
     assert (critic_dir / "optimizer.pt").is_file()
     saved = AutoModelForSequenceClassification.from_pretrained(critic_dir)  # an HF-loadable value model
     # a resumed run restores the critic (weights and optimizer) from the checkpoint's critic/
-    from types import SimpleNamespace
-
     import torch
 
-    from posttrain.trainers.ppo import Critic
+    from posttrain.config.plan import resolve_plan
+    from posttrain.roles.critic import Critic
 
-    session = SimpleNamespace(initial_model=str(work / "model"), device="cpu", train_dtype="float32", iteration=12,
-                              trainer_state={"checkpoint_dir": str(critic_dir.parent)}, extra_parts={},
-                              pad_token_id=0)
-    critic = Critic(cfg, session)
+    state = {"iteration": 12, "initial_model": str(work / "model"), "checkpoint_dir": str(critic_dir.parent)}
+    critic = Critic(cfg, resolve_plan(cfg, device="cpu"), state, "cpu")
     for name, value in saved.state_dict().items():
         assert torch.equal(critic.model.model.state_dict()[name], value), name
     assert critic.engine.optimizer.state_dict()["state"]  # Adam moments restored
-    assert session.extra_parts["critic"].model is critic.model.model
+    assert critic.part.model is critic.model.model
 
 
 def test_ppo_kl_in_reward_uses_the_reference_only_in_the_reward(work):
-    from posttrain.trainers.train_cmd import train
+    from posttrain.trainers.stages import train
 
     rl = {"adv_estimator": "gae", "use_kl_in_reward": True, "init_kl_coef": 0.05, "kl_penalty": "low_var_kl"}
     last = train(onpolicy_config(work, "ray_ppo", 2, rl, "ppo_kl"))
@@ -134,7 +131,7 @@ def test_ppo_kl_in_reward_uses_the_reference_only_in_the_reward(work):
 
 
 def test_dapo_dynamic_sampling_reports_num_gen_batches(work):
-    from posttrain.trainers.train_cmd import train
+    from posttrain.trainers.stages import train
 
     rl = {"verifier_function": ["e2e_has_lowercase"], "filter_groups_enable": True,
           "filter_groups_metric": "e2e_has_lowercase", "filter_groups_train_batch_size": 4,
@@ -149,7 +146,7 @@ def test_dapo_dynamic_sampling_reports_num_gen_batches(work):
 
 def test_dapo_dynamic_sampling_cap_raises_the_seed_error(work):
     from posttrain.errors import DataError
-    from posttrain.trainers.train_cmd import train
+    from posttrain.trainers.stages import train
 
     rl = {"verifier_function": ["e2e_constant"], "filter_groups_enable": True, "filter_groups_metric": "e2e_constant",
           "filter_groups_train_batch_size": 4, "filter_groups_max_batches": 2}
@@ -169,7 +166,7 @@ def dpo_config(work: Path, iters: int, name: str, **keys):
 
 
 def test_dpo_raises_accuracy_and_margin(work):
-    from posttrain.trainers.train_cmd import train
+    from posttrain.trainers.stages import train
 
     train(dpo_config(work, 25, "dpo"))
     rows = read_metrics(work / "run_dpo")
@@ -189,7 +186,7 @@ def test_dpo_raises_accuracy_and_margin(work):
 def test_dpo_loss_types_train(work, keys, first_loss):
     import math
 
-    from posttrain.trainers.train_cmd import train
+    from posttrain.trainers.stages import train
 
     name = "dpo_" + "_".join(str(v) for v in keys.values())
     train(dpo_config(work, 3, name, **keys))

@@ -1,56 +1,49 @@
 """Pure RL math: tensors and scalars in, tensors (and metric dicts) out. Imports torch only.
 
 Modules: ``masked`` (masked mean/var/whiten), ``logprob`` (log-probs, entropy), ``aggregation``
-(loss reduction modes), ``advantages`` (estimator registry), ``kl`` (penalties, controllers),
-``policy_loss`` (PPO/GRPO/DAPO/GSPO + actor loss), ``value_loss``, ``dpo_loss``.
-See docs/algorithms.md for the formulas.
+(loss reduction modes), ``advantages`` (estimators), ``kl`` (penalties, controllers),
+``policy_loss`` (PPO/GRPO/DAPO/GSPO + actor loss), ``value_loss``, ``dpo_loss``. Each selectable
+family is a :class:`posttrain.registry.Registry`: ``ADVANTAGE_ESTIMATORS``, ``AGGREGATIONS``,
+``KL_PENALTIES``, ``POLICY_LOSSES``, ``DPO_LOSSES``. See docs/algorithms.md for the formulas.
 """
 
-from posttrain.algo.advantages import (
-    advantage_estimators,
-    get_advantage_estimator,
-    register_advantage_estimator,
-    scores_to_token_level_rewards,
-)
-from posttrain.algo.aggregation import aggregate_loss, aggregation_modes
-from posttrain.algo.dpo_loss import dpo_loss, dpo_loss_types
+from posttrain.algo.advantages import ADVANTAGE_ESTIMATORS, compute_advantages, scores_to_token_level_rewards
+from posttrain.algo.aggregation import AGGREGATIONS, aggregate_loss
+from posttrain.algo.dpo_loss import DPO_LOSSES, dpo_loss
 from posttrain.algo.kl import (
-    apply_kl_in_reward,
+    KL_PENALTIES,
     AdaptiveKLController,
     FixedKLController,
+    apply_kl_in_reward,
     build_kl_controller,
     kl_penalty,
-    kl_penalty_types,
 )
 from posttrain.algo.logprob import entropy_from_logits, logprobs_from_logits
 from posttrain.algo.masked import masked_mean, masked_sum, masked_var, masked_whiten
-from posttrain.algo.policy_loss import actor_loss, compute_policy_loss, get_policy_loss, policy_losses
+from posttrain.algo.policy_loss import POLICY_LOSSES, actor_loss
 from posttrain.algo.value_loss import value_loss
 
 __all__ = [
+    "ADVANTAGE_ESTIMATORS",
+    "AGGREGATIONS",
+    "DPO_LOSSES",
+    "KL_PENALTIES",
+    "POLICY_LOSSES",
     "AdaptiveKLController",
     "FixedKLController",
     "actor_loss",
     "apply_kl_in_reward",
-    "advantage_estimators",
     "aggregate_loss",
-    "aggregation_modes",
     "build_kl_controller",
-    "compute_policy_loss",
+    "compute_advantages",
     "dpo_loss",
-    "dpo_loss_types",
     "entropy_from_logits",
-    "get_advantage_estimator",
-    "get_policy_loss",
     "kl_penalty",
-    "kl_penalty_types",
     "logprobs_from_logits",
     "masked_mean",
     "masked_sum",
     "masked_var",
     "masked_whiten",
-    "policy_losses",
-    "register_advantage_estimator",
     "scores_to_token_level_rewards",
     "value_loss",
 ]

@@ -1,9 +1,9 @@
-"""Advantage estimators, selected by name.
+"""Advantage estimators, selected by name (``rl_config.adv_estimator``).
 
-Every estimator has one signature::
-
-    fn(token_level_rewards [B, R], response_mask [B, R], *, values=None, group_size=1,
-       gamma=1.0, lam=1.0, eps=1e-6) -> (advantages [B, R], returns [B, R])
+Each estimator is ``fn(token_level_rewards [B, R], response_mask [B, R], *, <its keywords>)
+-> (advantages [B, R], returns [B, R])`` and takes only the keywords it uses (``group_size``,
+``gamma``, ``lam``, ``values``, ``whiten``); a keyword it does not use raises TypeError. A training
+loop calls :func:`compute_advantages`, which passes each estimator the config values it accepts.
 
 ``token_level_rewards`` holds the outcome score at the last valid response token (see
 :func:`scores_to_token_level_rewards`) plus, optionally, a per-token KL penalty. Outcome-based
@@ -17,43 +17,38 @@ Names: ``group_norm`` (alias ``grpo``), ``grpo_no_std`` (alias ``dr_grpo``), ``r
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import inspect
 
 import torch
 
 from posttrain.algo.masked import masked_whiten
 from posttrain.errors import ConfigError
+from posttrain.registry import Registry
 
 GROUP_NORM_EPS = 1e-6
-AdvantageFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
-_ESTIMATORS: dict[str, AdvantageFn] = {}
+ADVANTAGE_ESTIMATORS = Registry("advantage estimator", key="rl_config.adv_estimator")
 
 
-def register_advantage_estimator(*names: str) -> Callable[[AdvantageFn], AdvantageFn]:
-    """Register an estimator under one or more names."""
+def compute_advantages(
+    name: str,
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    group_size: int,
+    gamma: float,
+    lam: float,
+    values: torch.Tensor | None = None,
+    whiten: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the estimator registered as ``name`` with those of these keywords it accepts.
 
-    def wrap(fn: AdvantageFn) -> AdvantageFn:
-        for name in names:
-            assert name not in _ESTIMATORS, f"advantage estimator {name!r} registered twice"
-            _ESTIMATORS[name] = fn
-        return fn
-
-    return wrap
-
-
-def advantage_estimators() -> list[str]:
-    """The registered estimator names (aliases included)."""
-    return sorted(_ESTIMATORS)
-
-
-def get_advantage_estimator(name: str) -> AdvantageFn:
-    """The estimator registered as ``name``; ConfigError listing the known names otherwise."""
-    if name not in _ESTIMATORS:
-        raise ConfigError(
-            f"Unknown advantage estimator rl_config.adv_estimator={name!r}; "
-            f"known: {', '.join(advantage_estimators())}."
-        )
-    return _ESTIMATORS[name]
+    ``values`` (critic values ``[B, R]``) and ``whiten`` are used by ``gae`` only, ``lam`` too;
+    ``group_size`` by the group estimators, ``gamma`` by the discounting ones.
+    """
+    estimator = ADVANTAGE_ESTIMATORS.get(name)
+    offered = {"values": values, "group_size": group_size, "gamma": gamma, "lam": lam, "whiten": whiten}
+    accepted = inspect.signature(estimator).parameters
+    return estimator(token_level_rewards, response_mask, **{k: v for k, v in offered.items() if k in accepted})
 
 
 def scores_to_token_level_rewards(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
@@ -104,8 +99,8 @@ def discounted_returns(
     return returns * mask
 
 
-@register_advantage_estimator("group_norm", "grpo")
-def group_norm(token_level_rewards, response_mask, *, group_size=1, eps=GROUP_NORM_EPS, **_):
+@ADVANTAGE_ESTIMATORS.register("group_norm", "grpo")
+def group_norm(token_level_rewards, response_mask, *, group_size=1, eps=GROUP_NORM_EPS):
     """GRPO (Shao et al. 2024, DeepSeekMath): ``A_i = (r_i - mean_g) / (std_g + eps)``.
 
     ``std`` is the unbiased group standard deviation (torch's default) computed in float64,
@@ -120,8 +115,8 @@ def group_norm(token_level_rewards, response_mask, *, group_size=1, eps=GROUP_NO
     return advantages, advantages.clone()
 
 
-@register_advantage_estimator("grpo_no_std", "dr_grpo")
-def grpo_no_std(token_level_rewards, response_mask, *, group_size=1, **_):
+@ADVANTAGE_ESTIMATORS.register("grpo_no_std", "dr_grpo")
+def grpo_no_std(token_level_rewards, response_mask, *, group_size=1):
     """Dr. GRPO (Liu et al. 2025, "Understanding R1-Zero-Like Training"): ``A_i = r_i - mean_g``.
 
     No division by the group std (which up-weights easy/hard prompts). ``returns = advantages``.
@@ -131,8 +126,8 @@ def grpo_no_std(token_level_rewards, response_mask, *, group_size=1, **_):
     return advantages, advantages.clone()
 
 
-@register_advantage_estimator("rloo")
-def rloo(token_level_rewards, response_mask, *, group_size=1, **_):
+@ADVANTAGE_ESTIMATORS.register("rloo")
+def rloo(token_level_rewards, response_mask, *, group_size=1):
     """RLOO (Ahmadian et al. 2024): leave-one-out baseline.
 
     ``A_i = r_i - (sum_g r - r_i) / (G - 1) = G / (G - 1) * (r_i - mean_g)``. Needs G >= 2.
@@ -148,8 +143,8 @@ def rloo(token_level_rewards, response_mask, *, group_size=1, **_):
     return advantages, advantages.clone()
 
 
-@register_advantage_estimator("reinforce_plus_plus")
-def reinforce_plus_plus(token_level_rewards, response_mask, *, gamma=1.0, **_):
+@ADVANTAGE_ESTIMATORS.register("reinforce_plus_plus")
+def reinforce_plus_plus(token_level_rewards, response_mask, *, gamma=1.0):
     """REINFORCE++ (Hu 2025): discounted returns, whitened over the whole batch.
 
     ``G_t = sum_{k>=t} gamma^(k-t) r_k`` (``r`` may include a per-token KL penalty);
@@ -160,10 +155,8 @@ def reinforce_plus_plus(token_level_rewards, response_mask, *, gamma=1.0, **_):
     return masked_whiten(returns, mask) * mask, returns
 
 
-@register_advantage_estimator("reinforce_plus_plus_baseline")
-def reinforce_plus_plus_baseline(
-    token_level_rewards, response_mask, *, group_size=1, gamma=1.0, **_
-):
+@ADVANTAGE_ESTIMATORS.register("reinforce_plus_plus_baseline")
+def reinforce_plus_plus_baseline(token_level_rewards, response_mask, *, group_size=1, gamma=1.0):
     """REINFORCE++-baseline (Hu 2025): subtract the group-mean score, then whiten over the batch.
 
     The group mean of row scores is subtracted at each row's last valid token, then discounted
@@ -177,8 +170,8 @@ def reinforce_plus_plus_baseline(
     return reinforce_plus_plus(shaped, response_mask, gamma=gamma)
 
 
-@register_advantage_estimator("gae")
-def gae(token_level_rewards, response_mask, *, values=None, gamma=1.0, lam=1.0, whiten=True, **_):
+@ADVANTAGE_ESTIMATORS.register("gae")
+def gae(token_level_rewards, response_mask, *, values=None, gamma=1.0, lam=1.0, whiten=True):
     """Generalised Advantage Estimation (Schulman et al. 2016), as the seed's PPO.
 
     Reverse scan over valid tokens (masked ones are skipped, so multi-turn tool output does
@@ -208,3 +201,6 @@ def gae(token_level_rewards, response_mask, *, values=None, gamma=1.0, lam=1.0, 
     if whiten:
         advantages = masked_whiten(advantages, mask) * mask
     return advantages, returns
+
+
+get_advantage_estimator = ADVANTAGE_ESTIMATORS.get  # compat: remove when callers use the registry

@@ -22,25 +22,11 @@ When ``num_tokens`` / ``num_seqs`` are None the micro-batch's own counts are use
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
-from posttrain.errors import ConfigError
+from posttrain.registry import Registry
 
-AggFn = Callable[..., torch.Tensor]
-_AGGREGATORS: dict[str, AggFn] = {}
-
-
-def register_aggregation(name: str) -> Callable[[AggFn], AggFn]:
-    """Register a loss aggregation mode under ``name``."""
-
-    def wrap(fn: AggFn) -> AggFn:
-        assert name not in _AGGREGATORS, f"aggregation {name!r} registered twice"
-        _AGGREGATORS[name] = fn
-        return fn
-
-    return wrap
+AGGREGATIONS = Registry("loss aggregation mode", key="rl_config.loss_agg_mode")
 
 
 def _safe(count) -> torch.Tensor | float:
@@ -50,35 +36,30 @@ def _safe(count) -> torch.Tensor | float:
     return max(float(count), 1e-8)
 
 
-@register_aggregation("token-mean")
+@AGGREGATIONS.register("token-mean")
 def _token_mean(loss_mat, mask, num_tokens=None, num_seqs=None, **_):
     total = mask.sum() if num_tokens is None else num_tokens
     return (loss_mat * mask).sum() / _safe(total)
 
 
-@register_aggregation("seq-mean-token-mean")
+@AGGREGATIONS.register("seq-mean-token-mean")
 def _seq_mean_token_mean(loss_mat, mask, num_tokens=None, num_seqs=None, **_):
     per_seq = (loss_mat * mask).sum(-1) / mask.sum(-1).clamp(min=1e-8)
     total = loss_mat.shape[0] if num_seqs is None else num_seqs
     return per_seq.sum() / _safe(total)
 
 
-@register_aggregation("seq-mean-token-sum")
+@AGGREGATIONS.register("seq-mean-token-sum")
 def _seq_mean_token_sum(loss_mat, mask, num_tokens=None, num_seqs=None, **_):
     total = loss_mat.shape[0] if num_seqs is None else num_seqs
     return (loss_mat * mask).sum() / _safe(total)
 
 
-@register_aggregation("seq-mean-token-sum-norm")
+@AGGREGATIONS.register("seq-mean-token-sum-norm")
 def _seq_mean_token_sum_norm(loss_mat, mask, num_tokens=None, num_seqs=None, norm_length=None):
     total = loss_mat.shape[0] if num_seqs is None else num_seqs
     length = loss_mat.shape[-1] if norm_length is None else norm_length
     return (loss_mat * mask).sum() / _safe(total) / _safe(length)
-
-
-def aggregation_modes() -> list[str]:
-    """The registered aggregation mode names."""
-    return sorted(_AGGREGATORS)
 
 
 def aggregate_loss(
@@ -94,9 +75,6 @@ def aggregate_loss(
 
     ``norm_length`` is the constant length of ``seq-mean-token-sum-norm`` (ignored by the others).
     """
-    if mode not in _AGGREGATORS:
-        raise ConfigError(
-            f"Unknown loss aggregation mode {mode!r}; known modes: {', '.join(aggregation_modes())}."
-        )
+    fn = AGGREGATIONS.get(mode)
     mask = mask.to(loss_mat.dtype)
-    return _AGGREGATORS[mode](loss_mat, mask, num_tokens=num_tokens, num_seqs=num_seqs, norm_length=norm_length)
+    return fn(loss_mat, mask, num_tokens=num_tokens, num_seqs=num_seqs, norm_length=norm_length)

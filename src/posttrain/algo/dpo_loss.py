@@ -22,52 +22,34 @@ Metrics (shares of the mini-batch mean): ``rewards/chosen`` = ``beta (pol_c - re
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.nn.functional as F
 
-from posttrain.errors import ConfigError
+from posttrain.registry import Registry
 
-DPOFn = Callable[..., torch.Tensor]
-_DPO_LOSSES: dict[str, DPOFn] = {}
-
-
-def register_dpo_loss(name: str) -> Callable[[DPOFn], DPOFn]:
-    """Register a per-pair DPO loss ``fn(pol_c, pol_r, ref_c, ref_r, *, beta, label_smoothing)``."""
-
-    def wrap(fn: DPOFn) -> DPOFn:
-        assert name not in _DPO_LOSSES, f"dpo loss {name!r} registered twice"
-        _DPO_LOSSES[name] = fn
-        return fn
-
-    return wrap
+# per-pair losses fn(pol_c, pol_r, ref_c, ref_r, *, beta, label_smoothing) -> [N]
+DPO_LOSSES = Registry("DPO loss", key="megatron_training.dpo_loss_type")
 
 
-def dpo_loss_types() -> list[str]:
-    """The registered ``dpo_loss_type`` names."""
-    return sorted(_DPO_LOSSES)
-
-
-@register_dpo_loss("sigmoid")
+@DPO_LOSSES.register("sigmoid")
 def _sigmoid(pol_c, pol_r, ref_c, ref_r, *, beta, label_smoothing):
     z = (pol_c - pol_r) - (ref_c - ref_r)
     return -F.logsigmoid(beta * z) * (1 - label_smoothing) - F.logsigmoid(-beta * z) * label_smoothing
 
 
-@register_dpo_loss("hinge")
+@DPO_LOSSES.register("hinge")
 def _hinge(pol_c, pol_r, ref_c, ref_r, *, beta, label_smoothing):
     z = (pol_c - pol_r) - (ref_c - ref_r)
     return torch.relu(1 - beta * z)
 
 
-@register_dpo_loss("ipo")
+@DPO_LOSSES.register("ipo")
 def _ipo(pol_c, pol_r, ref_c, ref_r, *, beta, label_smoothing):
     z = (pol_c - pol_r) - (ref_c - ref_r)
     return (z - 1 / (2 * beta)).square()
 
 
-@register_dpo_loss("kto_pair")
+@DPO_LOSSES.register("kto_pair")
 def _kto_pair(pol_c, pol_r, ref_c, ref_r, *, beta, label_smoothing):
     chosen_ratio = pol_c - ref_c
     rejected_ratio = pol_r - ref_r
@@ -92,11 +74,7 @@ def dpo_loss(
     num_pairs: torch.Tensor | float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The named DPO loss averaged over pairs, and the ``rewards/*`` metrics (module docstring)."""
-    if loss_type not in _DPO_LOSSES:
-        raise ConfigError(
-            f"Unknown dpo_loss_type={loss_type!r}; known: {', '.join(dpo_loss_types())}."
-        )
-    losses = _DPO_LOSSES[loss_type](
+    losses = DPO_LOSSES.get(loss_type)(
         policy_chosen_logps,
         policy_rejected_logps,
         ref_chosen_logps,

@@ -20,65 +20,41 @@ value across iterations and has ``state_dict()`` for checkpoints.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from posttrain.errors import ConfigError
+from posttrain.registry import Registry
 
-KLFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-_PENALTIES: dict[str, KLFn] = {}
-
-
-def register_kl_penalty(name: str) -> Callable[[KLFn], KLFn]:
-    """Register a per-token KL penalty under ``name``."""
-
-    def wrap(fn: KLFn) -> KLFn:
-        assert name not in _PENALTIES, f"kl penalty {name!r} registered twice"
-        _PENALTIES[name] = fn
-        return fn
-
-    return wrap
+KL_PENALTIES = Registry("KL penalty", key="rl_config.kl_penalty")
 
 
-@register_kl_penalty("kl")
+@KL_PENALTIES.register("kl")
 def _kl(logprobs, ref_logprobs):
     return logprobs - ref_logprobs
 
 
-@register_kl_penalty("abs")
+@KL_PENALTIES.register("abs")
 def _abs(logprobs, ref_logprobs):
     return (logprobs - ref_logprobs).abs()
 
 
-@register_kl_penalty("mse")
+@KL_PENALTIES.register("mse")
 def _mse(logprobs, ref_logprobs):
     return 0.5 * (logprobs - ref_logprobs).square()
 
 
-@register_kl_penalty("low_var_kl")
+@KL_PENALTIES.register("low_var_kl")
 def _low_var_kl(logprobs, ref_logprobs):
     log_ratio = torch.clamp(ref_logprobs - logprobs, min=-20.0, max=20.0)
     kld = torch.exp(log_ratio) - log_ratio - 1.0
     return torch.clamp(kld, min=-10.0, max=10.0)
 
 
-def kl_penalty_types() -> list[str]:
-    """The registered ``kl_penalty`` names."""
-    return sorted(_PENALTIES)
-
-
 def kl_penalty(
     logprobs: torch.Tensor, ref_logprobs: torch.Tensor, *, kl_penalty: str = "low_var_kl"
 ) -> torch.Tensor:
     """Per-token KL estimate of the named type (see module docstring); same shape as the inputs."""
-    return _lookup(kl_penalty)(logprobs, ref_logprobs)
-
-
-def _lookup(name: str) -> KLFn:
-    if name not in _PENALTIES:
-        raise ConfigError(f"Unknown rl_config.kl_penalty={name!r}; known: {', '.join(kl_penalty_types())}.")
-    return _PENALTIES[name]
+    return KL_PENALTIES.get(kl_penalty)(logprobs, ref_logprobs)
 
 
 class FixedKLController:
@@ -157,7 +133,7 @@ def apply_kl_in_reward(
     "actor/reward_kl_penalty_coeff": kl_coef}``.
     """
     mask = response_mask.to(torch.float32)
-    kld = _lookup(kl_penalty)(old_logprobs, ref_logprobs) * mask
+    kld = KL_PENALTIES.get(kl_penalty)(old_logprobs, ref_logprobs) * mask
     per_row = kld.sum(-1) / (mask.sum(-1) + 1e-8)
     current_kl = float(per_row.mean())
     rewards = token_level_rewards.to(torch.float32) - kl_coef * kld

@@ -6,11 +6,13 @@ grad), ``old_logprobs`` (behaviour policy), ``advantages``, ``response_mask``. `
 every returned metric is this micro-batch's share, so summing the metrics of the micro-batches
 gives the mini-batch value. Without them, losses and metrics are this batch's own means.
 
-Policy losses, by name (``policy_loss=``):
+Policy losses, by name (``policy_loss=``; :data:`POLICY_LOSSES`), each callable alone with
+the clip bounds, aggregation mode and counts as keywords:
 
 * ``ppo`` (aliases ``grpo``, ``dapo``; Schulman et al. 2017): ``r = exp(logp - old_logp)``,
-  ``L = max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high))``. ``eps_low = eps_high = clip_ratio``
-  unless ``clip_ratio_low``/``clip_ratio_high`` are given (DAPO "clip-higher", Yu et al. 2025).
+  ``L = max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))``. :func:`actor_loss` sets
+  ``clip_low = clip_high = clip_ratio`` unless ``clip_ratio_low``/``clip_ratio_high`` are given
+  (DAPO "clip-higher", Yu et al. 2025).
   With ``clip_ratio_c`` (> 1) the dual-clip of Ye et al. 2020 also bounds negative-advantage
   tokens: ``L = min(L, -A c)`` where ``A < 0``.
 * ``gspo`` (Zheng et al. 2025, Group Sequence Policy Optimization): the ratio is the
@@ -24,81 +26,70 @@ Actor loss (the seed's GRPO/DAPO/PPO loss):
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from functools import partial
-
 import torch
 
 from posttrain.algo.aggregation import aggregate_loss
 from posttrain.algo.kl import kl_penalty as kl_penalty_fn
-from posttrain.errors import ConfigError
+from posttrain.registry import Registry
 
 MAX_LOG_RATIO = 20.0
-PolicyLossFn = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
-_POLICY_LOSSES: dict[str, PolicyLossFn] = {}
+# fn(logprobs, old_logprobs, advantages, mask, *, clip_low, clip_high, clip_ratio_c=None,
+#    loss_agg_mode="token-mean", num_tokens=None, num_seqs=None, norm_length=None) -> (loss, metrics)
+POLICY_LOSSES = Registry("policy loss", key="rl_config.policy_loss")
 
 
-def register_policy_loss(*names: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
-    """Register a policy loss under one or more names."""
-
-    def wrap(fn: PolicyLossFn) -> PolicyLossFn:
-        for name in names:
-            assert name not in _POLICY_LOSSES, f"policy loss {name!r} registered twice"
-            _POLICY_LOSSES[name] = fn
-        return fn
-
-    return wrap
+def _token_mean(values, mask, num_tokens):
+    """A clip-fraction / KL metric: the token mean (this micro-batch's share of the mini-batch's)."""
+    return aggregate_loss(values, mask, mode="token-mean", num_tokens=num_tokens).detach()
 
 
-def policy_losses() -> list[str]:
-    """The registered policy-loss names (aliases included)."""
-    return sorted(_POLICY_LOSSES)
-
-
-def get_policy_loss(name: str) -> PolicyLossFn:
-    """The policy loss registered as ``name``; ConfigError listing the known names otherwise."""
-    if name not in _POLICY_LOSSES:
-        raise ConfigError(f"Unknown policy loss {name!r}; known: {', '.join(policy_losses())}.")
-    return _POLICY_LOSSES[name]
-
-
-def _clipped_surrogate(ratio, advantages, mask, token_agg, *, clip_low, clip_high, clip_ratio_c):
+def _clipped_surrogate(ratio, advantages, mask, num_tokens, *, clip_low, clip_high, clip_ratio_c):
     """Shared PPO clip (+ optional dual clip). Returns the per-token loss and clip metrics."""
     pg_losses1 = -advantages * ratio
     pg_losses2 = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
     clipped = torch.maximum(pg_losses1, pg_losses2)
-    metrics = {"actor/pg_clipfrac": token_agg((pg_losses2 > pg_losses1).float(), mask).detach()}
+    metrics = {"actor/pg_clipfrac": _token_mean((pg_losses2 > pg_losses1).float(), mask, num_tokens)}
     if clip_ratio_c is not None:
         assert clip_ratio_c > 1.0, "clip_ratio_c must be > 1"
         pg_losses3 = -advantages * clip_ratio_c
         lower = (clipped > pg_losses3) & (advantages < 0)
         clipped = torch.where(advantages < 0, torch.minimum(clipped, pg_losses3), clipped)
-        metrics["actor/pg_clipfrac_lower"] = token_agg(lower.float(), mask).detach()
+        metrics["actor/pg_clipfrac_lower"] = _token_mean(lower.float(), mask, num_tokens)
     return clipped, metrics
 
 
-@register_policy_loss("ppo", "grpo", "dapo")
-def ppo_clip_loss(logprobs, old_logprobs, advantages, mask, *, agg, token_agg, **clip):
+@POLICY_LOSSES.register("ppo", "grpo", "dapo")
+def ppo_clip_loss(logprobs, old_logprobs, advantages, mask, *, clip_low, clip_high, clip_ratio_c=None,
+                  loss_agg_mode="token-mean", num_tokens=None, num_seqs=None, norm_length=None):
     """Token-level PPO clipped surrogate (see module docstring)."""
+    mask = mask.to(logprobs.dtype)
     log_ratio = torch.clamp(logprobs - old_logprobs, -MAX_LOG_RATIO, MAX_LOG_RATIO)
-    per_token, metrics = _clipped_surrogate(log_ratio.exp(), advantages, mask, token_agg, **clip)
-    metrics["actor/ppo_kl"] = token_agg(-log_ratio, mask).detach()
-    return agg(per_token, mask), metrics
+    per_token, metrics = _clipped_surrogate(log_ratio.exp(), advantages, mask, num_tokens, clip_low=clip_low,
+                                            clip_high=clip_high, clip_ratio_c=clip_ratio_c)
+    metrics["actor/ppo_kl"] = _token_mean(-log_ratio, mask, num_tokens)
+    loss = aggregate_loss(per_token, mask, mode=loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs,
+                          norm_length=norm_length)
+    return loss, metrics
 
 
-@register_policy_loss("gspo")
-def gspo_loss(logprobs, old_logprobs, advantages, mask, *, agg, token_agg, **clip):
+@POLICY_LOSSES.register("gspo")
+def gspo_loss(logprobs, old_logprobs, advantages, mask, *, clip_low, clip_high, clip_ratio_c=None,
+              loss_agg_mode="token-mean", num_tokens=None, num_seqs=None, norm_length=None):
     """Sequence-level importance ratio (GSPO-token form; see module docstring)."""
+    mask = mask.to(logprobs.dtype)
     log_ratio = logprobs - old_logprobs
     seq_log_ratio = (log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)
     token_log_ratio = seq_log_ratio.detach()[:, None] + logprobs - logprobs.detach()
     ratio = torch.clamp(token_log_ratio, max=10.0).exp()
-    per_token, metrics = _clipped_surrogate(ratio, advantages, mask, token_agg, **clip)
-    metrics["actor/ppo_kl"] = token_agg(-log_ratio, mask).detach()
-    return agg(per_token, mask), metrics
+    per_token, metrics = _clipped_surrogate(ratio, advantages, mask, num_tokens, clip_low=clip_low,
+                                            clip_high=clip_high, clip_ratio_c=clip_ratio_c)
+    metrics["actor/ppo_kl"] = _token_mean(-log_ratio, mask, num_tokens)
+    loss = aggregate_loss(per_token, mask, mode=loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs,
+                          norm_length=norm_length)
+    return loss, metrics
 
 
-def compute_policy_loss(
+def actor_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
     advantages: torch.Tensor,
@@ -109,38 +100,6 @@ def compute_policy_loss(
     clip_ratio_low: float | None = None,
     clip_ratio_high: float | None = None,
     clip_ratio_c: float | None = None,
-    loss_agg_mode: str = "token-mean",
-    num_tokens: torch.Tensor | float | None = None,
-    num_seqs: torch.Tensor | float | None = None,
-    norm_length: float | None = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The named policy-gradient loss; metrics ``actor/pg_clipfrac``, ``actor/ppo_kl``.
-
-    ``norm_length``: the constant length of ``loss_agg_mode="seq-mean-token-sum-norm"``.
-    """
-    mask = response_mask.to(logprobs.dtype)
-    agg = partial(aggregate_loss, mode=loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs,
-                  norm_length=norm_length)
-    token_agg = partial(aggregate_loss, mode="token-mean", num_tokens=num_tokens)
-    return get_policy_loss(policy_loss)(
-        logprobs,
-        old_logprobs,
-        advantages,
-        mask,
-        agg=agg,
-        token_agg=token_agg,
-        clip_low=clip_ratio if clip_ratio_low is None else clip_ratio_low,
-        clip_high=clip_ratio if clip_ratio_high is None else clip_ratio_high,
-        clip_ratio_c=clip_ratio_c,
-    )
-
-
-def actor_loss(
-    logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    *,
     entropy: torch.Tensor | None = None,
     entropy_coeff: float = 0.0,
     ref_logprobs: torch.Tensor | None = None,
@@ -150,20 +109,29 @@ def actor_loss(
     num_tokens: torch.Tensor | float | None = None,
     num_seqs: torch.Tensor | float | None = None,
     norm_length: float | None = None,
-    **policy_kwargs,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """``pg + kl_coef * KL - entropy_coeff * H`` (GRPO puts the KL in the loss; DAPO/PPO pass no ref).
 
-    ``policy_kwargs`` go to :func:`compute_policy_loss` (``policy_loss``, ``clip_ratio``,
-    ``clip_ratio_low``, ``clip_ratio_high``, ``clip_ratio_c``). Metrics use the seed's names:
-    ``actor/pg_loss`` (the policy-gradient term only; the seed logs ``|total loss|``, quirk 1),
-    ``actor/pg_clipfrac``, ``actor/ppo_kl``, ``actor/kl_loss`` (when ``ref_logprobs`` is given),
-    ``actor/entropy`` (when ``entropy`` is given).
+    ``pg`` is the policy loss registered as ``policy_loss``, clipped to ``[1 - clip_ratio_low,
+    1 + clip_ratio_high]`` (each defaults to ``clip_ratio``), dual-clipped with ``clip_ratio_c``.
+    ``norm_length``: the constant length of ``loss_agg_mode="seq-mean-token-sum-norm"``. Metrics
+    use the seed's names: ``actor/pg_loss`` (the policy-gradient term only; the seed logs
+    ``|total loss|``, quirk 1), ``actor/pg_clipfrac``, ``actor/ppo_kl``, ``actor/pg_clipfrac_lower``
+    (with ``clip_ratio_c``), ``actor/kl_loss`` (when ``ref_logprobs`` is given), ``actor/entropy``
+    (when ``entropy`` is given).
     """
     counts = {"num_tokens": num_tokens, "num_seqs": num_seqs, "norm_length": norm_length}
     mask = response_mask.to(logprobs.dtype)
-    pg, metrics = compute_policy_loss(
-        logprobs, old_logprobs, advantages, mask, loss_agg_mode=loss_agg_mode, **counts, **policy_kwargs
+    pg, metrics = POLICY_LOSSES.get(policy_loss)(
+        logprobs,
+        old_logprobs,
+        advantages,
+        mask,
+        clip_low=clip_ratio if clip_ratio_low is None else clip_ratio_low,
+        clip_high=clip_ratio if clip_ratio_high is None else clip_ratio_high,
+        clip_ratio_c=clip_ratio_c,
+        loss_agg_mode=loss_agg_mode,
+        **counts,
     )
     metrics["actor/pg_loss"] = pg.detach()
     loss = pg

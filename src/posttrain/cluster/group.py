@@ -11,8 +11,8 @@ session has:
 * ``actor.compute_logprobs`` / ``reference.compute_logprobs``: rows cut into contiguous shares,
   results concatenated in order.
 * ``actor.update(batch, loss_fn, mini_batch_size, epochs, shuffle, seed)``: the driver orders the
-  rows exactly as :meth:`TrainEngine.update` does (same permutation for ``shuffle``), cuts every
-  mini-batch into ``W`` equal slices and sends worker ``r`` its slices in step order. Each worker
+  rows exactly as :meth:`TrainEngine.update` does (:func:`~posttrain.train.engine.minibatch_order`),
+  cuts every mini-batch into ``W`` equal slices and sends worker ``r`` its slices in step order. Each worker
   runs one optimizer step per slice; the engine sums token counts over ranks and DDP averages
   gradients, so every step is the step of the whole global mini-batch.
 * ``save``: rank 0 writes the full state with :func:`posttrain.checkpoint.save_checkpoint`; the
@@ -27,20 +27,18 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import replace
-from types import SimpleNamespace
 
 import torch
 
 from posttrain.cluster import launch
 from posttrain.cluster.remote import ClusterError, gather
 from posttrain.errors import ConfigError
+from posttrain.roles.policy import Policy, load_policy_tokenizer
+from posttrain.train.engine import minibatch_order
 
 log = logging.getLogger(__name__)
 
 RANK_SEED_STRIDE = 1_000_003
-# dispatch sizes are rows per data-parallel worker (the seed's meaning); the driver reads W at once
-ACTOR_DISPATCH_KEYS = ("actor_rollout_dispatch_size", "actor_logprob_dispatch_size", "ref_dispatch_size",
-                       "actor_update_dispatch_size")
 
 
 def spans(count: int, parts: int, keep_empty: bool = False) -> list[tuple[int, int]]:
@@ -52,51 +50,31 @@ def spans(count: int, parts: int, keep_empty: bool = False) -> list[tuple[int, i
 
 def update_shards(num_rows: int, mini_batch_size: int, world: int, epochs: int, shuffle: bool,
                   seed: int) -> list[torch.Tensor]:
-    """Row indices for each rank: the mini-batches of :meth:`TrainEngine.update` (same order, same
-    shuffle), each cut into ``world`` equal slices; rank ``r`` gets slice ``r`` of every step."""
-    if mini_batch_size < 1 or num_rows % mini_batch_size:
-        raise ConfigError(f"The batch of {num_rows} rows cannot be split into mini-batches of {mini_batch_size} "
-                          "rows; make rl_config.mini_batch_size x n_samples_per_prompt divide the batch.")
+    """Row indices for each rank: the optimizer steps of :meth:`TrainEngine.update` (same order,
+    same shuffle), each cut into ``world`` equal slices; rank ``r`` gets slice ``r`` of every step."""
     if mini_batch_size % world:
         raise ConfigError(f"a mini-batch of {mini_batch_size} rows (rl_config.mini_batch_size x "
                           f"n_samples_per_prompt) cannot be shared equally by {world} actor workers "
                           f"(rl_config.actor_resource.num_npus); make it a multiple of the worker count.")
     local = mini_batch_size // world
-    per_rank: list[list[torch.Tensor]] = [[] for _ in range(world)]
-    for epoch in range(epochs):
-        if shuffle:
-            order = torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed + epoch))
-        else:
-            order = torch.arange(num_rows)
-        for start in range(0, num_rows, mini_batch_size):
-            step = order[start:start + mini_batch_size]
-            for rank in range(world):
-                per_rank[rank].append(step[rank * local:(rank + 1) * local])
-    return [torch.cat(rows) for rows in per_rank]
+    steps = minibatch_order(num_rows, mini_batch_size, epochs=epochs, shuffle=shuffle, seed=seed)
+    return [torch.cat([step[rank * local:(rank + 1) * local] for step in steps]) for rank in range(world)]
 
 
 class Cluster:
     """Ray actor workers (one per device / CPU worker) and reward workers (one per node)."""
 
-    def __init__(self, cfg, layout, *, uses_reference: bool, device: str, train_dtype: str, rollout_dtype: str):
+    def __init__(self, cfg, plan):
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         from posttrain.cluster.reward import RewardGroup
         from posttrain.cluster.worker import ActorWorker
 
-        a, rl = cfg.actor, cfg.rl
-        if a.tensor_model_parallel_size > 1 or a.pipeline_model_parallel_size > 1:
-            raise ConfigError("Ray workers are data-parallel only: set tensor_model_parallel_size and "
-                              "pipeline_model_parallel_size to 1")
-        if cfg.stage == "ppo":
-            raise ConfigError("PPO's critic does not run on Ray workers yet: run ray_ppo in one process "
-                              "(actor_resource.num_npus: 1 and no ray_address / RAY_ADDRESS)")
-        if rl.ray_sharding not in ("ddp", "fsdp2"):
-            raise ConfigError(f"rl_config.ray_sharding: unknown {rl.ray_sharding!r}; use ddp or fsdp2")
-        self.fsdp = rl.ray_sharding == "fsdp2"
+        rl, device = cfg.rl, plan.device
+        self.fsdp = plan.sharding == "fsdp2"
         self.timeout_s = float(rl.ray_timeout_s)
-        self.world = launch.num_workers(cfg)
+        self.world = plan.workers
         self.closed = False
         self.owns_ray = launch.connect(cfg)
         self.workers: list = []
@@ -114,23 +92,16 @@ class Cluster:
                 self.workers.append(remote.options(**options).remote(rank, self.world, cpus))
             self.names = [f"actor worker rank {r}" for r in range(self.world)]
             ip, port, _ = self._call("find the rendezvous", [self.workers[0].address.remote()], self.names[:1])[0]
-            states = self._all("set-up", "setup", cfg, (ip, port), uses_reference, device, train_dtype,
-                               rollout_dtype, self.timeout_s, os.getcwd())
+            states = self._all("set-up", "setup", cfg, plan, (ip, port), self.timeout_s, os.getcwd())
             self.info = self._all("ready check", "ready_info")
             self.rewards = RewardGroup(rl, self.timeout_s)
         except BaseException:
             self.close()
             raise
-        # the loop reads W shares at a time; restored by close() so the config can build another session
-        self.rl, self.per_worker_dispatch = rl, {key: getattr(rl, key) for key in ACTOR_DISPATCH_KEYS}
-        for key, value in self.per_worker_dispatch.items():
-            if value is not None:
-                setattr(rl, key, value * self.world)
-        tokenizer, stops = driver_tokenizer(cfg)
-        self.policy = SimpleNamespace(
-            model=None, tokenizer=tokenizer, stop_token_ids=stops, state=states[0],
-            actor=ActorRole(self), rollout=RolloutRole(self),
-            reference=ReferenceRole(self) if uses_reference else None)
+        tokenizer, stops = load_policy_tokenizer(cfg.actor)  # the driver never loads the weights
+        self.policy = Policy(model=None, tokenizer=tokenizer, actor=ActorRole(self),
+                             reference=ReferenceRole(self) if plan.uses_reference else None,
+                             rollout=RolloutRole(self), stop_token_ids=stops, state=states[0])
         self.rule_reward = self.rewards
         log.info("Ray: %d actor workers %s", self.world, self.info)
 
@@ -182,8 +153,6 @@ class Cluster:
         if self.closed:
             return
         self.closed = True
-        for key, value in getattr(self, "per_worker_dispatch", {}).items():
-            setattr(self.rl, key, value)
         if self.rewards is not None:
             self.rewards.close()
         for worker in self.workers:
@@ -194,17 +163,6 @@ class Cluster:
             remove_placement_group(self.pg)
         if self.owns_ray:
             ray.shutdown()
-
-
-def driver_tokenizer(cfg):
-    """The tokenizer and stop ids the driver needs (it never loads the weights)."""
-    from posttrain.checkpoint import resolve_checkpoint
-    from posttrain.models.loading import load_tokenizer
-    from posttrain.trainers import setup
-
-    path, _ = resolve_checkpoint(setup.model_source(cfg.actor))
-    tokenizer = load_tokenizer(cfg.actor.tokenizer_name_or_path or path)
-    return tokenizer, setup.stop_token_ids(tokenizer, cfg.actor.prompt_type, cfg.actor.prompt_type_path)
 
 
 def _rows(batch: dict, lo: int, hi: int) -> dict:

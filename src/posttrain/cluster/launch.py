@@ -1,7 +1,5 @@
-"""When and how a run goes to Ray: connecting, the runtime env, the placement group.
-
-``wants_ray`` does not import ray, so the in-process path never needs it installed.
-"""
+"""How a run goes to Ray: connecting, the runtime env, the placement group. (Whether it does is
+the plan's :func:`posttrain.config.plan.uses_ray`.)"""
 
 from __future__ import annotations
 
@@ -14,17 +12,6 @@ from posttrain.errors import ConfigError
 from posttrain.paths import PROJECT_ROOT
 
 log = logging.getLogger(__name__)
-
-
-def wants_ray(cfg: RunConfig) -> bool:
-    """True when ``actor_resource.num_npus`` (alias num_gpus / num_devices) is above 1, or when a
-    Ray address is given by ``rl_config.ray_address`` or the ``RAY_ADDRESS`` environment variable."""
-    rl = cfg.rl
-    return (rl.actor_resource.num_npus or 1) > 1 or bool(rl.ray_address) or bool(os.environ.get("RAY_ADDRESS"))
-
-
-def num_workers(cfg: RunConfig) -> int:
-    return cfg.rl.actor_resource.num_npus or 1
 
 
 def runtime_env_vars(cfg: RunConfig) -> dict[str, str]:
@@ -66,7 +53,7 @@ def connect(cfg: RunConfig) -> bool:
         log.info("connecting to the Ray cluster at %s", address)
         ray.init(address=address, **kwargs)
     else:  # a local cluster with at least one CPU per worker (CPU workers are processes)
-        cpus = max(os.cpu_count() or 1, num_workers(cfg) * cfg.rl.ray_num_cpus_per_worker)
+        cpus = max(os.cpu_count() or 1, (cfg.rl.actor_resource.num_npus or 1) * cfg.rl.ray_num_cpus_per_worker)
         # Ray runs workers at nice 15 by default (to keep its own daemons responsive); here the
         # workers are the job, and at nice 15 they lose to every other process on a shared machine
         ray.init(num_cpus=cpus, _system_config={"worker_niceness": 0}, **kwargs)

@@ -1,6 +1,6 @@
 """The actor worker: one process per device (or per CPU worker), holding a full copy of the policy.
 
-Each worker builds what the in-process session builds (:func:`posttrain.trainers.setup.build_policy`:
+Each worker builds what the in-process session builds (:func:`posttrain.roles.policy.build_policy`:
 the actor model and its :class:`~posttrain.train.engine.TrainEngine`, the optional frozen reference,
 the native rollout engine on the actor's model object), joins a torch.distributed group (gloo on
 CPU, nccl on GPU) and wraps the model in DistributedDataParallel for the update (or shards it
@@ -62,19 +62,18 @@ class ActorWorker:
 
         return ray.util.get_node_ip_address(), free_port(), os.getpid()
 
-    def setup(self, cfg, master: tuple[str, int], uses_reference: bool, device: str, train_dtype: str,
-              rollout_dtype: str, timeout_s: float, cwd: str) -> dict:
+    def setup(self, cfg, plan, master: tuple[str, int], timeout_s: float, cwd: str) -> dict:
         """Join the process group, build the policy, wrap it in DDP. Rank 0 returns the trainer
         state (resumed or fresh); the others return {}. ``cwd`` is the driver's working directory:
         relative paths in the config mean the same here (multi-node: same paths on every node)."""
         import torch.distributed as dist
 
-        from posttrain.train.dynamic_batch import apply_rl_config
+        from posttrain.roles.policy import build_policy, seed_everything
         from posttrain.train.engine import TrainEngine
-        from posttrain.trainers import setup
 
         if os.path.isdir(cwd):
             os.chdir(cwd)
+        device = plan.device
         use_gpu = device.startswith("cuda")
         if use_gpu:  # Ray sets CUDA_VISIBLE_DEVICES to this worker's GPU
             torch.cuda.set_device(0)
@@ -87,23 +86,21 @@ class ActorWorker:
         # one single-rank group per rank (created by all ranks, in order): inference engines use
         # their own, so log-prob passes never wait on other ranks (uneven shares are fine)
         own = [dist.new_group([r], timeout=timeout) for r in range(self.world_size)][self.rank]
-        setup.seed_everything(cfg.actor.seed)
+        seed_everything(cfg.actor.seed)
         if cfg.actor.npu_deterministic:
             torch.use_deterministic_algorithms(True)
-        self.policy = p = setup.build_policy(cfg, device, train_dtype, rollout_dtype, uses_reference)
+        self.policy = p = build_policy(cfg, plan, device)
         self.device = device
         # log-probs on the plain model, no collective; the update through DDP over all ranks
-        self.infer = TrainEngine(p.model, micro_batch_size=cfg.actor.micro_batch_size, dtype=train_dtype,
-                                 dp_group=own)
-        apply_rl_config(self.infer, cfg.rl, "actor")
+        self.infer = TrainEngine(p.model, micro_batch_size=cfg.actor.micro_batch_size, dtype=plan.train_dtype,
+                                 dp_group=own, options=plan.actor_engine)
         if p.reference is not None:
             p.reference.dp_group = own
-        self.fsdp = cfg.rl.ray_sharding == "fsdp2"
+        self.fsdp = plan.sharding == "fsdp2"
         if self.fsdp:  # parameters, gradients and optimizer state sharded (cluster/fsdp.py)
             from posttrain.cluster import fsdp
 
-            steps = (cfg.actor.global_batch_size // cfg.rl.mini_batch_size) * cfg.rl.epochs * cfg.actor.train_iters
-            self.param_names = fsdp.shard(p.model, p.actor, cfg.actor, steps)
+            self.param_names = fsdp.shard(p.model, p.actor, cfg.actor, plan.total_optimizer_steps)
         else:
             p.actor.model = wrap_ddp(p.model, [0] if use_gpu else None)
         return dict(p.state) if self.rank == 0 else {}
@@ -138,8 +135,9 @@ class ActorWorker:
 
     def save(self, save_dir: str, iteration: int, sampler_state, trainer_state: dict, save_optim: bool,
              save_rng: bool) -> str:
-        """Rank 0 writes the full model and optimizer state (DDP: its own whole replica; FSDP2: all
-        ranks call this to gather the full state first, and the others return None)."""
+        """The Ray path's one checkpoint save: rank 0 writes the full model and optimizer state (DDP:
+        its own whole replica; FSDP2: all ranks call this to gather the full state first, and the
+        others return None)."""
         from posttrain.checkpoint import save_checkpoint
 
         p = self.policy

@@ -1,4 +1,10 @@
-"""The batch plan a config implies, and a memory estimate per device, without loading weights.
+"""The plan: every value a run derives from its config, computed once, frozen, read by the run.
+
+:func:`resolve_plan` runs the one config check (:func:`posttrain.config.check.check_run_config`)
+and derives the batch arithmetic, the dispatch sizes, the optimizer step counts, the precision,
+the loss and engine options and a memory estimate of the layout that will actually run.
+``posttrain plan`` prints it; ``posttrain train`` builds the run from it. The config the user
+wrote is never written to.
 
 Vocabulary (as the seed): ``global_batch_size`` (gbs) and ``mini_batch_size`` count prompts;
 ``micro_batch_size`` counts sequences (responses); ``n`` is ``n_samples_per_prompt``.
@@ -6,125 +12,260 @@ Vocabulary (as the seed): ``global_batch_size`` (gbs) and ``mini_batch_size`` co
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Mapping
 
 from posttrain.config.run import RunConfig
+from posttrain.config.stages import Stage, stage_named
 from posttrain.config.validate import Layout
 from posttrain.models.arch import ModelArch
 
 GIB = 1024**3
+# the seed's dispatch sizes are rows per data-parallel rank; the driver reads them for all W workers
+ACTOR_DISPATCH_KEYS = ("actor_rollout_dispatch_size", "actor_logprob_dispatch_size", "ref_dispatch_size",
+                       "actor_update_dispatch_size")
+PHASES = ("ref", "actor", "update")  # token-budget phases of use_dynamic_bsz
 
 
-@dataclass
+@dataclass(frozen=True)
+class TokenBudget:
+    """``max_tokens`` per micro-batch (padding-free token count) and at most ``max_rows`` rows."""
+
+    max_tokens: int
+    max_rows: int | None = None
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """How a :class:`~posttrain.train.engine.TrainEngine` batches its forwards.
+
+    ``use_remove_padding`` packs the valid tokens of a micro-batch into one row (with
+    ``share_prompt_prefix`` a prompt repeated over rows is packed once); a token budget replaces
+    the fixed micro-batch size of log-prob passes (``forward_budget``) and updates
+    (``update_budget``); ``loss_mask_key`` names the mask whose tokens a mini-batch's loss counts."""
+
+    use_remove_padding: bool = False
+    share_prompt_prefix: bool = True
+    forward_budget: TokenBudget | None = None
+    update_budget: TokenBudget | None = None
+    loss_mask_key: str = "response_mask"
+
+
+@dataclass(frozen=True)
 class MemoryEstimate:
-    """Bytes per device for the actor. Formulas in :func:`estimate_memory`."""
+    """Bytes per worker process. Formulas in :func:`estimate_memory`."""
 
     weights: float
     gradients: float
     optimizer: float
+    reference: float
+    critic: float
     activations: float
     kv_cache: float
 
     @property
     def total(self) -> float:
-        return self.weights + self.gradients + self.optimizer + self.activations + self.kv_cache
+        return (self.weights + self.gradients + self.optimizer + self.reference + self.critic
+                + self.activations + self.kv_cache)
 
 
-@dataclass
+@dataclass(frozen=True)
 class Plan:
-    stage: str
-    num_devices: int
+    stage: Stage
+    layout: Layout
+    device: str
+    train_dtype: str
+    rollout_dtype: str
+    use_ray: bool
+    workers: int  # actor worker processes (1 in process)
+    sharding: str  # ddp or fsdp2 (several workers)
+    n: int
     prompts_per_iteration: int
     responses_per_iteration: int
-    prompts_per_update: int
+    prompts_per_update: int  # DAPO with dynamic sampling: filter_groups_train_batch_size
+    rows_per_update: int
+    mini_batch_rows: int
     mini_batches_per_iteration: int
     optimizer_steps_per_iteration: int
-    responses_per_mini_batch: int
+    total_optimizer_steps: int  # the LR schedule's length
     responses_per_mini_batch_per_dp: int
     micro_batch_size: int
     grad_accumulation_steps: int
-    actor_dp: int
-    infer_dp: int
-    tp: int
-    pp: int
-    cp: int
-    infer_tp: int
     max_prompt_length: int
     max_response_tokens: int
     max_tokens_per_sequence: int
     max_tokens_per_iteration: int
-    train_iters: int | None
-    total_prompts: int | None
-    dispatch_sizes: dict[str, int] = field(default_factory=dict)
+    train_iters: int
+    dispatch_sizes: Mapping[str, int]  # the seed's meaning: rows per data-parallel rank
+    reads: Mapping[str, int]  # rows the driver reads per call (dispatch size x workers for actor roles)
+    logprob_temperature: float  # the sampling temperature, 0 (greedy) meaning 1
+    uses_reference: bool
+    uses_critic: bool
+    dynamic_sampling: bool
+    skip_old_logprobs: bool  # the seed's on-policy skip: one mini-batch, one epoch, no KL in reward
+    actor_loss: Mapping[str, Any]  # keyword arguments of train.loss_fns.make_actor_loss_fn
+    actor_engine: EngineOptions
+    ref_engine: EngineOptions
+    max_num_seqs: int  # rows the rollout engine decodes at once
+    warnings: tuple[str, ...] = ()
     arch: ModelArch | None = None
     num_params: int | None = None
-    memory: MemoryEstimate | None = None
+    memory: MemoryEstimate | None = field(default=None)
+
+    @property
+    def name(self) -> str:
+        return self.stage.name
 
 
-def build_plan(cfg: RunConfig, layout: Layout, arch: ModelArch | None) -> Plan:
+def resolve_plan(cfg: RunConfig, arch: ModelArch | None = None, *, device: str | None = None) -> Plan:
+    """Check ``cfg`` (the one check of ``plan`` and ``train``) and derive its plan."""
+    from posttrain.config.check import check_run_config
+    from posttrain.device import device_type, resolve_device
+
+    device = device or resolve_device(cfg.rl.device)
+    layout, warnings = check_run_config(cfg, device_type=device_type(device))
+    return build_plan(cfg, layout, arch, device=device, warnings=tuple(warnings))
+
+
+def uses_ray(cfg: RunConfig) -> bool:
+    """Whether the run goes to Ray: ``actor_resource.num_npus`` (alias num_gpus / num_devices) above 1,
+    or a Ray address in ``rl_config.ray_address`` or the ``RAY_ADDRESS`` environment variable."""
+    rl = cfg.rl
+    return (rl.actor_resource.num_npus or 1) > 1 or bool(rl.ray_address) or bool(os.environ.get("RAY_ADDRESS"))
+
+
+def build_plan(cfg: RunConfig, layout: Layout, arch: ModelArch | None = None, *, device: str = "cpu",
+               warnings: tuple[str, ...] = ()) -> Plan:
+    """The derivation alone (``resolve_plan`` checks first)."""
+    from posttrain.device import precision
+
+    stage = stage_named(cfg.actor.stage or cfg.actor.algorithm)
     a, rl, gen = cfg.actor, cfg.rl, cfg.generate
-    n = rl.n_samples_per_prompt if cfg.stage not in ("dpo", "sft") else 1
+    on_policy = stage.on_policy
+    n = rl.n_samples_per_prompt if on_policy else 1
     gbs = a.global_batch_size
-    mini = rl.mini_batch_size if cfg.stage not in ("dpo", "sft") else gbs
-    # DAPO's dynamic sampling updates on filter_groups_train_batch_size prompts, not on gbs
-    filtering = cfg.stage == "dapo" and rl.filter_groups_enable
-    update_prompts = rl.filter_groups_train_batch_size if filtering else gbs
+    mini = rl.mini_batch_size if on_policy else gbs
+    epochs = rl.epochs if on_policy else 1
+    dynamic = stage.dynamic_sampling(cfg)
+    update_prompts = rl.filter_groups_train_batch_size if dynamic else gbs
     mini_batches = update_prompts // mini
     per_dp = mini * n // layout.actor_dp
-    max_resp = gen.sampling_config.max_tokens if cfg.stage not in ("dpo", "sft") else 0
-    max_prompt = rl.max_prompt_length - 1 if cfg.stage not in ("dpo", "sft") else a.seq_length
+    max_resp = gen.sampling_config.max_tokens if on_policy else 0
+    max_prompt = rl.max_prompt_length - 1 if on_policy else a.seq_length
     per_seq = min(a.seq_length, max_prompt + max_resp) if max_resp else a.seq_length
-    dispatch = {k: getattr(rl, k) for k in type(rl).model_fields
-                if k.endswith("_dispatch_size") and getattr(rl, k) is not None}
+    ray = uses_ray(cfg)
+    workers = (rl.actor_resource.num_npus or 1) if ray else 1
+    reads = {k: v * workers if k in ACTOR_DISPATCH_KEYS else v for k, v in layout.dispatch_sizes.items()}
+    train_dtype, rollout_dtype = precision(
+        device, bf16=bool(a.bf16), bf16_asked=cfg.explicitly_set("megatron_training", "bf16")
+        or cfg.explicitly_set("actor_config", "bf16"), rollout_dtype=gen.dtype,
+        rollout_dtype_asked=cfg.explicitly_set("generate_config", "dtype"))
+    temperature = gen.sampling_config.temperature or 1.0
+    budgets = token_budgets(cfg)
+    engine = EngineOptions(use_remove_padding=rl.use_remove_padding, share_prompt_prefix=rl.share_prompt_prefix,
+                           update_budget=budgets["update"] if budgets else None,
+                           loss_mask_key="chosen_response_mask" if stage.name == "dpo" else "response_mask")
+    steps_per_iteration = mini_batches * epochs
     plan = Plan(
-        stage=cfg.stage, num_devices=layout.num_devices,
+        stage=stage, layout=layout, device=device, train_dtype=train_dtype, rollout_dtype=rollout_dtype,
+        use_ray=ray, workers=workers, sharding=rl.ray_sharding, n=n,
         prompts_per_iteration=gbs, responses_per_iteration=gbs * n, prompts_per_update=update_prompts,
-        mini_batches_per_iteration=mini_batches, optimizer_steps_per_iteration=mini_batches * rl.epochs,
-        responses_per_mini_batch=mini * n, responses_per_mini_batch_per_dp=per_dp,
-        micro_batch_size=a.micro_batch_size, grad_accumulation_steps=per_dp // a.micro_batch_size,
-        actor_dp=layout.actor_dp, infer_dp=layout.infer_dp,
-        tp=a.tensor_model_parallel_size, pp=a.pipeline_model_parallel_size, cp=a.context_parallel_size,
-        infer_tp=gen.infer_tensor_parallel_size, max_prompt_length=max_prompt, max_response_tokens=max_resp,
-        max_tokens_per_sequence=per_seq, max_tokens_per_iteration=gbs * n * per_seq,
-        train_iters=a.train_iters, total_prompts=a.train_iters * gbs if a.train_iters else None,
-        dispatch_sizes=dispatch, arch=arch,
+        rows_per_update=update_prompts * n, mini_batch_rows=mini * n,
+        mini_batches_per_iteration=mini_batches, optimizer_steps_per_iteration=steps_per_iteration,
+        total_optimizer_steps=max(steps_per_iteration * (a.train_iters or 0), 1),
+        responses_per_mini_batch_per_dp=per_dp, micro_batch_size=a.micro_batch_size,
+        grad_accumulation_steps=per_dp // a.micro_batch_size,
+        max_prompt_length=max_prompt, max_response_tokens=max_resp, max_tokens_per_sequence=per_seq,
+        max_tokens_per_iteration=gbs * n * per_seq, train_iters=a.train_iters or 0,
+        dispatch_sizes=MappingProxyType(dict(layout.dispatch_sizes)), reads=MappingProxyType(reads),
+        logprob_temperature=temperature,
+        uses_reference=stage.uses_reference(cfg), uses_critic=stage.uses_critic, dynamic_sampling=dynamic,
+        skip_old_logprobs=on_policy and mini == update_prompts and epochs == 1 and not rl.use_kl_in_reward,
+        actor_loss=MappingProxyType(actor_loss_options(cfg, stage, temperature)) if on_policy else MappingProxyType({}),
+        actor_engine=_with_forward(engine, budgets, "actor"), ref_engine=_with_forward(engine, budgets, "ref"),
+        max_num_seqs=gen.max_num_seqs if cfg.explicitly_set("generate_config", "max_num_seqs") else 256,
+        warnings=warnings, arch=arch,
     )
     if arch is not None:
-        plan.num_params = arch.num_params()
-        plan.memory = estimate_memory(cfg, plan, arch)
+        plan = _replace(plan, num_params=arch.num_params(), memory=estimate_memory(cfg, plan, arch))
     return plan
 
 
-def estimate_memory(cfg: RunConfig, plan: Plan, arch: ModelArch) -> MemoryEstimate:
-    """A first-order estimate per device.
+def _replace(plan: Plan, **changes) -> Plan:
+    from dataclasses import replace
 
-    * weights: P/(TP*PP) x 2 bytes in bf16 (4 in fp32);
-    * gradients: fp32 main grads, 4 bytes per parameter shard;
-    * optimizer: AdamW moments (8 bytes) plus an fp32 master copy in bf16 (4 bytes), divided by DP
-      when use_distributed_optimizer;
-    * activations for one micro-batch (Korthikanti et al. 2022): per layer s*b*h*34 bytes with flash
-      attention (plus 5*a*s^2*b without it), divided by TP; full recompute keeps 2*s*b*h per layer;
-      plus fp32 logits s*b*V*4/TP;
-    * KV cache for rollout: the responses one inference DP rank decodes at once (at most max_num_seqs),
-      times tokens per sequence, times 2 x layers x kv_heads x head_dim x 2 bytes, divided by infer TP.
+    return replace(plan, **changes)
+
+
+def _with_forward(engine: EngineOptions, budgets: dict[str, TokenBudget] | None, phase: str) -> EngineOptions:
+    from dataclasses import replace
+
+    return replace(engine, forward_budget=budgets[phase] if budgets else None)
+
+
+def actor_loss_options(cfg: RunConfig, stage: Stage, temperature: float) -> dict[str, Any]:
+    """The actor loss's hyperparameters (the ``kl_coef`` comes from the KL controller each iteration).
+    clip-higher (DAPO, Yu et al. 2025) when enabled, else the symmetric ``clip_ratio``."""
+    rl = cfg.rl
+    low, high = (rl.clip_ratio_low, rl.clip_ratio_high) if rl.clip_higher_enable else (rl.clip_ratio, rl.clip_ratio)
+    out = {"temperature": temperature, "policy_loss": rl.policy_loss, "clip_ratio": rl.clip_ratio,
+           "clip_ratio_low": low, "clip_ratio_high": high, "clip_ratio_c": rl.clip_ratio_c,
+           "entropy_coeff": rl.entropy_coeff, "loss_agg_mode": rl.loss_agg_mode or stage.default_loss_agg_mode(cfg)}
+    if out["loss_agg_mode"] == "seq-mean-token-sum-norm":
+        out["norm_length"] = float(cfg.generate.sampling_config.max_tokens)  # Dr. GRPO's constant
+    if stage.kl_in_loss:
+        out["kl_penalty"] = rl.kl_penalty
+    return out
+
+
+def token_budgets(cfg: RunConfig) -> dict[str, TokenBudget] | None:
+    """Per-phase token budgets (``ref``, ``actor`` (old log-probs), ``update``) of ``use_dynamic_bsz``,
+    or None when it is off. As in the seed, ``max_packing_token_size`` / ``dynamic_max_batch_size``
+    are the defaults of the per-phase keys that the config does not set."""
+    from posttrain.errors import ConfigError
+
+    rl = cfg.rl
+    if not rl.use_dynamic_bsz:
+        return None
+    out = {}
+    for phase in PHASES:
+        key = f"{phase}_max_packing_token_size"
+        tokens = getattr(rl, key) if cfg.explicitly_set("rl_config", key) else rl.max_packing_token_size
+        rows = getattr(rl, f"{phase}_dynamic_max_batch_size") or rl.dynamic_max_batch_size
+        if tokens < 1 or (rows is not None and rows < 1):
+            raise ConfigError(f"rl_config.{phase}_max_packing_token_size / {phase}_dynamic_max_batch_size must be "
+                              f">= 1; got {tokens} / {rows}")
+        out[phase] = TokenBudget(int(tokens), rows)
+    return out
+
+
+def estimate_memory(cfg: RunConfig, plan: Plan, arch: ModelArch) -> MemoryEstimate:
+    """A first-order estimate per worker process, for the layout that runs (data parallel over
+    ``plan.workers``; model-parallel layouts are refused until a backend runs them).
+
+    * weights: fp32 master weights, 4 bytes per parameter (the training dtype only changes the
+      forward's autocast), divided by W with FSDP2;
+    * gradients: fp32, 4 bytes per parameter, divided by W with FSDP2;
+    * optimizer: AdamW's two fp32 moments, 8 bytes per parameter, divided by W with FSDP2;
+    * reference: a frozen fp32 copy (4 bytes per parameter) when the stage uses one;
+    * critic (PPO): another model with its gradients and moments (16 bytes per parameter, / W with FSDP2);
+    * activations for one micro-batch (Korthikanti et al. 2022, memory-efficient SDPA attention):
+      s*b*h*34 bytes per layer (full recompute keeps 2*s*b*h), plus fp32 logits s*b*V*4;
+    * KV cache of the native rollout engine: the rows one worker decodes at once (at most
+      ``max_num_seqs``) x tokens per sequence x 2 x layers x kv_heads x head_dim x the rollout
+      dtype's bytes.
     """
-    a, gen = cfg.actor, cfg.generate
-    shard = plan.num_params / (plan.tp * plan.pp)
-    bf16 = a.bf16
-    weights = shard * (2 if bf16 else 4)
-    grads = shard * 4
-    optim = shard * (12 if bf16 else 8)
-    if a.use_distributed_optimizer:
-        optim /= plan.actor_dp
-    s, b, h = plan.max_tokens_per_sequence / plan.cp, plan.micro_batch_size, arch.hidden_size
-    layers_here = arch.num_layers / plan.pp
-    if a.recompute_granularity == "full":
-        per_layer = 2 * s * b * h
-    else:
-        per_layer = s * b * h * 34 / plan.tp
-        if not a.use_flash_attn:
-            per_layer += 5 * arch.num_attention_heads * s * s * b / plan.tp
-    activations = layers_here * per_layer + s * b * arch.vocab_size * 4 / plan.tp
-    seqs = min(plan.responses_per_iteration // max(plan.infer_dp, 1), max(gen.max_num_seqs, 1))
-    kv = seqs * plan.max_tokens_per_sequence * arch.kv_cache_bytes_per_token(2) / plan.infer_tp
-    return MemoryEstimate(weights=weights, gradients=grads, optimizer=optim, activations=activations, kv_cache=kv)
+    a = cfg.actor
+    params = float(arch.num_params())
+    shard = params / plan.workers if plan.workers > 1 and plan.sharding == "fsdp2" else params
+    s, b, h = plan.max_tokens_per_sequence, plan.micro_batch_size, arch.hidden_size
+    per_layer = 2 * s * b * h if a.recompute_granularity == "full" else s * b * h * 34
+    activations = arch.num_layers * per_layer + s * b * arch.vocab_size * 4
+    seqs = min(plan.responses_per_iteration // plan.workers, plan.max_num_seqs) if plan.stage.on_policy else 0
+    kv = seqs * plan.max_tokens_per_sequence * arch.kv_cache_bytes_per_token(2 if plan.rollout_dtype == "bfloat16"
+                                                                             else 4)
+    return MemoryEstimate(weights=4 * shard, gradients=4 * shard, optimizer=8 * shard,
+                          reference=4 * params if plan.uses_reference else 0.0,
+                          critic=16 * shard if plan.uses_critic else 0.0, activations=activations, kv_cache=kv)

@@ -18,17 +18,13 @@ from pydantic import BaseModel, ValidationError
 from posttrain.config.fields import check_known_keys
 from posttrain.config.loader import (apply_overrides, load_model_yaml, normalise_keys, read_yaml,
                                      resolve_config_file)
-from posttrain.config.megatron import MegatronConfig, ignored_keys_set
+from posttrain.config.megatron import MegatronConfig, ignored_keys_in
 from posttrain.config.sections import GenerateConfig, MsprobeConfig, ProfilerConfig, RLConfig
 from posttrain.errors import ConfigError
 
 MEGATRON_SECTIONS = ("megatron_training", "actor_config", "ref_config", "reward_config", "critic_config")
 TOP_LEVEL = ("defaults", "model", *MEGATRON_SECTIONS, "rl_config", "generate_config", "profiler_config",
              "msprobe_config")
-
-# stage name in the config -> algorithm bundle
-STAGES = {"ray_grpo": "grpo", "grpo": "grpo", "ray_dapo": "dapo", "dapo": "dapo", "ray_ppo": "ppo",
-          "ppo": "ppo", "dpo": "dpo", "ray_dpo": "dpo", "sft": "sft"}
 
 
 @dataclass
@@ -51,17 +47,20 @@ class RunConfig:
 
     @property
     def stage(self) -> str:
-        """The algorithm bundle: grpo, dapo, ppo, dpo or sft."""
-        name = self.actor.stage or self.actor.algorithm
-        if name is None:
-            raise ConfigError("megatron_training.stage is not set: use ray_grpo, ray_dapo, ray_ppo, dpo or sft")
-        if name not in STAGES:
-            raise ConfigError(f"megatron_training.stage: unknown stage '{name}'. Known: {', '.join(STAGES)}")
-        return STAGES[name]
+        """The stage's canonical name: grpo, dapo, ppo, dpo or sft (:mod:`posttrain.config.stages`)."""
+        from posttrain.config.stages import stage_named
 
-    @property
-    def model_name(self) -> str | None:
-        return self.actor.model
+        return stage_named(self.actor.stage or self.actor.algorithm).name
+
+    def explicitly_set(self, *section_key: str) -> bool:
+        """Whether a key was written in the YAML or the overrides (not just a schema default),
+        e.g. ``cfg.explicitly_set("generate_config", "max_num_seqs")``."""
+        node = self.raw
+        for part in section_key:
+            if not isinstance(node, dict) or part not in node:
+                return False
+            node = node[part]
+        return True
 
 
 def _type_error(section: str, err: ValidationError) -> ConfigError:
@@ -155,7 +154,7 @@ def run_config_from_dict(data: dict[str, Any], name: str = "config", path: Path 
         section = data.get(f"{role}_config")
         roles[role] = (build_section(f"{role}_config", _merge_role(models, train, section), MegatronConfig)
                        if section is not None else None)
-    ignored = sorted(set(ignored_keys_set(actor_dict)))
+    ignored = ignored_keys_in(actor_dict)
     profiler = data.get("profiler_config") or {}
     return RunConfig(
         name=name, path=path, models=models,

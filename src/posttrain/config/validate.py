@@ -1,28 +1,32 @@
 """The seed's ``validate_rl_args`` rules, with its messages, plus posttrain's own checks.
 
 Rules are numbered as in seed_system.md 3.6. :func:`validate_run_config` raises
-:class:`~posttrain.errors.ConfigError` on the first broken rule, and fills in the dispatch sizes the
-seed derives (only those the config leaves unset).
+:class:`~posttrain.errors.ConfigError` on the first broken rule and returns the device layout with
+the dispatch sizes the seed derives (a size the config sets is kept). It never writes into the
+config. It is one part of :func:`posttrain.config.check.check_run_config`, the one check that both
+``posttrain plan`` and ``posttrain train`` run.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from posttrain.config.megatron import MegatronConfig
 from posttrain.config.run import RunConfig
 from posttrain.errors import ConfigError
 
 
-@dataclass
+@dataclass(frozen=True)
 class Layout:
-    """Device counts and data-parallel sizes that the plan and the dispatch sizes derive from."""
+    """Device counts, data-parallel sizes, and the seed's dispatch sizes (rows one data-parallel
+    rank reads from the TransferDock per call; set in the config or derived as the seed does)."""
 
     num_devices: int
     actor_dp: int
     infer_dp: int
     ref_dp: int
     num_nodes: int
+    dispatch_sizes: dict[str, int] = field(default_factory=dict)
 
 
 def _model_parallel(c: MegatronConfig) -> int:
@@ -57,7 +61,9 @@ def _require(value, key: str):
 
 
 def validate_run_config(cfg: RunConfig, *, device_type: str = "cpu", num_nodes: int = 1) -> Layout:
-    """Check ``cfg`` as the seed does and derive the dispatch sizes. Returns the device layout."""
+    """Check ``cfg`` as the seed does and derive the dispatch sizes. Returns the device layout.
+
+    ``num_nodes`` is the number of nodes of the Ray cluster the run will use (1 for a local run)."""
     a, rl, gen = cfg.actor, cfg.rl, cfg.generate
     stage = cfg.stage
     # 1
@@ -151,38 +157,36 @@ def validate_run_config(cfg: RunConfig, *, device_type: str = "cpu", num_nodes: 
                      else num_devices) // _model_parallel(critic)
         derived.update(critic_update_dispatch_size=gbs * n // critic_dp,
                        critic_value_dispatch_size=gbs * n // critic_dp, kl_dispatch_size=gbs * n)
-    for key, value in derived.items():
-        if getattr(rl, key) is None:
-            setattr(rl, key, value)
+    dispatch = {key: getattr(rl, key) if getattr(rl, key) is not None else value for key, value in derived.items()}
     # 12
     if rl.share_backbone and not a.lora_target_modules:
         raise ConfigError("The shared backbone can only be used with LoRA.")
     if rl.share_backbone and stage == "dapo":
         raise ConfigError("'share_backbone' cannot be True when 'stage' is set to 'ray_dapo'.")
     # 13
-    experience = {"Actor Infer": rl.actor_rollout_dispatch_size, "Advantages": rl.adv_dispatch_size,
-                  "Reference": rl.ref_dispatch_size, "Rule Reward": rl.reward_dispatch_size,
-                  "Actor Update": rl.actor_update_dispatch_size}
+    experience = {"Actor Infer": dispatch["actor_rollout_dispatch_size"], "Advantages": dispatch["adv_dispatch_size"],
+                  "Reference": dispatch["ref_dispatch_size"], "Rule Reward": dispatch["reward_dispatch_size"],
+                  "Actor Update": dispatch["actor_update_dispatch_size"]}
     if filtering:
-        experience["Dynamic Sampling"] = rl.dynamic_sampling_dispatch_size
+        experience["Dynamic Sampling"] = dispatch["dynamic_sampling_dispatch_size"]
     if stage == "ppo":
-        experience.update({"Critic Infer": rl.critic_value_dispatch_size, "KL": rl.kl_dispatch_size,
-                           "Critic Update": rl.critic_update_dispatch_size})
-    for component, dispatch in experience.items():
-        if (gbs * n) % dispatch != 0:
-            raise ConfigError(f"{component} global_batch_size {gbs} must be divisible by experience_count {dispatch}")
-    if filtering and rl.dynamic_sampling_dispatch_size % n != 0:
-        raise ConfigError(f"dynamic sampling dispatch size {rl.dynamic_sampling_dispatch_size} must be divisible "
-                          f"by n samples per prompt {n}")
+        experience.update({"Critic Infer": dispatch["critic_value_dispatch_size"], "KL": dispatch["kl_dispatch_size"],
+                           "Critic Update": dispatch["critic_update_dispatch_size"]})
+    for component, count in experience.items():
+        if (gbs * n) % count != 0:
+            raise ConfigError(f"{component} global_batch_size {gbs} must be divisible by experience_count {count}")
+    if filtering and dispatch["dynamic_sampling_dispatch_size"] % n != 0:
+        raise ConfigError(f"dynamic sampling dispatch size {dispatch['dynamic_sampling_dispatch_size']} must be "
+                          f"divisible by n samples per prompt {n}")
     # 14
     mini = rl.mini_batch_size * n
-    if rl.actor_update_dispatch_size < mini // actor_dp:
-        raise ConfigError(f"actor_update_dispatch_size={rl.actor_update_dispatch_size} must be >= "
+    if dispatch["actor_update_dispatch_size"] < mini // actor_dp:
+        raise ConfigError(f"actor_update_dispatch_size={dispatch['actor_update_dispatch_size']} must be >= "
                           f"mini_batch_size/actor_data_parallel_size ({mini}/{actor_dp}={mini // actor_dp})")
     # 15
     for key in ("actor_rollout_dispatch_size", "actor_logprob_dispatch_size", "ref_dispatch_size",
                 "actor_update_dispatch_size", "critic_update_dispatch_size", "critic_value_dispatch_size"):
-        value = getattr(rl, key)
+        value = dispatch.get(key)
         dp = infer_dp if key == "actor_rollout_dispatch_size" else actor_dp  # rollout runs on inference DP
         per_dp = gbs * n // dp
         if value is not None and value > per_dp:
@@ -226,11 +230,8 @@ def validate_run_config(cfg: RunConfig, *, device_type: str = "cpu", num_nodes: 
     if (mini // actor_dp) % mbs != 0:
         raise ConfigError(f"mini_batch_size * n_samples_per_prompt / actor_dp = {mini}/{actor_dp} must be divisible "
                           f"by micro_batch_size {mbs}")
-    if rl.kl_penalty not in ("kl", "abs", "mse", "low_var_kl"):
-        raise ConfigError(f"rl_config.kl_penalty: unknown '{rl.kl_penalty}'. Known: kl, abs, mse, low_var_kl")
-    if rl.kl_ctrl_type not in ("fixed", "adaptive"):
-        raise ConfigError(f"rl_config.kl_ctrl_type: unknown '{rl.kl_ctrl_type}'. Known: fixed, adaptive")
-    return Layout(num_devices=num_devices, actor_dp=actor_dp, infer_dp=infer_dp, ref_dp=ref_dp, num_nodes=num_nodes)
+    return Layout(num_devices=num_devices, actor_dp=actor_dp, infer_dp=infer_dp, ref_dp=ref_dp, num_nodes=num_nodes,
+                  dispatch_sizes=dispatch)
 
 
 def _validate_offline(cfg: RunConfig, num_nodes: int) -> Layout:
@@ -244,7 +245,10 @@ def _validate_offline(cfg: RunConfig, num_nodes: int) -> Layout:
         raise ConfigError(f"global_batch_size {gbs} must be divisible by micro_batch_size {mbs} * "
                           f"data_parallel_size {dp}")
     _require(a.seq_length, "megatron_training.seq_length")
-    if cfg.stage == "dpo" and a.dpo_loss_type not in ("sigmoid", "hinge", "ipo", "kto_pair"):
-        raise ConfigError(f"Unknown loss type: {a.dpo_loss_type}. Should be one of "
-                          f"['sigmoid', 'hinge', 'ipo', 'kto_pair']")
+    if cfg.stage == "dpo":
+        from posttrain.algo.dpo_loss import DPO_LOSSES
+
+        if a.dpo_loss_type not in DPO_LOSSES:  # the seed's message, with its list
+            raise ConfigError(f"Unknown loss type: {a.dpo_loss_type}. Should be one of "
+                              f"['sigmoid', 'hinge', 'ipo', 'kto_pair']")
     return Layout(num_devices=num_devices, actor_dp=dp, infer_dp=dp, ref_dp=dp, num_nodes=num_nodes)

@@ -1,4 +1,4 @@
-"""Handlers: aligned conversations -> token id sequences per output key (registry by class name).
+"""Handlers: aligned conversations -> token id sequences per output key (``HANDLERS``, by class name).
 
 =========================================  ==================================================
 R1AlpacaStyleInstructionHandler            RL prompts: ``input_ids`` = prompt side of the template
@@ -16,6 +16,7 @@ from __future__ import annotations
 from posttrain.data import align
 from posttrain.data.encoding import TemplateEncoder
 from posttrain.errors import ConfigError
+from posttrain.registry import Registry
 
 IGNORE_INDEX = -100
 Encoded = dict[str, list[int]]
@@ -136,20 +137,11 @@ class AlpacaStylePairwiseHandler(Handler):
         return out
 
 
-HANDLERS: dict[str, type[Handler]] = {cls.__name__: cls for cls in (
-    R1AlpacaStyleInstructionHandler, Math17kAlpacaStyleInstructionHandler,
-    AlpacaStyleInstructionHandler, AlpacaStylePairwiseHandler)}
+# handler_name -> Handler subclass; register one with @HANDLERS.register("MyHandler").
+HANDLERS = Registry("data handler", key="handler_name")
+for _cls in (R1AlpacaStyleInstructionHandler, Math17kAlpacaStyleInstructionHandler,
+             AlpacaStyleInstructionHandler, AlpacaStylePairwiseHandler):
+    HANDLERS.add(_cls.__name__, _cls)
 
 
-def register_handler(cls: type[Handler]) -> type[Handler]:
-    """Decorator: make a Handler subclass selectable by ``handler_name``."""
-    HANDLERS[cls.__name__] = cls
-    return cls
-
-
-def get_handler_class(name: str) -> type[Handler]:
-    if not name:
-        raise ConfigError(f"handler_name is required. Known handlers: {', '.join(sorted(HANDLERS))}.")
-    if name not in HANDLERS:
-        raise ConfigError(f"{name} is not supported. Known handlers: {', '.join(sorted(HANDLERS))}.")
-    return HANDLERS[name]
+get_handler_class = HANDLERS.get  # compat: remove when callers use the registry

@@ -306,10 +306,3 @@ def load_config(config_name: str, config_path: str | None = None, overrides: lis
     data = normalise_keys(read_yaml(path))
     data = apply_overrides(data, list(overrides or []))
     return make_config(data, source=str(path))
-
-
-def run(args) -> int:
-    cfg = load_config(args.config_name, args.config_path, args.overrides)
-    summary = preprocess(cfg, strict=getattr(args, "strict", False))
-    print(summary.format())
-    return 0

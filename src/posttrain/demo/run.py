@@ -50,7 +50,7 @@ def main(argv=None) -> int:
     from posttrain.config.run import load_run_config
     from posttrain.metrics import plot_metrics
     from posttrain.models.pretrained import ensure_smollm2
-    from posttrain.trainers.train_cmd import train
+    from posttrain.trainers.stages import train
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     args = parse_args(argv)

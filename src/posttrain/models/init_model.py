@@ -101,16 +101,3 @@ def init_model_dir(model: str, output: str | Path, corpus: str | Path | None = N
         if tmp.exists():
             shutil.rmtree(tmp)
     return output
-
-
-def run(args) -> int:
-    out = init_model_dir(args.model, args.output, corpus=args.corpus, vocab_size=args.vocab_size,
-                         tokenizer=args.tokenizer, seed=args.seed)
-    import json
-
-    cfg = json.loads((out / "config.json").read_text())
-    from posttrain.models.arch import arch_from_hf_config
-
-    n = arch_from_hf_config(out).num_params()
-    print(f"wrote {out}: {cfg['architectures'][0]}, {n / 1e6:.2f}M parameters, vocab {cfg['vocab_size']}")
-    return 0

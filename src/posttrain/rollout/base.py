@@ -1,4 +1,5 @@
-"""The rollout interface: sampling parameters, per-sample outputs, the engine protocol, the registry.
+"""The rollout interface: sampling parameters, per-sample outputs, the engine protocol, the registry
+(``ROLLOUT_ENGINES``).
 
 Engines take prompt token ids and return response token ids; they never re-tokenise text.
 ``generate`` returns, for each prompt, its ``n`` samples::
@@ -10,11 +11,11 @@ Engines take prompt token ids and return response token ids; they never re-token
 from __future__ import annotations
 
 import dataclasses
-import importlib
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 from posttrain.errors import ConfigError
+from posttrain.registry import Registry
 
 FinishReason = Literal["stop", "length"]
 
@@ -95,24 +96,11 @@ class RolloutEngine(Protocol):
         ...
 
 
-# name -> "module:attribute"; modules are imported on use so vllm stays lazy.
-_ENGINES: dict[str, str] = {
-    "native": "posttrain.rollout.native:NativeEngine",
-    "vllm": "posttrain.rollout.vllm_engine:VLLMEngine",
-}
+# name -> engine class or factory; "module:attr" targets are imported on first use, so vllm stays lazy.
+# Build one with ROLLOUT_ENGINES.get(name)(**kwargs); register one with ROLLOUT_ENGINES.add(name, factory).
+ROLLOUT_ENGINES = Registry("rollout engine", key="rl_config.rollout_engine")
+ROLLOUT_ENGINES.add("native", "posttrain.rollout.native:NativeEngine")
+ROLLOUT_ENGINES.add("vllm", "posttrain.rollout.vllm_engine:VLLMEngine")
 
 
-def register_engine(name: str, target: str | Callable[..., RolloutEngine]) -> None:
-    """Register an engine factory (a callable, or a ``"module:attr"`` string imported on use)."""
-    _ENGINES[name] = target  # type: ignore[assignment]
-
-
-def get_engine(name: str, **kwargs: Any) -> RolloutEngine:
-    """Build the engine registered as ``name``; an unknown name raises ConfigError listing the known ones."""
-    if name not in _ENGINES:
-        raise ConfigError(f"unknown rollout engine {name!r}; known engines: {sorted(_ENGINES)}.")
-    target = _ENGINES[name]
-    if isinstance(target, str):
-        module, attr = target.split(":")
-        target = getattr(importlib.import_module(module), attr)
-    return target(**kwargs)
+def get_engine(name: str, **kwargs: Any) -> RolloutEngine: return ROLLOUT_ENGINES.get(name)(**kwargs)  # compat: remove when callers use the registry

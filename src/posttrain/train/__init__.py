@@ -1,34 +1,9 @@
-"""Training engine: optimizer, LR schedule, micro/mini-batched updates, response log-probs.
+"""The training engine (what runs forward/backward passes and optimizer steps; the loops that
+drive it are :mod:`posttrain.trainers`).
 
-Modules: ``optim`` (AdamW, Megatron-style LR schedule), ``forward`` (batch layout, response
-log-probs/values), ``engine`` (TrainEngine, NaNLossError), ``loss_fns`` (actor/critic/SFT/DPO
-loss functions for ``TrainEngine.update``). Imports torch; ``import posttrain`` does not.
+Modules: ``layout`` (the batch layout and its builder), ``forward`` (response log-probs/values),
+``remove_padding`` (the packed forward), ``dynamic_batch`` (token-budget micro-batches),
+``engine`` (TrainEngine, NaNLossError), ``loss_fns`` (actor/critic/SFT/DPO loss functions for
+``TrainEngine.update``), ``optim`` (AdamW, Megatron-style LR schedule), ``parallel`` (data-parallel
+reductions). Import the module you need; this package imports nothing eagerly.
 """
-
-from posttrain.train.engine import NaNLossError, TrainEngine
-from posttrain.train.forward import default_position_ids, pack_batch, response_logprobs, response_values
-from posttrain.train.loss_fns import (
-    make_actor_loss_fn,
-    make_critic_loss_fn,
-    make_dpo_loss_fn,
-    make_sft_loss_fn,
-    sequence_logps,
-)
-from posttrain.train.optim import LRScheduler, build_lr_scheduler, build_optimizer
-
-__all__ = [
-    "LRScheduler",
-    "NaNLossError",
-    "TrainEngine",
-    "build_lr_scheduler",
-    "build_optimizer",
-    "default_position_ids",
-    "make_actor_loss_fn",
-    "make_critic_loss_fn",
-    "make_dpo_loss_fn",
-    "make_sft_loss_fn",
-    "pack_batch",
-    "response_logprobs",
-    "response_values",
-    "sequence_logps",
-]

@@ -16,9 +16,8 @@ loss by the token (or sequence) count of the whole **mini-batch**, so summing th
 gradients gives the same step whatever the rows' grouping; ``tests/unit/perf`` checks it.
 Outputs of log-prob passes are put back in the original row order by the engine.
 
-Per-phase budgets (``ref_``, ``actor_`` (old log-probs), ``update_`` prefixes) come from
-:func:`budgets_from_rl_config`. As in the seed, ``max_packing_token_size`` is only the default of
-the three per-phase keys when they are not set (here: when they are left at the schema default).
+Per-phase budgets (``ref_``, ``actor_`` (old log-probs), ``update_`` prefixes) are derived once by
+:func:`posttrain.config.plan.token_budgets` and reach the engine in its ``EngineOptions``.
 """
 
 from __future__ import annotations
@@ -26,19 +25,9 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
+from posttrain.config.plan import TokenBudget
 from posttrain.errors import ConfigError
-
-PHASES = ("ref", "actor", "update")
-
-
-@dataclass(frozen=True)
-class TokenBudget:
-    """``max_tokens`` per micro-batch (padded-free token count) and at most ``max_rows`` rows."""
-
-    max_tokens: int
-    max_rows: int | None = None
 
 
 def karmarkar_karp(lengths: Sequence[int], k: int) -> list[list[int]]:
@@ -102,37 +91,3 @@ def split_by_tokens(lengths: Sequence[int], budget: TokenBudget,
         if _fits(groups, lengths, budget) or k >= len(lengths):
             return groups
         k += 1
-
-
-def budgets_from_rl_config(rl) -> dict[str, TokenBudget] | None:
-    """Per-phase budgets (``ref``, ``actor``, ``update``) from an RLConfig, or None when
-    ``use_dynamic_bsz`` is off. A per-phase key left at the schema default falls back to the
-    base ``max_packing_token_size`` / ``dynamic_max_batch_size``."""
-    if not getattr(rl, "use_dynamic_bsz", False):
-        return None
-    fields = type(rl).model_fields
-    base_tokens = rl.max_packing_token_size
-    out = {}
-    for phase in PHASES:
-        tokens = getattr(rl, f"{phase}_max_packing_token_size")
-        if tokens == fields[f"{phase}_max_packing_token_size"].default:
-            tokens = base_tokens
-        rows = getattr(rl, f"{phase}_dynamic_max_batch_size") or rl.dynamic_max_batch_size
-        if tokens < 1 or (rows is not None and rows < 1):
-            raise ConfigError(f"rl_config.{phase}_max_packing_token_size / {phase}_dynamic_max_batch_size must be "
-                              f">= 1; got {tokens} / {rows}")
-        out[phase] = TokenBudget(int(tokens), rows)
-    return out
-
-
-def apply_rl_config(engine, rl, forward_phase: str = "actor") -> None:
-    """Set a :class:`~posttrain.train.engine.TrainEngine`'s performance options from an RLConfig:
-    ``use_remove_padding`` (with ``share_prompt_prefix``), and under ``use_dynamic_bsz`` the budget of its log-prob passes
-    (``forward_phase``: ``actor`` for old log-probs, ``ref`` for the reference) and of its updates."""
-    if forward_phase not in PHASES:
-        raise ValueError(f"forward_phase must be one of {PHASES}; got {forward_phase!r}")
-    engine.use_remove_padding = bool(getattr(rl, "use_remove_padding", False))
-    engine.share_prompt_prefix = bool(getattr(rl, "share_prompt_prefix", True))
-    budgets = budgets_from_rl_config(rl)
-    engine.forward_budget = budgets[forward_phase] if budgets else None
-    engine.update_budget = budgets["update"] if budgets else None

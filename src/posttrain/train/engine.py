@@ -6,15 +6,20 @@ micro-batches of ``micro_batch_size`` rows (one forward/backward each, gradients
 
 A loss function has the signature::
 
-    loss_fn(model, micro_batch: dict[str, Tensor], *, num_tokens, num_seqs) -> (loss, metrics)
+    loss_fn(model, micro_batch: dict[str, Tensor], *, num_tokens, num_seqs, packing) -> (loss, metrics)
 
-``num_tokens`` is the number of valid tokens (``loss_mask_key``, default ``response_mask``) of the
+``num_tokens`` is the number of valid tokens (``options.loss_mask_key``, default ``response_mask``) of the
 whole **mini-batch** and ``num_seqs`` its number of rows. A loss normalised by these (as the
 ``posttrain.algo`` losses are when given them) makes the accumulated gradient independent of the
 micro-batch size: 1 micro-batch of 8 rows and 8 micro-batches of 1 row give the same step. The
 ``metrics`` of the micro-batches are **summed**, so each should be this micro-batch's share of the
 mini-batch value (again what ``posttrain.algo`` returns when given the counts). Ready-made loss
 functions for actor, critic, SFT and DPO are in :mod:`posttrain.train.loss_fns`.
+
+How forwards are batched is fixed at construction by :class:`~posttrain.config.plan.EngineOptions`
+(derived once by the run's plan): remove padding (the engine passes a
+:class:`~posttrain.train.remove_padding.Packing` to the loss function and to the log-prob
+forward), and token budgets instead of a fixed micro-batch size (:mod:`posttrain.train.dynamic_batch`).
 
 Per optimizer step the engine reports the loss-function metrics plus ``<prefix>/grad_norm``
 (before clipping) and ``<prefix>/lr`` (the rate used for that step); ``prefix`` is ``actor`` by
@@ -35,10 +40,12 @@ from collections.abc import Callable
 
 import torch
 
+from posttrain.config.plan import EngineOptions, TokenBudget
 from posttrain.errors import ConfigError, PosttrainError
-from posttrain.train import remove_padding
-from posttrain.train.dynamic_batch import TokenBudget, split_by_tokens
+from posttrain.train.dynamic_batch import split_by_tokens
 from posttrain.train.forward import response_logprobs, response_values
+from posttrain.train.loss_fns import pair_logps
+from posttrain.train.remove_padding import Packing, group_rows_by_prompt
 from posttrain.train.parallel import dp_world_size, global_counts, maybe_no_sync, reduce_metric_totals
 
 LossFn = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
@@ -58,6 +65,26 @@ def _take(batch: dict[str, torch.Tensor], rows: torch.Tensor, device=None) -> di
     if device is None:
         return {key: value[rows] for key, value in batch.items()}
     return {key: value[rows.to(value.device)].to(device, non_blocking=True) for key, value in batch.items()}
+
+
+def minibatch_order(num_rows: int, mini_batch_size: int, *, epochs: int = 1, shuffle: bool = False,
+                    seed: int = 0) -> list[torch.Tensor]:
+    """Row indices of every optimizer step of an update: ``epochs`` passes over ``num_rows`` rows
+    (permuted with a ``torch.Generator`` seeded with ``seed + epoch`` when ``shuffle``), cut into
+    mini-batches of ``mini_batch_size``. The Ray worker group cuts the same steps across workers."""
+    if mini_batch_size < 1 or num_rows % mini_batch_size:
+        raise ConfigError(
+            f"The batch of {num_rows} rows cannot be split into mini-batches of {mini_batch_size} "
+            "rows; make rl_config.mini_batch_size x n_samples_per_prompt divide the batch."
+        )
+    steps = []
+    for epoch in range(epochs):
+        if shuffle:
+            order = torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed + epoch))
+        else:
+            order = torch.arange(num_rows)
+        steps += _split(order, mini_batch_size)
+    return steps
 
 
 def _num_rows(batch: dict[str, torch.Tensor]) -> int:
@@ -84,12 +111,8 @@ class TrainEngine:
         dtype: str = "float32",
         activation_checkpointing: bool = False,
         metric_prefix: str = "actor",
-        loss_mask_key: str = "response_mask",
         dp_group=None,
-        use_remove_padding: bool = False,
-        share_prompt_prefix: bool = True,
-        forward_budget: TokenBudget | None = None,
-        update_budget: TokenBudget | None = None,
+        options: EngineOptions = EngineOptions(),
     ):
         if dtype not in _DTYPES:
             raise ConfigError(f"Unsupported training dtype {dtype!r}; known: {', '.join(_DTYPES)}.")
@@ -102,14 +125,9 @@ class TrainEngine:
         self.micro_batch_size = micro_batch_size
         self.autocast_dtype = _DTYPES[dtype]
         self.metric_prefix = metric_prefix
-        self.loss_mask_key = loss_mask_key
         self.dp_group = dp_group
-        # performance options (remove_padding.py, dynamic_batch.py): a token budget replaces the
-        # fixed micro-batch size of log-prob passes (forward_budget) and of updates (update_budget)
-        self.use_remove_padding = use_remove_padding
-        self.share_prompt_prefix = share_prompt_prefix  # with remove padding: a repeated prompt packed once
-        self.forward_budget = forward_budget
-        self.update_budget = update_budget
+        self.options = options
+        self.packing = Packing(options.share_prompt_prefix) if options.use_remove_padding else None
         if activation_checkpointing:
             self._enable_checkpointing()
 
@@ -140,9 +158,9 @@ class TrainEngine:
         """Row indices of each micro-batch: fixed-size chunks, or token-balanced ones under a budget."""
         if budget is None:
             rows = torch.arange(_num_rows(batch))
-            if self.use_remove_padding and self.share_prompt_prefix and "input_ids" in batch:
+            if self.packing is not None and self.packing.share_prompts and "input_ids" in batch:
                 # a group's rows side by side, so a micro-batch packs their prompt once
-                rows = remove_padding.group_rows_by_prompt(batch)
+                rows = group_rows_by_prompt(batch)
             return _split(rows, micro_batch_size or self.micro_batch_size)
         # a row's tokens (a DPO pair's row has chosen_ and rejected_ sides: both count)
         lengths = sum(v.sum(-1) for k, v in batch.items() if k.endswith("attention_mask")).tolist()
@@ -161,13 +179,12 @@ class TrainEngine:
         token-budget micro-batches); returns the outputs and the order that restores the rows."""
         was_training = self.model.training
         self.model.eval()
-        chunks = self._chunks(batch, micro_batch_size, self.forward_budget)
+        chunks = self._chunks(batch, micro_batch_size, self.options.forward_budget)
         try:
             outputs = []
-            with remove_padding.packing(self.use_remove_padding, self.share_prompt_prefix):
-                for chunk in chunks:
-                    with self.autocast():
-                        outputs.append(fn(_take(batch, chunk, self.device)))
+            for chunk in chunks:
+                with self.autocast():
+                    outputs.append(fn(_take(batch, chunk, self.device)))
             return outputs, torch.cat(chunks).argsort()
         finally:
             self.model.train(was_training)
@@ -186,7 +203,8 @@ class TrainEngine:
         """
         outputs, order = self._inference(
             batch,
-            lambda mb: response_logprobs(self.model, mb, temperature=temperature, with_entropy=with_entropy),
+            lambda mb: response_logprobs(self.model, mb, temperature=temperature, with_entropy=with_entropy,
+                                         packing=self.packing),
             micro_batch_size,
         )
         logprobs = torch.cat([lp for lp, _ in outputs])[order.to(outputs[0][0].device)]
@@ -200,6 +218,16 @@ class TrainEngine:
         """Critic values ``[B, R]`` at the response positions (0 on padding), no gradients."""
         outputs, order = self._inference(batch, lambda mb: response_values(self.model, mb), micro_batch_size)
         return torch.cat(outputs)[order.to(outputs[0].device)]
+
+    def compute_pair_logps(
+        self, batch: dict[str, torch.Tensor], *, average: bool = False, micro_batch_size: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """DPO: per-pair sequence log-probs ``(chosen [N], rejected [N])`` of a ``chosen_*`` /
+        ``rejected_*`` batch (:func:`posttrain.train.loss_fns.pair_logps`), no gradients."""
+        outputs, order = self._inference(
+            batch, lambda mb: pair_logps(self.model, mb, average, self.packing)[:2], micro_batch_size)
+        order = order.to(outputs[0][0].device)
+        return torch.cat([c for c, _ in outputs]).float()[order], torch.cat([r for _, r in outputs]).float()[order]
 
     def update(
         self,
@@ -221,24 +249,13 @@ class TrainEngine:
         before being cut into mini-batches.
         """
         assert self.optimizer is not None, "update() needs an optimizer"
-        num_rows = _num_rows(batch)
-        if mini_batch_size < 1 or num_rows % mini_batch_size:
-            raise ConfigError(
-                f"The batch of {num_rows} rows cannot be split into mini-batches of {mini_batch_size} "
-                "rows; make rl_config.mini_batch_size x n_samples_per_prompt divide the batch."
-            )
+        steps = minibatch_order(_num_rows(batch), mini_batch_size, epochs=epochs, shuffle=shuffle, seed=seed)
         was_training = self.model.training
         self.model.train()
         step_metrics = []
         try:
-            for epoch in range(epochs):
-                if shuffle:
-                    generator = torch.Generator().manual_seed(seed + epoch)
-                    order = torch.randperm(num_rows, generator=generator)
-                else:
-                    order = torch.arange(num_rows)
-                for rows in _split(order, mini_batch_size):
-                    step_metrics.append(self._step(_take(batch, rows), loss_fn, micro_batch_size))
+            for rows in steps:
+                step_metrics.append(self._step(_take(batch, rows), loss_fn, micro_batch_size))
         finally:
             self.model.train(was_training)
         return step_metrics
@@ -246,20 +263,20 @@ class TrainEngine:
     def _step(self, mini_batch, loss_fn: LossFn, micro_batch_size: int | None) -> dict[str, float]:
         """One optimizer step over a mini-batch (gradient accumulation over micro-batches)."""
         local_rows = _num_rows(mini_batch)
-        mask = mini_batch.get(self.loss_mask_key)
+        mask = mini_batch.get(self.options.loss_mask_key)
         num_tokens = None if mask is None else mask.sum().to(torch.float32)
         num_tokens, num_seqs = global_counts(num_tokens, local_rows, self.device, self.dp_group)
         loss_scale = dp_world_size(self.dp_group)  # DDP/FSDP average gradients over ranks
         self.optimizer.zero_grad(set_to_none=True)
         totals: dict[str, torch.Tensor] = {}
         bad_loss = None
-        chunks = self._chunks(mini_batch, micro_batch_size, self.update_budget)
+        chunks = self._chunks(mini_batch, micro_batch_size, self.options.update_budget)
         for i, rows in enumerate(chunks):
-            packing = remove_padding.packing(self.use_remove_padding, self.share_prompt_prefix)
-            with maybe_no_sync(self.model, i < len(chunks) - 1), packing:
+            with maybe_no_sync(self.model, i < len(chunks) - 1):
                 with self.autocast():
                     micro_batch = _take(mini_batch, rows, self.device)
-                    loss, metrics = loss_fn(self.model, micro_batch, num_tokens=num_tokens, num_seqs=num_seqs)
+                    loss, metrics = loss_fn(self.model, micro_batch, num_tokens=num_tokens, num_seqs=num_seqs,
+                                            packing=self.packing)
                 if not torch.isfinite(loss):
                     bad_loss = loss.item()
                     if loss_scale == 1:

@@ -1,16 +1,7 @@
-"""Batch layout and the response-token forward pass shared by training and log-prob computation.
+"""The response-token forward pass shared by training and log-prob computation.
 
-Batch layout (one dict of tensors, first dimension ``B`` rows):
-
-* ``input_ids [B, P + R]`` (int64): the prompt **left**-padded to ``P`` columns, followed by the
-  response **right**-padded to ``R`` columns. Every response therefore starts at column ``P``.
-* ``attention_mask [B, P + R]``: 1 on real (prompt or response) tokens, 0 on padding.
-* ``position_ids [B, P + R]`` (optional): defaults to ``cumsum(attention_mask) - 1`` clamped at 0,
-  so the first real token of every row is at position 0 whatever its left padding.
-* ``response_mask [B, R]``: 1 on the response tokens that count in the loss (usually
-  ``attention_mask[:, P:]``; multi-turn rollouts zero tool-output tokens).
-
-Response token ``t`` of row ``b`` is ``input_ids[b, P + t]`` and its log-prob is read from the
+The batch layout is :mod:`posttrain.train.layout`'s (``position_ids`` may be left out: they
+default to :func:`~posttrain.train.layout.default_position_ids`). Response token ``t`` of row ``b`` is ``input_ids[b, P + t]`` and its log-prob is read from the
 logits at position ``P + t - 1`` (the seed's ``[prompt_len - 1, prompt_len + resp_len - 1)``
 window). Logits are divided by the sampling temperature (seed section 2.1), so the result equals
 the sampler's log-prob of the same token. When the model accepts ``logits_to_keep`` (HF causal
@@ -24,17 +15,8 @@ import inspect
 import torch
 
 from posttrain.algo.logprob import entropy_from_logits, logprobs_from_logits
-from posttrain.train import remove_padding
-
-
-def default_position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
-    """``cumsum(attention_mask) - 1`` clamped at 0: positions count real tokens only."""
-    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-
-
-def response_width(batch: dict[str, torch.Tensor]) -> int:
-    """``R``, the number of response columns (from ``response_mask``)."""
-    return batch["response_mask"].shape[1]
+from posttrain.train.layout import default_position_ids, response_width
+from posttrain.train.remove_padding import Packing, packed_response_logprobs
 
 
 def _accepts_logits_to_keep(model: torch.nn.Module) -> bool:
@@ -75,15 +57,18 @@ def response_logprobs(
     temperature: float = 1.0,
     with_entropy: bool = False,
     entropy_grad: bool = True,
+    packing: Packing | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs ``[B, R]`` of the response tokens (0 on padding) and optionally their entropy.
 
     ``entropy_grad=False`` computes the entropy without building a graph (for a metric only).
     ``temperature=0`` (greedy sampling) means 1, as the rollout engine reports greedy log-probs.
+    With ``packing`` (``rl_config.use_remove_padding``) the forward runs on the packed row of
+    :mod:`posttrain.train.remove_padding`.
     """
-    if remove_padding.active():  # rl_config.use_remove_padding: the packed row (remove_padding.py)
-        return remove_padding.packed_response_logprobs(model, batch, temperature=temperature,
-                                                       with_entropy=with_entropy, entropy_grad=entropy_grad)
+    if packing is not None:
+        return packed_response_logprobs(model, batch, temperature=temperature, with_entropy=with_entropy,
+                                        entropy_grad=entropy_grad, share_prompts=packing.share_prompts)
     temperature = temperature if temperature > 0 else 1.0
     num_resp = response_width(batch)
     logits = response_logits(model, batch)
@@ -111,36 +96,3 @@ def response_values(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> t
     if scores.ndim == 3:
         scores = scores[..., 0]
     return scores[:, -(num_resp + 1) : -1].float() * batch["response_mask"].to(torch.float32)
-
-
-def pack_batch(
-    prompt_ids: list[list[int]],
-    response_ids: list[list[int]],
-    *,
-    pad_token_id: int,
-    prompt_width: int | None = None,
-    response_width: int | None = None,
-) -> dict[str, torch.Tensor]:
-    """Build the layout above from token-id lists: prompts left-padded, responses right-padded.
-
-    ``prompt_width``/``response_width`` default to the longest prompt/response (at least 1
-    response column). Returns ``input_ids``, ``attention_mask``, ``position_ids``,
-    ``response_mask`` (CPU tensors).
-    """
-    assert len(prompt_ids) == len(response_ids), "one response per prompt row"
-    num_prompt = prompt_width or max(len(p) for p in prompt_ids)
-    num_resp = response_width or max(1, max(len(r) for r in response_ids))
-    rows = len(prompt_ids)
-    input_ids = torch.full((rows, num_prompt + num_resp), pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros((rows, num_prompt + num_resp), dtype=torch.long)
-    for b, (prompt, response) in enumerate(zip(prompt_ids, response_ids)):
-        assert len(prompt) <= num_prompt and len(response) <= num_resp, "row wider than the batch"
-        input_ids[b, num_prompt - len(prompt) : num_prompt] = torch.tensor(prompt, dtype=torch.long)
-        input_ids[b, num_prompt : num_prompt + len(response)] = torch.tensor(response, dtype=torch.long)
-        attention_mask[b, num_prompt - len(prompt) : num_prompt + len(response)] = 1
-    return {
-        "input_ids": input_ids,
-        "attention_mask": attention_mask,
-        "position_ids": default_position_ids(attention_mask),
-        "response_mask": attention_mask[:, num_prompt:].to(torch.float32),
-    }

@@ -1,7 +1,8 @@
 """Ready-made loss functions for :meth:`TrainEngine.update`: actor (GRPO/DAPO/PPO), critic, SFT, DPO.
 
 Each factory takes the hyperparameters and returns ``loss_fn(model, micro_batch, *, num_tokens,
-num_seqs) -> (loss, metrics)``. Batch keys (layout in :mod:`posttrain.train.forward`):
+num_seqs, packing) -> (loss, metrics)``; the engine passes ``packing`` (a
+:class:`~posttrain.train.remove_padding.Packing` when its options turn remove padding on, else None). Batch keys (layout in :mod:`posttrain.train.forward`):
 
 * actor: ``input_ids``, ``attention_mask``, ``response_mask``, ``advantages``, optional
   ``old_logprobs`` (when absent: the seed's on-policy skip, ``old_logprobs = logprobs.detach()``,
@@ -10,8 +11,8 @@ num_seqs) -> (loss, metrics)``. Batch keys (layout in :mod:`posttrain.train.forw
 * sft: ``input_ids``, ``attention_mask``, ``response_mask``
 * dpo: ``chosen_*`` and ``rejected_*`` versions of the three model keys, plus per-pair
   ``ref_chosen_logps [N]`` and ``ref_rejected_logps [N]`` (sums over response tokens under the
-  reference; see :func:`sequence_logps`). Use ``TrainEngine(loss_mask_key="chosen_response_mask")``
-  or any key: DPO normalises by pairs (``num_seqs``).
+  reference; see :func:`sequence_logps`). DPO normalises by pairs (``num_seqs``), whatever the
+  engine's ``loss_mask_key``.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from posttrain.algo.dpo_loss import dpo_loss
 from posttrain.algo.policy_loss import actor_loss
 from posttrain.algo.value_loss import value_loss
 from posttrain.train.forward import response_logprobs, response_values
+from posttrain.train.remove_padding import Packing
 
 MODEL_KEYS = ("input_ids", "attention_mask", "position_ids", "response_mask")
 
@@ -43,13 +45,14 @@ def make_actor_loss_fn(
     function: build a new one each iteration from ``kl_controller.value``.
     """
 
-    def loss_fn(model, micro_batch, *, num_tokens=None, num_seqs=None):
+    def loss_fn(model, micro_batch, *, num_tokens=None, num_seqs=None, packing: Packing | None = None):
         logprobs, entropy = response_logprobs(
             model,
             micro_batch,
             temperature=temperature,
             with_entropy=report_entropy or bool(entropy_coeff),
             entropy_grad=bool(entropy_coeff),
+            packing=packing,
         )
         old = micro_batch.get("old_logprobs")
         ref = micro_batch.get("ref_logprobs")  # reported as actor/kl_loss even when kl_coef is 0
@@ -75,8 +78,8 @@ def make_actor_loss_fn(
 def make_critic_loss_fn(*, cliprange_value: float = 0.5, loss_agg_mode: str = "token-mean"):
     """PPO clipped value loss (:func:`posttrain.algo.value_loss.value_loss`)."""
 
-    def loss_fn(model, micro_batch, *, num_tokens=None, num_seqs=None):
-        values = response_values(model, micro_batch)
+    def loss_fn(model, micro_batch, *, num_tokens=None, num_seqs=None, packing: Packing | None = None):
+        values = response_values(model, micro_batch)  # the value head runs padded
         return value_loss(
             values,
             micro_batch["values"],
@@ -94,8 +97,8 @@ def make_critic_loss_fn(*, cliprange_value: float = 0.5, loss_agg_mode: str = "t
 def make_sft_loss_fn():
     """Cross-entropy on response tokens, token-mean over the mini-batch. Metric ``sft/loss``."""
 
-    def loss_fn(model, micro_batch, *, num_tokens=None, num_seqs=None):
-        logprobs, _ = response_logprobs(model, micro_batch)
+    def loss_fn(model, micro_batch, *, num_tokens=None, num_seqs=None, packing: Packing | None = None):
+        logprobs, _ = response_logprobs(model, micro_batch, packing=packing)
         mask = micro_batch["response_mask"].to(logprobs.dtype)
         denom = mask.sum() if num_tokens is None else num_tokens
         loss = -(logprobs * mask).sum() / torch.clamp(torch.as_tensor(denom, dtype=logprobs.dtype), min=1e-8)
@@ -121,24 +124,23 @@ def _joint_sides(micro_batch) -> dict[str, torch.Tensor] | None:
                             for side in (chosen, rejected)]) for key in chosen}
 
 
-def _pair_logps(model, micro_batch, average: bool):
-    """(chosen, rejected, chosen NLL) per pair; one forward over both sides when remove padding
-    is on (the pair's shared prompt is then packed once), else one forward per side."""
-    from posttrain.train import remove_padding
-
-    joint = _joint_sides(micro_batch) if remove_padding.active() else None
+def pair_logps(model, micro_batch, average: bool, packing: Packing | None = None):
+    """(chosen, rejected, chosen NLL) per pair; one forward over both sides with ``packing`` (the
+    pair's shared prompt is then packed once), else one forward per side."""
+    joint = _joint_sides(micro_batch) if packing is not None else None
     if joint is None:
-        chosen, chosen_nll = sequence_logps(model, _side(micro_batch, "chosen"), average=average)
-        rejected, _ = sequence_logps(model, _side(micro_batch, "rejected"), average=average)
+        chosen, chosen_nll = sequence_logps(model, _side(micro_batch, "chosen"), average=average, packing=packing)
+        rejected, _ = sequence_logps(model, _side(micro_batch, "rejected"), average=average, packing=packing)
         return chosen, rejected, chosen_nll
-    logps, nll = sequence_logps(model, joint, average=average)
+    logps, nll = sequence_logps(model, joint, average=average, packing=packing)
     pairs = logps.shape[0] // 2
     return logps[:pairs], logps[pairs:], nll[:pairs]
 
 
-def sequence_logps(model, batch, *, average: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def sequence_logps(model, batch, *, average: bool = False,
+                   packing: Packing | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row sum (or, with ``average``, mean) of response log-probs, and the per-row mean NLL."""
-    logprobs, _ = response_logprobs(model, batch)
+    logprobs, _ = response_logprobs(model, batch, packing=packing)
     count = batch["response_mask"].sum(-1).clamp(min=1).to(logprobs.dtype)
     total = logprobs.sum(-1)
     return (total / count if average else total), -total / count
@@ -157,8 +159,8 @@ def make_dpo_loss_fn(
     """
     average = loss_type == "ipo"
 
-    def loss_fn(model, micro_batch, *, num_tokens=None, num_seqs=None):
-        chosen, rejected, chosen_nll = _pair_logps(model, micro_batch, average)
+    def loss_fn(model, micro_batch, *, num_tokens=None, num_seqs=None, packing: Packing | None = None):
+        chosen, rejected, chosen_nll = pair_logps(model, micro_batch, average, packing)
         return dpo_loss(
             chosen,
             rejected,

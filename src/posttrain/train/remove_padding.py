@@ -30,43 +30,33 @@ The result equals the padded path (up to float rounding); ``tests/unit/perf`` ch
 Activation checkpointing works: the packing tensors travel as keyword arguments of every layer.
 
 :func:`enable` installs the attention function on a model once (other forwards, such as rollout
-with a KV cache, are passed on unchanged to the model's SDPA attention); :func:`packing` is the
-switch the training engine turns on around its forwards, and
-:func:`packed_response_logprobs` is called by :func:`posttrain.train.forward.response_logprobs`
-while it is on.
+with a KV cache, are passed on unchanged to the model's SDPA attention). The training engine
+turns the packed path on explicitly: its ``EngineOptions.use_remove_padding`` becomes a
+:class:`Packing` passed to the loss function and to
+:func:`posttrain.train.forward.response_logprobs`, which then calls :func:`packed_response_logprobs`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
+from dataclasses import dataclass
 
 import torch
 
 from posttrain.algo.logprob import entropy_from_logits, logprobs_from_logits
 from posttrain.errors import ConfigError
+from posttrain.train.layout import default_position_ids
 
 ATTN_NAME = "posttrain_packed"
-_ACTIVE = contextvars.ContextVar("posttrain_remove_padding", default=False)
-_SHARE = contextvars.ContextVar("posttrain_share_prompts", default=True)
+# set only while _packed_logits runs the model, so the attention function knows a packed forward
 _IN_FORWARD = contextvars.ContextVar("posttrain_packed_forward", default=False)
 
 
-def active() -> bool:
-    """Whether response log-probs should take the packed path (set by :func:`packing`)."""
-    return _ACTIVE.get()
+@dataclass(frozen=True)
+class Packing:
+    """The packed path is on; ``share_prompts``: rows with identical prompts share one copy of it."""
 
-
-@contextlib.contextmanager
-def packing(on: bool = True, share_prompts: bool = True):
-    """Turn the packed path on (or off) for the forwards inside the ``with`` block; with
-    ``share_prompts`` rows with identical prompts share one copy of it in the packed row."""
-    token, share = _ACTIVE.set(on), _SHARE.set(share_prompts)
-    try:
-        yield
-    finally:
-        _ACTIVE.reset(token)
-        _SHARE.reset(share)
+    share_prompts: bool = True
 
 
 # ---- the attention function --------------------------------------------------------------------
@@ -204,7 +194,7 @@ def pack(batch: dict[str, torch.Tensor], share_prompts: bool = False) -> dict[st
 def _positions(batch: dict[str, torch.Tensor]) -> torch.Tensor:
     positions = batch.get("position_ids")
     if positions is None:
-        positions = (batch["attention_mask"].long().cumsum(-1) - 1).clamp(min=0)
+        positions = default_position_ids(batch["attention_mask"])
     return positions
 
 
@@ -248,11 +238,12 @@ def packed_response_logprobs(
     temperature: float = 1.0,
     with_entropy: bool = False,
     entropy_grad: bool = True,
+    share_prompts: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Same contract as :func:`posttrain.train.forward.response_logprobs`, on the packed row."""
     temperature = temperature if temperature > 0 else 1.0
     # sharing needs posttrain's attention; a flash-attention varlen model keeps its own sequences
-    share = enable(model) and _SHARE.get()
+    share = enable(model) and share_prompts
     packed = pack(batch, share_prompts=share)
     logits = _packed_logits(model, packed)
     select = packed["select"]

@@ -8,7 +8,8 @@ Each pair is split at its first label into prompt and answer and put in the trai
 Per global batch of ``global_batch_size`` pairs:
 
 1. the reference's sequence log-probs ``ref_c``, ``ref_r`` (sum over answer tokens; mean for
-   ``ipo``), without gradients;
+   ``ipo``), without gradients, from the session's reference engine (the same batching options
+   as the policy: remove padding, token budgets);
 2. one optimizer step on :func:`posttrain.algo.dpo_loss.dpo_loss` (``dpo_loss_type`` sigmoid,
    hinge, ipo or kto_pair; ``dpo_beta``; ``dpo_label_smoothing``; ``pref_ftx`` adds the chosen
    answer's token-mean NLL), averaged over the pairs of the batch, in micro-batches of
@@ -26,33 +27,11 @@ import logging
 
 import torch
 
-from posttrain.config.run import RunConfig
-from posttrain.errors import ConfigError
-from posttrain.trainers import setup
-from posttrain.trainers.experience import sequence_batch
+from posttrain.train.layout import build_batch
 from posttrain.trainers.offline import OfflineTrainer, split_sample
 
 log = logging.getLogger(__name__)
 SIDES = ("chosen", "rejected")
-
-
-def check_dpo_config(cfg: RunConfig) -> None:
-    """DPO's own rules (the loss type is checked with the seed's message by ``validate_run_config``)."""
-    a = cfg.actor
-    from posttrain.algo.dpo_loss import dpo_loss_types
-
-    if a.dpo_loss_type not in dpo_loss_types():
-        raise ConfigError(f"Unknown loss type: {a.dpo_loss_type}. Should be one of {dpo_loss_types()}")
-    if not a.is_pairwise_dataset:
-        raise ConfigError("stage dpo trains on preference pairs: set megatron_training.is_pairwise_dataset: true "
-                          "and preprocess the data with handler_name: AlpacaStylePairwiseHandler")
-    if a.dpo_beta <= 0:
-        raise ConfigError(f"megatron_training.dpo_beta must be > 0 (the seed's default is 0.1); got {a.dpo_beta}")
-    if not 0.0 <= a.dpo_label_smoothing < 0.5:
-        raise ConfigError(f"megatron_training.dpo_label_smoothing must be in [0, 0.5) (the probability that a "
-                          f"preference label is flipped); got {a.dpo_label_smoothing}")
-    if a.pref_ftx < 0:
-        raise ConfigError(f"megatron_training.pref_ftx must be >= 0 (weight of the SFT term); got {a.pref_ftx}")
 
 
 def pair_batch(items: list[dict], pad_token_id: int) -> dict[str, torch.Tensor]:
@@ -60,54 +39,23 @@ def pair_batch(items: list[dict], pad_token_id: int) -> dict[str, torch.Tensor]:
     out = {}
     for side in SIDES:
         pairs = [split_sample(it[f"{side}_input_ids"], it[f"{side}_labels"]) for it in items]
-        tensors = sequence_batch([p for p, _ in pairs], [r for _, r in pairs], pad_token_id)
+        tensors = build_batch([p for p, _ in pairs], [r for _, r in pairs], pad_token_id=pad_token_id)
         out.update({f"{side}_{k}": v for k, v in tensors.items()})
-    return out
-
-
-@torch.no_grad()
-def reference_logps(ref_model, batch: dict[str, torch.Tensor], *, average: bool, micro_batch_size: int,
-                    device) -> dict[str, torch.Tensor]:
-    """``ref_chosen_logps [N]`` and ``ref_rejected_logps [N]`` under the frozen reference."""
-    from posttrain.train.loss_fns import MODEL_KEYS, sequence_logps
-
-    out = {}
-    rows = batch["chosen_input_ids"].shape[0]
-    for side in SIDES:
-        parts = []
-        for start in range(0, rows, micro_batch_size):
-            mb = {k: batch[f"{side}_{k}"][start:start + micro_batch_size].to(device)
-                  for k in MODEL_KEYS if f"{side}_{k}" in batch}
-            parts.append(sequence_logps(ref_model, mb, average=average)[0].float().cpu())
-        out[f"ref_{side}_logps"] = torch.cat(parts)
     return out
 
 
 def with_loss_metric(loss_fn):
     """Report the loss itself as ``dpo/loss`` (each micro-batch's share of the batch mean)."""
 
-    def wrapped(model, micro_batch, *, num_tokens=None, num_seqs=None):
-        loss, metrics = loss_fn(model, micro_batch, num_tokens=num_tokens, num_seqs=num_seqs)
+    def wrapped(model, micro_batch, *, num_tokens=None, num_seqs=None, packing=None):
+        loss, metrics = loss_fn(model, micro_batch, num_tokens=num_tokens, num_seqs=num_seqs, packing=packing)
         return loss, {"dpo/loss": loss.detach(), **metrics}
 
     return wrapped
 
 
 class DPOTrainer(OfflineTrainer):
-    metric_prefix = "dpo"
-    dataset_kind = "pairwise dataset (AlpacaStylePairwiseHandler)"
     batch_phase = "reference_model"  # building a batch runs the reference
-
-    def make_dataset(self, actor):
-        from posttrain.data.datasets import PairwiseDataset
-
-        return PairwiseDataset(actor.data_path, seq_length=actor.seq_length, split=actor.split)
-
-    def prepare(self) -> None:
-        self.engine.loss_mask_key = "chosen_response_mask"
-        a = self.cfg.actor
-        ref_path = a.ref_model or (self.initial_model if self.iteration > 0 else None)
-        self.reference = setup.build_frozen_copy(self.model, ref_path, self.device)
 
     def loss_fn(self):
         from posttrain.train.loss_fns import make_dpo_loss_fn
@@ -117,9 +65,9 @@ class DPOTrainer(OfflineTrainer):
                                                  label_smoothing=a.dpo_label_smoothing, pref_ftx=a.pref_ftx))
 
     def batch(self) -> dict[str, torch.Tensor]:
-        a = self.cfg.actor
-        items = [self.dataset[i] for i in self.sampler.next_batch()]
-        batch = pair_batch(items, self.tokenizer.pad_token_id)
-        batch.update(reference_logps(self.reference, batch, average=a.dpo_loss_type == "ipo",
-                                     micro_batch_size=a.micro_batch_size, device=self.device))
+        a, p = self.cfg.actor, self.s.policy
+        batch = pair_batch(self.items(), p.pad_token_id)
+        chosen, rejected = p.reference.compute_pair_logps(batch, average=a.dpo_loss_type == "ipo",
+                                                          micro_batch_size=a.micro_batch_size)
+        batch.update(ref_chosen_logps=chosen.cpu(), ref_rejected_logps=rejected.cpu())
         return batch

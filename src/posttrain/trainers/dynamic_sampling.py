@@ -23,12 +23,13 @@ import numpy as np
 import torch
 
 from posttrain.errors import DataError
+from posttrain.trainers.experience import new_dock
 from posttrain.transfer_dock import TransferDock
 
 log = logging.getLogger(__name__)
 
 # the rows copied from the sampling dock into the main dock
-CARRIED = ("prompts", "prompt_length", "labels", "responses", "response_length", "rm_scores")
+CARRIED = ("prompts", "prompt_length", "labels", "responses", "response_length", "scores")
 CONSUMER = "dynamic_sampling"
 SEED_STRIDE = 100_003  # rollout seed of extra generation batches: iteration + k * stride
 
@@ -64,10 +65,10 @@ class DynamicSampler:
     def train_rows(self) -> int:
         return self.train_prompts * self.n
 
-    def fill(self, trainer, td: TransferDock, timers, acc, iteration: int) -> None:
-        """Generate, score and filter until ``td`` (the main dock) holds ``train_prompts`` groups."""
-        from posttrain.trainers.onpolicy import COLUMNS, CONSUMERS
-
+    def fill(self, generate_and_score, td: TransferDock, timers, acc, iteration: int) -> None:
+        """Generate, score and filter until ``td`` (the main dock) holds ``train_prompts`` groups.
+        ``generate_and_score(dock, iteration, timers, acc)`` fills a sampling dock with prompts,
+        their responses (seeded by ``iteration``) and their scores."""
         self.num_gen_batches, self.num_kept = 0, 0
         filled = 0
         while filled < self.train_prompts:
@@ -78,14 +79,10 @@ class DynamicSampler:
                     f"prompts whose '{self.metric}' scores vary; raise rl_config.filter_groups_max_batches "
                     f"(<= 0: no cap) or use prompts that the model sometimes solves)")
             self.num_gen_batches += 1
-            sample = TransferDock(self.gbs * self.n, (*COLUMNS, metric_column(self.metric)), (*CONSUMERS, CONSUMER),
-                                  n_samples_per_prompt=self.n, guarantee_order=self.guarantee_order,
-                                  seed=self.seed + iteration * 7919 + self.num_gen_batches)
-            trainer.put_prompts(sample)
-            with timers("rollout"):
-                trainer.rollout(sample, iteration + SEED_STRIDE * (self.num_gen_batches - 1))
-            with timers("rule_reward"):
-                trainer.reward(sample, acc)
+            sample = new_dock(self.gbs * self.n, self.n, guarantee_order=self.guarantee_order,
+                              seed=self.seed + iteration * 7919 + self.num_gen_batches,
+                              extra_columns=[metric_column(self.metric)], extra_consumers=[CONSUMER])
+            generate_and_score(sample, iteration + SEED_STRIDE * (self.num_gen_batches - 1), timers, acc)
             with timers("dynamic_sampling"):
                 filled = self._move(sample, td, filled)
         acc.update({"dapo/num_kept_groups": float(self.num_kept)})

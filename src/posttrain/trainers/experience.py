@@ -1,7 +1,9 @@
-"""Turning TransferDock rows into the training batch layout of :mod:`posttrain.train.forward`.
+"""The on-policy experience: the TransferDock's schema, and the one path between its rows and the
+training batch of :mod:`posttrain.train.layout`.
 
-Prompts are left-padded to ``P`` columns and responses right-padded to ``R`` columns, so every
-response starts at column ``P``; per-token columns (logprobs, advantages...) are ``[B, R]``.
+Each tensor has one name from rollout to loss: the dock column ``old_logprobs`` is the batch key
+``old_logprobs`` that the actor loss reads. Per-token columns (``old_logprobs``, ``ref_logprobs``,
+``advantages``, ``returns``, ``values``) hold one value per response token.
 """
 
 from __future__ import annotations
@@ -10,48 +12,44 @@ from collections.abc import Sequence
 
 import torch
 
-from posttrain.transfer_dock import pad_rows
+from posttrain.train.layout import build_batch, per_token, unpad
+from posttrain.transfer_dock import TransferDock
+
+COLUMNS = ("prompts", "prompt_length", "labels", "responses", "response_length", "scores",
+           "old_logprobs", "ref_logprobs", "advantages", "returns", "values")
+PER_TOKEN = ("old_logprobs", "ref_logprobs", "advantages", "returns", "values")
+# the phases that read the dock, in the order of one iteration
+CONSUMERS = ("rollout", "reward", "advantages", "ref_logprobs", "old_logprobs", "critic_values",
+             "critic_update", "actor_update", "metrics")
 
 
-def left_pad(rows: Sequence[torch.Tensor], pad_value: int) -> torch.Tensor:
-    width = max(int(r.numel()) for r in rows)
-    out = torch.full((len(rows), width), pad_value, dtype=torch.long)
-    for i, row in enumerate(rows):
-        if row.numel():
-            out[i, width - row.numel():] = row
-    return out
+def new_dock(rows: int, n: int, *, guarantee_order: bool, seed: int, extra_columns: Sequence[str] = (),
+             extra_consumers: Sequence[str] = ()) -> TransferDock:
+    return TransferDock(rows, (*COLUMNS, *extra_columns), (*CONSUMERS, *extra_consumers), n_samples_per_prompt=n,
+                        guarantee_order=guarantee_order, seed=seed)
 
 
-def sequence_batch(prompts: Sequence[torch.Tensor], responses: Sequence[torch.Tensor],
-                   pad_token_id: int) -> dict[str, torch.Tensor]:
-    """``input_ids [B, P+R]``, ``attention_mask``, ``response_mask [B, R]`` from token-id rows."""
-    left = left_pad(prompts, pad_token_id)
-    right = pad_rows([r.long() for r in responses], pad_token_id).long()
-    if right.shape[1] == 0:  # every response empty: keep one (masked) column
-        right = torch.full((len(responses), 1), pad_token_id, dtype=torch.long)
-    prompt_mask = torch.zeros_like(left)
-    for i, row in enumerate(prompts):
-        if row.numel():
-            prompt_mask[i, left.shape[1] - row.numel():] = 1
-    response_mask = torch.zeros_like(right)
-    for i, row in enumerate(responses):
-        response_mask[i, : row.numel()] = 1
-    return {
-        "input_ids": torch.cat([left, right], dim=1),
-        "attention_mask": torch.cat([prompt_mask, response_mask], dim=1),
-        "response_mask": response_mask,
-    }
+def read_batch(td: TransferDock, consumer: str, columns: Sequence[str], count: int, *, pad_token_id: int,
+               device=None) -> tuple[dict[str, torch.Tensor], list[int], list[int]]:
+    """``count`` rows for ``consumer`` as a training batch (the layout of :func:`build_batch` plus
+    the per-token ``columns`` as ``[B, R]``), their dock indexes and their response lengths."""
+    batch, idx = td.get(consumer, ["prompts", "responses", "response_length", *columns], count)
+    tensors = build_batch(batch["prompts"], batch["responses"], pad_token_id=pad_token_id)
+    width = tensors["response_mask"].shape[1]
+    for column in columns:
+        tensors[column] = per_token(batch[column], width)
+    if device is not None:
+        tensors = {k: v.to(device) for k, v in tensors.items()}
+    return tensors, idx, [int(x) for x in batch["response_length"]]
 
 
-def per_token(rows: Sequence[torch.Tensor], width: int) -> torch.Tensor:
-    """Right-pad float rows to ``[B, width]`` (for logprobs, advantages, values...)."""
-    out = torch.zeros(len(rows), width, dtype=torch.float32)
-    for i, row in enumerate(rows):
-        k = min(int(row.numel()), width)
-        out[i, :k] = row[:k].float()
-    return out
+def write_rows(td: TransferDock, columns: Sequence[str], idx: list[int], matrices: Sequence[torch.Tensor],
+               lengths: Sequence[int]) -> None:
+    """Put per-token ``[B, R]`` results back, each row cut to its response length."""
+    td.put(list(columns), idx, [unpad(m.float(), lengths) for m in matrices])
 
 
-def unpad(matrix: torch.Tensor, lengths: Sequence[int]) -> list[torch.Tensor]:
-    """Rows of ``[B, R]`` cut to their lengths (for putting back into the TransferDock)."""
-    return [matrix[i, : int(n)].detach().cpu() for i, n in enumerate(lengths)]
+def per_group(batch: dict[str, list[torch.Tensor]]) -> tuple[list[int], torch.Tensor]:
+    """(response lengths, a ``[B, R]`` mask of the response tokens) of whole groups of rows."""
+    lengths = [int(x) for x in batch["response_length"]]
+    return lengths, per_token([torch.ones(n) for n in lengths], max(max(lengths), 1))

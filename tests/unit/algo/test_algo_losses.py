@@ -7,20 +7,20 @@ import torch
 
 from posttrain.algo.aggregation import aggregate_loss
 from posttrain.algo.dpo_loss import dpo_loss
-from posttrain.algo.policy_loss import actor_loss, compute_policy_loss
+from posttrain.algo.policy_loss import POLICY_LOSSES, actor_loss
 from posttrain.algo.value_loss import value_loss
 from posttrain.errors import ConfigError
 
 
 def _pg(log_ratio, adv, **kw):
     logp = torch.tensor([[log_ratio]])
-    return compute_policy_loss(logp, torch.zeros(1, 1), torch.tensor([[adv]]), torch.ones(1, 1), **kw)
+    return actor_loss(logp, torch.zeros(1, 1), torch.tensor([[adv]]), torch.ones(1, 1), **kw)
 
 
 def test_ratio_one_gives_minus_mean_advantage():
     logp = torch.zeros(2, 2)
     adv = torch.tensor([[1.0, 1.0], [-1.0, 3.0]])
-    loss, metrics = compute_policy_loss(logp, logp, adv, torch.ones(2, 2))
+    loss, metrics = actor_loss(logp, logp, adv, torch.ones(2, 2))
     assert loss.item() == pytest.approx(-1.0)
     assert metrics["actor/pg_clipfrac"].item() == 0.0
     assert metrics["actor/ppo_kl"].item() == 0.0
@@ -50,7 +50,7 @@ def test_clip_higher_and_dual_clip():
 
 def test_gspo_sequence_ratio_value_and_gradient():
     logp = torch.tensor([[math.log(1.1), math.log(1.3)]], requires_grad=True)
-    loss, _ = compute_policy_loss(
+    loss, _ = actor_loss(
         logp, torch.zeros(1, 2), torch.ones(1, 2), torch.ones(1, 2),
         policy_loss="gspo", loss_agg_mode="seq-mean-token-mean",
     )
@@ -63,6 +63,23 @@ def test_gspo_sequence_ratio_value_and_gradient():
 def test_unknown_policy_loss():
     with pytest.raises(ConfigError, match="gspo"):
         _pg(0.0, 1.0, policy_loss="cispo")
+
+
+@pytest.mark.parametrize("name", ["ppo", "gspo"])
+def test_policy_losses_are_callable_alone(name):
+    torch.manual_seed(0)
+    logp, old, adv = torch.randn(3, 4), torch.randn(3, 4), torch.randn(3, 4)
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]])
+    kw = {"loss_agg_mode": "seq-mean-token-mean", "num_tokens": 20.0, "num_seqs": 6.0}
+    loss, m = POLICY_LOSSES.get(name)(logp, old, adv, mask, clip_low=0.2, clip_high=0.28, clip_ratio_c=3.0, **kw)
+    # actor_loss resolves clip_ratio_low/high and calls the same function: identical numbers
+    ref, ref_m = actor_loss(logp, old, adv, mask, policy_loss=name, clip_ratio_low=0.2, clip_ratio_high=0.28,
+                            clip_ratio_c=3.0, **kw)
+    assert torch.equal(loss, ref)
+    assert all(torch.equal(m[k], ref_m[k]) for k in m)
+    assert set(m) == {"actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/ppo_kl"}
+    with pytest.raises(TypeError):  # the symmetric clip_ratio is actor_loss's, not the loss's
+        POLICY_LOSSES.get(name)(logp, old, adv, mask, clip_ratio=0.2)
 
 
 def test_actor_loss_combines_terms():

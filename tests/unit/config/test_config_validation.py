@@ -6,6 +6,7 @@ import copy
 
 import pytest
 
+from posttrain.config.check import check_run_config
 from posttrain.config.run import run_config_from_dict
 from posttrain.config.validate import validate_run_config
 from posttrain.errors import ConfigError
@@ -22,7 +23,9 @@ BASE = {
 
 def check(overrides, device_type="cpu", num_nodes=1, base=BASE):
     cfg = run_config_from_dict(copy.deepcopy(base), overrides=overrides)
-    return validate_run_config(cfg, device_type=device_type, num_nodes=num_nodes)
+    if num_nodes != 1:
+        return validate_run_config(cfg, device_type=device_type, num_nodes=num_nodes)
+    return check_run_config(cfg, device_type=device_type)[0]  # the one check of plan and train
 
 
 def test_base_is_valid_and_derives_dispatch_sizes():
@@ -30,13 +33,15 @@ def test_base_is_valid_and_derives_dispatch_sizes():
     layout = validate_run_config(cfg)
     # actor dp = 4 devices / (TP1*PP1*CP1) = 4; infer dp = 4 / 2 = 2; gbs*n = 32
     assert (layout.actor_dp, layout.infer_dp) == (4, 2)
-    rl = cfg.rl
-    assert rl.actor_rollout_dispatch_size == 16  # 32 // infer_dp 2
-    assert rl.actor_logprob_dispatch_size == 8  # 32 // actor_dp 4
-    assert rl.actor_update_dispatch_size == 8
-    assert rl.ref_dispatch_size == 8
-    assert rl.adv_dispatch_size == 32
-    assert rl.reward_dispatch_size == 32  # rule reward: 32 // 1 node
+    d = layout.dispatch_sizes
+    assert d["actor_rollout_dispatch_size"] == 16  # 32 // infer_dp 2
+    assert d["actor_logprob_dispatch_size"] == 8  # 32 // actor_dp 4
+    assert d["actor_update_dispatch_size"] == 8
+    assert d["ref_dispatch_size"] == 8
+    assert d["adv_dispatch_size"] == 32
+    assert d["reward_dispatch_size"] == 32  # rule reward: 32 // 1 node
+    # derived, never written back: the config the user wrote is the config the run reads
+    assert cfg.rl.actor_rollout_dispatch_size is None and cfg.rl.adv_dispatch_size is None
 
 
 CASES = [
@@ -102,7 +107,7 @@ CASES = [
     # posttrain's own rules
     (["megatron_training.stage=foo"], "unknown stage 'foo'"),
     (["rl_config.mini_batch_size=3"], "rl_config.mini_batch_size 3 must divide global_batch_size 8"),
-    (["rl_config.kl_penalty=full"], "rl_config.kl_penalty: unknown 'full'"),
+    (["rl_config.kl_penalty=full"], "Unknown KL penalty 'full'; known: abs, kl, low_var_kl, mse"),
     (["rl_config.kl_ctrl_type=pid"], "rl_config.kl_ctrl_type: unknown 'pid'"),
     (["megatron_training.seq_length=null"], "megatron_training.seq_length is not set"),
     (["generate_config.dtype=int8"], "generate_config.dtype: unknown dtype 'int8'"),

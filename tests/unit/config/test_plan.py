@@ -1,12 +1,13 @@
-"""The plan's arithmetic, checked by hand on the seed's r1_zero_qwen25_7b config."""
+"""The plan's arithmetic, checked by hand on the seed's r1_zero_qwen25_7b config; what ``plan``
+refuses and what its memory estimate describes."""
 
 from __future__ import annotations
 
 import pytest
 
 from posttrain.cli import main
-from posttrain.config.plan import GIB, build_plan
-from posttrain.config.plan_cmd import model_arch
+from posttrain.commands.plan import model_arch
+from posttrain.config.plan import GIB, build_plan, resolve_plan
 from posttrain.config.run import load_run_config
 from posttrain.config.validate import validate_run_config
 
@@ -14,8 +15,7 @@ from posttrain.config.validate import validate_run_config
 @pytest.fixture(scope="module")
 def plan():
     cfg = load_run_config("r1_zero_qwen25_7b")
-    layout = validate_run_config(cfg)
-    return build_plan(cfg, layout, model_arch(cfg))
+    return build_plan(cfg, validate_run_config(cfg), model_arch(cfg))
 
 
 def test_batch_numbers(plan):
@@ -23,7 +23,7 @@ def test_batch_numbers(plan):
     assert plan.prompts_per_iteration == 32 and plan.responses_per_iteration == 512
     assert plan.mini_batches_per_iteration == 1 and plan.optimizer_steps_per_iteration == 1
     # 8 devices / (TP 4 x PP 2) = actor DP 1; 8 / infer TP 4 = rollout DP 2
-    assert (plan.actor_dp, plan.infer_dp) == (1, 2)
+    assert (plan.layout.actor_dp, plan.layout.infer_dp) == (1, 2)
     # 512 responses per DP rank / micro_batch_size 4 = 128 micro-batches
     assert plan.grad_accumulation_steps == 128
     # seq_length 4096 bounds prompt (<= 1023) + response (<= 4096); 512 x 4096 tokens
@@ -32,30 +32,52 @@ def test_batch_numbers(plan):
     assert plan.dispatch_sizes["actor_update_dispatch_size"] == 512  # 512 // actor DP 1
 
 
-def test_memory_by_hand(plan):
-    # Qwen2.5-7B: 28 layers, h 3584, ffn 18944, 28 heads / 4 KV heads, vocab 152064, untied
-    layer = (3584 * 3584 + 2 * 3584 * 512 + 3584 * 3584 + (3584 + 2 * 512)  # q,k,v,o + qkv bias
-             + 3 * 3584 * 18944 + 2 * 3584)  # mlp + 2 norms
-    params = 28 * layer + 2 * 152064 * 3584 + 3584
-    assert plan.num_params == params
-    assert params == pytest.approx(7.615e9, rel=1e-3)  # the published 7.61B
-    shard = params / 8  # TP 4 x PP 2
+# Qwen2.5-7B: 28 layers, h 3584, ffn 18944, 28 heads / 4 KV heads, vocab 152064, untied
+LAYER = (3584 * 3584 + 2 * 3584 * 512 + 3584 * 3584 + (3584 + 2 * 512)  # q,k,v,o + qkv bias
+         + 3 * 3584 * 18944 + 2 * 3584)  # mlp + 2 norms
+PARAMS = 28 * LAYER + 2 * 152064 * 3584 + 3584
+ONE_PROCESS = ["actor_config.tensor_model_parallel_size=1", "actor_config.pipeline_model_parallel_size=1",
+               "rl_config.actor_resource.num_npus=1", "generate_config.infer_tensor_parallel_size=1"]
+
+
+def test_memory_by_hand_for_the_layout_that_runs():
+    cfg = load_run_config("r1_zero_qwen25_7b", overrides=ONE_PROCESS)
+    plan = resolve_plan(cfg, model_arch(cfg), device="cpu")
+    assert plan.num_params == PARAMS and PARAMS == pytest.approx(7.615e9, rel=1e-3)  # the published 7.61B
+    assert not plan.use_ray and plan.workers == 1 and plan.train_dtype == "float32"
     m = plan.memory
-    assert m.weights == pytest.approx(shard * 2)  # bf16
-    assert m.gradients == pytest.approx(shard * 4)  # fp32 main grads
-    assert m.optimizer == pytest.approx(shard * 12)  # fp32 master + 2 moments, DP 1
-    # activations: 14 layers on this PP stage x s*b*h*34/TP (flash attention) + fp32 logits / TP
-    act = 14 * 4096 * 4 * 3584 * 34 / 4 + 4096 * 4 * 152064 * 4 / 4
-    assert m.activations == pytest.approx(act)
-    # KV: 256 sequences per rollout DP rank x 4096 tokens x (2 x 28 x 4 x 128 x 2 bytes) / infer TP 4
-    assert m.kv_cache == pytest.approx(256 * 4096 * 2 * 28 * 4 * 128 * 2 / 4)
-    assert m.total / GIB == pytest.approx(38.79, abs=0.01)
+    # fp32 master weights, fp32 gradients, AdamW's two fp32 moments: one whole replica in one process
+    assert (m.weights, m.gradients, m.optimizer) == (4 * PARAMS, 4 * PARAMS, 8 * PARAMS)
+    assert m.reference == 0 and m.critic == 0  # init_kl_coef 0: no reference; GRPO: no critic
+    # activations: 28 layers x s*b*h*34 (memory-efficient attention) + fp32 logits
+    assert m.activations == pytest.approx(28 * 4096 * 4 * 3584 * 34 + 4096 * 4 * 152064 * 4)
+    # KV: 512 sequences (max_num_seqs 512 >= the 512 responses) x 4096 tokens x 2 x 28 layers x 4 KV heads x 128 x bytes
+    kv_bytes = 2 if plan.rollout_dtype == "bfloat16" else 4
+    assert m.kv_cache == pytest.approx(512 * 4096 * 2 * 28 * 4 * 128 * kv_bytes)
+
+
+def test_memory_shards_with_fsdp2_and_counts_the_reference():
+    cfg = load_run_config("r1_zero_qwen25_7b", overrides=ONE_PROCESS + [
+        "rl_config.actor_resource.num_npus=4", "rl_config.ray_sharding=fsdp2", "rl_config.init_kl_coef=0.001"])
+    plan = resolve_plan(cfg, model_arch(cfg), device="cpu")
+    assert plan.use_ray and plan.workers == 4
+    assert plan.memory.weights == pytest.approx(PARAMS)  # 4 bytes / 4 workers
+    assert plan.memory.optimizer == pytest.approx(2 * PARAMS)
+    assert plan.memory.reference == 4 * PARAMS  # the frozen copy is whole on every worker
 
 
 def test_plan_command_prints(capsys):
-    assert main(["plan", "--config-name", "r1_zero_qwen25_7b"]) == 0
+    assert main(["plan", "--config-name", "grpo_tiny_qwen2"]) == 0
     out = capsys.readouterr().out
-    assert "responses" in out and "512" in out and "data parallel 1" in out
+    assert "valid" in out and "responses" in out and "optimizer steps in all" in out
+
+
+def test_plan_refuses_the_layouts_no_backend_runs(capsys):
+    """Until a backend runs TP/PP, the seed's TP4 x PP2 config exits 2 and names the keys."""
+    assert main(["plan", "--config-name", "r1_zero_qwen25_7b"]) == 2
+    err = capsys.readouterr().err
+    assert "tensor_model_parallel_size" in err and "pipeline_model_parallel_size" in err
+    assert main(["plan", "--config-name", "r1_zero_qwen25_7b", *ONE_PROCESS]) == 0
 
 
 def test_plan_command_bad_input_exit_2(capsys):
@@ -76,3 +98,5 @@ def test_dapo_dynamic_sampling_updates_on_the_kept_prompts():
     # 32 prompts generated per batch; 16 kept prompts are updated on, in mini-batches of 8 prompts
     assert plan.prompts_per_iteration == 32 and plan.prompts_per_update == 16
     assert plan.mini_batches_per_iteration == 2 and plan.optimizer_steps_per_iteration == 2
+    # the LR schedule's length counts the kept prompts' steps (not gbs // mini_batch_size)
+    assert plan.total_optimizer_steps == 2 * cfg.actor.train_iters

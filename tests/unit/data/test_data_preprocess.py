@@ -212,7 +212,7 @@ def test_unknown_template_and_handler(tmp_path, tok_dir):
     path = _jsonl(tmp_path / "in.jsonl", ROWS)
     with pytest.raises(ConfigError, match="Known: .*qwen_r1"):
         pp.preprocess(_cfg(tmp_path, tok_dir, path, prompt_type="qwen9"), progress=False)
-    with pytest.raises(ConfigError, match="FooHandler is not supported. Known handlers: .*R1AlpacaStyleInstructionHandler"):
+    with pytest.raises(ConfigError, match="Unknown data handler 'FooHandler'; known: .*R1AlpacaStyleInstructionHandler"):
         pp.preprocess(_cfg(tmp_path, tok_dir, path, handler_name="FooHandler"), progress=False)
     with pytest.raises(ConfigError, match="enable_thinking only support"):
         pp.preprocess(_cfg(tmp_path, tok_dir, path, enable_thinking=True), progress=False)

@@ -38,7 +38,7 @@ def test_get_only_returns_rows_ready_in_all_requested_columns():
     batch, idx = td.get("compute_advantage", ["responses", "rm_scores"], 2)
     assert idx == [1, 3]
     assert [r.tolist() for r in batch["rm_scores"]] == [[1.0], [2.0]]
-    assert td.ready_count(["responses", "rm_scores"]) == 3
+    assert td.get("compute_advantage", ["responses", "rm_scores"], 1)[1] == [5]  # the third ready row
 
 
 def test_random_choice_is_seeded_and_covers_all_rows_once():
@@ -72,20 +72,17 @@ def test_put_prompts_repeats_each_prompt_n_times():
     assert [r.tolist() for r in batch["prompts"]] == [[5, 6], [5, 6], [7], [7]]
 
 
-def test_padded_get_and_explicit_indexes():
-    td = TransferDock(8, ["responses", "response_length", "old_log_prob"], ["actor_train"],
-                      guarantee_order=True)
-    td.put_experience({"responses": [torch.tensor([1, 2, 3]), torch.tensor([4])],
-                       "response_length": torch.tensor([3, 1]),
-                       "old_log_prob": [torch.tensor([-0.5, -1.0, -2.0]), torch.tensor([-3.0])]}, [0, 1])
-    batch, idx = td.get("actor_train", ["responses", "response_length", "old_log_prob"],
-                        indexes=[1, 0], pad=True, pad_id=-1, multiple=2)
+def test_explicit_indexes_read_in_the_given_order():
+    td = TransferDock(8, ["responses", "response_length", "old_logprobs"], ["actor_update"], guarantee_order=True)
+    td.put(["responses", "response_length", "old_logprobs"], [0, 1],
+           [[torch.tensor([1, 2, 3]), torch.tensor([4])], torch.tensor([3, 1]),
+            [torch.tensor([-0.5, -1.0, -2.0]), torch.tensor([-3.0])]])
+    batch, idx = td.get("actor_update", ["responses", "response_length", "old_logprobs"], indexes=[1, 0])
     assert idx == [1, 0]
-    assert batch["responses"].tolist() == [[4, -1, -1, -1], [1, 2, 3, -1]]
-    assert batch["response_length"].tolist() == [[1], [3]]
-    assert batch["old_log_prob"].tolist() == [[-3.0, 0.0, 0.0, 0.0], [-0.5, -1.0, -2.0, 0.0]]
+    assert [r.tolist() for r in batch["responses"]] == [[4], [1, 2, 3]]
+    assert [r.tolist() for r in batch["old_logprobs"]] == [[-3.0], [-0.5, -1.0, -2.0]]
     with pytest.raises(TransferDockError, match="not ready"):
-        td.get("actor_train", ["responses"], indexes=[2])
+        td.get("actor_update", ["responses"], indexes=[2])
     assert pad_rows([torch.tensor([1.0]), torch.tensor([2.0, 3.0])]).tolist() == [[1, 0], [2, 3]]
 
 
@@ -94,7 +91,7 @@ def test_clear_resets_data_readiness_and_consumption():
     td.put(["responses"], range(8), [torch.zeros(8, 1)])
     td.get("rule_reward", ["responses"], 8)
     td.clear()
-    assert td.ready_count(["responses"]) == 0 and td.consumed_count("rule_reward") == 0
+    assert td.consumed_count("rule_reward") == 0
     assert td.get("rule_reward", ["responses"], 8) == (None, None)
 
 
@@ -123,24 +120,3 @@ def test_dock_pickles_with_its_state():
     assert clone.consumed_count("rule_reward") == 1
     assert clone.get("actor_train", ["responses"], indexes=[0, 1])[0]["responses"][1].tolist() == [3]
     assert clone.get("rule_reward", ["responses"], 1)[1] == td.get("rule_reward", ["responses"], 1)[1] == [1]
-
-
-def test_extra_columns_and_consumers():
-    td = _dock()
-    td.add_columns(["values"])
-    td.add_consumers(["critic_train"])
-    td.put(["values"], [0], [[torch.tensor([0.5, 0.25])]])
-    assert td.is_ready("values", 0) and not td.is_ready("values", 1)
-    batch, _ = td.get("critic_train", ["values"], indexes=[0])
-    assert batch["values"][0].tolist() == [0.5, 0.25]
-
-
-def test_dp_rank_reads_only_its_range():
-    td = _dock(n=2, guarantee_order=True)
-    td.put(["responses"], range(8), [torch.zeros(8, 1)])
-    assert td.get("rule_reward", ["responses"], 2, dp_rank=1, dp_size=2)[1] == [4, 5]
-    assert td.get("rule_reward", ["responses"], 2, dp_rank=1, dp_size=2)[1] == [6, 7]
-    assert td.get("rule_reward", ["responses"], 2, dp_rank=1, dp_size=2) == (None, None)
-    assert td.get("rule_reward", ["responses"], 4, dp_rank=0, dp_size=2, get_n_samples=True)[1] == [0, 1, 2, 3]
-    with pytest.raises(TransferDockError, match="dp_size must divide"):
-        td.get("actor_train", ["responses"], 2, dp_rank=0, dp_size=3)

@@ -8,7 +8,7 @@ import torch
 import yaml
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from posttrain.trainers import bench_cmd
+from posttrain.commands import bench as bench_cmd
 
 
 def _model():

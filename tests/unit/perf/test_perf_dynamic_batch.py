@@ -4,11 +4,12 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from posttrain.config.sections import RLConfig
+from posttrain.config.plan import EngineOptions, TokenBudget, token_budgets
+from posttrain.config.run import run_config_from_dict
 from posttrain.errors import ConfigError
 from posttrain.train import dynamic_batch as db
 from posttrain.train.engine import TrainEngine
-from posttrain.train.forward import pack_batch
+from posttrain.train.layout import build_batch
 from posttrain.train.loss_fns import make_actor_loss_fn
 
 
@@ -29,29 +30,31 @@ def test_karmarkar_karp_by_hand():
 
 def test_num_micro_batches_formula():
     # k = max(ceil(30 / 10), ceil(5 / 2)) = 3; DP max-reduce raises it
-    assert db.num_micro_batches([6] * 5, db.TokenBudget(10, 2)) == 3
-    assert db.num_micro_batches([6] * 5, db.TokenBudget(100)) == 1
-    assert db.num_micro_batches([6] * 5, db.TokenBudget(100), reduce_max=lambda k: max(k, 4)) == 4
+    assert db.num_micro_batches([6] * 5, TokenBudget(10, 2)) == 3
+    assert db.num_micro_batches([6] * 5, TokenBudget(100)) == 1
+    assert db.num_micro_batches([6] * 5, TokenBudget(100), reduce_max=lambda k: max(k, 4)) == 4
 
 
 def test_split_respects_budget_and_rows():
     lengths = [3, 3, 2]  # k = ceil(8 / 4) = 2 gives {3, 2} = 5 > 4: k grows to 3
-    groups = db.split_by_tokens(lengths, db.TokenBudget(4))
+    groups = db.split_by_tokens(lengths, TokenBudget(4))
     assert len(groups) == 3 and all(sum(lengths[i] for i in g) <= 4 for g in groups)
-    groups = db.split_by_tokens([1] * 7, db.TokenBudget(100, max_rows=3))
+    groups = db.split_by_tokens([1] * 7, TokenBudget(100, max_rows=3))
     assert len(groups) == 3 and max(len(g) for g in groups) <= 3
     with pytest.raises(ConfigError, match="max_packing_token_size"):
-        db.split_by_tokens([5, 9], db.TokenBudget(8))
+        db.split_by_tokens([5, 9], TokenBudget(8))
 
 
-def test_budgets_from_rl_config():
-    assert db.budgets_from_rl_config(RLConfig()) is None
-    rl = RLConfig(use_dynamic_bsz=True, max_packing_token_size=512, update_max_packing_token_size=1024,
-                  dynamic_max_batch_size=8, ref_dynamic_max_batch_size=2)
-    budgets = db.budgets_from_rl_config(rl)
-    # per-phase keys left at their default follow the base key (the seed ignores it: quirk 9)
-    assert budgets == {"ref": db.TokenBudget(512, 2), "actor": db.TokenBudget(512, 8),
-                       "update": db.TokenBudget(1024, 8)}
+def test_token_budgets_from_the_config():
+    def cfg(**rl):
+        return run_config_from_dict({"megatron_training": {"stage": "ray_grpo"}, "rl_config": rl})
+
+    assert token_budgets(cfg()) is None
+    budgets = token_budgets(cfg(use_dynamic_bsz=True, max_packing_token_size=512, update_max_packing_token_size=1024,
+                                dynamic_max_batch_size=8, ref_dynamic_max_batch_size=2))
+    # per-phase keys the config does not set follow the base key (the seed ignores it: quirk 9)
+    assert budgets == {"ref": TokenBudget(512, 2), "actor": TokenBudget(512, 8),
+                       "update": TokenBudget(1024, 8)}
 
 
 def _model():
@@ -65,7 +68,7 @@ def _batch():
     prompt_lens, resp_lens = (3, 5, 2, 4, 1, 6), (4, 1, 6, 3, 7, 2)
     prompts = [torch.randint(1, 64, (n,), generator=g).tolist() for n in prompt_lens]
     resps = [torch.randint(1, 64, (n,), generator=g).tolist() for n in resp_lens]
-    batch = pack_batch(prompts, resps, pad_token_id=0)
+    batch = build_batch(prompts, resps, pad_token_id=0)
     batch["advantages"] = torch.randn(batch["response_mask"].shape, generator=g)
     return batch
 
@@ -74,10 +77,11 @@ def _batch():
 def test_dynamic_step_equals_fixed_micro_batches(remove_padding):
     batch = _batch()
     grads, logprobs = [], []
-    for budget in (None, db.TokenBudget(12)):  # 6 rows of 7-9 tokens: 5-6 micro-batches of 1-2 rows
+    for budget in (None, TokenBudget(12)):  # 6 rows of 7-9 tokens: 5-6 micro-batches of 1-2 rows
         model = _model()
         engine = TrainEngine(model, torch.optim.SGD(model.parameters(), lr=0.0), micro_batch_size=6,
-                             update_budget=budget, forward_budget=budget, use_remove_padding=remove_padding)
+                             options=EngineOptions(use_remove_padding=remove_padding, forward_budget=budget,
+                                                   update_budget=budget))
         if budget is not None:
             assert len(engine._chunks(batch, None, budget)) > 1
         logprobs.append(engine.compute_logprobs(batch))  # rows back in their original order

@@ -4,9 +4,11 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
+from posttrain.config.plan import EngineOptions, TokenBudget
 from posttrain.train import remove_padding as rp
 from posttrain.train.engine import TrainEngine
-from posttrain.train.forward import pack_batch, response_logprobs
+from posttrain.train.forward import response_logprobs
+from posttrain.train.layout import build_batch
 from posttrain.train.loss_fns import make_actor_loss_fn
 
 SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -23,7 +25,7 @@ def _batch(prompt_lens=(3, 5, 2, 4), resp_lens=(4, 1, 6, 3), seed=1):
     g = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(1, 64, (n,), generator=g).tolist() for n in prompt_lens]
     resps = [torch.randint(1, 64, (n,), generator=g).tolist() for n in resp_lens]
-    return pack_batch(prompts, resps, pad_token_id=0)
+    return build_batch(prompts, resps, pad_token_id=0)
 
 
 def _grouped_batch(seed=4):
@@ -32,7 +34,7 @@ def _grouped_batch(seed=4):
     prompts = [torch.randint(1, 64, (n,), generator=g).tolist() for n in (5, 2, 3, 4)]
     rows = [prompts[0]] * 3 + [prompts[1]] * 3 + [prompts[2], prompts[3]]
     resps = [torch.randint(1, 64, (n,), generator=g).tolist() for n in (4, 1, 6, 3, 2, 5, 2, 3)]
-    return pack_batch(rows, resps, pad_token_id=0)
+    return build_batch(rows, resps, pad_token_id=0)
 
 
 def test_pack_layout_by_hand():
@@ -71,8 +73,7 @@ def test_gradients_equal_padded():
     grads = []
     for packed in (False, True):
         model = _model().train()
-        with rp.packing(packed):
-            lp, _ = response_logprobs(model, batch)
+        lp, _ = response_logprobs(model, batch, packing=rp.Packing() if packed else None)
         (lp * torch.linspace(-1, 1, lp.numel()).reshape(lp.shape)).sum().backward()
         grads.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
     assert grads[0].abs().sum() > 0
@@ -87,7 +88,7 @@ def test_engine_remove_padding_matches(make_batch):
     for packed in (False, True):
         model = _model()
         engine = TrainEngine(model, torch.optim.SGD(model.parameters(), lr=0.1), micro_batch_size=2,
-                             use_remove_padding=packed)
+                             options=EngineOptions(use_remove_padding=packed))
         before = engine.compute_logprobs(batch)
         engine.update(batch, make_actor_loss_fn(), mini_batch_size=4)
         results.append((before, engine.compute_logprobs(batch)))
@@ -98,7 +99,7 @@ def test_engine_remove_padding_matches(make_batch):
 
 def test_shared_prompt_layout_by_hand():
     # rows 0 and 1 share the prompt [5, 6]; row 2 has its own [7]
-    batch = pack_batch([[5, 6], [5, 6], [7]], [[1], [2, 3], [4]], pad_token_id=0)
+    batch = build_batch([[5, 6], [5, 6], [7]], [[1], [2, 3], [4]], pad_token_id=0)
     packed = rp.pack(batch, share_prompts=True)
     # packed row: [5, 6 | 1 | 2, 3] [7 | 4]: the shared prompt once
     assert packed["input_ids"].tolist() == [[5, 6, 1, 2, 3, 7, 4]]
@@ -120,8 +121,7 @@ def test_shared_prompt_layout_by_hand():
 def test_shared_prompts_equal_padded(kind):
     model, batch = _model(kind), _grouped_batch()
     ref_lp, ref_ent = response_logprobs(model, batch, temperature=0.7, with_entropy=True)
-    with rp.packing(True, share_prompts=True):
-        lp, ent = response_logprobs(model, batch, temperature=0.7, with_entropy=True)
+    lp, ent = response_logprobs(model, batch, temperature=0.7, with_entropy=True, packing=rp.Packing(share_prompts=True))
     assert torch.allclose(lp, ref_lp, atol=1e-5) and torch.allclose(ent, ref_ent, atol=1e-5)
     packed = rp.pack(batch, share_prompts=True)
     assert packed["input_ids"].shape[1] == 5 + 2 + 3 + 4 + sum((4, 1, 6, 3, 2, 5, 2, 3))  # each prompt once
@@ -133,8 +133,7 @@ def test_shared_prompt_gradients_equal_padded():
     grads = []
     for packed, share in ((False, False), (True, True)):
         model = _model().train()
-        with rp.packing(packed, share_prompts=share):
-            lp, _ = response_logprobs(model, batch)
+        lp, _ = response_logprobs(model, batch, packing=rp.Packing(share_prompts=share) if packed else None)
         (lp * weights).sum().backward()
         grads.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
     assert grads[0].abs().sum() > 0
@@ -144,20 +143,20 @@ def test_shared_prompt_gradients_equal_padded():
 def test_engine_micro_batches_keep_a_group_together():
     # rows of two groups interleaved (as a shuffled dock returns them): micro-batches of 3 rows each
     # hold one group after the engine's reordering, so each packs a single prompt copy
-    batch = pack_batch([[5, 6], [7], [5, 6], [7], [5, 6], [7]], [[1], [2], [3], [4], [5], [6]], pad_token_id=0)
+    batch = build_batch([[5, 6], [7], [5, 6], [7], [5, 6], [7]], [[1], [2], [3], [4], [5], [6]], pad_token_id=0)
     assert rp.group_rows_by_prompt(batch).tolist() == [0, 2, 4, 1, 3, 5]
     model = _model()
-    engine = TrainEngine(model, micro_batch_size=3, use_remove_padding=True)
+    engine = TrainEngine(model, micro_batch_size=3, options=EngineOptions(use_remove_padding=True))
     chunks = engine._chunks(batch, None, None)
     assert [c.tolist() for c in chunks] == [[0, 2, 4], [1, 3, 5]]
-    engine.share_prompt_prefix = False
+    engine = TrainEngine(model, micro_batch_size=3,
+                         options=EngineOptions(use_remove_padding=True, share_prompt_prefix=False))
     assert [c.tolist() for c in engine._chunks(batch, None, None)] == [[0, 1, 2], [3, 4, 5]]
 
 
 @pytest.mark.parametrize("dynamic", [False, True], ids=["fixed", "token_budget"])
 def test_dpo_update_with_remove_padding_matches(dynamic):
     # a pairwise batch (chosen_* / rejected_* sides): packing and token-budget micro-batches count both sides
-    from posttrain.train.dynamic_batch import TokenBudget
     from posttrain.train.loss_fns import make_dpo_loss_fn
 
     g = torch.Generator().manual_seed(5)
@@ -165,16 +164,16 @@ def test_dpo_update_with_remove_padding_matches(dynamic):
     batch = {}
     for side, lens in (("chosen", (2, 4, 3, 1)), ("rejected", (5, 1, 2, 3))):
         resps = [torch.randint(1, 64, (n,), generator=g).tolist() for n in lens]
-        batch.update({f"{side}_{k}": v for k, v in pack_batch(prompts, resps, pad_token_id=0).items()})
+        batch.update({f"{side}_{k}": v for k, v in build_batch(prompts, resps, pad_token_id=0).items()})
     batch["ref_chosen_logps"] = torch.tensor([-9.0, -14.0, -11.0, -4.0])
     batch["ref_rejected_logps"] = torch.tensor([-17.0, -4.0, -8.0, -12.0])
     results = []
     for packed in (False, True):
         model = _model()
+        budget = TokenBudget(24, None) if packed and dynamic else None
         engine = TrainEngine(model, torch.optim.SGD(model.parameters(), lr=0.1), micro_batch_size=2,
-                             use_remove_padding=packed, loss_mask_key="chosen_response_mask")
-        if packed and dynamic:
-            engine.update_budget = TokenBudget(24, None)
+                             options=EngineOptions(use_remove_padding=packed, loss_mask_key="chosen_response_mask",
+                                                   update_budget=budget))
         step = engine.update(batch, make_dpo_loss_fn(beta=0.5), mini_batch_size=4)[0]
         results.append((step, torch.cat([p.detach().reshape(-1) for p in model.parameters()])))
     assert results[0][0]["actor/grad_norm"] == pytest.approx(results[1][0]["actor/grad_norm"], rel=1e-4)

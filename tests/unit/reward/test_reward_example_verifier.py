@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from posttrain.reward.verifiers import get_verifier, import_verifier_modules
+from posttrain.reward.verifiers import VERIFIERS, import_verifier_modules
 
 EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "custom_verifier"
 
@@ -25,11 +25,11 @@ def _example_on_path():
     ("I think it's Paris.", "Paris", 0.0),
 ])
 def test_word_answer(response, label, expected):
-    assert get_verifier("word_answer")(response, label) == expected
+    assert VERIFIERS.get("word_answer").fn(response, label) == expected
 
 
 def test_short_and_correct_uses_the_prompt():
-    fn = get_verifier("short_and_correct")
+    fn = VERIFIERS.get("short_and_correct").fn
     assert fn("\\boxed{17}", "17", prompt="What is 8 + 9?") == 1.0
     long = "blah " * 100 + "\\boxed{17}"  # 510 chars, budget 64 -> cost min(0.5, 446 / 256)
     assert fn(long, "17", prompt="What is 8 + 9?") == 0.5

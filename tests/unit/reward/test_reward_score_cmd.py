@@ -6,7 +6,7 @@ import pytest
 
 from posttrain.cli import build_parser
 from posttrain.errors import DataError
-from posttrain.reward import score_cmd
+from posttrain.commands import score as score_cmd
 
 
 def _run(argv):

@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from posttrain.reward.verifiers import get_verifier
+from posttrain.reward.verifiers import VERIFIERS
 from posttrain.reward.verifiers.extract import last_boxed, r1_format_ok
 from posttrain.reward.verifiers.seed_math import math_equal
 
@@ -16,7 +16,7 @@ R1 = ("<think>\nStep 1: 30 + 4 = 34.\nStep 2: check the sum.\nStep 3: done.\n</t
 @pytest.mark.parametrize("name", ["format", "strict_format", "step", "base_acc", "acc"])
 def test_seed_example_scores_one(name):
     # the seed's tests/ut/models/test_verifier.py: one R1-format response with \boxed{34}
-    assert get_verifier(name)(R1, "34") == 1.0
+    assert VERIFIERS.get(name).fn(R1, "34") == 1.0
 
 
 CASES = {
@@ -132,7 +132,7 @@ CASES = {
 @pytest.mark.parametrize("name,response,label,expected",
                          [(n, r, lab, e) for n, rows in CASES.items() for r, lab, e in rows])
 def test_verifier_table(name, response, label, expected):
-    assert get_verifier(name)(response, label) == expected
+    assert VERIFIERS.get(name).fn(response, label) == expected
 
 
 def test_every_score_value_is_covered():
@@ -145,7 +145,7 @@ def test_every_score_value_is_covered():
 
 
 def test_retool_tool_call_shaping():
-    fn = get_verifier("retool_reward")
+    fn = VERIFIERS.get("retool_reward").fn
     assert fn("\\boxed{35}", "34", tool_call_num=3) == pytest.approx(-0.7)
     assert fn("\\boxed{35}", "34", tool_call_num=20) == 0.0
     assert fn("\\boxed{34}", "34", tool_call_num=20) == 1.0
@@ -176,7 +176,7 @@ def _random_texts(n=3000, seed=0):
 def test_linear_format_checks_match_the_seed_regexes():
     loose = re.compile(r"^<think>.*?</think>\s*<answer>.*?</answer>$", re.DOTALL | re.MULTILINE)
     full = re.compile(r"<think>.*</think>.*<answer>.*\\boxed\{.*\}.*</answer>", re.DOTALL)
-    fmt = get_verifier("format")
+    fmt = VERIFIERS.get("format").fn
     for text in _random_texts():
         assert fmt(text, "") == (1.0 if loose.match(text) else 0.0), repr(text)
         assert r1_format_ok(text) == bool(full.fullmatch(text)), repr(text)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from posttrain.rollout.base import SamplingParams, get_engine
+from posttrain.rollout.base import ROLLOUT_ENGINES, SamplingParams
 from posttrain.rollout.native import NativeEngine
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [14, 15, 16, 17]]  # unequal: left padding is exercised
@@ -63,8 +63,8 @@ def test_shared_prefill_equals_separate_prompts_greedy(model):
 def test_small_batch_limits_give_the_same_greedy_tokens(model):
     greedy = SamplingParams(temperature=0, max_tokens=8)
     big = NativeEngine(model, pad_token_id=0, eos_token_ids=[]).generate(PROMPTS, 3, greedy)
-    small = get_engine("native", model=model, pad_token_id=0, eos_token_ids=[], max_num_seqs=2,
-                       max_num_batched_tokens=4).generate(PROMPTS, 3, greedy)
+    small = ROLLOUT_ENGINES.get("native")(model=model, pad_token_id=0, eos_token_ids=[], max_num_seqs=2,
+                                          max_num_batched_tokens=4).generate(PROMPTS, 3, greedy)
     assert tokens(big) == tokens(small)
 
 

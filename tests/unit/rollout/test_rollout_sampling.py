@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from posttrain.errors import ConfigError
-from posttrain.rollout.base import RolloutOutput, SamplingParams, get_engine
+from posttrain.rollout.base import ROLLOUT_ENGINES, RolloutOutput, SamplingParams
 from posttrain.rollout.native import NativeEngine
 from posttrain.rollout.sampling import filter_candidates
 from posttrain.rollout.scheduling import plan_waves, prefill_chunks
@@ -65,8 +65,8 @@ def test_sampling_params_errors_name_the_key():
         SamplingParams.from_config({"topk": 3})
     with pytest.raises(ConfigError, match="sampling_config.top_p"):
         SamplingParams(top_p=0.0)
-    with pytest.raises(ConfigError, match="known engines"):
-        get_engine("sglang")
+    with pytest.raises(ConfigError, match="Unknown rollout engine 'sglang'; known: native, vllm. Check rl_config"):
+        ROLLOUT_ENGINES.get("sglang")
 
 
 def test_stop_token_ends_sample_and_logprobs_are_exact():

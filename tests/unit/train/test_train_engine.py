@@ -9,7 +9,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from posttrain.algo.logprob import logprobs_from_logits
 from posttrain.errors import ConfigError
 from posttrain.train.engine import NaNLossError, TrainEngine
-from posttrain.train.forward import default_position_ids
+from posttrain.train.layout import build_batch, default_position_ids
 from posttrain.train.loss_fns import make_actor_loss_fn
 from posttrain.train.optim import build_lr_scheduler, build_optimizer
 
@@ -26,20 +26,13 @@ def tiny_model(seed=0):
     return Qwen2ForCausalLM(config).float()
 
 
-def make_batch(prompt_lens, resp_lens, P=5, R=4, seed=1):
-    """Left-padded prompts || right-padded responses, as documented in train/forward.py."""
+def make_batch(prompt_lens, resp_lens, seed=1):
+    """Random prompts and responses of these lengths in the layout of train/layout.py (the builder
+    production uses): left-padded prompts || right-padded responses."""
     g = torch.Generator().manual_seed(seed)
-    B = len(prompt_lens)
-    input_ids = torch.full((B, P + R), PAD)
-    attention_mask = torch.zeros(B, P + R, dtype=torch.long)
-    for b, (p, r) in enumerate(zip(prompt_lens, resp_lens)):
-        input_ids[b, P - p : P + r] = torch.randint(1, VOCAB, (p + r,), generator=g)
-        attention_mask[b, P - p : P + r] = 1
-    return {
-        "input_ids": input_ids,
-        "attention_mask": attention_mask,
-        "response_mask": attention_mask[:, P:].float(),
-    }
+    prompts = [torch.randint(1, VOCAB, (p,), generator=g) for p in prompt_lens]
+    responses = [torch.randint(1, VOCAB, (r,), generator=g) for r in resp_lens]
+    return build_batch(prompts, responses, pad_token_id=PAD)
 
 
 def unpadded_logprobs(model, batch, row, P, temperature):
@@ -99,7 +92,7 @@ def test_1x8_and_8x1_micro_batches_give_the_same_step():
     assert m1["actor/entropy"] == pytest.approx(m8["actor/entropy"], rel=1e-5)
 
     # the seed's per-micro-batch token-mean (normaliser = own tokens) depends on the split
-    def seed_style(model, mb, *, num_tokens, num_seqs):
+    def seed_style(model, mb, *, num_tokens, num_seqs, packing=None):
         return loss_fn(model, mb, num_tokens=None, num_seqs=None)
 
     s1, s8 = copy.deepcopy(base), copy.deepcopy(base)
@@ -142,7 +135,7 @@ def test_nan_loss_raises_without_stepping():
     engine = TrainEngine(model, opt, micro_batch_size=1)
     batch = make_batch([2, 2], [2, 2])
 
-    def nan_loss(model, mb, *, num_tokens, num_seqs):
+    def nan_loss(model, mb, *, num_tokens, num_seqs, packing=None):
         out = model(input_ids=mb["input_ids"]).logits.sum()
         return out * float("nan"), {}
 
@@ -203,10 +196,8 @@ def test_bf16_autocast_and_activation_checkpointing():
         TrainEngine(bf, dtype="float16")
 
 
-def test_pack_batch_layout():
-    from posttrain.train.forward import pack_batch
-
-    batch = pack_batch([[5, 6, 7], [8]], [[9], [10, 11]], pad_token_id=0)
+def test_build_batch_layout():
+    batch = build_batch([[5, 6, 7], [8]], [[9], [10, 11]], pad_token_id=0)
     assert batch["input_ids"].tolist() == [[5, 6, 7, 9, 0], [0, 0, 8, 10, 11]]
     assert batch["attention_mask"].tolist() == [[1, 1, 1, 1, 0], [0, 0, 1, 1, 1]]
     assert batch["position_ids"].tolist() == [[0, 1, 2, 3, 3], [0, 0, 0, 1, 2]]
@@ -232,7 +223,7 @@ def test_nan_gradient_raises_without_stepping():
     engine = TrainEngine(model, opt, micro_batch_size=2)
     before = copy.deepcopy(model.state_dict())
 
-    def nan_grad(model, mb, *, num_tokens, num_seqs):  # finite loss, NaN gradient (sqrt at 0)
+    def nan_grad(model, mb, *, num_tokens, num_seqs, packing=None):  # finite loss, NaN gradient (sqrt at 0)
         return torch.sqrt(model.lm_head.weight[0, 0] * 0.0), {}
 
     with pytest.raises(NaNLossError, match="gradient norm"):

@@ -9,7 +9,7 @@ import torch
 
 from posttrain.algo.advantages import get_advantage_estimator, scores_to_token_level_rewards
 from posttrain.train.engine import TrainEngine
-from posttrain.train.forward import pack_batch
+from posttrain.train.layout import build_batch
 from posttrain.train.loss_fns import make_actor_loss_fn
 from posttrain.train.optim import build_lr_scheduler, build_optimizer
 
@@ -24,7 +24,7 @@ def sample(model, prompts, generator):
     responses = [[] for _ in prompts]
     logprobs = torch.zeros(len(prompts), STEPS)
     for t in range(STEPS):
-        batch = pack_batch(prompts, [r if r else [0] for r in responses], pad_token_id=0)
+        batch = build_batch(prompts, [r if r else [0] for r in responses], pad_token_id=0)
         ids, mask = batch["input_ids"], batch["attention_mask"]
         if t == 0:  # no response yet: drop the placeholder column
             ids, mask = ids[:, :-1], mask[:, :-1]
@@ -50,7 +50,7 @@ def test_grpo_toy_loop_raises_reward_and_logprobs_match_sampler():
     mean_rewards = []
     for it in range(8):
         responses, sampler_logprobs = sample(model, prompts, generator)
-        batch = pack_batch(prompts, responses, pad_token_id=0)
+        batch = build_batch(prompts, responses, pad_token_id=0)
         batch["old_logprobs"] = engine.compute_logprobs(batch, temperature=TEMPERATURE)
         if it == 0:
             assert torch.allclose(batch["old_logprobs"], sampler_logprobs, atol=1e-5)

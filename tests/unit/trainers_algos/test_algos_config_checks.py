@@ -1,4 +1,5 @@
-"""For each algorithm, wrong configs fail validation with a clear message; bundles map keys to losses."""
+"""For each algorithm, wrong configs fail the one config check with a clear message; the plan maps
+keys to the actor loss and the roles each stage builds."""
 
 from __future__ import annotations
 
@@ -6,10 +7,10 @@ import copy
 
 import pytest
 
+from posttrain.config.check import check_run_config
+from posttrain.config.plan import resolve_plan
 from posttrain.config.run import run_config_from_dict
-from posttrain.config.validate import validate_run_config
 from posttrain.errors import ConfigError
-from posttrain.trainers.bundles import BUNDLES, check_algorithm_config
 
 BASE = {
     "megatron_training": {"stage": "ray_grpo", "global_batch_size": 8, "seq_length": 256, "micro_batch_size": 4},
@@ -32,8 +33,7 @@ def make(stage, rl=None, sections=None, train=None):
 
 
 def check(cfg):
-    validate_run_config(cfg)
-    check_algorithm_config(cfg)
+    check_run_config(cfg)
 
 
 @pytest.mark.parametrize("stage,rl", [
@@ -55,7 +55,7 @@ def test_good_configs_pass(stage, rl):
     ("ray_grpo", {"filter_groups_enable": True, "filter_groups_metric": "acc"}, "filter_groups_enable .* is a DAPO"),
     ("ray_grpo", {"adv_estimator": "best"}, "Unknown advantage estimator .*known: .*rloo"),
     ("ray_grpo", {"policy_loss": "ppo2"}, "Unknown policy loss 'ppo2'; known: .*gspo"),
-    ("ray_grpo", {"loss_agg_mode": "sum"}, "loss_agg_mode: unknown 'sum'. Known: .*seq-mean-token-sum-norm"),
+    ("ray_grpo", {"loss_agg_mode": "sum"}, "Unknown loss aggregation mode 'sum'; known: .*seq-mean-token-sum-norm"),
     ("ray_grpo", {"clip_ratio_c": 0.5}, "clip_ratio_c must be > 1"),
     ("ray_grpo", {"adv_estimator": "rloo", "n_samples_per_prompt": 1, "mini_batch_size": 8},
      "'rloo' needs n_samples_per_prompt >= 2"),
@@ -120,34 +120,38 @@ def test_dpo_good_config():
     check(make("dpo", train={**DPO, "dpo_loss_type": "kto_pair", "dpo_label_smoothing": 0.1, "pref_ftx": 0.5}))
 
 
-# ---- what each bundle hands the actor loss -------------------------------------------------------
-def test_grpo_bundle_loss_kwargs():
-    rl = make("ray_grpo", {"kl_penalty": "kl", "clip_ratio": 0.3}).rl
-    kw = BUNDLES["grpo"].actor_loss_kwargs(rl, 128)
+# ---- what the plan hands the actor loss and which roles it builds ---------------------------------
+def test_grpo_loss_options():
+    plan = resolve_plan(make("ray_grpo", {"kl_penalty": "kl", "clip_ratio": 0.3}))
+    kw = plan.actor_loss
     assert kw["clip_ratio_low"] == kw["clip_ratio_high"] == 0.3
     assert kw["kl_penalty"] == "kl" and kw["loss_agg_mode"] == "token-mean" and "norm_length" not in kw
-    assert BUNDLES["grpo"].uses_reference(rl) and not BUNDLES["grpo"].uses_critic
+    assert plan.uses_reference and not plan.uses_critic
 
 
-def test_dapo_bundle_clip_higher_token_level_loss_and_no_reference():
-    rl = make("ray_dapo", {"clip_higher_enable": True, "clip_ratio_low": 0.2, "clip_ratio_high": 0.28,
-                           "token_level_loss": False, "init_kl_coef": 0.5}).rl
-    kw = BUNDLES["dapo"].actor_loss_kwargs(rl, 128)
+def test_dapo_clip_higher_token_level_loss_and_no_reference():
+    plan = resolve_plan(make("ray_dapo", {"clip_higher_enable": True, "clip_ratio_low": 0.2, "clip_ratio_high": 0.28,
+                                          "token_level_loss": False, "init_kl_coef": 0.5}))
+    kw = plan.actor_loss
     assert (kw["clip_ratio_low"], kw["clip_ratio_high"]) == (0.2, 0.28)
     assert kw["loss_agg_mode"] == "seq-mean-token-mean" and "kl_penalty" not in kw
-    assert not BUNDLES["dapo"].uses_reference(rl)
-    rl = make("ray_dapo", {"clip_ratio_low": 0.2, "clip_ratio_high": 0.28}).rl  # clip-higher off
-    kw = BUNDLES["dapo"].actor_loss_kwargs(rl, 128)
+    assert not plan.uses_reference
+    kw = resolve_plan(make("ray_dapo", {"clip_ratio_low": 0.2, "clip_ratio_high": 0.28})).actor_loss  # clip-higher off
     assert kw["clip_ratio_low"] == kw["clip_ratio_high"] == 0.2 and kw["loss_agg_mode"] == "token-mean"
 
 
 def test_loss_agg_mode_override_and_norm_length():
-    rl = make("ray_dapo", {"loss_agg_mode": "seq-mean-token-sum-norm", "token_level_loss": True}).rl
-    kw = BUNDLES["dapo"].actor_loss_kwargs(rl, 128)
+    kw = resolve_plan(make("ray_dapo", {"loss_agg_mode": "seq-mean-token-sum-norm", "token_level_loss": True})).actor_loss
     assert kw["loss_agg_mode"] == "seq-mean-token-sum-norm" and kw["norm_length"] == 128.0
 
 
-def test_ppo_bundle_reference_only_for_kl_in_reward():
-    assert not BUNDLES["ppo"].uses_reference(make("ray_ppo", {"adv_estimator": "gae"}).rl)
-    assert BUNDLES["ppo"].uses_reference(make("ray_ppo", {"adv_estimator": "gae", "use_kl_in_reward": True}).rl)
-    assert BUNDLES["ppo"].uses_critic and BUNDLES["ppo"].metric_prefix == "critic"
+def test_ppo_reference_only_for_kl_in_reward():
+    assert not resolve_plan(make("ray_ppo", {"adv_estimator": "gae"})).uses_reference
+    plan = resolve_plan(make("ray_ppo", {"adv_estimator": "gae", "use_kl_in_reward": True}))
+    assert plan.uses_reference and plan.uses_critic and plan.stage.metric_prefix == "critic"
+
+
+def test_dpo_uses_a_reference_and_counts_chosen_tokens():
+    plan = resolve_plan(make("dpo", train={**DPO}))
+    assert plan.uses_reference and plan.actor_engine.loss_mask_key == "chosen_response_mask"
+    assert plan.optimizer_steps_per_iteration == 1

@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from posttrain.algo.advantages import get_advantage_estimator, scores_to_token_level_rewards
+from posttrain.algo.advantages import ADVANTAGE_ESTIMATORS, scores_to_token_level_rewards
 from posttrain.algo.aggregation import aggregate_loss
 from posttrain.algo.policy_loss import actor_loss
 
@@ -122,11 +122,11 @@ def ref_gae(rewards, mask, values, gamma, lam):
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_group_estimators_match_references(seed):
     rewards, mask, _ = _random_batch(seed)
-    adv, _ = get_advantage_estimator("group_norm")(rewards, mask, group_size=4)
+    adv, _ = ADVANTAGE_ESTIMATORS.get("group_norm")(rewards, mask, group_size=4)
     assert torch.allclose(adv, ref_group_norm(rewards, mask, 4), atol=1e-5)
-    adv, _ = get_advantage_estimator("dr_grpo")(rewards, mask, group_size=4)
+    adv, _ = ADVANTAGE_ESTIMATORS.get("dr_grpo")(rewards, mask, group_size=4)
     assert torch.allclose(adv, ref_group_norm(rewards, mask, 4, std=False), atol=1e-6)
-    adv, _ = get_advantage_estimator("rloo")(rewards, mask, group_size=4)
+    adv, _ = ADVANTAGE_ESTIMATORS.get("rloo")(rewards, mask, group_size=4)
     assert torch.allclose(adv, ref_rloo(rewards, mask, 4), atol=1e-6)
 
 
@@ -134,16 +134,16 @@ def test_group_estimators_match_references(seed):
 def test_reinforce_plus_plus_matches_reference(seed, gamma):
     rewards, mask, _ = _random_batch(seed)
     rewards = rewards + 0.1 * mask * torch.arange(mask.shape[1])  # per-token rewards (e.g. a KL penalty)
-    adv, _ = get_advantage_estimator("reinforce_plus_plus")(rewards, mask, gamma=gamma)
+    adv, _ = ADVANTAGE_ESTIMATORS.get("reinforce_plus_plus")(rewards, mask, gamma=gamma)
     assert torch.allclose(adv, ref_reinforce_pp(rewards, mask, gamma), atol=1e-4)
-    adv, _ = get_advantage_estimator("reinforce_plus_plus_baseline")(rewards, mask, group_size=4, gamma=gamma)
+    adv, _ = ADVANTAGE_ESTIMATORS.get("reinforce_plus_plus_baseline")(rewards, mask, group_size=4, gamma=gamma)
     assert torch.allclose(adv, ref_reinforce_pp_baseline(rewards, mask, 4, gamma), atol=1e-4)
 
 
 @pytest.mark.parametrize("seed,gamma,lam", [(0, 1.0, 1.0), (1, 1.0, 0.95), (2, 0.9, 0.8)])
 def test_gae_matches_reference(seed, gamma, lam):
     rewards, mask, values = _random_batch(seed)
-    adv, ret = get_advantage_estimator("gae")(rewards, mask, values=values, gamma=gamma, lam=lam)
+    adv, ret = ADVANTAGE_ESTIMATORS.get("gae")(rewards, mask, values=values, gamma=gamma, lam=lam)
     ref_adv, ref_ret = ref_gae(rewards, mask, values, gamma, lam)
     assert torch.allclose(ret, ref_ret, atol=1e-5)
     assert torch.allclose(adv, ref_adv, atol=1e-4)
@@ -151,7 +151,7 @@ def test_gae_matches_reference(seed, gamma, lam):
 
 def test_gae_seed_values():
     mask = torch.ones(1, 3)
-    adv, ret = get_advantage_estimator("gae")(torch.tensor([[1.0, 2.0, 3.0]]), mask,
+    adv, ret = ADVANTAGE_ESTIMATORS.get("gae")(torch.tensor([[1.0, 2.0, 3.0]]), mask,
                                               values=torch.tensor([[0.5, 1.0, 1.5]]), gamma=0.0, lam=1.0)
     assert torch.allclose(adv, torch.tensor([[-1.0, 0.0, 1.0]]), atol=1e-4)
     assert torch.allclose(ret, torch.tensor([[1.0, 2.0, 3.0]]))

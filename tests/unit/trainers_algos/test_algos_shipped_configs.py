@@ -1,24 +1,32 @@
-"""The shipped PPO / DAPO / DPO configs load, validate (seed rules + algorithm checks) and plan."""
+"""The shipped configs load and plan; the seed's large-model layouts are refused, by key, until a
+backend runs them."""
 
 import pytest
 
-from posttrain.config.plan import build_plan
-from posttrain.config.plan_cmd import model_arch
+from posttrain.commands.plan import model_arch
+from posttrain.config.plan import build_plan, resolve_plan
 from posttrain.config.run import load_run_config
 from posttrain.config.validate import validate_run_config
-from posttrain.trainers.bundles import check_algorithm_config
+from posttrain.errors import ConfigError
 
-CONFIGS = ["ppo_tiny_qwen2", "dapo_tiny_qwen2", "dpo_tiny_qwen2", "ppo_smollm2_demo", "dapo_smollm2_demo",
-           "dpo_smollm2_demo", "ppo_qwen25_32b", "dapo_qwen25_32b", "dpo_qwen3_30b_a3b"]
+RUNNABLE = ["ppo_tiny_qwen2", "dapo_tiny_qwen2", "dpo_tiny_qwen2", "ppo_smollm2_demo", "dapo_smollm2_demo",
+            "dpo_smollm2_demo", "grpo_tiny_qwen2", "grpo_smollm2_demo", "sft_tiny_qwen2"]
+SEED_LAYOUTS = ["ppo_qwen25_32b", "dapo_qwen25_32b", "dpo_qwen3_30b_a3b", "r1_zero_qwen25_7b"]
 
 
-@pytest.mark.parametrize("name", CONFIGS)
-def test_config_validates(name):
+@pytest.mark.parametrize("name", RUNNABLE)
+def test_config_plans(name):
     cfg = load_run_config(name)
-    layout = validate_run_config(cfg)
-    check_algorithm_config(cfg)
-    assert cfg.stage == name.split("_")[0]
-    build_plan(cfg, layout, model_arch(cfg))
+    plan = resolve_plan(cfg, model_arch(cfg))
+    assert cfg.stage == plan.name == name.split("_")[0]
+
+
+@pytest.mark.parametrize("name", SEED_LAYOUTS)
+def test_seed_layouts_are_refused_by_key_but_their_arithmetic_plans(name):
+    cfg = load_run_config(name)
+    with pytest.raises(ConfigError, match="tensor_model_parallel_size|pipeline_model_parallel_size"):
+        resolve_plan(cfg)
+    assert build_plan(cfg, validate_run_config(cfg), model_arch(cfg)).prompts_per_iteration > 0
 
 
 def test_seed_examples_keep_their_algorithm_settings():

@@ -9,16 +9,16 @@ import numpy as np
 import pytest
 import torch
 
-from posttrain.algo.advantages import get_advantage_estimator
 from posttrain.algo.kl import build_kl_controller
+from posttrain.config.plan import resolve_plan
 from posttrain.config.run import run_config_from_dict
 from posttrain.errors import DataError
 from posttrain.metrics.reduce import MetricAccumulator
+from posttrain.metrics.stats import stat_metrics
 from posttrain.metrics.timers import Timers
 from posttrain.trainers.dynamic_sampling import DynamicSampler, keep_groups, metric_column, score_columns
-from posttrain.trainers.onpolicy import COLUMNS, CONSUMERS
-from posttrain.trainers.ppo import Critic, masked_stats
-from posttrain.transfer_dock import TransferDock
+from posttrain.trainers.experience import new_dock
+from posttrain.trainers.ppo import CriticPhases
 
 
 # ---- DAPO dynamic sampling -------------------------------------------------------------------------
@@ -28,27 +28,22 @@ def test_keep_groups_by_std():
     assert keep_groups(np.array([0.0, 1.0, 1.0]), 1).tolist() == [0, 1, 2]  # n == 1 keeps everything
 
 
-class FakeTrainer:
-    """put_prompts / rollout / reward with scripted scores: ``plans[k]`` = group scores of batch k."""
+class ScriptedGeneration:
+    """A ``generate_and_score`` with scripted scores: ``plans[k]`` = group scores of batch k."""
 
     def __init__(self, n, gbs, plans):
         self.n, self.gbs, self.plans, self.batch, self.seeds = n, gbs, plans, 0, []
 
-    def put_prompts(self, td):
+    def __call__(self, td, iteration, timers, acc):
         first = self.batch * self.gbs
         td.put_prompts({"prompts": [torch.tensor([first + p]) for p in range(self.gbs)],
                         "prompt_length": [1] * self.gbs, "labels": [torch.tensor([0])] * self.gbs})
-
-    def rollout(self, td, iteration):
         self.seeds.append(iteration)
         rows = list(range(td.max_len))
         td.put(["responses", "response_length"], rows, [[torch.tensor([7, r]) for r in rows], [2] * len(rows)])
-
-    def reward(self, td, acc):
         per_group = self.plans[self.batch]
         scores = [float(s) for group in per_group for s in group]
-        rows = list(range(td.max_len))
-        td.put(["rm_scores"], rows, [torch.tensor(scores)])
+        td.put(["scores"], rows, [torch.tensor(scores)])
         names, values = score_columns(td, {"acc": scores, "format": [1.0] * len(scores)})
         assert names == [metric_column("acc")]  # only the filter metric has a column
         td.put(names, rows, values)
@@ -64,20 +59,20 @@ def _rl(**kw):
 
 
 def _main_td(sampler):
-    return TransferDock(sampler.train_rows, COLUMNS, CONSUMERS, n_samples_per_prompt=sampler.n)
+    return new_dock(sampler.train_rows, sampler.n, guarantee_order=False, seed=0)
 
 
 def test_dynamic_sampling_fills_the_batch_from_varying_groups():
     plans = [[(1, 1), (0, 1), (0, 0)],        # batch 1 keeps group 1 (prompt 1)
              [(0, 0), (0, 0), (1, 1)],        # batch 2 keeps nothing
              [(1, 0), (0, 1), (0.5, 1)]]      # batch 3 keeps all three; only two fit
-    trainer, sampler = FakeTrainer(2, 3, plans), DynamicSampler(_rl(), 3, seed=0)
+    trainer, sampler = ScriptedGeneration(2, 3, plans), DynamicSampler(_rl(), 3, seed=0)
     td, acc = _main_td(sampler), MetricAccumulator()
     sampler.fill(trainer, td, Timers(), acc, iteration=5)
     assert sampler.metrics() == {"train/num_gen_batches": 3.0}
-    batch, _ = td.get("critic_train", ["prompts", "rm_scores", "responses"], indexes=list(range(6)))
+    batch, _ = td.get("metrics", ["prompts", "scores", "responses"], indexes=list(range(6)))
     assert [int(p[0]) for p in batch["prompts"]] == [1, 1, 6, 6, 7, 7]  # prompt ids: batch*gbs + p
-    assert [float(s) for s in batch["rm_scores"]] == [0, 1, 1, 0, 0, 1]
+    assert [float(s) for s in batch["scores"]] == [0, 1, 1, 0, 0, 1]
     assert [int(r[1]) for r in batch["responses"]] == [2, 3, 0, 1, 2, 3]  # the rows of those groups
     assert acc.reduce()["dapo/num_kept_groups"] == 4.0
     assert trainer.seeds[0] == 5 and len(set(trainer.seeds)) == 3  # a fresh rollout seed per batch
@@ -87,13 +82,13 @@ def test_dynamic_sampling_raises_the_seed_error_at_the_cap():
     plans = [[(0, 0), (1, 1), (0, 1)], [(1, 1), (1, 1), (1, 1)]]
     sampler = DynamicSampler(_rl(filter_groups_max_batches=2), 3, seed=0)
     with pytest.raises(DataError, match=r"^Generated too many. Please check your data. \(2 generation batch"):
-        sampler.fill(FakeTrainer(2, 3, plans), _main_td(sampler), Timers(), MetricAccumulator(), iteration=1)
+        sampler.fill(ScriptedGeneration(2, 3, plans), _main_td(sampler), Timers(), MetricAccumulator(), iteration=1)
 
 
 def test_dynamic_sampling_default_cap_of_one_batch():
     sampler = DynamicSampler(_rl(filter_groups_max_batches=1), 3, seed=0)
     with pytest.raises(DataError, match="Generated too many"):
-        sampler.fill(FakeTrainer(2, 3, [[(0, 1), (0, 0), (0, 0)]]), _main_td(sampler), Timers(),
+        sampler.fill(ScriptedGeneration(2, 3, [[(0, 1), (0, 0), (0, 0)]]), _main_td(sampler), Timers(),
                      MetricAccumulator(), iteration=1)
 
 
@@ -107,24 +102,22 @@ PPO = {
 
 
 def _critic_without_model(cfg):
-    critic = Critic.__new__(Critic)  # the advantage phase needs no model
-    critic.cfg, critic.n = cfg, cfg.rl.n_samples_per_prompt
-    critic.estimator = get_advantage_estimator("gae")
-    return critic
+    phases = CriticPhases.__new__(CriticPhases)  # the advantage phase needs no model
+    phases.cfg, phases.plan = cfg, resolve_plan(cfg)
+    return phases
 
 
 def test_ppo_advantages_with_kl_in_reward_by_hand():
     cfg = run_config_from_dict(copy.deepcopy(PPO))
-    cfg.rl.adv_dispatch_size = 2
-    td = TransferDock(2, COLUMNS, CONSUMERS, n_samples_per_prompt=2)
-    td.put(["rm_scores", "response_length", "values", "old_log_prob", "ref_log_prob"], [0, 1], [
+    td = new_dock(2, 2, guarantee_order=False, seed=0)
+    td.put(["scores", "response_length", "values", "old_logprobs", "ref_logprobs"], [0, 1], [
         [torch.tensor([1.0]), torch.tensor([0.0])], [3, 2],
         [torch.tensor([0.5, 0.5, 0.5]), torch.tensor([0.0, 0.0])],
         [torch.tensor([-1.0, -1.0, -1.0]), torch.tensor([-1.0, -2.0])],
         [torch.tensor([-1.2, -1.0, -0.8]), torch.tensor([-1.0, -1.0])]])
     acc, kl = MetricAccumulator(), build_kl_controller("fixed", init_kl_coef=0.5)
     _critic_without_model(cfg).advantages(td, acc, kl)
-    batch, _ = td.get("actor_train", ["advantages", "returns"], indexes=[0, 1])
+    batch, _ = td.get("actor_update", ["advantages", "returns"], indexes=[0, 1])
     # row 0: kld = old - ref = [0.2, 0, -0.2]; rewards = [-0.1, 0, 0.1 + 1]; returns = reverse cumsum
     assert torch.allclose(batch["returns"][0], torch.tensor([1.0, 1.1, 1.1]), atol=1e-6)
     # row 1: kld = [0, -1]; rewards = [0, 0.5 + 0]
@@ -137,10 +130,10 @@ def test_ppo_advantages_with_kl_in_reward_by_hand():
     assert m["critic/returns/max"] == pytest.approx(1.1) and m["critic/values/mean"] == pytest.approx(0.3)
 
 
-def test_masked_stats_ignore_padding():
+def test_critic_stats_ignore_padding():
     x = torch.tensor([[1.0, 5.0, 9.0], [-2.0, 0.0, 100.0]])
     mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
-    assert masked_stats("critic/values", x, mask) == {"critic/values/mean": pytest.approx(4 / 3),
+    assert stat_metrics("critic/values", x, mask) == {"critic/values/mean": pytest.approx(4 / 3),
                                                       "critic/values/max": 5.0, "critic/values/min": -2.0}
 
 

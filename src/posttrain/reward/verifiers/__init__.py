@@ -13,8 +13,10 @@ Keyword arguments a verifier may receive (only those its signature accepts are p
 ``prompt`` (the decoded prompt) and any extra per-sample column the caller provides
 (e.g. ``tool_call_num``).
 
-The built-in verifiers (the seed's names plus ``math_equiv`` and the number verifiers) are
-registered on first lookup; user modules are imported with :func:`import_verifier_modules`.
+Look one up with ``VERIFIERS.get(name)`` (a :class:`VerifierSpec`; ``.fn`` is the function) and
+list them with ``VERIFIERS.names()``. The built-in verifiers (the seed's names plus ``math_equiv``
+and the number verifiers) are registered on first lookup; user modules are imported with
+:func:`import_verifier_modules`.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from posttrain.errors import ConfigError
+from posttrain.registry import Registry
 
 VerifierFn = Callable[..., float]
 
@@ -54,8 +57,10 @@ class VerifierSpec:
         return float(self.fn(response, label, **kw))
 
 
-_REGISTRY: dict[str, VerifierSpec] = {}
-_builtins_loaded = False
+VERIFIERS = Registry(
+    "verifier", key="rl_config.verifier_function", modules=_BUILTIN_MODULES,
+    hint="A verifier of your own must be registered with @register_verifier in a module listed in "
+         "rl_config.verifier_modules.")
 
 
 def _accepted_kwargs(fn: VerifierFn) -> frozenset[str] | None:
@@ -72,13 +77,15 @@ def register_verifier(name: str, *, overwrite: bool = False) -> Callable[[Verifi
     """
 
     def deco(fn: VerifierFn) -> VerifierFn:
-        old = _REGISTRY.get(name)
-        same = old is not None and (old.fn is fn or _qualname(old.fn) == _qualname(fn))
-        if old is not None and not (overwrite or same):
-            raise ConfigError(
-                f"verifier {name!r} is already registered by {_qualname(old.fn)}; "
-                f"choose another name or pass overwrite=True")
-        _REGISTRY[name] = VerifierSpec(name, fn, _accepted_kwargs(fn))
+        spec = VerifierSpec(name, fn, _accepted_kwargs(fn))
+        try:  # no lookup before a clash: that would import the built-ins while one of them registers
+            VERIFIERS.add(name, spec, replace=overwrite)
+        except ValueError:
+            old = VERIFIERS.get(name).fn
+            if old is not fn and _qualname(old) != _qualname(fn):  # the same function re-imported is fine
+                raise ConfigError(f"verifier {name!r} is already registered by {_qualname(old)}; "
+                                  f"choose another name or pass overwrite=True") from None
+            VERIFIERS.add(name, spec, replace=True)
         return fn
 
     return deco
@@ -86,14 +93,6 @@ def register_verifier(name: str, *, overwrite: bool = False) -> Callable[[Verifi
 
 def _qualname(fn: VerifierFn) -> str:
     return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
-
-
-def _load_builtins() -> None:
-    global _builtins_loaded
-    if not _builtins_loaded:
-        _builtins_loaded = True
-        for mod in _BUILTIN_MODULES:
-            importlib.import_module(mod)
 
 
 def import_verifier_modules(modules: list[str] | tuple[str, ...]) -> None:
@@ -107,24 +106,6 @@ def import_verifier_modules(modules: list[str] | tuple[str, ...]) -> None:
                 f"(install the package or add its folder to PYTHONPATH)") from e
 
 
-def known_verifiers() -> list[str]:
-    """Sorted names of every registered verifier."""
-    _load_builtins()
-    return sorted(_REGISTRY)
-
-
-def get_spec(name: str) -> VerifierSpec:
-    """The registered :class:`VerifierSpec` for ``name``; unknown names raise ConfigError."""
-    _load_builtins()
-    try:
-        return _REGISTRY[name]
-    except KeyError:
-        raise ConfigError(
-            f"unknown verifier {name!r} in rl_config.verifier_function; known: "
-            f"{', '.join(sorted(_REGISTRY))}. A verifier of your own must be registered with "
-            f"@register_verifier in a module listed in rl_config.verifier_modules") from None
-
-
-def get_verifier(name: str) -> VerifierFn:
-    """The function registered under ``name``; unknown names raise ConfigError listing the known."""
-    return get_spec(name).fn
+known_verifiers = VERIFIERS.names  # compat: remove when callers use the registry
+get_spec = VERIFIERS.get  # compat: remove when callers use the registry
+def get_verifier(name: str) -> VerifierFn: return VERIFIERS.get(name).fn  # compat: remove when callers use the registry

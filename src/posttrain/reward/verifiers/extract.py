@@ -11,7 +11,6 @@ import re
 from fractions import Fraction
 
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
-_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _GSM8K = re.compile(r"####\s*(-?[\d,]*\.?\d+)")
 
 

@@ -197,41 +197,39 @@ def profiled(out_dir: str | Path | None, device: str = "cpu"):
 def bench(cfg, *, iters: int = 3, warmup: int = 1, profile_dir: str | None = None) -> dict:
     """Run ``warmup + iters`` iterations of the on-policy loop for ``cfg``; return the report dict.
     With ``profile_dir`` the last iteration is profiled (:func:`profiled`)."""
-    from posttrain.config.validate import validate_run_config
-    from posttrain.device import device_type
+    from posttrain.config.plan import resolve_plan
+    from posttrain.config.run import run_config_from_dict
     from posttrain.errors import ConfigError
-    from posttrain.trainers.bundles import get_bundle
-    from posttrain.trainers.onpolicy import OnPolicyTrainer
-    from posttrain.trainers.session import Session
+    from posttrain.trainers.stages import build_trainer
 
     if iters < 1 or warmup < 0:
         raise ConfigError(f"bench needs --iters >= 1 and --warmup >= 0; got {iters} and {warmup}")
     if cfg.stage == "sft" or cfg.stage == "dpo":
         raise ConfigError(f"posttrain bench times the on-policy loop (grpo, dapo, ppo); stage is {cfg.stage}")
-    cfg.actor.train_iters = max(cfg.actor.train_iters or 0, warmup + iters)
-    cfg.actor.save = None
-    cfg.rl.eval_data_path = None
-    layout = validate_run_config(cfg, device_type=device_type(cfg.rl.device))
-    bundle = get_bundle(cfg.stage)
+    # the same config with enough iterations, and checkpoints and evaluation off
+    overrides = [f"actor_config.train_iters={max(cfg.actor.train_iters or 0, warmup + iters)}",
+                 "actor_config.save=null", "rl_config.eval_data_path=null"]
+    cfg = run_config_from_dict(cfg.raw, name=cfg.name, path=cfg.path, overrides=overrides)
+    plan = resolve_plan(cfg)
     run_dir = Path(tempfile.mkdtemp(prefix="posttrain_bench_"))
-    session = Session(cfg, layout, uses_reference=bundle.uses_reference(cfg.rl), run_dir=run_dir)
+    trainer = build_trainer(cfg, plan, run_dir)
+    session = trainer.s
     try:
-        trainer = OnPolicyTrainer(cfg, layout, bundle, session)
-        peak = matmul_peak(session.train_dtype, session.device)
+        peak = matmul_peak(plan.train_dtype, session.device)
         records = []
         last = warmup + iters
         for iteration in range(1, last + 1):
             with profiled(profile_dir if iteration == last else None, session.device), CpuMeter() as meter:
                 metrics = trainer.train_step(iteration)
             session.iteration = iteration
-            records.append(_record(metrics, meter.result, session.model, trainer, peak))
+            records.append(_record(metrics, meter.result, session.policy.model, trainer, peak))
         # measured again after the run: under load the better of the two is closer to the truth
-        peak_after = matmul_peak(session.train_dtype, session.device)
+        peak_after = matmul_peak(plan.train_dtype, session.device)
         if peak_after > peak:
             for rec in records:
                 _rescale_mfu(rec, peak, peak_after)
             peak = peak_after
-        return _report(cfg, session, records, peak, warmup)
+        return _report(cfg, plan, session, records, peak, warmup)
     finally:
         session.close()
 
@@ -258,7 +256,7 @@ def _rescale_mfu(rec: dict[str, float], old_peak: float, new_peak: float) -> Non
     rec["floor_s"] *= old_peak / new_peak
 
 
-def _report(cfg, session, all_records, peak, warmup) -> dict:
+def _report(cfg, plan, session, all_records, peak, warmup) -> dict:
     import torch
 
     records = all_records[warmup:]
@@ -267,10 +265,10 @@ def _report(cfg, session, all_records, peak, warmup) -> dict:
     summary = {k: _summary([r[k] for r in records]) for k in keys if all(k in r for r in records)}
     step = summary["timing/all"]["median"]
     return {
-        "config": cfg.name, "device": session.device, "train_dtype": session.train_dtype,
-        "rollout_dtype": session.rollout_dtype, "torch_threads": torch.get_num_threads(),
-        "num_params": sum(p.numel() for p in session.model.parameters()),
-        "matmul_params": matmul_params(session.model), "matmul_peak_gflops": peak / 1e9,
+        "config": cfg.name, "device": session.device, "train_dtype": plan.train_dtype,
+        "rollout_dtype": plan.rollout_dtype, "torch_threads": torch.get_num_threads(),
+        "num_params": sum(p.numel() for p in session.policy.model.parameters()),
+        "matmul_params": matmul_params(session.policy.model), "matmul_peak_gflops": peak / 1e9,
         "warmup": warmup, "iters": len(records), "peak_memory_mib": peak_memory_mib(session.device),
         "step_over_floor": step / summary["floor_s"]["median"], "summary": summary,
         "iterations": all_records,  # warm-up ones first

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from posttrain.config.plan import GIB, Plan, build_plan
+from posttrain.config.plan import GIB, Plan, resolve_plan
 from posttrain.config.run import RunConfig, load_run_config
-from posttrain.config.validate import validate_run_config
 from posttrain.models.arch import ModelArch, arch_from_hf_config, arch_from_model_yaml
 
 
@@ -24,15 +23,18 @@ def model_arch(cfg: RunConfig, hf_config: str | None = None) -> ModelArch | None
 
 
 def format_plan(plan: Plan) -> str:
-    lines = [f"stage {plan.stage} on {plan.num_devices} device(s)", "", "batch plan (per iteration)"]
+    where = (f"{plan.workers} Ray worker(s), {plan.sharding}" if plan.use_ray else "in one process")
+    lines = [f"stage {plan.name} on {plan.layout.num_devices} device(s), {where}; {plan.device}, "
+             f"{plan.train_dtype} training, {plan.rollout_dtype} rollout", "", "batch plan (per iteration)"]
     rows = [
         ("prompts", f"{plan.prompts_per_iteration}  (global_batch_size)"),
         ("responses", f"{plan.responses_per_iteration}  (prompts x n_samples_per_prompt)"),
         *([("prompts per update", f"{plan.prompts_per_update}  (DAPO: filter_groups_train_batch_size kept "
                                   f"after dynamic sampling)")] if plan.prompts_per_update != plan.prompts_per_iteration
           else []),
-        ("mini-batches", f"{plan.mini_batches_per_iteration}  of {plan.responses_per_mini_batch} responses"),
+        ("mini-batches", f"{plan.mini_batches_per_iteration}  of {plan.mini_batch_rows} responses"),
         ("optimizer steps", f"{plan.optimizer_steps_per_iteration}  (mini-batches x epochs)"),
+        ("optimizer steps in all", f"{plan.total_optimizer_steps}  (the LR schedule's length)"),
         ("responses per mini-batch per DP rank", str(plan.responses_per_mini_batch_per_dp)),
         ("micro-batch size", f"{plan.micro_batch_size} sequences"),
         ("micro-batches (grad accumulation) per update", str(plan.grad_accumulation_steps)),
@@ -41,21 +43,25 @@ def format_plan(plan: Plan) -> str:
         ("max tokens per iteration", f"{plan.max_tokens_per_iteration:,}"),
     ]
     if plan.train_iters:
-        rows.append(("iterations", f"{plan.train_iters}  ({plan.total_prompts:,} prompts in all)"))
+        rows.append(("iterations", f"{plan.train_iters}  ({plan.train_iters * plan.prompts_per_iteration:,} "
+                                   f"prompts in all)"))
     lines += [f"  {k:<46} {v}" for k, v in rows]
     lines += ["", "parallel layout",
-              f"  {'actor: TP x PP x CP':<46} {plan.tp} x {plan.pp} x {plan.cp}, data parallel {plan.actor_dp}",
-              f"  {'rollout: infer TP':<46} {plan.infer_tp}, data parallel {plan.infer_dp}"]
+              f"  {'actor':<46} data parallel {plan.layout.actor_dp} (tensor / pipeline parallel: 1)",
+              f"  {'rollout':<46} data parallel {plan.layout.infer_dp}"]
     if plan.dispatch_sizes:
-        lines += ["", "dispatch sizes (TransferDock reads)"]
+        lines += ["", "dispatch sizes (TransferDock reads per data-parallel rank)"]
         lines += [f"  {k:<46} {v}" for k, v in sorted(plan.dispatch_sizes.items())]
     if plan.memory is not None and plan.arch is not None:
         m = plan.memory
-        lines += ["", f"memory per device for the actor ({plan.num_params / 1e9:.2f}B parameters, estimate)"]
-        for name, value in (("weights", m.weights), ("gradients", m.gradients), ("optimizer states", m.optimizer),
+        lines += ["", f"memory per worker process ({plan.num_params / 1e9:.2f}B parameters, estimate)"]
+        for name, value in (("weights (fp32 master)", m.weights), ("gradients", m.gradients),
+                            ("optimizer states (AdamW)", m.optimizer), ("reference (frozen copy)", m.reference),
+                            ("critic (weights, gradients, AdamW)", m.critic),
                             ("activations (one micro-batch)", m.activations), ("rollout KV cache", m.kv_cache),
                             ("total", m.total)):
-            lines.append(f"  {name:<46} {value / GIB:8.2f} GiB")
+            if value or name == "total":
+                lines.append(f"  {name:<46} {value / GIB:8.2f} GiB")
     else:
         lines += ["", "memory: no model architecture known (give --hf-config or a model yaml)"]
     return "\n".join(lines)
@@ -63,13 +69,9 @@ def format_plan(plan: Plan) -> str:
 
 def run(args) -> int:
     cfg = load_run_config(args.config_name, args.config_path, args.overrides)
-    layout = validate_run_config(cfg, device_type="cpu")
-    from posttrain.trainers.bundles import check_algorithm_config
-
-    check_algorithm_config(cfg)  # the same per-algorithm checks as `posttrain train`
-    plan = build_plan(cfg, layout, model_arch(cfg, args.hf_config))
+    plan = resolve_plan(cfg, model_arch(cfg, args.hf_config))  # the same check as `posttrain train`
     print(f"config {cfg.path}: valid")
-    if cfg.ignored_keys:
-        print(f"note: Megatron-only keys accepted and ignored: {', '.join(cfg.ignored_keys)}")
+    for warning in plan.warnings:
+        print(f"warning: {warning}")
     print(format_plan(plan))
     return 0

@@ -1,0 +1,17 @@
+"""``posttrain init-model``: a random-init HF model directory and a locally trained tokenizer."""
+
+from __future__ import annotations
+
+import json
+
+
+def run(args) -> int:
+    from posttrain.models.arch import arch_from_hf_config
+    from posttrain.models.init_model import init_model_dir
+
+    out = init_model_dir(args.model, args.output, corpus=args.corpus, vocab_size=args.vocab_size,
+                         tokenizer=args.tokenizer, seed=args.seed)
+    cfg = json.loads((out / "config.json").read_text())
+    n = arch_from_hf_config(out).num_params()
+    print(f"wrote {out}: {cfg['architectures'][0]}, {n / 1e6:.2f}M parameters, vocab {cfg['vocab_size']}")
+    return 0

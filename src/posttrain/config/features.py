@@ -1,0 +1,209 @@
+"""Every config key honest: refuse the features posttrain does not have yet, and name once the
+knobs that have no effect on this hardware.
+
+The status of each key is stored on its field (:mod:`posttrain.config.fields`; the table is
+``docs/config_reference.md``). Two entry points, both part of the one config check that
+``posttrain plan`` and ``posttrain train`` run (:func:`posttrain.config.check.check_run_config`),
+after the seed's rules:
+
+* :func:`check_features` raises a :class:`~posttrain.errors.ConfigError` for the first refused key
+  that is active: ``section.key=value: <why>; <what to do>``.
+* :func:`startup_warnings` returns the ignored keys the config sets, as one message.
+
+Which keys count as set: a refused key when its value is active (by default: not its default); an
+ignored key when the config writes it (in a section or in a model yaml it pulls) with an active
+value. ``generate_config`` is only looked at for the stages that roll out (not dpo or sft).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel
+
+from posttrain.config.fields import Rule, Status, field_rule, fmt_value
+from posttrain.config.loader import normalise_keys
+from posttrain.config.megatron import MegatronConfig
+from posttrain.config.run import RunConfig
+from posttrain.errors import ConfigError
+
+# critic_config keys the critic does not read on its own: it follows the actor's value.
+CRITIC_FOLLOWS_ACTOR = {
+    **dict.fromkeys(("save", "save_interval", "finetune", "no_load_optim", "no_load_rng", "no_save_optim",
+                     "no_save_rng"),
+                    "is saved with the actor (in <save>/iter_*/critic/) and resumed with it"),
+    **dict.fromkeys(("stage", "global_batch_size", "train_iters", "seq_length", "data_path", "seed",
+                     "tokenizer_name_or_path", "prompt_type", "bf16"),
+                    "runs in the actor's loop, with the actor's data, tokenizer and precision"),
+}
+
+SECTION_REFUSALS = {
+    "ref_config": "a separately configured reference model is not available yet (the reference is a frozen copy of "
+                  "the actor's initial weights, or rl_config.integrated_mode_config.ref_model_load_path; DPO: "
+                  "megatron_training.ref_model); remove ref_config",
+    "reward_config": "reward-model scoring does not run in the training loop yet (rewards come from the rule "
+                     "verifiers of rl_config.verifier_function); remove reward_config",
+}
+
+
+@dataclass(frozen=True)
+class Key:
+    """One key of one section of a loaded config, with its rule."""
+
+    section: str  # where the value was written: megatron_training, actor_config, model.<name>, rl_config, ...
+    name: str
+    value: Any
+    default: Any
+    rule: Rule
+    written: bool  # the config writes it (vs a schema default)
+
+    @property
+    def label(self) -> str:
+        return f"{self.section}.{self.name}"
+
+
+def check_features(cfg: RunConfig, device_type: str | None = None) -> None:
+    """Raise :class:`ConfigError` for the first refused key that ``cfg`` sets (see the module doc).
+
+    ``device_type`` ("cpu" or "cuda") decides the keys refused on one kind of device only (the
+    offload keys, which have no effect on a CPU); default: ``rl_config.device`` resolved."""
+    device = device_type or _device(cfg)
+    for name, block in _blocks(cfg):
+        for key in block:
+            if key.rule.status is not Status.REFUSED or device not in key.rule.devices:
+                continue
+            if not _is_set(key, block, cfg, device):
+                continue
+            keys = [key]
+            if key.rule.group:
+                keys = [k for k in block if k.rule.status is Status.REFUSED and k.rule.group == key.rule.group
+                        and device in k.rule.devices and _is_set(k, block, cfg, device)]
+            raise ConfigError(_refusal(keys))
+        if name == "rl_config":
+            for section, message in SECTION_REFUSALS.items():
+                if cfg.raw.get(section) is not None:
+                    raise ConfigError(f"{section}: {message}")
+        if name == "critic_config":
+            _check_critic(cfg)
+
+
+def startup_warnings(cfg: RunConfig, device_type: str) -> list[str]:
+    """The keys ``cfg`` sets that have no effect on ``device_type`` ("cpu" or "cuda"), as one message
+    (an empty list when there are none)."""
+    labels: list[str] = []
+    for _, block in _blocks(cfg):
+        for key in block:
+            rule = key.rule
+            if rule.status is Status.IGNORED:
+                inert = device_type in rule.devices and (key.written or not rule.explicit)
+            elif rule.status is Status.REFUSED:
+                inert = device_type not in rule.devices
+            else:
+                continue
+            if inert and _is_set(key, block, cfg, device_type) and key.label not in labels:
+                labels.append(key.label)
+    if not labels:
+        return []
+    return [f"keys with no effect on this hardware ({device_type}): {', '.join(labels)}"]
+
+
+# ---- the keys of a config, section by section ---------------------------------------------------
+def _blocks(cfg: RunConfig) -> list[tuple[str, list[Key]]]:
+    """The sections in the order they are checked; the Megatron roles carry where each key was written."""
+    blocks = [("actor_config", _role(cfg, "actor_config", cfg.actor)),
+              ("rl_config", _section(cfg, ("rl_config",), cfg.rl))]
+    if _rolls_out(cfg):
+        blocks.append(("generate_config", _section(cfg, ("generate_config",), cfg.generate)))
+        blocks.append(("sampling_config", _section(cfg, ("generate_config", "sampling_config"),
+                                                   cfg.generate.sampling_config)))
+    if cfg.critic is not None:
+        blocks.append(("critic_config", _role(cfg, "critic_config", cfg.critic)))
+    blocks.append(("profiler_config", _section(cfg, ("profiler_config", "integrated"), cfg.profiler)))
+    blocks.append(("msprobe_config", _section(cfg, ("msprobe_config",), cfg.msprobe)))
+    return blocks
+
+
+def _raw(cfg: RunConfig, path: tuple[str, ...]) -> dict[str, Any]:
+    node: Any = cfg.raw
+    for part in path:
+        node = normalise_keys(node.get(part)) if isinstance(node, dict) else None
+    return node if isinstance(node, dict) else {}
+
+
+def _section(cfg: RunConfig, path: tuple[str, ...], obj: BaseModel) -> list[Key]:
+    cls, written, label = type(obj), _raw(cfg, path), ".".join(path)
+    return [Key(label, name, getattr(obj, name), field.default, field_rule(cls, name), name in written)
+            for name, field in cls.model_fields.items()]
+
+
+def _role_sources(cfg: RunConfig, role_section: str) -> dict[str, str]:
+    """key -> the section that wrote it last, in the seed's merge order (run.py ``_merge_role``)."""
+    sources: dict[str, str] = {}
+    for section in ("megatron_training", role_section):
+        data = _raw(cfg, (section,))
+        model = data.get("model")
+        if model is not None and model in cfg.models:
+            sources.update(dict.fromkeys(normalise_keys(cfg.models[model]), f"model.{model}"))
+        sources.update(dict.fromkeys(data, section))
+    return sources
+
+
+def _role(cfg: RunConfig, role_section: str, obj: MegatronConfig) -> list[Key]:
+    sources = _role_sources(cfg, role_section)
+    fallback = "megatron_training" if role_section == "actor_config" else role_section
+    return [Key(sources.get(name, fallback), name, getattr(obj, name), field.default,
+                field_rule(MegatronConfig, name), name in sources)
+            for name, field in MegatronConfig.model_fields.items()]
+
+
+def _rolls_out(cfg: RunConfig) -> bool:
+    from posttrain.config.stages import stage_named
+
+    try:
+        return stage_named(cfg.actor.stage or cfg.actor.algorithm).on_policy
+    except ConfigError:
+        return True
+
+
+def _device(cfg: RunConfig) -> str:
+    from posttrain.device import device_type
+
+    return device_type(cfg.rl.device)
+
+
+# ---- predicates and messages ------------------------------------------------------------------
+def _is_set(key: Key, block: list[Key], cfg: RunConfig, device: str) -> bool:
+    rule = key.rule
+    if rule.switch is not None:
+        switch = next(k for k in block if k.name == rule.switch)
+        if not switch.rule.is_active(switch.value, switch.default, device):
+            return False
+    if rule.active == "critic_devices":
+        count = getattr(key.value, "num_npus", None)
+        return count is not None and count != (cfg.rl.actor_resource.num_npus or 1)
+    return rule.is_active(key.value, key.default, device)
+
+
+def _refusal(keys: list[Key]) -> str:
+    settings = ", ".join(f"{k.label}={fmt_value(k.value)}" for k in keys)
+    todos = list(dict.fromkeys(k.rule.default_todo(k.default) for k in keys))
+    if len(keys) == 1 or len(todos) == 1:
+        todo = todos[0]
+        if len(keys) > 1:
+            todo = re.sub(r"\bremove the key\b", "remove the keys", todo).replace("set it to ", "set them to ")
+    else:
+        defaults = ", ".join(f"{k.name}: {fmt_value(k.default)}" for k in keys)
+        todo = f"remove these keys or set them to their defaults ({defaults})"
+    return f"{settings}: {keys[0].rule.why}; {todo}"
+
+
+def _check_critic(cfg: RunConfig) -> None:
+    """critic_config keys that the critic takes from the actor must not differ from the actor's."""
+    for name in _raw(cfg, ("critic_config",)):
+        why = CRITIC_FOLLOWS_ACTOR.get(name)
+        mine, actor = getattr(cfg.critic, name, None), getattr(cfg.actor, name, None)
+        if why is not None and mine != actor:
+            raise ConfigError(f"critic_config.{name}={fmt_value(mine)}: the critic {why}, so it takes the actor's "
+                              f"value; remove the key or give it the actor's value ({fmt_value(actor)})")

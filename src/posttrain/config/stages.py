@@ -1,0 +1,176 @@
+"""The one table of training stages: what each algorithm needs and which rules its config obeys.
+
+``megatron_training.stage`` names a stage by one of its aliases (the seed's ``ray_grpo``, ...).
+A :class:`Stage` says which loop trains it (a ``"module:Class"`` path, imported only when a run
+starts, so this module stays in the config layer), which roles that loop builds, how the actor
+loss is configured, and the stage's own config rules (run by :func:`posttrain.config.check.check_run_config`
+after the seed's).
+
+=======  ==========  ===========  ===================  ============================================
+stage    reference   critic       KL                   actor loss
+=======  ==========  ===========  ===================  ============================================
+grpo     if kl > 0   no           in the loss          PPO clip, token-mean
+dapo     never       no           none                 clip-higher, token_level_loss, dyn. sampling
+ppo      if KL in    yes (GAE)    in the reward        PPO clip, token-mean; critic: clipped value
+         reward                   (use_kl_in_reward)   loss
+dpo      always      no           (the DPO loss)       DPO (dpo_loss_type)
+sft      never       no           none                 cross-entropy on response tokens
+=======  ==========  ===========  ===================  ============================================
+
+Beyond the seed, the on-policy stages take ``rl_config.policy_loss`` (``ppo``, ``gspo``), the dual
+clip ``rl_config.clip_ratio_c`` and ``rl_config.loss_agg_mode``; GRPO and DAPO take any critic-free
+``rl_config.adv_estimator``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from posttrain.errors import ConfigError
+
+if TYPE_CHECKING:
+    from posttrain.config.run import RunConfig
+
+ONPOLICY = "posttrain.trainers.onpolicy:OnPolicyTrainer"
+CRITIC_ESTIMATORS = ("gae",)
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    aliases: tuple[str, ...]
+    loop: str  # "module:Class" of the loop that trains this stage
+    check: Callable[["RunConfig"], None]
+    metric_prefix: str  # grpo/score/*, dapo/score/*, critic/score/*, sft/*, dpo/*
+    uses_reference: Callable[["RunConfig"], bool] = lambda cfg: False
+    uses_critic: bool = False
+    kl_in_loss: bool = False  # GRPO: kl_coef * KL(actor || ref) is a loss term
+    default_loss_agg_mode: Callable[["RunConfig"], str] = lambda cfg: "token-mean"
+    dynamic_sampling: Callable[["RunConfig"], bool] = lambda cfg: False  # DAPO's filter_groups_enable
+
+    @property
+    def on_policy(self) -> bool:
+        return self.loop == ONPOLICY
+
+
+# ---- the stages' own rules ---------------------------------------------------------------------
+def _check_common(cfg: "RunConfig") -> None:
+    """Names that only fail deep inside the first iteration otherwise."""
+    from posttrain.algo.advantages import ADVANTAGE_ESTIMATORS
+    from posttrain.algo.aggregation import AGGREGATIONS
+    from posttrain.algo.kl import KL_PENALTIES
+    from posttrain.algo.policy_loss import POLICY_LOSSES
+
+    rl = cfg.rl
+    ADVANTAGE_ESTIMATORS.get(rl.adv_estimator)
+    POLICY_LOSSES.get(rl.policy_loss)
+    KL_PENALTIES.get(rl.kl_penalty)
+    if rl.loss_agg_mode is not None:
+        AGGREGATIONS.get(rl.loss_agg_mode)
+    if rl.kl_ctrl_type not in ("fixed", "adaptive"):
+        raise ConfigError(f"rl_config.kl_ctrl_type: unknown '{rl.kl_ctrl_type}'. Known: fixed, adaptive")
+    if rl.clip_ratio_c is not None and rl.clip_ratio_c <= 1.0:
+        raise ConfigError(f"rl_config.clip_ratio_c must be > 1 (dual-clip PPO, e.g. 3.0); got {rl.clip_ratio_c}")
+    if rl.adv_estimator == "rloo" and rl.n_samples_per_prompt < 2:
+        raise ConfigError("rl_config.adv_estimator 'rloo' needs n_samples_per_prompt >= 2 "
+                          f"(got {rl.n_samples_per_prompt})")
+
+
+def _no_dynamic_sampling(cfg: "RunConfig") -> None:
+    if cfg.rl.filter_groups_enable:
+        raise ConfigError("rl_config.filter_groups_enable (dynamic sampling) is a DAPO option: "
+                          "use stage ray_dapo or set filter_groups_enable: false")
+
+
+def _check_critic_free(cfg: "RunConfig") -> None:
+    rl, stage = cfg.rl, cfg.actor.stage or cfg.stage
+    if rl.adv_estimator in CRITIC_ESTIMATORS:
+        raise ConfigError(f"rl_config.adv_estimator '{rl.adv_estimator}' needs a critic; it is only valid with "
+                          f"stage ray_ppo (this config has stage {stage}). Use group_norm, grpo_no_std, rloo, "
+                          f"reinforce_plus_plus or reinforce_plus_plus_baseline")
+    if rl.use_kl_in_reward:
+        raise ConfigError(f"rl_config.use_kl_in_reward is a PPO option (stage ray_ppo); stage {stage} "
+                          f"{'puts the KL in the loss (init_kl_coef)' if cfg.stage == 'grpo' else 'has no KL'}. "
+                          f"Set use_kl_in_reward: false")
+    if cfg.critic is not None:
+        raise ConfigError(f"critic_config is only used by stage ray_ppo (this config has stage {stage}); remove it")
+
+
+def check_grpo(cfg: "RunConfig") -> None:
+    _check_common(cfg)
+    _check_critic_free(cfg)
+    _no_dynamic_sampling(cfg)
+
+
+def check_dapo(cfg: "RunConfig") -> None:
+    _check_common(cfg)
+    _check_critic_free(cfg)
+    rl = cfg.rl
+    if rl.filter_groups_enable:
+        fgtbs = rl.filter_groups_train_batch_size
+        if fgtbs < 1:
+            raise ConfigError(f"rl_config.filter_groups_train_batch_size must be >= 1 (prompts); got {fgtbs}")
+        if fgtbs % rl.mini_batch_size != 0:
+            raise ConfigError(f"rl_config.mini_batch_size {rl.mini_batch_size} must divide "
+                              f"filter_groups_train_batch_size {fgtbs} (both count prompts): DAPO with dynamic "
+                              f"sampling updates on filter_groups_train_batch_size prompts")
+
+
+def check_ppo(cfg: "RunConfig") -> None:
+    _check_common(cfg)
+    _no_dynamic_sampling(cfg)
+    rl = cfg.rl
+    if rl.adv_estimator not in CRITIC_ESTIMATORS:
+        raise ConfigError(f"stage ray_ppo trains a critic and needs rl_config.adv_estimator: gae (got "
+                          f"'{rl.adv_estimator}'); for critic-free estimators use stage ray_grpo")
+    if rl.cliprange_value <= 0:
+        raise ConfigError(f"rl_config.cliprange_value must be > 0 (the seed's default is 0.5); got {rl.cliprange_value}")
+    if not 0.0 <= rl.lam <= 1.0 or not 0.0 <= rl.gamma <= 1.0:
+        raise ConfigError(f"rl_config.gamma and lam must be in [0, 1]; got gamma={rl.gamma}, lam={rl.lam}")
+    if rl.use_kl_in_reward and rl.init_kl_coef <= 0:
+        raise ConfigError("rl_config.use_kl_in_reward needs init_kl_coef > 0 (the KL coefficient beta)")
+
+
+def check_dpo(cfg: "RunConfig") -> None:
+    """DPO's own rules (the loss type is checked with the seed's message by the seed's rules)."""
+    a = cfg.actor
+    if not a.is_pairwise_dataset:
+        raise ConfigError("stage dpo trains on preference pairs: set megatron_training.is_pairwise_dataset: true "
+                          "and preprocess the data with handler_name: AlpacaStylePairwiseHandler")
+    if a.dpo_beta <= 0:
+        raise ConfigError(f"megatron_training.dpo_beta must be > 0 (the seed's default is 0.1); got {a.dpo_beta}")
+    if not 0.0 <= a.dpo_label_smoothing < 0.5:
+        raise ConfigError(f"megatron_training.dpo_label_smoothing must be in [0, 0.5) (the probability that a "
+                          f"preference label is flipped); got {a.dpo_label_smoothing}")
+    if a.pref_ftx < 0:
+        raise ConfigError(f"megatron_training.pref_ftx must be >= 0 (weight of the SFT term); got {a.pref_ftx}")
+
+
+def check_sft(cfg: "RunConfig") -> None:
+    """SFT has no rules beyond the seed's."""
+
+
+STAGES: dict[str, Stage] = {s.name: s for s in (
+    Stage("grpo", ("ray_grpo", "grpo"), ONPOLICY, check_grpo, "grpo",
+          uses_reference=lambda cfg: cfg.rl.init_kl_coef > 0, kl_in_loss=True),
+    Stage("dapo", ("ray_dapo", "dapo"), ONPOLICY, check_dapo, "dapo",
+          default_loss_agg_mode=lambda cfg: "token-mean" if cfg.rl.token_level_loss else "seq-mean-token-mean",
+          dynamic_sampling=lambda cfg: cfg.rl.filter_groups_enable),
+    Stage("ppo", ("ray_ppo", "ppo"), ONPOLICY, check_ppo, "critic",
+          uses_reference=lambda cfg: cfg.rl.use_kl_in_reward, uses_critic=True),
+    Stage("dpo", ("dpo", "ray_dpo"), "posttrain.trainers.dpo:DPOTrainer", check_dpo, "dpo",
+          uses_reference=lambda cfg: True),
+    Stage("sft", ("sft",), "posttrain.trainers.offline:SFTTrainer", check_sft, "sft"),
+)}
+ALIASES = {alias: stage.name for stage in STAGES.values() for alias in stage.aliases}
+
+
+def stage_named(name: str | None) -> Stage:
+    """The stage ``megatron_training.stage`` names (by any alias); ConfigError listing the known ones."""
+    if name is None:
+        raise ConfigError("megatron_training.stage is not set: use ray_grpo, ray_dapo, ray_ppo, dpo or sft")
+    if name not in ALIASES:
+        raise ConfigError(f"megatron_training.stage: unknown stage '{name}'. Known: {', '.join(ALIASES)}")
+    return STAGES[ALIASES[name]]

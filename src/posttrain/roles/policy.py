@@ -1,0 +1,184 @@
+"""The policy role: the actor model and its training engine, the frozen reference and the rollout
+engine, built once from the config and the plan.
+
+The in-process session and every Ray actor worker (:mod:`posttrain.cluster.worker`) build a
+:class:`Policy` with :func:`build_policy`; with Ray the driver holds a :class:`Policy` whose
+engines are the worker group's proxies (same methods). Rollout and training share the actor's
+model object (the seed's integrated worker), so weight sync is free.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from posttrain.config.megatron import MegatronConfig
+from posttrain.config.plan import EngineOptions, Plan
+from posttrain.config.run import RunConfig
+from posttrain.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Policy:
+    """What a loop drives. ``model`` is None on the Ray driver (the weights live in the workers);
+    ``reference`` and ``rollout`` are None where the stage does not use them."""
+
+    model: Any
+    tokenizer: Any
+    actor: Any  # TrainEngine (or the Ray group's proxy)
+    reference: Any | None
+    rollout: Any | None
+    stop_token_ids: list[int]
+    state: dict[str, Any]  # the trainer state: resumed from a checkpoint, or a fresh run's
+
+    @property
+    def pad_token_id(self) -> int:
+        return self.tokenizer.pad_token_id
+
+
+def seed_everything(seed: int) -> None:
+    import random
+
+    import numpy as np
+    import torch
+
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def model_source(actor: MegatronConfig) -> str:
+    """Where the actor's initial weights come from: ``load`` (a checkpoint or HF dir), else the
+    tokenizer path, which for Hugging Face models is the model directory."""
+    source = actor.load or actor.tokenizer_name_or_path
+    if not source:
+        raise ConfigError("set actor_config.load (an HF model or checkpoint directory) or "
+                          "megatron_training.tokenizer_name_or_path (an HF model directory)")
+    if not Path(source).exists():
+        raise ConfigError(f"actor_config.load / tokenizer_name_or_path: {source} does not exist")
+    return source
+
+
+def load_policy_tokenizer(actor: MegatronConfig):
+    """The actor's tokenizer and the token ids its rollout stops on (the driver needs no weights)."""
+    from posttrain.checkpoint import resolve_checkpoint
+    from posttrain.models.loading import load_tokenizer
+
+    path, _ = resolve_checkpoint(model_source(actor))
+    tokenizer = load_tokenizer(actor.tokenizer_name_or_path or path)
+    return tokenizer, rollout_stop_ids(tokenizer, actor)
+
+
+def rollout_stop_ids(tokenizer, actor: MegatronConfig) -> list[int]:
+    """eos plus the prompt template's stop words that are single tokens."""
+    from posttrain.data.encoding import stop_token_ids
+    from posttrain.data.templates import get_template
+
+    path = actor.prompt_type_path if actor.prompt_type_path and Path(actor.prompt_type_path).is_file() else None
+    return sorted(stop_token_ids(get_template(actor.prompt_type or "hf_chat_template", path), tokenizer))
+
+
+def build_actor_model(actor: MegatronConfig, device: str):
+    """The HF actor model (fp32 master weights), its tokenizer, and where it came from."""
+    from posttrain.checkpoint import resolve_checkpoint
+    from posttrain.models.loading import check_vocab, load_causal_lm, load_tokenizer
+
+    source = model_source(actor)
+    path, _ = resolve_checkpoint(source)
+    model = load_causal_lm(path, device=device, dtype="float32")
+    tok_path = actor.tokenizer_name_or_path or path
+    tokenizer = load_tokenizer(tok_path)
+    check_vocab(model, tokenizer, f"tokenizer {tok_path} vs model {path}")
+    if getattr(model.config, "use_cache", None) is not None:
+        model.config.use_cache = False
+    return model, tokenizer, source
+
+
+def build_frozen_copy(model, ref_path: str | None, device: str):
+    """The reference policy: a frozen copy of the initial actor, or a model loaded from ref_path."""
+    import torch
+
+    if ref_path:
+        from posttrain.checkpoint import resolve_checkpoint
+        from posttrain.models.loading import load_causal_lm
+
+        ref = load_causal_lm(resolve_checkpoint(ref_path)[0], device=device)
+    else:
+        ref = copy.deepcopy(model)
+    ref.eval()
+    for p in ref.parameters():
+        p.requires_grad_(False)
+    return ref.to(torch.float32)
+
+
+def build_train_engine(model, role: MegatronConfig, plan: Plan, options: EngineOptions, *,
+                       metric_prefix: str = "actor", dp_group=None):
+    """AdamW + the LR schedule (sized for the plan's total optimizer steps) + a TrainEngine."""
+    from posttrain.train.engine import TrainEngine
+    from posttrain.train.optim import build_lr_scheduler, build_optimizer
+
+    optimizer = build_optimizer(model, role.lr, role.weight_decay, role.adam_beta1, role.adam_beta2)
+    scheduler = build_lr_scheduler(optimizer, lr=role.lr, min_lr=role.min_lr, lr_decay_style=role.lr_decay_style,
+                                   lr_warmup_fraction=role.lr_warmup_fraction, total_steps=plan.total_optimizer_steps)
+    return TrainEngine(model, optimizer, scheduler, clip_grad=role.clip_grad, micro_batch_size=role.micro_batch_size,
+                       dtype=plan.train_dtype, activation_checkpointing=role.recompute_granularity is not None,
+                       metric_prefix=metric_prefix, dp_group=dp_group, options=options)
+
+
+def resume(source: str, model, engine, role: MegatronConfig) -> dict:
+    """Load a full checkpoint's state into ``model`` and ``engine`` when ``source`` is one (and
+    ``finetune`` is off). Returns the trainer state: ``iteration`` (0 when starting fresh),
+    ``consumed_samples``, ``sampler_state``, ``checkpoint_dir`` and ``initial_model`` (where the
+    run first started, which is what a reference model must be loaded from after a resume)."""
+    from posttrain.checkpoint import load_checkpoint, resolve_checkpoint
+
+    _, full = resolve_checkpoint(source)
+    if not full or role.finetune:
+        return {"iteration": 0, "consumed_samples": 0, "sampler_state": None, "initial_model": str(source)}
+    state = load_checkpoint(source, model, engine.optimizer, engine.scheduler,
+                            no_load_optim=bool(role.no_load_optim), no_load_rng=bool(role.no_load_rng))
+    state.setdefault("initial_model", str(source))
+    log.info("resumed from %s at iteration %d", state["checkpoint_dir"], int(state["iteration"]))
+    return state
+
+
+def reference_source(cfg: RunConfig, state: dict) -> str | None:
+    """Where the reference's weights come from; None means a copy of the actor's initial weights.
+    DPO: ``ref_model``; on-policy: ``integrated_mode_config.ref_model_load_path``. After a resume
+    the actor is no longer the initial model, so the reference is loaded from ``initial_model``."""
+    path = cfg.actor.ref_model if cfg.stage == "dpo" else (cfg.rl.integrated_mode_config or {}).get(
+        "ref_model_load_path")
+    if path is None and int(state["iteration"]) > 0:
+        path = str(state["initial_model"])
+    return path
+
+
+def build_policy(cfg: RunConfig, plan: Plan, device: str, *, with_rollout: bool = True, dp_group=None) -> Policy:
+    """The policy of one process: the actor (resumed when ``load`` names a checkpoint), the frozen
+    reference when the stage uses one, and the native or vLLM rollout engine on the actor's model."""
+    from posttrain.train.engine import TrainEngine
+
+    a, gen = cfg.actor, cfg.generate
+    model, tokenizer, source = build_actor_model(a, device)
+    actor = build_train_engine(model, a, plan, plan.actor_engine, metric_prefix=plan.stage.metric_prefix
+                               if not plan.stage.on_policy else "actor", dp_group=dp_group)
+    state = resume(source, model, actor, a)
+    reference = None
+    if plan.uses_reference:
+        ref_model = build_frozen_copy(model, reference_source(cfg, state), device)
+        reference = TrainEngine(ref_model, micro_batch_size=a.micro_batch_size, dtype=plan.train_dtype,
+                                dp_group=dp_group, options=plan.ref_engine)
+    rollout, stops = None, rollout_stop_ids(tokenizer, a)
+    if with_rollout:
+        from posttrain.rollout.base import ROLLOUT_ENGINES
+
+        rollout = ROLLOUT_ENGINES.get(cfg.rl.rollout_engine)(
+            model=model, pad_token_id=tokenizer.pad_token_id, eos_token_ids=stops, max_num_seqs=plan.max_num_seqs,
+            max_num_batched_tokens=gen.max_num_batched_tokens, dtype=plan.rollout_dtype)
+    return Policy(model=model, tokenizer=tokenizer, actor=actor, reference=reference, rollout=rollout,
+                  stop_token_ids=stops, state=state)

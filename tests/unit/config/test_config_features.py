@@ -1,0 +1,335 @@
+"""Every config key honest: one test per refused key (the error names section, key and value and says
+what to do), the keys that are only refused with their feature's switch, and the one start-up warning
+about knobs with no effect on this hardware."""
+
+from __future__ import annotations
+
+import copy
+import glob
+import os
+
+import pytest
+
+from posttrain.config.features import check_features, startup_warnings
+from posttrain.config.fields import Status, field_rule
+from posttrain.config.megatron import MegatronConfig
+from posttrain.config.run import load_run_config, run_config_from_dict
+from posttrain.config.sections import GenerateConfig, MsprobeConfig, ProfilerConfig, RLConfig, SamplingConfig
+from posttrain.errors import ConfigError
+
+BASE = {
+    "megatron_training": {"stage": "ray_grpo", "global_batch_size": 8, "seq_length": 1024, "micro_batch_size": 2},
+    "actor_config": {"micro_batch_size": 2},
+    "rl_config": {"n_samples_per_prompt": 4, "mini_batch_size": 4, "actor_resource": {"num_npus": 1}},
+    "generate_config": {"infer_tensor_parallel_size": 1, "max_model_len": 2048, "sampling_config": {"max_tokens": 512}},
+}
+PPO = ["megatron_training.stage=ray_ppo", "rl_config.adv_estimator=gae", "critic_config.micro_batch_size=2"]
+
+
+def config(overrides=(), base=BASE):
+    return run_config_from_dict(copy.deepcopy(base), overrides=list(overrides))
+
+
+def refusal(overrides, device_type="cpu") -> str:
+    with pytest.raises(ConfigError) as err:
+        check_features(config(overrides), device_type)
+    return str(err.value)
+
+
+LORA = "LoRA is not implemented yet"
+MP = "needs the Megatron-Core backend, which is not available yet"
+MM = "multimodal training is not implemented yet"
+MULTI_TURN = "multi-turn rollout with tools is not implemented yet"
+TQ = "the TransferQueue backend is not implemented"
+EPLB = "expert load balancing (EPLB) is not implemented"
+
+# (overrides, the start of the message: section.key=value[, ...]: why, what to do)
+CASES = [
+    # LoRA: target modules turn it on in the seed; the other LoRA keys mean the user expects it too
+    (["actor_config.lora_target_modules=[linear_qkv,linear_proj]"],
+     f"actor_config.lora_target_modules=[linear_qkv, linear_proj]: {LORA}", "remove the lora_* keys"),
+    (["actor_config.lora_r=16"], f"actor_config.lora_r=16: {LORA}", "remove the lora_* keys"),
+    (["megatron_training.lora_alpha=32"], f"megatron_training.lora_alpha=32: {LORA}", "remove the lora_* keys"),
+    (["actor_config.lora_fusion=true"], f"actor_config.lora_fusion=true: {LORA}", "remove the lora_* keys"),
+    (["actor_config.lora_ckpt_filter=true"], f"actor_config.lora_ckpt_filter=true: {LORA}", "remove the lora_* keys"),
+    (["actor_config.lora_target_modules=[linear_qkv]", "actor_config.lora_r=16"],
+     f"actor_config.lora_r=16, actor_config.lora_target_modules=[linear_qkv]: {LORA}", "remove the lora_* keys"),
+    # model parallelism: each key > 1 is named
+    (["actor_config.tensor_model_parallel_size=2"],
+     f"actor_config.tensor_model_parallel_size=2: model parallelism {MP}", "set it to 1"),
+    (["actor_config.tensor_model_parallel_size=4", "actor_config.pipeline_model_parallel_size=2"],
+     "actor_config.tensor_model_parallel_size=4, actor_config.pipeline_model_parallel_size=2: model parallelism",
+     "set them to 1"),
+    (["megatron_training.pipeline_model_parallel_size=2"], "megatron_training.pipeline_model_parallel_size=2: ",
+     "set it to 1"),
+    (["actor_config.expert_model_parallel_size=2"],
+     f"actor_config.expert_model_parallel_size=2: model parallelism {MP}", "set it to 1"),
+    (["actor_config.context_parallel_size=2"], f"actor_config.context_parallel_size=2: model parallelism {MP}",
+     "set it to 1"),
+    (["actor_config.num_layers_per_virtual_pipeline_stage=2"],
+     f"actor_config.num_layers_per_virtual_pipeline_stage=2: model parallelism {MP}", "remove the key"),
+    ([*PPO, "critic_config.tensor_model_parallel_size=2"], "critic_config.tensor_model_parallel_size=2: ",
+     "set it to 1"),
+    # other Megatron keys
+    (["megatron_training.optimizer=sgd"], "megatron_training.optimizer=sgd: only adam", "set it to adam"),
+    (["megatron_training.skip_train=true"], "megatron_training.skip_train=true: ", "remove the key or set it to false"),
+    (["megatron_training.ai_framework=mindspore"],
+     "megatron_training.ai_framework=mindspore: posttrain runs on PyTorch", "remove the key"),
+    (["megatron_training.tokenizer_type=Llama2Tokenizer"], "megatron_training.tokenizer_type=Llama2Tokenizer: ",
+     "set it to PretrainedFromHF"),
+    (["megatron_training.pretrained_checkpoint=/ckpt"], "megatron_training.pretrained_checkpoint=/ckpt: ",
+     "name the weights with load"),
+    (["megatron_training.refer_model_iter=2"], "megatron_training.refer_model_iter=2: ", "set it to 1"),
+    (["actor_config.mm_model=vit"], f"actor_config.mm_model=vit: {MM}", "remove the key"),
+    # rl_config
+    (["rl_config.partial_rollout_max_split=2"],
+     "rl_config.partial_rollout_max_split=2: partial rollout is not implemented yet", "remove the key or set it to 1"),
+    (["rl_config.require_max_age_all_finished=false"], "rl_config.require_max_age_all_finished=false: partial rollout",
+     "set it to true"),
+    (["rl_config.multi_turn_enable=true"], f"rl_config.multi_turn_enable=true: {MULTI_TURN}", "set it to false"),
+    (["rl_config.async_engine=true"], f"rl_config.async_engine=true: {MULTI_TURN}", "set it to false"),
+    (["rl_config.tool_config_path=tools.yaml"], f"rl_config.tool_config_path=tools.yaml: {MULTI_TURN}",
+     "remove the key"),
+    (["rl_config.max_tool_calls=2"], "rl_config.max_tool_calls=2: ", "set it to 0"),
+    (["rl_config.max_parallel_calls=2"], "rl_config.max_parallel_calls=2: ", "set it to 0"),
+    (["rl_config.max_total_response_length=4096"], "rl_config.max_total_response_length=4096: ", "set it to 0"),
+    (["rl_config.max_tool_response_length=256"], "rl_config.max_tool_response_length=256: ", "set it to 0"),
+    (["rl_config.tool_response_truncate_side=left"], "rl_config.tool_response_truncate_side=left: ", "remove the key"),
+    (["rl_config.tool_parser_format=hermes"], "rl_config.tool_parser_format=hermes: ", "remove the key"),
+    (["rl_config.is_multimodal=true"], f"rl_config.is_multimodal=true: {MM}", "set it to false"),
+    (["rl_config.reuse_image_embeds=true"], f"rl_config.reuse_image_embeds=true: {MM}", "set it to false"),
+    (["rl_config.colocate_actor_and_vit=true"], f"rl_config.colocate_actor_and_vit=true: {MM}", "set it to false"),
+    (["rl_config.vit_resource.num_npus=1"], f"rl_config.vit_resource={{num_npus: 1}}: {MM}", "remove the key"),
+    (["rl_config.vit_forward_micro_batch_size=2"], f"rl_config.vit_forward_micro_batch_size=2: {MM}", "remove the key"),
+    (["rl_config.actor_image_embeds_dispatch_size=4"], f"rl_config.actor_image_embeds_dispatch_size=4: {MM}",
+     "remove the key"),
+    (["rl_config.use_integrated_worker=false"], "rl_config.use_integrated_worker=false: separate actor, reference",
+     "remove the key or set it to true"),
+    (["rl_config.reference_resource.num_npus=1"], "rl_config.reference_resource={num_npus: 1}: ", "remove the key"),
+    (["rl_config.reward_resource.num_npus=1"],
+     "rl_config.reward_resource={num_npus: 1}: reward-model scoring does not run", "remove the key"),
+    ([*PPO, "rl_config.critic_resource.num_npus=2"], "rl_config.critic_resource={num_npus: 2}: the critic runs on",
+     "give it actor_resource's num_npus"),
+    (["rl_config.data_strategy=tq"], f"rl_config.data_strategy=tq: {TQ}", "set it to td"),
+    (["rl_config.transfer_queue_data_shard_num=2"], f"rl_config.transfer_queue_data_shard_num=2: {TQ}", "set it to 1"),
+    (["rl_config.transfer_queue_data_shard_port_base=7000"],
+     f"rl_config.transfer_queue_data_shard_port_base=7000: {TQ}", "remove the key"),
+    (["rl_config.rule_reward=false"], "rl_config.rule_reward=false: reward-model scoring does not run in the training "
+     "loop yet", "remove the key or set it to true"),
+    (["rl_config.use_swanlab=true"], "rl_config.use_swanlab=true: SwanLab logging is not implemented",
+     "use_tensorboard or use_wandb"),
+    (["rl_config.blocking=false"], "rl_config.blocking=false: asynchronous (non-blocking) execution",
+     "remove the key or set it to true"),
+    (["rl_config.use_dp_batch_balance=true"], "rl_config.use_dp_batch_balance=true: ", "set it to false"),
+    (["rl_config.share_backbone=true"], "rl_config.share_backbone=true: a reference sharing the actor's backbone needs "
+     "LoRA", "set it to false"),
+    # generate_config
+    (["generate_config.enable_prefix_caching=true"], "generate_config.enable_prefix_caching=true: prefix caching",
+     "set it to false"),
+    (["generate_config.eplb_token_collects=true"], f"generate_config.eplb_token_collects=true: {EPLB}",
+     "set it to false"),
+    (["generate_config.expert_map_path=map.json"], f"generate_config.expert_map_path=map.json: {EPLB}",
+     "remove the key"),
+    (["generate_config.infer_pipeline_parallel_size=2"], "generate_config.infer_pipeline_parallel_size=2: ",
+     "set it to 1"),
+    (["generate_config.limit_mm_image_per_prompt=2"], f"generate_config.limit_mm_image_per_prompt=2: {MM}",
+     "set it to 1"),
+    (["generate_config.limit_mm_video_per_prompt=1"], f"generate_config.limit_mm_video_per_prompt=1: {MM}",
+     "set it to 0"),
+    # the switches of the seed's debugging tools
+    (["profiler_config.integrated.profile=true"], "profiler_config.integrated.profile=true: the seed's profiler",
+     "posttrain bench --config-name NAME --profile DIR"),
+    (["profiler_config.integrated.mstx=true"], "profiler_config.integrated.mstx=true: ", "set it to false"),
+    (["msprobe_config.msprobe=true"], "msprobe_config.msprobe=true: msprobe accuracy dumps are not implemented",
+     "set it to false"),
+    # whole sections and the critic's keys that follow the actor
+    (["ref_config.load=/ckpt/ref"], "ref_config: a separately configured reference model is not available yet",
+     "remove ref_config"),
+    (["reward_config.load=/ckpt/rm"], "reward_config: reward-model scoring does not run in the training loop yet",
+     "remove reward_config"),
+    ([*PPO, "actor_config.save=/ckpt/actor", "critic_config.save=/ckpt/critic"],
+     "critic_config.save=/ckpt/critic: the critic is saved with the actor", "give it the actor's value (/ckpt/actor)"),
+    ([*PPO, "critic_config.no_load_optim=true"], "critic_config.no_load_optim=true: ", "the actor's value (null)"),
+]
+# keys refused only with their feature's switch on: (the key's override, the switch's override)
+GATED = [
+    ("rl_config.swanlab_mode=local", "rl_config.use_swanlab=true"),
+    ("rl_config.swanlab_project=p", "rl_config.use_swanlab=true"),
+    ("rl_config.swanlab_exp_name=e", "rl_config.use_swanlab=true"),
+    ("rl_config.swanlab_save_dir=d", "rl_config.use_swanlab=true"),
+    ("generate_config.eplb_token_save_path=/tmp/eplb", "generate_config.eplb_token_collects=true"),
+    *[(f"profiler_config.integrated.{key}={value}", "profiler_config.integrated.profile=true") for key, value in [
+        ("stage", "[actor_update]"), ("profile_save_path", "/tmp/prof"), ("profile_export_type", "db"),
+        ("profile_level", "level1"), ("profile_with_memory", "true"), ("profile_record_shapes", "true"),
+        ("profile_with_cpu", "false"), ("profile_with_npu", "false"), ("profile_with_module", "true"),
+        ("profile_step_start", "2"), ("profile_step_end", "4"), ("profile_analysis", "true"),
+        ("profile_ranks", "[0]")]],
+    *[(f"msprobe_config.{key}={value}", "msprobe_config.msprobe=true") for key, value in [
+        ("dump_path", "/tmp/dump"), ("key_data_dump", "true"), ("configurations_dump", "true"),
+        ("actor_train_dump", "true"), ("actor_infer_dump", "true"), ("reference_dump", "true"),
+        ("critic_train_dump", "true"), ("token_range_start", "1"), ("token_range_end", "2"), ("step_start", "1"),
+        ("step_end", "2")]],
+]
+
+
+def test_base_config_has_nothing_refused_or_warned():
+    for device in ("cpu", "cuda"):
+        check_features(config(), device)
+        assert startup_warnings(config(), device) == []
+
+
+@pytest.mark.parametrize("overrides,start,todo", CASES, ids=[c[1][:60] for c in CASES])
+def test_refused_key_names_section_key_value_and_what_to_do(overrides, start, todo):
+    message = refusal(overrides)
+    assert message.startswith(start), message
+    assert todo in message.split("; ")[-1], message
+
+
+@pytest.mark.parametrize("key,switch", GATED, ids=[g[0] for g in GATED])
+def test_switch_gated_keys_are_refused_only_with_their_switch(key, switch):
+    check_features(config([key]), "cpu")  # the seed does nothing with them either while the switch is off
+    assert refusal([key, switch]).startswith(switch.replace("=true", "=true:"))
+
+
+def _refused_fields():
+    for section, cls in (("megatron", MegatronConfig), ("rl_config", RLConfig), ("generate_config", GenerateConfig),
+                         ("sampling_config", SamplingConfig), ("profiler_config", ProfilerConfig),
+                         ("msprobe_config", MsprobeConfig)):
+        for name in cls.model_fields:
+            if field_rule(cls, name).status is Status.REFUSED:
+                yield section, name
+
+
+def test_every_refused_key_has_a_test():
+    overrides = [o for case in CASES for o in case[0]] + [key for key, _ in GATED] + OFFLOAD
+    tested = {part for o in overrides for part in o.split("=")[0].split(".")}
+    missing = [f"{section}.{name}" for section, name in _refused_fields() if name not in tested]
+    assert not missing, f"refused keys without a test case: {missing}"
+
+
+def test_lora_rank_at_its_default_is_not_lora():
+    check_features(config(["actor_config.lora_r=8", "actor_config.lora_alpha=16"]), "cpu")
+
+
+def test_tokenizer_type_of_the_seed_is_fine():
+    check_features(config(["megatron_training.tokenizer_type=PretrainedFromHF"]), "cpu")
+
+
+def test_refusals_follow_the_section_that_wrote_the_key(tmp_path):
+    """A key from a model yaml is named by the model (the seed's merge: a section's model first)."""
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "m.yaml").write_text("m:\n  num_layers: 2\n  lora_r: 4\n")
+    (tmp_path / "c.yaml").write_text("defaults:\n  - model: [m]\nmegatron_training:\n  model: m\n"
+                                     "  stage: ray_grpo\n")
+    cfg = load_run_config("c", tmp_path)
+    with pytest.raises(ConfigError, match=r"^model\.m\.lora_r=4: LoRA is not implemented yet"):
+        check_features(cfg, "cpu")
+
+
+OFFLOAD = ["generate_config.offload_train_optimizer=true", "generate_config.offload_train_grad=true",
+           "generate_config.offload_train_param=true"]
+
+
+def test_offload_is_refused_on_cuda_and_only_warned_on_cpu():
+    keys = OFFLOAD
+    message = refusal(keys, device_type="cuda")
+    assert message.startswith("generate_config.offload_train_optimizer=true, generate_config.offload_train_grad=true, "
+                              "generate_config.offload_train_param=true: offloading training state")
+    assert message.endswith("remove the keys or set them to false")
+    cfg = config(keys)
+    check_features(cfg, "cpu")
+    assert startup_warnings(cfg, "cpu") == [
+        "keys with no effect on this hardware (cpu): generate_config.offload_train_optimizer, "
+        "generate_config.offload_train_grad, generate_config.offload_train_param"]
+
+
+def test_device_defaults_to_rl_config_device():
+    cfg = config(["generate_config.offload_train_param=true", "rl_config.device=cpu"])
+    check_features(cfg)
+    with pytest.raises(ConfigError, match="offload_train_param"):
+        check_features(config(["generate_config.offload_train_param=true", "rl_config.device=cuda:1"]))
+
+
+def test_generate_config_is_not_read_by_offline_stages():
+    """dpo / sft never roll out: the seed's default infer TP (8) and rollout keys are irrelevant there."""
+    base = {"megatron_training": {"stage": "dpo", "global_batch_size": 4, "micro_batch_size": 1, "seq_length": 64},
+            "generate_config": {"enable_prefix_caching": True, "offload_train_param": True}}
+    cfg = config(base=base)
+    check_features(cfg, "cuda")
+    assert startup_warnings(cfg, "cpu") == []
+    with pytest.raises(ConfigError, match="partial_rollout_max_split"):  # other sections still count
+        check_features(config(["rl_config.partial_rollout_max_split=2"], base=base), "cpu")
+
+
+# ---- the one start-up warning ---------------------------------------------------------------------
+def test_warning_lists_inert_kernels_once_on_cpu():
+    cfg = config([*PPO, "megatron_training.use_flash_attn=true", "megatron_training.use_fused_rmsnorm=true"])
+    assert cfg.critic is not None  # the critic merges megatron_training too: still listed once
+    assert startup_warnings(cfg, "cpu") == [
+        "keys with no effect on this hardware (cpu): megatron_training.use_flash_attn, "
+        "megatron_training.use_fused_rmsnorm"]
+
+
+def test_warning_on_cuda_lists_only_what_is_still_inert_there():
+    cfg = config(["megatron_training.use_flash_attn=true", "megatron_training.use_fused_rmsnorm=true"])
+    # sdpa picks flash kernels on CUDA by itself; fused RMSNorm is still a Megatron kernel
+    assert startup_warnings(cfg, "cuda") == [
+        "keys with no effect on this hardware (cuda): megatron_training.use_fused_rmsnorm"]
+
+
+def test_warning_only_for_keys_the_config_writes_with_an_active_value():
+    # the seed's defaults (dropout 0.1, backend nccl) are not written: nothing to warn about
+    assert startup_warnings(config(), "cpu") == []
+    # the seed's configs write dropout 0 (what runs) and sequence_parallel false (the default)
+    assert startup_warnings(config(["megatron_training.attention_dropout=0.0",
+                                    "megatron_training.sequence_parallel=false"]), "cpu") == []
+    cfg = config(["megatron_training.attention_dropout=0.1", "megatron_training.distributed_backend=nccl"])
+    assert startup_warnings(cfg, "cpu") == [
+        "keys with no effect on this hardware (cpu): megatron_training.attention_dropout, "
+        "megatron_training.distributed_backend"]
+    assert startup_warnings(cfg, "cuda") == [  # nccl is what runs on CUDA
+        "keys with no effect on this hardware (cuda): megatron_training.attention_dropout"]
+
+
+def test_rollout_parallel_sizes_are_warned_not_refused():
+    cfg = config(["generate_config.infer_tensor_parallel_size=2", "rl_config.actor_resource.num_npus=2"])
+    check_features(cfg, "cuda")
+    assert startup_warnings(cfg, "cuda") == [
+        "keys with no effect on this hardware (cuda): generate_config.infer_tensor_parallel_size"]
+
+
+def test_ignored_keys_of_run_config_still_list_megatron_keys():
+    cfg = config(["megatron_training.sequence_parallel=true", "megatron_training.use_fused_rmsnorm=true",
+                  "megatron_training.use_flash_attn=true"])  # flash attention does something on CUDA
+    assert cfg.ignored_keys == ["sequence_parallel", "use_fused_rmsnorm"]
+
+
+# ---- the shipped configs ------------------------------------------------------------------------
+SHIPPED = sorted(os.path.basename(p)[:-5] for p in glob.glob(os.path.join(os.path.dirname(__file__), "..", "..", "..",
+                                                                          "configs", "*.yaml")))
+SEED_LAYOUTS = {"r1_zero_qwen25_7b", "dapo_qwen25_32b", "ppo_qwen25_32b", "dpo_qwen3_30b_a3b"}
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_shipped_configs(name):
+    cfg = load_run_config(name)
+    if name in SEED_LAYOUTS:  # the seed's TP/PP/EP layouts wait for the Megatron-Core backend
+        with pytest.raises(ConfigError, match=r"tensor_model_parallel_size=\d.*model parallelism needs the "
+                                              r"Megatron-Core backend, which is not available yet"):
+            check_features(cfg, "cpu")
+    else:  # the configs meant to run here: nothing refused, nothing inert
+        for device in ("cpu", "cuda"):
+            check_features(cfg, device)
+            assert startup_warnings(cfg, device) == []
+
+
+def test_seed_configs_once_on_one_process():
+    """With the layout set to one process, the seed's 7B config passes on CPU with one warning, and CUDA
+    refuses its offload keys."""
+    cfg = load_run_config("r1_zero_qwen25_7b", overrides=["actor_config.tensor_model_parallel_size=1",
+                                                          "actor_config.pipeline_model_parallel_size=1"])
+    check_features(cfg, "cpu")
+    [warning] = startup_warnings(cfg, "cpu")
+    assert "megatron_training.use_fused_rmsnorm" in warning and "generate_config.offload_train_param" in warning
+    with pytest.raises(ConfigError, match="offload_train_optimizer=true"):
+        check_features(cfg, "cuda")
