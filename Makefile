@@ -33,7 +33,7 @@ demo: $(STAMP)
 	$(PY) -m posttrain.demo --out runs/demo
 
 plan: $(STAMP)
-	$(VENV)/bin/posttrain plan --config-name r1_zero_qwen25_7b
+	$(VENV)/bin/posttrain plan --config-name grpo_smollm2_demo
 
 clean:
 	rm -rf $(VENV) runs

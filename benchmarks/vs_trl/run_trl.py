@@ -35,14 +35,14 @@ def main() -> None:
     from trl import GRPOConfig, GRPOTrainer
 
     from common import prepare, prompt_texts, settings
-    from posttrain.reward.verifiers import get_verifier
+    from posttrain.reward.verifiers import VERIFIERS
     from posttrain.commands.bench import CpuMeter
 
     s = settings(args.size)
     paths = prepare(Path(args.work), args.size)
     pairs = prompt_texts(paths, 4000, s["max_prompt_length"])
     data = Dataset.from_list([{"prompt": prompt, "label": label} for prompt, label in pairs])
-    verifier = get_verifier(s["verifier"])
+    verifier = VERIFIERS.get(s["verifier"]).fn
 
     def reward(prompts, completions, label, **kwargs):
         return [float(verifier(c, l)) for c, l in zip(completions, label)]

@@ -45,13 +45,14 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from posttrain.demo.evaluate import evaluate, load_model
-    from posttrain.demo.scoring import get_scorer
-    from posttrain.demo.tasks import make_splits, read_jsonl, write_jsonl
-    from posttrain.models.pretrained import resolve_model
+    from demo_eval import evaluate, load_model
+    from demo_scoring import get_scorer
+    from posttrain.data.readers import read_jsonl
+    from posttrain.demo.pretrained import resolve_model
+    from posttrain.demo.tasks import make_splits, write_jsonl
 
     if args.data:
-        rows = read_jsonl(args.data)[: args.num_test]
+        rows = read_jsonl(args.data, strict=True)[: args.num_test]
     else:
         _, rows = make_splits(0, args.num_test, args.seed, num_terms=args.num_terms,
                               min_value=args.min_value, max_value=args.max_value,

@@ -45,8 +45,8 @@ def main(argv=None) -> int:
 
     import torch
 
-    from posttrain.demo.evaluate import autocast, load_model
-    from posttrain.models.pretrained import resolve_model
+    from demo_eval import autocast, load_model
+    from posttrain.demo.pretrained import resolve_model
 
     model, tok = load_model(resolve_model(args.model), threads=args.threads)
     g = torch.Generator().manual_seed(0)

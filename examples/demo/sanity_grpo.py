@@ -54,7 +54,7 @@ def response_mask(resp, eos_id):
 def grpo_step(model, tok, opt, batch_rows, args, scorer, autocast):
     import torch
 
-    from posttrain.demo.evaluate import chat_prompts
+    from demo_eval import chat_prompts
 
     prompts = chat_prompts(tok, [r["prompt"] for r in batch_rows], args.system)
     enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
@@ -100,10 +100,10 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
 
-    from posttrain.demo.evaluate import autocast, evaluate, load_model
-    from posttrain.demo.scoring import get_scorer
+    from demo_eval import autocast, evaluate, load_model
+    from demo_scoring import get_scorer
+    from posttrain.demo.pretrained import resolve_model
     from posttrain.demo.tasks import make_splits
-    from posttrain.models.pretrained import resolve_model
 
     torch.manual_seed(args.seed)
     scorer = get_scorer(args.scorer)

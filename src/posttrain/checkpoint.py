@@ -19,12 +19,14 @@ When to save (``save_interval``) is the training loop's decision, not this modul
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import re
 import shutil
 import pickle
 import secrets
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,6 +35,8 @@ import numpy as np
 import torch
 
 from posttrain.errors import CheckpointError
+
+log = logging.getLogger(__name__)
 
 TRACKER = "latest_checkpointed_iteration.txt"
 STATE_FILE = "trainer_state.json"
@@ -72,6 +76,46 @@ def _fsync_tree(root: Path) -> None:
             with open(os.path.join(dirpath, name), "rb") as f:
                 os.fsync(f.fileno())
         _fsync_dir(Path(dirpath))
+
+
+def current_umask() -> int:
+    """The process umask, read without changing it (Linux ``/proc``), else by a set-and-restore."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def make_readable(root: str | Path) -> None:
+    """Give every file under ``root`` the mode a plain ``open()`` would (0644 under umask 022) and
+    every directory 0755: ``save_pretrained`` writes weights 0600 and ``mkdtemp`` makes dirs 0700,
+    which other users and serving containers cannot read. Symlinks are left alone."""
+    mask = current_umask()
+    root = Path(root)
+    os.chmod(root, 0o777 & ~mask)
+    for dirpath, dirs, files in os.walk(root):
+        for name in dirs:
+            if not os.path.islink(os.path.join(dirpath, name)):
+                os.chmod(os.path.join(dirpath, name), 0o777 & ~mask)
+        for name in files:
+            if not os.path.islink(os.path.join(dirpath, name)):
+                os.chmod(os.path.join(dirpath, name), 0o666 & ~mask)
+
+
+def _remove_path(path: Path) -> None:
+    """Remove a file, a symlink (never what it points at) or a directory tree; errors are ignored."""
+    try:
+        if path.is_symlink() or path.is_file():
+            path.unlink()
+        else:
+            shutil.rmtree(path, ignore_errors=True)
+    except OSError:
+        pass
 
 
 def _fsync_dir(path: Path) -> None:
@@ -132,8 +176,9 @@ def _write_checkpoint(tmp: Path, iteration: int, model: Any, optimizer: Any, sch
         _torch_save(rng_state(generator), tmp / "rng.pt")
     if sampler_state is not None:
         _torch_save(sampler_state, tmp / "sampler.pt")
-    state = {"format": FORMAT, **trainer_state, "iteration": iteration}
+    state = {"format": FORMAT, **trainer_state, "iteration": iteration, "sampler_saved": sampler_state is not None}
     _write_text(tmp / STATE_FILE, json.dumps(state, indent=2, sort_keys=True) + "\n")
+    make_readable(tmp)
 
 
 def _write_tracker(save_dir: Path, iteration: int) -> None:
@@ -149,7 +194,7 @@ def _publish(tmp: Path, target: Path, aside: Path, save_dir: Path, iteration: in
     Re-saving an existing iteration moves the old directory aside first and deletes it only
     once the tracker is written.
     """
-    had_old = target.exists()
+    had_old = os.path.lexists(target)
     if had_old:
         os.rename(target, aside)
     try:
@@ -163,13 +208,14 @@ def _publish(tmp: Path, target: Path, aside: Path, save_dir: Path, iteration: in
             os.rename(aside, target)
         raise
     if had_old:
-        shutil.rmtree(aside, ignore_errors=True)
+        _remove_path(aside)  # a moved-aside symlink is unlinked, its target untouched
 
 
 def _remove_stale_temps(save_dir: Path) -> None:
-    """Remove temporary dirs left by a save that was killed (single writer per save dir)."""
+    """Remove temporary dirs (and moved-aside links) left by a save that was killed; a run holds
+    the save dir's lock (:mod:`posttrain.trainers.session`), so no live save owns them."""
     for path in save_dir.glob(".iter_*.tmp*"):
-        shutil.rmtree(path, ignore_errors=True)
+        _remove_path(path)
 
 
 def save_checkpoint(save_dir: str | Path, iteration: int, model: Any, optimizer: Any = None,
@@ -268,7 +314,9 @@ def find_latest(load_dir: str | Path) -> Path | None:
     return found[-1][1] if found else None
 
 
-def _is_hf_model_dir(path: Path) -> bool:
+def is_hf_model_dir(path: str | Path) -> bool:
+    """True when ``path`` holds a ``config.json`` and weights (safetensors, or ``pytorch_model.bin``)."""
+    path = Path(path)
     return (path / "config.json").is_file() and bool(_weight_files(path))
 
 
@@ -276,7 +324,11 @@ def _weight_files(path: Path) -> list[Path]:
     """The safetensors files of an HF dir: from the shard index, else model.safetensors, else all."""
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        names = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
+        try:
+            names = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as err:
+            raise CheckpointError(f"{index}: not a valid safetensors index ({type(err).__name__}: {err}); "
+                                  f"the file is corrupt or truncated") from None
         return [path / n for n in names]
     if (path / "model.safetensors").is_file():
         return [path / "model.safetensors"]
@@ -293,16 +345,128 @@ def _read_weights(path: Path) -> dict[str, torch.Tensor]:
     if files:
         state: dict[str, torch.Tensor] = {}
         for f in files:
-            state.update(load_file(str(f)))
+            try:
+                part = load_file(str(f))
+            except Exception as err:  # noqa: BLE001  (SafetensorError, OSError: a corrupt or partial file)
+                raise CheckpointError(_unreadable_weights(f, err)) from None
+            _check_finite(f, part)
+            state.update(part)
         return state
     if (path / "pytorch_model.bin").is_file():
-        return torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
+        state = _load_file(path / "pytorch_model.bin")
+        _check_finite(path / "pytorch_model.bin", state)
+        return state
     raise CheckpointError(f"{path}: no *.safetensors or pytorch_model.bin weights found")
+
+
+def _unreadable_weights(path: Path, err: BaseException) -> str:
+    return (f"{path}: not a readable safetensors file ({type(err).__name__}: {err}); it is truncated or "
+            f"corrupt (an interrupted copy?)")
+
+
+def _check_finite(path: Path, tensors: dict[str, Any]) -> None:
+    """CheckpointError naming ``path`` and its first tensor holding NaN or inf."""
+    for name, tensor in tensors.items():
+        if isinstance(tensor, torch.Tensor) and tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            bad = int((~torch.isfinite(tensor)).sum())
+            raise CheckpointError(f"{path}: tensor {name} holds {bad} NaN/inf values of {tensor.numel()}; "
+                                  f"these weights are unusable (saved after the training diverged, or corrupt)")
+
+
+def check_model_files(path: str | Path) -> None:
+    """Cheap checks of an HF model or checkpoint dir before a model is built from it:
+    ``config.json`` is a JSON object and every safetensors file has a valid, complete header.
+    Raises :class:`CheckpointError` naming the first bad file."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    config = path / "config.json"
+    if config.is_file():
+        _read_json_object(config)
+    for f in _weight_files(path):
+        if f.suffix != ".safetensors":
+            continue
+        if not f.is_file():
+            raise CheckpointError(f"{f} is missing (named by {path / 'model.safetensors.index.json'})")
+        try:
+            with safe_open(str(f), framework="pt") as handle:
+                handle.keys()
+        except Exception as err:  # noqa: BLE001  (SafetensorError: truncated, bad header)
+            raise CheckpointError(_unreadable_weights(f, err)) from None
+
+
+def _read_json_object(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        raise CheckpointError(f"{path}: not valid JSON ({err}); the file is corrupt or truncated") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: expected a JSON object, found {type(data).__name__}; the file is corrupt")
+    return data
+
+
+def read_trainer_state(path: str | Path) -> dict:
+    """``trainer_state.json`` of checkpoint dir ``path``, checked: a JSON object with an integer
+    ``iteration`` >= 0 (and ``consumed_samples`` if present)."""
+    file = Path(path) / STATE_FILE
+    state = _read_json_object(file)
+    for key in ("iteration", "consumed_samples"):
+        value = state.get(key, 0 if key == "consumed_samples" else None)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise CheckpointError(f"{file}: {key} must be an integer >= 0, found {value!r}; the file is corrupt")
+    return state
+
+
+def verify_checkpoint(path: str | Path, *, optim: bool = True, rng: bool = True, weights: bool = True) -> None:
+    """Read every file of checkpoint dir ``path`` (``iter_*``) that a resume will load, and raise
+    :class:`CheckpointError` naming the first one that is missing, truncated or corrupt:
+    trainer_state.json, config.json, the weights (also NaN/inf), optimizer/scheduler (``optim``),
+    rng.pt (``rng``), sampler.pt, and the extra parts' (critic/) files."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    read_trainer_state(path)
+    parts = [path] + sorted(p.parent for p in path.glob("*/config.json"))
+    for part in parts:
+        check_model_files(part)
+        if weights:
+            for f in _weight_files(part):
+                if f.suffix != ".safetensors":
+                    continue
+                try:
+                    with safe_open(str(f), framework="pt") as handle:
+                        for name in handle.keys():
+                            _check_finite(f, {name: handle.get_tensor(name)})
+                except CheckpointError:
+                    raise
+                except Exception as err:  # noqa: BLE001
+                    raise CheckpointError(_unreadable_weights(f, err)) from None
+        if optim:
+            for name in ("optimizer.pt", "scheduler.pt"):
+                if (part / name).is_file():
+                    _load_file(part / name, mmap=True)
+    if rng and (path / "rng.pt").is_file():
+        _load_file(path / "rng.pt")
+    if (path / "sampler.pt").is_file():
+        _load_file(path / "sampler.pt")
+
+
+def earlier_checkpoints(checkpoint_dir: str | Path) -> list[Path]:
+    """Complete ``iter_*`` dirs next to ``checkpoint_dir`` (an ``iter_*`` dir) with a lower
+    iteration, newest first: where a resume can fall back to when ``checkpoint_dir`` is corrupt."""
+    checkpoint_dir = Path(checkpoint_dir)
+    m = _ITER_RE.match(checkpoint_dir.name)
+    if m is None:
+        return [p for _, p in reversed(list_checkpoints(checkpoint_dir))]
+    return [p for it, p in reversed(list_checkpoints(checkpoint_dir.parent)) if it < int(m.group(1))]
 
 
 def load_weights(path: str | Path, model: torch.nn.Module) -> None:
     """Copy the HF weights saved in ``path`` into ``model`` in place (tied weights allowed)."""
     path = Path(path)
+    config = path / "config.json"
+    if config.is_file():
+        _read_json_object(config)
     state = _read_weights(path)
     own = model.state_dict()
     loaded_ptrs = {own[k].data_ptr() for k in state if k in own}
@@ -319,11 +483,21 @@ def load_weights(path: str | Path, model: torch.nn.Module) -> None:
     model.load_state_dict(state, strict=False)
 
 
-def _load_file(path: Path) -> Any:
+def _load_file(path: Path, mmap: bool = False) -> Any:
+    """``torch.load`` (weights only) of a checkpoint file; CheckpointError naming it when it cannot be
+    read. ``mmap``: map the tensors instead of reading them (a cheap check of a large file)."""
+    is_zip = False
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except (OSError, RuntimeError, EOFError) as err:
-        raise CheckpointError(f"{path}: cannot be read ({err})") from err
+        is_zip = zipfile.is_zipfile(path)
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=(mmap and is_zip) or None)
+    except Exception as err:  # noqa: BLE001  (UnpicklingError, zip errors, EOF: a corrupt or partial file)
+        if not is_zip and not isinstance(err, OSError):
+            why = "its bytes are not a complete zip archive as torch.save writes"
+        else:
+            text = str(err).strip()
+            first = text.splitlines()[0].split(". ")[0] if text else type(err).__name__
+            why = f"{type(err).__name__}: {first}"
+        raise CheckpointError(f"{path}: cannot be read ({why}); the file is corrupt or truncated") from None
 
 
 def _load_optim(path: Path, optimizer: Any, scheduler: Any) -> None:
@@ -362,10 +536,11 @@ def resolve_checkpoint(load_dir: str | Path) -> tuple[Path, bool]:
     latest = find_latest(load_dir)
     if latest is not None:
         return latest, True
-    if _is_hf_model_dir(load_dir):
+    if is_hf_model_dir(load_dir):
         return load_dir, False
+    hint = " It holds a GGUF file: convert it to an HF directory first." if any(load_dir.glob("*.gguf")) else ""
     raise CheckpointError(f"load: no checkpoint in {load_dir}: expected {TRACKER}, iter_XXXXXXX/ "
-                          f"directories or an HF model directory (config.json + *.safetensors)")
+                          f"directories or an HF model directory (config.json + *.safetensors).{hint}")
 
 
 def load_checkpoint(load_dir: str | Path, model: Any, optimizer: Any = None, scheduler: Any = None,
@@ -392,10 +567,26 @@ def load_checkpoint(load_dir: str | Path, model: Any, optimizer: Any = None, sch
         if not (path / "rng.pt").is_file():
             raise CheckpointError(f"{path / 'rng.pt'} is missing (saved with no_save_rng?); set "
                                   f"no_load_rng: true to resume without it")
-        set_rng_state(_load_file(path / "rng.pt"), generator)
-    state = json.loads((path / STATE_FILE).read_text(encoding="utf-8"))
+        try:
+            set_rng_state(_load_file(path / "rng.pt"), generator)
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError, RuntimeError) as err:
+            raise CheckpointError(f"{path / 'rng.pt'}: not the RNG states posttrain saves ({type(err).__name__}: "
+                                  f"{err}); the file is corrupt. Set no_load_rng: true to resume without it") from None
+    state = read_trainer_state(path)
     state.pop("format", None)
+    sampler_saved = state.pop("sampler_saved", True)  # older checkpoints always had one
     sampler = path / "sampler.pt"
-    state["sampler_state"] = _load_file(sampler) if sampler.is_file() else None
+    if sampler.is_file():
+        state["sampler_state"] = _load_file(sampler)
+    elif not sampler_saved:
+        state["sampler_state"] = None
+    elif no_load_rng:
+        log.warning("%s is missing; no_load_rng is set, so the data sampler restarts at the first batch of "
+                    "epoch 0 (prompts already trained on are drawn again)", sampler)
+        state["sampler_state"] = None
+    else:
+        raise CheckpointError(f"{sampler} is missing, so the data order cannot be resumed; set no_load_rng: "
+                              f"true to resume anyway with the sampler restarted at epoch 0 (prompts already "
+                              f"trained on are drawn again)")
     state["checkpoint_dir"] = str(path)
     return state

@@ -31,11 +31,18 @@ def _add_config_args(p: argparse.ArgumentParser, default_path_help: str = "confi
                    help="dotted overrides, e.g. rl_config.n_samples_per_prompt=16")
 
 
+FORCE_HELP = "replace the files this command writes if they exist (nothing else is ever deleted)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="posttrain", description=__doc__.splitlines()[0])
     parser.add_argument("--debug", action="store_true", help="show tracebacks for user errors")
     parser.add_argument("--version", action="version", version=_version())
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    # --debug is also accepted after the subcommand; SUPPRESS keeps a subcommand from resetting it
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                        help="show tracebacks for user errors")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_subparser_class(common))
     sub.required = True
 
     p = sub.add_parser("plan", help="validate a training config and print its batch plan and memory estimate")
@@ -44,10 +51,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("train", help="run training (GRPO, DAPO, PPO, DPO or SFT, by megatron_training.stage)")
     _add_config_args(p)
+    p.add_argument("--load-previous-on-corruption", action="store_true",
+                   help="when the checkpoint to resume from is corrupt, resume from the newest earlier complete "
+                        "iter_* in the same directory (a warning names both)")
 
     p = sub.add_parser("preprocess", help="raw JSON/JSONL/Parquet/CSV/Arrow -> Megatron indexed dataset")
     _add_config_args(p, "configs/datasets/")
     p.add_argument("--strict", action="store_true", help="stop at the first malformed row instead of skipping it")
+    p.add_argument("--force", action="store_true", help=FORCE_HELP + ": the output_prefix's dataset files")
 
     p = sub.add_parser("init-model", help="write a random-init HF model directory from a model yaml")
     p.add_argument("--model", default="tiny_qwen2", help="model yaml name in configs/model/, or a path")
@@ -56,6 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vocab-size", type=int, default=None, help="tokenizer vocabulary size")
     p.add_argument("--tokenizer", default=None, help="use this HF tokenizer directory instead of training one")
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--force", action="store_true",
+                   help="write into an --output directory that is not empty: replaces only init-model's own files "
+                        "(config.json, weights, tokenizer files) and deletes nothing else")
 
     p = sub.add_parser("score", help="score responses in a JSONL file with named verifiers")
     p.add_argument("--verifier", action="append", required=True, help="verifier name (repeatable)")
@@ -66,6 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--parallel", type=int, default=1, help="verifier worker processes")
     p.add_argument("--timeout", type=float, default=30.0, help="seconds per sample")
     p.add_argument("--verifier-module", action="append", default=[], help="module that registers verifiers")
+    p.add_argument("--force", action="store_true", help=FORCE_HELP + ": --output")
 
     p = sub.add_parser("eval", help="generate on a prompt dataset and score with verifiers")
     p.add_argument("--model", required=True, help="HF model directory (or a checkpoint iter_XXXXXXX)")
@@ -79,6 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", default=None, help="JSON file for the results")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--force", action="store_true", help=FORCE_HELP + ": --output")
 
     p = sub.add_parser("bench", help="time training iterations: per-phase times, tokens/s, MFU")
     _add_config_args(p)
@@ -88,7 +104,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", default=None, metavar="DIR",
                    help="run the last iteration under torch.profiler: top ops in DIR/profile.txt, trace in "
                         "DIR/trace.json (chrome://tracing or Perfetto)")
+    p.add_argument("--force", action="store_true", help=FORCE_HELP + ": --output, DIR/profile.txt, DIR/trace.json")
     return parser
+
+
+def _subparser_class(common: argparse.ArgumentParser):
+    """An ArgumentParser class whose instances (the subcommands) inherit ``common``'s arguments."""
+
+    class SubParser(argparse.ArgumentParser):
+        def __init__(self, *args, **kwargs):
+            kwargs.setdefault("parents", [common])
+            super().__init__(*args, **kwargs)
+
+    return SubParser
 
 
 def _version() -> str:
@@ -103,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         module = importlib.import_module(COMMANDS[args.command])
         return int(module.run(args) or 0)
     except PosttrainError as err:
-        if args.debug:
+        if getattr(args, "debug", False):
             raise
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -9,7 +9,7 @@ from cluster_helpers import grpo_config
 
 
 def test_uses_ray_for_more_than_one_device_or_an_address(tmp_path, monkeypatch):
-    from posttrain.config.plan import uses_ray
+    from posttrain.config.check import uses_ray
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     assert not uses_ray(grpo_config(tmp_path, "a", workers=1, iters=1))

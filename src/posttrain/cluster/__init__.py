@@ -1,7 +1,7 @@
 """Scale-out on Ray: the on-policy roles as Ray actors in a placement group (docs/cluster.md).
 
 Only this package imports ray. The plan decides (without importing ray) whether a run goes to Ray
-(:func:`posttrain.config.plan.uses_ray`); :func:`build_cluster` then returns a
+(:func:`posttrain.config.check.uses_ray`); :func:`build_cluster` then returns a
 :class:`~posttrain.cluster.group.Cluster` whose ``policy`` is a
 :class:`~posttrain.roles.policy.Policy` with the same role methods as the in-process one
 (``actor``, ``reference``, ``rollout``) and whose ``rule_reward`` has RuleReward's interface, so

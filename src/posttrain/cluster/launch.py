@@ -1,5 +1,5 @@
 """How a run goes to Ray: connecting, the runtime env, the placement group. (Whether it does is
-the plan's :func:`posttrain.config.plan.uses_ray`.)"""
+the plan's :func:`posttrain.config.check.uses_ray`.)"""
 
 from __future__ import annotations
 

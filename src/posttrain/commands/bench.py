@@ -188,10 +188,15 @@ def profiled(out_dir: str | Path | None, device: str = "cpu"):
     averages = prof.key_averages()
     text = ("ops by self time\n" + averages.table(sort_by="self_cpu_time_total", row_limit=25)
             + "\n\nops and phases by total time\n" + averages.table(sort_by="cpu_time_total", row_limit=25))
-    tmp = out / "profile.txt.tmp"
-    tmp.write_text(text)
-    tmp.replace(out / "profile.txt")
-    prof.export_chrome_trace(str(out / "trace.json"))
+    from posttrain.commands.outputs import write_text_atomic
+
+    write_text_atomic(out / "profile.txt", text)
+    trace = out / f".trace.json.tmp-{os.getpid()}"
+    try:
+        prof.export_chrome_trace(str(trace))
+        os.replace(trace, out / "trace.json")
+    finally:
+        trace.unlink(missing_ok=True)
 
 
 def bench(cfg, *, iters: int = 3, warmup: int = 1, profile_dir: str | None = None) -> dict:
@@ -292,11 +297,36 @@ def format_table(report: dict) -> str:
 
 def write_json(path: str | Path, report: dict) -> None:
     """Write ``report`` to ``path`` through a temporary file renamed when complete."""
+    from posttrain.commands.outputs import write_text_atomic
+
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(report, indent=2, default=str))
-    tmp.replace(path)
+    write_text_atomic(path, json.dumps(report, indent=2, default=str))
+
+
+PROFILE_FILES = ("profile.txt", "trace.json")
+
+
+def check_outputs(args) -> None:
+    """``--output`` and ``--profile DIR``, checked before the benchmark runs: a directory where a
+    file is expected, a file where a directory is, or an earlier result not to be replaced without
+    ``--force`` is refused (each message names its flag)."""
+    from posttrain.commands.outputs import check_output_file, check_writable_dir
+    from posttrain.errors import ConfigError
+
+    force = bool(getattr(args, "force", False))
+    if args.output:
+        check_output_file(args.output, "--output", force=force)
+    if getattr(args, "profile", None):
+        out = Path(args.profile)
+        if out.exists() and not out.is_dir():
+            raise ConfigError(f"--profile {out} is an existing file; give a directory (it gets "
+                              f"{' and '.join(PROFILE_FILES)})")
+        found = [n for n in PROFILE_FILES if os.path.lexists(out / n)]
+        if found and not force:
+            raise ConfigError(f"--profile {out} already holds {', '.join(found)}; give another directory, or "
+                              f"--force to replace them")
+        check_writable_dir(out, f"--profile {out}")
 
 
 def run(args) -> int:
@@ -306,6 +336,7 @@ def run(args) -> int:
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     cfg = load_run_config(args.config_name, args.config_path, args.overrides)
+    check_outputs(args)
     report = bench(cfg, iters=args.iters, warmup=args.warmup, profile_dir=getattr(args, "profile", None))
     print(format_table(report))
     if args.output:

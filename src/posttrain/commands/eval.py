@@ -19,21 +19,16 @@ LABEL_FIELDS = ("answer", "label", "solution", "output")
 
 def load_jsonl_prompts(path: Path, tokenizer, prompt_type: str | None) -> tuple[list[list[int]], list[str]]:
     from posttrain.data.encoding import TemplateEncoder
+    from posttrain.data.readers import iter_jsonl
     from posttrain.data.templates import get_template
 
     encoder = TemplateEncoder(get_template(prompt_type or "hf_chat_template"), tokenizer)
     prompts, labels = [], []
-    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise DataError(f"{path}:{lineno}: malformed JSON ({err.msg})") from None
+    for row, where in iter_jsonl(path):
         prompt = next((row[k] for k in PROMPT_FIELDS if k in row), None)
         label = next((row[k] for k in LABEL_FIELDS if k in row), None)
         if prompt is None or label is None:
-            raise DataError(f"{path}:{lineno}: needs a prompt field ({'/'.join(PROMPT_FIELDS)}) and a label field "
+            raise DataError(f"{where}: needs a prompt field ({'/'.join(PROMPT_FIELDS)}) and a label field "
                             f"({'/'.join(LABEL_FIELDS)}); it has {sorted(row)}")
         prompts.append(encoder.encode_prompt(str(prompt)))
         labels.append(str(label))
@@ -64,25 +59,28 @@ def load_prompts(data: str, tokenizer, prompt_type: str | None, limit: int | Non
 def run(args) -> int:
     import torch
 
+    from posttrain.checkpoint import check_model_files, resolve_checkpoint
+    from posttrain.commands.outputs import check_output_file
     from posttrain.device import resolve_device
-    from posttrain.models.loading import check_vocab, load_causal_lm, load_tokenizer, resolve_model_path
+    from posttrain.models.loading import check_vocab, load_causal_lm, load_tokenizer
     from posttrain.reward.rule_reward import RuleReward
-    from posttrain.rollout.base import SamplingParams, get_engine
+    from posttrain.rollout.base import ROLLOUT_ENGINES, SamplingParams
     from posttrain.trainers.evaluate import evaluate
 
     logging.basicConfig(level=logging.WARNING)
-    if args.n < 1:
-        raise ConfigError("--n must be >= 1")
-    if args.n > 1 and args.temperature == 0:
-        raise ConfigError("--n > 1 needs sampling: give --temperature > 0")
+    check_args(args)
+    if args.output:  # before the work: an output problem must not cost the whole evaluation
+        check_output_file(args.output, "--output", force=bool(getattr(args, "force", False)))
     device = resolve_device("auto")
-    path = resolve_model_path(args.model)
+    path, _ = resolve_checkpoint(args.model)
+    check_model_files(path)  # a truncated or corrupt file is named, not a loader traceback
+    check_max_tokens(path, args.max_tokens)
     tokenizer = load_tokenizer(path)
     model = load_causal_lm(path, device=device)
     check_vocab(model, tokenizer, str(path))
     prompts, labels = load_prompts(args.data, tokenizer, args.prompt_type, args.limit)
-    engine = get_engine("native", model=model, pad_token_id=tokenizer.pad_token_id,
-                        eos_token_ids=[tokenizer.eos_token_id], dtype=args.dtype)
+    engine = ROLLOUT_ENGINES.get("native")(model=model, pad_token_id=tokenizer.pad_token_id,
+                                           eos_token_ids=[tokenizer.eos_token_id], dtype=args.dtype)
     sampling = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, top_k=-1, seed=args.seed)
     verifiers = args.verifier or ["math_equiv"]
     torch.manual_seed(args.seed)
@@ -93,9 +91,42 @@ def run(args) -> int:
     for key in ("accuracy", f"avg@{args.n}", f"pass@{args.n}", "score/mean", "num_prompts"):
         print(f"{key:>12}: {result[key]:.4f}" if key != "num_prompts" else f"{key:>12}: {int(result[key])}")
     if args.output:
-        out = Path(args.output)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_name(f".{out.name}.tmp")
-        tmp.write_text(json.dumps(result, indent=2))
-        tmp.replace(out)
+        from posttrain.commands.outputs import write_text_atomic
+
+        write_text_atomic(args.output, json.dumps(result, indent=2))
     return 0
+
+
+def check_args(args) -> None:
+    """The flags' values, checked before any work; each message names its flag."""
+    import math
+
+    from posttrain.reward.verifiers import VERIFIERS
+    from posttrain.rollout.native import DTYPES
+
+    if args.n < 1:
+        raise ConfigError("--n must be >= 1")
+    if not math.isfinite(args.temperature) or args.temperature < 0:
+        raise ConfigError(f"--temperature {args.temperature}: must be a number >= 0 (0 means greedy)")
+    if args.n > 1 and args.temperature == 0:
+        raise ConfigError("--n > 1 needs sampling: give --temperature > 0")
+    if args.max_tokens < 1:
+        raise ConfigError(f"--max-tokens {args.max_tokens}: must be an integer >= 1")
+    if args.limit is not None and args.limit < 1:
+        raise ConfigError(f"--limit {args.limit}: must be >= 1 (leave it out to evaluate every prompt)")
+    if args.dtype not in DTYPES:
+        raise ConfigError(f"--dtype {args.dtype}: unknown; use one of {', '.join(sorted(DTYPES))}")
+    for name in args.verifier or ():
+        if name not in VERIFIERS:
+            raise ConfigError(f"--verifier {name}: unknown verifier; known: {', '.join(VERIFIERS.names())}")
+
+
+def check_max_tokens(model_dir: Path, max_tokens: int) -> None:
+    """``--max-tokens`` above the model's context length would only end in a huge allocation."""
+    try:
+        limit = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8")).get("max_position_embeddings")
+    except (OSError, ValueError, AttributeError):
+        return
+    if isinstance(limit, int) and limit > 0 and max_tokens > limit:
+        raise ConfigError(f"--max-tokens {max_tokens}: above the model's context length (max_position_embeddings "
+                          f"{limit} in {Path(model_dir) / 'config.json'}); give at most {limit}")

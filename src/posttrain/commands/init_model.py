@@ -10,7 +10,7 @@ def run(args) -> int:
     from posttrain.models.init_model import init_model_dir
 
     out = init_model_dir(args.model, args.output, corpus=args.corpus, vocab_size=args.vocab_size,
-                         tokenizer=args.tokenizer, seed=args.seed)
+                         tokenizer=args.tokenizer, seed=args.seed, force=bool(getattr(args, "force", False)))
     cfg = json.loads((out / "config.json").read_text())
     n = arch_from_hf_config(out).num_params()
     print(f"wrote {out}: {cfg['architectures'][0]}, {n / 1e6:.2f}M parameters, vocab {cfg['vocab_size']}")

@@ -2,24 +2,10 @@
 
 from __future__ import annotations
 
-from pathlib import Path
+from posttrain.config.plan import GIB, Plan, model_arch, resolve_plan
+from posttrain.config.run import load_run_config
 
-from posttrain.config.plan import GIB, Plan, resolve_plan
-from posttrain.config.run import RunConfig, load_run_config
-from posttrain.models.arch import ModelArch, arch_from_hf_config, arch_from_model_yaml
-
-
-def model_arch(cfg: RunConfig, hf_config: str | None = None) -> ModelArch | None:
-    """The actor's architecture: an explicit HF config, else the model yaml, else ``load``'s config.json."""
-    if hf_config:
-        return arch_from_hf_config(hf_config)
-    a = cfg.actor
-    if a.num_layers and a.hidden_size and a.num_attention_heads and a.padded_vocab_size:
-        return arch_from_model_yaml(a.model or "actor", a.model_dump())
-    for candidate in (a.load, a.tokenizer_name_or_path):
-        if candidate and (Path(candidate) / "config.json").is_file():
-            return arch_from_hf_config(candidate)
-    return None
+__all__ = ["format_plan", "model_arch", "run"]  # model_arch lives in posttrain.config.plan (train uses it too)
 
 
 def format_plan(plan: Plan) -> str:

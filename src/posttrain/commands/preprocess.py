@@ -2,11 +2,35 @@
 
 from __future__ import annotations
 
+import glob
+import os
+from pathlib import Path
+
+
+def existing_outputs(output_prefix: str) -> list[Path]:
+    """The dataset files an earlier run wrote at ``output_prefix``: ``<prefix>_packed_*_document.{bin,idx}``."""
+    prefix = Path(os.path.expanduser(output_prefix))
+    pattern = glob.escape(str(prefix)) + "_packed_*_document.*"
+    return sorted(Path(p) for p in glob.glob(pattern) if p.endswith((".bin", ".idx")))
+
+
+def check_output_prefix(output_prefix: str, force: bool) -> None:
+    """Before any work: refuse to replace an existing dataset at ``output_prefix`` without ``--force``."""
+    from posttrain.errors import ConfigError
+
+    found = existing_outputs(output_prefix)
+    if found and not force:
+        shown = ", ".join(p.name for p in found[:4]) + (", ..." if len(found) > 4 else "")
+        raise ConfigError(f"output_prefix {output_prefix}: a dataset is already there ({shown} in "
+                          f"{found[0].parent}); give another output_prefix, or --force to replace those files")
+
 
 def run(args) -> int:
     from posttrain.data.preprocess import load_config, preprocess
 
     cfg = load_config(args.config_name, args.config_path, args.overrides)
+    if cfg.output_prefix:
+        check_output_prefix(cfg.output_prefix, bool(getattr(args, "force", False)))
     summary = preprocess(cfg, strict=getattr(args, "strict", False))
     print(summary.format())
     return 0

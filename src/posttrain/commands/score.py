@@ -9,35 +9,50 @@ verifier, timeouts and errors.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
-from posttrain.errors import DataError
+from posttrain.errors import ConfigError, DataError
 
 BATCH_LINES = 2048
 
 
-def read_jsonl(path: Path, response_field: str, label_field: str) -> list[dict]:
+def read_rows(path: Path, response_field: str, label_field: str) -> list[dict]:
     """Parsed lines; a malformed line or a missing field raises DataError naming the line."""
-    if not path.is_file():
-        raise DataError(f"{path}: no such file")
+    from posttrain.data.readers import iter_jsonl
+
+    check_utf8(path)
     rows = []
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
-            if not isinstance(row, dict):
-                raise DataError(f"{path}:{lineno}: expected a JSON object")
-            for field in (response_field, label_field):
-                if field not in row:
-                    raise DataError(f"{path}:{lineno}: no field {field!r} (keys: {', '.join(row)}); "
-                                    f"use --response-field / --label-field")
-            rows.append(row)
+    for row, where in iter_jsonl(path):
+        for field in (response_field, label_field):
+            if field not in row:
+                raise DataError(f"{where}: no field {field!r} (keys: {', '.join(row)}); "
+                                f"use --response-field / --label-field")
+        rows.append(row)
     return rows
+
+
+def check_utf8(path: Path) -> None:
+    """DataError naming the file, line and byte of the first line that is not UTF-8 (JSON Lines
+    are UTF-8; a replacement character would silently change the response being scored)."""
+    if not path.is_file():
+        return  # the reader reports a missing file
+    with open(path, "rb") as f:
+        for lineno, line in enumerate(f, 1):
+            try:
+                line.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise DataError(f"{path}:{lineno}: not valid UTF-8 (byte 0x{line[err.start]:02x} at column "
+                                f"{err.start + 1}); convert the file to UTF-8") from None
+
+
+def _json_line(row: dict) -> bytes:
+    """One JSONL line; a string holding a lone surrogate (valid JSON ``"\\udc80"``, not encodable
+    as UTF-8) is written with ``\\u`` escapes, so it reads back as the same string."""
+    line = json.dumps(row, ensure_ascii=False) + "\n"
+    try:
+        return line.encode("utf-8")
+    except UnicodeEncodeError:
+        return (json.dumps(row) + "\n").encode("ascii")
 
 
 def _text(value) -> str:
@@ -72,13 +87,16 @@ def score_rows(rows: list[dict], names: list[str], response_field: str, label_fi
 
 
 def write_jsonl(rows: list[dict], path: Path) -> None:
-    """Write rows atomically (temporary file, then rename)."""
+    """Write rows atomically (temporary file, then rename; no temporary is left on failure)."""
+    from posttrain.commands.outputs import write_atomic
+
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("w", encoding="utf-8") as f:
+
+    def write(f) -> None:
         for row in rows:
-            f.write(json.dumps(row, ensure_ascii=False) + "\n")
-    os.replace(tmp, path)
+            f.write(_json_line(row))
+
+    write_atomic(path, write)
 
 
 def print_summary(summary: dict) -> None:
@@ -91,13 +109,37 @@ def print_summary(summary: dict) -> None:
         print(f"  e.g. {msg}")
 
 
-def run(args) -> int:
-    from posttrain.reward.verifiers import get_spec, import_verifier_modules
+def check_args(args) -> None:
+    """The flags' values, checked before any work; each message names its flag."""
+    import importlib
+    import math
 
-    import_verifier_modules(args.verifier_module)
+    from posttrain.reward.verifiers import VERIFIERS
+
+    for mod in args.verifier_module:
+        try:
+            importlib.import_module(mod)
+        except ImportError as err:
+            raise ConfigError(f"--verifier-module {mod}: cannot import it ({err}); make it importable (install "
+                              f"the package or add its folder to PYTHONPATH)") from None
     for name in args.verifier:
-        get_spec(name)  # unknown names fail before any work
-    rows = read_jsonl(Path(args.input), args.response_field, args.label_field)
+        if name not in VERIFIERS:
+            raise ConfigError(f"--verifier {name}: unknown verifier; known: {', '.join(VERIFIERS.names())}. A verifier "
+                              f"of your own must be registered with @register_verifier in a module given with "
+                              f"--verifier-module")
+    if args.parallel < 0:
+        raise ConfigError(f"--parallel {args.parallel}: must be >= 0 (0 scores in this process)")
+    if not math.isfinite(args.timeout) or args.timeout <= 0:
+        raise ConfigError(f"--timeout {args.timeout}: must be a finite number of seconds > 0")
+
+
+def run(args) -> int:
+    from posttrain.commands.outputs import check_output_file
+
+    check_args(args)
+    # before the work: an output problem must not cost the scoring (rewriting --input in place is fine)
+    check_output_file(args.output, "--output", force=bool(getattr(args, "force", False)), same_as=args.input)
+    rows = read_rows(Path(args.input), args.response_field, args.label_field)
     summary = score_rows(rows, list(args.verifier), args.response_field, args.label_field,
                          parallel=args.parallel, timeout=args.timeout, modules=args.verifier_module)
     write_jsonl(rows, Path(args.output))

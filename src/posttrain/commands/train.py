@@ -10,5 +10,6 @@ def run(args) -> int:
     from posttrain.trainers.stages import train
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    train(load_run_config(args.config_name, args.config_path, args.overrides))
+    train(load_run_config(args.config_name, args.config_path, args.overrides),
+          load_previous_on_corruption=bool(getattr(args, "load_previous_on_corruption", False)))
     return 0

@@ -1,15 +1,23 @@
 """The one config check that ``posttrain plan`` and ``posttrain train`` both run.
 
-In order: the seed's rules with the seed's messages (:mod:`posttrain.config.validate`), the stage's
-own rules (:mod:`posttrain.config.stages`), the features posttrain refuses until they work
-(:mod:`posttrain.config.features`), and the limits of the layouts that run today. The first broken
-rule raises a :class:`~posttrain.errors.ConfigError`; knobs that have no effect on this hardware
-come back as one warning.
+In order: values no run can use (zero or negative sizes, non-finite rates, sampling parameters out
+of range: :func:`posttrain.config.validate.check_values`), the seed's rules with the seed's messages
+(:mod:`posttrain.config.validate`), the stage's own rules (:mod:`posttrain.config.stages`), the
+features posttrain refuses until they work (:mod:`posttrain.config.features`), the limits of the
+layouts that run today, the verifier names and the prompt template file. The first broken rule
+raises a :class:`~posttrain.errors.ConfigError`; knobs that have no effect on this hardware come back
+as one warning, and a run that saves nothing as another. :func:`posttrain.config.plan.resolve_plan`
+also checks ``rl_config.device`` (:func:`check_device`) and the memory estimate.
 """
 
 from __future__ import annotations
 
+import os
+import re
+from pathlib import Path
+
 from posttrain.config.features import check_features, startup_warnings
+from posttrain.config.megatron import MegatronConfig
 from posttrain.config.run import RunConfig
 from posttrain.config.stages import stage_named
 from posttrain.config.validate import Layout, validate_run_config
@@ -23,12 +31,71 @@ def check_run_config(cfg: RunConfig, *, device_type: str = "cpu") -> tuple[Layou
     stage.check(cfg)
     check_features(cfg, device_type=device_type)
     _check_workers(cfg, stage.on_policy, stage.uses_critic)
-    return layout, startup_warnings(cfg, device_type)
+    if stage.on_policy:
+        check_verifiers(cfg)
+    _check_prompt_type_path(cfg)
+    warnings = startup_warnings(cfg, device_type)
+    if not cfg.actor.save:
+        warnings.append("actor_config.save is not set: nothing will be saved, and the trained model is lost when "
+                        "the run ends; set actor_config.save (or megatron_training.save) to a directory to keep it")
+    return layout, warnings
+
+
+def check_device(name: str) -> None:
+    """``rl_config.device``: auto, cpu, cuda or cuda:N, and a CUDA device must exist to be named."""
+    match = re.fullmatch(r"(auto|cpu|cuda)(?::(\d+))?", name or "")
+    if match is None or (match.group(1) == "auto" and match.group(2) is not None):
+        raise ConfigError(f"rl_config.device={name!r}: unknown device; use auto (CUDA when there is one, else "
+                          f"the CPU), cpu, cuda or cuda:N")
+    if match.group(1) != "cuda":
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ConfigError(f"rl_config.device={name}: there is no CUDA device here (torch {torch.__version__} "
+                          f"sees none); use auto or cpu")
+    index, count = match.group(2), torch.cuda.device_count()
+    if index is not None and int(index) >= count:
+        raise ConfigError(f"rl_config.device={name}: this machine has {count} CUDA device(s) (cuda:0 to "
+                          f"cuda:{count - 1})")
+
+
+def check_verifiers(cfg: RunConfig) -> None:
+    """Every name of ``rl_config.verifier_function`` is registered, after importing
+    ``rl_config.verifier_modules``: the lookups the reward step makes when it starts
+    (:class:`~posttrain.reward.rule_reward.RuleReward`). A Ray run scores on its reward workers, whose
+    runtime env may reach modules this process cannot: there, a module that does not import here
+    leaves the names unchecked (the workers report them)."""
+    from posttrain.reward.verifiers import VERIFIERS, import_verifier_modules
+
+    rl = cfg.rl
+    if not rl.verifier_function:
+        raise ConfigError("rl_config.verifier_function is empty; name at least one verifier")
+    try:
+        import_verifier_modules(list(rl.verifier_modules))
+    except ConfigError:
+        if uses_ray(cfg):
+            return
+        raise
+    for name in rl.verifier_function:
+        VERIFIERS.get(name)
+
+
+def _check_prompt_type_path(cfg: RunConfig) -> None:
+    """A ``prompt_type_path`` the config writes must exist (the shipped templates are always read)."""
+    from posttrain.config.validate import actor_key
+
+    path = cfg.actor.prompt_type_path
+    written = any(cfg.explicitly_set(section, "prompt_type_path") for section in ("megatron_training", "actor_config"))
+    default = MegatronConfig.model_fields["prompt_type_path"].default
+    if not written or not path or Path(path) == Path(default) or Path(path).is_file():
+        return
+    raise ConfigError(f"{actor_key(cfg, 'prompt_type_path')}={path}: no such file (relative paths are read from "
+                      f"the current directory, {Path.cwd()}); point it at a templates JSON file or remove the key")
 
 
 def _check_workers(cfg: RunConfig, on_policy: bool, uses_critic: bool) -> None:
     """What the worker groups can run today (data parallel, one actor group)."""
-    from posttrain.config.plan import uses_ray
 
     rl = cfg.rl
     if rl.ray_sharding not in ("ddp", "fsdp2"):
@@ -47,3 +114,10 @@ def _check_workers(cfg: RunConfig, on_policy: bool, uses_critic: bool) -> None:
         raise ConfigError(f"rl_config.mini_batch_size x n_samples_per_prompt = {rows} rows cannot be shared "
                           f"equally by {workers} actor workers (rl_config.actor_resource.num_npus); make it a "
                           f"multiple of the worker count")
+
+
+def uses_ray(cfg: RunConfig) -> bool:
+    """Whether the run goes to Ray: ``actor_resource.num_npus`` (alias num_gpus / num_devices) above 1,
+    or a Ray address in ``rl_config.ray_address`` or the ``RAY_ADDRESS`` environment variable."""
+    rl = cfg.rl
+    return (rl.actor_resource.num_npus or 1) > 1 or bool(rl.ray_address) or bool(os.environ.get("RAY_ADDRESS"))

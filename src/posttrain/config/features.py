@@ -26,7 +26,7 @@ from pydantic import BaseModel
 from posttrain.config.fields import Rule, Status, field_rule, fmt_value
 from posttrain.config.loader import normalise_keys
 from posttrain.config.megatron import MegatronConfig
-from posttrain.config.run import RunConfig
+from posttrain.config.run import RunConfig, role_sources
 from posttrain.errors import ConfigError
 
 # critic_config keys the critic does not read on its own: it follows the actor's value.
@@ -140,14 +140,7 @@ def _section(cfg: RunConfig, path: tuple[str, ...], obj: BaseModel) -> list[Key]
 
 def _role_sources(cfg: RunConfig, role_section: str) -> dict[str, str]:
     """key -> the section that wrote it last, in the seed's merge order (run.py ``_merge_role``)."""
-    sources: dict[str, str] = {}
-    for section in ("megatron_training", role_section):
-        data = _raw(cfg, (section,))
-        model = data.get("model")
-        if model is not None and model in cfg.models:
-            sources.update(dict.fromkeys(normalise_keys(cfg.models[model]), f"model.{model}"))
-        sources.update(dict.fromkeys(data, section))
-    return sources
+    return role_sources(cfg.raw, cfg.models, role_section)
 
 
 def _role(cfg: RunConfig, role_section: str, obj: MegatronConfig) -> list[Key]:

@@ -159,15 +159,23 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
 
 
-def check_known_keys(section: str, data: dict[str, Any], cls: type[BaseModel]) -> None:
-    """Raise the seed's message for an unknown key, naming the section and the closest known key."""
+def check_known_keys(section: str, data: dict[str, Any], cls: type[BaseModel], where: Any = "") -> None:
+    """Raise the seed's message for an unknown key, naming the section and the closest known key.
+    ``where`` (a string, or a function of the key) goes first: ``"file.yaml line 3: "``."""
     known = list(cls.model_fields)
     for f in cls.model_fields.values():
         known += [c for c in getattr(f.validation_alias, "choices", []) if isinstance(c, str)]
-    for key in data:
+    check_known_names(section, data, known, where)
+
+
+def check_known_names(section: str, keys: Any, known: list[str], where: Any = "") -> None:
+    """:func:`check_known_keys` against a plain list of names."""
+    for key in keys:
         if key not in known:
-            close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+            if callable(where):
+                where = where(str(key))
+            close = difflib.get_close_matches(str(key), known, n=1, cutoff=0.6)
             hint = f" Did you mean '{close[0]}'?" if close else ""
             raise ConfigError(
-                f"{section}: The key: {key} is missing, causing the setup to fail. Please check. "
+                f"{where}{section}: The key: {key} is missing, causing the setup to fail. Please check. "
                 f"If necessary, register it in the config file.{hint}")

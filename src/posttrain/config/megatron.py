@@ -252,7 +252,7 @@ class MegatronConfig(Section):
     # ---- checkpoints ----------------------------------------------------------------------------
     load: Opt[str] = F(None, "checkpoint or HF model directory to start from", HONOURED)
     save: Opt[str] = F(None, "checkpoint directory", HONOURED)
-    save_interval: Opt[int] = F(None, "save every N iterations", HONOURED)
+    save_interval: Opt[int] = F(None, "save every N iterations (0 or null: only the final save)", HONOURED)
     finetune: bool = F(False, "load weights only; start at iteration 0", HONOURED)
     no_load_optim: Opt[bool] = F(None, "do not load the optimizer state", HONOURED)
     no_load_rng: Opt[bool] = F(None, "do not load RNG states", HONOURED)

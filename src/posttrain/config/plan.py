@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Mapping
 
+from posttrain.config.check import check_device, check_run_config, uses_ray
 from posttrain.config.run import RunConfig
 from posttrain.config.stages import Stage, stage_named
 from posttrain.config.validate import Layout
@@ -120,20 +121,83 @@ class Plan:
 
 
 def resolve_plan(cfg: RunConfig, arch: ModelArch | None = None, *, device: str | None = None) -> Plan:
-    """Check ``cfg`` (the one check of ``plan`` and ``train``) and derive its plan."""
-    from posttrain.config.check import check_run_config
+    """Check ``cfg`` (the one check of ``plan`` and ``train``) and derive its plan.
+
+    ``arch`` defaults to :func:`model_arch` (the model yaml keys, else the ``config.json`` of
+    ``load`` / ``tokenizer_name_or_path``); with one, the plan carries a memory estimate, which
+    :func:`check_memory` compares with this machine's memory. ``device`` defaults to
+    ``rl_config.device`` (checked by :func:`~posttrain.config.check.check_device`)."""
     from posttrain.device import device_type, resolve_device
 
-    device = device or resolve_device(cfg.rl.device)
+    if device is None:
+        check_device(cfg.rl.device)
+        device = resolve_device(cfg.rl.device)
     layout, warnings = check_run_config(cfg, device_type=device_type(device))
-    return build_plan(cfg, layout, arch, device=device, warnings=tuple(warnings))
+    if arch is None:
+        arch = model_arch(cfg)
+    plan = build_plan(cfg, layout, arch, device=device, warnings=tuple(warnings))
+    extra = check_memory(cfg, plan)
+    return _replace(plan, warnings=plan.warnings + tuple(extra)) if extra else plan
 
 
-def uses_ray(cfg: RunConfig) -> bool:
-    """Whether the run goes to Ray: ``actor_resource.num_npus`` (alias num_gpus / num_devices) above 1,
-    or a Ray address in ``rl_config.ray_address`` or the ``RAY_ADDRESS`` environment variable."""
-    rl = cfg.rl
-    return (rl.actor_resource.num_npus or 1) > 1 or bool(rl.ray_address) or bool(os.environ.get("RAY_ADDRESS"))
+def model_arch(cfg: RunConfig, hf_config: str | None = None) -> ModelArch | None:
+    """The actor's architecture: an explicit HF config, else the model yaml, else ``load``'s (or the
+    tokenizer's) ``config.json``; None when none of them describes the model."""
+    from pathlib import Path
+
+    from posttrain.models.arch import arch_from_hf_config, arch_from_model_yaml
+
+    if hf_config:
+        return arch_from_hf_config(hf_config)
+    a = cfg.actor
+    if a.num_layers and a.hidden_size and a.num_attention_heads and a.padded_vocab_size:
+        return arch_from_model_yaml(a.model or "actor", a.model_dump())
+    for candidate in (a.load, a.tokenizer_name_or_path):
+        if candidate and (Path(candidate) / "config.json").is_file():
+            try:
+                return arch_from_hf_config(candidate)
+            except (KeyError, TypeError, ValueError, ZeroDivisionError):
+                continue  # not a model's config.json: no estimate (loading the model reports it)
+    return None
+
+
+def machine_memory_bytes() -> int | None:
+    """This machine's memory (MemTotal of /proc/meminfo), or None where it cannot be read."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def check_memory(cfg: RunConfig, plan: Plan) -> list[str]:
+    """Compare the memory estimate with this machine's memory when the run executes here (on the
+    CPU, workers not sent to a Ray cluster): above it, a warning; above twice it, a ConfigError
+    unless ``rl_config.ignore_memory_estimate``."""
+    from posttrain.errors import ConfigError
+
+    if plan.memory is None or not plan.device.startswith("cpu"):
+        return []
+    if plan.use_ray and (cfg.rl.ray_address or os.environ.get("RAY_ADDRESS")):
+        return []  # the workers run on the cluster's nodes
+    ram = machine_memory_bytes()
+    if not ram:
+        return []
+    need = plan.memory.total * plan.workers
+    if need <= ram:
+        return []
+    what = (f"the plan's memory estimate, {need / GIB:,.2f} GiB ({plan.workers} process(es) x "
+            f"{plan.memory.total / GIB:,.2f} GiB), is {need / ram:,.1f}x this machine's memory ({ram / GIB:,.2f} "
+            f"GiB, MemTotal in /proc/meminfo)")
+    fix = ("lower actor_config.micro_batch_size, rl_config.n_samples_per_prompt, generate_config.max_num_seqs or "
+           "generate_config.sampling_config.max_tokens (posttrain plan prints the estimate's parts)")
+    if need > 2 * ram and not cfg.rl.ignore_memory_estimate:
+        raise ConfigError(f"{what}: the run would be killed or swap for hours. To fit, {fix}; or set "
+                          f"rl_config.ignore_memory_estimate: true to run anyway")
+    return [f"{what}: the run may be killed or swap. To fit, {fix}"]
 
 
 def build_plan(cfg: RunConfig, layout: Layout, arch: ModelArch | None = None, *, device: str = "cpu",

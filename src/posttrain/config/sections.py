@@ -229,6 +229,9 @@ class RLConfig(Section):
     eval_data_path: Opt[str] = F(None, "posttrain: held-out prompt dataset prefix for eval during training", HONOURED)
     eval_interval: int = F(0, "posttrain: evaluate every N iterations (0: only before and after)", HONOURED)
     eval_limit: Opt[int] = F(None, "posttrain: evaluate at most this many prompts", HONOURED)
+    ignore_memory_estimate: bool = F(False, "posttrain: on a CPU, run even when the plan's memory estimate is more "
+                                            "than twice this machine's memory (refused otherwise; above 1x: a "
+                                            "warning)", HONOURED)
 
 
 class SamplingConfig(Section):

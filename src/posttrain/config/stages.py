@@ -108,10 +108,8 @@ def check_dapo(cfg: "RunConfig") -> None:
     _check_common(cfg)
     _check_critic_free(cfg)
     rl = cfg.rl
-    if rl.filter_groups_enable:
+    if rl.filter_groups_enable:  # filter_groups_train_batch_size >= 1: validate.check_values
         fgtbs = rl.filter_groups_train_batch_size
-        if fgtbs < 1:
-            raise ConfigError(f"rl_config.filter_groups_train_batch_size must be >= 1 (prompts); got {fgtbs}")
         if fgtbs % rl.mini_batch_size != 0:
             raise ConfigError(f"rl_config.mini_batch_size {rl.mini_batch_size} must divide "
                               f"filter_groups_train_batch_size {fgtbs} (both count prompts): DAPO with dynamic "

@@ -9,10 +9,13 @@ config. It is one part of :func:`posttrain.config.check.check_run_config`, the o
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+from typing import Any
 
+from posttrain.config.fields import fmt_value
 from posttrain.config.megatron import MegatronConfig
-from posttrain.config.run import RunConfig
+from posttrain.config.run import RunConfig, role_sources
 from posttrain.errors import ConfigError
 
 
@@ -60,12 +63,153 @@ def _require(value, key: str):
     return value
 
 
+# ---- values that no rule can divide by: checked before the seed's rules ------------------------
+def _where(cfg: RunConfig, *path: str) -> str:
+    """``override '...': `` or ``file.yaml line 9: `` for a key path the config wrote."""
+    return cfg.origins.prefix(*path) if getattr(cfg, "origins", None) is not None else ""
+
+
+def actor_key(cfg: RunConfig, key: str) -> str:
+    """``section.key`` of an actor key, naming the section that wrote it (megatron_training,
+    actor_config or model.<name>; megatron_training for a default)."""
+    return f"{role_sources(cfg.raw, cfg.models, 'actor_config').get(key, 'megatron_training')}.{key}"
+
+
+def _bad(cfg: RunConfig, label: str, value: Any, want: str) -> ConfigError:
+    where = "" if label.startswith("model.") else _where(cfg, *label.split("."))
+    if where.startswith(f"override '{label}="):
+        where = ""  # the override is this key=value, already in the message
+    return ConfigError(f"{where}{label}={fmt_value(value)}: must be {want}")
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value)
+
+
+def check_sampling(cfg: RunConfig) -> None:
+    """``generate_config.sampling_config``: the rollout's own rules (:meth:`SamplingParams.validate`,
+    the same code the rollout runs), then a ``max_tokens`` the config writes against ``max_model_len``.
+
+    A prompt and its response hold at most ``max_model_len`` tokens together (vLLM stops a response
+    there, as in the seed), so a written ``max_tokens`` above ``max_model_len`` can never be reached
+    and is refused. A longest prompt plus ``max_tokens`` above ``max_model_len`` is allowed: the seed's
+    own recipes do that (r1_zero: 1024 + 4096 > 4096), relying on that cut."""
+    from posttrain.rollout.base import SamplingParams
+
+    gen = cfg.generate
+    SamplingParams.from_config(gen.sampling_config.model_dump())  # raises naming the key
+    max_tokens, max_len = gen.sampling_config.max_tokens, gen.max_model_len
+    if max_tokens > max_len and cfg.explicitly_set("generate_config", "sampling_config", "max_tokens"):
+        room = max_len - cfg.rl.max_prompt_length
+        hint = (f"at most max_model_len - rl_config.max_prompt_length = {max_len} - {cfg.rl.max_prompt_length} = "
+                f"{room}" if room > 0 else "below max_model_len")
+        raise ConfigError(
+            f"{_where(cfg, 'generate_config', 'sampling_config', 'max_tokens')}generate_config.sampling_config."
+            f"max_tokens={max_tokens} is larger than generate_config.max_model_len={max_len}, the most tokens a "
+            f"prompt and its response hold together, so no response can be that long. Set max_tokens {hint}, or "
+            f"raise max_model_len")
+
+
+def check_verifier_settings(parallel: int, timeout: float) -> None:
+    """``rl_config.verifier_parallel`` (0: inline) and ``verifier_timeout`` (seconds, finite, > 0)."""
+    if parallel < 0:
+        raise ConfigError(f"rl_config.verifier_parallel must be >= 0 (0 scores inline), got {parallel}")
+    if not _finite(timeout) or timeout <= 0:
+        raise ConfigError(f"rl_config.verifier_timeout must be a finite number of seconds > 0, got {timeout}")
+
+
+def check_values(cfg: RunConfig) -> None:
+    """Sizes, counts and optimizer numbers that no run can use (zero or negative sizes, NaN or
+    infinite rates, ...): each error names the key, where it was written and its value. Runs
+    before the seed's rules, which divide by the sizes."""
+    a, rl, gen = cfg.actor, cfg.rl, cfg.generate
+    on_policy = cfg.stage in ("grpo", "dapo", "ppo")
+
+    def positive(key: str, what: str) -> None:
+        value = getattr(a, key)
+        if value is not None and value < 1:
+            raise _bad(cfg, actor_key(cfg, key), value, f"an integer >= 1 ({what})")
+
+    positive("global_batch_size", "prompts per iteration")
+    positive("micro_batch_size", "sequences per forward/backward")
+    positive("seq_length", "tokens")
+    for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
+                "expert_model_parallel_size"):
+        positive(key, "1 means no model parallelism")
+    if a.train_iters is not None and a.train_iters < 1:
+        raise _bad(cfg, actor_key(cfg, "train_iters"), a.train_iters, "an integer >= 1 (iterations to run)" +
+                   ("; 0 leaves nothing to train" if a.train_iters == 0 else ""))
+    if a.save_interval is not None and a.save_interval < 0:
+        raise _bad(cfg, actor_key(cfg, "save_interval"), a.save_interval,
+                   ">= 0 (save every N iterations; 0 or null: only the final save)")
+    if a.lr is not None and (not _finite(a.lr) or a.lr <= 0):
+        raise _bad(cfg, actor_key(cfg, "lr"), a.lr, "a finite number > 0 (the peak learning rate)")
+    for key in ("min_lr", "weight_decay"):
+        value = getattr(a, key)
+        if not _finite(value) or value < 0:
+            raise _bad(cfg, actor_key(cfg, key), value, "a finite number >= 0")
+    if not _finite(a.clip_grad):
+        raise _bad(cfg, actor_key(cfg, "clip_grad"), a.clip_grad,
+                   "a finite number (the gradient-norm clip; 0 or less turns clipping off)")
+    for key in ("adam_beta1", "adam_beta2"):
+        value = getattr(a, key)
+        if not _finite(value) or not 0 <= value < 1:
+            raise _bad(cfg, actor_key(cfg, key), value, "a number in [0, 1)")
+    if a.lr_warmup_fraction is not None and (not _finite(a.lr_warmup_fraction) or not 0 <= a.lr_warmup_fraction <= 1):
+        raise _bad(cfg, actor_key(cfg, "lr_warmup_fraction"), a.lr_warmup_fraction, "a number in [0, 1]")
+    for name in ("actor_resource", "reference_resource", "reward_resource", "critic_resource", "vit_resource"):
+        resource = getattr(rl, name)
+        if resource is not None and resource.num_npus is not None and resource.num_npus < 0:
+            raise _bad(cfg, f"rl_config.{name}.num_npus", resource.num_npus,
+                       ">= 0 (devices, or CPU worker processes; 0 or 1: one process)")
+    if not on_policy:
+        return
+    for key, what in (("n_samples_per_prompt", "responses per prompt"), ("mini_batch_size", "prompts per "
+                      "optimizer step"), ("epochs", "passes over each iteration's mini-batches"),
+                      ("max_prompt_length", "prompts this long or longer are dropped")):
+        value = getattr(rl, key)
+        if value < 1:
+            raise _bad(cfg, f"rl_config.{key}", value, f"an integer >= 1 ({what})")
+    for key in ("actor_rollout_dispatch_size", "actor_logprob_dispatch_size", "ref_dispatch_size",
+                "reward_dispatch_size", "dynamic_sampling_dispatch_size", "adv_dispatch_size",
+                "actor_update_dispatch_size", "critic_update_dispatch_size", "critic_value_dispatch_size",
+                "kl_dispatch_size"):
+        value = getattr(rl, key)
+        if value is not None and value < 1:
+            raise _bad(cfg, f"rl_config.{key}", value, "an integer >= 1 (rows per read), or null to derive it")
+    for key in ("infer_tensor_parallel_size", "infer_pipeline_parallel_size", "max_num_seqs", "max_model_len"):
+        value = getattr(gen, key)
+        if value < 1:
+            raise _bad(cfg, f"generate_config.{key}", value, "an integer >= 1")
+    check_sampling(cfg)
+    for i, weight in enumerate(rl.verifier_weight):
+        if not _finite(weight) or weight < 0:
+            raise ConfigError(f"{_where(cfg, 'rl_config', 'verifier_weight')}rl_config.verifier_weight[{i}]="
+                              f"{fmt_value(weight)}: must be a finite number >= 0 (the weight of verifier "
+                              f"{rl.verifier_function[i] if i < len(rl.verifier_function) else i})")
+    check_verifier_settings(rl.verifier_parallel, rl.verifier_timeout)
+    # mini-batches are cut from the prompts of one update: global_batch_size, or DAPO's
+    # filter_groups_train_batch_size with dynamic sampling
+    gbs_key = actor_key(cfg, "global_batch_size")
+    update_key, update = gbs_key, a.global_batch_size
+    if cfg.stage == "dapo" and rl.filter_groups_enable:
+        update_key, update = "rl_config.filter_groups_train_batch_size", rl.filter_groups_train_batch_size
+        if update < 1:
+            raise _bad(cfg, update_key, update, "an integer >= 1 (prompts kept per iteration)")
+    if update is not None and rl.mini_batch_size > update:
+        raise ConfigError(f"{_where(cfg, 'rl_config', 'mini_batch_size')}rl_config.mini_batch_size="
+                          f"{rl.mini_batch_size} is larger than {update_key}={update} (both count prompts): an "
+                          f"optimizer step cannot take more prompts than an iteration updates on. Make "
+                          f"mini_batch_size a divisor of {update_key.split('.')[-1]}")
+
+
 def validate_run_config(cfg: RunConfig, *, device_type: str = "cpu", num_nodes: int = 1) -> Layout:
     """Check ``cfg`` as the seed does and derive the dispatch sizes. Returns the device layout.
 
     ``num_nodes`` is the number of nodes of the Ray cluster the run will use (1 for a local run)."""
     a, rl, gen = cfg.actor, cfg.rl, cfg.generate
     stage = cfg.stage
+    check_values(cfg)
     # 1
     if a.ai_framework not in (None, "mindspore"):
         raise ConfigError(f"Invalid value for ai_framework: '{a.ai_framework}'. Only None or mindspore are allowed")

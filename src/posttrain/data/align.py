@@ -28,7 +28,6 @@ MAP_KEY_DEFAULTS: dict[str, str | None] = {"prompt": "instruction", "query": "in
 SKIP_EMPTY_PROMPT = "empty prompt"
 SKIP_EMPTY_RESPONSE = "empty response"
 SKIP_BAD_HISTORY = "invalid history"
-SKIP_MISSING_COLUMN = "missing column"
 
 
 @dataclass

@@ -5,7 +5,7 @@
   rows are dropped from every field, then ``split`` (e.g. ``"100,0,0"``) partitions the rest.
 * :class:`SFTDataset`: items ``{"input_ids", "labels", "attention_mask", "position_ids"}``.
   ``labels`` are aligned with ``input_ids`` and **not shifted**: ``labels[t] == input_ids[t]`` on
-  answer tokens and ``-100`` (:data:`IGNORE_INDEX`) on prompt and padding tokens, so the loss of
+  answer tokens and ``-100`` (:data:`posttrain.data.handlers.IGNORE_INDEX`) on prompt and padding tokens, so the loss of
   token ``t`` uses ``logits[t - 1]`` (the Hugging Face convention). Packed rows (``pack: true``)
   are ``seq_length`` long; with ``neat_pack`` their attention mask numbers the samples
   (1, 2, ...; 0 = padding) and ``position_ids`` restart at 0 for each sample.
@@ -22,13 +22,12 @@ from pathlib import Path
 
 import numpy as np
 
-from posttrain.data.handlers import IGNORE_INDEX
 from posttrain.data.indexed import IndexedDataset
 from posttrain.data.sampler import ResumableSampler
 from posttrain.errors import ConfigError, DataError
 
 __all__ = ["PromptDataset", "SFTDataset", "PairwiseDataset", "ResumableSampler", "find_fields",
-           "split_range", "collate_prompts", "collate_padded", "IGNORE_INDEX"]
+           "split_range"]
 
 SPLIT_NAMES = {"train": 0, "valid": 1, "validation": 1, "test": 2}
 
@@ -172,21 +171,3 @@ class PairwiseDataset(_FieldsDataset):
     def __getitem__(self, i: int) -> dict[str, np.ndarray]:
         return {k: self._get(k, i)[: self.seq_length] if self.seq_length else self._get(k, i) for k in self.KEYS}
 
-
-def collate_prompts(items: list[dict[str, np.ndarray]]) -> dict[str, list[np.ndarray]]:
-    """The seed's prompt collate: ``{"prompts": [ids, ...], <key>: [ids, ...]}`` (no padding)."""
-    return {key: [item[key] for item in items] for key in items[0]} if items else {}
-
-
-def collate_padded(items: list[dict[str, np.ndarray]], pad_id: int = 0) -> dict[str, np.ndarray]:
-    """Right-pad every field to the batch's longest: ids with ``pad_id``, ``*labels`` with -100, masks 0."""
-    out = {}
-    for key in items[0]:
-        seqs = [item[key] for item in items]
-        width = max(len(s) for s in seqs)
-        fill = IGNORE_INDEX if key.endswith("labels") else pad_id if key.endswith("input_ids") else 0
-        arr = np.full((len(seqs), width), fill, dtype=np.int64)
-        for r, s in enumerate(seqs):
-            arr[r, : len(s)] = s
-        out[key] = arr
-    return out

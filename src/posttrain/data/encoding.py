@@ -1,4 +1,4 @@
-"""Template elements -> token ids, in batches, with a fast tokenizer; and the HF chat template.
+"""Template elements -> token ids, in batches, with a fast tokenizer.
 
 The seed encodes every slot string separately (``tokenizer.encode(slot, add_special_tokens=False)``)
 and concatenates the ids; so does :class:`TemplateEncoder`, but for a whole batch of rows in one
@@ -8,65 +8,10 @@ tokenised once).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from posttrain.data.templates import (HF_CHAT_TEMPLATE, Element, Message, Special, Template,
-                                      as_messages)
-from posttrain.errors import ConfigError, DataError
+from posttrain.data.templates import Element, HFChatTemplate, Message, Special, Template, as_messages
+from posttrain.errors import ConfigError
 
 Pair = tuple[list[int], list[int]]
-
-
-@dataclass
-class HFChatTemplate:
-    """``prompt_type: hf_chat_template``: the tokenizer's own Jinja chat template.
-
-    A turn's source is the text ``apply_chat_template`` adds for the user message (with the
-    generation prompt), its target the text the assistant message adds. This needs the rendering
-    of a conversation prefix to be a prefix of the whole rendering, which holds for the usual
-    templates (Qwen, Llama 3); otherwise a :class:`DataError` says so.
-    """
-
-    enable_thinking: bool = False
-    name: str = HF_CHAT_TEMPLATE
-    stop_words: tuple[str, ...] = ()
-    efficient_eos: bool = False
-    needs_tokenizer: bool = True
-
-    def _render(self, tokenizer, messages, generation_prompt: bool) -> str:
-        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-            raise ConfigError("prompt_type hf_chat_template needs a tokenizer that has a chat_template "
-                              "(tokenizer_config.json 'chat_template'); pick a template from templates.json")
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt,
-                                             enable_thinking=self.enable_thinking)
-
-    def _with_system(self, messages, system):
-        messages = as_messages(messages)
-        return ([{"role": "system", "content": system}] if system else []) + messages
-
-    def pair_elements(self, messages, system=None, tools="", tokenizer=None) -> list[tuple[list[str], list[str]]]:
-        msgs = self._with_system(messages, system)
-        first = 1 if system else 0
-        pairs, done = [], ""
-        for j in range(first, len(msgs), 2):
-            prompt = self._render(tokenizer, msgs[: j + 1], True)
-            full = (self._render(tokenizer, msgs[: j + 2], False) if j + 1 < len(msgs) else prompt)
-            if not prompt.startswith(done) or not full.startswith(prompt):
-                raise DataError("the tokenizer's chat template does not render conversations "
-                                "incrementally (a prefix renders differently); use a templates.json prompt_type")
-            pairs.append(([prompt[len(done):]], [full[len(prompt):]]))
-            done = full
-        return pairs
-
-    def render_prompt(self, messages, system=None, tokenizer=None) -> str:
-        return self._render(tokenizer, self._with_system(messages, system), True)
-
-    def render_conversation(self, messages, system=None, tokenizer=None) -> str:
-        return self._render(tokenizer, self._with_system(messages, system), False)
-
-    def get_stop_words(self, tokenizer=None) -> list[str]:
-        eos = getattr(tokenizer, "eos_token", None)
-        return [eos] if eos else []
 
 
 class TemplateEncoder:

@@ -87,11 +87,6 @@ class IndexedDatasetBuilder:
     def end_document(self) -> None:
         self.document_indices.append(len(self.sequence_lengths))
 
-    def add_document(self, tokens, lengths) -> None:
-        """A document of several sequences: ``tokens`` back to back, split by ``lengths``."""
-        self.add_items(np.asarray(tokens), np.asarray(lengths), end_documents=False)
-        self.end_document()
-
     def add_index(self, path_prefix: str | Path) -> None:
         """Append a whole existing dataset (used to merge shards)."""
         other = IndexedDataset(path_prefix)

@@ -4,6 +4,9 @@ Rows come out in batches of ``(row_dict, where)`` pairs, ``where`` being ``file:
 ``file:row N``, so that later errors can name the row. JSON Lines are parsed line by line with the
 ``json`` module, so that one malformed line is reported (file and line number) and skipped instead
 of failing the whole file; Parquet, CSV and Arrow are read with pyarrow, a JSON array with ``json``.
+
+:func:`read_jsonl` (and :func:`iter_jsonl`, which also gives each row's ``file:line``) is the one
+JSON Lines reader of the package: datasets, ``posttrain score`` / ``eval`` inputs, metrics files.
 """
 
 from __future__ import annotations
@@ -46,6 +49,41 @@ def find_input_files(input_path: str | Path) -> InputFiles:
     raise DataError(f"input {path}: no such file or directory (relative paths are relative to {os.getcwd()})")
 
 
+def iter_jsonl(path: str | Path, on_malformed: Callable[[str, str], None] | None = None) -> Iterator[Row]:
+    """``(object, "file:line")`` for each non-blank line of a JSON Lines file.
+
+    A line that is not JSON, or not a JSON object, goes to ``on_malformed(where, why)`` and is
+    skipped; the default raises :class:`DataError` naming the file and line.
+    """
+    on_malformed = on_malformed or _raise_malformed
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"{path}: no such file")
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as err:
+                on_malformed(where, f"malformed JSON ({err.msg} at column {err.colno})")
+                continue
+            if not isinstance(obj, dict):
+                on_malformed(where, f"expected a JSON object, got {type(obj).__name__}")
+                continue
+            yield obj, where
+
+
+def read_jsonl(path: str | Path, *, strict: bool) -> list[dict]:
+    """The objects of a JSON Lines file, blank lines skipped.
+
+    ``strict``: a malformed line raises :class:`DataError` naming the file and line. Otherwise it
+    is skipped (for files a killed run may have left with a truncated last line, e.g. metrics.jsonl).
+    """
+    return [obj for obj, _ in iter_jsonl(path, None if strict else _skip_malformed)]
+
+
 class RowReader:
     """Iterate over rows of the input in batches; malformed rows go to ``on_malformed(where, why)``."""
 
@@ -71,20 +109,7 @@ class RowReader:
 
     # --- formats ---------------------------------------------------------------------
     def _jsonl(self, path: Path) -> Iterator[Row]:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                where = f"{path}:{lineno}"
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError as err:
-                    self._bad(where, f"malformed JSON ({err.msg} at column {err.colno})")
-                    continue
-                if not isinstance(obj, dict):
-                    self._bad(where, f"expected a JSON object, got {type(obj).__name__}")
-                    continue
-                yield obj, where
+        yield from iter_jsonl(path, self._bad)
 
     def _json(self, path: Path) -> Iterator[Row]:
         with open(path, encoding="utf-8", errors="replace") as f:
@@ -144,3 +169,7 @@ _READERS = {"json": RowReader._json, "jsonl": RowReader._jsonl, "parquet": RowRe
 
 def _raise_malformed(where: str, why: str) -> None:
     raise DataError(f"{where}: {why}")
+
+
+def _skip_malformed(where: str, why: str) -> None:
+    pass

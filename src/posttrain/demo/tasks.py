@@ -100,12 +100,6 @@ def write_jsonl(rows: list[dict], path: str | Path) -> Path:
     return path
 
 
-def read_jsonl(path: str | Path) -> list[dict]:
-    """Read JSON lines written by :func:`write_jsonl`."""
-    with Path(path).open(encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
 def write_splits(out_dir: str | Path, num_train: int = 2000, num_test: int = 200, seed: int = 0,
                  **kwargs) -> tuple[Path, Path]:
     """Write ``train.jsonl`` and ``test.jsonl`` under ``out_dir``; returns their paths."""

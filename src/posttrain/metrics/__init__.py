@@ -8,7 +8,7 @@ from posttrain.metrics.sinks import MetricsLogger, format_line
 from posttrain.metrics.stats import (compute_tps, data_metrics, length_metrics, prompt_length_metrics,
                                      response_length_metrics, score_metrics, stat_metrics,
                                      verifier_reward_metrics)
-from posttrain.metrics.timers import Timer, Timers, non_overlap_timings
+from posttrain.metrics.timers import Timers, non_overlap_timings
 
 
 def plot_metrics(jsonl_path, png_path, keys, title=None):
@@ -18,7 +18,7 @@ def plot_metrics(jsonl_path, png_path, keys, title=None):
     return _plot(jsonl_path, png_path, keys, title)
 
 
-__all__ = ["MetricAccumulator", "MetricsLogger", "Timer", "Timers", "compute_tps", "data_metrics", "format_line",
+__all__ = ["MetricAccumulator", "MetricsLogger", "Timers", "compute_tps", "data_metrics", "format_line",
            "length_metrics", "non_overlap_timings", "plot_metrics", "prompt_length_metrics",
            "reduce_values", "response_length_metrics", "score_metrics", "sort_metrics",
            "stat_metrics", "verifier_reward_metrics"]

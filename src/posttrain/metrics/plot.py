@@ -2,24 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
 
+from posttrain.data.readers import read_jsonl
 from posttrain.errors import PosttrainError
-
-
-def read_jsonl(path: str | Path) -> list[dict]:
-    """The records of a metrics.jsonl file (a truncated last line, from a killed run, is skipped)."""
-    records = []
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-    return records
 
 
 def plot_metrics(jsonl_path: str | Path, png_path: str | Path, keys: Sequence[str],
@@ -31,7 +19,7 @@ def plot_metrics(jsonl_path: str | Path, png_path: str | Path, keys: Sequence[st
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    records = read_jsonl(jsonl_path)
+    records = read_jsonl(jsonl_path, strict=False)  # a killed run may leave a truncated last line
     present = [k for k in keys if any(r.get(k) is not None for r in records)]
     if not present:
         raise PosttrainError(f"{jsonl_path}: none of the keys {list(keys)} has a value; "

@@ -6,6 +6,7 @@ Optional backends are imported only when enabled; a missing wandb is skipped wit
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -89,17 +90,66 @@ def _json_number(value: float) -> float | None:
     return value if math.isfinite(value) else None
 
 
+def write_text_atomic(path: str | Path, text: str) -> None:
+    """Write ``text`` to a temporary file next to ``path`` and rename it over ``path``: a reader
+    never sees half a file, and a symlink planted at ``path`` is replaced, never written through."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def cut_jsonl(path: str | Path, after_iteration: int | None) -> None:
+    """Rewrite the JSONL log ``path`` (atomically, see :func:`write_text_atomic`) without the rows
+    whose ``iteration`` is above ``after_iteration`` (None: keep them all) and without malformed
+    lines (a killed run's half-written last line). A resumed run calls it with the iteration it
+    resumes from, so the iterations that ran after the last save are not logged twice."""
+    path = Path(path)
+    if not os.path.lexists(path):
+        return
+    kept = []
+    if path.exists():
+        with open(path, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                try:
+                    row = json.loads(line)
+                except ValueError:
+                    continue
+                if not isinstance(row, dict):
+                    continue
+                it = row.get("iteration")
+                if after_iteration is not None and isinstance(it, (int, float)) and it > after_iteration:
+                    continue
+                kept.append(line if line.endswith("\n") else line + "\n")
+    write_text_atomic(path, "".join(kept))
+
+
+def open_append(path: str | Path):
+    """``path`` opened for appending text, refusing to follow a symlink there (OSError)."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o666)
+    return os.fdopen(fd, "a", encoding="utf-8")
+
+
 class JsonlSink:
     """One JSON object per iteration appended to ``path`` and flushed at once.
 
     Line: ``{"iteration": i, "time": unix seconds, "<key>": value, ...}``; NaN/inf become null.
-    Appending lets a resumed run continue the same file.
+    Appending lets a resumed run continue the same file; ``after_iteration`` (the iteration a
+    run resumes from) first drops the rows logged after it (:func:`cut_jsonl`). An existing file
+    is first replaced by a copy (never written through a symlink).
     """
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, after_iteration: int | None = None) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(self.path, "a", encoding="utf-8")
+        cut_jsonl(self.path, after_iteration)
+        self._file = open_append(self.path)
 
     def log(self, iteration: int, metrics: Mapping[str, float]) -> None:
         record = {"iteration": iteration, "time": round(time.time(), 3)}
@@ -191,7 +241,8 @@ class MetricsLogger:
     ``tensorboard_dir`` (default ``<run_dir>/tensorboard``). ``use_wandb``: wandb project
     ``wandb_project`` (default ``posttrain``), run ``wandb_exp_name`` (default the run dir's
     name), files in ``wandb_save_dir`` (default ``<run_dir>/wandb``). Unlike the seed, enabling
-    wandb does not disable TensorBoard.
+    wandb does not disable TensorBoard. ``resume_iteration``: the JSONL log keeps only the rows up
+    to that iteration (a resumed run logs the later ones again).
     """
 
     def __init__(self, run_dir: str | Path, use_tensorboard: bool = False,
@@ -199,10 +250,11 @@ class MetricsLogger:
                  wandb_project: str = "", wandb_exp_name: str = "", wandb_save_dir: str = "",
                  total_iters: int | None = None, *, console: bool = True,
                  console_keys: Sequence[str] | None = CONSOLE_KEYS, start_iteration: int = 0,
-                 jsonl_name: str = "metrics.jsonl", config: Mapping[str, Any] | None = None) -> None:
+                 jsonl_name: str = "metrics.jsonl", config: Mapping[str, Any] | None = None,
+                 resume_iteration: int | None = None) -> None:
         self.run_dir = Path(run_dir)
         self.jsonl_path = self.run_dir / jsonl_name
-        self.sinks: list[Any] = [JsonlSink(self.jsonl_path)]
+        self.sinks: list[Any] = [JsonlSink(self.jsonl_path, after_iteration=resume_iteration)]
         if console:
             self.sinks.append(ConsoleSink(total_iters, console_keys, start_iteration))
         if use_tensorboard:

@@ -2,7 +2,8 @@
 
 Inputs may be a tensor ``[B]`` / ``[B, 1]`` / ``[B, T]`` or a list of per-row 1-D tensors as the
 TransferDock returns them; per-row values are row sums (a length stored as ``[L]`` gives ``L``;
-token-level ``rm_scores`` give the sequence score).
+token-level ``rm_scores`` give the sequence score). torch is imported when a function needs it, so
+the reward package (``{verifier}_rewards/mean``) and ``import posttrain.metrics`` stay torch-free.
 """
 
 from __future__ import annotations
@@ -10,11 +11,11 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import torch
 
-
-def per_row(values: Any) -> torch.Tensor:
+def per_row(values: Any):
     """``[B]`` float64 tensor of row sums of a tensor or a list of row tensors."""
+    import torch
+
     if isinstance(values, torch.Tensor):
         t = values.detach().to(torch.float64)
         return t.reshape(t.shape[0], -1).sum(dim=1) if t.dim() > 1 else t.reshape(-1)
@@ -27,6 +28,8 @@ def stat_metrics(prefix: str, values: Any, mask: Any = None) -> dict[str, float]
 
     Used for critic/advantages, critic/returns, critic/values (token level, masked).
     """
+    import torch
+
     t = torch.as_tensor(values).detach().to(torch.float64)
     if mask is not None:
         t = t[torch.as_tensor(mask).bool()]
@@ -40,6 +43,8 @@ def stat_metrics(prefix: str, values: Any, mask: Any = None) -> dict[str, float]
 def length_metrics(prefix: str, lengths: Any, max_length: int | None = None) -> dict[str, float]:
     """``{prefix}/mean|max|min``; with ``max_length``, ``{prefix}/clip_ratio`` = share of rows with
     ``length >= max_length`` (truncated by the generation limit; posttrain addition)."""
+    import torch
+
     rows = per_row(lengths)
     out = stat_metrics(prefix, rows)
     if max_length is not None and rows.numel():
@@ -72,13 +77,11 @@ def data_metrics(rm_scores: Any, response_length: Any, prompt_length: Any, *,
 
 
 def verifier_reward_metrics(rewards: Mapping[str, Sequence[float]]) -> dict[str, float]:
-    """``{verifier}_rewards/mean`` = mean over samples of each verifier's score."""
-    out = {}
-    for name, values in rewards.items():
-        t = torch.as_tensor(list(values), dtype=torch.float64)
-        if t.numel():
-            out[f"{name}_rewards/mean"] = t.mean().item()
-    return out
+    """``{verifier}_rewards/mean`` = mean over samples of each verifier's raw score (0.0 for no samples).
+
+    The rule reward reports these for every scoring call."""
+    return {f"{name}_rewards/mean": (sum(float(v) for v in values) / len(values) if len(values) else 0.0)
+            for name, values in rewards.items()}
 
 
 TPS_TIMINGS = {"e2e_tps": "timing/all", "update_tps": "timing/update", "vllm_tps": "timing/rollout"}

@@ -33,27 +33,6 @@ def span_seconds(key: str, spans: list[Span]) -> float:
     return max(end for _, end in spans) - min(start for start, _ in spans)
 
 
-class Timer:
-    """One context-managed stopwatch: ``with Timer() as t: ...; t.elapsed``."""
-
-    def __init__(self, clock: Callable[[], float] = time.time) -> None:
-        self.clock = clock
-        self.start: float | None = None
-        self.end: float | None = None
-
-    def __enter__(self) -> "Timer":
-        self.start, self.end = self.clock(), None
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.end = self.clock()
-
-    @property
-    def elapsed(self) -> float:
-        assert self.start is not None, "Timer was never started"
-        return (self.end if self.end is not None else self.clock()) - self.start
-
-
 class Timers:
     """Named phase timers for one iteration: ``with timers("rollout"): ...``.
 

@@ -56,15 +56,6 @@ class ModelArch:
         width = self.moe_ffn_hidden_size or self.ffn_hidden_size
         return width * (self.num_experts if all_experts else self.moe_router_topk)
 
-    def matmul_flops_per_token(self, context: int = 0) -> float:
-        """Forward FLOPs for one token: 2 x active weights, plus attention over ``context`` tokens."""
-        h = self.hidden_size
-        q = self.num_attention_heads * self.head_dim
-        kv = self.num_kv_heads * self.head_dim
-        weights = h * q + 2 * h * kv + q * h + 3 * h * self._ffn_per_token_width(all_experts=False)
-        per_layer = 2 * weights + 4 * q * context
-        return float(self.num_layers * per_layer + 2 * self.vocab_size * h)
-
     def kv_cache_bytes_per_token(self, bytes_per_value: int) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * bytes_per_value
 
@@ -131,6 +122,9 @@ def arch_from_model_yaml(name: str, keys: Mapping[str, Any], vocab_size: int | N
     )
 
 
+_HF_REQUIRED = ("num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size")
+
+
 def arch_from_hf_config(path: str | Path) -> ModelArch:
     """Read an HF ``config.json`` (or a model directory holding one)."""
     path = Path(path)
@@ -138,7 +132,19 @@ def arch_from_hf_config(path: str | Path) -> ModelArch:
         path = path / "config.json"
     if not path.is_file():
         raise ConfigError(f"{path}: no such HF config.json")
-    cfg = json.loads(path.read_text())
+    try:
+        cfg = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, ValueError) as err:
+        raise ConfigError(f"{path}: not valid JSON ({err})") from None
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"{path}: an HF config.json is a JSON object, not {type(cfg).__name__}")
+    for key in _HF_REQUIRED:
+        value = cfg.get(key)
+        if key not in cfg:
+            raise ConfigError(f"{path}: missing key {key!r}; an HF model config.json needs "
+                              f"{', '.join(_HF_REQUIRED)}")
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{path}: {key} must be a positive integer, found {value!r}")
     heads = cfg["num_attention_heads"]
     return ModelArch(
         model_type=cfg.get("model_type", "llama"),

@@ -5,6 +5,7 @@ Nothing here touches the network. Tests and the CI demo build their models with 
 
 from __future__ import annotations
 
+import os
 import random
 import shutil
 import tempfile
@@ -58,19 +59,79 @@ def _round_up(x: int, multiple: int) -> int:
     return (x + multiple - 1) // multiple * multiple
 
 
+# the byte-level BPE's 256 byte tokens plus the special tokens: a smaller vocabulary cannot be trained
+MIN_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)
+
+
+def check_output_dir(output: str | Path, force: bool = False) -> Path:
+    """Where init-model may write, checked before any work. A new or empty directory is fine; a
+    directory holding files only with ``force`` (and then only init-model's own files in it are
+    replaced, nothing is deleted); the current directory (or one above it) and a file never."""
+    output = Path(output)
+    resolved = output.resolve()
+    cwd = Path.cwd().resolve()
+    if resolved == cwd or resolved in cwd.parents:
+        raise ConfigError(f"--output {output}: is the current directory (or one above it); give a new directory "
+                          f"for the model, e.g. --output {Path('models') / 'tiny'}")
+    if output.exists() and not output.is_dir():
+        raise ConfigError(f"--output {output} is an existing file; give a directory path for the model")
+    if output.is_dir():
+        found = sorted(p.name for p in output.iterdir())
+        if found and not force:
+            shown = ", ".join(found[:5]) + (", ..." if len(found) > 5 else "")
+            raise ConfigError(f"--output {output} is not empty ({shown}); init-model writes only into a new or "
+                              f"empty directory. Give a new directory, or --force to replace only "
+                              f"init-model's own files there (config.json, weights, tokenizer files; nothing else "
+                              f"is deleted)")
+    return output
+
+
+def _install(tmp: Path, output: Path) -> None:
+    """Move the files written in ``tmp`` into ``output``: a rename when ``output`` does not exist,
+    else file by file (each replaced atomically). Stale weight files of an earlier model there
+    (shards, index) are removed, since a loader would mix them with the new ones; no other
+    file in ``output`` is touched."""
+    if not output.exists():
+        tmp.rename(output)
+        return
+    written = {p.name for p in tmp.iterdir()}
+    for stale in output.iterdir():
+        is_weights = stale.name.startswith("model") and (stale.name.endswith(".safetensors")
+                                                         or stale.name == "model.safetensors.index.json")
+        if is_weights and stale.name not in written and (stale.is_file() or stale.is_symlink()):
+            stale.unlink()
+    for name in sorted(written):
+        os.replace(tmp / name, output / name)
+
+
 def init_model_dir(model: str, output: str | Path, corpus: str | Path | None = None,
                    vocab_size: int | None = None, tokenizer: str | Path | None = None,
-                   seed: int = 1234) -> Path:
-    """Write ``config.json``, ``model.safetensors`` and the tokenizer into ``output`` (atomically)."""
+                   seed: int = 1234, force: bool = False) -> Path:
+    """Write ``config.json``, ``model.safetensors`` and the tokenizer into ``output`` (atomically).
+
+    ``output`` must be new or empty; with ``force`` an existing directory gets init-model's files
+    replaced and keeps every other file (:func:`check_output_dir`)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    from posttrain.checkpoint import make_readable
     from posttrain.config.loader import load_model_yaml
     from posttrain.models.arch import arch_from_model_yaml
 
+    output = check_output_dir(output, force)
     name, keys = load_model_yaml(model)
+    if vocab_size is not None and vocab_size < MIN_VOCAB_SIZE:
+        raise ConfigError(f"--vocab-size {vocab_size}: must be at least {MIN_VOCAB_SIZE} (the byte-level "
+                          f"tokenizer's 256 byte tokens plus {len(SPECIAL_TOKENS)} special tokens)")
     if tokenizer is not None:
-        tok = AutoTokenizer.from_pretrained(str(tokenizer))
+        if not Path(tokenizer).is_dir():
+            raise ConfigError(f"--tokenizer {tokenizer}: no such directory (give a local Hugging Face tokenizer or "
+                              f"model directory; init-model does not download)")
+        try:
+            tok = AutoTokenizer.from_pretrained(str(tokenizer))
+        except (OSError, ValueError, TypeError, KeyError) as err:
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise ConfigError(f"--tokenizer {tokenizer}: cannot load a tokenizer from it ({first})") from None
     else:
         if corpus is not None:
             path = Path(corpus)
@@ -88,15 +149,16 @@ def init_model_dir(model: str, output: str | Path, corpus: str | Path | None = N
     torch.manual_seed(seed)
     net = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 
-    output = Path(output)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))
+    try:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))
+    except OSError as err:
+        raise ConfigError(f"--output {output}: cannot write in {output.parent} ({err})") from None
     try:
         net.save_pretrained(tmp, safe_serialization=True)
         tok.save_pretrained(tmp)
-        if output.exists():
-            shutil.rmtree(output)
-        tmp.rename(output)
+        make_readable(tmp)  # 0644 files, 0755 dir (not save_pretrained's 0600, mkdtemp's 0700)
+        _install(tmp, output)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp)

@@ -19,21 +19,6 @@ def torch_dtype(name: str):
         raise ConfigError(f"unknown dtype '{name}'; use one of {', '.join(DTYPES)}") from None
 
 
-def resolve_model_path(path: str | Path) -> Path:
-    """An HF model directory; a posttrain checkpoint dir resolves to its latest ``iter_*/``."""
-    path = Path(path)
-    if (path / "latest_checkpointed_iteration.txt").is_file():
-        text = (path / "latest_checkpointed_iteration.txt").read_text().strip()
-        if text.isdigit():
-            path = path / f"iter_{int(text):07d}"
-    if not (path / "config.json").is_file():
-        hint = ""
-        if path.exists() and any(path.glob("*.gguf")):
-            hint = " It holds a GGUF file: convert it first (see posttrain.models.pretrained)."
-        raise ConfigError(f"{path}: not a Hugging Face model directory (no config.json).{hint}")
-    return path
-
-
 def load_tokenizer(path: str | Path):
     from transformers import AutoTokenizer
 
@@ -45,10 +30,15 @@ def load_tokenizer(path: str | Path):
 
 def load_causal_lm(path: str | Path, *, device: str = "cpu", dtype: str = "float32",
                    attn_implementation: str | None = "sdpa"):
-    """Load an ``AutoModelForCausalLM`` in ``dtype`` (weights; autocast is separate) on ``device``."""
+    """Load an ``AutoModelForCausalLM`` in ``dtype`` (weights; autocast is separate) on ``device``.
+
+    ``path`` is an HF model directory, a checkpoint save dir (its latest ``iter_*``) or an ``iter_*`` dir
+    (:func:`posttrain.checkpoint.resolve_checkpoint`)."""
     from transformers import AutoModelForCausalLM
 
-    path = resolve_model_path(path)
+    from posttrain.checkpoint import resolve_checkpoint
+
+    path, _ = resolve_checkpoint(path)
     kwargs = {"dtype": torch_dtype(dtype)}
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import torch
 
-from posttrain.models.loading import resolve_model_path, torch_dtype
+from posttrain.checkpoint import resolve_checkpoint
+from posttrain.models.loading import torch_dtype
 
 HEAD_INITS = ("default", "zero", "normal")
 
@@ -66,7 +67,7 @@ class ValueHeadModel(torch.nn.Module):
         """
         from transformers import AutoModelForSequenceClassification
 
-        path = resolve_model_path(path)
+        path, _ = resolve_checkpoint(path)
         kwargs = {"dtype": torch_dtype(dtype), "num_labels": 1}
         if attn_implementation:
             kwargs["attn_implementation"] = attn_implementation

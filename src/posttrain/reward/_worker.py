@@ -13,11 +13,18 @@ Protocol on the duplex pipe, worker side:
 Before each item the worker writes ``progress = [item_id, time.monotonic()]`` to shared memory
 (no system call), so the parent knows which item is running and since when without a message
 per item; ``progress[1] = 0`` means idle.
+
+Process group: a worker starts a new session (``os.setsid()``), so it leads a process group that
+holds every process its verifiers start (``os.fork()``, ``subprocess`` ...). When the worker
+stops (told to, or its parent is gone) it kills that group, itself included; the parent kills
+the group of a worker it gives up on (timeout, close). Nothing a verifier starts outlives it,
+unless it leaves the group on purpose (its own ``setsid``).
 """
 
 from __future__ import annotations
 
 import math
+import os
 import signal
 import time
 import traceback
@@ -51,6 +58,20 @@ def _init(specs, modules, mv_timeout, memory_limit_mb) -> None:
     _limit_memory(memory_limit_mb)
 
 
+def _lead_process_group() -> None:
+    """Start a new session: this worker leads a process group that its verifiers' children join."""
+    try:
+        os.setsid()
+    except OSError:  # already a group leader (not the case for a forked or spawned worker)
+        pass
+
+
+def _kill_process_group() -> None:
+    """SIGKILL the group this worker leads: the processes its verifiers left behind, and itself."""
+    if hasattr(os, "killpg") and os.getpgrp() == os.getpid():  # never the parent's group
+        os.killpg(os.getpid(), signal.SIGKILL)
+
+
 def score_item(spec, response: str, label: str, kwargs: dict) -> tuple[float, int, str]:
     """(score, status, error text) of one verifier call; exceptions and NaN become errors."""
     try:
@@ -65,7 +86,9 @@ def score_item(spec, response: str, label: str, kwargs: dict) -> tuple[float, in
 
 
 def worker_main(conn, progress, specs, modules, mv_timeout, memory_limit_mb) -> None:
-    """Entry point of one worker process: score chunks until told to stop or the pipe closes."""
+    """Entry point of one worker process: score chunks until told to stop or the pipe closes;
+    then kill the worker's process group (what its verifiers started, and the worker)."""
+    _lead_process_group()
     try:
         _init(specs, modules, mv_timeout, memory_limit_mb)
     except BaseException:
@@ -75,9 +98,10 @@ def worker_main(conn, progress, specs, modules, mv_timeout, memory_limit_mb) -> 
     while True:
         try:
             msg = conn.recv()
-        except (EOFError, OSError):
-            return
+        except (EOFError, OSError):  # the parent is gone
+            msg = None
         if msg is None:
+            _kill_process_group()
             return
         chunk_id, items = msg
         buf, last_flush = [], time.monotonic()

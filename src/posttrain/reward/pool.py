@@ -15,12 +15,18 @@ Design
   rest of the chunk back at the front of the queue.
 * A worker that dies (segfault, out-of-memory kill, ``os._exit``) is handled the same way with
   status *error*.
+* Child processes: each worker leads its own process group (``os.setsid()`` at start), and a
+  worker is always stopped with its whole group (``os.killpg``): on a timeout, on a death, and
+  on :meth:`VerifierPool.close`, which also runs at interpreter exit. A verifier that forks or
+  runs subprocesses leaves nothing behind.
 * ``num_workers = 0`` scores inline in the calling process (no timeout; for debugging).
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
+import signal
 import time
 import weakref
 from collections import deque
@@ -67,10 +73,36 @@ class _Worker:
         return None
 
     def kill(self) -> None:
+        """SIGKILL the worker with its process group (what its verifiers started); wait for it."""
+        _kill_group(self.proc)
         if self.proc.is_alive():
             self.proc.kill()
         self.proc.join(timeout=10)
         self.conn.close()
+
+
+def _kill_group(proc) -> None:
+    """SIGKILL the process group led by worker ``proc`` (the worker makes one at start).
+
+    Safe against process-id reuse: while the worker lives, a group with its id can only be its
+    own; once it is gone, the group is killed only when no process has that id, i.e. when the
+    id is held by the worker's surviving group (a group keeps its id reserved) or by nothing.
+    """
+    pid = proc.pid
+    if pid is None or not hasattr(os, "killpg"):
+        return
+    if not proc.is_alive():
+        try:
+            os.kill(pid, 0)
+            return  # the id belongs to a process: the worker's zombie, or another process by now
+        except ProcessLookupError:
+            pass
+        except OSError:
+            return
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except OSError:  # no such group: the worker had no children left (or never made its group)
+        pass
 
 
 def _shutdown(workers: list) -> None:
@@ -121,8 +153,15 @@ class VerifierPool:
         return _Worker(self._ctx, self._args)
 
     def close(self) -> None:
-        """Stop every worker (idempotent)."""
+        """Stop every worker and everything its verifiers started (idempotent; also runs at
+        interpreter exit and when the pool is garbage-collected)."""
         self._finalizer()
+
+    def __enter__(self) -> "VerifierPool":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def run(self, items: list[tuple]) -> tuple[list[float], list[int], list[str]]:
         """Score ``items`` = ``[(verifier_index, response, label, kwargs), ...]``.

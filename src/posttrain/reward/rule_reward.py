@@ -14,6 +14,7 @@ import logging
 from dataclasses import dataclass, field
 
 from posttrain.errors import ConfigError
+from posttrain.metrics.stats import verifier_reward_metrics
 from posttrain.reward._worker import STATUS_ERROR, STATUS_TIMEOUT
 from posttrain.reward.overlong import check_overlong, overlong_penalty
 from posttrain.reward.pool import VerifierPool
@@ -107,7 +108,7 @@ class RuleReward:
         per = {name: flat[j::V] for j, name in enumerate(self.names)}
         stat = {name: status[j::V] for j, name in enumerate(self.names)}
         scores = [sum(w * per[name][i] for name, w in zip(self.names, self.weights)) for i in range(n)]
-        metrics = {f"{name}_rewards/mean": (sum(v) / n if n else 0.0) for name, v in per.items()}
+        metrics = verifier_reward_metrics(per)
         metrics["reward/timeouts"] = float(sum(s == STATUS_TIMEOUT for s in status))
         metrics["reward/errors"] = float(sum(s == STATUS_ERROR for s in status))
         if self.overlong and response_lengths is not None:

@@ -290,6 +290,7 @@ class TrainEngine:
             self._raise_nan(f"The loss is {bad_loss}")
         grad_norm = self._clip_gradients()
         lr = self.optimizer.param_groups[0]["lr"]
+        self._check_hyperparameters()
         self.optimizer.step()
         if self.scheduler is not None:
             self.scheduler.step()
@@ -306,6 +307,14 @@ class TrainEngine:
         if not math.isfinite(grad_norm):
             self._raise_nan(f"The gradient norm is {grad_norm}")
         return grad_norm
+
+    def _check_hyperparameters(self) -> None:
+        """A NaN/inf learning rate or weight decay turns every weight to NaN in one step: stop first."""
+        for group in self.optimizer.param_groups:
+            for key in ("lr", "weight_decay"):
+                value = group.get(key)
+                if value is not None and not math.isfinite(float(value)):
+                    self._raise_nan(f"The optimizer's {key} is {float(value)}")
 
     def _raise_nan(self, what: str) -> None:
         self.optimizer.zero_grad(set_to_none=True)

@@ -22,7 +22,7 @@ from posttrain.errors import DataError
 from posttrain.metrics.reduce import MetricAccumulator
 from posttrain.metrics.timers import Timers
 from posttrain.train.layout import build_batch
-from posttrain.trainers.session import Session
+from posttrain.trainers.session import Session, check_finite_step
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +72,7 @@ class OfflineTrainer:
                     with timers("update"):
                         steps = s.policy.actor.update(batch, loss_fn, mini_batch_size=self.plan.prompts_per_iteration)
                 for step in steps:
+                    check_finite_step(step, iteration)
                     acc.update(step)
                 last = {**acc.reduce(), **timers.metrics(), **self.batch_metrics(batch)}
                 s.after_iteration(iteration, last)

@@ -11,7 +11,6 @@ algorithms is in the plan's stage (:mod:`posttrain.config.stages`); PPO adds the
 from __future__ import annotations
 
 import logging
-import math
 
 import torch
 
@@ -25,10 +24,11 @@ from posttrain.metrics.timers import Timers
 from posttrain.trainers.dynamic_sampling import DynamicSampler, score_columns
 from posttrain.trainers.experience import new_dock, per_group, read_batch, write_rows
 from posttrain.trainers.ppo import CriticPhases
-from posttrain.trainers.session import Session
+from posttrain.trainers.session import Session, check_finite_step
 from posttrain.transfer_dock import TransferDock
 
 log = logging.getLogger(__name__)
+
 
 
 class OnPolicyTrainer:
@@ -186,6 +186,5 @@ class OnPolicyTrainer:
             steps = s.policy.actor.update(batch, loss_fn, mini_batch_size=plan.mini_batch_rows, epochs=rl.epochs,
                                           shuffle=rl.shuffle_mini_batch, seed=self.cfg.actor.seed + iteration)
             for step in steps:
+                check_finite_step(step, iteration)
                 acc.update(step)
-                if not all(math.isfinite(v) for v in step.values()):
-                    log.warning("non-finite metric in update step: %s", step)

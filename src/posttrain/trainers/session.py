@@ -7,42 +7,240 @@ drive a :class:`Session`.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
+import math
+import os
+import tempfile
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from posttrain.config.plan import Plan
 from posttrain.config.run import RunConfig
+from posttrain.errors import CheckpointError, ConfigError
 from posttrain.roles.policy import Policy, build_policy, seed_everything
 
 log = logging.getLogger(__name__)
 
+LOCK_NAME = ".posttrain.lock"
+METRICS_FILES = ("metrics.jsonl", "eval.jsonl")
+
+
+# ---- the run's directories: checked, owned and locked before any work --------------------------
+class DirLock:
+    """An exclusive ``fcntl.flock`` on ``<directory>/.posttrain.lock``, held for a run's lifetime,
+    so two runs never write the same save or output directory. The kernel drops the lock when the
+    process dies, so a crashed run leaves no stale lock (the file itself stays, unlocked)."""
+
+    def __init__(self, directory: Path, what: str):
+        import fcntl
+
+        self.path = directory / LOCK_NAME
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o666)
+        except OSError as err:
+            raise ConfigError(f"{what} {directory}: cannot create the lock file {self.path} ({err})") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
+            os.close(fd)
+            by = f" (process {holder})" if holder.isdigit() else ""
+            raise ConfigError(f"{what} {directory} is in use by another run{by}: it holds the lock {self.path}. "
+                              f"Wait for that run to end, or give this run another directory") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self.fd: int | None = fd
+
+    def release(self) -> None:
+        import fcntl
+
+        if self.fd is not None:
+            fd, self.fd = self.fd, None
+            try:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+            finally:
+                os.close(fd)
+
+
+def writable_dir(directory: Path, what: str) -> None:
+    """Create ``directory`` if needed and check that a file can be created in it; ConfigError
+    naming ``what`` (the config key) otherwise. Run at start-up, before any iteration."""
+    if directory.exists() and not directory.is_dir():
+        raise ConfigError(f"{what} {directory} is an existing file, not a directory; give a directory path")
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ConfigError(f"{what} {directory}: cannot create the directory ({err})") from None
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".posttrain-write-test-", dir=directory)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as err:
+        raise ConfigError(f"{what} {directory} is not writable ({err}); fix its permissions or choose "
+                          f"another directory") from None
+
+
+def _same_dir(a: str | Path, b: str | Path) -> bool:
+    return Path(a).resolve() == Path(b).resolve()
+
+
+def resumes_in_place(cfg: RunConfig) -> bool:
+    """Whether this run continues the checkpoints in its own ``save`` directory: ``load`` is that
+    directory (or one of its ``iter_*``) and ``finetune`` is off."""
+    a = cfg.actor
+    if not a.save or not a.load or a.finetune:
+        return False
+    return _same_dir(a.load, a.save) or _same_dir(Path(a.load).parent, a.save)
+
+
+def _checkpoints_in(save: Path) -> list[str]:
+    from posttrain.checkpoint import TRACKER
+
+    names = [TRACKER] if os.path.lexists(save / TRACKER) else []
+    return names + sorted(p.name for p in save.glob("iter_*"))
+
+
+def _why_not_resumed(cfg: RunConfig) -> str:
+    a = cfg.actor
+    if not a.load:
+        return "actor_config.load is not set"
+    if a.finetune:
+        return "actor_config.finetune is true: it would start again at iteration 0"
+    return f"actor_config.load is {a.load}"
+
+
+def claim_run_dirs(cfg: RunConfig, run_dir: Path, what_run_dir: str) -> list[DirLock]:
+    """Check and lock the run's directories before any work, and refuse to write into a directory
+    that holds another run's checkpoints or metrics (a run only continues its own, when it resumes
+    from its save directory). Returns the locks to release at the end of the run."""
+    a, rl = cfg.actor, cfg.rl
+    writable_dir(run_dir, what_run_dir)
+    if rl.use_tensorboard and rl.tensorboard_log_dir:
+        writable_dir(Path(rl.tensorboard_log_dir), "rl_config.tensorboard_log_dir")
+    if rl.use_wandb and rl.wandb_save_dir:
+        writable_dir(Path(rl.wandb_save_dir), "rl_config.wandb_save_dir")
+    save = Path(a.save) if a.save else None
+    if save is not None:
+        writable_dir(save, "actor_config.save")
+    locks: list[DirLock] = []
+    try:
+        locks.append(DirLock(run_dir, what_run_dir))
+        if save is not None and not _same_dir(save, run_dir):
+            locks.append(DirLock(save, "actor_config.save"))
+        in_place = resumes_in_place(cfg) and bool(_checkpoints_in(save))
+        if save is not None and not in_place:
+            found = _checkpoints_in(save)
+            if found:
+                shown = ", ".join(found[:4]) + (", ..." if len(found) > 4 else "")
+                raise ConfigError(
+                    f"actor_config.save {save} already holds checkpoints ({shown}), and this run would not resume "
+                    f"from them ({_why_not_resumed(cfg)}); it refuses to overwrite them. Give a new save directory "
+                    f"or remove that one; to continue those checkpoints set actor_config.load={save} and "
+                    f"actor_config.finetune=false")
+        if not in_place:
+            found = [n for n in METRICS_FILES if os.path.lexists(run_dir / n)]
+            if found:
+                raise ConfigError(
+                    f"{what_run_dir} {run_dir} already holds the metrics of an earlier run ({', '.join(found)}); "
+                    f"this run would mix its rows with them. Give another output directory or remove those "
+                    f"files (a run that resumes from its own save directory continues them)")
+    except BaseException:
+        for lock in locks:
+            lock.release()
+        raise
+    return locks
+
+
+def checked_start(cfg: RunConfig, load_previous_on_corruption: bool = False) -> RunConfig:
+    """Read every file the run will load from ``actor_config.load`` before any model is built: a
+    corrupt checkpoint is a :class:`CheckpointError` naming the file and the previous complete
+    checkpoint. With ``load_previous_on_corruption`` the run resumes from that previous checkpoint
+    instead (a warning names both); the returned config then loads it."""
+    from posttrain.checkpoint import (check_model_files, earlier_checkpoints, list_checkpoints, resolve_checkpoint,
+                                      verify_checkpoint)
+
+    a = cfg.actor
+    source = a.load or a.tokenizer_name_or_path  # where the policy's weights come from (model_source)
+    if not source or not Path(source).is_dir():
+        return cfg  # a missing path is reported by the policy's model_source()
+    flags = dict(optim=not (a.no_load_optim or a.finetune), rng=not (a.no_load_rng or a.finetune))
+    try:
+        path, full = resolve_checkpoint(source)
+    except CheckpointError as err:  # the tracker names a missing or incomplete iter_*, or no model there
+        if not a.load:
+            return cfg  # a tokenizer-only directory: reported when the model is built
+        bad, error, candidates = Path(source), err, [p for _, p in reversed(list_checkpoints(source))]
+    else:
+        try:
+            verify_checkpoint(path, **flags) if full else check_model_files(path)
+            return cfg
+        except CheckpointError as err:
+            if not full:
+                raise
+            bad, error, candidates = path, err, earlier_checkpoints(path)
+    if not candidates:
+        raise error
+    if not load_previous_on_corruption:
+        raise CheckpointError(f"{error}. The previous complete checkpoint {candidates[0]} exists: rerun with "
+                              f"`posttrain train --load-previous-on-corruption ...` to resume from it (or set "
+                              f"actor_config.load={candidates[0]})") from None
+    for previous in candidates:
+        try:
+            verify_checkpoint(previous, **flags)
+        except CheckpointError as err2:
+            log.warning("the earlier checkpoint %s is not usable either: %s", previous, err2)
+            continue
+        log.warning("%s cannot be loaded (%s); resuming from the previous complete checkpoint %s instead "
+                    "(--load-previous-on-corruption)", bad, error, previous)
+        return dataclasses.replace(cfg, actor=a.model_copy(update={"load": str(previous)}))
+    raise CheckpointError(f"{error}. No earlier checkpoint next to it is complete and readable") from None
+
+
+def check_finite_step(step: dict[str, float], iteration: int) -> None:
+    """A non-finite loss, gradient norm, learning rate or other update metric stops the run with
+    :class:`~posttrain.train.engine.NaNLossError` before the iteration is logged or saved: the
+    weights it produced are not trustworthy, and the last checkpoint stays the latest."""
+    from posttrain.train.engine import NaNLossError
+
+    bad = {k: v for k, v in step.items() if isinstance(v, (int, float)) and not math.isfinite(v)}
+    if bad:
+        shown = ", ".join(f"{k}={v}" for k, v in sorted(bad.items()))
+        raise NaNLossError(f"non-finite training metric at iteration {iteration}: {shown}; the run stops before "
+                           f"saving (the last checkpoint is kept). Lower the learning rate, or check lr / "
+                           f"weight_decay for inf or nan")
+
 
 class Session:
-    def __init__(self, cfg: RunConfig, plan: Plan, run_dir: Path):
+    def __init__(self, cfg: RunConfig, plan: Plan, run_dir: Path, *, load_previous_on_corruption: bool = False):
         import torch
 
         from posttrain.data.builders import build_offline_dataset, build_prompt_dataset
 
-        a, rl = cfg.actor, cfg.rl
         self.cfg, self.plan, self.run_dir = cfg, plan, run_dir
         self.closed = False
-        on_policy = plan.stage.on_policy
-        run_dir.mkdir(parents=True, exist_ok=True)
-        seed_everything(a.seed)
-        if a.npu_deterministic:
-            torch.use_deterministic_algorithms(True)
-        for warning in plan.warnings:
-            log.warning("%s", warning)
-        self.device = plan.device
-        # data first: a bad dataset fails before any model loads
-        self.dataset = (build_prompt_dataset(a, rl.max_prompt_length) if on_policy
-                        else build_offline_dataset(a, plan.stage.name))
-        self.extra_parts: dict[str, Any] = {}  # more trained modules to checkpoint (PPO: "critic")
         self.cluster = self.rule_reward = self.eval_data = self.logger = None
+        self.locks: list[DirLock] = []
+        self.extra_parts: dict[str, Any] = {}  # more trained modules to checkpoint (PPO: "critic")
+        on_policy = plan.stage.on_policy
         try:
+            a, rl = cfg.actor, cfg.rl
+            seed_everything(a.seed)
+            if a.npu_deterministic:
+                torch.use_deterministic_algorithms(True)
+            for warning in plan.warnings:
+                log.warning("%s", warning)
+            self.device = plan.device
+            # data first: a bad dataset fails before any model loads or any directory is created
+            self.dataset = (build_prompt_dataset(a, rl.max_prompt_length) if on_policy
+                            else build_offline_dataset(a, plan.stage.name))
+            # then the directories and the checkpoint to resume from, before any model is built:
+            # a run that cannot write its results, or would load a corrupt file, stops here
+            what = ("rl_config.output_dir" if rl.output_dir else "the run directory (rl_config.output_dir is not set)")
+            self.locks = claim_run_dirs(cfg, run_dir, what)
+            cfg = self.cfg = checked_start(cfg, load_previous_on_corruption)
             self._build(cfg, plan, run_dir)
         except BaseException:
             self.close()
@@ -50,7 +248,7 @@ class Session:
 
     def _build(self, cfg: RunConfig, plan: Plan, run_dir: Path) -> None:
         from posttrain.data.builders import build_sampler
-        from posttrain.metrics.sinks import MetricsLogger
+        from posttrain.metrics.sinks import MetricsLogger, cut_jsonl, write_text_atomic
 
         a, rl, on_policy = cfg.actor, cfg.rl, plan.stage.on_policy
         if plan.use_ray:  # the roles run as Ray actors (posttrain.cluster); the same methods
@@ -75,8 +273,9 @@ class Session:
             self.eval_data = self._load_eval_data()
         self.logger = MetricsLogger(run_dir, rl.use_tensorboard, rl.tensorboard_log_dir, rl.use_wandb,
                                     rl.wandb_project, rl.wandb_exp_name, rl.wandb_save_dir, a.train_iters,
-                                    start_iteration=self.iteration)
-        (run_dir / "config.json").write_text(json.dumps(cfg.raw, indent=2, default=str))
+                                    start_iteration=self.iteration, resume_iteration=self.iteration)
+        cut_jsonl(run_dir / "eval.jsonl", self.iteration)  # rows after the iteration resumed from are stale
+        write_text_atomic(run_dir / "config.json", json.dumps(cfg.raw, indent=2, default=str))
         if self.iteration == 0 and self.eval_data is not None:
             self.log_eval(0)
 
@@ -113,18 +312,24 @@ class Session:
         if self.closed:
             return
         self.closed = True
-        if self.rule_reward is not None:
-            self.rule_reward.close()
-        if self.logger is not None:
-            self.logger.close()
-        if self.cluster is not None:
-            self.cluster.close()
+        try:
+            if self.rule_reward is not None:
+                self.rule_reward.close()
+            if self.logger is not None:
+                self.logger.close()
+            if self.cluster is not None:
+                self.cluster.close()
+        finally:
+            for lock in self.locks:
+                lock.release()
+            self.locks = []
 
     def save(self, iteration: int, extra_state: dict):
         """The one checkpoint save of a run (on Ray, rank 0 of the actor workers writes it)."""
         from posttrain.checkpoint import save_checkpoint
 
         a, p = self.cfg.actor, self.policy
+        self._check_finite_weights(iteration)
         state = {"iteration": iteration, "consumed_samples": self.consumed_samples,
                  "initial_model": self.initial_model, **extra_state}
         if self.cluster is not None:
@@ -134,6 +339,23 @@ class Session:
                                tokenizer=p.tokenizer, sampler_state=self.sampler.state_dict(),
                                trainer_state=state, save_optim=not a.no_save_optim, save_rng=not a.no_save_rng,
                                extra=self.extra_parts)
+
+    def _check_finite_weights(self, iteration: int) -> None:
+        """Refuse to save weights holding NaN/inf (the loops already stop on a non-finite loss,
+        gradient norm or metric; this is the last guard before such a model becomes ``latest``)."""
+        import torch
+
+        from posttrain.train.engine import NaNLossError
+
+        models = [("actor", self.policy.model)] + [(n, part.model) for n, part in self.extra_parts.items()]
+        for role, model in models:
+            if model is None:  # on Ray the weights live in the workers
+                continue
+            for name, param in model.named_parameters():
+                if param.is_floating_point() and not bool(torch.isfinite(param).all()):
+                    raise NaNLossError(f"the {role} weight {name} holds NaN/inf at iteration {iteration}; the "
+                                       f"checkpoint was not saved (the previous one is kept). Lower the learning "
+                                       f"rate, or check lr / weight_decay for inf or nan")
 
     # ---- held-out evaluation -------------------------------------------------------------------
     def _load_eval_data(self):
@@ -157,7 +379,9 @@ class Session:
         result = evaluate(self.policy.rollout, self.policy.tokenizer, prompts, labels, self.rule_reward,
                           sampling=greedy(self.sampling), stop_token_ids=self.policy.stop_token_ids)
         metrics = {f"eval/{k}": v for k, v in result.items()}
-        with (self.run_dir / "eval.jsonl").open("a") as fh:
+        from posttrain.metrics.sinks import open_append
+
+        with open_append(self.run_dir / "eval.jsonl") as fh:
             fh.write(json.dumps({"iteration": iteration, **metrics}) + "\n")
         log.info("eval at iteration %d: %s", iteration, metrics)
         self.logger.log(iteration, metrics)

@@ -15,21 +15,26 @@ def run_dir_for(cfg: RunConfig) -> Path:
     return Path(cfg.rl.output_dir or Path("runs") / cfg.name)
 
 
-def build_trainer(cfg: RunConfig, plan: Plan, run_dir: Path):
-    """The stage's loop on a new :class:`~posttrain.trainers.session.Session`."""
+def build_trainer(cfg: RunConfig, plan: Plan, run_dir: Path, *, load_previous_on_corruption: bool = False):
+    """The stage's loop on a new :class:`~posttrain.trainers.session.Session` (which checks and
+    locks the run's directories and the checkpoint it resumes from before any work)."""
     from posttrain.trainers.session import Session
 
     module, cls = plan.stage.loop.split(":")
     loop = getattr(importlib.import_module(module), cls)
-    session = Session(cfg, plan, run_dir)
+    session = Session(cfg, plan, run_dir, load_previous_on_corruption=load_previous_on_corruption)
     try:
-        return loop(cfg, plan, session)
+        return loop(session.cfg, plan, session)
     except BaseException:
         session.close()
         raise
 
 
-def train(cfg: RunConfig) -> dict[str, float]:
-    """Run the training job ``cfg`` describes; returns the last iteration's metrics."""
+def train(cfg: RunConfig, *, load_previous_on_corruption: bool = False) -> dict[str, float]:
+    """Run the training job ``cfg`` describes; returns the last iteration's metrics.
+
+    ``load_previous_on_corruption`` (``posttrain train --load-previous-on-corruption``): when the
+    checkpoint to resume from is corrupt, resume from the newest earlier complete one (a warning
+    names both) instead of stopping with a :class:`~posttrain.errors.CheckpointError`."""
     plan = resolve_plan(cfg)
-    return build_trainer(cfg, plan, run_dir_for(cfg)).fit()
+    return build_trainer(cfg, plan, run_dir_for(cfg), load_previous_on_corruption=load_previous_on_corruption).fit()

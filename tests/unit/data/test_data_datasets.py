@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from posttrain.data.datasets import (PairwiseDataset, PromptDataset, ResumableSampler, SFTDataset,
-                                     collate_padded, collate_prompts, position_ids, split_range)
+                                     position_ids, split_range)
 from posttrain.data.indexed import IndexedDatasetBuilder
 from posttrain.errors import ConfigError, DataError
 
@@ -35,8 +35,7 @@ def test_prompt_dataset_filter_is_strict(prompts):
     assert [ds[i]["labels"].tolist() for i in range(3)] == [[100], [102], [104]]
     assert ds[1]["prompts"].tolist() == [20, 21, 22, 23] and ds[1]["prompts"].dtype == np.int32
     assert len(PromptDataset(prompts, max_prompt_length=None)) == 5
-    batch = collate_prompts([ds[0], ds[1]])
-    assert set(batch) == {"prompts", "labels"} and len(batch["prompts"]) == 2
+    assert set(ds[0]) == {"prompts", "labels"}
 
 
 def test_prompt_dataset_split_and_missing_field(prompts):
@@ -70,12 +69,8 @@ def test_sft_and_pairwise_items(tmp_path):
     for key, seqs in {"chosen_input_ids": [[1, 2, 3]], "chosen_labels": [[-100, 2, 3]],
                       "rejected_input_ids": [[1, 4]], "rejected_labels": [[-100, 4]]}.items():
         _write(pw, key, seqs)
-    items = [PairwiseDataset(pw)[0]]
-    batch = collate_padded(items, pad_id=0)
-    assert batch["rejected_input_ids"].tolist() == [[1, 4]] and batch["chosen_labels"].tolist() == [[-100, 2, 3]]
-    batch = collate_padded([{"input_ids": np.array([1, 2]), "labels": np.array([1, 2])},
-                            {"input_ids": np.array([3]), "labels": np.array([3])}], pad_id=9)
-    assert batch["input_ids"].tolist() == [[1, 2], [3, 9]] and batch["labels"].tolist() == [[1, 2], [3, -100]]
+    item = PairwiseDataset(pw)[0]
+    assert item["rejected_input_ids"].tolist() == [1, 4] and item["chosen_labels"].tolist() == [-100, 2, 3]
 
 
 # --- sampler ----------------------------------------------------------------------------

@@ -7,9 +7,10 @@ import json
 
 import pytest
 
+from posttrain.checkpoint import is_hf_model_dir
+from posttrain.demo import pretrained
+from posttrain.demo.pretrained import ensure_smollm2, resolve_model
 from posttrain.errors import PosttrainError
-from posttrain.models import pretrained
-from posttrain.models.pretrained import ensure_smollm2, is_hf_model_dir, resolve_model
 
 
 def test_resolve_local_hf_dir(tiny_model_dir):

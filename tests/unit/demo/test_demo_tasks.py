@@ -1,4 +1,4 @@
-"""Chain-sum task generator and the demo scorer."""
+"""Chain-sum task generator of the real-model demo."""
 
 from __future__ import annotations
 
@@ -6,14 +6,8 @@ import re
 
 import pytest
 
-from posttrain.demo.scoring import extract_answer, score
-from posttrain.demo.tasks import (
-    format_prompt,
-    make_chain_sum,
-    make_splits,
-    read_jsonl,
-    write_splits,
-)
+from posttrain.data.readers import read_jsonl
+from posttrain.demo.tasks import format_prompt, make_chain_sum, make_splits, write_splits
 from posttrain.errors import ConfigError
 
 
@@ -52,7 +46,7 @@ def test_hand_checked_example_and_negative_option():
 def test_splits_are_disjoint_and_written_atomically(tmp_path):
     train_path, test_path = write_splits(tmp_path, num_train=300, num_test=100, seed=0,
                                          num_terms=2, max_value=20)
-    train, test = read_jsonl(train_path), read_jsonl(test_path)
+    train, test = read_jsonl(train_path, strict=True), read_jsonl(test_path, strict=True)
     assert (len(train), len(test)) == (300, 100)
     assert not {r["problem"] for r in train} & {r["problem"] for r in test}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["test.jsonl", "train.jsonl"]
@@ -66,34 +60,11 @@ def test_too_small_space_and_bad_style_raise():
         format_prompt("What is 1 + 1?", "latex")
 
 
-@pytest.mark.parametrize(
-    ("text", "strict", "expected"),
-    [
-        ("so \\boxed{12} and later 13", True, "12"),
-        ("<answer> -4 </answer>", True, "-4"),
-        ("3 + 4 = 7. The answer is 7.", True, "7"),
-        ("The answer is: 1,234", True, "1234"),
-        ("2 + 6 - 8 = 0", True, None),
-        ("2 + 6 - 8 = 0", False, "0"),
-        ("no numbers", False, None),
-    ],
-)
-def test_extract_answer(text, strict, expected):
-    assert extract_answer(text, strict=strict) == expected
-
-
-def test_score():
-    assert score("The answer is 15.", "15") == 1.0
-    assert score("The answer is 16.", "15") == 0.0
-    assert score("9 + 6 = 15", "15") == 0.0
-    assert score("9 + 6 = 15", "15", strict=False) == 1.0
-
-
 def test_demo_data_covers_the_whole_small_space(tmp_path):
     from posttrain.demo.tasks import write_demo_data
 
     train_path, test_path = write_demo_data(tmp_path)
-    train, test = read_jsonl(train_path), read_jsonl(test_path)
+    train, test = read_jsonl(train_path, strict=True), read_jsonl(test_path, strict=True)
     problems = {r["problem"] for r in train} | {r["problem"] for r in test}
     assert len(problems) == 126 == 81 + 45  # every a+b and every a-b >= 0 with a, b in 1..9
     assert all("The answer is N." in r["prompt"] for r in test)

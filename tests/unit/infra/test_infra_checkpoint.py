@@ -214,6 +214,26 @@ def test_load_errors(tmp_path, trained):
         ckpt.find_latest(tmp_path / "s")
 
 
+def test_resolve_checkpoint_for_every_kind_of_model_path(tmp_path, trained):
+    """Save dir -> its latest iter_*; iter_* -> itself; HF dir -> itself (weights only). Model
+    loading (models.loading.load_causal_lm, posttrain eval) goes through the same function."""
+    from posttrain.models.loading import load_causal_lm
+
+    model, _, _ = trained
+    for it in (1, 2):
+        ckpt.save_checkpoint(tmp_path / "s", it, model, save_rng=False)
+    assert ckpt.resolve_checkpoint(tmp_path / "s") == (tmp_path / "s" / "iter_0000002", True)
+    assert ckpt.resolve_checkpoint(tmp_path / "s" / "iter_0000001") == (tmp_path / "s" / "iter_0000001", True)
+    assert ckpt.is_hf_model_dir(tmp_path / "s" / "iter_0000002") and not ckpt.is_hf_model_dir(tmp_path / "s")
+    model.save_pretrained(tmp_path / "hf")
+    assert ckpt.resolve_checkpoint(tmp_path / "hf") == (tmp_path / "hf", False)
+    assert same_params(model, load_causal_lm(tmp_path / "s"))
+    (tmp_path / "gguf").mkdir()
+    (tmp_path / "gguf" / "m.gguf").write_bytes(b"")
+    with pytest.raises(CheckpointError, match="GGUF file"):
+        ckpt.resolve_checkpoint(tmp_path / "gguf")
+
+
 def test_find_latest_keep_last_and_iteration_dir(tmp_path, trained):
     model, _, _ = trained
     for it in (1, 2, 3):

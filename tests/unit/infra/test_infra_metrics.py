@@ -101,6 +101,8 @@ def test_length_and_score_metrics_from_dock_rows():
     assert stat_metrics("critic/advantages", adv, mask) == {
         "critic/advantages/mean": 2.0, "critic/advantages/max": 3.0, "critic/advantages/min": 1.0}
     assert verifier_reward_metrics({"acc": [1, 0, 1, 1]}) == {"acc_rewards/mean": 0.75}
+    assert verifier_reward_metrics({"acc": [0.1, 0.2, 0.7], "f": []}) == {  # what RuleReward reports
+        "acc_rewards/mean": (0.1 + 0.2 + 0.7) / 3, "f_rewards/mean": 0.0}
     block = data_metrics(scores, resp[:3], [torch.tensor([2])] * 3, max_response_length=8)
     assert block["grpo/score/max"] == 1.0 and block["response_length/mean"] == 6.0
     assert block["response_length/clip_ratio"] == pytest.approx(1 / 3) and block["prompt_length/min"] == 2.0
@@ -198,3 +200,11 @@ def test_plot_metrics_writes_png(tmp_path):
 
     with pytest.raises(PosttrainError, match="none of the keys"):
         plot_metrics(path, tmp_path / "x.png", ["missing"])
+
+
+def test_metrics_and_the_rule_reward_import_without_torch():
+    import subprocess
+
+    code = ("import sys, posttrain.metrics, posttrain.reward.rule_reward; "
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    subprocess.run([sys.executable, "-c", code], check=True)

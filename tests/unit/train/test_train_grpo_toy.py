@@ -7,7 +7,7 @@ temperature-divided logits of the seed) and that the reward goes up.
 import pytest
 import torch
 
-from posttrain.algo.advantages import get_advantage_estimator, scores_to_token_level_rewards
+from posttrain.algo.advantages import ADVANTAGE_ESTIMATORS, scores_to_token_level_rewards
 from posttrain.train.engine import TrainEngine
 from posttrain.train.layout import build_batch
 from posttrain.train.loss_fns import make_actor_loss_fn
@@ -57,7 +57,7 @@ def test_grpo_toy_loop_raises_reward_and_logprobs_match_sampler():
         scores = torch.tensor([sum(tok == TARGET for tok in r) / STEPS for r in responses])
         mean_rewards.append(scores.mean().item())
         rewards = scores_to_token_level_rewards(scores, batch["response_mask"])
-        batch["advantages"], _ = get_advantage_estimator("group_norm")(
+        batch["advantages"], _ = ADVANTAGE_ESTIMATORS.get("group_norm")(
             rewards, batch["response_mask"], group_size=GROUP
         )
         engine.update(batch, loss_fn, mini_batch_size=12)

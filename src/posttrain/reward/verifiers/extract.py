@@ -12,6 +12,7 @@ from fractions import Fraction
 
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
 _GSM8K = re.compile(r"####\s*(-?[\d,]*\.?\d+)")
+_PLAIN_NUMBER = re.compile(r"[-+]?(?:\d[\d,]*(?:\.\d*)?|\.\d+)")
 
 
 def braced_content(text: str, open_pos: int) -> str | None:
@@ -43,6 +44,15 @@ def last_boxed(text: str) -> str | None:
         rest = text[start + 1:]
         return re.split(r"[\s$]", rest, maxsplit=1)[0] or None
     return braced_content(text, start)
+
+
+def unclosed_box(text: str) -> bool:
+    """True if the last ``\\boxed{`` (or ``\\fbox{``) is never closed: a box with no answer."""
+    idx = max(text.rfind("\\boxed"), text.rfind("\\fbox"))
+    if idx < 0:
+        return False
+    start = idx + (len("\\boxed") if text.startswith("\\boxed", idx) else len("\\fbox"))
+    return text.startswith("{", start) and braced_content(text, start) is None
 
 
 def last_answer_tag(text: str) -> str | None:
@@ -83,13 +93,22 @@ def r1_format_ok(text: str) -> bool:
 
 
 def last_number(text: str) -> str | None:
-    """The last number in ``text`` (``1,234.5`` style thousands commas allowed), or None."""
-    # scan only the tail first: cheap on very long responses
-    for window in (text[-2000:], text):
-        matches = _NUMBER.findall(window)
-        if matches:
-            return matches[-1].rstrip(",")
-    return None
+    """The last number in ``text`` (``1,234.5`` style thousands commas allowed), or None.
+
+    The whole number, however long: the last 2,000 characters are scanned first (cheap on long
+    responses), and the whole text when the number found there may have been cut by that window
+    (e.g. the last 2,000 digits of a 100,000-digit number).
+    """
+    offset = max(0, len(text) - 2000)
+    matches = list(_NUMBER.finditer(text, offset))
+    if matches:
+        pos = matches[-1].start()
+        if pos == 0 or text[pos - 1] not in "0123456789,.-":
+            return matches[-1].group().rstrip(",")
+    if offset == 0:
+        return matches[-1].group().rstrip(",") if matches else None
+    matches = _NUMBER.findall(text)
+    return matches[-1].rstrip(",") if matches else None
 
 
 def gsm8k_answer(text: str) -> str | None:
@@ -117,7 +136,14 @@ def to_fraction(text: str | None) -> Fraction | None:
 
 
 def numbers_equal(pred: str | None, label: str | None, rel_tol: float = 1e-6) -> bool:
-    """Numeric equality of two plain-number strings: exact for rationals, else relative tolerance."""
+    """Numeric equality of two plain-number strings: exact for rationals, else relative tolerance.
+
+    Identical number strings are equal before any conversion, so numbers too long to convert
+    (over 64 characters) still match themselves.
+    """
+    if pred is not None and label is not None and _PLAIN_NUMBER.fullmatch(pred.strip()) \
+            and pred.strip().replace(",", "") == label.strip().replace(",", ""):
+        return True
     a, b = to_fraction(pred), to_fraction(label)
     if a is None or b is None:
         return False

@@ -12,7 +12,9 @@ math_verify_reward   R1 format, then math-verify on the whole response          
 
 The extraction rules are the seed's. The comparisons are posttrain's: normalised string
 equality, exact/tolerant numbers, then math-verify for symbolic equality (where the seed used
-mathruler's grader or its own sympy grader). docs/rewards.md lists the differences.
+mathruler's grader or its own sympy grader). docs/rewards.md lists the differences. Text nested
+deeper than :data:`~posttrain.reward.verifiers.equiv.MAX_NESTING` brackets is never parsed, so
+such an answer is right only when its normalised string equals the label's.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import math
 import re
 
 from posttrain.reward.verifiers import register_verifier
-from posttrain.reward.verifiers.equiv import parse_gold, parse_pred, verify_parsed
+from posttrain.reward.verifiers.equiv import parse_gold, parse_pred, same_answer, verify_parsed
 from posttrain.reward.verifiers.extract import braced_content, last_boxed, r1_format_ok
 from posttrain.reward.verifiers.normalize import normalize_answer
 
@@ -139,9 +141,13 @@ def ppo_accuracy_reward(response: str, label: str, **kw) -> float:
 @register_verifier("math_verify_reward")
 def math_verify_accuracy_reward(response: str, label: str, **kw) -> float:
     """Seed ``math_verify_reward``: R1 format required (else 0.0), then math-verify of the whole
-    response (LaTeX and plain expressions) against ``\\boxed{label}``: 1.0 / 0.0."""
+    response (LaTeX and plain expressions) against ``\\boxed{label}``: 1.0 / 0.0. A last
+    ``\\boxed{}`` spelled as the label scores 1.0 before parsing."""
     if not r1_format_ok(response):
         return 0.0
+    boxed = last_boxed(response)
+    if boxed is not None and same_answer(boxed, label):
+        return 1.0  # spelled as the label: equal before parsing (a huge or deeply nested answer too)
     try:
         return 1.0 if verify_parsed(parse_gold(label), parse_pred(response)) else 0.0
     except Exception:

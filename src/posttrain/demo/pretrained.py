@@ -19,6 +19,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from posttrain.checkpoint import is_hf_model_dir
 from posttrain.errors import PosttrainError
 
 SMOLLM2_HUB_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -57,13 +58,6 @@ def find_smollm2_gguf() -> Path | None:
         if found:
             return found[0]
     return None
-
-
-def is_hf_model_dir(path: Path) -> bool:
-    """True when ``path`` holds a config.json and some weights (safetensors or .bin)."""
-    if not (path / "config.json").is_file():
-        return False
-    return any(path.glob("*.safetensors")) or any(path.glob("pytorch_model*.bin"))
 
 
 def ensure_smollm2(cache_dir: str | Path | None = None) -> Path:
@@ -172,7 +166,7 @@ def resolve_model(name_or_path: str | Path, cache_dir: str | Path | None = None)
         if not is_hf_model_dir(path):
             raise PosttrainError(
                 f"{path} is a directory but not a Hugging Face model (needs config.json and "
-                "*.safetensors or pytorch_model*.bin)."
+                "*.safetensors or pytorch_model.bin)."
             )
         return path
     if text.lower() in SMOLLM2_ALIASES:

@@ -1,5 +1,8 @@
 """Greedy accuracy and sampled-group statistics with plain Hugging Face ``generate``.
 
+A helper of the measurement scripts next to it (``baseline_eval.py``, ``measure_timing.py``,
+``sanity_grpo.py``), which import it as a sibling module; it is not part of the package.
+
 This is the demo's independent yardstick (it does not use posttrain's rollout engine), so a
 GRPO run can be judged by the same measurement before and after training:
 
@@ -17,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from posttrain.demo.scoring import score as demo_score
+from demo_scoring import score as demo_score
 
 Scorer = Callable[[str, str], float]
 

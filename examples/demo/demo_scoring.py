@@ -3,8 +3,8 @@
 :func:`extract_answer` looks, in order, for the last ``\\boxed{...}``, the last
 ``<answer>...</answer>``, the last "answer is N", and (only when ``strict=False``) the last
 integer in the text. :func:`score` is 1.0 when the extracted integer equals the reference.
-This is a small measuring verifier for the demo; training rewards come from
-``posttrain.reward`` (``math_equiv``) when that registry is available, see :func:`get_scorer`.
+This is a small measuring verifier for the scripts next to it (not part of the package); training
+rewards come from the verifiers of ``posttrain.reward`` (``math_equiv``), see :func:`get_scorer`.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def score(response: str, answer: str, strict: bool = True) -> float:
 
 
 def get_scorer(name: str = "demo") -> Callable[[str, str], float]:
-    """``demo`` / ``demo_lenient`` (this module) or any verifier of ``posttrain.reward``.
+    """``demo`` / ``demo_lenient`` (this module) or any registered verifier of ``posttrain.reward``.
 
     Returns ``f(response, answer) -> float``.
     """
@@ -53,9 +53,9 @@ def get_scorer(name: str = "demo") -> Callable[[str, str], float]:
         return lambda response, answer: score(response, answer, strict=True)
     if name == "demo_lenient":
         return lambda response, answer: score(response, answer, strict=False)
-    from posttrain.reward.verifiers import get_verifier  # lazy: owned by the reward package
+    from posttrain.reward.verifiers import VERIFIERS
 
-    verifier = get_verifier(name)
+    verifier = VERIFIERS.get(name).fn
     return lambda response, answer: float(_call_verifier(verifier, response, answer))
 
 

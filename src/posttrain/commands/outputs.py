@@ -1,0 +1,72 @@
+"""Where a command writes its results, checked before the work starts.
+
+A command never replaces a file it was not asked to (``--force`` says so), never writes into a
+directory given where a file is expected, and writes through a temporary file renamed at the end,
+so a failure leaves neither half a file nor a stray temporary behind (and a symlink planted at the
+output path is replaced, not written through).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from pathlib import Path
+from typing import Callable, IO
+
+from posttrain.errors import ConfigError
+
+
+def check_writable_dir(directory: Path, what: str) -> None:
+    """Create ``directory`` if needed and check a file can be created in it (ConfigError naming ``what``)."""
+    if directory.exists() and not directory.is_dir():
+        raise ConfigError(f"{what}: {directory} is an existing file, not a directory")
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".posttrain-write-test-", dir=directory)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as err:
+        raise ConfigError(f"{what}: cannot write in {directory} ({err})") from None
+
+
+def check_output_file(path: str | Path, flag: str = "--output", *, force: bool = False,
+                      same_as: str | Path | None = None) -> Path:
+    """Check, before any work, that the file ``path`` (given with ``flag``) can be written: not a
+    directory, not an existing file unless ``force`` (or it is ``same_as``, the command's own input
+    that it rewrites in place), and its folder is writable. Returns ``path``."""
+    path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"{flag} {path} is an existing directory; give a file path, e.g. {path / 'results.json'}")
+    in_place = same_as is not None and path.exists() and Path(same_as).exists() and path.samefile(same_as)
+    if os.path.lexists(path) and not (force or in_place):
+        raise ConfigError(f"{flag} {path} already exists; give a new file name, "
+                          f"or --force to replace it")
+    check_writable_dir(path.parent, f"{flag} {path}")
+    return path
+
+
+def write_atomic(path: str | Path, write: Callable[[IO[bytes]], None]) -> None:
+    """Call ``write(f)`` on a temporary binary file next to ``path``, then rename it to ``path``;
+    on any failure the temporary file is removed and ``path`` is left as it was."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+        os.chmod(tmp, 0o666 & ~_umask())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def write_text_atomic(path: str | Path, text: str) -> None:
+    write_atomic(path, lambda f: f.write(text.encode("utf-8")))
+
+
+def _umask() -> int:
+    from posttrain.checkpoint import current_umask
+
+    return current_umask()
