@@ -253,6 +253,8 @@ class MegatronConfig(Section):
     load: Opt[str] = F(None, "checkpoint or HF model directory to start from", HONOURED)
     save: Opt[str] = F(None, "checkpoint directory", HONOURED)
     save_interval: Opt[int] = F(None, "save every N iterations (0 or null: only the final save)", HONOURED)
+    keep_last: Opt[int] = F(None, "posttrain: keep only the newest N checkpoints in save (older iter_* deleted "
+                                  "after each save; never the latest); null keeps all", HONOURED)
     finetune: bool = F(False, "load weights only; start at iteration 0", HONOURED)
     no_load_optim: Opt[bool] = F(None, "do not load the optimizer state", HONOURED)
     no_load_rng: Opt[bool] = F(None, "do not load RNG states", HONOURED)

@@ -142,6 +142,8 @@ def check_values(cfg: RunConfig) -> None:
     if a.save_interval is not None and a.save_interval < 0:
         raise _bad(cfg, actor_key(cfg, "save_interval"), a.save_interval,
                    ">= 0 (save every N iterations; 0 or null: only the final save)")
+    if a.keep_last is not None and a.keep_last < 1:
+        raise _bad(cfg, actor_key(cfg, "keep_last"), a.keep_last, "an integer >= 1 (checkpoints to keep; null keeps all)")
     if a.lr is not None and (not _finite(a.lr) or a.lr <= 0):
         raise _bad(cfg, actor_key(cfg, "lr"), a.lr, "a finite number > 0 (the peak learning rate)")
     for key in ("min_lr", "weight_decay"):

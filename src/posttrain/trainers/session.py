@@ -326,19 +326,23 @@ class Session:
 
     def save(self, iteration: int, extra_state: dict):
         """The one checkpoint save of a run (on Ray, rank 0 of the actor workers writes it)."""
-        from posttrain.checkpoint import save_checkpoint
+        from posttrain.checkpoint import prune_checkpoints, save_checkpoint
 
         a, p = self.cfg.actor, self.policy
         self._check_finite_weights(iteration)
         state = {"iteration": iteration, "consumed_samples": self.consumed_samples,
                  "initial_model": self.initial_model, **extra_state}
         if self.cluster is not None:
-            return self.cluster.save(a.save, iteration, sampler_state=self.sampler.state_dict(), trainer_state=state,
+            path = self.cluster.save(a.save, iteration, sampler_state=self.sampler.state_dict(), trainer_state=state,
                                      save_optim=not a.no_save_optim, save_rng=not a.no_save_rng)
-        return save_checkpoint(a.save, iteration, p.model, p.actor.optimizer, p.actor.scheduler,
-                               tokenizer=p.tokenizer, sampler_state=self.sampler.state_dict(),
-                               trainer_state=state, save_optim=not a.no_save_optim, save_rng=not a.no_save_rng,
-                               extra=self.extra_parts)
+        else:
+            path = save_checkpoint(a.save, iteration, p.model, p.actor.optimizer, p.actor.scheduler,
+                                   tokenizer=p.tokenizer, sampler_state=self.sampler.state_dict(),
+                                   trainer_state=state, save_optim=not a.no_save_optim, save_rng=not a.no_save_rng,
+                                   extra=self.extra_parts)
+        if a.keep_last:
+            prune_checkpoints(a.save, a.keep_last)
+        return path
 
     def _check_finite_weights(self, iteration: int) -> None:
         """Refuse to save weights holding NaN/inf (the loops already stop on a non-finite loss,

@@ -192,3 +192,14 @@ def test_C35_session_refuses_to_save_nan_weights(world, tmp_path, capsys, monkey
     code, err = run_cli(["train", *write_config(world, run)], capsys)
     assert code == 2 and "holds NaN/inf at iteration 1" in err and "not saved" in err
     assert not list((run / "ckpt").glob("iter_*"))
+
+
+def test_C66_keep_last_keeps_the_newest_checkpoints(world, tmp_path):
+    """``actor_config.keep_last`` (documented in docs/checkpoints.md) is a real key: after each save
+    only the newest N ``iter_*`` directories stay."""
+    from posttrain.trainers.stages import train
+
+    run = tmp_path / "keep"
+    train(run_config(world, run, iters=3, actor_config={"save": str(run / "ckpt"), "keep_last": 2}))
+    assert sorted(p.name for p in (run / "ckpt").glob("iter_*")) == ["iter_0000002", "iter_0000003"]
+    assert (run / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
