@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 
-from posttrain.reward.verifiers import get_verifier, register_verifier
+from posttrain.reward.verifiers import VERIFIERS, register_verifier
 
 _ANSWER = re.compile(r"(?i)answer\s*:\s*([^\n]*)")
 
@@ -32,7 +32,7 @@ def word_answer(response: str, label: str) -> float:
 
 @register_verifier("short_and_correct")
 def short_and_correct(response: str, label: str, prompt: str = "") -> float:
-    correct = get_verifier("math_equiv")(response, label)
+    correct = VERIFIERS.get("math_equiv").fn(response, label)
     budget = max(64, 4 * len(prompt))          # characters allowed before the cost starts
     cost = min(0.5, max(0, len(response) - budget) / (4 * budget))
     return correct - cost

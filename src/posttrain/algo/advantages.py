@@ -203,4 +203,3 @@ def gae(token_level_rewards, response_mask, *, values=None, gamma=1.0, lam=1.0, 
     return advantages, returns
 
 
-get_advantage_estimator = ADVANTAGE_ESTIMATORS.get  # compat: remove when callers use the registry

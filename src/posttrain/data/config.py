@@ -123,9 +123,9 @@ def validate(cfg: DataHandlerConfig) -> None:
         raise ConfigError("output_prefix is required. Set output_prefix=DIR/NAME.")
     if not cfg.tokenizer_name_or_path:
         raise ConfigError("tokenizer_name_or_path is required: a Hugging Face tokenizer or model directory.")
-    from posttrain.data.handlers import get_handler_class
+    from posttrain.data.handlers import HANDLERS
 
-    handler_cls = get_handler_class(cfg.handler_name)  # unknown names list the known ones
+    handler_cls = HANDLERS.get(cfg.handler_name)  # unknown names list the known ones
     if (cfg.prompt_type and cfg.prompt_type != "empty" and cfg.handler_name not in PROMPT_TYPE_HANDLERS
             and not getattr(handler_cls, "uses_template", False)):
         raise ConfigError("If specify prompt_type , handler name must be in:\n" + "\n".join(PROMPT_TYPE_HANDLERS) + ".")

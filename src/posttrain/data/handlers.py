@@ -144,4 +144,3 @@ for _cls in (R1AlpacaStyleInstructionHandler, Math17kAlpacaStyleInstructionHandl
     HANDLERS.add(_cls.__name__, _cls)
 
 
-get_handler_class = HANDLERS.get  # compat: remove when callers use the registry

@@ -85,10 +85,10 @@ def load_tokenizer(path: str):
 
 
 def build_handler(cfg: DataHandlerConfig, columns: list[str], tokenizer=None):
-    from posttrain.data.handlers import get_handler_class
+    from posttrain.data.handlers import HANDLERS
     from posttrain.data.templates import get_template
 
-    cls = get_handler_class(cfg.handler_name)
+    cls = HANDLERS.get(cfg.handler_name)
     template = get_template(cfg.prompt_type or "empty", cfg.prompt_type_path, enable_thinking=cfg.enable_thinking)
     tokenizer = tokenizer or load_tokenizer(resolve_path(cfg.tokenizer_name_or_path))
     handler = cls(cfg, tokenizer, template)

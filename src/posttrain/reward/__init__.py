@@ -3,7 +3,7 @@ DAPO's overlong penalty, reward-model scoring and decoding. See docs/rewards.md.
 
 Public entry points (import the submodules; nothing heavy is imported here):
 
-* :mod:`posttrain.reward.verifiers`: ``register_verifier``, ``get_verifier``, ``known_verifiers``,
+* :mod:`posttrain.reward.verifiers`: ``VERIFIERS`` (the registry), ``register_verifier``,
   ``import_verifier_modules``
 * :class:`posttrain.reward.rule_reward.RuleReward`
 * :func:`posttrain.reward.overlong.overlong_penalty`

@@ -7,5 +7,5 @@ starts with them imported; a worker started another way imports this module once
 import posttrain.reward.verifiers as _registry
 from posttrain.reward.verifiers.equiv import _mv
 
-_registry.known_verifiers()
+_registry.VERIFIERS.names()
 _mv()

@@ -18,7 +18,7 @@ from posttrain.metrics.stats import verifier_reward_metrics
 from posttrain.reward._worker import STATUS_ERROR, STATUS_TIMEOUT
 from posttrain.reward.overlong import check_overlong, overlong_penalty
 from posttrain.reward.pool import VerifierPool
-from posttrain.reward.verifiers import get_spec, import_verifier_modules
+from posttrain.reward.verifiers import VERIFIERS, import_verifier_modules
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ class RuleReward:
         if not names:
             raise ConfigError("rl_config.verifier_function is empty; name at least one verifier")
         import_verifier_modules(list(verifier_modules))
-        self.specs = [get_spec(n) for n in names]
+        self.specs = [VERIFIERS.get(n) for n in names]
         self.names, self.weights = names, weights
         self.overlong = (rollout_max_tokens, overlong_buffer, overlong_buffer_penalty_factor) \
             if overlong_buffer_enable else None

@@ -103,4 +103,3 @@ ROLLOUT_ENGINES.add("native", "posttrain.rollout.native:NativeEngine")
 ROLLOUT_ENGINES.add("vllm", "posttrain.rollout.vllm_engine:VLLMEngine")
 
 
-def get_engine(name: str, **kwargs: Any) -> RolloutEngine: return ROLLOUT_ENGINES.get(name)(**kwargs)  # compat: remove when callers use the registry
