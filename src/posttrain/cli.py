@@ -57,7 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("preprocess", help="raw JSON/JSONL/Parquet/CSV/Arrow -> Megatron indexed dataset")
     _add_config_args(p, "configs/datasets/")
-    p.add_argument("--strict", action="store_true", help="stop at the first malformed row instead of skipping it")
+    p.add_argument("--strict", action="store_true",
+                   help="stop at the first row that would be skipped (malformed, empty, too long) or holds invalid UTF-8")
     p.add_argument("--force", action="store_true", help=FORCE_HELP + ": the output_prefix's dataset files")
 
     p = sub.add_parser("init-model", help="write a random-init HF model directory from a model yaml")

@@ -10,11 +10,14 @@
     chosen / rejected   pairwise answers  (defaults "chosen" / "rejected")
 
 A row becomes an :class:`Aligned` conversation, or a skip reason (a short string that the
-closing summary counts).
+closing summary counts). Prompt, query, system and answer cells must be text: numbers become
+their string (an answer ``8`` is ``"8"``), a dict or list where text is expected skips the row
+(``prompt is a dict, expected text``); a one-element answer list is that answer.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, field
 from typing import Any
@@ -75,6 +78,28 @@ def text(value: Any) -> str:
     return str(value)
 
 
+class _NotText(Exception):
+    """A dict or list where text is expected; the message is the skip reason."""
+
+
+def _plain(value: Any, name: str) -> str:
+    """A cell that must be text: as :func:`text`, but a dict or list raises :class:`_NotText`."""
+    if isinstance(value, (dict, list)):
+        raise _NotText(f"{name} is a {type(value).__name__}, expected text")
+    return text(value)
+
+
+def _skip_structured(fn):
+    """An align function that returns the :class:`_NotText` reason instead of raising it."""
+    @functools.wraps(fn)
+    def wrapper(row: dict, keys: dict, extra_keys: list[str]) -> Aligned | str:
+        try:
+            return fn(row, keys, extra_keys)
+        except _NotText as err:
+            return str(err)
+    return wrapper
+
+
 def _history(value: Any) -> list[dict[str, str]] | None:
     if not value:
         return []
@@ -87,7 +112,7 @@ def _history(value: Any) -> list[dict[str, str]] | None:
 
 
 def _prompt_messages(row: dict, keys: dict, prompt_text: str) -> list[dict[str, str]] | str:
-    query = text(row.get(keys["query"])) if keys["query"] else ""
+    query = _plain(row.get(keys["query"]), "query") if keys["query"] else ""
     content = "\n".join(p for p in (prompt_text, query) if p)
     if not content.strip():
         return SKIP_EMPTY_PROMPT
@@ -103,28 +128,30 @@ def _extras(row: dict, extra_keys: list[str]) -> dict[str, Any]:
 
 def _single_response(value: Any) -> str:
     if isinstance(value, list):
-        return text(value[0]) if len(value) == 1 else ""  # several answers: invalid for one-answer data
-    return text(value)
+        return _plain(value[0], "response") if len(value) == 1 else ""  # several answers: invalid here
+    return _plain(value, "response")
 
 
+@_skip_structured
 def align_alpaca(row: dict, keys: dict, extra_keys: list[str]) -> Aligned | str:
-    prompt = _prompt_messages(row, keys, text(row.get(keys["prompt"])))
+    prompt = _prompt_messages(row, keys, _plain(row.get(keys["prompt"]), "prompt"))
     if isinstance(prompt, str):
         return prompt
     response = _single_response(row.get(keys["response"])) if keys["response"] else ""
     if not response.strip():
         return SKIP_EMPTY_RESPONSE
-    system = text(row.get(keys["system"])) if keys["system"] else ""
+    system = _plain(row.get(keys["system"]), "system") if keys["system"] else ""
     return Aligned(prompt, [response], system, _extras(row, extra_keys))
 
 
+@_skip_structured
 def align_math17k(row: dict, keys: dict, extra_keys: list[str]) -> Aligned | str:
     """DAPO-Math-17k: ``prompt`` is a list of messages (first content used), ``reward_model`` a dict."""
     raw_prompt = row.get(keys["prompt"])
     if isinstance(raw_prompt, list):
         first = raw_prompt[0] if raw_prompt else {}
         raw_prompt = first.get("content", "") if isinstance(first, dict) else first
-    prompt = _prompt_messages(row, keys, text(raw_prompt))
+    prompt = _prompt_messages(row, keys, _plain(raw_prompt, "prompt"))
     if isinstance(prompt, str):
         return prompt
     raw = row.get(keys["response"]) if keys["response"] else None
@@ -133,29 +160,30 @@ def align_math17k(row: dict, keys: dict, extra_keys: list[str]) -> Aligned | str
     response = _single_response(raw)
     if not response.strip():
         return SKIP_EMPTY_RESPONSE
-    system = text(row.get(keys["system"])) if keys["system"] else ""
+    system = _plain(row.get(keys["system"]), "system") if keys["system"] else ""
     return Aligned(prompt, [response], system, _extras(row, extra_keys))
 
 
-def _answer(value: Any) -> str:
+def _answer(value: Any, name: str) -> str:
     if isinstance(value, list) and value and isinstance(value[-1], dict):
-        return text(value[-1].get("content"))  # a message list: the last (assistant) message
-    return text(value)
+        return _plain(value[-1].get("content"), name)  # a message list: the last (assistant) message
+    return _plain(value, name)
 
 
+@_skip_structured
 def align_pairwise(row: dict, keys: dict, extra_keys: list[str]) -> Aligned | str:
     """Pairwise: ``chosen``/``rejected`` columns, or a ``response`` list ``[chosen, rejected]``."""
-    prompt = _prompt_messages(row, keys, text(row.get(keys["prompt"])))
+    prompt = _prompt_messages(row, keys, _plain(row.get(keys["prompt"]), "prompt"))
     if isinstance(prompt, str):
         return prompt
     if keys["chosen"] and keys["rejected"]:
-        chosen, rejected = _answer(row.get(keys["chosen"])), _answer(row.get(keys["rejected"]))
+        chosen, rejected = _answer(row.get(keys["chosen"]), "chosen"), _answer(row.get(keys["rejected"]), "rejected")
     else:
         both = row.get(keys["response"]) if keys["response"] else None
         if not isinstance(both, list) or len(both) < 2:
             return SKIP_EMPTY_RESPONSE
-        chosen, rejected = text(both[0]), text(both[1])
+        chosen, rejected = _plain(both[0], "chosen"), _plain(both[1], "rejected")
     if not chosen.strip() or not rejected.strip():
         return SKIP_EMPTY_RESPONSE
-    system = text(row.get(keys["system"])) if keys["system"] else ""
+    system = _plain(row.get(keys["system"]), "system") if keys["system"] else ""
     return Aligned(prompt, [chosen, rejected], system, _extras(row, extra_keys))

@@ -88,11 +88,32 @@ class _FieldsDataset:
                             f"{', '.join(sorted(found))}. Was it preprocessed with the right handler "
                             "(and dataset_additional_keys)?")
         self.fields = {f: IndexedDataset(found[f]) for f in [*required, *optional] if f in found}
+        for f, d in self.fields.items():
+            if d.dtype.kind not in "iu":
+                raise DataError(f"{d.path_prefix}.idx: dtype {d.dtype} is not an integer type, so these are not "
+                                "token ids; re-run posttrain preprocess")
         sizes = {f: len(d) for f, d in self.fields.items()}
         if len(set(sizes.values())) > 1:
             raise DataError(f"data_path {data_prefix}: fields have different row counts {sizes}; "
                             "the files come from different preprocessing runs. Re-run preprocessing.")
         self.rows = np.arange(next(iter(sizes.values())), dtype=np.int64)
+
+    def _lengths(self, field: str) -> np.ndarray:
+        return np.asarray(self.fields[field].sequence_lengths)
+
+    def _first_length_mismatch(self, a: str, b: str) -> int | None:
+        """The first row where fields ``a`` and ``b`` (both present) differ in length, else None."""
+        if a not in self.fields or b not in self.fields:
+            return None
+        differ = self._lengths(a) != self._lengths(b)
+        return int(np.argmax(differ)) if differ.any() else None
+
+    def _check_same_lengths(self, a: str, b: str) -> None:
+        i = self._first_length_mismatch(a, b)
+        if i is not None:
+            raise DataError(f"data_path {self.data_prefix}: row {i} has {self._lengths(a)[i]} {a} tokens but "
+                            f"{self._lengths(b)[i]} {b} tokens ({self.fields[b].path_prefix}.idx); they must be "
+                            "equal. Re-run posttrain preprocess.")
 
     def _select(self, keep: np.ndarray | None, split, split_part) -> None:
         if keep is not None:
@@ -115,7 +136,11 @@ class PromptDataset(_FieldsDataset):
                  split_part: int | str = "train"):
         self.additional_keys = list(additional_keys)
         super().__init__(data_prefix, ["input_ids", *self.additional_keys], ["attention_mask"])
-        lengths = np.asarray(self.fields["input_ids"].sequence_lengths)
+        lengths = self._lengths("input_ids")
+        if len(lengths) and lengths.min() == 0:
+            raise DataError(f"{self.fields['input_ids'].path_prefix}.idx: row {int(np.argmin(lengths))} is an empty "
+                            "prompt (0 tokens); every prompt needs at least one token. Re-run posttrain preprocess.")
+        self._check_same_lengths("input_ids", "attention_mask")
         keep = lengths < max_prompt_length if max_prompt_length else None
         self.num_filtered = int((~keep).sum()) if keep is not None else 0
         self._select(keep, split, split_part)
@@ -136,6 +161,15 @@ class SFTDataset(_FieldsDataset):
     def __init__(self, data_prefix: str | Path, seq_length: int | None = None, split: str | None = None,
                  split_part: int | str = "train"):
         super().__init__(data_prefix, ["input_ids", "labels"], ["attention_mask"])
+        i = self._first_length_mismatch("input_ids", "labels")
+        if i is not None:
+            ids, labels = self._lengths("input_ids")[i], self._lengths("labels")[i]
+            raise DataError(
+                f"data_path {data_prefix} is not an SFT dataset: row {i} has {ids} input_ids tokens but {labels} "
+                "labels, and an SFT row has one label per token. An RL prompt dataset "
+                "(R1AlpacaStyleInstructionHandler) keeps the answer as labels. For the sft stage, preprocess the "
+                "data with handler_name=AlpacaStyleInstructionHandler (e.g. --config-name tiny_add_sft).")
+        self._check_same_lengths("input_ids", "attention_mask")
         self.seq_length = seq_length
         self._select(None, split, split_part)
 
@@ -165,6 +199,8 @@ class PairwiseDataset(_FieldsDataset):
     def __init__(self, data_prefix: str | Path, seq_length: int | None = None, split: str | None = None,
                  split_part: int | str = "train"):
         super().__init__(data_prefix, self.KEYS)
+        for side in ("chosen", "rejected"):
+            self._check_same_lengths(f"{side}_input_ids", f"{side}_labels")
         self.seq_length = seq_length
         self._select(None, split, split_part)
 

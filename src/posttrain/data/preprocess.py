@@ -1,8 +1,14 @@
 """``posttrain preprocess``: raw rows -> chat template -> token ids -> Megatron indexed datasets.
 
-Output: ``{output_prefix}_packed_{key}_document.{bin,idx}`` per key of the handler. Files are
-written under hidden temporary names and renamed only when every key is complete, so an
-interrupted run never leaves a dataset that looks valid.
+Output: ``{output_prefix}_packed_{key}_document.{bin,idx}`` per key of the handler (and nothing
+else; :func:`output_files` lists them). Files are written under hidden temporary names
+(``.{name}_packed_{key}_document.tmp{pid}.{bin,idx}`` next to them) and renamed only when every key
+is complete, so an interrupted run never leaves a dataset that looks valid; the next run at the
+same prefix removes such leftovers of a run that is no longer alive.
+
+Rows that are skipped are counted per reason; ``strict`` stops at the first (malformed line,
+skipped row or line with invalid UTF-8), naming its file and line. Bytes that are not UTF-8 are
+replaced by U+FFFD and counted (``rows with invalid UTF-8 (replaced)``), with one warning per file.
 
 Filtering (the seed's): without ``pack``, a sample is skipped when any of its keys has
 ``>= seq_length`` tokens; with ``pack`` likewise (the seed drops only ``> seq_length`` there, but a
@@ -13,6 +19,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import re
 import sys
 import time
 from collections import Counter
@@ -40,6 +47,7 @@ class PreprocessSummary:
     skipped: dict[str, int] = field(default_factory=dict)
     outputs: dict[str, str] = field(default_factory=dict)  # key -> path prefix (no .bin/.idx)
     packed_rows: int | None = None
+    invalid_utf8: int = 0  # rows kept with undecodable bytes replaced by U+FFFD
     seconds: float = 0.0  # reading, tokenising and writing (not imports and tokenizer loading)
     setup_seconds: float = 0.0
 
@@ -54,6 +62,8 @@ class PreprocessSummary:
                  f"setup {self.setup_seconds:.1f} s)"]
         for reason, n in sorted(self.skipped.items()):
             lines.append(f"  skipped ({reason}): {n}")
+        if self.invalid_utf8:
+            lines.append(f"  rows with invalid UTF-8 (replaced): {self.invalid_utf8}")
         if self.packed_rows is not None:
             lines.append(f"packed into {self.packed_rows} rows")
         lines += [f"wrote {p}.{{bin,idx}}" for p in self.outputs.values()]
@@ -105,22 +115,23 @@ def process_batch(rows: list[tuple[dict, str]], handler=None, cfg=None) -> Batch
     """Align, encode (one batched tokenizer call) and filter one batch of rows."""
     handler = handler or _STATE["handler"]
     cfg = cfg or _STATE["cfg"]
-    skipped, aligned, wheres = [], [], []
-    for row, where in rows:
+    skipped, aligned, wheres = [], [], []  # skipped: (row number in the batch, where, reason)
+    for n, (row, where) in enumerate(rows):
         item = handler.align(row)
         if isinstance(item, str):
-            skipped.append((where, item))
+            skipped.append((n, where, item))
         else:
             aligned.append(item)
-            wheres.append(where)
+            wheres.append((n, where))
     encoded = handler.encode_batch(aligned) if aligned else []
     keep = []
-    for enc, where in zip(encoded, wheres):
+    for enc, (n, where) in zip(encoded, wheres):
         longest = max(len(v) for v in enc.values())
         if cfg.seq_length is not None and longest >= cfg.seq_length:
-            skipped.append((where, SKIP_TOO_LONG))
+            skipped.append((n, where, SKIP_TOO_LONG))
         else:
             keep.append(enc)
+    skipped = [(where, reason) for _, where, reason in sorted(skipped, key=lambda s: s[0])]  # input order
     keys = {}
     for key in handler.output_keys():
         seqs = [enc[key] for enc in keep]
@@ -138,6 +149,7 @@ class _Outputs:
         from posttrain.data.indexed import IndexedDatasetBuilder
 
         self.final = {k: f"{prefix}_packed_{k}_document" for k in keys}
+        remove_stale_temporaries(prefix)
         tag = f"tmp{os.getpid()}"
         self.tmp = {k: str(Path(p).parent / f".{Path(p).name}.{tag}") for k, p in self.final.items()}
         self.builders = {k: IndexedDatasetBuilder(f"{self.tmp[k]}.bin") for k in keys}
@@ -163,6 +175,49 @@ class _Outputs:
                     os.remove(self.tmp[k] + ext)
                 except FileNotFoundError:
                     pass
+
+
+def output_files(prefix: str, keys: list[str]) -> list[str]:
+    """Every file a run writes at ``prefix`` for a handler with output ``keys`` (and nothing else)."""
+    return [f"{prefix}_packed_{k}_document{ext}" for k in keys for ext in (".bin", ".idx")]
+
+
+def remove_stale_temporaries(prefix: str) -> list[str]:
+    """Remove the ``.{name}_packed_*_document.tmp<pid>.{bin,idx}`` files that a killed run at
+    ``prefix`` left (those of a process still alive are kept); returns the removed paths."""
+    folder, name = os.path.split(prefix)
+    pattern = re.compile(re.escape(f".{name}_packed_") + r"(.+?)_document\.tmp(\d+)\.(?:bin|idx)$")
+    removed = []
+    try:
+        entries = os.listdir(folder or ".")
+    except OSError:
+        return removed
+    for entry in sorted(entries):
+        m = pattern.match(entry)
+        if not m or "_packed_" in m.group(1) or _alive(int(m.group(2))):
+            continue
+        path = os.path.join(folder, entry)
+        try:
+            os.remove(path)
+            removed.append(path)
+        except OSError:
+            pass
+    if removed:
+        print(f"removed {len(removed)} temporary file(s) left by an interrupted run: "
+              f"{', '.join(os.path.basename(p) for p in removed)}", file=sys.stderr)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # e.g. PermissionError: it exists
+        return True
+    return True
 
 
 class _Progress:
@@ -210,17 +265,29 @@ def preprocess(config: dict | DataHandlerConfig, strict: bool = False, progress:
     logged: Counter = Counter()
 
     def note_skip(where: str, reason: str, detail: str = "") -> None:
+        if strict:
+            raise DataError(f"{where}: {detail or reason} (stopping because of --strict)")
         skip_counts[reason] += 1
         if logged[reason] < MAX_LOGGED_PER_REASON:
             logged[reason] += 1
             print(f"skip {where}: {detail or reason}", file=sys.stderr)
 
     def on_malformed(where: str, why: str) -> None:
-        if strict:
-            raise DataError(f"{where}: {why} (stopping because of --strict)")
         note_skip(where, SKIP_MALFORMED, why)
 
-    reader = iter(RowReader(resolve_path(cfg.input), BATCH_ROWS, on_malformed))
+    utf8_files: set[str] = set()
+
+    def on_invalid_utf8(where: str) -> None:
+        if strict:
+            raise DataError(f"{where}: invalid UTF-8 bytes (stopping because of --strict)")
+        summary.invalid_utf8 += 1
+        file = where.rsplit(":", 1)[0]
+        if file not in utf8_files:
+            utf8_files.add(file)
+            print(f"warning {where}: invalid UTF-8 bytes, replaced by U+FFFD (further rows of this file with "
+                  "invalid UTF-8 are only counted)", file=sys.stderr)
+
+    reader = iter(RowReader(resolve_path(cfg.input), BATCH_ROWS, on_malformed, on_invalid_utf8))
     first = next(reader, None)
     if first is None:
         raise DataError(f"input {cfg.input}: no rows to read")

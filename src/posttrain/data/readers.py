@@ -49,21 +49,25 @@ def find_input_files(input_path: str | Path) -> InputFiles:
     raise DataError(f"input {path}: no such file or directory (relative paths are relative to {os.getcwd()})")
 
 
-def iter_jsonl(path: str | Path, on_malformed: Callable[[str, str], None] | None = None) -> Iterator[Row]:
+def iter_jsonl(path: str | Path, on_malformed: Callable[[str, str], None] | None = None,
+               on_invalid_utf8: Callable[[str], None] | None = None) -> Iterator[Row]:
     """``(object, "file:line")`` for each non-blank line of a JSON Lines file.
 
     A line that is not JSON, or not a JSON object, goes to ``on_malformed(where, why)`` and is
-    skipped; the default raises :class:`DataError` naming the file and line.
+    skipped; the default raises :class:`DataError` naming the file and line. A UTF-8 byte order
+    mark is accepted. Bytes that are not UTF-8 become U+FFFD; ``on_invalid_utf8(where)`` hears of
+    each such line (it may raise to stop).
     """
     on_malformed = on_malformed or _raise_malformed
     path = Path(path)
     if not path.is_file():
         raise DataError(f"{path}: no such file")
-    with open(path, encoding="utf-8", errors="replace") as f:
+    with open(path, encoding="utf-8-sig", errors="surrogateescape") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
             where = f"{path}:{lineno}"
+            line = _valid_utf8(line, where, on_invalid_utf8)
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as err:
@@ -88,10 +92,12 @@ class RowReader:
     """Iterate over rows of the input in batches; malformed rows go to ``on_malformed(where, why)``."""
 
     def __init__(self, input_path: str | Path, batch_size: int = 1000,
-                 on_malformed: Callable[[str, str], None] | None = None):
+                 on_malformed: Callable[[str, str], None] | None = None,
+                 on_invalid_utf8: Callable[[str], None] | None = None):
         self.files = find_input_files(input_path)
         self.batch_size = batch_size
         self.on_malformed = on_malformed or _raise_malformed
+        self.on_invalid_utf8 = on_invalid_utf8  # None: undecodable bytes become U+FFFD silently
 
     def __iter__(self) -> Iterator[list[Row]]:
         batch: list[Row] = []
@@ -109,16 +115,18 @@ class RowReader:
 
     # --- formats ---------------------------------------------------------------------
     def _jsonl(self, path: Path) -> Iterator[Row]:
-        yield from iter_jsonl(path, self._bad)
+        yield from iter_jsonl(path, self._bad, self.on_invalid_utf8)
 
     def _json(self, path: Path) -> Iterator[Row]:
-        with open(path, encoding="utf-8", errors="replace") as f:
+        with open(path, encoding="utf-8-sig", errors="replace") as f:
             head = f.read(4096).lstrip()
         if not head.startswith("["):
             yield from self._jsonl(path)  # many ".json" files are JSON Lines
             return
         try:
-            data = json.loads(path.read_text(encoding="utf-8"))
+            raw = path.read_text(encoding="utf-8-sig", errors="surrogateescape")
+            dirty = _valid_utf8(raw, str(path), None) is not raw  # only then look at each item
+            data = json.loads(raw)
         except json.JSONDecodeError as err:
             raise DataError(f"{path}:{err.lineno}: malformed JSON array ({err.msg} at column {err.colno}); "
                             "a JSON array cannot be read past an error, fix the file or convert it to JSON Lines") from None
@@ -127,6 +135,10 @@ class RowReader:
             if not isinstance(obj, dict):
                 self._bad(where, f"expected a JSON object, got {type(obj).__name__}")
                 continue
+            if dirty:
+                text = json.dumps(obj, ensure_ascii=False)
+                if _valid_utf8(text, where, self.on_invalid_utf8) is not text:
+                    obj = json.loads(text.encode("utf-8", "surrogateescape").decode("utf-8", "replace"))
             yield obj, where
 
     def _record_batches(self, path: Path):
@@ -156,15 +168,43 @@ class RowReader:
             raise DataError(f"{path}: cannot read as {fmt}: {err}") from None
 
     def _columnar(self, path: Path) -> Iterator[Row]:
+        import pyarrow as pa
+
         n = 0
         for batch in self._record_batches(path):
+            binary = [f.name for f in batch.schema
+                      if pa.types.is_binary(f.type) or pa.types.is_large_binary(f.type)]
             for row in batch.to_pylist():
-                yield row, f"{path}:row {n}"
+                where = f"{path}:row {n}"
+                for name in binary:  # e.g. a CSV column with bytes that are not UTF-8
+                    if isinstance(row[name], bytes):
+                        row[name] = _decode_cell(row[name], where, self.on_invalid_utf8)
+                yield row, where
                 n += 1
 
 
 _READERS = {"json": RowReader._json, "jsonl": RowReader._jsonl, "parquet": RowReader._columnar,
             "csv": RowReader._columnar, "arrow": RowReader._columnar}
+
+
+def _valid_utf8(line: str, where: str, on_invalid_utf8: Callable[[str], None] | None) -> str:
+    """``line`` (decoded with surrogateescape) with its undecodable bytes replaced by U+FFFD."""
+    try:
+        line.encode("utf-8")
+        return line
+    except UnicodeEncodeError:
+        if on_invalid_utf8 is not None:
+            on_invalid_utf8(where)
+        return line.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+
+
+def _decode_cell(value: bytes, where: str, on_invalid_utf8: Callable[[str], None] | None) -> str:
+    try:
+        return value.decode("utf-8")
+    except UnicodeDecodeError:
+        if on_invalid_utf8 is not None:
+            on_invalid_utf8(where)
+        return value.decode("utf-8", "replace")
 
 
 def _raise_malformed(where: str, why: str) -> None:

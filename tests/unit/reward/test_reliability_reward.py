@@ -192,17 +192,18 @@ def test_R11_timed_out_verifier_children_are_killed(tmp_path):
     spec = VERIFIERS.get("t_r11_fork")
     hang, ret = tmp_path / "hang.pid", tmp_path / "return.pid"
     pids = []
+    pool = VerifierPool([spec], num_workers=1, timeout=1.0, modules=MODULES)
     try:
-        with VerifierPool([spec], num_workers=1, timeout=1.0, modules=MODULES) as pool:
-            scores, status, errors = pool.run([(0, "hang", str(hang), {}), (0, "return", str(ret), {})])
-            assert status == [1, 0] and scores == [0.0, 1.0], errors
-            pids.append(_read_pid(hang))
-            # the timed-out item's child went with its worker's process group
-            assert _gone_within(pids[0], 3.0), "the timed-out verifier's child survived its timeout"
-            pids.append(_read_pid(ret))
-            assert _alive(pids[1])  # a finished item's child lives until the pool closes...
+        scores, status, errors = pool.run([(0, "hang", str(hang), {}), (0, "return", str(ret), {})])
+        assert status == [1, 0] and scores == [0.0, 1.0], errors
+        pids += [_read_pid(hang), _read_pid(ret)]
+        # the timed-out item's child went with its worker's process group
+        assert _gone_within(pids[0], 3.0), "the timed-out verifier's child survived its timeout"
+        assert _alive(pids[1])  # a finished item's child lives until the pool closes...
+        pool.close()
         assert _gone_within(pids[1], 3.0), "a verifier's child survived the pool's close()"  # ...not longer
     finally:
+        pool.close()
         for pid in pids:  # never leave a sleeper behind, even when an assertion failed
             try:
                 os.kill(pid, 9)
