@@ -3,7 +3,9 @@
 A worker that raised is reported with its remote traceback; a worker that died (killed, out of
 memory, segfault) with Ray's account of the death. Either way the caller gets a
 :class:`ClusterError` as soon as the first call fails, without waiting for the other workers,
-which may be blocked in a collective with the dead one.
+which may be blocked in a collective with the dead one. When a worker raises, the others get a
+few seconds (``DEATH_GRACE_S``) to show whether one of them died: a death is reported first,
+since the raise is then only a collective failing with the dead peer.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import time
 from posttrain.errors import PosttrainError
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
+DEATH_GRACE_S = 10.0  # how long a raise waits to see whether another worker died (the root cause)
 
 
 class ClusterError(PosttrainError):
@@ -38,12 +41,41 @@ def gather(refs: list, names: list[str], what: str, timeout_s: float) -> list:
             try:
                 ray.get(ref, timeout=0)
             except RayTaskError as err:  # the worker raised: its traceback is in the message
+                died = _first_death(pending, names, index)
+                if died:  # the root cause: the raise was a collective failing with the dead worker
+                    raise ClusterError(f"{what}: {died} (and {names[index[ref]]} then failed: "
+                                       f"{_first_line(err)})") from None
                 raise ClusterError(f"{what} failed on {names[index[ref]]}:\n{_plain(err)}") from None
             except RayActorError as err:  # the process is gone
                 raise ClusterError(f"{what}: {names[index[ref]]} died: {_plain(err)}") from None
             except GetTimeoutError as err:  # not expected after ray.wait said ready
                 raise ClusterError(f"{what}: {names[index[ref]]} did not answer: {err}") from None
     return ray.get(refs)
+
+
+def _first_death(pending: list, names: list[str], index: dict, grace_s: float = DEATH_GRACE_S) -> str | None:
+    """``"<name> died: <Ray's account>"`` for the first of ``pending`` that is found dead within
+    ``grace_s`` seconds, else None. A worker blocked in a collective with a killed peer often
+    raises (gloo: connection reset) before Ray has reported the peer's death."""
+    import ray
+    from ray.exceptions import RayActorError
+
+    if not pending:
+        return None
+    ready, _ = ray.wait(pending, num_returns=len(pending), timeout=grace_s)
+    for ref in ready:
+        try:
+            ray.get(ref, timeout=0)
+        except RayActorError as err:
+            return f"{names[index[ref]]} died: {_plain(err)}"
+        except Exception:  # noqa: BLE001 - another raise; the first one is reported
+            continue
+    return None
+
+
+def _first_line(err: Exception) -> str:
+    lines = [line for line in _plain(err).splitlines() if line.strip()]
+    return lines[-1] if lines else type(err).__name__
 
 
 def _plain(err: Exception) -> str:

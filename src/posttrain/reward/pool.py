@@ -32,6 +32,7 @@ import weakref
 from collections import deque
 from multiprocessing.connection import wait as wait_conns
 
+from posttrain.config.validate import check_verifier_settings
 from posttrain.errors import ConfigError, PosttrainError
 from posttrain.reward._worker import STATUS_ERROR, STATUS_OK, STATUS_TIMEOUT, score_item, worker_main
 
@@ -134,10 +135,7 @@ class VerifierPool:
 
     def __init__(self, specs, num_workers: int = 1, timeout: float = 30.0, modules=(),
                  memory_limit_mb: int = 8192, ctx=None):
-        if num_workers < 0:
-            raise ConfigError(f"rl_config.verifier_parallel must be >= 0, got {num_workers}")
-        if timeout <= 0:
-            raise ConfigError(f"rl_config.verifier_timeout must be > 0 seconds, got {timeout}")
+        check_verifier_settings(num_workers, timeout)
         self.specs = list(specs)
         self.timeout = float(timeout)
         self.num_workers = num_workers

@@ -105,7 +105,3 @@ def import_verifier_modules(modules: list[str] | tuple[str, ...]) -> None:
                 f"rl_config.verifier_modules: cannot import {mod!r} ({e}); make it importable "
                 f"(install the package or add its folder to PYTHONPATH)") from e
 
-
-known_verifiers = VERIFIERS.names  # compat: remove when callers use the registry
-get_spec = VERIFIERS.get  # compat: remove when callers use the registry
-def get_verifier(name: str) -> VerifierFn: return VERIFIERS.get(name).fn  # compat: remove when callers use the registry
