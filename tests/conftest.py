@@ -49,6 +49,50 @@ def mini_qwen2_dir(tmp_path_factory, tiny_tokenizer) -> Path:
     return out
 
 
+# Tiny HF models of every architecture `posttrain convert` handles (hidden 64, 4 heads in 2 query
+# groups, FFN 128, 4 layers, vocab 100 so that Megatron's padding to 128 x TP adds rows).
+TINY_ARCHS = {
+    "qwen2": dict(cls="Qwen2ForCausalLM", tie_word_embeddings=False),                # q/k/v biases
+    "llama": dict(cls="LlamaForCausalLM", tie_word_embeddings=True),                 # SmolLM2-like, tied
+    "qwen3": dict(cls="Qwen3ForCausalLM", tie_word_embeddings=False, head_dim=16),   # qk-norm
+    "qwen2_rm": dict(cls="Qwen2ForSequenceClassification", tie_word_embeddings=False, num_labels=1),
+}
+
+
+def build_tiny_hf(out: Path, kind: str, seed: int = 0) -> Path:
+    """Save a random tiny HF model of ``kind`` (see TINY_ARCHS) to ``out``; biases and norms are random too."""
+    import torch
+    import transformers
+
+    spec = dict(TINY_ARCHS[kind])
+    cls = getattr(transformers, spec.pop("cls"))
+    config = cls.config_class(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                              rms_norm_eps=1e-6, pad_token_id=0, **spec)
+    torch.manual_seed(seed)
+    model = cls(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.normal_(1.0 if "norm" in name else 0.0, 0.2)
+    model.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_hf(tmp_path_factory):
+    """``tiny_hf(kind)``: the path of a tiny HF model of ``kind``, built once per session (read-only)."""
+    root = tmp_path_factory.mktemp("tiny_hf")
+    built: dict[str, Path] = {}
+
+    def get(kind: str) -> Path:
+        if kind not in built:
+            built[kind] = build_tiny_hf(root / kind, kind)
+        return built[kind]
+
+    return get
+
+
 def pytest_collection_modifyitems(config, items):
     try:
         import torch

@@ -533,14 +533,23 @@ def resolve_checkpoint(load_dir: str | Path) -> tuple[Path, bool]:
         raise CheckpointError(f"load: {load_dir} is not a directory")
     if (load_dir / STATE_FILE).is_file():
         return load_dir, True
+    from posttrain.models.mcore.layout import is_mcore_checkpoint
+
+    if is_mcore_checkpoint(load_dir):
+        from posttrain.models.mcore.cache import hf_cache_for
+
+        return hf_cache_for(load_dir), False
     latest = find_latest(load_dir)
     if latest is not None:
         return latest, True
     if is_hf_model_dir(load_dir):
         return load_dir, False
     hint = " It holds a GGUF file: convert it to an HF directory first." if any(load_dir.glob("*.gguf")) else ""
-    raise CheckpointError(f"load: no checkpoint in {load_dir}: expected {TRACKER}, iter_XXXXXXX/ "
-                          f"directories or an HF model directory (config.json + *.safetensors).{hint}")
+    found = ", ".join(sorted(p.name for p in load_dir.iterdir())[:8]) or "nothing"
+    raise CheckpointError(f"load: no checkpoint in {load_dir} (it holds: {found}): expected a posttrain save "
+                          f"directory ({TRACKER}, iter_XXXXXXX/), an HF model directory (config.json + "
+                          f"*.safetensors) or a Megatron checkpoint (release/ or iter_*/ with mp_rank_*/; "
+                          f"`posttrain convert` also converts it explicitly).{hint}")
 
 
 def load_checkpoint(load_dir: str | Path, model: Any, optimizer: Any = None, scheduler: Any = None,

@@ -21,6 +21,7 @@ COMMANDS = {
     "score": "posttrain.commands.score",
     "eval": "posttrain.commands.eval",
     "bench": "posttrain.commands.bench",
+    "convert": "posttrain.commands.convert",
 }
 
 
@@ -106,6 +107,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run the last iteration under torch.profiler: top ops in DIR/profile.txt, trace in "
                         "DIR/trace.json (chrome://tracing or Perfetto)")
     p.add_argument("--force", action="store_true", help=FORCE_HELP + ": --output, DIR/profile.txt, DIR/trace.json")
+
+    p = sub.add_parser("convert", help="Hugging Face <-> Megatron-Core checkpoints (the seed's convert_ckpt.py "
+                                       "arguments), with tensor and pipeline splits")
+    importlib.import_module(COMMANDS["convert"]).add_arguments(p)
     return parser
 
 

@@ -1,0 +1,113 @@
+"""``posttrain convert``: Hugging Face <-> Megatron-Core checkpoints, with the seed's argument names.
+
+``--load-model-type hf --save-model-type mg`` splits an HF directory for TP x PP (written to
+``<save-dir>/release/`` with the tracker). ``--load-model-type mg --save-model-type hf`` merges a
+Megatron checkpoint back into ``<save-dir>/mg2hf/``, the seed's convention, reusing ``<save-dir>``'s
+config.json and tokenizer when it is the original HF directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from posttrain.errors import ConfigError
+
+# The seed's flags that change nothing here: accepted so its tutorial commands run as written.
+NO_OPS = ("use_mcore_models", "model_type", "model_type_hf", "max_queue_size", "no_checking",
+          "load_checkpoint_loosely")
+# The seed's flags posttrain does not implement: refused by name.
+REFUSED = {
+    "moe_grouped_gemm": "mixture-of-experts conversion is not implemented (dense models only)",
+    "moe_tp_extend_ep": "mixture-of-experts conversion is not implemented (dense models only)",
+    "noop_layers": "no-op layers are not supported",
+    "qlora_nf4": "QLoRA NF4 quantisation is not supported",
+    "save_lora_to_hf": "LoRA weights are not converted (merge the adapter into the model first)",
+    "lora_load": "LoRA weights are not converted (merge the adapter into the model first)",
+    "lora_r": "LoRA weights are not converted (merge the adapter into the model first)",
+    "lora_alpha": "LoRA weights are not converted (merge the adapter into the model first)",
+    "lora_target_modules": "LoRA weights are not converted (merge the adapter into the model first)",
+    "spec": "custom layer specs are not supported; the local Megatron-Core GPT layer is used",
+    "ckpt_cfg_path": "checkpoint config files are not read; the architecture comes from config.json or the checkpoint's args",
+}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--load-model-type", required=True, choices=("hf", "mg", "optim"),
+                   help="hf: a Hugging Face directory; mg: a Megatron(-Core) checkpoint")
+    p.add_argument("--save-model-type", required=True, choices=("hf", "mg"))
+    p.add_argument("--load-dir", required=True, help="the checkpoint to read")
+    p.add_argument("--save-dir", required=True,
+                   help="mg: the checkpoint root written (release/ + tracker); hf: the original HF directory of the "
+                        "model, or any directory; the result goes to <save-dir>/mg2hf/")
+    p.add_argument("--target-tensor-parallel-size", type=int, default=1)
+    p.add_argument("--target-pipeline-parallel-size", type=int, default=1)
+    p.add_argument("--target-expert-model-parallel-size", type=int, default=1,
+                   help="only 1: mixture-of-experts models are not converted")
+    p.add_argument("--num-layer-list", default=None, help="uneven pipeline stages, e.g. 14,14")
+    p.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
+    p.add_argument("--params-dtype", default=None, help="fp32, bf16 or fp16 (default: the dtype stored)")
+    p.add_argument("--add-qkv-bias", action="store_true", help="the model has q/k/v biases (Qwen2/Qwen2.5)")
+    p.add_argument("--orm", action="store_true", help="a reward model: backbone + scalar rm_head")
+    p.add_argument("--tokenizer-model", default=None, help="tokenizer file or directory copied into the HF output")
+    p.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    p.add_argument("--loader", default="megatron", help="only 'megatron' (and the seed's hf loaders)")
+    p.add_argument("--saver", default="megatron", help="only 'megatron'")
+    p.add_argument("--force", action="store_true",
+                   help="replace an existing converted checkpoint in the target (only convert's own files)")
+    p.add_argument("--use-mcore-models", action="store_true", help="accepted; always Megatron-Core")
+    p.add_argument("--model-type", default="GPT", choices=("GPT", "BERT"), help="accepted: GPT")
+    p.add_argument("--model-type-hf", default=None,
+                   help="accepted and not used: the architecture comes from config.json or the checkpoint")
+    p.add_argument("--max-queue-size", type=int, default=None, help="accepted; conversion streams in one process")
+    p.add_argument("--no-checking", action="store_true", help="accepted; no effect")
+    p.add_argument("--load-checkpoint-loosely", action="store_true", help="accepted; no effect")
+    for name in REFUSED:
+        p.add_argument("--" + name.replace("_", "-"), nargs="?", const=True, default=None,
+                       help=argparse.SUPPRESS)
+
+
+def run(args: argparse.Namespace) -> int:
+    from posttrain.models.mcore.convert import MG2HF, hf_to_mcore, mcore_to_hf
+
+    _check(args)
+    noted = [f"--{n.replace('_', '-')}" for n in NO_OPS if getattr(args, n) not in (None, False, "GPT")]
+    if noted:
+        print(f"note: {', '.join(noted)} accepted with no effect here (posttrain reads the architecture itself)",
+              file=sys.stderr)
+    if args.load_model_type == "hf" and args.save_model_type == "mg":
+        hf_to_mcore(args.load_dir, args.save_dir, tp=args.target_tensor_parallel_size,
+                    pp=args.target_pipeline_parallel_size, num_layer_list=args.num_layer_list,
+                    layers_per_virtual_stage=args.num_layers_per_virtual_pipeline_stage, dtype=args.params_dtype,
+                    orm=args.orm, add_qkv_bias=args.add_qkv_bias, divisor=args.make_vocab_size_divisible_by,
+                    force=args.force)
+    else:
+        from pathlib import Path
+
+        save_dir = Path(args.save_dir)
+        template = save_dir if (save_dir / "config.json").is_file() else None
+        if template is None and args.tokenizer_model and (Path(args.tokenizer_model) / "config.json").is_file():
+            template = Path(args.tokenizer_model)
+        mcore_to_hf(args.load_dir, save_dir / MG2HF, template=template, tokenizer=args.tokenizer_model,
+                    dtype=args.params_dtype, force=args.force)
+    return 0
+
+
+def _check(args: argparse.Namespace) -> None:
+    for name, why in REFUSED.items():
+        if getattr(args, name) is not None:
+            raise ConfigError(f"--{name.replace('_', '-')}: {why}")
+    pair = (args.load_model_type, args.save_model_type)
+    if pair not in (("hf", "mg"), ("mg", "hf")):
+        raise ConfigError(f"--load-model-type {pair[0]} --save-model-type {pair[1]}: posttrain converts hf -> mg "
+                          f"and mg -> hf (optimizer states are not converted)")
+    if args.loader not in ("megatron", "hf_mcore", "mg_mcore") or args.saver not in ("megatron", "mg_mcore"):
+        raise ConfigError(f"--loader {args.loader} / --saver {args.saver}: only the built-in converter exists")
+    if args.target_expert_model_parallel_size != 1:
+        raise ConfigError("--target-expert-model-parallel-size: mixture-of-experts conversion is not implemented; "
+                          "use 1 (dense models)")
+    if args.save_model_type == "hf" and (args.target_tensor_parallel_size, args.target_pipeline_parallel_size) != (1, 1):
+        raise ConfigError("--save-model-type hf merges every shard: --target-tensor-parallel-size and "
+                          "--target-pipeline-parallel-size must be 1 (as in the seed)")
+    if args.model_type != "GPT":
+        raise ConfigError("--model-type BERT is not supported; use GPT")

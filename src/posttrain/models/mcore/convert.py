@@ -1,0 +1,342 @@
+"""Convert between Hugging Face and Megatron-Core checkpoints, one layer at a time.
+
+:func:`hf_to_mcore` writes one rank file after the other, each built layer by layer from the
+memory-mapped HF tensors, so the peak memory is about one output shard plus one layer.
+:func:`mcore_to_hf` memory-maps the rank files and writes the HF safetensors in shards, one layer
+merged at a time. Both write into a temporary directory next to the target and rename it into
+place when complete; a failure leaves the target as it was.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+from posttrain.errors import CheckpointError, ConfigError
+from posttrain.models.arch import ModelArch, arch_from_hf_config
+from posttrain.models.mcore import layout, mapping, splits
+from posttrain.models.mcore.hf_files import HFWeights, ShardedWriter, copy_tokenizer
+
+SUPPORTED = ("qwen2", "qwen3", "llama")
+DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+          "fp16": torch.float16, "float16": torch.float16}
+MG2HF = "mg2hf"
+
+
+def params_dtype(name: str | None) -> torch.dtype | None:
+    if name is None:
+        return None
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ConfigError(f"--params-dtype {name!r}: use one of fp32, bf16, fp16") from None
+
+
+# ---- HF -> Megatron-Core ----------------------------------------------------------------------------
+
+def hf_arch(hf_dir: Path, weights: HFWeights, *, orm: bool) -> ModelArch:
+    """The architecture of an HF directory, checked against what the converter supports."""
+    config = json.loads((hf_dir / "config.json").read_text(encoding="utf-8"))
+    arch = arch_from_hf_config(hf_dir)
+    if arch.num_experts:
+        raise ConfigError(f"{hf_dir}: a mixture-of-experts model ({config.get('model_type')}, {arch.num_experts} "
+                          f"experts); posttrain convert handles dense Qwen2/Qwen2.5, Qwen3 and Llama models")
+    if arch.model_type not in SUPPORTED:
+        raise ConfigError(f"{hf_dir}/config.json: model_type {arch.model_type!r} is not supported; "
+                          f"posttrain convert handles {', '.join(SUPPORTED)} (Qwen2/Qwen2.5, Qwen3, Llama/SmolLM2)")
+    is_rm = any(a.endswith("ForSequenceClassification") for a in config.get("architectures") or [])
+    if orm and not (is_rm and mapping.HF_SCORE in weights):
+        raise ConfigError(f"{hf_dir}: --orm converts a sequence-classification (reward) model with a "
+                          f"'score' head, but this is {config.get('architectures')}")
+    if orm and weights.get(mapping.HF_SCORE).shape[0] != 1:
+        raise ConfigError(f"{hf_dir}: the reward head has {weights.get(mapping.HF_SCORE).shape[0]} outputs; "
+                          f"--orm converts a scalar (num_labels = 1) head")
+    if is_rm and not orm:
+        raise ConfigError(f"{hf_dir} is a sequence-classification (reward) model: add --orm to convert "
+                          f"its backbone and scalar head")
+    return replace(arch, qkv_bias=hf_has(weights, "self_attn.q_proj.bias"),
+                   qk_norm=hf_has(weights, "self_attn.q_norm.weight"))
+
+
+def hf_has(weights: HFWeights, layer_param: str) -> bool:
+    return mapping.hf_layer_name(0, layer_param) in weights
+
+
+def hf_to_mcore(load_dir: str | Path, save_dir: str | Path, *, tp: int = 1, pp: int = 1,
+                num_layer_list: str | None = None, layers_per_virtual_stage: int | None = None,
+                dtype: str | None = None, orm: bool = False, add_qkv_bias: bool | None = None,
+                divisor: int = 128, force: bool = False, log=print) -> Path:
+    """Write ``save_dir/release/mp_rank_*`` and the tracker; returns the ``release`` dir."""
+    load_dir, save_dir = Path(load_dir), Path(save_dir)
+    if not (load_dir / "config.json").is_file():
+        raise ConfigError(f"--load-dir {load_dir}: no config.json; give a Hugging Face model directory")
+    weights = HFWeights(load_dir)
+    arch = hf_arch(load_dir, weights, orm=orm)
+    if add_qkv_bias and not arch.qkv_bias:
+        raise ConfigError(f"--add-qkv-bias: {load_dir} has no q/k/v biases (model_type {arch.model_type}); "
+                          f"drop the flag")
+    if arch.qkv_bias and not add_qkv_bias:
+        log(f"note: {load_dir} has q/k/v biases; they are converted (the seed's converter needs --add-qkv-bias)")
+    out_dtype = params_dtype(dtype)
+    padded = splits.padded_vocab_size(arch.vocab_size, divisor, tp)
+    splits.check_tp(tp, heads=arch.num_attention_heads, groups=arch.num_kv_heads, ffn=arch.ffn_hidden_size,
+                    padded_vocab=padded)
+    if layers_per_virtual_stage and pp < 2:
+        raise ConfigError("--num-layers-per-virtual-pipeline-stage needs --target-pipeline-parallel-size > 1")
+    par = layout.Parallel(tp, pp, 1, layout.pipeline_stages(arch.num_layers, pp, num_layer_list,
+                                                            layers_per_virtual_stage))
+    first_dtype = weights.get(mapping.HF_EMBEDDING).dtype
+    args = layout.make_args(arch, par, padded_vocab=padded, divisor=divisor,
+                            params_dtype=out_dtype or first_dtype, num_layer_list=num_layer_list,
+                            layers_per_virtual_stage=layers_per_virtual_stage, orm=orm)
+    check_mcore_target(save_dir, force)
+    params = mapping.layer_params(arch)
+    with _staging(save_dir, ".posttrain-convert-") as tmp:
+        release = tmp / layout.RELEASE
+        for pp_rank, tp_rank in _progress([(p, t) for p in range(pp) for t in range(tp)], "rank files"):
+            shard: dict[str, Any] = {"checkpoint_version": layout.CHECKPOINT_VERSION, "iteration": 0, "args": args}
+            for chunk in range(par.chunks):
+                state = _stage_state(weights, arch, par, params, pp_rank, chunk, tp_rank, padded, orm)
+                shard[layout.model_key(chunk, par.chunks)] = {
+                    k: v.to(out_dtype) if out_dtype else v for k, v in state.items()}
+            out = release / layout.rank_dir_name(tp_rank, pp_rank, pp) / layout.RANK_FILE
+            out.parent.mkdir(parents=True)
+            torch.save(shard, out)
+            del shard
+        (tmp / layout.TRACKER).write_text(layout.RELEASE + "\n", encoding="utf-8")
+        _publish_mcore(tmp, save_dir)
+    log(f"wrote {save_dir / layout.RELEASE} (TP {tp}, PP {pp}{f', {par.chunks} virtual stages' if par.chunks > 1 else ''}, "
+        f"{arch.model_type}, {arch.num_layers} layers, vocab {arch.vocab_size} padded to {padded})")
+    return save_dir / layout.RELEASE
+
+
+def _stage_state(weights: HFWeights, arch: ModelArch, par: layout.Parallel, params: list[mapping.Param],
+                 pp_rank: int, chunk: int, tp_rank: int, padded: int, orm: bool) -> dict[str, torch.Tensor]:
+    tp = par.tp
+    state: dict[str, torch.Tensor] = {}
+    if par.is_first(pp_rank, chunk):
+        state[mapping.EMBEDDING] = splits.split_vocab(weights.get(mapping.HF_EMBEDDING), padded, tp)[tp_rank]
+    for local, layer in enumerate(par.stages[pp_rank][chunk]):
+        for p in params:
+            tensors = [weights.get(mapping.hf_layer_name(layer, n)) for n in p.hf]
+            state[mapping.mcore_layer_name(local, p.mcore)] = mapping.split_param(p, tensors, arch, tp)[tp_rank]
+    if par.is_last(pp_rank, chunk):
+        state[mapping.FINAL_NORM] = weights.get(mapping.HF_FINAL_NORM).clone()
+        if orm:
+            state[mapping.RM_HEAD] = splits.split_dim(weights.get(mapping.HF_SCORE), tp, 1)[tp_rank]
+        elif not arch.tie_embeddings or par.pp > 1:
+            source = mapping.HF_EMBEDDING if arch.tie_embeddings else mapping.HF_LM_HEAD
+            state[mapping.OUTPUT_LAYER] = splits.split_vocab(weights.get(source), padded, tp)[tp_rank]
+    return state
+
+
+def check_mcore_target(save_dir: Path, force: bool) -> None:
+    if save_dir.exists() and not save_dir.is_dir():
+        raise ConfigError(f"--save-dir {save_dir} is an existing file; give a directory")
+    holds = save_dir.is_dir() and ((save_dir / layout.TRACKER).exists() or layout.is_mcore_checkpoint(save_dir))
+    if holds and not force:
+        raise ConfigError(f"--save-dir {save_dir} already holds a Megatron checkpoint; give an empty or new "
+                          f"directory, or --force to replace its release/ and tracker (nothing else is deleted)")
+
+
+def _publish_mcore(tmp: Path, save_dir: Path) -> None:
+    target = save_dir / layout.RELEASE
+    aside = tmp / "previous-release"
+    if target.exists():
+        target.rename(aside)
+    (tmp / layout.RELEASE).rename(target)
+    os.replace(tmp / layout.TRACKER, save_dir / layout.TRACKER)
+
+
+# ---- Megatron-Core -> HF ----------------------------------------------------------------------------
+
+class McoreCheckpoint:
+    """A Megatron checkpoint's iteration dir: args, split, architecture, and its rank files opened
+    lazily (memory-mapped) and checked to belong together."""
+
+    def __init__(self, load_dir: str | Path):
+        self.dir = layout.iteration_dir(Path(load_dir))
+        self.args = layout.read_args(self.dir)
+        self.par = layout.parallel_from_args(self.args, self.dir)
+        if self.par.ep > 1:
+            raise CheckpointError(f"{self.dir}: expert-parallel checkpoints (EP {self.par.ep}) are not supported; "
+                                  f"posttrain converts dense models")
+        self.arch = layout.arch_from_args(self.args, self.dir)
+        layout.check_vocab_padding(self.args, self.par.tp, self.dir)
+        found = layout.rank_dirs(self.dir)
+        expected = {(t, p, 0) for t in range(self.par.tp) for p in range(self.par.pp)}
+        for key in sorted(expected - set(found)):
+            name = layout.rank_dir_name(key[0], key[1], self.par.pp)
+            raise CheckpointError(f"{self.dir / name / layout.RANK_FILE} is missing: the checkpoint's args say "
+                                  f"TP {self.par.tp} x PP {self.par.pp}, so every rank's shard must be present")
+        if set(found) - expected:
+            extra = found[sorted(set(found) - expected)[0]].name
+            raise CheckpointError(f"{self.dir / extra}: a shard outside the TP {self.par.tp} x PP {self.par.pp} "
+                                  f"split its args describe; the directory mixes checkpoints")
+        self._files: dict[tuple[int, int], dict] = {}
+        self._iteration: tuple[Any, Path] | None = None
+
+    def rank(self, tp_rank: int, pp_rank: int) -> dict:
+        key = (tp_rank, pp_rank)
+        if key not in self._files:
+            path = self.dir / layout.rank_dir_name(tp_rank, pp_rank, self.par.pp) / layout.RANK_FILE
+            obj = layout.load_rank_file(path)
+            iteration = obj.get("iteration")
+            if self._iteration is None:
+                self._iteration = (iteration, path)
+            elif iteration != self._iteration[0]:
+                raise CheckpointError(f"{path} is from iteration {iteration} but {self._iteration[1]} is from "
+                                      f"iteration {self._iteration[0]}: the shards come from different saves")
+            self._files[key] = obj
+        return self._files[key]
+
+    def tensor(self, pp_rank: int, chunk: int, name: str) -> list[torch.Tensor]:
+        """The ``tp`` shards of ``name`` in the stage's chunk."""
+        out = []
+        for tp_rank in range(self.par.tp):
+            state = self.rank(tp_rank, pp_rank).get(layout.model_key(chunk, self.par.chunks)) or {}
+            if name not in state:
+                path = self.dir / layout.rank_dir_name(tp_rank, pp_rank, self.par.pp) / layout.RANK_FILE
+                raise CheckpointError(f"{path}: no tensor {name!r} in its {layout.model_key(chunk, self.par.chunks)} "
+                                      f"state dict; the shard does not match the checkpoint's args")
+            out.append(state[name])
+        return out
+
+    def has(self, pp_rank: int, chunk: int, name: str) -> bool:
+        return name in (self.rank(0, pp_rank).get(layout.model_key(chunk, self.par.chunks)) or {})
+
+    def release(self, pp_rank: int) -> None:
+        for tp_rank in range(self.par.tp):
+            self._files.pop((tp_rank, pp_rank), None)
+
+
+def mcore_to_hf(load_dir: str | Path, out_dir: str | Path, *, template: str | Path | None = None,
+                tokenizer: str | Path | None = None, dtype: str | None = None, force: bool = False,
+                max_shard_bytes: int = 2 << 30, log=print) -> Path:
+    """Merge a Megatron checkpoint into the HF directory ``out_dir`` (config, safetensors, tokenizer).
+
+    ``template`` is an HF directory whose config.json (checked against the checkpoint) and tokenizer
+    are reused; ``tokenizer`` a tokenizer file or directory. Without a template the config is built
+    from the checkpoint's args."""
+    ckpt = McoreCheckpoint(load_dir)
+    out_dir = Path(out_dir)
+    check_hf_target(out_dir, force)
+    out_dtype = params_dtype(dtype)
+    orm = bool(getattr(ckpt.args, "orm", False)) or ckpt.has(ckpt.par.pp - 1, ckpt.par.chunks - 1, mapping.RM_HEAD)
+    config = hf_config(ckpt, Path(template) if template else None, orm, out_dtype)
+    arch = ckpt.arch
+    vocab = int(config["vocab_size"])
+    with _staging(out_dir.parent, f".{out_dir.name}.tmp-") as tmp:
+        writer = ShardedWriter(tmp, max_shard_bytes)
+
+        def put(name: str, tensor: torch.Tensor) -> None:
+            writer.add(name, tensor.to(out_dtype) if out_dtype else tensor)
+
+        last = (ckpt.par.pp - 1, ckpt.par.chunks - 1)
+        put(mapping.HF_EMBEDDING, splits.merge_vocab(ckpt.tensor(0, 0, mapping.EMBEDDING), vocab))
+        params = mapping.layer_params(arch)
+        for layer in _progress(range(arch.num_layers), "layers"):
+            pp_rank, chunk, local = ckpt.par.locate(layer)
+            for p in params:
+                merged = mapping.merge_param(p, ckpt.tensor(pp_rank, chunk, mapping.mcore_layer_name(local, p.mcore)), arch)
+                for name, tensor in zip(p.hf, merged):
+                    put(mapping.hf_layer_name(layer, name), tensor)
+            if layer + 1 < arch.num_layers and ckpt.par.locate(layer + 1)[0] != pp_rank and ckpt.par.chunks == 1:
+                ckpt.release(pp_rank)
+        put(mapping.HF_FINAL_NORM, ckpt.tensor(*last, mapping.FINAL_NORM)[0])
+        if orm:
+            put(mapping.HF_SCORE, splits.merge_dim(ckpt.tensor(*last, mapping.RM_HEAD), 1))
+        elif not arch.tie_embeddings:
+            put(mapping.HF_LM_HEAD, splits.merge_vocab(ckpt.tensor(*last, mapping.OUTPUT_LAYER), vocab))
+        size = writer.close()
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+        copied = _copy_tokenizer(Path(template) if template else None, Path(tokenizer) if tokenizer else None, tmp)
+        _publish_dir(tmp, out_dir)
+    log(f"wrote {out_dir} ({arch.model_type}{', reward model' if orm else ''}, {arch.num_layers} layers, "
+        f"{size / 2**20:.1f} MiB of weights{'; tokenizer: ' + ', '.join(copied) if copied else '; no tokenizer copied'})")
+    return out_dir
+
+
+def hf_config(ckpt: McoreCheckpoint, template: Path | None, orm: bool, out_dtype: torch.dtype | None) -> dict:
+    arch = ckpt.arch
+    if template is not None and (template / "config.json").is_file():
+        config = json.loads((template / "config.json").read_text(encoding="utf-8"))
+        theirs = arch_from_hf_config(template)
+        for field in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_kv_heads"):
+            if getattr(theirs, field) != getattr(arch, field):
+                raise ConfigError(f"{template / 'config.json'}: {field} is {getattr(theirs, field)} but the "
+                                  f"checkpoint {ckpt.dir} has {getattr(arch, field)}; give the HF directory "
+                                  f"of the same model (or none, to build config.json from the checkpoint)")
+    else:
+        config = arch.to_hf_config()
+        if not getattr(ckpt.args, "vocab_size", None):
+            print(f"warning: {ckpt.dir} does not record the unpadded vocabulary; the HF model keeps the "
+                  f"{arch.vocab_size} padded rows (give --save-dir an HF directory of the model to trim them)",
+                  file=sys.stderr)
+    stored = ckpt.tensor(0, 0, mapping.EMBEDDING)[0].dtype
+    config["torch_dtype"] = str(out_dtype or stored).replace("torch.", "")
+    config.pop("dtype", None)
+    if orm:
+        config["architectures"] = [config["architectures"][0].replace("ForCausalLM", "ForSequenceClassification")]
+        config["num_labels"] = 1
+        config.setdefault("id2label", {"0": "LABEL_0"})
+        config.setdefault("label2id", {"LABEL_0": 0})
+    return config
+
+
+def _copy_tokenizer(template: Path | None, tokenizer: Path | None, out: Path) -> list[str]:
+    source = tokenizer or template
+    if source is None:
+        return []
+    if not source.exists():
+        raise ConfigError(f"--tokenizer-model {source} does not exist")
+    return copy_tokenizer(source, out)
+
+
+def check_hf_target(out_dir: Path, force: bool) -> None:
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ConfigError(f"{out_dir} is an existing file; give a directory")
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not force:
+        raise ConfigError(f"{out_dir} already exists and is not empty; remove it, or pass --force to replace "
+                          f"the files convert writes there (config, weights, tokenizer; nothing else is deleted)")
+
+
+def _publish_dir(tmp: Path, out_dir: Path) -> None:
+    """Move the finished files into ``out_dir``; with an existing dir, replace only convert's files."""
+    if not out_dir.exists():
+        tmp.rename(out_dir)
+        tmp.mkdir()  # _staging removes it
+        return
+    for old in list(out_dir.glob("model*.safetensors")) + [out_dir / "model.safetensors.index.json"]:
+        with contextlib.suppress(FileNotFoundError):
+            old.unlink()
+    for f in tmp.iterdir():
+        os.replace(f, out_dir / f.name)
+
+
+@contextlib.contextmanager
+def _staging(parent: Path, prefix: str) -> Iterator[Path]:
+    """A temporary directory in ``parent`` (created if needed), removed on exit, whatever happens."""
+    parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
+    try:
+        yield tmp
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _progress(items, unit: str):
+    try:
+        from tqdm import tqdm
+    except ImportError:  # pragma: no cover - tqdm comes with transformers
+        return items
+    return tqdm(items, desc="convert", unit=f" {unit}", leave=False, disable=not sys.stderr.isatty())
