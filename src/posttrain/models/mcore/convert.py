@@ -57,8 +57,8 @@ def hf_arch(hf_dir: Path, weights: HFWeights, *, orm: bool) -> ModelArch:
     if orm and not (is_rm and mapping.HF_SCORE in weights):
         raise ConfigError(f"{hf_dir}: --orm converts a sequence-classification (reward) model with a "
                           f"'score' head, but this is {config.get('architectures')}")
-    if orm and weights.get(mapping.HF_SCORE).shape[0] != 1:
-        raise ConfigError(f"{hf_dir}: the reward head has {weights.get(mapping.HF_SCORE).shape[0]} outputs; "
+    if orm and weights.shape(mapping.HF_SCORE)[0] != 1:
+        raise ConfigError(f"{hf_dir}: the reward head has {weights.shape(mapping.HF_SCORE)[0]} outputs; "
                           f"--orm converts a scalar (num_labels = 1) head")
     if is_rm and not orm:
         raise ConfigError(f"{hf_dir} is a sequence-classification (reward) model: add --orm to convert "
@@ -94,7 +94,7 @@ def hf_to_mcore(load_dir: str | Path, save_dir: str | Path, *, tp: int = 1, pp: 
         raise ConfigError("--num-layers-per-virtual-pipeline-stage needs --target-pipeline-parallel-size > 1")
     par = layout.Parallel(tp, pp, 1, layout.pipeline_stages(arch.num_layers, pp, num_layer_list,
                                                             layers_per_virtual_stage))
-    first_dtype = weights.get(mapping.HF_EMBEDDING).dtype
+    first_dtype = weights.rows(mapping.HF_EMBEDDING, 0, 1).dtype
     args = layout.make_args(arch, par, padded_vocab=padded, divisor=divisor,
                             params_dtype=out_dtype or first_dtype, num_layer_list=num_layer_list,
                             layers_per_virtual_stage=layers_per_virtual_stage, orm=orm)
@@ -121,22 +121,60 @@ def hf_to_mcore(load_dir: str | Path, save_dir: str | Path, *, tp: int = 1, pp: 
 
 def _stage_state(weights: HFWeights, arch: ModelArch, par: layout.Parallel, params: list[mapping.Param],
                  pp_rank: int, chunk: int, tp_rank: int, padded: int, orm: bool) -> dict[str, torch.Tensor]:
+    """One rank's state dict for one (virtual) stage, reading only the rows/columns that rank holds."""
     tp = par.tp
     state: dict[str, torch.Tensor] = {}
     if par.is_first(pp_rank, chunk):
-        state[mapping.EMBEDDING] = splits.split_vocab(weights.get(mapping.HF_EMBEDDING), padded, tp)[tp_rank]
+        state[mapping.EMBEDDING] = _vocab_shard(weights, mapping.HF_EMBEDDING, arch.vocab_size, padded, tp, tp_rank)
     for local, layer in enumerate(par.stages[pp_rank][chunk]):
         for p in params:
-            tensors = [weights.get(mapping.hf_layer_name(layer, n)) for n in p.hf]
-            state[mapping.mcore_layer_name(local, p.mcore)] = mapping.split_param(p, tensors, arch, tp)[tp_rank]
+            names = [mapping.hf_layer_name(layer, n) for n in p.hf]
+            state[mapping.mcore_layer_name(local, p.mcore)] = _param_shard(weights, p, names, arch, tp, tp_rank)
     if par.is_last(pp_rank, chunk):
         state[mapping.FINAL_NORM] = weights.get(mapping.HF_FINAL_NORM).clone()
         if orm:
-            state[mapping.RM_HEAD] = splits.split_dim(weights.get(mapping.HF_SCORE), tp, 1)[tp_rank]
+            hidden = weights.shape(mapping.HF_SCORE)[1]
+            state[mapping.RM_HEAD] = weights.cols(mapping.HF_SCORE, *_block(hidden, tp, tp_rank))
         elif not arch.tie_embeddings or par.pp > 1:
             source = mapping.HF_EMBEDDING if arch.tie_embeddings else mapping.HF_LM_HEAD
-            state[mapping.OUTPUT_LAYER] = splits.split_vocab(weights.get(source), padded, tp)[tp_rank]
+            state[mapping.OUTPUT_LAYER] = _vocab_shard(weights, source, arch.vocab_size, padded, tp, tp_rank)
     return state
+
+
+def _block(size: int, tp: int, rank: int) -> tuple[int, int]:
+    per = size // tp
+    return rank * per, (rank + 1) * per
+
+
+def _param_shard(weights: HFWeights, p: mapping.Param, names: list[str], arch: ModelArch, tp: int,
+                 rank: int) -> torch.Tensor:
+    """Rank ``rank``'s shard of one layer parameter (the same tensor as
+    ``mapping.split_param(p, full tensors, arch, tp)[rank]``, without reading the other ranks' parts)."""
+    if p.kind == mapping.REPLICATED:
+        return weights.get(names[0]).clone()
+    if p.kind == mapping.ROW:
+        return weights.cols(names[0], *_block(weights.shape(names[0])[1], tp, rank))
+    if p.kind == mapping.COLUMN:
+        return weights.rows(names[0], *_block(weights.shape(names[0])[0], tp, rank))
+    if p.kind == mapping.FC1:
+        lo, hi = _block(arch.ffn_hidden_size, tp, rank)
+        return torch.cat([weights.rows(names[0], lo, hi), weights.rows(names[1], lo, hi)])
+    if p.kind == mapping.QKV:  # whole query groups per rank
+        g0, g1 = _block(arch.num_kv_heads, tp, rank)
+        q_rows = arch.num_attention_heads // arch.num_kv_heads * arch.head_dim
+        q = weights.rows(names[0], g0 * q_rows, g1 * q_rows)
+        k, v = (weights.rows(n, g0 * arch.head_dim, g1 * arch.head_dim) for n in names[1:])
+        return splits.split_qkv(q, k, v, groups=g1 - g0, tp=1)[0]
+    raise AssertionError(p.kind)
+
+
+def _vocab_shard(weights: HFWeights, name: str, vocab: int, padded: int, tp: int, rank: int) -> torch.Tensor:
+    """Rows ``[rank * padded / tp, (rank + 1) * padded / tp)`` of the vocabulary, zero rows past ``vocab``."""
+    lo, hi = _block(padded, tp, rank)
+    rows = weights.rows(name, min(lo, vocab), min(hi, vocab))
+    if rows.shape[0] < hi - lo:
+        rows = torch.cat([rows, rows.new_zeros(hi - lo - rows.shape[0], *rows.shape[1:])])
+    return rows
 
 
 def check_mcore_target(save_dir: Path, force: bool) -> None:

@@ -68,6 +68,29 @@ class HFWeights:
                                   f"the files do not match the architecture config.json describes")
         return source.get_tensor(name) if hasattr(source, "get_tensor") else source[name]
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        source = self._where.get(name)
+        if source is None:
+            self.get(name)  # raises the error that names the tensor
+        if hasattr(source, "get_slice"):
+            return tuple(source.get_slice(name).get_shape())
+        return tuple(source[name].shape)
+
+    def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """``tensor[start:stop]`` of ``name``, reading only those rows from a safetensors file."""
+        return self._slice(name, (slice(start, stop),))
+
+    def cols(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """``tensor[:, start:stop]`` of ``name``."""
+        return self._slice(name, (slice(None), slice(start, stop)))
+
+    def _slice(self, name: str, index: tuple) -> torch.Tensor:
+        source = self._where.get(name)
+        if source is None:
+            self.get(name)  # raises the error that names the tensor
+        part = source.get_slice(name)[index] if hasattr(source, "get_slice") else source[name][index]
+        return part.clone()  # its own storage: torch.save of a view would write the whole tensor
+
 
 class ShardedWriter:
     """Write tensors into ``model-0000i-of-0000n.safetensors`` files of at most ``max_bytes`` each

@@ -76,6 +76,9 @@ def test_hf_to_tp2_pp2_and_back_is_bit_identical(tiny_hf, tmp_path, kind):
     orm = ["--orm"] if kind.endswith("_rm") else []
     assert to_mg(hf, tmp_path / "mg", 2, 2, *orm) == 0
     assert (tmp_path / "mg" / layout.TRACKER).read_text().strip() == "release"
+    # each rank file holds only its share (a saved slice view would drag its whole tensor along)
+    sharded = sum(p.stat().st_size for p in (tmp_path / "mg").rglob(layout.RANK_FILE))
+    assert sharded < 1.3 * (hf / "model.safetensors").stat().st_size
     template = tmp_path / "orig"
     shutil.copytree(hf, template)
     assert main([*MG_TO_HF, "--load-dir", str(tmp_path / "mg"), "--save-dir", str(template)]) == 0
@@ -314,3 +317,16 @@ def test_pickled_code_in_a_rank_file_is_refused_with_the_file_named(tmp_path, ca
                evil / layout.RANK_FILE)
     refused(capsys, [*MG_TO_HF, "--load-dir", str(tmp_path / "mg"), "--save-dir", str(tmp_path / "out")],
             r"mp_rank_00/model_optim_rng.pt: refused to unpickle it")
+
+
+def test_the_ppo_critic_starts_from_a_megatron_reward_checkpoint(tiny_hf, tmp_path, monkeypatch):
+    """`--orm` output (backbone + rm_head) loads as posttrain's value model with the same values."""
+    from posttrain.roles.critic import build_value_model
+
+    monkeypatch.setenv("POSTTRAIN_CACHE", str(tmp_path / "cache"))
+    assert to_mg(tiny_hf("qwen2_rm"), tmp_path / "rm", 2, 2, "--orm") == 0
+    ids = torch.randint(1, 100, (2, 6))
+    with torch.no_grad():
+        got = build_value_model(str(tmp_path / "rm"), "cpu")(ids)
+        ref = build_value_model(str(tiny_hf("qwen2_rm")), "cpu")(ids)
+    assert got.abs().sum() > 0 and torch.equal(got, ref)
