@@ -11,7 +11,7 @@ STAMP  := $(VENV)/.installed
 # an unpinned torch pulls several GB of CUDA packages.
 TORCH  ?= torch==2.13.0
 
-.PHONY: install test demo plan clean
+.PHONY: install test demo plan device-check clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -28,6 +28,10 @@ install: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# on a machine with a CUDA GPU (torch, transformers, pytest installed there): the tests that need one
+device-check:
+	PYTHONPATH=src python3 -m pytest -q -p no:cacheprovider tests/gpu tests/unit/rollout/test_rollout_vllm.py
 
 demo: $(STAMP)
 	$(PY) -m posttrain.demo --out runs/demo

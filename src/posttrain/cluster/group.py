@@ -4,10 +4,11 @@
 per bundle of a placement group, and offers the on-policy loop the same objects an in-process
 session has:
 
-* ``rollout.generate(prompts, n, sampling, stop_ids)``: the prompts are cut into one contiguous
-  share per worker; worker ``r`` samples with seed ``sampling.seed + r * RANK_SEED_STRIDE``, so a
-  1-worker cluster repeats the in-process samples and more workers draw different, equally
-  valid ones.
+* ``rollout.generate(prompts, n, sampling, stop_ids, prompt_keys)``: the prompts are cut into one
+  contiguous share per worker, each with its slice of the prompt keys (default: the prompts'
+  indices in the whole call) and the same seed (drawn once here when ``sampling.seed`` is None).
+  The native engine's sampling is keyed by (seed, prompt key, sample index, token position), so
+  the samples are those of one process, whatever the number of workers.
 * ``actor.compute_logprobs`` / ``reference.compute_logprobs``: rows cut into contiguous shares,
   results concatenated in order.
 * ``actor.update(batch, loss_fn, mini_batch_size, epochs, shuffle, seed)``: the driver orders the
@@ -15,6 +16,7 @@ session has:
   cuts every mini-batch into ``W`` equal slices and sends worker ``r`` its slices in step order. Each worker
   runs one optimizer step per slice; the engine sums token counts over ranks and DDP averages
   gradients, so every step is the step of the whole global mini-batch.
+* ``reference.compute_pair_logps`` (DPO): pairs cut into contiguous shares, as log-probs are.
 * ``save``: rank 0 writes the full state with :func:`posttrain.checkpoint.save_checkpoint`; the
   checkpoint is the same as an in-process one, so it resumes on any number of workers.
 
@@ -34,12 +36,10 @@ from posttrain.cluster import launch
 from posttrain.cluster.remote import ClusterError, gather
 from posttrain.errors import ConfigError
 from posttrain.roles.policy import Policy, load_policy_tokenizer
+from posttrain.rollout.keyed import random_seed
 from posttrain.train.engine import minibatch_order
 
 log = logging.getLogger(__name__)
-
-RANK_SEED_STRIDE = 1_000_003
-
 
 def spans(count: int, parts: int, keep_empty: bool = False) -> list[tuple[int, int]]:
     """Contiguous, balanced ``(start, stop)`` shares of ``count`` rows; empty shares dropped
@@ -94,14 +94,17 @@ class Cluster:
             ip, port, _ = self._call("find the rendezvous", [self.workers[0].address.remote()], self.names[:1])[0]
             states = self._all("set-up", "setup", cfg, plan, (ip, port), self.timeout_s, os.getcwd())
             self.info = self._all("ready check", "ready_info")
-            self.rewards = RewardGroup(rl, self.timeout_s)
+            if plan.stage.on_policy:  # SFT and DPO score nothing
+                self.rewards = RewardGroup(rl, self.timeout_s)
         except BaseException:
             self.close()
             raise
         tokenizer, stops = load_policy_tokenizer(cfg.actor)  # the driver never loads the weights
         self.policy = Policy(model=None, tokenizer=tokenizer, actor=ActorRole(self),
                              reference=ReferenceRole(self) if plan.uses_reference else None,
-                             rollout=RolloutRole(self), stop_token_ids=stops, state=states[0])
+                             rollout=RolloutRole(self) if plan.stage.on_policy else None, stop_token_ids=stops,
+                             state=states[0])
+        self.critic = CriticRole(self) if plan.uses_critic else None
         self.rule_reward = self.rewards
         log.info("Ray: %d actor workers %s", self.world, self.info)
 
@@ -147,6 +150,10 @@ class Cluster:
         self._check()
         return self._all("grads", "grads")
 
+    def critic_state_dicts(self) -> list[dict]:
+        self._check()
+        return self._all("critic state_dict", "critic_state_dict")
+
     def close(self) -> None:
         import ray
 
@@ -173,10 +180,16 @@ class RolloutRole:
     def __init__(self, cluster: Cluster):
         self.c = cluster
 
-    def generate(self, prompt_token_ids, n, sampling, stop_token_ids=None):
+    def generate(self, prompt_token_ids, n, sampling, stop_token_ids=None, prompt_keys=None):
+        """Each worker samples its share of the prompts with the call's seed and the shared prompts' keys."""
+        keys = list(range(len(prompt_token_ids))) if prompt_keys is None else list(prompt_keys)
+        if len(keys) != len(prompt_token_ids):
+            raise ConfigError(f"generate(): prompt_keys has {len(keys)} entries for {len(prompt_token_ids)} prompts.")
+        if sampling.seed is None:  # one seed for all workers, as one process would draw
+            sampling = replace(sampling, seed=random_seed())
+
         def args(rank, lo, hi):
-            seeded = sampling if sampling.seed is None else replace(sampling, seed=sampling.seed + rank * RANK_SEED_STRIDE)
-            return prompt_token_ids[lo:hi], n, seeded, stop_token_ids
+            return prompt_token_ids[lo:hi], n, sampling, stop_token_ids, keys[lo:hi]
 
         parts = self.c.sharded("rollout", "generate", len(prompt_token_ids), args)
         return [group for part in parts for group in part]
@@ -213,3 +226,44 @@ class ReferenceRole:
     def compute_logprobs(self, batch, *, temperature=1.0, micro_batch_size=None):
         return self.actor.compute_logprobs(batch, temperature=temperature, micro_batch_size=micro_batch_size,
                                            reference=True)
+
+    def compute_pair_logps(self, batch, *, average=False, micro_batch_size=None):
+        """DPO: the reference's (chosen, rejected) sequence log-probs, pairs cut into shares."""
+        count = next(iter(batch.values())).shape[0]
+        parts = self.actor.c.sharded("reference pair log-probs", "compute_pair_logps", count,
+                                     lambda r, lo, hi: (_rows(batch, lo, hi), average, micro_batch_size),
+                                     collective=False)
+        return torch.cat([c for c, _ in parts]), torch.cat([r for _, r in parts])
+
+
+class CriticRole:
+    """PPO's critic, colocated in the actor workers: values over row shares, the update over every
+    worker's slices of each global mini-batch (DDP), as :class:`ActorRole` does for the actor."""
+
+    def __init__(self, cluster: Cluster):
+        self.c = cluster
+
+    def compute_values(self, batch, *, micro_batch_size=None):
+        count = next(iter(batch.values())).shape[0]
+        parts = self.c.sharded("critic values", "compute_values", count,
+                               lambda r, lo, hi: (_rows(batch, lo, hi), micro_batch_size), collective=False)
+        return torch.cat(parts)
+
+    def update(self, batch, loss_fn, *, mini_batch_size, epochs=1, shuffle=False, seed=0):
+        self.c._check()
+        count = next(iter(batch.values())).shape[0]
+        shards = update_shards(count, mini_batch_size, self.c.world, epochs, shuffle, seed)
+        local = mini_batch_size // self.c.world
+        refs = [w.critic_update.remote({k: v[rows].cpu() for k, v in batch.items()}, loss_fn, local)
+                for w, rows in zip(self.c.workers, shards)]
+        return self.c._call("critic update", refs, self.c.names)[0]
+
+    def save(self, iteration: int, *, tokenizer=None, trainer_state: dict):
+        """The critic's own checkpoint (``critic_config.save``), from rank 0; None when the critic is
+        saved inside the actor's checkpoints."""
+        from pathlib import Path
+
+        self.c._check()
+        path = self.c._call("save critic", [self.c.workers[0].critic_save.remote(iteration, trainer_state)],
+                            self.c.names[:1])[0]
+        return Path(path) if path is not None else None

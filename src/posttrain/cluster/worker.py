@@ -89,7 +89,7 @@ class ActorWorker:
         seed_everything(cfg.actor.seed)
         if cfg.actor.npu_deterministic:
             torch.use_deterministic_algorithms(True)
-        self.policy = p = build_policy(cfg, plan, device)
+        self.policy = p = build_policy(cfg, plan, device, with_rollout=plan.stage.on_policy)
         self.device = device
         # log-probs on the plain model, no collective; the update through DDP over all ranks
         self.infer = TrainEngine(p.model, micro_batch_size=cfg.actor.micro_batch_size, dtype=plan.train_dtype,
@@ -103,6 +103,14 @@ class ActorWorker:
             self.param_names = fsdp.shard(p.model, p.actor, cfg.actor, plan.total_optimizer_steps)
         else:
             p.actor.model = wrap_ddp(p.model, [0] if use_gpu else None)
+        self.critic = None
+        if plan.uses_critic:  # PPO: the critic colocated with the actor, data parallel over the same ranks
+            from posttrain.roles.critic import Critic
+
+            self.critic = c = Critic(cfg, plan, p.state, device)
+            c.infer = TrainEngine(c.engine.model, micro_batch_size=c.role.micro_batch_size, dtype=plan.train_dtype,
+                                  dp_group=own, metric_prefix="critic")
+            c.engine.model = wrap_ddp(c.engine.model, [0] if use_gpu else None)
         return dict(p.state) if self.rank == 0 else {}
 
     def ready_info(self) -> dict:
@@ -115,9 +123,13 @@ class ActorWorker:
 
         return gathered(self.policy.model, self.fsdp and needed)
 
-    def generate(self, prompts: list[list[int]], n: int, sampling, stop_token_ids) -> list:
+    def generate(self, prompts: list[list[int]], n: int, sampling, stop_token_ids, prompt_keys=None) -> list:
+        """This worker's share of a rollout; ``prompt_keys`` are the prompts' keys in the whole
+        call, so the samples are those one process would draw."""
         with self._gathered():  # FSDP2: every rank enters, even with no prompts
-            return self.policy.rollout.generate(prompts, n, sampling, stop_token_ids) if prompts else []
+            if not prompts:
+                return []
+            return self.policy.rollout.generate(prompts, n, sampling, stop_token_ids, prompt_keys=prompt_keys)
 
     def compute_logprobs(self, batch: dict, temperature: float, micro_batch_size, reference: bool = False):
         engine = self.policy.reference if reference else self.infer
@@ -128,10 +140,30 @@ class ActorWorker:
             batch = {k: v.to(self.device) for k, v in batch.items()}
             return engine.compute_logprobs(batch, temperature=temperature, micro_batch_size=micro_batch_size).cpu()
 
+    def compute_pair_logps(self, batch: dict, average: bool, micro_batch_size):
+        """DPO: the reference's sequence log-probs of this worker's share of the pairs."""
+        if next(iter(batch.values())).shape[0] == 0:
+            return torch.zeros(0), torch.zeros(0)
+        batch = {k: v.to(self.device) for k, v in batch.items()}
+        chosen, rejected = self.policy.reference.compute_pair_logps(batch, average=average,
+                                                                    micro_batch_size=micro_batch_size)
+        return chosen.cpu(), rejected.cpu()
+
     def update(self, batch: dict, loss_fn, mini_batch_size: int) -> list[dict[str, float]]:
         """One optimizer step per ``mini_batch_size`` rows of ``batch`` (this rank's slices of the
         global mini-batches, already in the global order)."""
         return self.policy.actor.update(batch, loss_fn, mini_batch_size=mini_batch_size, epochs=1, shuffle=False)
+
+    def compute_values(self, batch: dict, micro_batch_size):
+        rows, width = batch["response_mask"].shape
+        if rows == 0:
+            return torch.zeros(0, width)
+        batch = {k: v.to(self.device) for k, v in batch.items()}
+        return self.critic.compute_values(batch, micro_batch_size=micro_batch_size).cpu()
+
+    def critic_update(self, batch: dict, loss_fn, mini_batch_size: int) -> list[dict[str, float]]:
+        """The critic's optimizer steps on this rank's slices of the global mini-batches (as :meth:`update`)."""
+        return self.critic.update(batch, loss_fn, mini_batch_size=mini_batch_size, epochs=1, shuffle=False)
 
     def save(self, save_dir: str, iteration: int, sampler_state, trainer_state: dict, save_optim: bool,
              save_rng: bool) -> str:
@@ -150,14 +182,24 @@ class ActorWorker:
                 return None
             copy = FullCopy(p.model, weights, optim_state)
             model, optimizer = copy.model, copy
+        extra = {"critic": self.critic.part} if self.critic is not None and self.critic.save_dir is None else None
         path = save_checkpoint(save_dir, iteration, model, optimizer, p.actor.scheduler,
                                tokenizer=p.tokenizer, sampler_state=sampler_state, trainer_state=trainer_state,
-                               save_optim=save_optim, save_rng=save_rng)
+                               save_optim=save_optim, save_rng=save_rng, extra=extra)
         return str(path)
 
     def state_dict(self) -> dict:
         """The full model weights on CPU (for tests and checks; FSDP2: a collective)."""
         return {k: _full(v) for k, v in self.policy.model.state_dict().items()}
+
+    def critic_save(self, iteration: int, trainer_state: dict) -> str | None:
+        """The critic's own checkpoint (``critic_config.save``), written by rank 0 (DDP replicas)."""
+        path = self.critic.save(iteration, tokenizer=self.policy.tokenizer, trainer_state=trainer_state)
+        return str(path) if path is not None else None
+
+    def critic_state_dict(self) -> dict:
+        """The critic's full weights on CPU (for tests)."""
+        return {k: _full(v) for k, v in self.critic.model.state_dict().items()}
 
     def grads(self) -> dict:
         """The full gradients of the last optimizer step (after the all-reduce and clipping), on

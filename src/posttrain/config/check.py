@@ -31,6 +31,8 @@ def check_run_config(cfg: RunConfig, *, device_type: str = "cpu") -> tuple[Layou
     stage.check(cfg)
     check_features(cfg, device_type=device_type)
     _check_workers(cfg, stage.on_policy, stage.uses_critic)
+    if stage.on_policy and device_type == "cuda":
+        _check_offload(cfg)
     if stage.on_policy:
         check_verifiers(cfg)
     _check_prompt_type_path(cfg)
@@ -103,17 +105,24 @@ def _check_workers(cfg: RunConfig, on_policy: bool, uses_critic: bool) -> None:
     if not uses_ray(cfg):
         return
     workers = rl.actor_resource.num_npus or 1
-    if not on_policy:
-        raise ConfigError(f"rl_config.actor_resource.num_npus={workers}: stage {cfg.stage} runs in one process; "
-                          f"set num_npus to 1 (and no ray_address / RAY_ADDRESS)")
-    if uses_critic:
-        raise ConfigError(f"rl_config.actor_resource.num_npus={workers}: PPO's critic does not run on Ray workers "
-                          f"yet; run ray_ppo in one process (num_npus: 1 and no ray_address / RAY_ADDRESS)")
+    if not on_policy:  # SFT, DPO: the seed's rule (global batch divisible by micro batch x workers) holds
+        return
     rows = rl.mini_batch_size * rl.n_samples_per_prompt
     if rows % workers:
         raise ConfigError(f"rl_config.mini_batch_size x n_samples_per_prompt = {rows} rows cannot be shared "
-                          f"equally by {workers} actor workers (rl_config.actor_resource.num_npus); make it a "
+                          f"equally by {workers} actor workers{' and their colocated critic' if uses_critic else ''} "
+                          f"(rl_config.actor_resource.num_npus); make it a "
                           f"multiple of the worker count")
+
+
+def _check_offload(cfg: RunConfig) -> None:
+    """The optimizer state moves to the host as plain tensors: FSDP2's sharded state (DTensors) does not."""
+    gen = cfg.generate
+    keys = [k for k in ("offload_train_optimizer", "offload_train_grad") if getattr(gen, k)]
+    if keys and uses_ray(cfg) and cfg.rl.ray_sharding == "fsdp2":
+        raise ConfigError(f"generate_config.{keys[0]}=true with rl_config.ray_sharding=fsdp2: offloading FSDP2's "
+                          f"sharded state is not implemented yet; use ray_sharding: ddp, or remove "
+                          f"{' and '.join('generate_config.' + k for k in keys)}")
 
 
 def uses_ray(cfg: RunConfig) -> bool:

@@ -31,9 +31,10 @@ from posttrain.errors import ConfigError
 
 # critic_config keys the critic does not read on its own: it follows the actor's value.
 CRITIC_FOLLOWS_ACTOR = {
-    **dict.fromkeys(("save", "save_interval", "finetune", "no_load_optim", "no_load_rng", "no_save_optim",
-                     "no_save_rng"),
-                    "is saved with the actor (in <save>/iter_*/critic/) and resumed with it"),
+    "save_interval": "is saved at the actor's iterations (actor_config.save_interval)",
+    **dict.fromkeys(("no_save_optim", "no_save_rng"),
+                    "is saved inside the actor's checkpoints (<save>/iter_*/critic/) unless critic_config.save "
+                    "names its own directory"),
     **dict.fromkeys(("stage", "global_batch_size", "train_iters", "seq_length", "data_path", "seed",
                      "tokenizer_name_or_path", "prompt_type", "bf16"),
                     "runs in the actor's loop, with the actor's data, tokenizer and precision"),
@@ -197,6 +198,8 @@ def _check_critic(cfg: RunConfig) -> None:
     for name in _raw(cfg, ("critic_config",)):
         why = CRITIC_FOLLOWS_ACTOR.get(name)
         mine, actor = getattr(cfg.critic, name, None), getattr(cfg.actor, name, None)
+        if name in ("no_save_optim", "no_save_rng") and cfg.critic.save and cfg.critic.save != cfg.actor.save:
+            continue  # its own checkpoints: its own flags
         if why is not None and mine != actor:
             raise ConfigError(f"critic_config.{name}={fmt_value(mine)}: the critic {why}, so it takes the actor's "
                               f"value; remove the key or give it the actor's value ({fmt_value(actor)})")

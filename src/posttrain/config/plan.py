@@ -25,8 +25,9 @@ from posttrain.models.arch import ModelArch
 
 GIB = 1024**3
 # the seed's dispatch sizes are rows per data-parallel rank; the driver reads them for all W workers
+# (the critic is colocated with the actor: the same W ranks)
 ACTOR_DISPATCH_KEYS = ("actor_rollout_dispatch_size", "actor_logprob_dispatch_size", "ref_dispatch_size",
-                       "actor_update_dispatch_size")
+                       "actor_update_dispatch_size", "critic_update_dispatch_size", "critic_value_dispatch_size")
 PHASES = ("ref", "actor", "update")  # token-budget phases of use_dynamic_bsz
 
 
@@ -110,6 +111,8 @@ class Plan:
     actor_engine: EngineOptions
     ref_engine: EngineOptions
     max_num_seqs: int  # rows the rollout engine decodes at once
+    offload_optimizer: bool = False  # the actor's optimizer state on the host between updates (GPU only)
+    offload_grads: bool = False  # the actor's gradients freed between updates
     warnings: tuple[str, ...] = ()
     arch: ModelArch | None = None
     num_params: int | None = None
@@ -250,6 +253,8 @@ def build_plan(cfg: RunConfig, layout: Layout, arch: ModelArch | None = None, *,
         actor_loss=MappingProxyType(actor_loss_options(cfg, stage, temperature)) if on_policy else MappingProxyType({}),
         actor_engine=_with_forward(engine, budgets, "actor"), ref_engine=_with_forward(engine, budgets, "ref"),
         max_num_seqs=gen.max_num_seqs if cfg.explicitly_set("generate_config", "max_num_seqs") else 256,
+        offload_optimizer=on_policy and gen.offload_train_optimizer and not device.startswith("cpu"),
+        offload_grads=on_policy and gen.offload_train_grad,
         warnings=warnings, arch=arch,
     )
     if arch is not None:
@@ -313,8 +318,13 @@ def estimate_memory(cfg: RunConfig, plan: Plan, arch: ModelArch) -> MemoryEstima
       forward's autocast), divided by W with FSDP2;
     * gradients: fp32, 4 bytes per parameter, divided by W with FSDP2;
     * optimizer: AdamW's two fp32 moments, 8 bytes per parameter, divided by W with FSDP2;
-    * reference: a frozen fp32 copy (4 bytes per parameter) when the stage uses one;
-    * critic (PPO): another model with its gradients and moments (16 bytes per parameter, / W with FSDP2);
+    * reference: a frozen fp32 copy (4 bytes per parameter) when the stage uses one, 0 with
+      ``rl_config.offload_reference`` (it is on the device only during its own log-prob pass);
+    * the offload of the optimizer state and gradients (``generate_config.offload_train_*``) frees
+      them during rollout, not during the update, whose peak this estimate is: they count in full;
+    * critic (PPO): the value model (the actor's backbone without the LM head, plus a bias-free
+      h x 1 value head) with its gradients and moments, 16 bytes per parameter of its own; replicated
+      on every worker, DDP, whatever the actor's sharding;
     * activations for one micro-batch (Korthikanti et al. 2022, memory-efficient SDPA attention):
       s*b*h*34 bytes per layer (full recompute keeps 2*s*b*h), plus fp32 logits s*b*V*4;
     * KV cache of the native rollout engine: the rows one worker decodes at once (at most
@@ -324,6 +334,8 @@ def estimate_memory(cfg: RunConfig, plan: Plan, arch: ModelArch) -> MemoryEstima
     a = cfg.actor
     params = float(arch.num_params())
     shard = params / plan.workers if plan.workers > 1 and plan.sharding == "fsdp2" else params
+    # the critic's sequence-classification model: no LM head (untied: V x h fewer), a score head (h)
+    critic = params - (0 if arch.tie_embeddings else arch.vocab_size * arch.hidden_size) + arch.hidden_size
     s, b, h = plan.max_tokens_per_sequence, plan.micro_batch_size, arch.hidden_size
     per_layer = 2 * s * b * h if a.recompute_granularity == "full" else s * b * h * 34
     activations = arch.num_layers * per_layer + s * b * arch.vocab_size * 4
@@ -331,5 +343,5 @@ def estimate_memory(cfg: RunConfig, plan: Plan, arch: ModelArch) -> MemoryEstima
     kv = seqs * plan.max_tokens_per_sequence * arch.kv_cache_bytes_per_token(2 if plan.rollout_dtype == "bfloat16"
                                                                              else 4)
     return MemoryEstimate(weights=4 * shard, gradients=4 * shard, optimizer=8 * shard,
-                          reference=4 * params if plan.uses_reference else 0.0,
-                          critic=16 * shard if plan.uses_critic else 0.0, activations=activations, kv_cache=kv)
+                          reference=4 * params if plan.uses_reference and not cfg.rl.offload_reference else 0.0,
+                          critic=16 * critic if plan.uses_critic else 0.0, activations=activations, kv_cache=kv)

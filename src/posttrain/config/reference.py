@@ -83,7 +83,9 @@ def _section_rules() -> str:
              in SECTION_REFUSALS.items()]
     keys = ", ".join(f"`{k}`" for k in CRITIC_FOLLOWS_ACTOR)
     lines.append(f"* `critic_config`: the critic takes these keys from the actor, so a different value there is "
-                 f"refused: {keys}.")
+                 f"refused: {keys} (`no_save_optim` and `no_save_rng` are the critic's own when "
+                 f"`critic_config.save` names a directory other than the actor's; `save`, `load`, `finetune`, "
+                 f"`no_load_optim` and `no_load_rng` are always its own: see docs/checkpoints.md).")
     return "\n".join(lines)
 
 
@@ -141,7 +143,7 @@ def _status(rule: Rule) -> str:
     where = ", ".join(rule.devices)
     if rule.status is Status.REFUSED:
         return f"refused on {where}; ignored on {others}"
-    return f"{rule.status.value} on {where}"
+    return f"{rule.status.value} on {where}; honoured on {others}"
 
 
 def _when(rule: Rule, default: Any) -> str:

@@ -70,8 +70,12 @@ EPLB = refused("expert load balancing (EPLB) is not implemented", group="eplb")
 EPLB_PATH = refused("expert load balancing (EPLB) is not implemented", switch="eplb_token_collects")
 EPLB_SET = refused("expert load balancing (EPLB) is not implemented", "remove the key", active="set", group="eplb")
 ROLLOUT_PP = refused("pipeline-parallel rollout is not available", "set it to 1", active="gt1")
-OFFLOAD = refused("offloading training state to the host during rollout is not implemented yet", devices=("cuda",),
-                  group="offload")  # on a CPU, host and device memory are the same: no effect there
+# on a GPU the optimizer state leaves the device between updates (posttrain.train.offload); on a CPU
+# host and device memory are the same: no effect there
+OFFLOAD = ignored("on a CPU the host memory is the device memory", devices=("cpu",))
+OFFLOAD_PARAM = refused("the rollout engines generate with the training weights in the same process, so the "
+                        "weights cannot leave the device during rollout", "remove the key (offload_train_optimizer "
+                        "and offload_train_grad free the optimizer state and the gradients)", devices=("cuda",))
 PREFIX_CACHING = refused("prefix caching is not available in the rollout engines (the native engine already "
                          "prefills each group's shared prompt once)")
 PROFILER = refused("the seed's profiler is not implemented", "remove the key or set it to false (to profile an "
@@ -223,6 +227,9 @@ class RLConfig(Section):
                                      HONOURED)
     ray_sharding: str = F("ddp", "posttrain: Ray actor workers: ddp (full replicas) or fsdp2 (sharded parameters, "
                                  "gradients and optimizer state)", HONOURED)
+    offload_reference: bool = F(False, "posttrain: the frozen reference off the device between its uses (GPU: in "
+                                       "host memory; CPU: dropped, and mapped back from a file for each use)",
+                                HONOURED)
     device: str = F("auto", "posttrain: auto, cpu, cuda or cuda:N", HONOURED)
     rollout_engine: str = F("native", "posttrain: native or vllm", HONOURED)
     output_dir: Opt[str] = F(None, "posttrain: run directory for metrics (default runs/<config>)", HONOURED)
@@ -262,9 +269,10 @@ class GenerateConfig(Section):
     max_num_batched_tokens: int = F(2048, "token budget of one batch", HONOURED)
     dtype: str = F("bfloat16", "bfloat16 or float32 (float32 only on CPU; the seed requires bfloat16)", HONOURED)
     gpu_memory_utilization: float = F(0.5, "vLLM memory fraction", VLLM_ONLY)
-    offload_train_optimizer: bool = F(False, "offload the optimizer state during rollout", OFFLOAD)
-    offload_train_grad: bool = F(False, "offload gradients during rollout", OFFLOAD)
-    offload_train_param: bool = F(False, "offload training weights during rollout", OFFLOAD)
+    offload_train_optimizer: bool = F(False, "the actor's optimizer state on the host between updates (one "
+                                             "process or DDP; FSDP2 refused)", OFFLOAD)
+    offload_train_grad: bool = F(False, "the actor's gradients freed between updates (on a CPU too)", HONOURED)
+    offload_train_param: bool = F(False, "offload training weights during rollout", OFFLOAD_PARAM)
     enable_prefix_caching: bool = F(False, "prefix caching across requests", PREFIX_CACHING)
     num_scheduler_steps: int = F(1, "vLLM multi-step scheduling", VLLM_ONLY)
     enforce_eager: bool = F(True, "false: vLLM graph mode", EAGER)

@@ -1,10 +1,23 @@
 """The PPO critic role: a value model (the HF backbone plus a scalar head) and its training engine.
 
 The critic starts from ``critic_config.load`` (a reward model / sequence-classification checkpoint,
-or a causal-LM directory whose backbone is reused), else from the actor's initial weights; a new
-head starts at zero, so the first values are 0. It is saved in the ``critic/`` subdirectory of
-every checkpoint (``save_checkpoint(extra={"critic": critic.part})``) and restored from there on
-resume. The loop's critic phases (values, GAE, value update) are in :mod:`posttrain.trainers.ppo`.
+a causal-LM directory whose backbone is reused, a Megatron ``--orm`` checkpoint, or a critic
+checkpoint saved by posttrain), else from the actor's initial weights; a new head starts at zero,
+so the first values are 0.
+
+Where it is saved, and what it resumes from, follows ``critic_config`` as the actor's checkpoints
+follow ``actor_config``:
+
+* ``critic_config.save`` naming a directory of its own (not the actor's): the critic is saved there,
+  at the actor's iterations, as a checkpoint of its own (``iter_XXXXXXX/`` with the
+  sequence-classification model, optimizer, LR schedule and RNG; ``no_save_optim`` /
+  ``no_save_rng`` apply). ``critic_config.load`` naming such a checkpoint resumes it (unless
+  ``finetune``; ``no_load_optim`` / ``no_load_rng`` apply).
+* otherwise the critic is saved in the ``critic/`` subdirectory of every actor checkpoint and
+  resumed from there with the actor (``critic_config.finetune`` / ``no_load_optim`` keep its
+  weights only).
+
+The loop's critic phases (values, GAE, value update) are in :mod:`posttrain.trainers.ppo`.
 """
 
 from __future__ import annotations
@@ -14,11 +27,21 @@ from pathlib import Path
 
 import torch
 
+from posttrain.checkpoint import load_checkpoint, resolve_checkpoint, save_checkpoint
 from posttrain.config.plan import EngineOptions, Plan
 from posttrain.config.run import RunConfig
 from posttrain.roles.policy import build_train_engine, model_source
 
 log = logging.getLogger(__name__)
+
+
+def critic_save_dir(cfg: RunConfig) -> Path | None:
+    """``critic_config.save`` when it names a directory other than the actor's, else None (the
+    critic is then saved inside the actor's checkpoints)."""
+    critic = cfg.critic
+    if critic is None or not critic.save or (cfg.actor.save and Path(critic.save).resolve() == Path(cfg.actor.save).resolve()):
+        return None
+    return Path(critic.save)
 
 
 def critic_source(cfg: RunConfig) -> tuple[str, bool]:
@@ -55,7 +78,12 @@ class ValueModule(torch.nn.Module):
 
 
 class Critic:
-    """Value model + train engine; ``part`` is what checkpoints save and resume."""
+    """Value model + train engine; ``part`` is what checkpoints save and resume.
+
+    The same object serves the in-process session and each Ray actor worker (there its update
+    engine's model is wrapped in DDP and ``infer`` computes values on the plain model, as the
+    actor's does); on the Ray driver, :class:`posttrain.cluster.group.CriticRole` offers the same
+    ``compute_values`` and ``update``."""
 
     def __init__(self, cfg: RunConfig, plan: Plan, state: dict, device: str):
         from posttrain.checkpoint import Part, load_part
@@ -67,8 +95,39 @@ class Critic:
         # the policy's forwards only
         self.engine = build_train_engine(ValueModule(self.model), self.role, plan, EngineOptions(),
                                          metric_prefix="critic")
+        self.infer = self.engine
         self.part = Part(self.model.model, self.engine.optimizer, self.engine.scheduler)
-        if int(state["iteration"]) > 0 and not load_part(state["checkpoint_dir"], "critic", self.part,
-                                                         no_load_optim=bool(cfg.actor.no_load_optim)):
-            log.warning("resumed checkpoint %s has no critic/: the critic starts afresh", state["checkpoint_dir"])
+        self.save_dir = critic_save_dir(cfg)
+        role = self.role
+        if not from_actor and self._resumes_own_checkpoint(path):
+            state = load_checkpoint(path, self.model.model, self.engine.optimizer, self.engine.scheduler,
+                                    no_load_optim=bool(role.no_load_optim), no_load_rng=bool(role.no_load_rng))
+            log.info("critic: resumed from %s (iteration %d)", state["checkpoint_dir"], int(state["iteration"]))
+        elif self.save_dir is None and int(state["iteration"]) > 0:
+            # inside the actor's checkpoint; finetune / no_load_optim keep the critic's weights only
+            if not load_part(state["checkpoint_dir"], "critic", self.part,
+                             no_load_optim=bool(role.finetune or role.no_load_optim)):
+                log.warning("resumed checkpoint %s has no critic/: the critic starts afresh", state["checkpoint_dir"])
         log.info("critic: value head on %s (%s)", path, "actor weights" if from_actor else "critic_config.load")
+
+    def _resumes_own_checkpoint(self, path: str) -> bool:
+        """``critic_config.load`` is a critic checkpoint saved by posttrain (not a model directory)
+        and ``finetune`` is off."""
+        _, full = resolve_checkpoint(path)
+        return full and not self.role.finetune and not (Path(resolve_checkpoint(path)[0]) / "critic").is_dir()
+
+    def save(self, iteration: int, *, tokenizer, trainer_state: dict) -> Path | None:
+        """Write the critic's own checkpoint (``critic_config.save``); None when it has no directory
+        of its own (it is then part of the actor's checkpoint)."""
+        if self.save_dir is None:
+            return None
+        return save_checkpoint(self.save_dir, iteration, self.model.model, self.engine.optimizer,
+                               self.engine.scheduler, tokenizer=tokenizer, trainer_state=trainer_state,
+                               save_optim=not self.role.no_save_optim, save_rng=not self.role.no_save_rng)
+
+    def compute_values(self, batch, *, micro_batch_size: int | None = None):
+        return self.infer.compute_values(batch, micro_batch_size=micro_batch_size or self.role.micro_batch_size)
+
+    def update(self, batch, loss_fn, *, mini_batch_size: int, epochs: int = 1, shuffle: bool = False, seed: int = 0):
+        return self.engine.update(batch, loss_fn, mini_batch_size=mini_batch_size, epochs=epochs, shuffle=shuffle,
+                                  seed=seed)

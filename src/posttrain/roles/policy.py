@@ -116,18 +116,39 @@ def build_frozen_copy(model, ref_path: str | None, device: str):
     return ref.to(torch.float32)
 
 
+def offloaded_reference(engine):
+    """``rl_config.offload_reference``: the reference's weights off the device between its uses
+    (on a CPU they are spilled to a temporary file, removed when the process ends)."""
+    import shutil
+    import tempfile
+    import weakref
+
+    from posttrain.train.offload import OffloadedReference
+
+    spill = tempfile.mkdtemp(prefix="posttrain-reference-")
+    reference = OffloadedReference(engine, spill)
+    weakref.finalize(reference, shutil.rmtree, spill, True)
+    return reference
+
+
 def build_train_engine(model, role: MegatronConfig, plan: Plan, options: EngineOptions, *,
-                       metric_prefix: str = "actor", dp_group=None):
-    """AdamW + the LR schedule (sized for the plan's total optimizer steps) + a TrainEngine."""
+                       metric_prefix: str = "actor", dp_group=None, offload_state: bool = False):
+    """AdamW + the LR schedule (sized for the plan's total optimizer steps) + a TrainEngine;
+    ``offload_state``: the plan's offload of the optimizer state and gradients between updates."""
     from posttrain.train.engine import TrainEngine
     from posttrain.train.optim import build_lr_scheduler, build_optimizer
 
     optimizer = build_optimizer(model, role.lr, role.weight_decay, role.adam_beta1, role.adam_beta2)
     scheduler = build_lr_scheduler(optimizer, lr=role.lr, min_lr=role.min_lr, lr_decay_style=role.lr_decay_style,
                                    lr_warmup_fraction=role.lr_warmup_fraction, total_steps=plan.total_optimizer_steps)
+    offload = None
+    if offload_state and (plan.offload_optimizer or plan.offload_grads):  # generate_config.offload_train_*
+        from posttrain.train.offload import StateOffload
+
+        offload = StateOffload(optimizer, optimizer_state=plan.offload_optimizer, grads=plan.offload_grads)
     return TrainEngine(model, optimizer, scheduler, clip_grad=role.clip_grad, micro_batch_size=role.micro_batch_size,
                        dtype=plan.train_dtype, activation_checkpointing=role.recompute_granularity is not None,
-                       metric_prefix=metric_prefix, dp_group=dp_group, options=options)
+                       metric_prefix=metric_prefix, dp_group=dp_group, options=options, offload=offload)
 
 
 def resume(source: str, model, engine, role: MegatronConfig) -> dict:
@@ -153,9 +174,27 @@ def reference_source(cfg: RunConfig, state: dict) -> str | None:
     the actor is no longer the initial model, so the reference is loaded from ``initial_model``."""
     path = cfg.actor.ref_model if cfg.stage == "dpo" else (cfg.rl.integrated_mode_config or {}).get(
         "ref_model_load_path")
+    path = path or None  # the seed's default ref_model is "" (unset)
     if path is None and int(state["iteration"]) > 0:
         path = str(state["initial_model"])
     return path
+
+
+def active_dropout(model_config: Any) -> dict[str, float]:
+    """The nonzero dropout probabilities of an HF config (``*dropout*`` and ``*pdrop*`` keys)."""
+    items = model_config.to_dict().items() if hasattr(model_config, "to_dict") else vars(model_config).items()
+    return {k: float(v) for k, v in sorted(items)
+            if ("dropout" in k or "pdrop" in k) and isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0}
+
+
+def warn_dropout_across_workers(model: Any, workers: int) -> None:
+    """Dropout masks come from each process's torch generator over the rows it trains on, so with
+    dropout on, a run on several workers draws other masks than the same run in one process."""
+    dropout = active_dropout(model.config) if hasattr(model, "config") else {}
+    if workers > 1 and dropout:
+        log.warning("the model's config has dropout %s: the update's dropout masks are drawn per worker, so this "
+                    "run is not identical to the same run on another number of workers (docs/cluster.md); set "
+                    "them to 0 in config.json for worker-count-invariant runs", dropout)
 
 
 def build_policy(cfg: RunConfig, plan: Plan, device: str, *, with_rollout: bool = True, dp_group=None) -> Policy:
@@ -165,14 +204,17 @@ def build_policy(cfg: RunConfig, plan: Plan, device: str, *, with_rollout: bool 
 
     a, gen = cfg.actor, cfg.generate
     model, tokenizer, source = build_actor_model(a, device)
+    warn_dropout_across_workers(model, plan.workers)
     actor = build_train_engine(model, a, plan, plan.actor_engine, metric_prefix=plan.stage.metric_prefix
-                               if not plan.stage.on_policy else "actor", dp_group=dp_group)
+                               if not plan.stage.on_policy else "actor", dp_group=dp_group, offload_state=True)
     state = resume(source, model, actor, a)
     reference = None
     if plan.uses_reference:
         ref_model = build_frozen_copy(model, reference_source(cfg, state), device)
         reference = TrainEngine(ref_model, micro_batch_size=a.micro_batch_size, dtype=plan.train_dtype,
                                 dp_group=dp_group, options=plan.ref_engine)
+        if cfg.rl.offload_reference:
+            reference = offloaded_reference(reference)
     rollout, stops = None, rollout_stop_ids(tokenizer, a)
     if with_rollout:
         from posttrain.rollout.base import ROLLOUT_ENGINES

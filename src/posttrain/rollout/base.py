@@ -29,7 +29,9 @@ class SamplingParams:
     - ``top_p``: keep the smallest set of tokens whose probability reaches ``top_p``; ``1.0`` is off.
     - ``min_p``: drop tokens with ``p < min_p * max_p``; ``0.0`` is off.
     - ``max_tokens``: the most response tokens per sample (finish reason ``"length"``).
-    - ``seed``: seeds the sampler's generator; ``None`` draws from torch's global generator.
+    - ``seed``: keys the sampler's random stream (with each sample's prompt key, sample index and
+      token position, see ``rollout/keyed.py``); ``None`` draws a seed per call from torch's
+      global generator.
     - ``logprobs``: kept for compatibility with the seed; the engines always return the logprob of
       the sampled token (``logprobs >= 1``); top-N alternatives are not returned.
     - ``detokenize``: kept for compatibility; engines return token ids only.
@@ -89,10 +91,16 @@ class RolloutOutput:
 
 @runtime_checkable
 class RolloutEngine(Protocol):
-    """What the trainer calls. Outer list: prompts, in order; inner list: that prompt's n samples."""
+    """What the trainer calls. Outer list: prompts, in order; inner list: that prompt's n samples.
+
+    ``prompt_keys[i]`` (default ``i``) names prompt i's random stream: callers that split one
+    batch of prompts over several calls or workers pass each prompt's index in the whole batch, so
+    the samples do not depend on the split.
+    """
 
     def generate(self, prompt_token_ids: list[list[int]], n: int, sampling: SamplingParams,
-                 stop_token_ids: list[int] | None = None) -> list[list[RolloutOutput]]:
+                 stop_token_ids: list[int] | None = None,
+                 prompt_keys: list[int] | None = None) -> list[list[RolloutOutput]]:
         ...
 
 

@@ -10,18 +10,24 @@ It runs on the actor's own model object (colocated: no copy, so after an optimiz
 3. decode: one token per row per step with ``past_key_values``; rows that hit a stop token or
    ``max_tokens`` are dropped from the batch (cache rows index-selected away) once at least
    ``compact_fraction`` of the batch is finished, so finished rows cost nothing for long.
+
+Sampling is keyed (:mod:`posttrain.rollout.keyed`): every row draws its token at each step with
+the uniform of (seed, prompt key, sample index, token position), so the samples do not depend on
+the waves, the compaction, the other prompts of the call or the number of workers that split them.
 """
 
 from __future__ import annotations
 
 import contextlib
 import inspect
+from dataclasses import dataclass
 from typing import Any, Iterator
 
 import torch
 
 from posttrain.errors import ConfigError, DataError
 from posttrain.rollout.base import RolloutOutput, SamplingParams
+from posttrain.rollout.keyed import random_seed, row_states, uniforms
 from posttrain.rollout.kv_cache import concat_caches, new_cache, select_rows
 from posttrain.rollout.sampling import sample_next
 from posttrain.rollout.scheduling import plan_waves, prefill_chunks
@@ -38,6 +44,50 @@ def resolve_dtype(name: str) -> torch.dtype:
     if name not in DTYPES:
         raise ConfigError(f"generate_config.dtype={name!r}: unknown; known: {sorted(DTYPES)}.")
     return DTYPES[name]
+
+
+@dataclass
+class WaveRows:
+    """The random streams of a wave's sample rows: ``states`` [R] int64 (see ``keyed.row_states``)
+    and the position of each row's first response token, ``offsets`` [R] int64."""
+
+    states: torch.Tensor
+    offsets: torch.Tensor
+
+
+@dataclass
+class RowKeys:
+    """A call's seed and, per prompt, its key, first sample index and first token position."""
+
+    seed: int
+    prompt_keys: list[int]
+    sample_offsets: list[int]
+    position_offsets: list[int]
+
+    @classmethod
+    def build(cls, num_prompts: int, seed: int | None, prompt_keys, sample_offsets, position_offsets) -> "RowKeys":
+        """Check the per-prompt lists (None: ``range(num_prompts)``, 0, 0) and fix the seed."""
+        lists = {"prompt_keys": prompt_keys, "sample_offsets": sample_offsets, "position_offsets": position_offsets}
+        for name, values in lists.items():
+            if values is not None and len(values) != num_prompts:
+                raise ConfigError(f"generate(): {name} has {len(values)} entries for {num_prompts} prompts; "
+                                  "give one per prompt.")
+        return cls(seed=random_seed() if seed is None else int(seed),
+                   prompt_keys=list(range(num_prompts)) if prompt_keys is None else [int(k) for k in prompt_keys],
+                   sample_offsets=[0] * num_prompts if sample_offsets is None else [int(s) for s in sample_offsets],
+                   position_offsets=[0] * num_prompts if position_offsets is None else [int(p) for p in position_offsets])
+
+    def rows(self, wave: list[tuple[int, int]], done: list[int], device) -> WaveRows:
+        """The streams of a wave's rows: ``count`` rows for each ``(prompt, count)``, whose sample
+        indices continue after the ``done`` samples that earlier waves drew for that prompt."""
+        keys, samples, offsets = [], [], []
+        for (prompt, count), first in zip(wave, done):
+            for j in range(first, first + count):
+                keys.append(self.prompt_keys[prompt])
+                samples.append(self.sample_offsets[prompt] + j)
+                offsets.append(self.position_offsets[prompt])
+        return WaveRows(states=row_states(self.seed, keys, samples, device),
+                        offsets=torch.tensor(offsets, dtype=torch.long, device=device))
 
 
 class NativeEngine:
@@ -65,8 +115,18 @@ class NativeEngine:
 
     # ------------------------------------------------------------------ public
     def generate(self, prompt_token_ids: list[list[int]], n: int, sampling: SamplingParams,
-                 stop_token_ids: list[int] | None = None) -> list[list[RolloutOutput]]:
-        """Sample ``n`` responses per prompt; outer list = prompts (in order), inner = samples."""
+                 stop_token_ids: list[int] | None = None, prompt_keys: list[int] | None = None,
+                 sample_offsets: list[int] | None = None,
+                 position_offsets: list[int] | None = None) -> list[list[RolloutOutput]]:
+        """Sample ``n`` responses per prompt; outer list = prompts (in order), inner = samples.
+
+        Token ``t`` of sample ``j`` of prompt ``i`` is drawn with the uniform keyed by
+        (``sampling.seed``, ``prompt_keys[i]``, ``sample_offsets[i] + j``,
+        ``position_offsets[i] + t``) (defaults: ``i``, ``j``, ``t``), so a sample does not depend
+        on the other prompts of the call. A continued response (partial rollout, multi-turn) passes
+        the number of response tokens it already has as its position offset. ``sampling.seed=None``
+        draws one seed per call from torch's global generator.
+        """
         if n < 1:
             raise ConfigError(f"rl_config.n_samples_per_prompt={n}: must be >= 1.")
         for i, prompt in enumerate(prompt_token_ids):
@@ -75,15 +135,16 @@ class NativeEngine:
         results: list[list[RolloutOutput]] = [[] for _ in prompt_token_ids]
         if not prompt_token_ids:
             return results
+        keys = RowKeys.build(len(prompt_token_ids), sampling.seed, prompt_keys, sample_offsets, position_offsets)
         stops = torch.tensor(sorted(set(self.eos_token_ids) | set(stop_token_ids or [])),
                              dtype=torch.long, device=self.device)
-        generator = self._generator(sampling.seed)
         waves = plan_waves([len(p) for p in prompt_token_ids], n, self.max_num_seqs)
         with self._generation_mode():
             for wave in waves:
                 prompts = [prompt_token_ids[i] for i, _ in wave]
                 counts = [c for _, c in wave]
-                for (idx, _), outs in zip(wave, self._run_wave(prompts, counts, sampling, stops, generator)):
+                rows = keys.rows(wave, [len(results[i]) for i, _ in wave], self.device)
+                for (idx, _), outs in zip(wave, self._run_wave(prompts, counts, sampling, stops, rows)):
                     results[idx].extend(outs)
         return results
 
@@ -93,13 +154,6 @@ class NativeEngine:
         return param.device if param is not None else torch.device("cpu")
 
     # ------------------------------------------------------------------ internals
-    def _generator(self, seed: int | None) -> torch.Generator | None:
-        if seed is None:
-            return None
-        gen = torch.Generator(device=self.device)
-        gen.manual_seed(int(seed))
-        return gen
-
     @contextlib.contextmanager
     def _generation_mode(self) -> Iterator[None]:
         """eval mode + inference_mode + (autocast when the requested dtype is narrower than the weights)."""
@@ -146,8 +200,9 @@ class NativeEngine:
         return concat_caches(caches), torch.cat(logits), mask, lengths
 
     def _run_wave(self, prompts: list[list[int]], counts: list[int], sampling: SamplingParams,
-                  stops: torch.Tensor, generator: torch.Generator | None) -> list[list[RolloutOutput]]:
-        """Prefill ``prompts`` once, expand to ``counts`` rows each, decode all rows to completion."""
+                  stops: torch.Tensor, rows: "WaveRows") -> list[list[RolloutOutput]]:
+        """Prefill ``prompts`` once, expand to ``counts`` rows each, decode all rows to completion
+        (row ``r`` draws from stream ``rows.states[r]`` at positions ``rows.offsets[r] + step``)."""
         device, max_tokens = self.device, sampling.max_tokens
         capacity = max(len(p) for p in prompts) + max_tokens
         cache, logits, prompt_mask, lengths = self._prefill(prompts, capacity)
@@ -167,7 +222,8 @@ class NativeEngine:
         finished = torch.zeros((num_rows,), dtype=torch.bool, device=device)
 
         for step in range(max_tokens):
-            tokens, logprobs = sample_next(logits, sampling, generator)
+            draws = None if sampling.greedy else uniforms(rows.states[active], rows.offsets[active] + step)
+            tokens, logprobs = sample_next(logits, sampling, draws)
             live = active[~finished]
             out_tokens[live, step] = tokens[~finished]
             out_logprobs[live, step] = logprobs[~finished]

@@ -11,6 +11,12 @@ truncated, in this order, by top-k, top-p (on the top-k renormalised probabiliti
 therefore the untruncated one (slightly lower than the log of the truncated probability by
 ``log(kept mass)``), which is what the trainer's ratio needs. ``T = 0`` is greedy (argmax) and
 reports ``log_softmax(z)`` (temperature 1).
+
+The draw is an inverse CDF: each row brings one uniform ``u`` in [0, 1) (from the keyed stream of
+:mod:`posttrain.rollout.keyed`), and the token is the first candidate whose cumulative probability
+exceeds ``u``, the candidates taken in a deterministic order (top-k/top-p: descending logit, as
+``torch.topk``/``torch.sort`` return them; otherwise vocabulary order). A row's token therefore
+depends only on its own logits and its own uniform, not on the other rows of the batch.
 """
 
 from __future__ import annotations
@@ -53,17 +59,36 @@ def filter_candidates(cand: torch.Tensor, top_p: float, min_p: float) -> torch.T
     return cand
 
 
+def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Index [B] of the first entry of each row of ``probs`` [B, K] whose cumulative sum exceeds
+    ``uniforms[b] * total[b]`` (``total`` = the row's sum, so rows need not be normalised).
+
+    Entries with zero probability are never chosen: if rounding puts the target at the row's total,
+    the index is clamped to the last entry with positive probability. The cumulative sum is taken
+    in float64, the precision of the 53-bit uniforms.
+    """
+    cdf = probs.double().cumsum(dim=-1)
+    target = uniforms.to(cdf.dtype)[:, None] * cdf[:, -1:]
+    index = torch.searchsorted(cdf, target, right=True).squeeze(-1)
+    last_valid = (probs > 0).cumsum(dim=-1).argmax(dim=-1)  # the first index reaching the final count
+    return torch.minimum(index, last_valid)
+
+
 def sample_next(logits: torch.Tensor, sampling: SamplingParams,
-                generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample one token per row from ``logits`` [B, V]; return (tokens [B] long, logprobs [B] float32)."""
+                uniforms: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row from ``logits`` [B, V] with one uniform per row (``uniforms`` [B];
+    unused and may be None when greedy); return (tokens [B] long, logprobs [B] float32)."""
     logits = logits.float()
     if sampling.greedy:
         tokens = logits.argmax(dim=-1)
         return tokens, _token_logprob(logits, tokens)
+    if uniforms is None or uniforms.shape != logits.shape[:1]:
+        raise ValueError(f"sample_next needs one uniform per row: {logits.shape[0]} rows, "
+                         f"got {None if uniforms is None else tuple(uniforms.shape)}")
     scaled = logits / sampling.temperature if sampling.temperature != 1.0 else logits
     cand, cand_ids = _candidates(scaled, sampling.top_k, need_sorted=sampling.top_p < 1.0)
     cand = filter_candidates(cand, sampling.top_p, sampling.min_p)
     probs = torch.softmax(cand, dim=-1)
-    choice = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    choice = inverse_cdf(probs, uniforms)
     tokens = choice if cand_ids is None else cand_ids.gather(-1, choice[:, None]).squeeze(-1)
     return tokens, _token_logprob(scaled, tokens)

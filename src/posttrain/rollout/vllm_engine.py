@@ -9,6 +9,14 @@ Logprobs: vLLM returns the logprob of each sampled token. Recent vLLM lets you c
 (``logprobs_mode``): ``"processed_logprobs"`` (default here) is after temperature and top-k/top-p
 truncation; the native engine and the trainer use the untruncated tempered distribution, so with
 truncation on the two differ by ``log(kept mass)`` (see docs/rollout.md).
+
+Seeds: each prompt is its own request, seeded with ``derive_seed(sampling.seed, prompt_keys[i])``
+(a splitmix64 hash, :mod:`posttrain.rollout.keyed`), so a prompt's samples do not depend on the
+other prompts of the call or on how the prompts are split over workers. What remains different
+from the native engine: vLLM draws from its own per-request generator, so the tokens differ from
+the native engine's for the same seed; a request's ``n`` samples share that generator, so sample
+``j`` depends on ``n``; the draws follow vLLM's kernels and version; and a continued response
+(position offset) is not supported (a continuation would start a fresh request stream).
 """
 
 from __future__ import annotations
@@ -18,6 +26,12 @@ from typing import Any
 
 from posttrain.errors import ConfigError
 from posttrain.rollout.base import RolloutOutput, SamplingParams
+from posttrain.rollout.keyed import MASK64, absorb_int, random_seed
+
+
+def derive_seed(seed: int, prompt_key: int) -> int:
+    """A 63-bit request seed from the call's seed and the prompt's key (splitmix64 of both)."""
+    return absorb_int(absorb_int(0, seed), prompt_key) & (MASK64 >> 1)
 
 
 def _import_vllm():
@@ -71,13 +85,20 @@ class VLLMEngine:
             self.llm.reset_prefix_cache()
 
     def generate(self, prompt_token_ids: list[list[int]], n: int, sampling: SamplingParams,
-                 stop_token_ids: list[int] | None = None) -> list[list[RolloutOutput]]:
+                 stop_token_ids: list[int] | None = None,
+                 prompt_keys: list[int] | None = None) -> list[list[RolloutOutput]]:
+        """``n`` samples per prompt; prompt ``i`` is seeded by (``sampling.seed``, ``prompt_keys[i]``)."""
         vllm = _import_vllm()
-        params = vllm.SamplingParams(
+        keys = list(range(len(prompt_token_ids))) if prompt_keys is None else list(prompt_keys)
+        if len(keys) != len(prompt_token_ids):
+            raise ConfigError(f"generate(): prompt_keys has {len(keys)} entries for {len(prompt_token_ids)} prompts.")
+        seed = random_seed() if sampling.seed is None else sampling.seed
+        stops = sorted(set(self.eos_token_ids) | set(stop_token_ids or []))
+        params = [vllm.SamplingParams(
             n=n, temperature=sampling.temperature, top_p=sampling.top_p,
             top_k=sampling.top_k if sampling.top_k > 0 else -1, min_p=sampling.min_p,
-            max_tokens=sampling.max_tokens, seed=sampling.seed, logprobs=0, detokenize=False,
-            stop_token_ids=sorted(set(self.eos_token_ids) | set(stop_token_ids or [])))
+            max_tokens=sampling.max_tokens, seed=derive_seed(seed, key), logprobs=0, detokenize=False,
+            stop_token_ids=stops) for key in keys]
         prompts = [{"prompt_token_ids": list(p)} for p in prompt_token_ids]
         results = self.llm.generate(prompts, params, use_tqdm=False)
         return [[self._convert(c) for c in req.outputs] for req in results]

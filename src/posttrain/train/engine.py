@@ -45,6 +45,7 @@ from posttrain.errors import ConfigError, PosttrainError
 from posttrain.train.dynamic_batch import split_by_tokens
 from posttrain.train.forward import response_logprobs, response_values
 from posttrain.train.loss_fns import pair_logps
+from posttrain.train.offload import StateOffload
 from posttrain.train.remove_padding import Packing, group_rows_by_prompt
 from posttrain.train.parallel import dp_world_size, global_counts, maybe_no_sync, reduce_metric_totals
 
@@ -113,6 +114,7 @@ class TrainEngine:
         metric_prefix: str = "actor",
         dp_group=None,
         options: EngineOptions = EngineOptions(),
+        offload: StateOffload | None = None,
     ):
         if dtype not in _DTYPES:
             raise ConfigError(f"Unsupported training dtype {dtype!r}; known: {', '.join(_DTYPES)}.")
@@ -127,6 +129,7 @@ class TrainEngine:
         self.metric_prefix = metric_prefix
         self.dp_group = dp_group
         self.options = options
+        self.offload = offload  # optimizer state / gradients on the host between updates
         self.packing = Packing(options.share_prompt_prefix) if options.use_remove_padding else None
         if activation_checkpointing:
             self._enable_checkpointing()
@@ -253,11 +256,15 @@ class TrainEngine:
         was_training = self.model.training
         self.model.train()
         step_metrics = []
+        if self.offload is not None:
+            self.offload.to_device()
         try:
             for rows in steps:
                 step_metrics.append(self._step(_take(batch, rows), loss_fn, micro_batch_size))
         finally:
             self.model.train(was_training)
+            if self.offload is not None:
+                self.offload.to_host()
         return step_metrics
 
     def _step(self, mini_batch, loss_fn: LossFn, micro_batch_size: int | None) -> dict[str, float]:

@@ -31,7 +31,9 @@ log = logging.getLogger(__name__)
 # the rows copied from the sampling dock into the main dock
 CARRIED = ("prompts", "prompt_length", "labels", "responses", "response_length", "scores")
 CONSUMER = "dynamic_sampling"
-SEED_STRIDE = 100_003  # rollout seed of extra generation batches: iteration + k * stride
+# rollout seed of extra generation batches: iteration + k * stride. Each batch keys its prompts
+# 0..gbs-1 (their dock groups), so the distinct seeds keep the batches' streams distinct.
+SEED_STRIDE = 100_003
 
 
 def metric_column(metric: str) -> str:

@@ -22,7 +22,8 @@ def evaluate(engine, tokenizer, prompts: list[list[int]], labels: list[str], rew
     scores_by_prompt: list[list[float]] = []
     for start in range(0, len(prompts), batch_size):
         chunk = prompts[start:start + batch_size]
-        outs = engine.generate(chunk, n, sampling, stop_token_ids)
+        keys = list(range(start, start + len(chunk)))  # each prompt its own stream across chunks
+        outs = engine.generate(chunk, n, sampling, stop_token_ids, prompt_keys=keys)
         texts = decode_responses(tokenizer, [o.token_ids for group in outs for o in group])
         chunk_labels = [labels[start + i] for i, group in enumerate(outs) for _ in group]
         scores, _ = reward.score(texts, chunk_labels)

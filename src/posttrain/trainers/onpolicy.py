@@ -122,12 +122,16 @@ class OnPolicyTrainer:
                         "labels": [torch.as_tensor(it.get("labels", []), dtype=torch.long) for it in items]})
 
     def rollout(self, td: TransferDock, iteration: int) -> None:
+        """Sample each prompt's ``n`` responses. A prompt's random stream is keyed by its group in
+        the dock (row // n: its index in the iteration's batch), so the samples do not depend on
+        the dispatch size, the dock's read order or the number of workers."""
         p, sampling = self.s.policy, self.s.sampling_for(iteration)
         while not td.all_consumed("rollout"):
             batch, idx = td.get("rollout", ["prompts"], self.plan.reads["actor_rollout_dispatch_size"],
                                 get_n_samples=True)
             unique = [batch["prompts"][k].tolist() for k in range(0, len(idx), self.n)]
-            outs = p.rollout.generate(unique, self.n, sampling, p.stop_token_ids)
+            keys = [idx[k] // self.n for k in range(0, len(idx), self.n)]
+            outs = p.rollout.generate(unique, self.n, sampling, p.stop_token_ids, prompt_keys=keys)
             responses = [torch.tensor(o.token_ids, dtype=torch.long) for group in outs for o in group]
             td.put(["responses", "response_length"], idx, [responses, [len(r) for r in responses]])
 

@@ -33,7 +33,6 @@ from posttrain.config.plan import Plan
 from posttrain.config.run import RunConfig
 from posttrain.metrics.reduce import MetricAccumulator
 from posttrain.metrics.stats import stat_metrics
-from posttrain.roles.critic import Critic
 from posttrain.trainers.experience import per_group, read_batch, write_rows
 from posttrain.train.layout import per_token
 
@@ -45,15 +44,14 @@ class CriticPhases:
 
     def __init__(self, cfg: RunConfig, plan: Plan, session):
         self.cfg, self.plan, self.s = cfg, plan, session
-        self.critic = Critic(cfg, plan, session.trainer_state, session.device)
-        session.extra_parts["critic"] = self.critic.part
+        self.critic = session.critic  # in process, or the Ray workers' (same methods)
 
     def compute_values(self, td) -> None:
         """``values`` column: V at every response token (no gradient)."""
         while not td.all_consumed("critic_values"):
             batch, idx, lengths = read_batch(td, "critic_values", [], self.plan.reads["critic_value_dispatch_size"],
                                              pad_token_id=self.s.policy.pad_token_id)
-            values = self.critic.engine.compute_values(batch, micro_batch_size=self.critic.role.micro_batch_size)
+            values = self.critic.compute_values(batch)
             write_rows(td, ["values"], idx, [values], lengths)
 
     def advantages(self, td, acc: MetricAccumulator, kl_ctrl) -> None:
@@ -90,8 +88,8 @@ class CriticPhases:
             batch, _, _ = read_batch(td, "critic_update", ["values", "returns"],
                                      self.plan.reads["critic_update_dispatch_size"],
                                      pad_token_id=self.s.policy.pad_token_id)
-            steps = self.critic.engine.update(batch, loss_fn, mini_batch_size=self.plan.mini_batch_rows,
-                                              epochs=rl.epochs, shuffle=rl.shuffle_mini_batch,
-                                              seed=self.cfg.actor.seed + iteration)
+            steps = self.critic.update(batch, loss_fn, mini_batch_size=self.plan.mini_batch_rows,
+                                       epochs=rl.epochs, shuffle=rl.shuffle_mini_batch,
+                                       seed=self.cfg.actor.seed + iteration)
             for step in steps:
                 acc.update(step)

@@ -125,11 +125,19 @@ def claim_run_dirs(cfg: RunConfig, run_dir: Path, what_run_dir: str) -> list[Dir
     save = Path(a.save) if a.save else None
     if save is not None:
         writable_dir(save, "actor_config.save")
+    from posttrain.roles.critic import critic_save_dir
+
+    critic_save = critic_save_dir(cfg) if cfg.critic is not None else None
+    if critic_save is not None:
+        writable_dir(critic_save, "critic_config.save")
     locks: list[DirLock] = []
     try:
         locks.append(DirLock(run_dir, what_run_dir))
         if save is not None and not _same_dir(save, run_dir):
             locks.append(DirLock(save, "actor_config.save"))
+        if critic_save is not None and not _same_dir(critic_save, run_dir):
+            locks.append(DirLock(critic_save, "critic_config.save"))
+            _refuse_foreign_checkpoints(critic_save, cfg.critic, "critic_config")
         in_place = resumes_in_place(cfg) and bool(_checkpoints_in(save))
         if save is not None and not in_place:
             found = _checkpoints_in(save)
@@ -152,6 +160,17 @@ def claim_run_dirs(cfg: RunConfig, run_dir: Path, what_run_dir: str) -> list[Dir
             lock.release()
         raise
     return locks
+
+
+def _refuse_foreign_checkpoints(save: Path, role, section: str) -> None:
+    """``save`` may hold checkpoints only when this role resumes from them (``load`` is ``save``
+    or one of its ``iter_*``, ``finetune`` off)."""
+    found = _checkpoints_in(save)
+    resumes = bool(role.load) and not role.finetune and (_same_dir(role.load, save) or _same_dir(Path(role.load).parent, save))
+    if found and not resumes:
+        raise ConfigError(f"{section}.save {save} already holds checkpoints ({', '.join(found[:4])}), and this run "
+                          f"would not resume from them; give a new save directory, or set {section}.load={save} "
+                          f"and {section}.finetune=false to continue them")
 
 
 def checked_start(cfg: RunConfig, load_previous_on_corruption: bool = False) -> RunConfig:
@@ -221,7 +240,7 @@ class Session:
 
         self.cfg, self.plan, self.run_dir = cfg, plan, run_dir
         self.closed = False
-        self.cluster = self.rule_reward = self.eval_data = self.logger = None
+        self.cluster = self.critic = self.rule_reward = self.eval_data = self.logger = None
         self.locks: list[DirLock] = []
         self.extra_parts: dict[str, Any] = {}  # more trained modules to checkpoint (PPO: "critic")
         on_policy = plan.stage.on_policy
@@ -261,6 +280,15 @@ class Session:
             self.policy = build_policy(cfg, plan, self.device, with_rollout=on_policy)
         state = self.policy.state  # resumed or fresh
         self.trainer_state: dict[str, Any] = state
+        if plan.uses_critic:  # PPO: in this process, or colocated in the Ray actor workers
+            if self.cluster is not None:
+                self.critic = self.cluster.critic
+            else:
+                from posttrain.roles.critic import Critic
+
+                self.critic = Critic(cfg, plan, state, self.device)
+                if self.critic.save_dir is None:  # saved inside the actor's checkpoints
+                    self.extra_parts["critic"] = self.critic.part
         self.iteration, self.consumed_samples = int(state["iteration"]), int(state["consumed_samples"])
         self.initial_model = str(state["initial_model"])
         self.sampler = build_sampler(len(self.dataset), a, state.get("sampler_state"))
@@ -340,6 +368,10 @@ class Session:
                                    tokenizer=p.tokenizer, sampler_state=self.sampler.state_dict(),
                                    trainer_state=state, save_optim=not a.no_save_optim, save_rng=not a.no_save_rng,
                                    extra=self.extra_parts)
+        if self.critic is not None:  # PPO: the critic's own checkpoint (critic_config.save), if it has one
+            critic_path = self.critic.save(iteration, tokenizer=p.tokenizer, trainer_state=state)
+            if critic_path is not None and a.keep_last:
+                prune_checkpoints(critic_path.parent, a.keep_last)
         if a.keep_last:
             prune_checkpoints(a.save, a.keep_last)
         return path

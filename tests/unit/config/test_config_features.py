@@ -147,9 +147,10 @@ CASES = [
      "remove ref_config"),
     (["reward_config.load=/ckpt/rm"], "reward_config: reward-model scoring does not run in the training loop yet",
      "remove reward_config"),
-    ([*PPO, "actor_config.save=/ckpt/actor", "critic_config.save=/ckpt/critic"],
-     "critic_config.save=/ckpt/critic: the critic is saved with the actor", "give it the actor's value (/ckpt/actor)"),
-    ([*PPO, "critic_config.no_load_optim=true"], "critic_config.no_load_optim=true: ", "the actor's value (null)"),
+    ([*PPO, "critic_config.save_interval=7"], "critic_config.save_interval=7: the critic is saved at the actor's",
+     "the actor's value"),
+    ([*PPO, "actor_config.save=/ckpt/actor", "critic_config.no_save_optim=true"],
+     "critic_config.no_save_optim=true: the critic is saved inside the actor's checkpoints", "the actor's value"),
 ]
 # keys refused only with their feature's switch on: (the key's override, the switch's override)
 GATED = [
@@ -230,17 +231,32 @@ OFFLOAD = ["generate_config.offload_train_optimizer=true", "generate_config.offl
            "generate_config.offload_train_param=true"]
 
 
-def test_offload_is_refused_on_cuda_and_only_warned_on_cpu():
-    keys = OFFLOAD
-    message = refusal(keys, device_type="cuda")
-    assert message.startswith("generate_config.offload_train_optimizer=true, generate_config.offload_train_grad=true, "
-                              "generate_config.offload_train_param=true: offloading training state")
-    assert message.endswith("remove the keys or set them to false")
-    cfg = config(keys)
+def test_offload_is_honoured_on_cuda_but_the_weights_and_only_warned_on_cpu():
+    """The optimizer state leaves a GPU between updates; the weights cannot (the rollout engines
+    generate with them); on a CPU the two have no effect and are listed once (gradients are freed
+    between updates on any device)."""
+    check_features(config(OFFLOAD[:2]), "cuda")
+    assert startup_warnings(config(OFFLOAD[:2]), "cuda") == []
+    message = refusal(OFFLOAD, device_type="cuda")
+    assert message.startswith("generate_config.offload_train_param=true: the rollout engines generate with the "
+                              "training weights")
+    assert message.endswith("remove the key (offload_train_optimizer and offload_train_grad free the optimizer "
+                            "state and the gradients)")
+    cfg = config(OFFLOAD)
     check_features(cfg, "cpu")
     assert startup_warnings(cfg, "cpu") == [
         "keys with no effect on this hardware (cpu): generate_config.offload_train_optimizer, "
-        "generate_config.offload_train_grad, generate_config.offload_train_param"]
+        "generate_config.offload_train_param"]
+
+
+def test_offload_with_fsdp2_is_refused_on_cuda():
+    from posttrain.config.check import _check_offload
+
+    cfg = config([*OFFLOAD[:1], "rl_config.ray_sharding=fsdp2", "rl_config.actor_resource.num_npus=2"])
+    with pytest.raises(ConfigError, match=r"^generate_config.offload_train_optimizer=true with "
+                                          r"rl_config.ray_sharding=fsdp2: .*use ray_sharding: ddp"):
+        _check_offload(cfg)
+    _check_offload(config([*OFFLOAD[:1], "rl_config.actor_resource.num_npus=2"]))  # DDP offloads
 
 
 def test_device_defaults_to_rl_config_device():
@@ -325,11 +341,11 @@ def test_shipped_configs(name):
 
 def test_seed_configs_once_on_one_process():
     """With the layout set to one process, the seed's 7B config passes on CPU with one warning, and CUDA
-    refuses its offload keys."""
+    refuses its offload_train_param."""
     cfg = load_run_config("r1_zero_qwen25_7b", overrides=["actor_config.tensor_model_parallel_size=1",
                                                           "actor_config.pipeline_model_parallel_size=1"])
     check_features(cfg, "cpu")
     [warning] = startup_warnings(cfg, "cpu")
     assert "megatron_training.use_fused_rmsnorm" in warning and "generate_config.offload_train_param" in warning
-    with pytest.raises(ConfigError, match="offload_train_optimizer=true"):
+    with pytest.raises(ConfigError, match="offload_train_param=true"):
         check_features(cfg, "cuda")

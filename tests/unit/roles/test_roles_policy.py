@@ -34,3 +34,33 @@ def test_without_dynamic_sampling_the_schedule_counts_gbs(mini_qwen2_dir):
     cfg = dapo_config(mini_qwen2_dir)
     policy = build_policy(cfg, resolve_plan(cfg, device="cpu"), "cpu")
     assert policy.actor.scheduler.total_steps == 8 // 2 * 3 * 5
+
+
+def test_dropout_in_the_model_config_is_reported_on_several_workers(caplog):
+    from types import SimpleNamespace
+
+    from transformers import GPT2Config, Qwen2Config
+
+    from posttrain.roles.policy import active_dropout, warn_dropout_across_workers
+
+    assert active_dropout(Qwen2Config()) == {}  # the shipped architectures default to 0
+    assert active_dropout(Qwen2Config(attention_dropout=0.1)) == {"attention_dropout": 0.1}
+    assert set(active_dropout(GPT2Config())) == {"attn_pdrop", "embd_pdrop", "resid_pdrop", "summary_first_dropout"}
+    model = SimpleNamespace(config=Qwen2Config(attention_dropout=0.1))
+    with caplog.at_level("WARNING", logger="posttrain.roles.policy"):
+        warn_dropout_across_workers(model, 1)
+        assert not caplog.records
+        warn_dropout_across_workers(model, 2)
+    assert "attention_dropout" in caplog.text and "docs/cluster.md" in caplog.text
+
+
+def test_a_resumed_dpo_run_loads_its_reference_from_the_initial_model():
+    """The seed's ref_model default is "" (unset): after a resume the reference is the initial model,
+    not the resumed policy (the bug: DPO resumed with reference == policy, a loss of log 2)."""
+    from posttrain.roles.policy import reference_source
+
+    cfg = run_config_from_dict({"megatron_training": {"stage": "dpo", "global_batch_size": 2, "micro_batch_size": 1,
+                                                      "seq_length": 64, "is_pairwise_dataset": True}})
+    assert cfg.actor.ref_model == ""
+    assert reference_source(cfg, {"iteration": 2, "initial_model": "/models/start"}) == "/models/start"
+    assert reference_source(cfg, {"iteration": 0, "initial_model": "/models/start"}) is None  # a copy of the actor

@@ -150,3 +150,77 @@ def test_plan_waves_respects_max_num_seqs():
     assert waves == [[(1, 4), (2, 4)], [(0, 4)]]  # sorted by length, groups kept whole
     assert plan_waves([2], n=5, max_num_seqs=2) == [[(0, 2)], [(0, 2)], [(0, 1)]]
     assert [list(r) for r in prefill_chunks(5, 10, 25)] == [[0, 1], [2, 3], [4]]
+
+
+def random_table() -> torch.Tensor:
+    return torch.randn(V, V, generator=torch.Generator().manual_seed(3)) * 1.5
+
+
+def by_prompt(outs):
+    return [[o.token_ids for o in group] for group in outs]
+
+
+KEYED_PROMPTS = [[1], [2, 3], [4], [5, 6, 7], [0], [3, 3]]
+
+
+def test_keyed_samples_do_not_depend_on_the_split_or_the_waves():
+    """Same (seed, keys): the same tokens in one call, in two calls split anywhere, and with any
+    wave size (max_num_seqs below n splits a prompt's samples over waves) or compaction."""
+    sp = SamplingParams(temperature=1.0, top_k=-1, max_tokens=10, seed=21)
+    eos = [7]  # rows finish at different steps, so compaction drops rows mid-decode
+    whole = by_prompt(engine(random_table(), eos=eos).generate(KEYED_PROMPTS, 4, sp))
+    assert len({len(t) for g in whole for t in g}) > 1 and len({tuple(t) for g in whole for t in g}) > 12
+    for cut in range(1, len(KEYED_PROMPTS)):
+        eng = engine(random_table(), eos=eos)
+        head = eng.generate(KEYED_PROMPTS[:cut], 4, sp, prompt_keys=list(range(cut)))
+        tail = eng.generate(KEYED_PROMPTS[cut:], 4, sp, prompt_keys=list(range(cut, len(KEYED_PROMPTS))))
+        assert by_prompt(head) + by_prompt(tail) == whole, cut
+    for max_num_seqs in (1, 3, 5, 8):
+        for compact in (0.01, 1.0):
+            eng = engine(random_table(), eos=eos, max_num_seqs=max_num_seqs, compact_fraction=compact)
+            assert by_prompt(eng.generate(KEYED_PROMPTS, 4, sp)) == whole, (max_num_seqs, compact)
+    # the keys, not the positions in the call, name the streams: reversed prompts with their keys
+    order = list(reversed(range(len(KEYED_PROMPTS))))
+    reordered = engine(random_table(), eos=eos).generate([KEYED_PROMPTS[i] for i in order], 4, sp, prompt_keys=order)
+    assert list(reversed(by_prompt(reordered))) == whole
+    # a prompt with another key draws other samples
+    other = engine(random_table(), eos=eos).generate(KEYED_PROMPTS[:1], 4, sp, prompt_keys=[99])
+    assert by_prompt(other)[0] != whole[0]
+
+
+def test_a_continued_sample_draws_the_rest_of_its_stream():
+    """Sample j of a prompt, cut after k tokens and continued (prompt + those k tokens, sample
+    offset j, position offset k), ends exactly as the uninterrupted sample."""
+    sp = SamplingParams(temperature=1.0, top_k=-1, max_tokens=12, seed=5)
+    eng = engine(random_table())
+    full = eng.generate([[2]], 3, sp, prompt_keys=[40])[0]
+    k = 5
+    for j, sample in enumerate(full):
+        head = sample.token_ids[:k]
+        rest = eng.generate([[2] + head], 1, replace_max(sp, 12 - k), prompt_keys=[40], sample_offsets=[j],
+                            position_offsets=[k])[0][0]
+        assert head + rest.token_ids == sample.token_ids
+        assert sample.logprobs[k:] == pytest.approx(rest.logprobs, abs=1e-6)
+
+
+def replace_max(sp: SamplingParams, max_tokens: int) -> SamplingParams:
+    from dataclasses import replace
+
+    return replace(sp, max_tokens=max_tokens)
+
+
+def test_unseeded_sampling_draws_its_seed_from_torch():
+    sp = SamplingParams(temperature=1.0, top_k=-1, max_tokens=12, seed=None)
+    eng = engine(torch.zeros(V, V))
+    torch.manual_seed(0)
+    a = by_prompt(eng.generate([[1], [2]], 2, sp))
+    b = by_prompt(eng.generate([[1], [2]], 2, sp))
+    torch.manual_seed(0)
+    assert a != b and by_prompt(eng.generate([[1], [2]], 2, sp)) == a
+
+
+def test_key_lists_must_have_one_entry_per_prompt():
+    with pytest.raises(ConfigError, match="prompt_keys has 1 entries for 2 prompts"):
+        engine(chain_table()).generate([[1], [2]], 1, SamplingParams(seed=0), prompt_keys=[0])
+    with pytest.raises(ConfigError, match="position_offsets has 3 entries for 2 prompts"):
+        engine(chain_table()).generate([[1], [2]], 1, SamplingParams(seed=0), position_offsets=[0, 0, 0])

@@ -309,11 +309,18 @@ def test_the_seeds_unimplemented_flags_are_refused_by_name_and_its_no_ops_accept
     assert "--use-mcore-models, --model-type-hf, --max-queue-size, --no-checking accepted" in capsys.readouterr().err
 
 
+class _CallsPrint:
+    """Unpickling this would call a builtin: code, not data (some libraries allow-list pathlib globally)."""
+
+    def __reduce__(self):
+        return print, ("unpickled code ran",)
+
+
 def test_pickled_code_in_a_rank_file_is_refused_with_the_file_named(tmp_path, capsys):
     evil = tmp_path / "mg" / "release" / "mp_rank_00"
     evil.mkdir(parents=True)
     (tmp_path / "mg" / layout.TRACKER).write_text("release")
-    torch.save({"model": {}, "args": argparse.Namespace(num_layers=1), "hook": Path("/etc")},
+    torch.save({"model": {}, "args": argparse.Namespace(num_layers=1), "hook": _CallsPrint()},
                evil / layout.RANK_FILE)
     refused(capsys, [*MG_TO_HF, "--load-dir", str(tmp_path / "mg"), "--save-dir", str(tmp_path / "out")],
             r"mp_rank_00/model_optim_rng.pt: refused to unpickle it")

@@ -1,0 +1,129 @@
+"""Training state on the host between updates: the seed's ``offload_train_optimizer`` and
+``offload_train_grad`` (``generate_config``), for a policy whose rollout shares its device.
+
+After each update (:meth:`posttrain.train.engine.TrainEngine.update`) the optimizer's state tensors
+(AdamW's two moments) move to host memory and the gradients are freed; the next update brings the
+state back to the parameters' device before its first step. Rollout, log-probs and rewards run
+in between with that memory free for the KV cache. Gradients are freed, not copied: every update
+starts by zeroing them (as the seed's offloader does, ``copy_data=False``).
+
+On a CPU the host is the device, so the config check lists these keys as having no effect there
+and no :class:`StateOffload` is built.
+"""
+
+from __future__ import annotations
+
+import torch
+
+HOST = torch.device("cpu")
+
+
+class StateOffload:
+    """Moves ``optimizer``'s state to the host (``to_host``) and back (``to_device``)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, *, optimizer_state: bool, grads: bool):
+        self.optimizer, self.optimizer_state, self.grads = optimizer, optimizer_state, grads
+        self.moved: list[tuple[dict, str, torch.device]] = []  # (a param's state, key, its device)
+
+    def params(self):
+        return [p for group in self.optimizer.param_groups for p in group["params"]]
+
+    def to_host(self) -> None:
+        if self.grads:
+            for p in self.params():
+                p.grad = None
+        if not self.optimizer_state or self.moved:
+            return
+        pin = torch.cuda.is_available()
+        for p in self.params():
+            state = self.optimizer.state.get(p, {})
+            for key, value in state.items():
+                if torch.is_tensor(value) and value.device != HOST:
+                    host = torch.empty(value.shape, dtype=value.dtype, pin_memory=pin)
+                    host.copy_(value, non_blocking=pin)
+                    self.moved.append((state, key, value.device))
+                    state[key] = host
+        if pin:
+            torch.cuda.synchronize()  # the copies finish before the device memory is reused
+
+    def to_device(self) -> None:
+        for state, key, device in self.moved:
+            state[key] = state[key].to(device, non_blocking=True)
+        self.moved = []
+
+    def where(self) -> set[str]:
+        """The device types holding the optimizer's state tensors (for checks and tests)."""
+        return {value.device.type for p in self.params() for value in self.optimizer.state.get(p, {}).values()
+                if torch.is_tensor(value) and value.dim() > 0}
+
+
+class OffloadedReference:
+    """The frozen reference off the device between its uses (``rl_config.offload_reference``), as
+    the seed's integrated worker keeps it: a :class:`~posttrain.train.engine.TrainEngine` whose
+    weights are brought in for each log-prob call and sent away after it.
+
+    * GPU: the weights wait in pinned host memory and are copied in for each call.
+    * CPU: the weights are written once to ``spill_dir/reference.pt``; between calls they are
+      dropped, and each call maps the file back (``torch.load(mmap=True)``), so the process holds
+      no private copy of them: the page cache holds the file, which the kernel can reclaim.
+    """
+
+    def __init__(self, engine, spill_dir):
+        from pathlib import Path
+
+        self.engine = engine
+        model = engine.model
+        self.device = next(model.parameters()).device
+        self.names = [name for name, _ in model.named_parameters()]  # tied weights: one entry
+        self.path = None
+        if self.device.type == "cpu":
+            self.path = Path(spill_dir) / "reference.pt"
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_suffix(".pt.tmp")
+            torch.save({n: p.detach() for n, p in model.named_parameters()}, tmp)
+            tmp.replace(self.path)
+        self._offload()
+
+    @property
+    def dp_group(self):
+        return self.engine.dp_group
+
+    @dp_group.setter
+    def dp_group(self, group) -> None:
+        self.engine.dp_group = group
+
+    def _params(self):
+        return dict(self.engine.model.named_parameters())
+
+    def _offload(self) -> None:
+        pin = torch.cuda.is_available() and self.device.type == "cuda"
+        for param in self._params().values():
+            if self.path is not None:
+                param.data = torch.empty(0, dtype=param.dtype)  # the storage goes; the file keeps the values
+            else:
+                host = torch.empty(param.shape, dtype=param.dtype, pin_memory=pin)
+                host.copy_(param.data)
+                param.data = host
+
+    def _onload(self) -> None:
+        params = self._params()
+        if self.path is not None:
+            mapped = torch.load(self.path, map_location="cpu", mmap=True, weights_only=True)
+            for name in self.names:
+                params[name].data = mapped[name]
+        else:
+            for param in params.values():
+                param.data = param.data.to(self.device, non_blocking=True)
+
+    def _call(self, method: str, *args, **kwargs):
+        self._onload()
+        try:
+            return getattr(self.engine, method)(*args, **kwargs)
+        finally:
+            self._offload()
+
+    def compute_logprobs(self, batch, **kwargs):
+        return self._call("compute_logprobs", batch, **kwargs)
+
+    def compute_pair_logps(self, batch, **kwargs):
+        return self._call("compute_pair_logps", batch, **kwargs)
