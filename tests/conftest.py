@@ -49,6 +49,55 @@ def mini_qwen2_dir(tmp_path_factory, tiny_tokenizer) -> Path:
     return out
 
 
+def build_lowercase_reward_model(out: Path, tokenizer) -> Path:
+    """A 1-layer Qwen2 reward model (sequence classification) whose score grows with the share of
+    lowercase-word tokens (``a``, ``the``, ``ink``, ...) in prompt + response, by construction:
+
+    * every embedding holds a constant K = 10 in dimension 2 (so each token's RMS norm is about
+      K / 8), and the lowercase-word tokens hold 1 in dimension 0;
+    * queries and keys are 0, so attention averages the values of all positions so far; the value
+      reads dimension 0 and the output projection writes 10 x that average into dimension 1;
+    * the MLP adds nothing, and the score head reads dimension 1 after the final RMS norm:
+      ``score = 8 x 10 x m / sqrt(K^2 + (10 m)^2 + ...)`` with m = 0.8 x the lowercase share, which rises
+      with the share (0 for none, about 3 for a half).
+    """
+    import re
+
+    import torch
+    from transformers import Qwen2Config, Qwen2ForSequenceClassification
+
+    vocab = len(tokenizer)
+    lowercase = [i for i in range(vocab) if re.fullmatch(r"[a-z]+", tokenizer.decode([i]).strip())]
+    config = Qwen2Config(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         tie_word_embeddings=False, num_labels=1, pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    model = Qwen2ForSequenceClassification(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+        emb = model.model.embed_tokens.weight
+        emb.normal_(0.0, 0.01)
+        emb[:, 2] = 10.0
+        emb[:, 0] = 0.0
+        emb[lowercase, 0] = 1.0
+        layer = model.model.layers[0]
+        layer.self_attn.v_proj.weight[0, 0] = 1.0  # key-value head 0, dimension 0 <- dimension 0
+        layer.self_attn.o_proj.weight[1, 0] = 10.0  # residual dimension 1 <- attention head 0, dimension 0
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm, model.model.norm):
+            norm.weight.fill_(1.0)
+        model.score.weight[0, 1] = 1.0
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def lowercase_rm_dir(tmp_path_factory, tiny_tokenizer) -> Path:
+    """:func:`build_lowercase_reward_model` on the tiny tokenizer (read-only)."""
+    return build_lowercase_reward_model(tmp_path_factory.mktemp("models") / "lowercase_rm", tiny_tokenizer)
+
+
 # Tiny HF models of every architecture `posttrain convert` handles (hidden 64, 4 heads in 2 query
 # groups, FFN 128, 4 layers, vocab 100 so that Megatron's padding to 128 x TP adds rows).
 TINY_ARCHS = {

@@ -2,8 +2,9 @@
 
 Each variant runs 2 GRPO iterations (the demo's task and model; 2 prompts x 4 samples, 16 new
 tokens, a KL reference) in a fresh process. A thread in that process reads ``/proc/self/status``
-every 10 ms; the run records ``RssAnon`` (memory the process owns: tensors, Python; not the
-memory-mapped files the kernel can drop) when each rollout starts, and its peak over the run.
+every 10 ms; the run records ``VmRSS`` (the resident set) and ``RssAnon`` (its anonymous part:
+tensors, Python; not memory-mapped files such as safetensors the kernel can drop) when each rollout
+starts, and their peaks over the run. The table shows the median of ``--repeats`` runs per variant.
 
     .venv/bin/python benchmarks/cluster/bench_offload_memory.py --work /tmp/offload_bench
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import threading
@@ -28,15 +30,18 @@ VARIANTS = {"none": [], "grad": ["generate_config.offload_train_grad=true"],
 MIB = 1024
 
 
-def rss_anon_kib() -> int:
+def rss_kib() -> dict[str, int]:
+    """``VmRSS`` (the resident set) and ``RssAnon`` (its anonymous part) of this process, in KiB."""
+    out = {}
     for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("RssAnon:"):
-            return int(line.split()[1])
-    return 0
+        key = line.split(":")[0]
+        if key in ("VmRSS", "RssAnon"):
+            out[key] = int(line.split()[1])
+    return out
 
 
 def child(work: Path, variant: str) -> dict:
-    from posttrain.config.loader import load_run_config
+    from posttrain.config.run import load_run_config
     from posttrain.config.plan import resolve_plan
     from posttrain.demo.pretrained import ensure_smollm2
     from posttrain.demo.run import prepare_data
@@ -51,11 +56,12 @@ def child(work: Path, variant: str) -> dict:
                  "rl_config.n_samples_per_prompt=4", "rl_config.mini_batch_size=2", "rl_config.init_kl_coef=0.001",
                  "rl_config.use_tensorboard=false", *VARIANTS[variant]]
     cfg = load_run_config("grpo_smollm2_demo", None, overrides)
-    peak, done = [0], threading.Event()
+    peak, done = {"VmRSS": 0, "RssAnon": 0}, threading.Event()
 
     def watch():
         while not done.is_set():
-            peak[0] = max(peak[0], rss_anon_kib())
+            for key, value in rss_kib().items():
+                peak[key] = max(peak[key], value)
             time.sleep(0.01)
 
     thread = threading.Thread(target=watch, daemon=True)
@@ -64,7 +70,7 @@ def child(work: Path, variant: str) -> dict:
     at_rollout, generate = [], trainer.s.policy.rollout.generate
 
     def recording(*args, **kwargs):
-        at_rollout.append(rss_anon_kib())
+        at_rollout.append(rss_kib())
         return generate(*args, **kwargs)
 
     trainer.s.policy.rollout.generate = recording
@@ -72,35 +78,44 @@ def child(work: Path, variant: str) -> dict:
     done.set()
     thread.join()
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return {"variant": variant, "rss_anon_at_rollout_mib": [round(v / MIB) for v in at_rollout],
-            "peak_rss_anon_mib": round(peak[0] / MIB), "kl_loss": [r.get("actor/kl_loss") for r in rows],
-            "pg_loss": [r.get("actor/pg_loss") for r in rows]}
+    return {"variant": variant, "rss_at_rollout_mib": [round(v["VmRSS"] / MIB) for v in at_rollout],
+            "anon_at_rollout_mib": [round(v["RssAnon"] / MIB) for v in at_rollout],
+            "peak_rss_mib": round(peak["VmRSS"] / MIB), "peak_anon_mib": round(peak["RssAnon"] / MIB),
+            "pg_loss": [r.get("actor/pg_loss") for r in rows], "kl_loss": [r.get("actor/kl_loss") for r in rows]}
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--work", type=Path, required=True)
     p.add_argument("--child", choices=sorted(VARIANTS))
+    p.add_argument("--repeats", type=int, default=3, help="runs per variant (the table shows medians)")
     args = p.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     if args.child:
         print(json.dumps(child(args.work, args.child)))
         return 0
-    results = []
-    for variant in VARIANTS:
-        for name in ("metrics.jsonl", "eval.jsonl"):
-            (args.work / f"run_{variant}" / name).unlink(missing_ok=True)
-        proc = subprocess.run([sys.executable, __file__, "--work", str(args.work), "--child", variant],
-                              capture_output=True, text=True, check=True)
-        results.append(json.loads(proc.stdout.strip().splitlines()[-1]))
-        print(json.dumps(results[-1]), flush=True)
+    results = {v: [] for v in VARIANTS}
+    for _ in range(args.repeats):  # variants interleaved, so a change of load hits them alike
+        for variant in VARIANTS:
+            for name in ("metrics.jsonl", "eval.jsonl"):
+                (args.work / f"run_{variant}" / name).unlink(missing_ok=True)
+            proc = subprocess.run([sys.executable, __file__, "--work", str(args.work), "--child", variant],
+                                  capture_output=True, text=True, check=True)
+            results[variant].append(json.loads(proc.stdout.strip().splitlines()[-1]))
+            print(json.dumps(results[variant][-1]), flush=True)
     with open("/proc/loadavg") as fh:
         load = fh.read().split()[:3]
     (args.work / "results.json").write_text(json.dumps({"load_average": load, "results": results}, indent=2))
-    print("| variant | RssAnon when each rollout starts (MiB) | peak RssAnon (MiB) |")
-    print("|---|---|---|")
-    for r in results:
-        print(f"| {r['variant']} | {' / '.join(map(str, r['rss_anon_at_rollout_mib']))} | {r['peak_rss_anon_mib']} |")
+    def median(variant, key, index=None):
+        values = [r[key] if index is None else r[key][index] for r in results[variant]]
+        return round(statistics.median(values))
+
+    print("| variant | RSS at rollout 1 / 2 (MiB) | RssAnon at rollout 1 / 2 (MiB) | peak RSS (MiB) | peak RssAnon (MiB) |")
+    print("|---|---|---|---|---|")
+    for v in VARIANTS:
+        print(f"| {v} | {median(v, 'rss_at_rollout_mib', 0)} / {median(v, 'rss_at_rollout_mib', 1)} | "
+              f"{median(v, 'anon_at_rollout_mib', 0)} / {median(v, 'anon_at_rollout_mib', 1)} | "
+              f"{median(v, 'peak_rss_mib')} | {median(v, 'peak_anon_mib')} |")
     return 0
 
 

@@ -4,8 +4,8 @@ Only this package imports ray. The plan decides (without importing ray) whether 
 (:func:`posttrain.config.check.uses_ray`); :func:`build_cluster` then returns a
 :class:`~posttrain.cluster.group.Cluster` whose ``policy`` is a
 :class:`~posttrain.roles.policy.Policy` with the same role methods as the in-process one
-(``actor``, ``reference``, ``rollout``) and whose ``rule_reward`` has RuleReward's interface, so
-the one on-policy loop drives both.
+(``actor``, ``reference``, ``rollout``), whose ``rule_reward`` has RuleReward's interface and whose
+``reward_model`` has RewardModelScorer's ``score_sequences``, so the one on-policy loop drives both.
 """
 
 from __future__ import annotations

@@ -17,6 +17,8 @@ session has:
   runs one optimizer step per slice; the engine sums token counts over ranks and DDP averages
   gradients, so every step is the step of the whole global mini-batch.
 * ``reference.compute_pair_logps`` (DPO): pairs cut into contiguous shares, as log-probs are.
+* ``reward_model.score_sequences`` (``reward_config``): every actor worker loads the reward model;
+  rows cut into contiguous shares, scores concatenated in order.
 * ``save``: rank 0 writes the full state with :func:`posttrain.checkpoint.save_checkpoint`; the
   checkpoint is the same as an in-process one, so it resumes on any number of workers.
 
@@ -94,7 +96,7 @@ class Cluster:
             ip, port, _ = self._call("find the rendezvous", [self.workers[0].address.remote()], self.names[:1])[0]
             states = self._all("set-up", "setup", cfg, plan, (ip, port), self.timeout_s, os.getcwd())
             self.info = self._all("ready check", "ready_info")
-            if plan.stage.on_policy:  # SFT and DPO score nothing
+            if plan.stage.on_policy and (rl.rule_reward or rl.eval_data_path):  # SFT and DPO score nothing
                 self.rewards = RewardGroup(rl, self.timeout_s)
         except BaseException:
             self.close()
@@ -105,6 +107,7 @@ class Cluster:
                              rollout=RolloutRole(self) if plan.stage.on_policy else None, stop_token_ids=stops,
                              state=states[0])
         self.critic = CriticRole(self) if plan.uses_critic else None
+        self.reward_model = RewardModelRole(self) if plan.stage.on_policy and plan.reward_model else None
         self.rule_reward = self.rewards
         log.info("Ray: %d actor workers %s", self.world, self.info)
 
@@ -267,3 +270,16 @@ class CriticRole:
         path = self.c._call("save critic", [self.c.workers[0].critic_save.remote(iteration, trainer_state)],
                             self.c.names[:1])[0]
         return Path(path) if path is not None else None
+
+
+class RewardModelRole:
+    """``reward_config``'s reward model, colocated in the actor workers: RewardModelScorer's
+    ``score_sequences`` over contiguous row shares (no collective)."""
+
+    def __init__(self, cluster: Cluster):
+        self.c = cluster
+
+    def score_sequences(self, prompt_ids: list[list[int]], response_ids: list[list[int]]) -> list[float]:
+        parts = self.c.sharded("reward model", "score_rewards", len(prompt_ids),
+                               lambda r, lo, hi: (prompt_ids[lo:hi], response_ids[lo:hi]), collective=False)
+        return [score for part in parts for score in part]

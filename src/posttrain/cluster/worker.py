@@ -2,9 +2,10 @@
 
 Each worker builds what the in-process session builds (:func:`posttrain.roles.policy.build_policy`:
 the actor model and its :class:`~posttrain.train.engine.TrainEngine`, the optional frozen reference,
-the native rollout engine on the actor's model object), joins a torch.distributed group (gloo on
-CPU, nccl on GPU) and wraps the model in DistributedDataParallel for the update (or shards it
-with FSDP2, :mod:`posttrain.cluster.fsdp`). Inference (rollout, log-probs, reference) uses the
+the native rollout engine on the actor's model object; colocated with them PPO's critic and the
+frozen reward model of ``reward_config``), joins a torch.distributed group (gloo on CPU, nccl on
+GPU) and wraps the model in DistributedDataParallel for the update (or shards it with FSDP2,
+:mod:`posttrain.cluster.fsdp`). Inference (rollout, log-probs, reference) uses the
 unwrapped model and needs no collective (FSDP2: after one parameter gather per call), so the
 driver may give workers uneven shares; the update is a collective: every worker gets a slice of
 every mini-batch (see :mod:`posttrain.cluster.group`).
@@ -111,6 +112,11 @@ class ActorWorker:
             c.infer = TrainEngine(c.engine.model, micro_batch_size=c.role.micro_batch_size, dtype=plan.train_dtype,
                                   dp_group=own, metric_prefix="critic")
             c.engine.model = wrap_ddp(c.engine.model, [0] if use_gpu else None)
+        self.reward_model = None
+        if plan.stage.on_policy and plan.reward_model is not None:  # reward_config: colocated, frozen
+            from posttrain.roles.reward_model import build_reward_scorer
+
+            self.reward_model = build_reward_scorer(plan.reward_model, p.tokenizer, device)
         return dict(p.state) if self.rank == 0 else {}
 
     def ready_info(self) -> dict:
@@ -160,6 +166,12 @@ class ActorWorker:
             return torch.zeros(0, width)
         batch = {k: v.to(self.device) for k, v in batch.items()}
         return self.critic.compute_values(batch, micro_batch_size=micro_batch_size).cpu()
+
+    def score_rewards(self, prompts: list[list[int]], responses: list[list[int]]) -> list[float]:
+        """The reward model's scores of this worker's share of the rows (no collective)."""
+        if not prompts:
+            return []
+        return self.reward_model.score_sequences(prompts, responses)
 
     def critic_update(self, batch: dict, loss_fn, mini_batch_size: int) -> list[dict[str, float]]:
         """The critic's optimizer steps on this rank's slices of the global mini-batches (as :meth:`update`)."""

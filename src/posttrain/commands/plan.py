@@ -35,6 +35,10 @@ def format_plan(plan: Plan) -> str:
     lines += ["", "parallel layout",
               f"  {'actor':<46} data parallel {plan.layout.actor_dp} (tensor / pipeline parallel: 1)",
               f"  {'rollout':<46} data parallel {plan.layout.infer_dp}"]
+    if plan.reward_model is not None:
+        rm = plan.reward_model
+        lines.append(f"  {'reward model (colocated with the actor)':<46} {rm.path}, {rm.dtype}, "
+                     f"{rm.micro_batch_size} sequences per forward, weight {rm.weight:g}")
     if plan.dispatch_sizes:
         lines += ["", "dispatch sizes (TransferDock reads per data-parallel rank)"]
         lines += [f"  {k:<46} {v}" for k, v in sorted(plan.dispatch_sizes.items())]
@@ -44,6 +48,7 @@ def format_plan(plan: Plan) -> str:
         for name, value in (("weights (fp32 master)", m.weights), ("gradients", m.gradients),
                             ("optimizer states (AdamW)", m.optimizer), ("reference (frozen copy)", m.reference),
                             ("critic (weights, gradients, AdamW)", m.critic),
+                            ("reward model (frozen weights)", m.reward_model),
                             ("activations (one micro-batch)", m.activations), ("rollout KV cache", m.kv_cache),
                             ("total", m.total)):
             if value or name == "total":

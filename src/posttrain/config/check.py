@@ -4,9 +4,10 @@ In order: values no run can use (zero or negative sizes, non-finite rates, sampl
 of range: :func:`posttrain.config.validate.check_values`), the seed's rules with the seed's messages
 (:mod:`posttrain.config.validate`), the stage's own rules (:mod:`posttrain.config.stages`), the
 features posttrain refuses until they work (:mod:`posttrain.config.features`), the limits of the
-layouts that run today, the verifier names and the prompt template file. The first broken rule
-raises a :class:`~posttrain.errors.ConfigError`; knobs that have no effect on this hardware come back
-as one warning, and a run that saves nothing as another. :func:`posttrain.config.plan.resolve_plan`
+layouts that run today, the reward model's settings (:mod:`posttrain.config.reward_model`), the
+verifier names and the prompt template file. The first broken rule raises a
+:class:`~posttrain.errors.ConfigError`; knobs that have no effect on this hardware come back as one
+warning, and a run that saves nothing as another. :func:`posttrain.config.plan.resolve_plan`
 also checks ``rl_config.device`` (:func:`check_device`) and the memory estimate.
 """
 
@@ -18,6 +19,7 @@ from pathlib import Path
 
 from posttrain.config.features import check_features, startup_warnings
 from posttrain.config.megatron import MegatronConfig
+from posttrain.config.reward_model import check_reward_model
 from posttrain.config.run import RunConfig
 from posttrain.config.stages import stage_named
 from posttrain.config.validate import Layout, validate_run_config
@@ -30,10 +32,11 @@ def check_run_config(cfg: RunConfig, *, device_type: str = "cpu") -> tuple[Layou
     stage = stage_named(cfg.actor.stage or cfg.actor.algorithm)
     stage.check(cfg)
     check_features(cfg, device_type=device_type)
+    check_reward_model(cfg, on_policy=stage.on_policy, dynamic_sampling=stage.dynamic_sampling(cfg))
     _check_workers(cfg, stage.on_policy, stage.uses_critic)
     if stage.on_policy and device_type == "cuda":
         _check_offload(cfg)
-    if stage.on_policy:
+    if stage.on_policy and (cfg.rl.rule_reward or cfg.rl.eval_data_path):  # training scores, held-out accuracy
         check_verifiers(cfg)
     _check_prompt_type_path(cfg)
     warnings = startup_warnings(cfg, device_type)

@@ -44,8 +44,6 @@ SECTION_REFUSALS = {
     "ref_config": "a separately configured reference model is not available yet (the reference is a frozen copy of "
                   "the actor's initial weights, or rl_config.integrated_mode_config.ref_model_load_path; DPO: "
                   "megatron_training.ref_model); remove ref_config",
-    "reward_config": "reward-model scoring does not run in the training loop yet (rewards come from the rule "
-                     "verifiers of rl_config.verifier_function); remove reward_config",
 }
 
 
@@ -121,6 +119,8 @@ def _blocks(cfg: RunConfig) -> list[tuple[str, list[Key]]]:
                                                    cfg.generate.sampling_config)))
     if cfg.critic is not None:
         blocks.append(("critic_config", _role(cfg, "critic_config", cfg.critic)))
+    if cfg.reward is not None:  # its own reading rules: posttrain.config.reward_model
+        blocks.append(("reward_config", _role(cfg, "reward_config", cfg.reward)))
     blocks.append(("profiler_config", _section(cfg, ("profiler_config", "integrated"), cfg.profiler)))
     blocks.append(("msprobe_config", _section(cfg, ("msprobe_config",), cfg.msprobe)))
     return blocks
@@ -174,7 +174,7 @@ def _is_set(key: Key, block: list[Key], cfg: RunConfig, device: str) -> bool:
         switch = next(k for k in block if k.name == rule.switch)
         if not switch.rule.is_active(switch.value, switch.default, device):
             return False
-    if rule.active == "critic_devices":
+    if rule.active == "actor_devices":
         count = getattr(key.value, "num_npus", None)
         return count is not None and count != (cfg.rl.actor_resource.num_npus or 1)
     return rule.is_active(key.value, key.default, device)

@@ -38,8 +38,9 @@ class Status(str, Enum):
 #   gt1:     the value is > 1
 #   set:     the value is not None / empty
 #   backend: the value is not the torch.distributed backend used on the device (gloo / nccl)
-#   critic_devices: (rl_config.critic_resource) a device count other than actor_resource's
-ACTIVE = ("changed", "gt1", "set", "backend", "critic_devices")
+#   actor_devices: (rl_config.critic_resource, reward_resource: roles colocated with the actor) a
+#                  device count other than actor_resource's
+ACTIVE = ("changed", "gt1", "set", "backend", "actor_devices")
 
 
 @dataclass(frozen=True)
@@ -86,8 +87,8 @@ class Rule:
             return value not in (None, "", [], {}, ())
         if self.active == "backend":
             return device is not None and value != ("gloo" if device == "cpu" else "nccl")
-        if self.active == "critic_devices":
-            raise ValueError("critic_devices needs the whole config (posttrain.config.features)")
+        if self.active == "actor_devices":
+            raise ValueError("actor_devices needs the whole config (posttrain.config.features)")
         allowed = self.ok if self.ok else (default,)
         return not any(_same(value, a) for a in allowed)
 

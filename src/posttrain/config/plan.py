@@ -18,6 +18,7 @@ from types import MappingProxyType
 from typing import Any, Mapping
 
 from posttrain.config.check import check_device, check_run_config, uses_ray
+from posttrain.config.reward_model import RewardModelOptions, reward_model_arch, reward_model_options
 from posttrain.config.run import RunConfig
 from posttrain.config.stages import Stage, stage_named
 from posttrain.config.validate import Layout
@@ -66,11 +67,12 @@ class MemoryEstimate:
     critic: float
     activations: float
     kv_cache: float
+    reward_model: float = 0.0  # the frozen reward model of reward_config (0 when none, or its size is unknown)
 
     @property
     def total(self) -> float:
         return (self.weights + self.gradients + self.optimizer + self.reference + self.critic
-                + self.activations + self.kv_cache)
+                + self.activations + self.kv_cache + self.reward_model)
 
 
 @dataclass(frozen=True)
@@ -117,6 +119,7 @@ class Plan:
     arch: ModelArch | None = None
     num_params: int | None = None
     memory: MemoryEstimate | None = field(default=None)
+    reward_model: RewardModelOptions | None = None  # reward_config's model, scoring in the loop
 
     @property
     def name(self) -> str:
@@ -255,7 +258,7 @@ def build_plan(cfg: RunConfig, layout: Layout, arch: ModelArch | None = None, *,
         max_num_seqs=gen.max_num_seqs if cfg.explicitly_set("generate_config", "max_num_seqs") else 256,
         offload_optimizer=on_policy and gen.offload_train_optimizer and not device.startswith("cpu"),
         offload_grads=on_policy and gen.offload_train_grad,
-        warnings=warnings, arch=arch,
+        warnings=warnings, arch=arch, reward_model=reward_model_options(cfg, device, on_policy=on_policy),
     )
     if arch is not None:
         plan = _replace(plan, num_params=arch.num_params(), memory=estimate_memory(cfg, plan, arch))
@@ -325,6 +328,8 @@ def estimate_memory(cfg: RunConfig, plan: Plan, arch: ModelArch) -> MemoryEstima
     * critic (PPO): the value model (the actor's backbone without the LM head, plus a bias-free
       h x 1 value head) with its gradients and moments, 16 bytes per parameter of its own; replicated
       on every worker, DDP, whatever the actor's sharding;
+    * reward model (``reward_config``): its weights only (frozen), 4 bytes per parameter (2 in
+      bf16), on every worker; counted when its ``config.json`` can be read without loading it;
     * activations for one micro-batch (Korthikanti et al. 2022, memory-efficient SDPA attention):
       s*b*h*34 bytes per layer (full recompute keeps 2*s*b*h), plus fp32 logits s*b*V*4;
     * KV cache of the native rollout engine: the rows one worker decodes at once (at most
@@ -334,14 +339,23 @@ def estimate_memory(cfg: RunConfig, plan: Plan, arch: ModelArch) -> MemoryEstima
     a = cfg.actor
     params = float(arch.num_params())
     shard = params / plan.workers if plan.workers > 1 and plan.sharding == "fsdp2" else params
-    # the critic's sequence-classification model: no LM head (untied: V x h fewer), a score head (h)
-    critic = params - (0 if arch.tie_embeddings else arch.vocab_size * arch.hidden_size) + arch.hidden_size
+    critic = value_model_params(arch)
     s, b, h = plan.max_tokens_per_sequence, plan.micro_batch_size, arch.hidden_size
     per_layer = 2 * s * b * h if a.recompute_granularity == "full" else s * b * h * 34
     activations = arch.num_layers * per_layer + s * b * arch.vocab_size * 4
     seqs = min(plan.responses_per_iteration // plan.workers, plan.max_num_seqs) if plan.stage.on_policy else 0
     kv = seqs * plan.max_tokens_per_sequence * arch.kv_cache_bytes_per_token(2 if plan.rollout_dtype == "bfloat16"
                                                                              else 4)
+    rm_arch = reward_model_arch(cfg) if plan.reward_model is not None else None
+    rm_bytes = 2 if plan.reward_model is not None and plan.reward_model.dtype == "bfloat16" else 4
     return MemoryEstimate(weights=4 * shard, gradients=4 * shard, optimizer=8 * shard,
                           reference=4 * params if plan.uses_reference and not cfg.rl.offload_reference else 0.0,
-                          critic=16 * critic if plan.uses_critic else 0.0, activations=activations, kv_cache=kv)
+                          critic=16 * critic if plan.uses_critic else 0.0, activations=activations, kv_cache=kv,
+                          reward_model=rm_bytes * value_model_params(rm_arch) if rm_arch is not None else 0.0)
+
+
+def value_model_params(arch: ModelArch) -> float:
+    """Parameters of a sequence-classification model on ``arch`` (critic, reward model): no LM head
+    (untied: V x h fewer), a score head (h)."""
+    return float(arch.num_params()) - (0 if arch.tie_embeddings else arch.vocab_size * arch.hidden_size) \
+        + arch.hidden_size

@@ -21,6 +21,7 @@ from pydantic import BaseModel
 from posttrain.config.features import CRITIC_FOLLOWS_ACTOR, SECTION_REFUSALS
 from posttrain.config.fields import DEVICES, Rule, Status, field_rule, fmt_value
 from posttrain.config.megatron import MegatronConfig
+from posttrain.config.reward_model import READS
 from posttrain.config.sections import (GenerateConfig, MsprobeConfig, ProfilerConfig, Resource, RLConfig,
                                        SamplingConfig)
 from posttrain.paths import PROJECT_ROOT
@@ -86,6 +87,11 @@ def _section_rules() -> str:
                  f"refused: {keys} (`no_save_optim` and `no_save_rng` are the critic's own when "
                  f"`critic_config.save` names a directory other than the actor's; `save`, `load`, `finetune`, "
                  f"`no_load_optim` and `no_load_rng` are always its own: see docs/checkpoints.md).")
+    reads = ", ".join(f"`{k}`" for k in READS)
+    lines.append(f"* `reward_config`: the reward model of the on-policy stages (see docs/rewards.md, \"Reward model "
+                 f"in the loop\"). It reads {reads} (`load`, else `tokenizer_name_or_path`, written in "
+                 f"`reward_config` itself, names the model); another key it writes must equal the actor's value. "
+                 f"`rl_config.rule_reward: false` needs it; dpo and sft refuse it.")
     return "\n".join(lines)
 
 
@@ -157,7 +163,7 @@ def _when(rule: Rule, default: Any) -> str:
         cond = f"when {written}"
     elif rule.active == "backend":
         cond = f"when {as_} anything but the device's backend (gloo on cpu, nccl on cuda)"
-    elif rule.active == "critic_devices":
+    elif rule.active == "actor_devices":
         cond = "when its num_npus differs from actor_resource's"
     else:
         cond = f"when {as_} anything but " + " or ".join(fmt_value(v) for v in good)

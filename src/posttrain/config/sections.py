@@ -36,18 +36,17 @@ EAGER = ignored("the rollout engines run eagerly (no graph capture)", ok=(True,)
 LOGPROBS = ignored("the engines return the sampled token's log-prob only", ok=(None, 0, 1))
 DETOKENIZE = ignored("the engines return token ids; the reward step decodes them")
 
-RULE_REWARD = refused("reward-model scoring does not run in the training loop yet, so rewards always come from the "
-                      "rule verifiers (verifier_function)", "remove the key or set it to true")
 INTEGRATED = refused("separate actor, reference and reward workers are not available yet (the actor, rollout and "
                      "reference always share one worker)", "remove the key or set it to true")
 BLOCKING = refused("asynchronous (non-blocking) execution of the roles is not implemented yet (the phases run one "
                    "after another)", "remove the key or set it to true")
 REFERENCE_RESOURCE = refused("a reference on its own devices is not available yet (the reference shares the actor's "
                              "worker)", "remove the key", active="set")
-REWARD_RESOURCE = refused("reward-model scoring does not run in the training loop yet", "remove the key",
-                          active="set")
+REWARD_RESOURCE = refused("the reward model runs on the actor's devices (loaded in the actor's process or in each "
+                          "actor worker)", "remove the key or give it actor_resource's num_npus",
+                          active="actor_devices")
 CRITIC_RESOURCE = refused("the critic runs on the actor's devices (in the actor's process)",
-                          "remove the key or give it actor_resource's num_npus", active="critic_devices")
+                          "remove the key or give it actor_resource's num_npus", active="actor_devices")
 MULTIMODAL = refused("multimodal training is not implemented yet")
 MULTIMODAL_SET = refused("multimodal training is not implemented yet", "remove the key", active="set")
 SWANLAB = refused("SwanLab logging is not implemented", "remove the key or set it to false (use_tensorboard or "
@@ -103,11 +102,12 @@ class Resource(Section):
 class RLConfig(Section):
     runtime_env_path: str = F("configs/envs/runtime_env.yaml", "Ray runtime env file", HONOURED)
     hccl_buffersize: int = F(256, "Ascend HCCL buffer size (MB)", HCCL)
-    rule_reward: bool = F(True, "score rollouts with the rule verifiers", RULE_REWARD)
+    rule_reward: bool = F(True, "score rollouts with the rule verifiers (false: the reward model of reward_config "
+                                "alone)", HONOURED)
     beta: float = F(0.1, "rule/model reward balance", SEED_UNUSED)
     actor_resource: Resource = F(Resource(), "devices for the actor", HONOURED)
     reference_resource: Opt[Resource] = F(None, "separated mode: reference devices", REFERENCE_RESOURCE)
-    reward_resource: Opt[Resource] = F(None, "separated mode: reward-model devices", REWARD_RESOURCE)
+    reward_resource: Opt[Resource] = F(None, "reward-model devices (reward_config)", REWARD_RESOURCE)
     critic_resource: Opt[Resource] = F(None, "critic devices (PPO)", CRITIC_RESOURCE)
     vit_resource: Opt[Resource] = F(None, "multimodal: ViT devices", MULTIMODAL_SET)
     num_samples_per_step: int = F(1, "samples per step", SEED_UNUSED)
@@ -227,6 +227,9 @@ class RLConfig(Section):
                                      HONOURED)
     ray_sharding: str = F("ddp", "posttrain: Ray actor workers: ddp (full replicas) or fsdp2 (sharded parameters, "
                                  "gradients and optimizer state)", HONOURED)
+    reward_model_weight: float = F(1.0, "posttrain: weight of the reward model's score (reward_config): score = "
+                                        "rule score (if rule_reward) + reward_model_weight x reward-model score",
+                                   HONOURED)
     offload_reference: bool = F(False, "posttrain: the frozen reference off the device between its uses (GPU: in "
                                        "host memory; CPU: dropped, and mapped back from a file for each use)",
                                 HONOURED)

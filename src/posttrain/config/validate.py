@@ -222,16 +222,13 @@ def validate_run_config(cfg: RunConfig, *, device_type: str = "cpu", num_nodes: 
         raise ConfigError(f"generate_config.dtype: unknown dtype '{gen.dtype}'; use bfloat16 or float32")
     if stage in ("dpo", "sft"):
         return _validate_offline(cfg, num_nodes)
-    # 3
+    # 3 (posttrain, unlike the seed, runs a reward model in integrated mode: colocated with the actor,
+    # reward_config and reward_resource are checked in posttrain.config.reward_model)
     if rl.use_integrated_worker:
         if rl.reference_resource is not None:
             raise ConfigError("reference_resource should not be set when use_integrated_worker mode is on.")
-        if rl.reward_resource is not None:
-            raise ConfigError(" Reward model is not supported when use_integrated_worker mode is on.")
         if cfg.raw.get("ref_config") is not None:
             raise ConfigError("ref_config should not be set when use_integrated_worker mode is on.")
-        if cfg.raw.get("reward_config") is not None:
-            raise ConfigError("reward_config should not be set when use_integrated_worker mode is on.")
     elif rl.integrated_mode_config is not None:
         raise ConfigError("integrated_mode_config should not be set when use_integrated_worker mode is off.")
     if stage == "dapo" and cfg.raw.get("ref_config") is not None:
@@ -266,6 +263,8 @@ def validate_run_config(cfg: RunConfig, *, device_type: str = "cpu", num_nodes: 
     # 8
     _check_batch_ratio("Actor", gbs, n, mbs)
     _check_batch_ratio("Reference", gbs, n, (cfg.ref or a).micro_batch_size or mbs)
+    if cfg.reward is not None:
+        _check_batch_ratio("Reward", gbs, n, cfg.reward.micro_batch_size or mbs)
     # 9
     if gen.infer_pipeline_parallel_size > 1:
         raise ConfigError("pipeline_parallel for vllm is not supported yet ! ")

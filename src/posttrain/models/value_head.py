@@ -59,11 +59,13 @@ class ValueHeadModel(torch.nn.Module):
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, dtype: str = "float32", device: str = "cpu",
-                        head_init: str = "default", attn_implementation: str | None = "sdpa") -> "ValueHeadModel":
+                        head_init: str = "default", attn_implementation: str | None = "sdpa",
+                        require_head: bool = False) -> "ValueHeadModel":
         """Load a reward model / critic from a sequence-classification or causal-LM directory.
 
         A head missing from the checkpoint (causal-LM directory) is initialised per ``head_init``:
-        ``default`` (HF's normal init), ``zero`` (values start at 0) or ``normal`` (std 1/sqrt(H+1)).
+        ``default`` (HF's normal init), ``zero`` (values start at 0) or ``normal`` (std 1/sqrt(H+1));
+        with ``require_head`` (a reward model, whose head must be trained) it is a CheckpointError.
         """
         from transformers import AutoModelForSequenceClassification
 
@@ -75,6 +77,12 @@ class ValueHeadModel(torch.nn.Module):
             str(path), output_loading_info=True, **kwargs)
         self = cls(model)
         if any(k.startswith(self.head_name) for k in info.get("missing_keys", ())):
+            if require_head:
+                from posttrain.errors import CheckpointError
+
+                raise CheckpointError(f"{path} has no trained score head (it holds a causal LM, not a reward "
+                                      f"model); give a sequence-classification checkpoint with num_labels 1 (an "
+                                      f"HF reward model, a posttrain critic or a Megatron --orm checkpoint)")
             self._init_head(head_init)
         return self.to(device)
 

@@ -1,3 +1,4 @@
 """The roles a run builds once and its loops drive: :class:`~posttrain.roles.policy.Policy` (actor,
-reference, rollout) and :class:`~posttrain.roles.critic.Critic`. The same objects are built in
-process and inside each Ray worker (:mod:`posttrain.cluster`)."""
+reference, rollout), :class:`~posttrain.roles.critic.Critic` and the frozen reward model
+(:mod:`posttrain.roles.reward_model`). The same objects are built in process and inside each Ray
+worker (:mod:`posttrain.cluster`)."""

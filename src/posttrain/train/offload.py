@@ -18,6 +18,21 @@ import torch
 HOST = torch.device("cpu")
 
 
+def return_freed_memory() -> None:
+    """Ask glibc to hand freed heap memory back to the system (``malloc_trim``), so that freed
+    gradients or a dropped reference lower the process's RSS on a CPU; a no-op elsewhere."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+    except OSError:
+        libc = None
+    if libc is not None and hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)
+
+
 class StateOffload:
     """Moves ``optimizer``'s state to the host (``to_host``) and back (``to_device``)."""
 
@@ -32,6 +47,8 @@ class StateOffload:
         if self.grads:
             for p in self.params():
                 p.grad = None
+            if any(p.device.type == "cpu" for p in self.params()):
+                return_freed_memory()
         if not self.optimizer_state or self.moved:
             return
         pin = torch.cuda.is_available()
@@ -104,6 +121,8 @@ class OffloadedReference:
                 host = torch.empty(param.shape, dtype=param.dtype, pin_memory=pin)
                 host.copy_(param.data)
                 param.data = host
+        if self.path is not None:
+            return_freed_memory()
 
     def _onload(self) -> None:
         params = self._params()

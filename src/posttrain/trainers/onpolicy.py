@@ -2,6 +2,8 @@
 
     put prompts (x n) -> rollout -> reward -> advantages -> reference logprobs -> old logprobs -> update
 
+The reward is the rule verifiers' score and/or a reward model's (``reward_config``), by weight.
+
 Every phase reads its inputs from the TransferDock and writes its outputs back, in the read sizes
 of the plan (:mod:`posttrain.trainers.experience` has the dock's schema). What differs between the
 algorithms is in the plan's stage (:mod:`posttrain.config.stages`); PPO adds the critic phases of
@@ -112,8 +114,7 @@ class OnPolicyTrainer:
         self.put_prompts(td)
         with timers("rollout"):
             self.rollout(td, iteration)
-        with timers("rule_reward"):
-            self.reward(td, acc)
+        self.reward(td, acc, timers)
 
     def put_prompts(self, td: TransferDock) -> None:
         items = [self.s.dataset[i] for i in self.s.sampler.next_batch()]
@@ -135,22 +136,42 @@ class OnPolicyTrainer:
             responses = [torch.tensor(o.token_ids, dtype=torch.long) for group in outs for o in group]
             td.put(["responses", "response_length"], idx, [responses, [len(r) for r in responses]])
 
-    def reward(self, td: TransferDock, acc: MetricAccumulator) -> None:
+    def reward(self, td: TransferDock, acc: MetricAccumulator, timers: Timers | None = None) -> None:
+        """Each response's score: the rule reward (``rl_config.rule_reward``, timed as ``rule_reward``)
+        plus ``rl_config.reward_model_weight`` x the reward model's score (``reward_config``, timed as
+        ``reward_model``, logged as ``reward_model/score/{mean,max,min}``)."""
+        timers = timers if timers is not None else Timers()
+        model = self.s.reward_model
+        while not td.all_consumed("reward"):
+            batch, idx = td.get("reward", ["prompts", "responses", "labels", "response_length"],
+                                self.plan.reads["reward_dispatch_size"])
+            scores = [0.0] * len(idx)
+            if self.cfg.rl.rule_reward:
+                with timers("rule_reward"):
+                    scores = self.rule_scores(td, batch, idx, acc)
+            if model is not None:
+                with timers("reward_model"):
+                    model_scores = model.score_sequences([p.tolist() for p in batch["prompts"]],
+                                                         [r.tolist() for r in batch["responses"]])
+                weight = self.plan.reward_model.weight
+                scores = [score + weight * m for score, m in zip(scores, model_scores)]
+                acc.update({f"reward_model/score/{k}": model_scores for k in ("mean", "max", "min")})
+            td.put(["scores"], idx, [torch.tensor(scores, dtype=torch.float32)])
+
+    def rule_scores(self, td: TransferDock, batch: dict, idx: list[int], acc: MetricAccumulator) -> list[float]:
+        """The rule verifiers' weighted scores of one read (and DAPO's per-verifier filter column)."""
         from posttrain.reward.decoding import decode_labels, decode_responses
 
         tokenizer = self.s.policy.tokenizer
-        while not td.all_consumed("reward"):
-            batch, idx = td.get("reward", ["responses", "labels", "response_length"],
-                                self.plan.reads["reward_dispatch_size"])
-            texts = decode_responses(tokenizer, [r.tolist() for r in batch["responses"]])
-            labels = decode_labels(tokenizer, [r.tolist() for r in batch["labels"]])
-            lengths = [int(x) for x in batch["response_length"]]
-            result = self.s.rule_reward.score_detailed(texts, labels, response_lengths=lengths)
-            td.put(["scores"], idx, [torch.tensor(result.scores, dtype=torch.float32)])
-            names, per_verifier = score_columns(td, result.per_verifier)  # DAPO's filter metric, when the dock has it
-            if names:
-                td.put(names, idx, per_verifier)
-            acc.update(result.metrics)
+        texts = decode_responses(tokenizer, [r.tolist() for r in batch["responses"]])
+        labels = decode_labels(tokenizer, [r.tolist() for r in batch["labels"]])
+        lengths = [int(x) for x in batch["response_length"]]
+        result = self.s.rule_reward.score_detailed(texts, labels, response_lengths=lengths)
+        names, per_verifier = score_columns(td, result.per_verifier)  # DAPO's filter metric, when the dock has it
+        if names:
+            td.put(names, idx, per_verifier)
+        acc.update(result.metrics)
+        return list(result.scores)
 
     def advantages(self, td: TransferDock) -> None:
         rl = self.cfg.rl

@@ -240,7 +240,7 @@ class Session:
 
         self.cfg, self.plan, self.run_dir = cfg, plan, run_dir
         self.closed = False
-        self.cluster = self.critic = self.rule_reward = self.eval_data = self.logger = None
+        self.cluster = self.critic = self.rule_reward = self.reward_model = self.eval_data = self.logger = None
         self.locks: list[DirLock] = []
         self.extra_parts: dict[str, Any] = {}  # more trained modules to checkpoint (PPO: "critic")
         on_policy = plan.stage.on_policy
@@ -297,7 +297,10 @@ class Session:
             from posttrain.rollout.base import SamplingParams
 
             self.sampling = SamplingParams.from_config(cfg.generate.sampling_config.model_dump())
-            self.rule_reward = self.cluster.rule_reward if self.cluster else RuleReward.from_rl_config(rl)
+            if rl.rule_reward or rl.eval_data_path:  # the training scores; the held-out accuracy
+                self.rule_reward = self.cluster.rule_reward if self.cluster else RuleReward.from_rl_config(rl)
+            if plan.reward_model is not None:  # in this process, or colocated in the Ray actor workers
+                self.reward_model = self.cluster.reward_model if self.cluster else self._reward_scorer(plan)
             self.eval_data = self._load_eval_data()
         self.logger = MetricsLogger(run_dir, rl.use_tensorboard, rl.tensorboard_log_dir, rl.use_wandb,
                                     rl.wandb_project, rl.wandb_exp_name, rl.wandb_save_dir, a.train_iters,
@@ -306,6 +309,11 @@ class Session:
         write_text_atomic(run_dir / "config.json", json.dumps(cfg.raw, indent=2, default=str))
         if self.iteration == 0 and self.eval_data is not None:
             self.log_eval(0)
+
+    def _reward_scorer(self, plan: Plan):
+        from posttrain.roles.reward_model import build_reward_scorer
+
+        return build_reward_scorer(plan.reward_model, self.policy.tokenizer, self.device)
 
     # ---- per-iteration helpers -----------------------------------------------------------------
     def sampling_for(self, iteration: int):

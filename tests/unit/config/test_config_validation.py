@@ -47,9 +47,7 @@ def test_base_is_valid_and_derives_dispatch_sizes():
 CASES = [
     (["megatron_training.ai_framework=jax"], "Invalid value for ai_framework: 'jax'. Only None or mindspore are allowed"),
     (["rl_config.reference_resource.num_npus=2"], "reference_resource should not be set when use_integrated_worker mode is on."),
-    (["rl_config.reward_resource.num_npus=2"], "Reward model is not supported when use_integrated_worker mode is on."),
     (["ref_config.micro_batch_size=2"], "ref_config should not be set when use_integrated_worker mode is on."),
-    (["reward_config.micro_batch_size=2"], "reward_config should not be set when use_integrated_worker mode is on."),
     (["rl_config.use_integrated_worker=false", "rl_config.integrated_mode_config={ref_model_load_path: x}"],
      "integrated_mode_config should not be set when use_integrated_worker mode is off."),
     (["generate_config.max_model_len=512"],
