@@ -5,8 +5,9 @@
   (2 epochs x 2 shuffled mini-batches) match the in-process engine within float tolerance.
 * The whole loop learns on 2 workers: the lowercase reward goes up over 12 iterations, as it does
   in process, and the 2-worker checkpoint resumes on 1 in-process worker.
-* A whole run does not depend on the worker count: GRPO (with KL and shuffled epochs) and DAPO
-  (dynamic sampling) on 2 workers draw the same responses and log the same metrics as in process.
+* A whole run does not depend on the worker count: GRPO (with KL and shuffled epochs), DAPO
+  (dynamic sampling) and PPO (its colocated critic) on 2 workers draw the same responses and log the
+  same metrics as in process.
 """
 
 from __future__ import annotations
@@ -179,16 +180,24 @@ def run_recording_responses(cfg) -> tuple[list[list[list[int]]], list[dict]]:
     return batches, read_metrics(Path(cfg.rl.output_dir))
 
 
-@pytest.mark.parametrize("algorithm", ["grpo", "dapo"])
+PPO = {"adv_estimator": "gae", "gamma": 1.0, "lam": 0.95, "use_kl_in_reward": True, "cliprange_value": 0.5}
+
+
+@pytest.mark.parametrize("algorithm", ["grpo", "dapo", "ppo"])
 def test_a_whole_run_on_two_workers_equals_the_run_in_one_process(ray_cluster, work, algorithm):
-    """2 iterations with KL (a reference) and 2 epochs of shuffled mini-batches: the same response
-    tokens and every logged metric but the wall-clock ones within 1e-5 relative. DAPO regenerates
-    until enough groups vary: the same generation batches, kept groups and metrics."""
-    rl = {"epochs": 2, "shuffle_mini_batch": True, "init_kl_coef": 0.05, **(DAPO if algorithm == "dapo" else {})}
+    """2 iterations with KL (a reference; offloaded on the GRPO workers) and 2 epochs of shuffled
+    mini-batches: the same response tokens and every logged metric but the wall-clock ones within
+    1e-5 relative. DAPO regenerates until enough groups vary: the same generation batches, kept
+    groups and metrics. PPO: its colocated critic's values, value loss and grad norms too."""
+    extra = {"dapo": DAPO, "ppo": PPO}.get(algorithm, {})
+    rl = {"epochs": 2, "shuffle_mini_batch": True, "init_kl_coef": 0.05, **extra}
     train = {"stage": f"ray_{algorithm}"}
+    # the 2-worker GRPO run also drops its reference between uses (rl_config.offload_reference): no
+    # result may change
+    offload = {"offload_reference": True} if algorithm == "grpo" else {}
     runs = {name: run_recording_responses(grpo_config(work, f"same_{algorithm}_{name}", workers=workers, iters=2,
-                                                      rl=rl, train=train))
-            for name, workers in (("local", 1), ("ray", 2))}
+                                                      rl={**rl, **extra}, train=train))
+            for name, workers, extra in (("local", 1, {}), ("ray", 2, offload))}
     (local_batches, local_rows), (ray_batches, ray_rows) = runs["local"], runs["ray"]
     assert ray_batches == local_batches
     assert len(local_batches) >= 2 and local_batches[0] != local_batches[1]  # fresh samples each batch
@@ -202,5 +211,8 @@ def test_a_whole_run_on_two_workers_equals_the_run_in_one_process(ray_cluster, w
         assert want["actor/grad_norm"] > 0 and len(compared) > 15
     if algorithm == "grpo":
         assert all(r["actor/kl_loss"] > 0 for r in local_rows)  # the reference is in the loss
+    elif algorithm == "ppo":  # the critic trained, and the KL is in the reward
+        assert all(r["critic/vf_loss"] > 0 and r["critic/grad_norm"] > 0 for r in local_rows)
+        assert local_rows[-1]["actor/reward_kl_penalty"] != 0
     else:  # some iteration needed a second generation batch (its own seed)
         assert max(r["train/num_gen_batches"] for r in local_rows) >= 2 and "dapo/score/mean" in local_rows[-1]

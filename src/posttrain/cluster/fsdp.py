@@ -52,6 +52,8 @@ def shard(model, engine, actor_cfg, total_steps: int) -> list[str]:
     fully_shard(model)
     a = actor_cfg
     engine.optimizer = build_optimizer(model, a.lr, a.weight_decay, a.adam_beta1, a.adam_beta2)
+    if engine.offload is not None:  # generate_config.offload_train_*: the new optimizer's state moves
+        engine.offload.optimizer = engine.optimizer
     engine.scheduler = build_lr_scheduler(engine.optimizer, lr=a.lr, min_lr=a.min_lr,
                                           lr_decay_style=a.lr_decay_style,
                                           lr_warmup_fraction=a.lr_warmup_fraction, total_steps=max(total_steps, 1))

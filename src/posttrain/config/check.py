@@ -34,8 +34,6 @@ def check_run_config(cfg: RunConfig, *, device_type: str = "cpu") -> tuple[Layou
     check_features(cfg, device_type=device_type)
     check_reward_model(cfg, on_policy=stage.on_policy, dynamic_sampling=stage.dynamic_sampling(cfg))
     _check_workers(cfg, stage.on_policy, stage.uses_critic)
-    if stage.on_policy and device_type == "cuda":
-        _check_offload(cfg)
     if stage.on_policy and (cfg.rl.rule_reward or cfg.rl.eval_data_path):  # training scores, held-out accuracy
         check_verifiers(cfg)
     _check_prompt_type_path(cfg)
@@ -116,16 +114,6 @@ def _check_workers(cfg: RunConfig, on_policy: bool, uses_critic: bool) -> None:
                           f"equally by {workers} actor workers{' and their colocated critic' if uses_critic else ''} "
                           f"(rl_config.actor_resource.num_npus); make it a "
                           f"multiple of the worker count")
-
-
-def _check_offload(cfg: RunConfig) -> None:
-    """The optimizer state moves to the host as plain tensors: FSDP2's sharded state (DTensors) does not."""
-    gen = cfg.generate
-    keys = [k for k in ("offload_train_optimizer", "offload_train_grad") if getattr(gen, k)]
-    if keys and uses_ray(cfg) and cfg.rl.ray_sharding == "fsdp2":
-        raise ConfigError(f"generate_config.{keys[0]}=true with rl_config.ray_sharding=fsdp2: offloading FSDP2's "
-                          f"sharded state is not implemented yet; use ray_sharding: ddp, or remove "
-                          f"{' and '.join('generate_config.' + k for k in keys)}")
 
 
 def uses_ray(cfg: RunConfig) -> bool:

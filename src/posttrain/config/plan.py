@@ -113,8 +113,8 @@ class Plan:
     actor_engine: EngineOptions
     ref_engine: EngineOptions
     max_num_seqs: int  # rows the rollout engine decodes at once
-    offload_optimizer: bool = False  # the actor's optimizer state on the host between updates (GPU only)
-    offload_grads: bool = False  # the actor's gradients freed between updates
+    offload_optimizer: bool = False  # the optimizer state on the host between updates (GPU only; actor, critic)
+    offload_grads: bool = False  # the gradients freed between updates (actor, critic)
     warnings: tuple[str, ...] = ()
     arch: ModelArch | None = None
     num_params: int | None = None

@@ -272,9 +272,10 @@ class GenerateConfig(Section):
     max_num_batched_tokens: int = F(2048, "token budget of one batch", HONOURED)
     dtype: str = F("bfloat16", "bfloat16 or float32 (float32 only on CPU; the seed requires bfloat16)", HONOURED)
     gpu_memory_utilization: float = F(0.5, "vLLM memory fraction", VLLM_ONLY)
-    offload_train_optimizer: bool = F(False, "the actor's optimizer state on the host between updates (one "
-                                             "process or DDP; FSDP2 refused)", OFFLOAD)
-    offload_train_grad: bool = F(False, "the actor's gradients freed between updates (on a CPU too)", HONOURED)
+    offload_train_optimizer: bool = F(False, "the actor's (and PPO critic's) optimizer state on the host between "
+                                             "updates", OFFLOAD)
+    offload_train_grad: bool = F(False, "the actor's (and PPO critic's) gradients freed between updates (on a CPU "
+                                        "too)", HONOURED)
     offload_train_param: bool = F(False, "offload training weights during rollout", OFFLOAD_PARAM)
     enable_prefix_caching: bool = F(False, "prefix caching across requests", PREFIX_CACHING)
     num_scheduler_steps: int = F(1, "vLLM multi-step scheduling", VLLM_ONLY)

@@ -94,7 +94,7 @@ class Critic:
         # padded micro-batches of micro_batch_size rows: remove padding and token budgets apply to
         # the policy's forwards only
         self.engine = build_train_engine(ValueModule(self.model), self.role, plan, EngineOptions(),
-                                         metric_prefix="critic")
+                                         metric_prefix="critic", offload_state=True)
         self.infer = self.engine
         self.part = Part(self.model.model, self.engine.optimizer, self.engine.scheduler)
         self.save_dir = critic_save_dir(cfg)

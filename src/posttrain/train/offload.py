@@ -34,14 +34,35 @@ def return_freed_memory() -> None:
 
 
 class StateOffload:
-    """Moves ``optimizer``'s state to the host (``to_host``) and back (``to_device``)."""
+    """Sends ``optimizer``'s state to the host (``to_host``) and brings it back (``to_device``).
+
+    As the seed's offloader does, every state tensor keeps its identity: its storage's bytes are
+    copied to host memory (pinned on a GPU) and the device storage is resized to 0; ``to_device``
+    resizes the storage back and copies the bytes in. The same code serves plain tensors (one
+    process, DDP) and FSDP2's DTensor state (the storage of this rank's local shard).
+    """
 
     def __init__(self, optimizer: torch.optim.Optimizer, *, optimizer_state: bool, grads: bool):
         self.optimizer, self.optimizer_state, self.grads = optimizer, optimizer_state, grads
-        self.moved: list[tuple[dict, str, torch.device]] = []  # (a param's state, key, its device)
+        self.held: list[tuple[torch.UntypedStorage, torch.Tensor]] = []  # (device storage, its bytes on the host)
 
     def params(self):
         return [p for group in self.optimizer.param_groups for p in group["params"]]
+
+    def storages(self) -> list[torch.UntypedStorage]:
+        """The storages of the optimizer's state tensors (AdamW's moments, not the scalar ``step``),
+        each once."""
+        out, seen = [], set()
+        for p in self.params():
+            for value in self.optimizer.state.get(p, {}).values():
+                local = value.to_local() if hasattr(value, "to_local") else value  # FSDP2: this rank's shard
+                if not torch.is_tensor(local) or local.dim() == 0:
+                    continue
+                storage = local.untyped_storage()
+                if storage.nbytes() > 0 and storage.data_ptr() not in seen:
+                    seen.add(storage.data_ptr())
+                    out.append(storage)
+        return out
 
     def to_host(self) -> None:
         if self.grads:
@@ -49,29 +70,39 @@ class StateOffload:
                 p.grad = None
             if any(p.device.type == "cpu" for p in self.params()):
                 return_freed_memory()
-        if not self.optimizer_state or self.moved:
+        if not self.optimizer_state or self.held:
             return
-        pin = torch.cuda.is_available()
-        for p in self.params():
-            state = self.optimizer.state.get(p, {})
-            for key, value in state.items():
-                if torch.is_tensor(value) and value.device != HOST:
-                    host = torch.empty(value.shape, dtype=value.dtype, pin_memory=pin)
-                    host.copy_(value, non_blocking=pin)
-                    self.moved.append((state, key, value.device))
-                    state[key] = host
-        if pin:
-            torch.cuda.synchronize()  # the copies finish before the device memory is reused
+        for storage in self.storages():
+            pin = storage.device.type == "cuda"
+            host = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=pin)
+            host.copy_(_bytes_of(storage), non_blocking=pin)
+            self.held.append((storage, host))
+        if any(storage.device.type == "cuda" for storage, _ in self.held):
+            torch.cuda.synchronize()  # the copies are done before the device storage goes
+        for storage, _ in self.held:
+            storage.resize_(0)
 
     def to_device(self) -> None:
-        for state, key, device in self.moved:
-            state[key] = state[key].to(device, non_blocking=True)
-        self.moved = []
+        for storage, host in self.held:
+            storage.resize_(host.numel())
+            _bytes_of(storage).copy_(host, non_blocking=host.is_pinned())
+        self.held = []
 
-    def where(self) -> set[str]:
-        """The device types holding the optimizer's state tensors (for checks and tests)."""
-        return {value.device.type for p in self.params() for value in self.optimizer.state.get(p, {}).values()
-                if torch.is_tensor(value) and value.dim() > 0}
+    def device_bytes(self) -> int:
+        """Bytes the optimizer's state holds in its own storages (0 while it is on the host)."""
+        return sum(storage.nbytes() for storage in self._state_storages())
+
+    def host_bytes(self) -> int:
+        """Bytes of optimizer state waiting in host memory."""
+        return sum(host.numel() for _, host in self.held)
+
+    def _state_storages(self):
+        return [storage for storage, _ in self.held] or self.storages()
+
+
+def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
+    """A uint8 tensor over the whole of ``storage``."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
 
 
 class OffloadedReference:

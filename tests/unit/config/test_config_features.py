@@ -246,16 +246,6 @@ def test_offload_is_honoured_on_cuda_but_the_weights_and_only_warned_on_cpu():
         "generate_config.offload_train_param"]
 
 
-def test_offload_with_fsdp2_is_refused_on_cuda():
-    from posttrain.config.check import _check_offload
-
-    cfg = config([*OFFLOAD[:1], "rl_config.ray_sharding=fsdp2", "rl_config.actor_resource.num_npus=2"])
-    with pytest.raises(ConfigError, match=r"^generate_config.offload_train_optimizer=true with "
-                                          r"rl_config.ray_sharding=fsdp2: .*use ray_sharding: ddp"):
-        _check_offload(cfg)
-    _check_offload(config([*OFFLOAD[:1], "rl_config.actor_resource.num_npus=2"]))  # DDP offloads
-
-
 def test_device_defaults_to_rl_config_device():
     cfg = config(["generate_config.offload_train_param=true", "rl_config.device=cpu"])
     check_features(cfg)

@@ -28,19 +28,24 @@ def batch() -> dict[str, torch.Tensor]:
 
 
 def two_updates(device: str, offload: bool):
-    """(engine, where the state was during each loss call, where it was after each update)."""
+    """(engine, optimizer-state bytes on the device during each loss call, and after each update)."""
     model = tiny_model(device)
     optimizer = build_optimizer(model, lr=1e-2, weight_decay=0.0)
     state = StateOffload(optimizer, optimizer_state=True, grads=True) if offload else None
     engine = TrainEngine(model, optimizer, micro_batch_size=2, offload=state)
     sft, during, after = make_sft_loss_fn(), [], []
-    probe = StateOffload(optimizer, optimizer_state=False, grads=False)  # only reads where()
+    probe = state or StateOffload(optimizer, optimizer_state=False, grads=False)  # reads the bytes only
 
     def loss_fn(m, micro_batch, **kw):
-        during.append(probe.where())
+        during.append(probe.device_bytes())
         return sft(m, micro_batch, **kw)
 
     for _ in range(2):
         engine.update(batch(), loss_fn, mini_batch_size=4)
-        after.append(probe.where())
+        after.append(probe.device_bytes())
     return engine, during, after
+
+
+def moment_bytes(model) -> int:
+    """AdamW's two moments of ``model``'s parameters."""
+    return 2 * sum(p.numel() * p.element_size() for p in model.parameters())
