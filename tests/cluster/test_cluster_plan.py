@@ -87,3 +87,22 @@ def test_reward_shares_merge_with_count_weighted_means():
     assert out.scores == [1.0, 0.0, 0.0, 1.0] and out.status["v"] == [0, 0, 2, 0]
     assert out.metrics["v_rewards/mean"] == pytest.approx(0.5) and out.metrics["reward/errors"] == 1.0
     assert out.errors == ["boom"]
+
+
+@pytest.mark.parametrize("stage", ["ray_grpo", "ray_ppo"])
+def test_a_mini_batch_the_workers_cannot_share_is_refused_by_the_plan(stage):
+    """PPO's critic is updated on the same slices of each mini-batch as the actor: the seed's rule
+    names the rows and the worker count (actor_dp) for both."""
+    from posttrain.config.plan import resolve_plan
+    from posttrain.config.run import run_config_from_dict
+    from posttrain.errors import ConfigError
+
+    cfg = run_config_from_dict({
+        "megatron_training": {"stage": stage, "global_batch_size": 6, "micro_batch_size": 2, "seq_length": 64},
+        "rl_config": {"n_samples_per_prompt": 2, "mini_batch_size": 2, "actor_resource": {"num_npus": 3},
+                      "use_kl_in_reward": stage == "ray_ppo", "device": "cpu",
+                      "adv_estimator": "gae" if stage == "ray_ppo" else "group_norm"},
+        "generate_config": {"max_model_len": 64, "infer_tensor_parallel_size": 1}})
+    with pytest.raises(ConfigError, match=r"mini_batch_size \* n_samples_per_prompt / actor_dp = 4/3 must be "
+                                          r"divisible by micro_batch_size 2"):
+        resolve_plan(cfg, device="cpu")
