@@ -48,10 +48,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-try:  # imported as part of a package (tests.megatron.mcore_harness) or from its own folder
-    from .cpu_shims import cpu_megatron
-except ImportError:  # pragma: no cover - depends on how pytest put tests/megatron on sys.path
-    from cpu_shims import cpu_megatron
+from posttrain.train.megatron.cpu_shims import cpu_megatron
 
 __all__ = [
     "HarnessError",
