@@ -49,6 +49,9 @@ from typing import Any, Optional, Sequence
 import torch
 
 from posttrain.train.megatron.cpu_shims import cpu_megatron
+from posttrain.train.megatron.model import arg as _arg
+from posttrain.train.megatron.model import build_chunks as _build_chunks
+from posttrain.train.megatron.model import transformer_config as transformer_config_from_args
 
 __all__ = [
     "HarnessError",
@@ -143,11 +146,6 @@ def load_shard(path: str | os.PathLike) -> dict:
 # --------------------------------------------------------------------------------------------
 
 
-def _arg(args: argparse.Namespace, name: str, default: Any = None) -> Any:
-    value = getattr(args, name, default)
-    return default if value is None else value
-
-
 def _parse_layer_list(num_layer_list) -> Optional[list[int]]:
     if num_layer_list is None or num_layer_list == "":
         return None
@@ -194,91 +192,6 @@ def resolve_layout(args: argparse.Namespace, tp: int, pp: int, vpp, num_layer_li
         if sum(layers) != args.num_layers:
             raise ValueError(f"num_layer_list {layers} does not add up to num_layers={args.num_layers}")
     return vpp, layers
-
-
-def transformer_config_from_args(args: argparse.Namespace, tp: int, pp: int, vpp, layers):
-    """A fp32, CPU, no-fusion ``TransformerConfig`` from Megatron-LM argument names."""
-    import torch.nn.functional as F
-    from megatron.core.transformer import TransformerConfig
-
-    if _arg(args, "position_embedding_type", "rope") != "rope":
-        raise NotImplementedError(f"position_embedding_type={args.position_embedding_type!r}")
-    swiglu = bool(_arg(args, "swiglu", False))
-    gqa = bool(_arg(args, "group_query_attention", False))
-    layout = None
-    if layers is not None:
-        # mcore 0.16 expresses an arbitrary per-stage layer count only through
-        # pipeline_model_parallel_layout (num_layers_in_first/last_pipeline_stage cannot express
-        # e.g. "1,3,2,2"): one list per virtual stage in model order, embedding first, loss last.
-        layout = [["decoder"] * n for n in layers]
-        layout[0].insert(0, "embedding")
-        layout[-1].append("loss")
-    return TransformerConfig(
-        num_layers=args.num_layers,
-        hidden_size=args.hidden_size,
-        ffn_hidden_size=args.ffn_hidden_size,
-        num_attention_heads=args.num_attention_heads,
-        num_query_groups=args.num_query_groups if gqa else None,
-        kv_channels=getattr(args, "kv_channels", None),
-        add_qkv_bias=bool(_arg(args, "add_qkv_bias", False)),
-        add_bias_linear=bool(_arg(args, "add_bias_linear", False)),
-        qk_layernorm=bool(_arg(args, "qk_layernorm", False)),
-        gated_linear_unit=swiglu,
-        activation_func=F.silu if swiglu else F.gelu,
-        normalization=_arg(args, "normalization", "LayerNorm"),
-        layernorm_epsilon=float(_arg(args, "norm_epsilon", 1e-5)),
-        rotary_interleaved=bool(_arg(args, "rotary_interleaved", False)),
-        tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=pp,
-        virtual_pipeline_model_parallel_size=vpp,
-        pipeline_model_parallel_layout=layout,
-        pipeline_dtype=torch.float32,
-        params_dtype=torch.float32,
-        use_cpu_initialization=True,
-        perform_initialization=False,  # every weight comes from the checkpoint
-        bias_dropout_fusion=False,
-        apply_rope_fusion=False,
-        masked_softmax_fusion=False,
-        gradient_accumulation_fusion=False,
-        persist_layer_norm=False,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        attention_softmax_in_fp32=True,
-        sequence_parallel=False,
-    )
-
-
-def _build_chunks(args: argparse.Namespace, config, vpp) -> list:
-    from megatron.core import parallel_state as ps
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-
-    spec = get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization=config.normalization)
-    tied = not bool(_arg(args, "untie_embeddings_and_output_weights", False))
-    rope_kwargs = {}
-    if getattr(args, "use_rope_scaling", False):
-        rope_kwargs = dict(rope_scaling=True, rope_scaling_factor=float(_arg(args, "rope_scaling_factor", 8.0)))
-    chunks = []
-    for vp_stage in range(vpp or 1):
-        stage = vp_stage if vpp else None
-        chunks.append(
-            GPTModel(
-                config,
-                spec,
-                vocab_size=args.padded_vocab_size,
-                max_sequence_length=args.max_position_embeddings,
-                pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
-                post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
-                parallel_output=True,
-                share_embeddings_and_output_weights=tied,
-                position_embedding_type="rope",
-                rotary_percent=float(_arg(args, "rotary_percent", 1.0)),
-                rotary_base=int(_arg(args, "rotary_base", 10000)),
-                vp_stage=stage,
-                **rope_kwargs,
-            )
-        )
-    return chunks
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,0 +1,133 @@
+"""Megatron-Core's ``GPTModel`` for a Hugging Face model: the model built from Megatron-LM
+arguments (the ``args`` that ``posttrain convert`` writes), and this rank's weights read straight
+from the HF files through the converter's mapping (:mod:`posttrain.models.mcore`), so no Megatron
+checkpoint has to be written first.
+
+Runs inside Megatron's process groups (``megatron.core.parallel_state`` initialised); on a CPU
+inside :func:`posttrain.train.megatron.cpu_shims.cpu_megatron`.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def arg(args: argparse.Namespace, name: str, default: Any = None) -> Any:
+    """``args.name``, or ``default`` where it is missing or None."""
+    value = getattr(args, name, default)
+    return default if value is None else value
+
+
+def transformer_config(args: argparse.Namespace, tp: int, pp: int, vpp, layers):
+    """A fp32, CPU, no-fusion ``TransformerConfig`` from Megatron-LM argument names."""
+    import torch.nn.functional as F
+    from megatron.core.transformer import TransformerConfig
+
+    if arg(args, "position_embedding_type", "rope") != "rope":
+        raise NotImplementedError(f"position_embedding_type={args.position_embedding_type!r}")
+    swiglu = bool(arg(args, "swiglu", False))
+    gqa = bool(arg(args, "group_query_attention", False))
+    layout = None
+    if layers is not None:
+        # mcore 0.16 expresses an arbitrary per-stage layer count only through
+        # pipeline_model_parallel_layout (num_layers_in_first/last_pipeline_stage cannot express
+        # e.g. "1,3,2,2"): one list per virtual stage in model order, embedding first, loss last.
+        layout = [["decoder"] * n for n in layers]
+        layout[0].insert(0, "embedding")
+        layout[-1].append("loss")
+    return TransformerConfig(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        ffn_hidden_size=args.ffn_hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_query_groups if gqa else None,
+        kv_channels=getattr(args, "kv_channels", None),
+        add_qkv_bias=bool(arg(args, "add_qkv_bias", False)),
+        add_bias_linear=bool(arg(args, "add_bias_linear", False)),
+        qk_layernorm=bool(arg(args, "qk_layernorm", False)),
+        gated_linear_unit=swiglu,
+        activation_func=F.silu if swiglu else F.gelu,
+        normalization=arg(args, "normalization", "LayerNorm"),
+        layernorm_epsilon=float(arg(args, "norm_epsilon", 1e-5)),
+        rotary_interleaved=bool(arg(args, "rotary_interleaved", False)),
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp,
+        pipeline_model_parallel_layout=layout,
+        pipeline_dtype=torch.float32,
+        params_dtype=torch.float32,
+        use_cpu_initialization=True,
+        perform_initialization=False,  # every weight comes from the checkpoint
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        masked_softmax_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        attention_softmax_in_fp32=True,
+        sequence_parallel=False,
+    )
+
+
+def build_chunks(args: argparse.Namespace, config, vpp) -> list:
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    spec = get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization=config.normalization)
+    tied = not bool(arg(args, "untie_embeddings_and_output_weights", False))
+    rope_kwargs = {}
+    if getattr(args, "use_rope_scaling", False):
+        rope_kwargs = dict(rope_scaling=True, rope_scaling_factor=float(arg(args, "rope_scaling_factor", 8.0)))
+    chunks = []
+    for vp_stage in range(vpp or 1):
+        stage = vp_stage if vpp else None
+        chunks.append(
+            GPTModel(
+                config,
+                spec,
+                vocab_size=args.padded_vocab_size,
+                max_sequence_length=args.max_position_embeddings,
+                pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
+                post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
+                parallel_output=True,
+                share_embeddings_and_output_weights=tied,
+                position_embedding_type="rope",
+                rotary_percent=float(arg(args, "rotary_percent", 1.0)),
+                rotary_base=int(arg(args, "rotary_base", 10000)),
+                vp_stage=stage,
+                **rope_kwargs,
+            )
+        )
+    return chunks
+
+
+def hf_to_megatron(hf_dir: str | Path, *, divisor: int = 128) -> tuple[list, argparse.Namespace]:
+    """This rank's ``GPTModel`` (one chunk; no virtual stages) holding its share of the HF model in
+    ``hf_dir``, in fp32, for the TP and PP sizes ``parallel_state`` was initialised with; and the
+    Megatron arguments that describe it."""
+    from megatron.core import parallel_state as ps
+
+    from posttrain.models.mcore import layout, mapping, splits
+    from posttrain.models.mcore.convert import _stage_state, hf_arch
+    from posttrain.models.mcore.hf_files import HFWeights
+
+    tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
+    weights = HFWeights(Path(hf_dir))
+    arch = hf_arch(Path(hf_dir), weights, orm=False)
+    padded = splits.padded_vocab_size(arch.vocab_size, divisor, tp)
+    splits.check_tp(tp, heads=arch.num_attention_heads, groups=arch.num_kv_heads, ffn=arch.ffn_hidden_size,
+                    padded_vocab=padded)
+    par = layout.Parallel(tp, pp, 1, layout.pipeline_stages(arch.num_layers, pp))
+    args = layout.make_args(arch, par, padded_vocab=padded, divisor=divisor, params_dtype=torch.float32,
+                            num_layer_list=None, layers_per_virtual_stage=None, orm=False)
+    [chunk] = build_chunks(args, transformer_config(args, tp, pp, None, None), None)
+    state = _stage_state(weights, arch, par, mapping.layer_params(arch), ps.get_pipeline_model_parallel_rank(), 0,
+                         ps.get_tensor_model_parallel_rank(), padded, False)
+    chunk.load_state_dict({k: v.float() for k, v in state.items()}, strict=True)
+    return [chunk], args
