@@ -22,8 +22,10 @@ def arg(args: argparse.Namespace, name: str, default: Any = None) -> Any:
     return default if value is None else value
 
 
-def transformer_config(args: argparse.Namespace, tp: int, pp: int, vpp, layers):
-    """A fp32, CPU, no-fusion ``TransformerConfig`` from Megatron-LM argument names."""
+def transformer_config(args: argparse.Namespace, tp: int, pp: int, vpp, layers, *, initialize: bool = False):
+    """A fp32, CPU, no-fusion ``TransformerConfig`` from Megatron-LM argument names. ``initialize``:
+    Megatron initialises the weights (which marks the tensor-parallel ones, as its gradient norm
+    and clipping need) before they are overwritten by loaded ones."""
     import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
 
@@ -61,7 +63,7 @@ def transformer_config(args: argparse.Namespace, tp: int, pp: int, vpp, layers):
         pipeline_dtype=torch.float32,
         params_dtype=torch.float32,
         use_cpu_initialization=True,
-        perform_initialization=False,  # every weight comes from the checkpoint
+        perform_initialization=initialize,  # every weight comes from the checkpoint
         bias_dropout_fusion=False,
         apply_rope_fusion=False,
         masked_softmax_fusion=False,
@@ -107,10 +109,12 @@ def build_chunks(args: argparse.Namespace, config, vpp) -> list:
     return chunks
 
 
-def hf_to_megatron(hf_dir: str | Path, *, divisor: int = 128) -> tuple[list, argparse.Namespace]:
+def hf_to_megatron(hf_dir: str | Path, *, divisor: int = 128, for_training: bool = False
+                   ) -> tuple[list, argparse.Namespace]:
     """This rank's ``GPTModel`` (one chunk; no virtual stages) holding its share of the HF model in
     ``hf_dir``, in fp32, for the TP and PP sizes ``parallel_state`` was initialised with; and the
-    Megatron arguments that describe it."""
+    Megatron arguments that describe it. ``for_training``: built so that Megatron's optimizer can
+    tell the tensor-parallel parameters from the replicated ones (see :func:`transformer_config`)."""
     from megatron.core import parallel_state as ps
 
     from posttrain.models.mcore import layout, mapping, splits
@@ -126,7 +130,7 @@ def hf_to_megatron(hf_dir: str | Path, *, divisor: int = 128) -> tuple[list, arg
     par = layout.Parallel(tp, pp, 1, layout.pipeline_stages(arch.num_layers, pp))
     args = layout.make_args(arch, par, padded_vocab=padded, divisor=divisor, params_dtype=torch.float32,
                             num_layer_list=None, layers_per_virtual_stage=None, orm=False)
-    [chunk] = build_chunks(args, transformer_config(args, tp, pp, None, None), None)
+    [chunk] = build_chunks(args, transformer_config(args, tp, pp, None, None, initialize=for_training), None)
     state = _stage_state(weights, arch, par, mapping.layer_params(arch), ps.get_pipeline_model_parallel_rank(), 0,
                          ps.get_tensor_model_parallel_rank(), padded, False)
     chunk.load_state_dict({k: v.float() for k, v in state.items()}, strict=True)
