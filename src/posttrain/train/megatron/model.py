@@ -135,3 +135,58 @@ def hf_to_megatron(hf_dir: str | Path, *, divisor: int = 128, for_training: bool
                          ps.get_tensor_model_parallel_rank(), padded, False)
     chunk.load_state_dict({k: v.float() for k, v in state.items()}, strict=True)
     return [chunk], args
+
+
+def hf_weights(chunk, args: argparse.Namespace):
+    """Yield ``(HF name, full tensor)`` for every weight of the model that ``chunk`` is this rank's
+    part of, one layer at a time, on every rank: each tensor's TP shards are all-gathered and
+    merged back into the HF layout (the converter's mapping), then broadcast from the pipeline
+    stage that holds it. This is the weight sync from the trained model to the rollout's HF model;
+    the peak is one layer, not the model. All ranks must iterate it together (collectives)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from posttrain.models.mcore import layout, mapping, splits
+
+    where = Path("<megatron model>")
+    arch, par = layout.arch_from_args(args, where), layout.parallel_from_args(args, where)
+    vocab = int(args.vocab_size)
+    state = chunk.state_dict()
+    tp_group, pp_group = ps.get_tensor_model_parallel_group(), ps.get_pipeline_model_parallel_group()
+    pp_rank, pp_ranks = ps.get_pipeline_model_parallel_rank(), dist.get_process_group_ranks(pp_group)
+
+    def tp_shards(name: str) -> list[torch.Tensor]:
+        local = state[name].detach().contiguous()
+        shards = [torch.empty_like(local) for _ in range(par.tp)]
+        dist.all_gather(shards, local, group=tp_group)
+        return shards
+
+    def from_stage(stage: int, make) -> list[torch.Tensor]:
+        """The tensors ``make()`` builds on pipeline stage ``stage``, on every stage."""
+        tensors = make() if pp_rank == stage else None
+        if par.pp == 1:
+            return tensors
+        shapes = [[(t.shape, t.dtype) for t in tensors] if tensors is not None else None]
+        dist.broadcast_object_list(shapes, src=pp_ranks[stage], group=pp_group)
+        if tensors is None:
+            tensors = [torch.empty(shape, dtype=dtype) for shape, dtype in shapes[0]]
+        for tensor in tensors:
+            dist.broadcast(tensor, src=pp_ranks[stage], group=pp_group)
+        return tensors
+
+    [embedding] = from_stage(0, lambda: [splits.merge_vocab(tp_shards(mapping.EMBEDDING), vocab)])
+    yield mapping.HF_EMBEDDING, embedding
+    params = mapping.layer_params(arch)
+    for layer in range(arch.num_layers):
+        stage, _, local = par.locate(layer)
+        for p in params:
+            merged = from_stage(stage, lambda: mapping.merge_param(
+                p, tp_shards(mapping.mcore_layer_name(local, p.mcore)), arch))
+            for name, tensor in zip(p.hf, merged):
+                yield mapping.hf_layer_name(layer, name), tensor
+    last = par.pp - 1
+    [norm] = from_stage(last, lambda: [state[mapping.FINAL_NORM].detach().clone()])
+    yield mapping.HF_FINAL_NORM, norm
+    if not arch.tie_embeddings:
+        [head] = from_stage(last, lambda: [splits.merge_vocab(tp_shards(mapping.OUTPUT_LAYER), vocab)])
+        yield mapping.HF_LM_HEAD, head
