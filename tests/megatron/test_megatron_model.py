@@ -6,13 +6,9 @@ entropy at TP 2 and at PP 2, for a Qwen2 (qkv bias) and a tied Llama."""
 
 from __future__ import annotations
 
-import socket
-import traceback
-from pathlib import Path
-
 import pytest
 import torch
-import torch.multiprocessing as mp
+from two_ranks import run_on_two_ranks
 
 pytestmark = pytest.mark.slow
 TEMPERATURE = 0.8
@@ -28,39 +24,26 @@ def hf_logprobs(hf_dir: str, input_ids: torch.Tensor):
     return chosen, -(logp.exp() * logp).sum(-1)
 
 
-def worker(rank: int, port: int, hf_dir: str, tp: int, pp: int, out: str) -> None:
-    try:
-        import torch.distributed as dist
-        from megatron.core import parallel_state as ps
+def worker(rank: int, hf_dir: str, tp: int, pp: int) -> None:
+    from megatron.core import parallel_state as ps
 
-        from posttrain.train.megatron.cpu_shims import cpu_megatron
-        from posttrain.train.megatron.engine import forward_logprobs
-        from posttrain.train.megatron.model import hf_to_megatron
+    from posttrain.train.megatron.cpu_shims import cpu_megatron
+    from posttrain.train.megatron.engine import forward_logprobs
+    from posttrain.train.megatron.model import hf_to_megatron
 
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-        input_ids = torch.randint(0, 100, (2, 9), generator=torch.Generator().manual_seed(0))
-        with cpu_megatron():
-            ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
-            chunks, args = hf_to_megatron(hf_dir)
-            got = forward_logprobs(chunks, input_ids, vocab_size=100, temperature=TEMPERATURE, with_entropy=True)
-            if got is not None:
-                want_logp, want_entropy = hf_logprobs(hf_dir, input_ids)
-                torch.testing.assert_close(got["logprobs"], want_logp, rtol=0, atol=1e-4)
-                torch.testing.assert_close(got["entropy"], want_entropy, rtol=0, atol=1e-4)
-            ps.destroy_model_parallel()
-        dist.destroy_process_group()
-        Path(out, f"rank{rank}").write_text("ok")
-    except BaseException:  # noqa: BLE001 - the parent reads it
-        Path(out, f"rank{rank}").write_text(traceback.format_exc())
+    input_ids = torch.randint(0, 100, (2, 9), generator=torch.Generator().manual_seed(0))
+    with cpu_megatron():
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+        chunks, args = hf_to_megatron(hf_dir)
+        got = forward_logprobs(chunks, input_ids, vocab_size=100, temperature=TEMPERATURE, with_entropy=True)
+        if got is not None:
+            want_logp, want_entropy = hf_logprobs(hf_dir, input_ids)
+            torch.testing.assert_close(got["logprobs"], want_logp, rtol=0, atol=1e-4)
+            torch.testing.assert_close(got["entropy"], want_entropy, rtol=0, atol=1e-4)
+        ps.destroy_model_parallel()
 
 
 @pytest.mark.parametrize("kind", ["qwen2", "llama"])
 @pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
 def test_the_megatron_model_gives_the_hf_logprobs_and_entropy(tiny_hf, tmp_path, kind, tp, pp):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(worker, args=(port, str(tiny_hf(kind)), tp, pp, str(tmp_path)), nprocs=2, join=True)
-    for rank in range(2):
-        assert (tmp_path / f"rank{rank}").read_text() == "ok"
+    run_on_two_ranks(worker, str(tiny_hf(kind)), tp, pp, out=tmp_path)

@@ -7,13 +7,9 @@ into the HF layout (posttrain.train.megatron.model.hf_weights) equal the HF engi
 
 from __future__ import annotations
 
-import socket
-import traceback
-from pathlib import Path
-
 import pytest
 import torch
-import torch.multiprocessing as mp
+from two_ranks import run_on_two_ranks
 
 pytestmark = pytest.mark.slow
 TEMPERATURE, LR = 0.9, 1e-2
@@ -72,55 +68,42 @@ def megatron_loss(logprobs, entropy, micro_batch, num_tokens, num_seqs):
                       entropy=entropy, clip_ratio=0.2, num_tokens=num_tokens, num_seqs=num_seqs)
 
 
-def worker(rank: int, port: int, hf_dir: str, tp: int, pp: int, out: str) -> None:
-    try:
-        import torch.distributed as dist
-        from megatron.core import parallel_state as ps
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+def worker(rank: int, hf_dir: str, tp: int, pp: int) -> None:
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-        from posttrain.train.megatron.cpu_shims import cpu_megatron
-        from posttrain.train.megatron.engine import update_step
-        from posttrain.train.megatron.model import hf_to_megatron, hf_weights
+    from posttrain.train.megatron.cpu_shims import cpu_megatron
+    from posttrain.train.megatron.engine import update_step
+    from posttrain.train.megatron.model import hf_to_megatron, hf_weights
 
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-        batch = grpo_batch(hf_dir)
-        want, want_weights = hf_steps(hf_dir, batch)
-        with cpu_megatron():
-            ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
-            [chunk], args = hf_to_megatron(hf_dir, for_training=True)
-            wrapped = DistributedDataParallel(chunk.config, DistributedDataParallelConfig(
-                grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False), chunk)
-            optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=LR, weight_decay=0.0,
-                                                               clip_grad=1.0, bf16=False), [wrapped])
-            got = [update_step([wrapped], optimizer, batch, megatron_loss, vocab_size=100, temperature=TEMPERATURE)
-                   for _ in range(2)]
-            for step, (g, w) in enumerate(zip(got, want)):
-                assert g["grad_norm"] == pytest.approx(w["actor/grad_norm"], rel=1e-4), (step, g, w)
-                if ps.is_pipeline_last_stage():
-                    for key in COMPARED:
-                        assert g[key] == pytest.approx(w[key], rel=1e-4, abs=1e-6), (step, key, g, w)
-            # the trained weights, gathered into the HF layout on every rank (the rollout's sync)
-            got_weights = dict(hf_weights(chunk, args))
-            assert sorted(got_weights) == sorted(want_weights)
-            for name, value in want_weights.items():
-                assert_same_update(name, got_weights[name], value)
-            # both clippings were at work: the ratio's (step 2) and the gradient norm's (step 1, above 1.0)
-            assert want[1]["actor/pg_clipfrac"] > 0 and want[0]["actor/grad_norm"] > 1.0, want
-            ps.destroy_model_parallel()
-        dist.destroy_process_group()
-        Path(out, f"rank{rank}").write_text("ok")
-    except BaseException:  # noqa: BLE001 - the parent reads it
-        Path(out, f"rank{rank}").write_text(traceback.format_exc())
+    batch = grpo_batch(hf_dir)
+    want, want_weights = hf_steps(hf_dir, batch)
+    with cpu_megatron():
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+        [chunk], args = hf_to_megatron(hf_dir, for_training=True)
+        wrapped = DistributedDataParallel(chunk.config, DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False), chunk)
+        optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=LR, weight_decay=0.0,
+                                                           clip_grad=1.0, bf16=False), [wrapped])
+        got = [update_step([wrapped], optimizer, batch, megatron_loss, vocab_size=100, temperature=TEMPERATURE)
+               for _ in range(2)]
+        for step, (g, w) in enumerate(zip(got, want)):
+            assert g["grad_norm"] == pytest.approx(w["actor/grad_norm"], rel=1e-4), (step, g, w)
+            if ps.is_pipeline_last_stage():
+                for key in COMPARED:
+                    assert g[key] == pytest.approx(w[key], rel=1e-4, abs=1e-6), (step, key, g, w)
+        # the trained weights, gathered into the HF layout on every rank (the rollout's sync)
+        got_weights = dict(hf_weights(chunk, args))
+        assert sorted(got_weights) == sorted(want_weights)
+        for name, value in want_weights.items():
+            assert_same_update(name, got_weights[name], value)
+        # both clippings were at work: the ratio's (step 2) and the gradient norm's (step 1, above 1.0)
+        assert want[1]["actor/pg_clipfrac"] > 0 and want[0]["actor/grad_norm"] > 1.0, want
+        ps.destroy_model_parallel()
 
 
 @pytest.mark.parametrize("kind", ["qwen2", "llama"])
 @pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
 def test_two_megatron_steps_equal_the_hf_engine(tiny_hf, tmp_path, kind, tp, pp):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(worker, args=(port, str(tiny_hf(kind)), tp, pp, str(tmp_path)), nprocs=2, join=True)
-    for rank in range(2):
-        assert (tmp_path / f"rank{rank}").read_text() == "ok", (tmp_path / f"rank{rank}").read_text()
+    run_on_two_ranks(worker, str(tiny_hf(kind)), tp, pp, out=tmp_path)
