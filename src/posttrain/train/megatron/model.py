@@ -63,7 +63,7 @@ def transformer_config(args: argparse.Namespace, tp: int, pp: int, vpp, layers, 
         pipeline_dtype=torch.float32,
         params_dtype=torch.float32,
         use_cpu_initialization=True,
-        perform_initialization=initialize,  # every weight comes from the checkpoint
+        perform_initialization=initialize,  # the loaded weights overwrite whatever it draws
         bias_dropout_fusion=False,
         apply_rope_fusion=False,
         masked_softmax_fusion=False,

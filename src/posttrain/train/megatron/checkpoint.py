@@ -1,0 +1,100 @@
+"""Megatron-layout checkpoints of the Megatron-Core backend (issue 17, in progress).
+
+``save_dir/iter_XXXXXXX/mp_rank_TT[_PPP]/model_optim_rng.pt`` per model-parallel rank (written by
+data-parallel rank 0 of each), and ``latest_checkpointed_iteration.txt``, as Megatron-LM and the
+seed write them; the model part is what ``posttrain convert --load-model-type mg`` reads, so a
+saved run converts back to HF. Each rank file holds ``model`` (the chunk's state dict),
+``optimizer`` (Megatron's optimizer state), ``rng_state`` (the CPU generator, Python's and
+NumPy's, and Megatron's RNG tracker), ``iteration``, ``args`` and ``checkpoint_version``.
+
+Nothing is half-written: each rank file goes to a temporary name and is renamed; all ranks wait
+for each other; only then does rank 0 write the tracker (temporary name, rename). A checkpoint
+without a tracker naming it is never resumed from.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from posttrain.errors import CheckpointError
+
+
+def _rank_file(save_dir: Path, iteration: int) -> Path:
+    from megatron.core import parallel_state as ps
+
+    from posttrain.models.mcore import layout
+
+    name = layout.rank_dir_name(ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
+                                ps.get_pipeline_model_parallel_world_size())
+    return save_dir / f"iter_{iteration:07d}" / name / layout.RANK_FILE
+
+
+def _rng_state() -> dict:
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    return {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state(),
+            "tracker": get_cuda_rng_tracker().get_states()}
+
+
+def _set_rng_state(state: dict) -> None:
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def save_megatron_checkpoint(save_dir: str | Path, iteration: int, chunk, optimizer,
+                             args: argparse.Namespace) -> Path:
+    """Write this rank's part of iteration ``iteration``; returns the iteration directory. Every
+    rank calls it (a barrier inside)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from posttrain.models.mcore import layout
+
+    save_dir = Path(save_dir)
+    path = _rank_file(save_dir, iteration)
+    if ps.get_data_parallel_rank() == 0:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        torch.save({"model": chunk.state_dict(), "optimizer": optimizer.state_dict(), "rng_state": _rng_state(),
+                    "iteration": iteration, "args": args, "checkpoint_version": layout.CHECKPOINT_VERSION}, tmp)
+        os.replace(tmp, path)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        tracker = save_dir / layout.TRACKER
+        tmp = tracker.with_name(tracker.name + ".tmp")
+        tmp.write_text(f"{iteration}\n", encoding="utf-8")
+        os.replace(tmp, tracker)
+    dist.barrier()
+    return path.parent.parent
+
+
+def load_megatron_checkpoint(load_dir: str | Path, chunk, optimizer) -> int:
+    """Load this rank's part of the checkpoint the tracker in ``load_dir`` names into ``chunk`` and
+    ``optimizer``, with the RNG states; returns its iteration."""
+    from posttrain.models.mcore import layout
+
+    load_dir = Path(load_dir)
+    it_dir = layout.iteration_dir(load_dir)
+    if not it_dir.name.startswith("iter_"):
+        raise CheckpointError(f"{it_dir}: a converted (release) checkpoint holds no optimizer state; load it as "
+                              f"the initial model instead of resuming from it")
+    path = _rank_file(load_dir, int(it_dir.name.split("_")[1]))
+    if not path.is_file():
+        raise CheckpointError(f"{path} is missing: this rank's shard of {it_dir} (the checkpoint was saved with "
+                              f"another tensor/pipeline layout; convert it to HF and start from that)")
+    state = layout.load_rank_file(path, mmap=False)  # weights_only, with the converter's allow-list
+    chunk.load_state_dict(state["model"], strict=True)
+    optimizer.load_state_dict(state["optimizer"])
+    _set_rng_state(state["rng_state"])
+    return int(state["iteration"])
+

@@ -1,0 +1,83 @@
+"""Megatron-layout checkpoints of the Megatron-Core backend on 2 gloo ranks (TP 2, and PP 2): a
+GRPO step, save, a second step; a fresh model that loads the checkpoint takes the same second step
+(the same metrics and weights); `posttrain convert` turns the saved checkpoint into an HF
+directory holding exactly the weights the run had when it saved."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from test_megatron_update import LR, TEMPERATURE, grpo_batch, megatron_loss
+from two_ranks import run_on_two_ranks
+
+pytestmark = pytest.mark.slow
+
+
+def fresh(hf_dir: str):
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    from posttrain.train.megatron.model import hf_to_megatron
+
+    [chunk], args = hf_to_megatron(hf_dir, for_training=True)
+    wrapped = DistributedDataParallel(chunk.config, DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False), chunk)
+    optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=LR, weight_decay=0.0, clip_grad=1.0,
+                                                       bf16=False), [wrapped])
+    return chunk, wrapped, optimizer, args
+
+
+def worker(rank: int, hf_dir: str, tp: int, pp: int, save: str) -> None:
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    from posttrain.cli import main
+    from posttrain.train.megatron.checkpoint import load_megatron_checkpoint, save_megatron_checkpoint
+    from posttrain.train.megatron.cpu_shims import cpu_megatron
+    from posttrain.train.megatron.engine import update_step
+    from posttrain.train.megatron.model import hf_weights
+
+    batch = grpo_batch(hf_dir)
+    with cpu_megatron():
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+        model_parallel_cuda_manual_seed(7)
+
+        def step(wrapped, optimizer):
+            return update_step([wrapped], optimizer, batch, megatron_loss, vocab_size=100, temperature=TEMPERATURE)
+
+        chunk, wrapped, optimizer, args = fresh(hf_dir)
+        step(wrapped, optimizer)
+        save_megatron_checkpoint(save, 1, chunk, optimizer, args)
+        saved = dict(hf_weights(chunk, args))
+        want = step(wrapped, optimizer)
+        want_weights = dict(hf_weights(chunk, args))
+
+        chunk, wrapped, optimizer, args = fresh(hf_dir)  # from the HF weights again, then resumed
+        assert load_megatron_checkpoint(save, chunk, optimizer) == 1
+        got = step(wrapped, optimizer)
+        assert got == want, (got, want)
+        for name, value in dict(hf_weights(chunk, args)).items():
+            assert torch.equal(value, want_weights[name]), name
+        ps.destroy_model_parallel()
+    dist.barrier()
+    if rank == 0:  # the saved run, back to HF: the weights it had at iteration 1
+        from safetensors.torch import load_file
+
+        out = f"{save}_hf"
+        assert main(["convert", "--load-model-type", "mg", "--save-model-type", "hf", "--load-dir", save,
+                     "--save-dir", out, "--tokenizer-model", hf_dir]) == 0
+        converted = {}
+        for shard in sorted(Path(out).glob("**/*.safetensors")):  # the seed's convention: <save-dir>/mg2hf/
+            converted.update(load_file(shard))
+        assert sorted(converted) == sorted(saved), (set(converted) ^ set(saved))
+        for name, value in saved.items():
+            assert torch.equal(converted[name], value), name
+    dist.barrier()
+
+
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
+def test_a_saved_megatron_run_resumes_exactly_and_converts_back(tiny_hf, tmp_path, tp, pp):
+    run_on_two_ranks(worker, str(tiny_hf("qwen2")), tp, pp, str(tmp_path / "ckpt"), out=tmp_path)
