@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from test_megatron_update import LR, TEMPERATURE, grpo_batch, megatron_loss
-from two_ranks import run_on_two_ranks
+from spawn_ranks import run_on_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -80,4 +80,4 @@ def worker(rank: int, hf_dir: str, tp: int, pp: int, save: str) -> None:
 
 @pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
 def test_a_saved_megatron_run_resumes_exactly_and_converts_back(tiny_hf, tmp_path, tp, pp):
-    run_on_two_ranks(worker, str(tiny_hf("qwen2")), tp, pp, str(tmp_path / "ckpt"), out=tmp_path)
+    run_on_ranks(worker, str(tiny_hf("qwen2")), tp, pp, str(tmp_path / "ckpt"), out=tmp_path)

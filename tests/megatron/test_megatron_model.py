@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from two_ranks import run_on_two_ranks
+from spawn_ranks import run_on_ranks
 
 pytestmark = pytest.mark.slow
 TEMPERATURE = 0.8
@@ -46,4 +46,4 @@ def worker(rank: int, hf_dir: str, tp: int, pp: int) -> None:
 @pytest.mark.parametrize("kind", ["qwen2", "llama"])
 @pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
 def test_the_megatron_model_gives_the_hf_logprobs_and_entropy(tiny_hf, tmp_path, kind, tp, pp):
-    run_on_two_ranks(worker, str(tiny_hf(kind)), tp, pp, out=tmp_path)
+    run_on_ranks(worker, str(tiny_hf(kind)), tp, pp, out=tmp_path)

@@ -1,7 +1,8 @@
 """The Megatron-Core backend's update (posttrain.train.megatron.engine.update_step) equals the HF
 engine's: 2 GRPO optimizer steps (the actor loss of posttrain.algo, token-mean over the mini-batch,
 clip 0.2, clip_grad 1.0, Adam) on a batch of left-padded prompts and right-padded responses give the
-same pg_loss, entropy, clip fraction and gradient norm at TP 2 and at PP 2 (2 gloo ranks) as
+same pg_loss, entropy, clip fraction and gradient norm at TP 2, at PP 2 (2 gloo ranks) and at
+TP 2 x PP 2 (4 ranks) as
 TrainEngine.update in one process, within 1e-4 relative (fp32); the trained weights gathered back
 into the HF layout (posttrain.train.megatron.model.hf_weights) equal the HF engine's."""
 
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from two_ranks import run_on_two_ranks
+from spawn_ranks import run_on_ranks
 
 pytestmark = pytest.mark.slow
 TEMPERATURE, LR = 0.9, 1e-2
@@ -103,7 +104,7 @@ def worker(rank: int, hf_dir: str, tp: int, pp: int) -> None:
         ps.destroy_model_parallel()
 
 
-@pytest.mark.parametrize("kind", ["qwen2", "llama"])
-@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
+@pytest.mark.parametrize("kind,tp,pp", [("qwen2", 2, 1), ("qwen2", 1, 2), ("llama", 2, 1), ("llama", 1, 2),
+                                        ("qwen2", 2, 2)])
 def test_two_megatron_steps_equal_the_hf_engine(tiny_hf, tmp_path, kind, tp, pp):
-    run_on_two_ranks(worker, str(tiny_hf(kind)), tp, pp, out=tmp_path)
+    run_on_ranks(worker, str(tiny_hf(kind)), tp, pp, out=tmp_path, world=tp * pp)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from two_ranks import run_on_two_ranks
+from spawn_ranks import run_on_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -47,4 +47,4 @@ def worker(rank: int) -> None:
 
 
 def test_vocab_parallel_logprobs_and_entropy_equal_the_full_vocabulary(tmp_path):
-    run_on_two_ranks(worker, out=tmp_path)
+    run_on_ranks(worker, out=tmp_path)

@@ -1,4 +1,4 @@
-"""Run a test body on 2 spawned gloo ranks; the test fails with the first failing rank's traceback."""
+"""Run a test body on spawned gloo ranks; the test fails with the first failing rank's traceback."""
 
 from __future__ import annotations
 
@@ -10,23 +10,24 @@ import torch
 import torch.multiprocessing as mp
 
 
-def run_on_two_ranks(body, *args, out: Path) -> None:
-    """``body(rank, *args)`` on ranks 0 and 1 of a gloo group (``body`` a module-level function)."""
+def run_on_ranks(body, *args, out: Path, world: int = 2) -> None:
+    """``body(rank, *args)`` on every rank of a gloo group of ``world`` processes (``body`` a
+    module-level function)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(_entry, args=(port, body, args, str(out)), nprocs=2, join=True)
-    for rank in range(2):
+    mp.spawn(_entry, args=(port, world, body, args, str(out)), nprocs=world, join=True)
+    for rank in range(world):
         text = (out / f"rank{rank}").read_text()
         assert text == "ok", f"rank {rank}:\n{text}"
 
 
-def _entry(rank: int, port: int, body, args: tuple, out: str) -> None:
+def _entry(rank: int, port: int, world: int, body, args: tuple, out: str) -> None:
     try:
         import torch.distributed as dist
 
         torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
         body(rank, *args)
         dist.destroy_process_group()
         Path(out, f"rank{rank}").write_text("ok")
