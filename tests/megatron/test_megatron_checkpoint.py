@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_megatron_update import LR, TEMPERATURE, grpo_batch, megatron_loss
+from test_megatron_update import LR, grpo_batch, loss_fn
 from spawn_ranks import run_on_ranks
 
 pytestmark = pytest.mark.slow
@@ -37,7 +37,7 @@ def worker(rank: int, hf_dir: str, tp: int, pp: int, save: str) -> None:
     from posttrain.cli import main
     from posttrain.train.megatron.checkpoint import load_megatron_checkpoint, save_megatron_checkpoint
     from posttrain.train.megatron.cpu_shims import cpu_megatron
-    from posttrain.train.megatron.engine import update_step
+    from posttrain.train.megatron.engine import MegatronEngine
     from posttrain.train.megatron.model import hf_weights
 
     batch = grpo_batch(hf_dir)
@@ -46,7 +46,7 @@ def worker(rank: int, hf_dir: str, tp: int, pp: int, save: str) -> None:
         model_parallel_cuda_manual_seed(7)
 
         def step(wrapped, optimizer):
-            return update_step([wrapped], optimizer, batch, megatron_loss, vocab_size=100, temperature=TEMPERATURE)
+            return MegatronEngine(wrapped, optimizer, vocab_size=100).update(batch, loss_fn(), mini_batch_size=4)
 
         chunk, wrapped, optimizer, args = fresh(hf_dir)
         step(wrapped, optimizer)

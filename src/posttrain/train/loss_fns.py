@@ -45,15 +45,9 @@ def make_actor_loss_fn(
     function: build a new one each iteration from ``kl_controller.value``.
     """
 
-    def loss_fn(model, micro_batch, *, num_tokens=None, num_seqs=None, packing: Packing | None = None):
-        logprobs, entropy = response_logprobs(
-            model,
-            micro_batch,
-            temperature=temperature,
-            with_entropy=report_entropy or bool(entropy_coeff),
-            entropy_grad=bool(entropy_coeff),
-            packing=packing,
-        )
+    def on_logprobs(logprobs, entropy, micro_batch, *, num_tokens=None, num_seqs=None):
+        """The loss from the response tokens' log-probs (and entropy): what a backend that runs the
+        forward itself (Megatron-Core, posttrain.train.megatron.engine) calls."""
         old = micro_batch.get("old_logprobs")
         ref = micro_batch.get("ref_logprobs")  # reported as actor/kl_loss even when kl_coef is 0
         return actor_loss(
@@ -72,6 +66,20 @@ def make_actor_loss_fn(
             **policy_kwargs,
         )
 
+    def loss_fn(model, micro_batch, *, num_tokens=None, num_seqs=None, packing: Packing | None = None):
+        logprobs, entropy = response_logprobs(
+            model,
+            micro_batch,
+            temperature=temperature,
+            with_entropy=report_entropy or bool(entropy_coeff),
+            entropy_grad=bool(entropy_coeff),
+            packing=packing,
+        )
+        return on_logprobs(logprobs, entropy, micro_batch, num_tokens=num_tokens, num_seqs=num_seqs)
+
+    loss_fn.on_logprobs = on_logprobs
+    loss_fn.temperature = temperature
+    loss_fn.entropy_grad = bool(entropy_coeff)
     return loss_fn
 
 

@@ -1,55 +1,33 @@
-"""The Megatron-Core backend's passes (issue 17, in progress), through Megatron's pipeline schedule
-on vocab-parallel logits: next-token log-probs and entropy of a batch, and one optimizer step with
-an algorithm's loss. Not yet behind the trainer's ``TrainEngine`` interface.
+"""The Megatron-Core backend's engine (issue 17, in progress): :class:`MegatronEngine` offers the
+HF engine's interface (:class:`posttrain.train.engine.TrainEngine`: ``compute_logprobs`` and
+``update`` over a batch in the training layout of :mod:`posttrain.train.layout`) on this rank's
+Megatron-Core model, through Megatron's pipeline schedule and optimizer.
+
+* One row per micro-batch through ``get_forward_backward_func``; each row's attention mask hides
+  its padding and its positions are HF's (:func:`_row_inputs`), so left padding changes nothing.
+* Log-probs and entropy come from the vocab-parallel logits (:mod:`.vocab_parallel`), never the
+  gathered vocabulary.
+* The loss is the algorithm's own: a loss function of :mod:`posttrain.train.loss_fns` exposes
+  ``on_logprobs(logprobs, entropy, micro_batch, num_tokens=, num_seqs=)``, the part after the
+  forward, with the token and row counts of the whole mini-batch (a token-mean is over the
+  mini-batch, as in the HF engine).
+* Results are computed on the last pipeline stage and broadcast to the others, so every rank
+  returns the same values.
+
+Not yet behind the trainer (no config selects it): see docs/parallelism.md.
 """
 
 from __future__ import annotations
 
-from functools import partial
-
 import torch
 
+from posttrain.train.engine import minibatch_order
 from posttrain.train.megatron.vocab_parallel import vocab_parallel_entropy, vocab_parallel_logprobs
-
-
-def forward_logprobs(chunks: list, input_ids: torch.Tensor, *, vocab_size: int, temperature: float = 1.0,
-                     with_entropy: bool = False) -> dict[str, torch.Tensor] | None:
-    """Log-probs ``[B, T - 1]`` of tokens ``1..T-1`` of ``input_ids`` ``[B, T]`` given the tokens
-    before them (and their entropy), one sequence per micro-batch through
-    ``get_forward_backward_func`` (forward only). Returned on the last pipeline stage; None on the
-    others."""
-    from megatron.core import parallel_state as ps
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    batch, seq = input_ids.shape
-    position_ids = torch.arange(seq).unsqueeze(0)
-    causal = torch.triu(torch.ones(seq, seq, dtype=torch.bool), diagonal=1)[None, None]  # True: masked
-    outputs: dict[int, dict[str, torch.Tensor]] = {}
-
-    def collect(row: int, logits: torch.Tensor):
-        logits = logits[:, :-1]  # position t predicts token t + 1
-        out = {"logprobs": vocab_parallel_logprobs(logits, input_ids[row:row + 1, 1:], vocab_size=vocab_size,
-                                                   temperature=temperature)}
-        if with_entropy:
-            out["entropy"] = vocab_parallel_entropy(logits, vocab_size=vocab_size, temperature=temperature)
-        outputs[row] = out
-        return logits.new_zeros(()), {}
-
-    def forward_step(rows, model):
-        row = next(rows)
-        return model(input_ids[row:row + 1], position_ids, causal), partial(collect, row)
-
-    with torch.no_grad():
-        get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(range(batch)), model=chunks,
-                                    num_microbatches=batch, seq_length=seq, micro_batch_size=1, forward_only=True)
-    if not ps.is_pipeline_last_stage():
-        return None
-    return {key: torch.cat([outputs[r][key] for r in range(batch)]) for key in outputs[0]}
 
 
 def _row_inputs(batch: dict[str, torch.Tensor], row: int):
     """Token ids, positions and the attention mask (True: masked; causal and padding) of one row of
-    the training layout (left-padded prompt || right-padded response, posttrain.train.layout)."""
+    the training layout (left-padded prompt || right-padded response)."""
     from posttrain.train.layout import default_position_ids
 
     attention = batch["attention_mask"][row:row + 1]
@@ -59,44 +37,104 @@ def _row_inputs(batch: dict[str, torch.Tensor], row: int):
     return batch["input_ids"][row:row + 1], default_position_ids(attention), mask[:, None]
 
 
-def update_step(chunks: list, optimizer, batch: dict[str, torch.Tensor], loss_fn, *, vocab_size: int,
-                temperature: float = 1.0) -> dict[str, float]:
-    """One optimizer step over ``batch`` (the training layout), one row per micro-batch through
-    Megatron's schedule, on models wrapped in Megatron's ``DistributedDataParallel``.
+def _from_last_stage(value):
+    """``value`` as the last pipeline stage has it, on every stage (a picklable object)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
 
-    ``loss_fn(logprobs, entropy, micro_batch, num_tokens, num_seqs) -> (loss, metrics)`` gets the
-    response tokens' log-probs and entropy ``[1, R]`` of one row and the mini-batch's token and row
-    counts (so a token-mean is over the whole mini-batch, as in the HF engine). Returns the summed
-    metrics (on the last pipeline stage; empty elsewhere) and ``grad_norm``."""
-    from megatron.core.distributed import finalize_model_grads
-    from megatron.core.pipeline_parallel import get_forward_backward_func
+    if ps.get_pipeline_model_parallel_world_size() == 1:
+        return value
+    group = ps.get_pipeline_model_parallel_group()
+    box = [value]
+    dist.broadcast_object_list(box, src=dist.get_process_group_ranks(group)[-1], group=group)
+    return box[0]
 
-    rows, width = batch["input_ids"].shape
-    prompt = width - batch["response_mask"].shape[1]
-    num_tokens = batch["response_mask"].sum().float()
-    totals: dict[str, torch.Tensor] = {}
 
-    def loss_func(row: int, logits: torch.Tensor):
-        logits = logits[:, prompt - 1:-1]  # the positions that predict the response tokens
-        targets = batch["input_ids"][row:row + 1, prompt:]
-        logprobs = vocab_parallel_logprobs(logits, targets, vocab_size=vocab_size, temperature=temperature)
+class MegatronEngine:
+    """``compute_logprobs`` and ``update`` on ``model`` (this rank's chunk, in Megatron's
+    ``DistributedDataParallel``) with Megatron's ``optimizer``."""
+
+    def __init__(self, model, optimizer=None, *, vocab_size: int, metric_prefix: str = "actor"):
+        self.model, self.optimizer = model, optimizer
+        self.vocab_size, self.metric_prefix = vocab_size, metric_prefix
+
+    def _run(self, batch: dict[str, torch.Tensor], per_row, *, forward_only: bool) -> None:
+        """Every row through the schedule; ``per_row(row, response_logits) -> loss`` on the last stage."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        rows, width = batch["input_ids"].shape
+        prompt = width - batch["response_mask"].shape[1]
+
+        def forward_step(row_iter, model):
+            row = next(row_iter)
+            # the positions that predict the response tokens
+            return model(*_row_inputs(batch, row)), lambda logits: (per_row(row, logits[:, prompt - 1:-1]), {})
+
+        get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(range(rows)),
+                                    model=[self.model], num_microbatches=rows, seq_length=width, micro_batch_size=1,
+                                    forward_only=forward_only)
+
+    def _response_logprobs(self, batch, row: int, logits, temperature: float, with_entropy: bool, entropy_grad=False):
+        width = batch["response_mask"].shape[1]
+        targets = batch["input_ids"][row:row + 1, -width:]
+        logprobs = vocab_parallel_logprobs(logits, targets, vocab_size=self.vocab_size, temperature=temperature)
+        entropy = None
+        if with_entropy:
+            with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+                entropy = vocab_parallel_entropy(logits, vocab_size=self.vocab_size, temperature=temperature)
+        return logprobs, entropy
+
+    def compute_logprobs(self, batch: dict[str, torch.Tensor], *, temperature: float = 1.0,
+                         micro_batch_size: int | None = None, with_entropy: bool = False):
+        """Response-token log-probs ``[B, R]`` (0 on padding), with the entropy if asked."""
+        mask = batch["response_mask"].float()
+        out: dict[int, tuple] = {}
+
+        def per_row(row, logits):
+            out[row] = self._response_logprobs(batch, row, logits, temperature, with_entropy)
+            return logits.new_zeros(())
+
         with torch.no_grad():
-            entropy = vocab_parallel_entropy(logits, vocab_size=vocab_size, temperature=temperature)
-        micro_batch = {k: v[row:row + 1] for k, v in batch.items()}
-        loss, metrics = loss_fn(logprobs, entropy, micro_batch, num_tokens, rows)
-        for key, value in metrics.items():
-            totals[key] = totals.get(key, 0.0) + value.detach().float()
-        return loss * rows, {}  # the schedule divides each micro-batch's loss by their number
+            self._run(batch, per_row, forward_only=True)
+        result = None
+        if out:  # the last stage
+            logprobs = torch.cat([out[r][0] for r in range(len(out))]) * mask
+            result = (logprobs, torch.cat([out[r][1] for r in range(len(out))]) * mask) if with_entropy else logprobs
+        return _from_last_stage(result)
 
-    def forward_step(row_iter, model):
-        row = next(row_iter)
-        return model(*_row_inputs(batch, row)), partial(loss_func, row)
+    def update(self, batch: dict[str, torch.Tensor], loss_fn, *, mini_batch_size: int, epochs: int = 1,
+               shuffle: bool = False, seed: int = 0, micro_batch_size: int | None = None) -> list[dict[str, float]]:
+        """``epochs`` passes over ``batch`` in mini-batches (the HF engine's order and shuffle), one
+        optimizer step each; one metrics dict per step, the same on every rank."""
+        steps = minibatch_order(next(iter(batch.values())).shape[0], mini_batch_size, epochs=epochs,
+                                shuffle=shuffle, seed=seed)
+        self.model.train()
+        return [self._step({k: v[rows] for k, v in batch.items()}, loss_fn) for rows in steps]
 
-    for chunk in chunks:
-        chunk.zero_grad_buffer()
-    optimizer.zero_grad()
-    get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(range(rows)), model=chunks,
-                                num_microbatches=rows, seq_length=width, micro_batch_size=1, forward_only=False)
-    finalize_model_grads(chunks)
-    _, grad_norm, _ = optimizer.step()
-    return {**{k: float(v) for k, v in totals.items()}, "grad_norm": float(grad_norm)}
+    def _step(self, mini_batch: dict[str, torch.Tensor], loss_fn) -> dict[str, float]:
+        from megatron.core.distributed import finalize_model_grads
+
+        rows = mini_batch["input_ids"].shape[0]
+        num_tokens = mini_batch["response_mask"].sum().float()
+        totals: dict[str, torch.Tensor] = {}
+        temperature = getattr(loss_fn, "temperature", 1.0)
+
+        def per_row(row, logits):
+            logprobs, entropy = self._response_logprobs(mini_batch, row, logits, temperature, True,
+                                                        entropy_grad=getattr(loss_fn, "entropy_grad", False))
+            micro_batch = {k: v[row:row + 1] for k, v in mini_batch.items()}
+            loss, metrics = loss_fn.on_logprobs(logprobs, entropy, micro_batch, num_tokens=num_tokens, num_seqs=rows)
+            for key, value in metrics.items():
+                totals[key] = totals.get(key, 0.0) + value.detach().float()
+            return loss * rows  # the schedule divides each micro-batch's loss by their number
+
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        self._run(mini_batch, per_row, forward_only=False)
+        finalize_model_grads([self.model])
+        _, grad_norm, _ = self.optimizer.step()
+        metrics = _from_last_stage({k: float(v) for k, v in totals.items()})
+        metrics[f"{self.metric_prefix}/grad_norm"] = float(grad_norm)
+        metrics[f"{self.metric_prefix}/lr"] = float(self.optimizer.param_groups[0]["lr"])
+        return metrics
+
