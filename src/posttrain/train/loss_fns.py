@@ -105,13 +105,18 @@ def make_critic_loss_fn(*, cliprange_value: float = 0.5, loss_agg_mode: str = "t
 def make_sft_loss_fn():
     """Cross-entropy on response tokens, token-mean over the mini-batch. Metric ``sft/loss``."""
 
-    def loss_fn(model, micro_batch, *, num_tokens=None, num_seqs=None, packing: Packing | None = None):
-        logprobs, _ = response_logprobs(model, micro_batch, packing=packing)
+    def on_logprobs(logprobs, entropy, micro_batch, *, num_tokens=None, num_seqs=None):
+        """The loss from the response tokens' log-probs (see make_actor_loss_fn)."""
         mask = micro_batch["response_mask"].to(logprobs.dtype)
         denom = mask.sum() if num_tokens is None else num_tokens
         loss = -(logprobs * mask).sum() / torch.clamp(torch.as_tensor(denom, dtype=logprobs.dtype), min=1e-8)
         return loss, {"sft/loss": loss.detach()}
 
+    def loss_fn(model, micro_batch, *, num_tokens=None, num_seqs=None, packing: Packing | None = None):
+        logprobs, _ = response_logprobs(model, micro_batch, packing=packing)
+        return on_logprobs(logprobs, None, micro_batch, num_tokens=num_tokens, num_seqs=num_seqs)
+
+    loss_fn.on_logprobs = on_logprobs
     return loss_fn
 
 
