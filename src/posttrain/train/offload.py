@@ -1,22 +1,21 @@
-"""Training state on the host between updates: the seed's ``offload_train_optimizer`` and
-``offload_train_grad`` (``generate_config``), for a policy whose rollout shares its device.
+"""Memory for colocation: what a policy whose rollout shares its device keeps off that device
+between its uses.
 
-After each update (:meth:`posttrain.train.engine.TrainEngine.update`) the optimizer's state tensors
-(AdamW's two moments) move to host memory and the gradients are freed; the next update brings the
-state back to the parameters' device before its first step. Rollout, log-probs and rewards run
-in between with that memory free for the KV cache. Gradients are freed, not copied: every update
-starts by zeroing them (as the seed's offloader does, ``copy_data=False``).
-
-On a CPU the host is the device, so the config check lists these keys as having no effect there
-and no :class:`StateOffload` is built.
+* :class:`StateOffload`, the seed's ``generate_config.offload_train_optimizer`` and
+  ``offload_train_grad``: after each update (:meth:`posttrain.train.engine.TrainEngine.update`)
+  the optimizer's state (AdamW's two moments) goes to host memory and the gradients are freed;
+  the next update brings the state back before its first step, so rollout, log-probs and rewards
+  run with that memory free for the KV cache. Gradients are freed, not copied: every update
+  starts by zeroing them (as the seed's offloader does, ``copy_data=False``). On a CPU the host is
+  the device: the plan leaves the state where it is (the config lists ``offload_train_optimizer``
+  as having no effect there), while freeing the gradients still lowers the process's memory.
+* :class:`OffloadedReference`, ``rl_config.offload_reference``: the frozen reference's weights off
+  the device between its log-prob passes.
 """
 
 from __future__ import annotations
 
 import torch
-
-HOST = torch.device("cpu")
-
 
 def return_freed_memory() -> None:
     """Ask glibc to hand freed heap memory back to the system (``malloc_trim``), so that freed
