@@ -62,10 +62,10 @@ PADDING_SIDE = ignored("posttrain pads batches itself; the tokenizer's padding s
 SHARED_STORAGE = ignored("checkpoints are written by one process (rank 0) to megatron_training.save")
 LOOSE_LOAD = ignored("checkpoints always load strictly (a missing key is an error)")
 
-MODEL_PARALLEL = refused("model parallelism needs the Megatron-Core backend, which is not available yet (training is "
-                         "data parallel only)", active="gt1", group="model parallelism")
-VPP = refused("model parallelism needs the Megatron-Core backend, which is not available yet (training is "
-              "data parallel only)", "remove the key", active="set", group="model parallelism")
+MP_WHY = ("model parallelism needs the Megatron-Core backend, which is not available yet (training is data parallel "
+          "only: more workers with rl_config.ray_sharding fsdp2 shard the training state; docs/parallelism.md)")
+MODEL_PARALLEL = refused(MP_WHY, active="gt1", group="model parallelism")
+VPP = refused(MP_WHY, "remove the key", active="set", group="model parallelism")
 LORA = refused("LoRA is not implemented yet (the run would be a full fine-tune)",
                "remove the lora_* keys to fine-tune all weights", group="lora")
 LORA_TARGETS = refused("LoRA is not implemented yet (the run would be a full fine-tune)",
