@@ -94,7 +94,7 @@ class Critic:
         # padded micro-batches of micro_batch_size rows: remove padding and token budgets apply to
         # the policy's forwards only
         self.engine = build_train_engine(ValueModule(self.model), self.role, plan, EngineOptions(),
-                                         metric_prefix="critic", offload_state=True)
+                                         metric_prefix="critic")
         self.infer = self.engine
         self.part = Part(self.model.model, self.engine.optimizer, self.engine.scheduler)
         self.save_dir = critic_save_dir(cfg)
@@ -113,8 +113,8 @@ class Critic:
     def _resumes_own_checkpoint(self, path: str) -> bool:
         """``critic_config.load`` is a critic checkpoint saved by posttrain (not a model directory)
         and ``finetune`` is off."""
-        _, full = resolve_checkpoint(path)
-        return full and not self.role.finetune and not (Path(resolve_checkpoint(path)[0]) / "critic").is_dir()
+        directory, full = resolve_checkpoint(path)
+        return full and not self.role.finetune and not (Path(directory) / "critic").is_dir()
 
     def save(self, iteration: int, *, tokenizer, trainer_state: dict) -> Path | None:
         """Write the critic's own checkpoint (``critic_config.save``); None when it has no directory

@@ -132,9 +132,9 @@ def offloaded_reference(engine):
 
 
 def build_train_engine(model, role: MegatronConfig, plan: Plan, options: EngineOptions, *,
-                       metric_prefix: str = "actor", dp_group=None, offload_state: bool = False):
-    """AdamW + the LR schedule (sized for the plan's total optimizer steps) + a TrainEngine;
-    ``offload_state``: the plan's offload of the optimizer state and gradients between updates."""
+                       metric_prefix: str = "actor", dp_group=None):
+    """AdamW + the LR schedule (sized for the plan's total optimizer steps) + a TrainEngine, with
+    the plan's offload of the optimizer state and gradients between updates."""
     from posttrain.train.engine import TrainEngine
     from posttrain.train.optim import build_lr_scheduler, build_optimizer
 
@@ -142,7 +142,7 @@ def build_train_engine(model, role: MegatronConfig, plan: Plan, options: EngineO
     scheduler = build_lr_scheduler(optimizer, lr=role.lr, min_lr=role.min_lr, lr_decay_style=role.lr_decay_style,
                                    lr_warmup_fraction=role.lr_warmup_fraction, total_steps=plan.total_optimizer_steps)
     offload = None
-    if offload_state and (plan.offload_optimizer or plan.offload_grads):  # generate_config.offload_train_*
+    if plan.offload_optimizer or plan.offload_grads:  # generate_config.offload_train_*
         from posttrain.train.offload import StateOffload
 
         offload = StateOffload(optimizer, optimizer_state=plan.offload_optimizer, grads=plan.offload_grads)
@@ -206,7 +206,7 @@ def build_policy(cfg: RunConfig, plan: Plan, device: str, *, with_rollout: bool 
     model, tokenizer, source = build_actor_model(a, device)
     warn_dropout_across_workers(model, plan.workers)
     actor = build_train_engine(model, a, plan, plan.actor_engine, metric_prefix=plan.stage.metric_prefix
-                               if not plan.stage.on_policy else "actor", dp_group=dp_group, offload_state=True)
+                               if not plan.stage.on_policy else "actor", dp_group=dp_group)
     state = resume(source, model, actor, a)
     reference = None
     if plan.uses_reference:

@@ -87,13 +87,17 @@ def _same_dir(a: str | Path, b: str | Path) -> bool:
     return Path(a).resolve() == Path(b).resolve()
 
 
-def resumes_in_place(cfg: RunConfig) -> bool:
-    """Whether this run continues the checkpoints in its own ``save`` directory: ``load`` is that
-    directory (or one of its ``iter_*``) and ``finetune`` is off."""
-    a = cfg.actor
-    if not a.save or not a.load or a.finetune:
+def resumes_from(role, save: str | Path) -> bool:
+    """Whether ``role`` (actor_config, critic_config) continues the checkpoints in ``save``: its
+    ``load`` is that directory (or one of its ``iter_*``) and ``finetune`` is off."""
+    if not role.load or role.finetune:
         return False
-    return _same_dir(a.load, a.save) or _same_dir(Path(a.load).parent, a.save)
+    return _same_dir(role.load, save) or _same_dir(Path(role.load).parent, save)
+
+
+def resumes_in_place(cfg: RunConfig) -> bool:
+    """Whether this run continues the checkpoints in its own ``save`` directory."""
+    return bool(cfg.actor.save) and resumes_from(cfg.actor, cfg.actor.save)
 
 
 def _checkpoints_in(save: Path) -> list[str]:
@@ -166,8 +170,7 @@ def _refuse_foreign_checkpoints(save: Path, role, section: str) -> None:
     """``save`` may hold checkpoints only when this role resumes from them (``load`` is ``save``
     or one of its ``iter_*``, ``finetune`` off)."""
     found = _checkpoints_in(save)
-    resumes = bool(role.load) and not role.finetune and (_same_dir(role.load, save) or _same_dir(Path(role.load).parent, save))
-    if found and not resumes:
+    if found and not resumes_from(role, save):
         raise ConfigError(f"{section}.save {save} already holds checkpoints ({', '.join(found[:4])}), and this run "
                           f"would not resume from them; give a new save directory, or set {section}.load={save} "
                           f"and {section}.finetune=false to continue them")
