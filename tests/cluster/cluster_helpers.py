@@ -46,3 +46,26 @@ def column(td, name):
 
     batch, _ = td.get("metrics", [name], indexes=list(range(td.max_len)))
     return torch.cat([r.reshape(-1) for r in batch[name]])
+
+
+def record_run(cfg) -> tuple[list[list[list[int]]], list[dict], list[dict]]:
+    """Train ``cfg``; return the response token ids of every generation batch, the logged metrics
+    and the metrics of every actor optimizer step."""
+    session, trainer = session_and_trainer(cfg)
+    batches, steps = [], []
+    generate_and_score, update = trainer.generate_and_score, session.policy.actor.update
+
+    def recording_generation(td, iteration, timers, acc):
+        generate_and_score(td, iteration, timers, acc)
+        rows, _ = td.get("metrics", ["responses"], indexes=list(range(td.max_len)))
+        batches.append([r.tolist() for r in rows["responses"]])
+
+    def recording_update(*args, **kwargs):
+        out = update(*args, **kwargs)
+        steps.extend(out)
+        return out
+
+    trainer.generate_and_score = recording_generation  # DAPO's dynamic sampler calls it once per generation batch
+    session.policy.actor.update = recording_update
+    trainer.fit()
+    return batches, read_metrics(Path(cfg.rl.output_dir)), steps

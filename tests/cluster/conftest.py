@@ -15,8 +15,9 @@ E2E = Path(__file__).resolve().parents[1] / "e2e"  # e2e_algo_verifiers: the gra
 
 
 @pytest.fixture(scope="module")
-def ray_cluster():
-    """A local Ray cluster for one test module (shut down after it, so later tests run without it)."""
+def ray_cluster(request):
+    """A local Ray cluster for one test module (shut down after it, so later tests run without it):
+    2 CPUs, or the module's ``RAY_CPUS`` (Ray's CPUs are logical: 4 workers share the machine's cores)."""
     import ray  # installed by `make install` (the ray extra); CI runs these tests
     import torch
 
@@ -27,7 +28,7 @@ def ray_cluster():
         sys.path.insert(0, str(E2E))
     before = torch.get_num_threads()
     torch.set_num_threads(1)
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING",
+    ray.init(num_cpus=getattr(request.module, "RAY_CPUS", 2), include_dashboard=False, logging_level="WARNING",
              runtime_env={"env_vars": {"PYTHONPATH": os.environ["PYTHONPATH"], "HF_HUB_OFFLINE": "1",
                                        "TOKENIZERS_PARALLELISM": "false"}})
     yield ray

@@ -53,7 +53,7 @@ def test_update_shards_reject_a_mini_batch_the_workers_cannot_share():
     from posttrain.cluster.group import update_shards
     from posttrain.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="cannot be shared equally by 3 actor workers"):
+    with pytest.raises(ConfigError, match="cannot be shared equally by 3 data-parallel replicas"):
         update_shards(16, 8, 3, 1, False, 0)
 
 

@@ -13,11 +13,10 @@
 from __future__ import annotations
 
 import copy
-from pathlib import Path
 
 import pytest
 import torch
-from cluster_helpers import column, grpo_config, read_metrics, session_and_trainer
+from cluster_helpers import column, grpo_config, read_metrics, record_run, session_and_trainer
 
 pytestmark = pytest.mark.ray
 
@@ -165,21 +164,6 @@ def is_wall_clock(key: str) -> bool:
     return key == "time" or key.startswith(WALL_CLOCK)
 
 
-def run_recording_responses(cfg) -> tuple[list[list[list[int]]], list[dict]]:
-    """Train ``cfg``; return the response token ids of every generation batch, and the metrics."""
-    session, trainer = session_and_trainer(cfg)
-    batches, generate_and_score = [], trainer.generate_and_score
-
-    def recording(td, iteration, timers, acc):
-        generate_and_score(td, iteration, timers, acc)
-        rows, _ = td.get("metrics", ["responses"], indexes=list(range(td.max_len)))
-        batches.append([r.tolist() for r in rows["responses"]])
-
-    trainer.generate_and_score = recording  # DAPO's dynamic sampler calls it once per generation batch
-    trainer.fit()
-    return batches, read_metrics(Path(cfg.rl.output_dir))
-
-
 PPO = {"adv_estimator": "gae", "gamma": 1.0, "lam": 0.95, "use_kl_in_reward": True, "cliprange_value": 0.5}
 
 
@@ -195,10 +179,10 @@ def test_a_whole_run_on_two_workers_equals_the_run_in_one_process(ray_cluster, w
     # the 2-worker GRPO run also drops its reference between uses (rl_config.offload_reference): no
     # result may change
     offload = {"offload_reference": True} if algorithm == "grpo" else {}
-    runs = {name: run_recording_responses(grpo_config(work, f"same_{algorithm}_{name}", workers=workers, iters=2,
+    runs = {name: record_run(grpo_config(work, f"same_{algorithm}_{name}", workers=workers, iters=2,
                                                       rl={**rl, **extra}, train=train))
             for name, workers, extra in (("local", 1, {}), ("ray", 2, offload))}
-    (local_batches, local_rows), (ray_batches, ray_rows) = runs["local"], runs["ray"]
+    (local_batches, local_rows, _), (ray_batches, ray_rows, _) = runs["local"], runs["ray"]
     assert ray_batches == local_batches
     assert len(local_batches) >= 2 and local_batches[0] != local_batches[1]  # fresh samples each batch
     local_rows, ray_rows = [r for r in local_rows if "actor/pg_loss" in r], [r for r in ray_rows if "actor/pg_loss" in r]

@@ -56,7 +56,7 @@ def worker(rank: int, hf_dir: str, tp: int, pp: int, save: str) -> None:
         want_weights = dict(hf_weights(chunk, args))
 
         chunk, wrapped, optimizer, args = fresh(hf_dir)  # from the HF weights again, then resumed
-        assert load_megatron_checkpoint(save, chunk, optimizer) == 1
+        assert load_megatron_checkpoint(save, chunk, optimizer)["iteration"] == 1
         got = step(wrapped, optimizer)
         assert got == want, (got, want)
         for name, value in dict(hf_weights(chunk, args)).items():

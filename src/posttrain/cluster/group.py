@@ -22,6 +22,11 @@ session has:
 * ``save``: rank 0 writes the full state with :func:`posttrain.checkpoint.save_checkpoint`; the
   checkpoint is the same as an in-process one, so it resumes on any number of workers.
 
+On the Megatron backend (``plan.parallel.backend``) the workers are
+:class:`~posttrain.cluster.megatron_worker.MegatronWorker` shards: the rows are cut into one share
+per data-parallel *replica* (its TP x PP workers), every worker of a replica gets its replica's
+share, and the answer is the replica leader's; ``save`` is a collective that writes Megatron's layout.
+
 Every call waits with ``rl_config.ray_timeout_s``; the first failure closes the group (kills the
 workers, which may be blocked in a collective with a dead peer) and raises a ClusterError.
 """
@@ -56,11 +61,21 @@ def update_shards(num_rows: int, mini_batch_size: int, world: int, epochs: int, 
     same shuffle), each cut into ``world`` equal slices; rank ``r`` gets slice ``r`` of every step."""
     if mini_batch_size % world:
         raise ConfigError(f"a mini-batch of {mini_batch_size} rows (rl_config.mini_batch_size x "
-                          f"n_samples_per_prompt) cannot be shared equally by {world} actor workers "
+                          f"n_samples_per_prompt) cannot be shared equally by {world} data-parallel replicas "
                           f"(rl_config.actor_resource.num_npus); make it a multiple of the worker count.")
     local = mini_batch_size // world
     steps = minibatch_order(num_rows, mini_batch_size, epochs=epochs, shuffle=shuffle, seed=seed)
     return [torch.cat([step[rank * local:(rank + 1) * local] for step in steps]) for rank in range(world)]
+
+
+def replicas(info: list[dict]) -> list[list[int]]:
+    """The workers of each data-parallel replica (by the workers' ``replica`` index), the
+    replica's leader first."""
+    groups: dict[int, list[int]] = {}
+    for worker in info:
+        groups.setdefault(int(worker["replica"]), []).append(int(worker["rank"]))
+    leaders = {int(w["rank"]) for w in info if w["leader"]}
+    return [sorted(groups[r], key=lambda rank: (rank not in leaders, rank)) for r in sorted(groups)]
 
 
 class Cluster:
@@ -70,11 +85,13 @@ class Cluster:
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+        from posttrain.cluster.megatron_worker import MegatronWorker
         from posttrain.cluster.reward import RewardGroup
         from posttrain.cluster.worker import ActorWorker
 
         rl, device = cfg.rl, plan.device
         self.fsdp = plan.sharding == "fsdp2"
+        self.megatron = plan.parallel.backend == "megatron"
         self.timeout_s = float(rl.ray_timeout_s)
         self.world = plan.workers
         self.closed = False
@@ -86,7 +103,7 @@ class Cluster:
             use_gpu = device.startswith("cuda")
             cpus = rl.ray_num_cpus_per_worker
             self.pg = launch.placement_group(self.world, use_gpu, cpus, self.timeout_s)
-            remote = ray.remote(ActorWorker)
+            remote = ray.remote(MegatronWorker if self.megatron else ActorWorker)
             for rank in range(self.world):
                 strategy = PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=rank)
                 options = {"num_cpus": 1 if use_gpu else cpus, "num_gpus": 1 if use_gpu else 0, "max_restarts": 0,
@@ -96,6 +113,7 @@ class Cluster:
             ip, port, _ = self._call("find the rendezvous", [self.workers[0].address.remote()], self.names[:1])[0]
             states = self._all("set-up", "setup", cfg, plan, (ip, port), self.timeout_s, os.getcwd())
             self.info = self._all("ready check", "ready_info")
+            self.replicas = replicas(self.info)
             if plan.stage.on_policy and (rl.rule_reward or rl.eval_data_path):  # SFT and DPO score nothing
                 self.rewards = RewardGroup(rl, self.timeout_s)
         except BaseException:
@@ -127,12 +145,35 @@ class Cluster:
             raise ClusterError("the Ray worker group is closed (an earlier call failed or the run ended)")
 
     def sharded(self, what: str, method: str, count: int, make_args, collective: bool = True) -> list:
-        """Call ``method`` on the workers with ``make_args(rank, start, stop)`` for each share
-        (with FSDP2 a ``collective`` call goes to every worker, even with an empty share)."""
+        """Call ``method`` with ``make_args(replica, start, stop)`` for each replica's share, on every
+        worker of the replica; the leaders' answers, in order. With FSDP2 a ``collective`` call goes
+        to every worker, even with an empty share; on the Megatron backend every call does."""
         self._check()
-        shares = spans(count, self.world, keep_empty=self.fsdp and collective)
-        refs = [getattr(self.workers[r], method).remote(*make_args(r, lo, hi)) for r, (lo, hi) in enumerate(shares)]
-        return self._call(what, refs, self.names[:len(refs)])
+        shares = spans(count, len(self.replicas), keep_empty=self.megatron or (self.fsdp and collective))
+        refs, names, leaders = [], [], []
+        for r, (lo, hi) in enumerate(shares):
+            args = make_args(r, lo, hi)
+            leaders.append(len(refs))
+            for rank in self.replicas[r]:
+                refs.append(getattr(self.workers[rank], method).remote(*args))
+                names.append(self.names[rank])
+        results = self._call(what, refs, names)
+        return [results[i] for i in leaders]
+
+    def update_calls(self, what: str, method: str, batch: dict, loss_fn, mini_batch_size: int, epochs: int,
+                     shuffle: bool, seed: int) -> list[dict[str, float]]:
+        """An update (actor or critic): every replica's slices of the global mini-batches, to all its
+        workers (:func:`update_shards`); the metrics (the same on every worker) of rank 0."""
+        self._check()
+        count = next(iter(batch.values())).shape[0]
+        shards = update_shards(count, mini_batch_size, len(self.replicas), epochs, shuffle, seed)
+        local = mini_batch_size // len(self.replicas)
+        refs = []
+        for replica, rows in zip(self.replicas, shards):
+            part = {k: v[rows].cpu() for k, v in batch.items()}
+            refs += [(rank, getattr(self.workers[rank], method).remote(part, loss_fn, local)) for rank in replica]
+        results = self._call(what, [ref for _, ref in refs], [self.names[rank] for rank, _ in refs])
+        return results[[rank for rank, _ in refs].index(0)]
 
     # ---- checkpoints, tests -----------------------------------------------------------------------
     def save(self, save_dir, iteration: int, *, sampler_state, trainer_state: dict, save_optim: bool,
@@ -140,7 +181,8 @@ class Cluster:
         from pathlib import Path
 
         self._check()
-        workers = self.workers if self.fsdp else self.workers[:1]  # FSDP2: all ranks gather the full state
+        # FSDP2: all ranks gather the full state; Megatron: every rank writes its shard
+        workers = self.workers if self.fsdp or self.megatron else self.workers[:1]
         refs = [w.save.remote(str(save_dir), iteration, sampler_state, trainer_state, save_optim, save_rng)
                 for w in workers]
         return Path(self._call("save checkpoint", refs, self.names[:len(refs)])[0])
@@ -211,15 +253,9 @@ class ActorRole:
         return torch.cat(parts)
 
     def update(self, batch, loss_fn, *, mini_batch_size, epochs=1, shuffle=False, seed=0, micro_batch_size=None):
-        self.c._check()
         if micro_batch_size is not None:
             raise ConfigError("the Ray actor group uses actor_config.micro_batch_size; do not pass micro_batch_size")
-        count = next(iter(batch.values())).shape[0]
-        shards = update_shards(count, mini_batch_size, self.c.world, epochs, shuffle, seed)
-        local = mini_batch_size // self.c.world
-        refs = [w.update.remote({k: v[rows].cpu() for k, v in batch.items()}, loss_fn, local)
-                for w, rows in zip(self.c.workers, shards)]
-        return self.c._call("actor update", refs, self.c.names)[0]  # metrics are already summed over ranks
+        return self.c.update_calls("actor update", "update", batch, loss_fn, mini_batch_size, epochs, shuffle, seed)
 
 
 class ReferenceRole:
@@ -253,13 +289,8 @@ class CriticRole:
         return torch.cat(parts)
 
     def update(self, batch, loss_fn, *, mini_batch_size, epochs=1, shuffle=False, seed=0):
-        self.c._check()
-        count = next(iter(batch.values())).shape[0]
-        shards = update_shards(count, mini_batch_size, self.c.world, epochs, shuffle, seed)
-        local = mini_batch_size // self.c.world
-        refs = [w.critic_update.remote({k: v[rows].cpu() for k, v in batch.items()}, loss_fn, local)
-                for w, rows in zip(self.c.workers, shards)]
-        return self.c._call("critic update", refs, self.c.names)[0]
+        return self.c.update_calls("critic update", "critic_update", batch, loss_fn, mini_batch_size, epochs,
+                                   shuffle, seed)
 
     def save(self, iteration: int, *, tokenizer=None, trainer_state: dict):
         """The critic's own checkpoint (``critic_config.save``), from rank 0; None when the critic is

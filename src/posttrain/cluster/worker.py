@@ -63,35 +63,45 @@ class ActorWorker:
 
         return ray.util.get_node_ip_address(), free_port(), os.getpid()
 
-    def setup(self, cfg, plan, master: tuple[str, int], timeout_s: float, cwd: str) -> dict:
-        """Join the process group, build the policy, wrap it in DDP. Rank 0 returns the trainer
-        state (resumed or fresh); the others return {}. ``cwd`` is the driver's working directory:
-        relative paths in the config mean the same here (multi-node: same paths on every node)."""
+    def join(self, cfg, plan, master: tuple[str, int], timeout_s: float, cwd: str) -> datetime.timedelta:
+        """Take the driver's working directory (relative paths in the config mean the same here;
+        multi-node: same paths on every node), pick the device, join the process group (gloo on a
+        CPU, nccl on CUDA) and seed the generators; returns the collectives' timeout."""
         import torch.distributed as dist
 
-        from posttrain.roles.policy import build_policy, seed_everything
-        from posttrain.train.engine import TrainEngine
+        from posttrain.roles.policy import seed_everything
 
         if os.path.isdir(cwd):
             os.chdir(cwd)
-        device = plan.device
-        use_gpu = device.startswith("cuda")
+        self.device = plan.device
+        use_gpu = self.device.startswith("cuda")
         if use_gpu:  # Ray sets CUDA_VISIBLE_DEVICES to this worker's GPU
             torch.cuda.set_device(0)
-            device = "cuda:0"
+            self.device = "cuda:0"
         else:
             torch.set_num_threads(self.cpu_threads)
         timeout = datetime.timedelta(seconds=timeout_s)
         dist.init_process_group("nccl" if use_gpu else "gloo", init_method=f"tcp://{master[0]}:{master[1]}",
                                 rank=self.rank, world_size=self.world_size, timeout=timeout)
-        # one single-rank group per rank (created by all ranks, in order): inference engines use
-        # their own, so log-prob passes never wait on other ranks (uneven shares are fine)
-        own = [dist.new_group([r], timeout=timeout) for r in range(self.world_size)][self.rank]
         seed_everything(cfg.actor.seed)
         if cfg.actor.npu_deterministic:
             torch.use_deterministic_algorithms(True)
+        return timeout
+
+    def setup(self, cfg, plan, master: tuple[str, int], timeout_s: float, cwd: str) -> dict:
+        """Join the process group, build the policy, wrap it in DDP. Rank 0 returns the trainer
+        state (resumed or fresh); the others return {}."""
+        import torch.distributed as dist
+
+        from posttrain.roles.policy import build_policy
+        from posttrain.train.engine import TrainEngine
+
+        timeout = self.join(cfg, plan, master, timeout_s, cwd)
+        use_gpu, device = self.device.startswith("cuda"), self.device
+        # one single-rank group per rank (created by all ranks, in order): inference engines use
+        # their own, so log-prob passes never wait on other ranks (uneven shares are fine)
+        own = [dist.new_group([r], timeout=timeout) for r in range(self.world_size)][self.rank]
         self.policy = p = build_policy(cfg, plan, device, with_rollout=plan.stage.on_policy)
-        self.device = device
         # log-probs on the plain model, no collective; the update through DDP over all ranks
         self.infer = TrainEngine(p.model, micro_batch_size=cfg.actor.micro_batch_size, dtype=plan.train_dtype,
                                  dp_group=own, options=plan.actor_engine)
@@ -120,8 +130,9 @@ class ActorWorker:
         return dict(p.state) if self.rank == 0 else {}
 
     def ready_info(self) -> dict:
+        """Who this worker is; ``replica``: its data-parallel replica (every worker is one here)."""
         return {"rank": self.rank, "pid": os.getpid(), "threads": torch.get_num_threads(),
-                "device": self.device}
+                "device": self.device, "replica": self.rank, "leader": True}
 
     # ---- roles ----------------------------------------------------------------------------------
     def _gathered(self, needed: bool = True):

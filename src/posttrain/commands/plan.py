@@ -5,13 +5,16 @@ from __future__ import annotations
 from posttrain.config.plan import GIB, Plan, model_arch, resolve_plan
 from posttrain.config.run import load_run_config
 
-__all__ = ["format_plan", "model_arch", "run"]  # model_arch lives in posttrain.config.plan (train uses it too)
+__all__ = ["format_plan", "model_arch", "run"]  # model_arch lives in posttrain.config.arch (train uses it too)
 
 
 def format_plan(plan: Plan) -> str:
-    where = (f"{plan.workers} Ray worker(s), {plan.sharding}" if plan.use_ray else "in one process")
+    par = plan.parallel
+    sharding = plan.sharding if par.backend == "hf" else "megatron"
+    where = (f"{plan.workers} Ray worker(s), {sharding}" if plan.use_ray else "in one process")
     lines = [f"stage {plan.name} on {plan.layout.num_devices} device(s), {where}; {plan.device}, "
-             f"{plan.train_dtype} training, {plan.rollout_dtype} rollout", "", "batch plan (per iteration)"]
+             f"{plan.train_dtype} training, {plan.rollout_dtype} rollout", f"backend: {par.describe()}", "",
+             "batch plan (per iteration)"]
     rows = [
         ("prompts", f"{plan.prompts_per_iteration}  (global_batch_size)"),
         ("responses", f"{plan.responses_per_iteration}  (prompts x n_samples_per_prompt)"),
@@ -33,7 +36,7 @@ def format_plan(plan: Plan) -> str:
                                    f"prompts in all)"))
     lines += [f"  {k:<46} {v}" for k, v in rows]
     lines += ["", "parallel layout",
-              f"  {'actor':<46} data parallel {plan.layout.actor_dp} (tensor / pipeline parallel: 1)",
+              f"  {'actor':<46} data parallel {par.dp} (tensor parallel {par.tp}, pipeline parallel {par.pp})",
               f"  {'rollout':<46} data parallel {plan.layout.infer_dp}"]
     if plan.reward_model is not None:
         rm = plan.reward_model

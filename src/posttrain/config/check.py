@@ -3,7 +3,8 @@
 In order: values no run can use (zero or negative sizes, non-finite rates, sampling parameters out
 of range: :func:`posttrain.config.validate.check_values`), the seed's rules with the seed's messages
 (:mod:`posttrain.config.validate`), the stage's own rules (:mod:`posttrain.config.stages`), the
-features posttrain refuses until they work (:mod:`posttrain.config.features`), the limits of the
+training backend and what it cannot run (:mod:`posttrain.config.backend`), the features posttrain
+refuses until they work (:mod:`posttrain.config.features`), the limits of the
 layouts that run today, the reward model's settings (:mod:`posttrain.config.reward_model`), the
 verifier names and the prompt template file. The first broken rule raises a
 :class:`~posttrain.errors.ConfigError`; knobs that have no effect on this hardware come back as one
@@ -13,10 +14,10 @@ also checks ``rl_config.device`` (:func:`check_device`) and the memory estimate.
 
 from __future__ import annotations
 
-import os
 import re
 from pathlib import Path
 
+from posttrain.config.backend import ModelParallel, check_backend, uses_ray
 from posttrain.config.features import check_features, startup_warnings
 from posttrain.config.megatron import MegatronConfig
 from posttrain.config.reward_model import check_reward_model
@@ -24,20 +25,28 @@ from posttrain.config.run import RunConfig
 from posttrain.config.stages import stage_named
 from posttrain.config.validate import Layout, validate_run_config
 from posttrain.errors import ConfigError
+from posttrain.models.arch import ModelArch
+
+__all__ = ["check_device", "check_run_config", "check_verifiers", "uses_ray"]  # uses_ray: posttrain.config.backend
 
 
-def check_run_config(cfg: RunConfig, *, device_type: str = "cpu") -> tuple[Layout, list[str]]:
-    """Raise on the first broken rule; return the device layout and the start-up warnings."""
+def check_run_config(cfg: RunConfig, *, device_type: str = "cpu",
+                     arch: ModelArch | None = None) -> tuple[Layout, list[str]]:
+    """Raise on the first broken rule; return the device layout and the start-up warnings.
+
+    ``arch``: the actor's architecture, for the megatron backend's layout checks (default:
+    :func:`posttrain.config.arch.model_arch`)."""
     layout = validate_run_config(cfg, device_type=device_type)
     stage = stage_named(cfg.actor.stage or cfg.actor.algorithm)
     stage.check(cfg)
-    check_features(cfg, device_type=device_type)
+    parallel = check_backend(cfg, device_type, arch)
+    check_features(cfg, device_type=device_type, backend=parallel.backend)
     check_reward_model(cfg, on_policy=stage.on_policy, dynamic_sampling=stage.dynamic_sampling(cfg))
-    _check_workers(cfg, stage.on_policy, stage.uses_critic)
+    _check_workers(cfg, stage.on_policy, stage.uses_critic, parallel)
     if stage.on_policy and (cfg.rl.rule_reward or cfg.rl.eval_data_path):  # training scores, held-out accuracy
         check_verifiers(cfg)
     _check_prompt_type_path(cfg)
-    warnings = startup_warnings(cfg, device_type)
+    warnings = startup_warnings(cfg, device_type, backend=parallel.backend)
     if not cfg.actor.save:
         warnings.append("actor_config.save is not set: nothing will be saved, and the trained model is lost when "
                         "the run ends; set actor_config.save (or megatron_training.save) to a directory to keep it")
@@ -97,8 +106,9 @@ def _check_prompt_type_path(cfg: RunConfig) -> None:
                       f"the current directory, {Path.cwd()}); point it at a templates JSON file or remove the key")
 
 
-def _check_workers(cfg: RunConfig, on_policy: bool, uses_critic: bool) -> None:
-    """What the worker groups can run today (data parallel, one actor group)."""
+def _check_workers(cfg: RunConfig, on_policy: bool, uses_critic: bool, parallel: ModelParallel) -> None:
+    """What the worker groups can run today: one actor group whose data-parallel ranks (every worker
+    on the hf backend; workers // (TP x PP x CP) on the megatron backend) share each mini-batch."""
 
     rl = cfg.rl
     if rl.ray_sharding not in ("ddp", "fsdp2"):
@@ -109,15 +119,13 @@ def _check_workers(cfg: RunConfig, on_policy: bool, uses_critic: bool) -> None:
     if not on_policy:  # SFT, DPO: the seed's rule (global batch divisible by micro batch x workers) holds
         return
     rows = rl.mini_batch_size * rl.n_samples_per_prompt
-    if rows % workers:
+    if parallel.backend == "megatron" and rows % parallel.dp:
+        raise ConfigError(f"rl_config.mini_batch_size x n_samples_per_prompt = {rows} rows cannot be shared "
+                          f"equally by the data-parallel size {parallel.dp} (rl_config.actor_resource.num_npus "
+                          f"{workers} // (TP x PP x CP) {parallel.model_parallel}); make it a multiple of "
+                          f"{parallel.dp}")
+    if parallel.backend == "hf" and rows % workers:
         raise ConfigError(f"rl_config.mini_batch_size x n_samples_per_prompt = {rows} rows cannot be shared "
                           f"equally by {workers} actor workers{' and their colocated critic' if uses_critic else ''} "
                           f"(rl_config.actor_resource.num_npus); make it a "
                           f"multiple of the worker count")
-
-
-def uses_ray(cfg: RunConfig) -> bool:
-    """Whether the run goes to Ray: ``actor_resource.num_npus`` (alias num_gpus / num_devices) above 1,
-    or a Ray address in ``rl_config.ray_address`` or the ``RAY_ADDRESS`` environment variable."""
-    rl = cfg.rl
-    return (rl.actor_resource.num_npus or 1) > 1 or bool(rl.ray_address) or bool(os.environ.get("RAY_ADDRESS"))

@@ -63,22 +63,27 @@ class Key:
         return f"{self.section}.{self.name}"
 
 
-def check_features(cfg: RunConfig, device_type: str | None = None) -> None:
+def check_features(cfg: RunConfig, device_type: str | None = None, backend: str | None = None) -> None:
     """Raise :class:`ConfigError` for the first refused key that ``cfg`` sets (see the module doc).
 
     ``device_type`` ("cpu" or "cuda") decides the keys refused on one kind of device only (the
-    offload keys, which have no effect on a CPU); default: ``rl_config.device`` resolved."""
+    offload keys, which have no effect on a CPU); default: ``rl_config.device`` resolved.
+    ``backend`` ("hf" or "megatron"; default: :func:`posttrain.config.backend.resolve_backend`):
+    the keys honoured on the megatron backend are not refused there."""
     device = device_type or _device(cfg)
+    backend = backend or _backend(cfg)
+
+    def refused(k: Key, block: list[Key]) -> bool:
+        return (k.rule.status is Status.REFUSED and device in k.rule.devices and _is_set(k, block, cfg, device)
+                and not _megatron_honours(k, block, backend, device))
+
     for name, block in _blocks(cfg):
         for key in block:
-            if key.rule.status is not Status.REFUSED or device not in key.rule.devices:
-                continue
-            if not _is_set(key, block, cfg, device):
+            if not refused(key, block):
                 continue
             keys = [key]
             if key.rule.group:
-                keys = [k for k in block if k.rule.status is Status.REFUSED and k.rule.group == key.rule.group
-                        and device in k.rule.devices and _is_set(k, block, cfg, device)]
+                keys = [k for k in block if k.rule.group == key.rule.group and refused(k, block)]
             raise ConfigError(_refusal(keys))
         if name == "rl_config":
             for section, message in SECTION_REFUSALS.items():
@@ -88,13 +93,18 @@ def check_features(cfg: RunConfig, device_type: str | None = None) -> None:
             _check_critic(cfg)
 
 
-def startup_warnings(cfg: RunConfig, device_type: str) -> list[str]:
-    """The keys ``cfg`` sets that have no effect on ``device_type`` ("cpu" or "cuda"), as one message
-    (an empty list when there are none)."""
+def startup_warnings(cfg: RunConfig, device_type: str, backend: str | None = None) -> list[str]:
+    """The keys ``cfg`` sets that have no effect on ``device_type`` ("cpu" or "cuda") with ``backend``
+    (default: resolved from ``cfg``), as one message (an empty list when there are none)."""
+    from posttrain.config.backend import megatron_inert
+
+    backend = backend or _backend(cfg)
     labels: list[str] = []
     for _, block in _blocks(cfg):
         for key in block:
             rule = key.rule
+            if _megatron_honours(key, block, backend, device_type):
+                continue
             if rule.status is Status.IGNORED:
                 inert = device_type in rule.devices and (key.written or not rule.explicit)
             elif rule.status is Status.REFUSED:
@@ -103,6 +113,8 @@ def startup_warnings(cfg: RunConfig, device_type: str) -> list[str]:
                 continue
             if inert and _is_set(key, block, cfg, device_type) and key.label not in labels:
                 labels.append(key.label)
+    if backend == "megatron":
+        labels += [label for label in megatron_inert(cfg, device_type) if label not in labels]
     if not labels:
         return []
     return [f"keys with no effect on this hardware ({device_type}): {', '.join(labels)}"]
@@ -161,6 +173,12 @@ def _rolls_out(cfg: RunConfig) -> bool:
         return True
 
 
+def _backend(cfg: RunConfig) -> str:
+    from posttrain.config.backend import resolve_backend
+
+    return resolve_backend(cfg)[0]
+
+
 def _device(cfg: RunConfig) -> str:
     from posttrain.device import device_type
 
@@ -178,6 +196,17 @@ def _is_set(key: Key, block: list[Key], cfg: RunConfig, device: str) -> bool:
         count = getattr(key.value, "num_npus", None)
         return count is not None and count != (cfg.rl.actor_resource.num_npus or 1)
     return rule.is_active(key.value, key.default, device)
+
+
+def _megatron_honours(key: Key, block: list[Key], backend: str, device: str) -> bool:
+    """``Rule.megatron``: the key is honoured on the megatron backend (with ``megatron_with`` active)."""
+    rule = key.rule
+    if backend != "megatron" or not rule.megatron:
+        return False
+    if rule.megatron_with is None:
+        return True
+    other = next(k for k in block if k.name == rule.megatron_with)
+    return other.rule.is_active(other.value, other.default, device)
 
 
 def _refusal(keys: list[Key]) -> str:

@@ -10,6 +10,9 @@ Every key of the schema carries one :class:`Status`, stored next to the field
 * **ignored**: a knob with no effect on this hardware; the keys a config sets are listed in one
   start-up warning (:func:`posttrain.config.features.startup_warnings`).
 
+A refused or ignored key may be honoured on the megatron backend (``Rule.megatron``; the backend is
+chosen by :mod:`posttrain.config.backend`): there it is neither refused nor warned about.
+
 ``docs/config_reference.md`` is generated from these rules (:mod:`posttrain.config.reference`).
 """
 
@@ -57,6 +60,8 @@ class Rule:
     explicit: bool = False  # active only when the config writes the key (not for schema defaults)
     switch: str | None = None  # checked only when this key of the same section is active
     group: str | None = None  # active keys of one group are reported together
+    megatron: bool = False  # honoured on the megatron backend (posttrain.config.backend): neither refused nor warned
+    megatron_with: str | None = None  # ... only while this key of the same section is active (else as above)
 
     def __post_init__(self) -> None:
         if self.active not in ACTIVE:

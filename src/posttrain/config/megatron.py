@@ -18,7 +18,7 @@ Opt = Optional
 
 HF = "posttrain trains Hugging Face models with PyTorch kernels"
 ARCH = HONOURED  # describes the model (plan, init-model)
-MCORE = ignored(f"{HF}; Megatron-Core model classes are not used")
+MCORE = ignored("the backend key picks the model classes (megatron: Megatron-Core GPTModel; hf: Hugging Face models)")
 SPEC = ignored(f"{HF}; Megatron layer specs are not used", active="set")
 KERNEL = ignored(f"a Megatron/MindSpeed kernel switch; {HF}")
 KERNEL_SET = ignored(f"a Megatron/MindSpeed kernel switch; {HF}", active="set")
@@ -27,12 +27,14 @@ MEGATRON_MEM = ignored("a Megatron/MindSpeed memory or communication optimisatio
                        "(the numerics are the same)")
 MEGATRON_MEM_SET = ignored("a Megatron/MindSpeed memory or communication optimisation; posttrain does not "
                            "implement it (the numerics are the same)", active="set")
-PARALLEL_LAYOUT = ignored("only matters with Megatron model parallelism (tensor/pipeline/context/expert parallel "
-                          "sizes > 1 are refused)")
-PP_LAYOUT = ignored("only matters with pipeline parallelism (pipeline_model_parallel_size > 1 is refused)",
-                    active="set")
+PARALLEL_LAYOUT = ignored("a Megatron/MindSpeed rank-order, MoE or ring-attention option the megatron backend does "
+                          "not read (it keeps Megatron-Core's rank order; context and expert parallel sizes > 1 are "
+                          "refused)")
+PP_LAYOUT = ignored("the megatron backend splits the layers evenly over the pipeline stages (uneven or padded stages "
+                    "are not built yet)", active="set")
 CP_ALGO = ignored("only matters with context parallelism (context_parallel_size > 1 is refused)")
-SEQ_PARALLEL = ignored("only matters with tensor parallelism (tensor_model_parallel_size > 1 is refused)")
+SEQ_PARALLEL = ignored("only matters with tensor parallelism, on the megatron backend", megatron=True,
+                       megatron_with="tensor_model_parallel_size")
 FLASH = ignored("attention always runs through PyTorch sdpa, which picks flash kernels on CUDA by itself; "
                 "there are none on CPU", devices=("cpu",))
 SOFTMAX_FP32 = ignored("sdpa keeps the softmax in fp32 whatever the key says", ok=(True,))
@@ -42,13 +44,15 @@ INIT_STD = ignored("new weights are initialised by the Hugging Face model (its i
 AUX_LOSS = ignored("the MoE router load-balancing loss is not added (Hugging Face MoE models train without "
                    "router logits)")
 LOSS_SCALE = ignored("posttrain trains in fp32 or bf16, never fp16, so there is no loss scaling")
-DIST_OPT = ignored("one process has nothing to shard; Ray workers shard optimizer state with "
-                   "rl_config.ray_sharding: fsdp2")
+DIST_OPT = ignored("backend hf: one process has nothing to shard; Ray workers shard optimizer state with "
+                   "rl_config.ray_sharding: fsdp2 (the megatron backend refuses it on a CPU: Megatron-Core's "
+                   "distributed optimizer needs CUDA buffers)", megatron=True)
 NAN_CHECK = ignored("the NaN check of loss and gradients always runs (a NaN stops the run)")
 BACKEND = ignored("torch.distributed uses gloo on CPU and nccl on CUDA", active="backend")
 MASK_TYPE = ignored("attention is always causal", ok=("causal",))
 POSITIONS = ignored("packed rows (use_remove_padding) always restart positions per sequence")
-RECOMPUTE_DETAIL = ignored("activation checkpointing (recompute_granularity) covers every layer", active="set")
+RECOMPUTE_DETAIL = ignored("backend hf: activation checkpointing (recompute_granularity) covers every layer",
+                           active="set", megatron=True)
 EVAL = ignored("Megatron's validation-split evaluation is not run; RL stages evaluate with rl_config.eval_data_path "
                "and rl_config.eval_interval")
 LOG_INTERVAL = ignored("metrics are logged every iteration")
@@ -62,10 +66,18 @@ PADDING_SIDE = ignored("posttrain pads batches itself; the tokenizer's padding s
 SHARED_STORAGE = ignored("checkpoints are written by one process (rank 0) to megatron_training.save")
 LOOSE_LOAD = ignored("checkpoints always load strictly (a missing key is an error)")
 
-MP_WHY = ("model parallelism needs the Megatron-Core backend, which is not available yet (training is data parallel "
-          "only: more workers with rl_config.ray_sharding fsdp2 shard the training state; docs/parallelism.md)")
-MODEL_PARALLEL = refused(MP_WHY, active="gt1", group="model parallelism")
-VPP = refused(MP_WHY, "remove the key", active="set", group="model parallelism")
+# TP, PP and virtual stages select the megatron backend (posttrain.config.backend); only an explicit
+# `backend: hf` meets these refusals
+MP_WHY = "tensor/pipeline parallelism needs backend megatron, and backend is hf (data parallel only)"
+MODEL_PARALLEL = refused(MP_WHY, "set it to 1, or remove backend: hf (null picks megatron)", active="gt1",
+                         group="model parallelism", megatron=True)
+VPP = refused(MP_WHY, "remove the key, or remove backend: hf (null picks megatron)", active="set",
+              group="model parallelism", megatron=True)
+CONTEXT_PARALLEL = refused("context parallelism is not verified on the megatron backend yet",
+                           "set context_parallel_size 1", active="gt1")
+EXPERT_PARALLEL = refused("expert parallelism is not built: the Hugging Face <-> Megatron-Core mapping "
+                          "(posttrain.models.mcore) covers dense models only", "set expert_model_parallel_size 1",
+                          active="gt1")
 LORA = refused("LoRA is not implemented yet (the run would be a full fine-tune)",
                "remove the lora_* keys to fine-tune all weights", group="lora")
 LORA_TARGETS = refused("LoRA is not implemented yet (the run would be a full fine-tune)",
@@ -186,13 +198,21 @@ class MegatronConfig(Section):
     reuse_fp32_param: bool = F(False, "MindSpeed: share fp32 master weights with bf16 weights", MEGATRON_MEM)
     swap_optimizer: bool = F(False, "MindSpeed: swap optimizer state to the host", MEGATRON_MEM)
     # ---- parallelism ----------------------------------------------------------------------------
-    tensor_model_parallel_size: int = F(1, "tensor parallel size", MODEL_PARALLEL)
-    pipeline_model_parallel_size: int = F(1, "pipeline parallel size", MODEL_PARALLEL)
-    expert_model_parallel_size: int = F(1, "expert parallel size", MODEL_PARALLEL)
-    num_layers_per_virtual_pipeline_stage: Opt[int] = F(None, "layers per virtual pipeline stage", VPP)
+    backend: Opt[str] = F(None, "posttrain: training backend: hf (Hugging Face models, PyTorch; data parallel with "
+                                "DDP or FSDP2), megatron (Megatron-Core in Ray worker groups: TP, PP, virtual "
+                                "stages, distributed optimizer), or null: megatron when the actor asks for tensor, "
+                                "pipeline, context or expert parallelism > 1 or virtual pipeline stages, else hf. "
+                                "Reference and critic follow the actor's (posttrain.config.backend)", HONOURED)
+    tensor_model_parallel_size: int = F(1, "tensor parallel size (> 1 selects the megatron backend)", MODEL_PARALLEL)
+    pipeline_model_parallel_size: int = F(1, "pipeline parallel size (> 1 selects the megatron backend)",
+                                          MODEL_PARALLEL)
+    expert_model_parallel_size: int = F(1, "expert parallel size", EXPERT_PARALLEL)
+    num_layers_per_virtual_pipeline_stage: Opt[int] = F(None, "layers per virtual pipeline stage (interleaved "
+                                                              "schedule; needs pipeline parallelism; set: the "
+                                                              "megatron backend)", VPP)
     num_layer_list: Any = F(None, "layers per pipeline stage", PP_LAYOUT)
     noop_layers: Any = F(None, "no-op layers for pipeline balance", PP_LAYOUT)
-    context_parallel_size: int = F(1, "context parallel size", MODEL_PARALLEL)
+    context_parallel_size: int = F(1, "context parallel size", CONTEXT_PARALLEL)
     context_parallel_algo: str = F("ulysses_cp_algo", "ulysses_cp_algo or megatron_cp_algo", CP_ALGO)
     attention_mask_type: str = F("causal", "attention mask type (causal)", MASK_TYPE)
     reset_attention_mask: bool = F(False, "per-sequence attention in packed rows (use_remove_padding needs it)",

@@ -1,7 +1,8 @@
 """The plan: every value a run derives from its config, computed once, frozen, read by the run.
 
 :func:`resolve_plan` runs the one config check (:func:`posttrain.config.check.check_run_config`)
-and derives the batch arithmetic, the dispatch sizes, the optimizer step counts, the precision,
+and derives the training backend and its parallel layout (``parallel``, :mod:`posttrain.config.backend`),
+the batch arithmetic, the dispatch sizes, the optimizer step counts, the precision,
 the loss and engine options and a memory estimate of the layout that will actually run.
 ``posttrain plan`` prints it; ``posttrain train`` builds the run from it. The config the user
 wrote is never written to.
@@ -17,6 +18,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Mapping
 
+from posttrain.config.arch import model_arch
+from posttrain.config.backend import ModelParallel, model_parallel
 from posttrain.config.check import check_device, check_run_config, uses_ray
 from posttrain.config.reward_model import RewardModelOptions, reward_model_arch, reward_model_options
 from posttrain.config.run import RunConfig
@@ -25,8 +28,8 @@ from posttrain.config.validate import Layout
 from posttrain.models.arch import ModelArch
 
 GIB = 1024**3
-# the seed's dispatch sizes are rows per data-parallel rank; the driver reads them for all W workers
-# (the critic is colocated with the actor: the same W ranks)
+# the seed's dispatch sizes are rows per data-parallel rank; the driver reads them for all DP ranks
+# (hf: every worker; megatron: workers // (TP x PP x CP)); the critic is colocated with the actor
 ACTOR_DISPATCH_KEYS = ("actor_rollout_dispatch_size", "actor_logprob_dispatch_size", "ref_dispatch_size",
                        "actor_update_dispatch_size", "critic_update_dispatch_size", "critic_value_dispatch_size")
 PHASES = ("ref", "actor", "update")  # token-budget phases of use_dynamic_bsz
@@ -103,7 +106,7 @@ class Plan:
     max_tokens_per_iteration: int
     train_iters: int
     dispatch_sizes: Mapping[str, int]  # the seed's meaning: rows per data-parallel rank
-    reads: Mapping[str, int]  # rows the driver reads per call (dispatch size x workers for actor roles)
+    reads: Mapping[str, int]  # rows the driver reads per call (dispatch size x parallel.dp for actor roles)
     logprob_temperature: float  # the sampling temperature, 0 (greedy) meaning 1
     uses_reference: bool
     uses_critic: bool
@@ -120,6 +123,7 @@ class Plan:
     num_params: int | None = None
     memory: MemoryEstimate | None = field(default=None)
     reward_model: RewardModelOptions | None = None  # reward_config's model, scoring in the loop
+    parallel: ModelParallel = ModelParallel()  # the training backend and the actor's TP/PP/DP layout
 
     @property
     def name(self) -> str:
@@ -138,33 +142,12 @@ def resolve_plan(cfg: RunConfig, arch: ModelArch | None = None, *, device: str |
     if device is None:
         check_device(cfg.rl.device)
         device = resolve_device(cfg.rl.device)
-    layout, warnings = check_run_config(cfg, device_type=device_type(device))
     if arch is None:
         arch = model_arch(cfg)
+    layout, warnings = check_run_config(cfg, device_type=device_type(device), arch=arch)
     plan = build_plan(cfg, layout, arch, device=device, warnings=tuple(warnings))
     extra = check_memory(cfg, plan)
     return _replace(plan, warnings=plan.warnings + tuple(extra)) if extra else plan
-
-
-def model_arch(cfg: RunConfig, hf_config: str | None = None) -> ModelArch | None:
-    """The actor's architecture: an explicit HF config, else the model yaml, else ``load``'s (or the
-    tokenizer's) ``config.json``; None when none of them describes the model."""
-    from pathlib import Path
-
-    from posttrain.models.arch import arch_from_hf_config, arch_from_model_yaml
-
-    if hf_config:
-        return arch_from_hf_config(hf_config)
-    a = cfg.actor
-    if a.num_layers and a.hidden_size and a.num_attention_heads and a.padded_vocab_size:
-        return arch_from_model_yaml(a.model or "actor", a.model_dump())
-    for candidate in (a.load, a.tokenizer_name_or_path):
-        if candidate and (Path(candidate) / "config.json").is_file():
-            try:
-                return arch_from_hf_config(candidate)
-            except (KeyError, TypeError, ValueError, ZeroDivisionError):
-                continue  # not a model's config.json: no estimate (loading the model reports it)
-    return None
 
 
 def machine_memory_bytes() -> int | None:
@@ -227,7 +210,9 @@ def build_plan(cfg: RunConfig, layout: Layout, arch: ModelArch | None = None, *,
     per_seq = min(a.seq_length, max_prompt + max_resp) if max_resp else a.seq_length
     ray = uses_ray(cfg)
     workers = (rl.actor_resource.num_npus or 1) if ray else 1
-    reads = {k: v * workers if k in ACTOR_DISPATCH_KEYS else v for k, v in layout.dispatch_sizes.items()}
+    parallel = model_parallel(cfg)
+    hf = parallel.backend == "hf"
+    reads = {k: v * parallel.dp if k in ACTOR_DISPATCH_KEYS else v for k, v in layout.dispatch_sizes.items()}
     train_dtype, rollout_dtype = precision(
         device, bf16=bool(a.bf16), bf16_asked=cfg.explicitly_set("megatron_training", "bf16")
         or cfg.explicitly_set("actor_config", "bf16"), rollout_dtype=gen.dtype,
@@ -256,9 +241,10 @@ def build_plan(cfg: RunConfig, layout: Layout, arch: ModelArch | None = None, *,
         actor_loss=MappingProxyType(actor_loss_options(cfg, stage, temperature)) if on_policy else MappingProxyType({}),
         actor_engine=_with_forward(engine, budgets, "actor"), ref_engine=_with_forward(engine, budgets, "ref"),
         max_num_seqs=gen.max_num_seqs if cfg.explicitly_set("generate_config", "max_num_seqs") else 256,
-        offload_optimizer=on_policy and gen.offload_train_optimizer and not device.startswith("cpu"),
-        offload_grads=on_policy and gen.offload_train_grad,
+        offload_optimizer=hf and on_policy and gen.offload_train_optimizer and not device.startswith("cpu"),
+        offload_grads=hf and on_policy and gen.offload_train_grad,  # megatron: not built (refused on CUDA)
         warnings=warnings, arch=arch, reward_model=reward_model_options(cfg, device, on_policy=on_policy),
+        parallel=parallel,
     )
     if arch is not None:
         plan = _replace(plan, num_params=arch.num_params(), memory=estimate_memory(cfg, plan, arch))
@@ -314,32 +300,40 @@ def token_budgets(cfg: RunConfig) -> dict[str, TokenBudget] | None:
 
 
 def estimate_memory(cfg: RunConfig, plan: Plan, arch: ModelArch) -> MemoryEstimate:
-    """A first-order estimate per worker process, for the layout that runs (data parallel over
-    ``plan.workers``; model-parallel layouts are refused until a backend runs them).
+    """A first-order estimate per worker process, for the layout that runs: on the hf backend data
+    parallel over ``plan.workers`` (W); on the megatron backend each process holds 1/(TP x PP) of
+    the model (``plan.parallel``; M = TP x PP below, 1 on hf).
 
     * weights: fp32 master weights, 4 bytes per parameter (the training dtype only changes the
-      forward's autocast), divided by W with FSDP2;
-    * gradients: fp32, 4 bytes per parameter, divided by W with FSDP2;
-    * optimizer: AdamW's two fp32 moments, 8 bytes per parameter, divided by W with FSDP2;
-    * reference: a frozen fp32 copy (4 bytes per parameter) when the stage uses one, 0 with
-      ``rl_config.offload_reference`` (it is on the device only during its own log-prob pass);
+      forward's autocast), divided by W with FSDP2, by M on megatron;
+    * gradients: fp32, 4 bytes per parameter, divided by W with FSDP2, by M on megatron;
+    * optimizer: AdamW's two fp32 moments, 8 bytes per parameter, divided by W with FSDP2, by M on
+      megatron (and by its DP size with ``use_distributed_optimizer``);
+    * reference: a frozen fp32 copy (4 bytes per parameter, divided by M: it takes the actor's
+      layout) when the stage uses one, 0 with ``rl_config.offload_reference`` (it is on the device
+      only during its own log-prob pass);
     * the offload of the optimizer state and gradients (``generate_config.offload_train_*``) frees
       them during rollout, not during the update, whose peak this estimate is: they count in full;
     * critic (PPO): the value model (the actor's backbone without the LM head, plus a bias-free
       h x 1 value head) with its gradients and moments, 16 bytes per parameter of its own; replicated
-      on every worker, DDP, whatever the actor's sharding;
+      on every worker, DDP, whatever the actor's sharding (divided by M on megatron);
     * reward model (``reward_config``): its weights only (frozen), 4 bytes per parameter (2 in
       bf16), on every worker; counted when its ``config.json`` can be read without loading it;
     * activations for one micro-batch (Korthikanti et al. 2022, memory-efficient SDPA attention):
-      s*b*h*34 bytes per layer (full recompute keeps 2*s*b*h), plus fp32 logits s*b*V*4;
+      s*b*h*34 bytes per layer (full recompute keeps 2*s*b*h), plus fp32 logits s*b*V*4; on megatron
+      counted in full too (an upper bound: tensor/sequence parallelism splits some of them, and the
+      first pipeline stage holds up to PP micro-batches of its layers);
     * KV cache of the native rollout engine: the rows one worker decodes at once (at most
       ``max_num_seqs``) x tokens per sequence x 2 x layers x kv_heads x head_dim x the rollout
       dtype's bytes.
     """
-    a = cfg.actor
+    a, par = cfg.actor, plan.parallel
     params = float(arch.num_params())
-    shard = params / plan.workers if plan.workers > 1 and plan.sharding == "fsdp2" else params
-    critic = value_model_params(arch)
+    split = par.tp * par.pp if par.backend == "megatron" else 1  # M: the model's split over ranks
+    fsdp = plan.workers > 1 and plan.sharding == "fsdp2" and par.backend == "hf"
+    shard = params / plan.workers if fsdp else params / split
+    optimizer = 8 * shard / (par.dp if par.backend == "megatron" and par.use_distributed_optimizer else 1)
+    critic = value_model_params(arch) / split
     s, b, h = plan.max_tokens_per_sequence, plan.micro_batch_size, arch.hidden_size
     per_layer = 2 * s * b * h if a.recompute_granularity == "full" else s * b * h * 34
     activations = arch.num_layers * per_layer + s * b * arch.vocab_size * 4
@@ -348,8 +342,9 @@ def estimate_memory(cfg: RunConfig, plan: Plan, arch: ModelArch) -> MemoryEstima
                                                                              else 4)
     rm_arch = reward_model_arch(cfg) if plan.reward_model is not None else None
     rm_bytes = 2 if plan.reward_model is not None and plan.reward_model.dtype == "bfloat16" else 4
-    return MemoryEstimate(weights=4 * shard, gradients=4 * shard, optimizer=8 * shard,
-                          reference=4 * params if plan.uses_reference and not cfg.rl.offload_reference else 0.0,
+    return MemoryEstimate(weights=4 * shard, gradients=4 * shard, optimizer=optimizer,
+                          reference=4 * params / split if plan.uses_reference and not cfg.rl.offload_reference
+                          else 0.0,
                           critic=16 * critic if plan.uses_critic else 0.0, activations=activations, kv_cache=kv,
                           reward_model=rm_bytes * value_model_params(rm_arch) if rm_arch is not None else 0.0)
 

@@ -18,6 +18,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from posttrain.config.backend import MEGATRON_NOT_YET
 from posttrain.config.features import CRITIC_FOLLOWS_ACTOR, SECTION_REFUSALS
 from posttrain.config.fields import DEVICES, Rule, Status, field_rule, fmt_value
 from posttrain.config.megatron import MegatronConfig
@@ -87,6 +88,17 @@ def _section_rules() -> str:
                  f"refused: {keys} (`no_save_optim` and `no_save_rng` are the critic's own when "
                  f"`critic_config.save` names a directory other than the actor's; `save`, `load`, `finetune`, "
                  f"`no_load_optim` and `no_load_rng` are always its own: see docs/checkpoints.md).")
+    not_yet = "; ".join(f"`{item.section}{'.' + item.key if item.key else ''}` ({item.message}"
+                        f"{'; on a CPU only warned about' if item.devices != DEVICES else ''})"
+                        for item in MEGATRON_NOT_YET)
+    lines.append("* `backend` (posttrain.config.backend): null picks `megatron` when the actor asks for tensor, "
+                 "pipeline, context or expert parallelism > 1 or virtual pipeline stages, else `hf`; `posttrain plan` "
+                 "prints the choice and why. The megatron backend runs in Ray worker groups "
+                 "(`rl_config.actor_resource.num_npus` = TP x PP x CP x DP >= 2); the model's attention heads and KV "
+                 "heads must divide by TP and its layers by PP (and by PP x `num_layers_per_virtual_pipeline_stage`, "
+                 "which needs PP > 1); `use_distributed_optimizer` is refused there on a CPU; `ref_config`, "
+                 "`critic_config` and `reward_config` may not name another backend. Refused on the megatron backend "
+                 f"until built: {not_yet}.")
     reads = ", ".join(f"`{k}`" for k in READS)
     lines.append(f"* `reward_config`: the reward model of the on-policy stages (see docs/rewards.md, \"Reward model "
                  f"in the loop\"). It reads {reads} (`load`, else `tokenizer_name_or_path`, written in "
@@ -143,6 +155,14 @@ def _default(value: Any) -> str:
 
 
 def _status(rule: Rule) -> str:
+    megatron = ""
+    if rule.megatron:
+        megatron = "; honoured on the megatron backend" + (f" with {rule.megatron_with} > 1" if rule.megatron_with
+                                                           else "")
+    return _device_status(rule) + megatron
+
+
+def _device_status(rule: Rule) -> str:
     if rule.devices == DEVICES:
         return rule.status.value
     others = ", ".join(d for d in DEVICES if d not in rule.devices)

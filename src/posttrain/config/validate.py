@@ -40,7 +40,9 @@ def _check_resource(component: str, resource: int, c: MegatronConfig) -> None:
     t, p, cp = c.tensor_model_parallel_size, c.pipeline_model_parallel_size, c.context_parallel_size
     if resource % (t * p * cp) != 0:
         raise ConfigError(f"Invalid {component} resource allocation! Resource={resource} must be divisible by "
-                          f"(tensor_parallel * pipeline_parallel * context_parallel) = {t}*{p}*{cp}={t * p * cp}")
+                          f"(tensor_parallel * pipeline_parallel * context_parallel) = {t}*{p}*{cp}={t * p * cp}; make "
+                          f"rl_config.actor_resource.num_npus a multiple of tensor_model_parallel_size x "
+                          f"pipeline_model_parallel_size x context_parallel_size")
 
 
 def _check_batch_ratio(component: str, gbs: int, n: int, mbs: int) -> None:

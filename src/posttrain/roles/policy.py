@@ -69,8 +69,7 @@ def load_policy_tokenizer(actor: MegatronConfig):
     from posttrain.checkpoint import resolve_checkpoint
     from posttrain.models.loading import load_tokenizer
 
-    path, _ = resolve_checkpoint(model_source(actor))
-    tokenizer = load_tokenizer(actor.tokenizer_name_or_path or path)
+    tokenizer = load_tokenizer(actor.tokenizer_name_or_path or resolve_checkpoint(model_source(actor))[0])
     return tokenizer, rollout_stop_ids(tokenizer, actor)
 
 
@@ -197,12 +196,21 @@ def warn_dropout_across_workers(model: Any, workers: int) -> None:
                     "them to 0 in config.json for worker-count-invariant runs", dropout)
 
 
+def build_rollout(cfg: RunConfig, plan: Plan, model, tokenizer, stop_token_ids: list[int]):
+    """The rollout engine of ``rl_config.rollout_engine`` (native or vLLM) sampling from ``model``."""
+    from posttrain.rollout.base import ROLLOUT_ENGINES
+
+    return ROLLOUT_ENGINES.get(cfg.rl.rollout_engine)(
+        model=model, pad_token_id=tokenizer.pad_token_id, eos_token_ids=stop_token_ids, max_num_seqs=plan.max_num_seqs,
+        max_num_batched_tokens=cfg.generate.max_num_batched_tokens, dtype=plan.rollout_dtype)
+
+
 def build_policy(cfg: RunConfig, plan: Plan, device: str, *, with_rollout: bool = True, dp_group=None) -> Policy:
     """The policy of one process: the actor (resumed when ``load`` names a checkpoint), the frozen
     reference when the stage uses one, and the native or vLLM rollout engine on the actor's model."""
     from posttrain.train.engine import TrainEngine
 
-    a, gen = cfg.actor, cfg.generate
+    a = cfg.actor
     model, tokenizer, source = build_actor_model(a, device)
     warn_dropout_across_workers(model, plan.workers)
     actor = build_train_engine(model, a, plan, plan.actor_engine, metric_prefix=plan.stage.metric_prefix
@@ -215,12 +223,7 @@ def build_policy(cfg: RunConfig, plan: Plan, device: str, *, with_rollout: bool 
                                 dp_group=dp_group, options=plan.ref_engine)
         if cfg.rl.offload_reference:
             reference = offloaded_reference(reference)
-    rollout, stops = None, rollout_stop_ids(tokenizer, a)
-    if with_rollout:
-        from posttrain.rollout.base import ROLLOUT_ENGINES
-
-        rollout = ROLLOUT_ENGINES.get(cfg.rl.rollout_engine)(
-            model=model, pad_token_id=tokenizer.pad_token_id, eos_token_ids=stops, max_num_seqs=plan.max_num_seqs,
-            max_num_batched_tokens=gen.max_num_batched_tokens, dtype=plan.rollout_dtype)
+    stops = rollout_stop_ids(tokenizer, a)
+    rollout = build_rollout(cfg, plan, model, tokenizer, stops) if with_rollout else None
     return Policy(model=model, tokenizer=tokenizer, actor=actor, reference=reference, rollout=rollout,
                   stop_token_ids=stops, state=state)

@@ -176,11 +176,13 @@ def _refuse_foreign_checkpoints(save: Path, role, section: str) -> None:
                           f"and {section}.finetune=false to continue them")
 
 
-def checked_start(cfg: RunConfig, load_previous_on_corruption: bool = False) -> RunConfig:
+def checked_start(cfg: RunConfig, load_previous_on_corruption: bool = False, *, megatron: bool = False) -> RunConfig:
     """Read every file the run will load from ``actor_config.load`` before any model is built: a
     corrupt checkpoint is a :class:`CheckpointError` naming the file and the previous complete
     checkpoint. With ``load_previous_on_corruption`` the run resumes from that previous checkpoint
-    instead (a warning names both); the returned config then loads it."""
+    instead (a warning names both); the returned config then loads it. ``megatron``: the Megatron
+    backend's workers read a Megatron checkpoint shard by shard, so here its shards are only
+    checked to be complete (the HF backend converts it once, when it is resolved)."""
     from posttrain.checkpoint import (check_model_files, earlier_checkpoints, list_checkpoints, resolve_checkpoint,
                                       verify_checkpoint)
 
@@ -188,6 +190,13 @@ def checked_start(cfg: RunConfig, load_previous_on_corruption: bool = False) -> 
     source = a.load or a.tokenizer_name_or_path  # where the policy's weights come from (model_source)
     if not source or not Path(source).is_dir():
         return cfg  # a missing path is reported by the policy's model_source()
+    if megatron:
+        from posttrain.models.mcore.convert import McoreCheckpoint
+        from posttrain.models.mcore.layout import is_mcore_checkpoint
+
+        if is_mcore_checkpoint(source):
+            McoreCheckpoint(source)  # every rank's shard present, from one save
+            return cfg
     flags = dict(optim=not (a.no_load_optim or a.finetune), rng=not (a.no_load_rng or a.finetune))
     try:
         path, full = resolve_checkpoint(source)
@@ -262,7 +271,8 @@ class Session:
             # a run that cannot write its results, or would load a corrupt file, stops here
             what = ("rl_config.output_dir" if rl.output_dir else "the run directory (rl_config.output_dir is not set)")
             self.locks = claim_run_dirs(cfg, run_dir, what)
-            cfg = self.cfg = checked_start(cfg, load_previous_on_corruption)
+            cfg = self.cfg = checked_start(cfg, load_previous_on_corruption,
+                                           megatron=plan.parallel.backend == "megatron")
             self._build(cfg, plan, run_dir)
         except BaseException:
             self.close()

@@ -10,6 +10,7 @@ import os
 
 import pytest
 
+from posttrain.config.check import check_run_config
 from posttrain.config.features import check_features, startup_warnings
 from posttrain.config.fields import Status, field_rule
 from posttrain.config.megatron import MegatronConfig
@@ -37,7 +38,7 @@ def refusal(overrides, device_type="cpu") -> str:
 
 
 LORA = "LoRA is not implemented yet"
-MP = "needs the Megatron-Core backend, which is not available yet"
+MP = "tensor/pipeline parallelism needs backend megatron, and backend is hf"
 MM = "multimodal training is not implemented yet"
 MULTI_TURN = "multi-turn rollout with tools is not implemented yet"
 TQ = "the TransferQueue backend is not implemented"
@@ -54,20 +55,22 @@ CASES = [
     (["actor_config.lora_ckpt_filter=true"], f"actor_config.lora_ckpt_filter=true: {LORA}", "remove the lora_* keys"),
     (["actor_config.lora_target_modules=[linear_qkv]", "actor_config.lora_r=16"],
      f"actor_config.lora_r=16, actor_config.lora_target_modules=[linear_qkv]: {LORA}", "remove the lora_* keys"),
-    # model parallelism: each key > 1 is named
-    (["actor_config.tensor_model_parallel_size=2"],
-     f"actor_config.tensor_model_parallel_size=2: model parallelism {MP}", "set it to 1"),
-    (["actor_config.tensor_model_parallel_size=4", "actor_config.pipeline_model_parallel_size=2"],
-     "actor_config.tensor_model_parallel_size=4, actor_config.pipeline_model_parallel_size=2: model parallelism",
-     "set them to 1"),
-    (["megatron_training.pipeline_model_parallel_size=2"], "megatron_training.pipeline_model_parallel_size=2: ",
-     "set it to 1"),
+    # model parallelism: TP/PP/VPP select the megatron backend; with backend hf each is named
+    (["actor_config.backend=hf", "actor_config.tensor_model_parallel_size=2"],
+     f"actor_config.tensor_model_parallel_size=2: {MP}", "set it to 1, or remove backend: hf"),
+    (["actor_config.backend=hf", "actor_config.tensor_model_parallel_size=4",
+      "actor_config.pipeline_model_parallel_size=2"],
+     f"actor_config.tensor_model_parallel_size=4, actor_config.pipeline_model_parallel_size=2: {MP}",
+     "set them to 1, or remove backend: hf"),
+    (["megatron_training.backend=hf", "megatron_training.pipeline_model_parallel_size=2"],
+     "megatron_training.pipeline_model_parallel_size=2: ", "set it to 1"),
     (["actor_config.expert_model_parallel_size=2"],
-     f"actor_config.expert_model_parallel_size=2: model parallelism {MP}", "set it to 1"),
-    (["actor_config.context_parallel_size=2"], f"actor_config.context_parallel_size=2: model parallelism {MP}",
-     "set it to 1"),
-    (["actor_config.num_layers_per_virtual_pipeline_stage=2"],
-     f"actor_config.num_layers_per_virtual_pipeline_stage=2: model parallelism {MP}", "remove the key"),
+     "actor_config.expert_model_parallel_size=2: expert parallelism is not built", "set expert_model_parallel_size 1"),
+    (["actor_config.context_parallel_size=2"],
+     "actor_config.context_parallel_size=2: context parallelism is not verified on the megatron backend yet",
+     "set context_parallel_size 1"),
+    (["actor_config.backend=hf", "actor_config.num_layers_per_virtual_pipeline_stage=2"],
+     f"actor_config.num_layers_per_virtual_pipeline_stage=2: {MP}", "remove the key"),
     ([*PPO, "critic_config.tensor_model_parallel_size=2"], "critic_config.tensor_model_parallel_size=2: ",
      "set it to 1"),
     # other Megatron keys
@@ -316,10 +319,9 @@ SEED_LAYOUTS = {"r1_zero_qwen25_7b", "dapo_qwen25_32b", "ppo_qwen25_32b", "dpo_q
 @pytest.mark.parametrize("name", SHIPPED)
 def test_shipped_configs(name):
     cfg = load_run_config(name)
-    if name in SEED_LAYOUTS:  # the seed's TP/PP/EP layouts wait for the Megatron-Core backend
-        with pytest.raises(ConfigError, match=r"tensor_model_parallel_size=\d.*model parallelism needs the "
-                                              r"Megatron-Core backend, which is not available yet"):
-            check_features(cfg, "cpu")
+    if name in SEED_LAYOUTS:  # the seed's TP/PP layouts select the megatron backend, which refuses them on a CPU
+        with pytest.raises(ConfigError, match=r"\(backend megatron: \w+\.tensor_model_parallel_size=\d > 1\)"):
+            check_run_config(cfg, device_type="cpu")
     else:  # the configs meant to run here: nothing refused, nothing inert
         for device in ("cpu", "cuda"):
             check_features(cfg, device)

@@ -74,12 +74,39 @@ def test_plan_command_prints(capsys):
     assert "valid" in out and "responses" in out and "optimizer steps in all" in out
 
 
-def test_plan_refuses_the_layouts_no_backend_runs(capsys):
-    """Until a backend runs TP/PP, the seed's TP4 x PP2 config exits 2 and names the keys."""
-    assert main(["plan", "--config-name", "r1_zero_qwen25_7b"]) == 2
+def test_plan_refuses_the_distributed_optimizer_of_the_megatron_backend_on_cpu(capsys):
+    """The seed's TP4 x PP2 config selects the megatron backend; on a CPU its distributed optimizer
+    is refused by key, with the reason for the backend."""
+    assert main(["plan", "--config-name", "r1_zero_qwen25_7b", "rl_config.device=cpu"]) == 2
     err = capsys.readouterr().err
-    assert "tensor_model_parallel_size" in err and "pipeline_model_parallel_size" in err
+    assert "megatron_training.use_distributed_optimizer=true: Megatron-Core's distributed optimizer needs CUDA" in err
+    assert "(backend megatron: actor_config.tensor_model_parallel_size=4 > 1)" in err
     assert main(["plan", "--config-name", "r1_zero_qwen25_7b", *ONE_PROCESS]) == 0
+
+
+MEGATRON_CPU = ["rl_config.device=cpu", "actor_config.use_distributed_optimizer=false",
+                "rl_config.ignore_memory_estimate=true"]
+
+
+def test_r1_zero_plans_on_the_megatron_backend(capsys):
+    cfg = load_run_config("r1_zero_qwen25_7b", overrides=MEGATRON_CPU)
+    plan = resolve_plan(cfg, model_arch(cfg), device="cpu")
+    par = plan.parallel
+    assert (par.backend, par.tp, par.pp, par.dp, par.cp) == ("megatron", 4, 2, 1, 1)
+    assert par.reason == "actor_config.tensor_model_parallel_size=4 > 1" and par.sequence_parallel
+    assert plan.workers == 8 and plan.use_ray  # every worker process, whatever its TP/PP rank
+    # one DP rank: the driver reads one dispatch per call, not one per worker
+    assert plan.reads["actor_update_dispatch_size"] == plan.dispatch_sizes["actor_update_dispatch_size"] == 512
+    # weights, gradients, AdamW moments: 1/(TP x PP) of the model per process
+    assert plan.memory.weights == pytest.approx(4 * PARAMS / 8) and plan.memory.optimizer == pytest.approx(PARAMS)
+    # on a CPU the offload keys have nothing to offload to: warned, not refused
+    [keys] = [w for w in plan.warnings if w.startswith("keys with no effect")]
+    assert all(f"generate_config.offload_train_{k}" in keys for k in ("optimizer", "grad", "param"))
+    assert "sequence_parallel" not in keys and "use_distributed_optimizer" not in keys
+    assert main(["plan", "--config-name", "r1_zero_qwen25_7b", *MEGATRON_CPU]) == 0
+    out = capsys.readouterr().out
+    assert ("backend: megatron (actor_config.tensor_model_parallel_size=4 > 1): TP 4 x PP 2 x DP 1, "
+            "sequence parallel") in out
 
 
 def test_plan_command_bad_input_exit_2(capsys):

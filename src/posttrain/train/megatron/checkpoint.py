@@ -5,7 +5,8 @@ data-parallel rank 0 of each), and ``latest_checkpointed_iteration.txt``, as Meg
 seed write them; the model part is what ``posttrain convert --load-model-type mg`` reads, so a
 saved run converts back to HF. Each rank file holds ``model`` (the chunk's state dict),
 ``optimizer`` (Megatron's optimizer state), ``rng_state`` (the CPU generator, Python's and
-NumPy's, and Megatron's RNG tracker), ``iteration``, ``args`` and ``checkpoint_version``.
+NumPy's, and Megatron's RNG tracker), ``iteration``, ``args``, ``checkpoint_version`` and the
+caller's ``extra`` (the LR schedule, the trainer and sampler state of a run).
 
 Nothing is half-written: each rank file goes to a temporary name and is renamed; all ranks wait
 for each other; only then does rank 0 write the tracker (temporary name, rename). A checkpoint
@@ -52,9 +53,10 @@ def _set_rng_state(state: dict) -> None:
 
 
 def save_megatron_checkpoint(save_dir: str | Path, iteration: int, chunk, optimizer,
-                             args: argparse.Namespace) -> Path:
+                             args: argparse.Namespace, *, extra: dict | None = None, save_optim: bool = True,
+                             save_rng: bool = True) -> Path:
     """Write this rank's part of iteration ``iteration``; returns the iteration directory. Every
-    rank calls it (a barrier inside)."""
+    rank calls it (a barrier inside). ``save_optim`` / ``save_rng``: the seed's ``no_save_*`` negated."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
@@ -65,8 +67,13 @@ def save_megatron_checkpoint(save_dir: str | Path, iteration: int, chunk, optimi
     if ps.get_data_parallel_rank() == 0:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + ".tmp")
-        torch.save({"model": chunk.state_dict(), "optimizer": optimizer.state_dict(), "rng_state": _rng_state(),
-                    "iteration": iteration, "args": args, "checkpoint_version": layout.CHECKPOINT_VERSION}, tmp)
+        state = {"model": chunk.state_dict(), "iteration": iteration, "args": args,
+                 "checkpoint_version": layout.CHECKPOINT_VERSION, **(extra or {})}
+        if save_optim:
+            state["optimizer"] = optimizer.state_dict()
+        if save_rng:
+            state["rng_state"] = _rng_state()
+        torch.save(state, tmp)
         os.replace(tmp, path)
     dist.barrier()
     if dist.get_rank() == 0:
@@ -78,9 +85,11 @@ def save_megatron_checkpoint(save_dir: str | Path, iteration: int, chunk, optimi
     return path.parent.parent
 
 
-def load_megatron_checkpoint(load_dir: str | Path, chunk, optimizer) -> int:
+def load_megatron_checkpoint(load_dir: str | Path, chunk, optimizer, *, load_optim: bool = True,
+                             load_rng: bool = True) -> dict:
     """Load this rank's part of the checkpoint the tracker in ``load_dir`` names into ``chunk`` and
-    ``optimizer``, with the RNG states; returns its iteration."""
+    (unless told not to) ``optimizer`` and the RNG states; returns the rank file's other entries
+    (``iteration`` and the saver's ``extra``)."""
     from posttrain.models.mcore import layout
 
     load_dir = Path(load_dir)
@@ -93,8 +102,13 @@ def load_megatron_checkpoint(load_dir: str | Path, chunk, optimizer) -> int:
         raise CheckpointError(f"{path} is missing: this rank's shard of {it_dir} (the checkpoint was saved with "
                               f"another tensor/pipeline layout; convert it to HF and start from that)")
     state = layout.load_rank_file(path, mmap=False)  # weights_only, with the converter's allow-list
-    chunk.load_state_dict(state["model"], strict=True)
-    optimizer.load_state_dict(state["optimizer"])
-    _set_rng_state(state["rng_state"])
-    return int(state["iteration"])
-
+    chunk.load_state_dict(state.pop("model"), strict=True)
+    for key, wanted, load in (("optimizer", load_optim, optimizer.load_state_dict), ("rng_state", load_rng,
+                                                                                    _set_rng_state)):
+        if wanted and key not in state:
+            raise CheckpointError(f"{path} holds no {key} (saved with no_save_optim / no_save_rng); set "
+                                  f"no_load_optim / no_load_rng to resume without it")
+        value = state.pop(key, None)
+        if wanted:
+            load(value)
+    return state

@@ -11,17 +11,21 @@ Megatron-Core model, through Megatron's pipeline schedule and optimizer.
   ``on_logprobs(logprobs, entropy, micro_batch, num_tokens=, num_seqs=)``, the part after the
   forward, with the token and row counts of the whole mini-batch (a token-mean is over the
   mini-batch, as in the HF engine).
+* Data parallel replicas (Megatron's ``DistributedDataParallel`` averages gradients over them):
+  the token and row counts and the metrics are summed over the data-parallel group and each
+  rank's loss is scaled by its size, as in the HF engine (:mod:`posttrain.train.parallel`).
 * Results are computed on the last pipeline stage and broadcast to the others, so every rank
   returns the same values.
 
-Not yet behind the trainer (no config selects it): see docs/parallelism.md.
+The Ray worker groups build it (:mod:`posttrain.roles.megatron_policy`); docs/parallelism.md.
 """
 
 from __future__ import annotations
 
 import torch
 
-from posttrain.train.engine import minibatch_order
+from posttrain.train.engine import NaNLossError, minibatch_order
+from posttrain.train.parallel import dp_world_size, global_counts, reduce_metric_totals
 from posttrain.train.megatron.vocab_parallel import vocab_parallel_entropy, vocab_parallel_logprobs
 
 
@@ -54,8 +58,8 @@ class MegatronEngine:
     """``compute_logprobs`` and ``update`` on ``model`` (this rank's chunk, in Megatron's
     ``DistributedDataParallel``) with Megatron's ``optimizer``."""
 
-    def __init__(self, model, optimizer=None, *, vocab_size: int, metric_prefix: str = "actor"):
-        self.model, self.optimizer = model, optimizer
+    def __init__(self, model, optimizer=None, scheduler=None, *, vocab_size: int, metric_prefix: str = "actor"):
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.vocab_size, self.metric_prefix = vocab_size, metric_prefix
 
     def _run(self, batch: dict[str, torch.Tensor], per_row, *, forward_only: bool) -> None:
@@ -112,10 +116,13 @@ class MegatronEngine:
         return [self._step({k: v[rows] for k, v in batch.items()}, loss_fn) for rows in steps]
 
     def _step(self, mini_batch: dict[str, torch.Tensor], loss_fn) -> dict[str, float]:
+        from megatron.core import parallel_state as ps
         from megatron.core.distributed import finalize_model_grads
 
         rows = mini_batch["input_ids"].shape[0]
-        num_tokens = mini_batch["response_mask"].sum().float()
+        dp_group = ps.get_data_parallel_group()
+        num_tokens, num_seqs = global_counts(mini_batch["response_mask"].sum().float(), rows, "cpu", dp_group)
+        loss_scale = rows * dp_world_size(dp_group)  # the schedule averages over micro-batches, DDP over ranks
         totals: dict[str, torch.Tensor] = {}
         temperature = getattr(loss_fn, "temperature", 1.0)
 
@@ -123,18 +130,24 @@ class MegatronEngine:
             logprobs, entropy = self._response_logprobs(mini_batch, row, logits, temperature, True,
                                                         entropy_grad=getattr(loss_fn, "entropy_grad", False))
             micro_batch = {k: v[row:row + 1] for k, v in mini_batch.items()}
-            loss, metrics = loss_fn.on_logprobs(logprobs, entropy, micro_batch, num_tokens=num_tokens, num_seqs=rows)
+            loss, metrics = loss_fn.on_logprobs(logprobs, entropy, micro_batch, num_tokens=num_tokens,
+                                                num_seqs=num_seqs)
             for key, value in metrics.items():
                 totals[key] = totals.get(key, 0.0) + value.detach().float()
-            return loss * rows  # the schedule divides each micro-batch's loss by their number
+            return loss * loss_scale
 
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         self._run(mini_batch, per_row, forward_only=False)
         finalize_model_grads([self.model])
-        _, grad_norm, _ = self.optimizer.step()
-        metrics = _from_last_stage({k: float(v) for k, v in totals.items()})
+        lr = float(self.optimizer.param_groups[0]["lr"])
+        updated, grad_norm, _ = self.optimizer.step()
+        if not updated or grad_norm is None or not torch.isfinite(torch.tensor(float(grad_norm))):
+            raise NaNLossError(f"The gradient norm is {grad_norm}; the optimizer step was skipped. Lower the "
+                               f"learning rate, train in float32, or check the batch for empty or invalid rows.")
+        if self.scheduler is not None:
+            self.scheduler.step()
+        metrics = _from_last_stage(reduce_metric_totals(totals, dp_group))
         metrics[f"{self.metric_prefix}/grad_norm"] = float(grad_norm)
-        metrics[f"{self.metric_prefix}/lr"] = float(self.optimizer.param_groups[0]["lr"])
+        metrics[f"{self.metric_prefix}/lr"] = lr
         return metrics
-

@@ -22,10 +22,12 @@ def arg(args: argparse.Namespace, name: str, default: Any = None) -> Any:
     return default if value is None else value
 
 
-def transformer_config(args: argparse.Namespace, tp: int, pp: int, vpp, layers, *, initialize: bool = False):
+def transformer_config(args: argparse.Namespace, tp: int, pp: int, vpp, layers, *, initialize: bool = False,
+                       **options: Any):
     """A fp32, CPU, no-fusion ``TransformerConfig`` from Megatron-LM argument names. ``initialize``:
     Megatron initialises the weights (which marks the tensor-parallel ones, as its gradient norm
-    and clipping need) before they are overwritten by loaded ones."""
+    and clipping need) before they are overwritten by loaded ones. ``options``: more
+    ``TransformerConfig`` fields (the run's ``recompute_*`` and ``sequence_parallel``)."""
     import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
 
@@ -72,7 +74,7 @@ def transformer_config(args: argparse.Namespace, tp: int, pp: int, vpp, layers, 
         hidden_dropout=0.0,
         attention_dropout=0.0,
         attention_softmax_in_fp32=True,
-        sequence_parallel=False,
+        **{"sequence_parallel": False, **options},
     )
 
 
@@ -109,12 +111,13 @@ def build_chunks(args: argparse.Namespace, config, vpp) -> list:
     return chunks
 
 
-def hf_to_megatron(hf_dir: str | Path, *, divisor: int = 128, for_training: bool = False
+def hf_to_megatron(hf_dir: str | Path, *, divisor: int = 128, for_training: bool = False, **options: Any
                    ) -> tuple[list, argparse.Namespace]:
     """This rank's ``GPTModel`` (one chunk; no virtual stages) holding its share of the HF model in
     ``hf_dir``, in fp32, for the TP and PP sizes ``parallel_state`` was initialised with; and the
     Megatron arguments that describe it. ``for_training``: built so that Megatron's optimizer can
-    tell the tensor-parallel parameters from the replicated ones (see :func:`transformer_config`)."""
+    tell the tensor-parallel parameters from the replicated ones (see :func:`transformer_config`);
+    ``options``: more ``TransformerConfig`` fields."""
     from megatron.core import parallel_state as ps
 
     from posttrain.models.mcore import layout, mapping, splits
@@ -130,9 +133,40 @@ def hf_to_megatron(hf_dir: str | Path, *, divisor: int = 128, for_training: bool
     par = layout.Parallel(tp, pp, 1, layout.pipeline_stages(arch.num_layers, pp))
     args = layout.make_args(arch, par, padded_vocab=padded, divisor=divisor, params_dtype=torch.float32,
                             num_layer_list=None, layers_per_virtual_stage=None, orm=False)
-    [chunk] = build_chunks(args, transformer_config(args, tp, pp, None, None, initialize=for_training), None)
+    [chunk] = build_chunks(args, transformer_config(args, tp, pp, None, None, initialize=for_training, **options),
+                           None)
     state = _stage_state(weights, arch, par, mapping.layer_params(arch), ps.get_pipeline_model_parallel_rank(), 0,
                          ps.get_tensor_model_parallel_rank(), padded, False)
+    chunk.load_state_dict({k: v.float() for k, v in state.items()}, strict=True)
+    return [chunk], args
+
+
+def mcore_to_megatron(load_dir: str | Path, *, for_training: bool = False, **options: Any
+                      ) -> tuple[list, argparse.Namespace]:
+    """This rank's ``GPTModel`` holding its shard of the Megatron checkpoint ``load_dir`` (a
+    ``posttrain convert`` output or a Megatron-backend save), which must have been saved with the
+    TP and PP sizes ``parallel_state`` was initialised with (evenly split stages, no virtual ones):
+    a checkpoint of another layout is converted to HF first (``posttrain convert``), never
+    resharded here."""
+    from megatron.core import parallel_state as ps
+
+    from posttrain.errors import CheckpointError
+    from posttrain.models.mcore import layout
+
+    tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
+    it_dir = layout.iteration_dir(Path(load_dir))
+    args = layout.read_args(it_dir)
+    saved = layout.parallel_from_args(args, it_dir)
+    if (saved.tp, saved.pp, saved.ep, saved.stages) != (tp, pp, 1, layout.pipeline_stages(int(args.num_layers), pp)):
+        raise CheckpointError(
+            f"{it_dir} was saved at TP {saved.tp} x PP {saved.pp} (stages {saved.stages}); this run is TP {tp} x "
+            f"PP {pp} with even stages. Convert it to HF first (posttrain convert --load-model-type mg "
+            f"--save-model-type hf --load-dir {load_dir} --save-dir <hf dir>) and load that directory.")
+    path = it_dir / layout.rank_dir_name(ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
+                                         pp) / layout.RANK_FILE
+    [chunk] = build_chunks(args, transformer_config(args, tp, pp, None, None, initialize=for_training, **options),
+                           None)
+    state = layout.load_rank_file(path, mmap=False)["model"]
     chunk.load_state_dict({k: v.float() for k, v in state.items()}, strict=True)
     return [chunk], args
 

@@ -1,0 +1,98 @@
+"""The actor worker of the Megatron-Core backend: one process per tensor x pipeline x data-parallel
+rank, holding its shard of the policy (:class:`posttrain.roles.megatron_policy.MegatronPolicy`).
+
+The driver (:mod:`posttrain.cluster.group`) sends every call to all the workers of a
+data-parallel replica with the same rows, and keeps the answer of the replica's leader (TP rank 0,
+PP rank 0): log-probs, the reference and the update are collectives over the replica's tensor and
+pipeline groups (the update also over the data-parallel group), and only the leader samples.
+Megatron calls run inside the CPU shims on a CPU (:func:`posttrain.train.megatron.cpu_shims.cpu_megatron`);
+the rollout runs outside them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+
+from posttrain.cluster.worker import ActorWorker
+
+
+class MegatronWorker(ActorWorker):
+    """Rank ``rank`` of ``world_size`` Megatron-backend workers."""
+
+    def megatron(self):
+        """Megatron's CPU shims around a Megatron call on a CPU; nothing on CUDA."""
+        if self.device.startswith("cuda"):
+            return contextlib.nullcontext()
+        from posttrain.train.megatron.cpu_shims import cpu_megatron
+
+        return cpu_megatron()
+
+    def setup(self, cfg, plan, master: tuple[str, int], timeout_s: float, cwd: str) -> dict:
+        from posttrain.roles.policy import load_policy_tokenizer
+        from posttrain.roles.megatron_policy import MegatronPolicy
+
+        self.join(cfg, plan, master, timeout_s, cwd)
+        tokenizer, stops = load_policy_tokenizer(cfg.actor)
+        with self.megatron():
+            self.shard = MegatronPolicy(cfg, plan, self.device, tokenizer, stops)
+        self.fsdp, self.critic, self.reward_model = False, None, None
+        return dict(self.shard.state) if self.rank == 0 else {}
+
+    def ready_info(self) -> dict:
+        return {"rank": self.rank, "pid": os.getpid(), "threads": torch.get_num_threads(), "device": self.device,
+                "replica": self.shard.dp_rank, "leader": self.shard.leader}
+
+    # ---- roles ----------------------------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], n: int, sampling, stop_token_ids, prompt_keys=None) -> list:
+        """The leader samples its replica's share; the other ranks have no rollout copy."""
+        if self.shard.rollout is None or not prompts:
+            return []
+        return self.shard.rollout.generate(prompts, n, sampling, stop_token_ids, prompt_keys=prompt_keys)
+
+    def compute_logprobs(self, batch: dict, temperature: float, micro_batch_size, reference: bool = False):
+        engine = self.shard.reference if reference else self.shard.engine
+        rows, width = batch["response_mask"].shape
+        if rows == 0:  # the whole replica got no rows
+            return torch.zeros(0, width)
+        batch = {k: v.to(self.device) for k, v in batch.items()}
+        with self.megatron():
+            return engine.compute_logprobs(batch, temperature=temperature).cpu()
+
+    def update(self, batch: dict, loss_fn, mini_batch_size: int) -> list[dict[str, float]]:
+        """The replica's slices of the global mini-batches, one optimizer step each; then the
+        weights to the leader's rollout copy (``timing/resharding_to_infer`` on the last step)."""
+        batch = {k: v.to(self.device) for k, v in batch.items()}
+        with self.megatron():
+            steps = self.shard.engine.update(batch, loss_fn, mini_batch_size=mini_batch_size)
+            seconds = self.shard.sync_rollout() if self.shard.plan.stage.on_policy else None
+        if seconds is not None and steps:
+            steps[-1]["timing/resharding_to_infer"] = seconds
+        return steps
+
+    def save(self, save_dir: str, iteration: int, sampler_state, trainer_state: dict, save_optim: bool,
+             save_rng: bool) -> str:
+        """Every rank writes its shard (data-parallel rank 0 of each model-parallel rank writes)."""
+        with self.megatron():
+            path = self.shard.save(save_dir, iteration, sampler_state=sampler_state, trainer_state=trainer_state,
+                                   save_optim=save_optim, save_rng=save_rng)
+        return str(path)
+
+    def state_dict(self) -> dict:
+        """The full weights in the HF layout (a collective over the replica's TP and PP groups)."""
+        from posttrain.train.megatron.model import hf_weights
+
+        with self.megatron():
+            return {name: tensor.cpu().clone() for name, tensor in hf_weights(self.shard.chunk, self.shard.args)}
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            with contextlib.suppress(Exception), self.megatron():
+                from megatron.core import parallel_state as ps
+
+                ps.destroy_model_parallel()
+        super().close()

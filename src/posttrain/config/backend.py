@@ -1,0 +1,254 @@
+"""Which training backend a run uses, and what the megatron backend refuses.
+
+``backend`` is a key of every Megatron section (``megatron_training``, ``actor_config``, ...):
+``hf`` trains Hugging Face models with PyTorch (one process, or data parallel Ray workers with DDP
+or FSDP2); ``megatron`` trains Megatron-Core models split by tensor and pipeline parallelism in
+Ray worker groups; null (the default) picks ``megatron`` when the actor asks for tensor, pipeline,
+context or expert parallelism (a size > 1) or virtual pipeline stages, else ``hf``. The reference
+and the critic follow the actor's backend and layout.
+
+:func:`model_parallel` derives the layout (:class:`ModelParallel`, the plan's ``parallel``).
+:func:`check_backend`, part of the one config check (:func:`posttrain.config.check.check_run_config`),
+refuses by key what the megatron backend cannot run, before any weight is loaded: a layout the
+model cannot be split into, the distributed optimizer on a CPU, a run outside Ray worker groups,
+and the features not built on it yet (:data:`MEGATRON_NOT_YET`, the one list to shrink as they
+come). Keys honoured only on the megatron backend carry ``megatron=True`` in their field rule
+(:mod:`posttrain.config.fields`), so ``check_features`` and ``startup_warnings`` pass over them there.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, NamedTuple
+
+from posttrain.config.arch import model_arch
+from posttrain.config.fields import DEVICES, fmt_value
+from posttrain.config.run import RunConfig, role_sources
+from posttrain.config.validate import actor_key
+from posttrain.errors import ConfigError
+from posttrain.models.arch import ModelArch
+
+BACKENDS = ("hf", "megatron")
+PARALLEL_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
+                 "expert_model_parallel_size")
+VPP_KEY = "num_layers_per_virtual_pipeline_stage"
+ROLES = {"ref_config": "ref", "critic_config": "critic", "reward_config": "reward"}
+
+
+@dataclass(frozen=True)
+class ModelParallel:
+    """The training backend and the actor's parallel layout (``Plan.parallel``)."""
+
+    backend: str = "hf"  # "hf" | "megatron"
+    reason: str = "no tensor/pipeline/context/expert parallelism asked"  # why, printed by `posttrain plan`
+    tp: int = 1
+    pp: int = 1
+    vpp_layers: int | None = None  # num_layers_per_virtual_pipeline_stage
+    cp: int = 1
+    ep: int = 1
+    dp: int = 1  # data-parallel size = workers // (tp*pp*cp)
+    sequence_parallel: bool = False
+    recompute_granularity: str | None = None
+    recompute_method: str | None = None
+    recompute_num_layers: int | None = None
+    use_distributed_optimizer: bool = False
+
+    @property
+    def model_parallel(self) -> int:
+        """Ranks that hold one copy of the model together: TP x PP (x CP)."""
+        return self.tp * self.pp * self.cp
+
+    def describe(self) -> str:
+        """``megatron (why): TP 2 x PP 2 x DP 1`` (the line ``posttrain plan`` prints)."""
+        if self.backend == "hf":
+            return f"hf ({self.reason}): DP {self.dp}"
+        sizes = [f"TP {self.tp}", f"PP {self.pp}"] + ([f"CP {self.cp}"] if self.cp > 1 else []) + [f"DP {self.dp}"]
+        extras = ([f"{self.vpp_layers} layers per virtual stage"] if self.vpp_layers else []) \
+            + (["sequence parallel"] if self.sequence_parallel else []) \
+            + ([f"recompute {self.recompute_granularity}"] if self.recompute_granularity else []) \
+            + (["distributed optimizer"] if self.use_distributed_optimizer else [])
+        return f"megatron ({self.reason}): {' x '.join(sizes)}" + "".join(f", {e}" for e in extras)
+
+
+class NotYet(NamedTuple):
+    """A feature the megatron backend does not run yet: refused where ``devices`` holds the device
+    (elsewhere it has no effect and is named in the start-up warning)."""
+
+    section: str  # actor_config, ref_config, critic_config, reward_config, rl_config, generate_config
+    key: str  # "" for the whole section
+    active: Callable[[RunConfig], bool]
+    message: str  # why, and what to do
+    devices: tuple[str, ...] = DEVICES
+
+
+def _differs(role: str, key: str) -> Callable[[RunConfig], bool]:
+    def active(cfg: RunConfig) -> bool:
+        section = getattr(cfg, ROLES[role])
+        return section is not None and getattr(section, key) != getattr(cfg.actor, key)
+    return active
+
+
+_OFFLOAD = ("offloading to the host is not built on the megatron backend yet; remove the key or set it to false "
+            "(on a CPU it has no effect: there is no separate device memory)")
+_MOE = ("mixture-of-experts models are not built on the megatron backend yet (the Hugging Face <-> Megatron-Core "
+        "mapping, posttrain.models.mcore, covers dense models); use backend hf with tensor/pipeline parallel sizes 1")
+_OTHER_LAYOUT = ("colocated roles share the actor's layout on the megatron backend; remove the key or give it the "
+                 "actor's value")
+MEGATRON_NOT_YET: tuple[NotYet, ...] = (
+    NotYet("rl_config", "use_remove_padding", lambda c: c.rl.use_remove_padding,
+           "packed rows (remove padding) are not built on the megatron backend yet; set it to false"),
+    NotYet("rl_config", "use_dynamic_bsz", lambda c: c.rl.use_dynamic_bsz,
+           "token-budget micro-batches are not built on the megatron backend yet; set it to false"),
+    NotYet("generate_config", "offload_train_optimizer", lambda c: c.generate.offload_train_optimizer, _OFFLOAD,
+           ("cuda",)),
+    NotYet("generate_config", "offload_train_grad", lambda c: c.generate.offload_train_grad, _OFFLOAD, ("cuda",)),
+    NotYet("generate_config", "offload_train_param", lambda c: c.generate.offload_train_param, _OFFLOAD, ("cuda",)),
+    NotYet("rl_config", "offload_reference", lambda c: c.rl.offload_reference,
+           "offloading the reference is not built on the megatron backend yet; set it to false"),
+    *(NotYet(role, key, _differs(role, key), _OTHER_LAYOUT) for role in ("ref_config", "critic_config")
+      for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", VPP_KEY)),
+    NotYet("actor_config", "stage", lambda c: c.stage in ("dpo", "sft"),
+           "the offline stages (dpo, sft) are not built on the megatron backend yet; use backend hf with "
+           "tensor/pipeline parallel sizes 1"),
+    NotYet("actor_config", "stage", lambda c: c.stage == "ppo",
+           "the critic (ray_ppo) is not built on the megatron backend yet; use grpo or dapo, or backend hf with "
+           "tensor/pipeline parallel sizes 1"),
+    NotYet("reward_config", "", lambda c: c.reward is not None,
+           "a reward model is not built on the megatron backend yet; score with rule rewards (remove reward_config)"),
+    NotYet("actor_config", "num_experts", lambda c: bool(c.actor.num_experts), _MOE),
+    NotYet("actor_config", "lora_target_modules", lambda c: bool(c.actor.lora_target_modules),
+           "LoRA is not built on the megatron backend yet; remove the lora_* keys"),
+    NotYet("rl_config", "ray_sharding", lambda c: c.rl.ray_sharding == "fsdp2",
+           "the megatron backend shards the model by tensor and pipeline parallelism, not FSDP2; set it to ddp "
+           "(use_distributed_optimizer shards the optimizer state on CUDA)"),
+)
+
+
+def uses_ray(cfg: RunConfig) -> bool:
+    """Whether the run goes to Ray: ``actor_resource.num_npus`` (alias num_gpus / num_devices) above 1,
+    or a Ray address in ``rl_config.ray_address`` or the ``RAY_ADDRESS`` environment variable."""
+    rl = cfg.rl
+    return (rl.actor_resource.num_npus or 1) > 1 or bool(rl.ray_address) or bool(os.environ.get("RAY_ADDRESS"))
+
+
+def _label(cfg: RunConfig, section: str, key: str) -> str:
+    """``section.key``, naming for a Megatron role the section that wrote the key."""
+    if section == "actor_config":
+        return actor_key(cfg, key)
+    if section in ROLES:
+        return f"{role_sources(cfg.raw, cfg.models, section).get(key, section)}.{key}"
+    return f"{section}.{key}"
+
+
+def _check_value(cfg: RunConfig, section: str, value: Any) -> None:
+    if value is not None and value not in BACKENDS:
+        raise ConfigError(f"{_label(cfg, section, 'backend')}={fmt_value(value)}: unknown backend; use hf, megatron "
+                          f"or null (megatron when tensor/pipeline/context/expert parallelism is asked, else hf)")
+
+
+def resolve_backend(cfg: RunConfig) -> tuple[str, str]:
+    """The actor's backend and why: ``("megatron", "actor_config.tensor_model_parallel_size=2 > 1")``."""
+    a = cfg.actor
+    _check_value(cfg, "actor_config", a.backend)
+    if a.backend is not None:
+        return a.backend, f"{actor_key(cfg, 'backend')}={a.backend}"
+    for key in PARALLEL_KEYS:
+        if getattr(a, key) > 1:
+            return "megatron", f"{actor_key(cfg, key)}={getattr(a, key)} > 1"
+    if getattr(a, VPP_KEY) is not None:
+        return "megatron", f"{actor_key(cfg, VPP_KEY)}={getattr(a, VPP_KEY)} is set"
+    return "hf", ModelParallel.reason
+
+
+def model_parallel(cfg: RunConfig) -> ModelParallel:
+    """The backend and the actor's layout (no checks: :func:`check_backend`). ``dp``: the actor
+    worker processes (``actor_resource.num_npus`` with Ray, else 1) over TP x PP x CP."""
+    backend, reason = resolve_backend(cfg)
+    workers = (cfg.rl.actor_resource.num_npus or 1) if uses_ray(cfg) else 1
+    if backend == "hf":
+        return ModelParallel(backend, reason, dp=workers)
+    a = cfg.actor
+    tp, pp, cp = a.tensor_model_parallel_size, a.pipeline_model_parallel_size, a.context_parallel_size
+    return ModelParallel(
+        backend, reason, tp=tp, pp=pp, vpp_layers=getattr(a, VPP_KEY), cp=cp, ep=a.expert_model_parallel_size,
+        dp=max(workers // (tp * pp * cp), 1), sequence_parallel=a.sequence_parallel and tp > 1,
+        recompute_granularity=a.recompute_granularity, recompute_method=a.recompute_method,
+        recompute_num_layers=a.recompute_num_layers, use_distributed_optimizer=a.use_distributed_optimizer)
+
+
+def check_backend(cfg: RunConfig, device_type: str = "cpu", arch: ModelArch | None = None) -> ModelParallel:
+    """Refuse, naming the keys, what the resolved backend cannot run; return the layout.
+
+    ``arch`` (default :func:`~posttrain.config.arch.model_arch`) is checked against TP and PP when
+    known. Context and expert parallel sizes > 1, and TP/PP with ``backend: hf``, are refused by
+    their field rules (:func:`posttrain.config.features.check_features`)."""
+    mp = model_parallel(cfg)
+    for section, role in ROLES.items():
+        value = getattr(getattr(cfg, role), "backend", None) if getattr(cfg, role) is not None else None
+        _check_value(cfg, section, value)
+        if value is not None and value != mp.backend:
+            raise ConfigError(f"{_label(cfg, section, 'backend')}={value}: the {role} follows the actor's backend, "
+                              f"{mp.backend} ({mp.reason}); remove the key or set it to {mp.backend}")
+    if mp.backend == "hf":
+        return mp
+    why = f" (backend megatron: {mp.reason})"
+    if not uses_ray(cfg):
+        raise ConfigError(f"rl_config.actor_resource.num_npus={cfg.rl.actor_resource.num_npus or 1}: the megatron "
+                          f"backend runs in Ray worker groups: set rl_config.actor_resource.num_npus to TP x PP x CP x "
+                          f"DP = {mp.tp}x{mp.pp}x{mp.cp}xDP (>= 2) or use backend hf{why}")
+    if mp.vpp_layers is not None and mp.pp == 1:
+        raise ConfigError(f"{actor_key(cfg, VPP_KEY)}={mp.vpp_layers}: virtual pipeline stages need pipeline "
+                          f"parallelism; set {actor_key(cfg, 'pipeline_model_parallel_size')} > 1 or remove the "
+                          f"key{why}")
+    _check_arch(cfg, mp, arch if arch is not None else model_arch(cfg), why)
+    if mp.use_distributed_optimizer and device_type == "cpu":
+        raise ConfigError(f"{actor_key(cfg, 'use_distributed_optimizer')}=true: Megatron-Core's distributed optimizer "
+                          f"needs CUDA buffers; set use_distributed_optimizer false on a CPU{why}")
+    for item in MEGATRON_NOT_YET:
+        if device_type in item.devices and item.active(cfg):
+            raise ConfigError(f"{_setting(cfg, item)}: {item.message}{why}")
+    return mp
+
+
+def megatron_inert(cfg: RunConfig, device_type: str) -> list[str]:
+    """The keys of :data:`MEGATRON_NOT_YET` that ``cfg`` sets and that have no effect on
+    ``device_type`` (for the start-up warning of a megatron run)."""
+    return [_label(cfg, item.section, item.key) for item in MEGATRON_NOT_YET
+            if device_type not in item.devices and item.active(cfg)]
+
+
+def _setting(cfg: RunConfig, item: NotYet) -> str:
+    if not item.key:
+        return item.section
+    section = {"actor_config": cfg.actor, "ref_config": cfg.ref, "critic_config": cfg.critic, "rl_config": cfg.rl,
+               "generate_config": cfg.generate}[item.section]
+    return f"{_label(cfg, item.section, item.key)}={fmt_value(getattr(section, item.key))}"
+
+
+def _check_arch(cfg: RunConfig, mp: ModelParallel, arch: ModelArch | None, why: str) -> None:
+    """Heads and KV heads divisible by TP, layers by PP (and PP x layers per virtual stage), no experts."""
+    if arch is None:
+        return  # the architecture is known only when the weights load: the engine checks it there
+    tp_key, pp_key = actor_key(cfg, "tensor_model_parallel_size"), actor_key(cfg, "pipeline_model_parallel_size")
+    checks = [("num_attention_heads", arch.num_attention_heads, f"{tp_key}={mp.tp}", mp.tp),
+              ("num_query_groups", arch.num_kv_heads, f"{tp_key}={mp.tp}", mp.tp),
+              ("num_layers", arch.num_layers, f"{pp_key}={mp.pp}", mp.pp)]
+    if mp.vpp_layers:
+        checks.append(("num_layers", arch.num_layers, f"{pp_key} x {actor_key(cfg, VPP_KEY)} = {mp.pp}x"
+                                                       f"{mp.vpp_layers}", mp.pp * mp.vpp_layers))
+    for key, value, by, size in checks:
+        if value % size:
+            raise ConfigError(f"{_arch_label(cfg, key)}={value} is not divisible by {by}: each rank must hold an "
+                              f"equal share; choose sizes that divide it{why}")
+    if arch.num_experts:
+        raise ConfigError(f"{_arch_label(cfg, 'num_experts')}={arch.num_experts}: {_MOE}{why}")
+
+
+def _arch_label(cfg: RunConfig, key: str) -> str:
+    """Where an architecture key comes from: the section (or model yaml) that wrote it, else ``load``'s config.json."""
+    source = role_sources(cfg.raw, cfg.models, "actor_config").get(key)
+    if source is not None:
+        return f"{source}.{key}"
+    where = cfg.actor.load or cfg.actor.tokenizer_name_or_path
+    return f"{key} (in {where}/config.json)" if where else key

@@ -1,0 +1,185 @@
+"""One rank's share of the policy on the Megatron-Core backend (``plan.parallel.backend ==
+"megatron"``), built by each Ray actor worker (:mod:`posttrain.cluster.megatron_worker`).
+
+* **Parallel state**: Megatron's tensor, pipeline and data-parallel groups over the worker group's
+  torch.distributed world (``parallel_state.initialize_model_parallel``), and its RNG tracker.
+* **The actor**: this rank's ``GPTModel`` chunk (from an HF directory through the converter's
+  mapping, or from a Megatron checkpoint of the same layout), in Megatron's
+  ``DistributedDataParallel``, with Megatron's optimizer (Adam, ``clip_grad``) and posttrain's LR
+  schedule (:func:`posttrain.train.optim.build_lr_scheduler`, which writes the learning rate into
+  the optimizer's parameter groups), trained by :class:`~posttrain.train.megatron.engine.MegatronEngine`.
+* **The reference**: a frozen chunk of the same layout (forward only).
+* **The rollout**: the native engine needs the whole model in one process, so the first rank of
+  each data-parallel replica (TP rank 0, PP rank 0: the replica's *leader*) holds a Hugging Face
+  copy of the actor for sampling. After every update all ranks gather the trained shards into
+  the HF layout one layer at a time (:func:`~posttrain.train.megatron.model.hf_weights`) and the
+  leader copies them in: the seed's resharding, timed as ``timing/resharding_to_infer``.
+* **Checkpoints**: Megatron's legacy layout (:mod:`posttrain.train.megatron.checkpoint`), with the
+  LR schedule and the trainer state in every rank file; ``posttrain convert`` turns them into HF.
+
+Every method runs inside Megatron's CPU shims on a CPU (the worker enters them); the rollout does not.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+def _is_megatron_dir(path: str) -> bool:
+    from posttrain.models.mcore.layout import is_mcore_checkpoint
+
+    return is_mcore_checkpoint(path)
+
+
+def build_chunk(source: str, options: dict, *, for_training: bool):
+    """This rank's chunk and its Megatron args: from a Megatron checkpoint of this layout, or an HF
+    directory (a posttrain HF checkpoint's ``iter_*`` included)."""
+    from posttrain.checkpoint import resolve_checkpoint
+    from posttrain.train.megatron.model import hf_to_megatron, mcore_to_megatron
+
+    if _is_megatron_dir(source):
+        [chunk], args = mcore_to_megatron(source, for_training=for_training, **options)
+    else:
+        [chunk], args = hf_to_megatron(resolve_checkpoint(source)[0], for_training=for_training, **options)
+    return chunk, args
+
+
+def hf_skeleton(source: str, args, device: str):
+    """An HF model of the actor's architecture (weights to be synced in): the HF directory's
+    config, or for a Megatron checkpoint the config its args describe."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from posttrain.checkpoint import resolve_checkpoint
+    from posttrain.models.mcore import layout
+
+    if _is_megatron_dir(source):
+        config = layout.arch_from_args(args, Path(source)).to_hf_config()
+        hf_config = AutoConfig.for_model(config.pop("model_type"), **config)
+    else:
+        hf_config = AutoConfig.from_pretrained(resolve_checkpoint(source)[0])
+    hf_config.use_cache = False
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+    return model.eval()
+
+
+class MegatronPolicy:
+    """The actor (and reference) shards of this rank, the leader's rollout copy, and the trainer
+    state (resumed or fresh)."""
+
+    def __init__(self, cfg, plan, device: str, tokenizer, stop_token_ids: list[int]):
+        from megatron.core import parallel_state as ps
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+        from posttrain.roles.policy import model_source, reference_source
+
+        a, par = cfg.actor, plan.parallel
+        self.cfg, self.plan, self.device = cfg, plan, device
+        ps.initialize_model_parallel(tensor_model_parallel_size=par.tp, pipeline_model_parallel_size=par.pp)
+        model_parallel_cuda_manual_seed(a.seed)
+        self.leader = ps.get_tensor_model_parallel_rank() == 0 and ps.get_pipeline_model_parallel_rank() == 0
+        self.dp_rank = ps.get_data_parallel_rank()
+        options = {"sequence_parallel": par.sequence_parallel, "recompute_granularity": par.recompute_granularity,
+                   "recompute_method": par.recompute_method, "recompute_num_layers": par.recompute_num_layers}
+        if par.recompute_granularity == "full":  # Megatron needs a method and a count with full recompute
+            options["recompute_method"] = par.recompute_method or "uniform"
+            options["recompute_num_layers"] = par.recompute_num_layers or 1
+        self.options = {k: v for k, v in options.items() if v is not None}
+        source = model_source(a)
+        resuming = _is_megatron_dir(source) and not a.finetune and _has_iteration(source)
+        self.chunk, self.args = build_chunk(source, self.options, for_training=True)
+        self.chunk.to(device)
+        self.model, self.optimizer, self.scheduler = self._trainable(a, plan)
+        self.engine = self._engine(self.model, self.optimizer, self.scheduler, plan.stage.metric_prefix
+                                   if not plan.stage.on_policy else "actor")
+        self.state = {"iteration": 0, "consumed_samples": 0, "sampler_state": None, "initial_model": str(source)}
+        if resuming:
+            self.state = self._resume(source, a)
+        self.reference = None
+        if plan.uses_reference:
+            ref_source = reference_source(cfg, self.state) or str(source)
+            ref_chunk, _ = build_chunk(ref_source, self.options, for_training=False)
+            ref_chunk.to(device).eval().requires_grad_(False)
+            self.reference = self._engine(ref_chunk, None, None, "ref")
+        self.rollout = None
+        if self.leader and plan.stage.on_policy:
+            from posttrain.roles.policy import build_rollout
+
+            self.hf_model = hf_skeleton(self.state["initial_model"], self.args, device)
+            self.rollout = build_rollout(cfg, plan, self.hf_model, tokenizer, stop_token_ids)
+        if plan.stage.on_policy:
+            self.sync_rollout()
+
+    # ---- set-up ---------------------------------------------------------------------------------
+    def _trainable(self, a, plan):
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        from posttrain.train.optim import build_lr_scheduler
+
+        par = plan.parallel
+        model = DistributedDataParallel(self.chunk.config, DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=par.use_distributed_optimizer),
+            self.chunk)
+        optimizer = get_megatron_optimizer(OptimizerConfig(
+            optimizer="adam", lr=a.lr, min_lr=a.min_lr, weight_decay=a.weight_decay, adam_beta1=a.adam_beta1,
+            adam_beta2=a.adam_beta2, clip_grad=a.clip_grad, bf16=False,
+            use_distributed_optimizer=par.use_distributed_optimizer), [model])
+        scheduler = build_lr_scheduler(optimizer, lr=a.lr, min_lr=a.min_lr, lr_decay_style=a.lr_decay_style,
+                                       lr_warmup_fraction=a.lr_warmup_fraction, total_steps=plan.total_optimizer_steps)
+        return model, optimizer, scheduler
+
+    def _engine(self, model, optimizer, scheduler, prefix: str):
+        from posttrain.train.megatron.engine import MegatronEngine
+
+        return MegatronEngine(model, optimizer, scheduler, vocab_size=int(self.args.vocab_size), metric_prefix=prefix)
+
+    def _resume(self, source: str, a) -> dict:
+        from posttrain.train.megatron.checkpoint import load_megatron_checkpoint
+
+        saved = load_megatron_checkpoint(source, self.chunk, self.optimizer, load_optim=not a.no_load_optim,
+                                         load_rng=not a.no_load_rng)
+        if "scheduler" in saved and not a.no_load_optim:
+            self.scheduler.load_state_dict(saved["scheduler"])
+        state = dict(saved.get("trainer_state") or {})
+        state.update(iteration=int(saved["iteration"]), sampler_state=saved.get("sampler_state"),
+                     checkpoint_dir=str(source))
+        state.setdefault("initial_model", str(source))
+        log.info("resumed from the Megatron checkpoint %s at iteration %d", source, state["iteration"])
+        return state
+
+    # ---- roles ----------------------------------------------------------------------------------
+    def sync_rollout(self) -> float:
+        """The trained weights into the leader's HF copy, one layer at a time (all ranks take part);
+        returns the seconds it took."""
+        from posttrain.train.megatron.model import hf_weights
+
+        start = time.perf_counter()
+        params = dict(self.hf_model.named_parameters()) if self.rollout is not None else None
+        for name, tensor in hf_weights(self.chunk, self.args):
+            if params is not None:
+                with torch.no_grad():
+                    params[name].copy_(tensor)
+        return time.perf_counter() - start
+
+    def save(self, save_dir: str, iteration: int, *, sampler_state, trainer_state: dict, save_optim: bool,
+             save_rng: bool) -> Path:
+        from posttrain.train.megatron.checkpoint import save_megatron_checkpoint
+
+        extra = {"scheduler": self.scheduler.state_dict(), "trainer_state": dict(trainer_state),
+                 "sampler_state": sampler_state}
+        return save_megatron_checkpoint(save_dir, iteration, self.chunk, self.optimizer, self.args, extra=extra,
+                                        save_optim=save_optim, save_rng=save_rng)
+
+
+def _has_iteration(source: str) -> bool:
+    """A Megatron checkpoint that a run saved (``iter_*``), not a converted ``release``."""
+    from posttrain.models.mcore import layout
+
+    return layout.iteration_dir(Path(source)).name.startswith("iter_")

@@ -1,0 +1,246 @@
+"""The training backend (posttrain.config.backend): which one a config selects and why, the layout
+it derives (data-parallel size, reads, memory per process), and one test per refusal: each names
+the key."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from posttrain.config.backend import MEGATRON_NOT_YET, model_parallel, resolve_backend
+from posttrain.config.check import check_run_config
+from posttrain.config.plan import build_plan
+from posttrain.config.run import load_run_config, run_config_from_dict
+from posttrain.config.validate import validate_run_config
+from posttrain.errors import ConfigError
+from posttrain.models.arch import ModelArch
+
+BASE = {
+    "megatron_training": {"stage": "ray_grpo", "global_batch_size": 8, "seq_length": 1024, "micro_batch_size": 2},
+    "actor_config": {"micro_batch_size": 2},
+    "rl_config": {"n_samples_per_prompt": 4, "mini_batch_size": 4, "actor_resource": {"num_npus": 4}},
+    "generate_config": {"infer_tensor_parallel_size": 1, "max_model_len": 2048, "sampling_config": {"max_tokens": 512}},
+}
+ARCH = ModelArch(model_type="qwen2", num_layers=4, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
+                 num_kv_heads=2, head_dim=16, vocab_size=256, tie_embeddings=True)
+TP2 = ["actor_config.tensor_model_parallel_size=2"]
+PPO = ["megatron_training.stage=ray_ppo", "rl_config.adv_estimator=gae", "critic_config.micro_batch_size=2"]
+MEGATRON = "(backend megatron: actor_config.tensor_model_parallel_size=2 > 1)"
+
+
+@pytest.fixture(autouse=True)
+def _no_ray_address(monkeypatch):
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+
+
+def config(overrides=()):
+    return run_config_from_dict(copy.deepcopy(BASE), overrides=list(overrides))
+
+
+def check(overrides, device_type="cpu", arch=ARCH):
+    return check_run_config(config(overrides), device_type=device_type, arch=arch)
+
+
+def inert(overrides, device_type="cpu") -> str:
+    """The start-up warning about keys with no effect ("" when there is none)."""
+    _, warnings = check(overrides, device_type)
+    return "".join(w for w in warnings if w.startswith("keys with no effect"))
+
+
+def refusal(overrides, device_type="cpu", arch=ARCH) -> str:
+    with pytest.raises(ConfigError) as err:
+        check(overrides, device_type, arch)
+    return str(err.value)
+
+
+# ---- which backend -------------------------------------------------------------------------------
+@pytest.mark.parametrize("override,reason", [
+    ("actor_config.tensor_model_parallel_size=2", "actor_config.tensor_model_parallel_size=2 > 1"),
+    ("megatron_training.pipeline_model_parallel_size=2", "megatron_training.pipeline_model_parallel_size=2 > 1"),
+    ("actor_config.context_parallel_size=2", "actor_config.context_parallel_size=2 > 1"),
+    ("actor_config.expert_model_parallel_size=2", "actor_config.expert_model_parallel_size=2 > 1"),
+    ("actor_config.num_layers_per_virtual_pipeline_stage=1", "actor_config.num_layers_per_virtual_pipeline_stage=1 "
+                                                             "is set"),
+    ("actor_config.backend=megatron", "actor_config.backend=megatron"),
+])
+def test_auto_selects_megatron_for_model_parallelism(override, reason):
+    assert resolve_backend(config([override])) == ("megatron", reason)
+
+
+def test_auto_selects_hf_without_model_parallelism():
+    par = model_parallel(config())
+    assert (par.backend, par.reason, par.dp) == ("hf", "no tensor/pipeline/context/expert parallelism asked", 4)
+    check([])
+
+
+def test_layout_of_the_megatron_backend():
+    par = model_parallel(config([*TP2, "actor_config.sequence_parallel=true",
+                                 "actor_config.recompute_granularity=full"]))
+    assert (par.backend, par.tp, par.pp, par.cp, par.dp) == ("megatron", 2, 1, 1, 2)
+    assert par.sequence_parallel and par.recompute_granularity == "full"
+    assert par.describe() == ("megatron (actor_config.tensor_model_parallel_size=2 > 1): TP 2 x PP 1 x DP 2, "
+                              "sequence parallel, recompute full")
+
+
+def test_unknown_backend_is_refused_by_key():
+    assert refusal(["megatron_training.backend=fsdp"]).startswith("megatron_training.backend=fsdp: unknown backend")
+
+
+def test_explicit_hf_refuses_tensor_parallelism():
+    message = refusal(["actor_config.backend=hf", *TP2])
+    assert message.startswith("actor_config.tensor_model_parallel_size=2: tensor/pipeline parallelism needs backend "
+                              "megatron")
+
+
+# ---- the layout the model can be split into ------------------------------------------------------------------
+def test_heads_must_divide_by_tp():
+    arch = ModelArch(**{**ARCH.__dict__, "num_attention_heads": 6, "num_kv_heads": 6})
+    message = refusal(["actor_config.tensor_model_parallel_size=4"], arch=arch)
+    assert message.startswith("num_attention_heads=6 is not divisible by actor_config.tensor_model_parallel_size=4")
+
+
+def test_kv_heads_must_divide_by_tp():
+    message = refusal(["actor_config.tensor_model_parallel_size=4"])
+    assert message.startswith("num_query_groups=2 is not divisible by actor_config.tensor_model_parallel_size=4")
+
+
+def test_layers_must_divide_by_pp_and_virtual_stages():
+    arch = ModelArch(**{**ARCH.__dict__, "num_layers": 3})
+    assert refusal(["actor_config.pipeline_model_parallel_size=2"], arch=arch).startswith(
+        "num_layers=3 is not divisible by actor_config.pipeline_model_parallel_size=2")
+    message = refusal(["actor_config.pipeline_model_parallel_size=2",
+                       "actor_config.num_layers_per_virtual_pipeline_stage=4"])
+    assert "num_layers=4 is not divisible by actor_config.pipeline_model_parallel_size x " \
+           "actor_config.num_layers_per_virtual_pipeline_stage = 2x4" in message
+
+
+def test_virtual_stages_need_pipeline_parallelism():
+    message = refusal(["actor_config.num_layers_per_virtual_pipeline_stage=2"])
+    assert message.startswith("actor_config.num_layers_per_virtual_pipeline_stage=2: virtual pipeline stages need "
+                              "pipeline parallelism")
+
+
+def test_model_yaml_heads_are_named_by_where_they_are_written():
+    cfg = load_run_config("r1_zero_qwen25_7b", overrides=["actor_config.tensor_model_parallel_size=8",
+                                                          "actor_config.pipeline_model_parallel_size=1"])
+    with pytest.raises(ConfigError, match=r"^model\.qwen25_7b\.num_attention_heads=28 is not divisible by "
+                                          r"actor_config\.tensor_model_parallel_size=8"):
+        check_run_config(cfg, device_type="cpu")
+
+
+def test_workers_must_divide_by_the_model_parallel_size():
+    message = refusal(["actor_config.tensor_model_parallel_size=3"])
+    assert "Resource=4 must be divisible by" in message and "rl_config.actor_resource.num_npus" in message
+
+
+def test_mini_batch_rows_must_divide_by_the_data_parallel_size():
+    message = refusal([*TP2, "rl_config.actor_resource.num_npus=8", "rl_config.n_samples_per_prompt=1",
+                       "rl_config.mini_batch_size=2", "actor_config.micro_batch_size=1",
+                       "megatron_training.micro_batch_size=1"])
+    assert "= 2 rows cannot be shared equally by the data-parallel size 4" in message
+
+
+# ---- refusals of the megatron backend ------------------------------------------------------------------------
+def test_context_parallelism_is_refused():
+    assert refusal(["actor_config.context_parallel_size=2"]).startswith(
+        "actor_config.context_parallel_size=2: context parallelism is not verified on the megatron backend yet; "
+        "set context_parallel_size 1")
+
+
+def test_expert_parallelism_and_experts_are_refused():
+    assert refusal(["actor_config.expert_model_parallel_size=2"]).startswith(
+        "actor_config.expert_model_parallel_size=2: expert parallelism is not built")
+    moe = ModelArch(**{**ARCH.__dict__, "num_experts": 4})
+    assert refusal(TP2, arch=moe).startswith("num_experts=4: mixture-of-experts models are not built")
+
+
+def test_distributed_optimizer_is_refused_on_cpu_only():
+    message = refusal([*TP2, "actor_config.use_distributed_optimizer=true"])
+    assert message == ("actor_config.use_distributed_optimizer=true: Megatron-Core's distributed optimizer needs CUDA "
+                       f"buffers; set use_distributed_optimizer false on a CPU {MEGATRON}")
+    assert "use_distributed_optimizer" not in inert([*TP2, "actor_config.use_distributed_optimizer=true"], "cuda")
+    # hf: no effect, as before
+    assert "actor_config.use_distributed_optimizer" in inert(["actor_config.use_distributed_optimizer=true"])
+
+
+def test_megatron_needs_ray_worker_groups():
+    message = refusal(["actor_config.backend=megatron", "rl_config.actor_resource.num_npus=1"])
+    assert message.startswith("rl_config.actor_resource.num_npus=1: the megatron backend runs in Ray worker groups")
+
+
+NOT_YET = [
+    (["rl_config.use_remove_padding=true", "actor_config.reset_attention_mask=true"], "rl_config.use_remove_padding"),
+    (["rl_config.use_dynamic_bsz=true"], "rl_config.use_dynamic_bsz"),
+    (["rl_config.offload_reference=true"], "rl_config.offload_reference"),
+    ([*PPO, "critic_config.tensor_model_parallel_size=2"], "megatron_training.stage=ray_ppo: the critic"),
+    (["reward_config.micro_batch_size=2"], "reward_config: a reward model"),
+    (["actor_config.lora_target_modules=[linear_qkv]"], "actor_config.lora_target_modules"),
+    (["rl_config.ray_sharding=fsdp2"], "rl_config.ray_sharding=fsdp2"),
+    ([*PPO, "critic_config.tensor_model_parallel_size=1"], "critic_config.tensor_model_parallel_size=1: colocated "
+                                                          "roles"),
+]
+
+
+@pytest.mark.parametrize("overrides,start", NOT_YET, ids=[c[1] for c in NOT_YET])
+def test_features_not_built_on_megatron_are_refused_by_key(overrides, start):
+    message = refusal([*TP2, *overrides])
+    assert message.startswith(start) and message.endswith(MEGATRON)
+
+
+def test_offline_stages_are_refused():
+    cfg = run_config_from_dict(copy.deepcopy(BASE), overrides=[*TP2, "megatron_training.stage=sft"])
+    with pytest.raises(ConfigError, match=r"^megatron_training.stage=sft: the offline stages"):
+        check_run_config(cfg, device_type="cpu", arch=ARCH)
+
+
+def test_not_yet_lists_every_entry_by_key():
+    assert {(i.section, i.key) for i in MEGATRON_NOT_YET} >= {
+        ("rl_config", "use_remove_padding"), ("rl_config", "use_dynamic_bsz"), ("rl_config", "ray_sharding"),
+        ("generate_config", "offload_train_optimizer"), ("generate_config", "offload_train_grad"),
+        ("generate_config", "offload_train_param"), ("rl_config", "offload_reference"), ("reward_config", "")}
+
+
+def test_offload_is_warned_on_cpu_and_refused_on_cuda():
+    offload = [f"generate_config.offload_train_{k}=true" for k in ("optimizer", "grad", "param")]
+    warning = inert([*TP2, *offload])
+    assert all(f"generate_config.offload_train_{k}" in warning for k in ("optimizer", "grad", "param"))
+    assert refusal([*TP2, *offload], device_type="cuda").startswith("generate_config.offload_train_optimizer=true: "
+                                                                   "offloading to the host is not built")
+
+
+def test_roles_follow_the_actor_backend():
+    message = refusal([*TP2, *PPO, "critic_config.backend=hf"])
+    assert message.startswith("critic_config.backend=hf: the critic follows the actor's backend, megatron")
+
+
+def test_sequence_parallel_is_honoured_with_tp_only():
+    sp = "actor_config.sequence_parallel=true"
+    assert "sequence_parallel" not in inert([*TP2, sp])
+    assert "actor_config.sequence_parallel" in inert(["actor_config.backend=megatron", sp])  # no TP: no effect
+    recompute = ["actor_config.recompute_method=uniform", "actor_config.recompute_num_layers=1"]
+    assert "recompute" not in inert([*TP2, *recompute])
+    assert "actor_config.recompute_method" in inert(["actor_config.recompute_method=uniform"])  # hf
+
+
+# ---- what the plan derives -------------------------------------------------------------------------------------
+def test_reads_are_dispatch_sizes_times_the_data_parallel_size():
+    cfg = config(TP2)
+    plan = build_plan(cfg, validate_run_config(cfg), ARCH)
+    assert plan.workers == 4 and plan.parallel.dp == 2
+    assert plan.reads["actor_update_dispatch_size"] == 2 * plan.dispatch_sizes["actor_update_dispatch_size"] == 32
+    hf = config()
+    plan = build_plan(hf, validate_run_config(hf), ARCH)
+    assert plan.reads["actor_update_dispatch_size"] == 4 * plan.dispatch_sizes["actor_update_dispatch_size"] == 32
+
+
+def test_memory_is_divided_by_the_model_split():
+    hf = config()
+    whole = build_plan(hf, validate_run_config(hf), ARCH).memory
+    cfg = config(["actor_config.tensor_model_parallel_size=2", "actor_config.pipeline_model_parallel_size=2"])
+    m = build_plan(cfg, validate_run_config(cfg), ARCH).memory
+    assert (m.weights, m.gradients, m.optimizer) == pytest.approx((whole.weights / 4, whole.gradients / 4,
+                                                                   whole.optimizer / 4))
+    cfg = config([*TP2, "actor_config.use_distributed_optimizer=true"])  # DP 2 shares the optimizer state
+    m = build_plan(cfg, validate_run_config(cfg), ARCH).memory
+    assert m.weights == pytest.approx(whole.weights / 2) and m.optimizer == pytest.approx(whole.optimizer / 4)
