@@ -45,10 +45,12 @@ def hf_run(ray_cluster, work, model):
                                   train={**TRAIN, "tokenizer_name_or_path": str(model)}))
 
 
-@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2), (2, 2)])
-def test_grpo_on_the_megatron_backend_equals_the_hf_backend(hf_run, work, model, tp, pp):
-    cfg = grpo_config(work, f"mg_tp{tp}_pp{pp}", workers=tp * pp, iters=2, rl=RL,
-                      train={**TRAIN, "tokenizer_name_or_path": str(model), "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
+@pytest.mark.parametrize("tp,pp,extra", [(2, 1, {}), (1, 2, {}), (2, 2, {}),
+                                         (2, 1, {"recompute_granularity": "full"})],
+                         ids=["tp2", "pp2", "tp2xpp2", "tp2-recompute"])
+def test_grpo_on_the_megatron_backend_equals_the_hf_backend(hf_run, work, model, tp, pp, extra):
+    cfg = grpo_config(work, f"mg_tp{tp}_pp{pp}_{len(extra)}", workers=tp * pp, iters=2, rl=RL,
+                      train={**TRAIN, **extra, "tokenizer_name_or_path": str(model), "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
                              "backend": "megatron"})
     want_batches, want_rows, want_steps = hf_run
     got_batches, got_rows, got_steps = record_run(cfg)

@@ -48,7 +48,6 @@ class ModelParallel:
     cp: int = 1
     ep: int = 1
     dp: int = 1  # data-parallel size = workers // (tp*pp*cp)
-    sequence_parallel: bool = False
     recompute_granularity: str | None = None
     recompute_method: str | None = None
     recompute_num_layers: int | None = None
@@ -65,7 +64,6 @@ class ModelParallel:
             return f"hf ({self.reason}): DP {self.dp}"
         sizes = [f"TP {self.tp}", f"PP {self.pp}"] + ([f"CP {self.cp}"] if self.cp > 1 else []) + [f"DP {self.dp}"]
         extras = ([f"{self.vpp_layers} layers per virtual stage"] if self.vpp_layers else []) \
-            + (["sequence parallel"] if self.sequence_parallel else []) \
             + ([f"recompute {self.recompute_granularity}"] if self.recompute_granularity else []) \
             + (["distributed optimizer"] if self.use_distributed_optimizer else [])
         return f"megatron ({self.reason}): {' x '.join(sizes)}" + "".join(f", {e}" for e in extras)
@@ -95,7 +93,26 @@ _MOE = ("mixture-of-experts models are not built on the megatron backend yet (th
         "mapping, posttrain.models.mcore, covers dense models); use backend hf with tensor/pipeline parallel sizes 1")
 _OTHER_LAYOUT = ("colocated roles share the actor's layout on the megatron backend; remove the key or give it the "
                  "actor's value")
+
+
+def bf16_asked(cfg: RunConfig) -> bool:
+    """``bf16: true`` written in the config (the seed's default, true, is not a request)."""
+    return bool(cfg.actor.bf16) and (cfg.explicitly_set("megatron_training", "bf16")
+                                     or cfg.explicitly_set("actor_config", "bf16"))
+
+
 MEGATRON_NOT_YET: tuple[NotYet, ...] = (
+    NotYet("actor_config", VPP_KEY, lambda c: getattr(c.actor, VPP_KEY) is not None,
+           "virtual pipeline stages (the interleaved schedule over several model chunks per rank) are not built on "
+           "the megatron backend yet; remove the key"),
+    NotYet("actor_config", "sequence_parallel", lambda c: c.actor.sequence_parallel
+           and c.actor.tensor_model_parallel_size > 1,
+           "sequence parallelism is not built on the megatron backend yet (Megatron-Core's local layers normalise "
+           "with torch norms, which refuse it without Apex or TransformerEngine); set it to false (on a CPU it has "
+           "no effect: the numerics are the same, only activation memory differs)", ("cuda",)),
+    NotYet("actor_config", "bf16", bf16_asked,
+           "bf16 with fp32 main parameters is not built on the megatron backend yet (it trains in float32); set "
+           "bf16 false (on a CPU it has no effect: the megatron backend trains in float32 there)", ("cuda",)),
     NotYet("rl_config", "use_remove_padding", lambda c: c.rl.use_remove_padding,
            "packed rows (remove padding) are not built on the megatron backend yet; set it to false"),
     NotYet("rl_config", "use_dynamic_bsz", lambda c: c.rl.use_dynamic_bsz,
@@ -172,7 +189,7 @@ def model_parallel(cfg: RunConfig) -> ModelParallel:
     tp, pp, cp = a.tensor_model_parallel_size, a.pipeline_model_parallel_size, a.context_parallel_size
     return ModelParallel(
         backend, reason, tp=tp, pp=pp, vpp_layers=getattr(a, VPP_KEY), cp=cp, ep=a.expert_model_parallel_size,
-        dp=max(workers // (tp * pp * cp), 1), sequence_parallel=a.sequence_parallel and tp > 1,
+        dp=max(workers // (tp * pp * cp), 1),
         recompute_granularity=a.recompute_granularity, recompute_method=a.recompute_method,
         recompute_num_layers=a.recompute_num_layers, use_distributed_optimizer=a.use_distributed_optimizer)
 

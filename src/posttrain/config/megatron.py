@@ -33,7 +33,8 @@ PARALLEL_LAYOUT = ignored("a Megatron/MindSpeed rank-order, MoE or ring-attentio
 PP_LAYOUT = ignored("the megatron backend splits the layers evenly over the pipeline stages (uneven or padded stages "
                     "are not built yet)", active="set")
 CP_ALGO = ignored("only matters with context parallelism (context_parallel_size > 1 is refused)")
-SEQ_PARALLEL = ignored("only matters with tensor parallelism, on the megatron backend", megatron=True,
+SEQ_PARALLEL = ignored("only matters with tensor parallelism, on the megatron backend (which refuses it on CUDA "
+                       "and names it on a CPU until it is built: posttrain.config.backend)", megatron=True,
                        megatron_with="tensor_model_parallel_size")
 FLASH = ignored("attention always runs through PyTorch sdpa, which picks flash kernels on CUDA by itself; "
                 "there are none on CPU", devices=("cpu",))
@@ -178,7 +179,8 @@ class MegatronConfig(Section):
     gemm_gradient_accumulation_fusion: bool = F(False, "fused kernel", KERNEL)
     transformer_impl: str = F("local", "Megatron transformer implementation (local, transformer_engine)", KERNEL)
     # ---- precision / optimizer ------------------------------------------------------------------
-    bf16: bool = F(True, "bf16 training (autocast); on CPU used only where AMX/bf16 is supported", HONOURED)
+    bf16: bool = F(True, "bf16 training (autocast); on CPU used only where AMX/bf16 is supported; the megatron "
+                         "backend trains in float32 (bf16 refused on CUDA until built)", HONOURED)
     optimizer: str = F("adam", "adam (AdamW with decoupled weight decay)", OPTIMIZER)
     lr: Opt[float] = F(None, "peak learning rate", HONOURED)
     lr_decay_style: str = F("linear", "constant, linear or cosine", HONOURED)
@@ -208,8 +210,8 @@ class MegatronConfig(Section):
                                           MODEL_PARALLEL)
     expert_model_parallel_size: int = F(1, "expert parallel size", EXPERT_PARALLEL)
     num_layers_per_virtual_pipeline_stage: Opt[int] = F(None, "layers per virtual pipeline stage (interleaved "
-                                                              "schedule; needs pipeline parallelism; set: the "
-                                                              "megatron backend)", VPP)
+                                                              "schedule; selects the megatron backend, which "
+                                                              "refuses it until built)", VPP)
     num_layer_list: Any = F(None, "layers per pipeline stage", PP_LAYOUT)
     noop_layers: Any = F(None, "no-op layers for pipeline balance", PP_LAYOUT)
     context_parallel_size: int = F(1, "context parallel size", CONTEXT_PARALLEL)

@@ -85,8 +85,8 @@ class MegatronPolicy:
         model_parallel_cuda_manual_seed(a.seed)
         self.leader = ps.get_tensor_model_parallel_rank() == 0 and ps.get_pipeline_model_parallel_rank() == 0
         self.dp_rank = ps.get_data_parallel_rank()
-        options = {"sequence_parallel": par.sequence_parallel, "recompute_granularity": par.recompute_granularity,
-                   "recompute_method": par.recompute_method, "recompute_num_layers": par.recompute_num_layers}
+        options = {"recompute_granularity": par.recompute_granularity, "recompute_method": par.recompute_method,
+                   "recompute_num_layers": par.recompute_num_layers}
         if par.recompute_granularity == "full":  # Megatron needs a method and a count with full recompute
             options["recompute_method"] = par.recompute_method or "uniform"
             options["recompute_num_layers"] = par.recompute_num_layers or 1

@@ -75,12 +75,11 @@ def test_auto_selects_hf_without_model_parallelism():
 
 
 def test_layout_of_the_megatron_backend():
-    par = model_parallel(config([*TP2, "actor_config.sequence_parallel=true",
-                                 "actor_config.recompute_granularity=full"]))
+    par = model_parallel(config([*TP2, "actor_config.recompute_granularity=full"]))
     assert (par.backend, par.tp, par.pp, par.cp, par.dp) == ("megatron", 2, 1, 1, 2)
-    assert par.sequence_parallel and par.recompute_granularity == "full"
+    assert par.recompute_granularity == "full"
     assert par.describe() == ("megatron (actor_config.tensor_model_parallel_size=2 > 1): TP 2 x PP 1 x DP 2, "
-                              "sequence parallel, recompute full")
+                              "recompute full")
 
 
 def test_unknown_backend_is_refused_by_key():
@@ -209,14 +208,37 @@ def test_offload_is_warned_on_cpu_and_refused_on_cuda():
                                                                    "offloading to the host is not built")
 
 
+def test_virtual_stages_are_refused_until_built():
+    message = refusal(["actor_config.pipeline_model_parallel_size=2",
+                       "actor_config.num_layers_per_virtual_pipeline_stage=1"])
+    assert message.startswith("actor_config.num_layers_per_virtual_pipeline_stage=1: virtual pipeline stages (the "
+                              "interleaved schedule")
+
+
+def test_bf16_is_refused_on_cuda_and_named_on_cpu():
+    """The megatron backend trains in float32: an explicit bf16 is refused on CUDA, and on a CPU it
+    is in the warning (the plan's training dtype is float32 there)."""
+    assert refusal([*TP2, "actor_config.bf16=true"], device_type="cuda").startswith(
+        "actor_config.bf16=true: bf16 with fp32 main parameters is not built on the megatron backend")
+    assert "actor_config.bf16" in inert([*TP2, "actor_config.bf16=true"])
+    check(TP2, device_type="cuda")  # the seed's default (bf16 true, not written) is no request
+    cfg = config([*TP2, "actor_config.bf16=true"])
+    layout, _ = check_run_config(cfg, device_type="cpu", arch=ARCH)
+    assert build_plan(cfg, layout, ARCH, device="cpu").train_dtype == "float32"
+
+
 def test_roles_follow_the_actor_backend():
     message = refusal([*TP2, *PPO, "critic_config.backend=hf"])
     assert message.startswith("critic_config.backend=hf: the critic follows the actor's backend, megatron")
 
 
-def test_sequence_parallel_is_honoured_with_tp_only():
+def test_sequence_parallel_is_refused_on_cuda_and_named_on_cpu():
+    """Megatron-Core's local layers cannot run it without Apex/TransformerEngine: on a CPU it is in
+    the warning (same numerics), on CUDA refused until built."""
     sp = "actor_config.sequence_parallel=true"
-    assert "sequence_parallel" not in inert([*TP2, sp])
+    assert "actor_config.sequence_parallel" in inert([*TP2, sp])
+    assert refusal([*TP2, sp], device_type="cuda").startswith("actor_config.sequence_parallel=true: sequence "
+                                                             "parallelism is not built on the megatron backend")
     assert "actor_config.sequence_parallel" in inert(["actor_config.backend=megatron", sp])  # no TP: no effect
     recompute = ["actor_config.recompute_method=uniform", "actor_config.recompute_num_layers=1"]
     assert "recompute" not in inert([*TP2, *recompute])
