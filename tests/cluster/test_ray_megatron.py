@@ -69,3 +69,93 @@ def test_grpo_on_the_megatron_backend_equals_the_hf_backend(hf_run, work, model,
         assert got["timing/resharding_to_infer"] > 0
         for key in (k for k in want if not is_wall_clock(k)):
             assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), (want["iteration"], key)
+
+
+# ---- the seed's r1_zero_qwen25_7b, shrunk ----------------------------------------------------------
+@pytest.fixture(scope="module")
+def qwen25_shaped(work, tiny_tokenizer):
+    """A tiny model of Qwen2.5's shape (untied output layer, qkv bias, GQA, RMSNorm, SwiGLU, rope
+    theta 1e6), and its Megatron-Core checkpoint at TP 2 x PP 2 (``posttrain convert``, as the seed's
+    ``mcore_tp4_pp2`` load directory is made)."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from posttrain.cli import main
+
+    hf = work / "qwen25_shaped"
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=len(tiny_tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         tie_word_embeddings=False, rope_theta=1e6, rms_norm_eps=1e-6,
+                         eos_token_id=tiny_tokenizer.eos_token_id)
+    Qwen2ForCausalLM(config).save_pretrained(hf)
+    tiny_tokenizer.save_pretrained(hf)
+    mcore = work / "qwen25_shaped_mcore_tp2_pp2"
+    assert main(["convert", "--load-model-type", "hf", "--save-model-type", "mg", "--load-dir", str(hf),
+                 "--save-dir", str(mcore), "--target-tensor-parallel-size", "2",
+                 "--target-pipeline-parallel-size", "2", "--add-qkv-bias"]) == 0
+    return hf, mcore
+
+
+def r1_zero(work, hf, name: str, load, iters: int, resume: bool = False):
+    """The seed's config with only the model, the data, the device count and what a CPU cannot run
+    overridden (batch sizes, samples, lengths, train_iters, the distributed optimizer)."""
+    from posttrain.config.run import load_run_config
+
+    model = ["num_layers=2", "hidden_size=64", "ffn_hidden_size=128", "num_attention_heads=4", "num_query_groups=2",
+             "max_position_embeddings=256", "padded_vocab_size=512", "make_vocab_size_divisible_by=128",
+             "rotary_base=1000000"]
+    overrides = [f"actor_config.{m}" for m in model] + [
+        f"megatron_training.tokenizer_name_or_path={hf}", f"megatron_training.data_path={work / 'prompts/data'}",
+        "rl_config.actor_resource.num_npus=4", "actor_config.tensor_model_parallel_size=2",
+        "megatron_training.global_batch_size=4", "rl_config.mini_batch_size=2", "rl_config.n_samples_per_prompt=4",
+        "actor_config.micro_batch_size=2", "rl_config.actor_forward_micro_batch_size=2",
+        "rl_config.max_prompt_length=64", "megatron_training.seq_length=128", "generate_config.max_model_len=128",
+        "generate_config.sampling_config.max_tokens=12", "generate_config.infer_tensor_parallel_size=1",
+        f"megatron_training.train_iters={iters}", "megatron_training.save_interval=1",
+        "actor_config.use_distributed_optimizer=false", "rl_config.device=cpu",
+        f"actor_config.load={load}", f"actor_config.save={work / name}",
+        f"rl_config.output_dir={work / ('run_' + name)}", f"rl_config.tensorboard_log_dir={work / ('tb_' + name)}",
+        "rl_config.ray_timeout_s=300"]
+    if resume:
+        overrides += ["actor_config.finetune=false", "actor_config.no_load_optim=false",
+                      "actor_config.no_load_rng=false"]
+    return load_run_config("r1_zero_qwen25_7b", overrides=overrides)
+
+
+def test_the_seeds_r1_zero_config_trains_saves_resumes_exactly_and_converts(ray_cluster, work, qwen25_shaped):
+    """TP 2 x PP 2 on 4 processes from a Megatron checkpoint (finetune): 2 iterations saved after
+    each; a run resumed from the first checkpoint takes the same second iteration (every metric
+    but the wall-clock ones, and every saved weight, equal); ``posttrain convert`` turns the saved
+    run into an HF model that differs from the initial one."""
+    import torch
+    from safetensors.torch import load_file
+
+    from posttrain.cli import main
+    from posttrain.config.plan import resolve_plan
+
+    hf, mcore = qwen25_shaped
+    cfg = r1_zero(work, hf, "r1_zero", mcore, iters=2)
+    plan = resolve_plan(cfg, device="cpu")
+    assert (plan.parallel.backend, plan.parallel.tp, plan.parallel.pp, plan.parallel.dp) == ("megatron", 2, 2, 1)
+    _, rows, _ = record_run(cfg)
+    rows = [r for r in rows if "actor/pg_loss" in r]
+    assert [r["iteration"] for r in rows] == [1, 2] and all(r["timing/resharding_to_infer"] > 0 for r in rows)
+    for it in (1, 2):
+        assert len(list((work / "r1_zero" / f"iter_{it:07d}").glob("mp_rank_*/model_optim_rng.pt"))) == 4
+    _, resumed, _ = record_run(r1_zero(work, hf, "r1_zero_resumed", work / "r1_zero" / "iter_0000001", iters=2,
+                                       resume=True))
+    resumed = [r for r in resumed if "actor/pg_loss" in r]
+    assert [r["iteration"] for r in resumed] == [2]
+    for key in (k for k in rows[1] if not is_wall_clock(k)):
+        assert resumed[0][key] == rows[1][key], key
+    outs = {}
+    for name in ("r1_zero", "r1_zero_resumed"):
+        outs[name] = work / f"{name}_hf" / "mg2hf"  # the seed's convention: save-dir/mg2hf
+        assert main(["convert", "--load-model-type", "mg", "--save-model-type", "hf", "--load-dir",
+                     str(work / name), "--save-dir", str(outs[name].parent)]) == 0
+    trained, again = (load_file(str(outs[n] / "model.safetensors")) for n in ("r1_zero", "r1_zero_resumed"))
+    initial = load_file(str(hf / "model.safetensors"))
+    assert sorted(trained) == sorted(initial)
+    assert all(torch.equal(trained[k], again[k]) for k in trained)  # the resume is exact
+    assert any(not torch.equal(trained[k], initial[k]) for k in trained)  # and it trained

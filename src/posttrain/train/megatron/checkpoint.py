@@ -26,14 +26,15 @@ import torch
 from posttrain.errors import CheckpointError
 
 
-def _rank_file(save_dir: Path, iteration: int) -> Path:
+def _rank_file(it_dir: Path) -> Path:
+    """This rank's file in the iteration directory ``it_dir``."""
     from megatron.core import parallel_state as ps
 
     from posttrain.models.mcore import layout
 
     name = layout.rank_dir_name(ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
                                 ps.get_pipeline_model_parallel_world_size())
-    return save_dir / f"iter_{iteration:07d}" / name / layout.RANK_FILE
+    return it_dir / name / layout.RANK_FILE
 
 
 def _rng_state() -> dict:
@@ -63,7 +64,7 @@ def save_megatron_checkpoint(save_dir: str | Path, iteration: int, chunk, optimi
     from posttrain.models.mcore import layout
 
     save_dir = Path(save_dir)
-    path = _rank_file(save_dir, iteration)
+    path = _rank_file(save_dir / f"iter_{iteration:07d}")
     if ps.get_data_parallel_rank() == 0:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + ".tmp")
@@ -87,7 +88,8 @@ def save_megatron_checkpoint(save_dir: str | Path, iteration: int, chunk, optimi
 
 def load_megatron_checkpoint(load_dir: str | Path, chunk, optimizer, *, load_optim: bool = True,
                              load_rng: bool = True) -> dict:
-    """Load this rank's part of the checkpoint the tracker in ``load_dir`` names into ``chunk`` and
+    """Load this rank's part of the checkpoint ``load_dir`` names (a save directory's latest, or an
+    ``iter_*`` directory) into ``chunk`` and
     (unless told not to) ``optimizer`` and the RNG states; returns the rank file's other entries
     (``iteration`` and the saver's ``extra``)."""
     from posttrain.models.mcore import layout
@@ -97,7 +99,7 @@ def load_megatron_checkpoint(load_dir: str | Path, chunk, optimizer, *, load_opt
     if not it_dir.name.startswith("iter_"):
         raise CheckpointError(f"{it_dir}: a converted (release) checkpoint holds no optimizer state; load it as "
                               f"the initial model instead of resuming from it")
-    path = _rank_file(load_dir, int(it_dir.name.split("_")[1]))
+    path = _rank_file(it_dir)
     if not path.is_file():
         raise CheckpointError(f"{path} is missing: this rank's shard of {it_dir} (the checkpoint was saved with "
                               f"another tensor/pipeline layout; convert it to HF and start from that)")

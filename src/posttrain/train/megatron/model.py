@@ -166,8 +166,9 @@ def mcore_to_megatron(load_dir: str | Path, *, for_training: bool = False, **opt
                                          pp) / layout.RANK_FILE
     [chunk] = build_chunks(args, transformer_config(args, tp, pp, None, None, initialize=for_training, **options),
                            None)
-    state = layout.load_rank_file(path, mmap=False)["model"]
-    chunk.load_state_dict({k: v.float() for k, v in state.items()}, strict=True)
+    state = layout.load_rank_file(path, mmap=False)["model"]  # with None ``_extra_state`` entries
+    chunk.load_state_dict({k: v.float() if torch.is_tensor(v) and v.is_floating_point() else v
+                           for k, v in state.items()}, strict=True)
     return [chunk], args
 
 
