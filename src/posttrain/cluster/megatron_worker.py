@@ -59,7 +59,7 @@ class MegatronWorker(ActorWorker):
             return torch.zeros(0, width)
         batch = {k: v.to(self.device) for k, v in batch.items()}
         with self.megatron():
-            return engine.compute_logprobs(batch, temperature=temperature).cpu()
+            return engine.compute_logprobs(batch, temperature=temperature, micro_batch_size=micro_batch_size).cpu()
 
     def update(self, batch: dict, loss_fn, mini_batch_size: int) -> list[dict[str, float]]:
         """The replica's slices of the global mini-batches, one optimizer step each; then the

@@ -138,7 +138,8 @@ class MegatronPolicy:
     def _engine(self, model, optimizer, scheduler, prefix: str):
         from posttrain.train.megatron.engine import MegatronEngine
 
-        return MegatronEngine(model, optimizer, scheduler, vocab_size=int(self.args.vocab_size), metric_prefix=prefix)
+        return MegatronEngine(model, optimizer, scheduler, vocab_size=int(self.args.vocab_size),
+                              micro_batch_size=self.cfg.actor.micro_batch_size or 1, metric_prefix=prefix)
 
     def _resume(self, source: str, a) -> dict:
         from posttrain.train.megatron.checkpoint import load_megatron_checkpoint

@@ -3,8 +3,9 @@ HF engine's interface (:class:`posttrain.train.engine.TrainEngine`: ``compute_lo
 ``update`` over a batch in the training layout of :mod:`posttrain.train.layout`) on this rank's
 Megatron-Core model, through Megatron's pipeline schedule and optimizer.
 
-* One row per micro-batch through ``get_forward_backward_func``; each row's attention mask hides
-  its padding and its positions are HF's (:func:`_row_inputs`), so left padding changes nothing.
+* Micro-batches of ``micro_batch_size`` rows through ``get_forward_backward_func``; each row's
+  attention mask hides its padding (:func:`_inputs`), so left padding changes nothing (RoPE is
+  relative: Megatron rotates by index, HF by position id, and the scores are the same).
 * Log-probs and entropy come from the vocab-parallel logits (:mod:`.vocab_parallel`), never the
   gathered vocabulary.
 * The loss is the algorithm's own: a loss function of :mod:`posttrain.train.loss_fns` exposes
@@ -22,6 +23,8 @@ The Ray worker groups build it (:mod:`posttrain.roles.megatron_policy`); docs/pa
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from posttrain.train.engine import NaNLossError, minibatch_order
@@ -29,16 +32,16 @@ from posttrain.train.parallel import dp_world_size, global_counts, reduce_metric
 from posttrain.train.megatron.vocab_parallel import vocab_parallel_entropy, vocab_parallel_logprobs
 
 
-def _row_inputs(batch: dict[str, torch.Tensor], row: int):
-    """Token ids, positions and the attention mask (True: masked; causal and padding) of one row of
+def _inputs(batch: dict[str, torch.Tensor], rows: slice):
+    """Token ids, positions and the attention mask (True: masked; causal and padding) of ``rows`` of
     the training layout (left-padded prompt || right-padded response)."""
     from posttrain.train.layout import default_position_ids
 
-    attention = batch["attention_mask"][row:row + 1]
+    attention = batch["attention_mask"][rows]
     width = attention.shape[1]
-    causal = torch.triu(torch.ones(width, width, dtype=torch.bool), diagonal=1)
-    mask = causal | ~attention.bool()[:, None, :]  # [1, T, T]: a query never sees a padded key
-    return batch["input_ids"][row:row + 1], default_position_ids(attention), mask[:, None]
+    causal = torch.triu(torch.ones(width, width, dtype=torch.bool, device=attention.device), diagonal=1)
+    mask = causal | ~attention.bool()[:, None, :]  # [B, T, T]: a query never sees a padded key
+    return batch["input_ids"][rows], default_position_ids(attention), mask[:, None]
 
 
 def _from_last_stage(value):
@@ -58,29 +61,41 @@ class MegatronEngine:
     """``compute_logprobs`` and ``update`` on ``model`` (this rank's chunk, in Megatron's
     ``DistributedDataParallel``) with Megatron's ``optimizer``."""
 
-    def __init__(self, model, optimizer=None, scheduler=None, *, vocab_size: int, metric_prefix: str = "actor"):
+    def __init__(self, model, optimizer=None, scheduler=None, *, vocab_size: int, micro_batch_size: int = 1,
+                 metric_prefix: str = "actor"):
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
-        self.vocab_size, self.metric_prefix = vocab_size, metric_prefix
+        self.vocab_size, self.micro_batch_size, self.metric_prefix = vocab_size, micro_batch_size, metric_prefix
 
-    def _run(self, batch: dict[str, torch.Tensor], per_row, *, forward_only: bool) -> None:
-        """Every row through the schedule; ``per_row(row, response_logits) -> loss`` on the last stage."""
+    def _micro_batches(self, rows: int, micro_batch_size: int | None) -> list[slice]:
+        """Equal micro-batches (the pipeline's p2p buffers have one shape): ``micro_batch_size`` rows,
+        or the largest divisor of ``rows`` below it."""
+        size = math.gcd(rows, max(1, micro_batch_size or self.micro_batch_size)) or 1
+        return [slice(start, start + size) for start in range(0, rows, size)]
+
+    def _run(self, batch: dict[str, torch.Tensor], micro_batches: list[slice], on_logits, *,
+             forward_only: bool) -> None:
+        """Every micro-batch through the schedule; ``on_logits(rows, response_logits) -> loss`` on
+        the last stage."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        rows, width = batch["input_ids"].shape
+        width = batch["input_ids"].shape[1]
         prompt = width - batch["response_mask"].shape[1]
 
-        def forward_step(row_iter, model):
-            row = next(row_iter)
+        def forward_step(micro_iter, model):
+            rows = next(micro_iter)
             # the positions that predict the response tokens
-            return model(*_row_inputs(batch, row)), lambda logits: (per_row(row, logits[:, prompt - 1:-1]), {})
+            return model(*_inputs(batch, rows)), lambda logits: (on_logits(rows, logits[:, prompt - 1:-1]), {})
 
-        get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(range(rows)),
-                                    model=[self.model], num_microbatches=rows, seq_length=width, micro_batch_size=1,
+        # micro_batch_size and seq_length size the pipeline's p2p buffers: every micro-batch has them
+        get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(micro_batches),
+                                    model=[self.model], num_microbatches=len(micro_batches), seq_length=width,
+                                    micro_batch_size=micro_batches[0].stop - micro_batches[0].start,
                                     forward_only=forward_only)
 
-    def _response_logprobs(self, batch, row: int, logits, temperature: float, with_entropy: bool, entropy_grad=False):
+    def _response_logprobs(self, batch, rows: slice, logits, temperature: float, with_entropy: bool,
+                           entropy_grad=False):
         width = batch["response_mask"].shape[1]
-        targets = batch["input_ids"][row:row + 1, -width:]
+        targets = batch["input_ids"][rows, -width:]
         logprobs = vocab_parallel_logprobs(logits, targets, vocab_size=self.vocab_size, temperature=temperature)
         entropy = None
         if with_entropy:
@@ -92,18 +107,18 @@ class MegatronEngine:
                          micro_batch_size: int | None = None, with_entropy: bool = False):
         """Response-token log-probs ``[B, R]`` (0 on padding), with the entropy if asked."""
         mask = batch["response_mask"].float()
-        out: dict[int, tuple] = {}
+        out: list[tuple] = []
 
-        def per_row(row, logits):
-            out[row] = self._response_logprobs(batch, row, logits, temperature, with_entropy)
+        def on_logits(rows, logits):
+            out.append(self._response_logprobs(batch, rows, logits, temperature, with_entropy))
             return logits.new_zeros(())
 
         with torch.no_grad():
-            self._run(batch, per_row, forward_only=True)
+            self._run(batch, self._micro_batches(mask.shape[0], micro_batch_size), on_logits, forward_only=True)
         result = None
         if out:  # the last stage
-            logprobs = torch.cat([out[r][0] for r in range(len(out))]) * mask
-            result = (logprobs, torch.cat([out[r][1] for r in range(len(out))]) * mask) if with_entropy else logprobs
+            logprobs = torch.cat([lp for lp, _ in out]) * mask
+            result = (logprobs, torch.cat([e for _, e in out]) * mask) if with_entropy else logprobs
         return _from_last_stage(result)
 
     def update(self, batch: dict[str, torch.Tensor], loss_fn, *, mini_batch_size: int, epochs: int = 1,
@@ -120,16 +135,18 @@ class MegatronEngine:
         from megatron.core.distributed import finalize_model_grads
 
         rows = mini_batch["input_ids"].shape[0]
+        micro_batches = self._micro_batches(rows, None)
         dp_group = ps.get_data_parallel_group()
         num_tokens, num_seqs = global_counts(mini_batch["response_mask"].sum().float(), rows, "cpu", dp_group)
-        loss_scale = rows * dp_world_size(dp_group)  # the schedule averages over micro-batches, DDP over ranks
+        # the schedule averages the micro-batches' losses, Megatron's DDP the ranks' gradients
+        loss_scale = len(micro_batches) * dp_world_size(dp_group)
         totals: dict[str, torch.Tensor] = {}
         temperature = getattr(loss_fn, "temperature", 1.0)
 
-        def per_row(row, logits):
-            logprobs, entropy = self._response_logprobs(mini_batch, row, logits, temperature, True,
+        def on_logits(rows, logits):
+            logprobs, entropy = self._response_logprobs(mini_batch, rows, logits, temperature, True,
                                                         entropy_grad=getattr(loss_fn, "entropy_grad", False))
-            micro_batch = {k: v[row:row + 1] for k, v in mini_batch.items()}
+            micro_batch = {k: v[rows] for k, v in mini_batch.items()}
             loss, metrics = loss_fn.on_logprobs(logprobs, entropy, micro_batch, num_tokens=num_tokens,
                                                 num_seqs=num_seqs)
             for key, value in metrics.items():
@@ -138,7 +155,7 @@ class MegatronEngine:
 
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        self._run(mini_batch, per_row, forward_only=False)
+        self._run(mini_batch, micro_batches, on_logits, forward_only=False)
         finalize_model_grads([self.model])
         lr = float(self.optimizer.param_groups[0]["lr"])
         updated, grad_norm, _ = self.optimizer.step()
