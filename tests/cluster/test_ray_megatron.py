@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 from cluster_helpers import grpo_config, record_run
-from test_ray_grpo import is_wall_clock
+from test_ray_grpo import PPO, is_wall_clock
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 RAY_CPUS = 4  # TP 2 x PP 2: 4 workers (logical CPUs; one torch thread each)
@@ -69,6 +69,49 @@ def test_grpo_on_the_megatron_backend_equals_the_hf_backend(hf_run, work, model,
         assert got["timing/resharding_to_infer"] > 0
         for key in (k for k in want if not is_wall_clock(k)):
             assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), (want["iteration"], key)
+
+
+def test_ppo_on_the_megatron_backend_equals_the_hf_backend(ray_cluster, work, model):
+    """PPO (GAE, KL in the reward) with its colocated critic at TP 2: the same responses, the same
+    actor steps, and every logged metric (the critic's values, value loss and grad norm included).
+    The critic is saved in ``critic/`` of the Megatron checkpoint, converts with ``--orm`` into a
+    reward-model HF directory (its head trained away from the zeros it started at), and resumes."""
+    import torch
+    from safetensors.torch import load_file
+
+    from posttrain.cli import main
+
+    runs, ckpt = {}, work / "mg_ppo_ckpt"
+    save = {"save": str(ckpt), "save_interval": 2}
+    for name, workers, extra in (("hf", 1, {}), ("megatron", 2, {"tensor_model_parallel_size": 2, **save})):
+        runs[name] = record_run(grpo_config(work, f"mg_ppo_{name}", workers=workers, iters=2, rl={**RL, **PPO},
+                                            train={**TRAIN, **extra, "stage": "ray_ppo",
+                                                   "tokenizer_name_or_path": str(model)}))
+    (want_batches, want_rows, want_steps), (got_batches, got_rows, got_steps) = runs["hf"], runs["megatron"]
+    assert got_batches == want_batches and len(got_steps) == len(want_steps) == 4
+    for step, (got, want) in enumerate(zip(got_steps, want_steps)):
+        for key in want:
+            assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), (step, key)
+    want_rows = [r for r in want_rows if "actor/pg_loss" in r]
+    got_rows = [r for r in got_rows if "actor/pg_loss" in r]
+    assert len(got_rows) == len(want_rows) == 2
+    for want, got in zip(want_rows, got_rows):
+        assert all(want[k] > 0 for k in ("critic/vf_loss", "critic/grad_norm"))
+        for key in (k for k in want if not is_wall_clock(k)):
+            assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), (want["iteration"], key)
+    assert len(list((ckpt / "iter_0000002" / "critic").glob("mp_rank_*/model_optim_rng.pt"))) == 2
+    assert main(["convert", "--load-model-type", "mg", "--save-model-type", "hf", "--orm", "--load-dir",
+                 str(ckpt / "iter_0000002" / "critic"), "--save-dir", str(work / "mg_ppo_critic_hf")]) == 0
+    head = load_file(str(work / "mg_ppo_critic_hf" / "mg2hf" / "model.safetensors"))["score.weight"]
+    assert head.shape[0] == 1 and float(head.abs().max()) > 0
+    _, resumed, _ = record_run(grpo_config(work, "mg_ppo_resumed", workers=2, iters=3, rl={**RL, **PPO}, train={
+        **TRAIN, "tensor_model_parallel_size": 2, "stage": "ray_ppo", "tokenizer_name_or_path": str(model),
+        "load": str(ckpt)}))
+    resumed = [r for r in resumed if "actor/pg_loss" in r]
+    # the critic resumed trained (a fresh zero head would value every token 0), with its LR schedule
+    assert [r["iteration"] for r in resumed] == [3] and resumed[0]["critic/values/min"] > 0
+    assert resumed[0]["critic/lr"] == resumed[0]["actor/lr"] < got_rows[-1]["actor/lr"]
+    assert not torch.equal(head, torch.zeros_like(head))
 
 
 # ---- the seed's r1_zero_qwen25_7b, shrunk ----------------------------------------------------------

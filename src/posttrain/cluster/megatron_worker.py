@@ -38,7 +38,7 @@ class MegatronWorker(ActorWorker):
         tokenizer, stops = load_policy_tokenizer(cfg.actor)
         with self.megatron():
             self.shard = MegatronPolicy(cfg, plan, self.device, tokenizer, stops)
-        self.fsdp, self.critic, self.reward_model = False, None, None
+        self.fsdp, self.reward_model = False, None
         return dict(self.shard.state) if self.rank == 0 else {}
 
     def ready_info(self) -> dict:
@@ -71,6 +71,23 @@ class MegatronWorker(ActorWorker):
         if seconds is not None and steps:
             steps[-1]["timing/resharding_to_infer"] = seconds
         return steps
+
+    def compute_values(self, batch: dict, micro_batch_size):
+        rows, width = batch["response_mask"].shape
+        if rows == 0:
+            return torch.zeros(0, width)
+        batch = {k: v.to(self.device) for k, v in batch.items()}
+        with self.megatron():
+            return self.shard.critic.compute_values(batch, micro_batch_size=micro_batch_size).cpu()
+
+    def critic_update(self, batch: dict, loss_fn, mini_batch_size: int) -> list[dict[str, float]]:
+        batch = {k: v.to(self.device) for k, v in batch.items()}
+        with self.megatron():
+            return self.shard.critic.update(batch, loss_fn, mini_batch_size=mini_batch_size)
+
+    def critic_save(self, iteration: int, trainer_state: dict) -> None:
+        """The critic is saved inside the policy's checkpoints (``critic/``) on this backend."""
+        return None
 
     def save(self, save_dir: str, iteration: int, sampler_state, trainer_state: dict, save_optim: bool,
              save_rng: bool) -> str:

@@ -87,6 +87,12 @@ def _differs(role: str, key: str) -> Callable[[RunConfig], bool]:
     return active
 
 
+def _own_critic_save(cfg: RunConfig) -> bool:
+    critic, actor = cfg.critic, cfg.actor
+    return (critic is not None and bool(critic.save) and
+            (not actor.save or os.path.realpath(critic.save) != os.path.realpath(actor.save)))
+
+
 _OFFLOAD = ("offloading to the host is not built on the megatron backend yet; remove the key or set it to false "
             "(on a CPU it has no effect: there is no separate device memory)")
 _MOE = ("mixture-of-experts models are not built on the megatron backend yet (the Hugging Face <-> Megatron-Core "
@@ -128,9 +134,9 @@ MEGATRON_NOT_YET: tuple[NotYet, ...] = (
     NotYet("actor_config", "stage", lambda c: c.stage in ("dpo", "sft"),
            "the offline stages (dpo, sft) are not built on the megatron backend yet; use backend hf with "
            "tensor/pipeline parallel sizes 1"),
-    NotYet("actor_config", "stage", lambda c: c.stage == "ppo",
-           "the critic (ray_ppo) is not built on the megatron backend yet; use grpo or dapo, or backend hf with "
-           "tensor/pipeline parallel sizes 1"),
+    NotYet("critic_config", "save", _own_critic_save,
+           "a critic saved in a directory of its own is not built on the megatron backend yet (the critic is saved "
+           "in critic/ of the actor's checkpoints); remove the key or give it the actor's save directory"),
     NotYet("reward_config", "", lambda c: c.reward is not None,
            "a reward model is not built on the megatron backend yet; score with rule rewards (remove reward_config)"),
     NotYet("actor_config", "num_experts", lambda c: bool(c.actor.num_experts), _MOE),

@@ -9,6 +9,9 @@
   schedule (:func:`posttrain.train.optim.build_lr_scheduler`, which writes the learning rate into
   the optimizer's parameter groups), trained by :class:`~posttrain.train.megatron.engine.MegatronEngine`.
 * **The reference**: a frozen chunk of the same layout (forward only).
+* **The critic** (PPO): a chunk of the same layout with a scalar value head in place of the output
+  layer (:func:`~posttrain.train.megatron.model.attach_value_head`), its own optimizer and LR
+  schedule (``critic_config``), saved in ``iter_XXXXXXX/critic/`` of the policy's checkpoints.
 * **The rollout**: the native engine needs the whole model in one process, so the first rank of
   each data-parallel replica (TP rank 0, PP rank 0: the replica's *leader*) holds a Hugging Face
   copy of the actor for sampling. After every update all ranks gather the trained shards into
@@ -37,16 +40,17 @@ def _is_megatron_dir(path: str) -> bool:
     return is_mcore_checkpoint(path)
 
 
-def build_chunk(source: str, options: dict, *, for_training: bool):
+def build_chunk(source: str, options: dict, *, for_training: bool, value_head: bool = False):
     """This rank's chunk and its Megatron args: from a Megatron checkpoint of this layout, or an HF
-    directory (a posttrain HF checkpoint's ``iter_*`` included)."""
+    directory (a posttrain HF checkpoint's ``iter_*`` included); ``value_head``: the critic's."""
     from posttrain.checkpoint import resolve_checkpoint
     from posttrain.train.megatron.model import hf_to_megatron, mcore_to_megatron
 
     if _is_megatron_dir(source):
-        [chunk], args = mcore_to_megatron(source, for_training=for_training, **options)
+        [chunk], args = mcore_to_megatron(source, for_training=for_training, value_head=value_head, **options)
     else:
-        [chunk], args = hf_to_megatron(resolve_checkpoint(source)[0], for_training=for_training, **options)
+        [chunk], args = hf_to_megatron(resolve_checkpoint(source)[0], for_training=for_training,
+                                       value_head=value_head, **options)
     return chunk, args
 
 
@@ -95,18 +99,19 @@ class MegatronPolicy:
         resuming = _is_megatron_dir(source) and not a.finetune and _has_iteration(source)
         self.chunk, self.args = build_chunk(source, self.options, for_training=True)
         self.chunk.to(device)
-        self.model, self.optimizer, self.scheduler = self._trainable(a, plan)
+        self.model, self.optimizer, self.scheduler = self._trainable(a, plan, self.chunk)
         self.engine = self._engine(self.model, self.optimizer, self.scheduler, plan.stage.metric_prefix
-                                   if not plan.stage.on_policy else "actor")
+                                   if not plan.stage.on_policy else "actor", a)
         self.state = {"iteration": 0, "consumed_samples": 0, "sampler_state": None, "initial_model": str(source)}
         if resuming:
             self.state = self._resume(source, a)
+        self.critic = self._critic(cfg, plan, source if resuming else None) if plan.uses_critic else None
         self.reference = None
         if plan.uses_reference:
             ref_source = reference_source(cfg, self.state) or str(source)
             ref_chunk, _ = build_chunk(ref_source, self.options, for_training=False)
             ref_chunk.to(device).eval().requires_grad_(False)
-            self.reference = self._engine(ref_chunk, None, None, "ref")
+            self.reference = self._engine(ref_chunk, None, None, "ref", a)
         self.rollout = None
         if self.leader and plan.stage.on_policy:
             from posttrain.roles.policy import build_rollout
@@ -117,29 +122,52 @@ class MegatronPolicy:
             self.sync_rollout()
 
     # ---- set-up ---------------------------------------------------------------------------------
-    def _trainable(self, a, plan):
+    def _trainable(self, role, plan, chunk):
+        """Megatron's DDP over ``chunk``, its optimizer and posttrain's LR schedule, from ``role``'s keys."""
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
         from posttrain.train.optim import build_lr_scheduler
 
         par = plan.parallel
-        model = DistributedDataParallel(self.chunk.config, DistributedDataParallelConfig(
+        model = DistributedDataParallel(chunk.config, DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=par.use_distributed_optimizer),
-            self.chunk)
+            chunk)
         optimizer = get_megatron_optimizer(OptimizerConfig(
-            optimizer="adam", lr=a.lr, min_lr=a.min_lr, weight_decay=a.weight_decay, adam_beta1=a.adam_beta1,
-            adam_beta2=a.adam_beta2, clip_grad=a.clip_grad, bf16=False,
+            optimizer="adam", lr=role.lr, min_lr=role.min_lr, weight_decay=role.weight_decay,
+            adam_beta1=role.adam_beta1, adam_beta2=role.adam_beta2, clip_grad=role.clip_grad, bf16=False,
             use_distributed_optimizer=par.use_distributed_optimizer), [model])
-        scheduler = build_lr_scheduler(optimizer, lr=a.lr, min_lr=a.min_lr, lr_decay_style=a.lr_decay_style,
-                                       lr_warmup_fraction=a.lr_warmup_fraction, total_steps=plan.total_optimizer_steps)
+        scheduler = build_lr_scheduler(optimizer, lr=role.lr, min_lr=role.min_lr, lr_decay_style=role.lr_decay_style,
+                                       lr_warmup_fraction=role.lr_warmup_fraction, total_steps=plan.total_optimizer_steps)
         return model, optimizer, scheduler
 
-    def _engine(self, model, optimizer, scheduler, prefix: str):
+    def _engine(self, model, optimizer, scheduler, prefix: str, role, value_head: bool = False):
         from posttrain.train.megatron.engine import MegatronEngine
 
         return MegatronEngine(model, optimizer, scheduler, vocab_size=int(self.args.vocab_size),
-                              micro_batch_size=self.cfg.actor.micro_batch_size or 1, metric_prefix=prefix)
+                              micro_batch_size=role.micro_batch_size or 1, metric_prefix=prefix, value_head=value_head)
+
+    def _critic(self, cfg, plan, resume_dir: str | None):
+        """PPO's critic (a value head on the backbone), colocated with the same layout: from
+        ``critic_config.load`` (a reward model, HF or ``--orm`` Megatron) or the actor's initial
+        weights with a zero head; resumed from ``critic/`` of the actor's checkpoint."""
+        from posttrain.roles.critic import critic_source
+        from posttrain.train.megatron.checkpoint import load_megatron_checkpoint
+
+        role = cfg.critic or cfg.actor
+        path, from_actor = critic_source(cfg)
+        self.critic_chunk, _ = build_chunk(str(self.state["initial_model"]) if from_actor else path, self.options,
+                                           for_training=True, value_head=True)
+        self.critic_chunk.to(self.device)
+        model, optimizer, scheduler = self._trainable(role, plan, self.critic_chunk)
+        critic = self._engine(model, optimizer, scheduler, "critic", role, value_head=True)
+        if resume_dir is not None:  # finetune / no_load_optim keep the critic's weights only
+            keep_optim = not (role.finetune or role.no_load_optim)
+            saved = load_megatron_checkpoint(resume_dir, self.critic_chunk, optimizer, load_optim=keep_optim,
+                                             load_rng=False, subdir="critic")
+            if keep_optim and "scheduler" in saved:
+                scheduler.load_state_dict(saved["scheduler"])
+        return critic
 
     def _resume(self, source: str, a) -> dict:
         from posttrain.train.megatron.checkpoint import load_megatron_checkpoint
@@ -173,6 +201,10 @@ class MegatronPolicy:
              save_rng: bool) -> Path:
         from posttrain.train.megatron.checkpoint import save_megatron_checkpoint
 
+        if self.critic is not None:  # first: the policy's save publishes the iteration
+            save_megatron_checkpoint(save_dir, iteration, self.critic_chunk, self.critic.optimizer, self.args,
+                                     extra={"scheduler": self.critic.scheduler.state_dict()},
+                                     save_optim=save_optim, save_rng=False, subdir="critic")
         extra = {"scheduler": self.scheduler.state_dict(), "trainer_state": dict(trainer_state),
                  "sampler_state": sampler_state}
         return save_megatron_checkpoint(save_dir, iteration, self.chunk, self.optimizer, self.args, extra=extra,

@@ -86,8 +86,9 @@ def make_actor_loss_fn(
 def make_critic_loss_fn(*, cliprange_value: float = 0.5, loss_agg_mode: str = "token-mean"):
     """PPO clipped value loss (:func:`posttrain.algo.value_loss.value_loss`)."""
 
-    def loss_fn(model, micro_batch, *, num_tokens=None, num_seqs=None, packing: Packing | None = None):
-        values = response_values(model, micro_batch)  # the value head runs padded
+    def on_values(values, micro_batch, *, num_tokens=None, num_seqs=None):
+        """The loss from the response positions' values (the part after the forward, which the
+        Megatron engine runs on its own value head)."""
         return value_loss(
             values,
             micro_batch["values"],
@@ -99,6 +100,11 @@ def make_critic_loss_fn(*, cliprange_value: float = 0.5, loss_agg_mode: str = "t
             num_seqs=num_seqs,
         )
 
+    def loss_fn(model, micro_batch, *, num_tokens=None, num_seqs=None, packing: Packing | None = None):
+        values = response_values(model, micro_batch)  # the value head runs padded
+        return on_values(values, micro_batch, num_tokens=num_tokens, num_seqs=num_seqs)
+
+    loss_fn.on_values = on_values
     return loss_fn
 
 

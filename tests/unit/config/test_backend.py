@@ -172,7 +172,8 @@ NOT_YET = [
     (["rl_config.use_remove_padding=true", "actor_config.reset_attention_mask=true"], "rl_config.use_remove_padding"),
     (["rl_config.use_dynamic_bsz=true"], "rl_config.use_dynamic_bsz"),
     (["rl_config.offload_reference=true"], "rl_config.offload_reference"),
-    ([*PPO, "critic_config.tensor_model_parallel_size=2"], "megatron_training.stage=ray_ppo: the critic"),
+    ([*PPO, "critic_config.tensor_model_parallel_size=2", "critic_config.save=/tmp/critic_only"], "critic_config.save=/tmp/critic_only: a critic saved in a "
+                                                     "directory of its own"),
     (["reward_config.micro_batch_size=2"], "reward_config: a reward model"),
     (["actor_config.lora_target_modules=[linear_qkv]"], "actor_config.lora_target_modules"),
     (["rl_config.ray_sharding=fsdp2"], "rl_config.ray_sharding=fsdp2"),

@@ -55,16 +55,19 @@ def _set_rng_state(state: dict) -> None:
 
 def save_megatron_checkpoint(save_dir: str | Path, iteration: int, chunk, optimizer,
                              args: argparse.Namespace, *, extra: dict | None = None, save_optim: bool = True,
-                             save_rng: bool = True) -> Path:
+                             save_rng: bool = True, subdir: str | None = None) -> Path:
     """Write this rank's part of iteration ``iteration``; returns the iteration directory. Every
-    rank calls it (a barrier inside). ``save_optim`` / ``save_rng``: the seed's ``no_save_*`` negated."""
+    rank calls it (a barrier inside). ``save_optim`` / ``save_rng``: the seed's ``no_save_*``
+    negated. ``subdir``: another model of the same iteration (PPO's ``critic``), written into
+    ``iter_XXXXXXX/<subdir>/`` before the policy, without the tracker (the policy's save writes it)."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
     from posttrain.models.mcore import layout
 
     save_dir = Path(save_dir)
-    path = _rank_file(save_dir / f"iter_{iteration:07d}")
+    it_dir = save_dir / f"iter_{iteration:07d}"
+    path = _rank_file(it_dir / subdir if subdir else it_dir)
     if ps.get_data_parallel_rank() == 0:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + ".tmp")
@@ -77,21 +80,23 @@ def save_megatron_checkpoint(save_dir: str | Path, iteration: int, chunk, optimi
         torch.save(state, tmp)
         os.replace(tmp, path)
     dist.barrier()
+    if subdir:
+        return it_dir
     if dist.get_rank() == 0:
         tracker = save_dir / layout.TRACKER
         tmp = tracker.with_name(tracker.name + ".tmp")
         tmp.write_text(f"{iteration}\n", encoding="utf-8")
         os.replace(tmp, tracker)
     dist.barrier()
-    return path.parent.parent
+    return it_dir
 
 
 def load_megatron_checkpoint(load_dir: str | Path, chunk, optimizer, *, load_optim: bool = True,
-                             load_rng: bool = True) -> dict:
+                             load_rng: bool = True, subdir: str | None = None) -> dict:
     """Load this rank's part of the checkpoint ``load_dir`` names (a save directory's latest, or an
     ``iter_*`` directory) into ``chunk`` and
     (unless told not to) ``optimizer`` and the RNG states; returns the rank file's other entries
-    (``iteration`` and the saver's ``extra``)."""
+    (``iteration`` and the saver's ``extra``). ``subdir``: the model saved there (``critic``)."""
     from posttrain.models.mcore import layout
 
     load_dir = Path(load_dir)
@@ -99,7 +104,7 @@ def load_megatron_checkpoint(load_dir: str | Path, chunk, optimizer, *, load_opt
     if not it_dir.name.startswith("iter_"):
         raise CheckpointError(f"{it_dir}: a converted (release) checkpoint holds no optimizer state; load it as "
                               f"the initial model instead of resuming from it")
-    path = _rank_file(it_dir)
+    path = _rank_file(it_dir / subdir if subdir else it_dir)
     if not path.is_file():
         raise CheckpointError(f"{path} is missing: this rank's shard of {it_dir} (the checkpoint was saved with "
                               f"another tensor/pipeline layout; convert it to HF and start from that)")

@@ -9,7 +9,8 @@ Megatron-Core model, through Megatron's pipeline schedule and optimizer.
 * Log-probs and entropy come from the vocab-parallel logits (:mod:`.vocab_parallel`), never the
   gathered vocabulary.
 * The loss is the algorithm's own: a loss function of :mod:`posttrain.train.loss_fns` exposes
-  ``on_logprobs(logprobs, entropy, micro_batch, num_tokens=, num_seqs=)``, the part after the
+  ``on_logprobs(logprobs, entropy, micro_batch, num_tokens=, num_seqs=)`` (the critic's:
+  ``on_values(values, micro_batch, ...)``, on a model with a value head), the part after the
   forward, with the token and row counts of the whole mini-batch (a token-mean is over the
   mini-batch, as in the HF engine).
 * Data parallel replicas (Megatron's ``DistributedDataParallel`` averages gradients over them):
@@ -62,9 +63,10 @@ class MegatronEngine:
     ``DistributedDataParallel``) with Megatron's ``optimizer``."""
 
     def __init__(self, model, optimizer=None, scheduler=None, *, vocab_size: int, micro_batch_size: int = 1,
-                 metric_prefix: str = "actor"):
+                 metric_prefix: str = "actor", value_head: bool = False):
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.vocab_size, self.micro_batch_size, self.metric_prefix = vocab_size, micro_batch_size, metric_prefix
+        self.value_head = value_head  # the critic: the model returns values, the loss takes them (on_values)
 
     def _micro_batches(self, rows: int, micro_batch_size: int | None) -> list[slice]:
         """Equal micro-batches (the pipeline's p2p buffers have one shape): ``micro_batch_size`` rows,
@@ -121,6 +123,19 @@ class MegatronEngine:
             result = (logprobs, torch.cat([e for _, e in out]) * mask) if with_entropy else logprobs
         return _from_last_stage(result)
 
+    def compute_values(self, batch: dict[str, torch.Tensor], *, micro_batch_size: int | None = None):
+        """The critic's values ``[B, R]`` at the positions of the log-probs (0 on padding)."""
+        mask = batch["response_mask"].float()
+        out: list[torch.Tensor] = []
+
+        def on_values(rows, values):
+            out.append(values[..., 0].float())
+            return values.new_zeros(())
+
+        with torch.no_grad():
+            self._run(batch, self._micro_batches(mask.shape[0], micro_batch_size), on_values, forward_only=True)
+        return _from_last_stage(torch.cat(out) * mask if out else None)
+
     def update(self, batch: dict[str, torch.Tensor], loss_fn, *, mini_batch_size: int, epochs: int = 1,
                shuffle: bool = False, seed: int = 0, micro_batch_size: int | None = None) -> list[dict[str, float]]:
         """``epochs`` passes over ``batch`` in mini-batches (the HF engine's order and shuffle), one
@@ -144,11 +159,15 @@ class MegatronEngine:
         temperature = getattr(loss_fn, "temperature", 1.0)
 
         def on_logits(rows, logits):
-            logprobs, entropy = self._response_logprobs(mini_batch, rows, logits, temperature, True,
-                                                        entropy_grad=getattr(loss_fn, "entropy_grad", False))
             micro_batch = {k: v[rows] for k, v in mini_batch.items()}
-            loss, metrics = loss_fn.on_logprobs(logprobs, entropy, micro_batch, num_tokens=num_tokens,
-                                                num_seqs=num_seqs)
+            if self.value_head:  # the critic's values, not logits
+                values = logits[..., 0].float() * micro_batch["response_mask"].float()
+                loss, metrics = loss_fn.on_values(values, micro_batch, num_tokens=num_tokens, num_seqs=num_seqs)
+            else:
+                logprobs, entropy = self._response_logprobs(mini_batch, rows, logits, temperature, True,
+                                                            entropy_grad=getattr(loss_fn, "entropy_grad", False))
+                loss, metrics = loss_fn.on_logprobs(logprobs, entropy, micro_batch, num_tokens=num_tokens,
+                                                    num_seqs=num_seqs)
             for key, value in metrics.items():
                 totals[key] = totals.get(key, 0.0) + value.detach().float()
             return loss * loss_scale

@@ -78,13 +78,33 @@ def transformer_config(args: argparse.Namespace, tp: int, pp: int, vpp, layers, 
     )
 
 
-def build_chunks(args: argparse.Namespace, config, vpp) -> list:
+def attach_value_head(chunk) -> None:
+    """On the last stage, replace ``chunk``'s output layer by a scalar value head ``rm_head``
+    (zeros): Megatron's row-parallel linear hidden -> 1, the layout ``posttrain convert --orm``
+    reads and writes, called as ``GPTModel`` calls its output layer, so the model returns
+    ``[B, T, 1]`` values instead of logits (the PPO critic, as the seed's reward-model head)."""
+    from megatron.core.tensor_parallel import RowParallelLinear
+
+    if not chunk.post_process:
+        return
+    del chunk.output_layer
+    chunk.rm_head = head = RowParallelLinear(chunk.config.hidden_size, 1, config=chunk.config,
+                                             init_method=torch.nn.init.zeros_, bias=False, input_is_parallel=False,
+                                             skip_bias_add=False)
+    with torch.no_grad():
+        head.weight.zero_()
+    chunk.output_layer = lambda hidden, weight=None, runtime_gather_output=None: head(hidden)
+
+
+def build_chunks(args: argparse.Namespace, config, vpp, *, value_head: bool = False) -> list:
+    """This rank's ``GPTModel`` chunks (one per virtual stage); ``value_head``: with the critic's
+    scalar head (:func:`attach_value_head`) and no output layer."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     spec = get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization=config.normalization)
-    tied = not bool(arg(args, "untie_embeddings_and_output_weights", False))
+    tied = not bool(arg(args, "untie_embeddings_and_output_weights", False)) and not value_head
     rope_kwargs = {}
     if getattr(args, "use_rope_scaling", False):
         rope_kwargs = dict(rope_scaling=True, rope_scaling_factor=float(arg(args, "rope_scaling_factor", 8.0)))
@@ -108,16 +128,38 @@ def build_chunks(args: argparse.Namespace, config, vpp) -> list:
                 **rope_kwargs,
             )
         )
+        if value_head:
+            attach_value_head(chunks[-1])
     return chunks
 
 
-def hf_to_megatron(hf_dir: str | Path, *, divisor: int = 128, for_training: bool = False, **options: Any
-                   ) -> tuple[list, argparse.Namespace]:
+def _value_head_state(state: dict, chunk) -> dict:
+    """``state`` for a value-head chunk: no output layer; the checkpoint's ``rm_head`` (a reward
+    model's), else the zeros the new head starts with."""
+    from posttrain.models.mcore import mapping
+
+    state = {k: v for k, v in state.items() if not k.startswith(mapping.OUTPUT_LAYER.split(".")[0] + ".")}
+    if chunk.post_process and mapping.RM_HEAD not in state:
+        state[mapping.RM_HEAD] = torch.zeros_like(chunk.rm_head.weight)
+    return state
+
+
+def is_reward_model_dir(hf_dir: Path) -> bool:
+    """An HF sequence-classification (reward model) directory."""
+    import json
+
+    config = json.loads((Path(hf_dir) / "config.json").read_text(encoding="utf-8"))
+    return any(a.endswith("ForSequenceClassification") for a in config.get("architectures") or [])
+
+
+def hf_to_megatron(hf_dir: str | Path, *, divisor: int = 128, for_training: bool = False, value_head: bool = False,
+                   **options: Any) -> tuple[list, argparse.Namespace]:
     """This rank's ``GPTModel`` (one chunk; no virtual stages) holding its share of the HF model in
     ``hf_dir``, in fp32, for the TP and PP sizes ``parallel_state`` was initialised with; and the
     Megatron arguments that describe it. ``for_training``: built so that Megatron's optimizer can
     tell the tensor-parallel parameters from the replicated ones (see :func:`transformer_config`);
-    ``options``: more ``TransformerConfig`` fields."""
+    ``value_head``: the critic (:func:`attach_value_head`; a reward model's ``score`` head is
+    loaded into it); ``options``: more ``TransformerConfig`` fields."""
     from megatron.core import parallel_state as ps
 
     from posttrain.models.mcore import layout, mapping, splits
@@ -126,7 +168,8 @@ def hf_to_megatron(hf_dir: str | Path, *, divisor: int = 128, for_training: bool
 
     tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
     weights = HFWeights(Path(hf_dir))
-    arch = hf_arch(Path(hf_dir), weights, orm=False)
+    orm = value_head and is_reward_model_dir(Path(hf_dir))
+    arch = hf_arch(Path(hf_dir), weights, orm=orm)
     padded = splits.padded_vocab_size(arch.vocab_size, divisor, tp)
     splits.check_tp(tp, heads=arch.num_attention_heads, groups=arch.num_kv_heads, ffn=arch.ffn_hidden_size,
                     padded_vocab=padded)
@@ -134,20 +177,22 @@ def hf_to_megatron(hf_dir: str | Path, *, divisor: int = 128, for_training: bool
     args = layout.make_args(arch, par, padded_vocab=padded, divisor=divisor, params_dtype=torch.float32,
                             num_layer_list=None, layers_per_virtual_stage=None, orm=False)
     [chunk] = build_chunks(args, transformer_config(args, tp, pp, None, None, initialize=for_training, **options),
-                           None)
+                           None, value_head=value_head)
     state = _stage_state(weights, arch, par, mapping.layer_params(arch), ps.get_pipeline_model_parallel_rank(), 0,
-                         ps.get_tensor_model_parallel_rank(), padded, False)
+                         ps.get_tensor_model_parallel_rank(), padded, orm)
+    if value_head:
+        state = _value_head_state(state, chunk)
     chunk.load_state_dict({k: v.float() for k, v in state.items()}, strict=True)
     return [chunk], args
 
 
-def mcore_to_megatron(load_dir: str | Path, *, for_training: bool = False, **options: Any
-                      ) -> tuple[list, argparse.Namespace]:
+def mcore_to_megatron(load_dir: str | Path, *, for_training: bool = False, value_head: bool = False,
+                      **options: Any) -> tuple[list, argparse.Namespace]:
     """This rank's ``GPTModel`` holding its shard of the Megatron checkpoint ``load_dir`` (a
     ``posttrain convert`` output or a Megatron-backend save), which must have been saved with the
     TP and PP sizes ``parallel_state`` was initialised with (evenly split stages, no virtual ones):
     a checkpoint of another layout is converted to HF first (``posttrain convert``), never
-    resharded here."""
+    resharded here. ``value_head``: as in :func:`hf_to_megatron` (an ``--orm`` checkpoint's head is loaded)."""
     from megatron.core import parallel_state as ps
 
     from posttrain.errors import CheckpointError
@@ -165,8 +210,10 @@ def mcore_to_megatron(load_dir: str | Path, *, for_training: bool = False, **opt
     path = it_dir / layout.rank_dir_name(ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
                                          pp) / layout.RANK_FILE
     [chunk] = build_chunks(args, transformer_config(args, tp, pp, None, None, initialize=for_training, **options),
-                           None)
+                           None, value_head=value_head)
     state = layout.load_rank_file(path, mmap=False)["model"]  # with None ``_extra_state`` entries
+    if value_head:
+        state = _value_head_state(state, chunk)
     chunk.load_state_dict({k: v.float() if torch.is_tensor(v) and v.is_floating_point() else v
                            for k, v in state.items()}, strict=True)
     return [chunk], args
