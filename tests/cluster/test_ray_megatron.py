@@ -11,8 +11,9 @@ the HF engine.
 from __future__ import annotations
 
 import pytest
-from cluster_helpers import grpo_config, record_run
+from cluster_helpers import grpo_config, read_metrics, record_run
 from test_ray_grpo import PPO, is_wall_clock
+from test_ray_offline import assert_same_rows, offline_config, offline_data  # noqa: F401 (a fixture)
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 RAY_CPUS = 4  # TP 2 x PP 2: 4 workers (logical CPUs; one torch thread each)
@@ -112,6 +113,27 @@ def test_ppo_on_the_megatron_backend_equals_the_hf_backend(ray_cluster, work, mo
     assert [r["iteration"] for r in resumed] == [3] and resumed[0]["critic/values/min"] > 0
     assert resumed[0]["critic/lr"] == resumed[0]["actor/lr"] < got_rows[-1]["actor/lr"]
     assert not torch.equal(head, torch.zeros_like(head))
+
+
+@pytest.mark.parametrize("stage,tp,pp", [("sft", 2, 1), ("dpo", 2, 1), ("dpo", 1, 2)])
+def test_offline_stages_on_the_megatron_backend_equal_the_hf_backend(ray_cluster, work, offline_data, stage, tp, pp):
+    """SFT's cross-entropy and DPO's pair loss (the reference's pair log-probs, both sides of a pair
+    in one micro-batch) through the Megatron engine: 2 iterations log what one HF process logs."""
+    from posttrain.trainers.stages import train
+
+    hf = work / f"run_mg_{stage}_hf"
+    if not hf.exists():
+        train(offline_config(work, offline_data, stage, f"mg_{stage}_hf", workers=1, iters=2))
+    train(offline_config(work, offline_data, stage, f"mg_{stage}_tp{tp}_pp{pp}", workers=tp * pp, iters=2,
+                         train_extra={"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp}))
+    want, got = read_metrics(hf), read_metrics(work / f"run_mg_{stage}_tp{tp}_pp{pp}")
+    if stage == "dpo":  # the first step's policy is the reference: its rewards are 0 up to rounding, and
+        # the share of pairs whose rounding favours the chosen side is noise (HF's forwards differ from
+        # its reference's by ~1e-7, Megatron's are bitwise the same)
+        assert abs(want[0]["rewards/chosen"]) < 1e-5 and got[0]["rewards/chosen"] == pytest.approx(0, abs=1e-5)
+        want[0]["rewards/accuracies"] = got[0]["rewards/accuracies"]
+    assert_same_rows(got, want)
+    assert all(r[f"{stage}/grad_norm"] > 0 for r in want)
 
 
 # ---- the seed's r1_zero_qwen25_7b, shrunk ----------------------------------------------------------

@@ -44,12 +44,12 @@ def offline_data(work):
 
 
 def offline_config(work: Path, data: Path, stage: str, name: str, *, workers: int, iters: int, sharding: str = "ddp",
-                   save: Path | None = None, load: Path | None = None):
+                   save: Path | None = None, load: Path | None = None, train_extra: dict | None = None):
     from posttrain.config.run import run_config_from_dict
 
     train = {"stage": stage, "global_batch_size": 8, "micro_batch_size": 2, "seq_length": 64, "train_iters": iters,
              "lr": 1e-2, "lr_decay_style": "constant", "weight_decay": 0.0, "seed": 1, "bf16": False,
-             "tokenizer_name_or_path": str(work / "model"), "prompt_type": "trl"}
+             "tokenizer_name_or_path": str(work / "model"), "prompt_type": "trl", **(train_extra or {})}
     if stage == "dpo":
         train.update(data_path=str(data / "pairs/data"), is_pairwise_dataset=True, dpo_beta=0.5)
     else:

@@ -61,6 +61,18 @@ class MegatronWorker(ActorWorker):
         with self.megatron():
             return engine.compute_logprobs(batch, temperature=temperature, micro_batch_size=micro_batch_size).cpu()
 
+    def compute_pair_logps(self, batch: dict, average: bool, micro_batch_size):
+        """DPO: the reference's sequence log-probs of this replica's pairs (rows two per pair)."""
+        from posttrain.train.loss_fns import interleave_pairs, row_sequence_logps
+
+        if next(iter(batch.values())).shape[0] == 0:
+            return torch.zeros(0), torch.zeros(0)
+        rows = {k: v.to(self.device) for k, v in interleave_pairs(batch).items()}
+        with self.megatron():
+            logprobs = self.shard.reference.compute_logprobs(rows, micro_batch_size=2 * (micro_batch_size or 1))
+        logps, _ = row_sequence_logps(logprobs.cpu(), rows["response_mask"].cpu(), average)
+        return logps[0::2].float(), logps[1::2].float()
+
     def update(self, batch: dict, loss_fn, mini_batch_size: int) -> list[dict[str, float]]:
         """The replica's slices of the global mini-batches, one optimizer step each; then the
         weights to the leader's rollout copy (``timing/resharding_to_infer`` on the last step)."""

@@ -131,9 +131,6 @@ MEGATRON_NOT_YET: tuple[NotYet, ...] = (
            "offloading the reference is not built on the megatron backend yet; set it to false"),
     *(NotYet(role, key, _differs(role, key), _OTHER_LAYOUT) for role in ("ref_config", "critic_config")
       for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", VPP_KEY)),
-    NotYet("actor_config", "stage", lambda c: c.stage in ("dpo", "sft"),
-           "the offline stages (dpo, sft) are not built on the megatron backend yet; use backend hf with "
-           "tensor/pipeline parallel sizes 1"),
     NotYet("critic_config", "save", _own_critic_save,
            "a critic saved in a directory of its own is not built on the megatron backend yet (the critic is saved "
            "in critic/ of the actor's checkpoints); remove the key or give it the actor's save directory"),

@@ -165,6 +165,29 @@ def sequence_logps(model, batch, *, average: bool = False,
     return (total / count if average else total), -total / count
 
 
+def interleave_pairs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A DPO batch as rows for an engine that takes rows (the Megatron backend): each pair's chosen
+    row then its rejected row (responses right-padded to the wider side), with each row's
+    reference sequence log-prob ``ref_logps`` when the batch has the reference's."""
+    joint = _joint_sides(batch)  # every chosen row, then every rejected row
+    if joint is None:
+        raise ValueError("the chosen and rejected sides of a DPO batch must share their prompt columns")
+    pairs = batch["chosen_input_ids"].shape[0]
+    order = torch.arange(2 * pairs).view(2, pairs).t().reshape(-1)
+    rows = {key: value[order] for key, value in joint.items()}
+    if "ref_chosen_logps" in batch:
+        rows["ref_logps"] = torch.stack([batch["ref_chosen_logps"], batch["ref_rejected_logps"]], 1).reshape(-1)
+    return rows
+
+
+def row_sequence_logps(logprobs: torch.Tensor, response_mask: torch.Tensor, average: bool):
+    """Per-row sum (``average``: mean) of the response log-probs, and the per-row mean NLL, from
+    token log-probs that are 0 on padding (as :func:`sequence_logps` computes them after a forward)."""
+    count = response_mask.sum(-1).clamp(min=1).to(logprobs.dtype)
+    total = logprobs.sum(-1)
+    return (total / count if average else total), -total / count
+
+
 def make_dpo_loss_fn(
     *,
     beta: float = 0.1,
@@ -178,19 +201,24 @@ def make_dpo_loss_fn(
     """
     average = loss_type == "ipo"
 
+    def pair_loss(chosen, rejected, ref_chosen, ref_rejected, chosen_nll, num_pairs):
+        return dpo_loss(chosen, rejected, ref_chosen, ref_rejected, beta=beta, loss_type=loss_type,
+                        label_smoothing=label_smoothing, pref_ftx=pref_ftx, chosen_nll=chosen_nll,
+                        num_pairs=num_pairs)
+
     def loss_fn(model, micro_batch, *, num_tokens=None, num_seqs=None, packing: Packing | None = None):
         chosen, rejected, chosen_nll = pair_logps(model, micro_batch, average, packing)
-        return dpo_loss(
-            chosen,
-            rejected,
-            micro_batch["ref_chosen_logps"],
-            micro_batch["ref_rejected_logps"],
-            beta=beta,
-            loss_type=loss_type,
-            label_smoothing=label_smoothing,
-            pref_ftx=pref_ftx,
-            chosen_nll=chosen_nll,
-            num_pairs=num_seqs,
-        )
+        return pair_loss(chosen, rejected, micro_batch["ref_chosen_logps"], micro_batch["ref_rejected_logps"],
+                         chosen_nll, num_seqs)
 
+    def on_logprobs(logprobs, entropy, micro_batch, *, num_tokens=None, num_seqs=None):
+        """The loss from the token log-probs of :func:`interleave_pairs` rows (``num_seqs``: rows,
+        two per pair)."""
+        logps, nll = row_sequence_logps(logprobs, micro_batch["response_mask"], average)
+        ref = micro_batch["ref_logps"]
+        return pair_loss(logps[0::2], logps[1::2], ref[0::2], ref[1::2], nll[0::2],
+                         None if num_seqs is None else num_seqs / 2)
+
+    loss_fn.on_logprobs = on_logprobs
+    loss_fn.rows = interleave_pairs  # the batch as rows for on_logprobs, two per pair
     return loss_fn

@@ -45,12 +45,18 @@ def pair_batch(items: list[dict], pad_token_id: int) -> dict[str, torch.Tensor]:
 
 
 def with_loss_metric(loss_fn):
-    """Report the loss itself as ``dpo/loss`` (each micro-batch's share of the batch mean)."""
+    """Report the loss itself as ``dpo/loss`` (each micro-batch's share of the batch mean), from the
+    whole loss and from its row form (``on_logprobs`` over ``rows``, the Megatron backend's)."""
 
     def wrapped(model, micro_batch, *, num_tokens=None, num_seqs=None, packing=None):
         loss, metrics = loss_fn(model, micro_batch, num_tokens=num_tokens, num_seqs=num_seqs, packing=packing)
         return loss, {"dpo/loss": loss.detach(), **metrics}
 
+    def on_logprobs(logprobs, entropy, micro_batch, *, num_tokens=None, num_seqs=None):
+        loss, metrics = loss_fn.on_logprobs(logprobs, entropy, micro_batch, num_tokens=num_tokens, num_seqs=num_seqs)
+        return loss, {"dpo/loss": loss.detach(), **metrics}
+
+    wrapped.on_logprobs, wrapped.rows = on_logprobs, loss_fn.rows
     return wrapped
 
 

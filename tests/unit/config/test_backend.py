@@ -188,10 +188,13 @@ def test_features_not_built_on_megatron_are_refused_by_key(overrides, start):
     assert message.startswith(start) and message.endswith(MEGATRON)
 
 
-def test_offline_stages_are_refused():
-    cfg = run_config_from_dict(copy.deepcopy(BASE), overrides=[*TP2, "megatron_training.stage=sft"])
-    with pytest.raises(ConfigError, match=r"^megatron_training.stage=sft: the offline stages"):
-        check_run_config(cfg, device_type="cpu", arch=ARCH)
+@pytest.mark.parametrize("stage", ["sft", "dpo"])
+def test_offline_stages_plan_on_megatron(stage):
+    pairs = ["megatron_training.is_pairwise_dataset=true"] if stage == "dpo" else []
+    cfg = run_config_from_dict(copy.deepcopy(BASE), overrides=[*TP2, f"megatron_training.stage={stage}", *pairs])
+    layout, _ = check_run_config(cfg, device_type="cpu", arch=ARCH)
+    par = build_plan(cfg, layout, ARCH, device="cpu").parallel
+    assert (par.backend, par.tp, par.dp) == ("megatron", 2, 2)
 
 
 def test_not_yet_lists_every_entry_by_key():

@@ -139,18 +139,25 @@ class MegatronEngine:
     def update(self, batch: dict[str, torch.Tensor], loss_fn, *, mini_batch_size: int, epochs: int = 1,
                shuffle: bool = False, seed: int = 0, micro_batch_size: int | None = None) -> list[dict[str, float]]:
         """``epochs`` passes over ``batch`` in mini-batches (the HF engine's order and shuffle), one
-        optimizer step each; one metrics dict per step, the same on every rank."""
+        optimizer step each; one metrics dict per step, the same on every rank. A loss over pairs
+        (DPO) gives its batch as rows (``loss_fn.rows``: two per pair, next to each other); sizes
+        then count pairs, as in the HF engine."""
         steps = minibatch_order(next(iter(batch.values())).shape[0], mini_batch_size, epochs=epochs,
                                 shuffle=shuffle, seed=seed)
+        rows_of = getattr(loss_fn, "rows", None)
         self.model.train()
-        return [self._step({k: v[rows] for k, v in batch.items()}, loss_fn) for rows in steps]
+        out = []
+        for chosen in steps:
+            mini_batch = {k: v[chosen] for k, v in batch.items()}
+            out.append(self._step(rows_of(mini_batch), loss_fn, 2) if rows_of else self._step(mini_batch, loss_fn))
+        return out
 
-    def _step(self, mini_batch: dict[str, torch.Tensor], loss_fn) -> dict[str, float]:
+    def _step(self, mini_batch: dict[str, torch.Tensor], loss_fn, rows_per_item: int = 1) -> dict[str, float]:
         from megatron.core import parallel_state as ps
         from megatron.core.distributed import finalize_model_grads
 
         rows = mini_batch["input_ids"].shape[0]
-        micro_batches = self._micro_batches(rows, None)
+        micro_batches = self._micro_batches(rows, self.micro_batch_size * rows_per_item)
         dp_group = ps.get_data_parallel_group()
         num_tokens, num_seqs = global_counts(mini_batch["response_mask"].sum().float(), rows, "cpu", dp_group)
         # the schedule averages the micro-batches' losses, Megatron's DDP the ranks' gradients
