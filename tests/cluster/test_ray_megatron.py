@@ -46,11 +46,18 @@ def hf_run(ray_cluster, work, model):
                                   train={**TRAIN, "tokenizer_name_or_path": str(model)}))
 
 
-@pytest.mark.parametrize("tp,pp,extra", [(2, 1, {}), (1, 2, {}), (2, 2, {}),
-                                         (2, 1, {"recompute_granularity": "full"})],
-                         ids=["tp2", "pp2", "tp2xpp2", "tp2-recompute"])
-def test_grpo_on_the_megatron_backend_equals_the_hf_backend(hf_run, work, model, tp, pp, extra):
-    cfg = grpo_config(work, f"mg_tp{tp}_pp{pp}_{len(extra)}", workers=tp * pp, iters=2, rl=RL,
+PACKED = {"use_remove_padding": True, "use_dynamic_bsz": True, "max_packing_token_size": 64,
+          "update_max_packing_token_size": 48}
+
+
+@pytest.mark.parametrize("tp,pp,extra,rl", [(2, 1, {}, {}), (1, 2, {}, {}), (2, 2, {}, {}),
+                                            (2, 1, {"recompute_granularity": "full"}, {}),
+                                            (2, 2, {"no_pad_to_seq_lengths": True, "reset_attention_mask": True}, PACKED)],
+                         ids=["tp2", "pp2", "tp2xpp2", "tp2-recompute", "tp2xpp2-packed-token-budgets"])
+def test_grpo_on_the_megatron_backend_equals_the_hf_backend(hf_run, work, model, tp, pp, extra, rl):
+    """``rl``: packed micro-batches under token budgets on the Megatron backend (block-diagonal
+    masks, several rows per packed sequence), against the HF backend's padded run."""
+    cfg = grpo_config(work, f"mg_tp{tp}_pp{pp}_{len(extra)}_{len(rl)}", workers=tp * pp, iters=2, rl={**RL, **rl},
                       train={**TRAIN, **extra, "tokenizer_name_or_path": str(model), "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
                              "backend": "megatron"})
     want_batches, want_rows, want_steps = hf_run

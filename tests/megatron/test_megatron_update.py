@@ -71,7 +71,7 @@ def assert_same_update(name: str, got: torch.Tensor, want: torch.Tensor) -> None
         assert float((diff > 1e-5).float().mean()) <= 0.05, (name, float((diff > 1e-5).float().mean()))
 
 
-def worker(rank: int, hf_dir: str, tp: int, pp: int, kind: str, micro_batch_size: int) -> None:
+def worker(rank: int, hf_dir: str, tp: int, pp: int, kind: str, micro_batch_size: int, packed: bool) -> None:
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -89,8 +89,15 @@ def worker(rank: int, hf_dir: str, tp: int, pp: int, kind: str, micro_batch_size
             grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False), chunk)
         optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=LR, weight_decay=0.0,
                                                            clip_grad=1.0, bf16=False), [wrapped])
+        options = None
+        if packed:  # token budgets of 20: two rows (17-18 tokens) packed in one sequence
+            from posttrain.config.plan import EngineOptions, TokenBudget
+
+            options = EngineOptions(use_remove_padding=True, forward_budget=TokenBudget(20),
+                                    update_budget=TokenBudget(20))
         engine = MegatronEngine(wrapped, optimizer, vocab_size=100, micro_batch_size=micro_batch_size,
-                                metric_prefix="actor" if kind == "grpo" else "sft")
+                                metric_prefix="actor" if kind == "grpo" else "sft", options=options)
+        assert engine.packing == packed
         got = engine.update(batch, loss_fn(kind), mini_batch_size=2, epochs=2, shuffle=True, seed=5)
         assert len(got) == len(want) == 4
         for step, (g, w) in enumerate(zip(got, want)):
@@ -112,10 +119,12 @@ def worker(rank: int, hf_dir: str, tp: int, pp: int, kind: str, micro_batch_size
         ps.destroy_model_parallel()
 
 
-@pytest.mark.parametrize("model,tp,pp,loss,mbs", [("qwen2", 2, 1, "grpo", 1), ("qwen2", 1, 2, "grpo", 1),
-                                                 ("llama", 2, 1, "grpo", 2), ("llama", 1, 2, "grpo", 2),
-                                                 ("qwen2", 2, 2, "grpo", 2), ("llama", 2, 1, "sft", 1)])
-def test_the_megatron_engine_equals_the_hf_engine(tiny_hf, tmp_path, model, tp, pp, loss, mbs):
+@pytest.mark.parametrize("model,tp,pp,loss,mbs,packed", [
+    ("qwen2", 2, 1, "grpo", 1, False), ("qwen2", 1, 2, "grpo", 1, False), ("llama", 2, 1, "grpo", 2, False),
+    ("llama", 1, 2, "grpo", 2, False), ("qwen2", 2, 2, "grpo", 2, False), ("llama", 2, 1, "sft", 1, False),
+    ("qwen2", 1, 2, "grpo", 2, True), ("qwen2", 2, 1, "sft", 2, True)])
+def test_the_megatron_engine_equals_the_hf_engine(tiny_hf, tmp_path, model, tp, pp, loss, mbs, packed):
     """``mbs``: rows per micro-batch in the Megatron engine (2: the left- and right-padded rows of a
-    mini-batch share one forward)."""
-    run_on_ranks(worker, str(tiny_hf(model)), tp, pp, loss, mbs, out=tmp_path, world=tp * pp)
+    mini-batch share one forward); ``packed``: their valid tokens packed into one sequence with a
+    block-diagonal causal mask, micro-batches cut by a token budget."""
+    run_on_ranks(worker, str(tiny_hf(model)), tp, pp, loss, mbs, packed, out=tmp_path, world=tp * pp)

@@ -119,10 +119,10 @@ MEGATRON_NOT_YET: tuple[NotYet, ...] = (
     NotYet("actor_config", "bf16", bf16_asked,
            "bf16 with fp32 main parameters is not built on the megatron backend yet (it trains in float32); set "
            "bf16 false (on a CPU it has no effect: the megatron backend trains in float32 there)", ("cuda",)),
-    NotYet("rl_config", "use_remove_padding", lambda c: c.rl.use_remove_padding,
-           "packed rows (remove padding) are not built on the megatron backend yet; set it to false"),
-    NotYet("rl_config", "use_dynamic_bsz", lambda c: c.rl.use_dynamic_bsz,
-           "token-budget micro-batches are not built on the megatron backend yet; set it to false"),
+    NotYet("rl_config", "share_prompt_prefix", lambda c: c.rl.use_remove_padding and c.rl.share_prompt_prefix
+           and c.explicitly_set("rl_config", "share_prompt_prefix"),
+           "the megatron backend packs every row's prompt (the numerics are the same; only the packed length "
+           "differs)", ()),
     NotYet("generate_config", "offload_train_optimizer", lambda c: c.generate.offload_train_optimizer, _OFFLOAD,
            ("cuda",)),
     NotYet("generate_config", "offload_train_grad", lambda c: c.generate.offload_train_grad, _OFFLOAD, ("cuda",)),

@@ -101,7 +101,7 @@ class MegatronPolicy:
         self.chunk.to(device)
         self.model, self.optimizer, self.scheduler = self._trainable(a, plan, self.chunk)
         self.engine = self._engine(self.model, self.optimizer, self.scheduler, plan.stage.metric_prefix
-                                   if not plan.stage.on_policy else "actor", a)
+                                   if not plan.stage.on_policy else "actor", a, plan.actor_engine)
         self.state = {"iteration": 0, "consumed_samples": 0, "sampler_state": None, "initial_model": str(source)}
         if resuming:
             self.state = self._resume(source, a)
@@ -111,7 +111,7 @@ class MegatronPolicy:
             ref_source = reference_source(cfg, self.state) or str(source)
             ref_chunk, _ = build_chunk(ref_source, self.options, for_training=False)
             ref_chunk.to(device).eval().requires_grad_(False)
-            self.reference = self._engine(ref_chunk, None, None, "ref", a)
+            self.reference = self._engine(ref_chunk, None, None, "ref", a, plan.ref_engine)
         self.rollout = None
         if self.leader and plan.stage.on_policy:
             from posttrain.roles.policy import build_rollout
@@ -141,11 +141,12 @@ class MegatronPolicy:
                                        lr_warmup_fraction=role.lr_warmup_fraction, total_steps=plan.total_optimizer_steps)
         return model, optimizer, scheduler
 
-    def _engine(self, model, optimizer, scheduler, prefix: str, role, value_head: bool = False):
+    def _engine(self, model, optimizer, scheduler, prefix: str, role, options=None, value_head: bool = False):
         from posttrain.train.megatron.engine import MegatronEngine
 
         return MegatronEngine(model, optimizer, scheduler, vocab_size=int(self.args.vocab_size),
-                              micro_batch_size=role.micro_batch_size or 1, metric_prefix=prefix, value_head=value_head)
+                              micro_batch_size=role.micro_batch_size or 1, metric_prefix=prefix, value_head=value_head,
+                              options=options)
 
     def _critic(self, cfg, plan, resume_dir: str | None):
         """PPO's critic (a value head on the backbone), colocated with the same layout: from

@@ -169,8 +169,6 @@ def test_megatron_needs_ray_worker_groups():
 
 
 NOT_YET = [
-    (["rl_config.use_remove_padding=true", "actor_config.reset_attention_mask=true"], "rl_config.use_remove_padding"),
-    (["rl_config.use_dynamic_bsz=true"], "rl_config.use_dynamic_bsz"),
     (["rl_config.offload_reference=true"], "rl_config.offload_reference"),
     ([*PPO, "critic_config.tensor_model_parallel_size=2", "critic_config.save=/tmp/critic_only"], "critic_config.save=/tmp/critic_only: a critic saved in a "
                                                      "directory of its own"),
@@ -199,7 +197,7 @@ def test_offline_stages_plan_on_megatron(stage):
 
 def test_not_yet_lists_every_entry_by_key():
     assert {(i.section, i.key) for i in MEGATRON_NOT_YET} >= {
-        ("rl_config", "use_remove_padding"), ("rl_config", "use_dynamic_bsz"), ("rl_config", "ray_sharding"),
+        ("rl_config", "ray_sharding"),
         ("generate_config", "offload_train_optimizer"), ("generate_config", "offload_train_grad"),
         ("generate_config", "offload_train_param"), ("rl_config", "offload_reference"), ("reward_config", "")}
 

@@ -28,21 +28,47 @@ import math
 
 import torch
 
+from posttrain.config.plan import EngineOptions
 from posttrain.train.engine import NaNLossError, minibatch_order
 from posttrain.train.parallel import dp_world_size, global_counts, reduce_metric_totals
 from posttrain.train.megatron.vocab_parallel import vocab_parallel_entropy, vocab_parallel_logprobs
 
 
-def _inputs(batch: dict[str, torch.Tensor], rows: slice):
+def _inputs(batch: dict[str, torch.Tensor], rows: torch.Tensor):
     """Token ids, positions and the attention mask (True: masked; causal and padding) of ``rows`` of
-    the training layout (left-padded prompt || right-padded response)."""
+    the training layout (left-padded prompt || right-padded response), and for each row the
+    positions of its logits that predict its response tokens."""
     from posttrain.train.layout import default_position_ids
 
     attention = batch["attention_mask"][rows]
     width = attention.shape[1]
     causal = torch.triu(torch.ones(width, width, dtype=torch.bool, device=attention.device), diagonal=1)
     mask = causal | ~attention.bool()[:, None, :]  # [B, T, T]: a query never sees a padded key
-    return batch["input_ids"][rows], default_position_ids(attention), mask[:, None]
+    prompt = width - batch["response_mask"].shape[1]
+    return batch["input_ids"][rows], default_position_ids(attention), mask[:, None], slice(prompt - 1, width - 1)
+
+
+def _packed_inputs(batch: dict[str, torch.Tensor], rows: torch.Tensor, length: int):
+    """``rows`` packed into one sequence of ``length`` tokens (their valid tokens one after the
+    other, then padding): the ids, positions, a block-diagonal causal mask (a token sees the earlier
+    tokens of its own row only; Megatron's rotary embedding is relative, so no position resets), and
+    for each row the packed positions whose logits predict its response tokens ``[B, R]`` (0 where
+    the response is padding; the loss masks those)."""
+    attention = batch["attention_mask"][rows].bool()
+    response_width = batch["response_mask"].shape[1]
+    prompt_lengths = attention[:, :-response_width].sum(1)
+    lengths = attention.sum(1)
+    starts = torch.cumsum(lengths, 0) - lengths
+    ids = torch.zeros(1, length, dtype=batch["input_ids"].dtype, device=attention.device)
+    ids[0, :int(lengths.sum())] = batch["input_ids"][rows][attention]
+    segment = torch.repeat_interleave(torch.arange(len(rows), device=attention.device), lengths)
+    segment = torch.cat([segment, torch.full((length - len(segment),), -1, device=attention.device)])
+    index = torch.arange(length, device=attention.device)
+    visible = (segment[:, None] == segment[None, :]) & (index[None, :] <= index[:, None]) & (segment[:, None] >= 0)
+    column = torch.arange(response_width, device=attention.device)
+    gather = starts[:, None] + prompt_lengths[:, None] - 1 + column[None, :]
+    gather = torch.where(attention[:, -response_width:], gather, torch.zeros_like(gather))
+    return ids, index[None], ~visible[None, None], gather
 
 
 def _from_last_stage(value):
@@ -63,36 +89,76 @@ class MegatronEngine:
     ``DistributedDataParallel``) with Megatron's ``optimizer``."""
 
     def __init__(self, model, optimizer=None, scheduler=None, *, vocab_size: int, micro_batch_size: int = 1,
-                 metric_prefix: str = "actor", value_head: bool = False):
+                 metric_prefix: str = "actor", value_head: bool = False, options: EngineOptions | None = None):
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.vocab_size, self.micro_batch_size, self.metric_prefix = vocab_size, micro_batch_size, metric_prefix
         self.value_head = value_head  # the critic: the model returns values, the loss takes them (on_values)
+        self.options = options or EngineOptions()
+        # packed micro-batches with remove padding, and always under a token budget (rows per
+        # micro-batch vary there, and the pipeline's buffers need one shape)
+        self.packing = bool(self.options.use_remove_padding or self.options.forward_budget
+                            or self.options.update_budget)
 
-    def _micro_batches(self, rows: int, micro_batch_size: int | None) -> list[slice]:
-        """Equal micro-batches (the pipeline's p2p buffers have one shape): ``micro_batch_size`` rows,
-        or the largest divisor of ``rows`` below it."""
-        size = math.gcd(rows, max(1, micro_batch_size or self.micro_batch_size)) or 1
-        return [slice(start, start + size) for start in range(0, rows, size)]
+    def _micro_batches(self, batch: dict[str, torch.Tensor], micro_batch_size: int | None, budget,
+                       rows_per_item: int = 1) -> list[torch.Tensor]:
+        """Row indices of each micro-batch, ``rows_per_item`` consecutive rows kept together (a DPO
+        pair's two rows): a token budget's balanced groups (packed), or ``micro_batch_size`` items,
+        the same number in each unless packed (the pipeline's p2p buffers have one shape)."""
+        from posttrain.train.dynamic_batch import split_by_tokens
 
-    def _run(self, batch: dict[str, torch.Tensor], micro_batches: list[slice], on_logits, *,
+        rows = batch["input_ids"].shape[0]
+        items = torch.arange(rows).view(-1, rows_per_item)
+        if budget is not None:
+            lengths = batch["attention_mask"].sum(-1).view(-1, rows_per_item).sum(-1).tolist()
+            return [items[torch.tensor(group)].reshape(-1) for group in split_by_tokens(lengths, budget)]
+        size = max(1, micro_batch_size or self.micro_batch_size)
+        if not self.packing:
+            size = math.gcd(len(items), size) or 1
+        return [items[start:start + size].reshape(-1) for start in range(0, len(items), size)]
+
+    def _run(self, batch: dict[str, torch.Tensor], micro_batches: list[torch.Tensor], on_logits, *,
              forward_only: bool) -> None:
         """Every micro-batch through the schedule; ``on_logits(rows, response_logits) -> loss`` on
-        the last stage."""
+        the last stage (``response_logits``: ``[B, R, ...]``, the logits that predict each row's
+        response tokens)."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        width = batch["input_ids"].shape[1]
-        prompt = width - batch["response_mask"].shape[1]
+        if self.packing:  # every packed micro-batch padded to the longest, for the p2p buffers
+            length = max(int(batch["attention_mask"][rows].sum()) for rows in micro_batches)
+            shape = (1, length)
+        else:
+            shape = (len(micro_batches[0]), batch["input_ids"].shape[1])
 
         def forward_step(micro_iter, model):
             rows = next(micro_iter)
-            # the positions that predict the response tokens
-            return model(*_inputs(batch, rows)), lambda logits: (on_logits(rows, logits[:, prompt - 1:-1]), {})
+            if self.packing:
+                *inputs, gather = _packed_inputs(batch, rows, shape[1])
+                return model(*inputs), lambda logits: (on_logits(rows, logits[0][gather]), {})
+            *inputs, response = _inputs(batch, rows)
+            return model(*inputs), lambda logits: (on_logits(rows, logits[:, response]), {})
 
-        # micro_batch_size and seq_length size the pipeline's p2p buffers: every micro-batch has them
         get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(micro_batches),
-                                    model=[self.model], num_microbatches=len(micro_batches), seq_length=width,
-                                    micro_batch_size=micro_batches[0].stop - micro_batches[0].start,
-                                    forward_only=forward_only)
+                                    model=[self.model], num_microbatches=len(micro_batches), seq_length=shape[1],
+                                    micro_batch_size=shape[0], forward_only=forward_only)
+
+    def _inference(self, batch, micro_batch_size, on_logits) -> torch.Tensor | None:
+        """``on_logits(rows, logits) -> [B, R]`` over every micro-batch without gradients; the rows'
+        results in the batch's order times the response mask, on every rank."""
+        micro_batches = self._micro_batches(batch, micro_batch_size, self.options.forward_budget)
+        out: list[torch.Tensor] = []
+
+        def collect(rows, logits):
+            out.append(on_logits(rows, logits))
+            return logits.new_zeros(())
+
+        with torch.no_grad():
+            self._run(batch, micro_batches, collect, forward_only=True)
+        result = None
+        if out:  # the last stage
+            order = torch.cat(micro_batches)
+            result = torch.empty(len(order), *out[0].shape[1:], dtype=out[0].dtype, device=out[0].device)
+            result[order] = torch.cat(out)
+        return _from_last_stage(result)
 
     def _response_logprobs(self, batch, rows: slice, logits, temperature: float, with_entropy: bool,
                            entropy_grad=False):
@@ -109,32 +175,20 @@ class MegatronEngine:
                          micro_batch_size: int | None = None, with_entropy: bool = False):
         """Response-token log-probs ``[B, R]`` (0 on padding), with the entropy if asked."""
         mask = batch["response_mask"].float()
-        out: list[tuple] = []
 
         def on_logits(rows, logits):
-            out.append(self._response_logprobs(batch, rows, logits, temperature, with_entropy))
-            return logits.new_zeros(())
+            logprobs, entropy = self._response_logprobs(batch, rows, logits, temperature, with_entropy)
+            return torch.stack([logprobs, entropy], -1) if with_entropy else logprobs
 
-        with torch.no_grad():
-            self._run(batch, self._micro_batches(mask.shape[0], micro_batch_size), on_logits, forward_only=True)
-        result = None
-        if out:  # the last stage
-            logprobs = torch.cat([lp for lp, _ in out]) * mask
-            result = (logprobs, torch.cat([e for _, e in out]) * mask) if with_entropy else logprobs
-        return _from_last_stage(result)
+        result = self._inference(batch, micro_batch_size, on_logits)
+        if result is None or not with_entropy:
+            return None if result is None else result * mask
+        return result[..., 0] * mask, result[..., 1] * mask
 
     def compute_values(self, batch: dict[str, torch.Tensor], *, micro_batch_size: int | None = None):
         """The critic's values ``[B, R]`` at the positions of the log-probs (0 on padding)."""
-        mask = batch["response_mask"].float()
-        out: list[torch.Tensor] = []
-
-        def on_values(rows, values):
-            out.append(values[..., 0].float())
-            return values.new_zeros(())
-
-        with torch.no_grad():
-            self._run(batch, self._micro_batches(mask.shape[0], micro_batch_size), on_values, forward_only=True)
-        return _from_last_stage(torch.cat(out) * mask if out else None)
+        result = self._inference(batch, micro_batch_size, lambda rows, values: values[..., 0].float())
+        return None if result is None else result * batch["response_mask"].float()
 
     def update(self, batch: dict[str, torch.Tensor], loss_fn, *, mini_batch_size: int, epochs: int = 1,
                shuffle: bool = False, seed: int = 0, micro_batch_size: int | None = None) -> list[dict[str, float]]:
@@ -157,7 +211,7 @@ class MegatronEngine:
         from megatron.core.distributed import finalize_model_grads
 
         rows = mini_batch["input_ids"].shape[0]
-        micro_batches = self._micro_batches(rows, self.micro_batch_size * rows_per_item)
+        micro_batches = self._micro_batches(mini_batch, None, self.options.update_budget, rows_per_item)
         dp_group = ps.get_data_parallel_group()
         num_tokens, num_seqs = global_counts(mini_batch["response_mask"].sum().float(), rows, "cpu", dp_group)
         # the schedule averages the micro-batches' losses, Megatron's DDP the ranks' gradients
