@@ -51,9 +51,10 @@ PACKED = {"use_remove_padding": True, "use_dynamic_bsz": True, "max_packing_toke
 
 
 @pytest.mark.parametrize("tp,pp,extra,rl", [(2, 1, {}, {}), (1, 2, {}, {}), (2, 2, {}, {}),
-                                            (2, 1, {"recompute_granularity": "full"}, {}),
+                                            (2, 1, {"recompute_granularity": "full"}, {"offload_reference": True}),
                                             (2, 2, {"no_pad_to_seq_lengths": True, "reset_attention_mask": True}, PACKED)],
-                         ids=["tp2", "pp2", "tp2xpp2", "tp2-recompute", "tp2xpp2-packed-token-budgets"])
+                         ids=["tp2", "pp2", "tp2xpp2", "tp2-recompute-offloaded-reference",
+                              "tp2xpp2-packed-token-budgets"])
 def test_grpo_on_the_megatron_backend_equals_the_hf_backend(hf_run, work, model, tp, pp, extra, rl):
     """``rl``: packed micro-batches under token budgets on the Megatron backend (block-diagonal
     masks, several rows per packed sequence), against the HF backend's padded run."""

@@ -98,8 +98,15 @@ def worker(rank: int, hf_dir: str, tp: int, pp: int, kind: str, micro_batch_size
         engine = MegatronEngine(wrapped, optimizer, vocab_size=100, micro_batch_size=micro_batch_size,
                                 metric_prefix="actor" if kind == "grpo" else "sft", options=options)
         assert engine.packing == packed
+        if packed:  # and generate_config.offload_train_grad: the gradient buffers freed between updates
+            from posttrain.train.megatron.engine import MegatronOffload
+
+            engine.offload = MegatronOffload(wrapped, optimizer, optimizer_state=False, grads=True)
+            engine.offload.to_host()
+            assert engine.offload.grad_bytes() == 0
         got = engine.update(batch, loss_fn(kind), mini_batch_size=2, epochs=2, shuffle=True, seed=5)
         assert len(got) == len(want) == 4
+        assert engine.offload is None or engine.offload.grad_bytes() == 0
         for step, (g, w) in enumerate(zip(got, want)):
             assert sorted(g) == sorted(w), (sorted(g), sorted(w))
             for key in w:
@@ -126,5 +133,6 @@ def worker(rank: int, hf_dir: str, tp: int, pp: int, kind: str, micro_batch_size
 def test_the_megatron_engine_equals_the_hf_engine(tiny_hf, tmp_path, model, tp, pp, loss, mbs, packed):
     """``mbs``: rows per micro-batch in the Megatron engine (2: the left- and right-padded rows of a
     mini-batch share one forward); ``packed``: their valid tokens packed into one sequence with a
-    block-diagonal causal mask, micro-batches cut by a token budget."""
+    block-diagonal causal mask, micro-batches cut by a token budget, and the gradient buffers freed
+    between updates (Megatron-Core's offload_grad_buffers)."""
     run_on_ranks(worker, str(tiny_hf(model)), tp, pp, loss, mbs, packed, out=tmp_path, world=tp * pp)

@@ -194,6 +194,7 @@ class ActorWorker:
         its own whole replica; FSDP2: all ranks call this to gather the full state first, and the
         others return None)."""
         from posttrain.checkpoint import save_checkpoint
+        from posttrain.train.offload import on_device
 
         p = self.policy
         model, optimizer = p.model, p.actor.optimizer
@@ -206,9 +207,10 @@ class ActorWorker:
             copy = FullCopy(p.model, weights, optim_state)
             model, optimizer = copy.model, copy
         extra = {"critic": self.critic.part} if self.critic is not None and self.critic.save_dir is None else None
-        path = save_checkpoint(save_dir, iteration, model, optimizer, p.actor.scheduler,
-                               tokenizer=p.tokenizer, sampler_state=sampler_state, trainer_state=trainer_state,
-                               save_optim=save_optim, save_rng=save_rng, extra=extra)
+        with on_device(p.actor, getattr(self.critic, "engine", None)):  # an offloaded state is saved too
+            path = save_checkpoint(save_dir, iteration, model, optimizer, p.actor.scheduler,
+                                   tokenizer=p.tokenizer, sampler_state=sampler_state, trainer_state=trainer_state,
+                                   save_optim=save_optim, save_rng=save_rng, extra=extra)
         return str(path)
 
     def state_dict(self) -> dict:

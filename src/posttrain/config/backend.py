@@ -93,8 +93,6 @@ def _own_critic_save(cfg: RunConfig) -> bool:
             (not actor.save or os.path.realpath(critic.save) != os.path.realpath(actor.save)))
 
 
-_OFFLOAD = ("offloading to the host is not built on the megatron backend yet; remove the key or set it to false "
-            "(on a CPU it has no effect: there is no separate device memory)")
 _MOE = ("mixture-of-experts models are not built on the megatron backend yet (the Hugging Face <-> Megatron-Core "
         "mapping, posttrain.models.mcore, covers dense models); use backend hf with tensor/pipeline parallel sizes 1")
 _OTHER_LAYOUT = ("colocated roles share the actor's layout on the megatron backend; remove the key or give it the "
@@ -123,12 +121,6 @@ MEGATRON_NOT_YET: tuple[NotYet, ...] = (
            and c.explicitly_set("rl_config", "share_prompt_prefix"),
            "the megatron backend packs every row's prompt (the numerics are the same; only the packed length "
            "differs)", ()),
-    NotYet("generate_config", "offload_train_optimizer", lambda c: c.generate.offload_train_optimizer, _OFFLOAD,
-           ("cuda",)),
-    NotYet("generate_config", "offload_train_grad", lambda c: c.generate.offload_train_grad, _OFFLOAD, ("cuda",)),
-    NotYet("generate_config", "offload_train_param", lambda c: c.generate.offload_train_param, _OFFLOAD, ("cuda",)),
-    NotYet("rl_config", "offload_reference", lambda c: c.rl.offload_reference,
-           "offloading the reference is not built on the megatron backend yet; set it to false"),
     *(NotYet(role, key, _differs(role, key), _OTHER_LAYOUT) for role in ("ref_config", "critic_config")
       for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", VPP_KEY)),
     NotYet("critic_config", "save", _own_critic_save,

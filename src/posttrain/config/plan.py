@@ -241,8 +241,8 @@ def build_plan(cfg: RunConfig, layout: Layout, arch: ModelArch | None = None, *,
         actor_loss=MappingProxyType(actor_loss_options(cfg, stage, temperature)) if on_policy else MappingProxyType({}),
         actor_engine=_with_forward(engine, budgets, "actor"), ref_engine=_with_forward(engine, budgets, "ref"),
         max_num_seqs=gen.max_num_seqs if cfg.explicitly_set("generate_config", "max_num_seqs") else 256,
-        offload_optimizer=hf and on_policy and gen.offload_train_optimizer and not device.startswith("cpu"),
-        offload_grads=hf and on_policy and gen.offload_train_grad,  # megatron: not built (refused on CUDA)
+        offload_optimizer=on_policy and gen.offload_train_optimizer and not device.startswith("cpu"),
+        offload_grads=on_policy and gen.offload_train_grad,
         warnings=warnings, arch=arch, reward_model=reward_model_options(cfg, device, on_policy=on_policy),
         parallel=parallel,
     )

@@ -112,6 +112,10 @@ class MegatronPolicy:
             ref_chunk, _ = build_chunk(ref_source, self.options, for_training=False)
             ref_chunk.to(device).eval().requires_grad_(False)
             self.reference = self._engine(ref_chunk, None, None, "ref", a, plan.ref_engine)
+            if cfg.rl.offload_reference:
+                from posttrain.roles.policy import offloaded_reference
+
+                self.reference = offloaded_reference(self.reference)
         self.rollout = None
         if self.leader and plan.stage.on_policy:
             from posttrain.roles.policy import build_rollout
@@ -142,11 +146,18 @@ class MegatronPolicy:
         return model, optimizer, scheduler
 
     def _engine(self, model, optimizer, scheduler, prefix: str, role, options=None, value_head: bool = False):
-        from posttrain.train.megatron.engine import MegatronEngine
+        """An engine; a trained one with the plan's offload of its optimizer state and gradients."""
+        from posttrain.train.megatron.engine import MegatronEngine, MegatronOffload
 
-        return MegatronEngine(model, optimizer, scheduler, vocab_size=int(self.args.vocab_size),
-                              micro_batch_size=role.micro_batch_size or 1, metric_prefix=prefix, value_head=value_head,
-                              options=options)
+        engine = MegatronEngine(model, optimizer, scheduler, vocab_size=int(self.args.vocab_size),
+                                micro_batch_size=role.micro_batch_size or 1, metric_prefix=prefix,
+                                value_head=value_head, options=options)
+        plan = self.plan
+        if optimizer is not None and (plan.offload_optimizer or plan.offload_grads):
+            engine.offload = MegatronOffload(model, optimizer, optimizer_state=plan.offload_optimizer,
+                                             grads=plan.offload_grads)
+            engine.offload.to_host()  # nothing is needed until the first update
+        return engine
 
     def _critic(self, cfg, plan, resume_dir: str | None):
         """PPO's critic (a value head on the backbone), colocated with the same layout: from
@@ -201,15 +212,17 @@ class MegatronPolicy:
     def save(self, save_dir: str, iteration: int, *, sampler_state, trainer_state: dict, save_optim: bool,
              save_rng: bool) -> Path:
         from posttrain.train.megatron.checkpoint import save_megatron_checkpoint
+        from posttrain.train.offload import on_device
 
-        if self.critic is not None:  # first: the policy's save publishes the iteration
-            save_megatron_checkpoint(save_dir, iteration, self.critic_chunk, self.critic.optimizer, self.args,
-                                     extra={"scheduler": self.critic.scheduler.state_dict()},
-                                     save_optim=save_optim, save_rng=False, subdir="critic")
-        extra = {"scheduler": self.scheduler.state_dict(), "trainer_state": dict(trainer_state),
-                 "sampler_state": sampler_state}
-        return save_megatron_checkpoint(save_dir, iteration, self.chunk, self.optimizer, self.args, extra=extra,
-                                        save_optim=save_optim, save_rng=save_rng)
+        with on_device(self.engine, self.critic):  # an offloaded optimizer state is saved too
+            if self.critic is not None:  # first: the policy's save publishes the iteration
+                save_megatron_checkpoint(save_dir, iteration, self.critic_chunk, self.critic.optimizer, self.args,
+                                         extra={"scheduler": self.critic.scheduler.state_dict()},
+                                         save_optim=save_optim, save_rng=False, subdir="critic")
+            extra = {"scheduler": self.scheduler.state_dict(), "trainer_state": dict(trainer_state),
+                     "sampler_state": sampler_state}
+            return save_megatron_checkpoint(save_dir, iteration, self.chunk, self.optimizer, self.args, extra=extra,
+                                            save_optim=save_optim, save_rng=save_rng)
 
 
 def _has_iteration(source: str) -> bool:

@@ -11,11 +11,29 @@ between its uses.
   as having no effect there), while freeing the gradients still lowers the process's memory.
 * :class:`OffloadedReference`, ``rl_config.offload_reference``: the frozen reference's weights off
   the device between its log-prob passes.
+
+The Megatron-Core backend's counterpart is :class:`posttrain.train.megatron.engine.MegatronOffload`.
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
+
+@contextlib.contextmanager
+def on_device(*engines):
+    """The engines' offloaded optimizer state back on the device for the block (a checkpoint save
+    reads it), and off again after it; engines without an offload are left alone."""
+    offloads = [e.offload for e in engines if getattr(e, "offload", None) is not None]
+    for offload in offloads:
+        offload.to_device()
+    try:
+        yield
+    finally:
+        for offload in offloads:
+            offload.to_host()
+
 
 def return_freed_memory() -> None:
     """Ask glibc to hand freed heap memory back to the system (``malloc_trim``), so that freed

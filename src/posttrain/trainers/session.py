@@ -385,10 +385,13 @@ class Session:
             path = self.cluster.save(a.save, iteration, sampler_state=self.sampler.state_dict(), trainer_state=state,
                                      save_optim=not a.no_save_optim, save_rng=not a.no_save_rng)
         else:
-            path = save_checkpoint(a.save, iteration, p.model, p.actor.optimizer, p.actor.scheduler,
-                                   tokenizer=p.tokenizer, sampler_state=self.sampler.state_dict(),
-                                   trainer_state=state, save_optim=not a.no_save_optim, save_rng=not a.no_save_rng,
-                                   extra=self.extra_parts)
+            from posttrain.train.offload import on_device
+
+            with on_device(p.actor, getattr(self.critic, "engine", None)):  # an offloaded state is saved too
+                path = save_checkpoint(a.save, iteration, p.model, p.actor.optimizer, p.actor.scheduler,
+                                       tokenizer=p.tokenizer, sampler_state=self.sampler.state_dict(),
+                                       trainer_state=state, save_optim=not a.no_save_optim,
+                                       save_rng=not a.no_save_rng, extra=self.extra_parts)
         if self.critic is not None:  # PPO: the critic's own checkpoint (critic_config.save), if it has one
             critic_path = self.critic.save(iteration, tokenizer=p.tokenizer, trainer_state=state)
             if critic_path is not None and a.keep_last:

@@ -169,7 +169,6 @@ def test_megatron_needs_ray_worker_groups():
 
 
 NOT_YET = [
-    (["rl_config.offload_reference=true"], "rl_config.offload_reference"),
     ([*PPO, "critic_config.tensor_model_parallel_size=2", "critic_config.save=/tmp/critic_only"], "critic_config.save=/tmp/critic_only: a critic saved in a "
                                                      "directory of its own"),
     (["reward_config.micro_batch_size=2"], "reward_config: a reward model"),
@@ -197,17 +196,26 @@ def test_offline_stages_plan_on_megatron(stage):
 
 def test_not_yet_lists_every_entry_by_key():
     assert {(i.section, i.key) for i in MEGATRON_NOT_YET} >= {
-        ("rl_config", "ray_sharding"),
-        ("generate_config", "offload_train_optimizer"), ("generate_config", "offload_train_grad"),
-        ("generate_config", "offload_train_param"), ("rl_config", "offload_reference"), ("reward_config", "")}
+        ("rl_config", "ray_sharding"), ("actor_config", "bf16"), ("actor_config", "sequence_parallel"),
+        ("actor_config", "num_layers_per_virtual_pipeline_stage"), ("reward_config", "")}
 
 
-def test_offload_is_warned_on_cpu_and_refused_on_cuda():
+def test_offload_follows_the_hf_backends_rules():
+    """As on the HF backend: on a CPU the optimizer state and the weights have nowhere to go
+    (warned) while the gradients are freed; on CUDA the optimizer state and gradients offload and
+    the weights are refused (the rollout holds them)."""
     offload = [f"generate_config.offload_train_{k}=true" for k in ("optimizer", "grad", "param")]
     warning = inert([*TP2, *offload])
-    assert all(f"generate_config.offload_train_{k}" in warning for k in ("optimizer", "grad", "param"))
-    assert refusal([*TP2, *offload], device_type="cuda").startswith("generate_config.offload_train_optimizer=true: "
-                                                                   "offloading to the host is not built")
+    assert "offload_train_optimizer" in warning and "offload_train_grad" not in warning
+    cfg = config([*TP2, *offload, "rl_config.offload_reference=true"])
+    layout, _ = check_run_config(cfg, device_type="cpu", arch=ARCH)
+    plan = build_plan(cfg, layout, ARCH, device="cpu")
+    assert plan.offload_grads and not plan.offload_optimizer and plan.memory.reference == 0
+    assert refusal([*TP2, *offload], device_type="cuda").startswith("generate_config.offload_train_param=true")
+    cfg = config([*TP2, *offload[:2]])
+    layout, _ = check_run_config(cfg, device_type="cuda", arch=ARCH)
+    plan = build_plan(cfg, layout, ARCH, device="cuda")
+    assert plan.offload_grads and plan.offload_optimizer
 
 
 def test_virtual_stages_are_refused_until_built():

@@ -84,6 +84,43 @@ def _from_last_stage(value):
     return box[0]
 
 
+class MegatronOffload:
+    """``generate_config.offload_train_optimizer`` / ``offload_train_grad`` on this backend, between
+    updates: the optimizer state (AdamW's moments of each of Megatron's torch optimizers) to the host
+    through :class:`posttrain.train.offload.StateOffload`, and the gradient buffers of Megatron's
+    ``DistributedDataParallel`` freed by Megatron-Core's own ``offload_grad_buffers`` (their storage
+    resized to 0; ``restore_grad_buffers`` gives it back zeroed, the ``main_grad`` views intact)."""
+
+    def __init__(self, model, optimizer, *, optimizer_state: bool, grads: bool):
+        from posttrain.train.offload import StateOffload
+
+        self.model, self.grads = model, grads
+        torch_optimizers = [o.optimizer for o in getattr(optimizer, "chained_optimizers", [optimizer])]
+        self.states = [StateOffload(o, optimizer_state=True, grads=False) for o in torch_optimizers] \
+            if optimizer_state else []
+
+    def to_host(self) -> None:
+        from posttrain.train.offload import return_freed_memory
+
+        if self.grads:
+            cuda = torch.cuda.is_available() and next(self.model.parameters()).is_cuda
+            self.model.offload_grad_buffers(synchronize=cuda, empty_cache=cuda)
+            if not cuda:
+                return_freed_memory()
+        for state in self.states:
+            state.to_host()
+
+    def to_device(self) -> None:
+        if self.grads:
+            self.model.restore_grad_buffers(synchronize=False)
+        for state in self.states:
+            state.to_device()
+
+    def grad_bytes(self) -> int:
+        """Bytes the gradient buffers hold now (0 while freed)."""
+        return sum(b.grad_data.untyped_storage().nbytes() for b in self.model.buffers)
+
+
 class MegatronEngine:
     """``compute_logprobs`` and ``update`` on ``model`` (this rank's chunk, in Megatron's
     ``DistributedDataParallel``) with Megatron's ``optimizer``."""
@@ -94,6 +131,7 @@ class MegatronEngine:
         self.vocab_size, self.micro_batch_size, self.metric_prefix = vocab_size, micro_batch_size, metric_prefix
         self.value_head = value_head  # the critic: the model returns values, the loss takes them (on_values)
         self.options = options or EngineOptions()
+        self.offload: MegatronOffload | None = None  # set by the policy (generate_config.offload_train_*)
         # packed micro-batches with remove padding, and always under a token budget (rows per
         # micro-batch vary there, and the pipeline's buffers need one shape)
         self.packing = bool(self.options.use_remove_padding or self.options.forward_budget
@@ -201,9 +239,15 @@ class MegatronEngine:
         rows_of = getattr(loss_fn, "rows", None)
         self.model.train()
         out = []
-        for chosen in steps:
-            mini_batch = {k: v[chosen] for k, v in batch.items()}
-            out.append(self._step(rows_of(mini_batch), loss_fn, 2) if rows_of else self._step(mini_batch, loss_fn))
+        if self.offload is not None:
+            self.offload.to_device()
+        try:
+            for chosen in steps:
+                mini_batch = {k: v[chosen] for k, v in batch.items()}
+                out.append(self._step(rows_of(mini_batch), loss_fn, 2) if rows_of else self._step(mini_batch, loss_fn))
+        finally:
+            if self.offload is not None:
+                self.offload.to_host()
         return out
 
     def _step(self, mini_batch: dict[str, torch.Tensor], loss_fn, rows_per_item: int = 1) -> dict[str, float]:
