@@ -191,11 +191,13 @@ def checked_start(cfg: RunConfig, load_previous_on_corruption: bool = False, *, 
     if not source or not Path(source).is_dir():
         return cfg  # a missing path is reported by the policy's model_source()
     if megatron:
+        from posttrain.models.mcore import layout
         from posttrain.models.mcore.convert import McoreCheckpoint
-        from posttrain.models.mcore.layout import is_mcore_checkpoint
 
-        if is_mcore_checkpoint(source):
-            McoreCheckpoint(source)  # every rank's shard present, from one save
+        if layout.is_mcore_checkpoint(source):
+            ckpt = McoreCheckpoint(source)  # every rank's shard present, from one save
+            for rank_file in sorted(ckpt.dir.glob(f"**/{layout.RANK_FILE}")):  # the critic's too
+                layout.load_rank_file(rank_file)  # readable: a CheckpointError names the file
             return cfg
     flags = dict(optim=not (a.no_load_optim or a.finetune), rng=not (a.no_load_rng or a.finetune))
     try:
