@@ -70,14 +70,15 @@ class ModelParallel:
 
 
 class NotYet(NamedTuple):
-    """A feature the megatron backend does not run yet: refused where ``devices`` holds the device
-    (elsewhere it has no effect and is named in the start-up warning)."""
+    """A feature the megatron backend does not run yet: refused where ``devices`` holds the device,
+    honoured where ``honoured_on`` does, and elsewhere without effect (named in the start-up warning)."""
 
     section: str  # actor_config, ref_config, critic_config, reward_config, rl_config, generate_config
     key: str  # "" for the whole section
     active: Callable[[RunConfig], bool]
     message: str  # why, and what to do
     devices: tuple[str, ...] = DEVICES
+    honoured_on: tuple[str, ...] = ()
 
 
 def _differs(role: str, key: str) -> Callable[[RunConfig], bool]:
@@ -115,8 +116,8 @@ MEGATRON_NOT_YET: tuple[NotYet, ...] = (
            "with torch norms, which refuse it without Apex or TransformerEngine); set it to false (on a CPU it has "
            "no effect: the numerics are the same, only activation memory differs)", ("cuda",)),
     NotYet("actor_config", "bf16", bf16_asked,
-           "bf16 with fp32 main parameters is not built on the megatron backend yet (it trains in float32); set "
-           "bf16 false (on a CPU it has no effect: the megatron backend trains in float32 there)", ("cuda",)),
+           "on a CPU the megatron backend trains in float32 (Megatron-Core's bf16 optimizer with fp32 main "
+           "parameters takes CUDA tensors only)", (), ("cuda",)),
     NotYet("rl_config", "share_prompt_prefix", lambda c: c.rl.use_remove_padding and c.rl.share_prompt_prefix
            and c.explicitly_set("rl_config", "share_prompt_prefix"),
            "the megatron backend packs every row's prompt (the numerics are the same; only the packed length "
@@ -227,7 +228,7 @@ def megatron_inert(cfg: RunConfig, device_type: str) -> list[str]:
     """The keys of :data:`MEGATRON_NOT_YET` that ``cfg`` sets and that have no effect on
     ``device_type`` (for the start-up warning of a megatron run)."""
     return [_label(cfg, item.section, item.key) for item in MEGATRON_NOT_YET
-            if device_type not in item.devices and item.active(cfg)]
+            if device_type not in item.devices + item.honoured_on and item.active(cfg)]
 
 
 def _setting(cfg: RunConfig, item: NotYet) -> str:

@@ -179,8 +179,8 @@ class MegatronConfig(Section):
     gemm_gradient_accumulation_fusion: bool = F(False, "fused kernel", KERNEL)
     transformer_impl: str = F("local", "Megatron transformer implementation (local, transformer_engine)", KERNEL)
     # ---- precision / optimizer ------------------------------------------------------------------
-    bf16: bool = F(True, "bf16 training (autocast); on CPU used only where AMX/bf16 is supported; the megatron "
-                         "backend trains in float32 (bf16 refused on CUDA until built)", HONOURED)
+    bf16: bool = F(True, "bf16 training (hf: autocast; on CPU used only where AMX/bf16 is supported; megatron: "
+                         "bf16 weights with fp32 main parameters on CUDA, float32 on a CPU)", HONOURED)
     optimizer: str = F("adam", "adam (AdamW with decoupled weight decay)", OPTIMIZER)
     lr: Opt[float] = F(None, "peak learning rate", HONOURED)
     lr_decay_style: str = F("linear", "constant, linear or cosine", HONOURED)

@@ -214,9 +214,9 @@ def build_plan(cfg: RunConfig, layout: Layout, arch: ModelArch | None = None, *,
     hf = parallel.backend == "hf"
     reads = {k: v * parallel.dp if k in ACTOR_DISPATCH_KEYS else v for k, v in layout.dispatch_sizes.items()}
     train_dtype, rollout_dtype = precision(
-        device, bf16=bool(a.bf16) and hf, bf16_asked=cfg.explicitly_set("megatron_training", "bf16")
-        or cfg.explicitly_set("actor_config", "bf16"), rollout_dtype=gen.dtype,
-        rollout_dtype_asked=cfg.explicitly_set("generate_config", "dtype"))  # megatron: float32 (backend.py)
+        device, bf16=bool(a.bf16) and (hf or device.startswith("cuda")), rollout_dtype=gen.dtype,
+        bf16_asked=cfg.explicitly_set("megatron_training", "bf16") or cfg.explicitly_set("actor_config", "bf16"),
+        rollout_dtype_asked=cfg.explicitly_set("generate_config", "dtype"))  # megatron on a CPU: float32 (backend.py)
     temperature = gen.sampling_config.temperature or 1.0
     budgets = token_budgets(cfg)
     engine = EngineOptions(use_remove_padding=rl.use_remove_padding, share_prompt_prefix=rl.share_prompt_prefix,

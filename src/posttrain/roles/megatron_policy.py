@@ -5,7 +5,8 @@
   torch.distributed world (``parallel_state.initialize_model_parallel``), and its RNG tracker.
 * **The actor**: this rank's ``GPTModel`` chunk (from an HF directory through the converter's
   mapping, or from a Megatron checkpoint of the same layout), in Megatron's
-  ``DistributedDataParallel``, with Megatron's optimizer (Adam, ``clip_grad``) and posttrain's LR
+  ``DistributedDataParallel`` (in ``Float16Module`` for bf16, CUDA only), with Megatron's optimizer
+  (Adam, ``clip_grad``; fp32 main parameters with bf16) and posttrain's LR
   schedule (:func:`posttrain.train.optim.build_lr_scheduler`, which writes the learning rate into
   the optimizer's parameter groups), trained by :class:`~posttrain.train.megatron.engine.MegatronEngine`.
 * **The reference**: a frozen chunk of the same layout (forward only).
@@ -94,6 +95,9 @@ class MegatronPolicy:
         if par.recompute_granularity == "full":  # Megatron needs a method and a count with full recompute
             options["recompute_method"] = par.recompute_method or "uniform"
             options["recompute_num_layers"] = par.recompute_num_layers or 1
+        self.bf16 = plan.train_dtype == "bfloat16"  # CUDA only (Megatron's bf16 optimizer): bf16 weights,
+        if self.bf16:  # fp32 main parameters in the optimizer
+            options.update(bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16)
         self.options = {k: v for k, v in options.items() if v is not None}
         source = model_source(a)
         resuming = _is_megatron_dir(source) and not a.finetune and _has_iteration(source)
@@ -111,7 +115,7 @@ class MegatronPolicy:
             ref_source = reference_source(cfg, self.state) or str(source)
             ref_chunk, _ = build_chunk(ref_source, self.options, for_training=False)
             ref_chunk.to(device).eval().requires_grad_(False)
-            self.reference = self._engine(ref_chunk, None, None, "ref", a, plan.ref_engine)
+            self.reference = self._engine(self._precision(ref_chunk), None, None, "ref", a, plan.ref_engine)
             if cfg.rl.offload_reference:
                 from posttrain.roles.policy import offloaded_reference
 
@@ -136,14 +140,24 @@ class MegatronPolicy:
         par = plan.parallel
         model = DistributedDataParallel(chunk.config, DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=par.use_distributed_optimizer),
-            chunk)
+            self._precision(chunk))
         optimizer = get_megatron_optimizer(OptimizerConfig(
             optimizer="adam", lr=role.lr, min_lr=role.min_lr, weight_decay=role.weight_decay,
-            adam_beta1=role.adam_beta1, adam_beta2=role.adam_beta2, clip_grad=role.clip_grad, bf16=False,
+            adam_beta1=role.adam_beta1, adam_beta2=role.adam_beta2, clip_grad=role.clip_grad, bf16=self.bf16,
+            params_dtype=torch.bfloat16 if self.bf16 else torch.float32,
             use_distributed_optimizer=par.use_distributed_optimizer), [model])
         scheduler = build_lr_scheduler(optimizer, lr=role.lr, min_lr=role.min_lr, lr_decay_style=role.lr_decay_style,
                                        lr_warmup_fraction=role.lr_warmup_fraction, total_steps=plan.total_optimizer_steps)
         return model, optimizer, scheduler
+
+    def _precision(self, chunk):
+        """``chunk`` in Megatron's ``Float16Module`` for bf16 (inputs cast in, outputs cast back to
+        float32 on the last stage), else as it is."""
+        if not self.bf16:
+            return chunk
+        from megatron.core.transformer.module import Float16Module
+
+        return Float16Module(chunk.config, chunk)
 
     def _engine(self, model, optimizer, scheduler, prefix: str, role, options=None, value_head: bool = False):
         """An engine; a trained one with the plan's offload of its optimizer state and gradients."""

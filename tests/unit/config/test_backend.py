@@ -225,14 +225,14 @@ def test_virtual_stages_are_refused_until_built():
                               "interleaved schedule")
 
 
-def test_bf16_is_refused_on_cuda_and_named_on_cpu():
-    """The megatron backend trains in float32: an explicit bf16 is refused on CUDA, and on a CPU it
-    is in the warning (the plan's training dtype is float32 there)."""
-    assert refusal([*TP2, "actor_config.bf16=true"], device_type="cuda").startswith(
-        "actor_config.bf16=true: bf16 with fp32 main parameters is not built on the megatron backend")
-    assert "actor_config.bf16" in inert([*TP2, "actor_config.bf16=true"])
-    check(TP2, device_type="cuda")  # the seed's default (bf16 true, not written) is no request
+def test_bf16_is_honoured_on_cuda_and_named_on_cpu():
+    """Megatron-Core's bf16 optimizer (fp32 main parameters) takes CUDA tensors only: on CUDA an
+    explicit bf16 trains in bf16, on a CPU the run trains in float32 and the warning names the key."""
     cfg = config([*TP2, "actor_config.bf16=true"])
+    layout, warnings = check_run_config(cfg, device_type="cuda", arch=ARCH)
+    assert build_plan(cfg, layout, ARCH, device="cuda").train_dtype == "bfloat16"
+    assert "actor_config.bf16" not in "".join(warnings)
+    assert "actor_config.bf16" in inert([*TP2, "actor_config.bf16=true"])
     layout, _ = check_run_config(cfg, device_type="cpu", arch=ARCH)
     assert build_plan(cfg, layout, ARCH, device="cpu").train_dtype == "float32"
 

@@ -24,7 +24,8 @@ def arg(args: argparse.Namespace, name: str, default: Any = None) -> Any:
 
 def transformer_config(args: argparse.Namespace, tp: int, pp: int, vpp, layers, *, initialize: bool = False,
                        **options: Any):
-    """A fp32, CPU, no-fusion ``TransformerConfig`` from Megatron-LM argument names. ``initialize``:
+    """A fp32 (unless ``options`` say bf16), CPU-initialised, no-fusion ``TransformerConfig`` from
+    Megatron-LM argument names. ``initialize``:
     Megatron initialises the weights (which marks the tensor-parallel ones, as its gradient norm
     and clipping need) before they are overwritten by loaded ones. ``options``: more
     ``TransformerConfig`` fields (the run's ``recompute_*`` and ``sequence_parallel``)."""
@@ -43,7 +44,7 @@ def transformer_config(args: argparse.Namespace, tp: int, pp: int, vpp, layers, 
         layout = [["decoder"] * n for n in layers]
         layout[0].insert(0, "embedding")
         layout[-1].append("loss")
-    return TransformerConfig(
+    fields = dict(
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
         ffn_hidden_size=args.ffn_hidden_size,
@@ -74,8 +75,9 @@ def transformer_config(args: argparse.Namespace, tp: int, pp: int, vpp, layers, 
         hidden_dropout=0.0,
         attention_dropout=0.0,
         attention_softmax_in_fp32=True,
-        **{"sequence_parallel": False, **options},
+        sequence_parallel=False,
     )
+    return TransformerConfig(**{**fields, **options})
 
 
 def attach_value_head(chunk) -> None:
