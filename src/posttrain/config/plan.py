@@ -71,11 +71,12 @@ class MemoryEstimate:
     activations: float
     kv_cache: float
     reward_model: float = 0.0  # the frozen reward model of reward_config (0 when none, or its size is unknown)
+    rollout_copy: float = 0.0  # megatron: the whole model in HF layout for the native rollout (replica leaders)
 
     @property
     def total(self) -> float:
         return (self.weights + self.gradients + self.optimizer + self.reference + self.critic
-                + self.activations + self.kv_cache + self.reward_model)
+                + self.activations + self.kv_cache + self.reward_model + self.rollout_copy)
 
 
 @dataclass(frozen=True)
@@ -168,6 +169,8 @@ def check_memory(cfg: RunConfig, plan: Plan) -> list[str]:
     unless ``rl_config.ignore_memory_estimate``."""
     from posttrain.errors import ConfigError
 
+    if not cfg.rl.ignore_memory_estimate:
+        check_rollout_fits(plan)
     if plan.memory is None or not plan.device.startswith("cpu"):
         return []
     if plan.use_ray and (cfg.rl.ray_address or os.environ.get("RAY_ADDRESS")):
@@ -187,6 +190,36 @@ def check_memory(cfg: RunConfig, plan: Plan) -> list[str]:
         raise ConfigError(f"{what}: the run would be killed or swap for hours. To fit, {fix}; or set "
                           f"rl_config.ignore_memory_estimate: true to run anyway")
     return [f"{what}: the run may be killed or swap. To fit, {fix}"]
+
+
+def device_memory_bytes(device: str) -> int | None:
+    """The memory of one device of this run as seen here: the GPU's (when CUDA is visible in this
+    process), the machine's on a CPU; None when unknown (e.g. the GPUs are on the Ray cluster)."""
+    if device.startswith("cpu"):
+        return machine_memory_bytes()
+    import torch
+
+    if torch.cuda.is_available():
+        return int(torch.cuda.get_device_properties(0).total_memory)
+    return None
+
+
+def check_rollout_fits(plan: Plan) -> None:
+    """The megatron backend's native rollout holds the whole model in one process: refuse a model
+    whose HF copy alone does not fit one device (it needs a rollout engine sharded over devices)."""
+    from posttrain.errors import ConfigError
+
+    if plan.memory is None or not plan.memory.rollout_copy:
+        return
+    available = device_memory_bytes(plan.device)
+    if available and plan.memory.rollout_copy > available:
+        raise ConfigError(
+            f"the native rollout samples from a whole copy of the model in one process (the first rank of each "
+            f"data-parallel replica): {plan.memory.rollout_copy / GIB:,.1f} GiB of weights do not fit one device "
+            f"({available / GIB:,.1f} GiB). A model larger than one device needs a rollout engine sharded over "
+            f"devices (vLLM with generate_config.infer_tensor_parallel_size), which posttrain does not have yet; "
+            f"train a smaller model, or use backend megatron for an offline stage (sft, dpo), or set "
+            f"rl_config.ignore_memory_estimate: true to run anyway")
 
 
 def build_plan(cfg: RunConfig, layout: Layout, arch: ModelArch | None = None, *, device: str = "cpu",
@@ -323,9 +356,12 @@ def estimate_memory(cfg: RunConfig, plan: Plan, arch: ModelArch) -> MemoryEstima
       s*b*h*34 bytes per layer (full recompute keeps 2*s*b*h), plus fp32 logits s*b*V*4; on megatron
       counted in full too (an upper bound: tensor/sequence parallelism splits some of them, and the
       first pipeline stage holds up to PP micro-batches of its layers);
-    * KV cache of the native rollout engine: the rows one worker decodes at once (at most
-      ``max_num_seqs``) x tokens per sequence x 2 x layers x kv_heads x head_dim x the rollout
-      dtype's bytes.
+    * KV cache of the native rollout engine: the rows one data-parallel replica decodes at once
+      (at most ``max_num_seqs``) x tokens per sequence x 2 x layers x kv_heads x head_dim x the
+      rollout dtype's bytes;
+    * rollout copy (megatron, on-policy): the native engine samples from a whole HF copy of the
+      model held by each replica's leader (TP rank 0, PP rank 0), fp32, 4 bytes per parameter
+      (counted for every process: an upper bound for the others).
     """
     a, par = cfg.actor, plan.parallel
     params = float(arch.num_params())
@@ -337,7 +373,8 @@ def estimate_memory(cfg: RunConfig, plan: Plan, arch: ModelArch) -> MemoryEstima
     s, b, h = plan.max_tokens_per_sequence, plan.micro_batch_size, arch.hidden_size
     per_layer = 2 * s * b * h if a.recompute_granularity == "full" else s * b * h * 34
     activations = arch.num_layers * per_layer + s * b * arch.vocab_size * 4
-    seqs = min(plan.responses_per_iteration // plan.workers, plan.max_num_seqs) if plan.stage.on_policy else 0
+    seqs = min(plan.responses_per_iteration // par.dp, plan.max_num_seqs) if plan.stage.on_policy else 0
+    rollout_copy = 4 * params if plan.stage.on_policy and par.backend == "megatron" else 0.0
     kv = seqs * plan.max_tokens_per_sequence * arch.kv_cache_bytes_per_token(2 if plan.rollout_dtype == "bfloat16"
                                                                              else 4)
     rm_arch = reward_model_arch(cfg) if plan.reward_model is not None else None
@@ -346,7 +383,8 @@ def estimate_memory(cfg: RunConfig, plan: Plan, arch: ModelArch) -> MemoryEstima
                           reference=4 * params / split if plan.uses_reference and not cfg.rl.offload_reference
                           else 0.0,
                           critic=16 * critic if plan.uses_critic else 0.0, activations=activations, kv_cache=kv,
-                          reward_model=rm_bytes * value_model_params(rm_arch) if rm_arch is not None else 0.0)
+                          reward_model=rm_bytes * value_model_params(rm_arch) if rm_arch is not None else 0.0,
+                          rollout_copy=rollout_copy)
 
 
 def value_model_params(arch: ModelArch) -> float:

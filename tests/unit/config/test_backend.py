@@ -276,3 +276,18 @@ def test_memory_is_divided_by_the_model_split():
     cfg = config([*TP2, "actor_config.use_distributed_optimizer=true"])  # DP 2 shares the optimizer state
     m = build_plan(cfg, validate_run_config(cfg), ARCH).memory
     assert m.weights == pytest.approx(whole.weights / 2) and m.optimizer == pytest.approx(whole.optimizer / 4)
+
+
+def test_a_model_whose_rollout_copy_does_not_fit_one_device_is_refused(monkeypatch):
+    """The native rollout holds the whole model on each replica's leader: the seed's 7B model's fp32
+    copy against a 16 GiB device is refused before anything loads (ignore_memory_estimate overrides)."""
+    from posttrain.config import plan as plan_module
+
+    monkeypatch.setattr(plan_module, "machine_memory_bytes", lambda: 16 * 2**30)
+    overrides = ["actor_config.use_distributed_optimizer=false"]
+    with pytest.raises(ConfigError, match=r"the native rollout samples from a whole copy of the model in one process "
+                                          r"\(the first rank of each data-parallel replica\): 28.4 GiB"):
+        plan_module.resolve_plan(load_run_config("r1_zero_qwen25_7b", overrides=overrides), device="cpu")
+    plan = plan_module.resolve_plan(load_run_config("r1_zero_qwen25_7b", overrides=[
+        *overrides, "rl_config.ignore_memory_estimate=true"]), device="cpu")
+    assert plan.memory.rollout_copy == pytest.approx(4 * plan.num_params)
