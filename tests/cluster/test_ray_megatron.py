@@ -80,6 +80,47 @@ def test_grpo_on_the_megatron_backend_equals_the_hf_backend(hf_run, work, model,
             assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), (want["iteration"], key)
 
 
+@pytest.fixture(scope="module")
+def model4(work, tiny_tokenizer):
+    """A 4-layer Qwen2 (hidden 64, no pad row; see ``model``): 2 pipeline stages of 2 virtual stages."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    out = work / "model4"
+    torch.manual_seed(1)
+    config = Qwen2Config(vocab_size=len(tiny_tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         tie_word_embeddings=True, eos_token_id=tiny_tokenizer.eos_token_id)
+    Qwen2ForCausalLM(config).save_pretrained(out)
+    tiny_tokenizer.save_pretrained(out)
+    return out
+
+
+def test_virtual_pipeline_stages_equal_the_hf_backend(ray_cluster, work, model4):
+    """PP 2 with one layer per virtual stage (2 model chunks per rank, the interleaved schedule; its
+    micro-batches packed, their count padded to a multiple of PP with empty ones): the same run. Its
+    checkpoint holds both chunks per rank (``model0``, ``model1``) and converts back to HF."""
+    from posttrain.cli import main
+    from posttrain.models.mcore import layout
+
+    runs, ckpt = {}, work / "mg_vpp_ckpt"
+    for name, workers, extra in (("hf", 1, {}), ("vpp", 2, {"pipeline_model_parallel_size": 2,
+                                                          "num_layers_per_virtual_pipeline_stage": 1,
+                                                          "save": str(ckpt), "save_interval": 2})):
+        runs[name] = record_run(grpo_config(work, f"mg_vpp_{name}", workers=workers, iters=2, rl=RL,
+                                            train={**TRAIN, **extra, "tokenizer_name_or_path": str(model4)}))
+    (want_batches, want_rows, want_steps), (got_batches, got_rows, got_steps) = runs["hf"], runs["vpp"]
+    assert got_batches == want_batches and len(got_steps) == len(want_steps) == 4
+    for step, (got, want) in enumerate(zip(got_steps, want_steps)):
+        for key in want:
+            assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), (step, key)
+    assert [r["iteration"] for r in got_rows if "actor/pg_loss" in r] == [1, 2]
+    shard = layout.load_rank_file(ckpt / "iter_0000002" / "mp_rank_00_001" / layout.RANK_FILE)
+    assert {"model0", "model1"} <= set(shard) and "model" not in shard
+    assert main(["convert", "--load-model-type", "mg", "--save-model-type", "hf", "--load-dir", str(ckpt),
+                 "--save-dir", str(work / "mg_vpp_hf")]) == 0
+
+
 def test_ppo_on_the_megatron_backend_equals_the_hf_backend(ray_cluster, work, model):
     """PPO (GAE, KL in the reward) with its colocated critic at TP 2: the same responses, the same
     actor steps, and every logged metric (the critic's values, value loss and grad norm included).

@@ -50,16 +50,16 @@ def worker(rank: int, hf_dir: str, tp: int, pp: int, save: str) -> None:
 
         chunk, wrapped, optimizer, args = fresh(hf_dir)
         step(wrapped, optimizer)
-        save_megatron_checkpoint(save, 1, chunk, optimizer, args)
-        saved = dict(hf_weights(chunk, args))
+        save_megatron_checkpoint(save, 1, [chunk], optimizer, args)
+        saved = dict(hf_weights([chunk], args))
         want = step(wrapped, optimizer)
-        want_weights = dict(hf_weights(chunk, args))
+        want_weights = dict(hf_weights([chunk], args))
 
         chunk, wrapped, optimizer, args = fresh(hf_dir)  # from the HF weights again, then resumed
-        assert load_megatron_checkpoint(save, chunk, optimizer)["iteration"] == 1
+        assert load_megatron_checkpoint(save, [chunk], optimizer)["iteration"] == 1
         got = step(wrapped, optimizer)
         assert got == want, (got, want)
-        for name, value in dict(hf_weights(chunk, args)).items():
+        for name, value in dict(hf_weights([chunk], args)).items():
             assert torch.equal(value, want_weights[name]), name
         ps.destroy_model_parallel()
     dist.barrier()

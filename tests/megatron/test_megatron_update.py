@@ -101,7 +101,7 @@ def worker(rank: int, hf_dir: str, tp: int, pp: int, kind: str, micro_batch_size
         if packed:  # and generate_config.offload_train_grad: the gradient buffers freed between updates
             from posttrain.train.megatron.engine import MegatronOffload
 
-            engine.offload = MegatronOffload(wrapped, optimizer, optimizer_state=False, grads=True)
+            engine.offload = MegatronOffload([wrapped], optimizer, optimizer_state=False, grads=True)
             engine.offload.to_host()
             assert engine.offload.grad_bytes() == 0
         got = engine.update(batch, loss_fn(kind), mini_batch_size=2, epochs=2, shuffle=True, seed=5)
@@ -117,7 +117,7 @@ def worker(rank: int, hf_dir: str, tp: int, pp: int, kind: str, micro_batch_size
         torch.testing.assert_close(logprobs, want_after[0], rtol=0, atol=1e-4)
         torch.testing.assert_close(entropy, want_after[1], rtol=0, atol=1e-4)
         # the trained weights, gathered into the HF layout on every rank (the rollout's sync)
-        got_weights = dict(hf_weights(chunk, args))
+        got_weights = dict(hf_weights([chunk], args))
         assert sorted(got_weights) == sorted(want_weights)
         for name, value in want_weights.items():
             assert_same_update(name, got_weights[name], value)

@@ -114,7 +114,7 @@ class MegatronWorker(ActorWorker):
         from posttrain.train.megatron.model import hf_weights
 
         with self.megatron():
-            return {name: tensor.cpu().clone() for name, tensor in hf_weights(self.shard.chunk, self.shard.args)}
+            return {name: tensor.cpu().clone() for name, tensor in hf_weights(self.shard.chunks, self.shard.args)}
 
     def close(self) -> None:
         import torch.distributed as dist

@@ -107,9 +107,6 @@ def bf16_asked(cfg: RunConfig) -> bool:
 
 
 MEGATRON_NOT_YET: tuple[NotYet, ...] = (
-    NotYet("actor_config", VPP_KEY, lambda c: getattr(c.actor, VPP_KEY) is not None,
-           "virtual pipeline stages (the interleaved schedule over several model chunks per rank) are not built on "
-           "the megatron backend yet; remove the key"),
     NotYet("actor_config", "sequence_parallel", lambda c: c.actor.sequence_parallel
            and c.actor.tensor_model_parallel_size > 1,
            "sequence parallelism is not built on the megatron backend yet (Megatron-Core's local layers normalise "

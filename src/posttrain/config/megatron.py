@@ -209,9 +209,9 @@ class MegatronConfig(Section):
     pipeline_model_parallel_size: int = F(1, "pipeline parallel size (> 1 selects the megatron backend)",
                                           MODEL_PARALLEL)
     expert_model_parallel_size: int = F(1, "expert parallel size", EXPERT_PARALLEL)
-    num_layers_per_virtual_pipeline_stage: Opt[int] = F(None, "layers per virtual pipeline stage (interleaved "
-                                                              "schedule; selects the megatron backend, which "
-                                                              "refuses it until built)", VPP)
+    num_layers_per_virtual_pipeline_stage: Opt[int] = F(None, "layers per virtual pipeline stage (the "
+                                                              "interleaved schedule; needs PP > 1; selects the "
+                                                              "megatron backend)", VPP)
     num_layer_list: Any = F(None, "layers per pipeline stage", PP_LAYOUT)
     noop_layers: Any = F(None, "no-op layers for pipeline balance", PP_LAYOUT)
     context_parallel_size: int = F(1, "context parallel size", CONTEXT_PARALLEL)

@@ -41,18 +41,30 @@ def _is_megatron_dir(path: str) -> bool:
     return is_mcore_checkpoint(path)
 
 
-def build_chunk(source: str, options: dict, *, for_training: bool, value_head: bool = False):
-    """This rank's chunk and its Megatron args: from a Megatron checkpoint of this layout, or an HF
-    directory (a posttrain HF checkpoint's ``iter_*`` included); ``value_head``: the critic's."""
+def build_chunks(source: str, options: dict, device: str, *, for_training: bool, value_head: bool = False):
+    """This rank's chunks (one per virtual stage) on ``device`` and their Megatron args: from a
+    Megatron checkpoint of this layout, or an HF directory (a posttrain HF checkpoint's ``iter_*``
+    included); ``value_head``: the critic's."""
     from posttrain.checkpoint import resolve_checkpoint
     from posttrain.train.megatron.model import hf_to_megatron, mcore_to_megatron
 
     if _is_megatron_dir(source):
-        [chunk], args = mcore_to_megatron(source, for_training=for_training, value_head=value_head, **options)
+        chunks, args = mcore_to_megatron(source, for_training=for_training, value_head=value_head, **options)
     else:
-        [chunk], args = hf_to_megatron(resolve_checkpoint(source)[0], for_training=for_training,
-                                       value_head=value_head, **options)
-    return chunk, args
+        chunks, args = hf_to_megatron(resolve_checkpoint(source)[0], for_training=for_training,
+                                      value_head=value_head, **options)
+    return [chunk.to(device) for chunk in chunks], args
+
+
+def num_layers(source: str) -> int:
+    """The layers of the model in ``source`` (a Megatron checkpoint's args, or an HF config)."""
+    from posttrain.checkpoint import resolve_checkpoint
+    from posttrain.models.arch import arch_from_hf_config
+    from posttrain.models.mcore import layout
+
+    if _is_megatron_dir(source):
+        return int(layout.read_args(layout.iteration_dir(Path(source))).num_layers)
+    return arch_from_hf_config(str(resolve_checkpoint(source)[0])).num_layers
 
 
 def hf_skeleton(source: str, args, device: str):
@@ -86,7 +98,11 @@ class MegatronPolicy:
 
         a, par = cfg.actor, plan.parallel
         self.cfg, self.plan, self.device = cfg, plan, device
-        ps.initialize_model_parallel(tensor_model_parallel_size=par.tp, pipeline_model_parallel_size=par.pp)
+        source = model_source(a)
+        vpp = num_layers(source) // (par.pp * par.vpp_layers) if par.vpp_layers else None  # chunks per rank
+        vpp = vpp if vpp and vpp > 1 else None
+        ps.initialize_model_parallel(tensor_model_parallel_size=par.tp, pipeline_model_parallel_size=par.pp,
+                                     virtual_pipeline_model_parallel_size=vpp)
         model_parallel_cuda_manual_seed(a.seed)
         self.leader = ps.get_tensor_model_parallel_rank() == 0 and ps.get_pipeline_model_parallel_rank() == 0
         self.dp_rank = ps.get_data_parallel_rank()
@@ -99,12 +115,10 @@ class MegatronPolicy:
         if self.bf16:  # fp32 main parameters in the optimizer
             options.update(bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16)
         self.options = {k: v for k, v in options.items() if v is not None}
-        source = model_source(a)
         resuming = _is_megatron_dir(source) and not a.finetune and _has_iteration(source)
-        self.chunk, self.args = build_chunk(source, self.options, for_training=True)
-        self.chunk.to(device)
-        self.model, self.optimizer, self.scheduler = self._trainable(a, plan, self.chunk)
-        self.engine = self._engine(self.model, self.optimizer, self.scheduler, plan.stage.metric_prefix
+        self.chunks, self.args = build_chunks(source, self.options, device, for_training=True)
+        self.models, self.optimizer, self.scheduler = self._trainable(a, plan, self.chunks)
+        self.engine = self._engine(self.models, self.optimizer, self.scheduler, plan.stage.metric_prefix
                                    if not plan.stage.on_policy else "actor", a, plan.actor_engine)
         self.state = {"iteration": 0, "consumed_samples": 0, "sampler_state": None, "initial_model": str(source)}
         if resuming:
@@ -113,9 +127,11 @@ class MegatronPolicy:
         self.reference = None
         if plan.uses_reference:
             ref_source = reference_source(cfg, self.state) or str(source)
-            ref_chunk, _ = build_chunk(ref_source, self.options, for_training=False)
-            ref_chunk.to(device).eval().requires_grad_(False)
-            self.reference = self._engine(self._precision(ref_chunk), None, None, "ref", a, plan.ref_engine)
+            ref_chunks, _ = build_chunks(ref_source, self.options, device, for_training=False)
+            for chunk in ref_chunks:
+                chunk.eval().requires_grad_(False)
+            self.reference = self._engine([self._precision(c) for c in ref_chunks], None, None, "ref", a,
+                                          plan.ref_engine)
             if cfg.rl.offload_reference:
                 from posttrain.roles.policy import offloaded_reference
 
@@ -130,25 +146,28 @@ class MegatronPolicy:
             self.sync_rollout()
 
     # ---- set-up ---------------------------------------------------------------------------------
-    def _trainable(self, role, plan, chunk):
-        """Megatron's DDP over ``chunk``, its optimizer and posttrain's LR schedule, from ``role``'s keys."""
+    def _trainable(self, role, plan, chunks: list):
+        """Megatron's DDP over each of ``chunks``, their optimizer and posttrain's LR schedule, from
+        ``role``'s keys."""
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
         from posttrain.train.optim import build_lr_scheduler
 
         par = plan.parallel
-        model = DistributedDataParallel(chunk.config, DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=par.use_distributed_optimizer),
-            self._precision(chunk))
+        ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                            use_distributed_optimizer=par.use_distributed_optimizer)
+        models = [DistributedDataParallel(chunk.config, ddp, self._precision(chunk),
+                                          disable_bucketing=index > 0)  # as Megatron-LM builds virtual stages
+                  for index, chunk in enumerate(chunks)]
         optimizer = get_megatron_optimizer(OptimizerConfig(
             optimizer="adam", lr=role.lr, min_lr=role.min_lr, weight_decay=role.weight_decay,
             adam_beta1=role.adam_beta1, adam_beta2=role.adam_beta2, clip_grad=role.clip_grad, bf16=self.bf16,
             params_dtype=torch.bfloat16 if self.bf16 else torch.float32,
-            use_distributed_optimizer=par.use_distributed_optimizer), [model])
+            use_distributed_optimizer=par.use_distributed_optimizer), models)
         scheduler = build_lr_scheduler(optimizer, lr=role.lr, min_lr=role.min_lr, lr_decay_style=role.lr_decay_style,
                                        lr_warmup_fraction=role.lr_warmup_fraction, total_steps=plan.total_optimizer_steps)
-        return model, optimizer, scheduler
+        return models, optimizer, scheduler
 
     def _precision(self, chunk):
         """``chunk`` in Megatron's ``Float16Module`` for bf16 (inputs cast in, outputs cast back to
@@ -168,7 +187,7 @@ class MegatronPolicy:
                                 value_head=value_head, options=options)
         plan = self.plan
         if optimizer is not None and (plan.offload_optimizer or plan.offload_grads):
-            engine.offload = MegatronOffload(model, optimizer, optimizer_state=plan.offload_optimizer,
+            engine.offload = MegatronOffload(engine.models, optimizer, optimizer_state=plan.offload_optimizer,
                                              grads=plan.offload_grads)
             engine.offload.to_host()  # nothing is needed until the first update
         return engine
@@ -182,14 +201,13 @@ class MegatronPolicy:
 
         role = cfg.critic or cfg.actor
         path, from_actor = critic_source(cfg)
-        self.critic_chunk, _ = build_chunk(str(self.state["initial_model"]) if from_actor else path, self.options,
-                                           for_training=True, value_head=True)
-        self.critic_chunk.to(self.device)
-        model, optimizer, scheduler = self._trainable(role, plan, self.critic_chunk)
-        critic = self._engine(model, optimizer, scheduler, "critic", role, value_head=True)
+        self.critic_chunks, _ = build_chunks(str(self.state["initial_model"]) if from_actor else path, self.options,
+                                             self.device, for_training=True, value_head=True)
+        models, optimizer, scheduler = self._trainable(role, plan, self.critic_chunks)
+        critic = self._engine(models, optimizer, scheduler, "critic", role, value_head=True)
         if resume_dir is not None:  # finetune / no_load_optim keep the critic's weights only
             keep_optim = not (role.finetune or role.no_load_optim)
-            saved = load_megatron_checkpoint(resume_dir, self.critic_chunk, optimizer, load_optim=keep_optim,
+            saved = load_megatron_checkpoint(resume_dir, self.critic_chunks, optimizer, load_optim=keep_optim,
                                              load_rng=False, subdir="critic")
             if keep_optim and "scheduler" in saved:
                 scheduler.load_state_dict(saved["scheduler"])
@@ -198,7 +216,7 @@ class MegatronPolicy:
     def _resume(self, source: str, a) -> dict:
         from posttrain.train.megatron.checkpoint import load_megatron_checkpoint
 
-        saved = load_megatron_checkpoint(source, self.chunk, self.optimizer, load_optim=not a.no_load_optim,
+        saved = load_megatron_checkpoint(source, self.chunks, self.optimizer, load_optim=not a.no_load_optim,
                                          load_rng=not a.no_load_rng)
         if "scheduler" in saved and not a.no_load_optim:
             self.scheduler.load_state_dict(saved["scheduler"])
@@ -217,7 +235,7 @@ class MegatronPolicy:
 
         start = time.perf_counter()
         params = dict(self.hf_model.named_parameters()) if self.rollout is not None else None
-        for name, tensor in hf_weights(self.chunk, self.args):
+        for name, tensor in hf_weights(self.chunks, self.args):
             if params is not None:
                 with torch.no_grad():
                     params[name].copy_(tensor)
@@ -230,12 +248,12 @@ class MegatronPolicy:
 
         with on_device(self.engine, self.critic):  # an offloaded optimizer state is saved too
             if self.critic is not None:  # first: the policy's save publishes the iteration
-                save_megatron_checkpoint(save_dir, iteration, self.critic_chunk, self.critic.optimizer, self.args,
+                save_megatron_checkpoint(save_dir, iteration, self.critic_chunks, self.critic.optimizer, self.args,
                                          extra={"scheduler": self.critic.scheduler.state_dict()},
                                          save_optim=save_optim, save_rng=False, subdir="critic")
             extra = {"scheduler": self.scheduler.state_dict(), "trainer_state": dict(trainer_state),
                      "sampler_state": sampler_state}
-            return save_megatron_checkpoint(save_dir, iteration, self.chunk, self.optimizer, self.args, extra=extra,
+            return save_megatron_checkpoint(save_dir, iteration, self.chunks, self.optimizer, self.args, extra=extra,
                                             save_optim=save_optim, save_rng=save_rng)
 
 

@@ -197,7 +197,7 @@ def test_offline_stages_plan_on_megatron(stage):
 def test_not_yet_lists_every_entry_by_key():
     assert {(i.section, i.key) for i in MEGATRON_NOT_YET} >= {
         ("rl_config", "ray_sharding"), ("actor_config", "bf16"), ("actor_config", "sequence_parallel"),
-        ("actor_config", "num_layers_per_virtual_pipeline_stage"), ("reward_config", "")}
+        ("reward_config", "")}
 
 
 def test_offload_follows_the_hf_backends_rules():
@@ -218,11 +218,11 @@ def test_offload_follows_the_hf_backends_rules():
     assert plan.offload_grads and plan.offload_optimizer
 
 
-def test_virtual_stages_are_refused_until_built():
-    message = refusal(["actor_config.pipeline_model_parallel_size=2",
-                       "actor_config.num_layers_per_virtual_pipeline_stage=1"])
-    assert message.startswith("actor_config.num_layers_per_virtual_pipeline_stage=1: virtual pipeline stages (the "
-                              "interleaved schedule")
+def test_virtual_stages_plan_on_megatron():
+    cfg = config(["actor_config.pipeline_model_parallel_size=2", "actor_config.num_layers_per_virtual_pipeline_stage=1"])
+    layout, _ = check_run_config(cfg, device_type="cpu", arch=ARCH)
+    par = build_plan(cfg, layout, ARCH, device="cpu").parallel
+    assert (par.backend, par.pp, par.vpp_layers, par.dp) == ("megatron", 2, 1, 2)
 
 
 def test_bf16_is_honoured_on_cuda_and_named_on_cpu():

@@ -53,11 +53,12 @@ def _set_rng_state(state: dict) -> None:
     get_cuda_rng_tracker().set_states(state["tracker"])
 
 
-def save_megatron_checkpoint(save_dir: str | Path, iteration: int, chunk, optimizer,
+def save_megatron_checkpoint(save_dir: str | Path, iteration: int, chunks: list, optimizer,
                              args: argparse.Namespace, *, extra: dict | None = None, save_optim: bool = True,
                              save_rng: bool = True, subdir: str | None = None) -> Path:
-    """Write this rank's part of iteration ``iteration``; returns the iteration directory. Every
-    rank calls it (a barrier inside). ``save_optim`` / ``save_rng``: the seed's ``no_save_*``
+    """Write this rank's part of iteration ``iteration`` (its ``chunks``, one per virtual stage:
+    ``model``, or ``model0``, ``model1``, ... as Megatron-LM names them); returns the iteration
+    directory. Every rank calls it (a barrier inside). ``save_optim`` / ``save_rng``: the seed's ``no_save_*``
     negated. ``subdir``: another model of the same iteration (PPO's ``critic``), written into
     ``iter_XXXXXXX/<subdir>/`` before the policy, without the tracker (the policy's save writes it)."""
     import torch.distributed as dist
@@ -71,8 +72,8 @@ def save_megatron_checkpoint(save_dir: str | Path, iteration: int, chunk, optimi
     if ps.get_data_parallel_rank() == 0:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + ".tmp")
-        state = {"model": chunk.state_dict(), "iteration": iteration, "args": args,
-                 "checkpoint_version": layout.CHECKPOINT_VERSION, **(extra or {})}
+        state = {layout.model_key(i, len(chunks)): chunk.state_dict() for i, chunk in enumerate(chunks)}
+        state.update(iteration=iteration, args=args, checkpoint_version=layout.CHECKPOINT_VERSION, **(extra or {}))
         if save_optim:
             state["optimizer"] = optimizer.state_dict()
         if save_rng:
@@ -91,10 +92,10 @@ def save_megatron_checkpoint(save_dir: str | Path, iteration: int, chunk, optimi
     return it_dir
 
 
-def load_megatron_checkpoint(load_dir: str | Path, chunk, optimizer, *, load_optim: bool = True,
+def load_megatron_checkpoint(load_dir: str | Path, chunks: list, optimizer, *, load_optim: bool = True,
                              load_rng: bool = True, subdir: str | None = None) -> dict:
     """Load this rank's part of the checkpoint ``load_dir`` names (a save directory's latest, or an
-    ``iter_*`` directory) into ``chunk`` and
+    ``iter_*`` directory) into ``chunks`` and
     (unless told not to) ``optimizer`` and the RNG states; returns the rank file's other entries
     (``iteration`` and the saver's ``extra``). ``subdir``: the model saved there (``critic``)."""
     from posttrain.models.mcore import layout
@@ -109,7 +110,8 @@ def load_megatron_checkpoint(load_dir: str | Path, chunk, optimizer, *, load_opt
         raise CheckpointError(f"{path} is missing: this rank's shard of {it_dir} (the checkpoint was saved with "
                               f"another tensor/pipeline layout; convert it to HF and start from that)")
     state = layout.load_rank_file(path, mmap=False)  # weights_only, with the converter's allow-list
-    chunk.load_state_dict(state.pop("model"), strict=True)
+    for i, chunk in enumerate(chunks):
+        chunk.load_state_dict(state.pop(layout.model_key(i, len(chunks))), strict=True)
     for key, wanted, load in (("optimizer", load_optim, optimizer.load_state_dict), ("rng_state", load_rng,
                                                                                     _set_rng_state)):
         if wanted and key not in state:

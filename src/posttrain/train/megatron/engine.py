@@ -91,10 +91,10 @@ class MegatronOffload:
     ``DistributedDataParallel`` freed by Megatron-Core's own ``offload_grad_buffers`` (their storage
     resized to 0; ``restore_grad_buffers`` gives it back zeroed, the ``main_grad`` views intact)."""
 
-    def __init__(self, model, optimizer, *, optimizer_state: bool, grads: bool):
+    def __init__(self, models: list, optimizer, *, optimizer_state: bool, grads: bool):
         from posttrain.train.offload import StateOffload
 
-        self.model, self.grads = model, grads
+        self.models, self.grads = models, grads
         torch_optimizers = [o.optimizer for o in getattr(optimizer, "chained_optimizers", [optimizer])]
         self.states = [StateOffload(o, optimizer_state=True, grads=False) for o in torch_optimizers] \
             if optimizer_state else []
@@ -103,8 +103,9 @@ class MegatronOffload:
         from posttrain.train.offload import return_freed_memory
 
         if self.grads:
-            cuda = torch.cuda.is_available() and next(self.model.parameters()).is_cuda
-            self.model.offload_grad_buffers(synchronize=cuda, empty_cache=cuda)
+            cuda = torch.cuda.is_available() and next(self.models[0].parameters()).is_cuda
+            for model in self.models:
+                model.offload_grad_buffers(synchronize=cuda, empty_cache=cuda)
             if not cuda:
                 return_freed_memory()
         for state in self.states:
@@ -112,30 +113,34 @@ class MegatronOffload:
 
     def to_device(self) -> None:
         if self.grads:
-            self.model.restore_grad_buffers(synchronize=False)
+            for model in self.models:
+                model.restore_grad_buffers(synchronize=False)
         for state in self.states:
             state.to_device()
 
     def grad_bytes(self) -> int:
         """Bytes the gradient buffers hold now (0 while freed)."""
-        return sum(b.grad_data.untyped_storage().nbytes() for b in self.model.buffers)
+        return sum(b.grad_data.untyped_storage().nbytes() for model in self.models for b in model.buffers)
 
 
 class MegatronEngine:
-    """``compute_logprobs`` and ``update`` on ``model`` (this rank's chunk, in Megatron's
-    ``DistributedDataParallel``) with Megatron's ``optimizer``."""
+    """``compute_logprobs`` and ``update`` on ``model`` (this rank's chunk, or its chunks, one per
+    virtual pipeline stage, each in Megatron's ``DistributedDataParallel``) with Megatron's
+    ``optimizer``."""
 
     def __init__(self, model, optimizer=None, scheduler=None, *, vocab_size: int, micro_batch_size: int = 1,
                  metric_prefix: str = "actor", value_head: bool = False, options: EngineOptions | None = None):
-        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.models = list(model) if isinstance(model, (list, tuple)) else [model]
+        self.model = self.models[0] if len(self.models) == 1 else torch.nn.ModuleList(self.models)
+        self.optimizer, self.scheduler = optimizer, scheduler
         self.vocab_size, self.micro_batch_size, self.metric_prefix = vocab_size, micro_batch_size, metric_prefix
         self.value_head = value_head  # the critic: the model returns values, the loss takes them (on_values)
         self.options = options or EngineOptions()
         self.offload: MegatronOffload | None = None  # set by the policy (generate_config.offload_train_*)
-        # packed micro-batches with remove padding, and always under a token budget (rows per
-        # micro-batch vary there, and the pipeline's buffers need one shape)
+        # packed micro-batches with remove padding, and always under a token budget or with virtual
+        # stages (rows per micro-batch vary there, and the pipeline's buffers need one shape)
         self.packing = bool(self.options.use_remove_padding or self.options.forward_budget
-                            or self.options.update_budget)
+                            or self.options.update_budget or len(self.models) > 1)
 
     def _micro_batches(self, batch: dict[str, torch.Tensor], micro_batch_size: int | None, budget,
                        rows_per_item: int = 1) -> list[torch.Tensor]:
@@ -148,11 +153,18 @@ class MegatronEngine:
         items = torch.arange(rows).view(-1, rows_per_item)
         if budget is not None:
             lengths = batch["attention_mask"].sum(-1).view(-1, rows_per_item).sum(-1).tolist()
-            return [items[torch.tensor(group)].reshape(-1) for group in split_by_tokens(lengths, budget)]
-        size = max(1, micro_batch_size or self.micro_batch_size)
-        if not self.packing:
-            size = math.gcd(len(items), size) or 1
-        return [items[start:start + size].reshape(-1) for start in range(0, len(items), size)]
+            groups = [items[torch.tensor(group)].reshape(-1) for group in split_by_tokens(lengths, budget)]
+        else:
+            size = max(1, micro_batch_size or self.micro_batch_size)
+            if not self.packing:
+                size = math.gcd(len(items), size) or 1
+            groups = [items[start:start + size].reshape(-1) for start in range(0, len(items), size)]
+        if len(self.models) > 1:  # the interleaved schedule takes a multiple of PP micro-batches: pad
+            from megatron.core import parallel_state as ps  # with empty (all-padding) packed ones
+
+            pp = ps.get_pipeline_model_parallel_world_size()
+            groups += [items[:0].reshape(-1)] * (-len(groups) % pp)
+        return groups
 
     def _run(self, batch: dict[str, torch.Tensor], micro_batches: list[torch.Tensor], on_logits, *,
              forward_only: bool) -> None:
@@ -162,7 +174,7 @@ class MegatronEngine:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         if self.packing:  # every packed micro-batch padded to the longest, for the p2p buffers
-            length = max(int(batch["attention_mask"][rows].sum()) for rows in micro_batches)
+            length = max(max(int(batch["attention_mask"][rows].sum()) for rows in micro_batches), 1)
             shape = (1, length)
         else:
             shape = (len(micro_batches[0]), batch["input_ids"].shape[1])
@@ -175,8 +187,10 @@ class MegatronEngine:
             *inputs, response = _inputs(batch, rows)
             return model(*inputs), lambda logits: (on_logits(rows, logits[:, response]), {})
 
-        get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(micro_batches),
-                                    model=[self.model], num_microbatches=len(micro_batches), seq_length=shape[1],
+        iterators = [iter(micro_batches) for _ in self.models]  # each chunk reads every micro-batch once
+        get_forward_backward_func()(forward_step_func=forward_step,
+                                    data_iterator=iterators if len(self.models) > 1 else iterators[0],
+                                    model=self.models, num_microbatches=len(micro_batches), seq_length=shape[1],
                                     micro_batch_size=shape[0], forward_only=forward_only)
 
     def _inference(self, batch, micro_batch_size, on_logits) -> torch.Tensor | None:
@@ -277,10 +291,11 @@ class MegatronEngine:
                 totals[key] = totals.get(key, 0.0) + value.detach().float()
             return loss * loss_scale
 
-        self.model.zero_grad_buffer()
+        for model in self.models:
+            model.zero_grad_buffer()
         self.optimizer.zero_grad()
         self._run(mini_batch, micro_batches, on_logits, forward_only=False)
-        finalize_model_grads([self.model])
+        finalize_model_grads(self.models)
         lr = float(self.optimizer.param_groups[0]["lr"])
         updated, grad_norm, _ = self.optimizer.step()
         if not updated or grad_norm is None or not torch.isfinite(torch.tensor(float(grad_norm))):

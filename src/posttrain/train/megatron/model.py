@@ -156,74 +156,92 @@ def is_reward_model_dir(hf_dir: Path) -> bool:
 
 def hf_to_megatron(hf_dir: str | Path, *, divisor: int = 128, for_training: bool = False, value_head: bool = False,
                    **options: Any) -> tuple[list, argparse.Namespace]:
-    """This rank's ``GPTModel`` (one chunk; no virtual stages) holding its share of the HF model in
-    ``hf_dir``, in fp32, for the TP and PP sizes ``parallel_state`` was initialised with; and the
-    Megatron arguments that describe it. ``for_training``: built so that Megatron's optimizer can
-    tell the tensor-parallel parameters from the replicated ones (see :func:`transformer_config`);
-    ``value_head``: the critic (:func:`attach_value_head`; a reward model's ``score`` head is
-    loaded into it); ``options``: more ``TransformerConfig`` fields."""
+    """This rank's ``GPTModel`` chunks (one per virtual stage) holding its share of the HF model in
+    ``hf_dir``, in fp32, for the TP, PP and virtual-stage sizes ``parallel_state`` was initialised
+    with; and the Megatron arguments that describe it. ``for_training``: built so that Megatron's
+    optimizer can tell the tensor-parallel parameters from the replicated ones (see
+    :func:`transformer_config`); ``value_head``: the critic (:func:`attach_value_head`; a reward
+    model's ``score`` head is loaded into it); ``options``: more ``TransformerConfig`` fields."""
     from megatron.core import parallel_state as ps
 
     from posttrain.models.mcore import layout, mapping, splits
     from posttrain.models.mcore.convert import _stage_state, hf_arch
     from posttrain.models.mcore.hf_files import HFWeights
 
-    tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
+    tp, pp, vpp = _sizes()
     weights = HFWeights(Path(hf_dir))
     orm = value_head and is_reward_model_dir(Path(hf_dir))
     arch = hf_arch(Path(hf_dir), weights, orm=orm)
     padded = splits.padded_vocab_size(arch.vocab_size, divisor, tp)
     splits.check_tp(tp, heads=arch.num_attention_heads, groups=arch.num_kv_heads, ffn=arch.ffn_hidden_size,
                     padded_vocab=padded)
-    par = layout.Parallel(tp, pp, 1, layout.pipeline_stages(arch.num_layers, pp))
+    per_chunk = arch.num_layers // (pp * vpp) if vpp else None
+    par = layout.Parallel(tp, pp, 1, layout.pipeline_stages(arch.num_layers, pp, None, per_chunk))
     args = layout.make_args(arch, par, padded_vocab=padded, divisor=divisor, params_dtype=torch.float32,
-                            num_layer_list=None, layers_per_virtual_stage=None, orm=False)
-    [chunk] = build_chunks(args, transformer_config(args, tp, pp, None, None, initialize=for_training, **options),
-                           None, value_head=value_head)
-    state = _stage_state(weights, arch, par, mapping.layer_params(arch), ps.get_pipeline_model_parallel_rank(), 0,
-                         ps.get_tensor_model_parallel_rank(), padded, orm)
-    if value_head:
-        state = _value_head_state(state, chunk)
-    chunk.load_state_dict({k: v.float() for k, v in state.items()}, strict=True)
-    return [chunk], args
+                            num_layer_list=None, layers_per_virtual_stage=per_chunk, orm=False)
+    chunks = build_chunks(args, transformer_config(args, tp, pp, vpp, None, initialize=for_training, **options),
+                          vpp, value_head=value_head)
+    for index, chunk in enumerate(chunks):
+        state = _stage_state(weights, arch, par, mapping.layer_params(arch), ps.get_pipeline_model_parallel_rank(),
+                             index, ps.get_tensor_model_parallel_rank(), padded, orm)
+        _load(chunk, _value_head_state(state, chunk) if value_head else state)
+    return chunks, args
+
+
+def _sizes() -> tuple[int, int, int | None]:
+    """TP, PP and the virtual stages per rank (None without) of ``parallel_state``."""
+    from megatron.core import parallel_state as ps
+
+    vpp = ps.get_virtual_pipeline_model_parallel_world_size()
+    return (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
+            vpp if vpp and vpp > 1 else None)
+
+
+def _load(chunk, state: dict) -> None:
+    """``state`` (a converter or checkpoint state dict, with None ``_extra_state`` entries) into
+    ``chunk``, every weight cast to the chunk's dtype, strictly."""
+    chunk.load_state_dict({k: v.float() if torch.is_tensor(v) and v.is_floating_point() else v
+                           for k, v in state.items()}, strict=True)
 
 
 def mcore_to_megatron(load_dir: str | Path, *, for_training: bool = False, value_head: bool = False,
                       **options: Any) -> tuple[list, argparse.Namespace]:
-    """This rank's ``GPTModel`` holding its shard of the Megatron checkpoint ``load_dir`` (a
+    """This rank's ``GPTModel`` chunks holding its shard of the Megatron checkpoint ``load_dir`` (a
     ``posttrain convert`` output or a Megatron-backend save), which must have been saved with the
-    TP and PP sizes ``parallel_state`` was initialised with (evenly split stages, no virtual ones):
-    a checkpoint of another layout is converted to HF first (``posttrain convert``), never
-    resharded here. ``value_head``: as in :func:`hf_to_megatron` (an ``--orm`` checkpoint's head is loaded)."""
+    layout ``parallel_state`` was initialised with (TP, PP, virtual stages; evenly split): a
+    checkpoint of another layout is converted to HF first (``posttrain convert``), never resharded
+    here. ``value_head``: as in :func:`hf_to_megatron` (an ``--orm`` checkpoint's head is loaded)."""
     from megatron.core import parallel_state as ps
 
     from posttrain.errors import CheckpointError
     from posttrain.models.mcore import layout
 
-    tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
+    tp, pp, vpp = _sizes()
     it_dir = layout.iteration_dir(Path(load_dir))
     args = layout.read_args(it_dir)
     saved = layout.parallel_from_args(args, it_dir)
-    if (saved.tp, saved.pp, saved.ep, saved.stages) != (tp, pp, 1, layout.pipeline_stages(int(args.num_layers), pp)):
+    layers = int(args.num_layers)
+    wanted = layout.pipeline_stages(layers, pp, None, layers // (pp * vpp) if vpp else None)
+    if (saved.tp, saved.pp, saved.ep, saved.stages) != (tp, pp, 1, wanted):
         raise CheckpointError(
-            f"{it_dir} was saved at TP {saved.tp} x PP {saved.pp} (stages {saved.stages}); this run is TP {tp} x "
-            f"PP {pp} with even stages. Convert it to HF first (posttrain convert --load-model-type mg "
-            f"--save-model-type hf --load-dir {load_dir} --save-dir <hf dir>) and load that directory.")
+            f"{it_dir} was saved at TP {saved.tp} x PP {saved.pp} with {saved.chunks} virtual stage(s) (stages "
+            f"{saved.stages}); this run is TP {tp} x PP {pp} with {vpp or 1}, evenly split. Convert it to HF first "
+            f"(posttrain convert --load-model-type mg --save-model-type hf --load-dir {load_dir} --save-dir "
+            f"<hf dir>) and load that directory.")
     path = it_dir / layout.rank_dir_name(ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
                                          pp) / layout.RANK_FILE
-    [chunk] = build_chunks(args, transformer_config(args, tp, pp, None, None, initialize=for_training, **options),
-                           None, value_head=value_head)
-    state = layout.load_rank_file(path, mmap=False)["model"]  # with None ``_extra_state`` entries
-    if value_head:
-        state = _value_head_state(state, chunk)
-    chunk.load_state_dict({k: v.float() if torch.is_tensor(v) and v.is_floating_point() else v
-                           for k, v in state.items()}, strict=True)
-    return [chunk], args
+    chunks = build_chunks(args, transformer_config(args, tp, pp, vpp, None, initialize=for_training, **options),
+                          vpp, value_head=value_head)
+    saved_state = layout.load_rank_file(path, mmap=False)
+    for index, chunk in enumerate(chunks):
+        state = saved_state[layout.model_key(index, len(chunks))]
+        _load(chunk, _value_head_state(state, chunk) if value_head else state)
+    return chunks, args
 
 
-def hf_weights(chunk, args: argparse.Namespace):
-    """Yield ``(HF name, full tensor)`` for every weight of the model that ``chunk`` is this rank's
-    part of, one layer at a time, on every rank: each tensor's TP shards are all-gathered and
+def hf_weights(chunks: list, args: argparse.Namespace):
+    """Yield ``(HF name, full tensor)`` for every weight of the model that ``chunks`` (one per
+    virtual stage) are this rank's part of, one layer at a time, on every rank: each tensor's TP shards are all-gathered and
     merged back into the HF layout (the converter's mapping), then broadcast from the pipeline
     stage that holds it. This is the weight sync from the trained model to the rollout's HF model;
     the peak is one layer, not the model. All ranks must iterate it together (collectives)."""
@@ -235,12 +253,12 @@ def hf_weights(chunk, args: argparse.Namespace):
     where = Path("<megatron model>")
     arch, par = layout.arch_from_args(args, where), layout.parallel_from_args(args, where)
     vocab = int(args.vocab_size)
-    state = chunk.state_dict()
+    states = [chunk.state_dict() for chunk in chunks]
     tp_group, pp_group = ps.get_tensor_model_parallel_group(), ps.get_pipeline_model_parallel_group()
     pp_rank, pp_ranks = ps.get_pipeline_model_parallel_rank(), dist.get_process_group_ranks(pp_group)
 
-    def tp_shards(name: str) -> list[torch.Tensor]:
-        local = state[name].detach().contiguous()
+    def tp_shards(name: str, chunk: int = 0) -> list[torch.Tensor]:
+        local = states[chunk][name].detach().contiguous()
         shards = [torch.empty_like(local) for _ in range(par.tp)]
         dist.all_gather(shards, local, group=tp_group)
         return shards
@@ -262,15 +280,15 @@ def hf_weights(chunk, args: argparse.Namespace):
     yield mapping.HF_EMBEDDING, embedding
     params = mapping.layer_params(arch)
     for layer in range(arch.num_layers):
-        stage, _, local = par.locate(layer)
+        stage, chunk, local = par.locate(layer)
         for p in params:
             merged = from_stage(stage, lambda: mapping.merge_param(
-                p, tp_shards(mapping.mcore_layer_name(local, p.mcore)), arch))
+                p, tp_shards(mapping.mcore_layer_name(local, p.mcore), chunk), arch))
             for name, tensor in zip(p.hf, merged):
                 yield mapping.hf_layer_name(layer, name), tensor
     last = par.pp - 1
-    [norm] = from_stage(last, lambda: [state[mapping.FINAL_NORM].detach().clone()])
+    [norm] = from_stage(last, lambda: [states[-1][mapping.FINAL_NORM].detach().clone()])
     yield mapping.HF_FINAL_NORM, norm
     if not arch.tie_embeddings:
-        [head] = from_stage(last, lambda: [splits.merge_vocab(tp_shards(mapping.OUTPUT_LAYER), vocab)])
+        [head] = from_stage(last, lambda: [splits.merge_vocab(tp_shards(mapping.OUTPUT_LAYER, -1), vocab)])
         yield mapping.HF_LM_HEAD, head
