@@ -1,7 +1,8 @@
 """The HF engine vs the Megatron-Core engine (issue 17) on the same model and batch, on this CPU.
 
 One GRPO optimizer step (the actor loss of posttrain.train.loss_fns, 8 rows of 48 prompt + 48
-response tokens, one row per micro-batch, Adam, clip_grad 1.0) is timed in each layout:
+response tokens, ``--micro-batch-size`` rows per micro-batch (default 1), Adam, clip_grad 1.0) is
+timed in each layout, with the same micro-batch size for both engines:
 
 * ``hf``: ``TrainEngine`` in one process;
 * ``mcore_tp1``: ``MegatronEngine`` at TP 1 in one process (a gloo group of 1);
@@ -10,9 +11,12 @@ response tokens, one row per micro-batch, Adam, clip_grad 1.0) is timed in each 
 Each layout runs in fresh processes with 1 thread each: 2 warm-up steps, then the median of
 ``--steps`` steps (wall time of the step on rank 0), and the peak resident set (``VmHWM``) of each
 process. The model is a random Qwen2 (hidden 512, 8 layers, 8 heads in 4 groups, FFN 1536, vocab
-8192, qkv bias, untied), written once to ``--work``.
+8192, qkv bias, untied), written once to ``--work``. The results (and the load average at the end)
+go to ``--out`` (default ``--work``/results.json) under the micro-batch size, so runs with
+different sizes fill one file:
 
     .venv/bin/python benchmarks/megatron/bench_backends.py --work /tmp/bench_backends --steps 5
+    .venv/bin/python benchmarks/megatron/bench_backends.py --work /tmp/bench_backends --steps 5 --micro-batch-size 4
 """
 
 from __future__ import annotations
@@ -76,7 +80,7 @@ def timed_steps(step, steps: int) -> list[float]:
     return times
 
 
-def run_hf(model_dir: Path, steps: int) -> dict:
+def run_hf(model_dir: Path, steps: int, micro_batch_size: int) -> dict:
     from transformers import AutoModelForCausalLM
 
     from posttrain.train.engine import TrainEngine
@@ -85,13 +89,15 @@ def run_hf(model_dir: Path, steps: int) -> dict:
 
     torch.set_num_threads(1)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    engine = TrainEngine(model, build_optimizer(model, 1e-5, weight_decay=0.0), clip_grad=1.0, micro_batch_size=1)
+    engine = TrainEngine(model, build_optimizer(model, 1e-5, weight_decay=0.0), clip_grad=1.0,
+                         micro_batch_size=micro_batch_size)
     batch, loss_fn = make_batch(), make_actor_loss_fn()
     times = timed_steps(lambda: engine.update(batch, loss_fn, mini_batch_size=8), steps)
     return {"times": times, "peak_rss_mib": [peak_rss_mib()]}
 
 
-def mcore_worker(rank: int, world: int, port: int, model_dir: str, tp: int, pp: int, steps: int, out: str) -> None:
+def mcore_worker(rank: int, world: int, port: int, model_dir: str, tp: int, pp: int, steps: int,
+                 micro_batch_size: int, out: str) -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -106,12 +112,13 @@ def mcore_worker(rank: int, world: int, port: int, model_dir: str, tp: int, pp: 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     with cpu_megatron():
         ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
-        [chunk], _ = hf_to_megatron(model_dir, for_training=True)
+        [chunk], args = hf_to_megatron(model_dir, for_training=True)  # one chunk: no virtual stages
         wrapped = DistributedDataParallel(chunk.config, DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False), chunk)
         optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-5, weight_decay=0.0,
                                                            clip_grad=1.0, bf16=False), [wrapped])
-        engine = MegatronEngine(wrapped, optimizer, vocab_size=VOCAB)
+        engine = MegatronEngine(wrapped, optimizer, vocab_size=int(args.vocab_size),
+                                micro_batch_size=micro_batch_size)
         batch, loss_fn = make_batch(), make_actor_loss_fn()
         times = timed_steps(lambda: engine.update(batch, loss_fn, mini_batch_size=8), steps)
         ps.destroy_model_parallel()
@@ -122,14 +129,15 @@ def mcore_worker(rank: int, world: int, port: int, model_dir: str, tp: int, pp: 
     dist.destroy_process_group()
 
 
-def run_mcore(model_dir: Path, tp: int, pp: int, steps: int) -> dict:
+def run_mcore(model_dir: Path, tp: int, pp: int, steps: int, micro_batch_size: int) -> dict:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
         world = tp * pp
-        mp.spawn(mcore_worker, args=(world, port, str(model_dir), tp, pp, steps, str(out)), nprocs=world, join=True)
+        mp.spawn(mcore_worker, args=(world, port, str(model_dir), tp, pp, steps, micro_batch_size, str(out)),
+                 nprocs=world, join=True)
         return json.loads(out.read_text())
 
 
@@ -138,7 +146,10 @@ def main() -> int:
     p.add_argument("--work", type=Path, required=True)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--layouts", default=",".join(LAYOUTS))
+    p.add_argument("--micro-batch-size", type=int, default=1, help="rows per micro-batch (both engines)")
+    p.add_argument("--out", type=Path, help="results JSON, merged per micro-batch size (default WORK/results.json)")
     args = p.parse_args()
+    mbs = args.micro_batch_size
     args.work.mkdir(parents=True, exist_ok=True)
     model_dir = make_model(args.work)
     results = {}
@@ -146,17 +157,22 @@ def main() -> int:
         tp, pp = LAYOUTS[name]
         if name == "hf":  # in a fresh process too, for a comparable peak
             with mp.get_context("spawn").Pool(1) as pool:
-                results[name] = pool.apply(run_hf, (model_dir, args.steps))
+                results[name] = pool.apply(run_hf, (model_dir, args.steps, mbs))
         else:
-            results[name] = run_mcore(model_dir, tp, pp, args.steps)
+            results[name] = run_mcore(model_dir, tp, pp, args.steps, mbs)
         r = results[name]
         print(f"{name}: step median {statistics.median(r['times']):.3f} s {['%.3f' % t for t in r['times']]}, "
               f"peak RSS per process {[round(m) for m in r['peak_rss_mib']]} MiB", flush=True)
     with open("/proc/loadavg") as fh:
         load = fh.read().split()[:3]
-    (args.work / "results.json").write_text(json.dumps({"load_average": load, "results": results}, indent=2))
+    out = args.out or args.work / "results.json"
+    saved = json.loads(out.read_text()) if out.is_file() else {}
+    saved = saved if "micro_batch_size" in saved else {"micro_batch_size": {}}
+    saved["micro_batch_size"][str(mbs)] = {"steps": args.steps, "load_average": load, "results": results}
+    out.write_text(json.dumps(saved, indent=2) + "\n")
     base = statistics.median(results["hf"]["times"]) if "hf" in results else None
-    print("\n| layout | processes | step median (s) | vs hf | peak RSS per process (MiB) |")
+    print(f"\nmicro-batch size {mbs}")
+    print("| layout | processes | step median (s) | vs hf | peak RSS per process (MiB) |")
     print("|---|---|---|---|---|")
     for name, r in results.items():
         median = statistics.median(r["times"])

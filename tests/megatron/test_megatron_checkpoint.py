@@ -1,7 +1,9 @@
-"""Megatron-layout checkpoints of the Megatron-Core backend on 2 gloo ranks (TP 2, and PP 2): a
-GRPO step, save, a second step; a fresh model that loads the checkpoint takes the same second step
-(the same metrics and weights); `posttrain convert` turns the saved checkpoint into an HF
-directory holding exactly the weights the run had when it saved."""
+"""Megatron-layout checkpoints of the Megatron-Core backend on 2 gloo ranks (TP 2, and PP 2), in
+both formats (torch_dist, and the legacy per-rank torch files): a GRPO step, save, a second step; a
+fresh model that loads the checkpoint takes the same second step (the same metrics and weights);
+`posttrain convert` turns the saved checkpoint into an HF directory holding exactly the weights the
+run had when it saved. A torch_dist checkpoint saved at TP 2 resumes at PP 2 (Megatron reshards the
+weights and the Adam moments on load) and takes the TP 2 run's second step."""
 
 from __future__ import annotations
 
@@ -29,13 +31,13 @@ def fresh(hf_dir: str):
     return chunk, wrapped, optimizer, args
 
 
-def worker(rank: int, hf_dir: str, tp: int, pp: int, save: str) -> None:
+def worker(rank: int, hf_dir: str, tp: int, pp: int, save: str, fmt: str) -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     from posttrain.cli import main
-    from posttrain.train.megatron.checkpoint import load_megatron_checkpoint, save_megatron_checkpoint
+    from posttrain.train.megatron.checkpoint import Part, load_megatron_checkpoint, save_megatron_checkpoint
     from posttrain.train.megatron.cpu_shims import cpu_megatron
     from posttrain.train.megatron.engine import MegatronEngine
     from posttrain.train.megatron.model import hf_weights
@@ -50,10 +52,12 @@ def worker(rank: int, hf_dir: str, tp: int, pp: int, save: str) -> None:
 
         chunk, wrapped, optimizer, args = fresh(hf_dir)
         step(wrapped, optimizer)
-        save_megatron_checkpoint(save, 1, [chunk], optimizer, args)
+        save_megatron_checkpoint(save, 1, {"": Part([chunk], optimizer, {})}, args, ckpt_format=fmt)
         saved = dict(hf_weights([chunk], args))
         want = step(wrapped, optimizer)
         want_weights = dict(hf_weights([chunk], args))
+        if rank == 0:
+            torch.save({"step": want, "weights": want_weights}, Path(save).parent / "second_step.pt")
 
         chunk, wrapped, optimizer, args = fresh(hf_dir)  # from the HF weights again, then resumed
         assert load_megatron_checkpoint(save, [chunk], optimizer)["iteration"] == 1
@@ -78,9 +82,36 @@ def worker(rank: int, hf_dir: str, tp: int, pp: int, save: str) -> None:
     dist.barrier()
 
 
-@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
-def test_a_saved_megatron_run_resumes_exactly_and_converts_back(tiny_hf, tmp_path, tp, pp):
-    run_on_ranks(worker, str(tiny_hf("qwen2")), tp, pp, str(tmp_path / "ckpt"), out=tmp_path)
+@pytest.mark.parametrize("tp,pp,fmt", [(2, 1, "torch_dist"), (1, 2, "torch_dist"), (2, 1, "torch")])
+def test_a_saved_megatron_run_resumes_exactly_and_converts_back(tiny_hf, tmp_path, tp, pp, fmt):
+    run_on_ranks(worker, str(tiny_hf("qwen2")), tp, pp, str(tmp_path / "ckpt"), fmt, out=tmp_path)
+    if fmt == "torch_dist":  # the TP 2 checkpoint, resumed at PP 2
+        run_on_ranks(resharded_worker, str(tiny_hf("qwen2")), 3 - tp, 3 - pp, str(tmp_path / "ckpt"),
+                     out=tmp_path)
+
+
+def resharded_worker(rank: int, hf_dir: str, tp: int, pp: int, save: str) -> None:
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    from posttrain.train.megatron.checkpoint import load_megatron_checkpoint
+    from posttrain.train.megatron.cpu_shims import cpu_megatron
+    from posttrain.train.megatron.engine import MegatronEngine
+    from posttrain.train.megatron.model import hf_weights
+
+    want = torch.load(Path(save).parent / "second_step.pt", weights_only=True)
+    with cpu_megatron():
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+        model_parallel_cuda_manual_seed(7)
+        chunk, wrapped, optimizer, args = fresh(hf_dir)
+        assert load_megatron_checkpoint(save, [chunk], optimizer)["iteration"] == 1
+        got = MegatronEngine(wrapped, optimizer, vocab_size=100).update(grpo_batch(hf_dir), loss_fn(),
+                                                                         mini_batch_size=4)
+        for key, value in want["step"][0].items():
+            assert got[0][key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
+        for name, value in dict(hf_weights([chunk], args)).items():
+            torch.testing.assert_close(value, want["weights"][name], rtol=0, atol=1e-5)
+        ps.destroy_model_parallel()
 
 
 def test_a_corrupt_shard_is_named_before_any_worker_starts(tiny_hf, tmp_path):

@@ -33,6 +33,7 @@ BACKENDS = ("hf", "megatron")
 PARALLEL_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
                  "expert_model_parallel_size")
 VPP_KEY = "num_layers_per_virtual_pipeline_stage"
+CKPT_FORMATS = ("torch_dist", "torch")  # posttrain.train.megatron.checkpoint.FORMATS
 ROLES = {"ref_config": "ref", "critic_config": "critic", "reward_config": "reward"}
 
 
@@ -200,6 +201,10 @@ def check_backend(cfg: RunConfig, device_type: str = "cpu", arch: ModelArch | No
         if value is not None and value != mp.backend:
             raise ConfigError(f"{_label(cfg, section, 'backend')}={value}: the {role} follows the actor's backend, "
                               f"{mp.backend} ({mp.reason}); remove the key or set it to {mp.backend}")
+    if cfg.actor.ckpt_format not in CKPT_FORMATS:
+        raise ConfigError(f"{actor_key(cfg, 'ckpt_format')}={fmt_value(cfg.actor.ckpt_format)}: unknown checkpoint "
+                          f"format; use {' or '.join(CKPT_FORMATS)} (the megatron backend's; the hf backend saves "
+                          f"Hugging Face directories)")
     if mp.backend == "hf":
         return mp
     why = f" (backend megatron: {mp.reason})"

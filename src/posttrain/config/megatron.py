@@ -285,6 +285,9 @@ class MegatronConfig(Section):
     no_shared_storage: bool = F(False, "nodes do not share storage", SHARED_STORAGE)
     load_checkpoint_loosely: bool = F(False, "load checkpoints allowing missing keys", LOOSE_LOAD)
     pretrained_checkpoint: Opt[str] = F(None, "Megatron pretrained checkpoint directory", PRETRAINED)
+    ckpt_format: str = F("torch_dist", "posttrain: the megatron backend's checkpoint format (Megatron-LM's "
+                                       "--ckpt-format): torch_dist (Megatron-Core dist_checkpointing; reshards on "
+                                       "load) or torch (per-rank files; same layout only)", HONOURED)
     # ---- DPO ------------------------------------------------------------------------------------
     dpo_loss_type: str = F("sigmoid", "sigmoid, hinge, ipo or kto_pair", HONOURED)
     dpo_beta: float = F(0.1, "DPO beta", HONOURED)

@@ -243,19 +243,18 @@ class MegatronPolicy:
 
     def save(self, save_dir: str, iteration: int, *, sampler_state, trainer_state: dict, save_optim: bool,
              save_rng: bool) -> Path:
-        from posttrain.train.megatron.checkpoint import save_megatron_checkpoint
+        from posttrain.train.megatron.checkpoint import Part, save_megatron_checkpoint
         from posttrain.train.offload import on_device
 
         with on_device(self.engine, self.critic):  # an offloaded optimizer state is saved too
-            if self.critic is not None:  # first: the policy's save publishes the iteration
-                save_megatron_checkpoint(save_dir, iteration, self.critic_chunks, self.critic.optimizer, self.args,
-                                         extra={"scheduler": self.critic.scheduler.state_dict()},
-                                         save_optim=save_optim, save_rng=False, subdir="critic")
-            extra = {"scheduler": self.scheduler.state_dict(), "trainer_state": dict(trainer_state),
-                     "sampler_state": sampler_state}
-            return save_megatron_checkpoint(save_dir, iteration, self.chunks, self.optimizer, self.args, extra=extra,
+            parts = {"": Part(self.chunks, self.optimizer, {"scheduler": self.scheduler.state_dict(),
+                                                            "trainer_state": dict(trainer_state),
+                                                            "sampler_state": sampler_state})}
+            if self.critic is not None:
+                parts["critic"] = Part(self.critic_chunks, self.critic.optimizer,
+                                       {"scheduler": self.critic.scheduler.state_dict()})
+            return save_megatron_checkpoint(save_dir, iteration, parts, self.args, ckpt_format=self.cfg.actor.ckpt_format,
                                             save_optim=save_optim, save_rng=save_rng)
-
 
 def _has_iteration(source: str) -> bool:
     """A Megatron checkpoint that a run saved (``iter_*``), not a converted ``release``."""

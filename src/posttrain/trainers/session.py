@@ -195,6 +195,17 @@ def checked_start(cfg: RunConfig, load_previous_on_corruption: bool = False, *, 
         from posttrain.models.mcore.convert import McoreCheckpoint
 
         if layout.is_mcore_checkpoint(source):
+            it_dir = layout.iteration_dir(Path(source))
+            if layout.is_dist_checkpoint(it_dir):  # torch_dist: its metadata and common entries readable
+                from torch.distributed.checkpoint import FileSystemReader
+
+                for part in [it_dir] + [d for d in it_dir.iterdir() if layout.is_dist_checkpoint(d)]:
+                    layout.load_common(part)
+                    try:
+                        FileSystemReader(str(part)).read_metadata()
+                    except Exception as err:  # noqa: BLE001 - name the file whatever torch raises
+                        raise CheckpointError(f"{part / layout.DIST_METADATA}: not readable ({err})") from None
+                return cfg
             ckpt = McoreCheckpoint(source)  # every rank's shard present, from one save
             for rank_file in sorted(ckpt.dir.glob(f"**/{layout.RANK_FILE}")):  # the critic's too
                 layout.load_rank_file(rank_file)  # readable: a CheckpointError names the file

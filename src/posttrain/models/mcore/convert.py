@@ -260,67 +260,86 @@ class McoreCheckpoint:
 def mcore_to_hf(load_dir: str | Path, out_dir: str | Path, *, template: str | Path | None = None,
                 tokenizer: str | Path | None = None, dtype: str | None = None, force: bool = False,
                 max_shard_bytes: int = 2 << 30, log=print) -> Path:
-    """Merge a Megatron checkpoint into the HF directory ``out_dir`` (config, safetensors, tokenizer).
+    """Merge a Megatron checkpoint (the legacy per-rank layout) into the HF directory ``out_dir``
+    (config, safetensors, tokenizer); ``torch_dist`` checkpoints are merged by
+    :func:`posttrain.train.megatron.dist_convert.dist_to_hf` (``posttrain convert`` picks).
 
     ``template`` is an HF directory whose config.json (checked against the checkpoint) and tokenizer
     are reused; ``tokenizer`` a tokenizer file or directory. Without a template the config is built
     from the checkpoint's args."""
+    it_dir = layout.iteration_dir(Path(load_dir))
+    if layout.is_dist_checkpoint(it_dir):
+        raise CheckpointError(f"{it_dir} is a torch_dist checkpoint: convert it with `posttrain convert "
+                              f"--load-model-type mg --save-model-type hf --load-dir {load_dir} --save-dir <dir>`")
     ckpt = McoreCheckpoint(load_dir)
     out_dir = Path(out_dir)
     check_hf_target(out_dir, force)
     out_dtype = params_dtype(dtype)
     orm = bool(getattr(ckpt.args, "orm", False)) or ckpt.has(ckpt.par.pp - 1, ckpt.par.chunks - 1, mapping.RM_HEAD)
-    config = hf_config(ckpt, Path(template) if template else None, orm, out_dtype)
+    config = hf_config(ckpt.arch, ckpt.args, ckpt.dir, ckpt.tensor(0, 0, mapping.EMBEDDING)[0].dtype,
+                       Path(template) if template else None, orm, out_dtype)
     arch = ckpt.arch
     vocab = int(config["vocab_size"])
-    with _staging(out_dir.parent, f".{out_dir.name}.tmp-") as tmp:
-        writer = ShardedWriter(tmp, max_shard_bytes)
 
-        def put(name: str, tensor: torch.Tensor) -> None:
-            writer.add(name, tensor.to(out_dtype) if out_dtype else tensor)
-
+    def tensors():
         last = (ckpt.par.pp - 1, ckpt.par.chunks - 1)
-        put(mapping.HF_EMBEDDING, splits.merge_vocab(ckpt.tensor(0, 0, mapping.EMBEDDING), vocab))
+        yield mapping.HF_EMBEDDING, splits.merge_vocab(ckpt.tensor(0, 0, mapping.EMBEDDING), vocab)
         params = mapping.layer_params(arch)
         for layer in _progress(range(arch.num_layers), "layers"):
             pp_rank, chunk, local = ckpt.par.locate(layer)
             for p in params:
-                merged = mapping.merge_param(p, ckpt.tensor(pp_rank, chunk, mapping.mcore_layer_name(local, p.mcore)), arch)
-                for name, tensor in zip(p.hf, merged):
-                    put(mapping.hf_layer_name(layer, name), tensor)
+                merged = mapping.merge_param(p, ckpt.tensor(pp_rank, chunk, mapping.mcore_layer_name(local, p.mcore)),
+                                             arch)
+                yield from ((mapping.hf_layer_name(layer, name), t) for name, t in zip(p.hf, merged))
             if layer + 1 < arch.num_layers and ckpt.par.locate(layer + 1)[0] != pp_rank and ckpt.par.chunks == 1:
                 ckpt.release(pp_rank)
-        put(mapping.HF_FINAL_NORM, ckpt.tensor(*last, mapping.FINAL_NORM)[0])
+        yield mapping.HF_FINAL_NORM, ckpt.tensor(*last, mapping.FINAL_NORM)[0]
         if orm:
-            put(mapping.HF_SCORE, splits.merge_dim(ckpt.tensor(*last, mapping.RM_HEAD), 1))
+            yield mapping.HF_SCORE, splits.merge_dim(ckpt.tensor(*last, mapping.RM_HEAD), 1)
         elif not arch.tie_embeddings:
-            put(mapping.HF_LM_HEAD, splits.merge_vocab(ckpt.tensor(*last, mapping.OUTPUT_LAYER), vocab))
+            yield mapping.HF_LM_HEAD, splits.merge_vocab(ckpt.tensor(*last, mapping.OUTPUT_LAYER), vocab)
+
+    return write_hf(out_dir, tensors(), config, arch=arch, orm=orm, template=Path(template) if template else None,
+                    tokenizer=Path(tokenizer) if tokenizer else None, out_dtype=out_dtype,
+                    max_shard_bytes=max_shard_bytes, log=log)
+
+
+def write_hf(out_dir: Path, tensors, config: dict, *, arch: ModelArch, orm: bool, template: Path | None,
+             tokenizer: Path | None, out_dtype: torch.dtype | None, max_shard_bytes: int = 2 << 30,
+             log=print) -> Path:
+    """Write ``(HF name, tensor)`` pairs, ``config`` and the tokenizer as the HF directory ``out_dir``
+    (staged in a temporary directory, then moved in)."""
+    with _staging(out_dir.parent, f".{out_dir.name}.tmp-") as tmp:
+        writer = ShardedWriter(tmp, max_shard_bytes)
+        for name, tensor in tensors:
+            writer.add(name, tensor.to(out_dtype) if out_dtype else tensor)
         size = writer.close()
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
-        copied = _copy_tokenizer(Path(template) if template else None, Path(tokenizer) if tokenizer else None, tmp)
+        copied = _copy_tokenizer(template, tokenizer, tmp)
         _publish_dir(tmp, out_dir)
     log(f"wrote {out_dir} ({arch.model_type}{', reward model' if orm else ''}, {arch.num_layers} layers, "
         f"{size / 2**20:.1f} MiB of weights{'; tokenizer: ' + ', '.join(copied) if copied else '; no tokenizer copied'})")
     return out_dir
 
 
-def hf_config(ckpt: McoreCheckpoint, template: Path | None, orm: bool, out_dtype: torch.dtype | None) -> dict:
-    arch = ckpt.arch
+def hf_config(arch: ModelArch, args, where: Path, stored: torch.dtype, template: Path | None, orm: bool,
+              out_dtype: torch.dtype | None) -> dict:
+    """The HF ``config.json`` of a checkpoint: the template's (checked against ``arch``), else built
+    from the architecture; ``stored``: the dtype its weights are stored in."""
     if template is not None and (template / "config.json").is_file():
         config = json.loads((template / "config.json").read_text(encoding="utf-8"))
         theirs = arch_from_hf_config(template)
         for field in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_kv_heads"):
             if getattr(theirs, field) != getattr(arch, field):
                 raise ConfigError(f"{template / 'config.json'}: {field} is {getattr(theirs, field)} but the "
-                                  f"checkpoint {ckpt.dir} has {getattr(arch, field)}; give the HF directory "
+                                  f"checkpoint {where} has {getattr(arch, field)}; give the HF directory "
                                   f"of the same model (or none, to build config.json from the checkpoint)")
     else:
         config = arch.to_hf_config()
-        if not getattr(ckpt.args, "vocab_size", None):
-            print(f"warning: {ckpt.dir} does not record the unpadded vocabulary; the HF model keeps the "
+        if not getattr(args, "vocab_size", None):
+            print(f"warning: {where} does not record the unpadded vocabulary; the HF model keeps the "
                   f"{arch.vocab_size} padded rows (give --save-dir an HF directory of the model to trim them)",
                   file=sys.stderr)
-    stored = ckpt.tensor(0, 0, mapping.EMBEDDING)[0].dtype
     config["torch_dtype"] = str(out_dtype or stored).replace("torch.", "")
     config.pop("dtype", None)
     if orm:

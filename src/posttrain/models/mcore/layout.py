@@ -31,6 +31,7 @@ from posttrain.models.arch import ModelArch, arch_from_model_yaml
 TRACKER = "latest_checkpointed_iteration.txt"
 RANK_FILE = "model_optim_rng.pt"
 RELEASE = "release"
+DIST_METADATA, DIST_COMMON = ".metadata", "common.pt"  # Megatron-Core dist_checkpointing (torch_dist)
 CHECKPOINT_VERSION = 3.0
 _RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
 
@@ -140,21 +141,33 @@ def model_key(chunk: int, chunks: int) -> str:
 
 # ---- reading --------------------------------------------------------------------------------------
 
+def is_dist_checkpoint(path: str | Path) -> bool:
+    """An iteration dir in Megatron-Core's ``torch_dist`` format (``dist_checkpointing``: one
+    ``.metadata`` and ``common.pt`` for all ranks, ``__*.distcp`` shards; no ``mp_rank_*`` dirs)."""
+    path = Path(path)
+    return (path / DIST_METADATA).is_file() and (path / DIST_COMMON).is_file()
+
+
+def _is_iteration(path: Path) -> bool:
+    return is_dist_checkpoint(path) or any(_RANK_DIR.match(p.name) for p in path.iterdir() if p.is_dir())
+
+
 def is_mcore_checkpoint(path: str | Path) -> bool:
-    """True for a Megatron checkpoint: a tracker or iteration dir whose subdirs are ``mp_rank_*``."""
+    """True for a Megatron checkpoint: a tracker or iteration dir whose subdirs are ``mp_rank_*``,
+    or that is in the ``torch_dist`` format."""
     path = Path(path)
     if not path.is_dir():
         return False
-    if any(_RANK_DIR.match(p.name) for p in path.iterdir() if p.is_dir()):
+    if _is_iteration(path):
         return True
-    return any(any(_RANK_DIR.match(q.name) for q in p.iterdir() if q.is_dir())
-               for p in path.iterdir() if p.is_dir() and (p.name == RELEASE or p.name.startswith("iter_")))
+    return any(_is_iteration(p) for p in path.iterdir()
+               if p.is_dir() and (p.name == RELEASE or p.name.startswith("iter_")))
 
 
 def iteration_dir(load_dir: str | Path) -> Path:
     """The ``release/`` or ``iter_*`` dir that ``load_dir`` (the checkpoint root, or that dir) names."""
     load_dir = Path(load_dir)
-    if any(_RANK_DIR.match(p.name) for p in load_dir.iterdir() if p.is_dir()):
+    if _is_iteration(load_dir):
         return load_dir
     tracker = load_dir / TRACKER
     if tracker.is_file():
@@ -183,7 +196,8 @@ def rank_dirs(it_dir: Path) -> dict[tuple[int, int, int], Path]:
     return out
 
 
-def _safe_globals() -> list:
+def safe_globals() -> list:
+    """What a Megatron checkpoint may hold besides tensors (``torch.serialization.safe_globals``)."""
     import numpy as np
 
     allowed: list = [argparse.Namespace, np.dtype, np.ndarray]
@@ -208,7 +222,7 @@ def load_rank_file(path: Path, *, mmap: bool = True) -> dict:
     if not path.is_file():
         raise CheckpointError(f"{path} is missing: the checkpoint lacks this rank's shard")
     try:
-        with torch.serialization.safe_globals(_safe_globals()):
+        with torch.serialization.safe_globals(safe_globals()):
             obj = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as err:
         raise CheckpointError(f"{path}: refused to unpickle it: {str(err).splitlines()[0]} (only tensors, "
@@ -222,11 +236,34 @@ def load_rank_file(path: Path, *, mmap: bool = True) -> dict:
     return obj
 
 
+def load_common(it_dir: Path) -> dict:
+    """The entries every rank shares of a ``torch_dist`` checkpoint (``common.pt``: iteration, args,
+    the LR schedule and trainer state), read safely."""
+    import pickle
+
+    import torch
+
+    path = Path(it_dir) / DIST_COMMON
+    try:
+        with torch.serialization.safe_globals(safe_globals()):
+            obj = torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, OSError, EOFError, ValueError) as err:
+        raise CheckpointError(f"{path}: not a readable torch checkpoint ({type(err).__name__}: "
+                              f"{str(err).splitlines()[0] if str(err) else ''})") from None
+    if not isinstance(obj, dict):
+        raise CheckpointError(f"{path}: expected a dict, found {type(obj).__name__}")
+    return obj
+
+
 def read_args(it_dir: Path) -> argparse.Namespace:
-    """The ``args`` of the first rank file of ``it_dir``."""
-    dirs = rank_dirs(it_dir)
-    first = dirs[min(dirs)] / RANK_FILE
-    args = load_rank_file(first).get("args")
+    """The ``args`` of the first rank file of ``it_dir`` (``common.pt`` for ``torch_dist``)."""
+    if is_dist_checkpoint(it_dir):
+        first = Path(it_dir) / DIST_COMMON
+        args = load_common(it_dir).get("args")
+    else:
+        dirs = rank_dirs(it_dir)
+        first = dirs[min(dirs)] / RANK_FILE
+        args = load_rank_file(first).get("args")
     if not isinstance(args, argparse.Namespace):
         raise CheckpointError(f"{first}: has no 'args' namespace, so its architecture and splits are unknown; "
                               f"it was not written by Megatron/MindSpeed-LLM or posttrain convert")

@@ -1,16 +1,23 @@
-"""Megatron-layout checkpoints of the Megatron-Core backend (issue 17, in progress).
+"""Megatron-layout checkpoints of the Megatron-Core backend, in one of Megatron's two formats:
 
-``save_dir/iter_XXXXXXX/mp_rank_TT[_PPP]/model_optim_rng.pt`` per model-parallel rank (written by
-data-parallel rank 0 of each), and ``latest_checkpointed_iteration.txt``, as Megatron-LM and the
-seed write them; the model part is what ``posttrain convert --load-model-type mg`` reads, so a
-saved run converts back to HF. Each rank file holds ``model`` (the chunk's state dict),
-``optimizer`` (Megatron's optimizer state), ``rng_state`` (the CPU generator, Python's and
-NumPy's, and Megatron's RNG tracker), ``iteration``, ``args``, ``checkpoint_version`` and the
-caller's ``extra`` (the LR schedule, the trainer and sampler state of a run).
+* ``torch_dist`` (the default): Megatron-Core's ``dist_checkpointing`` writes each model's
+  *sharded* state dict (global tensors, every rank its slice; the optimizer's state mapped onto
+  the parameters' shards) as ``iter_XXXXXXX/{.metadata, __*.distcp, common.pt}``. It loads into
+  another tensor / pipeline / virtual-stage layout: Megatron reshards on load.
+* ``torch`` (legacy): ``iter_XXXXXXX/mp_rank_TT[_PPP]/model_optim_rng.pt`` per model-parallel rank
+  (written by data-parallel rank 0 of each), as Megatron-LM and the seed write them; loads into
+  the same layout only.
 
-Nothing is half-written: each rank file goes to a temporary name and is renamed; all ranks wait
-for each other; only then does rank 0 write the tracker (temporary name, rename). A checkpoint
-without a tracker naming it is never resumed from.
+Both hold the model chunks (``model``, or ``model0``, ``model1``, ... with virtual stages), Megatron's
+optimizer state, the RNG states (the CPU generator, Python's, NumPy's and Megatron's tracker;
+``torch_dist``: one object per rank, restored when the world size is the same), ``iteration``,
+``args`` (describing the saved layout) and the caller's ``extra`` (the LR schedule, the trainer and
+sampler state). A second model of the same iteration (PPO's critic) is saved in ``critic/``.
+``posttrain convert --load-model-type mg`` turns either back into HF.
+
+Nothing is half-written: the iteration is written into ``.iter_XXXXXXX.tmp`` and renamed by rank 0
+once every rank has finished; only then is the tracker (``latest_checkpointed_iteration.txt``)
+written (temporary name, rename). A checkpoint no tracker names is never resumed from.
 """
 
 from __future__ import annotations
@@ -18,16 +25,28 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import shutil
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
 from posttrain.errors import CheckpointError
 
+FORMATS = ("torch_dist", "torch")  # Megatron-LM's --ckpt-format names; torch: the legacy per-rank files
+
+
+class Part(NamedTuple):
+    """One model of a checkpoint: its chunks (one per virtual stage), optimizer and extra entries."""
+
+    chunks: list
+    optimizer: Any
+    extra: dict
+
 
 def _rank_file(it_dir: Path) -> Path:
-    """This rank's file in the iteration directory ``it_dir``."""
+    """This rank's file in the legacy iteration directory ``it_dir``."""
     from megatron.core import parallel_state as ps
 
     from posttrain.models.mcore import layout
@@ -53,71 +72,146 @@ def _set_rng_state(state: dict) -> None:
     get_cuda_rng_tracker().set_states(state["tracker"])
 
 
-def save_megatron_checkpoint(save_dir: str | Path, iteration: int, chunks: list, optimizer,
-                             args: argparse.Namespace, *, extra: dict | None = None, save_optim: bool = True,
-                             save_rng: bool = True, subdir: str | None = None) -> Path:
-    """Write this rank's part of iteration ``iteration`` (its ``chunks``, one per virtual stage:
-    ``model``, or ``model0``, ``model1``, ... as Megatron-LM names them); returns the iteration
-    directory. Every rank calls it (a barrier inside). ``save_optim`` / ``save_rng``: the seed's ``no_save_*``
-    negated. ``subdir``: another model of the same iteration (PPO's ``critic``), written into
-    ``iter_XXXXXXX/<subdir>/`` before the policy, without the tracker (the policy's save writes it)."""
+def _rng_object(value):
+    """This rank's RNG states as a ``dist_checkpointing`` object of its own."""
     import torch.distributed as dist
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    return ShardedObject("rng_state", value, (dist.get_world_size(),), (dist.get_rank(),), replica_id=0)
+
+
+def _sharded(part: Part, *, optimizer: bool, loading: bool = False) -> dict:
+    """The sharded state dict of ``part``'s chunks (and optimizer)."""
+    from posttrain.models.mcore import layout
+
+    state = {layout.model_key(i, len(part.chunks)): chunk.sharded_state_dict() for i, chunk in enumerate(part.chunks)}
+    if optimizer:
+        state["optimizer"] = part.optimizer.sharded_state_dict(state, is_loading=loading)
+    return state
+
+
+def _write(path: Path, part: Part, args, iteration: int, *, ckpt_format: str, save_optim: bool,
+           save_rng: bool) -> None:
+    from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
 
     from posttrain.models.mcore import layout
 
-    save_dir = Path(save_dir)
-    it_dir = save_dir / f"iter_{iteration:07d}"
-    path = _rank_file(it_dir / subdir if subdir else it_dir)
+    common = {"iteration": iteration, "args": args, "checkpoint_version": layout.CHECKPOINT_VERSION, **part.extra}
+    if ckpt_format == "torch_dist":
+        import torch.distributed as dist
+
+        state = {**_sharded(part, optimizer=save_optim), **common, "world_size": dist.get_world_size()}
+        if save_rng:
+            state["rng_state"] = _rng_object(_rng_state())
+        dist_checkpointing.save(state, str(path))
+        return
     if ps.get_data_parallel_rank() == 0:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        state = {layout.model_key(i, len(chunks)): chunk.state_dict() for i, chunk in enumerate(chunks)}
-        state.update(iteration=iteration, args=args, checkpoint_version=layout.CHECKPOINT_VERSION, **(extra or {}))
+        rank_file = _rank_file(path)
+        rank_file.parent.mkdir(parents=True, exist_ok=True)
+        state = {layout.model_key(i, len(part.chunks)): c.state_dict() for i, c in enumerate(part.chunks)}
+        state.update(common)
         if save_optim:
-            state["optimizer"] = optimizer.state_dict()
+            state["optimizer"] = part.optimizer.state_dict()
         if save_rng:
             state["rng_state"] = _rng_state()
-        torch.save(state, tmp)
-        os.replace(tmp, path)
-    dist.barrier()
-    if subdir:
-        return it_dir
+        torch.save(state, rank_file)
+
+
+def save_megatron_checkpoint(save_dir: str | Path, iteration: int, parts: dict[str, Part], args: argparse.Namespace,
+                             *, ckpt_format: str = "torch_dist", save_optim: bool = True,
+                             save_rng: bool = True) -> Path:
+    """Write iteration ``iteration`` of ``parts`` (``""``: the policy, at the top of the iteration;
+    other names: subdirectories) in ``ckpt_format``; returns the iteration directory. Every rank
+    calls it (barriers inside). ``save_optim`` / ``save_rng``: the seed's ``no_save_*`` negated."""
+    import torch.distributed as dist
+
+    from posttrain.models.mcore import layout
+
+    if ckpt_format not in FORMATS:
+        raise CheckpointError(f"unknown Megatron checkpoint format {ckpt_format!r}; use {' or '.join(FORMATS)}")
+    save_dir = Path(save_dir)
+    final, tmp = save_dir / f"iter_{iteration:07d}", save_dir / f".iter_{iteration:07d}.tmp"
     if dist.get_rank() == 0:
-        tracker = save_dir / layout.TRACKER
-        tmp = tracker.with_name(tracker.name + ".tmp")
-        tmp.write_text(f"{iteration}\n", encoding="utf-8")
-        os.replace(tmp, tracker)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
     dist.barrier()
-    return it_dir
+    for name, part in parts.items():
+        path = tmp / name if name else tmp
+        if dist.get_rank() == 0:
+            path.mkdir(parents=True, exist_ok=True)
+        dist.barrier()
+        _write(path, part, args, iteration, ckpt_format=ckpt_format, save_optim=save_optim,
+               save_rng=save_rng and not name)
+        dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        tracker = save_dir / layout.TRACKER
+        tracker_tmp = tracker.with_name(tracker.name + ".tmp")
+        tracker_tmp.write_text(f"{iteration}\n", encoding="utf-8")
+        os.replace(tracker_tmp, tracker)
+    dist.barrier()
+    return final
 
 
 def load_megatron_checkpoint(load_dir: str | Path, chunks: list, optimizer, *, load_optim: bool = True,
                              load_rng: bool = True, subdir: str | None = None) -> dict:
     """Load this rank's part of the checkpoint ``load_dir`` names (a save directory's latest, or an
-    ``iter_*`` directory) into ``chunks`` and
-    (unless told not to) ``optimizer`` and the RNG states; returns the rank file's other entries
-    (``iteration`` and the saver's ``extra``). ``subdir``: the model saved there (``critic``)."""
+    ``iter_*`` directory; ``subdir``: the model saved there, e.g. ``critic``) into ``chunks`` and
+    (unless told not to) ``optimizer`` and the RNG states; returns the other entries (``iteration``
+    and the saver's ``extra``). A ``torch_dist`` checkpoint reshards into this run's layout; its
+    RNG states are restored when the world size is the one it was saved with."""
     from posttrain.models.mcore import layout
 
-    load_dir = Path(load_dir)
-    it_dir = layout.iteration_dir(load_dir)
+    it_dir = layout.iteration_dir(Path(load_dir))
     if not it_dir.name.startswith("iter_"):
         raise CheckpointError(f"{it_dir}: a converted (release) checkpoint holds no optimizer state; load it as "
                               f"the initial model instead of resuming from it")
-    path = _rank_file(it_dir / subdir if subdir else it_dir)
-    if not path.is_file():
-        raise CheckpointError(f"{path} is missing: this rank's shard of {it_dir} (the checkpoint was saved with "
-                              f"another tensor/pipeline layout; convert it to HF and start from that)")
-    state = layout.load_rank_file(path, mmap=False)  # weights_only, with the converter's allow-list
+    path = it_dir / subdir if subdir else it_dir
+    if layout.is_dist_checkpoint(path):
+        return _load_dist(path, chunks, optimizer, load_optim=load_optim, load_rng=load_rng)
+    rank_file = _rank_file(path)
+    if not rank_file.is_file():
+        raise CheckpointError(f"{rank_file} is missing: this rank's shard of {path} (a legacy checkpoint loads into "
+                              f"the layout it was saved with; convert it to HF and start from that)")
+    state = layout.load_rank_file(rank_file, mmap=False)  # weights_only, with the converter's allow-list
     for i, chunk in enumerate(chunks):
         chunk.load_state_dict(state.pop(layout.model_key(i, len(chunks))), strict=True)
-    for key, wanted, load in (("optimizer", load_optim, optimizer.load_state_dict), ("rng_state", load_rng,
-                                                                                    _set_rng_state)):
+    for key, wanted, load in (("optimizer", load_optim, optimizer.load_state_dict),
+                              ("rng_state", load_rng, _set_rng_state)):
         if wanted and key not in state:
-            raise CheckpointError(f"{path} holds no {key} (saved with no_save_optim / no_save_rng); set "
+            raise CheckpointError(f"{rank_file} holds no {key} (saved with no_save_optim / no_save_rng); set "
                                   f"no_load_optim / no_load_rng to resume without it")
         value = state.pop(key, None)
         if wanted:
             load(value)
     return state
+
+
+def _load_dist(path: Path, chunks: list, optimizer, *, load_optim: bool, load_rng: bool) -> dict:
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+
+    from posttrain.models.mcore import layout
+
+    common = layout.load_common(path)
+    part = Part(chunks, optimizer, {})
+    state = _sharded(part, optimizer=load_optim, loading=True)
+    same_world = common.get("world_size") == dist.get_world_size()
+    if load_rng and same_world:
+        state["rng_state"] = _rng_object(None)
+    try:
+        with torch.serialization.safe_globals(layout.safe_globals()):  # args, the RNG and trainer states
+            loaded = dist_checkpointing.load(state, str(path))
+    except Exception as err:  # noqa: BLE001 - Megatron raises several kinds; name the checkpoint
+        raise CheckpointError(f"{path}: the torch_dist checkpoint does not load into this model "
+                              f"({type(err).__name__}: {str(err).splitlines()[0][:300]}); if it was saved with "
+                              f"no_save_optim / no_save_rng, set no_load_optim / no_load_rng") from None
+    for i, chunk in enumerate(chunks):
+        chunk.load_state_dict(loaded.pop(layout.model_key(i, len(chunks))), strict=True)
+    if load_optim:
+        optimizer.load_state_dict(loaded.pop("optimizer"))
+    if "rng_state" in loaded:
+        _set_rng_state(loaded.pop("rng_state"))
+    return {k: v for k, v in loaded.items() if k not in ("optimizer", "rng_state")}

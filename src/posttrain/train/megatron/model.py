@@ -207,10 +207,11 @@ def _load(chunk, state: dict) -> None:
 def mcore_to_megatron(load_dir: str | Path, *, for_training: bool = False, value_head: bool = False,
                       **options: Any) -> tuple[list, argparse.Namespace]:
     """This rank's ``GPTModel`` chunks holding its shard of the Megatron checkpoint ``load_dir`` (a
-    ``posttrain convert`` output or a Megatron-backend save), which must have been saved with the
-    layout ``parallel_state`` was initialised with (TP, PP, virtual stages; evenly split): a
-    checkpoint of another layout is converted to HF first (``posttrain convert``), never resharded
-    here. ``value_head``: as in :func:`hf_to_megatron` (an ``--orm`` checkpoint's head is loaded)."""
+    ``posttrain convert`` output or a Megatron-backend save), and args describing this layout. A
+    ``torch_dist`` checkpoint loads into the layout ``parallel_state`` was initialised with
+    (Megatron reshards it); a legacy one must have been saved with it (TP, PP, virtual stages;
+    evenly split): another layout is converted to HF first (``posttrain convert``).
+    ``value_head``: as in :func:`hf_to_megatron` (an ``--orm`` checkpoint's head is loaded)."""
     from megatron.core import parallel_state as ps
 
     from posttrain.errors import CheckpointError
@@ -219,15 +220,22 @@ def mcore_to_megatron(load_dir: str | Path, *, for_training: bool = False, value
     tp, pp, vpp = _sizes()
     it_dir = layout.iteration_dir(Path(load_dir))
     args = layout.read_args(it_dir)
-    saved = layout.parallel_from_args(args, it_dir)
     layers = int(args.num_layers)
-    wanted = layout.pipeline_stages(layers, pp, None, layers // (pp * vpp) if vpp else None)
+    per_chunk = layers // (pp * vpp) if vpp else None
+    if layout.is_dist_checkpoint(it_dir):
+        args = _with_layout(args, tp, pp, per_chunk, it_dir)
+        chunks = build_chunks(args, transformer_config(args, tp, pp, vpp, None, initialize=for_training, **options),
+                              vpp, value_head=value_head)
+        _load_dist_model(it_dir, chunks)
+        return chunks, args
+    saved = layout.parallel_from_args(args, it_dir)
+    wanted = layout.pipeline_stages(layers, pp, None, per_chunk)
     if (saved.tp, saved.pp, saved.ep, saved.stages) != (tp, pp, 1, wanted):
         raise CheckpointError(
             f"{it_dir} was saved at TP {saved.tp} x PP {saved.pp} with {saved.chunks} virtual stage(s) (stages "
-            f"{saved.stages}); this run is TP {tp} x PP {pp} with {vpp or 1}, evenly split. Convert it to HF first "
-            f"(posttrain convert --load-model-type mg --save-model-type hf --load-dir {load_dir} --save-dir "
-            f"<hf dir>) and load that directory.")
+            f"{saved.stages}) in the legacy format; this run is TP {tp} x PP {pp} with {vpp or 1}, evenly split. "
+            f"Convert it to HF first (posttrain convert --load-model-type mg --save-model-type hf --load-dir "
+            f"{load_dir} --save-dir <hf dir>) and load that directory (torch_dist checkpoints reshard on load).")
     path = it_dir / layout.rank_dir_name(ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
                                          pp) / layout.RANK_FILE
     chunks = build_chunks(args, transformer_config(args, tp, pp, vpp, None, initialize=for_training, **options),
@@ -239,7 +247,47 @@ def mcore_to_megatron(load_dir: str | Path, *, for_training: bool = False, value
     return chunks, args
 
 
-def hf_weights(chunks: list, args: argparse.Namespace):
+def _with_layout(args: argparse.Namespace, tp: int, pp: int, per_chunk: int | None, where: Path) -> argparse.Namespace:
+    """A copy of a checkpoint's ``args`` describing this run's layout (the padded vocabulary kept:
+    the embedding's global shape), for a checkpoint that reshards on load."""
+    from posttrain.errors import CheckpointError
+
+    if int(args.padded_vocab_size) % tp:
+        raise CheckpointError(f"{where}: its padded vocabulary ({args.padded_vocab_size} rows) does not split into "
+                              f"TP {tp} shards; choose a tensor-parallel size that divides it")
+    out = argparse.Namespace(**vars(args))
+    out.tensor_model_parallel_size, out.pipeline_model_parallel_size = tp, pp
+    out.num_layers_per_virtual_pipeline_stage, out.num_layer_list = per_chunk, None
+    return out
+
+
+def _load_dist_model(it_dir: Path, chunks: list) -> None:
+    """The model part of a ``torch_dist`` checkpoint into ``chunks`` (resharded by Megatron); a
+    value head the checkpoint lacks (a critic started from a policy) keeps its zeros, and a policy's
+    output layer is not read into one."""
+    from megatron.core import dist_checkpointing
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from posttrain.errors import CheckpointError
+    from posttrain.models.mcore import layout, mapping
+
+    saved = set(FileSystemReader(str(it_dir)).read_metadata().state_dict_metadata)
+    state = {}
+    for index, chunk in enumerate(chunks):
+        key = layout.model_key(index, len(chunks))
+        sharded = chunk.sharded_state_dict()
+        state[key] = {k: v for k, v in sharded.items() if "_extra_state" in k or getattr(v, "key", k) in saved}
+    with torch.serialization.safe_globals(layout.safe_globals()):
+        loaded = dist_checkpointing.load(state, str(it_dir))
+    for index, chunk in enumerate(chunks):
+        result = chunk.load_state_dict(loaded[layout.model_key(index, len(chunks))], strict=False)
+        missing = [k for k in result.missing_keys if not k.endswith("_extra_state") and k != mapping.RM_HEAD]
+        if missing or result.unexpected_keys:
+            raise CheckpointError(f"{it_dir}: the checkpoint does not hold this model (missing {missing[:4]}, "
+                                  f"unexpected {result.unexpected_keys[:4]})")
+
+
+def hf_weights(chunks: list, args: argparse.Namespace, *, value_head: bool = False):
     """Yield ``(HF name, full tensor)`` for every weight of the model that ``chunks`` (one per
     virtual stage) are this rank's part of, one layer at a time, on every rank: each tensor's TP shards are all-gathered and
     merged back into the HF layout (the converter's mapping), then broadcast from the pipeline
@@ -289,6 +337,9 @@ def hf_weights(chunks: list, args: argparse.Namespace):
     last = par.pp - 1
     [norm] = from_stage(last, lambda: [states[-1][mapping.FINAL_NORM].detach().clone()])
     yield mapping.HF_FINAL_NORM, norm
-    if not arch.tie_embeddings:
+    if value_head:  # the critic's scalar head: HF's score, split over TP along the hidden dimension
+        [head] = from_stage(last, lambda: [splits.merge_dim(tp_shards(mapping.RM_HEAD, -1), 1)])
+        yield mapping.HF_SCORE, head
+    elif not arch.tie_embeddings:
         [head] = from_stage(last, lambda: [splits.merge_vocab(tp_shards(mapping.OUTPUT_LAYER, -1), vocab)])
         yield mapping.HF_LM_HEAD, head
