@@ -37,7 +37,9 @@ def format_plan(plan: Plan) -> str:
     lines += [f"  {k:<46} {v}" for k, v in rows]
     lines += ["", "parallel layout",
               f"  {'actor':<46} data parallel {par.dp} (tensor parallel {par.tp}, pipeline parallel {par.pp})",
-              f"  {'rollout':<46} data parallel {plan.layout.infer_dp}"]
+              f"  {'rollout':<46} {par.dp} process(es) sample ("
+              f"{'every worker' if par.backend == 'hf' else 'the leader of each data-parallel replica'}); the "
+              f"seed's rollout data parallel {plan.layout.infer_dp} sizes the reads"]
     if plan.reward_model is not None:
         rm = plan.reward_model
         lines.append(f"  {'reward model (colocated with the actor)':<46} {rm.path}, {rm.dtype}, "

@@ -83,8 +83,9 @@ def _rng_object(value):
 def _sharded(part: Part, *, optimizer: bool, loading: bool = False) -> dict:
     """The sharded state dict of ``part``'s chunks (and optimizer)."""
     from posttrain.models.mcore import layout
+    from posttrain.train.megatron.model import sharded_state_dict
 
-    state = {layout.model_key(i, len(part.chunks)): chunk.sharded_state_dict() for i, chunk in enumerate(part.chunks)}
+    state = {layout.model_key(i, len(part.chunks)): sharded_state_dict(chunk) for i, chunk in enumerate(part.chunks)}
     if optimizer:
         state["optimizer"] = part.optimizer.sharded_state_dict(state, is_loading=loading)
     return state

@@ -135,6 +135,18 @@ def build_chunks(args: argparse.Namespace, config, vpp, *, value_head: bool = Fa
     return chunks
 
 
+def sharded_state_dict(chunk) -> dict:
+    """Megatron-Core's sharded state dict of ``chunk`` (``dist_checkpointing``), also for a chunk
+    with a value head, in which ``LanguageModule`` would look for the output layer it replaced."""
+    if not hasattr(chunk, "rm_head"):
+        return chunk.sharded_state_dict()
+    post_process, chunk.post_process = chunk.post_process, False
+    try:
+        return chunk.sharded_state_dict()
+    finally:
+        chunk.post_process = post_process
+
+
 def _value_head_state(state: dict, chunk) -> dict:
     """``state`` for a value-head chunk: no output layer; the checkpoint's ``rm_head`` (a reward
     model's), else the zeros the new head starts with."""
@@ -275,7 +287,7 @@ def _load_dist_model(it_dir: Path, chunks: list) -> None:
     state = {}
     for index, chunk in enumerate(chunks):
         key = layout.model_key(index, len(chunks))
-        sharded = chunk.sharded_state_dict()
+        sharded = sharded_state_dict(chunk)
         state[key] = {k: v for k, v in sharded.items() if "_extra_state" in k or getattr(v, "key", k) in saved}
     with torch.serialization.safe_globals(layout.safe_globals()):
         loaded = dist_checkpointing.load(state, str(it_dir))
