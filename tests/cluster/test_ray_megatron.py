@@ -50,17 +50,20 @@ PACKED = {"use_remove_padding": True, "use_dynamic_bsz": True, "max_packing_toke
           "update_max_packing_token_size": 48}
 
 
-@pytest.mark.parametrize("tp,pp,extra,rl", [(2, 1, {}, {}), (1, 2, {}, {}), (2, 2, {}, {}),
-                                            (2, 1, {"recompute_granularity": "full"}, {"offload_reference": True}),
-                                            (2, 2, {"no_pad_to_seq_lengths": True, "reset_attention_mask": True}, PACKED)],
-                         ids=["tp2", "pp2", "tp2xpp2", "tp2-recompute-offloaded-reference",
-                              "tp2xpp2-packed-token-budgets"])
-def test_grpo_on_the_megatron_backend_equals_the_hf_backend(hf_run, work, model, tp, pp, extra, rl):
-    """``rl``: packed micro-batches under token budgets on the Megatron backend (block-diagonal
-    masks, several rows per packed sequence), against the HF backend's padded run."""
-    cfg = grpo_config(work, f"mg_tp{tp}_pp{pp}_{len(extra)}_{len(rl)}", workers=tp * pp, iters=2, rl={**RL, **rl},
-                      train={**TRAIN, **extra, "tokenizer_name_or_path": str(model), "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
-                             "backend": "megatron"})
+@pytest.mark.parametrize("tp,pp,dp,extra,rl", [
+    (2, 1, 1, {}, {}), (1, 2, 1, {}, {}), (2, 2, 1, {}, {}), (1, 1, 2, {}, {}), (2, 1, 2, {}, {}),
+    (2, 1, 1, {"recompute_granularity": "full"}, {"offload_reference": True}),
+    (2, 2, 1, {"no_pad_to_seq_lengths": True, "reset_attention_mask": True}, PACKED)],
+    ids=["tp2", "pp2", "tp2xpp2", "dp2", "tp2xdp2", "tp2-recompute-offloaded-reference", "tp2xpp2-packed-token-budgets"])
+def test_grpo_on_the_megatron_backend_equals_the_hf_backend(hf_run, work, model, tp, pp, dp, extra, rl):
+    """``dp``: data-parallel replicas (each a TP x PP worker group; the rows shared out, the token
+    counts and metrics summed over them, Megatron's DDP averaging the gradients); ``rl``: packed
+    micro-batches under token budgets on the Megatron backend (block-diagonal masks, several rows
+    per packed sequence), against the HF backend's padded run."""
+    name = f"mg_tp{tp}_pp{pp}_dp{dp}_{len(extra)}_{len(rl)}"
+    cfg = grpo_config(work, name, workers=tp * pp * dp, iters=2, rl={**RL, **rl},
+                      train={**TRAIN, **extra, "tokenizer_name_or_path": str(model), "tensor_model_parallel_size": tp,
+                             "pipeline_model_parallel_size": pp, "backend": "megatron"})
     want_batches, want_rows, want_steps = hf_run
     got_batches, got_rows, got_steps = record_run(cfg)
     assert got_batches == want_batches
@@ -187,18 +190,22 @@ def test_ppo_on_the_megatron_backend_equals_the_hf_backend(ray_cluster, work, mo
     assert not torch.equal(head, torch.zeros_like(head))
 
 
-@pytest.mark.parametrize("stage,tp,pp", [("sft", 2, 1), ("dpo", 2, 1), ("dpo", 1, 2)])
-def test_offline_stages_on_the_megatron_backend_equal_the_hf_backend(ray_cluster, work, offline_data, stage, tp, pp):
+@pytest.mark.parametrize("stage,tp,pp,dp", [("sft", 2, 1, 1), ("dpo", 2, 1, 1), ("dpo", 1, 2, 1), ("dpo", 1, 1, 2)])
+def test_offline_stages_on_the_megatron_backend_equal_the_hf_backend(ray_cluster, work, offline_data, stage, tp, pp,
+                                                                      dp):
     """SFT's cross-entropy and DPO's pair loss (the reference's pair log-probs, both sides of a pair
-    in one micro-batch) through the Megatron engine: 2 iterations log what one HF process logs."""
+    in one micro-batch; with 2 data-parallel replicas, the pairs shared out) through the Megatron
+    engine: 2 iterations log what one HF process logs."""
     from posttrain.trainers.stages import train
 
     hf = work / f"run_mg_{stage}_hf"
     if not hf.exists():
         train(offline_config(work, offline_data, stage, f"mg_{stage}_hf", workers=1, iters=2))
-    train(offline_config(work, offline_data, stage, f"mg_{stage}_tp{tp}_pp{pp}", workers=tp * pp, iters=2,
-                         train_extra={"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp}))
-    want, got = read_metrics(hf), read_metrics(work / f"run_mg_{stage}_tp{tp}_pp{pp}")
+    name = f"mg_{stage}_tp{tp}_pp{pp}_dp{dp}"
+    train(offline_config(work, offline_data, stage, name, workers=tp * pp * dp, iters=2,
+                         train_extra={"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
+                                      "backend": "megatron"}))
+    want, got = read_metrics(hf), read_metrics(work / f"run_{name}")
     if stage == "dpo":  # the first step's policy is the reference: its rewards are 0 up to rounding, and
         # the share of pairs whose rounding favours the chosen side is noise (HF's forwards differ from
         # its reference's by ~1e-7, Megatron's are bitwise the same)
