@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import socket
-import sys
 import tempfile
 import traceback
 from pathlib import Path

@@ -114,7 +114,7 @@ def test_virtual_pipeline_stages_equal_the_hf_backend(ray_cluster, work, model4)
                                                           "ckpt_format": "torch"})):
         runs[name] = record_run(grpo_config(work, f"mg_vpp_{name}", workers=workers, iters=2, rl=RL,
                                             train={**TRAIN, **extra, "tokenizer_name_or_path": str(model4)}))
-    (want_batches, want_rows, want_steps), (got_batches, got_rows, got_steps) = runs["hf"], runs["vpp"]
+    (want_batches, _, want_steps), (got_batches, got_rows, got_steps) = runs["hf"], runs["vpp"]
     assert got_batches == want_batches and len(got_steps) == len(want_steps) == 4
     for step, (got, want) in enumerate(zip(got_steps, want_steps)):
         for key in want:
