@@ -65,6 +65,8 @@ MEGATRON_INFERENCE = ignored("Megatron inference switches; rollout sampling is s
 SLOW_TOKENIZER = ignored("the fast Hugging Face tokenizer is always used")
 PADDING_SIDE = ignored("posttrain pads batches itself; the tokenizer's padding side is not used")
 SHARED_STORAGE = ignored("checkpoints are written by one process (rank 0) to megatron_training.save")
+CKPT_FORMAT = ignored("the hf backend saves Hugging Face directories; only the megatron backend writes Megatron "
+                      "checkpoints", megatron=True)
 LOOSE_LOAD = ignored("checkpoints always load strictly (a missing key is an error)")
 
 # TP, PP and virtual stages select the megatron backend (posttrain.config.backend); only an explicit
@@ -287,7 +289,7 @@ class MegatronConfig(Section):
     pretrained_checkpoint: Opt[str] = F(None, "Megatron pretrained checkpoint directory", PRETRAINED)
     ckpt_format: str = F("torch_dist", "posttrain: the megatron backend's checkpoint format (Megatron-LM's "
                                        "--ckpt-format): torch_dist (Megatron-Core dist_checkpointing; reshards on "
-                                       "load) or torch (per-rank files; same layout only)", HONOURED)
+                                       "load) or torch (per-rank files; same layout only)", CKPT_FORMAT)
     # ---- DPO ------------------------------------------------------------------------------------
     dpo_loss_type: str = F("sigmoid", "sigmoid, hinge, ipo or kto_pair", HONOURED)
     dpo_beta: float = F(0.1, "DPO beta", HONOURED)

@@ -291,3 +291,11 @@ def test_a_model_whose_rollout_copy_does_not_fit_one_device_is_refused(monkeypat
     plan = plan_module.resolve_plan(load_run_config("r1_zero_qwen25_7b", overrides=[
         *overrides, "rl_config.ignore_memory_estimate=true"]), device="cpu")
     assert plan.memory.rollout_copy == pytest.approx(4 * plan.num_params)
+
+
+def test_ckpt_format_is_named_on_the_hf_backend():
+    """``ckpt_format`` is the megatron backend's: written with another value on the hf backend it is
+    in the start-up warning (the hf backend saves HF directories); an unknown value is refused."""
+    assert "ckpt_format" in inert(["actor_config.ckpt_format=torch"])
+    assert "ckpt_format" not in inert([*TP2, "actor_config.ckpt_format=torch"])
+    assert refusal(["actor_config.ckpt_format=zarr"]).startswith("actor_config.ckpt_format=zarr: unknown checkpoint")

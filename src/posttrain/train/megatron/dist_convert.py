@@ -43,7 +43,6 @@ def _convert(rank: int, port: int, it_dir: str, out_dir: str, template, tokenize
     from posttrain.train.megatron.cpu_shims import cpu_megatron
     from posttrain.train.megatron.model import hf_weights, mcore_to_megatron
 
-    torch.set_num_threads(max(1, torch.get_num_threads()))
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     try:
         with cpu_megatron():

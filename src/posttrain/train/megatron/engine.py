@@ -1,4 +1,4 @@
-"""The Megatron-Core backend's engine (issue 17, in progress): :class:`MegatronEngine` offers the
+"""The Megatron-Core backend's engine: :class:`MegatronEngine` offers the
 HF engine's interface (:class:`posttrain.train.engine.TrainEngine`: ``compute_logprobs`` and
 ``update`` over a batch in the training layout of :mod:`posttrain.train.layout`) on this rank's
 Megatron-Core model, through Megatron's pipeline schedule and optimizer.
@@ -212,7 +212,7 @@ class MegatronEngine:
             result[order] = torch.cat(out)
         return _from_last_stage(result)
 
-    def _response_logprobs(self, batch, rows: slice, logits, temperature: float, with_entropy: bool,
+    def _response_logprobs(self, batch, rows: torch.Tensor, logits, temperature: float, with_entropy: bool,
                            entropy_grad=False):
         width = batch["response_mask"].shape[1]
         targets = batch["input_ids"][rows, -width:]
@@ -271,7 +271,8 @@ class MegatronEngine:
         rows = mini_batch["input_ids"].shape[0]
         micro_batches = self._micro_batches(mini_batch, None, self.options.update_budget, rows_per_item)
         dp_group = ps.get_data_parallel_group()
-        num_tokens, num_seqs = global_counts(mini_batch["response_mask"].sum().float(), rows, "cpu", dp_group)
+        mask = mini_batch["response_mask"]  # the counts live where the collective runs (gloo: CPU, nccl: GPU)
+        num_tokens, num_seqs = global_counts(mask.sum().float(), rows, mask.device, dp_group)
         # the schedule averages the micro-batches' losses, Megatron's DDP the ranks' gradients
         loss_scale = len(micro_batches) * dp_world_size(dp_group)
         totals: dict[str, torch.Tensor] = {}
@@ -298,7 +299,7 @@ class MegatronEngine:
         finalize_model_grads(self.models)
         lr = float(self.optimizer.param_groups[0]["lr"])
         updated, grad_norm, _ = self.optimizer.step()
-        if not updated or grad_norm is None or not torch.isfinite(torch.tensor(float(grad_norm))):
+        if not updated or grad_norm is None or not math.isfinite(float(grad_norm)):
             raise NaNLossError(f"The gradient norm is {grad_norm}; the optimizer step was skipped. Lower the "
                                f"learning rate, train in float32, or check the batch for empty or invalid rows.")
         if self.scheduler is not None:
