@@ -105,6 +105,8 @@ TINY_ARCHS = {
     "llama": dict(cls="LlamaForCausalLM", tie_word_embeddings=True),                 # SmolLM2-like, tied
     "qwen3": dict(cls="Qwen3ForCausalLM", tie_word_embeddings=False, head_dim=16),   # qk-norm
     "qwen2_rm": dict(cls="Qwen2ForSequenceClassification", tie_word_embeddings=False, num_labels=1),
+    "qwen3_moe": dict(cls="Qwen3MoeForCausalLM", tie_word_embeddings=False, head_dim=16, num_experts=4,  # MoE:
+                      num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True),  # top-2 of 4
 }
 
 

@@ -37,3 +37,38 @@ def worker(rank: int, hf_dir: str) -> None:
 
 def test_the_megatron_model_gives_the_hf_logprobs_and_entropy(tiny_hf, tmp_path):
     run_on_ranks(worker, str(tiny_hf("llama")), out=tmp_path)
+
+
+def moe_worker(rank: int, hf_dir: str, pp: int) -> None:
+    from megatron.core import parallel_state as ps
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from posttrain.train.engine import TrainEngine
+    from posttrain.train.megatron.cpu_shims import cpu_megatron
+    from posttrain.train.megatron.engine import MegatronEngine
+    from posttrain.train.megatron.model import hf_to_megatron, hf_weights
+
+    batch = grpo_batch(hf_dir)
+    hf = TrainEngine(AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32), micro_batch_size=4)
+    want = hf.compute_logprobs(batch, temperature=TEMPERATURE, with_entropy=True)
+    with cpu_megatron():
+        ps.initialize_model_parallel(pipeline_model_parallel_size=pp, expert_model_parallel_size=2)
+        chunks, args = hf_to_megatron(hf_dir)
+        assert len(list(chunks[0].decoder.layers[0].mlp.experts.local_experts)) == 2  # 4 experts over EP 2
+        got = MegatronEngine(chunks, vocab_size=100).compute_logprobs(batch, temperature=TEMPERATURE,
+                                                                      with_entropy=True)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=0, atol=1e-4)
+        on_disk = load_file(f"{hf_dir}/model.safetensors")
+        gathered = dict(hf_weights(chunks, args))
+        assert gathered.keys() == on_disk.keys()
+        for name, tensor in on_disk.items():
+            torch.testing.assert_close(gathered[name], tensor, rtol=0, atol=0, msg=name)
+        ps.destroy_model_parallel()
+
+
+def test_a_mixture_of_experts_model_at_expert_parallel_2_gives_the_hf_logprobs_and_weights(tiny_hf, tmp_path):
+    """Qwen3-MoE (4 experts, top 2) split over EP 2: the same log-probs and entropy as Hugging Face's
+    model, and hf_weights gathers every expert back to the exact HF tensors."""
+    run_on_ranks(moe_worker, str(tiny_hf("qwen3_moe")), 1, out=tmp_path)

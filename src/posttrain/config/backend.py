@@ -64,7 +64,8 @@ class ModelParallel:
         if self.backend == "hf":
             return f"hf ({self.reason}): DP {self.dp}"
         sizes = [f"TP {self.tp}", f"PP {self.pp}"] + ([f"CP {self.cp}"] if self.cp > 1 else []) + [f"DP {self.dp}"]
-        extras = ([f"{self.vpp_layers} layers per virtual stage"] if self.vpp_layers else []) \
+        extras = ([f"EP {self.ep} (the experts over the data-parallel ranks)"] if self.ep > 1 else []) \
+            + ([f"{self.vpp_layers} layers per virtual stage"] if self.vpp_layers else []) \
             + ([f"recompute {self.recompute_granularity}"] if self.recompute_granularity else []) \
             + (["distributed optimizer"] if self.use_distributed_optimizer else [])
         return f"megatron ({self.reason}): {' x '.join(sizes)}" + "".join(f", {e}" for e in extras)
@@ -95,8 +96,9 @@ def _own_critic_save(cfg: RunConfig) -> bool:
             (not actor.save or os.path.realpath(critic.save) != os.path.realpath(actor.save)))
 
 
-_MOE = ("mixture-of-experts models are not built on the megatron backend yet (the Hugging Face <-> Megatron-Core "
-        "mapping, posttrain.models.mcore, covers dense models); use backend hf with tensor/pipeline parallel sizes 1")
+_MOE_TP = ("a mixture-of-experts model trains at tensor parallel size 1 on the megatron backend: Megatron-Core's "
+           "MoE layer needs sequence parallelism with TP > 1, which its local layers refuse without TransformerEngine "
+           "or Apex; split the model with expert_model_parallel_size and pipeline_model_parallel_size instead")
 _OTHER_LAYOUT = ("colocated roles share the actor's layout on the megatron backend; remove the key or give it the "
                  "actor's value")
 
@@ -127,7 +129,9 @@ MEGATRON_NOT_YET: tuple[NotYet, ...] = (
            "in critic/ of the actor's checkpoints); remove the key or give it the actor's save directory"),
     NotYet("reward_config", "", lambda c: c.reward is not None,
            "a reward model is not built on the megatron backend yet; score with rule rewards (remove reward_config)"),
-    NotYet("actor_config", "num_experts", lambda c: bool(c.actor.num_experts), _MOE),
+    NotYet("actor_config", "moe_tp_extend_ep", lambda c: c.actor.moe_tp_extend_ep,
+           "experts split over TP x EP ranks (moe_tp_extend_ep) are not built on the megatron backend yet; set it "
+           "to false (the experts split over expert_model_parallel_size ranks)"),
     NotYet("actor_config", "lora_target_modules", lambda c: bool(c.actor.lora_target_modules),
            "LoRA is not built on the megatron backend yet; remove the lora_* keys"),
     NotYet("rl_config", "ray_sharding", lambda c: c.rl.ray_sharding == "fsdp2",
@@ -192,8 +196,8 @@ def check_backend(cfg: RunConfig, device_type: str = "cpu", arch: ModelArch | No
     """Refuse, naming the keys, what the resolved backend cannot run; return the layout.
 
     ``arch`` (default :func:`~posttrain.config.arch.model_arch`) is checked against TP and PP when
-    known. Context and expert parallel sizes > 1, and TP/PP with ``backend: hf``, are refused by
-    their field rules (:func:`posttrain.config.features.check_features`)."""
+    known. Context parallel sizes > 1, and TP/PP/EP with ``backend: hf``, are refused by their
+    field rules (:func:`posttrain.config.features.check_features`)."""
     mp = model_parallel(cfg)
     for section, role in ROLES.items():
         value = getattr(getattr(cfg, role), "backend", None) if getattr(cfg, role) is not None else None
@@ -242,7 +246,8 @@ def _setting(cfg: RunConfig, item: NotYet) -> str:
 
 
 def _check_arch(cfg: RunConfig, mp: ModelParallel, arch: ModelArch | None, why: str) -> None:
-    """Heads and KV heads divisible by TP, layers by PP (and PP x layers per virtual stage), no experts."""
+    """Heads and KV heads divisible by TP, layers by PP (and PP x layers per virtual stage), experts
+    as :func:`_check_experts` wants them."""
     if arch is None:
         return  # the architecture is known only when the weights load: the engine checks it there
     tp_key, pp_key = actor_key(cfg, "tensor_model_parallel_size"), actor_key(cfg, "pipeline_model_parallel_size")
@@ -256,8 +261,31 @@ def _check_arch(cfg: RunConfig, mp: ModelParallel, arch: ModelArch | None, why: 
         if value % size:
             raise ConfigError(f"{_arch_label(cfg, key)}={value} is not divisible by {by}: each rank must hold an "
                               f"equal share; choose sizes that divide it{why}")
-    if arch.num_experts:
-        raise ConfigError(f"{_arch_label(cfg, 'num_experts')}={arch.num_experts}: {_MOE}{why}")
+    _check_experts(cfg, mp, arch, why)
+
+
+def _check_experts(cfg: RunConfig, mp: ModelParallel, arch: ModelArch, why: str) -> None:
+    """Expert parallelism: a mixture-of-experts model at TP 1, its experts divisible by EP, the
+    data-parallel ranks by EP (the experts split over them), the torch_dist checkpoint format."""
+    ep_key = actor_key(cfg, "expert_model_parallel_size")
+    if not arch.num_experts:
+        if mp.ep > 1:
+            raise ConfigError(f"{ep_key}={mp.ep}: the model has no experts (a dense {arch.model_type} model); set it "
+                              f"to 1{why}")
+        return
+    if mp.tp > 1:
+        raise ConfigError(f"{actor_key(cfg, 'tensor_model_parallel_size')}={mp.tp} with {_arch_label(cfg, 'num_experts')}"
+                          f"={arch.num_experts}: {_MOE_TP}{why}")
+    if arch.num_experts % mp.ep:
+        raise ConfigError(f"{_arch_label(cfg, 'num_experts')}={arch.num_experts} is not divisible by {ep_key}="
+                          f"{mp.ep}: each expert-parallel rank holds an equal share of the experts{why}")
+    if mp.dp % mp.ep:
+        raise ConfigError(f"{ep_key}={mp.ep} does not divide the data-parallel size {mp.dp} (rl_config.actor_resource"
+                          f".num_npus / (TP x PP x CP)): the experts split over data-parallel ranks; choose sizes where "
+                          f"it does{why}")
+    if cfg.actor.ckpt_format != "torch_dist":
+        raise ConfigError(f"{actor_key(cfg, 'ckpt_format')}={cfg.actor.ckpt_format} with a mixture-of-experts model: "
+                          f"the legacy per-rank format does not hold expert-parallel shards; use torch_dist{why}")
 
 
 def _arch_label(cfg: RunConfig, key: str) -> str:

@@ -21,15 +21,19 @@ ARCH = HONOURED  # describes the model (plan, init-model)
 MCORE = ignored("the backend key picks the model classes (megatron: Megatron-Core GPTModel; hf: Hugging Face models)")
 SPEC = ignored(f"{HF}; Megatron layer specs are not used", active="set")
 KERNEL = ignored(f"a Megatron/MindSpeed kernel switch; {HF}")
-KERNEL_SET = ignored(f"a Megatron/MindSpeed kernel switch; {HF}", active="set")
 ASCEND = ignored("Ascend NPUs only")
 MEGATRON_MEM = ignored("a Megatron/MindSpeed memory or communication optimisation; posttrain does not implement it "
                        "(the numerics are the same)")
 MEGATRON_MEM_SET = ignored("a Megatron/MindSpeed memory or communication optimisation; posttrain does not "
                            "implement it (the numerics are the same)", active="set")
-PARALLEL_LAYOUT = ignored("a Megatron/MindSpeed rank-order, MoE or ring-attention option the megatron backend does "
-                          "not read (it keeps Megatron-Core's rank order; context and expert parallel sizes > 1 are "
-                          "refused)")
+PARALLEL_LAYOUT = ignored("a Megatron/MindSpeed rank-order or ring-attention option the megatron backend does "
+                          "not read (it keeps Megatron-Core's rank order; context parallel sizes > 1 are refused)")
+MOE_KERNEL = ignored("a Megatron/MindSpeed MoE kernel switch: the megatron backend runs the experts one after the "
+                     "other (Megatron-Core's SequentialMLP) and dispatches tokens by all-gather (the same numerics); "
+                     "the hf backend runs the Hugging Face model's experts")
+MOE_KERNEL_SET = ignored("a Megatron/MindSpeed MoE kernel switch: the megatron backend runs the experts one after "
+                         "the other (Megatron-Core's SequentialMLP) and dispatches tokens by all-gather (the same "
+                         "numerics); the hf backend runs the Hugging Face model's experts", active="set")
 PP_LAYOUT = ignored("the megatron backend splits the layers evenly over the pipeline stages (uneven or padded stages "
                     "are not built yet)", active="set")
 CP_ALGO = ignored("only matters with context parallelism (context_parallel_size > 1 is refused)")
@@ -42,8 +46,8 @@ SOFTMAX_FP32 = ignored("sdpa keeps the softmax in fp32 whatever the key says", o
 DROPOUT = ignored("dropout comes from the model's Hugging Face config.json (0 for the shipped models)",
                   ok=(0.0,))
 INIT_STD = ignored("new weights are initialised by the Hugging Face model (its initializer_range)")
-AUX_LOSS = ignored("the MoE router load-balancing loss is not added (Hugging Face MoE models train without "
-                   "router logits)")
+AUX_LOSS = ignored("backend hf: the MoE router load-balancing loss is not added (Hugging Face MoE models train "
+                   "without router logits); the megatron backend adds it as Megatron-Core does", megatron=True)
 LOSS_SCALE = ignored("posttrain trains in fp32 or bf16, never fp16, so there is no loss scaling")
 DIST_OPT = ignored("backend hf: one process has nothing to shard; Ray workers shard optimizer state with "
                    "rl_config.ray_sharding: fsdp2 (the megatron backend refuses it on a CPU: Megatron-Core's "
@@ -71,16 +75,14 @@ LOOSE_LOAD = ignored("checkpoints always load strictly (a missing key is an erro
 
 # TP, PP and virtual stages select the megatron backend (posttrain.config.backend); only an explicit
 # `backend: hf` meets these refusals
-MP_WHY = "tensor/pipeline parallelism needs backend megatron, and backend is hf (data parallel only)"
+MP_WHY = "tensor/pipeline/expert parallelism needs backend megatron, and backend is hf (data parallel only)"
 MODEL_PARALLEL = refused(MP_WHY, "set it to 1, or remove backend: hf (null picks megatron)", active="gt1",
                          group="model parallelism", megatron=True)
 VPP = refused(MP_WHY, "remove the key, or remove backend: hf (null picks megatron)", active="set",
               group="model parallelism", megatron=True)
 CONTEXT_PARALLEL = refused("context parallelism is not verified on the megatron backend yet",
                            "set context_parallel_size 1", active="gt1")
-EXPERT_PARALLEL = refused("expert parallelism is not built: the Hugging Face <-> Megatron-Core mapping "
-                          "(posttrain.models.mcore) covers dense models only", "set expert_model_parallel_size 1",
-                          active="gt1")
+EXPERT_PARALLEL = MODEL_PARALLEL  # experts split over ranks (mixture-of-experts models)
 LORA = refused("LoRA is not implemented yet (the run would be a full fine-tune)",
                "remove the lora_* keys to fine-tune all weights", group="lora")
 LORA_TARGETS = refused("LoRA is not implemented yet (the run would be a full fine-tune)",
@@ -150,12 +152,13 @@ class MegatronConfig(Section):
     n_shared_experts: Opt[int] = F(None, "MoE shared experts", ARCH)
     moe_ffn_hidden_size: Opt[int] = F(None, "expert MLP size", ARCH)
     moe_router_topk: int = F(2, "experts per token", ARCH)
-    moe_grouped_gemm: bool = F(False, "Megatron MoE kernel", KERNEL)
-    moe_permutation_async_comm: bool = F(False, "Megatron MoE kernel", KERNEL)
+    moe_grouped_gemm: bool = F(False, "Megatron MoE kernel", MOE_KERNEL)
+    moe_permutation_async_comm: bool = F(False, "Megatron MoE kernel", MOE_KERNEL)
     moe_tp_extend_ep: bool = F(False, "Megatron MoE layout (TP extends EP)", PARALLEL_LAYOUT)
-    moe_alltoall_overlap_comm: bool = F(False, "Megatron MoE kernel", KERNEL)
-    use_fused_moe_token_permute_and_unpermute: bool = F(False, "Megatron MoE kernel", KERNEL)
-    moe_token_dispatcher_type: Opt[str] = F(None, "Megatron MoE token dispatcher (alltoall, allgather)", KERNEL_SET)
+    moe_alltoall_overlap_comm: bool = F(False, "Megatron MoE kernel", MOE_KERNEL)
+    use_fused_moe_token_permute_and_unpermute: bool = F(False, "Megatron MoE kernel", MOE_KERNEL)
+    moe_token_dispatcher_type: Opt[str] = F(None, "Megatron MoE token dispatcher (alltoall, allgather)",
+                                            MOE_KERNEL_SET)
     seq_aux: bool = F(False, "MoE aux loss per sequence", AUX_LOSS)
     first_k_dense_replace: Opt[int] = F(None, "dense layers before MoE", ARCH)
     moe_layer_freq: Opt[int] = F(None, "MoE layer frequency", ARCH)

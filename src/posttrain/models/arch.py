@@ -18,7 +18,7 @@ from posttrain.errors import ConfigError
 
 @dataclass(frozen=True)
 class ModelArch:
-    model_type: str  # HF model_type: qwen2, qwen3, llama
+    model_type: str  # HF model_type: qwen2, qwen3, qwen3_moe, llama
     num_layers: int
     hidden_size: int
     ffn_hidden_size: int
@@ -35,6 +35,7 @@ class ModelArch:
     num_experts: int | None = None
     moe_ffn_hidden_size: int | None = None
     moe_router_topk: int = 2
+    norm_topk_prob: bool = False  # MoE: the top-k routing weights renormalised to sum to 1 (Qwen3-MoE)
 
     # ---- sizes -------------------------------------------------------------------------------
     def num_params(self) -> int:
@@ -81,10 +82,16 @@ class ModelArch:
         if self.model_type == "llama":
             cfg["attention_bias"] = self.qkv_bias
             cfg["mlp_bias"] = False
+        if self.num_experts:  # Qwen3-MoE: every layer's MLP is the experts, no shared expert
+            cfg.update(num_experts=self.num_experts, num_experts_per_tok=self.moe_router_topk,
+                       moe_intermediate_size=self.moe_ffn_hidden_size or self.ffn_hidden_size,
+                       norm_topk_prob=self.norm_topk_prob, decoder_sparse_step=1, mlp_only_layers=[],
+                       output_router_logits=False)
         return cfg
 
 
-_ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
+_ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                  "llama": "LlamaForCausalLM"}
 
 
 def arch_from_model_yaml(name: str, keys: Mapping[str, Any], vocab_size: int | None = None) -> ModelArch:
@@ -97,7 +104,8 @@ def arch_from_model_yaml(name: str, keys: Mapping[str, Any], vocab_size: int | N
         raise ConfigError(f"model '{name}': key {err.args[0]} is required to size the model") from None
     kv_heads = int(keys.get("num_query_groups") or heads) if keys.get("group_query_attention") else heads
     model_type = keys.get("hf_model_type") or (
-        "qwen3" if keys.get("qk_layernorm") else "qwen2" if keys.get("add_qkv_bias") else "llama")
+        ("qwen3_moe" if keys.get("num_experts") else "qwen3") if keys.get("qk_layernorm")
+        else "qwen2" if keys.get("add_qkv_bias") else "llama")
     vocab = vocab_size or keys.get("padded_vocab_size")
     if not vocab:
         raise ConfigError(f"model '{name}': padded_vocab_size is needed to size the model")
@@ -119,6 +127,7 @@ def arch_from_model_yaml(name: str, keys: Mapping[str, Any], vocab_size: int | N
         num_experts=keys.get("num_experts"),
         moe_ffn_hidden_size=keys.get("moe_ffn_hidden_size"),
         moe_router_topk=int(keys.get("moe_router_topk") or 2),
+        norm_topk_prob=bool(keys.get("norm_topk_prob", False)),
     )
 
 
@@ -157,11 +166,12 @@ def arch_from_hf_config(path: str | Path) -> ModelArch:
         vocab_size=cfg["vocab_size"],
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         qkv_bias=cfg.get("model_type") == "qwen2" or bool(cfg.get("attention_bias", False)),
-        qk_norm=cfg.get("model_type") == "qwen3",
+        qk_norm=cfg.get("model_type") in ("qwen3", "qwen3_moe"),
         rope_theta=float(cfg.get("rope_theta", 10000.0)),
         norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
-        num_experts=cfg.get("num_experts") or cfg.get("n_routed_experts"),
+        num_experts=cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts"),
         moe_ffn_hidden_size=cfg.get("moe_intermediate_size"),
         moe_router_topk=int(cfg.get("num_experts_per_tok") or 2),
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
     )

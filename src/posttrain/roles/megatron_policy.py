@@ -27,6 +27,7 @@ Every method runs inside Megatron's CPU shims on a CPU (the worker enters them);
 from __future__ import annotations
 
 import logging
+import re
 import time
 from pathlib import Path
 
@@ -86,6 +87,26 @@ def hf_skeleton(source: str, args, device: str):
     return model.eval()
 
 
+_EXPERT = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight")
+
+
+def hf_param(params: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    """The tensor of an in-memory HF model that the weight ``name`` of its files fills: the
+    parameter itself, or for a Qwen3-MoE expert its slice of the fused experts (Transformers holds
+    ``experts.gate_up_proj`` ``[E, 2F, H]``, gate rows first, and ``experts.down_proj`` ``[E, H, F]``)."""
+    if name in params:
+        return params[name]
+    match = _EXPERT.fullmatch(name)
+    if match is None:
+        raise KeyError(f"{name}: no such parameter in the rollout's Hugging Face model")
+    prefix, expert, which = match[1], int(match[2]), match[3]
+    if which == "down":
+        return params[f"{prefix}.down_proj"][expert]
+    fused = params[f"{prefix}.gate_up_proj"][expert]
+    half = fused.shape[0] // 2
+    return fused[:half] if which == "gate" else fused[half:]
+
+
 class MegatronPolicy:
     """The actor (and reference) shards of this rank, the leader's rollout copy, and the trainer
     state (resumed or fresh)."""
@@ -102,12 +123,15 @@ class MegatronPolicy:
         vpp = num_layers(source) // (par.pp * par.vpp_layers) if par.vpp_layers else None  # chunks per rank
         vpp = vpp if vpp and vpp > 1 else None
         ps.initialize_model_parallel(tensor_model_parallel_size=par.tp, pipeline_model_parallel_size=par.pp,
-                                     virtual_pipeline_model_parallel_size=vpp)
+                                     virtual_pipeline_model_parallel_size=vpp, expert_model_parallel_size=par.ep)
         model_parallel_cuda_manual_seed(a.seed)
         self.leader = ps.get_tensor_model_parallel_rank() == 0 and ps.get_pipeline_model_parallel_rank() == 0
         self.dp_rank = ps.get_data_parallel_rank()
         options = {"recompute_granularity": par.recompute_granularity, "recompute_method": par.recompute_method,
                    "recompute_num_layers": par.recompute_num_layers}
+        # the router's load-balancing loss (read by mixture-of-experts models only)
+        options.update(moe_router_load_balancing_type="seq_aux_loss" if a.seq_aux else a.moe_router_load_balancing_type,
+                       moe_aux_loss_coeff=a.moe_aux_loss_coeff)
         if par.recompute_granularity == "full":  # Megatron needs a method and a count with full recompute
             options["recompute_method"] = par.recompute_method or "uniform"
             options["recompute_num_layers"] = par.recompute_num_layers or 1
@@ -238,7 +262,7 @@ class MegatronPolicy:
         for name, tensor in hf_weights(self.chunks, self.args):
             if params is not None:
                 with torch.no_grad():
-                    params[name].copy_(tensor)
+                    hf_param(params, name).copy_(tensor)
         return time.perf_counter() - start
 
     def save(self, save_dir: str, iteration: int, *, sampler_state, trainer_state: dict, save_optim: bool,

@@ -88,7 +88,7 @@ def test_unknown_backend_is_refused_by_key():
 
 def test_explicit_hf_refuses_tensor_parallelism():
     message = refusal(["actor_config.backend=hf", *TP2])
-    assert message.startswith("actor_config.tensor_model_parallel_size=2: tensor/pipeline parallelism needs backend "
+    assert message.startswith("actor_config.tensor_model_parallel_size=2: tensor/pipeline/expert parallelism needs backend "
                               "megatron")
 
 
@@ -147,11 +147,34 @@ def test_context_parallelism_is_refused():
         "set context_parallel_size 1")
 
 
-def test_expert_parallelism_and_experts_are_refused():
-    assert refusal(["actor_config.expert_model_parallel_size=2"]).startswith(
-        "actor_config.expert_model_parallel_size=2: expert parallelism is not built")
-    moe = ModelArch(**{**ARCH.__dict__, "num_experts": 4})
-    assert refusal(TP2, arch=moe).startswith("num_experts=4: mixture-of-experts models are not built")
+MOE = ModelArch(**{**ARCH.__dict__, "model_type": "qwen3_moe", "qk_norm": True, "num_experts": 4,
+                   "moe_ffn_hidden_size": 32, "norm_topk_prob": True})
+EP2 = ["actor_config.expert_model_parallel_size=2"]
+
+
+def test_expert_parallelism_plans_on_megatron():
+    cfg = config(EP2)
+    layout, _ = check_run_config(cfg, device_type="cpu", arch=MOE)
+    par = build_plan(cfg, layout, MOE, device="cpu").parallel
+    assert (par.backend, par.tp, par.ep, par.dp) == ("megatron", 1, 2, 4)
+    assert "EP 2 (the experts over the data-parallel ranks)" in par.describe()
+
+
+@pytest.mark.parametrize("overrides,arch,start", [
+    (EP2, ARCH, "actor_config.expert_model_parallel_size=2: the model has no experts (a dense qwen2 model)"),
+    (TP2, MOE, "actor_config.tensor_model_parallel_size=2 with num_experts=4: a mixture-of-experts model trains at "
+               "tensor parallel size 1"),
+    (["actor_config.expert_model_parallel_size=4"], ModelArch(**{**MOE.__dict__, "num_experts": 6}),
+     "num_experts=6 is not divisible by actor_config.expert_model_parallel_size=4"),
+    (["actor_config.expert_model_parallel_size=4", "actor_config.pipeline_model_parallel_size=2"], MOE,
+     "actor_config.expert_model_parallel_size=4 does not divide the data-parallel size 2"),
+    ([*EP2, "actor_config.ckpt_format=torch"], MOE, "actor_config.ckpt_format=torch with a mixture-of-experts model"),
+    ([*EP2, "actor_config.moe_tp_extend_ep=true"], MOE, "actor_config.moe_tp_extend_ep=true: experts split over TP"),
+    (["actor_config.backend=hf", *EP2], MOE, "actor_config.expert_model_parallel_size=2: tensor/pipeline/expert "
+                                             "parallelism needs backend megatron"),
+], ids=["dense", "tp", "experts", "dp", "legacy-format", "tp-extend-ep", "hf"])
+def test_expert_parallel_layouts_that_cannot_run_are_refused(overrides, arch, start):
+    assert refusal(overrides, arch=arch).startswith(start)
 
 
 def test_distributed_optimizer_is_refused_on_cpu_only():

@@ -38,7 +38,7 @@ def refusal(overrides, device_type="cpu") -> str:
 
 
 LORA = "LoRA is not implemented yet"
-MP = "tensor/pipeline parallelism needs backend megatron, and backend is hf"
+MP = "tensor/pipeline/expert parallelism needs backend megatron, and backend is hf"
 MM = "multimodal training is not implemented yet"
 MULTI_TURN = "multi-turn rollout with tools is not implemented yet"
 TQ = "the TransferQueue backend is not implemented"
@@ -64,8 +64,8 @@ CASES = [
      "set them to 1, or remove backend: hf"),
     (["megatron_training.backend=hf", "megatron_training.pipeline_model_parallel_size=2"],
      "megatron_training.pipeline_model_parallel_size=2: ", "set it to 1"),
-    (["actor_config.expert_model_parallel_size=2"],
-     "actor_config.expert_model_parallel_size=2: expert parallelism is not built", "set expert_model_parallel_size 1"),
+    (["actor_config.backend=hf", "actor_config.expert_model_parallel_size=2"],
+     f"actor_config.expert_model_parallel_size=2: {MP}", "set it to 1, or remove backend: hf"),
     (["actor_config.context_parallel_size=2"],
      "actor_config.context_parallel_size=2: context parallelism is not verified on the megatron backend yet",
      "set context_parallel_size 1"),

@@ -61,7 +61,7 @@ def refusal(overrides, base=BASE) -> str:
      r"^reward_config.lr=0.5: the reward model is frozen and reads only reward_config.load .*give it the actor's "
      r"value \(null\)"),
     ([*RM, "reward_config.tensor_model_parallel_size=2"], r"^reward_config.tensor_model_parallel_size=2: "
-     r"tensor/pipeline parallelism needs backend megatron"),
+     r"tensor/pipeline/expert parallelism needs backend megatron"),
     ([*RM, "reward_config.micro_batch_size=3"],
      r"^Invalid Reward batch configuration! \(global_batch_size \* n_samples\) = 8\*4 = 32 must be divisible by "
      r"micro_batch_size 3"),

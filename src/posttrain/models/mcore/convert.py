@@ -43,14 +43,19 @@ def params_dtype(name: str | None) -> torch.dtype | None:
 
 # ---- HF -> Megatron-Core ----------------------------------------------------------------------------
 
-def hf_arch(hf_dir: Path, weights: HFWeights, *, orm: bool) -> ModelArch:
-    """The architecture of an HF directory, checked against what the converter supports."""
+def hf_arch(hf_dir: Path, weights: HFWeights, *, orm: bool, moe: bool = False) -> ModelArch:
+    """The architecture of an HF directory, checked against what the converter supports; ``moe``:
+    a Qwen3-MoE model is accepted too (the megatron backend builds it; the legacy converter does not)."""
     config = json.loads((hf_dir / "config.json").read_text(encoding="utf-8"))
     arch = arch_from_hf_config(hf_dir)
-    if arch.num_experts:
+    if arch.num_experts and not moe:
         raise ConfigError(f"{hf_dir}: a mixture-of-experts model ({config.get('model_type')}, {arch.num_experts} "
-                          f"experts); posttrain convert handles dense Qwen2/Qwen2.5, Qwen3 and Llama models")
-    if arch.model_type not in SUPPORTED:
+                          f"experts); posttrain convert writes dense Qwen2/Qwen2.5, Qwen3 and Llama models in the "
+                          f"legacy layout. A Qwen3-MoE model trains on the megatron backend from its HF directory, "
+                          f"and its torch_dist checkpoints convert back to HF")
+    if arch.num_experts:
+        check_moe_config(hf_dir, config)
+    elif arch.model_type not in SUPPORTED:
         raise ConfigError(f"{hf_dir}/config.json: model_type {arch.model_type!r} is not supported; "
                           f"posttrain convert handles {', '.join(SUPPORTED)} (Qwen2/Qwen2.5, Qwen3, Llama/SmolLM2)")
     is_rm = any(a.endswith("ForSequenceClassification") for a in config.get("architectures") or [])
@@ -65,6 +70,19 @@ def hf_arch(hf_dir: Path, weights: HFWeights, *, orm: bool) -> ModelArch:
                           f"its backbone and scalar head")
     return replace(arch, qkv_bias=hf_has(weights, "self_attn.q_proj.bias"),
                    qk_norm=hf_has(weights, "self_attn.q_norm.weight"))
+
+
+def check_moe_config(hf_dir: Path, config: dict) -> None:
+    """Refuse the mixture-of-experts models the mapping does not cover: Qwen3-MoE with experts in
+    every layer and no shared expert is what it maps."""
+    where = hf_dir / "config.json"
+    if config.get("model_type") != "qwen3_moe":
+        raise ConfigError(f"{where}: model_type {config.get('model_type')!r}: of the mixture-of-experts models, "
+                          f"the Hugging Face <-> Megatron-Core mapping covers qwen3_moe (Qwen3-MoE) only")
+    if int(config.get("decoder_sparse_step") or 1) != 1 or config.get("mlp_only_layers"):
+        raise ConfigError(f"{where}: decoder_sparse_step={config.get('decoder_sparse_step')}, mlp_only_layers="
+                          f"{config.get('mlp_only_layers')}: the mapping covers models with experts in every layer "
+                          f"(decoder_sparse_step 1, no mlp_only_layers)")
 
 
 def hf_has(weights: HFWeights, layer_param: str) -> bool:
@@ -120,12 +138,15 @@ def hf_to_mcore(load_dir: str | Path, save_dir: str | Path, *, tp: int = 1, pp: 
 
 
 def _stage_state(weights: HFWeights, arch: ModelArch, par: layout.Parallel, params: list[mapping.Param],
-                 pp_rank: int, chunk: int, tp_rank: int, padded: int, orm: bool) -> dict[str, torch.Tensor]:
-    """One rank's state dict for one (virtual) stage, reading only the rows/columns that rank holds."""
+                 pp_rank: int, chunk: int, tp_rank: int, padded: int, orm: bool,
+                 ep_rank: int = 0) -> dict[str, torch.Tensor]:
+    """One rank's state dict for one (virtual) stage, reading only the rows/columns that rank holds
+    (of a mixture-of-experts model, the experts of expert-parallel rank ``ep_rank`` of ``par.ep``)."""
     tp = par.tp
     state: dict[str, torch.Tensor] = {}
     if par.is_first(pp_rank, chunk):
         state[mapping.EMBEDDING] = _vocab_shard(weights, mapping.HF_EMBEDDING, arch.vocab_size, padded, tp, tp_rank)
+    params = mapping.rank_params(params, arch, par.ep, ep_rank)
     for local, layer in enumerate(par.stages[pp_rank][chunk]):
         for p in params:
             names = [mapping.hf_layer_name(layer, n) for n in p.hf]
@@ -156,8 +177,8 @@ def _param_shard(weights: HFWeights, p: mapping.Param, names: list[str], arch: M
         return weights.cols(names[0], *_block(weights.shape(names[0])[1], tp, rank))
     if p.kind == mapping.COLUMN:
         return weights.rows(names[0], *_block(weights.shape(names[0])[0], tp, rank))
-    if p.kind == mapping.FC1:
-        lo, hi = _block(arch.ffn_hidden_size, tp, rank)
+    if p.kind == mapping.FC1:  # gate and up: the dense MLP's or an expert's
+        lo, hi = _block(weights.shape(names[0])[0], tp, rank)
         return torch.cat([weights.rows(names[0], lo, hi), weights.rows(names[1], lo, hi)])
     if p.kind == mapping.QKV:  # whole query groups per rank
         g0, g1 = _block(arch.num_kv_heads, tp, rank)
@@ -205,9 +226,11 @@ class McoreCheckpoint:
         self.dir = layout.iteration_dir(Path(load_dir))
         self.args = layout.read_args(self.dir)
         self.par = layout.parallel_from_args(self.args, self.dir)
-        if self.par.ep > 1:
-            raise CheckpointError(f"{self.dir}: expert-parallel checkpoints (EP {self.par.ep}) are not supported; "
-                                  f"posttrain converts dense models")
+        if self.par.ep > 1 or getattr(self.args, "num_experts", None):
+            raise CheckpointError(f"{self.dir}: a mixture-of-experts checkpoint (num_experts "
+                                  f"{getattr(self.args, 'num_experts', None)}, EP {self.par.ep}) in the legacy layout; "
+                                  f"posttrain converts dense models from it (a megatron-backend run saves MoE models "
+                                  f"as torch_dist, which converts back)")
         self.arch = layout.arch_from_args(self.args, self.dir)
         layout.check_vocab_padding(self.args, self.par.tp, self.dir)
         found = layout.rank_dirs(self.dir)

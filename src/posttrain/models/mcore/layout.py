@@ -44,7 +44,7 @@ ARGS_KEYS = (
     "rotary_interleaved", "untie_embeddings_and_output_weights", "tensor_model_parallel_size",
     "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
     "num_layers_per_virtual_pipeline_stage", "num_layer_list", "expert_model_parallel_size", "num_experts",
-    "params_dtype", "bf16", "fp16", "use_mcore_models", "transformer_impl", "orm", "hf_model_type",
+    "moe_ffn_hidden_size", "moe_router_topk", "norm_topk_prob", "params_dtype", "bf16", "fp16", "use_mcore_models", "transformer_impl", "orm", "hf_model_type",
     "iteration", "consumed_train_samples", "consumed_valid_samples",
 )
 
@@ -285,9 +285,6 @@ def parallel_from_args(args: argparse.Namespace, where: Path) -> Parallel:
 def arch_from_args(args: argparse.Namespace, where: Path) -> ModelArch:
     """The model of a checkpoint's args (Megatron names), with posttrain's ``hf_model_type`` if present."""
     keys = dict(vars(args))
-    if getattr(args, "num_experts", None):
-        raise CheckpointError(f"{where}: a mixture-of-experts checkpoint (num_experts={args.num_experts}); "
-                              f"posttrain converts dense Qwen2/Qwen2.5, Qwen3 and Llama models only")
     if not keys.get("group_query_attention"):
         keys["num_query_groups"] = None
     try:
@@ -324,7 +321,10 @@ def make_args(arch: ModelArch, par: Parallel, *, padded_vocab: int, divisor: int
         pipeline_model_parallel_size=par.pp,
         virtual_pipeline_model_parallel_size=par.chunks if par.chunks > 1 else None,
         num_layers_per_virtual_pipeline_stage=layers_per_virtual_stage, num_layer_list=num_layer_list,
-        expert_model_parallel_size=par.ep, num_experts=None, params_dtype=params_dtype,
+        expert_model_parallel_size=par.ep, num_experts=arch.num_experts,
+        moe_ffn_hidden_size=arch.moe_ffn_hidden_size if arch.num_experts else None,
+        moe_router_topk=arch.moe_router_topk if arch.num_experts else None,
+        norm_topk_prob=arch.norm_topk_prob if arch.num_experts else None, params_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16, fp16=params_dtype == torch.float16, use_mcore_models=True,
         transformer_impl="local", orm=orm, hf_model_type=arch.model_type, iteration=0,
         consumed_train_samples=0, consumed_valid_samples=0,

@@ -16,6 +16,13 @@ Megatron-Core names (``decoder.layers.{i}.`` prefix, ``i`` local to the pipeline
     mlp.linear_fc1.weight                           <- mlp.{gate,up}_proj.weight
     mlp.linear_fc2.weight                           <- mlp.down_proj.weight
 
+and for a mixture-of-experts (Qwen3-MoE) layer, instead of the last two (``e``: the expert's index
+local to its expert-parallel rank in Megatron-Core, global in HF)::
+
+    mlp.router.weight                               <- mlp.gate.weight
+    mlp.experts.local_experts.{e}.linear_fc1.weight <- mlp.experts.{e}.{gate,up}_proj.weight
+    mlp.experts.local_experts.{e}.linear_fc2.weight <- mlp.experts.{e}.down_proj.weight
+
 and outside the layers: ``embedding.word_embeddings.weight`` (first stage), ``decoder.final_layernorm
 .weight`` and ``output_layer.weight`` (last stage; a tied model has an output layer only when it has
 more than one stage), or ``rm_head.weight`` for a reward model (``--orm``; HF ``score.weight``, a
@@ -47,6 +54,11 @@ class Param:
     mcore: str              # name under decoder.layers.{i}.
     hf: tuple[str, ...]     # names under model.layers.{i}.
     kind: str
+    expert: bool = False    # one per expert: ``{e}`` in the names (see :func:`for_expert`)
+
+    def for_expert(self, local: int, index: int) -> "Param":
+        """This expert parameter for the expert ``index`` (global), ``local`` on its rank."""
+        return Param(self.mcore.format(e=local), tuple(n.format(e=index) for n in self.hf), self.kind)
 
 
 def layer_params(arch: ModelArch) -> list[Param]:
@@ -60,10 +72,24 @@ def layer_params(arch: ModelArch) -> list[Param]:
         params += [Param("self_attention.q_layernorm.weight", (f"{attn}q_norm.weight",), REPLICATED),
                    Param("self_attention.k_layernorm.weight", (f"{attn}k_norm.weight",), REPLICATED)]
     params += [Param("self_attention.linear_proj.weight", (f"{attn}o_proj.weight",), ROW),
-               Param("pre_mlp_layernorm.weight", ("post_attention_layernorm.weight",), REPLICATED),
-               Param("mlp.linear_fc1.weight", ("mlp.gate_proj.weight", "mlp.up_proj.weight"), FC1),
-               Param("mlp.linear_fc2.weight", ("mlp.down_proj.weight",), ROW)]
-    return params
+               Param("pre_mlp_layernorm.weight", ("post_attention_layernorm.weight",), REPLICATED)]
+    if arch.num_experts:
+        experts = "mlp.experts.local_experts.{e}."
+        return params + [
+            Param("mlp.router.weight", ("mlp.gate.weight",), REPLICATED),
+            Param(experts + "linear_fc1.weight", ("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight"),
+                  FC1, expert=True),
+            Param(experts + "linear_fc2.weight", ("mlp.experts.{e}.down_proj.weight",), ROW, expert=True)]
+    return params + [Param("mlp.linear_fc1.weight", ("mlp.gate_proj.weight", "mlp.up_proj.weight"), FC1),
+                     Param("mlp.linear_fc2.weight", ("mlp.down_proj.weight",), ROW)]
+
+
+def rank_params(params: list[Param], arch: ModelArch, ep: int = 1, ep_rank: int = 0) -> list[Param]:
+    """``params`` (:func:`layer_params`) as expert-parallel rank ``ep_rank`` of ``ep`` holds them: each
+    expert parameter once per local expert (the experts split in ``ep`` equal consecutive blocks)."""
+    local = (arch.num_experts or 0) // ep
+    return [q for p in params
+            for q in ([p.for_expert(e, ep_rank * local + e) for e in range(local)] if p.expert else [p])]
 
 
 def hf_layer_name(layer: int, name: str) -> str:

@@ -18,6 +18,10 @@ Megatron-Core model, through Megatron's pipeline schedule and optimizer.
   rank's loss is scaled by its size, as in the HF engine (:mod:`posttrain.train.parallel`).
 * Results are computed on the last pipeline stage and broadcast to the others, so every rank
   returns the same values.
+* Expert parallelism (a mixture-of-experts model's experts split over data-parallel ranks): the
+  token dispatcher all-gathers every layer's tokens over the expert-parallel group, so its ranks run
+  in lockstep: packed micro-batches of one length and count on every data-parallel rank (empty ones
+  pad the count, as with virtual stages).
 
 The Ray worker groups build it (:mod:`posttrain.roles.megatron_policy`); docs/parallelism.md.
 """
@@ -139,8 +143,20 @@ class MegatronEngine:
         self.offload: MegatronOffload | None = None  # set by the policy (generate_config.offload_train_*)
         # packed micro-batches with remove padding, and always under a token budget or with virtual
         # stages (rows per micro-batch vary there, and the pipeline's buffers need one shape)
+        from megatron.core import parallel_state as ps
+
+        self.lockstep = ps.get_expert_model_parallel_world_size() > 1  # see the module's docstring
         self.packing = bool(self.options.use_remove_padding or self.options.forward_budget
-                            or self.options.update_budget or len(self.models) > 1)
+                            or self.options.update_budget or len(self.models) > 1 or self.lockstep)
+
+    def _most(self, value: int) -> int:
+        """The largest ``value`` of the data-parallel ranks (the expert-parallel groups among them)."""
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
+        tensor = torch.tensor(value, device=next(self.models[0].parameters()).device)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=ps.get_data_parallel_group())
+        return int(tensor)
 
     def _micro_batches(self, batch: dict[str, torch.Tensor], micro_batch_size: int | None, budget,
                        rows_per_item: int = 1) -> list[torch.Tensor]:
@@ -159,6 +175,8 @@ class MegatronEngine:
             if not self.packing:
                 size = math.gcd(len(items), size) or 1
             groups = [items[start:start + size].reshape(-1) for start in range(0, len(items), size)]
+        if self.lockstep:
+            groups += [items[:0].reshape(-1)] * (self._most(len(groups)) - len(groups))
         if len(self.models) > 1:  # the interleaved schedule takes a multiple of PP micro-batches: pad
             from megatron.core import parallel_state as ps  # with empty (all-padding) packed ones
 
@@ -175,7 +193,7 @@ class MegatronEngine:
 
         if self.packing:  # every packed micro-batch padded to the longest, for the p2p buffers
             length = max(max(int(batch["attention_mask"][rows].sum()) for rows in micro_batches), 1)
-            shape = (1, length)
+            shape = (1, self._most(length) if self.lockstep else length)
         else:
             shape = (len(micro_batches[0]), batch["input_ids"].shape[1])
 

@@ -23,9 +23,13 @@ def arg(args: argparse.Namespace, name: str, default: Any = None) -> Any:
 
 
 def transformer_config(args: argparse.Namespace, tp: int, pp: int, vpp, layers, *, initialize: bool = False,
-                       **options: Any):
+                       ep: int = 1, **options: Any):
     """A fp32 (unless ``options`` say bf16), CPU-initialised, no-fusion ``TransformerConfig`` from
-    Megatron-LM argument names. ``initialize``:
+    Megatron-LM argument names; of a mixture-of-experts model (``num_experts``), its experts split
+    over ``ep`` expert-parallel ranks, tokens dispatched by all-gather (Megatron's all-to-all
+    dispatcher creates CUDA streams; the result is the same), the router Qwen3-MoE's (softmax over
+    the top-k logits with ``norm_topk_prob``, else top-k of the softmax) without a load-balancing
+    loss unless ``options`` ask for one. ``initialize``:
     Megatron initialises the weights (which marks the tensor-parallel ones, as its gradient norm
     and clipping need) before they are overwritten by loaded ones. ``options``: more
     ``TransformerConfig`` fields (the run's ``recompute_*`` and ``sequence_parallel``)."""
@@ -77,6 +81,15 @@ def transformer_config(args: argparse.Namespace, tp: int, pp: int, vpp, layers, 
         attention_softmax_in_fp32=True,
         sequence_parallel=False,
     )
+    if not arg(args, "num_experts", None):  # a dense model: no router options
+        options = {k: v for k, v in options.items() if not k.startswith("moe_")}
+    else:
+        fields.update(num_moe_experts=int(args.num_experts), moe_ffn_hidden_size=int(args.moe_ffn_hidden_size),
+                      moe_router_topk=int(args.moe_router_topk),
+                      moe_router_pre_softmax=not bool(arg(args, "norm_topk_prob", False)),
+                      moe_token_dispatcher_type="allgather", moe_router_load_balancing_type="none",
+                      moe_aux_loss_coeff=0.0, moe_grouped_gemm=False, moe_permute_fusion=False,
+                      expert_model_parallel_size=ep)
     return TransformerConfig(**{**fields, **options})
 
 
@@ -105,7 +118,9 @@ def build_chunks(args: argparse.Namespace, config, vpp, *, value_head: bool = Fa
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    spec = get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization=config.normalization)
+    _without_transformer_engine()
+    spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False,
+                                    qk_layernorm=config.qk_layernorm, normalization=config.normalization)
     tied = not bool(arg(args, "untie_embeddings_and_output_weights", False)) and not value_head
     rope_kwargs = {}
     if getattr(args, "use_rope_scaling", False):
@@ -133,6 +148,15 @@ def build_chunks(args: argparse.Namespace, config, vpp, *, value_head: bool = Fa
         if value_head:
             attach_value_head(chunks[-1])
     return chunks
+
+
+def _without_transformer_engine() -> None:
+    """Megatron-Core 0.16's MoE router reads ``moe_utils.te_general_gemm``, a name the module defines
+    only when TransformerEngine imports; None selects its ``torch.mm`` path."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
 
 
 def sharded_state_dict(chunk) -> dict:
@@ -180,33 +204,36 @@ def hf_to_megatron(hf_dir: str | Path, *, divisor: int = 128, for_training: bool
     from posttrain.models.mcore.convert import _stage_state, hf_arch
     from posttrain.models.mcore.hf_files import HFWeights
 
-    tp, pp, vpp = _sizes()
+    tp, pp, vpp, ep = _sizes()
     weights = HFWeights(Path(hf_dir))
     orm = value_head and is_reward_model_dir(Path(hf_dir))
-    arch = hf_arch(Path(hf_dir), weights, orm=orm)
+    arch = hf_arch(Path(hf_dir), weights, orm=orm, moe=True)
     padded = splits.padded_vocab_size(arch.vocab_size, divisor, tp)
-    splits.check_tp(tp, heads=arch.num_attention_heads, groups=arch.num_kv_heads, ffn=arch.ffn_hidden_size,
-                    padded_vocab=padded)
+    splits.check_tp(tp, heads=arch.num_attention_heads, groups=arch.num_kv_heads,
+                    ffn=arch.moe_ffn_hidden_size if arch.num_experts else arch.ffn_hidden_size, padded_vocab=padded)
+    if arch.num_experts and arch.num_experts % ep:
+        raise ValueError(f"{hf_dir}: {arch.num_experts} experts do not split over expert parallel size {ep}")
     per_chunk = arch.num_layers // (pp * vpp) if vpp else None
-    par = layout.Parallel(tp, pp, 1, layout.pipeline_stages(arch.num_layers, pp, None, per_chunk))
+    par = layout.Parallel(tp, pp, ep, layout.pipeline_stages(arch.num_layers, pp, None, per_chunk))
     args = layout.make_args(arch, par, padded_vocab=padded, divisor=divisor, params_dtype=torch.float32,
                             num_layer_list=None, layers_per_virtual_stage=per_chunk, orm=False)
-    chunks = build_chunks(args, transformer_config(args, tp, pp, vpp, None, initialize=for_training, **options),
-                          vpp, value_head=value_head)
+    chunks = build_chunks(args, transformer_config(args, tp, pp, vpp, None, initialize=for_training, ep=ep,
+                                                   **options), vpp, value_head=value_head)
     for index, chunk in enumerate(chunks):
         state = _stage_state(weights, arch, par, mapping.layer_params(arch), ps.get_pipeline_model_parallel_rank(),
-                             index, ps.get_tensor_model_parallel_rank(), padded, orm)
+                             index, ps.get_tensor_model_parallel_rank(), padded, orm,
+                             ep_rank=ps.get_expert_model_parallel_rank())
         _load(chunk, _value_head_state(state, chunk) if value_head else state)
     return chunks, args
 
 
-def _sizes() -> tuple[int, int, int | None]:
-    """TP, PP and the virtual stages per rank (None without) of ``parallel_state``."""
+def _sizes() -> tuple[int, int, int | None, int]:
+    """TP, PP, the virtual stages per rank (None without) and EP of ``parallel_state``."""
     from megatron.core import parallel_state as ps
 
     vpp = ps.get_virtual_pipeline_model_parallel_world_size()
     return (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
-            vpp if vpp and vpp > 1 else None)
+            vpp if vpp and vpp > 1 else None, ps.get_expert_model_parallel_world_size())
 
 
 def _load(chunk, state: dict) -> None:
@@ -229,20 +256,20 @@ def mcore_to_megatron(load_dir: str | Path, *, for_training: bool = False, value
     from posttrain.errors import CheckpointError
     from posttrain.models.mcore import layout
 
-    tp, pp, vpp = _sizes()
+    tp, pp, vpp, ep = _sizes()
     it_dir = layout.iteration_dir(Path(load_dir))
     args = layout.read_args(it_dir)
     layers = int(args.num_layers)
     per_chunk = layers // (pp * vpp) if vpp else None
     if layout.is_dist_checkpoint(it_dir):
-        args = _with_layout(args, tp, pp, per_chunk, it_dir)
-        chunks = build_chunks(args, transformer_config(args, tp, pp, vpp, None, initialize=for_training, **options),
-                              vpp, value_head=value_head)
+        args = _with_layout(args, tp, pp, ep, per_chunk, it_dir)
+        chunks = build_chunks(args, transformer_config(args, tp, pp, vpp, None, initialize=for_training, ep=ep,
+                                                       **options), vpp, value_head=value_head)
         _load_dist_model(it_dir, chunks)
         return chunks, args
     saved = layout.parallel_from_args(args, it_dir)
     wanted = layout.pipeline_stages(layers, pp, None, per_chunk)
-    if (saved.tp, saved.pp, saved.ep, saved.stages) != (tp, pp, 1, wanted):
+    if (saved.tp, saved.pp, saved.ep, saved.stages) != (tp, pp, ep, wanted):
         raise CheckpointError(
             f"{it_dir} was saved at TP {saved.tp} x PP {saved.pp} with {saved.chunks} virtual stage(s) (stages "
             f"{saved.stages}) in the legacy format; this run is TP {tp} x PP {pp} with {vpp or 1}, evenly split. "
@@ -259,7 +286,8 @@ def mcore_to_megatron(load_dir: str | Path, *, for_training: bool = False, value
     return chunks, args
 
 
-def _with_layout(args: argparse.Namespace, tp: int, pp: int, per_chunk: int | None, where: Path) -> argparse.Namespace:
+def _with_layout(args: argparse.Namespace, tp: int, pp: int, ep: int, per_chunk: int | None,
+                 where: Path) -> argparse.Namespace:
     """A copy of a checkpoint's ``args`` describing this run's layout (the padded vocabulary kept:
     the embedding's global shape), for a checkpoint that reshards on load."""
     from posttrain.errors import CheckpointError
@@ -268,7 +296,11 @@ def _with_layout(args: argparse.Namespace, tp: int, pp: int, per_chunk: int | No
         raise CheckpointError(f"{where}: its padded vocabulary ({args.padded_vocab_size} rows) does not split into "
                               f"TP {tp} shards; choose a tensor-parallel size that divides it")
     out = argparse.Namespace(**vars(args))
+    if int(getattr(args, "num_experts", None) or 0) % ep:
+        raise CheckpointError(f"{where}: its {args.num_experts} experts do not split over expert parallel size {ep}; "
+                              f"choose an expert_model_parallel_size that divides them")
     out.tensor_model_parallel_size, out.pipeline_model_parallel_size = tp, pp
+    out.expert_model_parallel_size = ep
     out.num_layers_per_virtual_pipeline_stage, out.num_layer_list = per_chunk, None
     return out
 
@@ -304,7 +336,9 @@ def hf_weights(chunks: list, args: argparse.Namespace, *, value_head: bool = Fal
     virtual stage) are this rank's part of, one layer at a time, on every rank: each tensor's TP shards are all-gathered and
     merged back into the HF layout (the converter's mapping), then broadcast from the pipeline
     stage that holds it. This is the weight sync from the trained model to the rollout's HF model;
-    the peak is one layer, not the model. All ranks must iterate it together (collectives)."""
+    the peak is one layer, not the model. All ranks must iterate it together (collectives). Each
+    expert of a mixture-of-experts model is gathered over the expert tensor-parallel group on the
+    expert-parallel rank that holds it, then broadcast over the expert-parallel group."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
@@ -322,6 +356,23 @@ def hf_weights(chunks: list, args: argparse.Namespace, *, value_head: bool = Fal
         shards = [torch.empty_like(local) for _ in range(par.tp)]
         dist.all_gather(shards, local, group=tp_group)
         return shards
+
+    experts_per_rank = (arch.num_experts or 0) // par.ep
+
+    def expert_shards(p: mapping.Param, expert: int, local: int, chunk: int) -> tuple[mapping.Param, list]:
+        """``p`` of the (global) ``expert`` in layer ``local`` of ``chunk``, and its expert-TP shards."""
+        owner, index = divmod(expert, experts_per_rank)
+        name = mapping.mcore_layer_name(local, p.for_expert(index, expert).mcore)
+        local_state = states[chunk][name].detach().contiguous()  # this rank's expert ``index``: the shape
+        shards = [torch.empty_like(local_state) for _ in range(etp_group.size())]
+        dist.all_gather(shards, local_state, group=etp_group)
+        for shard in shards:
+            dist.broadcast(shard, src=ep_ranks[owner], group=ep_group)
+        return p.for_expert(index, expert), shards
+
+    if arch.num_experts:
+        ep_group, etp_group = ps.get_expert_model_parallel_group(), ps.get_expert_tensor_parallel_group()
+        ep_ranks = dist.get_process_group_ranks(ep_group)
 
     def from_stage(stage: int, make) -> list[torch.Tensor]:
         """The tensors ``make()`` builds on pipeline stage ``stage``, on every stage."""
@@ -342,10 +393,17 @@ def hf_weights(chunks: list, args: argparse.Namespace, *, value_head: bool = Fal
     for layer in range(arch.num_layers):
         stage, chunk, local = par.locate(layer)
         for p in params:
-            merged = from_stage(stage, lambda: mapping.merge_param(
-                p, tp_shards(mapping.mcore_layer_name(local, p.mcore), chunk), arch))
-            for name, tensor in zip(p.hf, merged):
-                yield mapping.hf_layer_name(layer, name), tensor
+            for expert in range(arch.num_experts or 0) if p.expert else [None]:
+                if expert is None:
+                    names = p.hf
+                    merged = from_stage(stage, lambda: mapping.merge_param(
+                        p, tp_shards(mapping.mcore_layer_name(local, p.mcore), chunk), arch))
+                else:
+                    names = p.for_expert(0, expert).hf
+                    merged = from_stage(stage, lambda: mapping.merge_param(
+                        *expert_shards(p, expert, local, chunk), arch))
+                for name, tensor in zip(names, merged):
+                    yield mapping.hf_layer_name(layer, name), tensor
     last = par.pp - 1
     [norm] = from_stage(last, lambda: [states[-1][mapping.FINAL_NORM].detach().clone()])
     yield mapping.HF_FINAL_NORM, norm
