@@ -303,3 +303,122 @@ def test_the_seeds_r1_zero_config_trains_saves_resumes_exactly_and_converts(ray_
     assert sorted(trained) == sorted(initial)
     assert all(torch.equal(trained[k], again[k]) for k in trained)  # the resume is exact
     assert any(not torch.equal(trained[k], initial[k]) for k in trained)  # and it trained
+
+
+@pytest.fixture(scope="module")
+def moe_model(work, tiny_tokenizer):
+    """A 2-layer Qwen3-MoE (hidden 64, 4 experts of width 32, top 2, renormalised; no pad row: see
+    ``model``)."""
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    out = work / "moe_model"
+    torch.manual_seed(2)
+    config = Qwen3MoeConfig(vocab_size=len(tiny_tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4,
+                            num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+                            max_position_embeddings=256, tie_word_embeddings=False,
+                            eos_token_id=tiny_tokenizer.eos_token_id)
+    Qwen3MoeForCausalLM(config).save_pretrained(out)
+    tiny_tokenizer.save_pretrained(out)
+    return out
+
+
+def moe_run(work, model, name: str, workers: int, rl: dict | None = None, **train):
+    """2 GRPO iterations (or ``train``'s stage) on ``model`` without the router's load-balancing loss
+    (the HF backend does not add it)."""
+    return record_run(grpo_config(work, name, workers=workers, iters=2, rl={**RL, **(rl or {})}, train={
+        **TRAIN, "tokenizer_name_or_path": str(model), "moe_router_load_balancing_type": "none", **train}))
+
+
+@pytest.fixture(scope="module")
+def moe_hf_run(ray_cluster, work, moe_model):
+    return moe_run(work, moe_model, "moe_hf", 1)
+
+
+def assert_same_run(got_run, want_run) -> None:
+    """The same responses, optimizer steps and logged metrics (but the wall-clock ones) within 1e-4."""
+    (want_batches, want_rows, want_steps), (got_batches, got_rows, got_steps) = want_run, got_run
+    assert got_batches == want_batches and len(got_steps) == len(want_steps) == 4
+    for step, (got, want) in enumerate(zip(got_steps, want_steps)):
+        for key in want:
+            assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), (step, key)
+    want_rows, got_rows = ([r for r in rows if "actor/pg_loss" in r] for rows in (want_rows, got_rows))
+    assert [r["iteration"] for r in got_rows] == [1, 2]
+    for want, got in zip(want_rows, got_rows):
+        for key in (k for k in want if not is_wall_clock(k)):
+            assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), (want["iteration"], key)
+
+
+def test_expert_parallelism_equals_the_hf_backend_saves_resumes_exactly_and_converts(moe_hf_run, work, moe_model):
+    """A Qwen3-MoE model at EP 2 (2 data-parallel ranks, 2 experts each; tokens all-gathered over
+    them every layer, so both run packed micro-batches in lockstep): the HF backend's responses, steps
+    and metrics. Its torch_dist checkpoints hold each rank's experts; a run resumed from the first
+    takes the same second iteration, and both convert to the same HF model, which Transformers loads."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from posttrain.cli import main
+
+    ckpt = work / "moe_ep2_ckpt"
+    got = moe_run(work, moe_model, "moe_ep2", 2, expert_model_parallel_size=2, save=str(ckpt), save_interval=1)
+    assert_same_run(got, moe_hf_run)
+    _, resumed, _ = moe_run(work, moe_model, "moe_ep2_resumed", 2, expert_model_parallel_size=2,
+                            load=str(ckpt / "iter_0000001"), save=str(work / "moe_ep2_resumed_ckpt"))
+    resumed = [r for r in resumed if "actor/pg_loss" in r]
+    second = [r for r in got[1] if "actor/pg_loss" in r][1]
+    assert [r["iteration"] for r in resumed] == [2]
+    for key in (k for k in second if not is_wall_clock(k)):
+        assert resumed[0][key] == second[key], key
+    outs = {}
+    for name in ("moe_ep2_ckpt", "moe_ep2_resumed_ckpt"):
+        outs[name] = work / f"{name}_hf"
+        assert main(["convert", "--load-model-type", "mg", "--save-model-type", "hf", "--load-dir",
+                     str(work / name), "--save-dir", str(outs[name])]) == 0
+    trained, again = (load_file(str(out / "mg2hf" / "model.safetensors")) for out in outs.values())
+    initial = load_file(str(moe_model / "model.safetensors"))
+    assert sorted(trained) == sorted(initial) and "model.layers.1.mlp.experts.3.down_proj.weight" in trained
+    assert all(torch.equal(trained[k], again[k]) for k in trained)
+    assert any(not torch.equal(trained[k], initial[k]) for k in trained if ".experts.3." in k)  # rank 1's experts
+    AutoModelForCausalLM.from_pretrained(outs["moe_ep2_ckpt"] / "mg2hf")
+
+
+def test_expert_and_pipeline_parallelism_equal_the_hf_backend(moe_hf_run, work, moe_model):
+    """PP 2 x EP 2 on 4 processes: the same run."""
+    assert_same_run(moe_run(work, moe_model, "moe_pp2_ep2", 4, expert_model_parallel_size=2,
+                            pipeline_model_parallel_size=2), moe_hf_run)
+
+
+def test_dpo_with_expert_parallelism_equals_the_hf_backend(ray_cluster, work, offline_data, moe_model):
+    """The seed's MoE recipe is DPO (dpo_qwen3_30b_a3b): DPO on the Qwen3-MoE model at EP 2 logs what
+    one HF process logs (the pairs shared out over the 2 data-parallel ranks)."""
+    from posttrain.trainers.stages import train
+
+    model = {"tokenizer_name_or_path": str(moe_model), "moe_router_load_balancing_type": "none"}
+    train(offline_config(work, offline_data, "dpo", "moe_dpo_hf", workers=1, iters=2, train_extra=model))
+    train(offline_config(work, offline_data, "dpo", "moe_dpo_ep2", workers=2, iters=2,
+                         train_extra={**model, "expert_model_parallel_size": 2}))
+    want, got = read_metrics(work / "run_moe_dpo_hf"), read_metrics(work / "run_moe_dpo_ep2")
+    want[0]["rewards/accuracies"] = got[0]["rewards/accuracies"]  # noise at step 1 (see the test above)
+    # EP runs packed micro-batches (lockstep), whose rounding differs from the HF batches' by ~1e-7;
+    # Adam's first step turns that into moves of up to lr x 0.1 in the elements whose gradient is ~0
+    # (tests/megatron/test_megatron_update.py), so the second step's rewards, differences of nearly
+    # equal summed log-probs, agree to ~2e-4 (a dense model's packed DPO does the same); its loss and
+    # gradient norm within 1e-4 relative
+    for row in (got[1], want[1]):
+        rewards = {k: row.pop(k) for k in list(row) if k.startswith("rewards/")}
+        row["rewards"] = rewards
+    assert got[1].pop("rewards") == pytest.approx(want[1].pop("rewards"), abs=1e-3)
+    assert_same_rows(got, want)
+    assert all(r["dpo/grad_norm"] > 0 for r in want)
+
+
+def test_ppo_with_expert_parallelism_equals_the_hf_backend(ray_cluster, work, moe_model):
+    """PPO at EP 2: the actor and its colocated critic (a value head on the MoE backbone, its experts
+    split over the same ranks) log what one HF process logs."""
+    runs = {}
+    for name, workers, extra in (("hf", 1, {}), ("ep2", 2, {"expert_model_parallel_size": 2})):
+        runs[name] = moe_run(work, moe_model, f"moe_ppo_{name}", workers, stage="ray_ppo", rl=PPO, **extra)
+    assert_same_run(runs["ep2"], runs["hf"])
+    assert all(r["critic/vf_loss"] > 0 for r in runs["hf"][1] if "critic/vf_loss" in r)
