@@ -335,7 +335,8 @@ def token_budgets(cfg: RunConfig) -> dict[str, TokenBudget] | None:
 def estimate_memory(cfg: RunConfig, plan: Plan, arch: ModelArch) -> MemoryEstimate:
     """A first-order estimate per worker process, for the layout that runs: on the hf backend data
     parallel over ``plan.workers`` (W); on the megatron backend each process holds 1/(TP x PP) of
-    the model (``plan.parallel``; M = TP x PP below, 1 on hf).
+    the model (``plan.parallel``; M = TP x PP below, 1 on hf), and of a mixture-of-experts model's
+    experts 1/(M x EP) (weights, gradients, optimizer, reference and critic alike).
 
     * weights: fp32 master weights, 4 bytes per parameter (the training dtype only changes the
       forward's autocast), divided by W with FSDP2, by M on megatron;
@@ -366,10 +367,12 @@ def estimate_memory(cfg: RunConfig, plan: Plan, arch: ModelArch) -> MemoryEstima
     a, par = cfg.actor, plan.parallel
     params = float(arch.num_params())
     split = par.tp * par.pp if par.backend == "megatron" else 1  # M: the model's split over ranks
+    # a rank holds 1/M of the dense part and 1/(M x EP) of the experts
+    ep_saving = arch.expert_params() / split * (1 - 1 / par.ep) if par.backend == "megatron" else 0.0
     fsdp = plan.workers > 1 and plan.sharding == "fsdp2" and par.backend == "hf"
-    shard = params / plan.workers if fsdp else params / split
+    shard = params / plan.workers if fsdp else params / split - ep_saving
     optimizer = 8 * shard / (par.dp if par.backend == "megatron" and par.use_distributed_optimizer else 1)
-    critic = value_model_params(arch) / split
+    critic = value_model_params(arch) / split - ep_saving
     s, b, h = plan.max_tokens_per_sequence, plan.micro_batch_size, arch.hidden_size
     per_layer = 2 * s * b * h if a.recompute_granularity == "full" else s * b * h * 34
     activations = arch.num_layers * per_layer + s * b * arch.vocab_size * 4
@@ -380,7 +383,7 @@ def estimate_memory(cfg: RunConfig, plan: Plan, arch: ModelArch) -> MemoryEstima
     rm_arch = reward_model_arch(cfg) if plan.reward_model is not None else None
     rm_bytes = 2 if plan.reward_model is not None and plan.reward_model.dtype == "bfloat16" else 4
     return MemoryEstimate(weights=4 * shard, gradients=4 * shard, optimizer=optimizer,
-                          reference=4 * params / split if plan.uses_reference and not cfg.rl.offload_reference
+                          reference=4 * (params / split - ep_saving) if plan.uses_reference and not cfg.rl.offload_reference
                           else 0.0,
                           critic=16 * critic if plan.uses_critic else 0.0, activations=activations, kv_cache=kv,
                           reward_model=rm_bytes * value_model_params(rm_arch) if rm_arch is not None else 0.0,

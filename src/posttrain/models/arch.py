@@ -51,6 +51,11 @@ class ModelArch:
         emb = self.vocab_size * h * (1 if self.tie_embeddings else 2)
         return self.num_layers * layer + emb + h
 
+    def expert_params(self) -> int:
+        """Parameters of the experts of every layer (0 for a dense model): what expert parallelism splits."""
+        return self.num_layers * 3 * self.hidden_size * self._ffn_per_token_width(all_experts=True) \
+            if self.num_experts else 0
+
     def _ffn_per_token_width(self, all_experts: bool) -> int:
         if not self.num_experts:
             return self.ffn_hidden_size

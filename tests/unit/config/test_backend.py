@@ -322,3 +322,15 @@ def test_ckpt_format_is_named_on_the_hf_backend():
     assert "ckpt_format" in inert(["actor_config.ckpt_format=torch"])
     assert "ckpt_format" not in inert([*TP2, "actor_config.ckpt_format=torch"])
     assert refusal(["actor_config.ckpt_format=zarr"]).startswith("actor_config.ckpt_format=zarr: unknown checkpoint")
+
+
+def test_expert_parallelism_divides_the_experts_in_the_memory_estimate():
+    """A rank holds 1/EP of the experts: the weights shrink by (1 - 1/EP) of the experts' share."""
+    estimates = {}
+    for ep in (1, 2):
+        cfg = config([f"actor_config.expert_model_parallel_size={ep}", "actor_config.backend=megatron"])
+        layout, _ = check_run_config(cfg, device_type="cpu", arch=MOE)
+        estimates[ep] = build_plan(cfg, layout, MOE, device="cpu").memory
+    assert MOE.expert_params() == 4 * 3 * 64 * 32 * 4
+    assert estimates[1].weights - estimates[2].weights == 4 * MOE.expert_params() / 2
+    assert estimates[1].optimizer - estimates[2].optimizer == 8 * MOE.expert_params() / 2
