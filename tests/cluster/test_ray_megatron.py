@@ -53,8 +53,10 @@ PACKED = {"use_remove_padding": True, "use_dynamic_bsz": True, "max_packing_toke
 @pytest.mark.parametrize("tp,pp,dp,extra,rl", [
     (2, 1, 1, {}, {}), (1, 2, 1, {}, {}), (2, 2, 1, {}, {}), (1, 1, 2, {}, {}), (2, 1, 2, {}, {}),
     (2, 1, 1, {"recompute_granularity": "full"}, {"offload_reference": True}),
-    (2, 2, 1, {"no_pad_to_seq_lengths": True, "reset_attention_mask": True}, PACKED)],
-    ids=["tp2", "pp2", "tp2xpp2", "dp2", "tp2xdp2", "tp2-recompute-offloaded-reference", "tp2xpp2-packed-token-budgets"])
+    (2, 2, 1, {"no_pad_to_seq_lengths": True, "reset_attention_mask": True}, PACKED),
+    (2, 1, 1, {"sequence_parallel": True}, {})],
+    ids=["tp2", "pp2", "tp2xpp2", "dp2", "tp2xdp2", "tp2-recompute-offloaded-reference", "tp2xpp2-packed-token-budgets",
+         "tp2-sequence-parallel"])
 def test_grpo_on_the_megatron_backend_equals_the_hf_backend(hf_run, work, model, tp, pp, dp, extra, rl):
     """``dp``: data-parallel replicas (each a TP x PP worker group; the rows shared out, the token
     counts and metrics summed over them, Megatron's DDP averaging the gradients); ``rl``: packed
@@ -148,7 +150,8 @@ def test_dapo_on_the_megatron_backend_equals_the_hf_backend(ray_cluster, work, m
 
 
 def test_ppo_on_the_megatron_backend_equals_the_hf_backend(ray_cluster, work, model):
-    """PPO (GAE, KL in the reward) with its colocated critic at TP 2: the same responses, the same
+    """PPO (GAE, KL in the reward) with its colocated critic at TP 2 with sequence parallelism (the
+    value head on the gathered sequence): the same responses, the same
     actor steps, and every logged metric (the critic's values, value loss and grad norm included).
     The critic is saved in ``critic/`` of the Megatron checkpoint, converts with ``--orm`` into a
     reward-model HF directory (its head trained away from the zeros it started at), and resumes."""
@@ -159,7 +162,8 @@ def test_ppo_on_the_megatron_backend_equals_the_hf_backend(ray_cluster, work, mo
 
     runs, ckpt = {}, work / "mg_ppo_ckpt"
     save = {"save": str(ckpt), "save_interval": 2}
-    for name, workers, extra in (("hf", 1, {}), ("megatron", 2, {"tensor_model_parallel_size": 2, **save})):
+    tp2 = {"tensor_model_parallel_size": 2, "sequence_parallel": True}
+    for name, workers, extra in (("hf", 1, {}), ("megatron", 2, {**tp2, **save})):
         runs[name] = record_run(grpo_config(work, f"mg_ppo_{name}", workers=workers, iters=2, rl={**RL, **PPO},
                                             train={**TRAIN, **extra, "stage": "ray_ppo",
                                                    "tokenizer_name_or_path": str(model)}))
@@ -181,7 +185,7 @@ def test_ppo_on_the_megatron_backend_equals_the_hf_backend(ray_cluster, work, mo
     head = load_file(str(work / "mg_ppo_critic_hf" / "mg2hf" / "model.safetensors"))["score.weight"]
     assert head.shape[0] == 1 and float(head.abs().max()) > 0
     _, resumed, _ = record_run(grpo_config(work, "mg_ppo_resumed", workers=2, iters=3, rl={**RL, **PPO}, train={
-        **TRAIN, "tensor_model_parallel_size": 2, "stage": "ray_ppo", "tokenizer_name_or_path": str(model),
+        **TRAIN, **tp2, "stage": "ray_ppo", "tokenizer_name_or_path": str(model),
         "load": str(ckpt)}))
     resumed = [r for r in resumed if "actor/pg_loss" in r]
     # the critic resumed trained (a fresh zero head would value every token 0), with its LR schedule
@@ -384,10 +388,14 @@ def test_expert_parallelism_equals_the_hf_backend_saves_resumes_exactly_and_conv
     AutoModelForCausalLM.from_pretrained(outs["moe_ep2_ckpt"] / "mg2hf")
 
 
-def test_expert_and_pipeline_parallelism_equal_the_hf_backend(moe_hf_run, work, moe_model):
-    """PP 2 x EP 2 on 4 processes: the same run."""
-    assert_same_run(moe_run(work, moe_model, "moe_pp2_ep2", 4, expert_model_parallel_size=2,
-                            pipeline_model_parallel_size=2), moe_hf_run)
+@pytest.mark.parametrize("tp,pp", [(1, 2), (2, 1)], ids=["pp2xep2", "tp2xep2-sequence-parallel"])
+def test_expert_parallelism_with_pipeline_or_tensor_parallelism_equals_the_hf_backend(moe_hf_run, work, moe_model,
+                                                                                      tp, pp):
+    """PP 2 x EP 2 and TP 2 x EP 2 (each expert's MLP split over the tensor-parallel ranks, which
+    Megatron-Core runs under sequence parallelism only) on 4 processes: the same run."""
+    assert_same_run(moe_run(work, moe_model, f"moe_tp{tp}_pp{pp}_ep2", 4, expert_model_parallel_size=2,
+                            pipeline_model_parallel_size=pp, tensor_model_parallel_size=tp,
+                            sequence_parallel=tp > 1), moe_hf_run)
 
 
 def test_dpo_with_expert_parallelism_equals_the_hf_backend(ray_cluster, work, offline_data, moe_model):

@@ -39,7 +39,7 @@ def test_the_megatron_model_gives_the_hf_logprobs_and_entropy(tiny_hf, tmp_path)
     run_on_ranks(worker, str(tiny_hf("llama")), out=tmp_path)
 
 
-def moe_worker(rank: int, hf_dir: str) -> None:
+def moe_worker(rank: int, hf_dir: str, tp: int, ep: int) -> None:
     from megatron.core import parallel_state as ps
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
@@ -53,9 +53,9 @@ def moe_worker(rank: int, hf_dir: str) -> None:
     hf = TrainEngine(AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32), micro_batch_size=4)
     want = hf.compute_logprobs(batch, temperature=TEMPERATURE, with_entropy=True)
     with cpu_megatron():
-        ps.initialize_model_parallel(expert_model_parallel_size=2)
-        chunks, args = hf_to_megatron(hf_dir)
-        assert len(list(chunks[0].decoder.layers[0].mlp.experts.local_experts)) == 2  # 4 experts over EP 2
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
+        chunks, args = hf_to_megatron(hf_dir, sequence_parallel=tp > 1)  # Megatron's MoE needs SP with TP
+        assert len(list(chunks[0].decoder.layers[0].mlp.experts.local_experts)) == 4 // ep
         got = MegatronEngine(chunks, vocab_size=100).compute_logprobs(batch, temperature=TEMPERATURE,
                                                                       with_entropy=True)
         for g, w in zip(got, want):
@@ -71,15 +71,18 @@ def moe_worker(rank: int, hf_dir: str) -> None:
         mask = torch.triu(torch.ones(ids.shape[1], ids.shape[1], dtype=torch.bool), 1)[None, None]
         grads = []
         for coeff in (0.0, 1.0):
-            [chunk], _ = hf_to_megatron(hf_dir, moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=coeff)
+            [chunk], _ = hf_to_megatron(hf_dir, moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=coeff,
+                                        sequence_parallel=tp > 1)
             chunk(ids, torch.arange(ids.shape[1])[None], mask).sum().backward()
             grads.append(chunk.decoder.layers[0].mlp.router.weight.grad)
         assert not torch.allclose(grads[0], grads[1])
         ps.destroy_model_parallel()
 
 
-def test_a_mixture_of_experts_model_at_expert_parallel_2_gives_the_hf_logprobs_and_weights(tiny_hf, tmp_path):
-    """Qwen3-MoE (4 experts, top 2) split over EP 2: the same log-probs and entropy as Hugging Face's
-    model, hf_weights gathers every expert back to the exact HF tensors, and the router's
-    load-balancing loss is Megatron-Core's when asked."""
-    run_on_ranks(moe_worker, str(tiny_hf("qwen3_moe")), out=tmp_path)
+@pytest.mark.parametrize("tp,ep", [(1, 2), (2, 2)])
+def test_a_mixture_of_experts_model_gives_the_hf_logprobs_and_weights(tiny_hf, tmp_path, tp, ep):
+    """Qwen3-MoE (4 experts, top 2) split over EP 2, and at TP 2 x EP 2 (4 ranks; each expert's
+    MLP split over the expert tensor-parallel ranks, sequence parallel): the same log-probs and
+    entropy as Hugging Face's model, hf_weights gathers every expert back to the exact HF tensors,
+    and the router's load-balancing loss is Megatron-Core's when asked."""
+    run_on_ranks(moe_worker, str(tiny_hf("qwen3_moe")), tp, ep, out=tmp_path, world=tp * ep)

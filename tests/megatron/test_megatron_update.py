@@ -3,7 +3,7 @@ HF engine (TrainEngine) with the same loss function (make_actor_loss_fn: GRPO's 
 token-mean over each mini-batch, clip 0.2; clip_grad 1.0; Adam): 2 epochs of 2 shuffled
 mini-batches of left-padded prompts and right-padded responses give, step by step, the same
 pg_loss, entropy, clip fraction, approximate KL, gradient norm and lr within 1e-4 relative at TP 2,
-at PP 2 (2 gloo ranks) and at TP 2 x PP 2 (4 ranks); then the same log-probs and entropy on every
+at PP 2 (2 gloo ranks) and at TP 2 x PP 2 (4 ranks), with and without sequence parallelism; then the same log-probs and entropy on every
 rank; and the trained weights gathered back into the HF layout (posttrain.train.megatron.model.
 hf_weights) equal the HF engine's. SFT's loss (make_sft_loss_fn) likewise, at TP 2."""
 
@@ -71,7 +71,8 @@ def assert_same_update(name: str, got: torch.Tensor, want: torch.Tensor) -> None
         assert float((diff > 1e-5).float().mean()) <= 0.05, (name, float((diff > 1e-5).float().mean()))
 
 
-def worker(rank: int, hf_dir: str, tp: int, pp: int, kind: str, micro_batch_size: int, packed: bool) -> None:
+def worker(rank: int, hf_dir: str, tp: int, pp: int, kind: str, micro_batch_size: int, packed: bool,
+           sequence_parallel: bool = False) -> None:
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -84,7 +85,8 @@ def worker(rank: int, hf_dir: str, tp: int, pp: int, kind: str, micro_batch_size
     want, want_after, want_weights = hf_run(hf_dir, batch, kind)
     with cpu_megatron():
         ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
-        [chunk], args = hf_to_megatron(hf_dir, for_training=True)
+        [chunk], args = hf_to_megatron(hf_dir, for_training=True, sequence_parallel=sequence_parallel)
+        assert chunk.config.sequence_parallel is sequence_parallel
         wrapped = DistributedDataParallel(chunk.config, DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False), chunk)
         optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=LR, weight_decay=0.0,
@@ -126,13 +128,17 @@ def worker(rank: int, hf_dir: str, tp: int, pp: int, kind: str, micro_batch_size
         ps.destroy_model_parallel()
 
 
-@pytest.mark.parametrize("model,tp,pp,loss,mbs,packed", [
-    ("qwen2", 2, 1, "grpo", 1, False), ("qwen2", 1, 2, "grpo", 1, False), ("llama", 2, 1, "grpo", 2, False),
-    ("llama", 1, 2, "grpo", 2, False), ("qwen2", 2, 2, "grpo", 2, False), ("llama", 2, 1, "sft", 1, False),
-    ("qwen2", 1, 2, "grpo", 2, True), ("qwen2", 2, 1, "sft", 2, True)])
-def test_the_megatron_engine_equals_the_hf_engine(tiny_hf, tmp_path, model, tp, pp, loss, mbs, packed):
+@pytest.mark.parametrize("model,tp,pp,loss,mbs,packed,sp", [
+    ("qwen2", 2, 1, "grpo", 1, False, False), ("qwen2", 1, 2, "grpo", 1, False, False),
+    ("llama", 2, 1, "grpo", 2, False, False), ("llama", 1, 2, "grpo", 2, False, False),
+    ("qwen2", 2, 2, "grpo", 2, False, False), ("llama", 2, 1, "sft", 1, False, False),
+    ("qwen2", 1, 2, "grpo", 2, True, False), ("qwen2", 2, 1, "sft", 2, True, False),
+    ("qwen3", 2, 1, "grpo", 2, False, True), ("qwen2", 2, 2, "grpo", 2, True, True)])
+def test_the_megatron_engine_equals_the_hf_engine(tiny_hf, tmp_path, model, tp, pp, loss, mbs, packed, sp):
     """``mbs``: rows per micro-batch in the Megatron engine (2: the left- and right-padded rows of a
     mini-batch share one forward); ``packed``: their valid tokens packed into one sequence with a
     block-diagonal causal mask, micro-batches cut by a token budget, and the gradient buffers freed
-    between updates (Megatron-Core's offload_grad_buffers)."""
-    run_on_ranks(worker, str(tiny_hf(model)), tp, pp, loss, mbs, packed, out=tmp_path, world=tp * pp)
+    between updates (Megatron-Core's offload_grad_buffers); ``sp``: sequence parallelism (each
+    sequence split over the TP ranks between the tensor-parallel layers, padded to a multiple of TP:
+    the packed sequences of 17-18 tokens are; the norms' gradients summed over TP; Qwen3's q/k norms)."""
+    run_on_ranks(worker, str(tiny_hf(model)), tp, pp, loss, mbs, packed, sp, out=tmp_path, world=tp * pp)

@@ -53,6 +53,7 @@ class ModelParallel:
     recompute_method: str | None = None
     recompute_num_layers: int | None = None
     use_distributed_optimizer: bool = False
+    sequence_parallel: bool = False  # with TP > 1 only
 
     @property
     def model_parallel(self) -> int:
@@ -66,6 +67,7 @@ class ModelParallel:
         sizes = [f"TP {self.tp}", f"PP {self.pp}"] + ([f"CP {self.cp}"] if self.cp > 1 else []) + [f"DP {self.dp}"]
         extras = ([f"EP {self.ep} (the experts over the data-parallel ranks)"] if self.ep > 1 else []) \
             + ([f"{self.vpp_layers} layers per virtual stage"] if self.vpp_layers else []) \
+            + (["sequence parallel"] if self.sequence_parallel else []) \
             + ([f"recompute {self.recompute_granularity}"] if self.recompute_granularity else []) \
             + (["distributed optimizer"] if self.use_distributed_optimizer else [])
         return f"megatron ({self.reason}): {' x '.join(sizes)}" + "".join(f", {e}" for e in extras)
@@ -96,9 +98,6 @@ def _own_critic_save(cfg: RunConfig) -> bool:
             (not actor.save or os.path.realpath(critic.save) != os.path.realpath(actor.save)))
 
 
-_MOE_TP = ("a mixture-of-experts model trains at tensor parallel size 1 on the megatron backend: Megatron-Core's "
-           "MoE layer needs sequence parallelism with TP > 1, which its local layers refuse without TransformerEngine "
-           "or Apex; split the model with expert_model_parallel_size and pipeline_model_parallel_size instead")
 _OTHER_LAYOUT = ("colocated roles share the actor's layout on the megatron backend; remove the key or give it the "
                  "actor's value")
 
@@ -110,11 +109,6 @@ def bf16_asked(cfg: RunConfig) -> bool:
 
 
 MEGATRON_NOT_YET: tuple[NotYet, ...] = (
-    NotYet("actor_config", "sequence_parallel", lambda c: c.actor.sequence_parallel
-           and c.actor.tensor_model_parallel_size > 1,
-           "sequence parallelism is not built on the megatron backend yet (Megatron-Core's local layers normalise "
-           "with torch norms, which refuse it without Apex or TransformerEngine); set it to false (on a CPU it has "
-           "no effect: the numerics are the same, only activation memory differs)", ("cuda",)),
     NotYet("actor_config", "bf16", bf16_asked,
            "on a CPU the megatron backend trains in float32 (Megatron-Core's bf16 optimizer with fp32 main "
            "parameters takes CUDA tensors only)", (), ("cuda",)),
@@ -189,7 +183,8 @@ def model_parallel(cfg: RunConfig) -> ModelParallel:
         backend, reason, tp=tp, pp=pp, vpp_layers=getattr(a, VPP_KEY), cp=cp, ep=a.expert_model_parallel_size,
         dp=max(workers // (tp * pp * cp), 1),
         recompute_granularity=a.recompute_granularity, recompute_method=a.recompute_method,
-        recompute_num_layers=a.recompute_num_layers, use_distributed_optimizer=a.use_distributed_optimizer)
+        recompute_num_layers=a.recompute_num_layers, use_distributed_optimizer=a.use_distributed_optimizer,
+        sequence_parallel=bool(a.sequence_parallel) and tp > 1)
 
 
 def check_backend(cfg: RunConfig, device_type: str = "cpu", arch: ModelArch | None = None) -> ModelParallel:
@@ -265,17 +260,19 @@ def _check_arch(cfg: RunConfig, mp: ModelParallel, arch: ModelArch | None, why: 
 
 
 def _check_experts(cfg: RunConfig, mp: ModelParallel, arch: ModelArch, why: str) -> None:
-    """Expert parallelism: a mixture-of-experts model at TP 1, its experts divisible by EP, the
-    data-parallel ranks by EP (the experts split over them), the torch_dist checkpoint format."""
+    """Expert parallelism: a mixture-of-experts model with sequence parallelism when TP > 1, its
+    experts divisible by EP, the data-parallel ranks by EP (the experts split over them), the
+    torch_dist checkpoint format."""
     ep_key = actor_key(cfg, "expert_model_parallel_size")
     if not arch.num_experts:
         if mp.ep > 1:
             raise ConfigError(f"{ep_key}={mp.ep}: the model has no experts (a dense {arch.model_type} model); set it "
                               f"to 1{why}")
         return
-    if mp.tp > 1:
+    if mp.tp > 1 and not mp.sequence_parallel:
         raise ConfigError(f"{actor_key(cfg, 'tensor_model_parallel_size')}={mp.tp} with {_arch_label(cfg, 'num_experts')}"
-                          f"={arch.num_experts}: {_MOE_TP}{why}")
+                          f"={arch.num_experts}: Megatron-Core trains a mixture-of-experts model with tensor parallelism "
+                          f"only under sequence parallelism; set {actor_key(cfg, 'sequence_parallel')} true{why}")
     if arch.num_experts % mp.ep:
         raise ConfigError(f"{_arch_label(cfg, 'num_experts')}={arch.num_experts} is not divisible by {ep_key}="
                           f"{mp.ep}: each expert-parallel rank holds an equal share of the experts{why}")

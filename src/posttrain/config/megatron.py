@@ -37,9 +37,8 @@ MOE_KERNEL_SET = ignored("a Megatron/MindSpeed MoE kernel switch: the megatron b
 PP_LAYOUT = ignored("the megatron backend splits the layers evenly over the pipeline stages (uneven or padded stages "
                     "are not built yet)", active="set")
 CP_ALGO = ignored("only matters with context parallelism (context_parallel_size > 1 is refused)")
-SEQ_PARALLEL = ignored("only matters with tensor parallelism, on the megatron backend (which refuses it on CUDA "
-                       "and names it on a CPU until it is built: posttrain.config.backend)", megatron=True,
-                       megatron_with="tensor_model_parallel_size")
+SEQ_PARALLEL = ignored("only matters with tensor parallelism, on the megatron backend (which honours it there)",
+                       megatron=True, megatron_with="tensor_model_parallel_size")
 FLASH = ignored("attention always runs through PyTorch sdpa, which picks flash kernels on CUDA by itself; "
                 "there are none on CPU", devices=("cpu",))
 SOFTMAX_FP32 = ignored("sdpa keeps the softmax in fp32 whatever the key says", ok=(True,))

@@ -128,7 +128,8 @@ class MegatronPolicy:
         self.leader = ps.get_tensor_model_parallel_rank() == 0 and ps.get_pipeline_model_parallel_rank() == 0
         self.dp_rank = ps.get_data_parallel_rank()
         options = {"recompute_granularity": par.recompute_granularity, "recompute_method": par.recompute_method,
-                   "recompute_num_layers": par.recompute_num_layers}
+                   "recompute_num_layers": par.recompute_num_layers,
+                   "sequence_parallel": par.sequence_parallel}
         # the router's load-balancing loss (read by mixture-of-experts models only)
         options.update(moe_router_load_balancing_type="seq_aux_loss" if a.seq_aux else a.moe_router_load_balancing_type,
                        moe_aux_loss_coeff=a.moe_aux_loss_coeff)

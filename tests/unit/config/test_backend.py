@@ -162,8 +162,8 @@ def test_expert_parallelism_plans_on_megatron():
 
 @pytest.mark.parametrize("overrides,arch,start", [
     (EP2, ARCH, "actor_config.expert_model_parallel_size=2: the model has no experts (a dense qwen2 model)"),
-    (TP2, MOE, "actor_config.tensor_model_parallel_size=2 with num_experts=4: a mixture-of-experts model trains at "
-               "tensor parallel size 1"),
+    (TP2, MOE, "actor_config.tensor_model_parallel_size=2 with num_experts=4: Megatron-Core trains a "
+               "mixture-of-experts model with tensor parallelism only under sequence parallelism"),
     (["actor_config.expert_model_parallel_size=4"], ModelArch(**{**MOE.__dict__, "num_experts": 6}),
      "num_experts=6 is not divisible by actor_config.expert_model_parallel_size=4"),
     (["actor_config.expert_model_parallel_size=4", "actor_config.pipeline_model_parallel_size=2"], MOE,
@@ -219,7 +219,7 @@ def test_offline_stages_plan_on_megatron(stage):
 
 def test_not_yet_lists_every_entry_by_key():
     assert {(i.section, i.key) for i in MEGATRON_NOT_YET} >= {
-        ("rl_config", "ray_sharding"), ("actor_config", "bf16"), ("actor_config", "sequence_parallel"),
+        ("rl_config", "ray_sharding"), ("actor_config", "bf16"), ("actor_config", "moe_tp_extend_ep"),
         ("reward_config", "")}
 
 
@@ -265,14 +265,18 @@ def test_roles_follow_the_actor_backend():
     assert message.startswith("critic_config.backend=hf: the critic follows the actor's backend, megatron")
 
 
-def test_sequence_parallel_is_refused_on_cuda_and_named_on_cpu():
-    """Megatron-Core's local layers cannot run it without Apex/TransformerEngine: on a CPU it is in
-    the warning (same numerics), on CUDA refused until built."""
+def test_sequence_parallel_is_honoured_with_tensor_parallelism_only():
+    """On the megatron backend with TP > 1 on every device (the local spec's norms are replaced by
+    ones that run it: posttrain.train.megatron.model.SequenceParallelNorm); without TP, or on the
+    hf backend, it has no effect and is in the warning."""
     sp = "actor_config.sequence_parallel=true"
-    assert "actor_config.sequence_parallel" in inert([*TP2, sp])
-    assert refusal([*TP2, sp], device_type="cuda").startswith("actor_config.sequence_parallel=true: sequence "
-                                                             "parallelism is not built on the megatron backend")
+    for device in ("cpu", "cuda"):
+        assert "sequence_parallel" not in inert([*TP2, sp], device)
+    assert model_parallel(config([*TP2, sp])).sequence_parallel
+    assert "sequence parallel" in model_parallel(config([*TP2, sp])).describe()
+    assert not model_parallel(config(TP2)).sequence_parallel
     assert "actor_config.sequence_parallel" in inert(["actor_config.backend=megatron", sp])  # no TP: no effect
+    assert "actor_config.sequence_parallel" in inert([sp])  # hf
     recompute = ["actor_config.recompute_method=uniform", "actor_config.recompute_num_layers=1"]
     assert "recompute" not in inert([*TP2, *recompute])
     assert "actor_config.recompute_method" in inert(["actor_config.recompute_method=uniform"])  # hf

@@ -103,10 +103,10 @@ def test_r1_zero_plans_on_the_megatron_backend(capsys):
     [keys] = [w for w in plan.warnings if w.startswith("keys with no effect")]
     assert all(f"generate_config.offload_train_{k}" in keys for k in ("optimizer", "param"))
     assert "offload_train_grad" not in keys and plan.offload_grads
-    assert "sequence_parallel" in keys and "use_distributed_optimizer" not in keys  # same numerics on a CPU
+    assert "sequence_parallel" not in keys and "use_distributed_optimizer" not in keys  # honoured / refused
     assert main(["plan", "--config-name", "r1_zero_qwen25_7b", *MEGATRON_CPU]) == 0
     out = capsys.readouterr().out
-    assert "backend: megatron (actor_config.tensor_model_parallel_size=4 > 1): TP 4 x PP 2 x DP 1\n" in out
+    assert "backend: megatron (actor_config.tensor_model_parallel_size=4 > 1): TP 4 x PP 2 x DP 1, sequence parallel\n" in out
 
 
 def test_plan_command_bad_input_exit_2(capsys):

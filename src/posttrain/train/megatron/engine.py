@@ -5,7 +5,8 @@ Megatron-Core model, through Megatron's pipeline schedule and optimizer.
 
 * Micro-batches of ``micro_batch_size`` rows through ``get_forward_backward_func``; each row's
   attention mask hides its padding (:func:`_inputs`), so left padding changes nothing (RoPE is
-  relative: Megatron rotates by index, HF by position id, and the scores are the same).
+  relative: Megatron rotates by index, HF by position id, and the scores are the same). Under
+  sequence parallelism the sequences are padded to a multiple of the tensor-parallel size.
 * Log-probs and entropy come from the vocab-parallel logits (:mod:`.vocab_parallel`), never the
   gathered vocabulary.
 * The loss is the algorithm's own: a loss function of :mod:`posttrain.train.loss_fns` exposes
@@ -38,18 +39,22 @@ from posttrain.train.parallel import dp_world_size, global_counts, reduce_metric
 from posttrain.train.megatron.vocab_parallel import vocab_parallel_entropy, vocab_parallel_logprobs
 
 
-def _inputs(batch: dict[str, torch.Tensor], rows: torch.Tensor):
+def _inputs(batch: dict[str, torch.Tensor], rows: torch.Tensor, length: int):
     """Token ids, positions and the attention mask (True: masked; causal and padding) of ``rows`` of
-    the training layout (left-padded prompt || right-padded response), and for each row the
-    positions of its logits that predict its response tokens."""
+    the training layout (left-padded prompt || right-padded response), right-padded to ``length``
+    tokens, and for each row the positions of its logits that predict its response tokens."""
+    import torch.nn.functional as F
+
     from posttrain.train.layout import default_position_ids
 
     attention = batch["attention_mask"][rows]
     width = attention.shape[1]
-    causal = torch.triu(torch.ones(width, width, dtype=torch.bool, device=attention.device), diagonal=1)
-    mask = causal | ~attention.bool()[:, None, :]  # [B, T, T]: a query never sees a padded key
     prompt = width - batch["response_mask"].shape[1]
-    return batch["input_ids"][rows], default_position_ids(attention), mask[:, None], slice(prompt - 1, width - 1)
+    attention = F.pad(attention, (0, length - width))  # padding for sequence parallelism: masked keys
+    causal = torch.triu(torch.ones(length, length, dtype=torch.bool, device=attention.device), diagonal=1)
+    mask = causal | ~attention.bool()[:, None, :]  # [B, T, T]: a query never sees a padded key
+    ids = F.pad(batch["input_ids"][rows], (0, length - width))
+    return ids, default_position_ids(attention), mask[:, None], slice(prompt - 1, width - 1)
 
 
 def _packed_inputs(batch: dict[str, torch.Tensor], rows: torch.Tensor, length: int):
@@ -145,7 +150,12 @@ class MegatronEngine:
         # stages (rows per micro-batch vary there, and the pipeline's buffers need one shape)
         from megatron.core import parallel_state as ps
 
+        from megatron.core.utils import get_model_config
+
         self.lockstep = ps.get_expert_model_parallel_world_size() > 1  # see the module's docstring
+        # sequence parallelism splits every sequence over the tensor-parallel ranks: lengths pad to a multiple
+        self.length_multiple = ps.get_tensor_model_parallel_world_size() \
+            if get_model_config(self.models[0]).sequence_parallel else 1
         self.packing = bool(self.options.use_remove_padding or self.options.forward_budget
                             or self.options.update_budget or len(self.models) > 1 or self.lockstep)
 
@@ -196,13 +206,14 @@ class MegatronEngine:
             shape = (1, self._most(length) if self.lockstep else length)
         else:
             shape = (len(micro_batches[0]), batch["input_ids"].shape[1])
+        shape = (shape[0], -(-shape[1] // self.length_multiple) * self.length_multiple)
 
         def forward_step(micro_iter, model):
             rows = next(micro_iter)
             if self.packing:
                 *inputs, gather = _packed_inputs(batch, rows, shape[1])
                 return model(*inputs), lambda logits: (on_logits(rows, logits[0][gather]), {})
-            *inputs, response = _inputs(batch, rows)
+            *inputs, response = _inputs(batch, rows, shape[1])
             return model(*inputs), lambda logits: (on_logits(rows, logits[:, response]), {})
 
         iterators = [iter(micro_batches) for _ in self.models]  # each chunk reads every micro-batch once

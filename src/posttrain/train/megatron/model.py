@@ -97,18 +97,29 @@ def attach_value_head(chunk) -> None:
     """On the last stage, replace ``chunk``'s output layer by a scalar value head ``rm_head``
     (zeros): Megatron's row-parallel linear hidden -> 1, the layout ``posttrain convert --orm``
     reads and writes, called as ``GPTModel`` calls its output layer, so the model returns
-    ``[B, T, 1]`` values instead of logits (the PPO critic, as the seed's reward-model head)."""
-    from megatron.core.tensor_parallel import RowParallelLinear
+    ``[B, T, 1]`` values instead of logits (the PPO critic, as the seed's reward-model head); under
+    sequence parallelism on the gathered sequence."""
+    import dataclasses
+
+    from megatron.core.tensor_parallel import RowParallelLinear, gather_from_sequence_parallel_region
 
     if not chunk.post_process:
         return
     del chunk.output_layer
-    chunk.rm_head = head = RowParallelLinear(chunk.config.hidden_size, 1, config=chunk.config,
+    sequence_parallel = chunk.config.sequence_parallel  # the head sees the whole sequence (gathered)
+    chunk.rm_head = head = RowParallelLinear(chunk.config.hidden_size, 1,
+                                             config=dataclasses.replace(chunk.config, sequence_parallel=False),
                                              init_method=torch.nn.init.zeros_, bias=False, input_is_parallel=False,
                                              skip_bias_add=False)
     with torch.no_grad():
         head.weight.zero_()
-    chunk.output_layer = lambda hidden, weight=None, runtime_gather_output=None: head(hidden)
+
+    def value_head(hidden, weight=None, runtime_gather_output=None):
+        if sequence_parallel:  # every rank computes the head alike: its gradient is split back, not summed
+            hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False)
+        return head(hidden)
+
+    chunk.output_layer = value_head
 
 
 def build_chunks(args: argparse.Namespace, config, vpp, *, value_head: bool = False) -> list:
@@ -117,10 +128,11 @@ def build_chunks(args: argparse.Namespace, config, vpp, *, value_head: bool = Fa
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
     _without_transformer_engine()
-    spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False,
-                                    qk_layernorm=config.qk_layernorm, normalization=config.normalization)
+    layer = _with_norm(get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False,
+                                                qk_layernorm=config.qk_layernorm, normalization=config.normalization))
     tied = not bool(arg(args, "untie_embeddings_and_output_weights", False)) and not value_head
     rope_kwargs = {}
     if getattr(args, "use_rope_scaling", False):
@@ -128,6 +140,8 @@ def build_chunks(args: argparse.Namespace, config, vpp, *, value_head: bool = Fa
     chunks = []
     for vp_stage in range(vpp or 1):
         stage = vp_stage if vpp else None
+        spec = TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(config, vp_stage=stage),
+                                          layer_norm=SequenceParallelNorm)
         chunks.append(
             GPTModel(
                 config,
@@ -148,6 +162,38 @@ def build_chunks(args: argparse.Namespace, config, vpp, *, value_head: bool = Fa
         if value_head:
             attach_value_head(chunks[-1])
     return chunks
+
+
+class SequenceParallelNorm:
+    """The local spec's norm (``torch.nn.RMSNorm`` or ``LayerNorm``, as Megatron-Core's
+    ``WrappedTorchNorm`` builds it) that also runs under sequence parallelism: a norm is per token,
+    so it works on a sequence shard as on the whole; its weights are marked ``sequence_parallel`` so
+    that ``finalize_model_grads`` sums their gradients over the tensor-parallel ranks (what Apex's
+    and TransformerEngine's norms do, the only ones ``WrappedTorchNorm`` allows with it)."""
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **_unused):
+        norm_class = {"RMSNorm": torch.nn.RMSNorm, "LayerNorm": torch.nn.LayerNorm}[config.normalization]
+        norm = norm_class(hidden_size, eps=eps)
+        for param in norm.parameters():
+            param.sequence_parallel = config.sequence_parallel
+        return norm
+
+
+def _with_norm(spec):
+    """``spec`` (a ``ModuleSpec`` tree) with :class:`SequenceParallelNorm` for every ``WrappedTorchNorm``."""
+    import dataclasses
+
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    if spec is WrappedTorchNorm:
+        return SequenceParallelNorm
+    if isinstance(spec, ModuleSpec):
+        return dataclasses.replace(spec, module=_with_norm(spec.module), submodules=_with_norm(spec.submodules))
+    if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
+        return dataclasses.replace(spec, **{f.name: _with_norm(getattr(spec, f.name))
+                                            for f in dataclasses.fields(spec) if f.init})
+    return spec
 
 
 def _without_transformer_engine() -> None:
