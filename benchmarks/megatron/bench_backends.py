@@ -38,7 +38,8 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
-LAYOUTS = {"hf": (0, 0, 1), "mcore_tp1": (1, 1, 1), "mcore_tp2": (2, 1, 1), "mcore_pp2": (1, 2, 1), "mcore_ep2": (1, 1, 2)}
+LAYOUTS = {"hf": (0, 0, 1), "mcore_tp1": (1, 1, 1), "mcore_tp2": (2, 1, 1), "mcore_pp2": (1, 2, 1),
+           "mcore_ep2": (1, 1, 2)}  # (TP, PP, EP)
 VOCAB = 8192
 
 

@@ -5,7 +5,7 @@ megatron-core==0.16.1`). Never run yet: no session had a GPU when it was written
 At TP 1 in one nccl process, without the CPU shims: the fp32 engine's GRPO steps equal the HF
 engine's (rel 1e-4, as on a CPU); the bf16 engine (``Float16Module`` weights, Megatron's bf16
 optimizer with fp32 main parameters, as ``bf16: true`` builds it on CUDA) takes steps close to them
-(rel 5e-2) with its main parameters in float32."""
+(rel 5e-2) with its main parameters in float32; a Qwen3-MoE model's fp32 steps equal HF's too."""
 
 from __future__ import annotations
 
@@ -60,9 +60,11 @@ def megatron_steps(hf_dir, batch, bf16: bool):
     return steps, optimizer
 
 
-@pytest.mark.parametrize("bf16", [False, True])
-def test_the_megatron_engine_on_cuda(nccl_world, tiny_hf, bf16):
-    hf_dir = str(tiny_hf("qwen2"))
+@pytest.mark.parametrize("model,bf16", [("qwen2", False), ("qwen2", True), ("qwen3_moe", False)])
+def test_the_megatron_engine_on_cuda(nccl_world, tiny_hf, model, bf16):
+    """``qwen3_moe``: a mixture-of-experts model (Megatron-Core's router and all-gather dispatcher
+    on CUDA, without TransformerEngine)."""
+    hf_dir = str(tiny_hf(model))
     batch = grpo_batch(hf_dir)
     want, _, _ = hf_run(hf_dir, batch, "grpo")
     got, optimizer = megatron_steps(hf_dir, batch, bf16)

@@ -3,9 +3,9 @@ HF engine (TrainEngine) with the same loss function (make_actor_loss_fn: GRPO's 
 token-mean over each mini-batch, clip 0.2; clip_grad 1.0; Adam): 2 epochs of 2 shuffled
 mini-batches of left-padded prompts and right-padded responses give, step by step, the same
 pg_loss, entropy, clip fraction, approximate KL, gradient norm and lr within 1e-4 relative at TP 2,
-at PP 2 (2 gloo ranks) and at TP 2 x PP 2 (4 ranks), with and without sequence parallelism; then the same log-probs and entropy on every
-rank; and the trained weights gathered back into the HF layout (posttrain.train.megatron.model.
-hf_weights) equal the HF engine's. SFT's loss (make_sft_loss_fn) likewise, at TP 2."""
+at PP 2 (2 gloo ranks) and at TP 2 x PP 2 (4 ranks), with and without sequence parallelism; then
+the same log-probs and entropy on every rank; and the trained weights gathered back into the HF
+layout (posttrain.train.megatron.model.hf_weights) equal the HF engine's. SFT's loss (make_sft_loss_fn) likewise, at TP 2."""
 
 from __future__ import annotations
 

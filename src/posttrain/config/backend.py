@@ -270,16 +270,17 @@ def _check_experts(cfg: RunConfig, mp: ModelParallel, arch: ModelArch, why: str)
                               f"to 1{why}")
         return
     if mp.tp > 1 and not mp.sequence_parallel:
-        raise ConfigError(f"{actor_key(cfg, 'tensor_model_parallel_size')}={mp.tp} with {_arch_label(cfg, 'num_experts')}"
-                          f"={arch.num_experts}: Megatron-Core trains a mixture-of-experts model with tensor parallelism "
-                          f"only under sequence parallelism; set {actor_key(cfg, 'sequence_parallel')} true{why}")
+        tp_key, experts = actor_key(cfg, "tensor_model_parallel_size"), _arch_label(cfg, "num_experts")
+        raise ConfigError(f"{tp_key}={mp.tp} with {experts}={arch.num_experts}: Megatron-Core trains a "
+                          f"mixture-of-experts model with tensor parallelism only under sequence parallelism; set "
+                          f"{actor_key(cfg, 'sequence_parallel')} true{why}")
     if arch.num_experts % mp.ep:
         raise ConfigError(f"{_arch_label(cfg, 'num_experts')}={arch.num_experts} is not divisible by {ep_key}="
                           f"{mp.ep}: each expert-parallel rank holds an equal share of the experts{why}")
     if mp.dp % mp.ep:
-        raise ConfigError(f"{ep_key}={mp.ep} does not divide the data-parallel size {mp.dp} (rl_config.actor_resource"
-                          f".num_npus / (TP x PP x CP)): the experts split over data-parallel ranks; choose sizes where "
-                          f"it does{why}")
+        raise ConfigError(f"{ep_key}={mp.ep} does not divide the data-parallel size {mp.dp} "
+                          f"(rl_config.actor_resource.num_npus / (TP x PP x CP)): the experts split over "
+                          f"data-parallel ranks; choose sizes where it does{why}")
     if cfg.actor.ckpt_format != "torch_dist":
         raise ConfigError(f"{actor_key(cfg, 'ckpt_format')}={cfg.actor.ckpt_format} with a mixture-of-experts model: "
                           f"the legacy per-rank format does not hold expert-parallel shards; use torch_dist{why}")

@@ -153,7 +153,8 @@ class MegatronConfig(Section):
     moe_router_topk: int = F(2, "experts per token", ARCH)
     moe_grouped_gemm: bool = F(False, "Megatron MoE kernel", MOE_KERNEL)
     moe_permutation_async_comm: bool = F(False, "Megatron MoE kernel", MOE_KERNEL)
-    moe_tp_extend_ep: bool = F(False, "Megatron MoE layout (TP extends EP)", PARALLEL_LAYOUT)
+    moe_tp_extend_ep: bool = F(False, "Megatron MoE layout (TP extends EP; refused on the megatron backend)",
+                               PARALLEL_LAYOUT)
     moe_alltoall_overlap_comm: bool = F(False, "Megatron MoE kernel", MOE_KERNEL)
     use_fused_moe_token_permute_and_unpermute: bool = F(False, "Megatron MoE kernel", MOE_KERNEL)
     moe_token_dispatcher_type: Opt[str] = F(None, "Megatron MoE token dispatcher (alltoall, allgather)",

@@ -383,8 +383,8 @@ def estimate_memory(cfg: RunConfig, plan: Plan, arch: ModelArch) -> MemoryEstima
     rm_arch = reward_model_arch(cfg) if plan.reward_model is not None else None
     rm_bytes = 2 if plan.reward_model is not None and plan.reward_model.dtype == "bfloat16" else 4
     return MemoryEstimate(weights=4 * shard, gradients=4 * shard, optimizer=optimizer,
-                          reference=4 * (params / split - ep_saving) if plan.uses_reference and not cfg.rl.offload_reference
-                          else 0.0,
+                          reference=(4 * (params / split - ep_saving)
+                                     if plan.uses_reference and not cfg.rl.offload_reference else 0.0),
                           critic=16 * critic if plan.uses_critic else 0.0, activations=activations, kv_cache=kv,
                           reward_model=rm_bytes * value_model_params(rm_arch) if rm_arch is not None else 0.0,
                           rollout_copy=rollout_copy)

@@ -96,8 +96,9 @@ def _section_rules() -> str:
                  "prints the choice and why. The megatron backend runs in Ray worker groups "
                  "(`rl_config.actor_resource.num_npus` = TP x PP x CP x DP >= 2); the model's attention heads and KV "
                  "heads must divide by TP and its layers by PP (and by PP x `num_layers_per_virtual_pipeline_stage`, "
-                 "which needs PP > 1); a mixture-of-experts model (Qwen3-MoE) trains at TP 1, its experts and the "
-                 "data-parallel size divisible by `expert_model_parallel_size`, saved as torch_dist; "
+                 "which needs PP > 1); a mixture-of-experts model (Qwen3-MoE) needs `sequence_parallel` with TP > 1, "
+                 "its experts and the data-parallel size divisible by `expert_model_parallel_size`, and torch_dist "
+                 "checkpoints; "
                  "`use_distributed_optimizer` is refused there on a CPU; `ref_config`, "
                  "`critic_config` and `reward_config` may not name another backend. Refused on the megatron backend "
                  f"until built: {not_yet}.")

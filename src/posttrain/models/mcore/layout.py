@@ -44,7 +44,8 @@ ARGS_KEYS = (
     "rotary_interleaved", "untie_embeddings_and_output_weights", "tensor_model_parallel_size",
     "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
     "num_layers_per_virtual_pipeline_stage", "num_layer_list", "expert_model_parallel_size", "num_experts",
-    "moe_ffn_hidden_size", "moe_router_topk", "norm_topk_prob", "params_dtype", "bf16", "fp16", "use_mcore_models", "transformer_impl", "orm", "hf_model_type",
+    "moe_ffn_hidden_size", "moe_router_topk", "norm_topk_prob", "params_dtype", "bf16", "fp16", "use_mcore_models",
+    "transformer_impl", "orm", "hf_model_type",
     "iteration", "consumed_train_samples", "consumed_valid_samples",
 )
 

@@ -258,7 +258,10 @@ def hf_to_megatron(hf_dir: str | Path, *, divisor: int = 128, for_training: bool
     splits.check_tp(tp, heads=arch.num_attention_heads, groups=arch.num_kv_heads,
                     ffn=arch.moe_ffn_hidden_size if arch.num_experts else arch.ffn_hidden_size, padded_vocab=padded)
     if arch.num_experts and arch.num_experts % ep:
-        raise ValueError(f"{hf_dir}: {arch.num_experts} experts do not split over expert parallel size {ep}")
+        from posttrain.errors import ConfigError
+
+        raise ConfigError(f"{hf_dir}: its {arch.num_experts} experts do not split over expert parallel size {ep}; "
+                          f"choose an expert_model_parallel_size that divides them")
     per_chunk = arch.num_layers // (pp * vpp) if vpp else None
     par = layout.Parallel(tp, pp, ep, layout.pipeline_stages(arch.num_layers, pp, None, per_chunk))
     args = layout.make_args(arch, par, padded_vocab=padded, divisor=divisor, params_dtype=torch.float32,
