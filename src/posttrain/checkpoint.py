@@ -155,9 +155,11 @@ def set_rng_state(state: dict[str, Any], generator: torch.Generator | None = Non
 
 # ---------------------------------------------------------------------------- save
 def _save_part(out: Path, model: Any, optimizer: Any, scheduler: Any, tokenizer: Any,
-               save_optim: bool) -> None:
+               save_optim: bool, adapter_only: bool = False) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(str(out), safe_serialization=True)
+    model.save_pretrained(str(out), safe_serialization=True)  # a PEFT model: its adapter
+    if hasattr(model, "peft_config") and not adapter_only:  # and the (frozen) base, under its own names
+        save_hf_weights(model, out)
     if tokenizer is not None:
         tokenizer.save_pretrained(str(out))
     if save_optim and optimizer is not None:
@@ -166,10 +168,44 @@ def _save_part(out: Path, model: Any, optimizer: Any, scheduler: Any, tokenizer:
         _torch_save(scheduler.state_dict(), out / "scheduler.pt")
 
 
+def save_hf_weights(model, out: Path) -> None:
+    """The base model of the PEFT ``model`` (or a plain model) as an HF directory in ``out``
+    (``config.json`` and ``model.safetensors``, under the base model's own names; a tied weight
+    once). Written directly: Transformers' ``save_pretrained`` of a model PEFT has loaded into asks
+    for a newer PEFT than this one."""
+    from safetensors.torch import save_file
+
+    base = model.get_base_model() if hasattr(model, "peft_config") else model
+    base.config.save_pretrained(str(out))
+    tensors, seen = {}, set()
+    for name, tensor in base.state_dict().items():
+        if "lora_" in name or tensor.data_ptr() in seen:
+            continue
+        seen.add(tensor.data_ptr())
+        tensors[name.replace(".base_layer.", ".")] = tensor.detach().contiguous()
+    save_file(tensors, str(Path(out) / "model.safetensors"), metadata={"format": "pt"})
+
+
+def load_adapter_weights(path: str | Path, model) -> None:
+    """The adapter weights saved in ``path`` (``adapter_model.safetensors``) into the PEFT ``model``."""
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    file = Path(path) / "adapter_model.safetensors"
+    if not file.is_file():
+        raise CheckpointError(f"{file} is missing: {path} holds no LoRA adapter, but this run trains one "
+                              f"(actor_config.lora_target_modules); load a LoRA checkpoint or start from the base")
+    result = set_peft_model_state_dict(model, load_file(str(file)))
+    unexpected = list(getattr(result, "unexpected_keys", []) or [])
+    if unexpected:
+        raise CheckpointError(f"{file}: its adapter does not fit this model (unexpected {unexpected[:4]}); check "
+                              f"lora_target_modules and the base model")
+
+
 def _write_checkpoint(tmp: Path, iteration: int, model: Any, optimizer: Any, scheduler: Any,
                       tokenizer: Any, generator: Any, sampler_state: Any, trainer_state: dict,
-                      extra: dict[str, Part], save_optim: bool, save_rng: bool) -> None:
-    _save_part(tmp, model, optimizer, scheduler, tokenizer, save_optim)
+                      extra: dict[str, Part], save_optim: bool, save_rng: bool, adapter_only: bool) -> None:
+    _save_part(tmp, model, optimizer, scheduler, tokenizer, save_optim, adapter_only)
     for name, part in extra.items():
         _save_part(tmp / name, part.model, part.optimizer, part.scheduler, None, save_optim)
     if save_rng:
@@ -223,7 +259,7 @@ def save_checkpoint(save_dir: str | Path, iteration: int, model: Any, optimizer:
                     generator: torch.Generator | None = None, sampler_state: Any = None,
                     trainer_state: dict | None = None, extra: dict[str, Part] | None = None,
                     save_optim: bool = True, save_rng: bool = True,
-                    keep_last: int | None = None) -> Path:
+                    keep_last: int | None = None, adapter_only: bool = False) -> Path:
     """Write ``<save_dir>/iter_XXXXXXX`` atomically and point the tracker file at it.
 
     Args:
@@ -235,6 +271,8 @@ def save_checkpoint(save_dir: str | Path, iteration: int, model: Any, optimizer:
         extra: more modules to save in subdirectories, e.g. ``{"critic": Part(critic, opt)}``.
         save_optim / save_rng: the seed's ``no_save_optim`` / ``no_save_rng`` negated.
         keep_last: if set, delete older ``iter_*`` directories beyond the newest ``keep_last``.
+        adapter_only: a PEFT (LoRA) model's adapter alone (``lora_ckpt_filter``); without it the
+            frozen base weights are saved next to the adapter, so the directory stands alone.
     Returns the checkpoint directory. Call it on one process (rank 0) with full weights.
     """
     save_dir = Path(save_dir)
@@ -255,7 +293,7 @@ def save_checkpoint(save_dir: str | Path, iteration: int, model: Any, optimizer:
     aside = save_dir / f".{target.name}.tmp-old-{os.getpid()}"
     try:
         _write_checkpoint(tmp, iteration, model, optimizer, scheduler, tokenizer, generator,
-                          sampler_state, trainer_state, extra or {}, save_optim, save_rng)
+                          sampler_state, trainer_state, extra or {}, save_optim, save_rng, adapter_only)
         _fsync_tree(tmp)
         _publish(tmp, target, aside, save_dir, iteration)
     except BaseException as err:
@@ -462,8 +500,12 @@ def earlier_checkpoints(checkpoint_dir: str | Path) -> list[Path]:
 
 
 def load_weights(path: str | Path, model: torch.nn.Module) -> None:
-    """Copy the HF weights saved in ``path`` into ``model`` in place (tied weights allowed)."""
+    """Copy the HF weights saved in ``path`` into ``model`` in place (tied weights allowed); into a
+    PEFT (LoRA) model, its adapter (the base is the one it was built on)."""
     path = Path(path)
+    if hasattr(model, "peft_config"):
+        load_adapter_weights(path, model)
+        return
     config = path / "config.json"
     if config.is_file():
         _read_json_object(config)

@@ -102,6 +102,7 @@ class ActorWorker:
         # their own, so log-prob passes never wait on other ranks (uneven shares are fine)
         own = [dist.new_group([r], timeout=timeout) for r in range(self.world_size)][self.rank]
         self.policy = p = build_policy(cfg, plan, device, with_rollout=plan.stage.on_policy)
+        self.adapter_only = bool(cfg.actor.lora_ckpt_filter)  # LoRA: save the adapter alone
         # log-probs on the plain model, no collective; the update through DDP over all ranks
         self.infer = TrainEngine(p.model, micro_batch_size=cfg.actor.micro_batch_size, dtype=plan.train_dtype,
                                  dp_group=own, options=plan.actor_engine)
@@ -210,7 +211,8 @@ class ActorWorker:
         with on_device(p.actor, getattr(self.critic, "engine", None)):  # an offloaded state is saved too
             path = save_checkpoint(save_dir, iteration, model, optimizer, p.actor.scheduler,
                                    tokenizer=p.tokenizer, sampler_state=sampler_state, trainer_state=trainer_state,
-                                   save_optim=save_optim, save_rng=save_rng, extra=extra)
+                                   save_optim=save_optim, save_rng=save_rng, extra=extra,
+                                   adapter_only=self.adapter_only)
         return str(path)
 
     def state_dict(self) -> dict:

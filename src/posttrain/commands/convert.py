@@ -3,7 +3,8 @@
 ``--load-model-type hf --save-model-type mg`` splits an HF directory for TP x PP (written to
 ``<save-dir>/release/`` with the tracker). ``--load-model-type mg --save-model-type hf`` merges a
 Megatron checkpoint back into ``<save-dir>/mg2hf/``, the seed's convention, reusing ``<save-dir>``'s
-config.json and tokenizer when it is the original HF directory.
+config.json and tokenizer when it is the original HF directory. ``--merge-lora`` (hf -> hf) merges
+a LoRA run's adapter into its base model and writes ``<save-dir>`` as a plain HF model.
 """
 
 from __future__ import annotations
@@ -22,11 +23,11 @@ REFUSED = {
     "moe_tp_extend_ep": "mixture-of-experts conversion is not implemented (dense models only)",
     "noop_layers": "no-op layers are not supported",
     "qlora_nf4": "QLoRA NF4 quantisation is not supported",
-    "save_lora_to_hf": "LoRA weights are not converted (merge the adapter into the model first)",
-    "lora_load": "LoRA weights are not converted (merge the adapter into the model first)",
-    "lora_r": "LoRA weights are not converted (merge the adapter into the model first)",
-    "lora_alpha": "LoRA weights are not converted (merge the adapter into the model first)",
-    "lora_target_modules": "LoRA weights are not converted (merge the adapter into the model first)",
+    "save_lora_to_hf": "LoRA weights are not converted to Megatron (merge them: --merge-lora)",
+    "lora_load": "LoRA weights are not converted to Megatron (merge them: --merge-lora)",
+    "lora_r": "LoRA weights are not converted to Megatron (merge them: --merge-lora)",
+    "lora_alpha": "LoRA weights are not converted to Megatron (merge them: --merge-lora)",
+    "lora_target_modules": "LoRA weights are not converted to Megatron (merge them: --merge-lora)",
     "spec": "custom layer specs are not supported; the local Megatron-Core GPT layer is used",
     "ckpt_cfg_path": "checkpoint config files are not read; the architecture comes from config.json or the checkpoint's args",
 }
@@ -53,6 +54,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     p.add_argument("--loader", default="megatron", help="only 'megatron' (and the seed's hf loaders)")
     p.add_argument("--saver", default="megatron", help="only 'megatron'")
+    p.add_argument("--merge-lora", action="store_true",
+                   help="with --load-model-type hf --save-model-type hf: merge a LoRA run's adapter (--load-dir: its "
+                        "save directory or checkpoint) into its base model, written to --save-dir")
     p.add_argument("--force", action="store_true",
                    help="replace an existing converted checkpoint in the target (only convert's own files)")
     p.add_argument("--use-mcore-models", action="store_true", help="accepted; always Megatron-Core")
@@ -75,7 +79,11 @@ def run(args: argparse.Namespace) -> int:
     if noted:
         print(f"note: {', '.join(noted)} accepted with no effect here (posttrain reads the architecture itself)",
               file=sys.stderr)
-    if args.load_model_type == "hf" and args.save_model_type == "mg":
+    if args.merge_lora:
+        from posttrain.models.lora import merge_to_hf
+
+        merge_to_hf(args.load_dir, args.save_dir, force=args.force)
+    elif args.load_model_type == "hf" and args.save_model_type == "mg":
         hf_to_mcore(args.load_dir, args.save_dir, tp=args.target_tensor_parallel_size,
                     pp=args.target_pipeline_parallel_size, num_layer_list=args.num_layer_list,
                     layers_per_virtual_stage=args.num_layers_per_virtual_pipeline_stage, dtype=args.params_dtype,
@@ -103,7 +111,10 @@ def _check(args: argparse.Namespace) -> None:
         if getattr(args, name) is not None:
             raise ConfigError(f"--{name.replace('_', '-')}: {why}")
     pair = (args.load_model_type, args.save_model_type)
-    if pair not in (("hf", "mg"), ("mg", "hf")):
+    if args.merge_lora and pair != ("hf", "hf"):
+        raise ConfigError(f"--merge-lora writes an HF model from a LoRA checkpoint: use --load-model-type hf "
+                          f"--save-model-type hf (not {pair[0]} -> {pair[1]})")
+    if pair not in (("hf", "mg"), ("mg", "hf")) and not args.merge_lora:
         raise ConfigError(f"--load-model-type {pair[0]} --save-model-type {pair[1]}: posttrain converts hf -> mg "
                           f"and mg -> hf (optimizer states are not converted)")
     if args.loader not in ("megatron", "hf_mcore", "mg_mcore") or args.saver not in ("megatron", "mg_mcore"):

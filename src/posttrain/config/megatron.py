@@ -82,10 +82,8 @@ VPP = refused(MP_WHY, "remove the key, or remove backend: hf (null picks megatro
 CONTEXT_PARALLEL = refused("context parallelism is not verified on the megatron backend yet",
                            "set context_parallel_size 1", active="gt1")
 EXPERT_PARALLEL = MODEL_PARALLEL  # experts split over ranks (mixture-of-experts models)
-LORA = refused("LoRA is not implemented yet (the run would be a full fine-tune)",
-               "remove the lora_* keys to fine-tune all weights", group="lora")
-LORA_TARGETS = refused("LoRA is not implemented yet (the run would be a full fine-tune)",
-                       "remove the lora_* keys to fine-tune all weights", active="set", group="lora")
+LORA = HONOURED  # the hf backend's LoRA through PEFT (posttrain.models.lora); refused on megatron
+LORA_KERNEL = ignored("MindSpeed's fused CCLoRA kernels; PEFT's LoRA layers compute the same")
 OPTIMIZER = refused("only adam (AdamW with decoupled weight decay) is implemented", "set it to adam")
 SKIP_TRAIN = refused("a run without training is not implemented", "remove the key or set it to false")
 AI_FRAMEWORK = refused("posttrain runs on PyTorch only", "remove the key")
@@ -303,8 +301,10 @@ class MegatronConfig(Section):
     # ---- LoRA / multimodal ----------------------------------------------------------------------
     lora_r: int = F(8, "LoRA rank", LORA)
     lora_alpha: int = F(16, "LoRA alpha", LORA)
-    lora_fusion: bool = F(False, "CCLoRA fused kernels", LORA)
-    lora_target_modules: Any = F(None, "LoRA target modules", LORA_TARGETS)
+    lora_fusion: bool = F(False, "CCLoRA fused kernels", LORA_KERNEL)
+    lora_target_modules: Any = F(None, "LoRA target modules (Megatron names linear_qkv, linear_proj, linear_fc1, "
+                                       "linear_fc2, or Hugging Face names such as q_proj); set: LoRA through PEFT",
+                                 LORA)
     lora_ckpt_filter: bool = F(False, "save only LoRA weights", LORA)
     mm_model: Opt[str] = F(None, "multimodal model", MULTIMODAL_MODEL)
 

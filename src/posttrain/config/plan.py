@@ -119,6 +119,7 @@ class Plan:
     max_num_seqs: int  # rows the rollout engine decodes at once
     offload_optimizer: bool = False  # the optimizer state on the host between updates (GPU only; actor, critic)
     offload_grads: bool = False  # the gradients freed between updates (actor, critic)
+    lora: bool = False  # the actor trains a LoRA adapter (lora_target_modules; hf backend)
     warnings: tuple[str, ...] = ()
     arch: ModelArch | None = None
     num_params: int | None = None
@@ -209,7 +210,7 @@ def check_rollout_fits(plan: Plan) -> None:
     whose HF copy alone does not fit one device (it needs a rollout engine sharded over devices)."""
     from posttrain.errors import ConfigError
 
-    if plan.memory is None or not plan.memory.rollout_copy:
+    if plan.memory is None or not plan.memory.rollout_copy or plan.parallel.backend != "megatron":
         return
     available = device_memory_bytes(plan.device)
     if available and plan.memory.rollout_copy > available:
@@ -269,7 +270,8 @@ def build_plan(cfg: RunConfig, layout: Layout, arch: ModelArch | None = None, *,
         max_tokens_per_iteration=gbs * n * per_seq, train_iters=a.train_iters or 0,
         dispatch_sizes=MappingProxyType(dict(layout.dispatch_sizes)), reads=MappingProxyType(reads),
         logprob_temperature=temperature,
-        uses_reference=stage.uses_reference(cfg), uses_critic=stage.uses_critic, dynamic_sampling=dynamic,
+        uses_reference=stage.uses_reference(cfg), uses_critic=stage.uses_critic, lora=bool(a.lora_target_modules),
+        dynamic_sampling=dynamic,
         skip_old_logprobs=on_policy and mini == update_prompts and epochs == 1 and not rl.use_kl_in_reward,
         actor_loss=MappingProxyType(actor_loss_options(cfg, stage, temperature)) if on_policy else MappingProxyType({}),
         actor_engine=_with_forward(engine, budgets, "actor"), ref_engine=_with_forward(engine, budgets, "ref"),
@@ -363,6 +365,9 @@ def estimate_memory(cfg: RunConfig, plan: Plan, arch: ModelArch) -> MemoryEstima
     * rollout copy (megatron, on-policy): the native engine samples from a whole HF copy of the
       model held by each replica's leader (TP rank 0, PP rank 0), fp32, 4 bytes per parameter
       (counted for every process: an upper bound for the others).
+    * LoRA (``lora_target_modules``, hf backend): the base weights plus the adapter's, gradients
+      and moments for the adapter only, no reference with ``rl_config.share_backbone``, and as the
+      rollout copy the adapted base weights that the merged rollout saves while it samples.
     """
     a, par = cfg.actor, plan.parallel
     params = float(arch.num_params())
@@ -382,6 +387,16 @@ def estimate_memory(cfg: RunConfig, plan: Plan, arch: ModelArch) -> MemoryEstima
                                                                              else 4)
     rm_arch = reward_model_arch(cfg) if plan.reward_model is not None else None
     rm_bytes = 2 if plan.reward_model is not None and plan.reward_model.dtype == "bfloat16" else 4
+    if plan.lora:  # LoRA: gradients and moments for the adapter only
+        from posttrain.models.lora import lora_sizes
+
+        adapter, targeted = (float(n) for n in lora_sizes(arch, a.lora_target_modules, int(a.lora_r)))
+        return MemoryEstimate(weights=4 * (params + adapter), gradients=4 * adapter, optimizer=8 * adapter,
+                              reference=0.0 if cfg.rl.share_backbone or not plan.uses_reference
+                              or cfg.rl.offload_reference else 4 * (params + adapter),
+                              critic=16 * critic if plan.uses_critic else 0.0, activations=activations, kv_cache=kv,
+                              reward_model=rm_bytes * value_model_params(rm_arch) if rm_arch is not None else 0.0,
+                              rollout_copy=4 * targeted if plan.stage.on_policy else 0.0)
     return MemoryEstimate(weights=4 * shard, gradients=4 * shard, optimizer=optimizer,
                           reference=(4 * (params / split - ep_saving)
                                      if plan.uses_reference and not cfg.rl.offload_reference else 0.0),

@@ -64,7 +64,7 @@ PARTIAL = refused("partial rollout is not implemented yet", group="partial rollo
 MULTI_TURN = refused("multi-turn rollout with tools is not implemented yet", group="multi-turn")
 MULTI_TURN_SET = refused("multi-turn rollout with tools is not implemented yet", "remove the key", active="set",
                          group="multi-turn")
-SHARE_BACKBONE = refused("a reference sharing the actor's backbone needs LoRA, which is not implemented yet")
+SHARE_BACKBONE = HONOURED  # the reference is the actor with its LoRA adapter off (validate.py checks it)
 EPLB = refused("expert load balancing (EPLB) is not implemented", group="eplb")
 EPLB_PATH = refused("expert load balancing (EPLB) is not implemented", switch="eplb_token_collects")
 EPLB_SET = refused("expert load balancing (EPLB) is not implemented", "remove the key", active="set", group="eplb")

@@ -88,6 +88,32 @@ def _finite(value: Any) -> bool:
     return isinstance(value, (int, float)) and math.isfinite(value)
 
 
+def check_lora(cfg: RunConfig) -> None:
+    """LoRA (``lora_target_modules`` set): its rank and alpha, and the features it does not run with
+    yet, each refused by key."""
+    a, rl = cfg.actor, cfg.rl
+    if not a.lora_target_modules:
+        return
+    targets = actor_key(cfg, "lora_target_modules")
+    if isinstance(a.lora_r, bool) or not isinstance(a.lora_r, int) or a.lora_r < 1:
+        raise _bad(cfg, actor_key(cfg, "lora_r"), a.lora_r, "an integer >= 1 (the LoRA rank)")
+    if not _finite(a.lora_alpha) or a.lora_alpha <= 0:
+        raise _bad(cfg, actor_key(cfg, "lora_alpha"), a.lora_alpha, "a number > 0 (updates scale by lora_alpha / lora_r)")
+    refusals = [
+        (rl.ray_sharding == "fsdp2", "rl_config.ray_sharding=fsdp2",
+         "FSDP2 with LoRA is not built yet; set rl_config.ray_sharding: ddp (the adapter is small: DDP keeps it whole)"),
+        (rl.rollout_engine == "vllm", "rl_config.rollout_engine=vllm",
+         "LoRA with the vLLM rollout is not built yet; use rollout_engine: native"),
+        (cfg.critic is not None and bool(cfg.critic.lora_target_modules), "critic_config.lora_target_modules",
+         "a LoRA critic is not built yet; set the lora_* keys in actor_config only"),
+        (rl.share_backbone and rl.offload_reference, "rl_config.offload_reference=true",
+         "with share_backbone the reference is the actor's own weights, so there is nothing to offload; remove one"),
+    ]
+    for active, key, why in refusals:
+        if active:
+            raise ConfigError(f"{key} with {targets}: {why}")
+
+
 def check_sampling(cfg: RunConfig) -> None:
     """``generate_config.sampling_config``: the rollout's own rules (:meth:`SamplingParams.validate`,
     the same code the rollout runs), then a ``max_tokens`` the config writes against ``max_model_len``.
@@ -161,6 +187,7 @@ def check_values(cfg: RunConfig) -> None:
             raise _bad(cfg, actor_key(cfg, key), value, "a number in [0, 1)")
     if a.lr_warmup_fraction is not None and (not _finite(a.lr_warmup_fraction) or not 0 <= a.lr_warmup_fraction <= 1):
         raise _bad(cfg, actor_key(cfg, "lr_warmup_fraction"), a.lr_warmup_fraction, "a number in [0, 1]")
+    check_lora(cfg)
     for name in ("actor_resource", "reference_resource", "reward_resource", "critic_resource", "vit_resource"):
         resource = getattr(rl, name)
         if resource is not None and resource.num_npus is not None and resource.num_npus < 0:

@@ -83,18 +83,29 @@ def rollout_stop_ids(tokenizer, actor: MegatronConfig) -> list[int]:
 
 
 def build_actor_model(actor: MegatronConfig, device: str):
-    """The HF actor model (fp32 master weights), its tokenizer, and where it came from."""
-    from posttrain.checkpoint import resolve_checkpoint
+    """The HF actor model (fp32 master weights), its tokenizer, and where it came from. With
+    ``lora_target_modules``, a PEFT model: the base frozen, a LoRA adapter (the source's, when it
+    holds one, else a fresh one) the only trainable weights."""
+    from posttrain.checkpoint import is_hf_model_dir, resolve_checkpoint
+    from posttrain.models import lora
     from posttrain.models.loading import check_vocab, load_causal_lm, load_tokenizer
 
     source = model_source(actor)
     path, _ = resolve_checkpoint(source)
-    model = load_causal_lm(path, device=device, dtype="float32")
+    has_adapter = lora.is_adapter_dir(path)
+    if has_adapter and not actor.lora_target_modules:
+        raise ConfigError(f"{path} holds a LoRA adapter: set actor_config.lora_target_modules to keep training it, "
+                          f"or merge it into the base first (posttrain convert --merge-lora --load-dir {path} "
+                          f"--save-dir <dir>)")
+    base = lora.adapter_base(path) if has_adapter and not is_hf_model_dir(path) else path
+    model = load_causal_lm(base, device=device, dtype="float32")
     tok_path = actor.tokenizer_name_or_path or path
     tokenizer = load_tokenizer(tok_path)
-    check_vocab(model, tokenizer, f"tokenizer {tok_path} vs model {path}")
+    check_vocab(model, tokenizer, f"tokenizer {tok_path} vs model {base}")
     if getattr(model.config, "use_cache", None) is not None:
         model.config.use_cache = False
+    if actor.lora_target_modules:
+        model = lora.load_adapter(model, path) if has_adapter else lora.add_adapter(model, actor)
     return model, tokenizer, source
 
 
@@ -200,9 +211,14 @@ def build_rollout(cfg: RunConfig, plan: Plan, model, tokenizer, stop_token_ids: 
     """The rollout engine of ``rl_config.rollout_engine`` (native or vLLM) sampling from ``model``."""
     from posttrain.rollout.base import ROLLOUT_ENGINES
 
-    return ROLLOUT_ENGINES.get(cfg.rl.rollout_engine)(
+    engine = ROLLOUT_ENGINES.get(cfg.rl.rollout_engine)(
         model=model, pad_token_id=tokenizer.pad_token_id, eos_token_ids=stop_token_ids, max_num_seqs=plan.max_num_seqs,
         max_num_batched_tokens=cfg.generate.max_num_batched_tokens, dtype=plan.rollout_dtype)
+    if hasattr(model, "peft_config"):  # LoRA: sample from the merged weights (docs/lora.md)
+        from posttrain.models.lora import MergedRollout
+
+        return MergedRollout(engine, model)
+    return engine
 
 
 def build_policy(cfg: RunConfig, plan: Plan, device: str, *, with_rollout: bool = True, dp_group=None) -> Policy:
@@ -217,7 +233,12 @@ def build_policy(cfg: RunConfig, plan: Plan, device: str, *, with_rollout: bool 
                                if not plan.stage.on_policy else "actor", dp_group=dp_group)
     state = resume(source, model, actor, a)
     reference = None
-    if plan.uses_reference:
+    if plan.uses_reference and cfg.rl.share_backbone:  # the actor with its adapter off: no copy
+        from posttrain.models.lora import AdapterOff
+
+        reference = AdapterOff(TrainEngine(model, micro_batch_size=a.micro_batch_size, dtype=plan.train_dtype,
+                                           dp_group=dp_group, options=plan.ref_engine), model)
+    elif plan.uses_reference:
         ref_model = build_frozen_copy(model, reference_source(cfg, state), device)
         reference = TrainEngine(ref_model, micro_batch_size=a.micro_batch_size, dtype=plan.train_dtype,
                                 dp_group=dp_group, options=plan.ref_engine)

@@ -107,7 +107,8 @@ class NativeEngine:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.dtype = resolve_dtype(dtype)
         self.compact_fraction = compact_fraction
-        params = inspect.signature(model.forward).parameters
+        # a PEFT (LoRA) model passes keyword arguments on to its base model: read the base's signature
+        params = inspect.signature((model.get_base_model() if hasattr(model, "peft_config") else model).forward).parameters
         self._has_logits_to_keep = "logits_to_keep" in params or any(
             p.kind is p.VAR_KEYWORD for p in params.values())
         # transformers >= 5.2x names the cache argument `cache`; older ones `past_key_values`

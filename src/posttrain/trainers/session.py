@@ -404,7 +404,8 @@ class Session:
                 path = save_checkpoint(a.save, iteration, p.model, p.actor.optimizer, p.actor.scheduler,
                                        tokenizer=p.tokenizer, sampler_state=self.sampler.state_dict(),
                                        trainer_state=state, save_optim=not a.no_save_optim,
-                                       save_rng=not a.no_save_rng, extra=self.extra_parts)
+                                       save_rng=not a.no_save_rng, extra=self.extra_parts,
+                                       adapter_only=bool(a.lora_ckpt_filter))
         if self.critic is not None:  # PPO: the critic's own checkpoint (critic_config.save), if it has one
             critic_path = self.critic.save(iteration, tokenizer=p.tokenizer, trainer_state=state)
             if critic_path is not None and a.keep_last:

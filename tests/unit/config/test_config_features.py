@@ -37,7 +37,6 @@ def refusal(overrides, device_type="cpu") -> str:
     return str(err.value)
 
 
-LORA = "LoRA is not implemented yet"
 MP = "tensor/pipeline/expert parallelism needs backend megatron, and backend is hf"
 MM = "multimodal training is not implemented yet"
 MULTI_TURN = "multi-turn rollout with tools is not implemented yet"
@@ -46,15 +45,6 @@ EPLB = "expert load balancing (EPLB) is not implemented"
 
 # (overrides, the start of the message: section.key=value[, ...]: why, what to do)
 CASES = [
-    # LoRA: target modules turn it on in the seed; the other LoRA keys mean the user expects it too
-    (["actor_config.lora_target_modules=[linear_qkv,linear_proj]"],
-     f"actor_config.lora_target_modules=[linear_qkv, linear_proj]: {LORA}", "remove the lora_* keys"),
-    (["actor_config.lora_r=16"], f"actor_config.lora_r=16: {LORA}", "remove the lora_* keys"),
-    (["megatron_training.lora_alpha=32"], f"megatron_training.lora_alpha=32: {LORA}", "remove the lora_* keys"),
-    (["actor_config.lora_fusion=true"], f"actor_config.lora_fusion=true: {LORA}", "remove the lora_* keys"),
-    (["actor_config.lora_ckpt_filter=true"], f"actor_config.lora_ckpt_filter=true: {LORA}", "remove the lora_* keys"),
-    (["actor_config.lora_target_modules=[linear_qkv]", "actor_config.lora_r=16"],
-     f"actor_config.lora_r=16, actor_config.lora_target_modules=[linear_qkv]: {LORA}", "remove the lora_* keys"),
     # model parallelism: TP/PP/VPP select the megatron backend; with backend hf each is named
     (["actor_config.backend=hf", "actor_config.tensor_model_parallel_size=2"],
      f"actor_config.tensor_model_parallel_size=2: {MP}", "set it to 1, or remove backend: hf"),
@@ -123,8 +113,6 @@ CASES = [
     (["rl_config.blocking=false"], "rl_config.blocking=false: asynchronous (non-blocking) execution",
      "remove the key or set it to true"),
     (["rl_config.use_dp_batch_balance=true"], "rl_config.use_dp_batch_balance=true: ", "set it to false"),
-    (["rl_config.share_backbone=true"], "rl_config.share_backbone=true: a reference sharing the actor's backbone needs "
-     "LoRA", "set it to false"),
     # generate_config
     (["generate_config.enable_prefix_caching=true"], "generate_config.enable_prefix_caching=true: prefix caching",
      "set it to false"),
@@ -219,11 +207,11 @@ def test_tokenizer_type_of_the_seed_is_fine():
 def test_refusals_follow_the_section_that_wrote_the_key(tmp_path):
     """A key from a model yaml is named by the model (the seed's merge: a section's model first)."""
     (tmp_path / "model").mkdir()
-    (tmp_path / "model" / "m.yaml").write_text("m:\n  num_layers: 2\n  lora_r: 4\n")
+    (tmp_path / "model" / "m.yaml").write_text("m:\n  num_layers: 2\n  optimizer: sgd\n")
     (tmp_path / "c.yaml").write_text("defaults:\n  - model: [m]\nmegatron_training:\n  model: m\n"
                                      "  stage: ray_grpo\n")
     cfg = load_run_config("c", tmp_path)
-    with pytest.raises(ConfigError, match=r"^model\.m\.lora_r=4: LoRA is not implemented yet"):
+    with pytest.raises(ConfigError, match=r"^model\.m\.optimizer=sgd: only adam"):
         check_features(cfg, "cpu")
 
 

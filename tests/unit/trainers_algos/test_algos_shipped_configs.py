@@ -39,3 +39,16 @@ def test_seed_examples_keep_their_algorithm_settings():
     assert dapo.rl.filter_groups_enable and dapo.rl.filter_groups_metric == "acc_for_dapo" and dapo.ref is None
     dpo = load_run_config("dpo_qwen3_30b_a3b")
     assert dpo.actor.is_pairwise_dataset and dpo.actor.num_experts == 128 and dpo.actor.moe_router_topk == 8
+
+
+def test_the_seeds_lora_example_plans_on_the_hf_backend_with_a_shared_backbone():
+    """grpo_lora_qwen25_32b: TP 1 (LoRA is refused on the megatron backend), 16 data-parallel
+    workers; the reference shares the backbone (no copy), and only the adapter has gradients and
+    AdamW moments."""
+    cfg = load_run_config("grpo_lora_qwen25_32b")
+    assert (cfg.actor.lora_r, cfg.actor.lora_alpha, cfg.rl.share_backbone, cfg.actor.lora_ckpt_filter) == \
+        (128, 128, True, True)
+    plan = build_plan(cfg, validate_run_config(cfg), model_arch(cfg))
+    m = plan.memory
+    assert plan.lora and plan.parallel.backend == "hf" and plan.parallel.dp == 16 and plan.uses_reference
+    assert m.reference == 0 and m.optimizer == 2 * m.gradients and 0 < m.gradients < m.weights / 20

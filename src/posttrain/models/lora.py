@@ -1,0 +1,206 @@
+"""LoRA on the hf backend, through PEFT: the seed's keys (``lora_r``, ``lora_alpha``,
+``lora_target_modules``) to a ``peft.LoraConfig``, the base weights frozen, the adapter the only
+trainable parameters.
+
+The seed names its targets by Megatron module; each maps to the Hugging Face linears it fuses::
+
+    linear_qkv -> q_proj, k_proj, v_proj      linear_fc1 -> gate_proj, up_proj
+    linear_proj -> o_proj                      linear_fc2 -> down_proj
+
+Hugging Face names are taken as they are. A target that matches no linear of the model is refused
+with the names that exist.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Any, Iterator
+
+from posttrain.errors import ConfigError
+
+MEGATRON_TO_HF = {"linear_qkv": ("q_proj", "k_proj", "v_proj"), "linear_proj": ("o_proj",),
+                  "linear_fc1": ("gate_proj", "up_proj"), "linear_fc2": ("down_proj",)}
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+def lora_sizes(arch, targets: Any, rank: int) -> tuple[int, int]:
+    """``(adapter, targeted)``: the parameters of a LoRA adapter of ``rank`` on ``targets`` of the
+    model ``arch`` (a :class:`~posttrain.models.arch.ModelArch`), ``rank x (in + out)`` per adapted
+    linear, and of the base weights it adapts (``in x out`` each; the merged rollout saves a copy
+    of those). The dense MLP's linears: a mixture-of-experts model's experts are not counted."""
+    h, q, kv, ffn = arch.hidden_size, arch.num_attention_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim, \
+        arch.ffn_hidden_size
+    shapes = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h), "gate_proj": (h, ffn),
+              "up_proj": (h, ffn), "down_proj": (ffn, h)}
+    names = [shapes[n] for n in {n for t in target_list(targets) for n in MEGATRON_TO_HF.get(t, (t,))} if n in shapes]
+    return (arch.num_layers * rank * sum(i + o for i, o in names), arch.num_layers * sum(i * o for i, o in names))
+
+
+def target_list(targets: Any) -> list[str]:
+    """``lora_target_modules`` as a list of names (the seed writes a list; a comma-separated string is
+    accepted too)."""
+    if isinstance(targets, str):
+        targets = [t.strip() for t in targets.split(",") if t.strip()]
+    if not isinstance(targets, (list, tuple)) or not all(isinstance(t, str) for t in targets):
+        raise ConfigError(f"actor_config.lora_target_modules={targets!r}: give a list of module names, e.g. "
+                          f"[linear_qkv, linear_proj, linear_fc1, linear_fc2] or [q_proj, v_proj]")
+    return list(targets)
+
+
+def hf_targets(targets: Any, model) -> list[str]:
+    """The Hugging Face module names (last name component) that ``targets`` select in ``model``;
+    refuses a target that matches none of its linear layers, listing those that exist."""
+    import torch
+
+    linears = sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+                      if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1] != "lm_head"})
+    out: list[str] = []
+    for target in target_list(targets):
+        names = MEGATRON_TO_HF.get(target, (target,))
+        missing = [n for n in names if n not in linears]
+        if missing:
+            raise ConfigError(f"actor_config.lora_target_modules: {target!r} matches no linear layer of the model "
+                              f"({', '.join(missing)} not found); its linear layers are {', '.join(linears)} "
+                              f"(or the Megatron names {', '.join(MEGATRON_TO_HF)})")
+        out += [n for n in names if n not in out]
+    return out
+
+
+def lora_config(role, model):
+    """The ``peft.LoraConfig`` of a role's keys: rank ``lora_r``, ``lora_alpha``, no dropout, no bias."""
+    from peft import LoraConfig
+
+    if role.lora_r is None or role.lora_r < 1:
+        raise ConfigError(f"actor_config.lora_r={role.lora_r}: the LoRA rank must be an integer >= 1")
+    if role.lora_alpha is None or role.lora_alpha <= 0:
+        raise ConfigError(f"actor_config.lora_alpha={role.lora_alpha}: must be > 0 (the update is scaled by "
+                          f"lora_alpha / lora_r)")
+    return LoraConfig(r=int(role.lora_r), lora_alpha=role.lora_alpha, lora_dropout=0.0, bias="none",
+                      target_modules=hf_targets(role.lora_target_modules, model), task_type="CAUSAL_LM")
+
+
+def add_adapter(model, role):
+    """``model`` (an HF causal LM) with a fresh LoRA adapter from ``role``'s keys (PEFT's
+    initialisation: A random, B zero, so the adapted model starts as the base)."""
+    from peft import get_peft_model
+
+    return get_peft_model(model, lora_config(role, model))
+
+
+def is_adapter_dir(path: str | Path) -> bool:
+    return (Path(path) / ADAPTER_CONFIG).is_file()
+
+
+def adapter_base(path: str | Path) -> Path:
+    """The base model an adapter-only directory was trained on (``base_model_name_or_path`` of its
+    ``adapter_config.json``), which must exist here."""
+    import json
+
+    config = Path(path) / ADAPTER_CONFIG
+    base = json.loads(config.read_text(encoding="utf-8")).get("base_model_name_or_path")
+    if not base or not Path(base).is_dir():
+        raise ConfigError(f"{config}: its base model {base!r} is not a directory here; {path} holds a LoRA adapter "
+                          f"only (lora_ckpt_filter), so the base it was trained on must be at that path (or edit "
+                          f"base_model_name_or_path)")
+    return Path(base)
+
+
+def load_adapter(model, path: str | Path, *, trainable: bool = True):
+    """``model`` (the base) with the PEFT adapter saved in ``path``; refuses an adapter made for
+    another architecture (its target shapes do not fit), naming both."""
+    from peft import PeftModel
+
+    try:
+        return PeftModel.from_pretrained(model, str(path), is_trainable=trainable)
+    except (RuntimeError, ValueError, KeyError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ConfigError(f"{path}: this LoRA adapter does not fit the model "
+                          f"{getattr(model.config, '_name_or_path', '') or model.config.model_type} ({first}); load "
+                          f"the base model it was trained on") from None
+
+
+@contextlib.contextmanager
+def merged(model) -> Iterator[None]:
+    """For the duration, the adapter merged into the base weights and switched off, so the base
+    layers alone compute the adapted model (W + (alpha / r) B A); then each base weight is put back
+    from a saved copy: bit-exact, unlike subtracting B A again."""
+    import torch
+    from peft.tuners.lora import LoraLayer
+
+    saved = []
+    with torch.no_grad():
+        for layer in (m for m in model.modules() if isinstance(m, LoraLayer)):
+            weight = layer.get_base_layer().weight
+            saved.append((weight, weight.detach().clone()))
+            for name in layer.active_adapters:
+                weight += layer.get_delta_weight(name).to(weight.dtype)
+    try:
+        with model.disable_adapter():
+            yield
+    finally:
+        with torch.no_grad():
+            for weight, base in saved:
+                weight.copy_(base)
+
+
+class MergedRollout:
+    """A rollout engine over a PEFT model that samples from the merged weights (:func:`merged`)."""
+
+    def __init__(self, engine, model):
+        self.engine, self.model = engine, model
+
+    def generate(self, *args, **kwargs):
+        with merged(self.model):
+            return self.engine.generate(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        return getattr(self.engine, name)
+
+
+class AdapterOff:
+    """``rl_config.share_backbone``: the reference is the actor's own model with its adapter switched
+    off (an engine's ``compute_*`` methods on it), so no second copy of the model is held. Other
+    attributes are the engine's (set ones too: ``dp_group``)."""
+
+    def __init__(self, engine, model):
+        object.__setattr__(self, "engine", engine)
+        object.__setattr__(self, "model", model)
+
+    def __getattr__(self, name: str):
+        value = getattr(self.engine, name)
+        if not name.startswith("compute_"):
+            return value
+
+        def without_adapter(*args, **kwargs):
+            with self.model.disable_adapter():
+                return value(*args, **kwargs)
+        return without_adapter
+
+    def __setattr__(self, name: str, value) -> None:
+        setattr(self.engine, name, value)
+
+
+def merge_to_hf(load_dir: str | Path, out_dir: str | Path, *, force: bool = False, log=print) -> Path:
+    """``posttrain convert --merge-lora``: the LoRA checkpoint (or adapter directory) ``load_dir``
+    merged into its base, written as a plain HF model directory ``out_dir`` (staged, then renamed)."""
+    from posttrain.checkpoint import is_hf_model_dir, resolve_checkpoint, save_hf_weights
+    from posttrain.models.loading import load_causal_lm
+    from posttrain.models.mcore.convert import _publish_dir, _staging, check_hf_target
+    from posttrain.models.mcore.hf_files import copy_tokenizer
+
+    path, _ = resolve_checkpoint(load_dir) if not is_adapter_dir(load_dir) else (Path(load_dir), False)
+    if not is_adapter_dir(path):
+        raise ConfigError(f"--merge-lora: {path} holds no LoRA adapter ({ADAPTER_CONFIG}); give a LoRA run's save "
+                          f"directory or checkpoint")
+    out_dir = Path(out_dir)
+    check_hf_target(out_dir, force)
+    base = path if is_hf_model_dir(path) else adapter_base(path)
+    merged = load_adapter(load_causal_lm(base, dtype="float32"), path, trainable=False).merge_and_unload()
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    with _staging(out_dir.parent, f".{out_dir.name}.tmp-") as tmp:
+        save_hf_weights(merged, tmp)
+        copy_tokenizer(path if (path / "tokenizer_config.json").is_file() else base, tmp)
+        _publish_dir(tmp, out_dir)
+    log(f"wrote {out_dir}: {path}'s LoRA adapter merged into {base}")
+    return out_dir
