@@ -84,6 +84,13 @@ def test_the_merged_export_computes_the_adapted_model_and_another_model_is_refus
         adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir),
                                             str(ckpt / "iter_0000001")).eval()(input_ids=ids).logits
     torch.testing.assert_close(merged, adapted, rtol=0, atol=1e-5)
+    scores = []  # posttrain eval of the LoRA checkpoint evaluates the adapted model (merged on load)
+    for model in (ckpt, tmp_path / "merged"):
+        out = tmp_path / f"eval_{len(scores)}.json"
+        assert main(["eval", "--model", str(model), "--data", tiny_prompt_data, "--limit", "8", "--max-tokens", "8",
+                     "--output", str(out)]) == 0
+        scores.append(json.loads(out.read_text())["score/mean"])
+    assert scores[0] == scores[1]
     other = Qwen2ForCausalLM(Qwen2Config(vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                          num_attention_heads=2, num_key_value_heads=1))
     with pytest.raises(ConfigError, match="this LoRA adapter does not fit the model"):

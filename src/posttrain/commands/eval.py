@@ -62,7 +62,8 @@ def run(args) -> int:
     from posttrain.checkpoint import check_model_files, resolve_checkpoint
     from posttrain.commands.outputs import check_output_file
     from posttrain.device import resolve_device
-    from posttrain.models.loading import check_vocab, load_causal_lm, load_tokenizer
+    from posttrain.models.loading import check_vocab, load_tokenizer
+    from posttrain.models.lora import load_merged
     from posttrain.reward.rule_reward import RuleReward
     from posttrain.rollout.base import ROLLOUT_ENGINES, SamplingParams
     from posttrain.trainers.evaluate import evaluate
@@ -76,7 +77,7 @@ def run(args) -> int:
     check_model_files(path)  # a truncated or corrupt file is named, not a loader traceback
     check_max_tokens(path, args.max_tokens)
     tokenizer = load_tokenizer(path)
-    model = load_causal_lm(path, device=device)
+    model = load_merged(path, device=device)  # a LoRA checkpoint: its adapter merged into the base
     check_vocab(model, tokenizer, str(path))
     prompts, labels = load_prompts(args.data, tokenizer, args.prompt_type, args.limit)
     engine = ROLLOUT_ENGINES.get("native")(model=model, pad_token_id=tokenizer.pad_token_id,

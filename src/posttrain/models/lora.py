@@ -181,11 +181,22 @@ class AdapterOff:
         setattr(self.engine, name, value)
 
 
+def load_merged(path: str | Path, **kwargs):
+    """The HF causal LM in ``path`` (``load_causal_lm``'s ``kwargs``); a LoRA checkpoint's adapter
+    merged into its base (the checkpoint's own base weights, else the adapter's base model)."""
+    from posttrain.checkpoint import is_hf_model_dir
+    from posttrain.models.loading import load_causal_lm
+
+    if not is_adapter_dir(path):
+        return load_causal_lm(path, **kwargs)
+    base = path if is_hf_model_dir(path) else adapter_base(path)
+    return load_adapter(load_causal_lm(base, **kwargs), path, trainable=False).merge_and_unload()
+
+
 def merge_to_hf(load_dir: str | Path, out_dir: str | Path, *, force: bool = False, log=print) -> Path:
     """``posttrain convert --merge-lora``: the LoRA checkpoint (or adapter directory) ``load_dir``
     merged into its base, written as a plain HF model directory ``out_dir`` (staged, then renamed)."""
     from posttrain.checkpoint import is_hf_model_dir, resolve_checkpoint, save_hf_weights
-    from posttrain.models.loading import load_causal_lm
     from posttrain.models.mcore.convert import _publish_dir, _staging, check_hf_target
     from posttrain.models.mcore.hf_files import copy_tokenizer
 
@@ -196,7 +207,7 @@ def merge_to_hf(load_dir: str | Path, out_dir: str | Path, *, force: bool = Fals
     out_dir = Path(out_dir)
     check_hf_target(out_dir, force)
     base = path if is_hf_model_dir(path) else adapter_base(path)
-    merged = load_adapter(load_causal_lm(base, dtype="float32"), path, trainable=False).merge_and_unload()
+    merged = load_merged(path, dtype="float32")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     with _staging(out_dir.parent, f".{out_dir.name}.tmp-") as tmp:
         save_hf_weights(merged, tmp)

@@ -115,9 +115,9 @@ def build_frozen_copy(model, ref_path: str | None, device: str):
 
     if ref_path:
         from posttrain.checkpoint import resolve_checkpoint
-        from posttrain.models.loading import load_causal_lm
+        from posttrain.models.lora import load_merged
 
-        ref = load_causal_lm(resolve_checkpoint(ref_path)[0], device=device)
+        ref = load_merged(resolve_checkpoint(ref_path)[0], device=device)  # a LoRA checkpoint: merged
     else:
         ref = copy.deepcopy(model)
     ref.eval()
