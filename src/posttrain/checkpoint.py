@@ -158,8 +158,8 @@ def _save_part(out: Path, model: Any, optimizer: Any, scheduler: Any, tokenizer:
                save_optim: bool, adapter_only: bool = False) -> None:
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(out), safe_serialization=True)  # a PEFT model: its adapter
-    if hasattr(model, "peft_config") and not adapter_only:  # and the (frozen) base, under its own names
-        save_hf_weights(model, out)
+    if hasattr(model, "peft_config") and not adapter_only:  # and the (frozen) base in base/ (models.lora)
+        save_hf_weights(model, out / "base")
     if tokenizer is not None:
         tokenizer.save_pretrained(str(out))
     if save_optim and optimizer is not None:
@@ -170,12 +170,13 @@ def _save_part(out: Path, model: Any, optimizer: Any, scheduler: Any, tokenizer:
 
 def save_hf_weights(model, out: Path) -> None:
     """The base model of the PEFT ``model`` (or a plain model) as an HF directory in ``out``
-    (``config.json`` and ``model.safetensors``, under the base model's own names; a tied weight
-    once). Written directly: Transformers' ``save_pretrained`` of a model PEFT has loaded into asks
-    for a newer PEFT than this one."""
+    (``config.json`` and ``model.safetensors``; a tied weight once). Written from the state dict,
+    without the adapter's tensors and with PEFT's ``base_layer`` names mapped back to the base
+    model's own: inside a PEFT model the base's linears are wrapped in LoRA layers."""
     from safetensors.torch import save_file
 
     base = model.get_base_model() if hasattr(model, "peft_config") else model
+    Path(out).mkdir(parents=True, exist_ok=True)
     base.config.save_pretrained(str(out))
     tensors, seen = {}, set()
     for name, tensor in base.state_dict().items():
@@ -197,9 +198,10 @@ def load_adapter_weights(path: str | Path, model) -> None:
                               f"(actor_config.lora_target_modules); load a LoRA checkpoint or start from the base")
     result = set_peft_model_state_dict(model, load_file(str(file)))
     unexpected = list(getattr(result, "unexpected_keys", []) or [])
-    if unexpected:
-        raise CheckpointError(f"{file}: its adapter does not fit this model (unexpected {unexpected[:4]}); check "
-                              f"lora_target_modules and the base model")
+    missing = [k for k in getattr(result, "missing_keys", []) or [] if "lora_" in k]
+    if unexpected or missing:
+        raise CheckpointError(f"{file}: its adapter does not fit this model (unexpected {unexpected[:4]}, missing "
+                              f"{missing[:4]}); check lora_target_modules and the base model")
 
 
 def _write_checkpoint(tmp: Path, iteration: int, model: Any, optimizer: Any, scheduler: Any,
@@ -272,7 +274,7 @@ def save_checkpoint(save_dir: str | Path, iteration: int, model: Any, optimizer:
         save_optim / save_rng: the seed's ``no_save_optim`` / ``no_save_rng`` negated.
         keep_last: if set, delete older ``iter_*`` directories beyond the newest ``keep_last``.
         adapter_only: a PEFT (LoRA) model's adapter alone (``lora_ckpt_filter``); without it the
-            frozen base weights are saved next to the adapter, so the directory stands alone.
+            frozen base model is saved in ``base/``, so the directory stands alone.
     Returns the checkpoint directory. Call it on one process (rank 0) with full weights.
     """
     save_dir = Path(save_dir)

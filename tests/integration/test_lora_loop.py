@@ -25,7 +25,7 @@ def test_an_adapter_only_checkpoint_loads_with_peft_and_the_base_is_untouched(ti
     train(grpo_config(tiny_model_dir, tiny_prompt_data, tmp_path, **LORA, actor_config__lora_ckpt_filter=True))
     ckpt = tmp_path / "ckpt" / "iter_0000001"
     assert (ckpt / "adapter_config.json").is_file() and (ckpt / "adapter_model.safetensors").is_file()
-    assert not (ckpt / "model.safetensors").exists()  # lora_ckpt_filter: the adapter alone
+    assert not (ckpt / "model.safetensors").exists() and not (ckpt / "base").exists()  # the adapter alone
     config = json.loads((ckpt / "adapter_config.json").read_text())
     assert config["r"] == 4 and config["lora_alpha"] == 8
     assert set(config["target_modules"]) == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
@@ -49,7 +49,7 @@ def test_a_lora_run_resumes_exactly(tiny_model_dir, tiny_prompt_data, tmp_path):
     train(grpo_config(tiny_model_dir, tiny_prompt_data, straight, **common))
     resumed = tmp_path / "resumed"
     train(grpo_config(tiny_model_dir, tiny_prompt_data, resumed, **{**common, "megatron_training__train_iters": 2}))
-    assert (resumed / "ckpt" / "iter_0000002" / "model.safetensors").is_file()  # no filter: the base is saved too
+    assert (resumed / "ckpt" / "iter_0000002" / "base" / "model.safetensors").is_file()  # no filter: the base too
     train(grpo_config(tiny_model_dir, tiny_prompt_data, resumed, **{**common, "actor_config__load": str(resumed / "ckpt")}))
     a, b = read_metrics(straight / "run"), read_metrics(resumed / "run")
     assert sorted(a) == [1, 2, 3, 4] and sorted(b) == [1, 2, 3, 4]
@@ -95,3 +95,15 @@ def test_the_merged_export_computes_the_adapted_model_and_another_model_is_refus
                                          num_attention_heads=2, num_key_value_heads=1))
     with pytest.raises(ConfigError, match="this LoRA adapter does not fit the model"):
         load_adapter(other, ckpt / "iter_0000001")
+
+
+def test_continuing_an_adapter_with_other_lora_keys_is_refused(tiny_model_dir, tiny_prompt_data, tmp_path):
+    from posttrain.errors import ConfigError
+    from posttrain.trainers.stages import train
+
+    torch.set_num_threads(1)
+    train(grpo_config(tiny_model_dir, tiny_prompt_data, tmp_path, **LORA))
+    with pytest.raises(ConfigError, match=r"actor_config\.lora_r: the run asks for 8 but the adapter in .* has 4"):
+        train(grpo_config(tiny_model_dir, tiny_prompt_data, tmp_path / "again", **{
+            **LORA, "actor_config__lora_r": 8, "actor_config__load": str(tmp_path / "ckpt"),
+            "megatron_training__train_iters": 2}))

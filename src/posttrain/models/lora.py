@@ -92,10 +92,20 @@ def is_adapter_dir(path: str | Path) -> bool:
     return (Path(path) / ADAPTER_CONFIG).is_file()
 
 
+BASE_DIR = "base"  # a LoRA checkpoint's own copy of its frozen base (saved without lora_ckpt_filter)
+
+
 def adapter_base(path: str | Path) -> Path:
-    """The base model an adapter-only directory was trained on (``base_model_name_or_path`` of its
-    ``adapter_config.json``), which must exist here."""
+    """The base model of the adapter in ``path``: the checkpoint's ``base/`` (a LoRA run saved
+    without ``lora_ckpt_filter``; a subdirectory, since Transformers would load an adapter found
+    next to the weights by itself), else the ``base_model_name_or_path`` of its
+    ``adapter_config.json``, which must exist here."""
     import json
+
+    from posttrain.checkpoint import is_hf_model_dir
+
+    if is_hf_model_dir(Path(path) / BASE_DIR):
+        return Path(path) / BASE_DIR
 
     config = Path(path) / ADAPTER_CONFIG
     base = json.loads(config.read_text(encoding="utf-8")).get("base_model_name_or_path")
@@ -104,6 +114,23 @@ def adapter_base(path: str | Path) -> Path:
                           f"only (lora_ckpt_filter), so the base it was trained on must be at that path (or edit "
                           f"base_model_name_or_path)")
     return Path(base)
+
+
+def check_adapter_keys(path: str | Path, role, model) -> None:
+    """The adapter saved in ``path`` has the run's ``lora_r``, ``lora_alpha`` and targets; else the
+    run would silently continue another adapter than its config describes."""
+    import json
+
+    saved = json.loads((Path(path) / ADAPTER_CONFIG).read_text(encoding="utf-8"))
+    wanted = {"r": int(role.lora_r), "lora_alpha": role.lora_alpha,
+              "target_modules": sorted(hf_targets(role.lora_target_modules, model))}
+    found = {"r": saved.get("r"), "lora_alpha": saved.get("lora_alpha"),
+             "target_modules": sorted(saved.get("target_modules") or [])}
+    keys = {"r": "lora_r", "lora_alpha": "lora_alpha", "target_modules": "lora_target_modules"}
+    for field, value in wanted.items():
+        if found[field] != value:
+            raise ConfigError(f"actor_config.{keys[field]}: the run asks for {value} but the adapter in {path} has "
+                              f"{found[field]}; give the adapter's value to continue it")
 
 
 def load_adapter(model, path: str | Path, *, trainable: bool = True):
@@ -184,19 +211,17 @@ class AdapterOff:
 def load_merged(path: str | Path, **kwargs):
     """The HF causal LM in ``path`` (``load_causal_lm``'s ``kwargs``); a LoRA checkpoint's adapter
     merged into its base (the checkpoint's own base weights, else the adapter's base model)."""
-    from posttrain.checkpoint import is_hf_model_dir
     from posttrain.models.loading import load_causal_lm
 
     if not is_adapter_dir(path):
         return load_causal_lm(path, **kwargs)
-    base = path if is_hf_model_dir(path) else adapter_base(path)
-    return load_adapter(load_causal_lm(base, **kwargs), path, trainable=False).merge_and_unload()
+    return load_adapter(load_causal_lm(adapter_base(path), **kwargs), path, trainable=False).merge_and_unload()
 
 
 def merge_to_hf(load_dir: str | Path, out_dir: str | Path, *, force: bool = False, log=print) -> Path:
     """``posttrain convert --merge-lora``: the LoRA checkpoint (or adapter directory) ``load_dir``
     merged into its base, written as a plain HF model directory ``out_dir`` (staged, then renamed)."""
-    from posttrain.checkpoint import is_hf_model_dir, resolve_checkpoint, save_hf_weights
+    from posttrain.checkpoint import resolve_checkpoint, save_hf_weights
     from posttrain.models.mcore.convert import _publish_dir, _staging, check_hf_target
     from posttrain.models.mcore.hf_files import copy_tokenizer
 
@@ -206,7 +231,7 @@ def merge_to_hf(load_dir: str | Path, out_dir: str | Path, *, force: bool = Fals
                           f"directory or checkpoint")
     out_dir = Path(out_dir)
     check_hf_target(out_dir, force)
-    base = path if is_hf_model_dir(path) else adapter_base(path)
+    base = adapter_base(path)
     merged = load_merged(path, dtype="float32")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     with _staging(out_dir.parent, f".{out_dir.name}.tmp-") as tmp:

@@ -86,7 +86,7 @@ def build_actor_model(actor: MegatronConfig, device: str):
     """The HF actor model (fp32 master weights), its tokenizer, and where it came from. With
     ``lora_target_modules``, a PEFT model: the base frozen, a LoRA adapter (the source's, when it
     holds one, else a fresh one) the only trainable weights."""
-    from posttrain.checkpoint import is_hf_model_dir, resolve_checkpoint
+    from posttrain.checkpoint import resolve_checkpoint
     from posttrain.models import lora
     from posttrain.models.loading import check_vocab, load_causal_lm, load_tokenizer
 
@@ -97,15 +97,18 @@ def build_actor_model(actor: MegatronConfig, device: str):
         raise ConfigError(f"{path} holds a LoRA adapter: set actor_config.lora_target_modules to keep training it, "
                           f"or merge it into the base first (posttrain convert --merge-lora --load-dir {path} "
                           f"--save-dir <dir>)")
-    base = lora.adapter_base(path) if has_adapter and not is_hf_model_dir(path) else path
+    base = lora.adapter_base(path) if has_adapter else path
     model = load_causal_lm(base, device=device, dtype="float32")
     tok_path = actor.tokenizer_name_or_path or path
     tokenizer = load_tokenizer(tok_path)
     check_vocab(model, tokenizer, f"tokenizer {tok_path} vs model {base}")
     if getattr(model.config, "use_cache", None) is not None:
         model.config.use_cache = False
-    if actor.lora_target_modules:
-        model = lora.load_adapter(model, path) if has_adapter else lora.add_adapter(model, actor)
+    if actor.lora_target_modules and has_adapter:
+        lora.check_adapter_keys(path, actor, model)
+        model = lora.load_adapter(model, path)
+    elif actor.lora_target_modules:
+        model = lora.add_adapter(model, actor)
     return model, tokenizer, source
 
 

@@ -310,6 +310,11 @@ def test_shipped_configs(name):
     if name in SEED_LAYOUTS:  # the seed's TP/PP layouts select the megatron backend, which refuses them on a CPU
         with pytest.raises(ConfigError, match=r"\(backend megatron: \w+\.tensor_model_parallel_size=\d > 1\)"):
             check_run_config(cfg, device_type="cpu")
+    elif name == "grpo_lora_qwen25_32b":  # the seed's LoRA run at TP 1 (hf): nothing refused; its model
+        for device in ("cpu", "cuda"):    # yaml's Megatron switch is inert there
+            check_features(cfg, device)
+            [warning] = startup_warnings(cfg, device)
+            assert warning.endswith(f"({device}): model.qwen25_32b.use_mcore_models")
     else:  # the configs meant to run here: nothing refused, nothing inert
         for device in ("cpu", "cuda"):
             check_features(cfg, device)

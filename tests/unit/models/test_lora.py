@@ -75,23 +75,36 @@ def test_the_shared_backbone_reference_is_the_base_model_exactly(tiny_hf, adapte
     assert not torch.allclose(adapted_logprobs, want)  # the actor is the adapted model
 
 
-def test_the_rollout_samples_from_the_adapter(adapted):
-    """Greedy samples of the merged rollout are those of a plain model holding the merged weights
-    (the KV cache reaches the base model through PEFT), and differ from the base model's."""
+def test_the_rollout_samples_from_the_adapter_after_an_update(tiny_hf):
+    """A fresh adapter (B = 0) rolls out as the base; one optimizer step on the adapter changes the
+    rollout's log-probs, and its greedy samples are those of a plain model holding the merged
+    weights (the KV cache reaches the base model through PEFT)."""
     import copy
+
+    from transformers import AutoModelForCausalLM
 
     from posttrain.rollout.base import SamplingParams
     from posttrain.rollout.native import NativeEngine
+    from posttrain.train.engine import TrainEngine
+    from posttrain.train.layout import build_batch
+    from posttrain.train.loss_fns import make_sft_loss_fn
+    from posttrain.train.optim import build_optimizer
 
     def greedy(engine):
         [[out]] = engine.generate([[5, 6, 7, 8]], 1, SamplingParams(temperature=0, max_tokens=6))
         return out
 
-    got = greedy(lora.MergedRollout(NativeEngine(adapted, pad_token_id=0, eos_token_ids=None), adapted))
-    plain = copy.deepcopy(adapted).merge_and_unload()
-    want = greedy(NativeEngine(plain, pad_token_id=0, eos_token_ids=None))
-    assert got.token_ids == want.token_ids
-    assert got.logprobs == pytest.approx(want.logprobs, abs=1e-5)
-    with adapted.disable_adapter():
-        base = greedy(NativeEngine(adapted, pad_token_id=0, eos_token_ids=None))
-    assert base.logprobs != pytest.approx(got.logprobs, abs=1e-3)  # the adapter changes what the rollout computes
+    torch.manual_seed(0)
+    model = lora.add_adapter(AutoModelForCausalLM.from_pretrained(tiny_hf("qwen2"), dtype=torch.float32), role())
+    rollout = lora.MergedRollout(NativeEngine(model, pad_token_id=0, eos_token_ids=None), model)
+    before = greedy(rollout)
+    g = torch.Generator().manual_seed(3)
+    batch = build_batch([torch.randint(1, 100, (4,), generator=g) for _ in range(4)],
+                        [torch.randint(1, 100, (6,), generator=g) for _ in range(4)], pad_token_id=0)
+    engine = TrainEngine(model, build_optimizer(model, 1e-2, weight_decay=0.0), micro_batch_size=4)
+    engine.update(batch, make_sft_loss_fn(), mini_batch_size=4)
+    after = greedy(rollout)
+    assert after.logprobs != pytest.approx(before.logprobs, abs=1e-4)  # the rollout samples from the adapter
+    want = greedy(NativeEngine(copy.deepcopy(model).merge_and_unload(), pad_token_id=0, eos_token_ids=None))
+    assert after.token_ids == want.token_ids
+    assert after.logprobs == pytest.approx(want.logprobs, abs=1e-5)

@@ -1,0 +1,1 @@
+"""Tools that a policy can call during rollouts (e.g. a sandboxed Python interpreter)."""
