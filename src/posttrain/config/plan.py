@@ -387,19 +387,17 @@ def estimate_memory(cfg: RunConfig, plan: Plan, arch: ModelArch) -> MemoryEstima
                                                                              else 4)
     rm_arch = reward_model_arch(cfg) if plan.reward_model is not None else None
     rm_bytes = 2 if plan.reward_model is not None and plan.reward_model.dtype == "bfloat16" else 4
+    weights, trained = shard, shard
+    reference = params / split - ep_saving if plan.uses_reference and not cfg.rl.offload_reference else 0.0
     if plan.lora:  # LoRA: gradients and moments for the adapter only
         from posttrain.models.lora import lora_sizes
 
         adapter, targeted = (float(n) for n in lora_sizes(arch, a.lora_target_modules, int(a.lora_r)))
-        return MemoryEstimate(weights=4 * (params + adapter), gradients=4 * adapter, optimizer=8 * adapter,
-                              reference=0.0 if cfg.rl.share_backbone or not plan.uses_reference
-                              or cfg.rl.offload_reference else 4 * (params + adapter),
-                              critic=16 * critic if plan.uses_critic else 0.0, activations=activations, kv_cache=kv,
-                              reward_model=rm_bytes * value_model_params(rm_arch) if rm_arch is not None else 0.0,
-                              rollout_copy=4 * targeted if plan.stage.on_policy else 0.0)
-    return MemoryEstimate(weights=4 * shard, gradients=4 * shard, optimizer=optimizer,
-                          reference=(4 * (params / split - ep_saving)
-                                     if plan.uses_reference and not cfg.rl.offload_reference else 0.0),
+        weights, trained = params + adapter, adapter
+        optimizer = 8 * adapter
+        reference = 0.0 if cfg.rl.share_backbone or not reference else weights
+        rollout_copy = 4 * targeted if plan.stage.on_policy else 0.0
+    return MemoryEstimate(weights=4 * weights, gradients=4 * trained, optimizer=optimizer, reference=4 * reference,
                           critic=16 * critic if plan.uses_critic else 0.0, activations=activations, kv_cache=kv,
                           reward_model=rm_bytes * value_model_params(rm_arch) if rm_arch is not None else 0.0,
                           rollout_copy=rollout_copy)
