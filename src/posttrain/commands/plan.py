@@ -31,6 +31,8 @@ def format_plan(plan: Plan) -> str:
                                     f"response <= {plan.max_response_tokens})"),
         ("max tokens per iteration", f"{plan.max_tokens_per_iteration:,}"),
     ]
+    if plan.multi_turn:
+        rows.append(("multi-turn rollout", plan.multi_turn))
     if plan.train_iters:
         rows.append(("iterations", f"{plan.train_iters}  ({plan.train_iters * plan.prompts_per_iteration:,} "
                                    f"prompts in all)"))

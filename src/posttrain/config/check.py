@@ -20,6 +20,7 @@ from pathlib import Path
 from posttrain.config.backend import ModelParallel, check_backend, uses_ray
 from posttrain.config.features import check_features, startup_warnings
 from posttrain.config.megatron import MegatronConfig
+from posttrain.config.multi_turn import check_multi_turn
 from posttrain.config.reward_model import check_reward_model
 from posttrain.config.run import RunConfig
 from posttrain.config.stages import stage_named
@@ -43,6 +44,7 @@ def check_run_config(cfg: RunConfig, *, device_type: str = "cpu",
     check_features(cfg, device_type=device_type, backend=parallel.backend)
     check_reward_model(cfg, on_policy=stage.on_policy, dynamic_sampling=stage.dynamic_sampling(cfg))
     _check_workers(cfg, stage.on_policy, stage.uses_critic, parallel)
+    check_multi_turn(cfg, on_policy=stage.on_policy, uses_critic=stage.uses_critic)
     if stage.on_policy and (cfg.rl.rule_reward or cfg.rl.eval_data_path):  # training scores, held-out accuracy
         check_verifiers(cfg)
     _check_prompt_type_path(cfg)

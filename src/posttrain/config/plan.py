@@ -120,6 +120,7 @@ class Plan:
     offload_optimizer: bool = False  # the optimizer state on the host between updates (GPU only; actor, critic)
     offload_grads: bool = False  # the gradients freed between updates (actor, critic)
     lora: bool = False  # the actor trains a LoRA adapter (lora_target_modules; hf backend)
+    multi_turn: str = ""  # multi_turn_enable: the tools and limits, in words (posttrain plan prints it)
     warnings: tuple[str, ...] = ()
     arch: ModelArch | None = None
     num_params: int | None = None
@@ -130,6 +131,15 @@ class Plan:
     @property
     def name(self) -> str:
         return self.stage.name
+
+
+def _multi_turn_line(cfg: RunConfig) -> str:
+    rl = cfg.rl
+    if not rl.multi_turn_enable:
+        return ""
+    return (f"tools of {rl.tool_config_path}; at most {rl.max_tool_calls} calls per sample "
+            f"({rl.max_parallel_calls or 'all'} per turn), {cfg.generate.sampling_config.max_tokens} tokens per turn, "
+            f"{rl.max_total_response_length} per response")
 
 
 def resolve_plan(cfg: RunConfig, arch: ModelArch | None = None, *, device: str | None = None) -> Plan:
@@ -240,6 +250,8 @@ def build_plan(cfg: RunConfig, layout: Layout, arch: ModelArch | None = None, *,
     mini_batches = update_prompts // mini
     per_dp = mini * n // layout.actor_dp
     max_resp = gen.sampling_config.max_tokens if on_policy else 0
+    if on_policy and rl.multi_turn_enable:  # a conversation: every turn and tool output together
+        max_resp = rl.max_total_response_length
     max_prompt = rl.max_prompt_length - 1 if on_policy else a.seq_length
     per_seq = min(a.seq_length, max_prompt + max_resp) if max_resp else a.seq_length
     ray = uses_ray(cfg)
@@ -279,7 +291,7 @@ def build_plan(cfg: RunConfig, layout: Layout, arch: ModelArch | None = None, *,
         offload_optimizer=on_policy and gen.offload_train_optimizer and not device.startswith("cpu"),
         offload_grads=on_policy and gen.offload_train_grad,
         warnings=warnings, arch=arch, reward_model=reward_model_options(cfg, device, on_policy=on_policy),
-        parallel=parallel,
+        parallel=parallel, multi_turn=_multi_turn_line(cfg) if on_policy else "",
     )
     if arch is not None:
         plan = _replace(plan, num_params=arch.num_params(), memory=estimate_memory(cfg, plan, arch))

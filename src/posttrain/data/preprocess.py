@@ -177,6 +177,25 @@ class _Outputs:
                     pass
 
 
+def write_token_rows(prefix: str | Path, columns: dict[str, list[list[int]]]) -> dict[str, str]:
+    """Write rows that are already token ids (one list per row and key, e.g. ``input_ids``,
+    ``labels``, ``attention_mask``) as ``{prefix}_packed_{key}_document.{bin,idx}``, atomically;
+    for data built in token space, such as tool-use traces whose tool outputs must keep the exact
+    tokens the rollout appends."""
+    prefix = str(prefix)
+    Path(prefix).parent.mkdir(parents=True, exist_ok=True)
+    out = _Outputs(prefix, list(columns))
+    try:
+        for key, rows in columns.items():
+            lengths = np.array([len(r) for r in rows], dtype=np.int64)
+            flat = np.array([t for r in rows for t in r], dtype=np.int64)
+            out.add(key, flat, lengths)
+        return out.commit()
+    except BaseException:
+        out.discard()
+        raise
+
+
 def output_files(prefix: str, keys: list[str]) -> list[str]:
     """Every file a run writes at ``prefix`` for a handler with output ``keys`` (and nothing else)."""
     return [f"{prefix}_packed_{k}_document{ext}" for k in keys for ext in (".bin", ".idx")]

@@ -214,14 +214,45 @@ def build_rollout(cfg: RunConfig, plan: Plan, model, tokenizer, stop_token_ids: 
     """The rollout engine of ``rl_config.rollout_engine`` (native or vLLM) sampling from ``model``."""
     from posttrain.rollout.base import ROLLOUT_ENGINES
 
-    engine = ROLLOUT_ENGINES.get(cfg.rl.rollout_engine)(
-        model=model, pad_token_id=tokenizer.pad_token_id, eos_token_ids=stop_token_ids, max_num_seqs=plan.max_num_seqs,
-        max_num_batched_tokens=cfg.generate.max_num_batched_tokens, dtype=plan.rollout_dtype)
+    kwargs = dict(model=model, pad_token_id=tokenizer.pad_token_id, eos_token_ids=stop_token_ids,
+                  max_num_seqs=plan.max_num_seqs, max_num_batched_tokens=cfg.generate.max_num_batched_tokens,
+                  dtype=plan.rollout_dtype)
+    if cfg.rl.multi_turn_enable or cfg.rl.async_engine:  # the native engine's per-request loop
+        engine = build_multi_turn_engine(cfg, tokenizer, **kwargs)
+    else:
+        engine = ROLLOUT_ENGINES.get(cfg.rl.rollout_engine)(**kwargs)
     if hasattr(model, "peft_config"):  # LoRA: sample from the merged weights (docs/lora.md)
         from posttrain.models.lora import MergedRollout
 
         return MergedRollout(engine, model)
     return engine
+
+
+def build_multi_turn_engine(cfg: RunConfig, tokenizer, **engine_kwargs):
+    """The native engine with tool turns (``multi_turn_enable``), or without tools (``async_engine``
+    alone: the same per-request decode loop, each row ending on its own)."""
+    from posttrain.config.multi_turn import DEFAULT_PARSER, load_tool_file
+    from posttrain.data.templates import get_template
+    from posttrain.rollout.multi_turn import MultiTurnEngine, ObservationFormat, TurnLimits
+    from posttrain.tools.parsers import TOOL_PARSERS
+    from posttrain.tools.runner import ToolRunner
+
+    rl, a = cfg.rl, cfg.actor
+    max_tokens = cfg.generate.sampling_config.max_tokens
+    if rl.multi_turn_enable:
+        tools = load_tool_file(rl.tool_config_path)
+        template = get_template(a.prompt_type, a.prompt_type_path)
+        limits = TurnLimits(max_tool_calls=rl.max_tool_calls, max_total_response_length=rl.max_total_response_length,
+                            max_parallel_calls=rl.max_parallel_calls,
+                            max_tool_response_length=rl.max_tool_response_length,
+                            truncate_side=rl.tool_response_truncate_side or "left",
+                            max_model_len=cfg.generate.max_model_len)
+    else:
+        tools, template = {}, get_template("qwen_retool")  # never used: no tool is ever called
+        limits = TurnLimits(max_tool_calls=0, max_total_response_length=max_tokens)
+    return MultiTurnEngine(tokenizer=tokenizer, runner=ToolRunner(tools, max_workers=max(4, rl.max_parallel_calls)),
+                           parser=TOOL_PARSERS.get(rl.tool_parser_format or DEFAULT_PARSER),
+                           observation=ObservationFormat(template, tokenizer), limits=limits, **engine_kwargs)
 
 
 def build_policy(cfg: RunConfig, plan: Plan, device: str, *, with_rollout: bool = True, dp_group=None) -> Policy:

@@ -82,11 +82,17 @@ class SamplingParams:
 @dataclass
 class RolloutOutput:
     """One sample: response token ids (stop token included when it ended the sample), the logprob
-    of each token under the sampling distribution after temperature, and why it ended."""
+    of each token under the sampling distribution after temperature, and why it ended.
+
+    A multi-turn sample (``rollout/multi_turn.py``) also carries ``response_mask`` (1 on sampled
+    tokens, 0 on tool tokens, whose logprob is 0.0) and ``tool_call_num``; a single-turn sample
+    leaves ``response_mask`` None (every token is sampled)."""
 
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish_reason: FinishReason = "length"
+    response_mask: list[int] | None = None
+    tool_call_num: int = 0
 
 
 @runtime_checkable

@@ -16,7 +16,8 @@ from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
 
 class SlabLayer(DynamicLayer):
-    """A full-attention cache layer with a preallocated sequence capacity."""
+    """A full-attention cache layer with a preallocated sequence capacity (doubled when a write
+    would pass it)."""
 
     def __init__(self, capacity: int, **kwargs):
         super().__init__(**kwargs)
@@ -34,12 +35,21 @@ class SlabLayer(DynamicLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         end = self.length + key_states.shape[-2]
-        assert end <= self.capacity, "SlabLayer capacity exceeded"
+        if end > self.capacity:  # multi-turn rows can outgrow the first estimate: double, keep what is written
+            self._grow(max(end, 2 * self.capacity))
         self.key_buf[:, :, self.length:end] = key_states
         self.value_buf[:, :, self.length:end] = value_states
         self.length = end
         self._refresh_views()
         return self.keys, self.values
+
+    def _grow(self, capacity: int) -> None:
+        for name in ("key_buf", "value_buf"):
+            old = getattr(self, name)
+            new = old.new_empty((old.shape[0], old.shape[1], capacity, old.shape[3]))
+            new[:, :, :self.length] = old[:, :, :self.length]
+            setattr(self, name, new)
+        self.capacity = capacity
 
     def _refresh_views(self) -> None:
         self.keys = self.key_buf[:, :, :self.length]

@@ -27,8 +27,7 @@ import logging
 
 import torch
 
-from posttrain.train.layout import build_batch
-from posttrain.trainers.offline import OfflineTrainer, split_sample
+from posttrain.trainers.offline import OfflineTrainer, labelled_batch
 
 log = logging.getLogger(__name__)
 SIDES = ("chosen", "rejected")
@@ -38,8 +37,7 @@ def pair_batch(items: list[dict], pad_token_id: int) -> dict[str, torch.Tensor]:
     """``chosen_*`` and ``rejected_*`` training layouts of a list of pairwise samples."""
     out = {}
     for side in SIDES:
-        pairs = [split_sample(it[f"{side}_input_ids"], it[f"{side}_labels"]) for it in items]
-        tensors = build_batch([p for p, _ in pairs], [r for _, r in pairs], pad_token_id=pad_token_id)
+        tensors = labelled_batch([(it[f"{side}_input_ids"], it[f"{side}_labels"]) for it in items], pad_token_id)
         out.update({f"{side}_{k}": v for k, v in tensors.items()})
     return out
 

@@ -52,7 +52,8 @@ def keep_groups(scores: np.ndarray, n: int) -> np.ndarray:
 class DynamicSampler:
     """Fills the main TransferDock with groups of varying scores (see the module docstring)."""
 
-    def __init__(self, rl, global_batch_size: int, seed: int):
+    def __init__(self, rl, global_batch_size: int, seed: int, carry: tuple[str, ...] = ()):
+        self.carry = (*CARRIED, *carry)  # the columns a kept group brings along (plus multi-turn's)
         self.n = rl.n_samples_per_prompt
         self.gbs = global_batch_size
         self.train_prompts = rl.filter_groups_train_batch_size
@@ -83,7 +84,8 @@ class DynamicSampler:
             self.num_gen_batches += 1
             sample = new_dock(self.gbs * self.n, self.n, guarantee_order=self.guarantee_order,
                               seed=self.seed + iteration * 7919 + self.num_gen_batches,
-                              extra_columns=[metric_column(self.metric)], extra_consumers=[CONSUMER])
+                              extra_columns=[metric_column(self.metric), *self.carry[len(CARRIED):]],
+                              extra_consumers=[CONSUMER])
             generate_and_score(sample, iteration + SEED_STRIDE * (self.num_gen_batches - 1), timers, acc)
             with timers("dynamic_sampling"):
                 filled = self._move(sample, td, filled)
@@ -92,7 +94,7 @@ class DynamicSampler:
     def _move(self, sample: TransferDock, td: TransferDock, filled: int) -> int:
         """Copy the kept groups of ``sample`` into ``td`` from group ``filled`` on; returns the new count."""
         rows = list(range(sample.max_len))
-        batch, _ = sample.get(CONSUMER, [*CARRIED, metric_column(self.metric)], indexes=rows)
+        batch, _ = sample.get(CONSUMER, [*self.carry, metric_column(self.metric)], indexes=rows)
         scores = np.array([float(x.reshape(-1)[0]) for x in batch[metric_column(self.metric)]])
         kept = keep_groups(scores, self.n)
         self.num_kept += len(kept)
@@ -103,7 +105,7 @@ class DynamicSampler:
             return filled
         src = [g * self.n + k for g in take for k in range(self.n)]
         dst = list(range(filled * self.n, (filled + len(take)) * self.n))
-        td.put(list(CARRIED), dst, [[batch[c][i] for i in src] for c in CARRIED])
+        td.put(list(self.carry), dst, [[batch[c][i] for i in src] for c in self.carry])
         return filled + len(take)
 
     def metrics(self) -> dict[str, float]:

@@ -3,7 +3,9 @@ training batch of :mod:`posttrain.train.layout`.
 
 Each tensor has one name from rollout to loss: the dock column ``old_logprobs`` is the batch key
 ``old_logprobs`` that the actor loss reads. Per-token columns (``old_logprobs``, ``ref_logprobs``,
-``advantages``, ``returns``, ``values``) hold one value per response token.
+``advantages``, ``returns``, ``values``) hold one value per response token. A multi-turn run adds
+``response_mask`` (1 on sampled tokens, 0 on tool tokens): the training batch's ``response_mask``
+is the product of it and the padding mask, so the loss never sees a tool token.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from posttrain.transfer_dock import TransferDock
 COLUMNS = ("prompts", "prompt_length", "labels", "responses", "response_length", "scores",
            "old_logprobs", "ref_logprobs", "advantages", "returns", "values")
 PER_TOKEN = ("old_logprobs", "ref_logprobs", "advantages", "returns", "values")
+# multi-turn rollouts add these: ``response_mask`` (per token: 1 sampled, 0 tool) and ``tool_call_num``
+MULTI_TURN_COLUMNS = ("response_mask", "tool_call_num")
 # the phases that read the dock, in the order of one iteration
 CONSUMERS = ("rollout", "reward", "advantages", "ref_logprobs", "old_logprobs", "critic_values",
              "critic_update", "actor_update", "metrics")
@@ -33,9 +37,13 @@ def read_batch(td: TransferDock, consumer: str, columns: Sequence[str], count: i
                device=None) -> tuple[dict[str, torch.Tensor], list[int], list[int]]:
     """``count`` rows for ``consumer`` as a training batch (the layout of :func:`build_batch` plus
     the per-token ``columns`` as ``[B, R]``), their dock indexes and their response lengths."""
-    batch, idx = td.get(consumer, ["prompts", "responses", "response_length", *columns], count)
+    tool_mask = "response_mask" in td.columns  # multi-turn: 0 on tool tokens
+    read = ["prompts", "responses", "response_length", *columns, *(["response_mask"] if tool_mask else [])]
+    batch, idx = td.get(consumer, read, count)
     tensors = build_batch(batch["prompts"], batch["responses"], pad_token_id=pad_token_id)
     width = tensors["response_mask"].shape[1]
+    if tool_mask:
+        tensors["response_mask"] = tensors["response_mask"] * per_token(batch["response_mask"], width).long()
     for column in columns:
         tensors[column] = per_token(batch[column], width)
     if device is not None:

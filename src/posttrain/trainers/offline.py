@@ -21,22 +21,31 @@ from posttrain.data.handlers import IGNORE_INDEX
 from posttrain.errors import DataError
 from posttrain.metrics.reduce import MetricAccumulator
 from posttrain.metrics.timers import Timers
-from posttrain.train.layout import build_batch
+from posttrain.train.layout import build_batch, per_token
 from posttrain.trainers.session import Session, check_finite_step
 
 log = logging.getLogger(__name__)
 
 
-def split_sample(input_ids: np.ndarray, labels: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-    """(prompt, response) of one unpacked SFT sample: the response starts at the first label."""
-    valid = np.flatnonzero(labels != IGNORE_INDEX)
-    if valid.size == 0:
+def split_sample(input_ids: np.ndarray, labels: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(prompt, response, response mask) of one SFT sample: the response starts at the first label,
+    and the mask is 0 on the tokens after it that have no label (the user or tool turns of a
+    multi-turn conversation, the prompts of later samples in a packed row)."""
+    valid = labels != IGNORE_INDEX
+    if not valid.any():
         raise DataError("an SFT sample has no response tokens (every label is -100)")
-    start = int(valid[0])
-    if not np.all(labels[start:] != IGNORE_INDEX):
-        raise DataError("packed SFT samples (several prompts per row) are not supported by the SFT trainer; "
-                        "preprocess with pack: false")
-    return torch.as_tensor(input_ids[:start], dtype=torch.long), torch.as_tensor(input_ids[start:], dtype=torch.long)
+    start = int(np.flatnonzero(valid)[0])
+    return (torch.as_tensor(input_ids[:start], dtype=torch.long), torch.as_tensor(input_ids[start:], dtype=torch.long),
+            torch.as_tensor(valid[start:], dtype=torch.long))
+
+
+def labelled_batch(samples: list[tuple[np.ndarray, np.ndarray]], pad_token_id: int) -> dict[str, torch.Tensor]:
+    """The training layout of ``(input_ids, labels)`` samples, trained on their labelled tokens."""
+    parts = [split_sample(ids, labels) for ids, labels in samples]
+    tensors = build_batch([p for p, _, _ in parts], [r for _, r, _ in parts], pad_token_id=pad_token_id)
+    tensors["response_mask"] = tensors["response_mask"] * per_token([m for _, _, m in parts],
+                                                                    tensors["response_mask"].shape[1]).long()
+    return tensors
 
 
 class OfflineTrainer:
@@ -89,8 +98,7 @@ class SFTTrainer(OfflineTrainer):
     """Cross-entropy on the response tokens of ``AlpacaStyleInstructionHandler`` data."""
 
     def batch(self) -> dict[str, torch.Tensor]:
-        pairs = [split_sample(it["input_ids"], it["labels"]) for it in self.items()]
-        tensors = build_batch([p for p, _ in pairs], [r for _, r in pairs], pad_token_id=self.s.policy.pad_token_id)
+        tensors = labelled_batch([(it["input_ids"], it["labels"]) for it in self.items()], self.s.policy.pad_token_id)
         return {k: v.to(self.s.device) for k, v in tensors.items()}
 
     def loss_fn(self):

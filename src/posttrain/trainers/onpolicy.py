@@ -21,10 +21,10 @@ from posttrain.algo.kl import build_kl_controller
 from posttrain.config.plan import Plan
 from posttrain.config.run import RunConfig
 from posttrain.metrics.reduce import MetricAccumulator
-from posttrain.metrics.stats import compute_tps, data_metrics
+from posttrain.metrics.stats import compute_tps, data_metrics, stat_metrics
 from posttrain.metrics.timers import Timers
 from posttrain.trainers.dynamic_sampling import DynamicSampler, score_columns
-from posttrain.trainers.experience import new_dock, per_group, read_batch, write_rows
+from posttrain.trainers.experience import MULTI_TURN_COLUMNS, new_dock, per_group, read_batch, write_rows
 from posttrain.trainers.ppo import CriticPhases
 from posttrain.trainers.session import Session, check_finite_step
 from posttrain.transfer_dock import TransferDock
@@ -43,7 +43,8 @@ class OnPolicyTrainer:
         if "kl_ctrl" in session.trainer_state:
             self.kl_ctrl.load_state_dict(session.trainer_state["kl_ctrl"])
         self.critic = CriticPhases(cfg, plan, session) if plan.uses_critic else None
-        self.dynamic = DynamicSampler(rl, self.gbs, cfg.actor.seed) if plan.dynamic_sampling else None
+        self.extra = MULTI_TURN_COLUMNS if rl.multi_turn_enable else ()  # the tool-token mask, tool_call_num
+        self.dynamic = DynamicSampler(rl, self.gbs, cfg.actor.seed, carry=self.extra) if plan.dynamic_sampling else None
 
     # ------------------------------------------------------------------------------------------
     def fit(self) -> dict[str, float]:
@@ -61,7 +62,7 @@ class OnPolicyTrainer:
         rl, s, plan = self.cfg.rl, self.s, self.plan
         timers, acc = Timers(), MetricAccumulator()
         td = new_dock(plan.rows_per_update, self.n, guarantee_order=rl.guarantee_order,
-                      seed=self.cfg.actor.seed + iteration)
+                      seed=self.cfg.actor.seed + iteration, extra_columns=self.extra)
         with timers("all"):
             if self.dynamic is not None:  # DAPO: generate and filter until the batch is full
                 self.dynamic.fill(self.generate_and_score, td, timers, acc, iteration)
@@ -97,6 +98,12 @@ class OnPolicyTrainer:
                                     torch.cat(batch["prompt_length"]), algorithm=plan.stage.metric_prefix,
                                     max_response_length=self.cfg.generate.sampling_config.max_tokens))
         metrics.update(timers.metrics())
+        if self.extra:  # multi-turn: calls per sample, and the engine's tool counters (timing/tool, tool/*)
+            calls, _ = td.get("metrics", ["tool_call_num"], indexes=list(range(td.max_len)))
+            metrics.update(stat_metrics("tool_call_num", torch.cat(calls["tool_call_num"])))
+        pop = getattr(self.s.policy.rollout, "pop_metrics", None)
+        if pop is not None:
+            metrics.update(pop())
         if self.dynamic is not None:
             metrics.update(self.dynamic.metrics())
         gen = self.dynamic.num_gen_batches if self.dynamic is not None else 1
@@ -132,9 +139,13 @@ class OnPolicyTrainer:
                                 get_n_samples=True)
             unique = [batch["prompts"][k].tolist() for k in range(0, len(idx), self.n)]
             keys = [idx[k] // self.n for k in range(0, len(idx), self.n)]
-            outs = p.rollout.generate(unique, self.n, sampling, p.stop_token_ids, prompt_keys=keys)
-            responses = [torch.tensor(o.token_ids, dtype=torch.long) for group in outs for o in group]
+            outs = [o for group in p.rollout.generate(unique, self.n, sampling, p.stop_token_ids, prompt_keys=keys)
+                    for o in group]
+            responses = [torch.tensor(o.token_ids, dtype=torch.long) for o in outs]
             td.put(["responses", "response_length"], idx, [responses, [len(r) for r in responses]])
+            if self.extra:  # the sampled tokens' mask (0 on tool tokens) and the calls of each sample
+                td.put(list(MULTI_TURN_COLUMNS), idx, [[torch.tensor(o.response_mask, dtype=torch.long) for o in outs],
+                                                      [o.tool_call_num for o in outs]])
 
     def reward(self, td: TransferDock, acc: MetricAccumulator, timers: Timers | None = None) -> None:
         """Each response's score: the rule reward (``rl_config.rule_reward``, timed as ``rule_reward``)
@@ -143,7 +154,8 @@ class OnPolicyTrainer:
         timers = timers if timers is not None else Timers()
         model = self.s.reward_model
         while not td.all_consumed("reward"):
-            batch, idx = td.get("reward", ["prompts", "responses", "labels", "response_length"],
+            batch, idx = td.get("reward", ["prompts", "responses", "labels", "response_length",
+                                           *(["tool_call_num"] if self.extra else [])],
                                 self.plan.reads["reward_dispatch_size"])
             scores = [0.0] * len(idx)
             if self.cfg.rl.rule_reward:
@@ -166,7 +178,8 @@ class OnPolicyTrainer:
         texts = decode_responses(tokenizer, [r.tolist() for r in batch["responses"]])
         labels = decode_labels(tokenizer, [r.tolist() for r in batch["labels"]])
         lengths = [int(x) for x in batch["response_length"]]
-        result = self.s.rule_reward.score_detailed(texts, labels, response_lengths=lengths)
+        columns = {"tool_call_num": [int(x) for x in batch["tool_call_num"]]} if "tool_call_num" in batch else {}
+        result = self.s.rule_reward.score_detailed(texts, labels, response_lengths=lengths, **columns)
         names, per_verifier = score_columns(td, result.per_verifier)  # DAPO's filter metric, when the dock has it
         if names:
             td.put(names, idx, per_verifier)

@@ -31,3 +31,29 @@ def test_empty_responses_keep_one_masked_column():
     td.put(["responses", "response_length"], [0], [[torch.tensor([], dtype=torch.long)], [0]])
     batch, _, lengths = read_batch(td, "old_logprobs", [], 1, pad_token_id=0)
     assert batch["input_ids"].tolist() == [[5, 0]] and batch["response_mask"].tolist() == [[0]] and lengths == [0]
+
+
+def test_multi_turn_rows_zero_exactly_the_tool_tokens_in_the_loss_mask():
+    """The dock's response_mask (0 on tool tokens) times the padding mask is the batch's loss mask,
+    and the actor loss then ignores whatever sits on tool tokens."""
+    from posttrain.train.loss_fns import make_actor_loss_fn
+    from posttrain.trainers.experience import MULTI_TURN_COLUMNS
+
+    td = new_dock(2, 1, guarantee_order=True, seed=0, extra_columns=MULTI_TURN_COLUMNS)
+    td.put_prompts({"prompts": [torch.tensor([5, 6]), torch.tensor([7])], "prompt_length": [2, 1],
+                    "labels": [torch.tensor([0]), torch.tensor([0])]})
+    td.put(["responses", "response_length", "response_mask", "tool_call_num", "advantages"], [0, 1],
+           [[torch.tensor([8, 9, 10, 11, 12]), torch.tensor([13, 14])], [5, 2],
+            [torch.tensor([1, 1, 0, 0, 1]), torch.tensor([1, 1])], [1, 0],
+            [torch.full((5,), 1.0), torch.full((2,), -1.0)]])
+    batch, _, _ = read_batch(td, "actor_update", ["advantages"], 2, pad_token_id=0)
+    assert batch["response_mask"].tolist() == [[1, 1, 0, 0, 1], [1, 1, 0, 0, 0]]
+    loss_fn = make_actor_loss_fn(clip_ratio=0.2)
+    batch["old_logprobs"] = torch.full((2, 5), -1.0)
+    logprobs = torch.full((2, 5), -1.0)
+    base, _ = loss_fn.on_logprobs(logprobs, None, batch)
+    logprobs[0, 2:4] = -50.0  # only the tool tokens change
+    moved, _ = loss_fn.on_logprobs(logprobs, None, batch)
+    assert torch.equal(base, moved)
+    logprobs[0, 4] = -50.0  # a sampled token does count
+    assert not torch.equal(base, loss_fn.on_logprobs(logprobs, None, batch)[0])
