@@ -10,8 +10,9 @@ seed and tools, so they sample the same conversations token for token (checked o
 
 The model is a random-init tiny Qwen2 (``posttrain init-model tiny_qwen2``) or ``--model``. A random
 model writes no tool calls, so the end tag is a token that the model samples often (found by a
-warm-up call) and every turn that ends there calls an ``echo`` tool whose answer is a fixed
-sentence (``--tool-words`` words): the workload is the engine's, not the tools'. Reported: the
+warm-up call; ``--tag-rank`` picks how frequent, so how long the model turns are) and every turn
+that ends there calls an ``echo`` tool whose answer is a fixed sentence (``--tool-words`` words):
+the workload is the engine's, not the tools'. Reported: the
 median over ``--repeats`` alternating runs of the wall time, sampled tokens per second and all
 response tokens (sampled + tool) per second, the ratio kv / reprefill, the tool calls, and the
 load average. Results are appended to ``--out``::
@@ -68,15 +69,17 @@ def build(model_dir: str | None, tool_words: int, max_total: int, max_calls: int
     return tok, model, engine
 
 
-def frequent_token(model, tok, prompts, sampling) -> int:
+def frequent_token(model, tok, prompts, sampling, rank: int) -> int:
+    """The ``rank``-th most sampled token (0: the most) that encodes back to itself: rarer tags make
+    longer model turns."""
     from posttrain.rollout.native import NativeEngine
 
     plain = NativeEngine(model, pad_token_id=tok.pad_token_id, eos_token_ids=[tok.eos_token_id])
     counts = Counter(t for group in plain.generate(prompts, 2, sampling) for o in group for t in o.token_ids[4:])
-    for token, _ in counts.most_common():
-        if tok.encode(tok.decode([token]), add_special_tokens=False) == [token]:
-            return token
-    raise SystemExit("no token of the warm-up round-trips through the tokenizer; try another --seed")
+    usable = [t for t, _ in counts.most_common() if tok.encode(tok.decode([t]), add_special_tokens=False) == [t]]
+    if len(usable) <= rank:
+        raise SystemExit(f"only {len(usable)} tokens of the warm-up round-trip through the tokenizer; lower --tag-rank")
+    return usable[rank]
 
 
 def main(argv=None) -> int:
@@ -92,6 +95,7 @@ def main(argv=None) -> int:
     p.add_argument("--tool-words", type=int, default=12)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tag-rank", type=int, default=1, help="which frequent token ends a turn (higher: longer turns)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
 
@@ -99,7 +103,7 @@ def main(argv=None) -> int:
     prompts = [tok.encode(f"<|im_start|>user\nquestion {i}: what is {i} * {i + 7}? explain step by step."
                           f"<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False) for i in range(args.prompts)]
     sampling = SamplingParams(temperature=1.0, top_k=4, max_tokens=args.max_tokens, seed=args.seed)
-    engine = engine_for(tok.decode([frequent_token(model, tok, prompts, sampling)]))
+    engine = engine_for(tok.decode([frequent_token(model, tok, prompts, sampling, args.tag_rank)]))
     runs = {"kv": engine.generate, "reprefill": engine.generate_reprefill}
     times: dict[str, list[float]] = {k: [] for k in runs}
     outputs = {}
@@ -113,6 +117,7 @@ def main(argv=None) -> int:
     sampled = sum(sum(o.response_mask) for o in rows)
     total = sum(len(o.token_ids) for o in rows)
     result = {"when": time.strftime("%Y-%m-%d %H:%M:%S"), "threads": torch.get_num_threads(),
+              "args": {k: v for k, v in vars(args).items() if k != "out"},
               "loadavg_before": os.getloadavg()[0], "samples": len(rows), "sampled_tokens": sampled,
               "response_tokens": total, "tool_calls": sum(o.tool_call_num for o in rows),
               "identical_trajectories": same, "repeats": args.repeats}

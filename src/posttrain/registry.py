@@ -40,6 +40,20 @@ class Registry:
         self._entries[name] = value
         return value
 
+    def add_unique(self, name: str, value: Any, *, identity: Callable[[Any], Any] = lambda v: v,
+                   replace: bool = False) -> Any:
+        """Register ``value`` as ``name`` for a user-facing decorator: a name taken by the same
+        object re-imported (``identity(value)`` has the same module and qualified name) is
+        re-registered; one taken by another object raises ConfigError unless ``replace``."""
+        try:  # no lookup before a clash: that would import the built-ins while one of them registers
+            return self.add(name, value, replace=replace)
+        except ValueError:
+            old, new = identity(self._entries[name]), identity(value)
+            if old is not new and _qualname(old) != _qualname(new):
+                raise ConfigError(f"{self.kind} {name!r} is already registered by {_qualname(old)}; "
+                                  f"choose another name or pass overwrite=True") from None
+            return self.add(name, value, replace=True)
+
     def register(self, *names: str) -> Callable[[Any], Any]:
         """Decorator: register the decorated object under each of ``names``."""
 
@@ -77,3 +91,8 @@ class Registry:
     def __contains__(self, name: object) -> bool:
         self._load()
         return name in self._entries
+
+
+def _qualname(obj: Any) -> str:
+    return f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', repr(obj))}"
+

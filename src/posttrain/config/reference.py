@@ -107,6 +107,11 @@ def _section_rules() -> str:
                  f"in the loop\"). It reads {reads} (`load`, else `tokenizer_name_or_path`, written in "
                  f"`reward_config` itself, names the model); another key it writes must equal the actor's value. "
                  f"`rl_config.rule_reward: false` needs it; dpo and sft refuse it.")
+    lines.append("* multi-turn (posttrain.config.multi_turn, docs/tools.md): `multi_turn_enable` needs `async_engine`, "
+                 "`max_total_response_length` >= `max_tokens` (the seed's rule 21), a readable `tool_config_path`, "
+                 "`max_tool_calls` >= 1, a templates.json `prompt_type` and the native engine; PPO, DPO, SFT and "
+                 "partial rollout refuse it. The other multi-turn keys are refused without `multi_turn_enable`; "
+                 "`async_engine` alone selects the native engine's per-request loop.")
     return "\n".join(lines)
 
 

@@ -213,7 +213,8 @@ class RLConfig(Section):
     max_parallel_calls: int = F(0, "multi-turn: the most calls run per turn (0: all)", MULTI_TURN)
     max_total_response_length: int = F(0, "multi-turn: response tokens over all turns", MULTI_TURN)
     max_tool_response_length: int = F(0, "multi-turn: characters kept of one tool output (0: all)", MULTI_TURN)
-    tool_response_truncate_side: Opt[str] = F(None, "multi-turn: keep the left (default), right or middle of a long tool output", MULTI_TURN)
+    tool_response_truncate_side: Opt[str] = F(None, "multi-turn: keep the left (default), right or middle of a long "
+                                                    "tool output", MULTI_TURN)
     tool_parser_format: Opt[str] = F(None, "multi-turn: tool-call parser (hermes, the default)", MULTI_TURN)
     share_backbone: bool = F(False, "LoRA: the reference is the actor with the adapter off", SHARE_BACKBONE)
     missing_eos_penalty: float = F(1.0, "penalty for a response without EOS", SEED_UNUSED)

@@ -9,7 +9,8 @@
    or any Hugging Face directory (``--model``, e.g. SmolLM2-135M-Instruct);
 3. an SFT warm start on synthetic traces built in token space exactly as the rollout builds them
    (the call, the tool's output encoded once with the template's observation wrapping, the boxed
-   answer), stopped early (``--sft-steps``) so that it solves only part of the test set;
+   answer; the loss on the model's tokens only), saved every 5 steps;
+   the first checkpoint that solves ``--sft-target`` (40%) of a validation split is the warm start;
 4. DAPO with the code interpreter (``configs/dapo_tiny_multi_turn.yaml``, the seed's multi-turn
    recipe shrunk);
 5. held-out greedy accuracy (``retool_reward`` = 1) after SFT and after DAPO, with the tool, and
@@ -140,9 +141,32 @@ def evaluate(model_dir: str | Path, tokenizer_dir: str | Path, pairs: list[tuple
     return {"accuracy": sum(s == 1.0 for s in scores) / len(scores), "tool_calls": sum(calls) / len(calls)}
 
 
-def run(out: Path, *, model: str | None = None, sft_steps: int = 60, iters: int = 12, seed: int = 1,
-        num_train: int = 2000, num_test: int = 100, overrides: tuple[str, ...] = ()) -> dict:
-    """The whole demo (see the module docstring); returns and writes ``summary.json``."""
+def capped_warm_start(checkpoints: list[tuple[int, Path]], score, target: float) -> tuple[int, Path, float]:
+    """The first SFT checkpoint whose validation accuracy (``score(path)``) reaches ``target``, by
+    bisection (accuracy grows with the steps, in a sharp jump where the model learns to copy); the
+    last one if none does. Returns (step, path, accuracy)."""
+    lo, hi, best = 0, len(checkpoints) - 1, None
+    scores: dict[int, float] = {}
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        scores[mid] = score(checkpoints[mid][1])
+        if scores[mid] >= target:
+            best, hi = mid, mid - 1
+        else:
+            lo = mid + 1
+    pick = best if best is not None else len(checkpoints) - 1
+    acc = scores[pick] if pick in scores else score(checkpoints[pick][1])
+    return checkpoints[pick][0], checkpoints[pick][1], acc
+
+
+def run(out: Path, *, model: str | None = None, sft_steps: int = 100, sft_target: float = 0.4, sft_lr: float = 1e-3,
+        iters: int = 12, seed: int = 1, num_train: int = 2000, num_test: int = 100,
+        overrides: tuple[str, ...] = ()) -> dict:
+    """The whole demo (see the module docstring); returns and writes ``summary.json``.
+
+    The SFT warm start saves every 5 steps up to ``sft_steps``; DAPO starts from the first
+    checkpoint that solves ``sft_target`` of a validation split (disjoint from train and test)."""
+    from posttrain.checkpoint import list_checkpoints
     from posttrain.config.run import load_run_config
     from posttrain.paths import configs_dir
     from posttrain.trainers.stages import train as train_run
@@ -150,28 +174,35 @@ def run(out: Path, *, model: str | None = None, sft_steps: int = 60, iters: int 
     start = time.time()
     out.mkdir(parents=True, exist_ok=True)
     test = product_problems(num_test, seed=10_000 + seed)
-    train = product_problems(num_train, seed=seed, exclude=set(test))
+    val = product_problems(50, seed=20_000 + seed, exclude=set(test))
+    train = product_problems(num_train, seed=seed, exclude=set(test) | set(val))
     model_dir = Path(model) if model else init_tiny_model(out, train, seed)
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     data = write_data(out / "data", tok, train, test)
+    base = {"tool": evaluate(model_dir, model_dir, test, tools=True),
+            "no_tool": evaluate(model_dir, model_dir, test, tools=False)}
     templates = f"megatron_training.prompt_type_path={configs_dir() / 'tiny_templates.json'}"
     sft = load_run_config("sft_tiny_qwen2", None, [
         f"megatron_training.tokenizer_name_or_path={model_dir}", f"megatron_training.data_path={data['sft']}",
         f"megatron_training.save={out / 'sft_ckpt'}", f"rl_config.output_dir={out / 'sft'}",
         f"megatron_training.train_iters={sft_steps}", "megatron_training.seq_length=160",
         f"megatron_training.prompt_type={TEMPLATE}", f"megatron_training.seed={seed}", templates,
-        "megatron_training.lr=1.0e-3", "megatron_training.min_lr=1.0e-4"])
+        f"megatron_training.lr={sft_lr}", "megatron_training.min_lr=0.0", "megatron_training.lr_decay_style=constant",
+        "megatron_training.save_interval=5", "rl_config.use_tensorboard=false"])
     sft_start = time.time()
     train_run(sft)
-    sft_seconds = time.time() - sft_start
-    summary = {"model": str(model_dir), "sft_steps": sft_steps, "sft_seconds": sft_seconds}
-    summary["sft"] = {"tool": evaluate(out / "sft_ckpt", model_dir, test, tools=True),
-                      "no_tool": evaluate(out / "sft_ckpt", model_dir, test, tools=False)}
+    step, warm, val_acc = capped_warm_start(
+        list_checkpoints(out / "sft_ckpt"),
+        lambda path: evaluate(path, model_dir, val, tools=True)["accuracy"], sft_target)
+    summary = {"model": str(model_dir), "base": base, "sft_steps": step, "sft_val_accuracy": val_acc,
+               "sft_seconds": time.time() - sft_start}
+    summary["sft"] = {"tool": evaluate(warm, model_dir, test, tools=True),
+                      "no_tool": evaluate(warm, model_dir, test, tools=False)}
     rl = load_run_config("dapo_tiny_multi_turn", None, [
         f"megatron_training.tokenizer_name_or_path={model_dir}", f"megatron_training.data_path={data['rl']}",
-        f"actor_config.load={out / 'sft_ckpt'}", f"actor_config.save={out / 'rl_ckpt'}",
+        f"actor_config.load={warm}", f"actor_config.save={out / 'rl_ckpt'}",
         f"rl_config.output_dir={out / 'rl'}", f"megatron_training.train_iters={iters}",
         f"megatron_training.seed={seed}", templates, *overrides])
     rl_start = time.time()
@@ -191,15 +222,20 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m posttrain.demo.tool_use", description=__doc__.splitlines()[0])
     p.add_argument("--out", default="runs/tool_use")
     p.add_argument("--model", default=None, help="HF model directory (default: a tiny random-init Qwen2)")
-    p.add_argument("--sft-steps", type=int, default=60)
+    p.add_argument("--sft-steps", type=int, default=100, help="the most SFT steps (checkpoints every 5)")
+    p.add_argument("--sft-target", type=float, default=0.4,
+                   help="warm start: the first SFT checkpoint that solves this share of a validation split")
+    p.add_argument("--sft-lr", type=float, default=1e-3, help="SFT learning rate (1e-3 suits the tiny model)")
     p.add_argument("--iters", type=int, default=12)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="overrides of the DAPO config")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    s = run(Path(args.out), model=args.model, sft_steps=args.sft_steps, iters=args.iters, seed=args.seed,
+    s = run(Path(args.out), model=args.model, sft_steps=args.sft_steps, sft_target=args.sft_target,
+            sft_lr=args.sft_lr, iters=args.iters, seed=args.seed,
             overrides=tuple(args.overrides))
-    for stage in ("sft", "rl"):
+    print(f"warm start: SFT step {s['sft_steps']} (validation accuracy {s['sft_val_accuracy']:.0%})")
+    for stage in ("base", "sft", "rl"):
         print(f"{stage:>4}: with the tool {s[stage]['tool']['accuracy']:.0%} "
               f"({s[stage]['tool']['tool_calls']:.2f} calls per answer), "
               f"without it {s[stage]['no_tool']['accuracy']:.0%}")

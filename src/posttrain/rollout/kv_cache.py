@@ -111,3 +111,40 @@ def select_rows(cache: Cache, index: torch.Tensor) -> None:
         elif layer.keys.numel() > 0:
             layer.keys = layer.keys.index_select(0, index)
             layer.values = layer.values.index_select(0, index)
+
+
+def slab_only(cache: Cache) -> bool:
+    """Whether every layer is an initialized slab (so :func:`take_rows` / :func:`put_rows` apply)."""
+    return bool(cache.layers) and all(isinstance(layer, SlabLayer) and layer.is_initialized for layer in cache.layers)
+
+
+def take_rows(cache: Cache, index: torch.Tensor, extra: int) -> Cache:
+    """A new slab cache with copies of the rows ``index`` and room for ``extra`` more positions: a
+    forward step over some rows only (the rest of the batch is not computed)."""
+    sub = DynamicCache()
+    sub.layers = []
+    for layer in cache.layers:
+        part = SlabLayer(layer.length + extra)
+        part.lazy_initialization(layer.key_buf[index, :, :0], layer.value_buf[index, :, :0])
+        part.key_buf[:, :, :layer.length] = layer.key_buf[index, :, :layer.length]
+        part.value_buf[:, :, :layer.length] = layer.value_buf[index, :, :layer.length]
+        part.length = layer.length
+        part._refresh_views()
+        sub.layers.append(part)
+    return sub
+
+
+def put_rows(cache: Cache, sub: Cache, index: torch.Tensor) -> None:
+    """Write the positions that ``sub`` (from :func:`take_rows`) added back into rows ``index``; the
+    other rows get the same number of positions, unwritten (the caller masks them)."""
+    for layer, part in zip(cache.layers, sub.layers):
+        start, end = layer.length, part.length
+        if end > layer.capacity:
+            layer._grow(max(end, 2 * layer.capacity))
+        # zeros for the other rows: masked positions must still be finite (0 x NaN is NaN in attention)
+        layer.key_buf[:, :, start:end] = 0
+        layer.value_buf[:, :, start:end] = 0
+        layer.key_buf[index, :, start:end] = part.key_buf[:, :, start:end]
+        layer.value_buf[index, :, start:end] = part.value_buf[:, :, start:end]
+        layer.length = end
+        layer._refresh_views()

@@ -8,9 +8,10 @@ Each sample row is a conversation of model turns and tool turns::
   (``</tool_call>``: the row *pauses*), or after ``max_tokens`` tokens (the row ends, "length").
 * When a turn that ended at a stop token or the end tag holds tool calls and the row has calls left
   (``max_tool_calls``), the calls start in the tool runner's threads while the other rows go on
-  decoding. Their results are *admitted* ``admit_after`` decode steps later, or at once when no row
-  is decoding: at a step fixed by the sampling alone, never in the order the tools finish, so a
-  run is reproducible.
+  decoding. Their results are *admitted* at the next step that is a multiple of ``admit_every``
+  (all rows that paused since the last one together, so one wide forward step serves them all), or
+  at once when no row is decoding: at a step fixed by the sampling alone, never in the order the
+  tools finish, so a run is reproducible.
 * Admission encodes the tool outputs once, wrapped by the chat template's ``format_observation``
   (led by the template's end-of-turn token when the turn had not closed itself), and feeds those
   tokens through the model on top of the row's KV cache: nothing is re-prefilled and nothing
@@ -19,10 +20,10 @@ Each sample row is a conversation of model turns and tool turns::
 * A row ends at a turn without a tool call, when its calls are used up, when its response reaches
   ``max_total_response_length`` or when prompt + response reaches ``max_model_len``.
 
-Per-row lengths in one batch: the rows share the cache's columns. A forward step feeds each row's
-new tokens right-aligned in a chunk of width W (1 on a plain decode step, the longest observation
-when results are admitted); a row with less to feed leaves masked columns (holes), and a row
-waiting for its tools feeds nothing. Positions are per row, so holes never shift a row's
+Per-row lengths in one batch: the rows share the cache's columns. A decode step feeds each row's
+new token; a row waiting for its tools feeds nothing (a masked column, a hole). Admitted tool
+outputs go through a forward step over the admitted rows only, right-aligned in a chunk as wide as
+the longest; the other rows get masked columns there. Positions are per row, so holes never shift a row's
 positions. Token ``t`` of a row's response (tool tokens count) is drawn with the uniform keyed by
 (seed, prompt key, sample index, t), as in the single-turn engine.
 
@@ -40,7 +41,7 @@ import torch
 
 from posttrain.errors import ConfigError
 from posttrain.rollout.base import RolloutOutput, SamplingParams
-from posttrain.rollout.kv_cache import select_rows
+from posttrain.rollout.kv_cache import put_rows, select_rows, slab_only, take_rows
 from posttrain.rollout.native import NativeEngine, WaveRows
 from posttrain.rollout.sampling import sample_next
 from posttrain.rollout.keyed import uniforms
@@ -56,7 +57,8 @@ class TurnLimits:
     ``max_tool_response_length`` counts characters of one tool's output (0: no cap);
     ``truncate_side`` keeps the ``left`` part (the start), the ``right`` part (the end) or both ends
     (``middle``). ``max_parallel_calls`` caps the calls run per turn (0: all); the others get an
-    error message. ``max_model_len`` 0: no cap.
+    error message. ``max_model_len`` 0: no cap. ``admit_every``: tool results join the batch at
+    decode steps that are multiples of it (see the module docstring).
     """
 
     max_tool_calls: int
@@ -65,7 +67,7 @@ class TurnLimits:
     max_tool_response_length: int = 0
     truncate_side: str = "left"
     max_model_len: int = 0
-    admit_after: int = 4
+    admit_every: int = 8
 
     def __post_init__(self) -> None:
         if self.truncate_side not in TRUNCATE_SIDES:
@@ -115,6 +117,29 @@ class ToolStats:
     def metrics(self) -> dict[str, float]:
         return {"timing/tool": self.wait_seconds, "tool/calls": float(self.calls), "tool/errors": float(self.errors),
                 "tool/seconds_per_call": self.seconds / self.calls if self.calls else 0.0}
+
+
+class _ColumnMask:
+    """The rows' attention mask over the cache's columns [B, used], preallocated and doubled when
+    full (a torch.cat per step would copy the whole mask every step)."""
+
+    def __init__(self, mask: torch.Tensor):
+        rows, self.used = mask.shape
+        self.buf = mask.new_zeros((rows, 2 * self.used + 64))
+        self.buf[:, :self.used] = mask
+
+    def append(self, chunk: torch.Tensor) -> torch.Tensor:
+        end = self.used + chunk.shape[1]
+        if end > self.buf.shape[1]:
+            grown = self.buf.new_zeros((self.buf.shape[0], 2 * end))
+            grown[:, :self.used] = self.buf[:, :self.used]
+            self.buf = grown
+        self.buf[:, self.used:end] = chunk
+        self.used = end
+        return self.buf[:, :end]
+
+    def select(self, index: torch.Tensor) -> None:
+        self.buf = self.buf.index_select(0, index)
 
 
 @dataclass
@@ -227,7 +252,8 @@ class MultiTurnEngine(NativeEngine):
         cache, logits, mask, lengths = self._prefill(prompts, capacity)
         expand = torch.repeat_interleave(torch.arange(len(prompts), device=device), torch.tensor(counts, device=device))
         select_rows(cache, expand)
-        logits, positions, mask = logits.index_select(0, expand), lengths.index_select(0, expand), mask[expand]
+        logits, positions = logits.index_select(0, expand), lengths.index_select(0, expand)
+        mask = _ColumnMask(mask.index_select(0, expand))
         offsets = keys.offsets.tolist()
         rows = [_Row(prompt_len=len(prompts[p]), offset=offsets[r]) for r, p in enumerate(expand.tolist())]
         active = torch.arange(len(rows), device=device)  # the row id of each batch row
@@ -243,9 +269,9 @@ class MultiTurnEngine(NativeEngine):
                 tokens, logprobs = sample_next(logits.index_select(0, sel), sampling, draws)
                 for b, token, logprob in zip(decoding, tokens.tolist(), logprobs.tolist()):
                     self._add_token(batch[b], token, logprob, sampling.max_tokens, step)
-            nobody_decodes = all(row.status != DECODE for row in batch)
+            boundary = all(row.status != DECODE for row in batch) or step % lim.admit_every == 0
             for row in batch:
-                if row.status == WAIT and (nobody_decodes or row.admit_at <= step):
+                if row.status == WAIT and boundary and row.admit_at <= step:
                     self._admit(row)
             if all(row.status == DONE for row in batch):
                 break
@@ -253,9 +279,10 @@ class MultiTurnEngine(NativeEngine):
             if num_done and num_done >= self.compact_fraction * len(batch):
                 keep = torch.tensor([b for b, row in enumerate(batch) if row.status != DONE], device=device)
                 select_rows(cache, keep)
-                mask, positions, active = mask[keep], positions[keep], active[keep]
+                mask.select(keep)
+                positions, active = positions[keep], active[keep]
                 batch = [batch[b] for b in keep.tolist()]
-            logits, mask, positions = self._feed(batch, cache, mask, positions)
+            logits, positions = self._feed(batch, cache, mask, positions)
             step += 1
         outputs = [row.output() for row in rows]
         grouped, start = [], 0
@@ -264,10 +291,44 @@ class MultiTurnEngine(NativeEngine):
             start += count
         return grouped
 
-    def _feed(self, batch: list[_Row], cache, mask: torch.Tensor, positions: torch.Tensor):
-        """One forward step over every batch row's ``feed``, right-aligned in a [B, W] chunk."""
-        device = self.device
-        width = max(len(row.feed) for row in batch)
+    def _feed(self, batch: list[_Row], cache, mask: _ColumnMask, positions: torch.Tensor):
+        """Feed every batch row's ``feed`` through the model; returns the last logits [B, V] (rows
+        that fed nothing get stale ones) and the rows' next positions.
+
+        Rows with tool output to feed go first, in a forward step over those rows only (on a copy of
+        their cache rows, written back), so an admission costs its rows, not the whole batch; then
+        one decode step feeds the other rows' single tokens."""
+        rows = list(range(len(batch)))
+        wide = [b for b in rows if len(batch[b].feed) > 1] if slab_only(cache) else []
+        logits = None
+        if wide:
+            index = torch.tensor(wide, device=self.device)
+            ids, chunk_mask, chunk_pos = self._chunk([batch[b] for b in wide], positions.index_select(0, index))
+            sub = take_rows(cache, index, ids.shape[1])
+            full = torch.cat([mask.buf.index_select(0, index)[:, :mask.used], chunk_mask], dim=1)
+            wide_logits = self._forward(ids, full, chunk_pos, sub)
+            put_rows(cache, sub, index)
+            grown = torch.zeros((len(batch), ids.shape[1]), dtype=torch.long, device=self.device)
+            grown[index] = chunk_mask
+            mask.append(grown)
+            positions = positions.index_add(0, index, chunk_mask.sum(-1))
+            logits = torch.zeros((len(batch), wide_logits.shape[1]), device=self.device)
+            logits[index] = wide_logits
+        rest = [b for b in rows if batch[b].feed]
+        if rest or logits is None:
+            ids, chunk_mask, chunk_pos = self._chunk(batch, positions)
+            step_logits = self._forward(ids, mask.append(chunk_mask), chunk_pos, cache)
+            positions = positions + chunk_mask.sum(-1)
+            if logits is None:
+                logits = step_logits
+            else:
+                keep = torch.tensor(rest, device=self.device)
+                logits[keep] = step_logits[keep]
+        return logits, positions
+
+    def _chunk(self, batch: list[_Row], positions: torch.Tensor):
+        """(ids, mask, positions) [B, W] of the rows' feeds, right-aligned; the feeds are consumed."""
+        width = max(1, max(len(row.feed) for row in batch))
         ids = torch.full((len(batch), width), self.pad_token_id, dtype=torch.long)
         chunk_mask = torch.zeros((len(batch), width), dtype=torch.long)
         chunk_pos = positions.cpu()[:, None].repeat(1, width)
@@ -278,10 +339,7 @@ class MultiTurnEngine(NativeEngine):
                 chunk_mask[b, width - k:] = 1
                 chunk_pos[b, width - k:] += torch.arange(k)
                 row.feed = []
-        positions = positions + chunk_mask.sum(-1).to(device)
-        mask = torch.cat([mask, chunk_mask.to(device)], dim=1)
-        logits = self._forward(ids.to(device), mask, chunk_pos.to(device), cache)
-        return logits, mask, positions
+        return ids.to(self.device), chunk_mask.to(self.device), chunk_pos.to(self.device)
 
     # ------------------------------------------------------------------ one row's turns
     def _add_token(self, row: _Row, token: int, logprob: float, max_tokens: int, step: int) -> None:
@@ -319,7 +377,7 @@ class MultiTurnEngine(NativeEngine):
                    for c in calls[run:]]
         row.pending = self.runner.submit(calls[:run] + skipped)
         row.calls += run
-        row.status, row.admit_at = WAIT, step + lim.admit_after
+        row.status, row.admit_at = WAIT, step + 1
         return True
 
     def _admit(self, row: _Row) -> None:

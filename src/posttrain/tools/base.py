@@ -206,21 +206,9 @@ def register_tool(name: str, *, overwrite: bool = False) -> Callable[[ToolClass]
     def deco(cls: ToolClass) -> ToolClass:
         if not (isinstance(cls, type) and issubclass(cls, Tool)):
             raise TypeError(f"@register_tool({name!r}) decorates a Tool subclass, not {cls!r}")
-        try:  # no lookup before a clash: that would import the built-ins while one of them registers
-            TOOLS.add(name, cls, replace=overwrite)
-        except ValueError:
-            old = TOOLS.get(name)
-            if old is not cls and _qualname(old) != _qualname(cls):
-                raise ConfigError(f"tool {name!r} is already registered by {_qualname(old)}; "
-                                  f"choose another name or pass overwrite=True") from None
-            TOOLS.add(name, cls, replace=True)
-        return cls
+        return TOOLS.add_unique(name, cls, replace=overwrite)
 
     return deco
-
-
-def _qualname(obj: Any) -> str:
-    return f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', repr(obj))}"
 
 
 def _is_type(value: Any, name: str) -> bool:

@@ -49,10 +49,8 @@ def load_tools(path: str | Path) -> dict[str, Tool]:
             f"{type(data['tools']).__name__}")
         raise ConfigError(f"{where}: the file is {got}; it must be a mapping with a `tools:` list, "
                           f"one entry (class_name, config, tool_schema) per tool")
-    unknown = [k for k in data if k not in TOP_KEYS]
-    if unknown:
-        raise ConfigError(f"{where}: {_names(unknown)}: unknown top-level key{'s' if len(unknown) > 1 else ''}; "
-                          f"the only one is `tools` (a list); remove or move the others")
+    _refuse_unknown(f"{where}: ", data, TOP_KEYS, "top-level key", "the only one is `tools` (a list); remove or "
+                    "move the others")
     if not data["tools"]:
         raise ConfigError(f"{where}: tools: the list is empty; give at least one tool, or do not set "
                           f"rl_config.tool_config_path")
@@ -106,10 +104,8 @@ def _check_entry(where: str, i: int, entry: Any) -> tuple[str, dict, dict]:
     if not isinstance(entry, dict):
         raise ConfigError(f"{at}: is a {type(entry).__name__}; each tool is a mapping with class_name, "
                           f"config (optional) and tool_schema")
-    unknown = [k for k in entry if k not in TOOL_KEYS]
-    if unknown:
-        raise ConfigError(f"{at}: {_names(unknown)}: unknown key{'s' if len(unknown) > 1 else ''}; a tool "
-                          f"has {', '.join(TOOL_KEYS)} (settings of the tool go under config)")
+    _refuse_unknown(f"{at}: ", entry, TOOL_KEYS, "key", f"a tool has {', '.join(TOOL_KEYS)} (settings of the tool "
+                    "go under config)")
     class_name = entry.get("class_name")
     if not isinstance(class_name, str) or not class_name.strip():
         got = "missing" if class_name is None else f"is {class_name!r}"
@@ -187,6 +183,12 @@ def _check_config(where: str, i: int, class_name: str, cls: type, config: dict) 
 
 def _qualname(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _refuse_unknown(at: str, data: dict, known: tuple[str, ...], what: str, hint: str) -> None:
+    unknown = [k for k in data if k not in known]
+    if unknown:
+        raise ConfigError(f"{at}{_names(unknown)}: unknown {what}{'s' if len(unknown) > 1 else ''}; {hint}")
 
 
 def _names(keys: list) -> str:

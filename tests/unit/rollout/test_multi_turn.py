@@ -88,7 +88,7 @@ def test_three_tool_calls_train_on_exactly_the_sampled_and_tool_tokens(tiny_toke
     mask += [1] * len(final)
     model = ScriptedLM(prompt + response, len(tok))
     engine = _engine(model, tok, {"square": Square(_schema("square", {"x": {"type": "integer"}}))},
-                     limits=TurnLimits(max_tool_calls=5, max_total_response_length=400, admit_after=2))
+                     limits=TurnLimits(max_tool_calls=5, max_total_response_length=400, admit_every=2))
     outs = engine.generate([prompt], 2, SamplingParams(temperature=1.0, max_tokens=64, seed=3))
 
     for out in outs[0]:
@@ -140,7 +140,7 @@ def test_kv_continuation_equals_reprefilling_on_a_real_model(mini_qwen2_dir, tin
     # every turn that ends at the tag calls the echo tool
     parser = ToolParser("every_pause", start_tag="", end_tag=tag, parse=lambda text: [ToolCall(name="echo")])
     engine = _engine(model, tok, {"echo": Echo(_schema("echo"))}, parser=parser,
-                     limits=TurnLimits(max_tool_calls=3, max_total_response_length=60, admit_after=3))
+                     limits=TurnLimits(max_tool_calls=3, max_total_response_length=60, admit_every=3))
     kv = engine.generate(prompts, 3, sampling)
     ref = engine.generate_reprefill(prompts, 3, sampling)
     calls = [o.tool_call_num for group in kv for o in group]

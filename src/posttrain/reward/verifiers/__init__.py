@@ -77,22 +77,11 @@ def register_verifier(name: str, *, overwrite: bool = False) -> Callable[[Verifi
     """
 
     def deco(fn: VerifierFn) -> VerifierFn:
-        spec = VerifierSpec(name, fn, _accepted_kwargs(fn))
-        try:  # no lookup before a clash: that would import the built-ins while one of them registers
-            VERIFIERS.add(name, spec, replace=overwrite)
-        except ValueError:
-            old = VERIFIERS.get(name).fn
-            if old is not fn and _qualname(old) != _qualname(fn):  # the same function re-imported is fine
-                raise ConfigError(f"verifier {name!r} is already registered by {_qualname(old)}; "
-                                  f"choose another name or pass overwrite=True") from None
-            VERIFIERS.add(name, spec, replace=True)
+        VERIFIERS.add_unique(name, VerifierSpec(name, fn, _accepted_kwargs(fn)), identity=lambda spec: spec.fn,
+                             replace=overwrite)
         return fn
 
     return deco
-
-
-def _qualname(fn: VerifierFn) -> str:
-    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
 
 
 def import_verifier_modules(modules: list[str] | tuple[str, ...]) -> None:
