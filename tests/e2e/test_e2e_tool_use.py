@@ -18,8 +18,8 @@ import torch
 
 pytestmark = pytest.mark.slow
 ITERS = 8
-# CI size: dynamic sampling off (one generation batch per iteration), a checkpoint every iteration
-OVERRIDES = ("rl_config.filter_groups_enable=false", "megatron_training.save_interval=1")
+# CI size: dynamic sampling off (one generation batch per iteration); checkpoints at ITERS - 1 and ITERS
+OVERRIDES = ("rl_config.filter_groups_enable=false", f"megatron_training.save_interval={ITERS - 1}")
 
 
 @pytest.fixture(scope="module")

@@ -24,6 +24,7 @@ import argparse
 import json
 import logging
 import random
+import shutil
 import time
 from pathlib import Path
 
@@ -50,10 +51,7 @@ def question(a: int, b: int) -> str:
 def trace_tokens(tokenizer, observation, a: int, b: int) -> tuple[list[int], list[int], list[int]]:
     """(prompt ids, response ids, response mask: 0 on the tool's tokens) of the ideal conversation,
     in the rollout's exact tokens."""
-    from posttrain.data.templates import get_template
-    from posttrain.paths import configs_dir
-
-    template = get_template(TEMPLATE, configs_dir() / "tiny_templates.json")
+    template = observation.template  # the demo's chat template (tiny_tool)
     prompt = tokenizer.encode(template.render_prompt(question(a, b), tokenizer=tokenizer), add_special_tokens=False)
     call = tokenizer.encode(CALL.format(a=a, b=b), add_special_tokens=False) + \
         tokenizer.encode(END_TAG, add_special_tokens=False)
@@ -159,7 +157,7 @@ def capped_warm_start(checkpoints: list[tuple[int, Path]], score, target: float)
     return checkpoints[pick][0], checkpoints[pick][1], acc
 
 
-def run(out: Path, *, model: str | None = None, sft_steps: int = 100, sft_target: float = 0.4, sft_lr: float = 1e-3,
+def run(out: Path, *, model: str | None = None, sft_steps: int = 120, sft_target: float = 0.4, sft_lr: float = 1e-3,
         iters: int = 12, seed: int = 1, num_train: int = 2000, num_test: int = 100,
         overrides: tuple[str, ...] = ()) -> dict:
     """The whole demo (see the module docstring); returns and writes ``summary.json``.
@@ -190,12 +188,16 @@ def run(out: Path, *, model: str | None = None, sft_steps: int = 100, sft_target
         f"megatron_training.train_iters={sft_steps}", "megatron_training.seq_length=160",
         f"megatron_training.prompt_type={TEMPLATE}", f"megatron_training.seed={seed}", templates,
         f"megatron_training.lr={sft_lr}", "megatron_training.min_lr=0.0", "megatron_training.lr_decay_style=constant",
-        "megatron_training.save_interval=5", "rl_config.use_tensorboard=false"])
+        "megatron_training.save_interval=5", "megatron_training.no_save_optim=true",
+        "megatron_training.no_save_rng=true", "rl_config.use_tensorboard=false"])
     sft_start = time.time()
     train_run(sft)
     step, warm, val_acc = capped_warm_start(
         list_checkpoints(out / "sft_ckpt"),
         lambda path: evaluate(path, model_dir, val, tools=True)["accuracy"], sft_target)
+    for _, path in list_checkpoints(out / "sft_ckpt"):  # keep the warm start only (disk)
+        if path != warm:
+            shutil.rmtree(path)
     summary = {"model": str(model_dir), "base": base, "sft_steps": step, "sft_val_accuracy": val_acc,
                "sft_seconds": time.time() - sft_start}
     summary["sft"] = {"tool": evaluate(warm, model_dir, test, tools=True),
@@ -222,7 +224,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m posttrain.demo.tool_use", description=__doc__.splitlines()[0])
     p.add_argument("--out", default="runs/tool_use")
     p.add_argument("--model", default=None, help="HF model directory (default: a tiny random-init Qwen2)")
-    p.add_argument("--sft-steps", type=int, default=100, help="the most SFT steps (checkpoints every 5)")
+    p.add_argument("--sft-steps", type=int, default=120, help="the most SFT steps (checkpoints every 5)")
     p.add_argument("--sft-target", type=float, default=0.4,
                    help="warm start: the first SFT checkpoint that solves this share of a validation split")
     p.add_argument("--sft-lr", type=float, default=1e-3, help="SFT learning rate (1e-3 suits the tiny model)")
