@@ -44,7 +44,7 @@ from posttrain.rollout.base import RolloutOutput, SamplingParams
 from posttrain.rollout.kv_cache import put_rows, select_rows, slab_only, take_rows
 from posttrain.rollout.native import NativeEngine, WaveRows
 from posttrain.rollout.sampling import sample_next
-from posttrain.rollout.keyed import uniforms
+from posttrain.rollout.keyed import random_seed, uniforms
 
 DECODE, WAIT, DONE = "decode", "wait", "done"
 TRUNCATE_SIDES = ("left", "right", "middle")
@@ -207,7 +207,7 @@ class MultiTurnEngine(NativeEngine):
                            prompt_keys: list[int] | None = None) -> list[list[RolloutOutput]]:
         """The same rollout with every turn generated from scratch: prompt + conversation so far
         re-prefilled each turn (no KV cache kept across turns). Same tokens, same keys."""
-        seed = sampling.seed if sampling.seed is not None else int(torch.randint(0, 2 ** 62, (1,)).item())
+        seed = sampling.seed if sampling.seed is not None else random_seed()
         sampling = replace(sampling, seed=seed)
         keys = list(range(len(prompt_token_ids))) if prompt_keys is None else list(prompt_keys)
         rows = [(i, j, _Row(prompt_len=len(p), offset=0)) for i, p in enumerate(prompt_token_ids) for j in range(n)]
@@ -305,7 +305,7 @@ class MultiTurnEngine(NativeEngine):
             index = torch.tensor(wide, device=self.device)
             ids, chunk_mask, chunk_pos = self._chunk([batch[b] for b in wide], positions.index_select(0, index))
             sub = take_rows(cache, index, ids.shape[1])
-            full = torch.cat([mask.buf.index_select(0, index)[:, :mask.used], chunk_mask], dim=1)
+            full = torch.cat([mask.buf[:, :mask.used].index_select(0, index), chunk_mask], dim=1)
             wide_logits = self._forward(ids, full, chunk_pos, sub)
             put_rows(cache, sub, index)
             grown = torch.zeros((len(batch), ids.shape[1]), dtype=torch.long, device=self.device)
