@@ -206,8 +206,11 @@ def load_adapter_weights(path: str | Path, model) -> None:
 
 def _write_checkpoint(tmp: Path, iteration: int, model: Any, optimizer: Any, scheduler: Any,
                       tokenizer: Any, generator: Any, sampler_state: Any, trainer_state: dict,
-                      extra: dict[str, Part], save_optim: bool, save_rng: bool, adapter_only: bool) -> None:
+                      extra: dict[str, Part], save_optim: bool, save_rng: bool, adapter_only: bool,
+                      files: dict[str, Any]) -> None:
     _save_part(tmp, model, optimizer, scheduler, tokenizer, save_optim, adapter_only)
+    for name, obj in files.items():
+        _torch_save(obj, tmp / name)
     for name, part in extra.items():
         _save_part(tmp / name, part.model, part.optimizer, part.scheduler, None, save_optim)
     if save_rng:
@@ -261,7 +264,8 @@ def save_checkpoint(save_dir: str | Path, iteration: int, model: Any, optimizer:
                     generator: torch.Generator | None = None, sampler_state: Any = None,
                     trainer_state: dict | None = None, extra: dict[str, Part] | None = None,
                     save_optim: bool = True, save_rng: bool = True,
-                    keep_last: int | None = None, adapter_only: bool = False) -> Path:
+                    keep_last: int | None = None, adapter_only: bool = False,
+                    files: dict[str, Any] | None = None) -> Path:
     """Write ``<save_dir>/iter_XXXXXXX`` atomically and point the tracker file at it.
 
     Args:
@@ -275,6 +279,7 @@ def save_checkpoint(save_dir: str | Path, iteration: int, model: Any, optimizer:
         keep_last: if set, delete older ``iter_*`` directories beyond the newest ``keep_last``.
         adapter_only: a PEFT (LoRA) model's adapter alone (``lora_ckpt_filter``); without it the
             frozen base model is saved in ``base/``, so the directory stands alone.
+        files: more objects, each ``torch.save``-d to its file name (the loop's in-flight samples).
     Returns the checkpoint directory. Call it on one process (rank 0) with full weights.
     """
     save_dir = Path(save_dir)
@@ -295,7 +300,7 @@ def save_checkpoint(save_dir: str | Path, iteration: int, model: Any, optimizer:
     aside = save_dir / f".{target.name}.tmp-old-{os.getpid()}"
     try:
         _write_checkpoint(tmp, iteration, model, optimizer, scheduler, tokenizer, generator,
-                          sampler_state, trainer_state, extra or {}, save_optim, save_rng, adapter_only)
+                          sampler_state, trainer_state, extra or {}, save_optim, save_rng, adapter_only, files or {})
         _fsync_tree(tmp)
         _publish(tmp, target, aside, save_dir, iteration)
     except BaseException as err:

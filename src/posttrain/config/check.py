@@ -17,6 +17,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from posttrain.config.async_rollout import check_async
 from posttrain.config.backend import ModelParallel, check_backend, uses_ray
 from posttrain.config.features import check_features, startup_warnings
 from posttrain.config.megatron import MegatronConfig
@@ -49,6 +50,7 @@ def check_run_config(cfg: RunConfig, *, device_type: str = "cpu",
         check_verifiers(cfg)
     _check_prompt_type_path(cfg)
     warnings = startup_warnings(cfg, device_type, backend=parallel.backend)
+    warnings += check_async(cfg, on_policy=stage.on_policy, backend=parallel.backend, use_ray=uses_ray(cfg))
     if not cfg.actor.save:
         warnings.append("actor_config.save is not set: nothing will be saved, and the trained model is lost when "
                         "the run ends; set actor_config.save (or megatron_training.save) to a directory to keep it")

@@ -284,7 +284,8 @@ def build_plan(cfg: RunConfig, layout: Layout, arch: ModelArch | None = None, *,
         logprob_temperature=temperature,
         uses_reference=stage.uses_reference(cfg), uses_critic=stage.uses_critic, lora=bool(a.lora_target_modules),
         dynamic_sampling=dynamic,
-        skip_old_logprobs=on_policy and mini == update_prompts and epochs == 1 and not rl.use_kl_in_reward,
+        skip_old_logprobs=on_policy and mini == update_prompts and epochs == 1 and not rl.use_kl_in_reward
+        and not off_policy(cfg),
         actor_loss=MappingProxyType(actor_loss_options(cfg, stage, temperature)) if on_policy else MappingProxyType({}),
         actor_engine=_with_forward(engine, budgets, "actor"), ref_engine=_with_forward(engine, budgets, "ref"),
         max_num_seqs=gen.max_num_seqs if cfg.explicitly_set("generate_config", "max_num_seqs") else 256,
@@ -308,6 +309,14 @@ def _with_forward(engine: EngineOptions, budgets: dict[str, TokenBudget] | None,
     from dataclasses import replace
 
     return replace(engine, forward_budget=budgets[phase] if budgets else None)
+
+
+def off_policy(cfg: RunConfig) -> bool:
+    """Whether the rollout's policy may differ from the trainer's, so the old log-probs are computed
+    (never the on-policy skip) and compared with the rollout's: asynchronous training, or a rollout
+    correction asked for (docs/async.md)."""
+    rl = cfg.rl
+    return rl.async_staleness is not None or rl.rollout_correction != "none"
 
 
 def actor_loss_options(cfg: RunConfig, stage: Stage, temperature: float) -> dict[str, Any]:

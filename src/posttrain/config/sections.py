@@ -238,6 +238,14 @@ class RLConfig(Section):
     eval_data_path: Opt[str] = F(None, "posttrain: held-out prompt dataset prefix for eval during training", HONOURED)
     eval_interval: int = F(0, "posttrain: evaluate every N iterations (0: only before and after)", HONOURED)
     eval_limit: Opt[int] = F(None, "posttrain: evaluate at most this many prompts", HONOURED)
+    async_staleness: Opt[int] = F(None, "posttrain: asynchronous training: iteration i samples with the policy of "
+                                        "iteration max(0, i-1-k) on its own copy of the weights while the trainer "
+                                        "updates (k >= 0; unset: synchronous; docs/async.md)", HONOURED)
+    rollout_correction: str = F("none", "posttrain: none, tis (truncated importance weights) or mis (masked) between "
+                                        "the trainer's old log-probs and the rollout's (docs/async.md)", HONOURED)
+    rollout_correction_cap: float = F(2.0, "posttrain: the cap C of tis / the band [1/C, C] of mis (> 1)", HONOURED)
+    rollout_correction_level: str = F("token", "posttrain: token or sequence (mis: a sequence's geometric-mean "
+                                               "ratio)", HONOURED)
     ignore_memory_estimate: bool = F(False, "posttrain: on a CPU, run even when the plan's memory estimate is more "
                                             "than twice this machine's memory (refused otherwise; above 1x: a "
                                             "warning)", HONOURED)

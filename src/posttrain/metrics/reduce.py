@@ -108,6 +108,11 @@ class MetricAccumulator:
     def raw(self) -> dict[str, list]:
         return {k: list(v) for k, v in self._values.items()}
 
+    def merge(self, other: "MetricAccumulator") -> None:
+        """Append every value ``other`` collected (as if it had been added here)."""
+        for key, values in other.raw().items():
+            self._values.setdefault(key, []).extend(values)
+
     def reset(self) -> None:
         self._values.clear()
 

@@ -63,6 +63,11 @@ class Timers:
     def spans(self) -> dict[str, list[Span]]:
         return {k: list(v) for k, v in self._spans.items()}
 
+    def merge(self, other: "Timers") -> None:
+        """Add ``other``'s spans (phases that ran elsewhere, e.g. in the rollout thread)."""
+        for key, spans in other.spans().items():
+            self._spans.setdefault(key, []).extend(spans)
+
     def reset(self) -> None:
         self._spans.clear()
 

@@ -6,7 +6,9 @@ num_seqs, packing) -> (loss, metrics)``; the engine passes ``packing`` (a
 
 * actor: ``input_ids``, ``attention_mask``, ``response_mask``, ``advantages``, optional
   ``old_logprobs`` (when absent: the seed's on-policy skip, ``old_logprobs = logprobs.detach()``,
-  ratio 1) and ``ref_logprobs`` (GRPO's KL term, weighted by ``kl_coef``)
+  ratio 1), ``ref_logprobs`` (GRPO's KL term, weighted by ``kl_coef``) and ``rollout_weights``
+  (the rollout correction's per-token weights: each token's policy loss is scaled by its weight,
+  and a token of weight 0 leaves the loss)
 * critic: ``input_ids``, ``attention_mask``, ``response_mask``, ``values`` (old), ``returns``
 * sft: ``input_ids``, ``attention_mask``, ``response_mask``
 * dpo: ``chosen_*`` and ``rejected_*`` versions of the three model keys, plus per-pair
@@ -50,11 +52,15 @@ def make_actor_loss_fn(
         forward itself (Megatron-Core, posttrain.train.megatron.engine) calls."""
         old = micro_batch.get("old_logprobs")
         ref = micro_batch.get("ref_logprobs")  # reported as actor/kl_loss even when kl_coef is 0
+        advantages, mask = micro_batch["advantages"], micro_batch["response_mask"]
+        weights = micro_batch.get("rollout_weights")  # the rollout correction (tis: min(rho, C); mis: 0 or 1)
+        if weights is not None:  # w * pg_token == pg_token with advantages scaled by w, for w >= 0
+            advantages, mask = advantages * weights, mask * (weights > 0).to(mask.dtype)
         return actor_loss(
             logprobs,
             logprobs.detach() if old is None else old,
-            micro_batch["advantages"],
-            micro_batch["response_mask"],
+            advantages,
+            mask,
             entropy=entropy,
             entropy_coeff=entropy_coeff,
             ref_logprobs=ref,

@@ -29,7 +29,8 @@ from posttrain.transfer_dock import TransferDock
 log = logging.getLogger(__name__)
 
 # the rows copied from the sampling dock into the main dock
-CARRIED = ("prompts", "prompt_length", "labels", "responses", "response_length", "scores")
+CARRIED = ("prompts", "prompt_length", "labels", "responses", "response_length", "scores", "rollout_logprobs",
+           "policy_version")
 CONSUMER = "dynamic_sampling"
 # rollout seed of extra generation batches: iteration + k * stride. Each batch keys its prompts
 # 0..gbs-1 (their dock groups), so the distinct seeds keep the batches' streams distinct.

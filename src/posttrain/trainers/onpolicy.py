@@ -1,6 +1,11 @@
 """The on-policy loop (GRPO, DAPO, PPO): one iteration reads like the algorithm.
 
-    put prompts (x n) -> rollout -> reward -> advantages -> reference logprobs -> old logprobs -> update
+    put prompts (x n) -> rollout -> reward -> advantages -> reference logprobs -> old logprobs
+        -> rollout correction -> update
+
+The first three phases produce the iteration's :class:`Experience`; the rest learn from it. With
+``rl_config.async_staleness`` a thread produces the next iterations' experience on a copy of the
+weights while this one learns (:mod:`posttrain.trainers.pipeline`, docs/async.md).
 
 The reward is the rule verifiers' score and/or a reward model's (``reward_config``), by weight.
 
@@ -12,14 +17,19 @@ algorithms is in the plan's stage (:mod:`posttrain.config.stages`); PPO adds the
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
 from posttrain.algo.advantages import compute_advantages, scores_to_token_level_rewards
 from posttrain.algo.kl import build_kl_controller
+from posttrain.algo.rollout_correction import rollout_correction
 from posttrain.config.plan import Plan
 from posttrain.config.run import RunConfig
+from posttrain.errors import ConfigError
 from posttrain.metrics.reduce import MetricAccumulator
 from posttrain.metrics.stats import compute_tps, data_metrics, stat_metrics
 from posttrain.metrics.timers import Timers
@@ -30,7 +40,19 @@ from posttrain.trainers.session import Session, check_finite_step
 from posttrain.transfer_dock import TransferDock
 
 log = logging.getLogger(__name__)
+IN_FLIGHT = "in_flight.pt"  # async: the finished experiences a checkpoint saves
 
+
+@dataclass
+class Experience:
+    """One iteration's prompts, samples and scores in their TransferDock, and what producing them
+    measured: phase timers, reward metrics, and the engine's and dynamic sampling's metrics."""
+
+    td: TransferDock
+    timers: Timers = field(default_factory=Timers)
+    acc: MetricAccumulator = field(default_factory=MetricAccumulator)
+    metrics: dict[str, float] = field(default_factory=dict)
+    num_gen_batches: int = 1
 
 
 class OnPolicyTrainer:
@@ -45,82 +67,163 @@ class OnPolicyTrainer:
         self.critic = CriticPhases(cfg, plan, session) if plan.uses_critic else None
         self.extra = MULTI_TURN_COLUMNS if rl.multi_turn_enable else ()  # the tool-token mask, tool_call_num
         self.dynamic = DynamicSampler(rl, self.gbs, cfg.actor.seed, carry=self.extra) if plan.dynamic_sampling else None
+        self.pipeline = None  # async_staleness: the rollout thread, started by fit()
 
     # ------------------------------------------------------------------------------------------
     def fit(self) -> dict[str, float]:
         s, last = self.s, {}
         try:
+            if self.cfg.rl.async_staleness is not None:
+                self.pipeline = self.start_pipeline()
             for iteration in range(s.iteration + 1, self.plan.train_iters + 1):
                 last = self.train_step(iteration)
-                s.after_iteration(iteration, last, {"kl_ctrl": self.kl_ctrl.state_dict()})
-            s.finish({"kl_ctrl": self.kl_ctrl.state_dict()})
+                with self.paused_for(iteration):
+                    s.after_iteration(iteration, last, self.state())
+            if self.pipeline is not None:
+                self.pipeline.close()
+            s.finish(self.state())
         finally:
+            if self.pipeline is not None:
+                self.pipeline.close()
             s.close()
         return last
 
-    def train_step(self, iteration: int) -> dict[str, float]:
-        rl, s, plan = self.cfg.rl, self.s, self.plan
-        timers, acc = Timers(), MetricAccumulator()
-        td = new_dock(plan.rows_per_update, self.n, guarantee_order=rl.guarantee_order,
-                      seed=self.cfg.actor.seed + iteration, extra_columns=self.extra)
-        with timers("all"):
-            if self.dynamic is not None:  # DAPO: generate and filter until the batch is full
-                self.dynamic.fill(self.generate_and_score, td, timers, acc, iteration)
-            else:
-                self.generate_and_score(td, iteration, timers, acc)
-            if self.critic is None:
-                with timers("adv"):
-                    self.advantages(td)
-            if s.policy.reference is not None:
-                with timers("reference_model"):
-                    self.logprobs(td, "ref_logprobs", s.policy.reference, plan.reads["ref_dispatch_size"],
-                                  rl.ref_forward_micro_batch_size)
-            if not plan.skip_old_logprobs:
-                with timers("old_log_p"):
-                    self.logprobs(td, "old_logprobs", s.policy.actor, plan.reads["actor_logprob_dispatch_size"],
-                                  rl.actor_forward_micro_batch_size)
-            if self.critic is not None:  # PPO: values, then GAE on them, then the critic's own update
-                with timers("critic_model"):
-                    self.critic.compute_values(td)
-                with timers("adv"):
-                    self.critic.advantages(td, acc, self.kl_ctrl)
-                with timers("update_critic"):
-                    self.critic.update(td, acc, iteration)
-            with timers("update"):
-                self.update(td, acc, iteration)
-        return self.iteration_metrics(td, acc, timers)
+    def state(self) -> dict:
+        """The loop's JSON state in a checkpoint."""
+        return {"kl_ctrl": self.kl_ctrl.state_dict(), "async_staleness": self.cfg.rl.async_staleness}
 
-    def iteration_metrics(self, td: TransferDock, acc: MetricAccumulator, timers: Timers) -> dict[str, float]:
+    def train_step(self, iteration: int) -> dict[str, float]:
+        timers, acc = Timers(), MetricAccumulator()
+        with timers("all"):
+            if self.pipeline is not None:  # sampled by the rollout thread, with weights up to k updates old
+                exp, began, ended = self.pipeline.experience(iteration)
+                timers.record("non_overlap_rollout", began, ended)
+            else:
+                exp = self.produce(iteration, self.s.policy.rollout, iteration - 1)
+            timers.merge(exp.timers)
+            acc.merge(exp.acc)
+            self.learn(exp.td, iteration, timers, acc)
+            if self.pipeline is not None:
+                with timers("resharding_to_infer"):
+                    self.pipeline.publish(iteration, self.s.policy.model)
+        return self.iteration_metrics(exp, acc, timers, iteration)
+
+    # ---- producing experience ----------------------------------------------------------------
+    def produce(self, iteration: int, engine, version: int) -> Experience:
+        """Prompts, their samples (by ``engine``, whose weights are ``version``) and their scores."""
         rl, plan = self.cfg.rl, self.plan
-        batch, _ = td.get("metrics", ["scores", "response_length", "prompt_length"], indexes=list(range(td.max_len)))
+        exp = Experience(new_dock(plan.rows_per_update, self.n, guarantee_order=rl.guarantee_order,
+                                  seed=self.cfg.actor.seed + iteration, extra_columns=self.extra))
+
+        def generate_and_score(td, it, timers, acc):
+            self.generate_and_score(td, it, timers, acc, engine=engine, version=version)
+
+        if self.dynamic is not None:  # DAPO: generate and filter until the batch is full
+            self.dynamic.fill(generate_and_score, exp.td, exp.timers, exp.acc, iteration)
+            exp.metrics.update(self.dynamic.metrics())
+            exp.num_gen_batches = self.dynamic.num_gen_batches
+        else:
+            generate_and_score(exp.td, iteration, exp.timers, exp.acc)
+        pop = getattr(engine, "pop_metrics", None)
+        if pop is not None:  # multi-turn: timing/tool, tool/*
+            exp.metrics.update(pop())
+        return exp
+
+    def start_pipeline(self):
+        from posttrain.roles.policy import build_rollout
+        from posttrain.trainers.pipeline import RolloutPipeline
+
+        s, start = self.s, self.s.iteration
+        saved = s.trainer_state.get("async_staleness", None) if start else None
+        in_flight = {}
+        path = s.trainer_state.get("checkpoint_dir")
+        if start and path and (Path(path) / IN_FLIGHT).is_file():
+            if saved != self.cfg.rl.async_staleness:
+                raise ConfigError(f"{path} was saved by a run with rl_config.async_staleness={saved}; resume it with "
+                                  f"the same value (its in-flight samples were drawn for it), or start a new run")
+            in_flight = torch.load(Path(path) / IN_FLIGHT, weights_only=False)
+        p = s.policy
+        return RolloutPipeline(self.produce, p.model,
+                               lambda model: build_rollout(self.cfg, self.plan, model, p.tokenizer, p.stop_token_ids),
+                               staleness=self.cfg.rl.async_staleness, start=start, last=self.plan.train_iters,
+                               in_flight=in_flight)
+
+    def paused_for(self, iteration: int):
+        """Around a save or a held-out evaluation, the rollout thread pauses (the checkpoint gets its
+        finished experiences, and the evaluation has the reward workers to itself)."""
+        if self.pipeline is None or not self.s.saves_or_evaluates(iteration):
+            return contextlib.nullcontext()
+        return self._drained()
+
+    @contextlib.contextmanager
+    def _drained(self):
+        with self.pipeline.drained() as finished:
+            self.s.extra_files[IN_FLIGHT] = finished
+            try:
+                yield
+            finally:
+                self.s.extra_files.pop(IN_FLIGHT, None)
+
+    # ---- learning from it --------------------------------------------------------------------
+    def learn(self, td: TransferDock, iteration: int, timers: Timers, acc: MetricAccumulator) -> None:
+        """Advantages, reference and old log-probs, the rollout correction, the critic (PPO), the update."""
+        rl, s, plan = self.cfg.rl, self.s, self.plan
+        if self.critic is None:
+            with timers("adv"):
+                self.advantages(td)
+        if s.policy.reference is not None:
+            with timers("reference_model"):
+                self.logprobs(td, "ref_logprobs", s.policy.reference, plan.reads["ref_dispatch_size"],
+                              rl.ref_forward_micro_batch_size)
+        if not plan.skip_old_logprobs:
+            with timers("old_log_p"):
+                self.logprobs(td, "old_logprobs", s.policy.actor, plan.reads["actor_logprob_dispatch_size"],
+                              rl.actor_forward_micro_batch_size)
+            self.correct(td, acc, iteration)
+        if self.critic is not None:  # PPO: values, then GAE on them, then the critic's own update
+            with timers("critic_model"):
+                self.critic.compute_values(td)
+            with timers("adv"):
+                self.critic.advantages(td, acc, self.kl_ctrl)
+            with timers("update_critic"):
+                self.critic.update(td, acc, iteration)
+        with timers("update"):
+            self.update(td, acc, iteration)
+
+    def iteration_metrics(self, exp: Experience, acc: MetricAccumulator, timers: Timers,
+                          iteration: int) -> dict[str, float]:
+        rl, plan, td = self.cfg.rl, self.plan, exp.td
+        rows = list(range(td.max_len))
+        batch, _ = td.get("metrics", ["scores", "response_length", "prompt_length", "policy_version"], indexes=rows)
         metrics = acc.reduce()
         metrics.update(data_metrics(torch.cat(batch["scores"]), torch.cat(batch["response_length"]),
                                     torch.cat(batch["prompt_length"]), algorithm=plan.stage.metric_prefix,
                                     max_response_length=self.cfg.generate.sampling_config.max_tokens))
         metrics.update(timers.metrics())
-        if self.extra:  # multi-turn: calls per sample, and the engine's tool counters (timing/tool, tool/*)
-            calls, _ = td.get("metrics", ["tool_call_num"], indexes=list(range(td.max_len)))
+        if self.pipeline is not None or rl.rollout_correction != "none":  # versions behind the trained weights
+            staleness = (iteration - 1) - torch.cat(batch["policy_version"]).float()
+            metrics.update({"rollout/staleness_mean": staleness.mean().item(),
+                            "rollout/staleness_max": staleness.max().item()})
+        if self.extra:  # multi-turn: calls per sample
+            calls, _ = td.get("metrics", ["tool_call_num"], indexes=rows)
             metrics.update(stat_metrics("tool_call_num", torch.cat(calls["tool_call_num"])))
-        pop = getattr(self.s.policy.rollout, "pop_metrics", None)
-        if pop is not None:
-            metrics.update(pop())
-        if self.dynamic is not None:
-            metrics.update(self.dynamic.metrics())
-        gen = self.dynamic.num_gen_batches if self.dynamic is not None else 1
+        metrics.update(exp.metrics)  # the engine's tool counters (timing/tool, tool/*), dynamic sampling's
         metrics.update(compute_tps(metrics, global_batch_size=self.gbs, n_samples_per_prompt=self.n,
                                    world_size=plan.layout.num_devices, log_max_throughput=rl.log_max_throughput,
-                                   num_gen_batches=gen, update_batch_size=plan.prompts_per_update))
+                                   num_gen_batches=exp.num_gen_batches, update_batch_size=plan.prompts_per_update))
         current_kl = metrics.get("actor/kl_loss", metrics.get("actor/reward_kl_penalty", 0.0))
         self.kl_ctrl.update(current_kl, plan.rows_per_update)
         metrics["actor/kl_coef"] = self.kl_ctrl.value
         return metrics
 
     # ---- phases ------------------------------------------------------------------------------
-    def generate_and_score(self, td: TransferDock, iteration: int, timers: Timers, acc: MetricAccumulator) -> None:
-        """Fill ``td`` with prompts, sample their responses (seeded by ``iteration``) and score them."""
+    def generate_and_score(self, td: TransferDock, iteration: int, timers: Timers, acc: MetricAccumulator, *,
+                           engine, version: int) -> None:
+        """Fill ``td`` with prompts, sample their responses (seeded by ``iteration``, with ``engine``
+        whose weights are ``version``) and score them."""
         self.put_prompts(td)
         with timers("rollout"):
-            self.rollout(td, iteration)
+            self.rollout(td, iteration, engine, version)
         self.reward(td, acc, timers)
 
     def put_prompts(self, td: TransferDock) -> None:
@@ -129,20 +232,21 @@ class OnPolicyTrainer:
         td.put_prompts({"prompts": prompts, "prompt_length": [len(p) for p in prompts],
                         "labels": [torch.as_tensor(it.get("labels", []), dtype=torch.long) for it in items]})
 
-    def rollout(self, td: TransferDock, iteration: int) -> None:
+    def rollout(self, td: TransferDock, iteration: int, engine, version: int) -> None:
         """Sample each prompt's ``n`` responses. A prompt's random stream is keyed by its group in
         the dock (row // n: its index in the iteration's batch), so the samples do not depend on
         the dispatch size, the dock's read order or the number of workers."""
-        p, sampling = self.s.policy, self.s.sampling_for(iteration)
+        stops, sampling = self.s.policy.stop_token_ids, self.s.sampling_for(iteration)
         while not td.all_consumed("rollout"):
             batch, idx = td.get("rollout", ["prompts"], self.plan.reads["actor_rollout_dispatch_size"],
                                 get_n_samples=True)
             unique = [batch["prompts"][k].tolist() for k in range(0, len(idx), self.n)]
             keys = [idx[k] // self.n for k in range(0, len(idx), self.n)]
-            outs = [o for group in p.rollout.generate(unique, self.n, sampling, p.stop_token_ids, prompt_keys=keys)
-                    for o in group]
+            outs = [o for group in engine.generate(unique, self.n, sampling, stops, prompt_keys=keys) for o in group]
             responses = [torch.tensor(o.token_ids, dtype=torch.long) for o in outs]
-            td.put(["responses", "response_length"], idx, [responses, [len(r) for r in responses]])
+            td.put(["responses", "response_length", "rollout_logprobs", "policy_version"], idx,
+                   [responses, [len(r) for r in responses],
+                    [torch.tensor(o.logprobs, dtype=torch.float32) for o in outs], [version] * len(idx)])
             if self.extra:  # the sampled tokens' mask (0 on tool tokens) and the calls of each sample
                 td.put(list(MULTI_TURN_COLUMNS), idx, [[torch.tensor(o.response_mask, dtype=torch.long) for o in outs],
                                                       [o.tool_call_num for o in outs]])
@@ -207,6 +311,26 @@ class OnPolicyTrainer:
                                          micro_batch_size=micro_batch_size)
             write_rows(td, [column], idx, [lp], lengths)
 
+    def correct(self, td: TransferDock, acc: MetricAccumulator, iteration: int) -> None:
+        """Compare the rollout's log-probs with the trainer's old ones (``rollout/*`` metrics), and
+        with ``rl_config.rollout_correction`` put the per-token weights the update applies. With
+        ``async_staleness`` a sample more than ``k`` versions old is dropped here (weight 0)."""
+        rl = self.cfg.rl
+        batch, idx, lengths = read_batch(td, "rollout_correction", ["old_logprobs", "rollout_logprobs"], td.max_len,
+                                         pad_token_id=self.s.policy.pad_token_id)
+        weights, mask, metrics = rollout_correction(batch["old_logprobs"], batch["rollout_logprobs"],
+                                                    batch["response_mask"], mode=rl.rollout_correction,
+                                                    cap=rl.rollout_correction_cap, level=rl.rollout_correction_level)
+        acc.update(metrics)
+        weights = weights * mask
+        if rl.async_staleness is not None:
+            versions, _ = td.get("rollout_correction", ["policy_version"], indexes=idx)
+            stale = torch.tensor([(iteration - 1) - int(v) > rl.async_staleness for v in versions["policy_version"]])
+            weights[stale] = 0.0
+            acc.update({"rollout/dropped_stale": float(stale.sum())})
+        if rl.rollout_correction != "none" or rl.async_staleness is not None:
+            write_rows(td, ["rollout_weights"], idx, [weights], lengths)
+
     def update(self, td: TransferDock, acc: MetricAccumulator, iteration: int) -> None:
         from posttrain.train.loss_fns import make_actor_loss_fn
 
@@ -217,6 +341,8 @@ class OnPolicyTrainer:
         kl_in_loss = s.policy.reference is not None and plan.stage.kl_in_loss  # PPO: the KL is in the reward
         if kl_in_loss:
             columns.append("ref_logprobs")
+        if rl.rollout_correction != "none" or rl.async_staleness is not None:
+            columns.append("rollout_weights")
         loss_fn = make_actor_loss_fn(kl_coef=self.kl_ctrl.value if kl_in_loss else 0.0, **plan.actor_loss)
         while not td.all_consumed("actor_update"):
             batch, _, _ = read_batch(td, "actor_update", columns, plan.reads["actor_update_dispatch_size"],

@@ -268,6 +268,7 @@ class Session:
         self.cluster = self.critic = self.rule_reward = self.reward_model = self.eval_data = self.logger = None
         self.locks: list[DirLock] = []
         self.extra_parts: dict[str, Any] = {}  # more trained modules to checkpoint (PPO: "critic")
+        self.extra_files: dict[str, Any] = {}  # more objects to checkpoint, by file name (async: "in_flight.pt")
         on_policy = plan.stage.on_policy
         try:
             a, rl = cfg.actor, cfg.rl
@@ -347,6 +348,13 @@ class Session:
         base = self.sampling.seed if self.sampling.seed is not None else self.cfg.actor.seed
         return replace(self.sampling, seed=base + iteration)
 
+    def saves_or_evaluates(self, iteration: int) -> bool:
+        """Whether :meth:`after_iteration` saves a checkpoint or runs the held-out evaluation."""
+        a, every = self.cfg.actor, self.cfg.rl.eval_interval
+        saves = bool(a.save and a.save_interval and iteration % a.save_interval == 0)
+        evaluates = self.eval_data is not None and bool(every) and iteration % every == 0 and iteration != a.train_iters
+        return saves or evaluates
+
     def after_iteration(self, iteration: int, metrics: dict[str, float], extra_state: dict | None = None) -> None:
         """Log ``metrics``, then save and evaluate on the config's schedule."""
         self.iteration = iteration
@@ -404,7 +412,7 @@ class Session:
                 path = save_checkpoint(a.save, iteration, p.model, p.actor.optimizer, p.actor.scheduler,
                                        tokenizer=p.tokenizer, sampler_state=self.sampler.state_dict(),
                                        trainer_state=state, save_optim=not a.no_save_optim,
-                                       save_rng=not a.no_save_rng, extra=self.extra_parts,
+                                       save_rng=not a.no_save_rng, extra=self.extra_parts, files=self.extra_files,
                                        adapter_only=bool(a.lora_ckpt_filter))
         if self.critic is not None:  # PPO: the critic's own checkpoint (critic_config.save), if it has one
             critic_path = self.critic.save(iteration, tokenizer=p.tokenizer, trainer_state=state)

@@ -51,8 +51,8 @@ SCRIPT = MODEL_AND_BATCH + textwrap.dedent(
     from posttrain.train.loss_fns import make_actor_loss_fn
 
     def worker(rank, out):
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2])
-        dist.init_process_group("gloo", rank=rank, world_size=2)
+        # A file store: no port to collide on, and no rank owns a TCP server the other may outlive.
+        dist.init_process_group("gloo", init_method="file://" + sys.argv[2], rank=rank, world_size=2)
         model = TinyLM()
         mine = {k: v[rank * 4 : rank * 4 + 4] for k, v in make_batch().items()}
         ddp = torch.nn.parallel.DistributedDataParallel(model)
@@ -60,6 +60,7 @@ SCRIPT = MODEL_AND_BATCH + textwrap.dedent(
         metrics = engine.update(mine, make_actor_loss_fn(), mini_batch_size=4)[0]
         if rank == 0:
             torch.save({"params": [p.detach() for p in model.parameters()], "metrics": metrics}, out)
+        dist.barrier()
         dist.destroy_process_group()
 
     if __name__ == "__main__":
@@ -76,8 +77,8 @@ def test_ddp_two_ranks_match_single_process(tmp_path):
     script = tmp_path / "ddp.py"
     script.write_text(SCRIPT)
     out = tmp_path / "rank0.pt"
-    port = str(29500 + (abs(hash(str(tmp_path))) % 2000))
-    subprocess.run([sys.executable, str(script), str(out), port], check=True, timeout=300)
+    store = tmp_path / "store"
+    subprocess.run([sys.executable, str(script), str(out), str(store)], check=True, timeout=300)
     ddp = torch.load(out)
 
     scope: dict = {}

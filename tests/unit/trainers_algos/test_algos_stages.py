@@ -40,7 +40,8 @@ class ScriptedGeneration:
                         "prompt_length": [1] * self.gbs, "labels": [torch.tensor([0])] * self.gbs})
         self.seeds.append(iteration)
         rows = list(range(td.max_len))
-        td.put(["responses", "response_length"], rows, [[torch.tensor([7, r]) for r in rows], [2] * len(rows)])
+        td.put(["responses", "response_length", "rollout_logprobs", "policy_version"], rows,
+               [[torch.tensor([7, r]) for r in rows], [2] * len(rows), [torch.zeros(2)] * len(rows), [0] * len(rows)])
         per_group = self.plans[self.batch]
         scores = [float(s) for group in per_group for s in group]
         td.put(["scores"], rows, [torch.tensor(scores)])

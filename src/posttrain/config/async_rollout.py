@@ -1,0 +1,57 @@
+"""The off-policy keys of ``rl_config``: ``async_staleness`` and ``rollout_correction*``.
+
+``async_staleness: k`` runs the rollout of iteration ``i`` with the policy of iteration
+``max(0, i - 1 - k)`` on a second copy of the weights, in a thread, while the trainer updates
+(:mod:`posttrain.trainers.pipeline`). ``rollout_correction`` weights or masks the policy loss by
+the ratio between the trainer's old log-probs and the rollout's (:mod:`posttrain.algo.rollout_correction`).
+docs/async.md has the modes and their guarantees.
+"""
+
+from __future__ import annotations
+
+import math
+
+from posttrain.algo.rollout_correction import LEVELS, MODES
+from posttrain.config.run import RunConfig
+from posttrain.errors import ConfigError
+
+
+def check_async(cfg: RunConfig, *, on_policy: bool, backend: str, use_ray: bool) -> list[str]:
+    """Raise ConfigError on an off-policy setting that cannot run; return the start-up warnings."""
+    rl = cfg.rl
+    if rl.rollout_correction not in MODES:
+        raise ConfigError(f"rl_config.rollout_correction={rl.rollout_correction!r}: must be one of "
+                          f"{', '.join(MODES)}")
+    if rl.rollout_correction_level not in LEVELS:
+        raise ConfigError(f"rl_config.rollout_correction_level={rl.rollout_correction_level!r}: must be one of "
+                          f"{', '.join(LEVELS)}")
+    cap = rl.rollout_correction_cap
+    if not (math.isfinite(cap) and cap > 1.0):
+        raise ConfigError(f"rl_config.rollout_correction_cap={cap}: must be a finite number > 1 (tis caps the "
+                          f"ratio at C; mis keeps tokens whose ratio is in [1/C, C])")
+    k = rl.async_staleness
+    if k is None:
+        return []
+    if k < 0:
+        raise ConfigError(f"rl_config.async_staleness={k}: must be >= 0 (0: the rollout uses the latest weights; "
+                          f"k: weights at most k updates old); remove the key for synchronous training")
+    if not on_policy:
+        raise ConfigError("rl_config.async_staleness is for the on-policy stages (grpo, dapo, ppo); remove it")
+    refused = [(use_ray, "on Ray (separate rollout and trainer workers) is not built yet; run it in one process "
+                         "(no actor_resource.num_npus > 1, no ray_address)"),
+               (rl.rollout_engine != "native", f"runs on the native rollout engine, not {rl.rollout_engine!r}"),
+               (backend != "hf", "runs on the hf training backend (the rollout copy is an HF model)"),
+               (bool(cfg.actor.lora_target_modules), "with LoRA is not supported yet (the rollout copy would merge "
+                                                     "the adapter); remove lora_target_modules or async_staleness")]
+    for bad, why in refused:
+        if bad:
+            raise ConfigError(f"rl_config.async_staleness {why}")
+    warnings = []
+    if k == 0:
+        warnings.append("rl_config.async_staleness=0: every rollout waits for the latest weights, so rollout and "
+                        "update never overlap; this is the asynchronous pipeline run synchronously (a baseline); "
+                        "set it to 1 or more to overlap them")
+    elif (cfg.actor.train_iters or 0) <= 1:
+        warnings.append("rl_config.async_staleness: a run of one iteration has nothing to overlap; it runs "
+                        "synchronously")
+    return warnings

@@ -1,0 +1,163 @@
+"""Asynchronous rollout with bounded staleness (``rl_config.async_staleness: k``), in one process.
+
+A thread produces the experience of iteration ``j`` (prompts, rollout, rewards) on its own copy of
+the weights while the trainer learns from iteration ``j - 1``. The copy holds *version* ``v``: the
+weights after ``v`` updates. Iteration ``j`` always samples with version::
+
+    need(j) = max(start, j - 1 - k)
+
+where ``start`` is the version the run started from (0, or the iteration it resumed at). It waits
+for that version when it is not there yet and never takes a fresher one, so a run repeats
+exactly, and ``k = 0`` samples exactly what synchronous training samples. The trainer hands each
+new version over with :meth:`RolloutPipeline.publish`: a copy of the weights that the thread
+loads when it starts the iteration that needs it (``timing/resharding_to_infer``).
+
+Saving pauses the thread once it has produced every iteration that the published versions allow;
+those finished experiences are saved with the checkpoint (``in_flight.pt``), so a resume trains
+on exactly the samples the uninterrupted run would have (docs/async.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+class RolloutPipeline:
+    """The rollout thread and its copy of the weights (see the module docstring).
+
+    Args:
+        produce: ``produce(iteration, engine, version) -> experience`` (runs in the thread).
+        model: the trained model; copied once, and the copy is what the thread samples with.
+        build_engine: ``build_engine(model_copy) -> rollout engine``.
+        staleness: ``k >= 0``.
+        start: the version of ``model`` now (the iteration the run starts after).
+        last: the last iteration to produce.
+        in_flight: finished experiences of a resumed run (iteration -> experience).
+    """
+
+    def __init__(self, produce: Callable[[int, Any, int], Any], model, build_engine: Callable[[Any], Any], *,
+                 staleness: int, start: int, last: int, in_flight: dict[int, Any] | None = None):
+        self.produce, self.k, self.start, self.last = produce, staleness, start, last
+        self.copy = copy.deepcopy(model)
+        for p in self.copy.parameters():
+            p.requires_grad_(False)
+        self.engine = build_engine(self.copy)
+        self.loaded = start  # the version the copy holds
+        self.published = start  # the newest version handed over
+        self.snapshots: dict[int, dict[str, torch.Tensor]] = {}
+        self.done: dict[int, Any] = dict(in_flight or {})
+        self.next = max(self.done, default=start) + 1
+        self.busy = self.paused = self.stopped = False
+        self.error: BaseException | None = None
+        self.cond = threading.Condition()
+        self.thread = threading.Thread(target=self._run, name="posttrain-rollout", daemon=True)
+        self.thread.start()
+
+    def need(self, iteration: int) -> int:
+        """The policy version iteration ``iteration`` samples with."""
+        return max(self.start, iteration - 1 - self.k)
+
+    # ---- the trainer's side ------------------------------------------------------------------
+    def experience(self, iteration: int) -> tuple[Any, float, float]:
+        """The experience of ``iteration`` (waiting for it), and when the wait began and ended."""
+        began = time.time()
+        with self.cond:
+            while iteration not in self.done and self.error is None:
+                self.cond.wait()
+            self._raise()
+            out = self.done.pop(iteration)
+            self.cond.notify_all()
+        return out, began, time.time()
+
+    def publish(self, version: int, model) -> tuple[float, float]:
+        """Hand over the weights of ``version`` (the model after that many updates), if a later
+        iteration samples with them. Returns the copy's (start, end) time."""
+        began = time.time()
+        if self.need(self.last) >= version > self.published:
+            snapshot = {k: v.detach().clone() for k, v in model.state_dict().items()}
+            with self.cond:
+                self.snapshots[version] = snapshot
+        with self.cond:
+            self.published = max(self.published, version)
+            self.cond.notify_all()
+        return began, time.time()
+
+    @contextlib.contextmanager
+    def drained(self) -> Iterator[dict[int, Any]]:
+        """Pause the thread once it has produced all that the published versions allow; yields the
+        finished experiences not yet trained on (what a checkpoint saves)."""
+        with self.cond:
+            while self.error is None and (self.busy or self._can_start()):
+                self.cond.wait()
+            self._raise()
+            self.paused = True
+            finished = dict(self.done)
+        try:
+            yield finished
+        finally:
+            with self.cond:
+                self.paused = False
+                self.cond.notify_all()
+
+    def close(self) -> None:
+        with self.cond:
+            self.stopped = True
+            self.cond.notify_all()
+        self.thread.join()
+
+    # ---- the thread --------------------------------------------------------------------------
+    def _can_start(self) -> bool:
+        return self.next <= self.last and self.need(self.next) <= self.published
+
+    def _raise(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self.cond:
+                    while not self.stopped and (self.paused or not self._can_start()):
+                        if self.next > self.last:
+                            return
+                        self.cond.wait()
+                    if self.stopped:
+                        return
+                    iteration, version = self.next, self.need(self.next)
+                    snapshot = self.snapshots.pop(version, None) if version != self.loaded else None
+                    for old in [v for v in self.snapshots if v < version]:
+                        del self.snapshots[old]
+                    self.busy = True
+                resharding = self._load(snapshot, version)
+                experience = self.produce(iteration, self.engine, version)
+                if resharding is not None:
+                    experience.timers.record("resharding_to_infer", *resharding)
+                with self.cond:
+                    self.done[iteration] = experience
+                    self.next += 1
+                    self.busy = False
+                    self.cond.notify_all()
+        except BaseException as err:  # noqa: BLE001 - handed to the trainer, which raises it
+            log.error("the rollout thread failed: %s", err)
+            with self.cond:
+                self.error, self.busy = err, False
+                self.cond.notify_all()
+
+    def _load(self, snapshot: dict[str, torch.Tensor] | None, version: int) -> tuple[float, float] | None:
+        if snapshot is None:
+            return None
+        began = time.time()
+        with torch.no_grad():
+            self.copy.load_state_dict(snapshot)
+        self.loaded = version
+        return began, time.time()
