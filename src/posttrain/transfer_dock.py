@@ -111,6 +111,42 @@ class TransferDock:
         self._ready = {c: np.zeros(self.max_len, dtype=bool) for c in self.columns}
         self._consumed = {c: np.zeros(self.max_len, dtype=bool) for c in self.consumers}
 
+    def clear_rows(self, indexes: Sequence[int]) -> None:
+        """Empty the cells, readiness and consumption of some rows (partial rollout frees the groups
+        an update took, and keeps the others)."""
+        idx = self._check_indexes(indexes)
+        for c in self.columns:
+            for i in idx:
+                self._data[c][i] = None
+            self._ready[c][idx] = False
+        for c in self.consumers:
+            self._consumed[c][idx] = False
+
+    def cell(self, column: str, index: int) -> torch.Tensor | None:
+        """The cell of one row (None when not ready)."""
+        self._check_columns([column])
+        return self._data[column][self._check_indexes([index])[0]]
+
+    def ready_rows(self, column: str) -> np.ndarray:
+        """A copy of ``column``'s readiness vector."""
+        self._check_columns([column])
+        return self._ready[column].copy()
+
+    def state_dict(self) -> dict[str, Any]:
+        """Cells, readiness, consumption and the row-choice generator (picklable)."""
+        return {"data": {c: list(v) for c, v in self._data.items()},
+                "ready": {c: v.copy() for c, v in self._ready.items()},
+                "consumed": {c: v.copy() for c, v in self._consumed.items()}, "rng": self._rng.getstate()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if set(state["data"]) != set(self.columns) or len(next(iter(state["data"].values()))) != self.max_len:
+            raise TransferDockError(f"a saved TransferDock of columns {sorted(state['data'])} does not fit this one "
+                                    f"({self.max_len} rows of {self.columns})")
+        self._data = {c: list(state["data"][c]) for c in self.columns}
+        self._ready = {c: np.array(state["ready"][c], dtype=bool) for c in self.columns}
+        self._consumed = {c: np.array(state["consumed"][c], dtype=bool) for c in self.consumers}
+        self._rng.setstate(state["rng"])
+
     # ------------------------------------------------------------------ writes
     def put(self, column_names: Sequence[str], indexes: Sequence[int],
             tensors: Sequence[Any]) -> None:

@@ -55,8 +55,8 @@ def record_run(cfg) -> tuple[list[list[list[int]]], list[dict], list[dict]]:
     batches, steps = [], []
     generate_and_score, update = trainer.generate_and_score, session.policy.actor.update
 
-    def recording_generation(td, iteration, timers, acc):
-        generate_and_score(td, iteration, timers, acc)
+    def recording_generation(td, iteration, timers, acc, **engine):
+        generate_and_score(td, iteration, timers, acc, **engine)
         rows, _ = td.get("metrics", ["responses"], indexes=list(range(td.max_len)))
         batches.append([r.tolist() for r in rows["responses"]])
 

@@ -164,6 +164,13 @@ def is_wall_clock(key: str) -> bool:
     return key == "time" or key.startswith(WALL_CLOCK)
 
 
+def same(got: float, want: float, key: str) -> bool:
+    """Equal metrics: to float noise, which is all that ``rollout/logprob_diff_*`` and
+    ``rollout/ratio_*`` measure on the fp32 native engine (batched decoding vs a forward pass)."""
+    noise = key.startswith(("rollout/logprob_diff", "rollout/ratio"))
+    return got == pytest.approx(want, rel=1e-5, abs=1e-6 if noise else 1e-8)
+
+
 PPO = {"adv_estimator": "gae", "gamma": 1.0, "lam": 0.95, "use_kl_in_reward": True, "cliprange_value": 0.5}
 
 
@@ -191,7 +198,7 @@ def test_a_whole_run_on_two_workers_equals_the_run_in_one_process(ray_cluster, w
         assert sorted(got) == sorted(want)
         compared = [k for k in want if not is_wall_clock(k)]
         for key in compared:
-            assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-8), (want["iteration"], key)
+            assert same(got[key], want[key], key), (want["iteration"], key)
         assert want["actor/grad_norm"] > 0 and len(compared) > 15
     if algorithm == "grpo":
         assert all(r["actor/kl_loss"] > 0 for r in local_rows)  # the reference is in the loss

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 from cluster_helpers import grpo_config, record_run
-from test_ray_grpo import is_wall_clock
+from test_ray_grpo import is_wall_clock, same
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 MULTI_TURN = {"multi_turn_enable": True, "async_engine": True, "tool_config_path": "configs/tools/retool.yaml",
@@ -33,4 +33,4 @@ def test_multi_turn_on_two_workers_equals_one_process(ray_cluster, work):
     for want, got in zip(local_rows, ray_rows):
         assert "tool_call_num/mean" in want and "tool_call_num/mean" in got
         for key in (k for k in want if not is_wall_clock(k) and not k.startswith("tool/")):
-            assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-8), (want["iteration"], key)
+            assert same(got[key], want[key], key), (want["iteration"], key)

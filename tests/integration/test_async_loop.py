@@ -103,3 +103,50 @@ def test_a_bf16_rollout_differs_from_the_fp32_trainer_and_mis_masks_it(tiny_mode
     assert metrics["rollout/logprob_diff_max"] > 1e-3
     assert metrics["rollout/masked_fraction"] > 0.0, metrics["rollout/logprob_diff_max"]
     assert metrics["rollout/staleness_max"] == 0.0
+
+
+PARTIAL = {**COMMON, "rl_config__partial_rollout_max_split": 4,
+           "generate_config__sampling_config": {"max_tokens": 16, "temperature": 1.0, "top_k": -1}}
+
+
+def test_partial_rollout_resumes_exactly_and_no_sample_outlives_the_split(tiny_model_dir, tiny_prompt_data, tmp_path,
+                                                                          monkeypatch):
+    from posttrain.trainers.onpolicy import OnPolicyTrainer
+    from posttrain.trainers.partial_rollout import STATE_FILE
+    from posttrain.trainers.stages import train
+
+    torch.set_num_threads(1)
+    train(grpo_config(tiny_model_dir, tiny_prompt_data, tmp_path / "straight", **PARTIAL))
+    step = OnPolicyTrainer.train_step
+
+    def stop_at_three(self, iteration):
+        if iteration == 3:
+            raise Interrupt
+        return step(self, iteration)
+
+    monkeypatch.setattr(OnPolicyTrainer, "train_step", stop_at_three)
+    with pytest.raises(Interrupt):
+        train(grpo_config(tiny_model_dir, tiny_prompt_data, tmp_path / "resumed", **PARTIAL))
+    assert (tmp_path / "resumed" / "ckpt" / "iter_0000002" / STATE_FILE).is_file()
+    monkeypatch.setattr(OnPolicyTrainer, "train_step", step)
+    train(grpo_config(tiny_model_dir, tiny_prompt_data, tmp_path / "resumed", **PARTIAL,
+                      actor_config__load=str(tmp_path / "resumed" / "ckpt")))
+    a, b = read_metrics(tmp_path / "straight" / "run"), read_metrics(tmp_path / "resumed" / "run")
+    for it in (3, 4):
+        for key, value in comparable(a[it]).items():
+            assert b[it][key] == pytest.approx(value, rel=1e-5, abs=1e-7), (it, key)
+    assert max(a[it]["rollout/age_max"] for it in a) >= 1  # groups waited in the dock
+    assert all(a[it]["rollout/age_max"] <= 3 and a[it]["rollout/staleness_max"] <= 3 for it in a)
+    assert all(a[it]["rollout/dropped_stale"] == 0 for it in a)
+
+
+def test_async_with_partial_rollout_keeps_staleness_within_its_bound(tiny_model_dir, tiny_prompt_data, tmp_path):
+    from posttrain.trainers.stages import train
+
+    torch.set_num_threads(1)
+    train(grpo_config(tiny_model_dir, tiny_prompt_data, tmp_path, **{**PARTIAL, "rl_config__partial_rollout_max_split": 2},
+                      rl_config__async_staleness=1))
+    m = read_metrics(tmp_path / "run")
+    assert sorted(m) == [1, 2, 3, 4]
+    assert all(m[it]["rollout/staleness_max"] <= 1 + 2 - 1 for it in m)
+    assert max(m[it]["rollout/staleness_max"] for it in m) >= 1

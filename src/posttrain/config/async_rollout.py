@@ -1,8 +1,10 @@
-"""The off-policy keys of ``rl_config``: ``async_staleness`` and ``rollout_correction*``.
+"""The off-policy keys of ``rl_config``: ``async_staleness``, ``partial_rollout_max_split`` (with
+``require_max_age_all_finished``) and ``rollout_correction*``.
 
 ``async_staleness: k`` runs the rollout of iteration ``i`` with the policy of iteration
 ``max(0, i - 1 - k)`` on a second copy of the weights, in a thread, while the trainer updates
-(:mod:`posttrain.trainers.pipeline`). ``rollout_correction`` weights or masks the policy loss by
+(:mod:`posttrain.trainers.pipeline`). ``partial_rollout_max_split: N`` splits long generations
+over iterations (:mod:`posttrain.trainers.partial_rollout`). ``rollout_correction`` weights or masks the policy loss by
 the ratio between the trainer's old log-probs and the rollout's (:mod:`posttrain.algo.rollout_correction`).
 docs/async.md has the modes and their guarantees.
 """
@@ -29,6 +31,7 @@ def check_async(cfg: RunConfig, *, on_policy: bool, backend: str, use_ray: bool)
     if not (math.isfinite(cap) and cap > 1.0):
         raise ConfigError(f"rl_config.rollout_correction_cap={cap}: must be a finite number > 1 (tis caps the "
                           f"ratio at C; mis keeps tokens whose ratio is in [1/C, C])")
+    check_partial_rollout(cfg, backend=backend, use_ray=use_ray)
     k = rl.async_staleness
     if k is None:
         return []
@@ -55,3 +58,25 @@ def check_async(cfg: RunConfig, *, on_policy: bool, backend: str, use_ray: bool)
         warnings.append("rl_config.async_staleness: a run of one iteration has nothing to overlap; it runs "
                         "synchronously")
     return warnings
+
+
+def check_partial_rollout(cfg: RunConfig, *, backend: str, use_ray: bool) -> None:
+    """``partial_rollout_max_split``: >= 1, and N > 1 only where it runs (rule 20 is in validate.py)."""
+    rl, max_tokens = cfg.rl, cfg.generate.sampling_config.max_tokens
+    split = rl.partial_rollout_max_split
+    if split < 1:
+        raise ConfigError(f"rl_config.partial_rollout_max_split={split}: must be >= 1 (1: off)")
+    if split == 1:
+        return
+    if split > max_tokens:
+        raise ConfigError(f"rl_config.partial_rollout_max_split={split} is more than sampling_config.max_tokens="
+                          f"{max_tokens}: a round must generate at least one token; lower it")
+    refused = [(use_ray, "on Ray is not built yet; run it in one process (no actor_resource.num_npus > 1, no "
+                         "ray_address)"),
+               (rl.rollout_engine != "native", f"runs on the native rollout engine, not {rl.rollout_engine!r}"),
+               (backend != "hf", "runs on the hf training backend"),
+               (rl.filter_groups_enable, "with DAPO's dynamic sampling (filter_groups_enable) is not supported yet; "
+                                         "turn one of them off")]
+    for bad, why in refused:
+        if bad:
+            raise ConfigError(f"rl_config.partial_rollout_max_split > 1 {why}")

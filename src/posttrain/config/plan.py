@@ -313,10 +313,10 @@ def _with_forward(engine: EngineOptions, budgets: dict[str, TokenBudget] | None,
 
 def off_policy(cfg: RunConfig) -> bool:
     """Whether the rollout's policy may differ from the trainer's, so the old log-probs are computed
-    (never the on-policy skip) and compared with the rollout's: asynchronous training, or a rollout
-    correction asked for (docs/async.md)."""
+    (never the on-policy skip) and compared with the rollout's: asynchronous training, partial
+    rollout, or a rollout correction asked for (docs/async.md)."""
     rl = cfg.rl
-    return rl.async_staleness is not None or rl.rollout_correction != "none"
+    return rl.async_staleness is not None or rl.rollout_correction != "none" or rl.partial_rollout_max_split > 1
 
 
 def actor_loss_options(cfg: RunConfig, stage: Stage, temperature: float) -> dict[str, Any]:

@@ -58,9 +58,7 @@ DATA_STRATEGY = refused("the TransferQueue backend is not implemented (the Trans
 TQ = refused("the TransferQueue backend is not implemented (the TransferDock is)", group="transfer queue")
 TQ_SET = refused("the TransferQueue backend is not implemented (the TransferDock is)", "remove the key",
                  active="set", group="transfer queue")
-PARTIAL_SPLIT = refused("partial rollout is not implemented yet", "remove the key or set it to 1", active="gt1",
-                        group="partial rollout")
-PARTIAL = refused("partial rollout is not implemented yet", group="partial rollout")
+PARTIAL = HONOURED  # posttrain.config.async_rollout checks these keys; trainers/partial_rollout.py runs them
 MULTI_TURN = HONOURED  # posttrain.config.multi_turn checks these keys; rollout/multi_turn.py runs them
 SHARE_BACKBONE = HONOURED  # the reference is the actor with its LoRA adapter off (validate.py checks it)
 EPLB = refused("expert load balancing (EPLB) is not implemented", group="eplb")
@@ -205,7 +203,7 @@ class RLConfig(Section):
     filter_groups_train_batch_size: int = F(1, "prompts to keep per iteration", HONOURED)
     zmq_communication: bool = F(True, "ZMQ instead of an HCCL broadcast for TransferDock fan-out", ZMQ)
     partial_rollout_max_split: int = F(1, "> 1: split long generations over iterations (partial rollout)",
-                                       PARTIAL_SPLIT)
+                                       PARTIAL)
     require_max_age_all_finished: bool = F(True, "partial rollout: the oldest samples finish before an update", PARTIAL)
     multi_turn_enable: bool = F(False, "agentic multi-turn rollout with tools", MULTI_TURN)
     tool_config_path: Opt[str] = F(None, "multi-turn: tools file (docs/tools.md)", MULTI_TURN)

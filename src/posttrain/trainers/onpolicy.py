@@ -27,7 +27,7 @@ import torch
 from posttrain.algo.advantages import compute_advantages, scores_to_token_level_rewards
 from posttrain.algo.kl import build_kl_controller
 from posttrain.algo.rollout_correction import rollout_correction
-from posttrain.config.plan import Plan
+from posttrain.config.plan import Plan, off_policy
 from posttrain.config.run import RunConfig
 from posttrain.errors import ConfigError
 from posttrain.metrics.reduce import MetricAccumulator
@@ -68,6 +68,7 @@ class OnPolicyTrainer:
         self.extra = MULTI_TURN_COLUMNS if rl.multi_turn_enable else ()  # the tool-token mask, tool_call_num
         self.dynamic = DynamicSampler(rl, self.gbs, cfg.actor.seed, carry=self.extra) if plan.dynamic_sampling else None
         self.pipeline = None  # async_staleness: the rollout thread, started by fit()
+        self.partial = self.partial_pool() if rl.partial_rollout_max_split > 1 else None
 
     # ------------------------------------------------------------------------------------------
     def fit(self) -> dict[str, float]:
@@ -77,16 +78,31 @@ class OnPolicyTrainer:
                 self.pipeline = self.start_pipeline()
             for iteration in range(s.iteration + 1, self.plan.train_iters + 1):
                 last = self.train_step(iteration)
-                with self.paused_for(iteration):
+                with self.checkpoint_files(iteration):
                     s.after_iteration(iteration, last, self.state())
             if self.pipeline is not None:
                 self.pipeline.close()
-            s.finish(self.state())
+            with self.checkpoint_files():
+                s.finish(self.state())
         finally:
             if self.pipeline is not None:
                 self.pipeline.close()
             s.close()
         return last
+
+    def partial_pool(self):
+        """The partial-rollout dock, resumed from the checkpoint's when there is one."""
+        from posttrain.trainers.partial_rollout import STATE_FILE, PartialRollout
+
+        rl, s = self.cfg.rl, self.s
+        pool = PartialRollout(n=self.n, global_batch_size=self.gbs, max_split=rl.partial_rollout_max_split,
+                              max_tokens=self.cfg.generate.sampling_config.max_tokens,
+                              max_model_len=self.cfg.generate.max_model_len,
+                              require_max_age_all_finished=rl.require_max_age_all_finished)
+        path = s.trainer_state.get("checkpoint_dir") if s.iteration else None
+        if path and (Path(path) / STATE_FILE).is_file():
+            pool.load_state_dict(torch.load(Path(path) / STATE_FILE, weights_only=False))
+        return pool
 
     def state(self) -> dict:
         """The loop's JSON state in a checkpoint."""
@@ -148,21 +164,27 @@ class OnPolicyTrainer:
                                staleness=self.cfg.rl.async_staleness, start=start, last=self.plan.train_iters,
                                in_flight=in_flight)
 
-    def paused_for(self, iteration: int):
-        """Around a save or a held-out evaluation, the rollout thread pauses (the checkpoint gets its
-        finished experiences, and the evaluation has the reward workers to itself)."""
-        if self.pipeline is None or not self.s.saves_or_evaluates(iteration):
-            return contextlib.nullcontext()
-        return self._drained()
-
     @contextlib.contextmanager
-    def _drained(self):
-        with self.pipeline.drained() as finished:
-            self.s.extra_files[IN_FLIGHT] = finished
+    def checkpoint_files(self, iteration: int | None = None):
+        """Around :meth:`Session.after_iteration` (``iteration``) or the final save (None): when it
+        saves or evaluates, the rollout thread pauses once it has produced all it may (so the
+        evaluation has the reward workers to itself), and the checkpoint gets the loop's state
+        beyond the weights: the finished experiences not trained on yet, and the partial-rollout dock."""
+        if iteration is not None and not self.s.saves_or_evaluates(iteration):
+            yield
+            return
+        with self.pipeline.drained() if self.pipeline is not None else contextlib.nullcontext({}) as finished:
+            files = {IN_FLIGHT: finished} if self.pipeline is not None else {}
+            if self.partial is not None:
+                from posttrain.trainers.partial_rollout import STATE_FILE
+
+                files[STATE_FILE] = self.partial.state_dict()
+            self.s.extra_files.update(files)
             try:
                 yield
             finally:
-                self.s.extra_files.pop(IN_FLIGHT, None)
+                for name in files:
+                    self.s.extra_files.pop(name, None)
 
     # ---- learning from it --------------------------------------------------------------------
     def learn(self, td: TransferDock, iteration: int, timers: Timers, acc: MetricAccumulator) -> None:
@@ -200,7 +222,7 @@ class OnPolicyTrainer:
                                     torch.cat(batch["prompt_length"]), algorithm=plan.stage.metric_prefix,
                                     max_response_length=self.cfg.generate.sampling_config.max_tokens))
         metrics.update(timers.metrics())
-        if self.pipeline is not None or rl.rollout_correction != "none":  # versions behind the trained weights
+        if off_policy(self.cfg):  # how many versions the samples lag the trained weights
             staleness = (iteration - 1) - torch.cat(batch["policy_version"]).float()
             metrics.update({"rollout/staleness_mean": staleness.mean().item(),
                             "rollout/staleness_max": staleness.max().item()})
@@ -221,21 +243,45 @@ class OnPolicyTrainer:
                            engine, version: int) -> None:
         """Fill ``td`` with prompts, sample their responses (seeded by ``iteration``, with ``engine``
         whose weights are ``version``) and score them."""
-        self.put_prompts(td)
-        with timers("rollout"):
-            self.rollout(td, iteration, engine, version)
+        if self.partial is not None:  # partial rollout: rounds over two batches of prompts
+            with timers("rollout"):
+                self.partial_rollout(td, iteration, engine, version, acc)
+        else:
+            self.put_prompts(td)
+            with timers("rollout"):
+                self.rollout(td, iteration, engine, version)
         self.reward(td, acc, timers)
 
-    def put_prompts(self, td: TransferDock) -> None:
+    def next_prompts(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The next batch of prompts from the sampler, and their labels."""
         items = [self.s.dataset[i] for i in self.s.sampler.next_batch()]
-        prompts = [torch.as_tensor(it["prompts"], dtype=torch.long) for it in items]
-        td.put_prompts({"prompts": prompts, "prompt_length": [len(p) for p in prompts],
-                        "labels": [torch.as_tensor(it.get("labels", []), dtype=torch.long) for it in items]})
+        return ([torch.as_tensor(it["prompts"], dtype=torch.long) for it in items],
+                [torch.as_tensor(it.get("labels", []), dtype=torch.long) for it in items])
 
-    def rollout(self, td: TransferDock, iteration: int, engine, version: int) -> None:
+    def put_prompts(self, td: TransferDock) -> None:
+        prompts, labels = self.next_prompts()
+        td.put_prompts({"prompts": prompts, "prompt_length": [len(p) for p in prompts], "labels": labels})
+
+    def partial_rollout(self, td: TransferDock, iteration: int, engine, version: int, acc: MetricAccumulator) -> None:
+        """Fill the partial-rollout dock's free groups with prompts, run rounds until an update is
+        ready, and put the update's groups (oldest first) into ``td``."""
+        pool = self.partial
+        while len(pool.free_groups()) >= self.gbs:
+            prompts, labels = self.next_prompts()
+            pool.add_prompts([p.tolist() for p in prompts], labels)
+        pool.fill(engine, self.s.sampling_for(iteration), self.s.policy.stop_token_ids, version)
+        batch, metrics = pool.take()
+        columns = ["prompts", "prompt_length", "labels", "responses", "rollout_logprobs", "policy_version"]
+        td.put([*columns, "response_length"], list(range(td.max_len)),
+               [batch[c] for c in columns] + [[r.numel() for r in batch["responses"]]])
+        acc.update(metrics)
+
+    def rollout(self, td: TransferDock, iteration: int, engine=None, version: int | None = None) -> None:
         """Sample each prompt's ``n`` responses. A prompt's random stream is keyed by its group in
         the dock (row // n: its index in the iteration's batch), so the samples do not depend on
         the dispatch size, the dock's read order or the number of workers."""
+        engine = self.s.policy.rollout if engine is None else engine  # default: the actor's weights now
+        version = iteration - 1 if version is None else version
         stops, sampling = self.s.policy.stop_token_ids, self.s.sampling_for(iteration)
         while not td.all_consumed("rollout"):
             batch, idx = td.get("rollout", ["prompts"], self.plan.reads["actor_rollout_dispatch_size"],
@@ -323,13 +369,28 @@ class OnPolicyTrainer:
                                                     cap=rl.rollout_correction_cap, level=rl.rollout_correction_level)
         acc.update(metrics)
         weights = weights * mask
-        if rl.async_staleness is not None:
+        limit = self.staleness_limit()
+        if limit is not None:  # admission: a sample older than the limit is not trained on
             versions, _ = td.get("rollout_correction", ["policy_version"], indexes=idx)
-            stale = torch.tensor([(iteration - 1) - int(v) > rl.async_staleness for v in versions["policy_version"]])
+            stale = torch.tensor([(iteration - 1) - int(v) > limit for v in versions["policy_version"]])
             weights[stale] = 0.0
             acc.update({"rollout/dropped_stale": float(stale.sum())})
-        if rl.rollout_correction != "none" or rl.async_staleness is not None:
+        if self.weighted_update:
             write_rows(td, ["rollout_weights"], idx, [weights], lengths)
+
+    def staleness_limit(self) -> int | None:
+        """The most versions a trained sample may lag the trainer: ``async_staleness`` k, plus
+        ``N - 1`` for a sample continued over ``partial_rollout_max_split`` N iterations; None when
+        neither is on."""
+        rl = self.cfg.rl
+        if rl.async_staleness is None and self.partial is None:
+            return None
+        return (rl.async_staleness or 0) + rl.partial_rollout_max_split - 1
+
+    @property
+    def weighted_update(self) -> bool:
+        """Whether the update reads ``rollout_weights`` (a correction, or the staleness admission)."""
+        return self.cfg.rl.rollout_correction != "none" or self.staleness_limit() is not None
 
     def update(self, td: TransferDock, acc: MetricAccumulator, iteration: int) -> None:
         from posttrain.train.loss_fns import make_actor_loss_fn
@@ -341,7 +402,7 @@ class OnPolicyTrainer:
         kl_in_loss = s.policy.reference is not None and plan.stage.kl_in_loss  # PPO: the KL is in the reward
         if kl_in_loss:
             columns.append("ref_logprobs")
-        if rl.rollout_correction != "none" or rl.async_staleness is not None:
+        if self.weighted_update:
             columns.append("rollout_weights")
         loss_fn = make_actor_loss_fn(kl_coef=self.kl_ctrl.value if kl_in_loss else 0.0, **plan.actor_loss)
         while not td.all_consumed("actor_update"):

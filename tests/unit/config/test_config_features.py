@@ -74,10 +74,6 @@ CASES = [
     (["megatron_training.refer_model_iter=2"], "megatron_training.refer_model_iter=2: ", "set it to 1"),
     (["actor_config.mm_model=vit"], f"actor_config.mm_model=vit: {MM}", "remove the key"),
     # rl_config
-    (["rl_config.partial_rollout_max_split=2"],
-     "rl_config.partial_rollout_max_split=2: partial rollout is not implemented yet", "remove the key or set it to 1"),
-    (["rl_config.require_max_age_all_finished=false"], "rl_config.require_max_age_all_finished=false: partial rollout",
-     "set it to true"),
     (["rl_config.is_multimodal=true"], f"rl_config.is_multimodal=true: {MM}", "set it to false"),
     (["rl_config.reuse_image_embeds=true"], f"rl_config.reuse_image_embeds=true: {MM}", "set it to false"),
     (["rl_config.colocate_actor_and_vit=true"], f"rl_config.colocate_actor_and_vit=true: {MM}", "set it to false"),
@@ -240,8 +236,8 @@ def test_generate_config_is_not_read_by_offline_stages():
     cfg = config(base=base)
     check_features(cfg, "cuda")
     assert startup_warnings(cfg, "cpu") == []
-    with pytest.raises(ConfigError, match="partial_rollout_max_split"):  # other sections still count
-        check_features(config(["rl_config.partial_rollout_max_split=2"], base=base), "cpu")
+    with pytest.raises(ConfigError, match="use_swanlab"):  # other sections still count
+        check_features(config(["rl_config.use_swanlab=true"], base=base), "cpu")
 
 
 # ---- the one start-up warning ---------------------------------------------------------------------
