@@ -65,13 +65,14 @@ class Interrupt(Exception):
     pass
 
 
-def test_a_resume_in_the_middle_of_an_async_run_repeats_it(tiny_model_dir, tiny_prompt_data, tmp_path, monkeypatch):
-    from posttrain.trainers.onpolicy import IN_FLIGHT, OnPolicyTrainer
+def straight_and_resumed(model, data, tmp_path, monkeypatch, over: dict) -> tuple[dict, dict]:
+    """The metrics of a 4-iteration run, and of the same run stopped at iteration 3 (after the save of
+    iteration 2) and resumed from its checkpoint; they must agree on iterations 3 and 4."""
+    from posttrain.trainers.onpolicy import OnPolicyTrainer
     from posttrain.trainers.stages import train
 
     torch.set_num_threads(1)
-    over = {**COMMON, "rl_config__async_staleness": 1}
-    train(grpo_config(tiny_model_dir, tiny_prompt_data, tmp_path / "straight", **over))
+    train(grpo_config(model, data, tmp_path / "straight", **over))
     step = OnPolicyTrainer.train_step
 
     def stop_at_three(self, iteration):
@@ -81,16 +82,23 @@ def test_a_resume_in_the_middle_of_an_async_run_repeats_it(tiny_model_dir, tiny_
 
     monkeypatch.setattr(OnPolicyTrainer, "train_step", stop_at_three)
     with pytest.raises(Interrupt):
-        train(grpo_config(tiny_model_dir, tiny_prompt_data, tmp_path / "resumed", **over))
-    saved = torch.load(tmp_path / "resumed" / "ckpt" / "iter_0000002" / IN_FLIGHT, weights_only=False)
-    assert sorted(saved) == [3, 4]  # sampled with versions 1 and 2 before the interruption
+        train(grpo_config(model, data, tmp_path / "resumed", **over))
     monkeypatch.setattr(OnPolicyTrainer, "train_step", step)
-    train(grpo_config(tiny_model_dir, tiny_prompt_data, tmp_path / "resumed", **over,
-                      actor_config__load=str(tmp_path / "resumed" / "ckpt")))
+    train(grpo_config(model, data, tmp_path / "resumed", **over, actor_config__load=str(tmp_path / "resumed" / "ckpt")))
     a, b = read_metrics(tmp_path / "straight" / "run"), read_metrics(tmp_path / "resumed" / "run")
     for it in (3, 4):
         for key, value in comparable(a[it]).items():
             assert b[it][key] == pytest.approx(value, rel=1e-5, abs=1e-7), (it, key)
+    return a, b
+
+
+def test_a_resume_in_the_middle_of_an_async_run_repeats_it(tiny_model_dir, tiny_prompt_data, tmp_path, monkeypatch):
+    from posttrain.trainers.onpolicy import IN_FLIGHT
+
+    straight_and_resumed(tiny_model_dir, tiny_prompt_data, tmp_path, monkeypatch,
+                         {**COMMON, "rl_config__async_staleness": 1})
+    saved = torch.load(tmp_path / "resumed" / "ckpt" / "iter_0000002" / IN_FLIGHT, weights_only=False)
+    assert sorted(saved) == [3, 4]  # sampled with versions 1 and 2 before the interruption
 
 
 def test_a_bf16_rollout_differs_from_the_fp32_trainer_and_mis_masks_it(tiny_model_dir, tiny_prompt_data, tmp_path):
@@ -111,30 +119,10 @@ PARTIAL = {**COMMON, "rl_config__partial_rollout_max_split": 4,
 
 def test_partial_rollout_resumes_exactly_and_no_sample_outlives_the_split(tiny_model_dir, tiny_prompt_data, tmp_path,
                                                                           monkeypatch):
-    from posttrain.trainers.onpolicy import OnPolicyTrainer
     from posttrain.trainers.partial_rollout import STATE_FILE
-    from posttrain.trainers.stages import train
 
-    torch.set_num_threads(1)
-    train(grpo_config(tiny_model_dir, tiny_prompt_data, tmp_path / "straight", **PARTIAL))
-    step = OnPolicyTrainer.train_step
-
-    def stop_at_three(self, iteration):
-        if iteration == 3:
-            raise Interrupt
-        return step(self, iteration)
-
-    monkeypatch.setattr(OnPolicyTrainer, "train_step", stop_at_three)
-    with pytest.raises(Interrupt):
-        train(grpo_config(tiny_model_dir, tiny_prompt_data, tmp_path / "resumed", **PARTIAL))
+    a, _ = straight_and_resumed(tiny_model_dir, tiny_prompt_data, tmp_path, monkeypatch, PARTIAL)
     assert (tmp_path / "resumed" / "ckpt" / "iter_0000002" / STATE_FILE).is_file()
-    monkeypatch.setattr(OnPolicyTrainer, "train_step", step)
-    train(grpo_config(tiny_model_dir, tiny_prompt_data, tmp_path / "resumed", **PARTIAL,
-                      actor_config__load=str(tmp_path / "resumed" / "ckpt")))
-    a, b = read_metrics(tmp_path / "straight" / "run"), read_metrics(tmp_path / "resumed" / "run")
-    for it in (3, 4):
-        for key, value in comparable(a[it]).items():
-            assert b[it][key] == pytest.approx(value, rel=1e-5, abs=1e-7), (it, key)
     assert max(a[it]["rollout/age_max"] for it in a) >= 1  # groups waited in the dock
     assert all(a[it]["rollout/age_max"] <= 3 and a[it]["rollout/staleness_max"] <= 3 for it in a)
     assert all(a[it]["rollout/dropped_stale"] == 0 for it in a)

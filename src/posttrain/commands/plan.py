@@ -33,6 +33,8 @@ def format_plan(plan: Plan) -> str:
     ]
     if plan.multi_turn:
         rows.append(("multi-turn rollout", plan.multi_turn))
+    if plan.off_policy_rollout:
+        rows.append(("off-policy rollout", plan.off_policy_rollout))
     if plan.train_iters:
         rows.append(("iterations", f"{plan.train_iters}  ({plan.train_iters * plan.prompts_per_iteration:,} "
                                    f"prompts in all)"))

@@ -1,9 +1,10 @@
-"""The off-policy keys of ``rl_config``: ``async_staleness``, ``partial_rollout_max_split`` (with
-``require_max_age_all_finished``) and ``rollout_correction*``.
+"""The off-policy keys of ``rl_config``: ``async_staleness``, ``use_integrated_worker``,
+``partial_rollout_max_split`` (with ``require_max_age_all_finished``) and ``rollout_correction*``.
 
 ``async_staleness: k`` runs the rollout of iteration ``i`` with the policy of iteration
 ``max(0, i - 1 - k)`` on a second copy of the weights, in a thread, while the trainer updates
-(:mod:`posttrain.trainers.pipeline`). ``partial_rollout_max_split: N`` splits long generations
+(:mod:`posttrain.trainers.pipeline`); ``use_integrated_worker: false`` puts that replica in a Ray
+worker process (:mod:`posttrain.cluster.rollout_worker`). ``partial_rollout_max_split: N`` splits long generations
 over iterations (:mod:`posttrain.trainers.partial_rollout`). ``rollout_correction`` weights or masks the policy loss by
 the ratio between the trainer's old log-probs and the rollout's (:mod:`posttrain.algo.rollout_correction`).
 docs/async.md has the modes and their guarantees.
@@ -33,22 +34,14 @@ def check_async(cfg: RunConfig, *, on_policy: bool, backend: str, use_ray: bool)
                           f"ratio at C; mis keeps tokens whose ratio is in [1/C, C])")
     check_partial_rollout(cfg, backend=backend, use_ray=use_ray)
     k = rl.async_staleness
-    if k is None:
-        return []
-    if k < 0:
+    if k is not None and k < 0:
         raise ConfigError(f"rl_config.async_staleness={k}: must be >= 0 (0: the rollout uses the latest weights; "
                           f"k: weights at most k updates old); remove the key for synchronous training")
-    if not on_policy:
-        raise ConfigError("rl_config.async_staleness is for the on-policy stages (grpo, dapo, ppo); remove it")
-    refused = [(use_ray, "on Ray (separate rollout and trainer workers) is not built yet; run it in one process "
-                         "(no actor_resource.num_npus > 1, no ray_address)"),
-               (rl.rollout_engine != "native", f"runs on the native rollout engine, not {rl.rollout_engine!r}"),
-               (backend != "hf", "runs on the hf training backend (the rollout copy is an HF model)"),
-               (bool(cfg.actor.lora_target_modules), "with LoRA is not supported yet (the rollout copy would merge "
-                                                     "the adapter); remove lora_target_modules or async_staleness")]
-    for bad, why in refused:
-        if bad:
-            raise ConfigError(f"rl_config.async_staleness {why}")
+    for key, active in (("async_staleness", k is not None), ("use_integrated_worker: false", not rl.use_integrated_worker)):
+        if active:
+            _check_rollout_replica(cfg, key, on_policy=on_policy, backend=backend, use_ray=use_ray)
+    if k is None:
+        return []
     warnings = []
     if k == 0:
         warnings.append("rl_config.async_staleness=0: every rollout waits for the latest weights, so rollout and "
@@ -58,6 +51,26 @@ def check_async(cfg: RunConfig, *, on_policy: bool, backend: str, use_ray: bool)
         warnings.append("rl_config.async_staleness: a run of one iteration has nothing to overlap; it runs "
                         "synchronously")
     return warnings
+
+
+def _check_rollout_replica(cfg: RunConfig, key: str, *, on_policy: bool, backend: str, use_ray: bool) -> None:
+    """The rollout on a replica of the weights (a copy, or a rollout worker process) runs where
+    the replica is an HF model that the native engine samples from."""
+    import importlib.util
+
+    rl = cfg.rl
+    refused = [(not on_policy, "is for the on-policy stages (grpo, dapo, ppo), which roll out; remove it"),
+               (use_ray, "with Ray actor workers is not built yet: the trainer runs in this process (no "
+                         "actor_resource.num_npus > 1, no ray_address)"),
+               (rl.rollout_engine != "native", f"runs on the native rollout engine, not {rl.rollout_engine!r}"),
+               (backend != "hf", "runs on the hf training backend (the rollout replica is an HF model)"),
+               (bool(cfg.actor.lora_target_modules), f"with LoRA is not supported yet (the rollout replica would merge "
+                                                     f"the adapter); remove lora_target_modules or {key}"),
+               (not rl.use_integrated_worker and importlib.util.find_spec("ray") is None,
+                "puts the rollout in a Ray worker process, but ray is not installed: pip install 'posttrain[ray]'")]
+    for bad, why in refused:
+        if bad:
+            raise ConfigError(f"rl_config.{key} {why}")
 
 
 def check_partial_rollout(cfg: RunConfig, *, backend: str, use_ray: bool) -> None:

@@ -121,6 +121,7 @@ class Plan:
     offload_grads: bool = False  # the gradients freed between updates (actor, critic)
     lora: bool = False  # the actor trains a LoRA adapter (lora_target_modules; hf backend)
     multi_turn: str = ""  # multi_turn_enable: the tools and limits, in words (posttrain plan prints it)
+    off_policy_rollout: str = ""  # async_staleness, separated rollout, partial rollout: in words (docs/async.md)
     warnings: tuple[str, ...] = ()
     arch: ModelArch | None = None
     num_params: int | None = None
@@ -140,6 +141,23 @@ def _multi_turn_line(cfg: RunConfig) -> str:
     return (f"tools of {rl.tool_config_path}; at most {rl.max_tool_calls} calls per sample "
             f"({rl.max_parallel_calls or 'all'} per turn), {cfg.generate.sampling_config.max_tokens} tokens per turn, "
             f"{rl.max_total_response_length} per response")
+
+
+def _off_policy_line(cfg: RunConfig) -> str:
+    """Where the rollout runs and with which weights, when that is not the synchronous default."""
+    rl = cfg.rl
+    parts = []
+    if rl.async_staleness is not None or not rl.use_integrated_worker:
+        where = "a Ray rollout worker process" if not rl.use_integrated_worker else "a rollout thread on a weight copy"
+        k = rl.async_staleness or 0
+        parts.append(f"{where}; iteration i samples with the weights of iteration max(0, i - 1 - {k})")
+    if rl.partial_rollout_max_split > 1:
+        max_tokens = cfg.generate.sampling_config.max_tokens
+        parts.append(f"partial rollout: rounds of {max(1, max_tokens // rl.partial_rollout_max_split)} tokens, "
+                     f"a sample waits at most {rl.partial_rollout_max_split - 1} iterations")
+    if rl.rollout_correction != "none":
+        parts.append(f"{rl.rollout_correction} correction, C = {rl.rollout_correction_cap}")
+    return "; ".join(parts)
 
 
 def resolve_plan(cfg: RunConfig, arch: ModelArch | None = None, *, device: str | None = None) -> Plan:
@@ -293,6 +311,7 @@ def build_plan(cfg: RunConfig, layout: Layout, arch: ModelArch | None = None, *,
         offload_grads=on_policy and gen.offload_train_grad,
         warnings=warnings, arch=arch, reward_model=reward_model_options(cfg, device, on_policy=on_policy),
         parallel=parallel, multi_turn=_multi_turn_line(cfg) if on_policy else "",
+        off_policy_rollout=_off_policy_line(cfg) if on_policy else "",
     )
     if arch is not None:
         plan = _replace(plan, num_params=arch.num_params(), memory=estimate_memory(cfg, plan, arch))
@@ -313,10 +332,12 @@ def _with_forward(engine: EngineOptions, budgets: dict[str, TokenBudget] | None,
 
 def off_policy(cfg: RunConfig) -> bool:
     """Whether the rollout's policy may differ from the trainer's, so the old log-probs are computed
-    (never the on-policy skip) and compared with the rollout's: asynchronous training, partial
-    rollout, or a rollout correction asked for (docs/async.md)."""
+    (never the on-policy skip) and compared with the rollout's: asynchronous training, a rollout
+    worker of its own (``use_integrated_worker: false``), partial rollout, or a rollout correction
+    asked for (docs/async.md)."""
     rl = cfg.rl
-    return rl.async_staleness is not None or rl.rollout_correction != "none" or rl.partial_rollout_max_split > 1
+    return (rl.async_staleness is not None or not rl.use_integrated_worker or rl.rollout_correction != "none"
+            or rl.partial_rollout_max_split > 1)
 
 
 def actor_loss_options(cfg: RunConfig, stage: Stage, temperature: float) -> dict[str, Any]:

@@ -36,8 +36,7 @@ EAGER = ignored("the rollout engines run eagerly (no graph capture)", ok=(True,)
 LOGPROBS = ignored("the engines return the sampled token's log-prob only", ok=(None, 0, 1))
 DETOKENIZE = ignored("the engines return token ids; the reward step decodes them")
 
-INTEGRATED = refused("separate actor, reference and reward workers are not available yet (the actor, rollout and "
-                     "reference always share one worker)", "remove the key or set it to true")
+INTEGRATED = HONOURED  # false: the rollout in its own Ray worker process (posttrain.config.async_rollout checks it)
 BLOCKING = refused("asynchronous (non-blocking) execution of the roles is not implemented yet (the phases run one "
                    "after another)", "remove the key or set it to true")
 REFERENCE_RESOURCE = refused("a reference on its own devices is not available yet (the reference shares the actor's "
@@ -151,7 +150,9 @@ class RLConfig(Section):
     guarantee_order: bool = F(False, "deterministic TransferDock order", HONOURED)
     num_cpus_for_local_task: float = F(1, "CPUs per rule-reward Ray task", RAY_CPUS)
     num_cpus_for_placement_group: int = F(8, "CPUs per device bundle", RAY_CPUS)
-    use_integrated_worker: bool = F(True, "actor, rollout and reference colocated in one worker", INTEGRATED)
+    use_integrated_worker: bool = F(True, "actor, rollout and reference colocated in one worker; false: the rollout "
+                                          "in its own Ray worker process, the trainer (with the reference) in this "
+                                          "one (docs/async.md)", INTEGRATED)
     use_dp_batch_balance: bool = F(False, "sequence-length-balanced data-parallel split", DP_BALANCE)
     ref_forward_micro_batch_size: Opt[int] = F(None, "reference log-prob micro batch", HONOURED)
     actor_forward_micro_batch_size: Opt[int] = F(None, "old log-prob micro batch", HONOURED)

@@ -74,7 +74,7 @@ class OnPolicyTrainer:
     def fit(self) -> dict[str, float]:
         s, last = self.s, {}
         try:
-            if self.cfg.rl.async_staleness is not None:
+            if self.cfg.rl.async_staleness is not None or not self.cfg.rl.use_integrated_worker:
                 self.pipeline = self.start_pipeline()
             for iteration in range(s.iteration + 1, self.plan.train_iters + 1):
                 last = self.train_step(iteration)
@@ -146,23 +146,30 @@ class OnPolicyTrainer:
         return exp
 
     def start_pipeline(self):
+        """The rollout thread, with a copy of the weights in this process or, with
+        ``use_integrated_worker: false``, a rollout worker process on Ray."""
         from posttrain.roles.policy import build_rollout
-        from posttrain.trainers.pipeline import RolloutPipeline
+        from posttrain.trainers.pipeline import LocalReplica, RolloutPipeline
 
-        s, start = self.s, self.s.iteration
+        s, start, rl = self.s, self.s.iteration, self.cfg.rl
         saved = s.trainer_state.get("async_staleness", None) if start else None
         in_flight = {}
         path = s.trainer_state.get("checkpoint_dir")
         if start and path and (Path(path) / IN_FLIGHT).is_file():
-            if saved != self.cfg.rl.async_staleness:
+            if saved != rl.async_staleness:
                 raise ConfigError(f"{path} was saved by a run with rl_config.async_staleness={saved}; resume it with "
                                   f"the same value (its in-flight samples were drawn for it), or start a new run")
             in_flight = torch.load(Path(path) / IN_FLIGHT, weights_only=False)
         p = s.policy
-        return RolloutPipeline(self.produce, p.model,
-                               lambda model: build_rollout(self.cfg, self.plan, model, p.tokenizer, p.stop_token_ids),
-                               staleness=self.cfg.rl.async_staleness, start=start, last=self.plan.train_iters,
-                               in_flight=in_flight)
+        if rl.use_integrated_worker:
+            replica = LocalReplica(p.model, lambda m: build_rollout(self.cfg, self.plan, m, p.tokenizer,
+                                                                    p.stop_token_ids))
+        else:
+            from posttrain.cluster.rollout_worker import RemoteReplica
+
+            replica = RemoteReplica(self.cfg, self.plan, p.model)
+        return RolloutPipeline(self.produce, replica, staleness=rl.async_staleness or 0, start=start,
+                               last=self.plan.train_iters, in_flight=in_flight)
 
     @contextlib.contextmanager
     def checkpoint_files(self, iteration: int | None = None):

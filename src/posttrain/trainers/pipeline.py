@@ -1,7 +1,9 @@
-"""Asynchronous rollout with bounded staleness (``rl_config.async_staleness: k``), in one process.
+"""Asynchronous rollout with bounded staleness (``rl_config.async_staleness: k``).
 
-A thread produces the experience of iteration ``j`` (prompts, rollout, rewards) on its own copy of
-the weights while the trainer learns from iteration ``j - 1``. The copy holds *version* ``v``: the
+A thread produces the experience of iteration ``j`` (prompts, rollout, rewards) with its own
+replica of the weights while the trainer learns from iteration ``j - 1``: a copy in this process,
+or, with ``use_integrated_worker: false``, a rollout worker process on Ray (the seed's separated
+placement), where the sampling does not share this process's interpreter and cores. The copy holds *version* ``v``: the
 weights after ``v`` updates. Iteration ``j`` always samples with version::
 
     need(j) = max(start, j - 1 - k)
@@ -32,27 +34,42 @@ import torch
 log = logging.getLogger(__name__)
 
 
+class LocalReplica:
+    """The rollout's copy of the weights in this process, sampled by the rollout thread."""
+
+    def __init__(self, model, build_engine: Callable[[Any], Any]):
+        self.model = copy.deepcopy(model)
+        for p in self.model.parameters():
+            p.requires_grad_(False)
+        self.engine = build_engine(self.model)
+
+    def load(self, state: dict[str, torch.Tensor]) -> None:
+        with torch.no_grad():
+            self.model.load_state_dict(state)
+
+    def close(self) -> None:
+        pass
+
+
 class RolloutPipeline:
-    """The rollout thread and its copy of the weights (see the module docstring).
+    """The rollout thread and its replica of the weights (see the module docstring).
 
     Args:
         produce: ``produce(iteration, engine, version) -> experience`` (runs in the thread).
-        model: the trained model; copied once, and the copy is what the thread samples with.
-        build_engine: ``build_engine(model_copy) -> rollout engine``.
+        replica: the weights the thread samples with, and their engine: a :class:`LocalReplica`,
+            or a rollout worker process (:class:`posttrain.cluster.rollout_worker.RemoteReplica`).
+            It holds the trainer's weights now.
         staleness: ``k >= 0``.
-        start: the version of ``model`` now (the iteration the run starts after).
+        start: the version of the weights now (the iteration the run starts after).
         last: the last iteration to produce.
         in_flight: finished experiences of a resumed run (iteration -> experience).
     """
 
-    def __init__(self, produce: Callable[[int, Any, int], Any], model, build_engine: Callable[[Any], Any], *,
-                 staleness: int, start: int, last: int, in_flight: dict[int, Any] | None = None):
+    def __init__(self, produce: Callable[[int, Any, int], Any], replica, *, staleness: int, start: int, last: int,
+                 in_flight: dict[int, Any] | None = None):
         self.produce, self.k, self.start, self.last = produce, staleness, start, last
-        self.copy = copy.deepcopy(model)
-        for p in self.copy.parameters():
-            p.requires_grad_(False)
-        self.engine = build_engine(self.copy)
-        self.loaded = start  # the version the copy holds
+        self.replica, self.engine = replica, replica.engine
+        self.loaded = start  # the version the replica holds
         self.published = start  # the newest version handed over
         self.snapshots: dict[int, dict[str, torch.Tensor]] = {}
         self.done: dict[int, Any] = dict(in_flight or {})
@@ -110,10 +127,14 @@ class RolloutPipeline:
                 self.cond.notify_all()
 
     def close(self) -> None:
+        """Stop the thread (after the iteration it is producing) and the replica (once)."""
         with self.cond:
             self.stopped = True
             self.cond.notify_all()
         self.thread.join()
+        replica, self.replica = self.replica, None
+        if replica is not None:
+            replica.close()
 
     # ---- the thread --------------------------------------------------------------------------
     def _can_start(self) -> bool:
@@ -157,7 +178,6 @@ class RolloutPipeline:
         if snapshot is None:
             return None
         began = time.time()
-        with torch.no_grad():
-            self.copy.load_state_dict(snapshot)
+        self.replica.load(snapshot)
         self.loaded = version
         return began, time.time()

@@ -61,8 +61,10 @@ def test_staleness_zero_and_a_single_iteration_say_that_nothing_overlaps():
     (["rl_config.partial_rollout_max_split=0"], "rl_config.partial_rollout_max_split=0: must be >= 1"),
     (["rl_config.partial_rollout_max_split=65"], "more than sampling_config.max_tokens=64"),
     (["rl_config.async_staleness=1", "rl_config.rollout_engine=vllm"], "async_staleness runs on the native"),
+    (["rl_config.use_integrated_worker=false", "rl_config.rollout_engine=vllm"], "use_integrated_worker: false runs on"),
+    (["rl_config.use_integrated_worker=false", "rl_config.actor_resource.num_npus=2"], "with Ray actor workers is not"),
     (["rl_config.partial_rollout_max_split=2", "rl_config.rollout_engine=vllm"], "runs on the native rollout engine"),
-    (["rl_config.async_staleness=1", "rl_config.actor_resource.num_npus=2"], "on Ray (separate rollout and trainer"),
+    (["rl_config.async_staleness=1", "rl_config.actor_resource.num_npus=2"], "with Ray actor workers is not built yet"),
     (["rl_config.partial_rollout_max_split=2", "rl_config.actor_resource.num_npus=2"], "on Ray is not built yet"),
     (["rl_config.async_staleness=1", "actor_config.lora_target_modules=[linear_qkv]", "actor_config.lora_r=4"],
      "with LoRA is not supported yet"),
@@ -81,7 +83,7 @@ def test_partial_rollout_with_dynamic_sampling_is_refused():
 
 @pytest.mark.parametrize("overrides, computed", [
     ([], False), (["rl_config.async_staleness=0"], True), (["rl_config.rollout_correction=tis"], True),
-    (["rl_config.partial_rollout_max_split=2"], True),
+    (["rl_config.partial_rollout_max_split=2"], True), (["rl_config.use_integrated_worker=false"], True),
 ])
 def test_the_old_logprobs_are_computed_whenever_the_rollout_may_be_off_policy(overrides, computed):
     assert off_policy(config(overrides)) is computed

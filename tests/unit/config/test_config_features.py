@@ -81,8 +81,6 @@ CASES = [
     (["rl_config.vit_forward_micro_batch_size=2"], f"rl_config.vit_forward_micro_batch_size=2: {MM}", "remove the key"),
     (["rl_config.actor_image_embeds_dispatch_size=4"], f"rl_config.actor_image_embeds_dispatch_size=4: {MM}",
      "remove the key"),
-    (["rl_config.use_integrated_worker=false"], "rl_config.use_integrated_worker=false: separate actor, reference",
-     "remove the key or set it to true"),
     (["rl_config.reference_resource.num_npus=1"], "rl_config.reference_resource={num_npus: 1}: ", "remove the key"),
     (["rl_config.reward_resource.num_npus=2"],
      "rl_config.reward_resource={num_npus: 2}: the reward model runs on the actor's devices",

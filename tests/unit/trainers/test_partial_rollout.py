@@ -73,7 +73,7 @@ def test_a_sample_continued_over_rounds_is_the_sample_generated_whole(engine):
 
 def test_the_oldest_groups_go_first_and_none_outlives_the_split(engine):
     p, batches = pool(4), [PROMPTS[i:i + 2] * 1 for i in range(0, 6, 2)] * 4
-    seen_ages = []
+    seen_ages, carried, spanned = [], 0, 0
     for iteration in range(1, 7):
         feed(p, batches)
         p.fill(engine, SamplingParams(**{**SAMPLING.__dict__, "seed": iteration}), [], version=iteration - 1)
@@ -82,7 +82,11 @@ def test_the_oldest_groups_go_first_and_none_outlives_the_split(engine):
         assert all(0 < r.numel() <= MAX_TOKENS for r in batch["responses"])
         seen_ages.append(metrics["rollout/age_max"])
         assert all(age <= 3 for age in p._ages().values())  # the next iteration finishes any group at age N - 1
+        spanned += sum(int(v) < iteration - 1 for v in batch["policy_version"])  # begun in an earlier iteration
+        carried += sum(1 for r in range(p.dock.max_len) if p.dock.cell("responses", r) is not None
+                       and p.dock.cell("responses", r).numel() and not int(p.dock.cell("finished", r)))
     assert max(seen_ages) >= 1  # groups did wait
+    assert carried > 0 and spanned > 0  # unfinished samples were kept, and trained on in a later iteration
 
 
 def test_the_dock_state_round_trips(engine):

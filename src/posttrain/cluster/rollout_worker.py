@@ -1,0 +1,103 @@
+"""The separated placement (``rl_config.use_integrated_worker: false``): rollout in its own process.
+
+A :class:`RolloutWorker` is a Ray actor that holds a replica of the actor's weights and the rollout
+engine on them; the trainer stays in the driver process. After each update the trainer's weights
+travel to the worker (:meth:`RemoteReplica.load`, timed as ``timing/resharding_to_infer``), and the
+rollout thread of :class:`~posttrain.trainers.pipeline.RolloutPipeline` calls
+:meth:`RemoteEngine.generate`, which waits on Ray while the trainer computes: sampling and training
+run in two processes, on their own cores. Synchronous unless ``rl_config.async_staleness >= 1``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from posttrain.cluster.remote import gather
+
+
+class RolloutWorker:
+    """The rollout replica's process (created with ``ray.remote``)."""
+
+    def __init__(self, cpus: int):
+        torch.set_num_threads(max(1, int(cpus)))
+        self.model = self.engine = None
+
+    def setup(self, cfg, plan, state: dict[str, torch.Tensor], cwd: str) -> None:
+        """The actor's model and rollout engine, with the trainer's weights ``state``."""
+        from posttrain.roles.policy import build_actor_model, build_rollout, rollout_stop_ids
+
+        os.chdir(cwd)  # relative paths of the config (templates, tools) resolve as on the driver
+        model, tokenizer, _ = build_actor_model(cfg.actor, plan.device)
+        for p in model.parameters():
+            p.requires_grad_(False)
+        self.model = model
+        self.load(state)
+        self.engine = build_rollout(cfg, plan, model, tokenizer, rollout_stop_ids(tokenizer, cfg.actor))
+
+    def load(self, state: dict[str, torch.Tensor]) -> None:
+        with torch.no_grad():
+            self.model.load_state_dict(state)
+
+    def generate(self, *args, **kwargs) -> list:
+        return self.engine.generate(*args, **kwargs)
+
+    def pop_metrics(self) -> dict[str, float]:
+        pop = getattr(self.engine, "pop_metrics", None)
+        return pop() if pop is not None else {}
+
+
+class RemoteEngine:
+    """The worker's engine, called from the driver: the rollout engine's ``generate``."""
+
+    def __init__(self, replica: "RemoteReplica"):
+        self.replica = replica
+
+    def generate(self, *args, **kwargs) -> list:
+        return self.replica.call("rollout", "generate", *args, **kwargs)
+
+    def pop_metrics(self) -> dict[str, float]:
+        return self.replica.call("rollout metrics", "pop_metrics")
+
+
+class RemoteReplica:
+    """One rollout worker process with ``rl_config.ray_num_cpus_per_worker`` CPUs (or a GPU)."""
+
+    def __init__(self, cfg, plan, model):
+        import ray
+
+        from posttrain.cluster import launch
+
+        self.timeout_s = float(cfg.rl.ray_timeout_s)
+        self.owns_ray = launch.connect(cfg)
+        self.handle = None
+        try:
+            cpus = cfg.rl.ray_num_cpus_per_worker
+            gpu = plan.device.startswith("cuda")
+            options = {"num_cpus": 1 if gpu else cpus, "num_gpus": 1 if gpu else 0, "max_restarts": 0}
+            self.handle = ray.remote(RolloutWorker).options(**options).remote(cpus)
+            state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+            self.call("rollout worker set-up", "setup", cfg, plan, state, os.getcwd())
+        except BaseException:
+            self.close()
+            raise
+        self.engine = RemoteEngine(self)
+
+    def call(self, what: str, method: str, *args, **kwargs) -> Any:
+        return gather([getattr(self.handle, method).remote(*args, **kwargs)], ["the rollout worker"], what,
+                      self.timeout_s)[0]
+
+    def load(self, state: dict[str, torch.Tensor]) -> None:
+        self.call("weight sync", "load", {k: v.cpu() for k, v in state.items()})
+
+    def close(self) -> None:
+        import ray
+
+        handle, self.handle = self.handle, None
+        if handle is not None:
+            ray.kill(handle)
+        if self.owns_ray:
+            self.owns_ray = False
+            ray.shutdown()
