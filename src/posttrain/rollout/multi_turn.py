@@ -175,6 +175,8 @@ class _Row:
 
 
 class MultiTurnEngine(NativeEngine):
+    supports_rounds = False  # its per-row loop has its own limits (TurnLimits)
+
     """The native engine with tool turns (see the module docstring).
 
     Args (beyond :class:`NativeEngine`'s):

@@ -53,6 +53,9 @@ class WaveRows:
 
     states: torch.Tensor
     offsets: torch.Tensor
+    caps: torch.Tensor | None = None  # the most new tokens of each row (default: sampling.max_tokens)
+    stop_when: Any = None  # ends the wave when it returns True, asked every stop_every steps
+    stop_every: int = 0
 
 
 @dataclass
@@ -93,6 +96,9 @@ class RowKeys:
 class NativeEngine:
     """``RolloutEngine`` on a PyTorch/HF causal LM. See the module docstring for the algorithm."""
 
+    #: ``generate`` takes ``max_new_tokens`` and ``stop_when`` (partial rollout's rounds in one decode)
+    supports_rounds = True
+
     def __init__(self, model: Any, *, pad_token_id: int, eos_token_ids: list[int] | int | None,
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 8192, dtype: str = "float32",
                  compact_fraction: float = 0.125):
@@ -118,7 +124,8 @@ class NativeEngine:
     def generate(self, prompt_token_ids: list[list[int]], n: int, sampling: SamplingParams,
                  stop_token_ids: list[int] | None = None, prompt_keys: list[int] | None = None,
                  sample_offsets: list[int] | None = None,
-                 position_offsets: list[int] | None = None) -> list[list[RolloutOutput]]:
+                 position_offsets: list[int] | None = None, max_new_tokens: list[int] | None = None,
+                 stop_when=None, stop_every: int = 0) -> list[list[RolloutOutput]]:
         """Sample ``n`` responses per prompt; outer list = prompts (in order), inner = samples.
 
         Token ``t`` of sample ``j`` of prompt ``i`` is drawn with the uniform keyed by
@@ -127,9 +134,17 @@ class NativeEngine:
         on the other prompts of the call. A continued response (partial rollout, multi-turn) passes
         the number of response tokens it already has as its position offset. ``sampling.seed=None``
         draws one seed per call from torch's global generator.
+
+        ``max_new_tokens[i]`` caps prompt ``i``'s samples below ``sampling.max_tokens``.
+        ``stop_when(finished)``, asked every ``stop_every`` decode steps with one bool per sample row
+        (prompt-major), ends the whole call when it returns True: rows not finished then return the
+        tokens they have (finish reason ``"length"``). It needs the call to fit one wave
+        (``max_num_seqs`` rows).
         """
         if n < 1:
             raise ConfigError(f"rl_config.n_samples_per_prompt={n}: must be >= 1.")
+        if (stop_when is not None or max_new_tokens is not None) and not self.supports_rounds:
+            raise ConfigError(f"{type(self).__name__}.generate does not take max_new_tokens or stop_when")
         for i, prompt in enumerate(prompt_token_ids):
             if len(prompt) == 0:
                 raise DataError(f"prompt {i} is empty: every prompt needs at least one token.")
@@ -140,11 +155,18 @@ class NativeEngine:
         stops = torch.tensor(sorted(set(self.eos_token_ids) | set(stop_token_ids or [])),
                              dtype=torch.long, device=self.device)
         waves = plan_waves([len(p) for p in prompt_token_ids], n, self.max_num_seqs)
+        if stop_when is not None and (len(waves) > 1 or stop_every < 1):
+            raise ConfigError(f"generate(stop_when=...) needs one wave (at most max_num_seqs={self.max_num_seqs} "
+                              f"rows, got {len(prompt_token_ids) * n}) and stop_every >= 1 (got {stop_every})")
+        caps = [sampling.max_tokens] * len(prompt_token_ids) if max_new_tokens is None else \
+            [min(int(c), sampling.max_tokens) for c in max_new_tokens]
         with self._generation_mode():
             for wave in waves:
                 prompts = [prompt_token_ids[i] for i, _ in wave]
                 counts = [c for _, c in wave]
                 rows = keys.rows(wave, [len(results[i]) for i, _ in wave], self.device)
+                rows.caps = torch.tensor([caps[i] for i, c in wave for _ in range(c)], device=self.device)
+                rows.stop_when, rows.stop_every = stop_when, stop_every
                 for (idx, _), outs in zip(wave, self._run_wave(prompts, counts, sampling, stops, rows)):
                     results[idx].extend(outs)
         return results
@@ -233,8 +255,19 @@ class NativeEngine:
                 out_len[active[hit]] = step + 1
                 out_stop[active[hit]] = True
                 finished |= hit
+            if rows.caps is not None:  # a row at its own cap ends ("length")
+                capped = (rows.caps[active] <= step + 1) & ~finished
+                if bool(capped.any()):
+                    out_len[active[capped]] = step + 1
+                    finished |= capped
             if step + 1 == max_tokens or bool(finished.all()):
                 break
+            if rows.stop_when is not None and (step + 1) % rows.stop_every == 0:
+                done = torch.ones(num_rows, dtype=torch.bool, device=device)  # compacted rows are finished
+                done[active] = finished
+                if rows.stop_when(done.tolist()):
+                    out_len[active[~finished]] = step + 1
+                    break
             num_done = int(finished.sum())
             if num_done and num_done >= self.compact_fraction * finished.numel():
                 keep = (~finished).nonzero().squeeze(1)

@@ -37,13 +37,14 @@ def new_dock(rows: int, n: int, *, guarantee_order: bool, seed: int, extra_colum
                         guarantee_order=guarantee_order, seed=seed)
 
 
-def read_batch(td: TransferDock, consumer: str, columns: Sequence[str], count: int, *, pad_token_id: int,
-               device=None) -> tuple[dict[str, torch.Tensor], list[int], list[int]]:
-    """``count`` rows for ``consumer`` as a training batch (the layout of :func:`build_batch` plus
-    the per-token ``columns`` as ``[B, R]``), their dock indexes and their response lengths."""
+def read_batch(td: TransferDock, consumer: str, columns: Sequence[str], count: int | None, *, pad_token_id: int,
+               device=None, indexes: Sequence[int] | None = None) -> tuple[dict[str, torch.Tensor], list[int], list[int]]:
+    """``count`` rows (or the rows ``indexes``) for ``consumer`` as a training batch (the layout of
+    :func:`build_batch` plus the per-token ``columns`` as ``[B, R]``), their dock indexes and their
+    response lengths."""
     tool_mask = "response_mask" in td.columns  # multi-turn: 0 on tool tokens
     read = ["prompts", "responses", "response_length", *columns, *(["response_mask"] if tool_mask else [])]
-    batch, idx = td.get(consumer, read, count)
+    batch, idx = td.get(consumer, read, count, indexes=indexes)
     tensors = build_batch(batch["prompts"], batch["responses"], pad_token_id=pad_token_id)
     width = tensors["response_mask"].shape[1]
     if tool_mask:

@@ -369,8 +369,9 @@ class OnPolicyTrainer:
         with ``rl_config.rollout_correction`` put the per-token weights the update applies. With
         ``async_staleness`` a sample more than ``k`` versions old is dropped here (weight 0)."""
         rl = self.cfg.rl
-        batch, idx, lengths = read_batch(td, "rollout_correction", ["old_logprobs", "rollout_logprobs"], td.max_len,
-                                         pad_token_id=self.s.policy.pad_token_id)
+        batch, idx, lengths = read_batch(td, "rollout_correction", ["old_logprobs", "rollout_logprobs"], None,
+                                         pad_token_id=self.s.policy.pad_token_id,
+                                         indexes=range(td.max_len))  # in order: the dock's row-choice draws stay the update's
         weights, mask, metrics = rollout_correction(batch["old_logprobs"], batch["rollout_logprobs"],
                                                     batch["response_mask"], mode=rl.rollout_correction,
                                                     cap=rl.rollout_correction_cap, level=rl.rollout_correction_level)

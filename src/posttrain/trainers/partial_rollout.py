@@ -62,11 +62,46 @@ class PartialRollout:
             [0] * len(rows), [0] * len(rows)])
 
     def fill(self, engine, sampling, stop_token_ids: list[int], version: int) -> None:
-        """Rounds of generation with ``engine`` (weights ``version``) until an update is ready."""
+        """Rounds of generation with ``engine`` (weights ``version``) until an update is ready: in
+        one decode that keeps its KV cache and stops at the first round boundary where the update
+        is ready, when the engine can (the native engine, every unfinished sample in one wave);
+        else one ``generate`` per round, each re-prefilling the samples it continues."""
         self.rounds = 0
         while not self.update_ready():
-            self.round(engine, sampling, stop_token_ids, version)
-            self.rounds += 1
+            if getattr(engine, "supports_rounds", False) and len(self._unfinished()) <= engine.max_num_seqs:
+                self.decode(engine, sampling, stop_token_ids, version)
+            else:
+                self.round(engine, sampling, stop_token_ids, version)
+                self.rounds += 1
+
+    def decode(self, engine, sampling, stop_token_ids: list[int], version: int) -> None:
+        """Every unfinished sample in one decode (one prefill of its prompt and partial response),
+        each up to the rest of its budget, checked every ``max_tokens // N`` tokens: the decode
+        ends at the first check where the update is ready. Within an iteration the weights do not
+        change, so the rounds share the KV cache. (A group of age ``N - 1`` decodes in step with the
+        others here, where :meth:`round` gives it its whole budget in the first round.)"""
+        cell, rows = self.dock.cell, self._unfinished()
+        done_before = {r for g in self._occupied() for r in range(g * self.n, (g + 1) * self.n)
+                       if int(cell("finished", r))}
+        ages = self._ages()
+
+        def ready(finished: list[bool]) -> bool:
+            done = done_before | {r for r, f in zip(rows, finished) if f}
+            complete = [g for g in self._occupied() if all(r in done for r in range(g * self.n, (g + 1) * self.n))]
+            oldest_done = not self.require_oldest or all(
+                g in complete for g in self._occupied() if ages[g] >= self.max_age - 1)
+            return len(complete) >= self.gbs and oldest_done
+
+        outs = engine.generate([cell("prompts", r).tolist() + cell("responses", r).tolist() for r in rows], 1,
+                               sampling, stop_token_ids, prompt_keys=[r // self.n for r in rows],
+                               sample_offsets=[r % self.n for r in rows],
+                               position_offsets=[cell("responses", r).numel() for r in rows],
+                               max_new_tokens=[self.max_tokens - cell("responses", r).numel() for r in rows],
+                               stop_when=ready, stop_every=self.budget)
+        for r, group in zip(rows, outs):
+            self._append(r, group[0], version)
+        longest = max((len(group[0].token_ids) for group in outs), default=0)
+        self.rounds += -(-longest // self.budget)  # the rounds this decode stood for
 
     def round(self, engine, sampling, stop_token_ids: list[int], version: int) -> None:
         """Up to ``max_tokens // N`` new tokens for every unfinished sample (the rest of its budget
@@ -139,6 +174,10 @@ class PartialRollout:
         self.dock.load_state_dict(state)
 
     # ---- internals ---------------------------------------------------------------------------
+    def _unfinished(self) -> list[int]:
+        cell = self.dock.cell
+        return [r for g in self._occupied() for r in range(g * self.n, (g + 1) * self.n) if not int(cell("finished", r))]
+
     def _occupied(self) -> list[int]:
         ready = self.dock.ready_rows("prompts").reshape(-1, self.n)[:, 0]
         return [int(g) for g in np.flatnonzero(ready)]

@@ -99,3 +99,25 @@ def test_the_dock_state_round_trips(engine):
         assert torch.equal(q.dock.cell("responses", r), p.dock.cell("responses", r))
         assert int(q.dock.cell("policy_version", r)) == 3
     assert q._complete() == p._complete() and q.free_groups() == p.free_groups() == []
+
+
+class RoundsOnly:
+    """The same engine without the one-decode path: partial rollout falls back to its rounds."""
+
+    def __init__(self, engine):
+        self.engine, self.max_num_seqs = engine, engine.max_num_seqs
+
+    def generate(self, *args, **kwargs):
+        return self.engine.generate(*args, **kwargs)
+
+
+def test_one_decode_with_round_checks_samples_what_the_rounds_sample(engine):
+    got, sampling = {}, SamplingParams(**{**SAMPLING.__dict__, "max_tokens": 40, "seed": 3})
+    for name, eng in (("decode", engine), ("rounds", RoundsOnly(engine))):
+        p = PartialRollout(n=N_SAMPLES, global_batch_size=GBS, max_split=8, max_tokens=40, max_model_len=None)
+        feed(p, [PROMPTS[0:2], PROMPTS[2:4]])
+        p.fill(eng, sampling, [], version=0)
+        got[name] = ([p.dock.cell("responses", r).tolist() for r in range(p.dock.max_len)],
+                     [int(p.dock.cell("finished", r)) for r in range(p.dock.max_len)], p.rounds)
+    assert got["decode"] == got["rounds"]
+    assert 0 < sum(got["rounds"][1]) < len(got["rounds"][1])  # the update was ready before every sample ended
