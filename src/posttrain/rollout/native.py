@@ -158,14 +158,14 @@ class NativeEngine:
         if stop_when is not None and (len(waves) > 1 or stop_every < 1):
             raise ConfigError(f"generate(stop_when=...) needs one wave (at most max_num_seqs={self.max_num_seqs} "
                               f"rows, got {len(prompt_token_ids) * n}) and stop_every >= 1 (got {stop_every})")
-        caps = [sampling.max_tokens] * len(prompt_token_ids) if max_new_tokens is None else \
-            [min(int(c), sampling.max_tokens) for c in max_new_tokens]
         with self._generation_mode():
             for wave in waves:
                 prompts = [prompt_token_ids[i] for i, _ in wave]
                 counts = [c for _, c in wave]
                 rows = keys.rows(wave, [len(results[i]) for i, _ in wave], self.device)
-                rows.caps = torch.tensor([caps[i] for i, c in wave for _ in range(c)], device=self.device)
+                if max_new_tokens is not None:  # per-row caps (the default path checks none)
+                    rows.caps = torch.tensor([min(int(max_new_tokens[i]), sampling.max_tokens)
+                                              for i, c in wave for _ in range(c)], device=self.device)
                 rows.stop_when, rows.stop_every = stop_when, stop_every
                 for (idx, _), outs in zip(wave, self._run_wave(prompts, counts, sampling, stops, rows)):
                     results[idx].extend(outs)
