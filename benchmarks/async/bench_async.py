@@ -127,7 +127,7 @@ def run_mode(name: str, out: Path, model: Path, warm: Path, data: Path, seed: in
     from posttrain.paths import configs_dir
     from posttrain.trainers.stages import train
 
-    torch.set_num_threads(os.cpu_count() or 1 if name == "sync" else 1)
+    torch.set_num_threads((os.cpu_count() or 1) if name == "sync" else 1)
     run_dir = out / f"{name}_seed{seed}"
     shutil.rmtree(run_dir, ignore_errors=True)  # a rerun replaces the earlier one's metrics
     overrides = [

@@ -80,8 +80,6 @@ class OnPolicyTrainer:
                 last = self.train_step(iteration)
                 with self.checkpoint_files(iteration):
                     s.after_iteration(iteration, last, self.state())
-            if self.pipeline is not None:
-                self.pipeline.close()
             with self.checkpoint_files():
                 s.finish(self.state())
         finally:
@@ -152,10 +150,10 @@ class OnPolicyTrainer:
         from posttrain.trainers.pipeline import LocalReplica, RolloutPipeline
 
         s, start, rl = self.s, self.s.iteration, self.cfg.rl
-        saved = s.trainer_state.get("async_staleness", None) if start else None
         in_flight = {}
         path = s.trainer_state.get("checkpoint_dir")
         if start and path and (Path(path) / IN_FLIGHT).is_file():
+            saved = s.trainer_state.get("async_staleness")
             if saved != rl.async_staleness:
                 raise ConfigError(f"{path} was saved by a run with rl_config.async_staleness={saved}; resume it with "
                                   f"the same value (its in-flight samples were drawn for it), or start a new run")

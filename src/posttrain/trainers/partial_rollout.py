@@ -80,17 +80,10 @@ class PartialRollout:
         ends at the first check where the update is ready. Within an iteration the weights do not
         change, so the rounds share the KV cache. (A group of age ``N - 1`` decodes in step with the
         others here, where :meth:`round` gives it its whole budget in the first round.)"""
-        cell, rows = self.dock.cell, self._unfinished()
-        done_before = {r for g in self._occupied() for r in range(g * self.n, (g + 1) * self.n)
-                       if int(cell("finished", r))}
-        ages = self._ages()
+        cell, rows, done_before = self.dock.cell, self._unfinished(), self._finished()
 
         def ready(finished: list[bool]) -> bool:
-            done = done_before | {r for r, f in zip(rows, finished) if f}
-            complete = [g for g in self._occupied() if all(r in done for r in range(g * self.n, (g + 1) * self.n))]
-            oldest_done = not self.require_oldest or all(
-                g in complete for g in self._occupied() if ages[g] >= self.max_age - 1)
-            return len(complete) >= self.gbs and oldest_done
+            return self.update_ready(done_before | {r for r, f in zip(rows, finished) if f})
 
         outs = engine.generate([cell("prompts", r).tolist() + cell("responses", r).tolist() for r in rows], 1,
                                sampling, stop_token_ids, prompt_keys=[r // self.n for r in rows],
@@ -110,7 +103,7 @@ class PartialRollout:
         calls: dict[int, list[tuple[int, int]]] = {}  # budget -> (group, sample) rows continued
         fresh: list[int] = []  # groups not started: one prefill per prompt, n samples
         for g in self._occupied():
-            rows = range(g * self.n, (g + 1) * self.n)
+            rows = self._rows(g)
             if all(int(cell("finished", r)) for r in rows):
                 continue
             if all(cell("responses", r).numel() == 0 for r in rows) and self._budget(g, 0) == self.budget:
@@ -137,16 +130,15 @@ class PartialRollout:
             for (g, j), group in zip(rows, outs):
                 self._append(g * self.n + j, group[0], version)
 
-    def update_ready(self) -> bool:
+    def update_ready(self, finished: set[int] | None = None) -> bool:
         """``global_batch_size`` complete groups, and (``require_max_age_all_finished``) no group of
-        age ``N - 1`` unfinished (the seed's ``get_update_ready``)."""
-        complete = self._complete()
+        age ``N - 1`` unfinished (the seed's ``get_update_ready``). ``finished``: the finished rows
+        (default: the dock's)."""
+        complete = self._complete(finished)
         if len(complete) < self.gbs:
             return False
-        if self.require_oldest:
-            ages = self._ages()
-            return all(g in complete for g in self._occupied() if ages[g] >= self.max_age - 1)
-        return True
+        return not self.require_oldest or all(g in complete for g, age in self._ages().items()
+                                              if age >= self.max_age - 1)
 
     def take(self) -> tuple[dict[str, list[torch.Tensor]], dict[str, float]]:
         """The update's groups (oldest complete first), removed from the dock; the others age by one.
@@ -158,12 +150,9 @@ class PartialRollout:
         taken = [ages[g] for g in chosen]
         self.dock.clear_rows(rows)
         for g in self._occupied():
-            rows_g = list(range(g * self.n, (g + 1) * self.n))
-            self.dock.put(["age"], rows_g, [[ages[g] + 1] * self.n])
-        unfinished = sum(1 for g in self._occupied() for r in range(g * self.n, (g + 1) * self.n)
-                         if not int(self.dock.cell("finished", r)))
+            self.dock.put(["age"], list(self._rows(g)), [[ages[g] + 1] * self.n])
         metrics = {"rollout/age_mean": float(np.mean(taken)), "rollout/age_max": float(max(taken)),
-                   "rollout/unfinished": float(unfinished), "rollout/rounds": float(self.rounds)}
+                   "rollout/unfinished": float(len(self._unfinished())), "rollout/rounds": float(self.rounds)}
         return batch, metrics
 
     # ---- state -------------------------------------------------------------------------------
@@ -174,9 +163,14 @@ class PartialRollout:
         self.dock.load_state_dict(state)
 
     # ---- internals ---------------------------------------------------------------------------
+    def _rows(self, group: int) -> range:
+        return range(group * self.n, (group + 1) * self.n)
+
     def _unfinished(self) -> list[int]:
-        cell = self.dock.cell
-        return [r for g in self._occupied() for r in range(g * self.n, (g + 1) * self.n) if not int(cell("finished", r))]
+        return [r for g in self._occupied() for r in self._rows(g) if not int(self.dock.cell("finished", r))]
+
+    def _finished(self) -> set[int]:
+        return {r for g in self._occupied() for r in self._rows(g) if int(self.dock.cell("finished", r))}
 
     def _occupied(self) -> list[int]:
         ready = self.dock.ready_rows("prompts").reshape(-1, self.n)[:, 0]
@@ -185,9 +179,10 @@ class PartialRollout:
     def _ages(self) -> dict[int, int]:
         return {g: int(self.dock.cell("age", g * self.n)) for g in self._occupied()}
 
-    def _complete(self) -> set[int]:
-        cell = self.dock.cell
-        return {g for g in self._occupied() if all(int(cell("finished", r)) for r in range(g * self.n, (g + 1) * self.n))}
+    def _complete(self, finished: set[int] | None = None) -> set[int]:
+        """The groups whose samples are all in ``finished`` (default: the dock's finished rows)."""
+        finished = self._finished() if finished is None else finished
+        return {g for g in self._occupied() if all(r in finished for r in self._rows(g))}
 
     def _budget(self, group: int, have: int) -> int:
         left = self.max_tokens - have

@@ -96,18 +96,16 @@ class RolloutPipeline:
             self.cond.notify_all()
         return out, began, time.time()
 
-    def publish(self, version: int, model) -> tuple[float, float]:
-        """Hand over the weights of ``version`` (the model after that many updates), if a later
-        iteration samples with them. Returns the copy's (start, end) time."""
-        began = time.time()
-        if self.need(self.last) >= version > self.published:
-            snapshot = {k: v.detach().clone() for k, v in model.state_dict().items()}
-            with self.cond:
-                self.snapshots[version] = snapshot
+    def publish(self, version: int, model) -> None:
+        """Hand over the weights of ``version`` (the model after that many updates): a copy, if a
+        later iteration samples with them."""
+        needed = self.need(self.last) >= version > self.published
+        snapshot = {k: v.detach().clone() for k, v in model.state_dict().items()} if needed else None
         with self.cond:
+            if snapshot is not None:
+                self.snapshots[version] = snapshot
             self.published = max(self.published, version)
             self.cond.notify_all()
-        return began, time.time()
 
     @contextlib.contextmanager
     def drained(self) -> Iterator[dict[int, Any]]:
