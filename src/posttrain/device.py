@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from posttrain.errors import ConfigError
+
 
 def resolve_device(name: str = "auto") -> str:
     """``auto`` -> ``cuda`` if a GPU is visible, else ``cpu``; other names pass through."""
@@ -33,6 +35,15 @@ def cpu_supports_bf16() -> bool:
     return "amx_bf16" in flags or "avx512_bf16" in flags
 
 
+def cuda_supports_bf16(device: str) -> bool:
+    """Whether the GPU ``device`` computes in bf16 natively (compute capability 8.0 or newer)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return True  # nothing to check on this machine (the plan may be for another one)
+    return bool(torch.cuda.is_bf16_supported(including_emulation=False))
+
+
 def precision(device: str, *, bf16: bool, bf16_asked: bool, rollout_dtype: str,
               rollout_dtype_asked: bool) -> tuple[str, str]:
     """(training dtype, rollout dtype). ``bf16`` / ``rollout_dtype`` are the config's values and
@@ -41,4 +52,9 @@ def precision(device: str, *, bf16: bool, bf16_asked: bool, rollout_dtype: str,
         bf16 = bf16 and bf16_asked and cpu_supports_bf16()
         if not rollout_dtype_asked or not cpu_supports_bf16():
             rollout_dtype = "float32"
+    elif (bf16 or rollout_dtype == "bfloat16") and not cuda_supports_bf16(device):
+        key = "megatron_training.bf16: true" if bf16 else "generate_config.dtype: bfloat16"
+        raise ConfigError(f"{key}: this GPU ({device}) has no bf16 support (it needs compute capability 8.0, "
+                          "Ampere, or newer); set megatron_training.bf16: false and generate_config.dtype: "
+                          "float32 (fp16 training is not available)")
     return ("bfloat16" if bf16 else "float32"), ("bfloat16" if rollout_dtype == "bfloat16" else "float32")

@@ -5,6 +5,10 @@ AdamW state sharded over the workers instead of replicated (DDP).
   whole model get ``fully_shard``. The parameters become DTensors, so the optimizer and the LR
   schedule are rebuilt on them; a state resumed into the unsharded model is carried over
   (``get_optimizer_state_dict`` before, ``set_optimizer_state_dict`` after).
+* **Precision**: with bf16 training (``megatron_training.bf16``, on a GPU; on a CPU with bf16
+  units) the shards get ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``: the
+  parameters are gathered and computed in bf16, gradients are reduced in fp32, and the sharded
+  master weights and AdamW state stay fp32.
 * **Update**: unchanged :class:`TrainEngine` code. FSDP2 averages gradients over ranks (reduce-
   scatter) like DDP, so the engine's loss scale by the world size applies; ``clip_grad_norm_``
   computes the global norm of the DTensor gradients.
@@ -29,6 +33,15 @@ def _options(**kw):
     return StateDictOptions(full_state_dict=True, **kw)
 
 
+def mixed_precision(compute_dtype):
+    """FSDP2's precision policy: parameters gathered in ``compute_dtype`` (None: as stored, fp32)
+    and gradients reduced in fp32."""
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+
+
 def shard(model, engine, actor_cfg, total_steps: int) -> list[str]:
     """``fully_shard`` the decoder layers and the model; rebuild ``engine``'s optimizer and
     scheduler on the sharded parameters, carrying over their state. Returns the parameter names
@@ -41,6 +54,8 @@ def shard(model, engine, actor_cfg, total_steps: int) -> list[str]:
 
     from posttrain.train.optim import build_lr_scheduler, build_optimizer
 
+    policy = mixed_precision(engine.autocast_dtype)
+
     names = [name for name, _ in model.named_parameters()]
     has_state = bool(engine.optimizer.state)
     full_optim = get_optimizer_state_dict(model, engine.optimizer, options=_options()) if has_state else None
@@ -48,8 +63,8 @@ def shard(model, engine, actor_cfg, total_steps: int) -> list[str]:
     layers = set(getattr(model, "_no_split_modules", None) or [])
     for module in list(model.modules()):
         if type(module).__name__ in layers:
-            fully_shard(module)
-    fully_shard(model)
+            fully_shard(module, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
     a = actor_cfg
     engine.optimizer = build_optimizer(model, a.lr, a.weight_decay, a.adam_beta1, a.adam_beta2)
     if engine.offload is not None:  # generate_config.offload_train_*: the new optimizer's state moves

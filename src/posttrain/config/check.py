@@ -6,7 +6,8 @@ of range: :func:`posttrain.config.validate.check_values`), the seed's rules with
 training backend and what it cannot run (:mod:`posttrain.config.backend`), the features posttrain
 refuses until they work (:mod:`posttrain.config.features`), the limits of the
 layouts that run today, the reward model's settings (:mod:`posttrain.config.reward_model`), the
-verifier names and the prompt template file. The first broken rule raises a
+verifier names and the prompt template file, the off-policy keys (:mod:`posttrain.config.async_rollout`)
+and the vLLM rollout engine (:mod:`posttrain.config.vllm`). The first broken rule raises a
 :class:`~posttrain.errors.ConfigError`; knobs that have no effect on this hardware come back as one
 warning, and a run that saves nothing as another. :func:`posttrain.config.plan.resolve_plan`
 also checks ``rl_config.device`` (:func:`check_device`) and the memory estimate.
@@ -26,6 +27,7 @@ from posttrain.config.reward_model import check_reward_model
 from posttrain.config.run import RunConfig
 from posttrain.config.stages import stage_named
 from posttrain.config.validate import Layout, validate_run_config
+from posttrain.config.vllm import check_vllm
 from posttrain.errors import ConfigError
 from posttrain.models.arch import ModelArch
 
@@ -45,12 +47,14 @@ def check_run_config(cfg: RunConfig, *, device_type: str = "cpu",
     check_features(cfg, device_type=device_type, backend=parallel.backend)
     check_reward_model(cfg, on_policy=stage.on_policy, dynamic_sampling=stage.dynamic_sampling(cfg))
     _check_workers(cfg, stage.on_policy, stage.uses_critic, parallel)
-    check_multi_turn(cfg, on_policy=stage.on_policy, uses_critic=stage.uses_critic)
+    check_multi_turn(cfg, on_policy=stage.on_policy, uses_critic=stage.uses_critic, device_type=device_type)
     if stage.on_policy and (cfg.rl.rule_reward or cfg.rl.eval_data_path):  # training scores, held-out accuracy
         check_verifiers(cfg)
     _check_prompt_type_path(cfg)
     warnings = startup_warnings(cfg, device_type, backend=parallel.backend)
     warnings += check_async(cfg, on_policy=stage.on_policy, backend=parallel.backend, use_ray=uses_ray(cfg))
+    if stage.on_policy:  # rollout_engine: vllm (its keys, one process, the vllm package, a CUDA device)
+        warnings += check_vllm(cfg, device_type=device_type, backend=parallel.backend, use_ray=uses_ray(cfg))
     if not cfg.actor.save:
         warnings.append("actor_config.save is not set: nothing will be saved, and the trained model is lost when "
                         "the run ends; set actor_config.save (or megatron_training.save) to a directory to keep it")

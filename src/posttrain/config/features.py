@@ -12,7 +12,9 @@ after the seed's rules:
 
 Which keys count as set: a refused key when its value is active (by default: not its default); an
 ignored key when the config writes it (in a section or in a model yaml it pulls) with an active
-value. ``generate_config`` is only looked at for the stages that roll out (not dpo or sft).
+value. ``generate_config`` is only looked at for the stages that roll out (not dpo or sft). Keys
+honoured on the megatron backend (``Rule.megatron``) are skipped there, and the vLLM keys
+(``Rule.vllm``) with ``rl_config.rollout_engine: vllm`` (:mod:`posttrain.config.vllm` checks them).
 """
 
 from __future__ import annotations
@@ -75,7 +77,7 @@ def check_features(cfg: RunConfig, device_type: str | None = None, backend: str 
 
     def refused(k: Key, block: list[Key]) -> bool:
         return (k.rule.status is Status.REFUSED and device in k.rule.devices and _is_set(k, block, cfg, device)
-                and not _megatron_honours(k, block, backend, device))
+                and not _megatron_honours(k, block, backend, device) and not _vllm_checks(k, cfg))
 
     for name, block in _blocks(cfg):
         for key in block:
@@ -103,7 +105,7 @@ def startup_warnings(cfg: RunConfig, device_type: str, backend: str | None = Non
     for _, block in _blocks(cfg):
         for key in block:
             rule = key.rule
-            if _megatron_honours(key, block, backend, device_type):
+            if _megatron_honours(key, block, backend, device_type) or _vllm_checks(key, cfg):
                 continue
             if rule.status is Status.IGNORED:
                 inert = device_type in rule.devices and (key.written or not rule.explicit)
@@ -207,6 +209,12 @@ def _megatron_honours(key: Key, block: list[Key], backend: str, device: str) -> 
         return True
     other = next(k for k in block if k.name == rule.megatron_with)
     return other.rule.is_active(other.value, other.default, device)
+
+
+def _vllm_checks(key: Key, cfg: RunConfig) -> bool:
+    """``Rule.vllm``: with ``rollout_engine: vllm`` the key is passed to vLLM or refused by
+    :func:`posttrain.config.vllm.check_vllm`, not here."""
+    return key.rule.vllm and cfg.rl.rollout_engine == "vllm"
 
 
 def _refusal(keys: list[Key]) -> str:

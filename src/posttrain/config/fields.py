@@ -11,7 +11,9 @@ Every key of the schema carries one :class:`Status`, stored next to the field
   start-up warning (:func:`posttrain.config.features.startup_warnings`).
 
 A refused or ignored key may be honoured on the megatron backend (``Rule.megatron``; the backend is
-chosen by :mod:`posttrain.config.backend`): there it is neither refused nor warned about.
+chosen by :mod:`posttrain.config.backend`): there it is neither refused nor warned about. Likewise a
+``generate_config`` key with ``Rule.vllm`` under ``rl_config.rollout_engine: vllm``: there
+:mod:`posttrain.config.vllm` passes it to vLLM or refuses it.
 
 ``docs/config_reference.md`` is generated from these rules (:mod:`posttrain.config.reference`).
 """
@@ -62,6 +64,8 @@ class Rule:
     group: str | None = None  # active keys of one group are reported together
     megatron: bool = False  # honoured on the megatron backend (posttrain.config.backend): neither refused nor warned
     megatron_with: str | None = None  # ... only while this key of the same section is active (else as above)
+    vllm: bool = False  # with rl_config.rollout_engine: vllm, checked by posttrain.config.vllm (passed to vLLM or
+    # refused there): neither refused nor warned here
 
     def __post_init__(self) -> None:
         if self.active not in ACTIVE:

@@ -31,13 +31,17 @@ def tool_config_file(path: str) -> Path:
                       f"{configs_dir().parent}); point it at a tools yaml such as configs/tools/retool.yaml")
 
 
-def check_multi_turn(cfg: RunConfig, *, on_policy: bool, uses_critic: bool) -> None:
+def check_multi_turn(cfg: RunConfig, *, on_policy: bool, uses_critic: bool, device_type: str = "cpu") -> None:
     """Raise ConfigError on a multi-turn or ``async_engine`` setting that cannot run."""
     rl = cfg.rl
     if rl.async_engine and rl.rollout_engine != "native":
         raise ConfigError(f"rl_config.async_engine: true is the native engine's per-request loop here; it does not "
                           f"exist for rollout_engine {rl.rollout_engine!r}. Set rollout_engine: native or "
                           f"async_engine: false")
+    if (rl.multi_turn_enable or rl.async_engine) and not cfg.generate.enforce_eager and device_type == "cuda":
+        raise ConfigError("generate_config.enforce_eager: false (CUDA graphs) with rl_config.async_engine / "
+                          "multi_turn_enable: the per-request decode loop runs eagerly (its batch changes every "
+                          "step); remove the key or set it to true")
     if not rl.multi_turn_enable:
         stray = [k for k, default in SUB_KEYS.items() if getattr(rl, k) != default]
         if stray:

@@ -25,6 +25,7 @@ from posttrain.config.megatron import MegatronConfig
 from posttrain.config.reward_model import READS
 from posttrain.config.sections import (GenerateConfig, MsprobeConfig, ProfilerConfig, Resource, RLConfig,
                                        SamplingConfig)
+from posttrain.config.vllm import PASSED, REFUSED, describe
 from posttrain.paths import PROJECT_ROOT
 
 DOC_PATH = PROJECT_ROOT / "docs" / "config_reference.md"
@@ -107,6 +108,12 @@ def _section_rules() -> str:
                  f"in the loop\"). It reads {reads} (`load`, else `tokenizer_name_or_path`, written in "
                  f"`reward_config` itself, names the model); another key it writes must equal the actor's value. "
                  f"`rl_config.rule_reward: false` needs it; dpo and sft refuse it.")
+    passed = ", ".join(f"`{k}`" + (f" (as `{arg}`)" if arg != k else "") for k, arg in PASSED.items())
+    refused = "; ".join(f"`{k}` {r.when} ({r.why}; {r.todo})" for k, r in REFUSED.items())
+    lines.append(f"* `rl_config.rollout_engine: vllm` (posttrain.config.vllm, docs/rollout.md): needs the vllm package "
+                 f"and a CUDA device, one process (no Ray actor workers) and the hf backend; LoRA, multi-turn, "
+                 f"`async_engine`, `async_staleness`, `use_integrated_worker: false` and partial rollout refuse it. "
+                 f"It passes these `generate_config` keys to vLLM: {passed}; and refuses: {refused}.")
     lines.append("* multi-turn (posttrain.config.multi_turn, docs/tools.md): `multi_turn_enable` needs `async_engine`, "
                  "`max_total_response_length` >= `max_tokens` (the seed's rule 21), a readable `tool_config_path`, "
                  "`max_tool_calls` >= 1, a templates.json `prompt_type` and the native engine; PPO, DPO, SFT and "
@@ -127,7 +134,7 @@ def render_reference() -> str:
                 raise ValueError(f"{cls.__name__}.{name} has no status")
             counts[rule.status] += 1
             rows.append("| " + " | ".join(_cell(c) for c in (
-                f"`{name}`", _type_name(field.annotation), _default(field.default), _status(rule),
+                f"`{name}`", _type_name(field.annotation), _default(field.default), _status(rule, name),
                 _meaning(field.description or "", rule, field.default))) + " |")
         parts.append(f"## {title}\n\n{intro}\n\n" + "\n".join(rows) + "\n")
     total = sum(counts.values())
@@ -162,12 +169,12 @@ def _default(value: Any) -> str:
     return f"`{fmt_value(value)}`"
 
 
-def _status(rule: Rule) -> str:
+def _status(rule: Rule, name: str) -> str:
     megatron = ""
     if rule.megatron:
         megatron = "; honoured on the megatron backend" + (f" with {rule.megatron_with} > 1" if rule.megatron_with
                                                            else "")
-    return _device_status(rule) + megatron
+    return _device_status(rule) + megatron + (describe(name) if rule.vllm else "")
 
 
 def _device_status(rule: Rule) -> str:

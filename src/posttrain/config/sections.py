@@ -18,21 +18,26 @@ Opt = Optional
 
 SEED_UNUSED = ignored("unused, as in the seed")
 HCCL = ignored("Ascend NPUs only (exported as HCCL_BUFFSIZE to Ray workers, where nothing reads it)")
-ASCEND = ignored("Ascend NPUs only")
 WHITEN = ignored("GAE advantages are always whitened, as in the seed", ok=(True,))
 RAY_CPUS = ignored("Ray CPU reservations are set by rl_config.ray_num_cpus_per_worker")
 VALIDATED_ONLY = ignored("checked as in the seed, but this step reads the whole batch at once", active="set")
 ZMQ = ignored("TransferDock data moves in process (or through Ray), never over ZMQ or HCCL")
 COMPUTED = ignored("computed from the devices (actor devices / (infer TP x infer PP)), as in the seed", active="set")
 GEN_TOKENIZER = ignored("rollout uses the actor's tokenizer (megatron_training.tokenizer_name_or_path)")
-REMOTE_CODE = ignored("models and tokenizers load without remote code (a model that needs it fails to load)")
+# vllm=True: with rl_config.rollout_engine: vllm, posttrain.config.vllm passes the key to vLLM or refuses it
+REMOTE_CODE = ignored("models and tokenizers load without remote code (a model that needs it fails to load)",
+                      vllm=True)
 ROLLOUT_PARALLEL = ignored("every worker rolls out with a full model replica (no rollout model parallelism); the "
-                           "value only sizes the rollout reads (devices / infer TP)", active="gt1", explicit=False)
-ROLLOUT_EP = ignored("every worker rolls out with a full model replica (no rollout expert parallelism)")
+                           "value only sizes the rollout reads (devices / infer TP)", active="gt1", explicit=False,
+                           vllm=True)
+ROLLOUT_EP = ignored("every worker rolls out with a full model replica (no rollout expert parallelism)", vllm=True)
 ROLLOUT_EP_SIZE = ignored("every worker rolls out with a full model replica (no rollout expert parallelism)",
-                          active="gt1")
-VLLM_ONLY = ignored("a vLLM setting that is not passed to the rollout engines")
-EAGER = ignored("the rollout engines run eagerly (no graph capture)", ok=(True,))
+                          active="gt1", vllm=True)
+VLLM_ONLY = ignored("a vLLM setting: only rl_config.rollout_engine: vllm reads it", vllm=True)
+# false: the native engine decodes with CUDA graphs on a GPU (posttrain.rollout.native); a CPU runs eagerly
+EAGER = ignored("on a CPU the native engine runs eagerly (CUDA graphs need a GPU)", ok=(True,), devices=("cpu",),
+                vllm=True)
+VLLM_ASCEND = ignored("Ascend NPUs only", vllm=True)
 LOGPROBS = ignored("the engines return the sampled token's log-prob only", ok=(None, 0, 1))
 DETOKENIZE = ignored("the engines return token ids; the reward step decodes them")
 
@@ -67,11 +72,12 @@ ROLLOUT_PP = refused("pipeline-parallel rollout is not available", "set it to 1"
 # on a GPU the optimizer state leaves the device between updates (posttrain.train.offload); on a CPU
 # host and device memory are the same: no effect there
 OFFLOAD = ignored("on a CPU the host memory is the device memory", devices=("cpu",))
-OFFLOAD_PARAM = refused("the rollout engines generate with the training weights in the same process, so the "
-                        "weights cannot leave the device during rollout", "remove the key (offload_train_optimizer "
+OFFLOAD_PARAM = refused("the native engine generates with the training weights, so they cannot leave the GPU "
+                        "during rollout (vLLM's sleep mode already moves its own copy to the host during training)", "remove the key (offload_train_optimizer "
                         "and offload_train_grad free the optimizer state and the gradients)", devices=("cuda",))
-PREFIX_CACHING = refused("prefix caching is not available in the rollout engines (the native engine already "
-                         "prefills each group's shared prompt once)")
+PREFIX_CACHING = refused("prefix caching across requests is not available in the native engine (it already "
+                         "prefills each group's shared prompt once); rl_config.rollout_engine: vllm has it",
+                         vllm=True)
 PROFILER = refused("the seed's profiler is not implemented", "remove the key or set it to false (to profile an "
                    "iteration: posttrain bench --config-name NAME --profile DIR)")
 PROFILER_KEY = refused("the seed's profiler is not implemented", switch="profile")
@@ -285,10 +291,11 @@ class GenerateConfig(Section):
     offload_train_param: bool = F(False, "offload training weights during rollout", OFFLOAD_PARAM)
     enable_prefix_caching: bool = F(False, "prefix caching across requests", PREFIX_CACHING)
     num_scheduler_steps: int = F(1, "vLLM multi-step scheduling", VLLM_ONLY)
-    enforce_eager: bool = F(True, "false: vLLM graph mode", EAGER)
-    torchair_graph: bool = F(False, "Ascend torchair graph mode", ASCEND)
+    enforce_eager: bool = F(True, "false: graph mode (the native engine: a static KV cache replayed as CUDA graphs; "
+                                  "vLLM: its CUDA graphs)", EAGER)
+    torchair_graph: bool = F(False, "Ascend torchair graph mode", VLLM_ASCEND)
     enable_expert_parallel: bool = F(False, "vLLM expert parallelism", ROLLOUT_EP)
-    ascend_scheduler_config_enabled: bool = F(True, "Ascend scheduler", ASCEND)
+    ascend_scheduler_config_enabled: bool = F(True, "Ascend scheduler", VLLM_ASCEND)
     sampling_config: SamplingConfig = F(SamplingConfig(), "sampling parameters (replaced wholesale)", HONOURED)
 
 

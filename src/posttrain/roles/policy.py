@@ -3,8 +3,9 @@ engine, built once from the config and the plan.
 
 The in-process session and every Ray actor worker (:mod:`posttrain.cluster.worker`) build a
 :class:`Policy` with :func:`build_policy`; with Ray the driver holds a :class:`Policy` whose
-engines are the worker group's proxies (same methods). Rollout and training share the actor's
-model object (the seed's integrated worker), so weight sync is free.
+engines are the worker group's proxies (same methods). The native rollout engine and training share
+the actor's model object (the seed's integrated worker), so weight sync is free; the vLLM engine
+holds its own copy, which the on-policy trainer reloads after every update (``sync_weights``).
 """
 
 from __future__ import annotations
@@ -220,6 +221,12 @@ def build_rollout(cfg: RunConfig, plan: Plan, model, tokenizer, stop_token_ids: 
     if cfg.rl.multi_turn_enable or cfg.rl.async_engine:  # the native engine's per-request loop
         engine = build_multi_turn_engine(cfg, tokenizer, **kwargs)
     else:
+        if cfg.rl.rollout_engine == "vllm":  # the generate_config keys vLLM reads (posttrain.config.vllm)
+            from posttrain.config.vllm import engine_kwargs
+
+            kwargs.update(engine_kwargs(cfg))
+        elif not cfg.generate.enforce_eager:  # graph mode: CUDA graphs on a GPU (a CPU warned at start-up)
+            kwargs["cuda_graphs"] = next(model.parameters()).device.type == "cuda"
         engine = ROLLOUT_ENGINES.get(cfg.rl.rollout_engine)(**kwargs)
     if hasattr(model, "peft_config"):  # LoRA: sample from the merged weights (docs/lora.md)
         from posttrain.models.lora import MergedRollout

@@ -4,7 +4,9 @@
 keys/values in place, so a decode step costs no copy of the cache (``DynamicLayer`` concatenates,
 copying the whole cache every step). Models with sliding-window or linear-attention layers fall
 back to ``DynamicCache``. ``select_rows`` keeps/repeats batch rows (expanding a prompt to its n
-samples, dropping finished rows); ``concat_caches`` joins prefill chunks of equal length.
+samples, dropping finished rows); ``concat_caches`` joins prefill chunks of equal length;
+``to_static`` copies a prefilled slab cache into Hugging Face's ``StaticCache`` for a decode on fixed
+shapes (CUDA graphs).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
+from transformers.cache_utils import Cache, DynamicCache, DynamicLayer, StaticCache, StaticLayer
 
 
 class SlabLayer(DynamicLayer):
@@ -148,3 +150,19 @@ def put_rows(cache: Cache, sub: Cache, index: torch.Tensor) -> None:
         layer.value_buf[index, :, start:end] = part.value_buf[:, :, start:end]
         layer.length = end
         layer._refresh_views()
+
+
+def to_static(cache: Cache, model: Any, capacity: int) -> StaticCache | None:
+    """A ``StaticCache`` of ``capacity`` positions holding the rows of a prefilled slab cache; None
+    when the model has layers other than full attention (the caller keeps the dynamic cache)."""
+    if not slab_only(cache):
+        return None
+    static = StaticCache(config=model.config, max_cache_len=capacity)
+    if len(static.layers) != len(cache.layers) or any(type(layer) is not StaticLayer for layer in static.layers):
+        return None
+    for layer, slab in zip(static.layers, cache.layers):
+        layer.lazy_initialization(slab.keys, slab.values)
+        layer.keys[:, :, :slab.length] = slab.keys
+        layer.values[:, :, :slab.length] = slab.values
+        layer.cumulative_length.fill_(slab.length)
+    return static

@@ -11,6 +11,20 @@ It runs on the actor's own model object (colocated: no copy, so after an optimiz
    ``max_tokens`` are dropped from the batch (cache rows index-selected away) once at least
    ``compact_fraction`` of the batch is finished, so finished rows cost nothing for long.
 
+With ``static_cache`` (the default on CUDA) the decode runs on fixed shapes instead: the prompt
+cache is copied into Hugging Face's ``StaticCache`` (capacity rounded up to a multiple of
+``STATIC_BUCKET``), the attention mask is preallocated, and finished rows stay in the batch, so every
+step is the same computation on the same buffers. ``cuda_graphs`` (the seed's ``enforce_eager:
+false``) then compiles that step with ``torch.compile(mode="reduce-overhead")``, which replays it as a
+CUDA graph, so Python's per-token overhead does not bound the decode. On a CPU the dynamic path is
+faster (compaction saves compute) and is the default.
+
+On CUDA with ``dtype: bfloat16`` and fp32 training weights the engine samples from a bf16 copy of
+the actor (weights and KV cache in bf16, half the memory traffic of autocast over fp32 weights),
+refreshed from the actor whenever its parameters may have changed since the last call: an optimizer
+stepped (a global step hook counts the steps; fused optimizers do not bump version counters), or
+the parameters' version counters moved (``copy_``, ``load_state_dict``).
+
 Sampling is keyed (:mod:`posttrain.rollout.keyed`): every row draws its token at each step with
 the uniform of (seed, prompt key, sample index, token position), so the samples do not depend on
 the waves, the compaction, the other prompts of the call or the number of workers that split them.
@@ -28,7 +42,7 @@ import torch
 from posttrain.errors import ConfigError, DataError
 from posttrain.rollout.base import RolloutOutput, SamplingParams
 from posttrain.rollout.keyed import random_seed, row_states, uniforms
-from posttrain.rollout.kv_cache import concat_caches, new_cache, select_rows
+from posttrain.rollout.kv_cache import concat_caches, new_cache, select_rows, to_static
 from posttrain.rollout.sampling import sample_next
 from posttrain.rollout.scheduling import plan_waves, prefill_chunks
 
@@ -38,6 +52,26 @@ DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
     "float16": torch.float16, "fp16": torch.float16,
 }
+
+
+_OPTIMIZER_STEPS: list[int] = []  # optimizer steps taken in this process, counted from the first call below
+
+
+def _count_step(optimizer, args, kwargs) -> None:
+    _OPTIMIZER_STEPS[0] += 1
+
+
+def optimizer_steps() -> int:
+    """How many optimizer steps this process took since the first call (which starts counting)."""
+    if not _OPTIMIZER_STEPS:
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        register_optimizer_step_post_hook(_count_step)
+        _OPTIMIZER_STEPS.append(0)
+    return _OPTIMIZER_STEPS[0]
+
+
+STATIC_BUCKET = 64  # static-cache capacities are rounded up to this, so graphs are reused across calls
 
 
 def resolve_dtype(name: str) -> torch.dtype:
@@ -93,6 +127,19 @@ class RowKeys:
                         offsets=torch.tensor(offsets, dtype=torch.long, device=device))
 
 
+@contextlib.contextmanager
+def out_of_memory_hint(max_num_seqs: int) -> Iterator[None]:
+    """Re-raise a device out-of-memory error with the keys that size the rollout's memory."""
+    try:
+        yield
+    except torch.OutOfMemoryError as exc:
+        raise torch.OutOfMemoryError(
+            f"out of device memory during rollout ({max_num_seqs} rows at once): lower "
+            "generate_config.max_num_seqs (fewer rows decoded together) or "
+            "generate_config.gpu_memory_utilization (vLLM's share of the GPU), or free memory for the rollout "
+            f"(rl_config.offload_reference, generate_config.offload_train_optimizer). {exc}") from exc
+
+
 class NativeEngine:
     """``RolloutEngine`` on a PyTorch/HF causal LM. See the module docstring for the algorithm."""
 
@@ -101,7 +148,8 @@ class NativeEngine:
 
     def __init__(self, model: Any, *, pad_token_id: int, eos_token_ids: list[int] | int | None,
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 8192, dtype: str = "float32",
-                 compact_fraction: float = 0.125):
+                 compact_fraction: float = 0.125, static_cache: bool | None = None,
+                 cuda_graphs: bool = False, sampling_copy: bool | None = None):
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ConfigError("generate_config.max_num_seqs and max_num_batched_tokens must be >= 1 "
                               f"(got {max_num_seqs}, {max_num_batched_tokens}).")
@@ -113,6 +161,21 @@ class NativeEngine:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.dtype = resolve_dtype(dtype)
         self.compact_fraction = compact_fraction
+        on_cuda = self.device.type == "cuda"
+        if cuda_graphs and not on_cuda:
+            raise ConfigError("generate_config.enforce_eager=false (CUDA graphs) needs a CUDA device; "
+                              "remove the key on a CPU")
+        self.static_cache = on_cuda if static_cache is None else bool(static_cache)
+        self.cuda_graphs = bool(cuda_graphs)
+        if self.cuda_graphs and not self.static_cache:
+            raise ConfigError("CUDA graphs need the static KV cache (static_cache=True)")
+        self.sampling_copy = (on_cuda and self.dtype == torch.bfloat16) if sampling_copy is None else sampling_copy
+        self._copy: Any = None  # the bf16 model that samples (sampling_copy), and the actor's version it holds
+        self._copy_version: tuple[int, int] | None = None
+        self._sampler = model  # the model the forward calls run on (set per call)
+        self._step = self._forward
+        if self.cuda_graphs:
+            self._step = torch.compile(self._forward, mode="reduce-overhead", dynamic=False)
         # a PEFT (LoRA) model passes keyword arguments on to its base model: read the base's signature
         params = inspect.signature((model.get_base_model() if hasattr(model, "peft_config") else model).forward).parameters
         self._has_logits_to_keep = "logits_to_keep" in params or any(
@@ -158,7 +221,7 @@ class NativeEngine:
         if stop_when is not None and (len(waves) > 1 or stop_every < 1):
             raise ConfigError(f"generate(stop_when=...) needs one wave (at most max_num_seqs={self.max_num_seqs} "
                               f"rows, got {len(prompt_token_ids) * n}) and stop_every >= 1 (got {stop_every})")
-        with self._generation_mode():
+        with self._generation_mode(), out_of_memory_hint(self.max_num_seqs):
             for wave in waves:
                 prompts = [prompt_token_ids[i] for i, _ in wave]
                 counts = [c for _, c in wave]
@@ -177,12 +240,34 @@ class NativeEngine:
         return param.device if param is not None else torch.device("cpu")
 
     # ------------------------------------------------------------------ internals
+    def _sampling_model(self) -> Any:
+        """The actor itself, or (``sampling_copy``) its copy in ``dtype``, refreshed when the actor's
+        parameters may have changed since the copy was taken (see the module docstring)."""
+        params = list(self.model.parameters())
+        eligible = (params and not hasattr(self.model, "peft_config") and params[0].dtype != self.dtype
+                    and not any(type(p).__name__ == "DTensor" for p in params[:1]))
+        if not self.sampling_copy or not eligible:
+            return self.model
+        version = (sum(p._version for p in params), optimizer_steps())
+        if self._copy is None:
+            import copy
+
+            self._copy = copy.deepcopy(self.model).to(self.dtype).eval()
+            self._copy.requires_grad_(False)
+        elif version != self._copy_version:
+            with torch.no_grad():
+                for mine, theirs in zip(self._copy.parameters(), params):
+                    mine.copy_(theirs)
+        self._copy_version = version
+        return self._copy
+
     @contextlib.contextmanager
     def _generation_mode(self) -> Iterator[None]:
         """eval mode + inference_mode + (autocast when the requested dtype is narrower than the weights)."""
         was_training = self.model.training
         self.model.eval()
-        param = next(iter(self.model.parameters()), None)
+        self._sampler = self._sampling_model()
+        param = next(iter(self._sampler.parameters()), None)
         autocast = (param is not None and param.dtype.is_floating_point
                     and torch.finfo(self.dtype).bits < torch.finfo(param.dtype).bits)
         try:
@@ -194,12 +279,13 @@ class NativeEngine:
                     yield
         finally:
             self.model.train(was_training)
+            self._sampler = self.model
 
     def _forward(self, input_ids, attention_mask, position_ids, cache) -> torch.Tensor:
         """One model call; returns the last-position logits [B, V] in float32."""
         kwargs = {"logits_to_keep": 1} if self._has_logits_to_keep else {}
         kwargs[self._cache_kwarg] = cache
-        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+        out = self._sampler(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                          use_cache=True, **kwargs)
         return out.logits[:, -1, :].float()
 
@@ -234,8 +320,13 @@ class NativeEngine:
         select_rows(cache, expand)
         logits, positions = logits.index_select(0, expand), lengths.index_select(0, expand)
         num_rows, prompt_len = expand.numel(), prompt_mask.shape[1]
-        mask = torch.ones((num_rows, prompt_len + max_tokens), dtype=torch.long, device=device)
+        static = to_static(cache, self._sampler, -(-capacity // STATIC_BUCKET) * STATIC_BUCKET) \
+            if self.static_cache else None
+        # columns are switched on as tokens are fed (a static step attends over the whole capacity)
+        mask = torch.zeros((num_rows, capacity if static is None else static.layers[0].max_cache_len),
+                           dtype=torch.long, device=device)
         mask[:, :prompt_len] = prompt_mask.index_select(0, expand)
+        cache = cache if static is None else static
 
         out_tokens = torch.full((num_rows, max_tokens), self.pad_token_id, dtype=torch.long, device=device)
         out_logprobs = torch.zeros((num_rows, max_tokens), dtype=torch.float32, device=device)
@@ -269,16 +360,27 @@ class NativeEngine:
                     out_len[active[~finished]] = step + 1
                     break
             num_done = int(finished.sum())
-            if num_done and num_done >= self.compact_fraction * finished.numel():
+            if static is None and num_done and num_done >= self.compact_fraction * finished.numel():
                 keep = (~finished).nonzero().squeeze(1)
                 select_rows(cache, keep)
                 mask, positions, active = mask[keep], positions[keep], active[keep]
                 tokens, finished = tokens[keep], finished[keep]
             tokens = tokens.masked_fill(finished, self.pad_token_id)
             cur_len = prompt_len + step + 1
-            logits = self._forward(tokens[:, None], mask[:, :cur_len], positions[:, None], cache)
+            mask[:, cur_len - 1] = 1
+            if static is None:
+                logits = self._forward(tokens[:, None], mask[:, :cur_len], positions[:, None], cache)
+            else:
+                logits = self._static_step(tokens, mask, positions, cache)
             positions = positions + 1
         return self._collect(counts, out_tokens, out_logprobs, out_len, out_stop)
+
+    def _static_step(self, tokens, mask, positions, cache) -> torch.Tensor:
+        """One decode step on fixed shapes (replayed as a CUDA graph with ``cuda_graphs``)."""
+        if not self.cuda_graphs:
+            return self._forward(tokens[:, None], mask, positions[:, None], cache)
+        torch.compiler.cudagraph_mark_step_begin()
+        return self._step(tokens[:, None], mask, positions[:, None], cache).clone()  # the graph reuses its output
 
     @staticmethod
     def _collect(counts, out_tokens, out_logprobs, out_len, out_stop) -> list[list[RolloutOutput]]:

@@ -117,6 +117,10 @@ class OnPolicyTrainer:
             timers.merge(exp.timers)
             acc.merge(exp.acc)
             self.learn(exp.td, iteration, timers, acc)
+            sync = getattr(self.s.policy.rollout, "sync_weights", None)  # vLLM: its own copy of the weights
+            if sync is not None:
+                with timers("resharding_to_infer"):
+                    sync(self.s.policy.model)
             if self.pipeline is not None:
                 with timers("resharding_to_infer"):
                     self.pipeline.publish(iteration, self.s.policy.model)

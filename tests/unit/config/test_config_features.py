@@ -203,13 +203,13 @@ OFFLOAD = ["generate_config.offload_train_optimizer=true", "generate_config.offl
 
 
 def test_offload_is_honoured_on_cuda_but_the_weights_and_only_warned_on_cpu():
-    """The optimizer state leaves a GPU between updates; the weights cannot (the rollout engines
-    generate with them); on a CPU the two have no effect and are listed once (gradients are freed
+    """The optimizer state leaves a GPU between updates; the weights cannot (the native engine
+    generates with them); on a CPU the two have no effect and are listed once (gradients are freed
     between updates on any device)."""
     check_features(config(OFFLOAD[:2]), "cuda")
     assert startup_warnings(config(OFFLOAD[:2]), "cuda") == []
     message = refusal(OFFLOAD, device_type="cuda")
-    assert message.startswith("generate_config.offload_train_param=true: the rollout engines generate with the "
+    assert message.startswith("generate_config.offload_train_param=true: the native engine generates with the "
                               "training weights")
     assert message.endswith("remove the key (offload_train_optimizer and offload_train_grad free the optimizer "
                             "state and the gradients)")
@@ -318,3 +318,14 @@ def test_seed_configs_once_on_one_process():
     assert "megatron_training.use_fused_rmsnorm" in warning and "generate_config.offload_train_param" in warning
     with pytest.raises(ConfigError, match="offload_train_param=true"):
         check_features(cfg, "cuda")
+
+
+def test_graph_mode_runs_on_a_gpu_and_is_only_warned_about_on_a_cpu():
+    """``enforce_eager: false``: the native engine's CUDA-graph decode on a GPU (no warning), no effect
+    on a CPU (listed once); the per-request loop of async_engine / multi-turn cannot capture graphs."""
+    graphs = ["generate_config.enforce_eager=false"]
+    assert startup_warnings(config(graphs), "cuda") == []
+    assert "generate_config.enforce_eager" in " ".join(startup_warnings(config(graphs), "cpu"))
+    with pytest.raises(ConfigError, match=r"enforce_eager: false \(CUDA graphs\) with rl_config.async_engine"):
+        check_run_config(config(graphs + ["rl_config.async_engine=true"]), device_type="cuda")
+    check_run_config(config(graphs + ["rl_config.async_engine=true"]), device_type="cpu")  # eager there anyway

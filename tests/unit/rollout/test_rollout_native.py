@@ -113,3 +113,69 @@ def test_keyed_samples_on_a_real_model_do_not_depend_on_the_batch(model):
     alone = [t for i, p in enumerate(PROMPTS) for t in tokens(eng.generate([p], 3, sp, prompt_keys=[i]))]
     assert alone == together
     assert len({tuple(t) for t in together}) > 6  # the samples really are random
+
+
+def test_static_cache_decode_equals_dynamic(model):
+    """The fixed-shape decode (StaticCache, no compaction: the CUDA-graph path with compile off)
+    samples the same tokens with the same log-probs as the compacting dynamic decode (fp32, CPU)."""
+    stops = list(range(80, 96))
+    sp = SamplingParams(temperature=0.8, top_k=-1, max_tokens=20, seed=3)
+    dynamic = NativeEngine(model, pad_token_id=0, eos_token_ids=stops, compact_fraction=0.01)
+    static = NativeEngine(model, pad_token_id=0, eos_token_ids=stops, static_cache=True)
+    want, got = dynamic.generate(PROMPTS, 4, sp), static.generate(PROMPTS, 4, sp)
+    assert len({len(t) for t in tokens(want)}) > 1, "test needs rows that finish at different steps"
+    assert tokens(got) == tokens(want)
+    for g, w in zip(got, want):
+        for a, b in zip(g, w):
+            assert a.finish_reason == b.finish_reason
+            assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5)
+    capped = static.generate(PROMPTS, 2, sp, max_new_tokens=[3, 20, 5])  # per-row caps on the static path too
+    assert tokens(capped) == tokens(dynamic.generate(PROMPTS, 2, sp, max_new_tokens=[3, 20, 5]))
+
+
+def test_bf16_sampling_copy_follows_every_optimizer_step():
+    """``sampling_copy`` samples from a bf16 copy of the fp32 actor; after each optimizer step
+    (fused AdamW too, which bumps no version counter) it samples what a fresh copy samples."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(1)
+    cfg = Qwen2Config(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    actor = Qwen2ForCausalLM(cfg).float()
+    greedy = SamplingParams(temperature=0, max_tokens=10)
+    engine = NativeEngine(actor, pad_token_id=0, eos_token_ids=[], dtype="bfloat16", sampling_copy=True)
+    before = engine.generate(PROMPTS, 1, greedy)
+    changed = []
+    for fused in (False, True):
+        optimizer = torch.optim.AdamW(actor.parameters(), lr=0.05, fused=fused)
+        batch = torch.tensor([[1, 2, 3, 4, 5, 6]])
+        actor(batch, labels=batch).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        after = engine.generate(PROMPTS, 1, greedy)
+        fresh = NativeEngine(actor, pad_token_id=0, eos_token_ids=[], dtype="bfloat16", sampling_copy=True)
+        assert tokens(after) == tokens(fresh.generate(PROMPTS, 1, greedy))
+        for mine, theirs in zip(engine._copy.parameters(), actor.parameters()):
+            assert torch.equal(mine, theirs.to(torch.bfloat16))
+        changed.append(tokens(after) != tokens(before))
+        before = after
+    assert any(changed), "the steps should change what is sampled"
+    assert all(p.dtype == torch.float32 for p in actor.parameters())
+
+
+def test_cuda_graphs_need_cuda(model):
+    from posttrain.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="enforce_eager"):
+        NativeEngine(model, pad_token_id=0, eos_token_ids=[], cuda_graphs=True)
+
+
+def test_out_of_memory_names_the_keys_that_size_the_rollout(model, monkeypatch):
+    eng = NativeEngine(model, pad_token_id=0, eos_token_ids=[])
+
+    def boom(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(eng, "_run_wave", boom)
+    with pytest.raises(torch.OutOfMemoryError, match="max_num_seqs.*gpu_memory_utilization"):
+        eng.generate(PROMPTS, 2, SamplingParams(max_tokens=4, seed=0))

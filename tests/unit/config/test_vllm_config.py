@@ -1,0 +1,141 @@
+"""``rl_config.rollout_engine: vllm`` (posttrain.config.vllm): the machine it needs (the vllm package,
+a CUDA device), the run's shape, and every vLLM ``generate_config`` key passed on or refused by name."""
+
+from __future__ import annotations
+
+import copy
+import sys
+import types
+
+import pytest
+
+from posttrain.config import vllm as config_vllm
+from posttrain.config.check import check_run_config
+from posttrain.config.fields import field_rule
+from posttrain.config.run import run_config_from_dict
+from posttrain.config.sections import GenerateConfig
+from posttrain.errors import ConfigError
+
+BASE = {
+    "megatron_training": {"stage": "ray_grpo", "global_batch_size": 4, "seq_length": 256, "micro_batch_size": 2,
+                          "train_iters": 4},
+    "rl_config": {"n_samples_per_prompt": 4, "mini_batch_size": 4, "verifier_function": ["base_acc"],
+                  "verifier_weight": [1.0], "rollout_engine": "vllm"},
+    "generate_config": {"infer_tensor_parallel_size": 1, "max_model_len": 256, "sampling_config": {"max_tokens": 64}},
+}
+
+
+def config(overrides=()):
+    return run_config_from_dict(copy.deepcopy(BASE), overrides=list(overrides))
+
+
+@pytest.fixture
+def installed(monkeypatch):
+    """A (fake) vllm module importable here."""
+    monkeypatch.setitem(sys.modules, "vllm", types.ModuleType("vllm"))
+
+
+@pytest.fixture
+def gpu(installed, monkeypatch):
+    """The vllm package and, as far as the check can tell, a CUDA device."""
+    monkeypatch.setattr(config_vllm, "on_cuda", lambda device_type: True)
+
+
+def refusal(overrides=(), device_type="cpu") -> str:
+    with pytest.raises(ConfigError) as err:
+        check_run_config(config(overrides), device_type=device_type)
+    return str(err.value)
+
+
+def test_without_the_vllm_package_the_check_says_to_use_native(monkeypatch):
+    monkeypatch.setitem(sys.modules, "vllm", None)  # blocks the import, as if it were not installed
+    message = refusal(device_type="cuda")
+    assert "needs the vllm package" in message and "rollout_engine: native" in message
+
+
+def test_on_a_cpu_the_check_says_to_use_native(installed):
+    message = refusal(device_type="cpu")
+    assert "needs a CUDA GPU" in message and "device is cpu" in message and "rollout_engine: native" in message
+
+
+def test_the_check_runs_in_plan_so_plan_fails_early(installed):
+    from posttrain.config.plan import resolve_plan
+
+    with pytest.raises(ConfigError, match="needs a CUDA GPU"):
+        resolve_plan(config(), device="cpu")
+
+
+@pytest.mark.parametrize("overrides, words", [
+    (["generate_config.infer_expert_parallel_size=2"],
+     "generate_config.infer_expert_parallel_size=2 with rl_config.rollout_engine: vllm: vLLM takes no expert-parallel "
+     "size"),
+    (["generate_config.num_scheduler_steps=4"], "generate_config.num_scheduler_steps=4 with rl_config.rollout_engine: "
+                                                "vllm: multi-step scheduling was removed in vLLM V1"),
+    (["generate_config.torchair_graph=true"], "generate_config.torchair_graph=true"),
+    (["generate_config.ascend_scheduler_config_enabled=true"], "generate_config.ascend_scheduler_config_enabled=true"),
+])
+def test_keys_vllm_cannot_honour_are_refused_by_name(gpu, overrides, words):
+    message = refusal(overrides)
+    assert words in message
+    key = overrides[0].split("=")[0].split(".")[1]
+    assert config_vllm.REFUSED[key].todo in message
+
+
+def test_pipeline_parallel_rollout_keeps_the_seeds_message(gpu):
+    message = refusal(["generate_config.infer_pipeline_parallel_size=2"])  # the seed's rule 9, checked first
+    assert message == "pipeline_parallel for vllm is not supported yet ! "
+
+
+def test_the_vllm_keys_are_honoured_without_warnings(gpu):
+    overrides = ["generate_config.gpu_memory_utilization=0.7", "generate_config.enforce_eager=false",
+                 "generate_config.enable_prefix_caching=true", "generate_config.trust_remote_code=true",
+                 "generate_config.enable_expert_parallel=true", "generate_config.num_scheduler_steps=1",
+                 "generate_config.torchair_graph=false"]
+    _, warnings = check_run_config(config(overrides), device_type="cpu")
+    assert warnings[0] == config_vllm.UNVERIFIED
+    assert not any("no effect" in w for w in warnings), warnings
+    # the native engine: prefix caching refused, the vLLM memory knob warned about
+    native = [*overrides[:1], *overrides[2:3], "rl_config.rollout_engine=native"]
+    with pytest.raises(ConfigError, match="enable_prefix_caching=true: prefix caching across requests is not"):
+        check_run_config(config(native), device_type="cpu")
+    _, warnings = check_run_config(config([overrides[0], "rl_config.rollout_engine=native"]), device_type="cpu")
+    assert any("generate_config.gpu_memory_utilization" in w for w in warnings)
+
+
+def test_the_ascend_scheduler_default_is_not_refused(gpu):
+    check_run_config(config(), device_type="cpu")  # ascend_scheduler_config_enabled: true by default
+
+
+def test_ray_workers_and_other_backends_are_refused():
+    cfg = config()
+    with pytest.raises(ConfigError, match="with Ray actor workers .* not built yet"):
+        config_vllm.check_vllm(cfg, device_type="cuda", use_ray=True)
+    with pytest.raises(ConfigError, match="runs on the hf training backend"):
+        config_vllm.check_vllm(cfg, device_type="cuda", backend="megatron")
+
+
+def test_truncated_sampling_with_rollout_correction_is_warned(gpu):
+    _, warnings = check_run_config(config(["rl_config.rollout_correction=tis"]), device_type="cpu")
+    assert any("processed_logprobs" in w for w in warnings)  # top_k 50 by default: truncated
+    _, warnings = check_run_config(config(["rl_config.rollout_correction=tis",
+                                           "generate_config.sampling_config={max_tokens: 64, top_k: -1}"]),
+                                   device_type="cpu")
+    assert not any("processed_logprobs" in w for w in warnings)
+
+
+def test_the_native_engine_is_not_checked(monkeypatch):
+    monkeypatch.setitem(sys.modules, "vllm", None)
+    check_run_config(config(["rl_config.rollout_engine=native"]), device_type="cpu")
+
+
+def test_every_vllm_rule_is_passed_on_or_refused():
+    flagged = {name for name in GenerateConfig.model_fields if field_rule(GenerateConfig, name).vllm}
+    assert flagged <= set(config_vllm.PASSED) | set(config_vllm.REFUSED)
+    assert not set(config_vllm.PASSED) & set(config_vllm.REFUSED)
+    assert set(config_vllm.PASSED) | set(config_vllm.REFUSED) <= set(GenerateConfig.model_fields)
+    assert set(config_vllm.COMMON) <= set(config_vllm.PASSED)
+    kwargs = config_vllm.engine_kwargs(config(["generate_config.infer_tensor_parallel_size=1",
+                                               "generate_config.gpu_memory_utilization=0.3"]))
+    assert kwargs == {"max_model_len": 256, "gpu_memory_utilization": 0.3, "tensor_parallel_size": 1,
+                      "enforce_eager": True, "enable_prefix_caching": False, "trust_remote_code": False,
+                      "enable_expert_parallel": False}
