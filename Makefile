@@ -29,9 +29,10 @@ install: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q
 
-# on a machine with a CUDA GPU (torch, transformers, pytest installed there): the tests that need one
+# on a machine with a CUDA GPU (torch, transformers, pytest there; pydantic from .whl/): the gpu tests and
+# the GPU measurements (docs/performance.md, "GPU")
 device-check:
-	PYTHONPATH=src python3 -m pytest -q -p no:cacheprovider tests/gpu tests/unit/rollout/test_rollout_vllm.py
+	bash benchmarks/gpu/device_check.sh
 
 demo: $(STAMP)
 	$(PY) -m posttrain.demo --out runs/demo
