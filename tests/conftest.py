@@ -30,6 +30,28 @@ def tiny_tokenizer(tiny_model_dir):
     return AutoTokenizer.from_pretrained(str(tiny_model_dir))
 
 
+def write_sum_prompts(root: Path, tokenizer_dir: Path) -> str:
+    """16 "What is a + b?" prompts (a, b < 4) with their answers as labels, preprocessed with the
+    tokenizer in ``tokenizer_dir`` into ``root/rl/data``; returns that prefix."""
+    import json
+
+    from posttrain.data.preprocess import preprocess
+
+    rows = [{"problem": f"What is {a} + {b}?", "answer": str(a + b)} for a in range(4) for b in range(4)]
+    (root / "rl.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    preprocess({"input": str(root / "rl.jsonl"), "handler_name": "R1AlpacaStyleInstructionHandler",
+                "tokenizer_name_or_path": str(tokenizer_dir), "prompt_type": "default",
+                "output_prefix": str(root / "rl" / "data"), "map_keys": {"prompt": "problem", "response": "answer"},
+                "dataset_additional_keys": ["labels"]}, progress=False)
+    return str(root / "rl" / "data")
+
+
+@pytest.fixture(scope="session")
+def sum_prompts():
+    """:func:`write_sum_prompts`, for tests that preprocess the sums with their own tokenizer."""
+    return write_sum_prompts
+
+
 @pytest.fixture(scope="session")
 def mini_qwen2_dir(tmp_path_factory, tiny_tokenizer) -> Path:
     """A 2-layer Qwen2 (hidden 64, seed 0) saved with the tiny tokenizer: fast enough for loops

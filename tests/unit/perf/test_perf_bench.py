@@ -51,16 +51,10 @@ def test_matmul_peak_positive():
 
 
 @pytest.mark.slow
-def test_bench_cli_end_to_end(tiny_model_dir, tmp_path):
+def test_bench_cli_end_to_end(tiny_model_dir, tmp_path, sum_prompts):
     from posttrain.cli import main
-    from posttrain.data.preprocess import preprocess
 
-    rows = [{"problem": f"What is {a} + {b}?", "answer": str(a + b)} for a in range(4) for b in range(4)]
-    (tmp_path / "rl.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
-    preprocess({"input": str(tmp_path / "rl.jsonl"), "handler_name": "R1AlpacaStyleInstructionHandler",
-                "tokenizer_name_or_path": str(tiny_model_dir), "prompt_type": "default",
-                "output_prefix": str(tmp_path / "rl" / "data"), "map_keys": {"prompt": "problem", "response": "answer"},
-                "dataset_additional_keys": ["labels"]}, progress=False)
+    sum_prompts(tmp_path, tiny_model_dir)
     cfg = {
         "megatron_training": {"stage": "ray_grpo", "global_batch_size": 2, "micro_batch_size": 4, "seq_length": 48,
                               "train_iters": 1, "lr": 1e-4, "lr_decay_style": "constant",

@@ -359,17 +359,8 @@ def test_out_of_memory_names_the_keys_to_lower(fake_vllm, actor, monkeypatch):
 
 # ---- the trainer ------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def prompt_data(tmp_path_factory, mini_qwen2_dir):
-    from posttrain.data.preprocess import preprocess
-
-    root = tmp_path_factory.mktemp("vllm_fake_data")
-    rows = [{"problem": f"What is {a} + {b}?", "answer": str(a + b)} for a in range(4) for b in range(4)]
-    (root / "rl.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
-    preprocess({"input": str(root / "rl.jsonl"), "handler_name": "R1AlpacaStyleInstructionHandler",
-                "tokenizer_name_or_path": str(mini_qwen2_dir), "prompt_type": "default",
-                "output_prefix": str(root / "rl" / "data"), "map_keys": {"prompt": "problem", "response": "answer"},
-                "dataset_additional_keys": ["labels"]}, progress=False)
-    return str(root / "rl" / "data")
+def prompt_data(tmp_path_factory, mini_qwen2_dir, sum_prompts):
+    return sum_prompts(tmp_path_factory.mktemp("vllm_fake_data"), mini_qwen2_dir)
 
 
 def test_the_trainer_syncs_the_weights_after_every_update(fake_vllm, mini_qwen2_dir, prompt_data, tmp_path,
