@@ -220,7 +220,8 @@ class MegatronConfig(Section):
     context_parallel_size: int = F(1, "context parallel size", CONTEXT_PARALLEL)
     context_parallel_algo: str = F("ulysses_cp_algo", "ulysses_cp_algo or megatron_cp_algo", CP_ALGO)
     attention_mask_type: str = F("causal", "attention mask type (causal)", MASK_TYPE)
-    reset_attention_mask: bool = F(False, "per-sequence attention in packed rows (use_remove_padding needs it)",
+    reset_attention_mask: bool = F(True, "per-sequence attention in packed rows (use_remove_padding needs it; "
+                                         "posttrain's default: true, with remove padding on; the seed's: false)",
                                    HONOURED)
     reset_position_ids: bool = F(False, "per-document positions in packed data", POSITIONS)
     use_cp_send_recv_overlap: bool = F(False, "ring attention: overlap send/recv", PARALLEL_LAYOUT)

@@ -176,7 +176,8 @@ class RLConfig(Section):
     actor_image_embeds_dispatch_size: Opt[int] = F(None, "multimodal: TD read size for image embeddings",
                                                    MULTIMODAL_SET)
     is_multimodal: bool = F(False, "multimodal model and data", MULTIMODAL)
-    use_remove_padding: bool = F(False, "pack valid tokens of a micro-batch into one row", HONOURED)
+    use_remove_padding: bool = F(True, "pack valid tokens of a micro-batch into one row (posttrain's default: "
+                                       "true, exact and faster; the seed's: false; false pads every row)", HONOURED)
     share_prompt_prefix: bool = F(True, "posttrain: with use_remove_padding, pack a prompt shared by several "
                                         "rows (a group's n samples) once", HONOURED)
     reuse_image_embeds: bool = F(False, "multimodal: reuse image embeddings", MULTIMODAL)

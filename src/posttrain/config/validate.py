@@ -270,11 +270,14 @@ def validate_run_config(cfg: RunConfig, *, device_type: str = "cpu", num_nodes: 
     # 5
     if a.context_parallel_size > 1 and a.context_parallel_algo not in ("ulysses_cp_algo", "megatron_cp_algo"):
         raise ConfigError("Now just support ulysses CP and megatron cp(ring)")
-    if (a.context_parallel_size > 1 and a.context_parallel_algo == "megatron_cp_algo" and rl.use_remove_padding
+    # remove padding is on by default here (the seed's default is off): rules 5 and 6 apply when a config
+    # asks for it, so a seed config that never mentions it runs unchanged, packed
+    packing_asked = rl.use_remove_padding and cfg.explicitly_set("rl_config", "use_remove_padding")
+    if (a.context_parallel_size > 1 and a.context_parallel_algo == "megatron_cp_algo" and packing_asked
             and not a.reset_attention_mask):
         raise ConfigError("when use ring cp and remove_padding, reset_attention_mask must be true")
     # 6
-    if rl.use_remove_padding:
+    if packing_asked:
         if a.pipeline_model_parallel_size > 1 and not a.no_pad_to_seq_lengths:
             raise ConfigError("'use_remove_padding' feature requires 'no_pad_to_seq_lengths=True' when using "
                               "pipeline parallelism! Please set 'no_pad_to_seq_lengths=True'.")

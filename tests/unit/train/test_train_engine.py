@@ -230,3 +230,23 @@ def test_nan_gradient_raises_without_stepping():
         engine.update(make_batch([2, 2], [2, 2]), nan_grad, mini_batch_size=2)
     for key, value in model.state_dict().items():
         assert torch.equal(value, before[key])
+
+
+def test_the_optimizer_is_fused_adamw_with_the_default_update():
+    """Plain CPU parameters get torch's fused AdamW, whose steps equal the per-parameter loop's
+    within float rounding (weight decay on matrices only, as before)."""
+    fused_model, loop_model = tiny_model(), tiny_model()
+    fused = build_optimizer(fused_model, lr=1e-2, weight_decay=0.1)
+    assert all(group["fused"] for group in fused.param_groups)
+    loop = torch.optim.AdamW([{"params": [p for n, p in loop_model.named_parameters() if p.ndim >= 2
+                                          and not n.endswith(".bias")], "weight_decay": 0.1},
+                              {"params": [p for n, p in loop_model.named_parameters() if p.ndim < 2
+                                          or n.endswith(".bias")], "weight_decay": 0.0}], lr=1e-2)
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6]])
+    for _ in range(3):
+        for model, opt in ((fused_model, fused), (loop_model, loop)):
+            opt.zero_grad()
+            model(ids, labels=ids).loss.backward()
+            opt.step()
+    for a, b in zip(fused_model.parameters(), loop_model.parameters()):
+        assert torch.allclose(a, b, atol=1e-6)
