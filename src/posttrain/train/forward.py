@@ -5,7 +5,8 @@ default to :func:`~posttrain.train.layout.default_position_ids`). Response token
 logits at position ``P + t - 1`` (the seed's ``[prompt_len - 1, prompt_len + resp_len - 1)``
 window). Logits are divided by the sampling temperature (seed section 2.1), so the result equals
 the sampler's log-prob of the same token. When the model accepts ``logits_to_keep`` (HF causal
-LMs), logits are only computed for the last ``R + 1`` positions, not for the prompt.
+LMs), logits are only computed for the last ``R + 1`` positions, not for the prompt, and the LM
+head runs a chunk of tokens at a time (:mod:`posttrain.train.lm_head`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 
 from posttrain.algo.logprob import entropy_from_logits, logprobs_from_logits
 from posttrain.train.layout import default_position_ids, response_width
+from posttrain.train.lm_head import detached_head, head_logprobs
 from posttrain.train.remove_padding import Packing, packed_response_logprobs
 
 
@@ -40,7 +42,8 @@ def _model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def response_logits(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Logits predicting each response token: ``[B, R, V]`` (positions ``P-1 .. P+R-2``)."""
+    """Logits predicting each response token: ``[B, R, V]`` (positions ``P-1 .. P+R-2``); the
+    hidden states ``[B, R, H]`` inside :func:`~posttrain.train.lm_head.detached_head`."""
     num_resp = response_width(batch)
     kwargs = _model_inputs(batch)
     if _accepts_logits_to_keep(model):
@@ -71,16 +74,23 @@ def response_logprobs(
                                         entropy_grad=entropy_grad, share_prompts=packing.share_prompts)
     temperature = temperature if temperature > 0 else 1.0
     num_resp = response_width(batch)
-    logits = response_logits(model, batch)
     labels = batch["input_ids"][:, -num_resp:]
+    with detached_head(model) as head:  # the forward returns hidden states: the head runs in chunks
+        out = response_logits(model, batch)
+    if head is not None:
+        logprobs, entropy = head_logprobs(head, out, labels, temperature, with_entropy=with_entropy,
+                                          entropy_grad=entropy_grad)
+    else:
+        logprobs = logprobs_from_logits(out, labels, temperature)
+        entropy = None
+        if with_entropy:
+            with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+                entropy = entropy_from_logits(out, temperature)
     valid = batch["response_mask"].bool()
-    zero = torch.zeros((), device=logits.device)
+    zero = torch.zeros((), device=out.device)
     # where, not a product: a padded label may have a -inf logit (masked vocab), and -inf * 0 = NaN
-    logprobs = torch.where(valid, logprobs_from_logits(logits, labels, temperature), zero)
-    entropy = None
-    if with_entropy:
-        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-            entropy = torch.where(valid, entropy_from_logits(logits, temperature), zero)
+    logprobs = torch.where(valid, logprobs, zero)
+    entropy = torch.where(valid, entropy, zero) if entropy is not None else None
     return logprobs, entropy
 
 

@@ -46,6 +46,7 @@ import torch
 from posttrain.algo.logprob import entropy_from_logits, logprobs_from_logits
 from posttrain.errors import ConfigError
 from posttrain.train.layout import default_position_ids
+from posttrain.train.lm_head import detached_head, head_logprobs
 
 ATTN_NAME = "posttrain_packed"
 # set only while _packed_logits runs the model, so the attention function knows a packed forward
@@ -218,7 +219,8 @@ def group_rows_by_prompt(batch: dict[str, torch.Tensor]) -> torch.Tensor:
 
 
 def _packed_logits(model: torch.nn.Module, packed: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Logits ``[K, V]`` at the ``keep`` positions of the packed row."""
+    """Logits ``[K, V]`` at the ``keep`` positions of the packed row (the hidden states ``[K, H]``
+    inside :func:`~posttrain.train.lm_head.detached_head`)."""
     token = _IN_FORWARD.set(True)
     try:
         output = model(input_ids=packed["input_ids"], position_ids=packed["position_ids"], attention_mask=None,
@@ -245,14 +247,18 @@ def packed_response_logprobs(
     # sharing needs posttrain's attention; a flash-attention varlen model keeps its own sequences
     share = enable(model) and share_prompts
     packed = pack(batch, share_prompts=share)
-    logits = _packed_logits(model, packed)
-    select = packed["select"]
-    logprobs = logits.new_zeros(select.shape, dtype=torch.float32)
-    token_lp = logprobs_from_logits(logits[None], packed["labels"][None], temperature)[0].float()
-    logprobs = logprobs.masked_scatter(select, token_lp)
-    entropy = None
-    if with_entropy:
-        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-            ent = entropy_from_logits(logits[None], temperature)[0].float()
-            entropy = logits.new_zeros(select.shape, dtype=torch.float32).masked_scatter(select, ent)
+    with detached_head(model) as head:  # the forward returns hidden states: the head runs in chunks
+        out = _packed_logits(model, packed)
+    select, labels = packed["select"], packed["labels"]
+    if head is not None:
+        token_lp, ent = head_logprobs(head, out, labels, temperature, with_entropy=with_entropy,
+                                      entropy_grad=entropy_grad)
+    else:
+        token_lp, ent = logprobs_from_logits(out[None], labels[None], temperature)[0].float(), None
+        if with_entropy:
+            with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+                ent = entropy_from_logits(out[None], temperature)[0].float()
+    zeros = torch.zeros(select.shape, dtype=torch.float32, device=out.device)
+    logprobs = zeros.masked_scatter(select, token_lp)
+    entropy = zeros.masked_scatter(select, ent) if ent is not None else None
     return logprobs, entropy
