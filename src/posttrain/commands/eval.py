@@ -89,7 +89,10 @@ def run(args) -> int:
         result = evaluate(engine, tokenizer, prompts, labels, reward, sampling=sampling, n=args.n,
                           threshold=float(len(verifiers)))
     result.update(model=str(path), data=args.data, verifiers=verifiers, n=args.n, temperature=args.temperature)
-    for key in ("accuracy", f"avg@{args.n}", f"pass@{args.n}", "score/mean", "num_prompts"):
+    print(f"{'strict':>12}: {result['accuracy']:.4f}  (accuracy: the verifiers {', '.join(verifiers)} accept the "
+          f"first sample)")
+    print(f"{'lenient':>12}: {result['lenient_accuracy']:.4f}  (the first sample's last number is the answer)")
+    for key in (f"avg@{args.n}", f"pass@{args.n}", "score/mean", "num_prompts"):
         print(f"{key:>12}: {result[key]:.4f}" if key != "num_prompts" else f"{key:>12}: {int(result[key])}")
     if args.output:
         from posttrain.commands.outputs import write_text_atomic

@@ -94,16 +94,22 @@ def main(argv=None) -> int:
     evals = read_jsonl(out / "eval.jsonl", strict=True)
     rows = read_jsonl(out / "metrics.jsonl", strict=True)
     rewards = [(r["iteration"], r["grpo/score/mean"]) for r in rows if "grpo/score/mean" in r]
-    plot_metrics(out / "metrics.jsonl", out / "reward_accuracy.png", ["grpo/score/mean", "eval/accuracy"],
-                 title="GRPO on SmolLM2-135M-Instruct: reward and held-out accuracy")
+    plot_metrics(out / "metrics.jsonl", out / "reward_accuracy.png",
+                 ["grpo/score/mean", "eval/accuracy", "eval/lenient_accuracy"],
+                 title="GRPO on SmolLM2-135M-Instruct: reward, held-out strict and lenient accuracy")
     before, after = evals[0]["eval/accuracy"], evals[-1]["eval/accuracy"]
+    lenient = evals[0]["eval/lenient_accuracy"], evals[-1]["eval/lenient_accuracy"]
     summary = {"model": str(model_dir), "iterations": len(rewards), "accuracy_before": before,
-               "accuracy_after": after, "rewards": rewards,
-               "seconds_per_iteration": train_seconds / max(len(rewards), 1), "total_seconds": time.time() - start}
+               "accuracy_after": after, "lenient_accuracy_before": lenient[0], "lenient_accuracy_after": lenient[1],
+               "rewards": rewards, "seconds_per_iteration": train_seconds / max(len(rewards), 1),
+               "total_seconds": time.time() - start}
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     print("\nreward per iteration: " + "  ".join(f"{i}:{r:.2f}" for i, r in rewards))
-    print(f"held-out greedy accuracy: {before:.1%} before -> {after:.1%} after "
-          f"({(after - before) * 100:+.1f} points, {evals[0]['eval/num_prompts']:.0f} problems)")
+    problems = f"{evals[0]['eval/num_prompts']:.0f} problems"
+    print(f"held-out greedy accuracy, strict (the required format): {before:.1%} before -> {after:.1%} after "
+          f"({(after - before) * 100:+.1f} points, {problems})")
+    print(f"held-out greedy accuracy, lenient (the last number is right): {lenient[0]:.1%} before -> "
+          f"{lenient[1]:.1%} after ({(lenient[1] - lenient[0]) * 100:+.1f} points)")
     print(f"time: {summary['seconds_per_iteration']:.1f} s per iteration, {summary['total_seconds'] / 60:.1f} min in all")
     print(f"plot: {out / 'reward_accuracy.png'}   TensorBoard: tensorboard --logdir {out / 'tensorboard'}")
     return 0

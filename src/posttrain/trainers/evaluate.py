@@ -1,7 +1,12 @@
 """Accuracy of a policy on held-out prompts: greedy or sampled generation scored by verifiers.
 
-* ``accuracy`` / ``pass@1``: the share of prompts whose first sample scores >= ``threshold``
-  (with greedy decoding, the greedy accuracy);
+* ``accuracy`` / ``pass@1``: the **strict** accuracy, the share of prompts whose first sample
+  scores >= ``threshold`` with the run's verifiers (the answer in the required format; with greedy
+  decoding, the greedy accuracy);
+* ``lenient_accuracy``: the share of prompts whose first sample ends with the right number,
+  whatever the format (the ``last_number`` verifier: the last number in the response equals the
+  label's). The gap between the two is how much of the accuracy is format: a model that learns to
+  write "The answer is N." gains strict accuracy without solving more problems;
 * ``avg@k``: the mean over all k samples of each prompt, averaged over prompts;
 * ``pass@k``: the share of prompts with at least one sample scoring >= ``threshold``;
 * ``score/mean``: the mean weighted verifier score.
@@ -18,8 +23,10 @@ def evaluate(engine, tokenizer, prompts: list[list[int]], labels: list[str], rew
              n: int = 1, stop_token_ids=None, threshold: float = 1.0, batch_size: int = 64) -> dict[str, float]:
     """Generate ``n`` samples per prompt with ``engine`` and score them with ``reward`` (a RuleReward)."""
     from posttrain.reward.decoding import decode_responses
+    from posttrain.reward.verifiers.numbers import last_number_reward
 
     scores_by_prompt: list[list[float]] = []
+    lenient: list[float] = []
     for start in range(0, len(prompts), batch_size):
         chunk = prompts[start:start + batch_size]
         keys = list(range(start, start + len(chunk)))  # each prompt its own stream across chunks
@@ -29,12 +36,14 @@ def evaluate(engine, tokenizer, prompts: list[list[int]], labels: list[str], rew
         scores, _ = reward.score(texts, chunk_labels)
         for i in range(len(chunk)):
             scores_by_prompt.append(scores[i * n:(i + 1) * n])
+            lenient.append(last_number_reward(texts[i * n], chunk_labels[i * n]))
     if not scores_by_prompt:
         return {}
     t = torch.tensor(scores_by_prompt, dtype=torch.float64)
     correct = (t >= threshold - 1e-9).to(torch.float64)
     return {
         "accuracy": correct[:, 0].mean().item(),
+        "lenient_accuracy": sum(lenient) / len(lenient),
         "pass@1": correct[:, 0].mean().item(),
         f"avg@{n}": correct.mean().item(),
         f"pass@{n}": correct.max(dim=1).values.mean().item(),
