@@ -10,6 +10,12 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# pin torch's threads (posttrain otherwise lowers them to the cores free at a run's start, which
+# depends on the machine's load): every run of the suite reduces in the same order
+if "OMP_NUM_THREADS" not in os.environ:
+    import torch
+
+    os.environ["OMP_NUM_THREADS"] = str(torch.get_num_threads())
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -1,13 +1,17 @@
-"""The torch device and the precision a run uses on it.
+"""The torch device, the precision a run uses on it, and its CPU threads.
 
 ``auto`` means CUDA when available, else CPU. Precision is chosen from the hardware: on a CPU,
 bf16 only where the config asks for it explicitly and the CPU has bf16 matmul units (AMX or
 AVX512-BF16; elsewhere emulated bf16 is far slower than fp32); on a GPU, the config's ``bf16``
-and ``generate_config.dtype``.
+and ``generate_config.dtype``. Threads (:func:`cpu_threads`): the cores other processes leave
+free when the run starts, since two OpenMP threads on a 2-core machine where another process holds
+a core run 3-5x slower than one.
 """
 
 from __future__ import annotations
 
+import os
+import time
 from pathlib import Path
 
 from posttrain.errors import ConfigError
@@ -58,3 +62,41 @@ def precision(device: str, *, bf16: bool, bf16_asked: bool, rollout_dtype: str,
                           "Ampere, or newer); set megatron_training.bf16: false and generate_config.dtype: "
                           "float32 (fp16 training is not available)")
     return ("bfloat16" if bf16 else "float32"), ("bfloat16" if rollout_dtype == "bfloat16" else "float32")
+
+
+def machine_busy_seconds() -> float:
+    """Busy CPU seconds of the whole machine since boot (the ``cpu`` line of ``/proc/stat`` but
+    idle and iowait)."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")  # user nice system idle iowait irq softirq steal
+
+
+def free_cores(seconds: float = 0.3) -> int:
+    """The cores of this process's CPU set that other processes left idle over ``seconds`` (at
+    least 1); all of them where ``/proc/stat`` cannot be read."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    try:
+        busy0, own0, t0 = machine_busy_seconds(), time.process_time(), time.perf_counter()
+        time.sleep(seconds)
+        busy, own, wall = machine_busy_seconds() - busy0, time.process_time() - own0, time.perf_counter() - t0
+    except (OSError, ValueError, IndexError):
+        return cores
+    others = max(busy - own, 0.0) / wall
+    return max(1, min(cores, round(cores - others)))
+
+
+def cpu_threads(configured: int | None, stored: int | None, current: int) -> tuple[int, str]:
+    """The torch threads of a CPU run, and why: ``rl_config.num_threads`` when set; the ``current``
+    count when ``OMP_NUM_THREADS`` pins it; the count a resumed run stored in its checkpoint (so a
+    resume reduces in the same order as the run it continues); else the ``current`` count (torch's
+    default, or what the caller set) lowered to the cores other processes leave free
+    (:func:`free_cores`), chosen once at the start."""
+    if configured:
+        return int(configured), "rl_config.num_threads"
+    if os.environ.get("OMP_NUM_THREADS", "").strip():
+        return current, "OMP_NUM_THREADS"
+    if stored:
+        return int(stored), "the checkpoint"
+    free = free_cores()
+    return min(current, free), f"{free} core(s) free at the start"

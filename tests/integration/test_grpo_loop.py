@@ -75,6 +75,8 @@ def test_resume_repeats_the_uninterrupted_run(tiny_model_dir, tiny_prompt_data, 
                       **{**common, "actor_config__load": str(resumed / "ckpt")}))
     a, b = read_metrics(straight / "run"), read_metrics(resumed / "run")
     assert sorted(a) == [1, 2, 3, 4] and sorted(b) == [1, 2, 3, 4]
+    state = json.loads((resumed / "ckpt" / "iter_0000002" / "trainer_state.json").read_text())
+    assert state["num_threads"] == torch.get_num_threads()  # the resume runs with the same threads
     for it in (3, 4):
         keys = [k for k in a[it] if not k.startswith("timing/") and not k.endswith("_tps") and k != "time"]
         assert "actor/pg_loss" in keys and "grpo/score/mean" in keys

@@ -30,19 +30,13 @@ import tempfile
 import time
 from pathlib import Path
 
+from posttrain.device import machine_busy_seconds
+
 PHASES = ("rollout", "rule_reward", "adv", "reference_model", "old_log_p", "update", "all")
 THROUGHPUT = ("e2e_tps", "update_tps", "vllm_tps", "rollout_response_tps")
 
 
 # ---- CPU use of other processes ------------------------------------------------------------------
-def _proc_stat_busy() -> float:
-    """Busy CPU seconds of the whole machine since boot (all fields of the ``cpu`` line but idle, iowait)."""
-    fields = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
-    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
-    busy = sum(fields[:8]) - idle  # user nice system idle iowait irq softirq steal (guest is in user)
-    return busy / os.sysconf("SC_CLK_TCK")
-
-
 def _own_tree_cpu(root: int) -> float:
     """CPU seconds of process ``root`` (with its reaped children) plus its live descendants."""
     tick = os.sysconf("SC_CLK_TCK")
@@ -79,12 +73,12 @@ class CpuMeter:
         self.result: dict[str, float] = {}
 
     def __enter__(self) -> "CpuMeter":
-        self._t0, self._busy0, self._own0 = time.perf_counter(), _proc_stat_busy(), _own_tree_cpu(self.pid)
+        self._t0, self._busy0, self._own0 = time.perf_counter(), machine_busy_seconds(), _own_tree_cpu(self.pid)
         return self
 
     def __exit__(self, *exc) -> None:
         wall = time.perf_counter() - self._t0
-        busy = _proc_stat_busy() - self._busy0
+        busy = machine_busy_seconds() - self._busy0
         own = _own_tree_cpu(self.pid) - self._own0
         self.result = {"wall_s": wall, "own_cores": own / wall, "others_cores": max(busy - own, 0.0) / wall,
                        "num_cpus": os.cpu_count() or 1}

@@ -188,6 +188,9 @@ def check_values(cfg: RunConfig) -> None:
     if a.lr_warmup_fraction is not None and (not _finite(a.lr_warmup_fraction) or not 0 <= a.lr_warmup_fraction <= 1):
         raise _bad(cfg, actor_key(cfg, "lr_warmup_fraction"), a.lr_warmup_fraction, "a number in [0, 1]")
     check_lora(cfg)
+    if rl.num_threads is not None and (isinstance(rl.num_threads, bool) or rl.num_threads < 1):
+        raise _bad(cfg, "rl_config.num_threads", rl.num_threads, "an integer >= 1 (torch threads; unset: chosen "
+                   "from the free cores)")
     for name in ("actor_resource", "reference_resource", "reward_resource", "critic_resource", "vit_resource"):
         resource = getattr(rl, name)
         if resource is not None and resource.num_npus is not None and resource.num_npus < 0:

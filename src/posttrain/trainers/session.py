@@ -307,6 +307,7 @@ class Session:
             self.policy = build_policy(cfg, plan, self.device, with_rollout=on_policy)
         state = self.policy.state  # resumed or fresh
         self.trainer_state: dict[str, Any] = state
+        self.num_threads = self._set_threads(rl.num_threads, state.get("num_threads"))
         if plan.uses_critic:  # PPO: in this process, or colocated in the Ray actor workers
             if self.cluster is not None:
                 self.critic = self.cluster.critic
@@ -394,6 +395,19 @@ class Session:
                 lock.release()
             self.locks = []
 
+    def _set_threads(self, configured: int | None, stored: int | None) -> int | None:
+        """Fix this process's torch threads for the run (CPU, in process; Ray workers set theirs)."""
+        import torch
+
+        from posttrain.device import cpu_threads
+
+        if self.cluster is not None or not str(self.device).startswith("cpu"):
+            return None
+        threads, why = cpu_threads(configured, stored, torch.get_num_threads())
+        torch.set_num_threads(threads)
+        log.info("torch threads: %d (%s)", threads, why)
+        return threads
+
     def save(self, iteration: int, extra_state: dict):
         """The one checkpoint save of a run (on Ray, rank 0 of the actor workers writes it)."""
         from posttrain.checkpoint import prune_checkpoints, save_checkpoint
@@ -401,7 +415,7 @@ class Session:
         a, p = self.cfg.actor, self.policy
         self._check_finite_weights(iteration)
         state = {"iteration": iteration, "consumed_samples": self.consumed_samples,
-                 "initial_model": self.initial_model, **extra_state}
+                 "initial_model": self.initial_model, "num_threads": self.num_threads, **extra_state}
         if self.cluster is not None:
             path = self.cluster.save(a.save, iteration, sampler_state=self.sampler.state_dict(), trainer_state=state,
                                      save_optim=not a.no_save_optim, save_rng=not a.no_save_rng)

@@ -23,3 +23,25 @@ def test_gpu_with_bf16_keeps_the_configs_dtypes(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
     assert precision("cuda", bf16=True, bf16_asked=False, rollout_dtype="bfloat16",
                      rollout_dtype_asked=False) == ("bfloat16", "bfloat16")
+
+
+def test_threads_follow_the_config_then_omp_then_the_checkpoint_then_the_free_cores(monkeypatch):
+    from posttrain import device
+
+    monkeypatch.setattr(device, "free_cores", lambda seconds=0.3: 1)
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    assert device.cpu_threads(3, 4, current=2) == (3, "rl_config.num_threads")
+    assert device.cpu_threads(None, 4, current=2) == (2, "OMP_NUM_THREADS")  # pinned: kept as torch has it
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    assert device.cpu_threads(None, 4, current=2) == (4, "the checkpoint")  # a resume reduces as its run did
+    assert device.cpu_threads(None, None, current=2) == (1, "1 core(s) free at the start")  # one core is busy
+    monkeypatch.setattr(device, "free_cores", lambda seconds=0.3: 8)
+    assert device.cpu_threads(None, None, current=2)[0] == 2  # never more than torch's (or the caller's) count
+
+
+def test_free_cores_is_between_one_and_this_process_cores():
+    import os
+
+    from posttrain.device import free_cores
+
+    assert 1 <= free_cores(seconds=0.05) <= len(os.sched_getaffinity(0))
