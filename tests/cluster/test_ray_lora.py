@@ -14,7 +14,10 @@ LORA = {"lora_target_modules": ["linear_qkv", "linear_proj", "linear_fc1", "line
 
 
 def test_lora_on_two_workers_equals_one_process(ray_cluster, work):
-    rl = {"epochs": 2, "shuffle_mini_batch": True, "init_kl_coef": 0.05, "share_backbone": True}
+    # padded rows: packed micro-batches hold other rows on one worker than on two, and their sums
+    # differ in rounding, which AdamW's first steps on the fresh adapter amplify past 1e-5
+    rl = {"epochs": 2, "shuffle_mini_batch": True, "init_kl_coef": 0.05, "share_backbone": True,
+          "use_remove_padding": False}
     runs = {name: record_run(grpo_config(work, f"lora_{name}", workers=workers, iters=2, rl=rl, train={
         **LORA, "save": str(work / f"lora_{name}_ckpt"), "save_interval": 2, "lora_ckpt_filter": True}))
         for name, workers in (("local", 1), ("ray", 2))}

@@ -44,7 +44,8 @@ def offline_data(work):
 
 
 def offline_config(work: Path, data: Path, stage: str, name: str, *, workers: int, iters: int, sharding: str = "ddp",
-                   save: Path | None = None, load: Path | None = None, train_extra: dict | None = None):
+                   save: Path | None = None, load: Path | None = None, train_extra: dict | None = None,
+                   rl_extra: dict | None = None):
     from posttrain.config.run import run_config_from_dict
 
     train = {"stage": stage, "global_batch_size": 8, "micro_batch_size": 2, "seq_length": 64, "train_iters": iters,
@@ -59,7 +60,7 @@ def offline_config(work: Path, data: Path, stage: str, name: str, *, workers: in
     if load:
         train.update(load=str(load))
     rl = {"output_dir": str(work / f"run_{name}"), "device": "cpu", "actor_resource": {"num_devices": workers},
-          "ray_sharding": sharding, "ray_timeout_s": 120}
+          "ray_sharding": sharding, "ray_timeout_s": 120, **(rl_extra or {})}
     return run_config_from_dict({"megatron_training": train, "rl_config": rl}, name=name)
 
 
