@@ -9,6 +9,9 @@ hyperparameters, written once into a work folder and read by both sides.
   ``make demo`` trains. TRL gets the same prompt token ids decoded back to text.
 * reward: posttrain's ``last_number`` verifier (1 if the last number in the completion is a + b);
   ``demo``: ``math_equiv`` (math-verify), as the demo.
+* ``chat``: the demo's model, data, chat template and reward at the speed workload of issue 22:
+  8 prompts x 8 samples x up to 64 new tokens (prompts of about 54 tokens), no KL, one optimizer
+  step per batch.
 """
 
 from __future__ import annotations
@@ -22,13 +25,14 @@ SETTINGS = {  # equal on both sides
     "clip_grad": 1.0, "epsilon": 0.2, "verifier": "last_number", "adam_beta2": 0.999,
     "max_prompt_length": 32, "prompt_type": "trl",
 }
-MODELS = {"tiny": "tiny_qwen2", "smollm2": "smollm2_135m", "demo": "smollm2_135m"}
+MODELS = {"tiny": "tiny_qwen2", "smollm2": "smollm2_135m", "demo": "smollm2_135m", "chat": "smollm2_135m"}
 # SmolLM2-135M is 14x the tiny model: fewer, shorter samples keep a step near a minute on 2 cores.
 # "demo" is configs/grpo_smollm2_demo.yaml: the setting in which the model learns in 8 steps.
 SIZE_SETTINGS = {"tiny": {}, "smollm2": {"num_prompts": 2, "n": 4, "max_tokens": 32},
                  "demo": {"num_prompts": 4, "n": 8, "max_tokens": 16, "lr": 2e-5, "temperature": 0.5,
                           "seed": 1234, "verifier": "math_equiv", "adam_beta2": 0.99, "max_prompt_length": 80,
                           "prompt_type": "hf_chat_template"}}
+SIZE_SETTINGS["chat"] = {**SIZE_SETTINGS["demo"], "num_prompts": 8, "n": 8, "max_tokens": 64}
 
 
 def settings(size: str) -> dict:
@@ -46,7 +50,7 @@ def prepare(work: Path, size: str = "tiny") -> dict[str, str]:
     from posttrain.data.preprocess import preprocess
 
     work.mkdir(parents=True, exist_ok=True)
-    if size in ("smollm2", "demo"):
+    if size in ("smollm2", "demo", "chat"):
         from posttrain.demo.pretrained import ensure_smollm2
 
         model_dir = tok_dir = ensure_smollm2()
@@ -58,10 +62,10 @@ def prepare(work: Path, size: str = "tiny") -> dict[str, str]:
             init_model_dir(MODELS[size], model_dir)
     data_dir = work / f"data_{size}"
     data_prefix = data_dir / "rl"
-    if size == "demo" and not list(data_dir.glob("*.idx")):
+    if size in ("demo", "chat") and not list(data_dir.glob("*.idx")):
         from posttrain.demo.tasks import write_demo_data
 
-        train_path, _ = write_demo_data(work / "raw_demo")
+        train_path, _ = write_demo_data(work / f"raw_{size}")
         preprocess(dict(input=str(train_path), handler_name="R1AlpacaStyleInstructionHandler",
                         output_prefix=str(data_prefix), map_keys={"prompt": "prompt", "response": "answer"},
                         dataset_additional_keys=["labels"], tokenizer_name_or_path=str(tok_dir),
@@ -85,10 +89,11 @@ def posttrain_config(paths: dict[str, str], steps: int, out_dir: str, extra: dic
                      size: str = "tiny") -> dict:
     """The posttrain GRPO run: one optimizer step per iteration over all samples, no KL."""
     s = settings(size)
+    seq = max(128, s["max_prompt_length"] + s["max_tokens"])  # the longest prompt and answer fit
     cfg = {
         "megatron_training": {
             "stage": "ray_grpo", "global_batch_size": s["num_prompts"], "micro_batch_size": s["num_prompts"] * s["n"],
-            "seq_length": 128, "train_iters": steps, "lr": s["lr"], "lr_decay_style": "constant",
+            "seq_length": seq, "train_iters": steps, "lr": s["lr"], "lr_decay_style": "constant",
             "weight_decay": 0.0, "clip_grad": s["clip_grad"], "data_path": paths["data"],
             "tokenizer_name_or_path": paths["tokenizer"], "load": paths["model"], "finetune": True,
             "seed": s["seed"], "bf16": False, "dataset_additional_keys": ["labels"],
@@ -100,7 +105,7 @@ def posttrain_config(paths: dict[str, str], steps: int, out_dir: str, extra: dic
             "max_prompt_length": s["max_prompt_length"], "verifier_parallel": 1, "clip_ratio": s["epsilon"],
         },
         "generate_config": {
-            "max_model_len": 128, "max_num_seqs": 256, "infer_tensor_parallel_size": 1,
+            "max_model_len": seq, "max_num_seqs": 256, "infer_tensor_parallel_size": 1,
             "sampling_config": {"max_tokens": s["max_tokens"], "temperature": s["temperature"], "top_k": -1,
                                 "top_p": 1.0},
         },

@@ -41,15 +41,17 @@ def one_run(side: str, args, rep: int) -> dict:
     result["tps"] = statistics.median(r["e2e_tokens_per_s"] for r in timed)
     result["step_s"] = statistics.median(r["cpu/wall_s"] for r in timed)
     result["others_cores"] = statistics.median(r["cpu/others_cores"] for r in timed)
+    result["peak_mib"] = result.get("peak_memory_mib") or result.get("bench", {}).get("peak_memory_mib")
     print(f"  rep {rep} {side:<9} {result['tps']:8.1f} tok/s  step {result['step_s']:6.2f} s  "
-          f"others {result['others_cores']:.2f} cores  ({time.time() - start:.0f} s)", flush=True)
+          f"peak RSS {result['peak_mib'] or 0:.0f} MiB  others {result['others_cores']:.2f} cores  "
+          f"({time.time() - start:.0f} s)", flush=True)
     return result
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--work", default="/tmp/perf/work")
-    p.add_argument("--size", default="tiny", choices=["tiny", "smollm2", "demo"])
+    p.add_argument("--size", default="tiny", choices=["tiny", "smollm2", "demo", "chat"])
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--threads", type=int, default=2)

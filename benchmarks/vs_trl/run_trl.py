@@ -82,8 +82,10 @@ def main() -> None:
     for rec in records:
         rec["tokens"], prev = rec["tokens"] - prev, rec["tokens"]
         rec["e2e_tokens_per_s"] = rec["tokens"] / rec["cpu/wall_s"]
+    import resource
+
     out = {"side": "trl", "size": args.size, "threads": args.threads, "total_s": time.time() - start,
-           "records": records}
+           "peak_memory_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "records": records}
     Path(args.out).write_text(json.dumps(out, indent=2))
 
 
