@@ -51,6 +51,9 @@ def check_run_config(cfg: RunConfig, *, device_type: str = "cpu",
     if stage.on_policy and (cfg.rl.rule_reward or cfg.rl.eval_data_path):  # training scores, held-out accuracy
         check_verifiers(cfg)
     _check_prompt_type_path(cfg)
+    if cfg.rl.num_threads is not None and uses_ray(cfg):
+        raise ConfigError(f"rl_config.num_threads={cfg.rl.num_threads} sets the threads of one in-process run; the "
+                          "Ray workers take theirs from rl_config.ray_num_cpus_per_worker: set that instead")
     warnings = startup_warnings(cfg, device_type, backend=parallel.backend)
     warnings += check_async(cfg, on_policy=stage.on_policy, backend=parallel.backend, use_ray=uses_ray(cfg))
     if stage.on_policy:  # rollout_engine: vllm (its keys, one process, the vllm package, a CUDA device)

@@ -252,9 +252,10 @@ class RLConfig(Section):
     rollout_correction_cap: float = F(2.0, "posttrain: the cap C of tis / the band [1/C, C] of mis (> 1)", HONOURED)
     rollout_correction_level: str = F("token", "posttrain: token or sequence (mis: a sequence's geometric-mean "
                                                "ratio)", HONOURED)
-    num_threads: Opt[int] = F(None, "posttrain: torch threads of a CPU run (unset: torch's count, lowered to the "
-                                    "cores other processes leave free at the start, and kept on resume; "
-                                    "OMP_NUM_THREADS pins it)", HONOURED)
+    num_threads: Opt[int] = F(None, "posttrain: torch CPU threads of an in-process run (unset: torch's count, "
+                                    "lowered to the cores other processes leave free at the start, and kept on "
+                                    "resume; OMP_NUM_THREADS pins it; Ray workers: ray_num_cpus_per_worker)",
+                              HONOURED)
     ignore_memory_estimate: bool = F(False, "posttrain: on a CPU, run even when the plan's memory estimate is more "
                                             "than twice this machine's memory (refused otherwise; above 1x: a "
                                             "warning)", HONOURED)

@@ -396,12 +396,12 @@ class Session:
             self.locks = []
 
     def _set_threads(self, configured: int | None, stored: int | None) -> int | None:
-        """Fix this process's torch threads for the run (CPU, in process; Ray workers set theirs)."""
+        """Fix this process's torch threads for the run (in process; Ray workers set theirs)."""
         import torch
 
         from posttrain.device import cpu_threads
 
-        if self.cluster is not None or not str(self.device).startswith("cpu"):
+        if self.cluster is not None:
             return None
         threads, why = cpu_threads(configured, stored, torch.get_num_threads())
         torch.set_num_threads(threads)

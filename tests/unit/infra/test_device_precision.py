@@ -45,3 +45,17 @@ def test_free_cores_is_between_one_and_this_process_cores():
     from posttrain.device import free_cores
 
     assert 1 <= free_cores(seconds=0.05) <= len(os.sched_getaffinity(0))
+
+
+def test_num_threads_is_refused_with_ray_workers():
+    from posttrain.config.check import check_run_config
+    from posttrain.config.run import run_config_from_dict
+
+    cfg = run_config_from_dict({
+        "megatron_training": {"stage": "ray_grpo", "global_batch_size": 4, "seq_length": 64, "micro_batch_size": 2},
+        "rl_config": {"n_samples_per_prompt": 2, "mini_batch_size": 2, "num_threads": 1,
+                      "actor_resource": {"num_npus": 2}, "verifier_function": ["last_number"],
+                      "verifier_weight": [1.0]},
+        "generate_config": {"infer_tensor_parallel_size": 1, "max_model_len": 64}})
+    with pytest.raises(ConfigError, match="ray_num_cpus_per_worker"):
+        check_run_config(cfg)
