@@ -131,9 +131,8 @@ def section_rollout(model, device: str, work: dict, dry: bool) -> dict:
         torch.cuda.empty_cache()
 
     def native(**kw):
-        engine = NativeEngine(model, pad_token_id=PAD, eos_token_ids=[EOS], max_num_seqs=rows,
-                              max_num_batched_tokens=8192, dtype=dtype, **kw)
-        return engine
+        return NativeEngine(model, pad_token_id=PAD, eos_token_ids=[EOS], max_num_seqs=rows,
+                            max_num_batched_tokens=8192, dtype=dtype, **kw)
 
     eager = native(static_cache=True)
     eager.generate(prompts, work["n"], SamplingParams(temperature=1.0, top_k=-1, max_tokens=4, seed=1))
@@ -298,12 +297,6 @@ def markdown(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=os.environ.get("OUT") or "runs/device_check")
@@ -351,8 +344,10 @@ def main(argv: list[str] | None = None) -> int:
 
         run_section(results, "grpo_7b", seven)
     shutil.rmtree(work_dir, ignore_errors=True)
-    write_atomic(out / "device_check.json", json.dumps(results, indent=1, default=str))
-    write_atomic(out / "device_check.md", markdown(results))
+    from posttrain.commands.outputs import write_text_atomic
+
+    write_text_atomic(out / "device_check.json", json.dumps(results, indent=1, default=str))
+    write_text_atomic(out / "device_check.md", markdown(results))
     print((out / "device_check.md").read_text())
     failed = [k for k, v in results.items() if isinstance(v, dict) and "error" in v]
     return 1 if failed else 0

@@ -39,8 +39,8 @@ def cpu_supports_bf16() -> bool:
     return "amx_bf16" in flags or "avx512_bf16" in flags
 
 
-def cuda_supports_bf16(device: str) -> bool:
-    """Whether the GPU ``device`` computes in bf16 natively (compute capability 8.0 or newer)."""
+def cuda_supports_bf16() -> bool:
+    """Whether this process's GPU computes in bf16 natively (compute capability 8.0 or newer)."""
     import torch
 
     if not torch.cuda.is_available():
@@ -56,7 +56,7 @@ def precision(device: str, *, bf16: bool, bf16_asked: bool, rollout_dtype: str,
         bf16 = bf16 and bf16_asked and cpu_supports_bf16()
         if not rollout_dtype_asked or not cpu_supports_bf16():
             rollout_dtype = "float32"
-    elif (bf16 or rollout_dtype == "bfloat16") and not cuda_supports_bf16(device):
+    elif (bf16 or rollout_dtype == "bfloat16") and not cuda_supports_bf16():
         key = "megatron_training.bf16: true" if bf16 else "generate_config.dtype: bfloat16"
         raise ConfigError(f"{key}: this GPU ({device}) has no bf16 support (it needs compute capability 8.0, "
                           "Ampere, or newer); set megatron_training.bf16: false and generate_config.dtype: "

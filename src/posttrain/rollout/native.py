@@ -173,9 +173,9 @@ class NativeEngine:
         self._copy: Any = None  # the bf16 model that samples (sampling_copy), and the actor's version it holds
         self._copy_version: tuple[int, int] | None = None
         self._sampler = model  # the model the forward calls run on (set per call)
-        self._step = self._forward
-        if self.cuda_graphs:
-            self._step = torch.compile(self._forward, mode="reduce-overhead", dynamic=False)
+        # the static decode step, recorded as a CUDA graph on its first call per shape
+        self._graph_step = torch.compile(self._forward, mode="reduce-overhead", dynamic=False) \
+            if self.cuda_graphs else None
         # a PEFT (LoRA) model passes keyword arguments on to its base model: read the base's signature
         params = inspect.signature((model.get_base_model() if hasattr(model, "peft_config") else model).forward).parameters
         self._has_logits_to_keep = "logits_to_keep" in params or any(
@@ -377,10 +377,10 @@ class NativeEngine:
 
     def _static_step(self, tokens, mask, positions, cache) -> torch.Tensor:
         """One decode step on fixed shapes (replayed as a CUDA graph with ``cuda_graphs``)."""
-        if not self.cuda_graphs:
+        if self._graph_step is None:
             return self._forward(tokens[:, None], mask, positions[:, None], cache)
         torch.compiler.cudagraph_mark_step_begin()
-        return self._step(tokens[:, None], mask, positions[:, None], cache).clone()  # the graph reuses its output
+        return self._graph_step(tokens[:, None], mask, positions[:, None], cache).clone()  # the graph reuses its output
 
     @staticmethod
     def _collect(counts, out_tokens, out_logprobs, out_len, out_stop) -> list[list[RolloutOutput]]:
