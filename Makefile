@@ -1,5 +1,6 @@
 # posttrain: two commands do everything.
 #   make demo   install into .venv and run the main job (GRPO on a real model, on this CPU)
+#   make demo-smoke   the 2-minute version (two-term sums)
 #   make test   install into .venv and run the tests
 # Both are idempotent: the install step re-runs only when pyproject.toml or this Makefile changes.
 
@@ -11,7 +12,7 @@ STAMP  := $(VENV)/.installed
 # an unpinned torch pulls several GB of CUDA packages.
 TORCH  ?= torch==2.13.0
 
-.PHONY: install test demo plan device-check clean
+.PHONY: install test demo demo-smoke plan device-check clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -36,6 +37,9 @@ device-check:
 
 demo: $(STAMP)
 	$(PY) -m posttrain.demo --out runs/demo
+
+demo-smoke: $(STAMP)
+	$(PY) -m posttrain.demo --task sums --config-name grpo_smollm2_demo_sums --out runs/demo_sums
 
 plan: $(STAMP)
 	$(VENV)/bin/posttrain plan --config-name grpo_smollm2_demo

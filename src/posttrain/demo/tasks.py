@@ -1,10 +1,14 @@
-"""Chain-sum arithmetic problems ("What is 3 + 5 + 2 - 4?") with seeded, disjoint splits.
+"""Arithmetic problems with seeded, disjoint splits: chain sums ("What is 3 + 5 + 2 - 4?") and
+products ("What is 7 * 8?").
 
-A problem has ``num_terms`` single- or multi-digit operands in ``[min_value, max_value]`` joined
+A chain-sum problem has ``num_terms`` single- or multi-digit operands in ``[min_value, max_value]`` joined
 by ``+`` / ``-``; its answer is the integer value. :func:`make_splits` draws the test split first
 and then the train split from problems not in it, so the splits are disjoint by problem text.
 Rows are ``{"problem": str, "answer": str, "prompt": str}``; ``prompt`` is the user message
 with the answer-format instruction appended (see :data:`PROMPT_STYLES`).
+
+Products are split by fact: :func:`make_product_splits` holds out unordered pairs, so ``7 * 8`` and
+``8 * 7`` are always on the same side and the test split asks facts the training never rewarded.
 """
 
 from __future__ import annotations
@@ -108,12 +112,52 @@ def write_splits(out_dir: str | Path, num_train: int = 2000, num_test: int = 200
     return write_jsonl(train, out / "train.jsonl"), write_jsonl(test, out / "test.jsonl")
 
 
-#: The measured demo task (docs/demo.md): ~26-31 % greedy accuracy for SmolLM2-135M (Q4_1).
-DEMO_TASK = {"num_terms": 2, "min_value": 1, "max_value": 9, "style": "answer_is"}
-#: 2 terms x values 1..9, non-negative: 126 distinct problems in all.
-DEMO_SPLIT = {"num_train": 76, "num_test": 50, "seed": 0}
+def product_row(a: int, b: int, style: str) -> dict:
+    """The row of the problem ``a * b``."""
+    problem = f"What is {a} * {b}?"
+    return {"problem": problem, "answer": str(a * b), "prompt": format_prompt(problem, style)}
 
 
-def write_demo_data(out_dir: str | Path) -> tuple[Path, Path]:
-    """Write the demo's ``train.jsonl`` / ``test.jsonl`` (:data:`DEMO_TASK`, :data:`DEMO_SPLIT`)."""
-    return write_splits(out_dir, **DEMO_SPLIT, **DEMO_TASK)
+def make_product_splits(num_test_pairs: int, seed: int, *, min_value: int = 2, max_value: int = 9,
+                        style: str = "answer_is") -> tuple[list[dict], list[dict]]:
+    """(train, test) products ``a * b`` with ``a, b`` in ``[min_value, max_value]``, split by fact.
+
+    ``num_test_pairs`` unordered pairs ``{a, b}`` drawn with ``random.Random(seed)`` go to the test
+    split in both orders; every other ordered pair is a training problem. Both lists are shuffled.
+    """
+    pairs = [(a, b) for a in range(min_value, max_value + 1) for b in range(a, max_value + 1)]
+    if min_value < 0 or not 0 < num_test_pairs < len(pairs):
+        raise ConfigError(f"products need 0 <= min_value <= max_value and 0 < num_test_pairs < {len(pairs)} "
+                          f"(the unordered pairs of {min_value}..{max_value}); got num_test_pairs={num_test_pairs}")
+    rng = random.Random(seed)
+    held_out = set(rng.sample(pairs, num_test_pairs))
+    ordered = [(a, b) for a in range(min_value, max_value + 1) for b in range(min_value, max_value + 1)]
+    test = [product_row(a, b, style) for a, b in ordered if (min(a, b), max(a, b)) in held_out]
+    train = [product_row(a, b, style) for a, b in ordered if (min(a, b), max(a, b)) not in held_out]
+    rng.shuffle(test)
+    rng.shuffle(train)
+    return train, test
+
+
+#: The demo task (docs/demo.md): single-digit products, which SmolLM2-135M-Instruct (Q4_1) gets
+#: about half right greedily, so most sampled groups carry a GRPO signal.
+DEMO_TASK = {"kind": "products", "num_test_pairs": 30, "seed": 0, "min_value": 2, "max_value": 12,
+             "style": "answer_is"}
+#: The first demo task, kept as the fast smoke config (``grpo_smollm2_demo_sums``): two-term sums
+#: and differences, 76 train and 50 test problems (the whole space of 126).
+SUMS_TASK = {"kind": "sums", "num_train": 76, "num_test": 50, "seed": 0, "num_terms": 2, "min_value": 1,
+             "max_value": 9, "style": "answer_is"}
+DEMO_TASKS = {"products": DEMO_TASK, "sums": SUMS_TASK}
+
+
+def write_demo_data(out_dir: str | Path, task: str = "products") -> tuple[Path, Path]:
+    """Write ``train.jsonl`` / ``test.jsonl`` of the demo task ``task`` (a key of :data:`DEMO_TASKS`)."""
+    if task not in DEMO_TASKS:
+        raise ConfigError(f"unknown demo task {task!r}; known: {', '.join(DEMO_TASKS)}")
+    spec = dict(DEMO_TASKS[task])
+    if spec.pop("kind") == "products":
+        train, test = make_product_splits(**spec)
+    else:
+        train, test = make_splits(**spec)
+    out = Path(out_dir)
+    return write_jsonl(train, out / "train.jsonl"), write_jsonl(test, out / "test.jsonl")

@@ -1,4 +1,4 @@
-"""Chain-sum task generator of the real-model demo."""
+"""Task generators of the real-model demo: chain sums and products."""
 
 from __future__ import annotations
 
@@ -60,11 +60,36 @@ def test_too_small_space_and_bad_style_raise():
         format_prompt("What is 1 + 1?", "latex")
 
 
-def test_demo_data_covers_the_whole_small_space(tmp_path):
+def test_sums_smoke_data_covers_the_whole_small_space(tmp_path):
     from posttrain.demo.tasks import write_demo_data
 
-    train_path, test_path = write_demo_data(tmp_path)
+    train_path, test_path = write_demo_data(tmp_path, "sums")
     train, test = read_jsonl(train_path, strict=True), read_jsonl(test_path, strict=True)
     problems = {r["problem"] for r in train} | {r["problem"] for r in test}
     assert len(problems) == 126 == 81 + 45  # every a+b and every a-b >= 0 with a, b in 1..9
     assert all("The answer is N." in r["prompt"] for r in test)
+
+
+def test_product_splits_hold_out_whole_facts(tmp_path):
+    from posttrain.demo.tasks import DEMO_TASK, make_product_splits, write_demo_data
+
+    train_path, test_path = write_demo_data(tmp_path)  # the demo's default task: products
+    train, test = read_jsonl(train_path, strict=True), read_jsonl(test_path, strict=True)
+
+    def facts(rows):
+        pairs = [tuple(int(x) for x in re.findall(r"\d+", r["problem"])) for r in rows]
+        for (a, b), row in zip(pairs, rows):
+            assert row["answer"] == str(a * b) and row["problem"] == f"What is {a} * {b}?"
+        return {frozenset(p) for p in pairs}, pairs
+
+    (train_facts, train_pairs), (test_facts, test_pairs) = facts(train), facts(test)
+    assert not train_facts & test_facts                      # 7 * 8 and 8 * 7 never on both sides
+    assert len(test_facts) == DEMO_TASK["num_test_pairs"] == 30
+    assert all((b, a) in test_pairs for a, b in test_pairs)   # both orders of a held-out fact
+    assert len(train) + len(test) == 11 * 11 and len(set(train_pairs)) == len(train)
+    assert make_product_splits(30, 0, max_value=12) == make_product_splits(30, 0, max_value=12)
+    assert make_product_splits(30, 1, max_value=12)[1] != make_product_splits(30, 0, max_value=12)[1]
+    with pytest.raises(ConfigError, match="num_test_pairs"):
+        make_product_splits(66, 0, max_value=12)             # 66 facts: nothing left to train on
+    with pytest.raises(ConfigError, match="known: products, sums"):
+        write_demo_data(tmp_path, "division")

@@ -107,6 +107,12 @@ def test_R4_last_number_is_the_last_number_of_the_response():
     assert score("last_number", "\\boxed{" + "1+" * 25000, "2") == 0.0
 
 
+def test_answer_is_stays_linear_on_long_runs_of_spaces_and_colons():
+    # one character class between "answer is" and the number: no nested quantifiers to backtrack
+    assert score("answer_is", ("The answer is" + " :" * 100_000 + "x ") * 20, "1") == 0.0
+    assert score("answer_is", "the answer is" + " " * 200_000 + "17", "17") == 1.0
+
+
 # ---------------------------------------------------------------- R5
 
 

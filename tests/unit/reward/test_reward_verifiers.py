@@ -116,6 +116,14 @@ CASES = {
         ("17 then 18", "17", 0.0),
         ("no number", "17", 0.0),
     ],
+    "answer_is": [
+        ("7 * 8 = 56. The answer is 56.", "56", 1.0),
+        ("The Answer is: **56**", "56", 1.0),
+        ("the answer is 1,200 dollars", "1200", 1.0),
+        ("The answer is 7 * 8.", "56", 0.0),  # math_equiv evaluates this to 56: the demo's reward hack
+        ("The answer is 55. No, the answer is 56.", "56", 1.0),  # the last statement counts
+        ("7 * 8 = 56", "56", 0.0),  # no statement
+    ],
     "gsm8k": [
         ("so #### 72", "72", 1.0),
         ("#### 72", "She sold 48 + 24 = 72 clips.\n#### 72", 1.0),

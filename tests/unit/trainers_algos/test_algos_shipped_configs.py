@@ -10,7 +10,8 @@ from posttrain.config.validate import validate_run_config
 from posttrain.errors import ConfigError
 
 RUNNABLE = ["ppo_tiny_qwen2", "dapo_tiny_qwen2", "dpo_tiny_qwen2", "ppo_smollm2_demo", "dapo_smollm2_demo",
-            "dpo_smollm2_demo", "grpo_tiny_qwen2", "grpo_smollm2_demo", "sft_tiny_qwen2", "dapo_tiny_multi_turn"]
+            "dpo_smollm2_demo", "grpo_tiny_qwen2", "grpo_smollm2_demo", "grpo_smollm2_demo_sums", "sft_tiny_qwen2",
+            "dapo_tiny_multi_turn"]
 SEED_LAYOUTS = ["ppo_qwen25_32b", "dapo_qwen25_32b", "dpo_qwen3_30b_a3b", "r1_zero_qwen25_7b"]
 
 
