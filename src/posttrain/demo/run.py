@@ -102,7 +102,7 @@ def main(argv=None) -> int:
     rewards = [(r["iteration"], r["grpo/score/mean"]) for r in rows if "grpo/score/mean" in r]
     plot_metrics(out / "metrics.jsonl", out / "reward_accuracy.png",
                  ["grpo/score/mean", "eval/accuracy", "eval/lenient_accuracy"],
-                 title="GRPO on SmolLM2-135M-Instruct: reward, held-out strict and lenient accuracy")
+                 title="GRPO on SmolLM2-135M: reward, held-out accuracy")
     before, after = evals[0]["eval/accuracy"], evals[-1]["eval/accuracy"]
     lenient = evals[0]["eval/lenient_accuracy"], evals[-1]["eval/lenient_accuracy"]
     summary = {"model": str(model_dir), "iterations": len(rewards), "accuracy_before": before,
