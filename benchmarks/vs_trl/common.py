@@ -30,7 +30,7 @@ SETTINGS = {  # equal on both sides
 }
 MODELS = {"tiny": "tiny_qwen2", "smollm2": "smollm2_135m", "demo": "smollm2_135m", "chat": "smollm2_135m",
           "products": "smollm2_135m"}
-DEMO_TASKS = {"demo": "sums", "chat": "sums", "products": "products"}  # size -> posttrain.demo task
+SIZE_TASKS = {"demo": "sums", "chat": "sums", "products": "products"}  # size -> posttrain.demo task
 # SmolLM2-135M is 14x the tiny model: fewer, shorter samples keep a step near a minute on 2 cores.
 # "demo" is configs/grpo_smollm2_demo.yaml: the setting in which the model learns in 8 steps.
 SIZE_SETTINGS = {"tiny": {}, "smollm2": {"num_prompts": 2, "n": 4, "max_tokens": 32},
@@ -70,10 +70,10 @@ def prepare(work: Path, size: str = "tiny") -> dict[str, str]:
     data_dir = work / f"data_{size}"
     data_prefix = data_dir / "rl"
     test_path = work / f"raw_{size}" / "test.jsonl"
-    if size in DEMO_TASKS and not list(data_dir.glob("*.idx")):
+    if size in SIZE_TASKS and not list(data_dir.glob("*.idx")):
         from posttrain.demo.tasks import write_demo_data
 
-        train_path, test_path = write_demo_data(work / f"raw_{size}", DEMO_TASKS[size])
+        train_path, test_path = write_demo_data(work / f"raw_{size}", SIZE_TASKS[size])
         preprocess(dict(input=str(train_path), handler_name="R1AlpacaStyleInstructionHandler",
                         output_prefix=str(data_prefix), map_keys={"prompt": "prompt", "response": "answer"},
                         dataset_additional_keys=["labels"], tokenizer_name_or_path=str(tok_dir),

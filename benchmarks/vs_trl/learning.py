@@ -42,7 +42,7 @@ def train_one(side: str, seed: int, args, paths: dict) -> dict:
     model = run / "model"
     if side == "posttrain":  # the save directory holds iter_XXXXXXX; eval resolves the latest
         model = sorted(model.glob("iter_*"))[-1]
-    result["eval"] = evaluate(str(model), paths, args)
+    result["eval"] = evaluate(str(model), paths, args, f"{side}_{seed}")
     if side == "trl":
         result["records"] = [{"step": r["step"], "reward": r["reward"], "step_s": r["cpu/wall_s"]}
                              for r in result["records"] if "reward" in r]
@@ -53,9 +53,9 @@ def train_one(side: str, seed: int, args, paths: dict) -> dict:
     return result
 
 
-def evaluate(model: str, paths: dict, args) -> dict:
+def evaluate(model: str, paths: dict, args, name: str) -> dict:
     """``posttrain eval`` of ``model`` on the held-out split: greedy, the rollout's token limit."""
-    out = Path(args.out) / f"eval_{abs(hash(model))}.json"
+    out = Path(args.out) / f"eval_{name}.json"
     subprocess.run([str(Path(sys.executable).parent / "posttrain"), "eval", "--model", model, "--data", paths["test"],
                     "--prompt-type", "hf_chat_template", "--verifier", "answer_is", "--max-tokens", "32",
                     "--output", str(out), "--force"], check=True, stdout=subprocess.DEVNULL,
@@ -111,7 +111,7 @@ def main() -> None:
 
     Path(args.out).mkdir(parents=True, exist_ok=True)
     paths = prepare(Path(args.work), SIZE)
-    report = {"steps": args.steps, "threads": args.threads, "base": evaluate(paths["model"], paths, args),
+    report = {"steps": args.steps, "threads": args.threads, "base": evaluate(paths["model"], paths, args, "base"),
               "runs": {"posttrain": {}, "trl": {}}, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     print(f"base model: held-out strict {report['base']['accuracy']:.1%}, "
           f"lenient {report['base']['lenient_accuracy']:.1%}", flush=True)
