@@ -20,6 +20,14 @@ if "OMP_NUM_THREADS" not in os.environ:
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.fixture(autouse=True)
+def fp32_cpu(monkeypatch):
+    """Every test sees a CPU without bf16 matmul units, so a run's precision (bf16 by default where
+    the CPU has AMX or AVX512-BF16) and its numbers are the same on every CI machine. Tests of the
+    choice itself patch ``cpu_supports_bf16`` back."""
+    monkeypatch.setattr("posttrain.device.cpu_supports_bf16", lambda: False)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     """A random-init tiny Qwen2 (hidden 384, 6 layers) with a local BPE tokenizer and chat template."""

@@ -3,7 +3,15 @@
 Workload (issue 5): 8 prompts x n=8 samples x 64 new tokens, the seed's sampling defaults
 (temperature 0.2, top_k 50, top_p 1.0). Random-init models rarely emit eos, so by default no stop
 tokens are given to either engine and every sample runs the full 64 tokens (equal work);
-``--mixed`` adds a stop-token set so samples end at different lengths.
+``--mixed`` adds a stop-token set so samples end at different lengths. ``--chat`` runs the real
+workload instead: the products demo's problems in SmolLM2-135M-Instruct's chat template (about 50
+tokens), both engines stopping at the model's EOS (``--model smollm2_135m_instruct``):
+
+    .venv/bin/python benchmarks/rollout/bench_rollout.py --model smollm2_135m_instruct --chat --repeats 3 \
+        --dtypes float32 bfloat16
+
+In bf16 the HF side generates from a bf16 copy of the model (what ``from_pretrained(dtype=bfloat16)``
+gives a user) and the native engine with its default for a bf16 rollout (its own bf16 copy).
 
     .venv/bin/python benchmarks/rollout/bench_rollout.py --model tiny_qwen2 --repeats 5
     .venv/bin/python benchmarks/rollout/bench_rollout.py --model smollm2_135m --repeats 3 --dtypes float32 bfloat16
@@ -89,24 +97,46 @@ def make_prompts(num, vocab, rng, lo=24, hi=64):
             for _ in range(num)]
 
 
+def chat_prompts(num: int) -> list[list[int]]:
+    """The first ``num`` training problems of the products demo in SmolLM2-135M-Instruct's chat template."""
+    from transformers import AutoTokenizer
+
+    from posttrain.demo.pretrained import ensure_smollm2
+    from posttrain.demo.tasks import DEMO_TASK, make_product_splits
+    tokenizer = AutoTokenizer.from_pretrained(str(ensure_smollm2()))
+    spec = {k: v for k, v in DEMO_TASK.items() if k != "kind"}
+    rows = make_product_splits(**spec)[0][:num]
+    return [list(tokenizer.apply_chat_template([{"role": "user", "content": r["prompt"]}], tokenize=True,
+                                               add_generation_prompt=True, return_dict=False)) for r in rows]
+
+
+_ENGINES: dict = {}  # one native engine per (model, dtype), as a run keeps one (its bf16 copy is made once)
+
+
 def run_native(model, prompts, n, new_tokens, dtype, stops, seed, **sampling_kw):
     from posttrain.rollout.base import SamplingParams
     from posttrain.rollout.native import NativeEngine
-    engine = NativeEngine(model, pad_token_id=0, eos_token_ids=[], dtype=dtype)
+    engine = _ENGINES.setdefault((id(model), dtype), NativeEngine(model, pad_token_id=0, eos_token_ids=[],
+                                                                 dtype=dtype))
     sampling = SamplingParams(max_tokens=new_tokens, seed=seed, **sampling_kw)  # the seed's defaults otherwise
     outs = engine.generate(prompts, n, sampling, stop_token_ids=stops)
     return sum(len(o.token_ids) for group in outs for o in group)
 
 
-def run_hf(model, prompts, n, new_tokens, dtype, stops, seed):
+_BF16_COPIES: dict = {}
+
+
+def run_hf(model, prompts, n, new_tokens, dtype, stops, seed, temperature=0.2, top_k=50, top_p=1.0):
     torch.manual_seed(seed)
     length = max(len(p) for p in prompts)
     ids = torch.tensor([[0] * (length - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (length - len(p)) + [1] * len(p) for p in prompts])
-    ctx = (torch.autocast("cpu", dtype=torch.bfloat16) if dtype == "bfloat16" else contextlib.nullcontext())
-    with torch.inference_mode(), ctx:
+    if dtype == "bfloat16":  # bf16 weights, as from_pretrained(dtype=torch.bfloat16) loads them
+        import copy
+        model = _BF16_COPIES.setdefault(id(model), copy.deepcopy(model).to(torch.bfloat16).eval())
+    with torch.inference_mode():
         out = model.generate(input_ids=ids, attention_mask=mask, num_return_sequences=n, do_sample=True,
-                             max_new_tokens=new_tokens, temperature=0.2, top_k=50, top_p=1.0,
+                             max_new_tokens=new_tokens, temperature=temperature, top_k=max(top_k, 0), top_p=top_p,
                              eos_token_id=stops or None, pad_token_id=0)
     resp = out[:, length:]
     if not stops:
@@ -122,24 +152,34 @@ def bench(args):
     model = MODELS[args.model]().eval()
     vocab = model.config.vocab_size
     rng = torch.Generator().manual_seed(1)
-    prompts = make_prompts(args.prompts, vocab, rng)
-    stops = sorted(torch.randperm(vocab - 3, generator=rng)[: max(1, vocab // 50)].add(3).tolist()) if args.mixed else []
+    if args.chat:
+        if args.model != "smollm2_135m_instruct":
+            raise SystemExit("--chat needs --model smollm2_135m_instruct (the real model, whose EOS ends answers)")
+        prompts = chat_prompts(args.prompts)
+        eos = model.generation_config.eos_token_id
+        stops = sorted({eos} if isinstance(eos, int) else set(eos))
+    else:
+        prompts = make_prompts(args.prompts, vocab, rng)
+        stops = sorted(torch.randperm(vocab - 3, generator=rng)[: max(1, vocab // 50)].add(3).tolist()) \
+            if args.mixed else []
+    sampling_kw = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p}
     ctx = statistics.mean(len(p) for p in prompts) + args.new_tokens / 2
     fpt = flops_per_token(model, int(ctx))
     print(f"model={args.model} params={sum(p.numel() for p in model.parameters()) / 1e6:.1f}M "
-          f"workload={args.prompts}x{args.n}x{args.new_tokens} mixed={args.mixed} threads={args.threads} "
-          f"GFLOP/token={fpt / 1e9:.3f}", flush=True)
+          f"workload={args.prompts}x{args.n}x{args.new_tokens} chat={args.chat} mixed={args.mixed} "
+          f"stops={len(stops)} sampling={sampling_kw} threads={args.threads} GFLOP/token={fpt / 1e9:.3f} "
+          f"load={os.getloadavg()}", flush=True)
     for dtype in args.dtypes:
         peak = matmul_peak(torch.bfloat16 if dtype == "bfloat16" else torch.float32)
         engines = (("hf_generate", run_hf), ("native", run_native))
         for _, fn in engines:
-            fn(model, prompts[:2], 2, 4, dtype, stops, 0)  # warm-up
+            fn(model, prompts[:2], 2, 4, dtype, stops, 0, **sampling_kw)  # warm-up
         rates = {name: [] for name, _ in engines}
         toks = {name: [] for name, _ in engines}
         for r in range(args.repeats):  # interleaved, so both engines see the same machine load
             for name, fn in engines:
                 t0 = time.perf_counter()
-                tokens = fn(model, prompts, args.n, args.new_tokens, dtype, stops, 100 + r)
+                tokens = fn(model, prompts, args.n, args.new_tokens, dtype, stops, 100 + r, **sampling_kw)
                 rates[name].append(tokens / (time.perf_counter() - t0))
                 toks[name].append(tokens)
                 print(f"    repeat {r} {name}: {rates[name][-1]:.1f} tokens/s", flush=True)
@@ -249,11 +289,13 @@ def main():
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--dtypes", nargs="+", default=["float32"], choices=["float32", "bfloat16"])
     parser.add_argument("--mixed", action="store_true", help="add stop tokens (~2%% of the vocab): mixed lengths")
+    parser.add_argument("--chat", action="store_true",
+                        help="the products demo's prompts in the chat template, stopping at the model's EOS")
     parser.add_argument("--sampler-cost", action="store_true",
                         help="native engine only: keyed draws vs the old torch.multinomial draws")
-    parser.add_argument("--temperature", type=float, default=0.2, help="--sampler-cost: sampling temperature")
-    parser.add_argument("--top-k", type=int, default=50, help="--sampler-cost: top_k (-1: off)")
-    parser.add_argument("--top-p", type=float, default=1.0, help="--sampler-cost: top_p")
+    parser.add_argument("--temperature", type=float, default=0.2, help="sampling temperature (the seed's default)")
+    parser.add_argument("--top-k", type=int, default=50, help="top_k (-1: off)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="top_p")
     args = parser.parse_args()
     bench_sampler(args) if args.sampler_cost else bench(args)
 

@@ -94,8 +94,10 @@ def prepare(work: Path, size: str = "tiny") -> dict[str, str]:
 
 
 def posttrain_config(paths: dict[str, str], steps: int, out_dir: str, extra: dict | None = None,
-                     size: str = "tiny") -> dict:
-    """The posttrain GRPO run: one optimizer step per iteration over all samples, no KL."""
+                     size: str = "tiny", precision: str = "fp32") -> dict:
+    """The posttrain GRPO run: one optimizer step per iteration over all samples, no KL. ``fp32``
+    pins training and rollout to fp32; ``bf16`` leaves both to posttrain's hardware default (the
+    seed's bf16 where the device computes it natively)."""
     s = settings(size)
     seq = max(128, s["max_prompt_length"] + s["max_tokens"])  # the longest prompt and answer fit
     cfg = {
@@ -104,7 +106,7 @@ def posttrain_config(paths: dict[str, str], steps: int, out_dir: str, extra: dic
             "seq_length": seq, "train_iters": steps, "lr": s["lr"], "lr_decay_style": "constant",
             "weight_decay": 0.0, "clip_grad": s["clip_grad"], "data_path": paths["data"],
             "tokenizer_name_or_path": paths["tokenizer"], "load": paths["model"], "finetune": True,
-            "seed": s["seed"], "bf16": False, "dataset_additional_keys": ["labels"],
+            "seed": s["seed"], "dataset_additional_keys": ["labels"],
             "prompt_type": s["prompt_type"], "adam_beta2": s["adam_beta2"],
         },
         "rl_config": {
@@ -118,6 +120,9 @@ def posttrain_config(paths: dict[str, str], steps: int, out_dir: str, extra: dic
                                 "top_p": 1.0},
         },
     }
+    if precision == "fp32":
+        cfg["megatron_training"]["bf16"] = False
+        cfg["generate_config"]["dtype"] = "float32"
     for dotted, value in (extra or {}).items():
         section, key = dotted.split(".", 1)
         cfg.setdefault(section, {})[key] = value

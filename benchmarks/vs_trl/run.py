@@ -2,6 +2,9 @@
 
     python benchmarks/vs_trl/run.py --size tiny --steps 4 --repeats 2 --threads 2
 
+Both sides in fp32 by default; ``--precision bf16`` runs TRL with ``bf16=True`` and posttrain with
+its hardware default (bf16 training and rollout where the CPU has AMX or AVX512-BF16).
+
 Each run is a fresh process (``run_posttrain.py`` / ``run_trl.py``); the side that goes first
 alternates between repeats. Step 1 of every run is a warm-up and is not timed. Per run: the median
 over its timed steps of end-to-end tokens/s (prompt + completion tokens of all 64 samples / step
@@ -25,10 +28,10 @@ SCRIPTS = {"posttrain": HERE / "run_posttrain.py", "trl": HERE / "run_trl.py"}
 
 
 def one_run(side: str, args, rep: int) -> dict:
-    out = Path(args.work) / "runs" / f"{args.size}_{side}_{rep}.json"
+    out = Path(args.work) / "runs" / f"{args.size}_{args.precision}_{side}_{rep}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, str(SCRIPTS[side]), "--work", args.work, "--size", args.size, "--steps",
-           str(args.steps), "--threads", str(args.threads), "--out", str(out)]
+           str(args.steps), "--threads", str(args.threads), "--out", str(out), "--precision", args.precision]
     if side == "posttrain":
         for item in args.set:
             cmd += ["--set", item]
@@ -57,6 +60,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--set", action="append", default=[], help="extra posttrain config key=value")
     p.add_argument("--output", default=None)
+    p.add_argument("--precision", default="fp32", choices=["fp32", "bf16"],
+                   help="bf16: TRL with bf16=True, posttrain with its hardware default")
     args = p.parse_args()
 
     sys.path.insert(0, str(HERE))
@@ -76,19 +81,25 @@ def main() -> None:
             "tps_runs": [r["tps"] for r in results],
             "step_s_median": statistics.median(r["step_s"] for r in results),
             "others_cores_runs": [r["others_cores"] for r in results],
+            "peak_mib_runs": [r["peak_mib"] for r in results],
             "reward_curve": [statistics.mean(x for x in col if x is not None) for col in zip(*rewards)],
         }
     ratio = summary["posttrain"]["tps_median"] / summary["trl"]["tps_median"]
     print(f"\n{args.size}: posttrain {summary['posttrain']['tps_median']:.1f} tok/s, "
           f"TRL {summary['trl']['tps_median']:.1f} tok/s, ratio {ratio:.2f}x "
-          f"({args.repeats} repeats x {args.steps - 1} timed steps, {args.threads} threads)")
+          f"({args.repeats} repeats x {args.steps - 1} timed steps, {args.threads} threads, {args.precision})")
+    pt, trl = summary["posttrain"], summary["trl"]
+    print(f"  median step: posttrain {pt['step_s_median']:.1f} s, TRL {trl['step_s_median']:.1f} s "
+          f"({trl['step_s_median'] / pt['step_s_median']:.2f}x); peak RSS MiB: posttrain {pt['peak_mib_runs']}, "
+          f"TRL {trl['peak_mib_runs']}")
     for side in runs:
         curve = " ".join(f"{x:.3f}" for x in summary[side]["reward_curve"])
         print(f"  reward per step {side:<9}: {curve}")
     report = {"size": args.size, "steps": args.steps, "repeats": args.repeats, "threads": args.threads,
+              "precision": args.precision,
               "posttrain_settings": args.set, "ratio": ratio, "summary": summary,
               "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    out = Path(args.output or Path(args.work) / f"vs_trl_{args.size}.json")
+    out = Path(args.output or Path(args.work) / f"vs_trl_{args.size}_{args.precision}.json")
     out.write_text(json.dumps(report, indent=2))
     print(f"wrote {out}")
 

@@ -29,6 +29,8 @@ def main() -> None:
     p.add_argument("--set", action="append", default=[], help="section.key=value")
     p.add_argument("--out", required=True)
     p.add_argument("--save", default=None, help="train all steps and save the final model here")
+    p.add_argument("--precision", default="fp32", choices=["fp32", "bf16"],
+                   help="fp32 pinned, or bf16: posttrain's hardware default")
     args = p.parse_args()
 
     import torch
@@ -43,7 +45,7 @@ def main() -> None:
     if args.save:
         extra.update({"actor_config.save": args.save, "actor_config.save_interval": args.steps})
     cfg = run_config_from_dict(posttrain_config(paths, args.steps, str(Path(args.out).with_suffix(".pt_out")), extra,
-                                                args.size),
+                                                args.size, args.precision),
                                name=f"vs_trl_{args.size}")
     start = time.time()
     if args.save:

@@ -2,7 +2,8 @@
 
     python benchmarks/vs_trl/run_trl.py --work /tmp/perf/work --size tiny --steps 4 --threads 2 --out trl.json
 
-fp32 (``bf16=False``), no gradient checkpointing, no reference model (``beta=0``), loss ``dapo``
+fp32 (``bf16=False``; ``--precision bf16``: ``bf16=True``, bf16 autocast), no gradient
+checkpointing, no reference model (``beta=0``), loss ``dapo``
 (token mean over the batch, as posttrain's ``token-mean``), one optimizer step per 8 x 8
 completions, constant learning rate, HF ``generate`` on the CPU. ``--save DIR`` saves the final
 model and tokenizer in DIR (for ``learning.py``).
@@ -28,6 +29,7 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--save", default=None, help="save the final model here")
     p.add_argument("--seed", type=int, default=None, help="the training seed (default: the size's)")
+    p.add_argument("--precision", default="fp32", choices=["fp32", "bf16"], help="bf16: GRPOConfig(bf16=True)")
     args = p.parse_args()
 
     import torch
@@ -74,7 +76,8 @@ def main() -> None:
         num_generations=s["n"], max_completion_length=s["max_tokens"], temperature=s["temperature"],
         top_p=1.0, top_k=0, learning_rate=s["lr"], lr_scheduler_type="constant", weight_decay=0.0,
         max_grad_norm=s["clip_grad"], adam_beta2=s["adam_beta2"], epsilon=s["epsilon"], beta=0.0, loss_type="dapo", scale_rewards="group",
-        bf16=False, fp16=False, gradient_checkpointing=False, use_cpu=True, seed=s["seed"], logging_steps=1,
+        bf16=args.precision == "bf16", fp16=False, gradient_checkpointing=False, use_cpu=True, seed=s["seed"],
+        logging_steps=1,
         report_to="none", save_strategy="no", disable_tqdm=True, dataloader_num_workers=0,
     )
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=data,

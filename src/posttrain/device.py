@@ -1,11 +1,12 @@
 """The torch device, the precision a run uses on it, and its CPU threads.
 
-``auto`` means CUDA when available, else CPU. Precision is chosen from the hardware: on a CPU,
-bf16 only where the config asks for it explicitly and the CPU has bf16 matmul units (AMX or
-AVX512-BF16; elsewhere emulated bf16 is far slower than fp32); on a GPU, the config's ``bf16``
-and ``generate_config.dtype``. Threads (:func:`cpu_threads`): the cores other processes leave
-free when the run starts, since two OpenMP threads on a 2-core machine where another process holds
-a core run 3-5x slower than one.
+``auto`` means CUDA when available, else CPU. Precision is chosen from the hardware: the config's
+``bf16`` and ``generate_config.dtype`` (the seed's defaults: bf16 for both) where the device
+computes bf16 natively: a GPU of compute capability 8.0 or newer, a CPU with AMX or AVX512-BF16
+(whose bf16 matmul peak is several times fp32's). A CPU without them runs in fp32 (emulated bf16
+is far slower than fp32 there); a GPU without them refuses bf16. Threads (:func:`cpu_threads`):
+the cores other processes leave free when the run starts, since two OpenMP threads on a 2-core
+machine where another process holds a core run 3-5x slower than one.
 """
 
 from __future__ import annotations
@@ -48,14 +49,13 @@ def cuda_supports_bf16() -> bool:
     return bool(torch.cuda.is_bf16_supported(including_emulation=False))
 
 
-def precision(device: str, *, bf16: bool, bf16_asked: bool, rollout_dtype: str,
-              rollout_dtype_asked: bool) -> tuple[str, str]:
-    """(training dtype, rollout dtype). ``bf16`` / ``rollout_dtype`` are the config's values and
-    ``*_asked`` whether the config sets them explicitly (rather than leaving the seed's defaults)."""
+def precision(device: str, *, bf16: bool, rollout_dtype: str) -> tuple[str, str]:
+    """(training dtype, rollout dtype) from the config's ``bf16`` and ``generate_config.dtype``:
+    kept where ``device`` computes bf16 natively; fp32 on a CPU without bf16 matmul units; refused
+    on a GPU without them."""
     if device.startswith("cpu"):
-        bf16 = bf16 and bf16_asked and cpu_supports_bf16()
-        if not rollout_dtype_asked or not cpu_supports_bf16():
-            rollout_dtype = "float32"
+        if not cpu_supports_bf16():
+            bf16, rollout_dtype = False, "float32"
     elif (bf16 or rollout_dtype == "bfloat16") and not cuda_supports_bf16():
         key = "megatron_training.bf16: true" if bf16 else "generate_config.dtype: bfloat16"
         raise ConfigError(f"{key}: this GPU ({device}) has no bf16 support (it needs compute capability 8.0, "

@@ -50,6 +50,48 @@ def logprobs_from_logits(
     return torch.cat(pieces).reshape(labels.shape)
 
 
+class _LabelLogProb(torch.autograd.Function):
+    """``log softmax(z)[labels]`` (and, without a gradient, the entropy of ``softmax(z)``), whose
+    backward reuses the forward's softmax: ``dz = g * (onehot(labels) - softmax(z))``, one pass
+    over the vocabulary. Autograd's logsumexp and gather backward rebuild ``exp(z - lse)`` in
+    three passes and zero-fill a full-size tensor for the gather, per chunk of tokens."""
+
+    @staticmethod
+    def forward(ctx, z: torch.Tensor, labels: torch.Tensor, with_entropy: bool):
+        lse = torch.logsumexp(z, dim=-1)
+        probs = (z - lse[:, None]).exp_()
+        ctx.save_for_backward(probs, labels)
+        logprobs = torch.gather(z, -1, labels[:, None]).squeeze(-1) - lse
+        if not with_entropy:
+            return logprobs, None
+        entropy = lse - (probs * z).sum(dim=-1)
+        ctx.mark_non_differentiable(entropy)
+        return logprobs, entropy
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor, _entropy_grad):
+        probs, labels = ctx.saved_tensors
+        dz = probs * -grad[:, None]
+        dz.scatter_add_(-1, labels[:, None], grad[:, None])
+        return dz, None, None
+
+
+def scaled_logprobs_and_entropy(z: torch.Tensor, labels: torch.Tensor, with_entropy: bool = True,
+                                entropy_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs of ``labels [N]`` and (``with_entropy``) entropies under ``softmax(z)``, for
+    ``z [N, V]`` float32 logits already divided by the temperature: the formulas of
+    :func:`logprobs_from_logits` and :func:`entropy_from_logits`, sharing one logsumexp. The
+    log-probs are differentiable; the entropies only with ``entropy_grad``."""
+    grad = torch.is_grad_enabled() and z.requires_grad
+    if grad and not (with_entropy and entropy_grad):
+        return _LabelLogProb.apply(z, labels, with_entropy)
+    lse = torch.logsumexp(z, dim=-1)
+    logprobs = torch.gather(z, -1, labels[:, None]).squeeze(-1) - lse
+    if not with_entropy:
+        return logprobs, None
+    return logprobs, lse - (torch.softmax(z, dim=-1) * z).sum(dim=-1)
+
+
 def entropy_from_logits(
     logits: torch.Tensor,
     temperature: float = 1.0,

@@ -182,7 +182,7 @@ class MegatronConfig(Section):
     gemm_gradient_accumulation_fusion: bool = F(False, "fused kernel", KERNEL)
     transformer_impl: str = F("local", "Megatron transformer implementation (local, transformer_engine)", KERNEL)
     # ---- precision / optimizer ------------------------------------------------------------------
-    bf16: bool = F(True, "bf16 training (hf: autocast; on CPU used only where AMX/bf16 is supported; megatron: "
+    bf16: bool = F(True, "bf16 training (hf: autocast; on a CPU only with AMX/AVX512-BF16, else fp32; megatron: "
                          "bf16 weights with fp32 main parameters on CUDA, float32 on a CPU)", HONOURED)
     optimizer: str = F("adam", "adam (AdamW with decoupled weight decay)", OPTIMIZER)
     lr: Opt[float] = F(None, "peak learning rate", HONOURED)

@@ -277,10 +277,8 @@ def build_plan(cfg: RunConfig, layout: Layout, arch: ModelArch | None = None, *,
     parallel = model_parallel(cfg)
     hf = parallel.backend == "hf"
     reads = {k: v * parallel.dp if k in ACTOR_DISPATCH_KEYS else v for k, v in layout.dispatch_sizes.items()}
-    train_dtype, rollout_dtype = precision(
-        device, bf16=bool(a.bf16) and (hf or device.startswith("cuda")), rollout_dtype=gen.dtype,
-        bf16_asked=cfg.explicitly_set("megatron_training", "bf16") or cfg.explicitly_set("actor_config", "bf16"),
-        rollout_dtype_asked=cfg.explicitly_set("generate_config", "dtype"))  # megatron on a CPU: float32 (backend.py)
+    train_dtype, rollout_dtype = precision(  # megatron on a CPU trains in float32 (backend.py)
+        device, bf16=bool(a.bf16) and (hf or device.startswith("cuda")), rollout_dtype=gen.dtype)
     temperature = gen.sampling_config.temperature or 1.0
     budgets = token_budgets(cfg)
     engine = EngineOptions(use_remove_padding=rl.use_remove_padding, share_prompt_prefix=rl.share_prompt_prefix,

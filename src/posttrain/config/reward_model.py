@@ -129,9 +129,7 @@ def reward_model_options(cfg: RunConfig, device: str, *, on_policy: bool) -> Rew
     source = reward_model_source(cfg)
     if cfg.reward is None or not on_policy or source is None:
         return None
-    bf16_asked = cfg.explicitly_set("megatron_training", "bf16") or cfg.explicitly_set("reward_config", "bf16")
-    dtype, _ = precision(device, bf16=bool(cfg.reward.bf16), bf16_asked=bf16_asked, rollout_dtype="float32",
-                         rollout_dtype_asked=False)
+    dtype, _ = precision(device, bf16=bool(cfg.reward.bf16), rollout_dtype="float32")
     batch = cfg.reward.micro_batch_size or cfg.actor.micro_batch_size or 1
     return RewardModelOptions(path=source[0], dtype=dtype, micro_batch_size=int(batch),
                               weight=float(cfg.rl.reward_model_weight))

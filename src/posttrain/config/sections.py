@@ -287,7 +287,8 @@ class GenerateConfig(Section):
     max_num_seqs: int = F(1, "sequences decoded at once", HONOURED)
     max_model_len: int = F(2048, "must be >= actor seq_length", HONOURED)
     max_num_batched_tokens: int = F(2048, "token budget of one batch", HONOURED)
-    dtype: str = F("bfloat16", "bfloat16 or float32 (float32 only on CPU; the seed requires bfloat16)", HONOURED)
+    dtype: str = F("bfloat16", "bfloat16 or float32 (float32 only on CPU; the seed requires bfloat16); a CPU without "
+                               "AMX/AVX512-BF16 samples in float32", HONOURED)
     gpu_memory_utilization: float = F(0.5, "vLLM memory fraction", VLLM_ONLY)
     offload_train_optimizer: bool = F(False, "the actor's (and PPO critic's) optimizer state on the host between "
                                              "updates", OFFLOAD)

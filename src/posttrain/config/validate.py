@@ -247,7 +247,7 @@ def validate_run_config(cfg: RunConfig, *, device_type: str = "cpu", num_nodes: 
     # 1
     if a.ai_framework not in (None, "mindspore"):
         raise ConfigError(f"Invalid value for ai_framework: '{a.ai_framework}'. Only None or mindspore are allowed")
-    # 2 (not on CPU: fp32 is the sensible default there)
+    # 2 (not on CPU: fp32 is allowed there; bf16 is used only where the CPU has bf16 matmul units)
     if device_type != "cpu" and (a.bf16 is False or gen.dtype != "bfloat16"):
         raise ConfigError(" megatron_config.bf16 should be true and generate_config.dtype should be bfloat16.")
     if gen.dtype not in ("bfloat16", "float32", "float16"):

@@ -19,8 +19,9 @@ false``) then compiles that step with ``torch.compile(mode="reduce-overhead")``,
 CUDA graph, so Python's per-token overhead does not bound the decode. On a CPU the dynamic path is
 faster (compaction saves compute) and is the default.
 
-On CUDA with ``dtype: bfloat16`` and fp32 training weights the engine samples from a bf16 copy of
-the actor (weights and KV cache in bf16, half the memory traffic of autocast over fp32 weights),
+With ``dtype: bfloat16`` and fp32 training weights the engine samples from a bf16 copy of the actor
+(weights and KV cache in bf16: half the memory traffic of autocast over fp32 weights, and no cast of
+every weight at every decode step; on a CPU with AVX512-BF16 it decoded 1.3x faster than autocast),
 refreshed from the actor whenever its parameters may have changed since the last call: an optimizer
 stepped (a global step hook counts the steps; fused optimizers do not bump version counters), or
 the parameters' version counters moved (``copy_``, ``load_state_dict``).
@@ -169,7 +170,7 @@ class NativeEngine:
         self.cuda_graphs = bool(cuda_graphs)
         if self.cuda_graphs and not self.static_cache:
             raise ConfigError("CUDA graphs need the static KV cache (static_cache=True)")
-        self.sampling_copy = (on_cuda and self.dtype == torch.bfloat16) if sampling_copy is None else sampling_copy
+        self.sampling_copy = self.dtype == torch.bfloat16 if sampling_copy is None else sampling_copy
         self._copy: Any = None  # the bf16 model that samples (sampling_copy), and the actor's version it holds
         self._copy_version: tuple[int, int] | None = None
         self._sampler = model  # the model the forward calls run on (set per call)

@@ -28,7 +28,7 @@ from typing import Iterator
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from posttrain.algo.logprob import entropy_from_logits, logprobs_from_logits
+from posttrain.algo.logprob import scaled_logprobs_and_entropy
 
 CHUNK_ELEMENTS = 1 << 25  # logits per chunk (128 MiB in fp32): 682 tokens of a 49,152-entry vocabulary
 RECOMPUTE_ABOVE = 1 << 28  # logits of a whole call (1 GiB in fp32) above which autograd recomputes them
@@ -55,6 +55,16 @@ def detached_head(model: torch.nn.Module) -> Iterator[torch.nn.Linear | None]:
         put(head)
 
 
+def scaled_logits(head: torch.nn.Linear, hidden: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``head(hidden) / temperature`` in float32. Without a bias the division is applied to the
+    hidden states (H values a token) rather than to the logits (V values a token)."""
+    if temperature == 1.0:
+        return head(hidden).float()
+    if head.bias is None:
+        return head(hidden / temperature).float()
+    return head(hidden).float() / temperature
+
+
 def head_logprobs(head: torch.nn.Linear, hidden: torch.Tensor, labels: torch.Tensor, temperature: float,
                   *, with_entropy: bool = False, entropy_grad: bool = True,
                   chunk_tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -70,16 +80,8 @@ def head_logprobs(head: torch.nn.Linear, hidden: torch.Tensor, labels: torch.Ten
     recomputing = [False]  # the checkpoint's backward re-runs `piece`: the no-grad entropy is not redone
 
     def piece(h: torch.Tensor, y: torch.Tensor):
-        logits = head(h)
-        lp = logprobs_from_logits(logits, y, temperature)
-        if not with_entropy:
-            return lp, None
-        if entropy_needs_grad:
-            return lp, entropy_from_logits(logits, temperature)
-        if recomputing[0]:
-            return lp, None
-        with torch.no_grad():  # a metric: no graph
-            return lp, entropy_from_logits(logits, temperature)
+        entropy = with_entropy and (entropy_needs_grad or not recomputing[0])
+        return scaled_logprobs_and_entropy(scaled_logits(head, h, temperature), y, entropy, entropy_needs_grad)
 
     logprobs, entropies = [], []
     for start in range(0, flat_y.shape[0], chunk):

@@ -78,9 +78,12 @@ def _packed_attention(module, query, key, value, attention_mask, dropout=0.0, sc
                                       scaling=scaling, **kwargs)
     valid = kwargs["posttrain_valid"]
     rows, width = index.shape
+    flat = index.reshape(-1)
 
-    def gather(x):  # [1, h, N, D] -> [B, h, L, D]
-        return x[0][:, index].permute(1, 0, 2, 3)
+    def gather(x):  # [1, h, N, D] -> [B, h, L, D], by whole rows of [N, h, D] (the projections' layout):
+        # index_select's backward (index_add_) is 7x faster on a CPU than advanced indexing's (index_put_)
+        heads, dim = x.shape[1], x.shape[-1]
+        return x[0].transpose(0, 1).index_select(0, flat).view(rows, width, heads, dim).permute(0, 2, 1, 3)
 
     q, k, v = gather(query), gather(key), gather(value)
     causal = torch.ones(width, width, dtype=torch.bool, device=query.device).tril()
@@ -92,7 +95,7 @@ def _packed_attention(module, query, key, value, attention_mask, dropout=0.0, sc
         q, k, v, attn_mask=mask, dropout_p=dropout if module.training else 0.0, scale=scaling)
     heads, dim = out.shape[1], out.shape[-1]
     out = out.transpose(1, 2).reshape(rows * width, heads, dim)  # [B, H, L, D] -> [B * L, H, D]
-    return out[kwargs["posttrain_owner"]].unsqueeze(0), None  # [1, N, H, D]
+    return out.index_select(0, kwargs["posttrain_owner"]).unsqueeze(0), None  # [1, N, H, D]
 
 
 def _mask_fn(*args, **kwargs):

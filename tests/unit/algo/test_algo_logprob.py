@@ -47,3 +47,21 @@ def test_entropy_values():
     p = torch.softmax(logits / 0.5, -1)
     ref = -(p * p.log()).sum(-1)
     assert torch.allclose(entropy_from_logits(logits, 0.5, chunk_tokens=2), ref, atol=1e-5)
+
+
+def test_scaled_logprobs_and_entropy_match_the_formulas_and_their_gradient():
+    """The fused log-prob (its backward reuses the forward's softmax) against the reference
+    formulas, and its gradient against finite differences (gradcheck, float64)."""
+    from posttrain.algo.logprob import scaled_logprobs_and_entropy
+
+    torch.manual_seed(0)
+    z = (torch.randn(5, 40, dtype=torch.float64) * 4).requires_grad_(True)
+    labels = torch.randint(0, 40, (5,))
+    lp, ent = scaled_logprobs_and_entropy(z, labels, with_entropy=True, entropy_grad=False)
+    assert not ent.requires_grad
+    logp = torch.log_softmax(z, dim=-1)  # the plain reference, in float64
+    assert torch.allclose(lp, logp.gather(-1, labels[:, None]).squeeze(-1), atol=1e-12)
+    assert torch.allclose(ent, -(logp.exp() * logp).sum(-1), atol=1e-12)
+    assert torch.autograd.gradcheck(lambda x: scaled_logprobs_and_entropy(x, labels, with_entropy=False)[0], (z,))
+    with torch.no_grad():  # no graph: the plain formulas
+        assert torch.allclose(scaled_logprobs_and_entropy(z, labels)[0], lp, atol=1e-12)

@@ -11,18 +11,47 @@ def test_gpu_without_bf16_is_refused_by_key(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: False)
     with pytest.raises(ConfigError, match="megatron_training.bf16: true.*no bf16 support"):
-        precision("cuda", bf16=True, bf16_asked=True, rollout_dtype="float32", rollout_dtype_asked=True)
+        precision("cuda", bf16=True, rollout_dtype="float32")
     with pytest.raises(ConfigError, match="generate_config.dtype: bfloat16"):
-        precision("cuda:0", bf16=False, bf16_asked=False, rollout_dtype="bfloat16", rollout_dtype_asked=False)
-    assert precision("cuda", bf16=False, bf16_asked=True, rollout_dtype="float32",
-                     rollout_dtype_asked=True) == ("float32", "float32")
+        precision("cuda:0", bf16=False, rollout_dtype="bfloat16")
+    assert precision("cuda", bf16=False, rollout_dtype="float32") == ("float32", "float32")
 
 
 def test_gpu_with_bf16_keeps_the_configs_dtypes(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
-    assert precision("cuda", bf16=True, bf16_asked=False, rollout_dtype="bfloat16",
-                     rollout_dtype_asked=False) == ("bfloat16", "bfloat16")
+    assert precision("cuda", bf16=True, rollout_dtype="bfloat16") == ("bfloat16", "bfloat16")
+
+
+def test_cpu_precision_follows_its_bf16_units(monkeypatch):
+    from posttrain import device
+
+    monkeypatch.setattr(device, "cpu_supports_bf16", lambda: True)  # AMX or AVX512-BF16
+    assert precision("cpu", bf16=True, rollout_dtype="bfloat16") == ("bfloat16", "bfloat16")  # the seed's defaults
+    assert precision("cpu", bf16=False, rollout_dtype="float32") == ("float32", "float32")  # fp32 written: kept
+    assert precision("cpu", bf16=False, rollout_dtype="bfloat16") == ("float32", "bfloat16")
+    monkeypatch.setattr(device, "cpu_supports_bf16", lambda: False)  # AVX2 only: emulated bf16 is far slower
+    assert precision("cpu", bf16=True, rollout_dtype="bfloat16") == ("float32", "float32")
+
+
+def test_a_default_config_runs_in_bf16_on_a_cpu_with_bf16_units(monkeypatch):
+    from posttrain import device
+    from posttrain.config.plan import build_plan
+    from posttrain.config.run import run_config_from_dict
+    from posttrain.config.validate import validate_run_config
+
+    cfg = run_config_from_dict({
+        "megatron_training": {"stage": "ray_grpo", "global_batch_size": 2, "seq_length": 64, "micro_batch_size": 2},
+        "rl_config": {"n_samples_per_prompt": 2, "mini_batch_size": 2, "verifier_function": ["last_number"],
+                      "verifier_weight": [1.0]},
+        "generate_config": {"infer_tensor_parallel_size": 1, "max_model_len": 64}})
+    layout = validate_run_config(cfg)
+    monkeypatch.setattr(device, "cpu_supports_bf16", lambda: True)
+    plan = build_plan(cfg, layout)
+    assert (plan.train_dtype, plan.rollout_dtype) == ("bfloat16", "bfloat16")
+    monkeypatch.setattr(device, "cpu_supports_bf16", lambda: False)
+    plan = build_plan(cfg, layout)
+    assert (plan.train_dtype, plan.rollout_dtype) == ("float32", "float32")
 
 
 def test_threads_follow_the_config_then_omp_then_the_checkpoint_then_the_free_cores(monkeypatch):

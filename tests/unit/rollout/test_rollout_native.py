@@ -95,10 +95,13 @@ def test_colocated_engine_sees_the_optimizer_step(model):
     assert torch.allclose(torch.tensor(after.logprobs), ref, atol=1e-4)
 
 
-def test_bfloat16_autocast_keeps_fp32_weights(model):
-    eng = NativeEngine(model, pad_token_id=0, eos_token_ids=[], dtype="bfloat16")
+@pytest.mark.parametrize("sampling_copy", [None, False], ids=["bf16-copy-default", "autocast"])
+def test_bfloat16_rollout_keeps_fp32_weights(model, sampling_copy):
+    eng = NativeEngine(model, pad_token_id=0, eos_token_ids=[], dtype="bfloat16", sampling_copy=sampling_copy)
+    assert eng.sampling_copy is (sampling_copy is None)  # a bf16 rollout samples from a bf16 copy on a CPU too
     out = eng.generate(PROMPTS, 2, SamplingParams(temperature=1.0, max_tokens=6, seed=0))
     assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert (eng._copy is not None) is (sampling_copy is None)
     for prompt, group in zip(PROMPTS, out):
         ref = teacher_forced(model, prompt, group[0].token_ids, 1.0)
         assert torch.allclose(torch.tensor(group[0].logprobs), ref, atol=0.1)  # bf16 rounding only

@@ -11,12 +11,14 @@ from posttrain.train.forward import response_logprobs
 from posttrain.train.lm_head import detached_head, head_logprobs
 
 
+@pytest.mark.parametrize("bias", [False, True], ids=["temperature-on-hidden", "temperature-on-logits"])
 @pytest.mark.parametrize("recompute", [False, True])
-def test_chunked_head_logprobs_entropies_and_gradients_equal_the_full_logits(recompute, monkeypatch):
-    """Kept logits and checkpointed (recomputed in the backward pass) chunks alike."""
+def test_chunked_head_logprobs_entropies_and_gradients_equal_the_full_logits(recompute, bias, monkeypatch):
+    """Kept logits and checkpointed (recomputed in the backward pass) chunks alike; a head without
+    a bias divides the hidden states by the temperature, one with a bias the logits."""
     monkeypatch.setattr(lm_head, "RECOMPUTE_ABOVE", 0 if recompute else 1 << 28)
     torch.manual_seed(0)
-    head = torch.nn.Linear(16, 50, bias=False)
+    head = torch.nn.Linear(16, 50, bias=bias)
     hidden = torch.randn(3, 7, 16, requires_grad=True)
     labels = torch.randint(0, 50, (3, 7))
     weights = torch.randn(3, 7)  # a per-token upstream gradient, as the policy loss sends
@@ -28,16 +30,18 @@ def test_chunked_head_logprobs_entropies_and_gradients_equal_the_full_logits(rec
     for entropy_grad in (False, True):
         want_lp, want_ent = full()
         ((want_lp * weights).sum() + (want_ent.sum() if entropy_grad else 0)).backward()
-        want_grads = hidden.grad.clone(), head.weight.grad.clone()
-        hidden.grad, head.weight.grad = None, None
+        want_grads = [hidden.grad.clone()] + [p.grad.clone() for p in head.parameters()]
+        hidden.grad = None
+        head.zero_grad(set_to_none=True)
         lp, ent = head_logprobs(head, hidden, labels, 0.7, with_entropy=True, entropy_grad=entropy_grad,
                                 chunk_tokens=4)  # 21 tokens: 6 chunks, the last one short
         assert ent.requires_grad == entropy_grad
         ((lp * weights).sum() + (ent.sum() if entropy_grad else 0)).backward()
         assert torch.allclose(lp, want_lp, atol=1e-6) and torch.allclose(ent, want_ent, atol=1e-6)
-        assert torch.allclose(hidden.grad, want_grads[0], atol=1e-6)
-        assert torch.allclose(head.weight.grad, want_grads[1], atol=1e-6)
-        hidden.grad, head.weight.grad = None, None
+        for got, want in zip([hidden.grad] + [p.grad for p in head.parameters()], want_grads):
+            assert torch.allclose(got, want, atol=1e-6)
+        hidden.grad = None
+        head.zero_grad(set_to_none=True)
 
 
 @pytest.mark.parametrize("tied", [True, False])
