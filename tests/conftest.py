@@ -20,12 +20,15 @@ if "OMP_NUM_THREADS" not in os.environ:
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(autouse=True)
-def fp32_cpu(monkeypatch):
+@pytest.fixture(scope="session", autouse=True)
+def fp32_cpu():
     """Every test sees a CPU without bf16 matmul units, so a run's precision (bf16 by default where
-    the CPU has AMX or AVX512-BF16) and its numbers are the same on every CI machine. Tests of the
-    choice itself patch ``cpu_supports_bf16`` back."""
-    monkeypatch.setattr("posttrain.device.cpu_supports_bf16", lambda: False)
+    the CPU has AMX or AVX512-BF16) and its numbers are the same on every CI machine. Session-wide,
+    so that module- and session-scoped fixtures' runs see it too; tests of the choice itself patch
+    ``cpu_supports_bf16`` with their own ``monkeypatch``."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("posttrain.device.cpu_supports_bf16", lambda: False)
+        yield
 
 
 @pytest.fixture(scope="session")

@@ -101,9 +101,11 @@ def test_a_resume_in_the_middle_of_an_async_run_repeats_it(tiny_model_dir, tiny_
     assert sorted(saved) == [3, 4]  # sampled with versions 1 and 2 before the interruption
 
 
-def test_a_bf16_rollout_differs_from_the_fp32_trainer_and_mis_masks_it(tiny_model_dir, tiny_prompt_data, tmp_path):
+def test_a_bf16_rollout_differs_from_the_fp32_trainer_and_mis_masks_it(tiny_model_dir, tiny_prompt_data, tmp_path,
+                                                                       monkeypatch):
     from posttrain.trainers.stages import train
 
+    monkeypatch.setattr("posttrain.device.cpu_supports_bf16", lambda: True)  # a bf16 rollout on any CPU
     torch.set_num_threads(1)
     metrics = train(grpo_config(tiny_model_dir, tiny_prompt_data, tmp_path, **{**COMMON, "megatron_training__train_iters": 1},
                                 generate_config__dtype="bfloat16", rl_config__rollout_correction="mis",
