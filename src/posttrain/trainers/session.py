@@ -308,8 +308,8 @@ class Session:
         state = self.policy.state  # resumed or fresh
         self.trainer_state: dict[str, Any] = state
         self.num_threads = self._set_threads(rl.num_threads, state.get("num_threads"))
-        log.info("precision on %s: %s training, %s rollout (posttrain.device.precision: bf16 where the device "
-                 "computes it natively and the config keeps the seed's bf16 defaults)", plan.device, plan.train_dtype,
+        log.info("precision on %s: %s training, %s rollout (bf16 where the device computes it natively, unless "
+                 "the config sets bf16: false / generate_config.dtype: float32)", plan.device, plan.train_dtype,
                  plan.rollout_dtype)
         if plan.uses_critic:  # PPO: in this process, or colocated in the Ray actor workers
             if self.cluster is not None:
