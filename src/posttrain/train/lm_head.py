@@ -56,13 +56,12 @@ def detached_head(model: torch.nn.Module) -> Iterator[torch.nn.Linear | None]:
 
 
 def scaled_logits(head: torch.nn.Linear, hidden: torch.Tensor, temperature: float) -> torch.Tensor:
-    """``head(hidden) / temperature`` in float32. Without a bias the division is applied to the
-    hidden states (H values a token) rather than to the logits (V values a token)."""
-    if temperature == 1.0:
-        return head(hidden).float()
-    if head.bias is None:
-        return head(hidden / temperature).float()
-    return head(hidden).float() / temperature
+    """``head(hidden) / temperature`` in float32, divided once per chunk for the log-probs and the
+    entropies together. (Dividing the hidden states instead would touch H values a token rather
+    than V, but rounds differently from Megatron's ``logits / temperature``, and the Megatron engine
+    is tested to equal this one.)"""
+    z = head(hidden).float()
+    return z / temperature if temperature != 1.0 else z
 
 
 def head_logprobs(head: torch.nn.Linear, hidden: torch.Tensor, labels: torch.Tensor, temperature: float,
