@@ -19,6 +19,13 @@ gives a user) and the native engine with its default for a bf16 rollout (its own
 Reports the median over repeats of generated tokens/s, the ratio native / HF, and the achieved
 FLOP/s (model FLOPs per generated token x tokens/s) against a measured matmul peak.
 
+``--speculative K`` compares the native engine without and with n-gram speculation (up to K draft
+tokens a row; ``generate_config.num_speculative_tokens``), interleaved, and reports the drafts'
+acceptance; ``--think`` asks for the reasoning, so answers run longer:
+
+    .venv/bin/python benchmarks/rollout/bench_rollout.py --model smollm2_135m_instruct --chat --speculative 6 \
+        --repeats 3 --dtypes float32 bfloat16 [--think --new-tokens 192]
+
 ``--sampler-cost`` instead compares the native engine with its keyed draw (one counter-based
 uniform per row and token, inverse CDF; issue 16) against the same engine with the draw it had
 before (``torch.multinomial`` from one generator), repeats interleaved, and reports the median
@@ -32,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import os
 import statistics
 import time
@@ -97,8 +105,12 @@ def make_prompts(num, vocab, rng, lo=24, hi=64):
             for _ in range(num)]
 
 
-def chat_prompts(num: int) -> list[list[int]]:
-    """The first ``num`` training problems of the products demo in SmolLM2-135M-Instruct's chat template."""
+THINK = " Explain your reasoning step by step."  # --think: longer answers, where speculation may pay
+
+
+def chat_prompts(num: int, suffix: str = "") -> list[list[int]]:
+    """The first ``num`` training problems of the products demo (each + ``suffix``) in
+    SmolLM2-135M-Instruct's chat template."""
     from transformers import AutoTokenizer
 
     from posttrain.demo.pretrained import ensure_smollm2
@@ -106,18 +118,18 @@ def chat_prompts(num: int) -> list[list[int]]:
     tokenizer = AutoTokenizer.from_pretrained(str(ensure_smollm2()))
     spec = {k: v for k, v in DEMO_TASK.items() if k != "kind"}
     rows = make_product_splits(**spec)[0][:num]
-    return [list(tokenizer.apply_chat_template([{"role": "user", "content": r["prompt"]}], tokenize=True,
+    return [list(tokenizer.apply_chat_template([{"role": "user", "content": r["prompt"] + suffix}], tokenize=True,
                                                add_generation_prompt=True, return_dict=False)) for r in rows]
 
 
 _ENGINES: dict = {}  # one native engine per (model, dtype), as a run keeps one (its bf16 copy is made once)
 
 
-def run_native(model, prompts, n, new_tokens, dtype, stops, seed, **sampling_kw):
+def run_native(model, prompts, n, new_tokens, dtype, stops, seed, speculative_tokens=0, **sampling_kw):
     from posttrain.rollout.base import SamplingParams
     from posttrain.rollout.native import NativeEngine
-    engine = _ENGINES.setdefault((id(model), dtype), NativeEngine(model, pad_token_id=0, eos_token_ids=[],
-                                                                 dtype=dtype))
+    engine = _ENGINES.setdefault((id(model), dtype, speculative_tokens), NativeEngine(
+        model, pad_token_id=0, eos_token_ids=[], dtype=dtype, speculative_tokens=speculative_tokens))
     sampling = SamplingParams(max_tokens=new_tokens, seed=seed, **sampling_kw)  # the seed's defaults otherwise
     outs = engine.generate(prompts, n, sampling, stop_token_ids=stops)
     return sum(len(o.token_ids) for group in outs for o in group)
@@ -155,7 +167,7 @@ def bench(args):
     if args.chat:
         if args.model != "smollm2_135m_instruct":
             raise SystemExit("--chat needs --model smollm2_135m_instruct (the real model, whose EOS ends answers)")
-        prompts = chat_prompts(args.prompts)
+        prompts = chat_prompts(args.prompts, THINK if args.think else "")
         eos = model.generation_config.eos_token_id
         stops = sorted({eos} if isinstance(eos, int) else set(eos))
     else:
@@ -172,6 +184,9 @@ def bench(args):
     for dtype in args.dtypes:
         peak = matmul_peak(torch.bfloat16 if dtype == "bfloat16" else torch.float32)
         engines = (("hf_generate", run_hf), ("native", run_native))
+        if args.speculative:  # native without and with n-gram speculation
+            engines = (("native", run_native),
+                       ("speculative", functools.partial(run_native, speculative_tokens=args.speculative)))
         for _, fn in engines:
             fn(model, prompts[:2], 2, 4, dtype, stops, 0, **sampling_kw)  # warm-up
         rates = {name: [] for name, _ in engines}
@@ -189,9 +204,14 @@ def bench(args):
                   f"runs={[round(x, 1) for x in rates[name]]} tokens/run={statistics.median(toks[name]):.0f} "
                   f"GFLOP/s={med * fpt / 1e9:6.1f} ({100 * med * fpt / peak:4.1f}% of "
                   f"matmul peak {peak / 1e9:.1f} GFLOP/s)")
-        ratios = [a / b for a, b in zip(rates["native"], rates["hf_generate"])]
-        print(f"  {dtype:9s} speedup native/hf: median of per-repeat ratios = {statistics.median(ratios):.2f}x "
+        (fast, _), (base, _) = engines[1], engines[0]
+        ratios = [a / b for a, b in zip(rates[fast], rates[base])]
+        print(f"  {dtype:9s} speedup {fast}/{base}: median of per-repeat ratios = {statistics.median(ratios):.2f}x "
               f"{[round(x, 2) for x in ratios]}", flush=True)
+        if args.speculative:
+            metrics = _ENGINES[(id(model), dtype, args.speculative)].pop_metrics()
+            print(f"  {dtype:9s} drafts fed {metrics['rollout/draft_tokens']:.0f}, accepted "
+                  f"{100 * metrics['rollout/draft_accept_rate']:.1f}%", flush=True)
 
 def multinomial_sample_next(generator: torch.Generator):
     """The native engine's draw before keyed sampling: ``torch.multinomial`` from one generator."""
@@ -291,6 +311,10 @@ def main():
     parser.add_argument("--mixed", action="store_true", help="add stop tokens (~2%% of the vocab): mixed lengths")
     parser.add_argument("--chat", action="store_true",
                         help="the products demo's prompts in the chat template, stopping at the model's EOS")
+    parser.add_argument("--think", action="store_true",
+                        help=f"--chat with {THINK!r} after each problem: longer answers")
+    parser.add_argument("--speculative", type=int, default=0, metavar="K",
+                        help="native engine without vs with n-gram speculation of up to K draft tokens")
     parser.add_argument("--sampler-cost", action="store_true",
                         help="native engine only: keyed draws vs the old torch.multinomial draws")
     parser.add_argument("--temperature", type=float, default=0.2, help="sampling temperature (the seed's default)")

@@ -51,6 +51,7 @@ def check_run_config(cfg: RunConfig, *, device_type: str = "cpu",
     if stage.on_policy and (cfg.rl.rule_reward or cfg.rl.eval_data_path):  # training scores, held-out accuracy
         check_verifiers(cfg)
     _check_prompt_type_path(cfg)
+    _check_speculation(cfg, device_type)
     if cfg.rl.num_threads is not None and uses_ray(cfg):
         raise ConfigError(f"rl_config.num_threads={cfg.rl.num_threads} sets the threads of one in-process run; the "
                           "Ray workers take theirs from rl_config.ray_num_cpus_per_worker: set that instead")
@@ -62,6 +63,22 @@ def check_run_config(cfg: RunConfig, *, device_type: str = "cpu",
         warnings.append("actor_config.save is not set: nothing will be saved, and the trained model is lost when "
                         "the run ends; set actor_config.save (or megatron_training.save) to a directory to keep it")
     return layout, warnings
+
+
+def _check_speculation(cfg: RunConfig, device_type: str) -> None:
+    """``generate_config.num_speculative_tokens``: the native engine's batched decode on its dynamic
+    KV cache (the vLLM engine refuses it in :mod:`posttrain.config.vllm`)."""
+    rl, gen = cfg.rl, cfg.generate
+    if gen.num_speculative_tokens < 0:
+        raise ConfigError(f"generate_config.num_speculative_tokens={gen.num_speculative_tokens}: must be >= 0 (0: off)")
+    if gen.num_speculative_tokens == 0:
+        return
+    if rl.multi_turn_enable or rl.async_engine:
+        raise ConfigError("generate_config.num_speculative_tokens with rl_config.async_engine / multi_turn_enable: "
+                          "speculation is built into the batched decode, not the per-request loop; set it to 0")
+    if not gen.enforce_eager and device_type == "cuda":
+        raise ConfigError("generate_config.num_speculative_tokens with enforce_eager: false: CUDA graphs replay one "
+                          "token a row on a static cache, and speculation feeds several; set one of them back")
 
 
 def check_device(name: str) -> None:

@@ -302,6 +302,10 @@ class GenerateConfig(Section):
     torchair_graph: bool = F(False, "Ascend torchair graph mode", VLLM_ASCEND)
     enable_expert_parallel: bool = F(False, "vLLM expert parallelism", ROLLOUT_EP)
     ascend_scheduler_config_enabled: bool = F(True, "Ascend scheduler", VLLM_ASCEND)
+    num_speculative_tokens: int = F(0, "posttrain: n-gram speculative decoding on the native engine, up to this many "
+                                       "draft tokens a row (0: off) from the row's sibling samples and prompt; exact "
+                                       "(the same tokens as without it); pays only on long, repetitive answers "
+                                       "(docs/rollout.md)", HONOURED)
     sampling_config: SamplingConfig = F(SamplingConfig(), "sampling parameters (replaced wholesale)", HONOURED)
 
 

@@ -62,6 +62,9 @@ REFUSED: dict[str, Refusal] = {
     "torchair_graph": Refusal(
         bool, "when true", "torchair graph mode is vLLM-Ascend's (Ascend NPUs); the adapter runs vLLM on CUDA",
         "remove the key (generate_config.enforce_eager: false captures CUDA graphs)"),
+    "num_speculative_tokens": Refusal(
+        lambda v: v > 0, "when > 0", "the vLLM adapter does not pass speculative decoding to vLLM", "set it to 0 "
+        "(or use rollout_engine: native)"),
     "ascend_scheduler_config_enabled": Refusal(
         bool, "when written as true", "the Ascend scheduler is vLLM-Ascend's (Ascend NPUs); the adapter runs vLLM "
         "on CUDA, which has no such switch", "remove the key", written=True),

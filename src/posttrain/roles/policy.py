@@ -225,8 +225,10 @@ def build_rollout(cfg: RunConfig, plan: Plan, model, tokenizer, stop_token_ids: 
             from posttrain.config.vllm import engine_kwargs
 
             kwargs.update(engine_kwargs(cfg))
-        elif not cfg.generate.enforce_eager:  # graph mode: CUDA graphs on a GPU (a CPU warned at start-up)
-            kwargs["cuda_graphs"] = next(model.parameters()).device.type == "cuda"
+        else:
+            kwargs["speculative_tokens"] = cfg.generate.num_speculative_tokens
+            if not cfg.generate.enforce_eager:  # graph mode: CUDA graphs on a GPU (a CPU warned at start-up)
+                kwargs["cuda_graphs"] = next(model.parameters()).device.type == "cuda"
         engine = ROLLOUT_ENGINES.get(cfg.rl.rollout_engine)(**kwargs)
     if hasattr(model, "peft_config"):  # LoRA: sample from the merged weights (docs/lora.md)
         from posttrain.models.lora import MergedRollout

@@ -19,6 +19,16 @@ false``) then compiles that step with ``torch.compile(mode="reduce-overhead")``,
 CUDA graph, so Python's per-token overhead does not bound the decode. On a CPU the dynamic path is
 faster (compaction saves compute) and is the default.
 
+With ``speculative_tokens`` (``generate_config.num_speculative_tokens``) a step also feeds each row
+draft tokens, found by n-gram lookup in its sibling samples and its prompt (:mod:`posttrain.rollout.ngram`),
+and samples a token after every fed position, each with the row's own keyed uniform for that token
+position. The row emits its first sample and, while each draft token equals the sample before it,
+the next: the emitted tokens are exactly those that one-token steps would have sampled from the same
+logits, so speculation changes how many forward passes a rollout takes, never its tokens or their
+distribution. The cache columns of rejected drafts are masked out and stay unused. Drafts are fed
+only while at most ``speculative_budget`` tokens a step result (few rows left, where a step is bound
+by reading the weights, so extra tokens cost little).
+
 With ``dtype: bfloat16`` and fp32 training weights the engine samples from a bf16 copy of the actor
 (weights and KV cache in bf16: half the memory traffic of autocast over fp32 weights, and no cast of
 every weight at every decode step; on a CPU with AVX512-BF16 it decoded 1.3x faster than autocast),
@@ -44,6 +54,7 @@ from posttrain.errors import ConfigError, DataError
 from posttrain.rollout.base import RolloutOutput, SamplingParams
 from posttrain.rollout.keyed import random_seed, row_states, uniforms
 from posttrain.rollout.kv_cache import concat_caches, new_cache, select_rows, to_static
+from posttrain.rollout.ngram import propose
 from posttrain.rollout.sampling import sample_next
 from posttrain.rollout.scheduling import plan_waves, prefill_chunks
 
@@ -128,6 +139,56 @@ class RowKeys:
                         offsets=torch.tensor(offsets, dtype=torch.long, device=device))
 
 
+def emitted_samples(samples: torch.Tensor, drafts: torch.Tensor, emitted: torch.Tensor, caps: torch.Tensor,
+                    stops: torch.Tensor, finished: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which of a step's samples [B, 1 + k] each row emits, and which of those are stop tokens.
+
+    Sample ``i`` follows the fed last token and drafts ``0..i-1``, so it is valid while every draft
+    before it equals the sample at its position. A row also emits nothing after its first stop
+    token, nothing past its cap (``emitted + i < caps``), and nothing once ``finished``."""
+    index = torch.arange(samples.shape[1], device=samples.device)
+    agree = torch.cat([torch.ones_like(samples[:, :1], dtype=torch.bool), drafts == samples[:, :-1]], 1)
+    valid = agree.cumprod(1).bool() & (emitted[:, None] + index < caps[:, None]) & ~finished[:, None]
+    is_stop = torch.isin(samples, stops) & valid
+    valid &= (is_stop.cumsum(1) - is_stop.long()) == 0  # nothing after the first stop
+    return valid, is_stop
+
+
+class _Drafter:
+    """Draft tokens for a wave's rows by n-gram lookup (:mod:`posttrain.rollout.ngram`), while few
+    enough rows are left that a step is bound by reading the weights rather than by compute: at most
+    ``budget`` tokens fed per step, so ``min(tokens, budget // rows - 1)`` drafts per row."""
+
+    def __init__(self, prompts: list[list[int]], groups: list[int], tokens: int, budget: int, pad: int = 0):
+        self.prompts, self.groups, self.tokens, self.budget, self.pad = prompts, groups, tokens, budget, pad
+        self.members: dict[int, list[int]] = {}
+        for row, group in enumerate(groups):
+            self.members.setdefault(group, []).append(row)
+
+    def drafts(self, out_tokens: torch.Tensor, out_len: torch.Tensor, active: torch.Tensor,
+               finished: torch.Tensor) -> torch.Tensor:
+        """[A, k] drafts for the batch rows ``active`` (finished rows get padding; k = 0 when no
+        row would speculate)."""
+        live = int((~finished).sum())
+        k = min(self.tokens, self.budget // max(live, 1) - 1)
+        if k < 1:
+            return out_tokens.new_zeros((active.numel(), 0))
+        lengths = out_len.tolist()
+        responses = [row[:n] for row, n in zip(out_tokens.tolist(), lengths)]
+        drafts, found = [], False
+        for row, done in zip(active.tolist(), finished.tolist()):
+            draft: list[int] = []
+            if not done:
+                prompt = self.prompts[self.groups[row]]
+                siblings = [prompt[-3:] + responses[other] for other in self.members[self.groups[row]] if other != row]
+                draft = propose(prompt + responses[row], siblings, k)
+                found |= bool(draft)
+            drafts.append(draft + [self.pad] * (k - len(draft)))
+        if not found:
+            return out_tokens.new_zeros((active.numel(), 0))
+        return torch.tensor(drafts, dtype=torch.long, device=out_tokens.device)
+
+
 @contextlib.contextmanager
 def out_of_memory_hint(max_num_seqs: int) -> Iterator[None]:
     """Re-raise a device out-of-memory error with the keys that size the rollout's memory."""
@@ -150,7 +211,8 @@ class NativeEngine:
     def __init__(self, model: Any, *, pad_token_id: int, eos_token_ids: list[int] | int | None,
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 8192, dtype: str = "float32",
                  compact_fraction: float = 0.125, static_cache: bool | None = None,
-                 cuda_graphs: bool = False, sampling_copy: bool | None = None):
+                 cuda_graphs: bool = False, sampling_copy: bool | None = None, speculative_tokens: int = 0,
+                 speculative_budget: int = 16):
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ConfigError("generate_config.max_num_seqs and max_num_batched_tokens must be >= 1 "
                               f"(got {max_num_seqs}, {max_num_batched_tokens}).")
@@ -166,11 +228,21 @@ class NativeEngine:
         if cuda_graphs and not on_cuda:
             raise ConfigError("generate_config.enforce_eager=false (CUDA graphs) needs a CUDA device; "
                               "remove the key on a CPU")
-        self.static_cache = on_cuda if static_cache is None else bool(static_cache)
+        if speculative_tokens < 0 or speculative_budget < 2:
+            raise ConfigError(f"speculative_tokens must be >= 0 and speculative_budget >= 2 (got {speculative_tokens}, "
+                              f"{speculative_budget})")
+        self.speculative_tokens, self.speculative_budget = int(speculative_tokens), int(speculative_budget)
+        if static_cache is None:  # speculation runs on the dynamic cache (a static step feeds one token a row)
+            static_cache = on_cuda and not self.speculative_tokens
+        if static_cache and self.speculative_tokens:
+            raise ConfigError("n-gram speculation feeds several tokens a row and needs the dynamic KV cache: "
+                              "turn speculation off (generate_config.num_speculative_tokens: 0) or the static cache off")
+        self.static_cache = bool(static_cache)
         self.cuda_graphs = bool(cuda_graphs)
         if self.cuda_graphs and not self.static_cache:
             raise ConfigError("CUDA graphs need the static KV cache (static_cache=True)")
         self.sampling_copy = self.dtype == torch.bfloat16 if sampling_copy is None else sampling_copy
+        self._drafted = self._accepted = 0  # speculation: draft slots fed and accepted since pop_metrics
         self._copy: Any = None  # the bf16 model that samples (sampling_copy), and the actor's version it holds
         self._copy_version: tuple[int, int] | None = None
         self._sampler = model  # the model the forward calls run on (set per call)
@@ -235,6 +307,16 @@ class NativeEngine:
                     results[idx].extend(outs)
         return results
 
+    def pop_metrics(self) -> dict[str, float]:
+        """Speculation (when on), since the last call: ``rollout/draft_tokens``, the draft tokens fed
+        to unfinished rows (padding included), and ``rollout/draft_accept_rate``, the share of them
+        accepted (each saves a forward pass of its row)."""
+        if not self.speculative_tokens:
+            return {}
+        drafted, accepted, self._drafted, self._accepted = self._drafted, self._accepted, 0, 0
+        return {"rollout/draft_tokens": float(drafted),
+                "rollout/draft_accept_rate": accepted / drafted if drafted else 0.0}
+
     @property
     def device(self) -> torch.device:
         param = next(iter(self.model.parameters()), None)
@@ -282,13 +364,14 @@ class NativeEngine:
             self.model.train(was_training)
             self._sampler = self.model
 
-    def _forward(self, input_ids, attention_mask, position_ids, cache) -> torch.Tensor:
-        """One model call; returns the last-position logits [B, V] in float32."""
-        kwargs = {"logits_to_keep": 1} if self._has_logits_to_keep else {}
+    def _forward(self, input_ids, attention_mask, position_ids, cache, keep: int = 0) -> torch.Tensor:
+        """One model call; returns the last-position logits [B, V] in float32, or (``keep`` > 0) the
+        last ``keep`` positions' [B, keep, V]."""
+        kwargs = {"logits_to_keep": max(keep, 1)} if self._has_logits_to_keep else {}
         kwargs[self._cache_kwarg] = cache
         out = self._sampler(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                          use_cache=True, **kwargs)
-        return out.logits[:, -1, :].float()
+        return out.logits[:, -keep:, :].float() if keep else out.logits[:, -1, :].float()
 
     def _prefill(self, prompts: list[list[int]], capacity: int) -> tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Left-pad and prefill each prompt once. Returns (cache, last logits [P, V], mask [P, L], lengths [P])."""
@@ -312,68 +395,91 @@ class NativeEngine:
     def _run_wave(self, prompts: list[list[int]], counts: list[int], sampling: SamplingParams,
                   stops: torch.Tensor, rows: "WaveRows") -> list[list[RolloutOutput]]:
         """Prefill ``prompts`` once, expand to ``counts`` rows each, decode all rows to completion
-        (row ``r`` draws from stream ``rows.states[r]`` at positions ``rows.offsets[r] + step``)."""
+        (row ``r`` draws its ``t``-th token from stream ``rows.states[r]`` at ``rows.offsets[r] + t``).
+
+        Each step feeds every row its last token, plus (speculation) draft tokens, and samples a
+        token after every fed position; a row emits its first sample and, while its draft agrees
+        with its samples, the next ones (see the module docstring)."""
         device, max_tokens = self.device, sampling.max_tokens
         capacity = max(len(p) for p in prompts) + max_tokens
         cache, logits, prompt_mask, lengths = self._prefill(prompts, capacity)
         expand = torch.repeat_interleave(torch.arange(len(prompts), device=device),
                                          torch.tensor(counts, device=device))
         select_rows(cache, expand)
-        logits, positions = logits.index_select(0, expand), lengths.index_select(0, expand)
-        num_rows, prompt_len = expand.numel(), prompt_mask.shape[1]
+        logits, base = logits.index_select(0, expand)[:, None], lengths.index_select(0, expand)
+        num_rows, cur_len = expand.numel(), prompt_mask.shape[1]
         static = to_static(cache, self._sampler, -(-capacity // STATIC_BUCKET) * STATIC_BUCKET) \
             if self.static_cache else None
         # columns are switched on as tokens are fed (a static step attends over the whole capacity)
         mask = torch.zeros((num_rows, capacity if static is None else static.layers[0].max_cache_len),
                            dtype=torch.long, device=device)
-        mask[:, :prompt_len] = prompt_mask.index_select(0, expand)
+        mask[:, :cur_len] = prompt_mask.index_select(0, expand)
         cache = cache if static is None else static
+        drafter = _Drafter(prompts, expand.tolist(), self.speculative_tokens, self.speculative_budget,
+                           self.pad_token_id) \
+            if self.speculative_tokens and static is None else None
 
         out_tokens = torch.full((num_rows, max_tokens), self.pad_token_id, dtype=torch.long, device=device)
         out_logprobs = torch.zeros((num_rows, max_tokens), dtype=torch.float32, device=device)
-        out_len = torch.full((num_rows,), max_tokens, dtype=torch.long, device=device)
+        out_len = torch.zeros((num_rows,), dtype=torch.long, device=device)  # tokens emitted so far
         out_stop = torch.zeros((num_rows,), dtype=torch.bool, device=device)
+        caps = torch.full((num_rows,), max_tokens, device=device) if rows.caps is None else rows.caps
         active = torch.arange(num_rows, device=device)  # original row id of each batch row
         finished = torch.zeros((num_rows,), dtype=torch.bool, device=device)
+        drafts = torch.zeros((num_rows, 0), dtype=torch.long, device=device)  # fed after each row's last token
 
         for step in range(max_tokens):
-            draws = None if sampling.greedy else uniforms(rows.states[active], rows.offsets[active] + step)
-            tokens, logprobs = sample_next(logits, sampling, draws)
-            live = active[~finished]
-            out_tokens[live, step] = tokens[~finished]
-            out_logprobs[live, step] = logprobs[~finished]
-            hit = torch.isin(tokens, stops) & ~finished
+            fed = logits.shape[1]  # 1 + draft tokens: a sample after each fed position
+            emitted = out_len[active]
+            index = torch.arange(fed, device=device)
+            draws = None if sampling.greedy else uniforms(
+                rows.states[active, None].expand(-1, fed).reshape(-1),
+                (rows.offsets[active] + emitted)[:, None].add(index).reshape(-1))
+            tokens, logprobs = sample_next(logits.reshape(-1, logits.shape[-1]), sampling, draws)
+            tokens, logprobs = tokens.view(-1, fed), logprobs.view(-1, fed)
+            valid, is_stop = emitted_samples(tokens, drafts, emitted, caps[active], stops, finished)
+            new = valid.sum(1)
+            if fed > 1:  # the draft slots fed to unfinished rows, and those whose draft was accepted
+                self._drafted += int((~finished).sum()) * (fed - 1)
+                self._accepted += int((new - 1).clamp(min=0).sum())
+            live, col = valid.nonzero(as_tuple=True)
+            out_tokens[active[live], emitted[live] + col] = tokens[live, col]
+            out_logprobs[active[live], emitted[live] + col] = logprobs[live, col]
+            emitted = emitted + new
+            out_len[active] = emitted
+            hit = is_stop.any(1)
             if bool(hit.any()):
-                out_len[active[hit]] = step + 1
                 out_stop[active[hit]] = True
-                finished |= hit
-            if rows.caps is not None:  # a row at its own cap ends ("length")
-                capped = (rows.caps[active] <= step + 1) & ~finished
-                if bool(capped.any()):
-                    out_len[active[capped]] = step + 1
-                    finished |= capped
-            if step + 1 == max_tokens or bool(finished.all()):
+            finished |= hit | (emitted >= caps[active])
+            if bool(finished.all()):
                 break
             if rows.stop_when is not None and (step + 1) % rows.stop_every == 0:
                 done = torch.ones(num_rows, dtype=torch.bool, device=device)  # compacted rows are finished
                 done[active] = finished
                 if rows.stop_when(done.tolist()):
-                    out_len[active[~finished]] = step + 1
                     break
+            last = tokens.gather(1, (new - 1).clamp(min=0)[:, None]).squeeze(1)
+            if fed > 1:  # the rejected drafts' cache columns are never attended to again
+                mask[:, cur_len - fed + 1:cur_len] = index[1:] < new[:, None]
             num_done = int(finished.sum())
             if static is None and num_done and num_done >= self.compact_fraction * finished.numel():
                 keep = (~finished).nonzero().squeeze(1)
                 select_rows(cache, keep)
-                mask, positions, active = mask[keep], positions[keep], active[keep]
-                tokens, finished = tokens[keep], finished[keep]
-            tokens = tokens.masked_fill(finished, self.pad_token_id)
-            cur_len = prompt_len + step + 1
-            mask[:, cur_len - 1] = 1
+                mask, base, active = mask[keep], base[keep], active[keep]
+                last, finished = last[keep], finished[keep]
+            last = last.masked_fill(finished, self.pad_token_id)
+            drafts = drafter.drafts(out_tokens, out_len, active, finished) if drafter is not None \
+                else last.new_zeros((last.numel(), 0))
+            feed = torch.cat([last[:, None], drafts], 1)
+            if cur_len + feed.shape[1] > mask.shape[1]:  # rejected drafts took columns: grow
+                mask = torch.cat([mask, torch.zeros_like(mask)], 1)
+            mask[:, cur_len:cur_len + feed.shape[1]] = 1
+            cur_len += feed.shape[1]
+            positions = (base + out_len[active] - 1)[:, None] + torch.arange(feed.shape[1], device=device)
             if static is None:
-                logits = self._forward(tokens[:, None], mask[:, :cur_len], positions[:, None], cache)
+                logits = self._forward(feed, mask[:, :cur_len], positions, cache, keep=feed.shape[1])
             else:
-                logits = self._static_step(tokens, mask, positions, cache)
-            positions = positions + 1
+                logits = self._static_step(last, mask, positions[:, 0], cache)[:, None]
         return self._collect(counts, out_tokens, out_logprobs, out_len, out_stop)
 
     def _static_step(self, tokens, mask, positions, cache) -> torch.Tensor:

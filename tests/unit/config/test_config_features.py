@@ -329,3 +329,16 @@ def test_graph_mode_runs_on_a_gpu_and_is_only_warned_about_on_a_cpu():
     with pytest.raises(ConfigError, match=r"enforce_eager: false \(CUDA graphs\) with rl_config.async_engine"):
         check_run_config(config(graphs + ["rl_config.async_engine=true"]), device_type="cuda")
     check_run_config(config(graphs + ["rl_config.async_engine=true"]), device_type="cpu")  # eager there anyway
+
+
+def test_speculation_is_checked_against_the_decode_it_needs():
+    def refused(overrides, device_type="cpu"):
+        with pytest.raises(ConfigError) as err:
+            check_run_config(config(overrides), device_type=device_type)
+        return str(err.value)
+
+    _, warnings = check_run_config(config(["generate_config.num_speculative_tokens=4"]), device_type="cpu")
+    assert not any("speculative" in w for w in warnings)
+    assert "must be >= 0" in refused(["generate_config.num_speculative_tokens=-1"])
+    assert "CUDA graphs" in refused(["generate_config.num_speculative_tokens=4", "generate_config.enforce_eager=false"],
+                                    device_type="cuda")

@@ -58,6 +58,8 @@ def test_rule_21_has_the_seeds_messages():
     (["megatron_training.prompt_type=hf_chat_template"], "format_observation"),
     (["megatron_training.prompt_type=null"], "actor_config.prompt_type=None"),
     (["rl_config.partial_rollout_max_split=2", "rl_config.guarantee_order=false"], "partial_rollout_max_split"),
+    (["generate_config.num_speculative_tokens=4"], "generate_config.num_speculative_tokens with "
+                                                   "rl_config.async_engine / multi_turn_enable"),
 ])
 def test_bad_multi_turn_settings_are_refused_by_key(overrides, words):
     assert words in refusal(overrides)

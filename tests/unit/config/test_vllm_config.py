@@ -73,6 +73,8 @@ def test_the_check_runs_in_plan_so_plan_fails_early(installed):
                                                 "vllm: multi-step scheduling was removed in vLLM V1"),
     (["generate_config.torchair_graph=true"], "generate_config.torchair_graph=true"),
     (["generate_config.ascend_scheduler_config_enabled=true"], "generate_config.ascend_scheduler_config_enabled=true"),
+    (["generate_config.num_speculative_tokens=4"], "generate_config.num_speculative_tokens=4 with "
+                                                   "rl_config.rollout_engine: vllm: the vLLM adapter does not pass"),
 ])
 def test_keys_vllm_cannot_honour_are_refused_by_name(gpu, overrides, words):
     message = refusal(overrides)
