@@ -4,7 +4,8 @@
 
 Both sides train SmolLM2-135M-Instruct with GRPO on the demo task (products, ``common.py`` size
 ``products``: 8 prompts x 8 samples x up to 32 tokens, temperature 0.7, lr 2e-5, no KL, one optimizer
-step per batch, fp32). Each run is a fresh process; the side that goes first alternates by seed.
+step per batch, fp32; ``--precision bf16``: TRL with ``bf16=True`` and posttrain with its hardware
+default, as ``run.py``). Each run is a fresh process; the side that goes first alternates by seed.
 Afterwards one yardstick scores the base model and every final model: ``posttrain eval``, greedy,
 on the 55 held-out problems (strict: ``answer_is``; lenient: the last number). Writes
 ``learning.json`` and ``learning.png`` (reward per step, held-out lenient accuracy and time per step,
@@ -30,7 +31,8 @@ SIZE = "products"
 def train_one(side: str, seed: int, args, paths: dict) -> dict:
     run = Path(args.out) / f"{side}_{seed}"
     cmd = [sys.executable, str(SCRIPTS[side]), "--work", args.work, "--size", SIZE, "--steps", str(args.steps),
-           "--threads", str(args.threads), "--out", str(run / "records.json"), "--save", str(run / "model")]
+           "--threads", str(args.threads), "--out", str(run / "records.json"), "--save", str(run / "model"),
+           "--precision", args.precision]
     if side == "posttrain":
         cmd += ["--set", f"megatron_training.seed={seed}"]
     else:
@@ -92,7 +94,8 @@ def plot(report: dict, path: Path) -> None:
     for ax in (ax_r, ax_a, ax_t):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle("GRPO on SmolLM2-135M-Instruct, products task: posttrain vs TRL 1.16, equal settings")
+    fig.suptitle(f"GRPO on SmolLM2-135M-Instruct, products task: posttrain vs TRL 1.16, equal settings, "
+                 f"{report.get('precision', 'fp32')}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -104,6 +107,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--seeds", type=int, nargs="+", default=[1234, 1235])
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--precision", default="fp32", choices=["fp32", "bf16"],
+                   help="bf16: TRL with bf16=True, posttrain with its hardware default (run.py --precision)")
     args = p.parse_args()
 
     sys.path.insert(0, str(HERE))
@@ -111,7 +116,7 @@ def main() -> None:
 
     Path(args.out).mkdir(parents=True, exist_ok=True)
     paths = prepare(Path(args.work), SIZE)
-    report = {"steps": args.steps, "threads": args.threads, "base": evaluate(paths["model"], paths, args, "base"),
+    report = {"steps": args.steps, "threads": args.threads, "precision": args.precision, "base": evaluate(paths["model"], paths, args, "base"),
               "runs": {"posttrain": {}, "trl": {}}, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     print(f"base model: held-out strict {report['base']['accuracy']:.1%}, "
           f"lenient {report['base']['lenient_accuracy']:.1%}", flush=True)

@@ -11,16 +11,6 @@ from posttrain.rollout.native import NativeEngine
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [14, 15, 16, 17]]  # unequal: left padding is exercised
 
 
-@pytest.fixture(scope="module")
-def model():
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-    return Qwen2ForCausalLM(cfg).float()
-
-
 def teacher_forced(model, prompt, response, temperature):
     """Reference: log_softmax(logits / T) of the whole sequence, gathered at the response tokens."""
     ids = torch.tensor([prompt + response])
