@@ -7,9 +7,11 @@ ids that restart at 0 for every sequence, and:
 
 * the linear layers (QKV, output, MLP) run on ``N`` tokens instead of ``B * (P + R)``;
 * attention never crosses sequences: the ``posttrain_packed`` attention function (registered in
-  Hugging Face's ``AttentionInterface``) gathers each sequence's queries/keys/values back into a
-  ``[B, H, L_max, D]`` block and runs one causal SDPA with a key-padding mask, i.e. a
-  block-diagonal causal mask over the packed row, without ever building the ``N x N`` mask; a model
+  Hugging Face's ``AttentionInterface``) gathers each sequence's queries/keys/values back into
+  ``[B_k, H, L_k, D]`` blocks and runs one causal SDPA with a key-padding mask per block, i.e. a
+  block-diagonal causal mask over the packed row, without ever building the ``N x N`` mask. The
+  rows go into up to 4 blocks of similar length (:func:`block_rows`), so the many short answers of
+  an RL batch are not padded to its longest one (the attention costs ``rows x width^2``); a model
   loaded with ``flash_attention_2`` uses the varlen kernel instead (it reads the restarts of the
   position ids);
 * logits are computed only at the ``K`` positions that predict a response token
@@ -64,19 +66,26 @@ class Packing:
 def _packed_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """``query [1, H, N, D]``, ``key/value [1, H_kv, N, D]`` -> ``[1, N, H, D]``, per-sequence causal.
 
-    ``posttrain_pad_index [B, L]`` holds, for slot ``l`` of sequence ``b``, its packed position
-    (clamped for padding slots) and ``posttrain_valid [B, L]`` which slots are real (a prefix of
-    each row), so a padded query only sees keys of its own sequence. A shared prompt position
-    appears in several rows; ``posttrain_owner [N]`` says which slot (``b * L + l``) gives each
+    ``posttrain_blocks`` is a list of ``(pad_index [B_k, L_k], valid [B_k, L_k])``, one per block of
+    rows of similar length (:func:`split_blocks`): for slot ``l`` of a block's row ``b``, its packed
+    position (clamped for padding slots) and whether the slot is real (a prefix of each row), so a
+    padded query only sees keys of its own sequence. A shared prompt position appears in several
+    rows; ``posttrain_owner [N]`` says which slot of the blocks' outputs, laid end to end, gives each
     packed position its output.
     """
-    index = kwargs.get("posttrain_pad_index")
-    if index is None:  # not a packed forward (rollout, padded batches): the model's own attention
+    blocks = kwargs.get("posttrain_blocks")
+    if blocks is None:  # not a packed forward (rollout, padded batches): the model's own attention
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
-    valid = kwargs["posttrain_valid"]
+    outs = [_block_attention(module, query, key, value, index, valid, dropout, scaling) for index, valid in blocks]
+    out = outs[0] if len(outs) == 1 else torch.cat(outs)
+    return out.index_select(0, kwargs["posttrain_owner"]).unsqueeze(0), None  # [1, N, H, D]
+
+
+def _block_attention(module, query, key, value, index, valid, dropout, scaling) -> torch.Tensor:
+    """One block's causal SDPA over its rows' slots: ``[B_k * L_k, H, D]``."""
     rows, width = index.shape
     flat = index.reshape(-1)
 
@@ -94,8 +103,62 @@ def _packed_attention(module, query, key, value, attention_mask, dropout=0.0, sc
     out = torch.nn.functional.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, dropout_p=dropout if module.training else 0.0, scale=scaling)
     heads, dim = out.shape[1], out.shape[-1]
-    out = out.transpose(1, 2).reshape(rows * width, heads, dim)  # [B, H, L, D] -> [B * L, H, D]
-    return out.index_select(0, kwargs["posttrain_owner"]).unsqueeze(0), None  # [1, N, H, D]
+    return out.transpose(1, 2).reshape(rows * width, heads, dim)  # [B, H, L, D] -> [B * L, H, D]
+
+
+MAX_BLOCKS = 4  # attention blocks of rows of similar length per packed forward
+_CANDIDATES = 32  # block boundaries considered (rows sorted by length, in groups of about equal count)
+
+
+def block_rows(lengths: list[int], max_blocks: int = MAX_BLOCKS) -> list[list[int]]:
+    """Rows (indices into ``lengths``) in at most ``max_blocks`` blocks of similar length, chosen to
+    least ``sum(rows_k * width_k ** 2)`` (a block's attention cost: its rows padded to its longest).
+
+    One RL micro-batch holds many short answers and a few long ones; padding every row to the
+    longest costs the attention that square for all of them."""
+    order = sorted(range(len(lengths)), key=lengths.__getitem__)
+    step = -(-len(order) // _CANDIDATES)
+    ends = list(range(step, len(order), step)) + [len(order)]  # candidate block ends (exclusive)
+    width = [lengths[order[e - 1]] for e in ends]
+    inf = float("inf")
+    best = [[inf] * len(ends) for _ in range(max_blocks)]  # best[k][j]: rows[:ends[j]] in k + 1 blocks
+    cut: list[list[int]] = [[-1] * len(ends) for _ in range(max_blocks)]
+    for j, end in enumerate(ends):
+        best[0][j] = end * width[j] ** 2
+    for k in range(1, max_blocks):
+        for j in range(len(ends)):
+            for i in range(j):
+                cost = best[k - 1][i] + (ends[j] - ends[i]) * width[j] ** 2
+                if cost < best[k][j]:
+                    best[k][j], cut[k][j] = cost, i
+    least = min(best[b][-1] for b in range(max_blocks))
+    k = next(b for b in range(max_blocks) if best[b][-1] <= 1.1 * least)  # another block only for > 10%
+    blocks, j = [], len(ends) - 1
+    while k >= 0:
+        start = ends[cut[k][j]] if k else 0
+        blocks.append(order[start:ends[j]])
+        j, k = cut[k][j], k - 1
+    return blocks[::-1]
+
+
+def split_blocks(packed: dict[str, torch.Tensor]) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
+    """``pack``'s one block of all rows (``pad_index``/``valid [B, L]``, ``owner`` into ``B * L``
+    slots) as :func:`block_rows`' blocks, each trimmed to its longest row, and ``owner`` pointing
+    into their slots laid end to end."""
+    index, valid, owner = packed["pad_index"], packed["valid"], packed["owner"]
+    rows, width = index.shape
+    lengths = valid.sum(-1).tolist()
+    blocks, base = [], [0] * rows
+    offset = 0
+    for members in block_rows(lengths):
+        widest = max(1, max(lengths[b] for b in members))
+        pick = torch.tensor(members, device=index.device)
+        blocks.append((index.index_select(0, pick)[:, :widest], valid.index_select(0, pick)[:, :widest]))
+        for j, b in enumerate(members):
+            base[b] = offset + j * widest
+        offset += len(members) * widest
+    base_t = torch.tensor(base, device=owner.device)
+    return blocks, base_t[owner // width] + owner % width
 
 
 def _mask_fn(*args, **kwargs):
@@ -224,12 +287,12 @@ def group_rows_by_prompt(batch: dict[str, torch.Tensor]) -> torch.Tensor:
 def _packed_logits(model: torch.nn.Module, packed: dict[str, torch.Tensor]) -> torch.Tensor:
     """Logits ``[K, V]`` at the ``keep`` positions of the packed row (the hidden states ``[K, H]``
     inside :func:`~posttrain.train.lm_head.detached_head`)."""
+    blocks, owner = split_blocks(packed)
     token = _IN_FORWARD.set(True)
     try:
         output = model(input_ids=packed["input_ids"], position_ids=packed["position_ids"], attention_mask=None,
-                       logits_to_keep=packed["keep"], use_cache=False,
-                       posttrain_pad_index=packed["pad_index"], posttrain_valid=packed["valid"],
-                       posttrain_owner=packed["owner"])
+                       logits_to_keep=packed["keep"], use_cache=False, posttrain_blocks=blocks,
+                       posttrain_owner=owner)
     finally:
         _IN_FORWARD.reset(token)
     logits = output.logits if hasattr(output, "logits") else output

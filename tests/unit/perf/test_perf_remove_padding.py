@@ -178,3 +178,48 @@ def test_dpo_update_with_remove_padding_matches(dynamic):
         results.append((step, torch.cat([p.detach().reshape(-1) for p in model.parameters()])))
     assert results[0][0]["actor/grad_norm"] == pytest.approx(results[1][0]["actor/grad_norm"], rel=1e-4)
     assert torch.allclose(results[0][1], results[1][1], atol=1e-5)
+
+
+def _cost(lengths, blocks):
+    return sum(len(b) * max(lengths[r] for r in b) ** 2 for b in blocks)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_block_rows_cost_is_within_ten_percent_of_the_least(seed):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, 40, (int(torch.randint(1, 9, (1,), generator=g)),), generator=g).tolist()
+    blocks = rp.block_rows(lengths)
+    assert sorted(r for b in blocks for r in b) == list(range(len(lengths))) and len(blocks) <= rp.MAX_BLOCKS
+    ordered = sorted(lengths)
+    least = min(  # every split of the sorted rows into at most 4 contiguous blocks
+        sum((b - a) * ordered[b - 1] ** 2 for a, b in zip((0, *cuts), (*cuts, len(ordered))))
+        for k in range(rp.MAX_BLOCKS) for cuts in __import__("itertools").combinations(range(1, len(ordered)), k))
+    assert least <= _cost(lengths, blocks) <= 1.1 * least
+
+
+def test_block_rows_splits_a_long_tail_off():
+    lengths = [60] * 60 + [120] * 4  # an RL batch: many short answers, a few long ones
+    blocks = rp.block_rows(lengths)
+    assert sorted(map(len, blocks)) == [4, 60]
+
+
+@pytest.mark.parametrize("share", [False, True])
+def test_blocks_of_mixed_lengths_equal_padded(share):
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(1, 64, (n,), generator=g).tolist() for n in (5, 3)]
+    rows = [prompts[0]] * 6 + [prompts[1]] * 6
+    resps = [torch.randint(1, 64, (n,), generator=g).tolist() for n in (2, 1, 2, 3, 2, 24, 1, 2, 2, 1, 3, 20)]
+    batch = build_batch(rows, resps, pad_token_id=0)
+    blocks, _ = rp.split_blocks(rp.pack(batch, share_prompts=share))
+    assert len(blocks) > 1, "the test needs several attention blocks"
+    model = _model()
+    ref_lp, ref_ent = response_logprobs(model, batch, temperature=0.7, with_entropy=True)
+    lp, ent = rp.packed_response_logprobs(model, batch, temperature=0.7, with_entropy=True, share_prompts=share)
+    assert torch.allclose(lp, ref_lp, atol=1e-5) and torch.allclose(ent, ref_ent, atol=1e-5)
+    grads = []
+    for fn in (lambda: response_logprobs(model, batch)[0],
+               lambda: rp.packed_response_logprobs(model, batch, share_prompts=share)[0]):
+        model.zero_grad()
+        (fn() * batch["response_mask"]).sum().backward()
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
+    assert torch.allclose(grads[0], grads[1], atol=1e-5)
