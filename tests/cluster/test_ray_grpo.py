@@ -167,8 +167,12 @@ def is_wall_clock(key: str) -> bool:
 def same(got: float, want: float, key: str) -> bool:
     """Equal metrics: to float noise, which is all that ``rollout/logprob_diff_*`` and
     ``rollout/ratio_*`` measure on the fp32 native engine (batched decoding vs a forward pass), and
-    all that is left of the mean of GAE's whitened advantages (0 by construction)."""
-    noise = key.startswith(("rollout/logprob_diff", "rollout/ratio")) or key == "critic/advantages/mean"
+    all that is left of the mean of GAE's whitened advantages (0 by construction). ``actor/ppo_kl``
+    is a mean of differences of log-probs of magnitude 1-10 (fp32 spacing there: 1e-7 to 1e-6), so
+    its rounding is absolute too: the two runs pack other rows into each micro-batch, and the packed
+    attention's blocks and sums follow the rows."""
+    noise = key.startswith(("rollout/logprob_diff", "rollout/ratio")) or key in ("critic/advantages/mean",
+                                                                                 "actor/ppo_kl")
     return got == pytest.approx(want, rel=1e-5, abs=1e-6 if noise else 1e-8)
 
 
