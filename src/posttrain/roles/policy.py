@@ -226,7 +226,8 @@ def build_rollout(cfg: RunConfig, plan: Plan, model, tokenizer, stop_token_ids: 
 
             kwargs.update(engine_kwargs(cfg))
         else:
-            kwargs["speculative_tokens"] = cfg.generate.num_speculative_tokens
+            if cfg.generate.num_speculative_tokens:  # the native engine's n-gram speculation
+                kwargs["speculative_tokens"] = cfg.generate.num_speculative_tokens
             if not cfg.generate.enforce_eager:  # graph mode: CUDA graphs on a GPU (a CPU warned at start-up)
                 kwargs["cuda_graphs"] = next(model.parameters()).device.type == "cuda"
         engine = ROLLOUT_ENGINES.get(cfg.rl.rollout_engine)(**kwargs)
