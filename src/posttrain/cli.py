@@ -94,9 +94,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, default=None, help="evaluate at most this many prompts")
     p.add_argument("--prompt-type", default=None, help="chat template for JSONL prompts")
     p.add_argument("--output", default=None, help="JSON file for the results")
+    p.add_argument("--samples", default=None,
+                   help="JSONL file for every response: prompt and sample index, text, label, scores")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--force", action="store_true", help=FORCE_HELP + ": --output")
+    p.add_argument("--force", action="store_true", help=FORCE_HELP + ": --output, --samples")
 
     p = sub.add_parser("bench", help="time training iterations: per-phase times, tokens/s, MFU")
     _add_config_args(p)

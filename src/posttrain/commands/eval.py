@@ -70,8 +70,12 @@ def run(args) -> int:
 
     logging.basicConfig(level=logging.WARNING)
     check_args(args)
+    force = bool(getattr(args, "force", False))
+    samples_path = getattr(args, "samples", None)
     if args.output:  # before the work: an output problem must not cost the whole evaluation
-        check_output_file(args.output, "--output", force=bool(getattr(args, "force", False)))
+        check_output_file(args.output, "--output", force=force)
+    if samples_path:
+        check_output_file(samples_path, "--samples", force=force)
     device = resolve_device("auto")
     path, _ = resolve_checkpoint(args.model)
     check_model_files(path)  # a truncated or corrupt file is named, not a loader traceback
@@ -85,19 +89,22 @@ def run(args) -> int:
     sampling = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, top_k=-1, seed=args.seed)
     verifiers = args.verifier or ["math_equiv"]
     torch.manual_seed(args.seed)
+    samples: list[dict] | None = [] if samples_path else None
     with RuleReward(verifiers, [1.0] * len(verifiers)) as reward:
         result = evaluate(engine, tokenizer, prompts, labels, reward, sampling=sampling, n=args.n,
-                          threshold=float(len(verifiers)))
+                          threshold=float(len(verifiers)), samples=samples)
     result.update(model=str(path), data=args.data, verifiers=verifiers, n=args.n, temperature=args.temperature)
     print(f"{'strict':>12}: {result['accuracy']:.4f}  (accuracy: the verifiers {', '.join(verifiers)} accept the "
           f"first sample)")
     print(f"{'lenient':>12}: {result['lenient_accuracy']:.4f}  (the first sample's last number is the answer)")
     for key in (f"avg@{args.n}", f"pass@{args.n}", "score/mean", "num_prompts"):
         print(f"{key:>12}: {result[key]:.4f}" if key != "num_prompts" else f"{key:>12}: {int(result[key])}")
-    if args.output:
-        from posttrain.commands.outputs import write_text_atomic
+    from posttrain.commands.outputs import write_text_atomic
 
+    if args.output:
         write_text_atomic(args.output, json.dumps(result, indent=2))
+    if samples_path:
+        write_text_atomic(samples_path, "".join(json.dumps(row) + "\n" for row in samples))
     return 0
 
 

@@ -10,6 +10,9 @@
 * ``avg@k``: the mean over all k samples of each prompt, averaged over prompts;
 * ``pass@k``: the share of prompts with at least one sample scoring >= ``threshold``;
 * ``score/mean``: the mean weighted verifier score.
+
+``samples``, a list, receives one record per generated response (prompt index, sample index,
+response text, label, verifier score, lenient score), as ``posttrain eval --samples`` writes them.
 """
 
 from __future__ import annotations
@@ -20,8 +23,10 @@ import torch
 
 
 def evaluate(engine, tokenizer, prompts: list[list[int]], labels: list[str], reward, *, sampling,
-             n: int = 1, stop_token_ids=None, threshold: float = 1.0, batch_size: int = 64) -> dict[str, float]:
-    """Generate ``n`` samples per prompt with ``engine`` and score them with ``reward`` (a RuleReward)."""
+             n: int = 1, stop_token_ids=None, threshold: float = 1.0, batch_size: int = 64,
+             samples: list[dict] | None = None) -> dict[str, float]:
+    """Generate ``n`` samples per prompt with ``engine`` and score them with ``reward`` (a RuleReward);
+    with ``samples``, append each response's record to it."""
     from posttrain.reward.decoding import decode_responses
     from posttrain.reward.verifiers.numbers import last_number_reward
 
@@ -37,6 +42,10 @@ def evaluate(engine, tokenizer, prompts: list[list[int]], labels: list[str], rew
         for i in range(len(chunk)):
             scores_by_prompt.append(scores[i * n:(i + 1) * n])
             lenient.append(last_number_reward(texts[i * n], chunk_labels[i * n]))
+        if samples is not None:
+            samples.extend({"prompt": start + j // n, "sample": j % n, "response": text, "label": label,
+                            "score": float(score), "lenient": last_number_reward(text, label)}
+                           for j, (text, label, score) in enumerate(zip(texts, chunk_labels, scores)))
     if not scores_by_prompt:
         return {}
     t = torch.tensor(scores_by_prompt, dtype=torch.float64)

@@ -156,6 +156,19 @@ def test_X13_eval_force_replaces_the_output(world, tmp_path, capsys):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["res.json"]
 
 
+def test_eval_samples_file_holds_every_response(world, tmp_path, capsys):
+    samples = tmp_path / "samples.jsonl"
+    samples.write_text("old")
+    argv = ["eval", "--model", str(world / "model"), "--data", str(world / "data" / "rl"), "--limit", "2",
+            "--max-tokens", "2", "--n", "2", "--temperature", "1", "--samples", str(samples)]
+    code, err = run_cli(argv, capsys)
+    assert code == 2 and f"--samples {samples}" in err and samples.read_text() == "old"
+    assert run_cli([*argv, "--force"], capsys)[0] == 0
+    rows = [json.loads(line) for line in samples.read_text().splitlines()]
+    assert [(r["prompt"], r["sample"]) for r in rows] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert all(isinstance(r["response"], str) and r["score"] in (0.0, 1.0) for r in rows)
+
+
 @pytest.mark.parametrize("kind", ["dir", "file"])
 def test_R17_score_output_checked_before_the_work(tmp_path, capsys, monkeypatch, kind):
     src = tmp_path / "in.jsonl"

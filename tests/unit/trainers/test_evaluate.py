@@ -34,3 +34,14 @@ def test_strict_and_lenient_accuracy(tiny_tokenizer):
     assert result["accuracy"] == 0.25  # only the first is in the required format and right
     assert result["lenient_accuracy"] == 0.75  # 7, 7 and 5 end three responses; 8 is wrong
     assert result["pass@2"] == 0.25 and result["num_prompts"] == 4
+
+
+def test_samples_records_every_response_with_its_scores(tiny_tokenizer):
+    samples: list[dict] = []
+    evaluate(Scripted(tiny_tokenizer), tiny_tokenizer, [[1, 2]] * len(RESPONSES), LABELS, FormatReward(),
+             sampling=SamplingParams(temperature=0, max_tokens=8), n=2, batch_size=3, samples=samples)
+    assert [(s["prompt"], s["sample"]) for s in samples] == [(p, k) for p in range(4) for k in range(2)]
+    assert [s["response"].strip() for s in samples[::2]] == RESPONSES  # batches of 3 prompts keep the order
+    assert [s["label"] for s in samples[::2]] == LABELS
+    assert [s["score"] for s in samples[::2]] == [1.0, 0.0, 0.0, 0.0]
+    assert [s["lenient"] for s in samples[::2]] == [1.0, 1.0, 0.0, 1.0]
