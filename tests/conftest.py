@@ -17,6 +17,10 @@ if "OMP_NUM_THREADS" not in os.environ:
 
     os.environ["OMP_NUM_THREADS"] = str(torch.get_num_threads())
 
+# the fp32 linear kernel (posttrain.models.cpu_linear) pinned too: "auto" times it on the machine;
+# tests/unit/models/test_cpu_linear.py checks the oneDNN kernel itself
+os.environ.setdefault("POSTTRAIN_CPU_LINEAR", "blas")
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

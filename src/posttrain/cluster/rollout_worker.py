@@ -27,9 +27,11 @@ class RolloutWorker:
 
     def setup(self, cfg, plan, state: dict[str, torch.Tensor], cwd: str) -> None:
         """The actor's model and rollout engine, with the trainer's weights ``state``."""
+        from posttrain.models.cpu_linear import set_cpu_linear
         from posttrain.roles.policy import build_actor_model, build_rollout, rollout_stop_ids
 
         os.chdir(cwd)  # relative paths of the config (templates, tools) resolve as on the driver
+        set_cpu_linear(plan.cpu_linear)
         model, tokenizer, _ = build_actor_model(cfg.actor, plan.device)
         for p in model.parameters():
             p.requires_grad_(False)

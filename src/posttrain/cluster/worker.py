@@ -79,7 +79,10 @@ class ActorWorker:
             torch.cuda.set_device(0)
             self.device = "cuda:0"
         else:
+            from posttrain.models.cpu_linear import set_cpu_linear
+
             torch.set_num_threads(self.cpu_threads)
+            set_cpu_linear(plan.cpu_linear)
         timeout = datetime.timedelta(seconds=timeout_s)
         dist.init_process_group("nccl" if use_gpu else "gloo", init_method=f"tcp://{master[0]}:{master[1]}",
                                 rank=self.rank, world_size=self.world_size, timeout=timeout)

@@ -89,22 +89,32 @@ def matmul_peak(dtype: str = "float32", device: str = "cpu", size: int | None = 
     """Best observed FLOP/s of a square ``size`` matmul (``2 size^3`` FLOPs) in this process's
     thread setting, over about ``seconds`` of repeats: the ceiling the model's own matmuls can
     reach here, measured now. On a shared machine the best repeat is the one that got the cores.
-    ``size`` defaults to 1024 on a CPU and 8192 on a GPU (smaller ones leave a GPU's units idle)."""
+    ``size`` defaults to 1024 on a CPU and 8192 on a GPU (smaller ones leave a GPU's units idle).
+    On a CPU in fp32 the best of PyTorch's BLAS and oneDNN's GEMM (:mod:`posttrain.models.cpu_linear`):
+    the faster kernel this machine has sets the ceiling, whichever the run uses."""
     import torch
+
+    from posttrain.models import cpu_linear
 
     size = size or (8192 if device.startswith("cuda") else 1024)
     tdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
     a = torch.randn(size, size, device=device).to(tdtype)
     b = torch.randn(size, size, device=device).to(tdtype)
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
-    best, deadline, count = float("inf"), time.perf_counter() + seconds, 0
-    while count < 3 or time.perf_counter() < deadline:
-        sync()
-        start = time.perf_counter()
-        torch.matmul(a, b)
-        sync()
-        best = min(best, time.perf_counter() - start)
-        count += 1
+    kernels = [lambda: torch.matmul(a, b)]
+    if device.startswith("cpu") and dtype == "float32" and cpu_linear.available():
+        weight = b.t().contiguous()
+        kernels.append(lambda: cpu_linear.onednn_linear(a, weight))
+    best = float("inf")
+    for kernel in kernels:
+        deadline, count = time.perf_counter() + seconds, 0
+        while count < 3 or time.perf_counter() < deadline:
+            sync()
+            start = time.perf_counter()
+            kernel()
+            sync()
+            best = min(best, time.perf_counter() - start)
+            count += 1
     return 2.0 * size**3 / best
 
 

@@ -62,6 +62,7 @@ def run(args) -> int:
     from posttrain.checkpoint import check_model_files, resolve_checkpoint
     from posttrain.commands.outputs import check_output_file
     from posttrain.device import resolve_device
+    from posttrain.models.cpu_linear import resolve_cpu_linear, set_cpu_linear
     from posttrain.models.loading import check_vocab, load_tokenizer
     from posttrain.models.lora import load_merged
     from posttrain.reward.rule_reward import RuleReward
@@ -77,6 +78,7 @@ def run(args) -> int:
     if samples_path:
         check_output_file(samples_path, "--samples", force=force)
     device = resolve_device("auto")
+    set_cpu_linear(resolve_cpu_linear(device))
     path, _ = resolve_checkpoint(args.model)
     check_model_files(path)  # a truncated or corrupt file is named, not a loader traceback
     check_max_tokens(path, args.max_tokens)

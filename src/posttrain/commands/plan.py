@@ -13,7 +13,9 @@ def format_plan(plan: Plan) -> str:
     sharding = plan.sharding if par.backend == "hf" else "megatron"
     where = (f"{plan.workers} Ray worker(s), {sharding}" if plan.use_ray else "in one process")
     lines = [f"stage {plan.name} on {plan.layout.num_devices} device(s), {where}; {plan.device}, "
-             f"{plan.train_dtype} training, {plan.rollout_dtype} rollout", f"backend: {par.describe()}", "",
+             f"{plan.train_dtype} training, {plan.rollout_dtype} rollout"
+             + ("; fp32 linear layers by oneDNN" if plan.cpu_linear == "onednn" else ""),
+             f"backend: {par.describe()}", "",
              "batch plan (per iteration)"]
     rows = [
         ("prompts", f"{plan.prompts_per_iteration}  (global_batch_size)"),

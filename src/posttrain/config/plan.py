@@ -86,6 +86,7 @@ class Plan:
     device: str
     train_dtype: str
     rollout_dtype: str
+    cpu_linear: str  # the fp32 nn.Linear kernel on a CPU: blas or onednn (posttrain.models.cpu_linear)
     use_ray: bool
     workers: int  # actor worker processes (1 in process)
     sharding: str  # ddp or fsdp2 (several workers)
@@ -277,6 +278,8 @@ def build_plan(cfg: RunConfig, layout: Layout, arch: ModelArch | None = None, *,
     parallel = model_parallel(cfg)
     hf = parallel.backend == "hf"
     reads = {k: v * parallel.dp if k in ACTOR_DISPATCH_KEYS else v for k, v in layout.dispatch_sizes.items()}
+    from posttrain.models.cpu_linear import resolve_cpu_linear
+
     train_dtype, rollout_dtype = precision(  # megatron on a CPU trains in float32 (backend.py)
         device, bf16=bool(a.bf16) and (hf or device.startswith("cuda")), rollout_dtype=gen.dtype)
     temperature = gen.sampling_config.temperature or 1.0
@@ -287,6 +290,7 @@ def build_plan(cfg: RunConfig, layout: Layout, arch: ModelArch | None = None, *,
     steps_per_iteration = mini_batches * epochs
     plan = Plan(
         stage=stage, layout=layout, device=device, train_dtype=train_dtype, rollout_dtype=rollout_dtype,
+        cpu_linear=resolve_cpu_linear(device),
         use_ray=ray, workers=workers, sharding=rl.ray_sharding, n=n,
         prompts_per_iteration=gbs, responses_per_iteration=gbs * n, prompts_per_update=update_prompts,
         rows_per_update=update_prompts * n, mini_batch_rows=mini * n,

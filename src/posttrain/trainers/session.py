@@ -308,9 +308,14 @@ class Session:
         state = self.policy.state  # resumed or fresh
         self.trainer_state: dict[str, Any] = state
         self.num_threads = self._set_threads(rl.num_threads, state.get("num_threads"))
+        if self.cluster is None:  # Ray workers install the plan's kernel themselves
+            from posttrain.models.cpu_linear import set_cpu_linear
+
+            set_cpu_linear(plan.cpu_linear)
         log.info("precision on %s: %s training, %s rollout (bf16 where the device computes it natively, unless "
-                 "the config sets bf16: false / generate_config.dtype: float32)", plan.device, plan.train_dtype,
-                 plan.rollout_dtype)
+                 "the config sets bf16: false / generate_config.dtype: float32); fp32 linear layers by %s",
+                 plan.device, plan.train_dtype, plan.rollout_dtype,
+                 "oneDNN (faster than the BLAS on this CPU)" if plan.cpu_linear == "onednn" else "PyTorch's BLAS")
         if plan.uses_critic:  # PPO: in this process, or colocated in the Ray actor workers
             if self.cluster is not None:
                 self.critic = self.cluster.critic
