@@ -3,7 +3,7 @@
     python benchmarks/matmul_peak.py [--threads 1 2] [--seconds 2] [--size 1024] [--tokens 1136]
 
 Prints the best GFLOP/s of a square matmul per dtype and thread count (posttrain.commands.bench.
-matmul_peak), the CPU's bf16 flags, and how many cores other processes used meanwhile.
+matmul_peak: in fp32 the better of PyTorch's BLAS and oneDNN's GEMM), the CPU's bf16 flags, and how many cores other processes used meanwhile.
 ``--tokens T`` also times the matmuls of SmolLM2-135M's update at T tokens per micro-batch (each
 linear layer's forward ``x W^T`` and its two backward products), weighted by how often each
 occurs: what the model's own shapes reach against the square peak, i.e. how close to the FLOP
