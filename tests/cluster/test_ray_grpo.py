@@ -22,19 +22,27 @@ pytestmark = pytest.mark.ray
 
 
 @pytest.mark.parametrize("sharding", ["ddp", "fsdp2"])
-def test_two_workers_update_equals_one_process_on_the_same_batch(ray_cluster, work, sharding):
+def test_two_workers_update_equals_one_process_on_the_same_batch(ray_cluster, work, sharding, monkeypatch):
     """DDP replicas or FSDP2 shards: the same step as one process; the saved state (gathered from the
-    shards for FSDP2) resumes in one process with the same weights and AdamW moments."""
+    shards for FSDP2) resumes in one process with the same weights and AdamW moments. The workers
+    compute their linear layers with the driver's plan's fp32 kernel (oneDNN here; the process
+    itself keeps PyTorch's BLAS), and the step still equals the one-process step."""
     from posttrain.metrics.reduce import MetricAccumulator
+    from posttrain.models import cpu_linear
     from posttrain.trainers.experience import new_dock
 
     over = {"epochs": 2, "shuffle_mini_batch": True, "init_kl_coef": 0.05, "guarantee_order": True}
     local, local_trainer = session_and_trainer(grpo_config(work, f"eq_local_{sharding}", workers=1, iters=1, rl=over))
+    monkeypatch.setenv(cpu_linear.ENV, "onednn")  # resolved into the plan by the driver
     remote, remote_trainer = session_and_trainer(grpo_config(work, f"eq_ray_{sharding}", workers=2, iters=1,
                                                              rl={**over, "ray_sharding": sharding}))
+    monkeypatch.setenv(cpu_linear.ENV, "blas")
     try:
         assert remote.policy.model is None and remote.cluster.world == 2  # the driver holds no weights
         assert {i["pid"] for i in remote.cluster.info} and all(i["threads"] == 1 for i in remote.cluster.info)
+        want = "onednn" if cpu_linear.available() else "blas"
+        assert remote_trainer.plan.cpu_linear == want and cpu_linear.installed() == "blas"
+        assert all(i["cpu_linear"] == want for i in remote.cluster.info)
         # one experience batch, made in process: rollout, reward, advantages
         td = new_dock(local_trainer.plan.rows_per_update, 8, guarantee_order=True, seed=0)
         local_trainer.put_prompts(td)

@@ -135,8 +135,10 @@ class ActorWorker:
 
     def ready_info(self) -> dict:
         """Who this worker is; ``replica``: its data-parallel replica (every worker is one here)."""
+        from posttrain.models.cpu_linear import installed
+
         return {"rank": self.rank, "pid": os.getpid(), "threads": torch.get_num_threads(),
-                "device": self.device, "replica": self.rank, "leader": True}
+                "device": self.device, "replica": self.rank, "leader": True, "cpu_linear": installed()}
 
     # ---- roles ----------------------------------------------------------------------------------
     def _gathered(self, needed: bool = True):

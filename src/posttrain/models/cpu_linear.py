@@ -116,3 +116,8 @@ def resolve_cpu_linear(device: str) -> str:
 def set_cpu_linear(kind: str) -> None:
     """Make every fp32 CPU ``nn.Linear`` of this process compute through ``kind`` (blas: PyTorch's own)."""
     torch.nn.Linear.forward = _forward if kind == "onednn" else _TORCH_FORWARD
+
+
+def installed() -> str:
+    """The kernel this process's ``nn.Linear`` computes with now."""
+    return "onednn" if torch.nn.Linear.forward is _forward else "blas"
