@@ -256,6 +256,7 @@ def build_plan(cfg: RunConfig, layout: Layout, arch: ModelArch | None = None, *,
                warnings: tuple[str, ...] = ()) -> Plan:
     """The derivation alone (``resolve_plan`` checks first)."""
     from posttrain.device import precision
+    from posttrain.models.cpu_linear import resolve_cpu_linear
 
     stage = stage_named(cfg.actor.stage or cfg.actor.algorithm)
     a, rl, gen = cfg.actor, cfg.rl, cfg.generate
@@ -278,8 +279,6 @@ def build_plan(cfg: RunConfig, layout: Layout, arch: ModelArch | None = None, *,
     parallel = model_parallel(cfg)
     hf = parallel.backend == "hf"
     reads = {k: v * parallel.dp if k in ACTOR_DISPATCH_KEYS else v for k, v in layout.dispatch_sizes.items()}
-    from posttrain.models.cpu_linear import resolve_cpu_linear
-
     train_dtype, rollout_dtype = precision(  # megatron on a CPU trains in float32 (backend.py)
         device, bf16=bool(a.bf16) and (hf or device.startswith("cuda")), rollout_dtype=gen.dtype)
     temperature = gen.sampling_config.temperature or 1.0

@@ -10,10 +10,10 @@ here the forward ``x W^T + b`` and both backward products (``dy W`` and ``dy^T x
 :func:`set_cpu_linear` installs or removes it for the whole process, as ``torch.set_num_threads``
 sets threads: every ``nn.Linear`` whose input and weight are fp32 CPU tensors, outside autocast,
 then computes through oneDNN; everything else (bf16 autocast, which already uses oneDNN, GPU
-tensors, sharded weights) keeps PyTorch's own forward. ``auto`` (the default) times both kernels
-once per process and takes oneDNN when it is at least :data:`FASTER_BY` faster;
-``$POSTTRAIN_CPU_LINEAR`` (``blas`` or ``onednn``) pins the choice. The plan resolves it
-(``Plan.cpu_linear``) and every process of a run installs that one choice.
+tensors, sharded weights) keeps PyTorch's own forward. Unless ``$POSTTRAIN_CPU_LINEAR`` (``blas``
+or ``onednn``) pins it, :func:`resolve_cpu_linear` times both kernels once per process and takes
+oneDNN when it is at least :data:`FASTER_BY` faster. The plan resolves it (``Plan.cpu_linear``) and
+every process of a run installs that one choice.
 """
 
 from __future__ import annotations
