@@ -7,9 +7,10 @@
 ``posttrain bench`` sets each phase's floor at its model FLOPs over the matmul peak it measured on
 the spot (``timing/<phase> x mfu/<phase>``). This script reads the profiled iteration's trace
 (``trace.json``) and sums, inside each phase, the time of the leaf matrix-multiplication kernels
-(``aten::mm``, ``addmm``, ``bmm``) and of the attention kernels (SDPA forward and backward). The
-matmuls alone, at the speed the CPU's BLAS runs them at the workload's shapes, bound the step from
-below: no change outside the kernels brings a step under ``sum(matmul time) / floor`` times its floor.
+(the BLAS's ``aten::mm``, ``addmm``, ``bmm``, or oneDNN's ``mkldnn::_linear_pointwise``) and of the
+attention kernels (SDPA forward and backward). The matmuls alone, at the speed the kernels run them
+at the workload's shapes, bound the step from below: no change outside the kernels brings a step
+under ``sum(matmul time) / floor`` times its floor.
 """
 
 from __future__ import annotations

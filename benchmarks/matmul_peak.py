@@ -13,27 +13,17 @@ floor an update can get here.
 from __future__ import annotations
 
 import argparse
-import time
 from pathlib import Path
 
 import torch
 
 from posttrain.commands.bench import CpuMeter, matmul_peak
+from posttrain.device import best_seconds
 
 
 # SmolLM2-135M's linear layers as (in, out, count per token pass): q, k, v, o, gate, up, down x 30
 # layers, and the tied LM head
 SMOLLM2_LINEARS = [(576, 576, 60), (576, 192, 60), (576, 1536, 60), (1536, 576, 30), (576, 49152, 1)]
-
-
-def best_seconds(fn, seconds: float) -> float:
-    best, deadline, count = float("inf"), time.perf_counter() + seconds, 0
-    while count < 3 or time.perf_counter() < deadline:
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-        count += 1
-    return best
 
 
 def model_shapes(tokens: int, dtype: torch.dtype, seconds: float) -> float:

@@ -6,7 +6,8 @@ computes bf16 natively: a GPU of compute capability 8.0 or newer, a CPU with AMX
 (whose bf16 matmul peak is several times fp32's). A CPU without them runs in fp32 (emulated bf16
 is far slower than fp32 there); a GPU without them refuses bf16. Threads (:func:`cpu_threads`):
 the cores other processes leave free when the run starts, since two OpenMP threads on a 2-core
-machine where another process holds a core run 3-5x slower than one.
+machine where another process holds a core run 3-5x slower than one. :func:`best_seconds` times a
+kernel the way the matmul peak and the CPU linear kernel's choice measure it.
 """
 
 from __future__ import annotations
@@ -16,6 +17,22 @@ import time
 from pathlib import Path
 
 from posttrain.errors import ConfigError
+
+
+def best_seconds(fn, seconds: float, sync=None) -> float:
+    """The fastest of repeated calls of ``fn`` over about ``seconds`` (at least 3 calls); ``sync``
+    (e.g. ``torch.cuda.synchronize``) runs around each call. On a shared machine the best repeat is
+    the one that got the cores."""
+    sync = sync or (lambda: None)
+    best, deadline, count = float("inf"), time.perf_counter() + seconds, 0
+    while count < 3 or time.perf_counter() < deadline:
+        sync()
+        start = time.perf_counter()
+        fn()
+        sync()
+        best = min(best, time.perf_counter() - start)
+        count += 1
+    return best
 
 
 def resolve_device(name: str = "auto") -> str:

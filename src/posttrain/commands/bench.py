@@ -94,28 +94,19 @@ def matmul_peak(dtype: str = "float32", device: str = "cpu", size: int | None = 
     the faster kernel this machine has sets the ceiling, whichever the run uses."""
     import torch
 
+    from posttrain.device import best_seconds
     from posttrain.models import cpu_linear
 
     size = size or (8192 if device.startswith("cuda") else 1024)
     tdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
     a = torch.randn(size, size, device=device).to(tdtype)
     b = torch.randn(size, size, device=device).to(tdtype)
-    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    sync = torch.cuda.synchronize if device.startswith("cuda") else None
     kernels = [lambda: torch.matmul(a, b)]
     if device.startswith("cpu") and dtype == "float32" and cpu_linear.available():
         weight = b.t().contiguous()
         kernels.append(lambda: cpu_linear.onednn_linear(a, weight))
-    best = float("inf")
-    for kernel in kernels:
-        deadline, count = time.perf_counter() + seconds, 0
-        while count < 3 or time.perf_counter() < deadline:
-            sync()
-            start = time.perf_counter()
-            kernel()
-            sync()
-            best = min(best, time.perf_counter() - start)
-            count += 1
-    return 2.0 * size**3 / best
+    return 2.0 * size**3 / min(best_seconds(kernel, seconds, sync) for kernel in kernels)
 
 
 def matmul_params(model) -> int:

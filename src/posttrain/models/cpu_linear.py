@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import functools
 import os
-import time
 
 import torch
 
@@ -82,20 +81,12 @@ def available() -> bool:
 def speedup(threads: int, size: int = 512, seconds: float = 0.15) -> float:
     """oneDNN's fp32 GEMM over the BLAS's, best repeat of each on ``[size, 2 size] x [2 size, 2 size]``
     (measured once per process and thread count); 0 where oneDNN is not available."""
+    from posttrain.device import best_seconds
+
     if not available():
         return 0.0
     x, w = torch.randn(size, 2 * size), torch.randn(2 * size, 2 * size)
-
-    def best(fn) -> float:
-        fn()
-        times, deadline = [], time.perf_counter() + seconds
-        while len(times) < 3 or time.perf_counter() < deadline:
-            start = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start)
-        return min(times)
-
-    return best(lambda: x @ w.t()) / best(lambda: _gemm(x, w))
+    return best_seconds(lambda: x @ w.t(), seconds) / best_seconds(lambda: _gemm(x, w), seconds)
 
 
 def resolve_cpu_linear(device: str) -> str:
