@@ -39,8 +39,9 @@ def grpo_batch(hf_dir: str):
 def loss_fn(kind: str = "grpo"):
     """The same loss function object in both engines."""
     from posttrain.train.loss_fns import make_actor_loss_fn, make_sft_loss_fn
+    from posttrain.train.options import ActorLossOptions
 
-    return make_actor_loss_fn(temperature=TEMPERATURE, clip_ratio=0.2) if kind == "grpo" else make_sft_loss_fn()
+    return make_actor_loss_fn(ActorLossOptions(temperature=TEMPERATURE)) if kind == "grpo" else make_sft_loss_fn()
 
 
 def hf_run(hf_dir: str, batch, kind: str):
@@ -93,7 +94,7 @@ def worker(rank: int, hf_dir: str, tp: int, pp: int, kind: str, micro_batch_size
                                                            clip_grad=1.0, bf16=False), [wrapped])
         options = None
         if packed:  # token budgets of 20: two rows (17-18 tokens) packed in one sequence
-            from posttrain.config.plan import EngineOptions, TokenBudget
+            from posttrain.train.options import EngineOptions, TokenBudget
 
             options = EngineOptions(use_remove_padding=True, forward_budget=TokenBudget(20),
                                     update_budget=TokenBudget(20))

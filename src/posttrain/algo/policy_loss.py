@@ -10,9 +10,9 @@ Policy losses, by name (``policy_loss=``; :data:`POLICY_LOSSES`), each callable 
 the clip bounds, aggregation mode and counts as keywords:
 
 * ``ppo`` (aliases ``grpo``, ``dapo``; Schulman et al. 2017): ``r = exp(logp - old_logp)``,
-  ``L = max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))``. :func:`actor_loss` sets
-  ``clip_low = clip_high = clip_ratio`` unless ``clip_ratio_low``/``clip_ratio_high`` are given
-  (DAPO "clip-higher", Yu et al. 2025).
+  ``L = max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))``; the run's plan resolves the bounds
+  once: ``clip_low = clip_high = clip_ratio``, or DAPO's "clip-higher" ``clip_ratio_low`` /
+  ``clip_ratio_high`` (Yu et al. 2025).
   With ``clip_ratio_c`` (> 1) the dual-clip of Ye et al. 2020 also bounds negative-advantage
   tokens: ``L = min(L, -A c)`` where ``A < 0``.
 * ``gspo`` (Zheng et al. 2025, Group Sequence Policy Optimization): the ratio is the
@@ -96,9 +96,8 @@ def actor_loss(
     response_mask: torch.Tensor,
     *,
     policy_loss: str = "ppo",
-    clip_ratio: float = 0.2,
-    clip_ratio_low: float | None = None,
-    clip_ratio_high: float | None = None,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
     clip_ratio_c: float | None = None,
     entropy: torch.Tensor | None = None,
     entropy_coeff: float = 0.0,
@@ -112,8 +111,8 @@ def actor_loss(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """``pg + kl_coef * KL - entropy_coeff * H`` (GRPO puts the KL in the loss; DAPO/PPO pass no ref).
 
-    ``pg`` is the policy loss registered as ``policy_loss``, clipped to ``[1 - clip_ratio_low,
-    1 + clip_ratio_high]`` (each defaults to ``clip_ratio``), dual-clipped with ``clip_ratio_c``.
+    ``pg`` is the policy loss registered as ``policy_loss``, clipped to ``[1 - clip_low,
+    1 + clip_high]``, dual-clipped with ``clip_ratio_c``.
     ``norm_length``: the constant length of ``loss_agg_mode="seq-mean-token-sum-norm"``. Metrics
     use the seed's names: ``actor/pg_loss`` (the policy-gradient term only; the seed logs
     ``|total loss|``, quirk 1), ``actor/pg_clipfrac``, ``actor/ppo_kl``, ``actor/pg_clipfrac_lower``
@@ -127,8 +126,8 @@ def actor_loss(
         old_logprobs,
         advantages,
         mask,
-        clip_low=clip_ratio if clip_ratio_low is None else clip_ratio_low,
-        clip_high=clip_ratio if clip_ratio_high is None else clip_ratio_high,
+        clip_low=clip_low,
+        clip_high=clip_high,
         clip_ratio_c=clip_ratio_c,
         loss_agg_mode=loss_agg_mode,
         **counts,

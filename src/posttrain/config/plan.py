@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Mapping
+from typing import Mapping
 
 from posttrain.config.arch import model_arch
 from posttrain.config.backend import ModelParallel, model_parallel
@@ -26,6 +26,7 @@ from posttrain.config.run import RunConfig
 from posttrain.config.stages import Stage, stage_named
 from posttrain.config.validate import Layout
 from posttrain.models.arch import ModelArch
+from posttrain.train.options import ActorLossOptions, EngineOptions, TokenBudget
 
 GIB = 1024**3
 # the seed's dispatch sizes are rows per data-parallel rank; the driver reads them for all DP ranks
@@ -33,30 +34,6 @@ GIB = 1024**3
 ACTOR_DISPATCH_KEYS = ("actor_rollout_dispatch_size", "actor_logprob_dispatch_size", "ref_dispatch_size",
                        "actor_update_dispatch_size", "critic_update_dispatch_size", "critic_value_dispatch_size")
 PHASES = ("ref", "actor", "update")  # token-budget phases of use_dynamic_bsz
-
-
-@dataclass(frozen=True)
-class TokenBudget:
-    """``max_tokens`` per micro-batch (padding-free token count) and at most ``max_rows`` rows."""
-
-    max_tokens: int
-    max_rows: int | None = None
-
-
-@dataclass(frozen=True)
-class EngineOptions:
-    """How a :class:`~posttrain.train.engine.TrainEngine` batches its forwards.
-
-    ``use_remove_padding`` packs the valid tokens of a micro-batch into one row (with
-    ``share_prompt_prefix`` a prompt repeated over rows is packed once); a token budget replaces
-    the fixed micro-batch size of log-prob passes (``forward_budget``) and updates
-    (``update_budget``); ``loss_mask_key`` names the mask whose tokens a mini-batch's loss counts."""
-
-    use_remove_padding: bool = False
-    share_prompt_prefix: bool = True
-    forward_budget: TokenBudget | None = None
-    update_budget: TokenBudget | None = None
-    loss_mask_key: str = "response_mask"
 
 
 @dataclass(frozen=True)
@@ -114,7 +91,7 @@ class Plan:
     uses_critic: bool
     dynamic_sampling: bool
     skip_old_logprobs: bool  # the seed's on-policy skip: one mini-batch, one epoch, no KL in reward
-    actor_loss: Mapping[str, Any]  # keyword arguments of train.loss_fns.make_actor_loss_fn
+    actor_loss: ActorLossOptions  # the actor loss's hyperparameters (on-policy stages; defaults otherwise)
     actor_engine: EngineOptions
     ref_engine: EngineOptions
     max_num_seqs: int  # rows the rollout engine decodes at once
@@ -305,7 +282,7 @@ def build_plan(cfg: RunConfig, layout: Layout, arch: ModelArch | None = None, *,
         dynamic_sampling=dynamic,
         skip_old_logprobs=on_policy and mini == update_prompts and epochs == 1 and not rl.use_kl_in_reward
         and not off_policy(cfg),
-        actor_loss=MappingProxyType(actor_loss_options(cfg, stage, temperature)) if on_policy else MappingProxyType({}),
+        actor_loss=actor_loss_options(cfg, stage, temperature) if on_policy else ActorLossOptions(),
         actor_engine=_with_forward(engine, budgets, "actor"), ref_engine=_with_forward(engine, budgets, "ref"),
         max_num_seqs=gen.max_num_seqs if cfg.explicitly_set("generate_config", "max_num_seqs") else 256,
         offload_optimizer=on_policy and gen.offload_train_optimizer and not device.startswith("cpu"),
@@ -341,19 +318,18 @@ def off_policy(cfg: RunConfig) -> bool:
             or rl.partial_rollout_max_split > 1)
 
 
-def actor_loss_options(cfg: RunConfig, stage: Stage, temperature: float) -> dict[str, Any]:
-    """The actor loss's hyperparameters (the ``kl_coef`` comes from the KL controller each iteration).
-    clip-higher (DAPO, Yu et al. 2025) when enabled, else the symmetric ``clip_ratio``."""
+def actor_loss_options(cfg: RunConfig, stage: Stage, temperature: float) -> ActorLossOptions:
+    """The actor loss's hyperparameters (the ``kl_coef`` comes from the KL controller each iteration),
+    with the clip bounds resolved once: clip-higher (DAPO, Yu et al. 2025) when enabled, else the
+    symmetric ``clip_ratio``."""
     rl = cfg.rl
     low, high = (rl.clip_ratio_low, rl.clip_ratio_high) if rl.clip_higher_enable else (rl.clip_ratio, rl.clip_ratio)
-    out = {"temperature": temperature, "policy_loss": rl.policy_loss, "clip_ratio": rl.clip_ratio,
-           "clip_ratio_low": low, "clip_ratio_high": high, "clip_ratio_c": rl.clip_ratio_c,
-           "entropy_coeff": rl.entropy_coeff, "loss_agg_mode": rl.loss_agg_mode or stage.default_loss_agg_mode(cfg)}
-    if out["loss_agg_mode"] == "seq-mean-token-sum-norm":
-        out["norm_length"] = float(cfg.generate.sampling_config.max_tokens)  # Dr. GRPO's constant
-    if stage.kl_in_loss:
-        out["kl_penalty"] = rl.kl_penalty
-    return out
+    agg = rl.loss_agg_mode or stage.default_loss_agg_mode(cfg)
+    return ActorLossOptions(
+        policy_loss=rl.policy_loss, clip_low=low, clip_high=high, clip_ratio_c=rl.clip_ratio_c,
+        entropy_coeff=rl.entropy_coeff, kl_penalty=rl.kl_penalty, loss_agg_mode=agg,
+        norm_length=float(cfg.generate.sampling_config.max_tokens) if agg == "seq-mean-token-sum-norm" else None,
+        temperature=temperature)  # norm_length: Dr. GRPO's constant
 
 
 def token_budgets(cfg: RunConfig) -> dict[str, TokenBudget] | None:

@@ -28,7 +28,8 @@ from pathlib import Path
 import torch
 
 from posttrain.checkpoint import load_checkpoint, resolve_checkpoint, save_checkpoint
-from posttrain.config.plan import EngineOptions, Plan
+from posttrain.config.plan import Plan
+from posttrain.train.options import EngineOptions
 from posttrain.config.run import RunConfig
 from posttrain.roles.policy import build_train_engine, model_source
 

@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from posttrain.config.megatron import MegatronConfig
-from posttrain.config.plan import EngineOptions, Plan
+from posttrain.config.plan import Plan
+from posttrain.train.options import EngineOptions
 from posttrain.config.run import RunConfig
 from posttrain.errors import ConfigError
 

@@ -16,7 +16,7 @@ micro-batch size: 1 micro-batch of 8 rows and 8 micro-batches of 1 row give the 
 mini-batch value (again what ``posttrain.algo`` returns when given the counts). Ready-made loss
 functions for actor, critic, SFT and DPO are in :mod:`posttrain.train.loss_fns`.
 
-How forwards are batched is fixed at construction by :class:`~posttrain.config.plan.EngineOptions`
+How forwards are batched is fixed at construction by :class:`~posttrain.train.options.EngineOptions`
 (derived once by the run's plan): remove padding (the engine passes a
 :class:`~posttrain.train.remove_padding.Packing` to the loss function and to the log-prob
 forward), and token budgets instead of a fixed micro-batch size (:mod:`posttrain.train.dynamic_batch`).
@@ -40,7 +40,7 @@ from collections.abc import Callable
 
 import torch
 
-from posttrain.config.plan import EngineOptions, TokenBudget
+from posttrain.train.options import EngineOptions, TokenBudget
 from posttrain.errors import ConfigError, PosttrainError
 from posttrain.train.dynamic_batch import split_by_tokens
 from posttrain.train.forward import response_logprobs, response_values

@@ -25,27 +25,21 @@ from posttrain.algo.dpo_loss import dpo_loss
 from posttrain.algo.policy_loss import actor_loss
 from posttrain.algo.value_loss import value_loss
 from posttrain.train.forward import response_logprobs, response_values
+from posttrain.train.options import ActorLossOptions
 from posttrain.train.remove_padding import Packing
 
 MODEL_KEYS = ("input_ids", "attention_mask", "position_ids", "response_mask")
 
 
-def make_actor_loss_fn(
-    *,
-    temperature: float = 1.0,
-    entropy_coeff: float = 0.0,
-    kl_coef: float = 0.0,
-    kl_penalty: str = "low_var_kl",
-    loss_agg_mode: str = "token-mean",
-    report_entropy: bool = True,
-    **policy_kwargs,
-):
-    """GRPO/DAPO/PPO actor loss (:func:`posttrain.algo.policy_loss.actor_loss`).
+def make_actor_loss_fn(options: ActorLossOptions = ActorLossOptions(), *, kl_coef: float = 0.0,
+                       report_entropy: bool = True):
+    """GRPO/DAPO/PPO actor loss (:func:`posttrain.algo.policy_loss.actor_loss`) with ``options``.
 
     With ``report_entropy`` the entropy is reported (``actor/entropy``); it carries gradient only
     when ``entropy_coeff`` is non-zero (the seed computes it only then). ``kl_coef`` is fixed per
     function: build a new one each iteration from ``kl_controller.value``.
     """
+    o = options
 
     def on_logprobs(logprobs, entropy, micro_batch, *, num_tokens=None, num_seqs=None):
         """The loss from the response tokens' log-probs (and entropy): what a backend that runs the
@@ -61,31 +55,35 @@ def make_actor_loss_fn(
             logprobs.detach() if old is None else old,
             advantages,
             mask,
+            policy_loss=o.policy_loss,
+            clip_low=o.clip_low,
+            clip_high=o.clip_high,
+            clip_ratio_c=o.clip_ratio_c,
             entropy=entropy,
-            entropy_coeff=entropy_coeff,
+            entropy_coeff=o.entropy_coeff,
             ref_logprobs=ref,
             kl_coef=kl_coef,
-            kl_penalty=kl_penalty,
-            loss_agg_mode=loss_agg_mode,
+            kl_penalty=o.kl_penalty,
+            loss_agg_mode=o.loss_agg_mode,
             num_tokens=num_tokens,
             num_seqs=num_seqs,
-            **policy_kwargs,
+            norm_length=o.norm_length,
         )
 
     def loss_fn(model, micro_batch, *, num_tokens=None, num_seqs=None, packing: Packing | None = None):
         logprobs, entropy = response_logprobs(
             model,
             micro_batch,
-            temperature=temperature,
-            with_entropy=report_entropy or bool(entropy_coeff),
-            entropy_grad=bool(entropy_coeff),
+            temperature=o.temperature,
+            with_entropy=report_entropy or bool(o.entropy_coeff),
+            entropy_grad=bool(o.entropy_coeff),
             packing=packing,
         )
         return on_logprobs(logprobs, entropy, micro_batch, num_tokens=num_tokens, num_seqs=num_seqs)
 
     loss_fn.on_logprobs = on_logprobs
-    loss_fn.temperature = temperature
-    loss_fn.entropy_grad = bool(entropy_coeff)
+    loss_fn.temperature = o.temperature
+    loss_fn.entropy_grad = bool(o.entropy_coeff)
     return loss_fn
 
 

@@ -414,7 +414,7 @@ class OnPolicyTrainer:
             columns.append("ref_logprobs")
         if self.weighted_update:
             columns.append("rollout_weights")
-        loss_fn = make_actor_loss_fn(kl_coef=self.kl_ctrl.value if kl_in_loss else 0.0, **plan.actor_loss)
+        loss_fn = make_actor_loss_fn(plan.actor_loss, kl_coef=self.kl_ctrl.value if kl_in_loss else 0.0)
         while not td.all_consumed("actor_update"):
             batch, _, _ = read_batch(td, "actor_update", columns, plan.reads["actor_update_dispatch_size"],
                                      pad_token_id=s.policy.pad_token_id, device=s.device)

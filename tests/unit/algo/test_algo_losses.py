@@ -27,19 +27,19 @@ def test_ratio_one_gives_minus_mean_advantage():
 
 
 def test_ppo_clip_values():
-    loss, m = _pg(math.log(1.5), 1.0, clip_ratio=0.2)  # -A*r=-1.5, -A*clip=-1.2 -> max -1.2
+    loss, m = _pg(math.log(1.5), 1.0)  # -A*r=-1.5, -A*clip=-1.2 -> max -1.2
     assert loss.item() == pytest.approx(-1.2)
     assert m["actor/pg_clipfrac"].item() == 1.0
     assert m["actor/ppo_kl"].item() == pytest.approx(-math.log(1.5))
-    loss, m = _pg(math.log(1.5), -1.0, clip_ratio=0.2)  # 1.5 vs 1.2 -> unclipped 1.5
+    loss, m = _pg(math.log(1.5), -1.0)  # 1.5 vs 1.2 -> unclipped 1.5
     assert loss.item() == pytest.approx(1.5)
     assert m["actor/pg_clipfrac"].item() == 0.0
 
 
 def test_clip_higher_and_dual_clip():
-    loss, _ = _pg(math.log(1.25), 1.0, clip_ratio=0.2)
+    loss, _ = _pg(math.log(1.25), 1.0)  # the default bounds: 0.2 on both sides
     assert loss.item() == pytest.approx(-1.2)
-    loss, _ = _pg(math.log(1.25), 1.0, clip_ratio_low=0.2, clip_ratio_high=0.28)
+    loss, _ = _pg(math.log(1.25), 1.0, clip_low=0.2, clip_high=0.28)
     assert loss.item() == pytest.approx(-1.25)
     loss, m = _pg(math.log(4.0), -1.0, clip_ratio_c=3.0)  # max(4, 1.2)=4, dual-clip min(4, 3)=3
     assert loss.item() == pytest.approx(3.0)
@@ -72,13 +72,13 @@ def test_policy_losses_are_callable_alone(name):
     mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]])
     kw = {"loss_agg_mode": "seq-mean-token-mean", "num_tokens": 20.0, "num_seqs": 6.0}
     loss, m = POLICY_LOSSES.get(name)(logp, old, adv, mask, clip_low=0.2, clip_high=0.28, clip_ratio_c=3.0, **kw)
-    # actor_loss resolves clip_ratio_low/high and calls the same function: identical numbers
-    ref, ref_m = actor_loss(logp, old, adv, mask, policy_loss=name, clip_ratio_low=0.2, clip_ratio_high=0.28,
+    # actor_loss calls the same function with its bounds: identical numbers
+    ref, ref_m = actor_loss(logp, old, adv, mask, policy_loss=name, clip_low=0.2, clip_high=0.28,
                             clip_ratio_c=3.0, **kw)
     assert torch.equal(loss, ref)
     assert all(torch.equal(m[k], ref_m[k]) for k in m)
     assert set(m) == {"actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/ppo_kl"}
-    with pytest.raises(TypeError):  # the symmetric clip_ratio is actor_loss's, not the loss's
+    with pytest.raises(TypeError):  # the symmetric clip_ratio is resolved by the plan, never passed on
         POLICY_LOSSES.get(name)(logp, old, adv, mask, clip_ratio=0.2)
 
 

@@ -4,7 +4,8 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from posttrain.config.plan import EngineOptions, TokenBudget, token_budgets
+from posttrain.config.plan import token_budgets
+from posttrain.train.options import ActorLossOptions, EngineOptions, TokenBudget
 from posttrain.config.run import run_config_from_dict
 from posttrain.errors import ConfigError
 from posttrain.train import dynamic_batch as db
@@ -85,7 +86,7 @@ def test_dynamic_step_equals_fixed_micro_batches(remove_padding):
         if budget is not None:
             assert len(engine._chunks(batch, None, budget)) > 1
         logprobs.append(engine.compute_logprobs(batch))  # rows back in their original order
-        engine.update(batch, make_actor_loss_fn(loss_agg_mode="token-mean"), mini_batch_size=6)
+        engine.update(batch, make_actor_loss_fn(ActorLossOptions(loss_agg_mode="token-mean")), mini_batch_size=6)
         grads.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
     assert torch.allclose(logprobs[0], logprobs[1], atol=1e-5)
     assert grads[0].abs().sum() > 0

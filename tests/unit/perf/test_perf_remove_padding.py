@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from posttrain.config.plan import EngineOptions, TokenBudget
+from posttrain.train.options import EngineOptions, TokenBudget
 from posttrain.train import remove_padding as rp
 from posttrain.train.engine import TrainEngine
 from posttrain.train.forward import response_logprobs

@@ -11,6 +11,7 @@ from posttrain.algo.advantages import ADVANTAGE_ESTIMATORS, scores_to_token_leve
 from posttrain.train.engine import TrainEngine
 from posttrain.train.layout import build_batch
 from posttrain.train.loss_fns import make_actor_loss_fn
+from posttrain.train.options import ActorLossOptions
 from posttrain.train.optim import build_lr_scheduler, build_optimizer
 
 from test_train_engine import tiny_model  # noqa: E402
@@ -46,7 +47,7 @@ def test_grpo_toy_loop_raises_reward_and_logprobs_match_sampler():
     engine = TrainEngine(model, opt, scheduler, micro_batch_size=12)
     generator = torch.Generator().manual_seed(0)
     prompts = [p for p in ([1, 2, 3], [4, 5], [6, 9, 10, 11]) for _ in range(GROUP)]  # contiguous groups
-    loss_fn = make_actor_loss_fn(temperature=TEMPERATURE, clip_ratio=0.2)
+    loss_fn = make_actor_loss_fn(ActorLossOptions(temperature=TEMPERATURE))
     mean_rewards = []
     for it in range(8):
         responses, sampler_logprobs = sample(model, prompts, generator)

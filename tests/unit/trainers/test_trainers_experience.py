@@ -48,7 +48,7 @@ def test_multi_turn_rows_zero_exactly_the_tool_tokens_in_the_loss_mask():
             [torch.full((5,), 1.0), torch.full((2,), -1.0)]])
     batch, _, _ = read_batch(td, "actor_update", ["advantages"], 2, pad_token_id=0)
     assert batch["response_mask"].tolist() == [[1, 1, 0, 0, 1], [1, 1, 0, 0, 0]]
-    loss_fn = make_actor_loss_fn(clip_ratio=0.2)
+    loss_fn = make_actor_loss_fn()
     batch["old_logprobs"] = torch.full((2, 5), -1.0)
     logprobs = torch.full((2, 5), -1.0)
     base, _ = loss_fn.on_logprobs(logprobs, None, batch)

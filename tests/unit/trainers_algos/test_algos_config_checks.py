@@ -123,26 +123,26 @@ def test_dpo_good_config():
 # ---- what the plan hands the actor loss and which roles it builds ---------------------------------
 def test_grpo_loss_options():
     plan = resolve_plan(make("ray_grpo", {"kl_penalty": "kl", "clip_ratio": 0.3}))
-    kw = plan.actor_loss
-    assert kw["clip_ratio_low"] == kw["clip_ratio_high"] == 0.3
-    assert kw["kl_penalty"] == "kl" and kw["loss_agg_mode"] == "token-mean" and "norm_length" not in kw
+    loss = plan.actor_loss
+    assert loss.clip_low == loss.clip_high == 0.3
+    assert loss.kl_penalty == "kl" and loss.loss_agg_mode == "token-mean" and loss.norm_length is None
     assert plan.uses_reference and not plan.uses_critic
 
 
 def test_dapo_clip_higher_token_level_loss_and_no_reference():
     plan = resolve_plan(make("ray_dapo", {"clip_higher_enable": True, "clip_ratio_low": 0.2, "clip_ratio_high": 0.28,
                                           "token_level_loss": False, "init_kl_coef": 0.5}))
-    kw = plan.actor_loss
-    assert (kw["clip_ratio_low"], kw["clip_ratio_high"]) == (0.2, 0.28)
-    assert kw["loss_agg_mode"] == "seq-mean-token-mean" and "kl_penalty" not in kw
+    loss = plan.actor_loss
+    assert (loss.clip_low, loss.clip_high) == (0.2, 0.28)
+    assert loss.loss_agg_mode == "seq-mean-token-mean"
     assert not plan.uses_reference
-    kw = resolve_plan(make("ray_dapo", {"clip_ratio_low": 0.2, "clip_ratio_high": 0.28})).actor_loss  # clip-higher off
-    assert kw["clip_ratio_low"] == kw["clip_ratio_high"] == 0.2 and kw["loss_agg_mode"] == "token-mean"
+    loss = resolve_plan(make("ray_dapo", {"clip_ratio_low": 0.2, "clip_ratio_high": 0.28})).actor_loss  # clip-higher off
+    assert loss.clip_low == loss.clip_high == 0.2 and loss.loss_agg_mode == "token-mean"
 
 
 def test_loss_agg_mode_override_and_norm_length():
-    kw = resolve_plan(make("ray_dapo", {"loss_agg_mode": "seq-mean-token-sum-norm", "token_level_loss": True})).actor_loss
-    assert kw["loss_agg_mode"] == "seq-mean-token-sum-norm" and kw["norm_length"] == 128.0
+    loss = resolve_plan(make("ray_dapo", {"loss_agg_mode": "seq-mean-token-sum-norm", "token_level_loss": True})).actor_loss
+    assert loss.loss_agg_mode == "seq-mean-token-sum-norm" and loss.norm_length == 128.0
 
 
 def test_ppo_reference_only_for_kl_in_reward():

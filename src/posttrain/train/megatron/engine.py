@@ -33,7 +33,7 @@ import math
 
 import torch
 
-from posttrain.config.plan import EngineOptions
+from posttrain.train.options import EngineOptions
 from posttrain.train.engine import NaNLossError, minibatch_order
 from posttrain.train.parallel import dp_world_size, global_counts, reduce_metric_totals
 from posttrain.train.megatron.vocab_parallel import vocab_parallel_entropy, vocab_parallel_logprobs
