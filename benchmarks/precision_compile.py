@@ -27,9 +27,9 @@ def load(model: str):
     from transformers import AutoModelForCausalLM
 
     if model == "tiny":
-        from posttrain.models.init_model import init_model_dir
+        from posttrain.commands.init_model import init_model
 
-        model = str(init_model_dir("tiny_qwen2", Path(tempfile.mkdtemp()) / "tiny"))
+        model = str(init_model("tiny_qwen2", Path(tempfile.mkdtemp()) / "tiny"))
     return AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32, attn_implementation="sdpa")
 
 

@@ -38,10 +38,10 @@ def fp32_cpu():
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     """A random-init tiny Qwen2 (hidden 384, 6 layers) with a local BPE tokenizer and chat template."""
-    from posttrain.models.init_model import init_model_dir
+    from posttrain.commands.init_model import init_model
 
     out = tmp_path_factory.mktemp("models") / "tiny_qwen2"
-    return init_model_dir("tiny_qwen2", out, seed=1234)
+    return init_model("tiny_qwen2", out, seed=1234)
 
 
 @pytest.fixture(scope="session")

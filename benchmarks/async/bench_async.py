@@ -80,9 +80,9 @@ def prepare(out: Path, seed: int, sft_steps: int) -> tuple[Path, Path, Path]:
     from posttrain.config.run import load_run_config
     from posttrain.data.preprocess import write_token_rows
     from posttrain.data.templates import get_template
-    from posttrain.models.init_model import init_model_dir
+    from posttrain.commands.init_model import init_model
     from posttrain.paths import configs_dir
-    from posttrain.trainers.stages import train
+    from posttrain.commands.train import train_config as train
 
     train_pairs = problems(2000, seed)
     model = out / "model"
@@ -90,7 +90,7 @@ def prepare(out: Path, seed: int, sft_steps: int) -> tuple[Path, Path, Path]:
         corpus = out / "corpus.txt"
         out.mkdir(parents=True, exist_ok=True)
         corpus.write_text("".join(f"{question(a, b)}\n{answer(a, b)}\n" for a, b in train_pairs[:500]))
-        model = init_model_dir("tiny_qwen2", model, corpus=corpus, vocab_size=400, seed=seed, force=True)
+        model = init_model("tiny_qwen2", model, corpus=corpus, vocab_size=400, seed=seed, force=True)
     tok = AutoTokenizer.from_pretrained(str(model))
     template = get_template(TEMPLATE, configs_dir() / "tiny_templates.json")
     prompts = [tok.encode(template.render_prompt(question(a, b), tokenizer=tok), add_special_tokens=False)
@@ -125,7 +125,7 @@ def run_mode(name: str, out: Path, model: Path, warm: Path, data: Path, seed: in
              n: int) -> dict:
     from posttrain.config.run import load_run_config
     from posttrain.paths import configs_dir
-    from posttrain.trainers.stages import train
+    from posttrain.commands.train import train_config as train
 
     torch.set_num_threads((os.cpu_count() or 1) if name == "sync" else 1)
     run_dir = out / f"{name}_seed{seed}"

@@ -36,11 +36,11 @@ MODES = ("inproc1", "inproc2", "ray1", "ray2", "ray2fsdp")
 
 def prepare(work: Path) -> tuple[Path, str]:
     from posttrain.data.preprocess import preprocess
-    from posttrain.models.init_model import init_model_dir
+    from posttrain.commands.init_model import init_model
 
     model = work / "model"
     if not (model / "config.json").is_file():
-        init_model_dir("tiny_qwen2", model, seed=1234)
+        init_model("tiny_qwen2", model, seed=1234)
     data = work / "data" / "rl"
     if not Path(str(data) + ".idx").is_file() and not any((work / "data").glob("*")):
         rng = random.Random(0)
@@ -93,7 +93,7 @@ def run_mode(mode: str, work: Path, iters: int, warmup: int, niceness0: bool = T
 
     torch.set_num_threads(2 if mode == "inproc2" else 1)
     from posttrain.config.plan import resolve_plan
-    from posttrain.trainers.stages import build_trainer, run_dir_for
+    from posttrain.trainers.build import build_trainer
 
     model, data = prepare(work)
     cfg = config(model, data, work, mode, iters + warmup)
@@ -107,7 +107,7 @@ def run_mode(mode: str, work: Path, iters: int, warmup: int, niceness0: bool = T
         out["ray_init_s"] = time.perf_counter() - start
     plan = resolve_plan(cfg, device="cpu")
     start = time.perf_counter()
-    trainer = build_trainer(cfg, plan, run_dir_for(cfg))
+    trainer = build_trainer(plan)
     session = trainer.s
     out["session_build_s"] = time.perf_counter() - start
     rows = []

@@ -26,7 +26,6 @@ import argparse
 import json
 import statistics
 import time
-import types
 from pathlib import Path
 
 import torch
@@ -45,12 +44,12 @@ def peak_rss_mib() -> float:
 def load(model_dir: str, lora: bool):
     from transformers import AutoModelForCausalLM
 
-    from posttrain.models.lora import add_adapter
+    from posttrain.models.lora import LoraOptions, add_adapter
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.config.use_cache = False
     if lora:
-        model = add_adapter(model, types.SimpleNamespace(lora_r=16, lora_alpha=32, lora_target_modules=TARGETS))
+        model = add_adapter(model, LoraOptions(r=16, alpha=32, target_modules=tuple(TARGETS)))
     return model
 
 

@@ -39,7 +39,7 @@ def build(model_dir: str | None, tool_words: int, max_total: int, max_calls: int
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from posttrain.data.templates import get_template
-    from posttrain.models.init_model import init_model_dir
+    from posttrain.commands.init_model import init_model
     from posttrain.rollout.multi_turn import MultiTurnEngine, ObservationFormat, TurnLimits
     from posttrain.tools.base import Tool
     from posttrain.tools.hermes import ToolCall
@@ -47,7 +47,7 @@ def build(model_dir: str | None, tool_words: int, max_total: int, max_calls: int
     from posttrain.tools.runner import ToolRunner
 
     if model_dir is None:
-        model_dir = str(init_model_dir("tiny_qwen2", Path(tempfile.mkdtemp()) / "model", seed=1234))
+        model_dir = str(init_model("tiny_qwen2", Path(tempfile.mkdtemp()) / "model", seed=1234))
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     answer = " ".join(f"word{i}" for i in range(tool_words))

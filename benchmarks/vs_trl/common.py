@@ -1,7 +1,7 @@
 """Shared setup of the posttrain-vs-TRL benchmark: one model, one dataset, one reward, one set of
 hyperparameters, written once into a work folder and read by both sides.
 
-* model ``tiny``: ``posttrain.models.init_model.init_model_dir("tiny_qwen2")`` (9.6M parameters,
+* model ``tiny``: ``posttrain.commands.init_model.init_model("tiny_qwen2")`` (9.6M parameters,
   random init); ``smollm2`` and ``demo``: the demo's SmolLM2-135M-Instruct (real weights, vocab 49152).
 * data: ``tiny``/``smollm2``: "What is a + b?" prompts (a, b in 0..9), label a + b, preprocessed
   by posttrain's ``R1AlpacaStyleInstructionHandler`` as plain text; ``demo``: the demo's own task
@@ -62,11 +62,11 @@ def prepare(work: Path, size: str = "tiny") -> dict[str, str]:
 
         model_dir = tok_dir = ensure_smollm2()
     else:
-        from posttrain.models.init_model import init_model_dir
+        from posttrain.commands.init_model import init_model
 
         model_dir = tok_dir = work / MODELS[size]
         if not (model_dir / "config.json").exists():
-            init_model_dir(MODELS[size], model_dir)
+            init_model(MODELS[size], model_dir)
     data_dir = work / f"data_{size}"
     data_prefix = data_dir / "rl"
     test_path = work / f"raw_{size}" / "test.jsonl"

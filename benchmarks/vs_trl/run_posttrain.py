@@ -69,7 +69,7 @@ def train_records(cfg, start: float) -> dict:
     import resource
 
     from posttrain.data.readers import read_jsonl
-    from posttrain.trainers.stages import train
+    from posttrain.commands.train import train_config as train
 
     train(cfg)
     rows = read_jsonl(Path(cfg.rl.output_dir) / "metrics.jsonl", strict=True)

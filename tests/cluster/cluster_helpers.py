@@ -34,10 +34,20 @@ def read_metrics(run_dir: Path) -> list[dict]:
 def session_and_trainer(cfg):
     """The trainer of ``cfg`` (and its session), built but not run."""
     from posttrain.config.plan import resolve_plan
-    from posttrain.trainers.stages import build_trainer, run_dir_for
+    from posttrain.trainers.build import build_trainer
 
-    trainer = build_trainer(cfg, resolve_plan(cfg, device="cpu"), run_dir_for(cfg))
+    trainer = build_trainer(resolve_plan(cfg, device="cpu"))
     return trainer.s, trainer
+
+
+def sample(trainer, td, iteration: int = 1) -> None:
+    """Prompts and their samples into ``td``, as iteration ``iteration`` of ``trainer`` makes them
+    with the trainer's weights now."""
+    from posttrain.metrics.reduce import MetricAccumulator
+    from posttrain.metrics.timers import Timers
+
+    trainer.producer.generation.fill(td, iteration, trainer.s.policy.rollout, iteration - 1, Timers(),
+                                     MetricAccumulator())
 
 
 def column(td, name):
@@ -53,10 +63,11 @@ def record_run(cfg) -> tuple[list[list[list[int]]], list[dict], list[dict]]:
     and the metrics of every actor optimizer step."""
     session, trainer = session_and_trainer(cfg)
     batches, steps = [], []
-    generate_and_score, update = trainer.generate_and_score, session.policy.actor.update
+    generation = trainer.producer.generation
+    fill, update = generation.fill, session.policy.actor.update
 
-    def recording_generation(td, iteration, timers, acc, **engine):
-        generate_and_score(td, iteration, timers, acc, **engine)
+    def recording_generation(td, *args):
+        fill(td, *args)
         rows, _ = td.get("metrics", ["responses"], indexes=list(range(td.max_len)))
         batches.append([r.tolist() for r in rows["responses"]])
 
@@ -65,7 +76,7 @@ def record_run(cfg) -> tuple[list[list[list[int]]], list[dict], list[dict]]:
         steps.extend(out)
         return out
 
-    trainer.generate_and_score = recording_generation  # DAPO's dynamic sampler calls it once per generation batch
+    generation.fill = recording_generation  # DAPO's dynamic sampler generates once per generation batch
     session.policy.actor.update = recording_update
     trainer.fit()
     return batches, read_metrics(Path(cfg.rl.output_dir)), steps

@@ -17,7 +17,7 @@ E2E = Path(__file__).resolve().parents[1] / "e2e"  # e2e_algo_verifiers: the e2e
 
 
 def trained(work, name: str, **keys) -> list[dict]:
-    from posttrain.trainers.stages import train
+    from posttrain.commands.train import train_config as train
 
     train(grpo_config(work, name, workers=1, iters=3, **keys))
     return [r for r in read_metrics(work / f"run_{name}") if "actor/pg_loss" in r]

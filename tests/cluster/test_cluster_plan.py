@@ -65,7 +65,7 @@ def test_spans_are_contiguous_and_balanced():
 
 
 def test_runtime_env_has_the_seed_vars_and_rejects_a_bad_file(tmp_path):
-    from posttrain.cluster.launch import runtime_env_vars
+    from posttrain.config.runtime_env import runtime_env_vars
     from posttrain.errors import ConfigError
 
     env = runtime_env_vars(grpo_config(tmp_path, "e", workers=2, iters=1))

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.ray
 def test_a_worker_killed_mid_iteration_stops_the_run_with_a_clear_error(ray_cluster, work, monkeypatch):
     from posttrain.cluster import group
     from posttrain.cluster.remote import ClusterError
-    from posttrain.trainers.stages import train
+    from posttrain.commands.train import train_config as train
 
     killed = {}
     original = group.ActorRole.update

@@ -16,7 +16,7 @@ import copy
 
 import pytest
 import torch
-from cluster_helpers import column, grpo_config, read_metrics, record_run, session_and_trainer
+from cluster_helpers import column, grpo_config, read_metrics, record_run, sample, session_and_trainer
 
 pytestmark = pytest.mark.ray
 
@@ -41,13 +41,12 @@ def test_two_workers_update_equals_one_process_on_the_same_batch(ray_cluster, wo
         assert remote.policy.model is None and remote.cluster.world == 2  # the driver holds no weights
         assert {i["pid"] for i in remote.cluster.info} and all(i["threads"] == 1 for i in remote.cluster.info)
         want = "onednn" if cpu_linear.available() else "blas"
-        assert remote_trainer.plan.cpu_linear == want and cpu_linear.installed() == "blas"
+        assert remote.cpu_linear == want and cpu_linear.installed() == "blas"
         assert all(i["cpu_linear"] == want for i in remote.cluster.info)
         # one experience batch, made in process: rollout, reward, advantages
         td = new_dock(local_trainer.plan.rows_per_update, 8, guarantee_order=True, seed=0)
-        local_trainer.put_prompts(td)
-        local_trainer.rollout(td, 1)
-        local_trainer.reward(td, MetricAccumulator())
+        sample(local_trainer, td)
+        local_trainer.producer.reward(td, MetricAccumulator())
         local_trainer.advantages(td)
         assert column(td, "advantages").abs().sum() > 0
         docks = {"local": td, "ray": copy.deepcopy(td)}
@@ -104,7 +103,7 @@ def mean(values):
 @pytest.fixture(scope="module")
 def trained(ray_cluster, work):
     """12 GRPO iterations on 2 Ray workers and in process, each saving its last iteration."""
-    from posttrain.trainers.stages import train
+    from posttrain.commands.train import train_config as train
 
     runs = {}
     for name, workers in (("ray", 2), ("local", 1)):

@@ -200,7 +200,7 @@ def test_offline_stages_on_the_megatron_backend_equal_the_hf_backend(ray_cluster
     """SFT's cross-entropy and DPO's pair loss (the reference's pair log-probs, both sides of a pair
     in one micro-batch; with 2 data-parallel replicas, the pairs shared out) through the Megatron
     engine: 2 iterations log what one HF process logs."""
-    from posttrain.trainers.stages import train
+    from posttrain.commands.train import train_config as train
 
     # padded rows on both sides: the HF backend packs a DPO pair's shared prompt once, the Megatron
     # backend packs every row's, and those sums differ in rounding, which AdamW's first steps
@@ -405,7 +405,7 @@ def test_expert_parallelism_with_pipeline_or_tensor_parallelism_equals_the_hf_ba
 def test_dpo_with_expert_parallelism_equals_the_hf_backend(ray_cluster, work, offline_data, moe_model):
     """The seed's MoE recipe is DPO (dpo_qwen3_30b_a3b): DPO on the Qwen3-MoE model at EP 2 logs what
     one HF process logs (the pairs shared out over the 2 data-parallel ranks)."""
-    from posttrain.trainers.stages import train
+    from posttrain.commands.train import train_config as train
 
     model = {"tokenizer_name_or_path": str(moe_model), "moe_router_load_balancing_type": "none"}
     train(offline_config(work, offline_data, "dpo", "moe_dpo_hf", workers=1, iters=2, train_extra=model))

@@ -76,7 +76,7 @@ def assert_same_rows(got: list[dict], want: list[dict]) -> None:
 @pytest.mark.parametrize("stage,sharding", [("sft", "ddp"), ("dpo", "fsdp2")])
 def test_two_workers_equal_one_process_and_their_checkpoint_resumes_in_one(ray_cluster, work, offline_data,
                                                                              stage, sharding):
-    from posttrain.trainers.stages import train
+    from posttrain.commands.train import train_config as train
 
     train(offline_config(work, offline_data, stage, f"{stage}_local", workers=1, iters=3))
     local = read_metrics(work / f"run_{stage}_local")

@@ -11,7 +11,7 @@ import copy
 
 import pytest
 import torch
-from cluster_helpers import column, grpo_config, session_and_trainer
+from cluster_helpers import column, grpo_config, sample, session_and_trainer
 
 pytestmark = pytest.mark.ray
 
@@ -33,9 +33,8 @@ def test_ppo_on_two_workers_equals_one_process_on_the_same_experience(ray_cluste
     try:
         assert remote.critic is remote.cluster.critic and remote.cluster.world == 2
         td = new_dock(local_trainer.plan.rows_per_update, 8, guarantee_order=True, seed=0)
-        local_trainer.put_prompts(td)
-        local_trainer.rollout(td, 1)
-        local_trainer.reward(td, MetricAccumulator())
+        sample(local_trainer, td)
+        local_trainer.producer.reward(td, MetricAccumulator())
         docks = {"local": td, "ray": copy.deepcopy(td)}
         metrics = {}
         for key, trainer, s in (("local", local_trainer, local), ("ray", remote_trainer, remote)):
@@ -85,7 +84,7 @@ def test_critic_config_save_and_load_are_the_critics_own(ray_cluster, work):
     from safetensors.torch import load_file
 
     from posttrain.errors import ConfigError
-    from posttrain.trainers.stages import train
+    from posttrain.commands.train import train_config as train
 
     actor_dir, critic_dir = work / "ppo_own_actor", work / "ppo_own_critic"
     train(ppo_config(work, "ppo_own", 2, save=str(actor_dir), save_interval=1,

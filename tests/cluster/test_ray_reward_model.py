@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cluster_helpers import column, grpo_config, session_and_trainer
+from cluster_helpers import column, grpo_config, sample, session_and_trainer
 
 pytestmark = pytest.mark.ray
 
@@ -30,10 +30,9 @@ def test_two_workers_score_like_one_process(ray_cluster, work, lowercase_rm_dir)
         docks, metrics = {}, {}
         for key, trainer in (("local", local_trainer), ("ray", remote_trainer)):
             td = new_dock(trainer.plan.rows_per_update, 8, guarantee_order=True, seed=0)
-            trainer.put_prompts(td)
-            trainer.rollout(td, 1)
+            sample(trainer, td)
             acc, timers = MetricAccumulator(), Timers()
-            trainer.reward(td, acc, timers)
+            trainer.producer.reward(td, acc, timers)
             docks[key], metrics[key] = td, {**acc.reduce(), **timers.metrics()}
         assert torch.equal(column(docks["ray"], "responses"), column(docks["local"], "responses"))
         torch.testing.assert_close(column(docks["ray"], "scores"), column(docks["local"], "scores"), rtol=1e-6,

@@ -15,7 +15,7 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 
 def trained(work, name: str, speculative_tokens: int = 0, **rl) -> list[dict]:
-    from posttrain.trainers.stages import train
+    from posttrain.commands.train import train_config as train
 
     # 2 prompts x 4 samples: 8 rows, few enough for the engine to feed drafts from the first step
     cfg = grpo_config(work, name, workers=1, iters=3, rl={"n_samples_per_prompt": 4, **rl},

@@ -89,7 +89,7 @@ def read_metrics(run_dir: Path) -> list[dict]:
 def test_ppo_raises_reward_and_saves_the_critic(work):
     from transformers import AutoModelForSequenceClassification
 
-    from posttrain.trainers.stages import train
+    from posttrain.commands.train import train_config as train
 
     cfg = onpolicy_config(work, "ray_ppo", 12, {"adv_estimator": "gae", "gamma": 1.0, "lam": 1.0, "epochs": 2,
                                                 "cliprange_value": 0.5}, "ppo", save=True)
@@ -113,7 +113,7 @@ def test_ppo_raises_reward_and_saves_the_critic(work):
     from posttrain.roles.critic import Critic
 
     state = {"iteration": 12, "initial_model": str(work / "model"), "checkpoint_dir": str(critic_dir.parent)}
-    critic = Critic(cfg, resolve_plan(cfg, device="cpu"), state, "cpu")
+    critic = Critic(resolve_plan(cfg, device="cpu"), state, "cpu")
     for name, value in saved.state_dict().items():
         assert torch.equal(critic.model.model.state_dict()[name], value), name
     assert critic.engine.optimizer.state_dict()["state"]  # Adam moments restored
@@ -121,7 +121,7 @@ def test_ppo_raises_reward_and_saves_the_critic(work):
 
 
 def test_ppo_kl_in_reward_uses_the_reference_only_in_the_reward(work):
-    from posttrain.trainers.stages import train
+    from posttrain.commands.train import train_config as train
 
     rl = {"adv_estimator": "gae", "use_kl_in_reward": True, "init_kl_coef": 0.05, "kl_penalty": "low_var_kl"}
     last = train(onpolicy_config(work, "ray_ppo", 2, rl, "ppo_kl"))
@@ -131,7 +131,7 @@ def test_ppo_kl_in_reward_uses_the_reference_only_in_the_reward(work):
 
 
 def test_dapo_dynamic_sampling_reports_num_gen_batches(work):
-    from posttrain.trainers.stages import train
+    from posttrain.commands.train import train_config as train
 
     rl = {"verifier_function": ["e2e_has_lowercase"], "filter_groups_enable": True,
           "filter_groups_metric": "e2e_has_lowercase", "filter_groups_train_batch_size": 4,
@@ -146,7 +146,7 @@ def test_dapo_dynamic_sampling_reports_num_gen_batches(work):
 
 def test_dapo_dynamic_sampling_cap_raises_the_seed_error(work):
     from posttrain.errors import DataError
-    from posttrain.trainers.stages import train
+    from posttrain.commands.train import train_config as train
 
     rl = {"verifier_function": ["e2e_constant"], "filter_groups_enable": True, "filter_groups_metric": "e2e_constant",
           "filter_groups_train_batch_size": 4, "filter_groups_max_batches": 2}
@@ -166,7 +166,7 @@ def dpo_config(work: Path, iters: int, name: str, **keys):
 
 
 def test_dpo_raises_accuracy_and_margin(work):
-    from posttrain.trainers.stages import train
+    from posttrain.commands.train import train_config as train
 
     train(dpo_config(work, 25, "dpo"))
     rows = read_metrics(work / "run_dpo")
@@ -186,7 +186,7 @@ def test_dpo_raises_accuracy_and_margin(work):
 def test_dpo_loss_types_train(work, keys, first_loss):
     import math
 
-    from posttrain.trainers.stages import train
+    from posttrain.commands.train import train_config as train
 
     name = "dpo_" + "_".join(str(v) for v in keys.values())
     train(dpo_config(work, 3, name, **keys))

@@ -58,7 +58,7 @@ def test_a_resumed_multi_turn_run_repeats_the_uninterrupted_one(demo):
     from posttrain.checkpoint import iter_dir_name
     from posttrain.config.run import load_run_config
     from posttrain.paths import configs_dir
-    from posttrain.trainers.stages import train
+    from posttrain.commands.train import train_config as train
 
     out, s = demo
     resumed = out / "resumed_ckpt"

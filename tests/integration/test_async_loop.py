@@ -21,7 +21,7 @@ def comparable(row: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def sync_run(tiny_model_dir, tiny_prompt_data, tmp_path_factory):
-    from posttrain.trainers.stages import train
+    from posttrain.commands.train import train_config as train
 
     torch.set_num_threads(1)
     out = tmp_path_factory.mktemp("sync")
@@ -30,7 +30,7 @@ def sync_run(tiny_model_dir, tiny_prompt_data, tmp_path_factory):
 
 
 def test_staleness_zero_equals_synchronous_training(sync_run, tiny_model_dir, tiny_prompt_data, tmp_path):
-    from posttrain.trainers.stages import train
+    from posttrain.commands.train import train_config as train
 
     torch.set_num_threads(1)
     train(grpo_config(tiny_model_dir, tiny_prompt_data, tmp_path, **COMMON, rl_config__async_staleness=0))
@@ -46,7 +46,7 @@ def test_staleness_zero_equals_synchronous_training(sync_run, tiny_model_dir, ti
 
 
 def test_staleness_one_trains_on_samples_one_version_old(sync_run, tiny_model_dir, tiny_prompt_data, tmp_path):
-    from posttrain.trainers.stages import train
+    from posttrain.commands.train import train_config as train
 
     torch.set_num_threads(1)
     train(grpo_config(tiny_model_dir, tiny_prompt_data, tmp_path, **COMMON, rl_config__async_staleness=1,
@@ -69,7 +69,7 @@ def straight_and_resumed(model, data, tmp_path, monkeypatch, over: dict) -> tupl
     """The metrics of a 4-iteration run, and of the same run stopped at iteration 3 (after the save of
     iteration 2) and resumed from its checkpoint; they must agree on iterations 3 and 4."""
     from posttrain.trainers.onpolicy import OnPolicyTrainer
-    from posttrain.trainers.stages import train
+    from posttrain.commands.train import train_config as train
 
     torch.set_num_threads(1)
     train(grpo_config(model, data, tmp_path / "straight", **over))
@@ -93,7 +93,7 @@ def straight_and_resumed(model, data, tmp_path, monkeypatch, over: dict) -> tupl
 
 
 def test_a_resume_in_the_middle_of_an_async_run_repeats_it(tiny_model_dir, tiny_prompt_data, tmp_path, monkeypatch):
-    from posttrain.trainers.onpolicy import IN_FLIGHT
+    from posttrain.trainers.sources import IN_FLIGHT
 
     straight_and_resumed(tiny_model_dir, tiny_prompt_data, tmp_path, monkeypatch,
                          {**COMMON, "rl_config__async_staleness": 1})
@@ -103,7 +103,7 @@ def test_a_resume_in_the_middle_of_an_async_run_repeats_it(tiny_model_dir, tiny_
 
 def test_a_bf16_rollout_differs_from_the_fp32_trainer_and_mis_masks_it(tiny_model_dir, tiny_prompt_data, tmp_path,
                                                                        monkeypatch):
-    from posttrain.trainers.stages import train
+    from posttrain.commands.train import train_config as train
 
     monkeypatch.setattr("posttrain.device.cpu_supports_bf16", lambda: True)  # a bf16 rollout on any CPU
     torch.set_num_threads(1)
@@ -131,7 +131,7 @@ def test_partial_rollout_resumes_exactly_and_no_sample_outlives_the_split(tiny_m
 
 
 def test_async_with_partial_rollout_keeps_staleness_within_its_bound(tiny_model_dir, tiny_prompt_data, tmp_path):
-    from posttrain.trainers.stages import train
+    from posttrain.commands.train import train_config as train
 
     torch.set_num_threads(1)
     train(grpo_config(tiny_model_dir, tiny_prompt_data, tmp_path, **{**PARTIAL, "rl_config__partial_rollout_max_split": 2},

@@ -43,7 +43,7 @@ def read_metrics(run_dir):
 
 
 def test_one_iteration_changes_every_parameter(tiny_model_dir, tiny_prompt_data, tmp_path):
-    from posttrain.trainers.stages import train
+    from posttrain.commands.train import train_config as train
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(1)
@@ -62,7 +62,7 @@ def test_one_iteration_changes_every_parameter(tiny_model_dir, tiny_prompt_data,
 
 
 def test_resume_repeats_the_uninterrupted_run(tiny_model_dir, tiny_prompt_data, tmp_path):
-    from posttrain.trainers.stages import train
+    from posttrain.commands.train import train_config as train
 
     torch.set_num_threads(1)
     common = {"megatron_training__train_iters": 4, "rl_config__epochs": 2, "rl_config__shuffle_mini_batch": True,
@@ -86,7 +86,7 @@ def test_resume_repeats_the_uninterrupted_run(tiny_model_dir, tiny_prompt_data, 
 
 def test_all_prompts_filtered_is_a_clear_error_before_training(tiny_model_dir, tiny_prompt_data, tmp_path):
     from posttrain.errors import DataError
-    from posttrain.trainers.stages import train
+    from posttrain.commands.train import train_config as train
 
     cfg = grpo_config(tiny_model_dir, tiny_prompt_data, tmp_path, rl_config__max_prompt_length=2)
     with pytest.raises(DataError, match="is empty: all 64 prompts are at least max_prompt_length=2 tokens"):
@@ -97,7 +97,7 @@ def test_all_prompts_filtered_is_a_clear_error_before_training(tiny_model_dir, t
 def test_tokenizer_that_does_not_fit_the_model_is_a_clear_error(tiny_model_dir, tiny_prompt_data, tmp_path):
     from posttrain.errors import ConfigError
     from posttrain.models.init_model import train_tokenizer
-    from posttrain.trainers.stages import train
+    from posttrain.commands.train import train_config as train
 
     big_tok = tmp_path / "big_tokenizer"
     train_tokenizer([f"word{i} number {i * 7}" for i in range(3000)], vocab_size=600).save_pretrained(big_tok)

@@ -19,7 +19,7 @@ def test_an_adapter_only_checkpoint_loads_with_peft_and_the_base_is_untouched(ti
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from posttrain.trainers.stages import train
+    from posttrain.commands.train import train_config as train
 
     torch.set_num_threads(1)
     train(grpo_config(tiny_model_dir, tiny_prompt_data, tmp_path, **LORA, actor_config__lora_ckpt_filter=True))
@@ -40,7 +40,7 @@ def test_an_adapter_only_checkpoint_loads_with_peft_and_the_base_is_untouched(ti
 
 
 def test_a_lora_run_resumes_exactly(tiny_model_dir, tiny_prompt_data, tmp_path):
-    from posttrain.trainers.stages import train
+    from posttrain.commands.train import train_config as train
 
     torch.set_num_threads(1)
     common = {**LORA, "megatron_training__train_iters": 4, "rl_config__epochs": 2, "rl_config__shuffle_mini_batch": True,
@@ -70,7 +70,7 @@ def test_the_merged_export_computes_the_adapted_model_and_another_model_is_refus
     from posttrain.cli import main
     from posttrain.errors import ConfigError
     from posttrain.models.lora import load_adapter
-    from posttrain.trainers.stages import train
+    from posttrain.commands.train import train_config as train
 
     torch.set_num_threads(1)
     train(grpo_config(tiny_model_dir, tiny_prompt_data, tmp_path, **LORA, actor_config__lora_ckpt_filter=True))
@@ -99,7 +99,7 @@ def test_the_merged_export_computes_the_adapted_model_and_another_model_is_refus
 
 def test_continuing_an_adapter_with_other_lora_keys_is_refused(tiny_model_dir, tiny_prompt_data, tmp_path):
     from posttrain.errors import ConfigError
-    from posttrain.trainers.stages import train
+    from posttrain.commands.train import train_config as train
 
     torch.set_num_threads(1)
     train(grpo_config(tiny_model_dir, tiny_prompt_data, tmp_path, **LORA))

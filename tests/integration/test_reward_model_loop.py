@@ -39,7 +39,7 @@ def rm_only_config(model_dir, rm_dir, data, out, iters):
 
 def test_grpo_raises_the_reward_model_score(mini_qwen2_dir, lowercase_rm_dir, tiny_prompt_data, tmp_path,
                                             one_thread):
-    from posttrain.trainers.stages import train
+    from posttrain.commands.train import train_config as train
 
     iters = 12
     last = train(rm_only_config(mini_qwen2_dir, lowercase_rm_dir, tiny_prompt_data, tmp_path / "run", iters))

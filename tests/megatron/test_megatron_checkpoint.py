@@ -117,17 +117,17 @@ def resharded_worker(rank: int, hf_dir: str, tp: int, pp: int, save: str) -> Non
 def test_a_corrupt_shard_is_named_before_any_worker_starts(tiny_hf, tmp_path):
     """The megatron backend's reload check (checked_start): every rank file of the Megatron
     checkpoint in ``load`` is read before a model is built; a truncated one is named."""
+    from posttrain.checkpoint import CheckpointLoad
     from posttrain.cli import main
-    from posttrain.config.run import run_config_from_dict
     from posttrain.errors import CheckpointError
-    from posttrain.trainers.session import checked_start
+    from posttrain.rundir import checked_start
 
     mcore = tmp_path / "mcore"
     assert main(["convert", "--load-model-type", "hf", "--save-model-type", "mg", "--load-dir",
                  str(tiny_hf("qwen2")), "--save-dir", str(mcore), "--target-tensor-parallel-size", "2"]) == 0
-    cfg = run_config_from_dict({"megatron_training": {"load": str(mcore), "finetune": True}})
-    assert checked_start(cfg, megatron=True) is cfg
+    load = CheckpointLoad(str(mcore), finetune=True)
+    assert checked_start(str(mcore), load, megatron=True).source == str(mcore)
     shard = mcore / "release" / "mp_rank_01" / "model_optim_rng.pt"
     shard.write_bytes(shard.read_bytes()[:100])
     with pytest.raises(CheckpointError, match="mp_rank_01/model_optim_rng.pt: not a readable torch checkpoint"):
-        checked_start(cfg, megatron=True)
+        checked_start(str(mcore), load, megatron=True)

@@ -23,9 +23,10 @@ PKG = "posttrain"
 # higher layer.
 LAYERS: list[set[str]] = [
     {"errors", "paths", "device", "registry"},
-    {"algo", "config", "data", "models", "metrics", "reward", "rollout", "tools", "checkpoint",
-     "transfer_dock"},
+    # the stages of the data flow, and the store: they take plain values and typed options, never the config
+    {"algo", "data", "models", "metrics", "reward", "rollout", "tools", "checkpoint", "rundir", "transfer_dock"},
     {"train"},
+    {"config"},  # the YAML in, the typed plan out
     {"roles"},
     {"cluster", "trainers"},
     {"commands", "cli", "demo", "__main__"},
@@ -231,6 +232,32 @@ def test_no_upward_imports(graph):
             if LAYER_OF.get(high, -1) > LAYER_OF.get(low, -1):
                 bad.append(f"{module} (line {line}) -> {target}  [{low} is below {high}]")
     assert not bad, "imports from a lower layer into a higher one:\n  " + "\n  ".join(bad)
+
+
+def test_the_config_is_read_only_by_config_and_commands(graph):
+    """The raw ``RunConfig`` (``posttrain.config.run``) stays in ``config/`` and ``commands/``: the
+    rest of the code reads the plan's typed options."""
+    edges, _ = graph
+    allowed = {"config", "commands"}
+    bad = [f"{m} (line {line})" for m, targets in sorted(edges.items()) if _top(m) not in allowed
+           for t, line in sorted(targets.items()) if t == f"{PKG}.config.run"]
+    assert not bad, "posttrain.config.run imported outside config/ and commands/:\n  " + "\n  ".join(bad)
+
+
+def test_no_package_cycles(graph):
+    """No cycle between the top-level packages (modules in one layer may import each other, but
+    never both ways)."""
+    edges, _ = graph
+    packages: dict[str, dict[str, int]] = {}
+    for module, targets in edges.items():
+        top = _top(module)
+        for target, line in targets.items():
+            if _top(target) and _top(target) != top and top:
+                packages.setdefault(top, {}).setdefault(_top(target), line)
+    for top in {_top(m) for m in edges} - {""}:
+        packages.setdefault(top, {})
+    cycles = [" <-> ".join(c) for c in _strongly_connected(packages)]
+    assert not cycles, "package cycles:\n  " + "\n  ".join(cycles)
 
 
 def test_cluster_never_imports_trainers(graph):

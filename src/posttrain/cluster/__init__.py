@@ -11,7 +11,7 @@ Only this package imports ray. The plan decides (without importing ray) whether 
 from __future__ import annotations
 
 
-def build_cluster(cfg, plan):
+def build_cluster(plan, start: dict):
     try:
         import ray  # noqa: F401
     except ImportError as err:
@@ -21,4 +21,4 @@ def build_cluster(cfg, plan):
                           "but ray is not installed: pip install 'posttrain[ray]'") from err
     from posttrain.cluster.group import Cluster
 
-    return Cluster(cfg, plan)
+    return Cluster(plan, start)

@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import contextlib
 
+from posttrain.train.options import OptimOptions
+
 
 def _options(**kw):
     from torch.distributed.checkpoint.state_dict import StateDictOptions
@@ -42,7 +44,7 @@ def mixed_precision(compute_dtype):
     return MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
 
 
-def shard(model, engine, actor_cfg, total_steps: int) -> list[str]:
+def shard(model, engine, optim: OptimOptions, total_steps: int) -> list[str]:
     """``fully_shard`` the decoder layers and the model; rebuild ``engine``'s optimizer and
     scheduler on the sharded parameters, carrying over their state. Returns the parameter names
     in the optimizer's order (the index order of an in-process optimizer state)."""
@@ -52,7 +54,7 @@ def shard(model, engine, actor_cfg, total_steps: int) -> list[str]:
     )
     from torch.distributed.fsdp import fully_shard
 
-    from posttrain.train.optim import build_lr_scheduler, build_optimizer
+    from posttrain.train.optim import build_optimizer, build_scheduler
 
     policy = mixed_precision(engine.autocast_dtype)
 
@@ -65,13 +67,10 @@ def shard(model, engine, actor_cfg, total_steps: int) -> list[str]:
         if type(module).__name__ in layers:
             fully_shard(module, mp_policy=policy)
     fully_shard(model, mp_policy=policy)
-    a = actor_cfg
-    engine.optimizer = build_optimizer(model, a.lr, a.weight_decay, a.adam_beta1, a.adam_beta2)
+    engine.optimizer = build_optimizer(model, optim.lr, optim.weight_decay, optim.adam_beta1, optim.adam_beta2)
     if engine.offload is not None:  # generate_config.offload_train_*: the new optimizer's state moves
         engine.offload.optimizer = engine.optimizer
-    engine.scheduler = build_lr_scheduler(engine.optimizer, lr=a.lr, min_lr=a.min_lr,
-                                          lr_decay_style=a.lr_decay_style,
-                                          lr_warmup_fraction=a.lr_warmup_fraction, total_steps=max(total_steps, 1))
+    engine.scheduler = build_scheduler(engine.optimizer, optim, max(total_steps, 1))
     if full_optim is not None:
         set_optimizer_state_dict(model, engine.optimizer, full_optim, options=_options())
     if scheduler_state is not None:

@@ -81,7 +81,7 @@ def replicas(info: list[dict]) -> list[list[int]]:
 class Cluster:
     """Ray actor workers (one per device / CPU worker) and reward workers (one per node)."""
 
-    def __init__(self, cfg, plan):
+    def __init__(self, plan, start: dict):
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -89,19 +89,19 @@ class Cluster:
         from posttrain.cluster.reward import RewardGroup
         from posttrain.cluster.worker import ActorWorker
 
-        rl, device = cfg.rl, plan.device
+        device = plan.device
         self.fsdp = plan.sharding == "fsdp2"
         self.megatron = plan.parallel.backend == "megatron"
-        self.timeout_s = float(rl.ray_timeout_s)
+        self.timeout_s = plan.cluster.timeout_s
         self.world = plan.workers
         self.closed = False
-        self.owns_ray = launch.connect(cfg)
+        self.owns_ray = launch.connect(plan.cluster, plan.workers)
         self.workers: list = []
         self.pg = None
         self.rewards = None
         try:
             use_gpu = device.startswith("cuda")
-            cpus = rl.ray_num_cpus_per_worker
+            cpus = plan.cluster.cpus_per_worker
             self.pg = launch.placement_group(self.world, use_gpu, cpus, self.timeout_s)
             remote = ray.remote(MegatronWorker if self.megatron else ActorWorker)
             for rank in range(self.world):
@@ -111,15 +111,15 @@ class Cluster:
                 self.workers.append(remote.options(**options).remote(rank, self.world, cpus))
             self.names = [f"actor worker rank {r}" for r in range(self.world)]
             ip, port, _ = self._call("find the rendezvous", [self.workers[0].address.remote()], self.names[:1])[0]
-            states = self._all("set-up", "setup", cfg, plan, (ip, port), self.timeout_s, os.getcwd())
+            states = self._all("set-up", "setup", plan, start, (ip, port), self.timeout_s, os.getcwd())
             self.info = self._all("ready check", "ready_info")
             self.replicas = replicas(self.info)
-            if plan.stage.on_policy and (rl.rule_reward or rl.eval_data_path):  # SFT and DPO score nothing
-                self.rewards = RewardGroup(rl, self.timeout_s)
+            if plan.rule_reward is not None:  # SFT and DPO score nothing
+                self.rewards = RewardGroup(plan.rule_reward, self.timeout_s)
         except BaseException:
             self.close()
             raise
-        tokenizer, stops = load_policy_tokenizer(cfg.actor)  # the driver never loads the weights
+        tokenizer, stops = load_policy_tokenizer(plan.policy, start["source"])  # the driver never loads the weights
         self.policy = Policy(model=None, tokenizer=tokenizer, actor=ActorRole(self),
                              reference=ReferenceRole(self) if plan.uses_reference else None,
                              rollout=RolloutRole(self) if plan.stage.on_policy else None, stop_token_ids=stops,

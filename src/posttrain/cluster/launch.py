@@ -5,55 +5,33 @@ from __future__ import annotations
 
 import logging
 import os
-from pathlib import Path
 
-from posttrain.config.run import RunConfig
-from posttrain.errors import ConfigError
-from posttrain.paths import PROJECT_ROOT
+from posttrain.config.options import ClusterOptions
 
 log = logging.getLogger(__name__)
 
 
-def runtime_env_vars(cfg: RunConfig) -> dict[str, str]:
-    """The ``env_vars`` of ``rl_config.runtime_env_path`` (the seed's configs/envs/runtime_env.yaml,
-    relative paths from the current directory, then the repository), plus what the driver adds:
-    ``HCCL_BUFFSIZE`` (the seed's) and ``PYTHONPATH`` (so workers import the driver's modules,
-    e.g. user verifiers)."""
-    import yaml
-
-    env: dict[str, str] = {}
-    path = Path(cfg.rl.runtime_env_path)
-    candidates = [path] if path.is_absolute() else [path, PROJECT_ROOT / path]
-    found = next((p for p in candidates if p.is_file()), None)
-    if found is None:
-        log.warning("rl_config.runtime_env_path %s not found; the workers get no extra env_vars", path)
-    else:
-        data = yaml.safe_load(found.read_text()) or {}
-        if not isinstance(data, dict) or not isinstance(data.get("env_vars", {}), dict):
-            raise ConfigError(f"{found}: expected a mapping with an 'env_vars' mapping (name: value)")
-        env.update({str(k): str(v) for k, v in (data.get("env_vars") or {}).items()})
-    env["HCCL_BUFFSIZE"] = str(cfg.rl.hccl_buffersize)
-    if os.environ.get("PYTHONPATH"):
-        env["PYTHONPATH"] = os.environ["PYTHONPATH"]
-    return env
-
-
-def connect(cfg: RunConfig) -> bool:
+def connect(options: ClusterOptions, workers: int) -> bool:
     """``ray.init`` to ``rl_config.ray_address`` / RAY_ADDRESS, or a new local cluster; returns
     True when this call started Ray (so closing the run shuts it down again). An already
-    initialised Ray (a test, or a user script) is used as it is."""
+    initialised Ray (a test, or a user script) is used as it is. The workers get the plan's env
+    vars (``runtime_env_path``, ``HCCL_BUFFSIZE``) and this process's ``PYTHONPATH`` (so they import
+    the driver's modules, e.g. user verifiers)."""
     import ray
 
     if ray.is_initialized():
         return False
-    address = cfg.rl.ray_address or os.environ.get("RAY_ADDRESS")
-    kwargs = {"runtime_env": {"env_vars": runtime_env_vars(cfg)}, "include_dashboard": False,
+    address = options.address or os.environ.get("RAY_ADDRESS")
+    env = dict(options.env_vars)
+    if os.environ.get("PYTHONPATH"):
+        env["PYTHONPATH"] = os.environ["PYTHONPATH"]
+    kwargs = {"runtime_env": {"env_vars": env}, "include_dashboard": False,
               "log_to_driver": True, "logging_level": logging.WARNING}
     if address:
         log.info("connecting to the Ray cluster at %s", address)
         ray.init(address=address, **kwargs)
     else:  # a local cluster with at least one CPU per worker (CPU workers are processes)
-        cpus = max(os.cpu_count() or 1, (cfg.rl.actor_resource.num_npus or 1) * cfg.rl.ray_num_cpus_per_worker)
+        cpus = max(os.cpu_count() or 1, workers * options.cpus_per_worker)
         # Ray runs workers at nice 15 by default (to keep its own daemons responsive); here the
         # workers are the job, and at nice 15 they lose to every other process on a shared machine
         ray.init(num_cpus=cpus, _system_config={"worker_niceness": 0}, **kwargs)

@@ -30,14 +30,14 @@ class MegatronWorker(ActorWorker):
 
         return cpu_megatron()
 
-    def setup(self, cfg, plan, master: tuple[str, int], timeout_s: float, cwd: str) -> dict:
+    def setup(self, plan, start: dict, master: tuple[str, int], timeout_s: float, cwd: str) -> dict:
         from posttrain.roles.policy import load_policy_tokenizer
         from posttrain.roles.megatron_policy import MegatronPolicy
 
-        self.join(cfg, plan, master, timeout_s, cwd)
-        tokenizer, stops = load_policy_tokenizer(cfg.actor)
+        self.join(plan, start, master, timeout_s, cwd)
+        tokenizer, stops = load_policy_tokenizer(plan.policy, start["source"])
         with self.megatron():
-            self.shard = MegatronPolicy(cfg, plan, self.device, tokenizer, stops)
+            self.shard = MegatronPolicy(plan, self.device, tokenizer, stops, source=start["source"])
         self.fsdp, self.reward_model = False, None
         return dict(self.shard.state) if self.rank == 0 else {}
 

@@ -16,10 +16,10 @@ log = logging.getLogger(__name__)
 
 
 class RewardWorker:
-    def __init__(self, rl):
+    def __init__(self, options):
         from posttrain.reward.rule_reward import RuleReward
 
-        self.reward = RuleReward.from_rl_config(rl)
+        self.reward = RuleReward.from_options(options)
 
     def score_detailed(self, responses, labels, prompts=None, response_lengths=None, **columns):
         return self.reward.score_detailed(responses, labels, prompts, response_lengths=response_lengths, **columns)
@@ -50,7 +50,7 @@ def merge(parts: list, sizes: list[int]):
 class RewardGroup:
     """RuleReward's interface over one reward worker per alive node of the Ray cluster."""
 
-    def __init__(self, rl, timeout_s: float):
+    def __init__(self, options, timeout_s: float):
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -60,7 +60,7 @@ class RewardGroup:
         # CPU the actor workers' placement group needs
         self.workers = [remote.options(num_cpus=0, max_restarts=0,
                                        scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)
-                                       ).remote(rl) for node in nodes]
+                                       ).remote(options) for node in nodes]
         self.names = [f"reward worker on node {node[:8]}" for node in nodes]
         self.timeout_s = timeout_s
         self.closed = False

@@ -25,19 +25,20 @@ class RolloutWorker:
         torch.set_num_threads(max(1, int(cpus)))
         self.model = self.engine = None
 
-    def setup(self, cfg, plan, state: dict[str, torch.Tensor], cwd: str) -> None:
+    def setup(self, plan, start: dict, state: dict[str, torch.Tensor], cwd: str) -> None:
         """The actor's model and rollout engine, with the trainer's weights ``state``."""
         from posttrain.models.cpu_linear import set_cpu_linear
         from posttrain.roles.policy import build_actor_model, build_rollout, rollout_stop_ids
 
         os.chdir(cwd)  # relative paths of the config (templates, tools) resolve as on the driver
-        set_cpu_linear(plan.cpu_linear)
-        model, tokenizer, _ = build_actor_model(cfg.actor, plan.device)
+        set_cpu_linear(start["cpu_linear"])  # for the worker's life: this process is the run's
+        model, tokenizer, _ = build_actor_model(plan.policy, plan.device, start["source"])
         for p in model.parameters():
             p.requires_grad_(False)
         self.model = model
         self.load(state)
-        self.engine = build_rollout(cfg, plan, model, tokenizer, rollout_stop_ids(tokenizer, cfg.actor))
+        self.engine = build_rollout(plan.rollout, plan.policy, model, tokenizer,
+                                    rollout_stop_ids(tokenizer, plan.policy))
 
     def load(self, state: dict[str, torch.Tensor]) -> None:
         with torch.no_grad():
@@ -67,21 +68,21 @@ class RemoteEngine:
 class RemoteReplica:
     """One rollout worker process with ``rl_config.ray_num_cpus_per_worker`` CPUs (or a GPU)."""
 
-    def __init__(self, cfg, plan, model):
+    def __init__(self, plan, start: dict, model):
         import ray
 
         from posttrain.cluster import launch
 
-        self.timeout_s = float(cfg.rl.ray_timeout_s)
-        self.owns_ray = launch.connect(cfg)
+        self.timeout_s = plan.cluster.timeout_s
+        self.owns_ray = launch.connect(plan.cluster, 1)
         self.handle = None
         try:
-            cpus = cfg.rl.ray_num_cpus_per_worker
+            cpus = plan.cluster.cpus_per_worker
             gpu = plan.device.startswith("cuda")
             options = {"num_cpus": 1 if gpu else cpus, "num_gpus": 1 if gpu else 0, "max_restarts": 0}
             self.handle = ray.remote(RolloutWorker).options(**options).remote(cpus)
             state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
-            self.call("rollout worker set-up", "setup", cfg, plan, state, os.getcwd())
+            self.call("rollout worker set-up", "setup", plan, start, state, os.getcwd())
         except BaseException:
             self.close()
             raise

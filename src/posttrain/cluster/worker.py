@@ -63,10 +63,11 @@ class ActorWorker:
 
         return ray.util.get_node_ip_address(), free_port(), os.getpid()
 
-    def join(self, cfg, plan, master: tuple[str, int], timeout_s: float, cwd: str) -> datetime.timedelta:
+    def join(self, plan, start: dict, master: tuple[str, int], timeout_s: float, cwd: str) -> datetime.timedelta:
         """Take the driver's working directory (relative paths in the config mean the same here;
-        multi-node: same paths on every node), pick the device, join the process group (gloo on a
-        CPU, nccl on CUDA) and seed the generators; returns the collectives' timeout."""
+        multi-node: same paths on every node), pick the device (on a CPU with the run's linear
+        kernel, ``start["cpu_linear"]``), join the process group (gloo on a CPU, nccl on CUDA) and
+        seed the generators; returns the collectives' timeout."""
         import torch.distributed as dist
 
         from posttrain.roles.policy import seed_everything
@@ -82,48 +83,49 @@ class ActorWorker:
             from posttrain.models.cpu_linear import set_cpu_linear
 
             torch.set_num_threads(self.cpu_threads)
-            set_cpu_linear(plan.cpu_linear)
+            set_cpu_linear(start["cpu_linear"])  # for the worker's life: this process is the run's
         timeout = datetime.timedelta(seconds=timeout_s)
         dist.init_process_group("nccl" if use_gpu else "gloo", init_method=f"tcp://{master[0]}:{master[1]}",
                                 rank=self.rank, world_size=self.world_size, timeout=timeout)
-        seed_everything(cfg.actor.seed)
-        if cfg.actor.npu_deterministic:
+        seed_everything(plan.policy.seed)
+        if plan.policy.deterministic:
             torch.use_deterministic_algorithms(True)
         return timeout
 
-    def setup(self, cfg, plan, master: tuple[str, int], timeout_s: float, cwd: str) -> dict:
-        """Join the process group, build the policy, wrap it in DDP. Rank 0 returns the trainer
-        state (resumed or fresh); the others return {}."""
+    def setup(self, plan, start: dict, master: tuple[str, int], timeout_s: float, cwd: str) -> dict:
+        """Join the process group, build the policy (from ``start["source"]``, the checkpoint the
+        driver checked), wrap it in DDP. Rank 0 returns the trainer state (resumed or fresh); the
+        others return {}."""
         import torch.distributed as dist
 
         from posttrain.roles.policy import build_policy
         from posttrain.train.engine import TrainEngine
 
-        timeout = self.join(cfg, plan, master, timeout_s, cwd)
+        timeout = self.join(plan, start, master, timeout_s, cwd)
         use_gpu, device = self.device.startswith("cuda"), self.device
         # one single-rank group per rank (created by all ranks, in order): inference engines use
         # their own, so log-prob passes never wait on other ranks (uneven shares are fine)
         own = [dist.new_group([r], timeout=timeout) for r in range(self.world_size)][self.rank]
-        self.policy = p = build_policy(cfg, plan, device, with_rollout=plan.stage.on_policy)
-        self.adapter_only = bool(cfg.actor.lora_ckpt_filter)  # LoRA: save the adapter alone
+        self.policy = p = build_policy(plan, device, source=start["source"], with_rollout=plan.stage.on_policy)
+        self.adapter_only = plan.schedule.adapter_only  # LoRA: save the adapter alone
         # log-probs on the plain model, no collective; the update through DDP over all ranks
-        self.infer = TrainEngine(p.model, micro_batch_size=cfg.actor.micro_batch_size, dtype=plan.train_dtype,
-                                 dp_group=own, options=plan.actor_engine)
+        self.infer = TrainEngine(p.model, micro_batch_size=plan.policy.optim.micro_batch_size,
+                                 dtype=plan.train_dtype, dp_group=own, options=plan.actor_engine)
         if p.reference is not None:
             p.reference.dp_group = own
         self.fsdp = plan.sharding == "fsdp2"
         if self.fsdp:  # parameters, gradients and optimizer state sharded (cluster/fsdp.py)
             from posttrain.cluster import fsdp
 
-            self.param_names = fsdp.shard(p.model, p.actor, cfg.actor, plan.total_optimizer_steps)
+            self.param_names = fsdp.shard(p.model, p.actor, plan.policy.optim, plan.total_optimizer_steps)
         else:
             p.actor.model = wrap_ddp(p.model, [0] if use_gpu else None)
         self.critic = None
         if plan.uses_critic:  # PPO: the critic colocated with the actor, data parallel over the same ranks
             from posttrain.roles.critic import Critic
 
-            self.critic = c = Critic(cfg, plan, p.state, device)
-            c.infer = TrainEngine(c.engine.model, micro_batch_size=c.role.micro_batch_size, dtype=plan.train_dtype,
+            self.critic = c = Critic(plan, p.state, device)
+            c.infer = TrainEngine(c.engine.model, micro_batch_size=c.micro_batch_size, dtype=plan.train_dtype,
                                   dp_group=own, metric_prefix="critic")
             c.engine.model = wrap_ddp(c.engine.model, [0] if use_gpu else None)
         self.reward_model = None

@@ -202,19 +202,19 @@ def bench(cfg, *, iters: int = 3, warmup: int = 1, profile_dir: str | None = Non
     from posttrain.config.plan import resolve_plan
     from posttrain.config.run import run_config_from_dict
     from posttrain.errors import ConfigError
-    from posttrain.trainers.stages import build_trainer
+    from posttrain.trainers.build import build_trainer
 
     if iters < 1 or warmup < 0:
         raise ConfigError(f"bench needs --iters >= 1 and --warmup >= 0; got {iters} and {warmup}")
     if cfg.stage == "sft" or cfg.stage == "dpo":
         raise ConfigError(f"posttrain bench times the on-policy loop (grpo, dapo, ppo); stage is {cfg.stage}")
     # the same config with enough iterations, and checkpoints and evaluation off
+    run_dir = Path(tempfile.mkdtemp(prefix="posttrain_bench_"))
     overrides = [f"actor_config.train_iters={max(cfg.actor.train_iters or 0, warmup + iters)}",
-                 "actor_config.save=null", "rl_config.eval_data_path=null"]
+                 "actor_config.save=null", "rl_config.eval_data_path=null", f"rl_config.output_dir={run_dir}"]
     cfg = run_config_from_dict(cfg.raw, name=cfg.name, path=cfg.path, overrides=overrides)
     plan = resolve_plan(cfg)
-    run_dir = Path(tempfile.mkdtemp(prefix="posttrain_bench_"))
-    trainer = build_trainer(cfg, plan, run_dir)
+    trainer = build_trainer(plan)
     session = trainer.s
     try:
         peak = matmul_peak(plan.train_dtype, session.device)

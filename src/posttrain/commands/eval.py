@@ -57,17 +57,9 @@ def load_prompts(data: str, tokenizer, prompt_type: str | None, limit: int | Non
 
 
 def run(args) -> int:
-    import torch
-
-    from posttrain.checkpoint import check_model_files, resolve_checkpoint
     from posttrain.commands.outputs import check_output_file
     from posttrain.device import resolve_device
-    from posttrain.models.cpu_linear import resolve_cpu_linear, set_cpu_linear
-    from posttrain.models.loading import check_vocab, load_tokenizer
-    from posttrain.models.lora import load_merged
-    from posttrain.reward.rule_reward import RuleReward
-    from posttrain.rollout.base import ROLLOUT_ENGINES, SamplingParams
-    from posttrain.trainers.evaluate import evaluate
+    from posttrain.models.cpu_linear import resolve_cpu_linear, use_cpu_linear
 
     logging.basicConfig(level=logging.WARNING)
     check_args(args)
@@ -78,8 +70,22 @@ def run(args) -> int:
     if samples_path:
         check_output_file(samples_path, "--samples", force=force)
     device = resolve_device("auto")
-    set_cpu_linear(resolve_cpu_linear(device))
-    path, _ = resolve_checkpoint(args.model)
+    with use_cpu_linear(resolve_cpu_linear(device)):  # for this command only
+        return evaluate_model(args, device, samples_path)
+
+
+def evaluate_model(args, device: str, samples_path: str | None) -> int:
+    """``posttrain eval``'s work once its flags and outputs are checked: print (and write) the scores."""
+    import torch
+
+    from posttrain.checkpoint import check_model_files
+    from posttrain.models.loading import check_vocab, load_tokenizer, resolve_model
+    from posttrain.models.lora import load_merged
+    from posttrain.reward.rule_reward import RuleReward
+    from posttrain.rollout.base import ROLLOUT_ENGINES, SamplingParams
+    from posttrain.trainers.evaluate import evaluate
+
+    path, _ = resolve_model(args.model)
     check_model_files(path)  # a truncated or corrupt file is named, not a loader traceback
     check_max_tokens(path, args.max_tokens)
     tokenizer = load_tokenizer(path)

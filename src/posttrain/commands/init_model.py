@@ -3,14 +3,24 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
+
+from posttrain.config.loader import load_model_yaml
+from posttrain.models.init_model import init_model_dir
+
+
+def init_model(model: str, output: str | Path, **kwargs) -> Path:
+    """The model yaml ``model`` (``configs/model/<model>.yaml``, or a path) as a random-init HF model
+    directory in ``output`` (:func:`posttrain.models.init_model.init_model_dir` takes ``kwargs``)."""
+    name, keys = load_model_yaml(model)
+    return init_model_dir(name, keys, output, **kwargs)
 
 
 def run(args) -> int:
     from posttrain.models.arch import arch_from_hf_config
-    from posttrain.models.init_model import init_model_dir
 
-    out = init_model_dir(args.model, args.output, corpus=args.corpus, vocab_size=args.vocab_size,
-                         tokenizer=args.tokenizer, seed=args.seed, force=bool(getattr(args, "force", False)))
+    out = init_model(args.model, args.output, corpus=args.corpus, vocab_size=args.vocab_size,
+                     tokenizer=args.tokenizer, seed=args.seed, force=bool(getattr(args, "force", False)))
     cfg = json.loads((out / "config.json").read_text())
     n = arch_from_hf_config(out).num_params()
     print(f"wrote {out}: {cfg['architectures'][0]}, {n / 1e6:.2f}M parameters, vocab {cfg['vocab_size']}")

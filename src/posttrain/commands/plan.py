@@ -4,17 +4,20 @@ from __future__ import annotations
 
 from posttrain.config.plan import GIB, Plan, model_arch, resolve_plan
 from posttrain.config.run import load_run_config
+from posttrain.models.cpu_linear import resolve_cpu_linear
 
 __all__ = ["format_plan", "model_arch", "run"]  # model_arch lives in posttrain.config.arch (train uses it too)
 
 
-def format_plan(plan: Plan) -> str:
+def format_plan(plan: Plan, cpu_linear: str = "blas") -> str:
+    """``plan`` in words; ``cpu_linear``: the fp32 linear kernel a run would choose here now (a
+    run chooses it when it starts, :mod:`posttrain.models.cpu_linear`)."""
     par = plan.parallel
     sharding = plan.sharding if par.backend == "hf" else "megatron"
     where = (f"{plan.workers} Ray worker(s), {sharding}" if plan.use_ray else "in one process")
     lines = [f"stage {plan.name} on {plan.layout.num_devices} device(s), {where}; {plan.device}, "
              f"{plan.train_dtype} training, {plan.rollout_dtype} rollout"
-             + ("; fp32 linear layers by oneDNN" if plan.cpu_linear == "onednn" else ""),
+             + ("; fp32 linear layers by oneDNN (measured now on this machine)" if cpu_linear == "onednn" else ""),
              f"backend: {par.describe()}", "",
              "batch plan (per iteration)"]
     rows = [
@@ -77,5 +80,5 @@ def run(args) -> int:
     print(f"config {cfg.path}: valid")
     for warning in plan.warnings:
         print(f"warning: {warning}")
-    print(format_plan(plan))
+    print(format_plan(plan, resolve_cpu_linear(plan.device)))
     return 0

@@ -25,8 +25,20 @@ def check_output_prefix(output_prefix: str, force: bool) -> None:
                           f"{found[0].parent}); give another output_prefix, or --force to replace those files")
 
 
+def load_config(config_name: str, config_path: str | None = None, overrides: list[str] | None = None):
+    """``configs/datasets/NAME.yaml`` (or ``config_path``) with dotted ``key=value`` overrides, as a
+    :class:`~posttrain.data.config.DataHandlerConfig`."""
+    from posttrain.config.loader import apply_overrides, normalise_keys, read_yaml, resolve_config_file
+    from posttrain.data.config import make_config
+
+    path = resolve_config_file(config_name, config_path, subdir="datasets")
+    data = normalise_keys(read_yaml(path))
+    data = apply_overrides(data, list(overrides or []))
+    return make_config(data, source=str(path))
+
+
 def run(args) -> int:
-    from posttrain.data.preprocess import load_config, preprocess
+    from posttrain.data.preprocess import preprocess
 
     cfg = load_config(args.config_name, args.config_path, args.overrides)
     if cfg.output_prefix:

@@ -13,22 +13,27 @@ Vocabulary (as the seed): ``global_batch_size`` (gbs) and ``mini_batch_size`` co
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Mapping
 
+from posttrain.config import options
 from posttrain.config.arch import model_arch
 from posttrain.config.backend import ModelParallel, model_parallel
 from posttrain.config.check import check_device, check_run_config, uses_ray
-from posttrain.config.reward_model import RewardModelOptions, reward_model_arch, reward_model_options
+from posttrain.config.memory import GIB, MemoryEstimate, check_memory, estimate_memory
+from posttrain.config.options import (AdvantageOptions, ClusterOptions, CriticOptions, DataOptions, DPOOptions,
+                                      DynamicSamplingOptions, KLOptions, LoggingOptions, OffPolicyOptions,
+                                      PolicyOptions, RolloutOptions, ScheduleOptions, UpdateOptions)
+from posttrain.config.reward_model import RewardModelOptions, reward_model_options
 from posttrain.config.run import RunConfig
 from posttrain.config.stages import Stage, stage_named
-from posttrain.config.validate import Layout
+from posttrain.config.validate import Layout as DeviceLayout
 from posttrain.models.arch import ModelArch
+from posttrain.reward.rule_reward import RuleRewardOptions
 from posttrain.train.options import ActorLossOptions, EngineOptions, TokenBudget
 
-GIB = 1024**3
+__all__ = ["GIB", "Plan", "build_plan", "model_arch", "resolve_plan"]
 # the seed's dispatch sizes are rows per data-parallel rank; the driver reads them for all DP ranks
 # (hf: every worker; megatron: workers // (TP x PP x CP)); the critic is colocated with the actor
 ACTOR_DISPATCH_KEYS = ("actor_rollout_dispatch_size", "actor_logprob_dispatch_size", "ref_dispatch_size",
@@ -37,36 +42,19 @@ PHASES = ("ref", "actor", "update")  # token-budget phases of use_dynamic_bsz
 
 
 @dataclass(frozen=True)
-class MemoryEstimate:
-    """Bytes per worker process. Formulas in :func:`estimate_memory`."""
-
-    weights: float
-    gradients: float
-    optimizer: float
-    reference: float
-    critic: float
-    activations: float
-    kv_cache: float
-    reward_model: float = 0.0  # the frozen reward model of reward_config (0 when none, or its size is unknown)
-    rollout_copy: float = 0.0  # megatron: the whole model in HF layout for the native rollout (replica leaders)
-
-    @property
-    def total(self) -> float:
-        return (self.weights + self.gradients + self.optimizer + self.reference + self.critic
-                + self.activations + self.kv_cache + self.reward_model + self.rollout_copy)
-
-
-@dataclass(frozen=True)
 class Plan:
+    """Every value a run reads, derived once from its config (the module docstring)."""
+
+    # what runs, where, in which precision
     stage: Stage
-    layout: Layout
+    layout: DeviceLayout
     device: str
     train_dtype: str
     rollout_dtype: str
-    cpu_linear: str  # the fp32 nn.Linear kernel on a CPU: blas or onednn (posttrain.models.cpu_linear)
     use_ray: bool
     workers: int  # actor worker processes (1 in process)
     sharding: str  # ddp or fsdp2 (several workers)
+    # the batch arithmetic (prompts, rows, steps)
     n: int
     prompts_per_iteration: int
     responses_per_iteration: int
@@ -89,15 +77,30 @@ class Plan:
     logprob_temperature: float  # the sampling temperature, 0 (greedy) meaning 1
     uses_reference: bool
     uses_critic: bool
-    dynamic_sampling: bool
     skip_old_logprobs: bool  # the seed's on-policy skip: one mini-batch, one epoch, no KL in reward
+    guarantee_order: bool  # rl_config.guarantee_order: the TransferDock hands out rows in order
+    # the components' options (posttrain.config.options, posttrain.train.options)
     actor_loss: ActorLossOptions  # the actor loss's hyperparameters (on-policy stages; defaults otherwise)
     actor_engine: EngineOptions
     ref_engine: EngineOptions
-    max_num_seqs: int  # rows the rollout engine decodes at once
+    policy: PolicyOptions
+    data: DataOptions
+    schedule: ScheduleOptions
+    logging: LoggingOptions
+    update: UpdateOptions
+    kl: KLOptions = KLOptions()
+    advantages: AdvantageOptions = AdvantageOptions()
+    off_policy: OffPolicyOptions = OffPolicyOptions()
+    rollout: RolloutOptions | None = None  # on-policy stages
+    rule_reward: RuleRewardOptions | None = None  # the verifiers: training scores and/or held-out accuracy
+    scores_by_rules: bool = True  # rl_config.rule_reward: the training scores include the verifiers'
+    dynamic_sampling: DynamicSamplingOptions | None = None  # DAPO's filter_groups_enable
+    critic: CriticOptions | None = None  # PPO
+    dpo: DPOOptions | None = None
+    cluster: ClusterOptions = ClusterOptions()
+    config_json: str = "{}"  # the config as written to the run's config.json
     offload_optimizer: bool = False  # the optimizer state on the host between updates (GPU only; actor, critic)
     offload_grads: bool = False  # the gradients freed between updates (actor, critic)
-    lora: bool = False  # the actor trains a LoRA adapter (lora_target_modules; hf backend)
     multi_turn: str = ""  # multi_turn_enable: the tools and limits, in words (posttrain plan prints it)
     off_policy_rollout: str = ""  # async_staleness, separated rollout, partial rollout: in words (docs/async.md)
     warnings: tuple[str, ...] = ()
@@ -110,6 +113,11 @@ class Plan:
     @property
     def name(self) -> str:
         return self.stage.name
+
+    @property
+    def lora(self) -> bool:
+        """The actor trains a LoRA adapter (``lora_target_modules``)."""
+        return self.policy.lora is not None
 
 
 def _multi_turn_line(cfg: RunConfig) -> str:
@@ -158,82 +166,10 @@ def resolve_plan(cfg: RunConfig, arch: ModelArch | None = None, *, device: str |
     return _replace(plan, warnings=plan.warnings + tuple(extra)) if extra else plan
 
 
-def machine_memory_bytes() -> int | None:
-    """This machine's memory (MemTotal of /proc/meminfo), or None where it cannot be read."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
-
-
-def check_memory(cfg: RunConfig, plan: Plan) -> list[str]:
-    """Compare the memory estimate with this machine's memory when the run executes here (on the
-    CPU, workers not sent to a Ray cluster): above it, a warning; above twice it, a ConfigError
-    unless ``rl_config.ignore_memory_estimate``."""
-    from posttrain.errors import ConfigError
-
-    if not cfg.rl.ignore_memory_estimate:
-        check_rollout_fits(plan)
-    if plan.memory is None or not plan.device.startswith("cpu"):
-        return []
-    if plan.use_ray and (cfg.rl.ray_address or os.environ.get("RAY_ADDRESS")):
-        return []  # the workers run on the cluster's nodes
-    ram = machine_memory_bytes()
-    if not ram:
-        return []
-    need = plan.memory.total * plan.workers
-    if need <= ram:
-        return []
-    what = (f"the plan's memory estimate, {need / GIB:,.2f} GiB ({plan.workers} process(es) x "
-            f"{plan.memory.total / GIB:,.2f} GiB), is {need / ram:,.1f}x this machine's memory ({ram / GIB:,.2f} "
-            f"GiB, MemTotal in /proc/meminfo)")
-    fix = ("lower actor_config.micro_batch_size, rl_config.n_samples_per_prompt, generate_config.max_num_seqs or "
-           "generate_config.sampling_config.max_tokens (posttrain plan prints the estimate's parts)")
-    if need > 2 * ram and not cfg.rl.ignore_memory_estimate:
-        raise ConfigError(f"{what}: the run would be killed or swap for hours. To fit, {fix}; or set "
-                          f"rl_config.ignore_memory_estimate: true to run anyway")
-    return [f"{what}: the run may be killed or swap. To fit, {fix}"]
-
-
-def device_memory_bytes(device: str) -> int | None:
-    """The memory of one device of this run as seen here: the GPU's (when CUDA is visible in this
-    process), the machine's on a CPU; None when unknown (e.g. the GPUs are on the Ray cluster)."""
-    if device.startswith("cpu"):
-        return machine_memory_bytes()
-    import torch
-
-    if torch.cuda.is_available():
-        return int(torch.cuda.get_device_properties(0).total_memory)
-    return None
-
-
-def check_rollout_fits(plan: Plan) -> None:
-    """The megatron backend's native rollout holds the whole model in one process: refuse a model
-    whose HF copy alone does not fit one device (it needs a rollout engine sharded over devices)."""
-    from posttrain.errors import ConfigError
-
-    if plan.memory is None or not plan.memory.rollout_copy or plan.parallel.backend != "megatron":
-        return
-    available = device_memory_bytes(plan.device)
-    if available and plan.memory.rollout_copy > available:
-        raise ConfigError(
-            f"the native rollout samples from a whole copy of the model in one process (the first rank of each "
-            f"data-parallel replica): {plan.memory.rollout_copy / GIB:,.1f} GiB of weights do not fit one device "
-            f"({available / GIB:,.1f} GiB). A model larger than one device needs a rollout engine sharded over "
-            f"devices (vLLM with generate_config.infer_tensor_parallel_size), which posttrain does not have yet; "
-            f"train a smaller model, or use backend megatron for an offline stage (sft, dpo), or set "
-            f"rl_config.ignore_memory_estimate: true to run anyway")
-
-
-def build_plan(cfg: RunConfig, layout: Layout, arch: ModelArch | None = None, *, device: str = "cpu",
+def build_plan(cfg: RunConfig, layout: DeviceLayout, arch: ModelArch | None = None, *, device: str = "cpu",
                warnings: tuple[str, ...] = ()) -> Plan:
     """The derivation alone (``resolve_plan`` checks first)."""
     from posttrain.device import precision
-    from posttrain.models.cpu_linear import resolve_cpu_linear
 
     stage = stage_named(cfg.actor.stage or cfg.actor.algorithm)
     a, rl, gen = cfg.actor, cfg.rl, cfg.generate
@@ -264,9 +200,11 @@ def build_plan(cfg: RunConfig, layout: Layout, arch: ModelArch | None = None, *,
                            update_budget=budgets["update"] if budgets else None,
                            loss_mask_key="chosen_response_mask" if stage.name == "dpo" else "response_mask")
     steps_per_iteration = mini_batches * epochs
+    max_num_seqs = gen.max_num_seqs if cfg.explicitly_set("generate_config", "max_num_seqs") else 256
+    off = options.off_policy_options(cfg) if on_policy else OffPolicyOptions()
+    scored = on_policy and (rl.rule_reward or rl.eval_data_path)  # training scores, held-out accuracy
     plan = Plan(
         stage=stage, layout=layout, device=device, train_dtype=train_dtype, rollout_dtype=rollout_dtype,
-        cpu_linear=resolve_cpu_linear(device),
         use_ray=ray, workers=workers, sharding=rl.ray_sharding, n=n,
         prompts_per_iteration=gbs, responses_per_iteration=gbs * n, prompts_per_update=update_prompts,
         rows_per_update=update_prompts * n, mini_batch_rows=mini * n,
@@ -277,14 +215,22 @@ def build_plan(cfg: RunConfig, layout: Layout, arch: ModelArch | None = None, *,
         max_prompt_length=max_prompt, max_response_tokens=max_resp, max_tokens_per_sequence=per_seq,
         max_tokens_per_iteration=gbs * n * per_seq, train_iters=a.train_iters or 0,
         dispatch_sizes=MappingProxyType(dict(layout.dispatch_sizes)), reads=MappingProxyType(reads),
-        logprob_temperature=temperature,
-        uses_reference=stage.uses_reference(cfg), uses_critic=stage.uses_critic, lora=bool(a.lora_target_modules),
-        dynamic_sampling=dynamic,
+        logprob_temperature=temperature, uses_reference=stage.uses_reference(cfg), uses_critic=stage.uses_critic,
         skip_old_logprobs=on_policy and mini == update_prompts and epochs == 1 and not rl.use_kl_in_reward
-        and not off_policy(cfg),
+        and not off.any, guarantee_order=bool(rl.guarantee_order),
         actor_loss=actor_loss_options(cfg, stage, temperature) if on_policy else ActorLossOptions(),
         actor_engine=_with_forward(engine, budgets, "actor"), ref_engine=_with_forward(engine, budgets, "ref"),
-        max_num_seqs=gen.max_num_seqs if cfg.explicitly_set("generate_config", "max_num_seqs") else 256,
+        policy=options.policy_options(cfg), data=options.data_options(cfg), schedule=options.schedule_options(cfg),
+        logging=options.logging_options(cfg), update=options.update_options(cfg, on_policy=on_policy),
+        kl=options.kl_options(cfg), advantages=options.advantage_options(cfg), off_policy=off,
+        rollout=options.rollout_options(cfg, dtype=rollout_dtype, max_num_seqs=max_num_seqs,
+                                        tools=options.tool_options(cfg)) if on_policy else None,
+        rule_reward=options.rule_reward_options(cfg) if scored else None, scores_by_rules=bool(rl.rule_reward),
+        dynamic_sampling=options.dynamic_sampling_options(cfg) if dynamic else None,
+        critic=options.critic_options(cfg) if stage.uses_critic else None,
+        dpo=options.dpo_options(cfg) if stage.name == "dpo" else None,
+        cluster=options.cluster_options(cfg) if ray or off.separate_worker else ClusterOptions(),
+        config_json=options.resolved_config_json(cfg),
         offload_optimizer=on_policy and gen.offload_train_optimizer and not device.startswith("cpu"),
         offload_grads=on_policy and gen.offload_train_grad,
         warnings=warnings, arch=arch, reward_model=reward_model_options(cfg, device, on_policy=on_policy),
@@ -306,16 +252,6 @@ def _with_forward(engine: EngineOptions, budgets: dict[str, TokenBudget] | None,
     from dataclasses import replace
 
     return replace(engine, forward_budget=budgets[phase] if budgets else None)
-
-
-def off_policy(cfg: RunConfig) -> bool:
-    """Whether the rollout's policy may differ from the trainer's, so the old log-probs are computed
-    (never the on-policy skip) and compared with the rollout's: asynchronous training, a rollout
-    worker of its own (``use_integrated_worker: false``), partial rollout, or a rollout correction
-    asked for (docs/async.md)."""
-    rl = cfg.rl
-    return (rl.async_staleness is not None or not rl.use_integrated_worker or rl.rollout_correction != "none"
-            or rl.partial_rollout_max_split > 1)
 
 
 def actor_loss_options(cfg: RunConfig, stage: Stage, temperature: float) -> ActorLossOptions:
@@ -351,79 +287,3 @@ def token_budgets(cfg: RunConfig) -> dict[str, TokenBudget] | None:
                               f">= 1; got {tokens} / {rows}")
         out[phase] = TokenBudget(int(tokens), rows)
     return out
-
-
-def estimate_memory(cfg: RunConfig, plan: Plan, arch: ModelArch) -> MemoryEstimate:
-    """A first-order estimate per worker process, for the layout that runs: on the hf backend data
-    parallel over ``plan.workers`` (W); on the megatron backend each process holds 1/(TP x PP) of
-    the model (``plan.parallel``; M = TP x PP below, 1 on hf), and of a mixture-of-experts model's
-    experts 1/(M x EP) (weights, gradients, optimizer, reference and critic alike).
-
-    * weights: fp32 master weights, 4 bytes per parameter (the training dtype only changes the
-      forward's autocast), divided by W with FSDP2, by M on megatron;
-    * gradients: fp32, 4 bytes per parameter, divided by W with FSDP2, by M on megatron;
-    * optimizer: AdamW's two fp32 moments, 8 bytes per parameter, divided by W with FSDP2, by M on
-      megatron (and by its DP size with ``use_distributed_optimizer``);
-    * reference: a frozen fp32 copy (4 bytes per parameter, divided by M: it takes the actor's
-      layout) when the stage uses one, 0 with ``rl_config.offload_reference`` (it is on the device
-      only during its own log-prob pass);
-    * the offload of the optimizer state and gradients (``generate_config.offload_train_*``) frees
-      them during rollout, not during the update, whose peak this estimate is: they count in full;
-    * critic (PPO): the value model (the actor's backbone without the LM head, plus a bias-free
-      h x 1 value head) with its gradients and moments, 16 bytes per parameter of its own; replicated
-      on every worker, DDP, whatever the actor's sharding (divided by M on megatron);
-    * reward model (``reward_config``): its weights only (frozen), 4 bytes per parameter (2 in
-      bf16), on every worker; counted when its ``config.json`` can be read without loading it;
-    * activations for one micro-batch (Korthikanti et al. 2022, memory-efficient SDPA attention):
-      s*b*h*34 bytes per layer (full recompute keeps 2*s*b*h), plus fp32 logits s*b*V*4; on megatron
-      counted in full too (an upper bound: tensor/sequence parallelism splits some of them, and the
-      first pipeline stage holds up to PP micro-batches of its layers);
-    * KV cache of the native rollout engine: the rows one data-parallel replica decodes at once
-      (at most ``max_num_seqs``) x tokens per sequence x 2 x layers x kv_heads x head_dim x the
-      rollout dtype's bytes;
-    * rollout copy (megatron, on-policy): the native engine samples from a whole HF copy of the
-      model held by each replica's leader (TP rank 0, PP rank 0), fp32, 4 bytes per parameter
-      (counted for every process: an upper bound for the others).
-    * LoRA (``lora_target_modules``, hf backend): the base weights plus the adapter's, gradients
-      and moments for the adapter only, no reference with ``rl_config.share_backbone``, and as the
-      rollout copy the adapted base weights that the merged rollout saves while it samples.
-    """
-    a, par = cfg.actor, plan.parallel
-    params = float(arch.num_params())
-    split = par.tp * par.pp if par.backend == "megatron" else 1  # M: the model's split over ranks
-    # a rank holds 1/M of the dense part and 1/(M x EP) of the experts
-    ep_saving = arch.expert_params() / split * (1 - 1 / par.ep) if par.backend == "megatron" else 0.0
-    fsdp = plan.workers > 1 and plan.sharding == "fsdp2" and par.backend == "hf"
-    shard = params / plan.workers if fsdp else params / split - ep_saving
-    optimizer = 8 * shard / (par.dp if par.backend == "megatron" and par.use_distributed_optimizer else 1)
-    critic = value_model_params(arch) / split - ep_saving
-    s, b, h = plan.max_tokens_per_sequence, plan.micro_batch_size, arch.hidden_size
-    per_layer = 2 * s * b * h if a.recompute_granularity == "full" else s * b * h * 34
-    activations = arch.num_layers * per_layer + s * b * arch.vocab_size * 4
-    seqs = min(plan.responses_per_iteration // par.dp, plan.max_num_seqs) if plan.stage.on_policy else 0
-    rollout_copy = 4 * params if plan.stage.on_policy and par.backend == "megatron" else 0.0
-    kv = seqs * plan.max_tokens_per_sequence * arch.kv_cache_bytes_per_token(2 if plan.rollout_dtype == "bfloat16"
-                                                                             else 4)
-    rm_arch = reward_model_arch(cfg) if plan.reward_model is not None else None
-    rm_bytes = 2 if plan.reward_model is not None and plan.reward_model.dtype == "bfloat16" else 4
-    weights, trained = shard, shard
-    reference = params / split - ep_saving if plan.uses_reference and not cfg.rl.offload_reference else 0.0
-    if plan.lora:  # LoRA: gradients and moments for the adapter only
-        from posttrain.models.lora import lora_sizes
-
-        adapter, targeted = (float(n) for n in lora_sizes(arch, a.lora_target_modules, int(a.lora_r)))
-        weights, trained = params + adapter, adapter
-        optimizer = 8 * adapter
-        reference = 0.0 if cfg.rl.share_backbone or not reference else weights
-        rollout_copy = 4 * targeted if plan.stage.on_policy else 0.0
-    return MemoryEstimate(weights=4 * weights, gradients=4 * trained, optimizer=optimizer, reference=4 * reference,
-                          critic=16 * critic if plan.uses_critic else 0.0, activations=activations, kv_cache=kv,
-                          reward_model=rm_bytes * value_model_params(rm_arch) if rm_arch is not None else 0.0,
-                          rollout_copy=rollout_copy)
-
-
-def value_model_params(arch: ModelArch) -> float:
-    """Parameters of a sequence-classification model on ``arch`` (critic, reward model): no LM head
-    (untied: V x h fewer), a score head (h)."""
-    return float(arch.num_params()) - (0 if arch.tie_embeddings else arch.vocab_size * arch.hidden_size) \
-        + arch.hidden_size

@@ -1,21 +1,22 @@
-"""The datasets and the batch sampler of a run, built from its config."""
+"""The datasets and the batch sampler of a run, from plain values (the run's plan holds them)."""
 
 from __future__ import annotations
 
-from posttrain.config.megatron import MegatronConfig
+from collections.abc import Sequence
+
 from posttrain.errors import ConfigError, DataError
 
 
-def build_prompt_dataset(actor: MegatronConfig, max_prompt_length: int, data_path: str | None = None):
-    """The on-policy prompts (``data_path`` or ``megatron_training.data_path``), without the prompts
-    of ``max_prompt_length`` tokens or more."""
+def build_prompt_dataset(prefix: str | None, max_prompt_length: int, *, additional_keys: Sequence[str] = ("labels",),
+                         split: str | None = None, key: str = "megatron_training.data_path"):
+    """The on-policy prompts of the preprocessed dataset ``prefix`` (the config's ``key``), without
+    the prompts of ``max_prompt_length`` tokens or more."""
     from posttrain.data.datasets import PromptDataset
 
-    prefix = data_path or actor.data_path
     if not prefix:
-        raise ConfigError("megatron_training.data_path is not set: give the prefix of a preprocessed dataset")
-    dataset = PromptDataset(prefix, max_prompt_length=max_prompt_length,
-                            additional_keys=actor.dataset_additional_keys or ["labels"], split=actor.split)
+        raise ConfigError(f"{key} is not set: give the prefix of a preprocessed dataset")
+    dataset = PromptDataset(prefix, max_prompt_length=max_prompt_length, additional_keys=list(additional_keys),
+                            split=split)
     if len(dataset) == 0:
         why = (f" all {dataset.num_filtered} prompts are at least max_prompt_length={max_prompt_length} tokens"
                if dataset.num_filtered else "")
@@ -28,28 +29,28 @@ _OFFLINE = {"sft": ("SFT dataset", "SFTDataset"),
             "dpo": ("pairwise dataset (AlpacaStylePairwiseHandler)", "PairwiseDataset")}
 
 
-def build_offline_dataset(actor: MegatronConfig, stage: str):
+def build_offline_dataset(prefix: str | None, stage: str, *, seq_length: int, split: str | None = None):
     """SFT samples (``AlpacaStyleInstructionHandler`` data) or DPO pairs (``AlpacaStylePairwiseHandler``)."""
     from posttrain.data import datasets
 
     kind, cls = _OFFLINE[stage]
-    if not actor.data_path:
+    if not prefix:
         raise DataError(f"megatron_training.data_path is not set: give the prefix of a preprocessed {kind}")
-    dataset = getattr(datasets, cls)(actor.data_path, seq_length=actor.seq_length, split=actor.split)
+    dataset = getattr(datasets, cls)(prefix, seq_length=seq_length, split=split)
     if len(dataset) == 0:
-        raise DataError(f"the {kind} {actor.data_path} is empty")
+        raise DataError(f"the {kind} {prefix} is empty")
     return dataset
 
 
-def build_sampler(num_samples: int, actor: MegatronConfig, state: dict | None = None):
-    """The seeded, resumable batch sampler, with the seed's shuffle flags; ``state`` resumes it."""
+def build_sampler(num_samples: int, global_batch_size: int, seed: int, *, no_shuffle: bool = False,
+                  full_shuffle: bool = False, train_iters: int = 0, state: dict | None = None):
+    """The seeded, resumable batch sampler, with the seed's shuffle flags (``no_shuffle``,
+    ``full_shuffle_instruction_dataset``); ``state`` resumes it."""
     from posttrain.data.sampler import ResumableSampler
 
-    full = actor.full_shuffle_instruction_dataset
     sampler = ResumableSampler.from_seed_flags(
-        num_samples, actor.global_batch_size, actor.seed, no_shuffle=actor.no_shuffle,
-        full_shuffle_instruction_dataset=full,
-        total_samples=actor.train_iters * actor.global_batch_size if full else None)
+        num_samples, global_batch_size, seed, no_shuffle=no_shuffle, full_shuffle_instruction_dataset=full_shuffle,
+        total_samples=train_iters * global_batch_size if full_shuffle else None)
     if state is not None:
         sampler.load_state_dict(state)
     return sampler

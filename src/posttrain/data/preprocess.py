@@ -382,13 +382,3 @@ def _output_prefix(cfg: DataHandlerConfig) -> str:
             raise ConfigError(f"output_prefix {prefix}: cannot create the directory {parent}: {err}") from None
         print(f"created output directory {parent}", file=sys.stderr)
     return prefix
-
-
-def load_config(config_name: str, config_path: str | None = None, overrides: list[str] | None = None) -> DataHandlerConfig:
-    """``configs/datasets/NAME.yaml`` (or ``config_path``) with dotted ``key=value`` overrides."""
-    from posttrain.config.loader import apply_overrides, normalise_keys, read_yaml, resolve_config_file
-
-    path = resolve_config_file(config_name, config_path, subdir="datasets")
-    data = normalise_keys(read_yaml(path))
-    data = apply_overrides(data, list(overrides or []))
-    return make_config(data, source=str(path))

@@ -71,11 +71,11 @@ def clear_own_checkpoints(save: Path) -> None:
 
 
 def main(argv=None) -> int:
-    from posttrain.config.run import load_run_config
+    from posttrain.commands.train import plan_named
     from posttrain.data.readers import read_jsonl
-    from posttrain.metrics import plot_metrics
     from posttrain.demo.pretrained import ensure_smollm2
-    from posttrain.trainers.stages import train
+    from posttrain.metrics import plot_metrics
+    from posttrain.trainers.build import train
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     args = parse_args(argv)
@@ -91,15 +91,16 @@ def main(argv=None) -> int:
         overrides.append(f"megatron_training.train_iters={args.iters}")
     if args.seed is not None:
         overrides.append(f"megatron_training.seed={args.seed}")
-    cfg = load_run_config(args.config_name or DEMO_CONFIGS[args.task], None, overrides)
+    plan = plan_named(args.config_name or DEMO_CONFIGS[args.task], None, overrides)
     # a fresh run each time: the demo is not resumed. It clears the results it wrote itself into its
     # run directory (train refuses a directory holding another run's metrics or checkpoints)
     for name in ("metrics.jsonl", "eval.jsonl"):
         (out / name).unlink(missing_ok=True)
-    if cfg.actor.save and Path(cfg.actor.save).resolve() == (out / "ckpt").resolve():
+    save = plan.schedule.save
+    if save and Path(save).resolve() == (out / "ckpt").resolve():
         clear_own_checkpoints(out / "ckpt")
     train_start = time.time()
-    train(cfg)
+    train(plan)
     train_seconds = time.time() - train_start
     evals = read_jsonl(out / "eval.jsonl", strict=True)
     rows = read_jsonl(out / "metrics.jsonl", strict=True)

@@ -87,13 +87,13 @@ def write_data(out: Path, tokenizer, train: list[tuple[int, int]], test: list[tu
 
 def init_tiny_model(out: Path, train: list[tuple[int, int]], seed: int) -> Path:
     """A tiny random-init Qwen2 whose tokenizer is trained on the traces' text."""
-    from posttrain.models.init_model import init_model_dir
+    from posttrain.commands.init_model import init_model
 
     corpus = out / "corpus.txt"
     corpus.parent.mkdir(parents=True, exist_ok=True)
     corpus.write_text("".join(f"{question(a, b)}\n{CALL.format(a=a, b=b)}{END_TAG}\n{a * b}\n\\boxed{{{a * b}}}\n"
                               for a, b in train[:500]))
-    return init_model_dir("tiny_qwen2", out / "model", corpus=corpus, vocab_size=400, seed=seed, force=True)
+    return init_model("tiny_qwen2", out / "model", corpus=corpus, vocab_size=400, seed=seed, force=True)
 
 
 def evaluate(model_dir: str | Path, tokenizer_dir: str | Path, pairs: list[tuple[int, int]], *,
@@ -113,10 +113,10 @@ def evaluate(model_dir: str | Path, tokenizer_dir: str | Path, pairs: list[tuple
     from posttrain.tools.parsers import TOOL_PARSERS
     from posttrain.tools.runner import ToolRunner
 
-    from posttrain.checkpoint import resolve_checkpoint
+    from posttrain.models.loading import resolve_model_dir
 
     tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
-    model_dir = resolve_checkpoint(model_dir)[0]  # a save directory: its latest iter_XXXXXXX
+    model_dir = resolve_model_dir(model_dir)  # a save directory: its latest iter_XXXXXXX
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     template = get_template(TEMPLATE, configs_dir() / "tiny_templates.json")
     observation = ObservationFormat(template, tok)
@@ -165,9 +165,9 @@ def run(out: Path, *, model: str | None = None, sft_steps: int = 120, sft_target
     The SFT warm start saves every 5 steps up to ``sft_steps``; DAPO starts from the first
     checkpoint that solves ``sft_target`` of a validation split (disjoint from train and test)."""
     from posttrain.checkpoint import list_checkpoints
-    from posttrain.config.run import load_run_config
+    from posttrain.commands.train import plan_named
     from posttrain.paths import configs_dir
-    from posttrain.trainers.stages import train as train_run
+    from posttrain.trainers.build import train as train_run
 
     start = time.time()
     out.mkdir(parents=True, exist_ok=True)
@@ -182,7 +182,7 @@ def run(out: Path, *, model: str | None = None, sft_steps: int = 120, sft_target
     base = {"tool": evaluate(model_dir, model_dir, test, tools=True),
             "no_tool": evaluate(model_dir, model_dir, test, tools=False)}
     templates = f"megatron_training.prompt_type_path={configs_dir() / 'tiny_templates.json'}"
-    sft = load_run_config("sft_tiny_qwen2", None, [
+    sft = plan_named("sft_tiny_qwen2", None, [
         f"megatron_training.tokenizer_name_or_path={model_dir}", f"megatron_training.data_path={data['sft']}",
         f"megatron_training.save={out / 'sft_ckpt'}", f"rl_config.output_dir={out / 'sft'}",
         f"megatron_training.train_iters={sft_steps}", "megatron_training.seq_length=160",
@@ -202,7 +202,7 @@ def run(out: Path, *, model: str | None = None, sft_steps: int = 120, sft_target
                "sft_seconds": time.time() - sft_start}
     summary["sft"] = {"tool": evaluate(warm, model_dir, test, tools=True),
                       "no_tool": evaluate(warm, model_dir, test, tools=False)}
-    rl = load_run_config("dapo_tiny_multi_turn", None, [
+    rl = plan_named("dapo_tiny_multi_turn", None, [
         f"megatron_training.tokenizer_name_or_path={model_dir}", f"megatron_training.data_path={data['rl']}",
         f"actor_config.load={warm}", f"actor_config.save={out / 'rl_ckpt'}",
         f"rl_config.output_dir={out / 'rl'}", f"megatron_training.train_iters={iters}",

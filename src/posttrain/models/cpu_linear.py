@@ -7,19 +7,22 @@ the same shapes, in full fp32 (errors against float64 of the same order as MKL's
 (``torch.ops.mkldnn._linear_pointwise``, the kernel TorchInductor's CPU backend calls) computes
 here the forward ``x W^T + b`` and both backward products (``dy W`` and ``dy^T x``).
 
-:func:`set_cpu_linear` installs or removes it for the whole process, as ``torch.set_num_threads``
-sets threads: every ``nn.Linear`` whose input and weight are fp32 CPU tensors, outside autocast,
-then computes through oneDNN; everything else (bf16 autocast, which already uses oneDNN, GPU
-tensors, sharded weights) keeps PyTorch's own forward. Unless ``$POSTTRAIN_CPU_LINEAR`` (``blas``
-or ``onednn``) pins it, :func:`resolve_cpu_linear` times both kernels once per process and takes
-oneDNN when it is at least :data:`FASTER_BY` faster. The plan resolves it (``Plan.cpu_linear``) and
-every process of a run installs that one choice.
+:func:`use_cpu_linear` installs it for a run's duration (:func:`set_cpu_linear` for a process that
+is the run's, a Ray worker), as ``torch.set_num_threads`` sets threads: every ``nn.Linear`` whose
+input and weight are fp32 CPU tensors, outside autocast, then computes through oneDNN; everything
+else (bf16 autocast, which already uses oneDNN, GPU tensors, sharded weights) keeps PyTorch's own
+forward. Unless ``$POSTTRAIN_CPU_LINEAR`` (``blas`` or ``onednn``) pins it, :func:`resolve_cpu_linear`
+times both kernels once per process and thread count and takes oneDNN when it is at least
+:data:`FASTER_BY` faster. The run's session chooses it when the run starts (a resumed run keeps the
+choice its checkpoint recorded) and every process of the run installs that one choice.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+from collections.abc import Iterator
 
 import torch
 
@@ -89,9 +92,11 @@ def speedup(threads: int, size: int = 512, seconds: float = 0.15) -> float:
     return best_seconds(lambda: x @ w.t(), seconds) / best_seconds(lambda: _gemm(x, w), seconds)
 
 
-def resolve_cpu_linear(device: str) -> str:
-    """The fp32 linear kernel of a run on ``device``: ``$POSTTRAIN_CPU_LINEAR`` when set, else
-    oneDNN on a CPU where it is at least :data:`FASTER_BY` faster than the BLAS, else ``blas``."""
+def resolve_cpu_linear(device: str, stored: str | None = None) -> str:
+    """The fp32 linear kernel of a run on ``device``: ``$POSTTRAIN_CPU_LINEAR`` when set, else the
+    kernel a resumed run ``stored`` in its checkpoint (so it computes as the run it continues), else
+    oneDNN on a CPU where it is at least :data:`FASTER_BY` faster than the BLAS (timed now, at
+    torch's thread count), else ``blas``."""
     pinned = os.environ.get(ENV, "").strip().lower()
     if pinned:
         if pinned not in KINDS:
@@ -101,12 +106,25 @@ def resolve_cpu_linear(device: str) -> str:
         return pinned if available() or pinned == "blas" else "blas"
     if not device.startswith("cpu"):
         return "blas"
+    if stored in KINDS:
+        return stored if available() or stored == "blas" else "blas"
     return "onednn" if speedup(torch.get_num_threads()) >= FASTER_BY else "blas"
 
 
 def set_cpu_linear(kind: str) -> None:
     """Make every fp32 CPU ``nn.Linear`` of this process compute through ``kind`` (blas: PyTorch's own)."""
     torch.nn.Linear.forward = _forward if kind == "onednn" else _TORCH_FORWARD
+
+
+@contextlib.contextmanager
+def use_cpu_linear(kind: str) -> Iterator[None]:
+    """``kind`` installed for the ``with`` block; the kernel installed before is restored after."""
+    before = torch.nn.Linear.forward
+    set_cpu_linear(kind)
+    try:
+        yield
+    finally:
+        torch.nn.Linear.forward = before
 
 
 def installed() -> str:

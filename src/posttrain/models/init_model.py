@@ -104,10 +104,11 @@ def _install(tmp: Path, output: Path) -> None:
         os.replace(tmp / name, output / name)
 
 
-def init_model_dir(model: str, output: str | Path, corpus: str | Path | None = None,
+def init_model_dir(name: str, keys: dict, output: str | Path, corpus: str | Path | None = None,
                    vocab_size: int | None = None, tokenizer: str | Path | None = None,
                    seed: int = 1234, force: bool = False) -> Path:
-    """Write ``config.json``, ``model.safetensors`` and the tokenizer into ``output`` (atomically).
+    """Write ``config.json``, ``model.safetensors`` and the tokenizer of the model yaml ``name`` (its
+    architecture ``keys``) into ``output`` (atomically).
 
     ``output`` must be new or empty; with ``force`` an existing directory gets init-model's files
     replaced and keeps every other file (:func:`check_output_dir`)."""
@@ -115,11 +116,9 @@ def init_model_dir(model: str, output: str | Path, corpus: str | Path | None = N
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from posttrain.checkpoint import make_readable
-    from posttrain.config.loader import load_model_yaml
     from posttrain.models.arch import arch_from_model_yaml
 
     output = check_output_dir(output, force)
-    name, keys = load_model_yaml(model)
     if vocab_size is not None and vocab_size < MIN_VOCAB_SIZE:
         raise ConfigError(f"--vocab-size {vocab_size}: must be at least {MIN_VOCAB_SIZE} (the byte-level "
                           f"tokenizer's 256 byte tokens plus {len(SPECIAL_TOKENS)} special tokens)")

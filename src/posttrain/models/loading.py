@@ -19,6 +19,27 @@ def torch_dtype(name: str):
         raise ConfigError(f"unknown dtype '{name}'; use one of {', '.join(DTYPES)}") from None
 
 
+def resolve_model(source: str | Path) -> tuple[Path, bool]:
+    """``(HF model directory, is_full_checkpoint)`` of a model path: a posttrain save directory (its
+    latest ``iter_*``), an ``iter_*`` directory or an HF directory
+    (:func:`posttrain.checkpoint.resolve_checkpoint`), or a Megatron checkpoint, converted once into
+    an HF cache (:func:`posttrain.models.mcore.cache.hf_cache_for`; never a full checkpoint here)."""
+    from posttrain.checkpoint import STATE_FILE, resolve_checkpoint
+    from posttrain.models.mcore.layout import is_mcore_checkpoint
+
+    path = Path(source)
+    if path.is_dir() and not (path / STATE_FILE).is_file() and is_mcore_checkpoint(path):
+        from posttrain.models.mcore.cache import hf_cache_for
+
+        return hf_cache_for(path), False
+    return resolve_checkpoint(path)
+
+
+def resolve_model_dir(source: str | Path) -> Path:
+    """The HF model directory of a model path (:func:`resolve_model`)."""
+    return resolve_model(source)[0]
+
+
 def load_tokenizer(path: str | Path):
     from transformers import AutoTokenizer
 
@@ -32,13 +53,11 @@ def load_causal_lm(path: str | Path, *, device: str = "cpu", dtype: str = "float
                    attn_implementation: str | None = "sdpa"):
     """Load an ``AutoModelForCausalLM`` in ``dtype`` (weights; autocast is separate) on ``device``.
 
-    ``path`` is an HF model directory, a checkpoint save dir (its latest ``iter_*``) or an ``iter_*`` dir
-    (:func:`posttrain.checkpoint.resolve_checkpoint`)."""
+    ``path`` is an HF model directory, a checkpoint save dir (its latest ``iter_*``), an ``iter_*`` dir
+    or a Megatron checkpoint (:func:`resolve_model`)."""
     from transformers import AutoModelForCausalLM
 
-    from posttrain.checkpoint import resolve_checkpoint
-
-    path, _ = resolve_checkpoint(path)
+    path = resolve_model_dir(path)
     kwargs = {"dtype": torch_dtype(dtype)}
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation

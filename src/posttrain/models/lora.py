@@ -14,6 +14,7 @@ with the names that exist.
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -22,6 +23,16 @@ from posttrain.errors import ConfigError
 MEGATRON_TO_HF = {"linear_qkv": ("q_proj", "k_proj", "v_proj"), "linear_proj": ("o_proj",),
                   "linear_fc1": ("gate_proj", "up_proj"), "linear_fc2": ("down_proj",)}
 ADAPTER_CONFIG = "adapter_config.json"
+
+
+@dataclass(frozen=True)
+class LoraOptions:
+    """The actor's LoRA keys: rank ``lora_r``, ``lora_alpha`` and ``lora_target_modules`` (Megatron
+    or Hugging Face linear names)."""
+
+    r: int
+    alpha: float
+    target_modules: tuple[str, ...]
 
 
 def lora_sizes(arch, targets: Any, rank: int) -> tuple[int, int]:
@@ -67,25 +78,25 @@ def hf_targets(targets: Any, model) -> list[str]:
     return out
 
 
-def lora_config(role, model):
-    """The ``peft.LoraConfig`` of a role's keys: rank ``lora_r``, ``lora_alpha``, no dropout, no bias."""
+def lora_config(options: LoraOptions, model):
+    """The ``peft.LoraConfig`` of the LoRA keys: rank ``lora_r``, ``lora_alpha``, no dropout, no bias."""
     from peft import LoraConfig
 
-    if role.lora_r is None or role.lora_r < 1:
-        raise ConfigError(f"actor_config.lora_r={role.lora_r}: the LoRA rank must be an integer >= 1")
-    if role.lora_alpha is None or role.lora_alpha <= 0:
-        raise ConfigError(f"actor_config.lora_alpha={role.lora_alpha}: must be > 0 (the update is scaled by "
+    if options.r is None or options.r < 1:
+        raise ConfigError(f"actor_config.lora_r={options.r}: the LoRA rank must be an integer >= 1")
+    if options.alpha is None or options.alpha <= 0:
+        raise ConfigError(f"actor_config.lora_alpha={options.alpha}: must be > 0 (the update is scaled by "
                           f"lora_alpha / lora_r)")
-    return LoraConfig(r=int(role.lora_r), lora_alpha=role.lora_alpha, lora_dropout=0.0, bias="none",
-                      target_modules=hf_targets(role.lora_target_modules, model), task_type="CAUSAL_LM")
+    return LoraConfig(r=int(options.r), lora_alpha=options.alpha, lora_dropout=0.0, bias="none",
+                      target_modules=hf_targets(options.target_modules, model), task_type="CAUSAL_LM")
 
 
-def add_adapter(model, role):
-    """``model`` (an HF causal LM) with a fresh LoRA adapter from ``role``'s keys (PEFT's
-    initialisation: A random, B zero, so the adapted model starts as the base)."""
+def add_adapter(model, options: LoraOptions):
+    """``model`` (an HF causal LM) with a fresh LoRA adapter of ``options`` (PEFT's initialisation:
+    A random, B zero, so the adapted model starts as the base)."""
     from peft import get_peft_model
 
-    return get_peft_model(model, lora_config(role, model))
+    return get_peft_model(model, lora_config(options, model))
 
 
 def is_adapter_dir(path: str | Path) -> bool:
@@ -116,14 +127,14 @@ def adapter_base(path: str | Path) -> Path:
     return Path(base)
 
 
-def check_adapter_keys(path: str | Path, role, model) -> None:
+def check_adapter_keys(path: str | Path, options: LoraOptions, model) -> None:
     """The adapter saved in ``path`` has the run's ``lora_r``, ``lora_alpha`` and targets; else the
     run would silently continue another adapter than its config describes."""
     import json
 
     saved = json.loads((Path(path) / ADAPTER_CONFIG).read_text(encoding="utf-8"))
-    wanted = {"r": int(role.lora_r), "lora_alpha": role.lora_alpha,
-              "target_modules": sorted(hf_targets(role.lora_target_modules, model))}
+    wanted = {"r": int(options.r), "lora_alpha": options.alpha,
+              "target_modules": sorted(hf_targets(options.target_modules, model))}
     found = {"r": saved.get("r"), "lora_alpha": saved.get("lora_alpha"),
              "target_modules": sorted(saved.get("target_modules") or [])}
     keys = {"r": "lora_r", "lora_alpha": "lora_alpha", "target_modules": "lora_target_modules"}
@@ -221,11 +232,12 @@ def load_merged(path: str | Path, **kwargs):
 def merge_to_hf(load_dir: str | Path, out_dir: str | Path, *, force: bool = False, log=print) -> Path:
     """``posttrain convert --merge-lora``: the LoRA checkpoint (or adapter directory) ``load_dir``
     merged into its base, written as a plain HF model directory ``out_dir`` (staged, then renamed)."""
-    from posttrain.checkpoint import resolve_checkpoint, save_hf_weights
+    from posttrain.checkpoint import save_hf_weights
+    from posttrain.models.loading import resolve_model_dir
     from posttrain.models.mcore.convert import _publish_dir, _staging, check_hf_target
     from posttrain.models.mcore.hf_files import copy_tokenizer
 
-    path, _ = resolve_checkpoint(load_dir) if not is_adapter_dir(load_dir) else (Path(load_dir), False)
+    path = resolve_model_dir(load_dir) if not is_adapter_dir(load_dir) else Path(load_dir)
     if not is_adapter_dir(path):
         raise ConfigError(f"--merge-lora: {path} holds no LoRA adapter ({ADAPTER_CONFIG}); give a LoRA run's save "
                           f"directory or checkpoint")

@@ -19,7 +19,6 @@ from pathlib import Path
 
 import torch
 
-from posttrain.checkpoint import resolve_checkpoint
 from posttrain.models.loading import torch_dtype
 
 HEAD_INITS = ("default", "zero", "normal")
@@ -69,7 +68,9 @@ class ValueHeadModel(torch.nn.Module):
         """
         from transformers import AutoModelForSequenceClassification
 
-        path, _ = resolve_checkpoint(path)
+        from posttrain.models.loading import resolve_model_dir
+
+        path = resolve_model_dir(path)
         kwargs = {"dtype": torch_dtype(dtype), "num_labels": 1}
         if attn_implementation:
             kwargs["attn_implementation"] = attn_implementation

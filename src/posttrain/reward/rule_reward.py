@@ -38,6 +38,21 @@ class RewardBatch:
     errors: list[str] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class RuleRewardOptions:
+    """The seed's ``rl_config`` keys of the rule reward (see :class:`RuleReward`'s arguments)."""
+
+    verifiers: tuple[str, ...]
+    weights: tuple[float, ...]
+    parallel: int = 1
+    timeout: float = 30.0
+    modules: tuple[str, ...] = ()
+    overlong_buffer_enable: bool = False
+    overlong_buffer: int = 0
+    overlong_buffer_penalty_factor: float = 1.0
+    rollout_max_tokens: int = 2048
+
+
 class RuleReward:
     """Score decoded responses against labels with registered verifiers.
 
@@ -75,14 +90,12 @@ class RuleReward:
                                  modules=verifier_modules, memory_limit_mb=memory_limit_mb)
 
     @classmethod
-    def from_rl_config(cls, rl) -> "RuleReward":
-        """Build from an ``rl_config`` section (any object with the seed's attribute names)."""
-        return cls(rl.verifier_function, rl.verifier_weight, rl.verifier_parallel, rl.verifier_timeout,
-                   getattr(rl, "verifier_modules", ()) or (),
-                   overlong_buffer_enable=getattr(rl, "overlong_buffer_enable", False),
-                   overlong_buffer=getattr(rl, "overlong_buffer", 0),
-                   overlong_buffer_penalty_factor=getattr(rl, "overlong_buffer_penalty_factor", 1.0),
-                   rollout_max_tokens=getattr(rl, "rollout_max_tokens", 2048))
+    def from_options(cls, options: RuleRewardOptions) -> "RuleReward":
+        o = options
+        return cls(list(o.verifiers), list(o.weights), o.parallel, o.timeout, o.modules,
+                   overlong_buffer_enable=o.overlong_buffer_enable, overlong_buffer=o.overlong_buffer,
+                   overlong_buffer_penalty_factor=o.overlong_buffer_penalty_factor,
+                   rollout_max_tokens=o.rollout_max_tokens)
 
     def score(self, responses: list[str], labels: list[str], prompts: list[str] | None = None,
               **columns) -> tuple[list[float], dict[str, float]]:

@@ -27,38 +27,27 @@ from pathlib import Path
 
 import torch
 
-from posttrain.checkpoint import load_checkpoint, resolve_checkpoint, save_checkpoint
+from posttrain.checkpoint import load_checkpoint, save_checkpoint
 from posttrain.config.plan import Plan
-from posttrain.train.options import EngineOptions
-from posttrain.config.run import RunConfig
+from posttrain.models.loading import resolve_model
 from posttrain.roles.policy import build_train_engine, model_source
+from posttrain.train.options import EngineOptions
 
 log = logging.getLogger(__name__)
 
 
-def critic_save_dir(cfg: RunConfig) -> Path | None:
-    """``critic_config.save`` when it names a directory other than the actor's, else None (the
-    critic is then saved inside the actor's checkpoints)."""
-    critic = cfg.critic
-    if critic is None or not critic.save or (cfg.actor.save and Path(critic.save).resolve() == Path(cfg.actor.save).resolve()):
-        return None
-    return Path(critic.save)
-
-
-def critic_source(cfg: RunConfig) -> tuple[str, bool]:
+def critic_source(plan: Plan) -> tuple[str, bool]:
     """(path of the critic's initial weights, whether it is the actor's)."""
-    critic = cfg.critic
-    if critic is not None and critic.load and critic.load != cfg.actor.load:
-        return critic.load, False
-    return model_source(cfg.actor), True
+    if plan.critic is not None and plan.critic.checkpoint.load:
+        return plan.critic.checkpoint.load, False
+    return model_source(plan.policy), True
 
 
 def build_value_model(path: str, device: str):
     """A :class:`ValueHeadModel` from a checkpoint (``iter_*`` or HF dir); a new head starts at 0."""
-    from posttrain.checkpoint import resolve_checkpoint
     from posttrain.models.value_head import ValueHeadModel
 
-    hf_dir, _ = resolve_checkpoint(path)
+    hf_dir, _ = resolve_model(path)
     if (Path(hf_dir) / "critic" / "config.json").is_file():  # a posttrain PPO checkpoint
         hf_dir = Path(hf_dir) / "critic"
     model = ValueHeadModel.from_pretrained(hf_dir, dtype="float32", device=device, head_init="zero")
@@ -86,36 +75,39 @@ class Critic:
     actor's does); on the Ray driver, :class:`posttrain.cluster.group.CriticRole` offers the same
     ``compute_values`` and ``update``."""
 
-    def __init__(self, cfg: RunConfig, plan: Plan, state: dict, device: str):
+    def __init__(self, plan: Plan, state: dict, device: str):
         from posttrain.checkpoint import Part, load_part
 
-        self.role = cfg.critic or cfg.actor  # megatron_training + critic_config
-        path, from_actor = critic_source(cfg)
+        self.options = options = plan.critic  # critic_config (else the actor's keys)
+        path, from_actor = critic_source(plan)
         self.model = build_value_model(str(state["initial_model"]) if from_actor else path, device)
         # padded micro-batches of micro_batch_size rows: remove padding and token budgets apply to
         # the policy's forwards only
-        self.engine = build_train_engine(ValueModule(self.model), self.role, plan, EngineOptions(),
+        self.engine = build_train_engine(ValueModule(self.model), options.optim, plan, EngineOptions(),
                                          metric_prefix="critic")
         self.infer = self.engine
         self.part = Part(self.model.model, self.engine.optimizer, self.engine.scheduler)
-        self.save_dir = critic_save_dir(cfg)
-        role = self.role
+        self.save_dir = Path(options.save_dir) if options.save_dir else None
+        load = options.checkpoint
         if not from_actor and self._resumes_own_checkpoint(path):
             state = load_checkpoint(path, self.model.model, self.engine.optimizer, self.engine.scheduler,
-                                    no_load_optim=bool(role.no_load_optim), no_load_rng=bool(role.no_load_rng))
+                                    no_load_optim=load.no_load_optim, no_load_rng=load.no_load_rng)
             log.info("critic: resumed from %s (iteration %d)", state["checkpoint_dir"], int(state["iteration"]))
         elif self.save_dir is None and int(state["iteration"]) > 0:
             # inside the actor's checkpoint; finetune / no_load_optim keep the critic's weights only
-            if not load_part(state["checkpoint_dir"], "critic", self.part,
-                             no_load_optim=bool(role.finetune or role.no_load_optim)):
+            if not load_part(state["checkpoint_dir"], "critic", self.part, no_load_optim=not load.restores_optimizer):
                 log.warning("resumed checkpoint %s has no critic/: the critic starts afresh", state["checkpoint_dir"])
         log.info("critic: value head on %s (%s)", path, "actor weights" if from_actor else "critic_config.load")
+
+    @property
+    def micro_batch_size(self) -> int:
+        return self.options.optim.micro_batch_size
 
     def _resumes_own_checkpoint(self, path: str) -> bool:
         """``critic_config.load`` is a critic checkpoint saved by posttrain (not a model directory)
         and ``finetune`` is off."""
-        directory, full = resolve_checkpoint(path)
-        return full and not self.role.finetune and not (Path(directory) / "critic").is_dir()
+        directory, full = resolve_model(path)
+        return full and not self.options.checkpoint.finetune and not (Path(directory) / "critic").is_dir()
 
     def save(self, iteration: int, *, tokenizer, trainer_state: dict) -> Path | None:
         """Write the critic's own checkpoint (``critic_config.save``); None when it has no directory
@@ -124,10 +116,10 @@ class Critic:
             return None
         return save_checkpoint(self.save_dir, iteration, self.model.model, self.engine.optimizer,
                                self.engine.scheduler, tokenizer=tokenizer, trainer_state=trainer_state,
-                               save_optim=not self.role.no_save_optim, save_rng=not self.role.no_save_rng)
+                               save_optim=self.options.save_optim, save_rng=self.options.save_rng)
 
     def compute_values(self, batch, *, micro_batch_size: int | None = None):
-        return self.infer.compute_values(batch, micro_batch_size=micro_batch_size or self.role.micro_batch_size)
+        return self.infer.compute_values(batch, micro_batch_size=micro_batch_size or self.micro_batch_size)
 
     def update(self, batch, loss_fn, *, mini_batch_size: int, epochs: int = 1, shuffle: bool = False, seed: int = 0):
         return self.engine.update(batch, loss_fn, mini_batch_size=mini_batch_size, epochs=epochs, shuffle=shuffle,

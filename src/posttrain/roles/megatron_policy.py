@@ -111,15 +111,15 @@ class MegatronPolicy:
     """The actor (and reference) shards of this rank, the leader's rollout copy, and the trainer
     state (resumed or fresh)."""
 
-    def __init__(self, cfg, plan, device: str, tokenizer, stop_token_ids: list[int]):
+    def __init__(self, plan, device: str, tokenizer, stop_token_ids: list[int], *, source: str | None = None):
         from megatron.core import parallel_state as ps
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
         from posttrain.roles.policy import model_source, reference_source
 
-        a, par = cfg.actor, plan.parallel
-        self.cfg, self.plan, self.device = cfg, plan, device
-        source = model_source(a)
+        a, par = plan.policy, plan.parallel
+        self.plan, self.device = plan, device
+        source = source or model_source(a)
         vpp = num_layers(source) // (par.pp * par.vpp_layers) if par.vpp_layers else None  # chunks per rank
         vpp = vpp if vpp and vpp > 1 else None
         ps.initialize_model_parallel(tensor_model_parallel_size=par.tp, pipeline_model_parallel_size=par.pp,
@@ -131,7 +131,7 @@ class MegatronPolicy:
                    "recompute_num_layers": par.recompute_num_layers,
                    "sequence_parallel": par.sequence_parallel}
         # the router's load-balancing loss (read by mixture-of-experts models only)
-        options.update(moe_router_load_balancing_type="seq_aux_loss" if a.seq_aux else a.moe_router_load_balancing_type,
+        options.update(moe_router_load_balancing_type=a.moe_router_load_balancing_type,
                        moe_aux_loss_coeff=a.moe_aux_loss_coeff)
         if par.recompute_granularity == "full":  # Megatron needs a method and a count with full recompute
             options["recompute_method"] = par.recompute_method or "uniform"
@@ -140,24 +140,24 @@ class MegatronPolicy:
         if self.bf16:  # fp32 main parameters in the optimizer
             options.update(bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16)
         self.options = {k: v for k, v in options.items() if v is not None}
-        resuming = _is_megatron_dir(source) and not a.finetune and _has_iteration(source)
+        resuming = _is_megatron_dir(source) and not a.checkpoint.finetune and _has_iteration(source)
         self.chunks, self.args = build_chunks(source, self.options, device, for_training=True)
-        self.models, self.optimizer, self.scheduler = self._trainable(a, plan, self.chunks)
+        self.models, self.optimizer, self.scheduler = self._trainable(a.optim, plan, self.chunks)
         self.engine = self._engine(self.models, self.optimizer, self.scheduler, plan.stage.metric_prefix
-                                   if not plan.stage.on_policy else "actor", a, plan.actor_engine)
+                                   if not plan.stage.on_policy else "actor", a.optim, plan.actor_engine)
         self.state = {"iteration": 0, "consumed_samples": 0, "sampler_state": None, "initial_model": str(source)}
         if resuming:
-            self.state = self._resume(source, a)
-        self.critic = self._critic(cfg, plan, source if resuming else None) if plan.uses_critic else None
+            self.state = self._resume(source, a.checkpoint)
+        self.critic = self._critic(plan, source if resuming else None) if plan.uses_critic else None
         self.reference = None
         if plan.uses_reference:
-            ref_source = reference_source(cfg, self.state) or str(source)
+            ref_source = reference_source(a, self.state) or str(source)
             ref_chunks, _ = build_chunks(ref_source, self.options, device, for_training=False)
             for chunk in ref_chunks:
                 chunk.eval().requires_grad_(False)
-            self.reference = self._engine([self._precision(c) for c in ref_chunks], None, None, "ref", a,
+            self.reference = self._engine([self._precision(c) for c in ref_chunks], None, None, "ref", a.optim,
                                           plan.ref_engine)
-            if cfg.rl.offload_reference:
+            if a.offload_reference:
                 from posttrain.roles.policy import offloaded_reference
 
                 self.reference = offloaded_reference(self.reference)
@@ -166,18 +166,18 @@ class MegatronPolicy:
             from posttrain.roles.policy import build_rollout
 
             self.hf_model = hf_skeleton(self.state["initial_model"], self.args, device)
-            self.rollout = build_rollout(cfg, plan, self.hf_model, tokenizer, stop_token_ids)
+            self.rollout = build_rollout(plan.rollout, a, self.hf_model, tokenizer, stop_token_ids)
         if plan.stage.on_policy:
             self.sync_rollout()
 
     # ---- set-up ---------------------------------------------------------------------------------
-    def _trainable(self, role, plan, chunks: list):
+    def _trainable(self, optim, plan, chunks: list):
         """Megatron's DDP over each of ``chunks``, their optimizer and posttrain's LR schedule, from
-        ``role``'s keys."""
+        the role's :class:`~posttrain.train.options.OptimOptions` ``optim``."""
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-        from posttrain.train.optim import build_lr_scheduler
+        from posttrain.train.optim import build_scheduler
 
         par = plan.parallel
         ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
@@ -186,12 +186,11 @@ class MegatronPolicy:
                                           disable_bucketing=index > 0)  # as Megatron-LM builds virtual stages
                   for index, chunk in enumerate(chunks)]
         optimizer = get_megatron_optimizer(OptimizerConfig(
-            optimizer="adam", lr=role.lr, min_lr=role.min_lr, weight_decay=role.weight_decay,
-            adam_beta1=role.adam_beta1, adam_beta2=role.adam_beta2, clip_grad=role.clip_grad, bf16=self.bf16,
+            optimizer="adam", lr=optim.lr, min_lr=optim.min_lr, weight_decay=optim.weight_decay,
+            adam_beta1=optim.adam_beta1, adam_beta2=optim.adam_beta2, clip_grad=optim.clip_grad, bf16=self.bf16,
             params_dtype=torch.bfloat16 if self.bf16 else torch.float32,
             use_distributed_optimizer=par.use_distributed_optimizer), models)
-        scheduler = build_lr_scheduler(optimizer, lr=role.lr, min_lr=role.min_lr, lr_decay_style=role.lr_decay_style,
-                                       lr_warmup_fraction=role.lr_warmup_fraction, total_steps=plan.total_optimizer_steps)
+        scheduler = build_scheduler(optimizer, optim, plan.total_optimizer_steps)
         return models, optimizer, scheduler
 
     def _precision(self, chunk):
@@ -203,12 +202,12 @@ class MegatronPolicy:
 
         return Float16Module(chunk.config, chunk)
 
-    def _engine(self, model, optimizer, scheduler, prefix: str, role, options=None, value_head: bool = False):
+    def _engine(self, model, optimizer, scheduler, prefix: str, optim, options=None, value_head: bool = False):
         """An engine; a trained one with the plan's offload of its optimizer state and gradients."""
         from posttrain.train.megatron.engine import MegatronEngine, MegatronOffload
 
         engine = MegatronEngine(model, optimizer, scheduler, vocab_size=int(self.args.vocab_size),
-                                micro_batch_size=role.micro_batch_size or 1, metric_prefix=prefix,
+                                micro_batch_size=optim.micro_batch_size or 1, metric_prefix=prefix,
                                 value_head=value_head, options=options)
         plan = self.plan
         if optimizer is not None and (plan.offload_optimizer or plan.offload_grads):
@@ -217,33 +216,33 @@ class MegatronPolicy:
             engine.offload.to_host()  # nothing is needed until the first update
         return engine
 
-    def _critic(self, cfg, plan, resume_dir: str | None):
+    def _critic(self, plan, resume_dir: str | None):
         """PPO's critic (a value head on the backbone), colocated with the same layout: from
         ``critic_config.load`` (a reward model, HF or ``--orm`` Megatron) or the actor's initial
         weights with a zero head; resumed from ``critic/`` of the actor's checkpoint."""
         from posttrain.roles.critic import critic_source
         from posttrain.train.megatron.checkpoint import load_megatron_checkpoint
 
-        role = cfg.critic or cfg.actor
-        path, from_actor = critic_source(cfg)
+        options = plan.critic
+        path, from_actor = critic_source(plan)
         self.critic_chunks, _ = build_chunks(str(self.state["initial_model"]) if from_actor else path, self.options,
                                              self.device, for_training=True, value_head=True)
-        models, optimizer, scheduler = self._trainable(role, plan, self.critic_chunks)
-        critic = self._engine(models, optimizer, scheduler, "critic", role, value_head=True)
+        models, optimizer, scheduler = self._trainable(options.optim, plan, self.critic_chunks)
+        critic = self._engine(models, optimizer, scheduler, "critic", options.optim, value_head=True)
         if resume_dir is not None:  # finetune / no_load_optim keep the critic's weights only
-            keep_optim = not (role.finetune or role.no_load_optim)
+            keep_optim = options.checkpoint.restores_optimizer
             saved = load_megatron_checkpoint(resume_dir, self.critic_chunks, optimizer, load_optim=keep_optim,
                                              load_rng=False, subdir="critic")
             if keep_optim and "scheduler" in saved:
                 scheduler.load_state_dict(saved["scheduler"])
         return critic
 
-    def _resume(self, source: str, a) -> dict:
+    def _resume(self, source: str, load) -> dict:
         from posttrain.train.megatron.checkpoint import load_megatron_checkpoint
 
-        saved = load_megatron_checkpoint(source, self.chunks, self.optimizer, load_optim=not a.no_load_optim,
-                                         load_rng=not a.no_load_rng)
-        if "scheduler" in saved and not a.no_load_optim:
+        saved = load_megatron_checkpoint(source, self.chunks, self.optimizer, load_optim=not load.no_load_optim,
+                                         load_rng=not load.no_load_rng)
+        if "scheduler" in saved and not load.no_load_optim:
             self.scheduler.load_state_dict(saved["scheduler"])
         state = dict(saved.get("trainer_state") or {})
         state.update(iteration=int(saved["iteration"]), sampler_state=saved.get("sampler_state"),
@@ -278,8 +277,10 @@ class MegatronPolicy:
             if self.critic is not None:
                 parts["critic"] = Part(self.critic_chunks, self.critic.optimizer,
                                        {"scheduler": self.critic.scheduler.state_dict()})
-            return save_megatron_checkpoint(save_dir, iteration, parts, self.args, ckpt_format=self.cfg.actor.ckpt_format,
-                                            save_optim=save_optim, save_rng=save_rng)
+            return save_megatron_checkpoint(save_dir, iteration, parts, self.args,
+                                            ckpt_format=self.plan.policy.ckpt_format, save_optim=save_optim,
+                                            save_rng=save_rng)
+
 
 def _has_iteration(source: str) -> bool:
     """A Megatron checkpoint that a run saved (``iter_*``), not a converted ``release``."""

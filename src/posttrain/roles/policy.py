@@ -16,11 +16,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from posttrain.config.megatron import MegatronConfig
+from posttrain.checkpoint.files import CheckpointLoad
+from posttrain.config.options import PolicyOptions, RolloutOptions
 from posttrain.config.plan import Plan
-from posttrain.train.options import EngineOptions
-from posttrain.config.run import RunConfig
 from posttrain.errors import ConfigError
+from posttrain.train.options import EngineOptions, OptimOptions
 
 log = logging.getLogger(__name__)
 
@@ -54,10 +54,10 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def model_source(actor: MegatronConfig) -> str:
+def model_source(policy: PolicyOptions) -> str:
     """Where the actor's initial weights come from: ``load`` (a checkpoint or HF dir), else the
     tokenizer path, which for Hugging Face models is the model directory."""
-    source = actor.load or actor.tokenizer_name_or_path
+    source = policy.load or policy.tokenizer
     if not source:
         raise ConfigError("set actor_config.load (an HF model or checkpoint directory) or "
                           "megatron_training.tokenizer_name_or_path (an HF model directory)")
@@ -66,51 +66,49 @@ def model_source(actor: MegatronConfig) -> str:
     return source
 
 
-def load_policy_tokenizer(actor: MegatronConfig):
+def load_policy_tokenizer(policy: PolicyOptions, source: str | None = None):
     """The actor's tokenizer and the token ids its rollout stops on (the driver needs no weights)."""
-    from posttrain.checkpoint import resolve_checkpoint
-    from posttrain.models.loading import load_tokenizer
+    from posttrain.models.loading import load_tokenizer, resolve_model_dir
 
-    tokenizer = load_tokenizer(actor.tokenizer_name_or_path or resolve_checkpoint(model_source(actor))[0])
-    return tokenizer, rollout_stop_ids(tokenizer, actor)
+    tokenizer = load_tokenizer(policy.tokenizer or resolve_model_dir(source or model_source(policy)))
+    return tokenizer, rollout_stop_ids(tokenizer, policy)
 
 
-def rollout_stop_ids(tokenizer, actor: MegatronConfig) -> list[int]:
+def rollout_stop_ids(tokenizer, policy: PolicyOptions) -> list[int]:
     """eos plus the prompt template's stop words that are single tokens."""
     from posttrain.data.encoding import stop_token_ids
     from posttrain.data.templates import get_template
 
-    path = actor.prompt_type_path if actor.prompt_type_path and Path(actor.prompt_type_path).is_file() else None
-    return sorted(stop_token_ids(get_template(actor.prompt_type or "hf_chat_template", path), tokenizer))
+    path = policy.prompt_type_path if policy.prompt_type_path and Path(policy.prompt_type_path).is_file() else None
+    return sorted(stop_token_ids(get_template(policy.prompt_type or "hf_chat_template", path), tokenizer))
 
 
-def build_actor_model(actor: MegatronConfig, device: str):
-    """The HF actor model (fp32 master weights), its tokenizer, and where it came from. With
-    ``lora_target_modules``, a PEFT model: the base frozen, a LoRA adapter (the source's, when it
-    holds one, else a fresh one) the only trainable weights."""
-    from posttrain.checkpoint import resolve_checkpoint
+def build_actor_model(policy: PolicyOptions, device: str, source: str | None = None):
+    """The HF actor model (fp32 master weights), its tokenizer, and where it came from (``source``,
+    default :func:`model_source`). With ``lora``, a PEFT model: the base frozen, a LoRA adapter (the
+    source's, when it holds one, else a fresh one) the only trainable weights."""
     from posttrain.models import lora
-    from posttrain.models.loading import check_vocab, load_causal_lm, load_tokenizer
+    from posttrain.models.loading import check_vocab, load_causal_lm, load_tokenizer, resolve_model_dir
 
-    source = model_source(actor)
-    path, _ = resolve_checkpoint(source)
+    source = source or model_source(policy)
+    path = resolve_model_dir(source)
     has_adapter = lora.is_adapter_dir(path)
-    if has_adapter and not actor.lora_target_modules:
+    if has_adapter and policy.lora is None:
         raise ConfigError(f"{path} holds a LoRA adapter: set actor_config.lora_target_modules to keep training it, "
                           f"or merge it into the base first (posttrain convert --merge-lora --load-dir {path} "
                           f"--save-dir <dir>)")
     base = lora.adapter_base(path) if has_adapter else path
     model = load_causal_lm(base, device=device, dtype="float32")
-    tok_path = actor.tokenizer_name_or_path or path
+    tok_path = policy.tokenizer or path
     tokenizer = load_tokenizer(tok_path)
     check_vocab(model, tokenizer, f"tokenizer {tok_path} vs model {base}")
     if getattr(model.config, "use_cache", None) is not None:
         model.config.use_cache = False
-    if actor.lora_target_modules and has_adapter:
-        lora.check_adapter_keys(path, actor, model)
+    if policy.lora is not None and has_adapter:
+        lora.check_adapter_keys(path, policy.lora, model)
         model = lora.load_adapter(model, path)
-    elif actor.lora_target_modules:
-        model = lora.add_adapter(model, actor)
+    elif policy.lora is not None:
+        model = lora.add_adapter(model, policy.lora)
     return model, tokenizer, source
 
 
@@ -119,10 +117,10 @@ def build_frozen_copy(model, ref_path: str | None, device: str):
     import torch
 
     if ref_path:
-        from posttrain.checkpoint import resolve_checkpoint
+        from posttrain.models.loading import resolve_model_dir
         from posttrain.models.lora import load_merged
 
-        ref = load_merged(resolve_checkpoint(ref_path)[0], device=device)  # a LoRA checkpoint: merged
+        ref = load_merged(resolve_model_dir(ref_path), device=device)  # a LoRA checkpoint: merged
     else:
         ref = copy.deepcopy(model)
     ref.eval()
@@ -146,27 +144,26 @@ def offloaded_reference(engine):
     return reference
 
 
-def build_train_engine(model, role: MegatronConfig, plan: Plan, options: EngineOptions, *,
+def build_train_engine(model, optim: OptimOptions, plan: Plan, options: EngineOptions, *,
                        metric_prefix: str = "actor", dp_group=None):
     """AdamW + the LR schedule (sized for the plan's total optimizer steps) + a TrainEngine, with
     the plan's offload of the optimizer state and gradients between updates."""
     from posttrain.train.engine import TrainEngine
-    from posttrain.train.optim import build_lr_scheduler, build_optimizer
+    from posttrain.train.optim import build_optimizer, build_scheduler
 
-    optimizer = build_optimizer(model, role.lr, role.weight_decay, role.adam_beta1, role.adam_beta2)
-    scheduler = build_lr_scheduler(optimizer, lr=role.lr, min_lr=role.min_lr, lr_decay_style=role.lr_decay_style,
-                                   lr_warmup_fraction=role.lr_warmup_fraction, total_steps=plan.total_optimizer_steps)
+    optimizer = build_optimizer(model, optim.lr, optim.weight_decay, optim.adam_beta1, optim.adam_beta2)
+    scheduler = build_scheduler(optimizer, optim, plan.total_optimizer_steps)
     offload = None
     if plan.offload_optimizer or plan.offload_grads:  # generate_config.offload_train_*
         from posttrain.train.offload import StateOffload
 
         offload = StateOffload(optimizer, optimizer_state=plan.offload_optimizer, grads=plan.offload_grads)
-    return TrainEngine(model, optimizer, scheduler, clip_grad=role.clip_grad, micro_batch_size=role.micro_batch_size,
-                       dtype=plan.train_dtype, activation_checkpointing=role.recompute_granularity is not None,
+    return TrainEngine(model, optimizer, scheduler, clip_grad=optim.clip_grad, micro_batch_size=optim.micro_batch_size,
+                       dtype=plan.train_dtype, activation_checkpointing=optim.activation_checkpointing,
                        metric_prefix=metric_prefix, dp_group=dp_group, options=options, offload=offload)
 
 
-def resume(source: str, model, engine, role: MegatronConfig) -> dict:
+def resume(source: str, model, engine, load: CheckpointLoad) -> dict:
     """Load a full checkpoint's state into ``model`` and ``engine`` when ``source`` is one (and
     ``finetune`` is off). Returns the trainer state: ``iteration`` (0 when starting fresh),
     ``consumed_samples``, ``sampler_state``, ``checkpoint_dir`` and ``initial_model`` (where the
@@ -174,22 +171,20 @@ def resume(source: str, model, engine, role: MegatronConfig) -> dict:
     from posttrain.checkpoint import load_checkpoint, resolve_checkpoint
 
     _, full = resolve_checkpoint(source)
-    if not full or role.finetune:
+    if not full or load.finetune:
         return {"iteration": 0, "consumed_samples": 0, "sampler_state": None, "initial_model": str(source)}
-    state = load_checkpoint(source, model, engine.optimizer, engine.scheduler,
-                            no_load_optim=bool(role.no_load_optim), no_load_rng=bool(role.no_load_rng))
+    state = load_checkpoint(source, model, engine.optimizer, engine.scheduler, no_load_optim=load.no_load_optim,
+                            no_load_rng=load.no_load_rng)
     state.setdefault("initial_model", str(source))
     log.info("resumed from %s at iteration %d", state["checkpoint_dir"], int(state["iteration"]))
     return state
 
 
-def reference_source(cfg: RunConfig, state: dict) -> str | None:
+def reference_source(policy: PolicyOptions, state: dict) -> str | None:
     """Where the reference's weights come from; None means a copy of the actor's initial weights.
     DPO: ``ref_model``; on-policy: ``integrated_mode_config.ref_model_load_path``. After a resume
     the actor is no longer the initial model, so the reference is loaded from ``initial_model``."""
-    path = cfg.actor.ref_model if cfg.stage == "dpo" else (cfg.rl.integrated_mode_config or {}).get(
-        "ref_model_load_path")
-    path = path or None  # the seed's default ref_model is "" (unset)
+    path = policy.reference_load
     if path is None and int(state["iteration"]) > 0:
         path = str(state["initial_model"])
     return path
@@ -212,26 +207,28 @@ def warn_dropout_across_workers(model: Any, workers: int) -> None:
                     "them to 0 in config.json for worker-count-invariant runs", dropout)
 
 
-def build_rollout(cfg: RunConfig, plan: Plan, model, tokenizer, stop_token_ids: list[int]):
+def build_rollout(rollout: RolloutOptions, policy: PolicyOptions, model, tokenizer, stop_token_ids: list[int]):
     """The rollout engine of ``rl_config.rollout_engine`` (native or vLLM) sampling from ``model``."""
     from posttrain.rollout.base import ROLLOUT_ENGINES
 
     kwargs = dict(model=model, pad_token_id=tokenizer.pad_token_id, eos_token_ids=stop_token_ids,
-                  max_num_seqs=plan.max_num_seqs, max_num_batched_tokens=cfg.generate.max_num_batched_tokens,
-                  dtype=plan.rollout_dtype)
-    if cfg.rl.multi_turn_enable or cfg.rl.async_engine:  # the native engine's per-request loop
-        engine = build_multi_turn_engine(cfg, tokenizer, **kwargs)
+                  max_num_seqs=rollout.max_num_seqs, max_num_batched_tokens=rollout.max_num_batched_tokens,
+                  dtype=rollout.dtype)
+    if rollout.per_request:  # the native engine's per-request loop (multi-turn, async_engine)
+        engine = build_multi_turn_engine(rollout, policy, tokenizer, **kwargs)
     else:
-        if cfg.rl.rollout_engine == "vllm":  # the generate_config keys vLLM reads (posttrain.config.vllm)
-            from posttrain.config.vllm import engine_kwargs
-
-            kwargs.update(engine_kwargs(cfg))
+        if rollout.vllm is not None:  # the generate_config keys vLLM reads
+            v = rollout.vllm
+            kwargs.update(max_model_len=v.max_model_len, gpu_memory_utilization=v.gpu_memory_utilization,
+                          tensor_parallel_size=v.tensor_parallel_size, enforce_eager=v.enforce_eager,
+                          enable_prefix_caching=v.enable_prefix_caching, trust_remote_code=v.trust_remote_code,
+                          enable_expert_parallel=v.enable_expert_parallel)
         else:
-            if cfg.generate.num_speculative_tokens:  # the native engine's n-gram speculation
-                kwargs["speculative_tokens"] = cfg.generate.num_speculative_tokens
-            if not cfg.generate.enforce_eager:  # graph mode: CUDA graphs on a GPU (a CPU warned at start-up)
+            if rollout.speculative_tokens:  # the native engine's n-gram speculation
+                kwargs["speculative_tokens"] = rollout.speculative_tokens
+            if not rollout.enforce_eager:  # graph mode: CUDA graphs on a GPU (a CPU warned at start-up)
                 kwargs["cuda_graphs"] = next(model.parameters()).device.type == "cuda"
-        engine = ROLLOUT_ENGINES.get(cfg.rl.rollout_engine)(**kwargs)
+        engine = ROLLOUT_ENGINES.get(rollout.engine)(**kwargs)
     if hasattr(model, "peft_config"):  # LoRA: sample from the merged weights (docs/lora.md)
         from posttrain.models.lora import MergedRollout
 
@@ -239,57 +236,56 @@ def build_rollout(cfg: RunConfig, plan: Plan, model, tokenizer, stop_token_ids: 
     return engine
 
 
-def build_multi_turn_engine(cfg: RunConfig, tokenizer, **engine_kwargs):
+def build_multi_turn_engine(rollout: RolloutOptions, policy: PolicyOptions, tokenizer, **engine_kwargs):
     """The native engine with tool turns (``multi_turn_enable``), or without tools (``async_engine``
     alone: the same per-request decode loop, each row ending on its own)."""
-    from posttrain.config.multi_turn import DEFAULT_PARSER, load_tool_file
     from posttrain.data.templates import get_template
     from posttrain.rollout.multi_turn import MultiTurnEngine, ObservationFormat, TurnLimits
+    from posttrain.tools.config import DEFAULT_PARSER, load_tool_file
     from posttrain.tools.parsers import TOOL_PARSERS
     from posttrain.tools.runner import ToolRunner
 
-    rl, a = cfg.rl, cfg.actor
-    max_tokens = cfg.generate.sampling_config.max_tokens
-    if rl.multi_turn_enable:
-        tools = load_tool_file(rl.tool_config_path)
-        template = get_template(a.prompt_type, a.prompt_type_path)
-        limits = TurnLimits(max_tool_calls=rl.max_tool_calls, max_total_response_length=rl.max_total_response_length,
-                            max_parallel_calls=rl.max_parallel_calls,
-                            max_tool_response_length=rl.max_tool_response_length,
-                            truncate_side=rl.tool_response_truncate_side or "left",
-                            max_model_len=cfg.generate.max_model_len)
+    tools = rollout.tools
+    if tools is not None:
+        funcs = load_tool_file(tools.config_path)
+        template = get_template(policy.prompt_type, policy.prompt_type_path)
+        limits, parser, parallel = tools.limits, tools.parser, tools.max_parallel_calls
     else:
-        tools, template = {}, get_template("qwen_retool")  # never used: no tool is ever called
-        limits = TurnLimits(max_tool_calls=0, max_total_response_length=max_tokens)
-    return MultiTurnEngine(tokenizer=tokenizer, runner=ToolRunner(tools, max_workers=max(4, rl.max_parallel_calls)),
-                           parser=TOOL_PARSERS.get(rl.tool_parser_format or DEFAULT_PARSER),
+        funcs, template = {}, get_template("qwen_retool")  # never used: no tool is ever called
+        limits = TurnLimits(max_tool_calls=0, max_total_response_length=rollout.sampling.max_tokens)
+        parser, parallel = None, 0
+    return MultiTurnEngine(tokenizer=tokenizer, runner=ToolRunner(funcs, max_workers=max(4, parallel)),
+                           parser=TOOL_PARSERS.get(parser or DEFAULT_PARSER),
                            observation=ObservationFormat(template, tokenizer), limits=limits, **engine_kwargs)
 
 
-def build_policy(cfg: RunConfig, plan: Plan, device: str, *, with_rollout: bool = True, dp_group=None) -> Policy:
-    """The policy of one process: the actor (resumed when ``load`` names a checkpoint), the frozen
-    reference when the stage uses one, and the native or vLLM rollout engine on the actor's model."""
+def build_policy(plan: Plan, device: str, *, source: str | None = None, with_rollout: bool = True,
+                 dp_group=None) -> Policy:
+    """The policy of one process: the actor (from ``source``, default the plan's ``load``; resumed
+    when it names a checkpoint), the frozen reference when the stage uses one, and the native or
+    vLLM rollout engine on the actor's model."""
     from posttrain.train.engine import TrainEngine
 
-    a = cfg.actor
-    model, tokenizer, source = build_actor_model(a, device)
+    p = plan.policy
+    model, tokenizer, source = build_actor_model(p, device, source)
     warn_dropout_across_workers(model, plan.workers)
-    actor = build_train_engine(model, a, plan, plan.actor_engine, metric_prefix=plan.stage.metric_prefix
+    actor = build_train_engine(model, p.optim, plan, plan.actor_engine, metric_prefix=plan.stage.metric_prefix
                                if not plan.stage.on_policy else "actor", dp_group=dp_group)
-    state = resume(source, model, actor, a)
+    state = resume(source, model, actor, p.checkpoint)
     reference = None
-    if plan.uses_reference and cfg.rl.share_backbone:  # the actor with its adapter off: no copy
+    micro = p.optim.micro_batch_size
+    if plan.uses_reference and p.share_backbone:  # the actor with its adapter off: no copy
         from posttrain.models.lora import AdapterOff
 
-        reference = AdapterOff(TrainEngine(model, micro_batch_size=a.micro_batch_size, dtype=plan.train_dtype,
+        reference = AdapterOff(TrainEngine(model, micro_batch_size=micro, dtype=plan.train_dtype,
                                            dp_group=dp_group, options=plan.ref_engine), model)
     elif plan.uses_reference:
-        ref_model = build_frozen_copy(model, reference_source(cfg, state), device)
-        reference = TrainEngine(ref_model, micro_batch_size=a.micro_batch_size, dtype=plan.train_dtype,
+        ref_model = build_frozen_copy(model, reference_source(p, state), device)
+        reference = TrainEngine(ref_model, micro_batch_size=micro, dtype=plan.train_dtype,
                                 dp_group=dp_group, options=plan.ref_engine)
-        if cfg.rl.offload_reference:
+        if p.offload_reference:
             reference = offloaded_reference(reference)
-    stops = rollout_stop_ids(tokenizer, a)
-    rollout = build_rollout(cfg, plan, model, tokenizer, stops) if with_rollout else None
+    stops = rollout_stop_ids(tokenizer, p)
+    rollout = build_rollout(plan.rollout, p, model, tokenizer, stops) if with_rollout and plan.rollout else None
     return Policy(model=model, tokenizer=tokenizer, actor=actor, reference=reference, rollout=rollout,
                   stop_token_ids=stops, state=state)

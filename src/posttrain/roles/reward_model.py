@@ -24,11 +24,11 @@ def reward_model_dir(path: str) -> Path:
     """The HF directory of a reward model named by ``reward_config.load``: the directory itself, the
     newest ``iter_*`` of a posttrain save directory, a Megatron checkpoint's conversion, and in a
     posttrain PPO checkpoint its ``critic/``."""
-    from posttrain.checkpoint import resolve_checkpoint
+    from posttrain.models.loading import resolve_model_dir
 
     if not Path(path).exists():
         raise ConfigError(f"reward_config.load: {path} does not exist")
-    hf_dir, _ = resolve_checkpoint(path)
+    hf_dir = resolve_model_dir(path)
     critic = Path(hf_dir) / "critic"
     return critic if (critic / "config.json").is_file() else Path(hf_dir)
 

@@ -401,24 +401,8 @@ class NativeEngine:
         token after every fed position; a row emits its first sample and, while its draft agrees
         with its samples, the next ones (see the module docstring)."""
         device, max_tokens = self.device, sampling.max_tokens
-        capacity = max(len(p) for p in prompts) + max_tokens
-        cache, logits, prompt_mask, lengths = self._prefill(prompts, capacity)
-        expand = torch.repeat_interleave(torch.arange(len(prompts), device=device),
-                                         torch.tensor(counts, device=device))
-        select_rows(cache, expand)
-        logits, base = logits.index_select(0, expand)[:, None], lengths.index_select(0, expand)
-        num_rows, cur_len = expand.numel(), prompt_mask.shape[1]
-        static = to_static(cache, self._sampler, -(-capacity // STATIC_BUCKET) * STATIC_BUCKET) \
-            if self.static_cache else None
-        # columns are switched on as tokens are fed (a static step attends over the whole capacity)
-        mask = torch.zeros((num_rows, capacity if static is None else static.layers[0].max_cache_len),
-                           dtype=torch.long, device=device)
-        mask[:, :cur_len] = prompt_mask.index_select(0, expand)
-        cache = cache if static is None else static
-        drafter = _Drafter(prompts, expand.tolist(), self.speculative_tokens, self.speculative_budget,
-                           self.pad_token_id) \
-            if self.speculative_tokens and static is None else None
-
+        cache, logits, base, mask, cur_len, static, drafter = self._start_wave(prompts, counts, max_tokens)
+        num_rows = logits.shape[0]
         out_tokens = torch.full((num_rows, max_tokens), self.pad_token_id, dtype=torch.long, device=device)
         out_logprobs = torch.zeros((num_rows, max_tokens), dtype=torch.float32, device=device)
         out_len = torch.zeros((num_rows,), dtype=torch.long, device=device)  # tokens emitted so far
@@ -481,6 +465,30 @@ class NativeEngine:
             else:
                 logits = self._static_step(last, mask, positions[:, 0], cache)[:, None]
         return self._collect(counts, out_tokens, out_logprobs, out_len, out_stop)
+
+    def _start_wave(self, prompts: list[list[int]], counts: list[int], max_tokens: int):
+        """The prefilled wave expanded to ``counts`` rows a prompt: its cache (static when the
+        engine decodes on fixed shapes), the next-token logits ``[rows, 1, V]``, each row's prompt
+        length, the attention mask over the cache's columns (switched on as tokens are fed), the
+        columns filled so far, the static cache (or None) and the n-gram drafter (or None)."""
+        device = self.device
+        capacity = max(len(p) for p in prompts) + max_tokens
+        cache, logits, prompt_mask, lengths = self._prefill(prompts, capacity)
+        expand = torch.repeat_interleave(torch.arange(len(prompts), device=device),
+                                         torch.tensor(counts, device=device))
+        select_rows(cache, expand)
+        logits, base = logits.index_select(0, expand)[:, None], lengths.index_select(0, expand)
+        num_rows, cur_len = expand.numel(), prompt_mask.shape[1]
+        static = to_static(cache, self._sampler, -(-capacity // STATIC_BUCKET) * STATIC_BUCKET) \
+            if self.static_cache else None
+        # a static step attends over the whole capacity
+        mask = torch.zeros((num_rows, capacity if static is None else static.layers[0].max_cache_len),
+                           dtype=torch.long, device=device)
+        mask[:, :cur_len] = prompt_mask.index_select(0, expand)
+        drafter = _Drafter(prompts, expand.tolist(), self.speculative_tokens, self.speculative_budget,
+                           self.pad_token_id) \
+            if self.speculative_tokens and static is None else None
+        return cache if static is None else static, logits, base, mask, cur_len, static, drafter
 
     def _static_step(self, tokens, mask, positions, cache) -> torch.Tensor:
         """One decode step on fixed shapes (replayed as a CUDA graph with ``cuda_graphs``)."""

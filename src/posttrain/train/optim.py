@@ -29,6 +29,7 @@ from collections.abc import Callable
 import torch
 
 from posttrain.errors import ConfigError
+from posttrain.train.options import OptimOptions
 
 _DECAY: dict[str, Callable[[float], float]] = {
     "constant": lambda ratio: 1.0,
@@ -146,3 +147,9 @@ def build_lr_scheduler(
         warmup_steps=warmup,
         total_steps=total_steps,
     )
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, options: OptimOptions, total_steps: int) -> LRScheduler:
+    """The schedule of a role's :class:`~posttrain.train.options.OptimOptions` over ``total_steps``."""
+    return build_lr_scheduler(optimizer, lr=options.lr, min_lr=options.min_lr, lr_decay_style=options.lr_decay_style,
+                              lr_warmup_fraction=options.lr_warmup_fraction, total_steps=total_steps)

@@ -64,14 +64,14 @@ class DPOTrainer(OfflineTrainer):
     def loss_fn(self):
         from posttrain.train.loss_fns import make_dpo_loss_fn
 
-        a = self.cfg.actor
-        return with_loss_metric(make_dpo_loss_fn(beta=a.dpo_beta, loss_type=a.dpo_loss_type,
-                                                 label_smoothing=a.dpo_label_smoothing, pref_ftx=a.pref_ftx))
+        o = self.plan.dpo
+        return with_loss_metric(make_dpo_loss_fn(beta=o.beta, loss_type=o.loss_type, label_smoothing=o.label_smoothing,
+                                                 pref_ftx=o.pref_ftx))
 
     def batch(self) -> dict[str, torch.Tensor]:
-        a, p = self.cfg.actor, self.s.policy
+        p = self.s.policy
         batch = pair_batch(self.items(), p.pad_token_id)
-        chosen, rejected = p.reference.compute_pair_logps(batch, average=a.dpo_loss_type == "ipo",
-                                                          micro_batch_size=a.micro_batch_size)
+        chosen, rejected = p.reference.compute_pair_logps(batch, average=self.plan.dpo.loss_type == "ipo",
+                                                          micro_batch_size=self.plan.policy.optim.micro_batch_size)
         batch.update(ref_chosen_logps=chosen.cpu(), ref_rejected_logps=rejected.cpu())
         return batch

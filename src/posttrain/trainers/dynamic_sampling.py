@@ -53,14 +53,15 @@ def keep_groups(scores: np.ndarray, n: int) -> np.ndarray:
 class DynamicSampler:
     """Fills the main TransferDock with groups of varying scores (see the module docstring)."""
 
-    def __init__(self, rl, global_batch_size: int, seed: int, carry: tuple[str, ...] = ()):
+    def __init__(self, options, *, n: int, global_batch_size: int, train_prompts: int, seed: int,
+                 guarantee_order: bool = False, carry: tuple[str, ...] = ()):
         self.carry = (*CARRIED, *carry)  # the columns a kept group brings along (plus multi-turn's)
-        self.n = rl.n_samples_per_prompt
+        self.n = n
         self.gbs = global_batch_size
-        self.train_prompts = rl.filter_groups_train_batch_size
-        self.max_batches = rl.filter_groups_max_batches
-        self.metric = rl.filter_groups_metric
-        self.guarantee_order = rl.guarantee_order
+        self.train_prompts = train_prompts  # filter_groups_train_batch_size
+        self.max_batches = options.max_batches
+        self.metric = options.metric
+        self.guarantee_order = guarantee_order
         self.seed = seed
         self.num_gen_batches = 0
         self.num_kept = 0

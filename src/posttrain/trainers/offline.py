@@ -16,7 +16,6 @@ import numpy as np
 import torch
 
 from posttrain.config.plan import Plan
-from posttrain.config.run import RunConfig
 from posttrain.data.handlers import IGNORE_INDEX
 from posttrain.errors import DataError
 from posttrain.metrics.reduce import MetricAccumulator
@@ -56,8 +55,8 @@ class OfflineTrainer:
 
     batch_phase = "data"  # the timing key of building a batch
 
-    def __init__(self, cfg: RunConfig, plan: Plan, session: Session):
-        self.cfg, self.plan, self.s = cfg, plan, session
+    def __init__(self, plan: Plan, session: Session):
+        self.plan, self.s = plan, session
 
     # ---- what subclasses define ------------------------------------------------------------------
     def batch(self) -> dict[str, torch.Tensor]:

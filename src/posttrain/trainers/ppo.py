@@ -30,7 +30,6 @@ import torch
 from posttrain.algo.advantages import compute_advantages, scores_to_token_level_rewards
 from posttrain.algo.kl import apply_kl_in_reward
 from posttrain.config.plan import Plan
-from posttrain.config.run import RunConfig
 from posttrain.metrics.reduce import MetricAccumulator
 from posttrain.metrics.stats import stat_metrics
 from posttrain.trainers.experience import per_group, read_batch, write_rows
@@ -42,8 +41,8 @@ log = logging.getLogger(__name__)
 class CriticPhases:
     """The loop's critic phases, on a :class:`~posttrain.roles.critic.Critic` built for the session."""
 
-    def __init__(self, cfg: RunConfig, plan: Plan, session):
-        self.cfg, self.plan, self.s = cfg, plan, session
+    def __init__(self, plan: Plan, session):
+        self.plan, self.s = plan, session
         self.critic = session.critic  # in process, or the Ray workers' (same methods)
 
     def compute_values(self, td) -> None:
@@ -56,9 +55,9 @@ class CriticPhases:
 
     def advantages(self, td, acc: MetricAccumulator, kl_ctrl) -> None:
         """Token rewards (+ KL in reward), GAE, ``advantages``/``returns`` columns, critic/* stats."""
-        rl = self.cfg.rl
+        kl, adv = self.plan.kl, self.plan.advantages
         columns = ["scores", "response_length", "values"]
-        if rl.use_kl_in_reward:
+        if kl.in_reward:
             columns += ["old_logprobs", "ref_logprobs"]
         while not td.all_consumed("advantages"):
             batch, idx = td.get("advantages", columns, self.plan.reads["adv_dispatch_size"], get_n_samples=True)
@@ -66,30 +65,30 @@ class CriticPhases:
             width = mask.shape[1]
             scores = torch.cat([r.reshape(-1) for r in batch["scores"]])
             rewards = scores_to_token_level_rewards(scores, mask)
-            if rl.use_kl_in_reward:
+            if kl.in_reward:
                 rewards, kl_metrics = apply_kl_in_reward(
                     rewards, per_token(batch["old_logprobs"], width), per_token(batch["ref_logprobs"], width), mask,
-                    kl_coef=kl_ctrl.value, kl_penalty=rl.kl_penalty)
+                    kl_coef=kl_ctrl.value, kl_penalty=kl.penalty)
                 acc.update(kl_metrics)
             values = per_token(batch["values"], width)
-            adv, returns = compute_advantages(rl.adv_estimator, rewards, mask, values=values, group_size=self.plan.n,
-                                              gamma=rl.gamma, lam=rl.lam, whiten=True)
-            write_rows(td, ["advantages", "returns"], idx, [adv, returns], lengths)
-            acc.update({**stat_metrics("critic/advantages", adv, mask), **stat_metrics("critic/returns", returns, mask),
+            advantages, returns = compute_advantages(adv.estimator, rewards, mask, values=values, group_size=self.plan.n,
+                                                     gamma=adv.gamma, lam=adv.lam, whiten=True)
+            write_rows(td, ["advantages", "returns"], idx, [advantages, returns], lengths)
+            acc.update({**stat_metrics("critic/advantages", advantages, mask),
+                        **stat_metrics("critic/returns", returns, mask),
                         **stat_metrics("critic/values", values, mask)})
 
     def update(self, td, acc: MetricAccumulator, iteration: int) -> None:
         """Clipped value-loss steps on ``returns`` with the old ``values``."""
         from posttrain.train.loss_fns import make_critic_loss_fn
 
-        rl = self.cfg.rl
-        loss_fn = make_critic_loss_fn(cliprange_value=rl.cliprange_value)
+        u = self.plan.update
+        loss_fn = make_critic_loss_fn(cliprange_value=self.plan.critic.cliprange_value)
         while not td.all_consumed("critic_update"):
             batch, _, _ = read_batch(td, "critic_update", ["values", "returns"],
                                      self.plan.reads["critic_update_dispatch_size"],
                                      pad_token_id=self.s.policy.pad_token_id)
             steps = self.critic.update(batch, loss_fn, mini_batch_size=self.plan.mini_batch_rows,
-                                       epochs=rl.epochs, shuffle=rl.shuffle_mini_batch,
-                                       seed=self.cfg.actor.seed + iteration)
+                                       epochs=u.epochs, shuffle=u.shuffle, seed=u.seed + iteration)
             for step in steps:
                 acc.update(step)

@@ -9,7 +9,7 @@ import copy
 import pytest
 
 from posttrain.config.check import check_run_config
-from posttrain.config.plan import off_policy
+from posttrain.config.options import off_policy_options
 from posttrain.config.run import run_config_from_dict
 from posttrain.errors import ConfigError
 
@@ -86,4 +86,4 @@ def test_partial_rollout_with_dynamic_sampling_is_refused():
     (["rl_config.partial_rollout_max_split=2"], True), (["rl_config.use_integrated_worker=false"], True),
 ])
 def test_the_old_logprobs_are_computed_whenever_the_rollout_may_be_off_policy(overrides, computed):
-    assert off_policy(config(overrides)) is computed
+    assert off_policy_options(config(overrides)).any is computed

@@ -40,10 +40,10 @@ def test_same_seed_same_weights(tmp_path):
     import torch
     from safetensors.torch import load_file
 
-    from posttrain.models.init_model import init_model_dir
+    from posttrain.commands.init_model import init_model
 
-    a = init_model_dir("tiny_qwen2", tmp_path / "a", seed=7)
-    b = init_model_dir("tiny_qwen2", tmp_path / "b", seed=7)
+    a = init_model("tiny_qwen2", tmp_path / "a", seed=7)
+    b = init_model("tiny_qwen2", tmp_path / "b", seed=7)
     wa, wb = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 

@@ -105,7 +105,7 @@ def test_grpo_weights_gradients_optimizer_and_reference_are_the_real_bytes(model
     cfg = run_config(model_dirs[name], init_kl_coef=0.1)  # KL in the loss: a reference model
     plan = resolve_plan(cfg, device="cpu")
     assert plan.workers == 1 and plan.uses_reference and not plan.uses_critic and plan.train_dtype == "float32"
-    policy = build_policy(cfg, plan, "cpu", with_rollout=False)
+    policy = build_policy(plan, "cpu", with_rollout=False)
     one_step(policy.actor, policy.model.config.vocab_size)
 
     real = held_bytes(policy.model, policy.actor.optimizer)
@@ -131,8 +131,8 @@ def test_ppo_critic_is_the_value_model_s_real_bytes(model_dirs, name):
     cfg = run_config(model_dirs[name], "ray_ppo", critic=True, adv_estimator="gae", use_kl_in_reward=False)
     plan = resolve_plan(cfg, device="cpu")
     assert plan.uses_critic and not plan.uses_reference
-    policy = build_policy(cfg, plan, "cpu", with_rollout=False)
-    critic = Critic(cfg, plan, policy.state, "cpu")
+    policy = build_policy(plan, "cpu", with_rollout=False)
+    critic = Critic(plan, policy.state, "cpu")
     one_step(critic.engine, policy.model.config.vocab_size, value_model=True)
     one_step(policy.actor, policy.model.config.vocab_size)
 
@@ -156,7 +156,7 @@ def _fsdp_rank_bytes(cfg, plan, rank: int) -> dict[str, int]:
     assert not dist.is_initialized()
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=plan.workers)
     try:
-        policy = build_policy(cfg, plan, "cpu", with_rollout=False)
+        policy = build_policy(plan, "cpu", with_rollout=False)
         fsdp.shard(policy.model, policy.actor, cfg.actor, plan.total_optimizer_steps)
         assert all(hasattr(p, "to_local") for p in policy.model.parameters())  # DTensors
         one_step(policy.actor, policy.model.config.vocab_size)

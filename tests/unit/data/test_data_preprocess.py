@@ -260,7 +260,9 @@ def test_cli_with_overrides(tmp_path, tok_dir, capsys):
 
 @pytest.mark.parametrize("name", ["deepscaler", "math_17k", "orca_rlhf", "demo_chain_sum", "demo_chain_sum_sft"])
 def test_shipped_dataset_configs_validate(name):
-    cfg = pp.load_config(name, overrides=["tokenizer_name_or_path=some/dir", "workers=2"])
+    from posttrain.commands.preprocess import load_config
+
+    cfg = load_config(name, overrides=["tokenizer_name_or_path=some/dir", "workers=2"])
     assert cfg.workers == 2 and cfg.tokenizer_name_or_path == "some/dir" and cfg.map_keys["prompt"]
 
 

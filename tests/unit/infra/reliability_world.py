@@ -88,7 +88,7 @@ def resume_args(run: Path, iters: int = 3) -> list[str]:
 
 @pytest.fixture(scope="module")
 def base(world) -> Path:
-    from posttrain.trainers.stages import train
+    from posttrain.commands.train import train_config as train
 
     run = world / "base"
     train(run_config(world, run, iters=2))

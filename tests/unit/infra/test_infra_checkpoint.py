@@ -128,7 +128,7 @@ def test_disk_full_leaves_previous_checkpoint_and_tracker(tmp_path, trained, mon
     def full(obj, path):
         raise OSError(errno.ENOSPC, "No space left on device", str(path))
 
-    monkeypatch.setattr(ckpt, "_torch_save", full)
+    monkeypatch.setattr("posttrain.checkpoint.save._torch_save", full)
     train(model, opt, sched, 1)
     with pytest.raises(CheckpointError, match=r"iteration 2 .*No space left on device.*iter_0000001 is intact"):
         ckpt.save_checkpoint(save, 2, model, opt, sched, trainer_state={"consumed_samples": 8})

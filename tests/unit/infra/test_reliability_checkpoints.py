@@ -144,11 +144,11 @@ def test_K11_missing_sampler_is_an_error_unless_no_load_rng(base, world, tmp_pat
 @pytest.mark.parametrize("key,value", [("lr", math.inf), ("weight_decay", math.nan)], ids=["C35_lr_inf", "C36_wd_nan"])
 def test_C35_C36_non_finite_hyperparameter_stops_before_any_update_or_save(world, tmp_path, key, value):
     from posttrain.config.plan import resolve_plan
-    from posttrain.trainers.stages import build_trainer, run_dir_for
+    from posttrain.trainers.build import build_trainer
     from posttrain.train.engine import NaNLossError
 
     cfg = run_config(world, tmp_path / "run", iters=2)  # the config refuses inf / nan; they are forced in here
-    trainer = build_trainer(cfg, resolve_plan(cfg), run_dir_for(cfg))
+    trainer = build_trainer(resolve_plan(cfg))
     model = trainer.s.policy.model
     before = {k: v.clone() for k, v in model.state_dict().items()}
     for group in trainer.s.policy.actor.optimizer.param_groups:
@@ -197,7 +197,7 @@ def test_C35_session_refuses_to_save_nan_weights(world, tmp_path, capsys, monkey
 def test_C66_keep_last_keeps_the_newest_checkpoints(world, tmp_path):
     """``actor_config.keep_last`` (documented in docs/checkpoints.md) is a real key: after each save
     only the newest N ``iter_*`` directories stay."""
-    from posttrain.trainers.stages import train
+    from posttrain.commands.train import train_config as train
 
     run = tmp_path / "keep"
     train(run_config(world, run, iters=3, actor_config={"save": str(run / "ckpt"), "keep_last": 2}))

@@ -4,7 +4,6 @@ log-probs exactly), and a rollout that samples from the adapter."""
 
 from __future__ import annotations
 
-import types
 
 import pytest
 import torch
@@ -14,9 +13,8 @@ from posttrain.models import lora
 
 
 def role(**keys):
-    return types.SimpleNamespace(**{"lora_r": 4, "lora_alpha": 8,
-                                    "lora_target_modules": ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"],
-                                    **keys})
+    return lora.LoraOptions(**{"r": 4, "alpha": 8,
+                               "target_modules": ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"), **keys})
 
 
 @pytest.fixture

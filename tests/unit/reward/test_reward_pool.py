@@ -166,12 +166,11 @@ def test_worker_killed_from_outside_while_idle_is_replaced_without_losing_sample
     assert len(new) == 1 and pid not in new
 
 
-def test_from_rl_config_section():
-    from types import SimpleNamespace
+def test_from_options():
+    from posttrain.reward.rule_reward import RuleRewardOptions
 
-    rl = SimpleNamespace(verifier_function=["math_equiv"], verifier_weight=[2.0], verifier_parallel=0,
-                         verifier_timeout=5, verifier_modules=[], overlong_buffer_enable=True,
-                         overlong_buffer=2, overlong_buffer_penalty_factor=1.0, rollout_max_tokens=8)
-    with RuleReward.from_rl_config(rl) as rr:
+    options = RuleRewardOptions(verifiers=("math_equiv",), weights=(2.0,), parallel=0, timeout=5,
+                                overlong_buffer_enable=True, overlong_buffer=2, rollout_max_tokens=8)
+    with RuleReward.from_options(options) as rr:
         batch = rr.score_detailed(["\\boxed{3}"] * 2, ["3"] * 2, response_lengths=[4, 7])
     assert batch.scores == [2.0, 1.5]  # 7 tokens: exceed 1 of buffer 2 -> -0.5

@@ -24,7 +24,7 @@ def test_lr_schedule_counts_the_dapo_update_batch(mini_qwen2_dir):
     cfg = dapo_config(mini_qwen2_dir, filter_groups_enable=True, filter_groups_metric="acc",
                       filter_groups_train_batch_size=4)
     plan = resolve_plan(cfg, device="cpu")
-    policy = build_policy(cfg, plan, "cpu")
+    policy = build_policy(plan, "cpu")
     assert plan.total_optimizer_steps == 30
     assert policy.actor.scheduler.total_steps == 30
     assert policy.reference is None and policy.rollout is not None
@@ -32,7 +32,7 @@ def test_lr_schedule_counts_the_dapo_update_batch(mini_qwen2_dir):
 
 def test_without_dynamic_sampling_the_schedule_counts_gbs(mini_qwen2_dir):
     cfg = dapo_config(mini_qwen2_dir)
-    policy = build_policy(cfg, resolve_plan(cfg, device="cpu"), "cpu")
+    policy = build_policy(resolve_plan(cfg, device="cpu"), "cpu")
     assert policy.actor.scheduler.total_steps == 8 // 2 * 3 * 5
 
 
@@ -57,10 +57,12 @@ def test_dropout_in_the_model_config_is_reported_on_several_workers(caplog):
 def test_a_resumed_dpo_run_loads_its_reference_from_the_initial_model():
     """The seed's ref_model default is "" (unset): after a resume the reference is the initial model,
     not the resumed policy (the bug: DPO resumed with reference == policy, a loss of log 2)."""
+    from posttrain.config.options import policy_options
     from posttrain.roles.policy import reference_source
 
     cfg = run_config_from_dict({"megatron_training": {"stage": "dpo", "global_batch_size": 2, "micro_batch_size": 1,
                                                       "seq_length": 64, "is_pairwise_dataset": True}})
     assert cfg.actor.ref_model == ""
-    assert reference_source(cfg, {"iteration": 2, "initial_model": "/models/start"}) == "/models/start"
-    assert reference_source(cfg, {"iteration": 0, "initial_model": "/models/start"}) is None  # a copy of the actor
+    policy = policy_options(cfg)
+    assert reference_source(policy, {"iteration": 2, "initial_model": "/models/start"}) == "/models/start"
+    assert reference_source(policy, {"iteration": 0, "initial_model": "/models/start"}) is None  # a copy of the actor

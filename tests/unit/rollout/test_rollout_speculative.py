@@ -118,6 +118,7 @@ def test_the_config_key_reaches_the_engine(mini_qwen2_dir, tmp_path):
                       "verifier_weight": [1.0], "device": "cpu", "output_dir": str(tmp_path / "run")},
         "generate_config": {"infer_tensor_parallel_size": 1, "max_model_len": 96, "num_speculative_tokens": 3,
                             "sampling_config": {"max_tokens": 4}}}, name="speculation")
-    engine = build_rollout(cfg, resolve_plan(cfg, device="cpu"), AutoModelForCausalLM.from_pretrained(mini_qwen2_dir),
+    plan = resolve_plan(cfg, device="cpu")
+    engine = build_rollout(plan.rollout, plan.policy, AutoModelForCausalLM.from_pretrained(mini_qwen2_dir),
                            SimpleNamespace(pad_token_id=0), [7])
     assert engine.speculative_tokens == 3 and not engine.static_cache

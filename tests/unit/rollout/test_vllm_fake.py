@@ -207,7 +207,7 @@ def test_build_rollout_passes_the_generate_config_keys_and_sampling_params(fake_
     plan = resolve_plan(cfg, device="cpu")
     assert not any("no effect" in w for w in plan.warnings), plan.warnings
     tok = SimpleNamespace(pad_token_id=0)
-    engine = build_rollout(cfg, plan, actor, tok, [7])
+    engine = build_rollout(plan.rollout, plan.policy, actor, tok, [7])
     [llm] = FakeLLM.built
     assert os.environ[ENV] == "0"  # the model stays in this process, where sync_weights reaches it
     kwargs = {k: v for k, v in llm.kwargs.items() if k != "model"}
@@ -368,7 +368,7 @@ def test_the_trainer_syncs_the_weights_after_every_update(fake_vllm, mini_qwen2_
     from posttrain.config import vllm as config_vllm
     from posttrain.config.plan import resolve_plan
     from posttrain.config.run import run_config_from_dict
-    from posttrain.trainers.stages import build_trainer, run_dir_for
+    from posttrain.trainers.build import build_trainer
 
     torch.set_num_threads(1)
     monkeypatch.setattr(config_vllm, "on_cuda", lambda device_type: True)  # the fake runs on the CPU
@@ -384,7 +384,7 @@ def test_the_trainer_syncs_the_weights_after_every_update(fake_vllm, mini_qwen2_
         "generate_config": {"max_model_len": 64, "max_num_seqs": 64, "infer_tensor_parallel_size": 1,
                             "sampling_config": {"max_tokens": 8, "temperature": 1.0, "top_k": -1}},
     }, name="vllm_fake_grpo")
-    trainer = build_trainer(cfg, resolve_plan(cfg, device="cpu"), run_dir_for(cfg))
+    trainer = build_trainer(resolve_plan(cfg, device="cpu"))
     [llm] = FakeLLM.built
     actor = trainer.s.policy.model
     after_update = [unique_weights(actor)]  # the initial load

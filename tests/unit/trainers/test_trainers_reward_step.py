@@ -42,7 +42,7 @@ def test_reward_step_adds_the_weighted_reward_model_score_to_the_rule_score(tiny
     from posttrain.reward.rule_reward import RuleReward
     from posttrain.roles.reward_model import build_reward_scorer
     from posttrain.trainers.experience import new_dock
-    from posttrain.trainers.onpolicy import OnPolicyTrainer
+    from posttrain.trainers.produce import Producer
 
     tok, weight = tiny_tokenizer, 0.375
     cfg = _config(tiny_model_dir, lowercase_rm_dir, weight)
@@ -52,7 +52,7 @@ def test_reward_step_adds_the_weighted_reward_model_score_to_the_rule_score(tiny
     rule = RuleReward(["test_rm_digit_share"], [2.0], verifier_parallel=0)
     session = SimpleNamespace(trainer_state={}, policy=SimpleNamespace(tokenizer=tok), rule_reward=rule,
                               reward_model=build_reward_scorer(plan.reward_model, tok, "cpu"))
-    trainer = OnPolicyTrainer(cfg, plan, session)
+    producer = Producer(plan, session)
 
     rng = random.Random(0)
     words = ["the answer is", "7", "12 + 30", "think", "x y z", "42"]
@@ -64,7 +64,7 @@ def test_reward_step_adds_the_weighted_reward_model_score_to_the_rule_score(tiny
     td.put(["responses", "response_length"], list(range(8)),
            [[torch.tensor(r) for r in responses], [len(r) for r in responses]])
     acc, timers = MetricAccumulator(), Timers()
-    trainer.reward(td, acc, timers)
+    producer.reward(td, acc, timers)
 
     got, _ = td.get("metrics", ["scores"], indexes=list(range(8)))
     got = torch.cat([s.reshape(-1) for s in got["scores"]])

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import copy
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
 from posttrain.algo.kl import build_kl_controller
+from posttrain.config.options import DynamicSamplingOptions
 from posttrain.config.plan import resolve_plan
 from posttrain.config.run import run_config_from_dict
 from posttrain.errors import DataError
@@ -52,11 +52,10 @@ class ScriptedGeneration:
         self.batch += 1
 
 
-def _rl(**kw):
-    base = dict(n_samples_per_prompt=2, filter_groups_train_batch_size=3, filter_groups_max_batches=0,
-                filter_groups_metric="acc", guarantee_order=False)
-    base.update(kw)
-    return SimpleNamespace(**base)
+def _sampler(max_batches: int = 0) -> DynamicSampler:
+    """n = 2 samples, generation batches of 3 prompts, 3 prompts to fill."""
+    return DynamicSampler(DynamicSamplingOptions(metric="acc", max_batches=max_batches), n=2, global_batch_size=3,
+                          train_prompts=3, seed=0)
 
 
 def _main_td(sampler):
@@ -67,7 +66,7 @@ def test_dynamic_sampling_fills_the_batch_from_varying_groups():
     plans = [[(1, 1), (0, 1), (0, 0)],        # batch 1 keeps group 1 (prompt 1)
              [(0, 0), (0, 0), (1, 1)],        # batch 2 keeps nothing
              [(1, 0), (0, 1), (0.5, 1)]]      # batch 3 keeps all three; only two fit
-    trainer, sampler = ScriptedGeneration(2, 3, plans), DynamicSampler(_rl(), 3, seed=0)
+    trainer, sampler = ScriptedGeneration(2, 3, plans), _sampler()
     td, acc = _main_td(sampler), MetricAccumulator()
     sampler.fill(trainer, td, Timers(), acc, iteration=5)
     assert sampler.metrics() == {"train/num_gen_batches": 3.0}
@@ -81,13 +80,13 @@ def test_dynamic_sampling_fills_the_batch_from_varying_groups():
 
 def test_dynamic_sampling_raises_the_seed_error_at_the_cap():
     plans = [[(0, 0), (1, 1), (0, 1)], [(1, 1), (1, 1), (1, 1)]]
-    sampler = DynamicSampler(_rl(filter_groups_max_batches=2), 3, seed=0)
+    sampler = _sampler(max_batches=2)
     with pytest.raises(DataError, match=r"^Generated too many. Please check your data. \(2 generation batch"):
         sampler.fill(ScriptedGeneration(2, 3, plans), _main_td(sampler), Timers(), MetricAccumulator(), iteration=1)
 
 
 def test_dynamic_sampling_default_cap_of_one_batch():
-    sampler = DynamicSampler(_rl(filter_groups_max_batches=1), 3, seed=0)
+    sampler = _sampler(max_batches=1)
     with pytest.raises(DataError, match="Generated too many"):
         sampler.fill(ScriptedGeneration(2, 3, [[(0, 1), (0, 0), (0, 0)]]), _main_td(sampler), Timers(),
                      MetricAccumulator(), iteration=1)
@@ -104,7 +103,7 @@ PPO = {
 
 def _critic_without_model(cfg):
     phases = CriticPhases.__new__(CriticPhases)  # the advantage phase needs no model
-    phases.cfg, phases.plan = cfg, resolve_plan(cfg)
+    phases.plan = resolve_plan(cfg)
     return phases
 
 

@@ -380,6 +380,23 @@ def _load_dist_model(it_dir: Path, chunks: list) -> None:
                                   f"unexpected {result.unexpected_keys[:4]})")
 
 
+def _from_stage(make, here: bool, source: int | None, group) -> list[torch.Tensor]:
+    """The tensors ``make()`` builds on the pipeline stage whose global rank is ``source`` (``here``:
+    this rank is it), broadcast to every stage of ``group``; ``source`` None: one stage, no broadcast."""
+    import torch.distributed as dist
+
+    tensors = make() if here else None
+    if source is None:
+        return tensors
+    shapes = [[(t.shape, t.dtype) for t in tensors] if tensors is not None else None]
+    dist.broadcast_object_list(shapes, src=source, group=group)
+    if tensors is None:
+        tensors = [torch.empty(shape, dtype=dtype) for shape, dtype in shapes[0]]
+    for tensor in tensors:
+        dist.broadcast(tensor, src=source, group=group)
+    return tensors
+
+
 def hf_weights(chunks: list, args: argparse.Namespace, *, value_head: bool = False):
     """Yield ``(HF name, full tensor)`` for every weight of the model that ``chunks`` (one per
     virtual stage) are this rank's part of, one layer at a time, on every rank: each tensor's TP shards are all-gathered and
@@ -424,17 +441,7 @@ def hf_weights(chunks: list, args: argparse.Namespace, *, value_head: bool = Fal
         ep_ranks = dist.get_process_group_ranks(ep_group)
 
     def from_stage(stage: int, make) -> list[torch.Tensor]:
-        """The tensors ``make()`` builds on pipeline stage ``stage``, on every stage."""
-        tensors = make() if pp_rank == stage else None
-        if par.pp == 1:
-            return tensors
-        shapes = [[(t.shape, t.dtype) for t in tensors] if tensors is not None else None]
-        dist.broadcast_object_list(shapes, src=pp_ranks[stage], group=pp_group)
-        if tensors is None:
-            tensors = [torch.empty(shape, dtype=dtype) for shape, dtype in shapes[0]]
-        for tensor in tensors:
-            dist.broadcast(tensor, src=pp_ranks[stage], group=pp_group)
-        return tensors
+        return _from_stage(make, pp_rank == stage, pp_ranks[stage] if par.pp > 1 else None, pp_group)
 
     [embedding] = from_stage(0, lambda: [splits.merge_vocab(tp_shards(mapping.EMBEDDING), vocab)])
     yield mapping.HF_EMBEDDING, embedding

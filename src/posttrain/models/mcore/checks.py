@@ -1,0 +1,33 @@
+"""Reading a Megatron checkpoint in full before a run loads it shard by shard."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from posttrain.errors import CheckpointError
+from posttrain.models.mcore import layout
+
+
+def check_mcore_checkpoint(source: str | Path) -> bool:
+    """Whether ``source`` is a Megatron checkpoint; if it is, check that it is complete and readable:
+    a ``torch_dist`` one's metadata and common entries, or a legacy one's rank files (every rank's
+    shard present, from one save; the critic's too). A :class:`CheckpointError` names a bad file."""
+    from posttrain.models.mcore.convert import McoreCheckpoint
+
+    if not layout.is_mcore_checkpoint(source):
+        return False
+    it_dir = layout.iteration_dir(Path(source))
+    if layout.is_dist_checkpoint(it_dir):
+        from torch.distributed.checkpoint import FileSystemReader
+
+        for part in [it_dir] + [d for d in it_dir.iterdir() if layout.is_dist_checkpoint(d)]:
+            layout.load_common(part)
+            try:
+                FileSystemReader(str(part)).read_metadata()
+            except Exception as err:  # noqa: BLE001 - name the file whatever torch raises
+                raise CheckpointError(f"{part / layout.DIST_METADATA}: not readable ({err})") from None
+        return True
+    ckpt = McoreCheckpoint(source)
+    for rank_file in sorted(ckpt.dir.glob(f"**/{layout.RANK_FILE}")):
+        layout.load_rank_file(rank_file)
+    return True

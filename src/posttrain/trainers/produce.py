@@ -1,0 +1,205 @@
+"""Producing one on-policy iteration's experience: prompts, their samples and their scores.
+
+    put prompts (x n) -> rollout -> reward
+
+:class:`Producer` fills a fresh TransferDock (:mod:`posttrain.trainers.experience`) for an
+iteration, sampling with a given engine whose weights are a given version (the trainer's now, or
+a rollout replica's, :mod:`posttrain.trainers.sources`). How the samples are generated is a
+:class:`Generation`: plain (:class:`PlainGeneration`: the next batch of prompts, each sampled ``n``
+times) or partial rollout (:class:`PartialGeneration`: rounds over two batches of prompts,
+:mod:`posttrain.trainers.partial_rollout`). DAPO's dynamic sampling
+(:mod:`posttrain.trainers.dynamic_sampling`) repeats generate-and-score until enough groups vary.
+
+The reward is the rule verifiers' score and/or a reward model's (``reward_config``), by weight.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from posttrain.config.plan import Plan
+from posttrain.metrics.reduce import MetricAccumulator
+from posttrain.metrics.timers import Timers
+from posttrain.reward.decoding import decode_labels, decode_responses
+from posttrain.trainers.dynamic_sampling import DynamicSampler, score_columns
+from posttrain.trainers.experience import MULTI_TURN_COLUMNS, new_dock
+from posttrain.trainers.partial_rollout import STATE_FILE, PartialRollout
+from posttrain.trainers.session import Session
+from posttrain.transfer_dock import TransferDock
+
+
+@dataclass
+class Experience:
+    """One iteration's prompts, samples and scores in their TransferDock, and what producing them
+    measured: phase timers, reward metrics, and the engine's and dynamic sampling's metrics."""
+
+    td: TransferDock
+    timers: Timers = field(default_factory=Timers)
+    acc: MetricAccumulator = field(default_factory=MetricAccumulator)
+    metrics: dict[str, float] = field(default_factory=dict)
+    num_gen_batches: int = 1
+
+
+class Generation(Protocol):
+    """Fills a dock with prompts and their samples (``rollout``, ``response_length``,
+    ``rollout_logprobs``, ``policy_version``)."""
+
+    def fill(self, td: TransferDock, iteration: int, engine, version: int, timers: Timers,
+             acc: MetricAccumulator) -> None: ...
+
+    def state_files(self) -> dict[str, Any]:
+        """What a checkpoint saves of it, by file name."""
+        ...
+
+
+class PlainGeneration:
+    """The sampler's next batch of prompts, each sampled ``n`` times. A prompt's random stream is
+    keyed by its group in the dock (row // n: its index in the iteration's batch), so the samples
+    do not depend on the dispatch size, the dock's read order or the number of workers."""
+
+    def __init__(self, plan: Plan, session: Session, extra: tuple[str, ...]):
+        self.plan, self.s, self.extra = plan, session, extra
+
+    def fill(self, td, iteration, engine, version, timers, acc) -> None:
+        prompts, labels = next_prompts(self.s)
+        td.put_prompts({"prompts": prompts, "prompt_length": [len(p) for p in prompts], "labels": labels})
+        with timers("rollout"):
+            self.rollout(td, iteration, engine, version)
+
+    def rollout(self, td: TransferDock, iteration: int, engine, version: int) -> None:
+        n, policy = self.plan.n, self.s.policy
+        stops, sampling = policy.stop_token_ids, self.s.sampling_for(iteration)
+        while not td.all_consumed("rollout"):
+            batch, idx = td.get("rollout", ["prompts"], self.plan.reads["actor_rollout_dispatch_size"],
+                                get_n_samples=True)
+            unique = [batch["prompts"][k].tolist() for k in range(0, len(idx), n)]
+            keys = [idx[k] // n for k in range(0, len(idx), n)]
+            outs = [o for group in engine.generate(unique, n, sampling, stops, prompt_keys=keys) for o in group]
+            responses = [torch.tensor(o.token_ids, dtype=torch.long) for o in outs]
+            td.put(["responses", "response_length", "rollout_logprobs", "policy_version"], idx,
+                   [responses, [len(r) for r in responses],
+                    [torch.tensor(o.logprobs, dtype=torch.float32) for o in outs], [version] * len(idx)])
+            if self.extra:  # the sampled tokens' mask (0 on tool tokens) and the calls of each sample
+                td.put(list(MULTI_TURN_COLUMNS), idx, [[torch.tensor(o.response_mask, dtype=torch.long) for o in outs],
+                                                      [o.tool_call_num for o in outs]])
+
+    def state_files(self) -> dict[str, Any]:
+        return {}
+
+
+class PartialGeneration:
+    """Partial rollout (``partial_rollout_max_split`` N > 1): rounds over two batches of prompts
+    until an update's groups are complete; the dock is resumed from the checkpoint's."""
+
+    def __init__(self, plan: Plan, session: Session):
+        off, r = plan.off_policy, plan.rollout
+        self.s, self.gbs = session, plan.prompts_per_iteration
+        self.pool = PartialRollout(n=plan.n, global_batch_size=self.gbs, max_split=off.partial_max_split,
+                                   max_tokens=r.sampling.max_tokens, max_model_len=r.max_model_len,
+                                   require_max_age_all_finished=off.require_max_age_all_finished)
+        path = session.trainer_state.get("checkpoint_dir") if session.iteration else None
+        if path and (Path(path) / STATE_FILE).is_file():
+            self.pool.load_state_dict(torch.load(Path(path) / STATE_FILE, weights_only=False))
+
+    def fill(self, td, iteration, engine, version, timers, acc) -> None:
+        """Fill the pool's free groups with prompts, run rounds until an update is ready, and put the
+        update's groups (oldest first) into ``td``."""
+        pool = self.pool
+        with timers("rollout"):
+            while len(pool.free_groups()) >= self.gbs:
+                prompts, labels = next_prompts(self.s)
+                pool.add_prompts([p.tolist() for p in prompts], labels)
+            pool.fill(engine, self.s.sampling_for(iteration), self.s.policy.stop_token_ids, version)
+            batch, metrics = pool.take()
+            columns = ["prompts", "prompt_length", "labels", "responses", "rollout_logprobs", "policy_version"]
+            td.put([*columns, "response_length"], list(range(td.max_len)),
+                   [batch[c] for c in columns] + [[r.numel() for r in batch["responses"]]])
+        acc.update(metrics)
+
+    def state_files(self) -> dict[str, Any]:
+        return {STATE_FILE: self.pool.state_dict()}
+
+
+def next_prompts(session: Session) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The next batch of prompts from the session's sampler, and their labels."""
+    items = [session.dataset[i] for i in session.sampler.next_batch()]
+    return ([torch.as_tensor(it["prompts"], dtype=torch.long) for it in items],
+            [torch.as_tensor(it.get("labels", []), dtype=torch.long) for it in items])
+
+
+class Producer:
+    """``producer(iteration, engine, version) -> Experience``: generate (plain or partial) and score,
+    repeated by DAPO's dynamic sampling until the update's batch is full."""
+
+    def __init__(self, plan: Plan, session: Session):
+        self.plan, self.s = plan, session
+        self.extra = MULTI_TURN_COLUMNS if plan.rollout.tools is not None else ()  # tool-token mask, call counts
+        self.generation: Generation = (PartialGeneration(plan, session) if plan.off_policy.partial
+                                       else PlainGeneration(plan, session, self.extra))
+        self.dynamic = (DynamicSampler(plan.dynamic_sampling, n=plan.n, global_batch_size=plan.prompts_per_iteration,
+                                       train_prompts=plan.prompts_per_update, seed=plan.policy.seed,
+                                       guarantee_order=plan.guarantee_order, carry=self.extra)
+                        if plan.dynamic_sampling is not None else None)
+
+    def __call__(self, iteration: int, engine, version: int) -> Experience:
+        """Prompts, their samples (by ``engine``, whose weights are ``version``) and their scores."""
+        exp = Experience(new_dock(self.plan.rows_per_update, self.plan.n, guarantee_order=self.plan.guarantee_order,
+                                  seed=self.plan.policy.seed + iteration, extra_columns=self.extra))
+
+        def generate_and_score(td, it, timers, acc):
+            self.generation.fill(td, it, engine, version, timers, acc)
+            self.reward(td, acc, timers)
+
+        if self.dynamic is not None:  # DAPO: generate and filter until the batch is full
+            self.dynamic.fill(generate_and_score, exp.td, exp.timers, exp.acc, iteration)
+            exp.metrics.update(self.dynamic.metrics())
+            exp.num_gen_batches = self.dynamic.num_gen_batches
+        else:
+            generate_and_score(exp.td, iteration, exp.timers, exp.acc)
+        exp.metrics.update(engine.pop_metrics())  # multi-turn: timing/tool, tool/*
+        return exp
+
+    def state_files(self) -> dict[str, Any]:
+        return self.generation.state_files()
+
+    # ---- the reward ------------------------------------------------------------------------------
+    def reward(self, td: TransferDock, acc: MetricAccumulator, timers: Timers | None = None) -> None:
+        """Each response's score: the rule reward (``rl_config.rule_reward``, timed as ``rule_reward``)
+        plus ``rl_config.reward_model_weight`` x the reward model's score (``reward_config``, timed as
+        ``reward_model``, logged as ``reward_model/score/{mean,max,min}``)."""
+        timers = timers if timers is not None else Timers()
+        model = self.s.reward_model
+        while not td.all_consumed("reward"):
+            batch, idx = td.get("reward", ["prompts", "responses", "labels", "response_length",
+                                           *(["tool_call_num"] if self.extra else [])],
+                                self.plan.reads["reward_dispatch_size"])
+            scores = [0.0] * len(idx)
+            if self.plan.scores_by_rules:
+                with timers("rule_reward"):
+                    scores = self.rule_scores(td, batch, idx, acc)
+            if model is not None:
+                with timers("reward_model"):
+                    model_scores = model.score_sequences([p.tolist() for p in batch["prompts"]],
+                                                         [r.tolist() for r in batch["responses"]])
+                weight = self.plan.reward_model.weight
+                scores = [score + weight * m for score, m in zip(scores, model_scores)]
+                acc.update({f"reward_model/score/{k}": model_scores for k in ("mean", "max", "min")})
+            td.put(["scores"], idx, [torch.tensor(scores, dtype=torch.float32)])
+
+    def rule_scores(self, td: TransferDock, batch: dict, idx: list[int], acc: MetricAccumulator) -> list[float]:
+        """The rule verifiers' weighted scores of one read (and DAPO's per-verifier filter column)."""
+        tokenizer = self.s.policy.tokenizer
+        texts = decode_responses(tokenizer, [r.tolist() for r in batch["responses"]])
+        labels = decode_labels(tokenizer, [r.tolist() for r in batch["labels"]])
+        lengths = [int(x) for x in batch["response_length"]]
+        columns = {"tool_call_num": [int(x) for x in batch["tool_call_num"]]} if "tool_call_num" in batch else {}
+        result = self.s.rule_reward.score_detailed(texts, labels, response_lengths=lengths, **columns)
+        names, per_verifier = score_columns(td, result.per_verifier)  # DAPO's filter metric, when the dock has it
+        if names:
+            td.put(names, idx, per_verifier)
+        acc.update(result.metrics)
+        return list(result.scores)

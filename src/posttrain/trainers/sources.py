@@ -1,0 +1,127 @@
+"""Where the on-policy loop takes each iteration's experience from, and where it hands the trained
+weights back to: an :class:`ExperienceSource`.
+
+* :class:`SyncSource`: the iteration's experience is produced now, by the trainer's own rollout
+  engine with the weights of the last update (a vLLM engine holds its own copy: the weights are
+  pushed to it after each update, timed as ``timing/resharding_to_infer``);
+* :class:`PipelinedSource`: a rollout thread produces it ahead, on a replica of the weights up to
+  ``async_staleness`` updates old (a copy in this process, or a rollout worker process with
+  ``use_integrated_worker: false``; :mod:`posttrain.trainers.pipeline`, docs/async.md).
+
+Both produce with a :class:`~posttrain.trainers.produce.Producer` (plain or partial rollout, with
+or without dynamic sampling); :func:`open_source` picks the source from the plan.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from posttrain.config.plan import Plan
+from posttrain.errors import ConfigError
+from posttrain.metrics.timers import Timers
+from posttrain.trainers.produce import Experience, Producer
+from posttrain.trainers.session import Session
+
+IN_FLIGHT = "in_flight.pt"  # async: the finished experiences a checkpoint saves
+
+
+class ExperienceSource(Protocol):
+    def next(self, iteration: int, timers: Timers) -> Experience:
+        """The experience iteration ``iteration`` learns from (waits for it when produced ahead)."""
+        ...
+
+    def publish(self, iteration: int, model, timers: Timers) -> None:
+        """Hand over the weights after update ``iteration`` to whatever samples with them."""
+        ...
+
+    def checkpoint_files(self) -> contextlib.AbstractContextManager[dict[str, Any]]:
+        """Around a save: what the checkpoint holds of the source beyond the weights, by file name."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class SyncSource:
+    """Experience produced when it is asked for, with the trainer's rollout engine."""
+
+    def __init__(self, producer: Producer, engine):
+        self.producer, self.engine = producer, engine
+
+    def next(self, iteration: int, timers: Timers) -> Experience:
+        return self.producer(iteration, self.engine, iteration - 1)
+
+    def publish(self, iteration: int, model, timers: Timers) -> None:
+        if self.engine.holds_weights:  # vLLM: its own copy of the weights
+            with timers("resharding_to_infer"):
+                self.engine.sync_weights(model)
+
+    @contextlib.contextmanager
+    def checkpoint_files(self) -> Iterator[dict[str, Any]]:
+        yield self.producer.state_files()
+
+    def close(self) -> None:
+        pass
+
+
+class PipelinedSource:
+    """Experience produced ahead by a rollout thread (:class:`~posttrain.trainers.pipeline.RolloutPipeline`)."""
+
+    def __init__(self, producer: Producer, pipeline):
+        self.producer, self.pipeline = producer, pipeline
+
+    def next(self, iteration: int, timers: Timers) -> Experience:
+        exp, began, ended = self.pipeline.experience(iteration)  # sampled with weights up to k updates old
+        timers.record("non_overlap_rollout", began, ended)
+        return exp
+
+    def publish(self, iteration: int, model, timers: Timers) -> None:
+        with timers("resharding_to_infer"):
+            self.pipeline.publish(iteration, model)
+
+    @contextlib.contextmanager
+    def checkpoint_files(self) -> Iterator[dict[str, Any]]:
+        """The thread pauses once it has produced all it may (so an evaluation has the reward workers
+        to itself); the finished experiences not trained on yet are saved with the checkpoint."""
+        with self.pipeline.drained() as finished:
+            yield {IN_FLIGHT: finished, **self.producer.state_files()}
+
+    def close(self) -> None:
+        self.pipeline.close()
+
+
+def open_source(plan: Plan, session: Session, producer: Producer) -> ExperienceSource:
+    """The plan's source: pipelined with ``async_staleness`` or a separate rollout worker, else sync."""
+    if not plan.off_policy.pipelined:
+        return SyncSource(producer, session.policy.rollout)
+    from posttrain.trainers.pipeline import LocalReplica, RolloutPipeline
+
+    p, start = session.policy, session.iteration
+    if plan.off_policy.separate_worker:
+        from posttrain.cluster.rollout_worker import RemoteReplica
+
+        replica = RemoteReplica(plan, {"source": session.start_source, "cpu_linear": session.cpu_linear}, p.model)
+    else:
+        from posttrain.roles.policy import build_rollout
+
+        replica = LocalReplica(p.model, lambda m: build_rollout(plan.rollout, plan.policy, m, p.tokenizer,
+                                                                p.stop_token_ids))
+    pipeline = RolloutPipeline(producer, replica, staleness=plan.off_policy.staleness or 0, start=start,
+                               last=plan.train_iters, in_flight=in_flight(plan, session))
+    return PipelinedSource(producer, pipeline)
+
+
+def in_flight(plan: Plan, session: Session) -> dict:
+    """The finished experiences a resumed asynchronous run saved (iteration -> experience)."""
+    path = session.trainer_state.get("checkpoint_dir")
+    if not (session.iteration and path and (Path(path) / IN_FLIGHT).is_file()):
+        return {}
+    saved = session.trainer_state.get("async_staleness")
+    if saved != plan.off_policy.staleness:
+        raise ConfigError(f"{path} was saved by a run with rl_config.async_staleness={saved}; resume it with "
+                          f"the same value (its in-flight samples were drawn for it), or start a new run")
+    return torch.load(Path(path) / IN_FLIGHT, weights_only=False)
