@@ -245,9 +245,10 @@ class RolloutRole(RolloutEngine):
         return [group for part in parts for group in part]
 
     def sync_weights(self, model) -> None:
-        """Nothing to do: each worker's engine samples from its own actor's weights (the native
-        engine on the model it trains; the Megatron workers' leaders reload their rollout copy at
-        the end of every update). ``model`` is None on the driver."""
+        """None, nothing to load here: each worker's engine samples from its own actor's weights
+        (the native engine on the model it trains; the Megatron workers' leaders reload their
+        rollout copy at the end of every update, timed there). ``model`` is None on the driver."""
+        return None
 
     def pop_metrics(self) -> dict[str, float]:
         """None: the engines' counters (speculation's ``rollout/draft_*``, multi-turn's

@@ -186,8 +186,8 @@ class MergedRollout:
             return self.engine.generate(prompt_token_ids, n, sampling, stop_token_ids=stop_token_ids,
                                         prompt_keys=prompt_keys, **engine_options)
 
-    def sync_weights(self, model) -> None:
-        self.engine.sync_weights(model)
+    def sync_weights(self, model) -> int | None:
+        return self.engine.sync_weights(model)
 
     def pop_metrics(self) -> dict[str, float]:
         return self.engine.pop_metrics()

@@ -114,9 +114,10 @@ class RolloutEngine(Protocol):
                  prompt_keys: list[int] | None = None) -> list[list[RolloutOutput]]:
         ...
 
-    def sync_weights(self, model: Any) -> None:
-        """Sample from ``model``'s current weights from now on (an engine with its own copy of the
-        weights, such as vLLM, loads them). Default: nothing to do."""
+    def sync_weights(self, model: Any) -> int | None:
+        """Sample from ``model``'s current weights from now on: an engine with its own copy of the
+        weights (vLLM) loads them and returns how many tensors it loaded (the loop times that as
+        ``timing/resharding_to_infer``). Default: None, nothing to load."""
         return None
 
     def pop_metrics(self) -> dict[str, float]:
