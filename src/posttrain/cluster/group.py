@@ -43,6 +43,7 @@ from posttrain.cluster import launch
 from posttrain.cluster.remote import ClusterError, gather
 from posttrain.errors import ConfigError
 from posttrain.roles.policy import Policy, load_policy_tokenizer
+from posttrain.rollout.base import RolloutEngine
 from posttrain.rollout.keyed import random_seed
 from posttrain.train.engine import minibatch_order
 
@@ -161,9 +162,10 @@ class Cluster:
         return [results[i] for i in leaders]
 
     def update_calls(self, what: str, method: str, batch: dict, loss_fn, mini_batch_size: int, epochs: int,
-                     shuffle: bool, seed: int) -> list[dict[str, float]]:
+                     shuffle: bool, seed: int, micro_batch_size: int | None) -> list[dict[str, float]]:
         """An update (actor or critic): every replica's slices of the global mini-batches, to all its
-        workers (:func:`update_shards`); the metrics (the same on every worker) of rank 0."""
+        workers (:func:`update_shards`), each worker's micro-batches of ``micro_batch_size`` rows
+        (None: its engine's own); the metrics (the same on every worker) of rank 0."""
         self._check()
         count = next(iter(batch.values())).shape[0]
         shards = update_shards(count, mini_batch_size, len(self.replicas), epochs, shuffle, seed)
@@ -171,7 +173,8 @@ class Cluster:
         refs = []
         for replica, rows in zip(self.replicas, shards):
             part = {k: v[rows].cpu() for k, v in batch.items()}
-            refs += [(rank, getattr(self.workers[rank], method).remote(part, loss_fn, local)) for rank in replica]
+            refs += [(rank, getattr(self.workers[rank], method).remote(part, loss_fn, local, micro_batch_size))
+                     for rank in replica]
         results = self._call(what, [ref for _, ref in refs], [self.names[rank] for rank, _ in refs])
         return results[[rank for rank, _ in refs].index(0)]
 
@@ -221,7 +224,9 @@ def _rows(batch: dict, lo: int, hi: int) -> dict:
     return {k: v[lo:hi].cpu() for k, v in batch.items()}
 
 
-class RolloutRole:
+class RolloutRole(RolloutEngine):
+    """The workers' rollout engines as one :class:`~posttrain.rollout.base.RolloutEngine`."""
+
     def __init__(self, cluster: Cluster):
         self.c = cluster
 
@@ -239,45 +244,63 @@ class RolloutRole:
         parts = self.c.sharded("rollout", "generate", len(prompt_token_ids), args)
         return [group for part in parts for group in part]
 
+    def sync_weights(self, model) -> None:
+        """None, nothing to load here: each worker's engine samples from its own actor's weights
+        (the native engine on the model it trains; the Megatron workers' leaders reload their
+        rollout copy at the end of every update, timed there). ``model`` is None on the driver."""
+        return None
+
+    def pop_metrics(self) -> dict[str, float]:
+        """None: the engines' counters (speculation's ``rollout/draft_*``, multi-turn's
+        ``timing/tool`` and ``tool/*``) stay in the workers that generate (docs/tools.md)."""
+        return {}
+
+
+def _sharded_logprobs(cluster: Cluster, batch, temperature, micro_batch_size, reference: bool) -> torch.Tensor:
+    """The actor's (or the reference's) log-probs of ``batch``, rows cut into one share per replica."""
+    count = next(iter(batch.values())).shape[0]
+    what = "reference log-probs" if reference else "actor log-probs"
+    parts = cluster.sharded(what, "compute_logprobs", count,
+                            lambda r, lo, hi: (_rows(batch, lo, hi), temperature, micro_batch_size, reference),
+                            collective=not reference)
+    return torch.cat(parts)
+
 
 class ActorRole:
+    """The actor in the workers: :class:`~posttrain.train.base.ActorEngine`."""
+
     def __init__(self, cluster: Cluster):
         self.c = cluster
 
-    def compute_logprobs(self, batch, *, temperature=1.0, micro_batch_size=None, reference=False):
-        count = next(iter(batch.values())).shape[0]
-        what = "reference log-probs" if reference else "actor log-probs"
-        parts = self.c.sharded(what, "compute_logprobs", count,
-                               lambda r, lo, hi: (_rows(batch, lo, hi), temperature, micro_batch_size, reference),
-                               collective=not reference)
-        return torch.cat(parts)
+    def compute_logprobs(self, batch, *, temperature=1.0, micro_batch_size=None):
+        return _sharded_logprobs(self.c, batch, temperature, micro_batch_size, reference=False)
 
     def update(self, batch, loss_fn, *, mini_batch_size, epochs=1, shuffle=False, seed=0, micro_batch_size=None):
-        if micro_batch_size is not None:
-            raise ConfigError("the Ray actor group uses actor_config.micro_batch_size; do not pass micro_batch_size")
-        return self.c.update_calls("actor update", "update", batch, loss_fn, mini_batch_size, epochs, shuffle, seed)
+        return self.c.update_calls("actor update", "update", batch, loss_fn, mini_batch_size, epochs, shuffle, seed,
+                                   micro_batch_size)
 
 
 class ReferenceRole:
+    """The frozen reference in the workers: :class:`~posttrain.train.base.ReferenceEngine`."""
+
     def __init__(self, cluster: Cluster):
-        self.actor = ActorRole(cluster)
+        self.c = cluster
 
     def compute_logprobs(self, batch, *, temperature=1.0, micro_batch_size=None):
-        return self.actor.compute_logprobs(batch, temperature=temperature, micro_batch_size=micro_batch_size,
-                                           reference=True)
+        return _sharded_logprobs(self.c, batch, temperature, micro_batch_size, reference=True)
 
     def compute_pair_logps(self, batch, *, average=False, micro_batch_size=None):
         """DPO: the reference's (chosen, rejected) sequence log-probs, pairs cut into shares."""
         count = next(iter(batch.values())).shape[0]
-        parts = self.actor.c.sharded("reference pair log-probs", "compute_pair_logps", count,
-                                     lambda r, lo, hi: (_rows(batch, lo, hi), average, micro_batch_size),
-                                     collective=False)
+        parts = self.c.sharded("reference pair log-probs", "compute_pair_logps", count,
+                               lambda r, lo, hi: (_rows(batch, lo, hi), average, micro_batch_size), collective=False)
         return torch.cat([c for c, _ in parts]), torch.cat([r for _, r in parts])
 
 
 class CriticRole:
     """PPO's critic, colocated in the actor workers: values over row shares, the update over every
-    worker's slices of each global mini-batch (DDP), as :class:`ActorRole` does for the actor."""
+    worker's slices of each global mini-batch (DDP), as :class:`ActorRole` does for the actor
+    (:class:`~posttrain.train.base.CriticEngine`)."""
 
     def __init__(self, cluster: Cluster):
         self.c = cluster
@@ -288,9 +311,9 @@ class CriticRole:
                                lambda r, lo, hi: (_rows(batch, lo, hi), micro_batch_size), collective=False)
         return torch.cat(parts)
 
-    def update(self, batch, loss_fn, *, mini_batch_size, epochs=1, shuffle=False, seed=0):
+    def update(self, batch, loss_fn, *, mini_batch_size, epochs=1, shuffle=False, seed=0, micro_batch_size=None):
         return self.c.update_calls("critic update", "critic_update", batch, loss_fn, mini_batch_size, epochs,
-                                   shuffle, seed)
+                                   shuffle, seed, micro_batch_size)
 
     def save(self, iteration: int, *, tokenizer=None, trainer_state: dict):
         """The critic's own checkpoint (``critic_config.save``), from rank 0; None when the critic is

@@ -63,22 +63,20 @@ class MegatronWorker(ActorWorker):
 
     def compute_pair_logps(self, batch: dict, average: bool, micro_batch_size):
         """DPO: the reference's sequence log-probs of this replica's pairs (rows two per pair)."""
-        from posttrain.train.loss_fns import interleave_pairs, row_sequence_logps
-
         if next(iter(batch.values())).shape[0] == 0:
             return torch.zeros(0), torch.zeros(0)
-        rows = {k: v.to(self.device) for k, v in interleave_pairs(batch).items()}
+        batch = {k: v.to(self.device) for k, v in batch.items()}
         with self.megatron():
-            logprobs = self.shard.reference.compute_logprobs(rows, micro_batch_size=2 * (micro_batch_size or 1))
-        logps, _ = row_sequence_logps(logprobs.cpu(), rows["response_mask"].cpu(), average)
-        return logps[0::2].float(), logps[1::2].float()
+            return self.shard.reference.compute_pair_logps(batch, average=average, micro_batch_size=micro_batch_size)
 
-    def update(self, batch: dict, loss_fn, mini_batch_size: int) -> list[dict[str, float]]:
+    def update(self, batch: dict, loss_fn, mini_batch_size: int,
+               micro_batch_size: int | None = None) -> list[dict[str, float]]:
         """The replica's slices of the global mini-batches, one optimizer step each; then the
         weights to the leader's rollout copy (``timing/resharding_to_infer`` on the last step)."""
         batch = {k: v.to(self.device) for k, v in batch.items()}
         with self.megatron():
-            steps = self.shard.engine.update(batch, loss_fn, mini_batch_size=mini_batch_size)
+            steps = self.shard.engine.update(batch, loss_fn, mini_batch_size=mini_batch_size,
+                                             micro_batch_size=micro_batch_size)
             seconds = self.shard.sync_rollout() if self.shard.plan.stage.on_policy else None
         if seconds is not None and steps:
             steps[-1]["timing/resharding_to_infer"] = seconds
@@ -92,10 +90,12 @@ class MegatronWorker(ActorWorker):
         with self.megatron():
             return self.shard.critic.compute_values(batch, micro_batch_size=micro_batch_size).cpu()
 
-    def critic_update(self, batch: dict, loss_fn, mini_batch_size: int) -> list[dict[str, float]]:
+    def critic_update(self, batch: dict, loss_fn, mini_batch_size: int,
+                      micro_batch_size: int | None = None) -> list[dict[str, float]]:
         batch = {k: v.to(self.device) for k, v in batch.items()}
         with self.megatron():
-            return self.shard.critic.update(batch, loss_fn, mini_batch_size=mini_batch_size)
+            return self.shard.critic.update(batch, loss_fn, mini_batch_size=mini_batch_size,
+                                            micro_batch_size=micro_batch_size)
 
     def critic_save(self, iteration: int, trainer_state: dict) -> None:
         """The critic is saved inside the policy's checkpoints (``critic/``) on this backend."""

@@ -174,10 +174,12 @@ class ActorWorker:
                                                                     micro_batch_size=micro_batch_size)
         return chosen.cpu(), rejected.cpu()
 
-    def update(self, batch: dict, loss_fn, mini_batch_size: int) -> list[dict[str, float]]:
+    def update(self, batch: dict, loss_fn, mini_batch_size: int,
+               micro_batch_size: int | None = None) -> list[dict[str, float]]:
         """One optimizer step per ``mini_batch_size`` rows of ``batch`` (this rank's slices of the
         global mini-batches, already in the global order)."""
-        return self.policy.actor.update(batch, loss_fn, mini_batch_size=mini_batch_size, epochs=1, shuffle=False)
+        return self.policy.actor.update(batch, loss_fn, mini_batch_size=mini_batch_size, epochs=1, shuffle=False,
+                                        micro_batch_size=micro_batch_size)
 
     def compute_values(self, batch: dict, micro_batch_size):
         rows, width = batch["response_mask"].shape
@@ -192,9 +194,11 @@ class ActorWorker:
             return []
         return self.reward_model.score_sequences(prompts, responses)
 
-    def critic_update(self, batch: dict, loss_fn, mini_batch_size: int) -> list[dict[str, float]]:
+    def critic_update(self, batch: dict, loss_fn, mini_batch_size: int,
+                      micro_batch_size: int | None = None) -> list[dict[str, float]]:
         """The critic's optimizer steps on this rank's slices of the global mini-batches (as :meth:`update`)."""
-        return self.critic.update(batch, loss_fn, mini_batch_size=mini_batch_size, epochs=1, shuffle=False)
+        return self.critic.update(batch, loss_fn, mini_batch_size=mini_batch_size, epochs=1, shuffle=False,
+                                  micro_batch_size=micro_batch_size)
 
     def save(self, save_dir: str, iteration: int, sampler_state, trainer_state: dict, save_optim: bool,
              save_rng: bool) -> str:

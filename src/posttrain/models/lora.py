@@ -183,14 +183,25 @@ def merged(model) -> Iterator[None]:
 
 
 class MergedRollout:
-    """A rollout engine over a PEFT model that samples from the merged weights (:func:`merged`)."""
+    """A rollout engine over a PEFT model that samples from the merged weights (:func:`merged`):
+    a :class:`~posttrain.rollout.base.RolloutEngine` around ``engine``, whose other attributes it
+    forwards (``supports_rounds``, ``max_num_seqs``)."""
 
     def __init__(self, engine, model):
         self.engine, self.model = engine, model
 
-    def generate(self, *args, **kwargs):
+    def generate(self, prompt_token_ids, n, sampling, stop_token_ids=None, prompt_keys=None, **engine_options):
+        """The engine's ``generate`` (with its own options, such as partial rollout's
+        ``max_new_tokens``) on the merged weights."""
         with merged(self.model):
-            return self.engine.generate(*args, **kwargs)
+            return self.engine.generate(prompt_token_ids, n, sampling, stop_token_ids=stop_token_ids,
+                                        prompt_keys=prompt_keys, **engine_options)
+
+    def sync_weights(self, model) -> int | None:
+        return self.engine.sync_weights(model)
+
+    def pop_metrics(self) -> dict[str, float]:
+        return self.engine.pop_metrics()
 
     def __getattr__(self, name: str):
         return getattr(self.engine, name)
@@ -198,22 +209,26 @@ class MergedRollout:
 
 class AdapterOff:
     """``rl_config.share_backbone``: the reference is the actor's own model with its adapter switched
-    off (an engine's ``compute_*`` methods on it), so no second copy of the model is held. Other
-    attributes are the engine's (set ones too: ``dp_group``)."""
+    off (a :class:`~posttrain.train.base.ReferenceEngine`: the engine's log-prob methods on it), so
+    no second copy of the model is held. Other attributes are the engine's (set ones too:
+    ``dp_group``)."""
 
     def __init__(self, engine, model):
         object.__setattr__(self, "engine", engine)
         object.__setattr__(self, "model", model)
 
-    def __getattr__(self, name: str):
-        value = getattr(self.engine, name)
-        if not name.startswith("compute_"):
-            return value
+    def compute_logprobs(self, batch, *, temperature=1.0, micro_batch_size=None):
+        with self.model.disable_adapter():
+            return self.engine.compute_logprobs(batch, temperature=temperature, micro_batch_size=micro_batch_size)
 
-        def without_adapter(*args, **kwargs):
-            with self.model.disable_adapter():
-                return value(*args, **kwargs)
-        return without_adapter
+    def compute_pair_logps(self, batch, *, average=False, micro_batch_size=None):
+        with self.model.disable_adapter():
+            return self.engine.compute_pair_logps(batch, average=average, micro_batch_size=micro_batch_size)
+
+    def __getattr__(self, name: str):
+        if name.startswith("compute_"):  # with the adapter on, it would not be the reference's
+            raise AttributeError(f"AdapterOff (the reference) has no {name}")
+        return getattr(self.engine, name)
 
     def __setattr__(self, name: str, value) -> None:
         setattr(self.engine, name, value)

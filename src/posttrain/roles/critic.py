@@ -73,7 +73,7 @@ class Critic:
     The same object serves the in-process session and each Ray actor worker (there its update
     engine's model is wrapped in DDP and ``infer`` computes values on the plain model, as the
     actor's does); on the Ray driver, :class:`posttrain.cluster.group.CriticRole` offers the same
-    ``compute_values`` and ``update``."""
+    ``compute_values`` and ``update``. Both provide :class:`posttrain.train.base.CriticEngine`."""
 
     def __init__(self, plan: Plan, state: dict, device: str):
         from posttrain.checkpoint import Part, load_part
@@ -121,6 +121,7 @@ class Critic:
     def compute_values(self, batch, *, micro_batch_size: int | None = None):
         return self.infer.compute_values(batch, micro_batch_size=micro_batch_size or self.micro_batch_size)
 
-    def update(self, batch, loss_fn, *, mini_batch_size: int, epochs: int = 1, shuffle: bool = False, seed: int = 0):
+    def update(self, batch, loss_fn, *, mini_batch_size: int, epochs: int = 1, shuffle: bool = False, seed: int = 0,
+               micro_batch_size: int | None = None):
         return self.engine.update(batch, loss_fn, mini_batch_size=mini_batch_size, epochs=epochs, shuffle=shuffle,
-                                  seed=seed)
+                                  seed=seed, micro_batch_size=micro_batch_size)

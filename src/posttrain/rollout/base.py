@@ -102,12 +102,27 @@ class RolloutEngine(Protocol):
     ``prompt_keys[i]`` (default ``i``) names prompt i's random stream: callers that split one
     batch of prompts over several calls or workers pass each prompt's index in the whole batch, so
     the samples do not depend on the split.
+
+    The loop calls ``sync_weights`` after every update and ``pop_metrics`` once per batch of
+    experience, on every engine. An engine that subclasses this protocol inherits their no-op
+    defaults (an engine that samples from the trained model object itself has nothing to sync).
+    ``tests/unit/train/test_engine_protocol.py`` checks the engines' signatures against these.
     """
 
     def generate(self, prompt_token_ids: list[list[int]], n: int, sampling: SamplingParams,
                  stop_token_ids: list[int] | None = None,
                  prompt_keys: list[int] | None = None) -> list[list[RolloutOutput]]:
         ...
+
+    def sync_weights(self, model: Any) -> int | None:
+        """Sample from ``model``'s current weights from now on: an engine with its own copy of the
+        weights (vLLM) loads them and returns how many tensors it loaded (the loop times that as
+        ``timing/resharding_to_infer``). Default: None, nothing to load."""
+        return None
+
+    def pop_metrics(self) -> dict[str, float]:
+        """The engine's metrics since the last call, which starts the count again. Default: none."""
+        return {}
 
 
 # name -> engine class or factory; "module:attr" targets are imported on first use, so vllm stays lazy.

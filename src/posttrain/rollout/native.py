@@ -51,7 +51,7 @@ from typing import Any, Iterator
 import torch
 
 from posttrain.errors import ConfigError, DataError
-from posttrain.rollout.base import RolloutOutput, SamplingParams
+from posttrain.rollout.base import RolloutEngine, RolloutOutput, SamplingParams
 from posttrain.rollout.keyed import random_seed, row_states, uniforms
 from posttrain.rollout.kv_cache import concat_caches, new_cache, select_rows, to_static
 from posttrain.rollout.ngram import propose
@@ -202,8 +202,11 @@ def out_of_memory_hint(max_num_seqs: int) -> Iterator[None]:
             f"(rl_config.offload_reference, generate_config.offload_train_optimizer). {exc}") from exc
 
 
-class NativeEngine:
-    """``RolloutEngine`` on a PyTorch/HF causal LM. See the module docstring for the algorithm."""
+class NativeEngine(RolloutEngine):
+    """``RolloutEngine`` on a PyTorch/HF causal LM. See the module docstring for the algorithm.
+
+    It samples from the trained model object itself (a ``sampling_copy`` refreshes itself when the
+    weights change), so ``sync_weights`` is the protocol's no-op."""
 
     #: ``generate`` takes ``max_new_tokens`` and ``stop_when`` (partial rollout's rounds in one decode)
     supports_rounds = True

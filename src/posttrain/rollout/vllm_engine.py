@@ -54,7 +54,7 @@ from typing import Any
 import torch
 
 from posttrain.errors import ConfigError
-from posttrain.rollout.base import RolloutOutput, SamplingParams
+from posttrain.rollout.base import RolloutEngine, RolloutOutput, SamplingParams
 from posttrain.rollout.keyed import MASK64, absorb_int, random_seed
 
 LOGPROBS_MODE = "processed_logprobs"
@@ -82,8 +82,9 @@ def _memory_advice(max_num_seqs: int | None, gpu_memory_utilization: float | Non
             f"generate_config.max_model_len")
 
 
-class VLLMEngine:
-    """``RolloutEngine`` on ``vllm.LLM``, loaded with the actor's weights by :meth:`sync_weights`."""
+class VLLMEngine(RolloutEngine):
+    """``RolloutEngine`` on ``vllm.LLM``, loaded with the actor's weights by :meth:`sync_weights`
+    (``pop_metrics``: none, the protocol's default)."""
 
     # defaults for an engine made without __init__ (tests): no sleep mode
     sleep_mode: bool = False

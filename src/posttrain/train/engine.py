@@ -4,17 +4,19 @@ The batch layout is described in :mod:`posttrain.train.forward`. ``update`` spli
 into mini-batches of ``mini_batch_size`` rows (one optimizer step each) and every mini-batch into
 micro-batches of ``micro_batch_size`` rows (one forward/backward each, gradients accumulated).
 
-A loss function has the signature::
+A loss function is a :class:`~posttrain.train.base.LossFn`, called as::
 
     loss_fn(model, micro_batch: dict[str, Tensor], *, num_tokens, num_seqs, packing) -> (loss, metrics)
 
+(this engine runs the loss's own forward, so any callable with that signature works here).
 ``num_tokens`` is the number of valid tokens (``options.loss_mask_key``, default ``response_mask``) of the
 whole **mini-batch** and ``num_seqs`` its number of rows. A loss normalised by these (as the
 ``posttrain.algo`` losses are when given them) makes the accumulated gradient independent of the
 micro-batch size: 1 micro-batch of 8 rows and 8 micro-batches of 1 row give the same step. The
 ``metrics`` of the micro-batches are **summed**, so each should be this micro-batch's share of the
 mini-batch value (again what ``posttrain.algo`` returns when given the counts). Ready-made loss
-functions for actor, critic, SFT and DPO are in :mod:`posttrain.train.loss_fns`.
+functions for actor, critic, SFT and DPO are in :mod:`posttrain.train.loss_fns`. The engine
+provides :class:`~posttrain.train.base.Engine`.
 
 How forwards are batched is fixed at construction by :class:`~posttrain.train.options.EngineOptions`
 (derived once by the run's plan): remove padding (the engine passes a
@@ -36,12 +38,13 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable
+from typing import Any
 
 import torch
 
-from posttrain.train.options import EngineOptions, TokenBudget
 from posttrain.errors import ConfigError, PosttrainError
+from posttrain.train.base import LossFn
+from posttrain.train.options import EngineOptions, TokenBudget
 from posttrain.train.dynamic_batch import split_by_tokens
 from posttrain.train.forward import response_logprobs, response_values
 from posttrain.train.loss_fns import pair_logps
@@ -49,7 +52,6 @@ from posttrain.train.offload import StateOffload
 from posttrain.train.remove_padding import Packing, group_rows_by_prompt
 from posttrain.train.parallel import dp_world_size, global_counts, maybe_no_sync, reduce_metric_totals
 
-LossFn = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
 _DTYPES = {"float32": None, "fp32": None, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
 
@@ -100,6 +102,9 @@ def _num_rows(batch: dict[str, torch.Tensor]) -> int:
 
 class TrainEngine:
     """Owns a model, its optimizer and LR schedule; runs forward/backward in micro-batches."""
+
+    optimizer: torch.optim.Optimizer | None  # the checkpoints' state (posttrain.train.base.Engine)
+    scheduler: Any
 
     def __init__(
         self,

@@ -1,8 +1,11 @@
-"""Ready-made loss functions for :meth:`TrainEngine.update`: actor (GRPO/DAPO/PPO), critic, SFT, DPO.
+"""Ready-made loss functions for an engine's ``update``: actor (GRPO/DAPO/PPO), critic, SFT, DPO.
 
-Each factory takes the hyperparameters and returns ``loss_fn(model, micro_batch, *, num_tokens,
-num_seqs, packing) -> (loss, metrics)``; the engine passes ``packing`` (a
-:class:`~posttrain.train.remove_padding.Packing` when its options turn remove padding on, else None). Batch keys (layout in :mod:`posttrain.train.forward`):
+Each factory takes the hyperparameters and returns a :class:`~posttrain.train.base.LossFn`:
+``loss_fn(model, micro_batch, *, num_tokens, num_seqs, packing) -> (loss, metrics)`` runs the
+forward its fields declare, then its ``after_forward`` (the part a backend that runs its own
+forward calls: the Megatron engine). The engine passes ``packing`` (a
+:class:`~posttrain.train.remove_padding.Packing` when its options turn remove padding on, else
+None). Batch keys (layout in :mod:`posttrain.train.forward`):
 
 * actor: ``input_ids``, ``attention_mask``, ``response_mask``, ``advantages``, optional
   ``old_logprobs`` (when absent: the seed's on-policy skip, ``old_logprobs = logprobs.detach()``,
@@ -19,12 +22,16 @@ num_seqs, packing) -> (loss, metrics)``; the engine passes ``packing`` (a
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 
 from posttrain.algo.dpo_loss import dpo_loss
 from posttrain.algo.policy_loss import actor_loss
 from posttrain.algo.value_loss import value_loss
-from posttrain.train.forward import response_logprobs, response_values
+from posttrain.train.base import AfterForward, Batch, LossFn, LossOutput
+from posttrain.train.forward import response_logprobs
 from posttrain.train.options import ActorLossOptions
 from posttrain.train.remove_padding import Packing
 
@@ -32,7 +39,7 @@ MODEL_KEYS = ("input_ids", "attention_mask", "position_ids", "response_mask")
 
 
 def make_actor_loss_fn(options: ActorLossOptions = ActorLossOptions(), *, kl_coef: float = 0.0,
-                       report_entropy: bool = True):
+                       report_entropy: bool = True) -> LossFn:
     """GRPO/DAPO/PPO actor loss (:func:`posttrain.algo.policy_loss.actor_loss`) with ``options``.
 
     With ``report_entropy`` the entropy is reported (``actor/entropy``); it carries gradient only
@@ -41,9 +48,7 @@ def make_actor_loss_fn(options: ActorLossOptions = ActorLossOptions(), *, kl_coe
     """
     o = options
 
-    def on_logprobs(logprobs, entropy, micro_batch, *, num_tokens=None, num_seqs=None):
-        """The loss from the response tokens' log-probs (and entropy): what a backend that runs the
-        forward itself (Megatron-Core, posttrain.train.megatron.engine) calls."""
+    def after_forward(logprobs, entropy, micro_batch, *, num_tokens=None, num_seqs=None):
         old = micro_batch.get("old_logprobs")
         ref = micro_batch.get("ref_logprobs")  # reported as actor/kl_loss even when kl_coef is 0
         advantages, mask = micro_batch["advantages"], micro_batch["response_mask"]
@@ -70,29 +75,14 @@ def make_actor_loss_fn(options: ActorLossOptions = ActorLossOptions(), *, kl_coe
             norm_length=o.norm_length,
         )
 
-    def loss_fn(model, micro_batch, *, num_tokens=None, num_seqs=None, packing: Packing | None = None):
-        logprobs, entropy = response_logprobs(
-            model,
-            micro_batch,
-            temperature=o.temperature,
-            with_entropy=report_entropy or bool(o.entropy_coeff),
-            entropy_grad=bool(o.entropy_coeff),
-            packing=packing,
-        )
-        return on_logprobs(logprobs, entropy, micro_batch, num_tokens=num_tokens, num_seqs=num_seqs)
-
-    loss_fn.on_logprobs = on_logprobs
-    loss_fn.temperature = o.temperature
-    loss_fn.entropy_grad = bool(o.entropy_coeff)
-    return loss_fn
+    return LossFn(after_forward, temperature=o.temperature, with_entropy=report_entropy or bool(o.entropy_coeff),
+                  entropy_grad=bool(o.entropy_coeff))
 
 
-def make_critic_loss_fn(*, cliprange_value: float = 0.5, loss_agg_mode: str = "token-mean"):
+def make_critic_loss_fn(*, cliprange_value: float = 0.5, loss_agg_mode: str = "token-mean") -> LossFn:
     """PPO clipped value loss (:func:`posttrain.algo.value_loss.value_loss`)."""
 
-    def on_values(values, micro_batch, *, num_tokens=None, num_seqs=None):
-        """The loss from the response positions' values (the part after the forward, which the
-        Megatron engine runs on its own value head)."""
+    def after_forward(values, micro_batch, *, num_tokens=None, num_seqs=None):
         return value_loss(
             values,
             micro_batch["values"],
@@ -104,30 +94,19 @@ def make_critic_loss_fn(*, cliprange_value: float = 0.5, loss_agg_mode: str = "t
             num_seqs=num_seqs,
         )
 
-    def loss_fn(model, micro_batch, *, num_tokens=None, num_seqs=None, packing: Packing | None = None):
-        values = response_values(model, micro_batch)  # the value head runs padded
-        return on_values(values, micro_batch, num_tokens=num_tokens, num_seqs=num_seqs)
-
-    loss_fn.on_values = on_values
-    return loss_fn
+    return LossFn(after_forward, consumes="values")
 
 
-def make_sft_loss_fn():
+def _sft_loss(logprobs, entropy, micro_batch, *, num_tokens=None, num_seqs=None) -> LossOutput:
+    mask = micro_batch["response_mask"].to(logprobs.dtype)
+    denom = mask.sum() if num_tokens is None else num_tokens
+    loss = -(logprobs * mask).sum() / torch.clamp(torch.as_tensor(denom, dtype=logprobs.dtype), min=1e-8)
+    return loss, {"sft/loss": loss.detach()}
+
+
+def make_sft_loss_fn() -> LossFn:
     """Cross-entropy on response tokens, token-mean over the mini-batch. Metric ``sft/loss``."""
-
-    def on_logprobs(logprobs, entropy, micro_batch, *, num_tokens=None, num_seqs=None):
-        """The loss from the response tokens' log-probs (see make_actor_loss_fn)."""
-        mask = micro_batch["response_mask"].to(logprobs.dtype)
-        denom = mask.sum() if num_tokens is None else num_tokens
-        loss = -(logprobs * mask).sum() / torch.clamp(torch.as_tensor(denom, dtype=logprobs.dtype), min=1e-8)
-        return loss, {"sft/loss": loss.detach()}
-
-    def loss_fn(model, micro_batch, *, num_tokens=None, num_seqs=None, packing: Packing | None = None):
-        logprobs, _ = response_logprobs(model, micro_batch, packing=packing)
-        return on_logprobs(logprobs, None, micro_batch, num_tokens=num_tokens, num_seqs=num_seqs)
-
-    loss_fn.on_logprobs = on_logprobs
-    return loss_fn
+    return LossFn(_sft_loss)
 
 
 def _side(micro_batch, prefix):
@@ -192,13 +171,35 @@ def row_sequence_logps(logprobs: torch.Tensor, response_mask: torch.Tensor, aver
     return (total / count if average else total), -total / count
 
 
+
+@dataclass(frozen=True, kw_only=True)
+class PairLossFn(LossFn):
+    """A loss over preference pairs (DPO). Called on a ``chosen_*`` / ``rejected_*`` micro-batch it
+    runs :func:`pair_logps` (one forward over both sides with ``packing``) and ``after_pairs``; a
+    backend that takes rows (the Megatron engine) runs its log-prob forward on ``rows(batch)``
+    (:func:`interleave_pairs`: two rows per pair, next to each other) and ``after_forward``, whose
+    ``num_seqs`` then counts rows.
+
+    ``after_pairs(chosen [N], rejected [N], chosen_nll [N], micro_batch, *, num_seqs)``: the loss
+    from the pairs' sequence log-probs (sums; means with ``average``)."""
+
+    after_pairs: AfterForward
+    average: bool = False
+    rows: Callable[[Batch], Batch] | None = interleave_pairs
+
+    def __call__(self, model: torch.nn.Module, micro_batch: Batch, *, num_tokens=None, num_seqs=None,
+                 packing: Packing | None = None) -> LossOutput:
+        chosen, rejected, chosen_nll = pair_logps(model, micro_batch, self.average, packing)
+        return self.after_pairs(chosen, rejected, chosen_nll, micro_batch, num_seqs=num_seqs)
+
+
 def make_dpo_loss_fn(
     *,
     beta: float = 0.1,
     loss_type: str = "sigmoid",
     label_smoothing: float = 0.0,
     pref_ftx: float = 0.0,
-):
+) -> PairLossFn:
     """DPO (:func:`posttrain.algo.dpo_loss.dpo_loss`); ``ipo`` uses length-averaged log-probs.
 
     The reference log-probs in the batch must be computed the same way (``average`` for ipo).
@@ -210,12 +211,11 @@ def make_dpo_loss_fn(
                         label_smoothing=label_smoothing, pref_ftx=pref_ftx, chosen_nll=chosen_nll,
                         num_pairs=num_pairs)
 
-    def loss_fn(model, micro_batch, *, num_tokens=None, num_seqs=None, packing: Packing | None = None):
-        chosen, rejected, chosen_nll = pair_logps(model, micro_batch, average, packing)
+    def after_pairs(chosen, rejected, chosen_nll, micro_batch, *, num_seqs=None):
         return pair_loss(chosen, rejected, micro_batch["ref_chosen_logps"], micro_batch["ref_rejected_logps"],
                          chosen_nll, num_seqs)
 
-    def on_logprobs(logprobs, entropy, micro_batch, *, num_tokens=None, num_seqs=None):
+    def after_forward(logprobs, entropy, micro_batch, *, num_tokens=None, num_seqs=None):
         """The loss from the token log-probs of :func:`interleave_pairs` rows (``num_seqs``: rows,
         two per pair)."""
         logps, nll = row_sequence_logps(logprobs, micro_batch["response_mask"], average)
@@ -223,6 +223,4 @@ def make_dpo_loss_fn(
         return pair_loss(logps[0::2], logps[1::2], ref[0::2], ref[1::2], nll[0::2],
                          None if num_seqs is None else num_seqs / 2)
 
-    loss_fn.on_logprobs = on_logprobs
-    loss_fn.rows = interleave_pairs  # the batch as rows for on_logprobs, two per pair
-    return loss_fn
+    return PairLossFn(after_forward, after_pairs=after_pairs, average=average)

@@ -124,8 +124,9 @@ def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
 
 class OffloadedReference:
     """The frozen reference off the device between its uses (``rl_config.offload_reference``), as
-    the seed's integrated worker keeps it: a :class:`~posttrain.train.engine.TrainEngine` whose
-    weights are brought in for each log-prob call and sent away after it.
+    the seed's integrated worker keeps it: an engine (:class:`~posttrain.train.engine.TrainEngine`
+    or the Megatron one) whose weights are brought in for each log-prob call and sent away after
+    it; a :class:`~posttrain.train.base.ReferenceEngine`.
 
     * GPU: the weights wait in pinned host memory and are copied in for each call.
     * CPU: the weights are written once to ``spill_dir/reference.pt``; between calls they are
@@ -182,15 +183,18 @@ class OffloadedReference:
             for param in params.values():
                 param.data = param.data.to(self.device, non_blocking=True)
 
-    def _call(self, method: str, *args, **kwargs):
+    @contextlib.contextmanager
+    def _on_device(self):
         self._onload()
         try:
-            return getattr(self.engine, method)(*args, **kwargs)
+            yield
         finally:
             self._offload()
 
-    def compute_logprobs(self, batch, **kwargs):
-        return self._call("compute_logprobs", batch, **kwargs)
+    def compute_logprobs(self, batch, *, temperature=1.0, micro_batch_size=None):
+        with self._on_device():
+            return self.engine.compute_logprobs(batch, temperature=temperature, micro_batch_size=micro_batch_size)
 
-    def compute_pair_logps(self, batch, **kwargs):
-        return self._call("compute_pair_logps", batch, **kwargs)
+    def compute_pair_logps(self, batch, *, average=False, micro_batch_size=None):
+        with self._on_device():
+            return self.engine.compute_pair_logps(batch, average=average, micro_batch_size=micro_batch_size)

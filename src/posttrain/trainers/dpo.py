@@ -24,10 +24,16 @@ initial policy. Metrics: ``dpo/loss``, ``rewards/chosen``, ``rewards/rejected``
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import torch
 
 from posttrain.trainers.offline import OfflineTrainer, labelled_batch
+
+if TYPE_CHECKING:
+    from posttrain.train.base import AfterForward
+    from posttrain.train.loss_fns import PairLossFn
 
 log = logging.getLogger(__name__)
 SIDES = ("chosen", "rejected")
@@ -42,20 +48,19 @@ def pair_batch(items: list[dict], pad_token_id: int) -> dict[str, torch.Tensor]:
     return out
 
 
-def with_loss_metric(loss_fn):
-    """Report the loss itself as ``dpo/loss`` (each micro-batch's share of the batch mean), from the
-    whole loss and from its row form (``on_logprobs`` over ``rows``, the Megatron backend's)."""
+def with_loss_metric(loss_fn: PairLossFn) -> PairLossFn:
+    """``loss_fn`` reporting the loss itself as ``dpo/loss`` (each micro-batch's share of the batch
+    mean), on the pairs (the HF engine's forward) and on the rows (the Megatron engine's)."""
+    return replace(loss_fn, after_pairs=_reporting_loss(loss_fn.after_pairs),
+                   after_forward=_reporting_loss(loss_fn.after_forward))
 
-    def wrapped(model, micro_batch, *, num_tokens=None, num_seqs=None, packing=None):
-        loss, metrics = loss_fn(model, micro_batch, num_tokens=num_tokens, num_seqs=num_seqs, packing=packing)
+
+def _reporting_loss(after: AfterForward) -> AfterForward:
+    def reporting(*outputs, **counts):
+        loss, metrics = after(*outputs, **counts)
         return loss, {"dpo/loss": loss.detach(), **metrics}
 
-    def on_logprobs(logprobs, entropy, micro_batch, *, num_tokens=None, num_seqs=None):
-        loss, metrics = loss_fn.on_logprobs(logprobs, entropy, micro_batch, num_tokens=num_tokens, num_seqs=num_seqs)
-        return loss, {"dpo/loss": loss.detach(), **metrics}
-
-    wrapped.on_logprobs, wrapped.rows = on_logprobs, loss_fn.rows
-    return wrapped
+    return reporting
 
 
 class DPOTrainer(OfflineTrainer):

@@ -75,3 +75,46 @@ def test_dpo_loss_value_at_reference_is_log2():
     batch = _dpo_batch(model)
     loss, _ = make_dpo_loss_fn()(model, batch, num_tokens=None, num_seqs=2)
     assert loss.item() == pytest.approx(math.log(2), rel=1e-5)
+
+
+def test_the_loss_functions_declare_the_forward_a_backend_runs():
+    """What the Megatron engine reads instead of running the loss's own forward."""
+    from posttrain.train.loss_fns import PairLossFn, interleave_pairs, make_actor_loss_fn
+    from posttrain.train.options import ActorLossOptions
+
+    actor = make_actor_loss_fn(ActorLossOptions(temperature=0.7, entropy_coeff=0.01))
+    assert (actor.consumes, actor.temperature, actor.with_entropy, actor.entropy_grad, actor.rows) == \
+        ("logprobs", 0.7, True, True, None)
+    assert (make_actor_loss_fn().with_entropy, make_actor_loss_fn().entropy_grad) == (True, False)
+    assert make_actor_loss_fn(report_entropy=False).with_entropy is False
+    assert make_critic_loss_fn().consumes == "values"
+    sft = make_sft_loss_fn()
+    assert (sft.consumes, sft.temperature, sft.with_entropy, sft.rows) == ("logprobs", 1.0, False, None)
+    dpo = make_dpo_loss_fn(loss_type="ipo")
+    assert isinstance(dpo, PairLossFn) and dpo.rows is interleave_pairs and dpo.average
+
+
+@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo"])
+def test_dpo_on_rows_equals_dpo_on_pairs_and_both_report_the_loss(loss_type):
+    """The row form a backend that takes rows runs (interleaved rows' log-probs, then
+    after_forward with rows counted) gives the pair form's loss; with_loss_metric reports it in both."""
+    from posttrain.train.forward import response_logprobs
+    from posttrain.train.loss_fns import interleave_pairs, sequence_logps
+    from posttrain.trainers.dpo import with_loss_metric
+
+    model = tiny_model()
+    batch = _dpo_batch(copy.deepcopy(model))
+    with torch.no_grad():  # the reference's log-probs as the loss type wants them, a little off the policy's
+        for side in ("chosen", "rejected"):
+            part = {k[len(side) + 1:]: v for k, v in batch.items() if k.startswith(side + "_")}
+            batch[f"ref_{side}_logps"], _ = sequence_logps(model, part, average=loss_type == "ipo")
+        batch["ref_chosen_logps"] -= 0.3
+    loss_fn = with_loss_metric(make_dpo_loss_fn(beta=0.3, loss_type=loss_type, pref_ftx=0.2))
+    with torch.no_grad():
+        pairs, pair_metrics = loss_fn(model, batch, num_seqs=2)
+        rows = interleave_pairs(batch)
+        logprobs, _ = response_logprobs(model, rows)
+        on_rows, row_metrics = loss_fn.after_forward(logprobs, None, rows, num_seqs=4)
+    torch.testing.assert_close(on_rows, pairs)
+    assert sorted(row_metrics) == sorted(pair_metrics) and "dpo/loss" in pair_metrics
+    torch.testing.assert_close(pair_metrics["dpo/loss"], pairs)

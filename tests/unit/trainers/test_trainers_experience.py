@@ -51,9 +51,9 @@ def test_multi_turn_rows_zero_exactly_the_tool_tokens_in_the_loss_mask():
     loss_fn = make_actor_loss_fn()
     batch["old_logprobs"] = torch.full((2, 5), -1.0)
     logprobs = torch.full((2, 5), -1.0)
-    base, _ = loss_fn.on_logprobs(logprobs, None, batch)
+    base, _ = loss_fn.after_forward(logprobs, None, batch)
     logprobs[0, 2:4] = -50.0  # only the tool tokens change
-    moved, _ = loss_fn.on_logprobs(logprobs, None, batch)
+    moved, _ = loss_fn.after_forward(logprobs, None, batch)
     assert torch.equal(base, moved)
     logprobs[0, 4] = -50.0  # a sampled token does count
-    assert not torch.equal(base, loss_fn.on_logprobs(logprobs, None, batch)[0])
+    assert not torch.equal(base, loss_fn.after_forward(logprobs, None, batch)[0])

@@ -1,7 +1,8 @@
-"""The Megatron-Core backend's engine: :class:`MegatronEngine` offers the
-HF engine's interface (:class:`posttrain.train.engine.TrainEngine`: ``compute_logprobs`` and
-``update`` over a batch in the training layout of :mod:`posttrain.train.layout`) on this rank's
-Megatron-Core model, through Megatron's pipeline schedule and optimizer.
+"""The Megatron-Core backend's engine: :class:`MegatronEngine` provides
+:class:`posttrain.train.base.Engine` (the HF engine's interface: ``compute_logprobs``,
+``compute_values``, ``compute_pair_logps`` and ``update`` over a batch in the training layout of
+:mod:`posttrain.train.layout`) on this rank's Megatron-Core model, through Megatron's pipeline
+schedule and optimizer.
 
 * Micro-batches of ``micro_batch_size`` rows through ``get_forward_backward_func``; each row's
   attention mask hides its padding (:func:`_inputs`), so left padding changes nothing (RoPE is
@@ -9,11 +10,12 @@ Megatron-Core model, through Megatron's pipeline schedule and optimizer.
   sequence parallelism the sequences are padded to a multiple of the tensor-parallel size.
 * Log-probs and entropy come from the vocab-parallel logits (:mod:`.vocab_parallel`), never the
   gathered vocabulary.
-* The loss is the algorithm's own: a loss function of :mod:`posttrain.train.loss_fns` exposes
-  ``on_logprobs(logprobs, entropy, micro_batch, num_tokens=, num_seqs=)`` (the critic's:
-  ``on_values(values, micro_batch, ...)``, on a model with a value head), the part after the
-  forward, with the token and row counts of the whole mini-batch (a token-mean is over the
-  mini-batch, as in the HF engine).
+* The loss is the algorithm's own: the engine runs the forward a
+  :class:`~posttrain.train.base.LossFn` declares (log-probs at its ``temperature``, the entropy
+  when ``with_entropy``; the values of a model with a value head when it ``consumes`` values) and
+  calls its ``after_forward``, with the token and row counts of the whole mini-batch (a
+  token-mean is over the mini-batch, as in the HF engine). A loss over pairs (DPO) gives its
+  batch as rows (``rows``, two per pair).
 * Data parallel replicas (Megatron's ``DistributedDataParallel`` averages gradients over them):
   the token and row counts and the metrics are summed over the data-parallel group and each
   rank's loss is scaled by its size, as in the HF engine (:mod:`posttrain.train.parallel`).
@@ -30,11 +32,14 @@ The Ray worker groups build it (:mod:`posttrain.roles.megatron_policy`); docs/pa
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
-from posttrain.train.options import EngineOptions
+from posttrain.train.base import LossFn
 from posttrain.train.engine import NaNLossError, minibatch_order
+from posttrain.train.loss_fns import interleave_pairs, row_sequence_logps
+from posttrain.train.options import EngineOptions
 from posttrain.train.parallel import dp_world_size, global_counts, reduce_metric_totals
 from posttrain.train.megatron.vocab_parallel import vocab_parallel_entropy, vocab_parallel_logprobs
 
@@ -137,13 +142,16 @@ class MegatronEngine:
     virtual pipeline stage, each in Megatron's ``DistributedDataParallel``) with Megatron's
     ``optimizer``."""
 
+    optimizer: Any  # Megatron's (None for the reference); the checkpoints' state with the scheduler
+    scheduler: Any
+
     def __init__(self, model, optimizer=None, scheduler=None, *, vocab_size: int, micro_batch_size: int = 1,
                  metric_prefix: str = "actor", value_head: bool = False, options: EngineOptions | None = None):
         self.models = list(model) if isinstance(model, (list, tuple)) else [model]
         self.model = self.models[0] if len(self.models) == 1 else torch.nn.ModuleList(self.models)
         self.optimizer, self.scheduler = optimizer, scheduler
         self.vocab_size, self.micro_batch_size, self.metric_prefix = vocab_size, micro_batch_size, metric_prefix
-        self.value_head = value_head  # the critic: the model returns values, the loss takes them (on_values)
+        self.value_head = value_head  # the critic: the model returns values, the loss consumes them
         self.options = options or EngineOptions()
         self.offload: MegatronOffload | None = None  # set by the policy (generate_config.offload_train_*)
         # packed micro-batches with remove padding, and always under a token budget or with virtual
@@ -271,15 +279,27 @@ class MegatronEngine:
         result = self._inference(batch, micro_batch_size, lambda rows, values: values[..., 0].float())
         return None if result is None else result * batch["response_mask"].float()
 
-    def update(self, batch: dict[str, torch.Tensor], loss_fn, *, mini_batch_size: int, epochs: int = 1,
+    def compute_pair_logps(self, batch: dict[str, torch.Tensor], *, average: bool = False,
+                           micro_batch_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """DPO: per-pair sequence log-probs ``(chosen [N], rejected [N])`` of a ``chosen_*`` /
+        ``rejected_*`` batch, on the host: the token log-probs of its rows (:func:`interleave_pairs`,
+        ``micro_batch_size`` pairs at a time) summed (``average``: averaged) per row."""
+        rows = interleave_pairs(batch)
+        logprobs = self.compute_logprobs(rows, micro_batch_size=2 * (micro_batch_size or self.micro_batch_size))
+        logps, _ = row_sequence_logps(logprobs.cpu(), rows["response_mask"].cpu(), average)
+        return logps[0::2].float(), logps[1::2].float()
+
+    def update(self, batch: dict[str, torch.Tensor], loss_fn: LossFn, *, mini_batch_size: int, epochs: int = 1,
                shuffle: bool = False, seed: int = 0, micro_batch_size: int | None = None) -> list[dict[str, float]]:
         """``epochs`` passes over ``batch`` in mini-batches (the HF engine's order and shuffle), one
         optimizer step each; one metrics dict per step, the same on every rank. A loss over pairs
         (DPO) gives its batch as rows (``loss_fn.rows``: two per pair, next to each other); sizes
         then count pairs, as in the HF engine."""
+        if (loss_fn.consumes == "values") != self.value_head:
+            raise ValueError(f"a loss that consumes {loss_fn.consumes} on a model "
+                             f"{'with' if self.value_head else 'without'} a value head")
         steps = minibatch_order(next(iter(batch.values())).shape[0], mini_batch_size, epochs=epochs,
                                 shuffle=shuffle, seed=seed)
-        rows_of = getattr(loss_fn, "rows", None)
         self.model.train()
         out = []
         if self.offload is not None:
@@ -287,36 +307,39 @@ class MegatronEngine:
         try:
             for chosen in steps:
                 mini_batch = {k: v[chosen] for k, v in batch.items()}
-                out.append(self._step(rows_of(mini_batch), loss_fn, 2) if rows_of else self._step(mini_batch, loss_fn))
+                if loss_fn.rows is None:
+                    out.append(self._step(mini_batch, loss_fn, micro_batch_size))
+                else:
+                    out.append(self._step(loss_fn.rows(mini_batch), loss_fn, micro_batch_size, 2))
         finally:
             if self.offload is not None:
                 self.offload.to_host()
         return out
 
-    def _step(self, mini_batch: dict[str, torch.Tensor], loss_fn, rows_per_item: int = 1) -> dict[str, float]:
+    def _step(self, mini_batch: dict[str, torch.Tensor], loss_fn: LossFn, micro_batch_size: int | None,
+              rows_per_item: int = 1) -> dict[str, float]:
         from megatron.core import parallel_state as ps
         from megatron.core.distributed import finalize_model_grads
 
         rows = mini_batch["input_ids"].shape[0]
-        micro_batches = self._micro_batches(mini_batch, None, self.options.update_budget, rows_per_item)
+        micro_batches = self._micro_batches(mini_batch, micro_batch_size, self.options.update_budget, rows_per_item)
         dp_group = ps.get_data_parallel_group()
         mask = mini_batch["response_mask"]  # the counts live where the collective runs (gloo: CPU, nccl: GPU)
         num_tokens, num_seqs = global_counts(mask.sum().float(), rows, mask.device, dp_group)
         # the schedule averages the micro-batches' losses, Megatron's DDP the ranks' gradients
         loss_scale = len(micro_batches) * dp_world_size(dp_group)
         totals: dict[str, torch.Tensor] = {}
-        temperature = getattr(loss_fn, "temperature", 1.0)
 
         def on_logits(rows, logits):
             micro_batch = {k: v[rows] for k, v in mini_batch.items()}
             if self.value_head:  # the critic's values, not logits
                 values = logits[..., 0].float() * micro_batch["response_mask"].float()
-                loss, metrics = loss_fn.on_values(values, micro_batch, num_tokens=num_tokens, num_seqs=num_seqs)
+                loss, metrics = loss_fn.after_forward(values, micro_batch, num_tokens=num_tokens, num_seqs=num_seqs)
             else:
-                logprobs, entropy = self._response_logprobs(mini_batch, rows, logits, temperature, True,
-                                                            entropy_grad=getattr(loss_fn, "entropy_grad", False))
-                loss, metrics = loss_fn.on_logprobs(logprobs, entropy, micro_batch, num_tokens=num_tokens,
-                                                    num_seqs=num_seqs)
+                logprobs, entropy = self._response_logprobs(mini_batch, rows, logits, loss_fn.temperature,
+                                                            loss_fn.with_entropy, entropy_grad=loss_fn.entropy_grad)
+                loss, metrics = loss_fn.after_forward(logprobs, entropy, micro_batch, num_tokens=num_tokens,
+                                                      num_seqs=num_seqs)
             for key, value in metrics.items():
                 totals[key] = totals.get(key, 0.0) + value.detach().float()
             return loss * loss_scale
