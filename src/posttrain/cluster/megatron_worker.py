@@ -38,7 +38,7 @@ class MegatronWorker(ActorWorker):
         tokenizer, stops = load_policy_tokenizer(plan.policy, start["source"])
         with self.megatron():
             self.shard = MegatronPolicy(plan, self.device, tokenizer, stops, source=start["source"])
-        self.fsdp, self.reward_model = False, None
+        self.policy, self.fsdp, self.reward_model = self.shard.policy, False, None
         return dict(self.shard.state) if self.rank == 0 else {}
 
     def ready_info(self) -> dict:
@@ -48,12 +48,12 @@ class MegatronWorker(ActorWorker):
     # ---- roles ----------------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], n: int, sampling, stop_token_ids, prompt_keys=None) -> list:
         """The leader samples its replica's share; the other ranks have no rollout copy."""
-        if self.shard.rollout is None or not prompts:
+        if self.policy.rollout is None or not prompts:
             return []
-        return self.shard.rollout.generate(prompts, n, sampling, stop_token_ids, prompt_keys=prompt_keys)
+        return self.policy.rollout.generate(prompts, n, sampling, stop_token_ids, prompt_keys=prompt_keys)
 
     def compute_logprobs(self, batch: dict, temperature: float, micro_batch_size, reference: bool = False):
-        engine = self.shard.reference if reference else self.shard.engine
+        engine = self.policy.reference if reference else self.policy.actor
         rows, width = batch["response_mask"].shape
         if rows == 0:  # the whole replica got no rows
             return torch.zeros(0, width)
@@ -67,7 +67,7 @@ class MegatronWorker(ActorWorker):
             return torch.zeros(0), torch.zeros(0)
         batch = {k: v.to(self.device) for k, v in batch.items()}
         with self.megatron():
-            return self.shard.reference.compute_pair_logps(batch, average=average, micro_batch_size=micro_batch_size)
+            return self.policy.reference.compute_pair_logps(batch, average=average, micro_batch_size=micro_batch_size)
 
     def update(self, batch: dict, loss_fn, mini_batch_size: int,
                micro_batch_size: int | None = None) -> list[dict[str, float]]:
@@ -75,7 +75,7 @@ class MegatronWorker(ActorWorker):
         weights to the leader's rollout copy (``timing/resharding_to_infer`` on the last step)."""
         batch = {k: v.to(self.device) for k, v in batch.items()}
         with self.megatron():
-            steps = self.shard.engine.update(batch, loss_fn, mini_batch_size=mini_batch_size,
+            steps = self.policy.actor.update(batch, loss_fn, mini_batch_size=mini_batch_size,
                                              micro_batch_size=micro_batch_size)
             seconds = self.shard.sync_rollout() if self.shard.plan.stage.on_policy else None
         if seconds is not None and steps:

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from posttrain.cluster.remote import gather
+from posttrain.rollout.base import RolloutEngine, SamplingParams
 
 
 class RolloutWorker:
@@ -48,18 +49,22 @@ class RolloutWorker:
         return self.engine.generate(*args, **kwargs)
 
     def pop_metrics(self) -> dict[str, float]:
-        pop = getattr(self.engine, "pop_metrics", None)
-        return pop() if pop is not None else {}
+        return self.engine.pop_metrics()
 
 
-class RemoteEngine:
-    """The worker's engine, called from the driver: the rollout engine's ``generate``."""
+class RemoteEngine(RolloutEngine):
+    """The worker's engine, called from the driver: the rollout engine's ``generate`` (its weights
+    arrive through :meth:`RemoteReplica.load`, so ``sync_weights`` is the protocol's no-op)."""
 
     def __init__(self, replica: "RemoteReplica"):
         self.replica = replica
 
-    def generate(self, *args, **kwargs) -> list:
-        return self.replica.call("rollout", "generate", *args, **kwargs)
+    def generate(self, prompt_token_ids: list[list[int]], n: int, sampling: SamplingParams,
+                 stop_token_ids: list[int] | None = None, prompt_keys: list[int] | None = None,
+                 **engine_options) -> list:
+        """``engine_options``: the worker engine's own (partial rollout's offsets and budgets)."""
+        return self.replica.call("rollout", "generate", prompt_token_ids, n, sampling, stop_token_ids,
+                                 prompt_keys=prompt_keys, **engine_options)
 
     def pop_metrics(self) -> dict[str, float]:
         return self.replica.call("rollout metrics", "pop_metrics")

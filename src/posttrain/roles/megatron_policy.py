@@ -33,6 +33,8 @@ from pathlib import Path
 
 import torch
 
+from posttrain.roles.policy import Policy, build_rollout, model_source, offloaded_reference, reference_source
+
 log = logging.getLogger(__name__)
 
 
@@ -109,13 +111,12 @@ def hf_param(params: dict[str, torch.Tensor], name: str) -> torch.Tensor:
 
 class MegatronPolicy:
     """The actor (and reference) shards of this rank, the leader's rollout copy, and the trainer
-    state (resumed or fresh)."""
+    state (resumed or fresh); :attr:`policy` is the :class:`~posttrain.roles.policy.Policy` a loop
+    drives (its ``model`` is None: the weights are this rank's chunks)."""
 
     def __init__(self, plan, device: str, tokenizer, stop_token_ids: list[int], *, source: str | None = None):
         from megatron.core import parallel_state as ps
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-
-        from posttrain.roles.policy import model_source, reference_source
 
         a, par = plan.policy, plan.parallel
         self.plan, self.device = plan, device
@@ -158,17 +159,15 @@ class MegatronPolicy:
             self.reference = self._engine([self._precision(c) for c in ref_chunks], None, None, "ref", a.optim,
                                           plan.ref_engine)
             if a.offload_reference:
-                from posttrain.roles.policy import offloaded_reference
-
                 self.reference = offloaded_reference(self.reference)
         self.rollout = None
         if self.leader and plan.stage.on_policy:
-            from posttrain.roles.policy import build_rollout
-
             self.hf_model = hf_skeleton(self.state["initial_model"], self.args, device)
             self.rollout = build_rollout(plan.rollout, a, self.hf_model, tokenizer, stop_token_ids)
         if plan.stage.on_policy:
             self.sync_rollout()
+        self.policy = Policy(model=None, tokenizer=tokenizer, actor=self.engine, reference=self.reference,
+                             rollout=self.rollout, stop_token_ids=stop_token_ids, state=self.state)
 
     # ---- set-up ---------------------------------------------------------------------------------
     def _trainable(self, optim, plan, chunks: list):

@@ -20,6 +20,8 @@ from posttrain.checkpoint.files import CheckpointLoad
 from posttrain.config.options import PolicyOptions, RolloutOptions
 from posttrain.config.plan import Plan
 from posttrain.errors import ConfigError
+from posttrain.rollout.base import RolloutEngine
+from posttrain.train.base import ActorEngine, ReferenceEngine
 from posttrain.train.options import EngineOptions, OptimOptions
 
 log = logging.getLogger(__name__)
@@ -27,14 +29,18 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Policy:
-    """What a loop drives. ``model`` is None on the Ray driver (the weights live in the workers);
-    ``reference`` and ``rollout`` are None where the stage does not use them."""
+    """What a loop drives, the same on every backend and placement: the actor's engine (a
+    :class:`~posttrain.train.engine.TrainEngine`, a Megatron rank's
+    :class:`~posttrain.train.megatron.engine.MegatronEngine`, or the Ray group's proxy), the frozen
+    reference and the rollout engine. ``model`` is the HF actor model where this process holds it
+    (None on the Ray driver and on the Megatron backend, whose weights are sharded); ``reference``
+    and ``rollout`` are None where the stage (or the rank) does not use them."""
 
     model: Any
     tokenizer: Any
-    actor: Any  # TrainEngine (or the Ray group's proxy)
-    reference: Any | None
-    rollout: Any | None
+    actor: ActorEngine
+    reference: ReferenceEngine | None
+    rollout: RolloutEngine | None
     stop_token_ids: list[int]
     state: dict[str, Any]  # the trainer state: resumed from a checkpoint, or a fresh run's
 

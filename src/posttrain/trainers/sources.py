@@ -56,9 +56,9 @@ class SyncSource:
         return self.producer(iteration, self.engine, iteration - 1)
 
     def publish(self, iteration: int, model, timers: Timers) -> None:
-        if self.engine.holds_weights:  # vLLM: its own copy of the weights
-            with timers("resharding_to_infer"):
-                self.engine.sync_weights(model)
+        began = timers.clock()
+        if self.engine.sync_weights(model) is not None:  # vLLM: its own copy of the weights, loaded
+            timers.record("resharding_to_infer", began, timers.clock())
 
     @contextlib.contextmanager
     def checkpoint_files(self) -> Iterator[dict[str, Any]]:
