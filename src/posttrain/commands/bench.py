@@ -238,10 +238,11 @@ def bench(cfg, *, iters: int = 3, warmup: int = 1, profile_dir: str | None = Non
 
 def _record(metrics, cpu, model, trainer, peak) -> dict[str, float]:
     rec = {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
-    rows = trainer.gbs * trainer.n
+    gbs, n = trainer.plan.prompts_per_iteration, trainer.plan.n
+    rows = gbs * n
     if rec.get("timing/rollout"):
         rec["rollout_response_tps"] = rec.get("response_length/mean", 0.0) * rows / rec["timing/rollout"]
-    flops = iteration_flops(model, rec, num_prompts=trainer.gbs, n=trainer.n)
+    flops = iteration_flops(model, rec, num_prompts=gbs, n=n)
     for phase, value in flops.items():
         rec[f"flops/{phase}"] = value
         seconds = rec.get(f"timing/{phase}")

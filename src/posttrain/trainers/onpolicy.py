@@ -49,13 +49,13 @@ class OnPolicyTrainer:
             self.kl_ctrl.load_state_dict(session.trainer_state["kl_ctrl"])
         self.critic = CriticPhases(plan, session) if plan.uses_critic else None
         self.producer = Producer(plan, session)
-        self.source: ExperienceSource | None = None  # opened by fit()
+        self.source: ExperienceSource | None = None  # opened by the first iteration (a rollout thread starts)
 
     # ------------------------------------------------------------------------------------------
     def fit(self) -> dict[str, float]:
         s, last = self.s, {}
         try:
-            self.source = open_source(self.plan, s, self.producer)
+            self.source = self.source or open_source(self.plan, s, self.producer)
             for iteration in range(s.iteration + 1, self.plan.train_iters + 1):
                 last = self.train_step(iteration)
                 with self.checkpoint_files(iteration):
@@ -74,6 +74,8 @@ class OnPolicyTrainer:
 
     def train_step(self, iteration: int) -> dict[str, float]:
         timers, acc = Timers(), MetricAccumulator()
+        if self.source is None:
+            self.source = open_source(self.plan, self.s, self.producer)
         with timers("all"):
             exp = self.source.next(iteration, timers)
             timers.merge(exp.timers)

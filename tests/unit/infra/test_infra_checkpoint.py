@@ -147,7 +147,7 @@ def test_tracker_write_failure_rolls_back_the_new_directory(tmp_path, trained, m
     def broken(save_dir, iteration):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(ckpt, "_write_tracker", broken)
+    monkeypatch.setattr("posttrain.checkpoint.save._write_tracker", broken)
     with pytest.raises(CheckpointError):
         ckpt.save_checkpoint(save, 2, model, opt, sched)
     with pytest.raises(CheckpointError):          # re-saving an existing iteration restores the old one

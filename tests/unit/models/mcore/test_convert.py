@@ -182,16 +182,15 @@ def test_args_namespace_describes_the_model_and_split(tiny_hf, tmp_path):
 # ---- loading a Megatron checkpoint where posttrain loads a model --------------------------------
 
 def test_a_megatron_checkpoint_loads_directly_through_a_cache(tiny_hf, tmp_path, monkeypatch, capsys):
-    from posttrain.checkpoint import resolve_checkpoint
-    from posttrain.models.loading import load_causal_lm
+    from posttrain.models.loading import load_causal_lm, resolve_model
 
     monkeypatch.setenv("POSTTRAIN_CACHE", str(tmp_path / "cache"))
     assert to_mg(tiny_hf("qwen2"), tmp_path / "mg", 2, 1) == 0
     capsys.readouterr()
-    path, full = resolve_checkpoint(tmp_path / "mg")
+    path, full = resolve_model(tmp_path / "mg")
     assert not full and path.parent == tmp_path / "cache" / "mcore2hf"
     assert "converting it once" in capsys.readouterr().err
-    assert resolve_checkpoint(tmp_path / "mg")[0] == path
+    assert resolve_model(tmp_path / "mg")[0] == path
     assert "cached in" in capsys.readouterr().err
     model = load_causal_lm(tmp_path / "mg")
     ref = load_causal_lm(tiny_hf("qwen2"))
