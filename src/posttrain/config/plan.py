@@ -24,7 +24,7 @@ from posttrain.config.check import check_device, check_run_config, uses_ray
 from posttrain.config.reward_model import RewardModelOptions, reward_model_arch, reward_model_options
 from posttrain.config.run import RunConfig
 from posttrain.config.stages import Stage, stage_named
-from posttrain.config.validate import Layout
+from posttrain.config.validate import DeviceLayout
 from posttrain.models.arch import ModelArch
 from posttrain.train.options import ActorLossOptions, EngineOptions, TokenBudget
 
@@ -59,7 +59,7 @@ class MemoryEstimate:
 @dataclass(frozen=True)
 class Plan:
     stage: Stage
-    layout: Layout
+    layout: DeviceLayout
     device: str
     train_dtype: str
     rollout_dtype: str
@@ -229,7 +229,7 @@ def check_rollout_fits(plan: Plan) -> None:
             f"rl_config.ignore_memory_estimate: true to run anyway")
 
 
-def build_plan(cfg: RunConfig, layout: Layout, arch: ModelArch | None = None, *, device: str = "cpu",
+def build_plan(cfg: RunConfig, layout: DeviceLayout, arch: ModelArch | None = None, *, device: str = "cpu",
                warnings: tuple[str, ...] = ()) -> Plan:
     """The derivation alone (``resolve_plan`` checks first)."""
     from posttrain.device import precision
