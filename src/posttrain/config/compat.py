@@ -12,8 +12,8 @@ or has no effect there (``effect="no effect"``: named in the one start-up warnin
 :func:`refusals` evaluates the table for a config; :func:`check_compat` raises one
 :class:`~posttrain.errors.ConfigError` with every refusal that applies, one per line; it is part of the
 one config check (:func:`posttrain.config.check.check_run_config`). :func:`no_effect` lists the keys of
-the rows without effect. :func:`matrix` renders the table as feature x dimension cells
-(``docs/config_reference.md``, :mod:`posttrain.config.reference`).
+the rows without effect. :mod:`posttrain.config.reference` renders the table as feature x dimension
+cells (``docs/config_reference.md``; :func:`posttrain.config.reference.matrix` takes any columns).
 
 A key refused on its own (whatever else the config holds) carries that rule on its field
 (:mod:`posttrain.config.fields`); the seed's rules keep their messages in :mod:`posttrain.config.validate`.
@@ -43,6 +43,9 @@ NOT_NATIVE = ("vllm", "other")
 ON_POLICY = ("grpo", "dapo", "ppo")
 OFFLINE = ("dpo", "sft")
 EFFECTS = ("refused", "no effect")
+# how the docs name a set of values of one dimension
+GROUPS = {("stage", ON_POLICY): "on-policy stages", ("engine", NOT_NATIVE): "engine not native",
+          ("placement", RAY): "Ray actor workers"}
 
 
 @dataclass(frozen=True)
@@ -135,7 +138,7 @@ def _written(key: str, test: Callable[[Any], bool]) -> Callable[[RunConfig], boo
 
 def _differs(key: str) -> Callable[[RunConfig], bool]:
     """A role's value of a layout key that is not the actor's."""
-    section, _, name = key.partition(".")
+    name = key.partition(".")[2]
     return lambda cfg: value_of(cfg, key) is not None and value_of(cfg, key) != getattr(cfg.actor, name)
 
 
@@ -246,10 +249,11 @@ class Row:
 
 
 MEGATRON = ("megatron",)
-_LAYOUT = "{setting}: colocated roles share the actor's layout on the megatron backend; remove the key or give it the " \
-          "actor's value{megatron}"
+_LAYOUT = ("{setting}: colocated roles share the actor's layout on the megatron backend; remove the key or give it "
+           "the actor's value{megatron}")
 _ROLLOUT_REPLICA = [  # async_staleness and use_integrated_worker: false put the rollout on a replica of the weights
-    ("offline", dict(stage=OFFLINE), "{setting} is for the on-policy stages (grpo, dapo, ppo), which roll out; remove it"),
+    ("offline", dict(stage=OFFLINE), "{setting} is for the on-policy stages (grpo, dapo, ppo), which roll out; "
+                                     "remove it"),
     ("ray", dict(placement=RAY), "{setting} with Ray actor workers is not built yet: the trainer runs in this process "
                                  "(no actor_resource.num_npus > 1, no ray_address)"),
     ("engine", dict(engine=NOT_NATIVE), "{setting} runs on the native rollout engine, not {engine}"),
@@ -262,8 +266,8 @@ _VLLM_KEYS = [  # generate_config keys the vLLM adapter cannot honour (the other
     ("infer_pipeline_parallel_size", "pipeline-parallel rollout is not built (the vLLM adapter holds the whole model "
                                      "in the trainer's process); set it to 1"),
     ("infer_expert_parallel_size", "vLLM takes no expert-parallel size (its expert parallelism spans the "
-                                   "tensor-parallel ranks); set it to 1 and set generate_config.enable_expert_parallel: "
-                                   "true instead"),
+                                   "tensor-parallel ranks); set it to 1 and set "
+                                   "generate_config.enable_expert_parallel: true instead"),
     ("num_scheduler_steps", "multi-step scheduling was removed in vLLM V1; remove the key or set it to 1"),
     ("torchair_graph", "torchair graph mode is vLLM-Ascend's (Ascend NPUs); the adapter runs vLLM on CUDA; remove the "
                        "key (generate_config.enforce_eager: false captures CUDA graphs)"),
@@ -332,8 +336,9 @@ ROWS: tuple[Row, ...] = (
     # the native engine's per-request loop (async_engine, multi-turn) and its batched decode
     Row("async-engine-engine", "async_engine", "{setting} is the native engine's per-request loop here; it does not "
         "exist for rollout_engine {engine}. Set rollout_engine: native or async_engine: false", engine=NOT_NATIVE),
-    Row("graphs-per-request", "graphs", "{setting} (CUDA graphs) with {other}: the per-request decode loop runs eagerly "
-        "(its batch changes every step); remove the key or set it to true", device=("cuda",), with_="per_request"),
+    Row("graphs-per-request", "graphs", "{setting} (CUDA graphs) with {other}: the per-request decode loop runs "
+        "eagerly (its batch changes every step); remove the key or set it to true", device=("cuda",),
+        with_="per_request"),
     Row("multi-turn-stage", "multi_turn", "{setting} runs with GRPO and DAPO (the seed's recipe is DAPO); PPO's critic "
         "over tool tokens, DPO and SFT are not supported. Use stage grpo or dapo", stage=("ppo", *OFFLINE)),
     Row("multi-turn-engine", "multi_turn", "{setting} runs on the native rollout engine; set rl_config.rollout_engine: "
@@ -378,58 +383,3 @@ def rows_of(key: str) -> list[Row]:
     """The rows whose feature (or other feature) is turned on by ``key`` (``section.key``)."""
     return [row for row in ROWS if key in FEATURES[row.feature].keys
             or (row.with_ is not None and key in FEATURES[row.with_].keys)]
-
-
-# ---- rendering ---------------------------------------------------------------------------------------
-def doc_text(row: Row) -> str:
-    """``row.message`` with the config's values replaced by the keys' names (for the docs)."""
-    feature, other = FEATURES[row.feature], FEATURES.get(row.with_ or "")
-
-    def named(f: Feature | None) -> str:
-        return "" if f is None else f.shown if isinstance(f.shown, str) and f.shown else " / ".join(f.keys)
-
-    return row.message.format(setting=named(feature), key=feature.keys[0], other=named(other),
-                              other_key=other.keys[0] if other else "", engine="vllm", stage="dpo or sft",
-                              megatron="", tp="TP", pp="PP", cp="CP")
-
-
-GROUPS = {("stage", ON_POLICY): "on-policy stages", ("engine", NOT_NATIVE): "engine not native",
-          ("placement", RAY): "Ray actor workers"}
-
-
-def where_text(row: Row, skip: str = "") -> str:
-    """``backend megatron, device cpu``: the dimensions ``row`` restricts (but ``skip``)."""
-    return ", ".join(GROUPS.get((d, values)) or f"{d} {' or '.join(DIMENSIONS[d][v] for v in values)}"
-                     for d, values in row.where().items() if d != skip)
-
-
-def cell(feature: str, dimension: str, value: str) -> str:
-    """What the table says about ``feature`` where ``dimension`` is ``value``: "" (nothing), or
-    "refused" / "no effect", with the other dimensions its rows need in parentheses."""
-    parts = []
-    for row in ROWS:
-        if row.feature != feature or row.with_ is not None or value not in row.where().get(dimension, ()):
-            continue
-        rest = where_text(row, skip=dimension)
-        parts.append(row.effect + (f" ({rest})" if rest else ""))
-    return "; ".join(dict.fromkeys(parts))
-
-
-def matrix(columns: list[tuple[str, str]]) -> list[list[str]]:
-    """One line per feature of the table: its keys, one :func:`cell` per (dimension, value) column,
-    then the rows not tied to those columns (refused everywhere, or on a stage or device only) and the
-    features it does not combine with."""
-    lines = []
-    dims = {d for d, _ in columns}
-    for name, feature in FEATURES.items():
-        rows = [row for row in ROWS if row.feature == name]
-        if not rows:
-            continue
-        cells = [cell(name, d, v) for d, v in columns]
-        elsewhere = [f"{row.effect}" + (f" ({where_text(row)})" if row.where() else "") for row in rows
-                     if row.with_ is None and not dims & set(row.where())]
-        together = [f"{' / '.join(FEATURES[row.with_].keys)}" + (f" ({where_text(row)})" if row.where() else "")
-                    for row in rows if row.with_ is not None]
-        lines.append([feature.describe(), *cells,
-                      "; ".join(elsewhere), "; ".join(together)])
-    return lines

@@ -83,7 +83,7 @@ def _type_error(section: str, err: ValidationError, label: Callable[[str], str] 
             rest = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in e["loc"][1:])
             refusal = range_refusal(cls, e["loc"], got) if cls is not None and e["type"] in RANGE_ERRORS else None
             if refusal is not None:
-                lines.append(f"{_without_own_override(head)}{rest}{refusal}")
+                lines.append(f"{_without_own_override(head, rest)}{rest}{refusal}")
             else:
                 lines.append(f"{head}{rest}: {e['msg']} (got {_shown(got)})")
         else:
@@ -91,11 +91,11 @@ def _type_error(section: str, err: ValidationError, label: Callable[[str], str] 
     return ConfigError("\n".join(lines))
 
 
-def _without_own_override(head: str) -> str:
-    """``override 'a.b=1': a.b`` -> ``a.b``: the message repeats that key and its value."""
+def _without_own_override(head: str, rest: str = "") -> str:
+    """``override 'a.b.c=1': a.b`` (``rest`` ``.c``) -> ``a.b``: the message repeats that key and value."""
     if head.startswith("override '"):
         text, _, key = head[len("override '"):].partition("': ")
-        if text.startswith(f"{key}="):
+        if text.startswith((f"{key}=", f"{key}{rest}=")):
             return key
     return head
 

@@ -261,7 +261,8 @@ def _dispatch_sizes(cfg: RunConfig, b: _Batch) -> dict[str, int]:
     if cfg.stage == "ppo":
         critic = cfg.critic or cfg.actor
         critic_devices = rl.critic_resource.num_npus if rl.critic_resource and rl.critic_resource.num_npus else None
-        critic_dp = (critic_devices or b.num_devices) // _model_parallel(critic)
+        # at least 1: a critic split wider than the devices is refused by its own rules, after these
+        critic_dp = max((critic_devices or b.num_devices) // _model_parallel(critic), 1)
         derived.update(critic_update_dispatch_size=gbs * n // critic_dp,
                        critic_value_dispatch_size=gbs * n // critic_dp, kl_dispatch_size=gbs * n)
     return {key: getattr(rl, key) if getattr(rl, key) is not None else value for key, value in derived.items()}
