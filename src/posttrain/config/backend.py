@@ -77,7 +77,7 @@ def uses_ray(cfg: RunConfig) -> bool:
     return (rl.actor_resource.num_npus or 1) > 1 or bool(rl.ray_address) or bool(os.environ.get("RAY_ADDRESS"))
 
 
-def _label(cfg: RunConfig, section: str, key: str) -> str:
+def role_label(cfg: RunConfig, section: str, key: str) -> str:
     """``section.key``, naming for a Megatron role the section that wrote the key."""
     if section == "actor_config":
         return actor_key(cfg, key)
@@ -128,7 +128,7 @@ def check_backend(cfg: RunConfig, arch: ModelArch | None = None) -> ModelParalle
     for section, role in ROLES.items():
         value = getattr(getattr(cfg, role), "backend", None) if getattr(cfg, role) is not None else None
         if value is not None and value != mp.backend:
-            raise ConfigError(f"{_label(cfg, section, 'backend')}={value}: the {role} follows the actor's backend, "
+            raise ConfigError(f"{role_label(cfg, section, 'backend')}={value}: the {role} follows the actor's backend, "
                               f"{mp.backend} ({mp.reason}); remove the key or set it to {mp.backend}")
     if mp.backend == "hf":
         return mp

@@ -21,13 +21,14 @@ A key refused on its own (whatever else the config holds) carries that rule on i
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
-from posttrain.config.backend import ROLES, VPP_KEY, resolve_backend, uses_ray
+from posttrain.config.backend import VPP_KEY, resolve_backend, role_label, uses_ray
 from posttrain.config.fields import fmt_value
-from posttrain.config.run import RunConfig, role_sources
-from posttrain.config.validate import actor_key
+from posttrain.config.run import RunConfig
 from posttrain.errors import ConfigError
 
 # the dimensions and their values (the table's keys), with the names the docs print
@@ -78,16 +79,6 @@ _SECTIONS = {"actor_config": "actor", "ref_config": "ref", "critic_config": "cri
              "rl_config": "rl", "generate_config": "generate"}
 
 
-def label(cfg: RunConfig, key: str) -> str:
-    """``section.key``, naming for a Megatron role the section (or model yaml) that wrote the key."""
-    section, _, name = key.partition(".")
-    if section == "actor_config" and name:
-        return actor_key(cfg, name)
-    if section in ROLES and name:
-        return f"{role_sources(cfg.raw, cfg.models, section).get(name, section)}.{name}"
-    return key
-
-
 def value_of(cfg: RunConfig, key: str) -> Any:
     """The value of ``section.key`` (``section.key.sub``) in ``cfg`` (None when the section is absent)."""
     section, *names = key.split(".")
@@ -111,7 +102,9 @@ class Feature:
     title: str = ""
 
     def label(self, cfg: RunConfig) -> str:
-        return label(cfg, self.keys[0])
+        """The first key, naming for a Megatron role the section (or model yaml) that wrote it."""
+        section, _, name = self.keys[0].partition(".")
+        return role_label(cfg, section, name) if name else section
 
     def setting(self, cfg: RunConfig) -> str:
         if callable(self.shown):
@@ -143,8 +136,6 @@ def _differs(key: str) -> Callable[[RunConfig], bool]:
 
 
 def _own_critic_save(cfg: RunConfig) -> bool:
-    import os
-
     critic, actor = cfg.critic, cfg.actor
     return (critic is not None and bool(critic.save) and
             (not actor.save or os.path.realpath(critic.save) != os.path.realpath(actor.save)))

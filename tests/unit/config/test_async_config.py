@@ -58,7 +58,8 @@ def test_staleness_zero_and_a_single_iteration_say_that_nothing_overlaps():
     (["rl_config.rollout_correction_level=batch"], "rl_config.rollout_correction_level='batch'"),
     (["rl_config.partial_rollout_max_split=2", "rl_config.guarantee_order=true"],
      "guarantee_order must be false when partial_rollout_max_split > 1"),  # the seed's rule 20
-    (["rl_config.partial_rollout_max_split=0"], "rl_config.partial_rollout_max_split=0: must be an integer >= 1 (1: off)"),
+    (["rl_config.partial_rollout_max_split=0"],
+     "rl_config.partial_rollout_max_split=0: must be an integer >= 1 (1: off)"),
     (["rl_config.partial_rollout_max_split=65"], "more than sampling_config.max_tokens=64"),
     (["rl_config.async_staleness=1", "rl_config.rollout_engine=vllm"], "async_staleness runs on the native"),
     (["rl_config.use_integrated_worker=false", "rl_config.rollout_engine=vllm"], "use_integrated_worker: false runs on"),

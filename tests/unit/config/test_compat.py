@@ -50,15 +50,16 @@ EXAMPLES: dict[str, tuple[list[str], str]] = {
     "megatron-ref_config.pipeline_model_parallel_size": ([*TP2, *SEPARATE, "ref_config.tensor_model_parallel_size=2",
                                                           "ref_config.pipeline_model_parallel_size=2"], "cpu"),
     "megatron-ref_config.num_layers_per_virtual_pipeline_stage": (
-        [*TP2, *SEPARATE, "ref_config.tensor_model_parallel_size=2", "ref_config.num_layers_per_virtual_pipeline_stage=1"],
-        "cpu"),
+        [*TP2, *SEPARATE, "ref_config.tensor_model_parallel_size=2",
+         "ref_config.num_layers_per_virtual_pipeline_stage=1"], "cpu"),
     "megatron-critic_config.tensor_model_parallel_size": ([*TP2, *PPO, "critic_config.tensor_model_parallel_size=1"],
                                                           "cpu"),
     "megatron-critic_config.pipeline_model_parallel_size": (
-        [*TP2, *PPO, "critic_config.tensor_model_parallel_size=2", "critic_config.pipeline_model_parallel_size=2"], "cpu"),
-    "megatron-critic_config.num_layers_per_virtual_pipeline_stage": (
-        [*TP2, *PPO, "critic_config.tensor_model_parallel_size=2", "critic_config.num_layers_per_virtual_pipeline_stage=1"],
+        [*TP2, *PPO, "critic_config.tensor_model_parallel_size=2", "critic_config.pipeline_model_parallel_size=2"],
         "cpu"),
+    "megatron-critic_config.num_layers_per_virtual_pipeline_stage": (
+        [*TP2, *PPO, "critic_config.tensor_model_parallel_size=2",
+         "critic_config.num_layers_per_virtual_pipeline_stage=1"], "cpu"),
     "megatron-critic-save": ([*TP2, *PPO, "critic_config.tensor_model_parallel_size=2", "critic_config.save=/tmp/c"],
                              "cpu"),
     "megatron-reward-model": ([*TP2, "reward_config.load=/models/rm"], "cpu"),
