@@ -220,6 +220,12 @@ class Row:
     with_: str | None = None
     effect: str = "refused"
 
+    def __post_init__(self) -> None:
+        unknown = [name for name in (self.feature, self.with_) if name is not None and name not in FEATURES]
+        unknown += [f"{d}={v}" for d, values in self.where().items() for v in values if v not in DIMENSIONS[d]]
+        if unknown or self.effect not in EFFECTS:
+            raise ValueError(f"compatibility row {self.id}: unknown {unknown or self.effect}")
+
     def where(self) -> dict[str, tuple[str, ...]]:
         """The dimensions this row restricts, and the values where it applies."""
         return {d: getattr(self, d) for d in DIMENSIONS if getattr(self, d) is not None}

@@ -191,3 +191,12 @@ def test_the_setup_of_a_config():
     assert (setup.backend, setup.engine, setup.placement, setup.device) == ("megatron", "vllm", "ray-ddp", "cuda")
     assert setup_of(config([*RAY, "rl_config.ray_sharding=fsdp2"]), "cpu").placement == "ray-fsdp2"
     assert setup_of(config(["rl_config.rollout_engine=mine"]), "cpu").engine == "other"
+
+
+@pytest.mark.parametrize("kw", [{"feature": "no_such_feature"}, {"with_": "no_such_feature"},
+                                {"placement": ("ray",)}, {"effect": "warned"}])
+def test_a_row_with_an_unknown_name_is_an_error(kw):
+    from posttrain.config.compat import Row
+
+    with pytest.raises(ValueError, match="compatibility row x: unknown"):
+        Row(**{"id": "x", "feature": "lora", "message": "{setting}", **kw})
