@@ -69,7 +69,8 @@ def test_the_doc_has_the_compatibility_matrix_of_the_table():
     for name, cells in lines.items():
         assert len(cells) == len(columns) + 2, name
     lora = dict(zip(columns, lines["actor_config.lora_target_modules (set)"]))
-    assert lora["backend=megatron"] == "refused" and lora["backend=hf"] == "" and lora["placement=process"] == ""
+    assert lora["backend=megatron"] == lora["engine=vllm"] == "refused"
+    assert lora["backend=hf"] == lora["engine=native"] == lora["placement=process"] == ""
     threads = dict(zip(columns, lines["rl_config.num_threads (set)"]))
     assert (threads["placement=process"], threads["placement=ray-ddp"], threads["placement=ray-fsdp2"]) == (
         "", "refused", "refused")
@@ -83,10 +84,10 @@ def test_the_matrix_follows_the_table(monkeypatch):
     """A row added to the table shows in the matrix: the doc is rendered from the data."""
     from posttrain.config import compat, reference
 
-    extra = compat.Row("test-lora-vllm-engine", "lora", "{setting}: not with vllm", engine=("vllm",), device=("cuda",))
+    extra = compat.Row("test-lora-ray-ddp", "lora", "{setting}: not with DDP", placement=("ray-ddp",), device=("cuda",))
     monkeypatch.setattr(compat, "ROWS", (*compat.ROWS, extra))
     monkeypatch.setattr(reference, "ROWS", compat.ROWS)
     columns = [f"{d}={v}" for d, v in reference.MATRIX_COLUMNS]
     cells = dict(zip(columns, _matrix_lines(reference.render_reference())["actor_config.lora_target_modules (set)"]))
-    assert cells["engine=vllm"] == "refused (device cuda)" and cells["engine=native"] == ""
-    assert "| `test-lora-vllm-engine` |" in reference.render_reference()
+    assert cells["placement=ray-ddp"] == "refused (device cuda)" and cells["placement=ray-fsdp2"] == ""
+    assert "| `test-lora-ray-ddp` |" in reference.render_reference()
