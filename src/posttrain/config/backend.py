@@ -9,31 +9,28 @@ and the critic follow the actor's backend and layout.
 
 :func:`model_parallel` derives the layout (:class:`ModelParallel`, the plan's ``parallel``).
 :func:`check_backend`, part of the one config check (:func:`posttrain.config.check.check_run_config`),
-refuses by key what the megatron backend cannot run, before any weight is loaded: a layout the
-model cannot be split into, the distributed optimizer on a CPU, a run outside Ray worker groups,
-and the features not built on it yet (:data:`MEGATRON_NOT_YET`, the one list to shrink as they
-come). Keys honoured only on the megatron backend carry ``megatron=True`` in their field rule
-(:mod:`posttrain.config.fields`), so ``check_features`` and ``startup_warnings`` pass over them there.
+refuses by key a layout the model cannot be split into, before any weight is loaded. What the
+megatron backend does not run (a run outside Ray worker groups, the distributed optimizer on a CPU,
+the features not built on it yet) are rows of the compatibility table (:mod:`posttrain.config.compat`,
+the one list to shrink as they come). Keys honoured only on the megatron backend carry ``megatron=True``
+in their field rule (:mod:`posttrain.config.fields`), so ``check_features`` and ``startup_warnings``
+pass over them there.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, NamedTuple
 
 from posttrain.config.arch import model_arch
-from posttrain.config.fields import DEVICES, fmt_value
 from posttrain.config.run import RunConfig, role_sources
 from posttrain.config.validate import actor_key
 from posttrain.errors import ConfigError
 from posttrain.models.arch import ModelArch
 
-BACKENDS = ("hf", "megatron")
 PARALLEL_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
                  "expert_model_parallel_size")
 VPP_KEY = "num_layers_per_virtual_pipeline_stage"
-CKPT_FORMATS = ("torch_dist", "torch")  # posttrain.train.megatron.checkpoint.FORMATS
 ROLES = {"ref_config": "ref", "critic_config": "critic", "reward_config": "reward"}
 
 
@@ -73,67 +70,6 @@ class ModelParallel:
         return f"megatron ({self.reason}): {' x '.join(sizes)}" + "".join(f", {e}" for e in extras)
 
 
-class NotYet(NamedTuple):
-    """A feature the megatron backend does not run yet: refused where ``devices`` holds the device,
-    honoured where ``honoured_on`` does, and elsewhere without effect (named in the start-up warning)."""
-
-    section: str  # actor_config, ref_config, critic_config, reward_config, rl_config, generate_config
-    key: str  # "" for the whole section
-    active: Callable[[RunConfig], bool]
-    message: str  # why, and what to do
-    devices: tuple[str, ...] = DEVICES
-    honoured_on: tuple[str, ...] = ()
-
-
-def _differs(role: str, key: str) -> Callable[[RunConfig], bool]:
-    def active(cfg: RunConfig) -> bool:
-        section = getattr(cfg, ROLES[role])
-        return section is not None and getattr(section, key) != getattr(cfg.actor, key)
-    return active
-
-
-def _own_critic_save(cfg: RunConfig) -> bool:
-    critic, actor = cfg.critic, cfg.actor
-    return (critic is not None and bool(critic.save) and
-            (not actor.save or os.path.realpath(critic.save) != os.path.realpath(actor.save)))
-
-
-_OTHER_LAYOUT = ("colocated roles share the actor's layout on the megatron backend; remove the key or give it the "
-                 "actor's value")
-
-
-def bf16_asked(cfg: RunConfig) -> bool:
-    """``bf16: true`` written in the config (the seed's default, true, is not a request)."""
-    return bool(cfg.actor.bf16) and (cfg.explicitly_set("megatron_training", "bf16")
-                                     or cfg.explicitly_set("actor_config", "bf16"))
-
-
-MEGATRON_NOT_YET: tuple[NotYet, ...] = (
-    NotYet("actor_config", "bf16", bf16_asked,
-           "on a CPU the megatron backend trains in float32 (Megatron-Core's bf16 optimizer with fp32 main "
-           "parameters takes CUDA tensors only)", (), ("cuda",)),
-    NotYet("rl_config", "share_prompt_prefix", lambda c: c.rl.use_remove_padding and c.rl.share_prompt_prefix
-           and c.explicitly_set("rl_config", "share_prompt_prefix"),
-           "the megatron backend packs every row's prompt (the numerics are the same; only the packed length "
-           "differs)", ()),
-    *(NotYet(role, key, _differs(role, key), _OTHER_LAYOUT) for role in ("ref_config", "critic_config")
-      for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", VPP_KEY)),
-    NotYet("critic_config", "save", _own_critic_save,
-           "a critic saved in a directory of its own is not built on the megatron backend yet (the critic is saved "
-           "in critic/ of the actor's checkpoints); remove the key or give it the actor's save directory"),
-    NotYet("reward_config", "", lambda c: c.reward is not None,
-           "a reward model is not built on the megatron backend yet; score with rule rewards (remove reward_config)"),
-    NotYet("actor_config", "moe_tp_extend_ep", lambda c: c.actor.moe_tp_extend_ep,
-           "experts split over TP x EP ranks (moe_tp_extend_ep) are not built on the megatron backend yet; set it "
-           "to false (the experts split over expert_model_parallel_size ranks)"),
-    NotYet("actor_config", "lora_target_modules", lambda c: bool(c.actor.lora_target_modules),
-           "LoRA is not built on the megatron backend yet; remove the lora_* keys"),
-    NotYet("rl_config", "ray_sharding", lambda c: c.rl.ray_sharding == "fsdp2",
-           "the megatron backend shards the model by tensor and pipeline parallelism, not FSDP2; set it to ddp "
-           "(use_distributed_optimizer shards the optimizer state on CUDA)"),
-)
-
-
 def uses_ray(cfg: RunConfig) -> bool:
     """Whether the run goes to Ray: ``actor_resource.num_npus`` (alias num_gpus / num_devices) above 1,
     or a Ray address in ``rl_config.ray_address`` or the ``RAY_ADDRESS`` environment variable."""
@@ -141,7 +77,7 @@ def uses_ray(cfg: RunConfig) -> bool:
     return (rl.actor_resource.num_npus or 1) > 1 or bool(rl.ray_address) or bool(os.environ.get("RAY_ADDRESS"))
 
 
-def _label(cfg: RunConfig, section: str, key: str) -> str:
+def role_label(cfg: RunConfig, section: str, key: str) -> str:
     """``section.key``, naming for a Megatron role the section that wrote the key."""
     if section == "actor_config":
         return actor_key(cfg, key)
@@ -150,16 +86,9 @@ def _label(cfg: RunConfig, section: str, key: str) -> str:
     return f"{section}.{key}"
 
 
-def _check_value(cfg: RunConfig, section: str, value: Any) -> None:
-    if value is not None and value not in BACKENDS:
-        raise ConfigError(f"{_label(cfg, section, 'backend')}={fmt_value(value)}: unknown backend; use hf, megatron "
-                          f"or null (megatron when tensor/pipeline/context/expert parallelism is asked, else hf)")
-
-
 def resolve_backend(cfg: RunConfig) -> tuple[str, str]:
     """The actor's backend and why: ``("megatron", "actor_config.tensor_model_parallel_size=2 > 1")``."""
     a = cfg.actor
-    _check_value(cfg, "actor_config", a.backend)
     if a.backend is not None:
         return a.backend, f"{actor_key(cfg, 'backend')}={a.backend}"
     for key in PARALLEL_KEYS:
@@ -187,57 +116,29 @@ def model_parallel(cfg: RunConfig) -> ModelParallel:
         sequence_parallel=bool(a.sequence_parallel) and tp > 1)
 
 
-def check_backend(cfg: RunConfig, device_type: str = "cpu", arch: ModelArch | None = None) -> ModelParallel:
-    """Refuse, naming the keys, what the resolved backend cannot run; return the layout.
+def check_backend(cfg: RunConfig, arch: ModelArch | None = None) -> ModelParallel:
+    """Refuse, naming the keys, a role on another backend than the actor's and a layout the model
+    cannot be split into; return the layout.
 
     ``arch`` (default :func:`~posttrain.config.arch.model_arch`) is checked against TP and PP when
     known. Context parallel sizes > 1, and TP/PP/EP with ``backend: hf``, are refused by their
-    field rules (:func:`posttrain.config.features.check_features`)."""
+    field rules (:func:`posttrain.config.features.check_features`); the features the megatron
+    backend does not run, by the compatibility table (:mod:`posttrain.config.compat`)."""
     mp = model_parallel(cfg)
     for section, role in ROLES.items():
         value = getattr(getattr(cfg, role), "backend", None) if getattr(cfg, role) is not None else None
-        _check_value(cfg, section, value)
         if value is not None and value != mp.backend:
-            raise ConfigError(f"{_label(cfg, section, 'backend')}={value}: the {role} follows the actor's backend, "
+            raise ConfigError(f"{role_label(cfg, section, 'backend')}={value}: the {role} follows the actor's backend, "
                               f"{mp.backend} ({mp.reason}); remove the key or set it to {mp.backend}")
-    if cfg.actor.ckpt_format not in CKPT_FORMATS:
-        raise ConfigError(f"{actor_key(cfg, 'ckpt_format')}={fmt_value(cfg.actor.ckpt_format)}: unknown checkpoint "
-                          f"format; use {' or '.join(CKPT_FORMATS)} (the megatron backend's; the hf backend saves "
-                          f"Hugging Face directories)")
     if mp.backend == "hf":
         return mp
     why = f" (backend megatron: {mp.reason})"
-    if not uses_ray(cfg):
-        raise ConfigError(f"rl_config.actor_resource.num_npus={cfg.rl.actor_resource.num_npus or 1}: the megatron "
-                          f"backend runs in Ray worker groups: set rl_config.actor_resource.num_npus to TP x PP x CP x "
-                          f"DP = {mp.tp}x{mp.pp}x{mp.cp}xDP (>= 2) or use backend hf{why}")
     if mp.vpp_layers is not None and mp.pp == 1:
         raise ConfigError(f"{actor_key(cfg, VPP_KEY)}={mp.vpp_layers}: virtual pipeline stages need pipeline "
                           f"parallelism; set {actor_key(cfg, 'pipeline_model_parallel_size')} > 1 or remove the "
                           f"key{why}")
     _check_arch(cfg, mp, arch if arch is not None else model_arch(cfg), why)
-    if mp.use_distributed_optimizer and device_type == "cpu":
-        raise ConfigError(f"{actor_key(cfg, 'use_distributed_optimizer')}=true: Megatron-Core's distributed optimizer "
-                          f"needs CUDA buffers; set use_distributed_optimizer false on a CPU{why}")
-    for item in MEGATRON_NOT_YET:
-        if device_type in item.devices and item.active(cfg):
-            raise ConfigError(f"{_setting(cfg, item)}: {item.message}{why}")
     return mp
-
-
-def megatron_inert(cfg: RunConfig, device_type: str) -> list[str]:
-    """The keys of :data:`MEGATRON_NOT_YET` that ``cfg`` sets and that have no effect on
-    ``device_type`` (for the start-up warning of a megatron run)."""
-    return [_label(cfg, item.section, item.key) for item in MEGATRON_NOT_YET
-            if device_type not in item.devices + item.honoured_on and item.active(cfg)]
-
-
-def _setting(cfg: RunConfig, item: NotYet) -> str:
-    if not item.key:
-        return item.section
-    section = {"actor_config": cfg.actor, "ref_config": cfg.ref, "critic_config": cfg.critic, "rl_config": cfg.rl,
-               "generate_config": cfg.generate}[item.section]
-    return f"{_label(cfg, item.section, item.key)}={fmt_value(getattr(section, item.key))}"
 
 
 def _check_arch(cfg: RunConfig, mp: ModelParallel, arch: ModelArch | None, why: str) -> None:

@@ -1,16 +1,19 @@
 """The one config check that ``posttrain plan`` and ``posttrain train`` both run.
 
-In order: values no run can use (zero or negative sizes, non-finite rates, sampling parameters out
-of range: :func:`posttrain.config.validate.check_values`), the seed's rules with the seed's messages
-(:mod:`posttrain.config.validate`), the stage's own rules (:mod:`posttrain.config.stages`), the
-training backend and what it cannot run (:mod:`posttrain.config.backend`), the features posttrain
-refuses until they work (:mod:`posttrain.config.features`), the limits of the
-layouts that run today, the reward model's settings (:mod:`posttrain.config.reward_model`), the
-verifier names and the prompt template file, the off-policy keys (:mod:`posttrain.config.async_rollout`)
-and the vLLM rollout engine (:mod:`posttrain.config.vllm`). The first broken rule raises a
-:class:`~posttrain.errors.ConfigError`; knobs that have no effect on this hardware come back as one
-warning, and a run that saves nothing as another. :func:`posttrain.config.plan.resolve_plan`
-also checks ``rl_config.device`` (:func:`check_device`) and the memory estimate.
+Values outside the range their field declares never get here: the config refuses them when it
+loads (:mod:`posttrain.config.fields`). Then, in order: the value rules that read two keys and the
+seed's rules with the seed's messages (:mod:`posttrain.config.validate`), the stage's own rules
+(:mod:`posttrain.config.stages`), the training backend and the layouts the model cannot be split
+into (:mod:`posttrain.config.backend`), the feature combinations posttrain refuses (the one
+compatibility table, :mod:`posttrain.config.compat`: every refusal that applies, together), the keys
+refused on their own (:mod:`posttrain.config.features`), the reward model's settings
+(:mod:`posttrain.config.reward_model`), the worker groups' shares, the multi-turn keys
+(:mod:`posttrain.config.multi_turn`), the verifier names and the prompt template file, the off-policy
+keys (:mod:`posttrain.config.async_rollout`) and the machine the vLLM rollout engine needs
+(:mod:`posttrain.config.vllm`). A broken rule raises a :class:`~posttrain.errors.ConfigError`; knobs
+that have no effect on this hardware come back as one warning, and a run that saves nothing as
+another. :func:`posttrain.config.plan.resolve_plan` also checks ``rl_config.device``
+(:func:`check_device`) and the memory estimate.
 """
 
 from __future__ import annotations
@@ -20,13 +23,14 @@ from pathlib import Path
 
 from posttrain.config.async_rollout import check_async
 from posttrain.config.backend import ModelParallel, check_backend, uses_ray
+from posttrain.config.compat import check_compat, setup_of
 from posttrain.config.features import check_features, startup_warnings
 from posttrain.config.megatron import MegatronConfig
 from posttrain.config.multi_turn import check_multi_turn
 from posttrain.config.reward_model import check_reward_model
 from posttrain.config.run import RunConfig
 from posttrain.config.stages import stage_named
-from posttrain.config.validate import Layout, validate_run_config
+from posttrain.config.validate import DeviceLayout, actor_key, validate_run_config
 from posttrain.config.vllm import check_vllm
 from posttrain.errors import ConfigError
 from posttrain.models.arch import ModelArch
@@ -35,50 +39,31 @@ __all__ = ["check_device", "check_run_config", "check_verifiers", "uses_ray"]  #
 
 
 def check_run_config(cfg: RunConfig, *, device_type: str = "cpu",
-                     arch: ModelArch | None = None) -> tuple[Layout, list[str]]:
-    """Raise on the first broken rule; return the device layout and the start-up warnings.
+                     arch: ModelArch | None = None) -> tuple[DeviceLayout, list[str]]:
+    """Raise on a broken rule; return the device layout and the start-up warnings.
 
     ``arch``: the actor's architecture, for the megatron backend's layout checks (default:
     :func:`posttrain.config.arch.model_arch`)."""
     layout = validate_run_config(cfg, device_type=device_type)
     stage = stage_named(cfg.actor.stage or cfg.actor.algorithm)
     stage.check(cfg)
-    parallel = check_backend(cfg, device_type, arch)
+    parallel = check_backend(cfg, arch)
+    check_compat(cfg, setup_of(cfg, device_type, parallel.backend))
     check_features(cfg, device_type=device_type, backend=parallel.backend)
     check_reward_model(cfg, on_policy=stage.on_policy, dynamic_sampling=stage.dynamic_sampling(cfg))
     _check_workers(cfg, stage.on_policy, stage.uses_critic, parallel)
-    check_multi_turn(cfg, on_policy=stage.on_policy, uses_critic=stage.uses_critic, device_type=device_type)
+    check_multi_turn(cfg)
     if stage.on_policy and (cfg.rl.rule_reward or cfg.rl.eval_data_path):  # training scores, held-out accuracy
         check_verifiers(cfg)
     _check_prompt_type_path(cfg)
-    _check_speculation(cfg, device_type)
-    if cfg.rl.num_threads is not None and uses_ray(cfg):
-        raise ConfigError(f"rl_config.num_threads={cfg.rl.num_threads} sets the threads of one in-process run; the "
-                          "Ray workers take theirs from rl_config.ray_num_cpus_per_worker: set that instead")
     warnings = startup_warnings(cfg, device_type, backend=parallel.backend)
-    warnings += check_async(cfg, on_policy=stage.on_policy, backend=parallel.backend, use_ray=uses_ray(cfg))
-    if stage.on_policy:  # rollout_engine: vllm (its keys, one process, the vllm package, a CUDA device)
-        warnings += check_vllm(cfg, device_type=device_type, backend=parallel.backend, use_ray=uses_ray(cfg))
+    warnings += check_async(cfg)
+    if stage.on_policy:  # rollout_engine: vllm (the vllm package, a CUDA device)
+        warnings += check_vllm(cfg, device_type=device_type)
     if not cfg.actor.save:
         warnings.append("actor_config.save is not set: nothing will be saved, and the trained model is lost when "
                         "the run ends; set actor_config.save (or megatron_training.save) to a directory to keep it")
     return layout, warnings
-
-
-def _check_speculation(cfg: RunConfig, device_type: str) -> None:
-    """``generate_config.num_speculative_tokens``: the native engine's batched decode on its dynamic
-    KV cache (the vLLM engine refuses it in :mod:`posttrain.config.vllm`)."""
-    rl, gen = cfg.rl, cfg.generate
-    if gen.num_speculative_tokens < 0:
-        raise ConfigError(f"generate_config.num_speculative_tokens={gen.num_speculative_tokens}: must be >= 0 (0: off)")
-    if gen.num_speculative_tokens == 0:
-        return
-    if rl.multi_turn_enable or rl.async_engine:
-        raise ConfigError("generate_config.num_speculative_tokens with rl_config.async_engine / multi_turn_enable: "
-                          "speculation is built into the batched decode, not the per-request loop; set it to 0")
-    if not gen.enforce_eager and device_type == "cuda":
-        raise ConfigError("generate_config.num_speculative_tokens with enforce_eager: false: CUDA graphs replay one "
-                          "token a row on a static cache, and speculation feeds several; set one of them back")
 
 
 def check_device(name: str) -> None:
@@ -123,8 +108,6 @@ def check_verifiers(cfg: RunConfig) -> None:
 
 def _check_prompt_type_path(cfg: RunConfig) -> None:
     """A ``prompt_type_path`` the config writes must exist (the shipped templates are always read)."""
-    from posttrain.config.validate import actor_key
-
     path = cfg.actor.prompt_type_path
     written = any(cfg.explicitly_set(section, "prompt_type_path") for section in ("megatron_training", "actor_config"))
     default = MegatronConfig.model_fields["prompt_type_path"].default
@@ -139,8 +122,6 @@ def _check_workers(cfg: RunConfig, on_policy: bool, uses_critic: bool, parallel:
     on the hf backend; workers // (TP x PP x CP) on the megatron backend) share each mini-batch."""
 
     rl = cfg.rl
-    if rl.ray_sharding not in ("ddp", "fsdp2"):
-        raise ConfigError(f"rl_config.ray_sharding={rl.ray_sharding!r}: unknown; use ddp or fsdp2")
     if not uses_ray(cfg):
         return
     workers = rl.actor_resource.num_npus or 1

@@ -14,7 +14,9 @@ Which keys count as set: a refused key when its value is active (by default: not
 ignored key when the config writes it (in a section or in a model yaml it pulls) with an active
 value. ``generate_config`` is only looked at for the stages that roll out (not dpo or sft). Keys
 honoured on the megatron backend (``Rule.megatron``) are skipped there, and the vLLM keys
-(``Rule.vllm``) with ``rl_config.rollout_engine: vllm`` (:mod:`posttrain.config.vllm` checks them).
+(``Rule.vllm``) with ``rl_config.rollout_engine: vllm`` (passed to vLLM, :mod:`posttrain.config.vllm`,
+or refused by the compatibility table, :mod:`posttrain.config.compat`). Combinations of features
+(a key refused with another, on a backend, engine, placement or device) are that table's rows.
 """
 
 from __future__ import annotations
@@ -40,12 +42,6 @@ CRITIC_FOLLOWS_ACTOR = {
     **dict.fromkeys(("stage", "global_batch_size", "train_iters", "seq_length", "data_path", "seed",
                      "tokenizer_name_or_path", "prompt_type", "bf16"),
                     "runs in the actor's loop, with the actor's data, tokenizer and precision"),
-}
-
-SECTION_REFUSALS = {
-    "ref_config": "a separately configured reference model is not available yet (the reference is a frozen copy of "
-                  "the actor's initial weights, or rl_config.integrated_mode_config.ref_model_load_path; DPO: "
-                  "megatron_training.ref_model); remove ref_config",
 }
 
 
@@ -87,10 +83,6 @@ def check_features(cfg: RunConfig, device_type: str | None = None, backend: str 
             if key.rule.group:
                 keys = [k for k in block if k.rule.group == key.rule.group and refused(k, block)]
             raise ConfigError(_refusal(keys))
-        if name == "rl_config":
-            for section, message in SECTION_REFUSALS.items():
-                if cfg.raw.get(section) is not None:
-                    raise ConfigError(f"{section}: {message}")
         if name == "critic_config":
             _check_critic(cfg)
 
@@ -98,7 +90,7 @@ def check_features(cfg: RunConfig, device_type: str | None = None, backend: str 
 def startup_warnings(cfg: RunConfig, device_type: str, backend: str | None = None) -> list[str]:
     """The keys ``cfg`` sets that have no effect on ``device_type`` ("cpu" or "cuda") with ``backend``
     (default: resolved from ``cfg``), as one message (an empty list when there are none)."""
-    from posttrain.config.backend import megatron_inert
+    from posttrain.config.compat import no_effect, setup_of
 
     backend = backend or _backend(cfg)
     labels: list[str] = []
@@ -115,8 +107,7 @@ def startup_warnings(cfg: RunConfig, device_type: str, backend: str | None = Non
                 continue
             if inert and _is_set(key, block, cfg, device_type) and key.label not in labels:
                 labels.append(key.label)
-    if backend == "megatron":
-        labels += [label for label in megatron_inert(cfg, device_type) if label not in labels]
+    labels += [label for label in no_effect(cfg, setup_of(cfg, device_type, backend)) if label not in labels]
     if not labels:
         return []
     return [f"keys with no effect on this hardware ({device_type}): {', '.join(labels)}"]
@@ -212,8 +203,8 @@ def _megatron_honours(key: Key, block: list[Key], backend: str, device: str) -> 
 
 
 def _vllm_checks(key: Key, cfg: RunConfig) -> bool:
-    """``Rule.vllm``: with ``rollout_engine: vllm`` the key is passed to vLLM or refused by
-    :func:`posttrain.config.vllm.check_vllm`, not here."""
+    """``Rule.vllm``: with ``rollout_engine: vllm`` the key is passed to vLLM (:mod:`posttrain.config.vllm`)
+    or refused by the compatibility table (:mod:`posttrain.config.compat`), not here."""
     return key.rule.vllm and cfg.rl.rollout_engine == "vllm"
 
 

@@ -15,15 +15,23 @@ chosen by :mod:`posttrain.config.backend`): there it is neither refused nor warn
 ``generate_config`` key with ``Rule.vllm`` under ``rl_config.rollout_engine: vllm``: there
 :mod:`posttrain.config.vllm` passes it to vLLM or refuses it.
 
+A field may also declare the values that make sense (``F(0.2, doc, rule, ge=0, finite=True)``, a
+``Literal`` type for a closed set of names): pydantic refuses a value outside them when the config
+loads, and :func:`range_refusal` words that refusal (``rl_config.clip_ratio=-0.5: must be a finite
+number >= 0``) with the field's ``note``. :func:`value_range` reads the declared range back (the
+reference prints it).
+
 ``docs/config_reference.md`` is generated from these rules (:mod:`posttrain.config.reference`).
 """
 
 from __future__ import annotations
 
 import difflib
+import types
+import typing
 from dataclasses import asdict, dataclass
 from enum import Enum
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -131,11 +139,19 @@ def ignored(why: str, **kw: Any) -> Rule:
     return Rule(Status.IGNORED, why, **kw)
 
 
-def F(default: Any, doc: str, rule: Rule, **kw: Any) -> Any:
-    """A field with its default, its documentation and its :class:`Rule`."""
+def F(default: Any, doc: str, rule: Rule, *, note: str = "", finite: bool = False, **kw: Any) -> Any:
+    """A field with its default, its documentation and its :class:`Rule`. ``kw`` goes to pydantic's
+    ``Field``: ``ge``, ``gt``, ``le``, ``lt`` declare the values that make sense; ``finite`` refuses
+    NaN and infinities; ``note`` says in a few words what the number means (it ends the message of a
+    value out of range: ``must be an integer >= 1 (prompts per iteration)``)."""
     if not isinstance(rule, Rule):
         raise TypeError(f"F({default!r}, {doc!r}): the third argument must be a Rule, got {rule!r}")
-    return Field(default=default, description=doc, json_schema_extra={"status": rule.to_json()}, **kw)
+    extra: dict[str, Any] = {"status": rule.to_json()}
+    if note:
+        extra["note"] = note
+    if finite:
+        kw["allow_inf_nan"] = False
+    return Field(default=default, description=doc, json_schema_extra=extra, **kw)
 
 
 def field_rule(cls: type[BaseModel], name: str) -> Rule | None:
@@ -144,6 +160,107 @@ def field_rule(cls: type[BaseModel], name: str) -> Rule | None:
     if not isinstance(extra, dict) or not isinstance(extra.get("status"), dict):
         return None
     return Rule.from_json(extra["status"])
+
+
+# ---- declared ranges ----------------------------------------------------------------------------
+# the pydantic error types of a value outside its field's declared range or choices
+RANGE_ERRORS = ("greater_than", "greater_than_equal", "less_than", "less_than_equal", "finite_number",
+                "literal_error")
+
+
+@dataclass(frozen=True)
+class ValueRange:
+    """The values a field accepts: bounds (``ge``/``gt``/``le``/``lt``), finiteness, a closed set of
+    ``choices``, and the field's ``note``."""
+
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+    lt: float | None = None
+    finite: bool = False
+    integer: bool = False
+    choices: tuple[Any, ...] = ()
+    note: str = ""
+
+    @property
+    def declared(self) -> bool:
+        return self.finite or bool(self.choices) or any(b is not None for b in (self.ge, self.gt, self.le, self.lt))
+
+    def describe(self) -> str:
+        """``an integer >= 1``, ``a finite number > 0``, ``a number in [0, 1)``, ``one of ddp, fsdp2``."""
+        if self.choices:
+            names = [fmt_value(c) for c in self.choices if c is not None]
+            text = "one of " + ", ".join(names)
+            return text + " or null" if None in self.choices else text
+        low = f">= {_num(self.ge)}" if self.ge is not None else f"> {_num(self.gt)}" if self.gt is not None else ""
+        high = f"<= {_num(self.le)}" if self.le is not None else f"< {_num(self.lt)}" if self.lt is not None else ""
+        kind = "an integer" if self.integer else "a finite number" if self.finite and not (low and high) else \
+            "a number"
+        if low and high:
+            left = "[" if self.ge is not None else "("
+            right = "]" if self.le is not None else ")"
+            return f"{kind} in {left}{low.split()[1]}, {high.split()[1]}{right}"
+        return " ".join(part for part in (kind, low or high) if part)
+
+
+def _num(value: float) -> str:
+    return f"{value:g}"
+
+
+def _optional_inner(annotation: Any) -> tuple[Any, bool]:
+    """``(X, True)`` for ``Optional[X]``, else ``(annotation, False)``."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if len(args) == 1:
+            return args[0], True
+    return annotation, False
+
+
+def _range_of(annotation: Any, metadata: list[Any], note: str) -> ValueRange:
+    inner, nullable = _optional_inner(annotation)
+    if typing.get_origin(inner) is typing.Annotated:
+        inner, *more = typing.get_args(inner)
+        metadata = [*metadata, *(m for extra in more for m in getattr(extra, "metadata", [extra]))]
+    bounds: dict[str, Any] = {}
+    finite = False
+    for item in metadata:
+        for name in ("ge", "gt", "le", "lt"):
+            if getattr(item, name, None) is not None:
+                bounds[name] = getattr(item, name)
+        finite = finite or getattr(item, "allow_inf_nan", True) is False
+    choices = typing.get_args(inner) + ((None,) if nullable else ()) if typing.get_origin(inner) is Literal else ()
+    return ValueRange(**bounds, finite=finite, integer=inner is int, choices=choices, note=note)
+
+
+def value_range(cls: type[BaseModel], *loc: Any) -> ValueRange | None:
+    """The declared range of the value at ``loc`` (``("verifier_weight", 0)``, ``("sampling_config",
+    "top_p")``) in section ``cls``; None when ``loc`` names no field."""
+    info = cls.model_fields.get(str(loc[0])) if loc else None
+    if info is None:
+        return None
+    extra = info.json_schema_extra if isinstance(info.json_schema_extra, dict) else {}
+    note = str(extra.get("note", ""))
+    annotation, metadata = info.annotation, list(info.metadata)
+    for i, part in enumerate(loc[1:], 1):
+        inner, _ = _optional_inner(annotation)
+        if isinstance(inner, type) and issubclass(inner, BaseModel):
+            return value_range(inner, *loc[i:])
+        if typing.get_origin(inner) is list and isinstance(part, int):
+            annotation, metadata = typing.get_args(inner)[0], []
+            continue
+        return None
+    return _range_of(annotation, metadata, note)
+
+
+def range_refusal(cls: type[BaseModel], loc: tuple[Any, ...], value: Any) -> str | None:
+    """``=VALUE: must be RANGE (NOTE)`` for a value outside the range declared at ``loc`` of ``cls``
+    (None when none is declared there); the caller puts the key and where it was written first."""
+    declared = value_range(cls, *loc)
+    if declared is None or not declared.declared:
+        return None
+    shown = repr(value) if isinstance(value, str) and declared.choices else fmt_value(value)
+    note = f" ({declared.note})" if declared.note else ""
+    return f"={shown}: must be {declared.describe()}{note}"
 
 
 def fmt_value(value: Any) -> str:

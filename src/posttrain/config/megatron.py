@@ -10,11 +10,14 @@ architecture from its ``config.json``.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Literal, Optional
 
 from posttrain.config.fields import DEVICES, HONOURED, F, Section, Status, field_rule, ignored, refused
 
 Opt = Optional
+MP_NOTE = "1 means no model parallelism"
+BACKENDS = Literal["hf", "megatron"]
+CKPT_FORMATS = Literal["torch_dist", "torch"]  # posttrain.train.megatron.checkpoint.FORMATS
 
 HF = "posttrain trains Hugging Face models with PyTorch kernels"
 ARCH = HONOURED  # describes the model (plan, init-model)
@@ -100,16 +103,17 @@ class MegatronConfig(Section):
     # ---- architecture (usually from configs/model/<name>.yaml) -----------------------------------
     model: Opt[str] = F(None, "model yaml name whose architecture keys this section takes first", HONOURED)
     hf_model_type: Opt[str] = F(None, "posttrain: HF model_type of a random-init model (qwen2, qwen3, llama)", HONOURED)
-    tokenizer_vocab_size: Opt[int] = F(None, "posttrain: vocab size of the tokenizer init-model trains", HONOURED)
+    tokenizer_vocab_size: Opt[int] = F(None, "posttrain: vocab size of the tokenizer init-model trains", HONOURED,
+                                       ge=1)
     use_mcore_models: bool = F(False, "Megatron-Core model classes", MCORE)
     spec: Any = F(None, "Megatron layer spec", SPEC)
-    num_layers: Opt[int] = F(None, "transformer layers", ARCH)
-    hidden_size: Opt[int] = F(None, "hidden size", ARCH)
-    ffn_hidden_size: Opt[int] = F(None, "MLP intermediate size", ARCH)
-    num_attention_heads: Opt[int] = F(None, "attention heads", ARCH)
-    kv_channels: Opt[int] = F(None, "head dimension (default hidden/heads)", ARCH)
+    num_layers: Opt[int] = F(None, "transformer layers", ARCH, ge=1)
+    hidden_size: Opt[int] = F(None, "hidden size", ARCH, ge=1)
+    ffn_hidden_size: Opt[int] = F(None, "MLP intermediate size", ARCH, ge=1)
+    num_attention_heads: Opt[int] = F(None, "attention heads", ARCH, ge=1)
+    kv_channels: Opt[int] = F(None, "head dimension (default hidden/heads)", ARCH, ge=1)
     group_query_attention: bool = F(False, "grouped-query attention", ARCH)
-    num_query_groups: int = F(1, "KV heads when group_query_attention", ARCH)
+    num_query_groups: int = F(1, "KV heads when group_query_attention", ARCH, ge=1)
     untie_embeddings_and_output_weights: bool = F(False, "separate output projection", ARCH)
     add_qkv_bias: bool = F(False, "bias on the QKV projection (Qwen2)", ARCH)
     disable_bias_linear: bool = F(False, "no bias on other linear layers", ARCH)
@@ -117,8 +121,8 @@ class MegatronConfig(Section):
     qk_layernorm: bool = F(False, "RMSNorm on queries and keys (Qwen3)", ARCH)
     position_embedding_type: str = F("learned_absolute", "rope or learned_absolute", ARCH)
     use_rotary_position_embeddings: bool = F(False, "RoPE", ARCH)
-    rotary_base: float = F(10000, "RoPE theta", ARCH)
-    max_position_embeddings: Opt[int] = F(None, "maximum positions", ARCH)
+    rotary_base: float = F(10000, "RoPE theta", ARCH, gt=0, finite=True)
+    max_position_embeddings: Opt[int] = F(None, "maximum positions", ARCH, ge=1)
     rope_scaling_type: Opt[str] = F(None, "RoPE scaling (llama3, yarn)", ARCH)
     rope_scaling_factor: float = F(1.0, "RoPE scaling factor", ARCH)
     low_freq_factor: Opt[float] = F(None, "llama3 RoPE scaling", ARCH)
@@ -130,14 +134,14 @@ class MegatronConfig(Section):
     rope_scaling_mscale_all_dim: float = F(0.0, "yarn", ARCH)
     rope_scaling_original_max_position_embeddings: Opt[int] = F(None, "yarn", ARCH)
     normalization: str = F("LayerNorm", "LayerNorm or RMSNorm", ARCH)
-    norm_epsilon: float = F(1e-5, "norm epsilon", ARCH)
+    norm_epsilon: float = F(1e-5, "norm epsilon", ARCH, gt=0, finite=True)
     swiglu: bool = F(False, "SwiGLU MLP", ARCH)
     attention_dropout: float = F(0.1, "attention dropout", DROPOUT)
     hidden_dropout: float = F(0.1, "hidden dropout", DROPOUT)
     init_method_std: float = F(0.02, "init std", INIT_STD)
-    make_vocab_size_divisible_by: int = F(128, "pad the vocabulary to a multiple of this", ARCH)
-    padded_vocab_size: Opt[int] = F(None, "padded vocabulary size", ARCH)
-    vocab_extra_ids: int = F(0, "extra vocab ids", ARCH)
+    make_vocab_size_divisible_by: int = F(128, "pad the vocabulary to a multiple of this", ARCH, ge=1)
+    padded_vocab_size: Opt[int] = F(None, "padded vocabulary size", ARCH, ge=1)
+    vocab_extra_ids: int = F(0, "extra vocab ids", ARCH, ge=0)
     multi_latent_attention: bool = F(False, "MLA (DeepSeek)", ARCH)
     qk_pos_emb_head_dim: Opt[int] = F(None, "MLA", ARCH)
     qk_head_dim: Opt[int] = F(None, "MLA", ARCH)
@@ -145,10 +149,10 @@ class MegatronConfig(Section):
     kv_lora_rank: Opt[int] = F(None, "MLA", ARCH)
     v_head_dim: Opt[int] = F(None, "MLA", ARCH)
     # ---- MoE ------------------------------------------------------------------------------------
-    num_experts: Opt[int] = F(None, "MoE experts", ARCH)
-    n_shared_experts: Opt[int] = F(None, "MoE shared experts", ARCH)
-    moe_ffn_hidden_size: Opt[int] = F(None, "expert MLP size", ARCH)
-    moe_router_topk: int = F(2, "experts per token", ARCH)
+    num_experts: Opt[int] = F(None, "MoE experts", ARCH, ge=1)
+    n_shared_experts: Opt[int] = F(None, "MoE shared experts", ARCH, ge=0)
+    moe_ffn_hidden_size: Opt[int] = F(None, "expert MLP size", ARCH, ge=1)
+    moe_router_topk: int = F(2, "experts per token", ARCH, ge=1)
     moe_grouped_gemm: bool = F(False, "Megatron MoE kernel", MOE_KERNEL)
     moe_permutation_async_comm: bool = F(False, "Megatron MoE kernel", MOE_KERNEL)
     moe_tp_extend_ep: bool = F(False, "Megatron MoE layout (TP extends EP; refused on the megatron backend)",
@@ -185,14 +189,16 @@ class MegatronConfig(Section):
     bf16: bool = F(True, "bf16 training (hf: autocast; on a CPU only with AMX/AVX512-BF16, else fp32; megatron: "
                          "bf16 weights with fp32 main parameters on CUDA, float32 on a CPU)", HONOURED)
     optimizer: str = F("adam", "adam (AdamW with decoupled weight decay)", OPTIMIZER)
-    lr: Opt[float] = F(None, "peak learning rate", HONOURED)
-    lr_decay_style: str = F("linear", "constant, linear or cosine", HONOURED)
-    min_lr: float = F(0.0, "final learning rate", HONOURED)
-    weight_decay: float = F(0.01, "AdamW weight decay", HONOURED)
-    lr_warmup_fraction: Opt[float] = F(None, "fraction of steps for linear warmup", HONOURED)
-    clip_grad: float = F(1.0, "gradient-norm clip", HONOURED)
-    adam_beta1: float = F(0.9, "Adam beta1", HONOURED)
-    adam_beta2: float = F(0.999, "Adam beta2", HONOURED)
+    lr: Opt[float] = F(None, "peak learning rate", HONOURED, gt=0, finite=True, note="the peak learning rate")
+    # posttrain.train.optim.lr_decay_styles()
+    lr_decay_style: Literal["constant", "linear", "cosine"] = F("linear", "constant, linear or cosine", HONOURED)
+    min_lr: float = F(0.0, "final learning rate", HONOURED, ge=0, finite=True)
+    weight_decay: float = F(0.01, "AdamW weight decay", HONOURED, ge=0, finite=True)
+    lr_warmup_fraction: Opt[float] = F(None, "fraction of steps for linear warmup", HONOURED, ge=0, le=1)
+    clip_grad: float = F(1.0, "gradient-norm clip", HONOURED, finite=True,
+                           note="the gradient-norm clip; 0 or less turns clipping off")
+    adam_beta1: float = F(0.9, "Adam beta1", HONOURED, ge=0, lt=1)
+    adam_beta2: float = F(0.999, "Adam beta2", HONOURED, ge=0, lt=1)
     initial_loss_scale: float = F(2**32, "fp16 initial loss scale", LOSS_SCALE)
     use_distributed_optimizer: bool = F(False, "Megatron ZeRO-1 optimizer sharding", DIST_OPT)
     overlap_grad_reduce: bool = F(False, "overlap the gradient all-reduce with the backward pass", MEGATRON_MEM)
@@ -203,21 +209,25 @@ class MegatronConfig(Section):
     reuse_fp32_param: bool = F(False, "MindSpeed: share fp32 master weights with bf16 weights", MEGATRON_MEM)
     swap_optimizer: bool = F(False, "MindSpeed: swap optimizer state to the host", MEGATRON_MEM)
     # ---- parallelism ----------------------------------------------------------------------------
-    backend: Opt[str] = F(None, "posttrain: training backend: hf (Hugging Face models, PyTorch; data parallel with "
-                                "DDP or FSDP2), megatron (Megatron-Core in Ray worker groups: TP, PP, virtual "
-                                "stages, distributed optimizer), or null: megatron when the actor asks for tensor, "
-                                "pipeline, context or expert parallelism > 1 or virtual pipeline stages, else hf. "
-                                "Reference and critic follow the actor's (posttrain.config.backend)", HONOURED)
-    tensor_model_parallel_size: int = F(1, "tensor parallel size (> 1 selects the megatron backend)", MODEL_PARALLEL)
+    backend: Opt[BACKENDS] = F(None, "posttrain: training backend: hf (Hugging Face models, PyTorch; data parallel "
+                                     "with DDP or FSDP2), megatron (Megatron-Core in Ray worker groups: TP, PP, "
+                                     "virtual stages, distributed optimizer), or null: megatron when the actor asks "
+                                     "for tensor, pipeline, context or expert parallelism > 1 or virtual pipeline "
+                                     "stages, else hf. Reference and critic follow the actor's "
+                                     "(posttrain.config.backend)",
+                               HONOURED, note="null: megatron when tensor/pipeline/context/expert parallelism is "
+                                              "asked, else hf")
+    tensor_model_parallel_size: int = F(1, "tensor parallel size (> 1 selects the megatron backend)", MODEL_PARALLEL,
+                                        ge=1, note=MP_NOTE)
     pipeline_model_parallel_size: int = F(1, "pipeline parallel size (> 1 selects the megatron backend)",
-                                          MODEL_PARALLEL)
-    expert_model_parallel_size: int = F(1, "expert parallel size", EXPERT_PARALLEL)
+                                          MODEL_PARALLEL, ge=1, note=MP_NOTE)
+    expert_model_parallel_size: int = F(1, "expert parallel size", EXPERT_PARALLEL, ge=1, note=MP_NOTE)
     num_layers_per_virtual_pipeline_stage: Opt[int] = F(None, "layers per virtual pipeline stage (the "
                                                               "interleaved schedule; needs PP > 1; selects the "
-                                                              "megatron backend)", VPP)
+                                                              "megatron backend)", VPP, ge=1)
     num_layer_list: Any = F(None, "layers per pipeline stage", PP_LAYOUT)
     noop_layers: Any = F(None, "no-op layers for pipeline balance", PP_LAYOUT)
-    context_parallel_size: int = F(1, "context parallel size", CONTEXT_PARALLEL)
+    context_parallel_size: int = F(1, "context parallel size", CONTEXT_PARALLEL, ge=1, note=MP_NOTE)
     context_parallel_algo: str = F("ulysses_cp_algo", "ulysses_cp_algo or megatron_cp_algo", CP_ALGO)
     attention_mask_type: str = F("causal", "attention mask type (causal)", MASK_TYPE)
     reset_attention_mask: bool = F(True, "per-sequence attention in packed rows (use_remove_padding needs it; "
@@ -233,17 +243,20 @@ class MegatronConfig(Section):
     coc_parallel_num: int = F(1, "Ascend-only", ASCEND)
     coc_fused_kernel: bool = F(False, "Ascend-only", ASCEND)
     # ---- recompute ------------------------------------------------------------------------------
-    recompute_granularity: Opt[str] = F(None, "full or selective: activation checkpointing", HONOURED)
-    recompute_method: Opt[str] = F(None, "uniform or block: which layers recompute", RECOMPUTE_DETAIL)
-    recompute_num_layers: Opt[int] = F(None, "layers to recompute", RECOMPUTE_DETAIL)
+    recompute_granularity: Opt[Literal["full", "selective"]] = F(None, "full or selective: activation checkpointing",
+                                                                 HONOURED)
+    recompute_method: Opt[Literal["uniform", "block"]] = F(None, "uniform or block: which layers recompute",
+                                                           RECOMPUTE_DETAIL)
+    recompute_num_layers: Opt[int] = F(None, "layers to recompute", RECOMPUTE_DETAIL, ge=1)
     recompute_activation_function: bool = F(False, "MindSpeed: recompute the MLP activation", MEGATRON_MEM)
     swap_attention: bool = F(False, "MindSpeed: swap attention activations to the host", MEGATRON_MEM)
     # ---- data / loop ----------------------------------------------------------------------------
-    global_batch_size: Opt[int] = F(None, "prompts per iteration", HONOURED)
-    micro_batch_size: Opt[int] = F(None, "sequences per forward/backward", HONOURED)
+    global_batch_size: Opt[int] = F(None, "prompts per iteration", HONOURED, ge=1, note="prompts per iteration")
+    micro_batch_size: Opt[int] = F(None, "sequences per forward/backward", HONOURED, ge=1,
+                                     note="sequences per forward/backward")
     seq_length: Opt[int] = F(None, "maximum prompt+response length: checked against generate_config.max_model_len; "
-                                     "DPO/SFT samples are cut to it", HONOURED)
-    train_iters: Opt[int] = F(None, "iterations to run", HONOURED)
+                                     "DPO/SFT samples are cut to it", HONOURED, ge=1, note="tokens")
+    train_iters: Opt[int] = F(None, "iterations to run", HONOURED, ge=1, note="iterations to run")
     eval_iters: int = F(100, "Megatron validation-split evaluation iterations", EVAL)
     eval_interval: int = F(1000, "Megatron validation-split evaluation interval", EVAL)
     log_interval: int = F(100, "Megatron log interval", LOG_INTERVAL)
@@ -278,9 +291,11 @@ class MegatronConfig(Section):
     # ---- checkpoints ----------------------------------------------------------------------------
     load: Opt[str] = F(None, "checkpoint or HF model directory to start from", HONOURED)
     save: Opt[str] = F(None, "checkpoint directory", HONOURED)
-    save_interval: Opt[int] = F(None, "save every N iterations (0 or null: only the final save)", HONOURED)
+    save_interval: Opt[int] = F(None, "save every N iterations (0 or null: only the final save)", HONOURED, ge=0,
+                                  note="save every N iterations; 0 or null: only the final save")
     keep_last: Opt[int] = F(None, "posttrain: keep only the newest N checkpoints in save (older iter_* deleted "
-                                  "after each save; never the latest); null keeps all", HONOURED)
+                                  "after each save; never the latest); null keeps all", HONOURED, ge=1,
+                                note="checkpoints to keep; null keeps all")
     finetune: bool = F(False, "load weights only; start at iteration 0", HONOURED)
     no_load_optim: Opt[bool] = F(None, "do not load the optimizer state", HONOURED)
     no_load_rng: Opt[bool] = F(None, "do not load RNG states", HONOURED)
@@ -289,19 +304,22 @@ class MegatronConfig(Section):
     no_shared_storage: bool = F(False, "nodes do not share storage", SHARED_STORAGE)
     load_checkpoint_loosely: bool = F(False, "load checkpoints allowing missing keys", LOOSE_LOAD)
     pretrained_checkpoint: Opt[str] = F(None, "Megatron pretrained checkpoint directory", PRETRAINED)
-    ckpt_format: str = F("torch_dist", "posttrain: the megatron backend's checkpoint format (Megatron-LM's "
-                                       "--ckpt-format): torch_dist (Megatron-Core dist_checkpointing; reshards on "
-                                       "load) or torch (per-rank files; same layout only)", CKPT_FORMAT)
+    ckpt_format: CKPT_FORMATS = F("torch_dist", "posttrain: the megatron backend's checkpoint format (Megatron-LM's "
+                                              "--ckpt-format): torch_dist (Megatron-Core dist_checkpointing; reshards "
+                                              "on load) or torch (per-rank files; same layout only)", CKPT_FORMAT,
+                                  note="the megatron backend's; the hf backend saves Hugging Face directories")
     # ---- DPO ------------------------------------------------------------------------------------
     dpo_loss_type: str = F("sigmoid", "sigmoid, hinge, ipo or kto_pair", HONOURED)
-    dpo_beta: float = F(0.1, "DPO beta", HONOURED)
-    dpo_label_smoothing: float = F(0.0, "DPO label smoothing", HONOURED)
-    pref_ftx: float = F(0.0, "SFT loss weight on chosen responses", HONOURED)
+    dpo_beta: float = F(0.1, "DPO beta", HONOURED, gt=0, finite=True, note="the seed's default is 0.1")
+    dpo_label_smoothing: float = F(0.0, "DPO label smoothing", HONOURED, ge=0, lt=0.5,
+                                    note="the probability that a preference label is flipped")
+    pref_ftx: float = F(0.0, "SFT loss weight on chosen responses", HONOURED, ge=0, finite=True,
+                         note="the weight of the SFT term")
     ref_model: Opt[str] = F("", "reference model path (DPO)", HONOURED)
     refer_model_iter: int = F(1, "DPO: refresh the reference every N iterations", REFER_ITER)
     # ---- LoRA / multimodal ----------------------------------------------------------------------
-    lora_r: int = F(8, "LoRA rank", LORA)
-    lora_alpha: int = F(16, "LoRA alpha", LORA)
+    lora_r: int = F(8, "LoRA rank", LORA, ge=1, note="the LoRA rank")
+    lora_alpha: int = F(16, "LoRA alpha", LORA, gt=0, note="updates scale by lora_alpha / lora_r")
     lora_fusion: bool = F(False, "CCLoRA fused kernels", LORA_KERNEL)
     lora_target_modules: Any = F(None, "LoRA target modules (Megatron names linear_qkv, linear_proj, linear_fc1, "
                                        "linear_fc2, or Hugging Face names such as q_proj); set: LoRA through PEFT",

@@ -4,7 +4,9 @@
 with the tools of ``tool_config_path`` (:mod:`posttrain.tools.config`). ``async_engine: true`` is
 the seed's streaming engine; here it means per-request admission in the native engine: each sample
 row ends, pauses for its tools and resumes on its own (the multi-turn decode loop, with or without
-tools). The seed's rule 21 lives in :mod:`posttrain.config.validate`.
+tools). The seed's rule 21 lives in :mod:`posttrain.config.validate`; the stages, engines and
+features multi-turn and ``async_engine`` do not run with are rows of the compatibility table
+(:mod:`posttrain.config.compat`), and the values each key takes are declared on its field.
 """
 
 from __future__ import annotations
@@ -31,44 +33,22 @@ def tool_config_file(path: str) -> Path:
                       f"{configs_dir().parent}); point it at a tools yaml such as configs/tools/retool.yaml")
 
 
-def check_multi_turn(cfg: RunConfig, *, on_policy: bool, uses_critic: bool, device_type: str = "cpu") -> None:
-    """Raise ConfigError on a multi-turn or ``async_engine`` setting that cannot run."""
+def check_multi_turn(cfg: RunConfig) -> None:
+    """Raise ConfigError on a multi-turn setting that cannot run: a multi-turn key without
+    ``multi_turn_enable``; with it, no tools file, no tool calls, no template for tool outputs."""
     rl = cfg.rl
-    if rl.async_engine and rl.rollout_engine != "native":
-        raise ConfigError(f"rl_config.async_engine: true is the native engine's per-request loop here; it does not "
-                          f"exist for rollout_engine {rl.rollout_engine!r}. Set rollout_engine: native or "
-                          f"async_engine: false")
-    if (rl.multi_turn_enable or rl.async_engine) and not cfg.generate.enforce_eager and device_type == "cuda":
-        raise ConfigError("generate_config.enforce_eager: false (CUDA graphs) with rl_config.async_engine / "
-                          "multi_turn_enable: the per-request decode loop runs eagerly (its batch changes every "
-                          "step); remove the key or set it to true")
     if not rl.multi_turn_enable:
         stray = [k for k, default in SUB_KEYS.items() if getattr(rl, k) != default]
         if stray:
             raise ConfigError(f"rl_config.{stray[0]} is read only with multi_turn_enable: true; set "
                               f"multi_turn_enable: true (and async_engine: true) or remove the key")
         return
-    if not on_policy or uses_critic:
-        raise ConfigError("rl_config.multi_turn_enable: true runs with GRPO and DAPO (the seed's recipe is DAPO); "
-                          "PPO's critic over tool tokens, DPO and SFT are not supported. Use stage grpo or dapo")
-    if rl.rollout_engine != "native":
-        raise ConfigError(f"rl_config.multi_turn_enable: true runs on the native rollout engine; set "
-                          f"rl_config.rollout_engine: native (not {rl.rollout_engine!r})")
-    if rl.partial_rollout_max_split > 1:
-        raise ConfigError("rl_config.multi_turn_enable with partial_rollout_max_split > 1 is not supported: a "
-                          "conversation is generated whole within one iteration; set partial_rollout_max_split: 1")
     if not rl.tool_config_path:
         raise ConfigError("rl_config.tool_config_path is not set: multi-turn rollout needs a tools file, e.g. "
                           "configs/tools/retool.yaml (docs/tools.md)")
     if rl.max_tool_calls < 1:
         raise ConfigError(f"rl_config.max_tool_calls={rl.max_tool_calls}: must be >= 1 with multi_turn_enable "
                           f"(the most tool calls of one sample)")
-    for key in ("max_parallel_calls", "max_tool_response_length"):
-        if getattr(rl, key) < 0:
-            raise ConfigError(f"rl_config.{key}={getattr(rl, key)}: must be >= 0 (0: no limit)")
-    if rl.tool_response_truncate_side not in (None, "left", "right", "middle"):
-        raise ConfigError(f"rl_config.tool_response_truncate_side={rl.tool_response_truncate_side!r}: must be left, "
-                          f"right or middle")
     from posttrain.data.templates import HF_CHAT_TEMPLATE
     from posttrain.tools.parsers import TOOL_PARSERS
 

@@ -28,7 +28,7 @@ from posttrain.config.options import (AdvantageOptions, ClusterOptions, CriticOp
 from posttrain.config.reward_model import RewardModelOptions, reward_model_options
 from posttrain.config.run import RunConfig
 from posttrain.config.stages import Stage, stage_named
-from posttrain.config.validate import Layout as DeviceLayout
+from posttrain.config.validate import DeviceLayout
 from posttrain.models.arch import ModelArch
 from posttrain.reward.rule_reward import RuleRewardOptions
 from posttrain.train.options import ActorLossOptions, EngineOptions, TokenBudget

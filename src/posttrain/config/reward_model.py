@@ -14,12 +14,12 @@ section, merged with ``megatron_training`` as every role is). The reward model
 
 A response's score is ``rule score (if rl_config.rule_reward) + rl_config.reward_model_weight x
 reward-model score``. :func:`check_reward_model` refuses the combinations in which nothing would
-score, or in which a part of the reward would be dropped without a word.
+score, or in which a part of the reward would be dropped without a word (a stage that scores no
+responses, and the megatron backend, are rows of :mod:`posttrain.config.compat`).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from posttrain.config.fields import Status, field_rule, fmt_value
@@ -62,14 +62,8 @@ def reward_model_source(cfg: RunConfig) -> tuple[str, str] | None:
 def check_reward_model(cfg: RunConfig, *, on_policy: bool, dynamic_sampling: bool) -> None:
     """Raise :class:`ConfigError` for a reward setting that cannot run as written (module doc)."""
     rl, has_model = cfg.rl, cfg.reward is not None
-    if has_model and not on_policy:
-        raise ConfigError(f"reward_config: stage {cfg.stage} scores no responses (a reward model is read by the "
-                          f"on-policy stages ray_grpo, ray_dapo and ray_ppo); remove reward_config")
-    if not on_policy:
+    if not on_policy:  # a reward_config there: the compatibility table's reward-model-offline row
         return
-    if not math.isfinite(rl.reward_model_weight):
-        raise ConfigError(f"rl_config.reward_model_weight={fmt_value(rl.reward_model_weight)}: must be a finite "
-                          f"number (the weight of the reward model's score)")
     if not has_model:
         _check_without_model(cfg)
         return

@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 from pydantic import BaseModel, ValidationError
 
-from posttrain.config.fields import check_known_keys, check_known_names
+from posttrain.config.fields import RANGE_ERRORS, check_known_keys, check_known_names, range_refusal
 from posttrain.config.loader import (Origins, apply_overrides, load_model_yaml, normalise_keys,
                                      read_yaml_with_lines, resolve_config_file)
 from posttrain.config.megatron import MegatronConfig, ignored_keys_in
@@ -69,19 +69,35 @@ def _shown(value: Any) -> str:
     return text if len(text) <= 200 else text[:200] + "..."
 
 
-def _type_error(section: str, err: ValidationError, label: Callable[[str], str] | None = None) -> ConfigError:
-    """One line per pydantic error; ``label(key)`` says where a key was written (``where: section.key``)."""
+def _type_error(section: str, err: ValidationError, label: Callable[[str], str] | None = None,
+                cls: type[BaseModel] | None = None) -> ConfigError:
+    """One line per pydantic error; ``label(key)`` says where a key was written (``where: section.key``).
+    A value outside the range that ``cls`` declares for it reads ``section.key=value: must be ...``
+    (:func:`~posttrain.config.fields.range_refusal`)."""
     lines = []
     for e in err.errors():
         loc = ".".join(str(p) for p in e["loc"])
         got = e.get("input")
         if loc:
             head = label(str(e["loc"][0])) if label else f"{section}.{e['loc'][0]}"
-            rest = ".".join(str(p) for p in e["loc"][1:])
-            lines.append(f"{head}{'.' + rest if rest else ''}: {e['msg']} (got {_shown(got)})")
+            rest = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in e["loc"][1:])
+            refusal = range_refusal(cls, e["loc"], got) if cls is not None and e["type"] in RANGE_ERRORS else None
+            if refusal is not None:
+                lines.append(f"{_without_own_override(head, rest)}{rest}{refusal}")
+            else:
+                lines.append(f"{head}{rest}: {e['msg']} (got {_shown(got)})")
         else:
             lines.append(f"{label('') if label else section}: {e['msg']}")
-    return ConfigError("; ".join(lines))
+    return ConfigError("\n".join(lines))
+
+
+def _without_own_override(head: str, rest: str = "") -> str:
+    """``override 'a.b.c=1': a.b`` (``rest`` ``.c``) -> ``a.b``: the message repeats that key and value."""
+    if head.startswith("override '"):
+        text, _, key = head[len("override '"):].partition("': ")
+        if text.startswith((f"{key}=", f"{key}{rest}=")):
+            return key
+    return head
 
 
 def build_section(section: str, data: dict[str, Any] | None, cls: type[BaseModel],
@@ -105,7 +121,7 @@ def build_section(section: str, data: dict[str, Any] | None, cls: type[BaseModel
     try:
         return cls.model_validate(data)
     except ValidationError as err:
-        raise _type_error(section, err, label) from None
+        raise _type_error(section, err, label, cls) from None
 
 
 def _nested() -> dict[type, dict[str, type]]:

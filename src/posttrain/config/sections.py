@@ -8,13 +8,21 @@ start-up warning by :func:`posttrain.config.features.startup_warnings`).
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Annotated, Any, Literal, Optional
 
-from pydantic import AliasChoices, model_validator
+from pydantic import AliasChoices, Field, model_validator
 
 from posttrain.config.fields import HONOURED, F, Section, ignored, refused
 
 Opt = Optional
+ROWS_PER_READ = "rows per read; null: derived as the seed does"
+WEIGHT = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+KL_CONTROLLERS = Literal["fixed", "adaptive"]
+SHARDINGS = Literal["ddp", "fsdp2"]
+CORRECTIONS = Literal["none", "tis", "mis"]  # posttrain.algo.rollout_correction.MODES
+CORRECTION_LEVELS = Literal["token", "sequence"]  # posttrain.algo.rollout_correction.LEVELS
+TRUNCATE_SIDES = Literal["left", "right", "middle"]
+ROLLOUT_DTYPES = Literal["bfloat16", "float32", "float16"]
 
 SEED_UNUSED = ignored("unused, as in the seed")
 HCCL = ignored("Ascend NPUs only (exported as HCCL_BUFFSIZE to Ray workers, where nothing reads it)")
@@ -87,7 +95,8 @@ MSPROBE_KEY = refused("msprobe accuracy dumps are not implemented", switch="mspr
 
 class Resource(Section):
     num_npus: Opt[int] = F(None, "devices (or CPU worker processes) for the role; num_gpus and num_devices are "
-                                 "aliases", HONOURED,
+                                 "aliases", HONOURED, ge=0, note="devices, or CPU worker processes; 0 or 1: one "
+                                                                 "process",
                            validation_alias=AliasChoices("num_npus", "num_gpus", "num_devices"))
 
     @model_validator(mode="before")
@@ -112,29 +121,39 @@ class RLConfig(Section):
     critic_resource: Opt[Resource] = F(None, "critic devices (PPO)", CRITIC_RESOURCE)
     vit_resource: Opt[Resource] = F(None, "multimodal: ViT devices", MULTIMODAL_SET)
     num_samples_per_step: int = F(1, "samples per step", SEED_UNUSED)
-    max_prompt_length: int = F(512, "prompts with token length >= this are filtered out", HONOURED)
-    epochs: int = F(1, "passes over the mini-batches per iteration", HONOURED)
-    clip_ratio: float = F(0.2, "PPO/GRPO clip epsilon", HONOURED)
-    clip_ratio_c: Opt[float] = F(None, "posttrain: dual-clip PPO constant (e.g. 3.0); None disables", HONOURED)
-    cliprange_value: float = F(0.5, "critic value clip", HONOURED)
-    entropy_coeff: float = F(0.0, "entropy bonus weight", HONOURED)
-    gamma: float = F(1.0, "GAE discount", HONOURED)
-    lam: float = F(0.95, "GAE lambda", HONOURED)
+    max_prompt_length: int = F(512, "prompts with token length >= this are filtered out", HONOURED, ge=1,
+                               note="prompts this long or longer are dropped")
+    epochs: int = F(1, "passes over the mini-batches per iteration", HONOURED, ge=1,
+                    note="passes over each iteration's mini-batches")
+    clip_ratio: float = F(0.2, "PPO/GRPO clip epsilon", HONOURED, ge=0, finite=True,
+                          note="the ratio is clipped to [1 - clip_ratio, 1 + clip_ratio]")
+    clip_ratio_c: Opt[float] = F(None, "posttrain: dual-clip PPO constant (e.g. 3.0); None disables", HONOURED, gt=1,
+                                 finite=True, note="dual-clip PPO, e.g. 3.0; null turns it off")
+    cliprange_value: float = F(0.5, "critic value clip", HONOURED, gt=0, finite=True,
+                               note="the critic's value clip; the seed's default is 0.5")
+    entropy_coeff: float = F(0.0, "entropy bonus weight", HONOURED, ge=0, finite=True,
+                             note="the weight of the entropy bonus; 0 turns it off")
+    gamma: float = F(1.0, "GAE discount", HONOURED, ge=0, le=1)
+    lam: float = F(0.95, "GAE lambda", HONOURED, ge=0, le=1)
     advantage_whiten: bool = F(True, "whiten GAE advantages", WHITEN)
     kl_penalty: str = F("low_var_kl", "kl, abs, mse or low_var_kl", HONOURED)
-    kl_ctrl_type: str = F("fixed", "fixed or adaptive", HONOURED)
-    init_kl_coef: float = F(0.01, "KL coefficient", HONOURED)
+    kl_ctrl_type: KL_CONTROLLERS = F("fixed", "fixed or adaptive", HONOURED)
+    init_kl_coef: float = F(0.01, "KL coefficient", HONOURED, ge=0, finite=True,
+                            note="the KL coefficient; 0 turns the KL term off")
     kl_horizon: float = F(1000, "adaptive KL horizon", HONOURED)
-    kl_target: float = F(100.0, "adaptive KL target", HONOURED)
+    kl_target: float = F(100.0, "adaptive KL target", HONOURED, gt=0, finite=True)
     adv_estimator: str = F("group_norm", "group_norm, gae, grpo_no_std, rloo, reinforce_plus_plus, ...", HONOURED)
     policy_loss: str = F("ppo", "posttrain: ppo (clipped surrogate; dual-clip with clip_ratio_c) or gspo", HONOURED)
     loss_agg_mode: Opt[str] = F(None, "posttrain: token-mean, seq-mean-token-mean, seq-mean-token-sum or "
                                       "seq-mean-token-sum-norm; default: the algorithm's (DAPO: token_level_loss)",
                                 HONOURED)
     verifier_function: list[str] = F(["base_acc"], "rule verifiers", HONOURED)
-    verifier_weight: list[float] = F([1.0], "weights, one per verifier", HONOURED)
-    verifier_parallel: int = F(1, "verifier worker processes (honoured, unlike the seed)", HONOURED)
-    verifier_timeout: float = F(30, "seconds per sample (honoured, unlike the seed)", HONOURED)
+    verifier_weight: list[WEIGHT] = F([1.0], "weights, one per verifier", HONOURED,
+                                     note="the weight of the verifier at the same place in verifier_function")
+    verifier_parallel: int = F(1, "verifier worker processes (honoured, unlike the seed)", HONOURED, ge=0,
+                                note="verifier worker processes; 0 scores inline")
+    verifier_timeout: float = F(30, "seconds per sample (honoured, unlike the seed)", HONOURED, gt=0, finite=True,
+                               note="seconds one sample may take")
     verifier_modules: list[str] = F([], "posttrain: modules that register user verifiers", HONOURED)
     integrated_mode_config: Opt[dict[str, Any]] = F(None, "integrated mode: ref_model_load_path", HONOURED)
     use_kl_in_reward: bool = F(False, "PPO: subtract beta*KL from token rewards", HONOURED)
@@ -160,19 +179,22 @@ class RLConfig(Section):
                                           "in its own Ray worker process, the trainer (with the reference) in this "
                                           "one (docs/async.md)", INTEGRATED)
     use_dp_batch_balance: bool = F(False, "sequence-length-balanced data-parallel split", DP_BALANCE)
-    ref_forward_micro_batch_size: Opt[int] = F(None, "reference log-prob micro batch", HONOURED)
-    actor_forward_micro_batch_size: Opt[int] = F(None, "old log-prob micro batch", HONOURED)
+    ref_forward_micro_batch_size: Opt[int] = F(None, "reference log-prob micro batch", HONOURED, ge=1)
+    actor_forward_micro_batch_size: Opt[int] = F(None, "old log-prob micro batch", HONOURED, ge=1)
     vit_forward_micro_batch_size: Opt[int] = F(None, "multimodal: ViT micro batch", MULTIMODAL_SET)
-    actor_rollout_dispatch_size: Opt[int] = F(None, "TD read size for rollout", HONOURED)
-    actor_logprob_dispatch_size: Opt[int] = F(None, "TD read size for old log-probs", HONOURED)
-    ref_dispatch_size: Opt[int] = F(None, "TD read size for reference log-probs", HONOURED)
-    reward_dispatch_size: Opt[int] = F(None, "TD read size for rewards", HONOURED)
-    dynamic_sampling_dispatch_size: Opt[int] = F(None, "TD read size for DAPO filtering", VALIDATED_ONLY)
-    adv_dispatch_size: Opt[int] = F(None, "TD read size for advantages", HONOURED)
-    actor_update_dispatch_size: Opt[int] = F(None, "TD read size for the update", HONOURED)
-    critic_update_dispatch_size: Opt[int] = F(None, "TD read size for the critic update", HONOURED)
-    critic_value_dispatch_size: Opt[int] = F(None, "TD read size for critic values", HONOURED)
-    kl_dispatch_size: Opt[int] = F(None, "TD read size for KL-in-reward", VALIDATED_ONLY)
+    actor_rollout_dispatch_size: Opt[int] = F(None, "TD read size for rollout", HONOURED, ge=1, note=ROWS_PER_READ)
+    actor_logprob_dispatch_size: Opt[int] = F(None, "TD read size for old log-probs", HONOURED,
+                                              ge=1, note=ROWS_PER_READ)
+    ref_dispatch_size: Opt[int] = F(None, "TD read size for reference log-probs", HONOURED, ge=1, note=ROWS_PER_READ)
+    reward_dispatch_size: Opt[int] = F(None, "TD read size for rewards", HONOURED, ge=1, note=ROWS_PER_READ)
+    dynamic_sampling_dispatch_size: Opt[int] = F(None, "TD read size for DAPO filtering", VALIDATED_ONLY,
+                                                 ge=1, note=ROWS_PER_READ)
+    adv_dispatch_size: Opt[int] = F(None, "TD read size for advantages", HONOURED, ge=1, note=ROWS_PER_READ)
+    actor_update_dispatch_size: Opt[int] = F(None, "TD read size for the update", HONOURED, ge=1, note=ROWS_PER_READ)
+    critic_update_dispatch_size: Opt[int] = F(None, "TD read size for the critic update", HONOURED,
+                                              ge=1, note=ROWS_PER_READ)
+    critic_value_dispatch_size: Opt[int] = F(None, "TD read size for critic values", HONOURED, ge=1, note=ROWS_PER_READ)
+    kl_dispatch_size: Opt[int] = F(None, "TD read size for KL-in-reward", VALIDATED_ONLY, ge=1, note=ROWS_PER_READ)
     actor_image_embeds_dispatch_size: Opt[int] = F(None, "multimodal: TD read size for image embeddings",
                                                    MULTIMODAL_SET)
     is_multimodal: bool = F(False, "multimodal model and data", MULTIMODAL)
@@ -182,59 +204,62 @@ class RLConfig(Section):
                                         "rows (a group's n samples) once", HONOURED)
     reuse_image_embeds: bool = F(False, "multimodal: reuse image embeddings", MULTIMODAL)
     colocate_actor_and_vit: bool = F(False, "multimodal: ViT on the actor's devices", MULTIMODAL)
-    n_samples_per_prompt: int = F(1, "group size n", HONOURED)
-    mini_batch_size: int = F(1, "prompts per optimizer step", HONOURED)
+    n_samples_per_prompt: int = F(1, "group size n", HONOURED, ge=1, note="responses per prompt")
+    mini_batch_size: int = F(1, "prompts per optimizer step", HONOURED, ge=1, note="prompts per optimizer step")
     use_dynamic_bsz: bool = F(False, "token-budget micro-batches", HONOURED)
-    max_packing_token_size: int = F(4096, "token budget base", HONOURED)
-    ref_max_packing_token_size: int = F(4096, "reference token budget", HONOURED)
-    actor_max_packing_token_size: int = F(4096, "old log-prob token budget", HONOURED)
-    update_max_packing_token_size: int = F(4096, "update token budget", HONOURED)
-    dynamic_max_batch_size: Opt[int] = F(None, "max sequences per dynamic micro-batch", HONOURED)
-    ref_dynamic_max_batch_size: Opt[int] = F(None, "reference", HONOURED)
-    actor_dynamic_max_batch_size: Opt[int] = F(None, "old log-prob", HONOURED)
-    update_dynamic_max_batch_size: Opt[int] = F(None, "update", HONOURED)
+    max_packing_token_size: int = F(4096, "token budget base", HONOURED, ge=1)
+    ref_max_packing_token_size: int = F(4096, "reference token budget", HONOURED, ge=1)
+    actor_max_packing_token_size: int = F(4096, "old log-prob token budget", HONOURED, ge=1)
+    update_max_packing_token_size: int = F(4096, "update token budget", HONOURED, ge=1)
+    dynamic_max_batch_size: Opt[int] = F(None, "max sequences per dynamic micro-batch", HONOURED, ge=1)
+    ref_dynamic_max_batch_size: Opt[int] = F(None, "reference", HONOURED, ge=1)
+    actor_dynamic_max_batch_size: Opt[int] = F(None, "old log-prob", HONOURED, ge=1)
+    update_dynamic_max_batch_size: Opt[int] = F(None, "update", HONOURED, ge=1)
     log_max_throughput: bool = F(True, "tps from max lengths instead of mean", HONOURED)
     token_level_loss: bool = F(True, "DAPO: token-mean (true) or seq-mean-token-mean", HONOURED)
     data_strategy: str = F("td", "td (TransferDock) or tq (TransferQueue)", DATA_STRATEGY)
     transfer_queue_data_shard_num: int = F(1, "TransferQueue shards", TQ)
     transfer_queue_data_shard_port_base: Opt[int] = F(None, "TransferQueue first port", TQ_SET)
     clip_higher_enable: bool = F(False, "DAPO clip-higher", HONOURED)
-    clip_ratio_low: float = F(0.1, "DAPO lower clip", HONOURED)
-    clip_ratio_high: float = F(0.1, "DAPO upper clip", HONOURED)
+    clip_ratio_low: float = F(0.1, "DAPO lower clip", HONOURED, ge=0, finite=True)
+    clip_ratio_high: float = F(0.1, "DAPO upper clip", HONOURED, ge=0, finite=True)
     overlong_buffer_enable: bool = F(False, "DAPO overlong penalty", HONOURED)
-    overlong_buffer: int = F(0, "DAPO overlong buffer tokens", HONOURED)
-    overlong_buffer_penalty_factor: float = F(1.0, "DAPO overlong penalty factor", HONOURED)
-    rollout_max_tokens: int = F(2048, "must equal sampling_config.max_tokens", HONOURED)
+    overlong_buffer: int = F(0, "DAPO overlong buffer tokens", HONOURED, ge=0)
+    overlong_buffer_penalty_factor: float = F(1.0, "DAPO overlong penalty factor", HONOURED, ge=0, finite=True)
+    rollout_max_tokens: int = F(2048, "must equal sampling_config.max_tokens", HONOURED, ge=1)
     filter_groups_enable: bool = F(False, "DAPO dynamic sampling", HONOURED)
     filter_groups_metric: str = F("acc", "verifier whose score std must be nonzero", HONOURED)
     filter_groups_max_batches: int = F(1, "generation batches cap (<=0 unlimited)", HONOURED)
-    filter_groups_train_batch_size: int = F(1, "prompts to keep per iteration", HONOURED)
+    filter_groups_train_batch_size: int = F(1, "prompts to keep per iteration", HONOURED, ge=1,
+                                                note="prompts kept per iteration")
     zmq_communication: bool = F(True, "ZMQ instead of an HCCL broadcast for TransferDock fan-out", ZMQ)
     partial_rollout_max_split: int = F(1, "> 1: split long generations over iterations (partial rollout)",
-                                       PARTIAL)
+                                       PARTIAL, ge=1, note="1: off")
     require_max_age_all_finished: bool = F(True, "partial rollout: the oldest samples finish before an update", PARTIAL)
     multi_turn_enable: bool = F(False, "agentic multi-turn rollout with tools", MULTI_TURN)
     tool_config_path: Opt[str] = F(None, "multi-turn: tools file (docs/tools.md)", MULTI_TURN)
-    max_tool_calls: int = F(0, "multi-turn: the most tool calls of one sample", MULTI_TURN)
-    max_parallel_calls: int = F(0, "multi-turn: the most calls run per turn (0: all)", MULTI_TURN)
-    max_total_response_length: int = F(0, "multi-turn: response tokens over all turns", MULTI_TURN)
-    max_tool_response_length: int = F(0, "multi-turn: characters kept of one tool output (0: all)", MULTI_TURN)
-    tool_response_truncate_side: Opt[str] = F(None, "multi-turn: keep the left (default), right or middle of a long "
-                                                    "tool output", MULTI_TURN)
+    max_tool_calls: int = F(0, "multi-turn: the most tool calls of one sample", MULTI_TURN, ge=0)
+    max_parallel_calls: int = F(0, "multi-turn: the most calls run per turn (0: all)", MULTI_TURN, ge=0,
+                                 note="0: no limit")
+    max_total_response_length: int = F(0, "multi-turn: response tokens over all turns", MULTI_TURN, ge=0)
+    max_tool_response_length: int = F(0, "multi-turn: characters kept of one tool output (0: all)", MULTI_TURN,
+                                       ge=0, note="0: no limit")
+    tool_response_truncate_side: Opt[TRUNCATE_SIDES] = F(None, "multi-turn: keep the left (default), right or "
+                                                               "middle of a long tool output", MULTI_TURN)
     tool_parser_format: Opt[str] = F(None, "multi-turn: tool-call parser (hermes, the default)", MULTI_TURN)
     share_backbone: bool = F(False, "LoRA: the reference is the actor with the adapter off", SHARE_BACKBONE)
     missing_eos_penalty: float = F(1.0, "penalty for a response without EOS", SEED_UNUSED)
     # ---- posttrain additions --------------------------------------------------------------------
     ray_address: Opt[str] = F(None, "posttrain: Ray cluster address (or RAY_ADDRESS)", HONOURED)
     ray_timeout_s: float = F(600.0, "posttrain: seconds any Ray remote call or torch.distributed collective may "
-                                    "take", HONOURED)
+                                    "take", HONOURED, gt=0, finite=True)
     ray_num_cpus_per_worker: int = F(1, "posttrain: CPUs (and torch threads) per actor worker without accelerators",
-                                     HONOURED)
-    ray_sharding: str = F("ddp", "posttrain: Ray actor workers: ddp (full replicas) or fsdp2 (sharded parameters, "
-                                 "gradients and optimizer state)", HONOURED)
+                                     HONOURED, ge=1)
+    ray_sharding: SHARDINGS = F("ddp", "posttrain: Ray actor workers: ddp (full replicas) or fsdp2 (sharded "
+                                       "parameters, gradients and optimizer state)", HONOURED)
     reward_model_weight: float = F(1.0, "posttrain: weight of the reward model's score (reward_config): score = "
                                         "rule score (if rule_reward) + reward_model_weight x reward-model score",
-                                   HONOURED)
+                                   HONOURED, finite=True)
     offload_reference: bool = F(False, "posttrain: the frozen reference off the device between its uses (GPU: in "
                                        "host memory; CPU: dropped, and mapped back from a file for each use)",
                                 HONOURED)
@@ -242,32 +267,38 @@ class RLConfig(Section):
     rollout_engine: str = F("native", "posttrain: native or vllm", HONOURED)
     output_dir: Opt[str] = F(None, "posttrain: run directory for metrics (default runs/<config>)", HONOURED)
     eval_data_path: Opt[str] = F(None, "posttrain: held-out prompt dataset prefix for eval during training", HONOURED)
-    eval_interval: int = F(0, "posttrain: evaluate every N iterations (0: only before and after)", HONOURED)
-    eval_limit: Opt[int] = F(None, "posttrain: evaluate at most this many prompts", HONOURED)
+    eval_interval: int = F(0, "posttrain: evaluate every N iterations (0: only before and after)", HONOURED,
+                           ge=0)
+    eval_limit: Opt[int] = F(None, "posttrain: evaluate at most this many prompts", HONOURED, ge=1)
     async_staleness: Opt[int] = F(None, "posttrain: asynchronous training: iteration i samples with the policy of "
                                         "iteration max(0, i-1-k) on its own copy of the weights while the trainer "
-                                        "updates (k >= 0; unset: synchronous; docs/async.md)", HONOURED)
-    rollout_correction: str = F("none", "posttrain: none, tis (truncated importance weights) or mis (masked) between "
-                                        "the trainer's old log-probs and the rollout's (docs/async.md)", HONOURED)
-    rollout_correction_cap: float = F(2.0, "posttrain: the cap C of tis / the band [1/C, C] of mis (> 1)", HONOURED)
-    rollout_correction_level: str = F("token", "posttrain: token or sequence (mis: a sequence's geometric-mean "
-                                               "ratio)", HONOURED)
+                                        "updates (k >= 0; unset: synchronous; docs/async.md)", HONOURED, ge=0,
+                                  note="0: the rollout uses the latest weights; k: weights at most k updates old; "
+                                       "remove the key for synchronous training")
+    rollout_correction: CORRECTIONS = F("none", "posttrain: none, tis (truncated importance weights) or mis "
+                                                "(masked) between the trainer's old log-probs and the rollout's "
+                                                "(docs/async.md)", HONOURED)
+    rollout_correction_cap: float = F(2.0, "posttrain: the cap C of tis / the band [1/C, C] of mis (> 1)", HONOURED,
+                                      gt=1, finite=True, note="tis caps the ratio at C; mis keeps tokens whose ratio "
+                                                              "is in [1/C, C]")
+    rollout_correction_level: CORRECTION_LEVELS = F("token", "posttrain: token or sequence (mis: a sequence's "
+                                                             "geometric-mean ratio)", HONOURED)
     num_threads: Opt[int] = F(None, "posttrain: torch CPU threads of an in-process run (unset: torch's count, "
                                     "lowered to the cores other processes leave free at the start, and kept on "
                                     "resume; OMP_NUM_THREADS pins it; Ray workers: ray_num_cpus_per_worker)",
-                              HONOURED)
+                              HONOURED, ge=1, note="torch threads; unset: chosen from the free cores")
     ignore_memory_estimate: bool = F(False, "posttrain: on a CPU, run even when the plan's memory estimate is more "
                                             "than twice this machine's memory (refused otherwise; above 1x: a "
                                             "warning)", HONOURED)
 
 
 class SamplingConfig(Section):
-    logprobs: int = F(1, "per-token log-probs returned (top-k)", LOGPROBS)
-    max_tokens: int = F(128, "new tokens per response", HONOURED)
-    top_p: float = F(1.0, "nucleus sampling", HONOURED)
-    top_k: int = F(50, "top-k (-1 off)", HONOURED)
-    min_p: float = F(0.0, "min-p", HONOURED)
-    temperature: float = F(0.2, "temperature (0: greedy)", HONOURED)
+    logprobs: int = F(1, "per-token log-probs returned (top-k)", LOGPROBS, ge=0)
+    max_tokens: int = F(128, "new tokens per response", HONOURED, ge=1)
+    top_p: float = F(1.0, "nucleus sampling", HONOURED, gt=0, le=1)
+    top_k: int = F(50, "top-k (-1 off)", HONOURED, ge=-1, note="-1: off")
+    min_p: float = F(0.0, "min-p", HONOURED, ge=0, le=1)
+    temperature: float = F(0.2, "temperature (0: greedy)", HONOURED, ge=0, finite=True, note="0: greedy")
     detokenize: bool = F(False, "return text as well as token ids", DETOKENIZE)
     seed: Opt[int] = F(None, "sampling seed", HONOURED)
 
@@ -281,22 +312,22 @@ class GenerateConfig(Section):
     eplb_token_collects: bool = F(False, "EPLB: collect per-expert token counts", EPLB)
     eplb_token_save_path: str = F("./", "EPLB: where the counts go", EPLB_PATH)
     expert_map_path: Opt[str] = F(None, "EPLB: expert placement map", EPLB_SET)
-    infer_tensor_parallel_size: int = F(8, "rollout tensor parallel size", ROLLOUT_PARALLEL)
-    infer_pipeline_parallel_size: int = F(1, "rollout pipeline parallel size (must be 1)", ROLLOUT_PP)
-    infer_expert_parallel_size: int = F(1, "rollout expert parallel size", ROLLOUT_EP_SIZE)
-    max_num_seqs: int = F(1, "sequences decoded at once", HONOURED)
-    max_model_len: int = F(2048, "must be >= actor seq_length", HONOURED)
-    max_num_batched_tokens: int = F(2048, "token budget of one batch", HONOURED)
-    dtype: str = F("bfloat16", "bfloat16 or float32 (float32 only on CPU; the seed requires bfloat16); a CPU without "
-                               "AMX/AVX512-BF16 samples in float32", HONOURED)
-    gpu_memory_utilization: float = F(0.5, "vLLM memory fraction", VLLM_ONLY)
+    infer_tensor_parallel_size: int = F(8, "rollout tensor parallel size", ROLLOUT_PARALLEL, ge=1)
+    infer_pipeline_parallel_size: int = F(1, "rollout pipeline parallel size (must be 1)", ROLLOUT_PP, ge=1)
+    infer_expert_parallel_size: int = F(1, "rollout expert parallel size", ROLLOUT_EP_SIZE, ge=1)
+    max_num_seqs: int = F(1, "sequences decoded at once", HONOURED, ge=1)
+    max_model_len: int = F(2048, "must be >= actor seq_length", HONOURED, ge=1)
+    max_num_batched_tokens: int = F(2048, "token budget of one batch", HONOURED, ge=1)
+    dtype: ROLLOUT_DTYPES = F("bfloat16", "bfloat16 or float32 (float32 only on CPU; the seed requires bfloat16); "
+                                          "a CPU without AMX/AVX512-BF16 samples in float32", HONOURED)
+    gpu_memory_utilization: float = F(0.5, "vLLM memory fraction", VLLM_ONLY, gt=0, le=1)
     offload_train_optimizer: bool = F(False, "the actor's (and PPO critic's) optimizer state on the host between "
                                              "updates", OFFLOAD)
     offload_train_grad: bool = F(False, "the actor's (and PPO critic's) gradients freed between updates (on a CPU "
                                         "too)", HONOURED)
     offload_train_param: bool = F(False, "offload training weights during rollout", OFFLOAD_PARAM)
     enable_prefix_caching: bool = F(False, "prefix caching across requests", PREFIX_CACHING)
-    num_scheduler_steps: int = F(1, "vLLM multi-step scheduling", VLLM_ONLY)
+    num_scheduler_steps: int = F(1, "vLLM multi-step scheduling", VLLM_ONLY, ge=1)
     enforce_eager: bool = F(True, "false: graph mode (the native engine: a static KV cache replayed as CUDA graphs; "
                                   "vLLM: its CUDA graphs)", EAGER)
     torchair_graph: bool = F(False, "Ascend torchair graph mode", VLLM_ASCEND)
@@ -305,7 +336,7 @@ class GenerateConfig(Section):
     num_speculative_tokens: int = F(0, "posttrain: n-gram speculative decoding on the native engine, up to this many "
                                        "draft tokens a row (0: off) from the row's sibling samples and prompt; exact "
                                        "(the same tokens as without it); pays only on long, repetitive answers "
-                                       "(docs/rollout.md)", HONOURED)
+                                       "(docs/rollout.md)", HONOURED, ge=0, note="0: off")
     sampling_config: SamplingConfig = F(SamplingConfig(), "sampling parameters (replaced wholesale)", HONOURED)
 
 

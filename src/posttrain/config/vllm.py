@@ -3,21 +3,21 @@
 
 The ``generate_config`` keys whose rule has ``vllm=True`` (:mod:`posttrain.config.sections`) are
 neither refused nor warned about by :mod:`posttrain.config.features` under this engine: each is
-either passed to ``vllm.LLM`` (:data:`PASSED`) or refused here (:data:`REFUSED`). Then come the
-run's shape (the adapter runs in the trainer's own process, which loads the actor's weights into
-vLLM after every update: one process, the hf backend) and the machine (the ``vllm`` package and a
-CUDA device), so that ``posttrain plan`` and ``posttrain train`` stop before any model is built.
-:func:`check_vllm` is part of the one config check (:func:`posttrain.config.check.check_run_config`).
+either passed to ``vllm.LLM`` (:data:`PASSED`) or refused by a ``vllm-*`` row of the compatibility
+table (:mod:`posttrain.config.compat`), which also holds the run's shape (the adapter runs in the
+trainer's own process, which loads the actor's weights into vLLM after every update: one process,
+the hf backend). :func:`check_vllm` checks the machine (the ``vllm`` package and a CUDA device), so
+that ``posttrain plan`` and ``posttrain train`` stop before any model is built; it is part of the
+one config check (:func:`posttrain.config.check.check_run_config`).
 """
 
 from __future__ import annotations
 
 import importlib.util
 import sys
-from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
-from posttrain.config.fields import fmt_value
+from posttrain.config.compat import FEATURES, ROWS
 from posttrain.config.run import RunConfig
 from posttrain.errors import ConfigError
 
@@ -36,39 +36,6 @@ PASSED: dict[str, str] = {
 }
 # build_rollout gives every engine these (max_num_seqs and dtype as the plan resolved them)
 COMMON = ("max_num_seqs", "max_num_batched_tokens", "dtype")
-
-
-@dataclass(frozen=True)
-class Refusal:
-    """A ``generate_config`` value the vLLM adapter cannot honour."""
-
-    active: Callable[[Any], bool]
-    when: str  # for docs/config_reference.md: "when > 1", ...
-    why: str
-    todo: str
-    written: bool = False  # only when the config writes the key (its default is fine)
-
-
-REFUSED: dict[str, Refusal] = {
-    "infer_pipeline_parallel_size": Refusal(
-        lambda v: v > 1, "when > 1", "pipeline-parallel rollout is not built (the vLLM adapter holds the whole "
-        "model in the trainer's process)", "set it to 1"),
-    "infer_expert_parallel_size": Refusal(
-        lambda v: v > 1, "when > 1", "vLLM takes no expert-parallel size (its expert parallelism spans the "
-        "tensor-parallel ranks)", "set it to 1 and set generate_config.enable_expert_parallel: true instead"),
-    "num_scheduler_steps": Refusal(
-        lambda v: v != 1, "when not 1", "multi-step scheduling was removed in vLLM V1", "remove the key or set it "
-        "to 1"),
-    "torchair_graph": Refusal(
-        bool, "when true", "torchair graph mode is vLLM-Ascend's (Ascend NPUs); the adapter runs vLLM on CUDA",
-        "remove the key (generate_config.enforce_eager: false captures CUDA graphs)"),
-    "num_speculative_tokens": Refusal(
-        lambda v: v > 0, "when > 0", "the vLLM adapter does not pass speculative decoding to vLLM", "set it to 0 "
-        "(or use rollout_engine: native)"),
-    "ascend_scheduler_config_enabled": Refusal(
-        bool, "when written as true", "the Ascend scheduler is vLLM-Ascend's (Ascend NPUs); the adapter runs vLLM "
-        "on CUDA, which has no such switch", "remove the key", written=True),
-}
 
 UNVERIFIED = ("rl_config.rollout_engine: vllm: the vLLM adapter has not run on a GPU in posttrain's tests yet (a fake "
               "vllm module checks its calls: tests/unit/rollout/test_vllm_fake.py); compare a few iterations with "
@@ -97,27 +64,13 @@ def on_cuda(device_type: str) -> bool:
     return device_type == "cuda"
 
 
-def check_vllm(cfg: RunConfig, *, device_type: str | None = None, backend: str = "hf",
-               use_ray: bool = False) -> list[str]:
-    """Raise ConfigError on what the vLLM adapter cannot run; return the start-up warnings.
-    Nothing to check for another engine. ``device_type``: the run's (default: ``rl_config.device``
-    resolved)."""
+def check_vllm(cfg: RunConfig, *, device_type: str | None = None) -> list[str]:
+    """Raise ConfigError when this machine cannot run the vLLM adapter (no ``vllm`` package, no CUDA
+    device); return the start-up warnings. Nothing to check for another engine. ``device_type``: the
+    run's (default: ``rl_config.device`` resolved)."""
     rl, gen = cfg.rl, cfg.generate
     if rl.rollout_engine != "vllm":
         return []
-    for key, refusal in REFUSED.items():
-        value = getattr(gen, key)
-        if refusal.active(value) and (not refusal.written or cfg.explicitly_set("generate_config", key)):
-            raise ConfigError(f"generate_config.{key}={fmt_value(value)} with rl_config.rollout_engine: vllm: "
-                              f"{refusal.why}; {refusal.todo}")
-    if use_ray:
-        raise ConfigError("rl_config.rollout_engine: vllm runs vLLM in the trainer's process, which loads the actor's "
-                          "weights into it after every update; with Ray actor workers (actor_resource.num_npus > 1 "
-                          "or a ray_address) that is not built yet: train in one process, or use rollout_engine: "
-                          "native")
-    if backend != "hf":
-        raise ConfigError(f"rl_config.rollout_engine: vllm runs on the hf training backend (the actor's Hugging Face "
-                          f"model is what it loads into vLLM), not {backend}; use rollout_engine: native")
     if not vllm_installed():
         raise ConfigError("rl_config.rollout_engine: vllm needs the vllm package, which is not installed here (pip "
                           "install 'posttrain[vllm]', on a Linux machine with CUDA GPUs); use "
@@ -142,12 +95,24 @@ def check_vllm(cfg: RunConfig, *, device_type: str | None = None, backend: str =
     return warnings
 
 
+def refused_keys() -> dict[str, str]:
+    """``generate_config`` key -> when the compatibility table refuses it under this engine
+    (its ``vllm-*`` rows of a single key)."""
+    out = {}
+    for row in ROWS:
+        feature = FEATURES[row.feature]
+        if row.engine == ("vllm",) and row.with_ is None and feature.keys[0].startswith("generate_config."):
+            out[feature.keys[0].split(".", 1)[1]] = f"when {feature.when}"
+    return out
+
+
 def describe(key: str) -> str:
     """The reference's note on a ``Rule.vllm`` key of ``generate_config``."""
     if key in PASSED:
         arg = PASSED[key]
         return "; passed to vLLM with rollout_engine vllm" + (f" (as {arg})" if arg != key else "")
-    refusal = REFUSED.get(key)
-    if refusal is None:
-        raise ValueError(f"generate_config.{key} has Rule.vllm but posttrain.config.vllm neither passes nor refuses it")
-    return f"; refused with rollout_engine vllm {refusal.when}"
+    when = refused_keys().get(key)
+    if when is None:
+        raise ValueError(f"generate_config.{key} has Rule.vllm but posttrain.config.vllm does not pass it and "
+                         f"posttrain.config.compat does not refuse it")
+    return f"; refused with rollout_engine vllm {when}"

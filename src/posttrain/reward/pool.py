@@ -24,6 +24,7 @@ Design
 
 from __future__ import annotations
 
+import math
 import multiprocessing as mp
 import os
 import signal
@@ -32,13 +33,22 @@ import weakref
 from collections import deque
 from multiprocessing.connection import wait as wait_conns
 
-from posttrain.config.validate import check_verifier_settings
 from posttrain.errors import ConfigError, PosttrainError
 from posttrain.reward._worker import STATUS_ERROR, STATUS_OK, STATUS_TIMEOUT, score_item, worker_main
 
 
 _STARTUP_TIMEOUT_S = 180.0
 _POLL_S = 1.0
+
+
+def check_verifier_settings(parallel: int, timeout: float) -> None:
+    """The pool's arguments: ``num_workers`` (``rl_config.verifier_parallel``, 0: inline) and
+    ``timeout`` (``rl_config.verifier_timeout``, seconds, finite, > 0). A config declares the same
+    ranges on those fields (:mod:`posttrain.config.sections`)."""
+    if parallel < 0:
+        raise ConfigError(f"rl_config.verifier_parallel must be >= 0 (0 scores inline), got {parallel}")
+    if not (isinstance(timeout, (int, float)) and math.isfinite(timeout)) or timeout <= 0:
+        raise ConfigError(f"rl_config.verifier_timeout must be a finite number of seconds > 0, got {timeout}")
 
 
 def _default_context() -> mp.context.BaseContext:

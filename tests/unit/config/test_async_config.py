@@ -51,14 +51,15 @@ def test_staleness_zero_and_a_single_iteration_say_that_nothing_overlaps():
 
 
 @pytest.mark.parametrize("overrides, words", [
-    (["rl_config.async_staleness=-1"], "rl_config.async_staleness=-1: must be >= 0"),
+    (["rl_config.async_staleness=-1"], "rl_config.async_staleness=-1: must be an integer >= 0 (0: the rollout uses"),
     (["rl_config.rollout_correction_cap=1.0"], "rl_config.rollout_correction_cap=1.0: must be a finite number > 1"),
     (["rl_config.rollout_correction_cap=.inf"], "rollout_correction_cap=inf"),
     (["rl_config.rollout_correction=clip"], "rl_config.rollout_correction='clip': must be one of none, tis, mis"),
     (["rl_config.rollout_correction_level=batch"], "rl_config.rollout_correction_level='batch'"),
     (["rl_config.partial_rollout_max_split=2", "rl_config.guarantee_order=true"],
      "guarantee_order must be false when partial_rollout_max_split > 1"),  # the seed's rule 20
-    (["rl_config.partial_rollout_max_split=0"], "rl_config.partial_rollout_max_split=0: must be >= 1"),
+    (["rl_config.partial_rollout_max_split=0"],
+     "rl_config.partial_rollout_max_split=0: must be an integer >= 1 (1: off)"),
     (["rl_config.partial_rollout_max_split=65"], "more than sampling_config.max_tokens=64"),
     (["rl_config.async_staleness=1", "rl_config.rollout_engine=vllm"], "async_staleness runs on the native"),
     (["rl_config.use_integrated_worker=false", "rl_config.rollout_engine=vllm"], "use_integrated_worker: false runs on"),

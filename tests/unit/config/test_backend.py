@@ -8,8 +8,9 @@ import copy
 
 import pytest
 
-from posttrain.config.backend import MEGATRON_NOT_YET, model_parallel, resolve_backend
+from posttrain.config.backend import model_parallel, resolve_backend
 from posttrain.config.check import check_run_config
+from posttrain.config.compat import FEATURES, ROWS
 from posttrain.config.plan import build_plan
 from posttrain.config.run import load_run_config, run_config_from_dict
 from posttrain.config.validate import validate_run_config
@@ -83,7 +84,8 @@ def test_layout_of_the_megatron_backend():
 
 
 def test_unknown_backend_is_refused_by_key():
-    assert refusal(["megatron_training.backend=fsdp"]).startswith("megatron_training.backend=fsdp: unknown backend")
+    assert refusal(["megatron_training.backend=fsdp"]).startswith(
+        "megatron_training.backend='fsdp': must be one of hf, megatron or null (null: megatron when")
 
 
 def test_explicit_hf_refuses_tensor_parallelism():
@@ -217,10 +219,9 @@ def test_offline_stages_plan_on_megatron(stage):
     assert (par.backend, par.tp, par.dp) == ("megatron", 2, 2)
 
 
-def test_not_yet_lists_every_entry_by_key():
-    assert {(i.section, i.key) for i in MEGATRON_NOT_YET} >= {
-        ("rl_config", "ray_sharding"), ("actor_config", "bf16"), ("actor_config", "moe_tp_extend_ep"),
-        ("reward_config", "")}
+def test_the_compatibility_table_lists_what_megatron_does_not_run_by_key():
+    assert {FEATURES[row.feature].keys[0] for row in ROWS if row.backend == ("megatron",)} >= {
+        "rl_config.ray_sharding", "actor_config.bf16", "actor_config.moe_tp_extend_ep", "reward_config"}
 
 
 def test_offload_follows_the_hf_backends_rules():
@@ -325,7 +326,8 @@ def test_ckpt_format_is_named_on_the_hf_backend():
     in the start-up warning (the hf backend saves HF directories); an unknown value is refused."""
     assert "ckpt_format" in inert(["actor_config.ckpt_format=torch"])
     assert "ckpt_format" not in inert([*TP2, "actor_config.ckpt_format=torch"])
-    assert refusal(["actor_config.ckpt_format=zarr"]).startswith("actor_config.ckpt_format=zarr: unknown checkpoint")
+    assert refusal(["actor_config.ckpt_format=zarr"]).startswith(
+        "actor_config.ckpt_format='zarr': must be one of torch_dist, torch")
 
 
 def test_expert_parallelism_divides_the_experts_in_the_memory_estimate():

@@ -44,3 +44,50 @@ def test_reference_explains_the_three_statuses_and_lists_every_key():
     for _, cls, _ in SECTIONS:
         for name in cls.model_fields:
             assert f"| `{name}` |" in text
+
+
+# ---- the compatibility matrix: generated from posttrain.config.compat ------------------------------------
+def _matrix_lines(text: str) -> dict[str, list[str]]:
+    """The matrix of the doc: feature -> its cells (one per column after the feature)."""
+    from posttrain.config.compat import FEATURES
+
+    names = {f.describe() for f in FEATURES.values()}
+    section = text.split("## Compatibility matrix", 1)[1].split("### Every row", 1)[0]
+    rows = [[c.strip() for c in line.strip().strip("|").split(" | ")] for line in section.splitlines()
+            if line.startswith("| ")]
+    return {cells[0]: cells[1:] for cells in rows if cells[0] in names}
+
+
+def test_the_doc_has_the_compatibility_matrix_of_the_table():
+    from posttrain.config.compat import FEATURES, ROWS
+    from posttrain.config.reference import MATRIX_COLUMNS
+
+    text = DOC_PATH.read_text(encoding="utf-8")
+    lines = _matrix_lines(text)
+    assert set(lines) == {FEATURES[row.feature].describe() for row in ROWS}  # one line per feature of a row
+    columns = [f"{d}={v}" for d, v in MATRIX_COLUMNS]
+    for name, cells in lines.items():
+        assert len(cells) == len(columns) + 2, name
+    lora = dict(zip(columns, lines["actor_config.lora_target_modules (set)"]))
+    assert lora["backend=megatron"] == lora["engine=vllm"] == "refused"
+    assert lora["backend=hf"] == lora["engine=native"] == lora["placement=process"] == ""
+    threads = dict(zip(columns, lines["rl_config.num_threads (set)"]))
+    assert (threads["placement=process"], threads["placement=ray-ddp"], threads["placement=ray-fsdp2"]) == (
+        "", "refused", "refused")
+    assert dict(zip(columns, lines["actor_config.bf16 (written as true)"]))["backend=megatron"] == \
+        "no effect (device cpu)"
+    for row in ROWS:  # every row, with its message
+        assert f"| `{row.id}` |" in text
+
+
+def test_the_matrix_follows_the_table(monkeypatch):
+    """A row added to the table shows in the matrix: the doc is rendered from the data."""
+    from posttrain.config import compat, reference
+
+    extra = compat.Row("test-lora-ray-ddp", "lora", "{setting}: not with DDP", placement=("ray-ddp",), device=("cuda",))
+    monkeypatch.setattr(compat, "ROWS", (*compat.ROWS, extra))
+    monkeypatch.setattr(reference, "ROWS", compat.ROWS)
+    columns = [f"{d}={v}" for d, v in reference.MATRIX_COLUMNS]
+    cells = dict(zip(columns, _matrix_lines(reference.render_reference())["actor_config.lora_target_modules (set)"]))
+    assert cells["placement=ray-ddp"] == "refused (device cuda)" and cells["placement=ray-fsdp2"] == ""
+    assert "| `test-lora-ray-ddp` |" in reference.render_reference()

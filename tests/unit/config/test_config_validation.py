@@ -108,9 +108,11 @@ CASES = [
     (["megatron_training.stage=foo"], "unknown stage 'foo'"),
     (["rl_config.mini_batch_size=3"], "rl_config.mini_batch_size 3 must divide global_batch_size 8"),
     (["rl_config.kl_penalty=full"], "Unknown KL penalty 'full'; known: abs, kl, low_var_kl, mse"),
-    (["rl_config.kl_ctrl_type=pid"], "rl_config.kl_ctrl_type: unknown 'pid'"),
+    (["rl_config.kl_ctrl_type=pid"], "rl_config.kl_ctrl_type='pid': must be one of fixed, adaptive"),
+    (["rl_config.kl_ctrl_type=adaptive", "rl_config.kl_horizon=0"],
+     "rl_config.kl_horizon must be larger than 0. Got 0"),  # the seed's KL controller's check
     (["megatron_training.seq_length=null"], "megatron_training.seq_length is not set"),
-    (["generate_config.dtype=int8"], "generate_config.dtype: unknown dtype 'int8'"),
+    (["generate_config.dtype=int8"], "generate_config.dtype='int8': must be one of bfloat16, float32, float16"),
 ]
 
 

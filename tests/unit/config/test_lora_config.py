@@ -1,5 +1,5 @@
-"""LoRA's keys on the hf backend (posttrain.config.validate.check_lora and the seed's share_backbone
-rules): each bad input fails before training, naming the key."""
+"""LoRA's keys on the hf backend (their ranges on the fields, the compatibility table's LoRA rows and
+the seed's share_backbone rules): each bad input fails before training, naming the key."""
 
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ def test_lora_keys_are_honoured_on_the_hf_backend():
      "rl_config.ray_sharding=fsdp2 with actor_config.lora_target_modules: FSDP2 with LoRA is not built yet"),
     ([*LORA, "rl_config.rollout_engine=vllm"], "rl_config.rollout_engine=vllm with actor_config.lora_target_modules"),
     ([*LORA, "rl_config.share_backbone=true", "rl_config.offload_reference=true"],
-     "rl_config.offload_reference=true with actor_config.lora_target_modules: with share_backbone"),
+     "rl_config.offload_reference=true with rl_config.share_backbone=true: the reference is the actor's own weights"),
     ([*LORA, "actor_config.tensor_model_parallel_size=2", "rl_config.actor_resource.num_npus=2"],
      "actor_config.lora_target_modules=[linear_qkv, linear_fc1]: LoRA is not built on the megatron backend yet"),
 ], ids=["share-backbone-without-lora", "share-backbone-dapo", "rank", "alpha", "fsdp2", "vllm", "offload-reference",

@@ -1,5 +1,6 @@
 """``rl_config.rollout_engine: vllm`` (posttrain.config.vllm): the machine it needs (the vllm package,
-a CUDA device), the run's shape, and every vLLM ``generate_config`` key passed on or refused by name."""
+a CUDA device), the run's shape (the compatibility table's vllm rows), and every vLLM
+``generate_config`` key passed on or refused by name."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 
 from posttrain.config import vllm as config_vllm
 from posttrain.config.check import check_run_config
+from posttrain.config.compat import rows_of
 from posttrain.config.fields import field_rule
 from posttrain.config.run import run_config_from_dict
 from posttrain.config.sections import GenerateConfig
@@ -79,8 +81,8 @@ def test_the_check_runs_in_plan_so_plan_fails_early(installed):
 def test_keys_vllm_cannot_honour_are_refused_by_name(gpu, overrides, words):
     message = refusal(overrides)
     assert words in message
-    key = overrides[0].split("=")[0].split(".")[1]
-    assert config_vllm.REFUSED[key].todo in message
+    [row] = [row for row in rows_of(overrides[0].split("=")[0]) if row.engine == ("vllm",)]
+    assert row.message.split("vllm: ", 1)[1] in message  # why, and what to do
 
 
 def test_pipeline_parallel_rollout_keeps_the_seeds_message(gpu):
@@ -108,12 +110,12 @@ def test_the_ascend_scheduler_default_is_not_refused(gpu):
     check_run_config(config(), device_type="cpu")  # ascend_scheduler_config_enabled: true by default
 
 
-def test_ray_workers_and_other_backends_are_refused():
-    cfg = config()
-    with pytest.raises(ConfigError, match="with Ray actor workers .* not built yet"):
-        config_vllm.check_vllm(cfg, device_type="cuda", use_ray=True)
-    with pytest.raises(ConfigError, match="runs on the hf training backend"):
-        config_vllm.check_vllm(cfg, device_type="cuda", backend="megatron")
+def test_ray_workers_and_other_backends_are_refused(gpu):
+    assert "with Ray actor workers (actor_resource.num_npus > 1 or a ray_address) that is not built yet" in refusal(
+        ["rl_config.actor_resource.num_npus=2"])
+    message = refusal(["rl_config.actor_resource.num_npus=2", "actor_config.tensor_model_parallel_size=2"])
+    assert "rl_config.rollout_engine: vllm runs on the hf training backend" in message
+    assert len(message.splitlines()) == 2  # Ray and megatron: both refusals, one per line
 
 
 def test_truncated_sampling_with_rollout_correction_is_warned(gpu):
@@ -132,9 +134,10 @@ def test_the_native_engine_is_not_checked(monkeypatch):
 
 def test_every_vllm_rule_is_passed_on_or_refused():
     flagged = {name for name in GenerateConfig.model_fields if field_rule(GenerateConfig, name).vllm}
-    assert flagged <= set(config_vllm.PASSED) | set(config_vllm.REFUSED)
-    assert not set(config_vllm.PASSED) & set(config_vllm.REFUSED)
-    assert set(config_vllm.PASSED) | set(config_vllm.REFUSED) <= set(GenerateConfig.model_fields)
+    refused = set(config_vllm.refused_keys())
+    assert flagged <= set(config_vllm.PASSED) | refused
+    assert not set(config_vllm.PASSED) & refused
+    assert set(config_vllm.PASSED) | refused <= set(GenerateConfig.model_fields)
     assert set(config_vllm.COMMON) <= set(config_vllm.PASSED)
     kwargs = config_vllm.engine_kwargs(config(["generate_config.infer_tensor_parallel_size=1",
                                                "generate_config.gpu_memory_utilization=0.3"]))

@@ -56,7 +56,9 @@ def test_good_configs_pass(stage, rl):
     ("ray_grpo", {"adv_estimator": "best"}, "Unknown advantage estimator .*known: .*rloo"),
     ("ray_grpo", {"policy_loss": "ppo2"}, "Unknown policy loss 'ppo2'; known: .*gspo"),
     ("ray_grpo", {"loss_agg_mode": "sum"}, "Unknown loss aggregation mode 'sum'; known: .*seq-mean-token-sum-norm"),
-    ("ray_grpo", {"clip_ratio_c": 0.5}, "clip_ratio_c must be > 1"),
+    ("ray_grpo", {"clip_ratio_c": 0.5}, r"^rl_config.clip_ratio_c=0.5: must be a finite number > 1 \(dual-clip PPO"),
+    ("ray_grpo", {"clip_ratio": -0.5}, r"^rl_config.clip_ratio=-0.5: must be a finite number >= 0"),
+    ("ray_grpo", {"kl_ctrl_type": "adaptive", "kl_horizon": -1}, "rl_config.kl_horizon must be larger than 0"),
     ("ray_grpo", {"adv_estimator": "rloo", "n_samples_per_prompt": 1, "mini_batch_size": 8},
      "'rloo' needs n_samples_per_prompt >= 2"),
     # DAPO
@@ -73,8 +75,10 @@ def test_good_configs_pass(stage, rl):
     ("ray_dapo", {"adv_estimator": "gae"}, "needs a critic"),
     # PPO
     ("ray_ppo", {}, "stage ray_ppo trains a critic and needs rl_config.adv_estimator: gae"),
-    ("ray_ppo", {"adv_estimator": "gae", "cliprange_value": 0.0}, "cliprange_value must be > 0"),
-    ("ray_ppo", {"adv_estimator": "gae", "lam": 1.5}, "gamma and lam must be in"),
+    ("ray_ppo", {"adv_estimator": "gae", "cliprange_value": 0.0}, "rl_config.cliprange_value=0.0: must be a finite "
+                                                                  "number > 0"),
+    ("ray_ppo", {"adv_estimator": "gae", "lam": 1.5}, r"rl_config.lam=1.5: must be a number in \[0, 1\]"),
+    ("ray_ppo", {"adv_estimator": "gae", "gamma": -0.1}, r"rl_config.gamma=-0.1: must be a number in \[0, 1\]"),
     ("ray_ppo", {"adv_estimator": "gae", "use_kl_in_reward": True, "init_kl_coef": 0.0}, "needs init_kl_coef > 0"),
     ("ray_ppo", {"adv_estimator": "gae", "filter_groups_enable": True}, "is a DAPO option"),
 ])
@@ -107,9 +111,9 @@ DPO = {"global_batch_size": 8, "micro_batch_size": 4, "is_pairwise_dataset": Tru
 @pytest.mark.parametrize("train,message", [
     ({"dpo_loss_type": "orpo"}, r"Unknown loss type: orpo. Should be one of \['sigmoid', 'hinge', 'ipo', 'kto_pair'\]"),
     ({"is_pairwise_dataset": False}, "set megatron_training.is_pairwise_dataset: true"),
-    ({"dpo_beta": 0.0}, "dpo_beta must be > 0"),
-    ({"dpo_label_smoothing": 0.5}, r"dpo_label_smoothing must be in \[0, 0.5\)"),
-    ({"pref_ftx": -1.0}, "pref_ftx must be >= 0"),
+    ({"dpo_beta": 0.0}, r"^megatron_training.dpo_beta=0.0: must be a finite number > 0 \(the seed's default is 0.1\)"),
+    ({"dpo_label_smoothing": 0.5}, r"^megatron_training.dpo_label_smoothing=0.5: must be a number in \[0, 0.5\)"),
+    ({"pref_ftx": -1.0}, r"^megatron_training.pref_ftx=-1.0: must be a finite number >= 0"),
 ])
 def test_dpo_wrong_config_message(train, message):
     with pytest.raises(ConfigError, match=message):

@@ -1,0 +1,382 @@
+"""The one table of feature combinations: what is refused where, and why.
+
+A run is placed along five dimensions (:class:`Setup`): the training backend (``hf``, ``megatron``;
+:mod:`posttrain.config.backend`), the rollout engine (``rl_config.rollout_engine``: ``native``,
+``vllm``, or another registered engine), the placement (one process, Ray actor workers with DDP or
+with FSDP2), the device (``cpu``, ``cuda``) and the stage (grpo, dapo, ppo, dpo, sft). A
+:class:`Feature` is something a config turns on (LoRA, ``async_staleness``, a vLLM key, ...). Each
+:class:`Row` of :data:`ROWS` says: this feature, in these values of the dimensions (any value where a
+dimension is not given), and with this other feature on too (``with_``), is refused with this message,
+or has no effect there (``effect="no effect"``: named in the one start-up warning).
+
+:func:`refusals` evaluates the table for a config; :func:`check_compat` raises one
+:class:`~posttrain.errors.ConfigError` with every refusal that applies, one per line; it is part of the
+one config check (:func:`posttrain.config.check.check_run_config`). :func:`no_effect` lists the keys of
+the rows without effect. :mod:`posttrain.config.reference` renders the table as feature x dimension
+cells (``docs/config_reference.md``; :func:`posttrain.config.reference.matrix` takes any columns).
+
+A key refused on its own (whatever else the config holds) carries that rule on its field
+(:mod:`posttrain.config.fields`); the seed's rules keep their messages in :mod:`posttrain.config.validate`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from posttrain.config.backend import VPP_KEY, resolve_backend, role_label, uses_ray
+from posttrain.config.fields import fmt_value
+from posttrain.config.run import RunConfig
+from posttrain.errors import ConfigError
+
+# the dimensions and their values (the table's keys), with the names the docs print
+DIMENSIONS: dict[str, dict[str, str]] = {
+    "backend": {"hf": "hf", "megatron": "megatron"},
+    "engine": {"native": "native", "vllm": "vllm", "other": "another engine"},
+    "placement": {"process": "one process", "ray-ddp": "Ray DDP", "ray-fsdp2": "Ray FSDP2"},
+    "device": {"cpu": "cpu", "cuda": "cuda"},
+    "stage": {s: s for s in ("grpo", "dapo", "ppo", "dpo", "sft")},
+}
+RAY = ("ray-ddp", "ray-fsdp2")
+NOT_NATIVE = ("vllm", "other")
+ON_POLICY = ("grpo", "dapo", "ppo")
+OFFLINE = ("dpo", "sft")
+EFFECTS = ("refused", "no effect")
+# how the docs name a set of values of one dimension
+GROUPS = {("stage", ON_POLICY): "on-policy stages", ("engine", NOT_NATIVE): "engine not native",
+          ("placement", RAY): "Ray actor workers"}
+
+
+@dataclass(frozen=True)
+class Setup:
+    """Where a run sits along the table's dimensions."""
+
+    backend: str
+    engine: str
+    placement: str
+    device: str
+    stage: str
+    reason: str = ""  # why this backend (backend.resolve_backend)
+
+    def value(self, dimension: str) -> str:
+        return getattr(self, dimension)
+
+
+def setup_of(cfg: RunConfig, device_type: str, backend: str | None = None) -> Setup:
+    """The :class:`Setup` of ``cfg`` on ``device_type`` ("cpu" or "cuda"); ``backend`` defaults to the
+    resolved one."""
+    resolved, reason = resolve_backend(cfg)
+    engine = cfg.rl.rollout_engine if cfg.rl.rollout_engine in ("native", "vllm") else "other"
+    placement = "process" if not uses_ray(cfg) else f"ray-{cfg.rl.ray_sharding}"
+    return Setup(backend=backend or resolved, engine=engine, placement=placement, device=device_type,
+                 stage=cfg.stage, reason=reason)
+
+
+# ---- features: what a config turns on --------------------------------------------------------------
+_SECTIONS = {"actor_config": "actor", "ref_config": "ref", "critic_config": "critic", "reward_config": "reward",
+             "rl_config": "rl", "generate_config": "generate"}
+
+
+def value_of(cfg: RunConfig, key: str) -> Any:
+    """The value of ``section.key`` (``section.key.sub``) in ``cfg`` (None when the section is absent)."""
+    section, *names = key.split(".")
+    value = getattr(cfg, _SECTIONS[section])
+    for name in names:
+        value = None if value is None else getattr(value, name)
+    return value
+
+
+@dataclass(frozen=True)
+class Feature:
+    """Something a config turns on: ``keys`` turn it on (the first is the one a message names),
+    ``active`` says whether ``cfg`` does. ``shown`` replaces ``key=value`` in messages; ``when`` says
+    in words when it is on and ``title`` names it (both for the docs)."""
+
+    name: str
+    keys: tuple[str, ...]
+    active: Callable[[RunConfig], bool]
+    shown: str | Callable[[RunConfig], str] = ""
+    when: str = ""
+    title: str = ""
+
+    def label(self, cfg: RunConfig) -> str:
+        """The first key, naming for a Megatron role the section (or model yaml) that wrote it."""
+        section, _, name = self.keys[0].partition(".")
+        return role_label(cfg, section, name) if name else section
+
+    def setting(self, cfg: RunConfig) -> str:
+        if callable(self.shown):
+            return self.shown(cfg)
+        if self.shown:
+            return self.shown
+        if "." not in self.keys[0]:
+            return self.keys[0]
+        return f"{self.label(cfg)}={fmt_value(value_of(cfg, self.keys[0]))}"
+
+    def describe(self) -> str:
+        """How the docs name it: ``actor_config.lora_target_modules (set)``."""
+        return self.title or ", ".join(self.keys) + (f" ({self.when})" if self.when else "")
+
+
+def _on(key: str, test: Callable[[Any], bool] = bool, **kw: Any) -> Feature:
+    """A feature that ``key`` turns on when ``test(value)`` holds."""
+    return Feature(kw.pop("name", key.split(".")[-1]), (key,), lambda cfg: test(value_of(cfg, key)), **kw)
+
+
+def _written(key: str, test: Callable[[Any], bool]) -> Callable[[RunConfig], bool]:
+    return lambda cfg: test(value_of(cfg, key)) and cfg.explicitly_set(*key.split("."))
+
+
+def _differs(key: str) -> Callable[[RunConfig], bool]:
+    """A role's value of a layout key that is not the actor's."""
+    name = key.partition(".")[2]
+    return lambda cfg: value_of(cfg, key) is not None and value_of(cfg, key) != getattr(cfg.actor, name)
+
+
+def _own_critic_save(cfg: RunConfig) -> bool:
+    critic, actor = cfg.critic, cfg.actor
+    return (critic is not None and bool(critic.save) and
+            (not actor.save or os.path.realpath(critic.save) != os.path.realpath(actor.save)))
+
+
+def _bf16_asked(cfg: RunConfig) -> bool:
+    """``bf16: true`` written in the config (the seed's default, true, is not a request)."""
+    return bool(cfg.actor.bf16) and (cfg.explicitly_set("megatron_training", "bf16")
+                                     or cfg.explicitly_set("actor_config", "bf16"))
+
+
+def _features() -> dict[str, Feature]:
+    per_request = Feature("per_request", ("rl_config.async_engine", "rl_config.multi_turn_enable"),
+                          lambda c: c.rl.async_engine or c.rl.multi_turn_enable,
+                          shown="rl_config.async_engine / multi_turn_enable", when="either is true")
+    features = [
+        Feature("ref_config", ("ref_config",), lambda c: c.raw.get("ref_config") is not None, when="present"),
+        Feature("reward_model", ("reward_config",), lambda c: c.reward is not None, when="present"),
+        Feature("megatron", ("rl_config.actor_resource.num_npus",), lambda c: True,
+                shown=lambda c: f"rl_config.actor_resource.num_npus={c.rl.actor_resource.num_npus or 1}",
+                title="the megatron backend"),
+        _on("actor_config.lora_target_modules", name="lora", when="set"),
+        _on("critic_config.lora_target_modules", name="critic_lora", when="set"),
+        _on("rl_config.ray_sharding", lambda v: v == "fsdp2", name="fsdp2", when="fsdp2"),
+        _on("rl_config.offload_reference", when="true"),
+        _on("rl_config.share_backbone", when="true"),
+        Feature("bf16", ("actor_config.bf16",), _bf16_asked, when="written as true"),
+        Feature("share_prompt_prefix", ("rl_config.share_prompt_prefix",),
+                lambda c: c.rl.use_remove_padding and _written("rl_config.share_prompt_prefix", bool)(c),
+                when="written as true, with use_remove_padding"),
+        *(Feature(f"{role}.{key}", (f"{role}.{key}",), _differs(f"{role}.{key}"), when="not the actor's value")
+          for role in ("ref_config", "critic_config")
+          for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", VPP_KEY)),
+        Feature("critic_save", ("critic_config.save",), _own_critic_save, when="a directory other than the actor's"),
+        _on("actor_config.moe_tp_extend_ep", when="true"),
+        _on("actor_config.use_distributed_optimizer", when="true"),
+        _on("rl_config.rollout_engine", lambda v: v == "vllm", name="vllm", shown="rl_config.rollout_engine=vllm",
+            when="vllm"),
+        _on("generate_config.infer_pipeline_parallel_size", lambda v: v > 1, when="> 1"),
+        _on("generate_config.infer_expert_parallel_size", lambda v: v > 1, when="> 1"),
+        _on("generate_config.num_scheduler_steps", lambda v: v != 1, when="not 1"),
+        _on("generate_config.torchair_graph", when="true"),
+        Feature("ascend_scheduler_config_enabled", ("generate_config.ascend_scheduler_config_enabled",),
+                _written("generate_config.ascend_scheduler_config_enabled", bool), when="written as true"),
+        _on("generate_config.num_speculative_tokens", lambda v: v > 0, name="speculation", when="> 0"),
+        per_request,
+        _on("generate_config.enforce_eager", lambda v: not v, name="graphs",
+            shown="generate_config.enforce_eager: false", when="false"),
+        _on("rl_config.num_threads", lambda v: v is not None, when="set"),
+        _on("rl_config.async_staleness", lambda v: v is not None, name="async", shown="rl_config.async_staleness",
+            when="set"),
+        _on("rl_config.use_integrated_worker", lambda v: not v, name="rollout_worker",
+            shown="rl_config.use_integrated_worker: false", when="false"),
+        _on("rl_config.partial_rollout_max_split", lambda v: v > 1, name="partial",
+            shown="rl_config.partial_rollout_max_split > 1", when="> 1"),
+        _on("rl_config.filter_groups_enable", name="dynamic_sampling", when="true"),
+        _on("rl_config.async_engine", shown="rl_config.async_engine: true", when="true"),
+        _on("rl_config.multi_turn_enable", name="multi_turn", shown="rl_config.multi_turn_enable: true", when="true"),
+    ]
+    return {f.name: f for f in features}
+
+
+FEATURES = _features()
+
+
+# ---- the table -----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Row:
+    """``feature`` (with feature ``with_`` on too) where every given dimension holds one of its
+    values is refused with ``message`` (or has no effect there). ``message`` is a template: {setting}
+    (the feature's ``key=value``), {key}, {other} (the other feature's setting), {other_key},
+    {engine}, {stage}, {megatron} (`` (backend megatron: why)``), {tp}, {pp}, {cp}."""
+
+    id: str
+    feature: str
+    message: str
+    backend: tuple[str, ...] | None = None
+    engine: tuple[str, ...] | None = None
+    placement: tuple[str, ...] | None = None
+    device: tuple[str, ...] | None = None
+    stage: tuple[str, ...] | None = None
+    with_: str | None = None
+    effect: str = "refused"
+
+    def __post_init__(self) -> None:
+        unknown = [name for name in (self.feature, self.with_) if name is not None and name not in FEATURES]
+        unknown += [f"{d}={v}" for d, values in self.where().items() for v in values if v not in DIMENSIONS[d]]
+        if unknown or self.effect not in EFFECTS:
+            raise ValueError(f"compatibility row {self.id}: unknown {unknown or self.effect}")
+
+    def where(self) -> dict[str, tuple[str, ...]]:
+        """The dimensions this row restricts, and the values where it applies."""
+        return {d: getattr(self, d) for d in DIMENSIONS if getattr(self, d) is not None}
+
+    def applies(self, cfg: RunConfig, setup: Setup) -> bool:
+        if any(setup.value(d) not in values for d, values in self.where().items()):
+            return False
+        return FEATURES[self.feature].active(cfg) and (self.with_ is None or FEATURES[self.with_].active(cfg))
+
+    def text(self, cfg: RunConfig, setup: Setup) -> str:
+        feature, other = FEATURES[self.feature], FEATURES.get(self.with_ or "")
+        a = cfg.actor
+        return self.message.format(
+            setting=feature.setting(cfg), key=feature.label(cfg),
+            other=other.setting(cfg) if other else "", other_key=other.label(cfg) if other else "",
+            engine=repr(cfg.rl.rollout_engine), stage=setup.stage, megatron=f" (backend megatron: {setup.reason})",
+            tp=a.tensor_model_parallel_size, pp=a.pipeline_model_parallel_size, cp=a.context_parallel_size)
+
+
+MEGATRON = ("megatron",)
+_LAYOUT = ("{setting}: colocated roles share the actor's layout on the megatron backend; remove the key or give it "
+           "the actor's value{megatron}")
+_ROLLOUT_REPLICA = [  # async_staleness and use_integrated_worker: false put the rollout on a replica of the weights
+    ("offline", dict(stage=OFFLINE), "{setting} is for the on-policy stages (grpo, dapo, ppo), which roll out; "
+                                     "remove it"),
+    ("ray", dict(placement=RAY), "{setting} with Ray actor workers is not built yet: the trainer runs in this process "
+                                 "(no actor_resource.num_npus > 1, no ray_address)"),
+    ("engine", dict(engine=NOT_NATIVE), "{setting} runs on the native rollout engine, not {engine}"),
+    ("megatron", dict(backend=MEGATRON), "{setting} runs on the hf training backend (the rollout replica is an HF "
+                                         "model)"),
+    ("lora", dict(with_="lora"), "{setting} with LoRA is not supported yet (the rollout replica would merge the "
+                                 "adapter); remove lora_target_modules or {setting}"),
+]
+_VLLM_KEYS = [  # generate_config keys the vLLM adapter cannot honour (the others are passed: vllm.PASSED)
+    ("infer_pipeline_parallel_size", "pipeline-parallel rollout is not built (the vLLM adapter holds the whole model "
+                                     "in the trainer's process); set it to 1"),
+    ("infer_expert_parallel_size", "vLLM takes no expert-parallel size (its expert parallelism spans the "
+                                   "tensor-parallel ranks); set it to 1 and set "
+                                   "generate_config.enable_expert_parallel: true instead"),
+    ("num_scheduler_steps", "multi-step scheduling was removed in vLLM V1; remove the key or set it to 1"),
+    ("torchair_graph", "torchair graph mode is vLLM-Ascend's (Ascend NPUs); the adapter runs vLLM on CUDA; remove the "
+                       "key (generate_config.enforce_eager: false captures CUDA graphs)"),
+    ("speculation", "the vLLM adapter does not pass speculative decoding to vLLM; set it to 0 (or use rollout_engine: "
+                    "native)"),
+    ("ascend_scheduler_config_enabled", "the Ascend scheduler is vLLM-Ascend's (Ascend NPUs); the adapter runs vLLM on "
+                                        "CUDA, which has no such switch; remove the key"),
+]
+
+ROWS: tuple[Row, ...] = (
+    # the megatron backend: what it runs in, and what is not built on it yet
+    Row("megatron-one-process", "megatron", "{setting}: the megatron backend runs in Ray worker groups: set "
+        "rl_config.actor_resource.num_npus to TP x PP x CP x DP = {tp}x{pp}x{cp}xDP (>= 2) or use backend hf{megatron}",
+        backend=MEGATRON, placement=("process",)),
+    Row("megatron-distributed-optimizer-cpu", "use_distributed_optimizer", "{setting}: Megatron-Core's distributed "
+        "optimizer needs CUDA buffers; set use_distributed_optimizer false on a CPU{megatron}", backend=MEGATRON,
+        device=("cpu",)),
+    Row("megatron-bf16-cpu", "bf16", "{setting}: on a CPU the megatron backend trains in float32 (Megatron-Core's bf16 "
+        "optimizer with fp32 main parameters takes CUDA tensors only)", backend=MEGATRON, device=("cpu",),
+        effect="no effect"),
+    Row("megatron-share-prompt-prefix", "share_prompt_prefix", "{setting}: the megatron backend packs every row's "
+        "prompt (the numerics are the same; only the packed length differs)", backend=MEGATRON, effect="no effect"),
+    *(Row(f"megatron-{name}", name, _LAYOUT, backend=MEGATRON) for name in FEATURES if name.startswith(
+        ("ref_config.", "critic_config."))),
+    Row("megatron-critic-save", "critic_save", "{setting}: a critic saved in a directory of its own is not built on "
+        "the megatron backend yet (the critic is saved in critic/ of the actor's checkpoints); remove the key or give "
+        "it the actor's save directory{megatron}", backend=MEGATRON),
+    Row("megatron-reward-model", "reward_model", "reward_config: a reward model is not built on the megatron backend "
+        "yet; score with rule rewards (remove reward_config){megatron}", backend=MEGATRON),
+    Row("megatron-moe-tp-extend-ep", "moe_tp_extend_ep", "{setting}: experts split over TP x EP ranks "
+        "(moe_tp_extend_ep) are not built on the megatron backend yet; set it to false (the experts split over "
+        "expert_model_parallel_size ranks){megatron}", backend=MEGATRON),
+    Row("megatron-lora", "lora", "{setting}: LoRA is not built on the megatron backend yet; remove the lora_* "
+        "keys{megatron}", backend=MEGATRON),
+    Row("megatron-fsdp2", "fsdp2", "{setting}: the megatron backend shards the model by tensor and pipeline "
+        "parallelism, not FSDP2; set it to ddp (use_distributed_optimizer shards the optimizer state on "
+        "CUDA){megatron}", backend=MEGATRON),
+    # LoRA
+    Row("lora-fsdp2", "fsdp2", "{setting} with {other_key}: FSDP2 with LoRA is not built yet; set "
+        "rl_config.ray_sharding: ddp (the adapter is small: DDP keeps it whole)", with_="lora"),
+    Row("lora-vllm", "lora", "rl_config.rollout_engine=vllm with {key}: LoRA with the vLLM rollout is not built yet; "
+        "use rollout_engine: native", engine=("vllm",)),
+    Row("lora-critic", "critic_lora", "{setting}: a LoRA critic is not built yet; set the lora_* keys in "
+        "actor_config only"),
+    Row("shared-backbone-offload-reference", "offload_reference", "{setting} with {other}: the reference is the "
+        "actor's own weights (its adapter off), so there is nothing to offload; remove one", with_="share_backbone"),
+    # the vLLM rollout engine (its machine, the vllm package and a CUDA device: posttrain.config.vllm)
+    *(Row(f"vllm-{name}", name, "{setting} with rl_config.rollout_engine: vllm: " + why, engine=("vllm",),
+          stage=ON_POLICY) for name, why in _VLLM_KEYS),
+    Row("vllm-ray", "vllm", "rl_config.rollout_engine: vllm runs vLLM in the trainer's process, which loads the "
+        "actor's weights into it after every update; with Ray actor workers (actor_resource.num_npus > 1 or a "
+        "ray_address) that is not built yet: train in one process, or use rollout_engine: native", placement=RAY,
+        stage=ON_POLICY),
+    Row("vllm-megatron", "vllm", "rl_config.rollout_engine: vllm runs on the hf training backend (the actor's Hugging "
+        "Face model is what it loads into vLLM), not megatron; use rollout_engine: native", backend=MEGATRON,
+        stage=ON_POLICY),
+    # the rollout on a replica of the weights, partial rollout
+    *(Row(f"{name}-{suffix}", name, message, **where) for name in ("async", "rollout_worker")
+      for suffix, where, message in _ROLLOUT_REPLICA),
+    Row("partial-ray", "partial", "{setting} on Ray is not built yet; run it in one process (no "
+        "actor_resource.num_npus > 1, no ray_address)", placement=RAY),
+    Row("partial-engine", "partial", "{setting} runs on the native rollout engine, not {engine}", engine=NOT_NATIVE),
+    Row("partial-megatron", "partial", "{setting} runs on the hf training backend", backend=MEGATRON),
+    Row("partial-dynamic-sampling", "partial", "{setting} with DAPO's dynamic sampling (filter_groups_enable) is not "
+        "supported yet; turn one of them off", with_="dynamic_sampling"),
+    # the native engine's per-request loop (async_engine, multi-turn) and its batched decode
+    Row("async-engine-engine", "async_engine", "{setting} is the native engine's per-request loop here; it does not "
+        "exist for rollout_engine {engine}. Set rollout_engine: native or async_engine: false", engine=NOT_NATIVE),
+    Row("graphs-per-request", "graphs", "{setting} (CUDA graphs) with {other}: the per-request decode loop runs "
+        "eagerly (its batch changes every step); remove the key or set it to true", device=("cuda",),
+        with_="per_request"),
+    Row("multi-turn-stage", "multi_turn", "{setting} runs with GRPO and DAPO (the seed's recipe is DAPO); PPO's critic "
+        "over tool tokens, DPO and SFT are not supported. Use stage grpo or dapo", stage=("ppo", *OFFLINE)),
+    Row("multi-turn-engine", "multi_turn", "{setting} runs on the native rollout engine; set rl_config.rollout_engine: "
+        "native (not {engine})", engine=NOT_NATIVE),
+    Row("multi-turn-partial", "multi_turn", "{key} with partial_rollout_max_split > 1 is not supported: a conversation "
+        "is generated whole within one iteration; set partial_rollout_max_split: 1", with_="partial"),
+    Row("speculation-per-request", "speculation", "{key} with {other}: speculation is built into the batched "
+        "decode, not the per-request loop; set it to 0", with_="per_request"),
+    Row("speculation-graphs", "speculation", "{key} with {other}: CUDA graphs replay one token a row on a static "
+        "cache, and speculation feeds several; set one of them back", device=("cuda",), with_="graphs"),
+    # placement and sections
+    Row("num-threads-ray", "num_threads", "{setting} sets the threads of one in-process run; the Ray workers take "
+        "theirs from rl_config.ray_num_cpus_per_worker: set that instead", placement=RAY),
+    Row("ref-config", "ref_config", "ref_config: a separately configured reference model is not available yet (the "
+        "reference is a frozen copy of the actor's initial weights, or "
+        "rl_config.integrated_mode_config.ref_model_load_path; DPO: megatron_training.ref_model); remove ref_config"),
+    Row("reward-model-offline", "reward_model", "reward_config: stage {stage} scores no responses (a reward model is "
+        "read by the on-policy stages ray_grpo, ray_dapo and ray_ppo); remove reward_config", stage=OFFLINE),
+)
+ROW_IDS = {row.id: row for row in ROWS}
+
+
+# ---- evaluation -------------------------------------------------------------------------------------
+def refusals(cfg: RunConfig, setup: Setup) -> list[str]:
+    """The message of every refusing row that applies to ``cfg`` in ``setup``, in table order."""
+    return [row.text(cfg, setup) for row in ROWS if row.effect == "refused" and row.applies(cfg, setup)]
+
+
+def check_compat(cfg: RunConfig, setup: Setup) -> None:
+    """Raise one :class:`ConfigError` naming every refused combination, one per line."""
+    lines = refusals(cfg, setup)
+    if lines:
+        raise ConfigError("\n".join(lines))
+
+
+def no_effect(cfg: RunConfig, setup: Setup) -> list[str]:
+    """The keys of the rows without effect that apply (for the one start-up warning)."""
+    return [FEATURES[row.feature].label(cfg) for row in ROWS if row.effect == "no effect" and row.applies(cfg, setup)]
+
+
+def rows_of(key: str) -> list[Row]:
+    """The rows whose feature (or other feature) is turned on by ``key`` (``section.key``)."""
+    return [row for row in ROWS if key in FEATURES[row.feature].keys
+            or (row.with_ is not None and key in FEATURES[row.with_].keys)]

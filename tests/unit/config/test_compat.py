@@ -1,0 +1,202 @@
+"""The one compatibility table (posttrain.config.compat): every row is exercised by a config that
+triggers it, through the one config check, and its message names the keys; every refusal of a config
+is reported at once, one per line; the rows without effect are named in the start-up warning."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+
+from posttrain.config.check import check_run_config
+from posttrain.config.compat import DIMENSIONS, FEATURES, ROW_IDS, ROWS, Setup, check_compat, refusals, setup_of
+from posttrain.config.run import run_config_from_dict
+from posttrain.errors import ConfigError
+from posttrain.models.arch import ModelArch
+
+GRPO = {
+    "megatron_training": {"stage": "ray_grpo", "global_batch_size": 8, "seq_length": 1024, "micro_batch_size": 2},
+    "actor_config": {"micro_batch_size": 2},
+    "rl_config": {"n_samples_per_prompt": 4, "mini_batch_size": 4, "actor_resource": {"num_npus": 1}},
+    "generate_config": {"infer_tensor_parallel_size": 1, "max_model_len": 2048, "sampling_config": {"max_tokens": 512}},
+}
+ARCH = ModelArch(model_type="qwen2", num_layers=4, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
+                 num_kv_heads=2, head_dim=16, vocab_size=256, tie_embeddings=True)
+DPO = ["megatron_training.stage=dpo", "megatron_training.is_pairwise_dataset=true"]
+PPO = ["megatron_training.stage=ray_ppo", "rl_config.adv_estimator=gae", "critic_config.micro_batch_size=2"]
+DAPO = ["megatron_training.stage=ray_dapo", "rl_config.filter_groups_enable=true",
+        "rl_config.filter_groups_metric=base_acc", "rl_config.filter_groups_train_batch_size=4"]
+TP2 = ["actor_config.tensor_model_parallel_size=2", "rl_config.actor_resource.num_npus=2"]
+RAY = ["rl_config.actor_resource.num_npus=2"]
+VLLM = ["rl_config.rollout_engine=vllm"]
+LORA = ["actor_config.lora_target_modules=[linear_qkv]"]
+SEPARATE = ["rl_config.use_integrated_worker=false"]  # the seed lets ref_config be set only then
+TURNS = ["rl_config.multi_turn_enable=true", "rl_config.async_engine=true", "rl_config.max_total_response_length=1024"]
+ASYNC = ["rl_config.async_staleness=1"]
+WORKER = ["rl_config.use_integrated_worker=false"]
+PARTIAL = ["rl_config.partial_rollout_max_split=2"]
+SPEC = ["generate_config.num_speculative_tokens=4"]
+GRAPHS = ["generate_config.enforce_eager=false"]
+
+# row id -> (overrides that turn the row on, device); a new row needs its example here
+EXAMPLES: dict[str, tuple[list[str], str]] = {
+    "megatron-one-process": (["actor_config.backend=megatron"], "cpu"),
+    "megatron-distributed-optimizer-cpu": ([*TP2, "actor_config.use_distributed_optimizer=true"], "cpu"),
+    "megatron-bf16-cpu": ([*TP2, "actor_config.bf16=true"], "cpu"),
+    "megatron-share-prompt-prefix": ([*TP2, "rl_config.share_prompt_prefix=true"], "cpu"),
+    "megatron-ref_config.tensor_model_parallel_size": ([*TP2, *SEPARATE, "ref_config.tensor_model_parallel_size=1"],
+                                                       "cpu"),
+    "megatron-ref_config.pipeline_model_parallel_size": ([*TP2, *SEPARATE, "ref_config.tensor_model_parallel_size=2",
+                                                          "ref_config.pipeline_model_parallel_size=2"], "cpu"),
+    "megatron-ref_config.num_layers_per_virtual_pipeline_stage": (
+        [*TP2, *SEPARATE, "ref_config.tensor_model_parallel_size=2",
+         "ref_config.num_layers_per_virtual_pipeline_stage=1"], "cpu"),
+    "megatron-critic_config.tensor_model_parallel_size": ([*TP2, *PPO, "critic_config.tensor_model_parallel_size=1"],
+                                                          "cpu"),
+    "megatron-critic_config.pipeline_model_parallel_size": (
+        [*TP2, *PPO, "critic_config.tensor_model_parallel_size=2", "critic_config.pipeline_model_parallel_size=2"],
+        "cpu"),
+    "megatron-critic_config.num_layers_per_virtual_pipeline_stage": (
+        [*TP2, *PPO, "critic_config.tensor_model_parallel_size=2",
+         "critic_config.num_layers_per_virtual_pipeline_stage=1"], "cpu"),
+    "megatron-critic-save": ([*TP2, *PPO, "critic_config.tensor_model_parallel_size=2", "critic_config.save=/tmp/c"],
+                             "cpu"),
+    "megatron-reward-model": ([*TP2, "reward_config.load=/models/rm"], "cpu"),
+    "megatron-moe-tp-extend-ep": ([*TP2, "actor_config.moe_tp_extend_ep=true"], "cpu"),
+    "megatron-lora": ([*TP2, *LORA], "cpu"),
+    "megatron-fsdp2": ([*TP2, "rl_config.ray_sharding=fsdp2"], "cpu"),
+    "lora-fsdp2": ([*LORA, *RAY, "rl_config.ray_sharding=fsdp2"], "cpu"),
+    "lora-vllm": ([*LORA, *VLLM], "cpu"),
+    "lora-critic": ([*PPO, "critic_config.lora_target_modules=[q_proj]"], "cpu"),
+    "shared-backbone-offload-reference": ([*LORA, "rl_config.share_backbone=true", "rl_config.offload_reference=true"],
+                                          "cpu"),
+    "vllm-infer_pipeline_parallel_size": ([*VLLM, "generate_config.infer_pipeline_parallel_size=2"], "cpu"),
+    "vllm-infer_expert_parallel_size": ([*VLLM, "generate_config.infer_expert_parallel_size=2"], "cpu"),
+    "vllm-num_scheduler_steps": ([*VLLM, "generate_config.num_scheduler_steps=4"], "cpu"),
+    "vllm-torchair_graph": ([*VLLM, "generate_config.torchair_graph=true"], "cpu"),
+    "vllm-speculation": ([*VLLM, *SPEC], "cpu"),
+    "vllm-ascend_scheduler_config_enabled": ([*VLLM, "generate_config.ascend_scheduler_config_enabled=true"], "cpu"),
+    "vllm-ray": ([*VLLM, *RAY], "cpu"),
+    "vllm-megatron": ([*VLLM, *TP2], "cpu"),
+    "async-offline": ([*DPO, *ASYNC], "cpu"),
+    "async-ray": ([*ASYNC, *RAY], "cpu"),
+    "async-engine": ([*ASYNC, *VLLM], "cpu"),
+    "async-megatron": ([*ASYNC, *TP2], "cpu"),
+    "async-lora": ([*ASYNC, *LORA], "cpu"),
+    "rollout_worker-offline": ([*DPO, *WORKER], "cpu"),
+    "rollout_worker-ray": ([*WORKER, *RAY], "cpu"),
+    "rollout_worker-engine": ([*WORKER, *VLLM], "cpu"),
+    "rollout_worker-megatron": ([*WORKER, *TP2], "cpu"),
+    "rollout_worker-lora": ([*WORKER, *LORA], "cpu"),
+    "partial-ray": ([*PARTIAL, *RAY], "cpu"),
+    "partial-engine": ([*PARTIAL, *VLLM], "cpu"),
+    "partial-megatron": ([*PARTIAL, *TP2], "cpu"),
+    "partial-dynamic-sampling": ([*DAPO, *PARTIAL, "rl_config.mini_batch_size=2"], "cpu"),
+    "async-engine-engine": (["rl_config.async_engine=true", *VLLM], "cpu"),
+    "graphs-per-request": ([*GRAPHS, "rl_config.async_engine=true"], "cuda"),
+    "multi-turn-stage": ([*DPO, "rl_config.multi_turn_enable=true"], "cpu"),
+    "multi-turn-engine": ([*TURNS, *VLLM], "cpu"),
+    "multi-turn-partial": ([*TURNS, *PARTIAL], "cpu"),
+    "speculation-per-request": ([*SPEC, "rl_config.async_engine=true"], "cpu"),
+    "speculation-graphs": ([*SPEC, *GRAPHS], "cuda"),
+    "num-threads-ray": (["rl_config.num_threads=2", *RAY], "cpu"),
+    "ref-config": ([*SEPARATE, "ref_config.micro_batch_size=2"], "cpu"),
+    "reward-model-offline": ([*DPO, "reward_config.load=/models/rm"], "cpu"),
+}
+# rows an earlier rule of the one check answers first, with its own message (the row documents the fact)
+ANSWERED_FIRST = {"vllm-infer_pipeline_parallel_size": "pipeline_parallel for vllm is not supported yet ! "}
+
+
+@pytest.fixture(autouse=True)
+def _no_ray_address(monkeypatch):
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+
+
+def config(overrides):
+    return run_config_from_dict(copy.deepcopy(GRPO), overrides=list(overrides))
+
+
+def names_its_keys(row, line: str) -> bool:
+    """The row's line names the feature's first key in full and every other key of its features by name."""
+    features = [FEATURES[row.feature], *([FEATURES[row.with_]] if row.with_ else [])]
+    keys = [key for f in features for key in f.keys]
+    return keys[0] in line and all(key.split(".")[-1] in line for key in keys)
+
+
+def test_every_row_has_an_example():
+    assert set(EXAMPLES) == set(ROW_IDS), "give each row of posttrain.config.compat.ROWS a triggering config here"
+    assert len(ROW_IDS) == len(ROWS), "row ids must be unique"
+
+
+@pytest.mark.parametrize("row_id", list(ROW_IDS))
+def test_each_row_triggers_naming_its_keys(row_id):
+    row, (overrides, device) = ROW_IDS[row_id], EXAMPLES[row_id]
+    cfg = config(overrides)
+    setup = setup_of(cfg, device)
+    assert row.applies(cfg, setup), f"{row_id}: the example does not turn the row on"
+    line = row.text(cfg, setup)
+    assert names_its_keys(row, line), line
+    if row.effect == "no effect":  # named in the one start-up warning, and the run goes on
+        assert line not in refusals(cfg, setup)
+        _, warnings = check_run_config(cfg, device_type=device, arch=ARCH)
+        assert any(FEATURES[row.feature].label(cfg) in w for w in warnings if w.startswith("keys with no effect"))
+        return
+    with pytest.raises(ConfigError) as err:
+        check_run_config(cfg, device_type=device, arch=ARCH)
+    if row_id in ANSWERED_FIRST:
+        assert str(err.value) == ANSWERED_FIRST[row_id]
+        with pytest.raises(ConfigError, match=line.split(":")[0]):
+            check_compat(cfg, setup)
+        return
+    assert line in str(err.value).splitlines(), str(err.value)
+
+
+@pytest.mark.parametrize("row_id", [r.id for r in ROWS if r.where() or r.with_])
+def test_each_row_needs_its_combination(row_id, monkeypatch):
+    """In another value of a dimension the row names, or without its other feature, the row is off."""
+    row, (overrides, device) = ROW_IDS[row_id], EXAMPLES[row_id]
+    cfg = config(overrides)
+    setup = setup_of(cfg, device)
+    for dimension, values in row.where().items():
+        elsewhere = next(v for v in DIMENSIONS[dimension] if v not in values)
+        assert not row.applies(cfg, dataclasses.replace(setup, **{dimension: elsewhere})), (dimension, elsewhere)
+    if row.with_ is not None:
+        monkeypatch.setitem(FEATURES, row.with_, dataclasses.replace(FEATURES[row.with_], active=lambda c: False))
+        assert not row.applies(cfg, setup)
+
+
+def test_every_refusal_of_a_config_is_reported_at_once_one_per_line():
+    cfg = config([*ASYNC, *PARTIAL, *VLLM, *RAY, "rl_config.num_threads=2"])
+    with pytest.raises(ConfigError) as err:
+        check_run_config(cfg, device_type="cpu", arch=ARCH)
+    lines = str(err.value).splitlines()
+    assert [line.split(" ")[0] for line in lines] == [
+        "rl_config.rollout_engine:", "rl_config.async_staleness", "rl_config.async_staleness",
+        "rl_config.partial_rollout_max_split", "rl_config.partial_rollout_max_split", "rl_config.num_threads=2"]
+    assert lines == refusals(cfg, setup_of(cfg, "cpu"))
+
+
+def test_features_alone_pass_the_table():
+    for overrides in ([], ASYNC, PARTIAL, LORA, VLLM, SPEC, WORKER, TP2, RAY):
+        cfg = config(overrides)
+        for device in ("cpu", "cuda"):
+            check_compat(cfg, setup_of(cfg, device))
+
+
+def test_the_setup_of_a_config():
+    assert setup_of(config([]), "cpu") == Setup("hf", "native", "process", "cpu", "grpo",
+                                                "no tensor/pipeline/context/expert parallelism asked")
+    setup = setup_of(config([*TP2, *VLLM]), "cuda")
+    assert (setup.backend, setup.engine, setup.placement, setup.device) == ("megatron", "vllm", "ray-ddp", "cuda")
+    assert setup_of(config([*RAY, "rl_config.ray_sharding=fsdp2"]), "cpu").placement == "ray-fsdp2"
+    assert setup_of(config(["rl_config.rollout_engine=mine"]), "cpu").engine == "other"
+
+
+@pytest.mark.parametrize("kw", [{"feature": "no_such_feature"}, {"with_": "no_such_feature"},
+                                {"placement": ("ray",)}, {"effect": "warned"}])
+def test_a_row_with_an_unknown_name_is_an_error(kw):
+    from posttrain.config.compat import Row
+
+    with pytest.raises(ValueError, match="compatibility row x: unknown"):
+        Row(**{"id": "x", "feature": "lora", "message": "{setting}", **kw})
