@@ -311,7 +311,7 @@ def test_a_model_whose_rollout_copy_does_not_fit_one_device_is_refused(monkeypat
     copy against a 16 GiB device is refused before anything loads (ignore_memory_estimate overrides)."""
     from posttrain.config import plan as plan_module
 
-    monkeypatch.setattr(plan_module, "machine_memory_bytes", lambda: 16 * 2**30)
+    monkeypatch.setattr("posttrain.config.memory.machine_memory_bytes", lambda: 16 * 2**30)
     overrides = ["actor_config.use_distributed_optimizer=false"]
     with pytest.raises(ConfigError, match=r"the native rollout samples from a whole copy of the model in one process "
                                           r"\(the first rank of each data-parallel replica\): 28.4 GiB"):

@@ -336,12 +336,12 @@ def test_C88_C90_memory_above_the_machine(capsys, world, monkeypatch):
     import posttrain.config.plan as plan_mod
     from posttrain.config.run import load_run_config
 
-    monkeypatch.setattr(plan_mod, "machine_memory_bytes", lambda: None)
+    monkeypatch.setattr("posttrain.config.memory.machine_memory_bytes", lambda: None)
     total = plan_mod.resolve_plan(load_run_config("grpo", world / "cfg")).memory.total  # per worker process
-    monkeypatch.setattr(plan_mod, "machine_memory_bytes", lambda: int(total / 1.5))
+    monkeypatch.setattr("posttrain.config.memory.machine_memory_bytes", lambda: int(total / 1.5))
     code, out, _ = run(capsys, world)
     assert code == 0 and "warning: the plan's memory estimate" in out and "may be killed" in out
-    monkeypatch.setattr(plan_mod, "machine_memory_bytes", lambda: int(total / 3))
+    monkeypatch.setattr("posttrain.config.memory.machine_memory_bytes", lambda: int(total / 3))
     for command in ("plan", "train"):  # train finds the architecture as plan does
         err = refused(capsys, world, command=command)
         assert "3.0x this machine's memory" in err
@@ -349,7 +349,7 @@ def test_C88_C90_memory_above_the_machine(capsys, world, monkeypatch):
     code, out, _ = run(capsys, world, "rl_config.ignore_memory_estimate=true")
     assert code == 0 and "warning: the plan's memory estimate" in out
     # the probe's C88 / C90 on a 4 GiB machine
-    monkeypatch.setattr(plan_mod, "machine_memory_bytes", lambda: 4 * plan_mod.GIB)
+    monkeypatch.setattr("posttrain.config.memory.machine_memory_bytes", lambda: 4 * plan_mod.GIB)
     refused(capsys, world, "rl_config.n_samples_per_prompt=100000", "actor_config.micro_batch_size=100000")
     refused(capsys, world, "generate_config.sampling_config.max_tokens=10000000",
             "megatron_training.seq_length=10000000", "generate_config.max_model_len=10000000")
