@@ -11,7 +11,8 @@ import copy
 
 import pytest
 import torch
-from cluster_helpers import column, grpo_config, session_and_trainer
+
+from tests.cluster.cluster_helpers import column, grpo_config, session_and_trainer
 
 pytestmark = pytest.mark.ray
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cluster_helpers import column, grpo_config, session_and_trainer
+
+from tests.cluster.cluster_helpers import column, grpo_config, session_and_trainer
 
 pytestmark = pytest.mark.ray
 

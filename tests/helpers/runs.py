@@ -1,82 +1,93 @@
-"""A small world for the reliability tests (tests/unit/infra/test_reliability_*.py): the mini Qwen2
-of tests/conftest.py, a prompt dataset, and a GRPO config that runs an iteration in about a second.
+"""Running ``posttrain`` in process, reading what a run wrote, and the mini world's GRPO run.
 
-``world`` (module scope) builds the model and data once; ``base`` trains 2 iterations with a save
-at each (``base/ckpt``: iter_0000001, iter_0000002, tracker 2; ``base/out/metrics.jsonl``) for the
-tests that damage or reuse a checkpoint (they work on copies: :func:`copy_run`).
+The mini world (the ``mini_world`` fixture of tests/conftest.py) is the mini Qwen2 of tests/conftest.py
+and 32 addition prompts; :func:`world_run_dict` is a GRPO run on it that takes about a second an
+iteration, with checkpoints in ``run/ckpt`` and logs in ``run/out``. The ``base_run`` fixture trains
+it for 2 iterations with a save at each, for the tests that damage or resume a checkpoint (on a copy:
+:func:`copy_run`).
 """
 
 from __future__ import annotations
 
 import json
-import random
 import shutil
 from pathlib import Path
 
-import pytest
 import yaml
 
-
-@pytest.fixture(scope="module")
-def one_thread():
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny matmuls thrash with 2 threads on a loaded 2-core box
-    yield
-    torch.set_num_threads(before)
+from tests.helpers.configs import OMIT, run_dict
 
 
-@pytest.fixture(scope="module")
-def world(tmp_path_factory, mini_qwen2_dir, one_thread) -> Path:
-    from posttrain.data.preprocess import preprocess
+# ---- posttrain in process ----------------------------------------------------------------------------
+def run_cli(argv: list[str], capsys) -> tuple[int, str]:
+    """``posttrain ARGV`` in process: (exit status, stderr). A user error never prints a traceback."""
+    from posttrain.cli import main
 
-    root = tmp_path_factory.mktemp("reliability")
-    shutil.copytree(mini_qwen2_dir, root / "model")
-    rng = random.Random(0)
-    rows = []
-    for _ in range(32):
-        a, b = rng.randint(0, 9), rng.randint(0, 9)
-        rows.append({"problem": f"What is {a} + {b}?", "answer": str(a + b)})
-    (root / "rl.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
-    preprocess({"input": str(root / "rl.jsonl"), "handler_name": "R1AlpacaStyleInstructionHandler",
-                "tokenizer_name_or_path": str(root / "model"), "prompt_type": "trl", "workers": 1,
-                "output_prefix": str(root / "data" / "rl"), "map_keys": {"prompt": "problem", "response": "answer"},
-                "dataset_additional_keys": ["labels"]}, progress=False)
-    return root
+    code = main(argv)
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err
+    return code, captured.err
 
 
-def config_dict(world: Path, run: Path, iters: int = 2, **sections) -> dict:
-    """The GRPO config of a run whose checkpoints go to ``run/ckpt`` and logs to ``run/out``;
-    ``sections`` update a section (``megatron_training={...}``)."""
-    cfg = {
-        "megatron_training": {"stage": "ray_grpo", "global_batch_size": 2, "micro_batch_size": 4, "seq_length": 64,
-                              "train_iters": iters, "lr": 1e-3, "lr_decay_style": "constant", "weight_decay": 0.0,
-                              "tokenizer_name_or_path": str(world / "model"), "data_path": str(world / "data" / "rl"),
-                              "seed": 1, "bf16": False, "dataset_additional_keys": ["labels"], "prompt_type": "trl",
-                              "save_interval": 1},
-        "actor_config": {"save": str(run / "ckpt")},
-        "rl_config": {"n_samples_per_prompt": 2, "mini_batch_size": 2, "verifier_function": ["last_number"],
-                      "verifier_weight": [1.0], "verifier_parallel": 0, "init_kl_coef": 0.0, "max_prompt_length": 64,
-                      "output_dir": str(run / "out"), "device": "cpu"},
-        "generate_config": {"max_model_len": 64, "max_num_seqs": 16, "infer_tensor_parallel_size": 1,
-                            "sampling_config": {"max_tokens": 4, "temperature": 1.0, "top_k": -1, "top_p": 1.0}},
-    }
+def forbid(monkeypatch, target: str) -> None:
+    """Make ``target`` (module:attr) fail the test if called: the command must stop before the work."""
+    module, attr = target.split(":")
+
+    def called(*a, **k):
+        raise AssertionError(f"{target} ran: the output path was not checked before the work")
+
+    monkeypatch.setattr(f"{module}.{attr}", called)
+
+
+def tree(path: Path) -> list[str]:
+    """Every path under ``path``, relative to it, sorted."""
+    return sorted(str(p.relative_to(path)) for p in path.rglob("*"))
+
+
+# ---- what a run wrote -----------------------------------------------------------------------------------
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def read_metrics(run_dir: Path, name: str = "metrics.jsonl") -> list[dict]:
+    """The rows of ``run_dir/metrics.jsonl`` (a run's ``rl_config.output_dir``), in order."""
+    return read_jsonl(Path(run_dir) / name)
+
+
+def metrics_by_iteration(run_dir: Path) -> dict[int, dict]:
+    """The rows of the iterations that updated the actor (they hold ``actor/pg_loss``), by iteration."""
+    return {r["iteration"]: r for r in read_metrics(run_dir) if "actor/pg_loss" in r}
+
+
+# ---- the mini world's GRPO run ---------------------------------------------------------------------------
+def world_run_dict(world: Path, run: Path, iters: int = 2, **sections) -> dict:
+    """The GRPO config of a run on the mini world whose checkpoints go to ``run/ckpt`` (saved every
+    iteration) and logs to ``run/out``: 2 prompts x 2 samples of 4 tokens, the ``last_number`` verifier in
+    process; ``sections`` update a section (``megatron_training={...}``)."""
+    cfg = run_dict(world / "model", world / "data" / "rl", run / "out", iters=iters,
+                   megatron_training={"global_batch_size": 2, "micro_batch_size": 4, "lr": 1e-3, "save_interval": 1},
+                   actor_config={"save": str(run / "ckpt")},
+                   rl_config={"n_samples_per_prompt": 2, "verifier_function": ["last_number"], "verifier_modules": OMIT,
+                              "verifier_parallel": 0},
+                   generate_config={"max_num_seqs": 16, "sampling_config": {"max_tokens": 4, "temperature": 1.0,
+                                                                            "top_k": -1, "top_p": 1.0}})
     for section, values in sections.items():
         cfg.setdefault(section, {}).update(values)
     return cfg
 
 
-def run_config(world: Path, run: Path, iters: int = 2, **sections):
+def world_run_config(world: Path, run: Path, iters: int = 2, **sections):
+    """:func:`world_run_dict` as a ``RunConfig``."""
     from posttrain.config.run import run_config_from_dict
 
-    return run_config_from_dict(config_dict(world, run, iters, **sections), name="reliability")
+    return run_config_from_dict(world_run_dict(world, run, iters, **sections), name="reliability")
 
 
 def write_config(world: Path, run: Path, iters: int = 2, **sections) -> list[str]:
-    """The config as a YAML file under ``run``; returns the ``--config-path/--config-name`` arguments."""
+    """:func:`world_run_dict` as a YAML file under ``run``; returns the ``--config-path/--config-name``
+    arguments."""
     run.mkdir(parents=True, exist_ok=True)
-    (run / "grpo.yaml").write_text(yaml.safe_dump(config_dict(world, run, iters, **sections)))
+    (run / "grpo.yaml").write_text(yaml.safe_dump(world_run_dict(world, run, iters, **sections)))
     return ["--config-path", str(run), "--config-name", "grpo"]
 
 
@@ -84,16 +95,6 @@ def resume_args(run: Path, iters: int = 3) -> list[str]:
     """Overrides that resume ``run/ckpt`` in place."""
     return [f"actor_config.load={run / 'ckpt'}", "actor_config.finetune=false",
             f"megatron_training.train_iters={iters}"]
-
-
-@pytest.fixture(scope="module")
-def base(world) -> Path:
-    from posttrain.trainers.stages import train
-
-    run = world / "base"
-    train(run_config(world, run, iters=2))
-    assert (run / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
-    return run
 
 
 def copy_run(base: Path, dest: Path) -> Path:
@@ -104,4 +105,5 @@ def copy_run(base: Path, dest: Path) -> Path:
 
 
 def metrics_iterations(run: Path, name: str = "metrics.jsonl") -> list[int]:
-    return [json.loads(line)["iteration"] for line in (run / "out" / name).read_text().splitlines() if line.strip()]
+    """The iterations of the rows in ``run/out/NAME``."""
+    return [r["iteration"] for r in read_metrics(run / "out", name)]
