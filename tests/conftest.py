@@ -1,4 +1,5 @@
-"""Shared fixtures: a tiny tokenizer and a tiny random-init Qwen2, built locally (no downloads)."""
+"""Shared fixtures: a tiny tokenizer and tiny random-init models built locally (no downloads), the
+addition-prompt datasets, and the mini world's reference run. Helper functions are in tests/helpers."""
 
 from __future__ import annotations
 
@@ -6,6 +7,9 @@ import os
 from pathlib import Path
 
 import pytest
+
+from tests.helpers.data import addition, addition_rows, preprocess_prompts
+from tests.helpers.runs import world_run_config
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -54,23 +58,23 @@ def tiny_tokenizer(tiny_model_dir):
 def write_sum_prompts(root: Path, tokenizer_dir: Path) -> str:
     """16 "What is a + b?" prompts (a, b < 4) with their answers as labels, preprocessed with the
     tokenizer in ``tokenizer_dir`` into ``root/rl/data``; returns that prefix."""
-    import json
-
-    from posttrain.data.preprocess import preprocess
-
-    rows = [{"problem": f"What is {a} + {b}?", "answer": str(a + b)} for a in range(4) for b in range(4)]
-    (root / "rl.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
-    preprocess({"input": str(root / "rl.jsonl"), "handler_name": "R1AlpacaStyleInstructionHandler",
-                "tokenizer_name_or_path": str(tokenizer_dir), "prompt_type": "default",
-                "output_prefix": str(root / "rl" / "data"), "map_keys": {"prompt": "problem", "response": "answer"},
-                "dataset_additional_keys": ["labels"]}, progress=False)
-    return str(root / "rl" / "data")
+    rows = [addition(a, b) for a in range(4) for b in range(4)]
+    return preprocess_prompts(rows, root / "rl.jsonl", tokenizer_dir, root / "rl" / "data", prompt_type="default")
 
 
 @pytest.fixture(scope="session")
 def sum_prompts():
     """:func:`write_sum_prompts`, for tests that preprocess the sums with their own tokenizer."""
     return write_sum_prompts
+
+
+@pytest.fixture(scope="session")
+def tiny_prompt_data(tmp_path_factory, tiny_model_dir) -> str:
+    """Prefix of an RL prompt dataset (input_ids + labels) for the tiny tokenizer: 64 random additions
+    (seed 0), the ``default`` prompt."""
+    root = tmp_path_factory.mktemp("tiny_data")
+    return preprocess_prompts(addition_rows(64, 0), root / "rl.jsonl", tiny_model_dir, root / "rl" / "data",
+                              prompt_type="default")
 
 
 @pytest.fixture(scope="session")
@@ -139,6 +143,44 @@ def build_lowercase_reward_model(out: Path, tokenizer) -> Path:
 def lowercase_rm_dir(tmp_path_factory, tiny_tokenizer) -> Path:
     """:func:`build_lowercase_reward_model` on the tiny tokenizer (read-only)."""
     return build_lowercase_reward_model(tmp_path_factory.mktemp("models") / "lowercase_rm", tiny_tokenizer)
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread for the module (restored after it): tiny matmuls thrash with 2 threads on a
+    loaded 2-core machine."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def mini_world(tmp_path_factory, mini_qwen2_dir) -> Path:
+    """A copy of the mini Qwen2 (``model``) and 32 random additions (seed 0, the ``trl`` prompt) in
+    ``data/rl`` (read-only). :func:`tests.helpers.runs.world_run_dict` is a GRPO run on it."""
+    import shutil
+
+    root = tmp_path_factory.mktemp("mini_world")
+    shutil.copytree(mini_qwen2_dir, root / "model")
+    preprocess_prompts(addition_rows(32, 0), root / "rl.jsonl", root / "model", root / "data" / "rl",
+                       prompt_type="trl", workers=1)
+    return root
+
+
+@pytest.fixture(scope="module")
+def base_run(tmp_path_factory, mini_world, one_thread) -> Path:
+    """2 iterations of the mini world's GRPO run with a save at each (``ckpt``: iter_0000001,
+    iter_0000002, tracker 2; ``out/metrics.jsonl``), once per module, for the tests that damage or
+    reuse a checkpoint (on a copy: :func:`tests.helpers.runs.copy_run`)."""
+    from posttrain.commands.train import train_config as train
+
+    run = tmp_path_factory.mktemp("base")
+    train(world_run_config(mini_world, run, iters=2))
+    assert (run / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+    return run
 
 
 # Tiny HF models of every architecture `posttrain convert` handles (hidden 64, 4 heads in 2 query

@@ -49,7 +49,7 @@ export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 [ -z "$DRY" ] && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 
 echo "== gpu-marked tests"
-TESTS=(tests/gpu tests/unit/rollout/test_rollout_vllm.py)
+TESTS=(tests/gpu tests/unit/rollout/test_vllm_engine.py)
 "$PYTHON" -m pytest -q -p no:cacheprovider -m gpu --junitxml="$OUT_DIR/gpu_tests.xml" "${TESTS[@]}" \
   2>&1 | tee "$OUT_DIR/gpu_tests.log"
 TESTS_RC=${PIPESTATUS[0]}

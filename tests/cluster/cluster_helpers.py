@@ -1,34 +1,21 @@
-"""Configs and readers for the Ray tests (imported by the test modules)."""
+"""Configs and run recorders for the Ray tests (imported by the test modules)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
+
+from tests.helpers.configs import run_config
+from tests.helpers.runs import read_metrics
 
 
 def grpo_config(work: Path, name: str, *, workers: int, iters: int, rl: dict | None = None, train: dict | None = None,
                 sections: dict | None = None):
-    """GRPO on the lowercase-fraction reward: 4 prompts x 8 samples, 2 optimizer steps per iteration."""
-    from posttrain.config.run import run_config_from_dict
-
-    rl_config = {"output_dir": str(work / f"run_{name}"), "n_samples_per_prompt": 8, "mini_batch_size": 2,
-                 "verifier_function": ["e2e_lowercase"], "verifier_weight": [1.0],
-                 "verifier_modules": ["e2e_algo_verifiers"], "init_kl_coef": 0.0, "max_prompt_length": 64,
-                 "verifier_parallel": 1, "device": "cpu", "actor_resource": {"num_devices": workers},
-                 "ray_timeout_s": 120, **(rl or {})}
-    training = {"stage": "ray_grpo", "global_batch_size": 4, "micro_batch_size": 8, "seq_length": 64,
-                "train_iters": iters, "lr": 3e-3, "lr_decay_style": "constant", "weight_decay": 0.0,
-                "data_path": str(work / "prompts/data"), "tokenizer_name_or_path": str(work / "model"), "seed": 1,
-                "bf16": False, "dataset_additional_keys": ["labels"], "prompt_type": "trl", **(train or {})}
-    return run_config_from_dict({
-        "megatron_training": training, "rl_config": rl_config,
-        "generate_config": {"max_model_len": 64, "max_num_seqs": 256, "infer_tensor_parallel_size": 1,
-                            "sampling_config": {"max_tokens": 12, "temperature": 1.0, "top_k": -1, "top_p": 1.0}},
-        **(sections or {})}, name=name)
-
-
-def read_metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    """GRPO on the lowercase-fraction reward (tests/helpers/configs.py): 4 prompts x 8 samples, 2 optimizer
+    steps per iteration, on ``workers`` Ray actor workers."""
+    return run_config(work / "model", work / "prompts/data", work / f"run_{name}", name=name, iters=iters,
+                      megatron_training=train or {},
+                      rl_config={"actor_resource": {"num_devices": workers}, "ray_timeout_s": 120, **(rl or {})},
+                      **(sections or {}))
 
 
 def session_and_trainer(cfg):

@@ -3,15 +3,14 @@
 
 from __future__ import annotations
 
-import json
 import os
-import random
-import sys
 from pathlib import Path
 
 import pytest
 
-E2E = Path(__file__).resolve().parents[1] / "e2e"  # e2e_algo_verifiers: the graded e2e_lowercase reward
+from tests.helpers.data import addition_rows, preprocess_prompts
+
+ROOT = Path(__file__).resolve().parents[2]  # the workers import tests.helpers.verifiers (the e2e_lowercase reward)
 
 
 @pytest.fixture(scope="module")
@@ -21,11 +20,9 @@ def ray_cluster(request):
     import ray  # installed by `make install` (the ray extra); CI runs these tests
     import torch
 
-    # the workers import e2e_algo_verifiers by name: the driver's PYTHONPATH reaches them
+    # the workers import tests.helpers.verifiers by name: the driver's PYTHONPATH reaches them
     path = os.environ.get("PYTHONPATH", "")
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(E2E), path) if p)
-    if str(E2E) not in sys.path:
-        sys.path.insert(0, str(E2E))
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), path) if p)
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     ray.init(num_cpus=getattr(request.module, "RAY_CPUS", 2), include_dashboard=False, logging_level="WARNING",
@@ -42,18 +39,8 @@ def work(tmp_path_factory, mini_qwen2_dir):
     """A 2-layer Qwen2 (hidden 64) saved with the tiny tokenizer, and a preprocessed prompt set."""
     import shutil
 
-    from posttrain.data.preprocess import preprocess
-
     root = tmp_path_factory.mktemp("cluster")
     shutil.copytree(mini_qwen2_dir, root / "model")
-    rng = random.Random(0)
-    rows = []
-    for _ in range(128):
-        a, b = rng.randint(0, 9), rng.randint(0, 9)
-        rows.append({"problem": f"What is {a} + {b}?", "answer": str(a + b)})
-    (root / "prompts.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
-    preprocess({"input": str(root / "prompts.jsonl"), "handler_name": "R1AlpacaStyleInstructionHandler",
-                "output_prefix": str(root / "prompts/data"), "map_keys": {"prompt": "problem", "response": "answer"},
-                "dataset_additional_keys": ["labels"], "tokenizer_name_or_path": str(root / "model"),
-                "prompt_type": "trl", "workers": 1}, progress=False)
+    preprocess_prompts(addition_rows(128, 0), root / "prompts.jsonl", root / "model", root / "prompts/data",
+                       prompt_type="trl", workers=1)
     return root

@@ -5,15 +5,12 @@ model of these tests (tests/integration/test_async_loop.py covers GRPO, resume a
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
-from cluster_helpers import grpo_config, read_metrics
-from test_ray_grpo import PPO, is_wall_clock, same
-from test_ray_multi_turn import MULTI_TURN
 
-E2E = Path(__file__).resolve().parents[1] / "e2e"  # e2e_algo_verifiers: the e2e_lowercase reward
+from tests.cluster.cluster_helpers import grpo_config
+from tests.cluster.test_ray_grpo import PPO, is_wall_clock, same
+from tests.cluster.test_ray_multi_turn import MULTI_TURN
+from tests.helpers.runs import read_metrics
 
 
 def trained(work, name: str, **keys) -> list[dict]:
@@ -25,8 +22,6 @@ def trained(work, name: str, **keys) -> list[dict]:
 
 @pytest.mark.parametrize("algorithm", ["ppo", "multi_turn"])
 def test_staleness_zero_equals_synchronous_and_one_lags_a_version(work, algorithm):
-    if str(E2E) not in sys.path:
-        sys.path.insert(0, str(E2E))
     if algorithm == "multi_turn":
         from posttrain.errors import ConfigError
         from posttrain.tools.sandbox import detect_sandbox

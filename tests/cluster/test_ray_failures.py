@@ -8,7 +8,8 @@ import signal
 import time
 
 import pytest
-from cluster_helpers import grpo_config
+
+from tests.cluster.cluster_helpers import grpo_config
 
 pytestmark = pytest.mark.ray
 

@@ -16,7 +16,13 @@ import copy
 
 import pytest
 import torch
+<<<<<<< HEAD
 from cluster_helpers import column, grpo_config, read_metrics, record_run, sample, session_and_trainer
+=======
+
+from tests.cluster.cluster_helpers import column, grpo_config, record_run, session_and_trainer
+from tests.helpers.runs import read_metrics
+>>>>>>> h-tests
 
 pytestmark = pytest.mark.ray
 

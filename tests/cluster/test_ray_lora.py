@@ -5,8 +5,9 @@ reference shares the backbone (the adapter off) on both; the adapter-only checkp
 from __future__ import annotations
 
 import pytest
-from cluster_helpers import grpo_config, record_run
-from test_ray_grpo import is_wall_clock, same
+
+from tests.cluster.cluster_helpers import grpo_config, record_run
+from tests.cluster.test_ray_grpo import is_wall_clock, same
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 LORA = {"lora_target_modules": ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"], "lora_r": 8,

@@ -11,9 +11,11 @@ the HF engine.
 from __future__ import annotations
 
 import pytest
-from cluster_helpers import grpo_config, read_metrics, record_run
-from test_ray_grpo import DAPO, PPO, is_wall_clock
-from test_ray_offline import assert_same_rows, offline_config, offline_data  # noqa: F401 (a fixture)
+
+from tests.cluster.cluster_helpers import grpo_config, record_run
+from tests.cluster.test_ray_grpo import DAPO, PPO, is_wall_clock
+from tests.cluster.test_ray_offline import assert_same_rows, offline_config, offline_data  # noqa: F401 (a fixture)
+from tests.helpers.runs import read_metrics
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 RAY_CPUS = 4  # TP 2 x PP 2: 4 workers (logical CPUs; one torch thread each)

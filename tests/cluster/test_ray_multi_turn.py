@@ -7,8 +7,9 @@ process (tests/unit/rollout/test_multi_turn.py, tests/e2e/test_e2e_tool_use.py).
 from __future__ import annotations
 
 import pytest
-from cluster_helpers import grpo_config, record_run
-from test_ray_grpo import is_wall_clock, same
+
+from tests.cluster.cluster_helpers import grpo_config, record_run
+from tests.cluster.test_ray_grpo import is_wall_clock, same
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 MULTI_TURN = {"multi_turn_enable": True, "async_engine": True, "tool_config_path": "configs/tools/retool.yaml",

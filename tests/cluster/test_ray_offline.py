@@ -7,12 +7,14 @@
 
 from __future__ import annotations
 
-import json
 import random
 from pathlib import Path
 
 import pytest
-from cluster_helpers import read_metrics
+
+from tests.helpers.configs import OMIT, run_config
+from tests.helpers.data import letter_pair, write_jsonl
+from tests.helpers.runs import read_metrics
 
 pytestmark = pytest.mark.ray
 
@@ -29,11 +31,7 @@ def offline_data(work):
         return root
     root.mkdir()
     rng = random.Random(3)
-    rows = []
-    for _ in range(64):
-        right, wrong = rng.sample("abcdefghij", 2)
-        rows.append({"problem": f"Repeat the letter {right}", "chosen": right, "rejected": wrong})
-    (root / "rows.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    write_jsonl(root / "rows.jsonl", [letter_pair(rng) for _ in range(64)])
     common = {"input": str(root / "rows.jsonl"), "tokenizer_name_or_path": str(work / "model"), "prompt_type": "trl",
               "workers": 1}
     preprocess({**common, "handler_name": "AlpacaStyleInstructionHandler", "output_prefix": str(root / "sft/data"),
@@ -46,11 +44,8 @@ def offline_data(work):
 def offline_config(work: Path, data: Path, stage: str, name: str, *, workers: int, iters: int, sharding: str = "ddp",
                    save: Path | None = None, load: Path | None = None, train_extra: dict | None = None,
                    rl_extra: dict | None = None):
-    from posttrain.config.run import run_config_from_dict
-
-    train = {"stage": stage, "global_batch_size": 8, "micro_batch_size": 2, "seq_length": 64, "train_iters": iters,
-             "lr": 1e-2, "lr_decay_style": "constant", "weight_decay": 0.0, "seed": 1, "bf16": False,
-             "tokenizer_name_or_path": str(work / "model"), "prompt_type": "trl", **(train_extra or {})}
+    train = {"global_batch_size": 8, "micro_batch_size": 2, "lr": 1e-2, "dataset_additional_keys": OMIT,
+             **(train_extra or {})}
     if stage == "dpo":
         train.update(data_path=str(data / "pairs/data"), is_pairwise_dataset=True, dpo_beta=0.5)
     else:
@@ -59,9 +54,10 @@ def offline_config(work: Path, data: Path, stage: str, name: str, *, workers: in
         train.update(save=str(save), save_interval=iters)
     if load:
         train.update(load=str(load))
-    rl = {"output_dir": str(work / f"run_{name}"), "device": "cpu", "actor_resource": {"num_devices": workers},
-          "ray_sharding": sharding, "ray_timeout_s": 120, **(rl_extra or {})}
-    return run_config_from_dict({"megatron_training": train, "rl_config": rl}, name=name)
+    rl = {"actor_resource": {"num_devices": workers}, "ray_sharding": sharding, "ray_timeout_s": 120,
+          **(rl_extra or {})}
+    return run_config(work / "model", train["data_path"], work / f"run_{name}", name=name, stage=stage, iters=iters,
+                      megatron_training=train, rl_config=rl)
 
 
 def assert_same_rows(got: list[dict], want: list[dict]) -> None:

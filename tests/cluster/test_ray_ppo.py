@@ -11,7 +11,12 @@ import copy
 
 import pytest
 import torch
+<<<<<<< HEAD
 from cluster_helpers import column, grpo_config, sample, session_and_trainer
+=======
+
+from tests.cluster.cluster_helpers import column, grpo_config, session_and_trainer
+>>>>>>> h-tests
 
 pytestmark = pytest.mark.ray
 

@@ -8,8 +8,10 @@ decode, in fewer forward passes."""
 from __future__ import annotations
 
 import pytest
-from cluster_helpers import grpo_config, read_metrics
-from test_ray_grpo import is_wall_clock, same
+
+from tests.cluster.cluster_helpers import grpo_config
+from tests.cluster.test_ray_grpo import is_wall_clock, same
+from tests.helpers.runs import read_metrics
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 

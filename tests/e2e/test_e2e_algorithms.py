@@ -1,7 +1,7 @@
 """PPO, DAPO and DPO end to end on a mini random-init Qwen2 (2 layers, hidden 64), on CPU.
 
 * PPO (critic from the actor, GAE, clipped value loss) raises a graded reward: the fraction of
-  lowercase letters in the response (verifier ``e2e_lowercase``, tests/e2e/e2e_algo_verifiers.py).
+  lowercase letters in the response (verifier ``e2e_lowercase``, tests/helpers/verifiers.py).
 * DAPO with dynamic sampling (binary ``e2e_has_lowercase`` reward, clip-higher) runs, reports
   ``train/num_gen_batches``, and raises the seed's error when no group ever varies.
 * DPO on synthetic pairs ("Repeat the letter w" -> chosen ``w``, rejected another letter) reaches
@@ -10,27 +10,16 @@
 
 from __future__ import annotations
 
-import json
 import random
-import sys
 from pathlib import Path
 
 import pytest
 
-HERE = Path(__file__).resolve().parent
-pytestmark = pytest.mark.slow
+from tests.helpers.configs import OMIT, run_config
+from tests.helpers.data import letter_pair, preprocess_prompts, random_addition, write_jsonl
+from tests.helpers.runs import read_metrics
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _threads():
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # 2 threads thrash on a loaded 2-core CI box
-    if str(HERE) not in sys.path:  # the reward workers import e2e_algo_verifiers by name
-        sys.path.insert(0, str(HERE))
-    yield
-    torch.set_num_threads(before)
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]  # 2 threads thrash on a loaded 2-core box
 
 
 @pytest.fixture(scope="module")
@@ -45,45 +34,24 @@ def work(tmp_path_factory, mini_qwen2_dir):
     rng = random.Random(0)
     prompts, pairs = [], []
     for _ in range(256):
-        a, b = rng.randint(0, 9), rng.randint(0, 9)
-        prompts.append({"problem": f"What is {a} + {b}?", "answer": str(a + b)})
-        right, wrong = rng.sample("abcdefghij", 2)
-        pairs.append({"problem": f"Repeat the letter {right}", "chosen": right, "rejected": wrong})
-    for name, rows in (("prompts", prompts), ("pairs", pairs)):
-        (root / f"{name}.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
-    common = dict(tokenizer_name_or_path=str(root / "model"), prompt_type="trl", workers=1)
-    preprocess(dict(input=str(root / "prompts.jsonl"), handler_name="R1AlpacaStyleInstructionHandler",
-                    output_prefix=str(root / "prompts/data"), map_keys={"prompt": "problem", "response": "answer"},
-                    dataset_additional_keys=["labels"], **common), progress=False)
+        prompts.append(random_addition(rng))
+        pairs.append(letter_pair(rng))
+    preprocess_prompts(prompts, root / "prompts.jsonl", root / "model", root / "prompts/data", prompt_type="trl",
+                       workers=1)
+    write_jsonl(root / "pairs.jsonl", pairs)
     preprocess(dict(input=str(root / "pairs.jsonl"), handler_name="AlpacaStylePairwiseHandler",
                     output_prefix=str(root / "pairs/data"),
-                    map_keys={"prompt": "problem", "chosen": "chosen", "rejected": "rejected"}, **common),
-               progress=False)
+                    map_keys={"prompt": "problem", "chosen": "chosen", "rejected": "rejected"},
+                    tokenizer_name_or_path=str(root / "model"), prompt_type="trl", workers=1), progress=False)
     return root
 
 
 def onpolicy_config(work: Path, stage: str, iters: int, rl: dict, name: str, save: bool = False):
-    from posttrain.config.run import run_config_from_dict
-
-    rl_config = {"output_dir": str(work / f"run_{name}"), "n_samples_per_prompt": 8, "mini_batch_size": 4,
-                 "verifier_function": ["e2e_lowercase"], "verifier_weight": [1.0],
-                 "verifier_modules": ["e2e_algo_verifiers"], "init_kl_coef": 0.0, "max_prompt_length": 64,
-                 "verifier_parallel": 1, "device": "cpu", **rl}
-    train = {"stage": stage, "global_batch_size": 4, "micro_batch_size": 32, "seq_length": 64, "train_iters": iters,
-             "lr": 3e-3, "lr_decay_style": "constant", "weight_decay": 0.0, "data_path": str(work / "prompts/data"),
-             "tokenizer_name_or_path": str(work / "model"), "seed": 1, "bf16": False,
-             "dataset_additional_keys": ["labels"], "prompt_type": "trl"}
+    train = {"stage": stage, "micro_batch_size": 32}
     if save:
         train["save"] = str(work / f"ckpt_{name}")
-    return run_config_from_dict({
-        "megatron_training": train, "rl_config": rl_config,
-        "generate_config": {"max_model_len": 64, "max_num_seqs": 256, "infer_tensor_parallel_size": 1,
-                            "sampling_config": {"max_tokens": 12, "temperature": 1.0, "top_k": -1, "top_p": 1.0}}},
-        name=name)
-
-
-def read_metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return run_config(work / "model", work / "prompts/data", work / f"run_{name}", name=name, iters=iters,
+                      megatron_training=train, rl_config={"mini_batch_size": 4, **rl})
 
 
 def test_ppo_raises_reward_and_saves_the_critic(work):
@@ -155,14 +123,10 @@ def test_dapo_dynamic_sampling_cap_raises_the_seed_error(work):
 
 
 def dpo_config(work: Path, iters: int, name: str, **keys):
-    from posttrain.config.run import run_config_from_dict
-
-    train = {"stage": "dpo", "global_batch_size": 32, "micro_batch_size": 16, "seq_length": 64, "train_iters": iters,
-             "lr": 1e-2, "lr_decay_style": "constant", "weight_decay": 0.0, "data_path": str(work / "pairs/data"),
-             "tokenizer_name_or_path": str(work / "model"), "seed": 1, "bf16": False, "is_pairwise_dataset": True,
-             "dpo_beta": 0.5, **keys}
-    return run_config_from_dict({"megatron_training": train,
-                                 "rl_config": {"output_dir": str(work / f"run_{name}"), "device": "cpu"}}, name=name)
+    return run_config(work / "model", work / "pairs/data", work / f"run_{name}", name=name, stage="dpo", iters=iters,
+                      megatron_training={"global_batch_size": 32, "micro_batch_size": 16, "lr": 1e-2,
+                                         "dataset_additional_keys": OMIT, "prompt_type": OMIT,
+                                         "is_pairwise_dataset": True, "dpo_beta": 0.5, **keys})
 
 
 def test_dpo_raises_accuracy_and_margin(work):

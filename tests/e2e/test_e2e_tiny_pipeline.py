@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.runs import read_jsonl
+
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
@@ -27,10 +29,6 @@ def run_script(name: str, *args: str) -> None:
     proc = subprocess.run(["bash", str(ROOT / "examples/tiny" / name), *args], cwd=ROOT, env=env, check=False,
                           capture_output=True, text=True, timeout=1500)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
 
 
 def first_last(values: list[float], k: int = 5) -> tuple[float, float]:

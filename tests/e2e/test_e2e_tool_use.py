@@ -9,12 +9,13 @@ from its last-but-one checkpoint must repeat the uninterrupted run's last iterat
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
+
+from tests.helpers.runs import read_metrics
 
 pytestmark = pytest.mark.slow
 ITERS = 8
@@ -48,7 +49,7 @@ def test_dapo_with_the_code_tool_learns_over_its_warm_start(demo):
     assert rl["tool"]["tool_calls"] >= 0.9  # it answers through the tool
     assert sft["no_tool"]["accuracy"] <= 0.05 and rl["no_tool"]["accuracy"] <= 0.05, s  # the no-tool baseline
     assert s["rewards"][-1] > s["rewards"][0]
-    rows = [json.loads(x) for x in (demo[0] / "rl" / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(demo[0] / "rl")
     for key in ("tool_call_num/mean", "tool_call_num/max", "tool_call_num/min", "timing/tool", "tool/calls",
                 "tool/seconds_per_call"):
         assert key in rows[-1], key
@@ -70,8 +71,8 @@ def test_a_resumed_multi_turn_run_repeats_the_uninterrupted_one(demo):
         f"actor_config.load={resumed}", f"actor_config.save={resumed}", "actor_config.finetune=false",
         f"rl_config.output_dir={out / 'resumed'}", f"megatron_training.train_iters={ITERS}", *OVERRIDES])
     train(cfg)
-    straight = [json.loads(x) for x in (out / "rl" / "metrics.jsonl").read_text().splitlines()][-1]
-    again = [json.loads(x) for x in (out / "resumed" / "metrics.jsonl").read_text().splitlines()][-1]
+    straight = read_metrics(out / "rl")[-1]
+    again = read_metrics(out / "resumed")[-1]
     assert again["iteration"] == straight["iteration"] == ITERS
     keys = [k for k in straight if not (k.startswith(("timing/", "tool/seconds")) or k.endswith("_tps") or k == "time")]
     assert "actor/pg_loss" in keys and "tool_call_num/mean" in keys

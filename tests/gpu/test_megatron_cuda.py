@@ -11,16 +11,13 @@ from __future__ import annotations
 
 import os
 import socket
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 megatron = pytest.importorskip("megatron.core")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "megatron"))
-from test_megatron_update import grpo_batch, hf_run, loss_fn  # noqa: E402
+from tests.megatron.test_megatron_update import grpo_batch, hf_run, loss_fn  # noqa: E402  (after the skip)
 
 
 @pytest.fixture(scope="module")

@@ -5,14 +5,10 @@ the same updates without offload."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit" / "train"))
-from offload_cases import moment_bytes, two_updates  # noqa: E402
+from tests.unit.train.offload_cases import moment_bytes, two_updates
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from test_grpo_loop import grpo_config, read_metrics
+from tests.helpers.runs import metrics_by_iteration
+from tests.integration.test_grpo_loop import grpo_config
 
 COMMON = {"megatron_training__train_iters": 4, "rl_config__mini_batch_size": 1}
 
@@ -26,7 +27,7 @@ def sync_run(tiny_model_dir, tiny_prompt_data, tmp_path_factory):
     torch.set_num_threads(1)
     out = tmp_path_factory.mktemp("sync")
     train(grpo_config(tiny_model_dir, tiny_prompt_data, out, **COMMON))
-    return read_metrics(out / "run")
+    return metrics_by_iteration(out / "run")
 
 
 def test_staleness_zero_equals_synchronous_training(sync_run, tiny_model_dir, tiny_prompt_data, tmp_path):
@@ -34,7 +35,7 @@ def test_staleness_zero_equals_synchronous_training(sync_run, tiny_model_dir, ti
 
     torch.set_num_threads(1)
     train(grpo_config(tiny_model_dir, tiny_prompt_data, tmp_path, **COMMON, rl_config__async_staleness=0))
-    k0 = read_metrics(tmp_path / "run")
+    k0 = metrics_by_iteration(tmp_path / "run")
     assert sorted(k0) == sorted(sync_run) == [1, 2, 3, 4]
     for it in k0:
         want = comparable(sync_run[it])
@@ -51,7 +52,7 @@ def test_staleness_one_trains_on_samples_one_version_old(sync_run, tiny_model_di
     torch.set_num_threads(1)
     train(grpo_config(tiny_model_dir, tiny_prompt_data, tmp_path, **COMMON, rl_config__async_staleness=1,
                       rl_config__rollout_correction="tis"))
-    k1 = read_metrics(tmp_path / "run")
+    k1 = metrics_by_iteration(tmp_path / "run")
     assert [k1[it]["rollout/staleness_max"] for it in (1, 2, 3, 4)] == [0.0, 1.0, 1.0, 1.0]
     assert all(k1[it]["rollout/dropped_stale"] == 0.0 for it in k1)
     # iterations 1 and 2 sample with the initial weights, as the synchronous run's first iteration
@@ -85,7 +86,7 @@ def straight_and_resumed(model, data, tmp_path, monkeypatch, over: dict) -> tupl
         train(grpo_config(model, data, tmp_path / "resumed", **over))
     monkeypatch.setattr(OnPolicyTrainer, "train_step", step)
     train(grpo_config(model, data, tmp_path / "resumed", **over, actor_config__load=str(tmp_path / "resumed" / "ckpt")))
-    a, b = read_metrics(tmp_path / "straight" / "run"), read_metrics(tmp_path / "resumed" / "run")
+    a, b = metrics_by_iteration(tmp_path / "straight" / "run"), metrics_by_iteration(tmp_path / "resumed" / "run")
     for it in (3, 4):
         for key, value in comparable(a[it]).items():
             assert b[it][key] == pytest.approx(value, rel=1e-5, abs=1e-7), (it, key)
@@ -136,7 +137,7 @@ def test_async_with_partial_rollout_keeps_staleness_within_its_bound(tiny_model_
     torch.set_num_threads(1)
     train(grpo_config(tiny_model_dir, tiny_prompt_data, tmp_path, **{**PARTIAL, "rl_config__partial_rollout_max_split": 2},
                       rl_config__async_staleness=1))
-    m = read_metrics(tmp_path / "run")
+    m = metrics_by_iteration(tmp_path / "run")
     assert sorted(m) == [1, 2, 3, 4]
     assert all(m[it]["rollout/staleness_max"] <= 1 + 2 - 1 for it in m)
     assert max(m[it]["rollout/staleness_max"] for it in m) >= 1

@@ -7,8 +7,9 @@ import json
 import pytest
 import torch
 
-from posttrain.config.run import run_config_from_dict
 from posttrain.reward.verifiers import register_verifier
+from tests.helpers.configs import OMIT, run_config
+from tests.helpers.runs import metrics_by_iteration
 
 
 @register_verifier("test_digit_share", overwrite=True)
@@ -18,28 +19,21 @@ def digit_share(response: str, label: str, **_) -> float:
 
 
 def grpo_config(model_dir, data, out, **over):
-    cfg = {
-        "megatron_training": {"stage": "ray_grpo", "global_batch_size": 2, "micro_batch_size": 4, "seq_length": 48,
-                              "train_iters": 1, "lr": 1e-3, "lr_decay_style": "constant", "weight_decay": 0.0,
-                              "tokenizer_name_or_path": str(model_dir), "data_path": data, "seed": 3,
-                              "dataset_additional_keys": ["labels"], "prompt_type": "default", "save": str(out / "ckpt"),
-                              "save_interval": 1},
-        "rl_config": {"n_samples_per_prompt": 4, "mini_batch_size": 2, "verifier_function": ["test_digit_share"],
-                      "verifier_weight": [1.0], "verifier_parallel": 0, "init_kl_coef": 0.01, "max_prompt_length": 48,
-                      "output_dir": str(out / "run"), "kl_penalty": "low_var_kl"},
-        "generate_config": {"max_model_len": 64, "max_num_seqs": 64, "infer_tensor_parallel_size": 1,
-                            "sampling_config": {"max_tokens": 8, "temperature": 1.0, "top_k": -1}},
-    }
-    cfg.setdefault("actor_config", {})
+    """The loop tests' GRPO run (checkpoints in ``out/ckpt`` every iteration, logs in ``out/run``);
+    ``over`` sets single keys as ``section__key=value``."""
+    sections = {"megatron_training": {"global_batch_size": 2, "micro_batch_size": 4, "seq_length": 48, "lr": 1e-3,
+                                      "seed": 3, "bf16": OMIT, "prompt_type": "default", "save": str(out / "ckpt"),
+                                      "save_interval": 1},
+                "rl_config": {"n_samples_per_prompt": 4, "verifier_function": ["test_digit_share"],
+                              "verifier_modules": OMIT, "verifier_parallel": 0, "init_kl_coef": 0.01,
+                              "max_prompt_length": 48, "kl_penalty": "low_var_kl", "device": OMIT},
+                "generate_config": {"max_num_seqs": 64,
+                                    "sampling_config": {"max_tokens": 8, "temperature": 1.0, "top_k": -1}},
+                "actor_config": {}}
     for key, value in over.items():
         section, name = key.split("__")
-        cfg[section][name] = value
-    return run_config_from_dict(cfg, name="grpo_test")
-
-
-def read_metrics(run_dir):
-    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["iteration"]: r for r in lines if "actor/pg_loss" in r}
+        sections[section][name] = value
+    return run_config(model_dir, data, out / "run", name="grpo_test", **sections)
 
 
 def test_one_iteration_changes_every_parameter(tiny_model_dir, tiny_prompt_data, tmp_path):
@@ -73,7 +67,7 @@ def test_resume_repeats_the_uninterrupted_run(tiny_model_dir, tiny_prompt_data, 
     train(grpo_config(tiny_model_dir, tiny_prompt_data, resumed, **{**common, "megatron_training__train_iters": 2}))
     train(grpo_config(tiny_model_dir, tiny_prompt_data, resumed,
                       **{**common, "actor_config__load": str(resumed / "ckpt")}))
-    a, b = read_metrics(straight / "run"), read_metrics(resumed / "run")
+    a, b = metrics_by_iteration(straight / "run"), metrics_by_iteration(resumed / "run")
     assert sorted(a) == [1, 2, 3, 4] and sorted(b) == [1, 2, 3, 4]
     state = json.loads((resumed / "ckpt" / "iter_0000002" / "trainer_state.json").read_text())
     assert state["num_threads"] == torch.get_num_threads()  # the resume runs with the same threads

@@ -7,7 +7,9 @@ import json
 
 import pytest
 import torch
-from test_grpo_loop import grpo_config, read_metrics
+
+from tests.helpers.runs import metrics_by_iteration
+from tests.integration.test_grpo_loop import grpo_config
 
 LORA = {"actor_config__lora_target_modules": ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"],
         "actor_config__lora_r": 4, "actor_config__lora_alpha": 8, "rl_config__share_backbone": True,
@@ -51,7 +53,7 @@ def test_a_lora_run_resumes_exactly(tiny_model_dir, tiny_prompt_data, tmp_path):
     train(grpo_config(tiny_model_dir, tiny_prompt_data, resumed, **{**common, "megatron_training__train_iters": 2}))
     assert (resumed / "ckpt" / "iter_0000002" / "base" / "model.safetensors").is_file()  # no filter: the base too
     train(grpo_config(tiny_model_dir, tiny_prompt_data, resumed, **{**common, "actor_config__load": str(resumed / "ckpt")}))
-    a, b = read_metrics(straight / "run"), read_metrics(resumed / "run")
+    a, b = metrics_by_iteration(straight / "run"), metrics_by_iteration(resumed / "run")
     assert sorted(a) == [1, 2, 3, 4] and sorted(b) == [1, 2, 3, 4]
     assert a[4]["actor/kl_loss"] > 0  # the reference (the adapter off) differs from the trained actor
     for it in (3, 4):

@@ -7,34 +7,18 @@ its share of lowercase-word tokens, so the policy can raise its score by writing
 
 from __future__ import annotations
 
-import json
-
 import pytest
-import torch
 
-
-@pytest.fixture()
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+from tests.helpers.configs import OMIT, run_config
+from tests.helpers.runs import read_metrics
 
 
 def rm_only_config(model_dir, rm_dir, data, out, iters):
-    from posttrain.config.run import run_config_from_dict
-
-    return run_config_from_dict({
-        "megatron_training": {"stage": "ray_grpo", "global_batch_size": 4, "micro_batch_size": 32, "seq_length": 64,
-                              "train_iters": iters, "lr": 1e-2, "lr_decay_style": "constant", "weight_decay": 0.0,
-                              "tokenizer_name_or_path": str(model_dir), "data_path": data, "seed": 1, "bf16": False,
-                              "dataset_additional_keys": ["labels"], "prompt_type": "default"},
-        "reward_config": {"load": str(rm_dir), "micro_batch_size": 16},
-        "rl_config": {"n_samples_per_prompt": 8, "mini_batch_size": 4, "rule_reward": False, "init_kl_coef": 0.0,
-                      "max_prompt_length": 64, "output_dir": str(out), "device": "cpu"},
-        "generate_config": {"max_model_len": 64, "max_num_seqs": 256, "infer_tensor_parallel_size": 1,
-                            "sampling_config": {"max_tokens": 12, "temperature": 1.0, "top_k": -1, "top_p": 1.0}},
-    }, name="grpo_reward_model")
+    return run_config(model_dir, data, out, name="grpo_reward_model", iters=iters,
+                      megatron_training={"micro_batch_size": 32, "lr": 1e-2, "prompt_type": "default"},
+                      reward_config={"load": str(rm_dir), "micro_batch_size": 16},
+                      rl_config={"mini_batch_size": 4, "rule_reward": False, "verifier_function": OMIT,
+                                 "verifier_weight": OMIT, "verifier_modules": OMIT, "verifier_parallel": OMIT})
 
 
 def test_grpo_raises_the_reward_model_score(mini_qwen2_dir, lowercase_rm_dir, tiny_prompt_data, tmp_path,
@@ -43,7 +27,7 @@ def test_grpo_raises_the_reward_model_score(mini_qwen2_dir, lowercase_rm_dir, ti
 
     iters = 12
     last = train(rm_only_config(mini_qwen2_dir, lowercase_rm_dir, tiny_prompt_data, tmp_path / "run", iters))
-    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(tmp_path / "run")
     scores = [r["reward_model/score/mean"] for r in rows if "reward_model/score/mean" in r]
     assert len(scores) == iters
     assert sum(scores[-3:]) / 3 > sum(scores[:3]) / 3 + 0.5, scores  # learning, not just running

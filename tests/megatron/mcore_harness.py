@@ -431,7 +431,10 @@ def _worker(rank: int, world_size: int, port: int, jobs: list, out_dir: str, tim
         os._exit(1)  # do not wait for peers stuck in a collective
 
 
-_CHILD = "import sys; sys.path.insert(0, sys.argv[1]); import mcore_harness; mcore_harness._worker_main(sys.argv[2:])"
+# each rank's entry point; the repository root goes on its PYTHONPATH, so that it imports this harness
+# as tests.megatron.mcore_harness
+ROOT = Path(__file__).resolve().parents[2]
+_CHILD = "import sys; from tests.megatron import mcore_harness; mcore_harness._worker_main(sys.argv[1:])"
 
 
 def _worker_main(argv: list[str]) -> None:
@@ -531,13 +534,13 @@ def mcore_run_many(
         port = _free_port()
         env = dict(os.environ, CUDA_DEVICE_MAX_CONNECTIONS="1")
         env.setdefault("OMP_NUM_THREADS", "1")
-        here = str(Path(__file__).resolve().parent)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
         procs, logs = [], []
         try:
             for r in range(world):
                 log = open(out / f"rank{r}.log", "wb")
                 logs.append(log)
-                cmd = [sys.executable, "-c", _CHILD, here, str(r), str(world), str(port), tmp, str(timeout_s)]
+                cmd = [sys.executable, "-c", _CHILD, str(r), str(world), str(port), tmp, str(timeout_s)]
                 procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tmp))
             deadline = time.monotonic() + timeout_s
             timed_out = False

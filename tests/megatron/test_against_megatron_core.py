@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from mcore_harness import hf_reference_logits, mcore_logits
 
 from posttrain.cli import main
+from tests.megatron.mcore_harness import hf_reference_logits, mcore_logits
 
 pytestmark = pytest.mark.slow
 

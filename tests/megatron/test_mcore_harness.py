@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mcore_harness import (
+from tests.megatron.mcore_harness import (
     HarnessError,
     hf_reference_logits,
     load_shard,

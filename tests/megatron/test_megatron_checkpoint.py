@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_megatron_update import LR, grpo_batch, loss_fn
-from spawn_ranks import run_on_ranks
+
+from tests.megatron.spawn_ranks import run_on_ranks
+from tests.megatron.test_megatron_update import LR, grpo_batch, loss_fn
 
 pytestmark = pytest.mark.slow
 

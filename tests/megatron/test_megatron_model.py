@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from spawn_ranks import run_on_ranks
-from test_megatron_update import TEMPERATURE, grpo_batch
+
+from tests.megatron.spawn_ranks import run_on_ranks
+from tests.megatron.test_megatron_update import TEMPERATURE, grpo_batch
 
 pytestmark = pytest.mark.slow
 

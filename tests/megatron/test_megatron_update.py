@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from spawn_ranks import run_on_ranks
+
+from tests.megatron.spawn_ranks import run_on_ranks
 
 pytestmark = pytest.mark.slow
 TEMPERATURE, LR = 0.9, 1e-2

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from spawn_ranks import run_on_ranks
+
+from tests.megatron.spawn_ranks import run_on_ranks
 
 pytestmark = pytest.mark.slow
 

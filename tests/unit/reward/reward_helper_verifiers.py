@@ -1,7 +1,9 @@
-"""Verifiers used by the reward tests (imported by name in worker processes; not a test file)."""
+"""Verifiers used by the reward tests (imported by name, ``tests.unit.reward.reward_helper_verifiers``, in
+worker processes; not a test file)."""
 
 import os
 import time
+from pathlib import Path
 
 from posttrain.reward.verifiers import register_verifier
 
@@ -49,3 +51,19 @@ def alloc(response: str, label: str, **kw) -> float:
     """Asks for ``response`` GiB at once (beyond the worker's address-space limit)."""
     buf = bytearray(int(response) << 30)
     return float(len(buf) > 0)
+
+
+@register_verifier("t_r11_fork")
+def forking_verifier(response: str, label: str, **kw) -> float:
+    """Forks a child that sleeps 60 s and writes its pid to the file ``label``; then sleeps
+    60 s itself (``response == "hang"``) or returns 1.0."""
+    pid = os.fork()
+    if pid == 0:
+        try:
+            time.sleep(60)
+        finally:
+            os._exit(0)
+    Path(label).write_text(str(pid))
+    if response == "hang":
+        time.sleep(60)
+    return 1.0

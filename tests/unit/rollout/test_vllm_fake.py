@@ -26,6 +26,7 @@ import torch
 
 from posttrain.reward.verifiers import register_verifier
 from posttrain.rollout.base import SamplingParams
+from tests.helpers.runs import read_metrics
 
 ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
 
@@ -409,7 +410,7 @@ def test_the_trainer_syncs_the_weights_after_every_update(fake_vllm, mini_qwen2_
         assert all(torch.equal(weights[k], after_update[it][k]) for k in after_update[it])
     per_iteration = ["wake_up:kv_cache", "generate:2", "sleep:1", "wake_up:weights", "load*", "reset_prefix_cache"]
     assert compress(llm.events) == ["load*", "reset_prefix_cache", *per_iteration[1:], *per_iteration * 2]
-    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    lines = read_metrics(tmp_path / "run")
     metrics = [r for r in lines if "actor/pg_loss" in r]
     assert [r["iteration"] for r in metrics] == [1, 2, 3]
     assert all(r["timing/resharding_to_infer"] >= 0 for r in metrics)

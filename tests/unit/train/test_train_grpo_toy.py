@@ -14,7 +14,7 @@ from posttrain.train.loss_fns import make_actor_loss_fn
 from posttrain.train.options import ActorLossOptions
 from posttrain.train.optim import build_lr_scheduler, build_optimizer
 
-from test_train_engine import tiny_model  # noqa: E402
+from tests.unit.train.test_train_engine import tiny_model
 
 TARGET, TEMPERATURE, GROUP, STEPS = 7, 0.7, 8, 3
 

@@ -10,7 +10,7 @@ from transformers import Qwen2Config, Qwen2ForTokenClassification
 from posttrain.train.engine import TrainEngine
 from posttrain.train.loss_fns import make_critic_loss_fn, make_dpo_loss_fn, make_sft_loss_fn, sequence_logps
 
-from test_train_engine import make_batch, tiny_model  # noqa: E402  (same folder, on sys.path via rootdir)
+from tests.unit.train.test_train_engine import make_batch, tiny_model
 
 
 def test_sft_loss_decreases_and_is_token_mean_nll():

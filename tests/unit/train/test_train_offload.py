@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from offload_cases import moment_bytes, two_updates
+from tests.unit.train.offload_cases import moment_bytes, two_updates
 
 from posttrain.config.run import run_config_from_dict
 
@@ -32,7 +32,7 @@ def test_fsdp2_state_goes_to_the_host_and_comes_back_unchanged():
     """FSDP2's optimizer state is DTensors: the storage of each rank's local shard is what moves
     (one rank of a fake 2-rank group; the collectives do nothing, the state is real)."""
     import torch.distributed as dist
-    from offload_cases import tiny_model
+    from tests.unit.train.offload_cases import tiny_model
     from torch.distributed.fsdp import fully_shard
     from torch.testing._internal.distributed.fake_pg import FakeStore
 

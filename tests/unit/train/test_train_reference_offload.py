@@ -6,7 +6,7 @@ from __future__ import annotations
 import copy
 
 import torch
-from offload_cases import batch, tiny_model
+from tests.unit.train.offload_cases import batch, tiny_model
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from posttrain.train.engine import TrainEngine

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cluster_helpers import grpo_config
+
+from tests.cluster.cluster_helpers import grpo_config
 
 
 def test_uses_ray_for_more_than_one_device_or_an_address(tmp_path, monkeypatch):

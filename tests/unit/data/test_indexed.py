@@ -7,6 +7,7 @@ import struct
 import numpy as np
 import pytest
 
+from posttrain.data.datasets import PromptDataset
 from posttrain.data.indexed import IndexedDataset, IndexedDatasetBuilder
 from posttrain.errors import DataError
 
@@ -117,3 +118,87 @@ def torch_tensor(seq):
     import torch
 
     return torch.tensor(seq, dtype=torch.int32)
+
+
+# ---- a corrupt .idx is detected when the dataset is opened (the reliability probe) -------------------
+ROWS = 1000  # 4 tokens each: the input_ids .bin has 16000 bytes, as in the probe
+HEADER = 34  # magic 9 + version 8 + dtype 1 + count 8 + document count 8
+
+
+def _prompt_dataset(tmp_path) -> str:
+    """A prompt dataset written with the project's writer: 1000 prompts of 4 tokens, answers of 1-3."""
+    prefix = str(tmp_path / "data")
+    rng = np.random.default_rng(0)
+    lengths = {"input_ids": np.full(ROWS, 4), "attention_mask": np.full(ROWS, 4),
+               "labels": rng.integers(1, 4, ROWS)}
+    for key, lens in lengths.items():
+        b = IndexedDatasetBuilder(f"{prefix}_packed_{key}_document.bin")
+        b.add_items(rng.integers(1, 300, int(lens.sum())), lens)
+        b.finalize(f"{prefix}_packed_{key}_document.idx")
+    return prefix
+
+
+def _reads(ds: PromptDataset) -> list[list[list[int]]]:
+    return [[v.tolist() for v in ds[i].values()] for i in range(len(ds))]
+
+
+def _pointer_500_far_out(raw: bytearray, rng) -> None:
+    o = HEADER + 4 * ROWS + 8 * 500
+    raw[o:o + 8] = struct.pack("<q", 10**12)
+
+
+def _length_10_is_2_30(raw: bytearray, rng) -> None:
+    o = HEADER + 4 * 10
+    raw[o:o + 4] = struct.pack("<i", 2**30)
+
+
+def _pointers_0_to_n_2_past_the_end(raw: bytearray, rng) -> None:
+    o = HEADER + 4 * ROWS
+    raw[o:o + 8 * (ROWS - 1)] = np.full(ROWS - 1, 16000, np.int64).tobytes()
+
+
+def _pointers_0_to_n_2_shuffled(raw: bytearray, rng) -> None:
+    o = HEADER + 4 * ROWS
+    ptrs = np.frombuffer(bytes(raw[o:o + 8 * (ROWS - 1)]), np.int64).copy()
+    rng.shuffle(ptrs)
+    raw[o:o + 8 * (ROWS - 1)] = ptrs.tobytes()
+
+
+CORRUPTIONS = {
+    "pointer_far_out": (_pointer_500_far_out,
+                        r"input_ids_document\.idx: row 500 points at byte 1000000000000 but the \.bin has 16000 bytes"
+                        r"; re-run posttrain preprocess"),
+    "length_2_30": (_length_10_is_2_30, r"input_ids_document\.idx: row 10 is 1073741824 tokens long"),
+    "pointers_0_to_n_2_past_the_end": (_pointers_0_to_n_2_past_the_end,
+                                       r"input_ids_document\.idx: row 0 is 4 tokens long \(16 bytes from byte 16000\)"),
+    "pointers_0_to_n_2_shuffled": (_pointers_0_to_n_2_shuffled, r"input_ids_document\.idx: row \d+ points at byte \d+"),
+}
+
+
+@pytest.mark.parametrize("case", list(CORRUPTIONS) + [f"byte_flips_seed{s}_{n}" for s in range(12) for n in (1, 50)])
+def test_corrupt_index_names_the_file_and_row(tmp_path, case):
+    """Probes D24, D25, D26, D27: a pointer far out, a length of 2^30, pointers past the end or shuffled, random byte flips."""
+    prefix = _prompt_dataset(tmp_path)
+    before = _reads(PromptDataset(prefix))
+    idx = f"{prefix}_packed_input_ids_document.idx"
+    raw = bytearray(open(idx, "rb").read())
+    if case in CORRUPTIONS:
+        corrupt, message = CORRUPTIONS[case]
+        corrupt(raw, np.random.default_rng(1))
+        open(idx, "wb").write(bytes(raw))
+        with pytest.raises(DataError, match=message):
+            PromptDataset(prefix)
+        with pytest.raises(DataError, match=message):  # the reader itself, not only the dataset
+            IndexedDataset(idx[: -len(".idx")])
+        return
+    seed, flips = (int(x) for x in case[len("byte_flips_seed"):].split("_"))
+    rng = np.random.default_rng(seed)
+    for pos in rng.choice(len(raw), size=flips, replace=False):
+        raw[pos] = (raw[pos] + int(rng.integers(1, 256))) % 256  # always a different byte
+    open(idx, "wb").write(bytes(raw))
+    try:
+        after = _reads(PromptDataset(prefix))
+    except DataError as err:
+        assert "input_ids_document.idx" in str(err) or "input_ids_document.bin" in str(err), err
+        return
+    assert after == before, "a corrupt index was read as different data without an error"

@@ -3,6 +3,7 @@
 import errno
 import os
 import random
+import stat
 
 import numpy as np
 import pytest
@@ -11,17 +12,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen2
 
 from posttrain import checkpoint as ckpt
 from posttrain.errors import CheckpointError
+from tests.helpers.runs import run_cli, tree
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny matmuls: ~40x slower with 2 threads on a loaded 2-core box
 
 IDS = torch.tensor([[1, 5, 9, 13, 2, 7], [3, 3, 8, 60, 1, 0]])
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny matmuls are ~40x slower with 2 OpenMP threads on a loaded 2-core machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def tiny(seed=0, tie=False, hidden=32):
@@ -257,3 +252,41 @@ def test_extra_part_round_trip(tmp_path, trained):
     ckpt.load_checkpoint(tmp_path, tiny(6), no_load_rng=True,
                          extra={"critic": ckpt.Part(critic2, copt2, csched2)})
     assert same_params(critic, critic2) and csched2.last_epoch == 1
+
+
+# ---- files a user can read, and a symlink never followed (the reliability probe) -------------------
+def test_model_and_checkpoint_files_are_readable(tmp_path, capsys, mini_world):
+    """Probe O15: the modes of init-model's and a checkpoint's files under umask 022."""
+    from transformers import AutoModelForCausalLM
+
+    from posttrain.checkpoint import save_checkpoint
+
+    old = os.umask(0o022)
+    try:
+        assert run_cli(["init-model", "--output", str(tmp_path / "m")], capsys)[0] == 0
+        model = AutoModelForCausalLM.from_pretrained(mini_world / "model")
+        save_checkpoint(tmp_path / "ckpt", 1, model)
+    finally:
+        os.umask(old)
+    for root in (tmp_path / "m", tmp_path / "ckpt" / "iter_0000001"):
+        assert stat.S_IMODE(root.stat().st_mode) == 0o755, root
+        for f in root.iterdir():
+            assert stat.S_IMODE(f.stat().st_mode) == 0o644, f
+
+
+def test_moved_aside_symlink_is_removed_and_its_target_kept(mini_world, tmp_path):
+    """Probe O13: the iter_* directory a save replaces is a symlink to a user's directory."""
+    from transformers import AutoModelForCausalLM
+
+    from posttrain.checkpoint import save_checkpoint
+
+    user = tmp_path / "userdir"
+    user.mkdir()
+    (user / "f.txt").write_text("mine")
+    save = tmp_path / "ckpt"
+    save.mkdir()
+    (save / "iter_0000001").symlink_to(user, target_is_directory=True)
+    save_checkpoint(save, 1, AutoModelForCausalLM.from_pretrained(mini_world / "model"))
+    assert sorted(p.name for p in save.iterdir()) == ["iter_0000001", "latest_checkpointed_iteration.txt"]
+    assert not (save / "iter_0000001").is_symlink()
+    assert tree(user) == ["f.txt"]

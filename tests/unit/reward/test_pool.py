@@ -3,14 +3,17 @@ inputs, reuse across calls, weights and metrics."""
 
 import os
 import time
+from pathlib import Path
 
 import pytest
 
-import reward_helper_verifiers  # noqa: F401  (registers t_* verifiers in this process)
 from posttrain.errors import ConfigError
+from posttrain.reward.pool import VerifierPool
 from posttrain.reward.rule_reward import RuleReward
+from posttrain.reward.verifiers import VERIFIERS
+from tests.unit.reward import reward_helper_verifiers  # noqa: F401  (registers t_* verifiers in this process)
 
-MODULES = ["reward_helper_verifiers"]
+MODULES = ["tests.unit.reward.reward_helper_verifiers"]
 
 
 def _alive(pid: int) -> bool:
@@ -18,11 +21,10 @@ def _alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    # a zombie still answers kill(0); treat it as dead
-    try:
+    try:  # a zombie still answers kill(0); it is dead
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().split()[2] != "Z"
-    except FileNotFoundError:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
         return False
 
 
@@ -174,3 +176,45 @@ def test_from_options():
     with RuleReward.from_options(options) as rr:
         batch = rr.score_detailed(["\\boxed{3}"] * 2, ["3"] * 2, response_lengths=[4, 7])
     assert batch.scores == [2.0, 1.5]  # 7 tokens: exceed 1 of buffer 2 -> -0.5
+
+
+# ---- a verifier's children die with it (the reliability probe, docs/reliability.md) -----------------
+def _gone_within(pid: int, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if not _alive(pid):
+            return True
+        time.sleep(0.02)
+    return not _alive(pid)
+
+
+def _read_pid(path: Path) -> int:
+    deadline = time.monotonic() + 5
+    while not path.exists() or not path.read_text():
+        assert time.monotonic() < deadline, f"{path} was not written"
+        time.sleep(0.02)
+    return int(path.read_text())
+
+
+def test_timed_out_verifier_children_are_killed(tmp_path):
+    """Probe R11: a verifier that forks a sleeping child (``t_r11_fork``), timed out and returning."""
+    spec = VERIFIERS.get("t_r11_fork")
+    hang, ret = tmp_path / "hang.pid", tmp_path / "return.pid"
+    pids = []
+    pool = VerifierPool([spec], num_workers=1, timeout=1.0, modules=MODULES)
+    try:
+        scores, status, errors = pool.run([(0, "hang", str(hang), {}), (0, "return", str(ret), {})])
+        assert status == [1, 0] and scores == [0.0, 1.0], errors
+        pids += [_read_pid(hang), _read_pid(ret)]
+        # the timed-out item's child went with its worker's process group
+        assert _gone_within(pids[0], 3.0), "the timed-out verifier's child survived its timeout"
+        assert _alive(pids[1])  # a finished item's child lives until the pool closes...
+        pool.close()
+        assert _gone_within(pids[1], 3.0), "a verifier's child survived the pool's close()"  # ...not longer
+    finally:
+        pool.close()
+        for pid in pids:  # never leave a sleeper behind, even when an assertion failed
+            try:
+                os.kill(pid, 9)
+            except OSError:
+                pass

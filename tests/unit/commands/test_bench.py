@@ -9,6 +9,7 @@ import yaml
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from posttrain.commands import bench as bench_cmd
+from tests.helpers.runs import forbid, run_cli, write_config
 
 
 def _model():
@@ -86,3 +87,21 @@ def test_bench_cli_end_to_end(tiny_model_dir, tmp_path, sum_prompts):
     assert ("aten::mm" in profile or "mkldnn::_linear_pointwise" in profile)  # the BLAS or oneDNN (cpu_linear)
     assert "timing/update" in profile and "timing/rollout" in profile
     assert json.loads((tmp_path / "prof" / "trace.json").read_text())["traceEvents"]
+
+
+@pytest.mark.parametrize("flag,kind", [("--output", "dir"), ("--output", "file"), ("--profile", "file"),
+                                       ("--profile", "dir_with_profile")])
+def test_outputs_are_checked_before_the_work(mini_world, tmp_path, capsys, monkeypatch, flag, kind):
+    """Probe X17: ``--output`` or ``--profile`` an existing directory or file."""
+    target = tmp_path / "target"
+    if kind == "dir":
+        target.mkdir()
+    elif kind == "file":
+        target.write_text("mine")
+    else:
+        target.mkdir()
+        (target / "profile.txt").write_text("mine")
+    forbid(monkeypatch, "posttrain.commands.bench:bench")
+    code, err = run_cli(["bench", *write_config(mini_world, tmp_path / "run"), flag, str(target)], capsys)
+    assert code == 2 and f"{flag} {target}" in err
+    assert not [p for p in tmp_path.rglob(".*tmp*")]

@@ -5,10 +5,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from posttrain.data import preprocess as pp
 from posttrain.data.datasets import (PairwiseDataset, PromptDataset, ResumableSampler, SFTDataset,
                                      position_ids, split_range)
 from posttrain.data.indexed import IndexedDatasetBuilder
 from posttrain.errors import ConfigError, DataError
+from tests.unit.data.test_preprocess import _cfg, _jsonl_bytes, _row
 
 
 def _write(prefix, key, seqs):
@@ -123,3 +125,25 @@ def test_sampler_full_shuffle_mixes_epochs():
         ResumableSampler(4, 2, full_shuffle=True)
     with pytest.raises(ConfigError, match="larger than"):
         ResumableSampler(4, 5)
+
+
+# ---- bad datasets are refused when opened (the reliability probe) ------------------------------------
+def test_empty_prompt_names_the_file_and_row(tmp_path):
+    """Probes D24, D25, D26, D27: a prompt dataset whose row 7 has no tokens (a consistent index) is refused when opened."""
+    prefix = str(tmp_path / "data")
+    for key, lens in (("input_ids", [3] * 7 + [0] + [3] * 2), ("labels", [1] * 10)):
+        b = IndexedDatasetBuilder(f"{prefix}_packed_{key}_document.bin")
+        b.add_items(np.ones(sum(lens)), np.array(lens))
+        b.finalize(f"{prefix}_packed_{key}_document.idx")
+    with pytest.raises(DataError, match=r"input_ids_document\.idx: row 7 is an empty prompt"):
+        PromptDataset(prefix)
+
+
+def test_sft_dataset_refuses_a_prompt_dataset(tmp_path, tok_dir):
+    """Probe D29: the sft stage pointed at an RL prompt dataset."""
+    path = _jsonl_bytes(tmp_path / "in.jsonl", [_row("What is 1 + 1?", "2"), _row("What is 2 + 2?", "4")])
+    pp.preprocess(_cfg(tmp_path, tok_dir, path), progress=False)
+    prefix = str(tmp_path / "out" / "data")
+    with pytest.raises(DataError, match=rf"data_path {prefix} is not an SFT dataset: row 0 has \d+ input_ids tokens "
+                                        r"but 1 labels.*handler_name=AlpacaStyleInstructionHandler"):
+        SFTDataset(prefix, seq_length=32)

@@ -1,32 +1,208 @@
-"""Regression tests for the reward defects of the reliability probe (issue 14, reward part).
+"""Table-driven tests of every built-in verifier: each score value, positive and negative cases."""
 
-R3  a deeply nested ``\\frac`` scored 1.0 for a wrong label (math-verify read a part of it);
-R4  an unclosed ``\\boxed{1+1+…`` matched label ``1`` by its last token;
-R5  identical huge numbers scored 0 (no parser could read them);
-R11 a verifier's child processes outlived its timeout and the command.
-
-Also: the new rules (same spelling first, no parsing of deep nesting, no partial extraction)
-give the old scores on a few hundred ordinary answers.
-
-This module is also imported by name in the pool's worker processes (``MODULES``): it registers
-the ``t_r11_fork`` verifier there.
-"""
-
-import os
 import random
-import time
+import re
 from fractions import Fraction
-from pathlib import Path
 
 import pytest
 
-from posttrain.reward.pool import VerifierPool
-from posttrain.reward.verifiers import VERIFIERS, register_verifier
-from posttrain.reward.verifiers.extract import r1_format_ok
+from posttrain.reward.verifiers import VERIFIERS
+from posttrain.reward.verifiers.extract import last_boxed, r1_format_ok
+from posttrain.reward.verifiers.seed_math import math_equal
 
-MODULES = ["test_reliability_reward"]
+R1 = ("<think>\nStep 1: 30 + 4 = 34.\nStep 2: check the sum.\nStep 3: done.\n</think>\n"
+      "<answer>The answer is \\boxed{34}</answer>")
 
 
+@pytest.mark.parametrize("name", ["format", "strict_format", "step", "base_acc", "acc"])
+def test_seed_example_scores_one(name):
+    # the seed's tests/ut/models/test_verifier.py: one R1-format response with \boxed{34}
+    assert VERIFIERS.get(name).fn(R1, "34") == 1.0
+
+
+CASES = {
+    "format": [
+        (R1, "34", 1.0),
+        ("<think>a</think><answer>b</answer>", "", 1.0),
+        ("<think>a</think>\n<answer>b</answer>\ntrailing", "", 1.0),  # seed's MULTILINE $
+        ("<think>a</think>x<answer>b</answer>", "", 0.0),
+        ("<answer>b</answer>", "", 0.0),
+        ("<think>a</think><answer>b</answer> tail", "", 0.0),
+    ],
+    "strict_format": [
+        (R1, "34", 1.0),
+        ("<think>a</think><answer>17</answer>", "", -0.5),                        # no boxed
+        ("<think>a</think><answer>\\boxed{1}\\boxed{2}</answer>", "", -0.5),       # two boxed
+        ("<think>a</think><answer>\\boxed{1}</answer> extra", "", -0.5),           # not at the end
+        ("<think>a</think>\\boxed{1}<answer></answer>", "", -0.5),                 # boxed outside
+        ("<think><think>a</think><answer>\\boxed{1}</answer>", "", -0.5),          # two <think>
+    ],
+    "step": [
+        (R1, "", 1.0),
+        ("First, add. Next, carry.", "", pytest.approx(2 / 3)),
+        ("1. a\n2. b", "", pytest.approx(1 / 3)),  # ^ without MULTILINE: only the first line
+        ("no steps here", "", 0.0),
+    ],
+    "base_acc": [
+        (R1, "34", 1.0),
+        (R1, "35", 0.0),
+        ("\\boxed{34}", "34", 0.0),  # format required
+        ("<think>a</think><answer>\\boxed{\\frac{1}{2}}</answer>", "0.5", 1.0),
+    ],
+    "acc": [
+        (R1, "34", 1.0),
+        (R1, "35", -0.5),
+        ("the answer is 34", "34", -1.0),     # no boxed
+        ("\\boxed{}", "34", -1.0),            # nothing extracted
+        ("<|im_start|>assistant\n\\boxed{34}<|im_end|>\\boxed{35}", "34", 1.0),
+        ("\\boxed{50\\%}", "0.5", 1.0),       # percentage tolerance
+        ("\\boxed{1.0001}", "1", 1.0),        # rel_tol 1e-4
+        ("\\boxed{1.1}", "1", -0.5),
+        ("\\boxed{x+2n+1}", "x+1", -0.5),
+        ("\\boxed{\\dfrac{1}{2}}", "\\frac12", 1.0),
+    ],
+    "math_17k_acc": [
+        ("so \\boxed{34}", "34", 1.0),
+        ("\\boxed{33} no, \\boxed{35}", "34", 0.0),
+        ("34", "34", 0.0),
+        ("\\boxed{\\dfrac{1}{2}}", "\\frac12", 1.0),
+        ("\\boxed{1+x}", "x+1", 1.0),
+    ],
+    "acc_for_ppo": [
+        ("\\boxed{34}", "34", 1.0),
+        ("\\boxed{35}", "34", 0.0),
+    ],
+    "acc_for_dapo": [
+        ("work...\nAnswer: 34", "34", 1.0),
+        ("Answer: $34$ dollars", "34", 1.0),
+        ("Answer: 1,000", "1000", 1.0),
+        ("Answer: \\frac12", "\\frac{1}{2}", 1.0),
+        ("Answer: 35", "34", -1.0),
+        ("34", "34", -1.0),
+        ("Answer: 34" + "x" * 400, "34", -1.0),  # only the last 300 characters count
+    ],
+    "math_verify_reward": [
+        (R1, "34", 1.0),
+        (R1, "35", 0.0),
+        ("\\boxed{34}", "34", 0.0),  # format required
+    ],
+    "math_equiv": [
+        ("... so the answer is 17.", "17", 1.0),
+        ("<answer>17</answer>", "17", 1.0),
+        ("<answer>The answer is 17.</answer>", "17", 1.0),
+        ("<answer>The answer is 16.</answer>", "17", 0.0),
+        ("\\boxed{17}", "17", 1.0),
+        ("\\boxed{16 or 17}", "17", 0.0),
+        ("\\boxed{17.0}", "17", 1.0),
+        ("\\boxed{1,000}", "1000", 1.0),
+        ("\\boxed{\\frac{1}{2}}", "0.5", 1.0),
+        ("\\boxed{x+1}", "1+x", 1.0),
+        ("the answer is 18.", "17", 0.0),
+        ("\\boxed{16}", "17", 0.0),
+        ("\\boxed{}", "17", 0.0),
+        ("no answer", "17", 0.0),
+        ("\\boxed{17}", "", 0.0),
+    ],
+    "answer_number": [
+        ("<answer>17</answer>", "17", 1.0),
+        ("<answer>x = 17.0</answer>", "17", 1.0),
+        ("<answer>17</answer>", "Natalia sold 48/2 = 24 ... #### 17", 1.0),
+        ("<answer>16</answer>", "17", 0.0),
+        ("17", "17", 0.0),  # no tag
+    ],
+    "last_number": [
+        ("3 + 14 = 17.", "17", 1.0),
+        ("it costs $1,000", "1000", 1.0),
+        ("0.75", "3/4", 1.0),
+        ("17 then 18", "17", 0.0),
+        ("no number", "17", 0.0),
+    ],
+    "answer_is": [
+        ("7 * 8 = 56. The answer is 56.", "56", 1.0),
+        ("The Answer is: **56**", "56", 1.0),
+        ("the answer is 1,200 dollars", "1200", 1.0),
+        ("The answer is 7 * 8.", "56", 0.0),  # math_equiv evaluates this to 56: the demo's reward hack
+        ("The answer is 55. No, the answer is 56.", "56", 1.0),  # the last statement counts
+        ("7 * 8 = 56", "56", 0.0),  # no statement
+    ],
+    "gsm8k": [
+        ("so #### 72", "72", 1.0),
+        ("#### 72", "She sold 48 + 24 = 72 clips.\n#### 72", 1.0),
+        ("72", "72", 0.0),
+        ("#### 71", "72", 0.0),
+    ],
+    "retool_reward": [
+        ("\\boxed{34}", "34", 1.0),
+        ("\\boxed{35}", "34", -1.0),
+    ],
+}
+
+
+@pytest.mark.parametrize("name,response,label,expected",
+                         [(n, r, lab, e) for n, rows in CASES.items() for r, lab, e in rows])
+def test_verifier_table(name, response, label, expected):
+    assert VERIFIERS.get(name).fn(response, label) == expected
+
+
+def test_every_score_value_is_covered():
+    seen = {name: {e for _, _, e in rows if isinstance(e, float)} for name, rows in CASES.items()}
+    assert seen["acc"] == {1.0, -0.5, -1.0}
+    assert seen["strict_format"] == {1.0, -0.5}
+    assert seen["acc_for_dapo"] == {1.0, -1.0}
+    for name in ("format", "base_acc", "math_17k_acc", "acc_for_ppo", "math_verify_reward", "math_equiv"):
+        assert seen[name] == {1.0, 0.0}, name
+
+
+def test_retool_tool_call_shaping():
+    fn = VERIFIERS.get("retool_reward").fn
+    assert fn("\\boxed{35}", "34", tool_call_num=3) == pytest.approx(-0.7)
+    assert fn("\\boxed{35}", "34", tool_call_num=20) == 0.0
+    assert fn("\\boxed{34}", "34", tool_call_num=20) == 1.0
+
+
+def test_seed_grader_values():
+    # the seed's tests/ut/utils/test_grader.py
+    assert not math_equal("x+1", "x+2n+1")
+    assert math_equal("1", "1.0")
+    assert math_equal("1", "1.0001")
+    assert not math_equal("1", "1.1")
+
+
+_TOKENS = ["<think>", "</think>", "<answer>", "</answer>", "\\boxed{", "}", "x", "\n", " "]
+
+
+def _random_texts(n=3000, seed=0):
+    rng = random.Random(seed)
+    texts = []
+    for _ in range(n):
+        parts = [rng.choice(_TOKENS) for _ in range(rng.randint(0, 10))]
+        if rng.random() < 0.5:
+            parts = ["<think>"] + parts + ["</answer>"]
+        texts.append("".join(parts))
+    return texts
+
+
+def test_linear_format_checks_match_the_seed_regexes():
+    loose = re.compile(r"^<think>.*?</think>\s*<answer>.*?</answer>$", re.DOTALL | re.MULTILINE)
+    full = re.compile(r"<think>.*</think>.*<answer>.*\\boxed\{.*\}.*</answer>", re.DOTALL)
+    fmt = VERIFIERS.get("format").fn
+    for text in _random_texts():
+        assert fmt(text, "") == (1.0 if loose.match(text) else 0.0), repr(text)
+        assert r1_format_ok(text) == bool(full.fullmatch(text)), repr(text)
+
+
+def test_last_boxed_brace_matching():
+    assert last_boxed("\\boxed{a} then \\boxed{\\frac{1}{2}}") == "\\frac{1}{2}"
+    assert last_boxed("\\boxed{unclosed {") is None
+    assert last_boxed("no box") is None
+    assert last_boxed("\\boxed 5$") == "5"
+
+
+# ---- hostile answers (the reliability probe, docs/reliability.md) ------------------------------------
+# Regression tests for the reward defects of the probe (issue 14, reward part): a deeply nested
+# ``\frac`` scored 1.0 for a wrong label (R3), an unclosed ``\boxed{1+1+...`` matched label ``1`` by
+# its last token (R4), identical huge numbers scored 0 (R5). The new rules (same spelling first, no
+# parsing of deep nesting, no partial extraction) give the old scores on a few hundred ordinary answers.
 def score(name: str, response: str, label: str) -> float:
     return VERIFIERS.get(name).fn(response, label)
 
@@ -36,11 +212,9 @@ def nested_fraction(depth: int) -> str:
     return "\\frac{1}{" * depth + "2" + "}" * depth
 
 
-# ---------------------------------------------------------------- R3
-
-
 @pytest.mark.parametrize("depth", [60, 120, 200])
-def test_R3_deeply_nested_fraction_scores_wrong_label_0(depth):
+def test_deeply_nested_fraction_scores_a_wrong_label_0(depth):
+    """Probe R3: a fraction nested 60 to 200 deep, scored against a wrong label and against its own spelling."""
     e = nested_fraction(depth)  # value 2
     boxed, r1 = "\\boxed{" + e + "}", "<think>x</think> <answer>\\boxed{" + e + "}</answer>"
     for wrong in ("0.5", "\\frac{1}{2}"):
@@ -58,8 +232,9 @@ def test_R3_deeply_nested_fraction_scores_wrong_label_0(depth):
         assert score(name, response, e) == 1.0, name
 
 
-def test_R3_a_piece_of_a_nested_fraction_is_not_the_answer():
+def test_a_piece_of_a_nested_fraction_is_not_the_answer():
     # math-verify finds a bare \frac{1}{2} inside LaTeX written without $ delimiters
+    """Probe R3: math-verify read a bare fraction inside a nested one."""
     e = "\\frac{1}{\\frac{1}{2}}"  # value 2
     assert score("math_equiv", "<answer>" + e + "</answer>", "0.5") == 0.0
     assert score("math_equiv", "<answer>" + e + "</answer>", "2") == 1.0
@@ -80,10 +255,8 @@ def test_moderately_nested_fractions_are_still_compared(depth):
         assert score(name, boxed, other) == 0.0
 
 
-# ---------------------------------------------------------------- R4
-
-
-def test_R4_unclosed_box_scores_0():
+def test_unclosed_box_scores_0():
+    """Probe R4: an unclosed box of 25,000 terms against label 1."""
     huge = "1+" * 25000  # 50 KB, as in the probe
     assert score("math_equiv", "\\boxed{" + huge, "1") == 0.0
     assert score("math_equiv", "The answer is $\\boxed{" + huge, "1") == 0.0
@@ -101,8 +274,9 @@ def test_R4_unclosed_box_scores_0():
     assert score("math_equiv", "x " * 3000 + "so the answer is 17.", "17") == 1.0
 
 
-def test_R4_last_number_is_the_last_number_of_the_response():
+def test_last_number_is_the_last_number_of_the_response():
     # documented contract (docs/rewards.md, Limits): the last number token, whatever surrounds it
+    """Probe R4: ``last_number`` keeps its documented contract on the same input."""
     assert score("last_number", "\\boxed{" + "1+" * 25000, "1") == 1.0
     assert score("last_number", "\\boxed{" + "1+" * 25000, "2") == 0.0
 
@@ -113,13 +287,11 @@ def test_answer_is_stays_linear_on_long_runs_of_spaces_and_colons():
     assert score("answer_is", "the answer is" + " " * 200_000 + "17", "17") == 1.0
 
 
-# ---------------------------------------------------------------- R5
-
-
 BIG = "".join(str((7 * i * i + 3) % 10) for i in range(100_000)).lstrip("0")
 
 
-def test_R5_identical_huge_numbers_score_1():
+def test_identical_huge_numbers_score_1():
+    """Probe R5: a 100,000-digit (and a 5,000-digit) number against itself."""
     big5k = BIG[:5000]
     for big in (BIG, big5k):
         assert score("math_equiv", big, big) == 1.0
@@ -137,87 +309,14 @@ def test_R5_identical_huge_numbers_score_1():
         assert score(name, "\\boxed{2^{2^{40}}}", "2^{ 2^{40} }") == 1.0  # spacing is not spelling
 
 
-def test_R5_different_huge_numbers_and_cut_numbers_score_0():
+def test_different_huge_numbers_and_cut_numbers_score_0():
+    """Probe R5: a huge number against one that differs in its last digit, or against its own tail."""
     other = BIG[:-1] + str((int(BIG[-1]) + 1) % 10)
     assert score("math_equiv", "\\boxed{" + BIG + "}", other) == 0.0
     assert score("last_number", "x = " + BIG, other) == 0.0
     # the last 2,000 digits of a 3,000-digit number are not the number
     assert score("last_number", "x = " + "1" * 3000, "1" * 2000) == 0.0
     assert score("last_number", "x = " + "1" * 3000, "1" * 3000) == 1.0
-
-
-# ---------------------------------------------------------------- R11
-
-
-@register_verifier("t_r11_fork")
-def forking_verifier(response: str, label: str, **kw) -> float:
-    """Forks a child that sleeps 60 s and writes its pid to the file ``label``; then sleeps
-    60 s itself (``response == "hang"``) or returns 1.0."""
-    pid = os.fork()
-    if pid == 0:
-        try:
-            time.sleep(60)
-        finally:
-            os._exit(0)
-    Path(label).write_text(str(pid))
-    if response == "hang":
-        time.sleep(60)
-    return 1.0
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:  # a zombie still answers kill(0); it is dead
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-
-
-def _gone_within(pid: int, seconds: float) -> bool:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if not _alive(pid):
-            return True
-        time.sleep(0.02)
-    return not _alive(pid)
-
-
-def _read_pid(path: Path) -> int:
-    deadline = time.monotonic() + 5
-    while not path.exists() or not path.read_text():
-        assert time.monotonic() < deadline, f"{path} was not written"
-        time.sleep(0.02)
-    return int(path.read_text())
-
-
-def test_R11_timed_out_verifier_children_are_killed(tmp_path):
-    spec = VERIFIERS.get("t_r11_fork")
-    hang, ret = tmp_path / "hang.pid", tmp_path / "return.pid"
-    pids = []
-    pool = VerifierPool([spec], num_workers=1, timeout=1.0, modules=MODULES)
-    try:
-        scores, status, errors = pool.run([(0, "hang", str(hang), {}), (0, "return", str(ret), {})])
-        assert status == [1, 0] and scores == [0.0, 1.0], errors
-        pids += [_read_pid(hang), _read_pid(ret)]
-        # the timed-out item's child went with its worker's process group
-        assert _gone_within(pids[0], 3.0), "the timed-out verifier's child survived its timeout"
-        assert _alive(pids[1])  # a finished item's child lives until the pool closes...
-        pool.close()
-        assert _gone_within(pids[1], 3.0), "a verifier's child survived the pool's close()"  # ...not longer
-    finally:
-        pool.close()
-        for pid in pids:  # never leave a sleeper behind, even when an assertion failed
-            try:
-                os.kill(pid, 9)
-            except OSError:
-                pass
-
-
-# ---------------------------------------------------------------- ordinary answers keep their scores
 
 
 def _old_math_equiv(response: str, label: str) -> float:

@@ -286,3 +286,102 @@ def test_r1_history_keeps_user_turns_only(tmp_path, tok_dir, tok):
     text = tok.decode(_read(str(tmp_path / "out" / "data"), "input_ids")[0])
     assert text == ("<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nQ1<|im_end|>\n<|im_start|>assistant\n"
                     "\n<|im_start|>user\nQ2<|im_end|>\n<|im_start|>assistant\n")  # the seed drops A1<|im_end|>
+
+
+# ---- hostile rows (the reliability probe, docs/reliability.md) ---------------------------------------
+def _jsonl_bytes(path, lines: list[bytes]) -> str:
+    path.write_bytes(b"".join(line + b"\n" for line in lines))
+    return str(path)
+
+
+def _nothing_in(folder) -> bool:
+    return not folder.exists() or not list(folder.iterdir())
+
+
+def _row(problem, answer) -> bytes:
+    return json.dumps({"problem": problem, "answer": answer}).encode()
+
+
+def test_invalid_utf8_rows_are_counted(tmp_path, tok_dir, capsys):
+    """Probe D6: rows with non-UTF-8 bytes."""
+    path = _jsonl_bytes(tmp_path / "in.jsonl", [_row("What is 1 + 1?", "2"),
+                                                b'{"problem": "caf\xe9 \xff\xfe is what?", "answer": "3"}',
+                                                _row("What is 2 + 2?", "4"),
+                                                b'{"problem": "\xff again", "answer": "5"}'])
+    s = pp.preprocess(_cfg(tmp_path, tok_dir, path), progress=False)
+    assert s.rows_written == 4 and s.invalid_utf8 == 2
+    assert "rows with invalid UTF-8 (replaced): 2" in s.format()
+    err = capsys.readouterr().err
+    assert f"{path}:2: invalid UTF-8" in err and f"{path}:4" not in err  # one warning per file
+    with pytest.raises(DataError, match=r"in\.jsonl:2: invalid UTF-8 bytes \(stopping because of --strict\)"):
+        pp.preprocess(_cfg(tmp_path, tok_dir, path, output_prefix=str(tmp_path / "s" / "d")), strict=True,
+                      progress=False)
+    assert _nothing_in(tmp_path / "s")
+
+
+def test_structured_prompt_is_skipped_with_a_reason(tmp_path, tok_dir, capsys):
+    """Probe D9: a prompt that is a dict or a list, an int answer, a dict response."""
+    from transformers import AutoTokenizer
+
+    path = _jsonl_bytes(tmp_path / "in.jsonl", [_row({"a": 1}, "1"), _row([1, 2], "2"), _row("What is 7 + 1?", 8),
+                                                _row("What is 1 + 1?", {"x": 2})])
+    s = pp.preprocess(_cfg(tmp_path, tok_dir, path), progress=False)
+    assert s.rows_written == 1
+    assert s.skipped == {"prompt is a dict, expected text": 1, "prompt is a list, expected text": 1,
+                         "response is a dict, expected text": 1}
+    assert "skipped (prompt is a dict, expected text): 1" in s.format()
+    assert f"skip {path}:1: prompt is a dict, expected text" in capsys.readouterr().err
+    labels = IndexedDataset(tmp_path / "out" / "data_packed_labels_document")
+    assert labels[0].tolist() == AutoTokenizer.from_pretrained(tok_dir).encode("8", add_special_tokens=False)
+
+
+def test_bom_file_keeps_its_first_row(tmp_path, tok_dir):
+    """Probe D11: a JSONL and a JSON file that start with a UTF-8 BOM."""
+    rows = [_row("What is 1 + 1?", "2"), _row("What is 2 + 2?", "4")]
+    path = _jsonl_bytes(tmp_path / "bom.jsonl", [b"\xef\xbb\xbf" + rows[0], rows[1]])
+    s = pp.preprocess(_cfg(tmp_path, tok_dir, path), progress=False, strict=True)
+    assert (s.rows_written, s.rows_skipped) == (2, 0)
+    array = tmp_path / "bom.json"
+    array.write_bytes(b"\xef\xbb\xbf[" + b",".join(rows) + b"]")
+    s = pp.preprocess(_cfg(tmp_path, tok_dir, array, output_prefix=str(tmp_path / "a" / "d")), progress=False)
+    assert (s.rows_written, s.rows_skipped) == (2, 0)
+
+
+def test_strict_stops_at_a_skipped_row(tmp_path, tok_dir, capsys):
+    """Probe D15: ``--strict`` on rows without a prompt."""
+    from posttrain.cli import main
+
+    path = _jsonl_bytes(tmp_path / "in.jsonl", [_row("What is 1 + 1?", "2"), b'{"answer": "3"}', b'{"answer": "4"}'])
+    with pytest.raises(DataError, match=r"in\.jsonl:2: empty prompt \(stopping because of --strict\)"):
+        pp.preprocess(_cfg(tmp_path, tok_dir, path), strict=True, progress=False)
+    assert _nothing_in(tmp_path / "out")
+    conf = tmp_path / "conf"
+    conf.mkdir()
+    (conf / "strict.yaml").write_text(json.dumps(_cfg(tmp_path, tok_dir, path)))  # JSON is YAML
+    capsys.readouterr()
+    assert main(["preprocess", "--config-name", "strict", "--config-path", str(conf), "--strict"]) == 2
+    assert f"{path}:2: empty prompt (stopping because of --strict)" in capsys.readouterr().err
+
+
+def test_stale_temporaries_of_the_prefix_are_removed(tmp_path, tok_dir, capsys):
+    """Probe D19: temporaries of the prefix left by a killed run."""
+    out = tmp_path / "out"
+    out.mkdir()
+    dead = 2**22 + 12345  # above the default pid_max: no such process
+    stale = [out / f".data_packed_input_ids_document.tmp{dead}.bin", out / f".data_packed_labels_document.tmp{dead}.idx"]
+    alive = out / f".data_packed_input_ids_document.tmp{os.getppid()}.bin"  # a running process: kept
+    other = out / f".other_packed_input_ids_document.tmp{dead}.bin"  # another prefix: kept
+    for p in [*stale, alive, other]:
+        p.write_bytes(b"x")
+    path = _jsonl_bytes(tmp_path / "in.jsonl", [_row("What is 1 + 1?", "2")])
+    pp.preprocess(_cfg(tmp_path, tok_dir, path), progress=False)
+    assert not any(p.exists() for p in stale) and alive.exists() and other.exists()
+    assert "removed 2 temporary file(s) left by an interrupted run" in capsys.readouterr().err
+
+
+def test_preprocess_writes_only_output_files(tmp_path, tok_dir):
+    path = _jsonl_bytes(tmp_path / "in.jsonl", [_row("What is 1 + 1?", "2")])
+    s = pp.preprocess(_cfg(tmp_path, tok_dir, path), progress=False)
+    expected = pp.output_files(str(tmp_path / "out" / "data"), ["input_ids", "attention_mask", "labels"])
+    assert sorted(str(p) for p in (tmp_path / "out").iterdir()) == sorted(expected)
+    assert sorted(f"{p}{e}" for p in s.outputs.values() for e in (".bin", ".idx")) == sorted(expected)
