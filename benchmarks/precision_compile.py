@@ -20,7 +20,7 @@ import torch
 
 from posttrain.commands.bench import CpuMeter
 from posttrain.train.forward import response_logprobs
-from posttrain.train.layout import build_batch
+from posttrain.train.batch import build_batch
 
 
 def load(model: str):

@@ -93,7 +93,7 @@ def run_mode(mode: str, work: Path, iters: int, warmup: int, niceness0: bool = T
 
     torch.set_num_threads(2 if mode == "inproc2" else 1)
     from posttrain.config.plan import resolve_plan
-    from posttrain.trainers.build import build_trainer
+    from posttrain.loops.build import build_trainer
 
     model, data = prepare(work)
     cfg = config(model, data, work, mode, iters + warmup)

@@ -45,7 +45,7 @@ def child(work: Path, variant: str) -> dict:
     from posttrain.config.plan import resolve_plan
     from posttrain.demo.pretrained import ensure_smollm2
     from posttrain.demo.run import prepare_data
-    from posttrain.trainers.build import build_trainer
+    from posttrain.loops.build import build_trainer
 
     model = ensure_smollm2()
     data = prepare_data(work / "data", model) if not (work / "data" / "data").exists() else {

@@ -68,7 +68,7 @@ def run(variant: str, model_dir: str, steps: int) -> dict:
     from posttrain.rollout.base import SamplingParams
     from posttrain.rollout.native import NativeEngine
     from posttrain.train.engine import TrainEngine
-    from posttrain.train.layout import build_batch
+    from posttrain.train.batch import build_batch
     from posttrain.train.loss_fns import make_actor_loss_fn
     from posttrain.train.optim import build_optimizer
 

@@ -62,7 +62,7 @@ def make_model(work: Path, moe: bool = False) -> Path:
 
 
 def make_batch():
-    from posttrain.train.layout import build_batch
+    from posttrain.train.batch import build_batch
 
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(1, VOCAB, (48,), generator=g) for _ in range(8)]

@@ -2,7 +2,7 @@
 
 It answers one question for the real demo: does held-out greedy accuracy of SmolLM2-135M-Instruct
 move on the chain-sum task within a few minutes on this CPU, and at which learning rate?
-posttrain's real GRPO trainer lives in ``posttrain.trainers``; do not build on this file.
+posttrain's real GRPO trainer lives in ``posttrain.loops``; do not build on this file.
 
 Per step: ``prompts`` train problems x ``n`` samples (temperature ``T``), 0/1 rewards,
 group-normalised advantages ``A_i = (r_i - mean(r)) / (std(r) + 1e-6)`` (groups with equal rewards

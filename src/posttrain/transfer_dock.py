@@ -2,7 +2,7 @@
 
 The table has ``max_len`` rows (one per sample: ``max_len = num_prompts * n_samples_per_prompt``)
 and named columns (``prompts``, ``responses``, ``old_logprobs``, ...; the on-policy loop's schema
-is in :mod:`posttrain.trainers.experience`, in the one vocabulary used from rollout to loss). Each cell holds a 1-D
+is in :mod:`posttrain.loops.experience`, in the one vocabulary used from rollout to loss). Each cell holds a 1-D
 tensor whose length may differ from row to row (a response of 17 tokens next to one of 512), so a
 column is stored as a Python list of tensors, with a boolean *ready* vector beside it.
 

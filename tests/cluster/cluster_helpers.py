@@ -21,7 +21,7 @@ def grpo_config(work: Path, name: str, *, workers: int, iters: int, rl: dict | N
 def session_and_trainer(cfg):
     """The trainer of ``cfg`` (and its session), built but not run."""
     from posttrain.config.plan import resolve_plan
-    from posttrain.trainers.build import build_trainer
+    from posttrain.loops.build import build_trainer
 
     trainer = build_trainer(resolve_plan(cfg, device="cpu"))
     return trainer.s, trainer

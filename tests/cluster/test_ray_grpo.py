@@ -16,13 +16,9 @@ import copy
 
 import pytest
 import torch
-<<<<<<< HEAD
-from cluster_helpers import column, grpo_config, read_metrics, record_run, sample, session_and_trainer
-=======
 
-from tests.cluster.cluster_helpers import column, grpo_config, record_run, session_and_trainer
+from tests.cluster.cluster_helpers import column, grpo_config, record_run, sample, session_and_trainer
 from tests.helpers.runs import read_metrics
->>>>>>> h-tests
 
 pytestmark = pytest.mark.ray
 
@@ -35,7 +31,7 @@ def test_two_workers_update_equals_one_process_on_the_same_batch(ray_cluster, wo
     itself keeps PyTorch's BLAS), and the step still equals the one-process step."""
     from posttrain.metrics.reduce import MetricAccumulator
     from posttrain.models import cpu_linear
-    from posttrain.trainers.experience import new_dock
+    from posttrain.loops.experience import new_dock
 
     over = {"epochs": 2, "shuffle_mini_batch": True, "init_kl_coef": 0.05, "guarantee_order": True}
     local, local_trainer = session_and_trainer(grpo_config(work, f"eq_local_{sharding}", workers=1, iters=1, rl=over))

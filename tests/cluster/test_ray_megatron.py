@@ -109,7 +109,7 @@ def test_virtual_pipeline_stages_equal_the_hf_backend(ray_cluster, work, model4)
     checkpoint (the legacy per-rank format here) holds both chunks per rank (``model0``, ``model1``)
     and converts back to HF."""
     from posttrain.cli import main
-    from posttrain.models.mcore import layout
+    from posttrain.models.mcore import mcore_files
 
     runs, ckpt = {}, work / "mg_vpp_ckpt"
     for name, workers, extra in (("hf", 1, {}), ("vpp", 2, {"pipeline_model_parallel_size": 2,
@@ -124,7 +124,7 @@ def test_virtual_pipeline_stages_equal_the_hf_backend(ray_cluster, work, model4)
         for key in want:
             assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), (step, key)
     assert [r["iteration"] for r in got_rows if "actor/pg_loss" in r] == [1, 2]
-    shard = layout.load_rank_file(ckpt / "iter_0000002" / "mp_rank_00_001" / layout.RANK_FILE)
+    shard = mcore_files.load_rank_file(ckpt / "iter_0000002" / "mp_rank_00_001" / mcore_files.RANK_FILE)
     assert {"model0", "model1"} <= set(shard) and "model" not in shard
     assert main(["convert", "--load-model-type", "mg", "--save-model-type", "hf", "--load-dir", str(ckpt),
                  "--save-dir", str(work / "mg_vpp_hf")]) == 0

@@ -11,12 +11,8 @@ import copy
 
 import pytest
 import torch
-<<<<<<< HEAD
-from cluster_helpers import column, grpo_config, sample, session_and_trainer
-=======
 
-from tests.cluster.cluster_helpers import column, grpo_config, session_and_trainer
->>>>>>> h-tests
+from tests.cluster.cluster_helpers import column, grpo_config, sample, session_and_trainer
 
 pytestmark = pytest.mark.ray
 
@@ -31,7 +27,7 @@ def ppo_config(work, name, workers, iters=1, critic=None, **train):
 
 def test_ppo_on_two_workers_equals_one_process_on_the_same_experience(ray_cluster, work):
     from posttrain.metrics.reduce import MetricAccumulator
-    from posttrain.trainers.experience import new_dock
+    from posttrain.loops.experience import new_dock
 
     local, local_trainer = session_and_trainer(ppo_config(work, "ppo_local", 1))
     remote, remote_trainer = session_and_trainer(ppo_config(work, "ppo_ray", 2))

@@ -8,12 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-<<<<<<< HEAD
-from cluster_helpers import column, grpo_config, sample, session_and_trainer
-=======
 
-from tests.cluster.cluster_helpers import column, grpo_config, session_and_trainer
->>>>>>> h-tests
+from tests.cluster.cluster_helpers import column, grpo_config, sample, session_and_trainer
 
 pytestmark = pytest.mark.ray
 
@@ -26,7 +22,7 @@ def rm_config(work, rm_dir, name, workers):
 def test_two_workers_score_like_one_process(ray_cluster, work, lowercase_rm_dir):
     from posttrain.metrics.reduce import MetricAccumulator
     from posttrain.metrics.timers import Timers
-    from posttrain.trainers.experience import new_dock
+    from posttrain.loops.experience import new_dock
 
     local, local_trainer = session_and_trainer(rm_config(work, lowercase_rm_dir, "rm_local", 1))
     remote, remote_trainer = session_and_trainer(rm_config(work, lowercase_rm_dir, "rm_ray", 2))

@@ -69,7 +69,7 @@ class Interrupt(Exception):
 def straight_and_resumed(model, data, tmp_path, monkeypatch, over: dict) -> tuple[dict, dict]:
     """The metrics of a 4-iteration run, and of the same run stopped at iteration 3 (after the save of
     iteration 2) and resumed from its checkpoint; they must agree on iterations 3 and 4."""
-    from posttrain.trainers.onpolicy import OnPolicyTrainer
+    from posttrain.loops.onpolicy import OnPolicyTrainer
     from posttrain.commands.train import train_config as train
 
     torch.set_num_threads(1)
@@ -94,7 +94,7 @@ def straight_and_resumed(model, data, tmp_path, monkeypatch, over: dict) -> tupl
 
 
 def test_a_resume_in_the_middle_of_an_async_run_repeats_it(tiny_model_dir, tiny_prompt_data, tmp_path, monkeypatch):
-    from posttrain.trainers.sources import IN_FLIGHT
+    from posttrain.loops.sources import IN_FLIGHT
 
     straight_and_resumed(tiny_model_dir, tiny_prompt_data, tmp_path, monkeypatch,
                          {**COMMON, "rl_config__async_staleness": 1})
@@ -122,7 +122,7 @@ PARTIAL = {**COMMON, "rl_config__partial_rollout_max_split": 4,
 
 def test_partial_rollout_resumes_exactly_and_no_sample_outlives_the_split(tiny_model_dir, tiny_prompt_data, tmp_path,
                                                                           monkeypatch):
-    from posttrain.trainers.partial_rollout import STATE_FILE
+    from posttrain.loops.partial_rollout import STATE_FILE
 
     a, _ = straight_and_resumed(tiny_model_dir, tiny_prompt_data, tmp_path, monkeypatch, PARTIAL)
     assert (tmp_path / "resumed" / "ckpt" / "iter_0000002" / STATE_FILE).is_file()

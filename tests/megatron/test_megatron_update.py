@@ -23,7 +23,7 @@ def grpo_batch(hf_dir: str):
     from transformers import AutoModelForCausalLM
 
     from posttrain.train.engine import TrainEngine
-    from posttrain.train.layout import build_batch
+    from posttrain.train.batch import build_batch
 
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(1, 100, (n,), generator=g) for n in (5, 3, 6, 4)]

@@ -28,7 +28,7 @@ LAYERS: list[set[str]] = [
     {"train"},
     {"config"},  # the YAML in, the typed plan out
     {"roles"},
-    {"cluster", "trainers"},
+    {"cluster", "loops"},
     {"commands", "cli", "demo", "__main__"},
 ]
 LAYER_OF = {top: i for i, tops in enumerate(LAYERS) for top in tops}
@@ -260,12 +260,12 @@ def test_no_package_cycles(graph):
     assert not cycles, "package cycles:\n  " + "\n  ".join(cycles)
 
 
-def test_cluster_never_imports_trainers(graph):
-    """DESIGN.md: cluster/ builds roles/ inside Ray workers; the loops in trainers/ drive the cluster."""
+def test_cluster_never_imports_loops(graph):
+    """DESIGN.md: cluster/ builds roles/ inside Ray workers; the loops in loops/ drive the cluster."""
     edges, _ = graph
     bad = [f"{m} (line {line}) -> {t}" for m, targets in sorted(edges.items()) if _top(m) == "cluster"
-           for t, line in sorted(targets.items()) if _top(t) == "trainers"]
-    assert not bad, "cluster/ imports trainers/ (build what it needs from roles/):\n  " + "\n  ".join(bad)
+           for t, line in sorted(targets.items()) if _top(t) == "loops"]
+    assert not bad, "cluster/ imports loops/ (build what it needs from roles/):\n  " + "\n  ".join(bad)
 
 
 @pytest.mark.parametrize("dependency", sorted(EDGE_DEPENDENCIES))

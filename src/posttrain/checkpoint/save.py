@@ -103,7 +103,7 @@ def _publish(tmp: Path, target: Path, aside: Path, save_dir: Path, iteration: in
 
 def _remove_stale_temps(save_dir: Path) -> None:
     """Remove temporary dirs (and moved-aside links) left by a save that was killed; a run holds
-    the save dir's lock (:mod:`posttrain.trainers.session`), so no live save owns them."""
+    the save dir's lock (:mod:`posttrain.loops.session`), so no live save owns them."""
     for path in save_dir.glob(".iter_*.tmp*"):
         _remove_path(path)
 

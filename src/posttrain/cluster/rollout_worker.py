@@ -3,7 +3,7 @@
 A :class:`RolloutWorker` is a Ray actor that holds a replica of the actor's weights and the rollout
 engine on them; the trainer stays in the driver process. After each update the trainer's weights
 travel to the worker (:meth:`RemoteReplica.load`, timed as ``timing/resharding_to_infer``), and the
-rollout thread of :class:`~posttrain.trainers.pipeline.RolloutPipeline` calls
+rollout thread of :class:`~posttrain.loops.pipeline.RolloutPipeline` calls
 :meth:`RemoteEngine.generate`, which waits on Ray while the trainer computes: sampling and training
 run in two processes, on their own cores. Synchronous unless ``rl_config.async_staleness >= 1``.
 """

@@ -202,7 +202,7 @@ def bench(cfg, *, iters: int = 3, warmup: int = 1, profile_dir: str | None = Non
     from posttrain.config.plan import resolve_plan
     from posttrain.config.run import run_config_from_dict
     from posttrain.errors import ConfigError
-    from posttrain.trainers.build import build_trainer
+    from posttrain.loops.build import build_trainer
 
     if iters < 1 or warmup < 0:
         raise ConfigError(f"bench needs --iters >= 1 and --warmup >= 0; got {iters} and {warmup}")

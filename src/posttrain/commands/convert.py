@@ -96,10 +96,10 @@ def run(args: argparse.Namespace) -> int:
         template = save_dir if (save_dir / "config.json").is_file() else None
         if template is None and args.tokenizer_model and (Path(args.tokenizer_model) / "config.json").is_file():
             template = Path(args.tokenizer_model)
-        from posttrain.models.mcore import layout
+        from posttrain.models.mcore import mcore_files
 
         convert = mcore_to_hf
-        if layout.is_dist_checkpoint(layout.iteration_dir(Path(args.load_dir))):
+        if mcore_files.is_dist_checkpoint(mcore_files.iteration_dir(Path(args.load_dir))):
             from posttrain.train.megatron.dist_convert import dist_to_hf as convert
         convert(args.load_dir, save_dir / MG2HF, template=template, tokenizer=args.tokenizer_model,
                 dtype=args.params_dtype, force=args.force)

@@ -83,7 +83,7 @@ def evaluate_model(args, device: str, samples_path: str | None) -> int:
     from posttrain.models.lora import load_merged
     from posttrain.reward.rule_reward import RuleReward
     from posttrain.rollout.base import ROLLOUT_ENGINES, SamplingParams
-    from posttrain.trainers.evaluate import evaluate
+    from posttrain.loops.evaluate import evaluate
 
     path, _ = resolve_model(args.model)
     check_model_files(path)  # a truncated or corrupt file is named, not a loader traceback

@@ -6,7 +6,7 @@ import logging
 
 from posttrain.config.plan import Plan, resolve_plan
 from posttrain.config.run import RunConfig, load_run_config
-from posttrain.trainers.build import train
+from posttrain.loops.build import train
 
 
 def plan_named(config_name: str, config_path: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Plan:

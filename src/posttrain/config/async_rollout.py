@@ -3,9 +3,9 @@
 
 ``async_staleness: k`` runs the rollout of iteration ``i`` with the policy of iteration
 ``max(0, i - 1 - k)`` on a second copy of the weights, in a thread, while the trainer updates
-(:mod:`posttrain.trainers.pipeline`); ``use_integrated_worker: false`` puts that replica in a Ray
+(:mod:`posttrain.loops.pipeline`); ``use_integrated_worker: false`` puts that replica in a Ray
 worker process (:mod:`posttrain.cluster.rollout_worker`). ``partial_rollout_max_split: N`` splits long generations
-over iterations (:mod:`posttrain.trainers.partial_rollout`). ``rollout_correction`` weights or masks the policy loss by
+over iterations (:mod:`posttrain.loops.partial_rollout`). ``rollout_correction`` weights or masks the policy loss by
 the ratio between the trainer's old log-probs and the rollout's (:mod:`posttrain.algo.rollout_correction`).
 docs/async.md has the modes and their guarantees.
 

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from posttrain.checkpoint.files import CheckpointLoad
 from posttrain.config.megatron import MegatronConfig
+from posttrain.config.multi_turn import DEFAULT_PARSER, tool_config_file
 from posttrain.config.run import RunConfig
 from posttrain.config.runtime_env import runtime_env_vars
 from posttrain.models.lora import LoraOptions, target_list
@@ -76,11 +77,11 @@ class CriticOptions:
 # ---- rollout --------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class ToolOptions:
-    """``multi_turn_enable``: the tools file, the call parser, the turns' limits, and how many
-    tool calls may run at once."""
+    """``multi_turn_enable``: the tools file (``tool_config_path`` resolved), the call parser
+    (``tool_parser_format``), the turns' limits, and how many tool calls may run at once."""
 
     config_path: str
-    parser: str | None
+    parser: str
     limits: TurnLimits
     max_parallel_calls: int = 1
 
@@ -368,7 +369,8 @@ def tool_options(cfg: RunConfig) -> ToolOptions | None:
                         max_parallel_calls=rl.max_parallel_calls, max_tool_response_length=rl.max_tool_response_length,
                         truncate_side=rl.tool_response_truncate_side or "left",
                         max_model_len=cfg.generate.max_model_len)
-    return ToolOptions(config_path=rl.tool_config_path, parser=rl.tool_parser_format or None, limits=limits,
+    return ToolOptions(config_path=str(tool_config_file(rl.tool_config_path)),
+                       parser=rl.tool_parser_format or DEFAULT_PARSER, limits=limits,
                        max_parallel_calls=rl.max_parallel_calls)
 
 

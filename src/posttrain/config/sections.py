@@ -70,7 +70,7 @@ DATA_STRATEGY = refused("the TransferQueue backend is not implemented (the Trans
 TQ = refused("the TransferQueue backend is not implemented (the TransferDock is)", group="transfer queue")
 TQ_SET = refused("the TransferQueue backend is not implemented (the TransferDock is)", "remove the key",
                  active="set", group="transfer queue")
-PARTIAL = HONOURED  # posttrain.config.async_rollout checks these keys; trainers/partial_rollout.py runs them
+PARTIAL = HONOURED  # posttrain.config.async_rollout checks these keys; loops/partial_rollout.py runs them
 MULTI_TURN = HONOURED  # posttrain.config.multi_turn checks these keys; rollout/multi_turn.py runs them
 SHARE_BACKBONE = HONOURED  # the reference is the actor with its LoRA adapter off (validate.py checks it)
 EPLB = refused("expert load balancing (EPLB) is not implemented", group="eplb")

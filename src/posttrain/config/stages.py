@@ -33,7 +33,7 @@ from posttrain.errors import ConfigError
 if TYPE_CHECKING:
     from posttrain.config.run import RunConfig
 
-ONPOLICY = "posttrain.trainers.onpolicy:OnPolicyTrainer"
+ONPOLICY = "posttrain.loops.onpolicy:OnPolicyTrainer"
 CRITIC_ESTIMATORS = ("gae",)
 
 
@@ -145,9 +145,9 @@ STAGES: dict[str, Stage] = {s.name: s for s in (
           dynamic_sampling=lambda cfg: cfg.rl.filter_groups_enable),
     Stage("ppo", ("ray_ppo", "ppo"), ONPOLICY, check_ppo, "critic",
           uses_reference=lambda cfg: cfg.rl.use_kl_in_reward, uses_critic=True),
-    Stage("dpo", ("dpo", "ray_dpo"), "posttrain.trainers.dpo:DPOTrainer", check_dpo, "dpo",
+    Stage("dpo", ("dpo", "ray_dpo"), "posttrain.loops.dpo:DPOTrainer", check_dpo, "dpo",
           uses_reference=lambda cfg: True),
-    Stage("sft", ("sft",), "posttrain.trainers.offline:SFTTrainer", check_sft, "sft"),
+    Stage("sft", ("sft",), "posttrain.loops.offline:SFTTrainer", check_sft, "sft"),
 )}
 ALIASES = {alias: stage.name for stage in STAGES.values() for alias in stage.aliases}
 

@@ -75,7 +75,7 @@ def main(argv=None) -> int:
     from posttrain.data.readers import read_jsonl
     from posttrain.demo.pretrained import ensure_smollm2
     from posttrain.metrics import plot_metrics
-    from posttrain.trainers.build import train
+    from posttrain.loops.build import train
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     args = parse_args(argv)

@@ -167,7 +167,7 @@ def run(out: Path, *, model: str | None = None, sft_steps: int = 120, sft_target
     from posttrain.checkpoint import list_checkpoints
     from posttrain.commands.train import plan_named
     from posttrain.paths import configs_dir
-    from posttrain.trainers.build import train as train_run
+    from posttrain.loops.build import train as train_run
 
     start = time.time()
     out.mkdir(parents=True, exist_ok=True)

@@ -25,7 +25,7 @@ def resolve_model(source: str | Path) -> tuple[Path, bool]:
     (:func:`posttrain.checkpoint.resolve_checkpoint`), or a Megatron checkpoint, converted once into
     an HF cache (:func:`posttrain.models.mcore.cache.hf_cache_for`; never a full checkpoint here)."""
     from posttrain.checkpoint import STATE_FILE, resolve_checkpoint
-    from posttrain.models.mcore.layout import is_mcore_checkpoint
+    from posttrain.models.mcore.mcore_files import is_mcore_checkpoint
 
     path = Path(source)
     if path.is_dir() and not (path / STATE_FILE).is_file() and is_mcore_checkpoint(path):

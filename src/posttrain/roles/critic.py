@@ -17,7 +17,7 @@ follow ``actor_config``:
   resumed from there with the actor (``critic_config.finetune`` / ``no_load_optim`` keep its
   weights only).
 
-The loop's critic phases (values, GAE, value update) are in :mod:`posttrain.trainers.ppo`.
+The loop's critic phases (values, GAE, value update) are in :mod:`posttrain.loops.ppo`.
 """
 
 from __future__ import annotations

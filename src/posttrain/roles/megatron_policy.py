@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 
 
 def _is_megatron_dir(path: str) -> bool:
-    from posttrain.models.mcore.layout import is_mcore_checkpoint
+    from posttrain.models.mcore.mcore_files import is_mcore_checkpoint
 
     return is_mcore_checkpoint(path)
 
@@ -63,10 +63,10 @@ def num_layers(source: str) -> int:
     """The layers of the model in ``source`` (a Megatron checkpoint's args, or an HF config)."""
     from posttrain.checkpoint import resolve_checkpoint
     from posttrain.models.arch import arch_from_hf_config
-    from posttrain.models.mcore import layout
+    from posttrain.models.mcore import mcore_files
 
     if _is_megatron_dir(source):
-        return int(layout.read_args(layout.iteration_dir(Path(source))).num_layers)
+        return int(mcore_files.read_args(mcore_files.iteration_dir(Path(source))).num_layers)
     return arch_from_hf_config(str(resolve_checkpoint(source)[0])).num_layers
 
 
@@ -76,10 +76,10 @@ def hf_skeleton(source: str, args, device: str):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from posttrain.checkpoint import resolve_checkpoint
-    from posttrain.models.mcore import layout
+    from posttrain.models.mcore import mcore_files
 
     if _is_megatron_dir(source):
-        config = layout.arch_from_args(args, Path(source)).to_hf_config()
+        config = mcore_files.arch_from_args(args, Path(source)).to_hf_config()
         hf_config = AutoConfig.for_model(config.pop("model_type"), **config)
     else:
         hf_config = AutoConfig.from_pretrained(resolve_checkpoint(source)[0])
@@ -283,6 +283,6 @@ class MegatronPolicy:
 
 def _has_iteration(source: str) -> bool:
     """A Megatron checkpoint that a run saved (``iter_*``), not a converted ``release``."""
-    from posttrain.models.mcore import layout
+    from posttrain.models.mcore import mcore_files
 
-    return layout.iteration_dir(Path(source)).name.startswith("iter_")
+    return mcore_files.iteration_dir(Path(source)).name.startswith("iter_")

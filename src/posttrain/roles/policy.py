@@ -247,21 +247,21 @@ def build_multi_turn_engine(rollout: RolloutOptions, policy: PolicyOptions, toke
     alone: the same per-request decode loop, each row ending on its own)."""
     from posttrain.data.templates import get_template
     from posttrain.rollout.multi_turn import MultiTurnEngine, ObservationFormat, TurnLimits
-    from posttrain.tools.config import DEFAULT_PARSER, load_tool_file
+    from posttrain.tools.config import load_tools
     from posttrain.tools.parsers import TOOL_PARSERS
     from posttrain.tools.runner import ToolRunner
 
     tools = rollout.tools
     if tools is not None:
-        funcs = load_tool_file(tools.config_path)
+        funcs = load_tools(tools.config_path)
         template = get_template(policy.prompt_type, policy.prompt_type_path)
         limits, parser, parallel = tools.limits, tools.parser, tools.max_parallel_calls
     else:
         funcs, template = {}, get_template("qwen_retool")  # never used: no tool is ever called
         limits = TurnLimits(max_tool_calls=0, max_total_response_length=rollout.sampling.max_tokens)
-        parser, parallel = None, 0
+        parser, parallel = "hermes", 0  # never used either
     return MultiTurnEngine(tokenizer=tokenizer, runner=ToolRunner(funcs, max_workers=max(4, parallel)),
-                           parser=TOOL_PARSERS.get(parser or DEFAULT_PARSER),
+                           parser=TOOL_PARSERS.get(parser),
                            observation=ObservationFormat(template, tokenizer), limits=limits, **engine_kwargs)
 
 

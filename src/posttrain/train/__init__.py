@@ -1,5 +1,5 @@
 """The training engine (what runs forward/backward passes and optimizer steps; the loops that
-drive it are :mod:`posttrain.trainers`).
+drive it are :mod:`posttrain.loops`).
 
 Modules: ``layout`` (the batch layout and its builder), ``forward`` (response log-probs/values),
 ``remove_padding`` (the packed forward), ``dynamic_batch`` (token-budget micro-batches),

@@ -18,7 +18,7 @@ protocol                      methods              implemented by
 ============================  ===================  =============================================
 
 A backend provides :class:`Engine`; a wrapper or a proxy provides the role it plays. Every method
-takes a batch in the training layout (:mod:`posttrain.train.layout`); the sizes after ``*`` are
+takes a batch in the training layout (:mod:`posttrain.train.batch`); the sizes after ``*`` are
 keyword-only. An implementation may add parameters of its own, with defaults (``with_entropy=``
 of the backends' ``compute_logprobs``). ``tests/unit/train/test_engine_protocol.py`` checks each
 implementation's signatures against these.

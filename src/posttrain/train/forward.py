@@ -1,7 +1,7 @@
 """The response-token forward pass shared by training and log-prob computation.
 
-The batch layout is :mod:`posttrain.train.layout`'s (``position_ids`` may be left out: they
-default to :func:`~posttrain.train.layout.default_position_ids`). Response token ``t`` of row ``b`` is ``input_ids[b, P + t]`` and its log-prob is read from the
+The batch layout is :mod:`posttrain.train.batch`'s (``position_ids`` may be left out: they
+default to :func:`~posttrain.train.batch.default_position_ids`). Response token ``t`` of row ``b`` is ``input_ids[b, P + t]`` and its log-prob is read from the
 logits at position ``P + t - 1`` (the seed's ``[prompt_len - 1, prompt_len + resp_len - 1)``
 window). Logits are divided by the sampling temperature (seed section 2.1), so the result equals
 the sampler's log-prob of the same token. When the model accepts ``logits_to_keep`` (HF causal
@@ -16,7 +16,7 @@ import inspect
 import torch
 
 from posttrain.algo.logprob import entropy_from_logits, logprobs_from_logits
-from posttrain.train.layout import default_position_ids, response_width
+from posttrain.train.batch import default_position_ids, response_width
 from posttrain.train.lm_head import detached_head, head_logprobs
 from posttrain.train.remove_padding import Packing, packed_response_logprobs
 

@@ -47,7 +47,7 @@ import torch
 
 from posttrain.algo.logprob import entropy_from_logits, logprobs_from_logits
 from posttrain.errors import ConfigError
-from posttrain.train.layout import default_position_ids
+from posttrain.train.batch import default_position_ids
 from posttrain.train.lm_head import detached_head, head_logprobs
 
 ATTN_NAME = "posttrain_packed"

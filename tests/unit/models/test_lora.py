@@ -60,7 +60,7 @@ def test_the_shared_backbone_reference_is_the_base_model_exactly(tiny_hf, adapte
     from transformers import AutoModelForCausalLM
 
     from posttrain.train.engine import TrainEngine
-    from posttrain.train.layout import build_batch
+    from posttrain.train.batch import build_batch
 
     g = torch.Generator().manual_seed(2)
     batch = build_batch([torch.randint(1, 100, (5,), generator=g) for _ in range(3)],
@@ -84,7 +84,7 @@ def test_the_rollout_samples_from_the_adapter_after_an_update(tiny_hf):
     from posttrain.rollout.base import SamplingParams
     from posttrain.rollout.native import NativeEngine
     from posttrain.train.engine import TrainEngine
-    from posttrain.train.layout import build_batch
+    from posttrain.train.batch import build_batch
     from posttrain.train.loss_fns import make_sft_loss_fn
     from posttrain.train.optim import build_optimizer
 

@@ -369,7 +369,7 @@ def test_the_trainer_syncs_the_weights_after_every_update(fake_vllm, mini_qwen2_
     from posttrain.config import vllm as config_vllm
     from posttrain.config.plan import resolve_plan
     from posttrain.config.run import run_config_from_dict
-    from posttrain.trainers.build import build_trainer
+    from posttrain.loops.build import build_trainer
 
     torch.set_num_threads(1)
     monkeypatch.setattr(config_vllm, "on_cuda", lambda device_type: True)  # the fake runs on the CPU

@@ -7,7 +7,7 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from posttrain.train.engine import TrainEngine
-from posttrain.train.layout import build_batch
+from posttrain.train.batch import build_batch
 from posttrain.train.loss_fns import make_sft_loss_fn
 from posttrain.train.offload import StateOffload
 from posttrain.train.optim import build_optimizer

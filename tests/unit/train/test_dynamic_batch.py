@@ -10,7 +10,7 @@ from posttrain.config.run import run_config_from_dict
 from posttrain.errors import ConfigError
 from posttrain.train import dynamic_batch as db
 from posttrain.train.engine import TrainEngine
-from posttrain.train.layout import build_batch
+from posttrain.train.batch import build_batch
 from posttrain.train.loss_fns import make_actor_loss_fn
 
 

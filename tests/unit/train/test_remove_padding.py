@@ -8,7 +8,7 @@ from posttrain.train.options import EngineOptions, TokenBudget
 from posttrain.train import remove_padding as rp
 from posttrain.train.engine import TrainEngine
 from posttrain.train.forward import response_logprobs
-from posttrain.train.layout import build_batch
+from posttrain.train.batch import build_batch
 from posttrain.train.loss_fns import make_actor_loss_fn
 
 SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,

@@ -9,7 +9,7 @@ import torch
 
 from posttrain.algo.advantages import ADVANTAGE_ESTIMATORS, scores_to_token_level_rewards
 from posttrain.train.engine import TrainEngine
-from posttrain.train.layout import build_batch
+from posttrain.train.batch import build_batch
 from posttrain.train.loss_fns import make_actor_loss_fn
 from posttrain.train.options import ActorLossOptions
 from posttrain.train.optim import build_lr_scheduler, build_optimizer

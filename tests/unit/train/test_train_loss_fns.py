@@ -100,7 +100,7 @@ def test_dpo_on_rows_equals_dpo_on_pairs_and_both_report_the_loss(loss_type):
     after_forward with rows counted) gives the pair form's loss; with_loss_metric reports it in both."""
     from posttrain.train.forward import response_logprobs
     from posttrain.train.loss_fns import interleave_pairs, sequence_logps
-    from posttrain.trainers.dpo import with_loss_metric
+    from posttrain.loops.dpo import with_loss_metric
 
     model = tiny_model()
     batch = _dpo_batch(copy.deepcopy(model))

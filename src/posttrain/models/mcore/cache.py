@@ -12,7 +12,7 @@ import os
 import sys
 from pathlib import Path
 
-from posttrain.models.mcore import layout
+from posttrain.models.mcore import mcore_files
 
 CACHE_ENV = "POSTTRAIN_CACHE"
 
@@ -25,16 +25,16 @@ def hf_cache_for(mcore_dir: str | Path) -> Path:
     """The HF directory holding ``mcore_dir``'s weights, converting it on first use."""
     from posttrain.models.mcore.convert import mcore_to_hf
 
-    it_dir = layout.iteration_dir(Path(mcore_dir))
+    it_dir = mcore_files.iteration_dir(Path(mcore_dir))
     key = hashlib.sha256(str(it_dir.resolve()).encode())
-    for f in sorted(it_dir.glob(f"mp_rank_*/{layout.RANK_FILE}")):
+    for f in sorted(it_dir.glob(f"mp_rank_*/{mcore_files.RANK_FILE}")):
         st = f.stat()
         key.update(f"{f.parent.name}:{st.st_size}:{st.st_mtime_ns}".encode())
     out = cache_root() / key.hexdigest()[:20]
     if (out / "config.json").is_file():
         print(f"note: {mcore_dir} is a Megatron checkpoint; using its HF conversion cached in {out}", file=sys.stderr)
         return out
-    args = layout.read_args(it_dir)
+    args = mcore_files.read_args(it_dir)
     tokenizer = next((Path(p) for p in (getattr(args, "tokenizer_name_or_path", None),
                                         getattr(args, "tokenizer_model", None)) if p and Path(p).exists()), None)
     print(f"note: {mcore_dir} is a Megatron checkpoint; converting it once into {out} "

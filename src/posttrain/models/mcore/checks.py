@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from posttrain.errors import CheckpointError
-from posttrain.models.mcore import layout
+from posttrain.models.mcore import mcore_files
 
 
 def check_mcore_checkpoint(source: str | Path) -> bool:
@@ -14,20 +14,20 @@ def check_mcore_checkpoint(source: str | Path) -> bool:
     shard present, from one save; the critic's too). A :class:`CheckpointError` names a bad file."""
     from posttrain.models.mcore.convert import McoreCheckpoint
 
-    if not layout.is_mcore_checkpoint(source):
+    if not mcore_files.is_mcore_checkpoint(source):
         return False
-    it_dir = layout.iteration_dir(Path(source))
-    if layout.is_dist_checkpoint(it_dir):
+    it_dir = mcore_files.iteration_dir(Path(source))
+    if mcore_files.is_dist_checkpoint(it_dir):
         from torch.distributed.checkpoint import FileSystemReader
 
-        for part in [it_dir] + [d for d in it_dir.iterdir() if layout.is_dist_checkpoint(d)]:
-            layout.load_common(part)
+        for part in [it_dir] + [d for d in it_dir.iterdir() if mcore_files.is_dist_checkpoint(d)]:
+            mcore_files.load_common(part)
             try:
                 FileSystemReader(str(part)).read_metadata()
             except Exception as err:  # noqa: BLE001 - name the file whatever torch raises
-                raise CheckpointError(f"{part / layout.DIST_METADATA}: not readable ({err})") from None
+                raise CheckpointError(f"{part / mcore_files.DIST_METADATA}: not readable ({err})") from None
         return True
     ckpt = McoreCheckpoint(source)
-    for rank_file in sorted(ckpt.dir.glob(f"**/{layout.RANK_FILE}")):
-        layout.load_rank_file(rank_file)
+    for rank_file in sorted(ckpt.dir.glob(f"**/{mcore_files.RANK_FILE}")):
+        mcore_files.load_rank_file(rank_file)
     return True

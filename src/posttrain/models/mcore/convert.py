@@ -23,7 +23,7 @@ import torch
 
 from posttrain.errors import CheckpointError, ConfigError
 from posttrain.models.arch import ModelArch, arch_from_hf_config
-from posttrain.models.mcore import layout, mapping, splits
+from posttrain.models.mcore import mcore_files, mapping, splits
 from posttrain.models.mcore.hf_files import HFWeights, ShardedWriter, copy_tokenizer
 
 SUPPORTED = ("qwen2", "qwen3", "llama")
@@ -110,34 +110,34 @@ def hf_to_mcore(load_dir: str | Path, save_dir: str | Path, *, tp: int = 1, pp: 
                     padded_vocab=padded)
     if layers_per_virtual_stage and pp < 2:
         raise ConfigError("--num-layers-per-virtual-pipeline-stage needs --target-pipeline-parallel-size > 1")
-    par = layout.Parallel(tp, pp, 1, layout.pipeline_stages(arch.num_layers, pp, num_layer_list,
+    par = mcore_files.Parallel(tp, pp, 1, mcore_files.pipeline_stages(arch.num_layers, pp, num_layer_list,
                                                             layers_per_virtual_stage))
     first_dtype = weights.rows(mapping.HF_EMBEDDING, 0, 1).dtype
-    args = layout.make_args(arch, par, padded_vocab=padded, divisor=divisor,
+    args = mcore_files.make_args(arch, par, padded_vocab=padded, divisor=divisor,
                             params_dtype=out_dtype or first_dtype, num_layer_list=num_layer_list,
                             layers_per_virtual_stage=layers_per_virtual_stage, orm=orm)
     check_mcore_target(save_dir, force)
     params = mapping.layer_params(arch)
     with _staging(save_dir, ".posttrain-convert-") as tmp:
-        release = tmp / layout.RELEASE
+        release = tmp / mcore_files.RELEASE
         for pp_rank, tp_rank in _progress([(p, t) for p in range(pp) for t in range(tp)], "rank files"):
-            shard: dict[str, Any] = {"checkpoint_version": layout.CHECKPOINT_VERSION, "iteration": 0, "args": args}
+            shard: dict[str, Any] = {"checkpoint_version": mcore_files.CHECKPOINT_VERSION, "iteration": 0, "args": args}
             for chunk in range(par.chunks):
                 state = _stage_state(weights, arch, par, params, pp_rank, chunk, tp_rank, padded, orm)
-                shard[layout.model_key(chunk, par.chunks)] = {
+                shard[mcore_files.model_key(chunk, par.chunks)] = {
                     k: v.to(out_dtype) if out_dtype else v for k, v in state.items()}
-            out = release / layout.rank_dir_name(tp_rank, pp_rank, pp) / layout.RANK_FILE
+            out = release / mcore_files.rank_dir_name(tp_rank, pp_rank, pp) / mcore_files.RANK_FILE
             out.parent.mkdir(parents=True)
             torch.save(shard, out)
             del shard
-        (tmp / layout.TRACKER).write_text(layout.RELEASE + "\n", encoding="utf-8")
+        (tmp / mcore_files.TRACKER).write_text(mcore_files.RELEASE + "\n", encoding="utf-8")
         _publish_mcore(tmp, save_dir)
-    log(f"wrote {save_dir / layout.RELEASE} (TP {tp}, PP {pp}{f', {par.chunks} virtual stages' if par.chunks > 1 else ''}, "
+    log(f"wrote {save_dir / mcore_files.RELEASE} (TP {tp}, PP {pp}{f', {par.chunks} virtual stages' if par.chunks > 1 else ''}, "
         f"{arch.model_type}, {arch.num_layers} layers, vocab {arch.vocab_size} padded to {padded})")
-    return save_dir / layout.RELEASE
+    return save_dir / mcore_files.RELEASE
 
 
-def _stage_state(weights: HFWeights, arch: ModelArch, par: layout.Parallel, params: list[mapping.Param],
+def _stage_state(weights: HFWeights, arch: ModelArch, par: mcore_files.Parallel, params: list[mapping.Param],
                  pp_rank: int, chunk: int, tp_rank: int, padded: int, orm: bool,
                  ep_rank: int = 0) -> dict[str, torch.Tensor]:
     """One rank's state dict for one (virtual) stage, reading only the rows/columns that rank holds
@@ -201,19 +201,19 @@ def _vocab_shard(weights: HFWeights, name: str, vocab: int, padded: int, tp: int
 def check_mcore_target(save_dir: Path, force: bool) -> None:
     if save_dir.exists() and not save_dir.is_dir():
         raise ConfigError(f"--save-dir {save_dir} is an existing file; give a directory")
-    holds = save_dir.is_dir() and ((save_dir / layout.TRACKER).exists() or layout.is_mcore_checkpoint(save_dir))
+    holds = save_dir.is_dir() and ((save_dir / mcore_files.TRACKER).exists() or mcore_files.is_mcore_checkpoint(save_dir))
     if holds and not force:
         raise ConfigError(f"--save-dir {save_dir} already holds a Megatron checkpoint; give an empty or new "
                           f"directory, or --force to replace its release/ and tracker (nothing else is deleted)")
 
 
 def _publish_mcore(tmp: Path, save_dir: Path) -> None:
-    target = save_dir / layout.RELEASE
+    target = save_dir / mcore_files.RELEASE
     aside = tmp / "previous-release"
     if target.exists():
         target.rename(aside)
-    (tmp / layout.RELEASE).rename(target)
-    os.replace(tmp / layout.TRACKER, save_dir / layout.TRACKER)
+    (tmp / mcore_files.RELEASE).rename(target)
+    os.replace(tmp / mcore_files.TRACKER, save_dir / mcore_files.TRACKER)
 
 
 # ---- Megatron-Core -> HF ----------------------------------------------------------------------------
@@ -223,21 +223,21 @@ class McoreCheckpoint:
     lazily (memory-mapped) and checked to belong together."""
 
     def __init__(self, load_dir: str | Path):
-        self.dir = layout.iteration_dir(Path(load_dir))
-        self.args = layout.read_args(self.dir)
-        self.par = layout.parallel_from_args(self.args, self.dir)
+        self.dir = mcore_files.iteration_dir(Path(load_dir))
+        self.args = mcore_files.read_args(self.dir)
+        self.par = mcore_files.parallel_from_args(self.args, self.dir)
         if self.par.ep > 1 or getattr(self.args, "num_experts", None):
             raise CheckpointError(f"{self.dir}: a mixture-of-experts checkpoint (num_experts "
                                   f"{getattr(self.args, 'num_experts', None)}, EP {self.par.ep}) in the legacy layout; "
                                   f"posttrain converts dense models from it (a megatron-backend run saves MoE models "
                                   f"as torch_dist, which converts back)")
-        self.arch = layout.arch_from_args(self.args, self.dir)
-        layout.check_vocab_padding(self.args, self.par.tp, self.dir)
-        found = layout.rank_dirs(self.dir)
+        self.arch = mcore_files.arch_from_args(self.args, self.dir)
+        mcore_files.check_vocab_padding(self.args, self.par.tp, self.dir)
+        found = mcore_files.rank_dirs(self.dir)
         expected = {(t, p, 0) for t in range(self.par.tp) for p in range(self.par.pp)}
         for key in sorted(expected - set(found)):
-            name = layout.rank_dir_name(key[0], key[1], self.par.pp)
-            raise CheckpointError(f"{self.dir / name / layout.RANK_FILE} is missing: the checkpoint's args say "
+            name = mcore_files.rank_dir_name(key[0], key[1], self.par.pp)
+            raise CheckpointError(f"{self.dir / name / mcore_files.RANK_FILE} is missing: the checkpoint's args say "
                                   f"TP {self.par.tp} x PP {self.par.pp}, so every rank's shard must be present")
         if set(found) - expected:
             extra = found[sorted(set(found) - expected)[0]].name
@@ -249,8 +249,8 @@ class McoreCheckpoint:
     def rank(self, tp_rank: int, pp_rank: int) -> dict:
         key = (tp_rank, pp_rank)
         if key not in self._files:
-            path = self.dir / layout.rank_dir_name(tp_rank, pp_rank, self.par.pp) / layout.RANK_FILE
-            obj = layout.load_rank_file(path)
+            path = self.dir / mcore_files.rank_dir_name(tp_rank, pp_rank, self.par.pp) / mcore_files.RANK_FILE
+            obj = mcore_files.load_rank_file(path)
             iteration = obj.get("iteration")
             if self._iteration is None:
                 self._iteration = (iteration, path)
@@ -264,16 +264,16 @@ class McoreCheckpoint:
         """The ``tp`` shards of ``name`` in the stage's chunk."""
         out = []
         for tp_rank in range(self.par.tp):
-            state = self.rank(tp_rank, pp_rank).get(layout.model_key(chunk, self.par.chunks)) or {}
+            state = self.rank(tp_rank, pp_rank).get(mcore_files.model_key(chunk, self.par.chunks)) or {}
             if name not in state:
-                path = self.dir / layout.rank_dir_name(tp_rank, pp_rank, self.par.pp) / layout.RANK_FILE
-                raise CheckpointError(f"{path}: no tensor {name!r} in its {layout.model_key(chunk, self.par.chunks)} "
+                path = self.dir / mcore_files.rank_dir_name(tp_rank, pp_rank, self.par.pp) / mcore_files.RANK_FILE
+                raise CheckpointError(f"{path}: no tensor {name!r} in its {mcore_files.model_key(chunk, self.par.chunks)} "
                                       f"state dict; the shard does not match the checkpoint's args")
             out.append(state[name])
         return out
 
     def has(self, pp_rank: int, chunk: int, name: str) -> bool:
-        return name in (self.rank(0, pp_rank).get(layout.model_key(chunk, self.par.chunks)) or {})
+        return name in (self.rank(0, pp_rank).get(mcore_files.model_key(chunk, self.par.chunks)) or {})
 
     def release(self, pp_rank: int) -> None:
         for tp_rank in range(self.par.tp):
@@ -290,8 +290,8 @@ def mcore_to_hf(load_dir: str | Path, out_dir: str | Path, *, template: str | Pa
     ``template`` is an HF directory whose config.json (checked against the checkpoint) and tokenizer
     are reused; ``tokenizer`` a tokenizer file or directory. Without a template the config is built
     from the checkpoint's args."""
-    it_dir = layout.iteration_dir(Path(load_dir))
-    if layout.is_dist_checkpoint(it_dir):
+    it_dir = mcore_files.iteration_dir(Path(load_dir))
+    if mcore_files.is_dist_checkpoint(it_dir):
         raise CheckpointError(f"{it_dir} is a torch_dist checkpoint: convert it with `posttrain convert "
                               f"--load-model-type mg --save-model-type hf --load-dir {load_dir} --save-dir <dir>`")
     ckpt = McoreCheckpoint(load_dir)

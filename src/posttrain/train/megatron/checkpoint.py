@@ -49,11 +49,11 @@ def _rank_file(it_dir: Path) -> Path:
     """This rank's file in the legacy iteration directory ``it_dir``."""
     from megatron.core import parallel_state as ps
 
-    from posttrain.models.mcore import layout
+    from posttrain.models.mcore import mcore_files
 
-    name = layout.rank_dir_name(ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
+    name = mcore_files.rank_dir_name(ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
                                 ps.get_pipeline_model_parallel_world_size())
-    return it_dir / name / layout.RANK_FILE
+    return it_dir / name / mcore_files.RANK_FILE
 
 
 def _rng_state() -> dict:
@@ -82,10 +82,10 @@ def _rng_object(value):
 
 def _sharded(part: Part, *, optimizer: bool, loading: bool = False) -> dict:
     """The sharded state dict of ``part``'s chunks (and optimizer)."""
-    from posttrain.models.mcore import layout
+    from posttrain.models.mcore import mcore_files
     from posttrain.train.megatron.model import sharded_state_dict
 
-    state = {layout.model_key(i, len(part.chunks)): sharded_state_dict(chunk) for i, chunk in enumerate(part.chunks)}
+    state = {mcore_files.model_key(i, len(part.chunks)): sharded_state_dict(chunk) for i, chunk in enumerate(part.chunks)}
     if optimizer:
         state["optimizer"] = part.optimizer.sharded_state_dict(state, is_loading=loading)
     return state
@@ -96,9 +96,9 @@ def _write(path: Path, part: Part, args, iteration: int, *, ckpt_format: str, sa
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
 
-    from posttrain.models.mcore import layout
+    from posttrain.models.mcore import mcore_files
 
-    common = {"iteration": iteration, "args": args, "checkpoint_version": layout.CHECKPOINT_VERSION, **part.extra}
+    common = {"iteration": iteration, "args": args, "checkpoint_version": mcore_files.CHECKPOINT_VERSION, **part.extra}
     if ckpt_format == "torch_dist":
         import torch.distributed as dist
 
@@ -110,7 +110,7 @@ def _write(path: Path, part: Part, args, iteration: int, *, ckpt_format: str, sa
     if ps.get_data_parallel_rank() == 0:
         rank_file = _rank_file(path)
         rank_file.parent.mkdir(parents=True, exist_ok=True)
-        state = {layout.model_key(i, len(part.chunks)): c.state_dict() for i, c in enumerate(part.chunks)}
+        state = {mcore_files.model_key(i, len(part.chunks)): c.state_dict() for i, c in enumerate(part.chunks)}
         state.update(common)
         if save_optim:
             state["optimizer"] = part.optimizer.state_dict()
@@ -127,7 +127,7 @@ def save_megatron_checkpoint(save_dir: str | Path, iteration: int, parts: dict[s
     calls it (barriers inside). ``save_optim`` / ``save_rng``: the seed's ``no_save_*`` negated."""
     import torch.distributed as dist
 
-    from posttrain.models.mcore import layout
+    from posttrain.models.mcore import mcore_files
 
     if ckpt_format not in FORMATS:
         raise CheckpointError(f"unknown Megatron checkpoint format {ckpt_format!r}; use {' or '.join(FORMATS)}")
@@ -148,7 +148,7 @@ def save_megatron_checkpoint(save_dir: str | Path, iteration: int, parts: dict[s
     if dist.get_rank() == 0:
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
-        tracker = save_dir / layout.TRACKER
+        tracker = save_dir / mcore_files.TRACKER
         tracker_tmp = tracker.with_name(tracker.name + ".tmp")
         tracker_tmp.write_text(f"{iteration}\n", encoding="utf-8")
         os.replace(tracker_tmp, tracker)
@@ -163,22 +163,22 @@ def load_megatron_checkpoint(load_dir: str | Path, chunks: list, optimizer, *, l
     (unless told not to) ``optimizer`` and the RNG states; returns the other entries (``iteration``
     and the saver's ``extra``). A ``torch_dist`` checkpoint reshards into this run's layout; its
     RNG states are restored when the world size is the one it was saved with."""
-    from posttrain.models.mcore import layout
+    from posttrain.models.mcore import mcore_files
 
-    it_dir = layout.iteration_dir(Path(load_dir))
+    it_dir = mcore_files.iteration_dir(Path(load_dir))
     if not it_dir.name.startswith("iter_"):
         raise CheckpointError(f"{it_dir}: a converted (release) checkpoint holds no optimizer state; load it as "
                               f"the initial model instead of resuming from it")
     path = it_dir / subdir if subdir else it_dir
-    if layout.is_dist_checkpoint(path):
+    if mcore_files.is_dist_checkpoint(path):
         return _load_dist(path, chunks, optimizer, load_optim=load_optim, load_rng=load_rng)
     rank_file = _rank_file(path)
     if not rank_file.is_file():
         raise CheckpointError(f"{rank_file} is missing: this rank's shard of {path} (a legacy checkpoint loads into "
                               f"the layout it was saved with; convert it to HF and start from that)")
-    state = layout.load_rank_file(rank_file, mmap=False)  # weights_only, with the converter's allow-list
+    state = mcore_files.load_rank_file(rank_file, mmap=False)  # weights_only, with the converter's allow-list
     for i, chunk in enumerate(chunks):
-        chunk.load_state_dict(state.pop(layout.model_key(i, len(chunks))), strict=True)
+        chunk.load_state_dict(state.pop(mcore_files.model_key(i, len(chunks))), strict=True)
     for key, wanted, load in (("optimizer", load_optim, optimizer.load_state_dict),
                               ("rng_state", load_rng, _set_rng_state)):
         if wanted and key not in state:
@@ -194,23 +194,23 @@ def _load_dist(path: Path, chunks: list, optimizer, *, load_optim: bool, load_rn
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
-    from posttrain.models.mcore import layout
+    from posttrain.models.mcore import mcore_files
 
-    common = layout.load_common(path)
+    common = mcore_files.load_common(path)
     part = Part(chunks, optimizer, {})
     state = _sharded(part, optimizer=load_optim, loading=True)
     same_world = common.get("world_size") == dist.get_world_size()
     if load_rng and same_world:
         state["rng_state"] = _rng_object(None)
     try:
-        with torch.serialization.safe_globals(layout.safe_globals()):  # args, the RNG and trainer states
+        with torch.serialization.safe_globals(mcore_files.safe_globals()):  # args, the RNG and trainer states
             loaded = dist_checkpointing.load(state, str(path))
     except Exception as err:  # noqa: BLE001 - Megatron raises several kinds; name the checkpoint
         raise CheckpointError(f"{path}: the torch_dist checkpoint does not load into this model "
                               f"({type(err).__name__}: {str(err).splitlines()[0][:300]}); if it was saved with "
                               f"no_save_optim / no_save_rng, set no_load_optim / no_load_rng") from None
     for i, chunk in enumerate(chunks):
-        chunk.load_state_dict(loaded.pop(layout.model_key(i, len(chunks))), strict=True)
+        chunk.load_state_dict(loaded.pop(mcore_files.model_key(i, len(chunks))), strict=True)
     if load_optim:
         optimizer.load_state_dict(loaded.pop("optimizer"))
     if "rng_state" in loaded:

@@ -20,10 +20,10 @@ def dist_to_hf(load_dir: str | Path, out_dir: str | Path, *, template: str | Pat
     ``rm_head`` becomes a sequence-classification ``score``)."""
     import torch.multiprocessing as mp
 
-    from posttrain.models.mcore import layout
+    from posttrain.models.mcore import mcore_files
     from posttrain.models.mcore.convert import check_hf_target
 
-    it_dir = layout.iteration_dir(Path(load_dir))
+    it_dir = mcore_files.iteration_dir(Path(load_dir))
     check_hf_target(Path(out_dir), force)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -38,7 +38,7 @@ def _convert(rank: int, port: int, it_dir: str, out_dir: str, template, tokenize
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
     from torch.distributed.checkpoint import FileSystemReader
 
-    from posttrain.models.mcore import layout, mapping
+    from posttrain.models.mcore import mcore_files, mapping
     from posttrain.models.mcore.convert import hf_config, params_dtype, write_hf
     from posttrain.train.megatron.cpu_shims import cpu_megatron
     from posttrain.train.megatron.model import hf_weights, mcore_to_megatron
@@ -50,7 +50,7 @@ def _convert(rank: int, port: int, it_dir: str, out_dir: str, template, tokenize
             model_parallel_cuda_manual_seed(0)
             orm = mapping.RM_HEAD in FileSystemReader(it_dir).read_metadata().state_dict_metadata
             chunks, args = mcore_to_megatron(it_dir, value_head=orm)
-            arch = layout.arch_from_args(args, Path(it_dir))
+            arch = mcore_files.arch_from_args(args, Path(it_dir))
             out_dtype = params_dtype(dtype)
             stored = next(chunks[0].parameters()).dtype
             config = hf_config(arch, args, Path(it_dir), stored, Path(template) if template else None, orm, out_dtype)

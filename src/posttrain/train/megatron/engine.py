@@ -1,7 +1,7 @@
 """The Megatron-Core backend's engine: :class:`MegatronEngine` provides
 :class:`posttrain.train.base.Engine` (the HF engine's interface: ``compute_logprobs``,
 ``compute_values``, ``compute_pair_logps`` and ``update`` over a batch in the training layout of
-:mod:`posttrain.train.layout`) on this rank's Megatron-Core model, through Megatron's pipeline
+:mod:`posttrain.train.batch`) on this rank's Megatron-Core model, through Megatron's pipeline
 schedule and optimizer.
 
 * Micro-batches of ``micro_batch_size`` rows through ``get_forward_backward_func``; each row's
@@ -50,7 +50,7 @@ def _inputs(batch: dict[str, torch.Tensor], rows: torch.Tensor, length: int):
     tokens, and for each row the positions of its logits that predict its response tokens."""
     import torch.nn.functional as F
 
-    from posttrain.train.layout import default_position_ids
+    from posttrain.train.batch import default_position_ids
 
     attention = batch["attention_mask"][rows]
     width = attention.shape[1]

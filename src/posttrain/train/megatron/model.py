@@ -246,7 +246,7 @@ def hf_to_megatron(hf_dir: str | Path, *, divisor: int = 128, for_training: bool
     model's ``score`` head is loaded into it); ``options``: more ``TransformerConfig`` fields."""
     from megatron.core import parallel_state as ps
 
-    from posttrain.models.mcore import layout, mapping, splits
+    from posttrain.models.mcore import mcore_files, mapping, splits
     from posttrain.models.mcore.convert import _stage_state, hf_arch
     from posttrain.models.mcore.hf_files import HFWeights
 
@@ -263,8 +263,8 @@ def hf_to_megatron(hf_dir: str | Path, *, divisor: int = 128, for_training: bool
         raise ConfigError(f"{hf_dir}: its {arch.num_experts} experts do not split over expert parallel size {ep}; "
                           f"choose an expert_model_parallel_size that divides them")
     per_chunk = arch.num_layers // (pp * vpp) if vpp else None
-    par = layout.Parallel(tp, pp, ep, layout.pipeline_stages(arch.num_layers, pp, None, per_chunk))
-    args = layout.make_args(arch, par, padded_vocab=padded, divisor=divisor, params_dtype=torch.float32,
+    par = mcore_files.Parallel(tp, pp, ep, mcore_files.pipeline_stages(arch.num_layers, pp, None, per_chunk))
+    args = mcore_files.make_args(arch, par, padded_vocab=padded, divisor=divisor, params_dtype=torch.float32,
                             num_layer_list=None, layers_per_virtual_stage=per_chunk, orm=False)
     chunks = build_chunks(args, transformer_config(args, tp, pp, vpp, None, initialize=for_training, ep=ep,
                                                    **options), vpp, value_head=value_head)
@@ -303,34 +303,34 @@ def mcore_to_megatron(load_dir: str | Path, *, for_training: bool = False, value
     from megatron.core import parallel_state as ps
 
     from posttrain.errors import CheckpointError
-    from posttrain.models.mcore import layout
+    from posttrain.models.mcore import mcore_files
 
     tp, pp, vpp, ep = _sizes()
-    it_dir = layout.iteration_dir(Path(load_dir))
-    args = layout.read_args(it_dir)
+    it_dir = mcore_files.iteration_dir(Path(load_dir))
+    args = mcore_files.read_args(it_dir)
     layers = int(args.num_layers)
     per_chunk = layers // (pp * vpp) if vpp else None
-    if layout.is_dist_checkpoint(it_dir):
+    if mcore_files.is_dist_checkpoint(it_dir):
         args = _with_layout(args, tp, pp, ep, per_chunk, it_dir)
         chunks = build_chunks(args, transformer_config(args, tp, pp, vpp, None, initialize=for_training, ep=ep,
                                                        **options), vpp, value_head=value_head)
         _load_dist_model(it_dir, chunks)
         return chunks, args
-    saved = layout.parallel_from_args(args, it_dir)
-    wanted = layout.pipeline_stages(layers, pp, None, per_chunk)
+    saved = mcore_files.parallel_from_args(args, it_dir)
+    wanted = mcore_files.pipeline_stages(layers, pp, None, per_chunk)
     if (saved.tp, saved.pp, saved.ep, saved.stages) != (tp, pp, ep, wanted):
         raise CheckpointError(
             f"{it_dir} was saved at TP {saved.tp} x PP {saved.pp} with {saved.chunks} virtual stage(s) (stages "
             f"{saved.stages}) in the legacy format; this run is TP {tp} x PP {pp} with {vpp or 1}, evenly split. "
             f"Convert it to HF first (posttrain convert --load-model-type mg --save-model-type hf --load-dir "
             f"{load_dir} --save-dir <hf dir>) and load that directory (torch_dist checkpoints reshard on load).")
-    path = it_dir / layout.rank_dir_name(ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
-                                         pp) / layout.RANK_FILE
+    path = it_dir / mcore_files.rank_dir_name(ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
+                                         pp) / mcore_files.RANK_FILE
     chunks = build_chunks(args, transformer_config(args, tp, pp, vpp, None, initialize=for_training, **options),
                           vpp, value_head=value_head)
-    saved_state = layout.load_rank_file(path, mmap=False)
+    saved_state = mcore_files.load_rank_file(path, mmap=False)
     for index, chunk in enumerate(chunks):
-        state = saved_state[layout.model_key(index, len(chunks))]
+        state = saved_state[mcore_files.model_key(index, len(chunks))]
         _load(chunk, _value_head_state(state, chunk) if value_head else state)
     return chunks, args
 
@@ -362,18 +362,18 @@ def _load_dist_model(it_dir: Path, chunks: list) -> None:
     from torch.distributed.checkpoint import FileSystemReader
 
     from posttrain.errors import CheckpointError
-    from posttrain.models.mcore import layout, mapping
+    from posttrain.models.mcore import mcore_files, mapping
 
     saved = set(FileSystemReader(str(it_dir)).read_metadata().state_dict_metadata)
     state = {}
     for index, chunk in enumerate(chunks):
-        key = layout.model_key(index, len(chunks))
+        key = mcore_files.model_key(index, len(chunks))
         sharded = sharded_state_dict(chunk)
         state[key] = {k: v for k, v in sharded.items() if "_extra_state" in k or getattr(v, "key", k) in saved}
-    with torch.serialization.safe_globals(layout.safe_globals()):
+    with torch.serialization.safe_globals(mcore_files.safe_globals()):
         loaded = dist_checkpointing.load(state, str(it_dir))
     for index, chunk in enumerate(chunks):
-        result = chunk.load_state_dict(loaded[layout.model_key(index, len(chunks))], strict=False)
+        result = chunk.load_state_dict(loaded[mcore_files.model_key(index, len(chunks))], strict=False)
         missing = [k for k in result.missing_keys if not k.endswith("_extra_state") and k != mapping.RM_HEAD]
         if missing or result.unexpected_keys:
             raise CheckpointError(f"{it_dir}: the checkpoint does not hold this model (missing {missing[:4]}, "
@@ -408,10 +408,10 @@ def hf_weights(chunks: list, args: argparse.Namespace, *, value_head: bool = Fal
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from posttrain.models.mcore import layout, mapping, splits
+    from posttrain.models.mcore import mcore_files, mapping, splits
 
     where = Path("<megatron model>")
-    arch, par = layout.arch_from_args(args, where), layout.parallel_from_args(args, where)
+    arch, par = mcore_files.arch_from_args(args, where), mcore_files.parallel_from_args(args, where)
     vocab = int(args.vocab_size)
     states = [chunk.state_dict() for chunk in chunks]
     tp_group, pp_group = ps.get_tensor_model_parallel_group(), ps.get_pipeline_model_parallel_group()

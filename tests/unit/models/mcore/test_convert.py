@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from posttrain.cli import main
-from posttrain.models.mcore import layout, splits
+from posttrain.models.mcore import mcore_files, splits
 
 MG_TO_HF = ["convert", "--load-model-type", "mg", "--save-model-type", "hf"]
 HF_TO_MG = ["convert", "--load-model-type", "hf", "--save-model-type", "mg"]
@@ -28,8 +28,8 @@ def to_mg(hf: Path, out: Path, tp: int = 1, pp: int = 1, *extra: str) -> int:
 
 
 def rank_state(root: Path, tp_rank: int, pp_rank: int, pp: int, key: str = "model") -> dict:
-    path = root / "release" / layout.rank_dir_name(tp_rank, pp_rank, pp) / layout.RANK_FILE
-    return layout.load_rank_file(path)[key]
+    path = root / "release" / mcore_files.rank_dir_name(tp_rank, pp_rank, pp) / mcore_files.RANK_FILE
+    return mcore_files.load_rank_file(path)[key]
 
 
 def leftovers(path: Path) -> list[str]:
@@ -62,10 +62,10 @@ def test_gated_fc1_holds_gate_then_up_per_rank_and_vocab_is_padded_with_zeros():
 
 
 def test_pipeline_stages_even_uneven_and_virtual():
-    assert layout.pipeline_stages(4, 2) == (((0, 1),), ((2, 3),))
-    assert layout.pipeline_stages(4, 2, "1,3") == (((0,),), ((1, 2, 3),))
+    assert mcore_files.pipeline_stages(4, 2) == (((0, 1),), ((2, 3),))
+    assert mcore_files.pipeline_stages(4, 2, "1,3") == (((0,),), ((1, 2, 3),))
     # virtual stages of 1 layer: chunk c of stage r holds layer c * pp + r
-    assert layout.pipeline_stages(4, 2, layers_per_virtual_stage=1) == (((0,), (2,)), ((1,), (3,)))
+    assert mcore_files.pipeline_stages(4, 2, layers_per_virtual_stage=1) == (((0,), (2,)), ((1,), (3,)))
 
 
 # ---- round trips -------------------------------------------------------------------------------
@@ -75,9 +75,9 @@ def test_hf_to_tp2_pp2_and_back_is_bit_identical(tiny_hf, tmp_path, kind):
     hf = tiny_hf(kind)
     orm = ["--orm"] if kind.endswith("_rm") else []
     assert to_mg(hf, tmp_path / "mg", 2, 2, *orm) == 0
-    assert (tmp_path / "mg" / layout.TRACKER).read_text().strip() == "release"
+    assert (tmp_path / "mg" / mcore_files.TRACKER).read_text().strip() == "release"
     # each rank file holds only its share (a saved slice view would drag its whole tensor along)
-    sharded = sum(p.stat().st_size for p in (tmp_path / "mg").rglob(layout.RANK_FILE))
+    sharded = sum(p.stat().st_size for p in (tmp_path / "mg").rglob(mcore_files.RANK_FILE))
     assert sharded < 1.3 * (hf / "model.safetensors").stat().st_size
     template = tmp_path / "orig"
     shutil.copytree(hf, template)
@@ -110,7 +110,7 @@ def test_virtual_and_uneven_pipeline_stages_round_trip(tiny_hf, tmp_path):
         out = tmp_path / name
         assert to_mg(hf, out, 1, 2, *extra) == 0
         if name == "vpp":
-            file = layout.load_rank_file(out / "release" / "mp_rank_00_001" / layout.RANK_FILE)
+            file = mcore_files.load_rank_file(out / "release" / "mp_rank_00_001" / mcore_files.RANK_FILE)
             assert {"model0", "model1"} <= set(file) and "model" not in file
             assert "output_layer.weight" in file["model1"] and "embedding.word_embeddings.weight" not in file["model0"]
         else:
@@ -122,7 +122,7 @@ def test_virtual_and_uneven_pipeline_stages_round_trip(tiny_hf, tmp_path):
 
 def test_bf16_params_dtype_casts_every_tensor(tiny_hf, tmp_path):
     assert to_mg(tiny_hf("qwen3"), tmp_path / "mg", 1, 1, "--params-dtype", "bf16") == 0
-    file = layout.load_rank_file(tmp_path / "mg" / "release" / "mp_rank_00" / layout.RANK_FILE)
+    file = mcore_files.load_rank_file(tmp_path / "mg" / "release" / "mp_rank_00" / mcore_files.RANK_FILE)
     assert {t.dtype for t in file["model"].values()} == {torch.bfloat16}
     assert file["args"].params_dtype == torch.bfloat16 and file["args"].bf16 is True
 
@@ -170,11 +170,11 @@ def test_args_namespace_describes_the_model_and_split(tiny_hf, tmp_path):
 
     hf = tiny_hf("qwen2")
     assert to_mg(hf, tmp_path / "mg", 2, 2) == 0
-    it_dir = layout.iteration_dir(tmp_path / "mg")
-    args = layout.read_args(it_dir)
-    assert tuple(vars(args)) == layout.ARGS_KEYS
-    assert layout.arch_from_args(args, it_dir) == arch_from_hf_config(hf)
-    par = layout.parallel_from_args(args, it_dir)
+    it_dir = mcore_files.iteration_dir(tmp_path / "mg")
+    args = mcore_files.read_args(it_dir)
+    assert tuple(vars(args)) == mcore_files.ARGS_KEYS
+    assert mcore_files.arch_from_args(args, it_dir) == arch_from_hf_config(hf)
+    par = mcore_files.parallel_from_args(args, it_dir)
     assert (par.tp, par.pp, args.padded_vocab_size, args.checkpoint_version if hasattr(args, "checkpoint_version")
             else 3.0) == (2, 2, 256, 3.0)
 
@@ -240,7 +240,7 @@ def test_a_vocabulary_divisor_below_one_is_refused(tiny_hf, tmp_path, capsys):
 def test_a_missing_shard_and_shards_from_two_saves_are_named(tiny_hf, tmp_path, capsys):
     mg = tmp_path / "mg"
     assert to_mg(tiny_hf("qwen2"), mg, 2, 1) == 0
-    rank1 = mg / "release" / "mp_rank_01" / layout.RANK_FILE
+    rank1 = mg / "release" / "mp_rank_01" / mcore_files.RANK_FILE
     saved = rank1.read_bytes()
     rank1.unlink()
     refused(capsys, [*MG_TO_HF, "--load-dir", str(mg), "--save-dir", str(tmp_path / "out")],
@@ -257,7 +257,7 @@ def test_a_checkpoint_whose_padded_vocabulary_does_not_fit_tp_is_refused(tiny_hf
     mg = tmp_path / "mg"
     assert to_mg(tiny_hf("qwen2"), mg, 2, 1) == 0
     for rank in (0, 1):
-        path = mg / "release" / f"mp_rank_0{rank}" / layout.RANK_FILE
+        path = mg / "release" / f"mp_rank_0{rank}" / mcore_files.RANK_FILE
         obj = torch.load(path, weights_only=False)
         obj["args"].make_vocab_size_divisible_by = 100  # 256 is not a multiple of 100 x 2
         torch.save(obj, path)
@@ -286,7 +286,7 @@ def test_a_target_that_holds_a_checkpoint_is_refused_unless_force(tiny_hf, tmp_p
     refused(capsys, [*HF_TO_MG, "--load-dir", str(tiny_hf("qwen2")), "--save-dir", str(mg)],
             "already holds a Megatron checkpoint.*--force")
     assert to_mg(tiny_hf("llama"), mg, 1, 1, "--force") == 0
-    assert layout.read_args(mg / "release").hf_model_type == "llama" and (mg / "keep.txt").read_text() == "mine"
+    assert mcore_files.read_args(mg / "release").hf_model_type == "llama" and (mg / "keep.txt").read_text() == "mine"
     out = tmp_path / "hf"
     assert main([*MG_TO_HF, "--load-dir", str(mg), "--save-dir", str(out)]) == 0
     refused(capsys, [*MG_TO_HF, "--load-dir", str(mg), "--save-dir", str(out)], "not empty.*--force")
@@ -318,9 +318,9 @@ class _CallsPrint:
 def test_pickled_code_in_a_rank_file_is_refused_with_the_file_named(tmp_path, capsys):
     evil = tmp_path / "mg" / "release" / "mp_rank_00"
     evil.mkdir(parents=True)
-    (tmp_path / "mg" / layout.TRACKER).write_text("release")
+    (tmp_path / "mg" / mcore_files.TRACKER).write_text("release")
     torch.save({"model": {}, "args": argparse.Namespace(num_layers=1), "hook": _CallsPrint()},
-               evil / layout.RANK_FILE)
+               evil / mcore_files.RANK_FILE)
     refused(capsys, [*MG_TO_HF, "--load-dir", str(tmp_path / "mg"), "--save-dir", str(tmp_path / "out")],
             r"mp_rank_00/model_optim_rng.pt: refused to unpickle it")
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from posttrain.rollout.base import SamplingParams
-from posttrain.trainers.partial_rollout import PartialRollout
+from posttrain.loops.partial_rollout import PartialRollout
 
 N_SAMPLES, GBS, MAX_TOKENS = 2, 2, 12
 

@@ -16,9 +16,9 @@ from posttrain.errors import DataError
 from posttrain.metrics.reduce import MetricAccumulator
 from posttrain.metrics.stats import stat_metrics
 from posttrain.metrics.timers import Timers
-from posttrain.trainers.dynamic_sampling import DynamicSampler, keep_groups, metric_column, score_columns
-from posttrain.trainers.experience import new_dock
-from posttrain.trainers.ppo import CriticPhases
+from posttrain.loops.dynamic_sampling import DynamicSampler, keep_groups, metric_column, score_columns
+from posttrain.loops.experience import new_dock
+from posttrain.loops.ppo import CriticPhases
 
 
 # ---- DAPO dynamic sampling -------------------------------------------------------------------------
@@ -139,7 +139,7 @@ def test_critic_stats_ignore_padding():
 
 # ---- DPO batches ------------------------------------------------------------------------------------
 def test_pair_batch_splits_prompt_and_answers():
-    from posttrain.trainers.dpo import pair_batch
+    from posttrain.loops.dpo import pair_batch
 
     item = {"chosen_input_ids": np.array([5, 6, 7, 8]), "chosen_labels": np.array([-100, -100, 7, 8]),
             "rejected_input_ids": np.array([5, 6, 9]), "rejected_labels": np.array([-100, -100, 9])}

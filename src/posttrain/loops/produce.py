@@ -2,13 +2,13 @@
 
     put prompts (x n) -> rollout -> reward
 
-:class:`Producer` fills a fresh TransferDock (:mod:`posttrain.trainers.experience`) for an
+:class:`Producer` fills a fresh TransferDock (:mod:`posttrain.loops.experience`) for an
 iteration, sampling with a given engine whose weights are a given version (the trainer's now, or
-a rollout replica's, :mod:`posttrain.trainers.sources`). How the samples are generated is a
+a rollout replica's, :mod:`posttrain.loops.sources`). How the samples are generated is a
 :class:`Generation`: plain (:class:`PlainGeneration`: the next batch of prompts, each sampled ``n``
 times) or partial rollout (:class:`PartialGeneration`: rounds over two batches of prompts,
-:mod:`posttrain.trainers.partial_rollout`). DAPO's dynamic sampling
-(:mod:`posttrain.trainers.dynamic_sampling`) repeats generate-and-score until enough groups vary.
+:mod:`posttrain.loops.partial_rollout`). DAPO's dynamic sampling
+(:mod:`posttrain.loops.dynamic_sampling`) repeats generate-and-score until enough groups vary.
 
 The reward is the rule verifiers' score and/or a reward model's (``reward_config``), by weight.
 """
@@ -25,10 +25,10 @@ from posttrain.config.plan import Plan
 from posttrain.metrics.reduce import MetricAccumulator
 from posttrain.metrics.timers import Timers
 from posttrain.reward.decoding import decode_labels, decode_responses
-from posttrain.trainers.dynamic_sampling import DynamicSampler, score_columns
-from posttrain.trainers.experience import MULTI_TURN_COLUMNS, new_dock
-from posttrain.trainers.partial_rollout import STATE_FILE, PartialRollout
-from posttrain.trainers.session import Session
+from posttrain.loops.dynamic_sampling import DynamicSampler, score_columns
+from posttrain.loops.experience import MULTI_TURN_COLUMNS, new_dock
+from posttrain.loops.partial_rollout import STATE_FILE, PartialRollout
+from posttrain.loops.session import Session
 from posttrain.transfer_dock import TransferDock
 
 

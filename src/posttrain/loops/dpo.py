@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from posttrain.trainers.offline import OfflineTrainer, labelled_batch
+from posttrain.loops.offline import OfflineTrainer, labelled_batch
 
 if TYPE_CHECKING:
     from posttrain.train.base import AfterForward

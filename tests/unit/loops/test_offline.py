@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from posttrain.errors import DataError
-from posttrain.trainers.offline import labelled_batch
+from posttrain.loops.offline import labelled_batch
 
 IGN = -100
 

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from posttrain.errors import DataError
-from posttrain.trainers.experience import new_dock
+from posttrain.loops.experience import new_dock
 from posttrain.transfer_dock import TransferDock
 
 log = logging.getLogger(__name__)

@@ -2,7 +2,7 @@
 data, the directories and the starting checkpoint (checked first, :mod:`posttrain.rundir`), the
 policy (in this process or on Ray workers), the sampler, logs, ``config.json``, checkpoints on
 their schedule and, for on-policy runs, rewards and held-out evaluation. The loops
-(:mod:`posttrain.trainers.onpolicy`, :mod:`posttrain.trainers.offline`) drive a :class:`Session`.
+(:mod:`posttrain.loops.onpolicy`, :mod:`posttrain.loops.offline`) drive a :class:`Session`.
 
 The run's process-wide settings are chosen once here and undone at the end: torch's threads and
 the fp32 linear kernel on a CPU (:mod:`posttrain.models.cpu_linear`), both measured when the run
@@ -299,7 +299,7 @@ class Session:
         return prompts, labels
 
     def log_eval(self, iteration: int) -> dict[str, float]:
-        from posttrain.trainers.evaluate import evaluate, greedy
+        from posttrain.loops.evaluate import evaluate, greedy
 
         prompts, labels = self.eval_data
         result = evaluate(self.policy.rollout, self.policy.tokenizer, prompts, labels, self.rule_reward,

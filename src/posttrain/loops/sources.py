@@ -6,9 +6,9 @@ weights back to: an :class:`ExperienceSource`.
   pushed to it after each update, timed as ``timing/resharding_to_infer``);
 * :class:`PipelinedSource`: a rollout thread produces it ahead, on a replica of the weights up to
   ``async_staleness`` updates old (a copy in this process, or a rollout worker process with
-  ``use_integrated_worker: false``; :mod:`posttrain.trainers.pipeline`, docs/async.md).
+  ``use_integrated_worker: false``; :mod:`posttrain.loops.pipeline`, docs/async.md).
 
-Both produce with a :class:`~posttrain.trainers.produce.Producer` (plain or partial rollout, with
+Both produce with a :class:`~posttrain.loops.produce.Producer` (plain or partial rollout, with
 or without dynamic sampling); :func:`open_source` picks the source from the plan.
 """
 
@@ -24,8 +24,8 @@ import torch
 from posttrain.config.plan import Plan
 from posttrain.errors import ConfigError
 from posttrain.metrics.timers import Timers
-from posttrain.trainers.produce import Experience, Producer
-from posttrain.trainers.session import Session
+from posttrain.loops.produce import Experience, Producer
+from posttrain.loops.session import Session
 
 IN_FLIGHT = "in_flight.pt"  # async: the finished experiences a checkpoint saves
 
@@ -69,7 +69,7 @@ class SyncSource:
 
 
 class PipelinedSource:
-    """Experience produced ahead by a rollout thread (:class:`~posttrain.trainers.pipeline.RolloutPipeline`)."""
+    """Experience produced ahead by a rollout thread (:class:`~posttrain.loops.pipeline.RolloutPipeline`)."""
 
     def __init__(self, producer: Producer, pipeline):
         self.producer, self.pipeline = producer, pipeline
@@ -98,7 +98,7 @@ def open_source(plan: Plan, session: Session, producer: Producer) -> ExperienceS
     """The plan's source: pipelined with ``async_staleness`` or a separate rollout worker, else sync."""
     if not plan.off_policy.pipelined:
         return SyncSource(producer, session.policy.rollout)
-    from posttrain.trainers.pipeline import LocalReplica, RolloutPipeline
+    from posttrain.loops.pipeline import LocalReplica, RolloutPipeline
 
     p, start = session.policy, session.iteration
     if plan.off_policy.separate_worker:

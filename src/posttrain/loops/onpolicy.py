@@ -3,15 +3,15 @@
     experience (prompts x n -> rollout -> reward) -> advantages -> reference logprobs
         -> old logprobs -> rollout correction -> update -> publish the weights
 
-The experience comes from the plan's :class:`~posttrain.trainers.sources.ExperienceSource`:
+The experience comes from the plan's :class:`~posttrain.loops.sources.ExperienceSource`:
 produced now with the trainer's weights, or ahead by a rollout thread with weights up to
 ``async_staleness`` updates old (docs/async.md); how it is produced (plain or partial rollout,
-DAPO's dynamic sampling, the reward) is :mod:`posttrain.trainers.produce`. The loop learns from it.
+DAPO's dynamic sampling, the reward) is :mod:`posttrain.loops.produce`. The loop learns from it.
 
 Every phase reads its inputs from the TransferDock and writes its outputs back, in the read sizes
-of the plan (:mod:`posttrain.trainers.experience` has the dock's schema). What differs between the
+of the plan (:mod:`posttrain.loops.experience` has the dock's schema). What differs between the
 algorithms is in the plan's stage (:mod:`posttrain.config.stages`); PPO adds the critic phases of
-:mod:`posttrain.trainers.ppo`.
+:mod:`posttrain.loops.ppo`.
 """
 
 from __future__ import annotations
@@ -29,11 +29,11 @@ from posttrain.metrics.reduce import MetricAccumulator
 from posttrain.metrics.stats import compute_tps, data_metrics, stat_metrics
 from posttrain.metrics.timers import Timers
 from posttrain.train.loss_fns import make_actor_loss_fn
-from posttrain.trainers.experience import per_group, read_batch, write_rows
-from posttrain.trainers.ppo import CriticPhases
-from posttrain.trainers.produce import Experience, Producer
-from posttrain.trainers.session import Session, check_finite_step
-from posttrain.trainers.sources import ExperienceSource, open_source
+from posttrain.loops.experience import per_group, read_batch, write_rows
+from posttrain.loops.ppo import CriticPhases
+from posttrain.loops.produce import Experience, Producer
+from posttrain.loops.session import Session, check_finite_step
+from posttrain.loops.sources import ExperienceSource, open_source
 from posttrain.transfer_dock import TransferDock
 
 log = logging.getLogger(__name__)

@@ -4,7 +4,7 @@ number is the answer, whatever the format)."""
 from __future__ import annotations
 
 from posttrain.rollout.base import RolloutOutput, SamplingParams
-from posttrain.trainers.evaluate import evaluate
+from posttrain.loops.evaluate import evaluate
 
 RESPONSES = ["The answer is 7.", "3 + 4 = 7", "The answer is 8.", "I think 9, or maybe 5"]
 LABELS = ["7", "7", "5", "5"]

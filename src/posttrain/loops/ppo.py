@@ -1,6 +1,6 @@
 """PPO's critic phases for the one on-policy loop (seed 2.4).
 
-The loop (:mod:`posttrain.trainers.onpolicy`) runs, for a bundle with a critic::
+The loop (:mod:`posttrain.loops.onpolicy`) runs, for a bundle with a critic::
 
     rollout -> reward -> ref logprobs -> old logprobs -> critic values -> advantages (GAE) ->
     critic update -> actor update
@@ -32,8 +32,8 @@ from posttrain.algo.kl import apply_kl_in_reward
 from posttrain.config.plan import Plan
 from posttrain.metrics.reduce import MetricAccumulator
 from posttrain.metrics.stats import stat_metrics
-from posttrain.trainers.experience import per_group, read_batch, write_rows
-from posttrain.train.layout import per_token
+from posttrain.loops.experience import per_group, read_batch, write_rows
+from posttrain.train.batch import per_token
 
 log = logging.getLogger(__name__)
 

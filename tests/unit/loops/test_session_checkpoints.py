@@ -1,4 +1,4 @@
-"""The session's checkpoints (trainers/session.py, checkpoint.py): a run resumes only from a
+"""The session's checkpoints (loops/session.py, checkpoint.py): a run resumes only from a
 checkpoint it can read. A corrupt file of the checkpoint a run resumes from is a CheckpointError naming
 the file and the previous complete checkpoint (exit 2), ``--load-previous-on-corruption`` falls back
 to it, a missing sampler.pt is an error, a non-finite loss, learning rate or weight never becomes a
@@ -150,7 +150,7 @@ def test_missing_sampler_is_an_error_unless_no_load_rng(base_run, mini_world, tm
 def test_non_finite_hyperparameter_stops_before_any_update_or_save(mini_world, tmp_path, key, value):
     """Probes C35, C36: ``lr=inf`` or ``weight_decay=nan`` forced into the optimizer."""
     from posttrain.config.plan import resolve_plan
-    from posttrain.trainers.build import build_trainer
+    from posttrain.loops.build import build_trainer
     from posttrain.train.engine import NaNLossError
 
     cfg = world_run_config(mini_world, tmp_path / "run", iters=2)  # the config refuses inf/nan: forced in here

@@ -41,8 +41,8 @@ def test_reward_step_adds_the_weighted_reward_model_score_to_the_rule_score(tiny
     from posttrain.reward.reward_model import RewardModelScorer
     from posttrain.reward.rule_reward import RuleReward
     from posttrain.roles.reward_model import build_reward_scorer
-    from posttrain.trainers.experience import new_dock
-    from posttrain.trainers.produce import Producer
+    from posttrain.loops.experience import new_dock
+    from posttrain.loops.produce import Producer
 
     tok, weight = tiny_tokenizer, 0.375
     cfg = _config(tiny_model_dir, lowercase_rm_dir, weight)

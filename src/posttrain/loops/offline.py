@@ -1,11 +1,11 @@
-"""The offline loop (SFT, and DPO in :mod:`posttrain.trainers.dpo`): batches from a fixed dataset,
+"""The offline loop (SFT, and DPO in :mod:`posttrain.loops.dpo`): batches from a fixed dataset,
 one optimizer step per global batch.
 
 SFT samples come from ``AlpacaStyleInstructionHandler`` data: ``input_ids`` with ``labels`` that are
 -100 (IGNORE) on the prompt tokens. Each sample is split there into prompt and response, put in the
 training layout of :mod:`posttrain.train.forward`, and trained with cross-entropy on the response
 tokens, token-mean over the whole global batch. The run itself (data, policy, sampler, logs,
-checkpoints) is the :class:`~posttrain.trainers.session.Session` that every loop shares.
+checkpoints) is the :class:`~posttrain.loops.session.Session` that every loop shares.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from posttrain.data.handlers import IGNORE_INDEX
 from posttrain.errors import DataError
 from posttrain.metrics.reduce import MetricAccumulator
 from posttrain.metrics.timers import Timers
-from posttrain.train.layout import build_batch, per_token
-from posttrain.trainers.session import Session, check_finite_step
+from posttrain.train.batch import build_batch, per_token
+from posttrain.loops.session import Session, check_finite_step
 
 log = logging.getLogger(__name__)
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 import importlib
 
 from posttrain.config.plan import Plan
-from posttrain.trainers.session import Session
+from posttrain.loops.session import Session
 
 
 def build_trainer(plan: Plan, *, load_previous_on_corruption: bool = False):
-    """The stage's loop on a new :class:`~posttrain.trainers.session.Session` (which checks and
+    """The stage's loop on a new :class:`~posttrain.loops.session.Session` (which checks and
     locks the run's directories and the checkpoint it resumes from before any work)."""
     module, cls = plan.stage.loop.split(":")
     loop = getattr(importlib.import_module(module), cls)

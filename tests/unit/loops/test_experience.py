@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from posttrain.trainers.experience import new_dock, read_batch, write_rows
+from posttrain.loops.experience import new_dock, read_batch, write_rows
 
 
 def test_read_batch_builds_the_layout_with_per_token_columns_and_write_rows_cuts_them_back():
@@ -37,7 +37,7 @@ def test_multi_turn_rows_zero_exactly_the_tool_tokens_in_the_loss_mask():
     """The dock's response_mask (0 on tool tokens) times the padding mask is the batch's loss mask,
     and the actor loss then ignores whatever sits on tool tokens."""
     from posttrain.train.loss_fns import make_actor_loss_fn
-    from posttrain.trainers.experience import MULTI_TURN_COLUMNS
+    from posttrain.loops.experience import MULTI_TURN_COLUMNS
 
     td = new_dock(2, 1, guarantee_order=True, seed=0, extra_columns=MULTI_TURN_COLUMNS)
     td.put_prompts({"prompts": [torch.tensor([5, 6]), torch.tensor([7])], "prompt_length": [2, 1],

@@ -1,4 +1,4 @@
-"""The session's run directories (trainers/session.py): ``train`` checks its output paths before the
+"""The session's run directories (loops/session.py): ``train`` checks its output paths before the
 work, writes only into its own run directories, locked for its lifetime, never into another run's,
 never through a symlink, and a resume cuts the metrics back to the checkpoint.
 
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def test_output_dir_that_is_a_file_is_refused_at_start_up(mini_world, tmp_path, capsys, monkeypatch):
     """Probe O5: ``rl_config.output_dir`` is an existing file."""
     (tmp_path / "afile").write_text("x")
-    forbid(monkeypatch, "posttrain.trainers.session:build_policy")
+    forbid(monkeypatch, "posttrain.loops.session:build_policy")
     code, err = run_cli(["train", *write_config(mini_world, tmp_path / "run"),
                          f"rl_config.output_dir={tmp_path / 'afile'}"], capsys)
     assert code == 2 and "rl_config.output_dir" in err and "is an existing file" in err
@@ -29,7 +29,7 @@ def test_output_dir_that_is_a_file_is_refused_at_start_up(mini_world, tmp_path, 
 def test_save_dir_that_is_a_file_is_refused_at_start_up(mini_world, tmp_path, capsys, monkeypatch):
     """Probe O6: ``actor_config.save`` is an existing file."""
     (tmp_path / "afile").write_text("x")
-    forbid(monkeypatch, "posttrain.trainers.session:build_policy")
+    forbid(monkeypatch, "posttrain.loops.session:build_policy")
     code, err = run_cli(["train", *write_config(mini_world, tmp_path / "run"),
                          f"actor_config.save={tmp_path / 'afile'}"], capsys)
     assert code == 2 and "actor_config.save" in err and "is an existing file" in err
@@ -50,7 +50,7 @@ def test_unwritable_directory_is_refused_at_start_up(mini_world, tmp_path, capsy
         return real(*args, dir=dir, **kwargs)
 
     monkeypatch.setattr(tempfile, "mkstemp", mkstemp)
-    forbid(monkeypatch, "posttrain.trainers.session:build_policy")
+    forbid(monkeypatch, "posttrain.loops.session:build_policy")
     code, err = run_cli(["train", *write_config(mini_world, tmp_path / "run"), f"{key}={locked}"], capsys)
     assert code == 2 and f"{key} {locked} is not writable" in err
 
@@ -58,7 +58,7 @@ def test_unwritable_directory_is_refused_at_start_up(mini_world, tmp_path, capsy
 def test_tensorboard_log_dir_that_is_a_file_is_refused(mini_world, tmp_path, capsys, monkeypatch):
     """Probe O9: ``rl_config.tensorboard_log_dir`` is an existing file."""
     (tmp_path / "afile").write_text("x")
-    forbid(monkeypatch, "posttrain.trainers.session:build_policy")
+    forbid(monkeypatch, "posttrain.loops.session:build_policy")
     code, err = run_cli(["train", *write_config(mini_world, tmp_path / "run"), "rl_config.use_tensorboard=true",
                          f"rl_config.tensorboard_log_dir={tmp_path / 'afile'}"], capsys)
     assert code == 2 and "rl_config.tensorboard_log_dir" in err and "is an existing file" in err
@@ -74,7 +74,7 @@ def test_second_run_on_a_locked_directory_is_refused(mini_world, tmp_path, capsy
         fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
         held.write("4242\n")
         held.flush()
-        forbid(monkeypatch, "posttrain.trainers.session:build_policy")
+        forbid(monkeypatch, "posttrain.loops.session:build_policy")
         code, err = run_cli(["train", *write_config(mini_world, run)], capsys)
     assert code == 2 and f"{run / which} is in use by another run (process 4242)" in err and str(lock) in err
     assert not (run / "out" / "metrics.jsonl").exists()
@@ -90,7 +90,7 @@ def test_locks_are_released_at_the_end_of_a_run(base_run):
 
 def test_train_refuses_a_save_dir_holding_another_runs_checkpoints(base_run, mini_world, tmp_path, capsys, monkeypatch):
     run = copy_run(base_run, tmp_path / "run")
-    forbid(monkeypatch, "posttrain.trainers.session:build_policy")
+    forbid(monkeypatch, "posttrain.loops.session:build_policy")
     code, err = run_cli(["train", *write_config(mini_world, run)], capsys)  # a fresh run (no load) into base_run's ckpt
     assert code == 2 and f"actor_config.save {run / 'ckpt'} already holds checkpoints" in err
     assert "actor_config.load is not set" in err and f"actor_config.load={run / 'ckpt'}" in err
@@ -100,7 +100,7 @@ def test_train_refuses_an_output_dir_holding_another_runs_metrics(base_run, mini
     run = tmp_path / "run"
     (run / "out").mkdir(parents=True)
     (run / "out" / "metrics.jsonl").write_text('{"iteration": 1}\n')
-    forbid(monkeypatch, "posttrain.trainers.session:build_policy")
+    forbid(monkeypatch, "posttrain.loops.session:build_policy")
     code, err = run_cli(["train", *write_config(mini_world, run)], capsys)
     assert code == 2 and f"rl_config.output_dir {run / 'out'} already holds the metrics" in err
     assert (run / "out" / "metrics.jsonl").read_text() == '{"iteration": 1}\n'
