@@ -37,8 +37,9 @@ SECTIONS: list[tuple[str, type[BaseModel], str]] = [
      "The seed's MegatronConfig. Each role merges `megatron_training` with its own section, each taking its "
      "`model:` architecture first (`actor = {**megatron_training, **actor_config}`). A refusal or warning names "
      "the section that wrote the key (`model.<name>` for a model yaml under `configs/model/`). Architecture keys "
-     "describe the model: they feed `posttrain plan` (sizes, memory) and `posttrain init-model`; a run that starts "
-     "from a Hugging Face directory takes its architecture from that directory's `config.json`."),
+     "describe the model: `posttrain plan` (sizes, memory) and `posttrain init-model` read some of them, and the "
+     "others nothing reads yet (listed above, marked in the table); a training run takes its architecture from the "
+     "model it loads (an HF directory's `config.json`, a Megatron checkpoint's `args`), not from these keys."),
     ("rl_config", RLConfig, "Algorithm, resources, logging and feature switches."),
     ("rl_config.actor_resource, reference_resource, reward_resource, critic_resource, vit_resource", Resource,
      "Device counts per role."),
@@ -63,11 +64,12 @@ by hand. -->
 Every key that a training config may hold, section by section, with its type (and the values it
 accepts: a value outside them stops `posttrain plan` and `posttrain train` with
 `section.key=value: must be ...`), default, status and meaning. posttrain reads the seed's
-(MindSpeed-RL's) YAML layout; the rule is that **no key is accepted and then silently ignored**. Each
-key has exactly one status:
+(MindSpeed-RL's) YAML layout; the aim is that **no key is accepted and then silently ignored**, and the
+keys that still are (marked honoured but read by nothing) are listed below, under "Keys that nothing
+reads yet". Each key has exactly one status:
 
-* **honoured**: the key changes what runs. Architecture keys count as honoured: they describe the model
-  for `posttrain plan` and `posttrain init-model`.
+* **honoured**: the key changes what runs. Architecture keys are marked honoured because they describe
+  the model; only some of them are read, by `posttrain plan` and `posttrain init-model` (below).
 * **refused**: a feature posttrain does not have yet. Setting the key to an active value (by default:
   anything but its default; the table says when) stops `posttrain plan` and `posttrain train` with
   `section.key=value: <why>; <what to do>`. Keys of one feature (LoRA, model parallelism, multi-turn,
@@ -78,18 +80,54 @@ key has exactly one status:
   `keys with no effect on this hardware (cpu): ...`. "ignored on cpu" marks keys that do take effect
   on CUDA.
 
-The checks run after the seed's own rules (`posttrain.config.validate`, with the seed's messages):
-`posttrain.config.features.check_features(cfg)` raises for the first refused key, and
-`posttrain.config.features.startup_warnings(cfg, device_type)` returns the warning. The feature
-combinations refused (a feature on a backend, rollout engine, placement, device or stage, or with
-another feature) are the rows of one table, `posttrain.config.compat.ROWS`: the
+The one config check, `posttrain.config.check.check_run_config` (`posttrain plan` and `posttrain train`
+both run it), takes the seed's own rules first (`posttrain.config.validate`, with the seed's messages),
+then the stage's rules, the backend's, the compatibility table, and the keys refused on their own
+(`posttrain.config.features.check_features`); `posttrain.config.features.startup_warnings` builds the
+warning. The feature combinations refused (a feature on a backend, rollout engine, placement, device or
+stage, or with another feature) are the rows of one table, `posttrain.config.compat.ROWS`: the
 [compatibility matrix](#compatibility-matrix) at the end. Beyond single keys:
 
 """
 
 
+# Architecture keys of MegatronConfig marked honoured that neither `posttrain plan` (the memory estimate,
+# posttrain.models.arch.arch_from_model_yaml) nor `posttrain init-model` reads, and that a run does not read
+# either (it takes the architecture from the model it loads). tests/unit/docs/test_reference_claims.py checks
+# that changing one of them changes nothing that plan and init-model build. Until another issue reads or
+# refuses them, the reference says so.
+ARCH_NOT_READ = (
+    "disable_bias_linear", "attention_bias", "position_embedding_type", "use_rotary_position_embeddings",
+    "rope_scaling_type", "rope_scaling_factor", "low_freq_factor", "high_freq_factor",
+    "original_max_position_embeddings", "beta_fast", "beta_slow", "rope_scaling_mscale",
+    "rope_scaling_mscale_all_dim", "rope_scaling_original_max_position_embeddings", "normalization", "swiglu",
+    "vocab_extra_ids", "multi_latent_attention", "qk_pos_emb_head_dim", "qk_head_dim", "q_lora_rank",
+    "kv_lora_rank", "v_head_dim", "n_shared_experts", "first_k_dense_replace", "moe_layer_freq",
+    "moe_router_num_groups", "moe_router_group_topk", "moe_router_topk_scaling_factor",
+    "moe_router_score_function", "moe_router_enable_expert_bias",
+)
+# honoured keys that only a rule reads: the key is checked, but its value changes nothing that runs
+RULE_ONLY = {
+    "reset_attention_mask": "read only by the seed's rules 5 and 6, when a config writes "
+                            "`rl_config.use_remove_padding: true`; packed rows always attend within their own "
+                            "sequence, so `reset_attention_mask: false` changes nothing that runs",
+}
+
+
+def _not_read_rule() -> str:
+    keys = ", ".join(f"`{k}`" for k in ARCH_NOT_READ)
+    only = "; ".join(f"`{k}`: {why}" for k, why in RULE_ONLY.items())
+    return ("* **Keys that nothing reads yet.** These `megatron_training` (and role) keys are marked honoured, but no "
+            f"code reads their value: the architecture keys {keys}. `posttrain plan` sizes the model from the "
+            "other architecture keys, `posttrain init-model` writes a Llama, Qwen2, Qwen3 or Qwen3-MoE model "
+            "(SwiGLU MLP, RMSNorm, RoPE) whatever these say, and a training run takes its architecture from the "
+            "model it loads. So a model yaml that asks for multi-latent attention, shared experts or yarn RoPE "
+            f"scaling gets none of them, without a warning. Also {only}. Each of these keys will be read or "
+            "refused; until then the table marks it.")
+
+
 def _section_rules() -> str:
-    lines = []
+    lines = [_not_read_rule()]
     keys = ", ".join(f"`{k}`" for k in CRITIC_FOLLOWS_ACTOR)
     lines.append(f"* `critic_config`: the critic takes these keys from the actor, so a different value there is "
                  f"refused: {keys} (`no_save_optim` and `no_save_rng` are the critic's own when "
@@ -137,7 +175,8 @@ def render_reference() -> str:
             counts[rule.status] += 1
             rows.append("| " + " | ".join(_cell(c) for c in (
                 f"`{name}`", _type_cell(cls, name), _default(field.default), _status(rule, name),
-                _meaning(field.description or "", rule, field.default))) + " |")
+                _meaning(field.description or "", rule, field.default,
+                         name if cls is MegatronConfig else ""))) + " |")
         parts.append(f"## {title}\n\n{intro}\n\n" + "\n".join(rows) + "\n")
     total = sum(counts.values())
     summary = (f"{total} keys (the five Megatron sections share one schema): "
@@ -306,7 +345,11 @@ def _when(rule: Rule, default: Any) -> str:
     return cond
 
 
-def _meaning(doc: str, rule: Rule, default: Any) -> str:
+def _meaning(doc: str, rule: Rule, default: Any, name: str = "") -> str:
+    if rule.status is Status.HONOURED and name in ARCH_NOT_READ:
+        return f"{doc}. Nothing reads it yet (see \"Keys that nothing reads yet\")"
+    if rule.status is Status.HONOURED and name in RULE_ONLY:
+        return f"{doc}. Its value changes nothing that runs: {RULE_ONLY[name]}"
     if rule.status is Status.HONOURED:
         return doc
     if rule.status is Status.REFUSED and rule.switch:
