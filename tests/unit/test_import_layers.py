@@ -1,5 +1,5 @@
 """The import graph of ``src/posttrain``: no cycles between modules, nothing imports upward, and
-the heavy optional dependencies stay at the edges (DESIGN.md section 2 and convention 6).
+the heavy optional dependencies stay at the edges (docs/architecture.md, "Layers").
 
 The graph is read with ``ast`` (nothing is imported): module-level and function-level (lazy)
 imports count; imports under ``if TYPE_CHECKING:`` do not. ``from pkg import name`` is an edge to
@@ -210,7 +210,7 @@ def graph():
 def test_every_top_level_module_has_a_layer():
     tops = {_top(m) for m in _modules()} - {""}
     missing = sorted(tops - set(LAYER_OF))
-    assert not missing, f"give these a layer in LAYERS (and in DESIGN.md section 2): {missing}"
+    assert not missing, f"give these a layer in LAYERS (and in docs/architecture.md, \"Layers\"): {missing}"
 
 
 def test_no_import_cycles(graph):
@@ -261,7 +261,7 @@ def test_no_package_cycles(graph):
 
 
 def test_cluster_never_imports_loops(graph):
-    """DESIGN.md: cluster/ builds roles/ inside Ray workers; the loops in loops/ drive the cluster."""
+    """cluster/ builds roles/ inside Ray workers; the loops in loops/ drive the cluster (docs/architecture.md)."""
     edges, _ = graph
     bad = [f"{m} (line {line}) -> {t}" for m, targets in sorted(edges.items()) if _top(m) == "cluster"
            for t, line in sorted(targets.items()) if _top(t) == "loops"]

@@ -44,7 +44,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target-tensor-parallel-size", type=int, default=1)
     p.add_argument("--target-pipeline-parallel-size", type=int, default=1)
     p.add_argument("--target-expert-model-parallel-size", type=int, default=1,
-                   help="only 1: mixture-of-experts models are not converted")
+                   help="only 1 (hf -> mg writes dense models; a mixture-of-experts model's torch_dist "
+                        "checkpoints convert mg -> hf)")
     p.add_argument("--num-layer-list", default=None, help="uneven pipeline stages, e.g. 14,14")
     p.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
     p.add_argument("--params-dtype", default=None, help="fp32, bf16 or fp16 (default: the dtype stored)")

@@ -15,6 +15,8 @@ def format_plan(plan: Plan, cpu_linear: str = "blas") -> str:
     par = plan.parallel
     sharding = plan.sharding if par.backend == "hf" else "megatron"
     where = (f"{plan.workers} Ray worker(s), {sharding}" if plan.use_ray else "in one process")
+    if plan.off_policy.separate_worker:  # use_integrated_worker: false
+        where += " (trainer) and a Ray rollout worker process"
     lines = [f"stage {plan.name} on {plan.layout.num_devices} device(s), {where}; {plan.device}, "
              f"{plan.train_dtype} training, {plan.rollout_dtype} rollout"
              + ("; fp32 linear layers by oneDNN (measured now on this machine)" if cpu_linear == "onednn" else ""),
