@@ -114,8 +114,11 @@ def worker(rank: int, hf_dir: str, tp: int, pp: int, kind: str, micro_batch_size
         for step, (g, w) in enumerate(zip(got, want)):
             assert sorted(g) == sorted(w), (sorted(g), sorted(w))
             for key in w:
-                # abs 1e-5: approximate KL is a mean of log-ratio differences, ~1e-2 here
-                assert g[key] == pytest.approx(w[key], rel=1e-4, abs=1e-5), (step, key, g, w)
+                # approximate KL is a mean of log-ratio differences (~1e-2 here): its absolute noise is
+                # the log-probs' (atol 1e-4 below), which after 3 steps at lr 1e-2 reaches ~1e-5 on
+                # AVX2-only CPUs (another BLAS kernel than AVX-512's)
+                kl = key.endswith("/ppo_kl")
+                assert g[key] == pytest.approx(w[key], rel=1e-4, abs=1e-4 if kl else 1e-5), (step, key, g, w)
         # the next log-probs and entropy, on every rank (computed on the last stage, broadcast)
         logprobs, entropy = engine.compute_logprobs(batch, temperature=TEMPERATURE, with_entropy=True)
         torch.testing.assert_close(logprobs, want_after[0], rtol=0, atol=1e-4)
