@@ -10,6 +10,7 @@ import argparse
 import importlib
 import sys
 
+from posttrain import __version__
 from posttrain.errors import PosttrainError
 
 # subcommand -> module with run(args)
@@ -128,8 +129,6 @@ def _subparser_class(common: argparse.ArgumentParser):
 
 
 def _version() -> str:
-    from posttrain import __version__
-
     return f"posttrain {__version__}"
 
 

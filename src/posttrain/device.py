@@ -39,7 +39,7 @@ def resolve_device(name: str = "auto") -> str:
     """``auto`` -> ``cuda`` if a GPU is visible, else ``cpu``; other names pass through."""
     if name != "auto":
         return name
-    import torch
+    import torch  # lazy: config/ imports device.py without torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -59,7 +59,7 @@ def cpu_supports_bf16() -> bool:
 
 def cuda_supports_bf16() -> bool:
     """Whether this process's GPU computes in bf16 natively (compute capability 8.0 or newer)."""
-    import torch
+    import torch  # lazy: as in resolve_device
 
     if not torch.cuda.is_available():
         return True  # nothing to check on this machine (the plan may be for another one)

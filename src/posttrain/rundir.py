@@ -16,6 +16,7 @@ from pathlib import Path
 from posttrain.checkpoint import (TRACKER, CheckpointLoad, check_model_files, earlier_checkpoints, list_checkpoints,
                                   read_trainer_state, resolve_checkpoint, verify_checkpoint)
 from posttrain.errors import CheckpointError, ConfigError
+from posttrain.models.mcore.checks import check_mcore_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -194,8 +195,6 @@ def checked_start(source: str | None, load: CheckpointLoad, *, megatron: bool = 
     if not source or not Path(source).is_dir():
         return Start(source)  # a missing path is reported by the policy's model_source()
     if megatron:
-        from posttrain.models.mcore.checks import check_mcore_checkpoint
-
         if check_mcore_checkpoint(source):
             return Start(source)
     try:

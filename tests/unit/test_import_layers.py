@@ -1,7 +1,8 @@
 """The import graph of ``src/posttrain``: no cycles between modules, nothing imports upward, and
 the heavy optional dependencies stay at the edges (docs/architecture.md, "Layers").
 
-The graph is read with ``ast`` (nothing is imported): module-level and function-level (lazy)
+The graph is read with ``ast`` (nothing is imported; only
+:func:`test_the_cli_loads_no_heavy_dependency` imports, in a subprocess): module-level and function-level (lazy)
 imports count; imports under ``if TYPE_CHECKING:`` do not. ``from pkg import name`` is an edge to
 the submodule ``pkg.name`` when that module exists, else to ``pkg`` itself (its ``__init__``), so a
 package ``__init__`` that re-exports its submodules makes a cycle only when a submodule imports
@@ -12,6 +13,9 @@ and a submodule imports through the half-initialised package (``from pkg import 
 from __future__ import annotations
 
 import ast
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -38,6 +42,12 @@ EDGE_DEPENDENCIES = {
     "ray": ("posttrain.cluster",),
     "vllm": ("posttrain.rollout.vllm_engine",),
 }
+
+
+# What ``import posttrain``, ``import posttrain.cli`` and the CLI's argument parsing (``posttrain --help``)
+# must not load: the modules they reach import these lazily, where they are used.
+CLI_FORBIDDEN = ("torch", "transformers", "datasets", "pyarrow", "matplotlib", "math_verify", "safetensors",
+                 "rank_bm25")
 
 
 def _module_name(path: Path) -> str:
@@ -292,3 +302,17 @@ def test_tarjan_finds_a_cycle_and_reports_it():
     edges = {"a": {"b": 1}, "b": {"c": 2}, "c": {"a": 3, "d": 4}, "d": {}}
     assert _strongly_connected(edges) == [["a", "b", "c"]]
     assert _cycle_in(["a", "b", "c"], edges) == "a (line 1) -> b (line 2) -> c (line 3) -> a"
+
+
+def test_the_cli_loads_no_heavy_dependency():
+    """``posttrain --help`` stays fast: in a fresh process, importing the package and the CLI and
+    building its parser (which imports ``commands/convert.py`` for its arguments) loads none of
+    :data:`CLI_FORBIDDEN`. A failure names the module; ``python -X importtime -c "import
+    posttrain.cli"`` shows which import brought it in."""
+    code = ("import sys, posttrain, posttrain.cli; posttrain.cli.build_parser(); "
+            f"print(' '.join(m for m in {CLI_FORBIDDEN!r} if m in sys.modules))")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    loaded = done.stdout.split()
+    assert not loaded, (f"import posttrain.cli (and its parser) loaded {loaded}: import them inside the "
+                        f"function that needs them")

@@ -19,8 +19,8 @@ log = logging.getLogger(__name__)
 
 def load_adapter_weights(path: str | Path, model) -> None:
     """The adapter weights saved in ``path`` (``adapter_model.safetensors``) into the PEFT ``model``."""
-    from peft import set_peft_model_state_dict
-    from safetensors.torch import load_file
+    from peft import set_peft_model_state_dict  # lazy: peft (seconds), LoRA only
+    from safetensors.torch import load_file  # lazy: plan imports checkpoint/, reads no weights
 
     file = Path(path) / "adapter_model.safetensors"
     if not file.is_file():

@@ -39,7 +39,7 @@ def save_hf_weights(model, out: Path) -> None:
     (``config.json`` and ``model.safetensors``; a tied weight once). Written from the state dict,
     without the adapter's tensors and with PEFT's ``base_layer`` names mapped back to the base
     model's own: inside a PEFT model the base's linears are wrapped in LoRA layers."""
-    from safetensors.torch import save_file
+    from safetensors.torch import save_file  # lazy: plan imports checkpoint/, reads no weights
 
     base = model.get_base_model() if hasattr(model, "peft_config") else model
     Path(out).mkdir(parents=True, exist_ok=True)

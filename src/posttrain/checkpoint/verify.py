@@ -74,7 +74,7 @@ def _weight_files(path: Path) -> list[Path]:
 
 
 def _read_weights(path: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
+    from safetensors.torch import load_file  # lazy: plan imports checkpoint/, reads no weights
 
     files = [f for f in _weight_files(path) if f.suffix == ".safetensors"]
     if files:
@@ -112,7 +112,7 @@ def check_model_files(path: str | Path) -> None:
     """Cheap checks of an HF model or checkpoint dir before a model is built from it:
     ``config.json`` is a JSON object and every safetensors file has a valid, complete header.
     Raises :class:`CheckpointError` naming the first bad file."""
-    from safetensors import safe_open
+    from safetensors import safe_open  # lazy: plan imports checkpoint/, reads no weights
 
     path = Path(path)
     config = path / "config.json"
@@ -157,7 +157,7 @@ def verify_checkpoint(path: str | Path, *, optim: bool = True, rng: bool = True,
     :class:`CheckpointError` naming the first one that is missing, truncated or corrupt:
     trainer_state.json, config.json, the weights (also NaN/inf), optimizer/scheduler (``optim``),
     rng.pt (``rng``), sampler.pt, and the extra parts' (critic/) files."""
-    from safetensors import safe_open
+    from safetensors import safe_open  # lazy: plan imports checkpoint/, reads no weights
 
     path = Path(path)
     read_trainer_state(path)

@@ -26,11 +26,15 @@ from __future__ import annotations
 
 import contextlib
 
+import torch
+from transformers import AutoModelForCausalLM
+
+from posttrain.train.optim import build_optimizer, build_scheduler
 from posttrain.train.options import OptimOptions
 
 
 def _options(**kw):
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
+    from torch.distributed.checkpoint.state_dict import StateDictOptions  # lazy: ~0.8 s; DDP imports this module
 
     return StateDictOptions(full_state_dict=True, **kw)
 
@@ -38,8 +42,7 @@ def _options(**kw):
 def mixed_precision(compute_dtype):
     """FSDP2's precision policy: parameters gathered in ``compute_dtype`` (None: as stored, fp32)
     and gradients reduced in fp32."""
-    import torch
-    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from torch.distributed.fsdp import MixedPrecisionPolicy  # lazy: FSDP2 API (torch >= 2.6); DDP imports this module
 
     return MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
 
@@ -48,13 +51,11 @@ def shard(model, engine, optim: OptimOptions, total_steps: int) -> list[str]:
     """``fully_shard`` the decoder layers and the model; rebuild ``engine``'s optimizer and
     scheduler on the sharded parameters, carrying over their state. Returns the parameter names
     in the optimizer's order (the index order of an in-process optimizer state)."""
-    from torch.distributed.checkpoint.state_dict import (
+    from torch.distributed.checkpoint.state_dict import (  # lazy: ~0.8 s; DDP imports this module
         get_optimizer_state_dict,
         set_optimizer_state_dict,
     )
     from torch.distributed.fsdp import fully_shard
-
-    from posttrain.train.optim import build_optimizer, build_scheduler
 
     policy = mixed_precision(engine.autocast_dtype)
 
@@ -79,7 +80,7 @@ def shard(model, engine, optim: OptimOptions, total_steps: int) -> list[str]:
 
 
 def fsdp_modules(model) -> list:
-    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp import FSDPModule  # lazy: FSDP2 API (torch >= 2.6); DDP imports this module
 
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
 
@@ -105,7 +106,7 @@ def gathered(model, enabled: bool):
 def full_state(model, optimizer, names: list[str]) -> tuple[dict, dict]:
     """(full model state dict, optimizer state keyed like an in-process optimizer's), on CPU, on
     rank 0 (the other ranks get empty dicts). A collective: every rank calls it."""
-    from torch.distributed.checkpoint.state_dict import (
+    from torch.distributed.checkpoint.state_dict import (  # lazy: ~0.8 s; DDP imports this module
         get_model_state_dict,
         get_optimizer_state_dict,
     )
@@ -125,8 +126,6 @@ class FullCopy:
     HF model with the full weights (``save_pretrained``) and the optimizer's ``state_dict``."""
 
     def __init__(self, model, weights: dict, optim_state: dict):
-        from transformers import AutoModelForCausalLM
-
         copy = AutoModelForCausalLM.from_config(model.config)
         copy.load_state_dict(weights, strict=False)
         self.model, self.optim_state = copy, optim_state

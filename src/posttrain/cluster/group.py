@@ -36,11 +36,15 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 
 from posttrain.cluster import launch
+from posttrain.cluster.megatron_worker import MegatronWorker
 from posttrain.cluster.remote import ClusterError, gather
+from posttrain.cluster.reward import RewardGroup
+from posttrain.cluster.worker import ActorWorker
 from posttrain.errors import ConfigError
 from posttrain.roles.policy import Policy, load_policy_tokenizer
 from posttrain.rollout.base import RolloutEngine
@@ -85,10 +89,6 @@ class Cluster:
     def __init__(self, plan, start: dict):
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-        from posttrain.cluster.megatron_worker import MegatronWorker
-        from posttrain.cluster.reward import RewardGroup
-        from posttrain.cluster.worker import ActorWorker
 
         device = plan.device
         self.fsdp = plan.sharding == "fsdp2"
@@ -181,8 +181,6 @@ class Cluster:
     # ---- checkpoints, tests -----------------------------------------------------------------------
     def save(self, save_dir, iteration: int, *, sampler_state, trainer_state: dict, save_optim: bool,
              save_rng: bool):
-        from pathlib import Path
-
         self._check()
         # FSDP2: all ranks gather the full state; Megatron: every rank writes its shard
         workers = self.workers if self.fsdp or self.megatron else self.workers[:1]
@@ -318,8 +316,6 @@ class CriticRole:
     def save(self, iteration: int, *, tokenizer=None, trainer_state: dict):
         """The critic's own checkpoint (``critic_config.save``), from rank 0; None when the critic is
         saved inside the actor's checkpoints."""
-        from pathlib import Path
-
         self.c._check()
         path = self.c._call("save critic", [self.c.workers[0].critic_save.remote(iteration, trainer_state)],
                             self.c.names[:1])[0]

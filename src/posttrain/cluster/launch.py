@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 
+from posttrain.cluster.remote import ClusterError
 from posttrain.config.options import ClusterOptions
 
 log = logging.getLogger(__name__)
@@ -48,8 +49,6 @@ def placement_group(count: int, use_gpu: bool, cpus_per_worker: int, timeout_s: 
     import ray
     from ray.util.placement_group import placement_group as make_pg
     from ray.util.placement_group import remove_placement_group
-
-    from posttrain.cluster.remote import ClusterError
 
     bundles = [bundle(use_gpu, cpus_per_worker) for _ in range(count)]
     pg = make_pg(bundles, strategy="PACK")

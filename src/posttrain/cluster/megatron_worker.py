@@ -15,8 +15,13 @@ import contextlib
 import os
 
 import torch
+import torch.distributed as dist
 
 from posttrain.cluster.worker import ActorWorker
+from posttrain.roles.megatron_policy import MegatronPolicy
+from posttrain.roles.policy import load_policy_tokenizer
+from posttrain.train.megatron.cpu_shims import cpu_megatron
+from posttrain.train.megatron.model import hf_weights
 
 
 class MegatronWorker(ActorWorker):
@@ -26,14 +31,10 @@ class MegatronWorker(ActorWorker):
         """Megatron's CPU shims around a Megatron call on a CPU; nothing on CUDA."""
         if self.device.startswith("cuda"):
             return contextlib.nullcontext()
-        from posttrain.train.megatron.cpu_shims import cpu_megatron
 
         return cpu_megatron()
 
     def setup(self, plan, start: dict, master: tuple[str, int], timeout_s: float, cwd: str) -> dict:
-        from posttrain.roles.policy import load_policy_tokenizer
-        from posttrain.roles.megatron_policy import MegatronPolicy
-
         self.join(plan, start, master, timeout_s, cwd)
         tokenizer, stops = load_policy_tokenizer(plan.policy, start["source"])
         with self.megatron():
@@ -111,14 +112,10 @@ class MegatronWorker(ActorWorker):
 
     def state_dict(self) -> dict:
         """The full weights in the HF layout (a collective over the replica's TP and PP groups)."""
-        from posttrain.train.megatron.model import hf_weights
-
         with self.megatron():
             return {name: tensor.cpu().clone() for name, tensor in hf_weights(self.shard.chunks, self.shard.args)}
 
     def close(self) -> None:
-        import torch.distributed as dist
-
         if dist.is_initialized():
             with contextlib.suppress(Exception), self.megatron():
                 from megatron.core import parallel_state as ps

@@ -11,14 +11,13 @@ from __future__ import annotations
 import logging
 
 from posttrain.cluster.remote import ClusterError, gather
+from posttrain.reward.rule_reward import RewardBatch, RuleReward
 
 log = logging.getLogger(__name__)
 
 
 class RewardWorker:
     def __init__(self, options):
-        from posttrain.reward.rule_reward import RuleReward
-
         self.reward = RuleReward.from_options(options)
 
     def score_detailed(self, responses, labels, prompts=None, response_lengths=None, **columns):
@@ -31,8 +30,6 @@ class RewardWorker:
 def merge(parts: list, sizes: list[int]):
     """One RewardBatch from per-worker ones: lists concatenated, ``*/mean`` metrics weighted by
     the number of samples, counts summed."""
-    from posttrain.reward.rule_reward import RewardBatch
-
     if len(parts) == 1:
         return parts[0]
     total = sum(sizes)

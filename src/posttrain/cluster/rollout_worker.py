@@ -15,7 +15,10 @@ from typing import Any
 
 import torch
 
+from posttrain.cluster import launch
 from posttrain.cluster.remote import gather
+from posttrain.models.cpu_linear import set_cpu_linear
+from posttrain.roles.policy import build_actor_model, build_rollout, rollout_stop_ids
 from posttrain.rollout.base import RolloutEngine, SamplingParams
 
 
@@ -28,9 +31,6 @@ class RolloutWorker:
 
     def setup(self, plan, start: dict, state: dict[str, torch.Tensor], cwd: str) -> None:
         """The actor's model and rollout engine, with the trainer's weights ``state``."""
-        from posttrain.models.cpu_linear import set_cpu_linear
-        from posttrain.roles.policy import build_actor_model, build_rollout, rollout_stop_ids
-
         os.chdir(cwd)  # relative paths of the config (templates, tools) resolve as on the driver
         set_cpu_linear(start["cpu_linear"])  # for the worker's life: this process is the run's
         model, tokenizer, _ = build_actor_model(plan.policy, plan.device, start["source"])
@@ -75,8 +75,6 @@ class RemoteReplica:
 
     def __init__(self, plan, start: dict, model):
         import ray
-
-        from posttrain.cluster import launch
 
         self.timeout_s = plan.cluster.timeout_s
         self.owns_ray = launch.connect(plan.cluster, 1)

@@ -16,11 +16,26 @@ This module is imported inside Ray worker processes; the ``ray.remote`` wrapping
 from __future__ import annotations
 
 import datetime
+import inspect
 import logging
 import os
 import socket
+import statistics
+import time
 
 import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from posttrain.checkpoint import save_checkpoint
+from posttrain.cluster import fsdp
+from posttrain.cluster.fsdp import FullCopy, full_state, gathered
+from posttrain.models.cpu_linear import installed, set_cpu_linear
+from posttrain.roles.critic import Critic
+from posttrain.roles.policy import build_policy, seed_everything
+from posttrain.roles.reward_model import build_reward_scorer
+from posttrain.train.engine import TrainEngine
+from posttrain.train.offload import on_device
 
 log = logging.getLogger(__name__)
 
@@ -34,10 +49,6 @@ def free_port() -> int:
 def wrap_ddp(model, device_ids):
     """DDP without buffer syncs in forward (the rotary buffers are equal on all ranks, and the
     log-prob passes must not need a collective); torch >= 2.13 names the option forward_sync_buffers."""
-    import inspect
-
-    from torch.nn.parallel import DistributedDataParallel
-
     params = inspect.signature(DistributedDataParallel.__init__).parameters
     option = "forward_sync_buffers" if "forward_sync_buffers" in params else "broadcast_buffers"
     return DistributedDataParallel(model, device_ids=device_ids, **{option: False})
@@ -68,10 +79,6 @@ class ActorWorker:
         multi-node: same paths on every node), pick the device (on a CPU with the run's linear
         kernel, ``start["cpu_linear"]``), join the process group (gloo on a CPU, nccl on CUDA) and
         seed the generators; returns the collectives' timeout."""
-        import torch.distributed as dist
-
-        from posttrain.roles.policy import seed_everything
-
         if os.path.isdir(cwd):
             os.chdir(cwd)
         self.device = plan.device
@@ -80,8 +87,6 @@ class ActorWorker:
             torch.cuda.set_device(0)
             self.device = "cuda:0"
         else:
-            from posttrain.models.cpu_linear import set_cpu_linear
-
             torch.set_num_threads(self.cpu_threads)
             set_cpu_linear(start["cpu_linear"])  # for the worker's life: this process is the run's
         timeout = datetime.timedelta(seconds=timeout_s)
@@ -96,11 +101,6 @@ class ActorWorker:
         """Join the process group, build the policy (from ``start["source"]``, the checkpoint the
         driver checked), wrap it in DDP. Rank 0 returns the trainer state (resumed or fresh); the
         others return {}."""
-        import torch.distributed as dist
-
-        from posttrain.roles.policy import build_policy
-        from posttrain.train.engine import TrainEngine
-
         timeout = self.join(plan, start, master, timeout_s, cwd)
         use_gpu, device = self.device.startswith("cuda"), self.device
         # one single-rank group per rank (created by all ranks, in order): inference engines use
@@ -115,37 +115,27 @@ class ActorWorker:
             p.reference.dp_group = own
         self.fsdp = plan.sharding == "fsdp2"
         if self.fsdp:  # parameters, gradients and optimizer state sharded (cluster/fsdp.py)
-            from posttrain.cluster import fsdp
-
             self.param_names = fsdp.shard(p.model, p.actor, plan.policy.optim, plan.total_optimizer_steps)
         else:
             p.actor.model = wrap_ddp(p.model, [0] if use_gpu else None)
         self.critic = None
         if plan.uses_critic:  # PPO: the critic colocated with the actor, data parallel over the same ranks
-            from posttrain.roles.critic import Critic
-
             self.critic = c = Critic(plan, p.state, device)
             c.infer = TrainEngine(c.engine.model, micro_batch_size=c.micro_batch_size, dtype=plan.train_dtype,
                                   dp_group=own, metric_prefix="critic")
             c.engine.model = wrap_ddp(c.engine.model, [0] if use_gpu else None)
         self.reward_model = None
         if plan.stage.on_policy and plan.reward_model is not None:  # reward_config: colocated, frozen
-            from posttrain.roles.reward_model import build_reward_scorer
-
             self.reward_model = build_reward_scorer(plan.reward_model, p.tokenizer, device)
         return dict(p.state) if self.rank == 0 else {}
 
     def ready_info(self) -> dict:
         """Who this worker is; ``replica``: its data-parallel replica (every worker is one here)."""
-        from posttrain.models.cpu_linear import installed
-
         return {"rank": self.rank, "pid": os.getpid(), "threads": torch.get_num_threads(),
                 "device": self.device, "replica": self.rank, "leader": True, "cpu_linear": installed()}
 
     # ---- roles ----------------------------------------------------------------------------------
     def _gathered(self, needed: bool = True):
-        from posttrain.cluster.fsdp import gathered
-
         return gathered(self.policy.model, self.fsdp and needed)
 
     def generate(self, prompts: list[list[int]], n: int, sampling, stop_token_ids, prompt_keys=None) -> list:
@@ -205,14 +195,9 @@ class ActorWorker:
         """The Ray path's one checkpoint save: rank 0 writes the full model and optimizer state (DDP:
         its own whole replica; FSDP2: all ranks call this to gather the full state first, and the
         others return None)."""
-        from posttrain.checkpoint import save_checkpoint
-        from posttrain.train.offload import on_device
-
         p = self.policy
         model, optimizer = p.model, p.actor.optimizer
         if self.fsdp:
-            from posttrain.cluster.fsdp import FullCopy, full_state
-
             weights, optim_state = full_state(p.model, p.actor.optimizer, self.param_names)
             if self.rank != 0:
                 return None
@@ -247,11 +232,6 @@ class ActorWorker:
     def allreduce_probe(self, numel: int, repeats: int) -> float:
         """Median milliseconds of one all-reduce of ``numel`` float32 over the group (all ranks call
         it together; benchmarks/cluster uses it to price DDP's gradient exchange)."""
-        import statistics
-        import time
-
-        import torch.distributed as dist
-
         t = torch.ones(numel, device=self.device)
         times = []
         for _ in range(repeats):
@@ -261,7 +241,5 @@ class ActorWorker:
         return 1e3 * statistics.median(times)
 
     def close(self) -> None:
-        import torch.distributed as dist
-
         if dist.is_initialized():
             dist.destroy_process_group()

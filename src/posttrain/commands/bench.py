@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import resource
 import statistics
@@ -30,7 +31,16 @@ import tempfile
 import time
 from pathlib import Path
 
-from posttrain.device import machine_busy_seconds
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from posttrain.commands.outputs import check_output_file, check_writable_dir, write_text_atomic
+from posttrain.config.plan import resolve_plan
+from posttrain.config.run import load_run_config, run_config_from_dict
+from posttrain.device import best_seconds, machine_busy_seconds
+from posttrain.errors import ConfigError
+from posttrain.loops.build import build_trainer
+from posttrain.models import cpu_linear
 
 PHASES = ("rollout", "rule_reward", "adv", "reference_model", "old_log_p", "update", "all")
 THROUGHPUT = ("e2e_tps", "update_tps", "vllm_tps", "rollout_response_tps")
@@ -92,11 +102,6 @@ def matmul_peak(dtype: str = "float32", device: str = "cpu", size: int | None = 
     ``size`` defaults to 1024 on a CPU and 8192 on a GPU (smaller ones leave a GPU's units idle).
     On a CPU in fp32 the best of PyTorch's BLAS and oneDNN's GEMM (:mod:`posttrain.models.cpu_linear`):
     the faster kernel this machine has sets the ceiling, whichever the run uses."""
-    import torch
-
-    from posttrain.device import best_seconds
-    from posttrain.models import cpu_linear
-
     size = size or (8192 if device.startswith("cuda") else 1024)
     tdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
     a = torch.randn(size, size, device=device).to(tdtype)
@@ -111,8 +116,6 @@ def matmul_peak(dtype: str = "float32", device: str = "cpu", size: int | None = 
 
 def matmul_params(model) -> int:
     """Weights that take part in matmuls: every ``nn.Linear`` (a tied ``lm_head`` counts once as a matmul)."""
-    import torch
-
     return sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
 
 
@@ -161,8 +164,6 @@ def _summary(values: list[float]) -> dict[str, float]:
 
 def peak_memory_mib(device: str) -> float:
     if device.startswith("cuda"):
-        import torch
-
         return torch.cuda.max_memory_allocated() / 2**20
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
@@ -175,7 +176,6 @@ def profiled(out_dir: str | Path | None, device: str = "cpu"):
     if out_dir is None:
         yield
         return
-    from torch.profiler import ProfilerActivity, profile
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -185,7 +185,6 @@ def profiled(out_dir: str | Path | None, device: str = "cpu"):
     averages = prof.key_averages()
     text = ("ops by self time\n" + averages.table(sort_by="self_cpu_time_total", row_limit=25)
             + "\n\nops and phases by total time\n" + averages.table(sort_by="cpu_time_total", row_limit=25))
-    from posttrain.commands.outputs import write_text_atomic
 
     write_text_atomic(out / "profile.txt", text)
     trace = out / f".trace.json.tmp-{os.getpid()}"
@@ -199,11 +198,6 @@ def profiled(out_dir: str | Path | None, device: str = "cpu"):
 def bench(cfg, *, iters: int = 3, warmup: int = 1, profile_dir: str | None = None) -> dict:
     """Run ``warmup + iters`` iterations of the on-policy loop for ``cfg``; return the report dict.
     With ``profile_dir`` the last iteration is profiled (:func:`profiled`)."""
-    from posttrain.config.plan import resolve_plan
-    from posttrain.config.run import run_config_from_dict
-    from posttrain.errors import ConfigError
-    from posttrain.loops.build import build_trainer
-
     if iters < 1 or warmup < 0:
         raise ConfigError(f"bench needs --iters >= 1 and --warmup >= 0; got {iters} and {warmup}")
     if cfg.stage == "sft" or cfg.stage == "dpo":
@@ -260,8 +254,6 @@ def _rescale_mfu(rec: dict[str, float], old_peak: float, new_peak: float) -> Non
 
 
 def _report(cfg, plan, session, all_records, peak, warmup) -> dict:
-    import torch
-
     records = all_records[warmup:]
     keys = [f"timing/{p}" for p in PHASES] + list(THROUGHPUT) + \
         [f"mfu/{p}" for p in PHASES] + ["floor_s", "cpu/own_cores", "cpu/others_cores"]
@@ -295,8 +287,6 @@ def format_table(report: dict) -> str:
 
 def write_json(path: str | Path, report: dict) -> None:
     """Write ``report`` to ``path`` through a temporary file renamed when complete."""
-    from posttrain.commands.outputs import write_text_atomic
-
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(path, json.dumps(report, indent=2, default=str))
@@ -309,9 +299,6 @@ def check_outputs(args) -> None:
     """``--output`` and ``--profile DIR``, checked before the benchmark runs: a directory where a
     file is expected, a file where a directory is, or an earlier result not to be replaced without
     ``--force`` is refused (each message names its flag)."""
-    from posttrain.commands.outputs import check_output_file, check_writable_dir
-    from posttrain.errors import ConfigError
-
     force = bool(getattr(args, "force", False))
     if args.output:
         check_output_file(args.output, "--output", force=force)
@@ -328,10 +315,6 @@ def check_outputs(args) -> None:
 
 
 def run(args) -> int:
-    import logging
-
-    from posttrain.config.run import load_run_config
-
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     cfg = load_run_config(args.config_name, args.config_path, args.overrides)
     check_outputs(args)

@@ -73,7 +73,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from posttrain.models.mcore.convert import MG2HF, hf_to_mcore, mcore_to_hf
+    from posttrain.models.mcore.convert import MG2HF, hf_to_mcore, mcore_to_hf  # lazy: --help imports this module
 
     _check(args)
     noted = [f"--{n.replace('_', '-')}" for n in NO_OPS if getattr(args, n) not in (None, False, "GPT")]
@@ -81,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"note: {', '.join(noted)} accepted with no effect here (posttrain reads the architecture itself)",
               file=sys.stderr)
     if args.merge_lora:
-        from posttrain.models.lora import merge_to_hf
+        from posttrain.models.lora import merge_to_hf  # lazy: as above
 
         merge_to_hf(args.load_dir, args.save_dir, force=args.force)
     elif args.load_model_type == "hf" and args.save_model_type == "mg":
@@ -91,13 +91,13 @@ def run(args: argparse.Namespace) -> int:
                     orm=args.orm, add_qkv_bias=args.add_qkv_bias, divisor=args.make_vocab_size_divisible_by,
                     force=args.force)
     else:
-        from pathlib import Path
+        from pathlib import Path  # lazy: as above
 
         save_dir = Path(args.save_dir)
         template = save_dir if (save_dir / "config.json").is_file() else None
         if template is None and args.tokenizer_model and (Path(args.tokenizer_model) / "config.json").is_file():
             template = Path(args.tokenizer_model)
-        from posttrain.models.mcore import mcore_files
+        from posttrain.models.mcore import mcore_files  # lazy: as above
 
         convert = mcore_to_hf
         if mcore_files.is_dist_checkpoint(mcore_files.iteration_dir(Path(args.load_dir))):

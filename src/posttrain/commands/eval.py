@@ -9,19 +9,34 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from pathlib import Path
 
+import torch
+
+from posttrain.checkpoint import check_model_files
+from posttrain.commands.outputs import check_output_file, write_text_atomic
+from posttrain.data.datasets import PromptDataset
+from posttrain.data.encoding import TemplateEncoder
+from posttrain.data.readers import iter_jsonl
+from posttrain.data.templates import get_template
+from posttrain.device import resolve_device
 from posttrain.errors import ConfigError, DataError
+from posttrain.loops.evaluate import evaluate
+from posttrain.models.cpu_linear import resolve_cpu_linear, use_cpu_linear
+from posttrain.models.loading import check_vocab, load_tokenizer, resolve_model
+from posttrain.models.lora import load_merged
+from posttrain.reward.decoding import decode_labels
+from posttrain.reward.rule_reward import RuleReward
+from posttrain.reward.verifiers import VERIFIERS
+from posttrain.rollout.base import ROLLOUT_ENGINES, SamplingParams
+from posttrain.rollout.native import DTYPES
 
 PROMPT_FIELDS = ("prompt", "problem", "question", "instruction")
 LABEL_FIELDS = ("answer", "label", "solution", "output")
 
 
 def load_jsonl_prompts(path: Path, tokenizer, prompt_type: str | None) -> tuple[list[list[int]], list[str]]:
-    from posttrain.data.encoding import TemplateEncoder
-    from posttrain.data.readers import iter_jsonl
-    from posttrain.data.templates import get_template
-
     encoder = TemplateEncoder(get_template(prompt_type or "hf_chat_template"), tokenizer)
     prompts, labels = [], []
     for row, where in iter_jsonl(path):
@@ -42,9 +57,6 @@ def load_prompts(data: str, tokenizer, prompt_type: str | None, limit: int | Non
             raise DataError(f"--data {path}: no such file")
         prompts, labels = load_jsonl_prompts(path, tokenizer, prompt_type)
     else:
-        from posttrain.data.datasets import PromptDataset
-        from posttrain.reward.decoding import decode_labels
-
         ds = PromptDataset(data, max_prompt_length=None)
         items = [ds[i] for i in range(len(ds))]
         prompts = [[int(t) for t in it["prompts"]] for it in items]
@@ -57,10 +69,6 @@ def load_prompts(data: str, tokenizer, prompt_type: str | None, limit: int | Non
 
 
 def run(args) -> int:
-    from posttrain.commands.outputs import check_output_file
-    from posttrain.device import resolve_device
-    from posttrain.models.cpu_linear import resolve_cpu_linear, use_cpu_linear
-
     logging.basicConfig(level=logging.WARNING)
     check_args(args)
     force = bool(getattr(args, "force", False))
@@ -76,15 +84,6 @@ def run(args) -> int:
 
 def evaluate_model(args, device: str, samples_path: str | None) -> int:
     """``posttrain eval``'s work once its flags and outputs are checked: print (and write) the scores."""
-    import torch
-
-    from posttrain.checkpoint import check_model_files
-    from posttrain.models.loading import check_vocab, load_tokenizer, resolve_model
-    from posttrain.models.lora import load_merged
-    from posttrain.reward.rule_reward import RuleReward
-    from posttrain.rollout.base import ROLLOUT_ENGINES, SamplingParams
-    from posttrain.loops.evaluate import evaluate
-
     path, _ = resolve_model(args.model)
     check_model_files(path)  # a truncated or corrupt file is named, not a loader traceback
     check_max_tokens(path, args.max_tokens)
@@ -107,7 +106,6 @@ def evaluate_model(args, device: str, samples_path: str | None) -> int:
     print(f"{'lenient':>12}: {result['lenient_accuracy']:.4f}  (the first sample's last number is the answer)")
     for key in (f"avg@{args.n}", f"pass@{args.n}", "score/mean", "num_prompts"):
         print(f"{key:>12}: {result[key]:.4f}" if key != "num_prompts" else f"{key:>12}: {int(result[key])}")
-    from posttrain.commands.outputs import write_text_atomic
 
     if args.output:
         write_text_atomic(args.output, json.dumps(result, indent=2))
@@ -118,11 +116,6 @@ def evaluate_model(args, device: str, samples_path: str | None) -> int:
 
 def check_args(args) -> None:
     """The flags' values, checked before any work; each message names its flag."""
-    import math
-
-    from posttrain.reward.verifiers import VERIFIERS
-    from posttrain.rollout.native import DTYPES
-
     if args.n < 1:
         raise ConfigError("--n must be >= 1")
     if not math.isfinite(args.temperature) or args.temperature < 0:

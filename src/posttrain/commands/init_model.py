@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from posttrain.config.loader import load_model_yaml
+from posttrain.models.arch import arch_from_hf_config
 from posttrain.models.init_model import init_model_dir
 
 
@@ -17,8 +18,6 @@ def init_model(model: str, output: str | Path, **kwargs) -> Path:
 
 
 def run(args) -> int:
-    from posttrain.models.arch import arch_from_hf_config
-
     out = init_model(args.model, args.output, corpus=args.corpus, vocab_size=args.vocab_size,
                      tokenizer=args.tokenizer, seed=args.seed, force=bool(getattr(args, "force", False)))
     cfg = json.loads((out / "config.json").read_text())

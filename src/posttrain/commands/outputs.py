@@ -67,6 +67,6 @@ def write_text_atomic(path: str | Path, text: str) -> None:
 
 
 def _umask() -> int:
-    from posttrain.checkpoint import current_umask
+    from posttrain.checkpoint import current_umask  # lazy: torch; posttrain score runs without it
 
     return current_umask()

@@ -6,6 +6,11 @@ import glob
 import os
 from pathlib import Path
 
+from posttrain.config.loader import apply_overrides, normalise_keys, read_yaml, resolve_config_file
+from posttrain.data.config import make_config
+from posttrain.data.preprocess import preprocess
+from posttrain.errors import ConfigError
+
 
 def existing_outputs(output_prefix: str) -> list[Path]:
     """The dataset files an earlier run wrote at ``output_prefix``: ``<prefix>_packed_*_document.{bin,idx}``."""
@@ -16,8 +21,6 @@ def existing_outputs(output_prefix: str) -> list[Path]:
 
 def check_output_prefix(output_prefix: str, force: bool) -> None:
     """Before any work: refuse to replace an existing dataset at ``output_prefix`` without ``--force``."""
-    from posttrain.errors import ConfigError
-
     found = existing_outputs(output_prefix)
     if found and not force:
         shown = ", ".join(p.name for p in found[:4]) + (", ..." if len(found) > 4 else "")
@@ -28,9 +31,6 @@ def check_output_prefix(output_prefix: str, force: bool) -> None:
 def load_config(config_name: str, config_path: str | None = None, overrides: list[str] | None = None):
     """``configs/datasets/NAME.yaml`` (or ``config_path``) with dotted ``key=value`` overrides, as a
     :class:`~posttrain.data.config.DataHandlerConfig`."""
-    from posttrain.config.loader import apply_overrides, normalise_keys, read_yaml, resolve_config_file
-    from posttrain.data.config import make_config
-
     path = resolve_config_file(config_name, config_path, subdir="datasets")
     data = normalise_keys(read_yaml(path))
     data = apply_overrides(data, list(overrides or []))
@@ -38,8 +38,6 @@ def load_config(config_name: str, config_path: str | None = None, overrides: lis
 
 
 def run(args) -> int:
-    from posttrain.data.preprocess import preprocess
-
     cfg = load_config(args.config_name, args.config_path, args.overrides)
     if cfg.output_prefix:
         check_output_prefix(cfg.output_prefix, bool(getattr(args, "force", False)))

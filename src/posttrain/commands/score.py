@@ -8,18 +8,22 @@ verifier, timeouts and errors.
 
 from __future__ import annotations
 
+import importlib
 import json
+import math
 from pathlib import Path
 
+from posttrain.commands.outputs import check_output_file, write_atomic
+from posttrain.data.readers import iter_jsonl
 from posttrain.errors import ConfigError, DataError
+from posttrain.reward.rule_reward import RuleReward
+from posttrain.reward.verifiers import VERIFIERS
 
 BATCH_LINES = 2048
 
 
 def read_rows(path: Path, response_field: str, label_field: str) -> list[dict]:
     """Parsed lines; a malformed line or a missing field raises DataError naming the line."""
-    from posttrain.data.readers import iter_jsonl
-
     check_utf8(path)
     rows = []
     for row, where in iter_jsonl(path):
@@ -62,8 +66,6 @@ def _text(value) -> str:
 def score_rows(rows: list[dict], names: list[str], response_field: str, label_field: str, *,
                parallel: int = 1, timeout: float = 30.0, modules=()) -> dict:
     """Add ``scores`` to every row in place; returns the summary counts."""
-    from posttrain.reward.rule_reward import RuleReward
-
     sums = {n: 0.0 for n in names}
     timeouts = {n: 0 for n in names}
     errors = {n: 0 for n in names}
@@ -88,8 +90,6 @@ def score_rows(rows: list[dict], names: list[str], response_field: str, label_fi
 
 def write_jsonl(rows: list[dict], path: Path) -> None:
     """Write rows atomically (temporary file, then rename; no temporary is left on failure)."""
-    from posttrain.commands.outputs import write_atomic
-
     path.parent.mkdir(parents=True, exist_ok=True)
 
     def write(f) -> None:
@@ -111,11 +111,6 @@ def print_summary(summary: dict) -> None:
 
 def check_args(args) -> None:
     """The flags' values, checked before any work; each message names its flag."""
-    import importlib
-    import math
-
-    from posttrain.reward.verifiers import VERIFIERS
-
     for mod in args.verifier_module:
         try:
             importlib.import_module(mod)
@@ -134,8 +129,6 @@ def check_args(args) -> None:
 
 
 def run(args) -> int:
-    from posttrain.commands.outputs import check_output_file
-
     check_args(args)
     # before the work: an output problem must not cost the scoring (rewriting --input in place is fine)
     check_output_file(args.output, "--output", force=bool(getattr(args, "force", False)), same_as=args.input)

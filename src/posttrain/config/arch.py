@@ -6,14 +6,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from posttrain.config.run import RunConfig
-from posttrain.models.arch import ModelArch
+from posttrain.models.arch import ModelArch, arch_from_hf_config, arch_from_model_yaml
 
 
 def model_arch(cfg: RunConfig, hf_config: str | None = None) -> ModelArch | None:
     """The actor's architecture: an explicit HF config, else the model yaml, else ``load``'s (or the
     tokenizer's) ``config.json``; None when none of them describes the model."""
-    from posttrain.models.arch import arch_from_hf_config, arch_from_model_yaml
-
     if hf_config:
         return arch_from_hf_config(hf_config)
     a = cfg.actor

@@ -34,6 +34,7 @@ from posttrain.config.validate import DeviceLayout, actor_key, validate_run_conf
 from posttrain.config.vllm import check_vllm
 from posttrain.errors import ConfigError
 from posttrain.models.arch import ModelArch
+from posttrain.reward.verifiers import VERIFIERS, import_verifier_modules
 
 __all__ = ["check_device", "check_run_config", "check_verifiers", "uses_ray"]  # uses_ray: posttrain.config.backend
 
@@ -74,7 +75,7 @@ def check_device(name: str) -> None:
                           f"the CPU), cpu, cuda or cuda:N")
     if match.group(1) != "cuda":
         return
-    import torch
+    import torch  # lazy: keeps this config module free of torch
 
     if not torch.cuda.is_available():
         raise ConfigError(f"rl_config.device={name}: there is no CUDA device here (torch {torch.__version__} "
@@ -91,8 +92,6 @@ def check_verifiers(cfg: RunConfig) -> None:
     (:class:`~posttrain.reward.rule_reward.RuleReward`). A Ray run scores on its reward workers, whose
     runtime env may reach modules this process cannot: there, a module that does not import here
     leaves the names unchecked (the workers report them)."""
-    from posttrain.reward.verifiers import VERIFIERS, import_verifier_modules
-
     rl = cfg.rl
     if not rl.verifier_function:
         raise ConfigError("rl_config.verifier_function is empty; name at least one verifier")

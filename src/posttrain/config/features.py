@@ -27,10 +27,14 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from posttrain.config.backend import resolve_backend
+from posttrain.config.compat import no_effect, setup_of
 from posttrain.config.fields import Rule, Status, field_rule, fmt_value
 from posttrain.config.loader import normalise_keys
 from posttrain.config.megatron import MegatronConfig
 from posttrain.config.run import RunConfig, role_sources
+from posttrain.config.stages import stage_named
+from posttrain.device import device_type
 from posttrain.errors import ConfigError
 
 # critic_config keys the critic does not read on its own: it follows the actor's value.
@@ -90,8 +94,6 @@ def check_features(cfg: RunConfig, device_type: str | None = None, backend: str 
 def startup_warnings(cfg: RunConfig, device_type: str, backend: str | None = None) -> list[str]:
     """The keys ``cfg`` sets that have no effect on ``device_type`` ("cpu" or "cuda") with ``backend``
     (default: resolved from ``cfg``), as one message (an empty list when there are none)."""
-    from posttrain.config.compat import no_effect, setup_of
-
     backend = backend or _backend(cfg)
     labels: list[str] = []
     for _, block in _blocks(cfg):
@@ -158,8 +160,6 @@ def _role(cfg: RunConfig, role_section: str, obj: MegatronConfig) -> list[Key]:
 
 
 def _rolls_out(cfg: RunConfig) -> bool:
-    from posttrain.config.stages import stage_named
-
     try:
         return stage_named(cfg.actor.stage or cfg.actor.algorithm).on_policy
     except ConfigError:
@@ -167,14 +167,10 @@ def _rolls_out(cfg: RunConfig) -> bool:
 
 
 def _backend(cfg: RunConfig) -> str:
-    from posttrain.config.backend import resolve_backend
-
     return resolve_backend(cfg)[0]
 
 
 def _device(cfg: RunConfig) -> str:
-    from posttrain.device import device_type
-
     return device_type(cfg.rl.device)
 
 

@@ -87,7 +87,7 @@ def device_memory_bytes(device: str) -> int | None:
     process), the machine's on a CPU; None when unknown (e.g. the GPUs are on the Ray cluster)."""
     if device.startswith("cpu"):
         return machine_memory_bytes()
-    import torch
+    import torch  # lazy: keeps this config module free of torch
 
     if torch.cuda.is_available():
         return int(torch.cuda.get_device_properties(0).total_memory)

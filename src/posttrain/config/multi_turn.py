@@ -49,7 +49,7 @@ def check_multi_turn(cfg: RunConfig) -> None:
     if rl.max_tool_calls < 1:
         raise ConfigError(f"rl_config.max_tool_calls={rl.max_tool_calls}: must be >= 1 with multi_turn_enable "
                           f"(the most tool calls of one sample)")
-    from posttrain.data.templates import HF_CHAT_TEMPLATE
+    from posttrain.data.templates import HF_CHAT_TEMPLATE  # lazy: multi-turn only; ~25 ms off posttrain plan
     from posttrain.tools.parsers import TOOL_PARSERS
 
     TOOL_PARSERS.get(rl.tool_parser_format or DEFAULT_PARSER)
@@ -62,6 +62,6 @@ def check_multi_turn(cfg: RunConfig) -> None:
 
 def load_tool_file(path: str) -> dict:
     """The tools of ``rl_config.tool_config_path`` (name -> Tool), built."""
-    from posttrain.tools.config import load_tools
+    from posttrain.tools.config import load_tools  # lazy: as in check_multi_turn
 
     return load_tools(tool_config_file(path))

@@ -13,7 +13,7 @@ Vocabulary (as the seed): ``global_batch_size`` (gbs) and ``mini_batch_size`` co
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Mapping
 
@@ -29,6 +29,8 @@ from posttrain.config.reward_model import RewardModelOptions, reward_model_optio
 from posttrain.config.run import RunConfig
 from posttrain.config.stages import Stage, stage_named
 from posttrain.config.validate import DeviceLayout
+from posttrain.device import device_type, precision, resolve_device
+from posttrain.errors import ConfigError
 from posttrain.models.arch import ModelArch
 from posttrain.reward.rule_reward import RuleRewardOptions
 from posttrain.train.options import ActorLossOptions, EngineOptions, TokenBudget
@@ -153,8 +155,6 @@ def resolve_plan(cfg: RunConfig, arch: ModelArch | None = None, *, device: str |
     ``load`` / ``tokenizer_name_or_path``); with one, the plan carries a memory estimate, which
     :func:`check_memory` compares with this machine's memory. ``device`` defaults to
     ``rl_config.device`` (checked by :func:`~posttrain.config.check.check_device`)."""
-    from posttrain.device import device_type, resolve_device
-
     if device is None:
         check_device(cfg.rl.device)
         device = resolve_device(cfg.rl.device)
@@ -169,8 +169,6 @@ def resolve_plan(cfg: RunConfig, arch: ModelArch | None = None, *, device: str |
 def build_plan(cfg: RunConfig, layout: DeviceLayout, arch: ModelArch | None = None, *, device: str = "cpu",
                warnings: tuple[str, ...] = ()) -> Plan:
     """The derivation alone (``resolve_plan`` checks first)."""
-    from posttrain.device import precision
-
     stage = stage_named(cfg.actor.stage or cfg.actor.algorithm)
     a, rl, gen = cfg.actor, cfg.rl, cfg.generate
     on_policy = stage.on_policy
@@ -243,14 +241,10 @@ def build_plan(cfg: RunConfig, layout: DeviceLayout, arch: ModelArch | None = No
 
 
 def _replace(plan: Plan, **changes) -> Plan:
-    from dataclasses import replace
-
     return replace(plan, **changes)
 
 
 def _with_forward(engine: EngineOptions, budgets: dict[str, TokenBudget] | None, phase: str) -> EngineOptions:
-    from dataclasses import replace
-
     return replace(engine, forward_budget=budgets[phase] if budgets else None)
 
 
@@ -272,8 +266,6 @@ def token_budgets(cfg: RunConfig) -> dict[str, TokenBudget] | None:
     """Per-phase token budgets (``ref``, ``actor`` (old log-probs), ``update``) of ``use_dynamic_bsz``,
     or None when it is off. As in the seed, ``max_packing_token_size`` / ``dynamic_max_batch_size``
     are the defaults of the per-phase keys that the config does not set."""
-    from posttrain.errors import ConfigError
-
     rl = cfg.rl
     if not rl.use_dynamic_bsz:
         return None

@@ -21,12 +21,15 @@ responses, and the megatron backend, are rows of :mod:`posttrain.config.compat`)
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from posttrain.config.fields import Status, field_rule, fmt_value
 from posttrain.config.loader import normalise_keys
 from posttrain.config.megatron import MegatronConfig
 from posttrain.config.run import RunConfig
+from posttrain.device import precision
 from posttrain.errors import ConfigError
+from posttrain.models.arch import arch_from_hf_config
 
 # the reward_config keys the reward model reads (``model`` applies a model yaml: its architecture)
 READS = ("load", "tokenizer_name_or_path", "micro_batch_size", "bf16", "model")
@@ -118,8 +121,6 @@ def _check_own_keys(cfg: RunConfig) -> None:
 
 def reward_model_options(cfg: RunConfig, device: str, *, on_policy: bool) -> RewardModelOptions | None:
     """The reward model of a checked config (None when it has none, or the stage scores nothing)."""
-    from posttrain.device import precision
-
     source = reward_model_source(cfg)
     if cfg.reward is None or not on_policy or source is None:
         return None
@@ -133,10 +134,6 @@ def reward_model_arch(cfg: RunConfig):
     """The reward model's :class:`~posttrain.models.arch.ModelArch` from its ``config.json`` (a PPO
     checkpoint's ``critic/`` first), read without loading it; None where there is none to read (a
     save directory, a Megatron checkpoint) or it describes no model."""
-    from pathlib import Path
-
-    from posttrain.models.arch import arch_from_hf_config
-
     source = reward_model_source(cfg)
     if source is None:
         return None

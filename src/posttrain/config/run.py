@@ -19,8 +19,10 @@ from posttrain.config.fields import RANGE_ERRORS, check_known_keys, check_known_
 from posttrain.config.loader import (Origins, apply_overrides, load_model_yaml, normalise_keys,
                                      read_yaml_with_lines, resolve_config_file)
 from posttrain.config.megatron import MegatronConfig, ignored_keys_in
-from posttrain.config.sections import GenerateConfig, MsprobeConfig, ProfilerConfig, RLConfig
+from posttrain.config.sections import GenerateConfig, MsprobeConfig, ProfilerConfig, Resource, RLConfig, SamplingConfig
+from posttrain.config.stages import stage_named
 from posttrain.errors import ConfigError
+from posttrain.paths import configs_dir
 
 MEGATRON_SECTIONS = ("megatron_training", "actor_config", "ref_config", "reward_config", "critic_config")
 TOP_LEVEL = ("defaults", "model", *MEGATRON_SECTIONS, "rl_config", "generate_config", "profiler_config",
@@ -49,8 +51,6 @@ class RunConfig:
     @property
     def stage(self) -> str:
         """The stage's canonical name: grpo, dapo, ppo, dpo or sft (:mod:`posttrain.config.stages`)."""
-        from posttrain.config.stages import stage_named
-
         return stage_named(self.actor.stage or self.actor.algorithm).name
 
     def explicitly_set(self, *section_key: str) -> bool:
@@ -125,8 +125,6 @@ def build_section(section: str, data: dict[str, Any] | None, cls: type[BaseModel
 
 
 def _nested() -> dict[type, dict[str, type]]:
-    from posttrain.config.sections import Resource, SamplingConfig
-
     resources = {k: Resource for k in ("actor_resource", "reference_resource", "reward_resource",
                                        "critic_resource", "vit_resource")}
     return {RLConfig: resources, GenerateConfig: {"sampling_config": SamplingConfig}}
@@ -241,8 +239,6 @@ def run_config_from_dict(data: dict[str, Any], name: str = "config", path: Path 
     _check_shapes(data, origins)
     model_dir = (path.parent / "model") if path is not None else None
     if model_dir is None or not model_dir.is_dir():
-        from posttrain.paths import configs_dir
-
         model_dir = configs_dir() / "model"
     models, model_files = _load_defaults(data, model_dir)
     for section in MEGATRON_SECTIONS:

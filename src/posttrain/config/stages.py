@@ -58,7 +58,7 @@ class Stage:
 # ---- the stages' own rules ---------------------------------------------------------------------
 def _check_common(cfg: "RunConfig") -> None:
     """Names that only fail deep inside the first iteration otherwise."""
-    from posttrain.algo.advantages import ADVANTAGE_ESTIMATORS
+    from posttrain.algo.advantages import ADVANTAGE_ESTIMATORS  # lazy: algo/ imports torch; keeps config/ light
     from posttrain.algo.aggregation import AGGREGATIONS
     from posttrain.algo.kl import KL_PENALTIES
     from posttrain.algo.policy_loss import POLICY_LOSSES

@@ -370,7 +370,7 @@ def _validate_offline(cfg: RunConfig, num_nodes: int) -> DeviceLayout:
                           f"data_parallel_size {dp}")
     _require(a.seq_length, "megatron_training.seq_length")
     if cfg.stage == "dpo":
-        from posttrain.algo.dpo_loss import DPO_LOSSES
+        from posttrain.algo.dpo_loss import DPO_LOSSES  # lazy: algo/ imports torch; keeps config/ light
 
         if a.dpo_loss_type not in DPO_LOSSES:  # the seed's message, with its list
             raise ConfigError(f"Unknown loss type: {a.dpo_loss_type}. Should be one of "

@@ -19,6 +19,7 @@ from typing import Any
 
 from posttrain.config.compat import FEATURES, ROWS
 from posttrain.config.run import RunConfig
+from posttrain.device import device_type as type_of
 from posttrain.errors import ConfigError
 
 # generate_config key -> the VLLMEngine (and vllm.LLM) argument it becomes
@@ -76,8 +77,6 @@ def check_vllm(cfg: RunConfig, *, device_type: str | None = None) -> list[str]:
                           "install 'posttrain[vllm]', on a Linux machine with CUDA GPUs); use "
                           "rl_config.rollout_engine: native (it runs on any device)")
     if device_type is None:
-        from posttrain.device import device_type as type_of
-
         device_type = type_of(rl.device)
     if not on_cuda(device_type):
         raise ConfigError(f"rl_config.rollout_engine: vllm needs a CUDA GPU, and this run's device is {device_type} "

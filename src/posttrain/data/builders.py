@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from posttrain.data import datasets
+from posttrain.data.datasets import PromptDataset
+from posttrain.data.sampler import ResumableSampler
 from posttrain.errors import ConfigError, DataError
 
 
@@ -11,8 +14,6 @@ def build_prompt_dataset(prefix: str | None, max_prompt_length: int, *, addition
                          split: str | None = None, key: str = "megatron_training.data_path"):
     """The on-policy prompts of the preprocessed dataset ``prefix`` (the config's ``key``), without
     the prompts of ``max_prompt_length`` tokens or more."""
-    from posttrain.data.datasets import PromptDataset
-
     if not prefix:
         raise ConfigError(f"{key} is not set: give the prefix of a preprocessed dataset")
     dataset = PromptDataset(prefix, max_prompt_length=max_prompt_length, additional_keys=list(additional_keys),
@@ -31,8 +32,6 @@ _OFFLINE = {"sft": ("SFT dataset", "SFTDataset"),
 
 def build_offline_dataset(prefix: str | None, stage: str, *, seq_length: int, split: str | None = None):
     """SFT samples (``AlpacaStyleInstructionHandler`` data) or DPO pairs (``AlpacaStylePairwiseHandler``)."""
-    from posttrain.data import datasets
-
     kind, cls = _OFFLINE[stage]
     if not prefix:
         raise DataError(f"megatron_training.data_path is not set: give the prefix of a preprocessed {kind}")
@@ -46,8 +45,6 @@ def build_sampler(num_samples: int, global_batch_size: int, seed: int, *, no_shu
                   full_shuffle: bool = False, train_iters: int = 0, state: dict | None = None):
     """The seeded, resumable batch sampler, with the seed's shuffle flags (``no_shuffle``,
     ``full_shuffle_instruction_dataset``); ``state`` resumes it."""
-    from posttrain.data.sampler import ResumableSampler
-
     sampler = ResumableSampler.from_seed_flags(
         num_samples, global_batch_size, seed, no_shuffle=no_shuffle, full_shuffle_instruction_dataset=full_shuffle,
         total_samples=train_iters * global_batch_size if full_shuffle else None)

@@ -6,6 +6,7 @@ Every key of the seed is accepted. Keys posttrain does not act on are listed in
 
 from __future__ import annotations
 
+import json
 import os
 import warnings
 from pathlib import Path
@@ -13,6 +14,7 @@ from typing import Any, Optional
 
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
+from posttrain.data.handlers import HANDLERS
 from posttrain.errors import ConfigError
 
 PROMPT_TYPE_HANDLERS = ["AlpacaStyleInstructionHandler", "AlpacaStylePairwiseHandler",
@@ -80,8 +82,6 @@ class DataHandlerConfig(BaseModel):
     @classmethod
     def _map_keys_json(cls, v):
         if isinstance(v, str):  # --map-keys '{"prompt": "problem"}' style
-            import json
-
             try:
                 return json.loads(v)
             except json.JSONDecodeError as err:
@@ -123,7 +123,6 @@ def validate(cfg: DataHandlerConfig) -> None:
         raise ConfigError("output_prefix is required. Set output_prefix=DIR/NAME.")
     if not cfg.tokenizer_name_or_path:
         raise ConfigError("tokenizer_name_or_path is required: a Hugging Face tokenizer or model directory.")
-    from posttrain.data.handlers import HANDLERS
 
     handler_cls = HANDLERS.get(cfg.handler_name)  # unknown names list the known ones
     if (cfg.prompt_type and cfg.prompt_type != "empty" and cfg.handler_name not in PROMPT_TYPE_HANDLERS

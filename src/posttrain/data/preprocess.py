@@ -28,8 +28,15 @@ from itertools import chain
 from pathlib import Path
 
 import numpy as np
+from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from transformers import AutoTokenizer
 
 from posttrain.data.config import DataHandlerConfig, make_config, resolve_path, warn_inert
+from posttrain.data.handlers import HANDLERS
+from posttrain.data.indexed import IndexedDatasetBuilder
+from posttrain.data.packing import pack_samples
+from posttrain.data.readers import RowReader
+from posttrain.data.templates import get_template
 from posttrain.errors import ConfigError, DataError
 
 BATCH_ROWS = 1000
@@ -82,8 +89,6 @@ _STATE: dict = {}
 
 
 def load_tokenizer(path: str):
-    from transformers import AutoTokenizer
-
     try:
         tok = AutoTokenizer.from_pretrained(path, use_fast=True, trust_remote_code=False)
     except Exception as err:  # noqa: BLE001 (transformers raises many types; the user needs one message)
@@ -95,9 +100,6 @@ def load_tokenizer(path: str):
 
 
 def build_handler(cfg: DataHandlerConfig, columns: list[str], tokenizer=None):
-    from posttrain.data.handlers import HANDLERS
-    from posttrain.data.templates import get_template
-
     cls = HANDLERS.get(cfg.handler_name)
     template = get_template(cfg.prompt_type or "empty", cfg.prompt_type_path, enable_thinking=cfg.enable_thinking)
     tokenizer = tokenizer or load_tokenizer(resolve_path(cfg.tokenizer_name_or_path))
@@ -146,8 +148,6 @@ class _Outputs:
     """One IndexedDatasetBuilder per key, writing to hidden temporaries until commit()."""
 
     def __init__(self, prefix: str, keys: list[str]):
-        from posttrain.data.indexed import IndexedDatasetBuilder
-
         self.final = {k: f"{prefix}_packed_{k}_document" for k in keys}
         remove_stale_temporaries(prefix)
         tag = f"tmp{os.getpid()}"
@@ -246,8 +246,6 @@ class _Progress:
         self.enabled, self.log_interval, self.start = enabled, max(1, log_interval), time.perf_counter()
         self.done, self._next_log, self._bar = 0, max(1, log_interval), None
         if enabled and sys.stderr.isatty():
-            from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-
             self._bar = Progress(SpinnerColumn(), TextColumn("preprocess: {task.completed} rows"),
                                  TextColumn("{task.fields[rate]:.0f} rows/s"), TimeElapsedColumn(), transient=True)
             self._bar.start()
@@ -274,8 +272,6 @@ def _columns(first_batch: list[tuple[dict, str]]) -> list[str]:
 
 def preprocess(config: dict | DataHandlerConfig, strict: bool = False, progress: bool = True) -> PreprocessSummary:
     """Run the whole job for one dataset config; returns the summary (also for the tests and the demo)."""
-    from posttrain.data.readers import RowReader
-
     cfg = make_config(config)
     warn_inert(cfg)
     start = time.perf_counter()
@@ -362,8 +358,6 @@ def _results(cfg, columns, batches, handler):
 
 
 def _write_packed(outputs: _Outputs, packed: dict, cfg: DataHandlerConfig, tokenizer) -> int:
-    from posttrain.data.packing import pack_samples
-
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     rows = pack_samples(packed["input_ids"], packed["labels"], cfg.seq_length, pad_id or 0, cfg.neat_pack)
     for key, seqs in rows.items():

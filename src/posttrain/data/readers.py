@@ -142,7 +142,7 @@ class RowReader:
             yield obj, where
 
     def _record_batches(self, path: Path):
-        import pyarrow as pa
+        import pyarrow as pa  # lazy: Parquet/CSV/Arrow only; JSONL needs no pyarrow
 
         fmt = self.files.fmt
         try:
@@ -168,7 +168,7 @@ class RowReader:
             raise DataError(f"{path}: cannot read as {fmt}: {err}") from None
 
     def _columnar(self, path: Path) -> Iterator[Row]:
-        import pyarrow as pa
+        import pyarrow as pa  # lazy: as in _record_batches
 
         n = 0
         for batch in self._record_batches(path):

@@ -19,6 +19,9 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
 from posttrain.checkpoint import is_hf_model_dir
 from posttrain.errors import PosttrainError
 
@@ -94,9 +97,6 @@ def ensure_smollm2(cache_dir: str | Path | None = None) -> Path:
 
 def convert_gguf_to_hf(gguf_path: Path, out_dir: Path) -> Path:
     """Dequantise ``gguf_path`` to fp32 and save model + tokenizer (with chat template) to ``out_dir``."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     folder, name = str(gguf_path.parent), gguf_path.name
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)

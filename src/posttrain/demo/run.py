@@ -18,8 +18,18 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import shutil
 import time
 from pathlib import Path
+
+from posttrain.checkpoint import TRACKER
+from posttrain.commands.train import plan_named
+from posttrain.data.preprocess import preprocess
+from posttrain.data.readers import read_jsonl
+from posttrain.demo.pretrained import ensure_smollm2
+from posttrain.demo.tasks import write_demo_data
+from posttrain.loops.build import train
+from posttrain.metrics import plot_metrics
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -39,9 +49,6 @@ DEMO_CONFIGS = {"products": "grpo_smollm2_demo", "sums": "grpo_smollm2_demo_sums
 
 
 def prepare_data(out: Path, model_dir: Path, task: str = "products") -> dict[str, str]:
-    from posttrain.data.preprocess import preprocess
-    from posttrain.demo.tasks import write_demo_data
-
     train_path, test_path = write_demo_data(out / "raw", task)
     prefixes = {}
     for name, path in (("train", train_path), ("test", test_path)):
@@ -57,10 +64,6 @@ def prepare_data(out: Path, model_dir: Path, task: str = "products") -> dict[str
 def clear_own_checkpoints(save: Path) -> None:
     """Remove the checkpoints a previous demo run saved in ``save`` (the tracker, ``iter_*`` and
     the hidden temporaries of a killed save); any other file there is left alone."""
-    import shutil
-
-    from posttrain.checkpoint import TRACKER
-
     if not save.is_dir():
         return
     for path in [save / TRACKER, *save.glob("iter_*"), *save.glob(".iter_*.tmp*")]:
@@ -71,12 +74,6 @@ def clear_own_checkpoints(save: Path) -> None:
 
 
 def main(argv=None) -> int:
-    from posttrain.commands.train import plan_named
-    from posttrain.data.readers import read_jsonl
-    from posttrain.demo.pretrained import ensure_smollm2
-    from posttrain.metrics import plot_metrics
-    from posttrain.loops.build import train
-
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     args = parse_args(argv)
     out = Path(args.out)

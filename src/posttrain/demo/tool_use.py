@@ -28,6 +28,25 @@ import shutil
 import time
 from pathlib import Path
 
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from posttrain.checkpoint import list_checkpoints
+from posttrain.commands.init_model import init_model
+from posttrain.commands.train import plan_named
+from posttrain.config.multi_turn import load_tool_file
+from posttrain.data.preprocess import write_token_rows
+from posttrain.data.templates import get_template
+from posttrain.loops.build import train as train_run
+from posttrain.models.loading import resolve_model_dir
+from posttrain.paths import configs_dir
+from posttrain.reward.verifiers.minerva import retool_reward
+from posttrain.rollout.base import SamplingParams
+from posttrain.rollout.multi_turn import MultiTurnEngine, ObservationFormat, TurnLimits
+from posttrain.rollout.native import NativeEngine
+from posttrain.tools.parsers import TOOL_PARSERS
+from posttrain.tools.runner import ToolRunner
+
 TEMPLATE = "tiny_tool"
 CALL = '<tool_call>{{"name": "code_interpreter", "arguments": {{"code": "print({a} * {b})"}}}}'
 END_TAG = "</tool_call>"
@@ -62,11 +81,6 @@ def trace_tokens(tokenizer, observation, a: int, b: int) -> tuple[list[int], lis
 
 def write_data(out: Path, tokenizer, train: list[tuple[int, int]], test: list[tuple[int, int]]) -> dict[str, str]:
     """SFT traces, RL prompts and test prompts as indexed datasets under ``out``."""
-    from posttrain.data.preprocess import write_token_rows
-    from posttrain.data.templates import get_template
-    from posttrain.paths import configs_dir
-    from posttrain.rollout.multi_turn import ObservationFormat
-
     observation = ObservationFormat(get_template(TEMPLATE, configs_dir() / "tiny_templates.json"), tokenizer)
     sft = {"input_ids": [], "labels": [], "attention_mask": []}
     for a, b in train:
@@ -87,8 +101,6 @@ def write_data(out: Path, tokenizer, train: list[tuple[int, int]], test: list[tu
 
 def init_tiny_model(out: Path, train: list[tuple[int, int]], seed: int) -> Path:
     """A tiny random-init Qwen2 whose tokenizer is trained on the traces' text."""
-    from posttrain.commands.init_model import init_model
-
     corpus = out / "corpus.txt"
     corpus.parent.mkdir(parents=True, exist_ok=True)
     corpus.write_text("".join(f"{question(a, b)}\n{CALL.format(a=a, b=b)}{END_TAG}\n{a * b}\n\\boxed{{{a * b}}}\n"
@@ -100,21 +112,6 @@ def evaluate(model_dir: str | Path, tokenizer_dir: str | Path, pairs: list[tuple
              tools: bool, max_tokens: int = 64) -> dict[str, float]:
     """Greedy held-out accuracy (``retool_reward`` = 1) and mean tool calls, with the code tool or
     without it (the model generates alone)."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from posttrain.config.multi_turn import load_tool_file
-    from posttrain.data.templates import get_template
-    from posttrain.paths import configs_dir
-    from posttrain.reward.verifiers.minerva import retool_reward
-    from posttrain.rollout.base import SamplingParams
-    from posttrain.rollout.multi_turn import MultiTurnEngine, ObservationFormat, TurnLimits
-    from posttrain.rollout.native import NativeEngine
-    from posttrain.tools.parsers import TOOL_PARSERS
-    from posttrain.tools.runner import ToolRunner
-
-    from posttrain.models.loading import resolve_model_dir
-
     tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     model_dir = resolve_model_dir(model_dir)  # a save directory: its latest iter_XXXXXXX
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
@@ -164,18 +161,12 @@ def run(out: Path, *, model: str | None = None, sft_steps: int = 120, sft_target
 
     The SFT warm start saves every 5 steps up to ``sft_steps``; DAPO starts from the first
     checkpoint that solves ``sft_target`` of a validation split (disjoint from train and test)."""
-    from posttrain.checkpoint import list_checkpoints
-    from posttrain.commands.train import plan_named
-    from posttrain.paths import configs_dir
-    from posttrain.loops.build import train as train_run
-
     start = time.time()
     out.mkdir(parents=True, exist_ok=True)
     test = product_problems(num_test, seed=10_000 + seed)
     val = product_problems(50, seed=20_000 + seed, exclude=set(test))
     train = product_problems(num_train, seed=seed, exclude=set(test) | set(val))
     model_dir = Path(model) if model else init_tiny_model(out, train, seed)
-    from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     data = write_data(out / "data", tok, train, test)

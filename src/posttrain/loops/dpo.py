@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from posttrain.loops.offline import OfflineTrainer, labelled_batch
+from posttrain.train.loss_fns import make_dpo_loss_fn
 
 if TYPE_CHECKING:
     from posttrain.train.base import AfterForward
@@ -67,8 +68,6 @@ class DPOTrainer(OfflineTrainer):
     batch_phase = "reference_model"  # building a batch runs the reference
 
     def loss_fn(self):
-        from posttrain.train.loss_fns import make_dpo_loss_fn
-
         o = self.plan.dpo
         return with_loss_metric(make_dpo_loss_fn(beta=o.beta, loss_type=o.loss_type, label_smoothing=o.label_smoothing,
                                                  pref_ftx=o.pref_ftx))

@@ -21,15 +21,15 @@ from dataclasses import replace
 
 import torch
 
+from posttrain.reward.decoding import decode_responses
+from posttrain.reward.verifiers.numbers import last_number_reward
+
 
 def evaluate(engine, tokenizer, prompts: list[list[int]], labels: list[str], reward, *, sampling,
              n: int = 1, stop_token_ids=None, threshold: float = 1.0, batch_size: int = 64,
              samples: list[dict] | None = None) -> dict[str, float]:
     """Generate ``n`` samples per prompt with ``engine`` and score them with ``reward`` (a RuleReward);
     with ``samples``, append each response's record to it."""
-    from posttrain.reward.decoding import decode_responses
-    from posttrain.reward.verifiers.numbers import last_number_reward
-
     scores_by_prompt: list[list[float]] = []
     lenient: list[float] = []
     for start in range(0, len(prompts), batch_size):

@@ -21,6 +21,7 @@ from posttrain.errors import DataError
 from posttrain.metrics.reduce import MetricAccumulator
 from posttrain.metrics.timers import Timers
 from posttrain.train.batch import build_batch, per_token
+from posttrain.train.loss_fns import make_sft_loss_fn
 from posttrain.loops.session import Session, check_finite_step
 
 log = logging.getLogger(__name__)
@@ -101,8 +102,6 @@ class SFTTrainer(OfflineTrainer):
         return {k: v.to(self.s.device) for k, v in tensors.items()}
 
     def loss_fn(self):
-        from posttrain.train.loss_fns import make_sft_loss_fn
-
         return make_sft_loss_fn()
 
     def batch_metrics(self, batch):

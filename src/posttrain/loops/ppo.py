@@ -34,6 +34,7 @@ from posttrain.metrics.reduce import MetricAccumulator
 from posttrain.metrics.stats import stat_metrics
 from posttrain.loops.experience import per_group, read_batch, write_rows
 from posttrain.train.batch import per_token
+from posttrain.train.loss_fns import make_critic_loss_fn
 
 log = logging.getLogger(__name__)
 
@@ -80,8 +81,6 @@ class CriticPhases:
 
     def update(self, td, acc: MetricAccumulator, iteration: int) -> None:
         """Clipped value-loss steps on ``returns`` with the old ``values``."""
-        from posttrain.train.loss_fns import make_critic_loss_fn
-
         u = self.plan.update
         loss_fn = make_critic_loss_fn(cliprange_value=self.plan.critic.cliprange_value)
         while not td.all_consumed("critic_update"):

@@ -21,9 +21,12 @@ from typing import Any, Protocol
 
 import torch
 
+from posttrain.cluster.rollout_worker import RemoteReplica
 from posttrain.config.plan import Plan
 from posttrain.errors import ConfigError
+from posttrain.loops.pipeline import LocalReplica, RolloutPipeline
 from posttrain.metrics.timers import Timers
+from posttrain.roles.policy import build_rollout
 from posttrain.loops.produce import Experience, Producer
 from posttrain.loops.session import Session
 
@@ -98,16 +101,11 @@ def open_source(plan: Plan, session: Session, producer: Producer) -> ExperienceS
     """The plan's source: pipelined with ``async_staleness`` or a separate rollout worker, else sync."""
     if not plan.off_policy.pipelined:
         return SyncSource(producer, session.policy.rollout)
-    from posttrain.loops.pipeline import LocalReplica, RolloutPipeline
 
     p, start = session.policy, session.iteration
     if plan.off_policy.separate_worker:
-        from posttrain.cluster.rollout_worker import RemoteReplica
-
         replica = RemoteReplica(plan, {"source": session.start_source, "cpu_linear": session.cpu_linear}, p.model)
     else:
-        from posttrain.roles.policy import build_rollout
-
         replica = LocalReplica(p.model, lambda m: build_rollout(plan.rollout, plan.policy, m, p.tokenizer,
                                                                 p.stop_token_ids))
     pipeline = RolloutPipeline(producer, replica, staleness=plan.off_policy.staleness or 0, start=start,

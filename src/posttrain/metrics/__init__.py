@@ -13,7 +13,7 @@ from posttrain.metrics.timers import Timers, non_overlap_timings
 
 def plot_metrics(jsonl_path, png_path, keys, title=None):
     """See :func:`posttrain.metrics.plot.plot_metrics` (matplotlib is imported on call)."""
-    from posttrain.metrics.plot import plot_metrics as _plot
+    from posttrain.metrics.plot import plot_metrics as _plot  # lazy: keeps data/ off posttrain plan's imports
 
     return _plot(jsonl_path, png_path, keys, title)
 

@@ -16,7 +16,7 @@ def plot_metrics(jsonl_path: str | Path, png_path: str | Path, keys: Sequence[st
 
     Keys absent from the file are left out; if none is present, raises PosttrainError.
     """
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.backends.backend_agg import FigureCanvasAgg  # lazy: matplotlib (~1 s) only to draw a plot
     from matplotlib.figure import Figure
 
     records = read_jsonl(jsonl_path, strict=False)  # a killed run may leave a truncated last line

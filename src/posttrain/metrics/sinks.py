@@ -58,7 +58,7 @@ class ConsoleSink:
 
     def __init__(self, total_iters: int | None, keys: Sequence[str] | None = CONSOLE_KEYS,
                  start_iteration: int = 0, console: Any = None) -> None:
-        from rich.console import Console
+        from rich.console import Console  # lazy: rich only for the console sink
 
         self.total, self.keys = total_iters, keys
         self.console = console or Console(stderr=False)
@@ -165,7 +165,7 @@ class TensorBoardSink:
     """``add_scalar("train/<key>", value, iteration)`` (seed layout) into ``log_dir``."""
 
     def __init__(self, log_dir: str | Path) -> None:
-        from torch.utils.tensorboard import SummaryWriter
+        from torch.utils.tensorboard import SummaryWriter  # lazy: tensorboard and torch only for this sink
 
         self.log_dir = Path(log_dir)
         self.writer = SummaryWriter(log_dir=str(self.log_dir))

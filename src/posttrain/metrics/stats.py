@@ -14,7 +14,7 @@ from typing import Any
 
 def per_row(values: Any):
     """``[B]`` float64 tensor of row sums of a tensor or a list of row tensors."""
-    import torch
+    import torch  # lazy: posttrain.metrics stays free of torch
 
     if isinstance(values, torch.Tensor):
         t = values.detach().to(torch.float64)
@@ -28,7 +28,7 @@ def stat_metrics(prefix: str, values: Any, mask: Any = None) -> dict[str, float]
 
     Used for critic/advantages, critic/returns, critic/values (token level, masked).
     """
-    import torch
+    import torch  # lazy: posttrain.metrics stays free of torch
 
     t = torch.as_tensor(values).detach().to(torch.float64)
     if mask is not None:
@@ -43,7 +43,7 @@ def stat_metrics(prefix: str, values: Any, mask: Any = None) -> dict[str, float]
 def length_metrics(prefix: str, lengths: Any, max_length: int | None = None) -> dict[str, float]:
     """``{prefix}/mean|max|min``; with ``max_length``, ``{prefix}/clip_ratio`` = share of rows with
     ``length >= max_length`` (truncated by the generation limit; posttrain addition)."""
-    import torch
+    import torch  # lazy: posttrain.metrics stays free of torch
 
     rows = per_row(lengths)
     out = stat_metrics(prefix, rows)

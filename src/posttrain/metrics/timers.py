@@ -46,7 +46,7 @@ class Timers:
 
     @contextmanager
     def __call__(self, name: str) -> Iterator[None]:
-        from torch.profiler import record_function  # a named span when a profiler runs
+        from torch.profiler import record_function  # a named span when a profiler runs; lazy: no torch in metrics/
 
         start = self.clock()
         try:

@@ -11,7 +11,13 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
+
+from posttrain.checkpoint import make_readable
 from posttrain.errors import ConfigError
+from posttrain.models.arch import arch_from_model_yaml
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
@@ -40,9 +46,6 @@ def default_corpus(num_lines: int = 4000, seed: int = 0) -> list[str]:
 
 def train_tokenizer(texts: list[str], vocab_size: int = 512):
     """A byte-level BPE tokenizer with the chat special tokens and a chat template."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -112,12 +115,6 @@ def init_model_dir(name: str, keys: dict, output: str | Path, corpus: str | Path
 
     ``output`` must be new or empty; with ``force`` an existing directory gets init-model's files
     replaced and keeps every other file (:func:`check_output_dir`)."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    from posttrain.checkpoint import make_readable
-    from posttrain.models.arch import arch_from_model_yaml
-
     output = check_output_dir(output, force)
     if vocab_size is not None and vocab_size < MIN_VOCAB_SIZE:
         raise ConfigError(f"--vocab-size {vocab_size}: must be at least {MIN_VOCAB_SIZE} (the byte-level "

@@ -4,15 +4,19 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from posttrain.checkpoint import STATE_FILE, resolve_checkpoint
 from posttrain.errors import ConfigError
+from posttrain.models.mcore.cache import hf_cache_for
+from posttrain.models.mcore.mcore_files import is_mcore_checkpoint
 
 DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
           "float16": "float16", "fp16": "float16"}
 
 
 def torch_dtype(name: str):
-    import torch
-
     try:
         return getattr(torch, DTYPES[name])
     except KeyError:
@@ -24,13 +28,8 @@ def resolve_model(source: str | Path) -> tuple[Path, bool]:
     latest ``iter_*``), an ``iter_*`` directory or an HF directory
     (:func:`posttrain.checkpoint.resolve_checkpoint`), or a Megatron checkpoint, converted once into
     an HF cache (:func:`posttrain.models.mcore.cache.hf_cache_for`; never a full checkpoint here)."""
-    from posttrain.checkpoint import STATE_FILE, resolve_checkpoint
-    from posttrain.models.mcore.mcore_files import is_mcore_checkpoint
-
     path = Path(source)
     if path.is_dir() and not (path / STATE_FILE).is_file() and is_mcore_checkpoint(path):
-        from posttrain.models.mcore.cache import hf_cache_for
-
         return hf_cache_for(path), False
     return resolve_checkpoint(path)
 
@@ -41,8 +40,6 @@ def resolve_model_dir(source: str | Path) -> Path:
 
 
 def load_tokenizer(path: str | Path):
-    from transformers import AutoTokenizer
-
     tok = AutoTokenizer.from_pretrained(str(path))
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
@@ -55,8 +52,6 @@ def load_causal_lm(path: str | Path, *, device: str = "cpu", dtype: str = "float
 
     ``path`` is an HF model directory, a checkpoint save dir (its latest ``iter_*``), an ``iter_*`` dir
     or a Megatron checkpoint (:func:`resolve_model`)."""
-    from transformers import AutoModelForCausalLM
-
     path = resolve_model_dir(path)
     kwargs = {"dtype": torch_dtype(dtype)}
     if attn_implementation:

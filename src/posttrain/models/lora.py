@@ -14,6 +14,7 @@ with the names that exist.
 from __future__ import annotations
 
 import contextlib
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -62,7 +63,7 @@ def target_list(targets: Any) -> list[str]:
 def hf_targets(targets: Any, model) -> list[str]:
     """The Hugging Face module names (last name component) that ``targets`` select in ``model``;
     refuses a target that matches none of its linear layers, listing those that exist."""
-    import torch
+    import torch  # lazy: config/ imports lora.py without torch
 
     linears = sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
                       if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1] != "lm_head"})
@@ -80,7 +81,7 @@ def hf_targets(targets: Any, model) -> list[str]:
 
 def lora_config(options: LoraOptions, model):
     """The ``peft.LoraConfig`` of the LoRA keys: rank ``lora_r``, ``lora_alpha``, no dropout, no bias."""
-    from peft import LoraConfig
+    from peft import LoraConfig  # lazy: peft (seconds), LoRA only
 
     if options.r is None or options.r < 1:
         raise ConfigError(f"actor_config.lora_r={options.r}: the LoRA rank must be an integer >= 1")
@@ -94,7 +95,7 @@ def lora_config(options: LoraOptions, model):
 def add_adapter(model, options: LoraOptions):
     """``model`` (an HF causal LM) with a fresh LoRA adapter of ``options`` (PEFT's initialisation:
     A random, B zero, so the adapted model starts as the base)."""
-    from peft import get_peft_model
+    from peft import get_peft_model  # lazy: as in lora_config
 
     return get_peft_model(model, lora_config(options, model))
 
@@ -111,9 +112,7 @@ def adapter_base(path: str | Path) -> Path:
     without ``lora_ckpt_filter``; a subdirectory, since Transformers would load an adapter found
     next to the weights by itself), else the ``base_model_name_or_path`` of its
     ``adapter_config.json``, which must exist here."""
-    import json
-
-    from posttrain.checkpoint import is_hf_model_dir
+    from posttrain.checkpoint import is_hf_model_dir  # lazy: config/ imports lora.py without torch
 
     if is_hf_model_dir(Path(path) / BASE_DIR):
         return Path(path) / BASE_DIR
@@ -130,8 +129,6 @@ def adapter_base(path: str | Path) -> Path:
 def check_adapter_keys(path: str | Path, options: LoraOptions, model) -> None:
     """The adapter saved in ``path`` has the run's ``lora_r``, ``lora_alpha`` and targets; else the
     run would silently continue another adapter than its config describes."""
-    import json
-
     saved = json.loads((Path(path) / ADAPTER_CONFIG).read_text(encoding="utf-8"))
     wanted = {"r": int(options.r), "lora_alpha": options.alpha,
               "target_modules": sorted(hf_targets(options.target_modules, model))}
@@ -147,7 +144,7 @@ def check_adapter_keys(path: str | Path, options: LoraOptions, model) -> None:
 def load_adapter(model, path: str | Path, *, trainable: bool = True):
     """``model`` (the base) with the PEFT adapter saved in ``path``; refuses an adapter made for
     another architecture (its target shapes do not fit), naming both."""
-    from peft import PeftModel
+    from peft import PeftModel  # lazy: as in lora_config
 
     try:
         return PeftModel.from_pretrained(model, str(path), is_trainable=trainable)
@@ -163,7 +160,7 @@ def merged(model) -> Iterator[None]:
     """For the duration, the adapter merged into the base weights and switched off, so the base
     layers alone compute the adapted model (W + (alpha / r) B A); then each base weight is put back
     from a saved copy: bit-exact, unlike subtracting B A again."""
-    import torch
+    import torch  # lazy: config/ imports lora.py without torch
     from peft.tuners.lora import LoraLayer
 
     saved = []
@@ -237,7 +234,7 @@ class AdapterOff:
 def load_merged(path: str | Path, **kwargs):
     """The HF causal LM in ``path`` (``load_causal_lm``'s ``kwargs``); a LoRA checkpoint's adapter
     merged into its base (the checkpoint's own base weights, else the adapter's base model)."""
-    from posttrain.models.loading import load_causal_lm
+    from posttrain.models.loading import load_causal_lm  # lazy: config/ imports lora.py without torch
 
     if not is_adapter_dir(path):
         return load_causal_lm(path, **kwargs)
@@ -247,7 +244,7 @@ def load_merged(path: str | Path, **kwargs):
 def merge_to_hf(load_dir: str | Path, out_dir: str | Path, *, force: bool = False, log=print) -> Path:
     """``posttrain convert --merge-lora``: the LoRA checkpoint (or adapter directory) ``load_dir``
     merged into its base, written as a plain HF model directory ``out_dir`` (staged, then renamed)."""
-    from posttrain.checkpoint import save_hf_weights
+    from posttrain.checkpoint import save_hf_weights  # lazy: config/ imports lora.py without torch
     from posttrain.models.loading import resolve_model_dir
     from posttrain.models.mcore.convert import _publish_dir, _staging, check_hf_target
     from posttrain.models.mcore.hf_files import copy_tokenizer

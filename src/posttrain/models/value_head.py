@@ -18,8 +18,10 @@ import shutil
 from pathlib import Path
 
 import torch
+from transformers import AutoModelForSequenceClassification
 
-from posttrain.models.loading import torch_dtype
+from posttrain.errors import CheckpointError
+from posttrain.models.loading import resolve_model_dir, torch_dtype
 
 HEAD_INITS = ("default", "zero", "normal")
 
@@ -49,8 +51,6 @@ class ValueHeadModel(torch.nn.Module):
     @classmethod
     def from_config(cls, config, head_init: str = "default") -> "ValueHeadModel":
         """A random-init model from an HF config (its ``num_labels`` is set to 1)."""
-        from transformers import AutoModelForSequenceClassification
-
         config.num_labels = 1
         self = cls(AutoModelForSequenceClassification.from_config(config))
         self._init_head(head_init)
@@ -66,10 +66,6 @@ class ValueHeadModel(torch.nn.Module):
         ``default`` (HF's normal init), ``zero`` (values start at 0) or ``normal`` (std 1/sqrt(H+1));
         with ``require_head`` (a reward model, whose head must be trained) it is a CheckpointError.
         """
-        from transformers import AutoModelForSequenceClassification
-
-        from posttrain.models.loading import resolve_model_dir
-
         path = resolve_model_dir(path)
         kwargs = {"dtype": torch_dtype(dtype), "num_labels": 1}
         if attn_implementation:
@@ -79,8 +75,6 @@ class ValueHeadModel(torch.nn.Module):
         self = cls(model)
         if any(k.startswith(self.head_name) for k in info.get("missing_keys", ())):
             if require_head:
-                from posttrain.errors import CheckpointError
-
                 raise CheckpointError(f"{path} has no trained score head (it holds a causal LM, not a reward "
                                       f"model); give a sequence-classification checkpoint with num_labels 1 (an "
                                       f"HF reward model, a posttrain critic or a Megatron --orm checkpoint)")

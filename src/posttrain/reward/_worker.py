@@ -25,9 +25,13 @@ from __future__ import annotations
 
 import math
 import os
+import resource
 import signal
 import time
 import traceback
+
+from posttrain.reward.verifiers import import_verifier_modules
+from posttrain.reward.verifiers.equiv import set_math_verify_timeout
 
 STATUS_OK, STATUS_TIMEOUT, STATUS_ERROR = 0, 1, 2
 FLUSH_ITEMS = 64
@@ -37,8 +41,6 @@ FLUSH_S = 0.05
 
 def _limit_memory(limit_mb: int) -> None:
     if limit_mb and limit_mb > 0:
-        import resource
-
         limit = limit_mb * 1024 * 1024
         soft, hard = resource.getrlimit(resource.RLIMIT_AS)
         if hard != resource.RLIM_INFINITY:
@@ -48,10 +50,8 @@ def _limit_memory(limit_mb: int) -> None:
 
 def _init(specs, modules, mv_timeout, memory_limit_mb) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's business
-    from posttrain.reward.verifiers import import_verifier_modules
-    from posttrain.reward.verifiers.equiv import set_math_verify_timeout
 
-    import posttrain.reward._preload  # noqa: F401  (no-op when the forkserver preloaded it)
+    import posttrain.reward._preload  # noqa: F401  (lazy: math-verify; a no-op when the forkserver preloaded it)
 
     import_verifier_modules(list(modules))
     set_math_verify_timeout(mv_timeout)

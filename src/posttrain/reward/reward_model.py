@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from posttrain.models.loading import load_tokenizer
 from posttrain.models.value_head import ValueHeadModel
 
 
@@ -28,8 +29,6 @@ class RewardModelScorer:
     def __init__(self, model: str | Path | ValueHeadModel, tokenizer=None, *, device: str = "cpu",
                  dtype: str = "float32", batch_size: int = 8):
         if not isinstance(model, ValueHeadModel):
-            from posttrain.models.loading import load_tokenizer
-
             tokenizer = tokenizer or load_tokenizer(model)
             model = ValueHeadModel.from_pretrained(model, dtype=dtype, device=device)
         if tokenizer is None:

@@ -27,9 +27,10 @@ from pathlib import Path
 
 import torch
 
-from posttrain.checkpoint import load_checkpoint, save_checkpoint
+from posttrain.checkpoint import Part, load_checkpoint, load_part, save_checkpoint
 from posttrain.config.plan import Plan
 from posttrain.models.loading import resolve_model
+from posttrain.models.value_head import ValueHeadModel
 from posttrain.roles.policy import build_train_engine, model_source
 from posttrain.train.options import EngineOptions
 
@@ -45,8 +46,6 @@ def critic_source(plan: Plan) -> tuple[str, bool]:
 
 def build_value_model(path: str, device: str):
     """A :class:`ValueHeadModel` from a checkpoint (``iter_*`` or HF dir); a new head starts at 0."""
-    from posttrain.models.value_head import ValueHeadModel
-
     hf_dir, _ = resolve_model(path)
     if (Path(hf_dir) / "critic" / "config.json").is_file():  # a posttrain PPO checkpoint
         hf_dir = Path(hf_dir) / "critic"
@@ -76,8 +75,6 @@ class Critic:
     ``compute_values`` and ``update``. Both provide :class:`posttrain.train.base.CriticEngine`."""
 
     def __init__(self, plan: Plan, state: dict, device: str):
-        from posttrain.checkpoint import Part, load_part
-
         self.options = options = plan.critic  # critic_config (else the actor's keys)
         path, from_actor = critic_source(plan)
         self.model = build_value_model(str(state["initial_model"]) if from_actor else path, device)

@@ -32,15 +32,24 @@ import time
 from pathlib import Path
 
 import torch
+from transformers import AutoConfig, AutoModelForCausalLM
 
+from posttrain.checkpoint import resolve_checkpoint
+from posttrain.models.arch import arch_from_hf_config
+from posttrain.models.mcore import mcore_files
+from posttrain.models.mcore.mcore_files import is_mcore_checkpoint
+from posttrain.roles.critic import critic_source
 from posttrain.roles.policy import Policy, build_rollout, model_source, offloaded_reference, reference_source
+from posttrain.train.megatron.checkpoint import Part, load_megatron_checkpoint, save_megatron_checkpoint
+from posttrain.train.megatron.engine import MegatronEngine, MegatronOffload
+from posttrain.train.megatron.model import hf_to_megatron, hf_weights, mcore_to_megatron
+from posttrain.train.offload import on_device
+from posttrain.train.optim import build_scheduler
 
 log = logging.getLogger(__name__)
 
 
 def _is_megatron_dir(path: str) -> bool:
-    from posttrain.models.mcore.mcore_files import is_mcore_checkpoint
-
     return is_mcore_checkpoint(path)
 
 
@@ -48,9 +57,6 @@ def build_chunks(source: str, options: dict, device: str, *, for_training: bool,
     """This rank's chunks (one per virtual stage) on ``device`` and their Megatron args: from a
     Megatron checkpoint of this layout, or an HF directory (a posttrain HF checkpoint's ``iter_*``
     included); ``value_head``: the critic's."""
-    from posttrain.checkpoint import resolve_checkpoint
-    from posttrain.train.megatron.model import hf_to_megatron, mcore_to_megatron
-
     if _is_megatron_dir(source):
         chunks, args = mcore_to_megatron(source, for_training=for_training, value_head=value_head, **options)
     else:
@@ -61,10 +67,6 @@ def build_chunks(source: str, options: dict, device: str, *, for_training: bool,
 
 def num_layers(source: str) -> int:
     """The layers of the model in ``source`` (a Megatron checkpoint's args, or an HF config)."""
-    from posttrain.checkpoint import resolve_checkpoint
-    from posttrain.models.arch import arch_from_hf_config
-    from posttrain.models.mcore import mcore_files
-
     if _is_megatron_dir(source):
         return int(mcore_files.read_args(mcore_files.iteration_dir(Path(source))).num_layers)
     return arch_from_hf_config(str(resolve_checkpoint(source)[0])).num_layers
@@ -73,11 +75,6 @@ def num_layers(source: str) -> int:
 def hf_skeleton(source: str, args, device: str):
     """An HF model of the actor's architecture (weights to be synced in): the HF directory's
     config, or for a Megatron checkpoint the config its args describe."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from posttrain.checkpoint import resolve_checkpoint
-    from posttrain.models.mcore import mcore_files
-
     if _is_megatron_dir(source):
         config = mcore_files.arch_from_args(args, Path(source)).to_hf_config()
         hf_config = AutoConfig.for_model(config.pop("model_type"), **config)
@@ -176,8 +173,6 @@ class MegatronPolicy:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-        from posttrain.train.optim import build_scheduler
-
         par = plan.parallel
         ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                             use_distributed_optimizer=par.use_distributed_optimizer)
@@ -203,8 +198,6 @@ class MegatronPolicy:
 
     def _engine(self, model, optimizer, scheduler, prefix: str, optim, options=None, value_head: bool = False):
         """An engine; a trained one with the plan's offload of its optimizer state and gradients."""
-        from posttrain.train.megatron.engine import MegatronEngine, MegatronOffload
-
         engine = MegatronEngine(model, optimizer, scheduler, vocab_size=int(self.args.vocab_size),
                                 micro_batch_size=optim.micro_batch_size or 1, metric_prefix=prefix,
                                 value_head=value_head, options=options)
@@ -219,9 +212,6 @@ class MegatronPolicy:
         """PPO's critic (a value head on the backbone), colocated with the same layout: from
         ``critic_config.load`` (a reward model, HF or ``--orm`` Megatron) or the actor's initial
         weights with a zero head; resumed from ``critic/`` of the actor's checkpoint."""
-        from posttrain.roles.critic import critic_source
-        from posttrain.train.megatron.checkpoint import load_megatron_checkpoint
-
         options = plan.critic
         path, from_actor = critic_source(plan)
         self.critic_chunks, _ = build_chunks(str(self.state["initial_model"]) if from_actor else path, self.options,
@@ -237,8 +227,6 @@ class MegatronPolicy:
         return critic
 
     def _resume(self, source: str, load) -> dict:
-        from posttrain.train.megatron.checkpoint import load_megatron_checkpoint
-
         saved = load_megatron_checkpoint(source, self.chunks, self.optimizer, load_optim=not load.no_load_optim,
                                          load_rng=not load.no_load_rng)
         if "scheduler" in saved and not load.no_load_optim:
@@ -254,8 +242,6 @@ class MegatronPolicy:
     def sync_rollout(self) -> float:
         """The trained weights into the leader's HF copy, one layer at a time (all ranks take part);
         returns the seconds it took."""
-        from posttrain.train.megatron.model import hf_weights
-
         start = time.perf_counter()
         params = dict(self.hf_model.named_parameters()) if self.rollout is not None else None
         for name, tensor in hf_weights(self.chunks, self.args):
@@ -266,9 +252,6 @@ class MegatronPolicy:
 
     def save(self, save_dir: str, iteration: int, *, sampler_state, trainer_state: dict, save_optim: bool,
              save_rng: bool) -> Path:
-        from posttrain.train.megatron.checkpoint import Part, save_megatron_checkpoint
-        from posttrain.train.offload import on_device
-
         with on_device(self.engine, self.critic):  # an offloaded optimizer state is saved too
             parts = {"": Part(self.chunks, self.optimizer, {"scheduler": self.scheduler.state_dict(),
                                                             "trainer_state": dict(trainer_state),
@@ -283,6 +266,4 @@ class MegatronPolicy:
 
 def _has_iteration(source: str) -> bool:
     """A Megatron checkpoint that a run saved (``iter_*``), not a converted ``release``."""
-    from posttrain.models.mcore import mcore_files
-
     return mcore_files.iteration_dir(Path(source)).name.startswith("iter_")

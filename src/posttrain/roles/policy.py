@@ -12,16 +12,36 @@ from __future__ import annotations
 
 import copy
 import logging
+import random
+import shutil
+import tempfile
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import torch
+
+from posttrain.checkpoint import load_checkpoint, resolve_checkpoint
 from posttrain.checkpoint.files import CheckpointLoad
 from posttrain.config.options import PolicyOptions, RolloutOptions
 from posttrain.config.plan import Plan
+from posttrain.data.encoding import stop_token_ids
+from posttrain.data.templates import get_template
 from posttrain.errors import ConfigError
-from posttrain.rollout.base import RolloutEngine
+from posttrain.models import lora
+from posttrain.models.loading import check_vocab, load_causal_lm, load_tokenizer, resolve_model_dir
+from posttrain.models.lora import AdapterOff, MergedRollout, load_merged
+from posttrain.rollout.base import ROLLOUT_ENGINES, RolloutEngine
+from posttrain.rollout.multi_turn import MultiTurnEngine, ObservationFormat, TurnLimits
+from posttrain.tools.config import load_tools
+from posttrain.tools.parsers import TOOL_PARSERS
+from posttrain.tools.runner import ToolRunner
 from posttrain.train.base import ActorEngine, ReferenceEngine
+from posttrain.train.engine import TrainEngine
+from posttrain.train.offload import OffloadedReference, StateOffload
+from posttrain.train.optim import build_optimizer, build_scheduler
 from posttrain.train.options import EngineOptions, OptimOptions
 
 log = logging.getLogger(__name__)
@@ -50,11 +70,6 @@ class Policy:
 
 
 def seed_everything(seed: int) -> None:
-    import random
-
-    import numpy as np
-    import torch
-
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
@@ -74,17 +89,12 @@ def model_source(policy: PolicyOptions) -> str:
 
 def load_policy_tokenizer(policy: PolicyOptions, source: str | None = None):
     """The actor's tokenizer and the token ids its rollout stops on (the driver needs no weights)."""
-    from posttrain.models.loading import load_tokenizer, resolve_model_dir
-
     tokenizer = load_tokenizer(policy.tokenizer or resolve_model_dir(source or model_source(policy)))
     return tokenizer, rollout_stop_ids(tokenizer, policy)
 
 
 def rollout_stop_ids(tokenizer, policy: PolicyOptions) -> list[int]:
     """eos plus the prompt template's stop words that are single tokens."""
-    from posttrain.data.encoding import stop_token_ids
-    from posttrain.data.templates import get_template
-
     path = policy.prompt_type_path if policy.prompt_type_path and Path(policy.prompt_type_path).is_file() else None
     return sorted(stop_token_ids(get_template(policy.prompt_type or "hf_chat_template", path), tokenizer))
 
@@ -93,9 +103,6 @@ def build_actor_model(policy: PolicyOptions, device: str, source: str | None = N
     """The HF actor model (fp32 master weights), its tokenizer, and where it came from (``source``,
     default :func:`model_source`). With ``lora``, a PEFT model: the base frozen, a LoRA adapter (the
     source's, when it holds one, else a fresh one) the only trainable weights."""
-    from posttrain.models import lora
-    from posttrain.models.loading import check_vocab, load_causal_lm, load_tokenizer, resolve_model_dir
-
     source = source or model_source(policy)
     path = resolve_model_dir(source)
     has_adapter = lora.is_adapter_dir(path)
@@ -120,12 +127,7 @@ def build_actor_model(policy: PolicyOptions, device: str, source: str | None = N
 
 def build_frozen_copy(model, ref_path: str | None, device: str):
     """The reference policy: a frozen copy of the initial actor, or a model loaded from ref_path."""
-    import torch
-
     if ref_path:
-        from posttrain.models.loading import resolve_model_dir
-        from posttrain.models.lora import load_merged
-
         ref = load_merged(resolve_model_dir(ref_path), device=device)  # a LoRA checkpoint: merged
     else:
         ref = copy.deepcopy(model)
@@ -138,12 +140,6 @@ def build_frozen_copy(model, ref_path: str | None, device: str):
 def offloaded_reference(engine):
     """``rl_config.offload_reference``: the reference's weights off the device between its uses
     (on a CPU they are spilled to a temporary file, removed when the process ends)."""
-    import shutil
-    import tempfile
-    import weakref
-
-    from posttrain.train.offload import OffloadedReference
-
     spill = tempfile.mkdtemp(prefix="posttrain-reference-")
     reference = OffloadedReference(engine, spill)
     weakref.finalize(reference, shutil.rmtree, spill, True)
@@ -154,15 +150,10 @@ def build_train_engine(model, optim: OptimOptions, plan: Plan, options: EngineOp
                        metric_prefix: str = "actor", dp_group=None):
     """AdamW + the LR schedule (sized for the plan's total optimizer steps) + a TrainEngine, with
     the plan's offload of the optimizer state and gradients between updates."""
-    from posttrain.train.engine import TrainEngine
-    from posttrain.train.optim import build_optimizer, build_scheduler
-
     optimizer = build_optimizer(model, optim.lr, optim.weight_decay, optim.adam_beta1, optim.adam_beta2)
     scheduler = build_scheduler(optimizer, optim, plan.total_optimizer_steps)
     offload = None
     if plan.offload_optimizer or plan.offload_grads:  # generate_config.offload_train_*
-        from posttrain.train.offload import StateOffload
-
         offload = StateOffload(optimizer, optimizer_state=plan.offload_optimizer, grads=plan.offload_grads)
     return TrainEngine(model, optimizer, scheduler, clip_grad=optim.clip_grad, micro_batch_size=optim.micro_batch_size,
                        dtype=plan.train_dtype, activation_checkpointing=optim.activation_checkpointing,
@@ -174,8 +165,6 @@ def resume(source: str, model, engine, load: CheckpointLoad) -> dict:
     ``finetune`` is off). Returns the trainer state: ``iteration`` (0 when starting fresh),
     ``consumed_samples``, ``sampler_state``, ``checkpoint_dir`` and ``initial_model`` (where the
     run first started, which is what a reference model must be loaded from after a resume)."""
-    from posttrain.checkpoint import load_checkpoint, resolve_checkpoint
-
     _, full = resolve_checkpoint(source)
     if not full or load.finetune:
         return {"iteration": 0, "consumed_samples": 0, "sampler_state": None, "initial_model": str(source)}
@@ -215,8 +204,6 @@ def warn_dropout_across_workers(model: Any, workers: int) -> None:
 
 def build_rollout(rollout: RolloutOptions, policy: PolicyOptions, model, tokenizer, stop_token_ids: list[int]):
     """The rollout engine of ``rl_config.rollout_engine`` (native or vLLM) sampling from ``model``."""
-    from posttrain.rollout.base import ROLLOUT_ENGINES
-
     kwargs = dict(model=model, pad_token_id=tokenizer.pad_token_id, eos_token_ids=stop_token_ids,
                   max_num_seqs=rollout.max_num_seqs, max_num_batched_tokens=rollout.max_num_batched_tokens,
                   dtype=rollout.dtype)
@@ -236,8 +223,6 @@ def build_rollout(rollout: RolloutOptions, policy: PolicyOptions, model, tokeniz
                 kwargs["cuda_graphs"] = next(model.parameters()).device.type == "cuda"
         engine = ROLLOUT_ENGINES.get(rollout.engine)(**kwargs)
     if hasattr(model, "peft_config"):  # LoRA: sample from the merged weights (docs/lora.md)
-        from posttrain.models.lora import MergedRollout
-
         return MergedRollout(engine, model)
     return engine
 
@@ -245,12 +230,6 @@ def build_rollout(rollout: RolloutOptions, policy: PolicyOptions, model, tokeniz
 def build_multi_turn_engine(rollout: RolloutOptions, policy: PolicyOptions, tokenizer, **engine_kwargs):
     """The native engine with tool turns (``multi_turn_enable``), or without tools (``async_engine``
     alone: the same per-request decode loop, each row ending on its own)."""
-    from posttrain.data.templates import get_template
-    from posttrain.rollout.multi_turn import MultiTurnEngine, ObservationFormat, TurnLimits
-    from posttrain.tools.config import load_tools
-    from posttrain.tools.parsers import TOOL_PARSERS
-    from posttrain.tools.runner import ToolRunner
-
     tools = rollout.tools
     if tools is not None:
         funcs = load_tools(tools.config_path)
@@ -270,8 +249,6 @@ def build_policy(plan: Plan, device: str, *, source: str | None = None, with_rol
     """The policy of one process: the actor (from ``source``, default the plan's ``load``; resumed
     when it names a checkpoint), the frozen reference when the stage uses one, and the native or
     vLLM rollout engine on the actor's model."""
-    from posttrain.train.engine import TrainEngine
-
     p = plan.policy
     model, tokenizer, source = build_actor_model(p, device, source)
     warn_dropout_across_workers(model, plan.workers)
@@ -281,8 +258,6 @@ def build_policy(plan: Plan, device: str, *, source: str | None = None, with_rol
     reference = None
     micro = p.optim.micro_batch_size
     if plan.uses_reference and p.share_backbone:  # the actor with its adapter off: no copy
-        from posttrain.models.lora import AdapterOff
-
         reference = AdapterOff(TrainEngine(model, micro_batch_size=micro, dtype=plan.train_dtype,
                                            dp_group=dp_group, options=plan.ref_engine), model)
     elif plan.uses_reference:

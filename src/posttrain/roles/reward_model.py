@@ -15,6 +15,8 @@ from pathlib import Path
 
 from posttrain.config.reward_model import RewardModelOptions
 from posttrain.errors import ConfigError
+from posttrain.models.loading import load_tokenizer, resolve_model_dir
+from posttrain.models.value_head import ValueHeadModel
 from posttrain.reward.reward_model import RewardModelScorer
 
 log = logging.getLogger(__name__)
@@ -24,8 +26,6 @@ def reward_model_dir(path: str) -> Path:
     """The HF directory of a reward model named by ``reward_config.load``: the directory itself, the
     newest ``iter_*`` of a posttrain save directory, a Megatron checkpoint's conversion, and in a
     posttrain PPO checkpoint its ``critic/``."""
-    from posttrain.models.loading import resolve_model_dir
-
     if not Path(path).exists():
         raise ConfigError(f"reward_config.load: {path} does not exist")
     hf_dir = resolve_model_dir(path)
@@ -37,8 +37,6 @@ def check_same_vocabulary(model_dir: Path, model, tokenizer) -> None:
     """The reward model reads the actor's token ids: refuse a model that would read other tokens."""
     has_tokenizer = any((model_dir / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json"))
     if has_tokenizer:
-        from posttrain.models.loading import load_tokenizer
-
         if load_tokenizer(model_dir).get_vocab() != tokenizer.get_vocab():
             raise ConfigError(f"reward_config.load: the tokenizer saved in {model_dir} differs from the actor's; the "
                               f"reward model scores the actor's token ids, so it must use the actor's tokenizer")
@@ -51,8 +49,6 @@ def check_same_vocabulary(model_dir: Path, model, tokenizer) -> None:
 def build_reward_scorer(options: RewardModelOptions, tokenizer, device: str) -> RewardModelScorer:
     """The reward model on ``device``, in ``options.dtype``, scoring ``options.micro_batch_size``
     sequences per forward; ``tokenizer`` is the actor's (its pad id pads the batches)."""
-    from posttrain.models.value_head import ValueHeadModel
-
     model_dir = reward_model_dir(options.path)
     model = ValueHeadModel.from_pretrained(model_dir, dtype=options.dtype, device=device, require_head=True)
     check_same_vocabulary(model_dir, model, tokenizer)

@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from transformers import PretrainedConfig
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer, StaticCache, StaticLayer
 
 
@@ -73,8 +74,6 @@ class SlabLayer(DynamicLayer):
 
 def new_cache(model: Any, capacity: int) -> Cache:
     """A cache for ``capacity`` positions: slab layers when every layer is plain full attention."""
-    from transformers import PretrainedConfig
-
     config = getattr(model, "config", None)
     if not isinstance(config, PretrainedConfig):
         return DynamicCache()

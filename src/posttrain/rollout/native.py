@@ -44,11 +44,13 @@ the waves, the compaction, the other prompts of the call or the number of worker
 from __future__ import annotations
 
 import contextlib
+import copy
 import inspect
 from dataclasses import dataclass
 from typing import Any, Iterator
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from posttrain.errors import ConfigError, DataError
 from posttrain.rollout.base import RolloutEngine, RolloutOutput, SamplingParams
@@ -76,8 +78,6 @@ def _count_step(optimizer, args, kwargs) -> None:
 def optimizer_steps() -> int:
     """How many optimizer steps this process took since the first call (which starts counting)."""
     if not _OPTIMIZER_STEPS:
-        from torch.optim.optimizer import register_optimizer_step_post_hook
-
         register_optimizer_step_post_hook(_count_step)
         _OPTIMIZER_STEPS.append(0)
     return _OPTIMIZER_STEPS[0]
@@ -336,8 +336,6 @@ class NativeEngine(RolloutEngine):
             return self.model
         version = (sum(p._version for p in params), optimizer_steps())
         if self._copy is None:
-            import copy
-
             self._copy = copy.deepcopy(self.model).to(self.dtype).eval()
             self._copy.requires_grad_(False)
         elif version != self._copy_version:

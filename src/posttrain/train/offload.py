@@ -18,6 +18,9 @@ The Megatron-Core backend's counterpart is :class:`posttrain.train.megatron.engi
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
+from pathlib import Path
 
 import torch
 
@@ -38,9 +41,6 @@ def on_device(*engines):
 def return_freed_memory() -> None:
     """Ask glibc to hand freed heap memory back to the system (``malloc_trim``), so that freed
     gradients or a dropped reference lower the process's RSS on a CPU; a no-op elsewhere."""
-    import ctypes
-    import ctypes.util
-
     name = ctypes.util.find_library("c")
     try:
         libc = ctypes.CDLL(name) if name else None
@@ -135,8 +135,6 @@ class OffloadedReference:
     """
 
     def __init__(self, engine, spill_dir):
-        from pathlib import Path
-
         self.engine = engine
         model = engine.model
         self.device = next(model.parameters()).device

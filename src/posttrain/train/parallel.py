@@ -15,12 +15,11 @@ from __future__ import annotations
 import contextlib
 
 import torch
+import torch.distributed as dist
 
 
 def dp_world_size(group=None) -> int:
     """Number of ranks in ``group`` (1 when torch.distributed is not initialised)."""
-    import torch.distributed as dist
-
     if not (dist.is_available() and dist.is_initialized()):
         return 1
     return dist.get_world_size(group)
@@ -29,8 +28,6 @@ def dp_world_size(group=None) -> int:
 def all_reduce_sum(tensor: torch.Tensor, group=None) -> torch.Tensor:
     """In-place SUM over ranks (no-op in one process); returns ``tensor``."""
     if dp_world_size(group) > 1:
-        import torch.distributed as dist
-
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
     return tensor
 

@@ -44,6 +44,9 @@ import contextvars
 from dataclasses import dataclass
 
 import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
 from posttrain.algo.logprob import entropy_from_logits, logprobs_from_logits
 from posttrain.errors import ConfigError
@@ -75,8 +78,6 @@ def _packed_attention(module, query, key, value, attention_mask, dropout=0.0, sc
     """
     blocks = kwargs.get("posttrain_blocks")
     if blocks is None:  # not a packed forward (rollout, padded batches): the model's own attention
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
     outs = [_block_attention(module, query, key, value, index, valid, dropout, scaling) for index, valid in blocks]
@@ -165,15 +166,11 @@ def _mask_fn(*args, **kwargs):
     """Mask builder for ``posttrain_packed``: none inside a packed forward, else the SDPA one."""
     if _IN_FORWARD.get():
         return None
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
     return ALL_MASK_ATTENTION_FUNCTIONS["sdpa"](*args, **kwargs)
 
 
 def _register() -> None:
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
-
     AttentionInterface.register(ATTN_NAME, _packed_attention)
     AttentionMaskInterface.register(ATTN_NAME, _mask_fn)
 

@@ -15,10 +15,10 @@ def test_refuses_an_existing_dataset_unless_force(mini_world, tmp_path, capsys, 
     prefix.parent.mkdir()
     (prefix.parent / "rl_packed_input_ids_document.bin").write_bytes(b"mine")
     real_preprocess = __import__("posttrain.data.preprocess", fromlist=["x"]).preprocess
-    forbid(monkeypatch, "posttrain.data.preprocess:preprocess")
+    forbid(monkeypatch, "posttrain.commands.preprocess:preprocess")  # the name the command calls
     code, err = run_cli(argv, capsys)
     assert code == 2 and "rl_packed_input_ids_document.bin" in err and "--force" in err
     assert (prefix.parent / "rl_packed_input_ids_document.bin").read_bytes() == b"mine"
-    monkeypatch.setattr("posttrain.data.preprocess.preprocess", real_preprocess)
+    monkeypatch.setattr("posttrain.commands.preprocess.preprocess", real_preprocess)
     assert run_cli([*argv, "--force"], capsys)[0] == 0
     assert (prefix.parent / "rl_packed_input_ids_document.bin").stat().st_size > 4

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from posttrain.models.mcore import mcore_files
+from posttrain.models.mcore.convert import mcore_to_hf
 
 CACHE_ENV = "POSTTRAIN_CACHE"
 
@@ -23,8 +24,6 @@ def cache_root() -> Path:
 
 def hf_cache_for(mcore_dir: str | Path) -> Path:
     """The HF directory holding ``mcore_dir``'s weights, converting it on first use."""
-    from posttrain.models.mcore.convert import mcore_to_hf
-
     it_dir = mcore_files.iteration_dir(Path(mcore_dir))
     key = hashlib.sha256(str(it_dir.resolve()).encode())
     for f in sorted(it_dir.glob(f"mp_rank_*/{mcore_files.RANK_FILE}")):

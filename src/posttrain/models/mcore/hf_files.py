@@ -7,6 +7,8 @@ import shutil
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from posttrain.errors import CheckpointError
 
@@ -21,8 +23,6 @@ class HFWeights:
     ``pytorch_model*.bin`` memory-mapped)."""
 
     def __init__(self, model_dir: str | Path):
-        from safetensors import safe_open
-
         self.dir = Path(model_dir)
         self._where: dict[str, object] = {}
         files = self._files()
@@ -110,8 +110,6 @@ class ShardedWriter:
         self._bytes += size
 
     def _flush(self) -> None:
-        from safetensors.torch import save_file
-
         path = self.out_dir / f".part-{len(self._written):05d}.safetensors"
         save_file(self._shard, str(path), metadata={"format": "pt"})
         self._written.append((path, list(self._shard)))

@@ -20,10 +20,14 @@ allowlist (:func:`load_rank_file`); anything else is refused with the file named
 from __future__ import annotations
 
 import argparse
+import pickle
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import numpy as np
+import torch
 
 from posttrain.errors import CheckpointError, ConfigError
 from posttrain.models.arch import ModelArch, arch_from_model_yaml
@@ -199,8 +203,6 @@ def rank_dirs(it_dir: Path) -> dict[tuple[int, int, int], Path]:
 
 def safe_globals() -> list:
     """What a Megatron checkpoint may hold besides tensors (``torch.serialization.safe_globals``)."""
-    import numpy as np
-
     allowed: list = [argparse.Namespace, np.dtype, np.ndarray]
     allowed += [type(np.dtype(t)) for t in ("uint32", "int64", "float32", "float64", "bool")]
     core = getattr(np, "_core", None) or np.core
@@ -216,10 +218,6 @@ def _model_type(value: Any) -> str:
 
 def load_rank_file(path: Path, *, mmap: bool = True) -> dict:
     """Read one ``model_optim_rng.pt`` safely (see the module doc); names the file on any error."""
-    import pickle
-
-    import torch
-
     if not path.is_file():
         raise CheckpointError(f"{path} is missing: the checkpoint lacks this rank's shard")
     try:
@@ -240,10 +238,6 @@ def load_rank_file(path: Path, *, mmap: bool = True) -> dict:
 def load_common(it_dir: Path) -> dict:
     """The entries every rank shares of a ``torch_dist`` checkpoint (``common.pt``: iteration, args,
     the LR schedule and trainer state), read safely."""
-    import pickle
-
-    import torch
-
     path = Path(it_dir) / DIST_COMMON
     try:
         with torch.serialization.safe_globals(safe_globals()):
@@ -307,8 +301,6 @@ def check_vocab_padding(args: argparse.Namespace, tp: int, where: Path) -> None:
 def make_args(arch: ModelArch, par: Parallel, *, padded_vocab: int, divisor: int, params_dtype: Any,
               num_layer_list: str | None, layers_per_virtual_stage: int | None, orm: bool) -> argparse.Namespace:
     """The ``args`` namespace posttrain writes into each rank file (:data:`ARGS_KEYS`)."""
-    import torch
-
     values = dict(
         num_layers=arch.num_layers, hidden_size=arch.hidden_size, ffn_hidden_size=arch.ffn_hidden_size,
         num_attention_heads=arch.num_attention_heads, num_query_groups=arch.num_kv_heads,

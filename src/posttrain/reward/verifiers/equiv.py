@@ -60,7 +60,7 @@ def _mv_timeout() -> int | None:
 
 
 def _mv():
-    import math_verify
+    import math_verify  # lazy: ~1 s; see the module docstring
 
     for name in ("math_verify", "math_verify.parser", "math_verify.grader", "math_verify.metric",
                  "latex2sympy2_extended"):

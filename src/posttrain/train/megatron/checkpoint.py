@@ -31,8 +31,11 @@ from typing import Any, NamedTuple
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from posttrain.errors import CheckpointError
+from posttrain.models.mcore import mcore_files
+from posttrain.train.megatron.model import sharded_state_dict
 
 FORMATS = ("torch_dist", "torch")  # Megatron-LM's --ckpt-format names; torch: the legacy per-rank files
 
@@ -48,8 +51,6 @@ class Part(NamedTuple):
 def _rank_file(it_dir: Path) -> Path:
     """This rank's file in the legacy iteration directory ``it_dir``."""
     from megatron.core import parallel_state as ps
-
-    from posttrain.models.mcore import mcore_files
 
     name = mcore_files.rank_dir_name(ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
                                 ps.get_pipeline_model_parallel_world_size())
@@ -74,7 +75,6 @@ def _set_rng_state(state: dict) -> None:
 
 def _rng_object(value):
     """This rank's RNG states as a ``dist_checkpointing`` object of its own."""
-    import torch.distributed as dist
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
     return ShardedObject("rng_state", value, (dist.get_world_size(),), (dist.get_rank(),), replica_id=0)
@@ -82,9 +82,6 @@ def _rng_object(value):
 
 def _sharded(part: Part, *, optimizer: bool, loading: bool = False) -> dict:
     """The sharded state dict of ``part``'s chunks (and optimizer)."""
-    from posttrain.models.mcore import mcore_files
-    from posttrain.train.megatron.model import sharded_state_dict
-
     state = {mcore_files.model_key(i, len(part.chunks)): sharded_state_dict(chunk) for i, chunk in enumerate(part.chunks)}
     if optimizer:
         state["optimizer"] = part.optimizer.sharded_state_dict(state, is_loading=loading)
@@ -96,12 +93,8 @@ def _write(path: Path, part: Part, args, iteration: int, *, ckpt_format: str, sa
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
 
-    from posttrain.models.mcore import mcore_files
-
     common = {"iteration": iteration, "args": args, "checkpoint_version": mcore_files.CHECKPOINT_VERSION, **part.extra}
     if ckpt_format == "torch_dist":
-        import torch.distributed as dist
-
         state = {**_sharded(part, optimizer=save_optim), **common, "world_size": dist.get_world_size()}
         if save_rng:
             state["rng_state"] = _rng_object(_rng_state())
@@ -125,10 +118,6 @@ def save_megatron_checkpoint(save_dir: str | Path, iteration: int, parts: dict[s
     """Write iteration ``iteration`` of ``parts`` (``""``: the policy, at the top of the iteration;
     other names: subdirectories) in ``ckpt_format``; returns the iteration directory. Every rank
     calls it (barriers inside). ``save_optim`` / ``save_rng``: the seed's ``no_save_*`` negated."""
-    import torch.distributed as dist
-
-    from posttrain.models.mcore import mcore_files
-
     if ckpt_format not in FORMATS:
         raise CheckpointError(f"unknown Megatron checkpoint format {ckpt_format!r}; use {' or '.join(FORMATS)}")
     save_dir = Path(save_dir)
@@ -163,8 +152,6 @@ def load_megatron_checkpoint(load_dir: str | Path, chunks: list, optimizer, *, l
     (unless told not to) ``optimizer`` and the RNG states; returns the other entries (``iteration``
     and the saver's ``extra``). A ``torch_dist`` checkpoint reshards into this run's layout; its
     RNG states are restored when the world size is the one it was saved with."""
-    from posttrain.models.mcore import mcore_files
-
     it_dir = mcore_files.iteration_dir(Path(load_dir))
     if not it_dir.name.startswith("iter_"):
         raise CheckpointError(f"{it_dir}: a converted (release) checkpoint holds no optimizer state; load it as "
@@ -191,10 +178,7 @@ def load_megatron_checkpoint(load_dir: str | Path, chunks: list, optimizer, *, l
 
 
 def _load_dist(path: Path, chunks: list, optimizer, *, load_optim: bool, load_rng: bool) -> dict:
-    import torch.distributed as dist
     from megatron.core import dist_checkpointing
-
-    from posttrain.models.mcore import mcore_files
 
     common = mcore_files.load_common(path)
     part = Part(chunks, optimizer, {})

@@ -12,17 +12,20 @@ import socket
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.checkpoint import FileSystemReader
+
+from posttrain.models.mcore import mapping, mcore_files
+from posttrain.models.mcore.convert import check_hf_target, hf_config, params_dtype, write_hf
+from posttrain.train.megatron.cpu_shims import cpu_megatron
+from posttrain.train.megatron.model import hf_weights, mcore_to_megatron
 
 
 def dist_to_hf(load_dir: str | Path, out_dir: str | Path, *, template: str | Path | None = None,
                tokenizer: str | Path | None = None, dtype: str | None = None, force: bool = False) -> Path:
     """Merge the ``torch_dist`` checkpoint ``load_dir`` into the HF directory ``out_dir`` (a critic's
     ``rm_head`` becomes a sequence-classification ``score``)."""
-    import torch.multiprocessing as mp
-
-    from posttrain.models.mcore import mcore_files
-    from posttrain.models.mcore.convert import check_hf_target
-
     it_dir = mcore_files.iteration_dir(Path(load_dir))
     check_hf_target(Path(out_dir), force)
     with socket.socket() as s:
@@ -33,15 +36,8 @@ def dist_to_hf(load_dir: str | Path, out_dir: str | Path, *, template: str | Pat
 
 
 def _convert(rank: int, port: int, it_dir: str, out_dir: str, template, tokenizer, dtype) -> None:
-    import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-    from torch.distributed.checkpoint import FileSystemReader
-
-    from posttrain.models.mcore import mcore_files, mapping
-    from posttrain.models.mcore.convert import hf_config, params_dtype, write_hf
-    from posttrain.train.megatron.cpu_shims import cpu_megatron
-    from posttrain.train.megatron.model import hf_weights, mcore_to_megatron
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     try:

@@ -35,23 +35,24 @@ import math
 from typing import Any
 
 import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 
 from posttrain.train.base import LossFn
+from posttrain.train.batch import default_position_ids
+from posttrain.train.dynamic_batch import split_by_tokens
 from posttrain.train.engine import NaNLossError, minibatch_order
 from posttrain.train.loss_fns import interleave_pairs, row_sequence_logps
 from posttrain.train.options import EngineOptions
 from posttrain.train.parallel import dp_world_size, global_counts, reduce_metric_totals
 from posttrain.train.megatron.vocab_parallel import vocab_parallel_entropy, vocab_parallel_logprobs
+from posttrain.train.offload import StateOffload, return_freed_memory
 
 
 def _inputs(batch: dict[str, torch.Tensor], rows: torch.Tensor, length: int):
     """Token ids, positions and the attention mask (True: masked; causal and padding) of ``rows`` of
     the training layout (left-padded prompt || right-padded response), right-padded to ``length``
     tokens, and for each row the positions of its logits that predict its response tokens."""
-    import torch.nn.functional as F
-
-    from posttrain.train.batch import default_position_ids
-
     attention = batch["attention_mask"][rows]
     width = attention.shape[1]
     prompt = width - batch["response_mask"].shape[1]
@@ -87,7 +88,6 @@ def _packed_inputs(batch: dict[str, torch.Tensor], rows: torch.Tensor, length: i
 
 def _from_last_stage(value):
     """``value`` as the last pipeline stage has it, on every stage (a picklable object)."""
-    import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
     if ps.get_pipeline_model_parallel_world_size() == 1:
@@ -106,16 +106,12 @@ class MegatronOffload:
     resized to 0; ``restore_grad_buffers`` gives it back zeroed, the ``main_grad`` views intact)."""
 
     def __init__(self, models: list, optimizer, *, optimizer_state: bool, grads: bool):
-        from posttrain.train.offload import StateOffload
-
         self.models, self.grads = models, grads
         torch_optimizers = [o.optimizer for o in getattr(optimizer, "chained_optimizers", [optimizer])]
         self.states = [StateOffload(o, optimizer_state=True, grads=False) for o in torch_optimizers] \
             if optimizer_state else []
 
     def to_host(self) -> None:
-        from posttrain.train.offload import return_freed_memory
-
         if self.grads:
             cuda = torch.cuda.is_available() and next(self.models[0].parameters()).is_cuda
             for model in self.models:
@@ -169,7 +165,6 @@ class MegatronEngine:
 
     def _most(self, value: int) -> int:
         """The largest ``value`` of the data-parallel ranks (the expert-parallel groups among them)."""
-        import torch.distributed as dist
         from megatron.core import parallel_state as ps
 
         tensor = torch.tensor(value, device=next(self.models[0].parameters()).device)
@@ -181,8 +176,6 @@ class MegatronEngine:
         """Row indices of each micro-batch, ``rows_per_item`` consecutive rows kept together (a DPO
         pair's two rows): a token budget's balanced groups (packed), or ``micro_batch_size`` items,
         the same number in each unless packed (the pipeline's p2p buffers have one shape)."""
-        from posttrain.train.dynamic_batch import split_by_tokens
-
         rows = batch["input_ids"].shape[0]
         items = torch.arange(rows).view(-1, rows_per_item)
         if budget is not None:

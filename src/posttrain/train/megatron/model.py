@@ -10,10 +10,19 @@ inside :func:`posttrain.train.megatron.cpu_shims.cpu_megatron`.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from posttrain.errors import CheckpointError, ConfigError
+from posttrain.models.mcore import mapping, mcore_files, splits
+from posttrain.models.mcore.convert import _stage_state, hf_arch
+from posttrain.models.mcore.hf_files import HFWeights
 
 
 def arg(args: argparse.Namespace, name: str, default: Any = None) -> Any:
@@ -33,7 +42,6 @@ def transformer_config(args: argparse.Namespace, tp: int, pp: int, vpp, layers, 
     Megatron initialises the weights (which marks the tensor-parallel ones, as its gradient norm
     and clipping need) before they are overwritten by loaded ones. ``options``: more
     ``TransformerConfig`` fields (the run's ``recompute_*`` and ``sequence_parallel``)."""
-    import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
 
     if arg(args, "position_embedding_type", "rope") != "rope":
@@ -99,8 +107,6 @@ def attach_value_head(chunk) -> None:
     reads and writes, called as ``GPTModel`` calls its output layer, so the model returns
     ``[B, T, 1]`` values instead of logits (the PPO critic, as the seed's reward-model head); under
     sequence parallelism on the gathered sequence."""
-    import dataclasses
-
     from megatron.core.tensor_parallel import RowParallelLinear, gather_from_sequence_parallel_region
 
     if not chunk.post_process:
@@ -181,8 +187,6 @@ class SequenceParallelNorm:
 
 def _with_norm(spec):
     """``spec`` (a ``ModuleSpec`` tree) with :class:`SequenceParallelNorm` for every ``WrappedTorchNorm``."""
-    import dataclasses
-
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
@@ -220,8 +224,6 @@ def sharded_state_dict(chunk) -> dict:
 def _value_head_state(state: dict, chunk) -> dict:
     """``state`` for a value-head chunk: no output layer; the checkpoint's ``rm_head`` (a reward
     model's), else the zeros the new head starts with."""
-    from posttrain.models.mcore import mapping
-
     state = {k: v for k, v in state.items() if not k.startswith(mapping.OUTPUT_LAYER.split(".")[0] + ".")}
     if chunk.post_process and mapping.RM_HEAD not in state:
         state[mapping.RM_HEAD] = torch.zeros_like(chunk.rm_head.weight)
@@ -230,8 +232,6 @@ def _value_head_state(state: dict, chunk) -> dict:
 
 def is_reward_model_dir(hf_dir: Path) -> bool:
     """An HF sequence-classification (reward model) directory."""
-    import json
-
     config = json.loads((Path(hf_dir) / "config.json").read_text(encoding="utf-8"))
     return any(a.endswith("ForSequenceClassification") for a in config.get("architectures") or [])
 
@@ -246,10 +246,6 @@ def hf_to_megatron(hf_dir: str | Path, *, divisor: int = 128, for_training: bool
     model's ``score`` head is loaded into it); ``options``: more ``TransformerConfig`` fields."""
     from megatron.core import parallel_state as ps
 
-    from posttrain.models.mcore import mcore_files, mapping, splits
-    from posttrain.models.mcore.convert import _stage_state, hf_arch
-    from posttrain.models.mcore.hf_files import HFWeights
-
     tp, pp, vpp, ep = _sizes()
     weights = HFWeights(Path(hf_dir))
     orm = value_head and is_reward_model_dir(Path(hf_dir))
@@ -258,8 +254,6 @@ def hf_to_megatron(hf_dir: str | Path, *, divisor: int = 128, for_training: bool
     splits.check_tp(tp, heads=arch.num_attention_heads, groups=arch.num_kv_heads,
                     ffn=arch.moe_ffn_hidden_size if arch.num_experts else arch.ffn_hidden_size, padded_vocab=padded)
     if arch.num_experts and arch.num_experts % ep:
-        from posttrain.errors import ConfigError
-
         raise ConfigError(f"{hf_dir}: its {arch.num_experts} experts do not split over expert parallel size {ep}; "
                           f"choose an expert_model_parallel_size that divides them")
     per_chunk = arch.num_layers // (pp * vpp) if vpp else None
@@ -302,9 +296,6 @@ def mcore_to_megatron(load_dir: str | Path, *, for_training: bool = False, value
     ``value_head``: as in :func:`hf_to_megatron` (an ``--orm`` checkpoint's head is loaded)."""
     from megatron.core import parallel_state as ps
 
-    from posttrain.errors import CheckpointError
-    from posttrain.models.mcore import mcore_files
-
     tp, pp, vpp, ep = _sizes()
     it_dir = mcore_files.iteration_dir(Path(load_dir))
     args = mcore_files.read_args(it_dir)
@@ -339,8 +330,6 @@ def _with_layout(args: argparse.Namespace, tp: int, pp: int, ep: int, per_chunk:
                  where: Path) -> argparse.Namespace:
     """A copy of a checkpoint's ``args`` describing this run's layout (the padded vocabulary kept:
     the embedding's global shape), for a checkpoint that reshards on load."""
-    from posttrain.errors import CheckpointError
-
     if int(args.padded_vocab_size) % tp:
         raise CheckpointError(f"{where}: its padded vocabulary ({args.padded_vocab_size} rows) does not split into "
                               f"TP {tp} shards; choose a tensor-parallel size that divides it")
@@ -359,10 +348,7 @@ def _load_dist_model(it_dir: Path, chunks: list) -> None:
     value head the checkpoint lacks (a critic started from a policy) keeps its zeros, and a policy's
     output layer is not read into one."""
     from megatron.core import dist_checkpointing
-    from torch.distributed.checkpoint import FileSystemReader
-
-    from posttrain.errors import CheckpointError
-    from posttrain.models.mcore import mcore_files, mapping
+    from torch.distributed.checkpoint import FileSystemReader  # lazy: ~0.7 s (sympy); torch_dist checkpoints only
 
     saved = set(FileSystemReader(str(it_dir)).read_metadata().state_dict_metadata)
     state = {}
@@ -383,8 +369,6 @@ def _load_dist_model(it_dir: Path, chunks: list) -> None:
 def _from_stage(make, here: bool, source: int | None, group) -> list[torch.Tensor]:
     """The tensors ``make()`` builds on the pipeline stage whose global rank is ``source`` (``here``:
     this rank is it), broadcast to every stage of ``group``; ``source`` None: one stage, no broadcast."""
-    import torch.distributed as dist
-
     tensors = make() if here else None
     if source is None:
         return tensors
@@ -405,10 +389,7 @@ def hf_weights(chunks: list, args: argparse.Namespace, *, value_head: bool = Fal
     the peak is one layer, not the model. All ranks must iterate it together (collectives). Each
     expert of a mixture-of-experts model is gathered over the expert tensor-parallel group on the
     expert-parallel rank that holds it, then broadcast over the expert-parallel group."""
-    import torch.distributed as dist
     from megatron.core import parallel_state as ps
-
-    from posttrain.models.mcore import mcore_files, mapping, splits
 
     where = Path("<megatron model>")
     arch, par = mcore_files.arch_from_args(args, where), mcore_files.parallel_from_args(args, where)

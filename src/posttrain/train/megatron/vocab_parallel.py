@@ -19,6 +19,7 @@ Used inside Megatron's process groups (``megatron.core.parallel_state`` initiali
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 
 def mask_vocab_padding(logits: torch.Tensor, vocab_size: int, tp_rank: int) -> torch.Tensor:
@@ -43,7 +44,6 @@ def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, voca
 
 def vocab_parallel_entropy(logits: torch.Tensor, *, vocab_size: int, temperature: float = 1.0) -> torch.Tensor:
     """Entropy of the token distribution ``[...]`` from this rank's vocab slice ``[..., V_local]``."""
-    import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 
