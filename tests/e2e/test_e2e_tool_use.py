@@ -1,8 +1,9 @@
 """Multi-turn tool use that learns, end to end (python -m posttrain.demo.tool_use, shrunk for CI).
 
-A tiny Qwen2 gets an SFT warm start on synthetic code-interpreter traces, capped at the first
-checkpoint that solves 40% of a validation split, then DAPO with the code interpreter in the
-sandbox on products of two 3-digit numbers. DAPO must beat the warm start by 8 points of greedy
+A tiny Qwen2 gets an SFT warm start on synthetic code-interpreter traces that solves 40-50% of a
+validation split (the first checkpoint that reaches 40%, or a blend of it with the one before when
+the SFT's jump passes 50% between two saves: the cap holds whatever the CPU's kernels), then DAPO
+with the code interpreter in the sandbox on products of two 3-digit numbers. DAPO must beat the warm start by 8 points of greedy
 held-out accuracy (1.7 binomial standard deviations; +10 to +15 measured); the same models without the tool stay near 0 (the task needs it). A run resumed
 from its last-but-one checkpoint must repeat the uninterrupted run's last iteration.
 """
@@ -42,7 +43,7 @@ def demo(tmp_path_factory) -> tuple[Path, dict]:
 def test_dapo_with_the_code_tool_learns_over_its_warm_start(demo):
     _, s = demo
     sft, rl = s["sft"], s["rl"]
-    assert s["sft_val_accuracy"] >= 0.4 and sft["tool"]["accuracy"] <= 0.75, s  # a capped warm start
+    assert 0.4 <= s["sft_val_accuracy"] <= 0.5 and sft["tool"]["accuracy"] <= 0.65, s  # a capped warm start
     # 8 more of 100 held-out problems (1.7 binomial standard deviations at 70%): the runs are
     # deterministic per machine, but CPU kernels differ between machines (+15 on a Xeon, +10 on an EPYC)
     assert round(100 * (rl["tool"]["accuracy"] - sft["tool"]["accuracy"])) >= 8, s

@@ -10,7 +10,9 @@
 3. an SFT warm start on synthetic traces built in token space exactly as the rollout builds them
    (the call, the tool's output encoded once with the template's observation wrapping, the boxed
    answer; the loss on the model's tokens only), saved every 5 steps;
-   the first checkpoint that solves ``--sft-target`` (40%) of a validation split is the warm start;
+   the warm start solves between ``--sft-target`` (40%) and ``--sft-target + --sft-band`` (50%) of a
+   validation split: the first checkpoint that reaches the target, or, when it jumps past the band,
+   a blend of it with the checkpoint before (:func:`capped_warm_start`);
 4. DAPO with the code interpreter (``configs/dapo_tiny_multi_turn.yaml``, the seed's multi-turn
    recipe shrunk);
 5. held-out greedy accuracy (``retool_reward`` = 1) after SFT and after DAPO, with the tool, and
@@ -136,35 +138,71 @@ def evaluate(model_dir: str | Path, tokenizer_dir: str | Path, pairs: list[tuple
     return {"accuracy": sum(s == 1.0 for s in scores) / len(scores), "tool_calls": sum(calls) / len(calls)}
 
 
-def capped_warm_start(checkpoints: list[tuple[int, Path]], score, target: float) -> tuple[int, Path, float]:
-    """The first SFT checkpoint whose validation accuracy (``score(path)``) reaches ``target``, by
-    bisection (accuracy grows with the steps, in a sharp jump where the model learns to copy); the
-    last one if none does. Returns (step, path, accuracy)."""
-    lo, hi, best = 0, len(checkpoints) - 1, None
+def capped_warm_start(checkpoints: list[tuple[int, Path]], score, target: float, band: float,
+                      blend_dir: Path) -> tuple[float, Path, float]:
+    """The warm start whose validation accuracy (``score(path)``) lands in ``[target, target + band]``.
+
+    First the first checkpoint that reaches ``target``, by bisection over the saved steps (accuracy
+    grows with the steps, in a sharp jump where the model learns to copy the numbers into a call).
+    When that checkpoint overshoots the band (the jump fell between two saves: how far depends on
+    the CPU's kernels), a blend of it with the checkpoint before, ``(1 - a) w_before + a w_after``,
+    with ``a`` found by bisection, lands in the band on any machine. The last checkpoint if none
+    reaches ``target``. Returns (step, the model's path, its accuracy); a blend's step is fractional."""
+    lo, hi, first = 0, len(checkpoints) - 1, None
     scores: dict[int, float] = {}
     while lo <= hi:
         mid = (lo + hi) // 2
         scores[mid] = score(checkpoints[mid][1])
         if scores[mid] >= target:
-            best, hi = mid, mid - 1
+            first, hi = mid, mid - 1
         else:
             lo = mid + 1
-    pick = best if best is not None else len(checkpoints) - 1
+    pick = first if first is not None else len(checkpoints) - 1
     acc = scores[pick] if pick in scores else score(checkpoints[pick][1])
-    return checkpoints[pick][0], checkpoints[pick][1], acc
+    if first is None or first == 0 or acc <= target + band:
+        return float(checkpoints[pick][0]), checkpoints[pick][1], acc
+    (step_lo, before), (step_hi, after) = checkpoints[first - 1], checkpoints[first]
+    best, a_lo, a_hi = (float(step_hi), after, acc), 0.0, 1.0
+    for _ in range(6):  # a to 1/64: the blends' accuracy moves by a few problems between steps
+        a = (a_lo + a_hi) / 2
+        path = blend(before, after, a, blend_dir / f"a{a:.4f}")
+        accuracy = score(path)
+        if accuracy >= target:
+            best, a_hi = (step_lo + a * (step_hi - step_lo), path, accuracy), a
+            if accuracy <= target + band:
+                break
+        else:
+            a_lo = a
+    return best
 
 
-def run(out: Path, *, model: str | None = None, sft_steps: int = 120, sft_target: float = 0.4, sft_lr: float = 1e-3,
-        iters: int = 12, seed: int = 1, num_train: int = 2000, num_test: int = 100,
-        overrides: tuple[str, ...] = ()) -> dict:
+def blend(before: Path, after: Path, a: float, out: Path) -> Path:
+    """An HF model directory (``after``'s config and tokenizer) with the weights
+    ``(1 - a) before + a after`` of two checkpoints of one run."""
+    from safetensors.torch import load_file, save_file
+
+    low, high = load_file(str(before / "model.safetensors")), load_file(str(after / "model.safetensors"))
+    out.mkdir(parents=True, exist_ok=True)
+    for item in after.iterdir():  # config, generation config, tokenizer; no trainer state: a plain model
+        if item.is_file() and item.suffix in (".json", ".txt", ".model") and item.name != "trainer_state.json":
+            shutil.copy2(item, out / item.name)
+    save_file({k: torch.lerp(low[k], v, a).contiguous() for k, v in high.items()}, str(out / "model.safetensors"),
+              metadata={"format": "pt"})
+    return out
+
+
+def run(out: Path, *, model: str | None = None, sft_steps: int = 120, sft_target: float = 0.4, sft_band: float = 0.1,
+        sft_lr: float = 1e-3, iters: int = 12, seed: int = 1, num_train: int = 2000, num_test: int = 100,
+        num_val: int = 100, overrides: tuple[str, ...] = ()) -> dict:
     """The whole demo (see the module docstring); returns and writes ``summary.json``.
 
-    The SFT warm start saves every 5 steps up to ``sft_steps``; DAPO starts from the first
-    checkpoint that solves ``sft_target`` of a validation split (disjoint from train and test)."""
+    The SFT warm start saves every 5 steps up to ``sft_steps``; DAPO starts from a warm start whose
+    accuracy on a validation split (disjoint from train and test) lies in ``[sft_target, sft_target +
+    sft_band]`` (:func:`capped_warm_start`), so that RL has room to show its gain on every machine."""
     start = time.time()
     out.mkdir(parents=True, exist_ok=True)
     test = product_problems(num_test, seed=10_000 + seed)
-    val = product_problems(50, seed=20_000 + seed, exclude=set(test))
+    val = product_problems(num_val, seed=20_000 + seed, exclude=set(test))
     train = product_problems(num_train, seed=seed, exclude=set(test) | set(val))
     model_dir = Path(model) if model else init_tiny_model(out, train, seed)
 
@@ -185,9 +223,9 @@ def run(out: Path, *, model: str | None = None, sft_steps: int = 120, sft_target
     train_run(sft)
     step, warm, val_acc = capped_warm_start(
         list_checkpoints(out / "sft_ckpt"),
-        lambda path: evaluate(path, model_dir, val, tools=True)["accuracy"], sft_target)
-    for _, path in list_checkpoints(out / "sft_ckpt"):  # keep the warm start only (disk)
-        if path != warm:
+        lambda path: evaluate(path, model_dir, val, tools=True)["accuracy"], sft_target, sft_band, out / "sft_blend")
+    for path in [p for _, p in list_checkpoints(out / "sft_ckpt")] + sorted((out / "sft_blend").glob("a*")):
+        if path != warm:  # keep the warm start only (disk)
             shutil.rmtree(path)
     summary = {"model": str(model_dir), "base": base, "sft_steps": step, "sft_val_accuracy": val_acc,
                "sft_seconds": time.time() - sft_start}
@@ -216,6 +254,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="runs/tool_use")
     p.add_argument("--model", default=None, help="HF model directory (default: a tiny random-init Qwen2)")
     p.add_argument("--sft-steps", type=int, default=120, help="the most SFT steps (checkpoints every 5)")
+    p.add_argument("--sft-band", type=float, default=0.1, help="warm start: at most --sft-target plus this")
     p.add_argument("--sft-target", type=float, default=0.4,
                    help="warm start: the first SFT checkpoint that solves this share of a validation split")
     p.add_argument("--sft-lr", type=float, default=1e-3, help="SFT learning rate (1e-3 suits the tiny model)")
@@ -224,10 +263,10 @@ def main(argv=None) -> int:
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="overrides of the DAPO config")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    s = run(Path(args.out), model=args.model, sft_steps=args.sft_steps, sft_target=args.sft_target,
+    s = run(Path(args.out), model=args.model, sft_steps=args.sft_steps, sft_target=args.sft_target, sft_band=args.sft_band,
             sft_lr=args.sft_lr, iters=args.iters, seed=args.seed,
             overrides=tuple(args.overrides))
-    print(f"warm start: SFT step {s['sft_steps']} (validation accuracy {s['sft_val_accuracy']:.0%})")
+    print(f"warm start: SFT step {s['sft_steps']:g} (validation accuracy {s['sft_val_accuracy']:.0%})")
     for stage in ("base", "sft", "rl"):
         print(f"{stage:>4}: with the tool {s[stage]['tool']['accuracy']:.0%} "
               f"({s[stage]['tool']['tool_calls']:.2f} calls per answer), "
