@@ -26,6 +26,9 @@ from collections.abc import Iterator
 
 import torch
 
+from posttrain.device import best_seconds
+from posttrain.errors import ConfigError
+
 KINDS = ("blas", "onednn")
 ENV = "POSTTRAIN_CPU_LINEAR"
 FASTER_BY = 1.25  # oneDNN must beat the BLAS by this much for auto to take it (a margin over timing noise)
@@ -84,8 +87,6 @@ def available() -> bool:
 def speedup(threads: int, size: int = 512, seconds: float = 0.15) -> float:
     """oneDNN's fp32 GEMM over the BLAS's, best repeat of each on ``[size, 2 size] x [2 size, 2 size]``
     (measured once per process and thread count); 0 where oneDNN is not available."""
-    from posttrain.device import best_seconds
-
     if not available():
         return 0.0
     x, w = torch.randn(size, 2 * size), torch.randn(2 * size, 2 * size)
@@ -100,8 +101,6 @@ def resolve_cpu_linear(device: str, stored: str | None = None) -> str:
     pinned = os.environ.get(ENV, "").strip().lower()
     if pinned:
         if pinned not in KINDS:
-            from posttrain.errors import ConfigError
-
             raise ConfigError(f"${ENV}={pinned!r}: use one of {', '.join(KINDS)} (or leave it unset: measured)")
         return pinned if available() or pinned == "blas" else "blas"
     if not device.startswith("cpu"):
