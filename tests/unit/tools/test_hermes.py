@@ -20,10 +20,10 @@ def test_calls_are_read_in_order_with_their_arguments():
 
 @pytest.mark.parametrize("text,error", [
     ('<tool_call>{"name": "code_interpreter", "arguments": {"code": </tool_call>', "not valid JSON"),
-    ("<tool_call>[1, 2]</tool_call>", "a JSON list, not an object"),
+    ("<tool_call>[1, 2]</tool_call>", "is an array, not an object"),
     ('<tool_call>{"arguments": {}}</tool_call>', 'has no "name"'),
     ('<tool_call>{"name": "search", "arguments": [1]}</tool_call>', 'the "arguments" of search must be a JSON object'),
-    ('<tool_call>{"name": "search", "arguments": "not json"}</tool_call>', "a string that is not a JSON object"),
+    ('<tool_call>{"name": "search", "arguments": "not json"}</tool_call>', "a string that is not valid JSON"),
     ('<tool_call>{"name": "search", "arguments": {}}', "was not closed"),
 ], ids=["json", "not-object", "no-name", "arguments-list", "arguments-string", "unclosed"])
 def test_a_malformed_call_is_an_error_message_not_an_exception(text, error):
