@@ -280,6 +280,38 @@ def SB21_stop_itself():
     return run("import os, signal\nprint('stopping', flush=True)\nos.kill(os.getpid(), signal.SIGSTOP)", timeout_s=2)
 
 
+@case
+def SB51_the_parent_dies_mid_call():
+    import subprocess
+    marker = uuid.uuid4().hex
+    parent = subprocess.Popen([sys.executable, "-c", "import os, threading, time\n"
+                               "from posttrain.tools.sandbox import run_python\n"
+                               f"threading.Thread(target=run_python, args=('import time  # {marker}\\ntime.sleep(600)',),"
+                               " kwargs={'timeout_s': 900}, daemon=True).start()\ntime.sleep(3)\nos._exit(0)"])
+    parent.wait()
+    time.sleep(2)
+    alive = [pid for pid in os.listdir("/proc") if pid.isdigit() and _cmdline_has(pid, marker)]
+    workdirs = [d for d in Path("/tmp").glob("posttrain-sandbox-*") if marker in _read_text(d / "main.py")]
+    for pid in alive:
+        os.kill(int(pid), 9)
+    for d in workdirs:
+        shutil.rmtree(d, ignore_errors=True)
+    return f"after the parent exited: {len(alive)} sandbox processes still alive, {len(workdirs)} work dirs left in /tmp"
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError:
+        return ""
+
+
+def _cmdline_has(pid: str, marker: str) -> bool:
+    """Whether the process runs the probe's code (its main.py, or the launcher reading it)."""
+    cwd = f"/proc/{pid}/cwd"
+    return marker in _read_text(Path(cwd, "main.py")) or marker in _read_text(Path(f"/proc/{pid}/root/tmp/main.py"))
+
+
 # ---------------------------------------------------------------- resources
 @case
 def SB22_memory_across_children():
