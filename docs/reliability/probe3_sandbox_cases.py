@@ -358,6 +358,16 @@ def SB26_fork_bomb_with_threads():
 
 
 @case
+def SB52_a_fork_bomb_starves_a_concurrent_call():
+    return both("import os, time\nn = 0\ntry:\n    while True:\n        if os.fork() == 0:\n"
+                "            time.sleep(4); os._exit(0)\n        n += 1\nexcept OSError as e:\n"
+                "    print('A stopped at', n, 'children:', e.strerror)\ntime.sleep(3)",
+                "import os\nkids = 0\ntry:\n    for i in range(4):\n        if os.fork() == 0:\n"
+                "            os._exit(0)\n        kids += 1\nexcept OSError as e:\n    print('B could not fork:', e.strerror)\n"
+                "print('B started', kids, 'children')", delay=1.5)
+
+
+@case
 def SB27_multiprocessing_pool_still_works():
     return run("import multiprocessing as mp\nif __name__ == '__main__':\n"
                "    with mp.Pool(2) as p:\n        print(p.map(abs, [-1, -2, -3]))")

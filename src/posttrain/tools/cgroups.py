@@ -37,6 +37,11 @@ class CgroupHost:
     version: int
     dirs: dict[str, Path]
 
+    @property
+    def limits_processes(self) -> bool:
+        """Whether the calls' cgroups limit the process count (pids controller)."""
+        return self.version == 2 or "pids" in self.dirs
+
     def describe(self) -> str:
         controllers = " and ".join(sorted(self.dirs)) if self.version == 1 else "memory and pids"
         return f"cgroup v{self.version} ({controllers}, under {self.dirs['memory']})"

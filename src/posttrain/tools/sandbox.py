@@ -78,7 +78,10 @@ log = logging.getLogger(__name__)
 SANDBOX_UID = SANDBOX_GID = 65534
 """The unprivileged user ("nobody") that runs the code."""
 MAX_PROCESSES = 16
-"""Processes and threads of one call (RLIMIT_NPROC, and the cgroup's pids.max where there is one)."""
+"""Processes and threads of one call (the cgroup's pids.max where there is one, and RLIMIT_NPROC)."""
+SHARED_NPROC = 1024
+"""RLIMIT_NPROC without a user namespace but with a pids cgroup: uid 65534's processes are counted
+over the whole host, so the per-call limit is the cgroup's and this only caps all calls together."""
 MAX_FILE_BYTES = 16 * 2**20
 """RLIMIT_FSIZE: largest file the code may write, its output included."""
 MAX_OPEN_FILES = 64
@@ -157,12 +160,17 @@ class SandboxSetup:
         how = "a user namespace" if self.user_namespace else "namespaces created as root (no user namespace)"
         unix = ("Unix sockets, io_uring and keyrings refused (seccomp)" if self.seccomp else
                 f"Unix sockets, io_uring and keyrings NOT refused (no seccomp filter for {os.uname().machine})")
-        memory = (f"memory_mb and {MAX_PROCESSES} processes per call, all processes together ({self.cgroups.describe()})"
-                  if self.cgroups else
-                  f"memory_mb per process only, not per call (no usable cgroup: {self.cgroup_note})")
+        if self.cgroups:
+            memory = f"memory_mb over all of a call's processes ({self.cgroups.describe()})"
+        else:
+            memory = f"memory_mb per process only, not per call (no usable cgroup: {self.cgroup_note})"
+        if self.user_namespace or (self.cgroups and self.cgroups.limits_processes):
+            processes = f"{MAX_PROCESSES} processes per call"
+        else:
+            processes = f"{MAX_PROCESSES} processes shared by concurrent calls (uid {SANDBOX_UID}'s RLIMIT_NPROC)"
         return (f"code interpreter sandbox: {self.python} as uid {SANDBOX_UID} without capabilities, in {how} "
                 f"with its own pid, network, mount, IPC and UTS namespaces; host files read-only; private "
-                f"/tmp, /var/tmp, /dev/shm and /run; no network; {unix}; limits: {memory}")
+                f"/tmp, /var/tmp, /dev/shm and /run; no network; {unix}; limits: {memory}, {processes}")
 
 
 def check_limits(*, timeout_s: float, cpu_s: float, memory_mb: int, max_output_bytes: int) -> None:
@@ -247,8 +255,9 @@ def _run(code: str, setup: SandboxSetup, *, timeout_s: float, cpu_s: float, memo
         return SandboxResult("", None, False, problem), None
     cpu = max(1, math.ceil(cpu_s))
     file_bytes = max(MAX_FILE_BYTES, max_output_bytes + 1)
-    limits = {"cpu": cpu, "as": memory_mb * 2**20, "nproc": MAX_PROCESSES, "fsize": file_bytes,
-              "nofile": MAX_OPEN_FILES}
+    shared = not setup.user_namespace and setup.cgroups is not None and setup.cgroups.limits_processes
+    limits = {"cpu": cpu, "as": memory_mb * 2**20, "nproc": SHARED_NPROC if shared else MAX_PROCESSES,
+              "fsize": file_bytes, "nofile": MAX_OPEN_FILES}
     try:
         cgroup = setup.cgroups.new_call(memory_mb * 2**20, MAX_PROCESSES + 2) if setup.cgroups else None
     except OSError as e:

@@ -211,6 +211,24 @@ def test_code_that_cannot_run_gets_a_message_that_says_why(code, message):
     assert result.output == "" and result.error.startswith(message)
 
 
+@pytest.mark.parametrize("isolation", ["root"], indirect=True)  # a user namespace has its own count
+def test_a_fork_bomb_does_not_starve_a_concurrent_call(isolation):
+    """Probe SB52: without a user namespace, a fork bomb in one call took uid 65534's whole process
+    budget (RLIMIT_NPROC counts the uid over the host), and a concurrent call could not fork."""
+    setup = sandbox.detect_sandbox()
+    if not (setup.cgroups and setup.cgroups.limits_processes):
+        pytest.skip("no user namespace and no pids cgroup: the process budget is shared (as the start-up line says)")
+    out = {}
+    bomb = threading.Thread(target=lambda: out.setdefault("a", run_python(
+        "import os, time\ntry:\n    while True:\n        if os.fork() == 0:\n            time.sleep(4); os._exit(0)\n"
+        "except OSError:\n    print('stopped', flush=True)\ntime.sleep(3)", timeout_s=20)))
+    bomb.start()
+    time.sleep(1.5)
+    b = run_python("import os\nfor i in range(4):\n    if os.fork() == 0:\n        os._exit(0)\nprint('forked 4')")
+    bomb.join()
+    assert out["a"].output == "stopped\n" and b.text == "forked 4\n"
+
+
 def test_the_kernel_keyrings_are_refused(isolation):
     """Probe SB33: without a user namespace, a key added by one call was read by the next."""
     code = ("import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
@@ -228,7 +246,7 @@ def test_the_sandbox_says_what_it_isolates():
     """Deliverable 3 of issue 35: one line at start-up says what is isolated, and the memory limit in force."""
     line = sandbox.detect_sandbox().describe()
     assert "host files read-only; private /tmp, /var/tmp, /dev/shm and /run; no network" in line
-    assert ("all processes together (cgroup v" in line) != ("memory_mb per process only" in line)
+    assert ("memory_mb over all of a call's processes (cgroup v" in line) != ("memory_mb per process only" in line)
 
 
 def test_without_a_cgroup_the_message_says_memory_is_per_process():
