@@ -368,6 +368,12 @@ def SB52_a_fork_bomb_starves_a_concurrent_call():
 
 
 @case
+def SB53_inherited_file_descriptors():
+    return run("import os\nfds = sorted(int(f) for f in os.listdir('/proc/self/fd'))\n"
+               "print([(fd, os.readlink(f'/proc/self/fd/{fd}')) for fd in fds if os.path.exists(f'/proc/self/fd/{fd}')])")
+
+
+@case
 def SB27_multiprocessing_pool_still_works():
     return run("import multiprocessing as mp\nif __name__ == '__main__':\n"
                "    with mp.Pool(2) as p:\n        print(p.map(abs, [-1, -2, -3]))")

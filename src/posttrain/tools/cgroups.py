@@ -152,12 +152,14 @@ def _find_v2(mounts: list[tuple[str, str, str]]) -> CgroupHost:
     return CgroupHost(2, {"memory": base})
 
 
-def _find_v1(mounts: list[tuple[str, str, str]]) -> CgroupHost:
-    own = {}
-    for line in _read(Path("/proc/self/cgroup")).splitlines():
-        _, controllers, path = line.split(":", 2)
-        for controller in controllers.split(","):
-            own[controller] = path
+def _find_v1(mounts: list[tuple[str, str, str]], own: dict[str, str] | None = None) -> CgroupHost:
+    """``own``: this process's cgroup path per v1 controller (default: from /proc/self/cgroup)."""
+    if own is None:
+        own = {}
+        for line in _read(Path("/proc/self/cgroup")).splitlines():
+            _, controllers, path = line.split(":", 2)
+            for controller in controllers.split(","):
+                own[controller] = path
     dirs = {}
     for controller in ("memory", "pids"):
         points = [p for p, fstype, options in mounts if fstype == "cgroup" and controller in options.split(",")]

@@ -66,6 +66,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -203,6 +204,7 @@ def run_python(code: str, *, timeout_s: float = 5.0, cpu_s: float = 5.0, memory_
 
 
 _detected: SandboxSetup | ConfigError | None = None
+_detecting = threading.Lock()
 
 
 def detect_sandbox() -> SandboxSetup:
@@ -211,14 +213,15 @@ def detect_sandbox() -> SandboxSetup:
     Logs what is isolated (and what is not) once; raises :class:`ConfigError` when nothing works.
     """
     global _detected
-    if _detected is None:
-        try:
-            _detected = _probe_setups()
-        except ConfigError as e:
-            _detected = e
-        else:
-            less = _detected.cgroups is None or not _detected.seccomp
-            log.log(logging.WARNING if less else logging.INFO, "%s", _detected.describe())
+    with _detecting:  # the runner's threads may all start with the first calls
+        if _detected is None:
+            try:
+                _detected = _probe_setups()
+            except ConfigError as e:
+                _detected = e
+            else:
+                less = _detected.cgroups is None or not _detected.seccomp
+                log.log(logging.WARNING if less else logging.INFO, "%s", _detected.describe())
     if isinstance(_detected, ConfigError):
         raise ConfigError(str(_detected))
     return _detected
