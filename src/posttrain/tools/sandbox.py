@@ -29,10 +29,10 @@ it, mapping uid 65534 only), and its pid 1 builds the sandbox and forks the code
   parent's thread).
 * **Limits**: per process (``setrlimit``, also on pid 1): CPU time ``cpu_s``, address space
   ``memory_mb``, :data:`MAX_PROCESSES` processes and threads, :data:`MAX_FILE_BYTES` per file (the
-  output included), :data:`MAX_OPEN_FILES`, no core dumps. Per call, where the host lets root create
-  cgroups (:mod:`posttrain.tools.cgroups`): ``memory_mb`` over all of the call's processes and its
-  tmpfs files, and the process count. Where it does not, memory is limited per process only, and
-  :func:`detect_sandbox` says so. The wall clock ``timeout_s`` is the parent's.
+  output included), :data:`MAX_OPEN_FILES`, no core dumps. Per call: ``cpu_s`` over all its
+  processes (pid 1 adds them up); where root may create cgroups (:mod:`posttrain.tools.cgroups`),
+  ``memory_mb`` over all its processes and tmpfs files, and the process count (else per process
+  only, and :func:`detect_sandbox` says so). The wall clock ``timeout_s`` is the parent's.
 * **Environment**: only PATH, HOME=/tmp, LANG=C.UTF-8, PYTHONDONTWRITEBYTECODE and
   PYTHONIOENCODING; ``-I -S`` also ignores PYTHON* variables, the user's site directory and
   site-packages: the standard library only.
@@ -40,18 +40,13 @@ it, mapping uid 65534 only), and its pid 1 builds the sandbox and forks the code
   order written); the parent reads at most ``max_output_bytes + 1`` bytes of it. The code's exit
   status comes from pid 1 over a pipe, so ``sys.exit(137)`` is not mistaken for a kill.
 
-Interpreter: ``sys.executable`` when uid 65534 can run it, else the system ``python3`` (first on
-:data:`SANDBOX_PATH`), whose version may differ.
-
-:func:`detect_sandbox` (cached; the first :func:`run_python` calls it) runs a probe through each
-way to build the sandbox and keeps the first that works, and logs one line saying what is isolated
-and what is not. When none works (not root, namespaces forbidden as in a default Docker container)
-it raises :class:`~posttrain.errors.ConfigError`: the tool refuses rather than run code unsandboxed.
-
-Limits of this sandbox: the code can read the host's world-readable files; without a usable cgroup,
-memory is limited per process (the worst case is MAX_PROCESSES x memory_mb plus the tmpfs sizes);
-CPU time is limited per process (the wall clock bounds the total); the kernel is shared, so this
-stops accidents and ordinary escapes, not a kernel exploit (use a VM such as gVisor or Firecracker).
+Interpreter: ``sys.executable`` when uid 65534 can run it, else the system ``python3``.
+:func:`detect_sandbox` (cached) probes each way to build the sandbox, keeps the first that works and
+logs one line saying what is isolated and what is not; where none works (not root, namespaces
+forbidden as in a default Docker container) it raises :class:`~posttrain.errors.ConfigError`: the
+tool refuses rather than run code unsandboxed. Not isolated: the code can read the host's
+world-readable files; the kernel is shared (this stops accidents and ordinary escapes, not a
+kernel exploit: use a VM such as gVisor or Firecracker for that). docs/tools.md has the details.
 """
 
 from __future__ import annotations

@@ -96,7 +96,8 @@ def test_a_unix_socket_of_the_host_is_unreachable(isolation, host_dir, where):
 
 
 def test_the_launcher_hides_its_environment_and_file_descriptors(isolation):
-    """Probe SB1: the code read pid 1's environment and listed its file descriptors."""
+    """Probe SB1 (GOOD before: pid 1 held nothing secret then). A guard: pid 1 now holds the pipe
+    that reports the code's exit status, so the code must not reach its file descriptors."""
     lines = _ok("import os\nfor p in ('/proc/1/environ', '/proc/1/fd'):\n    try:\n"
                 "        os.listdir(p) if p.endswith('fd') else open(p, 'rb').read()\n        print('read', p)\n"
                 "    except OSError as e:\n        print(type(e).__name__)")
@@ -150,21 +151,22 @@ def test_signals_to_pid_1_do_not_end_the_call(isolation):
 
 
 def test_an_exit_status_of_137_is_not_reported_as_a_kill(isolation):
-    """Probe SB20 (probe 2's S23): sys.exit(137) was reported as "killed by SIGKILL (CPU-time limit
-    ..., or out of memory ...)"."""
+    """Probe SB20 (probe 2's S23, a documented limit then): sys.exit(137) was reported as "killed by
+    SIGKILL (CPU-time limit ..., or out of memory ...)"."""
     result = run_python("import sys\nsys.exit(137)")
     assert (result.exit_code, result.error) == (137, "exited with status 137")
 
 
 def test_the_code_killing_itself_is_not_blamed_on_a_limit(isolation):
-    """Probe SB20 (its other half): a SIGKILL the code sent itself was blamed on the CPU or memory limit."""
+    """Probe SB20b: a SIGKILL the code sent itself was blamed on the CPU or memory limit."""
     result = run_python("import os, signal\nos.kill(os.getpid(), signal.SIGKILL)")
     assert result.exit_code == -signal.SIGKILL
     assert result.error.startswith("killed by SIGKILL (not by a limit of the sandbox: by the code itself")
 
 
 def test_memory_is_limited_over_all_of_a_calls_processes(isolation):
-    """Probe SB22 (probe 2's S7b): 4 children of 200 MB each held 800 MB under memory_mb=512."""
+    """Probe SB22 (probe 2's S7b, a documented limit then): the children of one call held more than
+    memory_mb together (4 x 200 MB under memory_mb=512); the limit was per process."""
     if sandbox.detect_sandbox().cgroups is None:
         pytest.skip("no cgroup for the calls on this host: memory is limited per process (as it says)")
     result = run_python("import os, select\nr, w = os.pipe()\nfor i in range(3):\n    if os.fork() == 0:\n"
