@@ -105,8 +105,8 @@ def _parse_one(body: str) -> ToolCall:
     if isinstance(arguments, str):  # some models write the arguments as a JSON string
         arguments, problem = _loads(arguments) if arguments.strip() else ({}, None)
         if problem is not None:
-            return ToolCall(name=name, error=f'the "arguments" of {shown(name, quote=False)} are a string that is {problem}; '
-                                             f"give them as a JSON object")
+            return ToolCall(name=name, error=f'the "arguments" of {shown(name, quote=False)} are a string that is '
+                                             f"{problem}; give them as a JSON object")
     if not isinstance(arguments, dict):
         return ToolCall(name=name, error=f'the "arguments" of {shown(name, quote=False)} must be a JSON object, not '
                                          f"{json_kind(arguments)}")

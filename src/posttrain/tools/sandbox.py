@@ -27,7 +27,7 @@ it, mapping uid 65534 only), and its pid 1 builds the sandbox and forks the code
   open its memory. When the code exits or the wall clock runs out, everything in the namespace
   is killed (the parent kills the session; pid 1 dies with the launcher, the launcher with the
   parent's thread).
-* **Limits**: per process (``setrlimit``, also on pid 1): CPU time ``cpu_s``, address space
+* **Limits**: per process (``setrlimit``, pid 1's too but CPU): CPU time ``cpu_s``, address space
   ``memory_mb``, :data:`MAX_PROCESSES` processes and threads, :data:`MAX_FILE_BYTES` per file (the
   output included), :data:`MAX_OPEN_FILES`, no core dumps. Per call: ``cpu_s`` over all its
   processes (pid 1 adds them up); where root may create cgroups (:mod:`posttrain.tools.cgroups`),

@@ -16,7 +16,9 @@ Three processes::
             the code: capabilities dropped, uid 65534, no new privileges, seccomp -> exec python main.py
 
 init keeps its capabilities and is not dumpable, so the code (without any) can neither ptrace it
-nor open its memory or file descriptors; init ignores the signals the code could send it. When
+nor open its memory or file descriptors; init ignores the signals the code could send it, and
+carries the limits on memory, processes, file size and open files (not on CPU time: it watches
+the code's for the whole call, and adds it up). When
 init exits, the kernel kills whatever is left in the namespace; init dies with stage 0
 (``PR_SET_PDEATHSIG``), and stage 0 with the thread of the parent that started it.
 """
@@ -213,10 +215,11 @@ def make_readonly(method):
 
 
 def set_limits(limits):
-    for name, soft, hard in (("RLIMIT_CPU", limits["cpu"], limits["cpu"] + 1), ("RLIMIT_AS", limits["as"], None),
-                             ("RLIMIT_NPROC", limits["nproc"], None), ("RLIMIT_FSIZE", limits["fsize"], None),
-                             ("RLIMIT_NOFILE", limits["nofile"], None), ("RLIMIT_CORE", 0, None)):
-        resource.setrlimit(getattr(resource, name), (soft, soft if hard is None else hard))
+    """Every limit but CPU time, for pid 1 and (inherited) the code: pid 1 spends CPU watching the
+    code for as long as the wall clock allows, so the code alone gets RLIMIT_CPU (:func:`run_code`)."""
+    for name, value in (("RLIMIT_AS", limits["as"]), ("RLIMIT_NPROC", limits["nproc"]),
+                        ("RLIMIT_FSIZE", limits["fsize"]), ("RLIMIT_NOFILE", limits["nofile"]), ("RLIMIT_CORE", 0)):
+        resource.setrlimit(getattr(resource, name), (value, value))
 
 
 # ---------------------------------------------------------------- the code
@@ -226,6 +229,8 @@ def run_code(config):
         for name in IGNORED_SIGNALS:
             signal.signal(getattr(signal, name), signal.SIG_DFL)
         drop_privileges(config["uid"], config["gid"], config["user_namespace"])
+        cpu = config["limits"]["cpu"]
+        resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
         _prctl(PR_SET_NO_NEW_PRIVS, 1)
         install_seccomp()
         os.chdir("/tmp")

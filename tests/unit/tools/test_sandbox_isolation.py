@@ -48,15 +48,17 @@ def host_dir():
 
 def test_pid_1_carries_the_limits_and_its_memory_is_out_of_reach(isolation):
     """Probe S9 (and SB19): the code could ptrace the sandbox's first process and write its memory,
-    and that process had no limits."""
+    and that process had no limits (now it has all but CPU time, which it spends watching the code)."""
     lines = _ok("import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
                 "print('attach', libc.ptrace(16, 1, 0, 0))\n"
                 "for path in ('/proc/1/mem', '/proc/1/environ'):\n"
                 "    try:\n        open(path, 'rb')\n        print('opened', path)\n"
                 "    except OSError as e:\n        print(type(e).__name__)\n"
-                "print([l.split()[-3] for l in open('/proc/1/limits') if 'cpu time' in l or 'address space' in l])",
-                cpu_s=3, memory_mb=300)
-    assert lines == ["attach -1", "PermissionError", "PermissionError", f"['3', '{300 * 2**20}']"]
+                "print([l.split()[-3] for l in open('/proc/1/limits') if 'processes' in l or 'address space' in l])",
+                memory_mb=300)
+    cgroup = sandbox.detect_sandbox().cgroups
+    processes = sandbox.SHARED_NPROC if isolation == "root" and cgroup and cgroup.limits_processes else 16
+    assert lines == ["attach -1", "PermissionError", "PermissionError", f"['{processes}', '{300 * 2**20}']"]
 
 
 def test_concurrent_calls_cannot_see_or_change_each_others_files(isolation):
@@ -191,6 +193,14 @@ def test_ram_and_disk_written_by_a_call_are_bounded_and_freed(isolation):
     assert [line.split()[::2] for line in lines] == [["/dev/shm", "ENOSPC"], ["/tmp", "ENOSPC"]]
     assert all(int(line.split()[1]) <= sandbox.TMPFS_BYTES // 2**20 for line in lines)
     assert left == []
+
+
+def test_pid_1_has_no_cpu_limit_of_its_own(isolation):
+    """A guard, not a probe case: pid 1 spends CPU watching the code for the whole wall clock (about
+    1% here), so with RLIMIT_CPU it would die, and end the call, in a long idle call."""
+    lines = _ok("print([l.split()[3:5] for l in open('/proc/1/limits') if 'cpu time' in l])\n"
+                "print([l.split()[3:5] for l in open('/proc/self/limits') if 'cpu time' in l])", cpu_s=2)
+    assert lines == ["[['unlimited', 'unlimited']]", "[['2', '3']]"]
 
 
 def test_cpu_time_is_limited_over_all_of_a_calls_processes(isolation):
