@@ -71,8 +71,7 @@ from posttrain.tools.base import ToolConfigError
 
 log = logging.getLogger(__name__)
 
-SANDBOX_UID = SANDBOX_GID = 65534
-"""The unprivileged user ("nobody") that runs the code."""
+SANDBOX_UID = SANDBOX_GID = 65534  # the unprivileged user ("nobody") that runs the code
 MAX_PROCESSES = 16
 """Processes and threads of one call (the cgroup's pids.max where there is one, and RLIMIT_NPROC)."""
 SHARED_NPROC = 1024
@@ -80,8 +79,7 @@ SHARED_NPROC = 1024
 over the whole host, so the per-call limit is the cgroup's and this only caps all calls together."""
 MAX_FILE_BYTES = 16 * 2**20
 """RLIMIT_FSIZE: largest file the code may write, its output included."""
-MAX_OPEN_FILES = 64
-"""RLIMIT_NOFILE."""
+MAX_OPEN_FILES = 64  # RLIMIT_NOFILE
 TMPFS_BYTES = 64 * 2**20
 """Size of each private tmpfs (/tmp, /var/tmp, /dev/shm); /run gets 1 MiB."""
 MAX_CODE_BYTES = 2**20
@@ -91,8 +89,8 @@ RANGES = {"timeout_s": (0.0, 3600.0), "cpu_s": (0.0, 3600.0), "memory_mb": (32, 
           "max_output_bytes": (1, MAX_FILE_BYTES)}
 """Accepted values of the limits: seconds in (low, high], whole numbers in [low, high]."""
 READONLY_METHOD = "setattr"
-"""How the launcher makes the host's mounts read-only: ``setattr`` (one ``mount_setattr``, Linux 5.12+;
-on an older kernel it falls back to ``remount``) or ``remount`` (each mount on its own)."""
+"""How the host's mounts are made read-only: ``setattr`` (``mount_setattr``, Linux 5.12+, else as
+``remount``) or ``remount`` (mount by mount)."""
 _LAUNCHER = (Path(__file__).parent / "sandbox_launcher.py").read_text(encoding="utf-8")
 _ENV = {"PATH": SANDBOX_PATH, "HOME": "/tmp", "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1",
         "PYTHONIOENCODING": "utf-8"}
@@ -352,7 +350,9 @@ def _failed(why: str) -> SandboxResult:
 def _read_records(fd: int, wait_s: float = 2.0) -> list[dict]:
     """The launcher's JSON lines from the status pipe (read to its end: every writer is gone)."""
     data = b""
-    while select.select([fd], [], [], wait_s)[0]:
+    poller = select.poll()  # not select(): a big process (a Ray worker) may hold fds past FD_SETSIZE
+    poller.register(fd, select.POLLIN)
+    while poller.poll(wait_s * 1000):
         chunk = os.read(fd, 65536)
         if not chunk:
             break

@@ -10,6 +10,7 @@ namespaces created as root). The sandbox tests need root (as on CI); elsewhere t
 import json
 import os
 import re
+import resource
 import shutil
 import signal
 import socket
@@ -238,3 +239,19 @@ def test_a_failing_probe_is_refused_once_and_cached(monkeypatch):
         with pytest.raises(ConfigError, match=r"needs Linux namespaces(.|\n)*Operation not permitted"):
             run_python("print(1)")
     assert len(calls) == 2 * len({sys.executable, "/usr/bin/python3"})  # 2 isolations each, probed once
+
+
+@needs_sandbox
+def test_a_parent_holding_more_than_1024_files_can_still_run_code():
+    """A guard: the status pipe's fd may be past select()'s FD_SETSIZE in a big process (a Ray worker)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1200:
+        pytest.skip("this process may not open 1200 files")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1200), hard))
+    held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    try:
+        assert run_python("print(42)").text == "42\n"
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
