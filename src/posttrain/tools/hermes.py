@@ -58,11 +58,12 @@ def parse_tool_calls(text: str) -> list[ToolCall]:
         if end < 0:
             calls.append(ToolCall(error=f"a {OPEN} was not closed with {CLOSE}; {_FORMAT}"))
             return calls
-        reopened = text.rfind(OPEN, body, end)
+        call = _parse_one(text[body:end])
+        reopened = text.rfind(OPEN, body, end) if call.error else -1  # (a string may hold the tag)
         if reopened >= 0:  # the call starts at the last opening tag; the ones before it were never closed
             calls.append(ToolCall(error=f"a {OPEN} was opened again before it was closed with {CLOSE}; {_FORMAT}"))
-            body = reopened + len(OPEN)
-        calls.append(_parse_one(text[body:end]))
+            call = _parse_one(text[reopened + len(OPEN):end])
+        calls.append(call)
         pos = end + len(CLOSE)
 
 

@@ -93,3 +93,9 @@ def test_ten_thousand_calls_in_one_turn_are_capped():
     assert len(calls) == most + 1 and all(c.error is None for c in calls[:most])
     assert calls[-1].error.startswith(f"this turn holds {10_000 - most} more tool calls after the first "
                                       f"{most}; they were not read")
+
+
+def test_code_that_mentions_the_opening_tag_in_a_string_still_runs():
+    """A guard for SB40's fix: a tag inside a JSON string is not a tag opened again."""
+    [call] = parse_tool_calls(_ARGS % json.dumps({"code": "print('<tool_call>')"}))
+    assert call == ToolCall("code_interpreter", {"code": "print('<tool_call>')"})
