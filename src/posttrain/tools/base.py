@@ -57,6 +57,15 @@ JSON_TYPES: dict[str, tuple[type, ...]] = {
 """The JSON-schema primitive types that :meth:`Tool.check_arguments` checks, and their Python types."""
 
 
+class ToolConfigError(ConfigError):
+    """A tool refuses a value of its config: ``key`` names it, and the message says what it must be.
+    :func:`posttrain.tools.config.load_tools` reports it as ``<file>: tools[i].config.<key>: ...``."""
+
+    def __init__(self, key: str, message: str):
+        super().__init__(f"{key}: {message}")
+        self.key = key
+
+
 class ToolError(Exception):
     """Raised by :meth:`Tool.execute` for a problem the model caused (a bad value, an empty query):
     the model is shown ``[error: <message>]``, without the exception's type."""
@@ -94,6 +103,13 @@ class Tool:
     def parameters(self) -> dict:
         """The JSON schema of the arguments (an ``object`` schema)."""
         return self.schema["function"]["parameters"]
+
+    @property
+    def call_seconds(self) -> float | None:
+        """How long one call may take by the tool's own bound (None: it has none). The runner waits
+        at least this long before it abandons a call, so a tool is never abandoned while it keeps
+        to its own limit."""
+        return None
 
     def check_arguments(self, arguments: dict) -> str | None:
         """An error message for the model when ``arguments`` do not fit the schema; None when fine.

@@ -31,7 +31,7 @@ from typing import Any
 import yaml
 
 from posttrain.errors import ConfigError
-from posttrain.tools.base import TOOLS, Tool, schema_problem
+from posttrain.tools.base import TOOLS, Tool, ToolConfigError, schema_problem
 
 TOP_KEYS = ("tools",)
 TOOL_KEYS = ("class_name", "config", "tool_schema")
@@ -72,6 +72,8 @@ def load_tools(path: str | Path) -> dict[str, Tool]:
             kwargs.setdefault("base_dir", path.parent)
         try:
             tool = cls(schema, **kwargs)
+        except ToolConfigError as e:
+            raise ConfigError(f"{where}: tools[{i}].config.{e}") from e
         except ConfigError as e:
             raise ConfigError(f"{where}: tools[{i}] ({class_name}): {e}") from e
         except Exception as e:

@@ -1,7 +1,7 @@
 """Tool-call parsers by name (``rl_config.tool_parser_format``).
 
 A parser reads the calls of one model turn and names the text after which a sampling row pauses
-for its tools (``end_tag``). Register another format with ``TOOL_PARSERS.add(name, ToolParser(...))``.
+for its tools (``end_tag``). :meth:`ToolParser.calls` never raises, whatever the turn holds. Register another format with ``TOOL_PARSERS.add(name, ToolParser(...))``.
 """
 
 from __future__ import annotations
@@ -25,7 +25,14 @@ class ToolParser:
     parse: Callable[[str], list[ToolCall]]
 
     def calls(self, text: str) -> list[ToolCall]:
-        return self.parse(text) if self.start_tag in text else []
+        """The turn's calls; never raises: a parser that fails on what the model wrote gives one failed call."""
+        if self.start_tag not in text:
+            return []
+        try:
+            return self.parse(text)
+        except Exception as e:  # noqa: BLE001 - whatever the model wrote, the rollout goes on
+            return [ToolCall(error=f"the tool calls of this turn could not be read ({type(e).__name__}); "
+                                   f"write each call as {self.start_tag}...{self.end_tag}")]
 
 
 TOOL_PARSERS = Registry("tool parser", key="rl_config.tool_parser_format")

@@ -13,8 +13,9 @@ parser could not read, an unknown tool, arguments that do not fit the schema, a 
 a tool that does not answer in time.
 
 Threads: each call runs in a daemon thread of its own, and at most ``max_workers`` calls run at
-once (the others wait for a slot). A call that passes ``call_timeout_s`` (counted from when it got
-its slot) is *abandoned*: Python cannot stop a thread, so it runs on in the background until the
+once (the others wait for a slot). A call that passes ``call_timeout_s``, or the tool's own bound
+:attr:`~posttrain.tools.base.Tool.call_seconds` when that is longer (counted from when it got its
+slot), is *abandoned*: Python cannot stop a thread, so it runs on in the background until the
 tool returns (or the process exits; daemon threads do not hold exit up), but it frees its slot and
 its result is the timeout message. A tool that can hang should therefore bound its own work (the
 code interpreter kills its process at its own ``timeout_s``, below the runner's timeout).
@@ -28,7 +29,7 @@ from dataclasses import dataclass
 
 from posttrain.errors import ConfigError
 from posttrain.tools.base import Tool, ToolError
-from posttrain.tools.hermes import ToolCall
+from posttrain.tools.hermes import ToolCall, shown
 
 
 @dataclass(frozen=True)
@@ -118,7 +119,7 @@ class ToolRunner:
         tool = self.tools.get(call.name)
         if tool is None:
             known = ", ".join(sorted(self.tools)) or "none"
-            return f"there is no tool {call.name!r}; the tools are: {known}"
+            return f"there is no tool {shown(call.name)}; the tools are: {known}"
         try:
             return tool.check_arguments(call.arguments)
         except Exception as e:  # a user's check_arguments may be buggy; the call still gets an answer
@@ -129,18 +130,18 @@ class ToolRunner:
         for it at most ``call_timeout_s``; always sets result ``i``."""
         start = time.monotonic()
         try:
+            limit = max(self.call_timeout_s, self.tools[call.name].call_seconds or 0.0)
             with self._slots:
                 start = time.monotonic()
                 box: list[ToolResult] = []
                 worker = threading.Thread(target=self._execute, args=(call, start, box), daemon=True,
                                           name=f"tool-{call.name}-{i}-run")
                 worker.start()
-                worker.join(self.call_timeout_s)
+                worker.join(limit)
                 if box:
                     result = box[0]
                 else:  # abandoned: the worker runs on, but no longer holds the slot
-                    result = ToolResult(text=_error(f"the tool {call.name} did not answer within "
-                                                    f"{self.call_timeout_s:g} s"),
+                    result = ToolResult(text=_error(f"the tool {call.name} did not answer within {limit:g} s"),
                                         seconds=time.monotonic() - start, ok=False)
         except BaseException as e:  # noqa: BLE001 - the caller is owed an answer whatever happens
             result = ToolResult(text=_error(f"the tool {call.name} could not run ({type(e).__name__}: {e})"),
@@ -151,7 +152,7 @@ class ToolRunner:
         try:
             out = self.tools[call.name].execute(call.arguments)
             if isinstance(out, str):
-                result = ToolResult(text=out, seconds=time.monotonic() - start, ok=True)
+                result = ToolResult(text=_encodable(out), seconds=time.monotonic() - start, ok=True)
             else:
                 result = ToolResult(text=_error(f"the tool {call.name} returned {type(out).__name__}, not text"),
                                     seconds=time.monotonic() - start, ok=False)
@@ -165,4 +166,14 @@ class ToolRunner:
 
 def _error(message: str) -> str:
     """The text the model reads for a failed call."""
-    return f"[error: {message}]"
+    return _encodable(f"[error: {message}]")
+
+
+def _encodable(text: str) -> str:
+    """``text`` with lone surrogates (from a JSON ``"\\ud800"`` the model wrote, or a tool) replaced by
+    ``?``: a tokenizer cannot encode them."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        return text.encode("utf-8", errors="replace").decode("utf-8")

@@ -190,3 +190,22 @@ def test_tool_output_is_truncated_by_characters():
         "(truncated)...efgh"
     with pytest.raises(Exception, match="tool_response_truncate_side"):
         TurnLimits(1, 10, truncate_side="top")
+
+
+@pytest.mark.parametrize("body,error", [
+    ('{"name": "a", "arguments": {"x": ' + "[" * 1100 + "]" * 1100 + "}}", "nested too deeply"),
+    ('{"name": "a", "arguments": {"x": ' + "7" * 4400 + "}}", "an integer too long to read"),
+    ('{"name": "\\ud800", "arguments": "x"}', "are a string that is not valid JSON"),
+], ids=["H4-nesting", "H5-long-integer", "SB45-surrogate"])
+def test_nothing_the_model_writes_in_a_call_stops_the_rollout(tiny_tokenizer, body, error):
+    """Probes H4 and H5 (the parser raised RecursionError / ValueError inside _start_tools) and SB45
+    (an error message holding a lone surrogate made the observation's encode raise)."""
+    tok = tiny_tokenizer
+    prompt = _enc(tok, "<|im_start|>user\ngo<|im_end|>\n<|im_start|>assistant\n")
+    call = _enc(tok, "<tool_call>" + body) + _enc(tok, "</tool_call>")
+    engine = _engine(ScriptedLM(prompt + call, len(tok)), tok, {},
+                     limits=TurnLimits(max_tool_calls=1, max_total_response_length=len(call) + 200))
+    out = engine.generate([prompt], 1, SamplingParams(temperature=0.0, max_tokens=len(call) + 10))[0][0]
+    assert out.token_ids[:len(call)] == call and out.tool_call_num == 1
+    tool_text = tok.decode([t for t, m in zip(out.token_ids, out.response_mask) if not m])
+    assert "[error: " in tool_text and error in tool_text

@@ -154,3 +154,36 @@ def test_no_calls_and_closed_runner(runner):
 def test_bad_runner_settings(kwargs):
     with pytest.raises(ConfigError):
         ToolRunner({}, **kwargs)
+
+
+def test_an_unknown_tool_name_a_megabyte_long_is_cut_in_the_answer():
+    """Probe SB41: the error repeated the whole 1 MB name to the model."""
+    [result] = ToolRunner({}).submit([ToolCall(name="py" * 500_000)]).results()
+    assert result.text == ("[error: there is no tool '" + "py" * 30 + "' (cut; 1,000,000 characters); the tools "
+                           "are: none]")
+
+
+def test_answers_are_always_text_a_tokenizer_can_encode():
+    """Probe SB45: a lone surrogate the model wrote as JSON ("\\ud800") reached the tool output, and
+    the rollout's tokenizer raised on it."""
+    calls = parse_tool_calls('<tool_call>{"name": "\\ud800", "arguments": "x"}</tool_call>')
+    calls.append(ToolCall("echo", {"text": "a\udc80b", "seconds": 0}))  # a tool answering with one
+    with ToolRunner({"echo": Sleep(_schema("echo", text="string", seconds="number"))}) as runner:
+        results = runner.submit(calls).results()
+    for result in results:
+        result.text.encode("utf-8")  # raises UnicodeEncodeError on a lone surrogate
+    assert results[1].text == "a?b"
+
+
+class Bounded(Sleep):
+    """A tool that keeps to its own bound, longer than the runner's call_timeout_s."""
+
+    call_seconds = 5.0
+
+
+def test_a_tool_is_not_abandoned_while_it_keeps_to_its_own_bound():
+    """Probe SB50: the runner abandoned a code_interpreter call at its own 60 s while the sandbox
+    (timeout_s above that) ran on, outside max_workers, and the model read "did not answer"."""
+    with ToolRunner({"slow": Bounded(_schema("slow", seconds="number", text="string"))}, call_timeout_s=0.2) as runner:
+        [result] = runner.submit([ToolCall("slow", {"seconds": 0.6, "text": "done"})]).results()
+    assert (result.text, result.ok) == ("done", True)

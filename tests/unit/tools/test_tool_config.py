@@ -291,3 +291,26 @@ def test_additional_properties_allows_unknown_arguments():
     schema = _schema()
     schema["function"]["parameters"]["additionalProperties"] = True
     assert Echo(schema).check_arguments({"text": "x", "extra": 1}) is None
+
+
+CODE_ENTRY = GOOD_ENTRY.replace("class_name: search", "class_name: code_interpreter").replace(
+    "{corpus_path: c.jsonl}", "{CONFIG}").replace("name: search", "name: code_interpreter").replace(
+    "{query: {type: string}}", "{code: {type: string}}").replace("required: [query]", "required: [code]")
+
+
+@pytest.mark.parametrize("config,key,message", [
+    ("timeout_s: .nan", "timeout_s", "must be a finite number of seconds > 0 and <= 3600, not nan"),
+    ("timeout_s: .inf", "timeout_s", "must be a finite number of seconds > 0 and <= 3600, not inf"),
+    ("cpu_s: .inf", "cpu_s", "must be a finite number of seconds > 0 and <= 3600, not inf"),
+    ("memory_mb: 1", "memory_mb", "must be a whole number from 32 to 1073741824, not 1"),
+    ("max_output_bytes: 1000000000000", "max_output_bytes", "must be a whole number from 1 to 16777216, not 1000000000000"),
+    ("memory_mb: 256.0", "memory_mb", "must be a whole number from 32 to 1073741824, not 256.0"),
+    ("timeout_s: 86400", "timeout_s", "must be a finite number of seconds > 0 and <= 3600, not 86400"),
+], ids=["T1-nan", "T2-inf", "T3-cpu-inf", "T4-memory-1", "T6-output-1e12", "SB60-float", "SB61-a-day"])
+def test_code_interpreter_limits_out_of_range_name_file_and_key(tmp_path, config, key, message):
+    """Probes T1-T4, T6 (accepted: no wall clock, or every call failing), SB60 (the message named two
+    keys at once) and SB61 (a day per call, while the runner gave up after 60 s)."""
+    path = _write(tmp_path, "tools:\n" + CODE_ENTRY.replace("{CONFIG}", "{" + config + "}"))
+    with pytest.raises(ConfigError) as err:
+        load_tools(path)
+    assert str(err.value) == f"{path}: tools[0].config.{key}: {message}"
