@@ -24,6 +24,7 @@ from tests.megatron.test_megatron_update import grpo_batch, hf_run, loss_fn  # n
 def nccl_world():
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -31,6 +32,7 @@ def nccl_world():
     torch.cuda.set_device(0)
     dist.init_process_group("nccl", rank=0, world_size=1)
     ps.initialize_model_parallel()
+    tensor_parallel.model_parallel_cuda_manual_seed(0)  # as MegatronPolicy does: attention forks its RNG
     yield
     ps.destroy_model_parallel()
     dist.destroy_process_group()
