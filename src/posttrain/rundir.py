@@ -6,6 +6,8 @@ resumes from is read in full before any model is built (:func:`checked_start`).
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import fcntl
 import logging
 import os
@@ -16,7 +18,8 @@ from pathlib import Path
 from posttrain.checkpoint import (TRACKER, CheckpointLoad, check_model_files, earlier_checkpoints, list_checkpoints,
                                   read_trainer_state, resolve_checkpoint, verify_checkpoint)
 from posttrain.errors import CheckpointError, ConfigError
-from posttrain.models.mcore.checks import check_mcore_checkpoint
+from posttrain.checkpoint.dist import earlier_megatron_iterations, verify_megatron_checkpoint
+from posttrain.models.mcore.mcore_files import is_mcore_checkpoint, iteration_dir
 
 log = logging.getLogger(__name__)
 
@@ -29,8 +32,10 @@ class DirLock:
     so two runs never write the same save or output directory. The kernel drops the lock when the
     process dies, so a crashed run leaves no stale lock (the file itself stays, unlocked)."""
 
-    def __init__(self, directory: Path, what: str):
+    def __init__(self, directory: Path, what: str, created_dirs: list[Path] | None = None):
         self.path = directory / LOCK_NAME
+        self.created_dirs = list(created_dirs or [])  # made for this run (removed by abandon() if still empty)
+        self.created_file = not os.path.lexists(self.path)
         try:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o666)
         except OSError as err:
@@ -43,9 +48,15 @@ class DirLock:
             by = f" (process {holder})" if holder.isdigit() else ""
             raise ConfigError(f"{what} {directory} is in use by another run{by}: it holds the lock {self.path}. "
                               f"Wait for that run to end, or give this run another directory") from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self.fd: int | None = fd
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        except OSError as err:
+            self.abandon()
+            why = "the disk is full" if err.errno in (errno.ENOSPC, errno.EDQUOT) else err.strerror or str(err)
+            raise ConfigError(f"{what} {directory}: cannot write the lock file {self.path} ({why}); free space "
+                              f"there or choose another directory") from None
 
     def release(self) -> None:
         if self.fd is not None:
@@ -55,23 +66,45 @@ class DirLock:
             finally:
                 os.close(fd)
 
+    def abandon(self) -> None:
+        """For a run refused before it wrote anything: remove the lock file (while still holding it)
+        if this run created it, release it, and remove the directories this run created that are
+        still empty, so the directories are left as they were found."""
+        if self.fd is not None and self.created_file:
+            with contextlib.suppress(OSError):
+                os.unlink(self.path)
+        self.release()
+        remove_created_dirs(self.created_dirs)
 
-def writable_dir(directory: Path, what: str) -> None:
+
+def remove_created_dirs(created: list[Path]) -> None:
+    """``rmdir`` the directories a run created (deepest first) while they are empty."""
+    for directory in reversed(created):
+        with contextlib.suppress(OSError):
+            directory.rmdir()
+
+
+def writable_dir(directory: Path, what: str) -> list[Path]:
     """Create ``directory`` if needed and check that a file can be created in it; ConfigError
-    naming ``what`` (the config key) otherwise. Run at start-up, before any iteration."""
+    naming ``what`` (the config key) otherwise. Run at start-up, before any iteration. Returns the
+    directories it created, outermost first (a refused run removes them again)."""
     if directory.exists() and not directory.is_dir():
         raise ConfigError(f"{what} {directory} is an existing file, not a directory; give a directory path")
+    missing = [d for d in (directory, *directory.parents) if not os.path.lexists(d)][::-1]
     try:
         directory.mkdir(parents=True, exist_ok=True)
     except OSError as err:
+        remove_created_dirs([d for d in missing if d.is_dir()])
         raise ConfigError(f"{what} {directory}: cannot create the directory ({err})") from None
     try:
         fd, probe = tempfile.mkstemp(prefix=".posttrain-write-test-", dir=directory)
         os.close(fd)
         os.unlink(probe)
     except OSError as err:
+        remove_created_dirs(missing)
         raise ConfigError(f"{what} {directory} is not writable ({err}); fix its permissions or choose "
                           f"another directory") from None
+    return missing
 
 
 def _same_dir(a: str | Path, b: str | Path) -> bool:
@@ -125,16 +158,18 @@ def claim_run_dirs(dirs: RunDirs) -> list[DirLock]:
     that holds another run's checkpoints or metrics (a run only continues its own, when it resumes
     from its save directory). Returns the locks to release at the end of the run."""
     run_dir, save, critic_save = dirs.run_dir, dirs.save, dirs.critic_save
-    writable_dir(run_dir, dirs.run_dir_key)
-    for key, directory in dirs.log_dirs.items():
-        writable_dir(directory, key)
-    if save is not None:
-        writable_dir(save, "actor_config.save")
-    if critic_save is not None:
-        writable_dir(critic_save, "critic_config.save")
+    made: list[Path] = []  # the directories created here, outermost first
     locks: list[DirLock] = []
     try:
-        locks.append(DirLock(run_dir, dirs.run_dir_key))
+        made += writable_dir(run_dir, dirs.run_dir_key)
+        for key, directory in dirs.log_dirs.items():
+            made += writable_dir(directory, key)
+        if save is not None:
+            made += writable_dir(save, "actor_config.save")
+        if critic_save is not None:
+            made += writable_dir(critic_save, "critic_config.save")
+        locks.append(DirLock(run_dir, dirs.run_dir_key, made))
+        made = []  # the first lock removes them when the run is refused (DirLock.abandon)
         if save is not None and not _same_dir(save, run_dir):
             locks.append(DirLock(save, "actor_config.save"))
         if critic_save is not None and not _same_dir(critic_save, run_dir):
@@ -158,8 +193,9 @@ def claim_run_dirs(dirs: RunDirs) -> list[DirLock]:
                     f"this run would mix its rows with them. Give another output directory or remove those "
                     f"files (a run that resumes from its own save directory continues them)")
     except BaseException:
-        for lock in locks:
-            lock.release()
+        for lock in reversed(locks):
+            lock.abandon()
+        remove_created_dirs(made)
         raise
     return locks
 
@@ -194,9 +230,8 @@ def checked_start(source: str | None, load: CheckpointLoad, *, megatron: bool = 
     checked to be complete (the hf backend converts it once, when it is loaded)."""
     if not source or not Path(source).is_dir():
         return Start(source)  # a missing path is reported by the policy's model_source()
-    if megatron:
-        if check_mcore_checkpoint(source):
-            return Start(source)
+    if megatron and is_mcore_checkpoint(source):
+        return _megatron_start(Path(source), load, load_previous_on_corruption)
     try:
         path, full = resolve_checkpoint(source)
     except CheckpointError as err:  # the tracker names a missing or incomplete iter_*, or no model there
@@ -215,10 +250,41 @@ def checked_start(source: str | None, load: CheckpointLoad, *, megatron: bool = 
     return _previous_start(bad, error, candidates, load, load_previous_on_corruption)
 
 
+def _megatron_start(source: Path, load: CheckpointLoad, load_previous_on_corruption: bool) -> Start:
+    """:func:`checked_start` of a Megatron checkpoint (the megatron backend's workers load it shard by
+    shard): every file checked here (:func:`~posttrain.checkpoint.dist.verify_megatron_checkpoint`),
+    with the same fallback to the previous complete iteration."""
+    try:
+        it_dir = iteration_dir(source)
+    except CheckpointError as err:  # the tracker names a missing iteration, or is garbage
+        bad, error, candidates = source, err, earlier_megatron_iterations(source)
+    else:
+        try:
+            verify_megatron_checkpoint(it_dir)
+            return Start(str(source))
+        except CheckpointError as err:
+            if not load.load:
+                raise
+            bad, error, candidates = it_dir, err, earlier_megatron_iterations(it_dir)
+
+    def verify(path: Path) -> dict:
+        verify_megatron_checkpoint(path)
+        return {}
+    return _previous_start(bad, error, candidates, load, load_previous_on_corruption, verify)
+
+
 def _previous_start(bad: Path, error: CheckpointError, candidates: list[Path], load: CheckpointLoad,
-                    load_previous_on_corruption: bool) -> Start:
-    """The newest of ``candidates`` that verifies, when asked to fall back; else the error."""
+                    load_previous_on_corruption: bool, verify=None) -> Start:
+    """The newest of ``candidates`` that verifies (``verify(path)`` returns its trainer state; by
+    default a posttrain checkpoint's), when asked to fall back; else the error."""
+    if verify is None:
+        def verify(path: Path) -> dict:
+            verify_checkpoint(path, optim=load.restores_optimizer, rng=load.restores_rng)
+            return read_trainer_state(path) if not load.finetune else {}
     if not candidates:
+        if load_previous_on_corruption:
+            raise CheckpointError(f"{error}. --load-previous-on-corruption: there is no earlier checkpoint next to "
+                                  f"it to fall back to") from None
         raise error
     if not load_previous_on_corruption:
         raise CheckpointError(f"{error}. The previous complete checkpoint {candidates[0]} exists: rerun with "
@@ -226,11 +292,11 @@ def _previous_start(bad: Path, error: CheckpointError, candidates: list[Path], l
                               f"actor_config.load={candidates[0]})") from None
     for previous in candidates:
         try:
-            verify_checkpoint(previous, optim=load.restores_optimizer, rng=load.restores_rng)
+            state = verify(previous)
         except CheckpointError as err2:
             log.warning("the earlier checkpoint %s is not usable either: %s", previous, err2)
             continue
         log.warning("%s cannot be loaded (%s); resuming from the previous complete checkpoint %s instead "
                     "(--load-previous-on-corruption)", bad, error, previous)
-        return Start(str(previous), read_trainer_state(previous) if not load.finetune else {})
+        return Start(str(previous), state)
     raise CheckpointError(f"{error}. No earlier checkpoint next to it is complete and readable") from None

@@ -156,7 +156,8 @@ def verify_checkpoint(path: str | Path, *, optim: bool = True, rng: bool = True,
     """Read every file of checkpoint dir ``path`` (``iter_*``) that a resume will load, and raise
     :class:`CheckpointError` naming the first one that is missing, truncated or corrupt:
     trainer_state.json, config.json, the weights (also NaN/inf), optimizer/scheduler (``optim``),
-    rng.pt (``rng``), sampler.pt, and the extra parts' (critic/) files."""
+    rng.pt (``rng``), every other ``*.pt`` (sampler.pt, in_flight.pt, partial_rollout.pt), and the
+    extra parts' (critic/) files."""
     from safetensors import safe_open  # lazy: plan imports checkpoint/, reads no weights
 
     path = Path(path)
@@ -180,10 +181,10 @@ def verify_checkpoint(path: str | Path, *, optim: bool = True, rng: bool = True,
             for name in ("optimizer.pt", "scheduler.pt"):
                 if (part / name).is_file():
                     _load_file(part / name, mmap=True)
-    if rng and (path / "rng.pt").is_file():
-        _load_file(path / "rng.pt")
-    if (path / "sampler.pt").is_file():
-        _load_file(path / "sampler.pt")
+    skipped = set() if rng else {"rng.pt"}
+    for file in sorted(path.glob("*.pt")):  # rng, sampler, and the loop's (in_flight.pt, partial_rollout.pt)
+        if file.name not in skipped and file.name not in ("optimizer.pt", "scheduler.pt"):
+            _load_file(file)
 
 
 def earlier_checkpoints(checkpoint_dir: str | Path) -> list[Path]:
@@ -224,6 +225,12 @@ def _load_file(path: Path, mmap: bool = False) -> Any:
         is_zip = zipfile.is_zipfile(path)
         return torch.load(path, map_location="cpu", weights_only=True, mmap=(mmap and is_zip) or None)
     except Exception as err:  # noqa: BLE001  (UnpicklingError, zip errors, EOF: a corrupt or partial file)
+        if is_zip and "weights only load failed" in str(err).lower() and "unsupported global" in str(err).lower():
+            what = next((line.strip() for line in str(err).splitlines() if "GLOBAL" in line), "")
+            raise CheckpointError(f"{path}: refused: it holds pickled Python objects, not only tensors and plain "
+                                  f"data ({what[:200]}), and unpickling them could run code. posttrain writes plain "
+                                  f"data only (such files of earlier posttrain versions are refused too); resume from "
+                                  f"another checkpoint, or start anew from its weights with finetune=true") from None
         if not is_zip and not isinstance(err, OSError):
             why = "its bytes are not a complete zip archive as torch.save writes"
         else:

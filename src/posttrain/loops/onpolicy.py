@@ -70,7 +70,10 @@ class OnPolicyTrainer:
 
     def state(self) -> dict:
         """The loop's JSON state in a checkpoint."""
-        return {"kl_ctrl": self.kl_ctrl.state_dict(), "async_staleness": self.plan.off_policy.staleness}
+        off = self.plan.off_policy
+        return {"kl_ctrl": self.kl_ctrl.state_dict(), "async_staleness": off.staleness,
+                "in_flight_saved": bool(off.pipelined),  # a resume refuses to drop them (loops.resume_files)
+                "partial_rollout_max_split": off.partial_max_split if off.partial else None}
 
     def train_step(self, iteration: int) -> dict[str, float]:
         timers, acc = Timers(), MetricAccumulator()

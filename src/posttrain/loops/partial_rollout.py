@@ -157,7 +157,10 @@ class PartialRollout:
 
     # ---- state -------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        return self.dock.state_dict()
+        """The dock as plain data (read back with ``weights_only=True``)."""
+        from posttrain.loops.resume_files import plain_dock
+
+        return plain_dock(self.dock.state_dict())
 
     def load_state_dict(self, state: dict) -> None:
         self.dock.load_state_dict(state)

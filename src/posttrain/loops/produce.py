@@ -28,6 +28,7 @@ from posttrain.reward.decoding import decode_labels, decode_responses
 from posttrain.loops.dynamic_sampling import DynamicSampler, score_columns
 from posttrain.loops.experience import MULTI_TURN_COLUMNS, new_dock
 from posttrain.loops.partial_rollout import STATE_FILE, PartialRollout
+from posttrain.loops.resume_files import load_partial
 from posttrain.loops.session import Session
 from posttrain.transfer_dock import TransferDock
 
@@ -103,7 +104,7 @@ class PartialGeneration:
                                    require_max_age_all_finished=off.require_max_age_all_finished)
         path = session.trainer_state.get("checkpoint_dir") if session.iteration else None
         if path and (Path(path) / STATE_FILE).is_file():
-            self.pool.load_state_dict(torch.load(Path(path) / STATE_FILE, weights_only=False))
+            load_partial(Path(path) / STATE_FILE, self.pool.dock)
 
     def fill(self, td, iteration, engine, version, timers, acc) -> None:
         """Fill the pool's free groups with prompts, run rounds until an update is ready, and put the
@@ -147,8 +148,7 @@ class Producer:
 
     def __call__(self, iteration: int, engine, version: int) -> Experience:
         """Prompts, their samples (by ``engine``, whose weights are ``version``) and their scores."""
-        exp = Experience(new_dock(self.plan.rows_per_update, self.plan.n, guarantee_order=self.plan.guarantee_order,
-                                  seed=self.plan.policy.seed + iteration, extra_columns=self.extra))
+        exp = Experience(self.new_dock(iteration))
 
         def generate_and_score(td, it, timers, acc):
             self.generation.fill(td, it, engine, version, timers, acc)
@@ -162,6 +162,11 @@ class Producer:
             generate_and_score(exp.td, iteration, exp.timers, exp.acc)
         exp.metrics.update(engine.pop_metrics())  # multi-turn: timing/tool, tool/*
         return exp
+
+    def new_dock(self, iteration: int) -> TransferDock:
+        """The empty dock of iteration ``iteration``'s experience."""
+        return new_dock(self.plan.rows_per_update, self.plan.n, guarantee_order=self.plan.guarantee_order,
+                        seed=self.plan.policy.seed + iteration, extra_columns=self.extra)
 
     def state_files(self) -> dict[str, Any]:
         return self.generation.state_files()

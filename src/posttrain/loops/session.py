@@ -24,7 +24,7 @@ import torch
 
 from posttrain.config.plan import Plan
 from posttrain.data.builders import build_offline_dataset, build_prompt_dataset, build_sampler
-from posttrain.metrics.sinks import MetricsLogger, cut_jsonl, open_append, write_text_atomic
+from posttrain.metrics.sinks import MetricsLogger, append_line, cut_jsonl, write_text_atomic
 from posttrain.models import cpu_linear
 from posttrain.roles.policy import Policy, build_policy, seed_everything
 from posttrain.rundir import DirLock, RunDirs, Start, checked_start, claim_run_dirs
@@ -86,7 +86,7 @@ class Session:
                                   load_previous_on_corruption=load_previous_on_corruption)
             self._build(start)
         except BaseException:
-            self.close()
+            self.close(refused=True)
             raise
 
     def _dataset(self):
@@ -223,9 +223,11 @@ class Session:
         finally:
             self.close()
 
-    def close(self) -> None:
+    def close(self, refused: bool = False) -> None:
         """Stop the reward workers, the logs and the Ray workers, undo the run's process-wide
-        settings and release the directories (once; later calls do nothing)."""
+        settings and release the directories (once; later calls do nothing). ``refused``: the run
+        stopped before its first iteration, so the lock files and the still-empty directories it
+        created are removed (:meth:`~posttrain.rundir.DirLock.abandon`)."""
         if self.closed:
             return
         self.closed = True
@@ -238,8 +240,8 @@ class Session:
                 self.cluster.close()
         finally:
             self.settings.close()
-            for lock in self.locks:
-                lock.release()
+            for lock in reversed(self.locks):
+                lock.abandon() if refused else lock.release()
             self.locks = []
 
     def save(self, iteration: int, extra_state: dict):
@@ -305,8 +307,8 @@ class Session:
         result = evaluate(self.policy.rollout, self.policy.tokenizer, prompts, labels, self.rule_reward,
                           sampling=greedy(self.sampling), stop_token_ids=self.policy.stop_token_ids)
         metrics = {f"eval/{k}": v for k, v in result.items()}
-        with open_append(self.run_dir / "eval.jsonl") as fh:
-            fh.write(json.dumps({"iteration": iteration, **metrics}) + "\n")
+        append_line(self.run_dir / "eval.jsonl", json.dumps({"iteration": iteration, **metrics}) + "\n",
+                    f"the evaluation of iteration {iteration}")
         log.info("eval at iteration %d: %s", iteration, metrics)
         self.logger.log(iteration, metrics)
         return metrics

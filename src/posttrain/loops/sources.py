@@ -19,18 +19,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
-import torch
-
 from posttrain.cluster.rollout_worker import RemoteReplica
 from posttrain.config.plan import Plan
-from posttrain.errors import ConfigError
 from posttrain.loops.pipeline import LocalReplica, RolloutPipeline
 from posttrain.metrics.timers import Timers
 from posttrain.roles.policy import build_rollout
 from posttrain.loops.produce import Experience, Producer
+from posttrain.loops.resume_files import IN_FLIGHT, check_resumed_source, load_in_flight, plain_experience
 from posttrain.loops.session import Session
-
-IN_FLIGHT = "in_flight.pt"  # async: the finished experiences a checkpoint saves
 
 
 class ExperienceSource(Protocol):
@@ -91,14 +87,19 @@ class PipelinedSource:
         """The thread pauses once it has produced all it may (so an evaluation has the reward workers
         to itself); the finished experiences not trained on yet are saved with the checkpoint."""
         with self.pipeline.drained() as finished:
-            yield {IN_FLIGHT: finished, **self.producer.state_files()}
+            yield {IN_FLIGHT: {it: plain_experience(exp) for it, exp in finished.items()},
+                   **self.producer.state_files()}
 
     def close(self) -> None:
         self.pipeline.close()
 
 
 def open_source(plan: Plan, session: Session, producer: Producer) -> ExperienceSource:
-    """The plan's source: pipelined with ``async_staleness`` or a separate rollout worker, else sync."""
+    """The plan's source: pipelined with ``async_staleness`` or a separate rollout worker, else sync.
+    A resumed run is checked first to be resumed with the settings its checkpoint was saved with."""
+    off = plan.off_policy
+    check_resumed_source(session.trainer_state, staleness=off.staleness, pipelined=off.pipelined,
+                         partial_max_split=off.partial_max_split if off.partial else None)
     if not plan.off_policy.pipelined:
         return SyncSource(producer, session.policy.rollout)
 
@@ -109,17 +110,14 @@ def open_source(plan: Plan, session: Session, producer: Producer) -> ExperienceS
         replica = LocalReplica(p.model, lambda m: build_rollout(plan.rollout, plan.policy, m, p.tokenizer,
                                                                 p.stop_token_ids))
     pipeline = RolloutPipeline(producer, replica, staleness=plan.off_policy.staleness or 0, start=start,
-                               last=plan.train_iters, in_flight=in_flight(plan, session))
+                               last=plan.train_iters, in_flight=in_flight(session, producer))
     return PipelinedSource(producer, pipeline)
 
 
-def in_flight(plan: Plan, session: Session) -> dict:
-    """The finished experiences a resumed asynchronous run saved (iteration -> experience)."""
+def in_flight(session: Session, producer: Producer) -> dict:
+    """The finished experiences a resumed asynchronous run saved (iteration -> experience); its
+    settings were checked by :func:`~posttrain.loops.resume_files.check_resumed_source`."""
     path = session.trainer_state.get("checkpoint_dir")
     if not (session.iteration and path and (Path(path) / IN_FLIGHT).is_file()):
         return {}
-    saved = session.trainer_state.get("async_staleness")
-    if saved != plan.off_policy.staleness:
-        raise ConfigError(f"{path} was saved by a run with rl_config.async_staleness={saved}; resume it with "
-                          f"the same value (its in-flight samples were drawn for it), or start a new run")
-    return torch.load(Path(path) / IN_FLIGHT, weights_only=False)
+    return load_in_flight(Path(path) / IN_FLIGHT, producer.new_dock)

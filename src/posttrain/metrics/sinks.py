@@ -7,6 +7,7 @@ Optional backends are imported only when enabled; a missing wandb is skipped wit
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import math
@@ -18,6 +19,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from posttrain.errors import PosttrainError
 from posttrain.metrics.reduce import sort_metrics, to_float
 
 log = logging.getLogger(__name__)
@@ -90,18 +92,32 @@ def _json_number(value: float) -> float | None:
     return value if math.isfinite(value) else None
 
 
+class LogWriteError(PosttrainError):
+    """A run's log file (metrics.jsonl, eval.jsonl, config.json, run.json) cannot be written."""
+
+
+def _write_failed(path: Path, what: str, err: OSError) -> LogWriteError:
+    why = "the disk is full" if err.errno in (errno.ENOSPC, errno.EDQUOT) else (err.strerror or str(err))
+    return LogWriteError(f"{path}: cannot write {what} ({why}); the file keeps every complete line it had. Free "
+                         f"space (or fix the directory) and resume from the last checkpoint: its iterations are "
+                         f"logged again")
+
+
 def write_text_atomic(path: str | Path, text: str) -> None:
     """Write ``text`` to a temporary file next to ``path`` and rename it over ``path``: a reader
-    never sees half a file, and a symlink planted at ``path`` is replaced, never written through."""
+    never sees half a file, and a symlink planted at ``path`` is replaced, never written through.
+    A failed write (a full disk) leaves ``path`` as it was: :class:`LogWriteError` naming it."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         with open(tmp, "w", encoding="utf-8") as f:
             f.write(text)
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as err:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
+        if isinstance(err, OSError):
+            raise _write_failed(path, "it", err) from None
         raise
 
 
@@ -132,8 +148,37 @@ def cut_jsonl(path: str | Path, after_iteration: int | None) -> None:
 
 def open_append(path: str | Path):
     """``path`` opened for appending text, refusing to follow a symlink there (OSError)."""
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o666)
-    return os.fdopen(fd, "a", encoding="utf-8")
+    return os.fdopen(_append_fd(path), "a", encoding="utf-8")
+
+
+def _append_fd(path: str | Path) -> int:
+    return os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o666)
+
+
+def write_line(fd: int, path: Path, line: str, what: str) -> None:
+    """Append the whole ``line`` to the file open at ``fd`` (``path``), or nothing: a failed write
+    (a full disk) is cut back to where the line began, and raises :class:`LogWriteError`."""
+    data = memoryview(line.encode("utf-8"))
+    start = os.lseek(fd, 0, os.SEEK_END)
+    try:
+        while data:
+            data = data[os.write(fd, data):]
+    except OSError as err:
+        with contextlib.suppress(OSError):
+            os.ftruncate(fd, start)
+        raise _write_failed(path, what, err) from None
+
+
+def append_line(path: str | Path, line: str, what: str) -> None:
+    """:func:`write_line` into ``path`` (opened, and closed again)."""
+    try:
+        fd = _append_fd(path)
+    except OSError as err:
+        raise _write_failed(Path(path), what, err) from None
+    try:
+        write_line(fd, Path(path), line, what)
+    finally:
+        os.close(fd)
 
 
 class JsonlSink:
@@ -149,16 +194,23 @@ class JsonlSink:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         cut_jsonl(self.path, after_iteration)
-        self._file = open_append(self.path)
+        try:
+            self._fd: int | None = _append_fd(self.path)
+        except OSError as err:
+            raise _write_failed(self.path, "the metrics", err) from None
 
     def log(self, iteration: int, metrics: Mapping[str, float]) -> None:
+        """One whole line, or none (a full disk): see :func:`write_line`."""
         record = {"iteration": iteration, "time": round(time.time(), 3)}
         record.update({k: _json_number(v) for k, v in metrics.items()})
-        self._file.write(json.dumps(record, allow_nan=False) + "\n")
-        self._file.flush()
+        if self._fd is not None:
+            write_line(self._fd, self.path, json.dumps(record, allow_nan=False) + "\n",
+                       f"the metrics of iteration {iteration}")
 
     def close(self) -> None:
-        self._file.close()
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
 
 
 class TensorBoardSink:

@@ -1,0 +1,336 @@
+"""Probe 3, the runs area (docs/reliability/probe3_runs.md): one case by id.
+
+    python docs/reliability/probe3_runs_cases.py <id>      # runs the case, prints what it saw
+    python docs/reliability/probe3_runs_cases.py list      # the ids and what each does
+
+Environment: ``PROBE_DIR`` the probe's world (default /tmp/pr: ``probe/model``, ``probe/data/rl``,
+``probe/cfg/grpo.yaml``, made as docs/reliability/probe3_runs.md's setup says); ``PROBE_SRC`` the
+``src`` directory of the code under test (default this checkout's: "after"; the code at e292964
+exported to a directory: "before"). Reference runs are made once per code under test, in
+``probe/ref-<tag>/``; each case works on copies in ``probe/k-<tag>/<id>/``. The disk-full cases
+mount a tmpfs (root) at ``/tmp/full_runs`` and unmount it afterwards.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parents[2]
+WORLD = Path(os.environ.get("PROBE_DIR", "/tmp/pr"))
+SRC = Path(os.environ.get("PROBE_SRC", HERE / "src")).resolve()
+TAG = "after" if SRC == (HERE / "src").resolve() else "before-" + hashlib.sha1(str(SRC).encode()).hexdigest()[:6]
+PY = os.environ.get("PROBE_PYTHON", sys.executable)
+REF, K = WORLD / "probe" / f"ref-{TAG}", WORLD / "probe" / f"k-{TAG}"
+FULL = Path("/tmp/full_runs")
+MG = ["rl_config.actor_resource.num_npus=2", "actor_config.tensor_model_parallel_size=2"]
+ASYNC, PR = ["rl_config.async_staleness=1"], ["rl_config.partial_rollout_max_split=2"]
+CASES: dict[str, tuple[str, object]] = {}
+
+
+def case(cid: str, what: str):
+    def register(fn):
+        CASES[cid] = (what, fn)
+        return fn
+    return register
+
+
+# ---- running posttrain ---------------------------------------------------------------------------------
+def env() -> dict:
+    return {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1"}
+
+
+def train_argv(name: str, *overrides: str, root: Path | None = None) -> list[str]:
+    root = root or K
+    return [PY, "-m", "posttrain", "train", "--config-path", str(WORLD / "probe/cfg"), "--config-name", "grpo",
+            f"actor_config.save={root / name / 'ckpt'}", f"rl_config.output_dir={root / name / 'out'}", *overrides]
+
+
+def run(argv: list[str], timeout: int = 900) -> tuple[int, str]:
+    p = subprocess.run(argv, cwd=WORLD, env=env(), capture_output=True, text=True, timeout=timeout)
+    return p.returncode, p.stdout + p.stderr
+
+
+def G(name: str, *overrides: str, flags: tuple[str, ...] = (), root: Path | None = None) -> tuple[int, str]:
+    return run(train_argv(name, *overrides, root=root) + list(flags))
+
+
+def show(rc: int, out: str) -> None:
+    """The exit status, whether a traceback was printed, and the error (or last) lines."""
+    lines = [line for line in out.splitlines() if line.strip()]
+    errors = [line for line in lines if line.startswith(("error:", "Traceback", "WARNING posttrain", "warning:"))
+              or "Error" in line.split(":")[0]]
+    print(f"rc={rc} traceback={'Traceback' in out}")
+    for line in (errors or lines)[-6:]:
+        print("  |", line[:700])
+
+
+def ref(name: str, *overrides: str) -> Path:
+    """A reference run made once (its checkpoints in ``ckpt``, logs in ``out``)."""
+    done = REF / name / "done"
+    if not done.exists():
+        shutil.rmtree(REF / name, ignore_errors=True)
+        rc, out = G(name, *overrides, root=REF)
+        assert rc == 0, out[-3000:]
+        done.write_text("ok")
+    return REF / name
+
+
+def copy_ckpt(src: Path, cid: str) -> Path:
+    """A copy of ``src``'s checkpoints (without the lock file) to damage: ``k-<tag>/<cid>/ckpt``."""
+    dest = K / cid
+    shutil.rmtree(dest, ignore_errors=True)
+    shutil.copytree(src / "ckpt", dest / "ckpt", ignore=shutil.ignore_patterns(".posttrain.lock"))
+    return dest / "ckpt"
+
+
+def metrics(out_dir: Path) -> dict[int, dict]:
+    rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return {r["iteration"]: {k: v for k, v in r.items() if not k.startswith(("timing/", "time", "e2e_tps", "tps"))}
+            for r in rows}
+
+
+def weights(ckpt_iter: Path):
+    from safetensors.torch import load_file
+    return load_file(str(ckpt_iter / "model.safetensors"))
+
+
+def same_run(a_out: Path, b_out: Path, a_iter: Path | None = None, b_iter: Path | None = None) -> str:
+    ma, mb = metrics(a_out), metrics(b_out)
+    diff = [it for it in ma if ma.get(it) != mb.get(it)]
+    text = f"metrics iterations {sorted(mb)} vs {sorted(ma)}; differing: {diff}"
+    if a_iter is not None and b_iter is not None:
+        wa, wb = weights(a_iter), weights(b_iter)
+        worst = max(float((wa[k] - wb[k]).abs().max()) for k in wa)
+        text += f"; final weights max abs diff {worst}"
+    return text
+
+
+def resume(cid: str, load: Path, *overrides: str, flags: tuple[str, ...] = ()) -> tuple[int, str]:
+    return G(cid, f"actor_config.load={load}", "actor_config.finetune=false", *overrides, flags=flags)
+
+
+def killed_run(cid: str, lines: int, *overrides: str, sig=signal.SIGKILL) -> int:
+    """Start ``train`` and send ``sig`` once its metrics.jsonl has ``lines`` lines."""
+    shutil.rmtree(K / cid, ignore_errors=True)
+    p = subprocess.Popen(train_argv(cid, *overrides), cwd=WORLD, env=env(), stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL)
+    log = K / cid / "out" / "metrics.jsonl"
+    while p.poll() is None:
+        if log.exists() and len(log.read_text().splitlines()) >= lines:
+            p.send_signal(sig)
+            break
+        time.sleep(0.05)
+    return p.wait()
+
+
+def kill_during_save(cid: str, pattern: str, delay: float, *overrides: str) -> int:
+    """Start ``train`` and SIGKILL it ``delay`` s after a path matching ``pattern`` appears in its save dir."""
+    shutil.rmtree(K / cid, ignore_errors=True)
+    p = subprocess.Popen(train_argv(cid, *overrides), cwd=WORLD, env=env(), stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL, start_new_session=True)
+    save = K / cid / "ckpt"
+    while p.poll() is None:
+        if save.is_dir() and any(save.glob(pattern)):
+            time.sleep(delay)
+            os.killpg(p.pid, signal.SIGKILL)
+            break
+        time.sleep(0.01)
+    return p.wait()
+
+
+def payload_ran(marker: str) -> None:
+    print(f"payload ran: {(WORLD / marker).exists()}")
+
+
+def truncate(path: Path, size: int) -> None:
+    with open(path, "r+b") as f:
+        f.truncate(size)
+
+
+def tracker(ckpt: Path) -> str:
+    t = ckpt / "latest_checkpointed_iteration.txt"
+    return t.read_text().strip() if t.exists() else "-"
+
+
+def mount_full(size: str = "64m") -> None:
+    umount_full()
+    FULL.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(FULL)], check=True)
+
+
+def fill_full(leave_kb: int = 0) -> None:
+    subprocess.run(["dd", "if=/dev/zero", f"of={FULL / 'filler'}", "bs=1M"], capture_output=True)
+    subprocess.run(["dd", "if=/dev/zero", f"of={FULL / 'filler2'}", "bs=4k"], capture_output=True)
+    if leave_kb:
+        truncate(FULL / "filler2", max(0, (FULL / "filler2").stat().st_size - leave_kb * 1024))
+
+
+def umount_full() -> None:
+    if FULL.is_dir() and os.path.ismount(FULL):
+        subprocess.run(["umount", str(FULL)], check=True)
+
+
+# ---- probe 2's cases of this area -----------------------------------------------------------------------
+def async_ref() -> Path:
+    return ref("ka", "megatron_training.train_iters=4", "megatron_training.save_interval=2", *ASYNC)
+
+
+def partial_ref() -> Path:
+    return ref("kp", "megatron_training.train_iters=3", "megatron_training.save_interval=1", *PR)
+
+
+def mg_ref() -> Path:
+    return ref("mg", *MG, "megatron_training.train_iters=3", "megatron_training.save_interval=1")
+
+
+@case("KN1", "async checkpoint, in_flight.pt cut to 20000 bytes; resume (then with --load-previous-on-corruption)")
+def kn1():
+    ck = copy_ckpt(async_ref(), "KN1")
+    truncate(ck / "iter_0000004/in_flight.pt", 20000)
+    show(*resume("KN1", ck, "megatron_training.train_iters=5", *ASYNC))
+    show(*resume("KN1b", ck, "megatron_training.train_iters=5", *ASYNC, flags=("--load-previous-on-corruption",)))
+
+
+@case("KN2", "in_flight.pt with an os.system payload; resume")
+def kn2():
+    ck = copy_ckpt(async_ref(), "KN2")
+    _plant(ck / "iter_0000002/in_flight.pt", "PWNED_inflight", key=99)
+    show(*resume("KN2", ck / "iter_0000002", "megatron_training.train_iters=4", *ASYNC))
+    payload_ran("PWNED_inflight")
+
+
+def _plant(path: Path, marker: str, key) -> None:
+    """Add an os.system payload under ``key`` to the dict saved in ``path``."""
+    import torch
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {WORLD / marker}",))
+    (WORLD / marker).unlink(missing_ok=True)
+    d = torch.load(path, weights_only=False)
+    d[key] = Evil()
+    torch.save(d, path)
+
+
+@case("KN3", "async checkpoint with in_flight.pt deleted; resume")
+def kn3():
+    ck = copy_ckpt(async_ref(), "KN3")
+    (ck / "iter_0000002/in_flight.pt").unlink()
+    show(*resume("KN3", ck / "iter_0000002", "megatron_training.train_iters=4", *ASYNC))
+
+
+@case("KN4", "partial_rollout.pt with an os.system payload; resume")
+def kn4():
+    ck = copy_ckpt(partial_ref(), "KN4")
+    _plant(ck / "iter_0000001/partial_rollout.pt", "PWNED_partial", key="_probe")
+    show(*resume("KN4", ck / "iter_0000001", "megatron_training.train_iters=3", "megatron_training.save_interval=1",
+                 *PR))
+    payload_ran("PWNED_partial")
+
+
+@case("E2b", "the async (k=1) checkpoint resumed synchronously (no async_staleness)")
+def e2b():
+    ck = copy_ckpt(async_ref(), "E2b")
+    show(*resume("E2b", ck / "iter_0000002", "megatron_training.train_iters=4"))
+
+
+def _mg_damaged(cid: str, damage) -> Path:
+    ck = copy_ckpt(mg_ref(), cid)
+    damage(ck / "iter_0000003")
+    return ck
+
+
+@case("F13a", "megatron TP 2: the latest shard __1_1.distcp cut to 100 KB; resume")
+def f13a():
+    ck = _mg_damaged("F13a", lambda d: truncate(d / "__1_1.distcp", 100_000))
+    show(*resume("F13a", ck, *MG, "megatron_training.train_iters=4", "megatron_training.save_interval=1"))
+
+
+@case("F13b", "F13a with --load-previous-on-corruption")
+def f13b():
+    ck = _mg_damaged("F13b", lambda d: truncate(d / "__1_1.distcp", 100_000))
+    rc, out = resume("F13b", ck, *MG, "megatron_training.train_iters=4", "megatron_training.save_interval=1",
+                     flags=("--load-previous-on-corruption",))
+    show(rc, out)
+    print("metrics iterations:", sorted(metrics(K / "F13b/out")) if (K / "F13b/out/metrics.jsonl").exists() else "-")
+
+
+@case("F14", "megatron: common.pt = 'garbage', with --load-previous-on-corruption")
+def f14():
+    ck = _mg_damaged("F14", lambda d: (d / "common.pt").write_text("garbage"))
+    show(*resume("F14", ck, *MG, "megatron_training.train_iters=4", "megatron_training.save_interval=1",
+                 flags=("--load-previous-on-corruption",)))
+
+
+@case("I3", "output_dir on a full disk (tmpfs)")
+def i3():
+    mount_full()
+    fill_full()
+    rc, out = G("I3", "megatron_training.train_iters=2", f"rl_config.output_dir={FULL / 'out3'}")
+    show(rc, out)
+    print("left in the full disk:", sorted(p.name for p in FULL.iterdir()))
+
+
+@case("I8", "12 KB free: metrics.jsonl fills the disk mid-run; then free space and resume")
+def i8():
+    mount_full()
+    fill_full(leave_kb=12)
+    shutil.rmtree(K / "I8", ignore_errors=True)
+    rc, out = G("I8", "megatron_training.train_iters=12", f"rl_config.output_dir={FULL / 'out8'}")
+    show(rc, out)
+    text = (FULL / "out8/metrics.jsonl").read_bytes()
+    ends = text.endswith(b"\n")
+    print(f"metrics.jsonl {len(text)} bytes, ends with newline: {ends}, "
+          f"lines: {len(text.splitlines())}; tracker {tracker(K / 'I8/ckpt')}")
+    (FULL / "filler").unlink()
+    rc, out = G("I8", "megatron_training.train_iters=12", f"rl_config.output_dir={FULL / 'out8'}",
+                f"actor_config.load={K / 'I8/ckpt'}", "actor_config.finetune=false")
+    show(rc, out)
+    print("after resume, iterations:", sorted(metrics(FULL / "out8")))
+
+
+@case("ISAVE", "the save on a full disk (hf): the previous checkpoint intact, tracker unchanged, resumable")
+def isave():
+    mount_full("160m")
+    shutil.rmtree(K / "ISAVE", ignore_errors=True)
+    rc, out = run(train_argv("ISAVE", "megatron_training.train_iters=4", root=FULL))
+    show(rc, out)
+    ck = FULL / "ISAVE/ckpt"
+    print("tracker", tracker(ck), "entries", sorted(p.name for p in ck.iterdir()))
+    rc, out = G("ISAVE2", "megatron_training.train_iters=4", f"actor_config.load={ck}", "actor_config.finetune=false")
+    show(rc, out)
+
+
+@case("LEFT", "a refused train (save dir in use by another run) leaves no new output dir or lock file")
+def left():
+    d = K / "LEFT"
+    shutil.rmtree(d, ignore_errors=True)
+    (d / "ckpt").mkdir(parents=True)
+    import fcntl
+    with open(d / "ckpt/.posttrain.lock", "w") as holder:
+        fcntl.flock(holder, fcntl.LOCK_EX)
+        show(*G("LEFT", f"rl_config.output_dir={d / 'new/out'}"))
+    print("after:", sorted(str(p.relative_to(d)) for p in d.rglob("*")))
+
+
+if __name__ == "__main__":
+    wanted = sys.argv[1] if len(sys.argv) > 1 else "list"
+    if wanted == "list":
+        for cid, (what, _) in CASES.items():
+            print(f"{cid}: {what}")
+    else:
+        what, fn = CASES[wanted]
+        print(f"== {wanted} ({TAG}): {what}")
+        K.mkdir(parents=True, exist_ok=True)
+        try:
+            fn()
+        finally:
+            umount_full()
