@@ -45,7 +45,7 @@ from posttrain.cluster.megatron_worker import MegatronWorker
 from posttrain.cluster.remote import ClusterError, gather
 from posttrain.cluster.reward import RewardGroup
 from posttrain.cluster.worker import ActorWorker
-from posttrain.errors import ConfigError
+from posttrain.errors import CheckpointError, ConfigError
 from posttrain.roles.policy import Policy, load_policy_tokenizer
 from posttrain.rollout.base import RolloutEngine
 from posttrain.rollout.keyed import random_seed
@@ -186,7 +186,10 @@ class Cluster:
         workers = self.workers if self.fsdp or self.megatron else self.workers[:1]
         refs = [w.save.remote(str(save_dir), iteration, sampler_state, trainer_state, save_optim, save_rng)
                 for w in workers]
-        return Path(self._call("save checkpoint", refs, self.names[:len(refs)])[0])
+        answer = self._call("save checkpoint", refs, self.names[:len(refs)])[0]
+        if isinstance(answer, dict) and "error" in answer:  # a failed Megatron save, said once by the workers
+            raise CheckpointError(answer["error"])
+        return Path(answer)
 
     def state_dicts(self) -> list[dict]:
         self._check()

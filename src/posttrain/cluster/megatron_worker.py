@@ -17,6 +17,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from posttrain.errors import CheckpointError
 from posttrain.cluster.worker import ActorWorker
 from posttrain.roles.megatron_policy import MegatronPolicy
 from posttrain.roles.policy import load_policy_tokenizer
@@ -104,10 +105,15 @@ class MegatronWorker(ActorWorker):
 
     def save(self, save_dir: str, iteration: int, sampler_state, trainer_state: dict, save_optim: bool,
              save_rng: bool) -> str:
-        """Every rank writes its shard (data-parallel rank 0 of each model-parallel rank writes)."""
+        """Every rank writes its shard (data-parallel rank 0 of each model-parallel rank writes). A
+        failed save (a full disk) is answered as ``{"error": message}``, the same on every rank, so
+        the driver raises one CheckpointError (not a worker's traceback)."""
         with self.megatron():
-            path = self.shard.save(save_dir, iteration, sampler_state=sampler_state, trainer_state=trainer_state,
-                                   save_optim=save_optim, save_rng=save_rng)
+            try:
+                path = self.shard.save(save_dir, iteration, sampler_state=sampler_state, trainer_state=trainer_state,
+                                       save_optim=save_optim, save_rng=save_rng)
+            except CheckpointError as err:
+                return {"error": str(err)}
         return str(path)
 
     def state_dict(self) -> dict:

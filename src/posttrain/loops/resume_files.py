@@ -18,7 +18,6 @@ from typing import Any
 from posttrain.checkpoint.verify import _load_file
 from posttrain.errors import CheckpointError, ConfigError
 from posttrain.metrics.reduce import MetricAccumulator
-from posttrain.metrics.timers import Timers
 from posttrain.transfer_dock import TransferDock, TransferDockError
 
 IN_FLIGHT = "in_flight.pt"  # async: the finished experiences not trained on yet

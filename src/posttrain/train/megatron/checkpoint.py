@@ -122,27 +122,78 @@ def save_megatron_checkpoint(save_dir: str | Path, iteration: int, parts: dict[s
         raise CheckpointError(f"unknown Megatron checkpoint format {ckpt_format!r}; use {' or '.join(FORMATS)}")
     save_dir = Path(save_dir)
     final, tmp = save_dir / f"iter_{iteration:07d}", save_dir / f".iter_{iteration:07d}.tmp"
-    if dist.get_rank() == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    dist.barrier()
+    error = None
+    try:
+        if dist.get_rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+    except OSError as err:
+        error = err
+    _agree(error, final, save_dir, tmp)
     for name, part in parts.items():
         path = tmp / name if name else tmp
-        if dist.get_rank() == 0:
+        if dist.get_rank() == 0 and name:
             path.mkdir(parents=True, exist_ok=True)
         dist.barrier()
-        _write(path, part, args, iteration, ckpt_format=ckpt_format, save_optim=save_optim,
-               save_rng=save_rng and not name)
-        dist.barrier()
+        try:
+            _write(path, part, args, iteration, ckpt_format=ckpt_format, save_optim=save_optim,
+                   save_rng=save_rng and not name)
+        except (OSError, RuntimeError, ValueError) as err:  # a full disk: torch raises RuntimeError or OSError
+            error = err
+        _agree(error, final, save_dir, tmp)
     if dist.get_rank() == 0:
-        shutil.rmtree(final, ignore_errors=True)
+        try:
+            _publish(tmp, final, save_dir, iteration)
+        except OSError as err:
+            error = err
+    _agree(error, final, save_dir, tmp)
+    return final
+
+
+def _agree(error: BaseException | None, final: Path, save_dir: Path, tmp: Path) -> None:
+    """A collective: when any rank failed, rank 0 removes the temporary directory and every rank
+    raises :class:`CheckpointError` (the previous checkpoint and the tracker are untouched)."""
+    failed = torch.tensor([1 if error is not None else 0], dtype=torch.int64)
+    dist.all_reduce(failed)
+    if not int(failed.item()):
+        return
+    if dist.get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    dist.barrier()
+    tracker = save_dir / mcore_files.TRACKER
+    kept = tracker.read_text(encoding="utf-8").strip() if tracker.is_file() else None
+    why = f"{type(error).__name__}: {str(error).splitlines()[0][:300] if str(error) else ''}" if error else \
+        "it failed on another rank"
+    previous = f"the previous checkpoint {save_dir / f'iter_{int(kept):07d}'} is intact" if kept and kept.isdigit() \
+        else "nothing was saved"
+    raise CheckpointError(f"saving checkpoint {final} failed ({why}); {previous} and the tracker unchanged. Free "
+                          f"disk space or change `save`")
+
+
+def _publish(tmp: Path, final: Path, save_dir: Path, iteration: int) -> None:
+    """Rank 0: rename ``tmp`` to ``final`` (an older copy of the iteration moved aside, removed once the
+    tracker names the new one), then replace the tracker."""
+    aside = save_dir / f".{final.name}.tmp-old"
+    shutil.rmtree(aside, ignore_errors=True)
+    had_old = final.exists()
+    if had_old:
+        os.replace(final, aside)
+    try:
         os.replace(tmp, final)
         tracker = save_dir / mcore_files.TRACKER
         tracker_tmp = tracker.with_name(tracker.name + ".tmp")
-        tracker_tmp.write_text(f"{iteration}\n", encoding="utf-8")
+        with open(tracker_tmp, "w", encoding="utf-8") as f:
+            f.write(f"{iteration}\n")
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tracker_tmp, tracker)
-    dist.barrier()
-    return final
+    except OSError:
+        if final.exists() and not tmp.exists():
+            os.replace(final, tmp)  # removed by _agree
+        if had_old:
+            os.replace(aside, final)
+        raise
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 def load_megatron_checkpoint(load_dir: str | Path, chunks: list, optimizer, *, load_optim: bool = True,
