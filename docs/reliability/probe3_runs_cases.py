@@ -321,6 +321,326 @@ def left():
     print("after:", sorted(str(p.relative_to(d)) for p in d.rglob("*")))
 
 
+# ---- new cases (RN) ------------------------------------------------------------------------------------------
+def _kill_resume(cid: str, lines: int, iters: int, save: int, *mode: str) -> None:
+    """SIGKILL a run at ``lines`` metric lines, resume it in place, compare with an uninterrupted run."""
+    base = ref(f"full{cid}", f"megatron_training.train_iters={iters}", f"megatron_training.save_interval={save}", *mode)
+    rc = killed_run(cid, lines, f"megatron_training.train_iters={iters}", f"megatron_training.save_interval={save}",
+                    *mode)
+    print(f"killed: rc={rc}, tracker {tracker(K / cid / 'ckpt')}")
+    rc, out = resume(cid, K / cid / "ckpt", f"megatron_training.train_iters={iters}",
+                     f"megatron_training.save_interval={save}", *mode)
+    show(rc, out)
+    last = f"iter_{iters:07d}"
+    print(same_run(base / "out", K / cid / "out", base / "ckpt" / last, K / cid / "ckpt" / last))
+
+
+@case("RN1", "sync: SIGKILL at 3 metric lines (save every 2, 6 iterations), resume: same metrics and weights?")
+def rn1():
+    _kill_resume("RN1", 3, 6, 2)
+
+
+@case("RN2", "async_staleness=1: SIGKILL at 3 lines, resume: same metrics and weights?")
+def rn2():
+    _kill_resume("RN2", 3, 6, 2, *ASYNC)
+
+
+@case("RN3", "partial rollout (max_split 2): SIGKILL at 3 lines, resume: same metrics and weights?")
+def rn3():
+    _kill_resume("RN3", 3, 6, 2, *PR)
+
+
+@case("RN4", "hf backend: SIGKILL 0.2 s after the save of iteration 2 starts (.iter_0000002.tmp-*), resume")
+def rn4():
+    base = ref("fullRN4", "megatron_training.train_iters=3")
+    rc = kill_during_save("RN4", ".iter_0000002.tmp*", 0.2, "megatron_training.train_iters=3")
+    ck = K / "RN4/ckpt"
+    print(f"killed rc={rc}; tracker {tracker(ck)}; entries {sorted(p.name for p in ck.iterdir())}")
+    rc, out = resume("RN4", ck, "megatron_training.train_iters=3")
+    show(rc, out)
+    print("temps left:", sorted(p.name for p in ck.glob(".iter_*")))
+    print(same_run(base / "out", K / "RN4/out", base / "ckpt/iter_0000003", ck / "iter_0000003"))
+
+
+@case("RN5", "megatron TP 2: SIGKILL 0.3 s after .iter_0000002.tmp appears, resume")
+def rn5():
+    rc = kill_during_save("RN5", ".iter_0000002.tmp", 0.3, *MG, "megatron_training.train_iters=3",
+                          "megatron_training.save_interval=1")
+    ck = K / "RN5/ckpt"
+    print(f"killed rc={rc}; tracker {tracker(ck)}; entries {sorted(p.name for p in ck.iterdir())}")
+    show(*resume("RN5", ck, *MG, "megatron_training.train_iters=3", "megatron_training.save_interval=1"))
+    print("tracker after:", tracker(ck), sorted(p.name for p in ck.iterdir()))
+
+
+@case("RN6", "the async (k=1) checkpoint resumed with async_staleness=2")
+def rn6():
+    ck = copy_ckpt(async_ref(), "RN6")
+    show(*resume("RN6", ck / "iter_0000002", "megatron_training.train_iters=4", "rl_config.async_staleness=2"))
+
+
+@case("RN7", "the partial-rollout checkpoint resumed without partial rollout")
+def rn7():
+    ck = copy_ckpt(partial_ref(), "RN7")
+    show(*resume("RN7", ck / "iter_0000001", "megatron_training.train_iters=3"))
+
+
+@case("RN8", "the partial-rollout (max_split 2) checkpoint resumed with max_split 4")
+def rn8():
+    ck = copy_ckpt(partial_ref(), "RN8")
+    show(*resume("RN8", ck / "iter_0000001", "megatron_training.train_iters=3",
+                 "rl_config.partial_rollout_max_split=4"))
+
+
+@case("RN9", "partial_rollout.pt deleted, resume with the same setting")
+def rn9():
+    ck = copy_ckpt(partial_ref(), "RN9")
+    (ck / "iter_0000002/partial_rollout.pt").unlink()
+    show(*resume("RN9", ck, "megatron_training.train_iters=3", *PR))
+
+
+@case("RN10", "partial_rollout.pt cut to 3000 bytes, resume (then --load-previous-on-corruption)")
+def rn10():
+    ck = copy_ckpt(partial_ref(), "RN10")
+    truncate(ck / "iter_0000002/partial_rollout.pt", 3000)
+    show(*resume("RN10", ck, "megatron_training.train_iters=3", *PR))
+    show(*resume("RN10b", ck, "megatron_training.train_iters=3", *PR, flags=("--load-previous-on-corruption",)))
+
+
+@case("RN11", "the synchronous checkpoint resumed with async_staleness=1 (a deliberate switch)")
+def rn11():
+    ck = copy_ckpt(ref("sync3", "megatron_training.train_iters=2"), "RN11")
+    show(*resume("RN11", ck, "megatron_training.train_iters=3", *ASYNC))
+
+
+@case("RN12", "in_flight.pt replaced by a valid torch file holding a tensor")
+def rn12():
+    import torch
+    ck = copy_ckpt(async_ref(), "RN12")
+    torch.save(torch.zeros(3), ck / "iter_0000002/in_flight.pt")
+    show(*resume("RN12", ck / "iter_0000002", "megatron_training.train_iters=4", *ASYNC))
+
+
+@case("RN13", "the async checkpoint resumed with another global_batch_size (the saved docks do not fit)")
+def rn13():
+    ck = copy_ckpt(async_ref(), "RN13")
+    show(*resume("RN13", ck / "iter_0000002", "megatron_training.train_iters=4", *ASYNC,
+                 "megatron_training.global_batch_size=8", "rl_config.mini_batch_size=8"))
+
+
+def _concurrent(cid: str, a: list[str], b: list[str], delay: float = 3.0) -> None:
+    shutil.rmtree(K / cid, ignore_errors=True)
+    pa = subprocess.Popen(a, cwd=WORLD, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    time.sleep(delay)
+    rc_b, out_b = run(b)
+    out_a = pa.communicate()[0]
+    print("A:"), show(pa.returncode, out_a)
+    print("B:"), show(rc_b, out_b)
+
+
+@case("RN14", "two trains on the same output dir (different saves) at once")
+def rn14():
+    out = f"rl_config.output_dir={K / 'RN14/out'}"
+    _concurrent("RN14", train_argv("RN14", "megatron_training.train_iters=4", out),
+                train_argv("RN14", "megatron_training.train_iters=4", out, f"actor_config.save={K / 'RN14/ckptB'}"))
+    print("left:", sorted(p.name for p in (K / "RN14").iterdir()))
+
+
+@case("RN15", "two trains on the same save dir (different output dirs) at once; B's new output dir left?")
+def rn15():
+    save = f"actor_config.save={K / 'RN15/ckpt'}"
+    _concurrent("RN15", train_argv("RN15", "megatron_training.train_iters=4", save),
+                train_argv("RN15", "megatron_training.train_iters=4", save, f"rl_config.output_dir={K / 'RN15/outB'}"))
+    print("left:", sorted(p.name for p in (K / "RN15").iterdir()))
+
+
+@case("RN16", "two resumes of the same checkpoint into the same dirs at once")
+def rn16():
+    base = copy_ckpt(ref("sync2", "megatron_training.train_iters=2"), "RN16")
+    args = ["megatron_training.train_iters=4", f"actor_config.load={base}", "actor_config.finetune=false"]
+    _concurrent("RN16x", train_argv("RN16", *args), train_argv("RN16", *args), delay=2)
+    print("metrics iterations:", sorted(metrics(K / "RN16/out")), "tracker", tracker(base))
+
+
+@case("RN17", "a full disk (tmpfs) during the 2nd save: previous checkpoint intact, tracker unchanged, resumable")
+def rn17():
+    mount_full("64m")
+    rc, out = run(train_argv("RN17", "megatron_training.train_iters=3", root=FULL))
+    show(rc, out)
+    ck = FULL / "RN17/ckpt"
+    print("tracker", tracker(ck), "entries", sorted(p.name for p in ck.iterdir()))
+    show(*G("RN17b", "megatron_training.train_iters=3", f"actor_config.load={ck}", "actor_config.finetune=false"))
+
+
+def _poisoned(cid: str, name: str, marker: str) -> None:
+    ck = copy_ckpt(ref("sync2", "megatron_training.train_iters=2"), cid)
+    _plant(ck / "iter_0000002" / name, marker, key="_probe")
+    show(*resume(cid, ck, "megatron_training.train_iters=3"))
+    payload_ran(marker)
+
+
+@case("RN18", "optimizer.pt with an os.system payload")
+def rn18():
+    _poisoned("RN18", "optimizer.pt", "PWNED_optim")
+
+
+@case("RN19", "rng.pt with an os.system payload")
+def rn19():
+    _poisoned("RN19", "rng.pt", "PWNED_rng")
+
+
+@case("RN20", "sampler.pt with an os.system payload")
+def rn20():
+    _poisoned("RN20", "sampler.pt", "PWNED_sampler")
+
+
+@case("RN21", "scheduler.pt with an os.system payload")
+def rn21():
+    _poisoned("RN21", "scheduler.pt", "PWNED_sched")
+
+
+@case("RN22", "optimizer.pt truncated to half, resume (then --load-previous-on-corruption)")
+def rn22():
+    ck = copy_ckpt(ref("sync2", "megatron_training.train_iters=2"), "RN22")
+    f = ck / "iter_0000002/optimizer.pt"
+    truncate(f, f.stat().st_size // 2)
+    show(*resume("RN22", ck, "megatron_training.train_iters=3"))
+    show(*resume("RN22b", ck, "megatron_training.train_iters=3", flags=("--load-previous-on-corruption",)))
+
+
+@case("RN23", "rng.pt = 'garbage' with --load-previous-on-corruption")
+def rn23():
+    ck = copy_ckpt(ref("sync2", "megatron_training.train_iters=2"), "RN23")
+    (ck / "iter_0000002/rng.pt").write_text("garbage")
+    show(*resume("RN23", ck, "megatron_training.train_iters=3", flags=("--load-previous-on-corruption",)))
+
+
+@case("RN24", "the tracker names iteration 7, which does not exist")
+def rn24():
+    ck = copy_ckpt(ref("sync2", "megatron_training.train_iters=2"), "RN24")
+    (ck / "latest_checkpointed_iteration.txt").write_text("7\n")
+    show(*resume("RN24", ck, "megatron_training.train_iters=3"))
+
+
+@case("RN25", "the tracker holds 'abc'")
+def rn25():
+    ck = copy_ckpt(ref("sync2", "megatron_training.train_iters=2"), "RN25")
+    (ck / "latest_checkpointed_iteration.txt").write_text("abc\n")
+    show(*resume("RN25", ck, "megatron_training.train_iters=3"))
+
+
+@case("RN26", "--load-previous-on-corruption with no earlier checkpoint (only iter 1, its sampler.pt garbage)")
+def rn26():
+    ck = copy_ckpt(ref("sync1", "megatron_training.train_iters=1"), "RN26")
+    (ck / "iter_0000001/sampler.pt").write_text("garbage")
+    show(*resume("RN26", ck, "megatron_training.train_iters=2", flags=("--load-previous-on-corruption",)))
+
+
+@case("RN27", "megatron: common.pt with an os.system payload")
+def rn27():
+    ck = _mg_damaged("RN27", lambda d: None)
+    _plant(ck / "iter_0000003/common.pt", "PWNED_common", key="_probe")
+    show(*resume("RN27", ck, *MG, "megatron_training.train_iters=4", "megatron_training.save_interval=1"))
+    payload_ran("PWNED_common")
+
+
+@case("RN28", "megatron: the shard __0_0.distcp deleted")
+def rn28():
+    ck = _mg_damaged("RN28", lambda d: (d / "__0_0.distcp").unlink())
+    show(*resume("RN28", ck, *MG, "megatron_training.train_iters=4", "megatron_training.save_interval=1"))
+
+
+@case("RN29", "megatron: .metadata cut to 50 bytes")
+def rn29():
+    ck = _mg_damaged("RN29", lambda d: truncate(d / ".metadata", 50))
+    show(*resume("RN29", ck, *MG, "megatron_training.train_iters=4", "megatron_training.save_interval=1"))
+
+
+@case("RN30", "megatron: the tracker names iteration 9 (missing), with --load-previous-on-corruption")
+def rn30():
+    ck = _mg_damaged("RN30", lambda d: (d.parent / "latest_checkpointed_iteration.txt").write_text("9\n"))
+    show(*resume("RN30", ck, *MG, "megatron_training.train_iters=4", "megatron_training.save_interval=1",
+                 flags=("--load-previous-on-corruption",)))
+
+
+@case("RN31", "megatron: the TP 2 checkpoint resumed at TP 1 (2 data-parallel workers)")
+def rn31():
+    ck = copy_ckpt(mg_ref(), "RN31")
+    show(*resume("RN31", ck, "rl_config.actor_resource.num_npus=2", "actor_config.backend=megatron",
+                 "megatron_training.train_iters=4", "megatron_training.save_interval=1"))
+
+
+@case("RN32", "megatron: the TP 2 checkpoint resumed at PP 2")
+def rn32():
+    ck = copy_ckpt(mg_ref(), "RN32")
+    show(*resume("RN32", ck, "rl_config.actor_resource.num_npus=2", "actor_config.pipeline_model_parallel_size=2",
+                 "megatron_training.train_iters=4", "megatron_training.save_interval=1"))
+
+
+@case("RN33", "megatron: a save on a full disk (tmpfs, 2nd iteration)")
+def rn33():
+    mount_full("64m")
+    rc, out = run(train_argv("RN33", *MG, "megatron_training.train_iters=3", "megatron_training.save_interval=1",
+                             root=FULL))
+    show(rc, out)
+    ck = FULL / "RN33/ckpt"
+    print("tracker", tracker(ck), "entries", sorted(p.name for p in ck.iterdir()) if ck.is_dir() else "-")
+
+
+@case("RN34", "eval.jsonl fills the disk (held-out eval every iteration, 8 KB free)")
+def rn34():
+    mount_full()
+    fill_full(leave_kb=8)
+    rc, out = G("RN34", "megatron_training.train_iters=6", f"rl_config.output_dir={FULL / 'out'}",
+                "rl_config.eval_data_path=probe/data/rl/data", "rl_config.eval_interval=1", "rl_config.eval_limit=4")
+    show(rc, out)
+    for name in ("metrics.jsonl", "eval.jsonl"):
+        f = FULL / "out" / name
+        if f.exists():
+            b = f.read_bytes()
+            print(name, len(b), "bytes; ends with newline:", b.endswith(b"\n"))
+
+
+@case("RN35", "the output dir's lock file is a symlink to a file elsewhere")
+def rn35():
+    d = K / "RN35"
+    shutil.rmtree(d, ignore_errors=True)
+    (d / "out").mkdir(parents=True)
+    (d / "victim.txt").write_text("precious\n")
+    (d / "out/.posttrain.lock").symlink_to(d / "victim.txt")
+    show(*G("RN35", "megatron_training.train_iters=1"))
+    print("victim:", (d / "victim.txt").read_text().strip())
+
+
+@case("RN36", "resume into an output dir whose metrics.jsonl ends in a cut line (kill while writing)")
+def rn36():
+    base = ref("sync2", "megatron_training.train_iters=2")
+    ck = copy_ckpt(base, "RN36")
+    shutil.copytree(base / "out", K / "RN36/out", ignore=shutil.ignore_patterns(".posttrain.lock"))
+    with open(K / "RN36/out/metrics.jsonl", "a") as f:
+        f.write('{"iteration": 3, "actor/pg_l')
+    show(*resume("RN36", ck, "megatron_training.train_iters=3"))
+    print("iterations:", sorted(metrics(K / "RN36/out")))
+
+
+@case("RN37", "SIGTERM mid-run (async), then resume: same as uninterrupted?")
+def rn37():
+    base = ref("fullRN2", "megatron_training.train_iters=6", "megatron_training.save_interval=2", *ASYNC)
+    rc = killed_run("RN37", 3, "megatron_training.train_iters=6", "megatron_training.save_interval=2", *ASYNC,
+                    sig=signal.SIGTERM)
+    print(f"terminated rc={rc}; tracker {tracker(K / 'RN37/ckpt')}")
+    show(*resume("RN37", K / "RN37/ckpt", "megatron_training.train_iters=6", "megatron_training.save_interval=2",
+                 *ASYNC))
+    print(same_run(base / "out", K / "RN37/out", base / "ckpt/iter_0000006", K / "RN37/ckpt/iter_0000006"))
+
+
+@case("RN38", "trainer_state.json deleted in the latest iteration (tracker 2)")
+def rn38():
+    ck = copy_ckpt(ref("sync2", "megatron_training.train_iters=2"), "RN38")
+    (ck / "iter_0000002/trainer_state.json").unlink()
+    show(*resume("RN38", ck, "megatron_training.train_iters=3"))
+    show(*resume("RN38b", ck, "megatron_training.train_iters=3", flags=("--load-previous-on-corruption",)))
+
+
 if __name__ == "__main__":
     wanted = sys.argv[1] if len(sys.argv) > 1 else "list"
     if wanted == "list":

@@ -4,6 +4,7 @@ fsynced and renamed; then the tracker file is replaced atomically. A failed save
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import pickle
@@ -69,6 +70,13 @@ def _write_checkpoint(tmp: Path, iteration: int, model: Any, optimizer: Any, sch
     state = {"format": FORMAT, **trainer_state, "iteration": iteration, "sampler_saved": sampler_state is not None}
     _write_text(tmp / STATE_FILE, json.dumps(state, indent=2, sort_keys=True) + "\n")
     make_readable(tmp)
+
+
+def disk_full(err: BaseException) -> bool:
+    """Whether ``err`` is a write that ran out of space (torch's zip writer reports it as a
+    RuntimeError "unexpected pos", not as ENOSPC)."""
+    return getattr(err, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or any(
+        text in str(err) for text in ("No space left on device", "unexpected pos"))
 
 
 def _write_tracker(save_dir: Path, iteration: int) -> None:
@@ -157,8 +165,9 @@ def save_checkpoint(save_dir: str | Path, iteration: int, model: Any, optimizer:
         if not isinstance(err, (OSError, RuntimeError, ValueError, pickle.PicklingError)):
             raise
         kept = f"the previous checkpoint {previous} is intact" if previous else "nothing was saved"
+        why = f"the disk is full ({err})" if disk_full(err) else str(err)
         raise CheckpointError(f"saving checkpoint iteration {iteration} to {target} failed: "
-                              f"{err}; {kept}. Free disk space or change `save`.") from err
+                              f"{why}; {kept}. Free disk space or change `save`.") from err
     if keep_last:
         prune_checkpoints(save_dir, keep_last)
     return target

@@ -33,6 +33,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from posttrain.checkpoint.save import disk_full
 from posttrain.errors import CheckpointError
 from posttrain.models.mcore import mcore_files
 from posttrain.train.megatron.model import sharded_state_dict
@@ -164,6 +165,7 @@ def _agree(error: BaseException | None, final: Path, save_dir: Path, tmp: Path) 
     kept = tracker.read_text(encoding="utf-8").strip() if tracker.is_file() else None
     why = f"{type(error).__name__}: {str(error).splitlines()[0][:300] if str(error) else ''}" if error else \
         "it failed on another rank"
+    why = f"the disk is full: {why}" if error is not None and disk_full(error) else why
     previous = f"the previous checkpoint {save_dir / f'iter_{int(kept):07d}'} is intact" if kept and kept.isdigit() \
         else "nothing was saved"
     raise CheckpointError(f"saving checkpoint {final} failed ({why}); {previous} and the tracker unchanged. Free "
