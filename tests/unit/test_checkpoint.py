@@ -134,6 +134,22 @@ def test_disk_full_leaves_previous_checkpoint_and_tracker(tmp_path, trained, mon
     assert state["iteration"] == 1 and state["consumed_samples"] == 4
 
 
+def test_torch_zip_writer_running_out_of_space_says_the_disk_is_full(tmp_path, trained, monkeypatch):
+    """Probe ISAVE: torch's zip writer reports a full disk as RuntimeError "unexpected pos": the message
+    says the disk is full, and the previous checkpoint and the tracker are kept."""
+    model, opt, sched = trained
+    save = tmp_path / "save"
+    ckpt.save_checkpoint(save, 1, model, opt, sched)
+
+    def full(obj, path):
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 14115136 vs 14115024")
+
+    monkeypatch.setattr("posttrain.checkpoint.save._torch_save", full)
+    with pytest.raises(CheckpointError, match=r"iteration 2 .*failed: the disk is full .*iter_0000001 is intact"):
+        ckpt.save_checkpoint(save, 2, model, opt, sched)
+    assert sorted(os.listdir(save)) == ["iter_0000001", "latest_checkpointed_iteration.txt"]
+
+
 def test_tracker_write_failure_rolls_back_the_new_directory(tmp_path, trained, monkeypatch):
     model, opt, sched = trained
     save = tmp_path / "save"

@@ -152,3 +152,34 @@ def test_config_and_metrics_are_not_written_through_symlinks(base_run, mini_worl
     assert run_cli(["train", *write_config(mini_world, run), *resume_args(run, iters=3)], capsys)[0] == 0
     assert user.read_text() == before
     assert not (run / "out" / "metrics.jsonl").is_symlink() and metrics_iterations(run) == [1, 2, 3]
+
+
+def test_a_refused_run_leaves_the_directories_as_it_found_them(mini_world, tmp_path, capsys, monkeypatch):
+    """Probe 2's leftovers: a train refused at start-up (its save dir is in use) leaves no output dir
+    and no lock file of its own behind."""
+    run = tmp_path / "run"
+    (run / "ckpt").mkdir(parents=True)
+    argv = write_config(mini_world, run)
+    forbid(monkeypatch, "posttrain.loops.session:build_policy")
+    with open(run / "ckpt" / ".posttrain.lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        code, err = run_cli(["train", *argv, f"rl_config.output_dir={run / 'new' / 'out'}"], capsys)
+    assert code == 2 and "is in use by another run" in err
+    assert not (run / "new").exists()
+    assert sorted(p.name for p in (run / "ckpt").iterdir()) == [".posttrain.lock"]  # the holder's, kept
+
+
+def test_a_full_disk_at_the_lock_file_is_one_message(mini_world, tmp_path, capsys, monkeypatch):
+    """Probe I3: the lock file cannot be written (ENOSPC): the output dir and the disk are named, no
+    traceback, and the directories this run created are removed again."""
+    import errno
+
+    def full(fd, data, offset):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr("posttrain.rundir.os.pwrite", full)
+    run = tmp_path / "run"
+    code, err = run_cli(["train", *write_config(mini_world, run)], capsys)
+    assert code == 2 and f"rl_config.output_dir {run / 'out'}: cannot write the lock file" in err
+    assert "the disk is full" in err
+    assert not (run / "out").exists() and not (run / "ckpt").exists()

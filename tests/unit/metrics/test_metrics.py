@@ -208,3 +208,30 @@ def test_metrics_and_the_rule_reward_import_without_torch():
     code = ("import sys, posttrain.metrics, posttrain.reward.rule_reward; "
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_a_full_disk_leaves_metrics_jsonl_with_whole_lines(tmp_path, monkeypatch):
+    """Probe I8: metrics.jsonl fills the disk mid-line: one LogWriteError naming the file and saying the
+    disk is full, and the file is cut back to its last complete line."""
+    import errno
+    import os
+
+    from posttrain.metrics import sinks
+
+    sink = sinks.JsonlSink(tmp_path / "metrics.jsonl")
+    sink.log(1, {"a": 1.0})
+    real_write = os.write
+
+    def half_then_full(fd, data):
+        if len(data) > 8:
+            return real_write(fd, bytes(data[:8]))  # a partial write, then the disk is full
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(sinks.os, "write", half_then_full)
+    with pytest.raises(sinks.LogWriteError, match="the disk is full") as info:
+        sink.log(2, {"a": 2.0})
+    monkeypatch.undo()
+    sink.close()
+    assert str(tmp_path / "metrics.jsonl") in str(info.value) and "iteration 2" in str(info.value)
+    text = (tmp_path / "metrics.jsonl").read_text()
+    assert text.endswith("\n") and [json.loads(line)["iteration"] for line in text.splitlines()] == [1]
