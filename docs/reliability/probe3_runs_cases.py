@@ -29,7 +29,7 @@ SRC = Path(os.environ.get("PROBE_SRC", HERE / "src")).resolve()
 TAG = "after" if SRC == (HERE / "src").resolve() else "before-" + hashlib.sha1(str(SRC).encode()).hexdigest()[:6]
 PY = os.environ.get("PROBE_PYTHON", sys.executable)
 REF, K = WORLD / "probe" / f"ref-{TAG}", WORLD / "probe" / f"k-{TAG}"
-FULL = Path("/tmp/full_runs")
+FULL = Path("/tmp/full_runs") / TAG  # a tmpfs mounted here by the disk-full cases
 MG = ["rl_config.actor_resource.num_npus=2", "actor_config.tensor_model_parallel_size=2"]
 ASYNC, PR = ["rl_config.async_staleness=1"], ["rl_config.partial_rollout_max_split=2"]
 CASES: dict[str, tuple[str, object]] = {}
@@ -147,7 +147,7 @@ def kill_during_save(cid: str, pattern: str, delay: float, *overrides: str) -> i
 
 
 def payload_ran(marker: str) -> None:
-    print(f"payload ran: {(WORLD / marker).exists()}")
+    print(f"payload ran: {(WORLD / f'{marker}-{TAG}').exists()}")
 
 
 def truncate(path: Path, size: int) -> None:
@@ -210,6 +210,8 @@ def kn2():
 def _plant(path: Path, marker: str, key) -> None:
     """Add an os.system payload under ``key`` to the dict saved in ``path``."""
     import torch
+
+    marker = f"{marker}-{TAG}"
 
     class Evil:
         def __reduce__(self):
@@ -279,10 +281,10 @@ def i3():
     print("left in the full disk:", sorted(p.name for p in FULL.iterdir()))
 
 
-@case("I8", "12 KB free: metrics.jsonl fills the disk mid-run; then free space and resume")
+@case("I8", "28 KB free: metrics.jsonl fills the disk mid-run; then free space and resume")
 def i8():
     mount_full()
-    fill_full(leave_kb=12)
+    fill_full(leave_kb=28)  # the lock file, config.json, run.json and a few metric lines
     shutil.rmtree(K / "I8", ignore_errors=True)
     rc, out = G("I8", "megatron_training.train_iters=12", f"rl_config.output_dir={FULL / 'out8'}")
     show(rc, out)

@@ -1,7 +1,8 @@
 """Checking a Megatron backend's checkpoint before its workers load it: the ``torch_dist`` format's
 metadata, common entries and shards (every ``__*.distcp`` file its metadata names is present and
-long enough for the bytes it indexes), and a legacy one's rank files; and the earlier complete
-iterations next to it, where ``--load-previous-on-corruption`` falls back to.
+long enough for the bytes it indexes; the metadata and the objects pickled in the shards hold no
+code, since torch and Megatron unpickle those with plain pickle), and a legacy one's rank files;
+and the earlier complete iterations next to it, where ``--load-previous-on-corruption`` falls back.
 
 A truncated shard would otherwise surface as an anonymous ``EOFError`` in one Ray worker, after
 the workers were started. Bytes flipped inside a shard keep its size and are not detected here
@@ -11,6 +12,7 @@ the workers were started. Bytes flipped inside a shard keep its size and are not
 from __future__ import annotations
 
 import os
+import pickle
 from pathlib import Path
 
 from posttrain.checkpoint.files import ITER_RE
@@ -25,13 +27,75 @@ def _dist_parts(it_dir: Path) -> list[Path]:
     return [it_dir] + sorted(d for d in it_dir.iterdir() if d.is_dir() and mcore_files.is_dist_checkpoint(d))
 
 
-def check_dist_shards(part: Path) -> None:
-    """Every shard file the ``.metadata`` of ``part`` indexes exists and holds the indexed bytes."""
-    from torch.distributed.checkpoint import FileSystemReader  # lazy: ~0.7 s (sympy)
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles a ``.metadata`` file (torch.distributed.checkpoint reads it with plain ``pickle``,
+    which runs any code in it) allowing only its own classes, ``torch.Size`` and dtypes."""
 
+    def find_class(self, module: str, name: str):
+        import torch
+
+        obj = super().find_class(module, name) if module.split(".")[0] in ("torch", "collections", "builtins",
+                                                                          "pathlib") else None
+        allowed = (module.startswith("torch.distributed.checkpoint.") and isinstance(obj, type)) or \
+            (module == "torch" and (name == "Size" or isinstance(obj, torch.dtype))) or \
+            (module, name) in {("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
+                               ("builtins", "set"), ("builtins", "frozenset"), ("pathlib", "PosixPath"),
+                               ("pathlib", "PurePosixPath")}  # StorageMeta.checkpoint_id may be a path
+        if not allowed:
+            raise pickle.UnpicklingError(f"unsupported global {module}.{name}")
+        return obj
+
+
+def read_dist_metadata(part: Path):
+    """The ``.metadata`` of the torch_dist checkpoint ``part``, unpickled safely (refusing code)."""
     metadata_file = part / mcore_files.DIST_METADATA
     try:
-        storage = FileSystemReader(str(part)).read_metadata().storage_data
+        with open(metadata_file, "rb") as f:
+            return _MetadataUnpickler(f).load()
+    except pickle.UnpicklingError as err:
+        if "unsupported global" in str(err):
+            raise CheckpointError(f"{metadata_file}: refused: it holds pickled Python objects other than a "
+                                  f"checkpoint's metadata ({err}), and unpickling them could run code") from None
+        raise CheckpointError(f"{metadata_file}: not readable ({err}); the checkpoint is corrupt or "
+                              f"truncated") from None
+    except Exception as err:  # noqa: BLE001 - EOFError, ValueError...: a damaged file
+        raise CheckpointError(f"{metadata_file}: not readable ({type(err).__name__}: {err}); the checkpoint is "
+                              f"corrupt or truncated") from None
+
+
+def check_pickled_items(part: Path, metadata) -> None:
+    """The pickled objects inside the shards (Megatron's ``_extra_state`` and RNG states; the workers'
+    ``dist_checkpointing.load`` unpickles them with ``weights_only=False``) read with
+    ``weights_only=True``: pickled code is refused, naming the shard."""
+    import io
+
+    import torch
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    objects = {k for k, v in metadata.state_dict_metadata.items() if isinstance(v, BytesStorageMetadata)}
+    for index, info in metadata.storage_data.items():
+        if index.fqn not in objects:
+            continue
+        shard = part / info.relative_path
+        with open(shard, "rb") as f:
+            f.seek(int(info.offset))
+            blob = f.read(int(info.length))
+        try:
+            with torch.serialization.safe_globals(mcore_files.safe_globals()):
+                torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
+        except Exception as err:  # noqa: BLE001 - UnpicklingError, zip errors: name the shard
+            first = str(err).strip().splitlines()[0].split(". ")[0] if str(err).strip() else type(err).__name__
+            raise CheckpointError(f"{shard}: its entry {index.fqn} cannot be read safely ({type(err).__name__}: "
+                                  f"{first}); the shard is corrupt, or holds pickled code (refused)") from None
+
+
+def check_dist_shards(part: Path) -> None:
+    """Every shard file the ``.metadata`` of ``part`` indexes exists and holds the indexed bytes, and
+    the objects pickled in them are plain data."""
+    metadata_file = part / mcore_files.DIST_METADATA
+    metadata = read_dist_metadata(part)
+    try:
+        storage = metadata.storage_data
         needed: dict[str, int] = {}
         for info in storage.values():
             needed[info.relative_path] = max(needed.get(info.relative_path, 0), int(info.offset) + int(info.length))
@@ -48,6 +112,7 @@ def check_dist_shards(part: Path) -> None:
         if have < size:
             raise CheckpointError(f"{shard}: {have} bytes, but {metadata_file} indexes {size}; the shard is "
                                   f"truncated (an interrupted copy, or a full disk)")
+    check_pickled_items(part, metadata)
 
 
 def verify_megatron_checkpoint(it_dir: str | Path) -> None:
@@ -57,13 +122,11 @@ def verify_megatron_checkpoint(it_dir: str | Path) -> None:
 
     it_dir = Path(it_dir)
     if mcore_files.is_dist_checkpoint(it_dir):
-        for part in _dist_parts(it_dir):  # common.pt first, with posttrain's messages (pickled code refused)
+        for part in _dist_parts(it_dir):  # posttrain's own reads first: pickled code is refused, never run
             with torch.serialization.safe_globals(mcore_files.safe_globals()):
                 _load_file(part / mcore_files.DIST_COMMON)
-    check_mcore_checkpoint(it_dir)  # common.pt and .metadata readable; a legacy one's rank files
-    if mcore_files.is_dist_checkpoint(it_dir):
-        for part in _dist_parts(it_dir):
             check_dist_shards(part)
+    check_mcore_checkpoint(it_dir)  # common.pt and .metadata readable; a legacy one's rank files
 
 
 def megatron_iterations(save_dir: str | Path) -> list[tuple[int, Path]]:

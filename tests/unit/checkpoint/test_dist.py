@@ -120,3 +120,43 @@ def test_no_earlier_iteration_to_fall_back_to_is_said(dist_save, tmp_path):
     os.truncate(next((save / "iter_0000001").glob("*.distcp")), 10)
     with pytest.raises(CheckpointError, match="no earlier checkpoint next to it to fall back to"):
         checked_start(str(save), LOAD, megatron=True, load_previous_on_corruption=True)
+
+
+class Evil:
+    def __reduce__(self):
+        return (os.system, (f"touch {os.environ['PROBE_MARKER']}",))
+
+
+def test_pickled_code_in_the_metadata_never_runs(dist_save, tmp_path, monkeypatch):
+    """Probe RN39: torch reads .metadata with plain pickle: a payload there is refused before it can run."""
+    import pickle
+
+    save = _copy(dist_save, tmp_path)
+    marker = tmp_path / "PWNED"
+    monkeypatch.setenv("PROBE_MARKER", str(marker))
+    metadata = save / "iter_0000002" / ".metadata"
+    with open(metadata, "rb") as f:
+        loaded = pickle.load(f)
+    loaded.storage_meta = Evil()
+    with open(metadata, "wb") as f:
+        pickle.dump(loaded, f)
+    with pytest.raises(CheckpointError, match="refused: it holds pickled Python objects") as info:
+        checked_start(str(save), LOAD, megatron=True)
+    assert str(metadata) in str(info.value) and not marker.exists()
+
+
+def test_pickled_code_in_a_shard_never_runs(tmp_path, monkeypatch):
+    """Probe RN40: an object pickled in a shard (Megatron unpickles them with weights_only=False) that
+    holds code is refused naming the shard and the entry."""
+    import torch.distributed.checkpoint as dcp
+
+    marker = tmp_path / "PWNED"
+    monkeypatch.setenv("PROBE_MARKER", str(marker))
+    path = tmp_path / "save" / "iter_0000001"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"w": torch.ones(4), "rng_state": [Evil()]}, checkpoint_id=str(path))
+    torch.save({"iteration": 1}, path / "common.pt")
+    with pytest.raises(CheckpointError, match="its entry rng_state cannot be read safely") as info:
+        checked_start(str(tmp_path / "save"), LOAD, megatron=True)
+    assert ".distcp" in str(info.value) and not marker.exists()
