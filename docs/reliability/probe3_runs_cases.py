@@ -44,7 +44,9 @@ def case(cid: str, what: str):
 
 # ---- running posttrain ---------------------------------------------------------------------------------
 def env() -> dict:
-    return {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1"}
+    # the fp32 linear kernel pinned: else each fresh run times its own (probe 2's E6), and two fresh runs
+    # may differ at rounding level; a resume takes its checkpoint's
+    return {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1", "POSTTRAIN_CPU_LINEAR": "blas"}
 
 
 def train_argv(name: str, *overrides: str, root: Path | None = None) -> list[str]:
@@ -93,7 +95,7 @@ def copy_ckpt(src: Path, cid: str) -> Path:
 
 def metrics(out_dir: Path) -> dict[int, dict]:
     rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return {r["iteration"]: {k: v for k, v in r.items() if not k.startswith(("timing/", "time", "e2e_tps", "tps"))}
+    return {r["iteration"]: {k: v for k, v in r.items() if not (k.startswith("timing/") or k == "time" or k.endswith("tps"))}
             for r in rows}
 
 
