@@ -58,14 +58,11 @@ def load_dock(dock: TransferDock, state: Any, path: Path) -> None:
                               f"the checkpoint's: resume with the same values") from None
 
 
-def restore_experience(saved: Any, new_dock, path: Path):
-    """An Experience from :func:`plain_experience`'s data; ``new_dock()`` makes its empty dock."""
-    from posttrain.loops.produce import Experience  # produce imports this module
-
+def restore_experience(saved: Any, exp, path: Path):
+    """Fill the empty Experience ``exp`` from :func:`plain_experience`'s data; returns it."""
     if not isinstance(saved, dict) or not {"dock", "timers", "acc", "metrics"} <= set(saved):
         raise CheckpointError(f"{path}: not the in-flight experiences posttrain saves (found "
                               f"{type(saved).__name__}); the file is corrupt")
-    exp = Experience(new_dock())
     load_dock(exp.td, saved["dock"], path)
     try:
         for key, spans in saved["timers"].items():
@@ -82,13 +79,14 @@ def restore_experience(saved: Any, new_dock, path: Path):
     return exp
 
 
-def load_in_flight(path: Path, new_dock) -> dict[int, Any]:
-    """The in-flight experiences saved in ``path`` (iteration -> Experience)."""
+def load_in_flight(path: Path, new_experience) -> dict[int, Any]:
+    """The in-flight experiences saved in ``path`` (iteration -> Experience); ``new_experience(it)``
+    makes iteration ``it``'s empty one."""
     saved = _load_file(path)
     if not isinstance(saved, dict) or not all(isinstance(k, int) for k in saved):
         raise CheckpointError(f"{path}: expected a dict of iteration -> experience, found {type(saved).__name__}; "
                               f"the file is corrupt")
-    return {it: restore_experience(exp, lambda it=it: new_dock(it), path) for it, exp in saved.items()}
+    return {it: restore_experience(exp, new_experience(it), path) for it, exp in saved.items()}
 
 
 def load_partial(path: Path, dock: TransferDock) -> None:

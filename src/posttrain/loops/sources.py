@@ -120,4 +120,4 @@ def in_flight(session: Session, producer: Producer) -> dict:
     path = session.trainer_state.get("checkpoint_dir")
     if not (session.iteration and path and (Path(path) / IN_FLIGHT).is_file()):
         return {}
-    return load_in_flight(Path(path) / IN_FLIGHT, producer.new_dock)
+    return load_in_flight(Path(path) / IN_FLIGHT, lambda it: Experience(producer.new_dock(it)))

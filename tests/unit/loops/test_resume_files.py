@@ -26,6 +26,10 @@ def _dock(iteration: int):
     return new_dock(4, 2, guarantee_order=True, seed=1 + iteration)
 
 
+def _new(iteration: int) -> Experience:
+    return Experience(_dock(iteration))
+
+
 def _experience(iteration: int) -> Experience:
     exp = Experience(_dock(iteration))
     exp.td.put(["prompts", "responses", "scores"], [0, 1, 2, 3],
@@ -55,7 +59,7 @@ def test_in_flight_experiences_round_trip_as_plain_data(tmp_path):
     path = tmp_path / IN_FLIGHT
     torch.save({3: plain_experience(_experience(3))}, path)
     torch.load(path, weights_only=True)  # nothing but plain data
-    [(it, back)] = load_in_flight(path, _dock).items()
+    [(it, back)] = load_in_flight(path, _new).items()
     want = _experience(3)
     assert it == 3 and back.td.state_dict()["rng"] == want.td.state_dict()["rng"]
     for column in ("prompts", "responses", "scores"):
@@ -75,7 +79,7 @@ def test_pickled_code_in_the_source_files_never_runs(tmp_path, monkeypatch, whic
         path = tmp_path / IN_FLIGHT
         torch.save({3: plain_experience(_experience(3))}, path)
         _plant(path, marker, monkeypatch, 99)
-        load = lambda: load_in_flight(path, _dock)  # noqa: E731
+        load = lambda: load_in_flight(path, _new)  # noqa: E731
     else:
         pool = PartialRollout(n=2, global_batch_size=2, max_split=2, max_tokens=4, max_model_len=None)
         path = tmp_path / PARTIAL
@@ -93,7 +97,7 @@ def test_a_saved_dock_that_does_not_fit_names_the_file(tmp_path):
     path = tmp_path / IN_FLIGHT
     torch.save({3: plain_experience(_experience(3))}, path)
     with pytest.raises(CheckpointError, match="global_batch_size") as info:
-        load_in_flight(path, lambda it: new_dock(8, 2, guarantee_order=True, seed=it))
+        load_in_flight(path, lambda it: Experience(new_dock(8, 2, guarantee_order=True, seed=it)))
     assert str(path) in str(info.value)
 
 
@@ -102,7 +106,7 @@ def test_another_object_in_in_flight_is_named(tmp_path):
     path = tmp_path / IN_FLIGHT
     torch.save(torch.zeros(3), path)
     with pytest.raises(CheckpointError, match="expected a dict of iteration") as info:
-        load_in_flight(path, _dock)
+        load_in_flight(path, _new)
     assert str(path) in str(info.value)
 
 

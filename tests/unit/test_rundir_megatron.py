@@ -1,5 +1,5 @@
 """A Megatron backend's torch_dist checkpoint is checked before its workers load it
-(checkpoint/dist.py, rundir.checked_start): a truncated or missing shard, a garbled ``common.pt`` or
+(rundir.py: checked_start, verify_megatron_checkpoint): a truncated or missing shard, a garbled ``common.pt`` or
 one holding pickled code, and a tracker naming a missing iteration are named, and
 ``--load-previous-on-corruption`` falls back to the previous complete iteration.
 
