@@ -172,7 +172,7 @@ def fill_full(leave_kb: int = 0) -> None:
     subprocess.run(["dd", "if=/dev/zero", f"of={FULL / 'filler'}", "bs=1M"], capture_output=True)
     subprocess.run(["dd", "if=/dev/zero", f"of={FULL / 'filler2'}", "bs=4k"], capture_output=True)
     if leave_kb:
-        truncate(FULL / "filler2", max(0, (FULL / "filler2").stat().st_size - leave_kb * 1024))
+        truncate(FULL / "filler", max(0, (FULL / "filler").stat().st_size - leave_kb * 1024))
 
 
 def umount_full() -> None:
