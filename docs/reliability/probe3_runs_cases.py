@@ -398,16 +398,16 @@ def rn8():
 @case("RN9", "partial_rollout.pt deleted, resume with the same setting")
 def rn9():
     ck = copy_ckpt(partial_ref(), "RN9")
-    (ck / "iter_0000002/partial_rollout.pt").unlink()
-    show(*resume("RN9", ck, "megatron_training.train_iters=3", *PR))
+    (ck / "iter_0000003/partial_rollout.pt").unlink()
+    show(*resume("RN9", ck, "megatron_training.train_iters=4", *PR))
 
 
 @case("RN10", "partial_rollout.pt cut to 3000 bytes, resume (then --load-previous-on-corruption)")
 def rn10():
     ck = copy_ckpt(partial_ref(), "RN10")
-    truncate(ck / "iter_0000002/partial_rollout.pt", 3000)
-    show(*resume("RN10", ck, "megatron_training.train_iters=3", *PR))
-    show(*resume("RN10b", ck, "megatron_training.train_iters=3", *PR, flags=("--load-previous-on-corruption",)))
+    truncate(ck / "iter_0000003/partial_rollout.pt", 3000)
+    show(*resume("RN10", ck, "megatron_training.train_iters=4", *PR))
+    show(*resume("RN10b", ck, "megatron_training.train_iters=4", *PR, flags=("--load-previous-on-corruption",)))
 
 
 @case("RN11", "the synchronous checkpoint resumed with async_staleness=1 (a deliberate switch)")
