@@ -465,14 +465,14 @@ def rn16():
     print("metrics iterations:", sorted(metrics(K / "RN16/out")), "tracker", tracker(base))
 
 
-@case("RN17", "a full disk (tmpfs) during the 2nd save: previous checkpoint intact, tracker unchanged, resumable")
+@case("RN17", "a 260 MB tmpfs fills at the 3rd save: previous checkpoint intact, tracker unchanged, resumable")
 def rn17():
-    mount_full("64m")
-    rc, out = run(train_argv("RN17", "megatron_training.train_iters=3", root=FULL))
+    mount_full("260m")
+    rc, out = run(train_argv("RN17", "megatron_training.train_iters=5", root=FULL))
     show(rc, out)
     ck = FULL / "RN17/ckpt"
     print("tracker", tracker(ck), "entries", sorted(p.name for p in ck.iterdir()))
-    show(*G("RN17b", "megatron_training.train_iters=3", f"actor_config.load={ck}", "actor_config.finetune=false"))
+    show(*G("RN17b", "megatron_training.train_iters=5", f"actor_config.load={ck}", "actor_config.finetune=false"))
 
 
 def _poisoned(cid: str, name: str, marker: str) -> None:
