@@ -116,6 +116,8 @@ def same_run(a_out: Path, b_out: Path, a_iter: Path | None = None, b_iter: Path 
 
 
 def resume(cid: str, load: Path, *overrides: str, flags: tuple[str, ...] = ()) -> tuple[int, str]:
+    if not str(load).startswith(str(K / cid) + "/"):  # a fresh save dir for a resume from another case's copy
+        shutil.rmtree(K / cid, ignore_errors=True)
     return G(cid, f"actor_config.load={load}", "actor_config.finetune=false", *overrides, flags=flags)
 
 
@@ -570,6 +572,7 @@ def rn30():
 def rn31():
     ck = copy_ckpt(mg_ref(), "RN31")
     show(*resume("RN31", ck, "rl_config.actor_resource.num_npus=2", "actor_config.backend=megatron",
+                 "actor_config.micro_batch_size=8",
                  "megatron_training.train_iters=4", "megatron_training.save_interval=1"))
 
 
@@ -590,10 +593,10 @@ def rn33():
     print("tracker", tracker(ck), "entries", sorted(p.name for p in ck.iterdir()) if ck.is_dir() else "-")
 
 
-@case("RN34", "eval.jsonl fills the disk (held-out eval every iteration, 8 KB free)")
+@case("RN34", "eval.jsonl and metrics.jsonl fill the disk (held-out eval every iteration, 48 KB free)")
 def rn34():
     mount_full()
-    fill_full(leave_kb=8)
+    fill_full(leave_kb=48)
     rc, out = G("RN34", "megatron_training.train_iters=6", f"rl_config.output_dir={FULL / 'out'}",
                 "rl_config.eval_data_path=probe/data/rl/data", "rl_config.eval_interval=1", "rl_config.eval_limit=4")
     show(rc, out)

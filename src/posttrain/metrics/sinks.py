@@ -96,11 +96,11 @@ class LogWriteError(PosttrainError):
     """A run's log file (metrics.jsonl, eval.jsonl, config.json, run.json) cannot be written."""
 
 
-def _write_failed(path: Path, what: str, err: OSError) -> LogWriteError:
+def _write_failed(path: Path, what: str, err: OSError, kept: str = "the file keeps every complete line it had"
+                  ) -> LogWriteError:
     why = "the disk is full" if err.errno in (errno.ENOSPC, errno.EDQUOT) else (err.strerror or str(err))
-    return LogWriteError(f"{path}: cannot write {what} ({why}); the file keeps every complete line it had. Free "
-                         f"space (or fix the directory) and resume from the last checkpoint: its iterations are "
-                         f"logged again")
+    return LogWriteError(f"{path}: cannot write {what} ({why}); {kept}. Free space (or fix the directory) and "
+                         f"resume from the last checkpoint, if any: its later iterations are logged again")
 
 
 def write_text_atomic(path: str | Path, text: str) -> None:
@@ -117,7 +117,7 @@ def write_text_atomic(path: str | Path, text: str) -> None:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         if isinstance(err, OSError):
-            raise _write_failed(path, "it", err) from None
+            raise _write_failed(path, "it", err, "the file is as it was") from None
         raise
 
 
