@@ -32,6 +32,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from posttrain.checkpoint.save import disk_full
 from posttrain.errors import CheckpointError
@@ -139,8 +140,8 @@ def save_megatron_checkpoint(save_dir: str | Path, iteration: int, parts: dict[s
         try:
             _write(path, part, args, iteration, ckpt_format=ckpt_format, save_optim=save_optim,
                    save_rng=save_rng and not name)
-        except (OSError, RuntimeError, ValueError) as err:  # a full disk: torch raises RuntimeError or OSError
-            error = err
+        except (OSError, RuntimeError, ValueError, CheckpointException) as err:  # a full disk: torch raises
+            error = err  # RuntimeError or OSError; dist_checkpointing a CheckpointException (a BaseException)
         _agree(error, final, save_dir, tmp)
     if dist.get_rank() == 0:
         try:
@@ -161,6 +162,9 @@ def _agree(error: BaseException | None, final: Path, save_dir: Path, tmp: Path) 
     if dist.get_rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
     dist.barrier()
+    if isinstance(error, CheckpointException):  # the ranks' own errors (a full disk: "unexpected pos")
+        first = next(iter(error.failures.values()), (error,))  # (exception, its traceback)
+        error = first[0] if isinstance(first, tuple) else first
     tracker = save_dir / mcore_files.TRACKER
     kept = tracker.read_text(encoding="utf-8").strip() if tracker.is_file() else None
     why = f"{type(error).__name__}: {str(error).splitlines()[0][:300] if str(error) else ''}" if error else \
