@@ -154,22 +154,24 @@ def save_megatron_checkpoint(save_dir: str | Path, iteration: int, parts: dict[s
 
 def _agree(error: BaseException | None, final: Path, save_dir: Path, tmp: Path) -> None:
     """A collective: when any rank failed, rank 0 removes the temporary directory and every rank
-    raises :class:`CheckpointError` (the previous checkpoint and the tracker are untouched)."""
-    failed = torch.tensor([1 if error is not None else 0], dtype=torch.int64)
-    dist.all_reduce(failed)
-    if not int(failed.item()):
+    raises the same :class:`CheckpointError` (the previous checkpoint and the tracker are untouched)."""
+    if isinstance(error, CheckpointException):  # the ranks' own errors (a full disk: "unexpected pos")
+        first = next(iter(error.failures.values()), (error,))  # (exception, its traceback)
+        error = first[0] if isinstance(first, tuple) else first
+    mine = None
+    if error is not None:
+        text = str(error).splitlines()[0][:300] if str(error) else ""
+        mine = ("the disk is full: " if disk_full(error) else "") + f"{type(error).__name__}: {text}"
+    said: list = [None] * dist.get_world_size()
+    dist.all_gather_object(said, mine)
+    why = next((s for s in said if s is not None), None)
+    if why is None:
         return
     if dist.get_rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
     dist.barrier()
-    if isinstance(error, CheckpointException):  # the ranks' own errors (a full disk: "unexpected pos")
-        first = next(iter(error.failures.values()), (error,))  # (exception, its traceback)
-        error = first[0] if isinstance(first, tuple) else first
     tracker = save_dir / mcore_files.TRACKER
     kept = tracker.read_text(encoding="utf-8").strip() if tracker.is_file() else None
-    why = f"{type(error).__name__}: {str(error).splitlines()[0][:300] if str(error) else ''}" if error else \
-        "it failed on another rank"
-    why = f"the disk is full: {why}" if error is not None and disk_full(error) else why
     previous = f"the previous checkpoint {save_dir / f'iter_{int(kept):07d}'} is intact" if kept and kept.isdigit() \
         else "nothing was saved"
     raise CheckpointError(f"saving checkpoint {final} failed ({why}); {previous} and the tracker unchanged. Free "
