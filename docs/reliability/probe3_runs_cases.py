@@ -164,8 +164,12 @@ def tracker(ckpt: Path) -> str:
     return t.read_text().strip() if t.exists() else "-"
 
 
+MOUNTED = []
+
+
 def mount_full(size: str = "64m") -> None:
     umount_full()
+    MOUNTED.append(FULL)
     FULL.mkdir(parents=True, exist_ok=True)
     subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(FULL)], check=True)
 
@@ -178,7 +182,7 @@ def fill_full(leave_kb: int = 0) -> None:
 
 
 def umount_full() -> None:
-    if FULL.is_dir() and os.path.ismount(FULL):
+    if MOUNTED and FULL.is_dir() and os.path.ismount(FULL):
         subprocess.run(["umount", str(FULL)], check=True)
 
 
@@ -285,10 +289,10 @@ def i3():
     print("left in the full disk:", sorted(p.name for p in FULL.iterdir()))
 
 
-@case("I8", "28 KB free: metrics.jsonl fills the disk mid-run; then free space and resume")
+@case("I8", "20 KB free: metrics.jsonl fills the disk mid-run; then free space and resume")
 def i8():
     mount_full()
-    fill_full(leave_kb=28)  # the lock file, config.json, run.json and a few metric lines
+    fill_full(leave_kb=20)  # the lock file, config.json, run.json and a few metric lines
     shutil.rmtree(K / "I8", ignore_errors=True)
     rc, out = G("I8", "megatron_training.train_iters=12", f"rl_config.output_dir={FULL / 'out8'}")
     show(rc, out)
@@ -593,10 +597,10 @@ def rn33():
     print("tracker", tracker(ck), "entries", sorted(p.name for p in ck.iterdir()) if ck.is_dir() else "-")
 
 
-@case("RN34", "eval.jsonl and metrics.jsonl fill the disk (held-out eval every iteration, 48 KB free)")
+@case("RN34", "eval.jsonl and metrics.jsonl fill the disk (held-out eval every iteration, 24 KB free)")
 def rn34():
     mount_full()
-    fill_full(leave_kb=48)
+    fill_full(leave_kb=24)
     rc, out = G("RN34", "megatron_training.train_iters=6", f"rl_config.output_dir={FULL / 'out'}",
                 "rl_config.eval_data_path=probe/data/rl/data", "rl_config.eval_interval=1", "rl_config.eval_limit=4")
     show(rc, out)
