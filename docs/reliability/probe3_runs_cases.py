@@ -601,6 +601,7 @@ def rn33():
 def rn34():
     mount_full()
     fill_full(leave_kb=24)
+    shutil.rmtree(K / "RN34", ignore_errors=True)
     rc, out = G("RN34", "megatron_training.train_iters=6", f"rl_config.output_dir={FULL / 'out'}",
                 "rl_config.eval_data_path=probe/data/rl/data", "rl_config.eval_interval=1", "rl_config.eval_limit=4")
     show(rc, out)
