@@ -110,6 +110,25 @@ def test_corrupt_torch_files_name_the_file(base_run, mini_world, tmp_path, capsy
     assert code == 2 and f"iter_0000002/{name}: cannot be read" in err and "iter_0000001" in err
 
 
+@pytest.mark.parametrize("name", ["in_flight.pt", "partial_rollout.pt"])
+def test_a_truncated_source_file_is_named_before_the_model_is_built(base_run, mini_world, tmp_path, capsys, caplog,
+                                                                    name):
+    """Probes KN1, RN10: a truncated in_flight.pt / partial_rollout.pt in the latest checkpoint is named
+    (with the previous checkpoint) before any model is built, and --load-previous-on-corruption falls
+    back to the previous complete checkpoint."""
+    def damage(path):
+        torch.save({"data": torch.zeros(1000)}, path / name)
+        with open(path / name, "r+b") as f:
+            f.truncate(2000)
+
+    run, argv = damaged(base_run, tmp_path, mini_world, damage)
+    code, err = run_cli(["train", *argv], capsys)
+    assert code == 2 and f"iter_0000002/{name}: cannot be read" in err and "iter_0000001 exists" in err
+    with caplog.at_level(logging.WARNING):
+        code, _ = run_cli(["train", *argv, "--load-previous-on-corruption"], capsys)
+    assert code == 0 and metrics_iterations(run) == [1, 2, 3]
+
+
 def test_load_previous_on_corruption_falls_back_and_warns(base_run, mini_world, tmp_path, capsys, caplog):
     """Probe K7: ``--load-previous-on-corruption`` after a truncated model.safetensors."""
     run, argv = damaged(base_run, tmp_path, mini_world, _truncate(1000))
