@@ -597,10 +597,10 @@ def rn33():
     print("tracker", tracker(ck), "entries", sorted(p.name for p in ck.iterdir()) if ck.is_dir() else "-")
 
 
-@case("RN34", "eval.jsonl and metrics.jsonl fill the disk (held-out eval every iteration, 24 KB free)")
+@case("RN34", "eval.jsonl and metrics.jsonl fill the disk (held-out eval every iteration, 20 KB free)")
 def rn34():
     mount_full()
-    fill_full(leave_kb=24)
+    fill_full(leave_kb=20)
     shutil.rmtree(K / "RN34", ignore_errors=True)
     rc, out = G("RN34", "megatron_training.train_iters=6", f"rl_config.output_dir={FULL / 'out'}",
                 "rl_config.eval_data_path=probe/data/rl/data", "rl_config.eval_interval=1", "rl_config.eval_limit=4")
