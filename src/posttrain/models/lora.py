@@ -257,8 +257,7 @@ def merge_to_hf(load_dir: str | Path, out_dir: str | Path, *, force: bool = Fals
     check_hf_target(out_dir, force)
     base = adapter_base(path)
     merged = load_merged(path, dtype="float32")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    with _staging(out_dir.parent, f".{out_dir.name}.tmp-") as tmp:
+    with _staging(out_dir.parent, out_dir.name, out_dir) as tmp:
         save_hf_weights(merged, tmp)
         copy_tokenizer(path if (path / "tokenizer_config.json").is_file() else base, tmp)
         _publish_dir(tmp, out_dir)

@@ -10,12 +10,26 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from posttrain.errors import CheckpointError
+from posttrain.errors import CheckpointError, ConfigError
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
                    "merges.txt", "tokenizer.model", "added_tokens.json", "chat_template.jinja",
                    "generation_config.json")
 SAFETENSORS_INDEX = "model.safetensors.index.json"
+
+
+def read_hf_config(path: Path) -> dict:
+    """An HF ``config.json``, as a dict; a file that is not one is refused with its name and line."""
+    try:
+        config = json.loads(Path(path).read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"{path}: not valid JSON (line {err.lineno}, column {err.colno}: {err.msg}); "
+                          f"restore the model's config.json") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError(f"{path}: cannot be read ({err})") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"{path}: expected a JSON object of model settings, found {type(config).__name__}")
+    return config
 
 
 class HFWeights:
@@ -57,6 +71,9 @@ class HFWeights:
         if not files:
             raise CheckpointError(f"{self.dir}: no *.safetensors or pytorch_model*.bin weights")
         return files
+
+    def names(self) -> list[str]:
+        return list(self._where)
 
     def __contains__(self, name: str) -> bool:
         return name in self._where
