@@ -375,7 +375,7 @@ def cv6():
 @case("CV7", "--num-layer-list 3,3 with mg -> hf (the split comes from the checkpoint)")
 def cv7():
     d = fresh("CV7")
-    report(*m2h(fixture("tp2pp2", 2, 2), d, "--num-layer-list", "3,3"), out=listing(d)[:2])
+    report(*m2h(fixture("tp2pp2", 2, 2), d, "--num-layer-list", "3,3"), files=listing(d)[:2])
 
 
 @case("CV8", "--orm with mg -> hf of a causal LM checkpoint")
@@ -401,7 +401,7 @@ def cv10():
     (d / "tok").mkdir()
     (d / "tok" / "readme.txt").write_text("no tokenizer here\n")
     rc, out = m2h(fixture("tp1", 1, 1), d, "--tokenizer-model", str(d / "tok"))
-    report(rc, out, out=listing(d / "mg2hf"))
+    report(rc, out, files=listing(d / "mg2hf"))
 
 
 @case("CV11", "hf -> mg with --save-dir = --load-dir")
@@ -577,7 +577,7 @@ def cv29():
         (m / n).unlink(missing_ok=True)
     rc, out = h2m_from(m, m.parent / "mg")
     rc2, out2 = m2h(m.parent / "mg", m.parent / "hf")
-    report(rc2, out + out2, first_rc=rc, out=listing(m.parent / "hf" / "mg2hf"))
+    report(rc2, out + out2, first_rc=rc, files=listing(m.parent / "hf" / "mg2hf"))
 
 
 def bad_config(cid: str, text: str) -> None:

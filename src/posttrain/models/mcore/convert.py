@@ -108,9 +108,8 @@ def hf_to_mcore(load_dir: str | Path, save_dir: str | Path, *, tp: int = 1, pp: 
     if arch.qkv_bias and not add_qkv_bias:
         log(f"note: {load_dir} has q/k/v biases; they are converted (the seed's converter needs --add-qkv-bias)")
     out_dtype = params_dtype(dtype)
+    splits.check_tp(tp, heads=arch.num_attention_heads, groups=arch.num_kv_heads, ffn=arch.ffn_hidden_size)
     padded = splits.padded_vocab_size(arch.vocab_size, divisor, tp)
-    splits.check_tp(tp, heads=arch.num_attention_heads, groups=arch.num_kv_heads, ffn=arch.ffn_hidden_size,
-                    padded_vocab=padded)
     if layers_per_virtual_stage and pp < 2:
         raise ConfigError("--num-layers-per-virtual-pipeline-stage needs --target-pipeline-parallel-size > 1")
     par = mcore_files.Parallel(tp, pp, 1, mcore_files.pipeline_stages(arch.num_layers, pp, num_layer_list,

@@ -77,9 +77,9 @@ def write_failed(err: BaseException, tmp: Path, target: Path) -> CheckpointError
     text = str(err).lower()
     full = getattr(err, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or any(h in text for h in _FULL_HINTS)
     if full:
-        return CheckpointError(f"the disk is full: writing {target} ran out of space after "
-                               f"{written / 2**20:.1f} MiB ({_free_bytes(tmp) / 2**20:.1f} MiB free); nothing was "
-                               f"left behind. Free disk space or give a --save-dir on another disk")
+        after = f" after {written / 2**20:.1f} MiB" if written >= 2**20 else ""
+        return CheckpointError(f"the disk is full: writing {target} ran out of space{after} (No space left on "
+                               f"device); nothing was left behind. Free disk space or give a --save-dir on another disk")
     return CheckpointError(f"writing {target} failed ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}); "
                            f"nothing was left behind")
 

@@ -73,10 +73,12 @@ def staged(path: Path) -> list[str]:
     (["--target-pipeline-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "-1"],
      "--num-layers-per-virtual-pipeline-stage must be a positive integer, found -1"),
     (["--make-vocab-size-divisible-by", "1000000000"], "pads the vocabulary of 100 tokens to 1000000000 rows"),
+    (["--target-tensor-parallel-size", str(2**31)], "tensor parallel size 2147483648 does not divide the model's 4"),
 ])
 def test_sizes_below_one_or_absurd_are_refused_by_flag(ckpts, tmp_path, capsys, flags, pattern):
-    """Probe V1c, V4b, CV3, CV4: TP 0 (was ZeroDivisionError), VPP 0 (was written as plain PP 2),
-    VPP -1, a divisor that pads the vocabulary to 10^9 rows: refused by flag, nothing written."""
+    """Probe V1c, V4b, CV3, CV4, CV1: TP 0 (was ZeroDivisionError), VPP 0 (was written as plain PP 2),
+    VPP -1, a divisor that pads the vocabulary to 10^9 rows (was an allocator traceback), TP 2^31:
+    refused by flag, nothing written."""
     refused(capsys, hf_to_mg(ckpts, tmp_path / "mg", *flags), pattern)
     assert not (tmp_path / "mg").exists()
 
