@@ -445,7 +445,7 @@ def cv14():
 def cv15():
     d = fresh("CV15") / "ro"
     d.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,ro", "tmpfs", str(d)], check=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m,ro", "tmpfs", str(d)], check=True)
     try:
         report(*h2m(d / "mg"))
     finally:

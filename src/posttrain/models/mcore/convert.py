@@ -232,7 +232,7 @@ def check_mcore_target(save_dir: Path, force: bool) -> None:
         return
     ours = targets.is_converts_release(release)
     what = ("a Megatron checkpoint written by posttrain convert" if ours else
-            f"a {'file' if release.is_file() else 'directory' if release.is_dir() else 'link'} {release} "
+            f"a {'link' if release.is_symlink() else 'file' if release.is_file() else 'directory'} {release} "
             f"that posttrain convert did not write" if os.path.lexists(release) else f"a tracker {tracker}")
     if not force:
         raise ConfigError(f"--save-dir {save_dir} already holds {what}; give an empty or new directory"

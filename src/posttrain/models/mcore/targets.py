@@ -85,7 +85,14 @@ def write_failed(err: BaseException, tmp: Path, target: Path) -> CheckpointError
 
 
 def check_free_space(target: Path, needed: int) -> None:
-    """Refuse up front when ``target``'s disk (its nearest existing ancestor's) has less than ``needed`` bytes free."""
+    """Refuse up front when ``target`` (its nearest existing ancestor) cannot be written, or its disk
+    has less than ``needed`` bytes free."""
+    existing = Path(target)
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not os.access(existing, os.W_OK):
+        raise CheckpointError(f"cannot write in {existing} for {target} (a read-only file system, or no write "
+                              f"permission); give a --save-dir you can write")
     free = _free_bytes(target)
     if free is not None and free < needed:
         raise CheckpointError(f"the disk is full: writing {target} needs about {needed / 2**20:.1f} MiB but only "

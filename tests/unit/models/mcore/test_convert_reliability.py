@@ -87,8 +87,9 @@ def test_sizes_below_one_or_absurd_are_refused_by_flag(ckpts, tmp_path, capsys, 
 
 @pytest.mark.parametrize("force", [False, True])
 def test_a_user_release_file_or_dir_in_the_target_is_never_deleted(ckpts, tmp_path, capsys, force):
-    """Probe V7d, V7e, CV16: a user file named release, a user release/ dir, a release/ another tool
-    wrote (no convert manifest): refused without --force and with it; nothing of it is deleted."""
+    """Probe V7d, V7e, CV13, CV16: a user file named release, a user release/ dir, a link named release,
+    a release/ another tool wrote (no convert manifest): refused without --force and with it;
+    nothing of it is deleted."""
     (tmp_path / "a").mkdir()
     (tmp_path / "a" / "release").write_text("mine")
     (tmp_path / "b" / "release").mkdir(parents=True)
@@ -96,6 +97,10 @@ def test_a_user_release_file_or_dir_in_the_target_is_never_deleted(ckpts, tmp_pa
     extra = ["--force"] if force else []
     refused(capsys, hf_to_mg(ckpts, tmp_path / "a", *extra), "a file .*/a/release that posttrain convert did not write")
     refused(capsys, hf_to_mg(ckpts, tmp_path / "b", *extra), "a directory .*/b/release that posttrain convert did not")
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "release").symlink_to(tmp_path / "b" / "release")
+    refused(capsys, hf_to_mg(ckpts, tmp_path / "c", *extra), "a link .*/c/release that posttrain convert did not")
+    assert (tmp_path / "c" / "release").is_symlink()
     assert (tmp_path / "a" / "release").read_text() == "mine"
     assert (tmp_path / "b" / "release" / "mine.txt").read_text() == "precious"
     other = copy_of(ckpts, "tp1", tmp_path)
@@ -270,13 +275,16 @@ def test_a_full_disk_is_one_message_and_leaves_nothing(ckpts, tmp_path, capsys, 
 
 
 def test_an_unwritable_target_is_one_message(ckpts, tmp_path, capsys, monkeypatch):
-    """Probe CV15: a read-only target (EROFS from mkdir) is one message naming the directory."""
+    """Probe CV15: a read-only target (EROFS from mkdir; a read-only mount said so before the free
+    space is checked, which named a full disk) is one message naming the directory."""
     def read_only(*a, **k):
         raise OSError(errno.EROFS, "Read-only file system")
 
     monkeypatch.setattr(targets.tempfile, "mkdtemp", read_only)
     refused(capsys, hf_to_mg(ckpts, tmp_path / "mg"), r"cannot write in .*/mg .*Read-only file system")
     assert not (tmp_path / "mg").exists()
+    monkeypatch.setattr(targets.os, "access", lambda path, mode: False)  # checked before the free space
+    refused(capsys, hf_to_mg(ckpts, tmp_path / "mg"), r"cannot write in .* \(a read-only file system, or no write")
 
 
 def test_a_dead_runs_staging_dir_is_removed_by_the_next_run(ckpts, tmp_path):
