@@ -305,7 +305,7 @@ def kill_case(cid: str, sig: int, mg_to_hf: bool = False) -> None:
     else:
         argv = ["--load-model-type", "hf", "--save-model-type", "mg", "--load-dir", str(model()), "--save-dir",
                 str(d), "--target-tensor-parallel-size", "2", "--target-pipeline-parallel-size", "2"]
-    rc = kill_during(argv, d, ".*", sig, 0.05)
+    rc = kill_during(argv, d, ".*", sig, 0.0 if mg_to_hf else 0.05)
     after_kill = staging_left(d)
     rc2, out = convert(*argv)
     report(rc2, out, killed_rc=rc, staging_after_kill=after_kill, staging_after_rerun=staging_left(d),

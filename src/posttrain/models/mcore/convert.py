@@ -22,7 +22,8 @@ import torch
 from posttrain.errors import CheckpointError, ConfigError
 from posttrain.models.arch import ModelArch, arch_from_hf_config
 from posttrain.models.mcore import mapping, mcore_files, rank_checks, splits, targets
-from posttrain.models.mcore.hf_files import TOKENIZER_FILES, HFWeights, ShardedWriter, copy_tokenizer, read_hf_config
+from posttrain.models.mcore.hf_files import (TOKENIZER_FILES, HFWeights, ShardedWriter, check_shapes, copy_tokenizer,
+                                             read_hf_config)
 
 SUPPORTED = ("qwen2", "qwen3", "llama")
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
@@ -102,6 +103,7 @@ def hf_to_mcore(load_dir: str | Path, save_dir: str | Path, *, tp: int = 1, pp: 
     read_hf_config(load_dir / "config.json")
     weights = HFWeights(load_dir)
     arch = hf_arch(load_dir, weights, orm=orm)
+    check_shapes(load_dir, weights)
     if add_qkv_bias and not arch.qkv_bias:
         raise ConfigError(f"--add-qkv-bias: {load_dir} has no q/k/v biases (model_type {arch.model_type}); "
                           f"drop the flag")

@@ -109,6 +109,24 @@ class HFWeights:
         return part.clone()  # its own storage: torch.save of a view would write the whole tensor
 
 
+def check_shapes(hf_dir: Path, weights: "HFWeights") -> None:
+    """Refuse a weights file whose tensor shapes do not match what config.json describes (the model
+    built on the meta device, so nothing is allocated), naming the first tensor that differs."""
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(str(hf_dir))
+    cls = getattr(transformers, (getattr(config, "architectures", None) or [""])[0], None)
+    cls = cls if cls is not None and hasattr(cls, "_from_config") else transformers.AutoModelForCausalLM
+    with torch.device("meta"):
+        built = cls._from_config(config) if cls is not transformers.AutoModelForCausalLM else cls.from_config(config)
+        expected = {k: tuple(v.shape) for k, v in built.state_dict().items()}
+    for name in weights.names():
+        if name in expected and weights.shape(name) != expected[name]:
+            raise CheckpointError(f"{hf_dir}: the weights' {name} has shape {weights.shape(name)} but "
+                                  f"config.json describes {expected[name]}; the weights and config.json do not "
+                                  f"belong together")
+
+
 class ShardedWriter:
     """Write tensors into ``model-0000i-of-0000n.safetensors`` files of at most ``max_bytes`` each
     (``model.safetensors`` when one file is enough) plus the index, holding one shard in memory."""

@@ -239,6 +239,8 @@ def zip_crcs(path: Path) -> tuple[int, ...]:
 def load_rank_file(path: Path, *, mmap: bool = True, verify: bool = True) -> dict:
     """Read one ``model_optim_rng.pt`` safely (see the module doc), its zip CRCs checked first
     unless ``verify`` is off; names the file on any error."""
+    if path.is_dir():
+        raise CheckpointError(f"{path} is a directory, not a rank file; put the rank's model_optim_rng.pt back")
     if not path.is_file():
         raise CheckpointError(f"{path} is missing: the checkpoint lacks this rank's shard")
     if verify:

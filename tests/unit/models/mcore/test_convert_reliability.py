@@ -334,3 +334,27 @@ def test_orm_and_an_empty_tokenizer_dir_are_refused_for_mg_to_hf(ckpts, tmp_path
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
     weights = load_file(ckpts["hf"] / "model.safetensors")
     assert weights  # the fixture model is intact
+
+
+def test_hf_weights_that_do_not_match_config_json_are_refused(ckpts, tmp_path, capsys):
+    """Probe CV33: a q_proj weight with half its rows was split and written with exit 0."""
+    from safetensors.torch import save_file
+
+    model = tmp_path / "model"
+    shutil.copytree(ckpts["hf"], model)
+    weights = load_file(model / "model.safetensors")
+    name = "model.layers.1.self_attn.q_proj.weight"
+    weights[name] = weights[name][: weights[name].shape[0] // 2].clone()
+    save_file(weights, str(model / "model.safetensors"), metadata={"format": "pt"})
+    refused(capsys, [*HF_TO_MG, "--load-dir", str(model), "--save-dir", str(tmp_path / "mg")],
+            rf"{name} has shape \(32, 64\) but config.json describes \(64, 64\)")
+    assert not (tmp_path / "mg").exists()
+
+
+def test_a_directory_in_place_of_a_rank_file_is_called_one(ckpts, tmp_path, capsys):
+    """Probe CV21: it was reported as a missing file."""
+    mg = copy_of(ckpts, "tp2pp2", tmp_path)
+    rank_file(mg, "mp_rank_01_000").unlink()
+    rank_file(mg, "mp_rank_01_000").mkdir()
+    refused(capsys, [*MG_TO_HF, "--load-dir", str(mg), "--save-dir", str(tmp_path / "out")],
+            "mp_rank_01_000/model_optim_rng.pt is a directory, not a rank file")
