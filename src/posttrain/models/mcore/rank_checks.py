@@ -59,8 +59,9 @@ def check_same_shapes(obj: dict, path: Path, ref: dict, ref_path: Path, chunks: 
         mine, theirs = obj.get(key) or {}, ref.get(key) or {}
         if set(mine) != set(theirs):
             odd = sorted(set(mine) ^ set(theirs))[0]
-            raise CheckpointError(f"{path}: its tensors differ from TP rank 0's ({ref_path}), e.g. {odd!r}; "
-                                  f"the file is a shard of another model or split")
+            how = "has no tensor" if odd in theirs else "has an extra tensor"
+            raise CheckpointError(f"{path}: its {key!r} {how} {odd!r} (compared with TP rank 0's, {ref_path}); "
+                                  f"the file is damaged or a shard of another model or split")
         for name, t in mine.items():
             if hasattr(t, "shape") and tuple(t.shape) != tuple(getattr(theirs[name], "shape", ())):
                 raise CheckpointError(f"{path}: {name} has shape {tuple(t.shape)} but TP rank 0's ({ref_path}) has "

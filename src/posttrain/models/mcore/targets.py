@@ -121,7 +121,9 @@ def _make_dirs(parent: Path, target: Path) -> list[Path]:
     except FileExistsError:
         raise ConfigError(f"--save-dir {target}: {parent} is an existing file; give a directory") from None
     except OSError as err:
-        raise CheckpointError(f"cannot create {parent} for {target} ({err.strerror or err})") from None
+        where = "" if parent == target else f" for {target}"
+        raise CheckpointError(f"cannot create {parent}{where} ({err.strerror or err}: a part of the path is a file "
+                              f"or cannot be written); give another --save-dir") from None
     return missing
 
 

@@ -358,3 +358,10 @@ def test_a_directory_in_place_of_a_rank_file_is_called_one(ckpts, tmp_path, caps
     rank_file(mg, "mp_rank_01_000").mkdir()
     refused(capsys, [*MG_TO_HF, "--load-dir", str(mg), "--save-dir", str(tmp_path / "out")],
             "mp_rank_01_000/model_optim_rng.pt is a directory, not a rank file")
+
+
+def test_a_save_dir_under_a_file_is_one_message(ckpts, tmp_path, capsys):
+    """Probe CV37: --save-dir model/config.json/sub was a NotADirectoryError traceback."""
+    (tmp_path / "file").write_text("x")
+    refused(capsys, hf_to_mg(ckpts, tmp_path / "file" / "sub"), r"cannot create .*/file/sub \(Not a directory")
+    assert (tmp_path / "file").read_text() == "x"
