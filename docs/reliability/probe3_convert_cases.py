@@ -534,9 +534,16 @@ def cv23():
     planted("CV23", "legacy")
 
 
-@case("CV24", "SIGINT mid mg -> hf, then a re-run")
+@case("CV24", "SIGINT mid hf -> mg --force TP 2 x PP 2 over a complete TP 1 checkpoint")
 def cv24():
-    kill_case("CV24", signal.SIGINT, mg_to_hf=True)
+    mg = copy_fixture("tp1", 1, 1, "CV24")
+    before = rank_file(mg, "mp_rank_00").read_bytes()
+    argv = ["--load-model-type", "hf", "--save-model-type", "mg", "--load-dir", str(model()), "--save-dir", str(mg),
+            "--target-tensor-parallel-size", "2", "--target-pipeline-parallel-size", "2", "--force"]
+    rc = kill_during(argv, mg, ".posttrain-convert-*", signal.SIGINT, 0.05)
+    report(rc, "", old_checkpoint=("intact" if rank_file(mg, "mp_rank_00").is_file()
+                                   and rank_file(mg, "mp_rank_00").read_bytes() == before else "CHANGED"),
+           staging=staging_left(mg), tracker=(mg / "latest_checkpointed_iteration.txt").read_text().strip())
 
 
 @case("CV25", "SIGKILL mid mg -> hf, then a re-run")

@@ -365,3 +365,24 @@ def test_a_save_dir_under_a_file_is_one_message(ckpts, tmp_path, capsys):
     (tmp_path / "file").write_text("x")
     refused(capsys, hf_to_mg(ckpts, tmp_path / "file" / "sub"), r"cannot create .*/file/sub \(Not a directory")
     assert (tmp_path / "file").read_text() == "x"
+
+
+@pytest.mark.parametrize("config,pattern", [
+    ('{"r": 8,', r"adapter_config.json: not valid JSON \(line 1, column 9"),
+    ('{"r": 8, "target_modules": ["k_proj"]}', r"target_modules \['k_proj'\] but adapter_model.safetensors holds "
+                                               r"LoRA weights for \['q_proj'\], which would not be merged"),
+])
+def test_merge_lora_refuses_an_adapter_whose_config_is_broken_or_does_not_match_its_weights(tmp_path, capsys,
+                                                                                           config, pattern):
+    """Probe CV44, CV42: a truncated adapter_config.json was a JSONDecodeError traceback; a config that
+    targets k_proj over q_proj weights merged nothing, with exit 0."""
+    from safetensors.torch import save_file
+
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(config)
+    save_file({"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.zeros(8, 4)},
+              str(adapter / "adapter_model.safetensors"))
+    refused(capsys, ["convert", "--load-model-type", "hf", "--save-model-type", "hf", "--merge-lora", "--load-dir",
+                     str(adapter), "--save-dir", str(tmp_path / "merged")], pattern)
+    assert not (tmp_path / "merged").exists()
