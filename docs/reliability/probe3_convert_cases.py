@@ -286,7 +286,8 @@ def cv45():
 
 def kill_during(argv: list[str], where: Path, pattern: str, sig: int, delay: float) -> int:
     p = subprocess.Popen([PY, "-m", "posttrain", "convert", *argv], env=ENV, stdout=subprocess.DEVNULL,
-                         stderr=subprocess.DEVNULL)
+                         stderr=subprocess.DEVNULL,  # a background shell ignores SIGINT: give the child Python's
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     t0 = time.time()
     while time.time() - t0 < 120 and p.poll() is None:
         if where.exists() and any(where.glob(pattern)):
