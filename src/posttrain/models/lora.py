@@ -250,7 +250,8 @@ def check_adapter_files(path: Path) -> None:
     except json.JSONDecodeError as err:
         raise ConfigError(f"{config_path}: not valid JSON (line {err.lineno}, column {err.colno}: {err.msg}); "
                           f"restore the adapter's config") from None
-    weights, wanted = Path(path) / "adapter_model.safetensors", config.get("target_modules") if isinstance(config, dict) else None
+    weights = Path(path) / "adapter_model.safetensors"
+    wanted = config.get("target_modules") if isinstance(config, dict) else None
     if not weights.is_file() or not isinstance(wanted, list):
         return
     from safetensors import safe_open  # lazy: config/ imports lora.py without torch
