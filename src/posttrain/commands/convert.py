@@ -126,7 +126,8 @@ def run(args: argparse.Namespace) -> int:
     noted = [f"--{n.replace('_', '-')}" for n in NO_OPS if getattr(args, n) not in (None, False, "GPT")]
     noted += _check_shaping_flags(args)
     if noted:
-        print(f"note: {', '.join(noted)} accepted with no effect here (posttrain reads the architecture itself)",
+        print(f"note: {', '.join(noted)} accepted with no effect here (posttrain reads the architecture itself"
+              f"{'; a Megatron checkpoint holds no tokenizer' if '--tokenizer-model' in noted else ''})",
               file=sys.stderr)
     if args.merge_lora:
         from posttrain.models.lora import merge_to_hf  # lazy: as above
