@@ -241,6 +241,28 @@ def load_merged(path: str | Path, **kwargs):
     return load_adapter(load_causal_lm(adapter_base(path), **kwargs), path, trainable=False).merge_and_unload()
 
 
+def check_adapter_files(path: Path) -> None:
+    """``--merge-lora``: the adapter's config is JSON, and its weights file holds LoRA tensors only for
+    the modules the config targets (PEFT would drop the others without a word: nothing merged)."""
+    config_path = Path(path) / ADAPTER_CONFIG
+    try:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"{config_path}: not valid JSON (line {err.lineno}, column {err.colno}: {err.msg}); "
+                          f"restore the adapter's config") from None
+    weights = Path(path) / "adapter_model.safetensors"
+    wanted = config.get("target_modules") if isinstance(config, dict) else None
+    if not weights.is_file() or not isinstance(wanted, list):
+        return
+    from safetensors import safe_open  # lazy: config/ imports lora.py without torch
+
+    with safe_open(str(weights), framework="pt") as f:
+        held = {k.split(".lora_")[0].rsplit(".", 1)[-1] for k in f.keys() if ".lora_" in k}
+    if held - set(wanted):
+        raise ConfigError(f"{config_path}: target_modules {wanted} but {weights.name} holds LoRA weights for "
+                          f"{sorted(held - set(wanted))}, which would not be merged; restore the adapter's config")
+
+
 def merge_to_hf(load_dir: str | Path, out_dir: str | Path, *, force: bool = False, log=print) -> Path:
     """``posttrain convert --merge-lora``: the LoRA checkpoint (or adapter directory) ``load_dir``
     merged into its base, written as a plain HF model directory ``out_dir`` (staged, then renamed)."""
@@ -253,12 +275,12 @@ def merge_to_hf(load_dir: str | Path, out_dir: str | Path, *, force: bool = Fals
     if not is_adapter_dir(path):
         raise ConfigError(f"--merge-lora: {path} holds no LoRA adapter ({ADAPTER_CONFIG}); give a LoRA run's save "
                           f"directory or checkpoint")
+    check_adapter_files(path)
     out_dir = Path(out_dir)
     check_hf_target(out_dir, force)
     base = adapter_base(path)
     merged = load_merged(path, dtype="float32")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    with _staging(out_dir.parent, f".{out_dir.name}.tmp-") as tmp:
+    with _staging(out_dir.parent, out_dir.name, out_dir) as tmp:
         save_hf_weights(merged, tmp)
         copy_tokenizer(path if (path / "tokenizer_config.json").is_file() else base, tmp)
         _publish_dir(tmp, out_dir)
