@@ -50,6 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="validate a training config and print its batch plan and memory estimate")
     _add_config_args(p)
     p.add_argument("--hf-config", default=None, help="an HF config.json to size the model (default: the model yaml)")
+    p.add_argument("--config-only", action="store_true",
+                   help="check the config alone, not the files it names (datasets, the model to start from, the "
+                        "save and output directories), e.g. before the data exists; train checks them at start-up")
 
     p = sub.add_parser("train", help="run training (GRPO, DAPO, PPO, DPO or SFT, by megatron_training.stage)")
     _add_config_args(p)

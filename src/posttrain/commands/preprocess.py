@@ -6,10 +6,12 @@ import glob
 import os
 from pathlib import Path
 
+from posttrain.commands.outputs import check_writable_dir
 from posttrain.config.loader import apply_overrides, normalise_keys, read_yaml, resolve_config_file
 from posttrain.data.config import make_config
 from posttrain.data.preprocess import preprocess
 from posttrain.errors import ConfigError
+from posttrain.rundir import DirLock
 
 
 def existing_outputs(output_prefix: str) -> list[Path]:
@@ -39,8 +41,18 @@ def load_config(config_name: str, config_path: str | None = None, overrides: lis
 
 def run(args) -> int:
     cfg = load_config(args.config_name, args.config_path, args.overrides)
-    if cfg.output_prefix:
-        check_output_prefix(cfg.output_prefix, bool(getattr(args, "force", False)))
-    summary = preprocess(cfg, strict=getattr(args, "strict", False))
+    if not cfg.output_prefix:
+        summary = preprocess(cfg, strict=getattr(args, "strict", False))
+    else:
+        prefix = os.path.expanduser(cfg.output_prefix)
+        folder = Path(prefix).parent
+        check_writable_dir(folder, f"output_prefix {cfg.output_prefix}")  # before the work; one block written
+        # one preprocess at a time per folder: two runs at one prefix would publish a mix of both
+        lock = DirLock(folder, f"output_prefix {cfg.output_prefix}: its folder")
+        try:
+            check_output_prefix(cfg.output_prefix, bool(getattr(args, "force", False)))
+            summary = preprocess(cfg, strict=getattr(args, "strict", False))
+        finally:
+            lock.release()
     print(summary.format())
     return 0

@@ -17,6 +17,7 @@ sample of exactly ``seq_length`` tokens cannot fit the ``seq_length - 1`` knapsa
 
 from __future__ import annotations
 
+import errno
 import multiprocessing as mp
 import os
 import re
@@ -335,6 +336,13 @@ def preprocess(config: dict | DataHandlerConfig, strict: bool = False, progress:
         if summary.rows_written == 0:
             raise DataError(f"input {cfg.input}: every row was skipped ({dict(skip_counts)}); nothing written")
         summary.outputs = outputs.commit()
+    except OSError as err:
+        outputs.discard()
+        if err.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            raise
+        raise DataError(f"output_prefix {prefix}: writing the dataset failed: {err.strerror} (the disk is full or "
+                        f"the file too large); nothing was written and the temporary files are removed. Free some "
+                        f"space or give an output_prefix on another disk") from None
     except BaseException:
         outputs.discard()
         raise

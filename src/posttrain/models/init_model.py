@@ -5,6 +5,7 @@ Nothing here touches the network. Tests and the CI demo build their models with 
 
 from __future__ import annotations
 
+import errno
 import os
 import random
 import shutil
@@ -89,14 +90,25 @@ def check_output_dir(output: str | Path, force: bool = False) -> Path:
     return output
 
 
-def _install(tmp: Path, output: Path) -> None:
-    """Move the files written in ``tmp`` into ``output``: a rename when ``output`` does not exist,
-    else file by file (each replaced atomically). Stale weight files of an earlier model there
-    (shards, index) are removed, since a loader would mix them with the new ones; no other
-    file in ``output`` is touched."""
-    if not output.exists():
-        tmp.rename(output)
-        return
+def _install(tmp: Path, output: Path, force: bool = False) -> None:
+    """Move the files written in ``tmp`` into ``output``: one rename when ``output`` is new or an
+    empty directory, else (``force``) file by file (each replaced atomically). Stale weight files of
+    an earlier model there (shards, index) are removed, since a loader would mix them with the new
+    ones; no other file in ``output`` is touched. Without ``force``, a directory that another
+    process filled while this one worked is refused, and nothing of this run is written."""
+    if not output.is_symlink():
+        try:
+            os.rename(tmp, output)  # atomic; replaces only a missing or empty directory
+            return
+        except OSError as err:
+            if err.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                raise
+    if not force:
+        found = sorted(p.name for p in output.iterdir())
+        shown = ", ".join(found[:5]) + (", ..." if len(found) > 5 else "")
+        raise ConfigError(f"--output {output}: another process wrote into it while this one built the model (it "
+                          f"was new or empty when checked, and now holds {shown}); nothing of this run was written. "
+                          f"Give a new directory, or --force to replace init-model's own files there")
     written = {p.name for p in tmp.iterdir()}
     for stale in output.iterdir():
         is_weights = stale.name.startswith("model") and (stale.name.endswith(".safetensors")
@@ -154,7 +166,12 @@ def init_model_dir(name: str, keys: dict, output: str | Path, corpus: str | Path
         net.save_pretrained(tmp, safe_serialization=True)
         tok.save_pretrained(tmp)
         make_readable(tmp)  # 0644 files, 0755 dir (not save_pretrained's 0600, mkdtemp's 0700)
-        _install(tmp, output)
+        _install(tmp, output, force)
+    except OSError as err:
+        full = err.errno in (errno.ENOSPC, errno.EDQUOT)
+        raise ConfigError(f"--output {output}: cannot write the model ("
+                          f"{'the disk is full' if full else err.strerror or err}); nothing was written. "
+                          f"{'Free some space or give' if full else 'Give'} another directory") from None
     finally:
         if tmp.exists():
             shutil.rmtree(tmp)
