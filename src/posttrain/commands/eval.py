@@ -122,7 +122,12 @@ def load_prompts(data: str, tokenizer, prompt_type: str | None, limit: int | Non
             raise DataError(f"--data {path}: no such file")
         prompts, labels = load_jsonl_prompts(path, tokenizer, prompt_type, keep)
     else:
-        ds = PromptDataset(data, max_prompt_length=None)
+        try:
+            ds = PromptDataset(data, max_prompt_length=None)
+        except DataError as err:  # name the flag that gave the prefix, not the config key
+            message = str(err)
+            raise DataError("--data " + message[len("data_path "):] if message.startswith("data_path ")
+                            else message) from None
         rows = [(i, ds[i]) for i in range(len(ds))]
         rows = [(i, it) for i, it in rows if keep.tokens_fit([int(t) for t in it["prompts"]], f"{data} row {i}")]
         prompts = [[int(t) for t in it["prompts"]] for _, it in rows]

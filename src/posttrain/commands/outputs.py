@@ -21,22 +21,34 @@ PROBE_BYTES = 4096  # the write test writes one block: a disk with no block free
 
 
 def check_writable_dir(directory: Path, what: str) -> None:
-    """Create ``directory`` if needed and check a file can be created in it (ConfigError naming ``what``)."""
+    """Create ``directory`` if needed and check that a file of one block can be written in it
+    (ConfigError naming ``what``); the directories it created are removed again when it cannot."""
     if directory.exists() and not directory.is_dir():
         raise ConfigError(f"{what}: {directory} is an existing file, not a directory")
+    missing = [d for d in (directory, *directory.parents) if not d.exists()]
     try:
         directory.mkdir(parents=True, exist_ok=True)
         fd, probe = tempfile.mkstemp(prefix=".posttrain-write-test-", dir=directory)
     except OSError as err:
+        _remove_empty(missing)
         raise ConfigError(f"{what}: cannot write in {directory} ({_reason(err)})") from None
     try:
         os.write(fd, b"\0" * PROBE_BYTES)
         os.fsync(fd)
     except OSError as err:
-        raise ConfigError(f"{what}: cannot write in {directory} ({_reason(err)})") from None
-    finally:
         os.close(fd)
         os.unlink(probe)
+        _remove_empty(missing)
+        raise ConfigError(f"{what}: cannot write in {directory} ({_reason(err)})") from None
+    os.close(fd)
+    os.unlink(probe)
+
+
+def _remove_empty(created: list[Path]) -> None:
+    """Remove the directories in ``created`` (deepest first) that are still empty."""
+    for directory in created:
+        with contextlib.suppress(OSError):
+            directory.rmdir()
 
 
 def _reason(err: OSError) -> str:

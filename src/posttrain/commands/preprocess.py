@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 from pathlib import Path
@@ -44,15 +45,27 @@ def run(args) -> int:
     if not cfg.output_prefix:
         summary = preprocess(cfg, strict=getattr(args, "strict", False))
     else:
-        prefix = os.path.expanduser(cfg.output_prefix)
-        folder = Path(prefix).parent
-        check_writable_dir(folder, f"output_prefix {cfg.output_prefix}")  # before the work; one block written
-        # one preprocess at a time per folder: two runs at one prefix would publish a mix of both
-        lock = DirLock(folder, f"output_prefix {cfg.output_prefix}: its folder")
-        try:
-            check_output_prefix(cfg.output_prefix, bool(getattr(args, "force", False)))
-            summary = preprocess(cfg, strict=getattr(args, "strict", False))
-        finally:
-            lock.release()
+        summary = _preprocess_locked(cfg, args)
     print(summary.format())
     return 0
+
+
+def _preprocess_locked(cfg, args):
+    """Preprocess into ``cfg.output_prefix`` holding a lock on its folder: one preprocess at a time
+    per folder, since two runs at one prefix would publish a mix of both. The folder's writability
+    is checked first (one block written); a folder this run created is removed again if it fails."""
+    folder = Path(os.path.expanduser(cfg.output_prefix)).parent
+    created = not folder.exists()
+    check_writable_dir(folder, f"output_prefix {cfg.output_prefix}")
+    lock = DirLock(folder, f"output_prefix {cfg.output_prefix}: its folder")
+    try:
+        check_output_prefix(cfg.output_prefix, bool(getattr(args, "force", False)))
+        return preprocess(cfg, strict=getattr(args, "strict", False))
+    except BaseException:
+        if created:  # nothing of this run stays: its lock file, and the folder if nothing else is in it
+            with contextlib.suppress(OSError):
+                lock.path.unlink()
+                folder.rmdir()
+        raise
+    finally:
+        lock.release()

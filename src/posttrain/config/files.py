@@ -22,6 +22,7 @@ from posttrain.data.templates import get_template
 from posttrain.errors import CheckpointError, ConfigError
 from posttrain.models import lora
 from posttrain.models.mcore import mcore_files
+from posttrain.rundir import RunDirs, check_dir_contents
 
 if TYPE_CHECKING:
     from posttrain.config.plan import Plan
@@ -33,29 +34,42 @@ def check_run_files(plan: Plan) -> None:
     """Raise what ``train`` would raise at start-up about the files of ``plan``, in train's order
     (:class:`posttrain.loops.session.Session`): the dataset, the directories it writes, what the
     actor starts from, the prompt template, the LoRA targets, the held-out dataset."""
-    d, p, s = plan.data, plan.policy, plan.schedule
+    d, p = plan.data, plan.policy
     if plan.stage.on_policy:
         build_prompt_dataset(d.data_path, d.max_prompt_length, additional_keys=d.additional_keys, split=d.split)
     else:
         build_offline_dataset(d.data_path, plan.stage.name, seq_length=d.seq_length, split=d.split)
-    _check_dir_target(s.run_dir, s.run_dir_key)
-    if plan.logging.use_tensorboard and plan.logging.tensorboard_dir:
-        _check_dir_target(plan.logging.tensorboard_dir, "rl_config.tensorboard_log_dir")
-    if plan.logging.use_wandb and plan.logging.wandb_save_dir:
-        _check_dir_target(plan.logging.wandb_save_dir, "rl_config.wandb_save_dir")
-    if s.save:
-        _check_dir_target(s.save, "actor_config.save")
-    if plan.critic is not None and plan.critic.save_dir:
-        _check_dir_target(plan.critic.save_dir, "critic_config.save")
-    model_dir = _check_start(p.load, p.tokenizer)
+    dirs = run_dirs(plan)
+    for key, directory in [(dirs.run_dir_key, dirs.run_dir), *dirs.log_dirs.items(), ("actor_config.save", dirs.save),
+                           ("critic_config.save", dirs.critic_save)]:
+        if directory is not None:
+            _check_dir_target(directory, key)
+    check_dir_contents(dirs)
+    start = _check_start(p.load, p.tokenizer)
     if plan.stage.on_policy:
         path = p.prompt_type_path if p.prompt_type_path and Path(p.prompt_type_path).is_file() else None
         get_template(p.prompt_type or "hf_chat_template", path)
-    if p.lora is not None and model_dir is not None and plan.parallel.backend == "hf":
-        _check_lora_targets(p.lora.target_modules, model_dir)
+    if start is not None and plan.parallel.backend == "hf":
+        _check_lora(p.lora, start)
     if plan.stage.on_policy and d.eval_data_path:
         build_prompt_dataset(d.eval_data_path, d.max_prompt_length, additional_keys=d.additional_keys,
                              split=d.split, key="rl_config.eval_data_path")
+
+
+def run_dirs(plan: Plan) -> RunDirs:
+    """The directories ``plan`` writes, as :func:`posttrain.rundir.claim_run_dirs` takes them (the
+    same as :func:`posttrain.loops.session.run_dirs`)."""
+    s, logs = plan.schedule, plan.logging
+    log_dirs = {}
+    if logs.use_tensorboard and logs.tensorboard_dir:
+        log_dirs["rl_config.tensorboard_log_dir"] = Path(logs.tensorboard_dir)
+    if logs.use_wandb and logs.wandb_save_dir:
+        log_dirs["rl_config.wandb_save_dir"] = Path(logs.wandb_save_dir)
+    critic = plan.critic
+    return RunDirs(run_dir=Path(s.run_dir), run_dir_key=s.run_dir_key, save=Path(s.save) if s.save else None,
+                   actor=plan.policy.checkpoint,
+                   critic_save=Path(critic.save_dir) if critic is not None and critic.save_dir else None,
+                   critic=critic.checkpoint if critic is not None else plan.policy.checkpoint, log_dirs=log_dirs)
 
 
 def _check_dir_target(directory: str, key: str) -> None:
@@ -76,8 +90,8 @@ def _check_dir_target(directory: str, key: str) -> None:
 
 def _check_start(load: str | None, tokenizer: str | None) -> Path | None:
     """What the actor starts from (``load``, else the tokenizer's directory) exists and holds a
-    model or checkpoint; returns its HF model directory (None for a Megatron checkpoint, whose
-    layers are read when it is converted)."""
+    model or checkpoint; returns the directory a model is read from (None for a Megatron
+    checkpoint, whose layers are read when it is converted)."""
     source = load or tokenizer
     if not source:
         raise ConfigError("set actor_config.load (an HF model or checkpoint directory) or "
@@ -92,19 +106,27 @@ def _check_start(load: str | None, tokenizer: str | None) -> Path | None:
         if Path(source).is_dir() and list_checkpoints(source):
             return None  # checkpoints with a damaged latest one: train names it, or falls back to an earlier one
         raise
-    return lora.adapter_base(path) if lora.is_adapter_dir(path) else path
+    return path
 
 
-def _check_lora_targets(targets, model_dir: Path) -> None:
-    """``lora_target_modules`` against the linear layers of the model in ``model_dir``, built on the
-    meta device (no weights read): :func:`posttrain.models.lora.hf_targets`, as train calls it."""
+def _check_lora(options: lora.LoraOptions | None, path: Path) -> None:
+    """The LoRA keys against the model in ``path``: an adapter there needs the LoRA keys, with its
+    rank, alpha and targets (:func:`posttrain.models.lora.check_adapter_keys`); the targets must
+    match linear layers of the base (:func:`posttrain.models.lora.hf_targets`). The base is built
+    on the meta device (no weights read)."""
+    has_adapter = lora.is_adapter_dir(path)
+    lora.check_adapter_wanted(path, options)
+    if options is None:
+        return
     import torch  # lazy: the model is built only to list its layers
     from transformers import AutoConfig, AutoModelForCausalLM
 
     try:
-        config = AutoConfig.from_pretrained(str(model_dir))
+        config = AutoConfig.from_pretrained(str(lora.adapter_base(path) if has_adapter else path))
     except (OSError, ValueError, KeyError):
         return  # the model's own loader names what is wrong with its config.json
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    lora.hf_targets(targets, model)
+    if has_adapter:
+        lora.check_adapter_keys(path, options, model)
+    lora.hf_targets(options.target_modules, model)

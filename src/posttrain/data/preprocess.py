@@ -367,7 +367,11 @@ def _results(cfg, columns, batches, handler):
 
 def _write_packed(outputs: _Outputs, packed: dict, cfg: DataHandlerConfig, tokenizer) -> int:
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    rows = pack_samples(packed["input_ids"], packed["labels"], cfg.seq_length, pad_id or 0, cfg.neat_pack)
+    try:
+        rows = pack_samples(packed["input_ids"], packed["labels"], cfg.seq_length, pad_id or 0, cfg.neat_pack)
+    except MemoryError:
+        raise DataError(f"seq_length={cfg.seq_length}: packed rows of that length do not fit in memory; give a "
+                        f"smaller seq_length") from None
     for key, seqs in rows.items():
         if seqs:
             outputs.add(key, np.concatenate(seqs), np.full(len(seqs), cfg.seq_length))

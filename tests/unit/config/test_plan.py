@@ -7,7 +7,7 @@ import pytest
 
 from posttrain.cli import main
 from posttrain.commands.plan import model_arch
-from posttrain.config.plan import GIB, build_plan, resolve_plan
+from posttrain.config.plan import build_plan, resolve_plan
 from posttrain.config.run import load_run_config
 from posttrain.config.validate import validate_run_config
 
