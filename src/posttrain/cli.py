@@ -48,12 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_subparser_class(common))
     sub.required = True
 
-    p = sub.add_parser("plan", help="validate a training config and print its batch plan and memory estimate")
-    _add_config_args(p)
-    p.add_argument("--hf-config", default=None, help="an HF config.json to size the model (default: the model yaml)")
-    p.add_argument("--config-only", action="store_true",
-                   help="check the config alone, not the files it names (datasets, the model to start from, the "
-                        "save and output directories), e.g. before the data exists; train checks them at start-up")
+    _add_plan(sub)
 
     p = sub.add_parser("train", help="run training (GRPO, DAPO, PPO, DPO or SFT, by megatron_training.stage)")
     _add_config_args(p)
@@ -119,6 +114,15 @@ def build_parser() -> argparse.ArgumentParser:
                                        "arguments), with tensor and pipeline splits")
     importlib.import_module(COMMANDS["convert"]).add_arguments(p)
     return parser
+
+
+def _add_plan(sub) -> None:
+    p = sub.add_parser("plan", help="validate a training config and print its batch plan and memory estimate")
+    _add_config_args(p)
+    p.add_argument("--hf-config", default=None, help="an HF config.json to size the model (default: the model yaml)")
+    p.add_argument("--config-only", action="store_true",
+                   help="check the config alone, not the files it names (datasets, the model to start from, the "
+                        "save and output directories), e.g. before the data exists; train checks them at start-up")
 
 
 def _subparser_class(common: argparse.ArgumentParser):

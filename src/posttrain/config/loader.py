@@ -265,13 +265,8 @@ def parse_override(text: str) -> tuple[list[str], Any]:
 def apply_overrides(data: dict[str, Any], overrides: list[str], origins: Origins | None = None) -> dict[str, Any]:
     """Return a copy of ``data`` with dotted ``key=value`` overrides applied (recorded in ``origins``)."""
     data = copy.deepcopy(data)
-    given: dict[tuple[str, ...], tuple[str, Any]] = {}
     for text in overrides:
         parts, value = parse_override(text)
-        earlier = given.setdefault(tuple(parts), (text, value))
-        if earlier[1] != value:
-            raise ConfigError(f"override '{text}' contradicts the override '{earlier[0]}' before it: the same key set "
-                              f"twice to different values; give it once")
         if origins is not None:
             origins.overrides[tuple(parts)] = text
         node = data

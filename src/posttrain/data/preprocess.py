@@ -338,11 +338,7 @@ def preprocess(config: dict | DataHandlerConfig, strict: bool = False, progress:
         summary.outputs = outputs.commit()
     except OSError as err:
         outputs.discard()
-        if err.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-            raise
-        raise DataError(f"output_prefix {prefix}: writing the dataset failed: {err.strerror} (the disk is full or "
-                        f"the file too large); nothing was written and the temporary files are removed. Free some "
-                        f"space or give an output_prefix on another disk") from None
+        raise _write_failed(prefix, err) from None
     except BaseException:
         outputs.discard()
         raise
@@ -352,6 +348,16 @@ def preprocess(config: dict | DataHandlerConfig, strict: bool = False, progress:
     summary.rows_read += skip_counts[SKIP_MALFORMED]  # lines that never became rows
     summary.seconds = time.perf_counter() - start
     return summary
+
+
+def _write_failed(prefix: str, err: OSError) -> Exception:
+    """A disk that fills while the dataset is written, as one message naming ``output_prefix``
+    (other errors are raised as they are)."""
+    if err.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        return err
+    return DataError(f"output_prefix {prefix}: writing the dataset failed: {err.strerror} (the disk is full or the "
+                     f"file too large); nothing was written and the temporary files are removed. Free some space or "
+                     f"give an output_prefix on another disk")
 
 
 def _results(cfg, columns, batches, handler):

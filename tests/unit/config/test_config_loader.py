@@ -153,11 +153,3 @@ def test_shipped_seed_config_loads():
     assert cfg.actor.tensor_model_parallel_size == 4 and cfg.actor.num_layers == 28
     assert cfg.rl.n_samples_per_prompt == 16 and cfg.rl.actor_resource.num_npus == 8
     assert cfg.rl.tensorboard_log_dir == "./work_dir/qwen2.5-math-7b_32_4k/tensorboard_log2"
-
-
-def test_one_key_overridden_twice_with_different_values_is_refused():
-    """Probe CM38: ``a.b=4 a.b=8`` contradict each other (the last one won silently); the same
-    value twice is fine."""
-    with pytest.raises(ConfigError, match=r"^override 'rl_config.n=8' contradicts the override 'rl_config.n=4'"):
-        apply_overrides({}, ["rl_config.n=4", "rl_config.n=8"])
-    assert apply_overrides({}, ["rl_config.n=4", "rl_config.n=4"]) == {"rl_config": {"n": 4}}
