@@ -122,7 +122,7 @@ def mount_full(free_kb: int = 0, size_mb: int = 64) -> Callable[[], None]:
         subprocess.run(["dd", "if=/dev/zero", f"of={FULL}/filler", "bs=1M", f"count={size_mb}"], capture_output=True)
         subprocess.run(["dd", "if=/dev/zero", f"of={FULL}/filler2", "bs=4k"], capture_output=True)
         if free_kb:
-            os.truncate(FULL / "filler2", max(0, (FULL / "filler2").stat().st_size - free_kb * 1024))
+            os.truncate(FULL / "filler", (FULL / "filler").stat().st_size - free_kb * 1024)
         (W / "full").unlink(missing_ok=True)
         (W / "full").symlink_to(FULL)
     return do
@@ -298,11 +298,11 @@ case("CM30", "preprocess: an empty input file", *PRE, "input=ev/empty.jsonl", "o
      prep=[text("ev/empty.jsonl", ""), rm("pp30")], after=[listing("pp30")])
 case("CM31", "preprocess: rows with duplicate keys", *PRE, "input=ev/pp_dup.jsonl", "output_prefix=pp31/data",
      prep=[rows("ev/pp_dup.jsonl", '{"problem": "2+1", "problem": "5+1", "answer": "3"}', OK_ROW), rm("pp31")])
-case("CM32", "preprocess: a 1 GB line and a normal row (--strict off)", *PRE, "input=ev/gb_line.jsonl",
-     "output_prefix=pp32/data", "seq_length=64", prep=[huge_line("ev/gb_line.jsonl", 2**30), rm("pp32")],
-     cleanup=[lambda: (W / "ev/gb_line.jsonl").unlink()], mem_gb=12.0)
-case("CM33", "preprocess: output_prefix on a disk with 16 KiB free", *PRE, "input=raw/train.jsonl",
-     "output_prefix=full/pp/data", prep=[mount_full(free_kb=16)], after=[full_listing], cleanup=[umount])
+case("CM32", "preprocess: a 100 MB line and a normal row (seq_length 64)", *PRE, "input=ev/big_line.jsonl",
+     "output_prefix=pp32/data", "seq_length=64", prep=[huge_line("ev/big_line.jsonl", 100 * 2**20), rm("pp32")],
+     cleanup=[lambda: (W / "ev/big_line.jsonl").unlink()], mem_gb=6.0)
+case("CM33", "preprocess: output_prefix on a disk with 24 KiB free (the write fails mid-way)", *PRE, "input=raw/train.jsonl",
+     "output_prefix=full/pp/data", prep=[mount_full(free_kb=24)], after=[full_listing], cleanup=[umount])
 case("CM34", "init-model: --vocab-size -5", "init-model", "--output", "im34", "--vocab-size", "-5", prep=[rm("im34")])
 case("CM35", "init-model: a model yaml whose heads do not divide hidden_size", "init-model", "--model",
      "cfg/odd_model.yaml", "--output", "im35",
@@ -339,6 +339,11 @@ case("CM49", "plan: output_dir holds an earlier run's metrics", *PL, "actor_conf
 case("CM50", "plan piped into head (stdout closed early)", *PL, head=True)
 case("CM51", "plan: data_path with no files", *PL, "megatron_training.data_path=nosuch/data")
 case("CM52", "plan: output_dir under a file", *PL, "rl_config.output_dir=afile/out")
+
+case("CM53", "score onto a disk with 8 KiB free: the probe block fits, the 100 KB output does not", "score",
+     "--verifier", "last_number", "--input", "ev/scored_in.jsonl", "--output", "full/score_out.jsonl",
+     prep=[rows("ev/scored_in.jsonl", *[{"response": "2", "label": "2"}] * 2000), mount_full(free_kb=8)],
+     after=[full_listing], cleanup=[umount])
 
 
 # ---- running ---------------------------------------------------------------------------------------
