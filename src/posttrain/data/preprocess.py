@@ -114,15 +114,37 @@ def _init_worker(cfg: DataHandlerConfig, columns: list[str]) -> None:
     _STATE["cfg"] = cfg
 
 
+def _max_chars(handler, cfg) -> int | None:
+    """The most characters a text can have and still be shorter than ``seq_length`` tokens (the
+    tokenizer's longest token, times ``seq_length``): longer rows are skipped before they are
+    tokenized, so that one huge row costs no tokenizer memory."""
+    if cfg.seq_length is None:
+        return None
+    longest = getattr(handler, "_longest_token_chars", None)
+    if longest is None:
+        longest = max((len(t) for t in handler.tokenizer.get_vocab()), default=1)
+        handler._longest_token_chars = longest
+    return cfg.seq_length * max(longest, 1)
+
+
+def _longest_text(item) -> int:
+    """Characters of the prompt's turns with the system text, or of the longest response."""
+    prompt = sum(len(m.get("content") or "") for m in item.prompt if isinstance(m, dict)) + len(item.system or "")
+    return max(prompt, *(len(r) for r in item.responses)) if item.responses else prompt
+
+
 def process_batch(rows: list[tuple[dict, str]], handler=None, cfg=None) -> BatchResult:
     """Align, encode (one batched tokenizer call) and filter one batch of rows."""
     handler = handler or _STATE["handler"]
     cfg = cfg or _STATE["cfg"]
     skipped, aligned, wheres = [], [], []  # skipped: (row number in the batch, where, reason)
+    max_chars = _max_chars(handler, cfg)
     for n, (row, where) in enumerate(rows):
         item = handler.align(row)
         if isinstance(item, str):
             skipped.append((n, where, item))
+        elif max_chars is not None and _longest_text(item) > max_chars:  # cannot fit: not tokenized at all
+            skipped.append((n, where, SKIP_TOO_LONG))
         else:
             aligned.append(item)
             wheres.append((n, where))

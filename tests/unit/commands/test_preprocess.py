@@ -88,3 +88,27 @@ def test_seq_length_beyond_a_row_and_duplicate_keys(mini_world, tmp_path, capsys
     argv[3] = f"input={src}"
     code, err = run_cli(argv, capsys)
     assert code == 0 and f"skip {src}:1: duplicate key 'problem'" in err
+
+
+def test_a_row_too_long_for_seq_length_is_skipped_without_tokenizing_it(mini_world, tmp_path, capsys, monkeypatch):
+    """Probe CM32: a 100 MB row (the tokenizer aborted at 6 GB after 70 s) is longer than seq_length
+    tokens can hold: skipped as too long, named, before it is tokenized."""
+    import json
+
+    from posttrain.data.handlers import HANDLERS
+
+    src = tmp_path / "long.jsonl"
+    src.write_text(json.dumps({"problem": "1+" * 200_000, "answer": "1"}) + "\n"
+                   + (mini_world / "rl.jsonl").read_text().splitlines()[0] + "\n")
+    cls = HANDLERS.get("R1AlpacaStyleInstructionHandler")
+    real = cls.encode_batch
+
+    def encode(self, items):
+        assert all(len(m["content"]) < 10_000 for it in items for m in it.prompt), "a row too long was tokenized"
+        return real(self, items)
+
+    monkeypatch.setattr(cls, "encode_batch", encode)
+    argv = _argv(mini_world, tmp_path / "d" / "data", "seq_length=512")
+    argv[3] = f"input={src}"
+    code, err = run_cli(argv, capsys)
+    assert code == 0 and f"skip {src}:1: exceeds seq_length" in err, err
