@@ -143,7 +143,7 @@ def test_no_output_replaces_an_input_or_another_output(mini_world, tmp_path, cap
 
 
 def test_prompts_longer_than_the_context_are_skipped_before_tokenizing_them(mini_world, tmp_path, capsys, monkeypatch):
-    """Probes G14, G14b, G14c: a prompt that cannot fit in the model's 256 positions with
+    """Probes G14, G14b, G14c, CM15: a prompt that cannot fit in the model's 256 positions with
     --max-tokens is skipped with a line naming the row; one with more characters than the context
     can hold is never tokenized."""
     from posttrain.data.encoding import TemplateEncoder

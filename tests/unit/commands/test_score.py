@@ -133,7 +133,7 @@ def test_input_that_cannot_be_scored_is_named(tmp_path, capsys, text, message):
 
 
 def test_a_full_disk_is_one_message_and_leaves_nothing(tmp_path, capsys, monkeypatch):
-    """Probe I6: the disk fills while the scored rows are written (after the work): one message
+    """Probes I6, CM53: the disk fills while the scored rows are written (after the work): one message
     naming --output, no temporary left; a disk already full is found before the scoring."""
     import errno
 
