@@ -78,8 +78,12 @@ def format_plan(plan: Plan, cpu_linear: str = "blas") -> str:
 
 def run(args) -> int:
     cfg = load_run_config(args.config_name, args.config_path, args.overrides)
-    plan = resolve_plan(cfg, model_arch(cfg, args.hf_config))  # the same check as `posttrain train`
-    print(f"config {cfg.path}: valid")
+    config_only = bool(getattr(args, "config_only", False))
+    # the same check as `posttrain train`, with the files it reads and writes unless --config-only
+    plan = resolve_plan(cfg, model_arch(cfg, args.hf_config), files=not config_only)
+    print(f"config {cfg.path}: valid" + (" as a config (--config-only: the datasets, model and directories it "
+                                         "names were not checked; train checks them at start-up)"
+                                         if config_only else ""))
     for warning in plan.warnings:
         print(f"warning: {warning}")
     print(format_plan(plan, resolve_cpu_linear(plan.device)))

@@ -41,12 +41,24 @@ def lora_sizes(arch, targets: Any, rank: int) -> tuple[int, int]:
     model ``arch`` (a :class:`~posttrain.models.arch.ModelArch`), ``rank x (in + out)`` per adapted
     linear, and of the base weights it adapts (``in x out`` each; the merged rollout saves a copy
     of those). The dense MLP's linears: a mixture-of-experts model's experts are not counted."""
+    names = _target_shapes(arch, targets)
+    return (arch.num_layers * rank * sum(i + o for i, o in names), arch.num_layers * sum(i * o for i, o in names))
+
+
+def _target_shapes(arch, targets: Any) -> list[tuple[int, int]]:
+    """``(in, out)`` of each dense linear that ``targets`` name in ``arch`` (unknown names left out)."""
     h, q, kv, ffn = arch.hidden_size, arch.num_attention_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim, \
         arch.ffn_hidden_size
     shapes = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h), "gate_proj": (h, ffn),
               "up_proj": (h, ffn), "down_proj": (ffn, h)}
-    names = [shapes[n] for n in {n for t in target_list(targets) for n in MEGATRON_TO_HF.get(t, (t,))} if n in shapes]
-    return (arch.num_layers * rank * sum(i + o for i, o in names), arch.num_layers * sum(i * o for i, o in names))
+    return [shapes[n] for n in {n for t in target_list(targets) for n in MEGATRON_TO_HF.get(t, (t,))} if n in shapes]
+
+
+def full_rank(arch, targets: Any) -> int | None:
+    """The largest rank an update of the linears ``targets`` name in ``arch`` can have (the smallest
+    ``min(in, out)``): a LoRA rank above it adds parameters but no capacity. None when no target is known."""
+    shapes = _target_shapes(arch, targets)
+    return min(min(i, o) for i, o in shapes) if shapes else None
 
 
 def target_list(targets: Any) -> list[str]:
@@ -124,6 +136,14 @@ def adapter_base(path: str | Path) -> Path:
                           f"only (lora_ckpt_filter), so the base it was trained on must be at that path (or edit "
                           f"base_model_name_or_path)")
     return Path(base)
+
+
+def check_adapter_wanted(path: str | Path, options: LoraOptions | None) -> None:
+    """A checkpoint in ``path`` that holds a LoRA adapter is continued only by a run with LoRA keys."""
+    if options is None and is_adapter_dir(path):
+        raise ConfigError(f"{path} holds a LoRA adapter: set actor_config.lora_target_modules to keep training it, "
+                          f"or merge it into the base first (posttrain convert --merge-lora --load-dir {path} "
+                          f"--save-dir <dir>)")
 
 
 def check_adapter_keys(path: str | Path, options: LoraOptions, model) -> None:
