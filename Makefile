@@ -42,7 +42,7 @@ demo-smoke: $(STAMP)
 	$(PY) -m posttrain.demo --task sums --config-name grpo_smollm2_demo_sums --out runs/demo_sums
 
 plan: $(STAMP)
-	$(VENV)/bin/posttrain plan --config-name grpo_smollm2_demo
+	$(VENV)/bin/posttrain plan --config-name grpo_smollm2_demo --config-only
 
 clean:
 	rm -rf $(VENV) runs

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from posttrain import __version__
@@ -47,9 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_subparser_class(common))
     sub.required = True
 
-    p = sub.add_parser("plan", help="validate a training config and print its batch plan and memory estimate")
-    _add_config_args(p)
-    p.add_argument("--hf-config", default=None, help="an HF config.json to size the model (default: the model yaml)")
+    _add_plan(sub)
 
     p = sub.add_parser("train", help="run training (GRPO, DAPO, PPO, DPO or SFT, by megatron_training.stage)")
     _add_config_args(p)
@@ -117,6 +116,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _add_plan(sub) -> None:
+    p = sub.add_parser("plan", help="validate a training config and print its batch plan and memory estimate")
+    _add_config_args(p)
+    p.add_argument("--hf-config", default=None, help="an HF config.json to size the model (default: the model yaml)")
+    p.add_argument("--config-only", action="store_true",
+                   help="check the config alone, not the files it names (datasets, the model to start from, the "
+                        "save and output directories), e.g. before the data exists; train checks them at start-up")
+
+
 def _subparser_class(common: argparse.ArgumentParser):
     """An ArgumentParser class whose instances (the subcommands) inherit ``common``'s arguments."""
 
@@ -145,6 +153,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader of stdout went away (`posttrain plan ... | head`): not an error here
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes
+        return 141
 
 
 if __name__ == "__main__":

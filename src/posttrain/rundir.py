@@ -178,30 +178,38 @@ def claim_run_dirs(dirs: RunDirs) -> list[DirLock]:
             locks.append(DirLock(save, "actor_config.save"))
         if critic_save is not None and not _same_dir(critic_save, run_dir):
             locks.append(DirLock(critic_save, "critic_config.save"))
-            _refuse_foreign_checkpoints(critic_save, dirs.critic, "critic_config")
-        in_place = dirs.resumes_in_place and bool(checkpoints_in(save))
-        if save is not None and not in_place:
-            found = checkpoints_in(save)
-            if found:
-                shown = ", ".join(found[:4]) + (", ..." if len(found) > 4 else "")
-                raise ConfigError(
-                    f"actor_config.save {save} already holds checkpoints ({shown}), and this run would not resume "
-                    f"from them ({_why_not_resumed(dirs.actor)}); it refuses to overwrite them. Give a new save "
-                    f"directory or remove that one; to continue those checkpoints set actor_config.load={save} and "
-                    f"actor_config.finetune=false")
-        if not in_place:
-            found = [n for n in METRICS_FILES if os.path.lexists(run_dir / n)]
-            if found:
-                raise ConfigError(
-                    f"{dirs.run_dir_key} {run_dir} already holds the metrics of an earlier run ({', '.join(found)}); "
-                    f"this run would mix its rows with them. Give another output directory or remove those "
-                    f"files (a run that resumes from its own save directory continues them)")
+        check_dir_contents(dirs)
     except BaseException:
         for lock in reversed(locks):
             lock.abandon()
         remove_created_dirs(made)
         raise
     return locks
+
+
+def check_dir_contents(dirs: RunDirs) -> None:
+    """Refuse directories that hold another run's checkpoints or metrics (a run only continues its
+    own, when it resumes from its save directory). Reads only: ``posttrain plan`` runs it too."""
+    run_dir, save, critic_save = dirs.run_dir, dirs.save, dirs.critic_save
+    if critic_save is not None and not _same_dir(critic_save, run_dir):
+        _refuse_foreign_checkpoints(critic_save, dirs.critic, "critic_config")
+    in_place = dirs.resumes_in_place and bool(checkpoints_in(save))
+    if save is not None and not in_place:
+        found = checkpoints_in(save)
+        if found:
+            shown = ", ".join(found[:4]) + (", ..." if len(found) > 4 else "")
+            raise ConfigError(
+                f"actor_config.save {save} already holds checkpoints ({shown}), and this run would not resume "
+                f"from them ({_why_not_resumed(dirs.actor)}); it refuses to overwrite them. Give a new save "
+                f"directory or remove that one; to continue those checkpoints set actor_config.load={save} and "
+                f"actor_config.finetune=false")
+    if not in_place:
+        found = [n for n in METRICS_FILES if os.path.lexists(run_dir / n)]
+        if found:
+            raise ConfigError(
+                f"{dirs.run_dir_key} {run_dir} already holds the metrics of an earlier run ({', '.join(found)}); "
+                f"this run would mix its rows with them. Give another output directory or remove those "
+                f"files (a run that resumes from its own save directory continues them)")
 
 
 def _refuse_foreign_checkpoints(save: Path, load: CheckpointLoad, section: str) -> None:

@@ -206,8 +206,11 @@ def bench(cfg, *, iters: int = 3, warmup: int = 1, profile_dir: str | None = Non
     run_dir = Path(tempfile.mkdtemp(prefix="posttrain_bench_"))
     overrides = [f"actor_config.train_iters={max(cfg.actor.train_iters or 0, warmup + iters)}",
                  "actor_config.save=null", "rl_config.eval_data_path=null", f"rl_config.output_dir={run_dir}"]
-    cfg = run_config_from_dict(cfg.raw, name=cfg.name, path=cfg.path, overrides=overrides)
-    plan = resolve_plan(cfg)
+    # the user's overrides again, so that a message about one of them names it (not the YAML file)
+    users = list(dict.fromkeys(cfg.origins.overrides.values()))
+    cfg = run_config_from_dict(cfg.raw, name=cfg.name, path=cfg.path, overrides=[*users, *overrides],
+                               lines=cfg.origins.lines)
+    plan = resolve_plan(cfg, files=True)
     trainer = build_trainer(plan)
     session = trainer.s
     try:

@@ -72,13 +72,62 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                        help=argparse.SUPPRESS)
 
 
+# The flags that shape a conversion, their defaults, and the modes that honour them ("hf-mg", "mg-hf",
+# "lora"); given in another mode they are refused ("noted": accepted with a note, as the seed's commands pass them).
+SHAPING = {
+    "target_tensor_parallel_size": (1, ("hf-mg",), ()),
+    "target_pipeline_parallel_size": (1, ("hf-mg",), ()),
+    "num_layer_list": (None, ("hf-mg",), ()),
+    "num_layers_per_virtual_pipeline_stage": (None, ("hf-mg",), ()),
+    "make_vocab_size_divisible_by": (128, ("hf-mg",), ()),
+    "params_dtype": (None, ("hf-mg", "mg-hf"), ()),
+    "orm": (False, ("hf-mg", "mg-hf"), ()),
+    "add_qkv_bias": (False, ("hf-mg",), ("mg-hf",)),
+    "tokenizer_model": (None, ("mg-hf",), ("hf-mg",)),
+}
+
+
+def _mode(args: argparse.Namespace) -> str:
+    return "lora" if args.merge_lora else f"{args.load_model_type}-{args.save_model_type}"
+
+
+def _check_shaping_flags(args: argparse.Namespace) -> list[str]:
+    """Refuse a shaping flag the mode does not use; the ones it accepts without use, for the note."""
+    mode, noted = _mode(args), []
+    for name, (default, honoured, accepted) in SHAPING.items():
+        value = getattr(args, name)
+        if value == default or mode in honoured:
+            continue
+        flag = "--" + name.replace("_", "-")
+        if mode in accepted:
+            noted.append(flag)
+            continue
+        what = {"lora": "--merge-lora writes the merged model in its base's layout and dtype",
+                "mg-hf": "mg -> hf reads the split and vocabulary padding from the checkpoint's args"}.get(mode, mode)
+        raise ConfigError(f"{flag} {value if value is not True else ''}".rstrip() + f": {what}; drop the flag")
+    return noted
+
+
+def _stop_on_sigterm() -> None:
+    """SIGTERM ends convert as Ctrl-C does, so its staging directory is removed on the way out."""
+    import signal  # lazy: as above
+
+    def stop(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)
+
+
 def run(args: argparse.Namespace) -> int:
     from posttrain.models.mcore.convert import MG2HF, hf_to_mcore, mcore_to_hf  # lazy: --help imports this module
 
     _check(args)
+    _stop_on_sigterm()
     noted = [f"--{n.replace('_', '-')}" for n in NO_OPS if getattr(args, n) not in (None, False, "GPT")]
+    noted += _check_shaping_flags(args)
     if noted:
-        print(f"note: {', '.join(noted)} accepted with no effect here (posttrain reads the architecture itself)",
+        print(f"note: {', '.join(noted)} accepted with no effect here (posttrain reads the architecture itself"
+              f"{'; a Megatron checkpoint holds no tokenizer' if '--tokenizer-model' in noted else ''})",
               file=sys.stderr)
     if args.merge_lora:
         from posttrain.models.lora import merge_to_hf  # lazy: as above
@@ -99,11 +148,18 @@ def run(args: argparse.Namespace) -> int:
             template = Path(args.tokenizer_model)
         from posttrain.models.mcore import mcore_files  # lazy: as above
 
-        convert = mcore_to_hf
-        if mcore_files.is_dist_checkpoint(mcore_files.iteration_dir(Path(args.load_dir))):
-            from posttrain.train.megatron.dist_convert import dist_to_hf as convert
-        convert(args.load_dir, save_dir / MG2HF, template=template, tokenizer=args.tokenizer_model,
-                dtype=args.params_dtype, force=args.force)
+        load_dir = Path(args.load_dir)
+        if not load_dir.is_dir():
+            raise ConfigError(f"--load-dir {load_dir}: {'not a directory' if load_dir.exists() else 'does not exist'}; "
+                              f"give a Megatron checkpoint directory (release/ or iter_* with the tracker)")
+        if mcore_files.is_dist_checkpoint(mcore_files.iteration_dir(load_dir)):
+            from posttrain.train.megatron.dist_convert import dist_to_hf  # lazy: Megatron-Core
+
+            dist_to_hf(load_dir, save_dir / MG2HF, template=template, tokenizer=args.tokenizer_model,
+                       dtype=args.params_dtype, force=args.force)
+        else:
+            mcore_to_hf(load_dir, save_dir / MG2HF, template=template, tokenizer=args.tokenizer_model,
+                        dtype=args.params_dtype, force=args.force, orm=args.orm or None)
     return 0
 
 

@@ -7,15 +7,18 @@ rendered with ``--prompt-type`` (default: the tokenizer's own chat template).
 
 from __future__ import annotations
 
+import glob
 import json
 import logging
 import math
+import sys
+from collections import Counter
 from pathlib import Path
 
 import torch
 
 from posttrain.checkpoint import check_model_files
-from posttrain.commands.outputs import check_output_file, write_text_atomic
+from posttrain.commands.outputs import check_output_file, refuse_overwriting_inputs, write_text_atomic
 from posttrain.data.datasets import PromptDataset
 from posttrain.data.encoding import TemplateEncoder
 from posttrain.data.readers import iter_jsonl
@@ -36,36 +39,113 @@ PROMPT_FIELDS = ("prompt", "problem", "question", "instruction")
 LABEL_FIELDS = ("answer", "label", "solution", "output")
 
 
-def load_jsonl_prompts(path: Path, tokenizer, prompt_type: str | None) -> tuple[list[list[int]], list[str]]:
+class PromptFilter:
+    """The prompts ``eval`` can evaluate, as preprocess and train take them: a row whose prompt is
+    empty or not text is skipped, and so is a row whose prompt and ``max_tokens`` do not fit in the
+    model's context (``context`` positions; None: no limit known). Each skip prints one line naming
+    the row and is counted. A prompt is measured in characters before it is tokenized: one with more
+    characters than ``context`` tokens can hold (the tokenizer's longest token, times ``context``)
+    cannot fit, and is skipped without tokenizing it whole."""
+
+    def __init__(self, tokenizer, context: int | None, max_tokens: int):
+        self.room = None if context is None else context - max_tokens  # prompt tokens that fit
+        longest = max((len(t) for t in tokenizer.get_vocab()), default=1) if context is not None else 1
+        self.max_chars = None if self.room is None else max(self.room, 0) * max(longest, 1)
+        self.context, self.max_tokens = context, max_tokens
+        self.skipped: Counter = Counter()
+
+    def skip(self, where: str, reason: str, detail: str) -> None:
+        self.skipped[reason] += 1
+        print(f"skip {where}: {detail}", file=sys.stderr)
+
+    def text_fits(self, text: str, where: str) -> bool:
+        if self.max_chars is not None and len(text) > self.max_chars:
+            self.skip(where, "prompt too long", f"the prompt has {len(text):,} characters, more than the "
+                      f"{self.room:,} tokens left for it in the model's context ({self.context} positions - "
+                      f"--max-tokens {self.max_tokens}) can hold")
+            return False
+        return True
+
+    def tokens_fit(self, ids: list[int], where: str) -> bool:
+        if self.room is not None and len(ids) > self.room:
+            self.skip(where, "prompt too long", f"the prompt is {len(ids):,} tokens; with --max-tokens "
+                      f"{self.max_tokens} that is more than the model's context of {self.context} positions "
+                      f"(max_position_embeddings); lower --max-tokens or shorten the prompt")
+            return False
+        return True
+
+
+def _field(row: dict, names: tuple[str, ...], where: str, what: str):
+    """The value of the first of ``names`` in ``row``; DataError when none is there or it is null."""
+    key = next((k for k in names if k in row), None)
+    if key is None:
+        raise DataError(f"{where}: needs a prompt field ({'/'.join(PROMPT_FIELDS)}) and a label field "
+                        f"({'/'.join(LABEL_FIELDS)}); it has {sorted(row)}")
+    if row[key] is None:
+        raise DataError(f"{where}: the {what} field {key!r} is null; give the {what} as text")
+    return key, row[key]
+
+
+def load_jsonl_prompts(path: Path, tokenizer, prompt_type: str | None,
+                       keep: PromptFilter | None = None) -> tuple[list[list[int]], list[str]]:
     encoder = TemplateEncoder(get_template(prompt_type or "hf_chat_template"), tokenizer)
+    keep = keep or PromptFilter(tokenizer, None, 0)
     prompts, labels = [], []
     for row, where in iter_jsonl(path):
-        prompt = next((row[k] for k in PROMPT_FIELDS if k in row), None)
-        label = next((row[k] for k in LABEL_FIELDS if k in row), None)
-        if prompt is None or label is None:
-            raise DataError(f"{where}: needs a prompt field ({'/'.join(PROMPT_FIELDS)}) and a label field "
-                            f"({'/'.join(LABEL_FIELDS)}); it has {sorted(row)}")
-        prompts.append(encoder.encode_prompt(str(prompt)))
-        labels.append(str(label))
+        _, prompt = _field(row, PROMPT_FIELDS, where, "prompt")
+        label_key, label = _field(row, LABEL_FIELDS, where, "label")
+        if isinstance(label, (dict, list)):
+            raise DataError(f"{where}: the label field {label_key!r} is a {type(label).__name__}; give the "
+                            f"expected answer as text or a number")
+        if isinstance(prompt, (dict, list)):
+            keep.skip(where, "prompt not text", f"prompt is a {type(prompt).__name__}, expected text")
+            continue
+        prompt = str(prompt)
+        if not prompt.strip():
+            keep.skip(where, "empty prompt", "empty prompt")
+            continue
+        if not keep.text_fits(prompt, where):
+            continue
+        ids = encoder.encode_prompt(prompt)
+        if keep.tokens_fit(ids, where):
+            prompts.append(ids)
+            labels.append(str(label))
     return prompts, labels
 
 
-def load_prompts(data: str, tokenizer, prompt_type: str | None, limit: int | None):
+def load_prompts(data: str, tokenizer, prompt_type: str | None, limit: int | None,
+                 keep: PromptFilter | None = None):
     path = Path(data)
+    keep = keep or PromptFilter(tokenizer, None, 0)
     if path.suffix in (".jsonl", ".json"):
         if not path.is_file():
             raise DataError(f"--data {path}: no such file")
-        prompts, labels = load_jsonl_prompts(path, tokenizer, prompt_type)
+        prompts, labels = load_jsonl_prompts(path, tokenizer, prompt_type, keep)
     else:
-        ds = PromptDataset(data, max_prompt_length=None)
-        items = [ds[i] for i in range(len(ds))]
-        prompts = [[int(t) for t in it["prompts"]] for it in items]
-        labels = decode_labels(tokenizer, [[int(t) for t in it["labels"]] for it in items])
+        try:
+            ds = PromptDataset(data, max_prompt_length=None)
+        except DataError as err:  # name the flag that gave the prefix, not the config key
+            message = str(err)
+            raise DataError("--data " + message[len("data_path "):] if message.startswith("data_path ")
+                            else message) from None
+        rows = [(i, ds[i]) for i in range(len(ds))]
+        rows = [(i, it) for i, it in rows if keep.tokens_fit([int(t) for t in it["prompts"]], f"{data} row {i}")]
+        prompts = [[int(t) for t in it["prompts"]] for _, it in rows]
+        labels = decode_labels(tokenizer, [[int(t) for t in it["labels"]] for _, it in rows])
     if limit:
         prompts, labels = prompts[:limit], labels[:limit]
     if not prompts:
-        raise DataError(f"--data {data}: no prompts")
+        skipped = f" (skipped: {dict(keep.skipped)})" if keep.skipped else ""
+        raise DataError(f"--data {data}: no prompts{skipped}")
     return prompts, labels
+
+
+def data_files(data: str) -> list[Path]:
+    """The files ``--data`` reads: the JSONL file, or an indexed dataset's ``.bin`` and ``.idx`` files."""
+    path = Path(data)
+    if path.suffix in (".jsonl", ".json"):
+        return [path]
+    return [Path(p) for p in glob.glob(glob.escape(data) + "_packed_*_document.*")]
 
 
 def run(args) -> int:
@@ -73,6 +153,10 @@ def run(args) -> int:
     check_args(args)
     force = bool(getattr(args, "force", False))
     samples_path = getattr(args, "samples", None)
+    model_dir = Path(args.model)
+    model_files = [p for p in model_dir.rglob("*") if p.is_file()] if model_dir.is_dir() else []
+    refuse_overwriting_inputs({"--output": args.output, "--samples": samples_path},
+                              {"the --data input": data_files(args.data), "a file of --model": model_files})
     if args.output:  # before the work: an output problem must not cost the whole evaluation
         check_output_file(args.output, "--output", force=force)
     if samples_path:
@@ -86,11 +170,12 @@ def evaluate_model(args, device: str, samples_path: str | None) -> int:
     """``posttrain eval``'s work once its flags and outputs are checked: print (and write) the scores."""
     path, _ = resolve_model(args.model)
     check_model_files(path)  # a truncated or corrupt file is named, not a loader traceback
-    check_max_tokens(path, args.max_tokens)
+    context = check_max_tokens(path, args.max_tokens)
     tokenizer = load_tokenizer(path)
+    keep = PromptFilter(tokenizer, context, args.max_tokens)  # before the model: a bad dataset fails first
+    prompts, labels = load_prompts(args.data, tokenizer, args.prompt_type, args.limit, keep)
     model = load_merged(path, device=device)  # a LoRA checkpoint: its adapter merged into the base
     check_vocab(model, tokenizer, str(path))
-    prompts, labels = load_prompts(args.data, tokenizer, args.prompt_type, args.limit)
     engine = ROLLOUT_ENGINES.get("native")(model=model, pad_token_id=tokenizer.pad_token_id,
                                            eos_token_ids=[tokenizer.eos_token_id], dtype=args.dtype)
     sampling = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, top_k=-1, seed=args.seed)
@@ -100,7 +185,11 @@ def evaluate_model(args, device: str, samples_path: str | None) -> int:
     with RuleReward(verifiers, [1.0] * len(verifiers)) as reward:
         result = evaluate(engine, tokenizer, prompts, labels, reward, sampling=sampling, n=args.n,
                           threshold=float(len(verifiers)), samples=samples)
-    result.update(model=str(path), data=args.data, verifiers=verifiers, n=args.n, temperature=args.temperature)
+    result.update(model=str(path), data=args.data, verifiers=verifiers, n=args.n, temperature=args.temperature,
+                  skipped=dict(keep.skipped))
+    if keep.skipped:
+        print(f"skipped {sum(keep.skipped.values())} row(s), not counted: "
+              + ", ".join(f"{n} {reason}" for reason, n in sorted(keep.skipped.items())))
     print(f"{'strict':>12}: {result['accuracy']:.4f}  (accuracy: the verifiers {', '.join(verifiers)} accept the "
           f"first sample)")
     print(f"{'lenient':>12}: {result['lenient_accuracy']:.4f}  (the first sample's last number is the answer)")
@@ -133,12 +222,17 @@ def check_args(args) -> None:
             raise ConfigError(f"--verifier {name}: unknown verifier; known: {', '.join(VERIFIERS.names())}")
 
 
-def check_max_tokens(model_dir: Path, max_tokens: int) -> None:
-    """``--max-tokens`` above the model's context length would only end in a huge allocation."""
+def check_max_tokens(model_dir: Path, max_tokens: int) -> int | None:
+    """``--max-tokens`` above the model's context length would only end in a huge allocation.
+    Returns that length (``max_position_embeddings``; None when the config does not say)."""
     try:
         limit = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8")).get("max_position_embeddings")
     except (OSError, ValueError, AttributeError):
-        return
-    if isinstance(limit, int) and limit > 0 and max_tokens > limit:
-        raise ConfigError(f"--max-tokens {max_tokens}: above the model's context length (max_position_embeddings "
-                          f"{limit} in {Path(model_dir) / 'config.json'}); give at most {limit}")
+        return None
+    if not isinstance(limit, int) or isinstance(limit, bool) or limit <= 0:
+        return None
+    if max_tokens >= limit:
+        raise ConfigError(f"--max-tokens {max_tokens}: leaves no room for the prompt in the model's context length "
+                          f"(max_position_embeddings {limit} in {Path(model_dir) / 'config.json'}); give less "
+                          f"than {limit}")
+    return limit

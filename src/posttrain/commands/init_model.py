@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from posttrain.commands.outputs import check_writable_dir
 from posttrain.config.loader import load_model_yaml
 from posttrain.models.arch import arch_from_hf_config
 from posttrain.models.init_model import init_model_dir
@@ -18,6 +19,8 @@ def init_model(model: str, output: str | Path, **kwargs) -> Path:
 
 
 def run(args) -> int:
+    # before the work: the folder the model goes into takes a file (a full disk fails here, not after)
+    check_writable_dir(Path(args.output).absolute().parent, f"--output {args.output}")
     out = init_model(args.model, args.output, corpus=args.corpus, vocab_size=args.vocab_size,
                      tokenizer=args.tokenizer, seed=args.seed, force=bool(getattr(args, "force", False)))
     cfg = json.loads((out / "config.json").read_text())

@@ -9,25 +9,72 @@ output path is replaced, not written through).
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import tempfile
 from pathlib import Path
-from typing import Callable, IO
+from typing import Callable, IO, Iterable
 
-from posttrain.errors import ConfigError
+from posttrain.errors import ConfigError, PosttrainError
+
+PROBE_BYTES = 4096  # the write test writes one block: a disk with no block free fails it before the work
 
 
 def check_writable_dir(directory: Path, what: str) -> None:
-    """Create ``directory`` if needed and check a file can be created in it (ConfigError naming ``what``)."""
+    """Create ``directory`` if needed and check that a file of one block can be written in it
+    (ConfigError naming ``what``); the directories it created are removed again when it cannot."""
     if directory.exists() and not directory.is_dir():
         raise ConfigError(f"{what}: {directory} is an existing file, not a directory")
+    missing = [d for d in (directory, *directory.parents) if not d.exists()]
     try:
         directory.mkdir(parents=True, exist_ok=True)
         fd, probe = tempfile.mkstemp(prefix=".posttrain-write-test-", dir=directory)
+    except OSError as err:
+        _remove_empty(missing)
+        raise ConfigError(f"{what}: cannot write in {directory} ({_reason(err)})") from None
+    try:
+        os.write(fd, b"\0" * PROBE_BYTES)
+        os.fsync(fd)
+    except OSError as err:
         os.close(fd)
         os.unlink(probe)
-    except OSError as err:
-        raise ConfigError(f"{what}: cannot write in {directory} ({err})") from None
+        _remove_empty(missing)
+        raise ConfigError(f"{what}: cannot write in {directory} ({_reason(err)})") from None
+    os.close(fd)
+    os.unlink(probe)
+
+
+def _remove_empty(created: list[Path]) -> None:
+    """Remove the directories in ``created`` (deepest first) that are still empty."""
+    for directory in created:
+        with contextlib.suppress(OSError):
+            directory.rmdir()
+
+
+def _reason(err: OSError) -> str:
+    if err.errno in (errno.ENOSPC, errno.EDQUOT):
+        return "the disk is full: free some space or write somewhere else"
+    return err.strerror or str(err)
+
+
+def refuse_overwriting_inputs(outputs: dict[str, str | Path | None], inputs: dict[str, Iterable[str | Path]]) -> None:
+    """Before any work: no two outputs (``flag -> path``) may be one file, and no output may be (or
+    resolve to, through symlinks) a file the command reads (``what -> paths``), with or without
+    ``--force``: the command would replace its own input."""
+    seen: dict[str, str] = {}
+    for flag, path in outputs.items():
+        if not path:
+            continue
+        real = os.path.realpath(path)
+        if real in seen:
+            raise ConfigError(f"{flag} {path} and {seen[real]} name the same file; one would replace the other. "
+                              f"Give them different paths")
+        seen[real] = f"{flag} {path}"
+        for what, paths in inputs.items():
+            for source in paths:
+                if os.path.exists(source) and os.path.realpath(source) == real:
+                    raise ConfigError(f"{flag} {path} is {what} ({source}), which this command reads; writing "
+                                      f"there would replace it (also with --force). Give another path")
 
 
 def check_output_file(path: str | Path, flag: str = "--output", *, force: bool = False,
@@ -50,12 +97,20 @@ def write_atomic(path: str | Path, write: Callable[[IO[bytes]], None]) -> None:
     """Call ``write(f)`` on a temporary binary file next to ``path``, then rename it to ``path``;
     on any failure the temporary file is removed and ``path`` is left as it was."""
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as err:
+        raise PosttrainError(f"{path}: cannot write it ({_reason(err)}); nothing was written") from None
     try:
         with os.fdopen(fd, "wb") as f:
             write(f)
         os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, path)
+    except OSError as err:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise PosttrainError(f"{path}: cannot write it ({_reason(err)}); nothing was written there"
+                             + (f" (the earlier {path.name} is unchanged)" if path.exists() else "")) from None
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from posttrain.config.files import check_run_files
 from posttrain.config.plan import GIB, Plan, model_arch, resolve_plan
 from posttrain.config.run import load_run_config
+from posttrain.errors import PosttrainError
 from posttrain.models.cpu_linear import resolve_cpu_linear
 
 __all__ = ["format_plan", "model_arch", "run"]  # model_arch lives in posttrain.config.arch (train uses it too)
@@ -78,8 +80,17 @@ def format_plan(plan: Plan, cpu_linear: str = "blas") -> str:
 
 def run(args) -> int:
     cfg = load_run_config(args.config_name, args.config_path, args.overrides)
-    plan = resolve_plan(cfg, model_arch(cfg, args.hf_config))  # the same check as `posttrain train`
-    print(f"config {cfg.path}: valid")
+    config_only = bool(getattr(args, "config_only", False))
+    plan = resolve_plan(cfg, model_arch(cfg, args.hf_config))
+    if not config_only:  # the files it reads and writes, as `posttrain train` checks them at start-up
+        try:
+            check_run_files(plan)
+        except PosttrainError as err:
+            raise type(err)(f"{err}\n(posttrain plan checks the files a config names, as train does; "
+                            "--config-only checks the config alone)") from err
+    print(f"config {cfg.path}: valid" + (" as a config (--config-only: the datasets, model and directories it "
+                                         "names were not checked; train checks them at start-up)"
+                                         if config_only else ""))
     for warning in plan.warnings:
         print(f"warning: {warning}")
     print(format_plan(plan, resolve_cpu_linear(plan.device)))

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 from pathlib import Path
 
+from posttrain.commands.outputs import check_writable_dir
 from posttrain.config.loader import apply_overrides, normalise_keys, read_yaml, resolve_config_file
 from posttrain.data.config import make_config
 from posttrain.data.preprocess import preprocess
 from posttrain.errors import ConfigError
+from posttrain.rundir import DirLock
 
 
 def existing_outputs(output_prefix: str) -> list[Path]:
@@ -39,8 +42,30 @@ def load_config(config_name: str, config_path: str | None = None, overrides: lis
 
 def run(args) -> int:
     cfg = load_config(args.config_name, args.config_path, args.overrides)
-    if cfg.output_prefix:
-        check_output_prefix(cfg.output_prefix, bool(getattr(args, "force", False)))
-    summary = preprocess(cfg, strict=getattr(args, "strict", False))
+    if not cfg.output_prefix:
+        summary = preprocess(cfg, strict=getattr(args, "strict", False))
+    else:
+        summary = _preprocess_locked(cfg, args)
     print(summary.format())
     return 0
+
+
+def _preprocess_locked(cfg, args):
+    """Preprocess into ``cfg.output_prefix`` holding a lock on its folder: one preprocess at a time
+    per folder, since two runs at one prefix would publish a mix of both. The folder's writability
+    is checked first (one block written); a folder this run created is removed again if it fails."""
+    folder = Path(os.path.expanduser(cfg.output_prefix)).parent
+    created = not folder.exists()
+    check_writable_dir(folder, f"output_prefix {cfg.output_prefix}")
+    lock = DirLock(folder, f"output_prefix {cfg.output_prefix}: its folder")
+    try:
+        check_output_prefix(cfg.output_prefix, bool(getattr(args, "force", False)))
+        return preprocess(cfg, strict=getattr(args, "strict", False))
+    except BaseException:
+        if created:  # nothing of this run stays: its lock file, and the folder if nothing else is in it
+            with contextlib.suppress(OSError):
+                lock.path.unlink()
+                folder.rmdir()
+        raise
+    finally:
+        lock.release()

@@ -31,7 +31,11 @@ def read_rows(path: Path, response_field: str, label_field: str) -> list[dict]:
             if field not in row:
                 raise DataError(f"{where}: no field {field!r} (keys: {', '.join(row)}); "
                                 f"use --response-field / --label-field")
+            if row[field] is None:
+                raise DataError(f"{where}: the field {field!r} is null; give it a value (text), or leave the row out")
         rows.append(row)
+    if not rows:
+        raise DataError(f"--input {path}: no rows (the file has no JSON object lines); nothing to score")
     return rows
 
 

@@ -15,8 +15,9 @@ def plan_named(config_name: str, config_path: str | None = None, overrides: list
 
 
 def train_config(cfg: RunConfig, *, load_previous_on_corruption: bool = False) -> dict[str, float]:
-    """Check ``cfg``, derive its plan and train it; returns the last iteration's metrics."""
-    return train(resolve_plan(cfg), load_previous_on_corruption=load_previous_on_corruption)
+    """Check ``cfg`` (and its files, as ``posttrain plan`` does), derive its plan and train it; returns
+    the last iteration's metrics."""
+    return train(resolve_plan(cfg, files=True), load_previous_on_corruption=load_previous_on_corruption)
 
 
 def run(args) -> int:

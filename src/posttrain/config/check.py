@@ -34,6 +34,7 @@ from posttrain.config.validate import DeviceLayout, actor_key, validate_run_conf
 from posttrain.config.vllm import check_vllm
 from posttrain.errors import ConfigError
 from posttrain.models.arch import ModelArch
+from posttrain.models.lora import full_rank, target_list
 from posttrain.reward.verifiers import VERIFIERS, import_verifier_modules
 
 __all__ = ["check_device", "check_run_config", "check_verifiers", "uses_ray"]  # uses_ray: posttrain.config.backend
@@ -57,6 +58,7 @@ def check_run_config(cfg: RunConfig, *, device_type: str = "cpu",
     if stage.on_policy and (cfg.rl.rule_reward or cfg.rl.eval_data_path):  # training scores, held-out accuracy
         check_verifiers(cfg)
     _check_prompt_type_path(cfg)
+    _check_lora_keys(cfg, arch)
     warnings = startup_warnings(cfg, device_type, backend=parallel.backend)
     warnings += check_async(cfg)
     if stage.on_policy:  # rollout_engine: vllm (the vllm package, a CUDA device)
@@ -114,6 +116,35 @@ def _check_prompt_type_path(cfg: RunConfig) -> None:
         return
     raise ConfigError(f"{actor_key(cfg, 'prompt_type_path')}={path}: no such file (relative paths are read from "
                       f"the current directory, {Path.cwd()}); point it at a templates JSON file or remove the key")
+
+
+def _check_lora_keys(cfg: RunConfig, arch: ModelArch | None) -> None:
+    """LoRA is on when ``lora_target_modules`` names layers. Written as an empty list it names none,
+    and a rank or alpha other than the default without targets trains no adapter: either would be a
+    full fine-tune the config did not ask for. A rank above what the targeted layers can hold
+    (``arch`` known) is refused too."""
+    a = cfg.actor
+    written = any(cfg.explicitly_set(section, "lora_target_modules") for section in ("megatron_training",
+                                                                                       "actor_config"))
+    if written and a.lora_target_modules is not None and not target_list(a.lora_target_modules):
+        raise ConfigError(f"{actor_key(cfg, 'lora_target_modules')}={a.lora_target_modules!r}: names no layer, so "
+                          f"no adapter would be trained and the run would fine-tune every weight. Name the layers to "
+                          f"adapt (e.g. [linear_qkv, linear_proj, linear_fc1, linear_fc2] or [q_proj, v_proj]), or "
+                          f"remove lora_target_modules and the other lora_* keys for a full fine-tune")
+    if a.lora_target_modules:
+        limit = full_rank(arch, a.lora_target_modules) if arch is not None else None
+        if limit is not None and a.lora_r > limit:
+            raise ConfigError(f"{actor_key(cfg, 'lora_r')}={a.lora_r} is above {limit}, the full rank of the smallest "
+                              f"layer that lora_target_modules adapts (min(in, out) features): a larger rank adds "
+                              f"parameters and memory but no capacity. Set lora_r at most {limit}")
+        return
+    for key in ("lora_r", "lora_alpha"):
+        default = MegatronConfig.model_fields[key].default
+        if getattr(a, key) != default and any(cfg.explicitly_set(s, key) for s in ("megatron_training",
+                                                                                   "actor_config")):
+            raise ConfigError(f"{actor_key(cfg, key)}={getattr(a, key)} without lora_target_modules: LoRA is off, so "
+                              f"this value would be ignored and every weight trained. Set lora_target_modules (e.g. "
+                              f"[q_proj, v_proj]) to train an adapter, or remove {key}")
 
 
 def _check_workers(cfg: RunConfig, on_policy: bool, uses_critic: bool, parallel: ModelParallel) -> None:

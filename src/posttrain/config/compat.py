@@ -162,6 +162,11 @@ def _features() -> dict[str, Feature]:
         _on("rl_config.ray_sharding", lambda v: v == "fsdp2", name="fsdp2", when="fsdp2"),
         _on("rl_config.offload_reference", when="true"),
         _on("rl_config.share_backbone", when="true"),
+        Feature("ref_model_load_path", ("rl_config.integrated_mode_config",),
+                lambda c: bool((c.rl.integrated_mode_config or {}).get("ref_model_load_path")),
+                shown=lambda c: "rl_config.integrated_mode_config.ref_model_load_path="
+                                f"{(c.rl.integrated_mode_config or {}).get('ref_model_load_path')}",
+                when="ref_model_load_path set", title="rl_config.integrated_mode_config.ref_model_load_path (set)"),
         Feature("bf16", ("actor_config.bf16",), _bf16_asked, when="written as true"),
         Feature("share_prompt_prefix", ("rl_config.share_prompt_prefix",),
                 lambda c: c.rl.use_remove_padding and _written("rl_config.share_prompt_prefix", bool)(c),
@@ -311,6 +316,9 @@ ROWS: tuple[Row, ...] = (
         "actor_config only"),
     Row("shared-backbone-offload-reference", "offload_reference", "{setting} with {other}: the reference is the "
         "actor's own weights (its adapter off), so there is nothing to offload; remove one", with_="share_backbone"),
+    Row("shared-backbone-ref-model", "ref_model_load_path", "{setting} with {other}: with share_backbone the "
+        "reference is the actor's base weights (its adapter off), so this reference model would never be loaded; "
+        "remove one", with_="share_backbone"),
     # the vLLM rollout engine (its machine, the vllm package and a CUDA device: posttrain.config.vllm)
     *(Row(f"vllm-{name}", name, "{setting} with rl_config.rollout_engine: vllm: " + why, engine=("vllm",),
           stage=ON_POLICY) for name, why in _VLLM_KEYS),

@@ -21,6 +21,7 @@ from posttrain.config import options
 from posttrain.config.arch import model_arch
 from posttrain.config.backend import ModelParallel, model_parallel
 from posttrain.config.check import check_device, check_run_config, uses_ray
+from posttrain.config.files import check_run_files
 from posttrain.config.memory import GIB, MemoryEstimate, check_memory, estimate_memory
 from posttrain.config.options import (AdvantageOptions, ClusterOptions, CriticOptions, DataOptions, DPOOptions,
                                       DynamicSamplingOptions, KLOptions, LoggingOptions, OffPolicyOptions,
@@ -148,8 +149,11 @@ def _off_policy_line(cfg: RunConfig) -> str:
     return "; ".join(parts)
 
 
-def resolve_plan(cfg: RunConfig, arch: ModelArch | None = None, *, device: str | None = None) -> Plan:
-    """Check ``cfg`` (the one check of ``plan`` and ``train``) and derive its plan.
+def resolve_plan(cfg: RunConfig, arch: ModelArch | None = None, *, device: str | None = None,
+                 files: bool = False) -> Plan:
+    """Check ``cfg`` (the one check of ``plan`` and ``train``) and derive its plan. With ``files``
+    (the commands ``plan``, ``train`` and ``bench``), also what is on disk, as ``train`` finds it at
+    start-up (:func:`posttrain.config.files.check_run_files`).
 
     ``arch`` defaults to :func:`model_arch` (the model yaml keys, else the ``config.json`` of
     ``load`` / ``tokenizer_name_or_path``); with one, the plan carries a memory estimate, which
@@ -163,6 +167,8 @@ def resolve_plan(cfg: RunConfig, arch: ModelArch | None = None, *, device: str |
     layout, warnings = check_run_config(cfg, device_type=device_type(device), arch=arch)
     plan = build_plan(cfg, layout, arch, device=device, warnings=tuple(warnings))
     extra = check_memory(cfg, plan)
+    if files:
+        check_run_files(plan)
     return _replace(plan, warnings=plan.warnings + tuple(extra)) if extra else plan
 
 

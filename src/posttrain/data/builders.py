@@ -16,8 +16,13 @@ def build_prompt_dataset(prefix: str | None, max_prompt_length: int, *, addition
     the prompts of ``max_prompt_length`` tokens or more."""
     if not prefix:
         raise ConfigError(f"{key} is not set: give the prefix of a preprocessed dataset")
-    dataset = PromptDataset(prefix, max_prompt_length=max_prompt_length, additional_keys=list(additional_keys),
-                            split=split)
+    try:
+        dataset = PromptDataset(prefix, max_prompt_length=max_prompt_length, additional_keys=list(additional_keys),
+                                split=split)
+    except DataError as err:
+        if key == "megatron_training.data_path" or not str(err).startswith("data_path "):
+            raise
+        raise DataError(f"{key} {str(err)[len('data_path '):]}") from None  # name the key that gave the prefix
     if len(dataset) == 0:
         why = (f" all {dataset.num_filtered} prompts are at least max_prompt_length={max_prompt_length} tokens"
                if dataset.num_filtered else "")

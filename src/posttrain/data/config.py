@@ -17,6 +17,8 @@ from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 from posttrain.data.handlers import HANDLERS
 from posttrain.errors import ConfigError
 
+MAX_ROW_TOKENS = 2**31 - 1  # the .idx stores row lengths as int32
+
 PROMPT_TYPE_HANDLERS = ["AlpacaStyleInstructionHandler", "AlpacaStylePairwiseHandler",
                         "AlpacaStyleProcessRewardHandler", "R1AlpacaStyleInstructionHandler",
                         "Math17kAlpacaStyleInstructionHandler"]
@@ -139,6 +141,9 @@ def validate(cfg: DataHandlerConfig) -> None:
         raise ConfigError(f"workers must be >= 1 (got {cfg.workers})")
     if cfg.seq_length is not None and cfg.seq_length < 2:
         raise ConfigError(f"seq_length must be >= 2 (got {cfg.seq_length})")
+    if cfg.seq_length is not None and cfg.seq_length > MAX_ROW_TOKENS:
+        raise ConfigError(f"seq_length={cfg.seq_length}: larger than a row of the indexed dataset can be "
+                          f"({MAX_ROW_TOKENS:,} tokens, its lengths are int32); give a smaller seq_length")
     if cfg.tokenizer_type not in ("HuggingFaceTokenizer", "PretrainedFromHF"):
         raise ConfigError(f"tokenizer_type {cfg.tokenizer_type!r} is not supported; known: HuggingFaceTokenizer")
     if cfg.merge_group_keys:

@@ -17,6 +17,7 @@ sample of exactly ``seq_length`` tokens cannot fit the ``seq_length - 1`` knapsa
 
 from __future__ import annotations
 
+import errno
 import multiprocessing as mp
 import os
 import re
@@ -113,15 +114,37 @@ def _init_worker(cfg: DataHandlerConfig, columns: list[str]) -> None:
     _STATE["cfg"] = cfg
 
 
+def _max_chars(handler, cfg) -> int | None:
+    """The most characters a text can have and still be shorter than ``seq_length`` tokens (the
+    tokenizer's longest token, times ``seq_length``): longer rows are skipped before they are
+    tokenized, so that one huge row costs no tokenizer memory."""
+    if cfg.seq_length is None:
+        return None
+    longest = getattr(handler, "_longest_token_chars", None)
+    if longest is None:
+        longest = max((len(t) for t in handler.tokenizer.get_vocab()), default=1)
+        handler._longest_token_chars = longest
+    return cfg.seq_length * max(longest, 1)
+
+
+def _longest_text(item) -> int:
+    """Characters of the prompt's turns with the system text, or of the longest response."""
+    prompt = sum(len(m.get("content") or "") for m in item.prompt if isinstance(m, dict)) + len(item.system or "")
+    return max(prompt, *(len(r) for r in item.responses)) if item.responses else prompt
+
+
 def process_batch(rows: list[tuple[dict, str]], handler=None, cfg=None) -> BatchResult:
     """Align, encode (one batched tokenizer call) and filter one batch of rows."""
     handler = handler or _STATE["handler"]
     cfg = cfg or _STATE["cfg"]
     skipped, aligned, wheres = [], [], []  # skipped: (row number in the batch, where, reason)
+    max_chars = _max_chars(handler, cfg)
     for n, (row, where) in enumerate(rows):
         item = handler.align(row)
         if isinstance(item, str):
             skipped.append((n, where, item))
+        elif max_chars is not None and _longest_text(item) > max_chars:  # cannot fit: not tokenized at all
+            skipped.append((n, where, SKIP_TOO_LONG))
         else:
             aligned.append(item)
             wheres.append((n, where))
@@ -335,6 +358,9 @@ def preprocess(config: dict | DataHandlerConfig, strict: bool = False, progress:
         if summary.rows_written == 0:
             raise DataError(f"input {cfg.input}: every row was skipped ({dict(skip_counts)}); nothing written")
         summary.outputs = outputs.commit()
+    except OSError as err:
+        outputs.discard()
+        raise _write_failed(prefix, err) from None
     except BaseException:
         outputs.discard()
         raise
@@ -344,6 +370,16 @@ def preprocess(config: dict | DataHandlerConfig, strict: bool = False, progress:
     summary.rows_read += skip_counts[SKIP_MALFORMED]  # lines that never became rows
     summary.seconds = time.perf_counter() - start
     return summary
+
+
+def _write_failed(prefix: str, err: OSError) -> Exception:
+    """A disk that fills while the dataset is written, as one message naming ``output_prefix``
+    (other errors are raised as they are)."""
+    if err.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        return err
+    return DataError(f"output_prefix {prefix}: writing the dataset failed: {err.strerror} (the disk is full or the "
+                     f"file too large); nothing was written and the temporary files are removed. Free some space or "
+                     f"give an output_prefix on another disk")
 
 
 def _results(cfg, columns, batches, handler):
@@ -359,7 +395,11 @@ def _results(cfg, columns, batches, handler):
 
 def _write_packed(outputs: _Outputs, packed: dict, cfg: DataHandlerConfig, tokenizer) -> int:
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    rows = pack_samples(packed["input_ids"], packed["labels"], cfg.seq_length, pad_id or 0, cfg.neat_pack)
+    try:
+        rows = pack_samples(packed["input_ids"], packed["labels"], cfg.seq_length, pad_id or 0, cfg.neat_pack)
+    except MemoryError:
+        raise DataError(f"seq_length={cfg.seq_length}: packed rows of that length do not fit in memory; give a "
+                        f"smaller seq_length") from None
     for key, seqs in rows.items():
         if seqs:
             outputs.add(key, np.concatenate(seqs), np.full(len(seqs), cfg.seq_length))

@@ -49,12 +49,26 @@ def find_input_files(input_path: str | Path) -> InputFiles:
     raise DataError(f"input {path}: no such file or directory (relative paths are relative to {os.getcwd()})")
 
 
+class DuplicateKey(ValueError):
+    def __init__(self, key: str):
+        super().__init__(key)
+        self.key = key
+
+
+def _object_without_duplicates(pairs: list[tuple[str, object]]) -> dict:
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        seen: set[str] = set()
+        raise DuplicateKey(next(k for k, _ in pairs if k in seen or seen.add(k)))
+    return obj
+
+
 def iter_jsonl(path: str | Path, on_malformed: Callable[[str, str], None] | None = None,
                on_invalid_utf8: Callable[[str], None] | None = None) -> Iterator[Row]:
     """``(object, "file:line")`` for each non-blank line of a JSON Lines file.
 
-    A line that is not JSON, or not a JSON object, goes to ``on_malformed(where, why)`` and is
-    skipped; the default raises :class:`DataError` naming the file and line. A UTF-8 byte order
+    A line that is not JSON, not a JSON object, or an object with a key written twice goes to
+    ``on_malformed(where, why)`` and is skipped; the default raises :class:`DataError` naming the file and line. A UTF-8 byte order
     mark is accepted. Bytes that are not UTF-8 become U+FFFD; ``on_invalid_utf8(where)`` hears of
     each such line (it may raise to stop).
     """
@@ -63,15 +77,25 @@ def iter_jsonl(path: str | Path, on_malformed: Callable[[str, str], None] | None
     if not path.is_file():
         raise DataError(f"{path}: no such file")
     with open(path, encoding="utf-8-sig", errors="surrogateescape") as f:
+        first = True
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
             where = f"{path}:{lineno}"
+            if first and line.lstrip().startswith("["):
+                raise DataError(f"{where}: the file is a JSON array, not JSON Lines (one JSON object per line); "
+                                f"write one object per line (e.g. python -c \"import json,sys; [print(json.dumps(r)) "
+                                f"for r in json.load(sys.stdin)]\" < in.json > out.jsonl)")
+            first = False
             line = _valid_utf8(line, where, on_invalid_utf8)
             try:
-                obj = json.loads(line)
+                obj = json.loads(line, object_pairs_hook=_object_without_duplicates)
             except json.JSONDecodeError as err:
                 on_malformed(where, f"malformed JSON ({err.msg} at column {err.colno})")
+                continue
+            except DuplicateKey as err:
+                on_malformed(where, f"duplicate key {err.key!r} in one object (JSON would keep only the last "
+                                    f"value, silently); keep one")
                 continue
             if not isinstance(obj, dict):
                 on_malformed(where, f"expected a JSON object, got {type(obj).__name__}")

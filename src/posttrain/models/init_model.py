@@ -5,6 +5,7 @@ Nothing here touches the network. Tests and the CI demo build their models with 
 
 from __future__ import annotations
 
+import errno
 import os
 import random
 import shutil
@@ -89,14 +90,49 @@ def check_output_dir(output: str | Path, force: bool = False) -> Path:
     return output
 
 
-def _install(tmp: Path, output: Path) -> None:
-    """Move the files written in ``tmp`` into ``output``: a rename when ``output`` does not exist,
-    else file by file (each replaced atomically). Stale weight files of an earlier model there
-    (shards, index) are removed, since a loader would mix them with the new ones; no other
-    file in ``output`` is touched."""
-    if not output.exists():
-        tmp.rename(output)
-        return
+SIZE_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "num_query_groups", "kv_channels",
+             "max_position_embeddings")
+
+
+def check_model_sizes(name: str, keys: dict) -> None:
+    """The model yaml's sizes can build a model: whole numbers >= 1, the heads dividing the hidden
+    size (unless ``kv_channels`` sets the head size) and the key-value groups dividing the heads."""
+    for key in SIZE_KEYS:
+        value = keys.get(key)
+        if value is None and key in SIZE_KEYS[3:]:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"model '{name}': {key}={value!r} must be a whole number >= 1")
+    heads, hidden = keys["num_attention_heads"], keys["hidden_size"]
+    if not keys.get("kv_channels") and hidden % heads:
+        raise ConfigError(f"model '{name}': hidden_size={hidden} is not a multiple of num_attention_heads={heads} "
+                          f"(each head gets hidden_size / num_attention_heads features); change one, or set "
+                          f"kv_channels")
+    groups = keys.get("num_query_groups") if keys.get("group_query_attention") else None
+    if groups and heads % groups:
+        raise ConfigError(f"model '{name}': num_attention_heads={heads} is not a multiple of "
+                          f"num_query_groups={groups} (each key-value group serves the same number of heads)")
+
+
+def _install(tmp: Path, output: Path, force: bool = False) -> None:
+    """Move the files written in ``tmp`` into ``output``: one rename when ``output`` is new or an
+    empty directory, else (``force``) file by file (each replaced atomically). Stale weight files of
+    an earlier model there (shards, index) are removed, since a loader would mix them with the new
+    ones; no other file in ``output`` is touched. Without ``force``, a directory that another
+    process filled while this one worked is refused, and nothing of this run is written."""
+    if not output.is_symlink():
+        try:
+            os.rename(tmp, output)  # atomic; replaces only a missing or empty directory
+            return
+        except OSError as err:
+            if err.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                raise
+    if not force:
+        found = sorted(p.name for p in output.iterdir())
+        shown = ", ".join(found[:5]) + (", ..." if len(found) > 5 else "")
+        raise ConfigError(f"--output {output}: another process wrote into it while this one built the model (it "
+                          f"was new or empty when checked, and now holds {shown}); nothing of this run was written. "
+                          f"Give a new directory, or --force to replace init-model's own files there")
     written = {p.name for p in tmp.iterdir()}
     for stale in output.iterdir():
         is_weights = stale.name.startswith("model") and (stale.name.endswith(".safetensors")
@@ -116,6 +152,7 @@ def init_model_dir(name: str, keys: dict, output: str | Path, corpus: str | Path
     ``output`` must be new or empty; with ``force`` an existing directory gets init-model's files
     replaced and keeps every other file (:func:`check_output_dir`)."""
     output = check_output_dir(output, force)
+    check_model_sizes(name, keys)
     if vocab_size is not None and vocab_size < MIN_VOCAB_SIZE:
         raise ConfigError(f"--vocab-size {vocab_size}: must be at least {MIN_VOCAB_SIZE} (the byte-level "
                           f"tokenizer's 256 byte tokens plus {len(SPECIAL_TOKENS)} special tokens)")
@@ -141,9 +178,13 @@ def init_model_dir(name: str, keys: dict, output: str | Path, corpus: str | Path
     arch = arch_from_model_yaml(name, keys, vocab_size=_round_up(len(tok), divisor))
     hf_cfg = arch.to_hf_config()
     hf_cfg.update(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    config = AutoConfig.for_model(**hf_cfg)
     torch.manual_seed(seed)
-    net = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    try:
+        net = AutoModelForCausalLM.from_config(AutoConfig.for_model(**hf_cfg), dtype=torch.float32)
+    except (ValueError, ZeroDivisionError) as err:  # Transformers' own checks of the architecture
+        first = str(err).strip().splitlines()[-1].strip() if str(err).strip() else type(err).__name__
+        raise ConfigError(f"model '{name}': Transformers cannot build this architecture ({first}); fix the model "
+                          f"yaml's sizes") from None
 
     try:
         output.parent.mkdir(parents=True, exist_ok=True)
@@ -154,7 +195,12 @@ def init_model_dir(name: str, keys: dict, output: str | Path, corpus: str | Path
         net.save_pretrained(tmp, safe_serialization=True)
         tok.save_pretrained(tmp)
         make_readable(tmp)  # 0644 files, 0755 dir (not save_pretrained's 0600, mkdtemp's 0700)
-        _install(tmp, output)
+        _install(tmp, output, force)
+    except OSError as err:
+        full = err.errno in (errno.ENOSPC, errno.EDQUOT)
+        raise ConfigError(f"--output {output}: cannot write the model ("
+                          f"{'the disk is full' if full else err.strerror or err}); nothing was written. "
+                          f"{'Free some space or give' if full else 'Give'} another directory") from None
     finally:
         if tmp.exists():
             shutil.rmtree(tmp)

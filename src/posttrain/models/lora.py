@@ -41,12 +41,24 @@ def lora_sizes(arch, targets: Any, rank: int) -> tuple[int, int]:
     model ``arch`` (a :class:`~posttrain.models.arch.ModelArch`), ``rank x (in + out)`` per adapted
     linear, and of the base weights it adapts (``in x out`` each; the merged rollout saves a copy
     of those). The dense MLP's linears: a mixture-of-experts model's experts are not counted."""
+    names = _target_shapes(arch, targets)
+    return (arch.num_layers * rank * sum(i + o for i, o in names), arch.num_layers * sum(i * o for i, o in names))
+
+
+def _target_shapes(arch, targets: Any) -> list[tuple[int, int]]:
+    """``(in, out)`` of each dense linear that ``targets`` name in ``arch`` (unknown names left out)."""
     h, q, kv, ffn = arch.hidden_size, arch.num_attention_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim, \
         arch.ffn_hidden_size
     shapes = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h), "gate_proj": (h, ffn),
               "up_proj": (h, ffn), "down_proj": (ffn, h)}
-    names = [shapes[n] for n in {n for t in target_list(targets) for n in MEGATRON_TO_HF.get(t, (t,))} if n in shapes]
-    return (arch.num_layers * rank * sum(i + o for i, o in names), arch.num_layers * sum(i * o for i, o in names))
+    return [shapes[n] for n in {n for t in target_list(targets) for n in MEGATRON_TO_HF.get(t, (t,))} if n in shapes]
+
+
+def full_rank(arch, targets: Any) -> int | None:
+    """The largest rank an update of the linears ``targets`` name in ``arch`` can have (the smallest
+    ``min(in, out)``): a LoRA rank above it adds parameters but no capacity. None when no target is known."""
+    shapes = _target_shapes(arch, targets)
+    return min(min(i, o) for i, o in shapes) if shapes else None
 
 
 def target_list(targets: Any) -> list[str]:
@@ -124,6 +136,14 @@ def adapter_base(path: str | Path) -> Path:
                           f"only (lora_ckpt_filter), so the base it was trained on must be at that path (or edit "
                           f"base_model_name_or_path)")
     return Path(base)
+
+
+def check_adapter_wanted(path: str | Path, options: LoraOptions | None) -> None:
+    """A checkpoint in ``path`` that holds a LoRA adapter is continued only by a run with LoRA keys."""
+    if options is None and is_adapter_dir(path):
+        raise ConfigError(f"{path} holds a LoRA adapter: set actor_config.lora_target_modules to keep training it, "
+                          f"or merge it into the base first (posttrain convert --merge-lora --load-dir {path} "
+                          f"--save-dir <dir>)")
 
 
 def check_adapter_keys(path: str | Path, options: LoraOptions, model) -> None:
@@ -241,6 +261,28 @@ def load_merged(path: str | Path, **kwargs):
     return load_adapter(load_causal_lm(adapter_base(path), **kwargs), path, trainable=False).merge_and_unload()
 
 
+def check_adapter_files(path: Path) -> None:
+    """``--merge-lora``: the adapter's config is JSON, and its weights file holds LoRA tensors only for
+    the modules the config targets (PEFT would drop the others without a word: nothing merged)."""
+    config_path = Path(path) / ADAPTER_CONFIG
+    try:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"{config_path}: not valid JSON (line {err.lineno}, column {err.colno}: {err.msg}); "
+                          f"restore the adapter's config") from None
+    weights = Path(path) / "adapter_model.safetensors"
+    wanted = config.get("target_modules") if isinstance(config, dict) else None
+    if not weights.is_file() or not isinstance(wanted, list):
+        return
+    from safetensors import safe_open  # lazy: config/ imports lora.py without torch
+
+    with safe_open(str(weights), framework="pt") as f:
+        held = {k.split(".lora_")[0].rsplit(".", 1)[-1] for k in f.keys() if ".lora_" in k}
+    if held - set(wanted):
+        raise ConfigError(f"{config_path}: target_modules {wanted} but {weights.name} holds LoRA weights for "
+                          f"{sorted(held - set(wanted))}, which would not be merged; restore the adapter's config")
+
+
 def merge_to_hf(load_dir: str | Path, out_dir: str | Path, *, force: bool = False, log=print) -> Path:
     """``posttrain convert --merge-lora``: the LoRA checkpoint (or adapter directory) ``load_dir``
     merged into its base, written as a plain HF model directory ``out_dir`` (staged, then renamed)."""
@@ -253,12 +295,12 @@ def merge_to_hf(load_dir: str | Path, out_dir: str | Path, *, force: bool = Fals
     if not is_adapter_dir(path):
         raise ConfigError(f"--merge-lora: {path} holds no LoRA adapter ({ADAPTER_CONFIG}); give a LoRA run's save "
                           f"directory or checkpoint")
+    check_adapter_files(path)
     out_dir = Path(out_dir)
     check_hf_target(out_dir, force)
     base = adapter_base(path)
     merged = load_merged(path, dtype="float32")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    with _staging(out_dir.parent, f".{out_dir.name}.tmp-") as tmp:
+    with _staging(out_dir.parent, out_dir.name, out_dir) as tmp:
         save_hf_weights(merged, tmp)
         copy_tokenizer(path if (path / "tokenizer_config.json").is_file() else base, tmp)
         _publish_dir(tmp, out_dir)

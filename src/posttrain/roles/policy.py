@@ -106,10 +106,7 @@ def build_actor_model(policy: PolicyOptions, device: str, source: str | None = N
     source = source or model_source(policy)
     path = resolve_model_dir(source)
     has_adapter = lora.is_adapter_dir(path)
-    if has_adapter and policy.lora is None:
-        raise ConfigError(f"{path} holds a LoRA adapter: set actor_config.lora_target_modules to keep training it, "
-                          f"or merge it into the base first (posttrain convert --merge-lora --load-dir {path} "
-                          f"--save-dir <dir>)")
+    lora.check_adapter_wanted(path, policy.lora)
     base = lora.adapter_base(path) if has_adapter else path
     model = load_causal_lm(base, device=device, dtype="float32")
     tok_path = policy.tokenizer or path

@@ -105,3 +105,10 @@ def test_outputs_are_checked_before_the_work(mini_world, tmp_path, capsys, monke
     code, err = run_cli(["bench", *write_config(mini_world, tmp_path / "run"), flag, str(target)], capsys)
     assert code == 2 and f"{flag} {target}" in err
     assert not [p for p in tmp_path.rglob(".*tmp*")]
+
+
+def test_a_refused_override_is_named_not_the_yaml(mini_world, tmp_path, capsys):
+    """Probes B1, B4: bench re-reads the config with its own overrides; a check that refuses a
+    command-line value names that override, not the YAML file (mini_batch_size 8 > global batch 2)."""
+    code, err = run_cli(["bench", *write_config(mini_world, tmp_path / "run"), "rl_config.mini_batch_size=8"], capsys)
+    assert code == 2 and err.startswith("error: override 'rl_config.mini_batch_size=8': rl_config.mini_batch_size=8 is")

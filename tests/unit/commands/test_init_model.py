@@ -87,3 +87,56 @@ def test_bad_flags_are_named(tmp_path, capsys, flags, expect):
     flags = [str(tmp_path / "empty") if f == "EMPTY" else f for f in flags]
     code, err = run_cli(["init-model", "--output", str(tmp_path / "m"), *flags], capsys)
     assert code == 2 and expect in err and not (tmp_path / "m").exists()
+
+
+# ---- probe 3 (docs/reliability/probe3_cmds.md) -------------------------------------------------------------
+def test_a_model_written_there_meanwhile_is_not_replaced(tmp_path, capsys, monkeypatch):
+    """Probe Q3: another init-model fills the new --output while this one builds its model: this one
+    refuses and writes nothing (before, both said "wrote" and one model silently replaced the other)."""
+    import posttrain.models.init_model as im
+
+    out = tmp_path / "m"
+    real = im.make_readable
+
+    def other_process_wins(path):
+        out.mkdir()
+        (out / "config.json").write_text("the other model")
+        return real(path)
+
+    monkeypatch.setattr(im, "make_readable", other_process_wins)
+    code, err = run_cli(["init-model", "--output", str(out)], capsys)
+    assert code == 2 and f"--output {out}: another process wrote into it" in err
+    assert tree(tmp_path) == ["m", "m/config.json"] and (out / "config.json").read_text() == "the other model"
+
+
+@pytest.mark.parametrize("yaml_text,expect", [
+    ("odd:\n  num_layers: 1\n  hidden_size: 100\n  num_attention_heads: 3\n",
+     "model 'odd': hidden_size=100 is not a multiple of num_attention_heads=3"),
+    ("zero:\n  num_layers: 1\n  hidden_size: 0\n  num_attention_heads: 1\n", "model 'zero': hidden_size=0 must be"),
+    ("gqa:\n  num_layers: 1\n  hidden_size: 64\n  num_attention_heads: 4\n  group_query_attention: true\n"
+     "  num_query_groups: 3\n", "num_attention_heads=4 is not a multiple of num_query_groups=3"),
+], ids=["CM35_heads", "CM36_zero", "CM35_groups"])
+def test_sizes_that_build_no_model_are_named(tmp_path, capsys, monkeypatch, yaml_text, expect):
+    """Probes CM35, CM36: a model yaml whose sizes no model has (Transformers' traceback before)."""
+    (tmp_path / "m.yaml").write_text(yaml_text)
+    forbid(monkeypatch, "posttrain.models.init_model:train_tokenizer")
+    code, err = run_cli(["init-model", "--model", str(tmp_path / "m.yaml"), "--output", str(tmp_path / "out")], capsys)
+    assert code == 2 and expect in err and not (tmp_path / "out").exists()
+
+
+def test_a_full_disk_is_one_message_and_leaves_nothing(tmp_path, capsys, monkeypatch):
+    """Probe CM37: the disk fills while the model is saved: one message naming --output, no
+    temporary directory left; a disk already full is found before the model is built."""
+    import errno
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr("transformers.PreTrainedModel.save_pretrained", full)
+    code, err = run_cli(["init-model", "--output", str(tmp_path / "m")], capsys)
+    assert code == 2 and f"--output {tmp_path / 'm'}: cannot write the model (the disk is full)" in err
+    assert tree(tmp_path) == []
+    monkeypatch.setattr("posttrain.commands.outputs.os.write", full)
+    forbid(monkeypatch, "posttrain.models.init_model:train_tokenizer")
+    code, err = run_cli(["init-model", "--output", str(tmp_path / "a" / "m")], capsys)
+    assert code == 2 and "the disk is full" in err and tree(tmp_path) == []

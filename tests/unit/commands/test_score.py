@@ -114,3 +114,42 @@ def test_may_rewrite_its_input_in_place(tmp_path, capsys):
     assert run_cli(["score", "--verifier", "last_number", "--input", str(src), "--output", str(src),
                     "--parallel", "0"], capsys)[0] == 0
     assert json.loads(src.read_text())["scores"] == {"last_number": 1.0}
+
+
+# ---- probe 3 (docs/reliability/probe3_cmds.md) -------------------------------------------------------------
+@pytest.mark.parametrize("text,message", [
+    ("", "no rows (the file has no JSON object lines); nothing to score"),
+    ('{"response": "3", "label": null}\n', ":1: the field 'label' is null"),
+    ('{"response": "3", "response": "4", "label": "3"}\n', ":1: duplicate key 'response' in one object"),
+    ('[{"response": "3", "label": "3"}]\n', ":1: the file is a JSON array, not JSON Lines"),
+], ids=["CM17_empty", "CM19_null_label", "CM21_duplicate_key", "CM18_array"])
+def test_input_that_cannot_be_scored_is_named(tmp_path, capsys, text, message):
+    """Probes CM17, CM19, CM21, CM18: an empty input, a null label, a key written twice, a JSON
+    array: refused, naming the file (and line), and nothing is written."""
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text(text)
+    code, err = run_cli(["score", "--verifier", "last_number", "--input", str(src), "--output", str(dst)], capsys)
+    assert code == 2 and message in err and not dst.exists()
+
+
+def test_a_full_disk_is_one_message_and_leaves_nothing(tmp_path, capsys, monkeypatch):
+    """Probes I6, CM53: the disk fills while the scored rows are written (after the work): one message
+    naming --output, no temporary left; a disk already full is found before the scoring."""
+    import errno
+
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out" / "scored.jsonl"
+    src.write_text(json.dumps({"response": "3", "label": "3"}) + "\n")
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr("posttrain.commands.score._json_line", full)
+    code, err = run_cli(["score", "--verifier", "last_number", "--input", str(src), "--output", str(dst)], capsys)
+    assert code == 2 and f"error: {dst}: cannot write it (the disk is full" in err
+    assert list(dst.parent.iterdir()) == []
+    monkeypatch.setattr("posttrain.commands.outputs.os.write", full)
+    forbid(monkeypatch, "posttrain.commands.score:score_rows")
+    code, err = run_cli(["score", "--verifier", "last_number", "--input", str(src), "--output",
+                         str(tmp_path / "new" / "x.jsonl")], capsys)
+    assert code == 2 and f"--output {tmp_path / 'new' / 'x.jsonl'}: cannot write in" in err and "disk is full" in err
+    assert not (tmp_path / "new").exists()

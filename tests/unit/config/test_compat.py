@@ -71,6 +71,8 @@ EXAMPLES: dict[str, tuple[list[str], str]] = {
     "lora-critic": ([*PPO, "critic_config.lora_target_modules=[q_proj]"], "cpu"),
     "shared-backbone-offload-reference": ([*LORA, "rl_config.share_backbone=true", "rl_config.offload_reference=true"],
                                           "cpu"),
+    "shared-backbone-ref-model": ([*LORA, "rl_config.share_backbone=true",
+                                   "rl_config.integrated_mode_config.ref_model_load_path=/models/ref"], "cpu"),
     "vllm-infer_pipeline_parallel_size": ([*VLLM, "generate_config.infer_pipeline_parallel_size=2"], "cpu"),
     "vllm-infer_expert_parallel_size": ([*VLLM, "generate_config.infer_expert_parallel_size=2"], "cpu"),
     "vllm-num_scheduler_steps": ([*VLLM, "generate_config.num_scheduler_steps=4"], "cpu"),

@@ -55,3 +55,35 @@ def test_lora_keys_are_honoured_on_the_hf_backend():
         "megatron"])
 def test_lora_inputs_that_cannot_run_are_refused_by_key(overrides, message):
     assert refusal(overrides).startswith(message)
+
+
+# ---- probe 3 (docs/reliability/probe3_cmds.md) -------------------------------------------------------------
+@pytest.mark.parametrize("overrides,message", [
+    (["actor_config.lora_r=8", "actor_config.lora_alpha=16", "actor_config.lora_target_modules=[]"],
+     "actor_config.lora_target_modules=[]: names no layer, so no adapter would be trained"),
+    (["actor_config.lora_r=8", "actor_config.lora_target_modules="],
+     "actor_config.lora_target_modules='': names no layer"),
+    (["actor_config.lora_r=16"], "actor_config.lora_r=16 without lora_target_modules: LoRA is off"),
+    ([*LORA, "rl_config.share_backbone=true", "rl_config.integrated_mode_config.ref_model_load_path=/m/ref"],
+     "rl_config.integrated_mode_config.ref_model_load_path=/m/ref with rl_config.share_backbone=true: with "
+     "share_backbone the reference is the actor's base weights"),
+], ids=["L4b_empty_list", "L4b_empty_string", "CM42_rank_without_targets", "L16d_shared_backbone_reference"])
+def test_lora_keys_that_would_be_ignored_are_refused(overrides, message):
+    """Probes L4b (an empty target list: a silent full fine-tune), CM42 (a rank without targets) and
+    L16d (share_backbone ignored ref_model_load_path without a word)."""
+    assert refusal(overrides).startswith(message)
+
+
+def test_a_rank_above_the_layers_full_rank_is_refused():
+    """Probe CM40: lora_r 100000 on q_proj and v_proj of a model whose v_proj has 32 outputs."""
+    from posttrain.models.arch import ModelArch
+
+    arch = ModelArch(model_type="qwen2", num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
+                     num_kv_heads=2, head_dim=16, vocab_size=256, tie_embeddings=True)
+    cfg = run_config_from_dict(copy.deepcopy(BASE), overrides=["actor_config.lora_target_modules=[q_proj,v_proj]",
+                                                               "actor_config.lora_r=100000"])
+    with pytest.raises(ConfigError, match=r"^actor_config.lora_r=100000 is above 32, the full rank"):
+        check_run_config(cfg, arch=arch)
+    cfg = run_config_from_dict(copy.deepcopy(BASE), overrides=["actor_config.lora_target_modules=[q_proj,v_proj]",
+                                                               "actor_config.lora_r=32"])
+    check_run_config(cfg, arch=arch)

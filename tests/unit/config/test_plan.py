@@ -7,7 +7,7 @@ import pytest
 
 from posttrain.cli import main
 from posttrain.commands.plan import model_arch
-from posttrain.config.plan import GIB, build_plan, resolve_plan
+from posttrain.config.plan import build_plan, resolve_plan
 from posttrain.config.run import load_run_config
 from posttrain.config.validate import validate_run_config
 
@@ -69,7 +69,7 @@ def test_memory_shards_with_fsdp2_and_counts_the_reference():
 
 
 def test_plan_command_prints(capsys):
-    assert main(["plan", "--config-name", "grpo_tiny_qwen2"]) == 0
+    assert main(["plan", "--config-only", "--config-name", "grpo_tiny_qwen2"]) == 0
     out = capsys.readouterr().out
     assert "valid" in out and "responses" in out and "optimizer steps in all" in out
 
@@ -81,7 +81,7 @@ def test_plan_refuses_the_distributed_optimizer_of_the_megatron_backend_on_cpu(c
     err = capsys.readouterr().err
     assert "megatron_training.use_distributed_optimizer=true: Megatron-Core's distributed optimizer needs CUDA" in err
     assert "(backend megatron: actor_config.tensor_model_parallel_size=4 > 1)" in err
-    assert main(["plan", "--config-name", "r1_zero_qwen25_7b", *ONE_PROCESS]) == 0
+    assert main(["plan", "--config-only", "--config-name", "r1_zero_qwen25_7b", *ONE_PROCESS]) == 0
 
 
 MEGATRON_CPU = ["rl_config.device=cpu", "actor_config.use_distributed_optimizer=false",
@@ -104,7 +104,7 @@ def test_r1_zero_plans_on_the_megatron_backend(capsys):
     assert all(f"generate_config.offload_train_{k}" in keys for k in ("optimizer", "param"))
     assert "offload_train_grad" not in keys and plan.offload_grads
     assert "sequence_parallel" not in keys and "use_distributed_optimizer" not in keys  # honoured / refused
-    assert main(["plan", "--config-name", "r1_zero_qwen25_7b", *MEGATRON_CPU]) == 0
+    assert main(["plan", "--config-only", "--config-name", "r1_zero_qwen25_7b", *MEGATRON_CPU]) == 0
     out = capsys.readouterr().out
     assert "backend: megatron (actor_config.tensor_model_parallel_size=4 > 1): TP 4 x PP 2 x DP 1, sequence parallel\n" in out
 

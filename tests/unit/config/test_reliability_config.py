@@ -51,8 +51,11 @@ def write(world, name: str, text: str) -> None:
 
 
 def run(capsys, world, *overrides, command="plan", name="grpo"):
-    """``posttrain <command> --config-path WORLD/cfg --config-name NAME overrides``: (exit code, stdout, stderr)."""
-    code = main([command, "--config-path", str(world / "cfg"), "--config-name", name, *overrides])
+    """``posttrain <command> --config-path WORLD/cfg --config-name NAME overrides``: (exit code, stdout,
+    stderr). The world has no dataset and no weights: plan checks the config alone (--config-only;
+    the files are checked in tests/unit/commands/test_plan_files.py)."""
+    flags = ["--config-only"] if command == "plan" else []
+    code = main([command, *flags, "--config-path", str(world / "cfg"), "--config-name", name, *overrides])
     out, err = capsys.readouterr()
     assert "Traceback" not in err
     return code, out, err

@@ -31,3 +31,15 @@ def test_lenient_skips_bad_lines_and_where_counts_blank_lines(lines):
     rows = list(iter_jsonl(lines, lambda where, why: bad.append(where)))
     assert [where for _, where in rows] == [f"{lines}:1", f"{lines}:3"]
     assert bad == [f"{lines}:4", f"{lines}:5"]
+
+
+def test_a_duplicate_key_and_a_json_array_are_named(tmp_path):
+    """Probes CM5, CM21, CM31 (a key written twice in one row: JSON keeps the last silently) and
+    CM2, CM18 (a JSON array where JSON Lines are read)."""
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"a": 1}\n{"a": 1, "b": {"c": 1, "c": 2}}\n')
+    with pytest.raises(DataError, match=r"d.jsonl:2: duplicate key 'c' in one object"):
+        list(iter_jsonl(path))
+    path.write_text('[\n {"a": 1}\n]\n')
+    with pytest.raises(DataError, match=r"d.jsonl:1: the file is a JSON array, not JSON Lines"):
+        list(iter_jsonl(path))

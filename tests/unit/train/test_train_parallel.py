@@ -3,6 +3,7 @@
 The model is a small pure-torch LM (no transformers import) to keep the three processes cheap.
 """
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -44,7 +45,7 @@ MODEL_AND_BATCH = textwrap.dedent(
 
 SCRIPT = MODEL_AND_BATCH + textwrap.dedent(
     """
-    import os, sys
+    import datetime, os, sys
     import torch.distributed as dist
     import torch.multiprocessing as mp
     from posttrain.train.engine import TrainEngine
@@ -52,7 +53,9 @@ SCRIPT = MODEL_AND_BATCH + textwrap.dedent(
 
     def worker(rank, out):
         # A file store: no port to collide on, and no rank owns a TCP server the other may outlive.
-        dist.init_process_group("gloo", init_method="file://" + sys.argv[2], rank=rank, world_size=2)
+        # a bounded wait: a rank that never arrives fails the run instead of hanging it
+        dist.init_process_group("gloo", init_method="file://" + sys.argv[2], rank=rank, world_size=2,
+                                timeout=datetime.timedelta(seconds=120))
         model = TinyLM()
         mine = {k: v[rank * 4 : rank * 4 + 4] for k, v in make_batch().items()}
         ddp = torch.nn.parallel.DistributedDataParallel(model)
@@ -78,7 +81,11 @@ def test_ddp_two_ranks_match_single_process(tmp_path):
     script.write_text(SCRIPT)
     out = tmp_path / "rank0.pt"
     store = tmp_path / "store"
-    subprocess.run([sys.executable, str(script), str(out), str(store)], check=True, timeout=300)
+    # gloo over loopback: the host name may resolve to an address the container cannot reach
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, str(script), str(out), str(store)], env=env, capture_output=True,
+                          text=True, timeout=400)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     ddp = torch.load(out)
 
     scope: dict = {}

@@ -27,6 +27,11 @@ def check_mcore_checkpoint(source: str | Path) -> bool:
                 raise CheckpointError(f"{part / mcore_files.DIST_METADATA}: not readable ({err})") from None
         return True
     ckpt = McoreCheckpoint(source)
+    for pp_rank in range(ckpt.par.pp):  # every rank file: intact (zip CRCs) and in its own slot
+        for tp_rank in range(ckpt.par.tp):
+            ckpt.rank(tp_rank, pp_rank)
+        ckpt.release(pp_rank)
     for rank_file in sorted(ckpt.dir.glob(f"**/{mcore_files.RANK_FILE}")):
-        mcore_files.load_rank_file(rank_file)
+        if rank_file.parent.parent != ckpt.dir:  # a critic's, in a subdirectory
+            mcore_files.load_rank_file(rank_file)
     return True

@@ -12,9 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import sys
-import tempfile
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Iterator
@@ -23,8 +21,9 @@ import torch
 
 from posttrain.errors import CheckpointError, ConfigError
 from posttrain.models.arch import ModelArch, arch_from_hf_config
-from posttrain.models.mcore import mcore_files, mapping, splits
-from posttrain.models.mcore.hf_files import HFWeights, ShardedWriter, copy_tokenizer
+from posttrain.models.mcore import mapping, mcore_files, rank_checks, splits, targets
+from posttrain.models.mcore.hf_files import (TOKENIZER_FILES, HFWeights, ShardedWriter, check_shapes, copy_tokenizer,
+                                             read_hf_config)
 
 SUPPORTED = ("qwen2", "qwen3", "llama")
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
@@ -46,7 +45,7 @@ def params_dtype(name: str | None) -> torch.dtype | None:
 def hf_arch(hf_dir: Path, weights: HFWeights, *, orm: bool, moe: bool = False) -> ModelArch:
     """The architecture of an HF directory, checked against what the converter supports; ``moe``:
     a Qwen3-MoE model is accepted too (the megatron backend builds it; the legacy converter does not)."""
-    config = json.loads((hf_dir / "config.json").read_text(encoding="utf-8"))
+    config = read_hf_config(hf_dir / "config.json")
     arch = arch_from_hf_config(hf_dir)
     if arch.num_experts and not moe:
         raise ConfigError(f"{hf_dir}: a mixture-of-experts model ({config.get('model_type')}, {arch.num_experts} "
@@ -95,19 +94,24 @@ def hf_to_mcore(load_dir: str | Path, save_dir: str | Path, *, tp: int = 1, pp: 
                 divisor: int = 128, force: bool = False, log=print) -> Path:
     """Write ``save_dir/release/mp_rank_*`` and the tracker; returns the ``release`` dir."""
     load_dir, save_dir = Path(load_dir), Path(save_dir)
+    splits.check_sizes(tp=tp, pp=pp, layers_per_virtual_stage=layers_per_virtual_stage, divisor=divisor)
     if not (load_dir / "config.json").is_file():
         raise ConfigError(f"--load-dir {load_dir}: no config.json; give a Hugging Face model directory")
+    if save_dir.resolve() == load_dir.resolve():
+        raise ConfigError(f"--save-dir {save_dir} is the --load-dir: the HF directory would then also hold a "
+                          f"Megatron checkpoint (release/ and the tracker) and load as one; give another --save-dir")
+    read_hf_config(load_dir / "config.json")
     weights = HFWeights(load_dir)
     arch = hf_arch(load_dir, weights, orm=orm)
+    check_shapes(load_dir, weights)
     if add_qkv_bias and not arch.qkv_bias:
         raise ConfigError(f"--add-qkv-bias: {load_dir} has no q/k/v biases (model_type {arch.model_type}); "
                           f"drop the flag")
     if arch.qkv_bias and not add_qkv_bias:
         log(f"note: {load_dir} has q/k/v biases; they are converted (the seed's converter needs --add-qkv-bias)")
     out_dtype = params_dtype(dtype)
+    splits.check_tp(tp, heads=arch.num_attention_heads, groups=arch.num_kv_heads, ffn=arch.ffn_hidden_size)
     padded = splits.padded_vocab_size(arch.vocab_size, divisor, tp)
-    splits.check_tp(tp, heads=arch.num_attention_heads, groups=arch.num_kv_heads, ffn=arch.ffn_hidden_size,
-                    padded_vocab=padded)
     if layers_per_virtual_stage and pp < 2:
         raise ConfigError("--num-layers-per-virtual-pipeline-stage needs --target-pipeline-parallel-size > 1")
     par = mcore_files.Parallel(tp, pp, 1, mcore_files.pipeline_stages(arch.num_layers, pp, num_layer_list,
@@ -117,8 +121,9 @@ def hf_to_mcore(load_dir: str | Path, save_dir: str | Path, *, tp: int = 1, pp: 
                             params_dtype=out_dtype or first_dtype, num_layer_list=num_layer_list,
                             layers_per_virtual_stage=layers_per_virtual_stage, orm=orm)
     check_mcore_target(save_dir, force)
+    targets.check_free_space(save_dir, _mcore_bytes(weights, arch, padded, out_dtype or first_dtype, pp))
     params = mapping.layer_params(arch)
-    with _staging(save_dir, ".posttrain-convert-") as tmp:
+    with targets.staging(save_dir, "mg", save_dir) as tmp:
         release = tmp / mcore_files.RELEASE
         for pp_rank, tp_rank in _progress([(p, t) for p in range(pp) for t in range(tp)], "rank files"):
             shard: dict[str, Any] = {"checkpoint_version": mcore_files.CHECKPOINT_VERSION, "iteration": 0, "args": args}
@@ -128,6 +133,7 @@ def hf_to_mcore(load_dir: str | Path, save_dir: str | Path, *, tp: int = 1, pp: 
                     k: v.to(out_dtype) if out_dtype else v for k, v in state.items()}
             out = release / mcore_files.rank_dir_name(tp_rank, pp_rank, pp) / mcore_files.RANK_FILE
             out.parent.mkdir(parents=True)
+            shard[mcore_files.SLOT_KEY] = {"tp_rank": tp_rank, "pp_rank": pp_rank}
             torch.save(shard, out)
             del shard
         (tmp / mcore_files.TRACKER).write_text(mcore_files.RELEASE + "\n", encoding="utf-8")
@@ -198,21 +204,67 @@ def _vocab_shard(weights: HFWeights, name: str, vocab: int, padded: int, tp: int
     return rows
 
 
+def _mcore_bytes(weights: HFWeights, arch: ModelArch, padded: int, dtype: torch.dtype, pp: int) -> int:
+    """About the bytes hf -> mg writes: every parameter once, the vocabulary padded (twice when the
+    output layer is a copy of the embedding)."""
+    per = torch.empty((), dtype=dtype).element_size()
+    vocab_rows = padded * (1 if arch.tie_embeddings and pp == 1 else 2)
+    hf_params = sum(int(torch.Size(weights.shape(n)).numel()) for n in weights.names())
+    return per * (hf_params + (vocab_rows - arch.vocab_size * (1 if arch.tie_embeddings else 2)) * arch.hidden_size)
+
+
 def check_mcore_target(save_dir: Path, force: bool) -> None:
+    """Refuse a target whose release/ or tracker convert did not write, or that holds training
+    checkpoints (convert's release and tracker would hide them from a resume); ``--force`` replaces
+    only a release/ convert wrote (its manifest) and a tracker that says ``release``."""
     if save_dir.exists() and not save_dir.is_dir():
         raise ConfigError(f"--save-dir {save_dir} is an existing file; give a directory")
-    holds = save_dir.is_dir() and ((save_dir / mcore_files.TRACKER).exists() or mcore_files.is_mcore_checkpoint(save_dir))
-    if holds and not force:
-        raise ConfigError(f"--save-dir {save_dir} already holds a Megatron checkpoint; give an empty or new "
-                          f"directory, or --force to replace its release/ and tracker (nothing else is deleted)")
+    if not save_dir.is_dir():
+        return
+    iters = sorted(p.name for p in save_dir.iterdir() if p.name.startswith("iter_"))
+    tracker = save_dir / mcore_files.TRACKER
+    said = tracker.read_text(encoding="utf-8", errors="replace").strip()[:40] if tracker.is_file() else None
+    if iters or (said is not None and said != mcore_files.RELEASE):
+        raise ConfigError(f"--save-dir {save_dir} holds {_describe_saves(save_dir, iters)} ({', '.join(iters[:3]) or 'no iter_*'}"
+                          f"{', ...' if len(iters) > 3 else ''}; tracker {said!r}): convert's release/ and tracker "
+                          f"would make a resume from it start from the converted weights instead. Give another "
+                          f"--save-dir (--force does not override this)")
+    release = save_dir / mcore_files.RELEASE
+    if not (os.path.lexists(release) or os.path.lexists(tracker)):
+        return
+    ours = targets.is_converts_release(release)
+    what = ("a Megatron checkpoint written by posttrain convert" if ours else
+            f"a {'link' if release.is_symlink() else 'file' if release.is_file() else 'directory'} {release} "
+            f"that posttrain convert did not write" if os.path.lexists(release) else f"a tracker {tracker}")
+    if not force:
+        raise ConfigError(f"--save-dir {save_dir} already holds {what}; give an empty or new directory"
+                          f"{', or --force to replace its release/ and tracker (nothing else is deleted)' if ours or not os.path.lexists(release) else ''}")
+    if os.path.lexists(release) and not ours:
+        raise ConfigError(f"--save-dir {save_dir} holds {what} (no {targets.MANIFEST} in it): --force replaces only "
+                          f"convert's own output. Move {release} away or give another --save-dir")
+
+
+def _describe_saves(save_dir: Path, iters: list[str]) -> str:
+    from posttrain.checkpoint import is_hf_model_dir  # lazy: torch
+
+    hf = [n for n in iters if is_hf_model_dir(save_dir / n)]
+    if hf:
+        return "posttrain training checkpoints (HF format)"
+    if any(mcore_files.is_mcore_checkpoint(save_dir / n) for n in iters):
+        return "Megatron training checkpoints"
+    return "training checkpoints (iter_* and a tracker)"
 
 
 def _publish_mcore(tmp: Path, save_dir: Path) -> None:
+    from posttrain.checkpoint import make_readable  # lazy: torch
+
+    staged = tmp / mcore_files.RELEASE
+    targets.write_manifest(staged, (str(p.relative_to(staged)) for p in staged.rglob("*") if p.is_file()))
+    make_readable(staged)
     target = save_dir / mcore_files.RELEASE
-    aside = tmp / "previous-release"
-    if target.exists():
-        target.rename(aside)
-    (tmp / mcore_files.RELEASE).rename(target)
+    if os.path.lexists(target):  # check_mcore_target allowed it: convert's own release/
+        target.rename(tmp / "previous-release")
+    staged.rename(target)
     os.replace(tmp / mcore_files.TRACKER, save_dir / mcore_files.TRACKER)
 
 
@@ -243,14 +295,30 @@ class McoreCheckpoint:
             extra = found[sorted(set(found) - expected)[0]].name
             raise CheckpointError(f"{self.dir / extra}: a shard outside the TP {self.par.tp} x PP {self.par.pp} "
                                   f"split its args describe; the directory mixes checkpoints")
+        self.first = found[min(found)] / mcore_files.RANK_FILE
         self._files: dict[tuple[int, int], dict] = {}
+        self._crcs: dict[tuple[int, int], tuple[int, ...]] = {}
         self._iteration: tuple[Any, Path] | None = None
 
     def rank(self, tp_rank: int, pp_rank: int) -> dict:
         key = (tp_rank, pp_rank)
         if key not in self._files:
-            path = self.dir / mcore_files.rank_dir_name(tp_rank, pp_rank, self.par.pp) / mcore_files.RANK_FILE
-            obj = mcore_files.load_rank_file(path)
+            if tp_rank > 0:
+                self.rank(0, pp_rank)  # the reference the other TP ranks are checked against
+            path = self._path(tp_rank, pp_rank)
+            crcs = mcore_files.zip_crcs(path) if path.is_file() else ()
+            obj = mcore_files.load_rank_file(path, verify=False)
+            rank_checks.check_slot(obj, path, tp_rank=tp_rank, pp_rank=pp_rank, args=self.args, first=self.first,
+                                   par=self.par)
+            if tp_rank > 0:
+                rank_checks.check_same_shapes(obj, path, self._files[(0, pp_rank)], self._path(0, pp_rank),
+                                              self.par.chunks)
+            for (t, p), other in self._crcs.items():
+                if p == pp_rank and crcs and other == crcs:
+                    raise CheckpointError(f"{path} is a copy of {self._path(t, p)}: two TP ranks hold the same "
+                                          f"shard, so one rank's part of every split tensor is missing; put TP rank "
+                                          f"{tp_rank}'s own rank file back")
+            self._crcs[key] = crcs
             iteration = obj.get("iteration")
             if self._iteration is None:
                 self._iteration = (iteration, path)
@@ -259,6 +327,9 @@ class McoreCheckpoint:
                                       f"iteration {self._iteration[0]}: the shards come from different saves")
             self._files[key] = obj
         return self._files[key]
+
+    def _path(self, tp_rank: int, pp_rank: int) -> Path:
+        return self.dir / mcore_files.rank_dir_name(tp_rank, pp_rank, self.par.pp) / mcore_files.RANK_FILE
 
     def tensor(self, pp_rank: int, chunk: int, name: str) -> list[torch.Tensor]:
         """The ``tp`` shards of ``name`` in the stage's chunk."""
@@ -278,11 +349,12 @@ class McoreCheckpoint:
     def release(self, pp_rank: int) -> None:
         for tp_rank in range(self.par.tp):
             self._files.pop((tp_rank, pp_rank), None)
+            self._crcs.pop((tp_rank, pp_rank), None)
 
 
 def mcore_to_hf(load_dir: str | Path, out_dir: str | Path, *, template: str | Path | None = None,
                 tokenizer: str | Path | None = None, dtype: str | None = None, force: bool = False,
-                max_shard_bytes: int = 2 << 30, log=print) -> Path:
+                max_shard_bytes: int = 2 << 30, orm: bool | None = None, log=print) -> Path:
     """Merge a Megatron checkpoint (the legacy per-rank layout) into the HF directory ``out_dir``
     (config, safetensors, tokenizer); ``torch_dist`` checkpoints are merged by
     :func:`posttrain.train.megatron.dist_convert.dist_to_hf` (``posttrain convert`` picks).
@@ -298,7 +370,11 @@ def mcore_to_hf(load_dir: str | Path, out_dir: str | Path, *, template: str | Pa
     out_dir = Path(out_dir)
     check_hf_target(out_dir, force)
     out_dtype = params_dtype(dtype)
-    orm = bool(getattr(ckpt.args, "orm", False)) or ckpt.has(ckpt.par.pp - 1, ckpt.par.chunks - 1, mapping.RM_HEAD)
+    is_rm = bool(getattr(ckpt.args, "orm", False)) or ckpt.has(ckpt.par.pp - 1, ckpt.par.chunks - 1, mapping.RM_HEAD)
+    if orm and not is_rm:
+        raise ConfigError(f"--orm: {ckpt.dir} is not a reward model (no {mapping.RM_HEAD} in its last stage); "
+                          f"drop the flag (mg -> hf reads this from the checkpoint)")
+    orm = is_rm
     config = hf_config(ckpt.arch, ckpt.args, ckpt.dir, ckpt.tensor(0, 0, mapping.EMBEDDING)[0].dtype,
                        Path(template) if template else None, orm, out_dtype)
     arch = ckpt.arch
@@ -332,7 +408,7 @@ def write_hf(out_dir: Path, tensors, config: dict, *, arch: ModelArch, orm: bool
              log=print) -> Path:
     """Write ``(HF name, tensor)`` pairs, ``config`` and the tokenizer as the HF directory ``out_dir``
     (staged in a temporary directory, then moved in)."""
-    with _staging(out_dir.parent, f".{out_dir.name}.tmp-") as tmp:
+    with _staging(out_dir.parent, out_dir.name, out_dir) as tmp:
         writer = ShardedWriter(tmp, max_shard_bytes)
         for name, tensor in tensors:
             writer.add(name, tensor.to(out_dtype) if out_dtype else tensor)
@@ -350,7 +426,7 @@ def hf_config(arch: ModelArch, args, where: Path, stored: torch.dtype, template:
     """The HF ``config.json`` of a checkpoint: the template's (checked against ``arch``), else built
     from the architecture; ``stored``: the dtype its weights are stored in."""
     if template is not None and (template / "config.json").is_file():
-        config = json.loads((template / "config.json").read_text(encoding="utf-8"))
+        config = read_hf_config(template / "config.json")
         theirs = arch_from_hf_config(template)
         for field in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_kv_heads"):
             if getattr(theirs, field) != getattr(arch, field):
@@ -379,39 +455,41 @@ def _copy_tokenizer(template: Path | None, tokenizer: Path | None, out: Path) ->
         return []
     if not source.exists():
         raise ConfigError(f"--tokenizer-model {source} does not exist")
-    return copy_tokenizer(source, out)
+    copied = copy_tokenizer(source, out)
+    if tokenizer is not None and not copied:
+        raise ConfigError(f"--tokenizer-model {source} holds none of the tokenizer files "
+                          f"({', '.join(TOKENIZER_FILES[:3])}, ...); give the model's tokenizer directory or file")
+    return copied
 
 
 def check_hf_target(out_dir: Path, force: bool) -> None:
+    """Refuse a non-empty HF target unless ``force``; with it, refuse any file there that convert
+    would replace but did not write (it has no place in the manifest of a previous conversion)."""
     if out_dir.exists() and not out_dir.is_dir():
         raise ConfigError(f"{out_dir} is an existing file; give a directory")
-    if out_dir.is_dir() and any(out_dir.iterdir()) and not force:
+    if not out_dir.is_dir() or not any(out_dir.iterdir()):
+        return
+    if not force:
         raise ConfigError(f"{out_dir} already exists and is not empty; remove it, or pass --force to replace "
-                          f"the files convert writes there (config, weights, tokenizer; nothing else is deleted)")
+                          f"the files convert wrote there (config, weights, tokenizer; nothing else is deleted)")
+    clash = targets.foreign_files(out_dir)
+    if clash:
+        raise ConfigError(f"{out_dir / clash[0]} was not written by posttrain convert ({len(clash)} such file"
+                          f"{'s' if len(clash) > 1 else ''}: {', '.join(clash[:4])}); --force replaces only the files "
+                          f"a previous conversion listed in {out_dir / targets.MANIFEST}. Move them away or give "
+                          f"another directory")
 
 
 def _publish_dir(tmp: Path, out_dir: Path) -> None:
-    """Move the finished files into ``out_dir``; with an existing dir, replace only convert's files."""
-    if not out_dir.exists():
-        tmp.rename(out_dir)
-        tmp.mkdir()  # _staging removes it
-        return
-    for old in list(out_dir.glob("model*.safetensors")) + [out_dir / "model.safetensors.index.json"]:
-        with contextlib.suppress(FileNotFoundError):
-            old.unlink()
-    for f in tmp.iterdir():
-        os.replace(f, out_dir / f.name)
+    """Move the finished files into ``out_dir`` (see :func:`targets.publish_hf`)."""
+    targets.publish_hf(tmp, out_dir)
 
 
 @contextlib.contextmanager
-def _staging(parent: Path, prefix: str) -> Iterator[Path]:
-    """A temporary directory in ``parent`` (created if needed), removed on exit, whatever happens."""
-    parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
-    try:
+def _staging(parent: Path, prefix: str, target: Path | None = None) -> Iterator[Path]:
+    """A staging directory in ``parent`` (see :func:`targets.staging`); ``prefix`` labels it."""
+    with targets.staging(parent, prefix.strip(".").rstrip("-").replace(".tmp", ""), target) as tmp:
         yield tmp
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _progress(items, unit: str):

@@ -10,12 +10,26 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from posttrain.errors import CheckpointError
+from posttrain.errors import CheckpointError, ConfigError
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
                    "merges.txt", "tokenizer.model", "added_tokens.json", "chat_template.jinja",
                    "generation_config.json")
 SAFETENSORS_INDEX = "model.safetensors.index.json"
+
+
+def read_hf_config(path: Path) -> dict:
+    """An HF ``config.json``, as a dict; a file that is not one is refused with its name and line."""
+    try:
+        config = json.loads(Path(path).read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"{path}: not valid JSON (line {err.lineno}, column {err.colno}: {err.msg}); "
+                          f"restore the model's config.json") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError(f"{path}: cannot be read ({err})") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"{path}: expected a JSON object of model settings, found {type(config).__name__}")
+    return config
 
 
 class HFWeights:
@@ -58,6 +72,9 @@ class HFWeights:
             raise CheckpointError(f"{self.dir}: no *.safetensors or pytorch_model*.bin weights")
         return files
 
+    def names(self) -> list[str]:
+        return list(self._where)
+
     def __contains__(self, name: str) -> bool:
         return name in self._where
 
@@ -90,6 +107,24 @@ class HFWeights:
             self.get(name)  # raises the error that names the tensor
         part = source.get_slice(name)[index] if hasattr(source, "get_slice") else source[name][index]
         return part.clone()  # its own storage: torch.save of a view would write the whole tensor
+
+
+def check_shapes(hf_dir: Path, weights: "HFWeights") -> None:
+    """Refuse a weights file whose tensor shapes do not match what config.json describes (the model
+    built on the meta device, so nothing is allocated), naming the first tensor that differs."""
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(str(hf_dir))
+    cls = getattr(transformers, (getattr(config, "architectures", None) or [""])[0], None)
+    cls = cls if cls is not None and hasattr(cls, "_from_config") else transformers.AutoModelForCausalLM
+    with torch.device("meta"):
+        built = cls._from_config(config) if cls is not transformers.AutoModelForCausalLM else cls.from_config(config)
+        expected = {k: tuple(v.shape) for k, v in built.state_dict().items()}
+    for name in weights.names():
+        if name in expected and weights.shape(name) != expected[name]:
+            raise CheckpointError(f"{hf_dir}: the weights' {name} has shape {weights.shape(name)} but "
+                                  f"config.json describes {expected[name]}; the weights and config.json do not "
+                                  f"belong together")
 
 
 class ShardedWriter:

@@ -22,6 +22,8 @@ from __future__ import annotations
 import argparse
 import pickle
 import re
+import zipfile
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,6 +39,7 @@ RANK_FILE = "model_optim_rng.pt"
 RELEASE = "release"
 DIST_METADATA, DIST_COMMON = ".metadata", "common.pt"  # Megatron-Core dist_checkpointing (torch_dist)
 CHECKPOINT_VERSION = 3.0
+SLOT_KEY = "posttrain_slot"  # {"tp_rank", "pp_rank"}: the slot posttrain convert wrote a rank file for
 _RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
 
 # The args posttrain writes (Megatron's names); documented in docs/checkpoints.md.
@@ -102,7 +105,7 @@ def pipeline_stages(num_layers: int, pp: int, num_layer_list: str | list[int] | 
                               f"has {num_layers}; the counts must add up to {num_layers}")
         starts = [sum(counts[:i]) for i in range(pp)]
         return tuple((tuple(range(s, s + n)),) for s, n in zip(starts, counts))
-    if layers_per_virtual_stage:
+    if layers_per_virtual_stage is not None:
         v = layers_per_virtual_stage
         if v < 1 or num_layers % (pp * v):
             raise ConfigError(f"--num-layers-per-virtual-pipeline-stage {v}: the model's {num_layers} layers "
@@ -216,10 +219,32 @@ def _model_type(value: Any) -> str:
     return f"ModelType({value})"
 
 
-def load_rank_file(path: Path, *, mmap: bool = True) -> dict:
-    """Read one ``model_optim_rng.pt`` safely (see the module doc); names the file on any error."""
+def zip_crcs(path: Path) -> tuple[int, ...]:
+    """Check every member's CRC; the CRCs of the data members, in name order (``()`` for a file
+    in torch's legacy, non-zip format, which records none)."""
+    if not zipfile.is_zipfile(path):
+        return ()
+    try:
+        with zipfile.ZipFile(path) as zf:
+            bad = zf.testzip()
+            members = sorted((i.filename.split("/", 1)[-1], i.CRC) for i in zf.infolist())
+    except (zipfile.BadZipFile, zlib.error, OSError, EOFError, ValueError) as err:
+        raise CheckpointError(f"{path}: a damaged zip archive ({err}); restore the file from its original save") from None
+    if bad is not None:
+        raise CheckpointError(f"{path}: the member {bad} fails its CRC check, so bytes of the file were changed "
+                              f"after it was saved (a damaged copy or disk); restore it from the original save")
+    return tuple(crc for name, crc in members if name.startswith("data/"))
+
+
+def load_rank_file(path: Path, *, mmap: bool = True, verify: bool = True) -> dict:
+    """Read one ``model_optim_rng.pt`` safely (see the module doc), its zip CRCs checked first
+    unless ``verify`` is off; names the file on any error."""
+    if path.is_dir():
+        raise CheckpointError(f"{path} is a directory, not a rank file; put the rank's model_optim_rng.pt back")
     if not path.is_file():
         raise CheckpointError(f"{path} is missing: the checkpoint lacks this rank's shard")
+    if verify:
+        zip_crcs(path)
     try:
         with torch.serialization.safe_globals(safe_globals()):
             obj = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)

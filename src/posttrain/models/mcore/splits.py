@@ -22,12 +22,28 @@ import torch
 from posttrain.errors import ConfigError
 
 
+MAX_PADDING = 1 << 16  # zero rows of vocabulary padding beyond which a divisor is a mistake
+
+
+def check_sizes(*, tp: int, pp: int, layers_per_virtual_stage: int | None, divisor: int) -> None:
+    """Refuse a size below 1, naming its flag (before any arithmetic divides by it)."""
+    for flag, value in (("--target-tensor-parallel-size", tp), ("--target-pipeline-parallel-size", pp),
+                        ("--num-layers-per-virtual-pipeline-stage", layers_per_virtual_stage),
+                        ("--make-vocab-size-divisible-by", divisor)):
+        if value is not None and value < 1:
+            raise ConfigError(f"{flag} must be a positive integer, found {value}")
+
+
 def padded_vocab_size(vocab_size: int, divisor: int, tp: int) -> int:
     """The vocabulary rounded up to a multiple of ``divisor * tp`` (Megatron's padding)."""
     if divisor < 1:
         raise ConfigError(f"--make-vocab-size-divisible-by must be a positive integer, found {divisor}")
     multiple = divisor * tp
-    return -(-vocab_size // multiple) * multiple
+    padded = -(-vocab_size // multiple) * multiple
+    if padded - vocab_size > max(vocab_size, MAX_PADDING):
+        raise ConfigError(f"--make-vocab-size-divisible-by {divisor} x TP {tp} pads the vocabulary of {vocab_size} "
+                          f"tokens to {padded} rows ({padded - vocab_size} zero rows); use a divisor such as 128")
+    return padded
 
 
 def check_tp(tp: int, *, heads: int, groups: int, ffn: int, padded_vocab: int | None = None) -> None:
