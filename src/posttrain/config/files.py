@@ -57,8 +57,8 @@ def check_run_files(plan: Plan) -> None:
 
 
 def run_dirs(plan: Plan) -> RunDirs:
-    """The directories ``plan`` writes, as :func:`posttrain.rundir.claim_run_dirs` takes them (the
-    same as :func:`posttrain.loops.session.run_dirs`)."""
+    """The directories ``plan`` writes, as :func:`posttrain.rundir.claim_run_dirs` checks and locks
+    them (``plan``'s read-only check and the session's claim)."""
     s, logs = plan.schedule, plan.logging
     log_dirs = {}
     if logs.use_tensorboard and logs.tensorboard_dir:

@@ -22,30 +22,16 @@ from typing import Any
 
 import torch
 
+from posttrain.config.files import run_dirs
 from posttrain.config.plan import Plan
 from posttrain.data.builders import build_offline_dataset, build_prompt_dataset, build_sampler
 from posttrain.metrics.sinks import MetricsLogger, append_line, cut_jsonl, write_text_atomic
 from posttrain.models import cpu_linear
 from posttrain.roles.policy import Policy, build_policy, seed_everything
-from posttrain.rundir import DirLock, RunDirs, Start, checked_start, claim_run_dirs
+from posttrain.rundir import DirLock, Start, checked_start, claim_run_dirs
 from posttrain.train.engine import NaNLossError
 
 log = logging.getLogger(__name__)
-
-
-def run_dirs(plan: Plan) -> RunDirs:
-    """The directories ``plan`` writes (:func:`posttrain.rundir.claim_run_dirs` checks and locks them)."""
-    s, logs = plan.schedule, plan.logging
-    log_dirs = {}
-    if logs.use_tensorboard and logs.tensorboard_dir:
-        log_dirs["rl_config.tensorboard_log_dir"] = Path(logs.tensorboard_dir)
-    if logs.use_wandb and logs.wandb_save_dir:
-        log_dirs["rl_config.wandb_save_dir"] = Path(logs.wandb_save_dir)
-    critic = plan.critic
-    return RunDirs(run_dir=Path(s.run_dir), run_dir_key=s.run_dir_key, save=Path(s.save) if s.save else None,
-                   actor=plan.policy.checkpoint,
-                   critic_save=Path(critic.save_dir) if critic is not None and critic.save_dir else None,
-                   critic=critic.checkpoint if critic is not None else plan.policy.checkpoint, log_dirs=log_dirs)
 
 
 def check_finite_step(step: dict[str, float], iteration: int) -> None:
