@@ -130,7 +130,7 @@ def adapter_base(path: str | Path) -> Path:
         return Path(path) / BASE_DIR
 
     config = Path(path) / ADAPTER_CONFIG
-    base = json.loads(config.read_text(encoding="utf-8")).get("base_model_name_or_path")
+    base = read_adapter_config(config).get("base_model_name_or_path")
     if not base or not Path(base).is_dir():
         raise ConfigError(f"{config}: its base model {base!r} is not a directory here; {path} holds a LoRA adapter "
                           f"only (lora_ckpt_filter), so the base it was trained on must be at that path (or edit "
@@ -261,17 +261,25 @@ def load_merged(path: str | Path, **kwargs):
     return load_adapter(load_causal_lm(adapter_base(path), **kwargs), path, trainable=False).merge_and_unload()
 
 
+def read_adapter_config(config_path: Path) -> dict:
+    """An adapter's ``adapter_config.json``; ConfigError naming it when it is not a JSON object."""
+    try:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ConfigError(f"{config_path}: not valid JSON ({err}); restore the adapter's config") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"{config_path}: expected a JSON object, found {type(config).__name__}; restore the "
+                          f"adapter's config")
+    return config
+
+
 def check_adapter_files(path: Path) -> None:
     """``--merge-lora``: the adapter's config is JSON, and its weights file holds LoRA tensors only for
     the modules the config targets (PEFT would drop the others without a word: nothing merged)."""
     config_path = Path(path) / ADAPTER_CONFIG
-    try:
-        config = json.loads(config_path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as err:
-        raise ConfigError(f"{config_path}: not valid JSON (line {err.lineno}, column {err.colno}: {err.msg}); "
-                          f"restore the adapter's config") from None
+    config = read_adapter_config(config_path)
     weights = Path(path) / "adapter_model.safetensors"
-    wanted = config.get("target_modules") if isinstance(config, dict) else None
+    wanted = config.get("target_modules")
     if not weights.is_file() or not isinstance(wanted, list):
         return
     from safetensors import safe_open  # lazy: config/ imports lora.py without torch

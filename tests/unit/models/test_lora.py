@@ -106,3 +106,15 @@ def test_the_rollout_samples_from_the_adapter_after_an_update(tiny_hf):
     want = greedy(NativeEngine(copy.deepcopy(model).merge_and_unload(), pad_token_id=0, eos_token_ids=None))
     assert after.token_ids == want.token_ids
     assert after.logprobs == pytest.approx(want.logprobs, abs=1e-5)
+
+
+@pytest.mark.parametrize("text", ['{"base_model_name_or_path": ', "[1, 2]", "\udc80"])
+def test_a_broken_adapter_config_is_named_when_a_run_loads_the_adapter(tmp_path, text):
+    """A LoRA checkpoint whose adapter_config.json is cut, not an object or not UTF-8 is refused
+    naming the file (it was a JSONDecodeError traceback when a run loaded the adapter)."""
+    from posttrain.errors import ConfigError
+    from posttrain.models.lora import ADAPTER_CONFIG, adapter_base
+
+    (tmp_path / ADAPTER_CONFIG).write_bytes(text.encode("utf-8", "surrogateescape"))
+    with pytest.raises(ConfigError, match=f"{ADAPTER_CONFIG}: (not valid JSON|expected a JSON object)"):
+        adapter_base(tmp_path)
