@@ -265,8 +265,12 @@ def read_adapter_config(config_path: Path) -> dict:
     """An adapter's ``adapter_config.json``; ConfigError naming it when it is not a JSON object."""
     try:
         config = json.loads(config_path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ConfigError(f"{config_path}: not valid JSON ({err}); restore the adapter's config") from None
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"{config_path}: not valid JSON (line {err.lineno}, column {err.colno}: {err.msg}); "
+                          f"restore the adapter's config") from None
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{config_path}: not valid JSON (not UTF-8: {err.reason} at byte {err.start}); restore "
+                          f"the adapter's config") from None
     if not isinstance(config, dict):
         raise ConfigError(f"{config_path}: expected a JSON object, found {type(config).__name__}; restore the "
                           f"adapter's config")
