@@ -57,6 +57,23 @@ def test_a_remote_error_carries_the_worker_traceback(ray_cluster):
     assert "\x1b[" not in text
 
 
+def test_a_user_error_in_a_worker_is_its_message_without_the_worker_frames(ray_cluster):
+    """Probe 3 (runs area, left open there): a full disk while a Ray worker of the hf backend saves
+    (DDP or FSDP2: rank 0 writes) reached the user as the worker's traceback; a PosttrainError raised
+    in a worker is now its one message, naming the worker."""
+    from posttrain.cluster.remote import ClusterError, gather
+    from posttrain.errors import CheckpointError
+
+    @ray_cluster.remote(num_cpus=0)
+    def full_disk():
+        raise CheckpointError("runs/ckpt/iter_0000002: no space left on device; the previous checkpoint is intact")
+
+    with pytest.raises(ClusterError) as err:
+        gather([full_disk.remote()], ["actor worker rank 0"], "save checkpoint", timeout_s=60)
+    assert str(err.value) == ("save checkpoint failed on actor worker rank 0: runs/ckpt/iter_0000002: no space left "
+                              "on device; the previous checkpoint is intact")
+
+
 def test_a_call_that_does_not_answer_times_out(ray_cluster):
     from posttrain.cluster.remote import ClusterError, gather
 

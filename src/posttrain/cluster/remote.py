@@ -1,6 +1,7 @@
 """Waiting on Ray calls: every wait has a timeout, and the first failure stops the wait.
 
-A worker that raised is reported with its remote traceback; a worker that died (killed, out of
+A worker that raised is reported with its remote traceback, or with only its message when it raised
+a :class:`~posttrain.errors.PosttrainError` (a user error: a full disk, a corrupt file); a worker that died (killed, out of
 memory, segfault) with Ray's account of the death. Either way the caller gets a
 :class:`ClusterError` as soon as the first call fails, without waiting for the other workers,
 which may be blocked in a collective with the dead one. When a worker raises, the others get a
@@ -45,6 +46,9 @@ def gather(refs: list, names: list[str], what: str, timeout_s: float) -> list:
                 if died:  # the root cause: the raise was a collective failing with the dead worker
                     raise ClusterError(f"{what}: {died} (and {names[index[ref]]} then failed: "
                                        f"{_first_line(err)})") from None
+                if isinstance(getattr(err, "cause", None), PosttrainError):  # a user error (a full disk, a
+                    # bad file): its message says what to do; the worker's frames would only hide it
+                    raise ClusterError(f"{what} failed on {names[index[ref]]}: {err.cause}") from None
                 raise ClusterError(f"{what} failed on {names[index[ref]]}:\n{_plain(err)}") from None
             except RayActorError as err:  # the process is gone
                 raise ClusterError(f"{what}: {names[index[ref]]} died: {_plain(err)}") from None
