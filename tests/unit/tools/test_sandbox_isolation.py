@@ -24,6 +24,7 @@ import pytest
 
 from posttrain.tools import sandbox
 from posttrain.tools.sandbox import run_python
+from tests.helpers.sandbox import under_a_private_mount
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -38,8 +39,11 @@ def _ok(code: str, **kw) -> list[str]:
 
 @pytest.fixture
 def host_dir():
-    """A fresh directory of the host outside /tmp (in the repository), mode 0755, removed afterwards."""
-    path = REPO / f".sandbox-probe-{uuid.uuid4().hex[:8]}"
+    """A fresh directory of the host outside the sandbox's private mounts (in the repository, or in
+    /var/lib for a checkout under /tmp: a path the sandbox's user may traverse), mode 0755, removed
+    afterwards."""
+    base = Path("/var/lib") if under_a_private_mount(REPO) else REPO
+    path = base / f".sandbox-probe-{uuid.uuid4().hex[:8]}"
     path.mkdir(mode=0o755)
     os.chmod(path, 0o755)
     yield path
