@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import random
-import sys
-from types import SimpleNamespace
 
 import pytest
 import torch
