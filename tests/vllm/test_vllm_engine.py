@@ -13,6 +13,7 @@ from posttrain.errors import ConfigError, PosttrainError
 from posttrain.rollout.base import SamplingParams
 from posttrain.rollout.native import NativeEngine
 from posttrain.rollout.vllm_probe import trainer_logprobs
+from posttrain.rollout.vllm_weights import ModelView
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +84,7 @@ def test_a_corrupted_layer_is_named(engine, actor):
     engine.load_weights([(n, t) for n, t in wrong.state_dict().items() if n.startswith("model.layers.1.")])
     with pytest.raises(PosttrainError, match=r"vLLM rollout engine.*differ by .*first layer that differs: "
                                              r"model\.layers\.1\b"):
-        engine._check_probe(actor, "the weight sync")
+        engine.check_probe(trainer_logprobs(actor, engine.probe), "the weight sync", ModelView(actor))
     assert engine.pop_metrics()["rollout/sync_probe_diff"] > 0.01
     engine.sync_weights(actor)  # the right weights back
     assert engine.pop_metrics()["rollout/sync_probe_diff"] < 1e-4

@@ -62,8 +62,8 @@ from posttrain.errors import ConfigError, PosttrainError
 from posttrain.rollout.base import RolloutEngine, RolloutOutput, SamplingParams
 from posttrain.rollout.keyed import MASK64, absorb_int, random_seed
 from posttrain.rollout.vllm_support import INSTALL
-from posttrain.rollout.vllm_probe import TOLERANCE, engine_logprobs, first_differing_layer, probe_ids, trainer_logprobs
-from posttrain.rollout.vllm_weights import layer_buckets, named_weights, write_checkpoint
+from posttrain.rollout.vllm_probe import TOLERANCE, engine_logprobs, first_differing_layer, probe_ids
+from posttrain.rollout.vllm_weights import as_view, layer_buckets, write_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -140,7 +140,8 @@ class VLLMEngine(RolloutEngine):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the model in this process (the probe)
         vllm = import_vllm()
         self.name = name
-        self.on_cpu = next(model.parameters()).device.type == "cpu"
+        view = as_view(model)
+        self.on_cpu = view.device_type == "cpu"
         self.dtype = DTYPES.get(dtype, dtype)
         eos = [] if eos_token_ids is None else ([eos_token_ids] if isinstance(eos_token_ids, int) else eos_token_ids)
         self.eos_token_ids = [int(t) for t in eos]
@@ -151,11 +152,10 @@ class VLLMEngine(RolloutEngine):
                         "CPU: vLLM has no sleep mode there")
         self.sleep_mode, self._asleep = sleep_mode and not self.on_cpu, set()
         self._metrics: dict[str, float] = {}
-        self.probe = probe_ids(model.config.vocab_size)
-        trainer_dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
-        self.tolerance = max(TOLERANCE.get(self.dtype, 1e-3), TOLERANCE.get(trainer_dtype, 1e-3))
+        self.probe = probe_ids(view.config.vocab_size)
+        self.tolerance = max(TOLERANCE.get(self.dtype, 1e-3), TOLERANCE.get(view.dtype, 1e-3))
         self._workdir = tempfile.TemporaryDirectory(prefix="posttrain_vllm_")
-        write_checkpoint(model.config, named_weights(model), self._workdir.name)
+        write_checkpoint(view.config, view.weights(), self._workdir.name)
         kwargs = dict(model=self._workdir.name, skip_tokenizer_init=True, dtype=self.dtype,
                       max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                       max_model_len=max_model_len, tensor_parallel_size=tensor_parallel_size,
@@ -163,7 +163,7 @@ class VLLMEngine(RolloutEngine):
                       trust_remote_code=trust_remote_code, logprobs_mode=logprobs_mode, **llm_kwargs)
         if self.on_cpu:  # a fraction of host RAM would be reserved otherwise
             if "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
-                kwargs.setdefault("kv_cache_memory_bytes", cpu_kv_cache_bytes(model.config, self.dtype, max_num_seqs,
+                kwargs.setdefault("kv_cache_memory_bytes", cpu_kv_cache_bytes(view.config, self.dtype, max_num_seqs,
                                                                               max_model_len))
         else:
             kwargs.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=self.sleep_mode)
@@ -171,7 +171,7 @@ class VLLMEngine(RolloutEngine):
             kwargs["enable_expert_parallel"] = True
         self.llm = self._start(vllm, kwargs)
         self._wake_tags = _takes_tags(self.llm)
-        self._check_probe(model, "the start")
+        self.check_probe(view.probe_logprobs(self.probe), "the start", view)
 
     def _start(self, vllm, kwargs: dict) -> Any:
         os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))  # vLLM's CPU worker keeps it
@@ -200,9 +200,11 @@ class VLLMEngine(RolloutEngine):
     # ---- weights and memory ------------------------------------------------------------------
     def sync_weights(self, model: Any) -> int:
         """Load ``model``'s current weights into vLLM (:meth:`load_weights`), then prove it with the
-        probe. Returns the number of tensors loaded."""
-        count = self.load_weights(named_weights(model))
-        self._check_probe(model, "the weight sync")
+        probe. ``model``: an HF (or PEFT, its adapter merged) model, or a view of a sharded one
+        (:class:`~posttrain.rollout.vllm_weights.ModelView`). Returns the number of tensors loaded."""
+        view = as_view(model)
+        count = self.load_weights(view.weights())
+        self.check_probe(view.probe_logprobs(self.probe), "the weight sync", view)
         return count
 
     def load_weights(self, weights) -> int:
@@ -218,15 +220,18 @@ class VLLMEngine(RolloutEngine):
         self.llm.reset_prefix_cache()  # KV blocks computed with the old weights
         return count
 
-    def _check_probe(self, model: Any, when: str) -> None:
-        """``rollout/sync_probe_diff``; stop when the engine's log-probs are not the trainer's."""
+    def check_probe(self, trainer: torch.Tensor, when: str, view: Any = None) -> None:
+        """Record ``rollout/sync_probe_diff`` (the largest difference between the engine's log-probs of
+        :attr:`probe` and ``trainer``'s, the trainer's for the same tokens); stop when it is beyond the
+        tolerance, naming the first layer that differs (``view.layer_outputs`` when given)."""
         self._wake("weights")
         self._wake("kv_cache")
-        theirs, ours = engine_logprobs(self.llm, self.probe), trainer_logprobs(model, self.probe)
-        diff = float((theirs - ours).abs().max())
+        theirs = engine_logprobs(self.llm, self.probe)
+        diff = float((theirs - trainer.float().cpu()).abs().max())
         self._metrics["rollout/sync_probe_diff"] = max(diff, self._metrics.get("rollout/sync_probe_diff", 0.0))
         if not diff <= self.tolerance:  # NaN too
-            layer = first_differing_layer(self.llm, model, self.probe, self.tolerance)
+            ours = view.layer_outputs(self.probe) if view is not None else None
+            layer = first_differing_layer(self.llm, ours, self.probe, self.tolerance)
             raise PosttrainError(
                 f"{self.name}: after {when} its weights are not the trainer's: the log-probs of the probe sequence "
                 f"differ by {diff:.3g} (tolerance {self.tolerance:g} in {self.dtype}); first layer that differs: "

@@ -68,7 +68,7 @@ def _release_layers(model: Any) -> dict[int, torch.Tensor]:
     return captured
 
 
-def _trainer_layers(model: Any, ids: list[int]) -> dict[int, torch.Tensor]:
+def trainer_layers(model: Any, ids: list[int]) -> dict[int, torch.Tensor]:
     """Each decoder layer's output (the residual stream) in the trainer's HF model on ``ids``."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     captured: dict[int, torch.Tensor] = {}
@@ -87,17 +87,19 @@ def _trainer_layers(model: Any, ids: list[int]) -> dict[int, torch.Tensor]:
     return captured
 
 
-def first_differing_layer(llm: Any, model: Any, ids: list[int], tolerance: float) -> str:
+def first_differing_layer(llm: Any, ours: dict[int, torch.Tensor] | None, ids: list[int], tolerance: float) -> str:
     """Where vLLM's forward first departs from the trainer's on ``ids``: ``model.layers.N`` (its
     output's largest difference relative to the trainer's scale), or the embedding or output layer
-    when every decoder layer agrees. Runs in this process only (``LLM.apply_model``)."""
+    when every decoder layer agrees. ``ours``: the trainer's layer outputs (:func:`trainer_layers`;
+    None when the trainer cannot give them). Runs in this process only (``LLM.apply_model``)."""
+    if ours is None:
+        return "(the trainer's layer outputs are not available to compare)"
     try:
         llm.apply_model(_capture_layers)
         engine_logprobs(llm, ids)
         captured = llm.apply_model(_release_layers)[0]
     except Exception as exc:  # a model without .model.layers, or an engine in other processes
         return f"(the layer could not be found: {type(exc).__name__}: {exc})"
-    ours = _trainer_layers(model, ids)
     threshold = max(tolerance, 1e-3) * 10
     for i, theirs in sorted(captured.items()):
         if i not in ours or theirs.shape != ours[i].shape:

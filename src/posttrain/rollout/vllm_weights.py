@@ -1,4 +1,4 @@
-"""The actor's weights as vLLM takes them: ``(Hugging Face name, tensor)`` pairs, grouped one
+"""The trainer's model as the vLLM engine sees it (:class:`ModelView`), and its weights as vLLM takes them: ``(Hugging Face name, tensor)`` pairs, grouped one
 decoder layer per bucket, and written once as a real checkpoint for vLLM to start from.
 
 * Names are the Hugging Face checkpoint's. A PEFT model's base weights are named as the base model's
@@ -84,3 +84,34 @@ def write_checkpoint(config: Any, weights: Iterable[tuple[str, torch.Tensor]], d
     (directory / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {"total_size": total}, "weight_map": index}, indent=1))
     return directory
+
+
+class ModelView:
+    """What the vLLM engine needs of the trainer's model, for an HF (or PEFT) model in this process:
+    its config, device type and dtype, its weights by HF name, and its log-probs (and each decoder
+    layer's output) on the probe sequence. A trainer whose model is sharded over processes
+    (Megatron, FSDP2) passes an object with the same attributes and methods instead."""
+
+    def __init__(self, model: Any):
+        self.model = model
+        self.config = model.config
+        parameter = next(model.parameters())
+        self.device_type, self.dtype = parameter.device.type, str(parameter.dtype).removeprefix("torch.")
+
+    def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return named_weights(self.model)
+
+    def probe_logprobs(self, ids: list[int]) -> torch.Tensor:
+        from posttrain.rollout.vllm_probe import trainer_logprobs
+
+        return trainer_logprobs(self.model, ids)
+
+    def layer_outputs(self, ids: list[int]) -> dict[int, torch.Tensor] | None:
+        from posttrain.rollout.vllm_probe import trainer_layers
+
+        return trainer_layers(self.model, ids)
+
+
+def as_view(model: Any) -> Any:
+    """``model`` itself when it is already a view (it has ``probe_logprobs``), else a :class:`ModelView`."""
+    return model if hasattr(model, "probe_logprobs") else ModelView(model)
