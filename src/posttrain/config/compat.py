@@ -310,8 +310,6 @@ ROWS: tuple[Row, ...] = (
     # LoRA
     Row("lora-fsdp2", "fsdp2", "{setting} with {other_key}: FSDP2 with LoRA is not built yet; set "
         "rl_config.ray_sharding: ddp (the adapter is small: DDP keeps it whole)", with_="lora"),
-    Row("lora-vllm", "lora", "rl_config.rollout_engine=vllm with {key}: LoRA with the vLLM rollout is not built yet; "
-        "use rollout_engine: native", engine=("vllm",)),
     Row("lora-critic", "critic_lora", "{setting}: a LoRA critic is not built yet; set the lora_* keys in "
         "actor_config only"),
     Row("shared-backbone-offload-reference", "offload_reference", "{setting} with {other}: the reference is the "

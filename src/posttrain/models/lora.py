@@ -202,7 +202,9 @@ def merged(model) -> Iterator[None]:
 class MergedRollout:
     """A rollout engine over a PEFT model that samples from the merged weights (:func:`merged`):
     a :class:`~posttrain.rollout.base.RolloutEngine` around ``engine``, whose other attributes it
-    forwards (``supports_rounds``, ``max_num_seqs``)."""
+    forwards (``supports_rounds``, ``max_num_seqs``). An engine that samples from the model object
+    (native) gets the adapter merged for each call; an engine with its own copy of the weights
+    (``holds_weights``: vLLM) gets the merged weights at every sync and samples from its copy."""
 
     def __init__(self, engine, model):
         self.engine, self.model = engine, model
@@ -210,12 +212,20 @@ class MergedRollout:
     def generate(self, prompt_token_ids, n, sampling, stop_token_ids=None, prompt_keys=None, **engine_options):
         """The engine's ``generate`` (with its own options, such as partial rollout's
         ``max_new_tokens``) on the merged weights."""
-        with merged(self.model):
+        merging = contextlib.nullcontext() if self.holds_weights else merged(self.model)
+        with merging:
             return self.engine.generate(prompt_token_ids, n, sampling, stop_token_ids=stop_token_ids,
                                         prompt_keys=prompt_keys, **engine_options)
 
+    @property
+    def holds_weights(self) -> bool:
+        return bool(getattr(self.engine, "holds_weights", False))
+
     def sync_weights(self, model) -> int | None:
-        return self.engine.sync_weights(model)
+        if not self.holds_weights:
+            return self.engine.sync_weights(model)
+        with merged(model):  # the adapted weights, under the base model's names
+            return self.engine.sync_weights(model)
 
     def pop_metrics(self) -> dict[str, float]:
         return self.engine.pop_metrics()

@@ -10,6 +10,7 @@ holds its own copy, which the on-policy trainer reloads after every update (``sy
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import random
@@ -32,7 +33,7 @@ from posttrain.data.templates import get_template
 from posttrain.errors import ConfigError
 from posttrain.models import lora
 from posttrain.models.loading import check_vocab, load_causal_lm, load_tokenizer, resolve_model_dir
-from posttrain.models.lora import AdapterOff, MergedRollout, load_merged
+from posttrain.models.lora import AdapterOff, MergedRollout, load_merged, merged
 from posttrain.rollout.base import ROLLOUT_ENGINES, RolloutEngine
 from posttrain.rollout.multi_turn import MultiTurnEngine, ObservationFormat, TurnLimits
 from posttrain.tools.config import load_tools
@@ -218,7 +219,9 @@ def build_rollout(rollout: RolloutOptions, policy: PolicyOptions, model, tokeniz
                 kwargs["speculative_tokens"] = rollout.speculative_tokens
             if not rollout.enforce_eager:  # graph mode: CUDA graphs on a GPU (a CPU warned at start-up)
                 kwargs["cuda_graphs"] = next(model.parameters()).device.type == "cuda"
-        engine = ROLLOUT_ENGINES.get(rollout.engine)(**kwargs)
+        peft = hasattr(model, "peft_config")
+        with merged(model) if peft and rollout.vllm is not None else contextlib.nullcontext():
+            engine = ROLLOUT_ENGINES.get(rollout.engine)(**kwargs)  # vLLM starts from the adapted weights
     if hasattr(model, "peft_config"):  # LoRA: sample from the merged weights (docs/lora.md)
         return MergedRollout(engine, model)
     return engine

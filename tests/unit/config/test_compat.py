@@ -67,7 +67,6 @@ EXAMPLES: dict[str, tuple[list[str], str]] = {
     "megatron-lora": ([*TP2, *LORA], "cpu"),
     "megatron-fsdp2": ([*TP2, "rl_config.ray_sharding=fsdp2"], "cpu"),
     "lora-fsdp2": ([*LORA, *RAY, "rl_config.ray_sharding=fsdp2"], "cpu"),
-    "lora-vllm": ([*LORA, *VLLM], "cpu"),
     "lora-critic": ([*PPO, "critic_config.lora_target_modules=[q_proj]"], "cpu"),
     "shared-backbone-offload-reference": ([*LORA, "rl_config.share_backbone=true", "rl_config.offload_reference=true"],
                                           "cpu"),

@@ -69,8 +69,8 @@ def test_the_doc_has_the_compatibility_matrix_of_the_table():
     for name, cells in lines.items():
         assert len(cells) == len(columns) + 2, name
     lora = dict(zip(columns, lines["actor_config.lora_target_modules (set)"]))
-    assert lora["backend=megatron"] == lora["engine=vllm"] == "refused"
-    assert lora["backend=hf"] == lora["engine=native"] == lora["placement=process"] == ""
+    assert lora["backend=megatron"] == "refused"
+    assert lora["backend=hf"] == lora["engine=native"] == lora["engine=vllm"] == lora["placement=process"] == ""
     threads = dict(zip(columns, lines["rl_config.num_threads (set)"]))
     assert (threads["placement=process"], threads["placement=ray-ddp"], threads["placement=ray-fsdp2"]) == (
         "", "refused", "refused")

@@ -46,12 +46,11 @@ def test_lora_keys_are_honoured_on_the_hf_backend():
     ([*LORA, "actor_config.lora_alpha=-1"], "actor_config.lora_alpha=-1: "),
     ([*LORA, "rl_config.ray_sharding=fsdp2", "rl_config.actor_resource.num_npus=2"],
      "rl_config.ray_sharding=fsdp2 with actor_config.lora_target_modules: FSDP2 with LoRA is not built yet"),
-    ([*LORA, "rl_config.rollout_engine=vllm"], "rl_config.rollout_engine=vllm with actor_config.lora_target_modules"),
     ([*LORA, "rl_config.share_backbone=true", "rl_config.offload_reference=true"],
      "rl_config.offload_reference=true with rl_config.share_backbone=true: the reference is the actor's own weights"),
     ([*LORA, "actor_config.tensor_model_parallel_size=2", "rl_config.actor_resource.num_npus=2"],
      "actor_config.lora_target_modules=[linear_qkv, linear_fc1]: LoRA is not built on the megatron backend yet"),
-], ids=["share-backbone-without-lora", "share-backbone-dapo", "rank", "alpha", "fsdp2", "vllm", "offload-reference",
+], ids=["share-backbone-without-lora", "share-backbone-dapo", "rank", "alpha", "fsdp2", "offload-reference",
         "megatron"])
 def test_lora_inputs_that_cannot_run_are_refused_by_key(overrides, message):
     assert refusal(overrides).startswith(message)
