@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from posttrain.config.files import check_run_files
+from posttrain.config.memory import rollout_layout
 from posttrain.config.plan import GIB, Plan, model_arch, resolve_plan
 from posttrain.config.run import load_run_config
 from posttrain.errors import PosttrainError
@@ -50,9 +51,8 @@ def format_plan(plan: Plan, cpu_linear: str = "blas") -> str:
     lines += [f"  {k:<46} {v}" for k, v in rows]
     lines += ["", "parallel layout",
               f"  {'actor':<46} data parallel {par.dp} (tensor parallel {par.tp}, pipeline parallel {par.pp})",
-              f"  {'rollout':<46} {par.dp} process(es) sample ("
-              f"{'every worker' if par.backend == 'hf' else 'the leader of each data-parallel replica'}); the "
-              f"seed's rollout data parallel {plan.layout.infer_dp} sizes the reads"]
+              f"  {'rollout':<46} {rollout_layout(plan)}; the seed's rollout data parallel "
+              f"{plan.layout.infer_dp} sizes the reads"]
     if plan.reward_model is not None:
         rm = plan.reward_model
         lines.append(f"  {'reward model (colocated with the actor)':<46} {rm.path}, {rm.dtype}, "
@@ -68,14 +68,19 @@ def format_plan(plan: Plan, cpu_linear: str = "blas") -> str:
                             ("critic (weights, gradients, AdamW)", m.critic),
                             ("reward model (frozen weights)", m.reward_model),
                             ("activations (one micro-batch)", m.activations), ("rollout KV cache", m.kv_cache),
-                            ("LoRA merge copy (adapted base weights)"
-                             if plan.lora else "rollout copy (whole model, replica leaders)", m.rollout_copy),
+                            (_rollout_copy_label(plan), m.rollout_copy),
                             ("total", m.total)):
             if value or name == "total":
                 lines.append(f"  {name:<46} {value / GIB:8.2f} GiB")
     else:
         lines += ["", "memory: no model architecture known (give --hf-config or a model yaml)"]
     return "\n".join(lines)
+
+
+def _rollout_copy_label(plan: Plan) -> str:
+    if plan.rollout is not None and plan.rollout.vllm is not None:
+        return f"rollout copy (vLLM, 1/{plan.rollout.vllm.tensor_parallel_size} of the model)"
+    return "LoRA merge copy (adapted base weights)" if plan.lora else "rollout copy (whole model, replica leaders)"
 
 
 def run(args) -> int:

@@ -95,19 +95,43 @@ def device_memory_bytes(device: str) -> int | None:
 
 
 def check_rollout_fits(plan: "Plan") -> None:
-    """The megatron backend's native rollout holds the whole model in one process: refuse a model
-    whose HF copy alone does not fit one device (it needs a rollout engine sharded over devices)."""
-    if plan.memory is None or not plan.memory.rollout_copy or plan.parallel.backend != "megatron":
+    """The rollout's copy of the model must fit one device: the megatron backend's native rollout
+    holds the whole model (fp32) on each replica's leader; vLLM holds 1/``infer_tensor_parallel_size``
+    of it (in the rollout dtype) on each of its ranks. Refuse a copy that no device holds, naming
+    the key that changes it."""
+    if plan.memory is None or not plan.memory.rollout_copy:
+        return
+    vllm = plan.rollout is not None and plan.rollout.vllm is not None
+    if not vllm and plan.parallel.backend != "megatron":
         return
     available = device_memory_bytes(plan.device)
-    if available and plan.memory.rollout_copy > available:
-        raise ConfigError(
-            f"the native rollout samples from a whole copy of the model in one process (the first rank of each "
-            f"data-parallel replica): {plan.memory.rollout_copy / GIB:,.1f} GiB of weights do not fit one device "
-            f"({available / GIB:,.1f} GiB). A model larger than one device needs a rollout engine sharded over "
-            f"devices (vLLM with generate_config.infer_tensor_parallel_size), which posttrain does not have yet; "
-            f"train a smaller model, or use backend megatron for an offline stage (sft, dpo), or set "
-            f"rl_config.ignore_memory_estimate: true to run anyway")
+    if not available or plan.memory.rollout_copy <= available:
+        return
+    copy = f"{plan.memory.rollout_copy / GIB:,.1f} GiB of weights do not fit one device ({available / GIB:,.1f} GiB)"
+    ignore = "or set rl_config.ignore_memory_estimate: true to run anyway"
+    if vllm:
+        tp = plan.rollout.vllm.tensor_parallel_size
+        raise ConfigError(f"the vLLM rollout holds 1/{tp} of the model per device "
+                          f"(generate_config.infer_tensor_parallel_size={tp}) in {plan.rollout_dtype}: {copy}; raise "
+                          f"generate_config.infer_tensor_parallel_size (it must divide the attention heads and the "
+                          f"devices), {ignore}")
+    raise ConfigError(
+        f"the native rollout samples from a whole copy of the model in one process (the first rank of each "
+        f"data-parallel replica): {copy}. A model larger than one device needs a rollout sharded over devices: set "
+        f"rl_config.rollout_engine: vllm with generate_config.infer_tensor_parallel_size, or train a smaller model, "
+        f"or use backend megatron for an offline stage (sft, dpo), {ignore}")
+
+
+def rollout_layout(plan: "Plan") -> str:
+    """Where the rollout runs, in words (``posttrain plan``'s parallel layout)."""
+    par = plan.parallel
+    samplers = "every worker" if par.backend == "hf" else "the leader of each data-parallel replica"
+    if plan.rollout is not None and plan.rollout.vllm is not None:
+        tp = plan.rollout.vllm.tensor_parallel_size
+        return (f"vLLM, {par.dp} engine(s) ({samplers}), each tensor parallel {tp}, {plan.rollout_dtype}; the "
+                f"weights are streamed in one decoder layer at a time after each update and proven by the sync probe")
+    copy = "its own model object" if par.backend == "hf" else "a whole fp32 HF copy of the model"
+    return f"native engine, {par.dp} process(es) ({samplers}) sampling from {copy}"
 
 
 def estimate_memory(cfg: RunConfig, plan: "Plan", arch: ModelArch) -> MemoryEstimate:
@@ -138,9 +162,11 @@ def estimate_memory(cfg: RunConfig, plan: "Plan", arch: ModelArch) -> MemoryEsti
     * KV cache of the native rollout engine: the rows one data-parallel replica decodes at once
       (at most ``max_num_seqs``) x tokens per sequence x 2 x layers x kv_heads x head_dim x the
       rollout dtype's bytes;
-    * rollout copy (megatron, on-policy): the native engine samples from a whole HF copy of the
-      model held by each replica's leader (TP rank 0, PP rank 0), fp32, 4 bytes per parameter
-      (counted for every process: an upper bound for the others).
+    * rollout copy (on-policy): with ``rollout_engine: vllm`` vLLM's own copy of the weights in the
+      rollout dtype, divided by ``infer_tensor_parallel_size`` (and the KV cache too); else on
+      megatron the native engine samples from a whole HF copy of the model held by each replica's
+      leader (TP rank 0, PP rank 0), fp32, 4 bytes per parameter (counted for every process: an
+      upper bound for the others).
     * LoRA (``lora_target_modules``, hf backend): the base weights plus the adapter's, gradients
       and moments for the adapter only, no reference with ``rl_config.share_backbone``, and as the
       rollout copy the adapted base weights that the merged rollout saves while it samples.
@@ -158,9 +184,12 @@ def estimate_memory(cfg: RunConfig, plan: "Plan", arch: ModelArch) -> MemoryEsti
     per_layer = 2 * s * b * h if a.recompute_granularity == "full" else s * b * h * 34
     activations = arch.num_layers * per_layer + s * b * arch.vocab_size * 4
     seqs = min(plan.responses_per_iteration // par.dp, plan.rollout.max_num_seqs) if plan.rollout else 0
+    rollout_bytes = 2 if plan.rollout_dtype == "bfloat16" else 4
+    vllm_tp = plan.rollout.vllm.tensor_parallel_size if plan.rollout and plan.rollout.vllm else 0
     rollout_copy = 4 * params if plan.stage.on_policy and par.backend == "megatron" else 0.0
-    kv = seqs * plan.max_tokens_per_sequence * arch.kv_cache_bytes_per_token(2 if plan.rollout_dtype == "bfloat16"
-                                                                             else 4)
+    kv = seqs * plan.max_tokens_per_sequence * arch.kv_cache_bytes_per_token(rollout_bytes)
+    if vllm_tp and plan.stage.on_policy:  # vLLM's own copy, split over its tensor-parallel ranks
+        rollout_copy, kv = rollout_bytes * params / vllm_tp, kv / vllm_tp
     rm_arch = reward_model_arch(cfg) if plan.reward_model is not None else None
     rm_bytes = 2 if plan.reward_model is not None and plan.reward_model.dtype == "bfloat16" else 4
     weights, trained = shard, shard
@@ -170,7 +199,7 @@ def estimate_memory(cfg: RunConfig, plan: "Plan", arch: ModelArch) -> MemoryEsti
         weights, trained = params + adapter, adapter
         optimizer = 8 * adapter
         reference = 0.0 if cfg.rl.share_backbone or not reference else weights
-        rollout_copy = 4 * targeted if plan.stage.on_policy else 0.0
+        rollout_copy = 4 * targeted if plan.stage.on_policy and not vllm_tp else rollout_copy
     return MemoryEstimate(weights=4 * weights, gradients=4 * trained, optimizer=optimizer, reference=4 * reference,
                           critic=16 * critic if plan.uses_critic else 0.0, activations=activations, kv_cache=kv,
                           reward_model=rm_bytes * value_model_params(rm_arch) if rm_arch is not None else 0.0,

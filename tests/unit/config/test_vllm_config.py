@@ -166,3 +166,23 @@ def test_every_vllm_rule_is_passed_on_or_refused():
     assert kwargs == {"max_model_len": 256, "gpu_memory_utilization": 0.3, "tensor_parallel_size": 1,
                       "enforce_eager": True, "enable_prefix_caching": False, "trust_remote_code": False,
                       "enable_expert_parallel": False}
+
+
+def test_plan_prints_the_vllm_rollout_and_refuses_a_copy_that_does_not_fit(installed, tiny_hf, monkeypatch):
+    """vLLM's copy (rollout dtype, 1/infer TP of the model) is in the memory estimate and the layout;
+    a copy larger than the device is refused naming infer_tensor_parallel_size."""
+    from posttrain.commands.plan import format_plan
+    from posttrain.config.plan import resolve_plan
+
+    model = str(tiny_hf("llama"))
+    base = [f"actor_config.load={model}", f"actor_config.tokenizer_name_or_path={model}"]
+    plan = resolve_plan(config(base), device="cpu")
+    assert plan.memory.rollout_copy == pytest.approx(4 * plan.num_params)  # fp32 rollout, TP 1
+    text = format_plan(plan)
+    assert "vLLM, 1 engine(s) (every worker), each tensor parallel 1, float32" in text
+    assert "rollout copy (vLLM, 1/1 of the model)" in text
+    monkeypatch.setattr("posttrain.config.memory.machine_memory_bytes", lambda: int(plan.memory.rollout_copy / 2))
+    with pytest.raises(ConfigError, match=r"the vLLM rollout holds 1/1 of the model per device \(generate_config."
+                                          r"infer_tensor_parallel_size=1\) in float32: .*raise generate_config."
+                                          r"infer_tensor_parallel_size"):
+        resolve_plan(config(base), device="cpu")
