@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.cluster.cluster_helpers import record_run
+from tests.cluster import cluster_helpers
 from tests.helpers.configs import run_config
 from tests.helpers.data import addition_rows, preprocess_prompts
 
@@ -74,8 +74,19 @@ def vllm_run(work: Path, name: str, *, workers: int, sharding: str = "ddp"):
           "ray_sharding": sharding, "init_kl_coef": 0.05}
     gen = {"max_model_len": 64, "max_num_seqs": 64, "infer_tensor_parallel_size": 1, "dtype": "float32",
            "sampling_config": {"max_tokens": 12, "temperature": 1.0, "top_k": -1, "top_p": 1.0}}
-    return record_run(run_config(work / "model", work / "prompts/data", work / f"run_{name}", name=name, iters=2,
-                                 rl_config=rl, generate_config=gen))
+    cfg = run_config(work / "model", work / "prompts/data", work / f"run_{name}", name=name, iters=2, rl_config=rl,
+                     generate_config=gen)
+    workers_info = []
+    build = cluster_helpers.session_and_trainer
+
+    def keeping_workers(cfg):  # what the Ray workers said once their engines had started
+        session, trainer = build(cfg)
+        workers_info.extend(session.cluster.info if session.cluster is not None else [])
+        return session, trainer
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(cluster_helpers, "session_and_trainer", keeping_workers)
+        return (*cluster_helpers.record_run(cfg), workers_info)
 
 
 @pytest.fixture(scope="module")
@@ -84,13 +95,21 @@ def runs(ray_session, work):
             for name, workers, sharding in (("local", 1, "ddp"), ("ddp", 2, "ddp"), ("fsdp2", 2, "fsdp2"))}
 
 
+@pytest.mark.parametrize("placement", ["ddp", "fsdp2"])
+def test_each_worker_runs_its_own_engine_and_keeps_its_threads(runs, placement):
+    """vLLM's CPU worker pins torch's thread count for its process: each worker keeps its one thread."""
+    info = runs[placement][3]
+    assert [i["rank"] for i in info] == [0, 1] and len({i["pid"] for i in info}) == 2
+    assert all(i["rollout_holds_weights"] and i["threads"] == 1 for i in info), info
+
+
 def logged(rows: list[dict]) -> list[dict]:
     return [r for r in rows if "actor/pg_loss" in r]
 
 
 @pytest.mark.parametrize("placement", ["ddp", "fsdp2"])
 def test_every_engine_takes_every_update(runs, placement):
-    _, rows, _ = runs[placement]
+    _, rows, _, _ = runs[placement]
     rows = logged(rows)
     assert [r["iteration"] for r in rows] == [1, 2]
     for row in rows:  # iteration 1: the engines' start; 2: the sync after update 1
@@ -101,7 +120,7 @@ def test_every_engine_takes_every_update(runs, placement):
 
 @pytest.mark.parametrize("placement", ["ddp", "fsdp2"])
 def test_the_run_on_two_workers_equals_the_run_in_one_process(runs, placement):
-    (want_batches, want_rows, _), (got_batches, got_rows, _) = runs["local"], runs[placement]
+    (want_batches, want_rows, _, _), (got_batches, got_rows, _, _) = runs["local"], runs[placement]
     assert got_batches == want_batches  # each worker's share: the one-process engine's tokens
     assert len(want_batches) == 2 and want_batches[0] != want_batches[1]
     want_rows, got_rows = logged(want_rows), logged(got_rows)
