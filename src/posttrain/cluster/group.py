@@ -9,6 +9,11 @@ session has:
   indices in the whole call) and the same seed (drawn once here when ``sampling.seed`` is None).
   The native engine's sampling is keyed by (seed, prompt key, sample index, token position), so
   the samples are those of one process, whatever the number of workers.
+* ``rollout.sync_weights`` / ``rollout.pop_metrics``: where the workers' engines hold their own
+  copy of the weights (vLLM), every worker loads its actor's weights into its engine after each update
+  (FSDP2: all ranks gather the full parameters once), and each engine's probe metric reaches the
+  driver as the maximum over the workers (:data:`WORKER_ROLLOUT_METRICS`). The native engines sample
+  from the trained model objects: nothing to load, and their counters stay in the workers.
 * ``actor.compute_logprobs`` / ``reference.compute_logprobs``: rows cut into contiguous shares,
   results concatenated in order.
 * ``actor.update(batch, loss_fn, mini_batch_size, epochs, shuffle, seed)``: the driver orders the
@@ -52,6 +57,10 @@ from posttrain.rollout.keyed import random_seed
 from posttrain.train.engine import minibatch_order
 
 log = logging.getLogger(__name__)
+
+# the rollout engines' metrics that reach the driver, and how the workers' values combine into one
+WORKER_ROLLOUT_METRICS = {"rollout/sync_probe_diff": max}
+
 
 def spans(count: int, parts: int, keep_empty: bool = False) -> list[tuple[int, int]]:
     """Contiguous, balanced ``(start, stop)`` shares of ``count`` rows; empty shares dropped
@@ -115,6 +124,7 @@ class Cluster:
             states = self._all("set-up", "setup", plan, start, (ip, port), self.timeout_s, os.getcwd())
             self.info = self._all("ready check", "ready_info")
             self.replicas = replicas(self.info)
+            self.rollout_holds_weights = any(i.get("rollout_holds_weights") for i in self.info)  # vLLM
             if plan.rule_reward is not None:  # SFT and DPO score nothing
                 self.rewards = RewardGroup(plan.rule_reward, self.timeout_s)
         except BaseException:
@@ -242,19 +252,35 @@ class RolloutRole(RolloutEngine):
         def args(rank, lo, hi):
             return prompt_token_ids[lo:hi], n, sampling, stop_token_ids, keys[lo:hi]
 
-        parts = self.c.sharded("rollout", "generate", len(prompt_token_ids), args)
+        # FSDP2's parameter gather is a collective for the native engines; vLLM engines need none
+        parts = self.c.sharded("rollout", "generate", len(prompt_token_ids), args,
+                               collective=not self.c.rollout_holds_weights)
         return [group for part in parts for group in part]
 
-    def sync_weights(self, model) -> None:
-        """None, nothing to load here: each worker's engine samples from its own actor's weights
-        (the native engine on the model it trains; the Megatron workers' leaders reload their
-        rollout copy at the end of every update, timed there). ``model`` is None on the driver."""
-        return None
+    def sync_weights(self, model) -> int | None:
+        """The workers' engines sample from their actors' current weights from now on. vLLM engines
+        (their own copy): every worker loads its actor's weights into its engine and proves them
+        with the probe; returns the number of tensors one engine loaded (the loop times the sync as
+        ``timing/resharding_to_infer``). Native engines: None, nothing to load (they sample from the
+        model they train; the Megatron workers' leaders reload their rollout copy at the end of
+        every update, timed there). ``model`` is None on the driver."""
+        if not self.c.rollout_holds_weights:
+            return None
+        self.c._check()
+        counts = self.c._all("weight sync to the rollout engines", "sync_rollout")
+        return int(counts[0])
 
     def pop_metrics(self) -> dict[str, float]:
-        """None: the engines' counters (speculation's ``rollout/draft_*``, multi-turn's
-        ``timing/tool`` and ``tool/*``) stay in the workers that generate (docs/tools.md)."""
-        return {}
+        """The engines' metrics of :data:`WORKER_ROLLOUT_METRICS` since the last call, combined over
+        the workers (vLLM's ``rollout/sync_probe_diff``: the largest). The native engines' counters
+        (speculation's ``rollout/draft_*``, multi-turn's ``timing/tool`` and ``tool/*``) stay in the
+        workers that generate (docs/tools.md)."""
+        if not self.c.rollout_holds_weights:
+            return {}
+        self.c._check()
+        parts = self.c._all("rollout metrics", "rollout_metrics")
+        return {key: reduce([part[key] for part in parts if key in part])
+                for key, reduce in WORKER_ROLLOUT_METRICS.items() if any(key in part for part in parts)}
 
 
 def _sharded_logprobs(cluster: Cluster, batch, temperature, micro_batch_size, reference: bool) -> torch.Tensor:

@@ -2,13 +2,21 @@
 
 Each worker builds what the in-process session builds (:func:`posttrain.roles.policy.build_policy`:
 the actor model and its :class:`~posttrain.train.engine.TrainEngine`, the optional frozen reference,
-the native rollout engine on the actor's model object; colocated with them PPO's critic and the
+the rollout engine of ``rl_config.rollout_engine``; colocated with them PPO's critic and the
 frozen reward model of ``reward_config``), joins a torch.distributed group (gloo on CPU, nccl on
 GPU) and wraps the model in DistributedDataParallel for the update (or shards it with FSDP2,
 :mod:`posttrain.cluster.fsdp`). Inference (rollout, log-probs, reference) uses the
 unwrapped model and needs no collective (FSDP2: after one parameter gather per call), so the
 driver may give workers uneven shares; the update is a collective: every worker gets a slice of
 every mini-batch (see :mod:`posttrain.cluster.group`).
+
+Rollout engines. The native engine samples from the actor's model object itself. A vLLM engine
+(``rollout_engine: vllm``, in this worker's process) holds its own copy, started from this worker's
+weights: after every update the driver calls :meth:`ActorWorker.sync_rollout` on every worker (DDP:
+each loads its own replica; FSDP2: all ranks gather the full parameters once, a collective, and each
+rank's engine loads them), and every engine proves its copy with its probe
+(``rollout/sync_probe_diff``, collected by :meth:`ActorWorker.rollout_metrics`). The worker's torch
+thread count is exported as ``OMP_NUM_THREADS`` first, which vLLM keeps for its CPU worker.
 
 This module is imported inside Ray worker processes; the ``ray.remote`` wrapping is done by the group.
 """
@@ -66,6 +74,7 @@ class ActorWorker:
     def __init__(self, rank: int, world_size: int, cpu_threads: int):
         self.rank, self.world_size, self.cpu_threads = rank, world_size, cpu_threads
         self.policy = None
+        self.rollout_holds_weights = False
 
     # ---- set-up ---------------------------------------------------------------------------------
     def address(self) -> tuple[str, int, int]:
@@ -88,6 +97,7 @@ class ActorWorker:
             self.device = "cuda:0"
         else:
             torch.set_num_threads(self.cpu_threads)
+            os.environ["OMP_NUM_THREADS"] = str(self.cpu_threads)  # a vLLM engine's CPU worker keeps this count
             set_cpu_linear(start["cpu_linear"])  # for the worker's life: this process is the run's
         timeout = datetime.timedelta(seconds=timeout_s)
         dist.init_process_group("nccl" if use_gpu else "gloo", init_method=f"tcp://{master[0]}:{master[1]}",
@@ -107,6 +117,8 @@ class ActorWorker:
         # their own, so log-prob passes never wait on other ranks (uneven shares are fine)
         own = [dist.new_group([r], timeout=timeout) for r in range(self.world_size)][self.rank]
         self.policy = p = build_policy(plan, device, source=start["source"], with_rollout=plan.stage.on_policy)
+        # vLLM: its own copy of the weights, started from this worker's (before FSDP2 shards them)
+        self.rollout_holds_weights = bool(getattr(p.rollout, "holds_weights", False))
         self.adapter_only = plan.schedule.adapter_only  # LoRA: save the adapter alone
         # log-probs on the plain model, no collective; the update through DDP over all ranks
         self.infer = TrainEngine(p.model, micro_batch_size=plan.policy.optim.micro_batch_size,
@@ -132,7 +144,8 @@ class ActorWorker:
     def ready_info(self) -> dict:
         """Who this worker is; ``replica``: its data-parallel replica (every worker is one here)."""
         return {"rank": self.rank, "pid": os.getpid(), "threads": torch.get_num_threads(),
-                "device": self.device, "replica": self.rank, "leader": True, "cpu_linear": installed()}
+                "device": self.device, "replica": self.rank, "leader": True, "cpu_linear": installed(),
+                "rollout_holds_weights": self.rollout_holds_weights}
 
     # ---- roles ----------------------------------------------------------------------------------
     def _gathered(self, needed: bool = True):
@@ -140,11 +153,28 @@ class ActorWorker:
 
     def generate(self, prompts: list[list[int]], n: int, sampling, stop_token_ids, prompt_keys=None) -> list:
         """This worker's share of a rollout; ``prompt_keys`` are the prompts' keys in the whole
-        call, so the samples are those one process would draw."""
-        with self._gathered():  # FSDP2: every rank enters, even with no prompts
+        call, so the samples are those one process would draw. FSDP2 with the native engine: every
+        rank enters the parameter gather, even with no prompts (a vLLM engine needs no gather)."""
+        with self._gathered(not self.rollout_holds_weights):
             if not prompts:
                 return []
             return self.policy.rollout.generate(prompts, n, sampling, stop_token_ids, prompt_keys=prompt_keys)
+
+    def sync_rollout(self) -> int | None:
+        """Load the actor's current weights into this worker's rollout engine and prove them with
+        its probe (vLLM; the native engine samples from the model itself: None). DDP: this
+        worker's replica; FSDP2: the full parameters, gathered once on every rank (a collective:
+        the driver calls every worker). Returns the number of tensors loaded."""
+        if not self.rollout_holds_weights:
+            return None
+        if not self.fsdp:
+            return self.policy.rollout.sync_weights(self.policy.model)
+        with self._gathered():
+            return self.policy.rollout.sync_weights(fsdp.GatheredView(self.policy.model))
+
+    def rollout_metrics(self) -> dict[str, float]:
+        """This worker's rollout engine's metrics since the last call (vLLM: ``rollout/sync_probe_diff``)."""
+        return self.policy.rollout.pop_metrics() if self.policy.rollout is not None else {}
 
     def compute_logprobs(self, batch: dict, temperature: float, micro_batch_size, reference: bool = False):
         engine = self.policy.reference if reference else self.infer

@@ -179,6 +179,8 @@ def _features() -> dict[str, Feature]:
         _on("actor_config.use_distributed_optimizer", when="true"),
         _on("rl_config.rollout_engine", lambda v: v == "vllm", name="vllm", shown="rl_config.rollout_engine=vllm",
             when="vllm"),
+        _on("generate_config.infer_tensor_parallel_size", lambda v: v > 1, name="infer_tensor_parallel",
+            when="> 1"),
         _on("generate_config.infer_pipeline_parallel_size", lambda v: v > 1, when="> 1"),
         _on("generate_config.infer_expert_parallel_size", lambda v: v > 1, when="> 1"),
         _on("generate_config.num_scheduler_steps", lambda v: v != 1, when="not 1"),
@@ -320,10 +322,10 @@ ROWS: tuple[Row, ...] = (
     # the vLLM rollout engine (its machine, the vllm package and a CUDA device: posttrain.config.vllm)
     *(Row(f"vllm-{name}", name, "{setting} with rl_config.rollout_engine: vllm: " + why, engine=("vllm",),
           stage=ON_POLICY) for name, why in _VLLM_KEYS),
-    Row("vllm-ray", "vllm", "rl_config.rollout_engine: vllm runs vLLM in the trainer's process, which loads the "
-        "actor's weights into it after every update; with Ray actor workers (actor_resource.num_npus > 1 or a "
-        "ray_address) that is not built yet: train in one process, or use rollout_engine: native", placement=RAY,
-        stage=ON_POLICY),
+    Row("vllm-ray-tensor-parallel", "vllm", "{other} with rl_config.rollout_engine: vllm on Ray actor workers: each "
+        "worker runs its own vLLM engine in its process, on the one device it holds, so vLLM has no other devices to "
+        "split the model over; set it to 1 (the rollout scales with the workers, actor_resource.num_npus)",
+        placement=RAY, stage=ON_POLICY, with_="infer_tensor_parallel"),
     Row("vllm-megatron", "vllm", "rl_config.rollout_engine: vllm runs on the hf training backend (the actor's Hugging "
         "Face model is what it loads into vLLM), not megatron; use rollout_engine: native", backend=MEGATRON,
         stage=ON_POLICY),

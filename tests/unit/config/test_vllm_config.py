@@ -132,12 +132,19 @@ def test_the_ascend_scheduler_default_is_not_refused(gpu):
     check_run_config(config(), device_type="cpu")  # ascend_scheduler_config_enabled: true by default
 
 
-def test_ray_workers_and_other_backends_are_refused(gpu):
-    assert "with Ray actor workers (actor_resource.num_npus > 1 or a ray_address) that is not built yet" in refusal(
-        ["rl_config.actor_resource.num_npus=2"])
+def test_ray_workers_run_vllm_but_not_split_over_devices_and_megatron_is_refused(gpu):
+    """Ray actor workers (DDP or FSDP2) each run their own engine: allowed, and tests/vllm/test_vllm_ray.py runs
+    them; vLLM's tensor parallelism inside one worker (which holds one device) and the megatron backend are not."""
+    for sharding in ("ddp", "fsdp2"):
+        check_run_config(config(["rl_config.actor_resource.num_npus=2", f"rl_config.ray_sharding={sharding}"]),
+                         device_type="cpu")
+    message = refusal(["rl_config.actor_resource.num_npus=2", "generate_config.infer_tensor_parallel_size=2"])
+    assert message.startswith("generate_config.infer_tensor_parallel_size=2 with rl_config.rollout_engine: vllm on "
+                              "Ray actor workers: each worker runs its own vLLM engine")
+    assert "set it to 1" in message and len(message.splitlines()) == 1
     message = refusal(["rl_config.actor_resource.num_npus=2", "actor_config.tensor_model_parallel_size=2"])
     assert "rl_config.rollout_engine: vllm runs on the hf training backend" in message
-    assert len(message.splitlines()) == 2  # Ray and megatron: both refusals, one per line
+    assert len(message.splitlines()) == 1  # megatron alone: Ray is no longer refused
 
 
 def test_truncated_sampling_with_rollout_correction_is_warned(gpu):

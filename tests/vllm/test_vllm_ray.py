@@ -1,0 +1,133 @@
+"""``rollout_engine: vllm`` on 2 Ray actor workers (real vLLM in each worker's process, real Ray):
+GRPO with DDP replicas and with FSDP2 shards against the same run in one process.
+
+* Every worker's engine starts from its weights and takes every update: the probe metric
+  ``rollout/sync_probe_diff`` (the largest over the workers) is below 1e-4 on every iteration, and
+  the weight sync is timed (``timing/resharding_to_infer``).
+* The runs do not depend on the placement: each prompt's request is seeded by the call's seed and
+  the prompt's key, so each worker draws for its share of the prompts the tokens the one-process
+  engine draws; a worker whose engine missed an update would sample other tokens and score other
+  log-probs. Same response tokens, and every logged metric but the wall-clock ones within 1e-3.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from tests.cluster import cluster_helpers
+from tests.helpers.configs import run_config
+from tests.helpers.data import addition_rows, preprocess_prompts
+
+pytestmark = pytest.mark.ray
+
+ROOT = Path(__file__).resolve().parents[2]
+WALL_CLOCK = ("timing/", "e2e_tps", "update_tps", "vllm_tps")
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    """One local Ray cluster for the module: 2 CPUs, one per actor worker, 1 torch thread each."""
+    import ray
+    import torch
+
+    path = os.environ.get("PYTHONPATH", "")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), path) if p)  # the workers import tests.helpers
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING",
+             runtime_env={"env_vars": {"PYTHONPATH": os.environ["PYTHONPATH"], "HF_HUB_OFFLINE": "1",
+                                       "TOKENIZERS_PARALLELISM": "false", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}})
+    yield ray
+    ray.shutdown()
+    torch.set_num_threads(before)
+    os.environ["PYTHONPATH"] = path
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory, tiny_tokenizer):
+    """A random 2-layer Qwen2 with head dim 64 (vLLM's CPU attention kernels) and tied embeddings (the
+    engine repacks vLLM's tied output layer after each sync: without it the first sync's probe
+    differs by 0.13 here), with the tiny tokenizer, and a preprocessed prompt set."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    root = tmp_path_factory.mktemp("vllm_ray")
+    tok = tiny_tokenizer
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
+                         tie_word_embeddings=True, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    Qwen2ForCausalLM(config).save_pretrained(root / "model")
+    tok.save_pretrained(root / "model")
+    preprocess_prompts(addition_rows(64, 0), root / "prompts.jsonl", root / "model", root / "prompts/data",
+                       prompt_type="trl", workers=1)
+    return root
+
+
+def vllm_run(work: Path, name: str, *, workers: int, sharding: str = "ddp"):
+    """2 GRPO iterations (4 prompts x 8 samples, 2 optimizer steps each) sampled by vLLM in fp32 on
+    ``workers`` Ray actor workers (1: in this process)."""
+    rl = {"actor_resource": {"num_devices": workers}, "ray_timeout_s": 600, "rollout_engine": "vllm",
+          "ray_sharding": sharding, "init_kl_coef": 0.05}
+    gen = {"max_model_len": 64, "max_num_seqs": 64, "infer_tensor_parallel_size": 1, "dtype": "float32",
+           "sampling_config": {"max_tokens": 12, "temperature": 1.0, "top_k": -1, "top_p": 1.0}}
+    cfg = run_config(work / "model", work / "prompts/data", work / f"run_{name}", name=name, iters=2, rl_config=rl,
+                     generate_config=gen)
+    workers_info = []
+    build = cluster_helpers.session_and_trainer
+
+    def keeping_workers(cfg):  # what the Ray workers said once their engines had started
+        session, trainer = build(cfg)
+        workers_info.extend(session.cluster.info if session.cluster is not None else [])
+        return session, trainer
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(cluster_helpers, "session_and_trainer", keeping_workers)
+        return (*cluster_helpers.record_run(cfg), workers_info)
+
+
+@pytest.fixture(scope="module")
+def runs(ray_session, work):
+    return {name: vllm_run(work, name, workers=workers, sharding=sharding)
+            for name, workers, sharding in (("local", 1, "ddp"), ("ddp", 2, "ddp"), ("fsdp2", 2, "fsdp2"))}
+
+
+@pytest.mark.parametrize("placement", ["ddp", "fsdp2"])
+def test_each_worker_runs_its_own_engine_and_keeps_its_threads(runs, placement):
+    """vLLM's CPU worker pins torch's thread count for its process: each worker keeps its one thread."""
+    info = runs[placement][3]
+    assert [i["rank"] for i in info] == [0, 1] and len({i["pid"] for i in info}) == 2
+    assert all(i["rollout_holds_weights"] and i["threads"] == 1 for i in info), info
+
+
+def logged(rows: list[dict]) -> list[dict]:
+    return [r for r in rows if "actor/pg_loss" in r]
+
+
+@pytest.mark.parametrize("placement", ["ddp", "fsdp2"])
+def test_every_engine_takes_every_update(runs, placement):
+    _, rows, _, _ = runs[placement]
+    rows = logged(rows)
+    assert [r["iteration"] for r in rows] == [1, 2]
+    for row in rows:  # iteration 1: the engines' start; 2: the sync after update 1
+        assert row["rollout/sync_probe_diff"] < 1e-4, row["iteration"]
+    assert any("timing/resharding_to_infer" in r for r in rows)
+    assert all(r["actor/grad_norm"] > 0 for r in rows)
+
+
+@pytest.mark.parametrize("placement", ["ddp", "fsdp2"])
+def test_the_run_on_two_workers_equals_the_run_in_one_process(runs, placement):
+    (want_batches, want_rows, _, _), (got_batches, got_rows, _, _) = runs["local"], runs[placement]
+    assert got_batches == want_batches  # each worker's share: the one-process engine's tokens
+    assert len(want_batches) == 2 and want_batches[0] != want_batches[1]
+    want_rows, got_rows = logged(want_rows), logged(got_rows)
+    assert [r["iteration"] for r in got_rows] == [r["iteration"] for r in want_rows] == [1, 2]
+    for want, got in zip(want_rows, got_rows):
+        assert sorted(got) == sorted(want)
+        compared = [k for k in want if k != "time" and not k.startswith(WALL_CLOCK)]
+        assert len(compared) > 15 and want["actor/kl_loss"] >= 0
+        for key in compared:
+            assert got[key] == pytest.approx(want[key], rel=1e-3, abs=1e-3), (want["iteration"], key)
