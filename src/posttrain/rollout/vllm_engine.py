@@ -63,7 +63,8 @@ from posttrain.errors import ConfigError, PosttrainError
 from posttrain.rollout.base import RolloutEngine, RolloutOutput, SamplingParams
 from posttrain.rollout.keyed import MASK64, absorb_int, random_seed
 from posttrain.rollout.vllm_support import INSTALL
-from posttrain.rollout.vllm_probe import TOLERANCE, engine_logprobs, first_differing_layer, probe_ids
+from posttrain.rollout.vllm_probe import (TOLERANCE, engine_logprobs, first_differing_layer, greedy_continuation,
+                                          probe_ids)
 from posttrain.rollout.vllm_weights import as_view, layer_buckets, write_checkpoint
 
 log = logging.getLogger(__name__)
@@ -129,6 +130,7 @@ class VLLMEngine(RolloutEngine):
     _asleep: set[str] | frozenset[str] = frozenset()
     max_num_seqs: int | None = None
     gpu_memory_utilization: float | None = None
+    probe_scored_from: int = 0
     holds_weights = True  # its own copy: a LoRA wrapper syncs merged weights instead of merging per call
 
     def __init__(self, model: Any, *, eos_token_ids: list[int] | int | None = None, dtype: str = "bfloat16",
@@ -153,7 +155,6 @@ class VLLMEngine(RolloutEngine):
                         "CPU: vLLM has no sleep mode there")
         self.sleep_mode, self._asleep = sleep_mode and not self.on_cpu, set()
         self._metrics: dict[str, float] = {}
-        self.probe = probe_ids(view.config.vocab_size)
         self.tolerance = max(TOLERANCE.get(self.dtype, 1e-3), TOLERANCE.get(view.dtype, 1e-3))
         self._workdir = tempfile.TemporaryDirectory(prefix="posttrain_vllm_")
         write_checkpoint(view.config, view.weights(), self._workdir.name)
@@ -172,6 +173,8 @@ class VLLMEngine(RolloutEngine):
             kwargs["enable_expert_parallel"] = True
         self.llm = self._start(vllm, kwargs)
         self._wake_tags = _takes_tags(self.llm)
+        prefix = probe_ids(view.config.vocab_size)
+        self.probe, self.probe_scored_from = greedy_continuation(self.llm, prefix), len(prefix) - 1
         self.check_probe(view.probe_logprobs(self.probe), "the start", view)
 
     def _start(self, vllm, kwargs: dict) -> Any:
@@ -230,7 +233,8 @@ class VLLMEngine(RolloutEngine):
         self._wake("weights")
         self._wake("kv_cache")
         theirs = engine_logprobs(self.llm, self.probe)
-        diff = float((theirs - trainer.float().cpu()).abs().max())
+        scored = slice(self.probe_scored_from, None)  # the greedy continuation (vllm_probe)
+        diff = float((theirs[scored] - trainer.float().cpu()[scored]).abs().max())
         self._metrics["rollout/sync_probe_diff"] = max(diff, self._metrics.get("rollout/sync_probe_diff", 0.0))
         if not diff <= self.tolerance:  # NaN too
             ours = view.layer_outputs(self.probe) if view is not None else None
