@@ -174,12 +174,13 @@ class _Row:
                              response_mask=self.mask, tool_call_num=self.calls)
 
 
-class MultiTurnEngine(NativeEngine):
-    supports_rounds = False  # its per-row loop has its own limits (TurnLimits)
+class ToolTurns:
+    """The turn logic of a multi-turn engine, shared by the native one (:class:`MultiTurnEngine`) and
+    the vLLM one (:class:`posttrain.rollout.vllm_multi_turn.VLLMMultiTurnEngine`): where a turn ends
+    (a stop token, or the parser's end tag), starting its tool calls, admitting their outputs
+    (:class:`ObservationFormat`) and the room a row has left (:class:`TurnLimits`).
 
-    """The native engine with tool turns (see the module docstring).
-
-    Args (beyond :class:`NativeEngine`'s):
+    Args:
         tokenizer: decodes a finished turn for the parser (never re-encoded) and encodes tool output.
         runner: a :class:`posttrain.tools.runner.ToolRunner` over the registered tools.
         parser: a :class:`posttrain.tools.parsers.ToolParser` (``tool_parser_format``).
@@ -187,21 +188,96 @@ class MultiTurnEngine(NativeEngine):
         limits: :class:`TurnLimits`.
     """
 
-    def __init__(self, model: Any, *, tokenizer: Any, runner: Any, parser: Any, observation: ObservationFormat,
-                 limits: TurnLimits, **engine_kwargs):
-        super().__init__(model, **engine_kwargs)
+    def _init_turns(self, *, tokenizer: Any, runner: Any, parser: Any, observation: ObservationFormat,
+                    limits: TurnLimits, stops: list[int]) -> None:
         self.tokenizer, self.runner, self.parser = tokenizer, runner, parser
         self.observation, self.limits = observation, limits
         self.end_tag = tokenizer.encode(parser.end_tag, add_special_tokens=False)
         self.stats = ToolStats()
         self._one_turn = False
-        self._stops: set[int] = set(self.eos_token_ids)
+        self._stops: set[int] = set(stops)
 
     def pop_metrics(self) -> dict[str, float]:
         """``timing/tool`` (seconds the rollout waited on tools, not hidden behind decoding) and
         ``tool/{calls,errors,seconds_per_call}`` since the last call."""
         metrics, self.stats = self.stats.metrics(), ToolStats()
         return metrics
+
+    def _turn_ended(self, row: _Row, token: int) -> bool:
+        """Whether the last token closed the turn (a stop token) or paused it (the end tag)."""
+        tag = self.end_tag
+        if token in self._stops:
+            row.closed = True
+            return True
+        if tag and len(row.tokens) - row.turn_start >= len(tag) and row.tokens[-len(tag):] == tag:
+            row.closed = False
+            return True
+        return False
+
+    def _start_tools(self, row: _Row, step: int) -> bool:
+        """At a turn's end: start its tool calls (the row waits) or end the row. Whether it waits."""
+        lim = self.limits
+        if self._one_turn:  # generate_reprefill: one turn per call; the caller runs the tools
+            row.end("stop")
+            return False
+        text = self.tokenizer.decode(row.tokens[row.turn_start:], skip_special_tokens=False)
+        calls = self.parser.calls(text)
+        left = lim.max_tool_calls - row.calls
+        if not calls or left <= 0 or self._out_of_room(row):
+            row.end("stop")
+            return False
+        run = min(left, lim.max_parallel_calls or left, len(calls))
+        skipped = [replace(c, error=f"at most {run} tool calls run per turn here; this call was skipped")
+                   for c in calls[run:]]
+        row.pending = self.runner.submit(calls[:run] + skipped)
+        row.calls += run
+        row.status, row.admit_at = WAIT, step + 1
+        return True
+
+    def _admit(self, row: _Row) -> None:
+        """Append the tool outputs of a waiting row (waiting for them if needed) and resume it."""
+        started = time.perf_counter()
+        finished = row.pending.done()
+        results = row.pending.results()
+        if not finished:
+            self.stats.wait_seconds += time.perf_counter() - started
+        self.stats.calls += len(results)
+        self.stats.errors += sum(not r.ok for r in results)
+        self.stats.seconds += sum(r.seconds for r in results)
+        tokens = self.observation.encode([self.limits.truncate(r.text) for r in results], row.closed)
+        room = self._room(row)
+        row.pending = None
+        if len(tokens) >= room:
+            row.append(tokens[:room], False)
+            row.end("length")
+            return
+        row.append(tokens, False)
+        row.turn_start, row.status = len(row.tokens), DECODE
+
+    def _room(self, row: _Row) -> int:
+        """Response tokens the row may still add."""
+        lim = self.limits
+        used = row.offset + len(row.tokens)
+        room = lim.max_total_response_length - used
+        if lim.max_model_len:
+            room = min(room, lim.max_model_len - row.prompt_len - len(row.tokens))
+        return room
+
+    def _out_of_room(self, row: _Row) -> bool:
+        return self._room(row) <= 0
+
+
+class MultiTurnEngine(ToolTurns, NativeEngine):
+    """The native engine with tool turns (see the module docstring); the turn logic is
+    :class:`ToolTurns`'s (its args, beyond :class:`NativeEngine`'s)."""
+
+    supports_rounds = False  # its per-row loop has its own limits (TurnLimits)
+
+    def __init__(self, model: Any, *, tokenizer: Any, runner: Any, parser: Any, observation: ObservationFormat,
+                 limits: TurnLimits, **engine_kwargs):
+        super().__init__(model, **engine_kwargs)
+        self._init_turns(tokenizer=tokenizer, runner=runner, parser=parser, observation=observation, limits=limits,
+                         stops=self.eos_token_ids)
 
     # ------------------------------------------------------------------ the reference path
     def generate_reprefill(self, prompt_token_ids: list[list[int]], n: int, sampling: SamplingParams,
@@ -350,66 +426,3 @@ class MultiTurnEngine(NativeEngine):
             self._start_tools(row, step)
         elif self._out_of_room(row) or len(row.tokens) - row.turn_start >= max_tokens:
             row.end("length")
-
-    def _turn_ended(self, row: _Row, token: int) -> bool:
-        """Whether the last token closed the turn (a stop token) or paused it (the end tag)."""
-        tag = self.end_tag
-        if token in self._stops:
-            row.closed = True
-            return True
-        if tag and len(row.tokens) - row.turn_start >= len(tag) and row.tokens[-len(tag):] == tag:
-            row.closed = False
-            return True
-        return False
-
-    def _start_tools(self, row: _Row, step: int) -> bool:
-        """At a turn's end: start its tool calls (the row waits) or end the row. Whether it waits."""
-        lim = self.limits
-        if self._one_turn:  # generate_reprefill: one turn per call; the caller runs the tools
-            row.end("stop")
-            return False
-        text = self.tokenizer.decode(row.tokens[row.turn_start:], skip_special_tokens=False)
-        calls = self.parser.calls(text)
-        left = lim.max_tool_calls - row.calls
-        if not calls or left <= 0 or self._out_of_room(row):
-            row.end("stop")
-            return False
-        run = min(left, lim.max_parallel_calls or left, len(calls))
-        skipped = [replace(c, error=f"at most {run} tool calls run per turn here; this call was skipped")
-                   for c in calls[run:]]
-        row.pending = self.runner.submit(calls[:run] + skipped)
-        row.calls += run
-        row.status, row.admit_at = WAIT, step + 1
-        return True
-
-    def _admit(self, row: _Row) -> None:
-        """Append the tool outputs of a waiting row (waiting for them if needed) and resume it."""
-        started = time.perf_counter()
-        finished = row.pending.done()
-        results = row.pending.results()
-        if not finished:
-            self.stats.wait_seconds += time.perf_counter() - started
-        self.stats.calls += len(results)
-        self.stats.errors += sum(not r.ok for r in results)
-        self.stats.seconds += sum(r.seconds for r in results)
-        tokens = self.observation.encode([self.limits.truncate(r.text) for r in results], row.closed)
-        room = self._room(row)
-        row.pending = None
-        if len(tokens) >= room:
-            row.append(tokens[:room], False)
-            row.end("length")
-            return
-        row.append(tokens, False)
-        row.turn_start, row.status = len(row.tokens), DECODE
-
-    def _room(self, row: _Row) -> int:
-        """Response tokens the row may still add."""
-        lim = self.limits
-        used = row.offset + len(row.tokens)
-        room = lim.max_total_response_length - used
-        if lim.max_model_len:
-            room = min(room, lim.max_model_len - row.prompt_len - len(row.tokens))
-        return room
-
-    def _out_of_room(self, row: _Row) -> bool:
-        return self._room(row) <= 0
