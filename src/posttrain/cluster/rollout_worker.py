@@ -91,6 +91,13 @@ class RemoteReplica:
             raise
         self.engine = RemoteEngine(self)
 
+    shares_trainer_engine = False
+
+    @staticmethod
+    def snapshot(model) -> dict[str, torch.Tensor]:
+        """A copy of ``model``'s weights now (what :meth:`load` sends)."""
+        return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
     def call(self, what: str, method: str, *args, **kwargs) -> Any:
         return gather([getattr(self.handle, method).remote(*args, **kwargs)], ["the rollout worker"], what,
                       self.timeout_s)[0]

@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 from posttrain.cluster.rollout_worker import RemoteReplica
 from posttrain.config.plan import Plan
-from posttrain.loops.pipeline import LocalReplica, RolloutPipeline
+from posttrain.loops.pipeline import EngineReplica, LocalReplica, RolloutPipeline
 from posttrain.metrics.timers import Timers
 from posttrain.roles.policy import build_rollout
 from posttrain.loops.produce import Experience, Producer
@@ -70,8 +70,8 @@ class SyncSource:
 class PipelinedSource:
     """Experience produced ahead by a rollout thread (:class:`~posttrain.loops.pipeline.RolloutPipeline`)."""
 
-    def __init__(self, producer: Producer, pipeline):
-        self.producer, self.pipeline = producer, pipeline
+    def __init__(self, producer: Producer, pipeline, model):
+        self.producer, self.pipeline, self.model = producer, pipeline, model
 
     def next(self, iteration: int, timers: Timers) -> Experience:
         exp, began, ended = self.pipeline.experience(iteration)  # sampled with weights up to k updates old
@@ -87,6 +87,7 @@ class PipelinedSource:
         """The thread pauses once it has produced all it may (so an evaluation has the reward workers
         to itself); the finished experiences not trained on yet are saved with the checkpoint."""
         with self.pipeline.drained() as finished:
+            self.pipeline.hold_published(self.model)  # vLLM: the engine evaluates with the trainer's weights
             yield {IN_FLIGHT: {it: plain_experience(exp) for it, exp in finished.items()},
                    **self.producer.state_files()}
 
@@ -106,12 +107,14 @@ def open_source(plan: Plan, session: Session, producer: Producer) -> ExperienceS
     p, start = session.policy, session.iteration
     if plan.off_policy.separate_worker:
         replica = RemoteReplica(plan, {"source": session.start_source, "cpu_linear": session.cpu_linear}, p.model)
+    elif getattr(p.rollout, "holds_weights", False):  # vLLM: its own copy of the weights is the replica
+        replica = EngineReplica(p.rollout)
     else:
         replica = LocalReplica(p.model, lambda m: build_rollout(plan.rollout, plan.policy, m, p.tokenizer,
                                                                 p.stop_token_ids))
     pipeline = RolloutPipeline(producer, replica, staleness=plan.off_policy.staleness or 0, start=start,
                                last=plan.train_iters, in_flight=in_flight(session, producer))
-    return PipelinedSource(producer, pipeline)
+    return PipelinedSource(producer, pipeline, p.model)
 
 
 def in_flight(session: Session, producer: Producer) -> dict:

@@ -58,6 +58,10 @@ class VLLMMultiTurnEngine(ToolTurns, RolloutEngine):
     def max_num_seqs(self) -> int | None:
         return self.engine.max_num_seqs
 
+    @property
+    def probe(self) -> list[int]:
+        return self.engine.probe
+
     def sync_weights(self, model: Any) -> int | None:
         return self.engine.sync_weights(model)
 

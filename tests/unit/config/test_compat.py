@@ -83,12 +83,13 @@ EXAMPLES: dict[str, tuple[list[str], str]] = {
     "vllm-megatron": ([*VLLM, *TP2], "cpu"),
     "async-offline": ([*DPO, *ASYNC], "cpu"),
     "async-ray": ([*ASYNC, *RAY], "cpu"),
-    "async-engine": ([*ASYNC, *VLLM], "cpu"),
+    "async-engine": ([*ASYNC, *OTHER], "cpu"),
     "async-megatron": ([*ASYNC, *TP2], "cpu"),
     "async-lora": ([*ASYNC, *LORA], "cpu"),
     "rollout_worker-offline": ([*DPO, *WORKER], "cpu"),
     "rollout_worker-ray": ([*WORKER, *RAY], "cpu"),
-    "rollout_worker-engine": ([*WORKER, *VLLM], "cpu"),
+    "rollout_worker-engine": ([*WORKER, *OTHER], "cpu"),
+    "rollout_worker-vllm": ([*WORKER, *VLLM], "cpu"),
     "rollout_worker-megatron": ([*WORKER, *TP2], "cpu"),
     "rollout_worker-lora": ([*WORKER, *LORA], "cpu"),
     "partial-ray": ([*PARTIAL, *RAY], "cpu"),
@@ -174,14 +175,15 @@ def test_every_refusal_of_a_config_is_reported_at_once_one_per_line():
         check_run_config(cfg, device_type="cpu", arch=ARCH)
     lines = str(err.value).splitlines()
     assert [line.split(" ")[0] for line in lines] == [
-        "rl_config.rollout_engine:", "rl_config.async_staleness", "rl_config.async_staleness",
-        "rl_config.partial_rollout_max_split", "rl_config.partial_rollout_max_split", "rl_config.num_threads=2"]
+        "rl_config.rollout_engine:", "rl_config.async_staleness", "rl_config.partial_rollout_max_split",
+        "rl_config.num_threads=2"]
     assert lines == refusals(cfg, setup_of(cfg, "cpu"))
 
 
 def test_features_alone_pass_the_table():
     for overrides in ([], ASYNC, PARTIAL, LORA, VLLM, SPEC, WORKER, TP2, RAY, [*PARTIAL, *VLLM], [*TURNS, *VLLM],
-                      ["rl_config.async_engine=true", *VLLM], ["rl_config.async_engine=true", *VLLM, *GRAPHS]):
+                      ["rl_config.async_engine=true", *VLLM], ["rl_config.async_engine=true", *VLLM, *GRAPHS],
+                      [*ASYNC, *VLLM], [*ASYNC, *PARTIAL, *VLLM], [*ASYNC, *TURNS, *VLLM]):
         cfg = config(overrides)
         for device in ("cpu", "cuda"):
             check_compat(cfg, setup_of(cfg, device))
