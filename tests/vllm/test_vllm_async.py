@@ -2,7 +2,7 @@
 rollout thread's replica. Each iteration samples exactly the version the schedule names (greedy
 tokens equal the native engine's on that version's weights), every load is proven by the probe, an
 evaluation after the run samples from the trainer's final weights, and k = 0 equals synchronous
-training on vLLM."""
+training on vLLM (multi-turn, its tool engine in the loop)."""
 
 from __future__ import annotations
 
@@ -67,21 +67,30 @@ def test_each_iteration_samples_its_version_and_the_end_evaluates_the_trainers(v
     assert engine.pop_metrics()["rollout/sync_probe_diff"] < 1e-4
 
 
+# multi-turn with the search tool (no sandbox needed): the vLLM tool engine in the loop too
+MULTI_TURN = {"multi_turn_enable": True, "async_engine": True, "tool_config_path": "configs/tools/search.yaml",
+              "max_tool_calls": 2, "max_total_response_length": 24}
+
+
 def run(world, path, **rl):
     from posttrain.commands.train import train_config as train
 
-    train(world_run_config(world, path, iters=3, rl_config={"rollout_engine": "vllm", **rl},
+    train(world_run_config(world, path, iters=3, rl_config={"rollout_engine": "vllm", **MULTI_TURN, **rl},
+                           actor_config={"prompt_type": "qwen_retool"},
                            megatron_training={"global_batch_size": 2, "micro_batch_size": 4, "lr": 1e-2,
                                               "save_interval": 1}))
     return metrics_by_iteration(path / "out")
 
 
 def test_staleness_zero_on_vllm_equals_synchronous_training(vllm_world, tmp_path, one_thread):
+    """Multi-turn GRPO on vLLM, synchronous and with async_staleness 0: the same run (the random
+    model writes no tool call, so the tool engine's plumbing is what this covers in the loop)."""
     sync, k0 = run(vllm_world, tmp_path / "sync"), run(vllm_world, tmp_path / "k0", async_staleness=0)
     assert sorted(k0) == [1, 2, 3]
     for it in (1, 2, 3):
         assert k0[it]["rollout/staleness_max"] == 0
         assert k0[it]["rollout/sync_probe_diff"] < 1e-4
+        assert k0[it]["tool_call_num/max"] == 0 and k0[it]["response_length/mean"] > 0
         for key, value in sync[it].items():
             if isinstance(value, (int, float)) and not key.startswith(("timing/", "rollout/sync_probe")) \
                     and not key.endswith("_tps") and key != "time":

@@ -153,3 +153,4 @@ def tool_segments(tokens: list[int], mask: list[int]) -> list[list[int]]:
             segments[-1].append(token)
         previous = m
     return segments
+
