@@ -68,7 +68,7 @@ def pause_tags(model, tok, prompts) -> tuple[str, str]:
     for out in (group[0].token_ids for group in outs):
         ones.update(t for t in out if t != 2)
         twos.update((a, b) for a, b in zip(out, out[1:]) if a != b and 2 not in (a, b))
-    round_trips = lambda ids: tok.encode(tok.decode(list(ids)), add_special_tokens=False) == list(ids)  # noqa: E731
+    round_trips = lambda ids: tok.encode(tok.decode(list(ids)), add_special_tokens=False) == list(ids)
     one = next((tok.decode([t]) for t, _ in ones.most_common() if round_trips([t])), None)
     two = next((tok.decode(list(p)) for p, _ in twos.most_common() if round_trips(p)), None)
     assert one is not None and two is not None, "no round-trippable tag in the greedy outputs"

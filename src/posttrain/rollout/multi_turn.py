@@ -143,7 +143,7 @@ class _ColumnMask:
 
 
 @dataclass
-class _Row:
+class ConversationRow:
     """One sample's conversation while it is generated."""
 
     prompt_len: int
@@ -203,7 +203,7 @@ class ToolTurns:
         metrics, self.stats = self.stats.metrics(), ToolStats()
         return metrics
 
-    def _turn_ended(self, row: _Row, token: int) -> bool:
+    def _turn_ended(self, row: ConversationRow, token: int) -> bool:
         """Whether the last token closed the turn (a stop token) or paused it (the end tag)."""
         tag = self.end_tag
         if token in self._stops:
@@ -214,7 +214,7 @@ class ToolTurns:
             return True
         return False
 
-    def _start_tools(self, row: _Row, step: int) -> bool:
+    def _start_tools(self, row: ConversationRow, step: int) -> bool:
         """At a turn's end: start its tool calls (the row waits) or end the row. Whether it waits."""
         lim = self.limits
         if self._one_turn:  # generate_reprefill: one turn per call; the caller runs the tools
@@ -234,7 +234,7 @@ class ToolTurns:
         row.status, row.admit_at = WAIT, step + 1
         return True
 
-    def _admit(self, row: _Row) -> None:
+    def _admit(self, row: ConversationRow) -> None:
         """Append the tool outputs of a waiting row (waiting for them if needed) and resume it."""
         started = time.perf_counter()
         finished = row.pending.done()
@@ -254,7 +254,7 @@ class ToolTurns:
         row.append(tokens, False)
         row.turn_start, row.status = len(row.tokens), DECODE
 
-    def _room(self, row: _Row) -> int:
+    def _room(self, row: ConversationRow) -> int:
         """Response tokens the row may still add."""
         lim = self.limits
         used = row.offset + len(row.tokens)
@@ -263,7 +263,7 @@ class ToolTurns:
             room = min(room, lim.max_model_len - row.prompt_len - len(row.tokens))
         return room
 
-    def _out_of_room(self, row: _Row) -> bool:
+    def _out_of_room(self, row: ConversationRow) -> bool:
         return self._room(row) <= 0
 
 
@@ -288,7 +288,7 @@ class MultiTurnEngine(ToolTurns, NativeEngine):
         seed = sampling.seed if sampling.seed is not None else random_seed()
         sampling = replace(sampling, seed=seed)
         keys = list(range(len(prompt_token_ids))) if prompt_keys is None else list(prompt_keys)
-        rows = [(i, j, _Row(prompt_len=len(p), offset=0)) for i, p in enumerate(prompt_token_ids) for j in range(n)]
+        rows = [(i, j, ConversationRow(prompt_len=len(p), offset=0)) for i, p in enumerate(prompt_token_ids) for j in range(n)]
         live = list(rows)
         while live:
             self._one_turn = True
@@ -306,7 +306,7 @@ class MultiTurnEngine(ToolTurns, NativeEngine):
             grouped[i].append(row.output())
         return grouped
 
-    def _continue_turn(self, row: _Row, turn: RolloutOutput) -> bool:
+    def _continue_turn(self, row: ConversationRow, turn: RolloutOutput) -> bool:
         """Add one generated turn (and, when it calls tools, their output) to ``row``; whether the
         row goes on to another turn."""
         row.turn_start = len(row.tokens)
@@ -333,7 +333,7 @@ class MultiTurnEngine(ToolTurns, NativeEngine):
         logits, positions = logits.index_select(0, expand), lengths.index_select(0, expand)
         mask = _ColumnMask(mask.index_select(0, expand))
         offsets = keys.offsets.tolist()
-        rows = [_Row(prompt_len=len(prompts[p]), offset=offsets[r]) for r, p in enumerate(expand.tolist())]
+        rows = [ConversationRow(prompt_len=len(prompts[p]), offset=offsets[r]) for r, p in enumerate(expand.tolist())]
         active = torch.arange(len(rows), device=device)  # the row id of each batch row
         step = 0
         while True:
@@ -369,7 +369,7 @@ class MultiTurnEngine(ToolTurns, NativeEngine):
             start += count
         return grouped
 
-    def _feed(self, batch: list[_Row], cache, mask: _ColumnMask, positions: torch.Tensor):
+    def _feed(self, batch: list[ConversationRow], cache, mask: _ColumnMask, positions: torch.Tensor):
         """Feed every batch row's ``feed`` through the model; returns the last logits [B, V] (rows
         that fed nothing get stale ones) and the rows' next positions.
 
@@ -404,7 +404,7 @@ class MultiTurnEngine(ToolTurns, NativeEngine):
                 logits[keep] = step_logits[keep]
         return logits, positions
 
-    def _chunk(self, batch: list[_Row], positions: torch.Tensor):
+    def _chunk(self, batch: list[ConversationRow], positions: torch.Tensor):
         """(ids, mask, positions) [B, W] of the rows' feeds, right-aligned; the feeds are consumed."""
         width = max(1, max(len(row.feed) for row in batch))
         ids = torch.full((len(batch), width), self.pad_token_id, dtype=torch.long)
@@ -420,7 +420,7 @@ class MultiTurnEngine(ToolTurns, NativeEngine):
         return ids.to(self.device), chunk_mask.to(self.device), chunk_pos.to(self.device)
 
     # ------------------------------------------------------------------ one row's turns
-    def _add_token(self, row: _Row, token: int, logprob: float, max_tokens: int, step: int) -> None:
+    def _add_token(self, row: ConversationRow, token: int, logprob: float, max_tokens: int, step: int) -> None:
         row.append([token], True, [logprob])
         if self._turn_ended(row, token):
             self._start_tools(row, step)

@@ -38,7 +38,7 @@ from typing import Any
 
 from posttrain.rollout.base import RolloutEngine, RolloutOutput, SamplingParams
 from posttrain.rollout.keyed import random_seed
-from posttrain.rollout.multi_turn import DECODE, WAIT, ObservationFormat, ToolTurns, TurnLimits, _Row
+from posttrain.rollout.multi_turn import DECODE, WAIT, ConversationRow, ObservationFormat, ToolTurns, TurnLimits
 
 
 class VLLMMultiTurnEngine(ToolTurns, RolloutEngine):
@@ -77,7 +77,7 @@ class VLLMMultiTurnEngine(ToolTurns, RolloutEngine):
         keys = list(range(len(prompt_token_ids))) if prompt_keys is None else list(prompt_keys)
         self._stops = set(self.engine.eos_token_ids) | set(stop_token_ids or [])
         call_stops = sorted(self._stops | set(self.end_tag[-1:]))  # the tag's last token: see the docstring
-        rows = [[_Row(prompt_len=len(p), offset=0) for _ in range(n)] for p in prompt_token_ids]
+        rows = [[ConversationRow(prompt_len=len(p), offset=0) for _ in range(n)] for p in prompt_token_ids]
         firsts = self.engine.generate(prompt_token_ids, n, sampling, call_stops, prompt_keys=keys,
                                       max_new_tokens=[self._turn_budget(group[0], sampling) for group in rows])
         live = [(i, j) for i, outs in enumerate(firsts) for j, out in enumerate(outs)
@@ -98,12 +98,12 @@ class VLLMMultiTurnEngine(ToolTurns, RolloutEngine):
             live = [(i, j) for (i, j), out in zip(live, outs) if self._take_turn(rows[i][j], out[0], sampling)]
         return [[row.output() for row in group] for group in rows]
 
-    def _turn_budget(self, row: _Row, sampling: SamplingParams) -> int:
+    def _turn_budget(self, row: ConversationRow, sampling: SamplingParams) -> int:
         """The tokens the row's current turn may still sample: what is left of ``max_tokens`` for
         the turn and of the row's room."""
         return max(1, min(sampling.max_tokens - (len(row.tokens) - row.turn_start), self._room(row)))
 
-    def _take_turn(self, row: _Row, out: RolloutOutput, sampling: SamplingParams) -> bool:
+    def _take_turn(self, row: ConversationRow, out: RolloutOutput, sampling: SamplingParams) -> bool:
         """Append one request's tokens to ``row``; whether the row goes on (its tools started, or its
         turn continued after the tag's last token without the rest of the tag)."""
         row.append(out.token_ids, True, out.logprobs)
