@@ -5,8 +5,9 @@ weights back to: an :class:`ExperienceSource`.
   engine with the weights of the last update (a vLLM engine holds its own copy: the weights are
   pushed to it after each update, timed as ``timing/resharding_to_infer``);
 * :class:`PipelinedSource`: a rollout thread produces it ahead, on a replica of the weights up to
-  ``async_staleness`` updates old (a copy in this process, or a rollout worker process with
-  ``use_integrated_worker: false``; :mod:`posttrain.loops.pipeline`, docs/async.md).
+  ``async_staleness`` updates old (a copy in this process, the trainer's own vLLM engine, or a
+  rollout worker process with ``use_integrated_worker: false``; :mod:`posttrain.loops.pipeline`,
+  docs/async.md).
 
 Both produce with a :class:`~posttrain.loops.produce.Producer` (plain or partial rollout, with
 or without dynamic sampling); :func:`open_source` picks the source from the plan.
