@@ -42,8 +42,12 @@ class RolloutWorker:
                                     rollout_stop_ids(tokenizer, plan.policy))
 
     def load(self, state: dict[str, torch.Tensor]) -> None:
+        """The weights ``state`` into the worker's model, and into an engine that holds its own copy
+        (vLLM: ``sync_weights``, proven by the probe against this model)."""
         with torch.no_grad():
             self.model.load_state_dict(state)
+        if getattr(self.engine, "holds_weights", False):
+            self.engine.sync_weights(self.model)
 
     def generate(self, *args, **kwargs) -> list:
         return self.engine.generate(*args, **kwargs)

@@ -330,11 +330,6 @@ ROWS: tuple[Row, ...] = (
     # the rollout on a replica of the weights, partial rollout
     *(Row(f"{name}-{suffix}", name, message, **where) for name in ("async", "rollout_worker")
       for suffix, where, message in _ROLLOUT_REPLICA),
-    Row("rollout_worker-vllm", "rollout_worker", "{setting} with rl_config.rollout_engine: vllm is not built: the "
-        "worker process would hold a second vLLM engine beside the trainer's (which evaluates, and which is the "
-        "replica of async_staleness in one process), and its weight load goes into its HF model copy, not through "
-        "vLLM's reload and probe. Use async_staleness with use_integrated_worker: true (the trainer's vLLM engine is "
-        "the replica, in a thread), or rollout_engine: native", engine=("vllm",)),
     Row("partial-ray", "partial", "{setting} on Ray is not built yet; run it in one process (no "
         "actor_resource.num_npus > 1, no ray_address)", placement=RAY),
     Row("partial-engine", "partial", "{setting} runs on the native and vLLM rollout engines, whose generate continues a "

@@ -71,8 +71,9 @@ class SyncSource:
 class PipelinedSource:
     """Experience produced ahead by a rollout thread (:class:`~posttrain.loops.pipeline.RolloutPipeline`)."""
 
-    def __init__(self, producer: Producer, pipeline, model):
+    def __init__(self, producer: Producer, pipeline, model, trainer_engine=None):
         self.producer, self.pipeline, self.model = producer, pipeline, model
+        self.trainer_engine = trainer_engine  # the trainer's own rollout engine, which evaluates
 
     def next(self, iteration: int, timers: Timers) -> Experience:
         exp, began, ended = self.pipeline.experience(iteration)  # sampled with weights up to k updates old
@@ -89,6 +90,9 @@ class PipelinedSource:
         to itself); the finished experiences not trained on yet are saved with the checkpoint."""
         with self.pipeline.drained() as finished:
             self.pipeline.hold_published(self.model)  # vLLM: the engine evaluates with the trainer's weights
+            if not self.pipeline.replica.shares_trainer_engine and getattr(self.trainer_engine, "holds_weights",
+                                                                           False):
+                self.trainer_engine.sync_weights(self.model)  # a rollout worker's run: the trainer's vLLM evaluates
             yield {IN_FLIGHT: {it: plain_experience(exp) for it, exp in finished.items()},
                    **self.producer.state_files()}
 
@@ -115,7 +119,7 @@ def open_source(plan: Plan, session: Session, producer: Producer) -> ExperienceS
                                                                 p.stop_token_ids))
     pipeline = RolloutPipeline(producer, replica, staleness=plan.off_policy.staleness or 0, start=start,
                                last=plan.train_iters, in_flight=in_flight(session, producer))
-    return PipelinedSource(producer, pipeline, p.model)
+    return PipelinedSource(producer, pipeline, p.model, p.rollout)
 
 
 def in_flight(session: Session, producer: Producer) -> dict:

@@ -227,6 +227,8 @@ class VLLMEngine(RolloutEngine):
                 self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(bucket),
                                                                   "is_checkpoint_format": True})
                 count += len(bucket)
+        if self.on_cpu:  # a tied output layer's packed copy of the embedding (see _repack_tied_head)
+            self.llm.apply_model(_repack_tied_head)
         self.llm.reset_prefix_cache()  # KV blocks computed with the old weights
         return count
 
@@ -339,6 +341,22 @@ class VLLMEngine(RolloutEngine):
         logprobs = [float(step[tok].logprob) for tok, step in zip(ids, completion.logprobs or [])]
         reason = "stop" if completion.finish_reason == "stop" else "length"
         return RolloutOutput(token_ids=ids, logprobs=logprobs, finish_reason=reason)
+
+
+def _repack_tied_head(model: Any) -> bool:
+    """On a CPU vLLM packs the output layer's weight for its GEMM kernel once, after loading
+    (``cpu_linear``). With tied embeddings the output layer's weight is the embedding's and a reload
+    loads nothing into the output layer itself, so its packed copy kept the old embedding (measured:
+    the probe off by 3 after an embedding change). Pack it again from the reloaded embedding; whether
+    there was a tied output layer to repack."""
+    head = getattr(model, "lm_head", None)
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    weight = getattr(head, "weight", None)
+    if weight is None or embed is None or weight.data_ptr() != embed.weight.data_ptr() \
+            or not hasattr(head, "cpu_linear"):
+        return False
+    head.quant_method.process_weights_after_loading(head)
+    return True
 
 
 def _takes_tags(llm: Any) -> bool:

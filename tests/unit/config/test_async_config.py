@@ -63,9 +63,6 @@ def test_staleness_zero_and_a_single_iteration_say_that_nothing_overlaps():
     (["rl_config.partial_rollout_max_split=65"], "more than sampling_config.max_tokens=64"),
     (["rl_config.async_staleness=1", "rl_config.rollout_engine=mine"], "async_staleness runs on the native and vLLM"),
     (["rl_config.use_integrated_worker=false", "rl_config.rollout_engine=mine"], "use_integrated_worker: false runs on"),
-    (["rl_config.use_integrated_worker=false", "rl_config.rollout_engine=vllm"],
-     "use_integrated_worker: false with rl_config.rollout_engine: vllm is not built: the worker process would hold a "
-     "second vLLM engine"),
     (["rl_config.use_integrated_worker=false", "rl_config.actor_resource.num_npus=2"], "with Ray actor workers is not"),
     (["rl_config.partial_rollout_max_split=2", "rl_config.rollout_engine=mine"], "runs on the native and vLLM"),
     (["rl_config.async_staleness=1", "rl_config.actor_resource.num_npus=2"], "with Ray actor workers is not built yet"),

@@ -89,7 +89,6 @@ EXAMPLES: dict[str, tuple[list[str], str]] = {
     "rollout_worker-offline": ([*DPO, *WORKER], "cpu"),
     "rollout_worker-ray": ([*WORKER, *RAY], "cpu"),
     "rollout_worker-engine": ([*WORKER, *OTHER], "cpu"),
-    "rollout_worker-vllm": ([*WORKER, *VLLM], "cpu"),
     "rollout_worker-megatron": ([*WORKER, *TP2], "cpu"),
     "rollout_worker-lora": ([*WORKER, *LORA], "cpu"),
     "partial-ray": ([*PARTIAL, *RAY], "cpu"),
@@ -183,7 +182,8 @@ def test_every_refusal_of_a_config_is_reported_at_once_one_per_line():
 def test_features_alone_pass_the_table():
     for overrides in ([], ASYNC, PARTIAL, LORA, VLLM, SPEC, WORKER, TP2, RAY, [*PARTIAL, *VLLM], [*TURNS, *VLLM],
                       ["rl_config.async_engine=true", *VLLM], ["rl_config.async_engine=true", *VLLM, *GRAPHS],
-                      [*ASYNC, *VLLM], [*ASYNC, *PARTIAL, *VLLM], [*ASYNC, *TURNS, *VLLM]):
+                      [*ASYNC, *VLLM], [*ASYNC, *PARTIAL, *VLLM], [*ASYNC, *TURNS, *VLLM], [*WORKER, *VLLM],
+                      [*WORKER, *ASYNC, *VLLM]):
         cfg = config(overrides)
         for device in ("cpu", "cuda"):
             check_compat(cfg, setup_of(cfg, device))
