@@ -47,7 +47,7 @@ def test_each_iteration_samples_its_version_and_the_end_evaluates_the_trainers(v
         return SimpleNamespace(timers=Timers(), version=version,
                                tokens=[g[0].token_ids for g in eng.generate(PROMPTS, 1, GREEDY)])
 
-    last = 5
+    last = 4
     pipeline = RolloutPipeline(produce, EngineReplica(engine), staleness=1, start=0, last=last)
     try:
         for iteration in range(1, last + 1):
