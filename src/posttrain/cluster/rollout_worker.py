@@ -42,8 +42,12 @@ class RolloutWorker:
                                     rollout_stop_ids(tokenizer, plan.policy))
 
     def load(self, state: dict[str, torch.Tensor]) -> None:
+        """The weights ``state`` into the worker's model, and into an engine that holds its own copy
+        (vLLM: ``sync_weights``, proven by the probe against this model)."""
         with torch.no_grad():
             self.model.load_state_dict(state)
+        if getattr(self.engine, "holds_weights", False):
+            self.engine.sync_weights(self.model)
 
     def generate(self, *args, **kwargs) -> list:
         return self.engine.generate(*args, **kwargs)
@@ -90,6 +94,13 @@ class RemoteReplica:
             self.close()
             raise
         self.engine = RemoteEngine(self)
+
+    shares_trainer_engine = False
+
+    @staticmethod
+    def snapshot(model) -> dict[str, torch.Tensor]:
+        """A copy of ``model``'s weights now (what :meth:`load` sends)."""
+        return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
     def call(self, what: str, method: str, *args, **kwargs) -> Any:
         return gather([getattr(self.handle, method).remote(*args, **kwargs)], ["the rollout worker"], what,

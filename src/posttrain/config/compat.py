@@ -260,7 +260,7 @@ _ROLLOUT_REPLICA = [  # async_staleness and use_integrated_worker: false put the
                                      "remove it"),
     ("ray", dict(placement=RAY), "{setting} with Ray actor workers is not built yet: the trainer runs in this process "
                                  "(no actor_resource.num_npus > 1, no ray_address)"),
-    ("engine", dict(engine=NOT_NATIVE), "{setting} runs on the native rollout engine, not {engine}"),
+    ("engine", dict(engine=("other",)), "{setting} runs on the native and vLLM rollout engines, not {engine}"),
     ("megatron", dict(backend=MEGATRON), "{setting} runs on the hf training backend (the rollout replica is an HF "
                                          "model)"),
     ("lora", dict(with_="lora"), "{setting} with LoRA is not supported yet (the rollout replica would merge the "
@@ -334,20 +334,22 @@ ROWS: tuple[Row, ...] = (
       for suffix, where, message in _ROLLOUT_REPLICA),
     Row("partial-ray", "partial", "{setting} on Ray is not built yet; run it in one process (no "
         "actor_resource.num_npus > 1, no ray_address)", placement=RAY),
-    Row("partial-engine", "partial", "{setting} runs on the native rollout engine, not {engine}", engine=NOT_NATIVE),
+    Row("partial-engine", "partial", "{setting} runs on the native and vLLM rollout engines, whose generate continues a "
+        "response from given offsets; not on {engine}", engine=("other",)),
     Row("partial-megatron", "partial", "{setting} runs on the hf training backend", backend=MEGATRON),
     Row("partial-dynamic-sampling", "partial", "{setting} with DAPO's dynamic sampling (filter_groups_enable) is not "
         "supported yet; turn one of them off", with_="dynamic_sampling"),
     # the native engine's per-request loop (async_engine, multi-turn) and its batched decode
-    Row("async-engine-engine", "async_engine", "{setting} is the native engine's per-request loop here; it does not "
-        "exist for rollout_engine {engine}. Set rollout_engine: native or async_engine: false", engine=NOT_NATIVE),
+    Row("async-engine-engine", "async_engine", "{setting} is the native engine's per-request loop here (vLLM admits "
+        "each request on its own anyway); it does not exist for rollout_engine {engine}. Set rollout_engine: native or "
+        "async_engine: false", engine=("other",)),
     Row("graphs-per-request", "graphs", "{setting} (CUDA graphs) with {other}: the per-request decode loop runs "
         "eagerly (its batch changes every step); remove the key or set it to true", device=("cuda",),
-        with_="per_request"),
+        engine=("native",), with_="per_request"),
     Row("multi-turn-stage", "multi_turn", "{setting} runs with GRPO and DAPO (the seed's recipe is DAPO); PPO's critic "
         "over tool tokens, DPO and SFT are not supported. Use stage grpo or dapo", stage=("ppo", *OFFLINE)),
-    Row("multi-turn-engine", "multi_turn", "{setting} runs on the native rollout engine; set rl_config.rollout_engine: "
-        "native (not {engine})", engine=NOT_NATIVE),
+    Row("multi-turn-engine", "multi_turn", "{setting} runs on the native and vLLM rollout engines; set "
+        "rl_config.rollout_engine: native or vllm (not {engine})", engine=("other",)),
     Row("multi-turn-partial", "multi_turn", "{key} with partial_rollout_max_split > 1 is not supported: a conversation "
         "is generated whole within one iteration; set partial_rollout_max_split: 1", with_="partial"),
     Row("speculation-per-request", "speculation", "{key} with {other}: speculation is built into the batched "

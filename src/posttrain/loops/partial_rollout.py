@@ -11,7 +11,9 @@ older, and the next batch of prompts fills the freed slots.
 
 A continued sample is re-prefilled from its prompt and partial response (the weights changed
 since the last round, so its old KV cache would be wrong) and draws its tokens from the same keyed
-streams, at the positions where it stopped. Each segment's rollout log-probs are those of the
+streams, at the positions where it stopped (on vLLM: a new request on the prompt and partial
+response, seeded by the sample's key and position, so its later tokens come from another stream
+than the unsplit sample's; docs/rollout.md). Each segment's rollout log-probs are those of the
 weights that sampled it, and ``policy_version`` keeps the oldest segment's version: the update's
 ratio is taken against the trainer's recomputed old log-probs, and the rollout correction
 (``rl_config.rollout_correction``) compares those with the segments' log-probs (docs/async.md).

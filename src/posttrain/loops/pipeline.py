@@ -1,7 +1,8 @@
 """Asynchronous rollout with bounded staleness (``rl_config.async_staleness: k``).
 
 A thread produces the experience of iteration ``j`` (prompts, rollout, rewards) with its own
-replica of the weights while the trainer learns from iteration ``j - 1``: a copy in this process,
+replica of the weights while the trainer learns from iteration ``j - 1``: a copy in this process
+(:class:`LocalReplica`), the trainer's vLLM engine, which holds its own copy (:class:`EngineReplica`),
 or, with ``use_integrated_worker: false``, a rollout worker process on Ray (the seed's separated
 placement), where the sampling does not share this process's interpreter and cores. The copy holds *version* ``v``: the
 weights after ``v`` updates. Iteration ``j`` always samples with version::
@@ -37,15 +38,69 @@ log = logging.getLogger(__name__)
 class LocalReplica:
     """The rollout's copy of the weights in this process, sampled by the rollout thread."""
 
+    shares_trainer_engine = False
+
     def __init__(self, model, build_engine: Callable[[Any], Any]):
         self.model = copy.deepcopy(model)
         for p in self.model.parameters():
             p.requires_grad_(False)
         self.engine = build_engine(self.model)
 
+    @staticmethod
+    def snapshot(model) -> dict[str, torch.Tensor]:
+        """A copy of ``model``'s weights now (what :meth:`load` takes)."""
+        return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
     def load(self, state: dict[str, torch.Tensor]) -> None:
         with torch.no_grad():
             self.model.load_state_dict(state)
+
+    def close(self) -> None:
+        pass
+
+
+class WeightSnapshot:
+    """The trainer's weights of one version as the vLLM engine takes them (a view, duck-typed like
+    :class:`~posttrain.rollout.vllm_weights.ModelView`): the tensors by Hugging Face name, copied,
+    and the trainer's log-probs (and layer outputs) of the engine's probe, computed when the copy is
+    taken, so that loading them later is proven against exactly these weights."""
+
+    def __init__(self, model, probe: list[int]):
+        from posttrain.rollout.vllm_weights import as_view
+
+        view = as_view(model)
+        self.config, self.device_type, self.dtype = view.config, view.device_type, view.dtype
+        self.pairs = [(name, tensor.detach().clone()) for name, tensor in view.weights()]
+        self.probe = list(probe)
+        self.logprobs, self.layers = view.probe_logprobs(self.probe), view.layer_outputs(self.probe)
+
+    def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return iter(self.pairs)
+
+    def probe_logprobs(self, ids: list[int]) -> torch.Tensor:
+        assert list(ids) == self.probe, "the engine's probe changed"
+        return self.logprobs
+
+    def layer_outputs(self, ids: list[int]) -> dict[int, torch.Tensor] | None:
+        return self.layers
+
+
+class EngineReplica:
+    """The trainer's own rollout engine as the replica, when it holds its own copy of the weights
+    (vLLM): loading a version is ``engine.sync_weights`` of its :class:`WeightSnapshot` (proven by
+    the probe). The engine is used by one thread at a time: the rollout thread, and the trainer only
+    while the thread is paused (:meth:`RolloutPipeline.drained`: the evaluation)."""
+
+    shares_trainer_engine = True
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def snapshot(self, model) -> WeightSnapshot:
+        return WeightSnapshot(model, self.engine.probe)
+
+    def load(self, snapshot: WeightSnapshot) -> None:
+        self.engine.sync_weights(snapshot)
 
     def close(self) -> None:
         pass
@@ -100,7 +155,7 @@ class RolloutPipeline:
         """Hand over the weights of ``version`` (the model after that many updates): a copy, if a
         later iteration samples with them."""
         needed = self.need(self.last) >= version > self.published
-        snapshot = {k: v.detach().clone() for k, v in model.state_dict().items()} if needed else None
+        snapshot = self.replica.snapshot(model) if needed else None
         with self.cond:
             if snapshot is not None:
                 self.snapshots[version] = snapshot
@@ -123,6 +178,16 @@ class RolloutPipeline:
             with self.cond:
                 self.paused = False
                 self.cond.notify_all()
+
+    def hold_published(self, model) -> None:
+        """While :meth:`drained`: make a replica that is the trainer's own engine hold the trainer's
+        weights (version ``published``, ``model``'s now), so that an evaluation samples from them. Every
+        later iteration needs a newer version (the thread has produced all that ``published`` allows),
+        so the staleness schedule is unchanged."""
+        assert self.paused, "hold_published runs while the thread is drained"
+        if self.replica.shares_trainer_engine and self.loaded != self.published:
+            self.replica.load(self.replica.snapshot(model))
+            self.loaded = self.published
 
     def close(self) -> None:
         """Stop the thread (after the iteration it is producing) and the replica (once)."""

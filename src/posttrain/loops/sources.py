@@ -5,8 +5,9 @@ weights back to: an :class:`ExperienceSource`.
   engine with the weights of the last update (a vLLM engine holds its own copy: the weights are
   pushed to it after each update, timed as ``timing/resharding_to_infer``);
 * :class:`PipelinedSource`: a rollout thread produces it ahead, on a replica of the weights up to
-  ``async_staleness`` updates old (a copy in this process, or a rollout worker process with
-  ``use_integrated_worker: false``; :mod:`posttrain.loops.pipeline`, docs/async.md).
+  ``async_staleness`` updates old (a copy in this process, the trainer's own vLLM engine, or a
+  rollout worker process with ``use_integrated_worker: false``; :mod:`posttrain.loops.pipeline`,
+  docs/async.md).
 
 Both produce with a :class:`~posttrain.loops.produce.Producer` (plain or partial rollout, with
 or without dynamic sampling); :func:`open_source` picks the source from the plan.
@@ -21,7 +22,7 @@ from typing import Any, Protocol
 
 from posttrain.cluster.rollout_worker import RemoteReplica
 from posttrain.config.plan import Plan
-from posttrain.loops.pipeline import LocalReplica, RolloutPipeline
+from posttrain.loops.pipeline import EngineReplica, LocalReplica, RolloutPipeline
 from posttrain.metrics.timers import Timers
 from posttrain.roles.policy import build_rollout
 from posttrain.loops.produce import Experience, Producer
@@ -70,8 +71,9 @@ class SyncSource:
 class PipelinedSource:
     """Experience produced ahead by a rollout thread (:class:`~posttrain.loops.pipeline.RolloutPipeline`)."""
 
-    def __init__(self, producer: Producer, pipeline):
-        self.producer, self.pipeline = producer, pipeline
+    def __init__(self, producer: Producer, pipeline, model, trainer_engine=None):
+        self.producer, self.pipeline, self.model = producer, pipeline, model
+        self.trainer_engine = trainer_engine  # the trainer's own rollout engine, which evaluates
 
     def next(self, iteration: int, timers: Timers) -> Experience:
         exp, began, ended = self.pipeline.experience(iteration)  # sampled with weights up to k updates old
@@ -87,6 +89,10 @@ class PipelinedSource:
         """The thread pauses once it has produced all it may (so an evaluation has the reward workers
         to itself); the finished experiences not trained on yet are saved with the checkpoint."""
         with self.pipeline.drained() as finished:
+            self.pipeline.hold_published(self.model)  # vLLM: the engine evaluates with the trainer's weights
+            if not self.pipeline.replica.shares_trainer_engine and getattr(self.trainer_engine, "holds_weights",
+                                                                           False):
+                self.trainer_engine.sync_weights(self.model)  # a rollout worker's run: the trainer's vLLM evaluates
             yield {IN_FLIGHT: {it: plain_experience(exp) for it, exp in finished.items()},
                    **self.producer.state_files()}
 
@@ -106,12 +112,14 @@ def open_source(plan: Plan, session: Session, producer: Producer) -> ExperienceS
     p, start = session.policy, session.iteration
     if plan.off_policy.separate_worker:
         replica = RemoteReplica(plan, {"source": session.start_source, "cpu_linear": session.cpu_linear}, p.model)
+    elif getattr(p.rollout, "holds_weights", False):  # vLLM: its own copy of the weights is the replica
+        replica = EngineReplica(p.rollout)
     else:
         replica = LocalReplica(p.model, lambda m: build_rollout(plan.rollout, plan.policy, m, p.tokenizer,
                                                                 p.stop_token_ids))
     pipeline = RolloutPipeline(producer, replica, staleness=plan.off_policy.staleness or 0, start=start,
                                last=plan.train_iters, in_flight=in_flight(session, producer))
-    return PipelinedSource(producer, pipeline)
+    return PipelinedSource(producer, pipeline, p.model, p.rollout)
 
 
 def in_flight(session: Session, producer: Producer) -> dict:

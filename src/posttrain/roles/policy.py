@@ -205,9 +205,9 @@ def build_rollout(rollout: RolloutOptions, policy: PolicyOptions, model, tokeniz
     kwargs = dict(model=model, pad_token_id=tokenizer.pad_token_id, eos_token_ids=stop_token_ids,
                   max_num_seqs=rollout.max_num_seqs, max_num_batched_tokens=rollout.max_num_batched_tokens,
                   dtype=rollout.dtype)
-    if rollout.per_request:  # the native engine's per-request loop (multi-turn, async_engine)
-        engine = build_multi_turn_engine(rollout, policy, tokenizer, **kwargs)
-    else:
+    if rollout.per_request and rollout.engine == "native":  # its per-request loop (multi-turn, async_engine)
+        engine = MultiTurnEngine(**turn_parts(rollout, policy, tokenizer), **kwargs)
+    else:  # vLLM admits per request by itself (async_engine); its tool turns are wrapped below
         if rollout.vllm is not None:  # the generate_config keys vLLM reads
             v = rollout.vllm
             kwargs.update(max_model_len=v.max_model_len, gpu_memory_utilization=v.gpu_memory_utilization,
@@ -222,14 +222,19 @@ def build_rollout(rollout: RolloutOptions, policy: PolicyOptions, model, tokeniz
         peft = hasattr(model, "peft_config")
         with merged(model) if peft and rollout.vllm is not None else contextlib.nullcontext():
             engine = ROLLOUT_ENGINES.get(rollout.engine)(**kwargs)  # vLLM starts from the adapted weights
+        if rollout.tools is not None:  # multi-turn on vLLM: each turn a request (rollout/vllm_multi_turn.py)
+            from posttrain.rollout.vllm_multi_turn import VLLMMultiTurnEngine
+
+            engine = VLLMMultiTurnEngine(engine, **turn_parts(rollout, policy, tokenizer))
     if hasattr(model, "peft_config"):  # LoRA: sample from the merged weights (docs/lora.md)
         return MergedRollout(engine, model)
     return engine
 
 
-def build_multi_turn_engine(rollout: RolloutOptions, policy: PolicyOptions, tokenizer, **engine_kwargs):
-    """The native engine with tool turns (``multi_turn_enable``), or without tools (``async_engine``
-    alone: the same per-request decode loop, each row ending on its own)."""
+def turn_parts(rollout: RolloutOptions, policy: PolicyOptions, tokenizer) -> dict[str, Any]:
+    """What a multi-turn engine needs beyond its model (``multi_turn_enable``): the tokenizer, the
+    tool runner, the parser, the observation format and the limits; without tools (``async_engine``
+    alone: the native per-request decode loop, each row ending on its own) no tool is ever called."""
     tools = rollout.tools
     if tools is not None:
         funcs = load_tools(tools.config_path)
@@ -239,9 +244,8 @@ def build_multi_turn_engine(rollout: RolloutOptions, policy: PolicyOptions, toke
         funcs, template = {}, get_template("qwen_retool")  # never used: no tool is ever called
         limits = TurnLimits(max_tool_calls=0, max_total_response_length=rollout.sampling.max_tokens)
         parser, parallel = "hermes", 0  # never used either
-    return MultiTurnEngine(tokenizer=tokenizer, runner=ToolRunner(funcs, max_workers=max(4, parallel)),
-                           parser=TOOL_PARSERS.get(parser),
-                           observation=ObservationFormat(template, tokenizer), limits=limits, **engine_kwargs)
+    return dict(tokenizer=tokenizer, runner=ToolRunner(funcs, max_workers=max(4, parallel)),
+                parser=TOOL_PARSERS.get(parser), observation=ObservationFormat(template, tokenizer), limits=limits)
 
 
 def build_policy(plan: Plan, device: str, *, source: str | None = None, with_rollout: bool = True,

@@ -143,7 +143,7 @@ class _ColumnMask:
 
 
 @dataclass
-class _Row:
+class ConversationRow:
     """One sample's conversation while it is generated."""
 
     prompt_len: int
@@ -174,12 +174,13 @@ class _Row:
                              response_mask=self.mask, tool_call_num=self.calls)
 
 
-class MultiTurnEngine(NativeEngine):
-    supports_rounds = False  # its per-row loop has its own limits (TurnLimits)
+class ToolTurns:
+    """The turn logic of a multi-turn engine, shared by the native one (:class:`MultiTurnEngine`) and
+    the vLLM one (:class:`posttrain.rollout.vllm_multi_turn.VLLMMultiTurnEngine`): where a turn ends
+    (a stop token, or the parser's end tag), starting its tool calls, admitting their outputs
+    (:class:`ObservationFormat`) and the room a row has left (:class:`TurnLimits`).
 
-    """The native engine with tool turns (see the module docstring).
-
-    Args (beyond :class:`NativeEngine`'s):
+    Args:
         tokenizer: decodes a finished turn for the parser (never re-encoded) and encodes tool output.
         runner: a :class:`posttrain.tools.runner.ToolRunner` over the registered tools.
         parser: a :class:`posttrain.tools.parsers.ToolParser` (``tool_parser_format``).
@@ -187,21 +188,96 @@ class MultiTurnEngine(NativeEngine):
         limits: :class:`TurnLimits`.
     """
 
-    def __init__(self, model: Any, *, tokenizer: Any, runner: Any, parser: Any, observation: ObservationFormat,
-                 limits: TurnLimits, **engine_kwargs):
-        super().__init__(model, **engine_kwargs)
+    def _init_turns(self, *, tokenizer: Any, runner: Any, parser: Any, observation: ObservationFormat,
+                    limits: TurnLimits, stops: list[int]) -> None:
         self.tokenizer, self.runner, self.parser = tokenizer, runner, parser
         self.observation, self.limits = observation, limits
         self.end_tag = tokenizer.encode(parser.end_tag, add_special_tokens=False)
         self.stats = ToolStats()
         self._one_turn = False
-        self._stops: set[int] = set(self.eos_token_ids)
+        self._stops: set[int] = set(stops)
 
     def pop_metrics(self) -> dict[str, float]:
         """``timing/tool`` (seconds the rollout waited on tools, not hidden behind decoding) and
         ``tool/{calls,errors,seconds_per_call}`` since the last call."""
         metrics, self.stats = self.stats.metrics(), ToolStats()
         return metrics
+
+    def _turn_ended(self, row: ConversationRow, token: int) -> bool:
+        """Whether the last token closed the turn (a stop token) or paused it (the end tag)."""
+        tag = self.end_tag
+        if token in self._stops:
+            row.closed = True
+            return True
+        if tag and len(row.tokens) - row.turn_start >= len(tag) and row.tokens[-len(tag):] == tag:
+            row.closed = False
+            return True
+        return False
+
+    def _start_tools(self, row: ConversationRow, step: int) -> bool:
+        """At a turn's end: start its tool calls (the row waits) or end the row. Whether it waits."""
+        lim = self.limits
+        if self._one_turn:  # generate_reprefill: one turn per call; the caller runs the tools
+            row.end("stop")
+            return False
+        text = self.tokenizer.decode(row.tokens[row.turn_start:], skip_special_tokens=False)
+        calls = self.parser.calls(text)
+        left = lim.max_tool_calls - row.calls
+        if not calls or left <= 0 or self._out_of_room(row):
+            row.end("stop")
+            return False
+        run = min(left, lim.max_parallel_calls or left, len(calls))
+        skipped = [replace(c, error=f"at most {run} tool calls run per turn here; this call was skipped")
+                   for c in calls[run:]]
+        row.pending = self.runner.submit(calls[:run] + skipped)
+        row.calls += run
+        row.status, row.admit_at = WAIT, step + 1
+        return True
+
+    def _admit(self, row: ConversationRow) -> None:
+        """Append the tool outputs of a waiting row (waiting for them if needed) and resume it."""
+        started = time.perf_counter()
+        finished = row.pending.done()
+        results = row.pending.results()
+        if not finished:
+            self.stats.wait_seconds += time.perf_counter() - started
+        self.stats.calls += len(results)
+        self.stats.errors += sum(not r.ok for r in results)
+        self.stats.seconds += sum(r.seconds for r in results)
+        tokens = self.observation.encode([self.limits.truncate(r.text) for r in results], row.closed)
+        room = self._room(row)
+        row.pending = None
+        if len(tokens) >= room:
+            row.append(tokens[:room], False)
+            row.end("length")
+            return
+        row.append(tokens, False)
+        row.turn_start, row.status = len(row.tokens), DECODE
+
+    def _room(self, row: ConversationRow) -> int:
+        """Response tokens the row may still add."""
+        lim = self.limits
+        used = row.offset + len(row.tokens)
+        room = lim.max_total_response_length - used
+        if lim.max_model_len:
+            room = min(room, lim.max_model_len - row.prompt_len - len(row.tokens))
+        return room
+
+    def _out_of_room(self, row: ConversationRow) -> bool:
+        return self._room(row) <= 0
+
+
+class MultiTurnEngine(ToolTurns, NativeEngine):
+    """The native engine with tool turns (see the module docstring); the turn logic is
+    :class:`ToolTurns`'s (its args, beyond :class:`NativeEngine`'s)."""
+
+    supports_rounds = False  # its per-row loop has its own limits (TurnLimits)
+
+    def __init__(self, model: Any, *, tokenizer: Any, runner: Any, parser: Any, observation: ObservationFormat,
+                 limits: TurnLimits, **engine_kwargs):
+        super().__init__(model, **engine_kwargs)
+        self._init_turns(tokenizer=tokenizer, runner=runner, parser=parser, observation=observation, limits=limits,
+                         stops=self.eos_token_ids)
 
     # ------------------------------------------------------------------ the reference path
     def generate_reprefill(self, prompt_token_ids: list[list[int]], n: int, sampling: SamplingParams,
@@ -212,7 +288,7 @@ class MultiTurnEngine(NativeEngine):
         seed = sampling.seed if sampling.seed is not None else random_seed()
         sampling = replace(sampling, seed=seed)
         keys = list(range(len(prompt_token_ids))) if prompt_keys is None else list(prompt_keys)
-        rows = [(i, j, _Row(prompt_len=len(p), offset=0)) for i, p in enumerate(prompt_token_ids) for j in range(n)]
+        rows = [(i, j, ConversationRow(prompt_len=len(p), offset=0)) for i, p in enumerate(prompt_token_ids) for j in range(n)]
         live = list(rows)
         while live:
             self._one_turn = True
@@ -230,7 +306,7 @@ class MultiTurnEngine(NativeEngine):
             grouped[i].append(row.output())
         return grouped
 
-    def _continue_turn(self, row: _Row, turn: RolloutOutput) -> bool:
+    def _continue_turn(self, row: ConversationRow, turn: RolloutOutput) -> bool:
         """Add one generated turn (and, when it calls tools, their output) to ``row``; whether the
         row goes on to another turn."""
         row.turn_start = len(row.tokens)
@@ -257,7 +333,7 @@ class MultiTurnEngine(NativeEngine):
         logits, positions = logits.index_select(0, expand), lengths.index_select(0, expand)
         mask = _ColumnMask(mask.index_select(0, expand))
         offsets = keys.offsets.tolist()
-        rows = [_Row(prompt_len=len(prompts[p]), offset=offsets[r]) for r, p in enumerate(expand.tolist())]
+        rows = [ConversationRow(prompt_len=len(prompts[p]), offset=offsets[r]) for r, p in enumerate(expand.tolist())]
         active = torch.arange(len(rows), device=device)  # the row id of each batch row
         step = 0
         while True:
@@ -293,7 +369,7 @@ class MultiTurnEngine(NativeEngine):
             start += count
         return grouped
 
-    def _feed(self, batch: list[_Row], cache, mask: _ColumnMask, positions: torch.Tensor):
+    def _feed(self, batch: list[ConversationRow], cache, mask: _ColumnMask, positions: torch.Tensor):
         """Feed every batch row's ``feed`` through the model; returns the last logits [B, V] (rows
         that fed nothing get stale ones) and the rows' next positions.
 
@@ -328,7 +404,7 @@ class MultiTurnEngine(NativeEngine):
                 logits[keep] = step_logits[keep]
         return logits, positions
 
-    def _chunk(self, batch: list[_Row], positions: torch.Tensor):
+    def _chunk(self, batch: list[ConversationRow], positions: torch.Tensor):
         """(ids, mask, positions) [B, W] of the rows' feeds, right-aligned; the feeds are consumed."""
         width = max(1, max(len(row.feed) for row in batch))
         ids = torch.full((len(batch), width), self.pad_token_id, dtype=torch.long)
@@ -344,72 +420,9 @@ class MultiTurnEngine(NativeEngine):
         return ids.to(self.device), chunk_mask.to(self.device), chunk_pos.to(self.device)
 
     # ------------------------------------------------------------------ one row's turns
-    def _add_token(self, row: _Row, token: int, logprob: float, max_tokens: int, step: int) -> None:
+    def _add_token(self, row: ConversationRow, token: int, logprob: float, max_tokens: int, step: int) -> None:
         row.append([token], True, [logprob])
         if self._turn_ended(row, token):
             self._start_tools(row, step)
         elif self._out_of_room(row) or len(row.tokens) - row.turn_start >= max_tokens:
             row.end("length")
-
-    def _turn_ended(self, row: _Row, token: int) -> bool:
-        """Whether the last token closed the turn (a stop token) or paused it (the end tag)."""
-        tag = self.end_tag
-        if token in self._stops:
-            row.closed = True
-            return True
-        if tag and len(row.tokens) - row.turn_start >= len(tag) and row.tokens[-len(tag):] == tag:
-            row.closed = False
-            return True
-        return False
-
-    def _start_tools(self, row: _Row, step: int) -> bool:
-        """At a turn's end: start its tool calls (the row waits) or end the row. Whether it waits."""
-        lim = self.limits
-        if self._one_turn:  # generate_reprefill: one turn per call; the caller runs the tools
-            row.end("stop")
-            return False
-        text = self.tokenizer.decode(row.tokens[row.turn_start:], skip_special_tokens=False)
-        calls = self.parser.calls(text)
-        left = lim.max_tool_calls - row.calls
-        if not calls or left <= 0 or self._out_of_room(row):
-            row.end("stop")
-            return False
-        run = min(left, lim.max_parallel_calls or left, len(calls))
-        skipped = [replace(c, error=f"at most {run} tool calls run per turn here; this call was skipped")
-                   for c in calls[run:]]
-        row.pending = self.runner.submit(calls[:run] + skipped)
-        row.calls += run
-        row.status, row.admit_at = WAIT, step + 1
-        return True
-
-    def _admit(self, row: _Row) -> None:
-        """Append the tool outputs of a waiting row (waiting for them if needed) and resume it."""
-        started = time.perf_counter()
-        finished = row.pending.done()
-        results = row.pending.results()
-        if not finished:
-            self.stats.wait_seconds += time.perf_counter() - started
-        self.stats.calls += len(results)
-        self.stats.errors += sum(not r.ok for r in results)
-        self.stats.seconds += sum(r.seconds for r in results)
-        tokens = self.observation.encode([self.limits.truncate(r.text) for r in results], row.closed)
-        room = self._room(row)
-        row.pending = None
-        if len(tokens) >= room:
-            row.append(tokens[:room], False)
-            row.end("length")
-            return
-        row.append(tokens, False)
-        row.turn_start, row.status = len(row.tokens), DECODE
-
-    def _room(self, row: _Row) -> int:
-        """Response tokens the row may still add."""
-        lim = self.limits
-        used = row.offset + len(row.tokens)
-        room = lim.max_total_response_length - used
-        if lim.max_model_len:
-            room = min(room, lim.max_model_len - row.prompt_len - len(row.tokens))
-        return room
-
-    def _out_of_room(self, row: _Row) -> bool:
-        return self._room(row) <= 0

@@ -43,6 +43,11 @@ value is higher by ``-log(kept mass)``. At ``temperature: 0`` both report ``log_
 Seeds: each prompt is its own request, seeded with ``derive_seed(sampling.seed, prompt_keys[i])``, so
 a prompt's samples do not depend on the other prompts of the call or on how the prompts are split.
 vLLM's tokens differ from the native engine's for the same seed (its own generator and kernels).
+A continued response (partial rollout's later rounds, a tool turn: ``sample_offsets`` and
+``position_offsets``) is a new request on the prompt plus the tokens so far, seeded by (seed, prompt
+key, sample index, position): vLLM's generator is a stream per request with no position offset, so
+a sample split at token p draws its tokens after p from another stream than the sample generated
+whole (greedy samples are the same; the distribution is the same).
 On a CPU a seeded request whose prompt is split over two scheduler steps crashes vLLM ("CPU
 Generator does not use offset"), so there the engine sends a call in groups that each fit one step
 (``max_num_batched_tokens`` prompt tokens, ``max_num_seqs`` sequences).
@@ -75,9 +80,14 @@ DTYPES = {"float32": "float32", "fp32": "float32", "bf16": "bfloat16", "bfloat16
           "float16": "float16"}
 
 
-def derive_seed(seed: int, prompt_key: int) -> int:
-    """A 63-bit request seed from the call's seed and the prompt's key (splitmix64 of both)."""
-    return absorb_int(absorb_int(0, seed), prompt_key) & (MASK64 >> 1)
+def derive_seed(seed: int, prompt_key: int, sample_offset: int = 0, position_offset: int = 0) -> int:
+    """A 63-bit request seed from the call's seed and the prompt's key (splitmix64 of both); a
+    continued response (``sample_offset`` or ``position_offset`` not 0: partial rollout, a tool
+    turn) absorbs its sample index and the position it continues from too."""
+    state = absorb_int(absorb_int(0, seed), prompt_key)
+    if sample_offset or position_offset:
+        state = absorb_int(absorb_int(state, sample_offset), position_offset)
+    return state & (MASK64 >> 1)
 
 
 def import_vllm():
@@ -267,21 +277,33 @@ class VLLMEngine(RolloutEngine):
 
     # ---- generation --------------------------------------------------------------------------
     def generate(self, prompt_token_ids: list[list[int]], n: int, sampling: SamplingParams,
-                 stop_token_ids: list[int] | None = None,
-                 prompt_keys: list[int] | None = None) -> list[list[RolloutOutput]]:
-        """``n`` samples per prompt; prompt ``i`` is seeded by (``sampling.seed``, ``prompt_keys[i]``)."""
+                 stop_token_ids: list[int] | None = None, prompt_keys: list[int] | None = None,
+                 sample_offsets: list[int] | None = None, position_offsets: list[int] | None = None,
+                 max_new_tokens: list[int] | None = None) -> list[list[RolloutOutput]]:
+        """``n`` samples per prompt; prompt ``i`` is seeded by (``sampling.seed``, ``prompt_keys[i]``),
+        and, for a continued response (partial rollout, a tool turn: the prompt holds the response so
+        far), by its sample index ``sample_offsets[i]`` and length ``position_offsets[i]`` too
+        (:func:`derive_seed`). ``max_new_tokens[i]`` caps prompt ``i``'s samples below
+        ``sampling.max_tokens``."""
         vllm = import_vllm()
-        keys = list(range(len(prompt_token_ids))) if prompt_keys is None else list(prompt_keys)
-        if len(keys) != len(prompt_token_ids):
-            raise ConfigError(f"generate(): prompt_keys has {len(keys)} entries for {len(prompt_token_ids)} prompts.")
+        count = len(prompt_token_ids)
+        keys = list(range(count)) if prompt_keys is None else list(prompt_keys)
+        samples = [0] * count if sample_offsets is None else [int(s) for s in sample_offsets]
+        positions = [0] * count if position_offsets is None else [int(p) for p in position_offsets]
+        caps = [sampling.max_tokens] * count if max_new_tokens is None else [int(m) for m in max_new_tokens]
+        for name, values in (("prompt_keys", keys), ("sample_offsets", samples), ("position_offsets", positions),
+                             ("max_new_tokens", caps)):
+            if len(values) != count:
+                raise ConfigError(f"generate(): {name} has {len(values)} entries for {count} prompts.")
         seed = random_seed() if sampling.seed is None else sampling.seed
         stops = sorted(set(self.eos_token_ids) | set(stop_token_ids or []))
         greedy = sampling.temperature == 0  # vLLM takes n = 1 only: the n samples are the same one
         params = [vllm.SamplingParams(
             n=1 if greedy else n, temperature=sampling.temperature, top_p=sampling.top_p,
             top_k=sampling.top_k if sampling.top_k > 0 else -1, min_p=sampling.min_p,
-            max_tokens=sampling.max_tokens, seed=None if greedy else derive_seed(seed, key), logprobs=0, detokenize=False,
-            stop_token_ids=stops) for key in keys]
+            max_tokens=max(1, min(sampling.max_tokens, cap)), logprobs=0, detokenize=False, stop_token_ids=stops,
+            seed=None if greedy else derive_seed(seed, key, sample, position))
+            for key, sample, position, cap in zip(keys, samples, positions, caps)]
         prompts = [{"prompt_token_ids": list(p)} for p in prompt_token_ids]
         if self.sleep_mode:  # the weights first (when no sync woke them), then the KV cache
             self._wake("weights")

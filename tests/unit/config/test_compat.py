@@ -30,6 +30,7 @@ DAPO = ["megatron_training.stage=ray_dapo", "rl_config.filter_groups_enable=true
 TP2 = ["actor_config.tensor_model_parallel_size=2", "rl_config.actor_resource.num_npus=2"]
 RAY = ["rl_config.actor_resource.num_npus=2"]
 VLLM = ["rl_config.rollout_engine=vllm"]
+OTHER = ["rl_config.rollout_engine=mine"]  # a registered engine that is neither native nor vLLM
 LORA = ["actor_config.lora_target_modules=[linear_qkv]"]
 SEPARATE = ["rl_config.use_integrated_worker=false"]  # the seed lets ref_config be set only then
 TURNS = ["rl_config.multi_turn_enable=true", "rl_config.async_engine=true", "rl_config.max_total_response_length=1024"]
@@ -82,22 +83,22 @@ EXAMPLES: dict[str, tuple[list[str], str]] = {
     "vllm-megatron": ([*VLLM, *TP2], "cpu"),
     "async-offline": ([*DPO, *ASYNC], "cpu"),
     "async-ray": ([*ASYNC, *RAY], "cpu"),
-    "async-engine": ([*ASYNC, *VLLM], "cpu"),
+    "async-engine": ([*ASYNC, *OTHER], "cpu"),
     "async-megatron": ([*ASYNC, *TP2], "cpu"),
     "async-lora": ([*ASYNC, *LORA], "cpu"),
     "rollout_worker-offline": ([*DPO, *WORKER], "cpu"),
     "rollout_worker-ray": ([*WORKER, *RAY], "cpu"),
-    "rollout_worker-engine": ([*WORKER, *VLLM], "cpu"),
+    "rollout_worker-engine": ([*WORKER, *OTHER], "cpu"),
     "rollout_worker-megatron": ([*WORKER, *TP2], "cpu"),
     "rollout_worker-lora": ([*WORKER, *LORA], "cpu"),
     "partial-ray": ([*PARTIAL, *RAY], "cpu"),
-    "partial-engine": ([*PARTIAL, *VLLM], "cpu"),
+    "partial-engine": ([*PARTIAL, *OTHER], "cpu"),
     "partial-megatron": ([*PARTIAL, *TP2], "cpu"),
     "partial-dynamic-sampling": ([*DAPO, *PARTIAL, "rl_config.mini_batch_size=2"], "cpu"),
-    "async-engine-engine": (["rl_config.async_engine=true", *VLLM], "cpu"),
+    "async-engine-engine": (["rl_config.async_engine=true", *OTHER], "cpu"),
     "graphs-per-request": ([*GRAPHS, "rl_config.async_engine=true"], "cuda"),
     "multi-turn-stage": ([*DPO, "rl_config.multi_turn_enable=true"], "cpu"),
-    "multi-turn-engine": ([*TURNS, *VLLM], "cpu"),
+    "multi-turn-engine": ([*TURNS, *OTHER], "cpu"),
     "multi-turn-partial": ([*TURNS, *PARTIAL], "cpu"),
     "speculation-per-request": ([*SPEC, "rl_config.async_engine=true"], "cpu"),
     "speculation-graphs": ([*SPEC, *GRAPHS], "cuda"),
@@ -173,13 +174,15 @@ def test_every_refusal_of_a_config_is_reported_at_once_one_per_line():
         check_run_config(cfg, device_type="cpu", arch=ARCH)
     lines = str(err.value).splitlines()
     assert [line.split(" ")[0] for line in lines] == [
-        "rl_config.async_staleness", "rl_config.async_staleness",
-        "rl_config.partial_rollout_max_split", "rl_config.partial_rollout_max_split", "rl_config.num_threads=2"]
+        "rl_config.async_staleness", "rl_config.partial_rollout_max_split", "rl_config.num_threads=2"]
     assert lines == refusals(cfg, setup_of(cfg, "cpu"))
 
 
 def test_features_alone_pass_the_table():
-    for overrides in ([], ASYNC, PARTIAL, LORA, VLLM, SPEC, WORKER, TP2, RAY):
+    for overrides in ([], ASYNC, PARTIAL, LORA, VLLM, SPEC, WORKER, TP2, RAY, [*PARTIAL, *VLLM], [*TURNS, *VLLM],
+                      ["rl_config.async_engine=true", *VLLM], ["rl_config.async_engine=true", *VLLM, *GRAPHS],
+                      [*ASYNC, *VLLM], [*ASYNC, *PARTIAL, *VLLM], [*ASYNC, *TURNS, *VLLM], [*WORKER, *VLLM],
+                      [*WORKER, *ASYNC, *VLLM]):
         cfg = config(overrides)
         for device in ("cpu", "cuda"):
             check_compat(cfg, setup_of(cfg, device))

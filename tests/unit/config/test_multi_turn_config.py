@@ -54,7 +54,7 @@ def test_rule_21_has_the_seeds_messages():
     (["rl_config.max_parallel_calls=-1"], "rl_config.max_parallel_calls=-1"),
     (["rl_config.tool_response_truncate_side=top"], "tool_response_truncate_side='top'"),
     (["rl_config.tool_parser_format=xml"], "rl_config.tool_parser_format"),
-    (["rl_config.rollout_engine=vllm"], "rollout_engine"),
+    (["rl_config.rollout_engine=mine"], "rollout_engine"),  # native and vllm run it; another engine does not
     (["megatron_training.prompt_type=hf_chat_template"], "format_observation"),
     (["megatron_training.prompt_type=null"], "actor_config.prompt_type=None"),
     (["rl_config.partial_rollout_max_split=2", "rl_config.guarantee_order=false"], "partial_rollout_max_split"),
@@ -89,7 +89,7 @@ def test_multi_turn_keys_without_the_switch_are_refused():
     base["rl_config"]["max_tool_calls"] = 0
     check([], base)
     check(["rl_config.async_engine=true"], base)  # alone: the per-request loop without tools
-    assert "async_engine" in refusal(["rl_config.async_engine=true", "rl_config.rollout_engine=vllm"], base)
+    assert "async_engine" in refusal(["rl_config.async_engine=true", "rl_config.rollout_engine=mine"], base)
 
 
 def test_the_shipped_multi_turn_configs_plan():
