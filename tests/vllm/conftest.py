@@ -24,14 +24,9 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def vllm_qwen2():
     """A random tiny Qwen2 (2 layers, hidden 128, head dim 64, untied output layer) in fp32 on the CPU."""
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from tests.helpers.vllm_models import vllm_qwen2
 
-    torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
-                         tie_word_embeddings=False)
-    return Qwen2ForCausalLM(config).eval()
+    return vllm_qwen2(512, tied=False, max_position_embeddings=512)
 
 
 @pytest.fixture(scope="session")
@@ -39,19 +34,6 @@ def vllm_world(tmp_path_factory, tiny_tokenizer):
     """The mini world (tests/conftest.py) with a Qwen2 whose heads vLLM's CPU attention takes (head
     dim 64): ``model`` (2 layers, hidden 128, tied) and 32 random additions in ``data/rl`` (read-only;
     :func:`tests.helpers.runs.world_run_dict` is a GRPO run on it)."""
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from tests.helpers.vllm_models import write_vllm_world
 
-    from tests.helpers.data import addition_rows, preprocess_prompts
-
-    root = tmp_path_factory.mktemp("vllm_world")
-    tok = tiny_tokenizer
-    torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
-                         tie_word_embeddings=True, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
-    Qwen2ForCausalLM(config).save_pretrained(root / "model")
-    tok.save_pretrained(root / "model")
-    preprocess_prompts(addition_rows(32, 0), root / "rl.jsonl", root / "model", root / "data" / "rl",
-                       prompt_type="trl", workers=1)
-    return root
+    return write_vllm_world(tmp_path_factory.mktemp("vllm_world"), tiny_tokenizer, 32, "data/rl")

@@ -23,13 +23,9 @@ GREEDY = SamplingParams(temperature=0.0, top_k=-1, max_tokens=9)
 @pytest.fixture(scope="module")
 def model(tiny_tokenizer):
     """A random Qwen2 whose greedy outputs vary (weights spread wider than HF's default)."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from tests.helpers.vllm_models import vllm_qwen2
 
-    torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=len(tiny_tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
-                         tie_word_embeddings=False, initializer_range=0.1)
-    return Qwen2ForCausalLM(config).eval()
+    return vllm_qwen2(len(tiny_tokenizer), tied=False, initializer_range=0.1)
 
 
 @pytest.fixture(scope="module")

@@ -36,13 +36,9 @@ ECHO = {"echo": Echo({"type": "function", "function": {"name": "echo", "descript
 def model(tiny_tokenizer):
     """A random Qwen2 on the tiny tokenizer (head dim 64 for vLLM's CPU attention), its weights spread
     wider than HF's default so that greedy decoding varies (and writes the chat's end of turn)."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from tests.helpers.vllm_models import vllm_qwen2
 
-    torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=len(tiny_tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
-                         tie_word_embeddings=False, initializer_range=0.1)
-    return Qwen2ForCausalLM(config).eval()
+    return vllm_qwen2(len(tiny_tokenizer), tied=False, initializer_range=0.1)
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,6 @@ import pytest
 
 from tests.cluster import cluster_helpers
 from tests.helpers.configs import run_config
-from tests.helpers.data import addition_rows, preprocess_prompts
 
 pytestmark = pytest.mark.ray
 
@@ -51,20 +50,9 @@ def work(tmp_path_factory, tiny_tokenizer):
     """A random 2-layer Qwen2 with head dim 64 (vLLM's CPU attention kernels) and tied embeddings (the
     engine repacks vLLM's tied output layer after each sync: without it the first sync's probe
     differs by 0.13 here), with the tiny tokenizer, and a preprocessed prompt set."""
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from tests.helpers.vllm_models import write_vllm_world
 
-    root = tmp_path_factory.mktemp("vllm_ray")
-    tok = tiny_tokenizer
-    torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
-                         tie_word_embeddings=True, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
-    Qwen2ForCausalLM(config).save_pretrained(root / "model")
-    tok.save_pretrained(root / "model")
-    preprocess_prompts(addition_rows(64, 0), root / "prompts.jsonl", root / "model", root / "prompts/data",
-                       prompt_type="trl", workers=1)
-    return root
+    return write_vllm_world(tmp_path_factory.mktemp("vllm_ray"), tiny_tokenizer, 64, "prompts/data")
 
 
 def vllm_run(work: Path, name: str, *, workers: int, sharding: str = "ddp"):
