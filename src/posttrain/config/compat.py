@@ -325,10 +325,7 @@ ROWS: tuple[Row, ...] = (
     Row("vllm-ray", "vllm", "rl_config.rollout_engine: vllm runs vLLM in the trainer's process, which loads the "
         "actor's weights into it after every update; with Ray actor workers (actor_resource.num_npus > 1 or a "
         "ray_address) that is not built yet: train in one process, or use rollout_engine: native", placement=RAY,
-        stage=ON_POLICY),
-    Row("vllm-megatron", "vllm", "rl_config.rollout_engine: vllm runs on the hf training backend (the actor's Hugging "
-        "Face model is what it loads into vLLM), not megatron; use rollout_engine: native", backend=MEGATRON,
-        stage=ON_POLICY),
+        backend=("hf",), stage=ON_POLICY),
     # the rollout on a replica of the weights, partial rollout
     *(Row(f"{name}-{suffix}", name, message, **where) for name in ("async", "rollout_worker")
       for suffix, where, message in _ROLLOUT_REPLICA),

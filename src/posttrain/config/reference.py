@@ -150,7 +150,8 @@ def _section_rules() -> str:
     passed = ", ".join(f"`{k}`" + (f" (as `{arg}`)" if arg != k else "") for k, arg in PASSED.items())
     refused = ", ".join(f"`{k}` {when}" for k, when in refused_keys().items())
     lines.append(f"* `rl_config.rollout_engine: vllm` (posttrain.config.vllm, docs/rollout.md): needs the vllm package "
-                 f"and a CUDA device, one process (no Ray actor workers) and the hf backend; LoRA, multi-turn, "
+                 f"and a CUDA device, one process (no Ray actor workers) on the hf backend, or the megatron backend (an "
+                 f"engine on each data-parallel replica's leader); LoRA, multi-turn, "
                  f"`async_engine`, `async_staleness`, `use_integrated_worker: false` and partial rollout refuse it. "
                  f"It passes these `generate_config` keys to vLLM: {passed}; and refuses {refused} (the `vllm` "
                  f"column of the compatibility matrix).")

@@ -80,7 +80,6 @@ EXAMPLES: dict[str, tuple[list[str], str]] = {
     "vllm-speculation": ([*VLLM, *SPEC], "cpu"),
     "vllm-ascend_scheduler_config_enabled": ([*VLLM, "generate_config.ascend_scheduler_config_enabled=true"], "cpu"),
     "vllm-ray": ([*VLLM, *RAY], "cpu"),
-    "vllm-megatron": ([*VLLM, *TP2], "cpu"),
     "async-offline": ([*DPO, *ASYNC], "cpu"),
     "async-ray": ([*ASYNC, *RAY], "cpu"),
     "async-engine": ([*ASYNC, *VLLM], "cpu"),
