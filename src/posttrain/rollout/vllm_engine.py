@@ -155,6 +155,7 @@ class VLLMEngine(RolloutEngine):
     _asleep: set[str] | frozenset[str] = frozenset()
     max_num_seqs: int | None = None
     gpu_memory_utilization: float | None = None
+    separate: bool = False  # the model in vLLM's own processes (separate_process, tensor parallel)
     holds_weights = True  # its own copy: a LoRA wrapper syncs merged weights instead of merging per call
 
     def __init__(self, model: Any, *, eos_token_ids: list[int] | int | None = None, dtype: str = "bfloat16",
