@@ -10,6 +10,8 @@ backend in one process.
   seed and the prompt's key, so with the same weights both engines draw the same tokens at
   temperature 1; a missed or wrong sync would change the tokens of iteration 2. Same responses, and
   every logged metric but the wall-clock ones within 1e-3.
+* The seed's flagship ``r1_zero_qwen25_7b`` (TP x PP Megatron, vLLM at the actor's TP), shrunk: it
+  trains, saves, resumes to the same iteration and converts back to HF.
 * Against the hf backend with the *native* engine: the two engines draw differently from the same
   seed (their own generators), so tokens are compared where the engines agree, greedy in fp32 (the
   native engine's argmax is vLLM's): the same responses in every iteration.
@@ -37,7 +39,8 @@ GREEDY = {"max_tokens": 12, "temperature": 0.0, "top_k": -1, "top_p": 1.0}
 
 @pytest.fixture(scope="module")
 def ray_session():
-    """One local Ray cluster for the module: 2 CPUs, one per Megatron rank, 1 torch thread each."""
+    """One local Ray cluster for the module: 4 logical CPUs (TP 2 x PP 2: 4 Megatron ranks), 1 torch
+    thread each."""
     import ray
     import torch
 
@@ -45,7 +48,7 @@ def ray_session():
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), path) if p)  # the workers import tests.helpers
     before = torch.get_num_threads()
     torch.set_num_threads(1)
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING",
+    ray.init(num_cpus=4, include_dashboard=False, logging_level="WARNING",
              runtime_env={"env_vars": {"PYTHONPATH": os.environ["PYTHONPATH"], "HF_HUB_OFFLINE": "1",
                                        "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}})
     yield ray
@@ -161,3 +164,102 @@ def test_vllm_tensor_parallel_on_the_leader_equals_the_hf_backend(ray_session, w
     got = grpo_run(work, "megatron_vllm_tp2", engine="vllm", tp=2, infer_tp=2)
     assert all(r["rollout/sync_probe_diff"] < 1e-4 for r in logged(got[1]))
     assert_same_run(got, hf_vllm)
+
+
+# ---- the seed's r1_zero_qwen25_7b, shrunk, with its vLLM rollout -------------------------------------
+@pytest.fixture(scope="module")
+def qwen25_shaped(work, tiny_tokenizer):
+    """A tiny model of Qwen2.5's shape (untied output layer, qkv bias, GQA, RMSNorm, SwiGLU, rope theta
+    1e6; head dim 64 for vLLM's CPU attention), and its Megatron-Core checkpoint at TP 2 x PP 2
+    (``posttrain convert``, as the seed's ``mcore_tp4_pp2`` load directory is made)."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from posttrain.cli import main
+
+    hf = work / "qwen25_shaped"
+    torch.manual_seed(3)
+    config = Qwen2Config(vocab_size=len(tiny_tokenizer), hidden_size=256, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         tie_word_embeddings=False, rope_theta=1e6, rms_norm_eps=1e-6,
+                         eos_token_id=tiny_tokenizer.eos_token_id)
+    Qwen2ForCausalLM(config).save_pretrained(hf)
+    tiny_tokenizer.save_pretrained(hf)
+    mcore = work / "qwen25_shaped_mcore_tp2_pp2"
+    assert main(["convert", "--load-model-type", "hf", "--save-model-type", "mg", "--load-dir", str(hf),
+                 "--save-dir", str(mcore), "--target-tensor-parallel-size", "2",
+                 "--target-pipeline-parallel-size", "2", "--add-qkv-bias"]) == 0
+    return hf, mcore
+
+
+def r1_zero(work: Path, hf: Path, name: str, load, iters: int, resume: bool = False):
+    """The seed's config with only the model, the data, the device count (TP 4 x PP 2 on 8 devices
+    becomes TP 2 x PP 2 on 4 processes, and vLLM's TP the actor's: 2) and what a CPU cannot run
+    overridden (batch sizes, samples, lengths, train_iters, the distributed optimizer). Its rollout is
+    the seed's: vLLM, seed 1234, temperature 1."""
+    from posttrain.config.run import load_run_config
+
+    model = ["num_layers=2", "hidden_size=256", "ffn_hidden_size=256", "num_attention_heads=4", "num_query_groups=2",
+             "max_position_embeddings=256", "padded_vocab_size=512", "make_vocab_size_divisible_by=128",
+             "rotary_base=1000000"]
+    overrides = [f"actor_config.{m}" for m in model] + [
+        f"megatron_training.tokenizer_name_or_path={hf}", f"megatron_training.data_path={work / 'prompts/data'}",
+        "rl_config.actor_resource.num_npus=4", "actor_config.tensor_model_parallel_size=2",
+        "rl_config.rollout_engine=vllm", "generate_config.infer_tensor_parallel_size=2",
+        "generate_config.max_num_seqs=64", "generate_config.max_num_batched_tokens=1024",
+        "megatron_training.global_batch_size=4", "rl_config.mini_batch_size=2", "rl_config.n_samples_per_prompt=4",
+        "actor_config.micro_batch_size=2", "rl_config.actor_forward_micro_batch_size=2",
+        "rl_config.max_prompt_length=64", "megatron_training.seq_length=128", "generate_config.max_model_len=128",
+        "generate_config.sampling_config.max_tokens=12",
+        f"megatron_training.train_iters={iters}", "megatron_training.save_interval=1",
+        "actor_config.use_distributed_optimizer=false", "rl_config.device=cpu",
+        f"actor_config.load={load}", f"actor_config.save={work / name}",
+        f"rl_config.output_dir={work / ('run_' + name)}", f"rl_config.tensorboard_log_dir={work / ('tb_' + name)}",
+        "rl_config.ray_timeout_s=600"]
+    if resume:
+        overrides += ["actor_config.finetune=false", "actor_config.no_load_optim=false",
+                      "actor_config.no_load_rng=false"]
+    return load_run_config("r1_zero_qwen25_7b", overrides=overrides)
+
+
+def test_the_seeds_r1_zero_config_with_vllm_trains_saves_resumes_exactly_and_converts(ray_session, work,
+                                                                                      qwen25_shaped):
+    """TP 2 x PP 2 on 4 processes from a Megatron checkpoint (finetune), vLLM over 2 processes on the
+    leader: 3 iterations saved after each, every sync proven; a run resumed from the second checkpoint
+    samples the same responses and takes the same third iteration (every metric but the wall-clock
+    ones, and every saved weight, equal); ``posttrain convert`` turns both into the same HF model,
+    which differs from the initial one."""
+    import torch
+    from safetensors.torch import load_file
+
+    from posttrain.cli import main
+    from posttrain.config.plan import resolve_plan
+
+    hf, mcore = qwen25_shaped
+    cfg = r1_zero(work, hf, "r1_zero", mcore, iters=3)
+    plan = resolve_plan(cfg, device="cpu")
+    assert (plan.parallel.backend, plan.parallel.tp, plan.parallel.pp, plan.parallel.dp) == ("megatron", 2, 2, 1)
+    # the seed's bf16: the megatron backend trains in float32 on a CPU, and its rollout samples in it
+    assert (plan.rollout.engine, plan.rollout.vllm.tensor_parallel_size, plan.rollout.dtype) == ("vllm", 2, "float32")
+    batches, rows, _ = record_run(cfg)
+    rows = logged(rows)
+    assert [r["iteration"] for r in rows] == [1, 2, 3]
+    for row in rows:
+        assert row["rollout/sync_probe_diff"] < 1e-4 and row["timing/resharding_to_infer"] > 0
+    resumed_batches, resumed, _ = record_run(r1_zero(work, hf, "r1_zero_resumed", work / "r1_zero" / "iter_0000002",
+                                                     iters=3, resume=True))
+    resumed = logged(resumed)
+    assert [r["iteration"] for r in resumed] == [3]
+    assert resumed_batches == batches[2:]  # the engine started from the checkpoint samples what the synced one did
+    for key in (k for k in rows[2] if not k.startswith(WALL_CLOCK) and k not in ("time", "rollout/sync_probe_diff")):
+        assert resumed[0][key] == pytest.approx(rows[2][key], rel=1e-6, abs=1e-7), key
+    outs = {}
+    for name in ("r1_zero", "r1_zero_resumed"):
+        outs[name] = work / f"{name}_hf" / "mg2hf"  # the seed's convention: save-dir/mg2hf
+        assert main(["convert", "--load-model-type", "mg", "--save-model-type", "hf", "--load-dir",
+                     str(work / name), "--save-dir", str(outs[name].parent)]) == 0
+    trained, again = (load_file(str(outs[n] / "model.safetensors")) for n in ("r1_zero", "r1_zero_resumed"))
+    initial = load_file(str(hf / "model.safetensors"))
+    assert sorted(trained) == sorted(initial)
+    assert all(torch.equal(trained[k], again[k]) for k in trained)  # the resume is exact
+    assert any(not torch.equal(trained[k], initial[k]) for k in trained)  # and it trained
