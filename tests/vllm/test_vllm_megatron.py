@@ -83,11 +83,11 @@ def work(tmp_path_factory, tiny_tokenizer):
 
 
 def grpo_run(work: Path, name: str, *, engine: str, tp: int = 1, sampling: dict = SAMPLED, iters: int = 2,
-             infer_tp: int = 1):
+             infer_tp: int = 1, dp: int = 1):
     """``iters`` GRPO iterations (4 prompts x 8 samples, 2 optimizer steps each, a KL term) in fp32:
-    TP ``tp`` on the megatron backend (Ray workers), or the hf backend in this process (``tp`` 1);
-    vLLM over ``infer_tp`` processes."""
-    rl = {"actor_resource": {"num_devices": tp}, "ray_timeout_s": 600, "rollout_engine": engine,
+    TP ``tp`` x DP ``dp`` on the megatron backend (Ray workers), or the hf backend in this process
+    (``tp`` 1); vLLM over ``infer_tp`` processes."""
+    rl = {"actor_resource": {"num_devices": tp * dp}, "ray_timeout_s": 600, "rollout_engine": engine,
           "init_kl_coef": 0.05, "guarantee_order": True}
     train = {"tensor_model_parallel_size": tp, "backend": "megatron"} if tp > 1 else {}
     gen = {"max_model_len": 64, "max_num_seqs": 64, "infer_tensor_parallel_size": infer_tp, "dtype": "float32",
@@ -142,6 +142,15 @@ def assert_same_run(got_run, want_run):
 
 def test_megatron_with_vllm_equals_the_hf_backend_with_vllm(megatron_vllm, hf_vllm):
     assert_same_run(megatron_vllm, hf_vllm)
+
+
+def test_two_replicas_each_with_its_engine_equal_the_hf_backend(ray_session, work, hf_vllm):
+    """TP 2 x DP 2: each replica's leader holds an engine and samples its share of the prompts (each
+    prompt seeded by its key, so the shares draw what one engine draws); the probe metric is the
+    largest over both engines."""
+    got = grpo_run(work, "megatron_vllm_dp2", engine="vllm", tp=2, dp=2)
+    assert all(r["rollout/sync_probe_diff"] < 1e-4 for r in logged(got[1]))
+    assert_same_run(got, hf_vllm)
 
 
 def test_greedy_megatron_with_vllm_draws_the_native_engines_tokens(ray_session, work):
