@@ -68,8 +68,9 @@ def format_plan(plan: Plan, cpu_linear: str = "blas") -> str:
                             ("critic (weights, gradients, AdamW)", m.critic),
                             ("reward model (frozen weights)", m.reward_model),
                             ("activations (one micro-batch)", m.activations), ("rollout KV cache", m.kv_cache),
-                            ("LoRA merge copy (adapted base weights)"
-                             if plan.lora else "rollout copy (whole model, replica leaders)", m.rollout_copy),
+                            ("LoRA merge copy (adapted base weights)" if plan.lora
+                             else "rollout copy (vLLM's share per device)" if plan.rollout and plan.rollout.vllm
+                             else "rollout copy (whole model, replica leaders)", m.rollout_copy),
                             ("total", m.total)):
             if value or name == "total":
                 lines.append(f"  {name:<46} {value / GIB:8.2f} GiB")

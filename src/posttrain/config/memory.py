@@ -96,16 +96,23 @@ def device_memory_bytes(device: str) -> int | None:
 
 def check_rollout_fits(plan: "Plan") -> None:
     """The megatron backend's native rollout holds the whole model in one process: refuse a model
-    whose HF copy alone does not fit one device (it needs a rollout engine sharded over devices)."""
+    whose HF copy alone does not fit one device (it needs a rollout engine sharded over devices);
+    with vLLM, a model whose share per vLLM device does not fit one."""
     if plan.memory is None or not plan.memory.rollout_copy or plan.parallel.backend != "megatron":
         return
     available = device_memory_bytes(plan.device)
+    if available and plan.memory.rollout_copy > available and plan.rollout.vllm is not None:
+        raise ConfigError(
+            f"the vLLM rollout holds 1/generate_config.infer_tensor_parallel_size of the model on each of its "
+            f"devices: {plan.memory.rollout_copy / GIB:,.1f} GiB of weights do not fit one device "
+            f"({available / GIB:,.1f} GiB); raise infer_tensor_parallel_size (now "
+            f"{plan.rollout.vllm.tensor_parallel_size}), or set rl_config.ignore_memory_estimate: true to run anyway")
     if available and plan.memory.rollout_copy > available:
         raise ConfigError(
             f"the native rollout samples from a whole copy of the model in one process (the first rank of each "
             f"data-parallel replica): {plan.memory.rollout_copy / GIB:,.1f} GiB of weights do not fit one device "
             f"({available / GIB:,.1f} GiB). A model larger than one device needs a rollout engine sharded over "
-            f"devices (vLLM with generate_config.infer_tensor_parallel_size), which posttrain does not have yet; "
+            f"devices: rl_config.rollout_engine: vllm with generate_config.infer_tensor_parallel_size; or "
             f"train a smaller model, or use backend megatron for an offline stage (sft, dpo), or set "
             f"rl_config.ignore_memory_estimate: true to run anyway")
 
@@ -140,7 +147,9 @@ def estimate_memory(cfg: RunConfig, plan: "Plan", arch: ModelArch) -> MemoryEsti
       rollout dtype's bytes;
     * rollout copy (megatron, on-policy): the native engine samples from a whole HF copy of the
       model held by each replica's leader (TP rank 0, PP rank 0), fp32, 4 bytes per parameter
-      (counted for every process: an upper bound for the others).
+      (counted for every process: an upper bound for the others); vLLM (``rollout_engine: vllm``)
+      holds the model in the rollout dtype split over ``infer_tensor_parallel_size`` processes (one
+      device each): its share per device.
     * LoRA (``lora_target_modules``, hf backend): the base weights plus the adapter's, gradients
       and moments for the adapter only, no reference with ``rl_config.share_backbone``, and as the
       rollout copy the adapted base weights that the merged rollout saves while it samples.
@@ -159,6 +168,8 @@ def estimate_memory(cfg: RunConfig, plan: "Plan", arch: ModelArch) -> MemoryEsti
     activations = arch.num_layers * per_layer + s * b * arch.vocab_size * 4
     seqs = min(plan.responses_per_iteration // par.dp, plan.rollout.max_num_seqs) if plan.rollout else 0
     rollout_copy = 4 * params if plan.stage.on_policy and par.backend == "megatron" else 0.0
+    if rollout_copy and plan.rollout.vllm is not None:  # vLLM's share of the model on one of its devices
+        rollout_copy = (2 if plan.rollout_dtype == "bfloat16" else 4) * params / plan.rollout.vllm.tensor_parallel_size
     kv = seqs * plan.max_tokens_per_sequence * arch.kv_cache_bytes_per_token(2 if plan.rollout_dtype == "bfloat16"
                                                                              else 4)
     rm_arch = reward_model_arch(cfg) if plan.reward_model is not None else None
