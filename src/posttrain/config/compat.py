@@ -179,6 +179,8 @@ def _features() -> dict[str, Feature]:
         _on("actor_config.use_distributed_optimizer", when="true"),
         _on("rl_config.rollout_engine", lambda v: v == "vllm", name="vllm", shown="rl_config.rollout_engine=vllm",
             when="vllm"),
+        _on("generate_config.infer_tensor_parallel_size", lambda v: v > 1, name="infer_tensor_parallel",
+            when="> 1"),
         _on("generate_config.infer_pipeline_parallel_size", lambda v: v > 1, when="> 1"),
         _on("generate_config.infer_expert_parallel_size", lambda v: v > 1, when="> 1"),
         _on("generate_config.num_scheduler_steps", lambda v: v != 1, when="not 1"),
@@ -326,6 +328,11 @@ ROWS: tuple[Row, ...] = (
         "actor's weights into it after every update; with Ray actor workers (actor_resource.num_npus > 1 or a "
         "ray_address) that is not built yet: train in one process, or use rollout_engine: native", placement=RAY,
         backend=("hf",), stage=ON_POLICY),
+    Row("vllm-megatron-tensor-parallel-cuda", "vllm", "{other} with rl_config.rollout_engine: vllm "
+        "on the megatron backend on CUDA: each replica leader starts vLLM's tensor-parallel workers as its own child "
+        "processes, and Ray gives the leader one GPU (CUDA_VISIBLE_DEVICES), so the workers would have no GPUs of "
+        "their own (on a CPU they run: vLLM's mp executor over gloo); set it to 1", backend=MEGATRON,
+        device=("cuda",), stage=ON_POLICY, with_="infer_tensor_parallel"),
     # the rollout on a replica of the weights, partial rollout
     *(Row(f"{name}-{suffix}", name, message, **where) for name in ("async", "rollout_worker")
       for suffix, where, message in _ROLLOUT_REPLICA),
