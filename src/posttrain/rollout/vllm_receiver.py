@@ -4,8 +4,8 @@ processes, reached through ``collective_rpc``, whose arguments travel as msgpack
 as lists, and a tensor arrives as vLLM's raw encoding, not a tensor). So a decoder layer travels as
 one safetensors blob (:func:`pack`, bytes that msgpack and pickle carry as they are), and
 :class:`WeightReceiver`, installed on every vLLM worker as its ``worker_extension_cls``, unpacks it
-into ``(HF name, tensor)`` pairs and hands them to the worker's ``model_runner.reload_weights``,
-which each worker cuts into its own tensor-parallel shard.
+into ``(HF name, tensor)`` pairs and hands them to the worker's ``reload_weights`` (what the
+in-process engine calls by name), which each worker cuts into its own tensor-parallel shard.
 """
 
 from __future__ import annotations
@@ -34,5 +34,5 @@ class WeightReceiver:
         from safetensors.torch import load
 
         pairs = list(load(bytes(blob)).items())
-        self.model_runner.reload_weights(weights_iterator=iter(pairs), is_checkpoint_format=True)
+        self.reload_weights(weights_iterator=iter(pairs), is_checkpoint_format=True)  # the worker's, as in-process
         return len(pairs)
