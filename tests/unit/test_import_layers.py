@@ -40,7 +40,7 @@ LAYER_OF = {top: i for i, tops in enumerate(LAYERS) for top in tops}
 # Heavy dependency -> the only places (module names or package prefixes) that may import it.
 EDGE_DEPENDENCIES = {
     "ray": ("posttrain.cluster",),
-    "vllm": ("posttrain.rollout.vllm_engine", "posttrain.rollout.vllm_probe"),
+    "vllm": ("posttrain.rollout.vllm_engine", "posttrain.rollout.vllm_probe", "posttrain.rollout.vllm_receiver"),
 }
 
 

@@ -49,7 +49,8 @@ class MegatronWorker(ActorWorker):
 
     # ---- roles ----------------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], n: int, sampling, stop_token_ids, prompt_keys=None) -> list:
-        """The leader samples its replica's share; the other ranks have no rollout copy."""
+        """The leader samples its replica's share (native: from its HF copy; vLLM: its engine); the
+        other ranks have no rollout."""
         if self.policy.rollout is None or not prompts:
             return []
         return self.policy.rollout.generate(prompts, n, sampling, stop_token_ids, prompt_keys=prompt_keys)
@@ -74,7 +75,9 @@ class MegatronWorker(ActorWorker):
     def update(self, batch: dict, loss_fn, mini_batch_size: int,
                micro_batch_size: int | None = None) -> list[dict[str, float]]:
         """The replica's slices of the global mini-batches, one optimizer step each; then the
-        weights to the leader's rollout copy (``timing/resharding_to_infer`` on the last step)."""
+        weights to the leader's rollout (``timing/resharding_to_infer`` on the last step, and with
+        vLLM ``rollout/sync_probe_diff``: the largest over the replicas' engines since the last
+        update, their start included)."""
         batch = {k: v.to(self.device) for k, v in batch.items()}
         with self.megatron():
             steps = self.policy.actor.update(batch, loss_fn, mini_batch_size=mini_batch_size,
@@ -82,7 +85,16 @@ class MegatronWorker(ActorWorker):
             seconds = self.shard.sync_rollout() if self.shard.plan.stage.on_policy else None
         if seconds is not None and steps:
             steps[-1]["timing/resharding_to_infer"] = seconds
+            if self.shard.view is not None:  # every rank calls update: a collective over all of them
+                steps[-1]["rollout/sync_probe_diff"] = self._largest(
+                    self.shard.pop_rollout_metrics().get("rollout/sync_probe_diff", 0.0))
         return steps
+
+    def _largest(self, value: float) -> float:
+        """The largest of every rank's ``value`` (a collective)."""
+        box = torch.tensor([value], dtype=torch.float64, device=self.device)
+        dist.all_reduce(box, op=dist.ReduceOp.MAX)
+        return float(box.item())
 
     def compute_values(self, batch: dict, micro_batch_size):
         rows, width = batch["response_mask"].shape

@@ -325,10 +325,12 @@ ROWS: tuple[Row, ...] = (
     Row("vllm-ray-tensor-parallel", "vllm", "{other} with rl_config.rollout_engine: vllm on Ray actor workers: each "
         "worker runs its own vLLM engine in its process, on the one device it holds, so vLLM has no other devices to "
         "split the model over; set it to 1 (the rollout scales with the workers, actor_resource.num_npus)",
-        placement=RAY, stage=ON_POLICY, with_="infer_tensor_parallel"),
-    Row("vllm-megatron", "vllm", "rl_config.rollout_engine: vllm runs on the hf training backend (the actor's Hugging "
-        "Face model is what it loads into vLLM), not megatron; use rollout_engine: native", backend=MEGATRON,
-        stage=ON_POLICY),
+        placement=RAY, backend=("hf",), stage=ON_POLICY, with_="infer_tensor_parallel"),
+    Row("vllm-megatron-tensor-parallel-cuda", "vllm", "{other} with rl_config.rollout_engine: vllm "
+        "on the megatron backend on CUDA: each replica leader starts vLLM's tensor-parallel workers as its own child "
+        "processes, and Ray gives the leader one GPU (CUDA_VISIBLE_DEVICES), so the workers would have no GPUs of "
+        "their own (on a CPU they run: vLLM's mp executor over gloo); set it to 1", backend=MEGATRON,
+        device=("cuda",), stage=ON_POLICY, with_="infer_tensor_parallel"),
     # the rollout on a replica of the weights, partial rollout
     *(Row(f"{name}-{suffix}", name, message, **where) for name in ("async", "rollout_worker")
       for suffix, where, message in _ROLLOUT_REPLICA),

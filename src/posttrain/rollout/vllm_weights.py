@@ -66,21 +66,23 @@ def layer_buckets(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[list[
 def write_checkpoint(config: Any, weights: Iterable[tuple[str, torch.Tensor]], directory: str | Path,
                      dtype: torch.dtype | None = None) -> Path:
     """A Hugging Face checkpoint in ``directory``: ``config.json`` and one safetensors file per
-    bucket with its index, so only one layer is copied (made contiguous, cast to ``dtype``) at a
-    time. vLLM starts from it (an engine started with dummy weights never takes a later reload)."""
+    bucket with its index, written as the buckets arrive, so only one layer is held (made
+    contiguous, cast to ``dtype``) at a time, also from a stream of gathered tensors (a sharded
+    trainer's). vLLM starts from it (an engine started with dummy weights never takes a later reload)."""
     from safetensors.torch import save_file
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     config.save_pretrained(directory)
-    buckets = list(layer_buckets(weights))
     index: dict[str, str] = {}
-    for i, bucket in enumerate(buckets):
-        file = f"model-{i + 1:05d}-of-{len(buckets):05d}.safetensors"
+    total = 0
+    for i, bucket in enumerate(layer_buckets(weights)):
+        file = f"model-{i + 1:05d}.safetensors"
         tensors = {name: (t.to(dtype) if dtype is not None else t).detach().cpu().contiguous() for name, t in bucket}
         save_file(tensors, str(directory / file), metadata={"format": "pt"})
         index.update(dict.fromkeys(tensors, file))
-    total = sum(t.numel() * t.element_size() for _, t in (p for b in buckets for p in b))
+        total += sum(t.numel() * t.element_size() for t in tensors.values())
+        del tensors, bucket
     (directory / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {"total_size": total}, "weight_map": index}, indent=1))
     return directory

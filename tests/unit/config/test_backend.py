@@ -321,6 +321,31 @@ def test_a_model_whose_rollout_copy_does_not_fit_one_device_is_refused(monkeypat
     assert plan.memory.rollout_copy == pytest.approx(4 * plan.num_params)
 
 
+def test_the_vllm_rollout_counts_its_share_per_device(monkeypatch):
+    """With vLLM the leader's rollout is split over infer_tensor_parallel_size devices (fp32 on a CPU):
+    the seed's 7B model at infer TP 4 fits the 16 GiB device that its native copy does not; at infer
+    TP 1 it is refused, naming the key to raise."""
+    import sys
+    import types
+
+    from posttrain.config import plan as plan_module
+    from posttrain.config.memory import check_rollout_fits
+
+    monkeypatch.setitem(sys.modules, "vllm", types.ModuleType("vllm"))  # the package, as installed
+    monkeypatch.setattr("posttrain.config.memory.machine_memory_bytes", lambda: 16 * 2**30)
+    overrides = ["actor_config.use_distributed_optimizer=false", "rl_config.rollout_engine=vllm"]
+    plan = plan_module.resolve_plan(load_run_config("r1_zero_qwen25_7b", overrides=[
+        *overrides, "rl_config.ignore_memory_estimate=true"]), device="cpu")  # the rest of the run does not fit
+    assert plan.rollout.vllm.tensor_parallel_size == 4
+    assert plan.memory.rollout_copy == pytest.approx(4 * plan.num_params / 4)
+    check_rollout_fits(plan)  # 7.1 GiB per device
+    with pytest.raises(ConfigError, match=r"the vLLM rollout holds 1/1 of the model per device \(generate_config."
+                                          r"infer_tensor_parallel_size=1\) in float32: 28.4 GiB .* raise "
+                                          r"generate_config.infer_tensor_parallel_size"):
+        plan_module.resolve_plan(load_run_config("r1_zero_qwen25_7b", overrides=[
+            *overrides, "generate_config.infer_tensor_parallel_size=1"]), device="cpu")
+
+
 def test_ckpt_format_is_named_on_the_hf_backend():
     """``ckpt_format`` is the megatron backend's: written with another value on the hf backend it is
     in the start-up warning (the hf backend saves HF directories); an unknown value is refused."""

@@ -80,7 +80,7 @@ EXAMPLES: dict[str, tuple[list[str], str]] = {
     "vllm-speculation": ([*VLLM, *SPEC], "cpu"),
     "vllm-ascend_scheduler_config_enabled": ([*VLLM, "generate_config.ascend_scheduler_config_enabled=true"], "cpu"),
     "vllm-ray-tensor-parallel": ([*VLLM, *RAY, "generate_config.infer_tensor_parallel_size=2"], "cpu"),
-    "vllm-megatron": ([*VLLM, *TP2], "cpu"),
+    "vllm-megatron-tensor-parallel-cuda": ([*VLLM, *TP2, "generate_config.infer_tensor_parallel_size=2"], "cuda"),
     "async-offline": ([*DPO, *ASYNC], "cpu"),
     "async-ray": ([*ASYNC, *RAY], "cpu"),
     "async-engine": ([*ASYNC, *OTHER], "cpu"),

@@ -132,9 +132,10 @@ def test_the_ascend_scheduler_default_is_not_refused(gpu):
     check_run_config(config(), device_type="cpu")  # ascend_scheduler_config_enabled: true by default
 
 
-def test_ray_workers_run_vllm_but_not_split_over_devices_and_megatron_is_refused(gpu):
-    """Ray actor workers (DDP or FSDP2) each run their own engine: allowed, and tests/vllm/test_vllm_ray.py runs
-    them; vLLM's tensor parallelism inside one worker (which holds one device) and the megatron backend are not."""
+def test_ray_workers_and_megatron_run_vllm_but_a_worker_does_not_split_over_devices(gpu):
+    """Ray actor workers (DDP or FSDP2) each run their own engine (tests/vllm/test_vllm_ray.py); vLLM's tensor
+    parallelism inside one hf worker (which holds one device) is refused; the megatron backend runs vLLM on each
+    data-parallel replica's leader (tests/vllm/test_vllm_megatron.py)."""
     for sharding in ("ddp", "fsdp2"):
         check_run_config(config(["rl_config.actor_resource.num_npus=2", f"rl_config.ray_sharding={sharding}"]),
                          device_type="cpu")
@@ -142,9 +143,8 @@ def test_ray_workers_run_vllm_but_not_split_over_devices_and_megatron_is_refused
     assert message.startswith("generate_config.infer_tensor_parallel_size=2 with rl_config.rollout_engine: vllm on "
                               "Ray actor workers: each worker runs its own vLLM engine")
     assert "set it to 1" in message and len(message.splitlines()) == 1
-    message = refusal(["rl_config.actor_resource.num_npus=2", "actor_config.tensor_model_parallel_size=2"])
-    assert "rl_config.rollout_engine: vllm runs on the hf training backend" in message
-    assert len(message.splitlines()) == 1  # megatron alone: Ray is no longer refused
+    check_run_config(config(["rl_config.actor_resource.num_npus=2", "actor_config.tensor_model_parallel_size=2"]),
+                     device_type="cpu")
 
 
 def test_truncated_sampling_with_rollout_correction_is_warned(gpu):

@@ -1,0 +1,60 @@
+"""The Megatron actor as the vLLM rollout engine sees it: :class:`MegatronView`, the duck type of
+:class:`posttrain.rollout.vllm_weights.ModelView` for a model sharded over the ranks of a
+data-parallel replica (tensor x pipeline parallel).
+
+Only the replica's *leader* (TP rank 0, PP rank 0) holds the engine, but everything the engine asks
+of the view is a collective over the replica: ``weights()`` gathers each layer's shards into the
+Hugging Face layout (:func:`posttrain.train.megatron.model.hf_weights`), ``probe_logprobs`` is a
+forward of the actor over all its ranks. So the other ranks mirror each of the leader's requests
+with :meth:`MegatronView.follow` (the same collectives, in the same order, results dropped). No
+process ever holds more than one layer beyond its own shards (vLLM's own copy aside).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from posttrain.rollout.vllm_probe import probe_ids
+from posttrain.train.megatron.model import hf_weights
+
+
+class MegatronView:
+    """``config`` (the HF config), ``device_type``, ``dtype``, ``weights()``, ``probe_logprobs(ids)``
+    and ``layer_outputs(ids)`` (None: the layers' outputs live on different ranks) of the actor
+    whose shards on this rank are ``chunks`` (Megatron ``args``), run by its train ``engine``."""
+
+    def __init__(self, chunks: list, args, engine, config, device: str, dtype: str):
+        self.chunks, self.args, self.engine, self.config = chunks, args, engine, config
+        self.device = device
+        self.device_type = torch.device(device).type
+        self.dtype = dtype
+
+    def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(HF name, full tensor)``, one layer at a time (a collective: every rank iterates it)."""
+        return hf_weights(self.chunks, self.args)
+
+    def probe_logprobs(self, ids: list[int]) -> torch.Tensor:
+        """``log p(ids[t] | ids[:t])`` for t >= 1 by the actor at temperature 1, in fp32 on the CPU:
+        a one-row batch through the engine's log-prob pass (a collective over the replica)."""
+        tokens = torch.tensor([ids], dtype=torch.long, device=self.device)
+        batch = {"input_ids": tokens, "attention_mask": torch.ones_like(tokens),
+                 "response_mask": torch.ones(1, len(ids) - 1, dtype=torch.long, device=self.device)}
+        logprobs = self.engine.compute_logprobs(batch, temperature=1.0, micro_batch_size=1)
+        return logprobs[0].float().cpu()
+
+    def layer_outputs(self, ids: list[int]) -> None:
+        return None
+
+    @property
+    def probe(self) -> list[int]:
+        """The engine's probe sequence (:func:`posttrain.rollout.vllm_probe.probe_ids`)."""
+        return probe_ids(self.config.vocab_size)
+
+    def follow(self) -> None:
+        """A rank without the engine: its part of the leader's start or weight sync (every layer
+        gathered, then the probe's forward), the results dropped."""
+        for _ in self.weights():
+            pass
+        self.probe_logprobs(self.probe)
