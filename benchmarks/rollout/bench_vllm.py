@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_rollout as br  # noqa: E402  (the workload and the HF and native runners)
+import bench_rollout as br  # the workload and the HF and native runners
 
 SAMPLING = {"temperature": 0.2, "top_k": 50, "top_p": 1.0}  # the seed's defaults
 ENGINES = ("hf", "native", "vllm", "vllm_prefix")
