@@ -5,9 +5,9 @@
 about 10 minutes a run on a loaded 2-core CPU. Run it in the venv that has vLLM:
 
     OMP_NUM_THREADS=1 PYTHONPATH=src .venv-vllm/bin/python benchmarks/rollout/learn_vllm_vs_native.py \
-        --out runs/learn_vllm --iters 10 --seeds 1234 1235
+        --out runs/learn_vllm --iters 10 --seeds 1234 1235 1236
 
-Each run's directory holds the demo's ``summary.json``, ``metrics.jsonl`` and ``eval.jsonl``;
+Measured 2026-12-04 (benchmarks/rollout/RESULTS.md, session 6). Each run's directory holds the demo's ``summary.json``, ``metrics.jsonl`` and ``eval.jsonl``;
 ``comparison.json`` and the printed table give, per run, the held-out lenient and strict accuracy
 before and after (greedy, by the run's own engine), the reward mean of every iteration and the time.
 
@@ -81,7 +81,8 @@ def run_one(out: Path, engine: str, seed: int, iters: int, model: Path | None, e
     """One demo run in a child process (a fresh vLLM and torch state each time); its summary."""
     import subprocess
     import sys
-    cmd = [sys.executable, __file__, "--child", str(TOLERANCE_FP32), "--out", str(out), "--iters", str(iters), "--seed", str(seed),
+    cmd = [sys.executable, __file__, "--child", str(TOLERANCE_FP32), "--out", str(out), "--iters", str(iters),
+           "--seed", str(seed),
            *(["--model", str(model)] if model else []),
            f"rl_config.rollout_engine={engine}", *FP32, *extra]
     load = os.getloadavg()
