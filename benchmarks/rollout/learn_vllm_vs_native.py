@@ -7,8 +7,8 @@ about 10 minutes a run on a loaded 2-core CPU. Run it in the venv that has vLLM:
     OMP_NUM_THREADS=1 PYTHONPATH=src .venv-vllm/bin/python benchmarks/rollout/learn_vllm_vs_native.py \
         --out runs/learn_vllm --iters 10 --seeds 1234 1235 1236
 
-Measured 2026-12-04 (benchmarks/rollout/RESULTS.md, session 6). Each run's directory holds the demo's ``summary.json``, ``metrics.jsonl`` and ``eval.jsonl``;
-``comparison.json`` and the printed table give, per run, the held-out lenient and strict accuracy
+Measured 2026-12-04 (benchmarks/rollout/RESULTS.md, session 6). Each run's directory holds the
+demo's ``summary.json``, ``metrics.jsonl`` and ``eval.jsonl``; ``comparison.json`` and the printed table give, per run, the held-out lenient and strict accuracy
 before and after (greedy, by the run's own engine), the reward mean of every iteration and the time.
 
 Two settings differ from the demo's defaults, both for both engines (the reasons are adapter
