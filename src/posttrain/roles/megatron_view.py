@@ -16,7 +16,6 @@ from collections.abc import Iterator
 
 import torch
 
-from posttrain.rollout.vllm_probe import probe_ids
 from posttrain.train.megatron.model import hf_weights
 
 
@@ -35,9 +34,12 @@ class MegatronView:
         """``(HF name, full tensor)``, one layer at a time (a collective: every rank iterates it)."""
         return hf_weights(self.chunks, self.args)
 
-    def probe_logprobs(self, ids: list[int]) -> torch.Tensor:
+    def probe_logprobs(self, ids: list[int] | None) -> torch.Tensor:
         """``log p(ids[t] | ids[:t])`` for t >= 1 by the actor at temperature 1, in fp32 on the CPU:
-        a one-row batch through the engine's log-prob pass (a collective over the replica)."""
+        a one-row batch through the engine's log-prob pass (a collective over the replica). The
+        leader's ``ids`` (the engine's probe, continued by the engine itself) reach the other ranks
+        first (they pass None)."""
+        ids = self._leaders(ids)
         tokens = torch.tensor([ids], dtype=torch.long, device=self.device)
         batch = {"input_ids": tokens, "attention_mask": torch.ones_like(tokens),
                  "response_mask": torch.ones(1, len(ids) - 1, dtype=torch.long, device=self.device)}
@@ -47,14 +49,26 @@ class MegatronView:
     def layer_outputs(self, ids: list[int]) -> None:
         return None
 
-    @property
-    def probe(self) -> list[int]:
-        """The engine's probe sequence (:func:`posttrain.rollout.vllm_probe.probe_ids`)."""
-        return probe_ids(self.config.vocab_size)
+    def _leaders(self, ids: list[int] | None) -> list[int]:
+        """``ids`` as the replica's leader has them, on every rank of its model-parallel group (the
+        leader's global rank is the group's lowest: TP rank 0, PP rank 0)."""
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
+        group = ps.get_model_parallel_group()
+        src = min(dist.get_process_group_ranks(group))
+        if (ids is not None) != (dist.get_rank() == src):
+            raise RuntimeError("the probe's ids must come from the replica's leader (TP rank 0, PP rank 0) alone")
+        length = torch.tensor([len(ids) if ids is not None else 0], dtype=torch.long, device=self.device)
+        dist.broadcast(length, src=src, group=group)
+        tokens = (torch.tensor(ids, dtype=torch.long, device=self.device) if ids is not None
+                  else torch.empty(int(length.item()), dtype=torch.long, device=self.device))
+        dist.broadcast(tokens, src=src, group=group)
+        return tokens.tolist()
 
     def follow(self) -> None:
         """A rank without the engine: its part of the leader's start or weight sync (every layer
         gathered, then the probe's forward), the results dropped."""
         for _ in self.weights():
             pass
-        self.probe_logprobs(self.probe)
+        self.probe_logprobs(None)
