@@ -168,6 +168,7 @@ class VLLMEngine(RolloutEngine):
     max_num_seqs: int | None = None
     gpu_memory_utilization: float | None = None
     probe_scored_from: int = 0
+    threads: int = 1
     separate: bool = False  # the model in vLLM's own processes (separate_process, tensor parallel)
     holds_weights = True  # its own copy: a LoRA wrapper syncs merged weights instead of merging per call
 
@@ -222,7 +223,9 @@ class VLLMEngine(RolloutEngine):
         self.check_probe(view.probe_logprobs(self.probe), "the start", view)
 
     def _start(self, vllm, kwargs: dict) -> Any:
-        os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))  # vLLM's CPU worker keeps it
+        self.threads = torch.get_num_threads()  # vLLM's CPU attention runs with the count it started with
+        saved_env = os.environ.get("OMP_NUM_THREADS")
+        os.environ["OMP_NUM_THREADS"] = str(self.threads)  # vLLM's CPU worker keeps it (else it lowers it to 1)
         set_num_threads = torch.set_num_threads  # vLLM's CPU worker replaces it with a no-op
         try:
             return vllm.LLM(**kwargs)
@@ -244,6 +247,16 @@ class VLLMEngine(RolloutEngine):
                               f"{self.max_num_seqs})") from exc
         finally:
             torch.set_num_threads = set_num_threads
+            if saved_env is None:
+                os.environ.pop("OMP_NUM_THREADS", None)
+            else:
+                os.environ["OMP_NUM_THREADS"] = saved_env
+
+    def _same_threads(self) -> None:
+        """The calling thread's torch thread count as at the start: vLLM's CPU attention checks it, and
+        another Python thread (the asynchronous rollout's) starts with OpenMP's default count."""
+        if self.on_cpu and not self.separate and torch.get_num_threads() != self.threads:
+            torch.set_num_threads(self.threads)
 
     # ---- weights and memory ------------------------------------------------------------------
     def sync_weights(self, model: Any) -> int:
@@ -259,6 +272,7 @@ class VLLMEngine(RolloutEngine):
         """Stream ``(HF name, tensor)`` pairs into vLLM, one decoder layer per reload call, then reset
         the prefix cache. Returns the number of tensors loaded."""
         self._wake("weights")
+        self._same_threads()
         count = 0
         with _quiet_reload(), torch.no_grad():
             for bucket in layer_buckets(weights):
@@ -282,6 +296,7 @@ class VLLMEngine(RolloutEngine):
         tolerance, naming the first layer that differs (``view.layer_outputs`` when given)."""
         self._wake("weights")
         self._wake("kv_cache")
+        self._same_threads()
         theirs = engine_logprobs(self.llm, self.probe)
         scored = slice(self.probe_scored_from, None)  # the greedy continuation (vllm_probe)
         diff = float((theirs[scored] - trainer.float().cpu()[scored]).abs().max())
@@ -351,6 +366,7 @@ class VLLMEngine(RolloutEngine):
         if self.sleep_mode:  # the weights first (when no sync woke them), then the KV cache
             self._wake("weights")
             self._wake("kv_cache")
+        self._same_threads()
         results = []
         try:
             for group in self._one_step_groups(prompt_token_ids, 1 if greedy else n, seeded=not greedy):
