@@ -20,7 +20,6 @@ backend in one process.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -28,10 +27,10 @@ import pytest
 from tests.cluster.cluster_helpers import record_run
 from tests.helpers.configs import run_config
 from tests.helpers.data import addition_rows, preprocess_prompts
+from tests.helpers.local_ray import local_ray
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
-ROOT = Path(__file__).resolve().parents[2]
 WALL_CLOCK = ("timing/", "e2e_tps", "update_tps", "vllm_tps")
 SAMPLED = {"max_tokens": 12, "temperature": 1.0, "top_k": -1, "top_p": 1.0}
 GREEDY = {"max_tokens": 12, "temperature": 0.0, "top_k": -1, "top_p": 1.0}
@@ -41,20 +40,8 @@ GREEDY = {"max_tokens": 12, "temperature": 0.0, "top_k": -1, "top_p": 1.0}
 def ray_session():
     """One local Ray cluster for the module: 4 logical CPUs (TP 2 x PP 2: 4 Megatron ranks), 1 torch
     thread each."""
-    import ray
-    import torch
-
-    path = os.environ.get("PYTHONPATH", "")
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), path) if p)  # the workers import tests.helpers
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    ray.init(num_cpus=4, include_dashboard=False, logging_level="WARNING",
-             runtime_env={"env_vars": {"PYTHONPATH": os.environ["PYTHONPATH"], "HF_HUB_OFFLINE": "1",
-                                       "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}})
-    yield ray
-    ray.shutdown()
-    torch.set_num_threads(before)
-    os.environ["PYTHONPATH"] = path
+    with local_ray(4, OMP_NUM_THREADS="1") as ray:
+        yield ray
 
 
 @pytest.fixture(scope="module")

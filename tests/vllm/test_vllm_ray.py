@@ -12,37 +12,24 @@ GRPO with DDP replicas and with FSDP2 shards against the same run in one process
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 
 from tests.cluster import cluster_helpers
 from tests.helpers.configs import run_config
+from tests.helpers.local_ray import local_ray
 
 pytestmark = pytest.mark.ray
 
-ROOT = Path(__file__).resolve().parents[2]
 WALL_CLOCK = ("timing/", "e2e_tps", "update_tps", "vllm_tps")
 
 
 @pytest.fixture(scope="module")
 def ray_session():
     """One local Ray cluster for the module: 2 CPUs, one per actor worker, 1 torch thread each."""
-    import ray
-    import torch
-
-    path = os.environ.get("PYTHONPATH", "")
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), path) if p)  # the workers import tests.helpers
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING",
-             runtime_env={"env_vars": {"PYTHONPATH": os.environ["PYTHONPATH"], "HF_HUB_OFFLINE": "1",
-                                       "TOKENIZERS_PARALLELISM": "false", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}})
-    yield ray
-    ray.shutdown()
-    torch.set_num_threads(before)
-    os.environ["PYTHONPATH"] = path
+    with local_ray(2, VLLM_ENABLE_V1_MULTIPROCESSING="0") as ray:
+        yield ray
 
 
 @pytest.fixture(scope="module")

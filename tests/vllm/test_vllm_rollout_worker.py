@@ -3,26 +3,21 @@ its own vLLM engine, synced (and proven by the probe) with every version it load
 
 from __future__ import annotations
 
-import os
 
 import pytest
 
 from tests.helpers.configs import VERIFIERS
+from tests.helpers.local_ray import local_ray
 from tests.helpers.runs import metrics_by_iteration, world_run_config
 
 pytestmark = [pytest.mark.ray]  # a local Ray cluster and two vLLM engines: about a minute on 2 cores
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    ray = pytest.importorskip("ray")
-    path = os.environ.get("PYTHONPATH", "")
-    env = {"PYTHONPATH": os.pathsep.join(p for p in (ROOT, path) if p), "HF_HUB_OFFLINE": "1",
-           "TOKENIZERS_PARALLELISM": "false", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1"}
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING", runtime_env={"env_vars": env})
-    yield ray
-    ray.shutdown()
+    pytest.importorskip("ray")
+    with local_ray(2, VLLM_ENABLE_V1_MULTIPROCESSING="0", OMP_NUM_THREADS="1") as ray:
+        yield ray
 
 
 def test_the_rollout_worker_samples_each_version_on_its_own_vllm(vllm_world, tmp_path, ray_cluster, one_thread):

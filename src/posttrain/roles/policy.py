@@ -208,6 +208,7 @@ def build_rollout(rollout: RolloutOptions, policy: PolicyOptions, model, tokeniz
     kwargs = dict(model=model, pad_token_id=tokenizer.pad_token_id, eos_token_ids=stop_token_ids,
                   max_num_seqs=rollout.max_num_seqs, max_num_batched_tokens=rollout.max_num_batched_tokens,
                   dtype=rollout.dtype, **engine_options)
+    peft = hasattr(model, "peft_config")
     if rollout.per_request and rollout.engine == "native":  # its per-request loop (multi-turn, async_engine)
         engine = MultiTurnEngine(**turn_parts(rollout, policy, tokenizer), **kwargs)
     else:  # vLLM admits per request by itself (async_engine); its tool turns are wrapped below
@@ -222,14 +223,13 @@ def build_rollout(rollout: RolloutOptions, policy: PolicyOptions, model, tokeniz
                 kwargs["speculative_tokens"] = rollout.speculative_tokens
             if not rollout.enforce_eager:  # graph mode: CUDA graphs on a GPU (a CPU warned at start-up)
                 kwargs["cuda_graphs"] = next(model.parameters()).device.type == "cuda"
-        peft = hasattr(model, "peft_config")
         with merged(model) if peft and rollout.vllm is not None else contextlib.nullcontext():
             engine = ROLLOUT_ENGINES.get(rollout.engine)(**kwargs)  # vLLM starts from the adapted weights
         if rollout.tools is not None:  # multi-turn on vLLM: each turn a request (rollout/vllm_multi_turn.py)
             from posttrain.rollout.vllm_multi_turn import VLLMMultiTurnEngine
 
             engine = VLLMMultiTurnEngine(engine, **turn_parts(rollout, policy, tokenizer))
-    if hasattr(model, "peft_config"):  # LoRA: sample from the merged weights (docs/lora.md)
+    if peft:  # LoRA: sample from the merged weights (docs/lora.md)
         return MergedRollout(engine, model)
     return engine
 
