@@ -123,6 +123,15 @@ def _add_plan(sub) -> None:
     p.add_argument("--config-only", action="store_true",
                    help="check the config alone, not the files it names (datasets, the model to start from, the "
                         "save and output directories), e.g. before the data exists; train checks them at start-up")
+    p.add_argument("--target", default=None, metavar="KIND:SIZE",
+                   help="plan for hardware this machine is not: cuda:80GiB, npu:64GiB (the seed's Ascend NPUs, "
+                        "a capacity check: posttrain runs on CUDA) or cpu:24GiB (per node); runs the checks train "
+                        "would run there (bf16 on cuda/npu, CUDA-only keys) and compares the memory per device "
+                        "with SIZE; the files the config names are not checked")
+    p.add_argument("--nodes", type=int, default=None, help="with --target: the nodes of the target cluster")
+    p.add_argument("--devices-per-node", type=int, default=None,
+                   help="with --target: devices per node; --nodes x --devices-per-node must be the config's "
+                        "device count (rl_config.actor_resource.num_npus)")
 
 
 def _subparser_class(common: argparse.ArgumentParser):

@@ -66,14 +66,17 @@ def cuda_supports_bf16() -> bool:
     return bool(torch.cuda.is_bf16_supported(including_emulation=False))
 
 
-def precision(device: str, *, bf16: bool, rollout_dtype: str) -> tuple[str, str]:
+def precision(device: str, *, bf16: bool, rollout_dtype: str, native_bf16: bool | None = None) -> tuple[str, str]:
     """(training dtype, rollout dtype) from the config's ``bf16`` and ``generate_config.dtype``:
     kept where ``device`` computes bf16 natively; fp32 on a CPU without bf16 matmul units; refused
-    on a GPU without them."""
+    on a GPU without them. ``native_bf16``: whether it does, for a device that is not this machine's
+    (``posttrain plan --target``); None asks this machine."""
+    native = native_bf16 if native_bf16 is not None else (
+        cpu_supports_bf16() if device.startswith("cpu") else cuda_supports_bf16())
     if device.startswith("cpu"):
-        if not cpu_supports_bf16():
+        if not native:
             bf16, rollout_dtype = False, "float32"
-    elif (bf16 or rollout_dtype == "bfloat16") and not cuda_supports_bf16():
+    elif (bf16 or rollout_dtype == "bfloat16") and not native:
         key = "megatron_training.bf16: true" if bf16 else "generate_config.dtype: bfloat16"
         raise ConfigError(f"{key}: this GPU ({device}) has no bf16 support (it needs compute capability 8.0, "
                           "Ampere, or newer); set megatron_training.bf16: false and generate_config.dtype: "

@@ -45,10 +45,13 @@ def column(td, name):
     return torch.cat([r.reshape(-1) for r in batch[name]])
 
 
-def record_run(cfg) -> tuple[list[list[list[int]]], list[dict], list[dict]]:
+def record_run(cfg, sessions: list | None = None) -> tuple[list[list[list[int]]], list[dict], list[dict]]:
     """Train ``cfg``; return the response token ids of every generation batch, the logged metrics
-    and the metrics of every actor optimizer step."""
+    and the metrics of every actor optimizer step (the run's session is appended to ``sessions``:
+    on Ray, ``session.cluster.info`` says where each worker ran)."""
     session, trainer = session_and_trainer(cfg)
+    if sessions is not None:
+        sessions.append(session)
     batches, steps = [], []
     generation = trainer.producer.generation
     fill, update = generation.fill, session.policy.actor.update

@@ -70,13 +70,14 @@ def work(tmp_path_factory, tiny_tokenizer):
 
 
 def grpo_run(work: Path, name: str, *, engine: str, tp: int = 1, sampling: dict = SAMPLED, iters: int = 2,
-             infer_tp: int = 1, dp: int = 1):
+             infer_tp: int = 1, dp: int = 1, train_extra: dict | None = None, rl_extra: dict | None = None):
     """``iters`` GRPO iterations (4 prompts x 8 samples, 2 optimizer steps each, a KL term) in fp32:
     TP ``tp`` x DP ``dp`` on the megatron backend (Ray workers), or the hf backend in this process
-    (``tp`` 1); vLLM over ``infer_tp`` processes."""
+    (``tp`` 1); vLLM over ``infer_tp`` processes; ``*_extra``: more keys of those sections."""
     rl = {"actor_resource": {"num_devices": tp * dp}, "ray_timeout_s": 600, "rollout_engine": engine,
-          "init_kl_coef": 0.05, "guarantee_order": True}
+          "init_kl_coef": 0.05, "guarantee_order": True, **(rl_extra or {})}
     train = {"tensor_model_parallel_size": tp, "backend": "megatron"} if tp > 1 else {}
+    train.update(train_extra or {})
     gen = {"max_model_len": 64, "max_num_seqs": 64, "infer_tensor_parallel_size": infer_tp, "dtype": "float32",
            "sampling_config": sampling}
     return record_run(run_config(work / "model", work / "prompts/data", work / f"run_{name}", name=name, iters=iters,
@@ -138,6 +139,21 @@ def test_two_replicas_each_with_its_engine_equal_the_hf_backend(ray_session, wor
     got = grpo_run(work, "megatron_vllm_dp2", engine="vllm", tp=2, dp=2)
     assert all(r["rollout/sync_probe_diff"] < 1e-4 for r in logged(got[1]))
     assert_same_run(got, hf_vllm)
+
+
+def test_lora_on_megatron_reaches_the_engine_merged(ray_session, work):
+    """LoRA at TP 2 (only the adapter trains, lr 2e-2, the reference the base): the engine starts from,
+    and takes after every update, the merged weights ``W + (alpha / r) B A``: its probe (the engine's
+    log-probs of a fixed sequence against the adapted Megatron actor's) stays below 1e-4 while the
+    adapter moves the actor off the base (the KL term grows)."""
+    lora = {"lora_target_modules": ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"], "lora_r": 8,
+            "lora_alpha": 16, "lr": 2e-2}
+    _, rows, _ = grpo_run(work, "megatron_vllm_lora", engine="vllm", tp=2, train_extra=lora,
+                          rl_extra={"share_backbone": True})
+    rows = logged(rows)
+    assert [r["iteration"] for r in rows] == [1, 2]
+    assert all(r["rollout/sync_probe_diff"] < 1e-4 for r in rows)
+    assert rows[-1]["actor/kl_loss"] > 1e-4  # the synced weights are not the base
 
 
 def test_greedy_megatron_with_vllm_tensor_parallel_draws_the_native_engines_tokens(ray_session, work):

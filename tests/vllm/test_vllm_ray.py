@@ -8,6 +8,7 @@ GRPO with DDP replicas and with FSDP2 shards against the same run in one process
   the prompt's key, so each worker draws for its share of the prompts the tokens the one-process
   engine draws; a worker whose engine missed an update would sample other tokens and score other
   log-probs. Same response tokens, and every logged metric but the wall-clock ones within 1e-3.
+* LoRA on FSDP2 shards: each engine takes the adapter merged into the gathered base at every sync.
 """
 
 from __future__ import annotations
@@ -42,15 +43,16 @@ def work(tmp_path_factory, tiny_tokenizer):
     return write_vllm_world(tmp_path_factory.mktemp("vllm_ray"), tiny_tokenizer, 64, "prompts/data")
 
 
-def vllm_run(work: Path, name: str, *, workers: int, sharding: str = "ddp"):
+def vllm_run(work: Path, name: str, *, workers: int, sharding: str = "ddp", rl: dict | None = None,
+             train: dict | None = None):
     """2 GRPO iterations (4 prompts x 8 samples, 2 optimizer steps each) sampled by vLLM in fp32 on
     ``workers`` Ray actor workers (1: in this process)."""
     rl = {"actor_resource": {"num_devices": workers}, "ray_timeout_s": 600, "rollout_engine": "vllm",
-          "ray_sharding": sharding, "init_kl_coef": 0.05}
+          "ray_sharding": sharding, "init_kl_coef": 0.05, **(rl or {})}
     gen = {"max_model_len": 64, "max_num_seqs": 64, "infer_tensor_parallel_size": 1, "dtype": "float32",
            "sampling_config": {"max_tokens": 12, "temperature": 1.0, "top_k": -1, "top_p": 1.0}}
     cfg = run_config(work / "model", work / "prompts/data", work / f"run_{name}", name=name, iters=2, rl_config=rl,
-                     generate_config=gen)
+                     generate_config=gen, megatron_training=train or {})
     workers_info = []
     build = cluster_helpers.session_and_trainer
 
@@ -106,3 +108,19 @@ def test_the_run_on_two_workers_equals_the_run_in_one_process(runs, placement):
         assert len(compared) > 15 and want["actor/kl_loss"] >= 0
         for key in compared:
             assert got[key] == pytest.approx(want[key], rel=1e-3, abs=1e-3), (want["iteration"], key)
+
+
+def test_lora_on_fsdp2_shards_pushes_the_merged_weights(ray_session, work):
+    """LoRA on FSDP2 shards: each worker's engine takes the adapter merged into the gathered base at
+    every sync (the probe and every sampled token's log-prob match the trainer's, adapter on, after
+    each update), while the adapter moves away from the shared base (the reference, adapter off)."""
+    lora = {"lora_target_modules": ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"], "lora_r": 4,
+            "lora_alpha": 8, "lr": 5e-2}
+    _, rows, _, info = vllm_run(work, "fsdp2_lora", workers=2, sharding="fsdp2", rl={"share_backbone": True},
+                                train=lora)
+    rows = logged(rows)
+    assert [r["iteration"] for r in rows] == [1, 2] and all(i["rollout_holds_weights"] for i in info)
+    for row in rows:
+        assert row["rollout/sync_probe_diff"] < 1e-4, row["iteration"]
+        assert row["rollout/logprob_diff_max"] < 1e-4, row["iteration"]
+    assert rows[0]["actor/grad_norm"] > 0 and rows[1]["actor/kl_loss"] > 0  # iteration 2 sampled a moved adapter

@@ -24,6 +24,12 @@ AdamW state sharded over the workers instead of replicated (DDP).
   writes them through :func:`posttrain.checkpoint.save_checkpoint` in the in-process layout
   (optimizer state keyed by parameter index), so the checkpoint resumes on any number of workers
   with DDP, FSDP2 or in one process.
+* **LoRA** (a PEFT model): the same sharding, the frozen base included (its shards never get a
+  gradient; only the adapter is in the optimizer). Rollout, the old log-probs and the reference
+  with ``share_backbone`` (the adapter off) run inside :func:`gathered`; the rollout merges the
+  adapter into the gathered base weights (:func:`posttrain.models.lora.merged`), and a vLLM engine
+  takes the merged weights under the base model's names. A save gathers the adapter (and, without
+  ``lora_ckpt_filter``, the base) and writes PEFT's format, as DDP and one process do.
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ import contextlib
 import torch
 from transformers import AutoModelForCausalLM
 
-from posttrain.rollout.vllm_weights import ModelView
+from posttrain.rollout.vllm_weights import ModelView, hf_name
 from posttrain.train.optim import build_optimizer, build_scheduler
 from posttrain.train.options import OptimOptions
 
@@ -112,7 +118,8 @@ class GatheredView(ModelView):
     """The FSDP2 model inside :func:`gathered` as the vLLM engine sees it (a
     :class:`~posttrain.rollout.vllm_weights.ModelView`): its weights are the gathered full
     parameters and persistent buffers, read from the modules directly (``state_dict()`` would
-    put the shards back in place), shared tensors once."""
+    put the shards back in place), shared tensors once, by their Hugging Face names (a PEFT
+    model's base weights under the base model's names, its adapter left out: the caller merged it)."""
 
     def weights(self):
         seen: set[int] = set()
@@ -125,18 +132,21 @@ class GatheredView(ModelView):
                     continue
                 assert not hasattr(tensor, "full_tensor"), f"{prefix}{name} is still a shard: sync inside gathered()"
                 seen.add(id(tensor))
-                yield prefix + name, tensor.detach()
+                name = hf_name(prefix + name)
+                if name is not None:
+                    yield name, tensor.detach()
 
 
-def full_state(model, optimizer, names: list[str]) -> tuple[dict, dict]:
+def full_state(model, optimizer, names: list[str], *, trainable_only: bool = False) -> tuple[dict, dict]:
     """(full model state dict, optimizer state keyed like an in-process optimizer's), on CPU, on
-    rank 0 (the other ranks get empty dicts). A collective: every rank calls it."""
+    rank 0 (the other ranks get empty dicts). A collective: every rank calls it. ``trainable_only``
+    (a LoRA adapter saved alone): the frozen base is not gathered."""
     from torch.distributed.checkpoint.state_dict import (  # lazy: ~0.8 s; DDP imports this module
         get_model_state_dict,
         get_optimizer_state_dict,
     )
 
-    weights = get_model_state_dict(model, options=_options(cpu_offload=True))
+    weights = get_model_state_dict(model, options=_options(cpu_offload=True, ignore_frozen_params=trainable_only))
     optim = get_optimizer_state_dict(model, optimizer, options=_options(cpu_offload=True))
     if "state" not in optim:  # with cpu_offload only rank 0 receives the full state
         return weights, {}
@@ -148,11 +158,18 @@ def full_state(model, optimizer, names: list[str]) -> tuple[dict, dict]:
 
 class FullCopy:
     """What save_checkpoint needs from a model and an optimizer, from gathered full states: a CPU
-    HF model with the full weights (``save_pretrained``) and the optimizer's ``state_dict``."""
+    HF model with the full weights (``save_pretrained``) and the optimizer's ``state_dict``. A
+    PEFT (LoRA) model: a PEFT copy holding the gathered tensors, the rest of it never allocated
+    (:func:`posttrain.models.lora.meta_copy`; with the adapter alone, the base is not read)."""
 
     def __init__(self, model, weights: dict, optim_state: dict):
-        copy = AutoModelForCausalLM.from_config(model.config)
-        copy.load_state_dict(weights, strict=False)
+        if hasattr(model, "peft_config"):
+            from posttrain.models.lora import meta_copy  # lazy: peft (seconds), LoRA only
+
+            copy = meta_copy(model, weights)
+        else:
+            copy = AutoModelForCausalLM.from_config(model.config)
+            copy.load_state_dict(weights, strict=False)
         self.model, self.optim_state = copy, optim_state
 
     def state_dict(self) -> dict:

@@ -59,7 +59,7 @@ from posttrain.train.engine import minibatch_order
 log = logging.getLogger(__name__)
 
 # the rollout engines' metrics that reach the driver, and how the workers' values combine into one
-WORKER_ROLLOUT_METRICS = {"rollout/sync_probe_diff": max}
+WORKER_ROLLOUT_METRICS = {"rollout/sync_probe_diff": max, "timing/resharding_to_train": max}
 
 
 def spans(count: int, parts: int, keep_empty: bool = False) -> list[tuple[int, int]]:
@@ -119,7 +119,10 @@ class Cluster:
                 options = {"num_cpus": 1 if use_gpu else cpus, "num_gpus": 1 if use_gpu else 0, "max_restarts": 0,
                            "scheduling_strategy": strategy}
                 self.workers.append(remote.options(**options).remote(rank, self.world, cpus))
-            self.names = [f"actor worker rank {r}" for r in range(self.world)]
+            # the names every error uses: which rank, on which node (multi-node: which machine to look at)
+            self.nodes = launch.bundle_nodes(self.pg)
+            self.names = [f"actor worker rank {r} on {launch.node_label(node)}" for r, node in enumerate(self.nodes)]
+            self.node_of = dict(zip(self.names, self.nodes))
             ip, port, _ = self._call("find the rendezvous", [self.workers[0].address.remote()], self.names[:1])[0]
             states = self._all("set-up", "setup", plan, start, (ip, port), self.timeout_s, os.getcwd())
             self.info = self._all("ready check", "ready_info")
@@ -138,12 +141,12 @@ class Cluster:
         self.critic = CriticRole(self) if plan.uses_critic else None
         self.reward_model = RewardModelRole(self) if plan.stage.on_policy and plan.reward_model else None
         self.rule_reward = self.rewards
-        log.info("Ray: %d actor workers %s", self.world, self.info)
+        log.info("Ray: %d actor workers (%s): %s", self.world, "; ".join(self.names), self.info)
 
     # ---- calls --------------------------------------------------------------------------------
     def _call(self, what: str, refs: list, names: list[str]) -> list:
         try:
-            return gather(refs, names, what, self.timeout_s)
+            return gather(refs, names, what, self.timeout_s, nodes=[self.node_of[n] for n in names])
         except ClusterError:
             self.close()  # the other workers may wait forever in a collective with the failed one
             raise
@@ -208,6 +211,11 @@ class Cluster:
     def grads(self) -> list[dict]:
         self._check()
         return self._all("grads", "grads")
+
+    def parameter_bytes(self) -> list[dict[str, int]]:
+        """Each worker's own parameter storage, trainable and frozen (FSDP2: its shards)."""
+        self._check()
+        return self._all("parameter bytes", "parameter_bytes")
 
     def critic_state_dicts(self) -> list[dict]:
         self._check()

@@ -30,6 +30,7 @@ def connect(options: ClusterOptions, workers: int) -> bool:
               "log_to_driver": True, "logging_level": logging.WARNING}
     if address:
         log.info("connecting to the Ray cluster at %s", address)
+        token_auth_if_available()
         ray.init(address=address, **kwargs)
     else:  # a local cluster with at least one CPU per worker (CPU workers are processes)
         cpus = max(os.cpu_count() or 1, workers * options.cpus_per_worker)
@@ -37,6 +38,21 @@ def connect(options: ClusterOptions, workers: int) -> bool:
         # workers are the job, and at nice 15 they lose to every other process on a shared machine
         ray.init(num_cpus=cpus, _system_config={"worker_niceness": 0}, **kwargs)
     return True
+
+
+def token_auth_if_available() -> None:
+    """Send Ray's authentication token when one is at hand. ``ray start --head`` (Ray >= 2.5x) turns
+    token authentication on when a token exists (``~/.ray/auth_token``, ``RAY_AUTH_TOKEN_PATH`` or
+    ``RAY_AUTH_TOKEN``), but ``ray.init(address=...)`` does not, so a driver joining such a cluster is
+    refused ("Authentication token is missing"). With a token and ``RAY_AUTH_MODE`` unset, this sets
+    ``RAY_AUTH_MODE=token``; a cluster without authentication accepts the token too. An explicit
+    ``RAY_AUTH_MODE`` is kept."""
+    if os.environ.get("RAY_AUTH_MODE"):
+        return
+    path = os.environ.get("RAY_AUTH_TOKEN_PATH") or os.path.expanduser("~/.ray/auth_token")
+    if os.environ.get("RAY_AUTH_TOKEN") or os.path.isfile(path):
+        log.info("joining the Ray cluster with token authentication (RAY_AUTH_MODE=token)")
+        os.environ["RAY_AUTH_MODE"] = "token"
 
 
 def bundle(use_gpu: bool, cpus_per_worker: int) -> dict[str, float]:
@@ -60,3 +76,20 @@ def placement_group(count: int, use_gpu: bool, cpus_per_worker: int, timeout_s: 
             f"it has {ray.cluster_resources()}. Lower rl_config.actor_resource.num_npus, add nodes, or "
             f"raise rl_config.ray_timeout_s.")
     return pg
+
+
+def bundle_nodes(pg) -> list[str]:
+    """The Ray node id of each bundle of the ready placement group ``pg``, in bundle order."""
+    from ray.util.placement_group import placement_group_table
+
+    where = placement_group_table(pg)["bundles_to_node_id"]
+    return [where[index] for index in sorted(where)]
+
+
+def node_label(node_id: str) -> str:
+    """``node 1a2b3c4d (10.0.0.2)``: a node as the error messages name it (the id's first 8 hex
+    digits, as ``ray status`` and ``ray list nodes`` show them, and its IP)."""
+    import ray
+
+    ip = next((n.get("NodeManagerAddress") for n in ray.nodes() if n["NodeID"] == node_id), None)
+    return f"node {node_id[:8]}" + (f" ({ip})" if ip else "")

@@ -18,18 +18,24 @@ import torch
 import torch.distributed as dist
 
 from posttrain.errors import CheckpointError
-from posttrain.cluster.worker import ActorWorker
+from posttrain.cluster.worker import ActorWorker, worker_node_id
 from posttrain.roles.megatron_policy import MegatronPolicy
 from posttrain.roles.policy import load_policy_tokenizer
 from posttrain.train.megatron.cpu_shims import cpu_megatron
 from posttrain.train.megatron.model import hf_weights
+from posttrain.train.offload import WeightOffload
 
 
 class MegatronWorker(ActorWorker):
     """Rank ``rank`` of ``world_size`` Megatron-backend workers."""
 
+    parked: WeightOffload | None = None  # generate_config.offload_train_param: this rank's weights during rollout
+
     def megatron(self):
-        """Megatron's CPU shims around a Megatron call on a CPU; nothing on CUDA."""
+        """Around every pass over the model: the weights back on the device if the rollout parked
+        them; Megatron's CPU shims on a CPU, nothing on CUDA."""
+        if self.parked is not None:
+            self.parked.to_device()
         if self.device.startswith("cuda"):
             return contextlib.nullcontext()
 
@@ -41,16 +47,22 @@ class MegatronWorker(ActorWorker):
         with self.megatron():
             self.shard = MegatronPolicy(plan, self.device, tokenizer, stops, source=start["source"])
         self.policy, self.fsdp, self.reward_model = self.shard.policy, False, None
+        if plan.stage.on_policy and plan.rollout.offload_weights and self.device.startswith("cuda"):
+            self.parked = WeightOffload(torch.nn.ModuleList(self.shard.chunks))  # a CPU: no effect (warned)
         return dict(self.shard.state) if self.rank == 0 else {}
 
     def ready_info(self) -> dict:
-        return {"rank": self.rank, "pid": os.getpid(), "threads": torch.get_num_threads(), "device": self.device,
-                "replica": self.shard.dp_rank, "leader": self.shard.leader}
+        return {"rank": self.rank, "pid": os.getpid(), "node": worker_node_id(), "threads": torch.get_num_threads(),
+                "device": self.device, "replica": self.shard.dp_rank, "leader": self.shard.leader}
 
     # ---- roles ----------------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], n: int, sampling, stop_token_ids, prompt_keys=None) -> list:
         """The leader samples its replica's share (native: from its HF copy; vLLM: its engine); the
-        other ranks have no rollout."""
+        other ranks have no rollout. With ``offload_train_param`` every rank's trained weights (their
+        storages: Megatron's DDP buffers where it has them) wait in host memory from here until the
+        next pass over the model (:meth:`megatron`): the rollout samples from its own copy."""
+        if self.parked is not None:
+            self.parked.to_host()
         if self.policy.rollout is None or not prompts:
             return []
         return self.policy.rollout.generate(prompts, n, sampling, stop_token_ids, prompt_keys=prompt_keys)
@@ -77,7 +89,7 @@ class MegatronWorker(ActorWorker):
         """The replica's slices of the global mini-batches, one optimizer step each; then the
         weights to the leader's rollout (``timing/resharding_to_infer`` on the last step, and with
         vLLM ``rollout/sync_probe_diff``: the largest over the replicas' engines since the last
-        update, their start included)."""
+        update, their start included, and on a GPU ``timing/resharding_to_train``, their sleep)."""
         batch = {k: v.to(self.device) for k, v in batch.items()}
         with self.megatron():
             steps = self.policy.actor.update(batch, loss_fn, mini_batch_size=mini_batch_size,
@@ -85,9 +97,12 @@ class MegatronWorker(ActorWorker):
             seconds = self.shard.sync_rollout() if self.shard.plan.stage.on_policy else None
         if seconds is not None and steps:
             steps[-1]["timing/resharding_to_infer"] = seconds
-            if self.shard.view is not None:  # every rank calls update: a collective over all of them
-                steps[-1]["rollout/sync_probe_diff"] = self._largest(
-                    self.shard.pop_rollout_metrics().get("rollout/sync_probe_diff", 0.0))
+            if self.shard.view is not None:  # every rank calls update: collectives over all of them
+                popped = self.shard.pop_rollout_metrics()
+                steps[-1]["rollout/sync_probe_diff"] = self._largest(popped.get("rollout/sync_probe_diff", 0.0))
+                to_train = self._largest(popped.get("timing/resharding_to_train", 0.0))  # GPU: vLLM's sleep
+                if to_train > 0:
+                    steps[-1]["timing/resharding_to_train"] = to_train
         return steps
 
     def _largest(self, value: float) -> float:

@@ -7,6 +7,11 @@ memory, segfault) with Ray's account of the death. Either way the caller gets a
 which may be blocked in a collective with the dead one. When a worker raises, the others get a
 few seconds (``DEATH_GRACE_S``) to show whether one of them died: a death is reported first,
 since the raise is then only a collective failing with the dead peer.
+
+When the caller says on which Ray node each worker runs (``nodes``), a dead worker's message also
+says whether its node is gone (its raylet stopped: a lost machine, a killed raylet), with Ray's
+reason. A worker on a lost node first shows as *unavailable* (its connection closed) before Ray
+declares the node dead, so that case waits up to ``NODE_DEATH_GRACE_S`` for the verdict.
 """
 
 from __future__ import annotations
@@ -18,15 +23,17 @@ from posttrain.errors import PosttrainError
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 DEATH_GRACE_S = 10.0  # how long a raise waits to see whether another worker died (the root cause)
+NODE_DEATH_GRACE_S = 30.0  # how long an unreachable worker waits for Ray to say whether its node died
 
 
 class ClusterError(PosttrainError):
     """A Ray worker failed, died or did not answer in time (rl_config.ray_timeout_s)."""
 
 
-def gather(refs: list, names: list[str], what: str, timeout_s: float) -> list:
+def gather(refs: list, names: list[str], what: str, timeout_s: float, nodes: list[str | None] | None = None) -> list:
     """The results of ``refs`` in order; raises :class:`ClusterError` on the first error or death,
-    or when they are not all done after ``timeout_s`` seconds. ``names`` say which worker each is."""
+    or when they are not all done after ``timeout_s`` seconds. ``names`` say which worker each is;
+    ``nodes`` (optional) the Ray node id each runs on."""
     import ray
     from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
@@ -42,7 +49,7 @@ def gather(refs: list, names: list[str], what: str, timeout_s: float) -> list:
             try:
                 ray.get(ref, timeout=0)
             except RayTaskError as err:  # the worker raised: its traceback is in the message
-                died = _first_death(pending, names, index)
+                died = _first_death(pending, names, index, nodes)
                 if died:  # the root cause: the raise was a collective failing with the dead worker
                     raise ClusterError(f"{what}: {died} (and {names[index[ref]]} then failed: "
                                        f"{_first_line(err)})") from None
@@ -51,13 +58,14 @@ def gather(refs: list, names: list[str], what: str, timeout_s: float) -> list:
                     raise ClusterError(f"{what} failed on {names[index[ref]]}: {err.cause}") from None
                 raise ClusterError(f"{what} failed on {names[index[ref]]}:\n{_plain(err)}") from None
             except RayActorError as err:  # the process is gone
-                raise ClusterError(f"{what}: {names[index[ref]]} died: {_plain(err)}") from None
+                raise ClusterError(f"{what}: {_death(names, nodes, index[ref], err)}") from None
             except GetTimeoutError as err:  # not expected after ray.wait said ready
                 raise ClusterError(f"{what}: {names[index[ref]]} did not answer: {err}") from None
     return ray.get(refs)
 
 
-def _first_death(pending: list, names: list[str], index: dict, grace_s: float = DEATH_GRACE_S) -> str | None:
+def _first_death(pending: list, names: list[str], index: dict, nodes: list[str | None] | None = None,
+                 grace_s: float = DEATH_GRACE_S) -> str | None:
     """``"<name> died: <Ray's account>"`` for the first of ``pending`` that is found dead within
     ``grace_s`` seconds, else None. A worker blocked in a collective with a killed peer often
     raises (gloo: connection reset) before Ray has reported the peer's death."""
@@ -71,10 +79,38 @@ def _first_death(pending: list, names: list[str], index: dict, grace_s: float = 
         try:
             ray.get(ref, timeout=0)
         except RayActorError as err:
-            return f"{names[index[ref]]} died: {_plain(err)}"
+            return _death(names, nodes, index[ref], err)
         except Exception:  # noqa: BLE001 - another raise; the first one is reported
             continue
     return None
+
+
+def _death(names: list[str], nodes: list[str | None] | None, i: int, err: Exception) -> str:
+    """``"<name> died: <Ray's account>"``, led by the node's fate when the worker's node is dead."""
+    from ray.exceptions import ActorUnavailableError
+
+    node = nodes[i] if nodes else None
+    lost = _node_death(node, NODE_DEATH_GRACE_S if isinstance(err, ActorUnavailableError) else 0.0) if node else None
+    if lost:
+        return f"{names[i]} died: {lost}. Ray: {_plain(err)}"
+    return f"{names[i]} died: {_plain(err)}"
+
+
+def _node_death(node_id: str, grace_s: float) -> str | None:
+    """``"its node is dead: <Ray's reason> (...)"`` once Ray reports node ``node_id``
+    dead (checked for up to ``grace_s`` seconds), else None: the node is alive, only the worker died."""
+    import ray
+
+    deadline = time.monotonic() + grace_s
+    while True:
+        node = next((n for n in ray.nodes() if n["NodeID"] == node_id), None)
+        if node is not None and not node.get("Alive", True):
+            reason = node.get("DeathReasonMessage") or "Ray lost its raylet"
+            return (f"its node is dead: {reason} (a lost machine or a stopped raylet; restart the node and "
+                    f"resume from the last checkpoint)")
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(0.5)
 
 
 def _first_line(err: Exception) -> str:

@@ -59,6 +59,7 @@ class RewardGroup:
                                        scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)
                                        ).remote(options) for node in nodes]
         self.names = [f"reward worker on node {node[:8]}" for node in nodes]
+        self.nodes = nodes
         self.timeout_s = timeout_s
         self.closed = False
 
@@ -73,7 +74,7 @@ class RewardGroup:
         refs = [self.workers[i].score_detailed.remote(
             responses[lo:hi], labels[lo:hi], cut(prompts, lo, hi), cut(response_lengths, lo, hi),
             **{name: cut(col, lo, hi) for name, col in columns.items()}) for i, (lo, hi) in enumerate(spans)]
-        parts = gather(refs, self.names[:len(refs)], "rule reward", self.timeout_s)
+        parts = gather(refs, self.names[:len(refs)], "rule reward", self.timeout_s, nodes=self.nodes[:len(refs)])
         return merge(parts, [hi - lo for lo, hi in spans])
 
     def score(self, responses, labels, prompts=None, **columns):

@@ -33,7 +33,8 @@ class RolloutWorker:
         """The actor's model and rollout engine, with the trainer's weights ``state``."""
         os.chdir(cwd)  # relative paths of the config (templates, tools) resolve as on the driver
         set_cpu_linear(start["cpu_linear"])  # for the worker's life: this process is the run's
-        model, tokenizer, _ = build_actor_model(plan.policy, plan.device, start["source"])
+        model, tokenizer, _ = build_actor_model(plan.policy, plan.device, start["source"],
+                                                frozen_dtype=plan.frozen_dtype)
         for p in model.parameters():
             p.requires_grad_(False)
         self.model = model

@@ -5,9 +5,9 @@ the actor model and its :class:`~posttrain.train.engine.TrainEngine`, the option
 the rollout engine of ``rl_config.rollout_engine``; colocated with them PPO's critic and the
 frozen reward model of ``reward_config``), joins a torch.distributed group (gloo on CPU, nccl on
 GPU) and wraps the model in DistributedDataParallel for the update (or shards it with FSDP2,
-:mod:`posttrain.cluster.fsdp`). Inference (rollout, log-probs, reference) uses the
-unwrapped model and needs no collective (FSDP2: after one parameter gather per call), so the
-driver may give workers uneven shares; the update is a collective: every worker gets a slice of
+:mod:`posttrain.cluster.fsdp`; with LoRA the PEFT model, frozen base included). Inference
+(rollout, log-probs, reference) uses the unwrapped model and needs no collective (FSDP2: after one
+parameter gather per call), so the driver may give workers uneven shares; the update is a collective: every worker gets a slice of
 every mini-batch (see :mod:`posttrain.cluster.group`).
 
 Rollout engines. The native engine samples from the actor's model object itself. A vLLM engine
@@ -52,6 +52,13 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("", 0))
         return int(s.getsockname()[1])
+
+
+def worker_node_id() -> str:
+    """The Ray node this worker runs on (the tests check that a placement spreads over nodes)."""
+    import ray
+
+    return ray.get_runtime_context().get_node_id()
 
 
 def wrap_ddp(model, device_ids):
@@ -125,6 +132,8 @@ class ActorWorker:
                                  dtype=plan.train_dtype, dp_group=own, options=plan.actor_engine)
         if p.reference is not None:
             p.reference.dp_group = own
+        # share_backbone (LoRA): the reference is the actor's own (sharded, under FSDP2) model, adapter off
+        self.reference_is_actor = plan.uses_reference and plan.policy.share_backbone
         self.fsdp = plan.sharding == "fsdp2"
         if self.fsdp:  # parameters, gradients and optimizer state sharded (cluster/fsdp.py)
             self.param_names = fsdp.shard(p.model, p.actor, plan.policy.optim, plan.total_optimizer_steps)
@@ -143,7 +152,7 @@ class ActorWorker:
 
     def ready_info(self) -> dict:
         """Who this worker is; ``replica``: its data-parallel replica (every worker is one here)."""
-        return {"rank": self.rank, "pid": os.getpid(), "threads": torch.get_num_threads(),
+        return {"rank": self.rank, "pid": os.getpid(), "node": worker_node_id(), "threads": torch.get_num_threads(),
                 "device": self.device, "replica": self.rank, "leader": True, "cpu_linear": installed(),
                 "rollout_holds_weights": self.rollout_holds_weights}
 
@@ -179,7 +188,7 @@ class ActorWorker:
     def compute_logprobs(self, batch: dict, temperature: float, micro_batch_size, reference: bool = False):
         engine = self.policy.reference if reference else self.infer
         rows, width = batch["response_mask"].shape
-        with self._gathered(not reference):  # the reference is a plain frozen copy
+        with self._gathered(not reference or self.reference_is_actor):  # else a plain frozen copy
             if rows == 0:
                 return torch.zeros(0, width)
             batch = {k: v.to(self.device) for k, v in batch.items()}
@@ -228,7 +237,8 @@ class ActorWorker:
         p = self.policy
         model, optimizer = p.model, p.actor.optimizer
         if self.fsdp:
-            weights, optim_state = full_state(p.model, p.actor.optimizer, self.param_names)
+            weights, optim_state = full_state(p.model, p.actor.optimizer, self.param_names,
+                                              trainable_only=self.adapter_only and hasattr(p.model, "peft_config"))
             if self.rank != 0:
                 return None
             copy = FullCopy(p.model, weights, optim_state)
@@ -253,6 +263,15 @@ class ActorWorker:
     def critic_state_dict(self) -> dict:
         """The critic's full weights on CPU (for tests)."""
         return {k: _full(v) for k, v in self.critic.model.state_dict().items()}
+
+    def parameter_bytes(self) -> dict[str, int]:
+        """Bytes of this worker's own parameter storage (FSDP2: its shards; DDP: the whole replica),
+        ``trainable`` and ``frozen`` (a LoRA model's base) apart; a tied weight once."""
+        out = {"trainable": 0, "frozen": 0}
+        for param in self.policy.model.parameters():
+            local = param.to_local() if hasattr(param, "to_local") else param
+            out["trainable" if param.requires_grad else "frozen"] += local.numel() * local.element_size()
+        return out
 
     def grads(self) -> dict:
         """The full gradients of the last optimizer step (after the all-reduce and clipping), on

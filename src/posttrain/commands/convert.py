@@ -152,7 +152,12 @@ def run(args: argparse.Namespace) -> int:
         if not load_dir.is_dir():
             raise ConfigError(f"--load-dir {load_dir}: {'not a directory' if load_dir.exists() else 'does not exist'}; "
                               f"give a Megatron checkpoint directory (release/ or iter_* with the tracker)")
-        if mcore_files.is_dist_checkpoint(mcore_files.iteration_dir(load_dir)):
+        it_dir = mcore_files.iteration_dir(load_dir)
+        if (it_dir / "adapter_config.json").is_file():  # a megatron-backend LoRA run: the base is frozen
+            raise ConfigError(f"--load-dir {load_dir}: {it_dir} holds a LoRA run (its Megatron files are the frozen "
+                              f"base, its adapter is adapter_model.safetensors); merge the adapter into its base "
+                              f"with: posttrain convert --merge-lora --load-dir {it_dir} --save-dir <dir>")
+        if mcore_files.is_dist_checkpoint(it_dir):
             from posttrain.train.megatron.dist_convert import dist_to_hf  # lazy: Megatron-Core
 
             dist_to_hf(load_dir, save_dir / MG2HF, template=template, tokenizer=args.tokenizer_model,

@@ -6,7 +6,8 @@ from posttrain.config.files import check_run_files
 from posttrain.config.memory import rollout_layout
 from posttrain.config.plan import GIB, Plan, model_arch, resolve_plan
 from posttrain.config.run import load_run_config
-from posttrain.errors import PosttrainError
+from posttrain.config.target import Target, parse_target
+from posttrain.errors import ConfigError, PosttrainError
 from posttrain.models.cpu_linear import resolve_cpu_linear
 
 __all__ = ["format_plan", "model_arch", "run"]  # model_arch lives in posttrain.config.arch (train uses it too)
@@ -23,6 +24,7 @@ def format_plan(plan: Plan, cpu_linear: str = "blas") -> str:
     lines = [f"stage {plan.name} on {plan.layout.num_devices} device(s), {where}; {plan.device}, "
              f"{plan.train_dtype} training, {plan.rollout_dtype} rollout"
              + ("; fp32 linear layers by oneDNN (measured now on this machine)" if cpu_linear == "onednn" else ""),
+             *([plan.target.describe(plan.layout.num_devices)] if plan.target is not None else []),
              f"backend: {par.describe()}", "",
              "batch plan (per iteration)"]
     rows = [
@@ -62,41 +64,81 @@ def format_plan(plan: Plan, cpu_linear: str = "blas") -> str:
         lines += [f"  {k:<46} {v}" for k, v in sorted(plan.dispatch_sizes.items())]
     if plan.memory is not None and plan.arch is not None:
         m = plan.memory
-        lines += ["", f"memory per worker process ({plan.num_params / 1e9:.2f}B parameters, estimate)"]
-        for name, value in (("weights (fp32 master)", m.weights), ("gradients", m.gradients),
-                            ("optimizer states (AdamW)", m.optimizer), ("reference (frozen copy)", m.reference),
+        per = "per device (one worker process each)" if plan.target is not None else "per worker process"
+        lines += ["", f"memory {per} ({plan.num_params / 1e9:.2f}B parameters, estimate)"]
+        for name, value in ((_weights_label(plan), m.weights), ("gradients", m.gradients),
+                            ("optimizer states (AdamW)", m.optimizer),
+                            (f"reference (frozen copy, {plan.frozen_dtype})", m.reference),
                             ("critic (weights, gradients, AdamW)", m.critic),
                             ("reward model (frozen weights)", m.reward_model),
                             ("activations (one micro-batch)", m.activations), ("rollout KV cache", m.kv_cache),
-                            (_rollout_copy_label(plan), m.rollout_copy),
-                            ("total", m.total)):
-            if value or name == "total":
+                            (_rollout_copy_label(plan), m.rollout_copy)):
+            if value:
                 lines.append(f"  {name:<46} {value / GIB:8.2f} GiB")
+        sleeps = " (vLLM asleep)" if m.rollout_sleeps else ""
+        off = f" ({' and '.join(m.off_during_rollout)} offloaded)" if m.off_during_rollout else ""
+        for name, value in ((f"update peak{sleeps}", m.update_peak), (f"rollout peak{off}", m.rollout_peak),
+                            ("total (the larger peak)", m.total)):
+            lines.append(f"  {name:<46} {value / GIB:8.2f} GiB")
+        if plan.target is not None:
+            size = plan.target.memory_bytes
+            lines.append(f"  {'the target (' + plan.target.text + ')':<46} {size / GIB:8.2f} GiB per "
+                         f"{'node' if plan.target.kind == 'cpu' else 'device'}")
     else:
         lines += ["", "memory: no model architecture known (give --hf-config or a model yaml)"]
     return "\n".join(lines)
 
 
+def _weights_label(plan: Plan) -> str:
+    bf16_main = plan.parallel.backend == "megatron" and plan.train_dtype == "bfloat16"
+    if plan.lora:
+        return f"weights ({plan.frozen_dtype} frozen base, {'bf16' if bf16_main else 'fp32'} adapter)"
+    return "weights (bf16; fp32 main params in optimizer)" if bf16_main else "weights (fp32 master)"
+
+
 def _rollout_copy_label(plan: Plan) -> str:
     if plan.rollout is not None and plan.rollout.vllm is not None:
         return f"rollout copy (vLLM, 1/{plan.rollout.vllm.tensor_parallel_size} of the model)"
-    return "LoRA merge copy (adapted base weights)" if plan.lora else "rollout copy (whole model, replica leaders)"
+    if plan.lora:
+        return "LoRA merge copy (adapted base weights)"
+    if plan.parallel.backend == "megatron":
+        return "rollout copy (whole model, replica leaders)"
+    return "rollout copy (the native engine's bf16 copy)"
 
 
 def run(args) -> int:
     cfg = load_run_config(args.config_name, args.config_path, args.overrides)
-    config_only = bool(getattr(args, "config_only", False))
-    plan = resolve_plan(cfg, model_arch(cfg, args.hf_config))
+    target = _target(args)
+    config_only = bool(getattr(args, "config_only", False)) or target is not None
+    plan = resolve_plan(cfg, model_arch(cfg, args.hf_config), target=target)
     if not config_only:  # the files it reads and writes, as `posttrain train` checks them at start-up
         try:
             check_run_files(plan)
         except PosttrainError as err:
             raise type(err)(f"{err}\n(posttrain plan checks the files a config names, as train does; "
                             "--config-only checks the config alone)") from err
-    print(f"config {cfg.path}: valid" + (" as a config (--config-only: the datasets, model and directories it "
-                                         "names were not checked; train checks them at start-up)"
-                                         if config_only else ""))
+    if target is not None:
+        note = (f" for {target.text} (--target: the files it names were not checked; train checks them on the "
+                f"target machine)")
+    elif config_only:
+        note = (" as a config (--config-only: the datasets, model and directories it names were not checked; "
+                "train checks them at start-up)")
+    else:
+        note = ""
+    print(f"config {cfg.path}: valid{note}")
     for warning in plan.warnings:
         print(f"warning: {warning}")
-    print(format_plan(plan, resolve_cpu_linear(plan.device)))
+    print(format_plan(plan, resolve_cpu_linear(plan.device) if target is None else "blas"))
     return 0
+
+
+def _target(args) -> Target | None:
+    """``--target`` with ``--nodes`` / ``--devices-per-node`` (which need it)."""
+    text = getattr(args, "target", None)
+    nodes, per_node = getattr(args, "nodes", None), getattr(args, "devices_per_node", None)
+    if text is None:
+        if nodes is not None or per_node is not None:
+            raise ConfigError("--nodes and --devices-per-node describe a --target cluster; give --target too "
+                              "(e.g. --target cuda:80GiB)")
+        return None
+    return parse_target(text, nodes, per_node)

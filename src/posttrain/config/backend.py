@@ -137,7 +137,9 @@ def check_backend(cfg: RunConfig, arch: ModelArch | None = None) -> ModelParalle
         raise ConfigError(f"{actor_key(cfg, VPP_KEY)}={mp.vpp_layers}: virtual pipeline stages need pipeline "
                           f"parallelism; set {actor_key(cfg, 'pipeline_model_parallel_size')} > 1 or remove the "
                           f"key{why}")
-    _check_arch(cfg, mp, arch if arch is not None else model_arch(cfg), why)
+    arch = arch if arch is not None else model_arch(cfg)
+    _check_arch(cfg, mp, arch, why)
+    _check_lora(cfg, arch, why)
     return mp
 
 
@@ -158,6 +160,20 @@ def _check_arch(cfg: RunConfig, mp: ModelParallel, arch: ModelArch | None, why: 
             raise ConfigError(f"{_arch_label(cfg, key)}={value} is not divisible by {by}: each rank must hold an "
                               f"equal share; choose sizes that divide it{why}")
     _check_experts(cfg, mp, arch, why)
+
+
+def _check_lora(cfg: RunConfig, arch: ModelArch | None, why: str) -> None:
+    """LoRA on the megatron backend: targets that are linears of a Megatron layer (refused by key,
+    listing them), on a dense model (the experts' linears carry no adapters yet)."""
+    if not cfg.actor.lora_target_modules:
+        return
+    from posttrain.models.lora import megatron_parts
+
+    megatron_parts(cfg.actor.lora_target_modules)
+    if arch is not None and arch.num_experts:
+        raise ConfigError(f"{actor_key(cfg, 'lora_target_modules')} with {_arch_label(cfg, 'num_experts')}="
+                          f"{arch.num_experts}: LoRA on a mixture-of-experts model is not built on the megatron "
+                          f"backend yet; use backend hf or remove the lora_* keys{why}")
 
 
 def _check_experts(cfg: RunConfig, mp: ModelParallel, arch: ModelArch, why: str) -> None:

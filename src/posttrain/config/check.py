@@ -10,10 +10,12 @@ refused on their own (:mod:`posttrain.config.features`), the reward model's sett
 (:mod:`posttrain.config.reward_model`), the worker groups' shares, the multi-turn keys
 (:mod:`posttrain.config.multi_turn`), the verifier names and the prompt template file, the off-policy
 keys (:mod:`posttrain.config.async_rollout`) and the machine the vLLM rollout engine needs
-(:mod:`posttrain.config.vllm`). A broken rule raises a :class:`~posttrain.errors.ConfigError`; knobs
-that have no effect on this hardware come back as one warning, and a run that saves nothing as
-another. :func:`posttrain.config.plan.resolve_plan` also checks ``rl_config.device``
-(:func:`check_device`) and the memory estimate.
+(:mod:`posttrain.config.vllm`). Each check runs on its own and its refusal is collected
+(:class:`Refusals`): the one :class:`~posttrain.errors.ConfigError` raised names every broken rule,
+one per line (the seed's rules stop at their first, as the seed's do). Knobs that have no effect on
+this hardware come back as one warning, and a run that saves nothing as another.
+:func:`posttrain.config.plan.resolve_plan` also checks ``rl_config.device`` (:func:`check_device`),
+a ``--target``'s device count, and the memory estimate, into the same list.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import re
 from pathlib import Path
 
 from posttrain.config.async_rollout import check_async
-from posttrain.config.backend import ModelParallel, check_backend, uses_ray
+from posttrain.config.backend import ModelParallel, check_backend, resolve_backend, uses_ray
 from posttrain.config.compat import check_compat, setup_of
 from posttrain.config.features import check_features, startup_warnings
 from posttrain.config.megatron import MegatronConfig
@@ -31,38 +33,84 @@ from posttrain.config.reward_model import check_reward_model
 from posttrain.config.run import RunConfig
 from posttrain.config.stages import stage_named
 from posttrain.config.validate import DeviceLayout, actor_key, validate_run_config
+from posttrain.config.engine_choice import resolve_engine
 from posttrain.config.vllm import check_vllm
 from posttrain.errors import ConfigError
 from posttrain.models.arch import ModelArch
 from posttrain.models.lora import full_rank, target_list
 from posttrain.reward.verifiers import VERIFIERS, import_verifier_modules
 
-__all__ = ["check_device", "check_run_config", "check_verifiers", "uses_ray"]  # uses_ray: posttrain.config.backend
+# uses_ray: posttrain.config.backend
+__all__ = ["Refusals", "check_device", "check_run_config", "check_verifiers", "collect_checks", "uses_ray"]
 
 
-def check_run_config(cfg: RunConfig, *, device_type: str = "cpu",
-                     arch: ModelArch | None = None) -> tuple[DeviceLayout, list[str]]:
-    """Raise on a broken rule; return the device layout and the start-up warnings.
+class Refusals:
+    """The :class:`~posttrain.errors.ConfigError` of each check that can run on its own, collected so
+    that ``plan`` and ``train`` report every refusal at once (one per line) instead of one per run."""
+
+    def __init__(self) -> None:
+        self.messages: list[str] = []
+
+    def run(self, check, *args, default=None, **kwargs):
+        """``check(*args, **kwargs)``; on a ConfigError, its message is kept and ``default`` returned."""
+        try:
+            return check(*args, **kwargs)
+        except ConfigError as err:
+            self.add(str(err))
+            return default
+
+    def add(self, message: str) -> None:
+        for line in message.split("\n"):  # a check that lists several refusals gives one per line
+            if line and line not in self.messages:
+                self.messages.append(line)
+
+    def raise_any(self) -> None:
+        if self.messages:
+            raise ConfigError("\n".join(self.messages))
+
+
+def check_run_config(cfg: RunConfig, *, device_type: str = "cpu", arch: ModelArch | None = None,
+                     num_nodes: int = 1, here: bool = True) -> tuple[DeviceLayout, list[str]]:
+    """Raise one ConfigError listing every broken rule (:func:`collect_checks`); return the device
+    layout and the start-up warnings."""
+    refusals = Refusals()
+    layout, warnings = collect_checks(cfg, refusals, device_type=device_type, arch=arch, num_nodes=num_nodes,
+                                      here=here)
+    refusals.raise_any()
+    return layout, warnings
+
+
+def collect_checks(cfg: RunConfig, refusals: Refusals, *, device_type: str = "cpu", arch: ModelArch | None = None,
+                   num_nodes: int = 1, here: bool = True) -> tuple[DeviceLayout | None, list[str]]:
+    """Run every check, each on its own, into ``refusals``; return the device layout (None when the
+    seed's rules refuse the config) and the start-up warnings.
 
     ``arch``: the actor's architecture, for the megatron backend's layout checks (default:
-    :func:`posttrain.config.arch.model_arch`)."""
-    layout = validate_run_config(cfg, device_type=device_type)
+    :func:`posttrain.config.arch.model_arch`). ``num_nodes``: the nodes the run will use (the seed's
+    dispatch rules). ``here``: the run executes on this machine (``posttrain plan --target`` plans for
+    another one, whose ``vllm`` package this machine cannot see). The seed's rules
+    (:func:`~posttrain.config.validate.validate_run_config`) stop at their first broken rule, as the
+    seed's do; every other check runs whatever the others found."""
+    engine_warnings = refusals.run(resolve_engine, cfg, device_type, here=here, default=[])  # auto, in place
+    layout = refusals.run(validate_run_config, cfg, device_type=device_type, num_nodes=num_nodes)
     stage = stage_named(cfg.actor.stage or cfg.actor.algorithm)
-    stage.check(cfg)
-    parallel = check_backend(cfg, arch)
-    check_compat(cfg, setup_of(cfg, device_type, parallel.backend))
-    check_features(cfg, device_type=device_type, backend=parallel.backend)
-    check_reward_model(cfg, on_policy=stage.on_policy, dynamic_sampling=stage.dynamic_sampling(cfg))
-    _check_workers(cfg, stage.on_policy, stage.uses_critic, parallel)
-    check_multi_turn(cfg)
+    refusals.run(stage.check, cfg)
+    parallel = refusals.run(check_backend, cfg, arch)
+    backend = parallel.backend if parallel is not None else resolve_backend(cfg)[0]
+    refusals.run(check_compat, cfg, setup_of(cfg, device_type, backend))
+    refusals.run(check_features, cfg, device_type=device_type, backend=backend)
+    refusals.run(check_reward_model, cfg, on_policy=stage.on_policy, dynamic_sampling=stage.dynamic_sampling(cfg))
+    if parallel is not None:
+        refusals.run(_check_workers, cfg, stage.on_policy, stage.uses_critic, parallel)
+    refusals.run(check_multi_turn, cfg)
     if stage.on_policy and (cfg.rl.rule_reward or cfg.rl.eval_data_path):  # training scores, held-out accuracy
-        check_verifiers(cfg)
-    _check_prompt_type_path(cfg)
-    _check_lora_keys(cfg, arch)
-    warnings = startup_warnings(cfg, device_type, backend=parallel.backend)
-    warnings += check_async(cfg)
+        refusals.run(check_verifiers, cfg)
+    refusals.run(_check_prompt_type_path, cfg)
+    refusals.run(_check_lora_keys, cfg, arch)
+    warnings = engine_warnings + startup_warnings(cfg, device_type, backend=backend)
+    warnings += refusals.run(check_async, cfg, default=[])
     if stage.on_policy:  # rollout_engine: vllm (the vllm package, a CUDA device)
-        warnings += check_vllm(cfg, device_type=device_type)
+        warnings += refusals.run(check_vllm, cfg, device_type=device_type, installed=here, default=[])
     if not cfg.actor.save:
         warnings.append("actor_config.save is not set: nothing will be saved, and the trained model is lost when "
                         "the run ends; set actor_config.save (or megatron_training.save) to a directory to keep it")

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from posttrain.config.backend import VPP_KEY, resolve_backend, role_label, uses_ray
+from posttrain.config.engine_choice import auto_engine
 from posttrain.config.fields import fmt_value
 from posttrain.config.run import RunConfig
 from posttrain.errors import ConfigError
@@ -68,7 +69,10 @@ def setup_of(cfg: RunConfig, device_type: str, backend: str | None = None) -> Se
     """The :class:`Setup` of ``cfg`` on ``device_type`` ("cpu" or "cuda"); ``backend`` defaults to the
     resolved one."""
     resolved, reason = resolve_backend(cfg)
-    engine = cfg.rl.rollout_engine if cfg.rl.rollout_engine in ("native", "vllm") else "other"
+    engine = cfg.rl.rollout_engine
+    if engine == "auto":  # not resolved yet (posttrain.config.engine_choice.resolve_engine)
+        engine = auto_engine(cfg, device_type)
+    engine = engine if engine in ("native", "vllm") else "other"
     placement = "process" if not uses_ray(cfg) else f"ray-{cfg.rl.ray_sharding}"
     return Setup(backend=backend or resolved, engine=engine, placement=placement, device=device_type,
                  stage=cfg.stage, reason=reason)
@@ -188,6 +192,7 @@ def _features() -> dict[str, Feature]:
         Feature("ascend_scheduler_config_enabled", ("generate_config.ascend_scheduler_config_enabled",),
                 _written("generate_config.ascend_scheduler_config_enabled", bool), when="written as true"),
         _on("generate_config.num_speculative_tokens", lambda v: v > 0, name="speculation", when="> 0"),
+        _on("generate_config.offload_train_param", name="offload_param", when="true"),
         per_request,
         _on("generate_config.enforce_eager", lambda v: not v, name="graphs",
             shown="generate_config.enforce_eager: false", when="false"),
@@ -281,6 +286,22 @@ _VLLM_KEYS = [  # generate_config keys the vLLM adapter cannot honour (the other
                                         "CUDA, which has no such switch; remove the key"),
 ]
 
+_SAMPLES_FROM_THEM = ("so they cannot leave the GPU during rollout; set rl_config.rollout_engine: vllm (its own copy "
+                      "of the weights) or remove the key")
+# where the rollout reads the training weights themselves (or the update runs beside it); on a GPU the native
+# engine samples from a bf16 copy of the fp32 weights (the seed's rule 2 keeps generate_config.dtype bfloat16 there),
+# and roles/policy.py refuses at start an engine that would not (train/offload.py)
+_OFFLOAD_PARAM = [
+    ("lora", dict(engine=("native",), backend=("hf",), with_="lora"), " with {other_key}: the native engine samples "
+     "from the training weights themselves (the adapter merged into the base in place), " + _SAMPLES_FROM_THEM),
+    ("fsdp2", dict(engine=("native",), placement=("ray-fsdp2",)), " with rl_config.ray_sharding: fsdp2: the native "
+     "engine samples from the parameters FSDP2 gathers from the training shards, " + _SAMPLES_FROM_THEM),
+    ("async", dict(with_="async"), " with {other}: the rollout samples from a replica while the update trains, so the "
+     "training weights are never idle during a rollout; remove the key"),
+    ("rollout-worker", dict(with_="rollout_worker"), " with {other}: the rollout runs on workers of its own, so the "
+     "training weights are never idle during a rollout; remove the key"),
+]
+
 ROWS: tuple[Row, ...] = (
     # the megatron backend: what it runs in, and what is not built on it yet
     Row("megatron-one-process", "megatron", "{setting}: the megatron backend runs in Ray worker groups: set "
@@ -304,14 +325,10 @@ ROWS: tuple[Row, ...] = (
     Row("megatron-moe-tp-extend-ep", "moe_tp_extend_ep", "{setting}: experts split over TP x EP ranks "
         "(moe_tp_extend_ep) are not built on the megatron backend yet; set it to false (the experts split over "
         "expert_model_parallel_size ranks){megatron}", backend=MEGATRON),
-    Row("megatron-lora", "lora", "{setting}: LoRA is not built on the megatron backend yet; remove the lora_* "
-        "keys{megatron}", backend=MEGATRON),
     Row("megatron-fsdp2", "fsdp2", "{setting}: the megatron backend shards the model by tensor and pipeline "
         "parallelism, not FSDP2; set it to ddp (use_distributed_optimizer shards the optimizer state on "
         "CUDA){megatron}", backend=MEGATRON),
     # LoRA
-    Row("lora-fsdp2", "fsdp2", "{setting} with {other_key}: FSDP2 with LoRA is not built yet; set "
-        "rl_config.ray_sharding: ddp (the adapter is small: DDP keeps it whole)", with_="lora"),
     Row("lora-critic", "critic_lora", "{setting}: a LoRA critic is not built yet; set the lora_* keys in "
         "actor_config only"),
     Row("shared-backbone-offload-reference", "offload_reference", "{setting} with {other}: the reference is the "
@@ -326,11 +343,6 @@ ROWS: tuple[Row, ...] = (
         "worker runs its own vLLM engine in its process, on the one device it holds, so vLLM has no other devices to "
         "split the model over; set it to 1 (the rollout scales with the workers, actor_resource.num_npus)",
         placement=RAY, backend=("hf",), stage=ON_POLICY, with_="infer_tensor_parallel"),
-    Row("vllm-megatron-tensor-parallel-cuda", "vllm", "{other} with rl_config.rollout_engine: vllm "
-        "on the megatron backend on CUDA: each replica leader starts vLLM's tensor-parallel workers as its own child "
-        "processes, and Ray gives the leader one GPU (CUDA_VISIBLE_DEVICES), so the workers would have no GPUs of "
-        "their own (on a CPU they run: vLLM's mp executor over gloo); set it to 1", backend=MEGATRON,
-        device=("cuda",), stage=ON_POLICY, with_="infer_tensor_parallel"),
     # the rollout on a replica of the weights, partial rollout
     *(Row(f"{name}-{suffix}", name, message, **where) for name in ("async", "rollout_worker")
       for suffix, where, message in _ROLLOUT_REPLICA),
@@ -358,6 +370,9 @@ ROWS: tuple[Row, ...] = (
         "decode, not the per-request loop; set it to 0", with_="per_request"),
     Row("speculation-graphs", "speculation", "{key} with {other}: CUDA graphs replay one token a row on a static "
         "cache, and speculation feeds several; set one of them back", device=("cuda",), with_="graphs"),
+    # generate_config.offload_train_param on a GPU: only where the rollout samples from a copy of the weights
+    *(Row(f"offload-param-{suffix}", "offload_param", "{setting}" + message, device=("cuda",), stage=ON_POLICY,
+          **where) for suffix, where, message in _OFFLOAD_PARAM),
     # placement and sections
     Row("num-threads-ray", "num_threads", "{setting} sets the threads of one in-process run; the Ray workers take "
         "theirs from rl_config.ray_num_cpus_per_worker: set that instead", placement=RAY),

@@ -6,8 +6,8 @@ The status of each key is stored on its field (:mod:`posttrain.config.fields`; t
 ``posttrain plan`` and ``posttrain train`` run (:func:`posttrain.config.check.check_run_config`),
 after the seed's rules:
 
-* :func:`check_features` raises a :class:`~posttrain.errors.ConfigError` for the first refused key
-  that is active: ``section.key=value: <why>; <what to do>``.
+* :func:`check_features` raises one :class:`~posttrain.errors.ConfigError` naming every refused key
+  that is active, one per line: ``section.key=value: <why>; <what to do>``.
 * :func:`startup_warnings` returns the ignored keys the config sets, as one message.
 
 Which keys count as set: a refused key when its value is active (by default: not its default); an
@@ -66,7 +66,8 @@ class Key:
 
 
 def check_features(cfg: RunConfig, device_type: str | None = None, backend: str | None = None) -> None:
-    """Raise :class:`ConfigError` for the first refused key that ``cfg`` sets (see the module doc).
+    """Raise one :class:`ConfigError` naming every refused key that ``cfg`` sets, one per line (see
+    the module doc).
 
     ``device_type`` ("cpu" or "cuda") decides the keys refused on one kind of device only (the
     offload keys, which have no effect on a CPU); default: ``rl_config.device`` resolved.
@@ -79,16 +80,24 @@ def check_features(cfg: RunConfig, device_type: str | None = None, backend: str 
         return (k.rule.status is Status.REFUSED and device in k.rule.devices and _is_set(k, block, cfg, device)
                 and not _megatron_honours(k, block, backend, device) and not _vllm_checks(k, cfg))
 
+    messages: list[str] = []
     for name, block in _blocks(cfg):
+        groups: set[str] = set()
         for key in block:
-            if not refused(key, block):
+            if not refused(key, block) or key.rule.group in groups:
                 continue
             keys = [key]
             if key.rule.group:
+                groups.add(key.rule.group)
                 keys = [k for k in block if k.rule.group == key.rule.group and refused(k, block)]
-            raise ConfigError(_refusal(keys))
+            messages.append(_refusal(keys))
         if name == "critic_config":
-            _check_critic(cfg)
+            try:
+                _check_critic(cfg)
+            except ConfigError as err:
+                messages.append(str(err))
+    if messages:
+        raise ConfigError("\n".join(messages))
 
 
 def startup_warnings(cfg: RunConfig, device_type: str, backend: str | None = None) -> list[str]:

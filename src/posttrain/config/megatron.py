@@ -84,6 +84,10 @@ VPP = refused(MP_WHY, "remove the key, or remove backend: hf (null picks megatro
               group="model parallelism", megatron=True)
 CONTEXT_PARALLEL = refused("context parallelism is not verified on the megatron backend yet",
                            "set context_parallel_size 1", active="gt1")
+MLA = refused("multi-latent attention (MLA: DeepSeek-V2/V3, the seed's grpo_deepseek_r1_671b_* recipes) is not built: "
+              "posttrain's models, the size and memory estimate of posttrain plan, and the Hugging Face <-> "
+              "Megatron-Core mapping know multi-head and grouped-query attention only",
+              "train a model with standard attention (e.g. the Qwen recipes)")
 EXPERT_PARALLEL = MODEL_PARALLEL  # experts split over ranks (mixture-of-experts models)
 LORA = HONOURED  # the hf backend's LoRA through PEFT (posttrain.models.lora); refused on megatron
 LORA_KERNEL = ignored("MindSpeed's fused CCLoRA kernels; PEFT's LoRA layers compute the same")
@@ -142,7 +146,7 @@ class MegatronConfig(Section):
     make_vocab_size_divisible_by: int = F(128, "pad the vocabulary to a multiple of this", ARCH, ge=1)
     padded_vocab_size: Opt[int] = F(None, "padded vocabulary size", ARCH, ge=1)
     vocab_extra_ids: int = F(0, "extra vocab ids", ARCH, ge=0)
-    multi_latent_attention: bool = F(False, "MLA (DeepSeek)", ARCH)
+    multi_latent_attention: bool = F(False, "MLA (DeepSeek)", MLA)
     qk_pos_emb_head_dim: Opt[int] = F(None, "MLA", ARCH)
     qk_head_dim: Opt[int] = F(None, "MLA", ARCH)
     q_lora_rank: Opt[int] = F(None, "MLA", ARCH)

@@ -119,6 +119,7 @@ class RolloutOptions:
     per_request: bool = False
     tools: ToolOptions | None = None
     vllm: VllmOptions | None = None
+    offload_weights: bool = False  # generate_config.offload_train_param (roles/policy.py; not on a CPU)
 
 
 # ---- the on-policy loop ---------------------------------------------------------------------------
@@ -358,7 +359,7 @@ def rollout_options(cfg: RunConfig, *, dtype: str, max_num_seqs: int, tools: Too
         max_num_seqs=max_num_seqs, max_num_batched_tokens=gen.max_num_batched_tokens,
         max_model_len=gen.max_model_len, speculative_tokens=gen.num_speculative_tokens,
         enforce_eager=gen.enforce_eager, per_request=bool(rl.multi_turn_enable or rl.async_engine), tools=tools,
-        vllm=vllm)
+        vllm=vllm, offload_weights=bool(gen.offload_train_param))
 
 
 def tool_options(cfg: RunConfig) -> ToolOptions | None:

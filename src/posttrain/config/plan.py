@@ -20,7 +20,7 @@ from typing import Mapping
 from posttrain.config import options
 from posttrain.config.arch import model_arch
 from posttrain.config.backend import ModelParallel, model_parallel
-from posttrain.config.check import check_device, check_run_config, uses_ray
+from posttrain.config.check import Refusals, check_device, collect_checks, uses_ray
 from posttrain.config.files import check_run_files
 from posttrain.config.memory import GIB, MemoryEstimate, check_memory, estimate_memory
 from posttrain.config.options import (AdvantageOptions, ClusterOptions, CriticOptions, DataOptions, DPOOptions,
@@ -29,6 +29,7 @@ from posttrain.config.options import (AdvantageOptions, ClusterOptions, CriticOp
 from posttrain.config.reward_model import RewardModelOptions, reward_model_options
 from posttrain.config.run import RunConfig
 from posttrain.config.stages import Stage, stage_named
+from posttrain.config.target import Target, check_device_count, check_device_setting
 from posttrain.config.validate import DeviceLayout
 from posttrain.device import device_type, precision, resolve_device
 from posttrain.errors import ConfigError
@@ -112,10 +113,20 @@ class Plan:
     memory: MemoryEstimate | None = field(default=None)
     reward_model: RewardModelOptions | None = None  # reward_config's model, scoring in the loop
     parallel: ModelParallel = ModelParallel()  # the training backend and the actor's TP/PP/DP layout
+    target: Target | None = None  # posttrain plan --target: the hardware planned for (None: this machine)
 
     @property
     def name(self) -> str:
         return self.stage.name
+
+    @property
+    def frozen_dtype(self) -> str:
+        """The storage dtype of the weights that never train (the reference, a LoRA base, the
+        megatron leader's rollout copy takes ``rollout_dtype``): the training dtype, so bf16 where
+        the device computes it natively and the config trains in bf16. Half the bytes of fp32, and
+        the same numbers the bf16 autocast computes from fp32 weights up to one rounding of each
+        weight; trained weights stay fp32, their own master copy for AdamW."""
+        return self.train_dtype
 
     @property
     def lora(self) -> bool:
@@ -150,7 +161,7 @@ def _off_policy_line(cfg: RunConfig) -> str:
 
 
 def resolve_plan(cfg: RunConfig, arch: ModelArch | None = None, *, device: str | None = None,
-                 files: bool = False) -> Plan:
+                 files: bool = False, target: Target | None = None) -> Plan:
     """Check ``cfg`` (the one check of ``plan`` and ``train``) and derive its plan. With ``files``
     (the commands ``plan``, ``train`` and ``bench``), also what is on disk, as ``train`` finds it at
     start-up (:func:`posttrain.config.files.check_run_files`).
@@ -158,23 +169,41 @@ def resolve_plan(cfg: RunConfig, arch: ModelArch | None = None, *, device: str |
     ``arch`` defaults to :func:`model_arch` (the model yaml keys, else the ``config.json`` of
     ``load`` / ``tokenizer_name_or_path``); with one, the plan carries a memory estimate, which
     :func:`check_memory` compares with this machine's memory. ``device`` defaults to
-    ``rl_config.device`` (checked by :func:`~posttrain.config.check.check_device`)."""
-    if device is None:
+    ``rl_config.device`` (checked by :func:`~posttrain.config.check.check_device`). ``target``
+    (``posttrain plan --target``, :mod:`posttrain.config.target`): plan for that hardware instead of
+    this machine's (its device type, precision, device count and memory per device).
+
+    Every refusal is reported at once, in one ConfigError (one per line): the config checks
+    (:func:`~posttrain.config.check.collect_checks`), then, when the seed's rules let the plan be
+    derived, the device count of a target and the memory estimate."""
+    refusals = Refusals()
+    if target is not None:
+        refusals.run(check_device_setting, cfg, target)
+        device = target.device
+    elif device is None:
         check_device(cfg.rl.device)
         device = resolve_device(cfg.rl.device)
     if arch is None:
         arch = model_arch(cfg)
-    layout, warnings = check_run_config(cfg, device_type=device_type(device), arch=arch)
-    plan = build_plan(cfg, layout, arch, device=device, warnings=tuple(warnings))
-    extra = check_memory(cfg, plan)
+    layout, warnings = collect_checks(cfg, refusals, device_type=device_type(device), arch=arch,
+                                      num_nodes=target.nodes or 1 if target is not None else 1,
+                                      here=target is None)
+    if layout is None:
+        refusals.raise_any()
+    if target is not None:
+        refusals.run(check_device_count, cfg, target, layout)
+    plan = refusals.run(build_plan, cfg, layout, arch, device=device, warnings=tuple(warnings), target=target)
+    extra = refusals.run(check_memory, cfg, plan, default=[]) if plan is not None else []
+    refusals.raise_any()
     if files:
         check_run_files(plan)
     return _replace(plan, warnings=plan.warnings + tuple(extra)) if extra else plan
 
 
 def build_plan(cfg: RunConfig, layout: DeviceLayout, arch: ModelArch | None = None, *, device: str = "cpu",
-               warnings: tuple[str, ...] = ()) -> Plan:
-    """The derivation alone (``resolve_plan`` checks first)."""
+               warnings: tuple[str, ...] = (), target: Target | None = None) -> Plan:
+    """The derivation alone (``resolve_plan`` checks first). ``target``: the precision is the target
+    hardware's (:func:`posttrain.device.precision` with ``native_bf16``), not this machine's."""
     stage = stage_named(cfg.actor.stage or cfg.actor.algorithm)
     a, rl, gen = cfg.actor, cfg.rl, cfg.generate
     on_policy = stage.on_policy
@@ -197,7 +226,8 @@ def build_plan(cfg: RunConfig, layout: DeviceLayout, arch: ModelArch | None = No
     hf = parallel.backend == "hf"
     reads = {k: v * parallel.dp if k in ACTOR_DISPATCH_KEYS else v for k, v in layout.dispatch_sizes.items()}
     train_dtype, rollout_dtype = precision(  # megatron on a CPU trains in float32 (backend.py)
-        device, bf16=bool(a.bf16) and (hf or device.startswith("cuda")), rollout_dtype=gen.dtype)
+        device, bf16=bool(a.bf16) and (hf or device.startswith("cuda")), rollout_dtype=gen.dtype,
+        native_bf16=target.bf16 if target is not None else None)
     temperature = gen.sampling_config.temperature or 1.0
     budgets = token_budgets(cfg)
     engine = EngineOptions(use_remove_padding=rl.use_remove_padding, share_prompt_prefix=rl.share_prompt_prefix,
@@ -239,7 +269,7 @@ def build_plan(cfg: RunConfig, layout: DeviceLayout, arch: ModelArch | None = No
         offload_grads=on_policy and gen.offload_train_grad,
         warnings=warnings, arch=arch, reward_model=reward_model_options(cfg, device, on_policy=on_policy),
         parallel=parallel, multi_turn=_multi_turn_line(cfg) if on_policy else "",
-        off_policy_rollout=_off_policy_line(cfg) if on_policy else "",
+        off_policy_rollout=_off_policy_line(cfg) if on_policy else "", target=target,
     )
     if arch is not None:
         plan = _replace(plan, num_params=arch.num_params(), memory=estimate_memory(cfg, plan, arch))

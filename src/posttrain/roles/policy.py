@@ -32,7 +32,7 @@ from posttrain.data.encoding import stop_token_ids
 from posttrain.data.templates import get_template
 from posttrain.errors import ConfigError
 from posttrain.models import lora
-from posttrain.models.loading import check_vocab, load_causal_lm, load_tokenizer, resolve_model_dir
+from posttrain.models.loading import check_vocab, load_causal_lm, load_tokenizer, resolve_model_dir, torch_dtype
 from posttrain.models.lora import AdapterOff, MergedRollout, load_merged, merged
 from posttrain.rollout.base import ROLLOUT_ENGINES, RolloutEngine
 from posttrain.rollout.multi_turn import MultiTurnEngine, ObservationFormat, TurnLimits
@@ -41,7 +41,7 @@ from posttrain.tools.parsers import TOOL_PARSERS
 from posttrain.tools.runner import ToolRunner
 from posttrain.train.base import ActorEngine, ReferenceEngine
 from posttrain.train.engine import TrainEngine
-from posttrain.train.offload import OffloadedReference, StateOffload
+from posttrain.train.offload import OffloadedReference, StateOffload, weights_off_during_rollout
 from posttrain.train.optim import build_optimizer, build_scheduler
 from posttrain.train.options import EngineOptions, OptimOptions
 
@@ -100,16 +100,19 @@ def rollout_stop_ids(tokenizer, policy: PolicyOptions) -> list[int]:
     return sorted(stop_token_ids(get_template(policy.prompt_type or "hf_chat_template", path), tokenizer))
 
 
-def build_actor_model(policy: PolicyOptions, device: str, source: str | None = None):
+def build_actor_model(policy: PolicyOptions, device: str, source: str | None = None, *,
+                      frozen_dtype: str = "float32"):
     """The HF actor model (fp32 master weights), its tokenizer, and where it came from (``source``,
-    default :func:`model_source`). With ``lora``, a PEFT model: the base frozen, a LoRA adapter (the
-    source's, when it holds one, else a fresh one) the only trainable weights."""
+    default :func:`model_source`). With ``lora``, a PEFT model: the base frozen and stored in
+    ``frozen_dtype`` (:attr:`~posttrain.config.plan.Plan.frozen_dtype`), a LoRA adapter (the
+    source's, when it holds one, else a fresh one) the only trainable weights, kept in fp32 (PEFT
+    casts a bf16 adapter up)."""
     source = source or model_source(policy)
     path = resolve_model_dir(source)
     has_adapter = lora.is_adapter_dir(path)
     lora.check_adapter_wanted(path, policy.lora)
     base = lora.adapter_base(path) if has_adapter else path
-    model = load_causal_lm(base, device=device, dtype="float32")
+    model = load_causal_lm(base, device=device, dtype=frozen_dtype if policy.lora is not None else "float32")
     tok_path = policy.tokenizer or path
     tokenizer = load_tokenizer(tok_path)
     check_vocab(model, tokenizer, f"tokenizer {tok_path} vs model {base}")
@@ -123,8 +126,9 @@ def build_actor_model(policy: PolicyOptions, device: str, source: str | None = N
     return model, tokenizer, source
 
 
-def build_frozen_copy(model, ref_path: str | None, device: str):
-    """The reference policy: a frozen copy of the initial actor, or a model loaded from ref_path."""
+def build_frozen_copy(model, ref_path: str | None, device: str, dtype: str = "float32"):
+    """The reference policy: a frozen copy of the initial actor, or a model loaded from ref_path,
+    stored in ``dtype`` (:attr:`~posttrain.config.plan.Plan.frozen_dtype`)."""
     if ref_path:
         ref = load_merged(resolve_model_dir(ref_path), device=device)  # a LoRA checkpoint: merged
     else:
@@ -132,7 +136,7 @@ def build_frozen_copy(model, ref_path: str | None, device: str):
     ref.eval()
     for p in ref.parameters():
         p.requires_grad_(False)
-    return ref.to(torch.float32)
+    return ref.to(torch_dtype(dtype))
 
 
 def offloaded_reference(engine):
@@ -257,7 +261,7 @@ def build_policy(plan: Plan, device: str, *, source: str | None = None, with_rol
     when it names a checkpoint), the frozen reference when the stage uses one, and the native or
     vLLM rollout engine on the actor's model."""
     p = plan.policy
-    model, tokenizer, source = build_actor_model(p, device, source)
+    model, tokenizer, source = build_actor_model(p, device, source, frozen_dtype=plan.frozen_dtype)
     warn_dropout_across_workers(model, plan.workers)
     actor = build_train_engine(model, p.optim, plan, plan.actor_engine, metric_prefix=plan.stage.metric_prefix
                                if not plan.stage.on_policy else "actor", dp_group=dp_group)
@@ -268,12 +272,14 @@ def build_policy(plan: Plan, device: str, *, source: str | None = None, with_rol
         reference = AdapterOff(TrainEngine(model, micro_batch_size=micro, dtype=plan.train_dtype,
                                            dp_group=dp_group, options=plan.ref_engine), model)
     elif plan.uses_reference:
-        ref_model = build_frozen_copy(model, reference_source(p, state), device)
+        ref_model = build_frozen_copy(model, reference_source(p, state), device, plan.frozen_dtype)
         reference = TrainEngine(ref_model, micro_batch_size=micro, dtype=plan.train_dtype,
                                 dp_group=dp_group, options=plan.ref_engine)
         if p.offload_reference:
             reference = offloaded_reference(reference)
     stops = rollout_stop_ids(tokenizer, p)
     rollout = build_rollout(plan.rollout, p, model, tokenizer, stops) if with_rollout and plan.rollout else None
+    if rollout is not None and plan.rollout.offload_weights and not device.startswith("cpu"):
+        rollout = weights_off_during_rollout(rollout, model)  # generate_config.offload_train_param (a CPU: no effect)
     return Policy(model=model, tokenizer=tokenizer, actor=actor, reference=reference, rollout=rollout,
                   stop_token_ids=stops, state=state)

@@ -326,14 +326,28 @@ class NativeEngine(RolloutEngine):
         return param.device if param is not None else torch.device("cpu")
 
     # ------------------------------------------------------------------ internals
+    @property
+    def samples_from_copy(self) -> bool:
+        """Whether ``generate`` samples from the bf16 sampling copy, not the actor's own weights
+        (``sampling_copy``, weights of another dtype, no PEFT adapter merged in place, no FSDP2
+        shards): then the actor's weights may leave the device once :meth:`prepare_sampling` has
+        refreshed the copy (``generate_config.offload_train_param``)."""
+        first = next(iter(self.model.parameters()), None)
+        return bool(self.sampling_copy and first is not None and not hasattr(self.model, "peft_config")
+                    and first.dtype != self.dtype and type(first).__name__ != "DTensor")
+
+    def prepare_sampling(self) -> None:
+        """The sampling copy brought up to date with the actor's weights now, so the next ``generate``
+        reads only the copy (a no-op without one)."""
+        if self.samples_from_copy:
+            self._sampling_model()
+
     def _sampling_model(self) -> Any:
         """The actor itself, or (``sampling_copy``) its copy in ``dtype``, refreshed when the actor's
         parameters may have changed since the copy was taken (see the module docstring)."""
-        params = list(self.model.parameters())
-        eligible = (params and not hasattr(self.model, "peft_config") and params[0].dtype != self.dtype
-                    and not any(type(p).__name__ == "DTensor" for p in params[:1]))
-        if not self.sampling_copy or not eligible:
+        if not self.samples_from_copy:
             return self.model
+        params = list(self.model.parameters())
         version = (sum(p._version for p in params), optimizer_steps())
         if self._copy is None:
             self._copy = copy.deepcopy(self.model).to(self.dtype).eval()

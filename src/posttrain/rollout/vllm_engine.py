@@ -22,7 +22,9 @@ The model lives in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, set unles
 sets it), unless ``separate_process`` or ``tensor_parallel_size > 1``: then the engine core (and with
 tensor parallelism its workers, vLLM's ``mp`` executor over gloo on a CPU) are vLLM's own processes,
 and a sync reaches every worker as one safetensors blob per layer
-(:mod:`posttrain.rollout.vllm_receiver`). A trainer whose process already belongs to a larger
+(:mod:`posttrain.rollout.vllm_receiver`); ``visible_devices`` names the GPUs those processes see
+(a Megatron replica leader's: its replica's, :func:`posttrain.roles.megatron_view.replica_gpus`).
+A trainer whose process already belongs to a larger
 torch.distributed world (a Megatron rank) needs it: an in-process vLLM would build its groups over
 that world. There the probe's layer-by-layer diagnosis is not available (it hooks the model in this
 process). On a CPU vLLM sizes its KV cache by bytes (``kv_cache_memory_bytes``, from
@@ -66,6 +68,7 @@ import inspect
 import logging
 import os
 import tempfile
+import time
 from typing import Any
 
 import torch
@@ -125,15 +128,20 @@ def cpu_kv_cache_bytes(config: Any, dtype: str, max_num_seqs: int, max_model_len
 
 
 @contextlib.contextmanager
-def _separate_processes(separate: bool, unbound_threads: bool):
+def _separate_processes(separate: bool, unbound_threads: bool, visible_devices: str | None = None):
     """While the LLM starts: vLLM's engine core in a process of its own when ``separate`` (vLLM reads
     ``VLLM_ENABLE_V1_MULTIPROCESSING`` then); ``unbound_threads``: CPU workers of tensor parallelism
-    left unpinned (vLLM's default binds each to a NUMA node of its own and refuses with fewer nodes)."""
-    saved = {key: os.environ.get(key) for key in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_OMP_THREADS_BIND")}
+    left unpinned (vLLM's default binds each to a NUMA node of its own and refuses with fewer nodes);
+    ``visible_devices``: the GPUs its processes see (``CUDA_VISIBLE_DEVICES``; this process's own
+    CUDA context keeps the GPUs it started with)."""
+    keys = ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_OMP_THREADS_BIND", "CUDA_VISIBLE_DEVICES")
+    saved = {key: os.environ.get(key) for key in keys}
     if separate:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
     if unbound_threads:
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    if visible_devices is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = visible_devices
     try:
         yield
     finally:
@@ -159,6 +167,9 @@ def _quiet_reload():
             lg.setLevel(level)
 
 
+TO_TRAIN = "timing/resharding_to_train"
+
+
 class VLLMEngine(RolloutEngine):
     """``RolloutEngine`` on ``vllm.LLM``, started from the actor's weights and synced after every update."""
 
@@ -178,7 +189,7 @@ class VLLMEngine(RolloutEngine):
                  enable_prefix_caching: bool = False, trust_remote_code: bool = False,
                  enable_expert_parallel: bool = False, sleep_mode: bool = True,
                  logprobs_mode: str = LOGPROBS_MODE, pad_token_id: int | None = None, name: str = "vLLM rollout engine",
-                 separate_process: bool = False, **llm_kwargs: Any):
+                 separate_process: bool = False, visible_devices: str | None = None, **llm_kwargs: Any):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the model in this process (the probe)
         self.separate = separate_process or tensor_parallel_size > 1
         vllm = import_vllm()
@@ -215,7 +226,9 @@ class VLLMEngine(RolloutEngine):
             kwargs["worker_extension_cls"] = RECEIVER
             if tensor_parallel_size > 1:  # vLLM's own worker processes (it would pick Ray inside a Ray actor)
                 kwargs.setdefault("distributed_executor_backend", "mp")
-        with _separate_processes(self.separate, self.on_cpu and tensor_parallel_size > 1):
+        if visible_devices is not None and not self.separate:
+            raise ValueError("visible_devices names the GPUs of vLLM's own processes: it needs separate_process")
+        with _separate_processes(self.separate, self.on_cpu and tensor_parallel_size > 1, visible_devices):
             self.llm = self._start(vllm, kwargs)
         self._wake_tags = _takes_tags(self.llm)
         prefix = probe_ids(view.config.vocab_size)
@@ -328,10 +341,15 @@ class VLLMEngine(RolloutEngine):
             self._asleep.clear()
 
     def _sleep(self) -> None:
-        """Level 1: free the KV cache and move the weights to host memory (only when all is awake)."""
+        """Level 1: free the KV cache and move the weights to host memory (only when all is awake):
+        the device back to the trainer, summed since the last :meth:`pop_metrics` as
+        ``timing/resharding_to_train`` (the seed's switch back to the training layout)."""
         if self.sleep_mode and not self._asleep:
+            began = time.perf_counter()
             self.llm.sleep(level=1)
             self._asleep = {"weights", "kv_cache"}
+            seconds = self._metrics.get(TO_TRAIN, 0.0) + time.perf_counter() - began
+            self._metrics[TO_TRAIN] = seconds
 
     # ---- generation --------------------------------------------------------------------------
     def generate(self, prompt_token_ids: list[list[int]], n: int, sampling: SamplingParams,

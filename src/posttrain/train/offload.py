@@ -11,6 +11,14 @@ between its uses.
   as having no effect there), while freeing the gradients still lowers the process's memory.
 * :class:`OffloadedReference`, ``rl_config.offload_reference``: the frozen reference's weights off
   the device between its log-prob passes.
+* :class:`WeightOffload` and :class:`WeightsOffDuringRollout`, the seed's
+  ``generate_config.offload_train_param``: while a rollout engine samples from weights of its own
+  (vLLM's copy, the native engine's bf16 sampling copy) the actor's weights (a LoRA model's frozen
+  base too; under FSDP2 this rank's shards) wait in pinned host memory, and come back for the
+  log-probs and the update. Where the engine samples from the actor's weights themselves (the
+  native engine in the weights' dtype, a LoRA adapter merged in place, FSDP2's gathered
+  parameters) they cannot leave: refused (the config check names the key; :func:`weights_off_during_rollout`
+  is the backstop). On a CPU host and device are the same memory: listed as having no effect.
 
 The Megatron-Core backend's counterpart is :class:`posttrain.train.megatron.engine.MegatronOffload`.
 """
@@ -23,6 +31,9 @@ import ctypes.util
 from pathlib import Path
 
 import torch
+
+from posttrain.errors import ConfigError
+
 
 @contextlib.contextmanager
 def on_device(*engines):
@@ -89,20 +100,10 @@ class StateOffload:
                 return_freed_memory()
         if not self.optimizer_state or self.held:
             return
-        for storage in self.storages():
-            pin = storage.device.type == "cuda"
-            host = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=pin)
-            host.copy_(_bytes_of(storage), non_blocking=pin)
-            self.held.append((storage, host))
-        if any(storage.device.type == "cuda" for storage, _ in self.held):
-            torch.cuda.synchronize()  # the copies are done before the device storage goes
-        for storage, _ in self.held:
-            storage.resize_(0)
+        self.held = park(self.storages())
 
     def to_device(self) -> None:
-        for storage, host in self.held:
-            storage.resize_(host.numel())
-            _bytes_of(storage).copy_(host, non_blocking=host.is_pinned())
+        unpark(self.held)
         self.held = []
 
     def device_bytes(self) -> int:
@@ -120,6 +121,115 @@ class StateOffload:
 def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
     """A uint8 tensor over the whole of ``storage``."""
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
+def park(storages: list[torch.UntypedStorage]) -> list[tuple[torch.UntypedStorage, torch.Tensor]]:
+    """Each storage's bytes copied to host memory (pinned for a GPU's), then the storage resized to
+    0: the tensors over it keep their identity (and version counters) but hold no memory. Returns
+    (storage, its bytes on the host) pairs for :func:`unpark`."""
+    held = []
+    for storage in storages:
+        pin = storage.device.type == "cuda"
+        host = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=pin)
+        host.copy_(_bytes_of(storage), non_blocking=pin)
+        held.append((storage, host))
+    if any(storage.device.type == "cuda" for storage, _ in held):
+        torch.cuda.synchronize()  # the copies are done before the device storage goes
+    for storage, _ in held:
+        storage.resize_(0)
+    return held
+
+
+def unpark(held: list[tuple[torch.UntypedStorage, torch.Tensor]]) -> None:
+    """Every parked storage back at its size with its bytes (copied from pinned memory asynchronously,
+    ordered on the device's stream before any later kernel that reads it)."""
+    for storage, host in held:
+        storage.resize_(host.numel())
+        _bytes_of(storage).copy_(host, non_blocking=host.is_pinned())
+
+
+class WeightOffload:
+    """``generate_config.offload_train_param``: the storages of ``model``'s parameters (this rank's
+    local shards under FSDP2: read at each call, so a model sharded after this is built is seen as
+    sharded) to the host (:meth:`to_host`) and back (:meth:`to_device`), as :class:`StateOffload`
+    moves the optimizer state; a storage shared by tied weights moves once. Buffers (rotary tables)
+    stay: they are small."""
+
+    def __init__(self, model):
+        self.model = model
+        self.held: list[tuple[torch.UntypedStorage, torch.Tensor]] = []
+
+    def storages(self) -> list[torch.UntypedStorage]:
+        out, seen = [], set()
+        for param in self.model.parameters():
+            local = param.to_local() if hasattr(param, "to_local") else param  # FSDP2: this rank's shard
+            storage = local.untyped_storage()
+            if storage.nbytes() > 0 and storage.data_ptr() not in seen:
+                seen.add(storage.data_ptr())
+                out.append(storage)
+        return out
+
+    def to_host(self) -> None:
+        if not self.held:
+            self.held = park(self.storages())
+
+    def to_device(self) -> None:
+        unpark(self.held)
+        self.held = []
+
+    def device_bytes(self) -> int:
+        """Bytes the parameters hold in their own storages now (0 while on the host)."""
+        return sum(storage.nbytes() for storage in ([s for s, _ in self.held] or self.storages()))
+
+    def host_bytes(self) -> int:
+        return sum(host.numel() for _, host in self.held)
+
+
+def samples_from_own_weights(engine) -> bool:
+    """Whether the rollout ``engine`` samples from weights of its own: vLLM's copy
+    (``holds_weights``), the native engine's sampling copy (``samples_from_copy``)."""
+    return bool(getattr(engine, "holds_weights", False) or getattr(engine, "samples_from_copy", False))
+
+
+def weights_off_during_rollout(engine, model) -> WeightsOffDuringRollout:
+    """``engine`` with ``model``'s weights on the host while it samples; refuses an engine that
+    samples from those weights themselves (naming the key)."""
+    if not samples_from_own_weights(engine):
+        raise ConfigError(_READS_WEIGHTS.format(engine=type(getattr(engine, "engine", engine)).__name__))
+    return WeightsOffDuringRollout(engine, WeightOffload(model))
+
+
+_READS_WEIGHTS = ("generate_config.offload_train_param=true: the rollout engine ({engine}) samples from the training "
+                  "weights themselves (the native engine does so in the weights' own dtype, with a LoRA adapter merged "
+                  "in place, or on FSDP2's gathered parameters), so they cannot leave the GPU during rollout; sample "
+                  "from a copy (generate_config.dtype: bfloat16 on fp32 weights, or rl_config.rollout_engine: vllm) "
+                  "or remove the key")
+
+
+class WeightsOffDuringRollout:
+    """A rollout engine (:class:`~posttrain.rollout.base.RolloutEngine`) whose ``generate`` runs with
+    the actor's weights in host memory (:class:`WeightOffload`): the native engine's sampling copy
+    is refreshed first (``prepare_sampling``), then the weights leave, and they are back before
+    ``generate`` returns (or raises). Weight syncs (vLLM), metrics and the engine's other attributes
+    are the engine's: they run with the weights in place."""
+
+    def __init__(self, engine, offload: WeightOffload):
+        self.engine, self.offload = engine, offload
+
+    def generate(self, *args, **kwargs):
+        if not samples_from_own_weights(self.engine):  # checked at build; the weights' layout may change
+            raise ConfigError(_READS_WEIGHTS.format(engine=type(getattr(self.engine, "engine", self.engine)).__name__))
+        prepare = getattr(self.engine, "prepare_sampling", None)
+        if prepare is not None:
+            prepare()
+        self.offload.to_host()
+        try:
+            return self.engine.generate(*args, **kwargs)
+        finally:
+            self.offload.to_device()
+
+    def __getattr__(self, name: str):
+        return getattr(self.engine, name)
 
 
 class OffloadedReference:

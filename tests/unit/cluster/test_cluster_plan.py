@@ -138,3 +138,25 @@ def test_the_rollout_role_syncs_every_worker_and_keeps_the_largest_probe_differe
     native = _Workers(False, {})
     assert RolloutRole(native).sync_weights(None) is None and RolloutRole(native).pop_metrics() == {}
     assert native.calls == []
+
+
+def test_a_driver_joining_a_cluster_sends_the_token_when_it_has_one(tmp_path, monkeypatch):
+    """``ray start --head`` (Ray >= 2.5x) requires the token when one exists; ``ray.init(address)``
+    does not send it unless RAY_AUTH_MODE=token: the driver sets it when a token is at hand and the
+    mode is unset, and keeps an explicit mode."""
+    import os
+
+    from posttrain.cluster.launch import token_auth_if_available
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    for key in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
+        monkeypatch.delenv(key, raising=False)
+    token_auth_if_available()
+    assert "RAY_AUTH_MODE" not in os.environ  # no token: nothing to send
+    (tmp_path / ".ray").mkdir()
+    (tmp_path / ".ray" / "auth_token").write_text("x" * 32)
+    token_auth_if_available()
+    assert os.environ["RAY_AUTH_MODE"] == "token"
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    token_auth_if_available()
+    assert os.environ["RAY_AUTH_MODE"] == "disabled"

@@ -89,8 +89,9 @@ def test_wrong_config_message(stage, rl, message):
 
 def test_dapo_rejects_ref_config_with_the_seed_message():
     cfg = make("ray_dapo", sections={"ref_config": {"micro_batch_size": 4}})
-    with pytest.raises(ConfigError, match="^ref_config should not be set when use_integrated_worker mode is on.$"):
+    with pytest.raises(ConfigError) as err:
         check(cfg)
+    assert str(err.value).splitlines()[0] == "ref_config should not be set when use_integrated_worker mode is on."
     cfg = make("ray_dapo", rl={"use_integrated_worker": False}, sections={"ref_config": {"micro_batch_size": 4}})
     with pytest.raises(ConfigError, match="ref_config should not be set"):
         check(cfg)

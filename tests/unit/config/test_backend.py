@@ -197,7 +197,6 @@ NOT_YET = [
     ([*PPO, "critic_config.tensor_model_parallel_size=2", "critic_config.save=/tmp/critic_only"], "critic_config.save=/tmp/critic_only: a critic saved in a "
                                                      "directory of its own"),
     (["reward_config.micro_batch_size=2"], "reward_config: a reward model"),
-    (["actor_config.lora_target_modules=[linear_qkv]"], "actor_config.lora_target_modules"),
     (["rl_config.ray_sharding=fsdp2"], "rl_config.ray_sharding=fsdp2"),
     ([*PPO, "critic_config.tensor_model_parallel_size=1"], "critic_config.tensor_model_parallel_size=1: colocated "
                                                           "roles"),
@@ -206,8 +205,18 @@ NOT_YET = [
 
 @pytest.mark.parametrize("overrides,start", NOT_YET, ids=[c[1] for c in NOT_YET])
 def test_features_not_built_on_megatron_are_refused_by_key(overrides, start):
-    message = refusal([*TP2, *overrides])
-    assert message.startswith(start) and message.endswith(MEGATRON)
+    lines = refusal([*TP2, *overrides]).splitlines()  # with every other refusal of the config, one per line
+    assert any(line.startswith(start) and line.endswith(MEGATRON) for line in lines), lines
+
+
+def test_lora_on_megatron_plans_and_a_target_outside_a_megatron_layer_is_refused():
+    cfg = run_config_from_dict(copy.deepcopy(BASE), overrides=[*TP2, "actor_config.lora_target_modules=[q_proj,linear_fc1]"])
+    layout, _ = check_run_config(cfg, device_type="cpu", arch=ARCH)
+    plan = build_plan(cfg, layout, ARCH, device="cpu")
+    assert (plan.parallel.backend, plan.parallel.tp, plan.lora) == ("megatron", 2, True)
+    message = refusal([*TP2, "actor_config.lora_target_modules=[linear_qkv, lm_head]"])
+    assert message.startswith("actor_config.lora_target_modules: 'lm_head' is not a linear of a Megatron layer; the "
+                              "megatron backend adapts linear_qkv (q_proj, k_proj, v_proj); linear_proj (o_proj)")
 
 
 @pytest.mark.parametrize("stage", ["sft", "dpo"])
@@ -227,7 +236,7 @@ def test_the_compatibility_table_lists_what_megatron_does_not_run_by_key():
 def test_offload_follows_the_hf_backends_rules():
     """As on the HF backend: on a CPU the optimizer state and the weights have nowhere to go
     (warned) while the gradients are freed; on CUDA the optimizer state and gradients offload and
-    the weights are refused (the rollout holds them)."""
+    the weights move too, every rank's during the rollout (the leader samples from its own copy)."""
     offload = [f"generate_config.offload_train_{k}=true" for k in ("optimizer", "grad", "param")]
     warning = inert([*TP2, *offload])
     assert "offload_train_optimizer" in warning and "offload_train_grad" not in warning
@@ -235,11 +244,11 @@ def test_offload_follows_the_hf_backends_rules():
     layout, _ = check_run_config(cfg, device_type="cpu", arch=ARCH)
     plan = build_plan(cfg, layout, ARCH, device="cpu")
     assert plan.offload_grads and not plan.offload_optimizer and plan.memory.reference == 0
-    assert refusal([*TP2, *offload], device_type="cuda").startswith("generate_config.offload_train_param=true")
-    cfg = config([*TP2, *offload[:2]])
+    cfg = config([*TP2, *offload])
     layout, _ = check_run_config(cfg, device_type="cuda", arch=ARCH)
     plan = build_plan(cfg, layout, ARCH, device="cuda")
-    assert plan.offload_grads and plan.offload_optimizer
+    assert plan.offload_grads and plan.offload_optimizer and plan.rollout.offload_weights
+    assert plan.memory.off_during_rollout == ("weights", "optimizer", "gradients")
 
 
 def test_virtual_stages_plan_on_megatron():
@@ -304,6 +313,23 @@ def test_memory_is_divided_by_the_model_split():
     cfg = config([*TP2, "actor_config.use_distributed_optimizer=true"])  # DP 2 shares the optimizer state
     m = build_plan(cfg, validate_run_config(cfg), ARCH).memory
     assert m.weights == pytest.approx(whole.weights / 2) and m.optimizer == pytest.approx(whole.optimizer / 4)
+
+
+def test_megatron_in_bf16_counts_bf16_weights_fp32_main_params_and_a_bf16_rollout_copy():
+    """On a bf16 GPU Megatron-Core's Float16Module holds the weights in bf16 (2 bytes) and its
+    optimizer an fp32 main copy beside the two moments (12 bytes); the gradients stay fp32
+    (grad_reduce_in_fp32); the frozen reference is bf16 and the leader's rollout copy too."""
+    cfg = config([*TP2, "rl_config.init_kl_coef=0.1", "generate_config.dtype=bfloat16"])
+    fp32 = build_plan(cfg, validate_run_config(cfg), ARCH, device="cpu")  # megatron on a CPU trains in fp32
+    bf16 = build_plan(cfg, validate_run_config(cfg), ARCH, device="cuda")
+    assert (fp32.train_dtype, bf16.train_dtype, bf16.frozen_dtype, bf16.rollout_dtype) == \
+        ("float32", "bfloat16", "bfloat16", "bfloat16")
+    a, b, shard = fp32.memory, bf16.memory, ARCH.num_params() / 2
+    assert (a.weights, a.gradients, a.optimizer, a.reference) == pytest.approx((4 * shard, 4 * shard, 8 * shard,
+                                                                                4 * shard))
+    assert (b.weights, b.gradients, b.optimizer, b.reference) == pytest.approx((2 * shard, 4 * shard, 12 * shard,
+                                                                                2 * shard))
+    assert b.rollout_copy == pytest.approx(2 * ARCH.num_params())  # the leader's whole copy, bf16
 
 
 def test_a_model_whose_rollout_copy_does_not_fit_one_device_is_refused(monkeypatch):

@@ -36,6 +36,9 @@ def test_lora_keys_are_honoured_on_the_hf_backend():
     assert not any("lora" in w or "share_backbone" in w for w in warnings)
     _, warnings = check([*LORA, "actor_config.lora_fusion=true"])  # MindSpeed's fused kernels: no effect
     assert any("actor_config.lora_fusion" in w for w in warnings)
+    _, warnings = check([*LORA, "rl_config.ray_sharding=fsdp2", "rl_config.actor_resource.num_npus=2",
+                         "rl_config.share_backbone=true"])  # FSDP2 shards the PEFT model, frozen base included
+    assert not any("lora" in w or "fsdp2" in w for w in warnings)
 
 
 @pytest.mark.parametrize("overrides,message", [
@@ -44,14 +47,12 @@ def test_lora_keys_are_honoured_on_the_hf_backend():
      "'share_backbone' cannot be True when 'stage' is set to 'ray_dapo'."),
     ([*LORA, "actor_config.lora_r=0"], "actor_config.lora_r=0: "),
     ([*LORA, "actor_config.lora_alpha=-1"], "actor_config.lora_alpha=-1: "),
-    ([*LORA, "rl_config.ray_sharding=fsdp2", "rl_config.actor_resource.num_npus=2"],
-     "rl_config.ray_sharding=fsdp2 with actor_config.lora_target_modules: FSDP2 with LoRA is not built yet"),
     ([*LORA, "rl_config.share_backbone=true", "rl_config.offload_reference=true"],
      "rl_config.offload_reference=true with rl_config.share_backbone=true: the reference is the actor's own weights"),
-    ([*LORA, "actor_config.tensor_model_parallel_size=2", "rl_config.actor_resource.num_npus=2"],
-     "actor_config.lora_target_modules=[linear_qkv, linear_fc1]: LoRA is not built on the megatron backend yet"),
-], ids=["share-backbone-without-lora", "share-backbone-dapo", "rank", "alpha", "fsdp2", "offload-reference",
-        "megatron"])
+    ([*LORA, "actor_config.tensor_model_parallel_size=2", "rl_config.actor_resource.num_npus=2",
+      "actor_config.lora_target_modules=[linear_qkv, embed_tokens]"],
+     "actor_config.lora_target_modules: 'embed_tokens' is not a linear of a Megatron layer"),
+], ids=["share-backbone-without-lora", "share-backbone-dapo", "rank", "alpha", "offload-reference", "megatron-target"])
 def test_lora_inputs_that_cannot_run_are_refused_by_key(overrides, message):
     assert refusal(overrides).startswith(message)
 

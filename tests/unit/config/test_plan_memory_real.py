@@ -194,3 +194,96 @@ def test_fsdp2_per_worker_bytes_are_half_of_the_real_model(model_dirs, name):
             assert abs(r[key] - estimate) <= per_param * rounding, (key, r[key], estimate, rounding)
         assert ranks[0][key] >= estimate  # rank 0 holds the ceil-sized chunks
     assert all(r["step"] == FP32 * r["tensors"] for r in ranks)  # not in the estimate (module docstring)
+
+
+# ---- bf16 storage of the frozen weights (a CPU with bf16 units, as on a GPU) -----------------------
+def bf16_run_config(model_dir, monkeypatch, **rl):
+    """``run_config`` in bf16 on a CPU that computes bf16 natively (the suite's default CPU has no
+    bf16 units: tests/conftest.py)."""
+    monkeypatch.setattr("posttrain.device.cpu_supports_bf16", lambda: True)
+    cfg = run_config(model_dir, **rl)
+    cfg.actor.bf16 = True
+    return cfg
+
+
+def tensor_bytes(tensors) -> int:
+    return sum(nbytes(t) for t in tensors)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_bf16_reference_and_sampling_copy_are_the_real_bytes(model_dirs, name, monkeypatch):
+    """In bf16 the trained weights stay fp32 (their own AdamW master); the frozen reference is
+    stored in bf16 and the native engine samples from a bf16 copy: 2 bytes per parameter each."""
+    cfg = bf16_run_config(model_dirs[name], monkeypatch, init_kl_coef=0.1)
+    plan = resolve_plan(cfg, device="cpu")
+    assert (plan.train_dtype, plan.frozen_dtype, plan.rollout_dtype) == ("bfloat16",) * 3
+    policy = build_policy(plan, "cpu")
+    one_step(policy.actor, policy.model.config.vocab_size)
+    real, m = held_bytes(policy.model, policy.actor.optimizer), plan.memory  # held_bytes: fp32 weights
+    assert (m.weights, m.gradients, m.optimizer) == (real["weights"], real["gradients"], real["optimizer"])
+    ref = list(policy.reference.model.parameters())
+    assert {p.dtype for p in ref} == {torch.bfloat16}
+    assert m.reference == tensor_bytes(ref) == 2 * plan.num_params
+    copy = policy.rollout._sampling_model()  # the copy the native engine samples from
+    assert copy is not policy.model and {p.dtype for p in copy.parameters()} == {torch.bfloat16}
+    assert m.rollout_copy == tensor_bytes(copy.parameters())
+
+
+@pytest.mark.parametrize("share_backbone", [False, True])
+def test_lora_bf16_base_fp32_adapter_and_merge_copy_are_the_real_bytes(model_dirs, share_backbone, monkeypatch):
+    """LoRA in bf16: the frozen base in bf16, the adapter (the only trained weights) in fp32 with
+    its gradients and moments; the reference a bf16 copy (none with share_backbone); the merged
+    rollout's saved copy of the targeted base weights in bf16."""
+    from peft.tuners.lora import LoraLayer
+
+    from posttrain.models.lora import merged
+
+    cfg = bf16_run_config(model_dirs["mini_qwen2"], monkeypatch, init_kl_coef=0.1, share_backbone=share_backbone)
+    cfg.actor.lora_target_modules, cfg.actor.lora_r = ["linear_qkv", "linear_fc2"], 4
+    plan = resolve_plan(cfg, device="cpu")
+    assert plan.lora and plan.frozen_dtype == "bfloat16"
+    policy = build_policy(plan, "cpu")
+    one_step(policy.actor, policy.model.config.vocab_size)
+    params = list(policy.model.parameters())
+    frozen, adapter = [p for p in params if not p.requires_grad], [p for p in params if p.requires_grad]
+    assert {p.dtype for p in frozen} == {torch.bfloat16} and {p.dtype for p in adapter} == {torch.float32}
+    m = plan.memory
+    assert m.weights == tensor_bytes(params)
+    assert m.gradients == tensor_bytes(p.grad for p in adapter)
+    opt = policy.actor.optimizer
+    assert m.optimizer == sum(nbytes(opt.state[p]["exp_avg"]) + nbytes(opt.state[p]["exp_avg_sq"]) for p in adapter)
+    if share_backbone:
+        assert m.reference == 0
+    else:
+        assert m.reference == tensor_bytes(policy.reference.model.parameters())
+    targeted = [layer.get_base_layer().weight for layer in policy.model.modules() if isinstance(layer, LoraLayer)]
+    assert m.rollout_copy == tensor_bytes(targeted)  # what merged() saves while the rollout samples
+    before = [w.clone() for w in targeted]
+    with merged(policy.model):
+        assert any(not torch.equal(w, b) for w, b in zip(targeted, before))  # the trained adapter is merged in
+    assert all(torch.equal(w, b) for w, b in zip(targeted, before))  # and the bf16 base put back bit for bit
+
+
+def test_bf16_storage_of_the_reference_changes_its_log_probs_by_less_than_bf16_autocast_does(
+        model_dirs, monkeypatch):
+    """The reference's log-probs from bf16-stored weights against (a) the same bf16 autocast over
+    fp32 weights (the actor's own forward: the storage alone, since autocast casts every matmul
+    weight to bf16 anyway; what differs is the residual stream, which starts from a bf16 embedding)
+    and (b) a plain fp32 forward. Storage costs about what bf16 compute already costs: within 0.02
+    nats of (a), and at most 3x (a)'s distance from (b)."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 100, (4, 16), generator=g)
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids),
+             "response_mask": torch.ones(4, 8, dtype=torch.long)}
+    fp32 = build_policy(resolve_plan(run_config(model_dirs["mini_qwen2"], init_kl_coef=0.1), device="cpu"), "cpu",
+                        with_rollout=False)
+    plan = resolve_plan(bf16_run_config(model_dirs["mini_qwen2"], monkeypatch, init_kl_coef=0.1), device="cpu")
+    bf16 = build_policy(plan, "cpu", with_rollout=False)
+    stored = bf16.reference.compute_logprobs(batch)  # bf16 weights, bf16 autocast
+    autocast = bf16.actor.compute_logprobs(batch)  # the same initial weights in fp32, bf16 autocast
+    exact = fp32.reference.compute_logprobs(batch)  # fp32 weights, no autocast
+    storage_error = (stored - autocast).abs().max().item()
+    compute_error = (autocast - exact).abs().max().item()
+    print(f"bf16 storage {storage_error:.2e} nats, bf16 compute {compute_error:.2e}")
+    assert 0 < storage_error < 0.02, storage_error
+    assert storage_error <= 3 * compute_error, (storage_error, compute_error)  # measured: 2.9e-3 against 2.0e-3

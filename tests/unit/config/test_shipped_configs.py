@@ -42,14 +42,19 @@ def test_seed_examples_keep_their_algorithm_settings():
     assert dpo.actor.is_pairwise_dataset and dpo.actor.num_experts == 128 and dpo.actor.moe_router_topk == 8
 
 
-def test_the_seeds_lora_example_plans_on_the_hf_backend_with_a_shared_backbone():
-    """grpo_lora_qwen25_32b: TP 1 (LoRA is refused on the megatron backend), 16 data-parallel
-    workers; the reference shares the backbone (no copy), and only the adapter has gradients and
-    AdamW moments."""
+def test_the_seeds_lora_example_fits_its_64_gib_devices_on_the_megatron_backend():
+    """grpo_lora_qwen25_32b as the seed laid it out (TP 4 x PP 4 on 16 devices, vLLM at TP 4) on its
+    own hardware: the bf16 base split 16 ways, gradients, main params and moments for the adapter
+    only, no reference copy (shared backbone), vLLM asleep during the update: it fits 64 GiB."""
+    from posttrain.config.target import parse_target
+
     cfg = load_run_config("grpo_lora_qwen25_32b")
     assert (cfg.actor.lora_r, cfg.actor.lora_alpha, cfg.rl.share_backbone, cfg.actor.lora_ckpt_filter) == \
         (128, 128, True, True)
-    plan = build_plan(cfg, validate_run_config(cfg), model_arch(cfg))
-    m = plan.memory
-    assert plan.lora and plan.parallel.backend == "hf" and plan.parallel.dp == 16 and plan.uses_reference
-    assert m.reference == 0 and m.optimizer == 2 * m.gradients and 0 < m.gradients < m.weights / 20
+    plan = resolve_plan(cfg, target=parse_target("npu:64GiB", 2, 8))
+    m, par = plan.memory, plan.parallel
+    assert plan.lora and (par.backend, par.tp, par.pp, par.dp) == ("megatron", 4, 4, 1) and plan.uses_reference
+    assert plan.rollout.engine == "vllm" and plan.rollout.vllm.tensor_parallel_size == 4 and m.rollout_sleeps
+    assert m.reference == 0 and m.optimizer == 3 * m.gradients and 0 < m.gradients < m.weights / 10
+    assert 2 * plan.num_params / 16 < m.weights < 1.05 * 2 * plan.num_params / 16  # the bf16 base (and adapter) / 16
+    assert m.total < 64 * 2**30

@@ -110,7 +110,7 @@ def test_keys_vllm_cannot_honour_are_refused_by_name(gpu, overrides, words):
 
 def test_pipeline_parallel_rollout_keeps_the_seeds_message(gpu):
     message = refusal(["generate_config.infer_pipeline_parallel_size=2"])  # the seed's rule 9, checked first
-    assert message == "pipeline_parallel for vllm is not supported yet ! "
+    assert message.splitlines()[0] == "pipeline_parallel for vllm is not supported yet ! "
 
 
 def test_the_vllm_keys_are_honoured_without_warnings(gpu):
@@ -193,3 +193,17 @@ def test_plan_prints_the_vllm_rollout_and_refuses_a_copy_that_does_not_fit(insta
                                           r"infer_tensor_parallel_size=1\) in float32: .*raise generate_config."
                                           r"infer_tensor_parallel_size"):
         resolve_plan(config(base), device="cpu")
+
+
+def test_megatron_on_gpus_runs_vllm_tensor_parallel_over_at_most_its_replicas_gpus(gpu):
+    """On CUDA each replica's leader runs vLLM's workers on its replica's GPUs (TP x PP of them,
+    posttrain.roles.megatron_view.replica_gpus): infer TP 2 over a TP 2 replica runs, infer TP 4
+    is refused by key; a CPU has no such bound (its workers are processes)."""
+    megatron = ["rl_config.actor_resource.num_npus=4", "actor_config.tensor_model_parallel_size=2"]
+    _, warnings = check_run_config(config([*megatron, "generate_config.infer_tensor_parallel_size=2"]),
+                                   device_type="cuda")
+    assert config_vllm.UNVERIFIED_GPU in warnings
+    message = refusal([*megatron, "generate_config.infer_tensor_parallel_size=4"], device_type="cuda")
+    assert message.startswith("generate_config.infer_tensor_parallel_size=4 is more than the 2 GPUs of a data-parallel "
+                              "replica") and message.endswith("set it to at most 2")
+    check_run_config(config([*megatron, "generate_config.infer_tensor_parallel_size=4"]), device_type="cpu")

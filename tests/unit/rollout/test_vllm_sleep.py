@@ -51,7 +51,7 @@ def engine(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", SimpleNamespace(SamplingParams=lambda **kw: SimpleNamespace(**kw)))
     engine = object.__new__(vllm_engine.VLLMEngine)
     engine.llm, engine.eos_token_ids, engine.on_cpu = Recorder(), [], False
-    engine.sleep_mode, engine._asleep, engine._wake_tags = True, set(), True
+    engine.sleep_mode, engine._asleep, engine._wake_tags, engine._metrics = True, set(), True, {}
     engine.check_probe = lambda *args: None  # the probe runs in tests/vllm
     return engine
 
@@ -83,7 +83,21 @@ def test_a_vllm_without_wake_tags_wakes_everything_once(engine):
 
 
 def test_without_sleep_mode_nothing_sleeps(engine):
-    engine.sleep_mode = False
+    engine.sleep_mode, engine._asleep, engine.llm = False, set(), Recorder()  # an engine without sleep mode
     engine.generate([[1, 2]], 1, SamplingParams(max_tokens=2, seed=0))
     engine.load_weights([("model.norm.weight", None)])
     assert engine.llm.events == ["generate", "load", "reset"]
+
+
+def test_the_sleep_after_a_rollout_is_timed_as_resharding_to_train(engine):
+    """The device goes back to the trainer when the engine sleeps: ``timing/resharding_to_train``
+    (summed since the last pop); no sleep, no metric."""
+    sp = SamplingParams(temperature=1.0, max_tokens=2, seed=0)
+    engine.generate([[1, 2]], 2, sp)
+    engine.generate([[1, 2]], 2, sp)
+    metrics = engine.pop_metrics()
+    assert engine.llm.events.count("sleep") == 2 and metrics["timing/resharding_to_train"] >= 0
+    assert engine.pop_metrics() == {}
+    engine.sleep_mode, engine._asleep, engine.llm = False, set(), Recorder()  # an engine without sleep mode
+    engine.generate([[1, 2]], 2, sp)
+    assert "timing/resharding_to_train" not in engine.pop_metrics()

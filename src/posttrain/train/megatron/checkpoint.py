@@ -43,11 +43,37 @@ FORMATS = ("torch_dist", "torch")  # Megatron-LM's --ckpt-format names; torch: t
 
 
 class Part(NamedTuple):
-    """One model of a checkpoint: its chunks (one per virtual stage), optimizer and extra entries."""
+    """One model of a checkpoint: its chunks (one per virtual stage), optimizer and extra entries;
+    ``adapter_only``: a LoRA model's adapter alone (``lora_ckpt_filter``), without its frozen base."""
 
     chunks: list
     optimizer: Any
     extra: dict
+    adapter_only: bool = False
+
+
+ADAPTER_ONLY = "adapter_only"  # the entry that marks a checkpoint of a LoRA adapter without its base
+
+
+def _is_adapter(key: str) -> bool:
+    return ".lora." in key
+
+
+def _model_state(chunk, adapter_only: bool) -> dict:
+    return {k: v for k, v in chunk.state_dict().items() if not adapter_only or _is_adapter(k)}
+
+
+def _load_model(chunk, state: dict, adapter_only: bool, where: Path) -> None:
+    """``state`` into ``chunk``: all of it, or (``adapter_only``) the adapter, the base kept as built."""
+    if not adapter_only:
+        chunk.load_state_dict(state, strict=True)
+        return
+    result = chunk.load_state_dict(state, strict=False)
+    missing = [k for k in result.missing_keys if _is_adapter(k)]
+    if missing or result.unexpected_keys:
+        raise CheckpointError(f"{where}: the LoRA adapter does not fit this model (missing {missing[:4]}, "
+                              f"unexpected {result.unexpected_keys[:4]}); resume it with the lora_* keys it was "
+                              f"saved with")
 
 
 def _rank_file(it_dir: Path) -> Path:
@@ -84,7 +110,9 @@ def _rng_object(value):
 
 def _sharded(part: Part, *, optimizer: bool, loading: bool = False) -> dict:
     """The sharded state dict of ``part``'s chunks (and optimizer)."""
-    state = {mcore_files.model_key(i, len(part.chunks)): sharded_state_dict(chunk) for i, chunk in enumerate(part.chunks)}
+    state = {mcore_files.model_key(i, len(part.chunks)): {k: v for k, v in sharded_state_dict(chunk).items()
+                                                          if not part.adapter_only or _is_adapter(k)}
+             for i, chunk in enumerate(part.chunks)}
     if optimizer:
         state["optimizer"] = part.optimizer.sharded_state_dict(state, is_loading=loading)
     return state
@@ -95,7 +123,8 @@ def _write(path: Path, part: Part, args, iteration: int, *, ckpt_format: str, sa
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
 
-    common = {"iteration": iteration, "args": args, "checkpoint_version": mcore_files.CHECKPOINT_VERSION, **part.extra}
+    common = {"iteration": iteration, "args": args, "checkpoint_version": mcore_files.CHECKPOINT_VERSION,
+              ADAPTER_ONLY: part.adapter_only, **part.extra}
     if ckpt_format == "torch_dist":
         state = {**_sharded(part, optimizer=save_optim), **common, "world_size": dist.get_world_size()}
         if save_rng:
@@ -105,7 +134,8 @@ def _write(path: Path, part: Part, args, iteration: int, *, ckpt_format: str, sa
     if ps.get_data_parallel_rank() == 0:
         rank_file = _rank_file(path)
         rank_file.parent.mkdir(parents=True, exist_ok=True)
-        state = {mcore_files.model_key(i, len(part.chunks)): c.state_dict() for i, c in enumerate(part.chunks)}
+        state = {mcore_files.model_key(i, len(part.chunks)): _model_state(c, part.adapter_only)
+                 for i, c in enumerate(part.chunks)}
         state.update(common)
         if save_optim:
             state["optimizer"] = part.optimizer.state_dict()
@@ -116,10 +146,12 @@ def _write(path: Path, part: Part, args, iteration: int, *, ckpt_format: str, sa
 
 def save_megatron_checkpoint(save_dir: str | Path, iteration: int, parts: dict[str, Part], args: argparse.Namespace,
                              *, ckpt_format: str = "torch_dist", save_optim: bool = True,
-                             save_rng: bool = True) -> Path:
+                             save_rng: bool = True, write_more=None) -> Path:
     """Write iteration ``iteration`` of ``parts`` (``""``: the policy, at the top of the iteration;
     other names: subdirectories) in ``ckpt_format``; returns the iteration directory. Every rank
-    calls it (barriers inside). ``save_optim`` / ``save_rng``: the seed's ``no_save_*`` negated."""
+    calls it (barriers inside). ``save_optim`` / ``save_rng``: the seed's ``no_save_*`` negated;
+    ``write_more(directory)``: called on every rank to add files to the iteration before it is
+    published (a LoRA actor's PEFT adapter)."""
     if ckpt_format not in FORMATS:
         raise CheckpointError(f"unknown Megatron checkpoint format {ckpt_format!r}; use {' or '.join(FORMATS)}")
     save_dir = Path(save_dir)
@@ -142,6 +174,12 @@ def save_megatron_checkpoint(save_dir: str | Path, iteration: int, parts: dict[s
                    save_rng=save_rng and not name)
         except (OSError, RuntimeError, ValueError, CheckpointException) as err:  # a full disk: torch raises
             error = err  # RuntimeError or OSError; dist_checkpointing a CheckpointException (a BaseException)
+        _agree(error, final, save_dir, tmp)
+    if write_more is not None:
+        try:
+            write_more(tmp)
+        except (OSError, RuntimeError, ValueError) as err:
+            error = err
         _agree(error, final, save_dir, tmp)
     if dist.get_rank() == 0:
         try:
@@ -223,8 +261,9 @@ def load_megatron_checkpoint(load_dir: str | Path, chunks: list, optimizer, *, l
         raise CheckpointError(f"{rank_file} is missing: this rank's shard of {path} (a legacy checkpoint loads into "
                               f"the layout it was saved with; convert it to HF and start from that)")
     state = mcore_files.load_rank_file(rank_file, mmap=False)  # weights_only, with the converter's allow-list
+    adapter_only = bool(state.pop(ADAPTER_ONLY, False))
     for i, chunk in enumerate(chunks):
-        chunk.load_state_dict(state.pop(mcore_files.model_key(i, len(chunks))), strict=True)
+        _load_model(chunk, state.pop(mcore_files.model_key(i, len(chunks))), adapter_only, rank_file)
     for key, wanted, load in (("optimizer", load_optim, optimizer.load_state_dict),
                               ("rng_state", load_rng, _set_rng_state)):
         if wanted and key not in state:
@@ -236,11 +275,21 @@ def load_megatron_checkpoint(load_dir: str | Path, chunks: list, optimizer, *, l
     return state
 
 
+def saved_adapter_only(load_dir: str | Path) -> bool:
+    """The checkpoint ``load_dir`` names holds a LoRA adapter without its base (``lora_ckpt_filter``)."""
+    it_dir = mcore_files.iteration_dir(Path(load_dir))
+    if mcore_files.is_dist_checkpoint(it_dir):
+        return bool(mcore_files.load_common(it_dir).get(ADAPTER_ONLY, False))
+    first = next(iter(sorted(it_dir.glob(f"mp_rank_*/{mcore_files.RANK_FILE}"))), None)
+    return first is not None and bool(mcore_files.load_rank_file(first, mmap=True, verify=False).get(ADAPTER_ONLY))
+
+
 def _load_dist(path: Path, chunks: list, optimizer, *, load_optim: bool, load_rng: bool) -> dict:
     from megatron.core import dist_checkpointing
 
     common = mcore_files.load_common(path)
-    part = Part(chunks, optimizer, {})
+    adapter_only = bool(common.get(ADAPTER_ONLY, False))
+    part = Part(chunks, optimizer, {}, adapter_only)
     state = _sharded(part, optimizer=load_optim, loading=True)
     same_world = common.get("world_size") == dist.get_world_size()
     if load_rng and same_world:
@@ -253,7 +302,8 @@ def _load_dist(path: Path, chunks: list, optimizer, *, load_optim: bool, load_rn
                               f"({type(err).__name__}: {str(err).splitlines()[0][:300]}); if it was saved with "
                               f"no_save_optim / no_save_rng, set no_load_optim / no_load_rng") from None
     for i, chunk in enumerate(chunks):
-        chunk.load_state_dict(loaded.pop(mcore_files.model_key(i, len(chunks))), strict=True)
+        _load_model(chunk, loaded.pop(mcore_files.model_key(i, len(chunks))), adapter_only, path)
+    loaded.pop(ADAPTER_ONLY, None)
     if load_optim:
         optimizer.load_state_dict(loaded.pop("optimizer"))
     if "rng_state" in loaded:

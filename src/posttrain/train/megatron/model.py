@@ -23,6 +23,7 @@ from posttrain.errors import CheckpointError, ConfigError
 from posttrain.models.mcore import mapping, mcore_files, splits
 from posttrain.models.mcore.convert import _stage_state, hf_arch
 from posttrain.models.mcore.hf_files import HFWeights
+from posttrain.train.megatron.lora import from_stage, merged_state_dict
 
 
 def arg(args: argparse.Namespace, name: str, default: Any = None) -> Any:
@@ -281,9 +282,11 @@ def _sizes() -> tuple[int, int, int | None, int]:
 
 def _load(chunk, state: dict) -> None:
     """``state`` (a converter or checkpoint state dict, with None ``_extra_state`` entries) into
-    ``chunk``, every weight cast to the chunk's dtype, strictly."""
+    ``chunk``, every weight cast to the chunk's dtype, strictly. A LoRA checkpoint's adapter
+    (``.lora.`` entries) is left out: the chunk is built without adapters, which the LoRA code
+    attaches and then loads with the optimizer (:mod:`posttrain.train.megatron.lora`)."""
     chunk.load_state_dict({k: v.float() if torch.is_tensor(v) and v.is_floating_point() else v
-                           for k, v in state.items()}, strict=True)
+                           for k, v in state.items() if ".lora." not in k}, strict=True)
 
 
 def mcore_to_megatron(load_dir: str | Path, *, for_training: bool = False, value_head: bool = False,
@@ -366,26 +369,13 @@ def _load_dist_model(it_dir: Path, chunks: list) -> None:
                                   f"unexpected {result.unexpected_keys[:4]})")
 
 
-def _from_stage(make, here: bool, source: int | None, group) -> list[torch.Tensor]:
-    """The tensors ``make()`` builds on the pipeline stage whose global rank is ``source`` (``here``:
-    this rank is it), broadcast to every stage of ``group``; ``source`` None: one stage, no broadcast."""
-    tensors = make() if here else None
-    if source is None:
-        return tensors
-    shapes = [[(t.shape, t.dtype) for t in tensors] if tensors is not None else None]
-    dist.broadcast_object_list(shapes, src=source, group=group)
-    if tensors is None:
-        tensors = [torch.empty(shape, dtype=dtype) for shape, dtype in shapes[0]]
-    for tensor in tensors:
-        dist.broadcast(tensor, src=source, group=group)
-    return tensors
-
-
 def hf_weights(chunks: list, args: argparse.Namespace, *, value_head: bool = False):
     """Yield ``(HF name, full tensor)`` for every weight of the model that ``chunks`` (one per
     virtual stage) are this rank's part of, one layer at a time, on every rank: each tensor's TP shards are all-gathered and
     merged back into the HF layout (the converter's mapping), then broadcast from the pipeline
-    stage that holds it. This is the weight sync from the trained model to the rollout's HF model;
+    stage that holds it. A LoRA actor's adapted weights are merged, ``W + (alpha / r) B @ A``
+    (:func:`posttrain.train.megatron.lora.merged_state_dict`). This is the weight sync from the
+    trained model to the rollout's HF model;
     the peak is one layer, not the model. All ranks must iterate it together (collectives). Each
     expert of a mixture-of-experts model is gathered over the expert tensor-parallel group on the
     expert-parallel rank that holds it, then broadcast over the expert-parallel group."""
@@ -394,7 +384,7 @@ def hf_weights(chunks: list, args: argparse.Namespace, *, value_head: bool = Fal
     where = Path("<megatron model>")
     arch, par = mcore_files.arch_from_args(args, where), mcore_files.parallel_from_args(args, where)
     vocab = int(args.vocab_size)
-    states = [chunk.state_dict() for chunk in chunks]
+    states = [merged_state_dict(chunk) for chunk in chunks]
     tp_group, pp_group = ps.get_tensor_model_parallel_group(), ps.get_pipeline_model_parallel_group()
     pp_rank, pp_ranks = ps.get_pipeline_model_parallel_rank(), dist.get_process_group_ranks(pp_group)
 
@@ -421,10 +411,10 @@ def hf_weights(chunks: list, args: argparse.Namespace, *, value_head: bool = Fal
         ep_group, etp_group = ps.get_expert_model_parallel_group(), ps.get_expert_tensor_parallel_group()
         ep_ranks = dist.get_process_group_ranks(ep_group)
 
-    def from_stage(stage: int, make) -> list[torch.Tensor]:
-        return _from_stage(make, pp_rank == stage, pp_ranks[stage] if par.pp > 1 else None, pp_group)
+    def stage_tensors(stage: int, make) -> list[torch.Tensor]:
+        return from_stage(make, pp_rank == stage, pp_ranks[stage] if par.pp > 1 else None, pp_group)
 
-    [embedding] = from_stage(0, lambda: [splits.merge_vocab(tp_shards(mapping.EMBEDDING), vocab)])
+    [embedding] = stage_tensors(0, lambda: [splits.merge_vocab(tp_shards(mapping.EMBEDDING), vocab)])
     yield mapping.HF_EMBEDDING, embedding
     params = mapping.layer_params(arch)
     for layer in range(arch.num_layers):
@@ -433,20 +423,20 @@ def hf_weights(chunks: list, args: argparse.Namespace, *, value_head: bool = Fal
             for expert in range(arch.num_experts or 0) if p.expert else [None]:
                 if expert is None:
                     names = p.hf
-                    merged = from_stage(stage, lambda: mapping.merge_param(
+                    merged = stage_tensors(stage, lambda: mapping.merge_param(
                         p, tp_shards(mapping.mcore_layer_name(local, p.mcore), chunk), arch))
                 else:
                     names = p.for_expert(0, expert).hf
-                    merged = from_stage(stage, lambda: mapping.merge_param(
+                    merged = stage_tensors(stage, lambda: mapping.merge_param(
                         *expert_shards(p, expert, local, chunk), arch))
                 for name, tensor in zip(names, merged):
                     yield mapping.hf_layer_name(layer, name), tensor
     last = par.pp - 1
-    [norm] = from_stage(last, lambda: [states[-1][mapping.FINAL_NORM].detach().clone()])
+    [norm] = stage_tensors(last, lambda: [states[-1][mapping.FINAL_NORM].detach().clone()])
     yield mapping.HF_FINAL_NORM, norm
     if value_head:  # the critic's scalar head: HF's score, split over TP along the hidden dimension
-        [head] = from_stage(last, lambda: [splits.merge_dim(tp_shards(mapping.RM_HEAD, -1), 1)])
+        [head] = stage_tensors(last, lambda: [splits.merge_dim(tp_shards(mapping.RM_HEAD, -1), 1)])
         yield mapping.HF_SCORE, head
     elif not arch.tie_embeddings:
-        [head] = from_stage(last, lambda: [splits.merge_vocab(tp_shards(mapping.OUTPUT_LAYER, -1), vocab)])
+        [head] = stage_tensors(last, lambda: [splits.merge_vocab(tp_shards(mapping.OUTPUT_LAYER, -1), vocab)])
         yield mapping.HF_LM_HEAD, head

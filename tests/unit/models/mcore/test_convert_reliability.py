@@ -386,3 +386,15 @@ def test_merge_lora_refuses_an_adapter_whose_config_is_broken_or_does_not_match_
     refused(capsys, ["convert", "--load-model-type", "hf", "--save-model-type", "hf", "--merge-lora", "--load-dir",
                      str(adapter), "--save-dir", str(tmp_path / "merged")], pattern)
     assert not (tmp_path / "merged").exists()
+
+
+def test_a_megatron_lora_checkpoint_is_merged_not_converted(ckpts, tmp_path, capsys):
+    """A megatron-backend LoRA run's checkpoint (its Megatron files the frozen base, its adapter in
+    adapter_model.safetensors): a plain mg -> hf conversion would export the base alone; refused,
+    naming --merge-lora."""
+    root = copy_of(ckpts, "tp1", tmp_path)
+    (root / "release" / "adapter_config.json").write_text("{}")
+    refused(capsys, ["convert", "--load-model-type", "mg", "--save-model-type", "hf", "--load-dir", str(root),
+                     "--save-dir", str(tmp_path / "hf")],
+            r"holds a LoRA run .* posttrain convert --merge-lora --load-dir")
+    assert not (tmp_path / "hf").exists()
