@@ -1,5 +1,5 @@
 """Fixtures for the Ray tests: one local Ray cluster per module (2 CPUs, one per actor worker), a
-two-node Ray cluster for the session (a head and a second node as separate processes, 1 CPU each),
+two-node Ray cluster for the multi-node module (a head and a second node as separate processes, 1 CPU each),
 a 2-layer random-init Qwen2 with the tiny tokenizer, and a prompt dataset."""
 
 from __future__ import annotations
@@ -21,10 +21,11 @@ def ray_cluster(request):
         yield ray
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def ray_nodes():
-    """A Ray head and a second Ray node, each a ``ray start`` of its own with 1 CPU, its own ports and
-    temporary directory (tests/helpers/ray_nodes.py), alive; the test process joins only through
+    """For one module (its daemons stopped after it, so later tests run without them): a Ray head
+    and a second Ray node, each a ``ray start`` of its own with 1 CPU, its own ports and temporary
+    directory (tests/helpers/ray_nodes.py), alive; the test process joins only through
     posttrain (``rl_config.ray_address``), so it gets the checkout on ``PYTHONPATH`` (the workers
     import the test verifiers), token auth as the nodes, and 1 torch thread. Every process the
     fixture started is killed by pid afterwards. A test may stop a node and start another
