@@ -45,9 +45,13 @@ $(VLLM_STAMP): pyproject.toml Makefile
 
 install-vllm: $(VLLM_STAMP)
 
-# the suite in .venv (tests/vllm skip there), then tests/vllm in .venv-vllm
-test: $(STAMP) $(VLLM_STAMP)
-	$(PY) -m pytest -q
+# the suite in .venv (tests/vllm skip there), then tests/vllm in .venv-vllm; .venv-vllm installs (mostly
+# downloads) in the background while the main suite runs, its log in .venv-vllm-install.log
+test: $(STAMP)
+	@$(MAKE) --no-print-directory install-vllm > .venv-vllm-install.log 2>&1 & installing=$$!; \
+	$(PY) -m pytest -q; status=$$?; \
+	wait $$installing || { tail -50 .venv-vllm-install.log; echo "make install-vllm failed"; exit 1; }; \
+	test $$status -eq 0 || exit $$status; \
 	$(VLLM_PY) -m pytest -q tests/vllm
 
 test-vllm: $(VLLM_STAMP)
