@@ -10,15 +10,11 @@ Only this package imports ray. The plan decides (without importing ray) whether 
 
 from __future__ import annotations
 
-from posttrain.errors import ConfigError
+from posttrain.extras import require
 
 
 def build_cluster(plan, start: dict):
-    try:
-        import ray  # noqa: F401
-    except ImportError as err:
-        raise ConfigError("this run needs Ray (actor_resource.num_npus > 1, rl_config.ray_address or RAY_ADDRESS) "
-                          "but ray is not installed: pip install 'posttrain[ray]'") from err
+    require("ray", "this run on Ray (actor_resource.num_npus > 1, rl_config.ray_address or RAY_ADDRESS)")
     from posttrain.cluster.group import Cluster  # lazy: torch; cluster submodules import this __init__
 
     return Cluster(plan, start)

@@ -33,12 +33,14 @@ from posttrain.config.reward_model import check_reward_model
 from posttrain.config.run import RunConfig
 from posttrain.config.stages import stage_named
 from posttrain.config.validate import DeviceLayout, actor_key, validate_run_config
+from posttrain.extras import require
 from posttrain.config.engine_choice import resolve_engine
 from posttrain.config.vllm import check_vllm
 from posttrain.errors import ConfigError
 from posttrain.models.arch import ModelArch
 from posttrain.models.lora import full_rank, target_list
 from posttrain.reward.verifiers import VERIFIERS, import_verifier_modules
+from posttrain.paths import shipped_file
 
 # uses_ray: posttrain.config.backend
 __all__ = ["Refusals", "check_device", "check_run_config", "check_verifiers", "collect_checks", "uses_ray"]
@@ -102,6 +104,8 @@ def collect_checks(cfg: RunConfig, refusals: Refusals, *, device_type: str = "cp
     refusals.run(check_reward_model, cfg, on_policy=stage.on_policy, dynamic_sampling=stage.dynamic_sampling(cfg))
     if parallel is not None:
         refusals.run(_check_workers, cfg, stage.on_policy, stage.uses_critic, parallel)
+    if here and backend == "megatron":
+        refusals.run(require, "megatron.core", f"the megatron backend ({actor_key(cfg, 'backend')}: megatron)")
     refusals.run(check_multi_turn, cfg)
     if stage.on_policy and (cfg.rl.rule_reward or cfg.rl.eval_data_path):  # training scores, held-out accuracy
         refusals.run(check_verifiers, cfg)
@@ -160,10 +164,10 @@ def _check_prompt_type_path(cfg: RunConfig) -> None:
     path = cfg.actor.prompt_type_path
     written = any(cfg.explicitly_set(section, "prompt_type_path") for section in ("megatron_training", "actor_config"))
     default = MegatronConfig.model_fields["prompt_type_path"].default
-    if not written or not path or Path(path) == Path(default) or Path(path).is_file():
+    if not written or not path or Path(path) == Path(default) or shipped_file(path).is_file():
         return
     raise ConfigError(f"{actor_key(cfg, 'prompt_type_path')}={path}: no such file (relative paths are read from "
-                      f"the current directory, {Path.cwd()}); point it at a templates JSON file or remove the key")
+                      f"the current directory, {Path.cwd()}, then configs/ paths from the shipped configs); point it at a templates JSON file or remove the key")
 
 
 def _check_lora_keys(cfg: RunConfig, arch: ModelArch | None) -> None:

@@ -23,6 +23,7 @@ from posttrain.errors import CheckpointError, ConfigError
 from posttrain.models import lora
 from posttrain.models.mcore import mcore_files
 from posttrain.rundir import RunDirs, check_dir_contents
+from posttrain.paths import shipped_file
 
 if TYPE_CHECKING:
     from posttrain.config.plan import Plan
@@ -47,7 +48,7 @@ def check_run_files(plan: Plan) -> None:
     check_dir_contents(dirs)
     start = _check_start(p.load, p.tokenizer)
     if plan.stage.on_policy:
-        path = p.prompt_type_path if p.prompt_type_path and Path(p.prompt_type_path).is_file() else None
+        path = p.prompt_type_path if p.prompt_type_path and shipped_file(p.prompt_type_path).is_file() else None
         get_template(p.prompt_type or "hf_chat_template", path)
     if start is not None and plan.parallel.backend == "hf":
         _check_lora(p.lora, start)

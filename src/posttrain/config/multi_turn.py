@@ -15,7 +15,7 @@ from pathlib import Path
 
 from posttrain.config.run import RunConfig
 from posttrain.errors import ConfigError
-from posttrain.paths import configs_dir
+from posttrain.paths import configs_dir, shipped_file
 
 # the keys that mean something only with multi_turn_enable: true, and their seed defaults
 SUB_KEYS = {"tool_config_path": None, "max_tool_calls": 0, "max_parallel_calls": 0, "max_total_response_length": 0,
@@ -24,13 +24,13 @@ DEFAULT_PARSER = "hermes"
 
 
 def tool_config_file(path: str) -> Path:
-    """``rl_config.tool_config_path`` as a file: as given (from the current directory), else next to
-    the shipped ``configs/`` folder (so ``configs/tools/retool.yaml`` works from anywhere)."""
-    for candidate in (Path(path), configs_dir().parent / path):
-        if candidate.is_file():
-            return candidate
+    """``rl_config.tool_config_path`` as a file: as given (from the current directory), else a
+    ``configs/...`` path in the configs folders (so ``configs/tools/retool.yaml`` works from anywhere)."""
+    found = shipped_file(path)
+    if found.is_file():
+        return found
     raise ConfigError(f"rl_config.tool_config_path={path}: no such file (looked in {Path.cwd()} and "
-                      f"{configs_dir().parent}); point it at a tools yaml such as configs/tools/retool.yaml")
+                      f"{configs_dir()}); point it at a tools yaml such as configs/tools/retool.yaml")
 
 
 def check_multi_turn(cfg: RunConfig) -> None:

@@ -11,18 +11,19 @@ import yaml
 
 from posttrain.config.run import RunConfig
 from posttrain.errors import ConfigError
-from posttrain.paths import PROJECT_ROOT
+from posttrain.paths import shipped_file
 
 log = logging.getLogger(__name__)
 
 
 def runtime_env_vars(cfg: RunConfig) -> dict[str, str]:
     """The ``env_vars`` of ``rl_config.runtime_env_path`` (relative paths from the current directory,
-    then the repository), plus ``HCCL_BUFFSIZE`` (the seed's ``rl_config.hccl_buffersize``)."""
+    then the configs folders: :func:`posttrain.paths.shipped_file`), plus ``HCCL_BUFFSIZE`` (the
+    seed's ``rl_config.hccl_buffersize``)."""
     env: dict[str, str] = {}
     path = Path(cfg.rl.runtime_env_path)
-    candidates = [path] if path.is_absolute() else [path, PROJECT_ROOT / path]
-    found = next((p for p in candidates if p.is_file()), None)
+    found = shipped_file(path)
+    found = found if found.is_file() else None
     if found is None:
         log.warning("rl_config.runtime_env_path %s not found; the workers get no extra env_vars", path)
     else:

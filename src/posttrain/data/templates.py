@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Union
 
 from posttrain.errors import ConfigError, DataError
-from posttrain.paths import configs_dir
+from posttrain.paths import configs_dir, shipped_file
 
 HF_CHAT_TEMPLATE = "hf_chat_template"
 CONTENT = "{{content}}"
@@ -291,6 +291,7 @@ def default_templates_path() -> Path:
 
 
 def _read_template_file(path: Path) -> dict[str, dict]:
+    path = shipped_file(path)
     if not path.is_file():
         raise ConfigError(f"prompt_type_path {path}: no such file")
     try:

@@ -24,6 +24,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from posttrain.checkpoint import is_hf_model_dir
 from posttrain.errors import PosttrainError
+from posttrain.extras import require
 
 SMOLLM2_HUB_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
 SMOLLM2_ALIASES = frozenset({"smollm2-135m-instruct", SMOLLM2_HUB_NAME.lower()})
@@ -97,6 +98,7 @@ def ensure_smollm2(cache_dir: str | Path | None = None) -> Path:
 
 def convert_gguf_to_hf(gguf_path: Path, out_dir: Path) -> Path:
     """Dequantise ``gguf_path`` to fp32 and save model + tokenizer (with chat template) to ``out_dir``."""
+    require("gguf", "reading the SmolLM2 GGUF file (transformers' GGUF loader)")
     folder, name = str(gguf_path.parent), gguf_path.name
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)

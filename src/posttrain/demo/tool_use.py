@@ -41,13 +41,15 @@ from posttrain.data.preprocess import write_token_rows
 from posttrain.data.templates import get_template
 from posttrain.loops.build import train as train_run
 from posttrain.models.loading import resolve_model_dir
-from posttrain.paths import configs_dir
+from posttrain.paths import configs_dir, shipped_file
 from posttrain.reward.verifiers.minerva import retool_reward
 from posttrain.rollout.base import SamplingParams
 from posttrain.rollout.multi_turn import MultiTurnEngine, ObservationFormat, TurnLimits
 from posttrain.rollout.native import NativeEngine
 from posttrain.tools.parsers import TOOL_PARSERS
 from posttrain.tools.runner import ToolRunner
+
+TOOLS = "configs/tools/retool.yaml"  # the shipped code-interpreter tools file (posttrain.paths.shipped_file)
 
 TEMPLATE = "tiny_tool"
 CALL = '<tool_call>{{"name": "code_interpreter", "arguments": {{"code": "print({a} * {b})"}}}}'
@@ -122,7 +124,7 @@ def evaluate(model_dir: str | Path, tokenizer_dir: str | Path, pairs: list[tuple
     prompts = [trace_tokens(tok, observation, a, b)[0] for a, b in pairs]
     common = dict(pad_token_id=tok.pad_token_id, eos_token_ids=[tok.eos_token_id])
     if tools:
-        engine = MultiTurnEngine(model, tokenizer=tok, runner=ToolRunner(load_tool_file("configs/tools/retool.yaml")),
+        engine = MultiTurnEngine(model, tokenizer=tok, runner=ToolRunner(load_tool_file(shipped_file(TOOLS))),
                                  parser=TOOL_PARSERS.get("hermes"), observation=observation,
                                  limits=TurnLimits(max_tool_calls=2, max_total_response_length=2 * max_tokens),
                                  **common)

@@ -44,6 +44,7 @@ from posttrain.train.engine import TrainEngine
 from posttrain.train.offload import OffloadedReference, StateOffload, weights_off_during_rollout
 from posttrain.train.optim import build_optimizer, build_scheduler
 from posttrain.train.options import EngineOptions, OptimOptions
+from posttrain.paths import shipped_file
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +97,7 @@ def load_policy_tokenizer(policy: PolicyOptions, source: str | None = None):
 
 def rollout_stop_ids(tokenizer, policy: PolicyOptions) -> list[int]:
     """eos plus the prompt template's stop words that are single tokens."""
-    path = policy.prompt_type_path if policy.prompt_type_path and Path(policy.prompt_type_path).is_file() else None
+    path = policy.prompt_type_path if policy.prompt_type_path and shipped_file(policy.prompt_type_path).is_file() else None
     return sorted(stop_token_ids(get_template(policy.prompt_type or "hf_chat_template", path), tokenizer))
 
 
