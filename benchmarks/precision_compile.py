@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 
 from posttrain.commands.bench import CpuMeter
-from posttrain.train.forward import response_logprobs
-from posttrain.train.batch import build_batch
+from posttrain.training.forward import response_logprobs
+from posttrain.training.batch import build_batch
 
 
 def load(model: str):

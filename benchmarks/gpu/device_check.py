@@ -11,7 +11,7 @@ Sections:
   tokens/s of each and the ratios. The HF and eager runs are timed after a short warm-up call,
   the graph run on its second full call (the first compiles).
 * ``logprobs``: (a) the rollout's log-probs against the trainer's teacher-forced ones for the same
-  tokens (fp32 master weights under bf16 autocast, :func:`posttrain.train.forward.response_logprobs`);
+  tokens (fp32 master weights under bf16 autocast, :func:`posttrain.training.forward.response_logprobs`);
   (b) the same fp32 weights on the CPU and on the GPU (TF32 off): the largest log-prob difference.
 * ``grpo``: ``posttrain bench`` (the real trainer: rollout, the ``format`` rule reward, advantages,
   update; a random model earns no reward, which changes no FLOP of the update) for 1 warm-up
@@ -153,7 +153,7 @@ def section_rollout(model, device: str, work: dict, dry: bool) -> dict:
 
 def teacher_forced(model, prompts, outs, device: str, autocast: torch.dtype | None) -> torch.Tensor:
     """The trainer's log-probs of the sampled tokens: one row per sample, the trainer's padded layout."""
-    from posttrain.train.forward import response_logprobs
+    from posttrain.training.forward import response_logprobs
 
     seqs = [(p, o.token_ids) for p, group in zip(prompts, outs) for o in group]
     width = max(len(r) for _, r in seqs)

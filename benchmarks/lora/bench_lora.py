@@ -2,7 +2,7 @@
 
 Each variant runs in a fresh process with 1 thread:
 
-* ``full``: GRPO's actor update (posttrain.train.loss_fns, AdamW) on all weights;
+* ``full``: GRPO's actor update (posttrain.training.loss_fns, AdamW) on all weights;
 * ``lora``: the same on a rank-16 adapter on every linear of the transformer layers
   (``linear_qkv, linear_proj, linear_fc1, linear_fc2``), the base frozen;
 * ``rollout_merged`` / ``rollout_peft``: the native rollout engine sampling from the adapted model,
@@ -67,10 +67,10 @@ def run(variant: str, model_dir: str, steps: int) -> dict:
     from posttrain.models.lora import MergedRollout
     from posttrain.rollout.base import SamplingParams
     from posttrain.rollout.native import NativeEngine
-    from posttrain.train.engine import TrainEngine
-    from posttrain.train.batch import build_batch
-    from posttrain.train.loss_fns import make_actor_loss_fn
-    from posttrain.train.optim import build_optimizer
+    from posttrain.training.engine import TrainEngine
+    from posttrain.training.batch import build_batch
+    from posttrain.training.loss_fns import make_actor_loss_fn
+    from posttrain.training.optim import build_optimizer
 
     torch.set_num_threads(1)
     torch.manual_seed(0)

@@ -1,6 +1,6 @@
 """The HF engine vs the Megatron-Core engine (issue 17) on the same model and batch, on this CPU.
 
-One GRPO optimizer step (the actor loss of posttrain.train.loss_fns, 8 rows of 48 prompt + 48
+One GRPO optimizer step (the actor loss of posttrain.training.loss_fns, 8 rows of 48 prompt + 48
 response tokens, ``--micro-batch-size`` rows per micro-batch (default 1), Adam, clip_grad 1.0) is
 timed in each layout, with the same micro-batch size for both engines:
 
@@ -62,7 +62,7 @@ def make_model(work: Path, moe: bool = False) -> Path:
 
 
 def make_batch():
-    from posttrain.train.batch import build_batch
+    from posttrain.training.batch import build_batch
 
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(1, VOCAB, (48,), generator=g) for _ in range(8)]
@@ -95,9 +95,9 @@ def timed_steps(step, steps: int) -> list[float]:
 def run_hf(model_dir: Path, steps: int, micro_batch_size: int) -> dict:
     from transformers import AutoModelForCausalLM
 
-    from posttrain.train.engine import TrainEngine
-    from posttrain.train.loss_fns import make_actor_loss_fn
-    from posttrain.train.optim import build_optimizer
+    from posttrain.training.engine import TrainEngine
+    from posttrain.training.loss_fns import make_actor_loss_fn
+    from posttrain.training.optim import build_optimizer
 
     torch.set_num_threads(1)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -115,10 +115,10 @@ def mcore_worker(rank: int, world: int, port: int, model_dir: str, tp: int, pp: 
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    from posttrain.train.loss_fns import make_actor_loss_fn
-    from posttrain.train.megatron.cpu_shims import cpu_megatron
-    from posttrain.train.megatron.engine import MegatronEngine
-    from posttrain.train.megatron.model import hf_to_megatron
+    from posttrain.training.loss_fns import make_actor_loss_fn
+    from posttrain.training.megatron.cpu_shims import cpu_megatron
+    from posttrain.training.megatron.engine import MegatronEngine
+    from posttrain.training.megatron.model import hf_to_megatron
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)

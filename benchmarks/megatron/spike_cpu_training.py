@@ -5,7 +5,7 @@ its pipeline schedules. A training backend needs more: Megatron's DistributedDat
 buffers), its optimizer (plain and distributed), activation recompute (``CheckpointFunction``
 saves and restores CUDA RNG states) and the RNG tracker's ``add``. Each step below runs in 2 gloo
 processes (TP 2, then PP 2, each in its own 2-process world) under posttrain's CPU shims
-(``posttrain.train.megatron.cpu_shims``), and reports what ran and what failed, with the error:
+(``posttrain.training.megatron.cpu_shims``), and reports what ran and what failed, with the error:
 
     .venv/bin/python benchmarks/megatron/spike_cpu_training.py
 
@@ -212,7 +212,7 @@ def worker(rank: int, world: int, port: int, out_dir: str, tp: int, pp: int) -> 
     warnings.filterwarnings("ignore")
     import torch.distributed as dist
 
-    from posttrain.train.megatron.cpu_shims import cpu_megatron
+    from posttrain.training.megatron.cpu_shims import cpu_megatron
 
     torch.set_num_threads(1)
     # a step that fails on one rank leaves the other in a collective: it ends at this timeout

@@ -31,7 +31,7 @@ def lora_run(work, name: str, workers: int, extra: dict):
 
 def probe_batch(vocab: int):
     """4 rows of the training layout (random tokens)."""
-    from posttrain.train.batch import build_batch
+    from posttrain.training.batch import build_batch
 
     g = torch.Generator().manual_seed(11)
     prompts = [torch.randint(3, vocab, (n,), generator=g) for n in (5, 3, 6, 4)]
@@ -68,7 +68,7 @@ def test_lora_on_the_megatron_backend_equals_the_hf_backend(hf_lora, work):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from posttrain.train.engine import TrainEngine
+    from posttrain.training.engine import TrainEngine
 
     got_rows = assert_same_run(lora_run(work, "tp2", 2, {"tensor_model_parallel_size": 2, "backend": "megatron"}),
                                hf_lora)
@@ -122,7 +122,7 @@ def test_an_adapter_only_checkpoint_resumes_on_its_hf_base(ray_cluster, work):
     from transformers import AutoModelForCausalLM
 
     from posttrain.models.mcore import mcore_files
-    from posttrain.train.engine import TrainEngine
+    from posttrain.training.engine import TrainEngine
 
     extra = {"tensor_model_parallel_size": 2, "backend": "megatron", "lora_ckpt_filter": True, "ckpt_format": "torch"}
     _, rows, _ = lora_run(work, "filtered", 2, extra)

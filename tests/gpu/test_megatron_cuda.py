@@ -43,8 +43,8 @@ def megatron_steps(hf_dir, batch, bf16: bool):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.transformer.module import Float16Module
 
-    from posttrain.train.megatron.engine import MegatronEngine
-    from posttrain.train.megatron.model import hf_to_megatron
+    from posttrain.training.megatron.engine import MegatronEngine
+    from posttrain.training.megatron.model import hf_to_megatron
 
     options = dict(bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16) if bf16 else {}
     [chunk], _ = hf_to_megatron(hf_dir, for_training=True, **options)

@@ -48,10 +48,10 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from posttrain.train.megatron.cpu_shims import cpu_megatron
-from posttrain.train.megatron.model import arg as _arg
-from posttrain.train.megatron.model import build_chunks as _build_chunks
-from posttrain.train.megatron.model import transformer_config as transformer_config_from_args
+from posttrain.training.megatron.cpu_shims import cpu_megatron
+from posttrain.training.megatron.model import arg as _arg
+from posttrain.training.megatron.model import build_chunks as _build_chunks
+from posttrain.training.megatron.model import transformer_config as transformer_config_from_args
 
 __all__ = [
     "HarnessError",

@@ -22,7 +22,7 @@ def fresh(hf_dir: str):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    from posttrain.train.megatron.model import hf_to_megatron
+    from posttrain.training.megatron.model import hf_to_megatron
 
     [chunk], args = hf_to_megatron(hf_dir, for_training=True)
     wrapped = DistributedDataParallel(chunk.config, DistributedDataParallelConfig(
@@ -38,10 +38,10 @@ def worker(rank: int, hf_dir: str, tp: int, pp: int, save: str, fmt: str) -> Non
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     from posttrain.cli import main
-    from posttrain.train.megatron.checkpoint import Part, load_megatron_checkpoint, save_megatron_checkpoint
-    from posttrain.train.megatron.cpu_shims import cpu_megatron
-    from posttrain.train.megatron.engine import MegatronEngine
-    from posttrain.train.megatron.model import hf_weights
+    from posttrain.training.megatron.checkpoint import Part, load_megatron_checkpoint, save_megatron_checkpoint
+    from posttrain.training.megatron.cpu_shims import cpu_megatron
+    from posttrain.training.megatron.engine import MegatronEngine
+    from posttrain.training.megatron.model import hf_weights
 
     batch = grpo_batch(hf_dir)
     with cpu_megatron():
@@ -95,10 +95,10 @@ def resharded_worker(rank: int, hf_dir: str, tp: int, pp: int, save: str) -> Non
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    from posttrain.train.megatron.checkpoint import load_megatron_checkpoint
-    from posttrain.train.megatron.cpu_shims import cpu_megatron
-    from posttrain.train.megatron.engine import MegatronEngine
-    from posttrain.train.megatron.model import hf_weights
+    from posttrain.training.megatron.checkpoint import load_megatron_checkpoint
+    from posttrain.training.megatron.cpu_shims import cpu_megatron
+    from posttrain.training.megatron.engine import MegatronEngine
+    from posttrain.training.megatron.model import hf_weights
 
     want = torch.load(Path(save).parent / "second_step.pt", weights_only=True)
     with cpu_megatron():

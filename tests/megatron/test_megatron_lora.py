@@ -1,4 +1,4 @@
-"""LoRA on the Megatron-Core backend (posttrain.train.megatron.lora) against PEFT on the HF model,
+"""LoRA on the Megatron-Core backend (posttrain.training.megatron.lora) against PEFT on the HF model,
 at TP 2, TP 1 and PP 2 (2 gloo ranks; a tiny Qwen2 with 4 heads in 2 query groups, so the fused
 ``linear_qkv`` rows interleave q, k and v per group): PEFT's adapter (A random, B made non-zero) converted into
 the fused Megatron layout gives PEFT's log-probs and, after one backward, PEFT's gradient of every
@@ -38,11 +38,11 @@ def worker(rank: int, hf_dir: str, targets: list[str], tp: int, pp: int) -> None
     from peft import get_peft_model_state_dict
 
     from posttrain.models.lora import LoraOptions
-    from posttrain.train.engine import TrainEngine
-    from posttrain.train.megatron import lora
-    from posttrain.train.megatron.cpu_shims import cpu_megatron
-    from posttrain.train.megatron.engine import MegatronEngine
-    from posttrain.train.megatron.model import hf_to_megatron, hf_weights
+    from posttrain.training.engine import TrainEngine
+    from posttrain.training.megatron import lora
+    from posttrain.training.megatron.cpu_shims import cpu_megatron
+    from posttrain.training.megatron.engine import MegatronEngine
+    from posttrain.training.megatron.model import hf_to_megatron, hf_weights
 
     batch = grpo_batch(hf_dir)
     model = peft_model(hf_dir, targets)
@@ -86,7 +86,7 @@ def worker(rank: int, hf_dir: str, targets: list[str], tp: int, pp: int) -> None
 
 def _assert_pefts_gradients(model, chunks, args, options, batch) -> None:
     """The gradient of the summed log-probs of one unpadded row: every A and B as PEFT's."""
-    from posttrain.train.megatron.vocab_parallel import vocab_parallel_logprobs
+    from posttrain.training.megatron.vocab_parallel import vocab_parallel_logprobs
 
     ids = batch["input_ids"][0][batch["attention_mask"][0].bool()][None]  # row 0 without its padding
     targets_ids = ids[:, 1:]
@@ -106,7 +106,7 @@ def _assert_pefts_gradients(model, chunks, args, options, batch) -> None:
 
 def _gathered_grads(chunks, args, options) -> dict[str, torch.Tensor]:
     """Every adapter matrix's gradient under PEFT's parameter name (gathered over TP)."""
-    from posttrain.train.megatron import lora
+    from posttrain.training.megatron import lora
 
     saved = {}
     for adapter in lora.adapted_linears(chunks):

@@ -1,4 +1,4 @@
-"""A Hugging Face model built as Megatron-Core's GPTModel (posttrain.train.megatron.model.
+"""A Hugging Face model built as Megatron-Core's GPTModel (posttrain.training.megatron.model.
 hf_to_megatron: this rank's weights read from the HF files, no Megatron checkpoint written, not
 set up for training) gives, through MegatronEngine.compute_logprobs, the HF engine's response
 log-probs and entropy on a padded batch, at TP 2 (tied Llama, 2 gloo ranks). The trained path, at
@@ -19,10 +19,10 @@ def worker(rank: int, hf_dir: str) -> None:
     from megatron.core import parallel_state as ps
     from transformers import AutoModelForCausalLM
 
-    from posttrain.train.engine import TrainEngine
-    from posttrain.train.megatron.cpu_shims import cpu_megatron
-    from posttrain.train.megatron.engine import MegatronEngine
-    from posttrain.train.megatron.model import hf_to_megatron
+    from posttrain.training.engine import TrainEngine
+    from posttrain.training.megatron.cpu_shims import cpu_megatron
+    from posttrain.training.megatron.engine import MegatronEngine
+    from posttrain.training.megatron.model import hf_to_megatron
 
     batch = grpo_batch(hf_dir)
     hf = TrainEngine(AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32), micro_batch_size=4)
@@ -45,10 +45,10 @@ def moe_worker(rank: int, hf_dir: str, tp: int, ep: int) -> None:
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from posttrain.train.engine import TrainEngine
-    from posttrain.train.megatron.cpu_shims import cpu_megatron
-    from posttrain.train.megatron.engine import MegatronEngine
-    from posttrain.train.megatron.model import hf_to_megatron, hf_weights
+    from posttrain.training.engine import TrainEngine
+    from posttrain.training.megatron.cpu_shims import cpu_megatron
+    from posttrain.training.megatron.engine import MegatronEngine
+    from posttrain.training.megatron.model import hf_to_megatron, hf_weights
 
     batch = grpo_batch(hf_dir)
     hf = TrainEngine(AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32), micro_batch_size=4)

@@ -1,4 +1,4 @@
-"""A failed Megatron save (train/megatron/checkpoint.py) on 2 gloo ranks: when one rank cannot write
+"""A failed Megatron save (training/megatron/checkpoint.py) on 2 gloo ranks: when one rank cannot write
 its part (a full disk; dist_checkpointing raises its CheckpointException, a BaseException), every
 rank raises one CheckpointError saying the disk is full and which checkpoint is intact, the
 temporary directory is removed and the tracker is unchanged; no rank waits forever at a barrier.
@@ -16,7 +16,7 @@ def body(rank: int, save: str) -> None:
     from torch.distributed.checkpoint.api import CheckpointException
 
     from posttrain.errors import CheckpointError
-    from posttrain.train.megatron import checkpoint as ck
+    from posttrain.training.megatron import checkpoint as ck
 
     def write(path, part, args, iteration, **kwargs):
         if iteration == 2 and dist.get_rank() == 1:

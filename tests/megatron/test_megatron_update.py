@@ -1,11 +1,11 @@
-"""The Megatron-Core backend's engine (posttrain.train.megatron.engine.MegatronEngine) equals the
+"""The Megatron-Core backend's engine (posttrain.training.megatron.engine.MegatronEngine) equals the
 HF engine (TrainEngine) with the same loss function (make_actor_loss_fn: GRPO's clipped loss,
 token-mean over each mini-batch, clip 0.2; clip_grad 1.0; Adam): 2 epochs of 2 shuffled
 mini-batches of left-padded prompts and right-padded responses give, step by step, the same
 pg_loss, entropy, clip fraction, approximate KL, gradient norm and lr within 1e-4 relative at TP 2,
 at PP 2 (2 gloo ranks) and at TP 2 x PP 2 (4 ranks), with and without sequence parallelism; then
 the same log-probs and entropy on every rank; and the trained weights gathered back into the HF
-layout (posttrain.train.megatron.model.hf_weights) equal the HF engine's. SFT's loss (make_sft_loss_fn) likewise, at TP 2."""
+layout (posttrain.training.megatron.model.hf_weights) equal the HF engine's. SFT's loss (make_sft_loss_fn) likewise, at TP 2."""
 
 from __future__ import annotations
 
@@ -22,8 +22,8 @@ def grpo_batch(hf_dir: str):
     """4 rows of the training layout, with old log-probs a little off the model's and random advantages."""
     from transformers import AutoModelForCausalLM
 
-    from posttrain.train.engine import TrainEngine
-    from posttrain.train.batch import build_batch
+    from posttrain.training.engine import TrainEngine
+    from posttrain.training.batch import build_batch
 
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(1, 100, (n,), generator=g) for n in (5, 3, 6, 4)]
@@ -39,8 +39,8 @@ def grpo_batch(hf_dir: str):
 
 def loss_fn(kind: str = "grpo"):
     """The same loss function object in both engines."""
-    from posttrain.train.loss_fns import make_actor_loss_fn, make_sft_loss_fn
-    from posttrain.train.options import ActorLossOptions
+    from posttrain.training.loss_fns import make_actor_loss_fn, make_sft_loss_fn
+    from posttrain.training.options import ActorLossOptions
 
     return make_actor_loss_fn(ActorLossOptions(temperature=TEMPERATURE)) if kind == "grpo" else make_sft_loss_fn()
 
@@ -49,8 +49,8 @@ def hf_run(hf_dir: str, batch, kind: str):
     """2 epochs of 2 shuffled mini-batches (4 optimizer steps), then the log-probs and the weights."""
     from transformers import AutoModelForCausalLM
 
-    from posttrain.train.engine import TrainEngine
-    from posttrain.train.optim import build_optimizer
+    from posttrain.training.engine import TrainEngine
+    from posttrain.training.optim import build_optimizer
 
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
     engine = TrainEngine(model, build_optimizer(model, LR, weight_decay=0.0), clip_grad=1.0, micro_batch_size=1,
@@ -79,9 +79,9 @@ def worker(rank: int, hf_dir: str, tp: int, pp: int, kind: str, micro_batch_size
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    from posttrain.train.megatron.cpu_shims import cpu_megatron
-    from posttrain.train.megatron.engine import MegatronEngine
-    from posttrain.train.megatron.model import hf_to_megatron, hf_weights
+    from posttrain.training.megatron.cpu_shims import cpu_megatron
+    from posttrain.training.megatron.engine import MegatronEngine
+    from posttrain.training.megatron.model import hf_to_megatron, hf_weights
 
     batch = grpo_batch(hf_dir)
     want, want_after, want_weights = hf_run(hf_dir, batch, kind)
@@ -95,7 +95,7 @@ def worker(rank: int, hf_dir: str, tp: int, pp: int, kind: str, micro_batch_size
                                                            clip_grad=1.0, bf16=False), [wrapped])
         options = None
         if packed:  # token budgets of 20: two rows (17-18 tokens) packed in one sequence
-            from posttrain.train.options import EngineOptions, TokenBudget
+            from posttrain.training.options import EngineOptions, TokenBudget
 
             options = EngineOptions(use_remove_padding=True, forward_budget=TokenBudget(20),
                                     update_budget=TokenBudget(20))
@@ -103,7 +103,7 @@ def worker(rank: int, hf_dir: str, tp: int, pp: int, kind: str, micro_batch_size
                                 metric_prefix="actor" if kind == "grpo" else "sft", options=options)
         assert engine.packing == packed
         if packed:  # and generate_config.offload_train_grad: the gradient buffers freed between updates
-            from posttrain.train.megatron.engine import MegatronOffload
+            from posttrain.training.megatron.engine import MegatronOffload
 
             engine.offload = MegatronOffload([wrapped], optimizer, optimizer_state=False, grads=True)
             engine.offload.to_host()

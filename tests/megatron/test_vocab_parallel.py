@@ -1,4 +1,4 @@
-"""Log-probs and entropy from vocab-parallel logits (posttrain.train.megatron.vocab_parallel) on 2
+"""Log-probs and entropy from vocab-parallel logits (posttrain.training.megatron.vocab_parallel) on 2
 gloo ranks (TP 2) equal the full-vocabulary computation, values and gradients, with a padded
 vocabulary (12 real tokens padded to 14, 7 per rank) and a temperature."""
 
@@ -28,8 +28,8 @@ def full_reference(logits: torch.Tensor, targets: torch.Tensor):
 def worker(rank: int) -> None:
     from megatron.core import parallel_state as ps
 
-    from posttrain.train.megatron.cpu_shims import cpu_megatron
-    from posttrain.train.megatron.vocab_parallel import vocab_parallel_entropy, vocab_parallel_logprobs
+    from posttrain.training.megatron.cpu_shims import cpu_megatron
+    from posttrain.training.megatron.vocab_parallel import vocab_parallel_entropy, vocab_parallel_logprobs
 
     with cpu_megatron():
         ps.initialize_model_parallel(tensor_model_parallel_size=2)

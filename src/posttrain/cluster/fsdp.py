@@ -40,8 +40,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from posttrain.rollout.vllm_weights import ModelView, hf_name
-from posttrain.train.optim import build_optimizer, build_scheduler
-from posttrain.train.options import OptimOptions
+from posttrain.training.optim import build_optimizer, build_scheduler
+from posttrain.training.options import OptimOptions
 
 
 def _options(**kw):

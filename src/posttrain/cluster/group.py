@@ -17,7 +17,7 @@ session has:
 * ``actor.compute_logprobs`` / ``reference.compute_logprobs``: rows cut into contiguous shares,
   results concatenated in order.
 * ``actor.update(batch, loss_fn, mini_batch_size, epochs, shuffle, seed)``: the driver orders the
-  rows exactly as :meth:`TrainEngine.update` does (:func:`~posttrain.train.engine.minibatch_order`),
+  rows exactly as :meth:`TrainEngine.update` does (:func:`~posttrain.training.engine.minibatch_order`),
   cuts every mini-batch into ``W`` equal slices and sends worker ``r`` its slices in step order. Each worker
   runs one optimizer step per slice; the engine sums token counts over ranks and DDP averages
   gradients, so every step is the step of the whole global mini-batch.
@@ -54,7 +54,7 @@ from posttrain.errors import CheckpointError, ConfigError
 from posttrain.roles.policy import Policy, load_policy_tokenizer
 from posttrain.rollout.base import RolloutEngine
 from posttrain.rollout.keyed import random_seed
-from posttrain.train.engine import minibatch_order
+from posttrain.training.engine import minibatch_order
 
 log = logging.getLogger(__name__)
 
@@ -302,7 +302,7 @@ def _sharded_logprobs(cluster: Cluster, batch, temperature, micro_batch_size, re
 
 
 class ActorRole:
-    """The actor in the workers: :class:`~posttrain.train.base.ActorEngine`."""
+    """The actor in the workers: :class:`~posttrain.training.base.ActorEngine`."""
 
     def __init__(self, cluster: Cluster):
         self.c = cluster
@@ -316,7 +316,7 @@ class ActorRole:
 
 
 class ReferenceRole:
-    """The frozen reference in the workers: :class:`~posttrain.train.base.ReferenceEngine`."""
+    """The frozen reference in the workers: :class:`~posttrain.training.base.ReferenceEngine`."""
 
     def __init__(self, cluster: Cluster):
         self.c = cluster
@@ -335,7 +335,7 @@ class ReferenceRole:
 class CriticRole:
     """PPO's critic, colocated in the actor workers: values over row shares, the update over every
     worker's slices of each global mini-batch (DDP), as :class:`ActorRole` does for the actor
-    (:class:`~posttrain.train.base.CriticEngine`)."""
+    (:class:`~posttrain.training.base.CriticEngine`)."""
 
     def __init__(self, cluster: Cluster):
         self.c = cluster

@@ -5,7 +5,7 @@ The driver (:mod:`posttrain.cluster.group`) sends every call to all the workers 
 data-parallel replica with the same rows, and keeps the answer of the replica's leader (TP rank 0,
 PP rank 0): log-probs, the reference and the update are collectives over the replica's tensor and
 pipeline groups (the update also over the data-parallel group), and only the leader samples.
-Megatron calls run inside the CPU shims on a CPU (:func:`posttrain.train.megatron.cpu_shims.cpu_megatron`);
+Megatron calls run inside the CPU shims on a CPU (:func:`posttrain.training.megatron.cpu_shims.cpu_megatron`);
 the rollout runs outside them.
 """
 
@@ -21,9 +21,9 @@ from posttrain.errors import CheckpointError
 from posttrain.cluster.worker import ActorWorker, worker_node_id
 from posttrain.roles.megatron_policy import MegatronPolicy
 from posttrain.roles.policy import load_policy_tokenizer
-from posttrain.train.megatron.cpu_shims import cpu_megatron
-from posttrain.train.megatron.model import hf_weights
-from posttrain.train.offload import WeightOffload
+from posttrain.training.megatron.cpu_shims import cpu_megatron
+from posttrain.training.megatron.model import hf_weights
+from posttrain.training.offload import WeightOffload
 
 
 class MegatronWorker(ActorWorker):

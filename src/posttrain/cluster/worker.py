@@ -1,7 +1,7 @@
 """The actor worker: one process per device (or per CPU worker), holding a full copy of the policy.
 
 Each worker builds what the in-process session builds (:func:`posttrain.roles.policy.build_policy`:
-the actor model and its :class:`~posttrain.train.engine.TrainEngine`, the optional frozen reference,
+the actor model and its :class:`~posttrain.training.engine.TrainEngine`, the optional frozen reference,
 the rollout engine of ``rl_config.rollout_engine``; colocated with them PPO's critic and the
 frozen reward model of ``reward_config``), joins a torch.distributed group (gloo on CPU, nccl on
 GPU) and wraps the model in DistributedDataParallel for the update (or shards it with FSDP2,
@@ -42,8 +42,8 @@ from posttrain.models.cpu_linear import installed, set_cpu_linear
 from posttrain.roles.critic import Critic
 from posttrain.roles.policy import build_policy, seed_everything
 from posttrain.roles.reward_model import build_reward_scorer
-from posttrain.train.engine import TrainEngine
-from posttrain.train.offload import on_device
+from posttrain.training.engine import TrainEngine
+from posttrain.training.offload import on_device
 
 log = logging.getLogger(__name__)
 

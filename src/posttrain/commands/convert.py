@@ -158,7 +158,7 @@ def run(args: argparse.Namespace) -> int:
                               f"base, its adapter is adapter_model.safetensors); merge the adapter into its base "
                               f"with: posttrain convert --merge-lora --load-dir {it_dir} --save-dir <dir>")
         if mcore_files.is_dist_checkpoint(it_dir):
-            from posttrain.train.megatron.dist_convert import dist_to_hf  # lazy: Megatron-Core
+            from posttrain.training.megatron.dist_convert import dist_to_hf  # lazy: Megatron-Core
 
             dist_to_hf(load_dir, save_dir / MG2HF, template=template, tokenizer=args.tokenizer_model,
                        dtype=args.params_dtype, force=args.force)

@@ -168,6 +168,34 @@ def run(args) -> int:
 
 def evaluate_model(args, device: str, samples_path: str | None) -> int:
     """``posttrain eval``'s work once its flags and outputs are checked: print (and write) the scores."""
+    samples: list[dict] | None = [] if samples_path else None
+    result = score_model(args, device, samples)
+    verifiers = result["verifiers"]
+    if result["skipped"]:
+        print(f"skipped {sum(result['skipped'].values())} row(s), not counted: "
+              + ", ".join(f"{n} {reason}" for reason, n in sorted(result["skipped"].items())))
+    print(f"{'strict':>12}: {result['accuracy']:.4f}  (accuracy: the verifiers {', '.join(verifiers)} accept the "
+          f"first sample)")
+    print(f"{'lenient':>12}: {result['lenient_accuracy']:.4f}  (the first sample's last number is the answer)")
+    for key in (f"avg@{args.n}", f"pass@{args.n}", "score/mean", "num_prompts"):
+        print(f"{key:>12}: {result[key]:.4f}" if key != "num_prompts" else f"{key:>12}: {int(result[key])}")
+
+    if args.output:
+        write_text_atomic(args.output, json.dumps(result, indent=2))
+    if samples_path:
+        write_text_atomic(samples_path, "".join(json.dumps(row) + "\n" for row in samples))
+    return 0
+
+
+def score_model(args, device: str | None = None, samples: list[dict] | None = None) -> dict:
+    """The scores of ``args.model`` on ``args.data`` (the ``eval`` flags), as a dict; every response
+    appended to ``samples`` when given. ``device``: None picks one (with its CPU kernel) and checks
+    the flags first (the Python API's :func:`posttrain.api.evaluate`)."""
+    if device is None:
+        check_args(args)
+        device = resolve_device("auto")
+        with use_cpu_linear(resolve_cpu_linear(device)):
+            return score_model(args, device, samples)
     path, _ = resolve_model(args.model)
     check_model_files(path)  # a truncated or corrupt file is named, not a loader traceback
     context = check_max_tokens(path, args.max_tokens)
@@ -181,26 +209,13 @@ def evaluate_model(args, device: str, samples_path: str | None) -> int:
     sampling = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, top_k=-1, seed=args.seed)
     verifiers = args.verifier or ["math_equiv"]
     torch.manual_seed(args.seed)
-    samples: list[dict] | None = [] if samples_path else None
-    with RuleReward(verifiers, [1.0] * len(verifiers)) as reward:
+    parallel = getattr(args, "verifier_parallel", 1)  # 0: in this process (the Python API's __main__ verifiers)
+    with RuleReward(verifiers, [1.0] * len(verifiers), verifier_parallel=parallel) as reward:
         result = evaluate(engine, tokenizer, prompts, labels, reward, sampling=sampling, n=args.n,
                           threshold=float(len(verifiers)), samples=samples)
     result.update(model=str(path), data=args.data, verifiers=verifiers, n=args.n, temperature=args.temperature,
                   skipped=dict(keep.skipped))
-    if keep.skipped:
-        print(f"skipped {sum(keep.skipped.values())} row(s), not counted: "
-              + ", ".join(f"{n} {reason}" for reason, n in sorted(keep.skipped.items())))
-    print(f"{'strict':>12}: {result['accuracy']:.4f}  (accuracy: the verifiers {', '.join(verifiers)} accept the "
-          f"first sample)")
-    print(f"{'lenient':>12}: {result['lenient_accuracy']:.4f}  (the first sample's last number is the answer)")
-    for key in (f"avg@{args.n}", f"pass@{args.n}", "score/mean", "num_prompts"):
-        print(f"{key:>12}: {result[key]:.4f}" if key != "num_prompts" else f"{key:>12}: {int(result[key])}")
-
-    if args.output:
-        write_text_atomic(args.output, json.dumps(result, indent=2))
-    if samples_path:
-        write_text_atomic(samples_path, "".join(json.dumps(row) + "\n" for row in samples))
-    return 0
+    return result
 
 
 def check_args(args) -> None:

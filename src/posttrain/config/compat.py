@@ -290,7 +290,7 @@ _SAMPLES_FROM_THEM = ("so they cannot leave the GPU during rollout; set rl_confi
                       "of the weights) or remove the key")
 # where the rollout reads the training weights themselves (or the update runs beside it); on a GPU the native
 # engine samples from a bf16 copy of the fp32 weights (the seed's rule 2 keeps generate_config.dtype bfloat16 there),
-# and roles/policy.py refuses at start an engine that would not (train/offload.py)
+# and roles/policy.py refuses at start an engine that would not (training/offload.py)
 _OFFLOAD_PARAM = [
     ("lora", dict(engine=("native",), backend=("hf",), with_="lora"), " with {other_key}: the native engine samples "
      "from the training weights themselves (the adapter merged into the base in place), " + _SAMPLES_FROM_THEM),

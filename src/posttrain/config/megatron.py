@@ -17,7 +17,7 @@ from posttrain.config.fields import DEVICES, HONOURED, F, Section, Status, field
 Opt = Optional
 MP_NOTE = "1 means no model parallelism"
 BACKENDS = Literal["hf", "megatron"]
-CKPT_FORMATS = Literal["torch_dist", "torch"]  # posttrain.train.megatron.checkpoint.FORMATS
+CKPT_FORMATS = Literal["torch_dist", "torch"]  # posttrain.training.megatron.checkpoint.FORMATS
 
 HF = "posttrain trains Hugging Face models with PyTorch kernels"
 ARCH = HONOURED  # describes the model (plan, init-model)
@@ -194,7 +194,7 @@ class MegatronConfig(Section):
                          "bf16 weights with fp32 main parameters on CUDA, float32 on a CPU)", HONOURED)
     optimizer: str = F("adam", "adam (AdamW with decoupled weight decay)", OPTIMIZER)
     lr: Opt[float] = F(None, "peak learning rate", HONOURED, gt=0, finite=True, note="the peak learning rate")
-    # posttrain.train.optim.lr_decay_styles()
+    # posttrain.training.optim.lr_decay_styles()
     lr_decay_style: Literal["constant", "linear", "cosine"] = F("linear", "constant, linear or cosine", HONOURED)
     min_lr: float = F(0.0, "final learning rate", HONOURED, ge=0, finite=True)
     weight_decay: float = F(0.01, "AdamW weight decay", HONOURED, ge=0, finite=True)

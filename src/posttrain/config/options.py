@@ -4,7 +4,7 @@ config by :func:`posttrain.config.plan.build_plan` and carried on the :class:`~p
 Nothing below ``posttrain.commands`` reads the YAML's :class:`~posttrain.config.run.RunConfig`:
 the loops, the session, the roles and the Ray workers take these groups (or plain values from
 them). Types that a lower layer consumes live there (the engine's
-:mod:`posttrain.train.options`, the sampler's :class:`~posttrain.rollout.base.SamplingParams`,
+:mod:`posttrain.training.options`, the sampler's :class:`~posttrain.rollout.base.SamplingParams`,
 the tool turns' :class:`~posttrain.rollout.multi_turn.TurnLimits`, LoRA's
 :class:`~posttrain.models.lora.LoraOptions`, the rule reward's
 :class:`~posttrain.reward.rule_reward.RuleRewardOptions`); this module groups them per role.
@@ -28,7 +28,7 @@ from posttrain.models.lora import LoraOptions, target_list
 from posttrain.reward.rule_reward import RuleRewardOptions
 from posttrain.rollout.base import SamplingParams
 from posttrain.rollout.multi_turn import TurnLimits
-from posttrain.train.options import OptimOptions
+from posttrain.training.options import OptimOptions
 
 
 # ---- the policy: where its weights come from, how it trains, its reference -----------------------

@@ -35,7 +35,7 @@ from posttrain.device import device_type, precision, resolve_device
 from posttrain.errors import ConfigError
 from posttrain.models.arch import ModelArch
 from posttrain.reward.rule_reward import RuleRewardOptions
-from posttrain.train.options import ActorLossOptions, EngineOptions, TokenBudget
+from posttrain.training.options import ActorLossOptions, EngineOptions, TokenBudget
 
 __all__ = ["GIB", "Plan", "build_plan", "model_arch", "resolve_plan"]
 # the seed's dispatch sizes are rows per data-parallel rank; the driver reads them for all DP ranks
@@ -83,7 +83,7 @@ class Plan:
     uses_critic: bool
     skip_old_logprobs: bool  # the seed's on-policy skip: one mini-batch, one epoch, no KL in reward
     guarantee_order: bool  # rl_config.guarantee_order: the TransferDock hands out rows in order
-    # the components' options (posttrain.config.options, posttrain.train.options)
+    # the components' options (posttrain.config.options, posttrain.training.options)
     actor_loss: ActorLossOptions  # the actor loss's hyperparameters (on-policy stages; defaults otherwise)
     actor_engine: EngineOptions
     ref_engine: EngineOptions

@@ -77,10 +77,10 @@ EPLB = refused("expert load balancing (EPLB) is not implemented", group="eplb")
 EPLB_PATH = refused("expert load balancing (EPLB) is not implemented", switch="eplb_token_collects")
 EPLB_SET = refused("expert load balancing (EPLB) is not implemented", "remove the key", active="set", group="eplb")
 ROLLOUT_PP = refused("pipeline-parallel rollout is not available", "set it to 1", active="gt1")
-# on a GPU the optimizer state leaves the device between updates (posttrain.train.offload); on a CPU
+# on a GPU the optimizer state leaves the device between updates (posttrain.training.offload); on a CPU
 # host and device memory are the same: no effect there
 OFFLOAD = ignored("on a CPU the host memory is the device memory", devices=("cpu",))
-# the weights on the host during rollout where the engine samples from a copy (posttrain.train.offload); the
+# the weights on the host during rollout where the engine samples from a copy (posttrain.training.offload); the
 # setups whose rollout reads the training weights themselves are refused in config/compat.py
 OFFLOAD_PARAM = OFFLOAD
 PREFIX_CACHING = refused("prefix caching across requests is not available in the native engine (it already "

@@ -3,7 +3,7 @@
 Data: a pairwise dataset preprocessed with ``AlpacaStylePairwiseHandler`` (``chosen_input_ids``,
 ``chosen_labels``, ``rejected_input_ids``, ``rejected_labels``; labels are -100 on the prompt).
 Each pair is split at its first label into prompt and answer and put in the training layout of
-:mod:`posttrain.train.forward` twice (``chosen_*`` and ``rejected_*``).
+:mod:`posttrain.training.forward` twice (``chosen_*`` and ``rejected_*``).
 
 Per global batch of ``global_batch_size`` pairs:
 
@@ -30,11 +30,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from posttrain.loops.offline import OfflineTrainer, labelled_batch
-from posttrain.train.loss_fns import make_dpo_loss_fn
+from posttrain.training.loss_fns import make_dpo_loss_fn
 
 if TYPE_CHECKING:
-    from posttrain.train.base import AfterForward
-    from posttrain.train.loss_fns import PairLossFn
+    from posttrain.training.base import AfterForward
+    from posttrain.training.loss_fns import PairLossFn
 
 log = logging.getLogger(__name__)
 SIDES = ("chosen", "rejected")

@@ -1,5 +1,5 @@
 """The on-policy experience: the TransferDock's schema, and the one path between its rows and the
-training batch of :mod:`posttrain.train.batch`.
+training batch of :mod:`posttrain.training.batch`.
 
 Each tensor has one name from rollout to loss: the dock column ``old_logprobs`` is the batch key
 ``old_logprobs`` that the actor loss reads. Per-token columns (``old_logprobs``, ``ref_logprobs``,
@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
-from posttrain.train.batch import build_batch, per_token, unpad
+from posttrain.training.batch import build_batch, per_token, unpad
 from posttrain.transfer_dock import TransferDock
 
 COLUMNS = ("prompts", "prompt_length", "labels", "responses", "response_length", "scores",

@@ -3,7 +3,7 @@ one optimizer step per global batch.
 
 SFT samples come from ``AlpacaStyleInstructionHandler`` data: ``input_ids`` with ``labels`` that are
 -100 (IGNORE) on the prompt tokens. Each sample is split there into prompt and response, put in the
-training layout of :mod:`posttrain.train.forward`, and trained with cross-entropy on the response
+training layout of :mod:`posttrain.training.forward`, and trained with cross-entropy on the response
 tokens, token-mean over the whole global batch. The run itself (data, policy, sampler, logs,
 checkpoints) is the :class:`~posttrain.loops.session.Session` that every loop shares.
 """
@@ -20,8 +20,8 @@ from posttrain.data.handlers import IGNORE_INDEX
 from posttrain.errors import DataError
 from posttrain.metrics.reduce import MetricAccumulator
 from posttrain.metrics.timers import Timers
-from posttrain.train.batch import build_batch, per_token
-from posttrain.train.loss_fns import make_sft_loss_fn
+from posttrain.training.batch import build_batch, per_token
+from posttrain.training.loss_fns import make_sft_loss_fn
 from posttrain.loops.session import Session, check_finite_step
 
 log = logging.getLogger(__name__)

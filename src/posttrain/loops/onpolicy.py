@@ -28,7 +28,7 @@ from posttrain.config.plan import Plan
 from posttrain.metrics.reduce import MetricAccumulator
 from posttrain.metrics.stats import compute_tps, data_metrics, stat_metrics
 from posttrain.metrics.timers import Timers
-from posttrain.train.loss_fns import make_actor_loss_fn
+from posttrain.training.loss_fns import make_actor_loss_fn
 from posttrain.loops.experience import per_group, read_batch, write_rows
 from posttrain.loops.ppo import CriticPhases
 from posttrain.loops.produce import Experience, Producer

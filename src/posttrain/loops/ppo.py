@@ -33,8 +33,8 @@ from posttrain.config.plan import Plan
 from posttrain.metrics.reduce import MetricAccumulator
 from posttrain.metrics.stats import stat_metrics
 from posttrain.loops.experience import per_group, read_batch, write_rows
-from posttrain.train.batch import per_token
-from posttrain.train.loss_fns import make_critic_loss_fn
+from posttrain.training.batch import per_token
+from posttrain.training.loss_fns import make_critic_loss_fn
 
 log = logging.getLogger(__name__)
 

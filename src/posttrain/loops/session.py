@@ -29,14 +29,14 @@ from posttrain.metrics.sinks import MetricsLogger, append_line, cut_jsonl, write
 from posttrain.models import cpu_linear
 from posttrain.roles.policy import Policy, build_policy, seed_everything
 from posttrain.rundir import DirLock, Start, checked_start, claim_run_dirs
-from posttrain.train.engine import NaNLossError
+from posttrain.training.engine import NaNLossError
 
 log = logging.getLogger(__name__)
 
 
 def check_finite_step(step: dict[str, float], iteration: int) -> None:
     """A non-finite loss, gradient norm, learning rate or other update metric stops the run with
-    :class:`~posttrain.train.engine.NaNLossError` before the iteration is logged or saved: the
+    :class:`~posttrain.training.engine.NaNLossError` before the iteration is logged or saved: the
     weights it produced are not trustworthy, and the last checkpoint stays the latest."""
     bad = {k: v for k, v in step.items() if isinstance(v, (int, float)) and not math.isfinite(v)}
     if bad:
@@ -244,7 +244,7 @@ class Session:
             path = self.cluster.save(s.save, iteration, sampler_state=self.sampler.state_dict(), trainer_state=state,
                                      save_optim=s.save_optim, save_rng=s.save_rng)
         else:
-            from posttrain.train.offload import on_device
+            from posttrain.training.offload import on_device
 
             with on_device(p.actor, getattr(self.critic, "engine", None)):  # an offloaded state is saved too
                 path = save_checkpoint(s.save, iteration, p.model, p.actor.optimizer, p.actor.scheduler,

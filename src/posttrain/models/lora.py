@@ -258,7 +258,7 @@ class MergedRollout:
 
 class AdapterOff:
     """``rl_config.share_backbone``: the reference is the actor's own model with its adapter switched
-    off (a :class:`~posttrain.train.base.ReferenceEngine`: the engine's log-prob methods on it), so
+    off (a :class:`~posttrain.training.base.ReferenceEngine`: the engine's log-prob methods on it), so
     no second copy of the model is held. Other attributes are the engine's (set ones too:
     ``dp_group``)."""
 

@@ -32,7 +32,7 @@ from posttrain.config.plan import Plan
 from posttrain.models.loading import resolve_model
 from posttrain.models.value_head import ValueHeadModel
 from posttrain.roles.policy import build_train_engine, model_source
-from posttrain.train.options import EngineOptions
+from posttrain.training.options import EngineOptions
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ class Critic:
     The same object serves the in-process session and each Ray actor worker (there its update
     engine's model is wrapped in DDP and ``infer`` computes values on the plain model, as the
     actor's does); on the Ray driver, :class:`posttrain.cluster.group.CriticRole` offers the same
-    ``compute_values`` and ``update``. Both provide :class:`posttrain.train.base.CriticEngine`."""
+    ``compute_values`` and ``update``. Both provide :class:`posttrain.training.base.CriticEngine`."""
 
     def __init__(self, plan: Plan, state: dict, device: str):
         self.options = options = plan.critic  # critic_config (else the actor's keys)

@@ -7,23 +7,23 @@
   mapping, or from a Megatron checkpoint of the same layout), in Megatron's
   ``DistributedDataParallel`` (in ``Float16Module`` for bf16, CUDA only), with Megatron's optimizer
   (Adam, ``clip_grad``; fp32 main parameters with bf16) and posttrain's LR
-  schedule (:func:`posttrain.train.optim.build_lr_scheduler`, which writes the learning rate into
-  the optimizer's parameter groups), trained by :class:`~posttrain.train.megatron.engine.MegatronEngine`.
+  schedule (:func:`posttrain.training.optim.build_lr_scheduler`, which writes the learning rate into
+  the optimizer's parameter groups), trained by :class:`~posttrain.training.megatron.engine.MegatronEngine`.
 * **The reference**: a frozen chunk of the same layout (forward only).
 * **The critic** (PPO): a chunk of the same layout with a scalar value head in place of the output
-  layer (:func:`~posttrain.train.megatron.model.attach_value_head`), its own optimizer and LR
+  layer (:func:`~posttrain.training.megatron.model.attach_value_head`), its own optimizer and LR
   schedule (``critic_config``), saved in ``iter_XXXXXXX/critic/`` of the policy's checkpoints.
 * **The rollout**: on the first rank of each data-parallel replica (TP rank 0, PP rank 0: the
   replica's *leader*). The native engine needs the whole model in one process, so the leader holds a
   Hugging Face copy of the actor for sampling. After every update all ranks gather the trained
-  shards into the HF layout one layer at a time (:func:`~posttrain.train.megatron.model.hf_weights`)
+  shards into the HF layout one layer at a time (:func:`~posttrain.training.megatron.model.hf_weights`)
   and the leader copies them in: the seed's resharding, timed as ``timing/resharding_to_infer``.
   With ``rollout_engine: vllm`` there is no HF copy: the leader's vLLM engine (in processes of its
   own, with ``infer_tensor_parallel_size`` workers) starts from a checkpoint written one layer at a
   time from that stream and reloads the stream after every update, through a view of the sharded
   actor (:class:`~posttrain.roles.megatron_view.MegatronView`: the stream, and the probe's
   log-probs by a forward over the replica); the other ranks follow each request's collectives.
-* **Checkpoints**: Megatron's legacy layout (:mod:`posttrain.train.megatron.checkpoint`), with the
+* **Checkpoints**: Megatron's legacy layout (:mod:`posttrain.training.megatron.checkpoint`), with the
   LR schedule and the trainer state in every rank file; ``posttrain convert`` turns them into HF.
 
 Every method runs inside Megatron's CPU shims on a CPU (the worker enters them); the rollout does not.
@@ -48,13 +48,13 @@ from posttrain.models.lora import AdapterOff, adapter_base, is_adapter_dir
 from posttrain.roles.critic import critic_source
 from posttrain.roles.megatron_view import MegatronView, replica_gpus
 from posttrain.roles.policy import Policy, build_rollout, model_source, offloaded_reference, reference_source
-from posttrain.train.megatron import lora as megatron_lora
-from posttrain.train.megatron.checkpoint import (Part, load_megatron_checkpoint, save_megatron_checkpoint,
+from posttrain.training.megatron import lora as megatron_lora
+from posttrain.training.megatron.checkpoint import (Part, load_megatron_checkpoint, save_megatron_checkpoint,
                                                  saved_adapter_only)
-from posttrain.train.megatron.engine import MegatronEngine, MegatronOffload
-from posttrain.train.megatron.model import hf_to_megatron, hf_weights, mcore_to_megatron
-from posttrain.train.offload import on_device
-from posttrain.train.optim import build_scheduler
+from posttrain.training.megatron.engine import MegatronEngine, MegatronOffload
+from posttrain.training.megatron.model import hf_to_megatron, hf_weights, mcore_to_megatron
+from posttrain.training.offload import on_device
+from posttrain.training.optim import build_scheduler
 
 log = logging.getLogger(__name__)
 
@@ -234,7 +234,7 @@ class MegatronPolicy:
 
     def _trainable(self, optim, plan, chunks: list):
         """Megatron's DDP over each of ``chunks``, their optimizer and posttrain's LR schedule, from
-        the role's :class:`~posttrain.train.options.OptimOptions` ``optim``."""
+        the role's :class:`~posttrain.training.options.OptimOptions` ``optim``."""
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 

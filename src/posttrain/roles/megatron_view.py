@@ -4,7 +4,7 @@ data-parallel replica (tensor x pipeline parallel).
 
 Only the replica's *leader* (TP rank 0, PP rank 0) holds the engine, but everything the engine asks
 of the view is a collective over the replica: ``weights()`` gathers each layer's shards into the
-Hugging Face layout (:func:`posttrain.train.megatron.model.hf_weights`), ``probe_logprobs`` is a
+Hugging Face layout (:func:`posttrain.training.megatron.model.hf_weights`), ``probe_logprobs`` is a
 forward of the actor over all its ranks. So the other ranks mirror each of the leader's requests
 with :meth:`MegatronView.follow` (the same collectives, in the same order, results dropped). No
 process ever holds more than one layer beyond its own shards (vLLM's own copy aside).
@@ -23,7 +23,7 @@ from collections.abc import Iterator
 import torch
 
 from posttrain.errors import ConfigError
-from posttrain.train.megatron.model import hf_weights
+from posttrain.training.megatron.model import hf_weights
 
 
 class MegatronView:

@@ -39,11 +39,11 @@ from posttrain.rollout.multi_turn import MultiTurnEngine, ObservationFormat, Tur
 from posttrain.tools.config import load_tools
 from posttrain.tools.parsers import TOOL_PARSERS
 from posttrain.tools.runner import ToolRunner
-from posttrain.train.base import ActorEngine, ReferenceEngine
-from posttrain.train.engine import TrainEngine
-from posttrain.train.offload import OffloadedReference, StateOffload, weights_off_during_rollout
-from posttrain.train.optim import build_optimizer, build_scheduler
-from posttrain.train.options import EngineOptions, OptimOptions
+from posttrain.training.base import ActorEngine, ReferenceEngine
+from posttrain.training.engine import TrainEngine
+from posttrain.training.offload import OffloadedReference, StateOffload, weights_off_during_rollout
+from posttrain.training.optim import build_optimizer, build_scheduler
+from posttrain.training.options import EngineOptions, OptimOptions
 from posttrain.paths import shipped_file
 
 log = logging.getLogger(__name__)
@@ -52,8 +52,8 @@ log = logging.getLogger(__name__)
 @dataclass
 class Policy:
     """What a loop drives, the same on every backend and placement: the actor's engine (a
-    :class:`~posttrain.train.engine.TrainEngine`, a Megatron rank's
-    :class:`~posttrain.train.megatron.engine.MegatronEngine`, or the Ray group's proxy), the frozen
+    :class:`~posttrain.training.engine.TrainEngine`, a Megatron rank's
+    :class:`~posttrain.training.megatron.engine.MegatronEngine`, or the Ray group's proxy), the frozen
     reference and the rollout engine. ``model`` is the HF actor model where this process holds it
     (None on the Ray driver and on the Megatron backend, whose weights are sharded); ``reference``
     and ``rollout`` are None where the stage (or the rank) does not use them."""

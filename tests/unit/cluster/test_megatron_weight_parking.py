@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import torch
 
 from posttrain.cluster.megatron_worker import MegatronWorker
-from posttrain.train.offload import WeightOffload
+from posttrain.training.offload import WeightOffload
 
 
 def chunk_on_one_buffer() -> torch.nn.Module:

@@ -277,7 +277,7 @@ def test_roles_follow_the_actor_backend():
 
 def test_sequence_parallel_is_honoured_with_tensor_parallelism_only():
     """On the megatron backend with TP > 1 on every device (the local spec's norms are replaced by
-    ones that run it: posttrain.train.megatron.model.SequenceParallelNorm); without TP, or on the
+    ones that run it: posttrain.training.megatron.model.SequenceParallelNorm); without TP, or on the
     hf backend, it has no effect and is in the warning."""
     sp = "actor_config.sequence_parallel=true"
     for device in ("cpu", "cuda"):

@@ -2,7 +2,7 @@
 
 The run is built the way production builds it (``run_config_from_dict`` -> ``resolve_plan``, which
 sizes the model from its ``config.json`` -> ``build_policy`` / ``Critic``), one optimizer step runs
-through the role's :class:`~posttrain.train.engine.TrainEngine`, and then the parameters, their
+through the role's :class:`~posttrain.training.engine.TrainEngine`, and then the parameters, their
 ``.grad`` and the AdamW state are summed (``numel * element_size``) and compared with
 ``plan.memory``. Exact equality everywhere but one documented place: AdamW keeps a scalar fp32
 ``step`` tensor per parameter tensor (4 bytes x ~30 tensors here, 4 x ~340 for a 7B model), which

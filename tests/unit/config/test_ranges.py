@@ -137,7 +137,7 @@ def test_choices_match_the_names_the_run_knows():
     import typing
 
     from posttrain.algo.rollout_correction import LEVELS, MODES
-    from posttrain.train.optim import lr_decay_styles
+    from posttrain.training.optim import lr_decay_styles
 
     def choices(cls, name):
         return set(value_range(cls, name).choices) - {None}

@@ -36,7 +36,7 @@ def test_empty_responses_keep_one_masked_column():
 def test_multi_turn_rows_zero_exactly_the_tool_tokens_in_the_loss_mask():
     """The dock's response_mask (0 on tool tokens) times the padding mask is the batch's loss mask,
     and the actor loss then ignores whatever sits on tool tokens."""
-    from posttrain.train.loss_fns import make_actor_loss_fn
+    from posttrain.training.loss_fns import make_actor_loss_fn
     from posttrain.loops.experience import MULTI_TURN_COLUMNS
 
     td = new_dock(2, 1, guarantee_order=True, seed=0, extra_columns=MULTI_TURN_COLUMNS)

@@ -170,7 +170,7 @@ def test_non_finite_hyperparameter_stops_before_any_update_or_save(mini_world, t
     """Probes C35, C36: ``lr=inf`` or ``weight_decay=nan`` forced into the optimizer."""
     from posttrain.config.plan import resolve_plan
     from posttrain.loops.build import build_trainer
-    from posttrain.train.engine import NaNLossError
+    from posttrain.training.engine import NaNLossError
 
     cfg = world_run_config(mini_world, tmp_path / "run", iters=2)  # the config refuses inf/nan: forced in here
     trainer = build_trainer(resolve_plan(cfg))
@@ -187,7 +187,7 @@ def test_non_finite_hyperparameter_stops_before_any_update_or_save(mini_world, t
 
 def test_non_finite_update_metric_stops_before_save(mini_world, tmp_path, capsys, monkeypatch):
     """Probe C35: an update that reports ``actor/lr=inf``."""
-    from posttrain.train.engine import TrainEngine
+    from posttrain.training.engine import TrainEngine
 
     real = TrainEngine.update
 
@@ -204,7 +204,7 @@ def test_non_finite_update_metric_stops_before_save(mini_world, tmp_path, capsys
 
 def test_nan_weights_are_never_saved(mini_world, tmp_path, capsys, monkeypatch):
     """Probe C35: an update that leaves NaN weights behind finite metrics."""
-    from posttrain.train.engine import TrainEngine
+    from posttrain.training.engine import TrainEngine
 
     real = TrainEngine.update
 

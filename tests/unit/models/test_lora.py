@@ -59,8 +59,8 @@ def test_ten_merged_rollouts_leave_the_base_bit_identical_and_compute_the_adapte
 def test_the_shared_backbone_reference_is_the_base_model_exactly(tiny_hf, adapted):
     from transformers import AutoModelForCausalLM
 
-    from posttrain.train.engine import TrainEngine
-    from posttrain.train.batch import build_batch
+    from posttrain.training.engine import TrainEngine
+    from posttrain.training.batch import build_batch
 
     g = torch.Generator().manual_seed(2)
     batch = build_batch([torch.randint(1, 100, (5,), generator=g) for _ in range(3)],
@@ -83,10 +83,10 @@ def test_the_rollout_samples_from_the_adapter_after_an_update(tiny_hf):
 
     from posttrain.rollout.base import SamplingParams
     from posttrain.rollout.native import NativeEngine
-    from posttrain.train.engine import TrainEngine
-    from posttrain.train.batch import build_batch
-    from posttrain.train.loss_fns import make_sft_loss_fn
-    from posttrain.train.optim import build_optimizer
+    from posttrain.training.engine import TrainEngine
+    from posttrain.training.batch import build_batch
+    from posttrain.training.loss_fns import make_sft_loss_fn
+    from posttrain.training.optim import build_optimizer
 
     def greedy(engine):
         [[out]] = engine.generate([[5, 6, 7, 8]], 1, SamplingParams(temperature=0, max_tokens=6))

@@ -1,5 +1,5 @@
 """Shared by the CPU and the CUDA offload tests: two SFT updates of a tiny Qwen2, with or without
-:class:`~posttrain.train.offload.StateOffload`, recording where the optimizer state is during each
+:class:`~posttrain.training.offload.StateOffload`, recording where the optimizer state is during each
 step; and rollouts with the weights off the device (``offload_train_param``)."""
 
 from __future__ import annotations
@@ -9,11 +9,11 @@ import gc
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from posttrain.train.engine import TrainEngine
-from posttrain.train.batch import build_batch
-from posttrain.train.loss_fns import make_sft_loss_fn
-from posttrain.train.offload import StateOffload
-from posttrain.train.optim import build_optimizer
+from posttrain.training.engine import TrainEngine
+from posttrain.training.batch import build_batch
+from posttrain.training.loss_fns import make_sft_loss_fn
+from posttrain.training.offload import StateOffload
+from posttrain.training.optim import build_optimizer
 
 
 def tiny_model(device: str, hidden: int = 32) -> torch.nn.Module:
@@ -57,14 +57,14 @@ def moment_bytes(model) -> int:
 def rollouts_with_weights_off(device: str, hidden: int = 32) -> dict:
     """generate_config.offload_train_param's mechanism on ``device``: a native engine sampling from
     its bf16 copy of a tiny fp32 actor, with the actor's weights on the host during each
-    ``generate`` (:func:`~posttrain.train.offload.weights_off_during_rollout`), around an optimizer
+    ``generate`` (:func:`~posttrain.training.offload.weights_off_during_rollout`), around an optimizer
     step. Returns the samples of each call with and without the offload, the weights' bytes on the
     device (and, on CUDA, the allocated device bytes) seen inside each call, the weights' bytes and
     whether every weight came back bit-exact (``hidden``: the model's width; a GPU's allocator
     rounds small tensors up, so the CUDA test measures a wider one)."""
     from posttrain.rollout.base import SamplingParams
     from posttrain.rollout.native import NativeEngine
-    from posttrain.train.offload import weights_off_during_rollout
+    from posttrain.training.offload import weights_off_during_rollout
 
     model = tiny_model(device, hidden)
     engine = NativeEngine(model, pad_token_id=0, eos_token_ids=[], dtype="bfloat16")

@@ -5,13 +5,13 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from posttrain.config.plan import token_budgets
-from posttrain.train.options import ActorLossOptions, EngineOptions, TokenBudget
+from posttrain.training.options import ActorLossOptions, EngineOptions, TokenBudget
 from posttrain.config.run import run_config_from_dict
 from posttrain.errors import ConfigError
-from posttrain.train import dynamic_batch as db
-from posttrain.train.engine import TrainEngine
-from posttrain.train.batch import build_batch
-from posttrain.train.loss_fns import make_actor_loss_fn
+from posttrain.training import dynamic_batch as db
+from posttrain.training.engine import TrainEngine
+from posttrain.training.batch import build_batch
+from posttrain.training.loss_fns import make_actor_loss_fn
 
 
 def _sums(groups, lengths):

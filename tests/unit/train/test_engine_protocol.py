@@ -1,5 +1,5 @@
 """Every engine-like class provides the protocol of the role it plays, with compatible signatures
-(``posttrain.train.base`` for the training engines, ``posttrain.rollout.base.RolloutEngine`` for the
+(``posttrain.training.base`` for the training engines, ``posttrain.rollout.base.RolloutEngine`` for the
 rollout engines): each protocol method exists with the protocol's parameters (same names, kinds and
 order; keyword-only where the protocol has them; the protocol's defaults), and any parameter of
 its own has a default. This is the list a third backend must provide. The Megatron and Ray classes
@@ -14,14 +14,14 @@ from typing import Any, Protocol
 import pytest
 
 from posttrain.rollout.base import RolloutEngine
-from posttrain.train.base import ActorEngine, CriticEngine, Engine, ReferenceEngine
+from posttrain.training.base import ActorEngine, CriticEngine, Engine, ReferenceEngine
 
 # "module:Class" -> the protocol it provides
 ENGINES = {
-    "posttrain.train.engine:TrainEngine": Engine,
-    "posttrain.train.megatron.engine:MegatronEngine": Engine,
+    "posttrain.training.engine:TrainEngine": Engine,
+    "posttrain.training.megatron.engine:MegatronEngine": Engine,
     "posttrain.models.lora:AdapterOff": ReferenceEngine,
-    "posttrain.train.offload:OffloadedReference": ReferenceEngine,
+    "posttrain.training.offload:OffloadedReference": ReferenceEngine,
     "posttrain.cluster.group:ActorRole": ActorEngine,
     "posttrain.cluster.group:ReferenceRole": ReferenceEngine,
     "posttrain.cluster.group:CriticRole": CriticEngine,
@@ -36,7 +36,7 @@ ROLLOUT_ENGINES = [
     "posttrain.cluster.rollout_worker:RemoteEngine",
 ]
 # the optional package each module needs, for a clean skip
-NEEDS = {"posttrain.train.megatron": "megatron.core", "posttrain.cluster": "ray"}
+NEEDS = {"posttrain.training.megatron": "megatron.core", "posttrain.cluster": "ray"}
 
 
 def load(target: str) -> type:

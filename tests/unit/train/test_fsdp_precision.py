@@ -19,7 +19,7 @@ SCRIPT = textwrap.dedent(
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from posttrain.cluster import fsdp
-    from posttrain.train.engine import TrainEngine
+    from posttrain.training.engine import TrainEngine
 
     dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
     torch.manual_seed(0)

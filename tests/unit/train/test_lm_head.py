@@ -1,4 +1,4 @@
-"""Chunked log-probs through the LM head (posttrain.train.lm_head) equal the full computation."""
+"""Chunked log-probs through the LM head (posttrain.training.lm_head) equal the full computation."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from posttrain.algo.logprob import entropy_from_logits, logprobs_from_logits
-from posttrain.train import lm_head
-from posttrain.train.forward import response_logprobs
-from posttrain.train.lm_head import detached_head, head_logprobs
+from posttrain.training import lm_head
+from posttrain.training.forward import response_logprobs
+from posttrain.training.lm_head import detached_head, head_logprobs
 
 
 @pytest.mark.parametrize("bias", [False, True])

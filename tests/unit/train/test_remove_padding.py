@@ -4,12 +4,12 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from posttrain.train.options import EngineOptions, TokenBudget
-from posttrain.train import remove_padding as rp
-from posttrain.train.engine import TrainEngine
-from posttrain.train.forward import response_logprobs
-from posttrain.train.batch import build_batch
-from posttrain.train.loss_fns import make_actor_loss_fn
+from posttrain.training.options import EngineOptions, TokenBudget
+from posttrain.training import remove_padding as rp
+from posttrain.training.engine import TrainEngine
+from posttrain.training.forward import response_logprobs
+from posttrain.training.batch import build_batch
+from posttrain.training.loss_fns import make_actor_loss_fn
 
 SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, attn_implementation="sdpa")
@@ -157,7 +157,7 @@ def test_engine_micro_batches_keep_a_group_together():
 @pytest.mark.parametrize("dynamic", [False, True], ids=["fixed", "token_budget"])
 def test_dpo_update_with_remove_padding_matches(dynamic):
     # a pairwise batch (chosen_* / rejected_* sides): packing and token-budget micro-batches count both sides
-    from posttrain.train.loss_fns import make_dpo_loss_fn
+    from posttrain.training.loss_fns import make_dpo_loss_fn
 
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(1, 64, (n,), generator=g).tolist() for n in (3, 5, 2, 4)]

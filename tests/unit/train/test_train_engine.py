@@ -8,10 +8,10 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from posttrain.algo.logprob import logprobs_from_logits
 from posttrain.errors import ConfigError
-from posttrain.train.engine import NaNLossError, TrainEngine
-from posttrain.train.batch import build_batch, default_position_ids
-from posttrain.train.loss_fns import make_actor_loss_fn
-from posttrain.train.optim import build_lr_scheduler, build_optimizer
+from posttrain.training.engine import NaNLossError, TrainEngine
+from posttrain.training.batch import build_batch, default_position_ids
+from posttrain.training.loss_fns import make_actor_loss_fn
+from posttrain.training.optim import build_lr_scheduler, build_optimizer
 
 VOCAB, PAD = 48, 0
 
@@ -27,7 +27,7 @@ def tiny_model(seed=0):
 
 
 def make_batch(prompt_lens, resp_lens, seed=1):
-    """Random prompts and responses of these lengths in the layout of train/batch.py (the builder
+    """Random prompts and responses of these lengths in the layout of training/batch.py (the builder
     production uses): left-padded prompts || right-padded responses."""
     g = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(1, VOCAB, (p,), generator=g) for p in prompt_lens]

@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from posttrain.algo.advantages import ADVANTAGE_ESTIMATORS, scores_to_token_level_rewards
-from posttrain.train.engine import TrainEngine
-from posttrain.train.batch import build_batch
-from posttrain.train.loss_fns import make_actor_loss_fn
-from posttrain.train.options import ActorLossOptions
-from posttrain.train.optim import build_lr_scheduler, build_optimizer
+from posttrain.training.engine import TrainEngine
+from posttrain.training.batch import build_batch
+from posttrain.training.loss_fns import make_actor_loss_fn
+from posttrain.training.options import ActorLossOptions
+from posttrain.training.optim import build_lr_scheduler, build_optimizer
 
 from tests.unit.train.test_train_engine import tiny_model
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForTokenClassification
 
-from posttrain.train.engine import TrainEngine
-from posttrain.train.loss_fns import make_critic_loss_fn, make_dpo_loss_fn, make_sft_loss_fn, sequence_logps
+from posttrain.training.engine import TrainEngine
+from posttrain.training.loss_fns import make_critic_loss_fn, make_dpo_loss_fn, make_sft_loss_fn, sequence_logps
 
 from tests.unit.train.test_train_engine import make_batch, tiny_model
 
@@ -79,8 +79,8 @@ def test_dpo_loss_value_at_reference_is_log2():
 
 def test_the_loss_functions_declare_the_forward_a_backend_runs():
     """What the Megatron engine reads instead of running the loss's own forward."""
-    from posttrain.train.loss_fns import PairLossFn, interleave_pairs, make_actor_loss_fn
-    from posttrain.train.options import ActorLossOptions
+    from posttrain.training.loss_fns import PairLossFn, interleave_pairs, make_actor_loss_fn
+    from posttrain.training.options import ActorLossOptions
 
     actor = make_actor_loss_fn(ActorLossOptions(temperature=0.7, entropy_coeff=0.01))
     assert (actor.consumes, actor.temperature, actor.with_entropy, actor.entropy_grad, actor.rows) == \
@@ -98,8 +98,8 @@ def test_the_loss_functions_declare_the_forward_a_backend_runs():
 def test_dpo_on_rows_equals_dpo_on_pairs_and_both_report_the_loss(loss_type):
     """The row form a backend that takes rows runs (interleaved rows' log-probs, then
     after_forward with rows counted) gives the pair form's loss; with_loss_metric reports it in both."""
-    from posttrain.train.forward import response_logprobs
-    from posttrain.train.loss_fns import interleave_pairs, sequence_logps
+    from posttrain.training.forward import response_logprobs
+    from posttrain.training.loss_fns import interleave_pairs, sequence_logps
     from posttrain.loops.dpo import with_loss_metric
 
     model = tiny_model()

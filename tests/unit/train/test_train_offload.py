@@ -36,8 +36,8 @@ def test_fsdp2_state_goes_to_the_host_and_comes_back_unchanged():
     from torch.distributed.fsdp import fully_shard
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from posttrain.train.offload import StateOffload
-    from posttrain.train.optim import build_optimizer
+    from posttrain.training.offload import StateOffload
+    from posttrain.training.optim import build_optimizer
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     try:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from posttrain.errors import ConfigError
-from posttrain.train.optim import build_lr_scheduler, build_optimizer
+from posttrain.training.optim import build_lr_scheduler, build_optimizer
 
 
 class _Tiny(torch.nn.Module):

@@ -48,8 +48,8 @@ SCRIPT = MODEL_AND_BATCH + textwrap.dedent(
     import datetime, os, sys
     import torch.distributed as dist
     import torch.multiprocessing as mp
-    from posttrain.train.engine import TrainEngine
-    from posttrain.train.loss_fns import make_actor_loss_fn
+    from posttrain.training.engine import TrainEngine
+    from posttrain.training.loss_fns import make_actor_loss_fn
 
     def worker(rank, out):
         # A file store: no port to collide on, and no rank owns a TCP server the other may outlive.
@@ -74,8 +74,8 @@ SCRIPT = MODEL_AND_BATCH + textwrap.dedent(
 
 @pytest.mark.slow
 def test_ddp_two_ranks_match_single_process(tmp_path):
-    from posttrain.train.engine import TrainEngine
-    from posttrain.train.loss_fns import make_actor_loss_fn
+    from posttrain.training.engine import TrainEngine
+    from posttrain.training.loss_fns import make_actor_loss_fn
 
     script = tmp_path / "ddp.py"
     script.write_text(SCRIPT)

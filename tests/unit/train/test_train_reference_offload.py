@@ -9,8 +9,8 @@ import torch
 from tests.unit.train.offload_cases import batch, tiny_model
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from posttrain.train.engine import TrainEngine
-from posttrain.train.offload import OffloadedReference
+from posttrain.training.engine import TrainEngine
+from posttrain.training.offload import OffloadedReference
 
 
 def tied_llama():

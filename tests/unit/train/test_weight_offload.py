@@ -26,7 +26,7 @@ def test_the_weights_leave_during_rollout_and_change_no_sample():
 def test_an_engine_that_samples_from_the_weights_is_refused(why):
     from posttrain.models.lora import LoraOptions, MergedRollout, add_adapter
     from posttrain.rollout.native import NativeEngine
-    from posttrain.train.offload import weights_off_during_rollout
+    from posttrain.training.offload import weights_off_during_rollout
 
     model = tiny_model("cpu")
     if why == "lora":  # the adapter merged into the base in place: no copy
@@ -46,7 +46,7 @@ def test_fsdp2_shards_go_to_the_host_and_come_back_unchanged():
     from torch.distributed.fsdp import fully_shard
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from posttrain.train.offload import WeightOffload
+    from posttrain.training.offload import WeightOffload
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     try:

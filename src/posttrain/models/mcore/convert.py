@@ -357,7 +357,7 @@ def mcore_to_hf(load_dir: str | Path, out_dir: str | Path, *, template: str | Pa
                 max_shard_bytes: int = 2 << 30, orm: bool | None = None, log=print) -> Path:
     """Merge a Megatron checkpoint (the legacy per-rank layout) into the HF directory ``out_dir``
     (config, safetensors, tokenizer); ``torch_dist`` checkpoints are merged by
-    :func:`posttrain.train.megatron.dist_convert.dist_to_hf` (``posttrain convert`` picks).
+    :func:`posttrain.training.megatron.dist_convert.dist_to_hf` (``posttrain convert`` picks).
 
     ``template`` is an HF directory whose config.json (checked against the checkpoint) and tokenizer
     are reused; ``tokenizer`` a tokenizer file or directory. Without a template the config is built

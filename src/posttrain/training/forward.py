@@ -1,12 +1,12 @@
 """The response-token forward pass shared by training and log-prob computation.
 
-The batch layout is :mod:`posttrain.train.batch`'s (``position_ids`` may be left out: they
-default to :func:`~posttrain.train.batch.default_position_ids`). Response token ``t`` of row ``b`` is ``input_ids[b, P + t]`` and its log-prob is read from the
+The batch layout is :mod:`posttrain.training.batch`'s (``position_ids`` may be left out: they
+default to :func:`~posttrain.training.batch.default_position_ids`). Response token ``t`` of row ``b`` is ``input_ids[b, P + t]`` and its log-prob is read from the
 logits at position ``P + t - 1`` (the seed's ``[prompt_len - 1, prompt_len + resp_len - 1)``
 window). Logits are divided by the sampling temperature (seed section 2.1), so the result equals
 the sampler's log-prob of the same token. When the model accepts ``logits_to_keep`` (HF causal
 LMs), logits are only computed for the last ``R + 1`` positions, not for the prompt, and the LM
-head runs a chunk of tokens at a time (:mod:`posttrain.train.lm_head`).
+head runs a chunk of tokens at a time (:mod:`posttrain.training.lm_head`).
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ import inspect
 import torch
 
 from posttrain.algo.logprob import entropy_from_logits, logprobs_from_logits
-from posttrain.train.batch import default_position_ids, response_width
-from posttrain.train.lm_head import detached_head, head_logprobs
-from posttrain.train.remove_padding import Packing, packed_response_logprobs
+from posttrain.training.batch import default_position_ids, response_width
+from posttrain.training.lm_head import detached_head, head_logprobs
+from posttrain.training.remove_padding import Packing, packed_response_logprobs
 
 
 def _accepts_logits_to_keep(model: torch.nn.Module) -> bool:
@@ -43,7 +43,7 @@ def _model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def response_logits(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """Logits predicting each response token: ``[B, R, V]`` (positions ``P-1 .. P+R-2``); the
-    hidden states ``[B, R, H]`` inside :func:`~posttrain.train.lm_head.detached_head`."""
+    hidden states ``[B, R, H]`` inside :func:`~posttrain.training.lm_head.detached_head`."""
     num_resp = response_width(batch)
     kwargs = _model_inputs(batch)
     if _accepts_logits_to_keep(model):
@@ -67,7 +67,7 @@ def response_logprobs(
     ``entropy_grad=False`` computes the entropy without building a graph (for a metric only).
     ``temperature=0`` (greedy sampling) means 1, as the rollout engine reports greedy log-probs.
     With ``packing`` (``rl_config.use_remove_padding``) the forward runs on the packed row of
-    :mod:`posttrain.train.remove_padding`.
+    :mod:`posttrain.training.remove_padding`.
     """
     if packing is not None:
         return packed_response_logprobs(model, batch, temperature=temperature, with_entropy=with_entropy,

@@ -1,7 +1,7 @@
 """The Megatron-Core backend's engine: :class:`MegatronEngine` provides
-:class:`posttrain.train.base.Engine` (the HF engine's interface: ``compute_logprobs``,
+:class:`posttrain.training.base.Engine` (the HF engine's interface: ``compute_logprobs``,
 ``compute_values``, ``compute_pair_logps`` and ``update`` over a batch in the training layout of
-:mod:`posttrain.train.batch`) on this rank's Megatron-Core model, through Megatron's pipeline
+:mod:`posttrain.training.batch`) on this rank's Megatron-Core model, through Megatron's pipeline
 schedule and optimizer.
 
 * Micro-batches of ``micro_batch_size`` rows through ``get_forward_backward_func``; each row's
@@ -11,14 +11,14 @@ schedule and optimizer.
 * Log-probs and entropy come from the vocab-parallel logits (:mod:`.vocab_parallel`), never the
   gathered vocabulary.
 * The loss is the algorithm's own: the engine runs the forward a
-  :class:`~posttrain.train.base.LossFn` declares (log-probs at its ``temperature``, the entropy
+  :class:`~posttrain.training.base.LossFn` declares (log-probs at its ``temperature``, the entropy
   when ``with_entropy``; the values of a model with a value head when it ``consumes`` values) and
   calls its ``after_forward``, with the token and row counts of the whole mini-batch (a
   token-mean is over the mini-batch, as in the HF engine). A loss over pairs (DPO) gives its
   batch as rows (``rows``, two per pair).
 * Data parallel replicas (Megatron's ``DistributedDataParallel`` averages gradients over them):
   the token and row counts and the metrics are summed over the data-parallel group and each
-  rank's loss is scaled by its size, as in the HF engine (:mod:`posttrain.train.parallel`).
+  rank's loss is scaled by its size, as in the HF engine (:mod:`posttrain.training.parallel`).
 * Results are computed on the last pipeline stage and broadcast to the others, so every rank
   returns the same values.
 * Expert parallelism (a mixture-of-experts model's experts split over data-parallel ranks): the
@@ -38,15 +38,15 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from posttrain.train.base import LossFn
-from posttrain.train.batch import default_position_ids
-from posttrain.train.dynamic_batch import split_by_tokens
-from posttrain.train.engine import NaNLossError, minibatch_order
-from posttrain.train.loss_fns import interleave_pairs, row_sequence_logps
-from posttrain.train.options import EngineOptions
-from posttrain.train.parallel import dp_world_size, global_counts, reduce_metric_totals
-from posttrain.train.megatron.vocab_parallel import vocab_parallel_entropy, vocab_parallel_logprobs
-from posttrain.train.offload import StateOffload, return_freed_memory
+from posttrain.training.base import LossFn
+from posttrain.training.batch import default_position_ids
+from posttrain.training.dynamic_batch import split_by_tokens
+from posttrain.training.engine import NaNLossError, minibatch_order
+from posttrain.training.loss_fns import interleave_pairs, row_sequence_logps
+from posttrain.training.options import EngineOptions
+from posttrain.training.parallel import dp_world_size, global_counts, reduce_metric_totals
+from posttrain.training.megatron.vocab_parallel import vocab_parallel_entropy, vocab_parallel_logprobs
+from posttrain.training.offload import StateOffload, return_freed_memory
 
 
 def _inputs(batch: dict[str, torch.Tensor], rows: torch.Tensor, length: int):
@@ -101,7 +101,7 @@ def _from_last_stage(value):
 class MegatronOffload:
     """``generate_config.offload_train_optimizer`` / ``offload_train_grad`` on this backend, between
     updates: the optimizer state (AdamW's moments of each of Megatron's torch optimizers) to the host
-    through :class:`posttrain.train.offload.StateOffload`, and the gradient buffers of Megatron's
+    through :class:`posttrain.training.offload.StateOffload`, and the gradient buffers of Megatron's
     ``DistributedDataParallel`` freed by Megatron-Core's own ``offload_grad_buffers`` (their storage
     resized to 0; ``restore_grad_buffers`` gives it back zeroed, the ``main_grad`` views intact)."""
 

@@ -1,10 +1,10 @@
 """Training engine: micro/mini-batching, gradient accumulation, clipping, optimizer and LR steps.
 
-The batch layout is described in :mod:`posttrain.train.forward`. ``update`` splits the ``B`` rows
+The batch layout is described in :mod:`posttrain.training.forward`. ``update`` splits the ``B`` rows
 into mini-batches of ``mini_batch_size`` rows (one optimizer step each) and every mini-batch into
 micro-batches of ``micro_batch_size`` rows (one forward/backward each, gradients accumulated).
 
-A loss function is a :class:`~posttrain.train.base.LossFn`, called as::
+A loss function is a :class:`~posttrain.training.base.LossFn`, called as::
 
     loss_fn(model, micro_batch: dict[str, Tensor], *, num_tokens, num_seqs, packing) -> (loss, metrics)
 
@@ -15,13 +15,13 @@ whole **mini-batch** and ``num_seqs`` its number of rows. A loss normalised by t
 micro-batch size: 1 micro-batch of 8 rows and 8 micro-batches of 1 row give the same step. The
 ``metrics`` of the micro-batches are **summed**, so each should be this micro-batch's share of the
 mini-batch value (again what ``posttrain.algo`` returns when given the counts). Ready-made loss
-functions for actor, critic, SFT and DPO are in :mod:`posttrain.train.loss_fns`. The engine
-provides :class:`~posttrain.train.base.Engine`.
+functions for actor, critic, SFT and DPO are in :mod:`posttrain.training.loss_fns`. The engine
+provides :class:`~posttrain.training.base.Engine`.
 
-How forwards are batched is fixed at construction by :class:`~posttrain.train.options.EngineOptions`
+How forwards are batched is fixed at construction by :class:`~posttrain.training.options.EngineOptions`
 (derived once by the run's plan): remove padding (the engine passes a
-:class:`~posttrain.train.remove_padding.Packing` to the loss function and to the log-prob
-forward), and token budgets instead of a fixed micro-batch size (:mod:`posttrain.train.dynamic_batch`).
+:class:`~posttrain.training.remove_padding.Packing` to the loss function and to the log-prob
+forward), and token budgets instead of a fixed micro-batch size (:mod:`posttrain.training.dynamic_batch`).
 
 Per optimizer step the engine reports the loss-function metrics plus ``<prefix>/grad_norm``
 (before clipping) and ``<prefix>/lr`` (the rate used for that step); ``prefix`` is ``actor`` by
@@ -30,7 +30,7 @@ default (``critic`` for the value model). A non-finite loss or gradient norm rai
 
 Data parallel: when torch.distributed is initialised, each rank passes its own rows; the counts
 are summed over ``dp_group`` (default: the world), the loss is scaled by the world size to undo
-DDP/FSDP gradient averaging, and the metrics are summed over ranks (see ``train/parallel.py``).
+DDP/FSDP gradient averaging, and the metrics are summed over ranks (see ``training/parallel.py``).
 The model must already be wrapped (DDP or FSDP2) by the caller.
 """
 
@@ -43,14 +43,14 @@ from typing import Any
 import torch
 
 from posttrain.errors import ConfigError, PosttrainError
-from posttrain.train.base import LossFn
-from posttrain.train.options import EngineOptions, TokenBudget
-from posttrain.train.dynamic_batch import split_by_tokens
-from posttrain.train.forward import response_logprobs, response_values
-from posttrain.train.loss_fns import pair_logps
-from posttrain.train.offload import StateOffload
-from posttrain.train.remove_padding import Packing, group_rows_by_prompt
-from posttrain.train.parallel import dp_world_size, global_counts, maybe_no_sync, reduce_metric_totals
+from posttrain.training.base import LossFn
+from posttrain.training.options import EngineOptions, TokenBudget
+from posttrain.training.dynamic_batch import split_by_tokens
+from posttrain.training.forward import response_logprobs, response_values
+from posttrain.training.loss_fns import pair_logps
+from posttrain.training.offload import StateOffload
+from posttrain.training.remove_padding import Packing, group_rows_by_prompt
+from posttrain.training.parallel import dp_world_size, global_counts, maybe_no_sync, reduce_metric_totals
 
 _DTYPES = {"float32": None, "fp32": None, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
@@ -103,7 +103,7 @@ def _num_rows(batch: dict[str, torch.Tensor]) -> int:
 class TrainEngine:
     """Owns a model, its optimizer and LR schedule; runs forward/backward in micro-batches."""
 
-    optimizer: torch.optim.Optimizer | None  # the checkpoints' state (posttrain.train.base.Engine)
+    optimizer: torch.optim.Optimizer | None  # the checkpoints' state (posttrain.training.base.Engine)
     scheduler: Any
 
     def __init__(
@@ -231,7 +231,7 @@ class TrainEngine:
         self, batch: dict[str, torch.Tensor], *, average: bool = False, micro_batch_size: int | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """DPO: per-pair sequence log-probs ``(chosen [N], rejected [N])`` of a ``chosen_*`` /
-        ``rejected_*`` batch (:func:`posttrain.train.loss_fns.pair_logps`), no gradients."""
+        ``rejected_*`` batch (:func:`posttrain.training.loss_fns.pair_logps`), no gradients."""
         outputs, order = self._inference(
             batch, lambda mb: pair_logps(self.model, mb, average, self.packing)[:2], micro_batch_size)
         order = order.to(outputs[0][0].device)

@@ -18,7 +18,7 @@ class TokenBudget:
 
 @dataclass(frozen=True)
 class EngineOptions:
-    """How a :class:`~posttrain.train.engine.TrainEngine` batches its forwards.
+    """How a :class:`~posttrain.training.engine.TrainEngine` batches its forwards.
 
     ``use_remove_padding`` packs the valid tokens of a micro-batch into one row (with
     ``share_prompt_prefix`` a prompt repeated over rows is packed once); a token budget replaces
@@ -36,7 +36,7 @@ class EngineOptions:
 class OptimOptions:
     """One trained role's optimizer, LR schedule and micro-batching (the seed's per-role keys of
     ``megatron_training`` / ``actor_config`` / ``critic_config``): AdamW and the Megatron schedule
-    of :mod:`posttrain.train.optim`, ``clip_grad`` on the global gradient norm (0: off),
+    of :mod:`posttrain.training.optim`, ``clip_grad`` on the global gradient norm (0: off),
     ``activation_checkpointing`` from ``recompute_granularity``."""
 
     lr: float = 1e-6

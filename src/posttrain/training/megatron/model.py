@@ -4,7 +4,7 @@ from the HF files through the converter's mapping (:mod:`posttrain.models.mcore`
 checkpoint has to be written first.
 
 Runs inside Megatron's process groups (``megatron.core.parallel_state`` initialised); on a CPU
-inside :func:`posttrain.train.megatron.cpu_shims.cpu_megatron`.
+inside :func:`posttrain.training.megatron.cpu_shims.cpu_megatron`.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from posttrain.errors import CheckpointError, ConfigError
 from posttrain.models.mcore import mapping, mcore_files, splits
 from posttrain.models.mcore.convert import _stage_state, hf_arch
 from posttrain.models.mcore.hf_files import HFWeights
-from posttrain.train.megatron.lora import from_stage, merged_state_dict
+from posttrain.training.megatron.lora import from_stage, merged_state_dict
 
 
 def arg(args: argparse.Namespace, name: str, default: Any = None) -> Any:
@@ -284,7 +284,7 @@ def _load(chunk, state: dict) -> None:
     """``state`` (a converter or checkpoint state dict, with None ``_extra_state`` entries) into
     ``chunk``, every weight cast to the chunk's dtype, strictly. A LoRA checkpoint's adapter
     (``.lora.`` entries) is left out: the chunk is built without adapters, which the LoRA code
-    attaches and then loads with the optimizer (:mod:`posttrain.train.megatron.lora`)."""
+    attaches and then loads with the optimizer (:mod:`posttrain.training.megatron.lora`)."""
     chunk.load_state_dict({k: v.float() if torch.is_tensor(v) and v.is_floating_point() else v
                            for k, v in state.items() if ".lora." not in k}, strict=True)
 
@@ -374,7 +374,7 @@ def hf_weights(chunks: list, args: argparse.Namespace, *, value_head: bool = Fal
     virtual stage) are this rank's part of, one layer at a time, on every rank: each tensor's TP shards are all-gathered and
     merged back into the HF layout (the converter's mapping), then broadcast from the pipeline
     stage that holds it. A LoRA actor's adapted weights are merged, ``W + (alpha / r) B @ A``
-    (:func:`posttrain.train.megatron.lora.merged_state_dict`). This is the weight sync from the
+    (:func:`posttrain.training.megatron.lora.merged_state_dict`). This is the weight sync from the
     trained model to the rollout's HF model;
     the peak is one layer, not the model. All ranks must iterate it together (collectives). Each
     expert of a mixture-of-experts model is gathered over the expert tensor-parallel group on the

@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from posttrain.checkpoint.save import disk_full
 from posttrain.errors import CheckpointError
 from posttrain.models.mcore import mcore_files
-from posttrain.train.megatron.model import sharded_state_dict
+from posttrain.training.megatron.model import sharded_state_dict
 
 FORMATS = ("torch_dist", "torch")  # Megatron-LM's --ckpt-format names; torch: the legacy per-rank files
 

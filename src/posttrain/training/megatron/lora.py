@@ -16,7 +16,7 @@ each kept as PEFT has it (:class:`LoraAdapters`, a child ``lora`` of the linear)
   is replicated.
 
 The adapter's output is added by a forward hook, so the base linear, its weights and their names
-are untouched (the checkpoints, the converter and :func:`~posttrain.train.megatron.model.hf_weights`
+are untouched (the checkpoints, the converter and :func:`~posttrain.training.megatron.model.hf_weights`
 read them as before); the base is frozen and only the adapters train. :func:`merged_state_dict`
 gives a chunk's weights with ``W + (alpha / r) B @ A`` in the Megatron layout (the rollout's weight
 sync); :func:`adapter_weights` gathers the adapters over TP and PP under PEFT's names (the saved

@@ -1,11 +1,11 @@
 """Ready-made loss functions for an engine's ``update``: actor (GRPO/DAPO/PPO), critic, SFT, DPO.
 
-Each factory takes the hyperparameters and returns a :class:`~posttrain.train.base.LossFn`:
+Each factory takes the hyperparameters and returns a :class:`~posttrain.training.base.LossFn`:
 ``loss_fn(model, micro_batch, *, num_tokens, num_seqs, packing) -> (loss, metrics)`` runs the
 forward its fields declare, then its ``after_forward`` (the part a backend that runs its own
 forward calls: the Megatron engine). The engine passes ``packing`` (a
-:class:`~posttrain.train.remove_padding.Packing` when its options turn remove padding on, else
-None). Batch keys (layout in :mod:`posttrain.train.forward`):
+:class:`~posttrain.training.remove_padding.Packing` when its options turn remove padding on, else
+None). Batch keys (layout in :mod:`posttrain.training.forward`):
 
 * actor: ``input_ids``, ``attention_mask``, ``response_mask``, ``advantages``, optional
   ``old_logprobs`` (when absent: the seed's on-policy skip, ``old_logprobs = logprobs.detach()``,
@@ -30,10 +30,10 @@ import torch
 from posttrain.algo.dpo_loss import dpo_loss
 from posttrain.algo.policy_loss import actor_loss
 from posttrain.algo.value_loss import value_loss
-from posttrain.train.base import AfterForward, Batch, LossFn, LossOutput
-from posttrain.train.forward import response_logprobs
-from posttrain.train.options import ActorLossOptions
-from posttrain.train.remove_padding import Packing
+from posttrain.training.base import AfterForward, Batch, LossFn, LossOutput
+from posttrain.training.forward import response_logprobs
+from posttrain.training.options import ActorLossOptions
+from posttrain.training.remove_padding import Packing
 
 MODEL_KEYS = ("input_ids", "attention_mask", "position_ids", "response_mask")
 

@@ -2,7 +2,7 @@
 between its uses.
 
 * :class:`StateOffload`, the seed's ``generate_config.offload_train_optimizer`` and
-  ``offload_train_grad``: after each update (:meth:`posttrain.train.engine.TrainEngine.update`)
+  ``offload_train_grad``: after each update (:meth:`posttrain.training.engine.TrainEngine.update`)
   the optimizer's state (AdamW's two moments) goes to host memory and the gradients are freed;
   the next update brings the state back before its first step, so rollout, log-probs and rewards
   run with that memory free for the KV cache. Gradients are freed, not copied: every update
@@ -20,7 +20,7 @@ between its uses.
   parameters) they cannot leave: refused (the config check names the key; :func:`weights_off_during_rollout`
   is the backstop). On a CPU host and device are the same memory: listed as having no effect.
 
-The Megatron-Core backend's counterpart is :class:`posttrain.train.megatron.engine.MegatronOffload`.
+The Megatron-Core backend's counterpart is :class:`posttrain.training.megatron.engine.MegatronOffload`.
 """
 
 from __future__ import annotations
@@ -234,9 +234,9 @@ class WeightsOffDuringRollout:
 
 class OffloadedReference:
     """The frozen reference off the device between its uses (``rl_config.offload_reference``), as
-    the seed's integrated worker keeps it: an engine (:class:`~posttrain.train.engine.TrainEngine`
+    the seed's integrated worker keeps it: an engine (:class:`~posttrain.training.engine.TrainEngine`
     or the Megatron one) whose weights are brought in for each log-prob call and sent away after
-    it; a :class:`~posttrain.train.base.ReferenceEngine`.
+    it; a :class:`~posttrain.training.base.ReferenceEngine`.
 
     * GPU: the weights wait in pinned host memory and are copied in for each call.
     * CPU: the weights are written once to ``spill_dir/reference.pt``; between calls they are

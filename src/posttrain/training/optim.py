@@ -29,7 +29,7 @@ from collections.abc import Callable
 import torch
 
 from posttrain.errors import ConfigError
-from posttrain.train.options import OptimOptions
+from posttrain.training.options import OptimOptions
 
 _DECAY: dict[str, Callable[[float], float]] = {
     "constant": lambda ratio: 1.0,
@@ -150,6 +150,6 @@ def build_lr_scheduler(
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, options: OptimOptions, total_steps: int) -> LRScheduler:
-    """The schedule of a role's :class:`~posttrain.train.options.OptimOptions` over ``total_steps``."""
+    """The schedule of a role's :class:`~posttrain.training.options.OptimOptions` over ``total_steps``."""
     return build_lr_scheduler(optimizer, lr=options.lr, min_lr=options.min_lr, lr_decay_style=options.lr_decay_style,
                               lr_warmup_fraction=options.lr_warmup_fraction, total_steps=total_steps)

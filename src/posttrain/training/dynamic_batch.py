@@ -26,7 +26,7 @@ import heapq
 import math
 from collections.abc import Callable, Sequence
 
-from posttrain.train.options import TokenBudget
+from posttrain.training.options import TokenBudget
 from posttrain.errors import ConfigError
 
 

@@ -2,7 +2,7 @@
 backend's default format): Megatron-Core's ``dist_checkpointing`` reshards the checkpoint into a
 one-rank model (TP 1, PP 1) in a child process with a gloo group of its own, and its weights are
 written in the HF layout through the same mapping as every other conversion
-(:func:`posttrain.train.megatron.model.hf_weights`). The whole model is held in that process (the
+(:func:`posttrain.training.megatron.model.hf_weights`). The whole model is held in that process (the
 legacy converter streams one layer at a time).
 """
 
@@ -18,8 +18,8 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from posttrain.models.mcore import mapping, mcore_files
 from posttrain.models.mcore.convert import check_hf_target, hf_config, params_dtype, write_hf
-from posttrain.train.megatron.cpu_shims import cpu_megatron
-from posttrain.train.megatron.model import hf_weights, mcore_to_megatron
+from posttrain.training.megatron.cpu_shims import cpu_megatron
+from posttrain.training.megatron.model import hf_weights, mcore_to_megatron
 
 
 def dist_to_hf(load_dir: str | Path, out_dir: str | Path, *, template: str | Path | None = None,

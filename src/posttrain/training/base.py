@@ -8,17 +8,17 @@ each play one role, or all of them:
 protocol                      methods              implemented by
 ============================  ===================  =============================================
 :class:`ReferenceEngine`      log-probs, DPO       ``AdapterOff`` (models/lora.py),
-                              pair log-probs       ``OffloadedReference`` (train/offload.py),
+                              pair log-probs       ``OffloadedReference`` (training/offload.py),
                                                    ``ReferenceRole`` (cluster/group.py)
 :class:`ActorEngine`          log-probs, update    ``ActorRole`` (cluster/group.py)
 :class:`CriticEngine`         values, update       ``Critic`` (roles/critic.py), ``CriticRole``
-:class:`Engine`               all of the above,    ``TrainEngine`` (train/engine.py, HF),
-                              ``optimizer`` and    ``MegatronEngine`` (train/megatron/engine.py)
+:class:`Engine`               all of the above,    ``TrainEngine`` (training/engine.py, HF),
+                              ``optimizer`` and    ``MegatronEngine`` (training/megatron/engine.py)
                               ``scheduler``
 ============================  ===================  =============================================
 
 A backend provides :class:`Engine`; a wrapper or a proxy provides the role it plays. Every method
-takes a batch in the training layout (:mod:`posttrain.train.batch`); the sizes after ``*`` are
+takes a batch in the training layout (:mod:`posttrain.training.batch`); the sizes after ``*`` are
 keyword-only. An implementation may add parameters of its own, with defaults (``with_entropy=``
 of the backends' ``compute_logprobs``). ``tests/unit/train/test_engine_protocol.py`` checks each
 implementation's signatures against these.
@@ -41,8 +41,8 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 import torch
 
-from posttrain.train.forward import response_logprobs, response_values
-from posttrain.train.remove_padding import Packing
+from posttrain.training.forward import response_logprobs, response_values
+from posttrain.training.remove_padding import Packing
 
 Batch = dict[str, torch.Tensor]
 LossOutput = tuple[torch.Tensor, dict[str, torch.Tensor]]
@@ -57,7 +57,7 @@ class LossFn:
     ``num_tokens`` / ``num_seqs`` count the valid tokens and rows of the whole mini-batch (a loss
     normalised by them does not depend on the micro-batch size); ``metrics`` are this
     micro-batch's shares, which the engine sums. ``packing`` is the engine's
-    :class:`~posttrain.train.remove_padding.Packing` (remove padding), else None.
+    :class:`~posttrain.training.remove_padding.Packing` (remove padding), else None.
 
     Fields:
         after_forward: the loss from the forward's outputs. ``consumes="logprobs"``:
@@ -70,7 +70,7 @@ class LossFn:
         with_entropy: whether ``after_forward`` gets the entropy (else None).
         entropy_grad: whether the entropy carries gradient (it is in the loss).
         rows: None when the loss's rows are the batch's; else the batch as the rows
-            ``after_forward`` takes (DPO: two per pair, see :class:`~posttrain.train.loss_fns.PairLossFn`).
+            ``after_forward`` takes (DPO: two per pair, see :class:`~posttrain.training.loss_fns.PairLossFn`).
     """
 
     after_forward: AfterForward

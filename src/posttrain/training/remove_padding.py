@@ -1,6 +1,6 @@
 """Remove padding (``rl_config.use_remove_padding``): run the model on the valid tokens only.
 
-The padded layout of :mod:`posttrain.train.forward` (``[B, P + R]``, prompts left-padded,
+The padded layout of :mod:`posttrain.training.forward` (``[B, P + R]``, prompts left-padded,
 responses right-padded) wastes the matmuls of every padding token. Here the valid tokens of a
 micro-batch are concatenated into one row ``[1, N]`` (``N = sum(attention_mask)``), with position
 ids that restart at 0 for every sequence, and:
@@ -35,7 +35,7 @@ Activation checkpointing works: the packing tensors travel as keyword arguments 
 with a KV cache, are passed on unchanged to the model's SDPA attention). The training engine
 turns the packed path on explicitly: its ``EngineOptions.use_remove_padding`` becomes a
 :class:`Packing` passed to the loss function and to
-:func:`posttrain.train.forward.response_logprobs`, which then calls :func:`packed_response_logprobs`.
+:func:`posttrain.training.forward.response_logprobs`, which then calls :func:`packed_response_logprobs`.
 """
 
 from __future__ import annotations
@@ -50,8 +50,8 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 
 from posttrain.algo.logprob import entropy_from_logits, logprobs_from_logits
 from posttrain.errors import ConfigError
-from posttrain.train.batch import default_position_ids
-from posttrain.train.lm_head import detached_head, head_logprobs
+from posttrain.training.batch import default_position_ids
+from posttrain.training.lm_head import detached_head, head_logprobs
 
 ATTN_NAME = "posttrain_packed"
 # set only while _packed_logits runs the model, so the attention function knows a packed forward
@@ -283,7 +283,7 @@ def group_rows_by_prompt(batch: dict[str, torch.Tensor]) -> torch.Tensor:
 
 def _packed_logits(model: torch.nn.Module, packed: dict[str, torch.Tensor]) -> torch.Tensor:
     """Logits ``[K, V]`` at the ``keep`` positions of the packed row (the hidden states ``[K, H]``
-    inside :func:`~posttrain.train.lm_head.detached_head`)."""
+    inside :func:`~posttrain.training.lm_head.detached_head`)."""
     blocks, owner = split_blocks(packed)
     token = _IN_FORWARD.set(True)
     try:
@@ -305,7 +305,7 @@ def packed_response_logprobs(
     entropy_grad: bool = True,
     share_prompts: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Same contract as :func:`posttrain.train.forward.response_logprobs`, on the packed row."""
+    """Same contract as :func:`posttrain.training.forward.response_logprobs`, on the packed row."""
     temperature = temperature if temperature > 0 else 1.0
     # sharing needs posttrain's attention; a flash-attention varlen model keeps its own sequences
     share = enable(model) and share_prompts
