@@ -19,7 +19,7 @@ VLLM_VENV  ?= .venv-vllm
 VLLM_PY    := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: install install-vllm test test-vllm demo demo-smoke plan device-check clean
+.PHONY: install install-vllm test test-vllm demo demo-smoke plan device-check docs clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -56,6 +56,10 @@ test: $(STAMP)
 
 test-vllm: $(VLLM_STAMP)
 	$(VLLM_PY) -m pytest -q tests/vllm
+
+# the docs site (mkdocs.yml) at http://127.0.0.1:8000, rebuilt on every edit
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs serve
 
 # on a machine with a CUDA GPU (torch, transformers, pytest there; pydantic from .whl/): the gpu tests and
 # the GPU measurements (docs/performance.md, "GPU")

@@ -38,7 +38,8 @@ FORCE_HELP = "replace the files this command writes if they exist (nothing else 
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="posttrain", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="posttrain", description="Reinforcement-learning post-training of language "
+                                     "models: GRPO, DAPO, PPO, DPO and SFT, on a CPU, CUDA or a Ray cluster.")
     parser.add_argument("--debug", action="store_true", help="show tracebacks for user errors")
     parser.add_argument("--version", action="version", version=_version())
     # --debug is also accepted after the subcommand; SUPPRESS keeps a subcommand from resetting it
