@@ -4,7 +4,7 @@ Importing the package is cheap: it does not import torch, ray or vllm. Subpackag
 what they need when they are used.
 """
 
-__version__ = "0.1.0"
+from posttrain.version import __version__  # noqa: E402
 
 from posttrain.errors import PosttrainError  # noqa: E402  (lightweight)
 

@@ -71,6 +71,13 @@ def test_resume_repeats_the_uninterrupted_run(tiny_model_dir, tiny_prompt_data, 
     assert sorted(a) == [1, 2, 3, 4] and sorted(b) == [1, 2, 3, 4]
     state = json.loads((resumed / "ckpt" / "iter_0000002" / "trainer_state.json").read_text())
     assert state["num_threads"] == torch.get_num_threads()  # the resume runs with the same threads
+    # every checkpoint carries its model card: the run's config digest and its last metrics
+    from posttrain.checkpoint.card import CardInfo
+
+    card = (straight / "ckpt" / "iter_0000004" / "README.md").read_text()
+    digest = CardInfo("grpo", "", "", (straight / "run" / "config.json").read_text(), 4).config_digest
+    assert digest in card and "# GRPO checkpoint, iteration 4" in card
+    assert f"| `grpo/score/mean` | {a[4]['grpo/score/mean']:.6g} |" in card
     for it in (3, 4):
         keys = [k for k in a[it] if not k.startswith("timing/") and not k.endswith("_tps") and k != "time"]
         assert "actor/pg_loss" in keys and "grpo/score/mean" in keys

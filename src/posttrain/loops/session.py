@@ -194,6 +194,7 @@ class Session:
         """Log ``metrics``, then save and evaluate on the config's schedule."""
         self.iteration = iteration
         self.logger.log(iteration, metrics)
+        self.last_metrics = dict(metrics)  # the model card of a checkpoint saved now
         self.consumed_samples += self.plan.prompts_per_iteration
         if self.plan.schedule.saves(iteration):
             self.save(iteration, extra_state or {})
@@ -251,6 +252,7 @@ class Session:
                                        tokenizer=p.tokenizer, sampler_state=self.sampler.state_dict(),
                                        trainer_state=state, save_optim=s.save_optim, save_rng=s.save_rng,
                                        extra=self.extra_parts, files=self.extra_files, adapter_only=s.adapter_only)
+        self._write_card(path, iteration)
         if self.critic is not None:  # PPO: the critic's own checkpoint (critic_config.save), if it has one
             critic_path = self.critic.save(iteration, tokenizer=p.tokenizer, trainer_state=state)
             if critic_path is not None and s.keep_last:
@@ -258,6 +260,19 @@ class Session:
         if s.keep_last:
             prune_checkpoints(s.save, s.keep_last)
         return path
+
+    def _write_card(self, path, iteration: int) -> None:
+        """A model card (README.md) in a checkpoint that Hugging Face can load (not a Megatron one)."""
+        from posttrain.checkpoint.card import CardInfo, write_model_card
+
+        path = Path(path)
+        adapter = (path / "adapter_config.json").is_file()
+        if not adapter and not (path / "config.json").is_file():
+            return
+        write_model_card(path, CardInfo(algorithm=self.plan.stage.name, base_model=self.initial_model,
+                                        data=self.plan.data.data_path or "", config_json=self.plan.config_json,
+                                        iteration=iteration, metrics=getattr(self, "last_metrics", {}),
+                                        adapter=adapter))
 
     def _check_finite_weights(self, iteration: int) -> None:
         """Refuse to save weights holding NaN/inf (the loops already stop on a non-finite loss,

@@ -369,6 +369,11 @@ def merge_to_hf(load_dir: str | Path, out_dir: str | Path, *, force: bool = Fals
     with _staging(out_dir.parent, out_dir.name, out_dir) as tmp:
         save_hf_weights(merged, tmp)
         copy_tokenizer(path if (path / "tokenizer_config.json").is_file() else base, tmp)
+        card = path / "README.md"  # the adapter's model card, for the merged model
+        if card.is_file():
+            text = card.read_text().replace("library_name: peft", "library_name: transformers", 1)
+            (tmp / "README.md").write_text(text + f"\nMerged into its base `{base}` by `posttrain convert --merge-lora` "
+                                                  f"from `{path}`.\n")
         _publish_dir(tmp, out_dir)
     log(f"wrote {out_dir}: {path}'s LoRA adapter merged into {base}")
     return out_dir
