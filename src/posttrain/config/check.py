@@ -104,6 +104,9 @@ def collect_checks(cfg: RunConfig, refusals: Refusals, *, device_type: str = "cp
     refusals.run(check_reward_model, cfg, on_policy=stage.on_policy, dynamic_sampling=stage.dynamic_sampling(cfg))
     if parallel is not None:
         refusals.run(_check_workers, cfg, stage.on_policy, stage.uses_critic, parallel)
+    for switch, module in (("use_trackio", "trackio"), ("use_mlflow", "mlflow")):
+        if here and getattr(cfg.rl, switch):
+            refusals.run(require, module, f"rl_config.{switch}: true")
     if here and backend == "megatron":
         refusals.run(require, "megatron.core", f"the megatron backend ({actor_key(cfg, 'backend')}: megatron)")
     refusals.run(check_multi_turn, cfg)

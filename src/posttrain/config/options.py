@@ -276,6 +276,9 @@ class LoggingOptions:
     wandb_project: str = ""
     wandb_exp_name: str = ""
     wandb_save_dir: str = ""
+    trackio_project: str | None = None  # None: no trackio
+    mlflow_uri: str | None = None  # None: no MLflow; "": file:<run dir>/mlruns
+    mlflow_experiment: str = "posttrain"
     log_max_throughput: bool = True
 
 
@@ -446,6 +449,9 @@ def logging_options(cfg: RunConfig) -> LoggingOptions:
     return LoggingOptions(use_tensorboard=bool(rl.use_tensorboard), tensorboard_dir=rl.tensorboard_log_dir or None,
                           use_wandb=bool(rl.use_wandb), wandb_project=rl.wandb_project or "",
                           wandb_exp_name=rl.wandb_exp_name or "", wandb_save_dir=rl.wandb_save_dir or "",
+                          trackio_project=(rl.trackio_project or "posttrain") if rl.use_trackio else None,
+                          mlflow_uri=rl.mlflow_tracking_uri if rl.use_mlflow else None,
+                          mlflow_experiment=rl.mlflow_experiment or "posttrain",
                           log_max_throughput=bool(rl.log_max_throughput))
 
 
