@@ -18,6 +18,7 @@ EXTRAS = {
     "reasoning_gym": ("demo", ""),
     "trackio": ("trackers", ""),
     "mlflow": ("trackers", ""),
+    "swanlab": ("trackers", ""),
 }
 
 

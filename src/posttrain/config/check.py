@@ -20,6 +20,8 @@ a ``--target``'s device count, and the memory estimate, into the same list.
 
 from __future__ import annotations
 
+import os
+
 import re
 from pathlib import Path
 
@@ -104,9 +106,10 @@ def collect_checks(cfg: RunConfig, refusals: Refusals, *, device_type: str = "cp
     refusals.run(check_reward_model, cfg, on_policy=stage.on_policy, dynamic_sampling=stage.dynamic_sampling(cfg))
     if parallel is not None:
         refusals.run(_check_workers, cfg, stage.on_policy, stage.uses_critic, parallel)
-    for switch, module in (("use_trackio", "trackio"), ("use_mlflow", "mlflow")):
+    for switch, module in (("use_trackio", "trackio"), ("use_mlflow", "mlflow"), ("use_swanlab", "swanlab")):
         if here and getattr(cfg.rl, switch):
             refusals.run(require, module, f"rl_config.{switch}: true")
+    refusals.run(check_swanlab, cfg)
     if here and backend == "megatron":
         refusals.run(require, "megatron.core", f"the megatron backend ({actor_key(cfg, 'backend')}: megatron)")
     refusals.run(check_multi_turn, cfg)
@@ -122,6 +125,19 @@ def collect_checks(cfg: RunConfig, refusals: Refusals, *, device_type: str = "cp
         warnings.append("actor_config.save is not set: nothing will be saved, and the trained model is lost when "
                         "the run ends; set actor_config.save (or megatron_training.save) to a directory to keep it")
     return layout, warnings
+
+
+def check_swanlab(cfg: RunConfig) -> None:
+    """The seed's SwanLab modes: ``local`` (files only) and ``cloud`` (the user's API key)."""
+    rl = cfg.rl
+    if not rl.use_swanlab:
+        return
+    if rl.swanlab_mode not in ("", "local", "cloud"):
+        raise ConfigError(f"rl_config.swanlab_mode={rl.swanlab_mode!r}: use local (files under swanlab_save_dir, no "
+                          f"network) or cloud")
+    if rl.swanlab_mode == "cloud" and not os.environ.get("SWANLAB_API_KEY"):
+        raise ConfigError("rl_config.swanlab_mode: cloud logs to SwanLab's service with your API key: export "
+                          "SWANLAB_API_KEY (from swanlab.cn, settings), or use swanlab_mode: local")
 
 
 def check_device(name: str) -> None:

@@ -279,6 +279,7 @@ class LoggingOptions:
     trackio_project: str | None = None  # None: no trackio
     mlflow_uri: str | None = None  # None: no MLflow; "": file:<run dir>/mlruns
     mlflow_experiment: str = "posttrain"
+    swanlab: tuple[str, str, str, str] | None = None  # (mode, project, experiment, save dir); None: off
     log_max_throughput: bool = True
 
 
@@ -452,6 +453,8 @@ def logging_options(cfg: RunConfig) -> LoggingOptions:
                           trackio_project=(rl.trackio_project or "posttrain") if rl.use_trackio else None,
                           mlflow_uri=rl.mlflow_tracking_uri if rl.use_mlflow else None,
                           mlflow_experiment=rl.mlflow_experiment or "posttrain",
+                          swanlab=(rl.swanlab_mode or "local", rl.swanlab_project or "posttrain", rl.swanlab_exp_name,
+                                   rl.swanlab_save_dir) if rl.use_swanlab else None,
                           log_max_throughput=bool(rl.log_max_throughput))
 
 

@@ -61,9 +61,6 @@ CRITIC_RESOURCE = refused("the critic runs on the actor's devices (in the actor'
                           "remove the key or give it actor_resource's num_npus", active="actor_devices")
 MULTIMODAL = refused("multimodal training is not implemented yet")
 MULTIMODAL_SET = refused("multimodal training is not implemented yet", "remove the key", active="set")
-SWANLAB = refused("SwanLab logging is not implemented", "remove the key or set it to false (use_tensorboard or "
-                  "use_wandb log the same metrics)")
-SWANLAB_KEY = refused("SwanLab logging is not implemented", switch="use_swanlab")
 DP_BALANCE = refused("sequence-length-balanced data-parallel batches are not implemented yet")
 DATA_STRATEGY = refused("the TransferQueue backend is not implemented (the TransferDock is)", "set it to td",
                         ok=("td", "transfer_dock", "dock"))
@@ -170,11 +167,12 @@ class RLConfig(Section):
     use_mlflow: bool = F(False, "posttrain: log to MLflow (the [trackers] extra)", HONOURED)
     mlflow_tracking_uri: str = F("", "posttrain: MLflow tracking URI (default file:<run dir>/mlruns)", HONOURED)
     mlflow_experiment: str = F("", "posttrain: MLflow experiment (default posttrain)", HONOURED)
-    use_swanlab: bool = F(False, "log to SwanLab", SWANLAB)
-    swanlab_mode: str = F("", "SwanLab mode: local or cloud", SWANLAB_KEY)
-    swanlab_project: str = F("", "SwanLab project", SWANLAB_KEY)
-    swanlab_exp_name: str = F("", "SwanLab run name", SWANLAB_KEY)
-    swanlab_save_dir: str = F("", "SwanLab directory", SWANLAB_KEY)
+    use_swanlab: bool = F(False, "log to SwanLab (the [trackers] extra)", HONOURED)
+    swanlab_mode: str = F("", "SwanLab mode: local (default; files only) or cloud (needs SWANLAB_API_KEY)",
+                          HONOURED)
+    swanlab_project: str = F("", "SwanLab project (default posttrain)", HONOURED)
+    swanlab_exp_name: str = F("", "SwanLab experiment (default: the run dir's name)", HONOURED)
+    swanlab_save_dir: str = F("", "SwanLab directory (default <run dir>/swanlab)", HONOURED)
     blocking: bool = F(True, "synchronous (blocking) calls between roles", BLOCKING)
     async_engine: bool = F(False, "per-request admission in the native engine (required for multi-turn)", MULTI_TURN)
     guarantee_order: bool = F(False, "deterministic TransferDock order", HONOURED)

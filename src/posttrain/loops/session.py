@@ -132,7 +132,8 @@ class Session:
                                     logs.wandb_project, logs.wandb_exp_name, logs.wandb_save_dir, plan.train_iters,
                                     start_iteration=self.iteration, resume_iteration=self.iteration,
                                     config=json.loads(plan.config_json), trackio_project=logs.trackio_project,
-                                    mlflow_uri=logs.mlflow_uri, mlflow_experiment=logs.mlflow_experiment)
+                                    mlflow_uri=logs.mlflow_uri, mlflow_experiment=logs.mlflow_experiment,
+                                    swanlab=logs.swanlab)
         cut_jsonl(self.run_dir / "eval.jsonl", self.iteration)  # rows after the iteration resumed from are stale
         write_text_atomic(self.run_dir / "config.json", plan.config_json)
         info = {"device": plan.device, "train_dtype": plan.train_dtype, "rollout_dtype": plan.rollout_dtype,

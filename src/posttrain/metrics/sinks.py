@@ -295,7 +295,8 @@ class MetricsLogger:
     ``wandb_project`` (default ``posttrain``), run ``wandb_exp_name`` (default the run dir's
     name), files in ``wandb_save_dir`` (default ``<run_dir>/wandb``). Unlike the seed, enabling
     wandb does not disable TensorBoard. ``trackio_project`` / ``mlflow_uri`` (not None): those
-    trackers (:mod:`posttrain.metrics.trackers`). ``resume_iteration``: the JSONL log keeps only the rows up
+    trackers, ``swanlab`` (mode, project, experiment, directory) SwanLab
+    (:mod:`posttrain.metrics.trackers`). ``resume_iteration``: the JSONL log keeps only the rows up
     to that iteration (a resumed run logs the later ones again).
     """
 
@@ -306,7 +307,8 @@ class MetricsLogger:
                  console_keys: Sequence[str] | None = CONSOLE_KEYS, start_iteration: int = 0,
                  jsonl_name: str = "metrics.jsonl", config: Mapping[str, Any] | None = None,
                  resume_iteration: int | None = None, trackio_project: str | None = None,
-                 mlflow_uri: str | None = None, mlflow_experiment: str = "posttrain") -> None:
+                 mlflow_uri: str | None = None, mlflow_experiment: str = "posttrain",
+                 swanlab: tuple[str, str, str, str] | None = None) -> None:
         self.run_dir = Path(run_dir)
         self.jsonl_path = self.run_dir / jsonl_name
         self.sinks: list[Any] = [JsonlSink(self.jsonl_path, after_iteration=resume_iteration)]
@@ -319,14 +321,18 @@ class MetricsLogger:
                              wandb_save_dir or self.run_dir / "wandb", config)
             if sink.available:
                 self.sinks.append(sink)
-        if trackio_project is not None or mlflow_uri is not None:  # posttrain.metrics.trackers
-            from posttrain.metrics.trackers import MLflowSink, TrackioSink
+        if trackio_project is not None or mlflow_uri is not None or swanlab:  # posttrain.metrics.trackers
+            from posttrain.metrics.trackers import MLflowSink, SwanlabSink, TrackioSink
 
             if trackio_project is not None:
                 self.sinks.append(TrackioSink(trackio_project, self.run_dir.name, config))
             if mlflow_uri is not None:
                 uri = mlflow_uri or f"file:{(self.run_dir / 'mlruns').resolve()}"
                 self.sinks.append(MLflowSink(uri, mlflow_experiment, self.run_dir.name, config))
+            if swanlab:
+                mode, project, name, save_dir = swanlab
+                self.sinks.append(SwanlabSink(mode, project, name or self.run_dir.name,
+                                              save_dir or self.run_dir / "swanlab", config))
 
     def log(self, iteration: int, metrics: Mapping[str, Any]) -> dict[str, float]:
         """Convert values to floats, sort them in the seed's order and write to every sink."""

@@ -8,7 +8,11 @@
   that store in maintenance mode and asks for ``MLFLOW_ALLOW_FILE_STORE=true``, which this sink sets
   for a ``file:`` URI). The run's config is logged as its parameters.
 
-Both are optional (``pip install 'posttrain[trackers]'``); the config check refuses a tracker whose
+* **SwanLab** (the seed's ``use_swanlab``, ``swanlab_mode``, ``swanlab_project``,
+  ``swanlab_exp_name``, ``swanlab_save_dir``): ``local`` (the default) writes files only, under
+  ``swanlab_save_dir`` (default ``<run dir>/swanlab``); ``cloud`` needs ``SWANLAB_API_KEY``.
+
+All are optional (``pip install 'posttrain[trackers]'``); the config check refuses a tracker whose
 package is missing, naming the extra. Each logs every iteration's metrics at ``step=iteration``.
 """
 
@@ -91,3 +95,25 @@ def _flat(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
         else:
             out[name] = value
     return out
+
+
+class SwanlabSink:
+    """One SwanLab experiment (the seed's ``use_swanlab`` keys): ``local`` mode writes the run's files
+    under ``save_dir`` and needs no network or account (``swanlab watch <save_dir>`` shows them);
+    ``cloud`` logs to SwanLab's service with the user's ``SWANLAB_API_KEY``."""
+
+    def __init__(self, mode: str, project: str, exp_name: str, save_dir: str | Path,
+                 config: Mapping[str, Any] | None = None) -> None:
+        import swanlab
+
+        Path(save_dir).mkdir(parents=True, exist_ok=True)
+        self.run = swanlab.init(mode="online" if mode == "cloud" else "local", project=project,
+                                experiment_name=exp_name, log_dir=str(save_dir), config=dict(config or {}))
+
+    def log(self, iteration: int, metrics: Mapping[str, float]) -> None:
+        self.run.log(dict(metrics), step=iteration)
+
+    def close(self) -> None:
+        if self.run is not None:
+            self.run.finish()
+            self.run = None

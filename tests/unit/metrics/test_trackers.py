@@ -1,4 +1,4 @@
-"""trackio and MLflow (posttrain.metrics.trackers), offline: a run's metrics read back from each
+"""trackio, MLflow and SwanLab (posttrain.metrics.trackers), offline: a run's metrics read back from each
 tracker's own store equal what metrics.jsonl holds; a missing package is refused naming its extra."""
 
 from __future__ import annotations
@@ -55,3 +55,32 @@ def test_a_tracker_without_its_package_is_refused_naming_the_extra(monkeypatch):
     collect_checks(load_run_config("grpo_tiny_qwen2", overrides=["rl_config.use_trackio=true",
                                                                   "rl_config.use_mlflow=true"]), refusals)
     assert sum("pip install 'posttrain[trackers]'" in m for m in refusals.messages) == 2, refusals.messages
+
+
+def test_swanlab_local_mode_holds_every_iteration_without_network(tmp_path, monkeypatch):
+    pytest.importorskip("swanlab", reason="pip install 'posttrain[trackers]'")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # swanlab writes its settings under $HOME
+    rows = log_run(tmp_path / "run_c", swanlab=("local", "pt_test", "", str(tmp_path / "swan")))
+    (run,) = (tmp_path / "swan").glob("run-*")
+    series = sorted(([json.loads(line) for line in (d / "1000.log").read_text().splitlines()]
+                     for d in (run / "logs").iterdir()), key=lambda s: [p["data"] for p in s])
+    want = sorted(([{"index": r["iteration"], "data": r[key]} for r in rows] for key in ROWS[1]),
+                  key=lambda s: [p["data"] for p in s])
+    assert [[{"index": p["index"], "data": p["data"]} for p in s] for s in series] == want
+    record = (run / f"run-{run.name.rsplit('-', 1)[1]}.swanlab").read_bytes()
+    assert all(key.encode() in record for key in ROWS[1])  # the series' names, in the run's record
+
+
+def test_swanlab_modes_are_the_seeds(monkeypatch):
+    from posttrain.config.check import check_swanlab
+    from posttrain.config.run import load_run_config
+    from posttrain.errors import ConfigError
+
+    monkeypatch.delenv("SWANLAB_API_KEY", raising=False)
+    with pytest.raises(ConfigError, match="export SWANLAB_API_KEY"):
+        check_swanlab(load_run_config("grpo_tiny_qwen2", overrides=["rl_config.use_swanlab=true",
+                                                                     "rl_config.swanlab_mode=cloud"]))
+    with pytest.raises(ConfigError, match="use local"):
+        check_swanlab(load_run_config("grpo_tiny_qwen2", overrides=["rl_config.use_swanlab=true",
+                                                                     "rl_config.swanlab_mode=offline"]))
+    check_swanlab(load_run_config("grpo_tiny_qwen2", overrides=["rl_config.use_swanlab=true"]))
