@@ -95,8 +95,6 @@ CASES = [
     (["rl_config.transfer_queue_data_shard_num=2"], f"rl_config.transfer_queue_data_shard_num=2: {TQ}", "set it to 1"),
     (["rl_config.transfer_queue_data_shard_port_base=7000"],
      f"rl_config.transfer_queue_data_shard_port_base=7000: {TQ}", "remove the key"),
-    (["rl_config.use_swanlab=true"], "rl_config.use_swanlab=true: SwanLab logging is not implemented",
-     "use_tensorboard or use_wandb"),
     (["rl_config.blocking=false"], "rl_config.blocking=false: asynchronous (non-blocking) execution",
      "remove the key or set it to true"),
     (["rl_config.use_dp_batch_balance=true"], "rl_config.use_dp_batch_balance=true: ", "set it to false"),
@@ -127,10 +125,6 @@ CASES = [
 ]
 # keys refused only with their feature's switch on: (the key's override, the switch's override)
 GATED = [
-    ("rl_config.swanlab_mode=local", "rl_config.use_swanlab=true"),
-    ("rl_config.swanlab_project=p", "rl_config.use_swanlab=true"),
-    ("rl_config.swanlab_exp_name=e", "rl_config.use_swanlab=true"),
-    ("rl_config.swanlab_save_dir=d", "rl_config.use_swanlab=true"),
     ("generate_config.eplb_token_save_path=/tmp/eplb", "generate_config.eplb_token_collects=true"),
     *[(f"profiler_config.integrated.{key}={value}", "profiler_config.integrated.profile=true") for key, value in [
         ("stage", "[actor_update]"), ("profile_save_path", "/tmp/prof"), ("profile_export_type", "db"),
@@ -238,8 +232,8 @@ def test_generate_config_is_not_read_by_offline_stages():
     cfg = config(base=base)
     check_features(cfg, "cuda")
     assert startup_warnings(cfg, "cpu") == []
-    with pytest.raises(ConfigError, match="use_swanlab"):  # other sections still count
-        check_features(config(["rl_config.use_swanlab=true"], base=base), "cpu")
+    with pytest.raises(ConfigError, match="data_strategy"):  # other sections still count
+        check_features(config(["rl_config.data_strategy=tq"], base=base), "cpu")
 
 
 # ---- the one start-up warning ---------------------------------------------------------------------
