@@ -99,7 +99,6 @@ CASES = [
      "use_tensorboard or use_wandb"),
     (["rl_config.blocking=false"], "rl_config.blocking=false: asynchronous (non-blocking) execution",
      "remove the key or set it to true"),
-    (["rl_config.use_dp_batch_balance=true"], "rl_config.use_dp_batch_balance=true: ", "set it to false"),
     # generate_config
     (["generate_config.enable_prefix_caching=true"], "generate_config.enable_prefix_caching=true: prefix caching",
      "set it to false"),
