@@ -115,6 +115,7 @@ def test_the_cause_comes_before_a_collective_failing_with_it(ray_cluster, monkey
         "(and actor worker rank 0 then failed: RuntimeError: [../gloo/transport/tcp/pair.cc:534] Connection closed "
         "by peer [10.0.0.2]:4242)")
     slow = cause.remote(30)
-    with pytest.raises(ClusterError, match=r"(?s)Connection closed by peer.*\(no answer yet from actor worker rank 1\)"):
+    stuck = r"(?s)Connection closed by peer.*\(no answer yet from actor worker rank 1\)"
+    with pytest.raises(ClusterError, match=stuck):
         gather([collective_fails.remote(), slow], names, "actor update", timeout_s=60)
     ray_cluster.cancel(slow, force=True)

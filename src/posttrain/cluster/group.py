@@ -15,7 +15,11 @@ session has:
   driver as the maximum over the workers (:data:`WORKER_ROLLOUT_METRICS`). The native engines sample
   from the trained model objects: nothing to load, and their counters stay in the workers.
 * ``actor.compute_logprobs`` / ``reference.compute_logprobs``: rows cut into contiguous shares,
-  results concatenated in order.
+  results concatenated in order. With ``rl_config.use_dp_batch_balance`` every pass over rows
+  (log-probs, values, reward model, pair log-probs) gives each replica as many rows as the
+  contiguous share would, chosen to balance the tokens (:func:`shares`), and puts the answers back
+  in row order (:func:`in_order`); the update balances each global mini-batch's slices
+  (:func:`update_shards`). The rollout keeps contiguous prompt shares (no lengths yet).
 * ``actor.update(batch, loss_fn, mini_batch_size, epochs, shuffle, seed)``: the driver orders the
   rows exactly as :meth:`TrainEngine.update` does (:func:`~posttrain.train.engine.minibatch_order`),
   cuts every mini-batch into ``W`` equal slices and sends worker ``r`` its slices in step order. Each worker
@@ -404,7 +408,8 @@ class CriticRole:
 
 class RewardModelRole:
     """``reward_config``'s reward model, colocated in the actor workers: RewardModelScorer's
-    ``score_sequences`` over contiguous row shares (no collective)."""
+    ``score_sequences`` over row shares (contiguous, or balanced by tokens with
+    ``use_dp_batch_balance``; no collective)."""
 
     def __init__(self, cluster: Cluster):
         self.c = cluster

@@ -59,6 +59,7 @@ def test_every_ray_and_process_group_wait_in_src_has_a_timeout():
 
 def test_the_scan_finds_an_unbounded_wait(tmp_path):
     (tmp_path / "x.py").write_text("import ray\nray.get(ref)\nray.wait([r], timeout=1)\nd.get('k')\n"
-                                   "dist.new_group([0])\nps.initialize_model_parallel(2, distributed_timeout_minutes=1)\n")
+                                   "dist.new_group([0])\n"
+                                   "ps.initialize_model_parallel(2, distributed_timeout_minutes=1)\n")
     assert unbounded_waits(tmp_path) == ["src/posttrain/x.py:2: ray.get(...) without timeout=",
                                          "src/posttrain/x.py:5: dist.new_group(...) without timeout="]
