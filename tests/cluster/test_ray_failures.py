@@ -119,3 +119,10 @@ def test_the_cause_comes_before_a_collective_failing_with_it(ray_cluster, monkey
     with pytest.raises(ClusterError, match=stuck):
         gather([collective_fails.remote(), slow], names, "actor update", timeout_s=60)
     ray_cluster.cancel(slow, force=True)
+
+    @ray_cluster.remote(num_cpus=0)
+    def collective_times_out():
+        raise RuntimeError("[../gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 600000ms for recv")
+
+    with pytest.raises(ClusterError, match=r"collectives wait rl_config.ray_timeout_s; raise it"):
+        gather([collective_times_out.remote()], names[:1], "actor update", timeout_s=60)

@@ -29,6 +29,7 @@ DEATH_GRACE_S = 10.0  # how long a raise waits to see whether another worker die
 NODE_DEATH_GRACE_S = 30.0  # how long an unreachable worker waits for Ray to say whether its node died
 # a collective that failed because of a peer (gloo / NCCL: a peer gone, a timeout): a secondary error
 COLLECTIVE = re.compile(r"gloo|nccl|ProcessGroup|Connection (reset|closed)|timed out|timeout", re.IGNORECASE)
+TIMED_OUT = re.compile(r"timed out|timeout", re.IGNORECASE)
 
 
 class ClusterError(PosttrainError):
@@ -82,6 +83,9 @@ def _raised(what: str, err: Exception, name: str, pending: list, names: list[str
     if isinstance(getattr(err, "cause", None), PosttrainError):
         return ClusterError(f"{what} failed on {name}: {err.cause}")
     stuck = f"\n(no answer yet from {', '.join(names[i] for i in waiting)})" if collective and waiting else ""
+    if collective and TIMED_OUT.search(_plain(err)):
+        stuck += ("\n(the workers' torch.distributed collectives wait rl_config.ray_timeout_s; raise it for long "
+                  "steps, or look for the stuck worker)")
     return ClusterError(f"{what} failed on {name}:\n{_plain(err)}{stuck}")
 
 
