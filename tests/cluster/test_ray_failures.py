@@ -86,3 +86,43 @@ def test_a_call_that_does_not_answer_times_out(ray_cluster):
     with pytest.raises(ClusterError, match=r"no answer from actor worker rank 0 within rl_config.ray_timeout_s=1 s"):
         gather([ref], ["actor worker rank 0"], "actor update", timeout_s=1)
     ray_cluster.cancel(ref, force=True)
+
+
+def test_the_cause_comes_before_a_collective_failing_with_it(ray_cluster, monkeypatch):
+    """A peer's collective fails first (gloo: connection closed); the worker that raised the cause
+    a moment later is reported first, with its traceback; a collective failure with no other raise
+    names the workers that had not answered."""
+    from posttrain.cluster import remote
+    from posttrain.cluster.remote import ClusterError, gather
+
+    monkeypatch.setattr(remote, "DEATH_GRACE_S", 2.0)  # how long the others get to show the cause
+
+    @ray_cluster.remote(num_cpus=0)
+    def collective_fails():
+        raise RuntimeError("[../gloo/transport/tcp/pair.cc:534] Connection closed by peer [10.0.0.2]:4242")
+
+    @ray_cluster.remote(num_cpus=0)
+    def cause(seconds):
+        time.sleep(seconds)
+        raise ValueError("the loss is NaN at step 3")
+
+    names = ["actor worker rank 0", "actor worker rank 1"]
+    with pytest.raises(ClusterError) as err:
+        gather([collective_fails.remote(), cause.remote(0.5)], names, "actor update", timeout_s=60)
+    text = str(err.value)
+    assert text.startswith("actor update failed on actor worker rank 1:\n") and "in cause" in text  # its frames
+    assert "the loss is NaN at step 3" in text and text.rstrip().endswith(
+        "(and actor worker rank 0 then failed: RuntimeError: [../gloo/transport/tcp/pair.cc:534] Connection closed "
+        "by peer [10.0.0.2]:4242)")
+    slow = cause.remote(30)
+    stuck = r"(?s)Connection closed by peer.*\(no answer yet from actor worker rank 1\)"
+    with pytest.raises(ClusterError, match=stuck):
+        gather([collective_fails.remote(), slow], names, "actor update", timeout_s=60)
+    ray_cluster.cancel(slow, force=True)
+
+    @ray_cluster.remote(num_cpus=0)
+    def collective_times_out():
+        raise RuntimeError("[../gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 600000ms for recv")
+
+    with pytest.raises(ClusterError, match=r"collectives wait rl_config.ray_timeout_s; raise it"):
+        gather([collective_times_out.remote()], names[:1], "actor update", timeout_s=60)

@@ -3,6 +3,8 @@
 * Same experience in, same update out: the reference and old log-probs, the per-step loss,
   KL and gradient norm, the gradients of the last step and the weights after the iteration
   (2 epochs x 2 shuffled mini-batches) match the in-process engine within float tolerance.
+* With ``rl_config.use_dp_batch_balance`` (rows shared by tokens) the log-probs and the update still
+  equal the one-process ones within 1e-5.
 * The whole loop learns on 2 workers: the lowercase reward goes up over 12 iterations, as it does
   in process, and the 2-worker checkpoint resumes on 1 in-process worker.
 * A whole run does not depend on the worker count: GRPO (with KL and shuffled epochs), DAPO
@@ -93,6 +95,63 @@ def test_two_workers_update_equals_one_process_on_the_same_batch(ray_cluster, wo
                 "num_steps": 4}
         finally:
             resumed.close()
+    finally:
+        local.close()
+        remote.close()
+
+
+def test_balanced_shares_give_the_one_process_logprobs_and_update(ray_cluster, work, monkeypatch):
+    """``rl_config.use_dp_batch_balance``: each worker's rows chosen by tokens instead of contiguous
+    shares; the log-probs come back in row order and the update is the one-process step (where the
+    key has no effect)."""
+    from posttrain.cluster import group
+    from posttrain.loops.experience import new_dock
+    from posttrain.metrics.reduce import MetricAccumulator
+
+    over = {"init_kl_coef": 0.05, "guarantee_order": True, "shuffle_mini_batch": True, "use_dp_batch_balance": True}
+    local, local_trainer = session_and_trainer(grpo_config(work, "balance_local", workers=1, iters=1, rl=over))
+    remote, remote_trainer = session_and_trainer(grpo_config(work, "balance_ray", workers=2, iters=1, rl=over))
+    passes, steps = [], []  # what the balance chose: each pass's shares, each update's rank rows
+    row_shares, update_shards = remote.cluster.row_shares, group.update_shards
+
+    def recording_shares(count, batch=None, collective=True):
+        passes.append((count, row_shares(count, batch, collective)))
+        return passes[-1][1]
+
+    def recording_update_shards(*args):
+        steps.append((args, update_shards(*args)))
+        return steps[-1][1]
+
+    monkeypatch.setattr(remote.cluster, "row_shares", recording_shares)
+    monkeypatch.setattr(group, "update_shards", recording_update_shards)
+    try:
+        assert remote.cluster.balance and local.cluster is None
+        td = new_dock(local_trainer.plan.rows_per_update, 8, guarantee_order=True, seed=0)
+        sample(local_trainer, td)
+        local_trainer.producer.reward(td, MetricAccumulator())
+        local_trainer.advantages(td)
+        docks, metrics = {"local": td, "ray": copy.deepcopy(td)}, {}
+        for key, trainer, s in (("local", local_trainer, local), ("ray", remote_trainer, remote)):
+            reads = trainer.plan.reads
+            trainer.logprobs(docks[key], "ref_logprobs", s.policy.reference, reads["ref_dispatch_size"], None)
+            trainer.logprobs(docks[key], "old_logprobs", s.policy.actor, reads["actor_logprob_dispatch_size"], None)
+            acc = MetricAccumulator()
+            trainer.update(docks[key], acc, 1)
+            metrics[key] = acc.reduce()
+        # the balance moved rows: some pass share and some update slice is not the contiguous one
+        assert passes and any([r.tolist() for r in rows] != [r.tolist() for r in group.shares(count, 2)]
+                              for count, rows in passes)
+        (args, balanced), = steps
+        contiguous = update_shards(*args[:-1])  # the same call without the lengths
+        assert args[-1] is not None and [r.tolist() for r in balanced] != [r.tolist() for r in contiguous]
+        for name in ("ref_logprobs", "old_logprobs"):
+            torch.testing.assert_close(column(docks["ray"], name), column(docks["local"], name), rtol=1e-5, atol=1e-5)
+        for name in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "actor/entropy"):
+            assert metrics["ray"][name] == pytest.approx(metrics["local"][name], rel=1e-5, abs=1e-7), name
+        assert metrics["local"]["actor/grad_norm"] > 0
+        grads = remote.cluster.grads()
+        for name, grad in local.policy.model.named_parameters():
+            torch.testing.assert_close(grads[0][name], grad.grad, rtol=1e-4, atol=1e-6)
     finally:
         local.close()
         remote.close()

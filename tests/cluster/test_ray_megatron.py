@@ -53,17 +53,19 @@ PACKED = {"use_remove_padding": True, "use_dynamic_bsz": True, "max_packing_toke
 
 
 @pytest.mark.parametrize("tp,pp,dp,extra,rl", [
-    (2, 1, 1, {}, {}), (1, 2, 1, {}, {}), (2, 2, 1, {}, {}), (1, 1, 2, {}, {}), (2, 1, 2, {}, {}),
+    (2, 1, 1, {}, {}), (1, 2, 1, {}, {}), (2, 2, 1, {}, {}), (1, 1, 2, {}, {}),
+    (2, 1, 2, {}, {"use_dp_batch_balance": True}),
     (2, 1, 1, {"recompute_granularity": "full"}, {"offload_reference": True}),
     (2, 2, 1, {"no_pad_to_seq_lengths": True, "reset_attention_mask": True}, PACKED),
     (2, 1, 1, {"sequence_parallel": True}, {})],
-    ids=["tp2", "pp2", "tp2xpp2", "dp2", "tp2xdp2", "tp2-recompute-offloaded-reference", "tp2xpp2-packed-token-budgets",
+    ids=["tp2", "pp2", "tp2xpp2", "dp2", "tp2xdp2-balanced", "tp2-recompute-offloaded-reference", "tp2xpp2-packed-token-budgets",
          "tp2-sequence-parallel"])
 def test_grpo_on_the_megatron_backend_equals_the_hf_backend(hf_run, work, model, tp, pp, dp, extra, rl):
     """``dp``: data-parallel replicas (each a TP x PP worker group; the rows shared out, the token
-    counts and metrics summed over them, Megatron's DDP averaging the gradients); ``rl``: packed
-    micro-batches under token budgets on the Megatron backend (block-diagonal masks, several rows
-    per packed sequence), against the HF backend's padded run."""
+    counts and metrics summed over them, Megatron's DDP averaging the gradients; with
+    ``use_dp_batch_balance`` the replicas' rows chosen by tokens); ``rl``: packed micro-batches under
+    token budgets on the Megatron backend (block-diagonal masks, several rows per packed sequence),
+    against the HF backend's padded run."""
     name = f"mg_tp{tp}_pp{pp}_dp{dp}_{len(extra)}_{len(rl)}"
     cfg = grpo_config(work, name, workers=tp * pp * dp, iters=2, rl={**RL, **rl},
                       train={**TRAIN, **extra, "tokenizer_name_or_path": str(model), "tensor_model_parallel_size": tp,

@@ -78,7 +78,7 @@ def test_two_workers_equal_one_process_and_their_checkpoint_resumes_in_one(ray_c
     local = read_metrics(work / f"run_{stage}_local")
     save = work / f"ckpt_{stage}_ray"
     train(offline_config(work, offline_data, stage, f"{stage}_ray", workers=2, iters=2, sharding=sharding,
-                         save=save))
+                         save=save, rl_extra={"use_dp_batch_balance": stage == "dpo"}))  # DPO: pairs by tokens
     assert_same_rows(read_metrics(work / f"run_{stage}_ray"), local[:2])
     prefix = "sft" if stage == "sft" else "dpo"
     assert all(r[f"{prefix}/grad_norm"] > 0 for r in local)  # each iteration trained (learning: tests/e2e)

@@ -20,8 +20,9 @@ PPO = {"adv_estimator": "gae", "gamma": 1.0, "lam": 0.95, "use_kl_in_reward": Tr
        "epochs": 2, "shuffle_mini_batch": True, "guarantee_order": True, "cliprange_value": 0.5}
 
 
-def ppo_config(work, name, workers, iters=1, critic=None, **train):
-    return grpo_config(work, name, workers=workers, iters=iters, rl=PPO, train={"stage": "ray_ppo", **train},
+def ppo_config(work, name, workers, iters=1, critic=None, rl=None, **train):
+    return grpo_config(work, name, workers=workers, iters=iters, rl={**PPO, **(rl or {})},
+                       train={"stage": "ray_ppo", **train},
                        sections={"critic_config": critic} if critic else None)
 
 
@@ -30,9 +31,10 @@ def test_ppo_on_two_workers_equals_one_process_on_the_same_experience(ray_cluste
     from posttrain.loops.experience import new_dock
 
     local, local_trainer = session_and_trainer(ppo_config(work, "ppo_local", 1))
-    remote, remote_trainer = session_and_trainer(ppo_config(work, "ppo_ray", 2))
+    # the critic's values and update on shares balanced by tokens (rl_config.use_dp_batch_balance)
+    remote, remote_trainer = session_and_trainer(ppo_config(work, "ppo_ray", 2, rl={"use_dp_batch_balance": True}))
     try:
-        assert remote.critic is remote.cluster.critic and remote.cluster.world == 2
+        assert remote.critic is remote.cluster.critic and remote.cluster.world == 2 and remote.cluster.balance
         td = new_dock(local_trainer.plan.rows_per_update, 8, guarantee_order=True, seed=0)
         sample(local_trainer, td)
         local_trainer.producer.reward(td, MetricAccumulator())

@@ -15,7 +15,9 @@ pytestmark = pytest.mark.ray
 
 
 def rm_config(work, rm_dir, name, workers):
-    return grpo_config(work, name, workers=workers, iters=1, rl={"reward_model_weight": 0.5, "guarantee_order": True},
+    # on 2 workers the reward model's shares are balanced by tokens (rl_config.use_dp_batch_balance)
+    rl = {"reward_model_weight": 0.5, "guarantee_order": True, "use_dp_batch_balance": workers > 1}
+    return grpo_config(work, name, workers=workers, iters=1, rl=rl,
                        sections={"reward_config": {"load": str(rm_dir), "micro_batch_size": 4}})
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -23,9 +24,16 @@ pytestmark = pytest.mark.slow
 def installed(tmp_path_factory) -> tuple[Path, dict]:
     """(the install's ``bin/posttrain``, the environment that runs it)."""
     root = tmp_path_factory.mktemp("wheel")
-    wheels, target = root / "dist", root / "site"
+    wheels, target, source = root / "dist", root / "site", root / "source"
+    # a copy of what the wheel is built from, so that no build/ folder of the checkout (stale files) leaks in
+    skip = shutil.ignore_patterns("__pycache__", "*.egg-info")
+    shutil.copytree(PROJECT_ROOT / "src", source / "src", symlinks=True, ignore=skip)
+    shutil.copytree(PROJECT_ROOT / "configs", source / "configs", ignore=skip)
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
+        if (PROJECT_ROOT / name).is_file():
+            shutil.copy(PROJECT_ROOT / name, source / name)
     # no build isolation: the venv's setuptools builds it offline, as fast as it can
-    subprocess.run([sys.executable, "-m", "pip", "wheel", str(PROJECT_ROOT), "--no-deps", "--no-build-isolation",
+    subprocess.run([sys.executable, "-m", "pip", "wheel", str(source), "--no-deps", "--no-build-isolation",
                     "-q", "-w", str(wheels)], check=True, capture_output=True)
     (wheel,) = wheels.glob("posttrain-*.whl")
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(wheel)],

@@ -15,7 +15,11 @@ session has:
   driver as the maximum over the workers (:data:`WORKER_ROLLOUT_METRICS`). The native engines sample
   from the trained model objects: nothing to load, and their counters stay in the workers.
 * ``actor.compute_logprobs`` / ``reference.compute_logprobs``: rows cut into contiguous shares,
-  results concatenated in order.
+  results concatenated in order. With ``rl_config.use_dp_batch_balance`` every pass over rows
+  (log-probs, values, reward model, pair log-probs) gives each replica as many rows as the
+  contiguous share would, chosen to balance the tokens (:func:`shares`), and puts the answers back
+  in row order (:func:`in_order`); the update balances each global mini-batch's slices
+  (:func:`update_shards`). The rollout keeps contiguous prompt shares (no lengths yet).
 * ``actor.update(batch, loss_fn, mini_batch_size, epochs, shuffle, seed)``: the driver orders the
   rows exactly as :meth:`TrainEngine.update` does (:func:`~posttrain.training.engine.minibatch_order`),
   cuts every mini-batch into ``W`` equal slices and sends worker ``r`` its slices in step order. Each worker
@@ -54,6 +58,7 @@ from posttrain.errors import CheckpointError, ConfigError
 from posttrain.roles.policy import Policy, load_policy_tokenizer
 from posttrain.rollout.base import RolloutEngine
 from posttrain.rollout.keyed import random_seed
+from posttrain.training.dynamic_batch import balanced_shares
 from posttrain.training.engine import minibatch_order
 
 log = logging.getLogger(__name__)
@@ -69,17 +74,46 @@ def spans(count: int, parts: int, keep_empty: bool = False) -> list[tuple[int, i
     return [(bounds[i], bounds[i + 1]) for i in range(parts) if keep_empty or bounds[i + 1] > bounds[i]]
 
 
+def token_lengths(batch: dict) -> list[int] | None:
+    """Each row's tokens (prompt + response: the sum of its ``*attention_mask`` columns, a DPO
+    pair's two sides together), or None when the batch has no attention mask."""
+    masks = [v for k, v in batch.items() if k.endswith("attention_mask")]
+    return sum(m.sum(-1) for m in masks).tolist() if masks else None
+
+
+def shares(count: int, parts: int, lengths: list[int] | None = None, keep_empty: bool = False) -> list[torch.Tensor]:
+    """Row indices of each of ``parts`` shares of ``count`` rows: the contiguous :func:`spans`, or with
+    ``lengths`` (``rl_config.use_dp_batch_balance``) shares of the same sizes balanced by tokens
+    (:func:`~posttrain.training.dynamic_batch.balanced_shares`)."""
+    cuts = spans(count, parts, keep_empty)
+    if lengths is None:
+        return [torch.arange(lo, hi) for lo, hi in cuts]
+    return [torch.tensor(rows, dtype=torch.long) for rows in balanced_shares(lengths, [hi - lo for lo, hi in cuts])]
+
+
+def in_order(parts: list[torch.Tensor], rows: list[torch.Tensor]) -> torch.Tensor:
+    """The shares' results (row ``i`` of ``parts[s]`` is row ``rows[s][i]``) back in the original row order."""
+    return torch.cat(parts)[torch.cat(rows).argsort()]
+
+
 def update_shards(num_rows: int, mini_batch_size: int, world: int, epochs: int, shuffle: bool,
-                  seed: int) -> list[torch.Tensor]:
+                  seed: int, lengths: list[int] | None = None) -> list[torch.Tensor]:
     """Row indices for each rank: the optimizer steps of :meth:`TrainEngine.update` (same order,
-    same shuffle), each cut into ``world`` equal slices; rank ``r`` gets slice ``r`` of every step."""
+    same shuffle), each cut into ``world`` equal slices; rank ``r`` gets slice ``r`` of every step.
+    With ``lengths`` (``rl_config.use_dp_batch_balance``) each step's slices hold the same number of
+    rows, balanced by tokens; the loss is normalised over the whole step, so the step is the same."""
     if mini_batch_size % world:
         raise ConfigError(f"a mini-batch of {mini_batch_size} rows (rl_config.mini_batch_size x "
                           f"n_samples_per_prompt) cannot be shared equally by {world} data-parallel replicas "
                           f"(rl_config.actor_resource.num_npus); make it a multiple of the worker count.")
     local = mini_batch_size // world
     steps = minibatch_order(num_rows, mini_batch_size, epochs=epochs, shuffle=shuffle, seed=seed)
-    return [torch.cat([step[rank * local:(rank + 1) * local] for step in steps]) for rank in range(world)]
+    if lengths is None:
+        slices = [[step[rank * local:(rank + 1) * local] for rank in range(world)] for step in steps]
+    else:
+        slices = [[step[torch.tensor(rows, dtype=torch.long)] for rows in
+                   balanced_shares([lengths[i] for i in step.tolist()], [local] * world)] for step in steps]
+    return [torch.cat([step_slices[rank] for step_slices in slices]) for rank in range(world)]
 
 
 def replicas(info: list[dict]) -> list[list[int]]:
@@ -103,6 +137,7 @@ class Cluster:
         self.fsdp = plan.sharding == "fsdp2"
         self.megatron = plan.parallel.backend == "megatron"
         self.timeout_s = plan.cluster.timeout_s
+        self.balance = plan.cluster.dp_batch_balance  # rl_config.use_dp_batch_balance
         self.world = plan.workers
         self.closed = False
         self.owns_ray = launch.connect(plan.cluster, plan.workers)
@@ -158,15 +193,21 @@ class Cluster:
         if self.closed:
             raise ClusterError("the Ray worker group is closed (an earlier call failed or the run ended)")
 
-    def sharded(self, what: str, method: str, count: int, make_args, collective: bool = True) -> list:
-        """Call ``method`` with ``make_args(replica, start, stop)`` for each replica's share, on every
-        worker of the replica; the leaders' answers, in order. With FSDP2 a ``collective`` call goes
-        to every worker, even with an empty share; on the Megatron backend every call does."""
+    def row_shares(self, count: int, batch: dict | None = None, collective: bool = True) -> list[torch.Tensor]:
+        """Each replica's rows of a pass over ``count`` rows: contiguous shares, or with
+        ``rl_config.use_dp_batch_balance`` and a ``batch`` with attention masks, shares of the same
+        sizes balanced by tokens. With FSDP2 a ``collective`` pass gives every replica a share, even
+        an empty one; on the Megatron backend every pass does."""
+        lengths = token_lengths(batch) if self.balance and batch is not None else None
+        return shares(count, len(self.replicas), lengths, keep_empty=self.megatron or (self.fsdp and collective))
+
+    def sharded(self, what: str, method: str, rows: list[torch.Tensor], make_args) -> list:
+        """Call ``method`` with ``make_args(replica, rows)`` for each replica's share (:meth:`row_shares`),
+        on every worker of the replica; the leaders' answers, in share order."""
         self._check()
-        shares = spans(count, len(self.replicas), keep_empty=self.megatron or (self.fsdp and collective))
         refs, names, leaders = [], [], []
-        for r, (lo, hi) in enumerate(shares):
-            args = make_args(r, lo, hi)
+        for r, share in enumerate(rows):
+            args = make_args(r, share)
             leaders.append(len(refs))
             for rank in self.replicas[r]:
                 refs.append(getattr(self.workers[rank], method).remote(*args))
@@ -181,7 +222,8 @@ class Cluster:
         (None: its engine's own); the metrics (the same on every worker) of rank 0."""
         self._check()
         count = next(iter(batch.values())).shape[0]
-        shards = update_shards(count, mini_batch_size, len(self.replicas), epochs, shuffle, seed)
+        lengths = token_lengths(batch) if self.balance else None
+        shards = update_shards(count, mini_batch_size, len(self.replicas), epochs, shuffle, seed, lengths)
         local = mini_batch_size // len(self.replicas)
         refs = []
         for replica, rows in zip(self.replicas, shards):
@@ -239,8 +281,8 @@ class Cluster:
             ray.shutdown()
 
 
-def _rows(batch: dict, lo: int, hi: int) -> dict:
-    return {k: v[lo:hi].cpu() for k, v in batch.items()}
+def _rows(batch: dict, rows: torch.Tensor) -> dict:
+    return {k: v[rows].cpu() for k, v in batch.items()}
 
 
 class RolloutRole(RolloutEngine):
@@ -257,12 +299,14 @@ class RolloutRole(RolloutEngine):
         if sampling.seed is None:  # one seed for all workers, as one process would draw
             sampling = replace(sampling, seed=random_seed())
 
-        def args(rank, lo, hi):
-            return prompt_token_ids[lo:hi], n, sampling, stop_token_ids, keys[lo:hi]
+        def args(rank, share):
+            share = share.tolist()
+            return [prompt_token_ids[i] for i in share], n, sampling, stop_token_ids, [keys[i] for i in share]
 
-        # FSDP2's parameter gather is a collective for the native engines; vLLM engines need none
-        parts = self.c.sharded("rollout", "generate", len(prompt_token_ids), args,
-                               collective=not self.c.rollout_holds_weights)
+        # contiguous shares (the responses' lengths are not known yet); FSDP2's parameter gather is a
+        # collective for the native engines; vLLM engines need none
+        rows = self.c.row_shares(len(prompt_token_ids), collective=not self.c.rollout_holds_weights)
+        parts = self.c.sharded("rollout", "generate", rows, args)
         return [group for part in parts for group in part]
 
     def sync_weights(self, model) -> int | None:
@@ -292,13 +336,14 @@ class RolloutRole(RolloutEngine):
 
 
 def _sharded_logprobs(cluster: Cluster, batch, temperature, micro_batch_size, reference: bool) -> torch.Tensor:
-    """The actor's (or the reference's) log-probs of ``batch``, rows cut into one share per replica."""
+    """The actor's (or the reference's) log-probs of ``batch``, rows cut into one share per replica,
+    put back in the batch's row order."""
     count = next(iter(batch.values())).shape[0]
     what = "reference log-probs" if reference else "actor log-probs"
-    parts = cluster.sharded(what, "compute_logprobs", count,
-                            lambda r, lo, hi: (_rows(batch, lo, hi), temperature, micro_batch_size, reference),
-                            collective=not reference)
-    return torch.cat(parts)
+    rows = cluster.row_shares(count, batch, collective=not reference)
+    parts = cluster.sharded(what, "compute_logprobs", rows,
+                            lambda r, share: (_rows(batch, share), temperature, micro_batch_size, reference))
+    return in_order(parts, rows)
 
 
 class ActorRole:
@@ -327,9 +372,10 @@ class ReferenceRole:
     def compute_pair_logps(self, batch, *, average=False, micro_batch_size=None):
         """DPO: the reference's (chosen, rejected) sequence log-probs, pairs cut into shares."""
         count = next(iter(batch.values())).shape[0]
-        parts = self.c.sharded("reference pair log-probs", "compute_pair_logps", count,
-                               lambda r, lo, hi: (_rows(batch, lo, hi), average, micro_batch_size), collective=False)
-        return torch.cat([c for c, _ in parts]), torch.cat([r for _, r in parts])
+        rows = self.c.row_shares(count, batch, collective=False)
+        parts = self.c.sharded("reference pair log-probs", "compute_pair_logps", rows,
+                               lambda r, share: (_rows(batch, share), average, micro_batch_size))
+        return in_order([c for c, _ in parts], rows), in_order([r for _, r in parts], rows)
 
 
 class CriticRole:
@@ -342,9 +388,10 @@ class CriticRole:
 
     def compute_values(self, batch, *, micro_batch_size=None):
         count = next(iter(batch.values())).shape[0]
-        parts = self.c.sharded("critic values", "compute_values", count,
-                               lambda r, lo, hi: (_rows(batch, lo, hi), micro_batch_size), collective=False)
-        return torch.cat(parts)
+        rows = self.c.row_shares(count, batch, collective=False)
+        parts = self.c.sharded("critic values", "compute_values", rows,
+                               lambda r, share: (_rows(batch, share), micro_batch_size))
+        return in_order(parts, rows)
 
     def update(self, batch, loss_fn, *, mini_batch_size, epochs=1, shuffle=False, seed=0, micro_batch_size=None):
         return self.c.update_calls("critic update", "critic_update", batch, loss_fn, mini_batch_size, epochs,
@@ -361,12 +408,16 @@ class CriticRole:
 
 class RewardModelRole:
     """``reward_config``'s reward model, colocated in the actor workers: RewardModelScorer's
-    ``score_sequences`` over contiguous row shares (no collective)."""
+    ``score_sequences`` over row shares (contiguous, or balanced by tokens with
+    ``use_dp_batch_balance``; no collective)."""
 
     def __init__(self, cluster: Cluster):
         self.c = cluster
 
     def score_sequences(self, prompt_ids: list[list[int]], response_ids: list[list[int]]) -> list[float]:
-        parts = self.c.sharded("reward model", "score_rewards", len(prompt_ids),
-                               lambda r, lo, hi: (prompt_ids[lo:hi], response_ids[lo:hi]), collective=False)
-        return [score for part in parts for score in part]
+        lengths = {"attention_mask": torch.tensor([[len(p) + len(r)] for p, r in zip(prompt_ids, response_ids)])}
+        rows = self.c.row_shares(len(prompt_ids), lengths, collective=False)
+        parts = self.c.sharded("reward model", "score_rewards", rows,
+                               lambda r, share: ([prompt_ids[i] for i in share.tolist()],
+                                                [response_ids[i] for i in share.tolist()]))
+        return in_order([torch.tensor(part, dtype=torch.float64) for part in parts], rows).tolist()

@@ -6,7 +6,10 @@ memory, segfault) with Ray's account of the death. Either way the caller gets a
 :class:`ClusterError` as soon as the first call fails, without waiting for the other workers,
 which may be blocked in a collective with the dead one. When a worker raises, the others get a
 few seconds (``DEATH_GRACE_S``) to show whether one of them died: a death is reported first,
-since the raise is then only a collective failing with the dead peer.
+since the raise is then only a collective failing with the dead peer. When the raise is a
+collective's failure (gloo / NCCL: a peer gone, a timeout) and another worker raised something else
+meanwhile, that worker's error (the cause) comes first, with its traceback; when none did, the
+message names the workers that had not answered (the stuck peer).
 
 When the caller says on which Ray node each worker runs (``nodes``), a dead worker's message also
 says whether its node is gone (its raylet stopped: a lost machine, a killed raylet), with Ray's
@@ -24,6 +27,9 @@ from posttrain.errors import PosttrainError
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 DEATH_GRACE_S = 10.0  # how long a raise waits to see whether another worker died (the root cause)
 NODE_DEATH_GRACE_S = 30.0  # how long an unreachable worker waits for Ray to say whether its node died
+# a collective that failed because of a peer (gloo / NCCL: a peer gone, a timeout): a secondary error
+COLLECTIVE = re.compile(r"gloo|nccl|ProcessGroup|Connection (reset|closed)|timed out|timeout", re.IGNORECASE)
+TIMED_OUT = re.compile(r"timed out|timeout", re.IGNORECASE)
 
 
 class ClusterError(PosttrainError):
@@ -49,14 +55,7 @@ def gather(refs: list, names: list[str], what: str, timeout_s: float, nodes: lis
             try:
                 ray.get(ref, timeout=0)
             except RayTaskError as err:  # the worker raised: its traceback is in the message
-                died = _first_death(pending, names, index, nodes)
-                if died:  # the root cause: the raise was a collective failing with the dead worker
-                    raise ClusterError(f"{what}: {died} (and {names[index[ref]]} then failed: "
-                                       f"{_first_line(err)})") from None
-                if isinstance(getattr(err, "cause", None), PosttrainError):  # a user error (a full disk, a
-                    # bad file): its message says what to do; the worker's frames would only hide it
-                    raise ClusterError(f"{what} failed on {names[index[ref]]}: {err.cause}") from None
-                raise ClusterError(f"{what} failed on {names[index[ref]]}:\n{_plain(err)}") from None
+                raise _raised(what, err, names[index[ref]], pending, names, index, nodes) from None
             except RayActorError as err:  # the process is gone
                 raise ClusterError(f"{what}: {_death(names, nodes, index[ref], err)}") from None
             except GetTimeoutError as err:  # not expected after ray.wait said ready
@@ -64,25 +63,54 @@ def gather(refs: list, names: list[str], what: str, timeout_s: float, nodes: lis
     return ray.get(refs)
 
 
-def _first_death(pending: list, names: list[str], index: dict, nodes: list[str | None] | None = None,
-                 grace_s: float = DEATH_GRACE_S) -> str | None:
-    """``"<name> died: <Ray's account>"`` for the first of ``pending`` that is found dead within
-    ``grace_s`` seconds, else None. A worker blocked in a collective with a killed peer often
-    raises (gloo: connection reset) before Ray has reported the peer's death."""
+def _raised(what: str, err: Exception, name: str, pending: list, names: list[str], index: dict,
+            nodes: list[str | None] | None) -> ClusterError:
+    """The error to report when worker ``name`` raised ``err``: the root cause first. A peer that died
+    is the cause (the raise was a collective failing with it); when ``err`` is itself a collective's
+    failure (:data:`COLLECTIVE`) and a peer raised something else meanwhile, that peer's error is.
+    Otherwise ``err``: its traceback, or only its message for a user error (a
+    :class:`~posttrain.errors.PosttrainError`: a full disk, a bad file), whose frames would hide what
+    to do; a collective's failure also names the peers that had not answered (stuck or slow)."""
+    died, raises, waiting = _peers(pending, names, index, nodes)
+    then = f"(and {name} then failed: {_first_line(err)})"
+    if died:
+        return ClusterError(f"{what}: {died} {then}")
+    collective = bool(COLLECTIVE.search(_plain(err)))
+    root = next((i for i, e in raises if not COLLECTIVE.search(_plain(e))), None) if collective else None
+    if root is not None:
+        cause = dict(raises)[root]
+        return ClusterError(f"{what} failed on {names[root]}:\n{_plain(cause)}\n{then}")
+    if isinstance(getattr(err, "cause", None), PosttrainError):
+        return ClusterError(f"{what} failed on {name}: {err.cause}")
+    stuck = f"\n(no answer yet from {', '.join(names[i] for i in waiting)})" if collective and waiting else ""
+    if collective and TIMED_OUT.search(_plain(err)):
+        stuck += ("\n(the workers' torch.distributed collectives wait rl_config.ray_timeout_s; raise it for long "
+                  "steps, or look for the stuck worker)")
+    return ClusterError(f"{what} failed on {name}:\n{_plain(err)}{stuck}")
+
+
+def _peers(pending: list, names: list[str], index: dict, nodes: list[str | None] | None = None,
+           grace_s: float | None = None) -> tuple[str | None, list[tuple[int, Exception]], list[int]]:
+    """What the other workers (``pending``) do within ``grace_s`` seconds (``DEATH_GRACE_S``): ``"<name> died: <Ray's
+    account>"`` for the first found dead (else None), the errors the others raised (by worker index),
+    and the workers that had not answered. A worker blocked in a collective with a killed peer
+    often raises (gloo: connection reset) before Ray has reported the peer's death."""
     import ray
     from ray.exceptions import RayActorError
 
     if not pending:
-        return None
-    ready, _ = ray.wait(pending, num_returns=len(pending), timeout=grace_s)
+        return None, [], []
+    grace_s = DEATH_GRACE_S if grace_s is None else grace_s
+    ready, waiting = ray.wait(pending, num_returns=len(pending), timeout=grace_s)
+    raises = []
     for ref in ready:
         try:
             ray.get(ref, timeout=0)
         except RayActorError as err:
-            return _death(names, nodes, index[ref], err)
-        except Exception:  # noqa: BLE001 - another raise; the first one is reported
-            continue
-    return None
+            return _death(names, nodes, index[ref], err), raises, [index[r] for r in waiting]
+        except Exception as err:  # noqa: BLE001 - another raise: reported if it is the root cause
+            raises.append((index[ref], err))
+    return None, raises, [index[r] for r in waiting]
 
 
 def _death(names: list[str], nodes: list[str | None] | None, i: int, err: Exception) -> str:

@@ -197,6 +197,7 @@ def _features() -> dict[str, Feature]:
         _on("generate_config.enforce_eager", lambda v: not v, name="graphs",
             shown="generate_config.enforce_eager: false", when="false"),
         _on("rl_config.num_threads", lambda v: v is not None, when="set"),
+        _on("rl_config.use_dp_batch_balance", name="dp_batch_balance", when="true"),
         _on("rl_config.async_staleness", lambda v: v is not None, name="async", shown="rl_config.async_staleness",
             when="set"),
         _on("rl_config.use_integrated_worker", lambda v: not v, name="rollout_worker",
@@ -376,6 +377,8 @@ ROWS: tuple[Row, ...] = (
     # placement and sections
     Row("num-threads-ray", "num_threads", "{setting} sets the threads of one in-process run; the Ray workers take "
         "theirs from rl_config.ray_num_cpus_per_worker: set that instead", placement=RAY),
+    Row("dp-batch-balance-one-process", "dp_batch_balance", "{setting}: one process has one data-parallel share, "
+        "nothing to balance", placement=("process",), effect="no effect"),
     Row("ref-config", "ref_config", "ref_config: a separately configured reference model is not available yet (the "
         "reference is a frozen copy of the actor's initial weights, or "
         "rl_config.integrated_mode_config.ref_model_load_path; DPO: megatron_training.ref_model); remove ref_config"),

@@ -293,6 +293,7 @@ class ClusterOptions:
     env_vars: tuple[tuple[str, str], ...] = ()
     cpus_per_worker: int = 1
     timeout_s: float = 1800.0
+    dp_batch_balance: bool = False  # rl_config.use_dp_batch_balance: replicas' shares balanced by tokens
 
 
 # ---- builders: the one place each key is read ----------------------------------------------------
@@ -461,7 +462,8 @@ def logging_options(cfg: RunConfig) -> LoggingOptions:
 def cluster_options(cfg: RunConfig) -> ClusterOptions:
     rl = cfg.rl
     return ClusterOptions(address=rl.ray_address or None, env_vars=tuple(sorted(runtime_env_vars(cfg).items())),
-                          cpus_per_worker=rl.ray_num_cpus_per_worker, timeout_s=float(rl.ray_timeout_s))
+                          cpus_per_worker=rl.ray_num_cpus_per_worker, timeout_s=float(rl.ray_timeout_s),
+                          dp_batch_balance=bool(rl.use_dp_batch_balance))
 
 
 def resolved_config_json(cfg: RunConfig) -> str:

@@ -61,7 +61,7 @@ CRITIC_RESOURCE = refused("the critic runs on the actor's devices (in the actor'
                           "remove the key or give it actor_resource's num_npus", active="actor_devices")
 MULTIMODAL = refused("multimodal training is not implemented yet")
 MULTIMODAL_SET = refused("multimodal training is not implemented yet", "remove the key", active="set")
-DP_BALANCE = refused("sequence-length-balanced data-parallel batches are not implemented yet")
+DP_BALANCE = HONOURED  # Ray workers: cluster/group.py balances the replicas' shares; one process: compat row
 DATA_STRATEGY = refused("the TransferQueue backend is not implemented (the TransferDock is)", "set it to td",
                         ok=("td", "transfer_dock", "dock"))
 TQ = refused("the TransferQueue backend is not implemented (the TransferDock is)", group="transfer queue")
@@ -181,7 +181,8 @@ class RLConfig(Section):
     use_integrated_worker: bool = F(True, "actor, rollout and reference colocated in one worker; false: the rollout "
                                           "in its own Ray worker process, the trainer (with the reference) in this "
                                           "one (docs/async.md)", INTEGRATED)
-    use_dp_batch_balance: bool = F(False, "sequence-length-balanced data-parallel split", DP_BALANCE)
+    use_dp_batch_balance: bool = F(False, "sequence-length-balanced data-parallel split: each replica's share of a pass "
+                                 "(and of every update mini-batch) balanced by prompt + response tokens", DP_BALANCE)
     ref_forward_micro_batch_size: Opt[int] = F(None, "reference log-prob micro batch", HONOURED, ge=1)
     actor_forward_micro_batch_size: Opt[int] = F(None, "old log-prob micro batch", HONOURED, ge=1)
     vit_forward_micro_batch_size: Opt[int] = F(None, "multimodal: ViT micro batch", MULTIMODAL_SET)

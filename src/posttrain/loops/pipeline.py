@@ -32,7 +32,10 @@ from typing import Any
 
 import torch
 
+from posttrain.errors import PosttrainError
+
 log = logging.getLogger(__name__)
+THREAD_CHECK_S = 1.0  # how often a trainer's wait checks that the rollout thread is still alive
 
 
 class LocalReplica:
@@ -145,7 +148,7 @@ class RolloutPipeline:
         began = time.time()
         with self.cond:
             while iteration not in self.done and self.error is None:
-                self.cond.wait()
+                self._wait(f"the experience of iteration {iteration}")
             self._raise()
             out = self.done.pop(iteration)
             self.cond.notify_all()
@@ -168,7 +171,7 @@ class RolloutPipeline:
         finished experiences not yet trained on (what a checkpoint saves)."""
         with self.cond:
             while self.error is None and (self.busy or self._can_start()):
-                self.cond.wait()
+                self._wait("the rollout thread to finish its iteration before the checkpoint")
             self._raise()
             self.paused = True
             finished = dict(self.done)
@@ -202,6 +205,16 @@ class RolloutPipeline:
     # ---- the thread --------------------------------------------------------------------------
     def _can_start(self) -> bool:
         return self.next <= self.last and self.need(self.next) <= self.published
+
+    def _wait(self, what: str) -> None:
+        """Wait (holding ``cond``) for the thread's next notice, at most :data:`THREAD_CHECK_S`; a thread
+        that has ended (it raises nothing then: it stopped after the last iteration) never brings
+        ``what``, so that raises instead of waiting forever. The thread's own waits are bounded: Ray
+        calls by ``rl_config.ray_timeout_s``, the rewards by ``verifier_timeout``."""
+        if not self.thread.is_alive():
+            raise PosttrainError(f"the rollout thread ended (after iteration {self.next - 1} of {self.last}) while "
+                                 f"the trainer waited for {what}")
+        self.cond.wait(timeout=THREAD_CHECK_S)
 
     def _raise(self) -> None:
         if self.error is not None:

@@ -32,6 +32,7 @@ Every method runs inside Megatron's CPU shims on a CPU (the worker enters them);
 from __future__ import annotations
 
 import logging
+import math
 import re
 import time
 from pathlib import Path
@@ -147,8 +148,10 @@ class MegatronPolicy:
         source = source or model_source(a)
         vpp = num_layers(source) // (par.pp * par.vpp_layers) if par.vpp_layers else None  # chunks per rank
         vpp = vpp if vpp and vpp > 1 else None
+        # the parallel-state groups wait as long as the Ray calls (rl_config.ray_timeout_s), not Megatron's 30 min
         ps.initialize_model_parallel(tensor_model_parallel_size=par.tp, pipeline_model_parallel_size=par.pp,
-                                     virtual_pipeline_model_parallel_size=vpp, expert_model_parallel_size=par.ep)
+                                     virtual_pipeline_model_parallel_size=vpp, expert_model_parallel_size=par.ep,
+                                     distributed_timeout_minutes=max(1, math.ceil(plan.cluster.timeout_s / 60)))
         model_parallel_cuda_manual_seed(a.seed)
         self.leader = ps.get_tensor_model_parallel_rank() == 0 and ps.get_pipeline_model_parallel_rank() == 0
         self.dp_rank = ps.get_data_parallel_rank()

@@ -22,6 +22,7 @@ Per-phase budgets (``ref_``, ``actor_`` (old log-probs), ``update_`` prefixes) a
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import math
 from collections.abc import Callable, Sequence
@@ -91,3 +92,61 @@ def split_by_tokens(lengths: Sequence[int], budget: TokenBudget,
         if _fits(groups, lengths, budget) or k >= len(lengths):
             return groups
         k += 1
+
+
+def _swap_down(shares: list[list[int]], lengths: Sequence[int]) -> None:
+    """Swap one row of the heaviest share for a shorter one of the lightest, the pair closest to
+    half their gap, while that lowers the heaviest share's sum (at most ``len(lengths)`` swaps)."""
+    for _ in range(sum(len(s) for s in shares)):
+        sums = [sum(int(lengths[i]) for i in share) for share in shares]
+        heavy, light = sums.index(max(sums)), sums.index(min(sums))
+        gap = sums[heavy] - sums[light]
+        by_length = sorted(shares[light], key=lambda i: int(lengths[i]))
+        light_lengths = [int(lengths[i]) for i in by_length]
+        best = None  # (distance from gap / 2, position in heavy, position in light)
+        for a, row in enumerate(shares[heavy]):
+            want = int(lengths[row]) - gap / 2  # the light row's length that evens the two shares
+            at = bisect.bisect_left(light_lengths, want)
+            for b in (at - 1, at):
+                if 0 <= b < len(by_length) and 0 < int(lengths[row]) - light_lengths[b] < gap:
+                    score = abs(light_lengths[b] - want)
+                    if best is None or score < best[0]:
+                        best = (score, a, shares[light].index(by_length[b]))
+        if best is None:
+            return
+        _, a, b = best
+        shares[heavy][a], shares[light][b] = shares[light][b], shares[heavy][a]
+
+
+def balanced_shares(lengths: Sequence[int], sizes: Sequence[int]) -> list[list[int]]:
+    """Row indices in ``len(sizes)`` shares of exactly ``sizes[i]`` rows with nearly equal sums of
+    ``lengths`` (``rl_config.use_dp_batch_balance``: one share per data-parallel replica).
+
+    Longest processing time first with count caps: the rows, longest first (ties: lower index),
+    each go to the share with the smallest sum that still has room (ties: the lower share); then
+    :func:`_swap_down` trades rows between the heaviest and the lightest share while that lowers the
+    heaviest. The contiguous cut into the same sizes is kept instead when its largest sum is no larger, so the
+    result is never worse balanced than contiguous shares (and equal to them on uniform lengths).
+    Each share's indices are sorted.
+    """
+    if sum(sizes) != len(lengths) or any(size < 0 for size in sizes):
+        raise ValueError(f"share sizes {list(sizes)} do not cover {len(lengths)} rows")
+    bounds = [0]
+    for size in sizes:
+        bounds.append(bounds[-1] + size)
+    contiguous = [list(range(bounds[i], bounds[i + 1])) for i in range(len(sizes))]
+    shares: list[list[int]] = [[] for _ in sizes]
+    sums = [0] * len(sizes)
+    for row in sorted(range(len(lengths)), key=lambda i: (-int(lengths[i]), i)):
+        open_shares = [s for s in range(len(sizes)) if len(shares[s]) < sizes[s]]
+        target = min(open_shares, key=lambda s: (sums[s], s))
+        shares[target].append(row)
+        sums[target] += int(lengths[row])
+    _swap_down(shares, lengths)
+
+    def largest(groups: list[list[int]]) -> int:
+        return max((sum(int(lengths[i]) for i in g) for g in groups), default=0)
+
+    if largest(contiguous) <= largest(shares):
+        return contiguous
+    return [sorted(share) for share in shares]

@@ -160,3 +160,38 @@ def test_a_driver_joining_a_cluster_sends_the_token_when_it_has_one(tmp_path, mo
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
     token_auth_if_available()
     assert os.environ["RAY_AUTH_MODE"] == "disabled"
+
+
+def test_balanced_update_shards_give_equal_counts_of_each_step_and_restore_nothing_lost():
+    """rl_config.use_dp_batch_balance: every global mini-batch is still shared by all ranks, the same
+    number of rows each, but by tokens: on a skewed batch the ranks' token sums of a step are equal."""
+    from posttrain.cluster.group import update_shards
+    from posttrain.training.engine import minibatch_order
+
+    lengths = [80] * 8 + [10] * 8
+    plain = update_shards(16, 8, 2, 1, False, 0)
+    balanced = update_shards(16, 8, 2, 1, False, 0, lengths)
+    steps = minibatch_order(16, 8)
+    for rank_rows in (plain, balanced):
+        assert [len(r) for r in rank_rows] == [8, 8]
+    for s, step in enumerate(steps):  # each step's rows, split between the ranks
+        got = [r[s * 4:(s + 1) * 4] for r in balanced]
+        assert sorted(torch.cat(got).tolist()) == sorted(step.tolist())
+    sums = [[sum(lengths[i] for i in r[s * 4:(s + 1) * 4].tolist()) for r in balanced] for s in range(2)]
+    assert sums == [[320, 320], [40, 40]]  # contiguous: the first step 320 | 320 too, but the
+    assert [sum(lengths[i] for i in r.tolist()) for r in update_shards(16, 8, 2, 1, True, 3, lengths)] == [360, 360]
+
+
+def test_balanced_pass_shares_come_back_in_row_order():
+    from posttrain.cluster.group import in_order, shares, token_lengths
+
+    batch = {"attention_mask": torch.tensor([[1] * 8] * 3 + [[1, 0, 0, 0, 0, 0, 0, 0]] * 3),
+             "rows": torch.arange(6)}
+    lengths = token_lengths(batch)
+    assert lengths == [8, 8, 8, 1, 1, 1]
+    rows = shares(6, 2, lengths)
+    assert [len(r) for r in rows] == [3, 3] and rows[0].tolist() != [0, 1, 2]
+    parts = [batch["rows"][r] * 10 for r in rows]  # a worker's answer for its rows
+    assert in_order(parts, rows).tolist() == [0, 10, 20, 30, 40, 50]
+    assert [r.tolist() for r in shares(6, 2)] == [[0, 1, 2], [3, 4, 5]]
+    assert [r.tolist() for r in shares(1, 3, [5], keep_empty=True)] == [[], [], [0]]

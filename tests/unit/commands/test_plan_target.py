@@ -111,14 +111,14 @@ def test_rl_config_device_must_agree_with_the_target():
 def test_every_refusal_is_listed_at_once_one_per_line(monkeypatch):
     """Keys refused on their own, compatibility rows, the rollout copy and the memory: one error, a
     line each naming its key; train (commands.train.train_config) refuses with the same lines."""
-    overrides = ["rl_config.blocking=false", "rl_config.use_dp_batch_balance=true", "rl_config.data_strategy=tq",
+    overrides = ["rl_config.blocking=false", "rl_config.data_strategy=tq",
                  "rl_config.partial_rollout_max_split=2", "rl_config.guarantee_order=false",
                  "rl_config.filter_groups_enable=true", "rl_config.rollout_engine=native"]  # native: a whole copy
     cfg = load_run_config("dapo_qwen3_32b_A3", overrides=overrides)  # 16 devices, TP 8 x PP 2
     with pytest.raises(ConfigError) as err:
         resolve_plan(cfg, target=parse_target("cuda:48GiB", 1, 16))  # the 32B model's bf16 copy: 61 GiB
     lines = str(err.value).splitlines()
-    starts = ["rl_config.blocking=false", "rl_config.data_strategy=tq", "rl_config.use_dp_batch_balance=true",
+    starts = ["rl_config.blocking=false", "rl_config.data_strategy=tq",
               # keys refused on their own (features)
               "rl_config.partial_rollout_max_split > 1 on Ray", "rl_config.partial_rollout_max_split > 1 runs on the "
               "hf training backend", "rl_config.partial_rollout_max_split > 1 with DAPO's dynamic sampling",  # compat
@@ -133,7 +133,7 @@ def test_every_refusal_is_listed_at_once_one_per_line(monkeypatch):
     with pytest.raises(ConfigError) as here:  # on this CPU: the distributed optimizer too, the memory of this machine
         train.train_config(load_run_config("dapo_qwen3_32b_A3", overrides=[*overrides, "rl_config.device=cpu"]))
     here_lines = str(here.value).splitlines()
-    on_cpu = {*starts[:3], *starts[4:7]}  # offload_train_param has no effect on a CPU: warned, not refused
+    on_cpu = {*starts[:2], *starts[3:6]}  # offload_train_param has no effect on a CPU: warned, not refused
     assert on_cpu <= {next((s for s in starts if line.startswith(s)), line) for line in here_lines}
     assert any(line.startswith("megatron_training.use_distributed_optimizer=true") for line in here_lines)
 

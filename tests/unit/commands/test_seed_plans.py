@@ -25,7 +25,7 @@ from posttrain.config.run import load_run_config
 
 MOE_TP_EP = "actor_config.moe_tp_extend_ep"
 INFER_EP = "generate_config.infer_expert_parallel_size"  # vLLM (auto on a GPU): no expert-parallel rollout
-CP = ["actor_config.context_parallel_size", "rl_config.use_dp_batch_balance"]
+CP = ["actor_config.context_parallel_size"]
 DEEPSEEK = ["model.deepseekv3_671b.num_layers", MOE_TP_EP, INFER_EP, "model.deepseekv3_671b.multi_latent_attention"]
 # the refusals other than the memory, by the key each names first
 REFUSED_KEYS = {

@@ -105,6 +105,7 @@ EXAMPLES: dict[str, tuple[list[str], str]] = {
     "speculation-per-request": ([*SPEC, "rl_config.async_engine=true"], "cpu"),
     "speculation-graphs": ([*SPEC, *GRAPHS], "cuda"),
     "num-threads-ray": (["rl_config.num_threads=2", *RAY], "cpu"),
+    "dp-batch-balance-one-process": (["rl_config.use_dp_batch_balance=true"], "cpu"),
     "ref-config": ([*SEPARATE, "ref_config.micro_batch_size=2"], "cpu"),
     "reward-model-offline": ([*DPO, "reward_config.load=/models/rm"], "cpu"),
 }

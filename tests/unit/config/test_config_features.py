@@ -97,7 +97,6 @@ CASES = [
      f"rl_config.transfer_queue_data_shard_port_base=7000: {TQ}", "remove the key"),
     (["rl_config.blocking=false"], "rl_config.blocking=false: asynchronous (non-blocking) execution",
      "remove the key or set it to true"),
-    (["rl_config.use_dp_batch_balance=true"], "rl_config.use_dp_batch_balance=true: ", "set it to false"),
     # generate_config
     (["generate_config.enable_prefix_caching=true"], "generate_config.enable_prefix_caching=true: prefix caching",
      "set it to false"),

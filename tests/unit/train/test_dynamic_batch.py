@@ -91,3 +91,43 @@ def test_dynamic_step_equals_fixed_micro_batches(remove_padding):
     assert torch.allclose(logprobs[0], logprobs[1], atol=1e-5)
     assert grads[0].abs().sum() > 0
     assert torch.allclose(grads[0], grads[1], atol=1e-5)
+
+
+# ---- rl_config.use_dp_batch_balance: equal-count shares balanced by tokens ------------------------
+def _largest(lengths, groups):
+    return max(sum(lengths[i] for i in g) for g in groups)
+
+
+def test_balanced_shares_keep_the_sizes_and_every_row_once_and_beat_contiguous_on_skew():
+    from posttrain.training.dynamic_batch import balanced_shares
+
+    lengths = [80] * 8 + [10] * 8  # half the rows 8x longer, the long ones first (as a group of samples can be)
+    got = balanced_shares(lengths, [8, 8])
+    assert [len(g) for g in got] == [8, 8]
+    assert sorted(i for g in got for i in g) == list(range(16)) and all(g == sorted(g) for g in got)
+    assert [sum(lengths[i] for i in g) for g in got] == [360, 360]  # contiguous: 640 and 80
+    uneven = balanced_shares([9, 9, 9, 1, 1], [3, 2])  # contiguous: 27 | 2
+    assert [len(g) for g in uneven] == [3, 2] and _largest([9, 9, 9, 1, 1], uneven) == 18  # 9+9 | 9+1+1
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_balanced_shares_are_never_worse_than_contiguous(seed):
+    from posttrain.training.dynamic_batch import balanced_shares
+
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, 100, (23,), generator=g).tolist()
+    sizes = [6, 6, 6, 5]
+    bounds = [0, 6, 12, 18, 23]
+    contiguous = [list(range(bounds[i], bounds[i + 1])) for i in range(4)]
+    got = balanced_shares(lengths, sizes)
+    assert [len(s) for s in got] == sizes and sorted(i for s in got for i in s) == list(range(23))
+    assert _largest(lengths, got) <= _largest(lengths, contiguous)
+
+
+def test_balanced_shares_keep_contiguous_shares_on_equal_lengths_and_allow_empty_ones():
+    from posttrain.training.dynamic_batch import balanced_shares
+
+    assert balanced_shares([4] * 6, [3, 3]) == [[0, 1, 2], [3, 4, 5]]  # nothing to gain: the contiguous cut
+    assert balanced_shares([3], [1, 0]) == [[0], []]  # a Megatron replica with no row still takes part
+    with pytest.raises(ValueError, match="do not cover"):
+        balanced_shares([1, 2, 3], [1, 1])
