@@ -52,7 +52,7 @@ from posttrain.cluster.reward import RewardGroup
 from posttrain.cluster.worker import ActorWorker
 from posttrain.errors import CheckpointError, ConfigError
 from posttrain.roles.policy import Policy, load_policy_tokenizer
-from posttrain.rollout.base import RolloutEngine
+from posttrain.rollout.base import RolloutEngine, RolloutOutput
 from posttrain.rollout.keyed import random_seed
 from posttrain.train.engine import minibatch_order
 
@@ -136,8 +136,8 @@ class Cluster:
         tokenizer, stops = load_policy_tokenizer(plan.policy, start["source"])  # the driver never loads the weights
         self.policy = Policy(model=None, tokenizer=tokenizer, actor=ActorRole(self),
                              reference=ReferenceRole(self) if plan.uses_reference else None,
-                             rollout=RolloutRole(self) if plan.stage.on_policy else None, stop_token_ids=stops,
-                             state=states[0])
+                             rollout=RolloutRole(self, plan.rollout.max_num_seqs) if plan.stage.on_policy else None,
+                             stop_token_ids=stops, state=states[0])
         self.critic = CriticRole(self) if plan.uses_critic else None
         self.reward_model = RewardModelRole(self) if plan.stage.on_policy and plan.reward_model else None
         self.rule_reward = self.rewards
@@ -193,12 +193,13 @@ class Cluster:
 
     # ---- checkpoints, tests -----------------------------------------------------------------------
     def save(self, save_dir, iteration: int, *, sampler_state, trainer_state: dict, save_optim: bool,
-             save_rng: bool):
+             save_rng: bool, files: dict | None = None):
+        """``files``: the loop's objects by file name (partial rollout's dock), written by rank 0."""
         self._check()
         # FSDP2: all ranks gather the full state; Megatron: every rank writes its shard
         workers = self.workers if self.fsdp or self.megatron else self.workers[:1]
-        refs = [w.save.remote(str(save_dir), iteration, sampler_state, trainer_state, save_optim, save_rng)
-                for w in workers]
+        refs = [w.save.remote(str(save_dir), iteration, sampler_state, trainer_state, save_optim, save_rng,
+                              files if rank == 0 else None) for rank, w in enumerate(workers)]
         answer = self._call("save checkpoint", refs, self.names[:len(refs)])[0]
         if isinstance(answer, dict) and "error" in answer:  # a failed Megatron save, said once by the workers
             raise CheckpointError(answer["error"])
@@ -244,26 +245,79 @@ def _rows(batch: dict, lo: int, hi: int) -> dict:
 
 
 class RolloutRole(RolloutEngine):
-    """The workers' rollout engines as one :class:`~posttrain.rollout.base.RolloutEngine`."""
+    """The workers' rollout engines as one :class:`~posttrain.rollout.base.RolloutEngine`.
 
-    def __init__(self, cluster: Cluster):
+    Partial rollout (:mod:`posttrain.loops.partial_rollout`) calls it as it calls an engine in this
+    process: its rounds' continuations (``sample_offsets``, ``position_offsets``) are cut into shares
+    as prompts are. Where the workers' engines decode a partial rollout's rounds in one call
+    (``supports_rounds``: the native engine), so does this role, with the rounds' check made here
+    over every worker's rows (:meth:`_decode_rounds`)."""
+
+    def __init__(self, cluster: Cluster, max_num_seqs: int):
         self.c = cluster
+        self.supports_rounds = all(i.get("rollout_supports_rounds", False) for i in cluster.info if i["leader"])
+        self.max_num_seqs = max_num_seqs  # the rows one process decodes at once (partial rollout's choice)
 
-    def generate(self, prompt_token_ids, n, sampling, stop_token_ids=None, prompt_keys=None):
-        """Each worker samples its share of the prompts with the call's seed and the shared prompts' keys."""
+    def generate(self, prompt_token_ids, n, sampling, stop_token_ids=None, prompt_keys=None, sample_offsets=None,
+                 position_offsets=None, max_new_tokens=None, stop_when=None, stop_every=0):
+        """Each worker samples its share of the prompts with the call's seed and the shared prompts'
+        keys (and offsets: a continued response). ``stop_when``: see :meth:`_decode_rounds`."""
         keys = list(range(len(prompt_token_ids))) if prompt_keys is None else list(prompt_keys)
         if len(keys) != len(prompt_token_ids):
             raise ConfigError(f"generate(): prompt_keys has {len(keys)} entries for {len(prompt_token_ids)} prompts.")
         if sampling.seed is None:  # one seed for all workers, as one process would draw
             sampling = replace(sampling, seed=random_seed())
+        if stop_when is not None:
+            return self._decode_rounds(prompt_token_ids, n, sampling, stop_token_ids, keys, sample_offsets,
+                                       position_offsets, max_new_tokens, stop_when, stop_every)
+        per_prompt = [sample_offsets, position_offsets, max_new_tokens]  # a continued response's, or None
 
         def args(rank, lo, hi):
-            return prompt_token_ids[lo:hi], n, sampling, stop_token_ids, keys[lo:hi]
+            return (prompt_token_ids[lo:hi], n, sampling, stop_token_ids, keys[lo:hi],
+                    *[None if values is None else list(values)[lo:hi] for values in per_prompt])
 
         # FSDP2's parameter gather is a collective for the native engines; vLLM engines need none
         parts = self.c.sharded("rollout", "generate", len(prompt_token_ids), args,
                                collective=not self.c.rollout_holds_weights)
         return [group for part in parts for group in part]
+
+    def _decode_rounds(self, prompts, n, sampling, stop_token_ids, keys, sample_offsets, position_offsets,
+                       max_new_tokens, stop_when, stop_every):
+        """The native engine's ``generate(stop_when=..., stop_every=...)`` over the workers: every
+        sample row (prompt-major) decodes ``stop_every`` tokens a call (up to its cap:
+        ``max_new_tokens`` and ``sampling.max_tokens``), continued from where it stopped with the same
+        keyed streams, until every row is finished or ``stop_when(finished)`` holds after a call;
+        rows not finished then return the tokens they have (``"length"``). The samples are those of
+        one decode in one process (each token is keyed by its position); each call re-prefills the
+        rows it continues (one wave in one process keeps its KV cache: float noise)."""
+        if stop_every < 1:
+            raise ConfigError(f"generate(stop_when=...) needs stop_every >= 1 (got {stop_every})")
+        samples = list(sample_offsets) if sample_offsets is not None else [0] * len(prompts)
+        positions = list(position_offsets) if position_offsets is not None else [0] * len(prompts)
+        caps = [min(int(c), sampling.max_tokens) for c in max_new_tokens] if max_new_tokens is not None else \
+            [sampling.max_tokens] * len(prompts)
+        rows = [(i, j) for i in range(len(prompts)) for j in range(n)]
+        tokens, logprobs = [[] for _ in rows], [[] for _ in rows]
+        stopped, done = [False] * len(rows), [False] * len(rows)
+        while not all(done):
+            live = [r for r in range(len(rows)) if not done[r]]
+            outs = self.generate([prompts[rows[r][0]] + tokens[r] for r in live], 1,
+                                 replace(sampling, max_tokens=stop_every), stop_token_ids, prompt_keys=[keys[rows[r][0]] for r in live],
+                                 sample_offsets=[samples[rows[r][0]] + rows[r][1] for r in live],
+                                 position_offsets=[positions[rows[r][0]] + len(tokens[r]) for r in live],
+                                 max_new_tokens=[min(stop_every, caps[rows[r][0]] - len(tokens[r])) for r in live])
+            for r, (out,) in zip(live, outs):
+                tokens[r] += list(out.token_ids)
+                logprobs[r] += list(out.logprobs)
+                stopped[r] = out.finish_reason == "stop"
+                done[r] = stopped[r] or len(tokens[r]) >= caps[rows[r][0]]
+            if not all(done) and stop_when(list(done)):
+                break
+        results = [[] for _ in prompts]
+        for r, (i, _) in enumerate(rows):
+            results[i].append(RolloutOutput(token_ids=tokens[r], logprobs=logprobs[r],
+                                            finish_reason="stop" if stopped[r] else "length"))
+        return results
 
     def sync_weights(self, model) -> int | None:
         """The workers' engines sample from their actors' current weights from now on. vLLM engines

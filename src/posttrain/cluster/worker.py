@@ -75,6 +75,12 @@ def _full(tensor):
     return full.detach().cpu().clone()
 
 
+def continued(sample_offsets, position_offsets, max_new_tokens) -> dict:
+    """The keyword arguments of a continued response (partial rollout) that were given."""
+    given = {"sample_offsets": sample_offsets, "position_offsets": position_offsets, "max_new_tokens": max_new_tokens}
+    return {name: values for name, values in given.items() if values is not None}
+
+
 class ActorWorker:
     """Rank ``rank`` of ``world_size`` data-parallel policy workers."""
 
@@ -154,20 +160,25 @@ class ActorWorker:
         """Who this worker is; ``replica``: its data-parallel replica (every worker is one here)."""
         return {"rank": self.rank, "pid": os.getpid(), "node": worker_node_id(), "threads": torch.get_num_threads(),
                 "device": self.device, "replica": self.rank, "leader": True, "cpu_linear": installed(),
-                "rollout_holds_weights": self.rollout_holds_weights}
+                "rollout_holds_weights": self.rollout_holds_weights,
+                "rollout_supports_rounds": bool(getattr(self.policy.rollout, "supports_rounds", False))}
 
     # ---- roles ----------------------------------------------------------------------------------
     def _gathered(self, needed: bool = True):
         return gathered(self.policy.model, self.fsdp and needed)
 
-    def generate(self, prompts: list[list[int]], n: int, sampling, stop_token_ids, prompt_keys=None) -> list:
+    def generate(self, prompts: list[list[int]], n: int, sampling, stop_token_ids, prompt_keys=None,
+                 sample_offsets=None, position_offsets=None, max_new_tokens=None) -> list:
         """This worker's share of a rollout; ``prompt_keys`` are the prompts' keys in the whole
-        call, so the samples are those one process would draw. FSDP2 with the native engine: every
-        rank enters the parameter gather, even with no prompts (a vLLM engine needs no gather)."""
+        call, so the samples are those one process would draw. ``sample_offsets``,
+        ``position_offsets``, ``max_new_tokens``: a continued response's (partial rollout), this
+        share's, passed to the engine when given. FSDP2 with the native engine: every rank enters the parameter gather,
+        even with no prompts (a vLLM engine needs no gather)."""
         with self._gathered(not self.rollout_holds_weights):
             if not prompts:
                 return []
-            return self.policy.rollout.generate(prompts, n, sampling, stop_token_ids, prompt_keys=prompt_keys)
+            return self.policy.rollout.generate(prompts, n, sampling, stop_token_ids, prompt_keys=prompt_keys,
+                                                **continued(sample_offsets, position_offsets, max_new_tokens))
 
     def sync_rollout(self) -> int | None:
         """Load the actor's current weights into this worker's rollout engine and prove them with
@@ -230,10 +241,10 @@ class ActorWorker:
                                   micro_batch_size=micro_batch_size)
 
     def save(self, save_dir: str, iteration: int, sampler_state, trainer_state: dict, save_optim: bool,
-             save_rng: bool) -> str:
+             save_rng: bool, files: dict | None = None) -> str:
         """The Ray path's one checkpoint save: rank 0 writes the full model and optimizer state (DDP:
         its own whole replica; FSDP2: all ranks call this to gather the full state first, and the
-        others return None)."""
+        others return None), and ``files`` (the loop's objects by file name: partial rollout's dock)."""
         p = self.policy
         model, optimizer = p.model, p.actor.optimizer
         if self.fsdp:
@@ -247,7 +258,7 @@ class ActorWorker:
         with on_device(p.actor, getattr(self.critic, "engine", None)):  # an offloaded state is saved too
             path = save_checkpoint(save_dir, iteration, model, optimizer, p.actor.scheduler,
                                    tokenizer=p.tokenizer, sampler_state=sampler_state, trainer_state=trainer_state,
-                                   save_optim=save_optim, save_rng=save_rng, extra=extra,
+                                   save_optim=save_optim, save_rng=save_rng, extra=extra, files=files,
                                    adapter_only=self.adapter_only)
         return str(path)
 
