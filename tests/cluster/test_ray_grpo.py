@@ -221,3 +221,63 @@ def test_a_whole_run_on_two_workers_equals_the_run_in_one_process(ray_cluster, w
         assert local_rows[-1]["actor/reward_kl_penalty"] != 0
     else:  # some iteration needed a second generation batch (its own seed)
         assert max(r["train/num_gen_batches"] for r in local_rows) >= 2 and "dapo/score/mean" in local_rows[-1]
+
+
+PARTIAL = {"partial_rollout_max_split": 3}  # 12 new tokens: rounds of 4, a sample waits up to 2 iterations
+
+
+@pytest.fixture(scope="module")
+def partial_in_one_process(work):
+    """The one-process partial rollout run the Ray runs are compared with (2 iterations, the dock saved)."""
+    cfg = grpo_config(work, "partial_local", workers=1, iters=2, rl=PARTIAL,
+                      train={"save": str(work / "ckpt_partial_local"), "save_interval": 2})
+    return record_run(cfg)
+
+
+@pytest.mark.parametrize("sharding", ["ddp", "fsdp2"])
+def test_partial_rollout_on_two_workers_equals_the_run_in_one_process(ray_cluster, work, partial_in_one_process,
+                                                                      sharding):
+    """Partial rollout's rounds on 2 workers (each one decode, its rounds checked on the driver over
+    both workers' rows): the same responses, ages and metrics as in one process, and the same dock
+    saved with the checkpoint."""
+    from posttrain.loops.partial_rollout import STATE_FILE
+
+    ckpt = work / f"ckpt_partial_{sharding}"
+    cfg = grpo_config(work, f"partial_{sharding}", workers=2, iters=2, rl={**PARTIAL, "ray_sharding": sharding},
+                      train={"save": str(ckpt), "save_interval": 2})
+    batches, rows, _ = record_run(cfg)
+    local_batches, local_rows, _ = partial_in_one_process
+    assert batches == local_batches
+    local_rows, rows = [r for r in local_rows if "actor/pg_loss" in r], [r for r in rows if "actor/pg_loss" in r]
+    assert [r["iteration"] for r in rows] == [r["iteration"] for r in local_rows] == [1, 2]
+    for want, got in zip(local_rows, rows):
+        assert sorted(got) == sorted(want)
+        for key in (k for k in want if not is_wall_clock(k)):
+            # GRPO's pg_loss is a mean of ratio x advantage with advantages of mean 0 and ratios ~1 (2e-4
+            # here): the workers' sums leave float noise of ~1e-7 absolute in it, as in same()'s noise keys
+            noise = key == "actor/pg_loss" and abs(want[key]) < 1e-2
+            equal = got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-6) if noise else same(got[key], want[key], key)
+            assert equal, (want["iteration"], key)
+    assert max(r["rollout/age_max"] for r in local_rows) >= 1  # groups waited in the dock: rounds were cut
+    local, ray = (torch.load(path / "iter_0000002" / STATE_FILE, weights_only=True)
+                  for path in (work / "ckpt_partial_local", ckpt))
+    assert_same_state(ray, local)
+
+
+def assert_same_state(got, want, where="state"):
+    """Nested dicts / lists of tensors and plain values: integers equal, floats to float noise."""
+    assert type(got) is type(want), where
+    if isinstance(want, dict):
+        assert sorted(got) == sorted(want), where
+        for key in want:
+            assert_same_state(got[key], want[key], f"{where}.{key}")
+    elif isinstance(want, (list, tuple)):
+        assert len(got) == len(want), where
+        for i, (g, w) in enumerate(zip(got, want)):
+            assert_same_state(g, w, f"{where}[{i}]")
+    elif isinstance(want, torch.Tensor) and want.is_floating_point():
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=where)
+    elif isinstance(want, torch.Tensor):
+        assert torch.equal(got, want), where
+    else:
+        assert got == want, where

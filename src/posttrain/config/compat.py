@@ -346,11 +346,8 @@ ROWS: tuple[Row, ...] = (
     # the rollout on a replica of the weights, partial rollout
     *(Row(f"{name}-{suffix}", name, message, **where) for name in ("async", "rollout_worker")
       for suffix, where, message in _ROLLOUT_REPLICA),
-    Row("partial-ray", "partial", "{setting} on Ray is not built yet; run it in one process (no "
-        "actor_resource.num_npus > 1, no ray_address)", placement=RAY),
     Row("partial-engine", "partial", "{setting} runs on the native and vLLM rollout engines, whose generate continues a "
         "response from given offsets; not on {engine}", engine=("other",)),
-    Row("partial-megatron", "partial", "{setting} runs on the hf training backend", backend=MEGATRON),
     Row("partial-dynamic-sampling", "partial", "{setting} with DAPO's dynamic sampling (filter_groups_enable) is not "
         "supported yet; turn one of them off", with_="dynamic_sampling"),
     # the native engine's per-request loop (async_engine, multi-turn) and its batched decode

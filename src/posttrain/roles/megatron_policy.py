@@ -298,7 +298,7 @@ class MegatronPolicy:
             self.scheduler.load_state_dict(saved["scheduler"])
         state = dict(saved.get("trainer_state") or {})
         state.update(iteration=int(saved["iteration"]), sampler_state=saved.get("sampler_state"),
-                     checkpoint_dir=str(source))
+                     checkpoint_dir=str(mcore_files.iteration_dir(source)))  # the loop's files are there
         state.setdefault("initial_model", str(source))
         log.info("resumed from the Megatron checkpoint %s at iteration %d", source, state["iteration"])
         return state
