@@ -281,3 +281,23 @@ def assert_same_state(got, want, where="state"):
         assert torch.equal(got, want), where
     else:
         assert got == want, where
+
+
+def test_async_staleness_on_two_workers_equals_the_run_in_one_process(ray_cluster, work):
+    """``async_staleness: 1`` on 2 workers (each samples from its rollout copy, loaded with the
+    version the pipeline asks for, while the update runs in the worker's other thread): the same
+    responses and metrics as the asynchronous run in one process, samples one version old."""
+    rl = {"async_staleness": 1}
+    runs = {name: record_run(grpo_config(work, f"async_{name}", workers=workers, iters=3, rl=rl))
+            for name, workers in (("local", 1), ("ray", 2))}
+    (local_batches, local_rows, _), (ray_batches, ray_rows, _) = runs["local"], runs["ray"]
+    assert ray_batches == local_batches and local_batches[1] != local_batches[2]
+    local_rows, ray_rows = [r for r in local_rows if "actor/pg_loss" in r], [r for r in ray_rows if "actor/pg_loss" in r]
+    assert [r["iteration"] for r in ray_rows] == [r["iteration"] for r in local_rows] == [1, 2, 3]
+    for want, got in zip(local_rows, ray_rows):
+        assert sorted(got) == sorted(want)
+        for key in (k for k in want if not is_wall_clock(k)):
+            noise = key == "actor/pg_loss" and abs(want[key]) < 1e-2  # as in the partial rollout test above
+            equal = got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-6) if noise else same(got[key], want[key], key)
+            assert equal, (want["iteration"], key)
+    assert local_rows[-1]["rollout/staleness_max"] == 1.0  # iteration 3 sampled version 1

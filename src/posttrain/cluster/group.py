@@ -60,6 +60,8 @@ log = logging.getLogger(__name__)
 
 # the rollout engines' metrics that reach the driver, and how the workers' values combine into one
 WORKER_ROLLOUT_METRICS = {"rollout/sync_probe_diff": max, "timing/resharding_to_train": max}
+#: the concurrency of the actor workers of an asynchronous run: the update and the rollout at once
+ASYNC_CONCURRENCY = 2
 
 
 def spans(count: int, parts: int, keep_empty: bool = False) -> list[tuple[int, int]]:
@@ -80,6 +82,12 @@ def update_shards(num_rows: int, mini_batch_size: int, world: int, epochs: int, 
     local = mini_batch_size // world
     steps = minibatch_order(num_rows, mini_batch_size, epochs=epochs, shuffle=shuffle, seed=seed)
     return [torch.cat([step[rank * local:(rank + 1) * local] for step in steps]) for rank in range(world)]
+
+
+def concurrency(plan) -> int:
+    """Calls an actor worker runs at once: with ``async_staleness`` the rollout (on the workers'
+    rollout copies) beside the update (cluster/rollout_copy.py), else one at a time."""
+    return ASYNC_CONCURRENCY if plan.stage.on_policy and plan.off_policy.staleness is not None else 1
 
 
 def replicas(info: list[dict]) -> list[list[int]]:
@@ -117,7 +125,7 @@ class Cluster:
             for rank in range(self.world):
                 strategy = PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=rank)
                 options = {"num_cpus": 1 if use_gpu else cpus, "num_gpus": 1 if use_gpu else 0, "max_restarts": 0,
-                           "scheduling_strategy": strategy}
+                           "scheduling_strategy": strategy, "max_concurrency": concurrency(plan)}
                 self.workers.append(remote.options(**options).remote(rank, self.world, cpus))
             # the names every error uses: which rank, on which node (multi-node: which machine to look at)
             self.nodes = launch.bundle_nodes(self.pg)
@@ -253,10 +261,12 @@ class RolloutRole(RolloutEngine):
     (``supports_rounds``: the native engine), so does this role, with the rounds' check made here
     over every worker's rows (:meth:`_decode_rounds`)."""
 
-    def __init__(self, cluster: Cluster, max_num_seqs: int):
+    def __init__(self, cluster: Cluster, max_num_seqs: int, method: str = "generate"):
         self.c = cluster
         self.supports_rounds = all(i.get("rollout_supports_rounds", False) for i in cluster.info if i["leader"])
         self.max_num_seqs = max_num_seqs  # the rows one process decodes at once (partial rollout's choice)
+        # "generate_copy": the workers' rollout copies (async_staleness; cluster/rollout_copy.py), no collective
+        self.method = method
 
     def generate(self, prompt_token_ids, n, sampling, stop_token_ids=None, prompt_keys=None, sample_offsets=None,
                  position_offsets=None, max_new_tokens=None, stop_when=None, stop_every=0):
@@ -277,8 +287,8 @@ class RolloutRole(RolloutEngine):
                     *[None if values is None else list(values)[lo:hi] for values in per_prompt])
 
         # FSDP2's parameter gather is a collective for the native engines; vLLM engines need none
-        parts = self.c.sharded("rollout", "generate", len(prompt_token_ids), args,
-                               collective=not self.c.rollout_holds_weights)
+        parts = self.c.sharded("rollout", self.method, len(prompt_token_ids), args,
+                               collective=self.method == "generate" and not self.c.rollout_holds_weights)
         return [group for part in parts for group in part]
 
     def _decode_rounds(self, prompts, n, sampling, stop_token_ids, keys, sample_offsets, position_offsets,

@@ -38,9 +38,10 @@ from torch.nn.parallel import DistributedDataParallel
 from posttrain.checkpoint import save_checkpoint
 from posttrain.cluster import fsdp
 from posttrain.cluster.fsdp import FullCopy, full_state, gathered
+from posttrain.cluster.rollout_copy import RolloutCopy
 from posttrain.models.cpu_linear import installed, set_cpu_linear
 from posttrain.roles.critic import Critic
-from posttrain.roles.policy import build_policy, seed_everything
+from posttrain.roles.policy import build_policy, build_rollout, seed_everything
 from posttrain.roles.reward_model import build_reward_scorer
 from posttrain.train.engine import TrainEngine
 from posttrain.train.offload import on_device
@@ -141,6 +142,11 @@ class ActorWorker:
         # share_backbone (LoRA): the reference is the actor's own (sharded, under FSDP2) model, adapter off
         self.reference_is_actor = plan.uses_reference and plan.policy.share_backbone
         self.fsdp = plan.sharding == "fsdp2"
+        self.copy = None
+        if plan.stage.on_policy and plan.off_policy.staleness is not None:  # async_staleness: the rollout's copy
+            self.copy = RolloutCopy(p.model, lambda m: build_rollout(plan.rollout, plan.policy, m, p.tokenizer,
+                                                                     p.stop_token_ids),
+                                    None if use_gpu else self.cpu_threads)  # full: made before FSDP2 shards
         if self.fsdp:  # parameters, gradients and optimizer state sharded (cluster/fsdp.py)
             self.param_names = fsdp.shard(p.model, p.actor, plan.policy.optim, plan.total_optimizer_steps)
         else:
@@ -179,6 +185,24 @@ class ActorWorker:
                 return []
             return self.policy.rollout.generate(prompts, n, sampling, stop_token_ids, prompt_keys=prompt_keys,
                                                 **continued(sample_offsets, position_offsets, max_new_tokens))
+
+    def generate_copy(self, prompts: list[list[int]], n: int, sampling, stop_token_ids, prompt_keys=None,
+                      sample_offsets=None, position_offsets=None, max_new_tokens=None) -> list:
+        """:meth:`generate` on the rollout copy of the weights (``async_staleness``): no collective,
+        and it may run while an update runs in the actor's other thread."""
+        if not prompts:
+            return []
+        return self.copy.generate(prompts, n, sampling, stop_token_ids, prompt_keys=prompt_keys,
+                                  **continued(sample_offsets, position_offsets, max_new_tokens))
+
+    def snapshot_copy(self, version: int) -> None:
+        """Keep the trained weights now as snapshot ``version`` of the rollout copy (FSDP2: the full
+        tensors, a collective over all ranks)."""
+        self.copy.keep(version, {name: _full(value) for name, value in self.policy.model.state_dict().items()})
+
+    def load_copy(self, version: int) -> int:
+        """The rollout copy samples snapshot ``version`` from now on."""
+        return self.copy.load(version)
 
     def sync_rollout(self) -> int | None:
         """Load the actor's current weights into this worker's rollout engine and prove them with
