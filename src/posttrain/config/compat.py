@@ -352,8 +352,9 @@ ROWS: tuple[Row, ...] = (
         "(the workers' vLLM engines load the trained weights after every update, not the version the pipeline asks "
         "for); set rollout_engine: native, or run in one process (no actor_resource.num_npus > 1, no ray_address)",
         placement=RAY, engine=("vllm",)),
-    Row("async-megatron", "async", "{setting} is not built on the megatron backend yet (the leader's rollout copy is "
-        "reloaded after every update, not held at the version the pipeline asks for); use backend hf{megatron}",
+    Row("async-megatron", "async", "{setting} is not built on the megatron backend yet (the leader's one HF rollout "
+        "copy serves the synchronous rollout and the evaluation and is reloaded after every update; a second copy held "
+        "at the version the pipeline asks for, sampled beside Megatron's update, is missing); use backend hf{megatron}",
         backend=MEGATRON),
     Row("partial-engine", "partial", "{setting} runs on the native and vLLM rollout engines, whose generate continues a "
         "response from given offsets; not on {engine}", engine=("other",)),
