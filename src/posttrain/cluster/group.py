@@ -8,7 +8,10 @@ session has:
   contiguous share per worker, each with its slice of the prompt keys (default: the prompts'
   indices in the whole call) and the same seed (drawn once here when ``sampling.seed`` is None).
   The native engine's sampling is keyed by (seed, prompt key, sample index, token position), so
-  the samples are those of one process, whatever the number of workers.
+  the samples are those of one process, whatever the number of workers. Partial rollout's
+  continuations are shared out the same way (:mod:`posttrain.cluster.rounds` for its rounds in
+  one call), and with ``async_staleness`` the rollout samples the workers' rollout copies
+  (:mod:`posttrain.cluster.rollout_copy`; the workers then run two calls at once).
 * ``rollout.sync_weights`` / ``rollout.pop_metrics``: where the workers' engines hold their own
   copy of the weights (vLLM), every worker loads its actor's weights into its engine after each update
   (FSDP2: all ranks gather the full parameters once), and each engine's probe metric reaches the
@@ -49,10 +52,11 @@ from posttrain.cluster import launch
 from posttrain.cluster.megatron_worker import MegatronWorker
 from posttrain.cluster.remote import ClusterError, gather
 from posttrain.cluster.reward import RewardGroup
+from posttrain.cluster.rounds import decode_rounds
 from posttrain.cluster.worker import ActorWorker
 from posttrain.errors import CheckpointError, ConfigError
 from posttrain.roles.policy import Policy, load_policy_tokenizer
-from posttrain.rollout.base import RolloutEngine, RolloutOutput
+from posttrain.rollout.base import RolloutEngine
 from posttrain.rollout.keyed import random_seed
 from posttrain.train.engine import minibatch_order
 
@@ -259,7 +263,7 @@ class RolloutRole(RolloutEngine):
     process: its rounds' continuations (``sample_offsets``, ``position_offsets``) are cut into shares
     as prompts are. Where the workers' engines decode a partial rollout's rounds in one call
     (``supports_rounds``: the native engine), so does this role, with the rounds' check made here
-    over every worker's rows (:meth:`_decode_rounds`)."""
+    over every worker's rows (:func:`~posttrain.cluster.rounds.decode_rounds`)."""
 
     def __init__(self, cluster: Cluster, max_num_seqs: int, method: str = "generate"):
         self.c = cluster
@@ -271,15 +275,16 @@ class RolloutRole(RolloutEngine):
     def generate(self, prompt_token_ids, n, sampling, stop_token_ids=None, prompt_keys=None, sample_offsets=None,
                  position_offsets=None, max_new_tokens=None, stop_when=None, stop_every=0):
         """Each worker samples its share of the prompts with the call's seed and the shared prompts'
-        keys (and offsets: a continued response). ``stop_when``: see :meth:`_decode_rounds`."""
+        keys (and offsets: a continued response). ``stop_when``: see
+        :func:`~posttrain.cluster.rounds.decode_rounds`."""
         keys = list(range(len(prompt_token_ids))) if prompt_keys is None else list(prompt_keys)
         if len(keys) != len(prompt_token_ids):
             raise ConfigError(f"generate(): prompt_keys has {len(keys)} entries for {len(prompt_token_ids)} prompts.")
         if sampling.seed is None:  # one seed for all workers, as one process would draw
             sampling = replace(sampling, seed=random_seed())
-        if stop_when is not None:
-            return self._decode_rounds(prompt_token_ids, n, sampling, stop_token_ids, keys, sample_offsets,
-                                       position_offsets, max_new_tokens, stop_when, stop_every)
+        if stop_when is not None:  # partial rollout's rounds in one call: one call per round here
+            return decode_rounds(self.generate, prompt_token_ids, n, sampling, stop_token_ids, keys, sample_offsets,
+                                 position_offsets, max_new_tokens, stop_when, stop_every)
         per_prompt = [sample_offsets, position_offsets, max_new_tokens]  # a continued response's, or None
 
         def args(rank, lo, hi):
@@ -290,44 +295,6 @@ class RolloutRole(RolloutEngine):
         parts = self.c.sharded("rollout", self.method, len(prompt_token_ids), args,
                                collective=self.method == "generate" and not self.c.rollout_holds_weights)
         return [group for part in parts for group in part]
-
-    def _decode_rounds(self, prompts, n, sampling, stop_token_ids, keys, sample_offsets, position_offsets,
-                       max_new_tokens, stop_when, stop_every):
-        """The native engine's ``generate(stop_when=..., stop_every=...)`` over the workers: every
-        sample row (prompt-major) decodes ``stop_every`` tokens a call (up to its cap:
-        ``max_new_tokens`` and ``sampling.max_tokens``), continued from where it stopped with the same
-        keyed streams, until every row is finished or ``stop_when(finished)`` holds after a call;
-        rows not finished then return the tokens they have (``"length"``). The samples are those of
-        one decode in one process (each token is keyed by its position); each call re-prefills the
-        rows it continues (one wave in one process keeps its KV cache: float noise)."""
-        if stop_every < 1:
-            raise ConfigError(f"generate(stop_when=...) needs stop_every >= 1 (got {stop_every})")
-        samples = list(sample_offsets) if sample_offsets is not None else [0] * len(prompts)
-        positions = list(position_offsets) if position_offsets is not None else [0] * len(prompts)
-        caps = [min(int(c), sampling.max_tokens) for c in max_new_tokens] if max_new_tokens is not None else \
-            [sampling.max_tokens] * len(prompts)
-        rows = [(i, j) for i in range(len(prompts)) for j in range(n)]
-        tokens, logprobs = [[] for _ in rows], [[] for _ in rows]
-        stopped, done = [False] * len(rows), [False] * len(rows)
-        while not all(done):
-            live = [r for r in range(len(rows)) if not done[r]]
-            outs = self.generate([prompts[rows[r][0]] + tokens[r] for r in live], 1,
-                                 replace(sampling, max_tokens=stop_every), stop_token_ids, prompt_keys=[keys[rows[r][0]] for r in live],
-                                 sample_offsets=[samples[rows[r][0]] + rows[r][1] for r in live],
-                                 position_offsets=[positions[rows[r][0]] + len(tokens[r]) for r in live],
-                                 max_new_tokens=[min(stop_every, caps[rows[r][0]] - len(tokens[r])) for r in live])
-            for r, (out,) in zip(live, outs):
-                tokens[r] += list(out.token_ids)
-                logprobs[r] += list(out.logprobs)
-                stopped[r] = out.finish_reason == "stop"
-                done[r] = stopped[r] or len(tokens[r]) >= caps[rows[r][0]]
-            if not all(done) and stop_when(list(done)):
-                break
-        results = [[] for _ in prompts]
-        for r, (i, _) in enumerate(rows):
-            results[i].append(RolloutOutput(token_ids=tokens[r], logprobs=logprobs[r],
-                                            finish_reason="stop" if stopped[r] else "length"))
-        return results
 
     def sync_weights(self, model) -> int | None:
         """The workers' engines sample from their actors' current weights from now on. vLLM engines
