@@ -231,12 +231,13 @@ def test_partial_and_async_rollout_on_two_workers_equal_the_run_in_one_process(r
     samples from the workers' rollout copies (loaded with the version the pipeline asks for, while
     the update runs in the workers' other thread), and each partial rollout's rounds are one decode
     over both workers' rows, checked on the driver. The same responses, ages, staleness and metrics
-    as the same run in one process, and the same partial rollout dock saved with the checkpoint."""
+    as the same run in one process; the checkpoint of iteration 2 holds the same partial rollout dock
+    and, resumed in one process, trains iteration 3 on the saved in-flight samples as the run did."""
     from posttrain.loops.partial_rollout import STATE_FILE
 
     rl = {**PARTIAL, "async_staleness": 1}
     runs = {name: record_run(grpo_config(work, f"partial_async_{name}", workers=workers, iters=3, rl=rl,
-                                         train={"save": str(work / f"ckpt_partial_async_{name}"), "save_interval": 3}))
+                                         train={"save": str(work / f"ckpt_partial_async_{name}"), "save_interval": 2}))
             for name, workers in (("local", 1), ("ray", 2))}
     (local_batches, local_rows, _), (ray_batches, ray_rows, _) = runs["local"], runs["ray"]
     assert ray_batches == local_batches and local_batches[1] != local_batches[2]
@@ -252,9 +253,15 @@ def test_partial_and_async_rollout_on_two_workers_equal_the_run_in_one_process(r
             assert equal, (want["iteration"], key)
     assert max(r["rollout/age_max"] for r in local_rows) >= 1  # groups waited in the dock: rounds were cut
     assert local_rows[-1]["rollout/staleness_max"] >= 1  # iteration 3 sampled version 1 (or older segments)
-    local, ray = (torch.load(work / f"ckpt_partial_async_{name}" / "iter_0000003" / STATE_FILE, weights_only=True)
+    local, ray = (torch.load(work / f"ckpt_partial_async_{name}" / "iter_0000002" / STATE_FILE, weights_only=True)
                   for name in ("local", "ray"))
     assert_same_state(ray, local)
+    _, resumed, _ = record_run(grpo_config(work, "partial_async_resumed", workers=1, iters=3, rl=rl,
+                                           train={"load": str(work / "ckpt_partial_async_ray" / "iter_0000002")}))
+    resumed = [r for r in resumed if "actor/pg_loss" in r]
+    assert [r["iteration"] for r in resumed] == [3]
+    for key in (k for k in local_rows[-1] if not is_wall_clock(k)):
+        assert same(resumed[0][key], local_rows[-1][key], key), key
 
 
 def assert_same_state(got, want, where="state"):
