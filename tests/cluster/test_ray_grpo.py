@@ -280,3 +280,63 @@ def test_a_whole_run_on_two_workers_equals_the_run_in_one_process(ray_cluster, w
         assert local_rows[-1]["actor/reward_kl_penalty"] != 0
     else:  # some iteration needed a second generation batch (its own seed)
         assert max(r["train/num_gen_batches"] for r in local_rows) >= 2 and "dapo/score/mean" in local_rows[-1]
+
+
+PARTIAL = {"partial_rollout_max_split": 3}  # 12 new tokens: rounds of 4, a sample waits up to 2 iterations
+
+
+def test_partial_and_async_rollout_on_two_workers_equal_the_run_in_one_process(ray_cluster, work):
+    """Partial rollout with ``async_staleness: 1`` on 2 workers, 3 iterations: the rollout thread
+    samples from the workers' rollout copies (loaded with the version the pipeline asks for, while
+    the update runs in the workers' other thread), and each partial rollout's rounds are one decode
+    over both workers' rows, checked on the driver. The same responses, ages, staleness and metrics
+    as the same run in one process; the checkpoint of iteration 2 holds the same partial rollout dock
+    and, resumed in one process, trains iteration 3 on the saved in-flight samples as the run did."""
+    from posttrain.loops.partial_rollout import STATE_FILE
+
+    rl = {**PARTIAL, "async_staleness": 1}
+    runs = {name: record_run(grpo_config(work, f"partial_async_{name}", workers=workers, iters=3, rl=rl,
+                                         train={"save": str(work / f"ckpt_partial_async_{name}"), "save_interval": 2}))
+            for name, workers in (("local", 1), ("ray", 2))}
+    (local_batches, local_rows, _), (ray_batches, ray_rows, _) = runs["local"], runs["ray"]
+    assert ray_batches == local_batches and local_batches[1] != local_batches[2]
+    local_rows, ray_rows = [r for r in local_rows if "actor/pg_loss" in r], [r for r in ray_rows if "actor/pg_loss" in r]
+    assert [r["iteration"] for r in ray_rows] == [r["iteration"] for r in local_rows] == [1, 2, 3]
+    for want, got in zip(local_rows, ray_rows):
+        assert sorted(got) == sorted(want)
+        for key in (k for k in want if not is_wall_clock(k)):
+            # GRPO's pg_loss is a mean of ratio x advantage with advantages of mean 0 and ratios ~1 (1e-4
+            # here): the workers' sums leave float noise of ~1e-7 absolute in it, as in same()'s noise keys
+            noise = key == "actor/pg_loss" and abs(want[key]) < 1e-2
+            equal = got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-6) if noise else same(got[key], want[key], key)
+            assert equal, (want["iteration"], key)
+    assert max(r["rollout/age_max"] for r in local_rows) >= 1  # groups waited in the dock: rounds were cut
+    assert local_rows[-1]["rollout/staleness_max"] >= 1  # iteration 3 sampled version 1 (or older segments)
+    local, ray = (torch.load(work / f"ckpt_partial_async_{name}" / "iter_0000002" / STATE_FILE, weights_only=True)
+                  for name in ("local", "ray"))
+    assert_same_state(ray, local)
+    _, resumed, _ = record_run(grpo_config(work, "partial_async_resumed", workers=1, iters=3, rl=rl,
+                                           train={"load": str(work / "ckpt_partial_async_ray" / "iter_0000002")}))
+    resumed = [r for r in resumed if "actor/pg_loss" in r]
+    assert [r["iteration"] for r in resumed] == [3]
+    for key in (k for k in local_rows[-1] if not is_wall_clock(k)):
+        assert same(resumed[0][key], local_rows[-1][key], key), key
+
+
+def assert_same_state(got, want, where="state"):
+    """Nested dicts / lists of tensors and plain values: integers equal, floats to float noise."""
+    assert type(got) is type(want), where
+    if isinstance(want, dict):
+        assert sorted(got) == sorted(want), where
+        for key in want:
+            assert_same_state(got[key], want[key], f"{where}.{key}")
+    elif isinstance(want, (list, tuple)):
+        assert len(got) == len(want), where
+        for i, (g, w) in enumerate(zip(got, want)):
+            assert_same_state(g, w, f"{where}[{i}]")
+    elif isinstance(want, torch.Tensor) and want.is_floating_point():
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=where)
+    elif isinstance(want, torch.Tensor):
+        assert torch.equal(got, want), where
+    else:
+        assert got == want, where

@@ -11,9 +11,10 @@ the HF engine.
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.cluster.cluster_helpers import grpo_config, record_run
-from tests.cluster.test_ray_grpo import DAPO, PPO, is_wall_clock
+from tests.cluster.test_ray_grpo import DAPO, PARTIAL, PPO, assert_same_state, is_wall_clock
 from tests.cluster.test_ray_offline import assert_same_rows, offline_config, offline_data  # noqa: F401 (a fixture)
 from tests.helpers.runs import read_metrics
 
@@ -151,6 +152,34 @@ def test_dapo_on_the_megatron_backend_equals_the_hf_backend(ray_cluster, work, m
     for want, got in zip(want_rows, got_rows):
         for key in (k for k in want if not is_wall_clock(k)):
             assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), (want["iteration"], key)
+
+
+def test_partial_rollout_on_the_megatron_backend_equals_the_hf_backend(ray_cluster, work, model):
+    """Partial rollout at TP 2 (the leader's rollout decodes the rounds, checked on the driver): the
+    same responses, steps and logged metrics as the HF backend in one process, and the same dock
+    saved in the Megatron checkpoint as in the HF one."""
+    from posttrain.loops.partial_rollout import STATE_FILE
+
+    runs = {}
+    for name, workers, extra in (("hf", 1, {}), ("megatron", 2, {"tensor_model_parallel_size": 2})):
+        runs[name] = record_run(grpo_config(work, f"mg_partial_{name}", workers=workers, iters=2,
+                                            rl={**RL, **PARTIAL, "guarantee_order": False},
+                                            train={**TRAIN, **extra, "tokenizer_name_or_path": str(model),
+                                                   "save": str(work / f"ckpt_mg_partial_{name}"), "save_interval": 2}))
+    (want_batches, want_rows, want_steps), (got_batches, got_rows, got_steps) = runs["hf"], runs["megatron"]
+    assert got_batches == want_batches and len(got_steps) == len(want_steps) == 4
+    for step, (got, want) in enumerate(zip(got_steps, want_steps)):
+        for key in want:
+            assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), (step, key)
+    want_rows = [r for r in want_rows if "actor/pg_loss" in r]
+    got_rows = [r for r in got_rows if "actor/pg_loss" in r]
+    assert len(got_rows) == len(want_rows) == 2 and max(r["rollout/age_max"] for r in want_rows) >= 1
+    for want, got in zip(want_rows, got_rows):
+        for key in (k for k in want if not is_wall_clock(k)):
+            assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), (want["iteration"], key)
+    hf, mg = (torch.load(work / f"ckpt_mg_partial_{name}" / "iter_0000002" / STATE_FILE, weights_only=True)
+              for name in ("hf", "megatron"))
+    assert_same_state(mg, hf)
 
 
 def test_ppo_on_the_megatron_backend_equals_the_hf_backend(ray_cluster, work, model):

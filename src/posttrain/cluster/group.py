@@ -8,7 +8,10 @@ session has:
   contiguous share per worker, each with its slice of the prompt keys (default: the prompts'
   indices in the whole call) and the same seed (drawn once here when ``sampling.seed`` is None).
   The native engine's sampling is keyed by (seed, prompt key, sample index, token position), so
-  the samples are those of one process, whatever the number of workers.
+  the samples are those of one process, whatever the number of workers. Partial rollout's
+  continuations are shared out the same way (:mod:`posttrain.cluster.rounds` for its rounds in
+  one call), and with ``async_staleness`` the rollout samples the workers' rollout copies
+  (:mod:`posttrain.cluster.rollout_copy`; the workers then run two calls at once).
 * ``rollout.sync_weights`` / ``rollout.pop_metrics``: where the workers' engines hold their own
   copy of the weights (vLLM), every worker loads its actor's weights into its engine after each update
   (FSDP2: all ranks gather the full parameters once), and each engine's probe metric reaches the
@@ -53,6 +56,7 @@ from posttrain.cluster import launch
 from posttrain.cluster.megatron_worker import MegatronWorker
 from posttrain.cluster.remote import ClusterError, gather
 from posttrain.cluster.reward import RewardGroup
+from posttrain.cluster.rounds import decode_rounds
 from posttrain.cluster.worker import ActorWorker
 from posttrain.errors import CheckpointError, ConfigError
 from posttrain.roles.policy import Policy, load_policy_tokenizer
@@ -65,6 +69,8 @@ log = logging.getLogger(__name__)
 
 # the rollout engines' metrics that reach the driver, and how the workers' values combine into one
 WORKER_ROLLOUT_METRICS = {"rollout/sync_probe_diff": max, "timing/resharding_to_train": max}
+#: the concurrency of the actor workers of an asynchronous run: the update and the rollout at once
+ASYNC_CONCURRENCY = 2
 
 
 def spans(count: int, parts: int, keep_empty: bool = False) -> list[tuple[int, int]]:
@@ -116,6 +122,12 @@ def update_shards(num_rows: int, mini_batch_size: int, world: int, epochs: int, 
     return [torch.cat([step_slices[rank] for step_slices in slices]) for rank in range(world)]
 
 
+def concurrency(plan) -> int:
+    """Calls an actor worker runs at once: with ``async_staleness`` the rollout (on the workers'
+    rollout copies) beside the update (cluster/rollout_copy.py), else one at a time."""
+    return ASYNC_CONCURRENCY if plan.stage.on_policy and plan.off_policy.staleness is not None else 1
+
+
 def replicas(info: list[dict]) -> list[list[int]]:
     """The workers of each data-parallel replica (by the workers' ``replica`` index), the
     replica's leader first."""
@@ -152,7 +164,7 @@ class Cluster:
             for rank in range(self.world):
                 strategy = PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=rank)
                 options = {"num_cpus": 1 if use_gpu else cpus, "num_gpus": 1 if use_gpu else 0, "max_restarts": 0,
-                           "scheduling_strategy": strategy}
+                           "scheduling_strategy": strategy, "max_concurrency": concurrency(plan)}
                 self.workers.append(remote.options(**options).remote(rank, self.world, cpus))
             # the names every error uses: which rank, on which node (multi-node: which machine to look at)
             self.nodes = launch.bundle_nodes(self.pg)
@@ -171,8 +183,8 @@ class Cluster:
         tokenizer, stops = load_policy_tokenizer(plan.policy, start["source"])  # the driver never loads the weights
         self.policy = Policy(model=None, tokenizer=tokenizer, actor=ActorRole(self),
                              reference=ReferenceRole(self) if plan.uses_reference else None,
-                             rollout=RolloutRole(self) if plan.stage.on_policy else None, stop_token_ids=stops,
-                             state=states[0])
+                             rollout=RolloutRole(self, plan.rollout.max_num_seqs) if plan.stage.on_policy else None,
+                             stop_token_ids=stops, state=states[0])
         self.critic = CriticRole(self) if plan.uses_critic else None
         self.reward_model = RewardModelRole(self) if plan.stage.on_policy and plan.reward_model else None
         self.rule_reward = self.rewards
@@ -235,12 +247,13 @@ class Cluster:
 
     # ---- checkpoints, tests -----------------------------------------------------------------------
     def save(self, save_dir, iteration: int, *, sampler_state, trainer_state: dict, save_optim: bool,
-             save_rng: bool):
+             save_rng: bool, files: dict | None = None):
+        """``files``: the loop's objects by file name (partial rollout's dock), written by rank 0."""
         self._check()
         # FSDP2: all ranks gather the full state; Megatron: every rank writes its shard
         workers = self.workers if self.fsdp or self.megatron else self.workers[:1]
-        refs = [w.save.remote(str(save_dir), iteration, sampler_state, trainer_state, save_optim, save_rng)
-                for w in workers]
+        refs = [w.save.remote(str(save_dir), iteration, sampler_state, trainer_state, save_optim, save_rng,
+                              files if rank == 0 else None) for rank, w in enumerate(workers)]
         answer = self._call("save checkpoint", refs, self.names[:len(refs)])[0]
         if isinstance(answer, dict) and "error" in answer:  # a failed Megatron save, said once by the workers
             raise CheckpointError(answer["error"])
@@ -286,27 +299,46 @@ def _rows(batch: dict, rows: torch.Tensor) -> dict:
 
 
 class RolloutRole(RolloutEngine):
-    """The workers' rollout engines as one :class:`~posttrain.rollout.base.RolloutEngine`."""
+    """The workers' rollout engines as one :class:`~posttrain.rollout.base.RolloutEngine`.
 
-    def __init__(self, cluster: Cluster):
+    Partial rollout (:mod:`posttrain.loops.partial_rollout`) calls it as it calls an engine in this
+    process: its rounds' continuations (``sample_offsets``, ``position_offsets``) are cut into shares
+    as prompts are. Where the workers' engines decode a partial rollout's rounds in one call
+    (``supports_rounds``: the native engine), so does this role, with the rounds' check made here
+    over every worker's rows (:func:`~posttrain.cluster.rounds.decode_rounds`)."""
+
+    def __init__(self, cluster: Cluster, max_num_seqs: int, method: str = "generate"):
         self.c = cluster
+        self.supports_rounds = all(i.get("rollout_supports_rounds", False) for i in cluster.info if i["leader"])
+        self.max_num_seqs = max_num_seqs  # the rows one process decodes at once (partial rollout's choice)
+        # "generate_copy": the workers' rollout copies (async_staleness; cluster/rollout_copy.py), no collective
+        self.method = method
 
-    def generate(self, prompt_token_ids, n, sampling, stop_token_ids=None, prompt_keys=None):
-        """Each worker samples its share of the prompts with the call's seed and the shared prompts' keys."""
+    def generate(self, prompt_token_ids, n, sampling, stop_token_ids=None, prompt_keys=None, sample_offsets=None,
+                 position_offsets=None, max_new_tokens=None, stop_when=None, stop_every=0):
+        """Each worker samples its share of the prompts with the call's seed and the shared prompts'
+        keys (and offsets: a continued response). ``stop_when``: see
+        :func:`~posttrain.cluster.rounds.decode_rounds`."""
         keys = list(range(len(prompt_token_ids))) if prompt_keys is None else list(prompt_keys)
         if len(keys) != len(prompt_token_ids):
             raise ConfigError(f"generate(): prompt_keys has {len(keys)} entries for {len(prompt_token_ids)} prompts.")
         if sampling.seed is None:  # one seed for all workers, as one process would draw
             sampling = replace(sampling, seed=random_seed())
+        if stop_when is not None:  # partial rollout's rounds in one call: one call per round here
+            return decode_rounds(self.generate, prompt_token_ids, n, sampling, stop_token_ids, keys, sample_offsets,
+                                 position_offsets, max_new_tokens, stop_when, stop_every)
+        per_prompt = [sample_offsets, position_offsets, max_new_tokens]  # a continued response's, or None
 
         def args(rank, share):
             share = share.tolist()
-            return [prompt_token_ids[i] for i in share], n, sampling, stop_token_ids, [keys[i] for i in share]
+            return ([prompt_token_ids[i] for i in share], n, sampling, stop_token_ids, [keys[i] for i in share],
+                    *[None if values is None else [list(values)[i] for i in share] for values in per_prompt])
 
         # contiguous shares (the responses' lengths are not known yet); FSDP2's parameter gather is a
-        # collective for the native engines; vLLM engines need none
-        rows = self.c.row_shares(len(prompt_token_ids), collective=not self.c.rollout_holds_weights)
-        parts = self.c.sharded("rollout", "generate", rows, args)
+        # collective for the native engines on the trained weights; vLLM engines and rollout copies need none
+        rows = self.c.row_shares(len(prompt_token_ids),
+                                 collective=self.method == "generate" and not self.c.rollout_holds_weights)
+        parts = self.c.sharded("rollout", self.method, rows, args)
         return [group for part in parts for group in part]
 
     def sync_weights(self, model) -> int | None:

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from posttrain.errors import CheckpointError
-from posttrain.cluster.worker import ActorWorker, worker_node_id
+from posttrain.cluster.worker import ActorWorker, continued, worker_node_id
 from posttrain.roles.megatron_policy import MegatronPolicy
 from posttrain.roles.policy import load_policy_tokenizer
 from posttrain.training.megatron.cpu_shims import cpu_megatron
@@ -53,19 +53,22 @@ class MegatronWorker(ActorWorker):
 
     def ready_info(self) -> dict:
         return {"rank": self.rank, "pid": os.getpid(), "node": worker_node_id(), "threads": torch.get_num_threads(),
-                "device": self.device, "replica": self.shard.dp_rank, "leader": self.shard.leader}
+                "device": self.device, "replica": self.shard.dp_rank, "leader": self.shard.leader,
+                "rollout_supports_rounds": bool(getattr(self.policy.rollout, "supports_rounds", False))}
 
     # ---- roles ----------------------------------------------------------------------------------
-    def generate(self, prompts: list[list[int]], n: int, sampling, stop_token_ids, prompt_keys=None) -> list:
-        """The leader samples its replica's share (native: from its HF copy; vLLM: its engine); the
-        other ranks have no rollout. With ``offload_train_param`` every rank's trained weights (their
+    def generate(self, prompts: list[list[int]], n: int, sampling, stop_token_ids, prompt_keys=None,
+                 sample_offsets=None, position_offsets=None, max_new_tokens=None) -> list:
+        """The leader samples its replica's share (native: from its HF copy; vLLM: its engine; a
+        continued response's offsets and caps as in :meth:`ActorWorker.generate`); the other ranks have no rollout. With ``offload_train_param`` every rank's trained weights (their
         storages: Megatron's DDP buffers where it has them) wait in host memory from here until the
         next pass over the model (:meth:`megatron`): the rollout samples from its own copy."""
         if self.parked is not None:
             self.parked.to_host()
         if self.policy.rollout is None or not prompts:
             return []
-        return self.policy.rollout.generate(prompts, n, sampling, stop_token_ids, prompt_keys=prompt_keys)
+        return self.policy.rollout.generate(prompts, n, sampling, stop_token_ids, prompt_keys=prompt_keys,
+                                            **continued(sample_offsets, position_offsets, max_new_tokens))
 
     def compute_logprobs(self, batch: dict, temperature: float, micro_batch_size, reference: bool = False):
         engine = self.policy.reference if reference else self.policy.actor
@@ -131,14 +134,14 @@ class MegatronWorker(ActorWorker):
         return None
 
     def save(self, save_dir: str, iteration: int, sampler_state, trainer_state: dict, save_optim: bool,
-             save_rng: bool) -> str:
+             save_rng: bool, files: dict | None = None) -> str:
         """Every rank writes its shard (data-parallel rank 0 of each model-parallel rank writes). A
         failed save (a full disk) is answered as ``{"error": message}``, the same on every rank, so
         the driver raises one CheckpointError (not a worker's traceback)."""
         with self.megatron():
             try:
                 path = self.shard.save(save_dir, iteration, sampler_state=sampler_state, trainer_state=trainer_state,
-                                       save_optim=save_optim, save_rng=save_rng)
+                                       save_optim=save_optim, save_rng=save_rng, files=files)
             except CheckpointError as err:
                 return {"error": str(err)}
         return str(path)

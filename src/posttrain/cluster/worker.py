@@ -38,9 +38,10 @@ from torch.nn.parallel import DistributedDataParallel
 from posttrain.checkpoint import save_checkpoint
 from posttrain.cluster import fsdp
 from posttrain.cluster.fsdp import FullCopy, full_state, gathered
+from posttrain.cluster.rollout_copy import RolloutCopy
 from posttrain.models.cpu_linear import installed, set_cpu_linear
 from posttrain.roles.critic import Critic
-from posttrain.roles.policy import build_policy, seed_everything
+from posttrain.roles.policy import build_policy, build_rollout, seed_everything
 from posttrain.roles.reward_model import build_reward_scorer
 from posttrain.training.engine import TrainEngine
 from posttrain.training.offload import on_device
@@ -73,6 +74,12 @@ def _full(tensor):
     """A CPU copy of a tensor, gathered first when it is an FSDP2 shard (DTensor)."""
     full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
     return full.detach().cpu().clone()
+
+
+def continued(sample_offsets, position_offsets, max_new_tokens) -> dict:
+    """The keyword arguments of a continued response (partial rollout) that were given."""
+    given = {"sample_offsets": sample_offsets, "position_offsets": position_offsets, "max_new_tokens": max_new_tokens}
+    return {name: values for name, values in given.items() if values is not None}
 
 
 class ActorWorker:
@@ -135,6 +142,11 @@ class ActorWorker:
         # share_backbone (LoRA): the reference is the actor's own (sharded, under FSDP2) model, adapter off
         self.reference_is_actor = plan.uses_reference and plan.policy.share_backbone
         self.fsdp = plan.sharding == "fsdp2"
+        self.copy = None
+        if plan.stage.on_policy and plan.off_policy.staleness is not None:  # async_staleness: the rollout's copy
+            self.copy = RolloutCopy(p.model, lambda m: build_rollout(plan.rollout, plan.policy, m, p.tokenizer,
+                                                                     p.stop_token_ids),
+                                    None if use_gpu else self.cpu_threads)  # full: made before FSDP2 shards
         if self.fsdp:  # parameters, gradients and optimizer state sharded (cluster/fsdp.py)
             self.param_names = fsdp.shard(p.model, p.actor, plan.policy.optim, plan.total_optimizer_steps)
         else:
@@ -154,20 +166,43 @@ class ActorWorker:
         """Who this worker is; ``replica``: its data-parallel replica (every worker is one here)."""
         return {"rank": self.rank, "pid": os.getpid(), "node": worker_node_id(), "threads": torch.get_num_threads(),
                 "device": self.device, "replica": self.rank, "leader": True, "cpu_linear": installed(),
-                "rollout_holds_weights": self.rollout_holds_weights}
+                "rollout_holds_weights": self.rollout_holds_weights,
+                "rollout_supports_rounds": bool(getattr(self.policy.rollout, "supports_rounds", False))}
 
     # ---- roles ----------------------------------------------------------------------------------
     def _gathered(self, needed: bool = True):
         return gathered(self.policy.model, self.fsdp and needed)
 
-    def generate(self, prompts: list[list[int]], n: int, sampling, stop_token_ids, prompt_keys=None) -> list:
+    def generate(self, prompts: list[list[int]], n: int, sampling, stop_token_ids, prompt_keys=None,
+                 sample_offsets=None, position_offsets=None, max_new_tokens=None) -> list:
         """This worker's share of a rollout; ``prompt_keys`` are the prompts' keys in the whole
-        call, so the samples are those one process would draw. FSDP2 with the native engine: every
-        rank enters the parameter gather, even with no prompts (a vLLM engine needs no gather)."""
+        call, so the samples are those one process would draw. ``sample_offsets``,
+        ``position_offsets``, ``max_new_tokens``: a continued response's (partial rollout), this
+        share's, passed to the engine when given. FSDP2 with the native engine: every rank enters the parameter gather,
+        even with no prompts (a vLLM engine needs no gather)."""
         with self._gathered(not self.rollout_holds_weights):
             if not prompts:
                 return []
-            return self.policy.rollout.generate(prompts, n, sampling, stop_token_ids, prompt_keys=prompt_keys)
+            return self.policy.rollout.generate(prompts, n, sampling, stop_token_ids, prompt_keys=prompt_keys,
+                                                **continued(sample_offsets, position_offsets, max_new_tokens))
+
+    def generate_copy(self, prompts: list[list[int]], n: int, sampling, stop_token_ids, prompt_keys=None,
+                      sample_offsets=None, position_offsets=None, max_new_tokens=None) -> list:
+        """:meth:`generate` on the rollout copy of the weights (``async_staleness``): no collective,
+        and it may run while an update runs in the actor's other thread."""
+        if not prompts:
+            return []
+        return self.copy.generate(prompts, n, sampling, stop_token_ids, prompt_keys=prompt_keys,
+                                  **continued(sample_offsets, position_offsets, max_new_tokens))
+
+    def snapshot_copy(self, version: int) -> None:
+        """Keep the trained weights now as snapshot ``version`` of the rollout copy (FSDP2: the full
+        tensors, a collective over all ranks)."""
+        self.copy.keep(version, {name: _full(value) for name, value in self.policy.model.state_dict().items()})
+
+    def load_copy(self, version: int) -> int:
+        """The rollout copy samples snapshot ``version`` from now on."""
+        return self.copy.load(version)
 
     def sync_rollout(self) -> int | None:
         """Load the actor's current weights into this worker's rollout engine and prove them with
@@ -230,10 +265,10 @@ class ActorWorker:
                                   micro_batch_size=micro_batch_size)
 
     def save(self, save_dir: str, iteration: int, sampler_state, trainer_state: dict, save_optim: bool,
-             save_rng: bool) -> str:
+             save_rng: bool, files: dict | None = None) -> str:
         """The Ray path's one checkpoint save: rank 0 writes the full model and optimizer state (DDP:
         its own whole replica; FSDP2: all ranks call this to gather the full state first, and the
-        others return None)."""
+        others return None), and ``files`` (the loop's objects by file name: partial rollout's dock)."""
         p = self.policy
         model, optimizer = p.model, p.actor.optimizer
         if self.fsdp:
@@ -247,7 +282,7 @@ class ActorWorker:
         with on_device(p.actor, getattr(self.critic, "engine", None)):  # an offloaded state is saved too
             path = save_checkpoint(save_dir, iteration, model, optimizer, p.actor.scheduler,
                                    tokenizer=p.tokenizer, sampler_state=sampler_state, trainer_state=trainer_state,
-                                   save_optim=save_optim, save_rng=save_rng, extra=extra,
+                                   save_optim=save_optim, save_rng=save_rng, extra=extra, files=files,
                                    adapter_only=self.adapter_only)
         return str(path)
 

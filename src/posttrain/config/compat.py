@@ -272,6 +272,7 @@ _ROLLOUT_REPLICA = [  # async_staleness and use_integrated_worker: false put the
     ("lora", dict(with_="lora"), "{setting} with LoRA is not supported yet (the rollout replica would merge the "
                                  "adapter); remove lora_target_modules or {setting}"),
 ]
+_ASYNC_OWN = {("async", "ray"), ("async", "megatron")}  # async_staleness's own rows (below)
 _VLLM_KEYS = [  # generate_config keys the vLLM adapter cannot honour (the others are passed: vllm.PASSED)
     ("infer_pipeline_parallel_size", "pipeline-parallel rollout is not built (the vLLM adapter holds the whole model "
                                      "in the trainer's process); set it to 1"),
@@ -346,12 +347,18 @@ ROWS: tuple[Row, ...] = (
         placement=RAY, backend=("hf",), stage=ON_POLICY, with_="infer_tensor_parallel"),
     # the rollout on a replica of the weights, partial rollout
     *(Row(f"{name}-{suffix}", name, message, **where) for name in ("async", "rollout_worker")
-      for suffix, where, message in _ROLLOUT_REPLICA),
-    Row("partial-ray", "partial", "{setting} on Ray is not built yet; run it in one process (no "
-        "actor_resource.num_npus > 1, no ray_address)", placement=RAY),
+      for suffix, where, message in _ROLLOUT_REPLICA if (name, suffix) not in _ASYNC_OWN),
+    # async_staleness on Ray actor workers: each worker's native rollout copy (cluster/rollout_copy.py)
+    Row("async-ray", "async", "{setting} with rl_config.rollout_engine: vllm on Ray actor workers is not built yet "
+        "(the workers' vLLM engines load the trained weights after every update, not the version the pipeline asks "
+        "for); set rollout_engine: native, or run in one process (no actor_resource.num_npus > 1, no ray_address)",
+        placement=RAY, engine=("vllm",)),
+    Row("async-megatron", "async", "{setting} is not built on the megatron backend yet (the leader's one HF rollout "
+        "copy serves the synchronous rollout and the evaluation and is reloaded after every update; a second copy held "
+        "at the version the pipeline asks for, sampled beside Megatron's update, is missing); use backend hf{megatron}",
+        backend=MEGATRON),
     Row("partial-engine", "partial", "{setting} runs on the native and vLLM rollout engines, whose generate continues a "
         "response from given offsets; not on {engine}", engine=("other",)),
-    Row("partial-megatron", "partial", "{setting} runs on the hf training backend", backend=MEGATRON),
     Row("partial-dynamic-sampling", "partial", "{setting} with DAPO's dynamic sampling (filter_groups_enable) is not "
         "supported yet; turn one of them off", with_="dynamic_sampling"),
     # the native engine's per-request loop (async_engine, multi-turn) and its batched decode

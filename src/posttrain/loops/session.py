@@ -246,7 +246,7 @@ class Session:
                  "cpu_linear": self.cpu_linear, **extra_state}
         if self.cluster is not None:
             path = self.cluster.save(s.save, iteration, sampler_state=self.sampler.state_dict(), trainer_state=state,
-                                     save_optim=s.save_optim, save_rng=s.save_rng)
+                                     save_optim=s.save_optim, save_rng=s.save_rng, files=self.extra_files)
         else:
             from posttrain.training.offload import on_device
 

@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
+from posttrain.cluster.workers_replica import WorkersReplica
 from posttrain.cluster.rollout_worker import RemoteReplica
 from posttrain.config.plan import Plan
 from posttrain.loops.pipeline import EngineReplica, LocalReplica, RolloutPipeline
@@ -112,6 +113,8 @@ def open_source(plan: Plan, session: Session, producer: Producer) -> ExperienceS
     p, start = session.policy, session.iteration
     if plan.off_policy.separate_worker:
         replica = RemoteReplica(plan, {"source": session.start_source, "cpu_linear": session.cpu_linear}, p.model)
+    elif session.cluster is not None:  # Ray actor workers: each worker's rollout copy (cluster/rollout_copy.py)
+        replica = WorkersReplica(session.cluster)
     elif getattr(p.rollout, "holds_weights", False):  # vLLM: its own copy of the weights is the replica
         replica = EngineReplica(p.rollout)
     else:

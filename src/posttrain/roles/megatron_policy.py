@@ -301,7 +301,7 @@ class MegatronPolicy:
             self.scheduler.load_state_dict(saved["scheduler"])
         state = dict(saved.get("trainer_state") or {})
         state.update(iteration=int(saved["iteration"]), sampler_state=saved.get("sampler_state"),
-                     checkpoint_dir=str(source))
+                     checkpoint_dir=str(mcore_files.iteration_dir(source)))  # the loop's files are there
         state.setdefault("initial_model", str(source))
         log.info("resumed from the Megatron checkpoint %s at iteration %d", source, state["iteration"])
         return state
@@ -330,7 +330,9 @@ class MegatronPolicy:
         return self.rollout.pop_metrics() if self.rollout is not None else {}
 
     def save(self, save_dir: str, iteration: int, *, sampler_state, trainer_state: dict, save_optim: bool,
-             save_rng: bool) -> Path:
+             save_rng: bool, files: dict | None = None) -> Path:
+        """Every rank writes its shard; rank 0 also ``files`` (the loop's objects by file name: partial
+        rollout's dock), inside the iteration before it is published."""
         with on_device(self.engine, self.critic):  # an offloaded optimizer state is saved too
             parts = {"": Part(self.chunks, self.optimizer, {"scheduler": self.scheduler.state_dict(),
                                                             "trainer_state": dict(trainer_state),
@@ -341,15 +343,19 @@ class MegatronPolicy:
                                        {"scheduler": self.critic.scheduler.state_dict()})
             return save_megatron_checkpoint(save_dir, iteration, parts, self.args,
                                             ckpt_format=self.plan.policy.ckpt_format, save_optim=save_optim,
-                                            save_rng=save_rng, write_more=self._write_adapter)
+                                            save_rng=save_rng,
+                                            write_more=lambda directory: self._write_more(directory, files or {}))
 
-    def _write_adapter(self, directory: Path) -> None:
+    def _write_more(self, directory: Path, files: dict) -> None:
         """A LoRA actor's adapter in PEFT's format next to the Megatron files (a collective; base
-        model: the HF directory the run started from)."""
+        model: the HF directory the run started from), and rank 0 ``files``."""
         lora = self.plan.policy.lora
         if lora is not None:
             base = resolve_checkpoint(self.state["initial_model"])[0]
             megatron_lora.write_adapter(self.chunks, self.args, lora, str(Path(base).resolve()), directory)
+        if files and torch.distributed.get_rank() == 0:
+            for name, obj in files.items():
+                torch.save(obj, directory / name)
 
 
 def _has_iteration(source: str) -> bool:

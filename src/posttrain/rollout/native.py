@@ -189,6 +189,22 @@ class _Drafter:
         return torch.tensor(drafts, dtype=torch.long, device=out_tokens.device)
 
 
+def prompt_major(stop_when, wave, n: int):
+    """``stop_when`` asked with the finished flags of a one-wave call in prompt-major order (the
+    call's order); the wave holds its rows by prompt length (:func:`plan_waves`). None stays None."""
+    if stop_when is None:
+        return None
+    order = [i * n + j for i, count in wave for j in range(count)]  # wave row -> its row in the call
+
+    def asked(finished: list[bool]) -> bool:
+        flags = [False] * len(order)
+        for row, done in zip(order, finished):
+            flags[row] = done
+        return stop_when(flags)
+
+    return asked
+
+
 @contextlib.contextmanager
 def out_of_memory_hint(max_num_seqs: int) -> Iterator[None]:
     """Re-raise a device out-of-memory error with the keys that size the rollout's memory."""
@@ -305,7 +321,7 @@ class NativeEngine(RolloutEngine):
                 if max_new_tokens is not None:  # per-row caps (the default path checks none)
                     rows.caps = torch.tensor([min(int(max_new_tokens[i]), sampling.max_tokens)
                                               for i, c in wave for _ in range(c)], device=self.device)
-                rows.stop_when, rows.stop_every = stop_when, stop_every
+                rows.stop_when, rows.stop_every = prompt_major(stop_when, wave, n), stop_every
                 for (idx, _), outs in zip(wave, self._run_wave(prompts, counts, sampling, stops, rows)):
                     results[idx].extend(outs)
         return results

@@ -114,6 +114,7 @@ class _Workers:
 
     def __init__(self, holds_weights: bool, answers: dict):
         self.rollout_holds_weights, self.answers, self.calls = holds_weights, answers, []
+        self.info = [{"leader": True, "rollout_supports_rounds": not holds_weights}]
 
     def _check(self) -> None:
         pass
@@ -131,12 +132,12 @@ def test_the_rollout_role_syncs_every_worker_and_keeps_the_largest_probe_differe
 
     vllm = _Workers(True, {"sync_rollout": [26, 26], "rollout_metrics": [
         {"rollout/sync_probe_diff": 2e-7}, {"rollout/sync_probe_diff": 5e-7, "rollout/draft_tokens": 3.0}]})
-    role = RolloutRole(vllm)
+    role = RolloutRole(vllm, 256)
     assert role.sync_weights(None) == 26
     assert role.pop_metrics() == {"rollout/sync_probe_diff": 5e-7}
     assert vllm.calls == ["sync_rollout", "rollout_metrics"]
     native = _Workers(False, {})
-    assert RolloutRole(native).sync_weights(None) is None and RolloutRole(native).pop_metrics() == {}
+    assert RolloutRole(native, 256).sync_weights(None) is None and RolloutRole(native, 256).pop_metrics() == {}
     assert native.calls == []
 
 

@@ -43,6 +43,22 @@ def test_the_off_policy_keys_are_honoured_without_warnings():
     assert not any("async" in w or "partial" in w or "correction" in w for w in warnings)
 
 
+@pytest.mark.parametrize("placement", [["rl_config.actor_resource.num_npus=2"],  # Ray actor workers (DDP)
+                                       ["rl_config.actor_resource.num_npus=2", "rl_config.ray_sharding=fsdp2"],
+                                       ["rl_config.actor_resource.num_npus=2", "actor_config.tensor_model_parallel_size=2"]])
+def test_partial_rollout_runs_on_every_placement(placement):
+    """Ray actor workers (DDP, FSDP2) and the megatron backend (TP2) take partial rollout."""
+    _, warnings = check(["rl_config.partial_rollout_max_split=2", *placement])
+    assert not any("partial" in w for w in warnings)
+
+
+@pytest.mark.parametrize("sharding", ["ddp", "fsdp2"])
+def test_async_staleness_runs_on_ray_actor_workers_with_the_native_engine(sharding):
+    _, warnings = check(["rl_config.async_staleness=1", "rl_config.actor_resource.num_npus=2",
+                         f"rl_config.ray_sharding={sharding}"])
+    assert not any("async" in w for w in warnings)
+
+
 def test_staleness_zero_and_a_single_iteration_say_that_nothing_overlaps():
     _, warnings = check(["rl_config.async_staleness=0"])
     assert any("never overlap" in w for w in warnings)
@@ -65,8 +81,10 @@ def test_staleness_zero_and_a_single_iteration_say_that_nothing_overlaps():
     (["rl_config.use_integrated_worker=false", "rl_config.rollout_engine=mine"], "use_integrated_worker: false runs on"),
     (["rl_config.use_integrated_worker=false", "rl_config.actor_resource.num_npus=2"], "with Ray actor workers is not"),
     (["rl_config.partial_rollout_max_split=2", "rl_config.rollout_engine=mine"], "runs on the native and vLLM"),
-    (["rl_config.async_staleness=1", "rl_config.actor_resource.num_npus=2"], "with Ray actor workers is not built yet"),
-    (["rl_config.partial_rollout_max_split=2", "rl_config.actor_resource.num_npus=2"], "on Ray is not built yet"),
+    (["rl_config.async_staleness=1", "rl_config.actor_resource.num_npus=2", "rl_config.rollout_engine=vllm"],
+     "with rl_config.rollout_engine: vllm on Ray actor workers is not built yet"),
+    (["rl_config.async_staleness=1", "rl_config.actor_resource.num_npus=2", "actor_config.tensor_model_parallel_size=2"],
+     "async_staleness is not built on the megatron backend yet"),
     (["rl_config.async_staleness=1", "actor_config.lora_target_modules=[linear_qkv]", "actor_config.lora_r=4"],
      "with LoRA is not supported yet"),
 ])

@@ -84,7 +84,7 @@ EXAMPLES: dict[str, tuple[list[str], str]] = {
     "vllm-ascend_scheduler_config_enabled": ([*VLLM, "generate_config.ascend_scheduler_config_enabled=true"], "cpu"),
     "vllm-ray-tensor-parallel": ([*VLLM, *RAY, "generate_config.infer_tensor_parallel_size=2"], "cpu"),
     "async-offline": ([*DPO, *ASYNC], "cpu"),
-    "async-ray": ([*ASYNC, *RAY], "cpu"),
+    "async-ray": ([*ASYNC, *RAY, *VLLM], "cpu"),
     "async-engine": ([*ASYNC, *OTHER], "cpu"),
     "async-megatron": ([*ASYNC, *TP2], "cpu"),
     "async-lora": ([*ASYNC, *LORA], "cpu"),
@@ -93,9 +93,7 @@ EXAMPLES: dict[str, tuple[list[str], str]] = {
     "rollout_worker-engine": ([*WORKER, *OTHER], "cpu"),
     "rollout_worker-megatron": ([*WORKER, *TP2], "cpu"),
     "rollout_worker-lora": ([*WORKER, *LORA], "cpu"),
-    "partial-ray": ([*PARTIAL, *RAY], "cpu"),
     "partial-engine": ([*PARTIAL, *OTHER], "cpu"),
-    "partial-megatron": ([*PARTIAL, *TP2], "cpu"),
     "partial-dynamic-sampling": ([*DAPO, *PARTIAL, "rl_config.mini_batch_size=2"], "cpu"),
     "async-engine-engine": (["rl_config.async_engine=true", *OTHER], "cpu"),
     "graphs-per-request": ([*GRAPHS, "rl_config.async_engine=true"], "cuda"),
@@ -170,13 +168,13 @@ def test_each_row_needs_its_combination(row_id, monkeypatch):
 
 
 def test_every_refusal_of_a_config_is_reported_at_once_one_per_line():
-    cfg = config([*ASYNC, *PARTIAL, *VLLM, *RAY, "rl_config.num_threads=2"])
+    cfg = config([*ASYNC, *PARTIAL, *VLLM, *RAY, "rl_config.num_threads=2"])  # partial rollout runs on Ray
     with pytest.raises(ConfigError) as err:
         check_run_config(cfg, device_type="cpu", arch=ARCH)
     lines = str(err.value).splitlines()
     table = refusals(cfg, setup_of(cfg, "cpu"))
     assert [line.split(" ")[0] for line in table] == [
-        "rl_config.async_staleness", "rl_config.partial_rollout_max_split", "rl_config.num_threads=2"]
+        "rl_config.async_staleness", "rl_config.num_threads=2"]
     assert [line for line in lines if line in table] == table  # with the other checks' refusals (vllm here)
 
 

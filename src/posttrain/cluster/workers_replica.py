@@ -1,0 +1,35 @@
+"""The driver's side of ``async_staleness`` on Ray actor workers: the workers' rollout copies of the
+weights (:mod:`posttrain.cluster.rollout_copy`) as the replica of
+:class:`~posttrain.loops.pipeline.RolloutPipeline`; its ``engine`` is a
+:class:`~posttrain.cluster.group.RolloutRole` on the copies."""
+
+from __future__ import annotations
+
+from posttrain.cluster.group import RolloutRole
+
+
+class WorkersReplica:
+    """The workers' rollout copies as the pipeline's replica:
+    ``snapshot`` asks every worker to keep its weights now, ``load`` to load one snapshot into its copy
+    (the design: :mod:`posttrain.cluster.rollout_copy`)."""
+
+    shares_trainer_engine = False
+
+    def __init__(self, cluster):
+        self.c = cluster
+        self.engine = RolloutRole(cluster, cluster.policy.rollout.max_num_seqs, method="generate_copy")
+        self.taken = 0  # snapshots taken: each one's number
+
+    def snapshot(self, model) -> int:
+        """Every worker keeps its trained weights now (``model`` is None: they live in the workers)."""
+        self.taken += 1
+        self.c._check()
+        self.c._all("rollout copy: snapshot", "snapshot_copy", self.taken)
+        return self.taken
+
+    def load(self, snapshot: int) -> None:
+        self.c._check()
+        self.c._all("rollout copy: load", "load_copy", snapshot)
+
+    def close(self) -> None:
+        pass  # the copies end with the workers
