@@ -12,7 +12,9 @@
 * **The reference**: a frozen chunk of the same layout (forward only).
 * **The critic** (PPO): a chunk of the same layout with a scalar value head in place of the output
   layer (:func:`~posttrain.train.megatron.model.attach_value_head`), its own optimizer and LR
-  schedule (``critic_config``), saved in ``iter_XXXXXXX/critic/`` of the policy's checkpoints.
+  schedule (``critic_config``), saved in ``iter_XXXXXXX/critic/`` of the policy's checkpoints, or
+  with ``critic_config.save`` naming a directory of its own as checkpoints of its own there (the
+  same Megatron layout, at the actor's iterations), which ``critic_config.load`` resumes.
 * **The rollout**: on the first rank of each data-parallel replica (TP rank 0, PP rank 0: the
   replica's *leader*). The native engine needs the whole model in one process, so the leader holds a
   Hugging Face copy of the actor for sampling. After every update all ranks gather the trained
@@ -275,20 +277,29 @@ class MegatronPolicy:
 
     def _critic(self, plan, resume_dir: str | None):
         """PPO's critic (a value head on the backbone), colocated with the same layout: from
-        ``critic_config.load`` (a reward model, HF or ``--orm`` Megatron) or the actor's initial
-        weights with a zero head; resumed from ``critic/`` of the actor's checkpoint."""
+        ``critic_config.load`` (a reward model, HF or ``--orm`` Megatron, or the critic's own
+        checkpoint, which it resumes unless ``finetune``) or the actor's initial weights with a
+        zero head; without a save directory of its own, resumed from ``critic/`` of the actor's
+        checkpoint."""
         options = plan.critic
         path, from_actor = critic_source(plan)
         self.critic_chunks, _ = build_chunks(str(self.state["initial_model"]) if from_actor else path, self.options,
                                              self.device, for_training=True, value_head=True)
         models, optimizer, scheduler = self._trainable(options.optim, plan, self.critic_chunks)
         critic = self._engine(models, optimizer, scheduler, "critic", options.optim, value_head=True)
-        if resume_dir is not None:  # finetune / no_load_optim keep the critic's weights only
+        load, subdir = None, None
+        if not from_actor and _is_own_critic_checkpoint(path) and not options.checkpoint.finetune:
+            load = path  # no_load_optim keeps its weights only; the RNG is the actor's to restore
+        elif resume_dir is not None and options.save_dir is None:  # finetune / no_load_optim: the weights only
+            load, subdir = resume_dir, "critic"
+        if load is not None:
             keep_optim = options.checkpoint.restores_optimizer
-            saved = load_megatron_checkpoint(resume_dir, self.critic_chunks, optimizer, load_optim=keep_optim,
-                                             load_rng=False, subdir="critic")
+            saved = load_megatron_checkpoint(load, self.critic_chunks, optimizer, load_optim=keep_optim,
+                                             load_rng=False, subdir=subdir)
             if keep_optim and "scheduler" in saved:
                 scheduler.load_state_dict(saved["scheduler"])
+            log.info("critic: resumed from %s%s at iteration %d", load, f" ({subdir}/)" if subdir else "",
+                     int(saved["iteration"]))
         return critic
 
     def _resume(self, source: str, load) -> dict:
@@ -333,12 +344,26 @@ class MegatronPolicy:
                                                             "trainer_state": dict(trainer_state),
                                                             "sampler_state": sampler_state},
                               adapter_only=self.plan.policy.lora is not None and self.plan.schedule.adapter_only)}
-            if self.critic is not None:
+            if self.critic is not None and self.plan.critic.save_dir is None:  # else its own: save_critic
                 parts["critic"] = Part(self.critic_chunks, self.critic.optimizer,
                                        {"scheduler": self.critic.scheduler.state_dict()})
             return save_megatron_checkpoint(save_dir, iteration, parts, self.args,
                                             ckpt_format=self.plan.policy.ckpt_format, save_optim=save_optim,
                                             save_rng=save_rng, write_more=self._write_adapter)
+
+    def save_critic(self, iteration: int, trainer_state: dict) -> Path | None:
+        """The critic's own checkpoint in ``critic_config.save`` (a collective: every rank writes
+        its shard), in the actor's format with the critic's ``no_save_optim`` / ``no_save_rng``;
+        None when it has no directory of its own (it is then ``critic/`` of :meth:`save`)."""
+        options = self.plan.critic
+        if self.critic is None or options.save_dir is None:
+            return None
+        with on_device(self.critic):  # an offloaded optimizer state is saved too
+            part = Part(self.critic_chunks, self.critic.optimizer, {"scheduler": self.critic.scheduler.state_dict(),
+                                                                    "trainer_state": dict(trainer_state)})
+            return save_megatron_checkpoint(options.save_dir, iteration, {"": part}, self.args,
+                                            ckpt_format=self.plan.policy.ckpt_format, save_optim=options.save_optim,
+                                            save_rng=options.save_rng)
 
     def _write_adapter(self, directory: Path) -> None:
         """A LoRA actor's adapter in PEFT's format next to the Megatron files (a collective; base
@@ -347,6 +372,14 @@ class MegatronPolicy:
         if lora is not None:
             base = resolve_checkpoint(self.state["initial_model"])[0]
             megatron_lora.write_adapter(self.chunks, self.args, lora, str(Path(base).resolve()), directory)
+
+
+def _is_own_critic_checkpoint(path: str) -> bool:
+    """``critic_config.load`` names a critic's own Megatron checkpoint that a run saved (not a
+    converted ``--orm`` model, nor an actor's checkpoint with its ``critic/``)."""
+    if not (_is_megatron_dir(path) and _has_iteration(path)):
+        return False
+    return not (mcore_files.iteration_dir(Path(path)) / "critic").is_dir()
 
 
 def _has_iteration(source: str) -> bool:

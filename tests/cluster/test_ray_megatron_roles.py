@@ -1,0 +1,146 @@
+"""The megatron backend's other roles (Ray worker groups, gloo), each against a reference run:
+
+* ``reward_config``'s frozen reward model in each replica's leader, at TP 1 x DP 2 (each replica
+  scores its share): the same scores, call by call, and every logged metric as the hf backend in
+  one process;
+* PPO's critic saved in ``critic_config.save`` (its own Megatron checkpoints, not ``critic/`` of
+  the actor's): a run resumed from the first iteration's checkpoints (the critic's through
+  ``critic_config.load``) takes the uninterrupted run's second iteration exactly;
+* multi-turn rollout with a tool: a model fine-tuned here to answer every prompt with a tool call
+  calls it on both backends, the tool's tokens are left out of the loss, and the run equals the hf
+  backend's.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.cluster.cluster_helpers import grpo_config, record_run
+from tests.cluster.test_ray_grpo import PPO, is_wall_clock, same
+from tests.cluster.test_ray_megatron import RL, TRAIN, model  # noqa: F401 (a fixture)
+from tests.helpers import tools
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+RAY_CPUS = 2
+
+
+def assert_same_run(got, want, *, approx: bool = True) -> None:
+    """The same generation batches, optimizer steps and logged metrics (wall clock aside)."""
+    (want_batches, want_rows, want_steps), (got_batches, got_rows, got_steps) = want, got
+    assert got_batches == want_batches and len(got_steps) == len(want_steps) > 0
+    for step, (g, w) in enumerate(zip(got_steps, want_steps)):
+        for key in w:
+            assert g[key] == pytest.approx(w[key], rel=1e-4, abs=1e-6), (step, key)
+    want_rows = [r for r in want_rows if "actor/pg_loss" in r]
+    got_rows = [r for r in got_rows if "actor/pg_loss" in r]
+    assert [r["iteration"] for r in got_rows] == [r["iteration"] for r in want_rows]
+    for w, g in zip(want_rows, got_rows):
+        for key in (k for k in w if not is_wall_clock(k) and not k.startswith("tool/")):
+            if approx:
+                assert same(g[key], w[key], key) or g[key] == pytest.approx(w[key], rel=1e-4, abs=1e-6), \
+                    (w["iteration"], key)
+            else:
+                assert g[key] == w[key], (w["iteration"], key)
+
+
+def test_reward_model_on_the_megatron_backend_equals_the_hf_backend(ray_cluster, work, model, lowercase_rm_dir):
+    runs, scores = {}, {"hf": [], "megatron": []}
+    for name, workers, extra in (("hf", 1, {}), ("megatron", 2, {"backend": "megatron"})):
+        runs[name] = record_run(grpo_config(work, f"mg_rm_{name}", workers=workers, iters=1,
+                                            rl={**RL, "reward_model_weight": 0.5},
+                                            train={**TRAIN, **extra, "tokenizer_name_or_path": str(model)},
+                                            sections={"reward_config": {"load": str(lowercase_rm_dir),
+                                                                        "micro_batch_size": 4}}),
+                                reward_model_scores=scores[name])
+    assert len(scores["megatron"]) == len(scores["hf"]) > 0
+    for got, want in zip(scores["megatron"], scores["hf"]):
+        assert got == pytest.approx(want, rel=1e-5, abs=1e-6)
+    assert max(max(s) for s in scores["hf"]) > min(min(s) for s in scores["hf"])
+    assert_same_run(runs["megatron"], runs["hf"])
+    assert "reward_model/score/mean" in runs["megatron"][1][-1]
+
+
+def test_a_critic_saved_in_its_own_directory_resumes_exactly(ray_cluster, work, model):
+    actor, critic = work / "mg_own_critic_actor", work / "mg_own_critic"
+    tp2 = {**TRAIN, "stage": "ray_ppo", "tokenizer_name_or_path": str(model), "tensor_model_parallel_size": 2}
+    straight = record_run(grpo_config(work, "mg_own_critic", workers=2, iters=2, rl={**RL, **PPO},
+                                      train={**tp2, "save": str(actor), "save_interval": 1},
+                                      sections={"critic_config": {"save": str(critic)}}))
+    assert (critic / "iter_0000001" / ".metadata").is_file() and (critic / "iter_0000002").is_dir()
+    assert not (actor / "iter_0000001" / "critic").exists()
+    resumed = record_run(grpo_config(work, "mg_own_critic_resumed", workers=2, iters=2, rl={**RL, **PPO},
+                                     train={**tp2, "load": str(actor / "iter_0000001")},
+                                     sections={"critic_config": {"load": str(critic / "iter_0000001")}}))
+    assert [r["iteration"] for r in resumed[1] if "actor/pg_loss" in r] == [2]
+    second = [r for r in straight[1] if r.get("iteration") == 2]
+    assert second[0]["critic/values/min"] != 0  # a trained critic (a fresh one's zero head values all 0)
+    assert_same_run(resumed, ([straight[0][-1]], second, straight[2][2:]), approx=False)
+
+
+@pytest.fixture(scope="module")
+def tool_caller(work, model):
+    """``model`` fine-tuned to answer every prompt of the set with :data:`tools.CALL` (a few Adam
+    steps on the prompts: the random model never writes a call)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from posttrain.data.datasets import PromptDataset
+
+    out = work / "tool_caller"
+    if out.exists():
+        return out
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    call = tokenizer.encode(tools.CALL, add_special_tokens=False)
+    prompts = [dataset["prompts"].tolist() for dataset in PromptDataset(work / "prompts/data")]
+    torch.manual_seed(0)
+    lm = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    optimizer = torch.optim.Adam(lm.parameters(), lr=1e-2)
+    for step in range(60):
+        rows = [prompts[i] for i in torch.randint(len(prompts), (16,)).tolist()]
+        width = max(len(r) for r in rows) + len(call)
+        ids = torch.zeros(len(rows), width, dtype=torch.long)
+        labels = torch.full_like(ids, -100)
+        for b, row in enumerate(rows):
+            ids[b, :len(row) + len(call)] = torch.tensor(row + call)
+            labels[b, len(row):len(row) + len(call)] = torch.tensor(call)
+        loss = lm(input_ids=ids, attention_mask=(labels != -100) | (ids != 0), labels=labels).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    assert loss.item() < 0.05, loss.item()
+    lm.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def test_multi_turn_with_tool_calls_on_the_megatron_backend_equals_the_hf_backend(ray_cluster, work, tool_caller):
+    from transformers import AutoTokenizer
+
+    tools_file = work / "answer_tool.yaml"
+    tools_file.write_text(tools.TOOLS_YAML)
+    multi_turn = {"multi_turn_enable": True, "async_engine": True, "tool_config_path": str(tools_file),
+                  "max_tool_calls": 1, "max_total_response_length": 112}
+    generate = {"generate_config": {"max_model_len": 224, "max_num_seqs": 256, "infer_tensor_parallel_size": 1,
+                                    "sampling_config": {"max_tokens": 56, "temperature": 1.0, "top_k": -1,
+                                                        "top_p": 1.0}}}
+    runs, batches = {}, []
+    for name, workers, extra in (("hf", 1, {}), ("megatron", 2, {"tensor_model_parallel_size": 2})):
+        runs[name] = record_run(grpo_config(work, f"mg_multi_turn_{name}", workers=workers, iters=1,
+                                            rl={**RL, **multi_turn}, sections=generate,
+                                            train={**TRAIN, **extra, "seq_length": 224,
+                                                   "tokenizer_name_or_path": str(tool_caller)}),
+                                update_batches=batches if name == "megatron" else None)
+    assert_same_run(runs["megatron"], runs["hf"])
+    rows = [r for r in runs["megatron"][1] if "actor/pg_loss" in r]
+    assert rows[0]["tool_call_num/mean"] > 0.5 and rows[0]["tool/calls"] > 0
+    # the tool's answer inside the responses, out of the loss: a 0 of the mask between 1s
+    tokenizer = AutoTokenizer.from_pretrained(tool_caller)
+    masked = 0
+    for batch in batches:
+        for response, mask in zip(batch["responses"], batch["response_mask"]):
+            ones = mask.nonzero().flatten()
+            gap = [t for i, t in enumerate(response.tolist()) if ones[0] < i < ones[-1] and mask[i] == 0]
+            if gap:
+                assert "ok" in tokenizer.decode(gap) and "</tool_call>" in tokenizer.decode(response[:ones[-1]])
+                masked += 1
+    assert masked > 0
