@@ -22,6 +22,9 @@ from tests.helpers import tools
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 RAY_CPUS = 2
+# metrics of float noise alone (the rollout's log-probs against the training forward's, fp32): the
+# sharper the model (the tool caller below), the larger the log-probs and their rounding
+NOISE = ("rollout/logprob_diff", "rollout/ratio")
 
 
 def assert_same_run(got, want, *, approx: bool = True) -> None:
@@ -36,7 +39,9 @@ def assert_same_run(got, want, *, approx: bool = True) -> None:
     assert [r["iteration"] for r in got_rows] == [r["iteration"] for r in want_rows]
     for w, g in zip(want_rows, got_rows):
         for key in (k for k in w if not is_wall_clock(k) and not k.startswith("tool/")):
-            if approx:
+            if approx and key.startswith(NOISE):  # the rollout's decoding against the training forward:
+                assert abs(g[key] - w[key]) < 1e-3, (w["iteration"], key)  # fp32 noise on both backends
+            elif approx:
                 assert same(g[key], w[key], key) or g[key] == pytest.approx(w[key], rel=1e-4, abs=1e-6), \
                     (w["iteration"], key)
             else:
@@ -94,16 +99,16 @@ def tool_caller(work, model):
     prompts = [dataset["prompts"].tolist() for dataset in PromptDataset(work / "prompts/data")]
     torch.manual_seed(0)
     lm = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
-    optimizer = torch.optim.Adam(lm.parameters(), lr=1e-2)
-    for step in range(60):
+    optimizer = torch.optim.Adam(lm.parameters(), lr=5e-3)
+    for _ in range(80):
         rows = [prompts[i] for i in torch.randint(len(prompts), (16,)).tolist()]
         width = max(len(r) for r in rows) + len(call)
-        ids = torch.zeros(len(rows), width, dtype=torch.long)
-        labels = torch.full_like(ids, -100)
-        for b, row in enumerate(rows):
+        ids, labels = torch.zeros(len(rows), width, dtype=torch.long), torch.full((len(rows), width), -100)
+        for b, row in enumerate(rows):  # right-padded; the loss on the call alone
             ids[b, :len(row) + len(call)] = torch.tensor(row + call)
             labels[b, len(row):len(row) + len(call)] = torch.tensor(call)
-        loss = lm(input_ids=ids, attention_mask=(labels != -100) | (ids != 0), labels=labels).loss
+        mask = torch.arange(width) < torch.tensor([[len(r) + len(call)] for r in rows])
+        loss = lm(input_ids=ids, attention_mask=mask.long(), labels=labels).loss
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
@@ -132,12 +137,13 @@ def test_multi_turn_with_tool_calls_on_the_megatron_backend_equals_the_hf_backen
                                 update_batches=batches if name == "megatron" else None)
     assert_same_run(runs["megatron"], runs["hf"])
     rows = [r for r in runs["megatron"][1] if "actor/pg_loss" in r]
-    assert rows[0]["tool_call_num/mean"] > 0.5 and rows[0]["tool/calls"] > 0
+    assert rows[0]["tool_call_num/mean"] > 0.5, rows[0]  # (tool/* counters stay in the Ray workers)
     # the tool's answer inside the responses, out of the loss: a 0 of the mask between 1s
     tokenizer = AutoTokenizer.from_pretrained(tool_caller)
     masked = 0
     for batch in batches:
-        for response, mask in zip(batch["responses"], batch["response_mask"]):
+        width = batch["response_mask"].shape[1]  # the responses: the last columns of input_ids
+        for response, mask in zip(batch["input_ids"][:, -width:], batch["response_mask"]):
             ones = mask.nonzero().flatten()
             gap = [t for i, t in enumerate(response.tolist()) if ones[0] < i < ones[-1] and mask[i] == 0]
             if gap:
