@@ -1,14 +1,8 @@
-"""The megatron backend's other roles (Ray worker groups, gloo), each against a reference run:
-
-* ``reward_config``'s frozen reward model in each replica's leader, at TP 1 x DP 2 (each replica
-  scores its share): the same scores, call by call, and every logged metric as the hf backend in
-  one process;
-* PPO's critic saved in ``critic_config.save`` (its own Megatron checkpoints, not ``critic/`` of
-  the actor's): a run resumed from the first iteration's checkpoints (the critic's through
-  ``critic_config.load``) takes the uninterrupted run's second iteration exactly;
-* multi-turn rollout with a tool: a model fine-tuned here to answer every prompt with a tool call
-  calls it on both backends, the tool's tokens are left out of the loss, and the run equals the hf
-  backend's.
+"""Multi-turn rollout with a tool and ``reward_config``'s frozen reward model (in each replica's
+leader) on the megatron backend (Ray worker groups, gloo) at TP 1 x DP 2: a model fine-tuned here
+to answer every prompt with a tool call calls it on both backends, the tool's tokens are left out
+of the loss, and the reward model's scores and the whole run equal the hf backend's in one
+process. (PPO's critic saved in a directory of its own: test_ray_megatron.py's PPO test.)
 """
 
 from __future__ import annotations
@@ -16,8 +10,9 @@ from __future__ import annotations
 import pytest
 
 from tests.cluster.cluster_helpers import grpo_config, record_run
-from tests.cluster.test_ray_grpo import PPO, is_wall_clock, same
-from tests.cluster.test_ray_megatron import RL, TRAIN, model  # noqa: F401 (a fixture)
+from tests.cluster.test_ray_grpo import is_wall_clock, same
+from tests.cluster import test_ray_megatron
+from tests.cluster.test_ray_megatron import RL, TRAIN
 from tests.helpers import tools
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -25,9 +20,10 @@ RAY_CPUS = 2
 # metrics of float noise alone (the rollout's log-probs against the training forward's, fp32): the
 # sharper the model (the tool caller below), the larger the log-probs and their rounding
 NOISE = ("rollout/logprob_diff", "rollout/ratio")
+model = test_ray_megatron.model  # the fixture: the cluster tests' model without a pad row
 
 
-def assert_same_run(got, want, *, approx: bool = True) -> None:
+def assert_same_run(got, want) -> None:
     """The same generation batches, optimizer steps and logged metrics (wall clock aside)."""
     (want_batches, want_rows, want_steps), (got_batches, got_rows, got_steps) = want, got
     assert got_batches == want_batches and len(got_steps) == len(want_steps) > 0
@@ -39,47 +35,11 @@ def assert_same_run(got, want, *, approx: bool = True) -> None:
     assert [r["iteration"] for r in got_rows] == [r["iteration"] for r in want_rows]
     for w, g in zip(want_rows, got_rows):
         for key in (k for k in w if not is_wall_clock(k) and not k.startswith("tool/")):
-            if approx and key.startswith(NOISE):  # the rollout's decoding against the training forward:
+            if key.startswith(NOISE):  # the rollout's decoding against the training forward:
                 assert abs(g[key] - w[key]) < 1e-3, (w["iteration"], key)  # fp32 noise on both backends
-            elif approx:
+            else:
                 assert same(g[key], w[key], key) or g[key] == pytest.approx(w[key], rel=1e-4, abs=1e-6), \
                     (w["iteration"], key)
-            else:
-                assert g[key] == w[key], (w["iteration"], key)
-
-
-def test_reward_model_on_the_megatron_backend_equals_the_hf_backend(ray_cluster, work, model, lowercase_rm_dir):
-    runs, scores = {}, {"hf": [], "megatron": []}
-    for name, workers, extra in (("hf", 1, {}), ("megatron", 2, {"backend": "megatron"})):
-        runs[name] = record_run(grpo_config(work, f"mg_rm_{name}", workers=workers, iters=1,
-                                            rl={**RL, "reward_model_weight": 0.5},
-                                            train={**TRAIN, **extra, "tokenizer_name_or_path": str(model)},
-                                            sections={"reward_config": {"load": str(lowercase_rm_dir),
-                                                                        "micro_batch_size": 4}}),
-                                reward_model_scores=scores[name])
-    assert len(scores["megatron"]) == len(scores["hf"]) > 0
-    for got, want in zip(scores["megatron"], scores["hf"]):
-        assert got == pytest.approx(want, rel=1e-5, abs=1e-6)
-    assert max(max(s) for s in scores["hf"]) > min(min(s) for s in scores["hf"])
-    assert_same_run(runs["megatron"], runs["hf"])
-    assert "reward_model/score/mean" in runs["megatron"][1][-1]
-
-
-def test_a_critic_saved_in_its_own_directory_resumes_exactly(ray_cluster, work, model):
-    actor, critic = work / "mg_own_critic_actor", work / "mg_own_critic"
-    tp2 = {**TRAIN, "stage": "ray_ppo", "tokenizer_name_or_path": str(model), "tensor_model_parallel_size": 2}
-    straight = record_run(grpo_config(work, "mg_own_critic", workers=2, iters=2, rl={**RL, **PPO},
-                                      train={**tp2, "save": str(actor), "save_interval": 1},
-                                      sections={"critic_config": {"save": str(critic)}}))
-    assert (critic / "iter_0000001" / ".metadata").is_file() and (critic / "iter_0000002").is_dir()
-    assert not (actor / "iter_0000001" / "critic").exists()
-    resumed = record_run(grpo_config(work, "mg_own_critic_resumed", workers=2, iters=2, rl={**RL, **PPO},
-                                     train={**tp2, "load": str(actor / "iter_0000001")},
-                                     sections={"critic_config": {"load": str(critic / "iter_0000001")}}))
-    assert [r["iteration"] for r in resumed[1] if "actor/pg_loss" in r] == [2]
-    second = [r for r in straight[1] if r.get("iteration") == 2]
-    assert second[0]["critic/values/min"] != 0  # a trained critic (a fresh one's zero head values all 0)
-    assert_same_run(resumed, ([straight[0][-1]], second, straight[2][2:]), approx=False)
 
 
 @pytest.fixture(scope="module")
@@ -118,25 +78,36 @@ def tool_caller(work, model):
     return out
 
 
-def test_multi_turn_with_tool_calls_on_the_megatron_backend_equals_the_hf_backend(ray_cluster, work, tool_caller):
+def test_multi_turn_and_a_reward_model_on_the_megatron_backend_equal_the_hf_backend(ray_cluster, work, tool_caller,
+                                                                                   lowercase_rm_dir):
+    """GRPO at TP 1 x DP 2 with tool calls and ``reward_config``'s reward model (one run for both,
+    to spare CI a second pair): each replica's leader samples its share with the tool and scores it
+    with the reward model. The same scores, call by call, and the same run as the hf backend; the
+    tool's answer is in the responses and out of the loss."""
     from transformers import AutoTokenizer
 
     tools_file = work / "answer_tool.yaml"
     tools_file.write_text(tools.TOOLS_YAML)
-    multi_turn = {"multi_turn_enable": True, "async_engine": True, "tool_config_path": str(tools_file),
-                  "max_tool_calls": 1, "max_total_response_length": 112}
-    generate = {"generate_config": {"max_model_len": 224, "max_num_seqs": 256, "infer_tensor_parallel_size": 1,
+    rl = {**RL, "multi_turn_enable": True, "async_engine": True, "tool_config_path": str(tools_file),
+          "max_tool_calls": 1, "max_total_response_length": 112, "reward_model_weight": 0.5}
+    sections = {"generate_config": {"max_model_len": 224, "max_num_seqs": 256, "infer_tensor_parallel_size": 1,
                                     "sampling_config": {"max_tokens": 56, "temperature": 1.0, "top_k": -1,
-                                                        "top_p": 1.0}}}
-    runs, batches = {}, []
-    for name, workers, extra in (("hf", 1, {}), ("megatron", 2, {"tensor_model_parallel_size": 2})):
-        runs[name] = record_run(grpo_config(work, f"mg_multi_turn_{name}", workers=workers, iters=1,
-                                            rl={**RL, **multi_turn}, sections=generate,
+                                                        "top_p": 1.0}},
+                "reward_config": {"load": str(lowercase_rm_dir), "micro_batch_size": 4}}
+    runs, scores, batches = {}, {"hf": [], "megatron": []}, []
+    for name, workers, extra in (("hf", 1, {}), ("megatron", 2, {"backend": "megatron"})):
+        runs[name] = record_run(grpo_config(work, f"mg_multi_turn_rm_{name}", workers=workers, iters=1, rl=rl,
+                                            sections=sections,
                                             train={**TRAIN, **extra, "seq_length": 224,
                                                    "tokenizer_name_or_path": str(tool_caller)}),
-                                update_batches=batches if name == "megatron" else None)
+                                reward_model_scores=scores[name], update_batches=batches if name == "megatron" else None)
+    assert len(scores["megatron"]) == len(scores["hf"]) > 0
+    for got, want in zip(scores["megatron"], scores["hf"]):
+        assert got == pytest.approx(want, rel=1e-5, abs=1e-6)
+    assert max(max(s) for s in scores["hf"]) > min(min(s) for s in scores["hf"])
     assert_same_run(runs["megatron"], runs["hf"])
     rows = [r for r in runs["megatron"][1] if "actor/pg_loss" in r]
+    assert "reward_model/score/mean" in rows[0]
     assert rows[0]["tool_call_num/mean"] > 0.5, rows[0]  # (tool/* counters stay in the Ray workers)
     # the tool's answer inside the responses, out of the loss: a 0 of the mask between 1s
     tokenizer = AutoTokenizer.from_pretrained(tool_caller)
