@@ -30,7 +30,8 @@ session has:
 On the Megatron backend (``plan.parallel.backend``) the workers are
 :class:`~posttrain.cluster.megatron_worker.MegatronWorker` shards: the rows are cut into one share
 per data-parallel *replica* (its TP x PP workers), every worker of a replica gets its replica's
-share, and the answer is the replica leader's; ``save`` is a collective that writes Megatron's layout.
+share, and the answer is the replica leader's (the reward model lives in the leaders alone);
+``save`` (and a critic's own ``critic_config.save``) is a collective that writes Megatron's layout.
 
 Every call waits with ``rl_config.ray_timeout_s``; the first failure closes the group (kills the
 workers, which may be blocked in a collective with a dead peer) and raises a ClusterError.
