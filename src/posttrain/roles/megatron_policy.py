@@ -51,8 +51,8 @@ from posttrain.roles.critic import critic_source
 from posttrain.roles.megatron_view import MegatronView, replica_gpus
 from posttrain.roles.policy import Policy, build_rollout, model_source, offloaded_reference, reference_source
 from posttrain.train.megatron import lora as megatron_lora
-from posttrain.train.megatron.checkpoint import (Part, load_megatron_checkpoint, save_megatron_checkpoint,
-                                                 saved_adapter_only)
+from posttrain.train.megatron.checkpoint import (VALUE_MODEL, Part, load_megatron_checkpoint,
+                                                 save_megatron_checkpoint, saved_adapter_only, saved_value_model)
 from posttrain.train.megatron.engine import MegatronEngine, MegatronOffload
 from posttrain.train.megatron.model import hf_to_megatron, hf_weights, mcore_to_megatron
 from posttrain.train.offload import on_device
@@ -360,7 +360,8 @@ class MegatronPolicy:
             return None
         with on_device(self.critic):  # an offloaded optimizer state is saved too
             part = Part(self.critic_chunks, self.critic.optimizer, {"scheduler": self.critic.scheduler.state_dict(),
-                                                                    "trainer_state": dict(trainer_state)})
+                                                                    "trainer_state": dict(trainer_state),
+                                                                    VALUE_MODEL: True})
             return save_megatron_checkpoint(options.save_dir, iteration, {"": part}, self.args,
                                             ckpt_format=self.plan.policy.ckpt_format, save_optim=options.save_optim,
                                             save_rng=options.save_rng)
@@ -375,11 +376,10 @@ class MegatronPolicy:
 
 
 def _is_own_critic_checkpoint(path: str) -> bool:
-    """``critic_config.load`` names a critic's own Megatron checkpoint that a run saved (not a
-    converted ``--orm`` model, nor an actor's checkpoint with its ``critic/``)."""
-    if not (_is_megatron_dir(path) and _has_iteration(path)):
-        return False
-    return not (mcore_files.iteration_dir(Path(path)) / "critic").is_dir()
+    """``critic_config.load`` names a critic's own Megatron checkpoint that a run saved
+    (``critic_config.save``), not a converted ``--orm`` model or an actor's checkpoint (whose
+    backbone starts the critic)."""
+    return _is_megatron_dir(path) and _has_iteration(path) and saved_value_model(path)
 
 
 def _has_iteration(source: str) -> bool:
