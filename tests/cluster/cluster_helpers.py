@@ -45,13 +45,26 @@ def column(td, name):
     return torch.cat([r.reshape(-1) for r in batch[name]])
 
 
-def record_run(cfg, sessions: list | None = None) -> tuple[list[list[list[int]]], list[dict], list[dict]]:
+def record_run(cfg, sessions: list | None = None,
+               reward_model_scores: list | None = None,
+               update_batches: list | None = None) -> tuple[list[list[list[int]]], list[dict], list[dict]]:
     """Train ``cfg``; return the response token ids of every generation batch, the logged metrics
     and the metrics of every actor optimizer step (the run's session is appended to ``sessions``:
-    on Ray, ``session.cluster.info`` says where each worker ran)."""
+    on Ray, ``session.cluster.info`` says where each worker ran; the reward model's scores of
+    ``reward_config``, call by call, to ``reward_model_scores``; the batch of every actor update to
+    ``update_batches``)."""
     session, trainer = session_and_trainer(cfg)
     if sessions is not None:
         sessions.append(session)
+    if reward_model_scores is not None:
+        score = session.reward_model.score_sequences
+
+        def recording_scores(*args):
+            out = score(*args)
+            reward_model_scores.append(list(out))
+            return out
+
+        session.reward_model.score_sequences = recording_scores
     batches, steps = [], []
     generation = trainer.producer.generation
     fill, update = generation.fill, session.policy.actor.update
@@ -62,6 +75,8 @@ def record_run(cfg, sessions: list | None = None) -> tuple[list[list[list[int]]]
         batches.append([r.tolist() for r in rows["responses"]])
 
     def recording_update(*args, **kwargs):
+        if update_batches is not None:
+            update_batches.append({k: v.clone() for k, v in args[0].items()})
         out = update(*args, **kwargs)
         steps.extend(out)
         return out

@@ -186,20 +186,25 @@ def test_ppo_on_the_megatron_backend_equals_the_hf_backend(ray_cluster, work, mo
     """PPO (GAE, KL in the reward) with its colocated critic at TP 2 with sequence parallelism (the
     value head on the gathered sequence): the same responses, the same
     actor steps, and every logged metric (the critic's values, value loss and grad norm included).
-    The critic is saved in ``critic/`` of the Megatron checkpoint, converts with ``--orm`` into a
-    reward-model HF directory (its head trained away from the zeros it started at), and resumes."""
+    The critic is saved in a directory of its own (``critic_config.save``, Megatron's layout at the
+    actor's iterations); a run resumed from the first iteration (the critic through
+    ``critic_config.load``) takes the second exactly, and saves the critic in ``critic/`` of its
+    Megatron checkpoint, which converts with ``--orm`` into a reward-model HF directory (its head
+    trained away from the zeros it started at) and resumes."""
     import torch
     from safetensors.torch import load_file
 
     from posttrain.cli import main
 
-    runs, ckpt = {}, work / "mg_ppo_ckpt"
-    save = {"save": str(ckpt), "save_interval": 2}
-    tp2 = {"tensor_model_parallel_size": 2, "sequence_parallel": True}
-    for name, workers, extra in (("hf", 1, {}), ("megatron", 2, {**tp2, **save})):
+    runs, first, own, ckpt = {}, work / "mg_ppo_first", work / "mg_ppo_own_critic", work / "mg_ppo_ckpt"
+    tp2 = {**TRAIN, "tensor_model_parallel_size": 2, "sequence_parallel": True, "stage": "ray_ppo",
+           "tokenizer_name_or_path": str(model)}
+    saved = {**tp2, "save": str(first), "save_interval": 1}
+    for name, workers, extra, critic in (("hf", 1, {}, None), ("megatron", 2, saved, {"save": str(own)})):
         runs[name] = record_run(grpo_config(work, f"mg_ppo_{name}", workers=workers, iters=2, rl={**RL, **PPO},
                                             train={**TRAIN, **extra, "stage": "ray_ppo",
-                                                   "tokenizer_name_or_path": str(model)}))
+                                                   "tokenizer_name_or_path": str(model)},
+                                            sections={"critic_config": critic} if critic else None))
     (want_batches, want_rows, want_steps), (got_batches, got_rows, got_steps) = runs["hf"], runs["megatron"]
     assert got_batches == want_batches and len(got_steps) == len(want_steps) == 4
     for step, (got, want) in enumerate(zip(got_steps, want_steps)):
@@ -212,19 +217,38 @@ def test_ppo_on_the_megatron_backend_equals_the_hf_backend(ray_cluster, work, mo
         assert all(want[k] > 0 for k in ("critic/vf_loss", "critic/grad_norm"))
         for key in (k for k in want if not is_wall_clock(k)):
             assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), (want["iteration"], key)
+    assert (own / "iter_0000001" / ".metadata").is_file() and not (first / "iter_0000001" / "critic").exists()
+    again = record_run(grpo_config(work, "mg_ppo_again", workers=2, iters=2, rl={**RL, **PPO}, train={
+        **tp2, "load": str(first / "iter_0000001"), "save": str(ckpt), "save_interval": 2},
+        sections={"critic_config": {"load": str(own / "iter_0000001")}}))
+    assert_resumed_exactly(again, runs["megatron"], iteration=2)
     assert (ckpt / "iter_0000002" / "critic" / ".metadata").is_file()
     assert main(["convert", "--load-model-type", "mg", "--save-model-type", "hf", "--orm", "--load-dir",
                  str(ckpt / "iter_0000002" / "critic"), "--save-dir", str(work / "mg_ppo_critic_hf")]) == 0
     head = load_file(str(work / "mg_ppo_critic_hf" / "mg2hf" / "model.safetensors"))["score.weight"]
     assert head.shape[0] == 1 and float(head.abs().max()) > 0
     _, resumed, _ = record_run(grpo_config(work, "mg_ppo_resumed", workers=2, iters=3, rl={**RL, **PPO}, train={
-        **TRAIN, **tp2, "stage": "ray_ppo", "tokenizer_name_or_path": str(model),
-        "load": str(ckpt)}))
+        **tp2, "load": str(ckpt)}))
     resumed = [r for r in resumed if "actor/pg_loss" in r]
     # the critic resumed trained (a fresh zero head would value every token 0), with its LR schedule
     assert [r["iteration"] for r in resumed] == [3] and resumed[0]["critic/values/min"] > 0
     assert resumed[0]["critic/lr"] == resumed[0]["actor/lr"] < got_rows[-1]["actor/lr"]
     assert not torch.equal(head, torch.zeros_like(head))
+
+
+def assert_resumed_exactly(resumed, straight, *, iteration: int) -> None:
+    """A run resumed before ``iteration`` (its last) took the uninterrupted run's ``iteration``:
+    the same responses, optimizer steps and logged metrics, wall clock aside."""
+    (batches, rows, steps), (all_batches, all_rows, all_steps) = resumed, straight
+    rows = [r for r in rows if "actor/pg_loss" in r]
+    want = [r for r in all_rows if "actor/pg_loss" in r and r["iteration"] == iteration]
+    assert [r["iteration"] for r in rows] == [iteration] and len(want) == 1
+    assert batches == all_batches[-len(batches):] and steps
+    for got, expected in zip(steps, all_steps[-len(steps):]):
+        assert {k: v for k, v in got.items() if not is_wall_clock(k)} == \
+            {k: v for k, v in expected.items() if not is_wall_clock(k)}
+    assert {k: v for k, v in rows[0].items() if not is_wall_clock(k)} == \
+        {k: v for k, v in want[0].items() if not is_wall_clock(k)}
 
 
 @pytest.mark.parametrize("stage,tp,pp,dp", [("sft", 2, 1, 1), ("dpo", 2, 1, 1), ("dpo", 1, 2, 1), ("dpo", 1, 1, 2)])

@@ -37,7 +37,8 @@ session has:
 On the Megatron backend (``plan.parallel.backend``) the workers are
 :class:`~posttrain.cluster.megatron_worker.MegatronWorker` shards: the rows are cut into one share
 per data-parallel *replica* (its TP x PP workers), every worker of a replica gets its replica's
-share, and the answer is the replica leader's; ``save`` is a collective that writes Megatron's layout.
+share, and the answer is the replica leader's (the reward model lives in the leaders alone);
+``save`` (and a critic's own ``critic_config.save``) is a collective that writes Megatron's layout.
 
 Every call waits with ``rl_config.ray_timeout_s``; the first failure closes the group (kills the
 workers, which may be blocked in a collective with a dead peer) and raises a ClusterError.
@@ -430,11 +431,14 @@ class CriticRole:
                                    shuffle, seed, micro_batch_size)
 
     def save(self, iteration: int, *, tokenizer=None, trainer_state: dict):
-        """The critic's own checkpoint (``critic_config.save``), from rank 0; None when the critic is
-        saved inside the actor's checkpoints."""
+        """The critic's own checkpoint (``critic_config.save``), from rank 0 (Megatron: a collective,
+        every rank writes its shard); None when the critic is saved inside the actor's checkpoints."""
         self.c._check()
-        path = self.c._call("save critic", [self.c.workers[0].critic_save.remote(iteration, trainer_state)],
-                            self.c.names[:1])[0]
+        workers = self.c.workers if self.c.megatron else self.c.workers[:1]
+        refs = [w.critic_save.remote(iteration, trainer_state) for w in workers]
+        path = self.c._call("save critic", refs, self.c.names[:len(refs)])[0]
+        if isinstance(path, dict) and "error" in path:  # a failed Megatron save, said once by the workers
+            raise CheckpointError(path["error"])
         return Path(path) if path is not None else None
 
 

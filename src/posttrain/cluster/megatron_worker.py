@@ -7,6 +7,12 @@ PP rank 0): log-probs, the reference and the update are collectives over the rep
 pipeline groups (the update also over the data-parallel group), and only the leader samples.
 Megatron calls run inside the CPU shims on a CPU (:func:`posttrain.training.megatron.cpu_shims.cpu_megatron`);
 the rollout runs outside them.
+
+``reward_config``'s frozen reward model (an HF value-head model,
+:func:`posttrain.roles.reward_model.build_reward_scorer`) is built in each replica's leader only:
+scoring needs no collective (the whole model in one process, as the leader's native rollout copy
+is), the driver keeps only the leader's answer anyway, and a copy on every TP x PP rank would cost
+the memory and compute of that many identical forwards for nothing.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from posttrain.errors import CheckpointError
 from posttrain.cluster.worker import ActorWorker, continued, worker_node_id
 from posttrain.roles.megatron_policy import MegatronPolicy
 from posttrain.roles.policy import load_policy_tokenizer
+from posttrain.roles.reward_model import build_reward_scorer
 from posttrain.training.megatron.cpu_shims import cpu_megatron
 from posttrain.training.megatron.model import hf_weights
 from posttrain.training.offload import WeightOffload
@@ -47,6 +54,8 @@ class MegatronWorker(ActorWorker):
         with self.megatron():
             self.shard = MegatronPolicy(plan, self.device, tokenizer, stops, source=start["source"])
         self.policy, self.fsdp, self.reward_model = self.shard.policy, False, None
+        if plan.stage.on_policy and plan.reward_model is not None and self.shard.leader:  # frozen, the leader's
+            self.reward_model = build_reward_scorer(plan.reward_model, tokenizer, self.device)
         if plan.stage.on_policy and plan.rollout.offload_weights and self.device.startswith("cuda"):
             self.parked = WeightOffload(torch.nn.ModuleList(self.shard.chunks))  # a CPU: no effect (warned)
         return dict(self.shard.state) if self.rank == 0 else {}
@@ -129,9 +138,24 @@ class MegatronWorker(ActorWorker):
             return self.shard.critic.update(batch, loss_fn, mini_batch_size=mini_batch_size,
                                             micro_batch_size=micro_batch_size)
 
-    def critic_save(self, iteration: int, trainer_state: dict) -> None:
-        """The critic is saved inside the policy's checkpoints (``critic/``) on this backend."""
-        return None
+    def score_rewards(self, prompts: list[list[int]], responses: list[list[int]]) -> list[float]:
+        """The reward model's scores of this replica's rows, from its leader (the other ranks hold
+        no reward model and answer [], which the driver drops)."""
+        if self.reward_model is None or not prompts:
+            return []
+        return self.reward_model.score_sequences(prompts, responses)
+
+    def critic_save(self, iteration: int, trainer_state: dict):
+        """The critic's own checkpoint in ``critic_config.save`` (Megatron's layout; every rank
+        writes its shard, a collective), its path; None when the critic is saved inside the
+        policy's checkpoints (``critic/``). A failed save is answered as ``{"error": message}``
+        (see :meth:`save`)."""
+        with self.megatron():
+            try:
+                path = self.shard.save_critic(iteration, trainer_state)
+            except CheckpointError as err:
+                return {"error": str(err)}
+        return str(path) if path is not None else None
 
     def save(self, save_dir: str, iteration: int, sampler_state, trainer_state: dict, save_optim: bool,
              save_rng: bool, files: dict | None = None) -> str:

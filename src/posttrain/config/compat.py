@@ -21,7 +21,6 @@ A key refused on its own (whatever else the config holds) carries that rule on i
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -139,12 +138,6 @@ def _differs(key: str) -> Callable[[RunConfig], bool]:
     return lambda cfg: value_of(cfg, key) is not None and value_of(cfg, key) != getattr(cfg.actor, name)
 
 
-def _own_critic_save(cfg: RunConfig) -> bool:
-    critic, actor = cfg.critic, cfg.actor
-    return (critic is not None and bool(critic.save) and
-            (not actor.save or os.path.realpath(critic.save) != os.path.realpath(actor.save)))
-
-
 def _bf16_asked(cfg: RunConfig) -> bool:
     """``bf16: true`` written in the config (the seed's default, true, is not a request)."""
     return bool(cfg.actor.bf16) and (cfg.explicitly_set("megatron_training", "bf16")
@@ -178,7 +171,6 @@ def _features() -> dict[str, Feature]:
         *(Feature(f"{role}.{key}", (f"{role}.{key}",), _differs(f"{role}.{key}"), when="not the actor's value")
           for role in ("ref_config", "critic_config")
           for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", VPP_KEY)),
-        Feature("critic_save", ("critic_config.save",), _own_critic_save, when="a directory other than the actor's"),
         _on("actor_config.moe_tp_extend_ep", when="true"),
         _on("actor_config.use_distributed_optimizer", when="true"),
         _on("rl_config.rollout_engine", lambda v: v == "vllm", name="vllm", shown="rl_config.rollout_engine=vllm",
@@ -319,11 +311,6 @@ ROWS: tuple[Row, ...] = (
         "prompt (the numerics are the same; only the packed length differs)", backend=MEGATRON, effect="no effect"),
     *(Row(f"megatron-{name}", name, _LAYOUT, backend=MEGATRON) for name in FEATURES if name.startswith(
         ("ref_config.", "critic_config."))),
-    Row("megatron-critic-save", "critic_save", "{setting}: a critic saved in a directory of its own is not built on "
-        "the megatron backend yet (the critic is saved in critic/ of the actor's checkpoints); remove the key or give "
-        "it the actor's save directory{megatron}", backend=MEGATRON),
-    Row("megatron-reward-model", "reward_model", "reward_config: a reward model is not built on the megatron backend "
-        "yet; score with rule rewards (remove reward_config){megatron}", backend=MEGATRON),
     Row("megatron-moe-tp-extend-ep", "moe_tp_extend_ep", "{setting}: experts split over TP x EP ranks "
         "(moe_tp_extend_ep) are not built on the megatron backend yet; set it to false (the experts split over "
         "expert_model_parallel_size ranks){megatron}", backend=MEGATRON),

@@ -12,7 +12,9 @@
 * **The reference**: a frozen chunk of the same layout (forward only).
 * **The critic** (PPO): a chunk of the same layout with a scalar value head in place of the output
   layer (:func:`~posttrain.training.megatron.model.attach_value_head`), its own optimizer and LR
-  schedule (``critic_config``), saved in ``iter_XXXXXXX/critic/`` of the policy's checkpoints.
+  schedule (``critic_config``), saved in ``iter_XXXXXXX/critic/`` of the policy's checkpoints, or
+  with ``critic_config.save`` naming a directory of its own as checkpoints of its own there (the
+  same Megatron layout, at the actor's iterations), which ``critic_config.load`` resumes.
 * **The rollout**: on the first rank of each data-parallel replica (TP rank 0, PP rank 0: the
   replica's *leader*). The native engine needs the whole model in one process, so the leader holds a
   Hugging Face copy of the actor for sampling. After every update all ranks gather the trained
@@ -50,8 +52,8 @@ from posttrain.roles.critic import critic_source
 from posttrain.roles.megatron_view import MegatronView, replica_gpus
 from posttrain.roles.policy import Policy, build_rollout, model_source, offloaded_reference, reference_source
 from posttrain.training.megatron import lora as megatron_lora
-from posttrain.training.megatron.checkpoint import (Part, load_megatron_checkpoint, save_megatron_checkpoint,
-                                                 saved_adapter_only)
+from posttrain.training.megatron.checkpoint import (VALUE_MODEL, Part, load_megatron_checkpoint,
+                                                 save_megatron_checkpoint, saved_adapter_only, saved_value_model)
 from posttrain.training.megatron.engine import MegatronEngine, MegatronOffload
 from posttrain.training.megatron.model import hf_to_megatron, hf_weights, mcore_to_megatron
 from posttrain.training.offload import on_device
@@ -278,20 +280,29 @@ class MegatronPolicy:
 
     def _critic(self, plan, resume_dir: str | None):
         """PPO's critic (a value head on the backbone), colocated with the same layout: from
-        ``critic_config.load`` (a reward model, HF or ``--orm`` Megatron) or the actor's initial
-        weights with a zero head; resumed from ``critic/`` of the actor's checkpoint."""
+        ``critic_config.load`` (a reward model, HF or ``--orm`` Megatron, or the critic's own
+        checkpoint, which it resumes unless ``finetune``) or the actor's initial weights with a
+        zero head; without a save directory of its own, resumed from ``critic/`` of the actor's
+        checkpoint."""
         options = plan.critic
         path, from_actor = critic_source(plan)
         self.critic_chunks, _ = build_chunks(str(self.state["initial_model"]) if from_actor else path, self.options,
                                              self.device, for_training=True, value_head=True)
         models, optimizer, scheduler = self._trainable(options.optim, plan, self.critic_chunks)
         critic = self._engine(models, optimizer, scheduler, "critic", options.optim, value_head=True)
-        if resume_dir is not None:  # finetune / no_load_optim keep the critic's weights only
+        load, subdir = None, None
+        if not from_actor and _is_own_critic_checkpoint(path) and not options.checkpoint.finetune:
+            load = path  # no_load_optim keeps its weights only; the RNG is the actor's to restore
+        elif resume_dir is not None and options.save_dir is None:  # finetune / no_load_optim: the weights only
+            load, subdir = resume_dir, "critic"
+        if load is not None:
             keep_optim = options.checkpoint.restores_optimizer
-            saved = load_megatron_checkpoint(resume_dir, self.critic_chunks, optimizer, load_optim=keep_optim,
-                                             load_rng=False, subdir="critic")
+            saved = load_megatron_checkpoint(load, self.critic_chunks, optimizer, load_optim=keep_optim,
+                                             load_rng=False, subdir=subdir)
             if keep_optim and "scheduler" in saved:
                 scheduler.load_state_dict(saved["scheduler"])
+            log.info("critic: resumed from %s%s at iteration %d", load, f" ({subdir}/)" if subdir else "",
+                     int(saved["iteration"]))
         return critic
 
     def _resume(self, source: str, load) -> dict:
@@ -338,13 +349,28 @@ class MegatronPolicy:
                                                             "trainer_state": dict(trainer_state),
                                                             "sampler_state": sampler_state},
                               adapter_only=self.plan.policy.lora is not None and self.plan.schedule.adapter_only)}
-            if self.critic is not None:
+            if self.critic is not None and self.plan.critic.save_dir is None:  # else its own: save_critic
                 parts["critic"] = Part(self.critic_chunks, self.critic.optimizer,
                                        {"scheduler": self.critic.scheduler.state_dict()})
             return save_megatron_checkpoint(save_dir, iteration, parts, self.args,
                                             ckpt_format=self.plan.policy.ckpt_format, save_optim=save_optim,
                                             save_rng=save_rng,
                                             write_more=lambda directory: self._write_more(directory, files or {}))
+
+    def save_critic(self, iteration: int, trainer_state: dict) -> Path | None:
+        """The critic's own checkpoint in ``critic_config.save`` (a collective: every rank writes
+        its shard), in the actor's format with the critic's ``no_save_optim`` / ``no_save_rng``;
+        None when it has no directory of its own (it is then ``critic/`` of :meth:`save`)."""
+        options = self.plan.critic
+        if self.critic is None or options.save_dir is None:
+            return None
+        with on_device(self.critic):  # an offloaded optimizer state is saved too
+            part = Part(self.critic_chunks, self.critic.optimizer, {"scheduler": self.critic.scheduler.state_dict(),
+                                                                    "trainer_state": dict(trainer_state),
+                                                                    VALUE_MODEL: True})
+            return save_megatron_checkpoint(options.save_dir, iteration, {"": part}, self.args,
+                                            ckpt_format=self.plan.policy.ckpt_format, save_optim=options.save_optim,
+                                            save_rng=options.save_rng)
 
     def _write_more(self, directory: Path, files: dict) -> None:
         """A LoRA actor's adapter in PEFT's format next to the Megatron files (a collective; base
@@ -356,6 +382,13 @@ class MegatronPolicy:
         if files and torch.distributed.get_rank() == 0:
             for name, obj in files.items():
                 torch.save(obj, directory / name)
+
+
+def _is_own_critic_checkpoint(path: str) -> bool:
+    """``critic_config.load`` names a critic's own Megatron checkpoint that a run saved
+    (``critic_config.save``), not a converted ``--orm`` model or an actor's checkpoint (whose
+    backbone starts the critic)."""
+    return _is_megatron_dir(path) and _has_iteration(path) and saved_value_model(path)
 
 
 def _has_iteration(source: str) -> bool:

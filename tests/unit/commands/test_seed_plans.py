@@ -33,7 +33,7 @@ REFUSED_KEYS = {
     "grpo_lora_qwen25_32b": [],
     "dapo_qwen25_7b_multi_turn": [],
     "dapo_qwen25_32b": [],
-    "ppo_qwen25_32b": ["critic_config.save"],
+    "ppo_qwen25_32b": [],
     "dpo_qwen3_30b_a3b": [],
     "grpo_qwen25_7b_A3": [],
     "grpo_qwen25_32b_A2": [],

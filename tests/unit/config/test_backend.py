@@ -194,9 +194,6 @@ def test_megatron_needs_ray_worker_groups():
 
 
 NOT_YET = [
-    ([*PPO, "critic_config.tensor_model_parallel_size=2", "critic_config.save=/tmp/critic_only"], "critic_config.save=/tmp/critic_only: a critic saved in a "
-                                                     "directory of its own"),
-    (["reward_config.micro_batch_size=2"], "reward_config: a reward model"),
     (["rl_config.ray_sharding=fsdp2"], "rl_config.ray_sharding=fsdp2"),
     ([*PPO, "critic_config.tensor_model_parallel_size=1"], "critic_config.tensor_model_parallel_size=1: colocated "
                                                           "roles"),
@@ -207,6 +204,20 @@ NOT_YET = [
 def test_features_not_built_on_megatron_are_refused_by_key(overrides, start):
     lines = refusal([*TP2, *overrides]).splitlines()  # with every other refusal of the config, one per line
     assert any(line.startswith(start) and line.endswith(MEGATRON) for line in lines), lines
+
+
+def test_a_reward_model_and_a_critic_directory_of_its_own_plan_on_megatron(tmp_path):
+    """reward_config's reward model (in each replica's leader) and critic_config.save in a directory
+    of its own (the critic's own Megatron checkpoints) are built on the megatron backend."""
+    ppo = [*TP2, *PPO, "critic_config.tensor_model_parallel_size=2", f"critic_config.save={tmp_path / 'critic'}"]
+    cfg = run_config_from_dict(copy.deepcopy(BASE), overrides=ppo)
+    layout, _ = check_run_config(cfg, device_type="cpu", arch=ARCH)
+    plan = build_plan(cfg, layout, ARCH, device="cpu")
+    assert (plan.parallel.backend, plan.critic.save_dir) == ("megatron", str(tmp_path / "critic"))
+    cfg = run_config_from_dict(copy.deepcopy(BASE), overrides=[*TP2, f"reward_config.load={tmp_path}"])
+    layout, _ = check_run_config(cfg, device_type="cpu", arch=ARCH)
+    plan = build_plan(cfg, layout, ARCH, device="cpu")
+    assert (plan.parallel.backend, plan.reward_model.path) == ("megatron", str(tmp_path))
 
 
 def test_lora_on_megatron_plans_and_a_target_outside_a_megatron_layer_is_refused():
@@ -230,7 +241,7 @@ def test_offline_stages_plan_on_megatron(stage):
 
 def test_the_compatibility_table_lists_what_megatron_does_not_run_by_key():
     assert {FEATURES[row.feature].keys[0] for row in ROWS if row.backend == ("megatron",)} >= {
-        "rl_config.ray_sharding", "actor_config.bf16", "actor_config.moe_tp_extend_ep", "reward_config"}
+        "rl_config.ray_sharding", "actor_config.bf16", "actor_config.moe_tp_extend_ep"}
 
 
 def test_offload_follows_the_hf_backends_rules():

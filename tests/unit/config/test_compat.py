@@ -62,9 +62,6 @@ EXAMPLES: dict[str, tuple[list[str], str]] = {
     "megatron-critic_config.num_layers_per_virtual_pipeline_stage": (
         [*TP2, *PPO, "critic_config.tensor_model_parallel_size=2",
          "critic_config.num_layers_per_virtual_pipeline_stage=1"], "cpu"),
-    "megatron-critic-save": ([*TP2, *PPO, "critic_config.tensor_model_parallel_size=2", "critic_config.save=/tmp/c"],
-                             "cpu"),
-    "megatron-reward-model": ([*TP2, "reward_config.load=/models/rm"], "cpu"),
     "megatron-moe-tp-extend-ep": ([*TP2, "actor_config.moe_tp_extend_ep=true"], "cpu"),
     "megatron-fsdp2": ([*TP2, "rl_config.ray_sharding=fsdp2"], "cpu"),
     "lora-critic": ([*PPO, "critic_config.lora_target_modules=[q_proj]"], "cpu"),

@@ -53,6 +53,7 @@ class Part(NamedTuple):
 
 
 ADAPTER_ONLY = "adapter_only"  # the entry that marks a checkpoint of a LoRA adapter without its base
+VALUE_MODEL = "value_model"  # the entry that marks a critic's own checkpoint (its model ends in the value head)
 
 
 def _is_adapter(key: str) -> bool:
@@ -277,11 +278,21 @@ def load_megatron_checkpoint(load_dir: str | Path, chunks: list, optimizer, *, l
 
 def saved_adapter_only(load_dir: str | Path) -> bool:
     """The checkpoint ``load_dir`` names holds a LoRA adapter without its base (``lora_ckpt_filter``)."""
+    return _saved_entry(load_dir, ADAPTER_ONLY)
+
+
+def saved_value_model(load_dir: str | Path) -> bool:
+    """The checkpoint ``load_dir`` names is a critic's own (saved with the entry :data:`VALUE_MODEL`)."""
+    return _saved_entry(load_dir, VALUE_MODEL)
+
+
+def _saved_entry(load_dir: str | Path, key: str) -> bool:
+    """The saved entry ``key`` of the checkpoint ``load_dir`` names (False when it has none)."""
     it_dir = mcore_files.iteration_dir(Path(load_dir))
     if mcore_files.is_dist_checkpoint(it_dir):
-        return bool(mcore_files.load_common(it_dir).get(ADAPTER_ONLY, False))
+        return bool(mcore_files.load_common(it_dir).get(key, False))
     first = next(iter(sorted(it_dir.glob(f"mp_rank_*/{mcore_files.RANK_FILE}"))), None)
-    return first is not None and bool(mcore_files.load_rank_file(first, mmap=True, verify=False).get(ADAPTER_ONLY))
+    return first is not None and bool(mcore_files.load_rank_file(first, mmap=True, verify=False).get(key))
 
 
 def _load_dist(path: Path, chunks: list, optimizer, *, load_optim: bool, load_rng: bool) -> dict:
