@@ -365,6 +365,10 @@ ROWS: tuple[Row, ...] = (
         "decode, not the per-request loop; set it to 0", with_="per_request"),
     Row("speculation-graphs", "speculation", "{key} with {other}: CUDA graphs replay one token a row on a static "
         "cache, and speculation feeds several; set one of them back", device=("cuda",), with_="graphs"),
+    Row("speculation-partial-ray", "speculation", "{key} with {other} on Ray actor workers: the workers decode "
+        "each round a fixed number of tokens per call, while speculation emits several tokens a step, so the rounds "
+        "would not end where one process's do; set it to 0 (or run partial rollout in one process)", placement=RAY,
+        with_="partial"),
     # generate_config.offload_train_param on a GPU: only where the rollout samples from a copy of the weights
     *(Row(f"offload-param-{suffix}", "offload_param", "{setting}" + message, device=("cuda",), stage=ON_POLICY,
           **where) for suffix, where, message in _OFFLOAD_PARAM),

@@ -99,6 +99,7 @@ EXAMPLES: dict[str, tuple[list[str], str]] = {
     "multi-turn-partial": ([*TURNS, *PARTIAL], "cpu"),
     "speculation-per-request": ([*SPEC, "rl_config.async_engine=true"], "cpu"),
     "speculation-graphs": ([*SPEC, *GRAPHS], "cuda"),
+    "speculation-partial-ray": ([*SPEC, *PARTIAL, *RAY], "cpu"),
     "num-threads-ray": (["rl_config.num_threads=2", *RAY], "cpu"),
     "dp-batch-balance-one-process": (["rl_config.use_dp_batch_balance=true"], "cpu"),
     "ref-config": ([*SEPARATE, "ref_config.micro_batch_size=2"], "cpu"),
