@@ -47,8 +47,9 @@ import torch
 
 from posttrain.cluster import launch
 from posttrain.cluster.megatron_worker import MegatronWorker
-from posttrain.cluster.remote import ClusterError, gather
+from posttrain.cluster.remote import ClusterError, Pending, gather, wait_all
 from posttrain.cluster.reward import RewardGroup
+from posttrain.cluster.role_groups import GroupReference, GroupRewardModel, RoleGroup
 from posttrain.cluster.worker import ActorWorker
 from posttrain.errors import CheckpointError, ConfigError
 from posttrain.roles.policy import Policy, load_policy_tokenizer
@@ -109,6 +110,7 @@ class Cluster:
         self.workers: list = []
         self.pg = None
         self.rewards = None
+        self.groups: dict[str, RoleGroup] = {}  # use_integrated_worker: false: roles in worker groups of their own
         try:
             use_gpu = device.startswith("cuda")
             cpus = plan.cluster.cpus_per_worker
@@ -130,23 +132,47 @@ class Cluster:
             self.rollout_holds_weights = any(i.get("rollout_holds_weights") for i in self.info)  # vLLM
             if plan.rule_reward is not None:  # SFT and DPO score nothing
                 self.rewards = RewardGroup(plan.rule_reward, self.timeout_s)
+            self._start_groups(plan, start, states[0])
         except BaseException:
             self.close()
             raise
         tokenizer, stops = load_policy_tokenizer(plan.policy, start["source"])  # the driver never loads the weights
-        self.policy = Policy(model=None, tokenizer=tokenizer, actor=ActorRole(self),
-                             reference=ReferenceRole(self) if plan.uses_reference else None,
+        reference = None
+        if plan.uses_reference:
+            reference = GroupReference(self, self.groups["reference"]) if "reference" in self.groups \
+                else ReferenceRole(self)
+        self.policy = Policy(model=None, tokenizer=tokenizer, actor=ActorRole(self), reference=reference,
                              rollout=RolloutRole(self) if plan.stage.on_policy else None, stop_token_ids=stops,
                              state=states[0])
         self.critic = CriticRole(self) if plan.uses_critic else None
-        self.reward_model = RewardModelRole(self) if plan.stage.on_policy and plan.reward_model else None
+        self.reward_model = None
+        if plan.stage.on_policy and plan.reward_model:
+            self.reward_model = GroupRewardModel(self, self.groups["reward"]) if "reward" in self.groups \
+                else RewardModelRole(self)
         self.rule_reward = self.rewards
         log.info("Ray: %d actor workers (%s): %s", self.world, "; ".join(self.names), self.info)
 
+    def _start_groups(self, plan, start: dict, state: dict) -> None:
+        """The roles with worker groups of their own (``plan.separated``), built and ready."""
+        for role, count in plan.separated.devices.items():
+            self.groups[role] = RoleGroup(role, count, plan, start, state)
+        pendings = [g.all_pending(f"{role} group set-up", "setup", plan, start, state, os.getcwd())
+                    for role, g in self.groups.items()]
+        self.wait_all(pendings)
+        for role, info in zip(self.groups, self.wait_all([g.all_pending(f"{role} group ready check", "ready_info")
+                                                          for role, g in self.groups.items()])):
+            log.info("Ray: %d %s workers of their own: %s", len(info), role, info)
+
     # ---- calls --------------------------------------------------------------------------------
     def _call(self, what: str, refs: list, names: list[str]) -> list:
+        return self.wait_all([Pending(what, refs, names, [self.node_of[n] for n in names], list)])[0]
+
+    def wait_all(self, pendings: list[Pending]) -> list:
+        """The answers of calls started on any of the run's workers (actor workers, role groups),
+        awaited together (:func:`~posttrain.cluster.remote.wait_all`); a failure closes every worker."""
+        self._check()
         try:
-            return gather(refs, names, what, self.timeout_s, nodes=[self.node_of[n] for n in names])
+            return wait_all(pendings, self.timeout_s)
         except ClusterError:
             self.close()  # the other workers may wait forever in a collective with the failed one
             raise
@@ -162,6 +188,11 @@ class Cluster:
         """Call ``method`` with ``make_args(replica, start, stop)`` for each replica's share, on every
         worker of the replica; the leaders' answers, in order. With FSDP2 a ``collective`` call goes
         to every worker, even with an empty share; on the Megatron backend every call does."""
+        return self.wait_all([self.start_sharded(what, method, count, make_args, collective, list)])[0]
+
+    def start_sharded(self, what: str, method: str, count: int, make_args, collective: bool, combine) -> Pending:
+        """:meth:`sharded`'s calls, started and not awaited; ``combine`` makes the answer of the
+        leaders' results."""
         self._check()
         shares = spans(count, len(self.replicas), keep_empty=self.megatron or (self.fsdp and collective))
         refs, names, leaders = [], [], []
@@ -171,8 +202,8 @@ class Cluster:
             for rank in self.replicas[r]:
                 refs.append(getattr(self.workers[rank], method).remote(*args))
                 names.append(self.names[rank])
-        results = self._call(what, refs, names)
-        return [results[i] for i in leaders]
+        return Pending(what, refs, names, [self.node_of[n] for n in names],
+                       lambda results: combine([results[i] for i in leaders]))
 
     def update_calls(self, what: str, method: str, batch: dict, loss_fn, mini_batch_size: int, epochs: int,
                      shuffle: bool, seed: int, micro_batch_size: int | None) -> list[dict[str, float]]:
@@ -229,6 +260,8 @@ class Cluster:
         self.closed = True
         if self.rewards is not None:
             self.rewards.close()
+        for group in self.groups.values():
+            group.close()
         for worker in self.workers:
             ray.kill(worker)
         if self.pg is not None:
@@ -291,14 +324,14 @@ class RolloutRole(RolloutEngine):
                 for key, reduce in WORKER_ROLLOUT_METRICS.items() if any(key in part for part in parts)}
 
 
-def _sharded_logprobs(cluster: Cluster, batch, temperature, micro_batch_size, reference: bool) -> torch.Tensor:
-    """The actor's (or the reference's) log-probs of ``batch``, rows cut into one share per replica."""
+def _sharded_logprobs(cluster: Cluster, batch, temperature, micro_batch_size, reference: bool) -> Pending:
+    """The actor's (or the reference's) log-probs of ``batch``, rows cut into one share per replica
+    (started; :meth:`Cluster.wait_all` awaits them)."""
     count = next(iter(batch.values())).shape[0]
     what = "reference log-probs" if reference else "actor log-probs"
-    parts = cluster.sharded(what, "compute_logprobs", count,
-                            lambda r, lo, hi: (_rows(batch, lo, hi), temperature, micro_batch_size, reference),
-                            collective=not reference)
-    return torch.cat(parts)
+    return cluster.start_sharded(what, "compute_logprobs", count,
+                                 lambda r, lo, hi: (_rows(batch, lo, hi), temperature, micro_batch_size, reference),
+                                 not reference, torch.cat)
 
 
 class ActorRole:
@@ -307,8 +340,12 @@ class ActorRole:
     def __init__(self, cluster: Cluster):
         self.c = cluster
 
-    def compute_logprobs(self, batch, *, temperature=1.0, micro_batch_size=None):
+    def start_logprobs(self, batch, *, temperature=1.0, micro_batch_size=None) -> Pending:
         return _sharded_logprobs(self.c, batch, temperature, micro_batch_size, reference=False)
+
+    def compute_logprobs(self, batch, *, temperature=1.0, micro_batch_size=None):
+        return self.c.wait_all([self.start_logprobs(batch, temperature=temperature,
+                                                    micro_batch_size=micro_batch_size)])[0]
 
     def update(self, batch, loss_fn, *, mini_batch_size, epochs=1, shuffle=False, seed=0, micro_batch_size=None):
         return self.c.update_calls("actor update", "update", batch, loss_fn, mini_batch_size, epochs, shuffle, seed,
@@ -321,8 +358,12 @@ class ReferenceRole:
     def __init__(self, cluster: Cluster):
         self.c = cluster
 
-    def compute_logprobs(self, batch, *, temperature=1.0, micro_batch_size=None):
+    def start_logprobs(self, batch, *, temperature=1.0, micro_batch_size=None) -> Pending:
         return _sharded_logprobs(self.c, batch, temperature, micro_batch_size, reference=True)
+
+    def compute_logprobs(self, batch, *, temperature=1.0, micro_batch_size=None):
+        return self.c.wait_all([self.start_logprobs(batch, temperature=temperature,
+                                                    micro_batch_size=micro_batch_size)])[0]
 
     def compute_pair_logps(self, batch, *, average=False, micro_batch_size=None):
         """DPO: the reference's (chosen, rejected) sequence log-probs, pairs cut into shares."""
@@ -340,11 +381,13 @@ class CriticRole:
     def __init__(self, cluster: Cluster):
         self.c = cluster
 
-    def compute_values(self, batch, *, micro_batch_size=None):
+    def start_values(self, batch, *, micro_batch_size=None) -> Pending:
         count = next(iter(batch.values())).shape[0]
-        parts = self.c.sharded("critic values", "compute_values", count,
-                               lambda r, lo, hi: (_rows(batch, lo, hi), micro_batch_size), collective=False)
-        return torch.cat(parts)
+        return self.c.start_sharded("critic values", "compute_values", count,
+                                    lambda r, lo, hi: (_rows(batch, lo, hi), micro_batch_size), False, torch.cat)
+
+    def compute_values(self, batch, *, micro_batch_size=None):
+        return self.c.wait_all([self.start_values(batch, micro_batch_size=micro_batch_size)])[0]
 
     def update(self, batch, loss_fn, *, mini_batch_size, epochs=1, shuffle=False, seed=0, micro_batch_size=None):
         return self.c.update_calls("critic update", "critic_update", batch, loss_fn, mini_batch_size, epochs,

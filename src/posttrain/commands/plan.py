@@ -19,8 +19,10 @@ def format_plan(plan: Plan, cpu_linear: str = "blas") -> str:
     par = plan.parallel
     sharding = plan.sharding if par.backend == "hf" else "megatron"
     where = (f"{plan.workers} Ray worker(s), {sharding}" if plan.use_ray else "in one process")
-    if plan.off_policy.separate_worker:  # use_integrated_worker: false
+    if plan.off_policy.separate_worker:  # separate_rollout_worker: true
         where += " (trainer) and a Ray rollout worker process"
+    if plan.separated:  # use_integrated_worker: false: roles in worker groups of their own
+        where += " (actor), " + ", ".join(f"{count} {role} worker(s)" for role, count in plan.separated.devices.items())
     lines = [f"stage {plan.name} on {plan.layout.num_devices} device(s), {where}; {plan.device}, "
              f"{plan.train_dtype} training, {plan.rollout_dtype} rollout"
              + ("; fp32 linear layers by oneDNN (measured now on this machine)" if cpu_linear == "onednn" else ""),
@@ -55,9 +57,18 @@ def format_plan(plan: Plan, cpu_linear: str = "blas") -> str:
               f"  {'actor':<46} data parallel {par.dp} (tensor parallel {par.tp}, pipeline parallel {par.pp})",
               f"  {'rollout':<46} {rollout_layout(plan)}; the seed's rollout data parallel "
               f"{plan.layout.infer_dp} sizes the reads"]
+    groups = plan.separated.devices
+    if "reference" in groups:
+        lines.append(f"  {'reference (a worker group of its own)':<46} {groups['reference']} worker(s), its own "
+                     f"placement group; rows cut into {groups['reference']} share(s)")
+    if groups:
+        lines.append(f"  {'role calls':<46} " + ("blocking: one pass after another" if plan.separated.blocking else
+                                                   "blocking: false: the log-prob (and value) passes overlap"))
     if plan.reward_model is not None:
         rm = plan.reward_model
-        lines.append(f"  {'reward model (colocated with the actor)':<46} {rm.path}, {rm.dtype}, "
+        where = (f"a worker group of its own, {groups['reward']} worker(s)" if "reward" in groups
+                 else "colocated with the actor")
+        lines.append(f"  {'reward model (' + where + ')':<46} {rm.path}, {rm.dtype}, "
                      f"{rm.micro_batch_size} sequences per forward, weight {rm.weight:g}")
     if plan.dispatch_sizes:
         lines += ["", "dispatch sizes (TransferDock reads per data-parallel rank)"]
