@@ -89,7 +89,7 @@ class RoleGroup:
 
         self.role, self.world, self.timeout_s = role, count, plan.cluster.timeout_s
         self.workers: list = []
-        self.pg = None
+        self.pg, self.closed = None, False
         use_gpu, cpus = plan.device.startswith("cuda"), plan.cluster.cpus_per_worker
         try:
             self.pg = launch.placement_group(count, use_gpu, cpus, self.timeout_s)
@@ -120,12 +120,13 @@ class RoleGroup:
         import ray
         from ray.util.placement_group import remove_placement_group
 
+        if self.closed:
+            return
+        self.closed = True
         for worker in self.workers:
             ray.kill(worker)
-        self.workers = []
         if self.pg is not None:
             remove_placement_group(self.pg)
-            self.pg = None
 
 
 def _rows(batch: dict, lo: int, hi: int) -> dict:
