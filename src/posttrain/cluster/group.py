@@ -47,7 +47,7 @@ import torch
 
 from posttrain.cluster import launch
 from posttrain.cluster.megatron_worker import MegatronWorker
-from posttrain.cluster.remote import ClusterError, Pending, gather, wait_all
+from posttrain.cluster.remote import ClusterError, Pending, wait_all
 from posttrain.cluster.reward import RewardGroup
 from posttrain.cluster.role_groups import GroupReference, GroupRewardModel, RoleGroup
 from posttrain.cluster.worker import ActorWorker
