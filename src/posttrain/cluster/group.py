@@ -32,8 +32,16 @@ On the Megatron backend (``plan.parallel.backend``) the workers are
 per data-parallel *replica* (its TP x PP workers), every worker of a replica gets its replica's
 share, and the answer is the replica leader's; ``save`` is a collective that writes Megatron's layout.
 
+With ``use_integrated_worker: false`` and ``reference_resource`` / ``reward_resource``, the reference
+and the reward model are not built in the actor workers: they run in worker groups of their own
+(:mod:`posttrain.cluster.role_groups`), and ``policy.reference`` / ``reward_model`` are those
+groups' proxies.
+
 Every call waits with ``rl_config.ray_timeout_s``; the first failure closes the group (kills the
-workers, which may be blocked in a collective with a dead peer) and raises a ClusterError.
+workers, which may be blocked in a collective with a dead peer, and the role groups) and raises a
+ClusterError. A call can also be started without waiting (``start_*``: a
+:class:`~posttrain.cluster.remote.Pending`), and several are then awaited together by
+:meth:`Cluster.wait_all` (``rl_config.blocking: false``, :mod:`posttrain.loops.overlap`).
 """
 
 from __future__ import annotations
