@@ -57,38 +57,18 @@ from posttrain.cluster import launch
 from posttrain.cluster.megatron_worker import MegatronWorker
 from posttrain.cluster.remote import ClusterError, Pending, wait_all
 from posttrain.cluster.reward import RewardGroup
-from posttrain.cluster.role_groups import GroupReference, GroupRewardModel, RoleGroup
+from posttrain.cluster.role_groups import GroupCritic, GroupReference, GroupRewardModel, RoleGroup
+from posttrain.cluster.shares import spans, update_shards
 from posttrain.cluster.worker import ActorWorker
 from posttrain.errors import CheckpointError, ConfigError
 from posttrain.roles.policy import Policy, load_policy_tokenizer
 from posttrain.rollout.base import RolloutEngine
 from posttrain.rollout.keyed import random_seed
-from posttrain.train.engine import minibatch_order
 
 log = logging.getLogger(__name__)
 
 # the rollout engines' metrics that reach the driver, and how the workers' values combine into one
 WORKER_ROLLOUT_METRICS = {"rollout/sync_probe_diff": max, "timing/resharding_to_train": max}
-
-
-def spans(count: int, parts: int, keep_empty: bool = False) -> list[tuple[int, int]]:
-    """Contiguous, balanced ``(start, stop)`` shares of ``count`` rows; empty shares dropped
-    unless ``keep_empty`` (FSDP2: every worker must take part in the parameter gather)."""
-    bounds = [count * i // parts for i in range(parts + 1)]
-    return [(bounds[i], bounds[i + 1]) for i in range(parts) if keep_empty or bounds[i + 1] > bounds[i]]
-
-
-def update_shards(num_rows: int, mini_batch_size: int, world: int, epochs: int, shuffle: bool,
-                  seed: int) -> list[torch.Tensor]:
-    """Row indices for each rank: the optimizer steps of :meth:`TrainEngine.update` (same order,
-    same shuffle), each cut into ``world`` equal slices; rank ``r`` gets slice ``r`` of every step."""
-    if mini_batch_size % world:
-        raise ConfigError(f"a mini-batch of {mini_batch_size} rows (rl_config.mini_batch_size x "
-                          f"n_samples_per_prompt) cannot be shared equally by {world} data-parallel replicas "
-                          f"(rl_config.actor_resource.num_npus); make it a multiple of the worker count.")
-    local = mini_batch_size // world
-    steps = minibatch_order(num_rows, mini_batch_size, epochs=epochs, shuffle=shuffle, seed=seed)
-    return [torch.cat([step[rank * local:(rank + 1) * local] for step in steps]) for rank in range(world)]
 
 
 def replicas(info: list[dict]) -> list[list[int]]:
@@ -152,7 +132,9 @@ class Cluster:
         self.policy = Policy(model=None, tokenizer=tokenizer, actor=ActorRole(self), reference=reference,
                              rollout=RolloutRole(self) if plan.stage.on_policy else None, stop_token_ids=stops,
                              state=states[0])
-        self.critic = CriticRole(self) if plan.uses_critic else None
+        self.critic = None
+        if plan.uses_critic:
+            self.critic = GroupCritic(self, self.groups["critic"]) if "critic" in self.groups else CriticRole(self)
         self.reward_model = None
         if plan.stage.on_policy and plan.reward_model:
             self.reward_model = GroupRewardModel(self, self.groups["reward"]) if "reward" in self.groups \
@@ -164,8 +146,13 @@ class Cluster:
         """The roles with worker groups of their own (``plan.separated``), built and ready."""
         for role, count in plan.separated.devices.items():
             self.groups[role] = RoleGroup(role, count, plan, start, state)
-        pendings = [g.all_pending(f"{role} group set-up", "setup", plan, start, state, os.getcwd())
-                    for role, g in self.groups.items()]
+        pendings = []
+        for role, g in self.groups.items():
+            master = None
+            if role == "critic":  # its own process group (DDP over the critic workers): rank 0 is the rendezvous
+                master = self.wait_all([g.all_pending("critic group rendezvous", "address")])[0][0][:2]
+            pendings.append(g.all_pending(f"{role} group set-up", "setup", plan, start, state, os.getcwd(), master,
+                                          g.world))
         self.wait_all(pendings)
         for role, info in zip(self.groups, self.wait_all([g.all_pending(f"{role} group ready check", "ready_info")
                                                           for role, g in self.groups.items()])):

@@ -19,22 +19,24 @@ answers its own share. This module is imported inside Ray worker processes.
 
 from __future__ import annotations
 
+import datetime
 import os
+from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from posttrain.cluster import launch
 from posttrain.cluster.remote import Pending
+from posttrain.cluster.shares import spans, update_shards
+from posttrain.cluster.worker import free_port, worker_node_id, wrap_ddp
 from posttrain.models.cpu_linear import set_cpu_linear
+from posttrain.roles.critic import Critic
 from posttrain.roles.policy import build_reference, load_policy_tokenizer, seed_everything
 from posttrain.roles.reward_model import build_reward_scorer
+from posttrain.train.engine import TrainEngine
 
-ROLE_NAMES = {"reference": "reference", "reward": "reward model"}
-
-
-def _spans(count: int, parts: int) -> list[tuple[int, int]]:
-    bounds = [count * i // parts for i in range(parts + 1)]
-    return [(bounds[i], bounds[i + 1]) for i in range(parts) if bounds[i + 1] > bounds[i]]
+ROLE_NAMES = {"reference": "reference", "reward": "reward model", "critic": "critic"}
 
 
 class RoleWorker:
@@ -42,11 +44,19 @@ class RoleWorker:
 
     def __init__(self, role: str, rank: int, cpu_threads: int):
         self.role, self.rank, self.cpu_threads = role, rank, cpu_threads
-        self.reference = self.scorer = None
+        self.reference = self.scorer = self.critic = None
 
-    def setup(self, plan, start: dict, state: dict, cwd: str) -> None:
+    def address(self) -> tuple[str, int, int]:
+        """(node IP, a free port, pid): the critic group's rank 0 is its process group's rendezvous."""
+        import ray
+
+        return ray.util.get_node_ip_address(), free_port(), os.getpid()
+
+    def setup(self, plan, start: dict, state: dict, cwd: str, master: tuple[str, int] | None = None,
+              world: int = 1) -> None:
         """Build this worker's role on its device (the trainer state ``state`` says, after a resume,
-        which initial model the reference copies)."""
+        which initial model the reference and the critic start from); the critic's ``world``
+        workers first join a process group of their own at ``master``."""
         if os.path.isdir(cwd):
             os.chdir(cwd)  # relative paths of the config mean the same here
         self.device = plan.device
@@ -62,13 +72,14 @@ class RoleWorker:
         if self.role == "reference":
             self.reference = build_reference(plan, self.device, start["source"], state,
                                              plan.separated.reference_micro_batch_size)
+            return
+        self.tokenizer, _ = load_policy_tokenizer(plan.policy, start["source"])
+        if self.role == "reward":
+            self.scorer = build_reward_scorer(plan.reward_model, self.tokenizer, self.device)
         else:
-            tokenizer, _ = load_policy_tokenizer(plan.policy, start["source"])
-            self.scorer = build_reward_scorer(plan.reward_model, tokenizer, self.device)
+            self.critic = build_group_critic(plan, state, self.device, master, self.rank, world)
 
     def ready_info(self) -> dict:
-        from posttrain.cluster.worker import worker_node_id
-
         return {"role": self.role, "rank": self.rank, "pid": os.getpid(), "node": worker_node_id(),
                 "device": self.device, "threads": torch.get_num_threads()}
 
@@ -78,6 +89,37 @@ class RoleWorker:
 
     def score_rewards(self, prompt_ids: list[list[int]], response_ids: list[list[int]]) -> list[float]:
         return [float(s) for s in self.scorer.score_sequences(prompt_ids, response_ids)]
+
+    def compute_values(self, batch: dict, micro_batch_size) -> torch.Tensor:
+        batch = {k: v.to(self.device) for k, v in batch.items()}
+        return self.critic.compute_values(batch, micro_batch_size=micro_batch_size).cpu()
+
+    def critic_update(self, batch: dict, loss_fn, mini_batch_size: int, micro_batch_size) -> list[dict[str, float]]:
+        """The critic's optimizer steps on this rank's slices of the global mini-batches (DDP over the group)."""
+        return self.critic.update(batch, loss_fn, mini_batch_size=mini_batch_size, epochs=1, shuffle=False,
+                                  micro_batch_size=micro_batch_size)
+
+    def critic_save(self, iteration: int, trainer_state: dict) -> str | None:
+        path = self.critic.save(iteration, tokenizer=self.tokenizer, trainer_state=trainer_state)
+        return str(path) if path is not None else None
+
+    def critic_state_dict(self) -> dict:
+        return {k: v.detach().cpu().clone() for k, v in self.critic.model.state_dict().items()}
+
+
+def build_group_critic(plan, state: dict, device: str, master: tuple[str, int], rank: int, world: int) -> Critic:
+    """PPO's critic in a group of its own: the group's ``world`` workers join a process group of
+    their own (gloo on a CPU, nccl on CUDA); values on the plain model, the update through DDP."""
+    timeout = datetime.timedelta(seconds=plan.cluster.timeout_s)
+    use_gpu = device.startswith("cuda")
+    dist.init_process_group("nccl" if use_gpu else "gloo", init_method=f"tcp://{master[0]}:{master[1]}", rank=rank,
+                            world_size=world, timeout=timeout)
+    own = [dist.new_group([r], timeout=timeout) for r in range(world)][rank]  # values: no collective
+    critic = Critic(plan, state, device)
+    critic.infer = TrainEngine(critic.engine.model, micro_batch_size=critic.micro_batch_size, dtype=plan.train_dtype,
+                               dp_group=own, metric_prefix="critic")
+    critic.engine.model = wrap_ddp(critic.engine.model, [0] if use_gpu else None)
+    return critic
 
 
 class RoleGroup:
@@ -112,7 +154,7 @@ class RoleGroup:
     def sharded(self, what: str, method: str, count: int, make_args, combine) -> Pending:
         """``method`` on each worker with ``make_args(start, stop)`` of its contiguous share of
         ``count`` rows, not awaited; ``combine`` makes the answer of the shares' results."""
-        shares = _spans(count, self.world)
+        shares = spans(count, self.world)
         refs = [getattr(self.workers[r], method).remote(*make_args(lo, hi)) for r, (lo, hi) in enumerate(shares)]
         return Pending(what, refs, self.names[:len(refs)], self.nodes[:len(refs)], combine)
 
@@ -163,3 +205,41 @@ class GroupRewardModel:
 
     def score_sequences(self, prompt_ids: list[list[int]], response_ids: list[list[int]]) -> list[float]:
         return self.c.wait_all([self.start_scores(prompt_ids, response_ids)])[0]
+
+
+class GroupCritic:
+    """PPO's critic group as the loop's :class:`~posttrain.train.base.CriticEngine`: values over
+    contiguous row shares; the update over every worker's slices of each global mini-batch
+    (:func:`~posttrain.cluster.shares.update_shards`; DDP over the group averages the gradients),
+    as the colocated critic's; its checkpoints from rank 0 (``critic_config.save``)."""
+
+    def __init__(self, cluster, group: RoleGroup):
+        self.c, self.group = cluster, group
+
+    def start_values(self, batch, *, micro_batch_size=None) -> Pending:
+        count = next(iter(batch.values())).shape[0]
+        return self.group.sharded("critic values", "compute_values", count,
+                                  lambda lo, hi: (_rows(batch, lo, hi), micro_batch_size), torch.cat)
+
+    def compute_values(self, batch, *, micro_batch_size=None):
+        return self.c.wait_all([self.start_values(batch, micro_batch_size=micro_batch_size)])[0]
+
+    def update(self, batch, loss_fn, *, mini_batch_size, epochs=1, shuffle=False, seed=0, micro_batch_size=None):
+        g = self.group
+        count = next(iter(batch.values())).shape[0]
+        shards = update_shards(count, mini_batch_size, g.world, epochs, shuffle, seed)
+        local = mini_batch_size // g.world
+        refs = [w.critic_update.remote({k: v[rows].cpu() for k, v in batch.items()}, loss_fn, local, micro_batch_size)
+                for w, rows in zip(g.workers, shards)]
+        return self.c.wait_all([Pending("critic update", refs, list(g.names), list(g.nodes), list)])[0][0]
+
+    def save(self, iteration: int, *, tokenizer=None, trainer_state: dict):
+        """The critic's own checkpoint (``critic_config.save``), written by rank 0."""
+        g = self.group
+        ref = g.workers[0].critic_save.remote(iteration, trainer_state)
+        path = self.c.wait_all([Pending("save critic", [ref], g.names[:1], g.nodes[:1], list)])[0][0]
+        return Path(path) if path is not None else None
+
+    def state_dicts(self) -> list[dict]:
+        """Every critic worker's weights (for tests: DDP keeps them equal)."""
+        return self.c.wait_all([self.group.all_pending("critic state_dict", "critic_state_dict")])[0]

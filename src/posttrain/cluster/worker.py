@@ -142,7 +142,7 @@ class ActorWorker:
         else:
             p.actor.model = wrap_ddp(p.model, [0] if use_gpu else None)
         self.critic = None
-        if plan.uses_critic:  # PPO: the critic colocated with the actor, data parallel over the same ranks
+        if plan.uses_critic and "critic" not in own:  # PPO: colocated with the actor, data parallel over its ranks
             self.critic = c = Critic(plan, p.state, device)
             c.infer = TrainEngine(c.engine.model, micro_batch_size=c.micro_batch_size, dtype=plan.train_dtype,
                                   dp_group=own, metric_prefix="critic")

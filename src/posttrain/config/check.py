@@ -110,7 +110,7 @@ def collect_checks(cfg: RunConfig, refusals: Refusals, *, device_type: str = "cp
     refusals.run(_check_lora_keys, cfg, arch)
     warnings = engine_warnings + startup_warnings(cfg, device_type, backend=backend)
     warnings += refusals.run(check_async, cfg, default=[])
-    warnings += refusals.run(check_separated, cfg, stage.uses_reference(cfg), default=[])
+    warnings += refusals.run(check_separated, cfg, stage.uses_reference(cfg), stage.uses_critic, default=[])
     if stage.on_policy:  # rollout_engine: vllm (the vllm package, a CUDA device)
         warnings += refusals.run(check_vllm, cfg, device_type=device_type, installed=here, default=[])
     if not cfg.actor.save:

@@ -154,7 +154,8 @@ def _bf16_asked(cfg: RunConfig) -> bool:
 
 def _separated_shown(cfg: RunConfig) -> str:
     groups = ", ".join(f"{role} on {count}" for role, count in role_devices(cfg).items())
-    return f"rl_config.use_integrated_worker: false with reference_resource / reward_resource ({groups} worker(s))"
+    return (f"rl_config.use_integrated_worker: false with reference_resource / reward_resource / critic_resource "
+            f"({groups} worker(s))")
 
 
 def _features() -> dict[str, Feature]:
@@ -166,14 +167,14 @@ def _features() -> dict[str, Feature]:
                 lambda c: c.raw.get("ref_config") is not None and "reference" not in role_devices(c),
                 when="present, without a reference in a group of its own"),
         Feature("separated", ("rl_config.use_integrated_worker", "rl_config.reference_resource",
-                              "rl_config.reward_resource"), lambda c: bool(role_devices(c)), shown=_separated_shown,
-                when="false, with reference_resource or reward_resource",
+                              "rl_config.reward_resource", "rl_config.critic_resource"), lambda c: bool(role_devices(c)),
+                shown=_separated_shown, when="false, with reference_resource, reward_resource or critic_resource",
                 title="rl_config.use_integrated_worker: false with a role resource (separated roles)"),
         Feature("separated_reference", ("rl_config.reference_resource",), lambda c: "reference" in role_devices(c),
                 when="set, with use_integrated_worker: false"),
-        Feature("separated_critic", ("rl_config.critic_resource",),
-                lambda c: not c.rl.use_integrated_worker and c.rl.critic_resource is not None,
-                when="set, with use_integrated_worker: false"),
+        Feature("separated_critic_save", ("rl_config.critic_resource",),
+                lambda c: "critic" in role_devices(c) and not _own_critic_save(c),
+                when="set, with use_integrated_worker: false and no critic_config.save of its own"),
         Feature("blocking_integrated", ("rl_config.blocking",), lambda c: not c.rl.blocking and not role_devices(c),
                 shown="rl_config.blocking: false", when="false, without separated roles"),
         Feature("reward_model", ("reward_config",), lambda c: c.reward is not None, when="present"),
@@ -296,10 +297,10 @@ _ROLLOUT_REPLICA = [  # async_staleness and use_integrated_worker: false put the
 ]
 _SEPARATED = [  # roles in worker groups of their own: where they are built
     ("megatron", dict(backend=MEGATRON), "{setting}: roles in worker groups of their own are built on the hf backend "
-                                         "only; remove reference_resource / reward_resource (the roles stay colocated "
-                                         "with the actor){megatron}"),
+                                         "only; remove the resources (the roles stay colocated with the "
+                                         "actor){megatron}"),
     ("offline", dict(stage=OFFLINE), "{setting}: roles in worker groups of their own serve the on-policy stages "
-                                     "(grpo, dapo, ppo); remove reference_resource / reward_resource"),
+                                     "(grpo, dapo, ppo); remove the resources"),
     ("async", dict(with_="async"), "{setting} with {other}: the asynchronous rollout with separated roles is not "
                                    "built yet; remove one"),
     ("partial", dict(with_="partial"), "{setting} with {other}: partial rollout with separated roles is not built "
@@ -420,9 +421,9 @@ ROWS: tuple[Row, ...] = (
     # the seed's separated roles (posttrain.config.separated); blocking: false overlaps their passes
     *(Row(f"separated-{suffix}", "separated_reference" if suffix == "share-backbone" else "separated", message,
           **where) for suffix, where, message in _SEPARATED),
-    Row("separated-critic", "separated_critic", "{setting} with rl_config.use_integrated_worker: false: a critic in a "
-        "worker group of its own is not built yet; remove critic_resource (the critic stays colocated with the actor, "
-        "data parallel over its workers)"),
+    Row("separated-critic-save", "separated_critic_save", "{setting} with rl_config.use_integrated_worker: false: a "
+        "critic in a worker group of its own writes checkpoints of its own (the actor's checkpoints hold no critic/); "
+        "set critic_config.save to a directory other than the actor's (critic_config.load resumes it)"),
     Row("blocking-integrated", "blocking_integrated", "{setting} overlaps the passes of roles in worker groups of "
         "their own (rl_config.use_integrated_worker: false with reference_resource or reward_resource); here every "
         "role shares the actor's workers, which run one call at a time, so there is nothing to overlap. Remove the "

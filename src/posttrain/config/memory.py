@@ -249,7 +249,7 @@ def estimate_memory(cfg: RunConfig, plan: "Plan", arch: ModelArch) -> MemoryEsti
     off = tuple(part for part, on in (("weights", weights_off), ("optimizer", plan.offload_optimizer),
                                       ("gradients", plan.offload_grads)) if on)
     return MemoryEstimate(weights=weights, gradients=trained, optimizer=optimizer, reference=reference,
-                          critic=16 * critic if plan.uses_critic else 0.0, activations=activations, kv_cache=kv,
+                          critic=16 * critic if plan.uses_critic and "critic" not in own else 0.0, activations=activations, kv_cache=kv,
                           reward_model=rm_bytes * value_model_params(rm_arch) if rm_arch is not None
                           and "reward" not in own else 0.0,
                           rollout_copy=rollout_copy, off_during_rollout=off,

@@ -56,8 +56,9 @@ REFERENCE_RESOURCE = HONOURED  # separated mode: the reference's own group (vali
 REWARD_RESOURCE = refused("in integrated mode the reward model runs on the actor's devices (loaded in the actor's "
                           "process or in each actor worker)", "remove the key, give it actor_resource's num_npus, or "
                           "set use_integrated_worker: false (a group of its own)", active="actor_devices")
-CRITIC_RESOURCE = refused("the critic runs on the actor's devices (in the actor's process or workers)",
-                          "remove the key or give it actor_resource's num_npus", active="actor_devices")
+CRITIC_RESOURCE = refused("in integrated mode the critic runs on the actor's devices (in the actor's process or "
+                          "workers)", "remove the key, give it actor_resource's num_npus, or set "
+                          "use_integrated_worker: false (a group of its own)", active="actor_devices")
 MULTIMODAL = refused("multimodal training is not implemented yet")
 MULTIMODAL_SET = refused("multimodal training is not implemented yet", "remove the key", active="set")
 SWANLAB = refused("SwanLab logging is not implemented", "remove the key or set it to false (use_tensorboard or "
@@ -118,7 +119,8 @@ class RLConfig(Section):
     reference_resource: Opt[Resource] = F(None, "separated mode: the reference's own worker group", REFERENCE_RESOURCE)
     reward_resource: Opt[Resource] = F(None, "reward-model devices (reward_config); separated mode: its own worker "
                                              "group", REWARD_RESOURCE)
-    critic_resource: Opt[Resource] = F(None, "critic devices (PPO)", CRITIC_RESOURCE)
+    critic_resource: Opt[Resource] = F(None, "critic devices (PPO); separated mode: its own worker group",
+                                       CRITIC_RESOURCE)
     vit_resource: Opt[Resource] = F(None, "multimodal: ViT devices", MULTIMODAL_SET)
     num_samples_per_step: int = F(1, "samples per step", SEED_UNUSED)
     max_prompt_length: int = F(512, "prompts with token length >= this are filtered out", HONOURED, ge=1,

@@ -1,9 +1,11 @@
 """The seed's separated roles (``rl_config.use_integrated_worker: false``) and posttrain's rollout worker.
 
-``use_integrated_worker: false`` with ``reference_resource`` and/or ``reward_resource`` puts the
-frozen reference (and ``reward_config``'s reward model) in Ray worker groups of their own, one
-placement group each, of ``num_npus`` workers (:mod:`posttrain.cluster.role_groups`); a role whose
-resource is not given stays colocated with the actor. ``ref_config`` configures the separated
+``use_integrated_worker: false`` with ``reference_resource``, ``reward_resource`` and/or
+``critic_resource`` puts the frozen reference, ``reward_config``'s reward model and PPO's critic
+in Ray worker groups of their own, one placement group each, of ``num_npus`` workers
+(:mod:`posttrain.cluster.role_groups`); a role whose resource is not given stays colocated with
+the actor. A critic of its own writes checkpoints of its own (``critic_config.save``, a row of the
+compatibility table). ``ref_config`` configures the separated
 reference: its own ``load`` (the reference's weights) and ``micro_batch_size`` (rows per forward);
 any other key it writes must repeat the actor's value (the reference is a frozen copy of the
 actor's architecture). ``blocking: false`` starts the independent passes of an iteration together
@@ -81,17 +83,33 @@ def ref_config_keys(cfg: RunConfig) -> dict:
     return normalise_keys(section) if isinstance(section, dict) else {}
 
 
-def check_separated(cfg: RunConfig, uses_reference: bool = True) -> list[str]:
-    """Raise :class:`ConfigError` for a reference group without a reference (``uses_reference``: the
-    stage has one), or a ``ref_config`` key a separated reference cannot honour; return the
-    start-up warnings (the deprecated spelling of the rollout worker)."""
-    if "reference" in role_devices(cfg):
+def check_separated(cfg: RunConfig, uses_reference: bool = True, uses_critic: bool = False) -> list[str]:
+    """Raise :class:`ConfigError` for a reference or critic group without the role (``uses_*``: the
+    stage has it), a critic group that cannot share a mini-batch equally, or a ``ref_config`` key a
+    separated reference cannot honour; return the start-up warnings (the deprecated spelling of the
+    rollout worker)."""
+    groups = role_devices(cfg)
+    if "reference" in groups:
         if not uses_reference:
             raise ConfigError(f"rl_config.reference_resource={fmt_value(cfg.rl.reference_resource)}: this run has no "
                               f"reference model (no KL term: init_kl_coef 0, or a stage without one), so there is "
                               f"nothing to place; remove the key")
         _check_ref_keys(cfg)
+    if "critic" in groups:
+        _check_critic_group(cfg, groups["critic"], uses_critic)
     return [DEPRECATED_ROLLOUT_WORKER] if legacy_rollout_worker(cfg) else []
+
+
+def _check_critic_group(cfg: RunConfig, workers: int, uses_critic: bool) -> None:
+    rl = cfg.rl
+    if not uses_critic:
+        raise ConfigError(f"rl_config.critic_resource={fmt_value(rl.critic_resource)}: this stage has no critic "
+                          f"(PPO has one), so there is nothing to place; remove the key")
+    rows = rl.mini_batch_size * rl.n_samples_per_prompt
+    if rows % workers:
+        raise ConfigError(f"rl_config.mini_batch_size x n_samples_per_prompt = {rows} rows cannot be shared equally "
+                          f"by {workers} critic workers (rl_config.critic_resource.num_npus); make it a multiple of "
+                          f"the worker count")
 
 
 def _check_ref_keys(cfg: RunConfig) -> None:

@@ -112,8 +112,8 @@ EXAMPLES: dict[str, tuple[list[str], str]] = {
     "separated-async": ([*SEP_REF, *ASYNC], "cpu"),
     "separated-partial": ([*SEP_REF, *PARTIAL], "cpu"),
     "separated-share-backbone": ([*SEP_REF, *LORA, "rl_config.share_backbone=true"], "cpu"),
-    "separated-critic": ([*PPO, "rl_config.use_integrated_worker=false", "rl_config.critic_resource.num_npus=1"],
-                         "cpu"),
+    "separated-critic-save": ([*PPO, "rl_config.use_integrated_worker=false", "rl_config.critic_resource.num_npus=1"],
+                              "cpu"),
     "blocking-integrated": (["rl_config.blocking=false"], "cpu"),
     "reward-model-offline": ([*DPO, "reward_config.load=/models/rm"], "cpu"),
 }

@@ -88,7 +88,7 @@ CASES = [
     (["rl_config.reward_resource.num_npus=2"],
      "rl_config.reward_resource={num_npus: 2}: in integrated mode the reward model runs on the actor's devices",
      "give it actor_resource's num_npus"),
-    ([*PPO, "rl_config.critic_resource.num_npus=2"], "rl_config.critic_resource={num_npus: 2}: the critic runs on",
+    ([*PPO, "rl_config.critic_resource.num_npus=2"], "rl_config.critic_resource={num_npus: 2}: in integrated mode the critic runs on",
      "give it actor_resource's num_npus"),
     (["rl_config.data_strategy=tq"], f"rl_config.data_strategy=tq: {TQ}", "set it to td"),
     (["rl_config.transfer_queue_data_shard_num=2"], f"rl_config.transfer_queue_data_shard_num=2: {TQ}", "set it to 1"),
