@@ -1,20 +1,23 @@
-"""The seed's separated roles: the frozen reference and the reward model in Ray worker groups of their own.
+"""The seed's separated roles: the reference, the reward model and PPO's critic in Ray worker groups of their own.
 
 ``rl_config.use_integrated_worker: false`` with ``reference_resource.num_npus: R`` (or
-``reward_resource``) gives the role a :class:`RoleGroup`: R :class:`RoleWorker` Ray actors in a
-placement group of their own (one bundle each, as the actor workers'), each building only its role
-(:func:`~posttrain.roles.policy.build_reference`: the frozen reference of ``ref_config.load``, else
-a copy of the actor's initial weights; :func:`~posttrain.roles.reward_model.build_reward_scorer`).
-The driver's loop is unchanged: it calls :class:`GroupReference` and :class:`GroupRewardModel`,
-which cut the rows of each call into R contiguous shares (as the actor group does,
-:func:`~posttrain.cluster.group.spans`) and concatenate the answers in order; the data meets in the
-driver's TransferDock. Each call can also be started without waiting (``start_*``, a
+``reward_resource``, ``critic_resource``) gives the role a :class:`RoleGroup`: R :class:`RoleWorker`
+Ray actors in a placement group of their own (one bundle each, as the actor workers'), each
+building only its role (:func:`~posttrain.roles.policy.build_reference`: the frozen reference of
+``ref_config.load``, else a copy of the actor's initial weights;
+:func:`~posttrain.roles.reward_model.build_reward_scorer`; :func:`build_group_critic`). The
+driver's loop is unchanged: it calls :class:`GroupReference`, :class:`GroupRewardModel` and
+:class:`GroupCritic`, which cut the rows of each call into R contiguous shares (as the actor group
+does, :func:`~posttrain.cluster.shares.spans`) and concatenate the answers in order, and cut each
+critic update's mini-batches into R equal slices (:func:`~posttrain.cluster.shares.update_shards`);
+the data meets in the driver's TransferDock. Each call can also be started without waiting (``start_*``, a
 :class:`~posttrain.cluster.remote.Pending`): ``rl_config.blocking: false`` starts the independent
 passes of an iteration together and waits for all of them in one
 :func:`~posttrain.cluster.remote.wait_all` (:mod:`posttrain.loops.overlap`).
 
-The workers need no collective: the reference and the reward model are frozen, and each worker
-answers its own share. This module is imported inside Ray worker processes.
+The frozen roles need no collective: each worker answers its own share. The critic's workers join
+a process group of their own and train through DDP over it; the critic saves checkpoints of its
+own (``critic_config.save``, from rank 0). This module is imported inside Ray worker processes.
 """
 
 from __future__ import annotations

@@ -86,3 +86,25 @@ def test_blocking_false_and_ref_config_need_separated_roles():
         warnings_of("rl_config.blocking=false")
     with pytest.raises(ConfigError, match="ref_config configures a reference in a worker group of its own"):
         warnings_of("rl_config.use_integrated_worker=false", "ref_config.micro_batch_size=2")
+
+
+PPO = ["megatron_training.stage=ray_ppo", "rl_config.adv_estimator=gae", "critic_config.save=/ckpt/critic"]
+
+
+def test_a_critic_group_of_its_own_for_ppo():
+    plan = plan_of(*PPO, "rl_config.use_integrated_worker=false", "rl_config.critic_resource.num_npus=2")
+    assert plan.separated.devices == {"critic": 2} and plan.use_ray and plan.workers == 1
+    assert plan.memory.critic == 0 and plan_of(*PPO).memory.critic > 0  # not on the actor's workers
+    assert "1 Ray worker(s), ddp (actor), 2 critic worker(s)" in format_plan(plan)
+
+
+@pytest.mark.parametrize("overrides, words", [
+    (["rl_config.critic_resource.num_npus=2"], "rl_config.critic_resource={num_npus: 2}: this stage has no critic"),
+    ([*PPO, "rl_config.critic_resource.num_npus=3"], "cannot be shared equally by 3 critic workers"),
+    ([*PPO, "critic_config.save=null", "rl_config.critic_resource.num_npus=2"],
+     "a critic in a worker group of its own writes checkpoints of its own"),
+])
+def test_what_a_critic_group_cannot_run_is_refused_by_name(overrides, words):
+    with pytest.raises(ConfigError) as err:
+        warnings_of("rl_config.use_integrated_worker=false", *overrides)
+    assert words in str(err.value)
