@@ -75,3 +75,4 @@ def test_separated_roles_equal_the_integrated_run_blocking_or_not(ray_cluster, w
     assert over_rows[0]["timing/reference_model"] == over_rows[0]["timing/old_log_p"] == over_rows[0][
         "timing/critic_model"]
     assert sep_rows[1]["timing/reference_model"] != sep_rows[1]["timing/old_log_p"]
+
