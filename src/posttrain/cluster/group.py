@@ -113,6 +113,8 @@ class Cluster:
             self.nodes = launch.bundle_nodes(self.pg)
             self.names = [f"actor worker rank {r} on {launch.node_label(node)}" for r, node in enumerate(self.nodes)]
             self.node_of = dict(zip(self.names, self.nodes))
+            for role, count in plan.separated.devices.items():  # their processes start while the actors set up
+                self.groups[role] = RoleGroup(role, count, plan)
             ip, port, _ = self._call("find the rendezvous", [self.workers[0].address.remote()], self.names[:1])[0]
             states = self._all("set-up", "setup", plan, start, (ip, port), self.timeout_s, os.getcwd())
             self.info = self._all("ready check", "ready_info")
@@ -120,7 +122,7 @@ class Cluster:
             self.rollout_holds_weights = any(i.get("rollout_holds_weights") for i in self.info)  # vLLM
             if plan.rule_reward is not None:  # SFT and DPO score nothing
                 self.rewards = RewardGroup(plan.rule_reward, self.timeout_s)
-            self._start_groups(plan, start, states[0])
+            self._setup_groups(plan, start, states[0])
         except BaseException:
             self.close()
             raise
@@ -142,10 +144,9 @@ class Cluster:
         self.rule_reward = self.rewards
         log.info("Ray: %d actor workers (%s): %s", self.world, "; ".join(self.names), self.info)
 
-    def _start_groups(self, plan, start: dict, state: dict) -> None:
-        """The roles with worker groups of their own (``plan.separated``), built and ready."""
-        for role, count in plan.separated.devices.items():
-            self.groups[role] = RoleGroup(role, count, plan, start, state)
+    def _setup_groups(self, plan, start: dict, state: dict) -> None:
+        """The roles with worker groups of their own (``plan.separated``) built (from the trainer
+        state ``state`` of the actor workers' set-up) and ready."""
         pendings = []
         for role, g in self.groups.items():
             master = None

@@ -128,7 +128,7 @@ def build_group_critic(plan, state: dict, device: str, master: tuple[str, int], 
 class RoleGroup:
     """``count`` :class:`RoleWorker` of one role, in a placement group of their own."""
 
-    def __init__(self, role: str, count: int, plan, start: dict, state: dict):
+    def __init__(self, role: str, count: int, plan):
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
