@@ -20,6 +20,9 @@ def _role_lines(plan: Plan) -> list[str]:
     if "reference" in groups:
         lines.append(f"  {'reference (a worker group of its own)':<46} {groups['reference']} worker(s), its own "
                      f"placement group; rows cut into {groups['reference']} share(s)")
+    if "critic" in groups:
+        lines.append(f"  {'critic (a worker group of its own)':<46} {groups['critic']} worker(s), its own placement "
+                     f"and process group, data parallel {groups['critic']}; checkpoints in critic_config.save")
     if groups:
         lines.append(f"  {'role calls':<46} " + ("blocking: one pass after another" if plan.separated.blocking else
                                                    "blocking: false: the log-prob (and value) passes overlap"))
@@ -42,7 +45,8 @@ def format_plan(plan: Plan, cpu_linear: str = "blas") -> str:
         where += " (trainer) and a Ray rollout worker process"
     if plan.separated:  # use_integrated_worker: false: roles in worker groups of their own
         where += " (actor), " + ", ".join(f"{count} {role} worker(s)" for role, count in plan.separated.devices.items())
-    lines = [f"stage {plan.name} on {plan.layout.num_devices} device(s), {where}; {plan.device}, "
+    devices = plan.layout.num_devices + sum(plan.separated.devices.values())  # the actor's and the roles' own
+    lines = [f"stage {plan.name} on {devices} device(s), {where}; {plan.device}, "
              f"{plan.train_dtype} training, {plan.rollout_dtype} rollout"
              + ("; fp32 linear layers by oneDNN (measured now on this machine)" if cpu_linear == "onednn" else ""),
              *([plan.target.describe(plan.layout.num_devices)] if plan.target is not None else []),
