@@ -179,8 +179,10 @@ def _rows(batch: dict, lo: int, hi: int) -> dict:
 
 
 class GroupReference:
-    """The reference group as the loop's :class:`~posttrain.train.base.ReferenceEngine`; ``cluster``
-    awaits the calls (its timeout; a failure closes the whole run's workers)."""
+    """The reference group's ``compute_logprobs``: the on-policy part of
+    :class:`~posttrain.train.base.ReferenceEngine` (DPO's pair log-probs are not offered: the
+    offline stages refuse separated roles); ``cluster`` awaits the calls (its timeout; a failure
+    closes the whole run's workers)."""
 
     def __init__(self, cluster, group: RoleGroup):
         self.c, self.group = cluster, group
