@@ -94,7 +94,7 @@ class Cluster:
         self.timeout_s = plan.cluster.timeout_s
         self.world = plan.workers
         self.closed = False
-        self.owns_ray = launch.connect(plan.cluster, plan.workers)
+        self.owns_ray = launch.connect(plan.cluster, plan.workers + sum(plan.separated.devices.values()))
         self.workers: list = []
         self.pg = None
         self.rewards = None
