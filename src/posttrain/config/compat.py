@@ -305,6 +305,8 @@ _SEPARATED = [  # roles in worker groups of their own: where they are built
                                    "built yet; remove one"),
     ("partial", dict(with_="partial"), "{setting} with {other}: partial rollout with separated roles is not built "
                                        "yet; remove one"),
+    ("rollout-worker", dict(with_="rollout_worker"), "{setting} with {other}: the rollout worker process beside the "
+                                                     "separated roles' groups is not built yet; remove one"),
     ("share-backbone", dict(with_="share_backbone"), "{setting} with {other}: with share_backbone the reference is the "
                                                      "actor's own weights (its adapter off), so it cannot run in a group "
                                                      "of its own; remove one"),
