@@ -33,6 +33,7 @@ from posttrain.cluster import launch
 from posttrain.cluster.remote import Pending
 from posttrain.cluster.shares import spans, update_shards
 from posttrain.cluster.worker import free_port, worker_node_id, wrap_ddp
+from posttrain.config.separated import ROLE_RESOURCES
 from posttrain.models.cpu_linear import set_cpu_linear
 from posttrain.roles.critic import Critic
 from posttrain.roles.policy import build_reference, load_policy_tokenizer, seed_everything
@@ -43,7 +44,8 @@ ROLE_NAMES = {"reference": "reference", "reward": "reward model", "critic": "cri
 
 
 class RoleWorker:
-    """One worker of a role group (created with ``ray.remote``): the frozen reference or the reward model."""
+    """One worker of a role group (created with ``ray.remote``): the frozen reference, the reward
+    model, or a data-parallel rank of PPO's critic."""
 
     def __init__(self, role: str, rank: int, cpu_threads: int):
         self.role, self.rank, self.cpu_threads = role, rank, cpu_threads
@@ -137,7 +139,8 @@ class RoleGroup:
         self.pg, self.closed = None, False
         use_gpu, cpus = plan.device.startswith("cuda"), plan.cluster.cpus_per_worker
         try:
-            self.pg = launch.placement_group(count, use_gpu, cpus, self.timeout_s)
+            self.pg = launch.placement_group(count, use_gpu, cpus, self.timeout_s, f"{ROLE_NAMES[role]} workers",
+                                             ROLE_RESOURCES[role])
             remote = ray.remote(RoleWorker)
             for rank in range(count):
                 strategy = PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=rank)
