@@ -8,7 +8,7 @@ exactly N copies, less the further the count is off (``repeat_count``).
 Modes, each over the same seeds (median of 3 runs by default):
 
 * ``sync``: the default, one process with torch using every core;
-* ``sep_k0``: the seed's separated placement (``use_integrated_worker: false``): the rollout in a
+* ``sep_k0``: the separate rollout worker (``separate_rollout_worker: true``): the rollout in a
   Ray worker process with one core, the trainer in this process with one core, synchronous;
 * ``sep_k1``: the same two processes with ``async_staleness: 1``;
 * ``local_k1``: ``async_staleness: 1`` in one process (the rollout thread on a copy of the
@@ -40,8 +40,8 @@ TEMPLATE = "tiny_tool"
 LR = 3e-4
 MODES = {
     "sync": {},
-    "sep_k0": {"rl_config.use_integrated_worker": "false"},
-    "sep_k1": {"rl_config.use_integrated_worker": "false", "rl_config.async_staleness": "1"},
+    "sep_k0": {"rl_config.separate_rollout_worker": "true"},
+    "sep_k1": {"rl_config.separate_rollout_worker": "true", "rl_config.async_staleness": "1"},
     "local_k1": {"rl_config.async_staleness": "1"},
 }
 

@@ -1,4 +1,4 @@
-"""The separated placement (``use_integrated_worker: false``): the rollout in a Ray worker process,
+"""The separate rollout worker (``separate_rollout_worker: true``): the rollout in a Ray worker process,
 the trainer in this one. With ``async_staleness: 1`` it equals the in-process asynchronous run (the
 rollout thread on a copy of the weights), which at k = 0 equals synchronous training
 (tests/integration/test_async_loop.py): the weights travel to the worker after every update. The
@@ -29,7 +29,7 @@ def trained(work, name: str, speculative_tokens: int = 0, **rl) -> list[dict]:
 
 def test_separated_async_equals_the_in_process_async_run(ray_cluster, work):
     thread = trained(work, "async_thread", async_staleness=1)
-    separated = trained(work, "async_ray", speculative_tokens=4, async_staleness=1, use_integrated_worker=False)
+    separated = trained(work, "async_ray", speculative_tokens=4, async_staleness=1, separate_rollout_worker=True)
     assert [r["iteration"] for r in separated] == [r["iteration"] for r in thread] == [1, 2, 3]
     assert sum(r["rollout/draft_tokens"] for r in separated) > 0  # the worker's engine speculated
     for got, want in zip(separated, thread):

@@ -1,4 +1,4 @@
-"""The separate rollout worker (``use_integrated_worker: false``) with vLLM: the worker process holds
+"""The separate rollout worker (``separate_rollout_worker: true``) with vLLM: the worker process holds
 its own vLLM engine, synced (and proven by the probe) with every version it loads."""
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ def test_the_rollout_worker_samples_each_version_on_its_own_vllm(vllm_world, tmp
     trainer's at iteration 1 (the same weights) and not at iteration 2 (one update behind)."""
     from posttrain.commands.train import train_config as train
 
-    rl = {"rollout_engine": "vllm", "async_staleness": 1, "use_integrated_worker": False, "mini_batch_size": 1,
+    rl = {"rollout_engine": "vllm", "async_staleness": 1, "separate_rollout_worker": True, "mini_batch_size": 1,
           "verifier_function": ["e2e_lowercase"], "verifier_modules": [VERIFIERS]}  # a reward that varies: updates move
     train(world_run_config(vllm_world, tmp_path, iters=3, rl_config=rl,
                            megatron_training={"global_batch_size": 2, "micro_batch_size": 2, "lr": 1e-2,

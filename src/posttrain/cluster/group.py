@@ -40,8 +40,16 @@ per data-parallel *replica* (its TP x PP workers), every worker of a replica get
 share, and the answer is the replica leader's (the reward model lives in the leaders alone);
 ``save`` (and a critic's own ``critic_config.save``) is a collective that writes Megatron's layout.
 
+With ``use_integrated_worker: false`` and ``reference_resource`` / ``reward_resource``, the reference
+and the reward model are not built in the actor workers: they run in worker groups of their own
+(:mod:`posttrain.cluster.role_groups`), and ``policy.reference`` / ``reward_model`` are those
+groups' proxies.
+
 Every call waits with ``rl_config.ray_timeout_s``; the first failure closes the group (kills the
-workers, which may be blocked in a collective with a dead peer) and raises a ClusterError.
+workers, which may be blocked in a collective with a dead peer, and the role groups) and raises a
+ClusterError. A call can also be started without waiting (``start_*``: a
+:class:`~posttrain.cluster.remote.Pending`), and several are then awaited together by
+:meth:`Cluster.wait_all` (``rl_config.blocking: false``, :mod:`posttrain.loops.overlap`).
 """
 
 from __future__ import annotations
@@ -55,16 +63,16 @@ import torch
 
 from posttrain.cluster import launch
 from posttrain.cluster.megatron_worker import MegatronWorker
-from posttrain.cluster.remote import ClusterError, gather
+from posttrain.cluster.remote import ClusterError, Pending, wait_all
 from posttrain.cluster.reward import RewardGroup
+from posttrain.cluster.role_groups import GroupCritic, GroupReference, GroupRewardModel, RoleGroup
 from posttrain.cluster.rounds import decode_rounds
+from posttrain.cluster.shares import in_order, shares, token_lengths, update_shards
 from posttrain.cluster.worker import ActorWorker
 from posttrain.errors import CheckpointError, ConfigError
 from posttrain.roles.policy import Policy, load_policy_tokenizer
 from posttrain.rollout.base import RolloutEngine
 from posttrain.rollout.keyed import random_seed
-from posttrain.training.dynamic_batch import balanced_shares
-from posttrain.training.engine import minibatch_order
 
 log = logging.getLogger(__name__)
 
@@ -72,55 +80,6 @@ log = logging.getLogger(__name__)
 WORKER_ROLLOUT_METRICS = {"rollout/sync_probe_diff": max, "timing/resharding_to_train": max}
 #: the concurrency of the actor workers of an asynchronous run: the update and the rollout at once
 ASYNC_CONCURRENCY = 2
-
-
-def spans(count: int, parts: int, keep_empty: bool = False) -> list[tuple[int, int]]:
-    """Contiguous, balanced ``(start, stop)`` shares of ``count`` rows; empty shares dropped
-    unless ``keep_empty`` (FSDP2: every worker must take part in the parameter gather)."""
-    bounds = [count * i // parts for i in range(parts + 1)]
-    return [(bounds[i], bounds[i + 1]) for i in range(parts) if keep_empty or bounds[i + 1] > bounds[i]]
-
-
-def token_lengths(batch: dict) -> list[int] | None:
-    """Each row's tokens (prompt + response: the sum of its ``*attention_mask`` columns, a DPO
-    pair's two sides together), or None when the batch has no attention mask."""
-    masks = [v for k, v in batch.items() if k.endswith("attention_mask")]
-    return sum(m.sum(-1) for m in masks).tolist() if masks else None
-
-
-def shares(count: int, parts: int, lengths: list[int] | None = None, keep_empty: bool = False) -> list[torch.Tensor]:
-    """Row indices of each of ``parts`` shares of ``count`` rows: the contiguous :func:`spans`, or with
-    ``lengths`` (``rl_config.use_dp_batch_balance``) shares of the same sizes balanced by tokens
-    (:func:`~posttrain.training.dynamic_batch.balanced_shares`)."""
-    cuts = spans(count, parts, keep_empty)
-    if lengths is None:
-        return [torch.arange(lo, hi) for lo, hi in cuts]
-    return [torch.tensor(rows, dtype=torch.long) for rows in balanced_shares(lengths, [hi - lo for lo, hi in cuts])]
-
-
-def in_order(parts: list[torch.Tensor], rows: list[torch.Tensor]) -> torch.Tensor:
-    """The shares' results (row ``i`` of ``parts[s]`` is row ``rows[s][i]``) back in the original row order."""
-    return torch.cat(parts)[torch.cat(rows).argsort()]
-
-
-def update_shards(num_rows: int, mini_batch_size: int, world: int, epochs: int, shuffle: bool,
-                  seed: int, lengths: list[int] | None = None) -> list[torch.Tensor]:
-    """Row indices for each rank: the optimizer steps of :meth:`TrainEngine.update` (same order,
-    same shuffle), each cut into ``world`` equal slices; rank ``r`` gets slice ``r`` of every step.
-    With ``lengths`` (``rl_config.use_dp_batch_balance``) each step's slices hold the same number of
-    rows, balanced by tokens; the loss is normalised over the whole step, so the step is the same."""
-    if mini_batch_size % world:
-        raise ConfigError(f"a mini-batch of {mini_batch_size} rows (rl_config.mini_batch_size x "
-                          f"n_samples_per_prompt) cannot be shared equally by {world} data-parallel replicas "
-                          f"(rl_config.actor_resource.num_npus); make it a multiple of the worker count.")
-    local = mini_batch_size // world
-    steps = minibatch_order(num_rows, mini_batch_size, epochs=epochs, shuffle=shuffle, seed=seed)
-    if lengths is None:
-        slices = [[step[rank * local:(rank + 1) * local] for rank in range(world)] for step in steps]
-    else:
-        slices = [[step[torch.tensor(rows, dtype=torch.long)] for rows in
-                   balanced_shares([lengths[i] for i in step.tolist()], [local] * world)] for step in steps]
-    return [torch.cat([step_slices[rank] for step_slices in slices]) for rank in range(world)]
 
 
 def concurrency(plan) -> int:
@@ -153,10 +112,11 @@ class Cluster:
         self.balance = plan.cluster.dp_batch_balance  # rl_config.use_dp_batch_balance
         self.world = plan.workers
         self.closed = False
-        self.owns_ray = launch.connect(plan.cluster, plan.workers)
+        self.owns_ray = launch.connect(plan.cluster, plan.workers + sum(plan.separated.devices.values()))
         self.workers: list = []
         self.pg = None
         self.rewards = None
+        self.groups: dict[str, RoleGroup] = {}  # use_integrated_worker: false: roles in worker groups of their own
         try:
             use_gpu = device.startswith("cuda")
             cpus = plan.cluster.cpus_per_worker
@@ -171,6 +131,8 @@ class Cluster:
             self.nodes = launch.bundle_nodes(self.pg)
             self.names = [f"actor worker rank {r} on {launch.node_label(node)}" for r, node in enumerate(self.nodes)]
             self.node_of = dict(zip(self.names, self.nodes))
+            for role, count in plan.separated.devices.items():  # their processes start while the actors set up
+                self.groups[role] = RoleGroup(role, count, plan)
             ip, port, _ = self._call("find the rendezvous", [self.workers[0].address.remote()], self.names[:1])[0]
             states = self._all("set-up", "setup", plan, start, (ip, port), self.timeout_s, os.getcwd())
             self.info = self._all("ready check", "ready_info")
@@ -178,23 +140,53 @@ class Cluster:
             self.rollout_holds_weights = any(i.get("rollout_holds_weights") for i in self.info)  # vLLM
             if plan.rule_reward is not None:  # SFT and DPO score nothing
                 self.rewards = RewardGroup(plan.rule_reward, self.timeout_s)
+            self._setup_groups(plan, start, states[0])
         except BaseException:
             self.close()
             raise
         tokenizer, stops = load_policy_tokenizer(plan.policy, start["source"])  # the driver never loads the weights
-        self.policy = Policy(model=None, tokenizer=tokenizer, actor=ActorRole(self),
-                             reference=ReferenceRole(self) if plan.uses_reference else None,
+        reference = None
+        if plan.uses_reference:
+            reference = GroupReference(self, self.groups["reference"]) if "reference" in self.groups \
+                else ReferenceRole(self)
+        self.policy = Policy(model=None, tokenizer=tokenizer, actor=ActorRole(self), reference=reference,
                              rollout=RolloutRole(self, plan.rollout.max_num_seqs) if plan.stage.on_policy else None,
                              stop_token_ids=stops, state=states[0])
-        self.critic = CriticRole(self) if plan.uses_critic else None
-        self.reward_model = RewardModelRole(self) if plan.stage.on_policy and plan.reward_model else None
+        self.critic = None
+        if plan.uses_critic:
+            self.critic = GroupCritic(self, self.groups["critic"]) if "critic" in self.groups else CriticRole(self)
+        self.reward_model = None
+        if plan.stage.on_policy and plan.reward_model:
+            self.reward_model = GroupRewardModel(self, self.groups["reward"]) if "reward" in self.groups \
+                else RewardModelRole(self)
         self.rule_reward = self.rewards
         log.info("Ray: %d actor workers (%s): %s", self.world, "; ".join(self.names), self.info)
 
+    def _setup_groups(self, plan, start: dict, state: dict) -> None:
+        """The roles with worker groups of their own (``plan.separated``) built (from the trainer
+        state ``state`` of the actor workers' set-up) and ready."""
+        pendings = []
+        for role, g in self.groups.items():
+            master = None
+            if role == "critic":  # its own process group (DDP over the critic workers): rank 0 is the rendezvous
+                master = self.wait_all([g.all_pending("critic group rendezvous", "address")])[0][0][:2]
+            pendings.append(g.all_pending(f"{role} group set-up", "setup", plan, start, state, os.getcwd(), master,
+                                          g.world))
+        self.wait_all(pendings)
+        for role, info in zip(self.groups, self.wait_all([g.all_pending(f"{role} group ready check", "ready_info")
+                                                          for role, g in self.groups.items()])):
+            log.info("Ray: %d %s workers of their own: %s", len(info), role, info)
+
     # ---- calls --------------------------------------------------------------------------------
     def _call(self, what: str, refs: list, names: list[str]) -> list:
+        return self.wait_all([Pending(what, refs, names, [self.node_of[n] for n in names], list)])[0]
+
+    def wait_all(self, pendings: list[Pending]) -> list:
+        """The answers of calls started on any of the run's workers (actor workers, role groups),
+        awaited together (:func:`~posttrain.cluster.remote.wait_all`); a failure closes every worker."""
+        self._check()
         try:
-            return gather(refs, names, what, self.timeout_s, nodes=[self.node_of[n] for n in names])
+            return wait_all(pendings, self.timeout_s)
         except ClusterError:
             self.close()  # the other workers may wait forever in a collective with the failed one
             raise
@@ -217,6 +209,11 @@ class Cluster:
     def sharded(self, what: str, method: str, rows: list[torch.Tensor], make_args) -> list:
         """Call ``method`` with ``make_args(replica, rows)`` for each replica's share (:meth:`row_shares`),
         on every worker of the replica; the leaders' answers, in share order."""
+        return self.wait_all([self.start_sharded(what, method, rows, make_args, list)])[0]
+
+    def start_sharded(self, what: str, method: str, rows: list[torch.Tensor], make_args, combine) -> Pending:
+        """:meth:`sharded`'s calls, started and not awaited; ``combine`` makes the answer of the
+        leaders' results (in share order)."""
         self._check()
         refs, names, leaders = [], [], []
         for r, share in enumerate(rows):
@@ -225,8 +222,8 @@ class Cluster:
             for rank in self.replicas[r]:
                 refs.append(getattr(self.workers[rank], method).remote(*args))
                 names.append(self.names[rank])
-        results = self._call(what, refs, names)
-        return [results[i] for i in leaders]
+        return Pending(what, refs, names, [self.node_of[n] for n in names],
+                       lambda results: combine([results[i] for i in leaders]))
 
     def update_calls(self, what: str, method: str, batch: dict, loss_fn, mini_batch_size: int, epochs: int,
                      shuffle: bool, seed: int, micro_batch_size: int | None) -> list[dict[str, float]]:
@@ -285,6 +282,8 @@ class Cluster:
         self.closed = True
         if self.rewards is not None:
             self.rewards.close()
+        for group in self.groups.values():
+            group.close()
         for worker in self.workers:
             ray.kill(worker)
         if self.pg is not None:
@@ -368,15 +367,15 @@ class RolloutRole(RolloutEngine):
                 for key, reduce in WORKER_ROLLOUT_METRICS.items() if any(key in part for part in parts)}
 
 
-def _sharded_logprobs(cluster: Cluster, batch, temperature, micro_batch_size, reference: bool) -> torch.Tensor:
-    """The actor's (or the reference's) log-probs of ``batch``, rows cut into one share per replica,
-    put back in the batch's row order."""
+def _sharded_logprobs(cluster: Cluster, batch, temperature, micro_batch_size, reference: bool) -> Pending:
+    """The actor's (or the reference's) log-probs of ``batch``, rows cut into one share per replica
+    and put back in the batch's row order (started; :meth:`Cluster.wait_all` awaits them)."""
     count = next(iter(batch.values())).shape[0]
     what = "reference log-probs" if reference else "actor log-probs"
     rows = cluster.row_shares(count, batch, collective=not reference)
-    parts = cluster.sharded(what, "compute_logprobs", rows,
-                            lambda r, share: (_rows(batch, share), temperature, micro_batch_size, reference))
-    return in_order(parts, rows)
+    return cluster.start_sharded(what, "compute_logprobs", rows,
+                                 lambda r, share: (_rows(batch, share), temperature, micro_batch_size, reference),
+                                 lambda parts: in_order(parts, rows))
 
 
 class ActorRole:
@@ -385,8 +384,12 @@ class ActorRole:
     def __init__(self, cluster: Cluster):
         self.c = cluster
 
-    def compute_logprobs(self, batch, *, temperature=1.0, micro_batch_size=None):
+    def start_logprobs(self, batch, *, temperature=1.0, micro_batch_size=None) -> Pending:
         return _sharded_logprobs(self.c, batch, temperature, micro_batch_size, reference=False)
+
+    def compute_logprobs(self, batch, *, temperature=1.0, micro_batch_size=None):
+        return self.c.wait_all([self.start_logprobs(batch, temperature=temperature,
+                                                    micro_batch_size=micro_batch_size)])[0]
 
     def update(self, batch, loss_fn, *, mini_batch_size, epochs=1, shuffle=False, seed=0, micro_batch_size=None):
         return self.c.update_calls("actor update", "update", batch, loss_fn, mini_batch_size, epochs, shuffle, seed,
@@ -399,8 +402,12 @@ class ReferenceRole:
     def __init__(self, cluster: Cluster):
         self.c = cluster
 
-    def compute_logprobs(self, batch, *, temperature=1.0, micro_batch_size=None):
+    def start_logprobs(self, batch, *, temperature=1.0, micro_batch_size=None) -> Pending:
         return _sharded_logprobs(self.c, batch, temperature, micro_batch_size, reference=True)
+
+    def compute_logprobs(self, batch, *, temperature=1.0, micro_batch_size=None):
+        return self.c.wait_all([self.start_logprobs(batch, temperature=temperature,
+                                                    micro_batch_size=micro_batch_size)])[0]
 
     def compute_pair_logps(self, batch, *, average=False, micro_batch_size=None):
         """DPO: the reference's (chosen, rejected) sequence log-probs, pairs cut into shares."""
@@ -419,12 +426,15 @@ class CriticRole:
     def __init__(self, cluster: Cluster):
         self.c = cluster
 
-    def compute_values(self, batch, *, micro_batch_size=None):
+    def start_values(self, batch, *, micro_batch_size=None) -> Pending:
         count = next(iter(batch.values())).shape[0]
         rows = self.c.row_shares(count, batch, collective=False)
-        parts = self.c.sharded("critic values", "compute_values", rows,
-                               lambda r, share: (_rows(batch, share), micro_batch_size))
-        return in_order(parts, rows)
+        return self.c.start_sharded("critic values", "compute_values", rows,
+                                    lambda r, share: (_rows(batch, share), micro_batch_size),
+                                    lambda parts: in_order(parts, rows))
+
+    def compute_values(self, batch, *, micro_batch_size=None):
+        return self.c.wait_all([self.start_values(batch, micro_batch_size=micro_batch_size)])[0]
 
     def update(self, batch, loss_fn, *, mini_batch_size, epochs=1, shuffle=False, seed=0, micro_batch_size=None):
         return self.c.update_calls("critic update", "critic_update", batch, loss_fn, mini_batch_size, epochs,

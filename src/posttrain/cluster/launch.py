@@ -60,8 +60,10 @@ def bundle(use_gpu: bool, cpus_per_worker: int) -> dict[str, float]:
     return {"GPU": 1.0, "CPU": 1.0} if use_gpu else {"CPU": float(cpus_per_worker)}
 
 
-def placement_group(count: int, use_gpu: bool, cpus_per_worker: int, timeout_s: float):
-    """A PACK placement group with ``count`` bundles, ready, or a clear error after ``timeout_s``."""
+def placement_group(count: int, use_gpu: bool, cpus_per_worker: int, timeout_s: float,
+                    what: str = "actor workers", key: str = "actor_resource"):
+    """A PACK placement group with ``count`` bundles, ready, or a clear error after ``timeout_s``
+    naming ``what`` it was for and the ``rl_config`` ``key`` of their count."""
     import ray
     from ray.util.placement_group import placement_group as make_pg
     from ray.util.placement_group import remove_placement_group
@@ -72,8 +74,8 @@ def placement_group(count: int, use_gpu: bool, cpus_per_worker: int, timeout_s: 
     if not ready:
         remove_placement_group(pg)
         raise ClusterError(
-            f"the Ray cluster cannot place {count} actor workers ({bundles[0]} each) within {timeout_s:.0f} s; "
-            f"it has {ray.cluster_resources()}. Lower rl_config.actor_resource.num_npus, add nodes, or "
+            f"the Ray cluster cannot place {count} {what} ({bundles[0]} each) within {timeout_s:.0f} s; "
+            f"it has {ray.cluster_resources()}. Lower rl_config.{key}.num_npus, add nodes, or "
             f"raise rl_config.ray_timeout_s.")
     return pg
 

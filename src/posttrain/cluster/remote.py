@@ -21,6 +21,9 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 from posttrain.errors import PosttrainError
 
@@ -61,6 +64,31 @@ def gather(refs: list, names: list[str], what: str, timeout_s: float, nodes: lis
             except GetTimeoutError as err:  # not expected after ray.wait said ready
                 raise ClusterError(f"{what}: {names[index[ref]]} did not answer: {err}") from None
     return ray.get(refs)
+
+
+@dataclass
+class Pending:
+    """Calls started and not yet awaited (``rl_config.blocking: false``): ``what`` they do, their
+    refs, the workers' names and nodes, and ``finish``, which makes the one answer of their results."""
+
+    what: str
+    refs: list
+    names: list[str]
+    nodes: list[str | None]
+    finish: Callable[[list], Any]
+
+
+def wait_all(pendings: list[Pending], timeout_s: float) -> list:
+    """The answers of ``pendings``, in order, after one :func:`gather` over all their refs (one
+    deadline, the first error or death reported as soon as it happens)."""
+    what = " and ".join(dict.fromkeys(p.what for p in pendings))
+    results = gather([r for p in pendings for r in p.refs], [n for p in pendings for n in p.names], what, timeout_s,
+                     nodes=[n for p in pendings for n in p.nodes])
+    answers, start = [], 0
+    for p in pendings:
+        answers.append(p.finish(results[start:start + len(p.refs)]))
+        start += len(p.refs)
+    return answers
 
 
 def _raised(what: str, err: Exception, name: str, pending: list, names: list[str], index: dict,

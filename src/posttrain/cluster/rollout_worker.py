@@ -1,4 +1,5 @@
-"""The separated placement (``rl_config.use_integrated_worker: false``): rollout in its own process.
+"""The separate rollout worker (``rl_config.separate_rollout_worker: true``; formerly spelled
+``use_integrated_worker: false``, :mod:`posttrain.config.separated`): rollout in its own process.
 
 A :class:`RolloutWorker` is a Ray actor that holds a replica of the actor's weights and the rollout
 engine on them; the trainer stays in the driver process. After each update the trainer's weights

@@ -130,7 +130,9 @@ class ActorWorker:
         # one single-rank group per rank (created by all ranks, in order): inference engines use
         # their own, so log-prob passes never wait on other ranks (uneven shares are fine)
         own = [dist.new_group([r], timeout=timeout) for r in range(self.world_size)][self.rank]
-        self.policy = p = build_policy(plan, device, source=start["source"], with_rollout=plan.stage.on_policy)
+        own = plan.separated.devices  # roles in worker groups of their own (cluster/role_groups.py) are not built here
+        self.policy = p = build_policy(plan, device, source=start["source"], with_rollout=plan.stage.on_policy,
+                                       with_reference="reference" not in own)
         # vLLM: its own copy of the weights, started from this worker's (before FSDP2 shards them)
         self.rollout_holds_weights = bool(getattr(p.rollout, "holds_weights", False))
         self.adapter_only = plan.schedule.adapter_only  # LoRA: save the adapter alone
@@ -152,13 +154,13 @@ class ActorWorker:
         else:
             p.actor.model = wrap_ddp(p.model, [0] if use_gpu else None)
         self.critic = None
-        if plan.uses_critic:  # PPO: the critic colocated with the actor, data parallel over the same ranks
+        if plan.uses_critic and "critic" not in own:  # PPO: colocated with the actor, data parallel over its ranks
             self.critic = c = Critic(plan, p.state, device)
             c.infer = TrainEngine(c.engine.model, micro_batch_size=c.micro_batch_size, dtype=plan.train_dtype,
                                   dp_group=own, metric_prefix="critic")
             c.engine.model = wrap_ddp(c.engine.model, [0] if use_gpu else None)
         self.reward_model = None
-        if plan.stage.on_policy and plan.reward_model is not None:  # reward_config: colocated, frozen
+        if plan.stage.on_policy and plan.reward_model is not None and "reward" not in own:  # colocated, frozen
             self.reward_model = build_reward_scorer(plan.reward_model, p.tokenizer, device)
         return dict(p.state) if self.rank == 0 else {}
 

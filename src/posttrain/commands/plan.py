@@ -13,15 +13,40 @@ from posttrain.models.cpu_linear import resolve_cpu_linear
 __all__ = ["format_plan", "model_arch", "run"]  # model_arch lives in posttrain.config.arch (train uses it too)
 
 
+def _role_lines(plan: Plan) -> list[str]:
+    """The parallel layout's lines of the roles beside the actor: a reference and a reward model in
+    worker groups of their own (use_integrated_worker: false), how their calls wait, the reward model."""
+    groups, lines = plan.separated.devices, []
+    if "reference" in groups:
+        lines.append(f"  {'reference (a worker group of its own)':<46} {groups['reference']} worker(s), its own "
+                     f"placement group; rows cut into {groups['reference']} share(s)")
+    if "critic" in groups:
+        lines.append(f"  {'critic (a worker group of its own)':<46} {groups['critic']} worker(s), its own placement "
+                     f"and process group, data parallel {groups['critic']}; checkpoints in critic_config.save")
+    if groups:
+        lines.append(f"  {'role calls':<46} " + ("blocking: one pass after another" if plan.separated.blocking else
+                                                   "blocking: false: the log-prob (and value) passes overlap"))
+    if plan.reward_model is not None:
+        rm = plan.reward_model
+        where = (f"a worker group of its own, {groups['reward']} worker(s)" if "reward" in groups
+                 else "colocated with the actor")
+        lines.append(f"  {'reward model (' + where + ')':<46} {rm.path}, {rm.dtype}, "
+                     f"{rm.micro_batch_size} sequences per forward, weight {rm.weight:g}")
+    return lines
+
+
 def format_plan(plan: Plan, cpu_linear: str = "blas") -> str:
     """``plan`` in words; ``cpu_linear``: the fp32 linear kernel a run would choose here now (a
     run chooses it when it starts, :mod:`posttrain.models.cpu_linear`)."""
     par = plan.parallel
     sharding = plan.sharding if par.backend == "hf" else "megatron"
     where = (f"{plan.workers} Ray worker(s), {sharding}" if plan.use_ray else "in one process")
-    if plan.off_policy.separate_worker:  # use_integrated_worker: false
+    if plan.off_policy.separate_worker:  # separate_rollout_worker: true
         where += " (trainer) and a Ray rollout worker process"
-    lines = [f"stage {plan.name} on {plan.layout.num_devices} device(s), {where}; {plan.device}, "
+    if plan.separated:  # use_integrated_worker: false: roles in worker groups of their own
+        where += " (actor), " + ", ".join(f"{count} {role} worker(s)" for role, count in plan.separated.devices.items())
+    devices = plan.layout.num_devices + sum(plan.separated.devices.values())  # the actor's and the roles' own
+    lines = [f"stage {plan.name} on {devices} device(s), {where}; {plan.device}, "
              f"{plan.train_dtype} training, {plan.rollout_dtype} rollout"
              + ("; fp32 linear layers by oneDNN (measured now on this machine)" if cpu_linear == "onednn" else ""),
              *([plan.target.describe(plan.layout.num_devices)] if plan.target is not None else []),
@@ -55,10 +80,7 @@ def format_plan(plan: Plan, cpu_linear: str = "blas") -> str:
               f"  {'actor':<46} data parallel {par.dp} (tensor parallel {par.tp}, pipeline parallel {par.pp})",
               f"  {'rollout':<46} {rollout_layout(plan)}; the seed's rollout data parallel "
               f"{plan.layout.infer_dp} sizes the reads"]
-    if plan.reward_model is not None:
-        rm = plan.reward_model
-        lines.append(f"  {'reward model (colocated with the actor)':<46} {rm.path}, {rm.dtype}, "
-                     f"{rm.micro_batch_size} sequences per forward, weight {rm.weight:g}")
+    lines += _role_lines(plan)
     if plan.dispatch_sizes:
         lines += ["", "dispatch sizes (TransferDock reads per data-parallel rank)"]
         lines += [f"  {k:<46} {v}" for k, v in sorted(plan.dispatch_sizes.items())]

@@ -1,9 +1,9 @@
-"""The off-policy keys of ``rl_config``: ``async_staleness``, ``use_integrated_worker``,
+"""The off-policy keys of ``rl_config``: ``async_staleness``, ``separate_rollout_worker``,
 ``partial_rollout_max_split`` (with ``require_max_age_all_finished``) and ``rollout_correction*``.
 
 ``async_staleness: k`` runs the rollout of iteration ``i`` with the policy of iteration
 ``max(0, i - 1 - k)`` on a second copy of the weights, in a thread, while the trainer updates
-(:mod:`posttrain.loops.pipeline`); ``use_integrated_worker: false`` puts that replica in a Ray
+(:mod:`posttrain.loops.pipeline`); ``separate_rollout_worker: true`` puts that replica in a Ray
 worker process (:mod:`posttrain.cluster.rollout_worker`). ``partial_rollout_max_split: N`` splits long generations
 over iterations (:mod:`posttrain.loops.partial_rollout`). ``rollout_correction`` weights or masks the policy loss by
 the ratio between the trainer's old log-probs and the rollout's (:mod:`posttrain.algo.rollout_correction`).
@@ -20,6 +20,7 @@ from __future__ import annotations
 import importlib.util
 
 from posttrain.config.run import RunConfig
+from posttrain.config.separated import rollout_worker
 from posttrain.errors import ConfigError
 
 
@@ -27,8 +28,8 @@ def check_async(cfg: RunConfig) -> list[str]:
     """Raise ConfigError on an off-policy setting that cannot run here; return the start-up warnings."""
     rl = cfg.rl
     check_partial_rollout(cfg)
-    if not rl.use_integrated_worker and importlib.util.find_spec("ray") is None:
-        raise ConfigError("rl_config.use_integrated_worker: false puts the rollout in a Ray worker process, but ray "
+    if rollout_worker(cfg) and importlib.util.find_spec("ray") is None:
+        raise ConfigError("rl_config.separate_rollout_worker: true puts the rollout in a Ray worker process, but ray "
                           "is not installed: pip install 'posttrain[ray]'")
     k = rl.async_staleness
     if k is None:

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 from posttrain.config.arch import model_arch
 from posttrain.config.run import RunConfig, role_sources
+from posttrain.config.separated import role_devices
 from posttrain.config.validate import actor_key
 from posttrain.errors import ConfigError
 from posttrain.models.arch import ModelArch
@@ -72,9 +73,11 @@ class ModelParallel:
 
 def uses_ray(cfg: RunConfig) -> bool:
     """Whether the run goes to Ray: ``actor_resource.num_npus`` (alias num_gpus / num_devices) above 1,
-    or a Ray address in ``rl_config.ray_address`` or the ``RAY_ADDRESS`` environment variable."""
+    roles in worker groups of their own (:func:`posttrain.config.separated.role_devices`), or a Ray
+    address in ``rl_config.ray_address`` or the ``RAY_ADDRESS`` environment variable."""
     rl = cfg.rl
-    return (rl.actor_resource.num_npus or 1) > 1 or bool(rl.ray_address) or bool(os.environ.get("RAY_ADDRESS"))
+    return ((rl.actor_resource.num_npus or 1) > 1 or bool(role_devices(cfg)) or bool(rl.ray_address)
+            or bool(os.environ.get("RAY_ADDRESS")))
 
 
 def role_label(cfg: RunConfig, section: str, key: str) -> str:

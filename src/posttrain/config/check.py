@@ -32,6 +32,7 @@ from posttrain.config.features import check_features, startup_warnings
 from posttrain.config.megatron import MegatronConfig
 from posttrain.config.multi_turn import check_multi_turn
 from posttrain.config.reward_model import check_reward_model
+from posttrain.config.separated import check_separated
 from posttrain.config.run import RunConfig
 from posttrain.config.stages import stage_named
 from posttrain.config.validate import DeviceLayout, actor_key, validate_run_config
@@ -119,6 +120,7 @@ def collect_checks(cfg: RunConfig, refusals: Refusals, *, device_type: str = "cp
     refusals.run(_check_lora_keys, cfg, arch)
     warnings = engine_warnings + startup_warnings(cfg, device_type, backend=backend)
     warnings += refusals.run(check_async, cfg, default=[])
+    warnings += refusals.run(check_separated, cfg, stage.uses_reference(cfg), stage.uses_critic, default=[])
     if stage.on_policy:  # rollout_engine: vllm (the vllm package, a CUDA device)
         warnings += refusals.run(check_vllm, cfg, device_type=device_type, installed=here, default=[])
     if not cfg.actor.save:

@@ -21,6 +21,7 @@ A key refused on its own (whatever else the config holds) carries that rule on i
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +30,7 @@ from posttrain.config.backend import VPP_KEY, resolve_backend, role_label, uses_
 from posttrain.config.engine_choice import auto_engine
 from posttrain.config.fields import fmt_value
 from posttrain.config.run import RunConfig
+from posttrain.config.separated import legacy_rollout_worker, role_devices, rollout_worker
 from posttrain.errors import ConfigError
 
 # the dimensions and their values (the table's keys), with the names the docs print
@@ -138,10 +140,23 @@ def _differs(key: str) -> Callable[[RunConfig], bool]:
     return lambda cfg: value_of(cfg, key) is not None and value_of(cfg, key) != getattr(cfg.actor, name)
 
 
+def _own_critic_save(cfg: RunConfig) -> bool:
+    """``critic_config.save`` names a directory other than the actor's."""
+    critic, actor = cfg.critic, cfg.actor
+    return (critic is not None and bool(critic.save) and
+            (not actor.save or os.path.realpath(critic.save) != os.path.realpath(actor.save)))
+
+
 def _bf16_asked(cfg: RunConfig) -> bool:
     """``bf16: true`` written in the config (the seed's default, true, is not a request)."""
     return bool(cfg.actor.bf16) and (cfg.explicitly_set("megatron_training", "bf16")
                                      or cfg.explicitly_set("actor_config", "bf16"))
+
+
+def _separated_shown(cfg: RunConfig) -> str:
+    groups = ", ".join(f"{role} on {count}" for role, count in role_devices(cfg).items())
+    return (f"rl_config.use_integrated_worker: false with reference_resource / reward_resource / critic_resource "
+            f"({groups} worker(s))")
 
 
 def _features() -> dict[str, Feature]:
@@ -149,7 +164,20 @@ def _features() -> dict[str, Feature]:
                           lambda c: c.rl.async_engine or c.rl.multi_turn_enable,
                           shown="rl_config.async_engine / multi_turn_enable", when="either is true")
     features = [
-        Feature("ref_config", ("ref_config",), lambda c: c.raw.get("ref_config") is not None, when="present"),
+        Feature("ref_config", ("ref_config",),
+                lambda c: c.raw.get("ref_config") is not None and "reference" not in role_devices(c),
+                when="present, without a reference in a group of its own"),
+        Feature("separated", ("rl_config.use_integrated_worker", "rl_config.reference_resource",
+                              "rl_config.reward_resource", "rl_config.critic_resource"), lambda c: bool(role_devices(c)),
+                shown=_separated_shown, when="false, with reference_resource, reward_resource or critic_resource",
+                title="rl_config.use_integrated_worker: false with a role resource (separated roles)"),
+        Feature("separated_reference", ("rl_config.reference_resource",), lambda c: "reference" in role_devices(c),
+                when="set, with use_integrated_worker: false"),
+        Feature("separated_critic_save", ("rl_config.critic_resource",),
+                lambda c: "critic" in role_devices(c) and not _own_critic_save(c),
+                when="set, with use_integrated_worker: false and no critic_config.save of its own"),
+        Feature("blocking_integrated", ("rl_config.blocking",), lambda c: not c.rl.blocking and not role_devices(c),
+                shown="rl_config.blocking: false", when="false, without separated roles"),
         Feature("reward_model", ("reward_config",), lambda c: c.reward is not None, when="present"),
         Feature("megatron", ("rl_config.actor_resource.num_npus",), lambda c: True,
                 shown=lambda c: f"rl_config.actor_resource.num_npus={c.rl.actor_resource.num_npus or 1}",
@@ -192,8 +220,12 @@ def _features() -> dict[str, Feature]:
         _on("rl_config.use_dp_batch_balance", name="dp_batch_balance", when="true"),
         _on("rl_config.async_staleness", lambda v: v is not None, name="async", shown="rl_config.async_staleness",
             when="set"),
-        _on("rl_config.use_integrated_worker", lambda v: not v, name="rollout_worker",
-            shown="rl_config.use_integrated_worker: false", when="false"),
+        Feature("rollout_worker", ("rl_config.separate_rollout_worker",), rollout_worker,
+                shown=lambda c: "rl_config.use_integrated_worker: false (the deprecated spelling of "
+                "rl_config.separate_rollout_worker: true)" if legacy_rollout_worker(c)
+                else "rl_config.separate_rollout_worker: true",
+                when="true (or the deprecated use_integrated_worker: false without role resources)",
+                title="rl_config.separate_rollout_worker (true)"),
         _on("rl_config.partial_rollout_max_split", lambda v: v > 1, name="partial",
             shown="rl_config.partial_rollout_max_split > 1", when="> 1"),
         _on("rl_config.filter_groups_enable", name="dynamic_sampling", when="true"),
@@ -265,6 +297,22 @@ _ROLLOUT_REPLICA = [  # async_staleness and use_integrated_worker: false put the
                                  "adapter); remove lora_target_modules or {setting}"),
 ]
 _ASYNC_OWN = {("async", "ray"), ("async", "megatron")}  # async_staleness's own rows (below)
+_SEPARATED = [  # roles in worker groups of their own: where they are built
+    ("megatron", dict(backend=MEGATRON), "{setting}: roles in worker groups of their own are built on the hf backend "
+                                         "only; remove the resources (the roles stay colocated with the "
+                                         "actor){megatron}"),
+    ("offline", dict(stage=OFFLINE), "{setting}: roles in worker groups of their own serve the on-policy stages "
+                                     "(grpo, dapo, ppo); remove the resources"),
+    ("async", dict(with_="async"), "{setting} with {other}: the asynchronous rollout with separated roles is not "
+                                   "built yet; remove one"),
+    ("partial", dict(with_="partial"), "{setting} with {other}: partial rollout with separated roles is not built "
+                                       "yet; remove one"),
+    ("rollout-worker", dict(with_="rollout_worker"), "{setting} with {other}: the rollout worker process beside the "
+                                                     "separated roles' groups is not built yet; remove one"),
+    ("share-backbone", dict(with_="share_backbone"), "{setting} with {other}: with share_backbone the reference is the "
+                                                     "actor's own weights (its adapter off), so it cannot run in a group "
+                                                     "of its own; remove one"),
+]
 _VLLM_KEYS = [  # generate_config keys the vLLM adapter cannot honour (the others are passed: vllm.PASSED)
     ("infer_pipeline_parallel_size", "pipeline-parallel rollout is not built (the vLLM adapter holds the whole model "
                                      "in the trainer's process); set it to 1"),
@@ -377,9 +425,20 @@ ROWS: tuple[Row, ...] = (
         "theirs from rl_config.ray_num_cpus_per_worker: set that instead", placement=RAY),
     Row("dp-batch-balance-one-process", "dp_batch_balance", "{setting}: one process has one data-parallel share, "
         "nothing to balance", placement=("process",), effect="no effect"),
-    Row("ref-config", "ref_config", "ref_config: a separately configured reference model is not available yet (the "
-        "reference is a frozen copy of the actor's initial weights, or "
-        "rl_config.integrated_mode_config.ref_model_load_path; DPO: megatron_training.ref_model); remove ref_config"),
+    Row("ref-config", "ref_config", "ref_config configures a reference in a worker group of its own "
+        "(rl_config.use_integrated_worker: false with rl_config.reference_resource); without one the reference is a "
+        "frozen copy of the actor's initial weights, or rl_config.integrated_mode_config.ref_model_load_path (DPO: "
+        "megatron_training.ref_model). Set reference_resource or remove ref_config"),
+    # the seed's separated roles (posttrain.config.separated); blocking: false overlaps their passes
+    *(Row(f"separated-{suffix}", "separated_reference" if suffix == "share-backbone" else "separated", message,
+          **where) for suffix, where, message in _SEPARATED),
+    Row("separated-critic-save", "separated_critic_save", "{setting} with rl_config.use_integrated_worker: false: a "
+        "critic in a worker group of its own writes checkpoints of its own (the actor's checkpoints hold no critic/); "
+        "set critic_config.save to a directory other than the actor's (critic_config.load resumes it)"),
+    Row("blocking-integrated", "blocking_integrated", "{setting} overlaps the passes of roles in worker groups of "
+        "their own (rl_config.use_integrated_worker: false with reference_resource or reward_resource); here every "
+        "role shares the actor's workers, which run one call at a time, so there is nothing to overlap. Remove the "
+        "key or set it to true"),
     Row("reward-model-offline", "reward_model", "reward_config: stage {stage} scores no responses (a reward model is "
         "read by the on-policy stages ray_grpo, ray_dapo and ray_ppo); remove reward_config", stage=OFFLINE),
 )

@@ -190,9 +190,9 @@ def _is_set(key: Key, block: list[Key], cfg: RunConfig, device: str) -> bool:
         switch = next(k for k in block if k.name == rule.switch)
         if not switch.rule.is_active(switch.value, switch.default, device):
             return False
-    if rule.active == "actor_devices":
+    if rule.active == "actor_devices":  # separated mode: a group of its own (posttrain.config.separated, compat.py)
         count = getattr(key.value, "num_npus", None)
-        return count is not None and count != (cfg.rl.actor_resource.num_npus or 1)
+        return cfg.rl.use_integrated_worker and count is not None and count != (cfg.rl.actor_resource.num_npus or 1)
     return rule.is_active(key.value, key.default, device)
 
 

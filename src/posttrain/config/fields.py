@@ -51,7 +51,7 @@ class Status(str, Enum):
 #   gt1:     the value is > 1
 #   set:     the value is not None / empty
 #   backend: the value is not the torch.distributed backend used on the device (gloo / nccl)
-#   actor_devices: (rl_config.critic_resource, reward_resource: roles colocated with the actor) a
+#   actor_devices: (rl_config.critic_resource, reward_resource: roles colocated with the actor in integrated mode) a
 #                  device count other than actor_resource's
 ACTIVE = ("changed", "gt1", "set", "backend", "actor_devices")
 

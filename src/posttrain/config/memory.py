@@ -228,7 +228,8 @@ def estimate_memory(cfg: RunConfig, plan: "Plan", arch: ModelArch) -> MemoryEsti
     rm_arch = reward_model_arch(cfg) if plan.reward_model is not None else None
     rm_bytes = 2 if plan.reward_model is not None and plan.reward_model.dtype == "bfloat16" else 4
     weights, trained = weight_bytes * shard, 4 * shard
-    uses_reference = plan.uses_reference and not cfg.rl.offload_reference
+    own = plan.separated.devices  # roles in worker groups of their own are not in the actor's workers
+    uses_reference = plan.uses_reference and not cfg.rl.offload_reference and "reference" not in own
     reference = frozen_bytes * (params / split - ep_saving) if uses_reference else 0.0
     if plan.lora:  # LoRA: a frozen base, gradients and moments for the adapter only
         adapter, targeted = (float(n) for n in lora_sizes(arch, a.lora_target_modules, int(a.lora_r)))
@@ -248,8 +249,9 @@ def estimate_memory(cfg: RunConfig, plan: "Plan", arch: ModelArch) -> MemoryEsti
     off = tuple(part for part, on in (("weights", weights_off), ("optimizer", plan.offload_optimizer),
                                       ("gradients", plan.offload_grads)) if on)
     return MemoryEstimate(weights=weights, gradients=trained, optimizer=optimizer, reference=reference,
-                          critic=16 * critic if plan.uses_critic else 0.0, activations=activations, kv_cache=kv,
-                          reward_model=rm_bytes * value_model_params(rm_arch) if rm_arch is not None else 0.0,
+                          critic=16 * critic if plan.uses_critic and "critic" not in own else 0.0, activations=activations, kv_cache=kv,
+                          reward_model=rm_bytes * value_model_params(rm_arch) if rm_arch is not None
+                          and "reward" not in own else 0.0,
                           rollout_copy=rollout_copy, off_during_rollout=off,
                           rollout_sleeps=bool(vllm_tp) and on_policy and on_device)
 

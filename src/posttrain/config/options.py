@@ -24,6 +24,8 @@ from posttrain.config.megatron import MegatronConfig
 from posttrain.config.multi_turn import DEFAULT_PARSER, tool_config_file
 from posttrain.config.run import RunConfig
 from posttrain.config.runtime_env import runtime_env_vars
+from posttrain.config.separated import reference_load as separated_reference_load
+from posttrain.config.separated import rollout_worker
 from posttrain.models.lora import LoraOptions, target_list
 from posttrain.reward.rule_reward import RuleRewardOptions
 from posttrain.rollout.base import SamplingParams
@@ -161,8 +163,8 @@ class UpdateOptions:
 @dataclass(frozen=True)
 class OffPolicyOptions:
     """Sampling with other weights than the trainer's (docs/async.md): ``async_staleness`` (None:
-    synchronous), a rollout worker process of its own (``separate_worker``: ``use_integrated_worker:
-    false``), partial rollout over ``partial_max_split`` iterations, and the rollout correction
+    synchronous), a rollout worker process of its own (``separate_worker``: ``separate_rollout_worker:
+    true``), partial rollout over ``partial_max_split`` iterations, and the rollout correction
     (``rollout_correction`` ``mode``, ``cap``, ``level``)."""
 
     staleness: int | None = None
@@ -318,7 +320,8 @@ def lora_options(role: MegatronConfig) -> LoraOptions | None:
 
 def policy_options(cfg: RunConfig) -> PolicyOptions:
     a, rl = cfg.actor, cfg.rl
-    reference = a.ref_model if cfg.stage == "dpo" else (rl.integrated_mode_config or {}).get("ref_model_load_path")
+    reference = a.ref_model if cfg.stage == "dpo" else ((rl.integrated_mode_config or {}).get("ref_model_load_path")
+                                                        or separated_reference_load(cfg))
     return PolicyOptions(
         checkpoint=checkpoint_load(a), tokenizer=a.tokenizer_name_or_path or None, prompt_type=a.prompt_type,
         prompt_type_path=a.prompt_type_path, optim=optim_options(a), lora=lora_options(a),
@@ -400,7 +403,7 @@ def update_options(cfg: RunConfig, *, on_policy: bool) -> UpdateOptions:
 
 def off_policy_options(cfg: RunConfig) -> OffPolicyOptions:
     rl = cfg.rl
-    return OffPolicyOptions(staleness=rl.async_staleness, separate_worker=not rl.use_integrated_worker,
+    return OffPolicyOptions(staleness=rl.async_staleness, separate_worker=rollout_worker(cfg),
                             partial_max_split=rl.partial_rollout_max_split,
                             require_max_age_all_finished=rl.require_max_age_all_finished,
                             correction=rl.rollout_correction, correction_cap=rl.rollout_correction_cap,

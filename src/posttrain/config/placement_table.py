@@ -41,21 +41,29 @@ class Placement:
     title: str
     overrides: tuple[str, ...]
     num_nodes: int = 1
-    by_stage: tuple[tuple[str, tuple[str, ...]], ...] = ()  # extra overrides for one stage
+    by_feature: tuple[tuple[str, tuple[str, ...]], ...] = ()  # extra overrides for one feature's cell
 
-    def for_stage(self, stage: str) -> tuple[str, ...]:
-        return self.overrides + dict(self.by_stage).get(stage, ())
+    def for_feature(self, feature: str) -> tuple[str, ...]:
+        return self.overrides + dict(self.by_feature).get(feature, ())
 
 
+_REWARD_MODEL = ("+reward_config.tokenizer_name_or_path=runs/tiny/reward_model",
+                 "+reward_config.load=runs/tiny/reward_model")
+_SEPARATE_REFERENCE = ("rl_config.reference_resource.num_npus=1", "rl_config.init_kl_coef=0.01")
+_SEPARATE_REWARD = ("rl_config.reward_resource.num_npus=1", *_REWARD_MODEL)
 PLACEMENTS: dict[str, Placement] = {
     "process": Placement("one process", ()),
     "ray-ddp": Placement("Ray DDP", RAY2),
     "ray-fsdp2": Placement("Ray FSDP2", (*RAY2, "rl_config.ray_sharding=fsdp2")),
     "megatron": Placement("megatron TP/PP", (*RAY2, "megatron_training.backend=megatron",
                                              "megatron_training.tensor_model_parallel_size=2")),
-    "separated": Placement("separated roles", (*RAY2, "rl_config.use_integrated_worker=false",
-                                               "rl_config.reference_resource.num_npus=1"),
-                           by_stage=(("ppo", ("rl_config.critic_resource.num_npus=1",)),)),
+    # each stage's role of its own: the reference (GRPO), the critic (PPO), the reward model (DAPO, which has no reference)
+    "separated": Placement("separated roles", (*RAY2, "rl_config.use_integrated_worker=false"),
+                           by_feature=tuple((feature, _SEPARATE_REFERENCE) for feature in
+                                          ("grpo", "lora", "async", "partial", "reward-model", "vllm")) + (
+                               ("ppo", ("rl_config.critic_resource.num_npus=1", "critic_config.save=runs/tiny/critic")),
+                               ("dapo", _SEPARATE_REWARD), ("multi-turn", _SEPARATE_REWARD),
+                               ("dpo", _SEPARATE_REFERENCE), ("sft", _SEPARATE_REFERENCE))),
     "multi-node": Placement("multi-node", (*RAY2, "rl_config.ray_address=127.0.0.1:6379"), num_nodes=2),
 }
 
@@ -67,8 +75,6 @@ class Feature:
     overrides: tuple[str, ...] = ()
 
 
-_REWARD_MODEL = ("+reward_config.tokenizer_name_or_path=runs/tiny/reward_model",
-                 "+reward_config.load=runs/tiny/reward_model")
 FEATURES: dict[str, Feature] = {
     "grpo": Feature("GRPO", "grpo_tiny_qwen2"),
     "dapo": Feature("DAPO", "dapo_tiny_qwen2"),
@@ -121,6 +127,7 @@ TESTED: dict[tuple[str, str], str] = {
                               "[sft-2-1-1]",
     ("megatron", "lora"): _C + "test_ray_megatron_lora.py::test_lora_on_the_megatron_backend_equals_the_hf_backend",
     ("megatron", "vllm"): _V + "test_vllm_megatron.py::test_megatron_with_vllm_equals_the_hf_backend_with_vllm",
+    ("separated", "ppo"): _C + "test_separated_roles.py::test_separated_roles_equal_the_integrated_run_blocking_or_not",
     ("multi-node", "grpo"): _C + "test_multi_node.py::test_grpo_with_its_workers_on_two_nodes_equals_the_run_in_one_process",
 }
 # the megatron backend across nodes is a multi-node test too (its own placement column is megatron's)
@@ -135,7 +142,7 @@ def refusal(placement: str, feature: str, device: str) -> str | None:
     """The first message of the one config check for the cell on ``device``, or None if accepted."""
     place, feat = PLACEMENTS[placement], FEATURES[feature]
     try:
-        overrides = [*feat.overrides, *place.for_stage(feature), *(CUDA if device == "cuda" else ())]
+        overrides = [*feat.overrides, *place.for_feature(feature), *(CUDA if device == "cuda" else ())]
         cfg = load_run_config(feat.config, overrides=overrides)
     except ConfigError as err:
         return str(err).splitlines()[0]

@@ -28,6 +28,7 @@ from posttrain.config.options import (AdvantageOptions, ClusterOptions, CriticOp
                                       PolicyOptions, RolloutOptions, ScheduleOptions, UpdateOptions)
 from posttrain.config.reward_model import RewardModelOptions, reward_model_options
 from posttrain.config.run import RunConfig
+from posttrain.config.separated import SeparatedRoles, rollout_worker, separated_options
 from posttrain.config.stages import Stage, stage_named
 from posttrain.config.target import Target, check_device_count, check_device_setting
 from posttrain.config.validate import DeviceLayout
@@ -114,6 +115,7 @@ class Plan:
     reward_model: RewardModelOptions | None = None  # reward_config's model, scoring in the loop
     parallel: ModelParallel = ModelParallel()  # the training backend and the actor's TP/PP/DP layout
     target: Target | None = None  # posttrain plan --target: the hardware planned for (None: this machine)
+    separated: SeparatedRoles = field(default_factory=SeparatedRoles)  # roles in Ray worker groups of their own (use_integrated_worker)
 
     @property
     def name(self) -> str:
@@ -147,8 +149,9 @@ def _off_policy_line(cfg: RunConfig) -> str:
     """Where the rollout runs and with which weights, when that is not the synchronous default."""
     rl = cfg.rl
     parts = []
-    if rl.async_staleness is not None or not rl.use_integrated_worker:
-        where = "a Ray rollout worker process" if not rl.use_integrated_worker else "a rollout thread on a weight copy"
+    worker = rollout_worker(cfg)
+    if rl.async_staleness is not None or worker:
+        where = "a Ray rollout worker process" if worker else "a rollout thread on a weight copy"
         k = rl.async_staleness or 0
         parts.append(f"{where}; iteration i samples with the weights of iteration max(0, i - 1 - {k})")
     if rl.partial_rollout_max_split > 1:
@@ -270,6 +273,7 @@ def build_plan(cfg: RunConfig, layout: DeviceLayout, arch: ModelArch | None = No
         warnings=warnings, arch=arch, reward_model=reward_model_options(cfg, device, on_policy=on_policy),
         parallel=parallel, multi_turn=_multi_turn_line(cfg) if on_policy else "",
         off_policy_rollout=_off_policy_line(cfg) if on_policy else "", target=target,
+        separated=separated_options(cfg) if on_policy else SeparatedRoles(),
     )
     if arch is not None:
         plan = _replace(plan, num_params=arch.num_params(), memory=estimate_memory(cfg, plan, arch))

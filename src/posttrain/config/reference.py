@@ -342,7 +342,7 @@ def _when(rule: Rule, default: Any) -> str:
     elif rule.active == "backend":
         cond = f"when {as_} anything but the device's backend (gloo on cpu, nccl on cuda)"
     elif rule.active == "actor_devices":
-        cond = "when its num_npus differs from actor_resource's"
+        cond = "in integrated mode, when its num_npus differs from actor_resource's"
     else:
         cond = f"when {as_} anything but " + " or ".join(fmt_value(v) for v in good)
     return cond

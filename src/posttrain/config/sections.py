@@ -49,16 +49,16 @@ VLLM_ASCEND = ignored("Ascend NPUs only", vllm=True)
 LOGPROBS = ignored("the engines return the sampled token's log-prob only", ok=(None, 0, 1))
 DETOKENIZE = ignored("the engines return token ids; the reward step decodes them")
 
-INTEGRATED = HONOURED  # false: the rollout in its own Ray worker process (posttrain.config.async_rollout checks it)
-BLOCKING = refused("asynchronous (non-blocking) execution of the roles is not implemented yet (the phases run one "
-                   "after another)", "remove the key or set it to true")
-REFERENCE_RESOURCE = refused("a reference on its own devices is not available yet (the reference shares the actor's "
-                             "worker)", "remove the key", active="set")
-REWARD_RESOURCE = refused("the reward model runs on the actor's devices (loaded in the actor's process or in each "
-                          "actor worker)", "remove the key or give it actor_resource's num_npus",
-                          active="actor_devices")
-CRITIC_RESOURCE = refused("the critic runs on the actor's devices (in the actor's process)",
-                          "remove the key or give it actor_resource's num_npus", active="actor_devices")
+INTEGRATED = HONOURED  # false: the seed's separated roles (posttrain.config.separated)
+BLOCKING = HONOURED  # false: the separated roles' passes overlap (compat.py refuses it in integrated mode)
+REFERENCE_RESOURCE = HONOURED  # separated mode: the reference's own group (validate.py: integrated mode forbids it)
+# integrated mode: colocated with the actor, so only the actor's count; separated mode: the group of its own
+REWARD_RESOURCE = refused("in integrated mode the reward model runs on the actor's devices (loaded in the actor's "
+                          "process or in each actor worker)", "remove the key, give it actor_resource's num_npus, or "
+                          "set use_integrated_worker: false (a group of its own)", active="actor_devices")
+CRITIC_RESOURCE = refused("in integrated mode the critic runs on the actor's devices (in the actor's process or "
+                          "workers)", "remove the key, give it actor_resource's num_npus, or set "
+                          "use_integrated_worker: false (a group of its own)", active="actor_devices")
 MULTIMODAL = refused("multimodal training is not implemented yet")
 MULTIMODAL_SET = refused("multimodal training is not implemented yet", "remove the key", active="set")
 DP_BALANCE = HONOURED  # Ray workers: cluster/group.py balances the replicas' shares; one process: compat row
@@ -113,9 +113,11 @@ class RLConfig(Section):
                                 "alone)", HONOURED)
     beta: float = F(0.1, "rule/model reward balance", SEED_UNUSED)
     actor_resource: Resource = F(Resource(), "devices for the actor", HONOURED)
-    reference_resource: Opt[Resource] = F(None, "separated mode: reference devices", REFERENCE_RESOURCE)
-    reward_resource: Opt[Resource] = F(None, "reward-model devices (reward_config)", REWARD_RESOURCE)
-    critic_resource: Opt[Resource] = F(None, "critic devices (PPO)", CRITIC_RESOURCE)
+    reference_resource: Opt[Resource] = F(None, "separated mode: the reference's own worker group", REFERENCE_RESOURCE)
+    reward_resource: Opt[Resource] = F(None, "reward-model devices (reward_config); separated mode: its own worker "
+                                             "group", REWARD_RESOURCE)
+    critic_resource: Opt[Resource] = F(None, "critic devices (PPO); separated mode: its own worker group",
+                                       CRITIC_RESOURCE)
     vit_resource: Opt[Resource] = F(None, "multimodal: ViT devices", MULTIMODAL_SET)
     num_samples_per_step: int = F(1, "samples per step", SEED_UNUSED)
     max_prompt_length: int = F(512, "prompts with token length >= this are filtered out", HONOURED, ge=1,
@@ -173,14 +175,18 @@ class RLConfig(Section):
     swanlab_project: str = F("", "SwanLab project (default posttrain)", HONOURED)
     swanlab_exp_name: str = F("", "SwanLab experiment (default: the run dir's name)", HONOURED)
     swanlab_save_dir: str = F("", "SwanLab directory (default <run dir>/swanlab)", HONOURED)
-    blocking: bool = F(True, "synchronous (blocking) calls between roles", BLOCKING)
+    blocking: bool = F(True, "synchronous (blocking) calls between roles; false (separated roles only): the "
+                             "independent passes of an iteration overlap", BLOCKING)
     async_engine: bool = F(False, "per-request admission in the native engine (required for multi-turn)", MULTI_TURN)
     guarantee_order: bool = F(False, "deterministic TransferDock order", HONOURED)
     num_cpus_for_local_task: float = F(1, "CPUs per rule-reward Ray task", RAY_CPUS)
     num_cpus_for_placement_group: int = F(8, "CPUs per device bundle", RAY_CPUS)
-    use_integrated_worker: bool = F(True, "actor, rollout and reference colocated in one worker; false: the rollout "
-                                          "in its own Ray worker process, the trainer (with the reference) in this "
-                                          "one (docs/async.md)", INTEGRATED)
+    use_integrated_worker: bool = F(True, "actor, rollout, reference and reward model colocated in one worker; "
+                                          "false: the roles with reference_resource / reward_resource in Ray worker "
+                                          "groups of their own (docs/cluster.md); false without them: deprecated "
+                                          "spelling of separate_rollout_worker", INTEGRATED)
+    separate_rollout_worker: bool = F(False, "posttrain: the rollout in a Ray worker process of its own, the trainer "
+                                             "in this one (docs/async.md)", HONOURED)
     use_dp_batch_balance: bool = F(False, "sequence-length-balanced data-parallel split: each replica's share of a pass "
                                  "(and of every update mini-batch) balanced by prompt + response tokens", DP_BALANCE)
     ref_forward_micro_batch_size: Opt[int] = F(None, "reference log-prob micro batch", HONOURED, ge=1)

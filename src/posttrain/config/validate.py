@@ -259,13 +259,19 @@ def _dispatch_sizes(cfg: RunConfig, b: _Batch) -> dict[str, int]:
         "actor_update_dispatch_size": b.train_gbs * n // b.actor_dp,
     }
     if cfg.stage == "ppo":
-        critic = cfg.critic or cfg.actor
-        critic_devices = rl.critic_resource.num_npus if rl.critic_resource and rl.critic_resource.num_npus else None
-        # at least 1: a critic split wider than the devices is refused by its own rules, after these
-        critic_dp = max((critic_devices or b.num_devices) // _model_parallel(critic), 1)
+        critic_dp = _critic_dp(cfg, b)
         derived.update(critic_update_dispatch_size=gbs * n // critic_dp,
                        critic_value_dispatch_size=gbs * n // critic_dp, kl_dispatch_size=gbs * n)
     return {key: getattr(rl, key) if getattr(rl, key) is not None else value for key, value in derived.items()}
+
+
+def _critic_dp(cfg: RunConfig, b: _Batch) -> int:
+    """The critic's data-parallel size: its own devices (``critic_resource``, separated mode) or the
+    actor's, over its model-parallel size (at least 1: a critic split wider than the devices is
+    refused by its own rules, after these)."""
+    rl = cfg.rl
+    devices = rl.critic_resource.num_npus if rl.critic_resource and rl.critic_resource.num_npus else None
+    return max((devices or b.num_devices) // _model_parallel(cfg.critic or cfg.actor), 1)
 
 
 def _check_shared_backbone(cfg: RunConfig) -> None:
@@ -301,7 +307,9 @@ def _check_experience(cfg: RunConfig, b: _Batch, dispatch: dict[str, int]) -> No
     for key in ("actor_rollout_dispatch_size", "actor_logprob_dispatch_size", "ref_dispatch_size",
                 "actor_update_dispatch_size", "critic_update_dispatch_size", "critic_value_dispatch_size"):
         value = dispatch.get(key)
-        dp = b.infer_dp if key == "actor_rollout_dispatch_size" else b.actor_dp  # rollout runs on inference DP
+        # the rollout runs on the inference DP, the critic on its own
+        dp = b.infer_dp if key == "actor_rollout_dispatch_size" else _critic_dp(cfg, b) if key.startswith("critic") \
+            else b.actor_dp
         per_dp = gbs * n // dp
         if value is not None and value > per_dp:
             raise ConfigError(f"{key} {value} cannot be greater than the number of samples generated on each data "

@@ -30,6 +30,7 @@ from posttrain.metrics.stats import compute_tps, data_metrics, stat_metrics
 from posttrain.metrics.timers import Timers
 from posttrain.training.loss_fns import make_actor_loss_fn
 from posttrain.loops.experience import per_group, read_batch, write_rows
+from posttrain.loops.overlap import overlapped_passes
 from posttrain.loops.ppo import CriticPhases
 from posttrain.loops.produce import Experience, Producer
 from posttrain.loops.session import Session, check_finite_step
@@ -109,18 +110,23 @@ class OnPolicyTrainer:
         if self.critic is None:
             with timers("adv"):
                 self.advantages(td)
-        if s.policy.reference is not None:
+        overlap = bool(plan.separated) and not plan.separated.blocking  # the separated roles' passes started together (loops/overlap.py)
+        if overlap:
+            overlapped_passes(self, td, timers)
+        if s.policy.reference is not None and not overlap:
             with timers("reference_model"):
                 self.logprobs(td, "ref_logprobs", s.policy.reference, plan.reads["ref_dispatch_size"],
                               plan.update.ref_micro_batch_size)
         if not plan.skip_old_logprobs:
-            with timers("old_log_p"):
-                self.logprobs(td, "old_logprobs", s.policy.actor, plan.reads["actor_logprob_dispatch_size"],
-                              plan.update.old_micro_batch_size)
+            if not overlap:
+                with timers("old_log_p"):
+                    self.logprobs(td, "old_logprobs", s.policy.actor, plan.reads["actor_logprob_dispatch_size"],
+                                  plan.update.old_micro_batch_size)
             self.correct(td, acc, iteration)
         if self.critic is not None:  # PPO: values, then GAE on them, then the critic's own update
-            with timers("critic_model"):
-                self.critic.compute_values(td)
+            if not overlap:
+                with timers("critic_model"):
+                    self.critic.compute_values(td)
             with timers("adv"):
                 self.critic.advantages(td, acc, self.kl_ctrl)
             with timers("update_critic"):

@@ -6,7 +6,7 @@ weights back to: an :class:`ExperienceSource`.
   pushed to it after each update, timed as ``timing/resharding_to_infer``);
 * :class:`PipelinedSource`: a rollout thread produces it ahead, on a replica of the weights up to
   ``async_staleness`` updates old (a copy in this process, the trainer's own vLLM engine, or a
-  rollout worker process with ``use_integrated_worker: false``; :mod:`posttrain.loops.pipeline`,
+  rollout worker process with ``separate_rollout_worker: true``; :mod:`posttrain.loops.pipeline`,
   docs/async.md).
 
 Both produce with a :class:`~posttrain.loops.produce.Producer` (plain or partial rollout, with

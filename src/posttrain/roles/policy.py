@@ -149,6 +149,24 @@ def offloaded_reference(engine):
     return reference
 
 
+def reference_engine(ref_model, plan: Plan, micro_batch_size: int, dp_group=None):
+    """The frozen reference's engine (offloaded between its uses with ``offload_reference``)."""
+    reference = TrainEngine(ref_model, micro_batch_size=micro_batch_size, dtype=plan.train_dtype, dp_group=dp_group,
+                            options=plan.ref_engine)
+    return offloaded_reference(reference) if plan.policy.offload_reference else reference
+
+
+def build_reference(plan: Plan, device: str, source: str, state: dict, micro_batch_size: int | None = None):
+    """The frozen reference alone (a reference worker group's, :mod:`posttrain.cluster.role_groups`):
+    loaded from ``ref_config.load`` (or, after a resume, the run's initial model), else a copy of
+    the actor's initial weights ``source``; ``micro_batch_size`` rows per forward (None: the actor's)."""
+    p = plan.policy
+    path = reference_source(p, state)
+    model = None if path else build_actor_model(p, device, source, frozen_dtype=plan.frozen_dtype)[0]
+    ref_model = build_frozen_copy(model, path, device, plan.frozen_dtype)
+    return reference_engine(ref_model, plan, micro_batch_size or p.optim.micro_batch_size)
+
+
 def build_train_engine(model, optim: OptimOptions, plan: Plan, options: EngineOptions, *,
                        metric_prefix: str = "actor", dp_group=None):
     """AdamW + the LR schedule (sized for the plan's total optimizer steps) + a TrainEngine, with
@@ -257,10 +275,11 @@ def turn_parts(rollout: RolloutOptions, policy: PolicyOptions, tokenizer) -> dic
 
 
 def build_policy(plan: Plan, device: str, *, source: str | None = None, with_rollout: bool = True,
-                 dp_group=None) -> Policy:
+                 dp_group=None, with_reference: bool = True) -> Policy:
     """The policy of one process: the actor (from ``source``, default the plan's ``load``; resumed
-    when it names a checkpoint), the frozen reference when the stage uses one, and the native or
-    vLLM rollout engine on the actor's model."""
+    when it names a checkpoint), the frozen reference when the stage uses one (and ``with_reference``:
+    not when it has a worker group of its own), and the native or vLLM rollout engine on the actor's
+    model."""
     p = plan.policy
     model, tokenizer, source = build_actor_model(p, device, source, frozen_dtype=plan.frozen_dtype)
     warn_dropout_across_workers(model, plan.workers)
@@ -272,12 +291,9 @@ def build_policy(plan: Plan, device: str, *, source: str | None = None, with_rol
     if plan.uses_reference and p.share_backbone:  # the actor with its adapter off: no copy
         reference = AdapterOff(TrainEngine(model, micro_batch_size=micro, dtype=plan.train_dtype,
                                            dp_group=dp_group, options=plan.ref_engine), model)
-    elif plan.uses_reference:
+    elif plan.uses_reference and with_reference:
         ref_model = build_frozen_copy(model, reference_source(p, state), device, plan.frozen_dtype)
-        reference = TrainEngine(ref_model, micro_batch_size=micro, dtype=plan.train_dtype,
-                                dp_group=dp_group, options=plan.ref_engine)
-        if p.offload_reference:
-            reference = offloaded_reference(reference)
+        reference = reference_engine(ref_model, plan, micro, dp_group)
     stops = rollout_stop_ids(tokenizer, p)
     rollout = build_rollout(plan.rollout, p, model, tokenizer, stops) if with_rollout and plan.rollout else None
     if rollout is not None and plan.rollout.offload_weights and not device.startswith("cpu"):

@@ -35,7 +35,7 @@ def test_the_plan_reads_w_times_the_per_worker_dispatch_sizes(tmp_path, monkeypa
 
 @pytest.mark.parametrize(("shuffle", "epochs"), [(False, 1), (True, 2)])
 def test_update_shards_give_every_rank_a_slice_of_every_engine_mini_batch(shuffle, epochs):
-    from posttrain.cluster.group import update_shards
+    from posttrain.cluster.shares import update_shards
 
     rows, mini, world = 32, 8, 2
     shards = update_shards(rows, mini, world, epochs, shuffle, seed=7)
@@ -51,7 +51,7 @@ def test_update_shards_give_every_rank_a_slice_of_every_engine_mini_batch(shuffl
 
 
 def test_update_shards_reject_a_mini_batch_the_workers_cannot_share():
-    from posttrain.cluster.group import update_shards
+    from posttrain.cluster.shares import update_shards
     from posttrain.errors import ConfigError
 
     with pytest.raises(ConfigError, match="cannot be shared equally by 3 data-parallel replicas"):
@@ -59,7 +59,7 @@ def test_update_shards_reject_a_mini_batch_the_workers_cannot_share():
 
 
 def test_spans_are_contiguous_and_balanced():
-    from posttrain.cluster.group import spans
+    from posttrain.cluster.shares import spans
 
     assert spans(5, 2) == [(0, 2), (2, 5)]
     assert spans(1, 3) == [(0, 1)]  # idle workers are not called
@@ -166,7 +166,7 @@ def test_a_driver_joining_a_cluster_sends_the_token_when_it_has_one(tmp_path, mo
 def test_balanced_update_shards_give_equal_counts_of_each_step_and_restore_nothing_lost():
     """rl_config.use_dp_batch_balance: every global mini-batch is still shared by all ranks, the same
     number of rows each, but by tokens: on a skewed batch the ranks' token sums of a step are equal."""
-    from posttrain.cluster.group import update_shards
+    from posttrain.cluster.shares import update_shards
     from posttrain.training.engine import minibatch_order
 
     lengths = [80] * 8 + [10] * 8
@@ -184,7 +184,7 @@ def test_balanced_update_shards_give_equal_counts_of_each_step_and_restore_nothi
 
 
 def test_balanced_pass_shares_come_back_in_row_order():
-    from posttrain.cluster.group import in_order, shares, token_lengths
+    from posttrain.cluster.shares import in_order, shares, token_lengths
 
     batch = {"attention_mask": torch.tensor([[1] * 8] * 3 + [[1, 0, 0, 0, 0, 0, 0, 0]] * 3),
              "rows": torch.arange(6)}

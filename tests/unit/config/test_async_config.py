@@ -78,8 +78,11 @@ def test_staleness_zero_and_a_single_iteration_say_that_nothing_overlaps():
      "rl_config.partial_rollout_max_split=0: must be an integer >= 1 (1: off)"),
     (["rl_config.partial_rollout_max_split=65"], "more than sampling_config.max_tokens=64"),
     (["rl_config.async_staleness=1", "rl_config.rollout_engine=mine"], "async_staleness runs on the native and vLLM"),
-    (["rl_config.use_integrated_worker=false", "rl_config.rollout_engine=mine"], "use_integrated_worker: false runs on"),
-    (["rl_config.use_integrated_worker=false", "rl_config.actor_resource.num_npus=2"], "with Ray actor workers is not"),
+    (["rl_config.separate_rollout_worker=true", "rl_config.rollout_engine=mine"],
+     "separate_rollout_worker: true runs on"),
+    (["rl_config.use_integrated_worker=false", "rl_config.rollout_engine=mine"],
+     "use_integrated_worker: false (the deprecated spelling of rl_config.separate_rollout_worker: true) runs on"),
+    (["rl_config.separate_rollout_worker=true", "rl_config.actor_resource.num_npus=2"], "with Ray actor workers is not"),
     (["rl_config.partial_rollout_max_split=2", "rl_config.rollout_engine=mine"], "runs on the native and vLLM"),
     (["rl_config.async_staleness=1", "rl_config.actor_resource.num_npus=2", "rl_config.rollout_engine=vllm"],
      "with rl_config.rollout_engine: vllm on Ray actor workers is not built yet"),
@@ -102,7 +105,8 @@ def test_partial_rollout_with_dynamic_sampling_is_refused():
 
 @pytest.mark.parametrize("overrides, computed", [
     ([], False), (["rl_config.async_staleness=0"], True), (["rl_config.rollout_correction=tis"], True),
-    (["rl_config.partial_rollout_max_split=2"], True), (["rl_config.use_integrated_worker=false"], True),
+    (["rl_config.partial_rollout_max_split=2"], True), (["rl_config.separate_rollout_worker=true"], True),
+    (["rl_config.use_integrated_worker=false"], True),  # the deprecated spelling
 ])
 def test_the_old_logprobs_are_computed_whenever_the_rollout_may_be_off_policy(overrides, computed):
     assert off_policy_options(config(overrides)).any is computed

@@ -35,7 +35,8 @@ LORA = ["actor_config.lora_target_modules=[linear_qkv]"]
 SEPARATE = ["rl_config.use_integrated_worker=false"]  # the seed lets ref_config be set only then
 TURNS = ["rl_config.multi_turn_enable=true", "rl_config.async_engine=true", "rl_config.max_total_response_length=1024"]
 ASYNC = ["rl_config.async_staleness=1"]
-WORKER = ["rl_config.use_integrated_worker=false"]
+WORKER = ["rl_config.separate_rollout_worker=true"]
+SEP_REF = ["rl_config.use_integrated_worker=false", "rl_config.reference_resource.num_npus=1"]
 PARTIAL = ["rl_config.partial_rollout_max_split=2"]
 SPEC = ["generate_config.num_speculative_tokens=4"]
 OFFLOAD_PARAM = ["generate_config.offload_train_param=true"]
@@ -103,6 +104,15 @@ EXAMPLES: dict[str, tuple[list[str], str]] = {
     "num-threads-ray": (["rl_config.num_threads=2", *RAY], "cpu"),
     "dp-batch-balance-one-process": (["rl_config.use_dp_batch_balance=true"], "cpu"),
     "ref-config": ([*SEPARATE, "ref_config.micro_batch_size=2"], "cpu"),
+    "separated-megatron": ([*SEP_REF, *TP2], "cpu"),
+    "separated-offline": ([*DPO, *SEP_REF], "cpu"),
+    "separated-async": ([*SEP_REF, *ASYNC], "cpu"),
+    "separated-partial": ([*SEP_REF, *PARTIAL], "cpu"),
+    "separated-rollout-worker": ([*SEP_REF, *WORKER], "cpu"),
+    "separated-share-backbone": ([*SEP_REF, *LORA, "rl_config.share_backbone=true"], "cpu"),
+    "separated-critic-save": ([*PPO, "rl_config.use_integrated_worker=false", "rl_config.critic_resource.num_npus=1"],
+                              "cpu"),
+    "blocking-integrated": (["rl_config.blocking=false"], "cpu"),
     "reward-model-offline": ([*DPO, "reward_config.load=/models/rm"], "cpu"),
 }
 # rows an earlier rule of the one check answers first, with its own message (the row documents the fact)

@@ -41,7 +41,8 @@ def refusal(overrides, base=BASE) -> str:
     (["rl_config.reward_model_weight=0.5"],
      r"^rl_config.reward_model_weight=0.5: there is no reward model to weigh \(no reward_config\)"),
     ([*RM, "rl_config.reward_resource.num_npus=2"],
-     r"^rl_config.reward_resource=\{num_npus: 2\}: the reward model runs on the actor's devices .*give it "
+     r"^rl_config.reward_resource=\{num_npus: 2\}: in integrated mode the reward model runs on the actor's devices "
+     r".*give it "
      r"actor_resource's num_npus"),
     (["reward_config.micro_batch_size=2"], r"^reward_config names no reward model: set reward_config.load"),
     (["megatron_training.load=/models/actor", "reward_config.micro_batch_size=2"],

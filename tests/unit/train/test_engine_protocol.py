@@ -25,6 +25,7 @@ ENGINES = {
     "posttrain.cluster.group:ActorRole": ActorEngine,
     "posttrain.cluster.group:ReferenceRole": ReferenceEngine,
     "posttrain.cluster.group:CriticRole": CriticEngine,
+    "posttrain.cluster.role_groups:GroupCritic": CriticEngine,
     "posttrain.roles.critic:Critic": CriticEngine,
 }
 ROLLOUT_ENGINES = [
