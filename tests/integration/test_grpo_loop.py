@@ -76,7 +76,7 @@ def test_resume_repeats_the_uninterrupted_run(tiny_model_dir, tiny_prompt_data, 
 
     card = (straight / "ckpt" / "iter_0000004" / "README.md").read_text()
     digest = CardInfo("grpo", "", "", (straight / "run" / "config.json").read_text(), 4).config_digest
-    assert digest in card and "# GRPO checkpoint, iteration 4" in card
+    assert digest in card and "# GRPO policy checkpoint, iteration 4" in card
     assert f"| `grpo/score/mean` | {a[4]['grpo/score/mean']:.6g} |" in card
     for it in (3, 4):
         keys = [k for k in a[it] if not k.startswith("timing/") and not k.endswith("_tps") and k != "time"]

@@ -258,13 +258,15 @@ class Session:
         self._write_card(path, iteration)
         if self.critic is not None:  # PPO: the critic's own checkpoint (critic_config.save), if it has one
             critic_path = self.critic.save(iteration, tokenizer=p.tokenizer, trainer_state=state)
+            if critic_path is not None:
+                self._write_card(critic_path, iteration, role="critic")
             if critic_path is not None and s.keep_last:
                 prune_checkpoints(critic_path.parent, s.keep_last)
         if s.keep_last:
             prune_checkpoints(s.save, s.keep_last)
         return path
 
-    def _write_card(self, path, iteration: int) -> None:
+    def _write_card(self, path, iteration: int, role: str = "policy") -> None:
         """A model card (README.md) in a checkpoint that Hugging Face can load (not a Megatron one)."""
         from posttrain.checkpoint.card import CardInfo, write_model_card
 
@@ -275,7 +277,7 @@ class Session:
         write_model_card(path, CardInfo(algorithm=self.plan.stage.name, base_model=self.initial_model,
                                         data=self.plan.data.data_path or "", config_json=self.plan.config_json,
                                         iteration=iteration, metrics=getattr(self, "last_metrics", {}),
-                                        adapter=adapter))
+                                        adapter=adapter, role=role))
 
     def _check_finite_weights(self, iteration: int) -> None:
         """Refuse to save weights holding NaN/inf (the loops already stop on a non-finite loss,
