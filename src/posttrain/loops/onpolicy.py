@@ -77,10 +77,10 @@ class OnPolicyTrainer:
                 "partial_rollout_max_split": off.partial_max_split if off.partial else None}
 
     def train_step(self, iteration: int) -> dict[str, float]:
-        timers, acc = Timers(), MetricAccumulator()
+        timers, acc = Timers(around=self.s.profiler.phase), MetricAccumulator()
         if self.source is None:
             self.source = open_source(self.plan, self.s, self.producer)
-        with timers("all"):
+        with self.s.profiler.step(iteration), timers("all"):
             exp = self.source.next(iteration, timers)
             timers.merge(exp.timers)
             acc.merge(exp.acc)

@@ -30,6 +30,7 @@ from posttrain.models import cpu_linear
 from posttrain.roles.policy import Policy, build_policy, seed_everything
 from posttrain.rundir import DirLock, Start, checked_start, claim_run_dirs
 from posttrain.training.engine import NaNLossError
+from posttrain.metrics.profiler import RunProfiler
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +50,7 @@ def check_finite_step(step: dict[str, float], iteration: int) -> None:
 class Session:
     def __init__(self, plan: Plan, *, load_previous_on_corruption: bool = False):
         self.plan, self.run_dir = plan, Path(plan.schedule.run_dir)
+        self.profiler = RunProfiler(plan.profiler, plan.device)  # profiler_config.integrated
         self.closed = False
         self.cluster = self.critic = self.rule_reward = self.reward_model = self.eval_data = self.logger = None
         self.locks: list[DirLock] = []
