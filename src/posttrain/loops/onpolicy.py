@@ -117,6 +117,8 @@ class OnPolicyTrainer:
             with timers("reference_model"):
                 self.logprobs(td, "ref_logprobs", s.policy.reference, plan.reads["ref_dispatch_size"],
                               plan.update.ref_micro_batch_size)
+            for name, start, end in getattr(s.policy.reference, "pop_moves", list)():  # offload_reference
+                acc.update({name: end - start})  # plain durations: summed over the iteration's moves
         if not plan.skip_old_logprobs:
             if not overlap:
                 with timers("old_log_p"):
@@ -128,7 +130,7 @@ class OnPolicyTrainer:
                 with timers("critic_model"):
                     self.critic.compute_values(td)
             with timers("adv"):
-                self.critic.advantages(td, acc, self.kl_ctrl)
+                self.critic.advantages(td, acc, self.kl_ctrl, timers)
             with timers("update_critic"):
                 self.critic.update(td, acc, iteration)
         with timers("update"):
