@@ -94,6 +94,7 @@ def test_critic_config_save_and_load_are_the_critics_own(ray_cluster, work):
                      critic={"save": str(critic_dir), "micro_batch_size": 4}))
     saved = critic_dir / "iter_0000001"
     assert (saved / "optimizer.pt").is_file() and not (actor_dir / "iter_0000001" / "critic").exists()
+    assert "# PPO critic checkpoint, iteration 1" in (saved / "README.md").read_text()  # its own model card
     weights = load_file(str(saved / "model.safetensors"))
     assert "score.weight" in weights and weights["score.weight"].abs().sum() > 0  # trained from a zero head
     for finetune in (False, True):

@@ -32,7 +32,7 @@ def grpo_config(model_dir, data, out, **over):
                 "actor_config": {}}
     for key, value in over.items():
         section, name = key.split("__")
-        sections[section][name] = value
+        sections.setdefault(section, {})[name] = value
     return run_config(model_dir, data, out / "run", name="grpo_test", **sections)
 
 
@@ -76,7 +76,7 @@ def test_resume_repeats_the_uninterrupted_run(tiny_model_dir, tiny_prompt_data, 
 
     card = (straight / "ckpt" / "iter_0000004" / "README.md").read_text()
     digest = CardInfo("grpo", "", "", (straight / "run" / "config.json").read_text(), 4).config_digest
-    assert digest in card and "# GRPO checkpoint, iteration 4" in card
+    assert digest in card and "# GRPO policy checkpoint, iteration 4" in card
     assert f"| `grpo/score/mean` | {a[4]['grpo/score/mean']:.6g} |" in card
     for it in (3, 4):
         keys = [k for k in a[it] if not k.startswith("timing/") and not k.endswith("_tps") and k != "time"]
@@ -107,3 +107,47 @@ def test_tokenizer_that_does_not_fit_the_model_is_a_clear_error(tiny_model_dir, 
     cfg.actor.tokenizer_name_or_path = str(big_tok)
     with pytest.raises(ConfigError, match="the tokenizer has .* tokens but the model's embedding has only 300 rows"):
         train(cfg)
+
+
+CHROME_PHASES = set("BEXiIbensftPOND") | {"M", "C"}  # the Trace Event Format's event types
+
+
+def trace_events(path) -> list[dict]:
+    """The events of a Chrome/Perfetto JSON trace, checked for what the format's loaders need."""
+    trace = json.loads(path.read_text())
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    assert isinstance(events, list) and events
+    for e in events:
+        assert e.get("ph") in CHROME_PHASES, e
+        if e["ph"] != "M":
+            assert isinstance(e.get("ts"), (int, float)) and "pid" in e and "tid" in e, e
+        if e["ph"] == "X":
+            assert isinstance(e.get("dur"), (int, float)) and e["dur"] >= 0, e
+    return events
+
+
+def test_the_profiler_traces_exactly_its_window_and_its_stages(tiny_model_dir, tiny_prompt_data, tmp_path):
+    """profiler_config.integrated: iterations 2..3 (end exclusive) of 3 whole, then only the update
+    phase of iterations 1 and 2 with the per-op tables; every trace loads as a Chrome trace."""
+    from posttrain.commands.train import train_config as train
+
+    torch.set_num_threads(1)
+    whole = {"profile": True, "profile_step_start": 2, "profile_step_end": 3, "profile_save_path": str(tmp_path / "p1")}
+    train(grpo_config(tiny_model_dir, tiny_prompt_data, tmp_path / "a", megatron_training__train_iters=3,
+                      profiler_config__integrated=whole))
+    (trace,) = (tmp_path / "p1" / "integrated" / "rank_0").iterdir()
+    assert trace.name == "trace_iter_2.json"
+    names = {e.get("name") for e in trace_events(trace)}
+    assert {"timing/all", "timing/rollout", "timing/update"} <= names
+
+    stage = {"profile": True, "stage": ["actor_update"], "profile_step_start": 1, "profile_step_end": 3,
+             "profile_analysis": True, "profile_save_path": str(tmp_path / "p2")}
+    train(grpo_config(tiny_model_dir, tiny_prompt_data, tmp_path / "b", megatron_training__train_iters=3,
+                      profiler_config__integrated=stage))
+    folder = tmp_path / "p2" / "integrated" / "rank_0"
+    assert sorted(p.name for p in folder.iterdir()) == [
+        "profile_iter_1_actor_update.txt", "profile_iter_2_actor_update.txt",
+        "trace_iter_1_actor_update.json", "trace_iter_2_actor_update.json"]
+    names = {e.get("name") for e in trace_events(folder / "trace_iter_2_actor_update.json")}
+    assert "timing/update" in names and "timing/rollout" not in names and any("aten::" in (n or "") for n in names)
+    assert "ops by self time" in (folder / "profile_iter_1_actor_update.txt").read_text()

@@ -35,6 +35,7 @@ class CardInfo:
     metrics: dict[str, float] = field(default_factory=dict)
     command: str = ""  # default: this process's command line
     adapter: bool = False  # a LoRA adapter (PEFT format) rather than a whole model
+    role: str = "policy"  # or "critic" (PPO's value model, saved in a directory of its own)
 
     @property
     def config_digest(self) -> str:
@@ -50,7 +51,7 @@ def render_card(info: CardInfo) -> str:
              "tags:", *(f"- {t}" for t in dict.fromkeys(tags)), "---", ""]
     shown = [k for k in HEADLINE if k in info.metrics] + sorted(k for k in info.metrics if k not in HEADLINE)
     rows = [f"| `{k}` | {info.metrics[k]:.6g} |" for k in shown if isinstance(info.metrics[k], (int, float))]
-    body = [f"# {info.algorithm.upper()} checkpoint, iteration {info.iteration}", "",
+    body = [f"# {info.algorithm.upper()} {info.role} checkpoint, iteration {info.iteration}", "",
             f"Trained with posttrain {__version__} ({info.algorithm}) from `{info.base_model}`"
             + (" as a LoRA adapter (PEFT format)." if info.adapter else "."), "",
             "| | |", "|---|---|", f"| base model | `{info.base_model}` |", f"| algorithm | {info.algorithm} |",
@@ -60,6 +61,15 @@ def render_card(info: CardInfo) -> str:
     if rows:
         body += [f"## Metrics of iteration {info.iteration}", "", "| metric | value |", "|---|---|", *rows, ""]
     return "\n".join(front + body)
+
+
+def converted_card(source: str | Path, model_type: str, value_model: bool) -> str:
+    """The card of an HF directory that ``posttrain convert`` wrote from a Megatron-Core checkpoint."""
+    return "\n".join(["---", f"base_model: {json.dumps(str(source))}", "library_name: transformers", "tags:",
+                      "- posttrain", "- megatron-core", "---", "",
+                      f"# {model_type} {'value model' if value_model else 'model'}, converted", "",
+                      f"Converted by posttrain {__version__} (`posttrain convert --load-model-type mg "
+                      f"--save-model-type hf`) from the Megatron-Core checkpoint `{source}`.", ""])
 
 
 def write_model_card(directory: str | Path, info: CardInfo) -> Path:

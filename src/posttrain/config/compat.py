@@ -231,6 +231,8 @@ def _features() -> dict[str, Feature]:
         _on("rl_config.filter_groups_enable", name="dynamic_sampling", when="true"),
         _on("rl_config.async_engine", shown="rl_config.async_engine: true", when="true"),
         _on("rl_config.multi_turn_enable", name="multi_turn", shown="rl_config.multi_turn_enable: true", when="true"),
+        Feature("profiler", ("profiler_config.integrated.profile",), lambda c: c.profiler.profile,
+                shown="profiler_config.integrated.profile: true", when="true"),
     ]
     return {f.name: f for f in features}
 
@@ -421,6 +423,9 @@ ROWS: tuple[Row, ...] = (
     *(Row(f"offload-param-{suffix}", "offload_param", "{setting}" + message, device=("cuda",), stage=ON_POLICY,
           **where) for suffix, where, message in _OFFLOAD_PARAM),
     # placement and sections
+    Row("profiler-ray", "profiler", "{setting} on Ray actor workers is not built yet: the profiler records this "
+        "process, and the work runs in the workers; profile in one process (no actor_resource.num_npus > 1, no "
+        "ray_address), or with posttrain bench --config-name NAME --profile DIR", placement=RAY),
     Row("num-threads-ray", "num_threads", "{setting} sets the threads of one in-process run; the Ray workers take "
         "theirs from rl_config.ray_num_cpus_per_worker: set that instead", placement=RAY),
     Row("dp-batch-balance-one-process", "dp_batch_balance", "{setting}: one process has one data-parallel share, "

@@ -26,6 +26,7 @@ from posttrain.config.run import RunConfig
 from posttrain.config.runtime_env import runtime_env_vars
 from posttrain.config.separated import reference_load as separated_reference_load
 from posttrain.config.separated import rollout_worker
+from posttrain.metrics.profiler import ProfilerOptions
 from posttrain.models.lora import LoraOptions, target_list
 from posttrain.reward.rule_reward import RuleRewardOptions
 from posttrain.rollout.base import SamplingParams
@@ -447,6 +448,24 @@ def schedule_options(cfg: RunConfig) -> ScheduleOptions:
                            eval_interval=rl.eval_interval, keep_last=a.keep_last, save_optim=not a.no_save_optim,
                            save_rng=not a.no_save_rng, adapter_only=bool(a.lora_ckpt_filter),
                            num_threads=rl.num_threads)
+
+
+def profiler_options(cfg: RunConfig, run_dir: str) -> ProfilerOptions | None:
+    """``profiler_config.integrated`` when ``profile`` or ``mstx`` is on (posttrain.metrics.profiler);
+    ``mstx`` alone: phase ranges, no trace."""
+    p = cfg.profiler
+    if not p.profile and not p.mstx:
+        return None
+    if not p.profile:
+        return ProfilerOptions(save_path="", start=0, end=0, mstx=True)
+    stages = [p.stage] if isinstance(p.stage, str) else list(p.stage)
+    ranks = None if p.profile_ranks in ("all", None) else tuple(int(r) for r in (
+        p.profile_ranks if isinstance(p.profile_ranks, (list, tuple)) else [p.profile_ranks]))
+    return ProfilerOptions(save_path=p.profile_save_path or str(Path(run_dir) / "profile"), start=p.profile_step_start,
+                           end=p.profile_step_end, stages=None if "all" in stages else tuple(stages),
+                           level=p.profile_level, cpu=p.profile_with_cpu, device=p.profile_with_npu,
+                           record_shapes=p.profile_record_shapes, memory=p.profile_with_memory,
+                           stack=p.profile_with_module, analysis=p.profile_analysis, ranks=ranks, mstx=p.mstx)
 
 
 def logging_options(cfg: RunConfig) -> LoggingOptions:

@@ -49,8 +49,9 @@ SECTIONS: list[tuple[str, type[BaseModel], str]] = [
     ("generate_config.sampling_config", SamplingConfig,
      "Sampling parameters; a `sampling_config` given in the YAML replaces the defaults wholesale, as in the seed."),
     ("profiler_config.integrated", ProfilerConfig,
-     "The seed's profiler (only the `integrated` role is read). `profile` and `mstx` are refused; the other keys "
-     "only count while `profile` is on: with it off they do nothing, as in the seed."),
+     "The seed's profiler (only the `integrated` role is read) on torch.profiler (posttrain.metrics.profiler, "
+     "docs/performance.md): Chrome/Perfetto traces of the step window, per stage and rank; in one process (refused on "
+     "Ray workers). The other keys only count while `profile` is on, as in the seed."),
     ("msprobe_config", MsprobeConfig,
      "The seed's msprobe accuracy dumps. `msprobe` is refused; the other keys only count while it is on."),
 ]

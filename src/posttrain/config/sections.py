@@ -83,9 +83,8 @@ OFFLOAD_PARAM = OFFLOAD
 PREFIX_CACHING = refused("prefix caching across requests is not available in the native engine (it already "
                          "prefills each group's shared prompt once); rl_config.rollout_engine: vllm has it",
                          vllm=True)
-PROFILER = refused("the seed's profiler is not implemented", "remove the key or set it to false (to profile an "
-                   "iteration: posttrain bench --config-name NAME --profile DIR)")
-PROFILER_KEY = refused("the seed's profiler is not implemented", switch="profile")
+PROFILER = HONOURED  # posttrain.metrics.profiler: torch.profiler over the seed's step window
+PROFILER_KEY = HONOURED
 MSPROBE = refused("msprobe accuracy dumps are not implemented", "remove the key or set it to false")
 MSPROBE_KEY = refused("msprobe accuracy dumps are not implemented", switch="msprobe")
 
@@ -353,12 +352,17 @@ class GenerateConfig(Section):
     sampling_config: SamplingConfig = F(SamplingConfig(), "sampling parameters (replaced wholesale)", HONOURED)
 
 
+PROFILER_STAGES = ("actor_generate", "actor_compute_log_prob", "reference_compute_log_prob", "critic_compute_values",
+                   "actor_update", "critic_update")  # posttrain.metrics.profiler.STAGES
+
+
 class ProfilerConfig(Section):
-    profile: bool = F(False, "profile the run", PROFILER)
-    mstx: bool = F(False, "lightweight range markers", PROFILER)
-    stage: Any = F("all", "all or a list of phases", PROFILER_KEY)
-    profile_save_path: str = F("", "trace directory", PROFILER_KEY)
-    profile_export_type: str = F("text", "text or db", PROFILER_KEY)
+    profile: bool = F(False, "profile iterations profile_step_start..end with torch.profiler (one process)", PROFILER)
+    mstx: bool = F(False, "phase ranges: record_function in every trace; NVTX ranges too on CUDA", PROFILER)
+    stage: Any = F("all", "all (whole iterations) or a list of the seed's stages (only those phases)", PROFILER_KEY)
+    profile_save_path: str = F("", "trace directory (default <run dir>/profile)", PROFILER_KEY)
+    profile_export_type: str = F("text", "text: Chrome/Perfetto JSON traces (db, Ascend's database, is refused)",
+                                 PROFILER_KEY)
     profile_level: str = F("level0", "level_none, level0, level1, level2", PROFILER_KEY)
     profile_with_memory: bool = F(False, "record memory", PROFILER_KEY)
     profile_record_shapes: bool = F(False, "record shapes", PROFILER_KEY)
@@ -376,6 +380,17 @@ class ProfilerConfig(Section):
             raise ValueError(f"profiler_level only supports level0, 1, 2, and level_none, but gets {self.profile_level}")
         if self.profile_export_type not in ("text", "db"):
             raise ValueError(f"profile_export_type only supports text or db, but gets {self.profile_export_type}")
+        if self.profile and self.profile_export_type == "db":
+            raise ValueError("profile_export_type: db is the Ascend profiler's database format; set text (Chrome/"
+                             "Perfetto JSON traces, which Perfetto, chrome://tracing and TensorBoard open)")
+        stages = [self.stage] if isinstance(self.stage, str) else list(self.stage or [])
+        unknown = [s for s in stages if s != "all" and s not in PROFILER_STAGES]
+        if self.profile and unknown:
+            raise ValueError(f"stage {unknown}: not a stage of the seed's profiler; use all or some of "
+                             f"{', '.join(PROFILER_STAGES)}")
+        if self.profile and self.profile_step_end <= self.profile_step_start:
+            raise ValueError(f"profile_step_end={self.profile_step_end} must be greater than profile_step_start="
+                             f"{self.profile_step_start} (the end is exclusive)")
         return self
 
 

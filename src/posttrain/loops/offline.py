@@ -74,8 +74,8 @@ class OfflineTrainer:
         s, loss_fn, last = self.s, self.loss_fn(), {}
         try:
             for iteration in range(s.iteration + 1, self.plan.train_iters + 1):
-                timers, acc = Timers(), MetricAccumulator()
-                with timers("all"):
+                timers, acc = Timers(around=s.profiler.phase), MetricAccumulator()
+                with s.profiler.step(iteration), timers("all"):
                     with timers(self.batch_phase):
                         batch = self.batch()
                     with timers("update"):

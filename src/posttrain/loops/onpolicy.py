@@ -77,10 +77,10 @@ class OnPolicyTrainer:
                 "partial_rollout_max_split": off.partial_max_split if off.partial else None}
 
     def train_step(self, iteration: int) -> dict[str, float]:
-        timers, acc = Timers(), MetricAccumulator()
+        timers, acc = Timers(around=self.s.profiler.phase), MetricAccumulator()
         if self.source is None:
             self.source = open_source(self.plan, self.s, self.producer)
-        with timers("all"):
+        with self.s.profiler.step(iteration), timers("all"):
             exp = self.source.next(iteration, timers)
             timers.merge(exp.timers)
             acc.merge(exp.acc)
@@ -117,6 +117,8 @@ class OnPolicyTrainer:
             with timers("reference_model"):
                 self.logprobs(td, "ref_logprobs", s.policy.reference, plan.reads["ref_dispatch_size"],
                               plan.update.ref_micro_batch_size)
+            for name, start, end in getattr(s.policy.reference, "pop_moves", list)():  # offload_reference
+                acc.update({name: end - start})  # plain durations: summed over the iteration's moves
         if not plan.skip_old_logprobs:
             if not overlap:
                 with timers("old_log_p"):
@@ -128,7 +130,7 @@ class OnPolicyTrainer:
                 with timers("critic_model"):
                     self.critic.compute_values(td)
             with timers("adv"):
-                self.critic.advantages(td, acc, self.kl_ctrl)
+                self.critic.advantages(td, acc, self.kl_ctrl, timers)
             with timers("update_critic"):
                 self.critic.update(td, acc, iteration)
         with timers("update"):

@@ -32,6 +32,7 @@ from posttrain.algo.kl import apply_kl_in_reward
 from posttrain.config.plan import Plan
 from posttrain.metrics.reduce import MetricAccumulator
 from posttrain.metrics.stats import stat_metrics
+from posttrain.metrics.timers import Timers
 from posttrain.loops.experience import per_group, read_batch, write_rows
 from posttrain.training.batch import per_token
 from posttrain.training.loss_fns import make_critic_loss_fn
@@ -54,8 +55,10 @@ class CriticPhases:
             values = self.critic.compute_values(batch)
             write_rows(td, ["values"], idx, [values], lengths)
 
-    def advantages(self, td, acc: MetricAccumulator, kl_ctrl) -> None:
-        """Token rewards (+ KL in reward), GAE, ``advantages``/``returns`` columns, critic/* stats."""
+    def advantages(self, td, acc: MetricAccumulator, kl_ctrl, timers: Timers | None = None) -> None:
+        """Token rewards (+ KL in reward, timed as ``timing/kl`` within ``timing/adv``), GAE,
+        ``advantages``/``returns`` columns, critic/* stats."""
+        timers = timers if timers is not None else Timers()
         kl, adv = self.plan.kl, self.plan.advantages
         columns = ["scores", "response_length", "values"]
         if kl.in_reward:
@@ -67,9 +70,10 @@ class CriticPhases:
             scores = torch.cat([r.reshape(-1) for r in batch["scores"]])
             rewards = scores_to_token_level_rewards(scores, mask)
             if kl.in_reward:
-                rewards, kl_metrics = apply_kl_in_reward(
-                    rewards, per_token(batch["old_logprobs"], width), per_token(batch["ref_logprobs"], width), mask,
-                    kl_coef=kl_ctrl.value, kl_penalty=kl.penalty)
+                with timers("kl"):
+                    rewards, kl_metrics = apply_kl_in_reward(
+                        rewards, per_token(batch["old_logprobs"], width), per_token(batch["ref_logprobs"], width),
+                        mask, kl_coef=kl_ctrl.value, kl_penalty=kl.penalty)
                 acc.update(kl_metrics)
             values = per_token(batch["values"], width)
             advantages, returns = compute_advantages(adv.estimator, rewards, mask, values=values, group_size=self.plan.n,

@@ -30,6 +30,7 @@ from posttrain.models import cpu_linear
 from posttrain.roles.policy import Policy, build_policy, seed_everything
 from posttrain.rundir import DirLock, Start, checked_start, claim_run_dirs
 from posttrain.training.engine import NaNLossError
+from posttrain.metrics.profiler import RunProfiler
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +50,7 @@ def check_finite_step(step: dict[str, float], iteration: int) -> None:
 class Session:
     def __init__(self, plan: Plan, *, load_previous_on_corruption: bool = False):
         self.plan, self.run_dir = plan, Path(plan.schedule.run_dir)
+        self.profiler = RunProfiler(plan.profiler, plan.device)  # profiler_config.integrated
         self.closed = False
         self.cluster = self.critic = self.rule_reward = self.reward_model = self.eval_data = self.logger = None
         self.locks: list[DirLock] = []
@@ -258,13 +260,15 @@ class Session:
         self._write_card(path, iteration)
         if self.critic is not None:  # PPO: the critic's own checkpoint (critic_config.save), if it has one
             critic_path = self.critic.save(iteration, tokenizer=p.tokenizer, trainer_state=state)
+            if critic_path is not None:
+                self._write_card(critic_path, iteration, role="critic")
             if critic_path is not None and s.keep_last:
                 prune_checkpoints(critic_path.parent, s.keep_last)
         if s.keep_last:
             prune_checkpoints(s.save, s.keep_last)
         return path
 
-    def _write_card(self, path, iteration: int) -> None:
+    def _write_card(self, path, iteration: int, role: str = "policy") -> None:
         """A model card (README.md) in a checkpoint that Hugging Face can load (not a Megatron one)."""
         from posttrain.checkpoint.card import CardInfo, write_model_card
 
@@ -275,7 +279,7 @@ class Session:
         write_model_card(path, CardInfo(algorithm=self.plan.stage.name, base_model=self.initial_model,
                                         data=self.plan.data.data_path or "", config_json=self.plan.config_json,
                                         iteration=iteration, metrics=getattr(self, "last_metrics", {}),
-                                        adapter=adapter))
+                                        adapter=adapter, role=role))
 
     def _check_finite_weights(self, iteration: int) -> None:
         """Refuse to save weights holding NaN/inf (the loops already stop on a non-finite loss,

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
+from typing import Any
 
 Span = tuple[float, float]
 
@@ -40,8 +41,9 @@ class Timers:
     A phase that raises is still recorded (its span ends at the exception).
     """
 
-    def __init__(self, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, clock: Callable[[], float] = time.time, around: Callable[[str], Any] | None = None) -> None:
         self.clock = clock
+        self.around = around  # a context manager around each phase (posttrain.metrics.profiler.RunProfiler.phase)
         self._spans: dict[str, list[Span]] = {}
 
     @contextmanager
@@ -50,7 +52,8 @@ class Timers:
 
         start = self.clock()
         try:
-            with record_function(name if name.startswith("timing/") else f"timing/{name}"):
+            with (self.around(name) if self.around is not None else nullcontext()), \
+                    record_function(name if name.startswith("timing/") else f"timing/{name}"):
                 yield
         finally:
             self.record(name, start, self.clock())

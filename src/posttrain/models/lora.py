@@ -168,9 +168,14 @@ def check_adapter_wanted(path: str | Path, options: LoraOptions | None) -> None:
 def check_adapter_keys(path: str | Path, options: LoraOptions, model) -> None:
     """The adapter saved in ``path`` has the run's ``lora_r``, ``lora_alpha`` and targets; else the
     run would silently continue another adapter than its config describes."""
-    saved = json.loads((Path(path) / ADAPTER_CONFIG).read_text(encoding="utf-8"))
-    wanted = {"r": int(options.r), "lora_alpha": options.alpha,
-              "target_modules": sorted(hf_targets(options.target_modules, model))}
+    check_adapter_matches(path, options, hf_targets(options.target_modules, model))
+
+
+def check_adapter_matches(path: str | Path, options: LoraOptions, targets) -> None:
+    """The adapter saved in ``path`` has the run's ``lora_r`` and ``lora_alpha`` and the module names
+    ``targets`` (both backends: the HF model's names, or the Megatron layers' HF names)."""
+    saved = read_adapter_config(Path(path) / ADAPTER_CONFIG)
+    wanted = {"r": int(options.r), "lora_alpha": options.alpha, "target_modules": sorted(targets)}
     found = {"r": saved.get("r"), "lora_alpha": saved.get("lora_alpha"),
              "target_modules": sorted(saved.get("target_modules") or [])}
     keys = {"r": "lora_r", "lora_alpha": "lora_alpha", "target_modules": "lora_target_modules"}

@@ -26,6 +26,7 @@ The Megatron-Core backend's counterpart is :class:`posttrain.training.megatron.e
 from __future__ import annotations
 
 import contextlib
+import time
 import ctypes
 import ctypes.util
 from pathlib import Path
@@ -242,10 +243,14 @@ class OffloadedReference:
     * CPU: the weights are written once to ``spill_dir/reference.pt``; between calls they are
       dropped, and each call maps the file back (``torch.load(mmap=True)``), so the process holds
       no private copy of them: the page cache holds the file, which the kernel can reclaim.
+
+    Each move is a span ``(name, start, end)`` in :attr:`moves` (``timing/ref_onload``,
+    ``timing/ref_offload``, the seed's keys), which the loop takes with :meth:`pop_moves` and sums.
     """
 
     def __init__(self, engine, spill_dir):
         self.engine = engine
+        self.moves: list[tuple[str, float, float]] = []
         model = engine.model
         self.device = next(model.parameters()).device
         self.names = [name for name, _ in model.named_parameters()]  # tied weights: one entry
@@ -293,11 +298,20 @@ class OffloadedReference:
 
     @contextlib.contextmanager
     def _on_device(self):
+        start = time.time()
         self._onload()
+        self.moves.append(("timing/ref_onload", start, time.time()))
         try:
             yield
         finally:
+            start = time.time()
             self._offload()
+            self.moves.append(("timing/ref_offload", start, time.time()))
+
+    def pop_moves(self) -> list[tuple[str, float, float]]:
+        """The moves since the last call, as ``(key, start, end)`` wall-clock spans."""
+        moves, self.moves = self.moves, []
+        return moves
 
     def compute_logprobs(self, batch, *, temperature=1.0, micro_batch_size=None):
         with self._on_device():

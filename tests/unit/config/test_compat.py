@@ -102,6 +102,7 @@ EXAMPLES: dict[str, tuple[list[str], str]] = {
     "speculation-graphs": ([*SPEC, *GRAPHS], "cuda"),
     "speculation-partial-ray": ([*SPEC, *PARTIAL, *RAY], "cpu"),
     "num-threads-ray": (["rl_config.num_threads=2", *RAY], "cpu"),
+    "profiler-ray": (["profiler_config.integrated.profile=true", *RAY], "cpu"),
     "dp-batch-balance-one-process": (["rl_config.use_dp_batch_balance=true"], "cpu"),
     "ref-config": ([*SEPARATE, "ref_config.micro_batch_size=2"], "cpu"),
     "separated-megatron": ([*SEP_REF, *TP2], "cpu"),

@@ -108,9 +108,6 @@ CASES = [
     (["generate_config.limit_mm_video_per_prompt=1"], f"generate_config.limit_mm_video_per_prompt=1: {MM}",
      "set it to 0"),
     # the switches of the seed's debugging tools
-    (["profiler_config.integrated.profile=true"], "profiler_config.integrated.profile=true: the seed's profiler",
-     "posttrain bench --config-name NAME --profile DIR"),
-    (["profiler_config.integrated.mstx=true"], "profiler_config.integrated.mstx=true: ", "set it to false"),
     (["msprobe_config.msprobe=true"], "msprobe_config.msprobe=true: msprobe accuracy dumps are not implemented",
      "set it to false"),
     # whole sections and the critic's keys that follow the actor
@@ -122,12 +119,6 @@ CASES = [
 # keys refused only with their feature's switch on: (the key's override, the switch's override)
 GATED = [
     ("generate_config.eplb_token_save_path=/tmp/eplb", "generate_config.eplb_token_collects=true"),
-    *[(f"profiler_config.integrated.{key}={value}", "profiler_config.integrated.profile=true") for key, value in [
-        ("stage", "[actor_update]"), ("profile_save_path", "/tmp/prof"), ("profile_export_type", "db"),
-        ("profile_level", "level1"), ("profile_with_memory", "true"), ("profile_record_shapes", "true"),
-        ("profile_with_cpu", "false"), ("profile_with_npu", "false"), ("profile_with_module", "true"),
-        ("profile_step_start", "2"), ("profile_step_end", "4"), ("profile_analysis", "true"),
-        ("profile_ranks", "[0]")]],
     *[(f"msprobe_config.{key}={value}", "msprobe_config.msprobe=true") for key, value in [
         ("dump_path", "/tmp/dump"), ("key_data_dump", "true"), ("configurations_dump", "true"),
         ("actor_train_dump", "true"), ("actor_infer_dump", "true"), ("reference_dump", "true"),

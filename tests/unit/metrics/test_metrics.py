@@ -46,8 +46,9 @@ def test_timer_records_phase_that_raises():
 
 def test_non_overlap_formulas():
     spans = {"timing/old_log_p": [(0.0, 10.0)], "timing/reference_model": [(4.0, 13.0)],
-             "timing/rule_reward": [(11.0, 12.0)], "timing/adv": [(13.0, 14.5)]}
+             "timing/rule_reward": [(11.0, 12.0)], "timing/adv": [(13.0, 14.5)], "timing/reward_model": [(9.0, 12.5)]}
     got = non_overlap_timings(spans)
+    assert got["timing/non_overlap_reward_model"] == pytest.approx(2.5)      # 12.5 - max(10, 9)
     assert got["timing/non_overlap_reference_model"] == pytest.approx(3.0)   # 13 - max(10, 4)
     assert got["timing/non_overlap_rule_reward"] == pytest.approx(1.0)       # 12 - max(10, 11)
     assert got["timing/non_overlap_adv"] == pytest.approx(4.5)               # 14.5 - 10

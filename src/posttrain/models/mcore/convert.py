@@ -19,6 +19,7 @@ from typing import Any, Iterator
 
 import torch
 
+from posttrain.checkpoint.card import converted_card
 from posttrain.errors import CheckpointError, ConfigError
 from posttrain.models.arch import ModelArch, arch_from_hf_config
 from posttrain.models.mcore import mapping, mcore_files, rank_checks, splits, targets
@@ -400,14 +401,14 @@ def mcore_to_hf(load_dir: str | Path, out_dir: str | Path, *, template: str | Pa
 
     return write_hf(out_dir, tensors(), config, arch=arch, orm=orm, template=Path(template) if template else None,
                     tokenizer=Path(tokenizer) if tokenizer else None, out_dtype=out_dtype,
-                    max_shard_bytes=max_shard_bytes, log=log)
+                    max_shard_bytes=max_shard_bytes, log=log, card=converted_card(load_dir, arch.model_type, orm))
 
 
 def write_hf(out_dir: Path, tensors, config: dict, *, arch: ModelArch, orm: bool, template: Path | None,
              tokenizer: Path | None, out_dtype: torch.dtype | None, max_shard_bytes: int = 2 << 30,
-             log=print) -> Path:
-    """Write ``(HF name, tensor)`` pairs, ``config`` and the tokenizer as the HF directory ``out_dir``
-    (staged in a temporary directory, then moved in)."""
+             log=print, card: str | None = None) -> Path:
+    """Write ``(HF name, tensor)`` pairs, ``config``, the tokenizer and a model ``card`` (README.md)
+    as the HF directory ``out_dir`` (staged in a temporary directory, then moved in)."""
     with _staging(out_dir.parent, out_dir.name, out_dir) as tmp:
         writer = ShardedWriter(tmp, max_shard_bytes)
         for name, tensor in tensors:
@@ -415,6 +416,8 @@ def write_hf(out_dir: Path, tensors, config: dict, *, arch: ModelArch, orm: bool
         size = writer.close()
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
         copied = _copy_tokenizer(template, tokenizer, tmp)
+        if card:
+            (tmp / "README.md").write_text(card, encoding="utf-8")
         _publish_dir(tmp, out_dir)
     log(f"wrote {out_dir} ({arch.model_type}{', reward model' if orm else ''}, {arch.num_layers} layers, "
         f"{size / 2**20:.1f} MiB of weights{'; tokenizer: ' + ', '.join(copied) if copied else '; no tokenizer copied'})")

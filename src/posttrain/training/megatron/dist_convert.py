@@ -16,6 +16,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.checkpoint import FileSystemReader
 
+from posttrain.checkpoint.card import converted_card
 from posttrain.models.mcore import mapping, mcore_files
 from posttrain.models.mcore.convert import check_hf_target, hf_config, params_dtype, write_hf
 from posttrain.training.megatron.cpu_shims import cpu_megatron
@@ -53,7 +54,7 @@ def _convert(rank: int, port: int, it_dir: str, out_dir: str, template, tokenize
             with torch.no_grad():
                 write_hf(Path(out_dir), hf_weights(chunks, args, value_head=orm), config, arch=arch, orm=orm,
                          template=Path(template) if template else None, tokenizer=Path(tokenizer) if tokenizer else None,
-                         out_dtype=out_dtype)
+                         out_dtype=out_dtype, card=converted_card(it_dir, arch.model_type, orm))
             ps.destroy_model_parallel()
     finally:
         dist.destroy_process_group()

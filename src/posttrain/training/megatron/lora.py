@@ -349,23 +349,14 @@ def check_saved_adapter(it_dir: Path, options: LoraOptions) -> None:
     adapted linears (else Megatron's strict load would fail on shapes or names, or the run would
     continue another adapter than its config describes)."""
     from posttrain.errors import ConfigError
-    from posttrain.models.lora import read_adapter_config
+    from posttrain.models.lora import check_adapter_matches
 
     if not (it_dir / ADAPTER_CONFIG).is_file():
         raise ConfigError(f"actor_config.lora_target_modules: {it_dir} holds no LoRA adapter (a full-weight run of "
                           f"the megatron backend); a LoRA run starts from a Hugging Face directory (convert this "
                           f"checkpoint: posttrain convert --load-model-type mg --save-model-type hf) or resumes its "
                           f"own LoRA checkpoint")
-    saved = read_adapter_config(it_dir / ADAPTER_CONFIG)
-    wanted = {"r": int(options.r), "lora_alpha": options.alpha,
-              "target_modules": sorted({part for _, part in _targeted(options)})}
-    found = {"r": saved.get("r"), "lora_alpha": saved.get("lora_alpha"),
-             "target_modules": sorted(saved.get("target_modules") or [])}
-    keys = {"r": "lora_r", "lora_alpha": "lora_alpha", "target_modules": "lora_target_modules"}
-    for field, value in wanted.items():
-        if found[field] != value:
-            raise ConfigError(f"actor_config.{keys[field]}: the run asks for {value} but the adapter in {it_dir} has "
-                              f"{found[field]}; give the adapter's value to continue it")
+    check_adapter_matches(it_dir, options, {part for _, part in _targeted(options)})
 
 
 def write_adapter(chunks: list, args, options: LoraOptions, base_model: str, directory: Path) -> None:

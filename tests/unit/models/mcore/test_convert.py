@@ -102,6 +102,8 @@ def test_converted_back_model_loads_and_gives_the_same_logits(tiny_hf, tmp_path)
     assert torch.equal(ref, got)
     config = json.loads((out / "mg2hf" / "config.json").read_text())
     assert config["tie_word_embeddings"] is True and config["vocab_size"] == 100
+    card = (out / "mg2hf" / "README.md").read_text()  # the model card names where it came from
+    assert card.startswith("---\nbase_model:") and str(tmp_path / "mg") in card and "converted" in card
 
 
 def test_virtual_and_uneven_pipeline_stages_round_trip(tiny_hf, tmp_path):
