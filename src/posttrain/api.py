@@ -34,6 +34,7 @@ from typing import Any
 
 from posttrain.commands.preprocess import load_config as load_dataset_config
 from posttrain.config.loader import resolve_config_file
+from posttrain.config.options import schedule_options
 from posttrain.config.plan import Plan, resolve_plan
 from posttrain.config.run import RunConfig, load_run_config, run_config_from_dict
 from posttrain.data.preprocess import preprocess
@@ -49,7 +50,7 @@ class RunSummary:
 
     metrics: dict[str, float]
     history: list[dict[str, Any]] = field(default_factory=list)
-    output_dir: Path | None = None
+    output_dir: Path | None = None  # rl_config.output_dir, default runs/<config name>
     save_dir: Path | None = None
 
 
@@ -139,14 +140,14 @@ def train(config: ConfigLike, *, data: Any = None, dataset_config: str | None = 
             raise ConfigError("train(data=...): name the dataset config whose handler and template preprocess it "
                               "(dataset_config='tiny_add', a file of configs/datasets/)")
         resolve_config_file(dataset_config, None, subdir="datasets")  # a wrong name fails before any work
-        folder = Path(cfg.rl.output_dir or "runs/posttrain") / "data"
+        folder = Path(schedule_options(cfg).run_dir) / "data"  # the run's output folder (default runs/<name>)
         prefix = prepare_data(data, dataset_config, cfg.actor.tokenizer_name_or_path, folder)
         cfg = load_config(config, [*overrides, f"megatron_training.data_path={prefix}"])
     metrics = train_config(cfg)
-    out = Path(cfg.rl.output_dir) if cfg.rl.output_dir else None
-    history_file = out / "metrics.jsonl" if out else None
+    out = Path(schedule_options(cfg).run_dir)
+    history_file = out / "metrics.jsonl"
     history = ([json.loads(line) for line in history_file.read_text().splitlines() if line.strip()]
-               if history_file and history_file.is_file() else [])
+               if history_file.is_file() else [])
     return RunSummary(metrics=dict(metrics), history=history, output_dir=out,
                       save_dir=Path(cfg.actor.save) if cfg.actor.save else None)
 

@@ -126,6 +126,12 @@ TESTED: dict[tuple[str, str], str] = {
     ("megatron", "sft"): _C + "test_ray_megatron.py::test_offline_stages_on_the_megatron_backend_equal_the_hf_backend"
                               "[sft-2-1-1]",
     ("megatron", "lora"): _C + "test_ray_megatron_lora.py::test_lora_on_the_megatron_backend_equals_the_hf_backend",
+    ("ray-ddp", "partial"): _C + "test_ray_grpo.py::test_partial_and_async_rollout_on_two_workers_equal_the_run_in_one_process",
+    ("megatron", "partial"): _C + "test_ray_megatron.py::test_partial_rollout_on_the_megatron_backend_equals_the_hf_backend",
+    ("megatron", "reward-model"): _C + "test_ray_megatron_roles.py::"
+                                       "test_multi_turn_and_a_reward_model_on_the_megatron_backend_equal_the_hf_backend",
+    ("megatron", "multi-turn"): _C + "test_ray_megatron_roles.py::"
+                                     "test_multi_turn_and_a_reward_model_on_the_megatron_backend_equal_the_hf_backend",
     ("megatron", "vllm"): _V + "test_vllm_megatron.py::test_megatron_with_vllm_equals_the_hf_backend_with_vllm",
     ("separated", "ppo"): _C + "test_separated_roles.py::test_separated_roles_equal_the_integrated_run_blocking_or_not",
     ("multi-node", "grpo"): _C + "test_multi_node.py::test_grpo_with_its_workers_on_two_nodes_equals_the_run_in_one_process",

@@ -28,15 +28,10 @@ from typing import Any
 _MLFLOW_NAME = re.compile(r"[^0-9A-Za-z_\-. /]")  # the characters MLflow allows in a metric or parameter name
 
 
-class TrackioSink:
-    """One trackio run (``trackio.init``/``log``/``finish``)."""
+class _RunSink:
+    """A tracker whose run object logs ``(metrics, step=)`` and ends with ``finish()``."""
 
-    def __init__(self, project: str, run_name: str, config: Mapping[str, Any] | None = None) -> None:
-        import trackio
-
-        self.trackio = trackio
-        self.run = trackio.init(project=project, name=run_name, config=dict(config or {}), embed=False,
-                                auto_log_cpu=False, auto_log_gpu=False)
+    run = None
 
     def log(self, iteration: int, metrics: Mapping[str, float]) -> None:
         self.run.log(dict(metrics), step=iteration)
@@ -45,6 +40,16 @@ class TrackioSink:
         if self.run is not None:
             self.run.finish()
             self.run = None
+
+
+class TrackioSink(_RunSink):
+    """One trackio run (``trackio.init``/``log``/``finish``)."""
+
+    def __init__(self, project: str, run_name: str, config: Mapping[str, Any] | None = None) -> None:
+        import trackio
+
+        self.run = trackio.init(project=project, name=run_name, config=dict(config or {}), embed=False,
+                                auto_log_cpu=False, auto_log_gpu=False)
 
 
 def mlflow_name(key: str) -> str:
@@ -97,7 +102,7 @@ def _flat(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-class SwanlabSink:
+class SwanlabSink(_RunSink):
     """One SwanLab experiment (the seed's ``use_swanlab`` keys): ``local`` mode writes the run's files
     under ``save_dir`` and needs no network or account (``swanlab watch <save_dir>`` shows them);
     ``cloud`` logs to SwanLab's service with the user's ``SWANLAB_API_KEY``."""
@@ -109,11 +114,3 @@ class SwanlabSink:
         Path(save_dir).mkdir(parents=True, exist_ok=True)
         self.run = swanlab.init(mode="online" if mode == "cloud" else "local", project=project,
                                 experiment_name=exp_name, log_dir=str(save_dir), config=dict(config or {}))
-
-    def log(self, iteration: int, metrics: Mapping[str, float]) -> None:
-        self.run.log(dict(metrics), step=iteration)
-
-    def close(self) -> None:
-        if self.run is not None:
-            self.run.finish()
-            self.run = None
