@@ -166,7 +166,7 @@ class OffPolicyOptions:
     """Sampling with other weights than the trainer's (docs/async.md): ``async_staleness`` (None:
     synchronous), a rollout worker process of its own (``separate_worker``: ``separate_rollout_worker:
     true``), partial rollout over ``partial_max_split`` iterations, and the rollout correction
-    (``rollout_correction`` ``mode``, ``cap``, ``level``)."""
+    (``rollout_correction`` ``mode``, ``cap``, ``level``, ``floor``)."""
 
     staleness: int | None = None
     separate_worker: bool = False
@@ -175,6 +175,7 @@ class OffPolicyOptions:
     correction: str = "none"
     correction_cap: float = 2.0
     correction_level: str = "token"
+    correction_floor: float | None = None
 
     @property
     def pipelined(self) -> bool:
@@ -408,7 +409,8 @@ def off_policy_options(cfg: RunConfig) -> OffPolicyOptions:
                             partial_max_split=rl.partial_rollout_max_split,
                             require_max_age_all_finished=rl.require_max_age_all_finished,
                             correction=rl.rollout_correction, correction_cap=rl.rollout_correction_cap,
-                            correction_level=rl.rollout_correction_level)
+                            correction_level=rl.rollout_correction_level,
+                            correction_floor=rl.rollout_correction_floor)
 
 
 def dynamic_sampling_options(cfg: RunConfig) -> DynamicSamplingOptions:

@@ -300,6 +300,8 @@ def actor_loss_options(cfg: RunConfig, stage: Stage, temperature: float) -> Acto
     agg = rl.loss_agg_mode or stage.default_loss_agg_mode(cfg)
     return ActorLossOptions(
         policy_loss=rl.policy_loss, clip_low=low, clip_high=high, clip_ratio_c=rl.clip_ratio_c,
+        policy_params=(("tau_pos", rl.sapo_tau_pos or 1.0), ("tau_neg", rl.sapo_tau_neg or 1.05))
+        if rl.policy_loss == "sapo" else (),
         entropy_coeff=rl.entropy_coeff, kl_penalty=rl.kl_penalty, loss_agg_mode=agg,
         norm_length=float(cfg.generate.sampling_config.max_tokens) if agg == "seq-mean-token-sum-norm" else None,
         temperature=temperature)  # norm_length: Dr. GRPO's constant

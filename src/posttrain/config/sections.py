@@ -19,7 +19,7 @@ ROWS_PER_READ = "rows per read; null: derived as the seed does"
 WEIGHT = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 KL_CONTROLLERS = Literal["fixed", "adaptive"]
 SHARDINGS = Literal["ddp", "fsdp2"]
-CORRECTIONS = Literal["none", "tis", "mis"]  # posttrain.algo.rollout_correction.MODES
+CORRECTIONS = Literal["none", "tis", "mis", "icepop"]  # posttrain.algo.rollout_correction.MODES
 CORRECTION_LEVELS = Literal["token", "sequence"]  # posttrain.algo.rollout_correction.LEVELS
 TRUNCATE_SIDES = Literal["left", "right", "middle"]
 ROLLOUT_DTYPES = Literal["bfloat16", "float32", "float16"]
@@ -141,7 +141,13 @@ class RLConfig(Section):
     kl_horizon: float = F(1000, "adaptive KL horizon", HONOURED)
     kl_target: float = F(100.0, "adaptive KL target", HONOURED, gt=0, finite=True)
     adv_estimator: str = F("group_norm", "group_norm, gae, grpo_no_std, rloo, reinforce_plus_plus, ...", HONOURED)
-    policy_loss: str = F("ppo", "posttrain: ppo (clipped surrogate; dual-clip with clip_ratio_c) or gspo", HONOURED)
+    policy_loss: str = F("ppo", "posttrain: ppo (clipped surrogate; dual-clip with clip_ratio_c), gspo, cispo, sapo "
+                                "or gpg (docs/algorithms.md)", HONOURED)
+    sapo_tau_pos: Opt[float] = F(None, "posttrain: SAPO's gate temperature where the advantage is positive (policy_loss: "
+                                       "sapo; default 1.0)", HONOURED, gt=0, finite=True, note="the gate's temperature")
+    sapo_tau_neg: Opt[float] = F(None, "posttrain: SAPO's gate temperature where the advantage is not positive "
+                                       "(policy_loss: sapo; default 1.05)", HONOURED, gt=0, finite=True,
+                                 note="the gate's temperature")
     loss_agg_mode: Opt[str] = F(None, "posttrain: token-mean, seq-mean-token-mean, seq-mean-token-sum or "
                                       "seq-mean-token-sum-norm; default: the algorithm's (DAPO: token_level_loss)",
                                 HONOURED)
@@ -285,12 +291,16 @@ class RLConfig(Section):
                                         "updates (k >= 0; unset: synchronous; docs/async.md)", HONOURED, ge=0,
                                   note="0: the rollout uses the latest weights; k: weights at most k updates old; "
                                        "remove the key for synchronous training")
-    rollout_correction: CORRECTIONS = F("none", "posttrain: none, tis (truncated importance weights) or mis "
-                                                "(masked) between the trainer's old log-probs and the rollout's "
-                                                "(docs/async.md)", HONOURED)
-    rollout_correction_cap: float = F(2.0, "posttrain: the cap C of tis / the band [1/C, C] of mis (> 1)", HONOURED,
-                                      gt=1, finite=True, note="tis caps the ratio at C; mis keeps tokens whose ratio "
-                                                              "is in [1/C, C]")
+    rollout_correction: CORRECTIONS = F("none", "posttrain: none, tis (truncated importance weights), mis (masked) "
+                                                "or icepop (weighted inside a band, masked outside) between the "
+                                                "trainer's old log-probs and the rollout's (docs/async.md)", HONOURED)
+    rollout_correction_cap: float = F(2.0, "posttrain: the cap C of tis / the upper edge of the band of mis and icepop "
+                                           "(> 1)", HONOURED, gt=1, finite=True,
+                                      note="tis caps the ratio at C; mis and icepop keep tokens whose ratio is at most "
+                                           "C")
+    rollout_correction_floor: Opt[float] = F(None, "posttrain: the lower edge of the band of mis and icepop (default "
+                                                   "1/C; IcePop's paper: 0.5 with C = 5)", HONOURED, gt=0, lt=1,
+                                             note="the smallest ratio kept")
     rollout_correction_level: CORRECTION_LEVELS = F("token", "posttrain: token or sequence (mis: a sequence's "
                                                              "geometric-mean ratio)", HONOURED)
     num_threads: Opt[int] = F(None, "posttrain: torch CPU threads of an in-process run (unset: torch's count, "

@@ -194,7 +194,8 @@ class OnPolicyTrainer:
                                          indexes=range(td.max_len))  # in order: the dock's row-choice draws stay the update's
         weights, mask, metrics = rollout_correction(batch["old_logprobs"], batch["rollout_logprobs"],
                                                     batch["response_mask"], mode=off.correction,
-                                                    cap=off.correction_cap, level=off.correction_level)
+                                                    cap=off.correction_cap, level=off.correction_level,
+                                                    floor=off.correction_floor)
         acc.update(metrics)
         weights = weights * mask
         limit = off.staleness_limit
