@@ -69,6 +69,14 @@ def _clipped_surrogate(ratio, advantages, mask, num_tokens, *, clip_low, clip_hi
     return clipped, metrics
 
 
+def _aggregated(per_token, log_ratio, mask, metrics, *, loss_agg_mode, num_tokens, num_seqs, norm_length):
+    """The aggregated loss, with ``actor/ppo_kl`` (the token mean of ``old_logp - logp``) added to ``metrics``."""
+    metrics["actor/ppo_kl"] = _token_mean(-log_ratio.detach(), mask, num_tokens)
+    loss = aggregate_loss(per_token, mask, mode=loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs,
+                          norm_length=norm_length)
+    return loss, metrics
+
+
 @POLICY_LOSSES.register("ppo", "grpo", "dapo")
 def ppo_clip_loss(logprobs, old_logprobs, advantages, mask, *, clip_low, clip_high, clip_ratio_c=None,
                   loss_agg_mode="token-mean", num_tokens=None, num_seqs=None, norm_length=None):
@@ -77,10 +85,8 @@ def ppo_clip_loss(logprobs, old_logprobs, advantages, mask, *, clip_low, clip_hi
     log_ratio = torch.clamp(logprobs - old_logprobs, -MAX_LOG_RATIO, MAX_LOG_RATIO)
     per_token, metrics = _clipped_surrogate(log_ratio.exp(), advantages, mask, num_tokens, clip_low=clip_low,
                                             clip_high=clip_high, clip_ratio_c=clip_ratio_c)
-    metrics["actor/ppo_kl"] = _token_mean(-log_ratio, mask, num_tokens)
-    loss = aggregate_loss(per_token, mask, mode=loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs,
-                          norm_length=norm_length)
-    return loss, metrics
+    return _aggregated(per_token, log_ratio, mask, metrics, loss_agg_mode=loss_agg_mode, num_tokens=num_tokens,
+                       num_seqs=num_seqs, norm_length=norm_length)
 
 
 @POLICY_LOSSES.register("gspo")
@@ -94,17 +100,8 @@ def gspo_loss(logprobs, old_logprobs, advantages, mask, *, clip_low, clip_high, 
     ratio = torch.clamp(token_log_ratio, max=10.0).exp()
     per_token, metrics = _clipped_surrogate(ratio, advantages, mask, num_tokens, clip_low=clip_low,
                                             clip_high=clip_high, clip_ratio_c=clip_ratio_c)
-    metrics["actor/ppo_kl"] = _token_mean(-log_ratio, mask, num_tokens)
-    loss = aggregate_loss(per_token, mask, mode=loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs,
-                          norm_length=norm_length)
-    return loss, metrics
-
-
-def _aggregated(per_token, log_ratio, mask, metrics, *, loss_agg_mode, num_tokens, num_seqs, norm_length):
-    metrics["actor/ppo_kl"] = _token_mean(-log_ratio.detach(), mask, num_tokens)
-    loss = aggregate_loss(per_token, mask, mode=loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs,
-                          norm_length=norm_length)
-    return loss, metrics
+    return _aggregated(per_token, log_ratio, mask, metrics, loss_agg_mode=loss_agg_mode, num_tokens=num_tokens,
+                       num_seqs=num_seqs, norm_length=norm_length)
 
 
 @POLICY_LOSSES.register("cispo")
