@@ -82,7 +82,6 @@ EXAMPLES: dict[str, tuple[list[str], str]] = {
     "vllm-ascend_scheduler_config_enabled": ([*VLLM, "generate_config.ascend_scheduler_config_enabled=true"], "cpu"),
     "vllm-ray-tensor-parallel": ([*VLLM, *RAY, "generate_config.infer_tensor_parallel_size=2"], "cpu"),
     "async-offline": ([*DPO, *ASYNC], "cpu"),
-    "async-ray": ([*ASYNC, *RAY, *VLLM], "cpu"),
     "async-engine": ([*ASYNC, *OTHER], "cpu"),
     "async-megatron": ([*ASYNC, *TP2], "cpu"),
     "async-lora": ([*ASYNC, *LORA], "cpu"),
