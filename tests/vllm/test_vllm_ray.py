@@ -9,9 +9,9 @@ GRPO with DDP replicas and with FSDP2 shards against the same run in one process
   engine draws; a worker whose engine missed an update would sample other tokens and score other
   log-probs. Same response tokens, and every logged metric but the wall-clock ones within 1e-3.
 * LoRA on FSDP2 shards: each engine takes the adapter merged into the gathered base at every sync.
-* ``async_staleness: 1``: each worker's engine samples beside the update and loads the snapshot of
-  the version the pipeline asks for (cluster/rollout_copy.py ``EngineCopy``); the run equals the
-  same asynchronous run in one process (its engine loaded by ``EngineReplica``).
+* ``async_staleness: 1`` on FSDP2 shards: each worker's engine samples beside the update and loads
+  the snapshot of the version the pipeline asks for (cluster/rollout_copy.py ``EngineCopy``); the run
+  equals the same asynchronous run in one process (its engine loaded by ``EngineReplica``).
 """
 
 from __future__ import annotations
@@ -129,22 +129,19 @@ def test_lora_on_fsdp2_shards_pushes_the_merged_weights(ray_session, work):
     assert rows[0]["actor/grad_norm"] > 0 and rows[1]["actor/kl_loss"] > 0  # iteration 2 sampled a moved adapter
 
 
-ASYNC = {"async_staleness": 1}
+ASYNC = {"async_staleness": 1, "n_samples_per_prompt": 4}  # 4 prompts x 4 samples: 2 optimizer steps
+SMALL = {"micro_batch_size": 4}
 
 
-@pytest.fixture(scope="module")
-def async_local(ray_session, work):
-    return vllm_run(work, "async_local", workers=1, rl=ASYNC, iters=3)
-
-
-@pytest.mark.parametrize("placement", ["ddp", "fsdp2"])
-def test_async_staleness_on_two_workers_equals_the_async_run_in_one_process(async_local, work, placement):
-    """k = 1, 3 iterations: iterations 1 and 2 sample version 0 (the engines' start), iteration 3
-    version 1, which every worker's engine loads from its snapshot while update 2 runs beside it (a
-    worker whose engine held another version, the trained weights of update 2 say, would sample other
-    tokens and score other log-probs than the one-process run)."""
-    want_batches, want_rows, _, _ = async_local
-    got_batches, got_rows, _, info = vllm_run(work, f"async_{placement}", workers=2, sharding=placement, rl=ASYNC,
+def test_async_staleness_on_two_workers_equals_the_async_run_in_one_process(ray_session, work):
+    """k = 1, 3 iterations on FSDP2 shards (a snapshot is the full weights, gathered by all ranks, with the
+    probe scored on them; DDP keeps its own replica's the same way, without the gather): iterations 1
+    and 2 sample version 0 (the engines' start), iteration 3 version 1, which every worker's engine
+    loads from its snapshot while update 2 runs beside it. A worker whose engine held another version
+    (none loaded, or the trained weights of update 2) would sample other tokens and score other
+    log-probs than the one-process run, whose engine the pipeline loads in this process."""
+    want_batches, want_rows, _, _ = vllm_run(work, "async_local", workers=1, rl=ASYNC, train=SMALL, iters=3)
+    got_batches, got_rows, _, info = vllm_run(work, "async_fsdp2", workers=2, sharding="fsdp2", rl=ASYNC, train=SMALL,
                                               iters=3)
     assert len(info) == 2 and all(i["rollout_holds_weights"] for i in info)
     assert got_batches == want_batches  # token-identical rollouts, iteration by iteration

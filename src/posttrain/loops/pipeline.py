@@ -3,7 +3,9 @@
 A thread produces the experience of iteration ``j`` (prompts, rollout, rewards) with its own
 replica of the weights while the trainer learns from iteration ``j - 1``: a copy in this process
 (:class:`LocalReplica`), the trainer's vLLM engine, which holds its own copy (:class:`EngineReplica`),
-or, with ``separate_rollout_worker: true``, a rollout worker process on Ray, where the sampling does not share this process's interpreter and cores. The copy holds *version* ``v``: the
+the Ray actor workers' rollout copies (native or vLLM: :mod:`posttrain.cluster.workers_replica`),
+or, with ``separate_rollout_worker: true``, a rollout worker process on Ray, where the sampling does
+not share this process's interpreter and cores. The copy holds *version* ``v``: the
 weights after ``v`` updates. Iteration ``j`` always samples with version::
 
     need(j) = max(start, j - 1 - k)

@@ -176,7 +176,7 @@ def test_each_row_needs_its_combination(row_id, monkeypatch):
 
 
 def test_every_refusal_of_a_config_is_reported_at_once_one_per_line():
-    cfg = config([*ASYNC, *PARTIAL, *VLLM, *RAY, "rl_config.num_threads=2"])  # partial rollout runs on Ray
+    cfg = config([*ASYNC, *LORA, *PARTIAL, *VLLM, *RAY, "rl_config.num_threads=2"])  # partial rollout runs on Ray
     with pytest.raises(ConfigError) as err:
         check_run_config(cfg, device_type="cpu", arch=ARCH)
     lines = str(err.value).splitlines()
@@ -190,7 +190,7 @@ def test_features_alone_pass_the_table():
     for overrides in ([], ASYNC, PARTIAL, LORA, VLLM, SPEC, WORKER, TP2, RAY, [*PARTIAL, *VLLM], [*TURNS, *VLLM],
                       ["rl_config.async_engine=true", *VLLM], ["rl_config.async_engine=true", *VLLM, *GRAPHS],
                       [*ASYNC, *VLLM], [*ASYNC, *PARTIAL, *VLLM], [*ASYNC, *TURNS, *VLLM], [*WORKER, *VLLM],
-                      [*WORKER, *ASYNC, *VLLM]):
+                      [*WORKER, *ASYNC, *VLLM], [*ASYNC, *VLLM, *RAY], [*ASYNC, *PARTIAL, *VLLM, *RAY]):
         cfg = config(overrides)
         for device in ("cpu", "cuda"):
             check_compat(cfg, setup_of(cfg, device))
