@@ -111,4 +111,3 @@ class EngineCopy:
 
     def generate(self, *args, **kwargs):
         return self.engine.generate(*args, **kwargs)
-
