@@ -298,7 +298,7 @@ _ROLLOUT_REPLICA = [  # async_staleness and use_integrated_worker: false put the
     ("lora", dict(with_="lora"), "{setting} with LoRA is not supported yet (the rollout replica would merge the "
                                  "adapter); remove lora_target_modules or {setting}"),
 ]
-_ASYNC_OWN = {("async", "ray"), ("async", "megatron")}  # async_staleness's own rows (below)
+_ASYNC_OWN = {("async", "ray"), ("async", "megatron")}  # built on Ray (no row); megatron: its own row (below)
 _SEPARATED = [  # roles in worker groups of their own: where they are built
     ("megatron", dict(backend=MEGATRON), "{setting}: roles in worker groups of their own are built on the hf backend "
                                          "only; remove the resources (the roles stay colocated with the "
@@ -385,11 +385,8 @@ ROWS: tuple[Row, ...] = (
     # the rollout on a replica of the weights, partial rollout
     *(Row(f"{name}-{suffix}", name, message, **where) for name in ("async", "rollout_worker")
       for suffix, where, message in _ROLLOUT_REPLICA if (name, suffix) not in _ASYNC_OWN),
-    # async_staleness on Ray actor workers: each worker's native rollout copy (cluster/rollout_copy.py)
-    Row("async-ray", "async", "{setting} with rl_config.rollout_engine: vllm on Ray actor workers is not built yet "
-        "(the workers' vLLM engines load the trained weights after every update, not the version the pipeline asks "
-        "for); set rollout_engine: native, or run in one process (no actor_resource.num_npus > 1, no ray_address)",
-        placement=RAY, engine=("vllm",)),
+    # async_staleness on Ray actor workers is built (each worker's rollout copy: the native engine's, or its vLLM
+    # engine loaded with the snapshot of the version the pipeline asks for; cluster/rollout_copy.py); on megatron not
     Row("async-megatron", "async", "{setting} is not built on the megatron backend yet (the leader's one HF rollout "
         "copy serves the synchronous rollout and the evaluation and is reloaded after every update; a second copy held "
         "at the version the pipeline asks for, sampled beside Megatron's update, is missing); use backend hf{megatron}",

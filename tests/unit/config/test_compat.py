@@ -82,7 +82,6 @@ EXAMPLES: dict[str, tuple[list[str], str]] = {
     "vllm-ascend_scheduler_config_enabled": ([*VLLM, "generate_config.ascend_scheduler_config_enabled=true"], "cpu"),
     "vllm-ray-tensor-parallel": ([*VLLM, *RAY, "generate_config.infer_tensor_parallel_size=2"], "cpu"),
     "async-offline": ([*DPO, *ASYNC], "cpu"),
-    "async-ray": ([*ASYNC, *RAY, *VLLM], "cpu"),
     "async-engine": ([*ASYNC, *OTHER], "cpu"),
     "async-megatron": ([*ASYNC, *TP2], "cpu"),
     "async-lora": ([*ASYNC, *LORA], "cpu"),
@@ -177,7 +176,7 @@ def test_each_row_needs_its_combination(row_id, monkeypatch):
 
 
 def test_every_refusal_of_a_config_is_reported_at_once_one_per_line():
-    cfg = config([*ASYNC, *PARTIAL, *VLLM, *RAY, "rl_config.num_threads=2"])  # partial rollout runs on Ray
+    cfg = config([*ASYNC, *LORA, *PARTIAL, *VLLM, *RAY, "rl_config.num_threads=2"])  # partial rollout runs on Ray
     with pytest.raises(ConfigError) as err:
         check_run_config(cfg, device_type="cpu", arch=ARCH)
     lines = str(err.value).splitlines()
@@ -191,7 +190,7 @@ def test_features_alone_pass_the_table():
     for overrides in ([], ASYNC, PARTIAL, LORA, VLLM, SPEC, WORKER, TP2, RAY, [*PARTIAL, *VLLM], [*TURNS, *VLLM],
                       ["rl_config.async_engine=true", *VLLM], ["rl_config.async_engine=true", *VLLM, *GRAPHS],
                       [*ASYNC, *VLLM], [*ASYNC, *PARTIAL, *VLLM], [*ASYNC, *TURNS, *VLLM], [*WORKER, *VLLM],
-                      [*WORKER, *ASYNC, *VLLM]):
+                      [*WORKER, *ASYNC, *VLLM], [*ASYNC, *VLLM, *RAY], [*ASYNC, *PARTIAL, *VLLM, *RAY]):
         cfg = config(overrides)
         for device in ("cpu", "cuda"):
             check_compat(cfg, setup_of(cfg, device))
