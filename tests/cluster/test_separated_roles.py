@@ -12,9 +12,10 @@ initial model, not from the resumed weights, and the critic group resumes its we
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.cluster.cluster_helpers import grpo_config, record_run
-from tests.cluster.test_ray_grpo import PPO, is_wall_clock, same
+from tests.cluster.test_ray_grpo import PPO, checkpoint_weights, is_wall_clock, same
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 RAY_CPUS = 4  # one actor worker, and one worker each for the reference, the reward model and the critic
@@ -76,3 +77,35 @@ def test_separated_roles_equal_the_integrated_run_blocking_or_not(ray_cluster, w
         "timing/critic_model"]
     assert sep_rows[1]["timing/reference_model"] != sep_rows[1]["timing/old_log_p"]
 
+
+
+OFF_POLICY = {"partial": {"partial_rollout_max_split": 2}, "async": {"async_staleness": 1}}
+
+
+@pytest.mark.parametrize("mode", list(OFF_POLICY))
+def test_partial_or_async_rollout_with_separated_roles_equals_the_integrated_run(ray_cluster, work, lowercase_rm_dir,
+                                                                                  mode):
+    """Partial rollout (rounds of half the new tokens: groups wait in the dock and finish in a later
+    iteration) or ``async_staleness: 1`` (iteration 2 samples with version 0 while version 1 trains):
+    the reference's log-probs, the reward model's scores and the critic's values come from the roles'
+    own groups for whichever samples the rollout finished, whatever round or version they came from.
+    The same responses, metrics and final weights as the integrated run."""
+    runs = {}
+    for name, rl in (("integrated", {}), ("separated", SEPARATED)):
+        run = f"{mode}_{name}"
+        runs[name] = record_run(config(work, lowercase_rm_dir, run, rl={**OFF_POLICY[mode], **rl},
+                                       train={"save": str(work / f"ckpt_{run}")}))
+    (base_batches, base_rows, _), (sep_batches, sep_rows, _) = runs["integrated"], runs["separated"]
+    assert sep_batches == base_batches and base_batches[0] != base_batches[1]
+    base_rows, sep_rows = trained_rows(base_rows), trained_rows(sep_rows)
+    if mode == "partial":
+        assert max(r["rollout/age_max"] for r in base_rows) >= 1  # groups finished in a later iteration
+    else:
+        assert base_rows[-1]["rollout/staleness_max"] >= 1  # iteration 2 sampled with version 0
+    assert base_rows[-1]["actor/reward_kl_penalty"] != 0 and all(r["critic/vf_loss"] > 0 for r in base_rows)
+    assert_same_rows(sep_rows, base_rows)
+    weights = {name: checkpoint_weights(work / f"ckpt_{mode}_{name}" / "iter_0000002") for name in runs}
+    initial = checkpoint_weights(work / "model")
+    assert any(not torch.equal(weights["integrated"][k], initial[k]) for k in initial)  # the actor learned
+    for key, want in weights["integrated"].items():
+        torch.testing.assert_close(weights["separated"][key], want, rtol=1e-5, atol=1e-6, msg=key)
