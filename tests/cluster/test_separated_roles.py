@@ -79,22 +79,27 @@ def test_separated_roles_equal_the_integrated_run_blocking_or_not(ray_cluster, w
 
 
 
-OFF_POLICY = {"partial": {"partial_rollout_max_split": 2}, "async": {"async_staleness": 1}}
+
+# partial rollout: rounds of half the new tokens; async: its passes also started together (blocking: false)
+OFF_POLICY = {"partial": ({"partial_rollout_max_split": 2}, {}),
+              "async": ({"async_staleness": 1}, {"blocking": False})}
 
 
 @pytest.mark.parametrize("mode", list(OFF_POLICY))
 def test_partial_or_async_rollout_with_separated_roles_equals_the_integrated_run(ray_cluster, work, lowercase_rm_dir,
                                                                                   mode):
-    """Partial rollout (rounds of half the new tokens: groups wait in the dock and finish in a later
-    iteration) or ``async_staleness: 1`` (iteration 2 samples with version 0 while version 1 trains):
+    """Partial rollout (groups wait in the dock and finish in a later iteration) or ``async_staleness:
+    1`` (iteration 2 samples with version 0 while version 1 trains; the roles' passes overlapped):
     the reference's log-probs, the reward model's scores and the critic's values come from the roles'
     own groups for whichever samples the rollout finished, whatever round or version they came from.
-    The same responses, metrics and final weights as the integrated run."""
-    runs = {}
-    for name, rl in (("integrated", {}), ("separated", SEPARATED)):
+    The same responses, metrics and final weights as the integrated run in this process."""
+    off_policy, separated_only = OFF_POLICY[mode]
+    runs, sessions = {}, []
+    for name, rl in (("integrated", {}), ("separated", {**SEPARATED, **separated_only})):
         run = f"{mode}_{name}"
-        runs[name] = record_run(config(work, lowercase_rm_dir, run, rl={**OFF_POLICY[mode], **rl},
-                                       train={"save": str(work / f"ckpt_{run}")}))
+        runs[name] = record_run(config(work, lowercase_rm_dir, run, rl={**off_policy, **rl},
+                                       train={"save": str(work / f"ckpt_{run}")}), sessions)
+    assert sessions[0].cluster is None and list(sessions[1].cluster.groups) == ["reference", "reward", "critic"]
     (base_batches, base_rows, _), (sep_batches, sep_rows, _) = runs["integrated"], runs["separated"]
     assert sep_batches == base_batches and base_batches[0] != base_batches[1]
     base_rows, sep_rows = trained_rows(base_rows), trained_rows(sep_rows)
