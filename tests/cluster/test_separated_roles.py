@@ -7,6 +7,8 @@ the wall-clock ones within 1e-5 (the critic's values, value loss and gradient no
 together) gives the same second iteration again after resuming the integrated run's first
 checkpoints (the actor's, and the critic's own): the reference group is built from the run's
 initial model, not from the resumed weights, and the critic group resumes its weights and optimizer.
+Partial rollout and ``async_staleness`` with the reference (and, async, the reward model) in groups
+of their own equal the integrated run too: responses, metrics and final weights.
 """
 
 from __future__ import annotations
@@ -80,26 +82,38 @@ def test_separated_roles_equal_the_integrated_run_blocking_or_not(ray_cluster, w
 
 
 
-# partial rollout: rounds of half the new tokens; async: its passes also started together (blocking: false)
+
+# GRPO with the KL loss, the reference in a group of its own; partial rollout: rounds of half the new
+# tokens; async: also the reward model in a group of its own (called from the rollout thread while
+# the trainer's thread calls the reference) and the passes started together (blocking: false)
 OFF_POLICY = {"partial": ({"partial_rollout_max_split": 2}, {}),
-              "async": ({"async_staleness": 1}, {"blocking": False})}
+              "async": ({"async_staleness": 1, "reward_model_weight": 0.5},
+                        {"reward_resource": {"num_npus": 1}, "blocking": False})}
+
+
+def off_policy_config(work, rm_dir, mode: str, name: str, separated: bool):
+    off_policy, groups = OFF_POLICY[mode]
+    rl = {"init_kl_coef": 0.05, **off_policy,
+          **({"use_integrated_worker": False, "reference_resource": {"num_npus": 1}, **groups} if separated else {})}
+    reward_model = {"reward_config": {"load": str(rm_dir), "micro_batch_size": 4}} if "reward_model_weight" in rl else {}
+    return grpo_config(work, name, workers=1, iters=2, rl=rl, train={"save": str(work / f"ckpt_{name}")},
+                       sections=reward_model)
 
 
 @pytest.mark.parametrize("mode", list(OFF_POLICY))
 def test_partial_or_async_rollout_with_separated_roles_equals_the_integrated_run(ray_cluster, work, lowercase_rm_dir,
                                                                                   mode):
     """Partial rollout (groups wait in the dock and finish in a later iteration) or ``async_staleness:
-    1`` (iteration 2 samples with version 0 while version 1 trains; the roles' passes overlapped):
-    the reference's log-probs, the reward model's scores and the critic's values come from the roles'
-    own groups for whichever samples the rollout finished, whatever round or version they came from.
-    The same responses, metrics and final weights as the integrated run in this process."""
-    off_policy, separated_only = OFF_POLICY[mode]
+    1`` (iteration 2 samples with version 0 while version 1 trains): the reference's log-probs (and
+    the reward model's scores) come from the roles' own groups for whichever samples the rollout
+    finished, whatever round or version they came from. The same responses, metrics and final
+    weights as the integrated run in this process."""
     runs, sessions = {}, []
-    for name, rl in (("integrated", {}), ("separated", {**SEPARATED, **separated_only})):
-        run = f"{mode}_{name}"
-        runs[name] = record_run(config(work, lowercase_rm_dir, run, rl={**off_policy, **rl},
-                                       train={"save": str(work / f"ckpt_{run}")}), sessions)
-    assert sessions[0].cluster is None and list(sessions[1].cluster.groups) == ["reference", "reward", "critic"]
+    for name in ("integrated", "separated"):
+        cfg = off_policy_config(work, lowercase_rm_dir, mode, f"{mode}_{name}", separated=name == "separated")
+        runs[name] = record_run(cfg, sessions)
+    groups = ["reference", "reward"] if mode == "async" else ["reference"]
+    assert sessions[0].cluster is None and list(sessions[1].cluster.groups) == groups
     (base_batches, base_rows, _), (sep_batches, sep_rows, _) = runs["integrated"], runs["separated"]
     assert sep_batches == base_batches and base_batches[0] != base_batches[1]
     base_rows, sep_rows = trained_rows(base_rows), trained_rows(sep_rows)
@@ -107,7 +121,8 @@ def test_partial_or_async_rollout_with_separated_roles_equals_the_integrated_run
         assert max(r["rollout/age_max"] for r in base_rows) >= 1  # groups finished in a later iteration
     else:
         assert base_rows[-1]["rollout/staleness_max"] >= 1  # iteration 2 sampled with version 0
-    assert base_rows[-1]["actor/reward_kl_penalty"] != 0 and all(r["critic/vf_loss"] > 0 for r in base_rows)
+        assert base_rows[0]["reward_model/score/max"] > base_rows[0]["reward_model/score/min"]
+    assert all(r["actor/kl_loss"] > 0 for r in base_rows[1:])  # the reference's log-probs are in the loss
     assert_same_rows(sep_rows, base_rows)
     weights = {name: checkpoint_weights(work / f"ckpt_{mode}_{name}" / "iter_0000002") for name in runs}
     initial = checkpoint_weights(work / "model")
