@@ -305,10 +305,6 @@ _SEPARATED = [  # roles in worker groups of their own: where they are built
                                          "actor){megatron}"),
     ("offline", dict(stage=OFFLINE), "{setting}: roles in worker groups of their own serve the on-policy stages "
                                      "(grpo, dapo, ppo); remove the resources"),
-    ("async", dict(with_="async"), "{setting} with {other}: the asynchronous rollout with separated roles is not "
-                                   "built yet; remove one"),
-    ("partial", dict(with_="partial"), "{setting} with {other}: partial rollout with separated roles is not built "
-                                       "yet; remove one"),
     ("rollout-worker", dict(with_="rollout_worker"), "{setting} with {other}: the rollout worker process beside the "
                                                      "separated roles' groups is not built yet; remove one"),
     ("share-backbone", dict(with_="share_backbone"), "{setting} with {other}: with share_backbone the reference is the "

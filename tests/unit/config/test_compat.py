@@ -106,8 +106,6 @@ EXAMPLES: dict[str, tuple[list[str], str]] = {
     "ref-config": ([*SEPARATE, "ref_config.micro_batch_size=2"], "cpu"),
     "separated-megatron": ([*SEP_REF, *TP2], "cpu"),
     "separated-offline": ([*DPO, *SEP_REF], "cpu"),
-    "separated-async": ([*SEP_REF, *ASYNC], "cpu"),
-    "separated-partial": ([*SEP_REF, *PARTIAL], "cpu"),
     "separated-rollout-worker": ([*SEP_REF, *WORKER], "cpu"),
     "separated-share-backbone": ([*SEP_REF, *LORA, "rl_config.share_backbone=true"], "cpu"),
     "separated-critic-save": ([*PPO, "rl_config.use_integrated_worker=false", "rl_config.critic_resource.num_npus=1"],
