@@ -233,6 +233,11 @@ def _features() -> dict[str, Feature]:
         _on("rl_config.multi_turn_enable", name="multi_turn", shown="rl_config.multi_turn_enable: true", when="true"),
         Feature("profiler", ("profiler_config.integrated.profile",), lambda c: c.profiler.profile,
                 shown="profiler_config.integrated.profile: true", when="true"),
+        Feature("msprobe", ("msprobe_config.msprobe",), lambda c: c.msprobe.msprobe, shown="msprobe_config.msprobe: "
+                "true", when="true"),
+        Feature("msprobe_infer", ("msprobe_config.actor_infer_dump",),
+                lambda c: c.msprobe.msprobe and c.msprobe.actor_infer_dump,
+                shown="msprobe_config.actor_infer_dump: true", when="true, with msprobe: true"),
     ]
     return {f.name: f for f in features}
 
@@ -426,6 +431,20 @@ ROWS: tuple[Row, ...] = (
     Row("profiler-ray", "profiler", "{setting} on Ray actor workers is not built yet: the profiler records this "
         "process, and the work runs in the workers; profile in one process (no actor_resource.num_npus > 1, no "
         "ray_address), or with posttrain bench --config-name NAME --profile DIR", placement=RAY),
+    Row("msprobe-ray", "msprobe", "{setting} on Ray actor workers is not built yet: the dumps record the tensors of "
+        "this process, and the work runs in the workers; dump in one process (no actor_resource.num_npus > 1, no "
+        "ray_address)", placement=RAY),
+    Row("msprobe-offline", "msprobe", "{setting}: the accuracy dumps cover the on-policy loop (grpo, dapo, ppo); the "
+        "{stage} loop has no dump points yet; remove msprobe_config or set msprobe: false", stage=OFFLINE),
+    Row("msprobe-separated", "msprobe", "{setting} with {other}: the separated roles run in Ray worker groups, whose "
+        "tensors the dumps of this process do not see; remove one", with_="separated"),
+    Row("msprobe-infer-engine", "msprobe_infer", "{setting} with rl_config.rollout_engine {engine}: the rollout's "
+        "modules are dumped on the native engine, which runs the model in this process; set actor_infer_dump: false "
+        "or rollout_engine: native", engine=NOT_NATIVE),
+    *(Row(f"msprobe-infer-{name.replace('_', '-')}", "msprobe_infer", "{setting} with {other}: the rollout runs "
+          "beside the trainer (a thread or a process of its own, on a copy of the weights), so its model calls are "
+          "not this loop's; set actor_infer_dump: false or remove " + "{other_key}", with_=name)
+      for name in ("async", "rollout_worker")),
     Row("num-threads-ray", "num_threads", "{setting} sets the threads of one in-process run; the Ray workers take "
         "theirs from rl_config.ray_num_cpus_per_worker: set that instead", placement=RAY),
     Row("dp-batch-balance-one-process", "dp_batch_balance", "{setting}: one process has one data-parallel share, "

@@ -1,0 +1,69 @@
+"""msprobe_config on tiny GRPO runs: ``posttrain compare-dumps`` finds nothing between two equal runs
+and names the perturbed layer, and the step, between a run and the same run with one decoder
+layer's weights perturbed."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from posttrain.cli import main
+from tests.helpers.configs import OMIT
+from tests.integration.test_grpo_loop import grpo_config
+
+DUMPS = {"msprobe": True, "key_data_dump": True, "configurations_dump": True, "actor_infer_dump": True,
+         "actor_train_dump": True, "reference_dump": True}
+
+
+def perturbed_copy(model_dir, out, layer: int):
+    """``model_dir`` with noise (std 1e-3) added to decoder layer ``layer``'s MLP down projection."""
+    from transformers import AutoModelForCausalLM
+
+    shutil.copytree(model_dir, out)
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    weight = model.model.layers[layer].mlp.down_proj.weight
+    with torch.no_grad():
+        weight.add_(1e-3 * torch.randn(weight.shape, generator=torch.Generator().manual_seed(0)))
+    model.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def dumped_runs(mini_qwen2_dir, tiny_prompt_data, tmp_path_factory):
+    """Three one-iteration runs: ``a`` and ``b`` equal, ``c`` from the model with layer 1 perturbed; two
+    mini-batches an iteration, so the old log-probs (and the ratio) are computed."""
+    from posttrain.commands.train import train_config as train
+
+    torch.set_num_threads(1)
+    root = tmp_path_factory.mktemp("dumps")
+    models = {"a": mini_qwen2_dir, "b": mini_qwen2_dir, "c": perturbed_copy(mini_qwen2_dir, root / "perturbed", 1)}
+    for name, model in models.items():
+        out = root / name
+        train(grpo_config(model, tiny_prompt_data, out, megatron_training__save=OMIT,
+                          megatron_training__save_interval=OMIT,
+                          rl_config__mini_batch_size=1, **{f"msprobe_config__{k}": v for k, v in DUMPS.items()},
+                          msprobe_config__dump_path=str(out / "dump")))
+    return root
+
+
+def test_equal_runs_compare_equal(dumped_runs, capsys):
+    assert main(["compare-dumps", str(dumped_runs / "a" / "dump"), str(dumped_runs / "b" / "dump")]) == 0
+    assert "the dumps agree" in capsys.readouterr().out
+    config = json.loads((dumped_runs / "a" / "dump" / "configurations.json").read_text())
+    assert config["msprobe_config"]["actor_infer_dump"] is True
+    roles = sorted(p.stem for p in (dumped_runs / "a" / "dump" / "step_1" / "rank_0").glob("*.jsonl"))
+    assert roles == ["actor_infer", "actor_train", "key_data", "reference"]
+    names = {json.loads(line)["name"] for line in (dumped_runs / "a/dump/step_1/rank_0/key_data.jsonl").open()}
+    assert {"prompts", "responses", "advantages", "ref_logprobs", "logprobs", "ratio", "loss", "actor/pg_loss",
+            "actor/grad_norm", "grad/model.layers.0.mlp.down_proj.weight"} <= names
+
+
+def test_compare_dumps_names_the_perturbed_layer(dumped_runs, capsys):
+    assert main(["compare-dumps", str(dumped_runs / "a" / "dump"), str(dumped_runs / "c" / "dump")]) == 1
+    out = capsys.readouterr().out
+    # the rollout's prefill is the first computation that sees the noise: layer 1's down projection
+    assert "first difference: step 1, rank 0, role actor_infer (phase rollout), model.layers.1.mlp.down_proj " \
+           "output (call 0)" in out, out
