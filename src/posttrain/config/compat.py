@@ -159,6 +159,19 @@ def _separated_shown(cfg: RunConfig) -> str:
             f"({groups} worker(s))")
 
 
+def _diagnostics() -> list[Feature]:
+    """The seed's diagnostics sections: the profiler and the accuracy dumps."""
+    return [
+        Feature("profiler", ("profiler_config.integrated.profile",), lambda c: c.profiler.profile,
+                shown="profiler_config.integrated.profile: true", when="true"),
+        Feature("msprobe", ("msprobe_config.msprobe",), lambda c: c.msprobe.msprobe, shown="msprobe_config.msprobe: "
+                "true", when="true"),
+        Feature("msprobe_infer", ("msprobe_config.actor_infer_dump",),
+                lambda c: c.msprobe.msprobe and c.msprobe.actor_infer_dump,
+                shown="msprobe_config.actor_infer_dump: true", when="true, with msprobe: true"),
+    ]
+
+
 def _features() -> dict[str, Feature]:
     per_request = Feature("per_request", ("rl_config.async_engine", "rl_config.multi_turn_enable"),
                           lambda c: c.rl.async_engine or c.rl.multi_turn_enable,
@@ -231,13 +244,7 @@ def _features() -> dict[str, Feature]:
         _on("rl_config.filter_groups_enable", name="dynamic_sampling", when="true"),
         _on("rl_config.async_engine", shown="rl_config.async_engine: true", when="true"),
         _on("rl_config.multi_turn_enable", name="multi_turn", shown="rl_config.multi_turn_enable: true", when="true"),
-        Feature("profiler", ("profiler_config.integrated.profile",), lambda c: c.profiler.profile,
-                shown="profiler_config.integrated.profile: true", when="true"),
-        Feature("msprobe", ("msprobe_config.msprobe",), lambda c: c.msprobe.msprobe, shown="msprobe_config.msprobe: "
-                "true", when="true"),
-        Feature("msprobe_infer", ("msprobe_config.actor_infer_dump",),
-                lambda c: c.msprobe.msprobe and c.msprobe.actor_infer_dump,
-                shown="msprobe_config.actor_infer_dump: true", when="true, with msprobe: true"),
+        *_diagnostics(),
     ]
     return {f.name: f for f in features}
 
