@@ -67,3 +67,21 @@ def test_compare_dumps_names_the_perturbed_layer(dumped_runs, capsys):
     # the rollout's prefill is the first computation that sees the noise: layer 1's down projection
     assert "first difference: step 1, rank 0, role actor_infer (phase rollout), model.layers.1.mlp.down_proj " \
            "output (call 0)" in out, out
+
+
+def test_ppo_dumps_the_critic(mini_qwen2_dir, tiny_prompt_data, tmp_path):
+    """critic_train_dump: the critic's modules in its value pass and its update; key data: its values and loss."""
+    from posttrain.commands.train import train_config as train
+
+    dump = tmp_path / "dump"
+    train(grpo_config(mini_qwen2_dir, tiny_prompt_data, tmp_path, megatron_training__save=OMIT,
+                      megatron_training__save_interval=OMIT, megatron_training__stage="ray_ppo",
+                      rl_config__adv_estimator="gae", msprobe_config__msprobe=True, msprobe_config__key_data_dump=True,
+                      msprobe_config__critic_train_dump=True, msprobe_config__dump_path=str(dump)))
+    folder = dump / "step_1" / "rank_0"
+    assert sorted(p.stem for p in folder.glob("*.jsonl")) == ["critic_train", "key_data"]
+    critic = [json.loads(line) for line in (folder / "critic_train.jsonl").open()]
+    assert {r["phase"] for r in critic} == {"critic_model", "update_critic"}
+    assert any(r["name"].endswith("layers.1.mlp.down_proj") for r in critic)
+    names = {json.loads(line)["name"] for line in (folder / "key_data.jsonl").open()}
+    assert {"values", "returns", "advantages", "critic/values", "critic/loss", "loss"} <= names
