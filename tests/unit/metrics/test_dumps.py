@@ -5,13 +5,12 @@ difference of two dumps."""
 from __future__ import annotations
 
 import json
-import math
 
 import pytest
 import torch
 
 from posttrain.cli import main
-from posttrain.metrics.dump_compare import DumpError, first_difference, load_dump
+from posttrain.metrics.dump_compare import DumpError, close, first_difference, load_dump
 from posttrain.metrics.dumps import DumpOptions, DumpRecorder, tensor_stats
 
 
@@ -71,7 +70,9 @@ def test_first_difference_tolerance_and_order(tmp_path, capsys):
     d = first_difference(a, b)  # 2 + 1e-9 is within the tolerance; 3 vs 3.5 is the first difference
     assert (d.step, d.a["name"], d.stat, d.a["max"], d.b["max"]) == (1, "m2", "max", 3.0, 3.5)
     assert first_difference(a, b, atol=1.0) is None
-    assert math.isnan(a[(1, 0)][3]["max"]) and a[(1, 0)][3]["nan"] == 0  # a NaN in the JSON: NaN equals NaN
+    assert a[(1, 0)][3]["max"] is None and a[(1, 0)][3]["nan"] == 1  # a lone NaN: no finite value, one NaN
+    nan = float("nan")
+    assert close(nan, nan, 0.0, 0.0) and not close(nan, 1.0, 1.0, 1.0) and not close(None, 0.0, 1.0, 1.0)
     assert main(["compare-dumps", str(tmp_path / "a"), str(tmp_path / "b")]) == 1
     out = capsys.readouterr().out
     assert "step 1, rank 0" in out and "m2" in out and "statistic max: A=3.0 B=3.5" in out
