@@ -6,7 +6,7 @@ per tensor, each with the statistics of :func:`tensor_stats` (``max``, ``min``, 
 (L2) over the finite values, ``nan`` and ``inf`` counts, ``numel``), its shape and dtype, the loop
 phase it came from and ``seq``, its place in the process's execution order (shared by all roles,
 so ``posttrain compare-dumps`` walks the dumps in the order they were computed). A step's files are
-written when the step ends, each to a temporary name and renamed.
+written when the step ends, each to a temporary name and renamed; role files of an earlier run in that step's folder are removed.
 
 The roles are the config's switches:
 
@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -61,20 +62,29 @@ class DumpOptions:
         return (self.step_start == self.step_end == 0) or self.step_start <= iteration <= self.step_end
 
 
+CHUNK = 1 << 22  # elements converted to float64 at a time: a big tensor (logits) is never copied whole
+
+
 def tensor_stats(tensor) -> dict[str, Any]:
     """``max``, ``min``, ``mean`` and ``norm`` (L2) of the finite values (None when there are none),
-    the ``nan`` and ``inf`` counts and ``numel``; computed in float64."""
+    the ``nan`` and ``inf`` counts and ``numel``; computed in float64, ``CHUNK`` elements at a time."""
     import torch
 
-    t = tensor.detach().reshape(-1).to(torch.float64)
-    finite = torch.isfinite(t)
-    nan = int(torch.isnan(t).sum())
-    values = t[finite]
+    flat = tensor.detach().reshape(-1)
+    high, low, total, squares, count, nan = -math.inf, math.inf, 0.0, 0.0, 0, 0
+    for chunk in flat.split(CHUNK):
+        c = chunk.to(torch.float64)
+        finite = torch.isfinite(c)
+        nan += int(torch.isnan(c).sum())
+        values = c[finite]
+        if values.numel():
+            high, low = max(high, float(values.max())), min(low, float(values.min()))
+            total, squares, count = total + float(values.sum()), squares + float(values.square().sum()), \
+                count + values.numel()
     out: dict[str, Any] = {"max": None, "min": None, "mean": None, "norm": None}
-    if values.numel():
-        out = {"max": float(values.max()), "min": float(values.min()), "mean": float(values.mean()),
-               "norm": float(torch.linalg.vector_norm(values))}
-    out.update(nan=nan, inf=int(t.numel() - finite.sum()) - nan, numel=int(t.numel()))
+    if count:
+        out = {"max": high, "min": low, "mean": total / count, "norm": math.sqrt(squares)}
+    out.update(nan=nan, inf=flat.numel() - count - nan, numel=flat.numel())
     return out
 
 
@@ -265,3 +275,6 @@ class DumpRecorder:
             path = folder / f"{role}.jsonl"
             write_text_atomic(path, "".join(json.dumps(r, allow_nan=True) + "\n" for r in rows))
             self.written.append(path)
+        for stale in folder.glob("*.jsonl"):  # an earlier run's roles in this dump_path: this step is ours now
+            if stale.stem not in self.records:
+                stale.unlink()

@@ -11,10 +11,13 @@ import torch
 
 from posttrain.cli import main
 from posttrain.metrics.dump_compare import DumpError, close, first_difference, load_dump
+from posttrain.metrics import dumps
 from posttrain.metrics.dumps import DumpOptions, DumpRecorder, tensor_stats
 
 
-def test_tensor_stats_by_hand():
+@pytest.mark.parametrize("chunk", [1 << 22, 2])  # in one piece, and two elements at a time
+def test_tensor_stats_by_hand(chunk, monkeypatch):
+    monkeypatch.setattr(dumps, "CHUNK", chunk)
     s = tensor_stats(torch.tensor([3.0, -4.0, float("nan"), float("inf"), 0.0]))
     # the finite values 3, -4, 0: max 3, min -4, mean -1/3, norm 5; one NaN, one inf
     assert s == {"max": 3.0, "min": -4.0, "mean": pytest.approx(-1 / 3), "norm": 5.0, "nan": 1, "inf": 1,
@@ -37,11 +40,14 @@ def test_recorder_window_token_range_and_files(tmp_path):
     options = DumpOptions(dump_path=str(tmp_path / "d"), roles=frozenset({"key_data", "actor_infer"}),
                           step_start=2, step_end=2, token_start=1, token_end=1)
     recorder = DumpRecorder(options)
+    (tmp_path / "d/step_2/rank_0").mkdir(parents=True)
+    (tmp_path / "d/step_2/rank_0/reference.jsonl").write_text("an earlier run's role\n")
     x = torch.randn(2, 4)
     for iteration in (1, 2, 3):
         _tiny_step(recorder, model, iteration, x)
     assert sorted(p.relative_to(tmp_path / "d").as_posix() for p in recorder.written) == [
         "step_2/rank_0/actor_infer.jsonl", "step_2/rank_0/key_data.jsonl"]  # only step 2
+    assert not (tmp_path / "d/step_2/rank_0/reference.jsonl").exists()  # not this run's: removed
     rows = [json.loads(line) for line in (tmp_path / "d/step_2/rank_0/actor_infer.jsonl").read_text().splitlines()]
     assert {r["call"] for r in rows} == {1}  # the token range: call 1 alone
     # post-order: the Linear, then the ReLU, then the whole model; each its input then its output
