@@ -85,3 +85,37 @@ def test_ppo_dumps_the_critic(mini_qwen2_dir, tiny_prompt_data, tmp_path):
     assert any(r["name"].endswith("layers.1.mlp.down_proj") for r in critic)
     names = {json.loads(line)["name"] for line in (folder / "key_data.jsonl").open()}
     assert {"values", "returns", "advantages", "critic/values", "critic/loss", "loss"} <= names
+
+
+def test_dpo_dumps_its_batch_reference_update_and_loss(mini_qwen2_dir, tmp_path):
+    """The offline loop: the batch (with the reference's log-probs), the reference's and the actor's
+    modules, the update's metrics; at step 1 the policy is the reference, so the DPO loss is log 2."""
+    import random
+
+    from posttrain.commands.train import train_config as train
+    from posttrain.data.preprocess import preprocess
+    from tests.helpers.configs import run_config
+    from tests.helpers.data import letter_pair, write_jsonl
+
+    rng = random.Random(0)
+    write_jsonl(tmp_path / "pairs.jsonl", [letter_pair(rng) for _ in range(8)])
+    preprocess(dict(input=str(tmp_path / "pairs.jsonl"), handler_name="AlpacaStylePairwiseHandler",
+                    output_prefix=str(tmp_path / "pairs/data"), tokenizer_name_or_path=str(mini_qwen2_dir),
+                    map_keys={"prompt": "problem", "chosen": "chosen", "rejected": "rejected"}, prompt_type="trl",
+                    workers=1), progress=False)
+    dump = tmp_path / "dump"
+    train(run_config(mini_qwen2_dir, tmp_path / "pairs/data", tmp_path / "run", stage="dpo", iters=1,
+                     megatron_training={"global_batch_size": 4, "micro_batch_size": 2, "lr": 1e-2,
+                                        "dataset_additional_keys": OMIT, "prompt_type": OMIT,
+                                        "is_pairwise_dataset": True, "dpo_beta": 0.5},
+                     msprobe_config={"msprobe": True, "key_data_dump": True, "actor_train_dump": True,
+                                     "reference_dump": True, "dump_path": str(dump)}))
+    folder = dump / "step_1" / "rank_0"
+    records = {p.stem: [json.loads(line) for line in p.open()] for p in folder.glob("*.jsonl")}
+    assert sorted(records) == ["actor_train", "key_data", "reference"]
+    assert {r["phase"] for r in records["reference"]} == {"reference_model"}
+    assert {r["phase"] for r in records["actor_train"]} == {"update"}
+    key = {r["name"]: r for r in records["key_data"]}
+    assert {"ref_chosen_logps", "ref_rejected_logps", "dpo/grad_norm", "grad/model.layers.1.mlp.down_proj.weight"} \
+        <= set(key)
+    assert key["dpo/loss"]["mean"] == pytest.approx(0.693147, abs=1e-4)

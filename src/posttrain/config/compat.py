@@ -166,9 +166,10 @@ def _diagnostics() -> list[Feature]:
                 shown="profiler_config.integrated.profile: true", when="true"),
         Feature("msprobe", ("msprobe_config.msprobe",), lambda c: c.msprobe.msprobe, shown="msprobe_config.msprobe: "
                 "true", when="true"),
-        Feature("msprobe_infer", ("msprobe_config.actor_infer_dump",),
-                lambda c: c.msprobe.msprobe and c.msprobe.actor_infer_dump,
-                shown="msprobe_config.actor_infer_dump: true", when="true, with msprobe: true"),
+        *(Feature(f"msprobe_{name}", (f"msprobe_config.{name}_dump",),
+                  lambda c, key=f"{name}_dump": c.msprobe.msprobe and getattr(c.msprobe, key),
+                  shown=f"msprobe_config.{name}_dump: true", when="true, with msprobe: true")
+          for name in ("actor_infer", "reference", "critic_train")),
     ]
 
 
@@ -441,14 +442,18 @@ ROWS: tuple[Row, ...] = (
     Row("msprobe-ray", "msprobe", "{setting} on Ray actor workers is not built yet: the dumps record the tensors of "
         "this process, and the work runs in the workers; dump in one process (no actor_resource.num_npus > 1, no "
         "ray_address)", placement=RAY),
-    Row("msprobe-offline", "msprobe", "{setting}: the accuracy dumps cover the on-policy loop (grpo, dapo, ppo); the "
-        "{stage} loop has no dump points yet; remove msprobe_config or set msprobe: false", stage=OFFLINE),
+    Row("msprobe-infer-offline", "msprobe_actor_infer", "{setting}: the {stage} loop does not roll out; nothing to "
+        "dump", stage=OFFLINE, effect="no effect"),
+    Row("msprobe-critic-no-critic", "msprobe_critic_train", "{setting}: the {stage} stage has no critic (PPO's); "
+        "nothing to dump", stage=("grpo", "dapo", *OFFLINE), effect="no effect"),
+    Row("msprobe-reference-sft", "msprobe_reference", "{setting}: sft has no reference model; nothing to dump",
+        stage=("sft",), effect="no effect"),
     Row("msprobe-separated", "msprobe", "{setting} with {other}: the separated roles run in Ray worker groups, whose "
         "tensors the dumps of this process do not see; remove one", with_="separated"),
-    Row("msprobe-infer-engine", "msprobe_infer", "{setting} with rl_config.rollout_engine {engine}: the rollout's "
+    Row("msprobe-infer-engine", "msprobe_actor_infer", "{setting} with rl_config.rollout_engine {engine}: the rollout's "
         "modules are dumped on the native engine, which runs the model in this process; set actor_infer_dump: false "
-        "or rollout_engine: native", engine=NOT_NATIVE),
-    *(Row(f"msprobe-infer-{name.replace('_', '-')}", "msprobe_infer", "{setting} with {other}: the rollout runs "
+        "or rollout_engine: native", engine=NOT_NATIVE, stage=ON_POLICY),
+    *(Row(f"msprobe-infer-{name.replace('_', '-')}", "msprobe_actor_infer", "{setting} with {other}: the rollout runs "
           "beside the trainer (a thread or a process of its own, on a copy of the weights), so its model calls are "
           "not this loop's; set actor_infer_dump: false or remove " + "{other_key}", with_=name)
       for name in ("async", "rollout_worker")),

@@ -55,7 +55,7 @@ SECTIONS: list[tuple[str, type[BaseModel], str]] = [
     ("msprobe_config", MsprobeConfig,
      "The seed's msprobe accuracy dumps, posttrain's own (posttrain.metrics.dumps, docs/dumps.md): per-tensor "
      "statistics per iteration, per role and rank, which `posttrain compare-dumps A B` compares; in one process "
-     "(refused on Ray workers) for the on-policy stages. The other keys only count while `msprobe` is on."),
+     "(refused on Ray workers). The other keys only count while `msprobe` is on."),
 ]
 
 HEADER = f"""# Configuration reference

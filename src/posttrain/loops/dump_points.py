@@ -3,8 +3,9 @@ the models each phase runs (named for the module dumps) and the experience colum
 
 The loop passes the session's :class:`~posttrain.metrics.dumps.DumpRecorder` around its phases
 (:func:`dumped_phase`, through :meth:`posttrain.loops.session.Session.phase`), reads the dock once
-before the update (:func:`dump_experience`) and wraps its loss functions
-(:meth:`~posttrain.metrics.dumps.DumpRecorder.watch_loss`); the math itself records nothing.
+before the update (:func:`dump_experience`; the offline loops: their batch, :func:`dump_batch`) and
+wraps the on-policy loss functions (:meth:`~posttrain.metrics.dumps.DumpRecorder.watch_loss`); the
+math itself records nothing.
 """
 
 from __future__ import annotations
@@ -56,6 +57,16 @@ def dumped_phase(session, dumps: DumpRecorder, phase: str) -> Iterator[None]:
     grads = dumps.watch_grads(session.policy.model) if phase == "update" else contextlib.nullcontext()
     with dumps.watch(phase, phase_models(session, phase)), grads:
         yield
+
+
+def dump_batch(dumps: DumpRecorder, batch: dict[str, torch.Tensor]) -> None:
+    """``key_data_dump`` of the offline loops: each tensor of the iteration's batch (token ids, masks,
+    DPO's reference log-probs), by key."""
+    if dumps.on("key_data"):
+        with dumps.phase("experience"):
+            for key in sorted(batch):
+                if isinstance(batch[key], torch.Tensor):
+                    dumps.record("key_data", key, batch[key])
 
 
 def dump_experience(dumps: DumpRecorder, td: TransferDock) -> None:
