@@ -453,6 +453,9 @@ ROWS: tuple[Row, ...] = (
     Row("msprobe-infer-engine", "msprobe_actor_infer", "{setting} with rl_config.rollout_engine {engine}: the rollout's "
         "modules are dumped on the native engine, which runs the model in this process; set actor_infer_dump: false "
         "or rollout_engine: native", engine=NOT_NATIVE, stage=ON_POLICY),
+    Row("msprobe-infer-graphs", "msprobe_actor_infer", "{setting} with {other}: CUDA graphs replay the decode steps "
+        "without calling the model's modules, whose hooks the dumps read; set generate_config.enforce_eager: true "
+        "while dumping", device=("cuda",), engine=("native",), stage=ON_POLICY, with_="graphs"),
     *(Row(f"msprobe-infer-{name.replace('_', '-')}", "msprobe_actor_infer", "{setting} with {other}: the rollout runs "
           "beside the trainer (a thread or a process of its own, on a copy of the weights), so its model calls are "
           "not this loop's; set actor_infer_dump: false or remove " + "{other_key}", with_=name)

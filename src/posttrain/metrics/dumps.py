@@ -6,15 +6,17 @@ per tensor, each with the statistics of :func:`tensor_stats` (``max``, ``min``, 
 (L2) over the finite values, ``nan`` and ``inf`` counts, ``numel``), its shape and dtype, the loop
 phase it came from and ``seq``, its place in the process's execution order (shared by all roles,
 so ``posttrain compare-dumps`` walks the dumps in the order they were computed). A step's files are
-written when the step ends, each to a temporary name and renamed; role files of an earlier run in that step's folder are removed.
+written when the step ends (also when it raises: a non-finite loss), each to a temporary name and
+renamed; role files of an earlier run in that step's folder are removed.
 
 The roles are the config's switches:
 
 * ``key_data`` (``key_data_dump``): the experience of the iteration (prompts, responses, scores,
-  the rollout's, old and reference log-probs, advantages, returns, values), the loss function's
-  inputs and outputs per micro-batch (``logprobs``, ``ratio`` = exp(logprobs - old_logprobs) on the
-  response tokens, ``loss`` and the loss metrics), the update's metrics (``actor/grad_norm``...)
-  and each parameter's gradient as it is accumulated (``grad/<parameter>``);
+  the rollout's, old and reference log-probs, advantages, returns, values; the offline loops: their
+  batch), the on-policy loss functions' inputs and outputs per micro-batch (``logprobs``, ``ratio`` =
+  exp(logprobs - old_logprobs) on the response tokens, ``loss`` and the loss metrics), the update's
+  metrics (``actor/grad_norm``...) and each parameter's gradient as it is accumulated
+  (``grad/<parameter>``); what the loop hands over is :mod:`posttrain.loops.dump_points`;
 * ``actor_infer`` (``actor_infer_dump``): every named module's inputs and outputs in the rollout's
   model calls, numbered from 0 in each iteration, whose number is in ``token_range_start..
   token_range_end`` (the prefill is call 0, each decode step one more);

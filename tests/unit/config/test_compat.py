@@ -110,6 +110,7 @@ EXAMPLES: dict[str, tuple[list[str], str]] = {
     "msprobe-reference-sft": ([*MSPROBE, "msprobe_config.reference_dump=true", "megatron_training.stage=sft"], "cpu"),
     "msprobe-separated": ([*MSPROBE, *SEP_REF], "cpu"),
     "msprobe-infer-engine": ([*MSPROBE, "msprobe_config.actor_infer_dump=true", *VLLM], "cpu"),
+    "msprobe-infer-graphs": ([*MSPROBE, "msprobe_config.actor_infer_dump=true", *GRAPHS], "cuda"),
     "msprobe-infer-async": ([*MSPROBE, "msprobe_config.actor_infer_dump=true", *ASYNC], "cpu"),
     "msprobe-infer-rollout-worker": ([*MSPROBE, "msprobe_config.actor_infer_dump=true", *WORKER], "cpu"),
     "dp-batch-balance-one-process": (["rl_config.use_dp_batch_balance=true"], "cpu"),
