@@ -159,6 +159,20 @@ def _separated_shown(cfg: RunConfig) -> str:
             f"({groups} worker(s))")
 
 
+def _diagnostics() -> list[Feature]:
+    """The seed's diagnostics sections: the profiler and the accuracy dumps."""
+    return [
+        Feature("profiler", ("profiler_config.integrated.profile",), lambda c: c.profiler.profile,
+                shown="profiler_config.integrated.profile: true", when="true"),
+        Feature("msprobe", ("msprobe_config.msprobe",), lambda c: c.msprobe.msprobe, shown="msprobe_config.msprobe: "
+                "true", when="true"),
+        *(Feature(f"msprobe_{name}", (f"msprobe_config.{name}_dump",),
+                  lambda c, key=f"{name}_dump": c.msprobe.msprobe and getattr(c.msprobe, key),
+                  shown=f"msprobe_config.{name}_dump: true", when="true, with msprobe: true")
+          for name in ("actor_infer", "reference", "critic_train")),
+    ]
+
+
 def _features() -> dict[str, Feature]:
     per_request = Feature("per_request", ("rl_config.async_engine", "rl_config.multi_turn_enable"),
                           lambda c: c.rl.async_engine or c.rl.multi_turn_enable,
@@ -231,8 +245,7 @@ def _features() -> dict[str, Feature]:
         _on("rl_config.filter_groups_enable", name="dynamic_sampling", when="true"),
         _on("rl_config.async_engine", shown="rl_config.async_engine: true", when="true"),
         _on("rl_config.multi_turn_enable", name="multi_turn", shown="rl_config.multi_turn_enable: true", when="true"),
-        Feature("profiler", ("profiler_config.integrated.profile",), lambda c: c.profiler.profile,
-                shown="profiler_config.integrated.profile: true", when="true"),
+        *_diagnostics(),
     ]
     return {f.name: f for f in features}
 
@@ -419,6 +432,27 @@ ROWS: tuple[Row, ...] = (
     Row("profiler-ray", "profiler", "{setting} on Ray actor workers is not built yet: the profiler records this "
         "process, and the work runs in the workers; profile in one process (no actor_resource.num_npus > 1, no "
         "ray_address), or with posttrain bench --config-name NAME --profile DIR", placement=RAY),
+    Row("msprobe-ray", "msprobe", "{setting} on Ray actor workers is not built yet: the dumps record the tensors of "
+        "this process, and the work runs in the workers; dump in one process (no actor_resource.num_npus > 1, no "
+        "ray_address)", placement=RAY),
+    Row("msprobe-infer-offline", "msprobe_actor_infer", "{setting}: the {stage} loop does not roll out; nothing to "
+        "dump", stage=OFFLINE, effect="no effect"),
+    Row("msprobe-critic-no-critic", "msprobe_critic_train", "{setting}: the {stage} stage has no critic (PPO's); "
+        "nothing to dump", stage=("grpo", "dapo", *OFFLINE), effect="no effect"),
+    Row("msprobe-reference-sft", "msprobe_reference", "{setting}: sft has no reference model; nothing to dump",
+        stage=("sft",), effect="no effect"),
+    Row("msprobe-separated", "msprobe", "{setting} with {other}: the separated roles run in Ray worker groups, whose "
+        "tensors the dumps of this process do not see; remove one", with_="separated"),
+    Row("msprobe-infer-engine", "msprobe_actor_infer", "{setting} with rl_config.rollout_engine {engine}: the rollout's "
+        "modules are dumped on the native engine, which runs the model in this process; set actor_infer_dump: false "
+        "or rollout_engine: native", engine=NOT_NATIVE, stage=ON_POLICY),
+    Row("msprobe-infer-graphs", "msprobe_actor_infer", "{setting} with {other}: CUDA graphs replay the decode steps "
+        "without calling the model's modules, whose hooks the dumps read; set generate_config.enforce_eager: true "
+        "while dumping", device=("cuda",), engine=("native",), stage=ON_POLICY, with_="graphs"),
+    *(Row(f"msprobe-infer-{name.replace('_', '-')}", "msprobe_actor_infer", "{setting} with {other}: the rollout runs "
+          "beside the trainer (a thread or a process of its own, on a copy of the weights), so its model calls are "
+          "not this loop's; set actor_infer_dump: false or remove " + "{other_key}", with_=name)
+      for name in ("async", "rollout_worker")),
     Row("num-threads-ray", "num_threads", "{setting} sets the threads of one in-process run; the Ray workers take "
         "theirs from rl_config.ray_num_cpus_per_worker: set that instead", placement=RAY),
     Row("dp-batch-balance-one-process", "dp_batch_balance", "{setting}: one process has one data-parallel share, "

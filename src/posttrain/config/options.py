@@ -26,6 +26,7 @@ from posttrain.config.run import RunConfig
 from posttrain.config.runtime_env import runtime_env_vars
 from posttrain.config.separated import reference_load as separated_reference_load
 from posttrain.config.separated import rollout_worker
+from posttrain.metrics.dumps import DumpOptions
 from posttrain.metrics.profiler import ProfilerOptions
 from posttrain.models.lora import LoraOptions, target_list
 from posttrain.reward.rule_reward import RuleRewardOptions
@@ -468,6 +469,18 @@ def profiler_options(cfg: RunConfig, run_dir: str) -> ProfilerOptions | None:
                            level=p.profile_level, cpu=p.profile_with_cpu, device=p.profile_with_npu,
                            record_shapes=p.profile_record_shapes, memory=p.profile_with_memory,
                            stack=p.profile_with_module, analysis=p.profile_analysis, ranks=ranks, mstx=p.mstx)
+
+
+def dump_options(cfg: RunConfig) -> DumpOptions | None:
+    """``msprobe_config`` when ``msprobe`` is on (posttrain.metrics.dumps)."""
+    m = cfg.msprobe
+    if not m.msprobe:
+        return None
+    switches = {"key_data": m.key_data_dump, "actor_infer": m.actor_infer_dump, "actor_train": m.actor_train_dump,
+                "reference": m.reference_dump, "critic_train": m.critic_train_dump}
+    return DumpOptions(dump_path=m.dump_path, roles=frozenset(role for role, on in switches.items() if on),
+                       configurations=m.configurations_dump, step_start=m.step_start, step_end=m.step_end,
+                       token_start=m.token_range_start, token_end=m.token_range_end)
 
 
 def logging_options(cfg: RunConfig) -> LoggingOptions:

@@ -37,6 +37,7 @@ from posttrain.errors import ConfigError
 from posttrain.models.arch import ModelArch
 from posttrain.reward.rule_reward import RuleRewardOptions
 from posttrain.training.options import ActorLossOptions, EngineOptions, TokenBudget
+from posttrain.metrics.dumps import DumpOptions
 from posttrain.metrics.profiler import ProfilerOptions
 
 __all__ = ["GIB", "Plan", "build_plan", "model_arch", "resolve_plan"]
@@ -105,6 +106,7 @@ class Plan:
     dpo: DPOOptions | None = None
     cluster: ClusterOptions = ClusterOptions()
     profiler: ProfilerOptions | None = None  # profiler_config.integrated (posttrain.metrics.profiler)
+    dumps: DumpOptions | None = None  # msprobe_config (posttrain.metrics.dumps)
     config_json: str = "{}"  # the config as written to the run's config.json
     offload_optimizer: bool = False  # the optimizer state on the host between updates (GPU only; actor, critic)
     offload_grads: bool = False  # the gradients freed between updates (actor, critic)
@@ -271,6 +273,7 @@ def build_plan(cfg: RunConfig, layout: DeviceLayout, arch: ModelArch | None = No
         cluster=options.cluster_options(cfg) if ray or off.separate_worker else ClusterOptions(),
         config_json=options.resolved_config_json(cfg),
         profiler=options.profiler_options(cfg, options.schedule_options(cfg).run_dir),
+        dumps=options.dump_options(cfg),
         offload_optimizer=on_policy and gen.offload_train_optimizer and not device.startswith("cpu"),
         offload_grads=on_policy and gen.offload_train_grad,
         warnings=warnings, arch=arch, reward_model=reward_model_options(cfg, device, on_policy=on_policy),

@@ -85,8 +85,8 @@ PREFIX_CACHING = refused("prefix caching across requests is not available in the
                          vllm=True)
 PROFILER = HONOURED  # posttrain.metrics.profiler: torch.profiler over the seed's step window
 PROFILER_KEY = HONOURED
-MSPROBE = refused("msprobe accuracy dumps are not implemented", "remove the key or set it to false")
-MSPROBE_KEY = refused("msprobe accuracy dumps are not implemented", switch="msprobe")
+MSPROBE = HONOURED  # posttrain.metrics.dumps: statistics per tensor over the seed's step window
+MSPROBE_KEY = HONOURED
 
 
 class Resource(Section):
@@ -405,15 +405,37 @@ class ProfilerConfig(Section):
 
 
 class MsprobeConfig(Section):
-    msprobe: bool = F(False, "accuracy-debug dumps", MSPROBE)
-    dump_path: str = F("./msprobe_dump", "dump directory", MSPROBE_KEY)
-    key_data_dump: bool = F(False, "dump key tensors", MSPROBE_KEY)
-    configurations_dump: bool = F(False, "dump configurations.json", MSPROBE_KEY)
-    actor_train_dump: bool = F(False, "dump the actor's training module I/O", MSPROBE_KEY)
-    actor_infer_dump: bool = F(False, "dump the rollout module I/O", MSPROBE_KEY)
-    reference_dump: bool = F(False, "dump the reference module I/O", MSPROBE_KEY)
-    critic_train_dump: bool = F(False, "dump the critic's training module I/O", MSPROBE_KEY)
-    token_range_start: int = F(0, "first dumped token", MSPROBE_KEY)
-    token_range_end: int = F(0, "last dumped token", MSPROBE_KEY)
-    step_start: int = F(0, "first dumped iteration", MSPROBE_KEY)
-    step_end: int = F(0, "last dumped iteration", MSPROBE_KEY)
+    msprobe: bool = F(False, "accuracy dumps: per-tensor statistics per iteration (posttrain.metrics.dumps; compare "
+                             "two runs with posttrain compare-dumps)", MSPROBE)
+    dump_path: str = F("./msprobe_dump", "dump directory: step_<i>/rank_<r>/<role>.jsonl, configurations.json",
+                       MSPROBE_KEY)
+    key_data_dump: bool = F(False, "statistics of the experience (prompts, responses, scores, log-probs, advantages, "
+                                   "values), the loss inputs and outputs, the update metrics and the gradients",
+                            MSPROBE_KEY)
+    configurations_dump: bool = F(False, "write the resolved config to configurations.json", MSPROBE_KEY)
+    actor_train_dump: bool = F(False, "module input/output statistics of the actor's old log-prob pass and update",
+                               MSPROBE_KEY)
+    actor_infer_dump: bool = F(False, "module input/output statistics of the rollout's model calls "
+                                      "token_range_start..token_range_end", MSPROBE_KEY)
+    reference_dump: bool = F(False, "module input/output statistics of the reference's pass", MSPROBE_KEY)
+    critic_train_dump: bool = F(False, "module input/output statistics of the critic's value pass and update",
+                                MSPROBE_KEY)
+    token_range_start: int = F(0, "first dumped rollout model call (0: the prefill, then one per decoded token)",
+                               MSPROBE_KEY, ge=0, note="a rollout model call, from 0")
+    token_range_end: int = F(0, "last dumped rollout model call (inclusive)", MSPROBE_KEY, ge=0,
+                             note="a rollout model call, from 0")
+    step_start: int = F(0, "first dumped iteration (step_start and step_end both 0: every iteration)", MSPROBE_KEY,
+                        ge=0, note="an iteration, from 1; 0 with step_end 0: every iteration")
+    step_end: int = F(0, "last dumped iteration (inclusive)", MSPROBE_KEY, ge=0, note="an iteration, inclusive")
+
+    @model_validator(mode="after")
+    def _check(self) -> "MsprobeConfig":
+        if self.msprobe and self.token_range_end < self.token_range_start:
+            raise ValueError(f"token_range_end={self.token_range_end} must be >= token_range_start="
+                             f"{self.token_range_start} (the range is inclusive)")
+        if self.msprobe and self.step_end < self.step_start:
+            raise ValueError(f"step_end={self.step_end} must be >= step_start={self.step_start} (the range is "
+                             f"inclusive; both 0 dumps every iteration)")
+        if self.msprobe and not self.dump_path:
+            raise ValueError("dump_path is empty; give the folder the dumps go to")
+        return self

@@ -41,6 +41,7 @@ PARTIAL = ["rl_config.partial_rollout_max_split=2"]
 SPEC = ["generate_config.num_speculative_tokens=4"]
 OFFLOAD_PARAM = ["generate_config.offload_train_param=true"]
 GRAPHS = ["generate_config.enforce_eager=false"]
+MSPROBE = ["msprobe_config.msprobe=true"]
 
 # row id -> (overrides that turn the row on, device); a new row needs its example here
 EXAMPLES: dict[str, tuple[list[str], str]] = {
@@ -102,6 +103,15 @@ EXAMPLES: dict[str, tuple[list[str], str]] = {
     "speculation-partial-ray": ([*SPEC, *PARTIAL, *RAY], "cpu"),
     "num-threads-ray": (["rl_config.num_threads=2", *RAY], "cpu"),
     "profiler-ray": (["profiler_config.integrated.profile=true", *RAY], "cpu"),
+    "msprobe-ray": ([*MSPROBE, *RAY], "cpu"),
+    "msprobe-infer-offline": ([*MSPROBE, "msprobe_config.actor_infer_dump=true", *DPO], "cpu"),
+    "msprobe-critic-no-critic": ([*MSPROBE, "msprobe_config.critic_train_dump=true"], "cpu"),
+    "msprobe-reference-sft": ([*MSPROBE, "msprobe_config.reference_dump=true", "megatron_training.stage=sft"], "cpu"),
+    "msprobe-separated": ([*MSPROBE, *SEP_REF], "cpu"),
+    "msprobe-infer-engine": ([*MSPROBE, "msprobe_config.actor_infer_dump=true", *VLLM], "cpu"),
+    "msprobe-infer-graphs": ([*MSPROBE, "msprobe_config.actor_infer_dump=true", *GRAPHS], "cuda"),
+    "msprobe-infer-async": ([*MSPROBE, "msprobe_config.actor_infer_dump=true", *ASYNC], "cpu"),
+    "msprobe-infer-rollout-worker": ([*MSPROBE, "msprobe_config.actor_infer_dump=true", *WORKER], "cpu"),
     "dp-batch-balance-one-process": (["rl_config.use_dp_batch_balance=true"], "cpu"),
     "ref-config": ([*SEPARATE, "ref_config.micro_batch_size=2"], "cpu"),
     "separated-megatron": ([*SEP_REF, *TP2], "cpu"),
