@@ -16,6 +16,10 @@ worker while the trainer's update runs there: generating from the copy needs no 
 the trained model is never read by it. The samples are keyed as in one process, so the run equals
 the one-process asynchronous run with the same ``k`` (docs/async.md).
 
+On the megatron backend only each data-parallel replica's leader holds a copy, made from its HF
+rollout model, and a snapshot is a copy of that model right after the update reloaded it: no
+collective (:mod:`posttrain.cluster.megatron_worker`).
+
 The driver's side is :class:`posttrain.cluster.workers_replica.WorkersReplica`: the replica that
 :class:`~posttrain.loops.pipeline.RolloutPipeline` samples with.
 """

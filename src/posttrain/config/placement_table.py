@@ -127,7 +127,8 @@ TESTED: dict[tuple[str, str], str] = {
                               "[sft-2-1-1]",
     ("megatron", "lora"): _C + "test_ray_megatron_lora.py::test_lora_on_the_megatron_backend_equals_the_hf_backend",
     ("ray-ddp", "partial"): _C + "test_ray_grpo.py::test_partial_and_async_rollout_on_two_workers_equal_the_run_in_one_process",
-    ("megatron", "partial"): _C + "test_ray_megatron.py::test_partial_rollout_on_the_megatron_backend_equals_the_hf_backend",
+    ("megatron", "partial"): _C + "test_ray_megatron.py::"
+                                  "test_partial_and_async_rollout_on_the_megatron_backend_equal_the_hf_backend_and_resume",
     ("megatron", "reward-model"): _C + "test_ray_megatron_roles.py::"
                                        "test_multi_turn_and_a_reward_model_on_the_megatron_backend_equal_the_hf_backend",
     ("megatron", "multi-turn"): _C + "test_ray_megatron_roles.py::"
