@@ -168,9 +168,9 @@ def test_partial_and_async_rollout_on_the_megatron_backend_equal_the_hf_backend_
     rl, tp2 = {**RL, **PARTIAL, "guarantee_order": False, "async_staleness": 1}, {"tensor_model_parallel_size": 2}
     runs = {}
     for name, workers, extra in (("hf", 1, {}), ("megatron", 2, tp2)):
-        runs[name] = record_run(grpo_config(work, f"mg_partial_{name}", workers=workers, iters=3, rl=rl,
-                                            train={**TRAIN, **extra, "tokenizer_name_or_path": str(model),
-                                                   "save": str(work / f"ckpt_mg_partial_{name}"), "save_interval": 2}))
+        save = {"save": str(work / f"ckpt_mg_partial_async_{name}"), "save_interval": 2}
+        runs[name] = record_run(grpo_config(work, f"mg_partial_async_{name}", workers=workers, iters=3, rl=rl,
+                                            train={**TRAIN, **extra, **save, "tokenizer_name_or_path": str(model)}))
     (want_batches, want_rows, want_steps), (got_batches, got_rows, got_steps) = runs["hf"], runs["megatron"]
     assert got_batches == want_batches and len(got_steps) == len(want_steps) == 6
     for step, (got, want) in enumerate(zip(got_steps, want_steps)):
@@ -184,11 +184,11 @@ def test_partial_and_async_rollout_on_the_megatron_backend_equal_the_hf_backend_
     for want, got in zip(want_rows, got_rows):
         for key in (k for k in want if not is_wall_clock(k)):
             assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), (want["iteration"], key)
-    saved = {name: work / f"ckpt_mg_partial_{name}" / "iter_0000002" for name in ("hf", "megatron")}
+    saved = {name: work / f"ckpt_mg_partial_async_{name}" / "iter_0000002" for name in ("hf", "megatron")}
     assert_same_state(*(torch.load(saved[name] / STATE_FILE, weights_only=True) for name in ("megatron", "hf")))
     assert (saved["megatron"] / IN_FLIGHT).is_file()
     resumed_batches, resumed, resumed_steps = record_run(grpo_config(
-        work, "mg_partial_resumed", workers=2, iters=3, rl=rl,
+        work, "mg_partial_async_resumed", workers=2, iters=3, rl=rl,
         train={**TRAIN, **tp2, "tokenizer_name_or_path": str(model), "load": str(saved["megatron"])}))
     # iteration 3 trains on the saved in-flight experience: the resumed run samples nothing
     assert_resumed_exactly((resumed_batches, resumed, resumed_steps), runs["megatron"], iteration=3, sampled=False)
