@@ -154,32 +154,44 @@ def test_dapo_on_the_megatron_backend_equals_the_hf_backend(ray_cluster, work, m
             assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), (want["iteration"], key)
 
 
-def test_partial_rollout_on_the_megatron_backend_equals_the_hf_backend(ray_cluster, work, model):
-    """Partial rollout at TP 2 (the leader's rollout decodes the rounds, checked on the driver): the
-    same responses, steps and logged metrics as the HF backend in one process, and the same dock
-    saved in the Megatron checkpoint as in the HF one."""
+def test_partial_and_async_rollout_on_the_megatron_backend_equal_the_hf_backend_and_resume(ray_cluster, work, model):
+    """Partial rollout with ``async_staleness: 1`` at TP 2, 3 iterations: the rollout thread samples
+    from the leader's rollout copy (a second HF model, loaded with the version the pipeline asks for:
+    iteration 3 samples version 1 while update 2 runs in the workers' other thread), and each partial
+    rollout's rounds are one call per round to the leader, checked on the driver. The same responses,
+    steps and logged metrics as the HF backend in one process, and the same dock saved in the
+    Megatron checkpoint of iteration 2 as in the HF one; that checkpoint holds iteration 3's in-flight
+    experience, and the megatron run resumed from it trains iteration 3 exactly as the run did."""
     from posttrain.loops.partial_rollout import STATE_FILE
+    from posttrain.loops.resume_files import IN_FLIGHT
 
+    rl, tp2 = {**RL, **PARTIAL, "guarantee_order": False, "async_staleness": 1}, {"tensor_model_parallel_size": 2}
     runs = {}
-    for name, workers, extra in (("hf", 1, {}), ("megatron", 2, {"tensor_model_parallel_size": 2})):
-        runs[name] = record_run(grpo_config(work, f"mg_partial_{name}", workers=workers, iters=2,
-                                            rl={**RL, **PARTIAL, "guarantee_order": False},
-                                            train={**TRAIN, **extra, "tokenizer_name_or_path": str(model),
-                                                   "save": str(work / f"ckpt_mg_partial_{name}"), "save_interval": 2}))
+    for name, workers, extra in (("hf", 1, {}), ("megatron", 2, tp2)):
+        save = {"save": str(work / f"ckpt_mg_partial_async_{name}"), "save_interval": 2}
+        runs[name] = record_run(grpo_config(work, f"mg_partial_async_{name}", workers=workers, iters=3, rl=rl,
+                                            train={**TRAIN, **extra, **save, "tokenizer_name_or_path": str(model)}))
     (want_batches, want_rows, want_steps), (got_batches, got_rows, got_steps) = runs["hf"], runs["megatron"]
-    assert got_batches == want_batches and len(got_steps) == len(want_steps) == 4
+    assert got_batches == want_batches and len(got_steps) == len(want_steps) == 6
     for step, (got, want) in enumerate(zip(got_steps, want_steps)):
         for key in want:
             assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), (step, key)
     want_rows = [r for r in want_rows if "actor/pg_loss" in r]
     got_rows = [r for r in got_rows if "actor/pg_loss" in r]
-    assert len(got_rows) == len(want_rows) == 2 and max(r["rollout/age_max"] for r in want_rows) >= 1
+    assert [r["iteration"] for r in got_rows] == [r["iteration"] for r in want_rows] == [1, 2, 3]
+    assert max(r["rollout/age_max"] for r in want_rows) >= 1  # groups waited in the dock: rounds were cut
+    assert want_rows[-1]["rollout/staleness_max"] >= 1  # iteration 3 sampled version 1 (or older segments)
     for want, got in zip(want_rows, got_rows):
         for key in (k for k in want if not is_wall_clock(k)):
             assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), (want["iteration"], key)
-    hf, mg = (torch.load(work / f"ckpt_mg_partial_{name}" / "iter_0000002" / STATE_FILE, weights_only=True)
-              for name in ("hf", "megatron"))
-    assert_same_state(mg, hf)
+    saved = {name: work / f"ckpt_mg_partial_async_{name}" / "iter_0000002" for name in ("hf", "megatron")}
+    assert_same_state(*(torch.load(saved[name] / STATE_FILE, weights_only=True) for name in ("megatron", "hf")))
+    assert (saved["megatron"] / IN_FLIGHT).is_file()
+    resumed_batches, resumed, resumed_steps = record_run(grpo_config(
+        work, "mg_partial_async_resumed", workers=2, iters=3, rl=rl,
+        train={**TRAIN, **tp2, "tokenizer_name_or_path": str(model), "load": str(saved["megatron"])}))
+    # iteration 3 trains on the saved in-flight experience: the resumed run samples nothing
+    assert_resumed_exactly((resumed_batches, resumed, resumed_steps), runs["megatron"], iteration=3, sampled=False)
 
 
 def test_ppo_on_the_megatron_backend_equals_the_hf_backend(ray_cluster, work, model):
@@ -236,14 +248,16 @@ def test_ppo_on_the_megatron_backend_equals_the_hf_backend(ray_cluster, work, mo
     assert not torch.equal(head, torch.zeros_like(head))
 
 
-def assert_resumed_exactly(resumed, straight, *, iteration: int) -> None:
+def assert_resumed_exactly(resumed, straight, *, iteration: int, sampled: bool = True) -> None:
     """A run resumed before ``iteration`` (its last) took the uninterrupted run's ``iteration``:
-    the same responses, optimizer steps and logged metrics, wall clock aside."""
+    the same responses, optimizer steps and logged metrics, wall clock aside. ``sampled``: False
+    when the resumed run trains on the checkpoint's in-flight experience alone (it samples nothing)."""
     (batches, rows, steps), (all_batches, all_rows, all_steps) = resumed, straight
     rows = [r for r in rows if "actor/pg_loss" in r]
     want = [r for r in all_rows if "actor/pg_loss" in r and r["iteration"] == iteration]
     assert [r["iteration"] for r in rows] == [iteration] and len(want) == 1
-    assert batches == all_batches[-len(batches):] and steps
+    assert (batches and batches == all_batches[-len(batches):]) if sampled else batches == []
+    assert steps
     for got, expected in zip(steps, all_steps[-len(steps):]):
         assert {k: v for k, v in got.items() if not is_wall_clock(k)} == \
             {k: v for k, v in expected.items() if not is_wall_clock(k)}

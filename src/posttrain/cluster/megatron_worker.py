@@ -13,6 +13,13 @@ the rollout runs outside them.
 scoring needs no collective (the whole model in one process, as the leader's native rollout copy
 is), the driver keeps only the leader's answer anyway, and a copy on every TP x PP rank would cost
 the memory and compute of that many identical forwards for nothing.
+
+``rl_config.async_staleness`` (the native engine): each replica's leader also holds a
+:class:`~posttrain.cluster.rollout_copy.RolloutCopy` of its HF rollout model, which the rollout
+thread samples from (``generate_copy``) while Megatron's update runs in the actor's other thread.
+A snapshot of version ``v`` is a copy of the leader's HF model right after update ``v`` (each
+update reloads that model, a collective, inside ``update``), so taking and loading snapshots needs
+no collective; the other ranks hold no copy and answer nothing.
 """
 
 from __future__ import annotations
@@ -24,9 +31,10 @@ import torch
 import torch.distributed as dist
 
 from posttrain.errors import CheckpointError
+from posttrain.cluster.rollout_copy import RolloutCopy
 from posttrain.cluster.worker import ActorWorker, continued, worker_node_id
 from posttrain.roles.megatron_policy import MegatronPolicy
-from posttrain.roles.policy import load_policy_tokenizer
+from posttrain.roles.policy import build_rollout, load_policy_tokenizer
 from posttrain.roles.reward_model import build_reward_scorer
 from posttrain.training.megatron.cpu_shims import cpu_megatron
 from posttrain.training.megatron.model import hf_weights
@@ -58,6 +66,11 @@ class MegatronWorker(ActorWorker):
             self.reward_model = build_reward_scorer(plan.reward_model, tokenizer, self.device)
         if plan.stage.on_policy and plan.rollout.offload_weights and self.device.startswith("cuda"):
             self.parked = WeightOffload(torch.nn.ModuleList(self.shard.chunks))  # a CPU: no effect (warned)
+        self.copy = None
+        if plan.stage.on_policy and plan.off_policy.staleness is not None and self.shard.leader:
+            self.copy = RolloutCopy(self.shard.hf_model, lambda m: build_rollout(plan.rollout, plan.policy, m,
+                                                                                 tokenizer, stops),
+                                    None if self.device.startswith("cuda") else self.cpu_threads)
         return dict(self.shard.state) if self.rank == 0 else {}
 
     def ready_info(self) -> dict:
@@ -78,6 +91,22 @@ class MegatronWorker(ActorWorker):
             return []
         return self.policy.rollout.generate(prompts, n, sampling, stop_token_ids, prompt_keys=prompt_keys,
                                             **continued(sample_offsets, position_offsets, max_new_tokens))
+
+    def generate_copy(self, prompts: list[list[int]], *args, **kwargs) -> list:
+        """:meth:`generate` on the leader's rollout copy (``async_staleness``): no collective, beside
+        the update; the other ranks hold no copy and answer []."""
+        if self.copy is None:
+            return []
+        return super().generate_copy(prompts, *args, **kwargs)
+
+    def snapshot_copy(self, version: int) -> None:
+        """Keep the leader's HF rollout model now (it holds the weights of the last update: ``update``
+        reloads it) as snapshot ``version`` of the rollout copy; no collective."""
+        if self.copy is not None:
+            self.copy.keep(version, {k: v.detach().clone() for k, v in self.shard.hf_model.state_dict().items()})
+
+    def load_copy(self, version: int) -> int:
+        return self.copy.load(version) if self.copy is not None else 0
 
     def compute_logprobs(self, batch: dict, temperature: float, micro_batch_size, reference: bool = False):
         engine = self.policy.reference if reference else self.policy.actor

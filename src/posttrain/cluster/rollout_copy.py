@@ -25,6 +25,10 @@ weights (``rollout/sync_probe_diff``). The engine is also the one the evaluation
 the driver has it hold the trained weights while the pipeline is drained
 (:meth:`~posttrain.loops.pipeline.RolloutPipeline.hold_published`).
 
+On the megatron backend only each data-parallel replica's leader holds a copy, made from its HF
+rollout model, and a snapshot is a copy of that model right after the update reloaded it: no
+collective (:mod:`posttrain.cluster.megatron_worker`).
+
 The driver's side is :class:`posttrain.cluster.workers_replica.WorkersReplica`: the replica that
 :class:`~posttrain.loops.pipeline.RolloutPipeline` samples with.
 """

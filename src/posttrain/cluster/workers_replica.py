@@ -1,6 +1,7 @@
-"""The driver's side of ``async_staleness`` on Ray actor workers: the workers' rollout copies of the
-weights (:mod:`posttrain.cluster.rollout_copy`: a native engine's copy, or a vLLM engine's own) as the
-replica of :class:`~posttrain.loops.pipeline.RolloutPipeline`; its ``engine`` is a
+"""The driver's side of ``async_staleness`` on Ray actor workers and on the megatron backend: the
+workers' rollout copies of the weights (:mod:`posttrain.cluster.rollout_copy`: a native engine's copy,
+or a vLLM engine's own; megatron: the replicas' leaders' only) as the replica of
+:class:`~posttrain.loops.pipeline.RolloutPipeline`; its ``engine`` is a
 :class:`~posttrain.cluster.group.RolloutRole` on the copies."""
 
 from __future__ import annotations

@@ -395,11 +395,11 @@ ROWS: tuple[Row, ...] = (
     *(Row(f"{name}-{suffix}", name, message, **where) for name in ("async", "rollout_worker")
       for suffix, where, message in _ROLLOUT_REPLICA if (name, suffix) not in _ASYNC_OWN),
     # async_staleness on Ray actor workers is built (each worker's rollout copy: the native engine's, or its vLLM
-    # engine loaded with the snapshot of the version the pipeline asks for; cluster/rollout_copy.py); on megatron not
-    Row("async-megatron", "async", "{setting} is not built on the megatron backend yet (the leader's one HF rollout "
-        "copy serves the synchronous rollout and the evaluation and is reloaded after every update; a second copy held "
-        "at the version the pipeline asks for, sampled beside Megatron's update, is missing); use backend hf{megatron}",
-        backend=MEGATRON),
+    # engine loaded with the snapshot of the version the pipeline asks for; cluster/rollout_copy.py); on the megatron
+    # backend each replica's leader keeps a native rollout copy of its HF model (megatron_worker.py)
+    Row("async-megatron", "async", "{setting} with rl_config.rollout_engine: vllm on the megatron backend is not built "
+        "yet (the leaders' vLLM engines load the trained weights after every update, not the version the pipeline "
+        "asks for); set rollout_engine: native, or use backend hf{megatron}", backend=MEGATRON, engine=("vllm",)),
     Row("partial-engine", "partial", "{setting} runs on the native and vLLM rollout engines, whose generate continues a "
         "response from given offsets; not on {engine}", engine=("other",)),
     Row("partial-dynamic-sampling", "partial", "{setting} with DAPO's dynamic sampling (filter_groups_enable) is not "

@@ -131,7 +131,10 @@ TESTED: dict[tuple[str, str], str] = {
     ("ray-ddp", "async"): _C + "test_ray_grpo.py::test_partial_and_async_rollout_on_two_workers_equal_the_run_in_one_process",
     # async with the vLLM engine (the engine a CUDA run picks): each worker's engine loads the pipeline's version
     ("ray-fsdp2", "async"): _V + "test_vllm_ray.py::test_async_staleness_on_two_workers_equals_the_async_run_in_one_process",
-    ("megatron", "partial"): _C + "test_ray_megatron.py::test_partial_rollout_on_the_megatron_backend_equals_the_hf_backend",
+    ("megatron", "partial"): _C + "test_ray_megatron.py::"
+                                  "test_partial_and_async_rollout_on_the_megatron_backend_equal_the_hf_backend_and_resume",
+    ("megatron", "async"): _C + "test_ray_megatron.py::"
+                                "test_partial_and_async_rollout_on_the_megatron_backend_equal_the_hf_backend_and_resume",
     ("megatron", "reward-model"): _C + "test_ray_megatron_roles.py::"
                                        "test_multi_turn_and_a_reward_model_on_the_megatron_backend_equal_the_hf_backend",
     ("megatron", "multi-turn"): _C + "test_ray_megatron_roles.py::"

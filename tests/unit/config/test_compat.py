@@ -84,7 +84,7 @@ EXAMPLES: dict[str, tuple[list[str], str]] = {
     "vllm-ray-tensor-parallel": ([*VLLM, *RAY, "generate_config.infer_tensor_parallel_size=2"], "cpu"),
     "async-offline": ([*DPO, *ASYNC], "cpu"),
     "async-engine": ([*ASYNC, *OTHER], "cpu"),
-    "async-megatron": ([*ASYNC, *TP2], "cpu"),
+    "async-megatron": ([*ASYNC, *TP2, *VLLM], "cpu"),
     "async-lora": ([*ASYNC, *LORA], "cpu"),
     "rollout_worker-offline": ([*DPO, *WORKER], "cpu"),
     "rollout_worker-ray": ([*WORKER, *RAY], "cpu"),
@@ -198,7 +198,8 @@ def test_features_alone_pass_the_table():
     for overrides in ([], ASYNC, PARTIAL, LORA, VLLM, SPEC, WORKER, TP2, RAY, [*PARTIAL, *VLLM], [*TURNS, *VLLM],
                       ["rl_config.async_engine=true", *VLLM], ["rl_config.async_engine=true", *VLLM, *GRAPHS],
                       [*ASYNC, *VLLM], [*ASYNC, *PARTIAL, *VLLM], [*ASYNC, *TURNS, *VLLM], [*WORKER, *VLLM],
-                      [*WORKER, *ASYNC, *VLLM], [*ASYNC, *VLLM, *RAY], [*ASYNC, *PARTIAL, *VLLM, *RAY]):
+                      [*WORKER, *ASYNC, *VLLM], [*ASYNC, *VLLM, *RAY], [*ASYNC, *PARTIAL, *VLLM, *RAY], [*ASYNC, *TP2],
+                      [*ASYNC, *PARTIAL, *TP2]):
         cfg = config(overrides)
         for device in ("cpu", "cuda"):
             check_compat(cfg, setup_of(cfg, device))
