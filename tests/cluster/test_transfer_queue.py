@@ -1,0 +1,93 @@
+"""``rl_config.data_strategy: tq``: the experience table's cells in TransferQueue (transferqueue on a
+local Ray), against the in-process TransferDock.
+
+* The dock: the same puts, reads (seeded random rows, whole groups, by index), row clears and
+  saved state give the same rows and tensors (dtype and length) as a TransferDock, on 2 storage units.
+* A GRPO run (one process, 2 iterations; its cells in TransferQueue) draws the same responses and
+  logs the same metrics as the run with the TransferDock.
+
+Skipped where transferqueue is not installed (pip install 'posttrain[tq]' torch==<your torch>).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("transfer_queue", reason="transferqueue is not installed: pip install 'posttrain[tq]' "
+                                             "torch==<this torch> (rl_config.data_strategy: tq)")
+
+from tests.cluster.cluster_helpers import grpo_config, record_run  # noqa: E402
+
+pytestmark = pytest.mark.ray
+RAY_CPUS = 3  # TransferQueue's controller and 2 storage units reserve one CPU each
+
+
+def _plan(shards: int):
+    from posttrain.config.options import ClusterOptions
+
+    return SimpleNamespace(cluster=ClusterOptions(), queue_shards=shards, data_strategy="tq")
+
+
+def _fill(dock) -> None:
+    """Variable-length int rows, float rows and scalars, written by prompt and by index."""
+    g = torch.Generator().manual_seed(0)
+    dock.put_prompts({"prompts": [torch.arange(k + 2) for k in range(4)]})
+    lengths = torch.randint(0, 6, (8,), generator=g).tolist()
+    dock.put(["responses", "scores"], list(range(8)),
+             [[torch.randint(0, 50, (n,), generator=g) for n in lengths], torch.randn(8, generator=g)])
+
+
+def test_queue_dock_reads_what_the_transfer_dock_reads(ray_cluster):
+    from posttrain.cluster.transfer_queue import TransferQueueStore
+    from posttrain.transfer_dock import TransferDock
+
+    store = TransferQueueStore.start(_plan(2))
+    try:
+        kw = dict(n_samples_per_prompt=2, guarantee_order=False, seed=3)
+        docks = [TransferDock(8, ["prompts", "responses", "scores"], ["a", "b"], **kw),
+                 store.new_dock(8, ["prompts", "responses", "scores"], ["a", "b"], **kw)]
+        reads = []
+        for dock in docks:
+            _fill(dock)
+            got = [dock.get("a", ["prompts", "responses"], 4), dock.get("b", ["scores"], 4, get_n_samples=True),
+                   dock.get("b", ["responses", "scores"], indexes=[7, 0, 3])]
+            dock.clear_rows([0, 1])
+            got.append(dock.get("a", ["prompts"], 2))
+            got.append((dock.cell("responses", 0), dock.cell("responses", 5)))
+            reads.append((got, dock.state_dict()))
+        (want, want_state), (seen, seen_state) = reads
+        for (w_rows, w_idx), (s_rows, s_idx) in zip(want[:4], seen[:4]):
+            assert s_idx == w_idx and w_idx is not None
+            for column, rows in w_rows.items():
+                assert [r.dtype for r in s_rows[column]] == [r.dtype for r in rows]
+                assert all(torch.equal(a, b) for a, b in zip(s_rows[column], rows)), column
+        assert seen[4][0] is None and torch.equal(seen[4][1], want[4][1])
+        for column, cells in want_state["data"].items():
+            assert [c is None for c in seen_state["data"][column]] == [c is None for c in cells]
+            assert all(a is None or torch.equal(a, b) for a, b in zip(seen_state["data"][column], cells))
+        restored = store.new_dock(8, ["prompts", "responses", "scores"], ["a", "b"], **kw)
+        restored.load_state_dict(seen_state)
+        rows, idx = restored.get("a", ["responses"], indexes=[2, 6])
+        assert all(torch.equal(a, b) for a, b in zip(rows["responses"], want_state["data"]["responses"][2::4]))
+    finally:
+        store.close()
+
+
+def test_grpo_with_transfer_queue_equals_transfer_dock(ray_cluster, work):
+    from posttrain.cluster.transfer_queue import TransferQueueStore
+
+    sessions = []
+    runs = {strategy: record_run(grpo_config(work, f"tq_{strategy}", workers=1, iters=2,
+                                             rl={"data_strategy": strategy}), sessions)
+            for strategy in ("td", "tq")}
+    assert sessions[0].queue is None and isinstance(sessions[1].queue, TransferQueueStore)  # the cells went to TQ
+    (td_batches, td_metrics, td_steps), (tq_batches, tq_metrics, tq_steps) = runs["td"], runs["tq"]
+    assert tq_batches == td_batches
+    assert len(tq_metrics) == len(td_metrics) == 2
+    for want, seen in zip(td_metrics, tq_metrics):
+        values = {k: v for k, v in want.items() if not (k == "time" or k.startswith("timing/") or "tps" in k)}
+        assert len(values) > 20 and {k: seen[k] for k in values} == values  # scores, losses, lengths, KL, ...
+    assert tq_steps == td_steps
