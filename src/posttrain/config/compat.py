@@ -160,6 +160,15 @@ def _separated_shown(cfg: RunConfig) -> str:
             f"({groups} worker(s))")
 
 
+def _queue_features() -> list[Feature]:
+    """rl_config.data_strategy: tq (posttrain.cluster.transfer_queue), and its shard count without it."""
+    return [_on("rl_config.data_strategy", lambda v: v in QUEUE_STRATEGIES, name="transfer_queue",
+                shown=lambda c: f"rl_config.data_strategy: {c.rl.data_strategy}", when="tq, transfer_queue or queue"),
+            Feature("queue_shards", ("rl_config.transfer_queue_data_shard_num",),
+                    lambda c: c.rl.transfer_queue_data_shard_num != 1 and c.rl.data_strategy not in QUEUE_STRATEGIES,
+                    when="not 1, without data_strategy: tq")]
+
+
 def _features() -> dict[str, Feature]:
     per_request = Feature("per_request", ("rl_config.async_engine", "rl_config.multi_turn_enable"),
                           lambda c: c.rl.async_engine or c.rl.multi_turn_enable,
@@ -230,11 +239,7 @@ def _features() -> dict[str, Feature]:
         _on("rl_config.partial_rollout_max_split", lambda v: v > 1, name="partial",
             shown="rl_config.partial_rollout_max_split > 1", when="> 1"),
         _on("rl_config.filter_groups_enable", name="dynamic_sampling", when="true"),
-        _on("rl_config.data_strategy", lambda v: v in QUEUE_STRATEGIES, name="transfer_queue",
-            shown=lambda c: f"rl_config.data_strategy: {c.rl.data_strategy}", when="tq, transfer_queue or queue"),
-        Feature("queue_shards", ("rl_config.transfer_queue_data_shard_num",),
-                lambda c: c.rl.transfer_queue_data_shard_num != 1 and c.rl.data_strategy not in QUEUE_STRATEGIES,
-                when="not 1, without data_strategy: tq"),
+        *_queue_features(),
         _on("rl_config.async_engine", shown="rl_config.async_engine: true", when="true"),
         _on("rl_config.multi_turn_enable", name="multi_turn", shown="rl_config.multi_turn_enable: true", when="true"),
         Feature("profiler", ("profiler_config.integrated.profile",), lambda c: c.profiler.profile,
