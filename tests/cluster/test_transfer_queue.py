@@ -4,7 +4,7 @@ local Ray), against the in-process TransferDock.
 * The dock: the same puts, reads (seeded random rows, whole groups, by index), row clears and
   saved state give the same rows and tensors (dtype and length) as a TransferDock, on 2 storage units.
 * A GRPO run (one process, 2 iterations; its cells in TransferQueue) draws the same responses and
-  logs the same metrics as the run with the TransferDock.
+  logs the same metrics as the run with the TransferDock; on 2 Ray actor workers too (to float noise).
 
 Skipped where transferqueue is not installed (pip install 'posttrain[tq]' torch==<your torch>).
 """
@@ -20,9 +20,10 @@ pytest.importorskip("transfer_queue", reason="transferqueue is not installed: pi
                                              "torch==<this torch> (rl_config.data_strategy: tq)")
 
 from tests.cluster.cluster_helpers import grpo_config, record_run  # noqa: E402
+from tests.cluster.test_ray_grpo import is_wall_clock, same  # noqa: E402
 
 pytestmark = pytest.mark.ray
-RAY_CPUS = 3  # TransferQueue's controller and 2 storage units reserve one CPU each
+RAY_CPUS = 4  # 2 actor workers, TransferQueue's controller and storage unit; or the controller and 2 units
 
 
 def _plan(shards: int):
@@ -76,18 +77,37 @@ def test_queue_dock_reads_what_the_transfer_dock_reads(ray_cluster):
         store.close()
 
 
-def test_grpo_with_transfer_queue_equals_transfer_dock(ray_cluster, work):
+@pytest.fixture(scope="module")
+def dock_run(ray_cluster, work):
+    """The 2-iteration GRPO run in one process with the TransferDock: batches, metrics, update steps."""
+    return record_run(grpo_config(work, "tq_td", workers=1, iters=2, rl={"data_strategy": "td"}))
+
+
+def test_grpo_with_transfer_queue_equals_transfer_dock(dock_run, work):
     from posttrain.cluster.transfer_queue import TransferQueueStore
 
     sessions = []
-    runs = {strategy: record_run(grpo_config(work, f"tq_{strategy}", workers=1, iters=2,
-                                             rl={"data_strategy": strategy}), sessions)
-            for strategy in ("td", "tq")}
-    assert sessions[0].queue is None and isinstance(sessions[1].queue, TransferQueueStore)  # the cells went to TQ
-    (td_batches, td_metrics, td_steps), (tq_batches, tq_metrics, tq_steps) = runs["td"], runs["tq"]
-    assert tq_batches == td_batches
-    assert len(tq_metrics) == len(td_metrics) == 2
-    for want, seen in zip(td_metrics, tq_metrics):
-        values = {k: v for k, v in want.items() if not (k == "time" or k.startswith("timing/") or "tps" in k)}
+    batches, metrics, steps = record_run(grpo_config(work, "tq_tq", workers=1, iters=2,
+                                                     rl={"data_strategy": "tq"}), sessions)
+    assert isinstance(sessions[0].queue, TransferQueueStore)  # the cells went through TransferQueue
+    want_batches, want_metrics, want_steps = dock_run
+    assert batches == want_batches
+    assert len(metrics) == len(want_metrics) == 2
+    for want, seen in zip(want_metrics, metrics):
+        values = {k: v for k, v in want.items() if not is_wall_clock(k)}
         assert len(values) > 20 and {k: seen[k] for k in values} == values  # scores, losses, lengths, KL, ...
-    assert tq_steps == td_steps
+    assert steps == want_steps
+
+
+def test_grpo_on_two_ray_workers_with_transfer_queue(dock_run, work):
+    """The run on 2 Ray actor workers, its cells in TransferQueue on the same Ray: the responses and metrics
+    of the one-process TransferDock run (to float noise, as tests/cluster/test_ray_grpo.py allows 2 workers)."""
+    sessions = []
+    batches, metrics, _ = record_run(grpo_config(work, "tq_ray", workers=2, iters=2, rl={"data_strategy": "tq"}),
+                                     sessions)
+    assert sessions[0].cluster.world == 2 and sessions[0].queue is not None
+    want_batches, want_metrics, _ = dock_run
+    assert batches == want_batches
+    for want, seen in zip(want_metrics, metrics):
+        compared = [k for k in want if not is_wall_clock(k)]
+        assert len(compared) > 20 and all(same(seen[k], want[k], k) for k in compared)
