@@ -20,7 +20,10 @@ Row choice when no indexes are given:
 chosen together, so a group-normalised advantage sees its complete group.
 
 The dock lives in the driver process, also on Ray (docs/cluster.md says why); its state is plain
-Python (lists, numpy arrays, tensors, ``random.Random``), so it pickles.
+Python (lists, numpy arrays, tensors, ``random.Random``), so it pickles. With
+``rl_config.data_strategy: tq`` the loop's docks are
+:class:`~posttrain.cluster.transfer_queue.TransferQueueDock`: the same bookkeeping here, the cells in
+TransferQueue's storage units (the four cell-store methods below are what it overrides).
 """
 
 from __future__ import annotations

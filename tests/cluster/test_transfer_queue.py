@@ -50,9 +50,14 @@ def test_queue_dock_reads_what_the_transfer_dock_reads(ray_cluster):
         kw = dict(n_samples_per_prompt=2, guarantee_order=False, seed=3)
         docks = [TransferDock(8, ["prompts", "responses", "scores"], ["a", "b"], **kw),
                  store.new_dock(8, ["prompts", "responses", "scores"], ["a", "b"], **kw)]
+        import transfer_queue as tq
+
+        assert len(tq.interface._TQ_STORAGE["SimpleStorage"]) == 2  # transfer_queue_data_shard_num
         reads = []
         for dock in docks:
             _fill(dock)
+            if dock is docks[1]:  # the cells are in TransferQueue, one key per row
+                assert set(tq.kv_list(dock.partition)[dock.partition]) == {str(i) for i in range(8)}
             got = [dock.get("a", ["prompts", "responses"], 4), dock.get("b", ["scores"], 4, get_n_samples=True),
                    dock.get("b", ["responses", "scores"], indexes=[7, 0, 3])]
             dock.clear_rows([0, 1])
@@ -111,3 +116,13 @@ def test_grpo_on_two_ray_workers_with_transfer_queue(dock_run, work):
     for want, seen in zip(want_metrics, metrics):
         compared = [k for k in want if not is_wall_clock(k)]
         assert len(compared) > 20 and all(same(seen[k], want[k], k) for k in compared)
+
+
+def test_a_cluster_without_the_cpus_for_the_storage_units_is_refused(ray_cluster):
+    """TransferQueue's actors would wait forever for CPUs the cluster lacks: refused at the start instead."""
+    from posttrain.cluster.remote import ClusterError
+    from posttrain.cluster.transfer_queue import TransferQueueStore
+
+    with pytest.raises(ClusterError, match=r"data_strategy: tq needs 11 free CPUs .* it has 4 free\. Lower "
+                                           r"transfer_queue_data_shard_num"):
+        TransferQueueStore.start(_plan(10))
