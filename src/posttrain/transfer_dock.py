@@ -150,7 +150,7 @@ class TransferDock:
         for c in self.columns:
             rows = np.flatnonzero(self._ready[c]).tolist()
             if rows:
-                self._write_cells(c, rows, [state["data"][c][i] for i in rows])
+                self._write_cells(rows, {c: [state["data"][c][i] for i in rows]})
         self._consumed = {c: np.array(state["consumed"][c], dtype=bool) for c in self.consumers}
         self._rng.setstate(state["rng"])
 
@@ -166,10 +166,12 @@ class TransferDock:
             for i in indexes:
                 self._data[c][i] = None
 
-    def _write_cells(self, column: str, indexes: list[int], rows: list[torch.Tensor]) -> None:
-        cells = self._data[column]
-        for i, row in zip(indexes, rows):
-            cells[i] = row
+    def _write_cells(self, indexes: list[int], columns: Mapping[str, list[torch.Tensor]]) -> None:
+        """Store ``columns[c][k]`` as the cell of row ``indexes[k]`` in column ``c``."""
+        for column, rows in columns.items():
+            cells = self._data[column]
+            for i, row in zip(indexes, rows):
+                cells[i] = row
 
     def _read_cells(self, columns: Sequence[str], indexes: list[int]) -> dict[str, list[torch.Tensor]]:
         return {c: [self._data[c][i] for i in indexes] for c in columns}
@@ -188,11 +190,14 @@ class TransferDock:
         if not len(indexes):
             raise TransferDockError("put experience into TD without indexes, indexes must be provided")
         idx = self._check_indexes(indexes)
+        columns = {}
         for col, values in zip(column_names, tensors):
             if col not in self._ready:
                 raise TransferDockError(f"put experience ERROR: {col} not in TD experience_column "
                                         f"{self.columns}")
-            self._write_cells(col, idx, _as_rows(values, len(idx), col))
+            columns[col] = _as_rows(values, len(idx), col)
+        self._write_cells(idx, columns)  # one write of every column (one round trip to TransferQueue)
+        for col in columns:
             self._ready[col][idx] = True
 
     def put_prompts(self, data: Mapping[str, Any], first_prompt: int = 0) -> list[int]:

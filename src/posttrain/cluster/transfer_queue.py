@@ -23,7 +23,7 @@ import itertools
 import logging
 import os
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 
@@ -84,13 +84,15 @@ class TransferQueueDock(TransferDock):
             tq.kv_clear(keys=sorted(keys), partition_id=self.partition)
             self._stored -= keys
 
-    def _write_cells(self, column: str, indexes: list[int], rows: list[torch.Tensor]) -> None:
+    def _write_cells(self, indexes: list[int], columns: Mapping[str, list[torch.Tensor]]) -> None:
         import transfer_queue as tq
         from tensordict import TensorDict
 
+        if not columns:
+            return
         keys = [str(i) for i in indexes]
-        tq.kv_batch_put(keys=keys, partition_id=self.partition,
-                        fields=TensorDict({column: _nested(rows)}, batch_size=len(keys)))
+        fields = TensorDict({column: _nested(rows) for column, rows in columns.items()}, batch_size=len(keys))
+        tq.kv_batch_put(keys=keys, partition_id=self.partition, fields=fields)
         self._stored.update(keys)
 
     def _read_cells(self, columns: Sequence[str], indexes: list[int]) -> dict[str, list[torch.Tensor]]:
