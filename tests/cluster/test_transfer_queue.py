@@ -11,6 +11,7 @@ Skipped where transferqueue is not installed (pip install 'posttrain[tq]' torch=
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -116,13 +117,21 @@ def test_grpo_on_two_ray_workers_with_transfer_queue(dock_run, work):
     for want, seen in zip(want_metrics, metrics):
         compared = [k for k in want if not is_wall_clock(k)]
         assert len(compared) > 20 and all(same(seen[k], want[k], k) for k in compared)
+    import ray
+
+    deadline = time.monotonic() + 30
+    while ray.available_resources().get("CPU", 0) < RAY_CPUS and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert ray.available_resources().get("CPU", 0) == RAY_CPUS  # the workers and TransferQueue's actors are gone
 
 
-def test_a_cluster_without_the_cpus_for_the_storage_units_is_refused(ray_cluster):
+def test_a_cluster_without_the_cpus_for_the_storage_units_is_refused(ray_cluster, monkeypatch):
     """TransferQueue's actors would wait forever for CPUs the cluster lacks: refused at the start instead."""
+    from posttrain.cluster import transfer_queue
     from posttrain.cluster.remote import ClusterError
     from posttrain.cluster.transfer_queue import TransferQueueStore
 
-    with pytest.raises(ClusterError, match=r"data_strategy: tq needs 11 free CPUs .* it has 4 free\. Lower "
+    monkeypatch.setattr(transfer_queue, "CPU_WAIT_S", 1.0)
+    with pytest.raises(ClusterError, match=r"data_strategy: tq needs 11 free CPUs .* it has \d+ free\. Lower "
                                            r"transfer_queue_data_shard_num"):
         TransferQueueStore.start(_plan(10))

@@ -22,6 +22,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import time
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
 
@@ -33,6 +34,7 @@ from posttrain.transfer_dock import TransferDock
 
 log = logging.getLogger(__name__)
 _partitions = itertools.count()
+CPU_WAIT_S = 20.0  # how long the start waits for the CPUs of TransferQueue's actors to be free
 
 
 def _nested(rows: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -57,10 +59,13 @@ def _drop(partition: str, keys: set[str]) -> None:
 
 
 def _check_cpus(needed: int) -> None:
-    """TransferQueue's actors wait forever for CPUs that the Ray cluster does not have: refuse instead."""
+    """TransferQueue's actors wait forever for CPUs that the Ray cluster does not have: refuse instead
+    (after ``CPU_WAIT_S``: the CPUs of actors just killed, e.g. a previous run's, come back late)."""
     import ray
 
-    free = ray.available_resources().get("CPU", 0)
+    deadline = time.monotonic() + CPU_WAIT_S
+    while (free := ray.available_resources().get("CPU", 0)) < needed and time.monotonic() < deadline:
+        time.sleep(0.5)
     if free < needed:
         raise ClusterError(f"rl_config.data_strategy: tq needs {needed} free CPUs on the Ray cluster (TransferQueue's "
                            f"controller and each of transfer_queue_data_shard_num storage units reserve one); it has "
