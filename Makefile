@@ -49,10 +49,10 @@ install-vllm: $(VLLM_STAMP)
 # downloads) in the background while the main suite runs, its log in .venv-vllm-install.log
 test: $(STAMP)
 	@$(MAKE) --no-print-directory install-vllm > .venv-vllm-install.log 2>&1 & installing=$$!; \
-	$(PY) -m pytest -q; status=$$?; \
+	$(PY) -m pytest -q --durations=30; status=$$?; \
 	wait $$installing || { tail -50 .venv-vllm-install.log; echo "make install-vllm failed"; exit 1; }; \
 	test $$status -eq 0 || exit $$status; \
-	$(VLLM_PY) -m pytest -q tests/vllm
+	$(VLLM_PY) -m pytest -q --durations=10 tests/vllm
 
 test-vllm: $(VLLM_STAMP)
 	$(VLLM_PY) -m pytest -q tests/vllm

@@ -24,6 +24,7 @@ COMMANDS = {
     "eval": "posttrain.commands.eval",
     "bench": "posttrain.commands.bench",
     "convert": "posttrain.commands.convert",
+    "compare-dumps": "posttrain.commands.compare_dumps",
 }
 
 
@@ -114,7 +115,17 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("convert", help="Hugging Face <-> Megatron-Core checkpoints (the seed's convert_ckpt.py "
                                        "arguments), with tensor and pipeline splits")
     importlib.import_module(COMMANDS["convert"]).add_arguments(p)
+    _add_compare_dumps(sub)
     return parser
+
+
+def _add_compare_dumps(sub) -> None:
+    p = sub.add_parser("compare-dumps", help="the first tensor whose statistics differ between two accuracy dumps "
+                                             "(msprobe_config); exit 1 on a difference, 0 when they agree")
+    p.add_argument("dump_a", metavar="A", help="the dump_path of the first run")
+    p.add_argument("dump_b", metavar="B", help="the dump_path of the second run")
+    p.add_argument("--rtol", type=float, default=1e-5, help="relative tolerance: |a - b| <= atol + rtol * |b|")
+    p.add_argument("--atol", type=float, default=1e-8, help="absolute tolerance")
 
 
 def _add_plan(sub) -> None:

@@ -142,6 +142,17 @@ def test_dpo_raises_accuracy_and_margin(work):
     assert rows[-1]["rewards/chosen"] > rows[-1]["rewards/rejected"]
 
 
+def test_orpo_trains_without_a_reference(work):
+    from posttrain.commands.train import train_config as train
+
+    train(dpo_config(work, 8, "orpo", dpo_loss_type="orpo", dpo_beta=1.0))
+    rows = read_metrics(work / "run_orpo")
+    assert "timing/reference_model" not in rows[-1] and "timing/data" in rows[-1]  # no reference model ran
+    # rewards are beta x the policy's mean token log-probs here: the chosen answers' rise above the rejected ones'
+    assert rows[-1]["rewards/margins"] > rows[0]["rewards/margins"] + 0.5, [r["rewards/margins"] for r in rows]
+    assert rows[-1]["dpo/loss"] < rows[0]["dpo/loss"]
+
+
 # the loss at the reference (z = 0, beta = 0.5): hinge relu(1) = 1, ipo (0 - 1/(2 beta))^2 = 1,
 # kto_pair (1 - sigma(0)) = 0.5, smoothed sigmoid log 2 plus pref_ftx x the chosen NLL (> 0)
 @pytest.mark.parametrize("keys,first_loss", [

@@ -102,14 +102,15 @@ def test_a_resume_in_the_middle_of_an_async_run_repeats_it(tiny_model_dir, tiny_
     assert sorted(saved) == [3, 4]  # sampled with versions 1 and 2 before the interruption
 
 
+@pytest.mark.parametrize("mode", ["mis", "icepop"])
 def test_a_bf16_rollout_differs_from_the_fp32_trainer_and_mis_masks_it(tiny_model_dir, tiny_prompt_data, tmp_path,
-                                                                       monkeypatch):
+                                                                       monkeypatch, mode):
     from posttrain.commands.train import train_config as train
 
     monkeypatch.setattr("posttrain.device.cpu_supports_bf16", lambda: True)  # a bf16 rollout on any CPU
     torch.set_num_threads(1)
     metrics = train(grpo_config(tiny_model_dir, tiny_prompt_data, tmp_path, **{**COMMON, "megatron_training__train_iters": 1},
-                                generate_config__dtype="bfloat16", rl_config__rollout_correction="mis",
+                                generate_config__dtype="bfloat16", rl_config__rollout_correction=mode,
                                 rl_config__rollout_correction_cap=1.0005))
     assert metrics["rollout/logprob_diff_max"] > 1e-3
     assert metrics["rollout/masked_fraction"] > 0.0, metrics["rollout/logprob_diff_max"]

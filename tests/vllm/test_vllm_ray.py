@@ -9,6 +9,9 @@ GRPO with DDP replicas and with FSDP2 shards against the same run in one process
   engine draws; a worker whose engine missed an update would sample other tokens and score other
   log-probs. Same response tokens, and every logged metric but the wall-clock ones within 1e-3.
 * LoRA on FSDP2 shards: each engine takes the adapter merged into the gathered base at every sync.
+* ``async_staleness: 1`` on FSDP2 shards: each worker's engine samples beside the update and loads
+  the snapshot of the version the pipeline asks for (cluster/rollout_copy.py ``EngineCopy``); the run
+  equals the same asynchronous run in one process (its engine loaded by ``EngineReplica``).
 """
 
 from __future__ import annotations
@@ -44,14 +47,14 @@ def work(tmp_path_factory, tiny_tokenizer):
 
 
 def vllm_run(work: Path, name: str, *, workers: int, sharding: str = "ddp", rl: dict | None = None,
-             train: dict | None = None):
-    """2 GRPO iterations (4 prompts x 8 samples, 2 optimizer steps each) sampled by vLLM in fp32 on
-    ``workers`` Ray actor workers (1: in this process)."""
+             train: dict | None = None, iters: int = 2):
+    """``iters`` GRPO iterations (4 prompts x 8 samples, 2 optimizer steps each) sampled by vLLM in fp32
+    on ``workers`` Ray actor workers (1: in this process)."""
     rl = {"actor_resource": {"num_devices": workers}, "ray_timeout_s": 600, "rollout_engine": "vllm",
           "ray_sharding": sharding, "init_kl_coef": 0.05, **(rl or {})}
     gen = {"max_model_len": 64, "max_num_seqs": 64, "infer_tensor_parallel_size": 1, "dtype": "float32",
            "sampling_config": {"max_tokens": 12, "temperature": 1.0, "top_k": -1, "top_p": 1.0}}
-    cfg = run_config(work / "model", work / "prompts/data", work / f"run_{name}", name=name, iters=2, rl_config=rl,
+    cfg = run_config(work / "model", work / "prompts/data", work / f"run_{name}", name=name, iters=iters, rl_config=rl,
                      generate_config=gen, megatron_training=train or {})
     workers_info = []
     build = cluster_helpers.session_and_trainer
@@ -124,3 +127,32 @@ def test_lora_on_fsdp2_shards_pushes_the_merged_weights(ray_session, work):
         assert row["rollout/sync_probe_diff"] < 1e-4, row["iteration"]
         assert row["rollout/logprob_diff_max"] < 1e-4, row["iteration"]
     assert rows[0]["actor/grad_norm"] > 0 and rows[1]["actor/kl_loss"] > 0  # iteration 2 sampled a moved adapter
+
+
+ASYNC = {"async_staleness": 1, "n_samples_per_prompt": 4}  # 4 prompts x 4 samples: 2 optimizer steps
+SMALL = {"micro_batch_size": 4}
+
+
+def test_async_staleness_on_two_workers_equals_the_async_run_in_one_process(ray_session, work):
+    """k = 1, 3 iterations on FSDP2 shards (a snapshot is the full weights, gathered by all ranks, with the
+    probe scored on them; DDP keeps its own replica's the same way, without the gather): iterations 1
+    and 2 sample version 0 (the engines' start), iteration 3 version 1, which every worker's engine
+    loads from its snapshot while update 2 runs beside it. A worker whose engine held another version
+    (none loaded, or the trained weights of update 2) would sample other tokens and score other
+    log-probs than the one-process run, whose engine the pipeline loads in this process."""
+    want_batches, want_rows, _, _ = vllm_run(work, "async_local", workers=1, rl=ASYNC, train=SMALL, iters=3)
+    got_batches, got_rows, _, info = vllm_run(work, "async_fsdp2", workers=2, sharding="fsdp2", rl=ASYNC, train=SMALL,
+                                              iters=3)
+    assert len(info) == 2 and all(i["rollout_holds_weights"] for i in info)
+    assert got_batches == want_batches  # token-identical rollouts, iteration by iteration
+    assert len(want_batches) == 3 and want_batches[2] not in want_batches[:2]
+    want_rows, got_rows = logged(want_rows), logged(got_rows)
+    assert [r["iteration"] for r in got_rows] == [r["iteration"] for r in want_rows] == [1, 2, 3]
+    assert [r["rollout/staleness_max"] for r in got_rows] == [0, 1, 1]
+    assert got_rows[2]["rollout/sync_probe_diff"] < 1e-4 and "timing/resharding_to_infer" in got_rows[2]
+    for want, got in zip(want_rows, got_rows):
+        assert sorted(got) == sorted(want)
+        compared = [k for k in want if k != "time" and not k.startswith(WALL_CLOCK)]
+        assert len(compared) > 15
+        for key in compared:
+            assert got[key] == pytest.approx(want[key], rel=1e-3, abs=1e-3), (want["iteration"], key)

@@ -10,6 +10,11 @@ With ``pi = pol_c - pol_r``, ``rho = ref_c - ref_r``, ``z = pi - rho``, ``beta =
   (conservative DPO / cDPO when ``ls > 0``)
 * ``hinge`` (SLiC, Zhao et al. 2023): ``relu(1 - beta z)``
 * ``ipo`` (Azar et al. 2023): ``(z - 1 / (2 beta))^2``
+* ``orpo`` (Hong et al. 2024, odds-ratio preference optimisation; no reference model): with the
+  length-averaged log-probs ``a_c = pol_c``, ``a_r = pol_r`` (the caller averages, as for ``ipo``),
+  ``log_odds(a) = a - log(1 - exp(a))`` and ``L_OR = -log sigma(log_odds(a_c) - log_odds(a_r))``,
+  the per-pair loss is the chosen answer's NLL plus ``beta L_OR``: ``-a_c + beta L_OR`` (``beta`` is
+  the paper's ``lambda``; the reference inputs are zeros and unused).
 * ``kto_pair`` (Ethayarajh et al. 2024, paired form): ``kl_c = mean(pol_c - ref_c).clamp(min=0)``,
   ``kl_r`` likewise; per pair ``(1 - sigma(beta (d_c - kl_r)) + 1 - sigma(beta (kl_c - d_r))) / 2``
   with ``d_c = pol_c - ref_c``, ``d_r = pol_r - ref_r`` (the mean is over this micro-batch).
@@ -29,6 +34,8 @@ from posttrain.registry import Registry
 
 # per-pair losses fn(pol_c, pol_r, ref_c, ref_r, *, beta, label_smoothing) -> [N]
 DPO_LOSSES = Registry("DPO loss", key="megatron_training.dpo_loss_type")
+AVERAGED = ("ipo", "orpo")  # the losses that take length-averaged sequence log-probs
+REFERENCE_FREE = ("orpo",)  # the losses that read no reference model
 
 
 @DPO_LOSSES.register("sigmoid")
@@ -58,6 +65,15 @@ def _kto_pair(pol_c, pol_r, ref_c, ref_r, *, beta, label_smoothing):
     chosen_loss = 1 - torch.sigmoid(beta * (chosen_ratio - rejected_kl))
     rejected_loss = 1 - torch.sigmoid(beta * (chosen_kl - rejected_ratio))
     return (chosen_loss + rejected_loss) / 2
+
+
+@DPO_LOSSES.register("orpo")
+def _orpo(pol_c, pol_r, ref_c, ref_r, *, beta, label_smoothing):
+    def log_odds(avg_logp):  # log(p / (1 - p)) of p = exp(avg_logp), stable as p -> 1
+        avg_logp = avg_logp.clamp(max=-1e-7)
+        return avg_logp - torch.log(-torch.expm1(avg_logp))
+
+    return -pol_c - beta * F.logsigmoid(log_odds(pol_c) - log_odds(pol_r))
 
 
 def dpo_loss(

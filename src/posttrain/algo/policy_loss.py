@@ -1,4 +1,4 @@
-"""Policy-gradient losses (PPO/GRPO/DAPO clipped surrogate, dual-clip, GSPO) and the actor loss.
+"""Policy-gradient losses (PPO/GRPO/DAPO clipped surrogate, dual-clip, GSPO, CISPO, SAPO, GPG) and the actor loss.
 
 Inputs are per-token ``[B, R]`` tensors of one micro-batch: ``logprobs`` (current policy, with
 grad), ``old_logprobs`` (behaviour policy), ``advantages``, ``response_mask``. ``num_tokens`` /
@@ -19,6 +19,16 @@ the clip bounds, aggregation mode and counts as keywords:
   sequence-level geometric mean ``s_i = exp(mean_t (logp - old_logp))``, applied per token as
   ``s_it = sg(s_i) * exp(logp_t - sg(logp_t))`` (same value, per-token gradient), clipped like PPO.
   The paper aggregates with ``seq-mean-token-mean`` and uses tiny clip ranges (3e-4/4e-4).
+* ``cispo`` (MiniMax 2025, Clipped IS-weight Policy Optimization): ``L = -sg(clip(r, 1 - clip_low,
+  1 + clip_high)) A logp``: the importance weight is clipped and detached, so every token keeps a
+  gradient (PPO's clip drops the clipped tokens' gradient). Where ``r`` is inside the band the
+  gradient equals PPO's.
+* ``sapo`` (Gao et al. 2025, Soft Adaptive Policy Optimization): a smooth gate in place of the
+  clip, ``L = -A (4 / tau) sigmoid(tau (r - 1))`` with ``tau = tau_pos`` where ``A > 0`` and
+  ``tau_neg`` elsewhere (``policy_params``; the paper's 1.0 and 1.05). At ``r = 1`` the gate's slope
+  is 1, so the on-policy gradient equals PPO's.
+* ``gpg`` (Chu et al. 2025, Group Policy Gradient): plain REINFORCE on the group's advantages,
+  ``L = -A logp``, no ratio and no clip (its on-policy gradient equals PPO's too).
 
 Actor loss (the seed's GRPO/DAPO/PPO loss):
 ``loss = pg + kl_coef * agg(KL_penalty(logp, ref_logp)) - entropy_coeff * agg(H)``.
@@ -34,7 +44,8 @@ from posttrain.registry import Registry
 
 MAX_LOG_RATIO = 20.0
 # fn(logprobs, old_logprobs, advantages, mask, *, clip_low, clip_high, clip_ratio_c=None,
-#    loss_agg_mode="token-mean", num_tokens=None, num_seqs=None, norm_length=None) -> (loss, metrics)
+#    loss_agg_mode="token-mean", num_tokens=None, num_seqs=None, norm_length=None, **policy_params)
+#    -> (loss, metrics); policy_params are the loss's own (sapo: tau_pos, tau_neg)
 POLICY_LOSSES = Registry("policy loss", key="rl_config.policy_loss")
 
 
@@ -58,6 +69,14 @@ def _clipped_surrogate(ratio, advantages, mask, num_tokens, *, clip_low, clip_hi
     return clipped, metrics
 
 
+def _aggregated(per_token, log_ratio, mask, metrics, *, loss_agg_mode, num_tokens, num_seqs, norm_length):
+    """The aggregated loss, with ``actor/ppo_kl`` (the token mean of ``old_logp - logp``) added to ``metrics``."""
+    metrics["actor/ppo_kl"] = _token_mean(-log_ratio.detach(), mask, num_tokens)
+    loss = aggregate_loss(per_token, mask, mode=loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs,
+                          norm_length=norm_length)
+    return loss, metrics
+
+
 @POLICY_LOSSES.register("ppo", "grpo", "dapo")
 def ppo_clip_loss(logprobs, old_logprobs, advantages, mask, *, clip_low, clip_high, clip_ratio_c=None,
                   loss_agg_mode="token-mean", num_tokens=None, num_seqs=None, norm_length=None):
@@ -66,10 +85,8 @@ def ppo_clip_loss(logprobs, old_logprobs, advantages, mask, *, clip_low, clip_hi
     log_ratio = torch.clamp(logprobs - old_logprobs, -MAX_LOG_RATIO, MAX_LOG_RATIO)
     per_token, metrics = _clipped_surrogate(log_ratio.exp(), advantages, mask, num_tokens, clip_low=clip_low,
                                             clip_high=clip_high, clip_ratio_c=clip_ratio_c)
-    metrics["actor/ppo_kl"] = _token_mean(-log_ratio, mask, num_tokens)
-    loss = aggregate_loss(per_token, mask, mode=loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs,
-                          norm_length=norm_length)
-    return loss, metrics
+    return _aggregated(per_token, log_ratio, mask, metrics, loss_agg_mode=loss_agg_mode, num_tokens=num_tokens,
+                       num_seqs=num_seqs, norm_length=norm_length)
 
 
 @POLICY_LOSSES.register("gspo")
@@ -83,10 +100,44 @@ def gspo_loss(logprobs, old_logprobs, advantages, mask, *, clip_low, clip_high, 
     ratio = torch.clamp(token_log_ratio, max=10.0).exp()
     per_token, metrics = _clipped_surrogate(ratio, advantages, mask, num_tokens, clip_low=clip_low,
                                             clip_high=clip_high, clip_ratio_c=clip_ratio_c)
-    metrics["actor/ppo_kl"] = _token_mean(-log_ratio, mask, num_tokens)
-    loss = aggregate_loss(per_token, mask, mode=loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs,
-                          norm_length=norm_length)
-    return loss, metrics
+    return _aggregated(per_token, log_ratio, mask, metrics, loss_agg_mode=loss_agg_mode, num_tokens=num_tokens,
+                       num_seqs=num_seqs, norm_length=norm_length)
+
+
+@POLICY_LOSSES.register("cispo")
+def cispo_loss(logprobs, old_logprobs, advantages, mask, *, clip_low, clip_high, clip_ratio_c=None,
+               loss_agg_mode="token-mean", num_tokens=None, num_seqs=None, norm_length=None):
+    """The clipped, detached importance weight times the REINFORCE term (see module docstring)."""
+    mask = mask.to(logprobs.dtype)
+    log_ratio = torch.clamp(logprobs - old_logprobs, -MAX_LOG_RATIO, MAX_LOG_RATIO)
+    ratio = log_ratio.detach().exp()
+    weight = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    per_token = -advantages * weight * logprobs
+    metrics = {"actor/pg_clipfrac": _token_mean((weight != ratio).to(mask.dtype), mask, num_tokens)}
+    return _aggregated(per_token, log_ratio, mask, metrics, loss_agg_mode=loss_agg_mode, num_tokens=num_tokens,
+                       num_seqs=num_seqs, norm_length=norm_length)
+
+
+@POLICY_LOSSES.register("sapo")
+def sapo_loss(logprobs, old_logprobs, advantages, mask, *, clip_low, clip_high, clip_ratio_c=None,
+              loss_agg_mode="token-mean", num_tokens=None, num_seqs=None, norm_length=None, tau_pos=1.0,
+              tau_neg=1.05):
+    """The soft gate ``(4 / tau) sigmoid(tau (r - 1))`` in place of the clip (see module docstring)."""
+    mask = mask.to(logprobs.dtype)
+    log_ratio = torch.clamp(logprobs - old_logprobs, -MAX_LOG_RATIO, MAX_LOG_RATIO)
+    tau = torch.where(advantages > 0, tau_pos, tau_neg).to(logprobs.dtype)
+    per_token = -advantages * (4.0 / tau) * torch.sigmoid(tau * (log_ratio.exp() - 1.0))
+    return _aggregated(per_token, log_ratio, mask, {}, loss_agg_mode=loss_agg_mode, num_tokens=num_tokens,
+                       num_seqs=num_seqs, norm_length=norm_length)
+
+
+@POLICY_LOSSES.register("gpg")
+def gpg_loss(logprobs, old_logprobs, advantages, mask, *, clip_low, clip_high, clip_ratio_c=None,
+             loss_agg_mode="token-mean", num_tokens=None, num_seqs=None, norm_length=None):
+    """REINFORCE with the group's advantages, no ratio (see module docstring)."""
+    mask = mask.to(logprobs.dtype)
+    return _aggregated(-advantages * logprobs, logprobs - old_logprobs, mask, {}, loss_agg_mode=loss_agg_mode,
+                       num_tokens=num_tokens, num_seqs=num_seqs, norm_length=norm_length)
 
 
 def actor_loss(
@@ -99,6 +150,7 @@ def actor_loss(
     clip_low: float = 0.2,
     clip_high: float = 0.2,
     clip_ratio_c: float | None = None,
+    policy_params: dict[str, float] | None = None,
     entropy: torch.Tensor | None = None,
     entropy_coeff: float = 0.0,
     ref_logprobs: torch.Tensor | None = None,
@@ -112,7 +164,7 @@ def actor_loss(
     """``pg + kl_coef * KL - entropy_coeff * H`` (GRPO puts the KL in the loss; DAPO/PPO pass no ref).
 
     ``pg`` is the policy loss registered as ``policy_loss``, clipped to ``[1 - clip_low,
-    1 + clip_high]``, dual-clipped with ``clip_ratio_c``.
+    1 + clip_high]``, dual-clipped with ``clip_ratio_c``, given ``policy_params`` (its own keywords).
     ``norm_length``: the constant length of ``loss_agg_mode="seq-mean-token-sum-norm"``. Metrics
     use the seed's names: ``actor/pg_loss`` (the policy-gradient term only; the seed logs
     ``|total loss|``, quirk 1), ``actor/pg_clipfrac``, ``actor/ppo_kl``, ``actor/pg_clipfrac_lower``
@@ -131,6 +183,7 @@ def actor_loss(
         clip_ratio_c=clip_ratio_c,
         loss_agg_mode=loss_agg_mode,
         **counts,
+        **(policy_params or {}),
     )
     metrics["actor/pg_loss"] = pg.detach()
     loss = pg

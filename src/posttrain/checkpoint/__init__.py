@@ -20,14 +20,14 @@ Modules: :mod:`~posttrain.checkpoint.files` (names, :class:`Part`, durable write
 checking), :mod:`~posttrain.checkpoint.load`. The names below are the public API.
 """
 
-from posttrain.checkpoint.files import (STATE_FILE, TRACKER, CheckpointLoad, Part, current_umask, iter_dir_name,
+from posttrain.checkpoint.files import (STATE_FILE, TRACKER, CheckpointLoad, Part, iter_dir_name,
                                         make_readable, rng_state, set_rng_state)
 from posttrain.checkpoint.load import load_adapter_weights, load_checkpoint, load_part, load_weights
 from posttrain.checkpoint.save import prune_checkpoints, save_checkpoint, save_hf_weights
 from posttrain.checkpoint.verify import (check_model_files, earlier_checkpoints, find_latest, is_hf_model_dir,
                                          list_checkpoints, read_trainer_state, resolve_checkpoint, verify_checkpoint)
 
-__all__ = ["STATE_FILE", "TRACKER", "CheckpointLoad", "Part", "check_model_files", "current_umask",
+__all__ = ["STATE_FILE", "TRACKER", "CheckpointLoad", "Part", "check_model_files",
            "earlier_checkpoints", "find_latest", "is_hf_model_dir", "iter_dir_name", "list_checkpoints",
            "load_adapter_weights", "load_checkpoint", "load_part", "load_weights", "make_readable",
            "prune_checkpoints", "read_trainer_state", "resolve_checkpoint", "rng_state", "save_checkpoint",

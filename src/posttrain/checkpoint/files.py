@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from posttrain.files import current_umask
+
 import numpy as np
 import torch
 
@@ -72,19 +74,6 @@ def _fsync_tree(root: Path) -> None:
             with open(os.path.join(dirpath, name), "rb") as f:
                 os.fsync(f.fileno())
         _fsync_dir(Path(dirpath))
-
-
-def current_umask() -> int:
-    """The process umask, read without changing it (Linux ``/proc``), else by a set-and-restore."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("Umask:"):
-                return int(line.split()[1], 8)
-    except (OSError, ValueError, IndexError):
-        pass
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
 
 
 def make_readable(root: str | Path) -> None:

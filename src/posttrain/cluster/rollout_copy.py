@@ -16,6 +16,15 @@ worker while the trainer's update runs there: generating from the copy needs no 
 the trained model is never read by it. The samples are keyed as in one process, so the run equals
 the one-process asynchronous run with the same ``k`` (docs/async.md).
 
+A rollout engine that holds its own copy of the weights (``rollout_engine: vllm``) is that copy
+already: :class:`EngineCopy` keeps, instead of a second model, each snapshot as a
+:class:`~posttrain.rollout.vllm_weights.WeightSnapshot` (the full tensors in host memory and the
+trained model's log-probs of the engine's probe, both taken after update ``v``), and loading
+snapshot ``v`` is the engine's ``sync_weights`` of it, proven by the probe against exactly those
+weights (``rollout/sync_probe_diff``). The engine is also the one the evaluation samples with, so
+the driver has it hold the trained weights while the pipeline is drained
+(:meth:`~posttrain.loops.pipeline.RolloutPipeline.hold_published`).
+
 The driver's side is :class:`posttrain.cluster.workers_replica.WorkersReplica`: the replica that
 :class:`~posttrain.loops.pipeline.RolloutPipeline` samples with.
 """
@@ -27,6 +36,30 @@ import threading
 
 import torch
 
+from posttrain.rollout.vllm_weights import WeightSnapshot
+
+
+class Snapshots:
+    """Numbered snapshots of the trained weights, kept by the trainer's thread and taken (once, the older
+    ones dropped) by the rollout's."""
+
+    def __init__(self):
+        self.kept: dict[int, object] = {}
+        self.lock = threading.Lock()  # keep (the trainer's thread) and take (the rollout's) may meet
+
+    def keep(self, version: int, weights) -> None:
+        with self.lock:
+            self.kept[version] = weights
+
+    def take(self, version: int):
+        """Snapshot ``version``; it and the older ones are dropped."""
+        with self.lock:
+            weights = self.kept.pop(version)
+            for old in [v for v in self.kept if v < version]:
+                del self.kept[old]
+        return weights
+
+
 class RolloutCopy:
     """One worker's frozen copy of the weights and its native rollout engine."""
 
@@ -36,21 +69,16 @@ class RolloutCopy:
             p.requires_grad_(False)
         self.engine = build_engine(self.model)
         self.cpu_threads = cpu_threads  # None on CUDA
-        self.snapshots: dict[int, dict[str, torch.Tensor]] = {}
-        self.lock = threading.Lock()  # keep (the trainer's thread) and load (the rollout's) may meet
+        self.snapshots = Snapshots()
 
     def keep(self, version: int, weights: dict[str, torch.Tensor]) -> None:
         """Snapshot ``version``: the trained weights after that update (full tensors, copied)."""
-        with self.lock:
-            self.snapshots[version] = weights
+        self.snapshots.keep(version, weights)
 
     def load(self, version: int) -> int:
         """The copy holds snapshot ``version`` from now on; the older snapshots are dropped. Returns
         the number of tensors loaded."""
-        with self.lock:
-            weights = self.snapshots.pop(version)
-            for old in [v for v in self.snapshots if v < version]:
-                del self.snapshots[old]
+        weights = self.snapshots.take(version)
         with torch.no_grad():
             self.model.load_state_dict(weights)
         return len(weights)
@@ -60,4 +88,26 @@ class RolloutCopy:
         OpenMP thread count starts at its default: the worker's count is set first (on a CPU)."""
         if self.cpu_threads is not None and torch.get_num_threads() != self.cpu_threads:
             torch.set_num_threads(self.cpu_threads)
+        return self.engine.generate(*args, **kwargs)
+
+
+class EngineCopy:
+    """A worker's rollout engine that holds its own copy of the weights (vLLM) as its rollout copy:
+    snapshots are :class:`~posttrain.rollout.vllm_weights.WeightSnapshot` objects in host memory, and
+    loading one is the engine's ``sync_weights`` (proven by its probe). The engine sets its own
+    thread count in every call (``VLLMEngine._same_threads``)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.snapshots = Snapshots()
+
+    def keep(self, version: int, model) -> None:
+        """Snapshot ``version``: ``model`` is the trained model, or FSDP2's gathered view of it (the
+        caller holds the gather while the tensors are copied and the probe is scored)."""
+        self.snapshots.keep(version, WeightSnapshot(model, self.engine.probe, host=True))
+
+    def load(self, version: int) -> int:
+        return self.engine.sync_weights(self.snapshots.take(version))
+
+    def generate(self, *args, **kwargs):
         return self.engine.generate(*args, **kwargs)

@@ -16,7 +16,9 @@ weights: after every update the driver calls :meth:`ActorWorker.sync_rollout` on
 each loads its own replica; FSDP2: all ranks gather the full parameters once, a collective, and each
 rank's engine loads them), and every engine proves its copy with its probe
 (``rollout/sync_probe_diff``, collected by :meth:`ActorWorker.rollout_metrics`). The worker's torch
-thread count is exported as ``OMP_NUM_THREADS`` first, which vLLM keeps for its CPU worker.
+thread count is exported as ``OMP_NUM_THREADS`` first, which vLLM keeps for its CPU worker. With
+``async_staleness`` the driver never calls ``sync_rollout`` during training: the engine loads the
+snapshot of the version the pipeline asks for (:class:`~posttrain.cluster.rollout_copy.EngineCopy`).
 
 This module is imported inside Ray worker processes; the ``ray.remote`` wrapping is done by the group.
 """
@@ -38,7 +40,7 @@ from torch.nn.parallel import DistributedDataParallel
 from posttrain.checkpoint import save_checkpoint
 from posttrain.cluster import fsdp
 from posttrain.cluster.fsdp import FullCopy, full_state, gathered
-from posttrain.cluster.rollout_copy import RolloutCopy
+from posttrain.cluster.rollout_copy import EngineCopy, RolloutCopy
 from posttrain.models.cpu_linear import installed, set_cpu_linear
 from posttrain.roles.critic import Critic
 from posttrain.roles.policy import build_policy, build_rollout, seed_everything
@@ -146,9 +148,9 @@ class ActorWorker:
         self.fsdp = plan.sharding == "fsdp2"
         self.copy = None
         if plan.stage.on_policy and plan.off_policy.staleness is not None:  # async_staleness: the rollout's copy
-            self.copy = RolloutCopy(p.model, lambda m: build_rollout(plan.rollout, plan.policy, m, p.tokenizer,
-                                                                     p.stop_token_ids),
-                                    None if use_gpu else self.cpu_threads)  # full: made before FSDP2 shards
+            self.copy = EngineCopy(p.rollout) if self.rollout_holds_weights else RolloutCopy(
+                p.model, lambda m: build_rollout(plan.rollout, plan.policy, m, p.tokenizer, p.stop_token_ids),
+                None if use_gpu else self.cpu_threads)  # full: made before FSDP2 shards
         if self.fsdp:  # parameters, gradients and optimizer state sharded (cluster/fsdp.py)
             self.param_names = fsdp.shard(p.model, p.actor, plan.policy.optim, plan.total_optimizer_steps)
         else:
@@ -199,8 +201,15 @@ class ActorWorker:
 
     def snapshot_copy(self, version: int) -> None:
         """Keep the trained weights now as snapshot ``version`` of the rollout copy (FSDP2: the full
-        tensors, a collective over all ranks)."""
-        self.copy.keep(version, {name: _full(value) for name, value in self.policy.model.state_dict().items()})
+        tensors, a collective over all ranks). A vLLM engine's snapshot also scores the engine's probe
+        on these weights (:class:`~posttrain.cluster.rollout_copy.EngineCopy`)."""
+        if not isinstance(self.copy, EngineCopy):
+            self.copy.keep(version, {name: _full(value) for name, value in self.policy.model.state_dict().items()})
+        elif not self.fsdp:
+            self.copy.keep(version, self.policy.model)
+        else:
+            with self._gathered():
+                self.copy.keep(version, fsdp.GatheredView(self.policy.model))
 
     def load_copy(self, version: int) -> int:
         """The rollout copy samples snapshot ``version`` from now on."""

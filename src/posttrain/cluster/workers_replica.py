@@ -1,6 +1,6 @@
 """The driver's side of ``async_staleness`` on Ray actor workers: the workers' rollout copies of the
-weights (:mod:`posttrain.cluster.rollout_copy`) as the replica of
-:class:`~posttrain.loops.pipeline.RolloutPipeline`; its ``engine`` is a
+weights (:mod:`posttrain.cluster.rollout_copy`: a native engine's copy, or a vLLM engine's own) as the
+replica of :class:`~posttrain.loops.pipeline.RolloutPipeline`; its ``engine`` is a
 :class:`~posttrain.cluster.group.RolloutRole` on the copies."""
 
 from __future__ import annotations
@@ -13,15 +13,17 @@ class WorkersReplica:
     ``snapshot`` asks every worker to keep its weights now, ``load`` to load one snapshot into its copy
     (the design: :mod:`posttrain.cluster.rollout_copy`)."""
 
-    shares_trainer_engine = False
-
     def __init__(self, cluster):
         self.c = cluster
+        # vLLM: the workers' engines are their rollout copies and the ones that evaluate too, so the
+        # pipeline has them hold the trained weights while it is drained (RolloutPipeline.hold_published)
+        self.shares_trainer_engine = cluster.rollout_holds_weights
         self.engine = RolloutRole(cluster, cluster.policy.rollout.max_num_seqs, method="generate_copy")
         self.taken = 0  # snapshots taken: each one's number
 
     def snapshot(self, model) -> int:
-        """Every worker keeps its trained weights now (``model`` is None: they live in the workers)."""
+        """Every worker keeps its trained weights now (``model`` is not read: they live in the workers).
+        Returns the snapshot's number, which :meth:`load` takes."""
         self.taken += 1
         self.c._check()
         self.c._all("rollout copy: snapshot", "snapshot_copy", self.taken)

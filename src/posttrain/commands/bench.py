@@ -34,7 +34,8 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from posttrain.commands.outputs import check_output_file, check_writable_dir, write_text_atomic
+from posttrain.commands.outputs import check_output_file, check_writable_dir
+from posttrain.files import write_text_atomic
 from posttrain.config.plan import resolve_plan
 from posttrain.config.run import load_run_config, run_config_from_dict
 from posttrain.device import best_seconds, machine_busy_seconds

@@ -18,7 +18,8 @@ from pathlib import Path
 import torch
 
 from posttrain.checkpoint import check_model_files
-from posttrain.commands.outputs import check_output_file, refuse_overwriting_inputs, write_text_atomic
+from posttrain.commands.outputs import check_output_file, refuse_overwriting_inputs
+from posttrain.files import write_text_atomic
 from posttrain.data.datasets import PromptDataset
 from posttrain.data.encoding import TemplateEncoder
 from posttrain.data.readers import iter_jsonl

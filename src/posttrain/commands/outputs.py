@@ -9,13 +9,13 @@ output path is replaced, not written through).
 from __future__ import annotations
 
 import contextlib
-import errno
 import os
 import tempfile
 from pathlib import Path
-from typing import Callable, IO, Iterable
+from typing import Iterable
 
-from posttrain.errors import ConfigError, PosttrainError
+from posttrain.errors import ConfigError
+from posttrain.files import os_reason
 
 PROBE_BYTES = 4096  # the write test writes one block: a disk with no block free fails it before the work
 
@@ -31,7 +31,7 @@ def check_writable_dir(directory: Path, what: str) -> None:
         fd, probe = tempfile.mkstemp(prefix=".posttrain-write-test-", dir=directory)
     except OSError as err:
         _remove_empty(missing)
-        raise ConfigError(f"{what}: cannot write in {directory} ({_reason(err)})") from None
+        raise ConfigError(f"{what}: cannot write in {directory} ({os_reason(err)})") from None
     try:
         os.write(fd, b"\0" * PROBE_BYTES)
         os.fsync(fd)
@@ -39,7 +39,7 @@ def check_writable_dir(directory: Path, what: str) -> None:
         os.close(fd)
         os.unlink(probe)
         _remove_empty(missing)
-        raise ConfigError(f"{what}: cannot write in {directory} ({_reason(err)})") from None
+        raise ConfigError(f"{what}: cannot write in {directory} ({os_reason(err)})") from None
     os.close(fd)
     os.unlink(probe)
 
@@ -49,12 +49,6 @@ def _remove_empty(created: list[Path]) -> None:
     for directory in created:
         with contextlib.suppress(OSError):
             directory.rmdir()
-
-
-def _reason(err: OSError) -> str:
-    if err.errno in (errno.ENOSPC, errno.EDQUOT):
-        return "the disk is full: free some space or write somewhere else"
-    return err.strerror or str(err)
 
 
 def refuse_overwriting_inputs(outputs: dict[str, str | Path | None], inputs: dict[str, Iterable[str | Path]]) -> None:
@@ -91,37 +85,3 @@ def check_output_file(path: str | Path, flag: str = "--output", *, force: bool =
                           f"or --force to replace it")
     check_writable_dir(path.parent, f"{flag} {path}")
     return path
-
-
-def write_atomic(path: str | Path, write: Callable[[IO[bytes]], None]) -> None:
-    """Call ``write(f)`` on a temporary binary file next to ``path``, then rename it to ``path``;
-    on any failure the temporary file is removed and ``path`` is left as it was."""
-    path = Path(path)
-    try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    except OSError as err:
-        raise PosttrainError(f"{path}: cannot write it ({_reason(err)}); nothing was written") from None
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-        os.chmod(tmp, 0o666 & ~_umask())
-        os.replace(tmp, path)
-    except OSError as err:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise PosttrainError(f"{path}: cannot write it ({_reason(err)}); nothing was written there"
-                             + (f" (the earlier {path.name} is unchanged)" if path.exists() else "")) from None
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-
-
-def write_text_atomic(path: str | Path, text: str) -> None:
-    write_atomic(path, lambda f: f.write(text.encode("utf-8")))
-
-
-def _umask() -> int:
-    from posttrain.checkpoint import current_umask  # lazy: torch; posttrain score runs without it
-
-    return current_umask()

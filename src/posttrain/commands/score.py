@@ -13,7 +13,8 @@ import json
 import math
 from pathlib import Path
 
-from posttrain.commands.outputs import check_output_file, write_atomic
+from posttrain.commands.outputs import check_output_file
+from posttrain.files import write_atomic
 from posttrain.data.readers import iter_jsonl
 from posttrain.errors import ConfigError, DataError
 from posttrain.reward.rule_reward import RuleReward

@@ -169,6 +169,20 @@ def _queue_features() -> list[Feature]:
                     when="not 1, without data_strategy: tq")]
 
 
+def _diagnostics() -> list[Feature]:
+    """The seed's diagnostics sections: the profiler and the accuracy dumps."""
+    return [
+        Feature("profiler", ("profiler_config.integrated.profile",), lambda c: c.profiler.profile,
+                shown="profiler_config.integrated.profile: true", when="true"),
+        Feature("msprobe", ("msprobe_config.msprobe",), lambda c: c.msprobe.msprobe, shown="msprobe_config.msprobe: "
+                "true", when="true"),
+        *(Feature(f"msprobe_{name}", (f"msprobe_config.{name}_dump",),
+                  lambda c, key=f"{name}_dump": c.msprobe.msprobe and getattr(c.msprobe, key),
+                  shown=f"msprobe_config.{name}_dump: true", when="true, with msprobe: true")
+          for name in ("actor_infer", "reference", "critic_train")),
+    ]
+
+
 def _features() -> dict[str, Feature]:
     per_request = Feature("per_request", ("rl_config.async_engine", "rl_config.multi_turn_enable"),
                           lambda c: c.rl.async_engine or c.rl.multi_turn_enable,
@@ -242,8 +256,7 @@ def _features() -> dict[str, Feature]:
         *_queue_features(),
         _on("rl_config.async_engine", shown="rl_config.async_engine: true", when="true"),
         _on("rl_config.multi_turn_enable", name="multi_turn", shown="rl_config.multi_turn_enable: true", when="true"),
-        Feature("profiler", ("profiler_config.integrated.profile",), lambda c: c.profiler.profile,
-                shown="profiler_config.integrated.profile: true", when="true"),
+        *_diagnostics(),
     ]
     return {f.name: f for f in features}
 
@@ -309,17 +322,13 @@ _ROLLOUT_REPLICA = [  # async_staleness and use_integrated_worker: false put the
     ("lora", dict(with_="lora"), "{setting} with LoRA is not supported yet (the rollout replica would merge the "
                                  "adapter); remove lora_target_modules or {setting}"),
 ]
-_ASYNC_OWN = {("async", "ray"), ("async", "megatron")}  # async_staleness's own rows (below)
+_ASYNC_OWN = {("async", "ray"), ("async", "megatron")}  # built on Ray (no row); megatron: its own row (below)
 _SEPARATED = [  # roles in worker groups of their own: where they are built
     ("megatron", dict(backend=MEGATRON), "{setting}: roles in worker groups of their own are built on the hf backend "
                                          "only; remove the resources (the roles stay colocated with the "
                                          "actor){megatron}"),
     ("offline", dict(stage=OFFLINE), "{setting}: roles in worker groups of their own serve the on-policy stages "
                                      "(grpo, dapo, ppo); remove the resources"),
-    ("async", dict(with_="async"), "{setting} with {other}: the asynchronous rollout with separated roles is not "
-                                   "built yet; remove one"),
-    ("partial", dict(with_="partial"), "{setting} with {other}: partial rollout with separated roles is not built "
-                                       "yet; remove one"),
     ("rollout-worker", dict(with_="rollout_worker"), "{setting} with {other}: the rollout worker process beside the "
                                                      "separated roles' groups is not built yet; remove one"),
     ("share-backbone", dict(with_="share_backbone"), "{setting} with {other}: with share_backbone the reference is the "
@@ -396,11 +405,8 @@ ROWS: tuple[Row, ...] = (
     # the rollout on a replica of the weights, partial rollout
     *(Row(f"{name}-{suffix}", name, message, **where) for name in ("async", "rollout_worker")
       for suffix, where, message in _ROLLOUT_REPLICA if (name, suffix) not in _ASYNC_OWN),
-    # async_staleness on Ray actor workers: each worker's native rollout copy (cluster/rollout_copy.py)
-    Row("async-ray", "async", "{setting} with rl_config.rollout_engine: vllm on Ray actor workers is not built yet "
-        "(the workers' vLLM engines load the trained weights after every update, not the version the pipeline asks "
-        "for); set rollout_engine: native, or run in one process (no actor_resource.num_npus > 1, no ray_address)",
-        placement=RAY, engine=("vllm",)),
+    # async_staleness on Ray actor workers is built (each worker's rollout copy: the native engine's, or its vLLM
+    # engine loaded with the snapshot of the version the pipeline asks for; cluster/rollout_copy.py); on megatron not
     Row("async-megatron", "async", "{setting} is not built on the megatron backend yet (the leader's one HF rollout "
         "copy serves the synchronous rollout and the evaluation and is reloaded after every update; a second copy held "
         "at the version the pipeline asks for, sampled beside Megatron's update, is missing); use backend hf{megatron}",
@@ -437,6 +443,27 @@ ROWS: tuple[Row, ...] = (
     Row("profiler-ray", "profiler", "{setting} on Ray actor workers is not built yet: the profiler records this "
         "process, and the work runs in the workers; profile in one process (no actor_resource.num_npus > 1, no "
         "ray_address), or with posttrain bench --config-name NAME --profile DIR", placement=RAY),
+    Row("msprobe-ray", "msprobe", "{setting} on Ray actor workers is not built yet: the dumps record the tensors of "
+        "this process, and the work runs in the workers; dump in one process (no actor_resource.num_npus > 1, no "
+        "ray_address)", placement=RAY),
+    Row("msprobe-infer-offline", "msprobe_actor_infer", "{setting}: the {stage} loop does not roll out; nothing to "
+        "dump", stage=OFFLINE, effect="no effect"),
+    Row("msprobe-critic-no-critic", "msprobe_critic_train", "{setting}: the {stage} stage has no critic (PPO's); "
+        "nothing to dump", stage=("grpo", "dapo", *OFFLINE), effect="no effect"),
+    Row("msprobe-reference-sft", "msprobe_reference", "{setting}: sft has no reference model; nothing to dump",
+        stage=("sft",), effect="no effect"),
+    Row("msprobe-separated", "msprobe", "{setting} with {other}: the separated roles run in Ray worker groups, whose "
+        "tensors the dumps of this process do not see; remove one", with_="separated"),
+    Row("msprobe-infer-engine", "msprobe_actor_infer", "{setting} with rl_config.rollout_engine {engine}: the rollout's "
+        "modules are dumped on the native engine, which runs the model in this process; set actor_infer_dump: false "
+        "or rollout_engine: native", engine=NOT_NATIVE, stage=ON_POLICY),
+    Row("msprobe-infer-graphs", "msprobe_actor_infer", "{setting} with {other}: CUDA graphs replay the decode steps "
+        "without calling the model's modules, whose hooks the dumps read; set generate_config.enforce_eager: true "
+        "while dumping", device=("cuda",), engine=("native",), stage=ON_POLICY, with_="graphs"),
+    *(Row(f"msprobe-infer-{name.replace('_', '-')}", "msprobe_actor_infer", "{setting} with {other}: the rollout runs "
+          "beside the trainer (a thread or a process of its own, on a copy of the weights), so its model calls are "
+          "not this loop's; set actor_infer_dump: false or remove " + "{other_key}", with_=name)
+      for name in ("async", "rollout_worker")),
     Row("num-threads-ray", "num_threads", "{setting} sets the threads of one in-process run; the Ray workers take "
         "theirs from rl_config.ray_num_cpus_per_worker: set that instead", placement=RAY),
     Row("dp-batch-balance-one-process", "dp_batch_balance", "{setting}: one process has one data-parallel share, "

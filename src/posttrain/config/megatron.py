@@ -313,7 +313,8 @@ class MegatronConfig(Section):
                                               "on load) or torch (per-rank files; same layout only)", CKPT_FORMAT,
                                   note="the megatron backend's; the hf backend saves Hugging Face directories")
     # ---- DPO ------------------------------------------------------------------------------------
-    dpo_loss_type: str = F("sigmoid", "sigmoid, hinge, ipo or kto_pair", HONOURED)
+    dpo_loss_type: str = F("sigmoid", "sigmoid, hinge, ipo, kto_pair or orpo (posttrain: reference-free)",
+                           HONOURED)
     dpo_beta: float = F(0.1, "DPO beta", HONOURED, gt=0, finite=True, note="the seed's default is 0.1")
     dpo_label_smoothing: float = F(0.0, "DPO label smoothing", HONOURED, ge=0, lt=0.5,
                                     note="the probability that a preference label is flipped")

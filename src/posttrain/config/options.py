@@ -26,6 +26,7 @@ from posttrain.config.run import RunConfig
 from posttrain.config.runtime_env import runtime_env_vars
 from posttrain.config.separated import reference_load as separated_reference_load
 from posttrain.config.separated import rollout_worker
+from posttrain.metrics.dumps import DumpOptions
 from posttrain.metrics.profiler import ProfilerOptions
 from posttrain.models.lora import LoraOptions, target_list
 from posttrain.reward.rule_reward import RuleRewardOptions
@@ -166,7 +167,7 @@ class OffPolicyOptions:
     """Sampling with other weights than the trainer's (docs/async.md): ``async_staleness`` (None:
     synchronous), a rollout worker process of its own (``separate_worker``: ``separate_rollout_worker:
     true``), partial rollout over ``partial_max_split`` iterations, and the rollout correction
-    (``rollout_correction`` ``mode``, ``cap``, ``level``)."""
+    (``rollout_correction`` ``mode``, ``cap``, ``level``, ``floor``)."""
 
     staleness: int | None = None
     separate_worker: bool = False
@@ -175,6 +176,7 @@ class OffPolicyOptions:
     correction: str = "none"
     correction_cap: float = 2.0
     correction_level: str = "token"
+    correction_floor: float | None = None
 
     @property
     def pipelined(self) -> bool:
@@ -408,7 +410,8 @@ def off_policy_options(cfg: RunConfig) -> OffPolicyOptions:
                             partial_max_split=rl.partial_rollout_max_split,
                             require_max_age_all_finished=rl.require_max_age_all_finished,
                             correction=rl.rollout_correction, correction_cap=rl.rollout_correction_cap,
-                            correction_level=rl.rollout_correction_level)
+                            correction_level=rl.rollout_correction_level,
+                            correction_floor=rl.rollout_correction_floor)
 
 
 def dynamic_sampling_options(cfg: RunConfig) -> DynamicSamplingOptions:
@@ -466,6 +469,18 @@ def profiler_options(cfg: RunConfig, run_dir: str) -> ProfilerOptions | None:
                            level=p.profile_level, cpu=p.profile_with_cpu, device=p.profile_with_npu,
                            record_shapes=p.profile_record_shapes, memory=p.profile_with_memory,
                            stack=p.profile_with_module, analysis=p.profile_analysis, ranks=ranks, mstx=p.mstx)
+
+
+def dump_options(cfg: RunConfig) -> DumpOptions | None:
+    """``msprobe_config`` when ``msprobe`` is on (posttrain.metrics.dumps)."""
+    m = cfg.msprobe
+    if not m.msprobe:
+        return None
+    switches = {"key_data": m.key_data_dump, "actor_infer": m.actor_infer_dump, "actor_train": m.actor_train_dump,
+                "reference": m.reference_dump, "critic_train": m.critic_train_dump}
+    return DumpOptions(dump_path=m.dump_path, roles=frozenset(role for role, on in switches.items() if on),
+                       configurations=m.configurations_dump, step_start=m.step_start, step_end=m.step_end,
+                       token_start=m.token_range_start, token_end=m.token_range_end)
 
 
 def logging_options(cfg: RunConfig) -> LoggingOptions:

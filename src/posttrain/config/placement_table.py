@@ -10,7 +10,8 @@ target (``here=False``: this machine's packages do not matter). It says:
 
 * **refused**: the check's first message (on both devices, or on the one named);
 * **tested**: the test that runs it (:data:`TESTED`, checked to exist by
-  ``tests/unit/config/test_placement_table.py``, which also fails when a tested cell is refused);
+  ``tests/unit/config/test_placement_table.py``, which also fails when a tested cell is refused on
+  a CPU, where the tests run); a tested cell that only CUDA refuses names that refusal too;
 * **runs, untested**: accepted, and no test runs that combination yet.
 """
 
@@ -127,6 +128,9 @@ TESTED: dict[tuple[str, str], str] = {
                               "[sft-2-1-1]",
     ("megatron", "lora"): _C + "test_ray_megatron_lora.py::test_lora_on_the_megatron_backend_equals_the_hf_backend",
     ("ray-ddp", "partial"): _C + "test_ray_grpo.py::test_partial_and_async_rollout_on_two_workers_equal_the_run_in_one_process",
+    ("ray-ddp", "async"): _C + "test_ray_grpo.py::test_partial_and_async_rollout_on_two_workers_equal_the_run_in_one_process",
+    # async with the vLLM engine (the engine a CUDA run picks): each worker's engine loads the pipeline's version
+    ("ray-fsdp2", "async"): _V + "test_vllm_ray.py::test_async_staleness_on_two_workers_equals_the_async_run_in_one_process",
     ("megatron", "partial"): _C + "test_ray_megatron.py::test_partial_rollout_on_the_megatron_backend_equals_the_hf_backend",
     ("megatron", "reward-model"): _C + "test_ray_megatron_roles.py::"
                                        "test_multi_turn_and_a_reward_model_on_the_megatron_backend_equal_the_hf_backend",
@@ -134,6 +138,10 @@ TESTED: dict[tuple[str, str], str] = {
                                      "test_multi_turn_and_a_reward_model_on_the_megatron_backend_equal_the_hf_backend",
     ("megatron", "vllm"): _V + "test_vllm_megatron.py::test_megatron_with_vllm_equals_the_hf_backend_with_vllm",
     ("separated", "ppo"): _C + "test_separated_roles.py::test_separated_roles_equal_the_integrated_run_blocking_or_not",
+    ("separated", "async"): _C + "test_separated_roles.py::"
+                                 "test_partial_or_async_rollout_with_separated_roles_equals_the_integrated_run[async]",
+    ("separated", "partial"): _C + "test_separated_roles.py::"
+                                   "test_partial_or_async_rollout_with_separated_roles_equals_the_integrated_run[partial]",
     ("multi-node", "grpo"): _C + "test_multi_node.py::test_grpo_with_its_workers_on_two_nodes_equals_the_run_in_one_process",
 }
 # the megatron backend across nodes is a multi-node test too (its own placement column is megatron's)
@@ -157,15 +165,17 @@ def refusal(placement: str, feature: str, device: str) -> str | None:
     return refusals.messages[0] if refusals.messages else None
 
 
-def cell(placement: str, feature: str) -> tuple[str, str]:
-    """(``"tested"`` | ``"refused"`` | ``"untested"``, the test or the reason)."""
+def cell(placement: str, feature: str) -> tuple[str, str, str]:
+    """(``"tested"`` | ``"refused"`` | ``"untested"``, the test or the reason, and for a tested cell
+    that CUDA refuses, CUDA's reason: the tests run on a CPU)."""
     cpu, cuda = refusal(placement, feature, "cpu"), refusal(placement, feature, "cuda")
-    if cpu and cuda:
-        return "refused", cpu
-    if cpu or cuda:
-        return "refused", f"on {'a CPU' if cpu else 'CUDA'}: {cpu or cuda}"
     test = TESTED.get((placement, feature))
-    return ("tested", test) if test else ("untested", "")
+    if cpu and cuda:
+        return "refused", cpu, ""
+    if cpu or (cuda and not test):
+        return "refused", f"on {'a CPU' if cpu else 'CUDA'}: {cpu or cuda}", ""
+    cuda_note = f"on CUDA: {cuda}" if cuda else ""
+    return ("tested", test, cuda_note) if test else ("untested", "", "")
 
 
 def render() -> str:
@@ -176,12 +186,14 @@ def render() -> str:
     for name, feature in FEATURES.items():
         row = [feature.title]
         for placement in PLACEMENTS:
-            verdict, detail = cell(placement, name)
+            verdict, detail, cuda_note = cell(placement, name)
+            for note in (detail if verdict == "refused" else "", cuda_note):
+                if note and note not in notes:
+                    notes.append(note)
             if verdict == "tested":
-                row.append(f"tested: `{detail.rsplit('/', 1)[1]}`")
+                on_cuda = f" (on CUDA refused [{notes.index(cuda_note) + 1}])" if cuda_note else ""
+                row.append(f"tested: `{detail.rsplit('/', 1)[1]}`{on_cuda}")
             elif verdict == "refused":
-                if detail not in notes:
-                    notes.append(detail)
                 row.append(f"refused [{notes.index(detail) + 1}]")
             else:
                 row.append("runs, untested")

@@ -38,6 +38,7 @@ from posttrain.errors import ConfigError
 from posttrain.models.arch import ModelArch
 from posttrain.reward.rule_reward import RuleRewardOptions
 from posttrain.training.options import ActorLossOptions, EngineOptions, TokenBudget
+from posttrain.metrics.dumps import DumpOptions
 from posttrain.metrics.profiler import ProfilerOptions
 
 __all__ = ["GIB", "Plan", "build_plan", "model_arch", "resolve_plan"]
@@ -110,6 +111,7 @@ class Plan:
     data_strategy: str = "td"
     queue_shards: int = 1
     profiler: ProfilerOptions | None = None  # profiler_config.integrated (posttrain.metrics.profiler)
+    dumps: DumpOptions | None = None  # msprobe_config (posttrain.metrics.dumps)
     config_json: str = "{}"  # the config as written to the run's config.json
     offload_optimizer: bool = False  # the optimizer state on the host between updates (GPU only; actor, critic)
     offload_grads: bool = False  # the gradients freed between updates (actor, critic)
@@ -277,6 +279,7 @@ def build_plan(cfg: RunConfig, layout: DeviceLayout, arch: ModelArch | None = No
         cluster=options.cluster_options(cfg) if ray or off.separate_worker else ClusterOptions(),
         config_json=options.resolved_config_json(cfg),
         profiler=options.profiler_options(cfg, options.schedule_options(cfg).run_dir),
+        dumps=options.dump_options(cfg),
         offload_optimizer=on_policy and gen.offload_train_optimizer and not device.startswith("cpu"),
         offload_grads=on_policy and gen.offload_train_grad,
         warnings=warnings, arch=arch, reward_model=reward_model_options(cfg, device, on_policy=on_policy),
@@ -306,6 +309,8 @@ def actor_loss_options(cfg: RunConfig, stage: Stage, temperature: float) -> Acto
     agg = rl.loss_agg_mode or stage.default_loss_agg_mode(cfg)
     return ActorLossOptions(
         policy_loss=rl.policy_loss, clip_low=low, clip_high=high, clip_ratio_c=rl.clip_ratio_c,
+        policy_params=(("tau_pos", rl.sapo_tau_pos or 1.0), ("tau_neg", rl.sapo_tau_neg or 1.05))
+        if rl.policy_loss == "sapo" else (),
         entropy_coeff=rl.entropy_coeff, kl_penalty=rl.kl_penalty, loss_agg_mode=agg,
         norm_length=float(cfg.generate.sampling_config.max_tokens) if agg == "seq-mean-token-sum-norm" else None,
         temperature=temperature)  # norm_length: Dr. GRPO's constant

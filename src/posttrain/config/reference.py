@@ -53,7 +53,9 @@ SECTIONS: list[tuple[str, type[BaseModel], str]] = [
      "docs/performance.md): Chrome/Perfetto traces of the step window, per stage and rank; in one process (refused on "
      "Ray workers). The other keys only count while `profile` is on, as in the seed."),
     ("msprobe_config", MsprobeConfig,
-     "The seed's msprobe accuracy dumps. `msprobe` is refused; the other keys only count while it is on."),
+     "The seed's msprobe accuracy dumps, posttrain's own (posttrain.metrics.dumps, docs/dumps.md): per-tensor "
+     "statistics per iteration, per role and rank, which `posttrain compare-dumps A B` compares; in one process "
+     "(refused on Ray workers). The other keys only count while `msprobe` is on."),
 ]
 
 HEADER = f"""# Configuration reference

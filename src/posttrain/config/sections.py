@@ -19,7 +19,7 @@ ROWS_PER_READ = "rows per read; null: derived as the seed does"
 WEIGHT = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 KL_CONTROLLERS = Literal["fixed", "adaptive"]
 SHARDINGS = Literal["ddp", "fsdp2"]
-CORRECTIONS = Literal["none", "tis", "mis"]  # posttrain.algo.rollout_correction.MODES
+CORRECTIONS = Literal["none", "tis", "mis", "icepop"]  # posttrain.algo.rollout_correction.MODES
 CORRECTION_LEVELS = Literal["token", "sequence"]  # posttrain.algo.rollout_correction.LEVELS
 TRUNCATE_SIDES = Literal["left", "right", "middle"]
 ROLLOUT_DTYPES = Literal["bfloat16", "float32", "float16"]
@@ -87,8 +87,8 @@ PREFIX_CACHING = refused("prefix caching across requests is not available in the
                          vllm=True)
 PROFILER = HONOURED  # posttrain.metrics.profiler: torch.profiler over the seed's step window
 PROFILER_KEY = HONOURED
-MSPROBE = refused("msprobe accuracy dumps are not implemented", "remove the key or set it to false")
-MSPROBE_KEY = refused("msprobe accuracy dumps are not implemented", switch="msprobe")
+MSPROBE = HONOURED  # posttrain.metrics.dumps: statistics per tensor over the seed's step window
+MSPROBE_KEY = HONOURED
 
 
 class Resource(Section):
@@ -143,7 +143,13 @@ class RLConfig(Section):
     kl_horizon: float = F(1000, "adaptive KL horizon", HONOURED)
     kl_target: float = F(100.0, "adaptive KL target", HONOURED, gt=0, finite=True)
     adv_estimator: str = F("group_norm", "group_norm, gae, grpo_no_std, rloo, reinforce_plus_plus, ...", HONOURED)
-    policy_loss: str = F("ppo", "posttrain: ppo (clipped surrogate; dual-clip with clip_ratio_c) or gspo", HONOURED)
+    policy_loss: str = F("ppo", "posttrain: ppo (clipped surrogate; dual-clip with clip_ratio_c), gspo, cispo, sapo "
+                                "or gpg (docs/algorithms.md)", HONOURED)
+    sapo_tau_pos: Opt[float] = F(None, "posttrain: SAPO's gate temperature where the advantage is positive (policy_loss: "
+                                       "sapo; default 1.0)", HONOURED, gt=0, finite=True, note="the gate's temperature")
+    sapo_tau_neg: Opt[float] = F(None, "posttrain: SAPO's gate temperature where the advantage is not positive "
+                                       "(policy_loss: sapo; default 1.05)", HONOURED, gt=0, finite=True,
+                                 note="the gate's temperature")
     loss_agg_mode: Opt[str] = F(None, "posttrain: token-mean, seq-mean-token-mean, seq-mean-token-sum or "
                                       "seq-mean-token-sum-norm; default: the algorithm's (DAPO: token_level_loss)",
                                 HONOURED)
@@ -287,12 +293,16 @@ class RLConfig(Section):
                                         "updates (k >= 0; unset: synchronous; docs/async.md)", HONOURED, ge=0,
                                   note="0: the rollout uses the latest weights; k: weights at most k updates old; "
                                        "remove the key for synchronous training")
-    rollout_correction: CORRECTIONS = F("none", "posttrain: none, tis (truncated importance weights) or mis "
-                                                "(masked) between the trainer's old log-probs and the rollout's "
-                                                "(docs/async.md)", HONOURED)
-    rollout_correction_cap: float = F(2.0, "posttrain: the cap C of tis / the band [1/C, C] of mis (> 1)", HONOURED,
-                                      gt=1, finite=True, note="tis caps the ratio at C; mis keeps tokens whose ratio "
-                                                              "is in [1/C, C]")
+    rollout_correction: CORRECTIONS = F("none", "posttrain: none, tis (truncated importance weights), mis (masked) "
+                                                "or icepop (weighted inside a band, masked outside) between the "
+                                                "trainer's old log-probs and the rollout's (docs/async.md)", HONOURED)
+    rollout_correction_cap: float = F(2.0, "posttrain: the cap C of tis / the upper edge of the band of mis and icepop "
+                                           "(> 1)", HONOURED, gt=1, finite=True,
+                                      note="tis caps the ratio at C; mis and icepop keep tokens whose ratio is at most "
+                                           "C")
+    rollout_correction_floor: Opt[float] = F(None, "posttrain: the lower edge of the band of mis and icepop (default "
+                                                   "1/C; IcePop's paper: 0.5 with C = 5)", HONOURED, gt=0, lt=1,
+                                             note="the smallest ratio kept")
     rollout_correction_level: CORRECTION_LEVELS = F("token", "posttrain: token or sequence (mis: a sequence's "
                                                              "geometric-mean ratio)", HONOURED)
     num_threads: Opt[int] = F(None, "posttrain: torch CPU threads of an in-process run (unset: torch's count, "
@@ -397,15 +407,37 @@ class ProfilerConfig(Section):
 
 
 class MsprobeConfig(Section):
-    msprobe: bool = F(False, "accuracy-debug dumps", MSPROBE)
-    dump_path: str = F("./msprobe_dump", "dump directory", MSPROBE_KEY)
-    key_data_dump: bool = F(False, "dump key tensors", MSPROBE_KEY)
-    configurations_dump: bool = F(False, "dump configurations.json", MSPROBE_KEY)
-    actor_train_dump: bool = F(False, "dump the actor's training module I/O", MSPROBE_KEY)
-    actor_infer_dump: bool = F(False, "dump the rollout module I/O", MSPROBE_KEY)
-    reference_dump: bool = F(False, "dump the reference module I/O", MSPROBE_KEY)
-    critic_train_dump: bool = F(False, "dump the critic's training module I/O", MSPROBE_KEY)
-    token_range_start: int = F(0, "first dumped token", MSPROBE_KEY)
-    token_range_end: int = F(0, "last dumped token", MSPROBE_KEY)
-    step_start: int = F(0, "first dumped iteration", MSPROBE_KEY)
-    step_end: int = F(0, "last dumped iteration", MSPROBE_KEY)
+    msprobe: bool = F(False, "accuracy dumps: per-tensor statistics per iteration (posttrain.metrics.dumps; compare "
+                             "two runs with posttrain compare-dumps)", MSPROBE)
+    dump_path: str = F("./msprobe_dump", "dump directory: step_<i>/rank_<r>/<role>.jsonl, configurations.json",
+                       MSPROBE_KEY)
+    key_data_dump: bool = F(False, "statistics of the experience (prompts, responses, scores, log-probs, advantages, "
+                                   "values), the loss inputs and outputs, the update metrics and the gradients",
+                            MSPROBE_KEY)
+    configurations_dump: bool = F(False, "write the resolved config to configurations.json", MSPROBE_KEY)
+    actor_train_dump: bool = F(False, "module input/output statistics of the actor's old log-prob pass and update",
+                               MSPROBE_KEY)
+    actor_infer_dump: bool = F(False, "module input/output statistics of the rollout's model calls "
+                                      "token_range_start..token_range_end", MSPROBE_KEY)
+    reference_dump: bool = F(False, "module input/output statistics of the reference's pass", MSPROBE_KEY)
+    critic_train_dump: bool = F(False, "module input/output statistics of the critic's value pass and update",
+                                MSPROBE_KEY)
+    token_range_start: int = F(0, "first dumped rollout model call (0: the prefill, then one per decoded token)",
+                               MSPROBE_KEY, ge=0, note="a rollout model call, from 0")
+    token_range_end: int = F(0, "last dumped rollout model call (inclusive)", MSPROBE_KEY, ge=0,
+                             note="a rollout model call, from 0")
+    step_start: int = F(0, "first dumped iteration (step_start and step_end both 0: every iteration)", MSPROBE_KEY,
+                        ge=0, note="an iteration, from 1; 0 with step_end 0: every iteration")
+    step_end: int = F(0, "last dumped iteration (inclusive)", MSPROBE_KEY, ge=0, note="an iteration, inclusive")
+
+    @model_validator(mode="after")
+    def _check(self) -> "MsprobeConfig":
+        if self.msprobe and self.token_range_end < self.token_range_start:
+            raise ValueError(f"token_range_end={self.token_range_end} must be >= token_range_start="
+                             f"{self.token_range_start} (the range is inclusive)")
+        if self.msprobe and self.step_end < self.step_start:
+            raise ValueError(f"step_end={self.step_end} must be >= step_start={self.step_start} (the range is "
+                             f"inclusive; both 0 dumps every iteration)")
+        if self.msprobe and not self.dump_path:
+            raise ValueError("dump_path is empty; give the folder the dumps go to")
+        return self

@@ -16,9 +16,11 @@ posttrain's own placement, the rollout in a Ray worker process of its own beside
 spelling, ``use_integrated_worker: false`` without any role resource, still means it for one
 release, with a deprecation warning (:func:`check_separated`).
 
-Which combinations are refused (the megatron backend, the offline stages, a critic of its own, the
-asynchronous rollout, ``blocking: false`` in integrated mode, ...) is in the compatibility table
-(:mod:`posttrain.config.compat`).
+Partial rollout and ``async_staleness`` run with separated roles: the roles' passes read the
+TransferDock for whatever samples the rollout finished, of any round or policy version. Which
+combinations are refused (the megatron backend, the offline stages, the separate rollout worker, a
+critic of its own without ``critic_config.save``, ``blocking: false`` in integrated mode, ...) is in
+the compatibility table (:mod:`posttrain.config.compat`).
 """
 
 from __future__ import annotations

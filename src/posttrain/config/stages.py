@@ -69,11 +69,25 @@ def _check_common(cfg: "RunConfig") -> None:
     KL_PENALTIES.get(rl.kl_penalty)
     if rl.loss_agg_mode is not None:
         AGGREGATIONS.get(rl.loss_agg_mode)
+    for key in ("sapo_tau_pos", "sapo_tau_neg"):
+        if getattr(rl, key) is not None and rl.policy_loss != "sapo":
+            raise ConfigError(f"rl_config.{key} is the temperature of SAPO's gate, and rl_config.policy_loss is "
+                              f"{rl.policy_loss!r}; set policy_loss: sapo or remove the key")
+    if rl.rollout_correction_floor is not None and rl.rollout_correction not in ("mis", "icepop"):
+        raise ConfigError(f"rl_config.rollout_correction_floor is the lower edge of the band of mis and icepop, and "
+                          f"rl_config.rollout_correction is {rl.rollout_correction!r}; set it to mis or icepop or "
+                          "remove the key")
     if rl.kl_ctrl_type == "adaptive" and rl.kl_horizon <= 0:  # the seed's check (its KL controller's)
         raise ConfigError(f"rl_config.kl_horizon must be larger than 0. Got {rl.kl_horizon}.")
     if rl.adv_estimator == "rloo" and rl.n_samples_per_prompt < 2:
         raise ConfigError("rl_config.adv_estimator 'rloo' needs n_samples_per_prompt >= 2 "
                           f"(got {rl.n_samples_per_prompt})")
+
+
+def _dpo_reads_a_reference(cfg: "RunConfig") -> bool:
+    from posttrain.algo.dpo_loss import REFERENCE_FREE  # lazy: algo/ imports torch
+
+    return cfg.actor.dpo_loss_type not in REFERENCE_FREE
 
 
 def _no_dynamic_sampling(cfg: "RunConfig") -> None:
@@ -146,7 +160,7 @@ STAGES: dict[str, Stage] = {s.name: s for s in (
     Stage("ppo", ("ray_ppo", "ppo"), ONPOLICY, check_ppo, "critic",
           uses_reference=lambda cfg: cfg.rl.use_kl_in_reward, uses_critic=True),
     Stage("dpo", ("dpo", "ray_dpo"), "posttrain.loops.dpo:DPOTrainer", check_dpo, "dpo",
-          uses_reference=lambda cfg: True),
+          uses_reference=lambda cfg: _dpo_reads_a_reference(cfg)),
     Stage("sft", ("sft",), "posttrain.loops.offline:SFTTrainer", check_sft, "sft"),
 )}
 ALIASES = {alias: stage.name for stage in STAGES.values() for alias in stage.aliases}

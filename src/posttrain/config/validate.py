@@ -380,7 +380,8 @@ def _validate_offline(cfg: RunConfig, num_nodes: int) -> DeviceLayout:
     if cfg.stage == "dpo":
         from posttrain.algo.dpo_loss import DPO_LOSSES  # lazy: algo/ imports torch; keeps config/ light
 
-        if a.dpo_loss_type not in DPO_LOSSES:  # the seed's message, with its list
+        if a.dpo_loss_type not in DPO_LOSSES:  # the seed's message, with its list and posttrain's additions
+            seed = ["sigmoid", "hinge", "ipo", "kto_pair"]
             raise ConfigError(f"Unknown loss type: {a.dpo_loss_type}. Should be one of "
-                              f"['sigmoid', 'hinge', 'ipo', 'kto_pair']")
+                              f"{seed + [name for name in DPO_LOSSES.names() if name not in seed]}")
     return DeviceLayout(num_devices=num_devices, actor_dp=dp, infer_dp=dp, ref_dp=dp, num_nodes=num_nodes)

@@ -9,14 +9,14 @@ Per global batch of ``global_batch_size`` pairs:
 
 1. the reference's sequence log-probs ``ref_c``, ``ref_r`` (sum over answer tokens; mean for
    ``ipo``), without gradients, from the session's reference engine (the same batching options
-   as the policy: remove padding, token budgets);
+   as the policy: remove padding, token budgets); ``orpo`` reads no reference (zeros);
 2. one optimizer step on :func:`posttrain.algo.dpo_loss.dpo_loss` (``dpo_loss_type`` sigmoid,
-   hinge, ipo or kto_pair; ``dpo_beta``; ``dpo_label_smoothing``; ``pref_ftx`` adds the chosen
+   hinge, ipo, kto_pair or orpo; ``dpo_beta``; ``dpo_label_smoothing``; ``pref_ftx`` adds the chosen
    answer's token-mean NLL), averaged over the pairs of the batch, in micro-batches of
    ``micro_batch_size`` pairs.
 
 The reference is ``ref_model`` when set (an HF directory or checkpoint), else a frozen copy of the
-initial policy. Metrics: ``dpo/loss``, ``rewards/chosen``, ``rewards/rejected``
+initial policy (none for ``orpo``). Metrics: ``dpo/loss``, ``rewards/chosen``, ``rewards/rejected``
 (``beta (logp_policy - logp_ref)``), ``rewards/accuracies``, ``rewards/margins``,
 ``dpo/grad_norm``, ``dpo/lr``, ``timing/all``.
 """
@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from posttrain.algo.dpo_loss import AVERAGED, REFERENCE_FREE
 from posttrain.loops.offline import OfflineTrainer, labelled_batch
 from posttrain.training.loss_fns import make_dpo_loss_fn
 
@@ -65,7 +66,9 @@ def _reporting_loss(after: AfterForward) -> AfterForward:
 
 
 class DPOTrainer(OfflineTrainer):
-    batch_phase = "reference_model"  # building a batch runs the reference
+    @property
+    def batch_phase(self) -> str:  # the timing key of building a batch: it runs the reference, if any
+        return "data" if self.plan.dpo.loss_type in REFERENCE_FREE else "reference_model"
 
     def loss_fn(self):
         o = self.plan.dpo
@@ -75,7 +78,11 @@ class DPOTrainer(OfflineTrainer):
     def batch(self) -> dict[str, torch.Tensor]:
         p = self.s.policy
         batch = pair_batch(self.items(), p.pad_token_id)
-        chosen, rejected = p.reference.compute_pair_logps(batch, average=self.plan.dpo.loss_type == "ipo",
-                                                          micro_batch_size=self.plan.policy.optim.micro_batch_size)
+        loss_type = self.plan.dpo.loss_type
+        if loss_type in REFERENCE_FREE:  # no reference model is built
+            chosen = rejected = torch.zeros(batch["chosen_input_ids"].shape[0])
+        else:
+            chosen, rejected = p.reference.compute_pair_logps(batch, average=loss_type in AVERAGED,
+                                                              micro_batch_size=self.plan.policy.optim.micro_batch_size)
         batch.update(ref_chosen_logps=chosen.cpu(), ref_rejected_logps=rejected.cpu())
         return batch

@@ -22,6 +22,7 @@ from posttrain.metrics.reduce import MetricAccumulator
 from posttrain.metrics.timers import Timers
 from posttrain.training.batch import build_batch, per_token
 from posttrain.training.loss_fns import make_sft_loss_fn
+from posttrain.loops.dump_points import dump_batch
 from posttrain.loops.session import Session, check_finite_step
 
 log = logging.getLogger(__name__)
@@ -74,15 +75,17 @@ class OfflineTrainer:
         s, loss_fn, last = self.s, self.loss_fn(), {}
         try:
             for iteration in range(s.iteration + 1, self.plan.train_iters + 1):
-                timers, acc = Timers(around=s.profiler.phase), MetricAccumulator()
-                with s.profiler.step(iteration), timers("all"):
+                timers, acc = Timers(around=s.phase), MetricAccumulator()
+                with s.profiler.step(iteration), s.dumps.step(iteration), timers("all"):
                     with timers(self.batch_phase):
                         batch = self.batch()
+                    dump_batch(s.dumps, batch)  # msprobe_config.key_data_dump
                     with timers("update"):
                         steps = s.policy.actor.update(batch, loss_fn, mini_batch_size=self.plan.prompts_per_iteration)
-                for step in steps:
-                    check_finite_step(step, iteration)
-                    acc.update(step)
+                    for step in steps:
+                        check_finite_step(step, iteration)
+                        s.dumps.record_scalars("key_data", step)
+                        acc.update(step)
                 last = {**acc.reduce(), **timers.metrics(), **self.batch_metrics(batch)}
                 s.after_iteration(iteration, last)
             s.finish()

@@ -29,6 +29,7 @@ from posttrain.metrics.reduce import MetricAccumulator
 from posttrain.metrics.stats import compute_tps, data_metrics, stat_metrics
 from posttrain.metrics.timers import Timers
 from posttrain.training.loss_fns import make_actor_loss_fn
+from posttrain.loops.dump_points import dump_experience, dumped_phase
 from posttrain.loops.experience import per_group, read_batch, write_rows
 from posttrain.loops.overlap import overlapped_passes
 from posttrain.loops.ppo import CriticPhases
@@ -77,11 +78,12 @@ class OnPolicyTrainer:
                 "partial_rollout_max_split": off.partial_max_split if off.partial else None}
 
     def train_step(self, iteration: int) -> dict[str, float]:
-        timers, acc = Timers(around=self.s.profiler.phase), MetricAccumulator()
+        timers, acc = Timers(around=self.s.phase), MetricAccumulator()
         if self.source is None:
             self.source = open_source(self.plan, self.s, self.producer)
-        with self.s.profiler.step(iteration), timers("all"):
-            exp = self.source.next(iteration, timers)
+        with self.s.profiler.step(iteration), self.s.dumps.step(iteration), timers("all"):
+            with dumped_phase(self.s, self.s.dumps, "rollout"):  # the producer times its own phases
+                exp = self.source.next(iteration, timers)
             timers.merge(exp.timers)
             acc.merge(exp.acc)
             self.learn(exp.td, iteration, timers, acc)
@@ -133,6 +135,7 @@ class OnPolicyTrainer:
                 self.critic.advantages(td, acc, self.kl_ctrl, timers)
             with timers("update_critic"):
                 self.critic.update(td, acc, iteration)
+        dump_experience(s.dumps, td)  # msprobe_config.key_data_dump
         with timers("update"):
             self.update(td, acc, iteration)
 
@@ -194,7 +197,8 @@ class OnPolicyTrainer:
                                          indexes=range(td.max_len))  # in order: the dock's row-choice draws stay the update's
         weights, mask, metrics = rollout_correction(batch["old_logprobs"], batch["rollout_logprobs"],
                                                     batch["response_mask"], mode=off.correction,
-                                                    cap=off.correction_cap, level=off.correction_level)
+                                                    cap=off.correction_cap, level=off.correction_level,
+                                                    floor=off.correction_floor)
         acc.update(metrics)
         weights = weights * mask
         limit = off.staleness_limit
@@ -216,7 +220,8 @@ class OnPolicyTrainer:
             columns.append("ref_logprobs")
         if plan.off_policy.weighted_update:
             columns.append("rollout_weights")
-        loss_fn = make_actor_loss_fn(plan.actor_loss, kl_coef=self.kl_ctrl.value if kl_in_loss else 0.0)
+        loss_fn = s.dumps.watch_loss(make_actor_loss_fn(plan.actor_loss, kl_coef=self.kl_ctrl.value if kl_in_loss
+                                                        else 0.0))
         while not td.all_consumed("actor_update"):
             batch, _, _ = read_batch(td, "actor_update", columns, plan.reads["actor_update_dispatch_size"],
                                      pad_token_id=s.policy.pad_token_id, device=s.device)
@@ -224,4 +229,5 @@ class OnPolicyTrainer:
                                           shuffle=u.shuffle, seed=u.seed + iteration)
             for step in steps:
                 check_finite_step(step, iteration)
+                s.dumps.record_scalars("key_data", step)
                 acc.update(step)

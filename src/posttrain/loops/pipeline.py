@@ -3,7 +3,9 @@
 A thread produces the experience of iteration ``j`` (prompts, rollout, rewards) with its own
 replica of the weights while the trainer learns from iteration ``j - 1``: a copy in this process
 (:class:`LocalReplica`), the trainer's vLLM engine, which holds its own copy (:class:`EngineReplica`),
-or, with ``separate_rollout_worker: true``, a rollout worker process on Ray, where the sampling does not share this process's interpreter and cores. The copy holds *version* ``v``: the
+the Ray actor workers' rollout copies (native or vLLM: :mod:`posttrain.cluster.workers_replica`),
+or, with ``separate_rollout_worker: true``, a rollout worker process on Ray, where the sampling does
+not share this process's interpreter and cores. The copy holds *version* ``v``: the
 weights after ``v`` updates. Iteration ``j`` always samples with version::
 
     need(j) = max(start, j - 1 - k)
@@ -32,6 +34,7 @@ from typing import Any
 import torch
 
 from posttrain.errors import PosttrainError
+from posttrain.rollout.vllm_weights import WeightSnapshot
 
 log = logging.getLogger(__name__)
 THREAD_CHECK_S = 1.0  # how often a trainer's wait checks that the rollout thread is still alive
@@ -59,32 +62,6 @@ class LocalReplica:
 
     def close(self) -> None:
         pass
-
-
-class WeightSnapshot:
-    """The trainer's weights of one version as the vLLM engine takes them (a view, duck-typed like
-    :class:`~posttrain.rollout.vllm_weights.ModelView`): the tensors by Hugging Face name, copied,
-    and the trainer's log-probs (and layer outputs) of the engine's probe, computed when the copy is
-    taken, so that loading them later is proven against exactly these weights."""
-
-    def __init__(self, model, probe: list[int]):
-        from posttrain.rollout.vllm_weights import as_view
-
-        view = as_view(model)
-        self.config, self.device_type, self.dtype = view.config, view.device_type, view.dtype
-        self.pairs = [(name, tensor.detach().clone()) for name, tensor in view.weights()]
-        self.probe = list(probe)
-        self.logprobs, self.layers = view.probe_logprobs(self.probe), view.layer_outputs(self.probe)
-
-    def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        return iter(self.pairs)
-
-    def probe_logprobs(self, ids: list[int]) -> torch.Tensor:
-        assert list(ids) == self.probe, "the engine's probe changed"
-        return self.logprobs
-
-    def layer_outputs(self, ids: list[int]) -> dict[int, torch.Tensor] | None:
-        return self.layers
 
 
 class EngineReplica:

@@ -86,7 +86,7 @@ class CriticPhases:
     def update(self, td, acc: MetricAccumulator, iteration: int) -> None:
         """Clipped value-loss steps on ``returns`` with the old ``values``."""
         u = self.plan.update
-        loss_fn = make_critic_loss_fn(cliprange_value=self.plan.critic.cliprange_value)
+        loss_fn = self.s.dumps.watch_loss(make_critic_loss_fn(cliprange_value=self.plan.critic.cliprange_value))
         while not td.all_consumed("critic_update"):
             batch, _, _ = read_batch(td, "critic_update", ["values", "returns"],
                                      self.plan.reads["critic_update_dispatch_size"],

@@ -30,6 +30,7 @@ from posttrain.models import cpu_linear
 from posttrain.roles.policy import Policy, build_policy, seed_everything
 from posttrain.rundir import DirLock, Start, checked_start, claim_run_dirs
 from posttrain.training.engine import NaNLossError
+from posttrain.metrics.dumps import DumpRecorder
 from posttrain.metrics.profiler import RunProfiler
 
 log = logging.getLogger(__name__)
@@ -51,6 +52,7 @@ class Session:
     def __init__(self, plan: Plan, *, load_previous_on_corruption: bool = False):
         self.plan, self.run_dir = plan, Path(plan.schedule.run_dir)
         self.profiler = RunProfiler(plan.profiler, plan.device)  # profiler_config.integrated
+        self.dumps = DumpRecorder(plan.dumps)  # msprobe_config
         self.closed = False
         self.cluster = self.critic = self.rule_reward = self.reward_model = self.eval_data = self.logger = None
         self.queue = None  # rl_config.data_strategy: tq: TransferQueue (posttrain.cluster.transfer_queue)
@@ -143,6 +145,7 @@ class Session:
                                     swanlab=logs.swanlab)
         cut_jsonl(self.run_dir / "eval.jsonl", self.iteration)  # rows after the iteration resumed from are stale
         write_text_atomic(self.run_dir / "config.json", plan.config_json)
+        self.dumps.write_config(plan.config_json)  # msprobe_config.configurations_dump
         info = {"device": plan.device, "train_dtype": plan.train_dtype, "rollout_dtype": plan.rollout_dtype,
                 "num_threads": self.num_threads, "cpu_linear": self.cpu_linear}
         write_text_atomic(self.run_dir / "run.json", json.dumps(info, indent=2) + "\n")
@@ -220,6 +223,15 @@ class Session:
                 self.log_eval(self.iteration)
         finally:
             self.close()
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        """Around one phase of the loop (a :class:`~posttrain.metrics.timers.Timers` ``around``): the
+        profiler's range and the accuracy dumps of its models (:mod:`posttrain.loops.dump_points`)."""
+        from posttrain.loops.dump_points import dumped_phase
+
+        with self.profiler.phase(name), dumped_phase(self, self.dumps, name):
+            yield
 
     def close(self, refused: bool = False) -> None:
         """Stop the reward workers, the logs and the Ray workers, undo the run's process-wide

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from posttrain.errors import PosttrainError
+from posttrain.files import write_text_atomic as write_file_atomic
 from posttrain.metrics.reduce import sort_metrics, to_float
 
 log = logging.getLogger(__name__)
@@ -105,21 +106,8 @@ def _write_failed(path: Path, what: str, err: OSError, kept: str = "the file kee
 
 
 def write_text_atomic(path: str | Path, text: str) -> None:
-    """Write ``text`` to a temporary file next to ``path`` and rename it over ``path``: a reader
-    never sees half a file, and a symlink planted at ``path`` is replaced, never written through.
-    A failed write (a full disk) leaves ``path`` as it was: :class:`LogWriteError` naming it."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException as err:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        if isinstance(err, OSError):
-            raise _write_failed(path, "it", err, "the file is as it was") from None
-        raise
+    """:func:`posttrain.files.write_text_atomic`, failing with :class:`LogWriteError` (the file is as it was)."""
+    write_file_atomic(path, text, lambda p, err: _write_failed(p, "it", err, "the file is as it was"))
 
 
 def cut_jsonl(path: str | Path, after_iteration: int | None) -> None:

@@ -1,4 +1,5 @@
-"""The trainer's model as the vLLM engine sees it (:class:`ModelView`), and its weights as vLLM takes them: ``(Hugging Face name, tensor)`` pairs, grouped one
+"""The trainer's model as the vLLM engine sees it (:class:`ModelView`; one version of it kept for later:
+:class:`WeightSnapshot`), and its weights as vLLM takes them: ``(Hugging Face name, tensor)`` pairs, grouped one
 decoder layer per bucket, and written once as a real checkpoint for vLLM to start from.
 
 * Names are the Hugging Face checkpoint's. A PEFT model's base weights are named as the base model's
@@ -117,3 +118,30 @@ class ModelView:
 def as_view(model: Any) -> Any:
     """``model`` itself when it is already a view (it has ``probe_logprobs``), else a :class:`ModelView`."""
     return model if hasattr(model, "probe_logprobs") else ModelView(model)
+
+
+class WeightSnapshot:
+    """The trainer's weights of one version as the vLLM engine takes them (a view, duck-typed like
+    :class:`~posttrain.rollout.vllm_weights.ModelView`): the tensors by Hugging Face name, copied,
+    and the trainer's log-probs (and layer outputs) of the engine's probe, computed when the copy is
+    taken, so that loading them later is proven against exactly these weights. ``host``: the copy is
+    kept in host memory (a Ray worker's snapshots beside its trained model on a GPU; vLLM copies each
+    tensor onto its device when it loads it), else on the model's device."""
+
+    def __init__(self, model, probe: list[int], host: bool = False):
+        view = as_view(model)
+        self.config, self.device_type, self.dtype = view.config, view.device_type, view.dtype
+        self.pairs = [(name, tensor.detach().to("cpu", copy=True) if host else tensor.detach().clone())
+                      for name, tensor in view.weights()]
+        self.probe = list(probe)
+        self.logprobs, self.layers = view.probe_logprobs(self.probe), view.layer_outputs(self.probe)
+
+    def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return iter(self.pairs)
+
+    def probe_logprobs(self, ids: list[int]) -> torch.Tensor:
+        assert list(ids) == self.probe, "the engine's probe changed"
+        return self.logprobs
+
+    def layer_outputs(self, ids: list[int]) -> dict[int, torch.Tensor] | None:
+        return self.layers

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from posttrain.algo.dpo_loss import dpo_loss
+from posttrain.algo.dpo_loss import AVERAGED, dpo_loss
 from posttrain.algo.policy_loss import actor_loss
 from posttrain.algo.value_loss import value_loss
 from posttrain.training.base import AfterForward, Batch, LossFn, LossOutput
@@ -64,6 +64,7 @@ def make_actor_loss_fn(options: ActorLossOptions = ActorLossOptions(), *, kl_coe
             clip_low=o.clip_low,
             clip_high=o.clip_high,
             clip_ratio_c=o.clip_ratio_c,
+            policy_params=dict(o.policy_params),
             entropy=entropy,
             entropy_coeff=o.entropy_coeff,
             ref_logprobs=ref,
@@ -200,11 +201,11 @@ def make_dpo_loss_fn(
     label_smoothing: float = 0.0,
     pref_ftx: float = 0.0,
 ) -> PairLossFn:
-    """DPO (:func:`posttrain.algo.dpo_loss.dpo_loss`); ``ipo`` uses length-averaged log-probs.
+    """DPO (:func:`posttrain.algo.dpo_loss.dpo_loss`); ``ipo`` and ``orpo`` use length-averaged log-probs.
 
     The reference log-probs in the batch must be computed the same way (``average`` for ipo).
     """
-    average = loss_type == "ipo"
+    average = loss_type in AVERAGED
 
     def pair_loss(chosen, rejected, ref_chosen, ref_rejected, chosen_nll, num_pairs):
         return dpo_loss(chosen, rejected, ref_chosen, ref_rejected, beta=beta, loss_type=loss_type,

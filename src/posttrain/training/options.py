@@ -66,6 +66,7 @@ class ActorLossOptions:
     clip_low: float = 0.2
     clip_high: float = 0.2
     clip_ratio_c: float | None = None
+    policy_params: tuple[tuple[str, float], ...] = ()  # the policy loss's own keywords (sapo: tau_pos, tau_neg)
     entropy_coeff: float = 0.0
     kl_penalty: str = "low_var_kl"
     loss_agg_mode: str = "token-mean"

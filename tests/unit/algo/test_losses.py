@@ -62,7 +62,62 @@ def test_gspo_sequence_ratio_value_and_gradient():
 
 def test_unknown_policy_loss():
     with pytest.raises(ConfigError, match="gspo"):
-        _pg(0.0, 1.0, policy_loss="cispo")
+        _pg(0.0, 1.0, policy_loss="reinforce")
+
+
+def _grad(name, logp, old, adv, mask, **kw):
+    logp = logp.clone().requires_grad_(True)
+    loss, m = actor_loss(logp, old, adv, mask, policy_loss=name, **kw)
+    loss.backward()
+    return loss, m, logp.grad
+
+
+@pytest.mark.parametrize("name", ["cispo", "sapo", "gpg"])
+def test_on_policy_the_new_losses_follow_the_ppo_gradient(name):
+    """At ratio 1 CISPO's weight is 1, SAPO's gate has slope 1 and GPG is PPO's first-order term: the
+    gradient of each equals the clipped surrogate's (the papers' own consistency claim)."""
+    torch.manual_seed(0)
+    logp, adv = torch.randn(3, 5), torch.randn(3, 5)
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]])
+    *_, ppo = _grad("ppo", logp, logp, adv, mask, loss_agg_mode="seq-mean-token-mean")
+    *_, other = _grad(name, logp, logp, adv, mask, loss_agg_mode="seq-mean-token-mean")
+    assert torch.allclose(other, ppo, atol=1e-6) and ppo.abs().sum() > 0
+
+
+def test_cispo_keeps_the_clipped_tokens_gradient():
+    old, one = torch.zeros(1, 1), torch.ones(1, 1)
+    logp = torch.full((1, 1), math.log(1.5))  # r = 1.5 > 1 + 0.2
+    loss, m, grad = _grad("cispo", logp, old, one, one)
+    assert loss.item() == pytest.approx(-1.2 * math.log(1.5))  # -sg(clip(r)) A logp
+    assert grad.item() == pytest.approx(-1.2) and m["actor/pg_clipfrac"].item() == 1.0
+    *_, ppo_grad = _grad("ppo", logp, old, one, one)
+    assert ppo_grad.item() == 0.0  # PPO's clip drops that token; CISPO keeps it at the clipped weight
+    logp = torch.full((1, 1), math.log(1.1))  # inside the band: PPO's gradient -A r
+    *_, grad = _grad("cispo", logp, old, one, one)
+    assert grad.item() == pytest.approx(-1.1) and m["actor/ppo_kl"].item() == pytest.approx(-math.log(1.5))
+
+
+def test_sapo_gate_values_and_temperatures():
+    def sigmoid(x):
+        return 1 / (1 + math.exp(-x))
+
+    loss, _ = _pg(math.log(1.5), 1.0, policy_loss="sapo")  # A > 0: tau_pos = 1
+    assert loss.item() == pytest.approx(-4 * sigmoid(0.5), rel=1e-6)
+    loss, _ = _pg(math.log(1.5), -2.0, policy_loss="sapo")  # A <= 0: tau_neg = 1.05
+    assert loss.item() == pytest.approx(2 * 4 / 1.05 * sigmoid(1.05 * 0.5), rel=1e-6)
+    loss, _ = _pg(math.log(1.5), -2.0, policy_loss="sapo", policy_params={"tau_pos": 1.0, "tau_neg": 3.0})
+    assert loss.item() == pytest.approx(2 * 4 / 3 * sigmoid(1.5), rel=1e-6)
+    # the soft gate's gradient decays far from ratio 1 instead of dropping to 0 (the hard clip's)
+    *_, near = _grad("sapo", torch.full((1, 1), math.log(1.3)), torch.zeros(1, 1), torch.ones(1, 1), torch.ones(1, 1))
+    *_, far = _grad("sapo", torch.full((1, 1), math.log(6.0)), torch.zeros(1, 1), torch.ones(1, 1), torch.ones(1, 1))
+    assert 0 < -far.item() < -near.item()
+
+
+def test_gpg_is_reinforce_without_a_ratio():
+    logp = torch.tensor([[-0.5, -2.0]])
+    loss, m = actor_loss(logp, torch.zeros(1, 2), torch.tensor([[2.0, -1.0]]), torch.ones(1, 2), policy_loss="gpg")
+    assert loss.item() == pytest.approx((1.0 - 2.0) / 2)  # mean of -A logp: (1, -2)
+    assert "actor/pg_clipfrac" not in m
 
 
 @pytest.mark.parametrize("name", ["ppo", "gspo"])
@@ -151,4 +206,21 @@ def test_dpo_losses_hand_values():
     loss, _ = _pair("hinge", pref_ftx=0.5, chosen_nll=torch.tensor([2.0]))
     assert loss.item() == pytest.approx(0.9 + 1.0)
     with pytest.raises(ConfigError, match="sigmoid"):
-        _pair("orpo")
+        _pair("simpo")
+
+
+def test_orpo_is_the_chosen_nll_plus_the_odds_ratio_term():
+    # the paper's definition on probabilities: p = exp(mean token log-prob), odds = p / (1 - p)
+    p_c, p_r = math.exp(-1.0), math.exp(-2.0)  # _pair's length-averaged policy log-probs
+    ratio = (p_c / (1 - p_c)) / (p_r / (1 - p_r))
+    expected = 1.0 + 0.1 * -math.log(ratio / (1 + ratio))  # NLL + lambda * -log sigmoid(log odds ratio)
+    loss, m = _pair("orpo")
+    assert loss.item() == pytest.approx(expected, rel=1e-6)
+    assert m["rewards/accuracies"].item() == 1.0
+    # the reference inputs are not read
+    t = torch.tensor
+    other, _ = dpo_loss(t([-1.0]), t([-2.0]), t([5.0]), t([-7.0]), beta=0.1, loss_type="orpo")
+    assert other.item() == loss.item()
+    # stable where the chosen answer is nearly certain (mean log-prob -> 0)
+    near, _ = dpo_loss(t([-1e-9]), t([-2.0]), t([0.0]), t([0.0]), beta=0.1, loss_type="orpo")
+    assert math.isfinite(near.item())

@@ -1,4 +1,4 @@
-"""Rollout correction (TIS / MIS) on hand-computed values: the groundwork of issue 20 (not yet a
+"""Rollout correction (TIS / MIS / IcePop) on hand-computed values: the groundwork of issue 20 (not yet a
 config key)."""
 
 from __future__ import annotations
@@ -44,13 +44,25 @@ def test_mis_masks_tokens_or_whole_sequences_outside_the_band():
     assert keep.tolist() == [[1, 1, 1, 0], [0, 0, 0, 0]]
 
 
+def test_icepop_weights_inside_the_band_and_masks_outside():
+    weights, keep, m = rollout_correction(OLD, ROLLOUT, MASK, mode="icepop", cap=2.0)  # band [0.5, 2]
+    expected = torch.tensor([[1.0, 0.0, math.exp(-0.1), 0.0], [math.exp(-0.5), math.exp(-0.5), 0.0, 0.0]])
+    assert torch.allclose(weights, expected) and keep.tolist() == [[1, 0, 1, 0], [1, 1, 0, 0]]
+    assert m["rollout/masked_fraction"] == pytest.approx(1 / 5)
+    weights, keep, _ = rollout_correction(OLD, ROLLOUT, MASK, mode="icepop", cap=5.0, floor=0.7)  # e in, 0.61 out
+    assert torch.allclose(weights, torch.tensor([[1.0, math.e, math.exp(-0.1), 0.0], [0.0, 0.0, 0.0, 0.0]]))
+    _, keep, _ = rollout_correction(OLD, ROLLOUT, MASK, mode="mis", cap=5.0, floor=0.7)  # mis takes the floor too
+    assert keep.tolist() == [[1, 1, 1, 0], [0, 0, 0, 0]]
+
+
 def test_equal_logprobs_give_unit_weights_and_no_mismatch():
     weights, keep, m = rollout_correction(OLD, OLD, MASK, mode="mis")
     assert torch.equal(keep, MASK.float()) and m["rollout/logprob_diff_max"] == 0.0 and m["rollout/ratio_max"] == 1.0
 
 
 @pytest.mark.parametrize("kwargs, words", [({"mode": "is"}, "rollout_correction='is'"),
-                                           ({"cap": 1.0}, "cap C=1.0"), ({"level": "batch"}, "level 'batch'")])
+                                           ({"cap": 1.0}, "cap C=1.0"), ({"level": "batch"}, "level 'batch'"),
+                                           ({"floor": 1.0}, "floor 1.0")])
 def test_bad_settings_are_refused(kwargs, words):
     with pytest.raises(ConfigError, match=words):
         rollout_correction(OLD, ROLLOUT, MASK, **kwargs)

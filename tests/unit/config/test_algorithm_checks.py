@@ -43,6 +43,10 @@ def check(cfg):
     ("ray_dapo", {"filter_groups_enable": True, "filter_groups_metric": "acc", "filter_groups_train_batch_size": 4,
                   "clip_higher_enable": True, "clip_ratio_low": 0.2, "clip_ratio_high": 0.28}),
     ("ray_ppo", {"adv_estimator": "gae", "use_kl_in_reward": True}),
+    ("ray_grpo", {"policy_loss": "sapo", "sapo_tau_neg": 2.0, "rollout_correction": "icepop",
+                  "rollout_correction_cap": 5.0, "rollout_correction_floor": 0.5}),
+    ("ray_dapo", {"policy_loss": "cispo", "clip_higher_enable": True, "clip_ratio_low": 0.2, "clip_ratio_high": 4.0}),
+    ("ray_grpo", {"policy_loss": "gpg"}),
 ])
 def test_good_configs_pass(stage, rl):
     check(make(stage, rl))
@@ -81,6 +85,12 @@ def test_good_configs_pass(stage, rl):
     ("ray_ppo", {"adv_estimator": "gae", "gamma": -0.1}, r"rl_config.gamma=-0.1: must be a number in \[0, 1\]"),
     ("ray_ppo", {"adv_estimator": "gae", "use_kl_in_reward": True, "init_kl_coef": 0.0}, "needs init_kl_coef > 0"),
     ("ray_ppo", {"adv_estimator": "gae", "filter_groups_enable": True}, "is a DAPO option"),
+    ("ray_grpo", {"sapo_tau_pos": 2.0}, "rl_config.sapo_tau_pos is the temperature of SAPO's gate, and "
+                                        "rl_config.policy_loss is 'ppo'; set policy_loss: sapo or remove the key"),
+    ("ray_grpo", {"rollout_correction": "tis", "rollout_correction_floor": 0.5},
+     "rollout_correction_floor is the lower edge of the band of mis and icepop"),
+    ("ray_grpo", {"rollout_correction": "icepop", "rollout_correction_floor": 1.5},
+     r"rl_config.rollout_correction_floor=1.5: must be a number in \(0, 1\)"),
 ])
 def test_wrong_config_message(stage, rl, message):
     with pytest.raises(ConfigError, match=message):
@@ -110,7 +120,8 @@ DPO = {"global_batch_size": 8, "micro_batch_size": 4, "is_pairwise_dataset": Tru
 
 
 @pytest.mark.parametrize("train,message", [
-    ({"dpo_loss_type": "orpo"}, r"Unknown loss type: orpo. Should be one of \['sigmoid', 'hinge', 'ipo', 'kto_pair'\]"),
+    ({"dpo_loss_type": "simpo"}, r"Unknown loss type: simpo. Should be one of \['sigmoid', 'hinge', 'ipo', "
+                                 r"'kto_pair', 'orpo'\]"),
     ({"is_pairwise_dataset": False}, "set megatron_training.is_pairwise_dataset: true"),
     ({"dpo_beta": 0.0}, r"^megatron_training.dpo_beta=0.0: must be a finite number > 0 \(the seed's default is 0.1\)"),
     ({"dpo_label_smoothing": 0.5}, r"^megatron_training.dpo_label_smoothing=0.5: must be a number in \[0, 0.5\)"),
@@ -123,6 +134,8 @@ def test_dpo_wrong_config_message(train, message):
 
 def test_dpo_good_config():
     check(make("dpo", train={**DPO, "dpo_loss_type": "kto_pair", "dpo_label_smoothing": 0.1, "pref_ftx": 0.5}))
+    assert resolve_plan(make("dpo", train=DPO)).uses_reference
+    assert not resolve_plan(make("dpo", train={**DPO, "dpo_loss_type": "orpo"})).uses_reference  # reference-free
 
 
 # ---- what the plan hands the actor loss and which roles it builds ---------------------------------
@@ -132,6 +145,12 @@ def test_grpo_loss_options():
     assert loss.clip_low == loss.clip_high == 0.3
     assert loss.kl_penalty == "kl" and loss.loss_agg_mode == "token-mean" and loss.norm_length is None
     assert plan.uses_reference and not plan.uses_critic
+
+
+def test_sapo_temperatures_reach_the_loss():
+    assert resolve_plan(make("ray_grpo", {"policy_loss": "sapo", "sapo_tau_neg": 2.0})).actor_loss.policy_params == (
+        ("tau_pos", 1.0), ("tau_neg", 2.0))
+    assert resolve_plan(make("ray_grpo", {"policy_loss": "cispo"})).actor_loss.policy_params == ()
 
 
 def test_dapo_clip_higher_token_level_loss_and_no_reference():

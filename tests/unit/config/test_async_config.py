@@ -84,8 +84,6 @@ def test_staleness_zero_and_a_single_iteration_say_that_nothing_overlaps():
      "use_integrated_worker: false (the deprecated spelling of rl_config.separate_rollout_worker: true) runs on"),
     (["rl_config.separate_rollout_worker=true", "rl_config.actor_resource.num_npus=2"], "with Ray actor workers is not"),
     (["rl_config.partial_rollout_max_split=2", "rl_config.rollout_engine=mine"], "runs on the native and vLLM"),
-    (["rl_config.async_staleness=1", "rl_config.actor_resource.num_npus=2", "rl_config.rollout_engine=vllm"],
-     "with rl_config.rollout_engine: vllm on Ray actor workers is not built yet"),
     (["rl_config.async_staleness=1", "rl_config.actor_resource.num_npus=2", "actor_config.tensor_model_parallel_size=2"],
      "async_staleness is not built on the megatron backend yet"),
     (["rl_config.async_staleness=1", "actor_config.lora_target_modules=[linear_qkv]", "actor_config.lora_r=4"],

@@ -42,6 +42,7 @@ TQ = ["rl_config.data_strategy=queue"]  # the seed's spelling of tq
 SPEC = ["generate_config.num_speculative_tokens=4"]
 OFFLOAD_PARAM = ["generate_config.offload_train_param=true"]
 GRAPHS = ["generate_config.enforce_eager=false"]
+MSPROBE = ["msprobe_config.msprobe=true"]
 
 # row id -> (overrides that turn the row on, device); a new row needs its example here
 EXAMPLES: dict[str, tuple[list[str], str]] = {
@@ -83,7 +84,6 @@ EXAMPLES: dict[str, tuple[list[str], str]] = {
     "vllm-ascend_scheduler_config_enabled": ([*VLLM, "generate_config.ascend_scheduler_config_enabled=true"], "cpu"),
     "vllm-ray-tensor-parallel": ([*VLLM, *RAY, "generate_config.infer_tensor_parallel_size=2"], "cpu"),
     "async-offline": ([*DPO, *ASYNC], "cpu"),
-    "async-ray": ([*ASYNC, *RAY, *VLLM], "cpu"),
     "async-engine": ([*ASYNC, *OTHER], "cpu"),
     "async-megatron": ([*ASYNC, *TP2], "cpu"),
     "async-lora": ([*ASYNC, *LORA], "cpu"),
@@ -104,12 +104,19 @@ EXAMPLES: dict[str, tuple[list[str], str]] = {
     "speculation-partial-ray": ([*SPEC, *PARTIAL, *RAY], "cpu"),
     "num-threads-ray": (["rl_config.num_threads=2", *RAY], "cpu"),
     "profiler-ray": (["profiler_config.integrated.profile=true", *RAY], "cpu"),
+    "msprobe-ray": ([*MSPROBE, *RAY], "cpu"),
+    "msprobe-infer-offline": ([*MSPROBE, "msprobe_config.actor_infer_dump=true", *DPO], "cpu"),
+    "msprobe-critic-no-critic": ([*MSPROBE, "msprobe_config.critic_train_dump=true"], "cpu"),
+    "msprobe-reference-sft": ([*MSPROBE, "msprobe_config.reference_dump=true", "megatron_training.stage=sft"], "cpu"),
+    "msprobe-separated": ([*MSPROBE, *SEP_REF], "cpu"),
+    "msprobe-infer-engine": ([*MSPROBE, "msprobe_config.actor_infer_dump=true", *VLLM], "cpu"),
+    "msprobe-infer-graphs": ([*MSPROBE, "msprobe_config.actor_infer_dump=true", *GRAPHS], "cuda"),
+    "msprobe-infer-async": ([*MSPROBE, "msprobe_config.actor_infer_dump=true", *ASYNC], "cpu"),
+    "msprobe-infer-rollout-worker": ([*MSPROBE, "msprobe_config.actor_infer_dump=true", *WORKER], "cpu"),
     "dp-batch-balance-one-process": (["rl_config.use_dp_batch_balance=true"], "cpu"),
     "ref-config": ([*SEPARATE, "ref_config.micro_batch_size=2"], "cpu"),
     "separated-megatron": ([*SEP_REF, *TP2], "cpu"),
     "separated-offline": ([*DPO, *SEP_REF], "cpu"),
-    "separated-async": ([*SEP_REF, *ASYNC], "cpu"),
-    "separated-partial": ([*SEP_REF, *PARTIAL], "cpu"),
     "separated-rollout-worker": ([*SEP_REF, *WORKER], "cpu"),
     "separated-share-backbone": ([*SEP_REF, *LORA, "rl_config.share_backbone=true"], "cpu"),
     "separated-critic-save": ([*PPO, "rl_config.use_integrated_worker=false", "rl_config.critic_resource.num_npus=1"],
@@ -181,7 +188,7 @@ def test_each_row_needs_its_combination(row_id, monkeypatch):
 
 
 def test_every_refusal_of_a_config_is_reported_at_once_one_per_line():
-    cfg = config([*ASYNC, *PARTIAL, *VLLM, *RAY, "rl_config.num_threads=2"])  # partial rollout runs on Ray
+    cfg = config([*ASYNC, *LORA, *PARTIAL, *VLLM, *RAY, "rl_config.num_threads=2"])  # partial rollout runs on Ray
     with pytest.raises(ConfigError) as err:
         check_run_config(cfg, device_type="cpu", arch=ARCH)
     lines = str(err.value).splitlines()
@@ -195,7 +202,7 @@ def test_features_alone_pass_the_table():
     for overrides in ([], ASYNC, PARTIAL, LORA, VLLM, TQ, [*TQ, "rl_config.transfer_queue_data_shard_num=2"], SPEC, WORKER, TP2, RAY, [*PARTIAL, *VLLM], [*TURNS, *VLLM],
                       ["rl_config.async_engine=true", *VLLM], ["rl_config.async_engine=true", *VLLM, *GRAPHS],
                       [*ASYNC, *VLLM], [*ASYNC, *PARTIAL, *VLLM], [*ASYNC, *TURNS, *VLLM], [*WORKER, *VLLM],
-                      [*WORKER, *ASYNC, *VLLM]):
+                      [*WORKER, *ASYNC, *VLLM], [*ASYNC, *VLLM, *RAY], [*ASYNC, *PARTIAL, *VLLM, *RAY]):
         cfg = config(overrides)
         for device in ("cpu", "cuda"):
             check_compat(cfg, setup_of(cfg, device))

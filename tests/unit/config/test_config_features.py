@@ -105,9 +105,6 @@ CASES = [
      "set it to 1"),
     (["generate_config.limit_mm_video_per_prompt=1"], f"generate_config.limit_mm_video_per_prompt=1: {MM}",
      "set it to 0"),
-    # the switches of the seed's debugging tools
-    (["msprobe_config.msprobe=true"], "msprobe_config.msprobe=true: msprobe accuracy dumps are not implemented",
-     "set it to false"),
     # whole sections and the critic's keys that follow the actor
     ([*PPO, "critic_config.save_interval=7"], "critic_config.save_interval=7: the critic is saved at the actor's",
      "the actor's value"),
@@ -117,11 +114,6 @@ CASES = [
 # keys refused only with their feature's switch on: (the key's override, the switch's override)
 GATED = [
     ("generate_config.eplb_token_save_path=/tmp/eplb", "generate_config.eplb_token_collects=true"),
-    *[(f"msprobe_config.{key}={value}", "msprobe_config.msprobe=true") for key, value in [
-        ("dump_path", "/tmp/dump"), ("key_data_dump", "true"), ("configurations_dump", "true"),
-        ("actor_train_dump", "true"), ("actor_infer_dump", "true"), ("reference_dump", "true"),
-        ("critic_train_dump", "true"), ("token_range_start", "1"), ("token_range_end", "2"), ("step_start", "1"),
-        ("step_end", "2")]],
 ]
 
 

@@ -1,5 +1,5 @@
 """The placement x feature table of docs/cluster.md (posttrain.config.placement_table): every test it
-names exists, no tested cell is refused, and the docs hold what the code prints."""
+names exists, no tested cell is refused on a CPU, and the docs hold what the code prints."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ def test_every_named_test_exists():
 
 def test_no_tested_cell_is_refused_and_the_docs_are_current():
     rendered = table.render()
-    for placement, feature in table.TESTED:
+    for placement, feature in table.TESTED:  # a tested cell runs on a CPU (where the tests run)
         assert table.cell(placement, feature)[0] == "tested", (placement, feature, table.cell(placement, feature))
+        assert table.refusal(placement, feature, "cpu") is None, (placement, feature)
     assert table.current_doc() == rendered, "docs/cluster.md is stale: python -m posttrain.config.placement_table --write"
