@@ -20,7 +20,10 @@ Row choice when no indexes are given:
 chosen together, so a group-normalised advantage sees its complete group.
 
 The dock lives in the driver process, also on Ray (docs/cluster.md says why); its state is plain
-Python (lists, numpy arrays, tensors, ``random.Random``), so it pickles.
+Python (lists, numpy arrays, tensors, ``random.Random``), so it pickles. With
+``rl_config.data_strategy: tq`` the loop's docks are
+:class:`~posttrain.cluster.transfer_queue.TransferQueueDock`: the same bookkeeping here, the cells in
+TransferQueue's storage units (the four cell-store methods below are what it overrides).
 """
 
 from __future__ import annotations
@@ -107,7 +110,7 @@ class TransferDock:
     # ------------------------------------------------------------------ state
     def clear(self) -> None:
         """Empty every cell and reset readiness and consumption (call between iterations)."""
-        self._data = {c: [None] * self.max_len for c in self.columns}
+        self._clear_cells(None)
         self._ready = {c: np.zeros(self.max_len, dtype=bool) for c in self.columns}
         self._consumed = {c: np.zeros(self.max_len, dtype=bool) for c in self.consumers}
 
@@ -115,9 +118,8 @@ class TransferDock:
         """Empty the cells, readiness and consumption of some rows (partial rollout frees the groups
         an update took, and keeps the others)."""
         idx = self._check_indexes(indexes)
+        self._clear_cells(idx)
         for c in self.columns:
-            for i in idx:
-                self._data[c][i] = None
             self._ready[c][idx] = False
         for c in self.consumers:
             self._consumed[c][idx] = False
@@ -125,7 +127,8 @@ class TransferDock:
     def cell(self, column: str, index: int) -> torch.Tensor | None:
         """The cell of one row (None when not ready)."""
         self._check_columns([column])
-        return self._data[column][self._check_indexes([index])[0]]
+        index = self._check_indexes([index])[0]
+        return self._read_cells([column], [index])[column][0] if self._ready[column][index] else None
 
     def ready_rows(self, column: str) -> np.ndarray:
         """A copy of ``column``'s readiness vector."""
@@ -134,7 +137,7 @@ class TransferDock:
 
     def state_dict(self) -> dict[str, Any]:
         """Cells, readiness, consumption and the row-choice generator (picklable)."""
-        return {"data": {c: list(v) for c, v in self._data.items()},
+        return {"data": self._all_cells(),
                 "ready": {c: v.copy() for c, v in self._ready.items()},
                 "consumed": {c: v.copy() for c, v in self._consumed.items()}, "rng": self._rng.getstate()}
 
@@ -142,10 +145,40 @@ class TransferDock:
         if set(state["data"]) != set(self.columns) or len(next(iter(state["data"].values()))) != self.max_len:
             raise TransferDockError(f"a saved TransferDock of columns {sorted(state['data'])} does not fit this one "
                                     f"({self.max_len} rows of {self.columns})")
-        self._data = {c: list(state["data"][c]) for c in self.columns}
         self._ready = {c: np.array(state["ready"][c], dtype=bool) for c in self.columns}
+        self._clear_cells(None)
+        for c in self.columns:
+            rows = np.flatnonzero(self._ready[c]).tolist()
+            if rows:
+                self._write_cells(rows, {c: [state["data"][c][i] for i in rows]})
         self._consumed = {c: np.array(state["consumed"][c], dtype=bool) for c in self.consumers}
         self._rng.setstate(state["rng"])
+
+    # ------------------------------------------------------------------ cell store
+    # The cells live in this process (lists of tensors); a subclass keeps them elsewhere by overriding
+    # these four (posttrain.cluster.transfer_queue: in TransferQueue's storage actors).
+    def _clear_cells(self, indexes: list[int] | None) -> None:
+        """Drop the cells of rows ``indexes`` (all rows when None)."""
+        if indexes is None:
+            self._data = {c: [None] * self.max_len for c in self.columns}
+            return
+        for c in self.columns:
+            for i in indexes:
+                self._data[c][i] = None
+
+    def _write_cells(self, indexes: list[int], columns: Mapping[str, list[torch.Tensor]]) -> None:
+        """Store ``columns[c][k]`` as the cell of row ``indexes[k]`` in column ``c``."""
+        for column, rows in columns.items():
+            cells = self._data[column]
+            for i, row in zip(indexes, rows):
+                cells[i] = row
+
+    def _read_cells(self, columns: Sequence[str], indexes: list[int]) -> dict[str, list[torch.Tensor]]:
+        return {c: [self._data[c][i] for i in indexes] for c in columns}
+
+    def _all_cells(self) -> dict[str, list[torch.Tensor | None]]:
+        """Every cell, None where not ready (the state to save)."""
+        return {c: list(v) for c, v in self._data.items()}
 
     # ------------------------------------------------------------------ writes
     def put(self, column_names: Sequence[str], indexes: Sequence[int],
@@ -157,14 +190,15 @@ class TransferDock:
         if not len(indexes):
             raise TransferDockError("put experience into TD without indexes, indexes must be provided")
         idx = self._check_indexes(indexes)
+        columns = {}
         for col, values in zip(column_names, tensors):
-            if col not in self._data:
+            if col not in self._ready:
                 raise TransferDockError(f"put experience ERROR: {col} not in TD experience_column "
                                         f"{self.columns}")
-            cells, ready = self._data[col], self._ready[col]
-            for i, row in zip(idx, _as_rows(values, len(idx), col)):
-                cells[i] = row
-                ready[i] = True
+            columns[col] = _as_rows(values, len(idx), col)
+        self._write_cells(idx, columns)  # one write of every column (one round trip to TransferQueue)
+        for col in columns:
+            self._ready[col][idx] = True
 
     def put_prompts(self, data: Mapping[str, Any], first_prompt: int = 0) -> list[int]:
         """Write each prompt row into its ``n`` sample rows; returns the row indexes written.
@@ -214,7 +248,7 @@ class TransferDock:
             if chosen is None:
                 return None, None
         self._consumed[consumer][chosen] = True
-        return {c: [self._data[c][i] for i in chosen] for c in column_names}, chosen
+        return self._read_cells(column_names, chosen), chosen
 
     def _eligible(self, consumer: str, column_names: Sequence[str]) -> np.ndarray:
         mask = ~self._consumed[consumer]
@@ -262,7 +296,7 @@ class TransferDock:
 
     def _check_columns(self, column_names: Sequence[str]) -> None:
         for col in column_names:
-            if col not in self._data:
+            if col not in self._ready:
                 raise TransferDockError(f"get experience ERROR: {col} not in TD experience_column "
                                         f"{self.columns}")
 

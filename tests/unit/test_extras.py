@@ -39,3 +39,20 @@ def test_every_extra_named_is_declared_in_pyproject():
 
     declared = tomllib.loads((PROJECT_ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     assert {extra for extra, _ in extras.EXTRAS.values()} <= set(declared)
+
+
+def test_data_strategy_tq_without_transferqueue_is_refused_by_the_config_check(monkeypatch):
+    from posttrain.config.check import Refusals, collect_checks
+    from posttrain.config.placement_table import TINY_ARCH
+    from posttrain.config.run import load_run_config
+
+    cfg = load_run_config("grpo_tiny_qwen2", overrides=["rl_config.data_strategy=tq"])
+    monkeypatch.setattr(extras, "installed", lambda module: module != "transfer_queue")
+    refusals = Refusals()
+    collect_checks(cfg, refusals, arch=TINY_ARCH)
+    assert any("rl_config.data_strategy: tq (TransferQueue) needs the transfer_queue package" in m
+               and "pip install 'posttrain[tq]'" in m for m in refusals.messages), refusals.messages
+    monkeypatch.setattr(extras, "installed", lambda module: True)
+    refusals = Refusals()
+    collect_checks(cfg, refusals, arch=TINY_ARCH)
+    assert not any("posttrain[tq]" in m for m in refusals.messages), refusals.messages

@@ -40,6 +40,8 @@ LAYER_OF = {top: i for i, tops in enumerate(LAYERS) for top in tops}
 # Heavy dependency -> the only places (module names or package prefixes) that may import it.
 EDGE_DEPENDENCIES = {
     "ray": ("posttrain.cluster",),
+    "transfer_queue": ("posttrain.cluster.transfer_queue",),  # data_strategy: tq; it imports ray
+    "tensordict": ("posttrain.cluster.transfer_queue",),
     "vllm": ("posttrain.rollout.vllm_engine", "posttrain.rollout.vllm_probe", "posttrain.rollout.vllm_receiver"),
 }
 

@@ -112,7 +112,8 @@ class Cluster:
         self.balance = plan.cluster.dp_batch_balance  # rl_config.use_dp_batch_balance
         self.world = plan.workers
         self.closed = False
-        self.owns_ray = launch.connect(plan.cluster, plan.workers + sum(plan.separated.devices.values()))
+        self.owns_ray = launch.connect(plan.cluster, plan.workers + sum(plan.separated.devices.values()),
+                                       extra_cpus=launch.queue_cpus(plan))
         self.workers: list = []
         self.pg = None
         self.rewards = None

@@ -12,12 +12,13 @@ from posttrain.config.options import ClusterOptions
 log = logging.getLogger(__name__)
 
 
-def connect(options: ClusterOptions, workers: int) -> bool:
+def connect(options: ClusterOptions, workers: int, extra_cpus: int = 0) -> bool:
     """``ray.init`` to ``rl_config.ray_address`` / RAY_ADDRESS, or a new local cluster; returns
     True when this call started Ray (so closing the run shuts it down again). An already
     initialised Ray (a test, or a user script) is used as it is. The workers get the plan's env
     vars (``runtime_env_path``, ``HCCL_BUFFSIZE``) and this process's ``PYTHONPATH`` (so they import
-    the driver's modules, e.g. user verifiers)."""
+    the driver's modules, e.g. user verifiers). A new local cluster has ``extra_cpus`` more CPUs than the
+    workers reserve (TransferQueue's actors, data_strategy: tq)."""
     import ray
 
     if ray.is_initialized():
@@ -33,7 +34,7 @@ def connect(options: ClusterOptions, workers: int) -> bool:
         token_auth_if_available()
         ray.init(address=address, **kwargs)
     else:  # a local cluster with at least one CPU per worker (CPU workers are processes)
-        cpus = max(os.cpu_count() or 1, workers * options.cpus_per_worker)
+        cpus = max(os.cpu_count() or 1, workers * options.cpus_per_worker + extra_cpus)
         # Ray runs workers at nice 15 by default (to keep its own daemons responsive); here the
         # workers are the job, and at nice 15 they lose to every other process on a shared machine
         ray.init(num_cpus=cpus, _system_config={"worker_niceness": 0}, **kwargs)
@@ -95,3 +96,9 @@ def node_label(node_id: str) -> str:
 
     ip = next((n.get("NodeManagerAddress") for n in ray.nodes() if n["NodeID"] == node_id), None)
     return f"node {node_id[:8]}" + (f" ({ip})" if ip else "")
+
+
+def queue_cpus(plan) -> int:
+    """The CPUs TransferQueue's actors reserve (data_strategy: tq): one for the controller and one per
+    storage unit (transferqueue declares its actors with ``num_cpus=1``); 0 without it."""
+    return 1 + plan.queue_shards if plan.data_strategy == "tq" else 0

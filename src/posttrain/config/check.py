@@ -34,6 +34,7 @@ from posttrain.config.multi_turn import check_multi_turn
 from posttrain.config.reward_model import check_reward_model
 from posttrain.config.separated import check_separated
 from posttrain.config.run import RunConfig
+from posttrain.config.sections import QUEUE_STRATEGIES
 from posttrain.config.stages import stage_named
 from posttrain.config.validate import DeviceLayout, actor_key, validate_run_config
 from posttrain.extras import require
@@ -110,6 +111,8 @@ def collect_checks(cfg: RunConfig, refusals: Refusals, *, device_type: str = "cp
     for switch, module in (("use_trackio", "trackio"), ("use_mlflow", "mlflow"), ("use_swanlab", "swanlab")):
         if here and getattr(cfg.rl, switch):
             refusals.run(require, module, f"rl_config.{switch}: true")
+    if here and cfg.rl.data_strategy in QUEUE_STRATEGIES:
+        refusals.run(require, "transfer_queue", f"rl_config.data_strategy: {cfg.rl.data_strategy} (TransferQueue)")
     refusals.run(check_swanlab, cfg)
     if here and backend == "megatron":
         refusals.run(require, "megatron.core", f"the megatron backend ({actor_key(cfg, 'backend')}: megatron)")

@@ -30,6 +30,7 @@ from posttrain.config.backend import VPP_KEY, resolve_backend, role_label, uses_
 from posttrain.config.engine_choice import auto_engine
 from posttrain.config.fields import fmt_value
 from posttrain.config.run import RunConfig
+from posttrain.config.sections import QUEUE_STRATEGIES
 from posttrain.config.separated import legacy_rollout_worker, role_devices, rollout_worker
 from posttrain.errors import ConfigError
 
@@ -159,6 +160,15 @@ def _separated_shown(cfg: RunConfig) -> str:
             f"({groups} worker(s))")
 
 
+def _queue_features() -> list[Feature]:
+    """rl_config.data_strategy: tq (posttrain.cluster.transfer_queue), and its shard count without it."""
+    return [_on("rl_config.data_strategy", lambda v: v in QUEUE_STRATEGIES, name="transfer_queue",
+                shown=lambda c: f"rl_config.data_strategy: {c.rl.data_strategy}", when="tq, transfer_queue or queue"),
+            Feature("queue_shards", ("rl_config.transfer_queue_data_shard_num",),
+                    lambda c: c.rl.transfer_queue_data_shard_num != 1 and c.rl.data_strategy not in QUEUE_STRATEGIES,
+                    when="not 1, without data_strategy: tq")]
+
+
 def _diagnostics() -> list[Feature]:
     """The seed's diagnostics sections: the profiler and the accuracy dumps."""
     return [
@@ -243,6 +253,7 @@ def _features() -> dict[str, Feature]:
         _on("rl_config.partial_rollout_max_split", lambda v: v > 1, name="partial",
             shown="rl_config.partial_rollout_max_split > 1", when="> 1"),
         _on("rl_config.filter_groups_enable", name="dynamic_sampling", when="true"),
+        *_queue_features(),
         _on("rl_config.async_engine", shown="rl_config.async_engine: true", when="true"),
         _on("rl_config.multi_turn_enable", name="multi_turn", shown="rl_config.multi_turn_enable: true", when="true"),
         *_diagnostics(),
@@ -471,6 +482,14 @@ ROWS: tuple[Row, ...] = (
         "their own (rl_config.use_integrated_worker: false with reference_resource or reward_resource); here every "
         "role shares the actor's workers, which run one call at a time, so there is nothing to overlap. Remove the "
         "key or set it to true"),
+    # rl_config.data_strategy: tq (posttrain.cluster.transfer_queue)
+    Row("transfer-queue-offline", "transfer_queue", "{setting}: stage {stage} has no experience table (DPO and SFT "
+        "read their batches from the dataset); remove the key or set it to td", stage=OFFLINE),
+    Row("transfer-queue-partial", "transfer_queue", "{setting} with {other}: the pool of unfinished samples is a "
+        "TransferDock in the driver, not built on TransferQueue; set data_strategy: td or partial_rollout_max_split: 1",
+        with_="partial"),
+    Row("transfer-queue-shards", "queue_shards", "{setting}: only data_strategy: tq has storage units to shard; "
+        "set rl_config.data_strategy: tq or remove the key"),
     Row("reward-model-offline", "reward_model", "reward_config: stage {stage} scores no responses (a reward model is "
         "read by the on-policy stages ray_grpo, ray_dapo and ray_ppo); remove reward_config", stage=OFFLINE),
 )

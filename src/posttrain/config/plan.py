@@ -28,6 +28,7 @@ from posttrain.config.options import (AdvantageOptions, ClusterOptions, CriticOp
                                       PolicyOptions, RolloutOptions, ScheduleOptions, UpdateOptions)
 from posttrain.config.reward_model import RewardModelOptions, reward_model_options
 from posttrain.config.run import RunConfig
+from posttrain.config.sections import QUEUE_STRATEGIES
 from posttrain.config.separated import SeparatedRoles, rollout_worker, separated_options
 from posttrain.config.stages import Stage, stage_named
 from posttrain.config.target import Target, check_device_count, check_device_setting
@@ -105,6 +106,10 @@ class Plan:
     critic: CriticOptions | None = None  # PPO
     dpo: DPOOptions | None = None
     cluster: ClusterOptions = ClusterOptions()
+    # rl_config.data_strategy: "td" keeps the dock's cells in the driver, "tq" in TransferQueue's storage
+    # units (posttrain.cluster.transfer_queue), transfer_queue_data_shard_num of them
+    data_strategy: str = "td"
+    queue_shards: int = 1
     profiler: ProfilerOptions | None = None  # profiler_config.integrated (posttrain.metrics.profiler)
     dumps: DumpOptions | None = None  # msprobe_config (posttrain.metrics.dumps)
     config_json: str = "{}"  # the config as written to the run's config.json
@@ -259,6 +264,7 @@ def build_plan(cfg: RunConfig, layout: DeviceLayout, arch: ModelArch | None = No
         logprob_temperature=temperature, uses_reference=stage.uses_reference(cfg), uses_critic=stage.uses_critic,
         skip_old_logprobs=on_policy and mini == update_prompts and epochs == 1 and not rl.use_kl_in_reward
         and not off.any, guarantee_order=bool(rl.guarantee_order),
+        data_strategy="tq" if rl.data_strategy in QUEUE_STRATEGIES else "td", queue_shards=rl.transfer_queue_data_shard_num,
         actor_loss=actor_loss_options(cfg, stage, temperature) if on_policy else ActorLossOptions(),
         actor_engine=_with_forward(engine, budgets, "actor"), ref_engine=_with_forward(engine, budgets, "ref"),
         policy=options.policy_options(cfg), data=options.data_options(cfg), schedule=options.schedule_options(cfg),

@@ -62,11 +62,13 @@ CRITIC_RESOURCE = refused("in integrated mode the critic runs on the actor's dev
 MULTIMODAL = refused("multimodal training is not implemented yet")
 MULTIMODAL_SET = refused("multimodal training is not implemented yet", "remove the key", active="set")
 DP_BALANCE = HONOURED  # Ray workers: cluster/group.py balances the replicas' shares; one process: compat row
-DATA_STRATEGY = refused("the TransferQueue backend is not implemented (the TransferDock is)", "set it to td",
-                        ok=("td", "transfer_dock", "dock"))
-TQ = refused("the TransferQueue backend is not implemented (the TransferDock is)", group="transfer queue")
-TQ_SET = refused("the TransferQueue backend is not implemented (the TransferDock is)", "remove the key",
-                 active="set", group="transfer queue")
+# td: the TransferDock keeps the cells in the driver; tq: in TransferQueue (posttrain.cluster.transfer_queue)
+DATA_STRATEGY = HONOURED
+QUEUE_STRATEGIES = ("tq", "transfer_queue", "queue")  # the seed's names of data_strategy: tq
+DATA_STRATEGIES = Literal["td", "transfer_dock", "dock", "tq", "transfer_queue", "queue"]
+TQ = HONOURED  # TransferQueue's storage units; compat.py refuses it without data_strategy: tq
+TQ_SET = refused("TransferQueue (transferqueue 0.1.11) binds its ZMQ sockets to free ports that it picks itself; "
+                 "it has no port setting", "remove the key", active="set", group="transfer queue")
 PARTIAL = HONOURED  # posttrain.config.async_rollout checks these keys; loops/partial_rollout.py runs them
 MULTI_TURN = HONOURED  # posttrain.config.multi_turn checks these keys; rollout/multi_turn.py runs them
 SHARE_BACKBONE = HONOURED  # the reference is the actor with its LoRA adapter off (validate.py checks it)
@@ -232,8 +234,8 @@ class RLConfig(Section):
     update_dynamic_max_batch_size: Opt[int] = F(None, "update", HONOURED, ge=1)
     log_max_throughput: bool = F(True, "tps from max lengths instead of mean", HONOURED)
     token_level_loss: bool = F(True, "DAPO: token-mean (true) or seq-mean-token-mean", HONOURED)
-    data_strategy: str = F("td", "td (TransferDock) or tq (TransferQueue)", DATA_STRATEGY)
-    transfer_queue_data_shard_num: int = F(1, "TransferQueue shards", TQ)
+    data_strategy: DATA_STRATEGIES = F("td", "td (TransferDock) or tq (TransferQueue)", DATA_STRATEGY)
+    transfer_queue_data_shard_num: int = F(1, "TransferQueue shards", TQ, ge=1, note="TransferQueue storage units")
     transfer_queue_data_shard_port_base: Opt[int] = F(None, "TransferQueue first port", TQ_SET)
     clip_higher_enable: bool = F(False, "DAPO clip-higher", HONOURED)
     clip_ratio_low: float = F(0.1, "DAPO lower clip", HONOURED, ge=0, finite=True)

@@ -54,7 +54,7 @@ class DynamicSampler:
     """Fills the main TransferDock with groups of varying scores (see the module docstring)."""
 
     def __init__(self, options, *, n: int, global_batch_size: int, train_prompts: int, seed: int,
-                 guarantee_order: bool = False, carry: tuple[str, ...] = ()):
+                 guarantee_order: bool = False, carry: tuple[str, ...] = (), queue=None):
         self.carry = (*CARRIED, *carry)  # the columns a kept group brings along (plus multi-turn's)
         self.n = n
         self.gbs = global_batch_size
@@ -63,6 +63,7 @@ class DynamicSampler:
         self.metric = options.metric
         self.guarantee_order = guarantee_order
         self.seed = seed
+        self.queue = queue  # data_strategy: tq: the sampling docks live in TransferQueue too
         self.num_gen_batches = 0
         self.num_kept = 0
 
@@ -87,7 +88,7 @@ class DynamicSampler:
             sample = new_dock(self.gbs * self.n, self.n, guarantee_order=self.guarantee_order,
                               seed=self.seed + iteration * 7919 + self.num_gen_batches,
                               extra_columns=[metric_column(self.metric), *self.carry[len(CARRIED):]],
-                              extra_consumers=[CONSUMER])
+                              extra_consumers=[CONSUMER], queue=self.queue)
             generate_and_score(sample, iteration + SEED_STRIDE * (self.num_gen_batches - 1), timers, acc)
             with timers("dynamic_sampling"):
                 filled = self._move(sample, td, filled)

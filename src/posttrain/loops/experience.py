@@ -32,9 +32,13 @@ CONSUMERS = ("rollout", "reward", "advantages", "ref_logprobs", "old_logprobs", 
 
 
 def new_dock(rows: int, n: int, *, guarantee_order: bool, seed: int, extra_columns: Sequence[str] = (),
-             extra_consumers: Sequence[str] = ()) -> TransferDock:
-    return TransferDock(rows, (*COLUMNS, *extra_columns), (*CONSUMERS, *extra_consumers), n_samples_per_prompt=n,
-                        guarantee_order=guarantee_order, seed=seed)
+             extra_consumers: Sequence[str] = (), queue=None) -> TransferDock:
+    """An empty dock of ``rows`` rows: a TransferDock, or with ``queue`` (the session's
+    :class:`~posttrain.cluster.transfer_queue.TransferQueueStore`, data_strategy: tq) one whose cells
+    live in TransferQueue."""
+    make = TransferDock if queue is None else queue.new_dock
+    return make(rows, (*COLUMNS, *extra_columns), (*CONSUMERS, *extra_consumers), n_samples_per_prompt=n,
+                guarantee_order=guarantee_order, seed=seed)
 
 
 def read_batch(td: TransferDock, consumer: str, columns: Sequence[str], count: int | None, *, pad_token_id: int,

@@ -143,7 +143,7 @@ class Producer:
                                        else PlainGeneration(plan, session, self.extra))
         self.dynamic = (DynamicSampler(plan.dynamic_sampling, n=plan.n, global_batch_size=plan.prompts_per_iteration,
                                        train_prompts=plan.prompts_per_update, seed=plan.policy.seed,
-                                       guarantee_order=plan.guarantee_order, carry=self.extra)
+                                       guarantee_order=plan.guarantee_order, carry=self.extra, queue=session.queue)
                         if plan.dynamic_sampling is not None else None)
 
     def __call__(self, iteration: int, engine, version: int) -> Experience:
@@ -166,7 +166,7 @@ class Producer:
     def new_dock(self, iteration: int) -> TransferDock:
         """The empty dock of iteration ``iteration``'s experience."""
         return new_dock(self.plan.rows_per_update, self.plan.n, guarantee_order=self.plan.guarantee_order,
-                        seed=self.plan.policy.seed + iteration, extra_columns=self.extra)
+                        seed=self.plan.policy.seed + iteration, extra_columns=self.extra, queue=self.s.queue)
 
     def state_files(self) -> dict[str, Any]:
         return self.generation.state_files()

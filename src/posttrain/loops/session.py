@@ -55,6 +55,7 @@ class Session:
         self.dumps = DumpRecorder(plan.dumps)  # msprobe_config
         self.closed = False
         self.cluster = self.critic = self.rule_reward = self.reward_model = self.eval_data = self.logger = None
+        self.queue = None  # rl_config.data_strategy: tq: TransferQueue (posttrain.cluster.transfer_queue)
         self.locks: list[DirLock] = []
         self.settings = contextlib.ExitStack()  # the process-wide settings of the run, undone by close()
         self.extra_parts: dict[str, Any] = {}  # more trained modules to checkpoint (PPO: "critic")
@@ -116,6 +117,10 @@ class Session:
             if plan.reward_model is not None:  # in this process, or colocated in the Ray actor workers
                 self.reward_model = self.cluster.reward_model if self.cluster else self._reward_scorer()
             self.eval_data = self._load_eval_data()
+            if plan.data_strategy == "tq":  # after the cluster: on Ray, it joins the cluster's Ray
+                from posttrain.cluster.transfer_queue import TransferQueueStore
+
+                self.queue = TransferQueueStore.start(plan)
         self._open_logs()
         if self.iteration == 0 and self.eval_data is not None:
             self.log_eval(0)
@@ -241,6 +246,8 @@ class Session:
                 self.rule_reward.close()
             if self.logger is not None:
                 self.logger.close()
+            if self.queue is not None:  # before the cluster, which may shut Ray down
+                self.queue.close()
             if self.cluster is not None:
                 self.cluster.close()
         finally:

@@ -38,6 +38,7 @@ ASYNC = ["rl_config.async_staleness=1"]
 WORKER = ["rl_config.separate_rollout_worker=true"]
 SEP_REF = ["rl_config.use_integrated_worker=false", "rl_config.reference_resource.num_npus=1"]
 PARTIAL = ["rl_config.partial_rollout_max_split=2"]
+TQ = ["rl_config.data_strategy=queue"]  # the seed's spelling of tq
 SPEC = ["generate_config.num_speculative_tokens=4"]
 OFFLOAD_PARAM = ["generate_config.offload_train_param=true"]
 GRAPHS = ["generate_config.enforce_eager=false"]
@@ -122,6 +123,9 @@ EXAMPLES: dict[str, tuple[list[str], str]] = {
                               "cpu"),
     "blocking-integrated": (["rl_config.blocking=false"], "cpu"),
     "reward-model-offline": ([*DPO, "reward_config.load=/models/rm"], "cpu"),
+    "transfer-queue-offline": ([*DPO, *TQ], "cpu"),
+    "transfer-queue-partial": ([*TQ, *PARTIAL], "cpu"),
+    "transfer-queue-shards": (["rl_config.transfer_queue_data_shard_num=2"], "cpu"),
 }
 # rows an earlier rule of the one check answers first, with its own message (the row documents the fact)
 ANSWERED_FIRST = {"vllm-infer_pipeline_parallel_size": "pipeline_parallel for vllm is not supported yet ! "}
@@ -195,7 +199,7 @@ def test_every_refusal_of_a_config_is_reported_at_once_one_per_line():
 
 
 def test_features_alone_pass_the_table():
-    for overrides in ([], ASYNC, PARTIAL, LORA, VLLM, SPEC, WORKER, TP2, RAY, [*PARTIAL, *VLLM], [*TURNS, *VLLM],
+    for overrides in ([], ASYNC, PARTIAL, LORA, VLLM, TQ, [*TQ, "rl_config.transfer_queue_data_shard_num=2"], SPEC, WORKER, TP2, RAY, [*PARTIAL, *VLLM], [*TURNS, *VLLM],
                       ["rl_config.async_engine=true", *VLLM], ["rl_config.async_engine=true", *VLLM, *GRAPHS],
                       [*ASYNC, *VLLM], [*ASYNC, *PARTIAL, *VLLM], [*ASYNC, *TURNS, *VLLM], [*WORKER, *VLLM],
                       [*WORKER, *ASYNC, *VLLM], [*ASYNC, *VLLM, *RAY], [*ASYNC, *PARTIAL, *VLLM, *RAY], [*ASYNC, *TP2],

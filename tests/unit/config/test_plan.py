@@ -129,3 +129,18 @@ def test_dapo_dynamic_sampling_updates_on_the_kept_prompts():
     assert plan.mini_batches_per_iteration == 2 and plan.optimizer_steps_per_iteration == 2
     # the LR schedule's length counts the kept prompts' steps (not gbs // mini_batch_size)
     assert plan.total_optimizer_steps == 2 * cfg.actor.train_iters
+
+
+def test_data_strategy_spellings_reach_the_plan():
+    """The seed's spellings of data_strategy: tq / transfer_queue / queue run on TransferQueue with the shard
+    count; td / transfer_dock / dock on the TransferDock; another value names the key and the choices."""
+    from posttrain.errors import ConfigError
+
+    for spelling, want in (("queue", "tq"), ("transfer_queue", "tq"), ("dock", "td")):
+        shards = ["rl_config.transfer_queue_data_shard_num=3"] if want == "tq" else []
+        cfg = load_run_config("r1_zero_qwen25_7b",
+                              overrides=[*ONE_PROCESS, f"rl_config.data_strategy={spelling}", *shards])
+        plan = build_plan(cfg, validate_run_config(cfg), model_arch(cfg))
+        assert (plan.data_strategy, plan.queue_shards) == (want, 3 if want == "tq" else 1)
+    with pytest.raises(ConfigError, match="data_strategy='redis': must be one of td, transfer_dock, dock, tq, transfer_queue, queue"):
+        load_run_config("r1_zero_qwen25_7b", overrides=["rl_config.data_strategy=redis"])
