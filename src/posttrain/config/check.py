@@ -25,6 +25,7 @@ import os
 import re
 from pathlib import Path
 
+from posttrain.config.arch import model_arch
 from posttrain.config.async_rollout import check_async
 from posttrain.config.backend import ModelParallel, check_backend, resolve_backend, uses_ray
 from posttrain.config.compat import check_compat, setup_of
@@ -97,6 +98,8 @@ def collect_checks(cfg: RunConfig, refusals: Refusals, *, device_type: str = "cp
     (:func:`~posttrain.config.validate.validate_run_config`) stop at their first broken rule, as the
     seed's do; every other check runs whatever the others found."""
     engine_warnings = refusals.run(resolve_engine, cfg, device_type, here=here, default=[])  # auto, in place
+    if arch is None:  # the architecture keys: a value the model built cannot carry is refused by key
+        arch = refusals.run(model_arch, cfg)
     layout = refusals.run(validate_run_config, cfg, device_type=device_type, num_nodes=num_nodes)
     stage = stage_named(cfg.actor.stage or cfg.actor.algorithm)
     refusals.run(stage.check, cfg)
