@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from typing import Any, Literal, Optional
 
-from posttrain.config.fields import DEVICES, HONOURED, F, Section, Status, field_rule, ignored, refused
+from posttrain.config.fields import (ARCH_WHY, DEVICES, HONOURED, F, Rule, Section, Status, field_rule, ignored,
+                                     refused)
 
 Opt = Optional
 MP_NOTE = "1 means no model parallelism"
@@ -20,7 +21,9 @@ BACKENDS = Literal["hf", "megatron"]
 CKPT_FORMATS = Literal["torch_dist", "torch"]  # posttrain.training.megatron.checkpoint.FORMATS
 
 HF = "posttrain trains Hugging Face models with PyTorch kernels"
-ARCH = HONOURED  # describes the model: plan's sizes and memory, init-model's model (posttrain.models.arch)
+# describes the model: posttrain.models.arch reads it into the model init-model builds and plan sizes
+# (tests/unit/docs/test_reference_claims.py changes each such key and checks that the model changes)
+ARCH = Rule(Status.HONOURED, ARCH_WHY)
 MCORE = ignored("the backend key picks the model classes (megatron: Megatron-Core GPTModel; hf: Hugging Face models)")
 SPEC = ignored(f"{HF}; Megatron layer specs are not used", active="set")
 KERNEL = ignored(f"a Megatron/MindSpeed kernel switch; {HF}")
@@ -119,7 +122,8 @@ MULTIMODAL_MODEL = refused("multimodal training is not implemented yet", "remove
 class MegatronConfig(Section):
     # ---- architecture (usually from configs/model/<name>.yaml) -----------------------------------
     model: Opt[str] = F(None, "model yaml name whose architecture keys this section takes first", HONOURED)
-    hf_model_type: Opt[str] = F(None, "posttrain: HF model_type of a random-init model (qwen2, qwen3, llama)", HONOURED)
+    hf_model_type: Opt[str] = F(None, "posttrain: HF model_type of a random-init model (qwen2, qwen3, qwen3_moe, "
+                                      "llama; deepseek_v3 with multi_latent_attention)", ARCH)
     tokenizer_vocab_size: Opt[int] = F(None, "posttrain: vocab size of the tokenizer init-model trains", HONOURED,
                                        ge=1)
     use_mcore_models: bool = F(False, "Megatron-Core model classes", MCORE)
@@ -156,7 +160,7 @@ class MegatronConfig(Section):
     attention_dropout: float = F(0.1, "attention dropout", DROPOUT)
     hidden_dropout: float = F(0.1, "hidden dropout", DROPOUT)
     init_method_std: float = F(0.02, "init std", INIT_STD)
-    make_vocab_size_divisible_by: int = F(128, "pad the vocabulary to a multiple of this", ARCH, ge=1)
+    make_vocab_size_divisible_by: int = F(128, "pad the vocabulary to a multiple of this", HONOURED, ge=1)
     padded_vocab_size: Opt[int] = F(None, "padded vocabulary size", ARCH, ge=1)
     vocab_extra_ids: int = F(0, "extra vocab ids", EXTRA_IDS, ge=0)
     multi_latent_attention: bool = F(False, "multi-latent attention: the model is DeepSeek-V3 (HF deepseek_v3; refused on the megatron backend)", ARCH)
