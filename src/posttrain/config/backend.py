@@ -142,7 +142,6 @@ def check_backend(cfg: RunConfig, arch: ModelArch | None = None) -> ModelParalle
                           f"parallelism; set {actor_key(cfg, 'pipeline_model_parallel_size')} > 1 or remove the "
                           f"key{why}")
     arch = arch if arch is not None else model_arch(cfg)
-    _check_mapped(cfg, arch, why)
     _check_arch(cfg, mp, arch, why)
     _check_legacy_layout(cfg, mp, why)
     _check_lora(cfg, arch, why)
@@ -168,13 +167,17 @@ def _check_arch(cfg: RunConfig, mp: ModelParallel, arch: ModelArch | None, why: 
     _check_experts(cfg, mp, arch, why)
 
 
-def _check_mapped(cfg: RunConfig, arch: ModelArch | None, why: str) -> None:
+def check_mapped(cfg: RunConfig, arch: ModelArch | None) -> None:
     """The megatron backend builds Megatron-Core's model from the Hugging Face one through the mapping
-    (posttrain.models.mcore): an architecture it does not cover is refused here, naming the key (or the
-    loaded ``config.json``), not when the workers start."""
-    gap = mcore_gap(arch) if arch is not None else None
+    (posttrain.models.mcore): an architecture it does not cover is refused by the config check, naming
+    the key (or the loaded ``config.json``), not when the workers start. A check of its own (run by
+    :func:`posttrain.config.check.collect_checks` next to :func:`check_backend`), so that the layout's
+    refusals are reported with it."""
+    mp = model_parallel(cfg)
+    gap = mcore_gap(arch) if arch is not None and mp.backend == "megatron" else None
     if gap is None:
         return
+    why = f" (backend megatron: {mp.reason})"
     key, reason = gap
     source = role_sources(cfg.raw, cfg.models, "actor_config").get(key)
     where = cfg.actor.load or cfg.actor.tokenizer_name_or_path

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from posttrain.config.arch import model_arch
 from posttrain.config.async_rollout import check_async
-from posttrain.config.backend import ModelParallel, check_backend, resolve_backend, uses_ray
+from posttrain.config.backend import ModelParallel, check_backend, check_mapped, resolve_backend, uses_ray
 from posttrain.config.compat import check_compat, setup_of
 from posttrain.config.features import check_features, startup_warnings
 from posttrain.config.megatron import MegatronConfig
@@ -104,6 +104,7 @@ def collect_checks(cfg: RunConfig, refusals: Refusals, *, device_type: str = "cp
     stage = stage_named(cfg.actor.stage or cfg.actor.algorithm)
     refusals.run(stage.check, cfg)
     parallel = refusals.run(check_backend, cfg, arch)
+    refusals.run(check_mapped, cfg, arch)
     backend = parallel.backend if parallel is not None else resolve_backend(cfg)[0]
     refusals.run(check_compat, cfg, setup_of(cfg, device_type, backend))
     refusals.run(check_features, cfg, device_type=device_type, backend=backend)
