@@ -69,7 +69,11 @@ accepts: a value outside them stops `posttrain plan` and `posttrain train` with
 one status:
 
 * **honoured**: the key changes what runs. An architecture key changes the model that `posttrain
-  init-model` builds and the size and memory that `posttrain plan` estimates (below).
+  init-model` builds and the size and memory that `posttrain plan` estimates (below); every other
+  honoured key changes the plan (`posttrain plan`, every value a run reads) or, where a plan does not
+  carry it (a logger, the tokenizer, the cluster's environment), what a named test observes.
+  `tests/unit/docs/test_honoured_keys.py` and `tests/unit/docs/test_reference_claims.py` change each
+  honoured key and fail when nothing observable changes, or when a key has no observer.
 * **refused**: a feature posttrain does not have yet. Setting the key to an active value (by default:
   anything but its default; the table says when) stops `posttrain plan` and `posttrain train` with
   `section.key=value: <why>; <what to do>`. Keys of one feature (LoRA, model parallelism, multi-turn,
