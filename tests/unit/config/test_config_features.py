@@ -264,6 +264,13 @@ def test_warning_only_for_keys_the_config_writes_with_an_active_value():
         "keys with no effect on this hardware (cuda): megatron_training.attention_dropout"]
 
 
+def test_reset_attention_mask_false_is_named_as_having_no_effect():
+    """Packed rows always attend within their own sequence: false changes nothing, and the warning says so."""
+    assert startup_warnings(config(["actor_config.reset_attention_mask=true"]), "cpu") == []
+    assert startup_warnings(config(["actor_config.reset_attention_mask=false"]), "cpu") == [
+        "keys with no effect on this hardware (cpu): actor_config.reset_attention_mask"]
+
+
 def test_rollout_parallel_sizes_are_warned_not_refused():
     cfg = config(["generate_config.infer_tensor_parallel_size=2", "rl_config.actor_resource.num_npus=2"])
     check_features(cfg, "cuda")
