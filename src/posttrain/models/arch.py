@@ -254,8 +254,8 @@ def arch_from_hf_config(path: str | Path) -> ModelArch:
 def _hf_extras(cfg: Mapping[str, Any]) -> dict[str, Any]:
     """RoPE scaling, and DeepSeek-V3's MLA, dense layers, shared experts and router, of an HF config."""
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    rope = {k: v for k, v in rope.items() if k != "rope_theta"} if rope.get("rope_type", "default") != "default" \
-        else {}
+    kind = rope.get("rope_type") or rope.get("type") or "default"  # "type": the older transformers' name
+    rope = {k: v for k, v in rope.items() if k != "rope_theta"} if kind != "default" else {}
     layers = int(cfg["num_hidden_layers"])
     extras: dict[str, Any] = {"rope_scaling": tuple(rope.items()),
                               "dense_layers": tuple(sorted(int(i) for i in cfg.get("mlp_only_layers") or ()))}

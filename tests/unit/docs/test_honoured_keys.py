@@ -46,6 +46,14 @@ def plan_values(config: str, overrides: tuple[str, ...]) -> dict[str, str]:
     return flat(resolve_plan(load_run_config(config, None, list(overrides))))
 
 
+@lru_cache(maxsize=None)
+def functions_of(path: str) -> dict[str, str]:
+    """The source of each function of the test file ``path``."""
+    source = (ROOT / path).read_text(encoding="utf-8")
+    return {node.name: ast.get_source_segment(source, node) for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.FunctionDef)}
+
+
 def test_every_honoured_key_has_an_observer():
     keys = honoured_keys()
     assert len(keys) > 150, len(keys)
@@ -76,8 +84,6 @@ def test_changing_an_honoured_key_changes_the_plan(key):
 @pytest.mark.parametrize("key", sorted(ELSEWHERE))
 def test_a_key_the_plan_does_not_carry_is_observed_by_a_named_test(key):
     path, test = ELSEWHERE[key].split("::")
-    source = (ROOT / path).read_text(encoding="utf-8")
-    functions = {node.name: ast.get_source_segment(source, node) for node in ast.walk(ast.parse(source))
-                 if isinstance(node, ast.FunctionDef)}
+    functions = functions_of(path)
     assert test in functions, f"{ELSEWHERE[key]}: no such test"
     assert key.rsplit(".", 1)[1] in functions[test], f"{ELSEWHERE[key]} does not name {key}"
