@@ -126,6 +126,11 @@ def _section_rules() -> str:
                  "which needs PP > 1); a mixture-of-experts model (Qwen3-MoE) needs `sequence_parallel` with TP > 1, "
                  "its experts and the data-parallel size divisible by `expert_model_parallel_size`, and torch_dist "
                  "checkpoints; `ref_config`, `critic_config` and `reward_config` may not name another backend. "
+                 "An architecture the Hugging Face <-> Megatron-Core mapping does not cover is refused naming the "
+                 "key (or the loaded `config.json`'s model_type): `multi_latent_attention` (DeepSeek-V3), experts "
+                 "other than Qwen3-MoE's, `first_k_dense_replace` / `moe_layer_freq` dense layers, "
+                 "`rope_scaling_type`, a model type other than qwen2, qwen3, llama and qwen3_moe; and a `load` that "
+                 "is a legacy (per-rank) Megatron checkpoint saved at another TP / PP / EP layout. "
                  "What the megatron backend does not run yet: the `megatron` column of the compatibility matrix.")
     reads = ", ".join(f"`{k}`" for k in READS)
     lines.append(f"* `reward_config`: the reward model of the on-policy stages (see docs/rewards.md, \"Reward model "
