@@ -124,3 +124,12 @@ def test_plan_refuses_mla_on_the_megatron_backend_and_keys_without_a_model_to_bu
         resolve_plan(run_config_from_dict(raw), device="cpu")
     assert "actor_config.n_shared_experts, actor_config.rope_scaling_type: describe the model that posttrain " \
            "init-model builds" in str(err.value)
+
+
+def test_lora_sizes_of_mla_use_its_own_projections():
+    from posttrain.models.lora import full_rank, lora_sizes
+
+    arch = arch_from_model_yaml("tiny_deepseek", DEEPSEEK)
+    # o_proj: 4 heads x 12 value features -> 64; kv_b_proj: 16 -> 4 x (8 + 12); q_b_proj: 24 -> 4 x 16
+    assert lora_sizes(arch, ["o_proj", "kv_b_proj"], 2) == (3 * 2 * (48 + 64 + 16 + 80), 3 * (48 * 64 + 16 * 80))
+    assert full_rank(arch, ["q_b_proj", "kv_a_proj_with_mqa"]) == 24
