@@ -9,7 +9,9 @@ and the critic follow the actor's backend and layout.
 
 :func:`model_parallel` derives the layout (:class:`ModelParallel`, the plan's ``parallel``).
 :func:`check_backend`, part of the one config check (:func:`posttrain.config.check.check_run_config`),
-refuses by key a layout the model cannot be split into, before any weight is loaded. What the
+refuses by key a layout the model cannot be split into, and a legacy Megatron checkpoint (``load``)
+saved at another layout, before any weight is loaded; :func:`check_mapped`, an architecture the
+Hugging Face <-> Megatron-Core mapping does not cover (MLA, DeepSeek's experts, RoPE scaling...). What the
 megatron backend does not run (a run outside Ray worker groups, the distributed optimizer on a CPU,
 the features not built on it yet) are rows of the compatibility table (:mod:`posttrain.config.compat`,
 the one list to shrink as they come). Keys honoured only on the megatron backend carry ``megatron=True``
