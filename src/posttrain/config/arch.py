@@ -5,15 +5,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from posttrain.config.fields import ARCH_WHY, field_rule
+from posttrain.config.megatron import MegatronConfig
 from posttrain.config.run import RunConfig, role_sources
 from posttrain.errors import ConfigError
 from posttrain.models.arch import ModelArch, arch_from_hf_config, arch_from_model_yaml
-from posttrain.models.arch_keys import DEEPSEEK_MOE_KEYS, LLAMA3_DEFAULTS, MLA_KEYS, YARN_DEFAULTS
 
-# the architecture keys that only a model built from the config's sizes reads (posttrain.models.arch_keys)
-BUILD_KEYS = ("multi_latent_attention", *MLA_KEYS, *DEEPSEEK_MOE_KEYS, "moe_router_score_function",
-              "moe_router_enable_expert_bias", "first_k_dense_replace", "moe_layer_freq", "rope_scaling_type",
-              "rope_scaling_factor", *YARN_DEFAULTS, *LLAMA3_DEFAULTS)
+# the architecture keys: they describe the model built from the config's sizes (posttrain.models.arch)
+BUILD_KEYS = tuple(name for name in MegatronConfig.model_fields
+                   if field_rule(MegatronConfig, name).why == ARCH_WHY)
 SIZES = ("num_layers", "hidden_size", "num_attention_heads", "padded_vocab_size")
 
 
@@ -38,8 +38,8 @@ def model_arch(cfg: RunConfig, hf_config: str | None = None) -> ModelArch | None
 
 
 def _check_no_build_keys(cfg: RunConfig) -> None:
-    """Without the model's sizes, the architecture comes from a ``config.json``: the keys that only
-    describe a model to build (MLA, DeepSeek's experts and router, RoPE scaling) would change nothing."""
+    """Without the model's sizes, the architecture comes from a ``config.json``: the architecture keys
+    (MLA, DeepSeek's experts and router, RoPE scaling, a size) would change nothing."""
     sources = role_sources(cfg.raw, cfg.models, "actor_config")
     written = [f"{sources[key]}.{key}" for key in BUILD_KEYS if key in sources]
     if written:

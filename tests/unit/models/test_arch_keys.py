@@ -122,7 +122,7 @@ def test_plan_refuses_mla_on_the_megatron_backend_and_keys_without_a_model_to_bu
     raw["actor_config"].update(rope_scaling_type="yarn", n_shared_experts=1)
     with pytest.raises(ConfigError) as err:
         resolve_plan(run_config_from_dict(raw), device="cpu")
-    assert "actor_config.n_shared_experts, actor_config.rope_scaling_type: describe the model that posttrain " \
+    assert "actor_config.rope_scaling_type, actor_config.n_shared_experts: describe the model that posttrain " \
            "init-model builds" in str(err.value)
 
 
@@ -133,3 +133,14 @@ def test_lora_sizes_of_mla_use_its_own_projections():
     # o_proj: 4 heads x 12 value features -> 64; kv_b_proj: 16 -> 4 x (8 + 12); q_b_proj: 24 -> 4 x 16
     assert lora_sizes(arch, ["o_proj", "kv_b_proj"], 2) == (3 * 2 * (48 + 64 + 16 + 80), 3 * (48 * 64 + 16 * 80))
     assert full_rank(arch, ["q_b_proj", "kv_a_proj_with_mqa"]) == 24
+
+
+def test_a_size_without_the_others_is_refused_not_dropped():
+    """A config that loads its model (no sizes) and writes one size: the run would take config.json's."""
+    raw = copy.deepcopy(PLAN_BASE)
+    raw["actor_config"].update(num_layers=3)
+    with pytest.raises(ConfigError) as err:
+        resolve_plan(run_config_from_dict(raw), device="cpu")
+    assert "actor_config.num_layers: describe the model that posttrain init-model builds and posttrain plan sizes, " \
+           "and this config does not give the model's sizes (hidden_size, num_attention_heads, padded_vocab_size)" \
+        in str(err.value)
