@@ -151,3 +151,32 @@ def test_the_profiler_traces_exactly_its_window_and_its_stages(tiny_model_dir, t
     names = {e.get("name") for e in trace_events(folder / "trace_iter_2_actor_update.json")}
     assert "timing/update" in names and "timing/rollout" not in names and any("aten::" in (n or "") for n in names)
     assert "ops by self time" in (folder / "profile_iter_1_actor_update.txt").read_text()
+
+
+def test_a_deepseek_v3_model_trains_on_the_hf_backend(tiny_model_dir, tiny_prompt_data, tmp_path):
+    """The model yaml's DeepSeek-V3 keys (MLA, shared experts, the grouped sigmoid router) build a model
+    that one GRPO iteration trains: its attention latents and shared experts move."""
+    from transformers import AutoModelForCausalLM
+
+    from posttrain.commands.train import train_config as train
+    from posttrain.models.init_model import init_model_dir
+
+    torch.set_num_threads(1)
+    keys = {"num_layers": 2, "hidden_size": 64, "ffn_hidden_size": 96, "num_attention_heads": 4,
+            "padded_vocab_size": 384, "multi_latent_attention": True, "qk_layernorm": True, "q_lora_rank": 24,
+            "kv_lora_rank": 16, "qk_head_dim": 8, "qk_pos_emb_head_dim": 8, "v_head_dim": 12, "num_experts": 4,
+            "moe_ffn_hidden_size": 32, "moe_router_topk": 2, "n_shared_experts": 1, "first_k_dense_replace": 1,
+            "moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True,
+            "moe_router_num_groups": 2, "moe_router_group_topk": 1, "max_position_embeddings": 256}
+    model = init_model_dir("tiny_deepseek", keys, tmp_path / "model", tokenizer=tiny_model_dir)
+    train(grpo_config(model, tiny_prompt_data, tmp_path, megatron_training__train_iters=1))
+    before = AutoModelForCausalLM.from_pretrained(model)
+    after = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt" / "iter_0000001")
+    assert type(after).__name__ == "DeepseekV3ForCausalLM"
+    old = before.state_dict()
+    moved = {k for k, v in after.state_dict().items() if not torch.equal(v, old[k])}
+    for layer in (0, 1):
+        for part in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"):
+            assert f"model.layers.{layer}.self_attn.{part}.weight" in moved, part
+    assert "model.layers.1.mlp.shared_experts.down_proj.weight" in moved
+    assert "model.layers.0.mlp.down_proj.weight" in moved  # the dense first layer (first_k_dense_replace)

@@ -132,7 +132,7 @@ def run(args) -> int:
     cfg = load_run_config(args.config_name, args.config_path, args.overrides)
     target = _target(args)
     config_only = bool(getattr(args, "config_only", False)) or target is not None
-    plan = resolve_plan(cfg, model_arch(cfg, args.hf_config), target=target)
+    plan = resolve_plan(cfg, model_arch(cfg, args.hf_config) if args.hf_config else None, target=target)
     if not config_only:  # the files it reads and writes, as `posttrain train` checks them at start-up
         try:
             check_run_files(plan)

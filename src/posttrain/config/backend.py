@@ -9,7 +9,9 @@ and the critic follow the actor's backend and layout.
 
 :func:`model_parallel` derives the layout (:class:`ModelParallel`, the plan's ``parallel``).
 :func:`check_backend`, part of the one config check (:func:`posttrain.config.check.check_run_config`),
-refuses by key a layout the model cannot be split into, before any weight is loaded. What the
+refuses by key a layout the model cannot be split into, and a legacy Megatron checkpoint (``load``)
+saved at another layout, before any weight is loaded; :func:`check_mapped`, an architecture the
+Hugging Face <-> Megatron-Core mapping does not cover (MLA, DeepSeek's experts, RoPE scaling...). What the
 megatron backend does not run (a run outside Ray worker groups, the distributed optimizer on a CPU,
 the features not built on it yet) are rows of the compatibility table (:mod:`posttrain.config.compat`,
 the one list to shrink as they come). Keys honoured only on the megatron backend carry ``megatron=True``
@@ -20,14 +22,15 @@ pass over them there.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from dataclasses import dataclass
 
 from posttrain.config.arch import model_arch
 from posttrain.config.run import RunConfig, role_sources
 from posttrain.config.separated import role_devices
 from posttrain.config.validate import actor_key
-from posttrain.errors import ConfigError
-from posttrain.models.arch import ModelArch
+from posttrain.errors import CheckpointError, ConfigError
+from posttrain.models.arch import ModelArch, mcore_gap
 
 PARALLEL_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
                  "expert_model_parallel_size")
@@ -142,6 +145,7 @@ def check_backend(cfg: RunConfig, arch: ModelArch | None = None) -> ModelParalle
                           f"key{why}")
     arch = arch if arch is not None else model_arch(cfg)
     _check_arch(cfg, mp, arch, why)
+    _check_legacy_layout(cfg, mp, why)
     _check_lora(cfg, arch, why)
     return mp
 
@@ -163,6 +167,58 @@ def _check_arch(cfg: RunConfig, mp: ModelParallel, arch: ModelArch | None, why: 
             raise ConfigError(f"{_arch_label(cfg, key)}={value} is not divisible by {by}: each rank must hold an "
                               f"equal share; choose sizes that divide it{why}")
     _check_experts(cfg, mp, arch, why)
+
+
+def check_mapped(cfg: RunConfig, arch: ModelArch | None) -> None:
+    """The megatron backend builds Megatron-Core's model from the Hugging Face one through the mapping
+    (posttrain.models.mcore): an architecture it does not cover is refused by the config check, naming
+    the key (or the loaded ``config.json``), not when the workers start. A check of its own (run by
+    :func:`posttrain.config.check.collect_checks` next to :func:`check_backend`), so that the layout's
+    refusals are reported with it."""
+    mp = model_parallel(cfg)
+    gap = mcore_gap(arch) if arch is not None and mp.backend == "megatron" else None
+    if gap is None:
+        return
+    why = f" (backend megatron: {mp.reason})"
+    key, reason = gap
+    source = role_sources(cfg.raw, cfg.models, "actor_config").get(key)
+    where = cfg.actor.load or cfg.actor.tokenizer_name_or_path
+    label = (f"{source}.{key}" if source is not None else
+             f"model_type {arch.model_type} (in {where}/config.json)" if where else f"model_type {arch.model_type}")
+    raise ConfigError(f"{label}: {reason}; use backend hf (no tensor, pipeline or expert parallelism), or "
+                      f"another model{why}")
+
+
+def _check_legacy_layout(cfg: RunConfig, mp: ModelParallel, why: str) -> None:
+    """A Megatron checkpoint in the legacy per-rank format (``load``) loads only at the layout it was
+    saved with (TP, PP, EP, the layers of each stage); ``torch_dist`` checkpoints reshard on load. The
+    same comparison as the engine's (posttrain.training.megatron.model.mcore_to_megatron), made here so
+    that plan refuses what the workers would."""
+    load = cfg.actor.load
+    if not load or not Path(load).is_dir():
+        return
+    from posttrain.models.mcore import mcore_files  # lazy: torch (the rank file's args)
+
+    try:
+        if not mcore_files.is_mcore_checkpoint(load):
+            return
+        it_dir = mcore_files.iteration_dir(load)
+        if mcore_files.is_dist_checkpoint(it_dir):
+            return
+        args = mcore_files.read_args(it_dir)
+        saved = mcore_files.parallel_from_args(args, it_dir)
+    except CheckpointError:
+        return  # not a readable checkpoint: loading it reports why (posttrain.config.files, the engine)
+    layers = int(args.num_layers)
+    chunks = layers // (mp.pp * mp.vpp_layers) if mp.vpp_layers else 1
+    wanted = mcore_files.pipeline_stages(layers, mp.pp, None, mp.vpp_layers if chunks > 1 else None)
+    if (saved.tp, saved.pp, saved.ep, saved.stages) != (mp.tp, mp.pp, mp.ep, wanted):
+        raise ConfigError(
+            f"{actor_key(cfg, 'load')}={load}: {it_dir.name} was saved at TP {saved.tp} x PP {saved.pp} x EP "
+            f"{saved.ep} with {saved.chunks} virtual stage(s) (stages {saved.stages}) in the legacy format; this "
+            f"run is TP {mp.tp} x PP {mp.pp} x EP {mp.ep} with {chunks}, evenly split. Convert it to HF first "
+            f"(posttrain convert --load-model-type mg --save-model-type hf --load-dir {load} --save-dir <hf dir>) "
+            f"and load that directory, or run at the saved layout (torch_dist checkpoints reshard on load){why}")
 
 
 def _check_lora(cfg: RunConfig, arch: ModelArch | None, why: str) -> None:

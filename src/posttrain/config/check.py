@@ -1,10 +1,13 @@
 """The one config check that ``posttrain plan`` and ``posttrain train`` both run.
 
 Values outside the range their field declares never get here: the config refuses them when it
-loads (:mod:`posttrain.config.fields`). Then, in order: the value rules that read two keys and the
-seed's rules with the seed's messages (:mod:`posttrain.config.validate`), the stage's own rules
-(:mod:`posttrain.config.stages`), the training backend and the layouts the model cannot be split
-into (:mod:`posttrain.config.backend`), the feature combinations posttrain refuses (the one
+loads (:mod:`posttrain.config.fields`). Then, in order: the architecture keys the model built cannot
+carry (:mod:`posttrain.models.arch_keys`, through :func:`posttrain.config.arch.model_arch`), the value
+rules that read two keys and the seed's rules with the seed's messages (:mod:`posttrain.config.validate`),
+the stage's own rules (:mod:`posttrain.config.stages`, the KL controller's ``kl_horizon`` among them), the
+training backend, the layouts the model cannot be split into, the architectures the megatron backend's
+mapping does not cover and a legacy Megatron checkpoint saved at another layout
+(:mod:`posttrain.config.backend`), the feature combinations posttrain refuses (the one
 compatibility table, :mod:`posttrain.config.compat`: every refusal that applies, together), the keys
 refused on their own (:mod:`posttrain.config.features`), the reward model's settings
 (:mod:`posttrain.config.reward_model`), the worker groups' shares, the multi-turn keys
@@ -25,8 +28,9 @@ import os
 import re
 from pathlib import Path
 
+from posttrain.config.arch import model_arch
 from posttrain.config.async_rollout import check_async
-from posttrain.config.backend import ModelParallel, check_backend, resolve_backend, uses_ray
+from posttrain.config.backend import ModelParallel, check_backend, check_mapped, resolve_backend, uses_ray
 from posttrain.config.compat import check_compat, setup_of
 from posttrain.config.features import check_features, startup_warnings
 from posttrain.config.megatron import MegatronConfig
@@ -91,17 +95,21 @@ def collect_checks(cfg: RunConfig, refusals: Refusals, *, device_type: str = "cp
     """Run every check, each on its own, into ``refusals``; return the device layout (None when the
     seed's rules refuse the config) and the start-up warnings.
 
-    ``arch``: the actor's architecture, for the megatron backend's layout checks (default:
-    :func:`posttrain.config.arch.model_arch`). ``num_nodes``: the nodes the run will use (the seed's
+    ``arch``: the actor's architecture, for the megatron backend's layout and mapping checks (default:
+    :func:`posttrain.config.arch.model_arch`, whose refusals of architecture keys the model cannot
+    carry are collected with the others). ``num_nodes``: the nodes the run will use (the seed's
     dispatch rules). ``here``: the run executes on this machine (``posttrain plan --target`` plans for
     another one, whose ``vllm`` package this machine cannot see). The seed's rules
     (:func:`~posttrain.config.validate.validate_run_config`) stop at their first broken rule, as the
     seed's do; every other check runs whatever the others found."""
     engine_warnings = refusals.run(resolve_engine, cfg, device_type, here=here, default=[])  # auto, in place
+    if arch is None:  # the architecture keys: a value the model built cannot carry is refused by key
+        arch = refusals.run(model_arch, cfg)
     layout = refusals.run(validate_run_config, cfg, device_type=device_type, num_nodes=num_nodes)
     stage = stage_named(cfg.actor.stage or cfg.actor.algorithm)
     refusals.run(stage.check, cfg)
     parallel = refusals.run(check_backend, cfg, arch)
+    refusals.run(check_mapped, cfg, arch)
     backend = parallel.backend if parallel is not None else resolve_backend(cfg)[0]
     refusals.run(check_compat, cfg, setup_of(cfg, device_type, backend))
     refusals.run(check_features, cfg, device_type=device_type, backend=backend)

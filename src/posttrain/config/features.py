@@ -77,7 +77,8 @@ def check_features(cfg: RunConfig, device_type: str | None = None, backend: str 
     backend = backend or _backend(cfg)
 
     def refused(k: Key, block: list[Key]) -> bool:
-        return (k.rule.status is Status.REFUSED and device in k.rule.devices and _is_set(k, block, cfg, device)
+        return (k.rule.status is Status.REFUSED and device in k.rule.devices and (k.written or not k.rule.explicit)
+                and _is_set(k, block, cfg, device)
                 and not _megatron_honours(k, block, backend, device) and not _vllm_checks(k, cfg))
 
     messages: list[str] = []

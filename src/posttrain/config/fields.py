@@ -126,6 +126,8 @@ def _same(a: Any, b: Any) -> bool:
 
 
 HONOURED = Rule(Status.HONOURED)
+# the honoured architecture keys of a model yaml (posttrain.config.megatron.ARCH): they change the model built
+ARCH_WHY = "describes the model that posttrain init-model builds and posttrain plan sizes"
 
 
 def refused(why: str, todo: str = "", **kw: Any) -> Rule:

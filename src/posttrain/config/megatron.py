@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from typing import Any, Literal, Optional
 
-from posttrain.config.fields import DEVICES, HONOURED, F, Section, Status, field_rule, ignored, refused
+from posttrain.config.fields import (ARCH_WHY, DEVICES, HONOURED, F, Rule, Section, Status, field_rule, ignored,
+                                     refused)
 
 Opt = Optional
 MP_NOTE = "1 means no model parallelism"
@@ -20,7 +21,9 @@ BACKENDS = Literal["hf", "megatron"]
 CKPT_FORMATS = Literal["torch_dist", "torch"]  # posttrain.training.megatron.checkpoint.FORMATS
 
 HF = "posttrain trains Hugging Face models with PyTorch kernels"
-ARCH = HONOURED  # describes the model (plan, init-model)
+# describes the model: posttrain.models.arch reads it into the model init-model builds and plan sizes
+# (tests/unit/docs/test_reference_claims.py changes each such key and checks that the model changes)
+ARCH = Rule(Status.HONOURED, ARCH_WHY)
 MCORE = ignored("the backend key picks the model classes (megatron: Megatron-Core GPTModel; hf: Hugging Face models)")
 SPEC = ignored(f"{HF}; Megatron layer specs are not used", active="set")
 KERNEL = ignored(f"a Megatron/MindSpeed kernel switch; {HF}")
@@ -84,10 +87,23 @@ VPP = refused(MP_WHY, "remove the key, or remove backend: hf (null picks megatro
               group="model parallelism", megatron=True)
 CONTEXT_PARALLEL = refused("context parallelism is not verified on the megatron backend yet",
                            "set context_parallel_size 1", active="gt1")
-MLA = refused("multi-latent attention (MLA: DeepSeek-V2/V3, the seed's grpo_deepseek_r1_671b_* recipes) is not built: "
-              "posttrain's models, the size and memory estimate of posttrain plan, and the Hugging Face <-> "
-              "Megatron-Core mapping know multi-head and grouped-query attention only",
-              "train a model with standard attention (e.g. the Qwen recipes)")
+BUILT = ("posttrain's models are Hugging Face Llama, Qwen2, Qwen3, Qwen3-MoE and DeepSeek-V3 models: "
+         "RMSNorm, a SwiGLU MLP, rotary position embeddings, no bias but the QKV projection's (add_qkv_bias)")
+NO_BIAS = refused(f"{BUILT}; bias on every linear layer (Megatron's default) is not built",
+                  "set it to true, as the seed's model yamls do", ok=(True,), explicit=True)
+ATTENTION_BIAS = refused(f"{BUILT}; bias on every attention projection (the output's too) is not built",
+                         "remove the key (add_qkv_bias puts bias on the QKV projection)", explicit=True)
+ROPE = refused(f"{BUILT}; other position embeddings are not built", "set it to rope", ok=("rope",), explicit=True)
+ROPE_SWITCH = refused(f"{BUILT}; other position embeddings are not built", "set it to true", ok=(True,),
+                      explicit=True)
+RMSNORM = refused(f"{BUILT}; LayerNorm is not built", "set it to RMSNorm", ok=("RMSNorm",), explicit=True)
+SWIGLU = refused(f"{BUILT}; a GeLU MLP is not built", "set it to true", ok=(True,), explicit=True)
+EXTRA_IDS = refused("extra sentinel ids (T5-style <extra_id_N> tokens) are not added: the vocabulary is the "
+                    "tokenizer's (init-model trains it, tokenizer_vocab_size), padded by make_vocab_size_divisible_by",
+                    "remove the key or set it to 0")
+PACKING = ignored("packed rows (use_remove_padding) always attend within their own sequence, and without packing "
+                  "there is nothing to reset; attention across the sequences of a row is not built (the seed "
+                  "refuses false with remove padding too, its rule 6)", ok=(True,))
 EXPERT_PARALLEL = MODEL_PARALLEL  # experts split over ranks (mixture-of-experts models)
 LORA = HONOURED  # the hf backend's LoRA through PEFT (posttrain.models.lora); refused on megatron
 LORA_KERNEL = ignored("MindSpeed's fused CCLoRA kernels; PEFT's LoRA layers compute the same")
@@ -106,7 +122,8 @@ MULTIMODAL_MODEL = refused("multimodal training is not implemented yet", "remove
 class MegatronConfig(Section):
     # ---- architecture (usually from configs/model/<name>.yaml) -----------------------------------
     model: Opt[str] = F(None, "model yaml name whose architecture keys this section takes first", HONOURED)
-    hf_model_type: Opt[str] = F(None, "posttrain: HF model_type of a random-init model (qwen2, qwen3, llama)", HONOURED)
+    hf_model_type: Opt[str] = F(None, "posttrain: HF model_type of a random-init model (qwen2, qwen3, qwen3_moe, "
+                                      "llama; deepseek_v3 with multi_latent_attention)", ARCH)
     tokenizer_vocab_size: Opt[int] = F(None, "posttrain: vocab size of the tokenizer init-model trains", HONOURED,
                                        ge=1)
     use_mcore_models: bool = F(False, "Megatron-Core model classes", MCORE)
@@ -120,41 +137,41 @@ class MegatronConfig(Section):
     num_query_groups: int = F(1, "KV heads when group_query_attention", ARCH, ge=1)
     untie_embeddings_and_output_weights: bool = F(False, "separate output projection", ARCH)
     add_qkv_bias: bool = F(False, "bias on the QKV projection (Qwen2)", ARCH)
-    disable_bias_linear: bool = F(False, "no bias on other linear layers", ARCH)
-    attention_bias: bool = F(False, "bias on attention projections", ARCH)
+    disable_bias_linear: bool = F(False, "no bias on other linear layers", NO_BIAS)
+    attention_bias: bool = F(False, "bias on attention projections", ATTENTION_BIAS)
     qk_layernorm: bool = F(False, "RMSNorm on queries and keys (Qwen3)", ARCH)
-    position_embedding_type: str = F("learned_absolute", "rope or learned_absolute", ARCH)
-    use_rotary_position_embeddings: bool = F(False, "RoPE", ARCH)
+    position_embedding_type: str = F("learned_absolute", "rope or learned_absolute", ROPE)
+    use_rotary_position_embeddings: bool = F(False, "RoPE", ROPE_SWITCH)
     rotary_base: float = F(10000, "RoPE theta", ARCH, gt=0, finite=True)
     max_position_embeddings: Opt[int] = F(None, "maximum positions", ARCH, ge=1)
-    rope_scaling_type: Opt[str] = F(None, "RoPE scaling (llama3, yarn)", ARCH)
-    rope_scaling_factor: float = F(1.0, "RoPE scaling factor", ARCH)
-    low_freq_factor: Opt[float] = F(None, "llama3 RoPE scaling", ARCH)
-    high_freq_factor: Opt[float] = F(None, "llama3 RoPE scaling", ARCH)
-    original_max_position_embeddings: Opt[int] = F(None, "RoPE scaling", ARCH)
+    rope_scaling_type: Opt[str] = F(None, "RoPE scaling (llama3, yarn): the HF rope_scaling of the model built", ARCH)
+    rope_scaling_factor: float = F(1.0, "RoPE scaling factor (with rope_scaling_type)", ARCH, gt=0, finite=True)
+    low_freq_factor: Opt[float] = F(None, "llama3 RoPE scaling", ARCH, gt=0, finite=True)
+    high_freq_factor: Opt[float] = F(None, "llama3 RoPE scaling", ARCH, gt=0, finite=True)
+    original_max_position_embeddings: Opt[int] = F(None, "llama3 RoPE scaling: the pre-training context", ARCH, ge=1)
     beta_fast: float = F(32, "yarn", ARCH)
     beta_slow: float = F(1, "yarn", ARCH)
     rope_scaling_mscale: float = F(1.0, "yarn", ARCH)
     rope_scaling_mscale_all_dim: float = F(0.0, "yarn", ARCH)
-    rope_scaling_original_max_position_embeddings: Opt[int] = F(None, "yarn", ARCH)
-    normalization: str = F("LayerNorm", "LayerNorm or RMSNorm", ARCH)
+    rope_scaling_original_max_position_embeddings: Opt[int] = F(None, "yarn: the pre-training context", ARCH, ge=1)
+    normalization: str = F("LayerNorm", "LayerNorm or RMSNorm", RMSNORM)
     norm_epsilon: float = F(1e-5, "norm epsilon", ARCH, gt=0, finite=True)
-    swiglu: bool = F(False, "SwiGLU MLP", ARCH)
+    swiglu: bool = F(False, "SwiGLU MLP", SWIGLU)
     attention_dropout: float = F(0.1, "attention dropout", DROPOUT)
     hidden_dropout: float = F(0.1, "hidden dropout", DROPOUT)
     init_method_std: float = F(0.02, "init std", INIT_STD)
-    make_vocab_size_divisible_by: int = F(128, "pad the vocabulary to a multiple of this", ARCH, ge=1)
+    make_vocab_size_divisible_by: int = F(128, "pad the vocabulary to a multiple of this", HONOURED, ge=1)
     padded_vocab_size: Opt[int] = F(None, "padded vocabulary size", ARCH, ge=1)
-    vocab_extra_ids: int = F(0, "extra vocab ids", ARCH, ge=0)
-    multi_latent_attention: bool = F(False, "MLA (DeepSeek)", MLA)
-    qk_pos_emb_head_dim: Opt[int] = F(None, "MLA", ARCH)
-    qk_head_dim: Opt[int] = F(None, "MLA", ARCH)
-    q_lora_rank: Opt[int] = F(None, "MLA", ARCH)
-    kv_lora_rank: Opt[int] = F(None, "MLA", ARCH)
-    v_head_dim: Opt[int] = F(None, "MLA", ARCH)
+    vocab_extra_ids: int = F(0, "extra vocab ids", EXTRA_IDS, ge=0)
+    multi_latent_attention: bool = F(False, "multi-latent attention: the model is DeepSeek-V3 (HF deepseek_v3; refused on the megatron backend)", ARCH)
+    qk_pos_emb_head_dim: Opt[int] = F(None, "MLA: query/key features with RoPE per head (default 64)", ARCH, ge=1)
+    qk_head_dim: Opt[int] = F(None, "MLA: query/key features without RoPE per head (default kv_channels)", ARCH, ge=1)
+    q_lora_rank: Opt[int] = F(None, "MLA: query latent rank (null: a full query projection)", ARCH, ge=1)
+    kv_lora_rank: Opt[int] = F(None, "MLA: key-value latent rank (needed with MLA)", ARCH, ge=1)
+    v_head_dim: Opt[int] = F(None, "MLA: value features per head (default kv_channels)", ARCH, ge=1)
     # ---- MoE ------------------------------------------------------------------------------------
     num_experts: Opt[int] = F(None, "MoE experts", ARCH, ge=1)
-    n_shared_experts: Opt[int] = F(None, "MoE shared experts", ARCH, ge=0)
+    n_shared_experts: Opt[int] = F(None, "MoE shared experts (DeepSeek-V3 only)", ARCH, ge=0)
     moe_ffn_hidden_size: Opt[int] = F(None, "expert MLP size", ARCH, ge=1)
     moe_router_topk: int = F(2, "experts per token", ARCH, ge=1)
     moe_grouped_gemm: bool = F(False, "Megatron MoE kernel", MOE_KERNEL)
@@ -166,15 +183,15 @@ class MegatronConfig(Section):
     moe_token_dispatcher_type: Opt[str] = F(None, "Megatron MoE token dispatcher (alltoall, allgather)",
                                             MOE_KERNEL_SET)
     seq_aux: bool = F(False, "MoE aux loss per sequence", AUX_LOSS)
-    first_k_dense_replace: Opt[int] = F(None, "dense layers before MoE", ARCH)
-    moe_layer_freq: Opt[int] = F(None, "MoE layer frequency", ARCH)
+    first_k_dense_replace: Opt[int] = F(None, "dense layers before MoE (HF Qwen3-MoE: mlp_only_layers)", ARCH, ge=0)
+    moe_layer_freq: Opt[int] = F(None, "MoE layer frequency: layer i has experts when i % freq == 0 (Qwen3-MoE; 1 for DeepSeek-V3)", ARCH, ge=1)
     moe_router_load_balancing_type: str = F("aux_loss", "router balancing", AUX_LOSS)
-    moe_router_num_groups: Opt[int] = F(None, "router groups", ARCH)
-    moe_router_group_topk: Opt[int] = F(None, "router group top-k", ARCH)
-    moe_router_topk_scaling_factor: Opt[float] = F(None, "router scaling", ARCH)
+    moe_router_num_groups: Opt[int] = F(None, "router groups (DeepSeek-V3 only)", ARCH, ge=1)
+    moe_router_group_topk: Opt[int] = F(None, "router group top-k (DeepSeek-V3 only)", ARCH, ge=1)
+    moe_router_topk_scaling_factor: Opt[float] = F(None, "routing weights scale (DeepSeek-V3 only)", ARCH, gt=0, finite=True)
     norm_topk_prob: bool = F(False, "normalise top-k probabilities", ARCH)
-    moe_router_score_function: str = F("softmax", "router score", ARCH)
-    moe_router_enable_expert_bias: bool = F(False, "router expert bias", ARCH)
+    moe_router_score_function: str = F("softmax", "router score: softmax (Qwen3-MoE) or sigmoid (DeepSeek-V3)", ARCH)
+    moe_router_enable_expert_bias: bool = F(False, "router expert bias (DeepSeek-V3: true)", ARCH)
     moe_aux_loss_coeff: float = F(0.001, "aux loss weight", AUX_LOSS)
     # ---- kernels / fusions ----------------------------------------------------------------------
     sequence_parallel: bool = F(False, "Megatron sequence parallelism (with TP)", SEQ_PARALLEL)
@@ -236,7 +253,7 @@ class MegatronConfig(Section):
     attention_mask_type: str = F("causal", "attention mask type (causal)", MASK_TYPE)
     reset_attention_mask: bool = F(True, "per-sequence attention in packed rows (use_remove_padding needs it; "
                                          "posttrain's default: true, with remove padding on; the seed's: false)",
-                                   HONOURED)
+                                   PACKING)
     reset_position_ids: bool = F(False, "per-document positions in packed data", POSITIONS)
     use_cp_send_recv_overlap: bool = F(False, "ring attention: overlap send/recv", PARALLEL_LAYOUT)
     use_fused_ring_attention_update: bool = F(False, "ring attention: fused update kernel", PARALLEL_LAYOUT)

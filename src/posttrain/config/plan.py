@@ -195,8 +195,8 @@ def resolve_plan(cfg: RunConfig, arch: ModelArch | None = None, *, device: str |
     elif device is None:
         check_device(cfg.rl.device)
         device = resolve_device(cfg.rl.device)
-    if arch is None:
-        arch = model_arch(cfg)
+    if arch is None:  # a model yaml's key the model built cannot carry is one of the refusals
+        arch = refusals.run(model_arch, cfg)
     layout, warnings = collect_checks(cfg, refusals, device_type=device_type(device), arch=arch,
                                       num_nodes=target.nodes or 1 if target is not None else 1,
                                       here=target is None)

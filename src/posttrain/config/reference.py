@@ -37,9 +37,9 @@ SECTIONS: list[tuple[str, type[BaseModel], str]] = [
      "The seed's MegatronConfig. Each role merges `megatron_training` with its own section, each taking its "
      "`model:` architecture first (`actor = {**megatron_training, **actor_config}`). A refusal or warning names "
      "the section that wrote the key (`model.<name>` for a model yaml under `configs/model/`). Architecture keys "
-     "describe the model: `posttrain plan` (sizes, memory) and `posttrain init-model` read some of them, and the "
-     "others nothing reads yet (listed above, marked in the table); a training run takes its architecture from the "
-     "model it loads (an HF directory's `config.json`, a Megatron checkpoint's `args`), not from these keys."),
+     "describe the model that `posttrain init-model` builds and `posttrain plan` sizes (see \"Architecture keys\" "
+     "above); a training run takes its architecture from the model it loads (an HF directory's `config.json`, a "
+     "Megatron checkpoint's `args`), not from these keys."),
     ("rl_config", RLConfig, "Algorithm, resources, logging and feature switches."),
     ("rl_config.actor_resource, reference_resource, reward_resource, critic_resource, vit_resource", Resource,
      "Device counts per role."),
@@ -67,12 +67,15 @@ by hand. -->
 Every key that a training config may hold, section by section, with its type (and the values it
 accepts: a value outside them stops `posttrain plan` and `posttrain train` with
 `section.key=value: must be ...`), default, status and meaning. posttrain reads the seed's
-(MindSpeed-RL's) YAML layout; the aim is that **no key is accepted and then silently ignored**, and the
-keys that still are (marked honoured but read by nothing) are listed below, under "Keys that nothing
-reads yet". Each key has exactly one status:
+(MindSpeed-RL's) YAML layout; **no key is accepted and then silently ignored**. Each key has exactly
+one status:
 
-* **honoured**: the key changes what runs. Architecture keys are marked honoured because they describe
-  the model; only some of them are read, by `posttrain plan` and `posttrain init-model` (below).
+* **honoured**: the key changes what runs. An architecture key changes the model that `posttrain
+  init-model` builds and the size and memory that `posttrain plan` estimates (below); every other
+  honoured key changes the plan (`posttrain plan`, every value a run reads) or, where a plan does not
+  carry it (a logger, the tokenizer, the cluster's environment), what a named test observes.
+  `tests/unit/docs/test_honoured_keys.py` and `tests/unit/docs/test_reference_claims.py` change each
+  honoured key and fail when nothing observable changes, or when a key has no observer.
 * **refused**: a feature posttrain does not have yet. Setting the key to an active value (by default:
   anything but its default; the table says when) stops `posttrain plan` and `posttrain train` with
   `section.key=value: <why>; <what to do>`. Keys of one feature (LoRA, model parallelism, multi-turn,
@@ -94,43 +97,24 @@ stage, or with another feature) are the rows of one table, `posttrain.config.com
 """
 
 
-# Architecture keys of MegatronConfig marked honoured that neither `posttrain plan` (the memory estimate,
-# posttrain.models.arch.arch_from_model_yaml) nor `posttrain init-model` reads, and that a run does not read
-# either (it takes the architecture from the model it loads). tests/unit/docs/test_reference_claims.py checks
-# that changing one of them changes nothing that plan and init-model build. Until another issue reads or
-# refuses them, the reference says so.
-ARCH_NOT_READ = (
-    "disable_bias_linear", "attention_bias", "position_embedding_type", "use_rotary_position_embeddings",
-    "rope_scaling_type", "rope_scaling_factor", "low_freq_factor", "high_freq_factor",
-    "original_max_position_embeddings", "beta_fast", "beta_slow", "rope_scaling_mscale",
-    "rope_scaling_mscale_all_dim", "rope_scaling_original_max_position_embeddings", "normalization", "swiglu",
-    "vocab_extra_ids", "qk_pos_emb_head_dim", "qk_head_dim", "q_lora_rank",
-    "kv_lora_rank", "v_head_dim", "n_shared_experts", "first_k_dense_replace", "moe_layer_freq",
-    "moe_router_num_groups", "moe_router_group_topk", "moe_router_topk_scaling_factor",
-    "moe_router_score_function", "moe_router_enable_expert_bias",
-)
-# honoured keys that only a rule reads: the key is checked, but its value changes nothing that runs
-RULE_ONLY = {
-    "reset_attention_mask": "read only by the seed's rules 5 and 6, when a config writes "
-                            "`rl_config.use_remove_padding: true`; packed rows always attend within their own "
-                            "sequence, so `reset_attention_mask: false` changes nothing that runs",
-}
-
-
-def _not_read_rule() -> str:
-    keys = ", ".join(f"`{k}`" for k in ARCH_NOT_READ)
-    only = "; ".join(f"`{k}`: {why}" for k, why in RULE_ONLY.items())
-    return ("* **Keys that nothing reads yet.** These `megatron_training` (and role) keys are marked honoured, but no "
-            f"code reads their value: the architecture keys {keys}. `posttrain plan` sizes the model from the "
-            "other architecture keys, `posttrain init-model` writes a Llama, Qwen2, Qwen3 or Qwen3-MoE model "
-            "(SwiGLU MLP, RMSNorm, RoPE) whatever these say, and a training run takes its architecture from the "
-            "model it loads. So a model yaml that asks for shared experts or yarn RoPE "
-            f"scaling gets neither, without a warning (multi-latent attention is refused). Also {only}. Each of these keys will be read or "
-            "refused; until then the table marks it.")
+def _arch_rule() -> str:
+    return ("* **Architecture keys** (`megatron_training` and the role sections, usually from a model yaml) describe "
+            "the model that `posttrain init-model` builds and whose size and memory `posttrain plan` estimates "
+            "(posttrain.models.arch): each honoured one changes that model (a test, "
+            "tests/unit/docs/test_reference_claims.py, changes every honoured key and fails when nothing observable "
+            "changes). `multi_latent_attention` and its sizes build DeepSeek-V3 (Hugging Face `deepseek_v3`, with "
+            "`n_shared_experts`, `first_k_dense_replace` and the sigmoid router's keys, which only it has; on the "
+            "megatron backend it is refused); `first_k_dense_replace` and `moe_layer_freq` make dense layers in "
+            "Qwen3-MoE too (its `mlp_only_layers`); `rope_scaling_type` llama3 or yarn and its keys become the "
+            "model's `rope_scaling`. What posttrain's models always are (RMSNorm, SwiGLU, RoPE, no bias but the QKV "
+            "projection's) is refused when a config writes otherwise (`normalization`, `swiglu`, "
+            "`position_embedding_type`, `use_rotary_position_embeddings`, `disable_bias_linear`, `attention_bias`). "
+            "A training run takes its architecture from the model it loads (an HF directory's `config.json`, a "
+            "Megatron checkpoint's `args`).")
 
 
 def _section_rules() -> str:
-    lines = [_not_read_rule()]
+    lines = [_arch_rule()]
     keys = ", ".join(f"`{k}`" for k in CRITIC_FOLLOWS_ACTOR)
     lines.append(f"* `critic_config`: the critic takes these keys from the actor, so a different value there is "
                  f"refused: {keys} (`no_save_optim` and `no_save_rng` are the critic's own when "
@@ -144,6 +128,11 @@ def _section_rules() -> str:
                  "which needs PP > 1); a mixture-of-experts model (Qwen3-MoE) needs `sequence_parallel` with TP > 1, "
                  "its experts and the data-parallel size divisible by `expert_model_parallel_size`, and torch_dist "
                  "checkpoints; `ref_config`, `critic_config` and `reward_config` may not name another backend. "
+                 "An architecture the Hugging Face <-> Megatron-Core mapping does not cover is refused naming the "
+                 "key (or the loaded `config.json`'s model_type): `multi_latent_attention` (DeepSeek-V3), experts "
+                 "other than Qwen3-MoE's, `first_k_dense_replace` / `moe_layer_freq` dense layers, "
+                 "`rope_scaling_type`, a model type other than qwen2, qwen3, llama and qwen3_moe; and a `load` that "
+                 "is a legacy (per-rank) Megatron checkpoint saved at another TP / PP / EP layout. "
                  "What the megatron backend does not run yet: the `megatron` column of the compatibility matrix.")
     reads = ", ".join(f"`{k}`" for k in READS)
     lines.append(f"* `reward_config`: the reward model of the on-policy stages (see docs/rewards.md, \"Reward model "
@@ -335,7 +324,7 @@ def _device_status(rule: Rule) -> str:
 
 def _when(rule: Rule, default: Any) -> str:
     """When the key counts as set: "when > 1", "when written as anything but false", ..."""
-    written = "written" if rule.status is Status.IGNORED and rule.explicit else "set"
+    written = "written" if rule.explicit else "set"
     as_ = "written as" if written == "written" else "set to"
     good = rule.ok if rule.ok else (default,)
     if rule.active == "gt1":
@@ -352,10 +341,6 @@ def _when(rule: Rule, default: Any) -> str:
 
 
 def _meaning(doc: str, rule: Rule, default: Any, name: str = "") -> str:
-    if rule.status is Status.HONOURED and name in ARCH_NOT_READ:
-        return f"{doc}. Nothing reads it yet (see \"Keys that nothing reads yet\")"
-    if rule.status is Status.HONOURED and name in RULE_ONLY:
-        return f"{doc}. Its value changes nothing that runs: {RULE_ONLY[name]}"
     if rule.status is Status.HONOURED:
         return doc
     if rule.status is Status.REFUSED and rule.switch:

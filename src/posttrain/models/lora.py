@@ -48,11 +48,24 @@ def lora_sizes(arch, targets: Any, rank: int) -> tuple[int, int]:
 
 def _target_shapes(arch, targets: Any) -> list[tuple[int, int]]:
     """``(in, out)`` of each dense linear that ``targets`` name in ``arch`` (unknown names left out)."""
-    h, q, kv, ffn = arch.hidden_size, arch.num_attention_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim, \
-        arch.ffn_hidden_size
-    shapes = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h), "gate_proj": (h, ffn),
-              "up_proj": (h, ffn), "down_proj": (ffn, h)}
+    h, ffn = arch.hidden_size, arch.ffn_hidden_size
+    shapes = {**_attention_shapes(arch), "gate_proj": (h, ffn), "up_proj": (h, ffn), "down_proj": (ffn, h)}
     return [shapes[n] for n in {n for t in target_list(targets) for n in MEGATRON_TO_HF.get(t, (t,))} if n in shapes]
+
+
+def _attention_shapes(arch) -> dict[str, tuple[int, int]]:
+    """``(in, out)`` of the attention's linears: multi-head / grouped-query, or DeepSeek-V3's MLA."""
+    h, heads, mla = arch.hidden_size, arch.num_attention_heads, getattr(arch, "mla", None)
+    if mla is None:
+        q, kv = heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+        return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h)}
+    qk = heads * (mla.qk_nope_head_dim + mla.qk_rope_head_dim)
+    shapes = {"kv_a_proj_with_mqa": (h, mla.kv_lora_rank + mla.qk_rope_head_dim),
+              "kv_b_proj": (mla.kv_lora_rank, heads * (mla.qk_nope_head_dim + mla.v_head_dim)),
+              "o_proj": (heads * mla.v_head_dim, h)}
+    if mla.q_lora_rank is None:
+        return {**shapes, "q_proj": (h, qk)}
+    return {**shapes, "q_a_proj": (h, mla.q_lora_rank), "q_b_proj": (mla.q_lora_rank, qk)}
 
 
 def full_rank(arch, targets: Any) -> int | None:

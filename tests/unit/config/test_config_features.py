@@ -56,9 +56,20 @@ CASES = [
      "megatron_training.pipeline_model_parallel_size=2: ", "set it to 1"),
     (["actor_config.backend=hf", "actor_config.expert_model_parallel_size=2"],
      f"actor_config.expert_model_parallel_size=2: {MP}", "set it to 1, or remove backend: hf"),
-    (["megatron_training.multi_latent_attention=true"],
-     "megatron_training.multi_latent_attention=true: multi-latent attention (MLA", "train a model with standard "
-     "attention"),
+    # what posttrain's models always are, refused when a config writes otherwise
+    (["megatron_training.vocab_extra_ids=4"], "megatron_training.vocab_extra_ids=4: extra sentinel ids",
+     "remove the key or set it to 0"),
+    (["megatron_training.disable_bias_linear=false"], "megatron_training.disable_bias_linear=false: posttrain's "
+     "models are", "set it to true"),
+    (["actor_config.normalization=LayerNorm"], "actor_config.normalization=LayerNorm: posttrain's models are",
+     "set it to RMSNorm"),
+    (["actor_config.swiglu=false"], "actor_config.swiglu=false: posttrain's models are", "set it to true"),
+    (["actor_config.attention_bias=true"], "actor_config.attention_bias=true: posttrain's models are",
+     "add_qkv_bias puts bias on the QKV projection"),
+    (["actor_config.position_embedding_type=learned_absolute"],
+     "actor_config.position_embedding_type=learned_absolute: posttrain's models are", "set it to rope"),
+    (["actor_config.use_rotary_position_embeddings=false"],
+     "actor_config.use_rotary_position_embeddings=false: posttrain's models are", "set it to true"),
     (["actor_config.context_parallel_size=2"],
      "actor_config.context_parallel_size=2: context parallelism is not verified on the megatron backend yet",
      "set context_parallel_size 1"),
@@ -241,6 +252,13 @@ def test_warning_only_for_keys_the_config_writes_with_an_active_value():
         "megatron_training.distributed_backend"]
     assert startup_warnings(cfg, "cuda") == [  # nccl is what runs on CUDA
         "keys with no effect on this hardware (cuda): megatron_training.attention_dropout"]
+
+
+def test_reset_attention_mask_false_is_named_as_having_no_effect():
+    """Packed rows always attend within their own sequence: false changes nothing, and the warning says so."""
+    assert startup_warnings(config(["actor_config.reset_attention_mask=true"]), "cpu") == []
+    assert startup_warnings(config(["actor_config.reset_attention_mask=false"]), "cpu") == [
+        "keys with no effect on this hardware (cpu): actor_config.reset_attention_mask"]
 
 
 def test_rollout_parallel_sizes_are_warned_not_refused():
