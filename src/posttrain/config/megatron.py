@@ -91,7 +91,6 @@ MLA = refused("multi-latent attention (MLA: DeepSeek-V2/V3, the seed's grpo_deep
 EXPERT_PARALLEL = MODEL_PARALLEL  # experts split over ranks (mixture-of-experts models)
 LORA = HONOURED  # the hf backend's LoRA through PEFT (posttrain.models.lora); refused on megatron
 LORA_KERNEL = ignored("MindSpeed's fused CCLoRA kernels; PEFT's LoRA layers compute the same")
-OPTIMIZER = refused("only adam (AdamW with decoupled weight decay) is implemented", "set it to adam")
 SKIP_TRAIN = refused("a run without training is not implemented", "remove the key or set it to false")
 AI_FRAMEWORK = refused("posttrain runs on PyTorch only", "remove the key")
 TOKENIZER_TYPE = refused("only Hugging Face tokenizers are implemented", "set it to PretrainedFromHF",
@@ -192,12 +191,15 @@ class MegatronConfig(Section):
     # ---- precision / optimizer ------------------------------------------------------------------
     bf16: bool = F(True, "bf16 training (hf: autocast; on a CPU only with AMX/AVX512-BF16, else fp32; megatron: "
                          "bf16 weights with fp32 main parameters on CUDA, float32 on a CPU)", HONOURED)
-    optimizer: str = F("adam", "adam (AdamW with decoupled weight decay)", OPTIMIZER)
+    optimizer: Literal["adam", "sgd"] = F("adam", "adam (AdamW with decoupled weight decay) or sgd (torch.optim.SGD "
+                                                  "with sgd_momentum and L2 weight_decay)", HONOURED)
+    sgd_momentum: float = F(0.9, "posttrain (Megatron's --sgd-momentum): momentum of optimizer sgd", HONOURED, ge=0,
+                            finite=True)
     lr: Opt[float] = F(None, "peak learning rate", HONOURED, gt=0, finite=True, note="the peak learning rate")
     # posttrain.training.optim.lr_decay_styles()
     lr_decay_style: Literal["constant", "linear", "cosine"] = F("linear", "constant, linear or cosine", HONOURED)
     min_lr: float = F(0.0, "final learning rate", HONOURED, ge=0, finite=True)
-    weight_decay: float = F(0.01, "AdamW weight decay", HONOURED, ge=0, finite=True)
+    weight_decay: float = F(0.01, "weight decay (adam: decoupled, AdamW; sgd: L2)", HONOURED, ge=0, finite=True)
     lr_warmup_fraction: Opt[float] = F(None, "fraction of steps for linear warmup", HONOURED, ge=0, le=1)
     clip_grad: float = F(1.0, "gradient-norm clip", HONOURED, finite=True,
                            note="the gradient-norm clip; 0 or less turns clipping off")

@@ -303,6 +303,7 @@ class ClusterOptions:
 def optim_options(role: MegatronConfig) -> OptimOptions:
     return OptimOptions(lr=role.lr, min_lr=role.min_lr, weight_decay=role.weight_decay, adam_beta1=role.adam_beta1,
                         adam_beta2=role.adam_beta2, lr_decay_style=role.lr_decay_style,
+                        optimizer=role.optimizer, sgd_momentum=role.sgd_momentum,
                         lr_warmup_fraction=role.lr_warmup_fraction, clip_grad=role.clip_grad,
                         micro_batch_size=role.micro_batch_size,
                         activation_checkpointing=role.recompute_granularity is not None)
