@@ -17,7 +17,7 @@ def model_arch(cfg: RunConfig, hf_config: str | None = None) -> ModelArch | None
     a = cfg.actor
     if a.num_layers and a.hidden_size and a.num_attention_heads and a.padded_vocab_size:
         return arch_from_model_yaml(a.model or "actor", a.model_dump())
-    for candidate in (a.load, a.tokenizer_name_or_path):
+    for candidate in (a.load, a.pretrained_checkpoint, a.tokenizer_name_or_path):
         if candidate and (Path(candidate) / "config.json").is_file():
             try:
                 return arch_from_hf_config(candidate)

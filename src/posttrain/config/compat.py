@@ -237,7 +237,19 @@ def _features() -> dict[str, Feature]:
     return {f.name: f for f in features}
 
 
-FEATURES = _features()
+def _run_features() -> dict[str, Feature]:
+    """Keys of the run itself honoured in some setups only."""
+    features = [
+        _on("actor_config.skip_train", when="true"),
+        Feature("skip_train_without_eval", ("actor_config.skip_train",),
+                lambda c: c.actor.skip_train and not c.rl.eval_data_path, when="true, without rl_config.eval_data_path"),
+        Feature("critic_skip_train", ("critic_config.skip_train",), _written("critic_config.skip_train", bool),
+                when="written as true"),
+    ]
+    return {f.name: f for f in features}
+
+
+FEATURES = {**_features(), **_run_features()}
 
 
 # ---- the table -----------------------------------------------------------------------------------
@@ -444,6 +456,13 @@ ROWS: tuple[Row, ...] = (
         "their own (rl_config.use_integrated_worker: false with reference_resource or reward_resource); here every "
         "role shares the actor's workers, which run one call at a time, so there is nothing to overlap. Remove the "
         "key or set it to true"),
+    # megatron_training.skip_train: the loaded model's held-out evaluation, nothing else
+    Row("skip-train-offline", "skip_train", "{setting}: stage {stage} has no held-out evaluation, so a run without "
+        "training would do nothing; remove the key (posttrain eval scores a model on prompts)", stage=OFFLINE),
+    Row("skip-train-without-eval", "skip_train_without_eval", "{setting}: a run without training only evaluates the "
+        "loaded model on rl_config.eval_data_path, which is not set; set it, or remove skip_train", stage=ON_POLICY),
+    Row("skip-train-critic", "critic_skip_train", "{setting}: skip_train is the run's key (megatron_training or "
+        "actor_config), not the critic's; remove it from critic_config"),
     Row("reward-model-offline", "reward_model", "reward_config: stage {stage} scores no responses (a reward model is "
         "read by the on-policy stages ray_grpo, ray_dapo and ray_ppo); remove reward_config", stage=OFFLINE),
 )

@@ -91,12 +91,9 @@ MLA = refused("multi-latent attention (MLA: DeepSeek-V2/V3, the seed's grpo_deep
 EXPERT_PARALLEL = MODEL_PARALLEL  # experts split over ranks (mixture-of-experts models)
 LORA = HONOURED  # the hf backend's LoRA through PEFT (posttrain.models.lora); refused on megatron
 LORA_KERNEL = ignored("MindSpeed's fused CCLoRA kernels; PEFT's LoRA layers compute the same")
-SKIP_TRAIN = refused("a run without training is not implemented", "remove the key or set it to false")
 AI_FRAMEWORK = refused("posttrain runs on PyTorch only", "remove the key")
 TOKENIZER_TYPE = refused("only Hugging Face tokenizers are implemented", "set it to PretrainedFromHF",
                          ok=(None, "PretrainedFromHF", "HuggingFaceTokenizer"))
-PRETRAINED = refused("Megatron pretrained checkpoints are not read", "remove the key and name the weights with load",
-                     active="set")
 REFER_ITER = refused("refreshing the DPO reference every N iterations is not implemented (the reference stays "
                      "frozen)")
 MULTIMODAL_MODEL = refused("multimodal training is not implemented yet", "remove the key", active="set")
@@ -279,7 +276,8 @@ class MegatronConfig(Section):
     dataset_additional_keys: list[str] = F([], "extra dataset columns (labels for rule rewards)", HONOURED)
     num_workers: int = F(2, "Megatron data loader workers", DATALOADER)
     seed: int = F(1234, "random seed", HONOURED)
-    skip_train: bool = F(False, "skip training", SKIP_TRAIN)
+    skip_train: bool = F(False, "no training: evaluate the loaded model on rl_config.eval_data_path and exit "
+                                "(no update, no checkpoint; on-policy stages)", HONOURED)
     stage: Opt[str] = F(None, "ray_grpo, ray_dapo, ray_ppo, dpo or sft", HONOURED)
     algorithm: Opt[str] = F(None, "alias of stage", HONOURED)
     do_sample: bool = F(False, "Megatron inference: sampling", MEGATRON_INFERENCE)
@@ -309,7 +307,9 @@ class MegatronConfig(Section):
     no_save_rng: Opt[bool] = F(None, "do not save RNG states", HONOURED)
     no_shared_storage: bool = F(False, "nodes do not share storage", SHARED_STORAGE)
     load_checkpoint_loosely: bool = F(False, "load checkpoints allowing missing keys", LOOSE_LOAD)
-    pretrained_checkpoint: Opt[str] = F(None, "Megatron pretrained checkpoint directory", PRETRAINED)
+    pretrained_checkpoint: Opt[str] = F(None, "checkpoint (posttrain's or Megatron's) whose weights only a fresh run "
+                                              "starts from (iteration 0, new optimizer and RNG) while load holds no "
+                                              "checkpoint to resume", HONOURED)
     ckpt_format: CKPT_FORMATS = F("torch_dist", "posttrain: the megatron backend's checkpoint format (Megatron-LM's "
                                               "--ckpt-format): torch_dist (Megatron-Core dist_checkpointing; reshards "
                                               "on load) or torch (per-rank files; same layout only)", CKPT_FORMAT,

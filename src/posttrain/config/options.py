@@ -26,6 +26,7 @@ from posttrain.config.run import RunConfig
 from posttrain.config.runtime_env import runtime_env_vars
 from posttrain.config.separated import reference_load as separated_reference_load
 from posttrain.config.separated import rollout_worker
+from posttrain.errors import ConfigError
 from posttrain.metrics.profiler import ProfilerOptions
 from posttrain.models.lora import LoraOptions, target_list
 from posttrain.reward.rule_reward import RuleRewardOptions
@@ -249,7 +250,8 @@ class ScheduleOptions:
     """Where the run writes and when: the run directory (``rl_config.output_dir``, else
     ``runs/<config name>``), checkpoints in ``save`` every ``save_interval`` iterations (0 / None:
     only the final save), the newest ``keep_last`` kept, the held-out evaluation every
-    ``eval_interval`` iterations, and what a checkpoint holds."""
+    ``eval_interval`` iterations, and what a checkpoint holds; ``skip_train``: no iteration runs (the
+    loaded model's held-out evaluation only)."""
 
     run_dir: str
     run_dir_key: str  # how the run directory is named in messages
@@ -261,6 +263,7 @@ class ScheduleOptions:
     save_rng: bool = True
     adapter_only: bool = False  # LoRA: lora_ckpt_filter
     num_threads: int | None = None  # rl_config.num_threads (None: chosen at start)
+    skip_train: bool = False  # megatron_training.skip_train: evaluate the loaded model only
 
     def saves(self, iteration: int) -> bool:
         return bool(self.save and self.save_interval and iteration % self.save_interval == 0)
@@ -310,8 +313,31 @@ def optim_options(role: MegatronConfig) -> OptimOptions:
 
 
 def checkpoint_load(role: MegatronConfig) -> CheckpointLoad:
-    return CheckpointLoad(load=role.load or None, finetune=bool(role.finetune), no_load_optim=bool(role.no_load_optim),
+    """What the role loads: ``load``; with ``pretrained_checkpoint`` (Megatron's ``--pretrained-checkpoint``),
+    while ``load`` holds no checkpoint to resume (unset, missing or empty: the run's first start), the
+    pretrained checkpoint's weights only (``finetune``: iteration 0, a fresh optimizer and RNG); once
+    the run has saved into ``load``, it resumes from there."""
+    load, finetune = role.load or None, bool(role.finetune)
+    if role.pretrained_checkpoint and not holds_checkpoint(load):
+        if load and Path(load, "config.json").is_file():
+            raise ConfigError(f"load={load} names model weights and pretrained_checkpoint={role.pretrained_checkpoint} "
+                              f"the weights a fresh run starts from; keep one: remove pretrained_checkpoint, or set "
+                              f"load to the directory the run saves in (save), from which it resumes")
+        load, finetune = role.pretrained_checkpoint, True
+    return CheckpointLoad(load=load, finetune=finetune, no_load_optim=bool(role.no_load_optim),
                           no_load_rng=bool(role.no_load_rng))
+
+
+def holds_checkpoint(path: str | None) -> bool:
+    """``path`` is a directory with a checkpoint to resume: posttrain's ``iter_*`` (or its tracker
+    file) or a Megatron checkpoint."""
+    if not path or not Path(path).is_dir():
+        return False
+    from posttrain.checkpoint import list_checkpoints
+    from posttrain.models.mcore.mcore_files import is_mcore_checkpoint
+
+    return (Path(path, "latest_checkpointed_iteration.txt").is_file() or bool(list_checkpoints(path))
+            or is_mcore_checkpoint(path))
 
 
 def lora_options(role: MegatronConfig) -> LoraOptions | None:
@@ -448,7 +474,7 @@ def schedule_options(cfg: RunConfig) -> ScheduleOptions:
     return ScheduleOptions(run_dir=str(run_dir), run_dir_key=key, save=a.save or None, save_interval=a.save_interval,
                            eval_interval=rl.eval_interval, keep_last=a.keep_last, save_optim=not a.no_save_optim,
                            save_rng=not a.no_save_rng, adapter_only=bool(a.lora_ckpt_filter),
-                           num_threads=rl.num_threads)
+                           num_threads=rl.num_threads, skip_train=bool(a.skip_train))
 
 
 def profiler_options(cfg: RunConfig, run_dir: str) -> ProfilerOptions | None:

@@ -115,8 +115,9 @@ class Session:
                 self.reward_model = self.cluster.reward_model if self.cluster else self._reward_scorer()
             self.eval_data = self._load_eval_data()
         self._open_logs()
-        if self.iteration == 0 and self.eval_data is not None:
-            self.log_eval(0)
+        self.start_eval: dict[str, float] = {}  # the held-out evaluation of the weights the run starts from
+        if self.eval_data is not None and (self.iteration == 0 or plan.schedule.skip_train):
+            self.start_eval = self.log_eval(self.iteration)
 
     def _build_critic(self, state: dict) -> None:
         if self.cluster is not None:

@@ -45,6 +45,9 @@ GRAPHS = ["generate_config.enforce_eager=false"]
 # row id -> (overrides that turn the row on, device); a new row needs its example here
 EXAMPLES: dict[str, tuple[list[str], str]] = {
     "megatron-one-process": (["actor_config.backend=megatron"], "cpu"),
+    "skip-train-offline": ([*DPO, "actor_config.skip_train=true"], "cpu"),
+    "skip-train-without-eval": (["actor_config.skip_train=true"], "cpu"),
+    "skip-train-critic": ([*PPO, "rl_config.eval_data_path=/data/eval", "critic_config.skip_train=true"], "cpu"),
     "megatron-distributed-optimizer-cpu": ([*TP2, "actor_config.use_distributed_optimizer=true"], "cpu"),
     "megatron-bf16-cpu": ([*TP2, "actor_config.bf16=true"], "cpu"),
     "megatron-share-prompt-prefix": ([*TP2, "rl_config.share_prompt_prefix=true"], "cpu"),

@@ -67,13 +67,10 @@ CASES = [
     ([*PPO, "critic_config.tensor_model_parallel_size=2"], "critic_config.tensor_model_parallel_size=2: ",
      "set it to 1"),
     # other Megatron keys
-    (["megatron_training.skip_train=true"], "megatron_training.skip_train=true: ", "remove the key or set it to false"),
     (["megatron_training.ai_framework=mindspore"],
      "megatron_training.ai_framework=mindspore: posttrain runs on PyTorch", "remove the key"),
     (["megatron_training.tokenizer_type=Llama2Tokenizer"], "megatron_training.tokenizer_type=Llama2Tokenizer: ",
      "set it to PretrainedFromHF"),
-    (["megatron_training.pretrained_checkpoint=/ckpt"], "megatron_training.pretrained_checkpoint=/ckpt: ",
-     "name the weights with load"),
     (["megatron_training.refer_model_iter=2"], "megatron_training.refer_model_iter=2: ", "set it to 1"),
     (["actor_config.mm_model=vit"], f"actor_config.mm_model=vit: {MM}", "remove the key"),
     # rl_config
