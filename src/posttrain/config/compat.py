@@ -238,13 +238,14 @@ def _features() -> dict[str, Feature]:
 
 
 def _run_features() -> dict[str, Feature]:
-    """Keys of the run itself honoured in some setups only."""
+    """Keys of the run itself honoured in some setups only (skip_train, refer_model_iter)."""
     features = [
         _on("actor_config.skip_train", when="true"),
         Feature("skip_train_without_eval", ("actor_config.skip_train",),
                 lambda c: c.actor.skip_train and not c.rl.eval_data_path, when="true, without rl_config.eval_data_path"),
         Feature("critic_skip_train", ("critic_config.skip_train",), _written("critic_config.skip_train", bool),
                 when="written as true"),
+        _on("actor_config.refer_model_iter", lambda v: v != 1, when="not 1"),
     ]
     return {f.name: f for f in features}
 
@@ -463,6 +464,9 @@ ROWS: tuple[Row, ...] = (
         "loaded model on rl_config.eval_data_path, which is not set; set it, or remove skip_train", stage=ON_POLICY),
     Row("skip-train-critic", "critic_skip_train", "{setting}: skip_train is the run's key (megatron_training or "
         "actor_config), not the critic's; remove it from critic_config"),
+    Row("refer-model-iter-not-dpo", "refer_model_iter", "{setting} picks the iteration of DPO's ref_model; stage "
+        "{stage} reads no ref_model (an on-policy reference is rl_config.integrated_mode_config.ref_model_load_path "
+        "or the initial weights); remove the key", stage=("grpo", "dapo", "ppo", "sft")),
     Row("reward-model-offline", "reward_model", "reward_config: stage {stage} scores no responses (a reward model is "
         "read by the on-policy stages ray_grpo, ray_dapo and ray_ppo); remove reward_config", stage=OFFLINE),
 )

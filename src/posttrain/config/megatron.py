@@ -94,8 +94,6 @@ LORA_KERNEL = ignored("MindSpeed's fused CCLoRA kernels; PEFT's LoRA layers comp
 AI_FRAMEWORK = refused("posttrain runs on PyTorch only", "remove the key")
 TOKENIZER_TYPE = refused("only Hugging Face tokenizers are implemented", "set it to PretrainedFromHF",
                          ok=(None, "PretrainedFromHF", "HuggingFaceTokenizer"))
-REFER_ITER = refused("refreshing the DPO reference every N iterations is not implemented (the reference stays "
-                     "frozen)")
 MULTIMODAL_MODEL = refused("multimodal training is not implemented yet", "remove the key", active="set")
 
 
@@ -322,7 +320,8 @@ class MegatronConfig(Section):
     pref_ftx: float = F(0.0, "SFT loss weight on chosen responses", HONOURED, ge=0, finite=True,
                          note="the weight of the SFT term")
     ref_model: Opt[str] = F("", "reference model path (DPO)", HONOURED)
-    refer_model_iter: int = F(1, "DPO: refresh the reference every N iterations", REFER_ITER)
+    refer_model_iter: int = F(1, "DPO: the iteration of ref_model's checkpoint directory the reference loads "
+                                 "(posttrain.config.dpo_reference)", HONOURED)
     # ---- LoRA / multimodal ----------------------------------------------------------------------
     lora_r: int = F(8, "LoRA rank", LORA, ge=1, note="the LoRA rank")
     lora_alpha: int = F(16, "LoRA alpha", LORA, gt=0, note="updates scale by lora_alpha / lora_r")

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from posttrain.checkpoint.files import CheckpointLoad
+from posttrain.config.dpo_reference import dpo_reference
 from posttrain.config.megatron import MegatronConfig
 from posttrain.config.multi_turn import DEFAULT_PARSER, tool_config_file
 from posttrain.config.run import RunConfig
@@ -348,7 +349,7 @@ def lora_options(role: MegatronConfig) -> LoraOptions | None:
 
 def policy_options(cfg: RunConfig) -> PolicyOptions:
     a, rl = cfg.actor, cfg.rl
-    reference = a.ref_model if cfg.stage == "dpo" else ((rl.integrated_mode_config or {}).get("ref_model_load_path")
+    reference = dpo_reference(a) if cfg.stage == "dpo" else ((rl.integrated_mode_config or {}).get("ref_model_load_path")
                                                         or separated_reference_load(cfg))
     return PolicyOptions(
         checkpoint=checkpoint_load(a), tokenizer=a.tokenizer_name_or_path or None, prompt_type=a.prompt_type,

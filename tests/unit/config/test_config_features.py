@@ -71,7 +71,6 @@ CASES = [
      "megatron_training.ai_framework=mindspore: posttrain runs on PyTorch", "remove the key"),
     (["megatron_training.tokenizer_type=Llama2Tokenizer"], "megatron_training.tokenizer_type=Llama2Tokenizer: ",
      "set it to PretrainedFromHF"),
-    (["megatron_training.refer_model_iter=2"], "megatron_training.refer_model_iter=2: ", "set it to 1"),
     (["actor_config.mm_model=vit"], f"actor_config.mm_model=vit: {MM}", "remove the key"),
     # rl_config
     (["rl_config.is_multimodal=true"], f"rl_config.is_multimodal=true: {MM}", "set it to false"),
