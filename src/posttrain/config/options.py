@@ -30,6 +30,7 @@ from posttrain.config.separated import rollout_worker
 from posttrain.errors import ConfigError
 from posttrain.metrics.profiler import ProfilerOptions
 from posttrain.models.lora import LoraOptions, target_list
+from posttrain.data.tokenizer_files import TokenizerFiles, tokenizer_files
 from posttrain.reward.rule_reward import RuleRewardOptions
 from posttrain.rollout.base import SamplingParams
 from posttrain.rollout.multi_turn import TurnLimits
@@ -59,6 +60,7 @@ class PolicyOptions:
     moe_router_load_balancing_type: str = "aux_loss"
     moe_aux_loss_coeff: float = 0.001
     ckpt_format: str = "torch_dist"
+    tokenizer_files: TokenizerFiles | None = None  # tokenizer_type GPT2BPETokenizer: built into the run dir
 
     @property
     def load(self) -> str | None:
@@ -358,7 +360,17 @@ def policy_options(cfg: RunConfig) -> PolicyOptions:
         share_backbone=bool(rl.share_backbone), offload_reference=bool(rl.offload_reference), seed=a.seed,
         deterministic=bool(a.npu_deterministic),
         moe_router_load_balancing_type="seq_aux_loss" if a.seq_aux else a.moe_router_load_balancing_type,
-        moe_aux_loss_coeff=a.moe_aux_loss_coeff, ckpt_format=a.ckpt_format)
+        moe_aux_loss_coeff=a.moe_aux_loss_coeff, ckpt_format=a.ckpt_format, tokenizer_files=policy_tokenizer(a))
+
+
+def policy_tokenizer(a: MegatronConfig) -> TokenizerFiles | None:
+    """The files of a ``tokenizer_type`` built from files (GPT2BPETokenizer), None for a Hugging Face one."""
+    files = tokenizer_files(a.tokenizer_type, a.vocab_file, a.merge_file, "megatron_training.")
+    if files is not None and a.tokenizer_name_or_path:
+        raise ConfigError(f"megatron_training.tokenizer_type={a.tokenizer_type} builds the tokenizer from vocab_file "
+                          f"and merge_file, and tokenizer_name_or_path={a.tokenizer_name_or_path} names another; "
+                          f"keep one (name the model's weights with load)")
+    return files
 
 
 def critic_save_dir(cfg: RunConfig) -> str | None:

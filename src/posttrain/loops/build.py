@@ -16,7 +16,7 @@ def build_trainer(plan: Plan, *, load_previous_on_corruption: bool = False):
     loop = getattr(importlib.import_module(module), cls)
     session = Session(plan, load_previous_on_corruption=load_previous_on_corruption)
     try:
-        return loop(plan, session)
+        return loop(session.plan, session)  # the session's plan: with the tokenizer it built
     except BaseException:
         session.close()
         raise
