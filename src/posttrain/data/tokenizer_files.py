@@ -48,7 +48,8 @@ def tokenizer_files(tokenizer_type: str | None, vocab_file: str | None, merge_fi
         return None
     if tokenizer_type not in FILE_TYPES:
         raise ConfigError(f"{where}tokenizer_type={tokenizer_type}: posttrain builds PretrainedFromHF "
-                          f"(HuggingFaceTokenizer) and GPT2BPETokenizer; set one of them")
+                          f"(HuggingFaceTokenizer) and GPT2BPETokenizer (SentencePieceTokenizer needs the "
+                          f"sentencepiece package, which this build does not install); set one of them")
     for key, value in (("vocab_file", vocab_file), ("merge_file", merge_file)):
         if not value:
             raise ConfigError(f"{where}tokenizer_type={tokenizer_type} reads {where}{key}; set it (GPT-2's "
