@@ -238,7 +238,7 @@ def _features() -> dict[str, Feature]:
 
 
 def _run_features() -> dict[str, Feature]:
-    """Keys of the run itself honoured in some setups only (skip_train, refer_model_iter)."""
+    """Keys of the run itself honoured in some setups only (skip_train, pretrained_checkpoint, refer_model_iter)."""
     features = [
         _on("actor_config.skip_train", when="true"),
         Feature("skip_train_without_eval", ("actor_config.skip_train",),
@@ -246,6 +246,8 @@ def _run_features() -> dict[str, Feature]:
         Feature("critic_skip_train", ("critic_config.skip_train",), _written("critic_config.skip_train", bool),
                 when="written as true"),
         _on("actor_config.refer_model_iter", lambda v: v != 1, when="not 1"),
+        Feature("critic_pretrained_checkpoint", ("critic_config.pretrained_checkpoint",),
+                _written("critic_config.pretrained_checkpoint", bool), when="written"),
     ]
     return {f.name: f for f in features}
 
@@ -464,6 +466,9 @@ ROWS: tuple[Row, ...] = (
         "loaded model on rl_config.eval_data_path, which is not set; set it, or remove skip_train", stage=ON_POLICY),
     Row("skip-train-critic", "critic_skip_train", "{setting}: skip_train is the run's key (megatron_training or "
         "actor_config), not the critic's; remove it from critic_config"),
+    Row("pretrained-checkpoint-critic", "critic_pretrained_checkpoint", "{setting}: pretrained_checkpoint is the "
+        "actor's key (megatron_training or actor_config); the critic starts from critic_config.load or the actor's "
+        "initial weights: set critic_config.load (with finetune: true for the weights only)"),
     Row("refer-model-iter-not-dpo", "refer_model_iter", "{setting} picks the iteration of DPO's ref_model; stage "
         "{stage} reads no ref_model (an on-policy reference is rl_config.integrated_mode_config.ref_model_load_path "
         "or the initial weights); remove the key", stage=("grpo", "dapo", "ppo", "sft")),

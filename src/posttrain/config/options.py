@@ -315,13 +315,13 @@ def optim_options(role: MegatronConfig) -> OptimOptions:
                         activation_checkpointing=role.recompute_granularity is not None)
 
 
-def checkpoint_load(role: MegatronConfig) -> CheckpointLoad:
-    """What the role loads: ``load``; with ``pretrained_checkpoint`` (Megatron's ``--pretrained-checkpoint``),
-    while ``load`` holds no checkpoint to resume (unset, missing or empty: the run's first start), the
-    pretrained checkpoint's weights only (``finetune``: iteration 0, a fresh optimizer and RNG); once
-    the run has saved into ``load``, it resumes from there."""
+def checkpoint_load(role: MegatronConfig, pretrained: bool = True) -> CheckpointLoad:
+    """What the role loads: ``load``; with ``pretrained_checkpoint`` (Megatron's ``--pretrained-checkpoint``;
+    the actor's: ``pretrained``), while ``load`` holds no checkpoint to resume (unset, missing or empty:
+    the run's first start), the pretrained checkpoint's weights only (``finetune``: iteration 0, a fresh
+    optimizer and RNG); once the run has saved into ``load``, it resumes from there."""
     load, finetune = role.load or None, bool(role.finetune)
-    if role.pretrained_checkpoint and not holds_checkpoint(load):
+    if pretrained and role.pretrained_checkpoint and not holds_checkpoint(load):
         if load and Path(load, "config.json").is_file():
             raise ConfigError(f"load={load} names model weights and pretrained_checkpoint={role.pretrained_checkpoint} "
                               f"the weights a fresh run starts from; keep one: remove pretrained_checkpoint, or set "
@@ -387,7 +387,7 @@ def critic_save_dir(cfg: RunConfig) -> str | None:
 def critic_options(cfg: RunConfig) -> CriticOptions:
     role = cfg.critic or cfg.actor  # megatron_training + critic_config
     own = cfg.critic is not None and cfg.critic.load and cfg.critic.load != cfg.actor.load
-    load = checkpoint_load(role)
+    load = checkpoint_load(role, pretrained=False)  # no critic_config.load: the actor's initial weights
     return CriticOptions(optim=optim_options(role),
                          checkpoint=CheckpointLoad(load.load if own else None, load.finetune, load.no_load_optim,
                                                    load.no_load_rng),

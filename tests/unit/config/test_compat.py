@@ -47,6 +47,7 @@ EXAMPLES: dict[str, tuple[list[str], str]] = {
     "megatron-one-process": (["actor_config.backend=megatron"], "cpu"),
     "skip-train-offline": ([*DPO, "actor_config.skip_train=true"], "cpu"),
     "refer-model-iter-not-dpo": (["actor_config.refer_model_iter=2"], "cpu"),
+    "pretrained-checkpoint-critic": ([*PPO, "critic_config.pretrained_checkpoint=/ckpt"], "cpu"),
     "skip-train-without-eval": (["actor_config.skip_train=true"], "cpu"),
     "skip-train-critic": ([*PPO, "rl_config.eval_data_path=/data/eval", "critic_config.skip_train=true"], "cpu"),
     "megatron-distributed-optimizer-cpu": ([*TP2, "actor_config.use_distributed_optimizer=true"], "cpu"),
