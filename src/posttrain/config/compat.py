@@ -469,9 +469,9 @@ ROWS: tuple[Row, ...] = (
     Row("pretrained-checkpoint-critic", "critic_pretrained_checkpoint", "{setting}: pretrained_checkpoint is the "
         "actor's key (megatron_training or actor_config); the critic starts from critic_config.load or the actor's "
         "initial weights: set critic_config.load (with finetune: true for the weights only)"),
-    Row("refer-model-iter-not-dpo", "refer_model_iter", "{setting} picks the iteration of DPO's ref_model; stage "
-        "{stage} reads no ref_model (an on-policy reference is rl_config.integrated_mode_config.ref_model_load_path "
-        "or the initial weights); remove the key", stage=("grpo", "dapo", "ppo", "sft")),
+    Row("refer-model-iter-not-dpo", "refer_model_iter", "{setting} picks the iteration of DPO's ref_model, which the "
+        "other stages do not read (an on-policy reference is rl_config.integrated_mode_config.ref_model_load_path or "
+        "the initial weights; SFT has none); remove the key", stage=("grpo", "dapo", "ppo", "sft")),
     Row("reward-model-offline", "reward_model", "reward_config: stage {stage} scores no responses (a reward model is "
         "read by the on-policy stages ray_grpo, ray_dapo and ray_ppo); remove reward_config", stage=OFFLINE),
 )
