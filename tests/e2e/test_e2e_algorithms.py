@@ -172,3 +172,26 @@ def test_dpo_loss_types_train(work, keys, first_loss):
     else:
         assert rows[0]["dpo/loss"] == pytest.approx(first_loss, abs=1e-4)
     assert rows[0]["rewards/margins"] == pytest.approx(0.0, abs=1e-4)
+
+
+def test_dpo_reference_is_ref_model_at_refer_model_iter(work):
+    """``refer_model_iter`` picks the iteration of ``ref_model``'s checkpoint directory: with the
+    policy started from iteration 1's weights, the reference at iteration 1 is the policy itself (the
+    first loss is log 2, margin 0), at iteration 2 it is not; an iteration not there is refused."""
+    import math
+
+    from posttrain.commands.train import train_config as train
+    from posttrain.errors import ConfigError
+
+    small = {"global_batch_size": 8, "micro_batch_size": 8}
+    ckpt = work / "ckpt_dpo_ref"
+    train(dpo_config(work, 2, "dpo_ref_base", **small, save=str(ckpt), save_interval=1))
+    start = {**small, "ref_model": str(ckpt), "load": str(ckpt / "iter_0000001"), "finetune": True}
+    for iteration in (1, 2):
+        train(dpo_config(work, 1, f"dpo_ref_{iteration}", **start, refer_model_iter=iteration))
+    same, later = (read_metrics(work / f"run_dpo_ref_{i}")[0] for i in (1, 2))
+    assert same["dpo/loss"] == pytest.approx(math.log(2), abs=1e-5) and same["rewards/margins"] == pytest.approx(0, abs=1e-5)
+    assert abs(later["rewards/margins"]) > 1e-3 and abs(later["dpo/loss"] - math.log(2)) > 1e-4
+    with pytest.raises(ConfigError, match=r"refer_model_iter=3: ref_model=.* holds no iter_0000003 \(it holds "
+                                          r"iter_0000001, iter_0000002\)"):
+        train(dpo_config(work, 1, "dpo_ref_3", **start, refer_model_iter=3))

@@ -1,6 +1,6 @@
 """The Megatron-Core backend's engine (posttrain.training.megatron.engine.MegatronEngine) equals the
 HF engine (TrainEngine) with the same loss function (make_actor_loss_fn: GRPO's clipped loss,
-token-mean over each mini-batch, clip 0.2; clip_grad 1.0; Adam): 2 epochs of 2 shuffled
+token-mean over each mini-batch, clip 0.2; clip_grad 1.0; Adam, or SGD with momentum in one case): 2 epochs of 2 shuffled
 mini-batches of left-padded prompts and right-padded responses give, step by step, the same
 pg_loss, entropy, clip fraction, approximate KL, gradient norm and lr within 1e-4 relative at TP 2,
 at PP 2 (2 gloo ranks) and at TP 2 x PP 2 (4 ranks), with and without sequence parallelism; then
@@ -45,7 +45,7 @@ def loss_fn(kind: str = "grpo"):
     return make_actor_loss_fn(ActorLossOptions(temperature=TEMPERATURE)) if kind == "grpo" else make_sft_loss_fn()
 
 
-def hf_run(hf_dir: str, batch, kind: str):
+def hf_run(hf_dir: str, batch, kind: str, optimizer: str = "adam"):
     """2 epochs of 2 shuffled mini-batches (4 optimizer steps), then the log-probs and the weights."""
     from transformers import AutoModelForCausalLM
 
@@ -53,7 +53,8 @@ def hf_run(hf_dir: str, batch, kind: str):
     from posttrain.training.optim import build_optimizer
 
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
-    engine = TrainEngine(model, build_optimizer(model, LR, weight_decay=0.0), clip_grad=1.0, micro_batch_size=1,
+    engine = TrainEngine(model, build_optimizer(model, LR, weight_decay=0.0, optimizer=optimizer, sgd_momentum=0.9),
+                         clip_grad=1.0, micro_batch_size=1,
                          metric_prefix="actor" if kind == "grpo" else "sft")
     steps = engine.update(batch, loss_fn(kind), mini_batch_size=2, epochs=2, shuffle=True, seed=5)
     after = engine.compute_logprobs(batch, temperature=TEMPERATURE, with_entropy=True)
@@ -74,7 +75,7 @@ def assert_same_update(name: str, got: torch.Tensor, want: torch.Tensor) -> None
 
 
 def worker(rank: int, hf_dir: str, tp: int, pp: int, kind: str, micro_batch_size: int, packed: bool,
-           sequence_parallel: bool = False) -> None:
+           sequence_parallel: bool = False, optimizer: str = "adam") -> None:
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -84,15 +85,15 @@ def worker(rank: int, hf_dir: str, tp: int, pp: int, kind: str, micro_batch_size
     from posttrain.training.megatron.model import hf_to_megatron, hf_weights
 
     batch = grpo_batch(hf_dir)
-    want, want_after, want_weights = hf_run(hf_dir, batch, kind)
+    want, want_after, want_weights = hf_run(hf_dir, batch, kind, optimizer)
     with cpu_megatron():
         ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
         [chunk], args = hf_to_megatron(hf_dir, for_training=True, sequence_parallel=sequence_parallel)
         assert chunk.config.sequence_parallel is sequence_parallel
         wrapped = DistributedDataParallel(chunk.config, DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False), chunk)
-        optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=LR, weight_decay=0.0,
-                                                           clip_grad=1.0, bf16=False), [wrapped])
+        optimizer = get_megatron_optimizer(OptimizerConfig(optimizer=optimizer, lr=LR, weight_decay=0.0,
+                                                           sgd_momentum=0.9, clip_grad=1.0, bf16=False), [wrapped])
         options = None
         if packed:  # token budgets of 20: two rows (17-18 tokens) packed in one sequence
             from posttrain.training.options import EngineOptions, TokenBudget
@@ -133,17 +134,21 @@ def worker(rank: int, hf_dir: str, tp: int, pp: int, kind: str, micro_batch_size
         ps.destroy_model_parallel()
 
 
-@pytest.mark.parametrize("model,tp,pp,loss,mbs,packed,sp", [
-    ("qwen2", 2, 1, "grpo", 1, False, False), ("qwen2", 1, 2, "grpo", 1, False, False),
-    ("llama", 2, 1, "grpo", 2, False, False), ("llama", 1, 2, "grpo", 2, False, False),
-    ("qwen2", 2, 2, "grpo", 2, False, False), ("llama", 2, 1, "sft", 1, False, False),
-    ("qwen2", 1, 2, "grpo", 2, True, False), ("qwen2", 2, 1, "sft", 2, True, False),
-    ("qwen3", 2, 1, "grpo", 2, False, True), ("qwen2", 2, 2, "grpo", 2, True, True)])
-def test_the_megatron_engine_equals_the_hf_engine(tiny_hf, tmp_path, model, tp, pp, loss, mbs, packed, sp):
+@pytest.mark.parametrize("model,tp,pp,loss,mbs,packed,sp,optimizer", [
+    ("qwen2", 2, 1, "grpo", 1, False, False, "adam"), ("qwen2", 1, 2, "grpo", 1, False, False, "adam"),
+    ("llama", 2, 1, "grpo", 2, False, False, "adam"), ("llama", 1, 2, "grpo", 2, False, False, "adam"),
+    ("qwen2", 2, 2, "grpo", 2, False, False, "adam"), ("llama", 2, 1, "sft", 1, False, False, "sgd"),
+    ("qwen2", 1, 2, "grpo", 2, True, False, "adam"), ("qwen2", 2, 1, "sft", 2, True, False, "adam"),
+    ("qwen3", 2, 1, "grpo", 2, False, True, "adam"), ("qwen2", 2, 2, "grpo", 2, True, True, "adam")])
+def test_the_megatron_engine_equals_the_hf_engine(tiny_hf, tmp_path, model, tp, pp, loss, mbs, packed, sp,
+                                                  optimizer):
     """``mbs``: rows per micro-batch in the Megatron engine (2: the left- and right-padded rows of a
     mini-batch share one forward); ``packed``: their valid tokens packed into one sequence with a
     block-diagonal causal mask, micro-batches cut by a token budget, and the gradient buffers freed
     between updates (Megatron-Core's offload_grad_buffers); ``sp``: sequence parallelism (each
     sequence split over the TP ranks between the tensor-parallel layers, padded to a multiple of TP:
-    the packed sequences of 17-18 tokens are; the norms' gradients summed over TP; Qwen3's q/k norms)."""
-    run_on_ranks(worker, str(tiny_hf(model)), tp, pp, loss, mbs, packed, sp, out=tmp_path, world=tp * pp)
+    the packed sequences of 17-18 tokens are; the norms' gradients summed over TP; Qwen3's q/k norms);
+    ``optimizer``: ``sgd`` (momentum 0.9) is Megatron-Core's SGD against torch's in the HF engine."""
+    run_on_ranks(worker, str(tiny_hf(model)), tp, pp, loss, mbs, packed, sp, optimizer, out=tmp_path,
+                 world=tp * pp)
+

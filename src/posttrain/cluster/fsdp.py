@@ -40,7 +40,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from posttrain.rollout.vllm_weights import ModelView, hf_name
-from posttrain.training.optim import build_optimizer, build_scheduler
+from posttrain.training.optim import build_role_optimizer, build_scheduler
 from posttrain.training.options import OptimOptions
 
 
@@ -79,7 +79,7 @@ def shard(model, engine, optim: OptimOptions, total_steps: int) -> list[str]:
         if type(module).__name__ in layers:
             fully_shard(module, mp_policy=policy)
     fully_shard(model, mp_policy=policy)
-    engine.optimizer = build_optimizer(model, optim.lr, optim.weight_decay, optim.adam_beta1, optim.adam_beta2)
+    engine.optimizer = build_role_optimizer(model, optim)
     if engine.offload is not None:  # generate_config.offload_train_*: the new optimizer's state moves
         engine.offload.optimizer = engine.optimizer
     engine.scheduler = build_scheduler(engine.optimizer, optim, max(total_steps, 1))

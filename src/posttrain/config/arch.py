@@ -28,7 +28,7 @@ def model_arch(cfg: RunConfig, hf_config: str | None = None) -> ModelArch | None
     if all(getattr(a, key) for key in SIZES):
         return arch_from_model_yaml(a.model or "actor", a.model_dump())
     _check_no_build_keys(cfg)
-    for candidate in (a.load, a.tokenizer_name_or_path):
+    for candidate in (a.load, a.pretrained_checkpoint, a.tokenizer_name_or_path):
         if candidate and (Path(candidate) / "config.json").is_file():
             try:
                 return arch_from_hf_config(candidate)

@@ -261,7 +261,22 @@ def _features() -> dict[str, Feature]:
     return {f.name: f for f in features}
 
 
-FEATURES = _features()
+def _run_features() -> dict[str, Feature]:
+    """Keys of the run itself honoured in some setups only (skip_train, pretrained_checkpoint, refer_model_iter)."""
+    features = [
+        _on("actor_config.skip_train", when="true"),
+        Feature("skip_train_without_eval", ("actor_config.skip_train",),
+                lambda c: c.actor.skip_train and not c.rl.eval_data_path, when="true, without rl_config.eval_data_path"),
+        Feature("critic_skip_train", ("critic_config.skip_train",), _written("critic_config.skip_train", bool),
+                when="written as true"),
+        _on("actor_config.refer_model_iter", lambda v: v != 1, when="not 1"),
+        Feature("critic_pretrained_checkpoint", ("critic_config.pretrained_checkpoint",),
+                _written("critic_config.pretrained_checkpoint", bool), when="written"),
+    ]
+    return {f.name: f for f in features}
+
+
+FEATURES = {**_features(), **_run_features()}
 
 
 # ---- the table -----------------------------------------------------------------------------------
@@ -490,6 +505,19 @@ ROWS: tuple[Row, ...] = (
         with_="partial"),
     Row("transfer-queue-shards", "queue_shards", "{setting}: only data_strategy: tq has storage units to shard; "
         "set rl_config.data_strategy: tq or remove the key"),
+    # megatron_training.skip_train: the loaded model's held-out evaluation, nothing else
+    Row("skip-train-offline", "skip_train", "{setting}: stage {stage} has no held-out evaluation, so a run without "
+        "training would do nothing; remove the key (posttrain eval scores a model on prompts)", stage=OFFLINE),
+    Row("skip-train-without-eval", "skip_train_without_eval", "{setting}: a run without training only evaluates the "
+        "loaded model on rl_config.eval_data_path, which is not set; set it, or remove skip_train", stage=ON_POLICY),
+    Row("skip-train-critic", "critic_skip_train", "{setting}: skip_train is the run's key (megatron_training or "
+        "actor_config), not the critic's; remove it from critic_config"),
+    Row("pretrained-checkpoint-critic", "critic_pretrained_checkpoint", "{setting}: pretrained_checkpoint is the "
+        "actor's key (megatron_training or actor_config); the critic starts from critic_config.load or the actor's "
+        "initial weights: set critic_config.load (with finetune: true for the weights only)"),
+    Row("refer-model-iter-not-dpo", "refer_model_iter", "{setting} picks the iteration of DPO's ref_model, which the "
+        "other stages do not read (an on-policy reference is rl_config.integrated_mode_config.ref_model_load_path or "
+        "the initial weights; SFT has none); remove the key", stage=("grpo", "dapo", "ppo", "sft")),
     Row("reward-model-offline", "reward_model", "reward_config: stage {stage} scores no responses (a reward model is "
         "read by the on-policy stages ray_grpo, ray_dapo and ray_ppo); remove reward_config", stage=OFFLINE),
 )

@@ -107,15 +107,12 @@ PACKING = ignored("packed rows (use_remove_padding) always attend within their o
 EXPERT_PARALLEL = MODEL_PARALLEL  # experts split over ranks (mixture-of-experts models)
 LORA = HONOURED  # the hf backend's LoRA through PEFT (posttrain.models.lora); refused on megatron
 LORA_KERNEL = ignored("MindSpeed's fused CCLoRA kernels; PEFT's LoRA layers compute the same")
-OPTIMIZER = refused("only adam (AdamW with decoupled weight decay) is implemented", "set it to adam")
-SKIP_TRAIN = refused("a run without training is not implemented", "remove the key or set it to false")
 AI_FRAMEWORK = refused("posttrain runs on PyTorch only", "remove the key")
-TOKENIZER_TYPE = refused("only Hugging Face tokenizers are implemented", "set it to PretrainedFromHF",
-                         ok=(None, "PretrainedFromHF", "HuggingFaceTokenizer"))
-PRETRAINED = refused("Megatron pretrained checkpoints are not read", "remove the key and name the weights with load",
-                     active="set")
-REFER_ITER = refused("refreshing the DPO reference every N iterations is not implemented (the reference stays "
-                     "frozen)")
+TOKENIZER_TYPE = refused("posttrain builds PretrainedFromHF (HuggingFaceTokenizer) and GPT2BPETokenizer "
+                         "(vocab_file + merge_file); SentencePieceTokenizer needs the sentencepiece package, which "
+                         "this build does not install", "set it to PretrainedFromHF (a Hugging Face tokenizer "
+                         "directory) or GPT2BPETokenizer",
+                         ok=(None, "PretrainedFromHF", "HuggingFaceTokenizer", "GPT2BPETokenizer"))
 MULTIMODAL_MODEL = refused("multimodal training is not implemented yet", "remove the key", active="set")
 
 
@@ -209,12 +206,15 @@ class MegatronConfig(Section):
     # ---- precision / optimizer ------------------------------------------------------------------
     bf16: bool = F(True, "bf16 training (hf: autocast; on a CPU only with AMX/AVX512-BF16, else fp32; megatron: "
                          "bf16 weights with fp32 main parameters on CUDA, float32 on a CPU)", HONOURED)
-    optimizer: str = F("adam", "adam (AdamW with decoupled weight decay)", OPTIMIZER)
+    optimizer: Literal["adam", "sgd"] = F("adam", "adam (AdamW with decoupled weight decay) or sgd (torch.optim.SGD "
+                                                  "with sgd_momentum and L2 weight_decay)", HONOURED)
+    sgd_momentum: float = F(0.9, "posttrain (Megatron's --sgd-momentum): momentum of optimizer sgd", HONOURED, ge=0,
+                            finite=True)
     lr: Opt[float] = F(None, "peak learning rate", HONOURED, gt=0, finite=True, note="the peak learning rate")
     # posttrain.training.optim.lr_decay_styles()
     lr_decay_style: Literal["constant", "linear", "cosine"] = F("linear", "constant, linear or cosine", HONOURED)
     min_lr: float = F(0.0, "final learning rate", HONOURED, ge=0, finite=True)
-    weight_decay: float = F(0.01, "AdamW weight decay", HONOURED, ge=0, finite=True)
+    weight_decay: float = F(0.01, "weight decay (adam: decoupled, AdamW; sgd: L2)", HONOURED, ge=0, finite=True)
     lr_warmup_fraction: Opt[float] = F(None, "fraction of steps for linear warmup", HONOURED, ge=0, le=1)
     clip_grad: float = F(1.0, "gradient-norm clip", HONOURED, finite=True,
                            note="the gradient-norm clip; 0 or less turns clipping off")
@@ -294,7 +294,8 @@ class MegatronConfig(Section):
     dataset_additional_keys: list[str] = F([], "extra dataset columns (labels for rule rewards)", HONOURED)
     num_workers: int = F(2, "Megatron data loader workers", DATALOADER)
     seed: int = F(1234, "random seed", HONOURED)
-    skip_train: bool = F(False, "skip training", SKIP_TRAIN)
+    skip_train: bool = F(False, "no training: evaluate the loaded model on rl_config.eval_data_path and exit "
+                                "(no update, no checkpoint; on-policy stages)", HONOURED)
     stage: Opt[str] = F(None, "ray_grpo, ray_dapo, ray_ppo, dpo or sft", HONOURED)
     algorithm: Opt[str] = F(None, "alias of stage", HONOURED)
     do_sample: bool = F(False, "Megatron inference: sampling", MEGATRON_INFERENCE)
@@ -303,7 +304,12 @@ class MegatronConfig(Section):
     enable_high_availability: bool = F(False, "Ascend-only", ASCEND)
     ai_framework: Opt[str] = F(None, "None (PyTorch) or mindspore", AI_FRAMEWORK)
     # ---- tokenizer / templates ------------------------------------------------------------------
-    tokenizer_type: Opt[str] = F(None, "PretrainedFromHF (Hugging Face tokenizer)", TOKENIZER_TYPE)
+    tokenizer_type: Opt[str] = F(None, "PretrainedFromHF (Hugging Face tokenizer) or GPT2BPETokenizer (GPT-2 BPE from "
+                                       "vocab_file + merge_file; posttrain.data.tokenizer_files)", TOKENIZER_TYPE)
+    vocab_file: Opt[str] = F(None, "posttrain (Megatron's --vocab-file): GPT-2 vocab.json of tokenizer_type "
+                                   "GPT2BPETokenizer", HONOURED)
+    merge_file: Opt[str] = F(None, "posttrain (Megatron's --merge-file): GPT-2 merges.txt of tokenizer_type "
+                                   "GPT2BPETokenizer", HONOURED)
     tokenizer_name_or_path: Opt[str] = F(None, "HF tokenizer directory (default: the model's)", HONOURED)
     tokenizer_not_use_fast: bool = F(False, "use the slow (Python) tokenizer", SLOW_TOKENIZER)
     tokenizer_padding_side: str = F("right", "tokenizer padding side", PADDING_SIDE)
@@ -324,7 +330,9 @@ class MegatronConfig(Section):
     no_save_rng: Opt[bool] = F(None, "do not save RNG states", HONOURED)
     no_shared_storage: bool = F(False, "nodes do not share storage", SHARED_STORAGE)
     load_checkpoint_loosely: bool = F(False, "load checkpoints allowing missing keys", LOOSE_LOAD)
-    pretrained_checkpoint: Opt[str] = F(None, "Megatron pretrained checkpoint directory", PRETRAINED)
+    pretrained_checkpoint: Opt[str] = F(None, "checkpoint (posttrain's or Megatron's) whose weights only a fresh run "
+                                              "starts from (iteration 0, new optimizer and RNG) while load holds no "
+                                              "checkpoint to resume", HONOURED)
     ckpt_format: CKPT_FORMATS = F("torch_dist", "posttrain: the megatron backend's checkpoint format (Megatron-LM's "
                                               "--ckpt-format): torch_dist (Megatron-Core dist_checkpointing; reshards "
                                               "on load) or torch (per-rank files; same layout only)", CKPT_FORMAT,
@@ -338,7 +346,8 @@ class MegatronConfig(Section):
     pref_ftx: float = F(0.0, "SFT loss weight on chosen responses", HONOURED, ge=0, finite=True,
                          note="the weight of the SFT term")
     ref_model: Opt[str] = F("", "reference model path (DPO)", HONOURED)
-    refer_model_iter: int = F(1, "DPO: refresh the reference every N iterations", REFER_ITER)
+    refer_model_iter: int = F(1, "DPO: the iteration of ref_model's checkpoint directory the reference loads "
+                                 "(posttrain.config.dpo_reference)", HONOURED)
     # ---- LoRA / multimodal ----------------------------------------------------------------------
     lora_r: int = F(8, "LoRA rank", LORA, ge=1, note="the LoRA rank")
     lora_alpha: int = F(16, "LoRA alpha", LORA, gt=0, note="updates scale by lora_alpha / lora_r")

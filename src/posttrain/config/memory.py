@@ -14,8 +14,8 @@ critic alike).
   megatron; megatron in bf16 (CUDA: ``Float16Module``) holds them in bf16, 2 bytes, and its
   optimizer an fp32 main copy (4 bytes more, counted under optimizer);
 * gradients: fp32, 4 bytes per parameter, divided by W with FSDP2, by M on megatron;
-* optimizer: AdamW's two fp32 moments, 8 bytes per parameter (12 with megatron's bf16 main
-  params), divided by W with FSDP2, by M on megatron (and by its DP size with
+* optimizer: AdamW's two fp32 moments, 8 bytes per parameter (``optimizer: sgd``: its momentum
+  buffer, 4 bytes; none with ``sgd_momentum`` 0), 4 more with megatron's bf16 main params, divided by W with FSDP2, by M on megatron (and by its DP size with
   ``use_distributed_optimizer``);
 * reference: a frozen copy in the frozen dtype (``plan.frozen_dtype``: 2 bytes per parameter in
   bf16, 4 in fp32), divided by M (it takes the actor's layout), when the stage uses one; 0 with
@@ -204,6 +204,13 @@ def rollout_layout(plan: "Plan") -> str:
     return f"native engine, {par.dp} process(es) ({samplers}) sampling from {copy}"
 
 
+def _optimizer_bytes(role) -> int:
+    """Bytes of optimizer state per trained parameter: AdamW's two fp32 moments, SGD's momentum buffer."""
+    if role.optimizer == "sgd":
+        return 4 if role.sgd_momentum > 0 else 0
+    return 8
+
+
 def estimate_memory(cfg: RunConfig, plan: "Plan", arch: ModelArch) -> MemoryEstimate:
     """A first-order estimate per worker process, for the layout that runs (the formulas are in
     this module's docstring)."""
@@ -216,7 +223,7 @@ def estimate_memory(cfg: RunConfig, plan: "Plan", arch: ModelArch) -> MemoryEsti
     fsdp = plan.workers > 1 and plan.sharding == "fsdp2" and not megatron
     shard = params / plan.workers if fsdp else params / split - ep_saving
     bf16_main = megatron and plan.train_dtype == "bfloat16"  # Float16Module: bf16 weights, fp32 main params
-    weight_bytes, optimizer_bytes = (2, 12) if bf16_main else (4, 8)
+    weight_bytes, optimizer_bytes = 2 if bf16_main else 4, _optimizer_bytes(a) + (4 if bf16_main else 0)
     optimizer = optimizer_bytes * shard / (par.dp if megatron and par.use_distributed_optimizer else 1)
     critic = value_model_params(arch) / split - ep_saving
     s, b, h = plan.max_tokens_per_sequence, plan.micro_batch_size, arch.hidden_size

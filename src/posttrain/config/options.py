@@ -20,15 +20,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from posttrain.checkpoint.files import CheckpointLoad
+from posttrain.config.dpo_reference import dpo_reference
 from posttrain.config.megatron import MegatronConfig
 from posttrain.config.multi_turn import DEFAULT_PARSER, tool_config_file
 from posttrain.config.run import RunConfig
 from posttrain.config.runtime_env import runtime_env_vars
 from posttrain.config.separated import reference_load as separated_reference_load
 from posttrain.config.separated import rollout_worker
+from posttrain.errors import ConfigError
 from posttrain.metrics.dumps import DumpOptions
 from posttrain.metrics.profiler import ProfilerOptions
 from posttrain.models.lora import LoraOptions, target_list
+from posttrain.data.tokenizer_files import TokenizerFiles, tokenizer_files
 from posttrain.reward.rule_reward import RuleRewardOptions
 from posttrain.rollout.base import SamplingParams
 from posttrain.rollout.multi_turn import TurnLimits
@@ -58,6 +61,7 @@ class PolicyOptions:
     moe_router_load_balancing_type: str = "aux_loss"
     moe_aux_loss_coeff: float = 0.001
     ckpt_format: str = "torch_dist"
+    tokenizer_files: TokenizerFiles | None = None  # tokenizer_type GPT2BPETokenizer: built into the run dir
 
     @property
     def load(self) -> str | None:
@@ -251,7 +255,8 @@ class ScheduleOptions:
     """Where the run writes and when: the run directory (``rl_config.output_dir``, else
     ``runs/<config name>``), checkpoints in ``save`` every ``save_interval`` iterations (0 / None:
     only the final save), the newest ``keep_last`` kept, the held-out evaluation every
-    ``eval_interval`` iterations, and what a checkpoint holds."""
+    ``eval_interval`` iterations, and what a checkpoint holds; ``skip_train``: no iteration runs (the
+    loaded model's held-out evaluation only)."""
 
     run_dir: str
     run_dir_key: str  # how the run directory is named in messages
@@ -263,6 +268,7 @@ class ScheduleOptions:
     save_rng: bool = True
     adapter_only: bool = False  # LoRA: lora_ckpt_filter
     num_threads: int | None = None  # rl_config.num_threads (None: chosen at start)
+    skip_train: bool = False  # megatron_training.skip_train: evaluate the loaded model only
 
     def saves(self, iteration: int) -> bool:
         return bool(self.save and self.save_interval and iteration % self.save_interval == 0)
@@ -305,14 +311,38 @@ class ClusterOptions:
 def optim_options(role: MegatronConfig) -> OptimOptions:
     return OptimOptions(lr=role.lr, min_lr=role.min_lr, weight_decay=role.weight_decay, adam_beta1=role.adam_beta1,
                         adam_beta2=role.adam_beta2, lr_decay_style=role.lr_decay_style,
+                        optimizer=role.optimizer, sgd_momentum=role.sgd_momentum,
                         lr_warmup_fraction=role.lr_warmup_fraction, clip_grad=role.clip_grad,
                         micro_batch_size=role.micro_batch_size,
                         activation_checkpointing=role.recompute_granularity is not None)
 
 
-def checkpoint_load(role: MegatronConfig) -> CheckpointLoad:
-    return CheckpointLoad(load=role.load or None, finetune=bool(role.finetune), no_load_optim=bool(role.no_load_optim),
+def checkpoint_load(role: MegatronConfig, pretrained: bool = True) -> CheckpointLoad:
+    """What the role loads: ``load``; with ``pretrained_checkpoint`` (Megatron's ``--pretrained-checkpoint``;
+    the actor's: ``pretrained``), while ``load`` holds no checkpoint to resume (unset, missing or empty:
+    the run's first start), the pretrained checkpoint's weights only (``finetune``: iteration 0, a fresh
+    optimizer and RNG); once the run has saved into ``load``, it resumes from there."""
+    load, finetune = role.load or None, bool(role.finetune)
+    if pretrained and role.pretrained_checkpoint and not holds_checkpoint(load):
+        if load and Path(load, "config.json").is_file():
+            raise ConfigError(f"load={load} names model weights and pretrained_checkpoint={role.pretrained_checkpoint} "
+                              f"the weights a fresh run starts from; keep one: remove pretrained_checkpoint, or set "
+                              f"load to the directory the run saves in (save), from which it resumes")
+        load, finetune = role.pretrained_checkpoint, True
+    return CheckpointLoad(load=load, finetune=finetune, no_load_optim=bool(role.no_load_optim),
                           no_load_rng=bool(role.no_load_rng))
+
+
+def holds_checkpoint(path: str | None) -> bool:
+    """``path`` is a directory with a checkpoint to resume: posttrain's ``iter_*`` (or its tracker
+    file) or a Megatron checkpoint."""
+    if not path or not Path(path).is_dir():
+        return False
+    from posttrain.checkpoint import list_checkpoints
+    from posttrain.models.mcore.mcore_files import is_mcore_checkpoint
+
+    return (Path(path, "latest_checkpointed_iteration.txt").is_file() or bool(list_checkpoints(path))
+            or is_mcore_checkpoint(path))
 
 
 def lora_options(role: MegatronConfig) -> LoraOptions | None:
@@ -323,7 +353,7 @@ def lora_options(role: MegatronConfig) -> LoraOptions | None:
 
 def policy_options(cfg: RunConfig) -> PolicyOptions:
     a, rl = cfg.actor, cfg.rl
-    reference = a.ref_model if cfg.stage == "dpo" else ((rl.integrated_mode_config or {}).get("ref_model_load_path")
+    reference = dpo_reference(a) if cfg.stage == "dpo" else ((rl.integrated_mode_config or {}).get("ref_model_load_path")
                                                         or separated_reference_load(cfg))
     return PolicyOptions(
         checkpoint=checkpoint_load(a), tokenizer=a.tokenizer_name_or_path or None, prompt_type=a.prompt_type,
@@ -332,7 +362,17 @@ def policy_options(cfg: RunConfig) -> PolicyOptions:
         share_backbone=bool(rl.share_backbone), offload_reference=bool(rl.offload_reference), seed=a.seed,
         deterministic=bool(a.npu_deterministic),
         moe_router_load_balancing_type="seq_aux_loss" if a.seq_aux else a.moe_router_load_balancing_type,
-        moe_aux_loss_coeff=a.moe_aux_loss_coeff, ckpt_format=a.ckpt_format)
+        moe_aux_loss_coeff=a.moe_aux_loss_coeff, ckpt_format=a.ckpt_format, tokenizer_files=policy_tokenizer(a))
+
+
+def policy_tokenizer(a: MegatronConfig) -> TokenizerFiles | None:
+    """The files of a ``tokenizer_type`` built from files (GPT2BPETokenizer), None for a Hugging Face one."""
+    files = tokenizer_files(a.tokenizer_type, a.vocab_file, a.merge_file, "megatron_training.")
+    if files is not None and a.tokenizer_name_or_path:
+        raise ConfigError(f"megatron_training.tokenizer_type={a.tokenizer_type} builds the tokenizer from vocab_file "
+                          f"and merge_file, and tokenizer_name_or_path={a.tokenizer_name_or_path} names another; "
+                          f"keep one (name the model's weights with load)")
+    return files
 
 
 def critic_save_dir(cfg: RunConfig) -> str | None:
@@ -349,7 +389,7 @@ def critic_save_dir(cfg: RunConfig) -> str | None:
 def critic_options(cfg: RunConfig) -> CriticOptions:
     role = cfg.critic or cfg.actor  # megatron_training + critic_config
     own = cfg.critic is not None and cfg.critic.load and cfg.critic.load != cfg.actor.load
-    load = checkpoint_load(role)
+    load = checkpoint_load(role, pretrained=False)  # no critic_config.load: the actor's initial weights
     return CriticOptions(optim=optim_options(role),
                          checkpoint=CheckpointLoad(load.load if own else None, load.finetune, load.no_load_optim,
                                                    load.no_load_rng),
@@ -450,7 +490,7 @@ def schedule_options(cfg: RunConfig) -> ScheduleOptions:
     return ScheduleOptions(run_dir=str(run_dir), run_dir_key=key, save=a.save or None, save_interval=a.save_interval,
                            eval_interval=rl.eval_interval, keep_last=a.keep_last, save_optim=not a.no_save_optim,
                            save_rng=not a.no_save_rng, adapter_only=bool(a.lora_ckpt_filter),
-                           num_threads=rl.num_threads)
+                           num_threads=rl.num_threads, skip_train=bool(a.skip_train))
 
 
 def profiler_options(cfg: RunConfig, run_dir: str) -> ProfilerOptions | None:

@@ -82,9 +82,13 @@ OFFLOAD = ignored("on a CPU the host memory is the device memory", devices=("cpu
 # the weights on the host during rollout where the engine samples from a copy (posttrain.training.offload); the
 # setups whose rollout reads the training weights themselves are refused in config/compat.py
 OFFLOAD_PARAM = OFFLOAD
-PREFIX_CACHING = refused("prefix caching across requests is not available in the native engine (it already "
-                         "prefills each group's shared prompt once); rl_config.rollout_engine: vllm has it",
-                         vllm=True)
+PREFIX_CACHING = refused("prefix caching across requests is not available in the native engine, which has no "
+                         "repeated prefix across its calls to reuse: a call prefills each prompt once for its n "
+                         "samples, the next call follows an optimizer step (new weights make every cached entry "
+                         "stale), and multi-turn keeps each conversation's KV cache across its turns (tiny_qwen2 on a "
+                         "CPU, benchmarks/rollout/prefix_cache_headroom.py: re-prefilling turn 2 is 60-80% of the "
+                         "turn, which the kept cache already saves; a GRPO call's shared prefill is 10-16% of the "
+                         "call); rl_config.rollout_engine: vllm has it", vllm=True)
 PROFILER = HONOURED  # posttrain.metrics.profiler: torch.profiler over the seed's step window
 PROFILER_KEY = HONOURED
 MSPROBE = HONOURED  # posttrain.metrics.dumps: statistics per tensor over the seed's step window

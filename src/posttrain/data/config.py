@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
 from posttrain.data.handlers import HANDLERS
 from posttrain.errors import ConfigError
+from posttrain.data.tokenizer_files import FILE_TYPES, tokenizer_files
 
 MAX_ROW_TOKENS = 2**31 - 1  # the .idx stores row lengths as int32
 
@@ -26,8 +27,8 @@ PROMPT_TYPE_HANDLERS = ["AlpacaStyleInstructionHandler", "AlpacaStylePairwiseHan
 # accepted for compatibility; posttrain does not act on them (see docs/data.md)
 INERT_KEYS = {"streaming": False, "json_keys": ["text"], "split_sentences": False, "keep_newlines": False,
               "interleave_probs": None, "overwrite_cache": False, "cache_dir": "~/cache",
-              "script_data_dir": None, "tokenizer_not_use_fast": True, "vocab_file": None,
-              "merge_file": None, "make_vocab_size_divisible_by": 128, "pad_vocab_size_to": None,
+              "script_data_dir": None, "tokenizer_not_use_fast": True,
+              "make_vocab_size_divisible_by": 128, "pad_vocab_size_to": None,
               "placeholder_token": "ки", "reward_tokens": [], "dataset_impl": "mmap", "n_subs": 1,
               "merge_group_keys": None}
 
@@ -123,7 +124,7 @@ def validate(cfg: DataHandlerConfig) -> None:
         raise ConfigError("input is required. Set input=PATH (a file or a directory of data files).")
     if not cfg.output_prefix:
         raise ConfigError("output_prefix is required. Set output_prefix=DIR/NAME.")
-    if not cfg.tokenizer_name_or_path:
+    if not cfg.tokenizer_name_or_path and cfg.tokenizer_type not in FILE_TYPES:
         raise ConfigError("tokenizer_name_or_path is required: a Hugging Face tokenizer or model directory.")
 
     handler_cls = HANDLERS.get(cfg.handler_name)  # unknown names list the known ones
@@ -144,8 +145,9 @@ def validate(cfg: DataHandlerConfig) -> None:
     if cfg.seq_length is not None and cfg.seq_length > MAX_ROW_TOKENS:
         raise ConfigError(f"seq_length={cfg.seq_length}: larger than a row of the indexed dataset can be "
                           f"({MAX_ROW_TOKENS:,} tokens, its lengths are int32); give a smaller seq_length")
-    if cfg.tokenizer_type not in ("HuggingFaceTokenizer", "PretrainedFromHF"):
-        raise ConfigError(f"tokenizer_type {cfg.tokenizer_type!r} is not supported; known: HuggingFaceTokenizer")
+    if tokenizer_files(cfg.tokenizer_type, cfg.vocab_file, cfg.merge_file) and cfg.tokenizer_name_or_path:
+        raise ConfigError(f"tokenizer_type {cfg.tokenizer_type} builds the tokenizer from vocab_file and merge_file, and "
+                          f"tokenizer_name_or_path={cfg.tokenizer_name_or_path} names another; keep one")
     if cfg.merge_group_keys:
         raise ConfigError("merge_group_keys (merging existing .bin/.idx files) is not supported by posttrain "
                           "preprocess; merge with posttrain.data.indexed.IndexedDatasetBuilder.add_index")

@@ -24,7 +24,7 @@ import re
 import sys
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import chain
 from pathlib import Path
 
@@ -39,6 +39,7 @@ from posttrain.data.packing import pack_samples
 from posttrain.data.readers import RowReader
 from posttrain.data.templates import get_template
 from posttrain.errors import ConfigError, DataError
+from posttrain.data.tokenizer_files import build_tokenizer, tokenizer_files
 
 BATCH_ROWS = 1000
 SKIP_TOO_LONG = "exceeds seq_length"
@@ -100,10 +101,20 @@ def load_tokenizer(path: str):
     return tok
 
 
+def handler_tokenizer(cfg: DataHandlerConfig):
+    """The tokenizer of ``cfg``: ``tokenizer_name_or_path``'s, or GPT-2 BPE from ``vocab_file`` and
+    ``merge_file`` (``tokenizer_type: GPT2BPETokenizer``; :mod:`posttrain.data.tokenizer_files`)."""
+    files = tokenizer_files(cfg.tokenizer_type, cfg.vocab_file, cfg.merge_file)
+    if files is None:
+        return load_tokenizer(resolve_path(cfg.tokenizer_name_or_path))
+    return build_tokenizer(replace(files, vocab_file=str(resolve_path(files.vocab_file)),
+                                   merge_file=str(resolve_path(files.merge_file))))
+
+
 def build_handler(cfg: DataHandlerConfig, columns: list[str], tokenizer=None):
     cls = HANDLERS.get(cfg.handler_name)
     template = get_template(cfg.prompt_type or "empty", cfg.prompt_type_path, enable_thinking=cfg.enable_thinking)
-    tokenizer = tokenizer or load_tokenizer(resolve_path(cfg.tokenizer_name_or_path))
+    tokenizer = tokenizer or handler_tokenizer(cfg)
     handler = cls(cfg, tokenizer, template)
     handler.bind_columns(columns)
     return handler
@@ -330,7 +341,7 @@ def preprocess(config: dict | DataHandlerConfig, strict: bool = False, progress:
     if first is None:
         raise DataError(f"input {cfg.input}: no rows to read")
     columns = _columns(first)
-    tokenizer = load_tokenizer(resolve_path(cfg.tokenizer_name_or_path))
+    tokenizer = handler_tokenizer(cfg)
     handler = build_handler(cfg, columns, tokenizer)
     prefix = _output_prefix(cfg)
     outputs = _Outputs(prefix, handler.output_keys())

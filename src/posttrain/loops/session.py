@@ -72,6 +72,7 @@ class Session:
             # then the directories and the checkpoint to start from, before any model is built:
             # a run that cannot write its results, or would load a corrupt file, stops here
             self.locks = claim_run_dirs(run_dirs(plan))
+            self.plan = plan = self._with_built_tokenizer(plan)
             p = plan.policy
             start = checked_start(p.load or p.tokenizer, p.checkpoint, megatron=plan.parallel.backend == "megatron",
                                   load_previous_on_corruption=load_previous_on_corruption)
@@ -79,6 +80,17 @@ class Session:
         except BaseException:
             self.close(refused=True)
             raise
+
+    def _with_built_tokenizer(self, plan: Plan) -> Plan:
+        """``tokenizer_type: GPT2BPETokenizer``: the tokenizer built from its files once, into
+        ``<run dir>/tokenizer``, which every process and checkpoint of the run then reads."""
+        files = plan.policy.tokenizer_files
+        if files is None:
+            return plan
+        from posttrain.data.tokenizer_files import write_tokenizer_dir
+
+        path = write_tokenizer_dir(files, self.run_dir / "tokenizer", "megatron_training.")
+        return replace(plan, policy=replace(plan.policy, tokenizer=str(path)))
 
     def _dataset(self):
         d, stage = self.plan.data, self.plan.stage
@@ -122,8 +134,9 @@ class Session:
 
                 self.queue = TransferQueueStore.start(plan)
         self._open_logs()
-        if self.iteration == 0 and self.eval_data is not None:
-            self.log_eval(0)
+        self.start_eval: dict[str, float] = {}  # the held-out evaluation of the weights the run starts from
+        if self.eval_data is not None and (self.iteration == 0 or plan.schedule.skip_train):
+            self.start_eval = self.log_eval(self.iteration)
 
     def _build_critic(self, state: dict) -> None:
         if self.cluster is not None:

@@ -250,7 +250,7 @@ class MegatronPolicy:
                                           disable_bucketing=index > 0)  # as Megatron-LM builds virtual stages
                   for index, chunk in enumerate(chunks)]
         optimizer = get_megatron_optimizer(OptimizerConfig(
-            optimizer="adam", lr=optim.lr, min_lr=optim.min_lr, weight_decay=optim.weight_decay,
+            optimizer=optim.optimizer, sgd_momentum=optim.sgd_momentum, lr=optim.lr, min_lr=optim.min_lr, weight_decay=optim.weight_decay,
             adam_beta1=optim.adam_beta1, adam_beta2=optim.adam_beta2, clip_grad=optim.clip_grad, bf16=self.bf16,
             params_dtype=torch.bfloat16 if self.bf16 else torch.float32,
             use_distributed_optimizer=par.use_distributed_optimizer), models)

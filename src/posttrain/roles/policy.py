@@ -42,7 +42,7 @@ from posttrain.tools.runner import ToolRunner
 from posttrain.training.base import ActorEngine, ReferenceEngine
 from posttrain.training.engine import TrainEngine
 from posttrain.training.offload import OffloadedReference, StateOffload, weights_off_during_rollout
-from posttrain.training.optim import build_optimizer, build_scheduler
+from posttrain.training.optim import build_role_optimizer, build_scheduler
 from posttrain.training.options import EngineOptions, OptimOptions
 from posttrain.paths import shipped_file
 
@@ -169,9 +169,9 @@ def build_reference(plan: Plan, device: str, source: str, state: dict, micro_bat
 
 def build_train_engine(model, optim: OptimOptions, plan: Plan, options: EngineOptions, *,
                        metric_prefix: str = "actor", dp_group=None):
-    """AdamW + the LR schedule (sized for the plan's total optimizer steps) + a TrainEngine, with
+    """The role's optimizer (AdamW or SGD) + the LR schedule (sized for the plan's total optimizer steps) + a TrainEngine, with
     the plan's offload of the optimizer state and gradients between updates."""
-    optimizer = build_optimizer(model, optim.lr, optim.weight_decay, optim.adam_beta1, optim.adam_beta2)
+    optimizer = build_role_optimizer(model, optim)
     scheduler = build_scheduler(optimizer, optim, plan.total_optimizer_steps)
     offload = None
     if plan.offload_optimizer or plan.offload_grads:  # generate_config.offload_train_*

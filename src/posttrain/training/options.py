@@ -36,7 +36,7 @@ class EngineOptions:
 class OptimOptions:
     """One trained role's optimizer, LR schedule and micro-batching (the seed's per-role keys of
     ``megatron_training`` / ``actor_config`` / ``critic_config``): AdamW and the Megatron schedule
-    of :mod:`posttrain.training.optim`, ``clip_grad`` on the global gradient norm (0: off),
+    of :mod:`posttrain.training.optim` (or SGD with ``sgd_momentum``: ``optimizer``), ``clip_grad`` on the global gradient norm (0: off),
     ``activation_checkpointing`` from ``recompute_granularity``."""
 
     lr: float = 1e-6
@@ -45,6 +45,8 @@ class OptimOptions:
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
     lr_decay_style: str = "linear"
+    optimizer: str = "adam"
+    sgd_momentum: float = 0.9
     lr_warmup_fraction: float | None = None
     clip_grad: float = 1.0
     micro_batch_size: int = 1

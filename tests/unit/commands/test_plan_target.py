@@ -118,8 +118,9 @@ def test_every_refusal_is_listed_at_once_one_per_line(monkeypatch):
     with pytest.raises(ConfigError) as err:
         resolve_plan(cfg, target=parse_target("cuda:48GiB", 1, 16))  # the 32B model's bf16 copy: 61 GiB
     lines = str(err.value).splitlines()
-    starts = ["rl_config.blocking: false overlaps", "rl_config.data_strategy=tq",  # keys refused on their own (features)
+    starts = ["rl_config.blocking: false overlaps",  # a key refused on its own (a feature)
               "rl_config.partial_rollout_max_split > 1 with DAPO's dynamic sampling",  # compat
+              "rl_config.data_strategy: tq with rl_config.partial_rollout_max_split > 1",  # compat
               "the native rollout samples from a whole copy", "the plan's memory estimate"]  # the memory
     for start in starts:
         assert sum(line.startswith(start) for line in lines) == 1, (start, lines)

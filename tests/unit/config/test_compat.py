@@ -47,6 +47,11 @@ MSPROBE = ["msprobe_config.msprobe=true"]
 # row id -> (overrides that turn the row on, device); a new row needs its example here
 EXAMPLES: dict[str, tuple[list[str], str]] = {
     "megatron-one-process": (["actor_config.backend=megatron"], "cpu"),
+    "skip-train-offline": ([*DPO, "actor_config.skip_train=true"], "cpu"),
+    "refer-model-iter-not-dpo": (["actor_config.refer_model_iter=2"], "cpu"),
+    "pretrained-checkpoint-critic": ([*PPO, "critic_config.pretrained_checkpoint=/ckpt"], "cpu"),
+    "skip-train-without-eval": (["actor_config.skip_train=true"], "cpu"),
+    "skip-train-critic": ([*PPO, "rl_config.eval_data_path=/data/eval", "critic_config.skip_train=true"], "cpu"),
     "megatron-distributed-optimizer-cpu": ([*TP2, "actor_config.use_distributed_optimizer=true"], "cpu"),
     "megatron-bf16-cpu": ([*TP2, "actor_config.bf16=true"], "cpu"),
     "megatron-share-prompt-prefix": ([*TP2, "rl_config.share_prompt_prefix=true"], "cpu"),

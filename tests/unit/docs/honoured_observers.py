@@ -164,6 +164,11 @@ ELSEWHERE: dict[str, str] = {
     "generate_config.dtype": "tests/unit/test_device.py::test_cpu_precision_follows_its_bf16_units",
     "rl_config.swanlab_mode": "tests/unit/metrics/test_trackers.py::test_swanlab_modes_are_the_seeds",
     "profiler_config.integrated.profile_export_type": "tests/unit/config/test_config_validation.py::test_profiler_messages",
+    # files and checkpoints a run reads: their effect is the run's tokenizer or weights
+    "actor_config.vocab_file": "tests/integration/test_gpt2_bpe_tokenizer.py::test_grpo_with_the_bpe_files_equals_the_run_with_its_hf_directory",
+    "actor_config.merge_file": "tests/integration/test_gpt2_bpe_tokenizer.py::test_grpo_with_the_bpe_files_equals_the_run_with_its_hf_directory",
+    "actor_config.pretrained_checkpoint": "tests/integration/test_start_keys.py::test_pretrained_checkpoint_starts_fresh_from_its_weights",
+    "actor_config.refer_model_iter": "tests/e2e/test_e2e_algorithms.py::test_dpo_reference_is_ref_model_at_refer_model_iter",
     # tq runs only with transferqueue installed (the config check refuses it otherwise): the plan built past the check
     "rl_config.data_strategy": "tests/unit/config/test_plan.py::test_data_strategy_spellings_reach_the_plan",
     "rl_config.transfer_queue_data_shard_num": "tests/unit/config/test_plan.py::test_data_strategy_spellings_reach_the_plan",

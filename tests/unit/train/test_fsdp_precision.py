@@ -11,7 +11,6 @@ import pytest
 SCRIPT = textwrap.dedent(
     """
     import sys
-    from types import SimpleNamespace
 
     import torch
     import torch.distributed as dist
@@ -20,14 +19,14 @@ SCRIPT = textwrap.dedent(
 
     from posttrain.cluster import fsdp
     from posttrain.training.engine import TrainEngine
+    from posttrain.training.options import OptimOptions
 
     dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                          num_attention_heads=4, num_key_value_heads=2))
     engine = TrainEngine(model, torch.optim.AdamW(model.parameters()), dtype=sys.argv[2])
-    actor = SimpleNamespace(lr=1e-3, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999, min_lr=0.0,
-                            lr_decay_style="constant", lr_warmup_fraction=0.0)
+    actor = OptimOptions(lr=1e-3, weight_decay=0.0, lr_decay_style="constant", lr_warmup_fraction=0.0)
     fsdp.shard(model, engine, actor, total_steps=2)
     seen = []
     proj = model.model.layers[0].self_attn.q_proj

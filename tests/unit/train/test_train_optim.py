@@ -76,3 +76,36 @@ def test_schedule_errors():
         build_lr_scheduler(_opt(), lr=1.0, lr_decay_style="wsd", total_steps=3)
     with pytest.raises(ConfigError, match="min_lr"):
         build_lr_scheduler(_opt(), lr=1.0, min_lr=2.0, total_steps=3)
+
+
+def test_sgd_steps_equal_hand_steps_of_momentum_sgd_with_l2_decay():
+    """optimizer: sgd (megatron_training keys -> OptimOptions -> the role's optimizer): two steps equal
+    torch SGD's rule by hand, buf = m * buf + (g + wd * p), p -= lr * buf, with no decay on biases and norms."""
+    from posttrain.config.megatron import MegatronConfig
+    from posttrain.config.options import optim_options
+    from posttrain.training.optim import build_role_optimizer
+
+    options = optim_options(MegatronConfig(optimizer="sgd", sgd_momentum=0.5, lr=0.1, weight_decay=0.2))
+    model = _Tiny()
+    opt = build_role_optimizer(model, options)
+    assert isinstance(opt, torch.optim.SGD)
+    named = dict(model.named_parameters())
+    hand = {name: p.detach().clone() for name, p in named.items()}
+    initial = hand["linear.weight"]
+    bufs = {}
+    for step in range(2):
+        opt.zero_grad()
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(step))
+        loss = (model.norm(model.linear(x)) ** 2).sum() + (model.emb(torch.tensor([1, 3])) ** 3).sum()
+        loss.backward()
+        for name, p in named.items():
+            wd = 0.0 if name.endswith("bias") or p.ndim < 2 else 0.2
+            d = p.grad + wd * hand[name]
+            bufs[name] = d.clone() if step == 0 else 0.5 * bufs[name] + d
+            hand[name] = hand[name] - 0.1 * bufs[name]
+        opt.step()
+    for name, p in named.items():
+        assert torch.allclose(p.detach(), hand[name], atol=1e-6), name
+    assert (hand["linear.weight"] - initial).abs().max() > 1e-3  # it moved
+    with pytest.raises(ConfigError, match="optimizer"):
+        build_optimizer(model, lr=0.1, optimizer="lion")
