@@ -63,17 +63,7 @@ def test_bad_files_and_keys_are_refused(bpe, tmp_path):
         build_tokenizer(TokenizerFiles("GPT2BPETokenizer", str(tmp_path / "vocab.json"), files.merge_file))
 
 
-def test_sentencepiece_is_refused_naming_the_key():
-    from posttrain.config.features import check_features
-    from posttrain.config.run import run_config_from_dict
-
-    cfg = run_config_from_dict({"megatron_training": {"stage": "ray_grpo",
-                                                      "tokenizer_type": "SentencePieceTokenizer"}})
-    with pytest.raises(ConfigError, match="^megatron_training.tokenizer_type=SentencePieceTokenizer: .*sentencepiece"):
-        check_features(cfg, "cpu")
-
-
-def _preprocess(jsonl: Path, prefix: Path, **tokenizer) -> str:
+def preprocess_rows(jsonl: Path, prefix: Path, **tokenizer) -> str:
     from posttrain.data.preprocess import preprocess
 
     preprocess({"input": str(jsonl), "handler_name": "R1AlpacaStyleInstructionHandler", "prompt_type": "default",
@@ -83,14 +73,20 @@ def _preprocess(jsonl: Path, prefix: Path, **tokenizer) -> str:
 
 
 def test_grpo_with_the_bpe_files_equals_the_run_with_its_hf_directory(bpe, tmp_path):
+    _, files = bpe
+    assert files.paths() == {"vocab_file": files.vocab_file, "merge_file": files.merge_file}
+    assert_files_run_like_the_hf_directory(build_tokenizer(files), "GPT2BPETokenizer", files.paths(), tmp_path)
+
+
+def assert_files_run_like_the_hf_directory(tok, tokenizer_type: str, paths: dict[str, str], tmp_path: Path) -> None:
+    """``preprocess`` with the tokenizer's files writes the same dataset as with its Hugging Face directory, and
+    a GRPO iteration with the files equals, metric for metric, the one naming that directory."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from posttrain.commands.train import train_config as train
 
-    _, files = bpe
     hf_dir = tmp_path / "hf_tokenizer"
-    tok = build_tokenizer(files)
     tok.save_pretrained(str(hf_dir))
     model_dir = tmp_path / "model"
     torch.manual_seed(0)
@@ -99,15 +95,15 @@ def test_grpo_with_the_bpe_files_equals_the_run_with_its_hf_directory(bpe, tmp_p
                                  tie_word_embeddings=True, pad_token_id=tok.pad_token_id,
                                  eos_token_id=tok.eos_token_id)).save_pretrained(str(model_dir))
     write_jsonl(tmp_path / "rows.jsonl", addition_rows(16, 1))
-    from_files = _preprocess(tmp_path / "rows.jsonl", tmp_path / "files" / "data", tokenizer_type="GPT2BPETokenizer",
-                             vocab_file=files.vocab_file, merge_file=files.merge_file)
-    _preprocess(tmp_path / "rows.jsonl", tmp_path / "dir" / "data", tokenizer_name_or_path=str(hf_dir))
+    from_files = preprocess_rows(tmp_path / "rows.jsonl", tmp_path / "files" / "data", tokenizer_type=tokenizer_type,
+                                 **paths)
+    preprocess_rows(tmp_path / "rows.jsonl", tmp_path / "dir" / "data", tokenizer_name_or_path=str(hf_dir))
     written = sorted(p.name for p in (tmp_path / "files").iterdir())
     assert written and written == sorted(p.name for p in (tmp_path / "dir").iterdir())
     for name in written:
         assert filecmp.cmp(tmp_path / "files" / name, tmp_path / "dir" / name, shallow=False), name
-    runs = {"files": dict(megatron_training__tokenizer_type="GPT2BPETokenizer", megatron_training__vocab_file=files.vocab_file,
-                          megatron_training__merge_file=files.merge_file, megatron_training__tokenizer_name_or_path=None),
+    runs = {"files": dict(megatron_training__tokenizer_type=tokenizer_type, megatron_training__tokenizer_name_or_path=None,
+                          **{f"megatron_training__{key}": path for key, path in paths.items()}),
             "dir": dict(megatron_training__tokenizer_name_or_path=str(hf_dir))}
     for name, keys in runs.items():
         train(grpo_config(model_dir, from_files, tmp_path / name, actor_config__load=str(model_dir),

@@ -108,11 +108,11 @@ EXPERT_PARALLEL = MODEL_PARALLEL  # experts split over ranks (mixture-of-experts
 LORA = HONOURED  # the hf backend's LoRA through PEFT (posttrain.models.lora); refused on megatron
 LORA_KERNEL = ignored("MindSpeed's fused CCLoRA kernels; PEFT's LoRA layers compute the same")
 AI_FRAMEWORK = refused("posttrain runs on PyTorch only", "remove the key")
-TOKENIZER_TYPE = refused("posttrain builds PretrainedFromHF (HuggingFaceTokenizer) and GPT2BPETokenizer "
-                         "(vocab_file + merge_file); SentencePieceTokenizer needs the sentencepiece package, which "
-                         "this build does not install", "set it to PretrainedFromHF (a Hugging Face tokenizer "
-                         "directory) or GPT2BPETokenizer",
-                         ok=(None, "PretrainedFromHF", "HuggingFaceTokenizer", "GPT2BPETokenizer"))
+TOKENIZER_TYPE = refused("posttrain builds PretrainedFromHF (HuggingFaceTokenizer), GPT2BPETokenizer (vocab_file + "
+                         "merge_file) and SentencePieceTokenizer (tokenizer_model)", "set it to PretrainedFromHF (a Hugging "
+                         "Face tokenizer directory), GPT2BPETokenizer or SentencePieceTokenizer",
+                         ok=(None, "PretrainedFromHF", "HuggingFaceTokenizer", "GPT2BPETokenizer",
+                             "SentencePieceTokenizer"))
 MULTIMODAL_MODEL = refused("multimodal training is not implemented yet", "remove the key", active="set")
 
 
@@ -304,12 +304,15 @@ class MegatronConfig(Section):
     enable_high_availability: bool = F(False, "Ascend-only", ASCEND)
     ai_framework: Opt[str] = F(None, "None (PyTorch) or mindspore", AI_FRAMEWORK)
     # ---- tokenizer / templates ------------------------------------------------------------------
-    tokenizer_type: Opt[str] = F(None, "PretrainedFromHF (Hugging Face tokenizer) or GPT2BPETokenizer (GPT-2 BPE from "
-                                       "vocab_file + merge_file; posttrain.data.tokenizer_files)", TOKENIZER_TYPE)
+    tokenizer_type: Opt[str] = F(None, "PretrainedFromHF (Hugging Face tokenizer), GPT2BPETokenizer (GPT-2 BPE from "
+                                       "vocab_file + merge_file) or SentencePieceTokenizer (tokenizer_model; "
+                                       "posttrain.data.tokenizer_files)", TOKENIZER_TYPE)
     vocab_file: Opt[str] = F(None, "posttrain (Megatron's --vocab-file): GPT-2 vocab.json of tokenizer_type "
                                    "GPT2BPETokenizer", HONOURED)
     merge_file: Opt[str] = F(None, "posttrain (Megatron's --merge-file): GPT-2 merges.txt of tokenizer_type "
                                    "GPT2BPETokenizer", HONOURED)
+    tokenizer_model: Opt[str] = F(None, "posttrain (Megatron's --tokenizer-model): the SentencePiece .model file of "
+                                        "tokenizer_type SentencePieceTokenizer", HONOURED)
     tokenizer_name_or_path: Opt[str] = F(None, "HF tokenizer directory (default: the model's)", HONOURED)
     tokenizer_not_use_fast: bool = F(False, "use the slow (Python) tokenizer", SLOW_TOKENIZER)
     tokenizer_padding_side: str = F("right", "tokenizer padding side", PADDING_SIDE)

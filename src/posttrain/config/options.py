@@ -366,12 +366,13 @@ def policy_options(cfg: RunConfig) -> PolicyOptions:
 
 
 def policy_tokenizer(a: MegatronConfig) -> TokenizerFiles | None:
-    """The files of a ``tokenizer_type`` built from files (GPT2BPETokenizer), None for a Hugging Face one."""
-    files = tokenizer_files(a.tokenizer_type, a.vocab_file, a.merge_file, "megatron_training.")
+    """The files of a ``tokenizer_type`` built from files (GPT2BPETokenizer, SentencePieceTokenizer), None for a
+    Hugging Face one."""
+    files = tokenizer_files(a.tokenizer_type, a.vocab_file, a.merge_file, "megatron_training.", a.tokenizer_model)
     if files is not None and a.tokenizer_name_or_path:
-        raise ConfigError(f"megatron_training.tokenizer_type={a.tokenizer_type} builds the tokenizer from vocab_file "
-                          f"and merge_file, and tokenizer_name_or_path={a.tokenizer_name_or_path} names another; "
-                          f"keep one (name the model's weights with load)")
+        raise ConfigError(f"megatron_training.tokenizer_type={a.tokenizer_type} builds the tokenizer from "
+                          f"{' and '.join(files.paths())}, and tokenizer_name_or_path={a.tokenizer_name_or_path} names "
+                          f"another; keep one (name the model's weights with load)")
     return files
 
 

@@ -59,6 +59,7 @@ class DataHandlerConfig(BaseModel):
     tokenizer_not_use_fast: bool = True
     vocab_file: Optional[str] = None
     merge_file: Optional[str] = None
+    tokenizer_model: Optional[str] = None
     append_eod: bool = False
     tokenizer_name_or_path: Optional[str] = None
     seq_length: Optional[int] = None
@@ -145,9 +146,10 @@ def validate(cfg: DataHandlerConfig) -> None:
     if cfg.seq_length is not None and cfg.seq_length > MAX_ROW_TOKENS:
         raise ConfigError(f"seq_length={cfg.seq_length}: larger than a row of the indexed dataset can be "
                           f"({MAX_ROW_TOKENS:,} tokens, its lengths are int32); give a smaller seq_length")
-    if tokenizer_files(cfg.tokenizer_type, cfg.vocab_file, cfg.merge_file) and cfg.tokenizer_name_or_path:
-        raise ConfigError(f"tokenizer_type {cfg.tokenizer_type} builds the tokenizer from vocab_file and merge_file, and "
-                          f"tokenizer_name_or_path={cfg.tokenizer_name_or_path} names another; keep one")
+    files = tokenizer_files(cfg.tokenizer_type, cfg.vocab_file, cfg.merge_file, tokenizer_model=cfg.tokenizer_model)
+    if files and cfg.tokenizer_name_or_path:
+        raise ConfigError(f"tokenizer_type {cfg.tokenizer_type} builds the tokenizer from {' and '.join(files.paths())}, "
+                          f"and tokenizer_name_or_path={cfg.tokenizer_name_or_path} names another; keep one")
     if cfg.merge_group_keys:
         raise ConfigError("merge_group_keys (merging existing .bin/.idx files) is not supported by posttrain "
                           "preprocess; merge with posttrain.data.indexed.IndexedDatasetBuilder.add_index")

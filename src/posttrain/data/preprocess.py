@@ -102,13 +102,13 @@ def load_tokenizer(path: str):
 
 
 def handler_tokenizer(cfg: DataHandlerConfig):
-    """The tokenizer of ``cfg``: ``tokenizer_name_or_path``'s, or GPT-2 BPE from ``vocab_file`` and
-    ``merge_file`` (``tokenizer_type: GPT2BPETokenizer``; :mod:`posttrain.data.tokenizer_files`)."""
-    files = tokenizer_files(cfg.tokenizer_type, cfg.vocab_file, cfg.merge_file)
+    """The tokenizer of ``cfg``: ``tokenizer_name_or_path``'s, or one built from files (GPT-2 BPE from
+    ``vocab_file`` and ``merge_file``, SentencePiece from ``tokenizer_model``;
+    :mod:`posttrain.data.tokenizer_files`)."""
+    files = tokenizer_files(cfg.tokenizer_type, cfg.vocab_file, cfg.merge_file, tokenizer_model=cfg.tokenizer_model)
     if files is None:
         return load_tokenizer(resolve_path(cfg.tokenizer_name_or_path))
-    return build_tokenizer(replace(files, vocab_file=str(resolve_path(files.vocab_file)),
-                                   merge_file=str(resolve_path(files.merge_file))))
+    return build_tokenizer(replace(files, **{key: str(resolve_path(path)) for key, path in files.paths().items()}))
 
 
 def build_handler(cfg: DataHandlerConfig, columns: list[str], tokenizer=None):

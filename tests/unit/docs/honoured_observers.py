@@ -167,6 +167,7 @@ ELSEWHERE: dict[str, str] = {
     # files and checkpoints a run reads: their effect is the run's tokenizer or weights
     "actor_config.vocab_file": "tests/integration/test_gpt2_bpe_tokenizer.py::test_grpo_with_the_bpe_files_equals_the_run_with_its_hf_directory",
     "actor_config.merge_file": "tests/integration/test_gpt2_bpe_tokenizer.py::test_grpo_with_the_bpe_files_equals_the_run_with_its_hf_directory",
+    "actor_config.tokenizer_model": "tests/integration/test_sentencepiece_tokenizer.py::test_grpo_with_the_model_file_equals_the_run_with_its_hf_directory",
     "actor_config.pretrained_checkpoint": "tests/integration/test_start_keys.py::test_pretrained_checkpoint_starts_fresh_from_its_weights",
     "actor_config.refer_model_iter": "tests/e2e/test_e2e_algorithms.py::test_dpo_reference_is_ref_model_at_refer_model_iter",
     # tq runs only with transferqueue installed (the config check refuses it otherwise): the plan built past the check
