@@ -1,7 +1,8 @@
 """``posttrain preprocess``: raw rows -> chat template -> token ids -> Megatron indexed datasets.
 
 Output: ``{output_prefix}_packed_{key}_document.{bin,idx}`` per key of the handler (and nothing
-else; :func:`output_files` lists them). Files are written under hidden temporary names
+else; :func:`output_files` lists them); an input with image/video columns adds the ``images`` and
+``image_meta`` datasets of :mod:`posttrain.data.media_store`. Files are written under hidden temporary names
 (``.{name}_packed_{key}_document.tmp{pid}.{bin,idx}`` next to them) and renamed only when every key
 is complete, so an interrupted run never leaves a dataset that looks valid; the next run at the
 same prefix removes such leftovers of a run that is no longer alive.
@@ -365,11 +366,7 @@ def preprocess(config: dict | DataHandlerConfig, strict: bool = False, progress:
     tokenizer = handler_tokenizer(cfg)
     handler = build_handler(cfg, columns, tokenizer)
     prefix = _output_prefix(cfg)
-    media_keys = list(MEDIA_DTYPES) if handler.media else []
-    if media_keys and cfg.pack:
-        raise ConfigError("pack: true cannot pack multimodal rows (the input has image/video columns); set pack: "
-                          "false for multimodal data")
-    outputs = _Outputs(prefix, handler.output_keys() + media_keys, MEDIA_DTYPES)
+    outputs = _open_outputs(prefix, cfg, handler)
     bar = _Progress(progress, cfg.log_interval)
     summary.setup_seconds = time.perf_counter() - start
     start = time.perf_counter()
@@ -408,6 +405,15 @@ def preprocess(config: dict | DataHandlerConfig, strict: bool = False, progress:
     summary.rows_read += skip_counts[SKIP_MALFORMED]  # lines that never became rows
     summary.seconds = time.perf_counter() - start
     return summary
+
+
+def _open_outputs(prefix: str, cfg: DataHandlerConfig, handler) -> _Outputs:
+    """The handler's keys, and the image datasets when the input has image/video columns."""
+    media_keys = list(MEDIA_DTYPES) if handler.media else []
+    if media_keys and cfg.pack:
+        raise ConfigError("pack: true cannot pack multimodal rows (the input has image/video columns); set pack: "
+                          "false for multimodal data")
+    return _Outputs(prefix, handler.output_keys() + media_keys, MEDIA_DTYPES)
 
 
 def _write_failed(prefix: str, err: OSError) -> Exception:
