@@ -96,8 +96,9 @@ def _read_file(path: str, base: Path, where: str, what: str) -> tuple[bytes, str
     except FileNotFoundError:
         raise DataError(f"{where}: {what}: image file {full} not found (relative paths are relative to the data "
                         f"file's folder {base})") from None
-    except OSError as err:
-        raise DataError(f"{where}: {what}: cannot read image file {full}: {err.strerror}") from None
+    except (OSError, ValueError) as err:  # ValueError: a path with a NUL byte (bytes given as text?)
+        raise DataError(f"{where}: {what}: cannot read image file {str(full)[:200]!r}: "
+                        f"{getattr(err, 'strerror', None) or err}; give a path, or the bytes as {{\"bytes\": ...}}") from None
 
 
 def image_size(data: bytes, where: str, name: str) -> tuple[int, int]:

@@ -6,7 +6,9 @@
                                                image, the same documents; ``video`` is -1 for an
                                                image, else the index of the video the frame is in
 
-Document ``i`` belongs to text row ``i`` (a prompt without media has an empty document).
+Document ``i`` belongs to text row ``i`` of the written files (a prompt without media has an empty
+document; rows that preprocessing skipped have neither). A training dataset that filters or splits
+rows (``PromptDataset.rows``) must index this one with the stored row number, not its own index.
 :class:`ImageDataset` maps both files (``np.memmap``) and decodes a prompt's images only when asked,
 so that a batch costs the bytes of its own images; :meth:`ImageDataset.sizes` gives the sizes (and
 so the processor's token counts) without decoding anything.

@@ -358,7 +358,8 @@ def preprocess(config: dict | DataHandlerConfig, strict: bool = False, progress:
             print(f"warning {where}: invalid UTF-8 bytes, replaced by U+FFFD (further rows of this file with "
                   "invalid UTF-8 are only counted)", file=sys.stderr)
 
-    reader = iter(RowReader(resolve_path(cfg.input), BATCH_ROWS, on_malformed, on_invalid_utf8))
+    media_columns = frozenset((cfg.map_keys or {}).get(k) or k for k in ("images", "videos"))
+    reader = iter(RowReader(resolve_path(cfg.input), BATCH_ROWS, on_malformed, on_invalid_utf8, media_columns))
     first = next(reader, None)
     if first is None:
         raise DataError(f"input {cfg.input}: no rows to read")

@@ -71,8 +71,9 @@ def test_jsonl_paths_round_trip_lazily(tmp_path, vl_tok_dir):
         (tmp_path / "img" / f"{i}.png").write_bytes(b)
     rows = [{"problem": "<image> how many?", "answer": "1", "images": ["img/0.png"]},
             {"problem": "text only", "answer": "0", "images": []},
+            {"problem": "<image> too long " + "x y " * 2000, "answer": "3", "images": ["img/0.png"]},  # skipped
             {"problem": "<image> and <image>?", "answer": "2", "images": ["img/1.png", "img/2.png"]}]
-    prefix = _run(tmp_path, vl_tok_dir, _jsonl(tmp_path / "in.jsonl", rows))
+    prefix = _run(tmp_path, vl_tok_dir, _jsonl(tmp_path / "in.jsonl", rows), seq_length=300)
     ds = ImageDataset(prefix)
     assert isinstance(ds.blobs._bin, np.memmap)  # mapped, not read whole
     assert len(ds) == len(PromptDataset(prefix)) == 3
@@ -102,13 +103,14 @@ def test_jsonl_base64_bytes_and_video_frames(tmp_path, vl_tok_dir):
     assert ds.sizes(0)[:, 0].tolist() == [-1, 0, 0, 0]
 
 
-@pytest.mark.parametrize("layout", ["struct", "binary"])
+@pytest.mark.parametrize("layout", ["struct_list", "binary"])
 def test_parquet_bytes_round_trip(tmp_path, vl_tok_dir, layout):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     blobs = [_png(20), _png(21)]
-    cells = ([[{"bytes": b, "path": None}] for b in blobs] if layout == "struct" else [[b] for b in blobs])
+    # the HF Image feature's list of {bytes, path} structs, or one raw image per row in a binary column
+    cells = [[{"bytes": b, "path": None}] for b in blobs] if layout == "struct_list" else pa.array(blobs, pa.binary())
     table = pa.table({"problem": ["<image> a", "<image> b"], "answer": ["1", "2"], "images": cells})
     pq.write_table(table, tmp_path / "in.parquet")
     ds = ImageDataset(_run(tmp_path, vl_tok_dir, tmp_path / "in.parquet"))
@@ -150,3 +152,13 @@ def test_bad_media_refused_with_row_and_file(tmp_path, tok_dir, vl_tok_dir, case
     if case in ("too_many", "text_template", "text_tokenizer"):
         assert "ok.png" in msg
     assert os.listdir(tmp_path / "out") == []  # nothing half-written, no temporaries
+
+
+def test_pack_refused_for_multimodal_input(tmp_path, vl_tok_dir):
+    from posttrain.errors import ConfigError
+
+    (tmp_path / "ok.png").write_bytes(_png(1))
+    data = _jsonl(tmp_path / "in.jsonl", [{"problem": "<image> q", "answer": "1", "images": ["ok.png"]}])
+    with pytest.raises(ConfigError, match="pack: true cannot pack multimodal rows"):
+        _run(tmp_path, vl_tok_dir, data, handler_name="AlpacaStyleInstructionHandler", prompt_type="qwen2_vl",
+             dataset_additional_keys=[], pack=True, seq_length=64)
