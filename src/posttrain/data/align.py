@@ -8,6 +8,7 @@
     system   system prompt column         (default: none)
     history  list of [user, assistant] pairs (default: none)
     chosen / rejected   pairwise answers  (defaults "chosen" / "rejected")
+    images / videos     multimodal media  (defaults "images" / "videos"; posttrain.data.media)
 
 A row becomes an :class:`Aligned` conversation, or a skip reason (a short string that the
 closing summary counts). Prompt, query, system and answer cells must be text: numbers become
@@ -26,7 +27,7 @@ from posttrain.errors import ConfigError
 
 MAP_KEY_DEFAULTS: dict[str, str | None] = {"prompt": "instruction", "query": "input", "response": "output",
                                            "system": None, "history": None, "chosen": "chosen",
-                                           "rejected": "rejected"}
+                                           "rejected": "rejected", "images": "images", "videos": "videos"}
 
 SKIP_EMPTY_PROMPT = "empty prompt"
 SKIP_EMPTY_RESPONSE = "empty response"

@@ -74,6 +74,9 @@ class DataHandlerConfig(BaseModel):
     log_interval: int = 100
     merge_group_keys: Optional[list[str]] = None
     enable_thinking: bool = False
+    # multimodal rows (posttrain.data.media); the seed names these in its generate_config
+    limit_mm_image_per_prompt: int = 1
+    limit_mm_video_per_prompt: int = 0
 
     @field_validator("dataset_additional_keys", "json_keys", "reward_tokens", mode="before")
     @classmethod
@@ -139,6 +142,9 @@ def validate(cfg: DataHandlerConfig) -> None:
                           "(or hf_chat_template with a tokenizer whose template reads enable_thinking)")
     if cfg.pack and not cfg.seq_length:
         raise ConfigError("pack: true needs seq_length (the packed sequence length).")
+    for key in ("limit_mm_image_per_prompt", "limit_mm_video_per_prompt"):
+        if getattr(cfg, key) < 0:
+            raise ConfigError(f"{key} must be >= 0 (got {getattr(cfg, key)})")
     if cfg.workers < 1:
         raise ConfigError(f"workers must be >= 1 (got {cfg.workers})")
     if cfg.seq_length is not None and cfg.seq_length < 2:

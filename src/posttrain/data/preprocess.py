@@ -1,7 +1,8 @@
 """``posttrain preprocess``: raw rows -> chat template -> token ids -> Megatron indexed datasets.
 
 Output: ``{output_prefix}_packed_{key}_document.{bin,idx}`` per key of the handler (and nothing
-else; :func:`output_files` lists them). Files are written under hidden temporary names
+else; :func:`output_files` lists them); an input with image/video columns adds the ``images`` and
+``image_meta`` datasets of :mod:`posttrain.data.media_store`. Files are written under hidden temporary names
 (``.{name}_packed_{key}_document.tmp{pid}.{bin,idx}`` next to them) and renamed only when every key
 is complete, so an interrupted run never leaves a dataset that looks valid; the next run at the
 same prefix removes such leftovers of a run that is no longer alive.
@@ -35,6 +36,9 @@ from transformers import AutoTokenizer
 from posttrain.data.config import DataHandlerConfig, make_config, resolve_path, warn_inert
 from posttrain.data.handlers import HANDLERS
 from posttrain.data.indexed import IndexedDatasetBuilder
+from posttrain.data.media import RowMedia
+from posttrain.data.media_store import IMAGES_FIELD, MEDIA_DTYPES, META_FIELD
+from posttrain.data.multimodal import MultimodalRows
 from posttrain.data.packing import pack_samples
 from posttrain.data.readers import RowReader
 from posttrain.data.templates import get_template
@@ -84,6 +88,7 @@ class BatchResult:
     rows: int
     keys: dict[str, tuple[np.ndarray, np.ndarray]]  # key -> (flat int32 tokens, lengths)
     skipped: list[tuple[str, str]]  # (where, reason)
+    media: list[RowMedia] | None = None  # per kept row, when the input has image/video columns
 
 
 # --- the per-process work ---------------------------------------------------------------
@@ -117,6 +122,8 @@ def build_handler(cfg: DataHandlerConfig, columns: list[str], tokenizer=None):
     tokenizer = tokenizer or handler_tokenizer(cfg)
     handler = cls(cfg, tokenizer, template)
     handler.bind_columns(columns)
+    image_col, video_col = handler.keys.get("images"), handler.keys.get("videos")
+    handler.media = MultimodalRows(cfg, template, tokenizer, image_col, video_col) if image_col or video_col else None
     return handler
 
 
@@ -148,8 +155,9 @@ def process_batch(rows: list[tuple[dict, str]], handler=None, cfg=None) -> Batch
     """Align, encode (one batched tokenizer call) and filter one batch of rows."""
     handler = handler or _STATE["handler"]
     cfg = cfg or _STATE["cfg"]
-    skipped, aligned, wheres = [], [], []  # skipped: (row number in the batch, where, reason)
+    skipped, aligned, wheres, media = [], [], [], []  # skipped: (row number in the batch, where, reason)
     max_chars = _max_chars(handler, cfg)
+    multimodal = getattr(handler, "media", None)
     for n, (row, where) in enumerate(rows):
         item = handler.align(row)
         if isinstance(item, str):
@@ -157,16 +165,18 @@ def process_batch(rows: list[tuple[dict, str]], handler=None, cfg=None) -> Batch
         elif max_chars is not None and _longest_text(item) > max_chars:  # cannot fit: not tokenized at all
             skipped.append((n, where, SKIP_TOO_LONG))
         else:
+            media.append(multimodal.apply(row, item, where) if multimodal else None)  # bad media raises
             aligned.append(item)
             wheres.append((n, where))
     encoded = handler.encode_batch(aligned) if aligned else []
-    keep = []
-    for enc, (n, where) in zip(encoded, wheres):
+    keep, kept_media = [], []
+    for enc, (n, where), row_media in zip(encoded, wheres, media):
         longest = max(len(v) for v in enc.values())
         if cfg.seq_length is not None and longest >= cfg.seq_length:
             skipped.append((n, where, SKIP_TOO_LONG))
         else:
             keep.append(enc)
+            kept_media.append(row_media)
     skipped = [(where, reason) for _, where, reason in sorted(skipped, key=lambda s: s[0])]  # input order
     keys = {}
     for key in handler.output_keys():
@@ -174,22 +184,34 @@ def process_batch(rows: list[tuple[dict, str]], handler=None, cfg=None) -> Batch
         lengths = np.fromiter((len(s) for s in seqs), dtype=np.int64, count=len(seqs))
         flat = np.fromiter(chain.from_iterable(seqs), dtype=np.int32, count=int(lengths.sum()))
         keys[key] = (flat, lengths)
-    return BatchResult(rows=len(rows), keys=keys, skipped=skipped)
+    return BatchResult(rows=len(rows), keys=keys, skipped=skipped, media=kept_media if multimodal else None)
 
 
 # --- the job ----------------------------------------------------------------------------
 class _Outputs:
-    """One IndexedDatasetBuilder per key, writing to hidden temporaries until commit()."""
+    """One IndexedDatasetBuilder per key, writing to hidden temporaries until commit(); ``dtypes``
+    gives a key another dtype than int32 (the images' uint8)."""
 
-    def __init__(self, prefix: str, keys: list[str]):
+    def __init__(self, prefix: str, keys: list[str], dtypes: dict | None = None):
         self.final = {k: f"{prefix}_packed_{k}_document" for k in keys}
         remove_stale_temporaries(prefix)
         tag = f"tmp{os.getpid()}"
         self.tmp = {k: str(Path(p).parent / f".{Path(p).name}.{tag}") for k, p in self.final.items()}
-        self.builders = {k: IndexedDatasetBuilder(f"{self.tmp[k]}.bin") for k in keys}
+        self.builders = {k: IndexedDatasetBuilder(f"{self.tmp[k]}.bin", (dtypes or {}).get(k, np.int32))
+                         for k in keys}
 
     def add(self, key: str, flat: np.ndarray, lengths: np.ndarray) -> None:
         self.builders[key].add_items(flat, lengths)
+
+    def add_media(self, rows: list[RowMedia]) -> None:
+        """One document per row in the image and meta datasets, one sequence per image."""
+        blobs, meta = self.builders[IMAGES_FIELD], self.builders[META_FIELD]
+        for row in rows:
+            for data, item in zip(row.blobs, row.meta):
+                blobs.add_item(np.frombuffer(data, dtype=np.uint8))
+                meta.add_item(item)
+            blobs.end_document()
+            meta.end_document()
 
     def commit(self) -> dict[str, str]:
         for k, b in self.builders.items():
@@ -336,7 +358,8 @@ def preprocess(config: dict | DataHandlerConfig, strict: bool = False, progress:
             print(f"warning {where}: invalid UTF-8 bytes, replaced by U+FFFD (further rows of this file with "
                   "invalid UTF-8 are only counted)", file=sys.stderr)
 
-    reader = iter(RowReader(resolve_path(cfg.input), BATCH_ROWS, on_malformed, on_invalid_utf8))
+    media_columns = frozenset((cfg.map_keys or {}).get(k) or k for k in ("images", "videos"))
+    reader = iter(RowReader(resolve_path(cfg.input), BATCH_ROWS, on_malformed, on_invalid_utf8, media_columns))
     first = next(reader, None)
     if first is None:
         raise DataError(f"input {cfg.input}: no rows to read")
@@ -344,7 +367,7 @@ def preprocess(config: dict | DataHandlerConfig, strict: bool = False, progress:
     tokenizer = handler_tokenizer(cfg)
     handler = build_handler(cfg, columns, tokenizer)
     prefix = _output_prefix(cfg)
-    outputs = _Outputs(prefix, handler.output_keys())
+    outputs = _open_outputs(prefix, cfg, handler)
     bar = _Progress(progress, cfg.log_interval)
     summary.setup_seconds = time.perf_counter() - start
     start = time.perf_counter()
@@ -363,6 +386,8 @@ def preprocess(config: dict | DataHandlerConfig, strict: bool = False, progress:
             else:
                 for key, (flat, lengths) in result.keys.items():
                     outputs.add(key, flat, lengths)
+            if result.media is not None:
+                outputs.add_media(result.media)
             bar.update(result.rows)
         if cfg.pack:
             summary.packed_rows = _write_packed(outputs, packed, cfg, tokenizer)
@@ -381,6 +406,15 @@ def preprocess(config: dict | DataHandlerConfig, strict: bool = False, progress:
     summary.rows_read += skip_counts[SKIP_MALFORMED]  # lines that never became rows
     summary.seconds = time.perf_counter() - start
     return summary
+
+
+def _open_outputs(prefix: str, cfg: DataHandlerConfig, handler) -> _Outputs:
+    """The handler's keys, and the image datasets when the input has image/video columns."""
+    media_keys = list(MEDIA_DTYPES) if handler.media else []
+    if media_keys and cfg.pack:
+        raise ConfigError("pack: true cannot pack multimodal rows (the input has image/video columns); set pack: "
+                          "false for multimodal data")
+    return _Outputs(prefix, handler.output_keys() + media_keys, MEDIA_DTYPES)
 
 
 def _write_failed(prefix: str, err: OSError) -> Exception:

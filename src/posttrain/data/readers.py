@@ -117,8 +117,9 @@ class RowReader:
 
     def __init__(self, input_path: str | Path, batch_size: int = 1000,
                  on_malformed: Callable[[str, str], None] | None = None,
-                 on_invalid_utf8: Callable[[str], None] | None = None):
+                 on_invalid_utf8: Callable[[str], None] | None = None, binary_columns: frozenset[str] = frozenset()):
         self.files = find_input_files(input_path)
+        self.binary_columns = binary_columns  # their binary cells stay bytes (image columns)
         self.batch_size = batch_size
         self.on_malformed = on_malformed or _raise_malformed
         self.on_invalid_utf8 = on_invalid_utf8  # None: undecodable bytes become U+FFFD silently
@@ -196,8 +197,8 @@ class RowReader:
 
         n = 0
         for batch in self._record_batches(path):
-            binary = [f.name for f in batch.schema
-                      if pa.types.is_binary(f.type) or pa.types.is_large_binary(f.type)]
+            binary = [f.name for f in batch.schema if f.name not in self.binary_columns
+                      and (pa.types.is_binary(f.type) or pa.types.is_large_binary(f.type))]
             for row in batch.to_pylist():
                 where = f"{path}:row {n}"
                 for name in binary:  # e.g. a CSV column with bytes that are not UTF-8
