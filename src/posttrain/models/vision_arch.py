@@ -8,8 +8,9 @@ A model yaml describes the tower under one posttrain key, ``vision_tower`` (a ma
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from posttrain.errors import ConfigError
 
