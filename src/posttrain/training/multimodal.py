@@ -6,8 +6,9 @@ concatenated image inputs of its rows (:func:`posttrain.models.vlm.concat_sample
 [image tokens, H]`` (the vision tower's output computed once, ``reuse_image_embeds``). Here they
 become the language model's inputs: ``inputs_embeds [B, T, H]`` (the token embeddings with each
 ``<|image_pad|>`` replaced by its image feature, in row order) and the model's 3-D rotary
-positions ``position_ids [3, B, T]`` (its ``get_rope_index``: an image's tokens take (t, h, w)
-grid positions, the text after it continues from the largest). Both padded and packed forwards
+positions (its ``get_rope_index``: an image's tokens take (t, h, w) grid positions, the text after
+it continues from the largest) below the plain text positions: ``position_ids [4, B, T]``, the
+layout Transformers' Qwen2.5-VL reads for packed rows. Both padded and packed forwards
 (:mod:`posttrain.training.remove_padding`) take these instead of ``input_ids``.
 """
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from posttrain.models.vlm import MM_KEYS
+from posttrain.training.batch import default_position_ids
 
 
 def is_multimodal(batch: dict[str, torch.Tensor]) -> bool:
@@ -48,9 +50,10 @@ def freeze_vision_tower(model: torch.nn.Module, frozen: bool = True) -> None:
 
 
 def multimodal_inputs(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``batch`` with ``inputs_embeds [B, T, H]`` and 3-D ``position_ids [3, B, T]`` for the
-    language model (the image inputs removed). ``batch["image_embeds"]``, when present, is used
-    instead of running the vision tower (it must equal :func:`image_embeds` of the same images)."""
+    """``batch`` with ``inputs_embeds [B, T, H]`` and ``position_ids [4, B, T]`` (the text
+    positions, then the 3-D rotary ones) for the language model (the image inputs removed).
+    ``batch["image_embeds"]``, when present, is used instead of running the vision tower (it must
+    equal :func:`image_embeds` of the same images)."""
     vlm = _vlm(model)
     ids, attention = batch["input_ids"], batch["attention_mask"]
     features = batch.get("image_embeds")
@@ -62,8 +65,11 @@ def multimodal_inputs(model: torch.nn.Module, batch: dict[str, torch.Tensor]) ->
         raise ValueError(f"the batch has {int(image_mask.sum())} image tokens for {features.shape[0]} image "
                          f"features: its rows and pixel_values/image_grid_thw do not match")
     embeds = embeds.masked_scatter(image_mask[..., None], features.to(embeds.dtype))
-    positions, _ = vlm.get_rope_index(ids, image_mask.int(), image_grid_thw=batch["image_grid_thw"],
-                                      attention_mask=attention)
+    rope, _ = vlm.get_rope_index(ids, image_mask.int(), image_grid_thw=batch["image_grid_thw"],
+                                 attention_mask=attention)
+    # row 0: the text positions (restarting per sequence), which the model reads, as Transformers
+    # documents, to find the sequences of a packed row (its flash-attention varlen path)
+    positions = torch.cat([default_position_ids(attention)[None], rope])
     out = {k: v for k, v in batch.items() if k not in MM_KEYS and k != "image_embeds"}
     out.update(inputs_embeds=embeds, position_ids=positions)
     return out

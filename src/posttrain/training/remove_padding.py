@@ -203,7 +203,7 @@ def pack(batch: dict[str, torch.Tensor], share_prompts: bool = False) -> dict[st
     """The packed row and its index tensors, from the padded layout of ``forward.py``.
 
     Returns ``input_ids [1, N]``, ``position_ids [1, N]`` (restarting per sequence; a response
-    continues its prompt's positions; ``[3, 1, N]`` from 3-D rotary positions), ``order [N]`` (the
+    continues its prompt's positions; ``[A, 1, N]`` from multi-axis positions ``[A, B, T]``), ``order [N]`` (the
     flat padded token of each packed position), ``pad_index``/``valid [B, L_max]`` (for attention),
     ``owner [N]`` (the block slot that computes each packed position), ``keep [K]`` (packed
     positions whose logits predict a response token), ``labels [K]`` and ``select [B, R]``
@@ -251,7 +251,7 @@ def pack(batch: dict[str, torch.Tensor], share_prompts: bool = False) -> dict[st
     # response token t of row b is predicted at the previous token: the prompt's last one for t = 0
     t = torch.arange(num_resp, device=device)[None, :]
     predictor = torch.where(t == 0, pstart_t + plen_t - 1, rstart_t + t - 1)
-    # 3-D rotary positions [3, B, T] (a vision-language model's) are packed per axis: [3, 1, N]
+    # multi-axis positions [A, B, T] (a vision-language model's, multimodal.py) are packed per axis: [A, 1, N]
     packed_positions = positions.reshape(-1)[order][None] if positions.ndim == 2 else \
         positions.reshape(positions.shape[0], -1)[:, order][:, None]
     return {"input_ids": ids.reshape(-1)[order][None], "position_ids": packed_positions, "order": order,
