@@ -15,6 +15,9 @@ from typing import Any
 from posttrain.errors import ConfigError
 
 VLM_TYPES = ("qwen2_5_vl",)
+NOT_BUILT = {model_type: "this vision-language model is not built yet (its vision tower also feeds several decoder "
+                         "layers, deepstack, which the multimodal forward does not pass)"
+             for model_type in ("qwen3_vl", "qwen3_vl_moe")}
 # the vision special tokens a VLM's tokenizer adds, and the config key of each one's id
 VISION_TOKENS = {"<|vision_start|>": "vision_start_token_id", "<|vision_end|>": "vision_end_token_id",
                  "<|image_pad|>": "image_token_id", "<|video_pad|>": "video_token_id"}
@@ -60,6 +63,9 @@ _OPTIONAL = ("patch_size", "spatial_merge_size", "temporal_patch_size", "in_chan
 def vision_tower(name: str, keys: Mapping[str, Any], model_type: str, hidden_size: int) -> VisionTower | None:
     """The ``vision_tower`` of a model yaml (None for a text model); checked against ``hf_model_type``."""
     tower = keys.get("vision_tower")
+    if model_type in NOT_BUILT:
+        raise ConfigError(f"model '{name}': hf_model_type={model_type}: {NOT_BUILT[model_type]}; use "
+                          f"hf_model_type: qwen2_5_vl")
     if tower is None:
         if model_type in VLM_TYPES:
             raise ConfigError(f"model '{name}': hf_model_type={model_type} is a vision-language model; give its "

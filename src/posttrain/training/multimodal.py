@@ -54,6 +54,9 @@ def multimodal_inputs(model: torch.nn.Module, batch: dict[str, torch.Tensor]) ->
     positions, then the 3-D rotary ones) for the language model (the image inputs removed).
     ``batch["image_embeds"]``, when present, is used instead of running the vision tower (it must
     equal :func:`image_embeds` of the same images)."""
+    if "pixel_values_videos" in batch or "video_grid_thw" in batch:
+        raise ValueError("the batch carries videos (pixel_values_videos / video_grid_thw): posttrain's multimodal "
+                         "forward takes images only so far; give the frames as images")
     vlm = _vlm(model)
     ids, attention = batch["input_ids"], batch["attention_mask"]
     features = batch.get("image_embeds")

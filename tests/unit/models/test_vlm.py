@@ -67,5 +67,7 @@ def test_vision_tower_keys_are_checked():
         arch_from_model_yaml("m", keys)
     with pytest.raises(ConfigError, match="vision_tower.depthh is not a vision tower key"):
         arch_from_model_yaml("m", {**keys, "vision_tower": {"depthh": 2}})
+    with pytest.raises(ConfigError, match="hf_model_type=qwen3_vl: this vision-language model is not built yet"):
+        arch_from_model_yaml("m", {**keys, "hf_model_type": "qwen3_vl", "vision_tower": {"depth": 1}})
     with pytest.raises(ConfigError, match="vision_tower is read for hf_model_type qwen2_5_vl, not qwen2"):
         arch_from_model_yaml("m", {**keys, "hf_model_type": "qwen2", "vision_tower": {"depth": 1}})

@@ -107,6 +107,8 @@ def test_reused_image_embeds_equal_recomputed_and_skip_the_tower(vlm, samples):
     torch.testing.assert_close(reused, recomputed, rtol=0, atol=1e-6)
     with pytest.raises(ValueError, match="image tokens for"):
         response_logprobs(model, {**batch, "image_embeds": embeds[:-1]}, packing=Packing())
+    with pytest.raises(ValueError, match="takes images only"):
+        response_logprobs(model, {**batch, "video_grid_thw": batch["image_grid_thw"]}, packing=Packing())
 
 
 @pytest.mark.parametrize("frozen", [True, False])
