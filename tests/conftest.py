@@ -49,6 +49,15 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_vlm_dir(tmp_path_factory) -> Path:
+    """A random-init tiny Qwen2.5-VL (text 2 layers, hidden 128; vision depth 2, hidden 64), with the
+    vision tokens in its tokenizer and a saved image processor (``posttrain init-model``)."""
+    from posttrain.commands.init_model import init_model
+
+    return init_model("tiny_qwen25_vl", tmp_path_factory.mktemp("models") / "tiny_qwen25_vl", seed=1234)
+
+
+@pytest.fixture(scope="session")
 def tiny_tokenizer(tiny_model_dir):
     from transformers import AutoTokenizer
 

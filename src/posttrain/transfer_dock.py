@@ -4,7 +4,10 @@ The table has ``max_len`` rows (one per sample: ``max_len = num_prompts * n_samp
 and named columns (``prompts``, ``responses``, ``old_logprobs``, ...; the on-policy loop's schema
 is in :mod:`posttrain.loops.experience`, in the one vocabulary used from rollout to loss). Each cell holds a 1-D
 tensor whose length may differ from row to row (a response of 17 tokens next to one of 512), so a
-column is stored as a Python list of tensors, with a boolean *ready* vector beside it.
+column is stored as a Python list of tensors, with a boolean *ready* vector beside it. The
+columns of :data:`MATRIX_COLUMNS` (a vision-language sample's images) hold a 2-D tensor per cell
+instead: ``pixel_values [patches, dim]``, ``image_grid_thw [images, 3]``, ``image_embeds
+[image tokens, H]``, each sample with its own number of rows.
 
 Producers ``put`` cells by row index. Consumers (the phases: ``rollout``, ``advantages``, ...)
 ``get`` rows whose requested columns are all ready and that this consumer has not consumed yet;
@@ -41,8 +44,12 @@ class TransferDockError(PosttrainError, ValueError):
     """A read or write that the dock cannot serve (bad column, index or dispatch size)."""
 
 
+# columns whose cells are 2-D (a sample's image inputs: its own number of rows, a fixed width)
+MATRIX_COLUMNS = frozenset({"pixel_values", "image_grid_thw", "image_embeds"})
+
+
 def _as_rows(values: Any, count: int, column: str) -> list[torch.Tensor]:
-    """Split ``values`` into ``count`` 1-D row tensors.
+    """Split ``values`` into ``count`` 1-D row tensors (2-D for :data:`MATRIX_COLUMNS`).
 
     Accepts a sequence of tensors/numbers/lists (one per row) or a tensor whose first dim is the
     row dim (a 1-D tensor gives one scalar per row, stored with shape ``[1]``).
@@ -57,6 +64,12 @@ def _as_rows(values: Any, count: int, column: str) -> list[torch.Tensor]:
     out = []
     for row in rows:
         t = row if isinstance(row, torch.Tensor) else torch.as_tensor(row)
+        if column in MATRIX_COLUMNS:
+            if t.dim() != 2:
+                raise TransferDockError(f"put experience ERROR: column {column} holds one 2-D tensor per sample "
+                                        f"([rows, width]), got shape {tuple(t.shape)}")
+            out.append(t)
+            continue
         out.append(t.reshape(-1) if t.dim() != 1 else t)
     return out
 
@@ -230,7 +243,7 @@ class TransferDock:
         eligible, returns ``(None, None)`` (the caller runs the producer first or stops).
         With ``indexes``, exactly those rows are read; they must be ready.
 
-        Returns ``({column: list of 1-D tensors}, indexes)``.
+        Returns ``({column: list of 1-D tensors (2-D for MATRIX_COLUMNS)}, indexes)``.
         """
         self._check_consumer(consumer)
         self._check_columns(column_names)

@@ -120,3 +120,20 @@ def test_dock_pickles_with_its_state():
     assert clone.consumed_count("rule_reward") == 1
     assert clone.get("actor_train", ["responses"], indexes=[0, 1])[0]["responses"][1].tolist() == [3]
     assert clone.get("rule_reward", ["responses"], 1)[1] == td.get("rule_reward", ["responses"], 1)[1] == [1]
+
+
+def test_image_columns_keep_each_samples_2d_cells():
+    td = TransferDock(4, ["prompts", "pixel_values", "image_grid_thw"], ["actor_log_prob"], n_samples_per_prompt=2,
+                      guarantee_order=True)
+    pixels = [torch.arange(12.0).reshape(4, 3), torch.arange(30.0).reshape(10, 3)]  # 4 and 10 patches
+    grids = [torch.tensor([[1, 2, 2]]), torch.tensor([[1, 2, 2], [1, 2, 3]])]  # one image, two images
+    td.put_prompts({"prompts": [torch.tensor([5, 6]), torch.tensor([7])], "pixel_values": pixels,
+                    "image_grid_thw": grids})
+    batch, idx = td.get("actor_log_prob", ["prompts", "pixel_values", "image_grid_thw"], 4)
+    assert idx == [0, 1, 2, 3]
+    assert [tuple(p.shape) for p in batch["pixel_values"]] == [(4, 3), (4, 3), (10, 3), (10, 3)]
+    assert torch.equal(batch["pixel_values"][3], pixels[1])
+    assert [g.tolist() for g in batch["image_grid_thw"]] == [[[1, 2, 2]]] * 2 + [[[1, 2, 2], [1, 2, 3]]] * 2
+    assert batch["prompts"][2].tolist() == [7]  # other columns stay 1-D
+    with pytest.raises(TransferDockError, match=r"pixel_values holds one 2-D tensor per sample.*\(12,\)"):
+        td.put(["pixel_values"], [0], [[torch.arange(12.0)]])

@@ -24,6 +24,7 @@ def run(args) -> int:
     out = init_model(args.model, args.output, corpus=args.corpus, vocab_size=args.vocab_size,
                      tokenizer=args.tokenizer, seed=args.seed, force=bool(getattr(args, "force", False)))
     cfg = json.loads((out / "config.json").read_text())
-    n = arch_from_hf_config(out).num_params()
-    print(f"wrote {out}: {cfg['architectures'][0]}, {n / 1e6:.2f}M parameters, vocab {cfg['vocab_size']}")
+    arch = arch_from_hf_config(out)
+    print(f"wrote {out}: {cfg['architectures'][0]}, {arch.num_params() / 1e6:.2f}M parameters, "
+          f"vocab {arch.vocab_size}")
     return 0

@@ -114,6 +114,9 @@ TOKENIZER_TYPE = refused("posttrain builds PretrainedFromHF (HuggingFaceTokenize
                          ok=(None, "PretrainedFromHF", "HuggingFaceTokenizer", "GPT2BPETokenizer",
                              "SentencePieceTokenizer"))
 MULTIMODAL_MODEL = refused("multimodal training is not implemented yet", "remove the key", active="set")
+VISION_MODEL = refused("multimodal training is not implemented yet (init-model builds the vision-language model "
+                       "and its log-probs are computed, docs/multimodal.md; the training loop does not feed images "
+                       "yet)", "use a text model", active="set")
 
 
 class MegatronConfig(Section):
@@ -123,6 +126,8 @@ class MegatronConfig(Section):
                                       "llama; deepseek_v3 with multi_latent_attention)", ARCH)
     tokenizer_vocab_size: Opt[int] = F(None, "posttrain: vocab size of the tokenizer init-model trains", HONOURED,
                                        ge=1)
+    vision_tower: Opt[dict] = F(None, "posttrain: a vision-language model's vision tower sizes (hf_model_type "
+                                      "qwen2_5_vl; init-model builds it)", VISION_MODEL)
     use_mcore_models: bool = F(False, "Megatron-Core model classes", MCORE)
     spec: Any = F(None, "Megatron layer spec", SPEC)
     num_layers: Opt[int] = F(None, "transformer layers", ARCH, ge=1)

@@ -224,6 +224,8 @@ class RLConfig(Section):
     share_prompt_prefix: bool = F(True, "posttrain: with use_remove_padding, pack a prompt shared by several "
                                         "rows (a group's n samples) once", HONOURED)
     reuse_image_embeds: bool = F(False, "multimodal: reuse image embeddings", MULTIMODAL)
+    freeze_vision_tower: bool = F(False, "posttrain: multimodal: the vision tower gets no gradient (the seed's "
+                                         "docs name no such key)", MULTIMODAL)
     colocate_actor_and_vit: bool = F(False, "multimodal: ViT on the actor's devices", MULTIMODAL)
     n_samples_per_prompt: int = F(1, "group size n", HONOURED, ge=1, note="responses per prompt")
     mini_batch_size: int = F(1, "prompts per optimizer step", HONOURED, ge=1, note="prompts per optimizer step")

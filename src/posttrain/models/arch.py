@@ -15,6 +15,7 @@ from typing import Any, Mapping
 
 from posttrain.errors import ConfigError
 from posttrain.models.arch_keys import MLA, Router, deepseek_moe, dense_layers, mla, rope_scaling
+from posttrain.models.vision_arch import VisionTower, mrope_section, vision_from_hf_config, vision_tower
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,7 @@ class ModelArch:
     dense_layers: tuple[int, ...] = ()  # MoE: the layers (0-based) whose MLP is dense, not experts
     n_shared_experts: int = 0  # MoE: shared experts every token passes through (DeepSeek-V3)
     router: Router | None = None  # DeepSeek-V3's grouped sigmoid router; None: softmax top-k
+    vision: VisionTower | None = None  # a vision-language model's vision tower (Qwen2.5-VL); None: text only
 
     # ---- sizes -------------------------------------------------------------------------------
     def num_params(self) -> int:
@@ -53,7 +55,7 @@ class ModelArch:
                                                                           (self.num_experts or 0))
         layers = self.num_layers * (self._attention_params() + 2 * h) + mlp
         emb = self.vocab_size * h * (1 if self.tie_embeddings else 2)
-        return layers + emb + h
+        return layers + emb + h + (self.vision.num_params() if self.vision is not None else 0)
 
     def _attention_params(self) -> int:
         h = self.hidden_size
@@ -108,6 +110,8 @@ class ModelArch:
             cfg["mlp_bias"] = False
         if self.rope_scaling:
             cfg["rope_scaling"] = dict(self.rope_scaling)
+        if self.vision is not None:
+            return self._vlm_config(cfg)
         if self.mla is not None:
             cfg.update(self._deepseek_v3_config())
         elif self.num_experts:  # Qwen3-MoE: the experts in every layer but the dense ones, no shared expert
@@ -116,6 +120,17 @@ class ModelArch:
                        norm_topk_prob=self.norm_topk_prob, decoder_sparse_step=1,
                        mlp_only_layers=list(self.dense_layers), output_router_logits=False)
         return cfg
+
+    def _vlm_config(self, text: dict[str, Any]) -> dict[str, Any]:
+        """Qwen2.5-VL's nested config: the language model's keys (with its 3-D rotary split) in
+        ``text_config``, the tower's in ``vision_config``; the vision token ids are the tokenizer's."""
+        assert self.vision is not None
+        text = {k: v for k, v in text.items() if k not in ("model_type", "architectures", "tie_word_embeddings")}
+        text["rope_parameters"] = {"rope_type": "default", "rope_theta": text.pop("rope_theta"),
+                                   "mrope_section": mrope_section(self.head_dim)}
+        return {"model_type": self.model_type, "architectures": [_ARCHITECTURES[self.model_type]],
+                "tie_word_embeddings": self.tie_embeddings, "text_config": text,
+                "vision_config": self.vision.to_hf_config()}
 
     def _deepseek_v3_config(self) -> dict[str, Any]:
         """DeepSeek-V3's keys: MLA sizes, the experts (dense layers first), the grouped router."""
@@ -134,7 +149,8 @@ class ModelArch:
 
 
 _ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-                  "llama": "LlamaForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
+                  "llama": "LlamaForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
+                  "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}
 
 
 def arch_from_model_yaml(name: str, keys: Mapping[str, Any], vocab_size: int | None = None) -> ModelArch:
@@ -188,6 +204,7 @@ def arch_from_model_yaml(name: str, keys: Mapping[str, Any], vocab_size: int | N
         dense_layers=dense_layers(name, keys, layers, deepseek),
         n_shared_experts=shared,
         router=router,
+        vision=vision_tower(name, keys, model_type, hidden),
     )
 
 
@@ -219,6 +236,11 @@ def arch_from_hf_config(path: str | Path) -> ModelArch:
         raise ConfigError(f"{path}: not valid JSON ({err})") from None
     if not isinstance(cfg, dict):
         raise ConfigError(f"{path}: an HF config.json is a JSON object, not {type(cfg).__name__}")
+    vision = None
+    if isinstance(cfg.get("text_config"), dict) and isinstance(cfg.get("vision_config"), dict):  # a VLM
+        vision = vision_from_hf_config(cfg["vision_config"])
+        cfg = {"tie_word_embeddings": cfg.get("tie_word_embeddings", False), **cfg["text_config"],
+               "model_type": cfg.get("model_type")}
     for key in _HF_REQUIRED:
         value = cfg.get(key)
         if key not in cfg:
@@ -237,7 +259,7 @@ def arch_from_hf_config(path: str | Path) -> ModelArch:
         head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
         vocab_size=cfg["vocab_size"],
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        qkv_bias=cfg.get("model_type") == "qwen2" or (bool(cfg.get("attention_bias", False))
+        qkv_bias=cfg.get("model_type") in ("qwen2", "qwen2_5_vl") or (bool(cfg.get("attention_bias", False))
                                                        and cfg.get("model_type") != "deepseek_v3"),
         qk_norm=cfg.get("model_type") in ("qwen3", "qwen3_moe"),
         rope_theta=float(cfg.get("rope_theta", 10000.0)),
@@ -247,6 +269,7 @@ def arch_from_hf_config(path: str | Path) -> ModelArch:
         moe_ffn_hidden_size=cfg.get("moe_intermediate_size"),
         moe_router_topk=int(cfg.get("num_experts_per_tok") or 2),
         norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+        vision=vision,
         **_hf_extras(cfg),
     )
 
@@ -255,7 +278,7 @@ def _hf_extras(cfg: Mapping[str, Any]) -> dict[str, Any]:
     """RoPE scaling, and DeepSeek-V3's MLA, dense layers, shared experts and router, of an HF config."""
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     kind = rope.get("rope_type") or rope.get("type") or "default"  # "type": the older transformers' name
-    rope = {k: v for k, v in rope.items() if k != "rope_theta"} if kind != "default" else {}
+    rope = {k: v for k, v in rope.items() if k != "rope_theta"} if kind not in ("default", "mrope") else {}
     layers = int(cfg["num_hidden_layers"])
     extras: dict[str, Any] = {"rope_scaling": tuple(rope.items()),
                               "dense_layers": tuple(sorted(int(i) for i in cfg.get("mlp_only_layers") or ()))}

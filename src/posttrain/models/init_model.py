@@ -14,11 +14,14 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer,
+                          PreTrainedTokenizerFast)
 
 from posttrain.checkpoint import make_readable
 from posttrain.errors import ConfigError
 from posttrain.models.arch import arch_from_model_yaml
+from posttrain.models.vision_arch import VLM_TYPES
+from posttrain.models.vlm import add_vision_tokens, save_processor
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
@@ -174,17 +177,16 @@ def init_model_dir(name: str, keys: dict, output: str | Path, corpus: str | Path
         else:
             texts = default_corpus()
         tok = train_tokenizer(texts, vocab_size or int(keys.get("tokenizer_vocab_size", 512)))
+    vlm = keys.get("hf_model_type") in VLM_TYPES
+    vision_ids = add_vision_tokens(tok) if vlm else {}
     divisor = int(keys.get("make_vocab_size_divisible_by") or 1)
     arch = arch_from_model_yaml(name, keys, vocab_size=_round_up(len(tok), divisor))
     hf_cfg = arch.to_hf_config()
-    hf_cfg.update(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    torch.manual_seed(seed)
-    try:
-        net = AutoModelForCausalLM.from_config(AutoConfig.for_model(**hf_cfg), dtype=torch.float32)
-    except (ValueError, ZeroDivisionError) as err:  # Transformers' own checks of the architecture
-        first = str(err).strip().splitlines()[-1].strip() if str(err).strip() else type(err).__name__
-        raise ConfigError(f"model '{name}': Transformers cannot build this architecture ({first}); fix the model "
-                          f"yaml's sizes") from None
+    special = {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id}
+    hf_cfg.update(special, **vision_ids)
+    if "text_config" in hf_cfg:  # a VLM: its language model reads them too
+        hf_cfg["text_config"].update(special)
+    net = _random_model(name, hf_cfg, seed, vlm)
 
     try:
         output.parent.mkdir(parents=True, exist_ok=True)
@@ -193,7 +195,10 @@ def init_model_dir(name: str, keys: dict, output: str | Path, corpus: str | Path
         raise ConfigError(f"--output {output}: cannot write in {output.parent} ({err})") from None
     try:
         net.save_pretrained(tmp, safe_serialization=True)
-        tok.save_pretrained(tmp)
+        if arch.vision is not None:  # the tokenizer and the image processor
+            save_processor(tmp, tok, arch.vision)
+        else:
+            tok.save_pretrained(tmp)
         make_readable(tmp)  # 0644 files, 0755 dir (not save_pretrained's 0600, mkdtemp's 0700)
         _install(tmp, output, force)
     except OSError as err:
@@ -205,3 +210,15 @@ def init_model_dir(name: str, keys: dict, output: str | Path, corpus: str | Path
         if tmp.exists():
             shutil.rmtree(tmp)
     return output
+
+
+def _random_model(name: str, hf_cfg: dict, seed: int, vlm: bool) -> torch.nn.Module:
+    """The random-init model of ``hf_cfg`` (fp32, seeded); Transformers' own size checks as a ConfigError."""
+    torch.manual_seed(seed)
+    auto = AutoModelForImageTextToText if vlm else AutoModelForCausalLM
+    try:
+        return auto.from_config(AutoConfig.for_model(**hf_cfg), dtype=torch.float32)
+    except (ValueError, ZeroDivisionError) as err:  # Transformers' own checks of the architecture
+        first = str(err).strip().splitlines()[-1].strip() if str(err).strip() else type(err).__name__
+        raise ConfigError(f"model '{name}': Transformers cannot build this architecture ({first}); fix the model "
+                          f"yaml's sizes") from None

@@ -18,6 +18,7 @@ import torch
 from posttrain.algo.logprob import entropy_from_logits, logprobs_from_logits
 from posttrain.training.batch import default_position_ids, response_width
 from posttrain.training.lm_head import detached_head, head_logprobs
+from posttrain.training.multimodal import is_multimodal, multimodal_inputs
 from posttrain.training.remove_padding import Packing, packed_response_logprobs
 
 
@@ -34,8 +35,9 @@ def _model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     position_ids = batch.get("position_ids")
     if position_ids is None:
         position_ids = default_position_ids(batch["attention_mask"])
+    tokens = "inputs_embeds" if "inputs_embeds" in batch else "input_ids"  # a multimodal batch: embeddings
     return {
-        "input_ids": batch["input_ids"],
+        tokens: batch[tokens],
         "attention_mask": batch["attention_mask"],
         "position_ids": position_ids,
     }
@@ -67,8 +69,13 @@ def response_logprobs(
     ``entropy_grad=False`` computes the entropy without building a graph (for a metric only).
     ``temperature=0`` (greedy sampling) means 1, as the rollout engine reports greedy log-probs.
     With ``packing`` (``rl_config.use_remove_padding``) the forward runs on the packed row of
-    :mod:`posttrain.training.remove_padding`.
+    :mod:`posttrain.training.remove_padding`. A multimodal batch (``pixel_values``/``image_grid_thw``,
+    :mod:`posttrain.training.multimodal`) runs the vision tower (or reuses ``image_embeds``) and the
+    model's 3-D rotary positions; its packed rows never share a prompt (equal tokens, other images).
     """
+    if is_multimodal(batch):
+        batch = multimodal_inputs(model, batch)
+        packing = Packing(share_prompts=False) if packing is not None else None
     if packing is not None:
         return packed_response_logprobs(model, batch, temperature=temperature, with_entropy=with_entropy,
                                         entropy_grad=entropy_grad, share_prompts=packing.share_prompts)

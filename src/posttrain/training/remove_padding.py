@@ -203,7 +203,8 @@ def pack(batch: dict[str, torch.Tensor], share_prompts: bool = False) -> dict[st
     """The packed row and its index tensors, from the padded layout of ``forward.py``.
 
     Returns ``input_ids [1, N]``, ``position_ids [1, N]`` (restarting per sequence; a response
-    continues its prompt's positions), ``pad_index``/``valid [B, L_max]`` (for attention),
+    continues its prompt's positions; ``[A, 1, N]`` from multi-axis positions ``[A, B, T]``), ``order [N]`` (the
+    flat padded token of each packed position), ``pad_index``/``valid [B, L_max]`` (for attention),
     ``owner [N]`` (the block slot that computes each packed position), ``keep [K]`` (packed
     positions whose logits predict a response token), ``labels [K]`` and ``select [B, R]``
     (where those ``K`` values go in the ``[B, R]`` output). With ``share_prompts`` a prompt that
@@ -250,7 +251,10 @@ def pack(batch: dict[str, torch.Tensor], share_prompts: bool = False) -> dict[st
     # response token t of row b is predicted at the previous token: the prompt's last one for t = 0
     t = torch.arange(num_resp, device=device)[None, :]
     predictor = torch.where(t == 0, pstart_t + plen_t - 1, rstart_t + t - 1)
-    return {"input_ids": ids.reshape(-1)[order][None], "position_ids": positions.reshape(-1)[order][None],
+    # multi-axis positions [A, B, T] (a vision-language model's, multimodal.py) are packed per axis: [A, 1, N]
+    packed_positions = positions.reshape(-1)[order][None] if positions.ndim == 2 else \
+        positions.reshape(positions.shape[0], -1)[:, order][:, None]
+    return {"input_ids": ids.reshape(-1)[order][None], "position_ids": packed_positions, "order": order,
             "pad_index": pad_index, "valid": valid, "owner": owner,
             "keep": predictor[select], "labels": ids[:, prompt_width:][select], "select": select}
 
@@ -287,9 +291,10 @@ def _packed_logits(model: torch.nn.Module, packed: dict[str, torch.Tensor]) -> t
     blocks, owner = split_blocks(packed)
     token = _IN_FORWARD.set(True)
     try:
-        output = model(input_ids=packed["input_ids"], position_ids=packed["position_ids"], attention_mask=None,
-                       logits_to_keep=packed["keep"], use_cache=False, posttrain_blocks=blocks,
-                       posttrain_owner=owner)
+        tokens = {"inputs_embeds": packed["inputs_embeds"]} if "inputs_embeds" in packed else \
+            {"input_ids": packed["input_ids"]}
+        output = model(**tokens, position_ids=packed["position_ids"], attention_mask=None,
+                       logits_to_keep=packed["keep"], use_cache=False, posttrain_blocks=blocks, posttrain_owner=owner)
     finally:
         _IN_FORWARD.reset(token)
     logits = output.logits if hasattr(output, "logits") else output
@@ -310,6 +315,9 @@ def packed_response_logprobs(
     # sharing needs posttrain's attention; a flash-attention varlen model keeps its own sequences
     share = enable(model) and share_prompts
     packed = pack(batch, share_prompts=share)
+    if "inputs_embeds" in batch:  # a multimodal batch (posttrain.training.multimodal): its embeddings, packed
+        embeds = batch["inputs_embeds"]
+        packed["inputs_embeds"] = embeds.reshape(-1, embeds.shape[-1]).index_select(0, packed["order"])[None]
     with detached_head(model) as head:  # the forward returns hidden states: the head runs in chunks
         out = _packed_logits(model, packed)
     select, labels = packed["select"], packed["labels"]

@@ -83,9 +83,11 @@ CASES = [
     (["megatron_training.tokenizer_type=Llama2Tokenizer"], "megatron_training.tokenizer_type=Llama2Tokenizer: ",
      "set it to PretrainedFromHF"),
     (["actor_config.mm_model=vit"], f"actor_config.mm_model=vit: {MM}", "remove the key"),
+    (["actor_config.vision_tower.depth=2"], f"actor_config.vision_tower={{depth: 2}}: {MM}", "use a text model"),
     # rl_config
     (["rl_config.is_multimodal=true"], f"rl_config.is_multimodal=true: {MM}", "set it to false"),
     (["rl_config.reuse_image_embeds=true"], f"rl_config.reuse_image_embeds=true: {MM}", "set it to false"),
+    (["rl_config.freeze_vision_tower=true"], f"rl_config.freeze_vision_tower=true: {MM}", "set it to false"),
     (["rl_config.colocate_actor_and_vit=true"], f"rl_config.colocate_actor_and_vit=true: {MM}", "set it to false"),
     (["rl_config.vit_resource.num_npus=1"], f"rl_config.vit_resource={{num_npus: 1}}: {MM}", "remove the key"),
     (["rl_config.vit_forward_micro_batch_size=2"], f"rl_config.vit_forward_micro_batch_size=2: {MM}", "remove the key"),

@@ -1,0 +1,133 @@
+"""Vision-language models (Qwen2.5-VL) on the hf backend: the model directory, its processor, and the
+per-sample multimodal inputs of a batch.
+
+A sample's image inputs are what the processor gives: ``pixel_values [patches, C * T_p * P * P]``
+(every image's patches, flattened) and ``image_grid_thw [images, 3]`` (each image's temporal,
+height and width patch counts; an image fills ``t * h * w / merge**2`` ``<|image_pad|>`` tokens of
+the prompt). A micro-batch concatenates its samples' rows in sample order, which is the order in
+which the model fills the image tokens of the batch's rows.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from posttrain.errors import ConfigError
+from posttrain.models.vision_arch import VISION_TOKENS, VLM_TYPES, VisionTower
+
+IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
+# Qwen2.5-VL's chat template: a message's content is a string or a list of {"type": "image"} and
+# {"type": "text", "text": ...} parts; an image part becomes the placeholder the processor expands.
+VLM_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}{{ '" + IMAGE_PLACEHOLDER + "' }}"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}"
+    "{{ '<|im_end|>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+MM_KEYS = ("pixel_values", "image_grid_thw")  # a sample's image inputs, as the batch and the dock name them
+
+
+def is_vlm_dir(path: str | Path) -> bool:
+    """Whether the HF model directory ``path`` holds a vision-language model (its config.json)."""
+    config = Path(path) / "config.json"
+    if not config.is_file():
+        return False
+    try:
+        cfg = json.loads(config.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        return False
+    return isinstance(cfg, dict) and cfg.get("model_type") in VLM_TYPES and "vision_config" in cfg
+
+
+def add_vision_tokens(tokenizer) -> dict[str, int]:
+    """Add the vision special tokens to ``tokenizer`` (with the VLM chat template); their config ids."""
+    tokenizer.add_special_tokens({"additional_special_tokens": list(VISION_TOKENS)})
+    tokenizer.chat_template = VLM_CHAT_TEMPLATE
+    return {key: tokenizer.convert_tokens_to_ids(token) for token, key in VISION_TOKENS.items()}
+
+
+def save_processor(directory: str | Path, tokenizer, tower: VisionTower, min_pixels: int = 56 * 56,
+                   max_pixels: int = 28 * 28 * 256) -> None:
+    """Write the tokenizer and a Qwen2.5-VL image processor for ``tower``'s patches (the PIL one: no
+    torchvision needed) into ``directory``, so ``AutoProcessor.from_pretrained`` loads them offline.
+    (Transformers' processor object cannot be built without a video processor, which needs torchvision.)"""
+    from transformers import Qwen2VLImageProcessorPil
+
+    images = Qwen2VLImageProcessorPil(patch_size=tower.patch_size, merge_size=tower.spatial_merge_size,
+                                      temporal_patch_size=tower.temporal_patch_size,
+                                      min_pixels=min_pixels, max_pixels=max_pixels)
+    images.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+
+
+class ImageTextProcessor:
+    """The tokenizer and image processor of a VLM directory, called like Transformers' Qwen2.5-VL
+    processor: ``processor(text=[...], images=[...])`` expands each ``<|image_pad|>`` of ``text`` to its
+    image's ``t * h * w / merge**2`` tokens. (Transformers' own ``AutoProcessor`` for Qwen2.5-VL also
+    builds a video processor, which needs torchvision; use it where torchvision is installed.)"""
+
+    def __init__(self, tokenizer, image_processor):
+        self.tokenizer, self.image_processor = tokenizer, image_processor
+        self.merge = int(image_processor.merge_size)
+
+    def apply_chat_template(self, messages, **kwargs):
+        return self.tokenizer.apply_chat_template(messages, **kwargs)
+
+    def __call__(self, text: Sequence[str], images=None, return_tensors: str = "pt") -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        text = list(text)
+        if images:
+            vision = self.image_processor(images=list(images), return_tensors="pt")
+            out.update(pixel_values=vision["pixel_values"], image_grid_thw=vision["image_grid_thw"])
+            counts = iter((vision["image_grid_thw"].prod(-1) // self.merge ** 2).tolist())
+            pad = "<|image_pad|>"
+            text = [_expand(t, pad, counts) for t in text]
+        out.update(self.tokenizer(text, return_tensors=return_tensors, padding=True))
+        return out
+
+
+def _expand(text: str, pad: str, counts) -> str:
+    """``text`` with every ``pad`` repeated by the next count of ``counts``."""
+    pieces = text.split(pad)
+    return pieces[0] + "".join(pad * next(counts) + piece for piece in pieces[1:])
+
+
+def load_processor(path: str | Path) -> ImageTextProcessor:
+    """The processor saved in the model directory ``path`` (offline)."""
+    from transformers import AutoImageProcessor, AutoTokenizer
+
+    if not (Path(path) / "preprocessor_config.json").is_file():
+        raise ConfigError(f"{path}: no preprocessor_config.json; a vision-language model directory needs its "
+                          f"image processor (posttrain init-model writes one)")
+    return ImageTextProcessor(AutoTokenizer.from_pretrained(str(path)), AutoImageProcessor.from_pretrained(str(path)))
+
+
+def split_samples(pixel_values: torch.Tensor, image_grid_thw: torch.Tensor,
+                  images_per_sample: Sequence[int]) -> list[dict[str, torch.Tensor]]:
+    """A processor output of several samples as one ``{pixel_values, image_grid_thw}`` per sample
+    (``images_per_sample[i]`` images for sample ``i``, in order)."""
+    if sum(images_per_sample) != image_grid_thw.shape[0]:
+        raise ValueError(f"{sum(images_per_sample)} images for {image_grid_thw.shape[0]} image_grid_thw rows")
+    patches = image_grid_thw.prod(-1).tolist()
+    out, image, patch = [], 0, 0
+    for count in images_per_sample:
+        num = int(sum(patches[image:image + count]))
+        out.append({"pixel_values": pixel_values[patch:patch + num], "image_grid_thw": image_grid_thw[image:image + count]})
+        image, patch = image + count, patch + num
+    return out
+
+
+def concat_samples(samples: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The micro-batch inputs of samples in row order: their ``pixel_values`` and ``image_grid_thw``
+    rows concatenated."""
+    return {key: torch.cat([s[key] for s in samples]) for key in MM_KEYS}

@@ -1,0 +1,73 @@
+"""The tiny Qwen2.5-VL of ``posttrain init-model tiny_qwen25_vl``: its files, its processor and its
+parameter count; per-sample image inputs split and joined again."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from PIL import Image, ImageDraw
+from transformers import AutoModelForImageTextToText
+
+from posttrain.errors import ConfigError
+from posttrain.models.arch import arch_from_hf_config, arch_from_model_yaml
+from posttrain.models.vlm import concat_samples, is_vlm_dir, load_processor, split_samples
+
+
+def shapes_image(width: int, height: int, count: int) -> Image.Image:
+    image = Image.new("RGB", (width, height), (255, 255, 255))
+    draw = ImageDraw.Draw(image)
+    for i in range(count):
+        draw.ellipse((4 + 12 * i, 4, 14 + 12 * i, 14), fill=(200, 30 * i, 0))
+    return image
+
+
+def test_init_model_writes_a_vlm_with_its_processor(tiny_vlm_dir, tiny_model_dir):
+    assert is_vlm_dir(tiny_vlm_dir) and not is_vlm_dir(tiny_model_dir)
+    cfg = json.loads((tiny_vlm_dir / "config.json").read_text())
+    assert cfg["architectures"] == ["Qwen2_5_VLForConditionalGeneration"]
+    model = AutoModelForImageTextToText.from_pretrained(str(tiny_vlm_dir))
+    built = sum(p.numel() for p in model.parameters())
+    assert arch_from_hf_config(tiny_vlm_dir).num_params() == built  # what plan reports
+    from posttrain.config.loader import load_model_yaml
+    name, keys = load_model_yaml("tiny_qwen25_vl")
+    assert arch_from_model_yaml(name, keys, vocab_size=cfg["text_config"]["vocab_size"]).num_params() == built
+    processor = load_processor(tiny_vlm_dir)
+    tok = processor.tokenizer
+    for token, key in (("<|vision_start|>", "vision_start_token_id"), ("<|image_pad|>", "image_token_id"),
+                       ("<|vision_end|>", "vision_end_token_id"), ("<|video_pad|>", "video_token_id")):
+        assert tok.convert_tokens_to_ids(token) == cfg[key]
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "How many?"}]}]
+    text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert "<|vision_start|><|image_pad|><|vision_end|>How many?" in text
+    out = processor(text=[text], images=[shapes_image(56, 84, 2)])
+    assert out["image_grid_thw"].tolist() == [[1, 6, 4]]  # 84 / 14 rows, 56 / 14 columns
+    assert out["pixel_values"].shape == (24, 3 * 2 * 14 * 14)
+    assert int((out["input_ids"] == cfg["image_token_id"]).sum()) == 24 // 4  # merged 2 x 2
+    assert model(**out).logits.shape[:2] == out["input_ids"].shape
+
+
+def test_split_and_concat_samples_round_trip():
+    grid = torch.tensor([[1, 2, 2], [1, 4, 2], [1, 2, 4]])
+    pixels = torch.arange(20 * 3, dtype=torch.float32).reshape(20, 3)
+    samples = split_samples(pixels, grid, [1, 0, 2])
+    assert [s["pixel_values"].shape[0] for s in samples] == [4, 0, 16]
+    assert samples[2]["image_grid_thw"].tolist() == [[1, 4, 2], [1, 2, 4]]
+    joined = concat_samples(samples)
+    assert torch.equal(joined["pixel_values"], pixels) and torch.equal(joined["image_grid_thw"], grid)
+    with pytest.raises(ValueError, match="3 image_grid_thw rows"):
+        split_samples(pixels, grid, [1, 1])
+
+
+def test_vision_tower_keys_are_checked():
+    keys = {"hf_model_type": "qwen2_5_vl", "num_layers": 2, "hidden_size": 128, "num_attention_heads": 4,
+            "padded_vocab_size": 304}
+    with pytest.raises(ConfigError, match="give its vision_tower sizes"):
+        arch_from_model_yaml("m", keys)
+    with pytest.raises(ConfigError, match="vision_tower.depthh is not a vision tower key"):
+        arch_from_model_yaml("m", {**keys, "vision_tower": {"depthh": 2}})
+    with pytest.raises(ConfigError, match="hf_model_type=qwen3_vl: this vision-language model is not built yet"):
+        arch_from_model_yaml("m", {**keys, "hf_model_type": "qwen3_vl", "vision_tower": {"depth": 1}})
+    with pytest.raises(ConfigError, match="vision_tower is read for hf_model_type qwen2_5_vl, not qwen2"):
+        arch_from_model_yaml("m", {**keys, "hf_model_type": "qwen2", "vision_tower": {"depth": 1}})
