@@ -2,7 +2,8 @@
 tokens, and the image processor, which :func:`write_tiny_vlm` saves together in one folder.
 
 Text model: 2 layers, hidden 128, 4 heads, vocab 64. Vision: depth 2, hidden 64, patch 14, merge 2,
-so a 112x112 image gives 8x8 patches, merged into 16 image tokens.
+so a 112x112 image gives 8x8 patches, merged into 16 image tokens. ``kind="qwen3_vl"`` builds a
+Qwen3-VL with the same text model (vision patch 16, deepstack on layer 0).
 """
 
 from __future__ import annotations
@@ -32,36 +33,46 @@ def tiny_vlm_tokenizer():
     return tokenizer
 
 
-def tiny_vlm(seed: int = 0, init: float = 0.02):
-    """The random ``Qwen2_5_VLForConditionalGeneration`` (fp32, eval mode)."""
+PATCH = {"qwen2_5_vl": 14, "qwen3_vl": 16}  # vision patch size of each kind
+
+
+def tiny_vlm(seed: int = 0, init: float = 0.02, kind: str = "qwen2_5_vl"):
+    """The random ``Qwen2_5_VLForConditionalGeneration`` (``kind="qwen3_vl"``: a
+    ``Qwen3VLForConditionalGeneration`` with patch 16 and deepstack on vision layer 0), fp32, eval mode;
+    ``init`` is the text model's ``initializer_range``."""
     import torch
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+    import transformers
 
     ids = {name: i for i, name in enumerate(SPECIALS)}
-    config = Qwen2_5_VLConfig(
-        text_config=dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                                          "mrope_section": [4, 6, 6]},
-                         pad_token_id=0, eos_token_id=1, bos_token_id=1, initializer_range=init),
-        vision_config=dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=4, patch_size=14,
-                           spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=128,
-                           window_size=56, fullatt_block_indexes=[1]),
-        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
-        pad_token_id=0, eos_token_id=1, bos_token_id=1, tie_word_embeddings=False)
+    text = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=32, max_position_embeddings=512, initializer_range=init,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 6, 6]},
+                pad_token_id=0, eos_token_id=1, bos_token_id=1)
+    vision = dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=4, patch_size=PATCH[kind],
+                  spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=128)
+    if kind == "qwen2_5_vl":
+        vision.update(window_size=56, fullatt_block_indexes=[1])
+        config_class, model_class = transformers.Qwen2_5_VLConfig, transformers.Qwen2_5_VLForConditionalGeneration
+    else:
+        text["rope_parameters"]["mrope_interleaved"] = True
+        vision.update(deepstack_visual_indexes=[0], num_position_embeddings=64)
+        config_class, model_class = transformers.Qwen3VLConfig, transformers.Qwen3VLForConditionalGeneration
+    config = config_class(text_config=text, vision_config=vision, tie_word_embeddings=False,
+                          image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+                          vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])
     torch.manual_seed(seed)
-    return Qwen2_5_VLForConditionalGeneration(config).eval()
+    return model_class(config).eval()
 
 
-def tiny_vlm_image_processor():
-    """``Qwen2VLImageProcessor`` (patch 14, merge 2; 112x112 images stay 112x112). Without torchvision
-    transformers gives its PIL variant; ``Qwen2_5_VLProcessor`` itself cannot be built then (its video
-    processor needs torchvision), so :func:`encode` expands the image pads as that processor does."""
+def tiny_vlm_image_processor(kind: str = "qwen2_5_vl"):
+    """``Qwen2VLImageProcessor`` (merge 2; patch 14, or 16 for Qwen3-VL; 112x112 images give 16 image
+    tokens). Without torchvision transformers gives its PIL variant; ``Qwen2_5_VLProcessor`` itself
+    cannot be built then (its video processor needs torchvision), so :func:`encode` expands the image
+    pads as that processor does."""
     from transformers import Qwen2VLImageProcessor
 
-    return Qwen2VLImageProcessor(patch_size=14, merge_size=2, temporal_patch_size=2,
-                                 min_pixels=56 * 56, max_pixels=224 * 224)
+    return Qwen2VLImageProcessor(patch_size=PATCH[kind], merge_size=2, temporal_patch_size=2,
+                                 min_pixels=56 * 56, max_pixels=256 * 256)
 
 
 def encode(tokenizer, image_processor, text: str, images: list) -> dict:
@@ -82,12 +93,12 @@ def encode(tokenizer, image_processor, text: str, images: list) -> dict:
     return {"input_ids": expanded, "pixel_values": pixels["pixel_values"], "image_grid_thw": pixels["image_grid_thw"]}
 
 
-def write_tiny_vlm(out: Path, seed: int = 0) -> Path:
+def write_tiny_vlm(out: Path, seed: int = 0, kind: str = "qwen2_5_vl") -> Path:
     """Save :func:`tiny_vlm`, its tokenizer and its image processor in ``out``; returns ``out``."""
     out = Path(out)
-    tiny_vlm(seed).save_pretrained(out)
+    tiny_vlm(seed, kind=kind).save_pretrained(out)
     tiny_vlm_tokenizer().save_pretrained(out)
-    tiny_vlm_image_processor().save_pretrained(out)
+    tiny_vlm_image_processor(kind).save_pretrained(out)
     return out
 
 

@@ -4,8 +4,8 @@ A request with images gives its prompt ids with every image pad already expanded
 ``image_token_id`` per merged patch, as the model's processor writes them) and an :class:`ImageInputs`:
 the processor's ``pixel_values`` [patches, C*T*P*P] and ``image_grid_thw`` [images, 3]. The prefill
 runs the model on them: its forward embeds the images into the pad positions. The rotary positions
-come from the model's own ``get_rope_index`` (Qwen2-VL / Qwen2.5-VL: 3-D positions, temporal x height
-x width, on image tokens; text tokens continue after ``max`` of an image's positions), and its
+come from the model's own ``get_rope_index`` (Qwen2.5-VL, Qwen3-VL: 3-D positions, temporal x
+height x width, on image tokens; text tokens continue after ``max`` of an image's positions), and its
 per-prompt ``rope delta`` (last position + 1 - prompt length) shifts every decode position, so decode
 feeds text tokens at ``prompt length + t + delta`` as the model's ``generate`` does.
 """
@@ -18,6 +18,10 @@ from typing import Any
 import torch
 
 from posttrain.errors import ConfigError, DataError
+
+# the model types whose greedy tokens with images are compared with their own ``generate``
+# (tests/unit/rollout/test_native_images.py); another vision model may need other prefill inputs
+TESTED_MODEL_TYPES = {"qwen2_5_vl", "qwen3_vl"}
 
 
 @dataclass
@@ -67,6 +71,9 @@ def check_requests(model: Any, prompts: list[list[int]], images: list) -> list[I
     if vision_model(model) is None or getattr(config, "image_token_id", None) is None:
         raise ConfigError(f"generate(images=...): {type(model).__name__} takes no images (no get_rope_index); "
                           "use a vision-language model such as Qwen2.5-VL, or drop the images.")
+    if config.model_type not in TESTED_MODEL_TYPES:
+        raise ConfigError(f"generate(images=...): the native engine's image prefill is tested on "
+                          f"{sorted(TESTED_MODEL_TYPES)} only, not model_type {config.model_type!r}; use one of those.")
     pad, merge = int(config.image_token_id), int(config.vision_config.spatial_merge_size)
     for i, (prompt, entry) in enumerate(zip(prompts, entries)):
         want = 0 if entry is None else entry.tokens(merge)
@@ -78,8 +85,8 @@ def check_requests(model: Any, prompts: list[list[int]], images: list) -> list[I
 
 def prefill_inputs(model: Any, ids: torch.Tensor, mask: torch.Tensor,
                    images: list[ImageInputs | None]) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
-    """A prefill chunk's image arguments (``pixel_values``, ``image_grid_thw``; none when no row has
-    images), its 3-D positions [3, P, L] (0 on left padding) and the rows' rope deltas [P]."""
+    """A prefill chunk's image arguments (``pixel_values``, ``image_grid_thw``, ``mm_token_type_ids``:
+    1 on image tokens; none when no row has images), its 3-D positions [3, P, L] (0 on left padding) and the rows' rope deltas [P]."""
     present = [entry for entry in images if entry is not None]
     config = model.config
     kinds = (ids == int(config.image_token_id)).int()
@@ -90,4 +97,5 @@ def prefill_inputs(model: Any, ids: torch.Tensor, mask: torch.Tensor,
     positions, deltas = vision_model(model).get_rope_index(ids, mm_token_type_ids=kinds, image_grid_thw=grid,
                                                            attention_mask=mask)
     pixels = torch.cat([entry.pixel_values for entry in present]).to(ids.device)
-    return {"pixel_values": pixels, "image_grid_thw": grid}, positions, deltas.reshape(-1).to(ids.device)
+    inputs = {"pixel_values": pixels, "image_grid_thw": grid, "mm_token_type_ids": kinds}
+    return inputs, positions, deltas.reshape(-1).to(ids.device)

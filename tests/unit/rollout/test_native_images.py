@@ -1,4 +1,4 @@
-"""The native engine with images on a tiny random Qwen2.5-VL: greedy tokens equal the model's own
+"""The native engine with images on a tiny random Qwen2.5-VL and Qwen3-VL: greedy tokens equal the model's own
 ``generate`` for the same images (3-D rotary positions in the prefill, rope deltas in the decode),
 keyed samples do not depend on the batch, text-only requests still work, bad requests are refused."""
 
@@ -16,18 +16,23 @@ from tests.helpers.tiny_vlm import (encode, image_prompt, shapes_image, tiny_vlm
 STEPS = 8
 
 
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
+def kind(request):
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def vlm():
+def vlm(kind):
     # init 0.3 (not 0.02): a random model's greedy tokens then vary from step to step, so a wrong
     # decode position changes them (with 0.02 every row repeats one token after the first)
-    return tiny_vlm(seed=0, init=0.3)
+    return tiny_vlm(seed=0, init=0.3, kind=kind)
 
 
 @pytest.fixture(scope="module")
-def requests():
+def requests(kind):
     """Prompts of unequal length with 1, 2 and 1 images, and a text-only one (left padding, images
     spread over rows)."""
-    tok, images = tiny_vlm_tokenizer(), tiny_vlm_image_processor()
+    tok, images = tiny_vlm_tokenizer(), tiny_vlm_image_processor(kind)
     return [encode(tok, images, image_prompt(1), [shapes_image(1, 0)]),
             encode(tok, images, image_prompt(2, "how many red shapes ?"), [shapes_image(2, 1), shapes_image(3, 2)]),
             encode(tok, images, "how many shapes are there ?", []),
@@ -55,8 +60,9 @@ def tokens(outs):
     return [o.token_ids for group in outs for o in group]
 
 
-@pytest.mark.parametrize("engine_args", [{}, {"static_cache": True, "max_num_seqs": 2, "max_num_batched_tokens": 40}],
-                         ids=["dynamic", "static-waves-chunks"])
+@pytest.mark.parametrize("engine_args", [{}, {"static_cache": True, "max_num_seqs": 2, "max_num_batched_tokens": 40},
+                                         {"speculative_tokens": 2, "speculative_budget": 16}],
+                         ids=["dynamic", "static-waves-chunks", "speculative"])
 def test_greedy_tokens_equal_generate_with_images(vlm, requests, engine_args):
     want = [hf_greedy(vlm, r) for r in requests]
     assert len({t for row in want for t in row}) > 8, "the reference should not repeat one token"
@@ -97,3 +103,9 @@ def test_bad_image_requests_are_refused(vlm, requests, model):
         engine.generate([one["input_ids"]], 1, sp, images=[])
     with pytest.raises(ConfigError, match="takes no images"):
         NativeEngine(model, pad_token_id=0, eos_token_ids=[]).generate([[5, 6]], 1, sp, images=image_inputs([one]))
+    vlm.config.model_type = "qwen2_vl"  # an untested vision model type
+    try:
+        with pytest.raises(ConfigError, match="tested on"):
+            engine.generate([one["input_ids"]], 1, sp, images=image_inputs([one]))
+    finally:
+        vlm.config.model_type = type(vlm.config).model_type
