@@ -75,7 +75,10 @@ def check_requests(model: Any, prompts: list[list[int]], images: list) -> list[I
         raise ConfigError(f"generate(images=...): the native engine's image prefill is tested on "
                           f"{sorted(TESTED_MODEL_TYPES)} only, not model_type {config.model_type!r}; use one of those.")
     pad, merge = int(config.image_token_id), int(config.vision_config.spatial_merge_size)
+    video = getattr(config, "video_token_id", None)
     for i, (prompt, entry) in enumerate(zip(prompts, entries)):
+        if video is not None and int(video) in prompt:
+            raise DataError(f"prompt {i} holds video tokens (id {video}): the native engine takes images only.")
         want = 0 if entry is None else entry.tokens(merge)
         if prompt.count(pad) != want:
             raise DataError(f"prompt {i} holds {prompt.count(pad)} image tokens (id {pad}) but its images need "

@@ -99,6 +99,8 @@ def test_bad_image_requests_are_refused(vlm, requests, model):
     one = requests[0]
     with pytest.raises(DataError, match="image tokens"):  # the pads of one image, the pixels of another count
         engine.generate([one["input_ids"]], 1, sp, images=image_inputs([requests[1]]))
+    with pytest.raises(DataError, match="video tokens"):
+        engine.generate([one["input_ids"] + [vlm.config.video_token_id]], 1, sp, images=image_inputs([one]))
     with pytest.raises(DataError, match="one per prompt"):
         engine.generate([one["input_ids"]], 1, sp, images=[])
     with pytest.raises(ConfigError, match="takes no images"):
