@@ -272,6 +272,7 @@ class MultiTurnEngine(ToolTurns, NativeEngine):
     :class:`ToolTurns`'s (its args, beyond :class:`NativeEngine`'s)."""
 
     supports_rounds = False  # its per-row loop has its own limits (TurnLimits)
+    supports_images = False  # its turns re-prefill text only
 
     def __init__(self, model: Any, *, tokenizer: Any, runner: Any, parser: Any, observation: ObservationFormat,
                  limits: TurnLimits, **engine_kwargs):

@@ -54,6 +54,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from posttrain.errors import ConfigError, DataError
 from posttrain.rollout.base import RolloutEngine, RolloutOutput, SamplingParams
+from posttrain.rollout.images import ImageInputs, check_requests, prefill_inputs
 from posttrain.rollout.keyed import random_seed, row_states, uniforms
 from posttrain.rollout.kv_cache import concat_caches, new_cache, select_rows, to_static
 from posttrain.rollout.ngram import propose
@@ -102,6 +103,7 @@ class WaveRows:
     caps: torch.Tensor | None = None  # the most new tokens of each row (default: sampling.max_tokens)
     stop_when: Any = None  # ends the wave when it returns True, asked every stop_every steps
     stop_every: int = 0
+    images: list[ImageInputs | None] | None = None  # per prompt of the wave (vision-language models)
 
 
 @dataclass
@@ -226,6 +228,7 @@ class NativeEngine(RolloutEngine):
 
     #: ``generate`` takes ``max_new_tokens`` and ``stop_when`` (partial rollout's rounds in one decode)
     supports_rounds = True
+    supports_images = True  # generate(images=...): prefill with a vision-language model's image inputs
 
     def __init__(self, model: Any, *, pad_token_id: int, eos_token_ids: list[int] | int | None,
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 8192, dtype: str = "float32",
@@ -280,7 +283,7 @@ class NativeEngine(RolloutEngine):
                  stop_token_ids: list[int] | None = None, prompt_keys: list[int] | None = None,
                  sample_offsets: list[int] | None = None,
                  position_offsets: list[int] | None = None, max_new_tokens: list[int] | None = None,
-                 stop_when=None, stop_every: int = 0) -> list[list[RolloutOutput]]:
+                 stop_when=None, stop_every: int = 0, images: list | None = None) -> list[list[RolloutOutput]]:
         """Sample ``n`` responses per prompt; outer list = prompts (in order), inner = samples.
 
         Token ``t`` of sample ``j`` of prompt ``i`` is drawn with the uniform keyed by
@@ -295,6 +298,10 @@ class NativeEngine(RolloutEngine):
         (prompt-major), ends the whole call when it returns True: rows not finished then return the
         tokens they have (finish reason ``"length"``). It needs the call to fit one wave
         (``max_num_seqs`` rows).
+
+        ``images[i]`` (vision-language models, :mod:`posttrain.rollout.images`): prompt ``i``'s
+        ``ImageInputs`` (or a dict of the image processor's ``pixel_values`` and ``image_grid_thw``),
+        None for a text-only prompt; the prompt holds its image pads already expanded.
         """
         if n < 1:
             raise ConfigError(f"rl_config.n_samples_per_prompt={n}: must be >= 1.")
@@ -306,6 +313,9 @@ class NativeEngine(RolloutEngine):
         results: list[list[RolloutOutput]] = [[] for _ in prompt_token_ids]
         if not prompt_token_ids:
             return results
+        if images is not None and not self.supports_images:
+            raise ConfigError(f"{type(self).__name__}.generate does not take images; use the one-turn native engine")
+        images = None if images is None else check_requests(self.model, prompt_token_ids, images)
         keys = RowKeys.build(len(prompt_token_ids), sampling.seed, prompt_keys, sample_offsets, position_offsets)
         stops = torch.tensor(sorted(set(self.eos_token_ids) | set(stop_token_ids or [])),
                              dtype=torch.long, device=self.device)
@@ -322,6 +332,7 @@ class NativeEngine(RolloutEngine):
                     rows.caps = torch.tensor([min(int(max_new_tokens[i]), sampling.max_tokens)
                                               for i, c in wave for _ in range(c)], device=self.device)
                 rows.stop_when, rows.stop_every = prompt_major(stop_when, wave, n), stop_every
+                rows.images = None if images is None else [images[i] for i, _ in wave]
                 for (idx, _), outs in zip(wave, self._run_wave(prompts, counts, sampling, stops, rows)):
                     results[idx].extend(outs)
         return results
@@ -395,17 +406,20 @@ class NativeEngine(RolloutEngine):
             self.model.train(was_training)
             self._sampler = self.model
 
-    def _forward(self, input_ids, attention_mask, position_ids, cache, keep: int = 0) -> torch.Tensor:
-        """One model call; returns the last-position logits [B, V] in float32, or (``keep`` > 0) the
-        last ``keep`` positions' [B, keep, V]."""
+    def _forward(self, input_ids, attention_mask, position_ids, cache, keep: int = 0, **extra) -> torch.Tensor:
+        """One model call (``extra``: the prefill's image inputs); returns the last-position logits
+        [B, V] in float32, or (``keep`` > 0) the last ``keep`` positions' [B, keep, V]."""
         kwargs = {"logits_to_keep": max(keep, 1)} if self._has_logits_to_keep else {}
         kwargs[self._cache_kwarg] = cache
+        kwargs.update(extra)
         out = self._sampler(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                          use_cache=True, **kwargs)
         return out.logits[:, -keep:, :].float() if keep else out.logits[:, -1, :].float()
 
-    def _prefill(self, prompts: list[list[int]], capacity: int) -> tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Left-pad and prefill each prompt once. Returns (cache, last logits [P, V], mask [P, L], lengths [P])."""
+    def _prefill(self, prompts: list[list[int]], capacity: int,
+                 images: list[ImageInputs | None] | None = None) -> tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Left-pad and prefill each prompt once. Returns (cache, last logits [P, V], mask [P, L], the
+        position of each prompt's next token [P]: its length, plus the model's rope delta with ``images``)."""
         length = max(len(p) for p in prompts)
         ids = torch.full((len(prompts), length), self.pad_token_id, dtype=torch.long)
         mask = torch.zeros((len(prompts), length), dtype=torch.long)
@@ -414,13 +428,17 @@ class NativeEngine(RolloutEngine):
             mask[row, length - len(prompt):] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        caches, logits = [], []
+        caches, logits, deltas = [], [], []
         for rows in prefill_chunks(len(prompts), length, self.max_num_batched_tokens):
             cache = new_cache(self.model, capacity)
-            sl = slice(rows.start, rows.stop)
-            logits.append(self._forward(ids[sl], mask[sl], positions[sl], cache))
+            sl, extra = slice(rows.start, rows.stop), {}
+            chunk_positions = positions[sl]
+            if images is not None:  # the model's 3-D positions (and image embeddings)
+                extra, chunk_positions, delta = prefill_inputs(self._sampler, ids[sl], mask[sl], images[sl])
+                deltas.append(delta)
+            logits.append(self._forward(ids[sl], mask[sl], chunk_positions, cache, **extra))
             caches.append(cache)
-        lengths = mask.sum(-1)
+        lengths = mask.sum(-1) + (torch.cat(deltas) if deltas else 0)
         return concat_caches(caches), torch.cat(logits), mask, lengths
 
     def _run_wave(self, prompts: list[list[int]], counts: list[int], sampling: SamplingParams,
@@ -432,7 +450,7 @@ class NativeEngine(RolloutEngine):
         token after every fed position; a row emits its first sample and, while its draft agrees
         with its samples, the next ones (see the module docstring)."""
         device, max_tokens = self.device, sampling.max_tokens
-        cache, logits, base, mask, cur_len, static, drafter = self._start_wave(prompts, counts, max_tokens)
+        cache, logits, base, mask, cur_len, static, drafter = self._start_wave(prompts, counts, max_tokens, rows.images)
         num_rows = logits.shape[0]
         out_tokens = torch.full((num_rows, max_tokens), self.pad_token_id, dtype=torch.long, device=device)
         out_logprobs = torch.zeros((num_rows, max_tokens), dtype=torch.float32, device=device)
@@ -497,14 +515,14 @@ class NativeEngine(RolloutEngine):
                 logits = self._static_step(last, mask, positions[:, 0], cache)[:, None]
         return self._collect(counts, out_tokens, out_logprobs, out_len, out_stop)
 
-    def _start_wave(self, prompts: list[list[int]], counts: list[int], max_tokens: int):
+    def _start_wave(self, prompts: list[list[int]], counts: list[int], max_tokens: int, images=None):
         """The prefilled wave expanded to ``counts`` rows a prompt: its cache (static when the
         engine decodes on fixed shapes), the next-token logits ``[rows, 1, V]``, each row's prompt
-        length, the attention mask over the cache's columns (switched on as tokens are fed), the
+        length (plus its rope delta, with ``images``), the attention mask over the cache's columns (switched on as tokens are fed), the
         columns filled so far, the static cache (or None) and the n-gram drafter (or None)."""
         device = self.device
         capacity = max(len(p) for p in prompts) + max_tokens
-        cache, logits, prompt_mask, lengths = self._prefill(prompts, capacity)
+        cache, logits, prompt_mask, lengths = self._prefill(prompts, capacity, images)
         expand = torch.repeat_interleave(torch.arange(len(prompts), device=device),
                                          torch.tensor(counts, device=device))
         select_rows(cache, expand)

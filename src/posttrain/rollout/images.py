@@ -1,0 +1,104 @@
+"""Images in a native-engine request: the processor's tensors and the model's 3-D rotary positions.
+
+A request with images gives its prompt ids with every image pad already expanded (one
+``image_token_id`` per merged patch, as the model's processor writes them) and an :class:`ImageInputs`:
+the processor's ``pixel_values`` [patches, C*T*P*P] and ``image_grid_thw`` [images, 3]. The prefill
+runs the model on them: its forward embeds the images into the pad positions. The rotary positions
+come from the model's own ``get_rope_index`` (Qwen2.5-VL, Qwen3-VL: 3-D positions, temporal x
+height x width, on image tokens; text tokens continue after ``max`` of an image's positions), and its
+per-prompt ``rope delta`` (last position + 1 - prompt length) shifts every decode position, so decode
+feeds text tokens at ``prompt length + t + delta`` as the model's ``generate`` does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from posttrain.errors import ConfigError, DataError
+
+# the model types whose greedy tokens with images are compared with their own ``generate``
+# (tests/unit/rollout/test_native_images.py); another vision model may need other prefill inputs
+TESTED_MODEL_TYPES = {"qwen2_5_vl", "qwen3_vl"}
+
+
+@dataclass
+class ImageInputs:
+    """One request's images as the processor gives them: ``pixel_values`` [patches, dim] and
+    ``image_grid_thw`` [images, 3] (patches along time, height, width of each image)."""
+
+    pixel_values: torch.Tensor
+    image_grid_thw: torch.Tensor
+
+    @classmethod
+    def of(cls, value: Any, index: int) -> "ImageInputs | None":
+        """``value`` (None, an ImageInputs, or a dict with the two keys) for request ``index``."""
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, dict) and {"pixel_values", "image_grid_thw"} <= set(value):
+            return cls(torch.as_tensor(value["pixel_values"]), torch.as_tensor(value["image_grid_thw"]).long())
+        raise DataError(f"images[{index}]: give None, an ImageInputs or a dict with 'pixel_values' and "
+                        f"'image_grid_thw' (the image processor's output); got {type(value).__name__}.")
+
+    def tokens(self, merge: int) -> int:
+        """How many image tokens the prompt holds for these images (``t*h*w / merge**2`` each)."""
+        return int(self.image_grid_thw.long().prod(-1).sum()) // (merge * merge)
+
+
+def vision_model(model: Any) -> Any:
+    """The module that defines ``get_rope_index`` (``model.model`` of a ``*ForConditionalGeneration``,
+    also through a PEFT wrapper, whose ``model`` attribute reaches the wrapped model), or None when
+    the model takes no images."""
+    module = model
+    for _ in range(4):
+        if module is None or callable(getattr(module, "get_rope_index", None)):
+            return module
+        module = getattr(module, "model", None)
+    return None
+
+
+def check_requests(model: Any, prompts: list[list[int]], images: list) -> list[ImageInputs | None]:
+    """``images`` (one entry per prompt) checked against the model and the prompts' image pads."""
+    if len(images) != len(prompts):
+        raise DataError(f"generate(): images has {len(images)} entries for {len(prompts)} prompts; give one "
+                        "per prompt (None for a text-only prompt).")
+    entries = [ImageInputs.of(value, i) for i, value in enumerate(images)]
+    if all(entry is None for entry in entries):
+        return entries
+    config = getattr(model, "config", None)
+    if vision_model(model) is None or getattr(config, "image_token_id", None) is None:
+        raise ConfigError(f"generate(images=...): {type(model).__name__} takes no images (no get_rope_index); "
+                          "use a vision-language model such as Qwen2.5-VL, or drop the images.")
+    if config.model_type not in TESTED_MODEL_TYPES:
+        raise ConfigError(f"generate(images=...): the native engine's image prefill is tested on "
+                          f"{sorted(TESTED_MODEL_TYPES)} only, not model_type {config.model_type!r}; use one of those.")
+    pad, merge = int(config.image_token_id), int(config.vision_config.spatial_merge_size)
+    video = getattr(config, "video_token_id", None)
+    for i, (prompt, entry) in enumerate(zip(prompts, entries)):
+        if video is not None and int(video) in prompt:
+            raise DataError(f"prompt {i} holds video tokens (id {video}): the native engine takes images only.")
+        want = 0 if entry is None else entry.tokens(merge)
+        if prompt.count(pad) != want:
+            raise DataError(f"prompt {i} holds {prompt.count(pad)} image tokens (id {pad}) but its images need "
+                            f"{want}: expand each image pad as the model's processor does (t*h*w/{merge}**2 a picture).")
+    return entries
+
+
+def prefill_inputs(model: Any, ids: torch.Tensor, mask: torch.Tensor,
+                   images: list[ImageInputs | None]) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
+    """A prefill chunk's image arguments (``pixel_values``, ``image_grid_thw``, ``mm_token_type_ids``:
+    1 on image tokens; none when no row has images), its 3-D positions [3, P, L] (0 on left padding) and the rows' rope deltas [P]."""
+    present = [entry for entry in images if entry is not None]
+    config = model.config
+    kinds = (ids == int(config.image_token_id)).int()
+    if not present:
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        return {}, positions[None].expand(3, -1, -1), torch.zeros(ids.shape[0], dtype=torch.long, device=ids.device)
+    grid = torch.cat([entry.image_grid_thw for entry in present]).to(ids.device)
+    positions, deltas = vision_model(model).get_rope_index(ids, mm_token_type_ids=kinds, image_grid_thw=grid,
+                                                           attention_mask=mask)
+    pixels = torch.cat([entry.pixel_values for entry in present]).to(ids.device)
+    inputs = {"pixel_values": pixels, "image_grid_thw": grid, "mm_token_type_ids": kinds}
+    return inputs, positions, deltas.reshape(-1).to(ids.device)

@@ -1,0 +1,124 @@
+"""A tiny random Qwen2.5-VL built locally (no downloads): model, word-level tokenizer with the vision
+tokens, and the image processor, which :func:`write_tiny_vlm` saves together in one folder.
+
+Text model: 2 layers, hidden 128, 4 heads, vocab 64. Vision: depth 2, hidden 64, patch 14, merge 2,
+so a 112x112 image gives 8x8 patches, merged into 16 image tokens. ``kind="qwen3_vl"`` builds a
+Qwen3-VL with the same text model (vision patch 16, deepstack on layer 0).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+SPECIALS = ["<pad>", "<eos>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+WORDS = ["how", "many", "shapes", "?", "red", "blue", "green", "circle", "square", "is", "there", "a",
+         "picture", "of", "and", "the"] + [str(d) for d in range(10)]
+VOCAB = 64
+
+
+def tiny_vlm_tokenizer():
+    """A whitespace word-level ``PreTrainedTokenizerFast`` of 64 ids: the specials first (pad 0, eos 1,
+    vision start 2, vision end 3, image pad 4, video pad 5), then :data:`WORDS`, then filler words."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    names = SPECIALS + WORDS
+    names += [f"w{i}" for i in range(VOCAB - len(names))]
+    core = Tokenizer(models.WordLevel({name: i for i, name in enumerate(names)}, unk_token="<pad>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<eos>",
+                                        extra_special_tokens={"image_token": "<|image_pad|>",
+                                                              "video_token": "<|video_pad|>"})
+    tokenizer.add_special_tokens({"additional_special_tokens": SPECIALS[2:]})
+    return tokenizer
+
+
+PATCH = {"qwen2_5_vl": 14, "qwen3_vl": 16}  # vision patch size of each kind
+
+
+def tiny_vlm(seed: int = 0, init: float = 0.02, kind: str = "qwen2_5_vl"):
+    """The random ``Qwen2_5_VLForConditionalGeneration`` (``kind="qwen3_vl"``: a
+    ``Qwen3VLForConditionalGeneration`` with patch 16 and deepstack on vision layer 0), fp32, eval mode;
+    ``init`` is the text model's ``initializer_range``."""
+    import torch
+    import transformers
+
+    ids = {name: i for i, name in enumerate(SPECIALS)}
+    text = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=32, max_position_embeddings=512, initializer_range=init,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 6, 6]},
+                pad_token_id=0, eos_token_id=1, bos_token_id=1)
+    vision = dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=4, patch_size=PATCH[kind],
+                  spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=128)
+    if kind == "qwen2_5_vl":
+        vision.update(window_size=56, fullatt_block_indexes=[1])
+        config_class, model_class = transformers.Qwen2_5_VLConfig, transformers.Qwen2_5_VLForConditionalGeneration
+    else:
+        text["rope_parameters"]["mrope_interleaved"] = True
+        vision.update(deepstack_visual_indexes=[0], num_position_embeddings=64)
+        config_class, model_class = transformers.Qwen3VLConfig, transformers.Qwen3VLForConditionalGeneration
+    config = config_class(text_config=text, vision_config=vision, tie_word_embeddings=False,
+                          image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+                          vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])
+    torch.manual_seed(seed)
+    return model_class(config).eval()
+
+
+def tiny_vlm_image_processor(kind: str = "qwen2_5_vl"):
+    """``Qwen2VLImageProcessor`` (merge 2; patch 14, or 16 for Qwen3-VL; 112x112 images give 16 image
+    tokens). Without torchvision transformers gives its PIL variant; ``Qwen2_5_VLProcessor`` itself
+    cannot be built then (its video processor needs torchvision), so :func:`encode` expands the image
+    pads as that processor does."""
+    from transformers import Qwen2VLImageProcessor
+
+    return Qwen2VLImageProcessor(patch_size=PATCH[kind], merge_size=2, temporal_patch_size=2,
+                                 min_pixels=56 * 56, max_pixels=256 * 256)
+
+
+def encode(tokenizer, image_processor, text: str, images: list) -> dict:
+    """One request: ``input_ids`` (a list, each ``<|image_pad|>`` expanded to its image's
+    ``t*h*w / merge**2`` tokens, as ``Qwen2_5_VLProcessor`` does), and, when there are images,
+    ``pixel_values`` [patches, C*T*P*P] and ``image_grid_thw`` [images, 3]."""
+    ids = tokenizer(text)["input_ids"]
+    pad = tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    if not images:
+        return {"input_ids": ids}
+    pixels = image_processor(images=images, return_tensors="pt")
+    counts = (pixels["image_grid_thw"].prod(-1) // image_processor.merge_size ** 2).tolist()
+    if ids.count(pad) != len(counts):
+        raise ValueError(f"{ids.count(pad)} image pads in {text!r} for {len(counts)} images")
+    expanded, it = [], iter(counts)
+    for token in ids:
+        expanded.extend([pad] * next(it) if token == pad else [token])
+    return {"input_ids": expanded, "pixel_values": pixels["pixel_values"], "image_grid_thw": pixels["image_grid_thw"]}
+
+
+def write_tiny_vlm(out: Path, seed: int = 0, kind: str = "qwen2_5_vl") -> Path:
+    """Save :func:`tiny_vlm`, its tokenizer and its image processor in ``out``; returns ``out``."""
+    out = Path(out)
+    tiny_vlm(seed, kind=kind).save_pretrained(out)
+    tiny_vlm_tokenizer().save_pretrained(out)
+    tiny_vlm_image_processor(kind).save_pretrained(out)
+    return out
+
+
+def shapes_image(count: int, seed: int, size: int = 112):
+    """A white ``size``x``size`` PIL image with ``count`` filled circles or squares at random places."""
+    import random
+
+    from PIL import Image, ImageDraw
+
+    rng = random.Random(seed)
+    image = Image.new("RGB", (size, size), "white")
+    draw = ImageDraw.Draw(image)
+    for _ in range(count):
+        side = rng.randint(14, 22)
+        x, y = rng.randint(0, size - side), rng.randint(0, size - side)
+        colour = rng.choice(["red", "blue", "green", "orange", "purple", "black"])
+        (draw.ellipse if rng.random() < 0.5 else draw.rectangle)([x, y, x + side, y + side], fill=colour)
+    return image
+
+
+def image_prompt(num_images: int, words: str = "how many shapes ?") -> str:
+    """The prompt text: one vision block (start, image pad, end) per image, then ``words``."""
+    return "<|vision_start|> <|image_pad|> <|vision_end|> " * num_images + words
