@@ -35,3 +35,27 @@ def test_multi_turn_on_two_workers_equals_one_process(ray_cluster, work):
         assert "tool_call_num/mean" in want and "tool_call_num/mean" in got
         for key in (k for k in want if not is_wall_clock(k) and not k.startswith("tool/")):
             assert same(got[key], want[key], key), (want["iteration"], key)
+
+
+def test_turn_credit_on_one_turn_rows_equals_the_trajectory_run(work):
+    """rl_config.turn_credit: turn through the whole loop in one process (the advantage phase reads the
+    dock's response_mask): the random-init model calls no tool, so every row is one turn and the run
+    must equal the trajectory-level one (two-turn rows: tests/integration/test_turn_credit.py)."""
+    from posttrain.errors import ConfigError
+    from posttrain.tools.sandbox import detect_sandbox
+
+    try:
+        detect_sandbox()
+    except ConfigError as err:
+        pytest.skip(f"no sandbox on this host: {err}")
+    runs = {credit: record_run(grpo_config(work, f"turn_credit_{credit}", workers=1, iters=2,
+                                           rl={**MULTI_TURN, "turn_credit": credit}))
+            for credit in ("trajectory", "turn")}
+    (want_batches, want_rows, _), (got_batches, got_rows, _) = runs["trajectory"], runs["turn"]
+    assert got_batches == want_batches
+    want_rows = [r for r in want_rows if "actor/pg_loss" in r]
+    got_rows = [r for r in got_rows if "actor/pg_loss" in r]
+    assert [r["iteration"] for r in got_rows] == [1, 2] and got_rows[0]["tool_call_num/mean"] == 0
+    for want, got in zip(want_rows, got_rows):
+        for key in (k for k in want if not is_wall_clock(k) and not k.startswith("tool/")):
+            assert same(got[key], want[key], key), (want["iteration"], key)

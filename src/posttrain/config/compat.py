@@ -257,8 +257,32 @@ def _features() -> dict[str, Feature]:
         _on("rl_config.async_engine", shown="rl_config.async_engine: true", when="true"),
         _on("rl_config.multi_turn_enable", name="multi_turn", shown="rl_config.multi_turn_enable: true", when="true"),
         *_diagnostics(),
+        *_turn_credit_features(),
     ]
     return {f.name: f for f in features}
+
+
+def _turn_credit_estimator_unknown(cfg: RunConfig) -> bool:
+    """``turn_credit: turn`` with an ``adv_estimator`` that has no turn-level form."""
+    if cfg.rl.turn_credit != "turn":
+        return False
+    from posttrain.algo.turn_credit import TURN_ESTIMATORS  # lazy: torch, only for turn credit
+
+    return cfg.rl.adv_estimator not in TURN_ESTIMATORS
+
+
+def _turn_credit_features() -> list[Feature]:
+    """rl_config.turn_credit: turn (posttrain.algo.turn_credit), alone and where it has no meaning."""
+    shown = "rl_config.turn_credit: turn"
+    return [
+        _on("rl_config.turn_credit", lambda v: v == "turn", shown=shown, when="turn"),
+        Feature("turn_credit_single_turn", ("rl_config.turn_credit",),
+                lambda c: c.rl.turn_credit == "turn" and not c.rl.multi_turn_enable, shown=shown,
+                when="turn, without multi_turn_enable"),
+        Feature("turn_credit_estimator", ("rl_config.turn_credit",), _turn_credit_estimator_unknown,
+                shown=lambda c: f"{shown} with adv_estimator: {c.rl.adv_estimator}",
+                when="turn, with an adv_estimator other than group_norm / grpo_no_std"),
+    ]
 
 
 def _run_features() -> dict[str, Feature]:
@@ -443,6 +467,16 @@ ROWS: tuple[Row, ...] = (
         "rl_config.rollout_engine: native or vllm (not {engine})", engine=("other",)),
     Row("multi-turn-partial", "multi_turn", "{key} with partial_rollout_max_split > 1 is not supported: a conversation "
         "is generated whole within one iteration; set partial_rollout_max_split: 1", with_="partial"),
+    # rl_config.turn_credit: turn (posttrain.algo.turn_credit): the turns are the runs of sampled tokens in a
+    # multi-turn response
+    Row("turn-credit-single-turn", "turn_credit_single_turn", "{setting} splits a response into its assistant turns "
+        "at the tool outputs, and a run without multi_turn_enable has one turn; set turn_credit: trajectory (the "
+        "default), or multi_turn_enable: true"),
+    Row("turn-credit-estimator", "turn_credit_estimator", "{setting}: turn-level advantages exist for adv_estimator "
+        "group_norm (grpo) and grpo_no_std (dr_grpo), normalised per turn index across the group; choose one of "
+        "them or set turn_credit: trajectory"),
+    Row("turn-credit-megatron", "turn_credit", "{setting} on the megatron backend is not tested yet; use backend hf "
+        "or set turn_credit: trajectory{megatron}", backend=MEGATRON),
     Row("speculation-per-request", "speculation", "{key} with {other}: speculation is built into the batched "
         "decode, not the per-request loop; set it to 0", with_="per_request"),
     Row("speculation-graphs", "speculation", "{key} with {other}: CUDA graphs replay one token a row on a static "

@@ -146,11 +146,13 @@ class KLOptions:
 
 @dataclass(frozen=True)
 class AdvantageOptions:
-    """``adv_estimator`` with its ``gamma`` / ``lam``."""
+    """``adv_estimator`` with its ``gamma`` / ``lam``, and ``turn_credit`` (multi-turn: ``trajectory``
+    or ``turn``, :mod:`posttrain.algo.turn_credit`)."""
 
     estimator: str = "group_norm"
     gamma: float = 1.0
     lam: float = 0.95
+    turn_credit: str = "trajectory"
 
 
 @dataclass(frozen=True)
@@ -435,7 +437,7 @@ def kl_options(cfg: RunConfig) -> KLOptions:
 
 def advantage_options(cfg: RunConfig) -> AdvantageOptions:
     rl = cfg.rl
-    return AdvantageOptions(estimator=rl.adv_estimator, gamma=rl.gamma, lam=rl.lam)
+    return AdvantageOptions(estimator=rl.adv_estimator, gamma=rl.gamma, lam=rl.lam, turn_credit=rl.turn_credit)
 
 
 def update_options(cfg: RunConfig, *, on_policy: bool) -> UpdateOptions:

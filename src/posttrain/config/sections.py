@@ -22,6 +22,7 @@ SHARDINGS = Literal["ddp", "fsdp2"]
 CORRECTIONS = Literal["none", "tis", "mis", "icepop"]  # posttrain.algo.rollout_correction.MODES
 CORRECTION_LEVELS = Literal["token", "sequence"]  # posttrain.algo.rollout_correction.LEVELS
 TRUNCATE_SIDES = Literal["left", "right", "middle"]
+TURN_CREDITS = Literal["trajectory", "turn"]  # posttrain.algo.turn_credit.TURN_CREDITS
 ROLLOUT_DTYPES = Literal["bfloat16", "float32", "float16"]
 
 SEED_UNUSED = ignored("unused, as in the seed")
@@ -137,7 +138,7 @@ class RLConfig(Section):
                                note="the critic's value clip; the seed's default is 0.5")
     entropy_coeff: float = F(0.0, "entropy bonus weight", HONOURED, ge=0, finite=True,
                              note="the weight of the entropy bonus; 0 turns it off")
-    gamma: float = F(1.0, "GAE discount", HONOURED, ge=0, le=1)
+    gamma: float = F(1.0, "discount (GAE, REINFORCE++, turn_credit: turn)", HONOURED, ge=0, le=1)
     lam: float = F(0.95, "GAE lambda", HONOURED, ge=0, le=1)
     advantage_whiten: bool = F(True, "whiten GAE advantages", WHITEN)
     kl_penalty: str = F("low_var_kl", "kl, abs, mse or low_var_kl", HONOURED)
@@ -270,6 +271,9 @@ class RLConfig(Section):
     tool_response_truncate_side: Opt[TRUNCATE_SIDES] = F(None, "multi-turn: keep the left (default), right or "
                                                                "middle of a long tool output", MULTI_TURN)
     tool_parser_format: Opt[str] = F(None, "multi-turn: tool-call parser (hermes, the default)", MULTI_TURN)
+    turn_credit: TURN_CREDITS = F("trajectory", "posttrain: multi-turn advantages per trajectory or per assistant "
+                                                "turn (docs/algorithms.md)", HONOURED,
+                                  note="turn: each assistant turn its own return from the turns after it")
     share_backbone: bool = F(False, "LoRA: the reference is the actor with the adapter off", SHARE_BACKBONE)
     missing_eos_penalty: float = F(1.0, "penalty for a response without EOS", SEED_UNUSED)
     # ---- posttrain additions --------------------------------------------------------------------

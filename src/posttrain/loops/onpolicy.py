@@ -24,13 +24,14 @@ import torch
 from posttrain.algo.advantages import compute_advantages, scores_to_token_level_rewards
 from posttrain.algo.kl import build_kl_controller
 from posttrain.algo.rollout_correction import rollout_correction
+from posttrain.algo.turn_credit import turn_level_advantages
 from posttrain.config.plan import Plan
 from posttrain.metrics.reduce import MetricAccumulator
 from posttrain.metrics.stats import compute_tps, data_metrics, stat_metrics
 from posttrain.metrics.timers import Timers
 from posttrain.training.loss_fns import make_actor_loss_fn
 from posttrain.loops.dump_points import dump_experience, dumped_phase
-from posttrain.loops.experience import per_group, read_batch, write_rows
+from posttrain.loops.experience import per_group, per_token, read_batch, write_rows
 from posttrain.loops.overlap import overlapped_passes
 from posttrain.loops.ppo import CriticPhases
 from posttrain.loops.produce import Experience, Producer
@@ -167,15 +168,23 @@ class OnPolicyTrainer:
 
     # ---- phases ------------------------------------------------------------------------------
     def advantages(self, td: TransferDock) -> None:
+        """Each row's advantages and returns, per trajectory or, with ``turn_credit: turn``, per
+        assistant turn (:mod:`posttrain.algo.turn_credit`, on the tool-token mask)."""
         adv = self.plan.advantages
+        per_turn = adv.turn_credit == "turn"
+        columns = ["scores", "response_length", *(["response_mask"] if per_turn else [])]
         while not td.all_consumed("advantages"):
-            batch, idx = td.get("advantages", ["scores", "response_length"], self.plan.reads["adv_dispatch_size"],
-                                get_n_samples=True)
+            batch, idx = td.get("advantages", columns, self.plan.reads["adv_dispatch_size"], get_n_samples=True)
             lengths, mask = per_group(batch)
             scores = torch.cat([r.reshape(-1) for r in batch["scores"]])
-            rewards = scores_to_token_level_rewards(scores, mask)
-            values, returns = compute_advantages(adv.estimator, rewards, mask, group_size=self.plan.n, gamma=adv.gamma,
-                                                 lam=adv.lam)
+            if per_turn:
+                mask = mask * per_token(batch["response_mask"], mask.shape[1])
+                values, returns = turn_level_advantages(adv.estimator, scores, mask, group_size=self.plan.n,
+                                                        gamma=adv.gamma)
+            else:
+                rewards = scores_to_token_level_rewards(scores, mask)
+                values, returns = compute_advantages(adv.estimator, rewards, mask, group_size=self.plan.n,
+                                                     gamma=adv.gamma, lam=adv.lam)
             write_rows(td, ["advantages", "returns"], idx, [values, returns], lengths)
 
     def logprobs(self, td: TransferDock, column: str, engine, count: int, micro_batch_size: int | None) -> None:

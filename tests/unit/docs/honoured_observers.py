@@ -83,6 +83,7 @@ OBSERVERS: dict[str, tuple[str, list[str], list[str]]] = {
     "rl_config.multi_turn_enable": ("dapo_tiny_multi_turn", [*NO_TOOLS], [*TOOLS]),
     "rl_config.tool_config_path": ("dapo_tiny_multi_turn", [], ["rl_config.tool_config_path=configs/tools/search.yaml"]),
     "rl_config.max_tool_calls": ("dapo_tiny_multi_turn", [], ["rl_config.max_tool_calls=5"]),
+    "rl_config.turn_credit": ("dapo_tiny_multi_turn", [], ["rl_config.turn_credit=turn"]),
     "rl_config.max_parallel_calls": ("dapo_tiny_multi_turn", [], ["rl_config.max_parallel_calls=2"]),
     "rl_config.max_total_response_length": ("dapo_tiny_multi_turn", [], ["rl_config.max_total_response_length=300"]),
     "rl_config.max_tool_response_length": ("dapo_tiny_multi_turn", [], ["rl_config.max_tool_response_length=7"]),
