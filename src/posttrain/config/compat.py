@@ -183,6 +183,24 @@ def _diagnostics() -> list[Feature]:
     ]
 
 
+def _truncation_features() -> list[Feature]:
+    """rl_config.truncated_sampling_logprobs, and the sampling settings it cannot follow."""
+    key, shown = "rl_config.truncated_sampling_logprobs", "rl_config.truncated_sampling_logprobs: true"
+    sampling = lambda c: c.generate.sampling_config  # noqa: E731
+    return [
+        _on(key, name="truncated_logprobs", shown=shown, when="true"),
+        Feature("truncated_logprobs_greedy", (key,), lambda c: c.rl.truncated_sampling_logprobs
+                and sampling(c).temperature == 0, shown=shown + " with sampling_config.temperature: 0",
+                when="true, with temperature 0 (greedy)"),
+        Feature("truncated_logprobs_untruncated", (key,), lambda c: c.rl.truncated_sampling_logprobs
+                and sampling(c).top_k <= 0 and sampling(c).top_p >= 1.0 and sampling(c).min_p <= 0.0,
+                shown=shown + " without top_k, top_p or min_p", when="true, with no truncation"),
+        Feature("truncated_logprobs_min_p", (key,), lambda c: c.rl.truncated_sampling_logprobs
+                and sampling(c).min_p > 0.0, shown=shown + " with sampling_config.min_p > 0",
+                when="true, with min_p > 0"),
+    ]
+
+
 def _features() -> dict[str, Feature]:
     per_request = Feature("per_request", ("rl_config.async_engine", "rl_config.multi_turn_enable"),
                           lambda c: c.rl.async_engine or c.rl.multi_turn_enable,
@@ -257,6 +275,7 @@ def _features() -> dict[str, Feature]:
         _on("rl_config.async_engine", shown="rl_config.async_engine: true", when="true"),
         _on("rl_config.multi_turn_enable", name="multi_turn", shown="rl_config.multi_turn_enable: true", when="true"),
         *_diagnostics(),
+        *_truncation_features(),
     ]
     return {f.name: f for f in features}
 
@@ -379,6 +398,26 @@ _OFFLOAD_PARAM = [
      "training weights are never idle during a rollout; remove the key"),
     ("rollout-worker", dict(with_="rollout_worker"), " with {other}: the rollout runs on workers of its own, so the "
      "training weights are never idle during a rollout; remove the key"),
+]
+
+_TRUNCATED = [  # rl_config.truncated_sampling_logprobs: where it is built (the hf lm-head path, one process)
+    ("offline", "truncated_logprobs", dict(stage=OFFLINE), "{setting}: stage {stage} does not sample; remove the key"),
+    ("megatron", "truncated_logprobs", dict(backend=MEGATRON), "{setting}: the megatron backend computes its log-probs "
+     "over the vocab-parallel logits, where the truncation is not built; remove the key{megatron}"),
+    ("ray", "truncated_logprobs", dict(placement=RAY), "{setting} on Ray actor workers is not built yet (tested in one "
+     "process only); remove the key or train in one process"),
+    ("engine", "truncated_logprobs", dict(engine=("other",)), "{setting} runs on the native and vLLM rollout engines, "
+     "not {engine}"),
+    ("share-backbone", "truncated_logprobs", dict(with_="share_backbone"), "{setting} with {other}: the reference runs "
+     "through the actor's engine, which would truncate it too (the reference keeps the full distribution); remove "
+     "one"),
+    ("greedy", "truncated_logprobs_greedy", {}, "{setting}: greedy sampling draws the argmax (log mu = 0); there is "
+     "nothing to truncate; remove the key"),
+    ("untruncated", "truncated_logprobs_untruncated", {}, "{setting}: the sampling keeps the whole vocabulary (top_k "
+     "-1, top_p 1, min_p 0), so the log-probs are the full ones; set top_k or top_p, or remove the key"),
+    ("vllm-min-p", "truncated_logprobs_min_p", dict(engine=("vllm",)), "{setting} with rl_config.rollout_engine: "
+     "vllm: vLLM applies min_p before top_k/top_p, the trainer after them, so the kept sets could differ; set min_p "
+     "to 0 or use rollout_engine: native"),
 ]
 
 ROWS: tuple[Row, ...] = (
@@ -518,6 +557,7 @@ ROWS: tuple[Row, ...] = (
     Row("refer-model-iter-not-dpo", "refer_model_iter", "{setting} picks the iteration of DPO's ref_model, which the "
         "other stages do not read (an on-policy reference is rl_config.integrated_mode_config.ref_model_load_path or "
         "the initial weights; SFT has none); remove the key", stage=("grpo", "dapo", "ppo", "sft")),
+    *(Row(f"truncated-logprobs-{suffix}", feature, message, **where) for suffix, feature, where, message in _TRUNCATED),
     Row("reward-model-offline", "reward_model", "reward_config: stage {stage} scores no responses (a reward model is "
         "read by the on-policy stages ray_grpo, ray_dapo and ray_ppo); remove reward_config", stage=OFFLINE),
 )
