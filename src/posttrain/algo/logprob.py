@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from posttrain.algo.truncation import Truncation, truncated_scaled_logprobs
+from posttrain.algo.truncation import Truncation, truncate_logits, truncated_scaled_logprobs
 
 DEFAULT_CHUNK_TOKENS = 4096
 
@@ -104,8 +104,13 @@ def truncated_logprobs_and_entropy(z: torch.Tensor, labels: torch.Tensor, trunca
                                    with_entropy: bool = True, entropy_grad: bool = True
                                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`scaled_logprobs_and_entropy` with the log-probs under the truncated sampling
-    distribution; the entropy stays the full distribution's (the policy's, as without truncation)."""
-    logprobs = truncated_scaled_logprobs(z, labels, truncation)
+    distribution; the entropy stays the full distribution's (the policy's, as without truncation).
+    Under autograd the truncated log-softmax runs through :class:`_LabelLogProb` (one pass over the
+    vocabulary backward; zero outside the kept set)."""
+    if torch.is_grad_enabled() and z.requires_grad:
+        logprobs = _LabelLogProb.apply(truncate_logits(z, labels, truncation), labels, False)[0]
+    else:
+        logprobs = truncated_scaled_logprobs(z, labels, truncation)
     if not with_entropy:
         return logprobs, None
     with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from posttrain.algo.logprob import logprobs_from_logits
+from posttrain.algo.logprob import logprobs_from_logits, truncated_logprobs_and_entropy
 from posttrain.algo.rollout_correction import rollout_correction
 from posttrain.algo.truncation import Truncation, kept_mask, truncated_scaled_logprobs
 from posttrain.config.check import check_run_config
@@ -22,6 +22,8 @@ from posttrain.rollout.base import SamplingParams
 from posttrain.rollout.native import NativeEngine
 from posttrain.training.batch import build_batch, per_token
 from posttrain.training.forward import response_logprobs
+from posttrain.training.loss_fns import make_actor_loss_fn
+from posttrain.training.options import ActorLossOptions
 from posttrain.training.remove_padding import Packing
 
 TEMPERATURE = 0.7
@@ -61,12 +63,14 @@ def test_truncated_logprob_equals_a_float64_reference(truncation):
     torch.testing.assert_close(again[0], got, rtol=0, atol=1e-5)
 
 
-def test_gradient_reaches_only_the_kept_logits():
+@pytest.mark.parametrize("fn", [truncated_scaled_logprobs, lambda z, y, t: truncated_logprobs_and_entropy(z, y, t)[0]],
+                         ids=["autograd", "label_logprob"])  # the lm-head path's custom backward
+def test_gradient_reaches_only_the_kept_logits(fn):
     gen = torch.Generator().manual_seed(2)
     z = (torch.randn(16, 96, generator=gen) * 3).requires_grad_()
     t = Truncation(top_k=20, top_p=0.9)
     labels = torch.multinomial(torch.softmax(z.detach(), -1) * kept_mask(z.detach(), t), 1, generator=gen)[:, 0]
-    truncated_scaled_logprobs(z, labels, t).sum().backward()
+    fn(z, labels, t).sum().backward()
     kept = kept_mask(z.detach(), t)
     assert torch.equal(z.grad != 0, kept)  # nonzero exactly on the kept set (here every label is kept)
     mu = torch.softmax(z.detach().double().masked_fill(~kept, -math.inf), -1)
@@ -120,6 +124,14 @@ def test_on_policy_ratio_is_one_with_truncated_logprobs(model):
     _, _, native_today = rollout_correction(old_full, rollout_full, mask, mode="tis")
     assert native_today["rollout/logprob_diff_max"] < 2e-5
     assert bool(((rollout_mu - rollout_full) * mask >= -1e-6).all())  # log mu(y) >= log p(y)
+
+    # the update's forward (with a gradient) takes the same truncated log-probs: the PPO ratio is 1 on-policy
+    batch.update(old_logprobs=old_trunc, advantages=torch.ones_like(old_trunc))
+    options = ActorLossOptions(temperature=TEMPERATURE, truncation=Truncation(20, 0.9))
+    loss, metrics = make_actor_loss_fn(options)(model, batch)
+    loss.backward()
+    assert abs(float(metrics["actor/ppo_kl"])) < 1e-6 and float(metrics["actor/pg_clipfrac"]) == 0.0
+    model.zero_grad(set_to_none=True)
 
 
 BASE = {
