@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Mapping
 
+from posttrain.algo.truncation import Truncation
 from posttrain.config import options
 from posttrain.config.arch import model_arch
 from posttrain.config.backend import ModelParallel, model_parallel
@@ -35,7 +36,6 @@ from posttrain.config.target import Target, check_device_count, check_device_set
 from posttrain.config.validate import DeviceLayout
 from posttrain.device import device_type, precision, resolve_device
 from posttrain.errors import ConfigError
-from posttrain.algo.truncation import Truncation
 from posttrain.models.arch import ModelArch
 from posttrain.reward.rule_reward import RuleRewardOptions
 from posttrain.training.options import ActorLossOptions, EngineOptions, TokenBudget
@@ -267,7 +267,8 @@ def build_plan(cfg: RunConfig, layout: DeviceLayout, arch: ModelArch | None = No
         and not off.any, guarantee_order=bool(rl.guarantee_order),
         data_strategy="tq" if rl.data_strategy in QUEUE_STRATEGIES else "td", queue_shards=rl.transfer_queue_data_shard_num,
         actor_loss=actor_loss_options(cfg, stage, temperature) if on_policy else ActorLossOptions(),
-        actor_engine=replace(_with_forward(engine, budgets, "actor"), truncation=sampling_truncation(cfg)), ref_engine=_with_forward(engine, budgets, "ref"),
+        actor_engine=_with_forward(engine, budgets, "actor", sampling_truncation(cfg)),
+        ref_engine=_with_forward(engine, budgets, "ref"),
         policy=options.policy_options(cfg), data=options.data_options(cfg), schedule=options.schedule_options(cfg),
         logging=options.logging_options(cfg), update=options.update_options(cfg, on_policy=on_policy),
         kl=options.kl_options(cfg), advantages=options.advantage_options(cfg), off_policy=off,
@@ -297,8 +298,11 @@ def _replace(plan: Plan, **changes) -> Plan:
     return replace(plan, **changes)
 
 
-def _with_forward(engine: EngineOptions, budgets: dict[str, TokenBudget] | None, phase: str) -> EngineOptions:
-    return replace(engine, forward_budget=budgets[phase] if budgets else None)
+def _with_forward(engine: EngineOptions, budgets: dict[str, TokenBudget] | None, phase: str,
+                  truncation: Truncation | None = None) -> EngineOptions:
+    """The phase's engine options: its token budget, and for the actor the sampling truncation of
+    its log-probs (the reference keeps the full distribution)."""
+    return replace(engine, forward_budget=budgets[phase] if budgets else None, truncation=truncation)
 
 
 def actor_loss_options(cfg: RunConfig, stage: Stage, temperature: float) -> ActorLossOptions:

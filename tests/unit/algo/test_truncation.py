@@ -14,10 +14,10 @@ from posttrain.algo.logprob import logprobs_from_logits, truncated_logprobs_and_
 from posttrain.algo.rollout_correction import rollout_correction
 from posttrain.algo.truncation import Truncation, kept_mask, truncated_scaled_logprobs
 from posttrain.config.check import check_run_config
-from posttrain.config.plan import sampling_truncation
-from posttrain.config.options import rollout_options
+from posttrain.config.plan import build_plan
 from posttrain.config.run import run_config_from_dict
 from posttrain.errors import ConfigError
+from posttrain.models.arch import ModelArch
 from posttrain.rollout.base import SamplingParams
 from posttrain.rollout.native import NativeEngine
 from posttrain.training.batch import build_batch, per_token
@@ -144,19 +144,23 @@ BASE = {
 }
 
 
+ARCH = ModelArch(model_type="qwen2", num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
+                 num_kv_heads=2, head_dim=16, vocab_size=96, tie_embeddings=True)
+
+
 def _config(overrides=()):
     return run_config_from_dict(copy.deepcopy(BASE), overrides=list(overrides))
 
 
 def test_the_key_reaches_the_rollout_and_the_actor_only():
-    cfg = _config()
-    check_run_config(cfg, device_type="cpu")
-    assert sampling_truncation(cfg) == Truncation(top_k=20, top_p=0.9, min_p=0.0)
-    opts = rollout_options(cfg, dtype="float32", max_num_seqs=4, tools=None)
-    assert opts.sampling.truncated_logprobs
-    off = _config(["rl_config.truncated_sampling_logprobs=false"])
-    assert sampling_truncation(off) is None
-    assert not rollout_options(off, dtype="float32", max_num_seqs=4, tools=None).sampling.truncated_logprobs
+    want = Truncation(top_k=20, top_p=0.9, min_p=0.0)
+    for on in (True, False):
+        cfg = _config([f"rl_config.truncated_sampling_logprobs={str(on).lower()}"])
+        layout, _ = check_run_config(cfg, device_type="cpu", arch=ARCH)
+        plan = build_plan(cfg, layout, ARCH, device="cpu")
+        assert plan.rollout.sampling.truncated_logprobs is on
+        assert plan.actor_engine.truncation == plan.actor_loss.truncation == (want if on else None)
+        assert plan.ref_engine.truncation is None  # the reference keeps its full distribution
 
 
 @pytest.mark.parametrize("overrides, words", [
