@@ -142,3 +142,19 @@ def test_async_with_partial_rollout_keeps_staleness_within_its_bound(tiny_model_
     assert sorted(m) == [1, 2, 3, 4]
     assert all(m[it]["rollout/staleness_max"] <= 1 + 2 - 1 for it in m)
     assert max(m[it]["rollout/staleness_max"] for it in m) >= 1
+
+
+def test_truncated_sampling_logprobs_make_the_on_policy_ratio_one(tiny_model_dir, tiny_prompt_data, tmp_path):
+    """top_k 20 and top_p 0.9 with rl_config.truncated_sampling_logprobs: the native engine reports
+    log mu(y) and the actor's old log-probs renormalise over the same kept set, so the rollout
+    correction sees no mismatch on-policy (docs/algorithms.md). Were only one side truncated (the
+    rollout's log mu(y) against the trainer's log p(y), as with vLLM without the key), they would
+    differ by the kept mass (measured in tests/unit/algo/test_truncation.py)."""
+    from posttrain.commands.train import train_config as train
+
+    torch.set_num_threads(1)
+    sampling = {"max_tokens": 16, "temperature": 1.0, "top_k": 20, "top_p": 0.9}
+    metrics = train(grpo_config(tiny_model_dir, tiny_prompt_data, tmp_path, **{**COMMON, "megatron_training__train_iters": 1},
+                                generate_config__sampling_config=sampling, rl_config__rollout_correction="tis",
+                                rl_config__truncated_sampling_logprobs=True))
+    assert metrics["rollout/logprob_diff_max"] < 1e-4  # fails when only one side truncates

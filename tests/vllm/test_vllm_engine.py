@@ -60,6 +60,30 @@ def test_sampled_logprobs_are_the_trainers(engine, actor):
         assert o.logprobs == pytest.approx(want.tolist(), abs=1e-4)
 
 
+
+def test_truncated_logprobs_are_the_trainers_truncated_ones(engine, actor):
+    """At T = 0.7 with top_k 20 and top_p 0.9, vLLM's processed_logprobs are log mu(y), the log of
+    the truncated, renormalised probability: the trainer's log-probs with
+    rl_config.truncated_sampling_logprobs (the same rule applied to its logits), not its full ones."""
+    from posttrain.algo.truncation import Truncation
+    from posttrain.training.batch import build_batch
+    from posttrain.training.forward import response_logprobs
+
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    sampling = SamplingParams(temperature=0.7, top_k=20, top_p=0.9, max_tokens=10, seed=7, truncated_logprobs=True)
+    out = engine.generate([prompt], 4, sampling)[0]
+    batch = build_batch([prompt] * 4, [o.token_ids for o in out], pad_token_id=0)
+    with torch.no_grad():
+        want, _ = response_logprobs(actor, batch, temperature=0.7, truncation=Truncation(top_k=20, top_p=0.9))
+        full, _ = response_logprobs(actor, batch, temperature=0.7)
+    gaps = []
+    for row, o in enumerate(out):
+        n = len(o.token_ids)
+        assert o.logprobs == pytest.approx(want[row, :n].tolist(), abs=1e-4)
+        gaps.append(float((want[row, :n] - full[row, :n]).max()))
+    assert max(gaps) > 1e-3  # the truncation removed mass somewhere: the full log-probs would not match
+
+
 def test_a_sync_takes_through_the_prefix_cache(engine, actor):
     """After a sync, a long prompt (its blocks cached with the old weights) gives the new weights'
     log-probs: the cache was reset. The probe proves the sync to 1e-4."""

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from posttrain.algo.truncation import Truncation, truncate_logits, truncated_scaled_logprobs
+
 DEFAULT_CHUNK_TOKENS = 4096
 
 
@@ -35,16 +37,22 @@ def logprobs_from_logits(
     labels: torch.Tensor,
     temperature: float = 1.0,
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    truncation: Truncation | None = None,
 ) -> torch.Tensor:
     """``log softmax(logits / temperature)[labels]`` per token.
 
     ``log p_t = z_{t, y_t} - logsumexp_v z_{t, v}`` with ``z = logits / temperature`` in float32.
-    Differentiable. Returns ``[B, T]`` float32.
+    With an active ``truncation`` the logsumexp runs over the sampler's kept set only
+    (:func:`~posttrain.algo.truncation.truncated_scaled_logprobs`). Differentiable. Returns
+    ``[B, T]`` float32.
     """
     assert temperature > 0, "temperature must be positive"
     flat_labels = labels.reshape(-1)
     pieces = []
     for start, end, z in _scaled_chunks(logits, temperature, chunk_tokens):
+        if truncation is not None and truncation.active:
+            pieces.append(truncated_scaled_logprobs(z, flat_labels[start:end], truncation))
+            continue
         picked = torch.gather(z, -1, flat_labels[start:end, None]).squeeze(-1)
         pieces.append(picked - torch.logsumexp(z, dim=-1))
     return torch.cat(pieces).reshape(labels.shape)
@@ -90,6 +98,24 @@ def scaled_logprobs_and_entropy(z: torch.Tensor, labels: torch.Tensor, with_entr
     if not with_entropy:
         return logprobs, None
     return logprobs, lse - (torch.softmax(z, dim=-1) * z).sum(dim=-1)
+
+
+def truncated_logprobs_and_entropy(z: torch.Tensor, labels: torch.Tensor, truncation: Truncation,
+                                   with_entropy: bool = True, entropy_grad: bool = True
+                                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`scaled_logprobs_and_entropy` with the log-probs under the truncated sampling
+    distribution; the entropy stays the full distribution's (the policy's, as without truncation).
+    Under autograd the truncated log-softmax runs through :class:`_LabelLogProb` (one pass over the
+    vocabulary backward; zero outside the kept set)."""
+    if torch.is_grad_enabled() and z.requires_grad:
+        logprobs = _LabelLogProb.apply(truncate_logits(z, labels, truncation), labels, False)[0]
+    else:
+        logprobs = truncated_scaled_logprobs(z, labels, truncation)
+    if not with_entropy:
+        return logprobs, None
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        entropy = torch.logsumexp(z, dim=-1) - (torch.softmax(z, dim=-1) * z).sum(dim=-1)
+    return logprobs, entropy
 
 
 def entropy_from_logits(

@@ -16,7 +16,7 @@ followed by name from the YAML to where it takes effect.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from posttrain.checkpoint.files import CheckpointLoad
@@ -409,7 +409,9 @@ def rollout_options(cfg: RunConfig, *, dtype: str, max_num_seqs: int, tools: Too
                            enable_prefix_caching=gen.enable_prefix_caching, trust_remote_code=gen.trust_remote_code,
                            enable_expert_parallel=gen.enable_expert_parallel)
     return RolloutOptions(
-        engine=rl.rollout_engine, sampling=SamplingParams.from_config(gen.sampling_config.model_dump()), dtype=dtype,
+        engine=rl.rollout_engine, dtype=dtype,
+        sampling=replace(SamplingParams.from_config(gen.sampling_config.model_dump()),
+                         truncated_logprobs=rl.truncated_sampling_logprobs),
         max_num_seqs=max_num_seqs, max_num_batched_tokens=gen.max_num_batched_tokens,
         max_model_len=gen.max_model_len, speculative_tokens=gen.num_speculative_tokens,
         enforce_eager=gen.enforce_eager, per_request=bool(rl.multi_turn_enable or rl.async_engine), tools=tools,

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Mapping
 
+from posttrain.algo.truncation import Truncation
 from posttrain.config import options
 from posttrain.config.arch import model_arch
 from posttrain.config.backend import ModelParallel, model_parallel
@@ -266,7 +267,8 @@ def build_plan(cfg: RunConfig, layout: DeviceLayout, arch: ModelArch | None = No
         and not off.any, guarantee_order=bool(rl.guarantee_order),
         data_strategy="tq" if rl.data_strategy in QUEUE_STRATEGIES else "td", queue_shards=rl.transfer_queue_data_shard_num,
         actor_loss=actor_loss_options(cfg, stage, temperature) if on_policy else ActorLossOptions(),
-        actor_engine=_with_forward(engine, budgets, "actor"), ref_engine=_with_forward(engine, budgets, "ref"),
+        actor_engine=_with_forward(engine, budgets, "actor", sampling_truncation(cfg)),
+        ref_engine=_with_forward(engine, budgets, "ref"),
         policy=options.policy_options(cfg), data=options.data_options(cfg), schedule=options.schedule_options(cfg),
         logging=options.logging_options(cfg), update=options.update_options(cfg, on_policy=on_policy),
         kl=options.kl_options(cfg), advantages=options.advantage_options(cfg), off_policy=off,
@@ -296,8 +298,11 @@ def _replace(plan: Plan, **changes) -> Plan:
     return replace(plan, **changes)
 
 
-def _with_forward(engine: EngineOptions, budgets: dict[str, TokenBudget] | None, phase: str) -> EngineOptions:
-    return replace(engine, forward_budget=budgets[phase] if budgets else None)
+def _with_forward(engine: EngineOptions, budgets: dict[str, TokenBudget] | None, phase: str,
+                  truncation: Truncation | None = None) -> EngineOptions:
+    """The phase's engine options: its token budget, and for the actor the sampling truncation of
+    its log-probs (the reference keeps the full distribution)."""
+    return replace(engine, forward_budget=budgets[phase] if budgets else None, truncation=truncation)
 
 
 def actor_loss_options(cfg: RunConfig, stage: Stage, temperature: float) -> ActorLossOptions:
@@ -313,7 +318,16 @@ def actor_loss_options(cfg: RunConfig, stage: Stage, temperature: float) -> Acto
         if rl.policy_loss == "sapo" else (),
         entropy_coeff=rl.entropy_coeff, kl_penalty=rl.kl_penalty, loss_agg_mode=agg,
         norm_length=float(cfg.generate.sampling_config.max_tokens) if agg == "seq-mean-token-sum-norm" else None,
-        temperature=temperature)  # norm_length: Dr. GRPO's constant
+        temperature=temperature, truncation=sampling_truncation(cfg))  # norm_length: Dr. GRPO's constant
+
+
+def sampling_truncation(cfg: RunConfig) -> Truncation | None:
+    """The truncation the actor's log-probs are taken under (``rl_config.truncated_sampling_logprobs``;
+    the reference keeps the full distribution), or None."""
+    if not (cfg.rl.truncated_sampling_logprobs and cfg.stage in ("grpo", "dapo", "ppo")):
+        return None
+    s = cfg.generate.sampling_config
+    return Truncation(top_k=s.top_k, top_p=s.top_p, min_p=s.min_p)
 
 
 def token_budgets(cfg: RunConfig) -> dict[str, TokenBudget] | None:

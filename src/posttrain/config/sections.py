@@ -315,6 +315,11 @@ class RLConfig(Section):
                                              note="the smallest ratio kept")
     rollout_correction_level: CORRECTION_LEVELS = F("token", "posttrain: token or sequence (mis: a sequence's "
                                                              "geometric-mean ratio)", HONOURED)
+    truncated_sampling_logprobs: bool = F(False, "posttrain: take log-probs under the truncated, renormalised "
+                                                 "sampling distribution (top_k, top_p, min_p): the rollout reports "
+                                                 "log mu(y) and the actor's old and current log-probs renormalise over "
+                                                 "the same kept set, so on-policy ratios are exactly 1 "
+                                                 "(docs/algorithms.md)", HONOURED)
     num_threads: Opt[int] = F(None, "posttrain: torch CPU threads of an in-process run (unset: torch's count, "
                                     "lowered to the cores other processes leave free at the start, and kept on "
                                     "resume; OMP_NUM_THREADS pins it; Ray workers: ray_num_cpus_per_worker)",

@@ -90,12 +90,13 @@ def check_vllm(cfg: RunConfig, *, device_type: str | None = None, installed: boo
     _check_replica_devices(cfg, device_type)
     sampling = gen.sampling_config
     truncated = sampling.top_k > 0 or sampling.top_p < 1.0 or sampling.min_p > 0.0
-    if truncated and rl.rollout_correction != "none":
+    if truncated and rl.rollout_correction != "none" and not rl.truncated_sampling_logprobs:
         warnings.append("rl_config.rollout_correction with rollout_engine: vllm and top_k/top_p/min_p on: vLLM "
                         "reports each token's log-prob under the truncated distribution (logprobs_mode "
                         "processed_logprobs) and the trainer under the untruncated one, so the ratio is off by the "
-                        "kept probability mass (docs/rollout.md, vLLM adapter); turn the truncation off "
-                        "(top_k: -1, top_p: 1, min_p: 0) for an exact ratio")
+                        "kept probability mass (docs/rollout.md, vLLM adapter); set "
+                        "rl_config.truncated_sampling_logprobs: true, or turn the truncation off "
+                        "(top_k: -1, top_p: 1, min_p: 0), for an exact ratio")
     return warnings
 
 

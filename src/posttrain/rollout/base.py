@@ -35,6 +35,9 @@ class SamplingParams:
     - ``logprobs``: kept for compatibility with the seed; the engines always return the logprob of
       the sampled token (``logprobs >= 1``); top-N alternatives are not returned.
     - ``detokenize``: kept for compatibility; engines return token ids only.
+    - ``truncated_logprobs`` (not a ``sampling_config`` key: ``rl_config.truncated_sampling_logprobs``):
+      report each token's log-prob under the truncated, renormalised distribution it was drawn from
+      (:mod:`posttrain.algo.truncation`) rather than the full one.
     """
 
     logprobs: int = 1
@@ -45,6 +48,7 @@ class SamplingParams:
     temperature: float = 0.2
     seed: int | None = None
     detokenize: bool = False
+    truncated_logprobs: bool = False
 
     def __post_init__(self) -> None:
         self.validate()

@@ -7,9 +7,11 @@ For logits ``z`` (one row, vocab V) and temperature ``T > 0`` the reported logpr
 over the full vocabulary: the same number the training side computes as
 ``log_softmax(logits / T).gather(y)``. The token itself is drawn from the tempered distribution
 truncated, in this order, by top-k, top-p (on the top-k renormalised probabilities) and min-p
-(``p < min_p * max p`` dropped), then renormalised. With truncation on, the reported logprob is
-therefore the untruncated one (slightly lower than the log of the truncated probability by
-``log(kept mass)``), which is what the trainer's ratio needs. ``T = 0`` is greedy (argmax) and
+(``p < min_p * max p`` dropped), then renormalised (:mod:`posttrain.algo.truncation`). With
+truncation on, the reported logprob is by default the untruncated one (lower than the log of the
+truncated probability by ``log(kept mass)``), the trainer's default; with
+``SamplingParams.truncated_logprobs`` (``rl_config.truncated_sampling_logprobs``) it is the log of
+the truncated, renormalised probability ``log mu(y)`` the token was actually drawn with. ``T = 0`` is greedy (argmax) and
 reports ``log_softmax(z)`` (temperature 1).
 
 The draw is an inverse CDF: each row brings one uniform ``u`` in [0, 1) (from the keyed stream of
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import torch
 
+from posttrain.algo.truncation import candidates, filter_candidates
 from posttrain.rollout.base import SamplingParams
 
 
@@ -30,33 +33,6 @@ def _token_logprob(scaled: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """``scaled[b, tokens[b]] - logsumexp(scaled[b])`` for each row b: [B]."""
     picked = scaled.gather(-1, tokens[:, None]).squeeze(-1)
     return picked - torch.logsumexp(scaled, dim=-1)
-
-
-def _candidates(scaled: torch.Tensor, top_k: int, need_sorted: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The candidate logits [B, K] and their vocab ids [B, K] (None means: all V, in vocab order)."""
-    vocab = scaled.shape[-1]
-    if 0 < top_k < vocab:
-        return torch.topk(scaled, top_k, dim=-1, sorted=True)
-    if need_sorted:
-        return torch.sort(scaled, dim=-1, descending=True)
-    return scaled, None
-
-
-def filter_candidates(cand: torch.Tensor, top_p: float, min_p: float) -> torch.Tensor:
-    """Mask (to -inf) candidates outside top-p / min-p. ``cand`` is sorted descending when top_p < 1.
-
-    top-p keeps token i when the probability mass strictly before it is < top_p (the first token is
-    always kept); min-p keeps token i when ``p_i >= min_p * max_j p_j``.
-    """
-    if top_p < 1.0:
-        probs = torch.softmax(cand, dim=-1)
-        mass_before = probs.cumsum(dim=-1) - probs
-        cand = cand.masked_fill(mass_before >= top_p, float("-inf"))
-    if min_p > 0.0:
-        probs = torch.softmax(cand, dim=-1)
-        cutoff = probs.amax(dim=-1, keepdim=True) * min_p
-        cand = cand.masked_fill(probs < cutoff, float("-inf"))
-    return cand
 
 
 def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
@@ -86,9 +62,11 @@ def sample_next(logits: torch.Tensor, sampling: SamplingParams,
         raise ValueError(f"sample_next needs one uniform per row: {logits.shape[0]} rows, "
                          f"got {None if uniforms is None else tuple(uniforms.shape)}")
     scaled = logits / sampling.temperature if sampling.temperature != 1.0 else logits
-    cand, cand_ids = _candidates(scaled, sampling.top_k, need_sorted=sampling.top_p < 1.0)
+    cand, cand_ids = candidates(scaled, sampling.top_k, need_sorted=sampling.top_p < 1.0)
     cand = filter_candidates(cand, sampling.top_p, sampling.min_p)
     probs = torch.softmax(cand, dim=-1)
     choice = inverse_cdf(probs, uniforms)
     tokens = choice if cand_ids is None else cand_ids.gather(-1, choice[:, None]).squeeze(-1)
+    if sampling.truncated_logprobs:  # log mu(y): the kept candidates' logsumexp renormalises
+        return tokens, cand.gather(-1, choice[:, None]).squeeze(-1) - torch.logsumexp(cand, dim=-1)
     return tokens, _token_logprob(scaled, tokens)

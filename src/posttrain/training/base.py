@@ -41,6 +41,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 import torch
 
+from posttrain.algo.truncation import Truncation
 from posttrain.training.forward import response_logprobs, response_values
 from posttrain.training.remove_padding import Packing
 
@@ -67,6 +68,7 @@ class LossFn:
         consumes: what the forward produces: the response tokens' log-probs (and entropy), or
             a value model's values at the response positions.
         temperature: the log-probs' sampling temperature.
+        truncation: the sampling truncation the log-probs are taken under (None: full distribution).
         with_entropy: whether ``after_forward`` gets the entropy (else None).
         entropy_grad: whether the entropy carries gradient (it is in the loss).
         rows: None when the loss's rows are the batch's; else the batch as the rows
@@ -78,6 +80,7 @@ class LossFn:
     temperature: float = 1.0
     with_entropy: bool = False
     entropy_grad: bool = False
+    truncation: Truncation | None = None
     rows: Callable[[Batch], Batch] | None = None
 
     def __call__(self, model: torch.nn.Module, micro_batch: Batch, *, num_tokens=None, num_seqs=None,
@@ -87,7 +90,7 @@ class LossFn:
             return self.after_forward(values, micro_batch, num_tokens=num_tokens, num_seqs=num_seqs)
         logprobs, entropy = response_logprobs(model, micro_batch, temperature=self.temperature,
                                               with_entropy=self.with_entropy, entropy_grad=self.entropy_grad,
-                                              packing=packing)
+                                              packing=packing, truncation=self.truncation)
         return self.after_forward(logprobs, entropy, micro_batch, num_tokens=num_tokens, num_seqs=num_seqs)
 
 

@@ -212,7 +212,7 @@ class TrainEngine:
         outputs, order = self._inference(
             batch,
             lambda mb: response_logprobs(self.model, mb, temperature=temperature, with_entropy=with_entropy,
-                                         packing=self.packing),
+                                         packing=self.packing, truncation=self.options.truncation),
             micro_batch_size,
         )
         logprobs = torch.cat([lp for lp, _ in outputs])[order.to(outputs[0][0].device)]

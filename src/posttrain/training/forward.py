@@ -16,6 +16,7 @@ import inspect
 import torch
 
 from posttrain.algo.logprob import entropy_from_logits, logprobs_from_logits
+from posttrain.algo.truncation import Truncation
 from posttrain.training.batch import default_position_ids, response_width
 from posttrain.training.lm_head import detached_head, head_logprobs
 from posttrain.training.multimodal import is_multimodal, multimodal_inputs
@@ -63,6 +64,7 @@ def response_logprobs(
     with_entropy: bool = False,
     entropy_grad: bool = True,
     packing: Packing | None = None,
+    truncation: Truncation | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs ``[B, R]`` of the response tokens (0 on padding) and optionally their entropy.
 
@@ -72,13 +74,16 @@ def response_logprobs(
     :mod:`posttrain.training.remove_padding`. A multimodal batch (``pixel_values``/``image_grid_thw``,
     :mod:`posttrain.training.multimodal`) runs the vision tower (or reuses ``image_embeds``) and the
     model's 3-D rotary positions; its packed rows never share a prompt (equal tokens, other images).
+    With ``truncation`` (``rl_config.truncated_sampling_logprobs``) the log-probs are those of the
+    truncated sampling distribution.
     """
     if is_multimodal(batch):
         batch = multimodal_inputs(model, batch)
         packing = Packing(share_prompts=False) if packing is not None else None
     if packing is not None:
         return packed_response_logprobs(model, batch, temperature=temperature, with_entropy=with_entropy,
-                                        entropy_grad=entropy_grad, share_prompts=packing.share_prompts)
+                                        entropy_grad=entropy_grad, share_prompts=packing.share_prompts,
+                                        truncation=truncation)
     temperature = temperature if temperature > 0 else 1.0
     num_resp = response_width(batch)
     labels = batch["input_ids"][:, -num_resp:]
@@ -86,9 +91,9 @@ def response_logprobs(
         out = response_logits(model, batch)
     if head is not None:
         logprobs, entropy = head_logprobs(head, out, labels, temperature, with_entropy=with_entropy,
-                                          entropy_grad=entropy_grad)
+                                          entropy_grad=entropy_grad, truncation=truncation)
     else:
-        logprobs = logprobs_from_logits(out, labels, temperature)
+        logprobs = logprobs_from_logits(out, labels, temperature, truncation=truncation)
         entropy = None
         if with_entropy:
             with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):

@@ -28,7 +28,8 @@ from typing import Iterator
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from posttrain.algo.logprob import scaled_logprobs_and_entropy
+from posttrain.algo.logprob import scaled_logprobs_and_entropy, truncated_logprobs_and_entropy
+from posttrain.algo.truncation import Truncation
 
 CHUNK_ELEMENTS = 1 << 25  # logits per chunk (128 MiB in fp32): 682 tokens of a 49,152-entry vocabulary
 RECOMPUTE_ABOVE = 1 << 28  # logits of a whole call (1 GiB in fp32) above which autograd recomputes them
@@ -66,10 +67,13 @@ def scaled_logits(head: torch.nn.Linear, hidden: torch.Tensor, temperature: floa
 
 def head_logprobs(head: torch.nn.Linear, hidden: torch.Tensor, labels: torch.Tensor, temperature: float,
                   *, with_entropy: bool = False, entropy_grad: bool = True,
-                  chunk_tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                  chunk_tokens: int | None = None,
+                  truncation: Truncation | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``log softmax(head(hidden) / temperature)[labels]`` per token, ``[...]`` float32 for ``hidden
     [..., H]`` and ``labels [...]``; with ``with_entropy`` also the entropies (with a gradient only
-    when ``entropy_grad``). ``chunk_tokens`` defaults to :data:`CHUNK_ELEMENTS` / V."""
+    when ``entropy_grad``). ``chunk_tokens`` defaults to :data:`CHUNK_ELEMENTS` / V. With an active
+    ``truncation`` each chunk's log-probs are those of the truncated sampling distribution
+    (:mod:`posttrain.algo.truncation`: a top-k or sort per token, inside the chunk)."""
     shape = labels.shape
     flat_h, flat_y = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
     chunk = chunk_tokens or max(1, CHUNK_ELEMENTS // head.out_features)
@@ -80,7 +84,10 @@ def head_logprobs(head: torch.nn.Linear, hidden: torch.Tensor, labels: torch.Ten
 
     def piece(h: torch.Tensor, y: torch.Tensor):
         entropy = with_entropy and (entropy_needs_grad or not recomputing[0])
-        return scaled_logprobs_and_entropy(scaled_logits(head, h, temperature), y, entropy, entropy_needs_grad)
+        z = scaled_logits(head, h, temperature)
+        if truncation is not None and truncation.active:
+            return truncated_logprobs_and_entropy(z, y, truncation, entropy, entropy_needs_grad)
+        return scaled_logprobs_and_entropy(z, y, entropy, entropy_needs_grad)
 
     logprobs, entropies = [], []
     for start in range(0, flat_y.shape[0], chunk):

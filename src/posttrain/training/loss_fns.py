@@ -76,8 +76,8 @@ def make_actor_loss_fn(options: ActorLossOptions = ActorLossOptions(), *, kl_coe
             norm_length=o.norm_length,
         )
 
-    return LossFn(after_forward, temperature=o.temperature, with_entropy=report_entropy or bool(o.entropy_coeff),
-                  entropy_grad=bool(o.entropy_coeff))
+    return LossFn(after_forward, temperature=o.temperature, truncation=o.truncation,
+                  with_entropy=report_entropy or bool(o.entropy_coeff), entropy_grad=bool(o.entropy_coeff))
 
 
 def make_critic_loss_fn(*, cliprange_value: float = 0.5, loss_agg_mode: str = "token-mean") -> LossFn:

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from posttrain.algo.truncation import Truncation
+
 
 @dataclass(frozen=True)
 class TokenBudget:
@@ -23,13 +25,16 @@ class EngineOptions:
     ``use_remove_padding`` packs the valid tokens of a micro-batch into one row (with
     ``share_prompt_prefix`` a prompt repeated over rows is packed once); a token budget replaces
     the fixed micro-batch size of log-prob passes (``forward_budget``) and updates
-    (``update_budget``); ``loss_mask_key`` names the mask whose tokens a mini-batch's loss counts."""
+    (``update_budget``); ``loss_mask_key`` names the mask whose tokens a mini-batch's loss counts;
+    ``truncation`` (the actor's, with ``rl_config.truncated_sampling_logprobs``) makes the log-prob
+    passes report the log-probs of the truncated sampling distribution."""
 
     use_remove_padding: bool = False
     share_prompt_prefix: bool = True
     forward_budget: TokenBudget | None = None
     update_budget: TokenBudget | None = None
     loss_mask_key: str = "response_mask"
+    truncation: Truncation | None = None
 
 
 @dataclass(frozen=True)
@@ -62,7 +67,9 @@ class ActorLossOptions:
     (``rl_config.clip_ratio`` on both sides, or DAPO's clip-higher ``clip_ratio_low`` /
     ``clip_ratio_high``); ``clip_ratio_c`` the dual-clip constant (None: off); ``norm_length`` the constant
     of ``seq-mean-token-sum-norm``; ``temperature`` the sampling temperature the log-probs divide by;
-    ``kl_penalty`` the KL estimator of a KL term in the loss."""
+    ``truncation`` the sampling truncation they are taken under (``rl_config.
+    truncated_sampling_logprobs``; None: the full distribution); ``kl_penalty`` the KL estimator of
+    a KL term in the loss."""
 
     policy_loss: str = "ppo"
     clip_low: float = 0.2
@@ -74,3 +81,4 @@ class ActorLossOptions:
     loss_agg_mode: str = "token-mean"
     norm_length: float | None = None
     temperature: float = 1.0
+    truncation: Truncation | None = None

@@ -49,6 +49,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
 from posttrain.algo.logprob import entropy_from_logits, logprobs_from_logits
+from posttrain.algo.truncation import Truncation
 from posttrain.errors import ConfigError
 from posttrain.training.batch import default_position_ids
 from posttrain.training.lm_head import detached_head, head_logprobs
@@ -309,6 +310,7 @@ def packed_response_logprobs(
     with_entropy: bool = False,
     entropy_grad: bool = True,
     share_prompts: bool = True,
+    truncation: Truncation | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Same contract as :func:`posttrain.training.forward.response_logprobs`, on the packed row."""
     temperature = temperature if temperature > 0 else 1.0
@@ -323,9 +325,10 @@ def packed_response_logprobs(
     select, labels = packed["select"], packed["labels"]
     if head is not None:
         token_lp, ent = head_logprobs(head, out, labels, temperature, with_entropy=with_entropy,
-                                      entropy_grad=entropy_grad)
+                                      entropy_grad=entropy_grad, truncation=truncation)
     else:
-        token_lp, ent = logprobs_from_logits(out[None], labels[None], temperature)[0].float(), None
+        token_lp = logprobs_from_logits(out[None], labels[None], temperature, truncation=truncation)[0].float()
+        ent = None
         if with_entropy:
             with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
                 ent = entropy_from_logits(out[None], temperature)[0].float()

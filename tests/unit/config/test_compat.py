@@ -43,6 +43,7 @@ SPEC = ["generate_config.num_speculative_tokens=4"]
 OFFLOAD_PARAM = ["generate_config.offload_train_param=true"]
 GRAPHS = ["generate_config.enforce_eager=false"]
 MSPROBE = ["msprobe_config.msprobe=true"]
+TRUNC = ["rl_config.truncated_sampling_logprobs=true"]
 
 # row id -> (overrides that turn the row on, device); a new row needs its example here
 EXAMPLES: dict[str, tuple[list[str], str]] = {
@@ -134,6 +135,14 @@ EXAMPLES: dict[str, tuple[list[str], str]] = {
     "transfer-queue-offline": ([*DPO, *TQ], "cpu"),
     "transfer-queue-partial": ([*TQ, *PARTIAL], "cpu"),
     "transfer-queue-shards": (["rl_config.transfer_queue_data_shard_num=2"], "cpu"),
+    "truncated-logprobs-offline": ([*DPO, *TRUNC], "cpu"),
+    "truncated-logprobs-megatron": ([*TP2, *TRUNC], "cpu"),
+    "truncated-logprobs-ray": ([*TRUNC, *RAY], "cpu"),
+    "truncated-logprobs-engine": ([*TRUNC, *OTHER], "cpu"),
+    "truncated-logprobs-share-backbone": ([*TRUNC, *LORA, "rl_config.share_backbone=true"], "cpu"),
+    "truncated-logprobs-greedy": ([*TRUNC, "generate_config.sampling_config.temperature=0"], "cpu"),
+    "truncated-logprobs-untruncated": ([*TRUNC, "generate_config.sampling_config.top_k=-1"], "cpu"),
+    "truncated-logprobs-vllm-min-p": ([*TRUNC, *VLLM, "generate_config.sampling_config.min_p=0.1"], "cpu"),
 }
 # rows an earlier rule of the one check answers first, with its own message (the row documents the fact)
 ANSWERED_FIRST = {"vllm-infer_pipeline_parallel_size": "pipeline_parallel for vllm is not supported yet ! "}

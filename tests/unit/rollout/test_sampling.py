@@ -11,7 +11,7 @@ import torch
 from posttrain.errors import ConfigError
 from posttrain.rollout.base import ROLLOUT_ENGINES, RolloutOutput, SamplingParams
 from posttrain.rollout.native import NativeEngine
-from posttrain.rollout.sampling import filter_candidates
+from posttrain.algo.truncation import filter_candidates
 from posttrain.rollout.scheduling import plan_waves, prefill_chunks
 
 V = 8
