@@ -19,7 +19,7 @@ VLLM_VENV  ?= .venv-vllm
 VLLM_PY    := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: install install-vllm test test-vllm demo demo-smoke plan device-check docs clean
+.PHONY: install install-vllm test test-vllm test-tq demo demo-smoke plan device-check docs clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -56,6 +56,12 @@ test: $(STAMP)
 
 test-vllm: $(VLLM_STAMP)
 	$(VLLM_PY) -m pytest -q tests/vllm
+
+# rl_config.data_strategy: tq (TransferQueue on Ray) is not in `make test` (its install and its Ray actors cost CI
+# minutes; its tests skip without it): this installs the [tq] extra into .venv and runs them
+test-tq: $(STAMP)
+	$(PY) -m pip install --quiet -e ".[tq]" "$(TORCH)"
+	$(PY) -m pytest -q tests/cluster/test_transfer_queue.py
 
 # the docs site (mkdocs.yml) at http://127.0.0.1:8000, rebuilt on every edit
 docs: $(STAMP)
