@@ -344,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
 
         run_section(results, "grpo_7b", seven)
     shutil.rmtree(work_dir, ignore_errors=True)
-    from posttrain.commands.outputs import write_text_atomic
+    from posttrain.files import write_text_atomic
 
     write_text_atomic(out / "device_check.json", json.dumps(results, indent=1, default=str))
     write_text_atomic(out / "device_check.md", markdown(results))

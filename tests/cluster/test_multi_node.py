@@ -37,7 +37,7 @@ from tests.cluster.cluster_helpers import grpo_config, record_run
 from tests.cluster.test_ray_grpo import is_wall_clock, same
 from tests.cluster.test_ray_megatron import RL, TRAIN, model  # noqa: F401 (a fixture)
 from tests.helpers.configs import run_dict
-from tests.helpers.ray_nodes import BIN, ROOT, free_ports, kill_session, node_args
+from tests.helpers.ray_nodes import BIN, ROOT, gcs_port, kill_session, node_args
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 TIMEOUT_S = 120  # rl_config.ray_timeout_s: every wait of these runs ends within it
@@ -136,11 +136,11 @@ def test_the_example_scripts_start_two_nodes_and_the_run_joins_them(work, model,
     (configs / "multinode.yaml").write_text(yaml.safe_dump(cfg))
     root = tempfile.mkdtemp(prefix="ptscr")  # short: Ray's socket paths
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_MODE")}
-    env.update(VENV=str(BIN.parent), RAY_PORT=str(free_ports(1)[0]), NNODES="2", DEVICES_PER_NODE="1",
+    ray_port, head_args = gcs_port(node_args(os.path.join(root, "head"), "port", "dashboard-port",
+                                             "ray-client-server-port"))  # master.sh gives --port=$RAY_PORT
+    env.update(VENV=str(BIN.parent), RAY_PORT=str(ray_port), NNODES="2", DEVICES_PER_NODE="1",
                WAIT_TIMEOUT_S="300", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", RAY_worker_niceness="0",
                PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p))
-    head_args = node_args(os.path.join(root, "head")) + [f"--dashboard-port={free_ports(1)[0]}",
-                                                         f"--ray-client-server-port={free_ports(1)[0]}"]
     log = work / "mn_master.log"
     started = []
     try:

@@ -68,10 +68,18 @@ def free_range(width: int, low: int = 30000, high: int = 60000) -> int:
     raise RuntimeError(f"no {width} consecutive free ports between {low} and {high}")
 
 
-def node_args(temp_dir: Path) -> list[str]:
+def gcs_port(args: list[str]) -> tuple[int, list[str]]:
+    """The ``--port`` of ``ray start`` options and the other options."""
+    port = next(int(a.split("=", 1)[1]) for a in args if a.startswith("--port="))
+    return port, [a for a in args if not a.startswith("--port=")]
+
+
+def node_args(temp_dir: Path, *more_ports: str) -> list[str]:
     """``ray start`` options that keep a node apart from any other Ray on this machine: its own
-    temporary directory, ports and worker-port range."""
-    ports = dict(zip(PORT_NAMES, free_ports(len(PORT_NAMES))))
+    temporary directory, ports (``more_ports`` too: the head's) and worker-port range. Every port
+    comes from one :func:`free_ports` call, so no two of them can be the same."""
+    names = (*PORT_NAMES, *more_ports)
+    ports = dict(zip(names, free_ports(len(names))))
     first = free_range(WORKER_PORTS)
     return ([f"--temp-dir={temp_dir}", "--disable-usage-stats", "--object-store-memory=100000000",
              f"--min-worker-port={first}", f"--max-worker-port={first + WORKER_PORTS - 1}"]
@@ -170,7 +178,7 @@ class RayNodes:
     """A Ray cluster of nodes started one by one on this machine, 1 CPU each by default."""
 
     root: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="ptray")))  # short: socket paths
-    port: int = field(default_factory=lambda: free_ports(1)[0])
+    port: int = 0  # the head's GCS port, drawn with the head's other ports
     nodes: list[RayNode] = field(default_factory=list)
 
     @property
@@ -182,11 +190,11 @@ class RayNodes:
         head = not self.nodes
         temp = self.root / name
         temp.mkdir()
-        args = [RAY, "start", f"--num-cpus={num_cpus}", *node_args(temp)]
+        head_ports = ("port", "dashboard-port", "ray-client-server-port") if head else ()
+        args = [RAY, "start", f"--num-cpus={num_cpus}", *node_args(temp, *head_ports)]
         if head:
-            dashboard, client = free_ports(2)
-            args += ["--head", f"--port={self.port}", "--include-dashboard=false", f"--dashboard-port={dashboard}",
-                     f"--ray-client-server-port={client}"]
+            self.port, _ = gcs_port(args)
+            args += ["--head", "--include-dashboard=false"]
         else:
             args += [f"--address={self.address}"]
         log = temp / "ray_start.log"
