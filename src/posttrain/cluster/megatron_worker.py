@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from posttrain.errors import CheckpointError
-from posttrain.cluster.rollout_copy import RolloutCopy
+from posttrain.cluster.rollout_copy import EngineCopy, RolloutCopy
 from posttrain.cluster.worker import ActorWorker, continued, worker_node_id
 from posttrain.roles.megatron_policy import MegatronPolicy
 from posttrain.roles.policy import build_rollout, load_policy_tokenizer
@@ -45,6 +45,7 @@ class MegatronWorker(ActorWorker):
     """Rank ``rank`` of ``world_size`` Megatron-backend workers."""
 
     parked: WeightOffload | None = None  # generate_config.offload_train_param: this rank's weights during rollout
+    engine_copy = False  # async_staleness with vLLM: the leader's engine is its rollout copy (setup)
 
     def megatron(self):
         """Around every pass over the model: the weights back on the device if the rollout parked
@@ -67,7 +68,12 @@ class MegatronWorker(ActorWorker):
         if plan.stage.on_policy and plan.rollout.offload_weights and self.device.startswith("cuda"):
             self.parked = WeightOffload(torch.nn.ModuleList(self.shard.chunks))  # a CPU: no effect (warned)
         self.copy = None
-        if plan.stage.on_policy and plan.off_policy.staleness is not None and self.shard.leader:
+        asynchronous = plan.stage.on_policy and plan.off_policy.staleness is not None
+        self.engine_copy = asynchronous and self.shard.view is not None  # vLLM: the leader's engine is the copy
+        self.rollout_holds_weights = self.engine_copy  # the driver's pipeline loads it (never ``sync_rollout``)
+        if self.engine_copy and self.shard.leader:
+            self.copy = EngineCopy(self.shard.rollout)
+        elif asynchronous and self.shard.leader:
             self.copy = RolloutCopy(self.shard.hf_model, lambda m: build_rollout(plan.rollout, plan.policy, m,
                                                                                  tokenizer, stops),
                                     None if self.device.startswith("cuda") else self.cpu_threads)
@@ -76,6 +82,7 @@ class MegatronWorker(ActorWorker):
     def ready_info(self) -> dict:
         return {"rank": self.rank, "pid": os.getpid(), "node": worker_node_id(), "threads": torch.get_num_threads(),
                 "device": self.device, "replica": self.shard.dp_rank, "leader": self.shard.leader,
+                "rollout_holds_weights": self.rollout_holds_weights,
                 "rollout_supports_rounds": bool(getattr(self.policy.rollout, "supports_rounds", False))}
 
     # ---- roles ----------------------------------------------------------------------------------
@@ -100,9 +107,17 @@ class MegatronWorker(ActorWorker):
         return super().generate_copy(prompts, *args, **kwargs)
 
     def snapshot_copy(self, version: int) -> None:
-        """Keep the leader's HF rollout model now (it holds the weights of the last update: ``update``
-        reloads it) as snapshot ``version`` of the rollout copy; no collective."""
-        if self.copy is not None:
+        """Keep the weights of the last update as snapshot ``version`` of the rollout copy. Native: the
+        leader's HF rollout model (``update`` reloads it), copied; no collective. vLLM: a host
+        :class:`~posttrain.rollout.vllm_weights.WeightSnapshot` of the gathered layers with the probe
+        scored on them, a collective over the replica (the other ranks follow)."""
+        if self.engine_copy:
+            with self.megatron():
+                if self.copy is not None:
+                    self.copy.keep(version, self.shard.view)
+                else:
+                    self.shard.view.follow()
+        elif self.copy is not None:
             self.copy.keep(version, {k: v.detach().clone() for k, v in self.shard.hf_model.state_dict().items()})
 
     def load_copy(self, version: int) -> int:
@@ -135,7 +150,8 @@ class MegatronWorker(ActorWorker):
         with self.megatron():
             steps = self.policy.actor.update(batch, loss_fn, mini_batch_size=mini_batch_size,
                                              micro_batch_size=micro_batch_size)
-            seconds = self.shard.sync_rollout() if self.shard.plan.stage.on_policy else None
+            # async vLLM: the engine loads the snapshot the pipeline asks for (load_copy), not these weights
+            seconds = self.shard.sync_rollout() if self.shard.plan.stage.on_policy and not self.engine_copy else None
         if seconds is not None and steps:
             steps[-1]["timing/resharding_to_infer"] = seconds
             if self.shard.view is not None:  # every rank calls update: collectives over all of them
