@@ -19,7 +19,11 @@ the memory and compute of that many identical forwards for nothing.
 thread samples from (``generate_copy``) while Megatron's update runs in the actor's other thread.
 A snapshot of version ``v`` is a copy of the leader's HF model right after update ``v`` (each
 update reloads that model, a collective, inside ``update``), so taking and loading snapshots needs
-no collective; the other ranks hold no copy and answer nothing.
+no collective; the other ranks hold no copy and answer nothing. With ``rollout_engine: vllm`` the
+leader's engine is the copy (:class:`~posttrain.cluster.rollout_copy.EngineCopy`): ``update`` does
+not push its weights to it, a snapshot is the gathered layers in host memory with the probe scored
+on them (a collective over the replica: the other ranks follow), and loading one is the engine's
+``sync_weights`` of it (no collective).
 """
 
 from __future__ import annotations
@@ -145,7 +149,8 @@ class MegatronWorker(ActorWorker):
         """The replica's slices of the global mini-batches, one optimizer step each; then the
         weights to the leader's rollout (``timing/resharding_to_infer`` on the last step, and with
         vLLM ``rollout/sync_probe_diff``: the largest over the replicas' engines since the last
-        update, their start included, and on a GPU ``timing/resharding_to_train``, their sleep)."""
+        update, their start included, and on a GPU ``timing/resharding_to_train``, their sleep); with
+        ``async_staleness`` a vLLM engine gets nothing here (the pipeline loads its snapshots)."""
         batch = {k: v.to(self.device) for k, v in batch.items()}
         with self.megatron():
             steps = self.policy.actor.update(batch, loss_fn, mini_batch_size=mini_batch_size,
