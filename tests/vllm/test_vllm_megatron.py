@@ -141,6 +141,29 @@ def test_two_replicas_each_with_its_engine_equal_the_hf_backend(ray_session, wor
     assert_same_run(got, hf_vllm)
 
 
+def test_async_staleness_with_vllm_on_megatron_equals_the_async_run_in_one_process(ray_session, work):
+    """k = 1, 3 iterations at TP 2: iterations 1 and 2 sample version 0 (the engine's start), iteration 3
+    version 1, which the leader's engine loads from its snapshot (the gathered layers in host memory,
+    the probe scored on them) while update 2 runs beside it; no update pushes its weights to the
+    engine. An engine that held another version (none loaded, or the weights of update 2) would draw
+    other tokens in iteration 3 than the hf backend's async run in one process."""
+    rl = {"async_staleness": 1, "n_samples_per_prompt": 4}
+    want_batches, want_rows, _ = grpo_run(work, "hf_vllm_async", engine="vllm", iters=3, rl_extra=rl)
+    got_batches, got_rows, _ = grpo_run(work, "megatron_vllm_async", engine="vllm", tp=2, iters=3, rl_extra=rl)
+    assert len(want_batches) == 3 and want_batches[2] not in want_batches[:2]
+    assert got_batches == want_batches  # token-identical rollouts, iteration by iteration
+    want_rows, got_rows = logged(want_rows), logged(got_rows)
+    assert [r["iteration"] for r in got_rows] == [r["iteration"] for r in want_rows] == [1, 2, 3]
+    assert [r["rollout/staleness_max"] for r in got_rows] == [0, 1, 1]
+    assert got_rows[2]["rollout/sync_probe_diff"] < 1e-4 and "timing/resharding_to_infer" in got_rows[2]
+    for want, got in zip(want_rows, got_rows):
+        assert sorted(got) == sorted(want)
+        compared = [k for k in want if k not in ("time", "rollout/sync_probe_diff") and not k.startswith(WALL_CLOCK)]
+        assert len(compared) > 15
+        for key in compared:
+            assert got[key] == pytest.approx(want[key], rel=1e-3, abs=1e-3), (want["iteration"], key)
+
+
 def test_lora_on_megatron_reaches_the_engine_merged(ray_session, work):
     """LoRA at TP 2 (only the adapter trains, lr 2e-2, the reference the base): the engine starts from,
     and takes after every update, the merged weights ``W + (alpha / r) B A``: its probe (the engine's

@@ -19,7 +19,11 @@ the memory and compute of that many identical forwards for nothing.
 thread samples from (``generate_copy``) while Megatron's update runs in the actor's other thread.
 A snapshot of version ``v`` is a copy of the leader's HF model right after update ``v`` (each
 update reloads that model, a collective, inside ``update``), so taking and loading snapshots needs
-no collective; the other ranks hold no copy and answer nothing.
+no collective; the other ranks hold no copy and answer nothing. With ``rollout_engine: vllm`` the
+leader's engine is the copy (:class:`~posttrain.cluster.rollout_copy.EngineCopy`): ``update`` does
+not push its weights to it, a snapshot is the gathered layers in host memory with the probe scored
+on them (a collective over the replica: the other ranks follow), and loading one is the engine's
+``sync_weights`` of it (no collective).
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from posttrain.errors import CheckpointError
-from posttrain.cluster.rollout_copy import RolloutCopy
+from posttrain.cluster.rollout_copy import EngineCopy, RolloutCopy
 from posttrain.cluster.worker import ActorWorker, continued, worker_node_id
 from posttrain.roles.megatron_policy import MegatronPolicy
 from posttrain.roles.policy import build_rollout, load_policy_tokenizer
@@ -45,6 +49,7 @@ class MegatronWorker(ActorWorker):
     """Rank ``rank`` of ``world_size`` Megatron-backend workers."""
 
     parked: WeightOffload | None = None  # generate_config.offload_train_param: this rank's weights during rollout
+    engine_copy = False  # async_staleness with vLLM: the leader's engine is its rollout copy (setup)
 
     def megatron(self):
         """Around every pass over the model: the weights back on the device if the rollout parked
@@ -67,7 +72,12 @@ class MegatronWorker(ActorWorker):
         if plan.stage.on_policy and plan.rollout.offload_weights and self.device.startswith("cuda"):
             self.parked = WeightOffload(torch.nn.ModuleList(self.shard.chunks))  # a CPU: no effect (warned)
         self.copy = None
-        if plan.stage.on_policy and plan.off_policy.staleness is not None and self.shard.leader:
+        asynchronous = plan.stage.on_policy and plan.off_policy.staleness is not None
+        self.engine_copy = asynchronous and self.shard.view is not None  # vLLM: the leader's engine is the copy
+        self.rollout_holds_weights = self.engine_copy  # the driver's pipeline loads it (never ``sync_rollout``)
+        if self.engine_copy and self.shard.leader:
+            self.copy = EngineCopy(self.shard.rollout)
+        elif asynchronous and self.shard.leader:
             self.copy = RolloutCopy(self.shard.hf_model, lambda m: build_rollout(plan.rollout, plan.policy, m,
                                                                                  tokenizer, stops),
                                     None if self.device.startswith("cuda") else self.cpu_threads)
@@ -76,6 +86,7 @@ class MegatronWorker(ActorWorker):
     def ready_info(self) -> dict:
         return {"rank": self.rank, "pid": os.getpid(), "node": worker_node_id(), "threads": torch.get_num_threads(),
                 "device": self.device, "replica": self.shard.dp_rank, "leader": self.shard.leader,
+                "rollout_holds_weights": self.rollout_holds_weights,
                 "rollout_supports_rounds": bool(getattr(self.policy.rollout, "supports_rounds", False))}
 
     # ---- roles ----------------------------------------------------------------------------------
@@ -100,9 +111,17 @@ class MegatronWorker(ActorWorker):
         return super().generate_copy(prompts, *args, **kwargs)
 
     def snapshot_copy(self, version: int) -> None:
-        """Keep the leader's HF rollout model now (it holds the weights of the last update: ``update``
-        reloads it) as snapshot ``version`` of the rollout copy; no collective."""
-        if self.copy is not None:
+        """Keep the weights of the last update as snapshot ``version`` of the rollout copy. Native: the
+        leader's HF rollout model (``update`` reloads it), copied; no collective. vLLM: a host
+        :class:`~posttrain.rollout.vllm_weights.WeightSnapshot` of the gathered layers with the probe
+        scored on them, a collective over the replica (the other ranks follow)."""
+        if self.engine_copy:
+            with self.megatron():
+                if self.copy is not None:
+                    self.copy.keep(version, self.shard.view)
+                else:
+                    self.shard.view.follow()
+        elif self.copy is not None:
             self.copy.keep(version, {k: v.detach().clone() for k, v in self.shard.hf_model.state_dict().items()})
 
     def load_copy(self, version: int) -> int:
@@ -130,12 +149,14 @@ class MegatronWorker(ActorWorker):
         """The replica's slices of the global mini-batches, one optimizer step each; then the
         weights to the leader's rollout (``timing/resharding_to_infer`` on the last step, and with
         vLLM ``rollout/sync_probe_diff``: the largest over the replicas' engines since the last
-        update, their start included, and on a GPU ``timing/resharding_to_train``, their sleep)."""
+        update, their start included, and on a GPU ``timing/resharding_to_train``, their sleep); with
+        ``async_staleness`` a vLLM engine gets nothing here (the pipeline loads its snapshots)."""
         batch = {k: v.to(self.device) for k, v in batch.items()}
         with self.megatron():
             steps = self.policy.actor.update(batch, loss_fn, mini_batch_size=mini_batch_size,
                                              micro_batch_size=micro_batch_size)
-            seconds = self.shard.sync_rollout() if self.shard.plan.stage.on_policy else None
+            # async vLLM: the engine loads the snapshot the pipeline asks for (load_copy), not these weights
+            seconds = self.shard.sync_rollout() if self.shard.plan.stage.on_policy and not self.engine_copy else None
         if seconds is not None and steps:
             steps[-1]["timing/resharding_to_infer"] = seconds
             if self.shard.view is not None:  # every rank calls update: collectives over all of them

@@ -25,9 +25,11 @@ weights (``rollout/sync_probe_diff``). The engine is also the one the evaluation
 the driver has it hold the trained weights while the pipeline is drained
 (:meth:`~posttrain.loops.pipeline.RolloutPipeline.hold_published`).
 
-On the megatron backend only each data-parallel replica's leader holds a copy, made from its HF
-rollout model, and a snapshot is a copy of that model right after the update reloaded it: no
-collective (:mod:`posttrain.cluster.megatron_worker`).
+On the megatron backend only each data-parallel replica's leader holds a copy: native, made from its
+HF rollout model, a snapshot being a copy of that model right after the update reloaded it (no
+collective); vLLM, its engine as an :class:`EngineCopy`, a snapshot being the layers gathered over
+the replica with the probe scored on them (a collective over the replica's ranks;
+:mod:`posttrain.cluster.megatron_worker`).
 
 The driver's side is :class:`posttrain.cluster.workers_replica.WorkersReplica`: the replica that
 :class:`~posttrain.loops.pipeline.RolloutPipeline` samples with.

@@ -90,7 +90,7 @@ _ROLLOUT_REPLICA = [  # async_staleness and use_integrated_worker: false put the
     ("lora", dict(with_="lora"), "{setting} with LoRA is not supported yet (the rollout replica would merge the "
                                  "adapter); remove lora_target_modules or {setting}"),
 ]
-_ASYNC_OWN = {("async", "ray"), ("async", "megatron")}  # built on Ray (no row); megatron: its own row (below)
+_ASYNC_OWN = {("async", "ray"), ("async", "megatron")}  # built on Ray and on the megatron backend (no row)
 _SEPARATED = [  # roles in worker groups of their own: where they are built
     ("megatron", dict(backend=MEGATRON), "{setting}: roles in worker groups of their own are built on the hf backend "
                                          "only; remove the resources (the roles stay colocated with the "
@@ -195,10 +195,8 @@ ROWS: tuple[Row, ...] = (
       for suffix, where, message in _ROLLOUT_REPLICA if (name, suffix) not in _ASYNC_OWN),
     # async_staleness on Ray actor workers is built (each worker's rollout copy: the native engine's, or its vLLM
     # engine loaded with the snapshot of the version the pipeline asks for; cluster/rollout_copy.py); on the megatron
-    # backend each replica's leader keeps a native rollout copy of its HF model (megatron_worker.py)
-    Row("async-megatron", "async", "{setting} with rl_config.rollout_engine: vllm on the megatron backend is not built "
-        "yet (the leaders' vLLM engines load the trained weights after every update, not the version the pipeline "
-        "asks for); set rollout_engine: native, or use backend hf{megatron}", backend=MEGATRON, engine=("vllm",)),
+    # backend each replica's leader keeps a native rollout copy of its HF model, or its vLLM engine is that copy
+    # (megatron_worker.py)
     Row("partial-engine", "partial", "{setting} runs on the native and vLLM rollout engines, whose generate continues a "
         "response from given offsets; not on {engine}", engine=("other",)),
     Row("partial-dynamic-sampling", "partial", "{setting} with DAPO's dynamic sampling (filter_groups_enable) is not "

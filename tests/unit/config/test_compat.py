@@ -91,7 +91,6 @@ EXAMPLES: dict[str, tuple[list[str], str]] = {
     "vllm-ray-tensor-parallel": ([*VLLM, *RAY, "generate_config.infer_tensor_parallel_size=2"], "cpu"),
     "async-offline": ([*DPO, *ASYNC], "cpu"),
     "async-engine": ([*ASYNC, *OTHER], "cpu"),
-    "async-megatron": ([*ASYNC, *TP2, *VLLM], "cpu"),
     "async-lora": ([*ASYNC, *LORA], "cpu"),
     "rollout_worker-offline": ([*DPO, *WORKER], "cpu"),
     "rollout_worker-ray": ([*WORKER, *RAY], "cpu"),
