@@ -154,6 +154,19 @@ _TRUNCATED = [  # rl_config.truncated_sampling_logprobs: where it is built (the 
      "to 0 or use rollout_engine: native"),
 ]
 
+_DISTILL = [  # rl_config.teacher_model (posttrain.algo.distill): the teacher is built beside the actor in one process
+    ("offline", dict(stage=OFFLINE), "{setting}: on-policy distillation scores the samples the student draws, and "
+     "stage {stage} draws none; remove the key or use stage grpo or dapo"),
+    ("ppo", dict(stage=("ppo",)), "{setting} with PPO's critic is not built yet; use stage grpo or dapo (their "
+     "estimators give the task advantage of distill_mode: mixed)"),
+    ("megatron", dict(backend=MEGATRON), "{setting}: the teacher is built on the hf backend only; remove the key or "
+     "train on backend hf{megatron}"),
+    ("ray", dict(placement=RAY), "{setting} on Ray actor workers is not built yet (the teacher is built in the "
+     "trainer's process); train in one process (no actor_resource.num_npus > 1, no ray_address) or remove the key"),
+    ("separated", dict(with_="separated"), "{setting} with {other}: a teacher in a worker group of its own is not "
+     "built yet; remove one"),
+]
+
 ROWS: tuple[Row, ...] = (
     # the megatron backend: what it runs in, and what is not built on it yet
     Row("megatron-one-process", "megatron", "{setting}: the megatron backend runs in Ray worker groups: set "
@@ -300,6 +313,9 @@ ROWS: tuple[Row, ...] = (
         "other stages do not read (an on-policy reference is rl_config.integrated_mode_config.ref_model_load_path or "
         "the initial weights; SFT has none); remove the key", stage=("grpo", "dapo", "ppo", "sft")),
     *(Row(f"truncated-logprobs-{suffix}", feature, message, **where) for suffix, feature, where, message in _TRUNCATED),
+    *(Row(f"teacher-model-{suffix}", "teacher_model", message, **where) for suffix, where, message in _DISTILL),
+    Row("distill-without-teacher", "distill_without_teacher", "{setting}: the distillation keys weigh the teacher's "
+        "log-probs, and rl_config.teacher_model is not set; set it to the teacher's model directory or remove them"),
     Row("reward-model-offline", "reward_model", "reward_config: stage {stage} scores no responses (a reward model is "
         "read by the on-policy stages ray_grpo, ray_dapo and ray_ppo); remove reward_config", stage=OFFLINE),
 )

@@ -304,4 +304,15 @@ def _run_features() -> dict[str, Feature]:
     return {f.name: f for f in features}
 
 
-FEATURES = {**_features(), **_run_features()}
+def _distill_features() -> list[Feature]:
+    """rl_config.teacher_model (on-policy distillation), and its keys written without it."""
+    return [
+        _on("rl_config.teacher_model", lambda v: v is not None, name="teacher_model", when="set"),
+        Feature("distill_without_teacher", ("rl_config.distill_mode", "rl_config.distill_coef"),
+                lambda c: c.rl.teacher_model is None and (c.explicitly_set("rl_config", "distill_mode")
+                                                          or c.explicitly_set("rl_config", "distill_coef")),
+                shown="rl_config.distill_mode / distill_coef", when="written, without teacher_model"),
+    ]
+
+
+FEATURES = {**_features(), **_run_features(), **{f.name: f for f in _distill_features()}}

@@ -22,6 +22,7 @@ from posttrain.config import options
 from posttrain.config.arch import model_arch
 from posttrain.config.backend import ModelParallel, model_parallel
 from posttrain.config.check import Refusals, check_device, collect_checks, uses_ray
+from posttrain.config.distill import DistillOptions, distill_options
 from posttrain.config.files import check_run_files
 from posttrain.config.memory import GIB, MemoryEstimate, check_memory, estimate_memory
 from posttrain.config.options import (AdvantageOptions, ClusterOptions, CriticOptions, DataOptions, DPOOptions,
@@ -126,6 +127,7 @@ class Plan:
     parallel: ModelParallel = ModelParallel()  # the training backend and the actor's TP/PP/DP layout
     target: Target | None = None  # posttrain plan --target: the hardware planned for (None: this machine)
     separated: SeparatedRoles = field(default_factory=SeparatedRoles)  # roles in Ray worker groups of their own (use_integrated_worker)
+    distill: DistillOptions | None = None  # rl_config.teacher_model: on-policy distillation (posttrain.algo.distill)
 
     @property
     def name(self) -> str:
@@ -288,6 +290,7 @@ def build_plan(cfg: RunConfig, layout: DeviceLayout, arch: ModelArch | None = No
         parallel=parallel, multi_turn=_multi_turn_line(cfg) if on_policy else "",
         off_policy_rollout=_off_policy_line(cfg) if on_policy else "", target=target,
         separated=separated_options(cfg) if on_policy else SeparatedRoles(),
+        distill=distill_options(cfg) if on_policy else None,
     )
     if arch is not None:
         plan = _replace(plan, num_params=arch.num_params(), memory=estimate_memory(cfg, plan, arch))

@@ -23,6 +23,7 @@ CORRECTIONS = Literal["none", "tis", "mis", "icepop"]  # posttrain.algo.rollout_
 CORRECTION_LEVELS = Literal["token", "sequence"]  # posttrain.algo.rollout_correction.LEVELS
 TRUNCATE_SIDES = Literal["left", "right", "middle"]
 TURN_CREDITS = Literal["trajectory", "turn"]  # posttrain.algo.turn_credit.TURN_CREDITS
+DISTILL_MODES = Literal["reverse_kl", "mixed"]  # posttrain.algo.distill.DISTILL_MODES
 ROLLOUT_DTYPES = Literal["bfloat16", "float32", "float16"]
 
 SEED_UNUSED = ignored("unused, as in the seed")
@@ -324,6 +325,14 @@ class RLConfig(Section):
                                     "lowered to the cores other processes leave free at the start, and kept on "
                                     "resume; OMP_NUM_THREADS pins it; Ray workers: ray_num_cpus_per_worker)",
                               HONOURED, ge=1, note="torch threads; unset: chosen from the free cores")
+    teacher_model: Opt[str] = F(None, "posttrain: on-policy distillation: the teacher (an HF model directory or "
+                                      "checkpoint with the actor's vocabulary) that scores the student's own samples "
+                                      "token by token (docs/algorithms.md)", HONOURED)
+    distill_mode: DISTILL_MODES = F("reverse_kl", "posttrain: with teacher_model: reverse_kl (the advantage is "
+                                                  "distill_coef x the per-token reverse-KL estimate log q - log pi) or "
+                                                  "mixed (the task reward's advantage plus it)", HONOURED)
+    distill_coef: float = F(1.0, "posttrain: with teacher_model: the weight of the distillation advantage", HONOURED,
+                            gt=0, finite=True, note="the weight of log q(y_t) - log pi(y_t) in the advantage")
     ignore_memory_estimate: bool = F(False, "posttrain: on a CPU, run even when the plan's memory estimate is more "
                                             "than twice this machine's memory (refused otherwise; above 1x: a "
                                             "warning)", HONOURED)

@@ -4,7 +4,8 @@ training batch of :mod:`posttrain.training.batch`.
 Each tensor has one name from rollout to loss: the dock column ``old_logprobs`` is the batch key
 ``old_logprobs`` that the actor loss reads. Per-token columns (``old_logprobs``, ``ref_logprobs``,
 ``advantages``, ``returns``, ``values``, ``rollout_logprobs``: the rollout engine's log-probs of the
-sampled tokens, ``rollout_weights``: the rollout correction's) hold one value per response token;
+sampled tokens, ``rollout_weights``: the rollout correction's, ``teacher_logprobs``: on-policy
+distillation's teacher's) hold one value per response token;
 ``policy_version`` is the number of updates behind the weights that sampled the row (the oldest
 segment's, for a sample continued over iterations). A multi-turn run adds
 ``response_mask`` (1 on sampled tokens, 0 on tool tokens): the training batch's ``response_mask``
@@ -22,12 +23,13 @@ from posttrain.transfer_dock import TransferDock
 
 COLUMNS = ("prompts", "prompt_length", "labels", "responses", "response_length", "scores",
            "old_logprobs", "ref_logprobs", "advantages", "returns", "values",
-           "rollout_logprobs", "rollout_weights", "policy_version")
-PER_TOKEN = ("old_logprobs", "ref_logprobs", "advantages", "returns", "values", "rollout_logprobs", "rollout_weights")
+           "rollout_logprobs", "rollout_weights", "policy_version", "teacher_logprobs")
+PER_TOKEN = ("old_logprobs", "ref_logprobs", "advantages", "returns", "values", "rollout_logprobs", "rollout_weights",
+             "teacher_logprobs")
 # multi-turn rollouts add these: ``response_mask`` (per token: 1 sampled, 0 tool) and ``tool_call_num``
 MULTI_TURN_COLUMNS = ("response_mask", "tool_call_num")
 # the phases that read the dock, in the order of one iteration
-CONSUMERS = ("rollout", "reward", "advantages", "ref_logprobs", "old_logprobs", "rollout_correction",
+CONSUMERS = ("rollout", "reward", "advantages", "ref_logprobs", "teacher_logprobs", "old_logprobs", "rollout_correction",
              "critic_values", "critic_update", "actor_update", "metrics")
 
 

@@ -1,7 +1,7 @@
 """The on-policy loop (GRPO, DAPO, PPO): one iteration reads like the algorithm.
 
     experience (prompts x n -> rollout -> reward) -> advantages -> reference logprobs
-        -> old logprobs -> rollout correction -> update -> publish the weights
+        -> (teacher logprobs) -> old logprobs -> rollout correction -> update -> publish the weights
 
 The experience comes from the plan's :class:`~posttrain.loops.sources.ExperienceSource`:
 produced now with the trainer's weights, or ahead by a rollout thread with weights up to
@@ -22,6 +22,7 @@ import logging
 import torch
 
 from posttrain.algo.advantages import compute_advantages, scores_to_token_level_rewards
+from posttrain.algo.distill import distill_advantages
 from posttrain.algo.kl import build_kl_controller
 from posttrain.algo.rollout_correction import rollout_correction
 from posttrain.algo.turn_credit import turn_level_advantages
@@ -122,6 +123,10 @@ class OnPolicyTrainer:
                               plan.update.ref_micro_batch_size)
             for name, start, end in getattr(s.policy.reference, "pop_moves", list)():  # offload_reference
                 acc.update({name: end - start})  # plain durations: summed over the iteration's moves
+        if s.policy.teacher is not None:  # on-policy distillation: the teacher scores the samples
+            with timers("teacher_model"):
+                self.logprobs(td, "teacher_logprobs", s.policy.teacher, plan.reads["ref_dispatch_size"],
+                              plan.update.ref_micro_batch_size)
         if not plan.skip_old_logprobs:
             if not overlap:
                 with timers("old_log_p"):
@@ -196,6 +201,17 @@ class OnPolicyTrainer:
                                          micro_batch_size=micro_batch_size)
             write_rows(td, [column], idx, [lp], lengths)
 
+    def distilled(self, batch: dict[str, torch.Tensor], acc: MetricAccumulator) -> torch.Tensor:
+        """On-policy distillation's advantages (:mod:`posttrain.algo.distill`): the reverse-KL term
+        from the teacher's and the sampling policy's log-probs of each sampled token, alone or (mode
+        ``mixed``) added to the task reward's advantages."""
+        d = self.plan.distill
+        advantages, metrics = distill_advantages(d.mode, batch["rollout_logprobs"], batch["teacher_logprobs"],
+                                                 batch["response_mask"], coef=d.coef,
+                                                 task_advantages=batch["advantages"])
+        acc.update(metrics)
+        return advantages
+
     def correct(self, td: TransferDock, acc: MetricAccumulator, iteration: int) -> None:
         """Compare the rollout's log-probs with the trainer's old ones (``rollout/*`` metrics), and
         with ``rl_config.rollout_correction`` put the per-token weights the update applies. With
@@ -229,11 +245,15 @@ class OnPolicyTrainer:
             columns.append("ref_logprobs")
         if plan.off_policy.weighted_update:
             columns.append("rollout_weights")
+        if plan.distill is not None:
+            columns += ["teacher_logprobs", "rollout_logprobs"]
         loss_fn = s.dumps.watch_loss(make_actor_loss_fn(plan.actor_loss, kl_coef=self.kl_ctrl.value if kl_in_loss
                                                         else 0.0))
         while not td.all_consumed("actor_update"):
             batch, _, _ = read_batch(td, "actor_update", columns, plan.reads["actor_update_dispatch_size"],
                                      pad_token_id=s.policy.pad_token_id, device=s.device)
+            if plan.distill is not None:
+                batch["advantages"] = self.distilled(batch, acc)
             steps = s.policy.actor.update(batch, loss_fn, mini_batch_size=plan.mini_batch_rows, epochs=u.epochs,
                                           shuffle=u.shuffle, seed=u.seed + iteration)
             for step in steps:

@@ -56,7 +56,8 @@ class Policy:
     :class:`~posttrain.training.megatron.engine.MegatronEngine`, or the Ray group's proxy), the frozen
     reference and the rollout engine. ``model`` is the HF actor model where this process holds it
     (None on the Ray driver and on the Megatron backend, whose weights are sharded); ``reference``
-    and ``rollout`` are None where the stage (or the rank) does not use them."""
+    and ``rollout`` are None where the stage (or the rank) does not use them; ``teacher`` (on-policy
+    distillation's, :func:`build_teacher`) is None without ``rl_config.teacher_model``."""
 
     model: Any
     tokenizer: Any
@@ -65,6 +66,7 @@ class Policy:
     rollout: RolloutEngine | None
     stop_token_ids: list[int]
     state: dict[str, Any]  # the trainer state: resumed from a checkpoint, or a fresh run's
+    teacher: ReferenceEngine | None = None  # rl_config.teacher_model: on-policy distillation's frozen teacher
 
     @property
     def pad_token_id(self) -> int:
@@ -165,6 +167,37 @@ def build_reference(plan: Plan, device: str, source: str, state: dict, micro_bat
     model = None if path else build_actor_model(p, device, source, frozen_dtype=plan.frozen_dtype)[0]
     ref_model = build_frozen_copy(model, path, device, plan.frozen_dtype)
     return reference_engine(ref_model, plan, micro_batch_size or p.optim.micro_batch_size)
+
+
+def build_teacher(plan: Plan, device: str, actor_model, tokenizer, dp_group=None):
+    """On-policy distillation's teacher (``rl_config.teacher_model``): a frozen model loaded as the
+    reference is from its own path (a LoRA checkpoint merged), in an engine of the reference's options;
+    its vocabulary must be the actor's (:func:`check_teacher_vocab`)."""
+    path = plan.distill.teacher
+    if not Path(path).exists():
+        raise ConfigError(f"rl_config.teacher_model: {path} does not exist; set it to the teacher's HF model "
+                          f"directory or checkpoint")
+    teacher = build_frozen_copy(None, path, device, plan.frozen_dtype)
+    check_teacher_vocab(teacher, actor_model, tokenizer, path)
+    return TrainEngine(teacher, micro_batch_size=plan.update.ref_micro_batch_size or plan.policy.optim.micro_batch_size,
+                       dtype=plan.train_dtype, dp_group=dp_group, options=plan.ref_engine)
+
+
+def check_teacher_vocab(teacher, actor_model, tokenizer, path: str) -> None:
+    """The teacher scores the actor's token ids, so both must share one vocabulary: the same output
+    size and, where the teacher's directory has a tokenizer, the same tokens under the same ids."""
+    sizes = [m.get_output_embeddings().weight.shape[0] for m in (teacher, actor_model)]
+    if sizes[0] != sizes[1]:
+        raise ConfigError(f"rl_config.teacher_model: {path} has a vocabulary of {sizes[0]} tokens, the actor "
+                          f"{sizes[1]}; distillation compares log-probs of the same token ids, so the teacher must "
+                          f"use the actor's tokenizer")
+    directory = resolve_model_dir(path)
+    if not any((directory / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "vocab.json")):
+        return
+    if load_tokenizer(directory).get_vocab() != tokenizer.get_vocab():
+        raise ConfigError(f"rl_config.teacher_model: the tokenizer in {directory} differs from the actor's; "
+                          f"distillation compares log-probs of the same token ids, so the teacher must use the "
+                          f"actor's tokenizer")
 
 
 def build_train_engine(model, optim: OptimOptions, plan: Plan, options: EngineOptions, *,
@@ -298,5 +331,6 @@ def build_policy(plan: Plan, device: str, *, source: str | None = None, with_rol
     rollout = build_rollout(plan.rollout, p, model, tokenizer, stops) if with_rollout and plan.rollout else None
     if rollout is not None and plan.rollout.offload_weights and not device.startswith("cpu"):
         rollout = weights_off_during_rollout(rollout, model)  # generate_config.offload_train_param (a CPU: no effect)
+    teacher = build_teacher(plan, device, model, tokenizer, dp_group) if plan.distill is not None else None
     return Policy(model=model, tokenizer=tokenizer, actor=actor, reference=reference, rollout=rollout,
-                  stop_token_ids=stops, state=state)
+                  stop_token_ids=stops, state=state, teacher=teacher)
