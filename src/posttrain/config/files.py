@@ -2,8 +2,8 @@
 
 ``posttrain train`` refuses a config at start-up for what is on disk: a dataset prefix with no
 files, a save or output directory that is a file, a ``load`` that is a file or holds no model, an
-unknown ``prompt_type``, a missing ``eval_data_path``, a LoRA target that matches no linear layer of
-the model. :func:`check_run_files` runs those checks (with the same functions ``train`` uses, and in
+unknown ``prompt_type``, a missing ``eval_data_path`` or ``teacher_model``, a LoRA target that
+matches no linear layer of the model. :func:`check_run_files` runs those checks (with the same functions ``train`` uses, and in
 its order) without writing anything, so that ``posttrain plan`` calls no config valid that
 ``train`` refuses. :func:`posttrain.config.plan.resolve_plan` runs it with ``files=True``, as the
 commands ``plan``, ``train`` and ``bench`` do; a config built in Python for a test that never
@@ -52,6 +52,8 @@ def check_run_files(plan: Plan) -> None:
         get_template(p.prompt_type or "hf_chat_template", path)
     if start is not None and plan.parallel.backend == "hf":
         _check_lora(p.lora, start)
+    if plan.distill is not None:
+        _check_teacher(plan.distill.teacher)
     if plan.stage.on_policy and d.eval_data_path:
         build_prompt_dataset(d.eval_data_path, d.max_prompt_length, additional_keys=d.additional_keys,
                              split=d.split, key="rl_config.eval_data_path")
@@ -108,6 +110,18 @@ def _check_start(load: str | None, tokenizer: str | None) -> Path | None:
             return None  # checkpoints with a damaged latest one: train names it, or falls back to an earlier one
         raise
     return path
+
+
+def _check_teacher(teacher: str) -> None:
+    """``rl_config.teacher_model`` exists and holds an HF model or checkpoint (its vocabulary is
+    compared with the actor's when it is loaded: :func:`posttrain.roles.policy.check_teacher_vocab`)."""
+    if not Path(teacher).exists():
+        raise ConfigError(f"rl_config.teacher_model: {teacher} does not exist; set it to the teacher's HF model "
+                          f"directory or checkpoint")
+    try:
+        resolve_checkpoint(teacher)
+    except CheckpointError as err:
+        raise ConfigError(f"rl_config.teacher_model: {err}") from err
 
 
 def _check_lora(options: lora.LoraOptions | None, path: Path) -> None:

@@ -43,7 +43,12 @@ def legacy_checkpoint_at_another_layout(world, tmp_path) -> list[str]:
     return [f"actor_config.load={saved}", *MEGATRON]
 
 
+def missing_teacher(world, tmp_path) -> list[str]:
+    return [f"rl_config.teacher_model={tmp_path / 'no_teacher'}"]
+
+
 CASES = {
+    "missing_teacher": (missing_teacher, "rl_config.teacher_model: "),
     "kl_horizon": (kl_horizon, "rl_config.kl_horizon must be larger than 0"),
     "deepseek_v3_on_megatron": (deepseek_on_megatron, "multi-latent attention (DeepSeek-V3) is not mapped to "
                                                       "Megatron-Core; use backend hf"),

@@ -44,6 +44,7 @@ OFFLOAD_PARAM = ["generate_config.offload_train_param=true"]
 GRAPHS = ["generate_config.enforce_eager=false"]
 MSPROBE = ["msprobe_config.msprobe=true"]
 TRUNC = ["rl_config.truncated_sampling_logprobs=true"]
+TEACHER = ["rl_config.teacher_model=/models/teacher"]
 
 # row id -> (overrides that turn the row on, device); a new row needs its example here
 EXAMPLES: dict[str, tuple[list[str], str]] = {
@@ -142,6 +143,12 @@ EXAMPLES: dict[str, tuple[list[str], str]] = {
     "truncated-logprobs-greedy": ([*TRUNC, "generate_config.sampling_config.temperature=0"], "cpu"),
     "truncated-logprobs-untruncated": ([*TRUNC, "generate_config.sampling_config.top_k=-1"], "cpu"),
     "truncated-logprobs-vllm-min-p": ([*TRUNC, *VLLM, "generate_config.sampling_config.min_p=0.1"], "cpu"),
+    "teacher-model-offline": ([*DPO, *TEACHER], "cpu"),
+    "teacher-model-ppo": ([*PPO, *TEACHER], "cpu"),
+    "teacher-model-megatron": ([*TP2, *TEACHER], "cpu"),
+    "teacher-model-ray": ([*TEACHER, *RAY], "cpu"),
+    "teacher-model-separated": ([*TEACHER, *SEP_REF], "cpu"),
+    "distill-without-teacher": (["rl_config.distill_coef=0.5"], "cpu"),
 }
 # rows an earlier rule of the one check answers first, with its own message (the row documents the fact)
 ANSWERED_FIRST = {"vllm-infer_pipeline_parallel_size": "pipeline_parallel for vllm is not supported yet ! "}
@@ -215,7 +222,7 @@ def test_every_refusal_of_a_config_is_reported_at_once_one_per_line():
 
 
 def test_features_alone_pass_the_table():
-    for overrides in ([], ASYNC, PARTIAL, LORA, VLLM, TQ, [*TQ, "rl_config.transfer_queue_data_shard_num=2"], SPEC, WORKER, TP2, RAY, [*PARTIAL, *VLLM], [*TURNS, *VLLM],
+    for overrides in ([], TEACHER, [*TEACHER, "rl_config.distill_mode=mixed", *VLLM], ASYNC, PARTIAL, LORA, VLLM, TQ, [*TQ, "rl_config.transfer_queue_data_shard_num=2"], SPEC, WORKER, TP2, RAY, [*PARTIAL, *VLLM], [*TURNS, *VLLM],
                       ["rl_config.async_engine=true", *VLLM], ["rl_config.async_engine=true", *VLLM, *GRAPHS],
                       [*ASYNC, *VLLM], [*ASYNC, *PARTIAL, *VLLM], [*ASYNC, *TURNS, *VLLM], [*WORKER, *VLLM],
                       [*WORKER, *ASYNC, *VLLM], [*ASYNC, *VLLM, *RAY], [*ASYNC, *PARTIAL, *VLLM, *RAY], [*ASYNC, *TP2],
