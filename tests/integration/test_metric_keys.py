@@ -27,6 +27,8 @@ ELSEWHERE = {
     "tool_call_num/max": "tests/e2e/test_e2e_tool_use.py",
     "tool_call_num/min": "tests/e2e/test_e2e_tool_use.py",
     "rollout/sync_probe_diff": "tests/vllm/test_vllm_loop.py",
+    **{key: "tests/e2e/test_e2e_distill.py" for key in ("timing/teacher_model", "distill/reverse_kl",
+                                                        "distill/teacher_logprob", "distill/student_logprob")},
 }
 GPU_ONLY = {"timing/resharding_to_train"}  # vLLM's sleep: no sleep mode on a CPU (the doc says so)
 
