@@ -72,6 +72,10 @@ def format_plan(plan: Plan, cpu_linear: str = "blas") -> str:
         rows.append(("multi-turn rollout", plan.multi_turn))
     if plan.off_policy_rollout:
         rows.append(("off-policy rollout", plan.off_policy_rollout))
+    if plan.distill is not None:  # rl_config.teacher_model (its weights are not in the memory estimate)
+        d = plan.distill
+        rows.append(("on-policy distillation", f"{d.mode} from {d.teacher}, distill_coef {d.coef} (teacher not in "
+                                               f"the memory estimate)"))
     if plan.train_iters:
         rows.append(("iterations", f"{plan.train_iters}  ({plan.train_iters * plan.prompts_per_iteration:,} "
                                    f"prompts in all)"))
