@@ -4,7 +4,8 @@
   KL and gradient norm, the gradients of the last step and the weights after the iteration
   (2 epochs x 2 shuffled mini-batches) match the in-process engine within float tolerance.
 * With ``rl_config.use_dp_batch_balance`` (rows shared by tokens) the log-probs and the update still
-  equal the one-process ones within 1e-5.
+  equal the one-process ones within 1e-5, on-policy distillation's teacher's log-probs and the
+  update with its term (``teacher_model``, a frozen copy in every worker) too.
 * The whole loop learns on 2 workers: the lowercase reward goes up over 12 iterations, as it does
   in process, and the 2-worker checkpoint resumes on 1 in-process worker.
 * A whole run does not depend on the worker count: GRPO (with KL and shuffled epochs), DAPO
@@ -100,15 +101,34 @@ def test_two_workers_update_equals_one_process_on_the_same_batch(ray_cluster, wo
         remote.close()
 
 
+def small_teacher(work) -> str:
+    """On-policy distillation's teacher: another model than the actor (1 layer, hidden 32, seed 3)
+    with the actor's tokenizer."""
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+    teacher = work / "teacher_1x32"
+    if not teacher.exists():
+        tokenizer = AutoTokenizer.from_pretrained(str(work / "model"))
+        torch.manual_seed(3)
+        Qwen2ForCausalLM(Qwen2Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
+                                     num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                                     tie_word_embeddings=True)).save_pretrained(teacher)
+        tokenizer.save_pretrained(teacher)
+    return str(teacher)
+
+
 def test_balanced_shares_give_the_one_process_logprobs_and_update(ray_cluster, work, monkeypatch):
     """``rl_config.use_dp_batch_balance``: each worker's rows chosen by tokens instead of contiguous
     shares; the log-probs come back in row order and the update is the one-process step (where the
-    key has no effect)."""
+    key has no effect). The run distills from a teacher too (``teacher_model``, ``distill_mode:
+    mixed``: a frozen copy in every worker): its log-probs and the update with the distillation term
+    are the one-process ones."""
     from posttrain.cluster import group
     from posttrain.loops.experience import new_dock
     from posttrain.metrics.reduce import MetricAccumulator
 
-    over = {"init_kl_coef": 0.05, "guarantee_order": True, "shuffle_mini_batch": True, "use_dp_batch_balance": True}
+    over = {"init_kl_coef": 0.05, "guarantee_order": True, "shuffle_mini_batch": True, "use_dp_batch_balance": True,
+            "teacher_model": small_teacher(work), "distill_mode": "mixed"}
     local, local_trainer = session_and_trainer(grpo_config(work, "balance_local", workers=1, iters=1, rl=over))
     remote, remote_trainer = session_and_trainer(grpo_config(work, "balance_ray", workers=2, iters=1, rl=over))
     passes, steps = [], []  # what the balance chose: each pass's shares, each update's rank rows
@@ -134,6 +154,7 @@ def test_balanced_shares_give_the_one_process_logprobs_and_update(ray_cluster, w
         for key, trainer, s in (("local", local_trainer, local), ("ray", remote_trainer, remote)):
             reads = trainer.plan.reads
             trainer.logprobs(docks[key], "ref_logprobs", s.policy.reference, reads["ref_dispatch_size"], None)
+            trainer.logprobs(docks[key], "teacher_logprobs", s.policy.teacher, reads["ref_dispatch_size"], None)
             trainer.logprobs(docks[key], "old_logprobs", s.policy.actor, reads["actor_logprob_dispatch_size"], None)
             acc = MetricAccumulator()
             trainer.update(docks[key], acc, 1)
@@ -144,9 +165,11 @@ def test_balanced_shares_give_the_one_process_logprobs_and_update(ray_cluster, w
         (args, balanced), = steps
         contiguous = update_shards(*args[:-1])  # the same call without the lengths
         assert args[-1] is not None and [r.tolist() for r in balanced] != [r.tolist() for r in contiguous]
-        for name in ("ref_logprobs", "old_logprobs"):
+        for name in ("ref_logprobs", "teacher_logprobs", "old_logprobs"):
             torch.testing.assert_close(column(docks["ray"], name), column(docks["local"], name), rtol=1e-5, atol=1e-5)
-        for name in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "actor/entropy"):
+        assert abs(metrics["local"]["distill/reverse_kl"]) > 1e-3  # the teacher is not the actor
+        for name in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "actor/entropy", "distill/reverse_kl",
+                     "distill/teacher_logprob"):
             assert metrics["ray"][name] == pytest.approx(metrics["local"][name], rel=1e-5, abs=1e-7), name
         assert metrics["local"]["actor/grad_norm"] > 0
         grads = remote.cluster.grads()

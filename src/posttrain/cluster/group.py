@@ -152,7 +152,8 @@ class Cluster:
                 else ReferenceRole(self)
         self.policy = Policy(model=None, tokenizer=tokenizer, actor=ActorRole(self), reference=reference,
                              rollout=RolloutRole(self, plan.rollout.max_num_seqs) if plan.stage.on_policy else None,
-                             stop_token_ids=stops, state=states[0])
+                             stop_token_ids=stops, state=states[0],
+                             teacher=TeacherRole(self) if plan.distill is not None else None)
         self.critic = None
         if plan.uses_critic:
             self.critic = GroupCritic(self, self.groups["critic"]) if "critic" in self.groups else CriticRole(self)
@@ -368,14 +369,17 @@ class RolloutRole(RolloutEngine):
                 for key, reduce in WORKER_ROLLOUT_METRICS.items() if any(key in part for part in parts)}
 
 
-def _sharded_logprobs(cluster: Cluster, batch, temperature, micro_batch_size, reference: bool) -> Pending:
-    """The actor's (or the reference's) log-probs of ``batch``, rows cut into one share per replica
-    and put back in the batch's row order (started; :meth:`Cluster.wait_all` awaits them)."""
+def _sharded_logprobs(cluster: Cluster, batch, temperature, micro_batch_size, reference: bool,
+                      teacher: bool = False) -> Pending:
+    """The actor's (or the reference's, or the distillation teacher's) log-probs of ``batch``, rows
+    cut into one share per replica and put back in the batch's row order (started;
+    :meth:`Cluster.wait_all` awaits them)."""
     count = next(iter(batch.values())).shape[0]
-    what = "reference log-probs" if reference else "actor log-probs"
-    rows = cluster.row_shares(count, batch, collective=not reference)
+    what = "teacher log-probs" if teacher else "reference log-probs" if reference else "actor log-probs"
+    rows = cluster.row_shares(count, batch, collective=not (reference or teacher))
     return cluster.start_sharded(what, "compute_logprobs", rows,
-                                 lambda r, share: (_rows(batch, share), temperature, micro_batch_size, reference),
+                                 lambda r, share: (_rows(batch, share), temperature, micro_batch_size, reference,
+                                                   teacher),
                                  lambda parts: in_order(parts, rows))
 
 
@@ -417,6 +421,13 @@ class ReferenceRole:
         parts = self.c.sharded("reference pair log-probs", "compute_pair_logps", rows,
                                lambda r, share: (_rows(batch, share), average, micro_batch_size))
         return in_order([c for c, _ in parts], rows), in_order([r for _, r in parts], rows)
+
+
+class TeacherRole(ReferenceRole):
+    """On-policy distillation's frozen teacher, a copy in every actor worker (``rl_config.teacher_model``)."""
+
+    def start_logprobs(self, batch, *, temperature=1.0, micro_batch_size=None) -> Pending:
+        return _sharded_logprobs(self.c, batch, temperature, micro_batch_size, reference=False, teacher=True)
 
 
 class CriticRole:

@@ -141,8 +141,9 @@ class ActorWorker:
         # log-probs on the plain model, no collective; the update through DDP over all ranks
         self.infer = TrainEngine(p.model, micro_batch_size=plan.policy.optim.micro_batch_size,
                                  dtype=plan.train_dtype, dp_group=own, options=plan.actor_engine)
-        if p.reference is not None:
-            p.reference.dp_group = own
+        for frozen in (p.reference, p.teacher):  # the reference; on-policy distillation's teacher
+            if frozen is not None:
+                frozen.dp_group = own
         # share_backbone (LoRA): the reference is the actor's own (sharded, under FSDP2) model, adapter off
         self.reference_is_actor = plan.uses_reference and plan.policy.share_backbone
         self.fsdp = plan.sharding == "fsdp2"
@@ -231,10 +232,13 @@ class ActorWorker:
         """This worker's rollout engine's metrics since the last call (vLLM: ``rollout/sync_probe_diff``)."""
         return self.policy.rollout.pop_metrics() if self.policy.rollout is not None else {}
 
-    def compute_logprobs(self, batch: dict, temperature: float, micro_batch_size, reference: bool = False):
-        engine = self.policy.reference if reference else self.infer
+    def compute_logprobs(self, batch: dict, temperature: float, micro_batch_size, reference: bool = False,
+                         teacher: bool = False):
+        """This worker's share of the actor's log-probs, or the reference's, or (``teacher``) on-policy
+        distillation's teacher's (a frozen copy of its own in every worker)."""
+        engine = self.policy.teacher if teacher else self.policy.reference if reference else self.infer
         rows, width = batch["response_mask"].shape
-        with self._gathered(not reference or self.reference_is_actor):  # else a plain frozen copy
+        with self._gathered(not (reference or teacher) or (reference and self.reference_is_actor)):  # else a frozen copy
             if rows == 0:
                 return torch.zeros(0, width)
             batch = {k: v.to(self.device) for k, v in batch.items()}

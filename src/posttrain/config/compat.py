@@ -154,15 +154,13 @@ _TRUNCATED = [  # rl_config.truncated_sampling_logprobs: where it is built (the 
      "to 0 or use rollout_engine: native"),
 ]
 
-_DISTILL = [  # rl_config.teacher_model (posttrain.algo.distill): the teacher is built beside the actor in one process
+_DISTILL = [  # rl_config.teacher_model (posttrain.algo.distill): a teacher beside the actor, in process or in each Ray worker
     ("offline", dict(stage=OFFLINE), "{setting}: on-policy distillation scores the samples the student draws, and "
      "stage {stage} draws none; remove the key or use stage grpo or dapo"),
     ("ppo", dict(stage=("ppo",)), "{setting} with PPO's critic is not built yet; use stage grpo or dapo (their "
      "estimators give the task advantage of distill_mode: mixed)"),
     ("megatron", dict(backend=MEGATRON), "{setting}: the teacher is built on the hf backend only; remove the key or "
      "train on backend hf{megatron}"),
-    ("ray", dict(placement=RAY), "{setting} on Ray actor workers is not built yet (the teacher is built in the "
-     "trainer's process); train in one process (no actor_resource.num_npus > 1, no ray_address) or remove the key"),
     ("separated", dict(with_="separated"), "{setting} with {other}: a teacher in a worker group of its own is not "
      "built yet; remove one"),
 ]

@@ -146,7 +146,6 @@ EXAMPLES: dict[str, tuple[list[str], str]] = {
     "teacher-model-offline": ([*DPO, *TEACHER], "cpu"),
     "teacher-model-ppo": ([*PPO, *TEACHER], "cpu"),
     "teacher-model-megatron": ([*TP2, *TEACHER], "cpu"),
-    "teacher-model-ray": ([*TEACHER, *RAY], "cpu"),
     "teacher-model-separated": ([*TEACHER, *SEP_REF], "cpu"),
     "distill-without-teacher": (["rl_config.distill_coef=0.5"], "cpu"),
 }
@@ -222,7 +221,7 @@ def test_every_refusal_of_a_config_is_reported_at_once_one_per_line():
 
 
 def test_features_alone_pass_the_table():
-    for overrides in ([], TEACHER, [*TEACHER, "rl_config.distill_mode=mixed", *VLLM], ASYNC, PARTIAL, LORA, VLLM, TQ, [*TQ, "rl_config.transfer_queue_data_shard_num=2"], SPEC, WORKER, TP2, RAY, [*PARTIAL, *VLLM], [*TURNS, *VLLM],
+    for overrides in ([], TEACHER, [*TEACHER, "rl_config.distill_mode=mixed", *VLLM], [*TEACHER, *RAY], ASYNC, PARTIAL, LORA, VLLM, TQ, [*TQ, "rl_config.transfer_queue_data_shard_num=2"], SPEC, WORKER, TP2, RAY, [*PARTIAL, *VLLM], [*TURNS, *VLLM],
                       ["rl_config.async_engine=true", *VLLM], ["rl_config.async_engine=true", *VLLM, *GRAPHS],
                       [*ASYNC, *VLLM], [*ASYNC, *PARTIAL, *VLLM], [*ASYNC, *TURNS, *VLLM], [*WORKER, *VLLM],
                       [*WORKER, *ASYNC, *VLLM], [*ASYNC, *VLLM, *RAY], [*ASYNC, *PARTIAL, *VLLM, *RAY], [*ASYNC, *TP2],
