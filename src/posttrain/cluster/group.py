@@ -377,9 +377,9 @@ def _sharded_logprobs(cluster: Cluster, batch, temperature, micro_batch_size, re
     count = next(iter(batch.values())).shape[0]
     what = "teacher log-probs" if teacher else "reference log-probs" if reference else "actor log-probs"
     rows = cluster.row_shares(count, batch, collective=not (reference or teacher))
+    flags = (reference, True) if teacher else (reference,)  # the megatron worker has no teacher (compat.py)
     return cluster.start_sharded(what, "compute_logprobs", rows,
-                                 lambda r, share: (_rows(batch, share), temperature, micro_batch_size, reference,
-                                                   teacher),
+                                 lambda r, share: (_rows(batch, share), temperature, micro_batch_size, *flags),
                                  lambda parts: in_order(parts, rows))
 
 
