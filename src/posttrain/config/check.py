@@ -35,6 +35,7 @@ from posttrain.config.compat import check_compat, setup_of
 from posttrain.config.features import check_features, startup_warnings
 from posttrain.config.megatron import MegatronConfig
 from posttrain.config.multi_turn import check_multi_turn
+from posttrain.config.judge import check_judge
 from posttrain.config.reward_model import check_reward_model
 from posttrain.config.separated import check_separated
 from posttrain.config.run import RunConfig
@@ -114,6 +115,7 @@ def collect_checks(cfg: RunConfig, refusals: Refusals, *, device_type: str = "cp
     refusals.run(check_compat, cfg, setup_of(cfg, device_type, backend))
     refusals.run(check_features, cfg, device_type=device_type, backend=backend)
     refusals.run(check_reward_model, cfg, on_policy=stage.on_policy, dynamic_sampling=stage.dynamic_sampling(cfg))
+    refusals.run(check_judge, cfg, on_policy=stage.on_policy)
     if parallel is not None:
         refusals.run(_check_workers, cfg, stage.on_policy, stage.uses_critic, parallel)
     for switch, module in (("use_trackio", "trackio"), ("use_mlflow", "mlflow"), ("use_swanlab", "swanlab")):

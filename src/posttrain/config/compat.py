@@ -303,6 +303,21 @@ ROWS: tuple[Row, ...] = (
     Row("reward-model-offline", "reward_model", "reward_config: stage {stage} scores no responses (a reward model is "
         "read by the on-policy stages ray_grpo, ray_dapo and ray_ppo); remove reward_config", stage=OFFLINE),
 )
+_JUDGE = " (the judge runs in the training process on the hf backend, docs/rewards.md); remove rl_config.judge_path or "
+ROWS += (
+    Row("judge-offline", "judge", "{setting}: stage {stage} scores no responses (the judge rates the on-policy "
+        "stages' samples); remove rl_config.judge_path", stage=OFFLINE),
+    Row("judge-ray", "judge", "{setting}: a judge in Ray actor workers is not built" + _JUDGE + "run in one process "
+        "(rl_config.actor_resource.num_npus: 1)", placement=RAY),
+    Row("judge-megatron", "judge", "{setting}: a judge on the megatron backend is not built" + _JUDGE + "use backend "
+        "hf{megatron}", backend=MEGATRON),
+    *(Row(f"judge-{other}", "judge", "{setting} with {other}: the judge scores in the loop that generates, and this "
+          "rollout is not built with one" + _JUDGE + "{other_key}", with_=other)
+      for other in ("async", "rollout_worker")),
+    Row("self-judge-not-native", "self_judge", "{setting} with rollout_engine {engine}: the self-judge samples the "
+        "actor's HF model with the native engine, not tried beside vLLM; use rollout_engine: native or a judge "
+        "directory", engine=NOT_NATIVE),
+)
 ROW_IDS = {row.id: row for row in ROWS}
 
 

@@ -206,6 +206,8 @@ def _features() -> dict[str, Feature]:
         Feature("blocking_integrated", ("rl_config.blocking",), lambda c: not c.rl.blocking and not role_devices(c),
                 shown="rl_config.blocking: false", when="false, without separated roles"),
         Feature("reward_model", ("reward_config",), lambda c: c.reward is not None, when="present"),
+        _on("rl_config.judge_path", name="judge", when="set"),
+        _on("rl_config.judge_path", lambda v: v == "policy", name="self_judge", when="policy (the self-judge)"),
         Feature("megatron", ("rl_config.actor_resource.num_npus",), lambda c: True,
                 shown=lambda c: f"rl_config.actor_resource.num_npus={c.rl.actor_resource.num_npus or 1}",
                 title="the megatron backend"),

@@ -27,6 +27,7 @@ from posttrain.config.memory import GIB, MemoryEstimate, check_memory, estimate_
 from posttrain.config.options import (AdvantageOptions, ClusterOptions, CriticOptions, DataOptions, DPOOptions,
                                       DynamicSamplingOptions, KLOptions, LoggingOptions, OffPolicyOptions,
                                       PolicyOptions, RolloutOptions, ScheduleOptions, UpdateOptions)
+from posttrain.config.judge import JudgeOptions, judge_options
 from posttrain.config.reward_model import RewardModelOptions, reward_model_options
 from posttrain.config.run import RunConfig
 from posttrain.config.sections import QUEUE_STRATEGIES
@@ -123,6 +124,7 @@ class Plan:
     num_params: int | None = None
     memory: MemoryEstimate | None = field(default=None)
     reward_model: RewardModelOptions | None = None  # reward_config's model, scoring in the loop
+    judge: JudgeOptions | None = None  # rl_config.judge_path's LLM-as-judge, scoring in the loop
     parallel: ModelParallel = ModelParallel()  # the training backend and the actor's TP/PP/DP layout
     target: Target | None = None  # posttrain plan --target: the hardware planned for (None: this machine)
     separated: SeparatedRoles = field(default_factory=SeparatedRoles)  # roles in Ray worker groups of their own (use_integrated_worker)
@@ -285,6 +287,7 @@ def build_plan(cfg: RunConfig, layout: DeviceLayout, arch: ModelArch | None = No
         offload_optimizer=on_policy and gen.offload_train_optimizer and not device.startswith("cpu"),
         offload_grads=on_policy and gen.offload_train_grad,
         warnings=warnings, arch=arch, reward_model=reward_model_options(cfg, device, on_policy=on_policy),
+        judge=judge_options(cfg, rollout_dtype, on_policy=on_policy),
         parallel=parallel, multi_turn=_multi_turn_line(cfg) if on_policy else "",
         off_policy_rollout=_off_policy_line(cfg) if on_policy else "", target=target,
         separated=separated_options(cfg) if on_policy else SeparatedRoles(),

@@ -287,6 +287,23 @@ class RLConfig(Section):
     reward_model_weight: float = F(1.0, "posttrain: weight of the reward model's score (reward_config): score = "
                                         "rule score (if rule_reward) + reward_model_weight x reward-model score",
                                    HONOURED, finite=True)
+    judge_path: Opt[str] = F(None, "posttrain: LLM-as-judge reward (docs/rewards.md): a causal-LM directory, or "
+                                   "'policy' (the self-judge: the actor rates with this step's weights)", HONOURED)
+    judge_template: Opt[str] = F(None, "posttrain: judge prompt, inline (with {prompt} {response} {reference}) or "
+                                       "a file path; default asks for 'Score: N', N in 0-10", HONOURED)
+    judge_parser: str = F("score", "posttrain: judge score parser: score ('Score: N'), boxed (\\boxed{N}) or a "
+                                   "regex with one capture group", HONOURED)
+    judge_max_score: float = F(10.0, "posttrain: the top of the judge's scale (a score is divided by it)", HONOURED,
+                               gt=0, finite=True)
+    judge_weight: float = F(1.0, "posttrain: score = rule score + reward_model_weight x reward model + "
+                                 "judge_weight x judge score (in [0, 1])", HONOURED, finite=True)
+    judge_max_tokens: int = F(16, "posttrain: the most tokens of one judge reply", HONOURED, ge=1)
+    judge_temperature: float = F(0.0, "posttrain: judge sampling temperature (0: greedy; else seeded by the run's "
+                                      "seed)", HONOURED, ge=0, finite=True)
+    judge_timeout: float = F(300.0, "posttrain: seconds one reward read's judging may take; replies not finished "
+                                    "then score judge_failure_value", HONOURED, gt=0, finite=True)
+    judge_failure_value: float = F(0.0, "posttrain: the judge score of a reply without a score, or cut by the "
+                                        "timeout", HONOURED, finite=True)
     offload_reference: bool = F(False, "posttrain: the frozen reference off the device between its uses (GPU: in "
                                        "host memory; CPU: dropped, and mapped back from a file for each use)",
                                 HONOURED)

@@ -10,7 +10,8 @@ times) or partial rollout (:class:`PartialGeneration`: rounds over two batches o
 :mod:`posttrain.loops.partial_rollout`). DAPO's dynamic sampling
 (:mod:`posttrain.loops.dynamic_sampling`) repeats generate-and-score until enough groups vary.
 
-The reward is the rule verifiers' score and/or a reward model's (``reward_config``), by weight.
+The reward is the rule verifiers' score and/or a reward model's (``reward_config``) and/or an LLM
+judge's (``rl_config.judge_path``, :mod:`posttrain.reward.judge`), by weight.
 """
 
 from __future__ import annotations
@@ -175,7 +176,8 @@ class Producer:
     def reward(self, td: TransferDock, acc: MetricAccumulator, timers: Timers | None = None) -> None:
         """Each response's score: the rule reward (``rl_config.rule_reward``, timed as ``rule_reward``)
         plus ``rl_config.reward_model_weight`` x the reward model's score (``reward_config``, timed as
-        ``reward_model``, logged as ``reward_model/score/{mean,max,min}``)."""
+        ``reward_model``, logged as ``reward_model/score/{mean,max,min}``) plus ``rl_config.judge_weight`` x
+        the judge's score (``rl_config.judge_path``, timed as ``judge``, logged as ``judge/*``)."""
         timers = timers if timers is not None else Timers()
         model = self.s.reward_model
         while not td.all_consumed("reward"):
@@ -193,7 +195,21 @@ class Producer:
                 weight = self.plan.reward_model.weight
                 scores = [score + weight * m for score, m in zip(scores, model_scores)]
                 acc.update({f"reward_model/score/{k}": model_scores for k in ("mean", "max", "min")})
+            if self.s.judge is not None:
+                with timers("judge"):
+                    scores = self.judge_scores(batch, scores, acc)
             td.put(["scores"], idx, [torch.tensor(scores, dtype=torch.float32)])
+
+    def judge_scores(self, batch: dict, scores: list[float], acc: MetricAccumulator) -> list[float]:
+        """``scores`` plus ``rl_config.judge_weight`` x the judge's score of each response (one read)."""
+        tokenizer = self.s.policy.tokenizer
+        prompts = decode_responses(tokenizer, [p.tolist() for p in batch["prompts"]])
+        texts = decode_responses(tokenizer, [r.tolist() for r in batch["responses"]])
+        references = decode_labels(tokenizer, [r.tolist() for r in batch["labels"]])
+        result = self.s.judge.score(prompts, texts, references)
+        acc.update(result.metrics)
+        weight = self.plan.judge.weight
+        return [score + weight * j for score, j in zip(scores, result.scores)]
 
     def rule_scores(self, td: TransferDock, batch: dict, idx: list[int], acc: MetricAccumulator) -> list[float]:
         """The rule verifiers' weighted scores of one read (and DAPO's per-verifier filter column)."""

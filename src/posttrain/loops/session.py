@@ -55,6 +55,7 @@ class Session:
         self.dumps = DumpRecorder(plan.dumps)  # msprobe_config
         self.closed = False
         self.cluster = self.critic = self.rule_reward = self.reward_model = self.eval_data = self.logger = None
+        self.judge = None  # rl_config.judge_path (posttrain.roles.judge)
         self.queue = None  # rl_config.data_strategy: tq: TransferQueue (posttrain.cluster.transfer_queue)
         self.locks: list[DirLock] = []
         self.settings = contextlib.ExitStack()  # the process-wide settings of the run, undone by close()
@@ -128,6 +129,10 @@ class Session:
                 self.rule_reward = self.cluster.rule_reward if self.cluster else self._rule_reward()
             if plan.reward_model is not None:  # in this process, or colocated in the Ray actor workers
                 self.reward_model = self.cluster.reward_model if self.cluster else self._reward_scorer()
+            if plan.judge is not None:  # in this process (Ray placements are refused: posttrain.config.compat)
+                from posttrain.roles.judge import build_judge
+
+                self.judge = build_judge(plan.judge, self.policy, self.device)
             self.eval_data = self._load_eval_data()
             if plan.data_strategy == "tq":  # after the cluster: on Ray, it joins the cluster's Ray
                 from posttrain.cluster.transfer_queue import TransferQueueStore
