@@ -48,7 +48,7 @@ def random_responses(tokenizer, count: int, seed: int) -> list[str]:
     return out
 
 
-def train_lowercase_judge(out: Path, tokenizer, *, steps: int = 80, batch_size: int = 32, lr: float = 1e-2, seed: int = 0) -> Path:
+def train_lowercase_judge(out: Path, tokenizer, *, steps: int = 100, batch_size: int = 32, lr: float = 1e-2, seed: int = 0) -> Path:
     """Train and save the judge (module doc) to ``out`` with a copy of ``tokenizer`` without its chat
     template (the judge reads the response as plain text: short sequences, a fast SFT)."""
     import copy

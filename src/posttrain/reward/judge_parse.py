@@ -16,7 +16,7 @@ from posttrain.errors import ConfigError
 NUMBER = r"([-+]?\d+(?:\.\d+)?)"
 # rl_config.judge_parser names -> their regex
 SCORE_PARSERS: dict[str, str] = {
-    "score": r"Score\s*[:=]\s*\**\s*" + NUMBER,
+    "score": r"(?i:score)\s*[:=]\s*\**\s*" + NUMBER,
     "boxed": r"\\boxed\{\s*" + NUMBER + r"\s*\}",
 }
 CHOICE = re.compile(r"Better\s*[:=]\s*\**\s*\(?([AB])\b")
