@@ -22,6 +22,7 @@ DYNAMIC = ["rl_config.use_dynamic_bsz=true"]
 LORA = ["actor_config.lora_target_modules=[q_proj,v_proj]"]
 ASYNC = ["rl_config.async_staleness=1"]
 MSPROBE = ["msprobe_config.msprobe=true"]
+JUDGE = ["rl_config.judge_path=policy"]
 MULTI_TURN_KEYS = ("max_tool_calls", "max_total_response_length", "tool_config_path", "tool_parser_format",
                    "max_parallel_calls", "max_tool_response_length", "tool_response_truncate_side")
 NAMES = ("tool_config_path", "tool_parser_format", "tool_response_truncate_side")
@@ -130,6 +131,11 @@ OBSERVERS: dict[str, tuple[str, list[str], list[str]]] = {
                                          ["msprobe_config.token_range_start=2"]),
     "msprobe_config.step_end": (BASE, MSPROBE, ["msprobe_config.step_end=3"]),
     "msprobe_config.step_start": (BASE, [*MSPROBE, "msprobe_config.step_end=5"], ["msprobe_config.step_start=2"]),
+    "rl_config.judge_path": (BASE, [], JUDGE),
+    **{f"rl_config.{key}": (BASE, JUDGE, [f"rl_config.{key}={value}"]) for key, value in (
+        ("judge_template", "'Rate {response}'"), ("judge_parser", "boxed"), ("judge_max_score", 5),
+        ("judge_weight", 0.5), ("judge_max_tokens", 8), ("judge_temperature", 0.5), ("judge_timeout", 9),
+        ("judge_failure_value", -1))},
 }
 for _key in ("key_data_dump", "configurations_dump", "actor_train_dump", "actor_infer_dump", "reference_dump",
              "critic_train_dump"):
