@@ -311,7 +311,7 @@ ROWS += (
         "(rl_config.actor_resource.num_npus: 1)", placement=RAY),
     Row("judge-megatron", "judge", "{setting}: a judge on the megatron backend is not built" + _JUDGE + "use backend "
         "hf{megatron}", backend=MEGATRON),
-    *(Row(f"judge-{other}", "judge", "{setting} with {other}: the judge scores in the loop that generates, and this "
+    *(Row(f"judge-{other.replace('_', '-')}", "judge", "{setting} with {other}: the judge scores in the loop that generates, and this "
           "rollout is not built with one" + _JUDGE + "{other_key}", with_=other)
       for other in ("async", "rollout_worker")),
     Row("self-judge-not-native", "self_judge", "{setting} with rollout_engine {engine}: the self-judge samples the "

@@ -44,6 +44,7 @@ OFFLOAD_PARAM = ["generate_config.offload_train_param=true"]
 GRAPHS = ["generate_config.enforce_eager=false"]
 MSPROBE = ["msprobe_config.msprobe=true"]
 TRUNC = ["rl_config.truncated_sampling_logprobs=true"]
+JUDGE = ["rl_config.judge_path=/models/judge"]
 
 # row id -> (overrides that turn the row on, device); a new row needs its example here
 EXAMPLES: dict[str, tuple[list[str], str]] = {
@@ -131,6 +132,12 @@ EXAMPLES: dict[str, tuple[list[str], str]] = {
                               "cpu"),
     "blocking-integrated": (["rl_config.blocking=false"], "cpu"),
     "reward-model-offline": ([*DPO, "reward_config.load=/models/rm"], "cpu"),
+    "judge-offline": ([*DPO, *JUDGE], "cpu"),
+    "judge-ray": ([*JUDGE, *RAY], "cpu"),
+    "judge-megatron": ([*JUDGE, *TP2], "cpu"),
+    "judge-async": ([*JUDGE, *ASYNC], "cpu"),
+    "judge-rollout-worker": ([*JUDGE, *WORKER], "cpu"),
+    "self-judge-not-native": (["rl_config.judge_path=policy", *VLLM], "cpu"),
     "transfer-queue-offline": ([*DPO, *TQ], "cpu"),
     "transfer-queue-partial": ([*TQ, *PARTIAL], "cpu"),
     "transfer-queue-shards": (["rl_config.transfer_queue_data_shard_num=2"], "cpu"),
