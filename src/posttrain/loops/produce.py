@@ -195,7 +195,7 @@ class Producer:
                 weight = self.plan.reward_model.weight
                 scores = [score + weight * m for score, m in zip(scores, model_scores)]
                 acc.update({f"reward_model/score/{k}": model_scores for k in ("mean", "max", "min")})
-            if self.s.judge is not None:
+            if self.plan.judge is not None:
                 with timers("judge"):
                     scores = self.judge_scores(batch, scores, acc)
             td.put(["scores"], idx, [torch.tensor(scores, dtype=torch.float32)])
