@@ -258,3 +258,12 @@ def lowercase_judge_dir(tmp_path_factory, tiny_tokenizer) -> Path:
     from tests.helpers.judge import train_lowercase_judge
 
     return train_lowercase_judge(tmp_path_factory.mktemp("models") / "lowercase_judge", tiny_tokenizer)
+
+
+@pytest.fixture(scope="session")
+def pairwise_judge_dir(tmp_path_factory, tiny_tokenizer) -> Path:
+    """A tiny pairwise LLM judge SFT'd to reply "B" when response B ends with a lowercase word, else
+    "A" (:func:`tests.helpers.judge.train_pairwise_judge`; read-only)."""
+    from tests.helpers.judge import train_pairwise_judge
+
+    return train_pairwise_judge(tmp_path_factory.mktemp("models") / "pairwise_judge", tiny_tokenizer)

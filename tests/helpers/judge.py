@@ -1,10 +1,13 @@
-"""A tiny LLM judge with known preferences, trained here (tests/unit/reward/test_judge.py,
-tests/integration/test_judge_loop.py).
+"""Tiny LLM judges with known preferences, trained here (tests/unit/reward/test_judge.py,
+tests/integration/test_judge_loop.py, tests/unit/commands/test_judge_pairs.py).
 
-:func:`train_lowercase_judge` fine-tunes a 2-layer Qwen2 (hidden 64) on the tiny tokenizer, for a few
-hundred steps of plain SFT on the judge's own prompts (:data:`TEMPLATE`, exactly as :class:`posttrain.reward.judge.JudgeGenerator` encodes them), to reply
-``10`` when the response ends with a lowercase word (``a``, ``the``, ...) and ``0`` otherwise (:func:`lowercase_verdict`, the reference the tests compare the judge with). The responses
-are random token strings, half of them ending with a lowercase word.
+:func:`train_lowercase_judge` fine-tunes a 2-layer Qwen2 (hidden 64) on the tiny tokenizer with 100
+steps of plain SFT on the judge's own prompts (:data:`TEMPLATE`, plain text, as
+:class:`posttrain.reward.judge.JudgeGenerator` encodes them for a tokenizer without a chat template)
+to reply ``10`` when the response ends with a lowercase word (``a``, ``the``, ...) and ``0``
+otherwise (:func:`lowercase_verdict`, the reference the tests compare the judge with). The responses
+are random token strings, half of them ending with a lowercase word. :func:`train_pairwise_judge`
+does the same for a pairwise judge (:data:`PAIR_TEMPLATE`, replies ``A`` or ``B``).
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from pathlib import Path
 
 TEMPLATE = "{response}"  # the response alone, as plain text; the judge's reply continues it with "10" or "0"
 PARSER = r"^(\d+)"  # rl_config.judge_parser: a regex of one's own (the number the reply starts with)
+PAIR_TEMPLATE = "{response_a}\n{response_b}"  # the pairwise judge's; it replies "A" or "B"
+CHOICE_PARSER = r"^([AB])"  # posttrain judge-pairs --choice-parser
 _LOWERCASE: dict[int, list[int]] = {}
 
 
@@ -48,15 +53,33 @@ def random_responses(tokenizer, count: int, seed: int) -> list[str]:
     return out
 
 
-def train_lowercase_judge(out: Path, tokenizer, *, steps: int = 100, batch_size: int = 32, lr: float = 1e-2, seed: int = 0) -> Path:
-    """Train and save the judge (module doc) to ``out`` with a copy of ``tokenizer`` without its chat
-    template (the judge reads the response as plain text: short sequences, a fast SFT)."""
+def train_lowercase_judge(out: Path, tokenizer, *, steps: int = 100, seed: int = 0) -> Path:
+    """Train and save the pointwise judge (module doc) to ``out``."""
+    texts = random_responses(tokenizer, steps * 16, seed)
+    examples = [(TEMPLATE.replace("{response}", t), str(10 if lowercase_verdict(tokenizer, t) else 0)) for t in texts]
+    return sft_judge(out, tokenizer, examples, steps=steps, seed=seed)
+
+
+def train_pairwise_judge(out: Path, tokenizer, *, steps: int = 100, seed: int = 1) -> Path:
+    """Train and save a pairwise judge to ``out``: after :data:`PAIR_TEMPLATE` it replies ``B`` when
+    response B ends with a lowercase word and ``A`` otherwise. So it decides a pair in both orders
+    only when exactly one response ends with a lowercase word (that one wins), and is biased to one
+    position otherwise."""
+    texts = random_responses(tokenizer, steps * 32, seed)
+    examples = [(PAIR_TEMPLATE.replace("{response_a}", a).replace("{response_b}", b),
+                 "B" if lowercase_verdict(tokenizer, b) else "A") for a, b in zip(texts[0::2], texts[1::2])]
+    return sft_judge(out, tokenizer, examples, steps=steps, seed=seed)
+
+
+def sft_judge(out: Path, tokenizer, examples: list[tuple[str, str]], *, steps: int, batch_size: int = 32,
+              lr: float = 1e-2, seed: int = 0) -> Path:
+    """Fine-tune a fresh 2-layer Qwen2 on (prompt text, reply text) pairs (the reply then eos; loss on
+    the reply only) and save it with a copy of ``tokenizer`` without its chat template (the judge
+    reads plain text: short sequences, a fast SFT)."""
     import copy
 
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    from posttrain.reward.judge import JudgeGenerator
 
     tokenizer = copy.deepcopy(tokenizer)
     tokenizer.chat_template = None
@@ -66,13 +89,10 @@ def train_lowercase_judge(out: Path, tokenizer, *, steps: int = 100, batch_size:
                          tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id,
                          eos_token_id=tokenizer.eos_token_id)
     model = Qwen2ForCausalLM(config)
-    encode = JudgeGenerator(None, tokenizer, max_tokens=1, timeout_s=1.0).encode
-    texts = random_responses(tokenizer, steps * batch_size // 2, seed)
+    encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
     rows = []
-    for text in texts:
-        prompt = encode(TEMPLATE.replace("{response}", text))
-        answer = tokenizer(str(10 if lowercase_verdict(tokenizer, text) else 0),
-                           add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    for prompt_text, reply in examples:
+        prompt, answer = encode(prompt_text), encode(reply) + [tokenizer.eos_token_id]
         rows.append((prompt + answer, [-100] * len(prompt) + answer))
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     rng = random.Random(seed)

@@ -8,18 +8,20 @@ whose reply has no "Better: A/B", yields no preference.
 :func:`label_pairs` turns two samples per prompt into DPO rows (``instruction``, ``chosen``,
 ``rejected``: the pairwise format of ``posttrain preprocess``, handler
 ``AlpacaStylePairwiseHandler``) and :func:`write_preference_jsonl` writes them, so a judge labels
-preference data for ``stage: dpo`` from the policy's own samples.
+preference data for ``stage: dpo`` from the policy's own samples (``posttrain judge-pairs``,
+:mod:`posttrain.commands.judge_pairs`, samples two responses per prompt and writes the file).
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from posttrain.files import write_text_atomic
 from posttrain.reward.judge import JudgeGenerator
-from posttrain.reward.judge_parse import parse_choice
+from posttrain.reward.judge_parse import CHOICE, parse_choice
 from posttrain.reward.judge_template import PAIRWISE_TEMPLATE, fill
 
 
@@ -44,10 +46,11 @@ class PairwiseResult:
 
 
 class PairwiseJudge:
-    """Compare pairs of responses with a judge's generator, in both orders (module doc)."""
+    """Compare pairs of responses with a judge's generator, in both orders (module doc); ``choice``
+    reads "A" or "B" from a reply (default: the last "Better: X")."""
 
-    def __init__(self, generator: JudgeGenerator, template: str = PAIRWISE_TEMPLATE):
-        self.generator, self.template = generator, template
+    def __init__(self, generator: JudgeGenerator, template: str = PAIRWISE_TEMPLATE, choice: re.Pattern = CHOICE):
+        self.generator, self.template, self.choice = generator, template, choice
 
     def compare(self, prompts: list[str], xs: list[str], ys: list[str],
                 references: list[str] | None = None) -> PairwiseResult:
@@ -55,7 +58,7 @@ class PairwiseJudge:
         texts = [fill(self.template, prompt=p, response_a=a, response_b=b, reference=ref)
                  for p, x, y, ref in zip(prompts, xs, ys, references) for a, b in ((x, y), (y, x))]
         replies, _ = self.generator.generate(texts)
-        choices = [parse_choice(r) if r is not None else None for r in replies]
+        choices = [parse_choice(r, self.choice) if r is not None else None for r in replies]
         verdicts = [combine_orders(choices[2 * i], choices[2 * i + 1]) for i in range(len(prompts))]
         n = max(len(prompts), 1)
         return PairwiseResult(verdicts, {"judge/pairs_decided": sum(v is not None for v in verdicts) / n,

@@ -53,7 +53,23 @@ def parse_score(text: str, parser: re.Pattern, max_score: float) -> float | None
     return value / max_score
 
 
-def parse_choice(text: str) -> str | None:
-    """``"A"`` or ``"B"`` from the last "Better: X" in a pairwise judge's text; None when absent."""
-    matches = CHOICE.findall(text or "")
-    return matches[-1] if matches else None
+def parse_choice(text: str, choice: re.Pattern = CHOICE) -> str | None:
+    """``"A"`` or ``"B"``: the last match of ``choice`` (default: "Better: X") in a pairwise judge's
+    text; None when there is none, or it is neither."""
+    matches = [m.strip().upper() for m in choice.findall(text or "")]
+    return matches[-1] if matches and matches[-1] in ("A", "B") else None
+
+
+def compile_choice(spec: str | None, key: str = "--choice-parser") -> re.Pattern:
+    """The regex (one capture group around A or B) of ``spec``; :data:`CHOICE` for None."""
+    if spec is None:
+        return CHOICE
+    try:
+        compiled = re.compile(spec)
+    except re.error as err:
+        raise ConfigError(f"{key}={spec!r}: not a valid regex ({err}); give one with a capture group around A or B, "
+                          f"e.g. 'Winner: ([AB])'") from err
+    if compiled.groups != 1:
+        raise ConfigError(f"{key}={spec!r}: the regex needs exactly one capture group around A or B (it has "
+                          f"{compiled.groups})")
+    return compiled
