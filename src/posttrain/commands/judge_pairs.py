@@ -16,7 +16,7 @@ from pathlib import Path
 
 from posttrain.commands.outputs import check_output_file
 from posttrain.data.readers import iter_jsonl
-from posttrain.errors import DataError
+from posttrain.errors import ConfigError, DataError
 
 
 def read_prompts(path: Path, field: str) -> list[str]:
@@ -57,6 +57,10 @@ def run(args) -> int:
     from posttrain.reward.judge_parse import compile_choice
     from posttrain.reward.judge_template import PAIRWISE_TEMPLATE, load_template
 
+    for flag, path in (("--model", args.model), ("--judge", args.judge)):
+        if not (flag == "--judge" and path == "policy") and not Path(path).is_dir():
+            raise ConfigError(f"{flag} {path}: no such directory; give an HF model directory or a posttrain "
+                              f"checkpoint" + (" (or 'policy': the --model itself)" if flag == "--judge" else ""))
     output = check_output_file(args.output, force=args.force)
     prompts = read_prompts(Path(args.prompts), args.prompt_field)
     template = (load_template(args.template, "--template", needs=("response_a", "response_b")) if args.template

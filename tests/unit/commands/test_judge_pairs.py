@@ -84,8 +84,11 @@ def test_judge_pairs_writes_the_pairs_both_orders_agree_on(mini_qwen2_dir, pairw
 def test_judge_pairs_refuses_bad_input(tmp_path, capsys):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"question": "hi"}) + "\n")
-    argv = ["judge-pairs", "--model", "m", "--judge", "policy", "--prompts", str(prompts), "--output",
+    argv = ["judge-pairs", "--model", str(tmp_path), "--judge", "policy", "--prompts", str(prompts), "--output",
             str(tmp_path / "o.jsonl")]
+    code, text = run_cli(["judge-pairs", "--model", str(tmp_path), "--judge", "nowhere", "--prompts", str(prompts),
+                          "--output", str(tmp_path / "o.jsonl")], capsys)
+    assert code != 0 and "--judge nowhere: no such directory" in text
     code, text = run_cli(argv, capsys)
     assert code != 0 and "prompts.jsonl:1: no text in the field 'instruction' (keys: question); use --prompt-field" \
         in text
