@@ -121,7 +121,7 @@ DPO = {"global_batch_size": 8, "micro_batch_size": 4, "is_pairwise_dataset": Tru
 
 @pytest.mark.parametrize("train,message", [
     ({"dpo_loss_type": "simpo"}, r"Unknown loss type: simpo. Should be one of \['sigmoid', 'hinge', 'ipo', "
-                                 r"'kto_pair', 'orpo'\]"),
+                                 r"'kto_pair', 'orpo', 'kto'\]"),
     ({"is_pairwise_dataset": False}, "set megatron_training.is_pairwise_dataset: true"),
     ({"dpo_beta": 0.0}, r"^megatron_training.dpo_beta=0.0: must be a finite number > 0 \(the seed's default is 0.1\)"),
     ({"dpo_label_smoothing": 0.5}, r"^megatron_training.dpo_label_smoothing=0.5: must be a number in \[0, 0.5\)"),
