@@ -223,7 +223,7 @@ class UnpairedPreferenceDataset(_FieldsDataset):
         lengths = self._lengths("desirable")
         bad = np.flatnonzero(lengths != 1)
         if len(bad) == 0:
-            values = np.array([int(self.fields["desirable"][i][0]) for i in range(len(lengths))], dtype=np.int64)
+            values = self.fields["desirable"].first_tokens().astype(np.int64)
             bad = np.flatnonzero((values != 0) & (values != 1))
         if len(bad):
             raise DataError(f"data_path {data_prefix}: row {int(bad[0])} of desirable "
