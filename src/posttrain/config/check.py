@@ -28,6 +28,7 @@ import os
 import re
 from pathlib import Path
 
+from posttrain.envs.config import env_options
 from posttrain.config.arch import model_arch
 from posttrain.config.async_rollout import check_async
 from posttrain.config.backend import ModelParallel, check_backend, check_mapped, resolve_backend, uses_ray
@@ -125,6 +126,10 @@ def collect_checks(cfg: RunConfig, refusals: Refusals, *, device_type: str = "cp
     if here and backend == "megatron":
         refusals.run(require, "megatron.core", f"the megatron backend ({actor_key(cfg, 'backend')}: megatron)")
     refusals.run(check_multi_turn, cfg)
+    if stage.on_policy and cfg.rl.env_config is not None:  # posttrain.envs: checked before the packages
+        refusals.run(env_options, cfg.rl.env_config)
+        if here:
+            refusals.run(require, "verifiers", "rl_config.env_config (a verifiers taskset)")
     if stage.on_policy and (cfg.rl.rule_reward or cfg.rl.eval_data_path):  # training scores, held-out accuracy
         refusals.run(check_verifiers, cfg)
     refusals.run(_check_prompt_type_path, cfg)

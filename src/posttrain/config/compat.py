@@ -32,6 +32,23 @@ __all__ = ["DIMENSIONS", "EFFECTS", "FEATURES", "GROUPS", "NOT_NATIVE", "OFFLINE
            "Feature", "Row", "Setup", "check_compat", "no_effect", "refusals", "rows_of", "setup_of", "value_of"]
 
 
+_ENV = (
+    ("offline", "env", dict(stage=OFFLINE), "{setting}: stage {stage} rolls nothing out, so an environment has "
+     "nothing to score; use stage grpo, dapo or ppo, or remove the key"),
+    ("ray", "env", dict(placement=RAY), "{setting} on Ray actor workers is not built: the environment's rewards "
+     "score in the driver's process only; run in one process (no actor_resource.num_npus > 1, no ray_address)"),
+    *((name, "env", dict(with_=name), "{setting} with {other} is not built: the environment's rewards score the "
+       "experience of the in-process, single-turn loop; remove " + "{other_key}" + " or the environment")
+      for name in ("multi_turn", "dynamic_sampling", "async", "rollout_worker", "separated", "partial")),
+    ("data-path", "env_data_path", {}, "{setting}: with rl_config.env_config the prompts are the environment's "
+     "tasks; remove megatron_training.data_path (or the environment)"),
+    ("eval-data", "env_eval_data", {}, "{setting}: the held-out evaluation scores with the rule verifiers, not the "
+     "environment's rewards; remove rl_config.eval_data_path while training on an environment"),
+    ("verifiers", "env_verifiers", {}, "{setting}: with rl_config.env_config the reward is the environment's own "
+     "reward functions; remove verifier_function (and keep rule_reward: true)"),
+)
+
+
 # ---- the table -----------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Row:
@@ -300,6 +317,8 @@ ROWS: tuple[Row, ...] = (
         "other stages do not read (an on-policy reference is rl_config.integrated_mode_config.ref_model_load_path or "
         "the initial weights; SFT has none); remove the key", stage=("grpo", "dapo", "ppo", "sft")),
     *(Row(f"truncated-logprobs-{suffix}", feature, message, **where) for suffix, feature, where, message in _TRUNCATED),
+    # rl_config.env_config (posttrain.envs): the environment's prompts and reward in this process
+    *(Row(f"env-{suffix}", feature, message, **where) for suffix, feature, where, message in _ENV),
     Row("reward-model-offline", "reward_model", "reward_config: stage {stage} scores no responses (a reward model is "
         "read by the on-policy stages ray_grpo, ray_dapo and ray_ppo); remove reward_config", stage=OFFLINE),
 )

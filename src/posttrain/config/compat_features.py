@@ -259,11 +259,28 @@ def _features() -> dict[str, Feature]:
         *_queue_features(),
         _on("rl_config.async_engine", shown="rl_config.async_engine: true", when="true"),
         _on("rl_config.multi_turn_enable", name="multi_turn", shown="rl_config.multi_turn_enable: true", when="true"),
+        *_env_features(),
         *_diagnostics(),
         *_turn_credit_features(),
         *_truncation_features(),
     ]
     return {f.name: f for f in features}
+
+
+def _env_features() -> list[Feature]:
+    """rl_config.env_config (posttrain.envs), and the keys it replaces."""
+    env = lambda c: c.rl.env_config is not None  # noqa: E731
+    return [
+        _on("rl_config.env_config", lambda v: v is not None, name="env", shown="rl_config.env_config", when="set"),
+        Feature("env_data_path", ("megatron_training.data_path",), lambda c: env(c) and bool(c.actor.data_path),
+                when="set, with rl_config.env_config"),
+        Feature("env_eval_data", ("rl_config.eval_data_path",), lambda c: env(c) and bool(c.rl.eval_data_path),
+                when="set, with rl_config.env_config"),
+        Feature("env_verifiers", ("rl_config.verifier_function",),
+                lambda c: env(c) and (c.explicitly_set("rl_config", "verifier_function") or not c.rl.rule_reward),
+                shown="rl_config.verifier_function / rule_reward",
+                when="verifier_function written, or rule_reward: false, with rl_config.env_config"),
+    ]
 
 
 def _turn_credit_estimator_unknown(cfg: RunConfig) -> bool:
