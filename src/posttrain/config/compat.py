@@ -41,7 +41,7 @@ _ENV = (
        "experience of the in-process, single-turn loop; remove " + "{other_key}" + " or the environment")
       for name in ("multi_turn", "dynamic_sampling", "async", "rollout_worker", "separated", "partial")),
     ("data-path", "env_data_path", {}, "{setting}: with rl_config.env_config the prompts are the environment's "
-     "tasks; remove megatron_training.data_path (or the environment)"),
+     "tasks; remove {key} (or the environment)"),
     ("eval-data", "env_eval_data", {}, "{setting}: the held-out evaluation scores with the rule verifiers, not the "
      "environment's rewards; remove rl_config.eval_data_path while training on an environment"),
     ("verifiers", "env_verifiers", {}, "{setting}: with rl_config.env_config the reward is the environment's own "
