@@ -40,6 +40,10 @@ _ENV = (
     *((name, "env", dict(with_=name), "{setting} with {other} is not built: the environment's rewards score the "
        "experience of the in-process, single-turn loop; remove " + "{other_key}" + " or the environment")
       for name in ("multi_turn", "dynamic_sampling", "async", "rollout_worker", "separated", "partial")),
+    ("turns-engine", "env_turns", dict(engine=NOT_NATIVE), "{setting} runs its turns on the native engine (one "
+     "generate call per turn, continuing each row's keyed random stream); set rl_config.rollout_engine: native"),
+    ("turns-ppo", "env_turns", dict(stage=("ppo",)), "{setting} runs with GRPO and DAPO; PPO's critic over the "
+     "environment's observation tokens is not supported. Use stage grpo or dapo"),
     ("data-path", "env_data_path", {}, "{setting}: with rl_config.env_config the prompts are the environment's "
      "tasks; remove {key} (or the environment)"),
     ("eval-data", "env_eval_data", {}, "{setting}: the held-out evaluation scores with the rule verifiers, not the "

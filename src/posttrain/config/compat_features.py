@@ -272,6 +272,8 @@ def _env_features() -> list[Feature]:
     env = lambda c: c.rl.env_config is not None  # noqa: E731
     return [
         _on("rl_config.env_config", lambda v: v is not None, name="env", shown="rl_config.env_config", when="set"),
+        Feature("env_turns", ("rl_config.env_config",), lambda c: env(c) and c.rl.env_config.get("type") == "openenv",
+                shown="rl_config.env_config.type: openenv", when="type openenv (multi-turn)"),
         Feature("env_data_path", ("actor_config.data_path",), lambda c: env(c) and bool(c.actor.data_path),
                 when="set, with rl_config.env_config"),
         Feature("env_eval_data", ("rl_config.eval_data_path",), lambda c: env(c) and bool(c.rl.eval_data_path),

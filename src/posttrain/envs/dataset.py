@@ -46,12 +46,14 @@ class EnvPromptDataset:
 
 
 def build_env_dataset(options: EnvOptions, policy, max_prompt_length: int) -> EnvPromptDataset:
-    """The environment ``options`` loaded (:func:`~posttrain.envs.verifiers_tasks.load_tasks`) and its
+    """The environment ``options`` loaded (a verifiers taskset, :func:`~posttrain.envs.verifiers_tasks.load_tasks`,
+    or an OpenEnv-style one, :class:`~posttrain.envs.openenv_local.LocalEnvironment`) and its
     prompts encoded with the policy's tokenizer and prompt template (``policy``: its
     :class:`~posttrain.config.options.PolicyOptions`)."""
     from transformers import AutoTokenizer
 
     from posttrain.data.templates import get_template
+    from posttrain.envs.openenv_local import LocalEnvironment
     from posttrain.envs.verifiers_tasks import load_tasks
     from posttrain.paths import shipped_file
 
@@ -59,7 +61,7 @@ def build_env_dataset(options: EnvOptions, policy, max_prompt_length: int) -> En
     if not path:
         raise ConfigError(f"{KEY} encodes the environment's prompts with the policy's tokenizer: set "
                           "megatron_training.tokenizer_name_or_path to a Hugging Face tokenizer directory")
-    env = load_tasks(options)
+    env = LocalEnvironment(options) if options.multi_turn else load_tasks(options)
     tokenizer = AutoTokenizer.from_pretrained(path)
     kind = policy.prompt_type_path
     template = get_template(policy.prompt_type or "hf_chat_template",

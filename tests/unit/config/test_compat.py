@@ -114,6 +114,8 @@ EXAMPLES: dict[str, tuple[list[str], str]] = {
     "env-rollout_worker": ([*ENV, *WORKER], "cpu"),
     "env-separated": ([*ENV, *SEP_REF], "cpu"),
     "env-partial": ([*ENV, *PARTIAL], "cpu"),
+    "env-turns-engine": (["rl_config.env_config={type: openenv, id: m:E}", *VLLM], "cuda"),
+    "env-turns-ppo": (["rl_config.env_config={type: openenv, id: m:E}", *PPO], "cpu"),
     "env-data-path": ([*ENV, "actor_config.data_path=some/prefix"], "cpu"),
     "env-eval-data": ([*ENV, "rl_config.eval_data_path=some/prefix"], "cpu"),
     "env-verifiers": ([*ENV, "rl_config.verifier_function=[acc]"], "cpu"),

@@ -13,7 +13,7 @@ SECTIONS = ("megatron_training", "actor_config", "ref_config", "reward_config", 
             "generate_config", "profiler_config", "msprobe_config")
 # the keys of the mapping-valued keys (checked by their own code, not the schema)
 DICT_KEYS = {"integrated_mode_config": ("ref_model_load_path",),
-             "env_config": ("type", "id", "args", "limit")}  # posttrain.envs.config.KEYS
+             "env_config": ("type", "id", "args", "limit", "resets", "max_turns")}  # posttrain.envs.config.KEYS
 KEY = re.compile(r"\b(" + "|".join(SECTIONS) + r")((?:\.[A-Za-z_][A-Za-z0-9_]*)+)")
 
 
