@@ -10,7 +10,9 @@ times) or partial rollout (:class:`PartialGeneration`: rounds over two batches o
 :mod:`posttrain.loops.partial_rollout`). DAPO's dynamic sampling
 (:mod:`posttrain.loops.dynamic_sampling`) repeats generate-and-score until enough groups vary.
 
-The reward is the rule verifiers' score and/or a reward model's (``reward_config``), by weight.
+The reward is the rule verifiers' score and/or a reward model's (``reward_config``), by weight;
+with ``rl_config.env_config`` the environment's (a verifiers taskset's reward functions, in place of
+the verifiers; an OpenEnv-style environment's episode rewards, :mod:`posttrain.loops.env_turns`).
 """
 
 from __future__ import annotations

@@ -110,3 +110,14 @@ def test_grpo_on_an_openenv_environment_scores_its_episodes(tmp_path, mini_qwen2
     # the score is the episode's reward: 1 exactly where the environment ended it (a hit), else 0
     assert last["grpo/score/mean"] == pytest.approx(row["env/done/mean"])
     assert "timing/rule_reward" not in last
+
+
+def test_openenv_needs_a_template_with_an_observation_format(tmp_path, mini_qwen2_dir):
+    from posttrain.config.plan import resolve_plan
+
+    cfg = run_config(mini_qwen2_dir, None, tmp_path / "out", name="grpo_openenv", iters=1,
+                     megatron_training={"data_path": OMIT, "prompt_type": "hf_chat_template"},
+                     rl_config={"verifier_function": OMIT, "verifier_weight": OMIT, "verifier_modules": OMIT,
+                                "verifier_parallel": OMIT, "env_config": {"type": "openenv", "id": ENV}})
+    with pytest.raises(ConfigError, match="format_observation"):
+        resolve_plan(cfg)

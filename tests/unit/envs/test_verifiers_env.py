@@ -65,7 +65,7 @@ def test_prompts_are_the_tasks_messages_in_the_run_template(tiny_tokenizer):
 
 
 @pytest.mark.parametrize("raw, match", [
-    ({"type": "openenv", "id": "echo"}, "openenv is not supported"),
+    ({"type": "verifiers", "id": TASKSET, "max_turns": 2}, "max_turns belong to type: openenv"),
     ({"type": "gym", "id": "x"}, "not an environment type"),
     ({"type": "verifiers"}, r"env_config.id: give"),
     ({"type": "verifiers", "id": "x", "tools": 1}, "unknown key"),
@@ -78,6 +78,13 @@ def test_bad_env_config_names_the_key(raw, match):
 
     with pytest.raises(ConfigError, match=match):
         load_tasks(env_options(raw))
+
+
+def test_the_docs_check_knows_the_keys_of_env_config():
+    from posttrain.envs.config import KEYS
+    from tests.unit.docs.test_docs_keys import DICT_KEYS
+
+    assert DICT_KEYS["env_config"] == KEYS
 
 
 def env_config(root, model_dir, iters=1, **rl):
