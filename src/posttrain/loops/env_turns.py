@@ -81,13 +81,14 @@ class Episodes:
 class EnvTurns:
     """Fills a dock with episodes of the session's environment (see the module docstring)."""
 
-    def __init__(self, plan, session):
+    def __init__(self, plan, session, next_prompts):
         from posttrain.data.templates import get_template
         from posttrain.paths import shipped_file
 
         p = plan.policy
         path = p.prompt_type_path if p.prompt_type_path and shipped_file(p.prompt_type_path).is_file() else None
         self.plan, self.s, self.tokenizer = plan, session, session.policy.tokenizer
+        self.next_prompts = next_prompts  # session -> the sampler's next batch (prompts, labels)
         observation = ObservationFormat(get_template(p.prompt_type or "hf_chat_template", path), self.tokenizer)
         self.episodes = Episodes(session.dataset.env, self.tokenizer, observation, max_turns=plan.data.env.max_turns,
                                  max_tokens=plan.rollout.sampling.max_tokens,
@@ -95,9 +96,7 @@ class EnvTurns:
         self.rewards: dict[int, float] = {}
 
     def fill(self, td, iteration, engine, version, timers, acc) -> None:
-        from posttrain.loops.produce import next_prompts
-
-        prompts, labels = next_prompts(self.s)
+        prompts, labels = self.next_prompts(self.s)
         td.put_prompts({"prompts": prompts, "prompt_length": [len(p) for p in prompts], "labels": labels})
         n, sampling = self.plan.n, self.s.sampling_for(iteration)
         with timers("rollout"):

@@ -143,7 +143,7 @@ class Producer:
         self.plan, self.s = plan, session
         env_turns = plan.data.env is not None and plan.data.env.multi_turn  # an environment answers each turn
         self.extra = MULTI_TURN_COLUMNS if plan.rollout.tools is not None or env_turns else ()  # tool-token mask, calls
-        self.generation: Generation = (EnvTurns(plan, session) if env_turns
+        self.generation: Generation = (EnvTurns(plan, session, next_prompts) if env_turns
                                        else PartialGeneration(plan, session) if plan.off_policy.partial
                                        else PlainGeneration(plan, session, self.extra))
         self.dynamic = (DynamicSampler(plan.dynamic_sampling, n=plan.n, global_batch_size=plan.prompts_per_iteration,
