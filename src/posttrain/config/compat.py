@@ -49,7 +49,10 @@ _ENV = (
     ("eval-data", "env_eval_data", {}, "{setting}: the held-out evaluation scores with the rule verifiers, not the "
      "environment's rewards; remove rl_config.eval_data_path while training on an environment"),
     ("verifiers", "env_verifiers", {}, "{setting}: with rl_config.env_config the reward is the environment's own "
-     "reward functions; remove verifier_function (and keep rule_reward: true)"),
+     "(its reward functions or its episodes' rewards, no timeout or overlong penalty of the rule verifiers); remove "
+     "the rule verifiers' keys (verifier_function, verifier_weight, verifier_parallel, verifier_timeout, "
+     "verifier_modules, overlong_buffer_enable, overlong_buffer, overlong_buffer_penalty_factor) and keep "
+     "rule_reward: true"),
 )
 
 

@@ -278,11 +278,19 @@ def _env_features() -> list[Feature]:
                 when="set, with rl_config.env_config"),
         Feature("env_eval_data", ("rl_config.eval_data_path",), lambda c: env(c) and bool(c.rl.eval_data_path),
                 when="set, with rl_config.env_config"),
-        Feature("env_verifiers", ("rl_config.verifier_function",),
-                lambda c: env(c) and (c.explicitly_set("rl_config", "verifier_function") or not c.rl.rule_reward),
-                shown="rl_config.verifier_function / rule_reward",
-                when="verifier_function written, or rule_reward: false, with rl_config.env_config"),
+        Feature("env_verifiers", tuple(f"rl_config.{k}" for k in RULE_REWARD_KEYS),
+                lambda c: env(c) and (any(c.explicitly_set("rl_config", k) for k in RULE_REWARD_KEYS[:-1])
+                                      or not c.rl.rule_reward),
+                shown=lambda c: ", ".join(f"rl_config.{k}" for k in RULE_REWARD_KEYS[:-1]
+                                          if c.explicitly_set("rl_config", k)) or "rl_config.rule_reward: false",
+                when="one written, or rule_reward: false, with rl_config.env_config"),
     ]
+
+
+# the rule verifiers' keys (posttrain.reward.rule_reward), which an environment's reward replaces
+RULE_REWARD_KEYS = ("verifier_function", "verifier_weight", "verifier_parallel", "verifier_timeout",
+                    "verifier_modules", "overlong_buffer_enable", "overlong_buffer", "overlong_buffer_penalty_factor",
+                    "rule_reward")
 
 
 def _turn_credit_estimator_unknown(cfg: RunConfig) -> bool:

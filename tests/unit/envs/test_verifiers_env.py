@@ -99,6 +99,8 @@ def env_config(root, model_dir, iters=1, **rl):
     ({"multi_turn_enable": True, "tool_config_path": "x.yaml", "max_tool_calls": 1}, "with rl_config.multi_turn_enable"),
     ({"filter_groups_enable": True}, "filter_groups_enable"),
     ({"verifier_function": ["acc"]}, "the reward is the environment's own"),
+    ({"overlong_buffer_enable": True, "verifier_timeout": 3}, "verifier_timeout, rl_config.overlong_buffer_enable: "),
+    ({"rule_reward": False}, "rule_reward: false: with rl_config.env_config"),
     ({"eval_data_path": "some/prefix"}, "held-out evaluation"),
 ])
 def test_combinations_not_built_are_refused(tmp_path, mini_qwen2_dir, rl, match):
