@@ -45,7 +45,7 @@ _ENV = (
     ("turns-ppo", "env_turns", dict(stage=("ppo",)), "{setting} runs with GRPO and DAPO; PPO's critic over the "
      "environment's observation tokens is not supported. Use stage grpo or dapo"),
     ("data-path", "env_data_path", {}, "{setting}: with rl_config.env_config the prompts are the environment's "
-     "tasks; remove {key} (or the environment)"),
+     "tasks, not a dataset's (nor a split of one); remove data_path and split (or the environment)"),
     ("eval-data", "env_eval_data", {}, "{setting}: the held-out evaluation scores with the rule verifiers, not the "
      "environment's rewards; remove rl_config.eval_data_path while training on an environment"),
     ("verifiers", "env_verifiers", {}, "{setting}: with rl_config.env_config the reward is the environment's own "

@@ -274,8 +274,11 @@ def _env_features() -> list[Feature]:
         _on("rl_config.env_config", lambda v: v is not None, name="env", shown="rl_config.env_config", when="set"),
         Feature("env_turns", ("rl_config.env_config",), lambda c: env(c) and c.rl.env_config.get("type") == "openenv",
                 shown="rl_config.env_config.type: openenv", when="type openenv (multi-turn)"),
-        Feature("env_data_path", ("actor_config.data_path",), lambda c: env(c) and bool(c.actor.data_path),
-                when="set, with rl_config.env_config"),
+        Feature("env_data_path", ("actor_config.data_path", "actor_config.split"),
+                lambda c: env(c) and bool(c.actor.data_path or c.actor.split),
+                shown=lambda c: " and ".join(role_label(c, "actor_config", k) for k in ("data_path", "split")
+                                             if getattr(c.actor, k)),
+                when="either set, with rl_config.env_config"),
         Feature("env_eval_data", ("rl_config.eval_data_path",), lambda c: env(c) and bool(c.rl.eval_data_path),
                 when="set, with rl_config.env_config"),
         Feature("env_verifiers", tuple(f"rl_config.{k}" for k in RULE_REWARD_KEYS),
