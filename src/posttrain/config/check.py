@@ -128,7 +128,7 @@ def collect_checks(cfg: RunConfig, refusals: Refusals, *, device_type: str = "cp
     refusals.run(check_multi_turn, cfg)
     if stage.on_policy and cfg.rl.env_config is not None:  # posttrain.envs: checked before the packages
         refusals.run(_check_env, cfg)
-        if here:
+        if here and isinstance(cfg.rl.env_config, dict) and cfg.rl.env_config.get("type") == "verifiers":
             refusals.run(require, "verifiers", "rl_config.env_config (a verifiers taskset)")
     if stage.on_policy and (cfg.rl.rule_reward or cfg.rl.eval_data_path):  # training scores, held-out accuracy
         refusals.run(check_verifiers, cfg)

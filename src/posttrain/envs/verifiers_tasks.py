@@ -128,9 +128,8 @@ def taskset_class(ident: str) -> type:
 
 def _config_type(cls) -> type:
     from verifiers.v1.configs.taskset import TasksetConfig
-    from verifiers.v1.utils.generic import concrete_type
-
     from verifiers.v1.taskset import Taskset
+    from verifiers.v1.utils.generic import concrete_type
 
     return concrete_type(cls, TasksetConfig, origin=Taskset) or TasksetConfig
 

@@ -21,10 +21,10 @@ from tests.unit.envs import letters_taskset as letters  # noqa: E402
 TASKSET = "tests.unit.envs.letters_taskset"
 
 
-def env(**args):
+def env(ident=TASKSET, **args):
     from posttrain.envs.verifiers_tasks import load_tasks
 
-    return load_tasks(env_options({"type": "verifiers", "id": TASKSET, "args": args}))
+    return load_tasks(env_options({"type": "verifiers", "id": ident, "args": args}))
 
 
 def test_reward_is_the_tasksets_own_weighted_score():
@@ -41,6 +41,8 @@ def test_reward_is_the_tasksets_own_weighted_score():
     assert batch.per_verifier["echo"] == [1.0, 0.0, 1.0, 0.0, 1.0, 0.0]
     assert batch.metrics["lowercase_rewards/mean"] == pytest.approx(
         sum(map(letters.lowercase_fraction, replies)) / len(replies))
+    named = env(TASKSET + ":LettersTaskset", num_tasks=4)  # module:Class names the same taskset
+    assert EnvReward(named).score_detailed(replies, labels).scores == batch.scores
     with pytest.raises(ConfigError, match="not a task index"):
         EnvReward(tasks).score_detailed(["x"], ["9"])
 
