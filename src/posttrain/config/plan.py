@@ -247,7 +247,8 @@ def build_plan(cfg: RunConfig, layout: DeviceLayout, arch: ModelArch | None = No
     budgets = token_budgets(cfg)
     engine = EngineOptions(use_remove_padding=rl.use_remove_padding, share_prompt_prefix=rl.share_prompt_prefix,
                            update_budget=budgets["update"] if budgets else None,
-                           loss_mask_key="chosen_response_mask" if stage.name == "dpo" else "response_mask")
+                           loss_mask_key="chosen_response_mask" if stage.name == "dpo" and a.dpo_loss_type != "kto"
+                           else "response_mask")  # KTO's rows are plain rows
     steps_per_iteration = mini_batches * epochs
     max_num_seqs = gen.max_num_seqs if cfg.explicitly_set("generate_config", "max_num_seqs") else 256
     off = options.off_policy_options(cfg) if on_policy else OffPolicyOptions()
@@ -283,11 +284,10 @@ def build_plan(cfg: RunConfig, layout: DeviceLayout, arch: ModelArch | None = No
         cluster=options.cluster_options(cfg) if ray or off.separate_worker else ClusterOptions(),
         config_json=options.resolved_config_json(cfg),
         profiler=options.profiler_options(cfg, options.schedule_options(cfg).run_dir),
-        dumps=options.dump_options(cfg),
+        dumps=options.dump_options(cfg), judge=judge_options(cfg, rollout_dtype, on_policy=on_policy),
         offload_optimizer=on_policy and gen.offload_train_optimizer and not device.startswith("cpu"),
         offload_grads=on_policy and gen.offload_train_grad,
         warnings=warnings, arch=arch, reward_model=reward_model_options(cfg, device, on_policy=on_policy),
-        judge=judge_options(cfg, rollout_dtype, on_policy=on_policy),
         parallel=parallel, multi_turn=_multi_turn_line(cfg) if on_policy else "",
         off_policy_rollout=_off_policy_line(cfg) if on_policy else "", target=target,
         separated=separated_options(cfg) if on_policy else SeparatedRoles(),

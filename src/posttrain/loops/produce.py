@@ -11,7 +11,9 @@ times) or partial rollout (:class:`PartialGeneration`: rounds over two batches o
 (:mod:`posttrain.loops.dynamic_sampling`) repeats generate-and-score until enough groups vary.
 
 The reward is the rule verifiers' score and/or a reward model's (``reward_config``) and/or an LLM
-judge's (``rl_config.judge_path``, :mod:`posttrain.reward.judge`), by weight.
+judge's (``rl_config.judge_path``, :mod:`posttrain.reward.judge`), by weight; with
+``rl_config.env_config`` the environment's (a verifiers taskset's reward functions, in place of
+the verifiers; an OpenEnv-style environment's episode rewards, :mod:`posttrain.loops.env_turns`).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from posttrain.metrics.reduce import MetricAccumulator
 from posttrain.metrics.timers import Timers
 from posttrain.reward.decoding import decode_labels, decode_responses
 from posttrain.loops.dynamic_sampling import DynamicSampler, score_columns
+from posttrain.loops.env_turns import EnvTurns
 from posttrain.loops.experience import MULTI_TURN_COLUMNS, new_dock
 from posttrain.loops.partial_rollout import STATE_FILE, PartialRollout
 from posttrain.loops.resume_files import load_partial
@@ -139,8 +142,10 @@ class Producer:
 
     def __init__(self, plan: Plan, session: Session):
         self.plan, self.s = plan, session
-        self.extra = MULTI_TURN_COLUMNS if plan.rollout.tools is not None else ()  # tool-token mask, call counts
-        self.generation: Generation = (PartialGeneration(plan, session) if plan.off_policy.partial
+        env_turns = plan.data.env is not None and plan.data.env.multi_turn  # an environment answers each turn
+        self.extra = MULTI_TURN_COLUMNS if plan.rollout.tools is not None or env_turns else ()  # tool-token mask, calls
+        self.generation: Generation = (EnvTurns(plan, session, next_prompts) if env_turns
+                                       else PartialGeneration(plan, session) if plan.off_policy.partial
                                        else PlainGeneration(plan, session, self.extra))
         self.dynamic = (DynamicSampler(plan.dynamic_sampling, n=plan.n, global_batch_size=plan.prompts_per_iteration,
                                        train_prompts=plan.prompts_per_update, seed=plan.policy.seed,
@@ -185,7 +190,9 @@ class Producer:
                                            *(["tool_call_num"] if self.extra else [])],
                                 self.plan.reads["reward_dispatch_size"])
             scores = [0.0] * len(idx)
-            if self.plan.scores_by_rules:
+            if isinstance(self.generation, EnvTurns):  # the episodes' rewards, summed while they ran
+                scores = self.generation.scores(idx)
+            elif self.plan.scores_by_rules:
                 with timers("rule_reward"):
                     scores = self.rule_scores(td, batch, idx, acc)
             if model is not None:

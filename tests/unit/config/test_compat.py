@@ -24,6 +24,7 @@ GRPO = {
 ARCH = ModelArch(model_type="qwen2", num_layers=4, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
                  num_kv_heads=2, head_dim=16, vocab_size=256, tie_embeddings=True)
 DPO = ["megatron_training.stage=dpo", "megatron_training.is_pairwise_dataset=true"]
+KTO = ["megatron_training.stage=dpo", "actor_config.dpo_loss_type=kto"]
 PPO = ["megatron_training.stage=ray_ppo", "rl_config.adv_estimator=gae", "critic_config.micro_batch_size=2"]
 DAPO = ["megatron_training.stage=ray_dapo", "rl_config.filter_groups_enable=true",
         "rl_config.filter_groups_metric=base_acc", "rl_config.filter_groups_train_batch_size=4"]
@@ -42,6 +43,7 @@ TQ = ["rl_config.data_strategy=queue"]  # the seed's spelling of tq
 SPEC = ["generate_config.num_speculative_tokens=4"]
 OFFLOAD_PARAM = ["generate_config.offload_train_param=true"]
 GRAPHS = ["generate_config.enforce_eager=false"]
+ENV = ["rl_config.env_config={type: verifiers, id: my_tasks}"]  # posttrain.envs
 MSPROBE = ["msprobe_config.msprobe=true"]
 TRUNC = ["rl_config.truncated_sampling_logprobs=true"]
 JUDGE = ["rl_config.judge_path=/models/judge"]
@@ -106,6 +108,19 @@ EXAMPLES: dict[str, tuple[list[str], str]] = {
     "multi-turn-engine": ([*TURNS, *OTHER], "cpu"),
     "multi-turn-partial": ([*TURNS, *PARTIAL], "cpu"),
     "turn-credit-single-turn": (["rl_config.turn_credit=turn"], "cpu"),
+    "env-offline": ([*ENV, *DPO], "cpu"),
+    "env-ray": ([*ENV, *RAY], "cpu"),
+    "env-multi_turn": ([*ENV, *TURNS], "cpu"),
+    "env-dynamic_sampling": ([*ENV, *DAPO], "cpu"),
+    "env-async": ([*ENV, *ASYNC], "cpu"),
+    "env-rollout_worker": ([*ENV, *WORKER], "cpu"),
+    "env-separated": ([*ENV, *SEP_REF], "cpu"),
+    "env-partial": ([*ENV, *PARTIAL], "cpu"),
+    "env-turns-engine": (["rl_config.env_config={type: openenv, id: m:E}", *VLLM], "cuda"),
+    "env-turns-ppo": (["rl_config.env_config={type: openenv, id: m:E}", *PPO], "cpu"),
+    "env-data-path": ([*ENV, "actor_config.data_path=some/prefix"], "cpu"),
+    "env-eval-data": ([*ENV, "rl_config.eval_data_path=some/prefix"], "cpu"),
+    "env-verifiers": ([*ENV, "rl_config.verifier_function=[acc]"], "cpu"),
     "turn-credit-estimator": ([*TURNS, "rl_config.turn_credit=turn", "rl_config.adv_estimator=rloo"], "cpu"),
     "turn-credit-megatron": ([*TURNS, *TP2, "rl_config.turn_credit=turn"], "cpu"),
     "speculation-per-request": ([*SPEC, "rl_config.async_engine=true"], "cpu"),
@@ -137,7 +152,10 @@ EXAMPLES: dict[str, tuple[list[str], str]] = {
     "judge-megatron": ([*JUDGE, *TP2], "cpu"),
     "judge-async": ([*JUDGE, *ASYNC], "cpu"),
     "judge-rollout-worker": ([*JUDGE, *WORKER], "cpu"),
+    "judge-env": ([*JUDGE, *ENV], "cpu"),
     "self-judge-not-native": (["rl_config.judge_path=policy", *VLLM], "cpu"),
+    "kto-megatron": ([*KTO, *TP2], "cpu"),
+    "kto-ray": ([*KTO, *RAY], "cpu"),
     "transfer-queue-offline": ([*DPO, *TQ], "cpu"),
     "transfer-queue-partial": ([*TQ, *PARTIAL], "cpu"),
     "transfer-queue-shards": (["rl_config.transfer_queue_data_shard_num=2"], "cpu"),

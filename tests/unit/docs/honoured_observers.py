@@ -23,6 +23,7 @@ LORA = ["actor_config.lora_target_modules=[q_proj,v_proj]"]
 ASYNC = ["rl_config.async_staleness=1"]
 MSPROBE = ["msprobe_config.msprobe=true"]
 JUDGE = ["rl_config.judge_path=policy"]
+KTO = ["actor_config.dpo_loss_type=kto", "actor_config.is_pairwise_dataset=false"]
 MULTI_TURN_KEYS = ("max_tool_calls", "max_total_response_length", "tool_config_path", "tool_parser_format",
                    "max_parallel_calls", "max_tool_response_length", "tool_response_truncate_side")
 NAMES = ("tool_config_path", "tool_parser_format", "tool_response_truncate_side")
@@ -45,6 +46,8 @@ OBSERVERS: dict[str, tuple[str, list[str], list[str]]] = {
     "actor_config.dpo_beta": ("dpo_tiny_qwen2", [], ["actor_config.dpo_beta=0.5"]),
     "actor_config.dpo_label_smoothing": ("dpo_tiny_qwen2", [], ["actor_config.dpo_label_smoothing=0.2"]),
     "actor_config.pref_ftx": ("dpo_tiny_qwen2", [], ["actor_config.pref_ftx=0.5"]),
+    "actor_config.kto_desirable_weight": ("dpo_tiny_qwen2", KTO, ["actor_config.kto_desirable_weight=1.5"]),
+    "actor_config.kto_undesirable_weight": ("dpo_tiny_qwen2", KTO, ["actor_config.kto_undesirable_weight=1.5"]),
     "actor_config.lora_r": (BASE, LORA, ["actor_config.lora_r=4"]),
     "actor_config.lora_alpha": (BASE, LORA, ["actor_config.lora_alpha=4"]),
     "actor_config.lora_target_modules": (BASE, [], LORA),
@@ -148,6 +151,7 @@ for _key, _value in (("profile_step_start", 0), ("profile_step_end", 3)):
 
 # key -> the test that observes it (a run's files, loggers, tokenizer, the cluster...): it must exist and name the key
 ELSEWHERE: dict[str, str] = {
+    "rl_config.env_config": "tests/unit/envs/test_verifiers_env.py::test_grpo_on_a_verifiers_taskset_raises_its_reward",
     "actor_config.model": "tests/unit/config/test_config_loader.py::test_unknown_model_in_section",
     "actor_config.tokenizer_vocab_size": "tests/unit/models/test_arch_keys.py::test_qwen3_moe_dense_layers_and_llama3_rope_scaling",
     "actor_config.make_vocab_size_divisible_by": "tests/unit/models/mcore/test_convert.py::test_a_checkpoint_whose_padded_vocabulary_does_not_fit_tp_is_refused",
