@@ -37,7 +37,9 @@ def check_run_files(plan: Plan) -> None:
     actor starts from, the prompt template, the LoRA targets, the held-out dataset."""
     d, p = plan.data, plan.policy
     if plan.stage.on_policy:
-        build_prompt_dataset(d.data_path, d.max_prompt_length, additional_keys=d.additional_keys, split=d.split)
+        mm = plan.multimodal  # a multimodal run's dataset must hold the images
+        build_prompt_dataset(d.data_path, d.max_prompt_length, additional_keys=d.additional_keys, split=d.split,
+                             images_per_prompt=mm.images_per_prompt if mm else None)
     else:
         build_offline_dataset(d.data_path, plan.stage.name, seq_length=d.seq_length, split=d.split)
     dirs = run_dirs(plan)
