@@ -120,3 +120,35 @@ def test_a_resumed_run_repeats_the_straight_one(tiny_vlm_dir, mm_data, straight,
     y = load_file(first / "ckpt" / "iter_0000002" / "model.safetensors")
     for k in x:
         torch.testing.assert_close(y[k], x[k], rtol=0, atol=1e-6)
+
+
+LORA = {"actor_config__lora_target_modules": ["linear_qkv", "linear_fc1"], "actor_config__lora_r": 4,
+        "actor_config__lora_alpha": 8, "rl_config__freeze_vision_tower": True, "rl_config__reuse_image_embeds": True,
+        "rl_config__vit_forward_micro_batch_size": 1}
+DAPO = {"rl_config__filter_groups_enable": True, "rl_config__filter_groups_metric": "test_mm_token_share",
+        "rl_config__filter_groups_train_batch_size": 2, "rl_config__filter_groups_max_batches": 4,
+        "rl_config__clip_higher_enable": True, "rl_config__clip_ratio_low": 0.2, "rl_config__clip_ratio_high": 0.28}
+
+
+@pytest.mark.parametrize("name,stage,over", [("lora", "ray_grpo", LORA), ("dapo", "ray_dapo", DAPO)])
+def test_lora_and_dapo_run_an_iteration_on_the_vlm(tiny_vlm_dir, mm_data, tmp_path, name, stage, over):
+    from peft import PeftModel
+    from transformers import AutoModelForImageTextToText
+
+    from posttrain.commands.train import train_config as train
+
+    cfg = mm_config(tiny_vlm_dir, mm_data, tmp_path, iters=1, megatron_training__stage=stage, **over)
+    metrics = train(cfg)
+    assert math.isfinite(metrics["actor/pg_loss"]) and metrics["actor/grad_norm"] > 0
+    ckpt = tmp_path / "ckpt" / "iter_0000001"
+    if name == "dapo":
+        assert metrics["train/num_gen_batches"] >= 1 and "dapo/num_kept_groups" in metrics
+        return
+    assert "timing/image_embeds" in metrics  # the tower ran once, every pass reused its embeddings
+    config = json.loads((ckpt / "adapter_config.json").read_text())
+    assert config["r"] == 4 and config["exclude_modules"]  # the adapter keeps off the vision tower
+    base = AutoModelForImageTextToText.from_pretrained(tiny_vlm_dir)
+    adapted = PeftModel.from_pretrained(base, ckpt)  # PEFT's own loader
+    names = [n for n, _ in adapted.named_parameters() if "lora_B" in n]
+    assert names and not any("visual" in n for n in names)
+    assert any(float(p.abs().sum()) > 0 for n, p in adapted.named_parameters() if "lora_B" in n)  # trained

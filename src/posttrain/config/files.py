@@ -128,8 +128,11 @@ def _check_lora(options: lora.LoraOptions | None, path: Path) -> None:
         config = AutoConfig.from_pretrained(str(lora.adapter_base(path) if has_adapter else path))
     except (OSError, ValueError, KeyError):
         return  # the model's own loader names what is wrong with its config.json
+    auto = AutoModelForCausalLM
+    if getattr(config, "vision_config", None) is not None:  # a vision-language model (Qwen2.5-VL)
+        from transformers import AutoModelForImageTextToText as auto
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        model = auto.from_config(config)
     if has_adapter:
         lora.check_adapter_keys(path, options, model)
     lora.hf_targets(options.target_modules, model)
