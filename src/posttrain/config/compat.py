@@ -174,16 +174,18 @@ _MULTIMODAL_ROWS = (  # rl_config.is_multimodal: the hf backend in one process, 
         ("rollout_worker", "a rollout worker of its own is not given the images; set it to false"),
         ("separated", "the separated roles' batches do not carry the images; use the integrated worker"),
         ("transfer_queue", "the TransferQueue store is not tested with image columns; use data_strategy: td"))),
-    Row("mm-lora-tower", "lora", "{setting} with {other}: LoRA adapts the language model and PEFT freezes every base "
-        "weight, the vision tower's too; set rl_config.freeze_vision_tower: true", with_="vision_tower_trained"),
+    Row("mm-lora-tower", "vision_tower_trained", "{setting} with {other}: LoRA adapts the language model and PEFT "
+        "freezes every base weight, the vision tower's too; set rl_config.freeze_vision_tower: true", with_="lora"),
     Row("mm-reuse-trained-tower", "reuse_image_embeds", "{setting} with {other}: reused image embeddings carry no "
         "gradient to the vision tower, so it would not learn; set freeze_vision_tower: true or reuse_image_embeds: "
         "false", with_="vision_tower_trained"),
     Row("mm-reuse-ref-model", "reuse_image_embeds", "{setting} with {other}: the reused embeddings are the actor's "
         "vision tower's, which another reference model does not share; set reuse_image_embeds: false",
         with_="ref_model_load_path"),
-    Row("mm-key-alone", "mm_key_alone", "{setting}: a multimodal key; set rl_config.is_multimodal: true (with a "
-        "vision-language model and a dataset with images) or remove the key"),
+    Row("mm-key-alone", "mm_key_alone", "{setting}: the multimodal keys (rl_config.reuse_image_embeds, "
+        "freeze_vision_tower, vit_forward_micro_batch_size, actor_image_embeds_dispatch_size) "
+        "need rl_config.is_multimodal: true (a vision-language model and a dataset with images); set it or remove "
+        "them"),
     Row("mm-embeds-dispatch", "image_embeds_dispatch_alone", "{setting}: the read size of the image_embeds phase, "
         "which runs with reuse_image_embeds: true (and is_multimodal: true); set those or remove the key"),
 )

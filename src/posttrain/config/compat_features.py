@@ -186,7 +186,7 @@ def _truncation_features() -> list[Feature]:
     ]
 
 
-MM_KEYS_ALONE = ("reuse_image_embeds", "freeze_vision_tower", "colocate_actor_and_vit", "vit_forward_micro_batch_size",
+MM_KEYS_ALONE = ("reuse_image_embeds", "freeze_vision_tower", "vit_forward_micro_batch_size",
                  "actor_image_embeds_dispatch_size")  # rl_config keys that only a multimodal run reads
 
 

@@ -64,6 +64,8 @@ CRITIC_RESOURCE = refused("in integrated mode the critic runs on the actor's dev
 # the compatibility table (compat.py rows mm-*)
 VIT_RESOURCE = refused("the ViT on devices of its own waits for separated ViT roles (a ViT worker group); the vision "
                        "tower runs in the actor's process, on its devices", "remove the key", active="set")
+VIT_COLOCATED = ignored("posttrain always runs the vision tower in the actor's process, on its devices (a ViT of its "
+                        "own needs vit_resource, which is refused)")
 NO_VIDEOS = refused("videos are not fed to the training loop yet (the rollout and the log-prob passes take images "
                     "only)", "set it to 0 and give a video's frames as images")
 DP_BALANCE = HONOURED  # Ray workers: cluster/group.py balances the replicas' shares; one process: compat row
@@ -236,8 +238,7 @@ class RLConfig(Section):
                                               "image_embeds) and every pass reuses its image embeddings", HONOURED)
     freeze_vision_tower: bool = F(False, "posttrain: multimodal: the vision tower gets no gradient (the seed's "
                                          "docs name no such key)", HONOURED)
-    colocate_actor_and_vit: bool = F(False, "multimodal: ViT on the actor's devices (posttrain always runs it "
-                                                  "there: a ViT of its own needs vit_resource, refused)", HONOURED)
+    colocate_actor_and_vit: bool = F(False, "multimodal: ViT on the actor's devices", VIT_COLOCATED)
     n_samples_per_prompt: int = F(1, "group size n", HONOURED, ge=1, note="responses per prompt")
     mini_batch_size: int = F(1, "prompts per optimizer step", HONOURED, ge=1, note="prompts per optimizer step")
     use_dynamic_bsz: bool = F(False, "token-budget micro-batches", HONOURED)
