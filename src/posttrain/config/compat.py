@@ -182,6 +182,8 @@ _MULTIMODAL_ROWS = (  # rl_config.is_multimodal: the hf backend in one process, 
     Row("mm-reuse-ref-model", "reuse_image_embeds", "{setting} with {other}: the reused embeddings are the actor's "
         "vision tower's, which another reference model does not share; set reuse_image_embeds: false",
         with_="ref_model_load_path"),
+    Row("mm-eval", "mm_eval", "{setting} with rl_config.is_multimodal: true: the held-out evaluation generates from "
+        "the text prompts without their images; remove rl_config.eval_data_path"),
     Row("mm-key-alone", "mm_key_alone", "{setting}: the multimodal keys (rl_config.reuse_image_embeds, "
         "freeze_vision_tower, vit_forward_micro_batch_size, actor_image_embeds_dispatch_size) "
         "need rl_config.is_multimodal: true (a vision-language model and a dataset with images); set it or remove "

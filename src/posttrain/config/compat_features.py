@@ -209,6 +209,8 @@ def _multimodal_features() -> list[Feature]:
         Feature("reuse_image_embeds", ("rl_config.reuse_image_embeds",),
                 lambda c: rl(c).is_multimodal and rl(c).reuse_image_embeds,
                 shown="rl_config.reuse_image_embeds: true", when="true, with is_multimodal: true"),
+        Feature("mm_eval", ("rl_config.eval_data_path",), lambda c: rl(c).is_multimodal and bool(rl(c).eval_data_path),
+                when="set, with is_multimodal: true"),
         Feature("image_embeds_dispatch_alone", ("rl_config.actor_image_embeds_dispatch_size",),
                 lambda c: rl(c).actor_image_embeds_dispatch_size is not None and not rl(c).reuse_image_embeds,
                 when="set, without reuse_image_embeds: true"),

@@ -159,6 +159,7 @@ EXAMPLES: dict[str, tuple[list[str], str]] = {
     "mm-reuse-trained-tower": ([*MM, "rl_config.reuse_image_embeds=true"], "cpu"),
     "mm-reuse-ref-model": ([*MM_FROZEN, "rl_config.reuse_image_embeds=true",
                             "rl_config.integrated_mode_config.ref_model_load_path=/models/ref"], "cpu"),
+    "mm-eval": ([*MM, "rl_config.eval_data_path=/data/eval"], "cpu"),
     "mm-key-alone": (["rl_config.freeze_vision_tower=true"], "cpu"),
     "mm-embeds-dispatch": ([*MM_FROZEN, "rl_config.actor_image_embeds_dispatch_size=4"], "cpu"),
 }
