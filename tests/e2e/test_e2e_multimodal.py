@@ -125,7 +125,7 @@ def test_a_resumed_run_repeats_the_straight_one(tiny_vlm_dir, mm_data, straight,
 LORA = {"actor_config__lora_target_modules": ["linear_qkv", "linear_fc1"], "actor_config__lora_r": 4,
         "actor_config__lora_alpha": 8, "rl_config__freeze_vision_tower": True, "rl_config__reuse_image_embeds": True,
         "rl_config__vit_forward_micro_batch_size": 1}
-DAPO = {"rl_config__filter_groups_enable": True, "rl_config__filter_groups_metric": "test_mm_token_share",
+DAPO = {"rl_config__freeze_vision_tower": True, "rl_config__filter_groups_enable": True, "rl_config__filter_groups_metric": "test_mm_token_share",
         "rl_config__filter_groups_train_batch_size": 2, "rl_config__filter_groups_max_batches": 4,
         "rl_config__clip_higher_enable": True, "rl_config__clip_ratio_low": 0.2, "rl_config__clip_ratio_high": 0.28}
 
@@ -143,6 +143,10 @@ def test_lora_and_dapo_run_an_iteration_on_the_vlm(tiny_vlm_dir, mm_data, tmp_pa
     ckpt = tmp_path / "ckpt" / "iter_0000001"
     if name == "dapo":
         assert metrics["train/num_gen_batches"] >= 1 and "dapo/num_kept_groups" in metrics
+        before = AutoModelForImageTextToText.from_pretrained(tiny_vlm_dir).state_dict()
+        after = AutoModelForImageTextToText.from_pretrained(ckpt).state_dict()
+        changed = {k for k in before if not torch.equal(before[k], after[k])}
+        assert changed and not any("visual" in k for k in changed)  # freeze_vision_tower: the tower kept
         return
     assert "timing/image_embeds" in metrics  # the tower ran once, every pass reused its embeddings
     config = json.loads((ckpt / "adapter_config.json").read_text())
@@ -152,3 +156,14 @@ def test_lora_and_dapo_run_an_iteration_on_the_vlm(tiny_vlm_dir, mm_data, tmp_pa
     names = [n for n, _ in adapted.named_parameters() if "lora_B" in n]
     assert names and not any("visual" in n for n in names)
     assert any(float(p.abs().sum()) > 0 for n, p in adapted.named_parameters() if "lora_B" in n)  # trained
+
+
+def test_images_are_required_and_limited(mm_data, tiny_prompt_data):
+    from posttrain.data.builders import build_prompt_dataset
+    from posttrain.errors import DataError
+
+    with pytest.raises(DataError, match="is_multimodal: true, but the dataset .* has no images"):
+        build_prompt_dataset(tiny_prompt_data, 512, images_per_prompt=1)
+    assert len(build_prompt_dataset(mm_data, 512, images_per_prompt=1)[0]["images"]) == 1
+    with pytest.raises(DataError, match="prompt 0 holds 1 images, more than generate_config.limit_mm_image_per_"):
+        build_prompt_dataset(mm_data, 512, images_per_prompt=0)[0]
