@@ -6,7 +6,9 @@ in one process on the hf backend: 4 prompts x 2 samples, one 56x56 image each (4
   and resumed from its checkpoint repeats the straight run's iteration 2 and weights.
 * The update's log-probs (packed rows, micro-batches of 3 with the images of their rows) equal a
   per-sample Hugging Face forward of the same model with the same images (fp32, 1e-5).
-* DAPO (dynamic sampling) and LoRA (the vision tower frozen, reused image embeddings) run an iteration.
+* DAPO (dynamic sampling, the vision tower frozen: it stays as it was) and LoRA (frozen tower, reused
+  image embeddings, one image per tower forward; the adapter loads with PEFT and resumes) run an iteration.
+* A multimodal dataset needs its images and honours limit_mm_image_per_prompt.
 """
 
 from __future__ import annotations
@@ -156,6 +158,9 @@ def test_lora_and_dapo_run_an_iteration_on_the_vlm(tiny_vlm_dir, mm_data, tmp_pa
     names = [n for n, _ in adapted.named_parameters() if "lora_B" in n]
     assert names and not any("visual" in n for n in names)
     assert any(float(p.abs().sum()) > 0 for n, p in adapted.named_parameters() if "lora_B" in n)  # trained
+    resumed = train(mm_config(tiny_vlm_dir, mm_data, tmp_path, iters=2, megatron_training__stage=stage,
+                              actor_config__load=str(tmp_path / "ckpt"), **over))  # the adapter resumes
+    assert math.isfinite(resumed["actor/pg_loss"]) and sorted(metrics_by_iteration(tmp_path / "run")) == [1, 2]
 
 
 def test_images_are_required_and_limited(mm_data, tiny_prompt_data):
