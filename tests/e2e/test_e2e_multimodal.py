@@ -133,12 +133,21 @@ DAPO = {"rl_config__freeze_vision_tower": True, "rl_config__filter_groups_enable
 
 
 @pytest.mark.parametrize("name,stage,over", [("lora", "ray_grpo", LORA), ("dapo", "ray_dapo", DAPO)])
-def test_lora_and_dapo_run_an_iteration_on_the_vlm(tiny_vlm_dir, mm_data, tmp_path, name, stage, over):
+def test_lora_and_dapo_run_an_iteration_on_the_vlm(tiny_vlm_dir, mm_data, tmp_path, monkeypatch, name, stage, over):
     from peft import PeftModel
     from transformers import AutoModelForImageTextToText
 
+    import posttrain.loops.multimodal  # noqa: F401  (imported first: its image_embeds phase keeps the real tower call)
+    import posttrain.training.multimodal as forward
     from posttrain.commands.train import train_config as train
 
+    real, towers = forward.image_embeds, []  # towers: the vision tower run by a log-prob pass or the update
+
+    def counted(*args, **kwargs):
+        towers.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(forward, "image_embeds", counted)
     cfg = mm_config(tiny_vlm_dir, mm_data, tmp_path, iters=1, megatron_training__stage=stage, **over)
     metrics = train(cfg)
     assert math.isfinite(metrics["actor/pg_loss"]) and metrics["actor/grad_norm"] > 0
@@ -149,8 +158,9 @@ def test_lora_and_dapo_run_an_iteration_on_the_vlm(tiny_vlm_dir, mm_data, tmp_pa
         after = AutoModelForImageTextToText.from_pretrained(ckpt).state_dict()
         changed = {k for k in before if not torch.equal(before[k], after[k])}
         assert changed and not any("visual" in k for k in changed)  # freeze_vision_tower: the tower kept
+        assert towers  # without reuse_image_embeds every pass runs the tower
         return
-    assert "timing/image_embeds" in metrics  # the tower ran once, every pass reused its embeddings
+    assert "timing/image_embeds" in metrics and towers == []  # the tower ran once, every pass reused its embeddings
     config = json.loads((ckpt / "adapter_config.json").read_text())
     assert config["r"] == 4 and config["exclude_modules"]  # the adapter keeps off the vision tower
     base = AutoModelForImageTextToText.from_pretrained(tiny_vlm_dir)
