@@ -338,6 +338,10 @@ ROWS: tuple[Row, ...] = (
         "the initial weights; SFT has none); remove the key", stage=("grpo", "dapo", "ppo", "sft")),
     *(Row(f"truncated-logprobs-{suffix}", feature, message, **where) for suffix, feature, where, message in _TRUNCATED),
     *_MULTIMODAL_ROWS,
+    Row("kto-megatron", "kto", "{setting}: KTO on unpaired rows is built on the hf backend only; use backend hf "
+        "(no TP/PP/CP/EP > 1) or a pairwise dpo_loss_type{megatron}", backend=MEGATRON, stage=("dpo",)),
+    Row("kto-ray", "kto", "{setting} on Ray actor workers is not built yet (tested in one process only); train in one "
+        "process (no actor_resource.num_npus > 1, no ray_address)", placement=RAY, stage=("dpo",)),
     Row("reward-model-offline", "reward_model", "reward_config: stage {stage} scores no responses (a reward model is "
         "read by the on-policy stages ray_grpo, ray_dapo and ray_ppo); remove reward_config", stage=OFFLINE),
 )

@@ -330,6 +330,7 @@ def _run_features() -> dict[str, Feature]:
         Feature("critic_skip_train", ("critic_config.skip_train",), _written("critic_config.skip_train", bool),
                 when="written as true"),
         _on("actor_config.refer_model_iter", lambda v: v != 1, when="not 1"),
+        _on("actor_config.dpo_loss_type", lambda v: v == "kto", name="kto", when="kto"),
         Feature("critic_pretrained_checkpoint", ("critic_config.pretrained_checkpoint",),
                 _written("critic_config.pretrained_checkpoint", bool), when="written"),
     ]

@@ -41,7 +41,8 @@ def check_run_files(plan: Plan) -> None:
         build_prompt_dataset(d.data_path, d.max_prompt_length, additional_keys=d.additional_keys, split=d.split,
                              images_per_prompt=mm.images_per_prompt if mm else None)
     else:
-        build_offline_dataset(d.data_path, plan.stage.name, seq_length=d.seq_length, split=d.split)
+        build_offline_dataset(d.data_path, plan.stage.name, seq_length=d.seq_length, split=d.split,
+                              unpaired=plan.dpo is not None and plan.dpo.unpaired)
     dirs = run_dirs(plan)
     for key, directory in [(dirs.run_dir_key, dirs.run_dir), *dirs.log_dirs.items(), ("actor_config.save", dirs.save),
                            ("critic_config.save", dirs.critic_save)]:

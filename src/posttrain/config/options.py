@@ -224,12 +224,20 @@ class DynamicSamplingOptions:
 
 @dataclass(frozen=True)
 class DPOOptions:
-    """``dpo_loss_type``, ``dpo_beta``, ``dpo_label_smoothing``, ``pref_ftx``."""
+    """``dpo_loss_type``, ``dpo_beta``, ``dpo_label_smoothing``, ``pref_ftx``, and KTO's
+    ``kto_desirable_weight`` / ``kto_undesirable_weight``."""
 
     loss_type: str = "sigmoid"
     beta: float = 0.1
     label_smoothing: float = 0.0
     pref_ftx: float = 0.0
+    desirable_weight: float = 1.0
+    undesirable_weight: float = 1.0
+
+    @property
+    def unpaired(self) -> bool:
+        """KTO (``dpo_loss_type: kto``) trains on unpaired rows (UnpairedPreferenceHandler data)."""
+        return self.loss_type == "kto"
 
 
 # ---- data, schedule, logs, cluster ----------------------------------------------------------------
@@ -467,7 +475,8 @@ def dynamic_sampling_options(cfg: RunConfig) -> DynamicSamplingOptions:
 def dpo_options(cfg: RunConfig) -> DPOOptions:
     a = cfg.actor
     return DPOOptions(loss_type=a.dpo_loss_type, beta=a.dpo_beta, label_smoothing=a.dpo_label_smoothing,
-                      pref_ftx=a.pref_ftx)
+                      pref_ftx=a.pref_ftx, desirable_weight=a.kto_desirable_weight,
+                      undesirable_weight=a.kto_undesirable_weight)
 
 
 def rule_reward_options(cfg: RunConfig) -> RuleRewardOptions:

@@ -247,7 +247,8 @@ def build_plan(cfg: RunConfig, layout: DeviceLayout, arch: ModelArch | None = No
     budgets = token_budgets(cfg)
     engine = EngineOptions(use_remove_padding=rl.use_remove_padding, share_prompt_prefix=rl.share_prompt_prefix,
                            update_budget=budgets["update"] if budgets else None,
-                           loss_mask_key="chosen_response_mask" if stage.name == "dpo" else "response_mask")
+                           loss_mask_key="chosen_response_mask" if stage.name == "dpo" and a.dpo_loss_type != "kto"
+                           else "response_mask")  # KTO's rows are plain rows
     steps_per_iteration = mini_batches * epochs
     max_num_seqs = gen.max_num_seqs if cfg.explicitly_set("generate_config", "max_num_seqs") else 256
     off = options.off_policy_options(cfg) if on_policy else OffPolicyOptions()

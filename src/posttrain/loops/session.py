@@ -98,7 +98,8 @@ class Session:
             mm = self.plan.multimodal
             return build_prompt_dataset(d.data_path, d.max_prompt_length, additional_keys=d.additional_keys,
                                         split=d.split, images_per_prompt=mm.images_per_prompt if mm else None)
-        return build_offline_dataset(d.data_path, stage.name, seq_length=d.seq_length, split=d.split)
+        return build_offline_dataset(d.data_path, stage.name, seq_length=d.seq_length, split=d.split,
+                                     unpaired=self.plan.dpo is not None and self.plan.dpo.unpaired)
 
     def _build(self, start: Start) -> None:
         plan, on_policy = self.plan, self.plan.stage.on_policy

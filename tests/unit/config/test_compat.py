@@ -24,6 +24,7 @@ GRPO = {
 ARCH = ModelArch(model_type="qwen2", num_layers=4, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
                  num_kv_heads=2, head_dim=16, vocab_size=256, tie_embeddings=True)
 DPO = ["megatron_training.stage=dpo", "megatron_training.is_pairwise_dataset=true"]
+KTO = ["megatron_training.stage=dpo", "actor_config.dpo_loss_type=kto"]
 PPO = ["megatron_training.stage=ray_ppo", "rl_config.adv_estimator=gae", "critic_config.micro_batch_size=2"]
 DAPO = ["megatron_training.stage=ray_dapo", "rl_config.filter_groups_enable=true",
         "rl_config.filter_groups_metric=base_acc", "rl_config.filter_groups_train_batch_size=4"]
@@ -133,6 +134,8 @@ EXAMPLES: dict[str, tuple[list[str], str]] = {
                               "cpu"),
     "blocking-integrated": (["rl_config.blocking=false"], "cpu"),
     "reward-model-offline": ([*DPO, "reward_config.load=/models/rm"], "cpu"),
+    "kto-megatron": ([*KTO, *TP2], "cpu"),
+    "kto-ray": ([*KTO, *RAY], "cpu"),
     "transfer-queue-offline": ([*DPO, *TQ], "cpu"),
     "transfer-queue-partial": ([*TQ, *PARTIAL], "cpu"),
     "transfer-queue-shards": (["rl_config.transfer_queue_data_shard_num=2"], "cpu"),

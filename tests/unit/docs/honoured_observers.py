@@ -22,6 +22,7 @@ DYNAMIC = ["rl_config.use_dynamic_bsz=true"]
 LORA = ["actor_config.lora_target_modules=[q_proj,v_proj]"]
 ASYNC = ["rl_config.async_staleness=1"]
 MSPROBE = ["msprobe_config.msprobe=true"]
+KTO = ["actor_config.dpo_loss_type=kto", "actor_config.is_pairwise_dataset=false"]
 MULTI_TURN_KEYS = ("max_tool_calls", "max_total_response_length", "tool_config_path", "tool_parser_format",
                    "max_parallel_calls", "max_tool_response_length", "tool_response_truncate_side")
 NAMES = ("tool_config_path", "tool_parser_format", "tool_response_truncate_side")
@@ -52,6 +53,8 @@ OBSERVERS: dict[str, tuple[str, list[str], list[str]]] = {
     "actor_config.dpo_beta": ("dpo_tiny_qwen2", [], ["actor_config.dpo_beta=0.5"]),
     "actor_config.dpo_label_smoothing": ("dpo_tiny_qwen2", [], ["actor_config.dpo_label_smoothing=0.2"]),
     "actor_config.pref_ftx": ("dpo_tiny_qwen2", [], ["actor_config.pref_ftx=0.5"]),
+    "actor_config.kto_desirable_weight": ("dpo_tiny_qwen2", KTO, ["actor_config.kto_desirable_weight=1.5"]),
+    "actor_config.kto_undesirable_weight": ("dpo_tiny_qwen2", KTO, ["actor_config.kto_undesirable_weight=1.5"]),
     "actor_config.lora_r": (BASE, LORA, ["actor_config.lora_r=4"]),
     "actor_config.lora_alpha": (BASE, LORA, ["actor_config.lora_alpha=4"]),
     "actor_config.lora_target_modules": (BASE, [], LORA),
