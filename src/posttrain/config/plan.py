@@ -290,8 +290,7 @@ def build_plan(cfg: RunConfig, layout: DeviceLayout, arch: ModelArch | None = No
         warnings=warnings, arch=arch, reward_model=reward_model_options(cfg, device, on_policy=on_policy),
         parallel=parallel, multi_turn=_multi_turn_line(cfg) if on_policy else "",
         off_policy_rollout=_off_policy_line(cfg) if on_policy else "", target=target,
-        separated=separated_options(cfg) if on_policy else SeparatedRoles(),
-        multimodal=multimodal_options(cfg, reads) if on_policy else None,
+        separated=separated_options(cfg) if on_policy else SeparatedRoles(), multimodal=multimodal_options(cfg, reads),
     )
     if arch is not None:
         plan = _replace(plan, num_params=arch.num_params(), memory=estimate_memory(cfg, plan, arch))

@@ -31,11 +31,14 @@ NO_TOOLS = ["rl_config.multi_turn_enable=false",
 TOOLS = ["rl_config.multi_turn_enable=true", "rl_config.max_tool_calls=2", "rl_config.max_total_response_length=64",
          "rl_config.tool_config_path=configs/tools/retool.yaml"]
 
-MM = ["rl_config.is_multimodal=true", "rl_config.freeze_vision_tower=true"]
+NO_EVAL = ["rl_config.eval_data_path=null"]  # the held-out evaluation takes no images (compat row mm-eval)
+MM = [*NO_EVAL, "rl_config.is_multimodal=true", "rl_config.freeze_vision_tower=true"]
 
 # key -> (config name, context overrides of both plans, the change)
 OBSERVERS: dict[str, tuple[str, list[str], list[str]]] = {
-    "rl_config.freeze_vision_tower": (BASE, ["rl_config.is_multimodal=true"], ["rl_config.freeze_vision_tower=true"]),
+    "rl_config.is_multimodal": (BASE, NO_EVAL, ["rl_config.is_multimodal=true"]),
+    "rl_config.freeze_vision_tower": (BASE, [*NO_EVAL, "rl_config.is_multimodal=true"],
+                                      ["rl_config.freeze_vision_tower=true"]),
     "rl_config.reuse_image_embeds": (BASE, MM, ["rl_config.reuse_image_embeds=true"]),
     "rl_config.vit_forward_micro_batch_size": (BASE, MM, ["rl_config.vit_forward_micro_batch_size=2"]),
     "rl_config.actor_image_embeds_dispatch_size": (BASE, [*MM, "rl_config.reuse_image_embeds=true"],
