@@ -11,6 +11,10 @@ times) or partial rollout (:class:`PartialGeneration`: rounds over two batches o
 (:mod:`posttrain.loops.dynamic_sampling`) repeats generate-and-score until enough groups vary.
 
 The reward is the rule verifiers' score and/or a reward model's (``reward_config``), by weight.
+
+A multimodal run (``rl_config.is_multimodal``) puts each prompt's images beside it (its image pads
+expanded, ``pixel_values`` and ``image_grid_thw`` per row: :mod:`posttrain.loops.multimodal`) and
+passes them to the engine's ``generate(images=)``; DAPO's kept groups bring them along.
 """
 
 from __future__ import annotations
