@@ -164,6 +164,8 @@ def test_lora_and_dapo_run_an_iteration_on_the_vlm(tiny_vlm_dir, mm_data, tmp_pa
     config = json.loads((ckpt / "adapter_config.json").read_text())
     assert config["r"] == 4 and config["exclude_modules"]  # the adapter keeps off the vision tower
     base = AutoModelForImageTextToText.from_pretrained(tiny_vlm_dir)
+    saved_base = AutoModelForImageTextToText.from_pretrained(ckpt / "base").state_dict()  # what a resume loads
+    assert all(torch.equal(saved_base[k], v) for k, v in base.state_dict().items())
     adapted = PeftModel.from_pretrained(base, ckpt)  # PEFT's own loader
     names = [n for n, _ in adapted.named_parameters() if "lora_B" in n]
     assert names and not any("visual" in n for n in names)
