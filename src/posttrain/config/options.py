@@ -19,6 +19,7 @@ import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from posttrain.envs.config import EnvOptions, env_options
 from posttrain.checkpoint.files import CheckpointLoad
 from posttrain.config.dpo_reference import dpo_reference
 from posttrain.config.megatron import MegatronConfig
@@ -258,6 +259,7 @@ class DataOptions:
     full_shuffle: bool = False
     eval_data_path: str | None = None
     eval_limit: int | None = None
+    env: EnvOptions | None = None  # rl_config.env_config: the prompts (and reward) of an environment
 
 
 @dataclass(frozen=True)
@@ -494,7 +496,8 @@ def data_options(cfg: RunConfig) -> DataOptions:
                        additional_keys=tuple(a.dataset_additional_keys or ["labels"]), seq_length=a.seq_length,
                        seed=a.seed, no_shuffle=bool(a.no_shuffle),
                        full_shuffle=bool(a.full_shuffle_instruction_dataset),
-                       eval_data_path=rl.eval_data_path or None, eval_limit=rl.eval_limit)
+                       eval_data_path=rl.eval_data_path or None, eval_limit=rl.eval_limit,
+                       env=env_options(rl.env_config))
 
 
 def schedule_options(cfg: RunConfig) -> ScheduleOptions:

@@ -43,6 +43,7 @@ TQ = ["rl_config.data_strategy=queue"]  # the seed's spelling of tq
 SPEC = ["generate_config.num_speculative_tokens=4"]
 OFFLOAD_PARAM = ["generate_config.offload_train_param=true"]
 GRAPHS = ["generate_config.enforce_eager=false"]
+ENV = ["rl_config.env_config={type: verifiers, id: my_tasks}"]  # posttrain.envs
 MSPROBE = ["msprobe_config.msprobe=true"]
 TRUNC = ["rl_config.truncated_sampling_logprobs=true"]
 MM = ["rl_config.is_multimodal=true"]
@@ -108,6 +109,19 @@ EXAMPLES: dict[str, tuple[list[str], str]] = {
     "multi-turn-engine": ([*TURNS, *OTHER], "cpu"),
     "multi-turn-partial": ([*TURNS, *PARTIAL], "cpu"),
     "turn-credit-single-turn": (["rl_config.turn_credit=turn"], "cpu"),
+    "env-offline": ([*ENV, *DPO], "cpu"),
+    "env-ray": ([*ENV, *RAY], "cpu"),
+    "env-multi_turn": ([*ENV, *TURNS], "cpu"),
+    "env-dynamic_sampling": ([*ENV, *DAPO], "cpu"),
+    "env-async": ([*ENV, *ASYNC], "cpu"),
+    "env-rollout_worker": ([*ENV, *WORKER], "cpu"),
+    "env-separated": ([*ENV, *SEP_REF], "cpu"),
+    "env-partial": ([*ENV, *PARTIAL], "cpu"),
+    "env-turns-engine": (["rl_config.env_config={type: openenv, id: m:E}", *VLLM], "cuda"),
+    "env-turns-ppo": (["rl_config.env_config={type: openenv, id: m:E}", *PPO], "cpu"),
+    "env-data-path": ([*ENV, "actor_config.data_path=some/prefix"], "cpu"),
+    "env-eval-data": ([*ENV, "rl_config.eval_data_path=some/prefix"], "cpu"),
+    "env-verifiers": ([*ENV, "rl_config.verifier_function=[acc]"], "cpu"),
     "turn-credit-estimator": ([*TURNS, "rl_config.turn_credit=turn", "rl_config.adv_estimator=rloo"], "cpu"),
     "turn-credit-megatron": ([*TURNS, *TP2, "rl_config.turn_credit=turn"], "cpu"),
     "speculation-per-request": ([*SPEC, "rl_config.async_engine=true"], "cpu"),

@@ -157,6 +157,7 @@ for _key, _value in (("profile_step_start", 0), ("profile_step_end", 3)):
 # key -> the test that observes it (a run's files, loggers, tokenizer, the cluster...): it must exist and name the key
 ELSEWHERE: dict[str, str] = {
     "actor_config.vision_tower": "tests/unit/models/test_vlm.py::test_vision_tower_keys_are_checked",
+    "rl_config.env_config": "tests/unit/envs/test_verifiers_env.py::test_grpo_on_a_verifiers_taskset_raises_its_reward",
     "actor_config.model": "tests/unit/config/test_config_loader.py::test_unknown_model_in_section",
     "actor_config.tokenizer_vocab_size": "tests/unit/models/test_arch_keys.py::test_qwen3_moe_dense_layers_and_llama3_rope_scaling",
     "actor_config.make_vocab_size_divisible_by": "tests/unit/models/mcore/test_convert.py::test_a_checkpoint_whose_padded_vocabulary_does_not_fit_tp_is_refused",
