@@ -197,7 +197,8 @@ _MULTIMODAL_ROWS = (  # rl_config.is_multimodal: the hf backend in one process, 
         ("async", "the asynchronous rollout is not tested with images; remove the key"),
         ("rollout_worker", "a rollout worker of its own is not given the images; set it to false"),
         ("separated", "the separated roles' batches do not carry the images; use the integrated worker"),
-        ("transfer_queue", "the TransferQueue store is not tested with image columns; use data_strategy: td"))),
+        ("transfer_queue", "the TransferQueue store is not tested with image columns; use data_strategy: td"),
+        ("env", "an environment's tasks carry no images; remove env_config or set is_multimodal: false"))),
     Row("mm-lora-tower", "vision_tower_trained", "{setting} with {other}: LoRA adapts the language model and PEFT "
         "freezes every base weight, the vision tower's too; set rl_config.freeze_vision_tower: true", with_="lora"),
     Row("mm-reuse-trained-tower", "reuse_image_embeds", "{setting} with {other}: reused image embeddings carry no "

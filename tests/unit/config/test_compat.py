@@ -172,6 +172,7 @@ EXAMPLES: dict[str, tuple[list[str], str]] = {
     "mm-rollout_worker": ([*MM, *WORKER], "cpu"),
     "mm-separated": ([*MM, *SEP_REF], "cpu"),
     "mm-transfer_queue": ([*MM, *TQ], "cpu"),
+    "mm-env": ([*MM, *ENV], "cpu"),
     "mm-lora-tower": ([*MM, *LORA], "cpu"),
     "mm-reuse-trained-tower": ([*MM, "rl_config.reuse_image_embeds=true"], "cpu"),
     "mm-reuse-ref-model": ([*MM_FROZEN, "rl_config.reuse_image_embeds=true",
