@@ -99,8 +99,9 @@ class Session:
         if stage.on_policy and d.env is not None:  # rl_config.env_config: the environment's tasks (posttrain.envs)
             return build_env_dataset(d.env, self.plan.policy, d.max_prompt_length)
         if stage.on_policy:
+            mm = self.plan.multimodal
             return build_prompt_dataset(d.data_path, d.max_prompt_length, additional_keys=d.additional_keys,
-                                        split=d.split)
+                                        split=d.split, images_per_prompt=mm.images_per_prompt if mm else None)
         return build_offline_dataset(d.data_path, stage.name, seq_length=d.seq_length, split=d.split,
                                      unpaired=self.plan.dpo is not None and self.plan.dpo.unpaired)
 
@@ -299,7 +300,7 @@ class Session:
 
             with on_device(p.actor, getattr(self.critic, "engine", None)):  # an offloaded state is saved too
                 path = save_checkpoint(s.save, iteration, p.model, p.actor.optimizer, p.actor.scheduler,
-                                       tokenizer=p.tokenizer, sampler_state=self.sampler.state_dict(),
+                                       tokenizer=p.processor or p.tokenizer, sampler_state=self.sampler.state_dict(),
                                        trainer_state=state, save_optim=s.save_optim, save_rng=s.save_rng,
                                        extra=self.extra_parts, files=self.extra_files, adapter_only=s.adapter_only)
         self._write_card(path, iteration)
