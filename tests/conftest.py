@@ -249,3 +249,21 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords and not has_cuda:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def lowercase_judge_dir(tmp_path_factory, tiny_tokenizer) -> Path:
+    """A tiny LLM judge SFT'd to reply "10" after a response that ends with a lowercase word and "0"
+    otherwise (:func:`tests.helpers.judge.train_lowercase_judge`; read-only)."""
+    from tests.helpers.judge import train_lowercase_judge
+
+    return train_lowercase_judge(tmp_path_factory.mktemp("models") / "lowercase_judge", tiny_tokenizer)
+
+
+@pytest.fixture(scope="session")
+def pairwise_judge_dir(tmp_path_factory, tiny_tokenizer) -> Path:
+    """A tiny pairwise LLM judge SFT'd to reply "B" when response B ends with a lowercase word, else
+    "A" (:func:`tests.helpers.judge.train_pairwise_judge`; read-only)."""
+    from tests.helpers.judge import train_pairwise_judge
+
+    return train_pairwise_judge(tmp_path_factory.mktemp("models") / "pairwise_judge", tiny_tokenizer)

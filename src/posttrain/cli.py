@@ -25,6 +25,7 @@ COMMANDS = {
     "bench": "posttrain.commands.bench",
     "convert": "posttrain.commands.convert",
     "compare-dumps": "posttrain.commands.compare_dumps",
+    "judge-pairs": "posttrain.commands.judge_pairs",
 }
 
 
@@ -51,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.required = True
 
     _add_plan(sub)
+    _add_judge_pairs(sub)
 
     p = sub.add_parser("train", help="run training (GRPO, DAPO, PPO, DPO or SFT, by megatron_training.stage)")
     _add_config_args(p)
@@ -126,6 +128,28 @@ def _add_compare_dumps(sub) -> None:
     p.add_argument("dump_b", metavar="B", help="the dump_path of the second run")
     p.add_argument("--rtol", type=float, default=1e-5, help="relative tolerance: |a - b| <= atol + rtol * |b|")
     p.add_argument("--atol", type=float, default=1e-8, help="absolute tolerance")
+
+
+def _add_judge_pairs(sub) -> None:
+    p = sub.add_parser("judge-pairs", help="sample two responses per prompt and write the pairs a pairwise LLM judge "
+                                           "decides in both orders as DPO JSONL")
+    p.add_argument("--model", required=True, help="the model that samples (an HF directory or a posttrain checkpoint)")
+    p.add_argument("--judge", required=True, help="the judge: a causal-LM directory, or 'policy' (the --model itself)")
+    p.add_argument("--prompts", required=True, help="JSONL file of prompts")
+    p.add_argument("--prompt-field", default="instruction", help="the prompts' field (default: instruction)")
+    p.add_argument("--output", required=True, help="DPO JSONL written: instruction, chosen, rejected")
+    p.add_argument("--template", default=None, help="the judge's template, inline or a file, with {prompt} "
+                   "{response_a} {response_b} {reference} (default: asks for 'Better: A' or 'Better: B')")
+    p.add_argument("--choice-parser", default=None, help="regex with one capture group around A or B "
+                   "(default: the last 'Better: X')")
+    p.add_argument("--max-tokens", type=int, default=64, help="the most tokens of a sampled response")
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of the two responses")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed")
+    p.add_argument("--judge-max-tokens", type=int, default=16, help="the most tokens of a judge reply")
+    p.add_argument("--judge-timeout", type=float, default=300.0, help="seconds for all the judge's replies "
+                   "(replies not finished then decide nothing)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--force", action="store_true", help=FORCE_HELP)
 
 
 def _add_plan(sub) -> None:

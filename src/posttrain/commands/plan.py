@@ -15,7 +15,8 @@ __all__ = ["format_plan", "model_arch", "run"]  # model_arch lives in posttrain.
 
 def _role_lines(plan: Plan) -> list[str]:
     """The parallel layout's lines of the roles beside the actor: a reference and a reward model in
-    worker groups of their own (use_integrated_worker: false), how their calls wait, the reward model."""
+    worker groups of their own (use_integrated_worker: false), how their calls wait, the reward model,
+    the LLM judge."""
     groups, lines = plan.separated.devices, []
     if "reference" in groups:
         lines.append(f"  {'reference (a worker group of its own)':<46} {groups['reference']} worker(s), its own "
@@ -32,6 +33,11 @@ def _role_lines(plan: Plan) -> list[str]:
                  else "colocated with the actor")
         lines.append(f"  {'reward model (' + where + ')':<46} {rm.path}, {rm.dtype}, "
                      f"{rm.micro_batch_size} sequences per forward, weight {rm.weight:g}")
+    if plan.judge is not None:
+        j = plan.judge
+        who = "the policy itself (self-judge)" if j.self_judge else j.path
+        lines.append(f"  {'LLM judge (in the training process)':<46} {who}, {j.dtype}, at most {j.max_tokens} tokens, "
+                     f"timeout {j.timeout_s:g} s, weight {j.weight:g}")
     return lines
 
 
@@ -70,6 +76,8 @@ def format_plan(plan: Plan, cpu_linear: str = "blas") -> str:
     ]
     if plan.multi_turn:
         rows.append(("multi-turn rollout", plan.multi_turn))
+    if plan.multimodal is not None:  # rl_config.is_multimodal (docs/multimodal.md)
+        rows.append(("multimodal", plan.multimodal.describe()))
     if plan.off_policy_rollout:
         rows.append(("off-policy rollout", plan.off_policy_rollout))
     if plan.distill is not None:  # rl_config.teacher_model (its weights are not in the memory estimate)

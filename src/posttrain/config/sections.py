@@ -61,8 +61,14 @@ REWARD_RESOURCE = refused("in integrated mode the reward model runs on the actor
 CRITIC_RESOURCE = refused("in integrated mode the critic runs on the actor's devices (in the actor's process or "
                           "workers)", "remove the key, give it actor_resource's num_npus, or set "
                           "use_integrated_worker: false (a group of its own)", active="actor_devices")
-MULTIMODAL = refused("multimodal training is not implemented yet")
-MULTIMODAL_SET = refused("multimodal training is not implemented yet", "remove the key", active="set")
+# multimodal (docs/multimodal.md): the keys that need is_multimodal: true, or another feature, are refused by
+# the compatibility table (compat.py rows mm-*)
+VIT_RESOURCE = refused("the ViT on devices of its own waits for separated ViT roles (a ViT worker group); the vision "
+                       "tower runs in the actor's process, on its devices", "remove the key", active="set")
+VIT_COLOCATED = ignored("posttrain always runs the vision tower in the actor's process, on its devices (a ViT of its "
+                        "own needs vit_resource, which is refused)")
+NO_VIDEOS = refused("videos are not fed to the training loop yet (the rollout and the log-prob passes take images "
+                    "only)", "set it to 0 and give a video's frames as images")
 DP_BALANCE = HONOURED  # Ray workers: cluster/group.py balances the replicas' shares; one process: compat row
 # td: the TransferDock keeps the cells in the driver; tq: in TransferQueue (posttrain.cluster.transfer_queue)
 DATA_STRATEGY = HONOURED
@@ -125,7 +131,7 @@ class RLConfig(Section):
                                              "group", REWARD_RESOURCE)
     critic_resource: Opt[Resource] = F(None, "critic devices (PPO); separated mode: its own worker group",
                                        CRITIC_RESOURCE)
-    vit_resource: Opt[Resource] = F(None, "multimodal: ViT devices", MULTIMODAL_SET)
+    vit_resource: Opt[Resource] = F(None, "multimodal: ViT devices", VIT_RESOURCE)
     num_samples_per_step: int = F(1, "samples per step", SEED_UNUSED)
     max_prompt_length: int = F(512, "prompts with token length >= this are filtered out", HONOURED, ge=1,
                                note="prompts this long or longer are dropped")
@@ -204,7 +210,9 @@ class RLConfig(Section):
                                  "(and of every update mini-batch) balanced by prompt + response tokens", DP_BALANCE)
     ref_forward_micro_batch_size: Opt[int] = F(None, "reference log-prob micro batch", HONOURED, ge=1)
     actor_forward_micro_batch_size: Opt[int] = F(None, "old log-prob micro batch", HONOURED, ge=1)
-    vit_forward_micro_batch_size: Opt[int] = F(None, "multimodal: ViT micro batch", MULTIMODAL_SET)
+    vit_forward_micro_batch_size: Opt[int] = F(None, "multimodal: images per vision-tower forward in every pass "
+                                                        "(log-probs and update); unset: a micro-batch's images at once",
+                                                  HONOURED, ge=1, note="images per vision-tower forward")
     actor_rollout_dispatch_size: Opt[int] = F(None, "TD read size for rollout", HONOURED, ge=1, note=ROWS_PER_READ)
     actor_logprob_dispatch_size: Opt[int] = F(None, "TD read size for old log-probs", HONOURED,
                                               ge=1, note=ROWS_PER_READ)
@@ -218,17 +226,20 @@ class RLConfig(Section):
                                               ge=1, note=ROWS_PER_READ)
     critic_value_dispatch_size: Opt[int] = F(None, "TD read size for critic values", HONOURED, ge=1, note=ROWS_PER_READ)
     kl_dispatch_size: Opt[int] = F(None, "TD read size for KL-in-reward", VALIDATED_ONLY, ge=1, note=ROWS_PER_READ)
-    actor_image_embeds_dispatch_size: Opt[int] = F(None, "multimodal: TD read size for image embeddings",
-                                                   MULTIMODAL_SET)
-    is_multimodal: bool = F(False, "multimodal model and data", MULTIMODAL)
+    actor_image_embeds_dispatch_size: Opt[int] = F(None, "multimodal: TD read size for image embeddings "
+                                                         "(reuse_image_embeds)", HONOURED, ge=1, note=ROWS_PER_READ)
+    is_multimodal: bool = F(False, "multimodal model and data: each prompt's images (the dataset's media store) go "
+                                         "to the rollout and the log-prob passes (hf backend, docs/multimodal.md)",
+                            HONOURED)
     use_remove_padding: bool = F(True, "pack valid tokens of a micro-batch into one row (posttrain's default: "
                                        "true, exact and faster; the seed's: false; false pads every row)", HONOURED)
     share_prompt_prefix: bool = F(True, "posttrain: with use_remove_padding, pack a prompt shared by several "
                                         "rows (a group's n samples) once", HONOURED)
-    reuse_image_embeds: bool = F(False, "multimodal: reuse image embeddings", MULTIMODAL)
+    reuse_image_embeds: bool = F(False, "multimodal: the vision tower runs once per iteration (phase "
+                                              "image_embeds) and every pass reuses its image embeddings", HONOURED)
     freeze_vision_tower: bool = F(False, "posttrain: multimodal: the vision tower gets no gradient (the seed's "
-                                         "docs name no such key)", MULTIMODAL)
-    colocate_actor_and_vit: bool = F(False, "multimodal: ViT on the actor's devices", MULTIMODAL)
+                                         "docs name no such key)", HONOURED)
+    colocate_actor_and_vit: bool = F(False, "multimodal: ViT on the actor's devices", VIT_COLOCATED)
     n_samples_per_prompt: int = F(1, "group size n", HONOURED, ge=1, note="responses per prompt")
     mini_batch_size: int = F(1, "prompts per optimizer step", HONOURED, ge=1, note="prompts per optimizer step")
     use_dynamic_bsz: bool = F(False, "token-budget micro-batches", HONOURED)
@@ -288,6 +299,23 @@ class RLConfig(Section):
     reward_model_weight: float = F(1.0, "posttrain: weight of the reward model's score (reward_config): score = "
                                         "rule score (if rule_reward) + reward_model_weight x reward-model score",
                                    HONOURED, finite=True)
+    judge_path: Opt[str] = F(None, "posttrain: LLM-as-judge reward (docs/rewards.md): a causal-LM directory, or "
+                                   "'policy' (the self-judge: the actor rates with this step's weights)", HONOURED)
+    judge_template: Opt[str] = F(None, "posttrain: judge prompt, inline (with {prompt} {response} {reference}) or "
+                                       "a file path; default asks for 'Score: N', N in 0-10", HONOURED)
+    judge_parser: str = F("score", "posttrain: judge score parser: score ('Score: N'), boxed (\\boxed{N}) or a "
+                                   "regex with one capture group", HONOURED)
+    judge_max_score: float = F(10.0, "posttrain: the top of the judge's scale (a score is divided by it)", HONOURED,
+                               gt=0, finite=True)
+    judge_weight: float = F(1.0, "posttrain: score = rule score + reward_model_weight x reward model + "
+                                 "judge_weight x judge score (in [0, 1])", HONOURED, finite=True)
+    judge_max_tokens: int = F(16, "posttrain: the most tokens of one judge reply", HONOURED, ge=1)
+    judge_temperature: float = F(0.0, "posttrain: judge sampling temperature (0: greedy; else seeded by the run's "
+                                      "seed)", HONOURED, ge=0, finite=True)
+    judge_timeout: float = F(300.0, "posttrain: seconds one reward read's judging may take; replies not finished "
+                                    "then score judge_failure_value", HONOURED, gt=0, finite=True)
+    judge_failure_value: float = F(0.0, "posttrain: the judge score of a reply without a score, or cut by the "
+                                        "timeout", HONOURED, finite=True)
     offload_reference: bool = F(False, "posttrain: the frozen reference off the device between its uses (GPU: in "
                                        "host memory; CPU: dropped, and mapped back from a file for each use)",
                                 HONOURED)
@@ -295,6 +323,9 @@ class RLConfig(Section):
     rollout_engine: str = F("auto", "posttrain: auto (vLLM on a GPU where the layout runs it and vllm is installed, "
                                     "else native), native or vllm", HONOURED)
     output_dir: Opt[str] = F(None, "posttrain: run directory for metrics (default runs/<config>)", HONOURED)
+    env_config: Opt[dict[str, Any]] = F(None, "posttrain: train on an environment's tasks and rewards instead of "
+                                              "data_path and the rule verifiers: {type: verifiers or openenv, id, "
+                                              "args, limit, resets, max_turns} (docs/environments.md)", HONOURED)
     eval_data_path: Opt[str] = F(None, "posttrain: held-out prompt dataset prefix for eval during training", HONOURED)
     eval_interval: int = F(0, "posttrain: evaluate every N iterations (0: only before and after)", HONOURED,
                            ge=0)
@@ -350,8 +381,10 @@ class SamplingConfig(Section):
 
 
 class GenerateConfig(Section):
-    limit_mm_image_per_prompt: int = F(1, "multimodal: images per prompt", MULTIMODAL)
-    limit_mm_video_per_prompt: int = F(0, "multimodal: videos per prompt", MULTIMODAL)
+    limit_mm_image_per_prompt: int = F(1, "multimodal: the most images a training prompt may hold (more: a "
+                                                 "DataError naming the prompt)", HONOURED, ge=0,
+                                       note="images per prompt")
+    limit_mm_video_per_prompt: int = F(0, "multimodal: videos per prompt", NO_VIDEOS)
     data_parallel_size: Opt[int] = F(None, "rollout data parallel size", COMPUTED)
     tokenizer_name_or_path: str = F("/path/to/tokenizer", "rollout tokenizer", GEN_TOKENIZER)
     trust_remote_code: bool = F(False, "HF trust_remote_code", REMOTE_CODE)

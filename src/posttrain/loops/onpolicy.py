@@ -1,7 +1,10 @@
 """The on-policy loop (GRPO, DAPO, PPO): one iteration reads like the algorithm.
 
-    experience (prompts x n -> rollout -> reward) -> advantages -> reference logprobs
-        -> (teacher logprobs) -> old logprobs -> rollout correction -> update -> publish the weights
+    experience (prompts x n -> rollout -> reward) -> advantages -> [image embeddings] -> reference
+        logprobs -> (teacher logprobs) -> old logprobs -> rollout correction -> update -> publish the weights
+
+(image embeddings: a multimodal run with ``reuse_image_embeds``, :mod:`posttrain.loops.multimodal`;
+teacher logprobs: on-policy distillation, ``rl_config.teacher_model``.)
 
 The experience comes from the plan's :class:`~posttrain.loops.sources.ExperienceSource`:
 produced now with the trainer's weights, or ahead by a rollout thread with weights up to
@@ -33,6 +36,7 @@ from posttrain.metrics.timers import Timers
 from posttrain.training.loss_fns import make_actor_loss_fn
 from posttrain.loops.dump_points import dump_experience, dumped_phase
 from posttrain.loops.experience import per_group, per_token, read_batch, write_rows
+from posttrain.loops.multimodal import compute_image_embeds
 from posttrain.loops.overlap import overlapped_passes
 from posttrain.loops.ppo import CriticPhases
 from posttrain.loops.produce import Experience, Producer
@@ -54,6 +58,8 @@ class OnPolicyTrainer:
         self.critic = CriticPhases(plan, session) if plan.uses_critic else None
         self.producer = Producer(plan, session)
         self.source: ExperienceSource | None = None  # opened by the first iteration (a rollout thread starts)
+        # multimodal: images per vision-tower forward in the log-prob passes and the update
+        self.vit_micro_batch_size = plan.multimodal.vit_micro_batch_size if plan.multimodal else None
 
     # ------------------------------------------------------------------------------------------
     def fit(self) -> dict[str, float]:
@@ -115,6 +121,10 @@ class OnPolicyTrainer:
             with timers("adv"):
                 self.advantages(td)
         overlap = bool(plan.separated) and not plan.separated.blocking  # the separated roles' passes started together (loops/overlap.py)
+        mm = plan.multimodal
+        if mm is not None and mm.reuse_image_embeds:  # the vision tower once; every pass reads its embeddings
+            with timers("image_embeds"):
+                compute_image_embeds(td, s.policy.model, mm.embeds_dispatch_size, s.device, mm.vit_micro_batch_size)
         if overlap:
             overlapped_passes(self, td, timers)
         if s.policy.reference is not None and not overlap:
@@ -196,7 +206,7 @@ class OnPolicyTrainer:
         """``column`` (``ref_logprobs`` or ``old_logprobs``): the response log-probs under ``engine``."""
         while not td.all_consumed(column):
             batch, idx, lengths = read_batch(td, column, [], count, pad_token_id=self.s.policy.pad_token_id,
-                                             device=self.s.device)
+                                             device=self.s.device, vit_micro_batch_size=self.vit_micro_batch_size)
             lp = engine.compute_logprobs(batch, temperature=self.plan.logprob_temperature,
                                          micro_batch_size=micro_batch_size)
             write_rows(td, [column], idx, [lp], lengths)
@@ -251,7 +261,8 @@ class OnPolicyTrainer:
                                                         else 0.0))
         while not td.all_consumed("actor_update"):
             batch, _, _ = read_batch(td, "actor_update", columns, plan.reads["actor_update_dispatch_size"],
-                                     pad_token_id=s.policy.pad_token_id, device=s.device)
+                                     pad_token_id=s.policy.pad_token_id, device=s.device,
+                                     vit_micro_batch_size=self.vit_micro_batch_size)
             if plan.distill is not None:
                 batch["advantages"] = self.distilled(batch, acc)
             steps = s.policy.actor.update(batch, loss_fn, mini_batch_size=plan.mini_batch_rows, epochs=u.epochs,

@@ -25,6 +25,7 @@ import torch
 from posttrain.config.files import run_dirs
 from posttrain.config.plan import Plan
 from posttrain.data.builders import build_offline_dataset, build_prompt_dataset, build_sampler
+from posttrain.envs.dataset import build_env_dataset
 from posttrain.metrics.sinks import MetricsLogger, append_line, cut_jsonl, write_text_atomic
 from posttrain.models import cpu_linear
 from posttrain.roles.policy import Policy, build_policy, seed_everything
@@ -55,6 +56,7 @@ class Session:
         self.dumps = DumpRecorder(plan.dumps)  # msprobe_config
         self.closed = False
         self.cluster = self.critic = self.rule_reward = self.reward_model = self.eval_data = self.logger = None
+        self.judge = None  # rl_config.judge_path (posttrain.roles.judge)
         self.queue = None  # rl_config.data_strategy: tq: TransferQueue (posttrain.cluster.transfer_queue)
         self.locks: list[DirLock] = []
         self.settings = contextlib.ExitStack()  # the process-wide settings of the run, undone by close()
@@ -94,10 +96,14 @@ class Session:
 
     def _dataset(self):
         d, stage = self.plan.data, self.plan.stage
+        if stage.on_policy and d.env is not None:  # rl_config.env_config: the environment's tasks (posttrain.envs)
+            return build_env_dataset(d.env, self.plan.policy, d.max_prompt_length)
         if stage.on_policy:
+            mm = self.plan.multimodal
             return build_prompt_dataset(d.data_path, d.max_prompt_length, additional_keys=d.additional_keys,
-                                        split=d.split)
-        return build_offline_dataset(d.data_path, stage.name, seq_length=d.seq_length, split=d.split)
+                                        split=d.split, images_per_prompt=mm.images_per_prompt if mm else None)
+        return build_offline_dataset(d.data_path, stage.name, seq_length=d.seq_length, split=d.split,
+                                     unpaired=self.plan.dpo is not None and self.plan.dpo.unpaired)
 
     def _build(self, start: Start) -> None:
         plan, on_policy = self.plan, self.plan.stage.on_policy
@@ -128,6 +134,10 @@ class Session:
                 self.rule_reward = self.cluster.rule_reward if self.cluster else self._rule_reward()
             if plan.reward_model is not None:  # in this process, or colocated in the Ray actor workers
                 self.reward_model = self.cluster.reward_model if self.cluster else self._reward_scorer()
+            if plan.judge is not None:  # in this process (Ray placements are refused: posttrain.config.compat)
+                from posttrain.roles.judge import build_judge
+
+                self.judge = build_judge(plan.judge, self.policy, self.device)
             self.eval_data = self._load_eval_data()
             if plan.data_strategy == "tq":  # after the cluster: on Ray, it joins the cluster's Ray
                 from posttrain.cluster.transfer_queue import TransferQueueStore
@@ -164,6 +174,10 @@ class Session:
         write_text_atomic(self.run_dir / "run.json", json.dumps(info, indent=2) + "\n")
 
     def _rule_reward(self):
+        if self.plan.data.env is not None:  # the environment's own reward functions score its tasks' responses
+            from posttrain.envs.reward import EnvReward
+
+            return EnvReward(self.dataset.env)
         from posttrain.reward.rule_reward import RuleReward
 
         return RuleReward.from_options(self.plan.rule_reward)
@@ -286,7 +300,7 @@ class Session:
 
             with on_device(p.actor, getattr(self.critic, "engine", None)):  # an offloaded state is saved too
                 path = save_checkpoint(s.save, iteration, p.model, p.actor.optimizer, p.actor.scheduler,
-                                       tokenizer=p.tokenizer, sampler_state=self.sampler.state_dict(),
+                                       tokenizer=p.processor or p.tokenizer, sampler_state=self.sampler.state_dict(),
                                        trainer_state=state, save_optim=s.save_optim, save_rng=s.save_rng,
                                        extra=self.extra_parts, files=self.extra_files, adapter_only=s.adapter_only)
         self._write_card(path, iteration)

@@ -24,6 +24,7 @@ GRPO = {
 ARCH = ModelArch(model_type="qwen2", num_layers=4, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
                  num_kv_heads=2, head_dim=16, vocab_size=256, tie_embeddings=True)
 DPO = ["megatron_training.stage=dpo", "megatron_training.is_pairwise_dataset=true"]
+KTO = ["megatron_training.stage=dpo", "actor_config.dpo_loss_type=kto"]
 PPO = ["megatron_training.stage=ray_ppo", "rl_config.adv_estimator=gae", "critic_config.micro_batch_size=2"]
 DAPO = ["megatron_training.stage=ray_dapo", "rl_config.filter_groups_enable=true",
         "rl_config.filter_groups_metric=base_acc", "rl_config.filter_groups_train_batch_size=4"]
@@ -42,8 +43,12 @@ TQ = ["rl_config.data_strategy=queue"]  # the seed's spelling of tq
 SPEC = ["generate_config.num_speculative_tokens=4"]
 OFFLOAD_PARAM = ["generate_config.offload_train_param=true"]
 GRAPHS = ["generate_config.enforce_eager=false"]
+ENV = ["rl_config.env_config={type: verifiers, id: my_tasks}"]  # posttrain.envs
 MSPROBE = ["msprobe_config.msprobe=true"]
 TRUNC = ["rl_config.truncated_sampling_logprobs=true"]
+JUDGE = ["rl_config.judge_path=/models/judge"]
+MM = ["rl_config.is_multimodal=true"]
+MM_FROZEN = [*MM, "rl_config.freeze_vision_tower=true"]
 TEACHER = ["rl_config.teacher_model=/models/teacher"]
 
 # row id -> (overrides that turn the row on, device); a new row needs its example here
@@ -106,6 +111,19 @@ EXAMPLES: dict[str, tuple[list[str], str]] = {
     "multi-turn-engine": ([*TURNS, *OTHER], "cpu"),
     "multi-turn-partial": ([*TURNS, *PARTIAL], "cpu"),
     "turn-credit-single-turn": (["rl_config.turn_credit=turn"], "cpu"),
+    "env-offline": ([*ENV, *DPO], "cpu"),
+    "env-ray": ([*ENV, *RAY], "cpu"),
+    "env-multi_turn": ([*ENV, *TURNS], "cpu"),
+    "env-dynamic_sampling": ([*ENV, *DAPO], "cpu"),
+    "env-async": ([*ENV, *ASYNC], "cpu"),
+    "env-rollout_worker": ([*ENV, *WORKER], "cpu"),
+    "env-separated": ([*ENV, *SEP_REF], "cpu"),
+    "env-partial": ([*ENV, *PARTIAL], "cpu"),
+    "env-turns-engine": (["rl_config.env_config={type: openenv, id: m:E}", *VLLM], "cuda"),
+    "env-turns-ppo": (["rl_config.env_config={type: openenv, id: m:E}", *PPO], "cpu"),
+    "env-data-path": ([*ENV, "actor_config.data_path=some/prefix"], "cpu"),
+    "env-eval-data": ([*ENV, "rl_config.eval_data_path=some/prefix"], "cpu"),
+    "env-verifiers": ([*ENV, "rl_config.verifier_function=[acc]"], "cpu"),
     "turn-credit-estimator": ([*TURNS, "rl_config.turn_credit=turn", "rl_config.adv_estimator=rloo"], "cpu"),
     "turn-credit-megatron": ([*TURNS, *TP2, "rl_config.turn_credit=turn"], "cpu"),
     "speculation-per-request": ([*SPEC, "rl_config.async_engine=true"], "cpu"),
@@ -132,6 +150,16 @@ EXAMPLES: dict[str, tuple[list[str], str]] = {
                               "cpu"),
     "blocking-integrated": (["rl_config.blocking=false"], "cpu"),
     "reward-model-offline": ([*DPO, "reward_config.load=/models/rm"], "cpu"),
+    "judge-offline": ([*DPO, *JUDGE], "cpu"),
+    "judge-ray": ([*JUDGE, *RAY], "cpu"),
+    "judge-megatron": ([*JUDGE, *TP2], "cpu"),
+    "judge-async": ([*JUDGE, *ASYNC], "cpu"),
+    "judge-rollout-worker": ([*JUDGE, *WORKER], "cpu"),
+    "judge-env": ([*JUDGE, *ENV], "cpu"),
+    "judge-multimodal": ([*JUDGE, *MM], "cpu"),
+    "self-judge-not-native": (["rl_config.judge_path=policy", *VLLM], "cpu"),
+    "kto-megatron": ([*KTO, *TP2], "cpu"),
+    "kto-ray": ([*KTO, *RAY], "cpu"),
     "transfer-queue-offline": ([*DPO, *TQ], "cpu"),
     "transfer-queue-partial": ([*TQ, *PARTIAL], "cpu"),
     "transfer-queue-shards": (["rl_config.transfer_queue_data_shard_num=2"], "cpu"),
@@ -143,11 +171,32 @@ EXAMPLES: dict[str, tuple[list[str], str]] = {
     "truncated-logprobs-greedy": ([*TRUNC, "generate_config.sampling_config.temperature=0"], "cpu"),
     "truncated-logprobs-untruncated": ([*TRUNC, "generate_config.sampling_config.top_k=-1"], "cpu"),
     "truncated-logprobs-vllm-min-p": ([*TRUNC, *VLLM, "generate_config.sampling_config.min_p=0.1"], "cpu"),
+    "mm-megatron": ([*MM, *TP2], "cpu"),
+    "mm-engine": ([*MM, *VLLM], "cpu"),
+    "mm-ray": ([*MM, *RAY], "cpu"),
+    "mm-stage": ([*MM, *PPO], "cpu"),
+    "mm-partial": ([*MM, *PARTIAL], "cpu"),
+    "mm-per_request": ([*MM, "rl_config.async_engine=true"], "cpu"),
+    "mm-reward_model": ([*MM, "reward_config.load=/models/rm"], "cpu"),
+    "mm-async": ([*MM, *ASYNC], "cpu"),
+    "mm-rollout_worker": ([*MM, *WORKER], "cpu"),
+    "mm-separated": ([*MM, *SEP_REF], "cpu"),
+    "mm-transfer_queue": ([*MM, *TQ], "cpu"),
+    "mm-env": ([*MM, *ENV], "cpu"),
+    "mm-lora-tower": ([*MM, *LORA], "cpu"),
+    "mm-reuse-trained-tower": ([*MM, "rl_config.reuse_image_embeds=true"], "cpu"),
+    "mm-reuse-ref-model": ([*MM_FROZEN, "rl_config.reuse_image_embeds=true",
+                            "rl_config.integrated_mode_config.ref_model_load_path=/models/ref"], "cpu"),
+    "mm-eval": ([*MM, "rl_config.eval_data_path=/data/eval"], "cpu"),
+    "mm-key-alone": (["rl_config.freeze_vision_tower=true"], "cpu"),
+    "mm-embeds-dispatch": ([*MM_FROZEN, "rl_config.actor_image_embeds_dispatch_size=4"], "cpu"),
     "teacher-model-offline": ([*DPO, *TEACHER], "cpu"),
     "teacher-model-ppo": ([*PPO, *TEACHER], "cpu"),
     "teacher-model-megatron": ([*TP2, *TEACHER], "cpu"),
     "teacher-model-separated": ([*TEACHER, *SEP_REF], "cpu"),
     "distill-without-teacher": (["rl_config.distill_coef=0.5"], "cpu"),
+    "teacher-model-multimodal": ([*TEACHER, *MM], "cpu"),
+    "teacher-model-env": ([*TEACHER, *ENV], "cpu"),
 }
 # rows an earlier rule of the one check answers first, with its own message (the row documents the fact)
 ANSWERED_FIRST = {"vllm-infer_pipeline_parallel_size": "pipeline_parallel for vllm is not supported yet ! "}
@@ -225,7 +274,9 @@ def test_features_alone_pass_the_table():
                       ["rl_config.async_engine=true", *VLLM], ["rl_config.async_engine=true", *VLLM, *GRAPHS],
                       [*ASYNC, *VLLM], [*ASYNC, *PARTIAL, *VLLM], [*ASYNC, *TURNS, *VLLM], [*WORKER, *VLLM],
                       [*WORKER, *ASYNC, *VLLM], [*ASYNC, *VLLM, *RAY], [*ASYNC, *PARTIAL, *VLLM, *RAY], [*ASYNC, *TP2],
-                      [*ASYNC, *PARTIAL, *TP2]):
+                      [*ASYNC, *PARTIAL, *TP2], MM, [*MM_FROZEN, *LORA, "rl_config.reuse_image_embeds=true",
+                                                     "rl_config.actor_image_embeds_dispatch_size=4",
+                                                     "rl_config.vit_forward_micro_batch_size=2"]):
         cfg = config(overrides)
         for device in ("cpu", "cuda"):
             check_compat(cfg, setup_of(cfg, device))

@@ -61,8 +61,6 @@ CASES = [
      "'use_remove_padding' feature requires 'no_pad_to_seq_lengths=True' when using pipeline parallelism!"),
     (["rl_config.use_remove_padding=true", "actor_config.reset_attention_mask=false"],
      "'use_remove_padding' feature requires 'reset_attention_mask=True'! "),
-    (["rl_config.use_remove_padding=true", "actor_config.reset_attention_mask=true", "rl_config.is_multimodal=true"],
-     "'multimodal' models cannot use 'use_remove_padding' feature!"),
     (["actor_config.tensor_model_parallel_size=3"],
      "Invalid Actor resource allocation! Resource=4 must be divisible by (tensor_parallel * pipeline_parallel * "
      "context_parallel) = 3*1*1=3"),
@@ -146,7 +144,7 @@ def test_dynamic_sampling_dispatch_divisible_by_n():
 def test_dpo_unknown_loss_type():
     base = {"megatron_training": {"stage": "dpo", "global_batch_size": 4, "micro_batch_size": 1, "seq_length": 64,
                                   "dpo_loss_type": "simpo"}}
-    with pytest.raises(ConfigError, match=r"Unknown loss type: simpo. Should be one of \['sigmoid', 'hinge', 'ipo', 'kto_pair', 'orpo'\]"):
+    with pytest.raises(ConfigError, match=r"Unknown loss type: simpo. Should be one of \['sigmoid', 'hinge', 'ipo', 'kto_pair', 'orpo', 'kto'\]"):
         check([], base=base)
 
 
