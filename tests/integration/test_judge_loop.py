@@ -35,7 +35,8 @@ def test_grpo_raises_the_judge_score(mini_qwen2_dir, lowercase_judge_dir, tiny_p
     scores = [r["judge/score/mean"] for r in rows if "judge/score/mean" in r]
     assert len(scores) == iters
     assert sum(scores[-3:]) / 3 > sum(scores[:3]) / 3 + 0.3, scores  # learning, not just running
-    for key in ("timing/judge", "judge/parse_failures", "judge/timeouts", "judge/latency_s", "actor/pg_loss"):
+    for key in ("timing/judge", "judge/score/max", "judge/score/min", "judge/parse_failures", "judge/timeouts",
+                "judge/latency_s", "actor/pg_loss"):
         assert key in last, key
     assert last["judge/timeouts"] == 0 and last["judge/parse_failures"] < 0.2
     assert "timing/rule_reward" not in last and not any(k.endswith("_rewards/mean") for k in last)  # no verifier ran

@@ -29,6 +29,9 @@ ELSEWHERE = {
     "rollout/sync_probe_diff": "tests/vllm/test_vllm_loop.py",
     "env/turns/mean": "tests/unit/envs/test_openenv_local.py",  # rl_config.env_config.type: openenv
     "env/done/mean": "tests/unit/envs/test_openenv_local.py",
+    **{key: "tests/integration/test_judge_loop.py" for key in (  # rl_config.judge_path
+        "timing/judge", "judge/score/mean", "judge/score/max", "judge/score/min", "judge/parse_failures",
+        "judge/timeouts", "judge/latency_s")},
     **{key: "tests/e2e/test_e2e_distill.py" for key in ("timing/teacher_model", "distill/reverse_kl",
                                                         "distill/teacher_logprob", "distill/student_logprob")},
 }
