@@ -244,7 +244,7 @@ def build_plan(cfg: RunConfig, layout: DeviceLayout, arch: ModelArch | None = No
     temperature = gen.sampling_config.temperature or 1.0
     budgets = token_budgets(cfg)
     engine = EngineOptions(use_remove_padding=rl.use_remove_padding, share_prompt_prefix=rl.share_prompt_prefix,
-                           update_budget=budgets["update"] if budgets else None,
+                           compile_regions=rl.compile_regions, update_budget=budgets["update"] if budgets else None,
                            loss_mask_key="chosen_response_mask" if stage.name == "dpo" else "response_mask")
     steps_per_iteration = mini_batches * epochs
     max_num_seqs = gen.max_num_seqs if cfg.explicitly_set("generate_config", "max_num_seqs") else 256

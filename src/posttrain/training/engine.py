@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -47,6 +48,7 @@ from posttrain.training.base import LossFn
 from posttrain.training.options import EngineOptions, TokenBudget
 from posttrain.training.dynamic_batch import split_by_tokens
 from posttrain.training.forward import response_logprobs, response_values
+from posttrain.training.fused_regions import fused_regions
 from posttrain.training.loss_fns import pair_logps
 from posttrain.training.offload import StateOffload
 from posttrain.training.remove_padding import Packing, group_rows_by_prompt
@@ -156,11 +158,16 @@ class TrainEngine:
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
-    def autocast(self) -> contextlib.AbstractContextManager:
-        """bf16 autocast on the model's device type when ``dtype='bfloat16'``, else a no-op."""
-        if self.autocast_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+    @contextlib.contextmanager
+    def autocast(self) -> Iterator[None]:
+        """bf16 autocast on the model's device type when ``dtype='bfloat16'``; with
+        ``options.compile_regions`` the model's compiled regions (:mod:`posttrain.training.fused_regions`)."""
+        with contextlib.ExitStack() as stack:
+            if self.autocast_dtype is not None:
+                stack.enter_context(torch.autocast(self.device.type, dtype=self.autocast_dtype))
+            if self.options.compile_regions:
+                stack.enter_context(fused_regions(self.model))
+            yield
 
     def _chunks(self, batch, micro_batch_size: int | None, budget: TokenBudget | None) -> list[torch.Tensor]:
         """Row indices of each micro-batch: fixed-size chunks, or token-balanced ones under a budget."""

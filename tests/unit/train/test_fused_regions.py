@@ -9,8 +9,10 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from posttrain.training.batch import build_batch
+from posttrain.training.engine import TrainEngine
 from posttrain.training.forward import response_logprobs
 from posttrain.training.fused_regions import fused_regions, regions
+from posttrain.training.options import EngineOptions
 from posttrain.training.remove_padding import Packing
 
 SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -73,3 +75,13 @@ def test_leaving_the_block_restores_eager(models):
     with pytest.raises(ValueError, match="unknown compiled regions"):
         with fused_regions(model, names=("rope",)):
             pass
+
+
+def test_the_engine_runs_its_forwards_in_the_regions_only_when_asked(models):
+    _, model = models
+    norm = regions(model)["rms_norm"][0]
+    for asked in (True, False):
+        engine = TrainEngine(model, options=EngineOptions(compile_regions=asked))
+        with engine.autocast():  # the block around every forward of compute_logprobs and update
+            assert ("forward" in norm.__dict__) is asked
+        assert "forward" not in norm.__dict__
