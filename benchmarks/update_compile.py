@@ -97,7 +97,36 @@ def compare(model, step, repeats: int, names: tuple[str, ...]) -> dict:
                 fused.append(timed(step))
     ratios = [e / f for e, f in zip(eager, fused)]
     return {"first": first, "eager": statistics.median(eager), "fused": statistics.median(fused),
-            "ratio": statistics.median(ratios), "others": meter.result["others_cores"]}
+            "ratio": statistics.median(ratios), "others": meter.result["others_cores"],
+            "pairs": " ".join(f"{e:.2f}/{f:.2f}" for e, f in zip(eager, fused))}
+
+
+def region_times(tokens: int, hidden: int, inter: int, repeats: int) -> None:
+    """Best of ``repeats`` (robust to a shared machine's load) for each region alone, eager and compiled,
+    forward + backward and forward alone, at the chat update's packed shape ``[1, tokens, .]``."""
+    from posttrain.training.fused_regions import compiled, rms_norm, silu_mul
+
+    x, w = torch.randn(1, tokens, hidden), torch.randn(hidden)
+    gate, up = torch.randn(1, tokens, inter), torch.randn(1, tokens, inter)
+    cases = {"rms_norm": (rms_norm, (x, w, 1e-5)), "silu_mul": (silu_mul, (gate, up))}
+    for name, (eager, args) in cases.items():
+        grad_out = torch.randn_like(args[0])
+        for backward in (True, False):
+            leaves = [a.detach().requires_grad_(backward) if isinstance(a, torch.Tensor) else a for a in args]
+            best = {}
+            for label, fn in (("eager", eager), ("compiled", compiled(name))):
+                def call():
+                    with torch.set_grad_enabled(backward):
+                        out = fn(*leaves)
+                        if backward:  # a dense upstream gradient, as in the model (sum()'s is a stride-0 view)
+                            out.backward(grad_out)
+                first = timed(call)
+                best[label] = min(timed(call) for _ in range(repeats))
+                if label == "compiled":
+                    best["first"] = first
+            print(f"{name:<9} {'fwd+bwd' if backward else 'fwd    '} eager {best['eager'] * 1e3:7.2f} ms  "
+                  f"compiled {best['compiled'] * 1e3:7.2f} ms  eager/compiled {best['eager'] / best['compiled']:.2f}x  "
+                  f"(best of {repeats}; first compiled call {best['first']:.1f} s)", flush=True)
 
 
 def main() -> None:
@@ -107,8 +136,12 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--regions", default="rms_norm,silu_mul")
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--regions-only", action="store_true", help="time each region alone (SmolLM2's shapes)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
+    if args.regions_only:
+        print(f"{cpu_model()}; {args.threads} threads; load {os.getloadavg()[0]:.2f}")
+        return region_times(1632, 576, 1536, max(args.repeats, 20))
     kernel = resolve_cpu_linear("cpu")
     set_cpu_linear(kernel)
     names = tuple(args.regions.split(","))
@@ -129,7 +162,7 @@ def main() -> None:
         r = compare(model, step, args.repeats, names)
         print(f"{what:<14} eager {r['eager']:6.3f} s  compiled {r['fused']:6.3f} s  eager/compiled "
               f"{r['ratio']:.3f}x (median of {args.repeats} pairs)  first compiled call {r['first']:6.2f} s  "
-              f"others {r['others']:.2f} cores", flush=True)
+              f"others {r['others']:.2f} cores; pairs (eager/compiled s) {r['pairs']}", flush=True)
 
 
 if __name__ == "__main__":

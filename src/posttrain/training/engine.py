@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -158,16 +157,17 @@ class TrainEngine:
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
-    @contextlib.contextmanager
-    def autocast(self) -> Iterator[None]:
-        """bf16 autocast on the model's device type when ``dtype='bfloat16'``; with
-        ``options.compile_regions`` the model's compiled regions (:mod:`posttrain.training.fused_regions`)."""
-        with contextlib.ExitStack() as stack:
-            if self.autocast_dtype is not None:
-                stack.enter_context(torch.autocast(self.device.type, dtype=self.autocast_dtype))
-            if self.options.compile_regions:
-                stack.enter_context(fused_regions(self.model))
-            yield
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """bf16 autocast on the model's device type when ``dtype='bfloat16'``, else a no-op."""
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
+    def compiled_regions(self) -> contextlib.AbstractContextManager:
+        """The model's compiled regions (:mod:`posttrain.training.fused_regions`) with
+        ``options.compile_regions``: around the update's forwards only, where their fused backward
+        pays (a forward alone gains about 1%, docs/performance.md)."""
+        return fused_regions(self.model, enabled=self.options.compile_regions)
 
     def _chunks(self, batch, micro_batch_size: int | None, budget: TokenBudget | None) -> list[torch.Tensor]:
         """Row indices of each micro-batch: fixed-size chunks, or token-balanced ones under a budget."""
@@ -292,7 +292,7 @@ class TrainEngine:
         chunks = self._chunks(mini_batch, micro_batch_size, self.options.update_budget)
         for i, rows in enumerate(chunks):
             with maybe_no_sync(self.model, i < len(chunks) - 1):
-                with self.autocast():
+                with self.autocast(), self.compiled_regions():
                     micro_batch = _take(mini_batch, rows, self.device)
                     loss, metrics = loss_fn(self.model, micro_batch, num_tokens=num_tokens, num_seqs=num_seqs,
                                             packing=self.packing)

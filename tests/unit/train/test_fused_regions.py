@@ -77,11 +77,27 @@ def test_leaving_the_block_restores_eager(models):
             pass
 
 
-def test_the_engine_runs_its_forwards_in_the_regions_only_when_asked(models):
-    _, model = models
-    norm = regions(model)["rms_norm"][0]
-    for asked in (True, False):
-        engine = TrainEngine(model, options=EngineOptions(compile_regions=asked))
-        with engine.autocast():  # the block around every forward of compute_logprobs and update
-            assert ("forward" in norm.__dict__) is asked
-        assert "forward" not in norm.__dict__
+
+def test_the_engine_updates_through_the_regions_only_when_asked(models, monkeypatch):
+    from posttrain.training import fused_regions as module
+    from posttrain.training.loss_fns import make_actor_loss_fn
+
+    calls, compiled = [], module.compiled
+    monkeypatch.setattr(module, "compiled", lambda name: calls.append(name) or compiled(name))
+    batch = _batch((4, 1, 6, 3))
+    batch["advantages"] = torch.randn(batch["response_mask"].shape, generator=torch.Generator().manual_seed(3))
+    weights = []
+    for asked in (False, True):
+        model = copy.deepcopy(models[0])
+        engine = TrainEngine(model, torch.optim.SGD(model.parameters(), lr=0.1), micro_batch_size=4,
+                             options=EngineOptions(use_remove_padding=True, compile_regions=asked))
+        before = len(calls)
+        engine.compute_logprobs(batch)  # the log-prob passes stay eager
+        assert len(calls) == before
+        engine.update(batch, make_actor_loss_fn(), mini_batch_size=4)
+        assert (len(calls) > before) is asked
+        assert all("forward" not in m.__dict__ for m in model.modules())  # restored after the update
+        weights.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
+    assert not torch.equal(weights[0], torch.cat([p.detach().reshape(-1) for p in models[0].parameters()]))
+    assert torch.allclose(weights[0], weights[1], atol=1e-5, rtol=0)
+
