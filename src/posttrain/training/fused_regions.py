@@ -47,7 +47,9 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 @functools.lru_cache(maxsize=None)
 def compiled(name: str):
     """The compiled region ``name`` (``rms_norm`` or ``silu_mul``), compiled once per process on its first call."""
-    return torch.compile({"rms_norm": rms_norm, "silu_mul": silu_mul}[name], dynamic=True)
+    # one compile thread: a region is a few kernels, and Inductor's pool of worker processes costs more to start
+    return torch.compile({"rms_norm": rms_norm, "silu_mul": silu_mul}[name], dynamic=True,
+                         options={"compile_threads": 1})
 
 
 def _norm_forward(module: torch.nn.Module):
