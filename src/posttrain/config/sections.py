@@ -224,10 +224,9 @@ class RLConfig(Section):
                                        "true, exact and faster; the seed's: false; false pads every row)", HONOURED)
     share_prompt_prefix: bool = F(True, "posttrain: with use_remove_padding, pack a prompt shared by several "
                                         "rows (a group's n samples) once", HONOURED)
-    compile_regions: bool = F(False, "posttrain: the hf backend's training and log-prob forwards run the "
-                                     "RMSNorm and SiLU-mul of Llama-family layers as torch.compile (Inductor) "
-                                     "regions; exact within 1e-5, compiles once per process (CPU; "
-                                     "docs/performance.md)", HONOURED)
+    compile_regions: bool = F(False, "posttrain: the hf backend's update runs the RMSNorm and SiLU-mul of "
+                                     "Llama-family layers as torch.compile (Inductor) regions; exact within 1e-5, "
+                                     "compiled once per process (CPU; docs/performance.md)", HONOURED)
     reuse_image_embeds: bool = F(False, "multimodal: reuse image embeddings", MULTIMODAL)
     freeze_vision_tower: bool = F(False, "posttrain: multimodal: the vision tower gets no gradient (the seed's "
                                          "docs name no such key)", MULTIMODAL)
