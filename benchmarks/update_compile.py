@@ -136,6 +136,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--regions", default="rms_norm,silu_mul")
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--no-logprob", action="store_true", help="time the update step only")
     p.add_argument("--regions-only", action="store_true", help="time each region alone (SmolLM2's shapes)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -158,7 +159,7 @@ def main() -> None:
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             train()
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
-    for what, step in (("update step", train), ("log-prob pass", logprob)):
+    for what, step in (("update step", train), ("log-prob pass", logprob))[:1 if args.no_logprob else 2]:
         r = compare(model, step, args.repeats, names)
         print(f"{what:<14} eager {r['eager']:6.3f} s  compiled {r['fused']:6.3f} s  eager/compiled "
               f"{r['ratio']:.3f}x (median of {args.repeats} pairs)  first compiled call {r['first']:6.2f} s  "
