@@ -15,7 +15,7 @@ micro-batch without recompiling; about 18 s of CPU time for both regions with a 
 (:data:`RMS_NORMS`, :data:`MLPS`, whose eager forward is exactly the formula here) for the compiled
 one, and restores the eager forward when the block exits; other modules are left as they are.
 ``benchmarks/update_compile.py`` measures whether the compiled regions pay for themselves, and
-``tests/unit/training/test_fused_regions.py`` checks that they equal the eager path within 1e-5 in
+``tests/unit/train/test_fused_regions.py`` checks that they equal the eager path within 1e-5 in
 fp32 (forward, backward and an optimizer step) and that leaving the block restores it.
 """
 
