@@ -242,6 +242,12 @@ ROWS: tuple[Row, ...] = (
     Row("megatron-bf16-cpu", "bf16", "{setting}: on a CPU the megatron backend trains in float32 (Megatron-Core's bf16 "
         "optimizer with fp32 main parameters takes CUDA tensors only)", backend=MEGATRON, device=("cpu",),
         effect="no effect"),
+    Row("megatron-compile-regions", "compile_regions", "{setting}: the compiled regions replace Hugging Face "
+        "modules' forwards, which the megatron backend does not run; set it false{megatron}", backend=MEGATRON),
+    Row("compile-regions-cuda", "compile_regions", "{setting}: the compiled regions are measured and tested on "
+        "CPUs only; set it false on CUDA", device=("cuda",)),
+    Row("compile-regions-fsdp2", "compile_regions", "{setting}: the compiled regions are not tested with FSDP2's "
+        "sharded parameters; set it false with ray_sharding fsdp2", placement=("ray-fsdp2",)),
     Row("megatron-share-prompt-prefix", "share_prompt_prefix", "{setting}: the megatron backend packs every row's "
         "prompt (the numerics are the same; only the packed length differs)", backend=MEGATRON, effect="no effect"),
     *(Row(f"megatron-{name}", name, _LAYOUT, backend=MEGATRON) for name in FEATURES if name.startswith(

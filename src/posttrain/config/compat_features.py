@@ -258,6 +258,7 @@ def _features() -> dict[str, Feature]:
           for role in ("ref_config", "critic_config")
           for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", VPP_KEY)),
         _on("actor_config.moe_tp_extend_ep", when="true"),
+        _on("rl_config.compile_regions", when="true"),
         _on("actor_config.use_distributed_optimizer", when="true"),
         _on("rl_config.rollout_engine", lambda v: v == "vllm", name="vllm", shown="rl_config.rollout_engine=vllm",
             when="vllm"),

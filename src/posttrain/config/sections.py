@@ -235,6 +235,9 @@ class RLConfig(Section):
                                        "true, exact and faster; the seed's: false; false pads every row)", HONOURED)
     share_prompt_prefix: bool = F(True, "posttrain: with use_remove_padding, pack a prompt shared by several "
                                         "rows (a group's n samples) once", HONOURED)
+    compile_regions: bool = F(False, "posttrain: the hf backend's update runs the RMSNorm and SiLU-mul of "
+                                     "Llama-family layers as torch.compile (Inductor) regions; exact within 1e-5, "
+                                     "compiled once per process (CPU; docs/performance.md)", HONOURED)
     reuse_image_embeds: bool = F(False, "multimodal: the vision tower runs once per iteration (phase "
                                               "image_embeds) and every pass reuses its image embeddings", HONOURED)
     freeze_vision_tower: bool = F(False, "posttrain: multimodal: the vision tower gets no gradient (the seed's "

@@ -170,7 +170,8 @@ class Session:
         write_text_atomic(self.run_dir / "config.json", plan.config_json)
         self.dumps.write_config(plan.config_json)  # msprobe_config.configurations_dump
         info = {"device": plan.device, "train_dtype": plan.train_dtype, "rollout_dtype": plan.rollout_dtype,
-                "num_threads": self.num_threads, "cpu_linear": self.cpu_linear}
+                "num_threads": self.num_threads, "cpu_linear": self.cpu_linear,
+                "compile_regions": plan.actor_engine.compile_regions}
         write_text_atomic(self.run_dir / "run.json", json.dumps(info, indent=2) + "\n")
 
     def _rule_reward(self):

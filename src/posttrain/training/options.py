@@ -27,10 +27,12 @@ class EngineOptions:
     the fixed micro-batch size of log-prob passes (``forward_budget``) and updates
     (``update_budget``); ``loss_mask_key`` names the mask whose tokens a mini-batch's loss counts;
     ``truncation`` (the actor's, with ``rl_config.truncated_sampling_logprobs``) makes the log-prob
-    passes report the log-probs of the truncated sampling distribution."""
+    passes report the log-probs of the truncated sampling distribution; ``compile_regions``
+    (``rl_config.compile_regions``) runs the forwards with :mod:`posttrain.training.fused_regions`."""
 
     use_remove_padding: bool = False
     share_prompt_prefix: bool = True
+    compile_regions: bool = False
     forward_budget: TokenBudget | None = None
     update_budget: TokenBudget | None = None
     loss_mask_key: str = "response_mask"

@@ -41,6 +41,7 @@ def test_the_kernel_is_recorded_installed_for_the_run_only_and_kept_by_a_resume(
     assert cpu_linear.installed() == "blas" and torch.get_num_threads() == threads  # undone at the end
     info = json.loads((run / "out" / "run.json").read_text())
     assert info["cpu_linear"] == "onednn" and info["num_threads"] == 1
+    assert info["compile_regions"] is False  # rl_config.compile_regions, off by default
     assert read_trainer_state(run / "ckpt" / "iter_0000001")["cpu_linear"] == "onednn"
     # a resume with nothing pinned keeps the kernel the checkpoint recorded (not a new measurement)
     monkeypatch.setattr(cpu_linear, "speedup", lambda *a, **k: 0.0)  # a measurement would now say blas

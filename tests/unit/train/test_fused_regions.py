@@ -1,0 +1,103 @@
+"""The compiled RMSNorm / SiLU-mul regions equal the eager path within 1e-5 in fp32 (forward,
+backward, one AdamW step), on a tiny Llama through posttrain's packed forward, and leaving the block
+restores the eager forwards."""
+
+import copy
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from posttrain.training.batch import build_batch
+from posttrain.training.engine import TrainEngine
+from posttrain.training.forward import response_logprobs
+from posttrain.training.fused_regions import fused_regions, regions
+from posttrain.training.options import EngineOptions
+from posttrain.training.remove_padding import Packing
+
+SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, attn_implementation="sdpa")
+
+
+def _batch(resp_lens, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(1, 64, (n,), generator=g).tolist() for n in (3, 5, 2, 4)]
+    resps = [torch.randint(1, 64, (n,), generator=g).tolist() for n in resp_lens]
+    return build_batch(prompts, resps, pad_token_id=0)
+
+
+def _step(model, batch, optimizer):
+    """Log-probs, the gradients of a loss on them, and the weights after one AdamW step."""
+    lp, _ = response_logprobs(model, batch, temperature=0.7, packing=Packing(share_prompts=True))
+    (lp * torch.linspace(-1, 1, lp.numel()).reshape(lp.shape)).sum().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return lp.detach(), grads, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.fixture(scope="module")
+def models():
+    torch.manual_seed(0)
+    eager = LlamaForCausalLM(LlamaConfig(**SMALL)).train()
+    return eager, copy.deepcopy(eager)
+
+
+def test_compiled_regions_equal_eager_forward_backward_and_step(models):
+    eager, fused = models
+    assert [len(m) for m in regions(fused).values()] == [5, 2]  # 2 x 2 layer norms + the final one; 2 MLPs
+    opt_e = torch.optim.AdamW(eager.parameters(), lr=1e-2, fused=True)
+    opt_f = torch.optim.AdamW(fused.parameters(), lr=1e-2, fused=True)
+    for resp_lens in ((4, 1, 6, 3), (2, 7, 5, 1)):  # two packed lengths (the regions compile with dynamic shapes)
+        batch = _batch(resp_lens)
+        want = _step(eager, batch, opt_e)
+        with fused_regions(fused) as swapped:
+            assert swapped == 7
+            got = _step(fused, batch, opt_f)
+        assert torch.allclose(got[0], want[0], atol=1e-5, rtol=0)
+        for name in want[1]:
+            assert torch.allclose(got[1][name], want[1][name], atol=1e-5, rtol=1e-5), name
+            assert torch.allclose(got[2][name], want[2][name], atol=1e-5, rtol=0), name
+
+
+def test_leaving_the_block_restores_eager(models):
+    _, model = models
+    norms, mlps = regions(model).values()
+    with fused_regions(model):
+        assert "forward" in norms[0].__dict__ and "forward" in mlps[0].__dict__
+        with fused_regions(model) as inner:  # nested: nothing swapped twice, the outer block restores
+            assert inner == 0
+        assert "forward" in norms[0].__dict__
+    assert all("forward" not in m.__dict__ for m in norms + mlps)
+    assert type(norms[0]).forward is norms[0].forward.__func__  # the class's eager forward again
+    with fused_regions(model, enabled=False) as swapped:
+        assert swapped == 0 and "forward" not in norms[0].__dict__
+    with pytest.raises(ValueError, match="unknown compiled regions"):
+        with fused_regions(model, names=("rope",)):
+            pass
+
+
+
+def test_the_engine_updates_through_the_regions_only_when_asked(models, monkeypatch):
+    from posttrain.training import fused_regions as module
+    from posttrain.training.loss_fns import make_actor_loss_fn
+
+    calls, compiled = [], module.compiled
+    monkeypatch.setattr(module, "compiled", lambda name: calls.append(name) or compiled(name))
+    batch = _batch((4, 1, 6, 3))
+    batch["advantages"] = torch.randn(batch["response_mask"].shape, generator=torch.Generator().manual_seed(3))
+    weights = []
+    for asked in (False, True):
+        model = copy.deepcopy(models[0])
+        engine = TrainEngine(model, torch.optim.SGD(model.parameters(), lr=0.1), micro_batch_size=4,
+                             options=EngineOptions(use_remove_padding=True, compile_regions=asked))
+        before = len(calls)
+        engine.compute_logprobs(batch)  # the log-prob passes stay eager
+        assert len(calls) == before
+        engine.update(batch, make_actor_loss_fn(), mini_batch_size=4)
+        assert (len(calls) > before) is asked
+        assert all("forward" not in m.__dict__ for m in model.modules())  # restored after the update
+        weights.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
+    assert not torch.equal(weights[0], torch.cat([p.detach().reshape(-1) for p in models[0].parameters()]))
+    assert torch.allclose(weights[0], weights[1], atol=1e-5, rtol=0)
+
