@@ -258,7 +258,6 @@ def _features() -> dict[str, Feature]:
           for role in ("ref_config", "critic_config")
           for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", VPP_KEY)),
         _on("actor_config.moe_tp_extend_ep", when="true"),
-        _on("rl_config.compile_regions", when="true"),
         _on("actor_config.use_distributed_optimizer", when="true"),
         _on("rl_config.rollout_engine", lambda v: v == "vllm", name="vllm", shown="rl_config.rollout_engine=vllm",
             when="vllm"),
@@ -275,7 +274,7 @@ def _features() -> dict[str, Feature]:
         per_request,
         _on("generate_config.enforce_eager", lambda v: not v, name="graphs",
             shown="generate_config.enforce_eager: false", when="false"),
-        _on("rl_config.num_threads", lambda v: v is not None, when="set"),
+        *_kernel_features(),
         _on("rl_config.use_dp_batch_balance", name="dp_batch_balance", when="true"),
         _on("rl_config.async_staleness", lambda v: v is not None, name="async", shown="rl_config.async_staleness",
             when="set"),
@@ -298,6 +297,12 @@ def _features() -> dict[str, Feature]:
         *_multimodal_features(),
     ]
     return {f.name: f for f in features}
+
+
+def _kernel_features() -> list[Feature]:
+    """The CPU's thread count and the compiled update regions."""
+    return [_on("rl_config.num_threads", lambda v: v is not None, when="set"),
+            _on("rl_config.compile_regions", when="true")]
 
 
 def _env_features() -> list[Feature]:
