@@ -27,6 +27,7 @@ from posttrain.config.plan import Plan
 from posttrain.data.builders import build_offline_dataset, build_prompt_dataset, build_sampler
 from posttrain.metrics.sinks import MetricsLogger, append_line, cut_jsonl, write_text_atomic
 from posttrain.models import cpu_linear
+from posttrain.models.packed_linear import rollout_packed_weights
 from posttrain.roles.policy import Policy, build_policy, seed_everything
 from posttrain.rundir import DirLock, Start, checked_start, claim_run_dirs
 from posttrain.training.engine import NaNLossError
@@ -160,7 +161,8 @@ class Session:
         write_text_atomic(self.run_dir / "config.json", plan.config_json)
         self.dumps.write_config(plan.config_json)  # msprobe_config.configurations_dump
         info = {"device": plan.device, "train_dtype": plan.train_dtype, "rollout_dtype": plan.rollout_dtype,
-                "num_threads": self.num_threads, "cpu_linear": self.cpu_linear}
+                "num_threads": self.num_threads, "cpu_linear": self.cpu_linear,
+                "rollout_packed_weights": rollout_packed_weights(plan)}
         write_text_atomic(self.run_dir / "run.json", json.dumps(info, indent=2) + "\n")
 
     def _rule_reward(self):

@@ -269,8 +269,9 @@ class NativeEngine(RolloutEngine):
         self._copy: Any = None  # the bf16 model that samples (sampling_copy), and the actor's version it holds
         self._copy_version: tuple[int, int] | None = None
         self._sampler = model  # the model the forward calls run on (set per call)
-        # fp32 CPU layers multiply with prepacked oneDNN weights (None: measured, see packed_linear)
-        self.packed_weights = resolve_packed(self.device.type) if packed_weights is None else bool(packed_weights)
+        # the sampling model's CPU layers multiply with prepacked oneDNN weights (None: measured, packed_linear)
+        self.packed_weights = resolve_packed(self.device.type, str(self.dtype).removeprefix("torch.")) \
+            if packed_weights is None else bool(packed_weights)
         self._packs = PackedLinears()
         # the static decode step, recorded as a CUDA graph on its first call per shape
         self._graph_step = torch.compile(self._forward, mode="reduce-overhead", dynamic=False) \
@@ -394,10 +395,10 @@ class NativeEngine(RolloutEngine):
         """Changes whenever the actor's weights may have (see the module docstring)."""
         return sum(p._version for p in self.model.parameters()), optimizer_steps()
 
-    def _packed(self) -> contextlib.AbstractContextManager:
-        """The sampling model's fp32 CPU layers on their prepacked weights, repacked when the weights
-        may have changed (``packed_weights``; a null context otherwise)."""
-        if not self.packed_weights:
+    def _packed(self, autocast: bool) -> contextlib.AbstractContextManager:
+        """The sampling model's CPU layers on their prepacked weights, repacked when the weights may
+        have changed (``packed_weights``, no autocast; a null context otherwise)."""
+        if not self.packed_weights or autocast:
             return contextlib.nullcontext()
         self._packs.refresh(self._sampler, (self._weights_version(), self._sampler is self.model))
         return self._packs.installed()
@@ -412,7 +413,7 @@ class NativeEngine(RolloutEngine):
         autocast = (param is not None and param.dtype.is_floating_point
                     and torch.finfo(self.dtype).bits < torch.finfo(param.dtype).bits)
         try:
-            with torch.inference_mode(), self._packed():
+            with torch.inference_mode(), self._packed(autocast):
                 if autocast:
                     with torch.autocast(device_type=self.device.type, dtype=self.dtype):
                         yield

@@ -58,6 +58,17 @@ def test_packed_rollout_equals_the_plain_rollout(model, sampling):
     assert_same(rows(packed.generate(PROMPTS, 4, sampling)), want)
 
 
+def test_packed_bf16_sampling_copy_equals_the_plain_one(model):
+    """A bf16 rollout packs its bf16 sampling copy (not the fp32 actor): same tokens and log-probs."""
+    sampling = SamplingParams(temperature=0.8, top_k=-1, max_tokens=12, seed=5)
+    kw = dict(pad_token_id=0, eos_token_ids=STOPS, compact_fraction=0.01, dtype="bfloat16")
+    plain, packed = NativeEngine(model, packed_weights=False, **kw), NativeEngine(model, packed_weights=True, **kw)
+    want, got = rows(plain.generate(PROMPTS, 3, sampling)), rows(packed.generate(PROMPTS, 3, sampling))
+    assert {w.dtype for w in packed._packs.packs.values()} == {torch.bfloat16}
+    assert all(m in dict(packed._copy.named_modules()).values() for m in packed._packs.packs)
+    assert_same(got, want)
+
+
 def test_packs_follow_the_optimizer_step(model):
     """After an optimizer step the engine repacks: it samples from the new weights, as the plain
     engine on the same actor does."""
@@ -86,3 +97,17 @@ def test_resolve_packed_is_pinned_by_the_environment(monkeypatch):
     monkeypatch.setenv(packed_linear.ENV, "yes")
     with pytest.raises(ConfigError, match=r"POSTTRAIN_ROLLOUT_PACKED='yes': use one of on, off"):
         packed_linear.resolve_packed("cpu")
+
+
+def test_run_json_records_what_the_native_rollout_does(monkeypatch):
+    from types import SimpleNamespace
+
+    monkeypatch.setenv(packed_linear.ENV, "on")
+    plan = SimpleNamespace(rollout=SimpleNamespace(engine="native"), rollout_dtype="float32", device="cpu")
+    assert packed_linear.rollout_packed_weights(plan) is True
+    assert packed_linear.rollout_packed_weights(SimpleNamespace(**{**vars(plan), "rollout_dtype": "bfloat16"})) is True
+    assert packed_linear.rollout_packed_weights(SimpleNamespace(**{**vars(plan), "rollout_dtype": "float16"})) is False
+    assert packed_linear.rollout_packed_weights(SimpleNamespace(**{**vars(plan), "device": "cuda:0"})) is False
+    assert packed_linear.rollout_packed_weights(SimpleNamespace(**{**vars(plan), "rollout": None})) is False  # SFT, DPO
+    vllm = SimpleNamespace(**{**vars(plan), "rollout": SimpleNamespace(engine="vllm")})
+    assert packed_linear.rollout_packed_weights(vllm) is False
