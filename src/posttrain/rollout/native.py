@@ -36,6 +36,11 @@ refreshed from the actor whenever its parameters may have changed since the last
 stepped (a global step hook counts the steps; fused optimizers do not bump version counters), or
 the parameters' version counters moved (``copy_``, ``load_state_dict``).
 
+On a CPU (``packed_weights``, measured unless ``$POSTTRAIN_ROLLOUT_PACKED`` pins it) the sampling
+model's fp32 or bf16 linear layers multiply with weights prepacked into oneDNN's layout
+(:mod:`posttrain.models.packed_linear`) instead of being reordered at every call; the packs are
+rebuilt whenever the weights may have changed, by the same test as the bf16 copy's.
+
 Sampling is keyed (:mod:`posttrain.rollout.keyed`): every row draws its token at each step with
 the uniform of (seed, prompt key, sample index, token position), so the samples do not depend on
 the waves, the compaction, the other prompts of the call or the number of workers that split them.
