@@ -2,7 +2,7 @@
 
 Workload: issue 22's chat rollout (SmolLM2-135M-Instruct, the products demo's first 8 problems in
 its chat template, 8 samples each, up to 64 new tokens, temperature 0.5, no top-k/top-p, stop at
-EOS), fp32, one engine per variant kept across repeats (as a run keeps one), repeats alternating
+EOS), fp32 (``--dtype bfloat16``: the bf16 sampling copy), one engine per variant kept across repeats (as a run keeps one), repeats alternating
 between the variants so that the machine's load falls on all of them alike. Variants:
 
 * ``plain``: the engine as before issue 43's rollout work: weights as they are (the fp32 kernel
@@ -75,13 +75,14 @@ def sampler_ms(repeats: int = 20) -> dict[str, float]:
     return {k: 1e3 * statistics.median(v) for k, v in times.items()}
 
 
-def engines(model, tokenizer, compile_step: bool) -> dict:
+def engines(model, tokenizer, dtype: str, compile_step: bool, static: bool) -> dict:
     from posttrain.rollout.native import NativeEngine
 
-    common = dict(pad_token_id=tokenizer.pad_token_id or 0, eos_token_ids=[tokenizer.eos_token_id])
+    common = dict(pad_token_id=tokenizer.pad_token_id or 0, eos_token_ids=[tokenizer.eos_token_id], dtype=dtype)
     out = {"plain": NativeEngine(model, packed_weights=False, **common),
-           "packed": NativeEngine(model, packed_weights=True, **common),
-           "static": NativeEngine(model, packed_weights=True, static_cache=True, **common)}
+           "packed": NativeEngine(model, packed_weights=True, **common)}
+    if static:
+        out["static"] = NativeEngine(model, packed_weights=True, static_cache=True, **common)
     if compile_step:
         # Inductor cannot lower a prepacked (opaque mkldnn) weight: the compiled step multiplies plain weights
         out["compiled"] = NativeEngine(model, packed_weights=False, static_cache=True, **common)
@@ -94,6 +95,9 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--kernel", default="onednn", choices=["blas", "onednn"], help="the fp32 kernel installed")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="the rollout dtype (bfloat16: the engine's bf16 sampling copy)")
+    p.add_argument("--no-static", action="store_true", help="leave the static-cache variant out")
     p.add_argument("--compile", action="store_true", help="add the compiled static step (minutes to compile)")
     p.add_argument("--output", default=None, help="write the results as JSON here")
     args = p.parse_args()
@@ -108,10 +112,10 @@ def main() -> None:
     model = _smollm2_instruct().eval()
     tokenizer = AutoTokenizer.from_pretrained(str(ensure_smollm2()))
     prompts, sp = chat_prompts(8), SamplingParams(max_tokens=64, seed=1, temperature=0.5, top_k=-1)
-    report = {"machine_start": machine(), "kernel": args.kernel, "sampler_ms": sampler_ms()}
+    report = {"machine_start": machine(), "kernel": args.kernel, "dtype": args.dtype, "sampler_ms": sampler_ms()}
     print(json.dumps(report))
     with use_cpu_linear(args.kernel):
-        variants = engines(model, tokenizer, args.compile)
+        variants = engines(model, tokenizer, args.dtype, args.compile, not args.no_static)
         first = {}
         for name, engine in variants.items():  # warm-up (and compile): not counted
             start = time.perf_counter()
