@@ -24,6 +24,8 @@ if "OMP_NUM_THREADS" not in os.environ:
 # the fp32 linear kernel (posttrain.models.cpu_linear) pinned too: "auto" times it on the machine;
 # tests/unit/models/test_cpu_linear.py checks the oneDNN kernel itself
 os.environ.setdefault("POSTTRAIN_CPU_LINEAR", "blas")
+# and the rollout's prepacked weights (posttrain.models.packed_linear; tests/unit/rollout/test_packed.py checks them)
+os.environ.setdefault("POSTTRAIN_ROLLOUT_PACKED", "off")
 
 ROOT = Path(__file__).resolve().parents[1]
 

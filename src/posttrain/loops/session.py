@@ -28,6 +28,7 @@ from posttrain.data.builders import build_offline_dataset, build_prompt_dataset,
 from posttrain.envs.dataset import build_env_dataset
 from posttrain.metrics.sinks import MetricsLogger, append_line, cut_jsonl, write_text_atomic
 from posttrain.models import cpu_linear
+from posttrain.models.packed_linear import rollout_packed_weights
 from posttrain.roles.policy import Policy, build_policy, seed_everything
 from posttrain.rundir import DirLock, Start, checked_start, claim_run_dirs
 from posttrain.training.engine import NaNLossError
@@ -171,7 +172,8 @@ class Session:
         self.dumps.write_config(plan.config_json)  # msprobe_config.configurations_dump
         info = {"device": plan.device, "train_dtype": plan.train_dtype, "rollout_dtype": plan.rollout_dtype,
                 "num_threads": self.num_threads, "cpu_linear": self.cpu_linear,
-                "compile_regions": plan.actor_engine.compile_regions}
+                "compile_regions": plan.actor_engine.compile_regions,
+                "rollout_packed_weights": rollout_packed_weights(plan)}
         write_text_atomic(self.run_dir / "run.json", json.dumps(info, indent=2) + "\n")
 
     def _rule_reward(self):

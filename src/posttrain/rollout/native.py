@@ -36,6 +36,11 @@ refreshed from the actor whenever its parameters may have changed since the last
 stepped (a global step hook counts the steps; fused optimizers do not bump version counters), or
 the parameters' version counters moved (``copy_``, ``load_state_dict``).
 
+On a CPU (``packed_weights``, measured unless ``$POSTTRAIN_ROLLOUT_PACKED`` pins it) the sampling
+model's fp32 or bf16 linear layers multiply with weights prepacked into oneDNN's layout
+(:mod:`posttrain.models.packed_linear`) instead of being reordered at every call; the packs are
+rebuilt whenever the weights may have changed, by the same test as the bf16 copy's.
+
 Sampling is keyed (:mod:`posttrain.rollout.keyed`): every row draws its token at each step with
 the uniform of (seed, prompt key, sample index, token position), so the samples do not depend on
 the waves, the compaction, the other prompts of the call or the number of workers that split them.
@@ -53,6 +58,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from posttrain.errors import ConfigError, DataError
+from posttrain.models.packed_linear import PackedLinears, resolve_packed
 from posttrain.rollout.base import RolloutEngine, RolloutOutput, SamplingParams
 from posttrain.rollout.images import ImageInputs, check_requests, prefill_inputs
 from posttrain.rollout.keyed import random_seed, row_states, uniforms
@@ -234,7 +240,7 @@ class NativeEngine(RolloutEngine):
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 8192, dtype: str = "float32",
                  compact_fraction: float = 0.125, static_cache: bool | None = None,
                  cuda_graphs: bool = False, sampling_copy: bool | None = None, speculative_tokens: int = 0,
-                 speculative_budget: int = 16):
+                 speculative_budget: int = 16, packed_weights: bool | None = None):
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ConfigError("generate_config.max_num_seqs and max_num_batched_tokens must be >= 1 "
                               f"(got {max_num_seqs}, {max_num_batched_tokens}).")
@@ -268,6 +274,10 @@ class NativeEngine(RolloutEngine):
         self._copy: Any = None  # the bf16 model that samples (sampling_copy), and the actor's version it holds
         self._copy_version: tuple[int, int] | None = None
         self._sampler = model  # the model the forward calls run on (set per call)
+        # the sampling model's CPU layers multiply with prepacked oneDNN weights (None: measured, packed_linear)
+        self.packed_weights = resolve_packed(self.device.type, str(self.dtype).removeprefix("torch.")) \
+            if packed_weights is None else bool(packed_weights)
+        self._packs = PackedLinears()
         # the static decode step, recorded as a CUDA graph on its first call per shape
         self._graph_step = torch.compile(self._forward, mode="reduce-overhead", dynamic=False) \
             if self.cuda_graphs else None
@@ -375,7 +385,7 @@ class NativeEngine(RolloutEngine):
         if not self.samples_from_copy:
             return self.model
         params = list(self.model.parameters())
-        version = (sum(p._version for p in params), optimizer_steps())
+        version = self._weights_version()
         if self._copy is None:
             self._copy = copy.deepcopy(self.model).to(self.dtype).eval()
             self._copy.requires_grad_(False)
@@ -385,6 +395,18 @@ class NativeEngine(RolloutEngine):
                     mine.copy_(theirs)
         self._copy_version = version
         return self._copy
+
+    def _weights_version(self) -> tuple[int, int]:
+        """Changes whenever the actor's weights may have (see the module docstring)."""
+        return sum(p._version for p in self.model.parameters()), optimizer_steps()
+
+    def _packed(self, autocast: bool) -> contextlib.AbstractContextManager:
+        """The sampling model's CPU layers on their prepacked weights, repacked when the weights may
+        have changed (``packed_weights``, no autocast; a null context otherwise)."""
+        if not self.packed_weights or autocast:
+            return contextlib.nullcontext()
+        self._packs.refresh(self._sampler, (self._weights_version(), self._sampler is self.model))
+        return self._packs.installed()
 
     @contextlib.contextmanager
     def _generation_mode(self) -> Iterator[None]:
@@ -396,7 +418,7 @@ class NativeEngine(RolloutEngine):
         autocast = (param is not None and param.dtype.is_floating_point
                     and torch.finfo(self.dtype).bits < torch.finfo(param.dtype).bits)
         try:
-            with torch.inference_mode():
+            with torch.inference_mode(), self._packed(autocast):
                 if autocast:
                     with torch.autocast(device_type=self.device.type, dtype=self.dtype):
                         yield

@@ -46,8 +46,14 @@ def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     cdf = probs.double().cumsum(dim=-1)
     target = uniforms.to(cdf.dtype)[:, None] * cdf[:, -1:]
     index = torch.searchsorted(cdf, target, right=True).squeeze(-1)
-    last_valid = (probs > 0).cumsum(dim=-1).argmax(dim=-1)  # the first index reaching the final count
-    return torch.minimum(index, last_valid)
+    # A zero entry never raises the cdf, so the first entry exceeding the target has positive
+    # probability whenever there is one: only an index past the end (rounding put the target at the
+    # total) needs the clamp, and the pass over the row that finds its last positive entry runs only then.
+    past_end = index >= probs.shape[-1]
+    if bool(past_end.any()):
+        last_valid = (probs > 0).cumsum(dim=-1).argmax(dim=-1)  # the first index reaching the final count
+        index = torch.where(past_end, last_valid, index)
+    return index
 
 
 def sample_next(logits: torch.Tensor, sampling: SamplingParams,

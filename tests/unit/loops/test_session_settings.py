@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from posttrain.checkpoint import read_trainer_state
-from posttrain.models import cpu_linear
+from posttrain.models import cpu_linear, packed_linear
 from tests.helpers.runs import world_run_config
 
 
@@ -35,6 +35,7 @@ def test_the_kernel_is_recorded_installed_for_the_run_only_and_kept_by_a_resume(
         return onednn(self, x)
 
     monkeypatch.setattr(cpu_linear, "_forward", counted)  # what use_cpu_linear("onednn") installs
+    monkeypatch.setenv(packed_linear.ENV, "on")  # and the rollout on prepacked weights
     run = tmp_path / "run"
     _train(mini_world, run, monkeypatch, "onednn", rl_config={"num_threads": 1})
     assert calls  # the run's linear layers computed through oneDNN
@@ -42,6 +43,7 @@ def test_the_kernel_is_recorded_installed_for_the_run_only_and_kept_by_a_resume(
     info = json.loads((run / "out" / "run.json").read_text())
     assert info["cpu_linear"] == "onednn" and info["num_threads"] == 1
     assert info["compile_regions"] is False  # rl_config.compile_regions, off by default
+    assert info["rollout_packed_weights"] is packed_linear.available()  # fp32 or bf16 rollout, on a CPU
     assert read_trainer_state(run / "ckpt" / "iter_0000001")["cpu_linear"] == "onednn"
     # a resume with nothing pinned keeps the kernel the checkpoint recorded (not a new measurement)
     monkeypatch.setattr(cpu_linear, "speedup", lambda *a, **k: 0.0)  # a measurement would now say blas

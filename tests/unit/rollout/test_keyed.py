@@ -83,6 +83,23 @@ def test_inverse_cdf_numbers_and_zero_probability_entries():
     assert inverse_cdf(torch.tensor([[2.0, 0.0, 6.0]]), torch.tensor([0.25], dtype=torch.float64)).tolist() == [2]
 
 
+def test_inverse_cdf_equals_the_clamp_on_every_row():
+    """The clamp runs only for rows whose target passed the end; the draw equals the formula that
+    clamps every row (the sampler before the cut), on rows with runs of zeros and u up to 1."""
+    gen = torch.Generator().manual_seed(5)
+    probs = torch.rand(400, 300, generator=gen)
+    probs[probs < 0.6] = 0.0  # many zero entries, trailing ones included
+    probs[::7, 200:] = 0.0
+    u = torch.rand(400, generator=gen, dtype=torch.float64)
+    u[::5] = 1.0  # the target at the total: past the end before the clamp
+    u[1::5] = 0.0
+    cdf = probs.double().cumsum(-1)
+    index = torch.searchsorted(cdf, u[:, None] * cdf[:, -1:], right=True).squeeze(-1)
+    want = torch.minimum(index, (probs > 0).cumsum(-1).argmax(-1))
+    assert torch.equal(inverse_cdf(probs, u), want)
+    assert bool((index >= 300).any()) and bool((index < 300).any())
+
+
 @pytest.mark.parametrize("kw, expected", [
     ({"top_k": -1}, [0.5, 0.3, 0.15, 0.05]),
     ({"top_k": 2}, [0.625, 0.375, 0, 0]),

@@ -1,0 +1,148 @@
+"""The native rollout's decode on a CPU, variant against variant, interleaved in one process (issue 43).
+
+Workload: issue 22's chat rollout (SmolLM2-135M-Instruct, the products demo's first 8 problems in
+its chat template, 8 samples each, up to 64 new tokens, temperature 0.5, no top-k/top-p, stop at
+EOS), fp32 (``--dtype bfloat16``: the bf16 sampling copy), one engine per variant kept across repeats (as a run keeps one), repeats alternating
+between the variants so that the machine's load falls on all of them alike. Variants:
+
+* ``plain``: the engine as before issue 43's rollout work: weights as they are (the fp32 kernel
+  ``--kernel`` installed, default oneDNN), the compacting dynamic KV cache;
+* ``packed``: prepacked oneDNN weights (``posttrain.models.packed_linear``), repacked before every
+  repeat (a run repacks after every update, so the packing is part of the cost);
+* ``static``: packed, on the fixed-shape static KV cache (``static_cache=True``; no compaction);
+* ``compiled`` (``--compile``): static on plain weights (Inductor cannot lower the opaque packed
+  ones), its decode step compiled by ``torch.compile(dynamic=False)`` (Inductor's CPU backend); the
+  first call's compile time is reported apart.
+
+It also times the sampler alone on ``[64, 49152]`` logits (the workload's rows x SmolLM2's
+vocabulary) with today's inverse CDF against the one that clamped every row (before issue 43).
+Each line records the load average, the CPU model and flags, the kernel and the thread count.
+
+    OMP_NUM_THREADS=1 PYTHONPATH=src .venv/bin/python benchmarks/rollout/decode_speed.py --threads 1 --repeats 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def machine() -> dict:
+    """The load, CPU model, relevant flags and threads, for the record."""
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    model = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "?")
+    flags = next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), [])
+    load = Path("/proc/loadavg").read_text().split()[:3] if Path("/proc/loadavg").exists() else []
+    return {"cpu": model, "flags": [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags],
+            "loadavg": load, "threads": torch.get_num_threads(), "torch": torch.__version__}
+
+
+def old_inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """The inverse CDF before issue 43: the clamp's pass over every row, every token."""
+    cdf = probs.double().cumsum(dim=-1)
+    target = uniforms.to(cdf.dtype)[:, None] * cdf[:, -1:]
+    index = torch.searchsorted(cdf, target, right=True).squeeze(-1)
+    return torch.minimum(index, (probs > 0).cumsum(dim=-1).argmax(dim=-1))
+
+
+def sampler_ms(repeats: int = 20) -> dict[str, float]:
+    """Median ms of one sampling step on [64, 49152] logits, new and old inverse CDF, interleaved."""
+    from posttrain.rollout import sampling
+    from posttrain.rollout.base import SamplingParams
+
+    torch.manual_seed(0)
+    logits, u = torch.randn(64, 49152) * 3, torch.rand(64, dtype=torch.float64)
+    sp = SamplingParams(max_tokens=1, seed=0, temperature=0.5, top_k=-1)
+    new = sampling.inverse_cdf
+    times: dict[str, list[float]] = {"new": [], "old": []}
+    for _ in range(repeats):
+        for name, fn in (("new", new), ("old", old_inverse_cdf)):
+            sampling.inverse_cdf = fn
+            start = time.perf_counter()
+            tokens = sampling.sample_next(logits, sp, u)[0]
+            times[name].append(time.perf_counter() - start)
+    sampling.inverse_cdf = new
+    assert torch.equal(tokens, sampling.sample_next(logits, sp, u)[0])
+    return {k: 1e3 * statistics.median(v) for k, v in times.items()}
+
+
+def engines(model, tokenizer, dtype: str, compile_step: bool, static: bool) -> dict:
+    from posttrain.rollout.native import NativeEngine
+
+    common = dict(pad_token_id=tokenizer.pad_token_id or 0, eos_token_ids=[tokenizer.eos_token_id], dtype=dtype)
+    out = {"plain": NativeEngine(model, packed_weights=False, **common),
+           "packed": NativeEngine(model, packed_weights=True, **common)}
+    if static:
+        out["static"] = NativeEngine(model, packed_weights=True, static_cache=True, **common)
+    if compile_step:
+        # Inductor cannot lower a prepacked (opaque mkldnn) weight: the compiled step multiplies plain weights
+        out["compiled"] = NativeEngine(model, packed_weights=False, static_cache=True, **common)
+        out["compiled"]._graph_step = torch.compile(out["compiled"]._forward, dynamic=False)
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--kernel", default="onednn", choices=["blas", "onednn"], help="the fp32 kernel installed")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="the rollout dtype (bfloat16: the engine's bf16 sampling copy)")
+    p.add_argument("--no-static", action="store_true", help="leave the static-cache variant out")
+    p.add_argument("--compile", action="store_true", help="add the compiled static step (minutes to compile)")
+    p.add_argument("--output", default=None, help="write the results as JSON here")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    from transformers import AutoTokenizer
+
+    from bench_rollout import _smollm2_instruct, chat_prompts
+    from posttrain.demo.pretrained import ensure_smollm2
+    from posttrain.models.cpu_linear import use_cpu_linear
+    from posttrain.rollout.base import SamplingParams
+
+    model = _smollm2_instruct().eval()
+    tokenizer = AutoTokenizer.from_pretrained(str(ensure_smollm2()))
+    prompts, sp = chat_prompts(8), SamplingParams(max_tokens=64, seed=1, temperature=0.5, top_k=-1)
+    report = {"machine_start": machine(), "kernel": args.kernel, "dtype": args.dtype, "sampler_ms": sampler_ms()}
+    print(json.dumps(report))
+    with use_cpu_linear(args.kernel):
+        variants = engines(model, tokenizer, args.dtype, args.compile, not args.no_static)
+        first = {}
+        for name, engine in variants.items():  # warm-up (and compile): not counted
+            start = time.perf_counter()
+            first[name] = engine.generate(prompts, 8, sp)
+            report.setdefault("first_call_s", {})[name] = round(time.perf_counter() - start, 2)
+        want = first["plain"]
+        for name, outs in first.items():
+            diff = max((abs(a - b) for g, h in zip(outs, want) for o, r in zip(g, h)
+                        for a, b in zip(o.logprobs, r.logprobs)), default=0.0)
+            same = [o.token_ids for g in outs for o in g] == [o.token_ids for g in want for o in g]
+            report.setdefault("equal_to_plain", {})[name] = {"tokens": same, "max_logprob_diff": diff}
+        times: dict[str, list[float]] = {name: [] for name in variants}
+        for _ in range(args.repeats):
+            for name, engine in variants.items():
+                engine._packs.clear()  # as after an update: the packing is part of each call
+                start = time.perf_counter()
+                engine.generate(prompts, 8, sp)
+                times[name].append(time.perf_counter() - start)
+            print({name: round(t[-1], 2) for name, t in times.items()}, Path("/proc/loadavg").read_text().strip())
+    report["seconds"] = {name: sorted(round(x, 2) for x in t) for name, t in times.items()}
+    report["median_s"] = {name: round(statistics.median(t), 2) for name, t in times.items()}
+    report["machine_end"] = machine()
+    print(json.dumps(report, indent=1))
+    if args.output:
+        Path(args.output).write_text(json.dumps(report, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("POSTTRAIN_ROLLOUT_PACKED", "off")  # each variant says what it uses
+    main()

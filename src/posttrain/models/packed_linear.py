@@ -1,0 +1,169 @@
+"""Prepacked oneDNN weights for the rollout's ``nn.Linear`` layers on a CPU (fp32 and bf16).
+
+oneDNN computes ``x W^T`` fastest from a weight in its own blocked layout. Given a plain tensor
+(:mod:`posttrain.models.cpu_linear` in fp32, torch's own bf16 linear),
+``torch.ops.mkldnn._linear_pointwise`` reorders ``W`` on every call; given a weight reordered once by
+``torch.ops.mkldnn._reorder_linear_weight`` (the packing TorchInductor's CPU backend does when it
+freezes a model) it reads it as it is. A decode step multiplies few rows (64 at most, fewer as
+answers end) by every weight, so the reorder is a large share of it: on the AMD EPYC (AVX-512,
+AVX512-BF16) of our benchmarks, 1 thread, SmolLM2-135M's fp32 shapes ran 1.08x faster packed at 64
+rows, 1.15x at 33 and 1.4-1.9x at 8 (bf16: 1.07-1.09x at 64 rows, 1.25-1.8x at 16). The packed
+product equals the plain one (bitwise at those shapes; within 5e-6 for one fp32 row, where oneDNN
+picks another kernel).
+
+:class:`PackedLinears` packs a model's eligible layers (plain fp32 or bf16 CPU weights) and, for the
+``with`` block of :meth:`PackedLinears.installed`, gives each of them a forward that multiplies with
+its packed weight, with no autograd (the rollout runs under ``inference_mode``). The engine repacks
+when the model's weights may have changed (the version it passes, see ``rollout.native``); a pack
+holds a second copy of the layers' weights (0.5 GiB for SmolLM2-135M's fp32 layers, LM head included;
+half that for the bf16 sampling copy).
+
+Unless ``$POSTTRAIN_ROLLOUT_PACKED`` (``on`` or ``off``) pins it, :func:`resolve_packed` times a
+64-row product packed against the plain one (in fp32: the kernel ``cpu_linear`` installed now), once
+per process, thread count and dtype, and packs where that is at least :data:`FASTER_BY` faster.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from posttrain.device import best_seconds
+from posttrain.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+ENV = "POSTTRAIN_ROLLOUT_PACKED"
+CHOICES = {"on": True, "off": False}
+FASTER_BY = 1.04  # packed must beat the installed kernel by this much for auto to pack (measured ~1.08-1.5x)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # the weights it packs
+DECODE_ROWS = 64  # the rows of the product timed (a decode step of max_num_seqs' order)
+
+
+def available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` [N, K] reordered into oneDNN's layout (an opaque mkldnn tensor of the same shape)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ W^T + bias`` for ``x`` [..., K] with ``W`` packed by :func:`pack` (no gradient)."""
+    flat = x.reshape(-1, x.shape[-1])
+    out = torch.ops.mkldnn._linear_pointwise(flat, packed, bias, "none", [], "")
+    return out.reshape(*x.shape[:-1], packed.shape[0])
+
+
+def eligible(module: Any) -> bool:
+    """An ``nn.Linear`` whose weight is a plain fp32 or bf16 CPU tensor (not sharded, not quantised)."""
+    weight = getattr(module, "weight", None)
+    return (isinstance(module, torch.nn.Linear) and isinstance(weight, torch.Tensor)
+            and type(weight.data) is torch.Tensor and weight.dtype in DTYPES.values()
+            and weight.device.type == "cpu" and weight.dim() == 2 and weight.numel() > 0)
+
+
+@functools.lru_cache(maxsize=None)
+def speedup(threads: int, kernel: str, dtype: str = "float32", rows: int = DECODE_ROWS, seconds: float = 0.15) -> float:
+    """The packed product over the plain one on ``[rows, 576] x [576, 1536]`` (a SmolLM2 MLP shape) in
+    ``dtype``, best repeat of each (measured once per process and argument); the plain one is the fp32
+    ``kernel`` (``blas`` or ``onednn``, :mod:`posttrain.models.cpu_linear`) or torch's bf16 linear.
+    0 where packing is not available."""
+    if not available():
+        return 0.0
+    x, w = torch.randn(rows, 576, dtype=DTYPES[dtype]), torch.randn(1536, 576, dtype=DTYPES[dtype])
+    packed = pack(w)
+    if kernel == "onednn" and dtype == "float32":
+        def plain():
+            return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+    else:
+        def plain():
+            return torch.nn.functional.linear(x, w)
+    with torch.inference_mode():
+        ratio = best_seconds(plain, seconds) / best_seconds(lambda: packed_linear(x, packed, None), seconds)
+    log.info("rollout: a %d-row %s product on prepacked oneDNN weights ran %.2fx as fast as on %s (%d threads): %s",
+             rows, dtype, ratio, kernel if dtype == "float32" else "torch's linear", threads,
+             "packing" if ratio >= FASTER_BY else "not packing")
+    return ratio
+
+
+def resolve_packed(device: str, dtype: str = "float32") -> bool:
+    """Whether a rollout in ``dtype`` (float32 or bfloat16) packs its weights on ``device``:
+    ``$POSTTRAIN_ROLLOUT_PACKED`` when set, else on a CPU where packing is at least :data:`FASTER_BY`
+    faster than the plain product (the fp32 kernel installed now; timed at torch's thread count)."""
+    from posttrain.models.cpu_linear import installed
+
+    pinned = os.environ.get(ENV, "").strip().lower()
+    if pinned:
+        if pinned not in CHOICES:
+            raise ConfigError(f"${ENV}={pinned!r}: use one of {', '.join(CHOICES)} (or leave it unset: measured)")
+        return CHOICES[pinned] and available() and device.startswith("cpu") and dtype in DTYPES
+    if not device.startswith("cpu") or dtype not in DTYPES:
+        return False
+    return speedup(torch.get_num_threads(), installed(), dtype) >= FASTER_BY
+
+
+def rollout_packed_weights(plan: Any) -> bool:
+    """Whether a run's native rollout on this process's device packs its weights (what its engine
+    resolves; recorded in ``run.json``). Ray workers resolve it in their own processes."""
+    rollout = getattr(plan, "rollout", None)
+    return bool(rollout is not None and rollout.engine == "native" and resolve_packed(plan.device, plan.rollout_dtype))
+
+
+class PackedLinears:
+    """Packed weights of a model's eligible ``nn.Linear`` layers, repacked when ``version`` changes."""
+
+    def __init__(self) -> None:
+        self.packs: dict[torch.nn.Linear, torch.Tensor] = {}
+        self.version: Any = None
+        self.model_id: int | None = None
+
+    def refresh(self, model: torch.nn.Module, version: Any) -> None:
+        """Pack ``model``'s eligible layers unless the packs already hold ``version`` of ``model``."""
+        if self.model_id == id(model) and self.version == version and self.packs:
+            return
+        self.packs = {}
+        with torch.no_grad():
+            for module in model.modules():
+                if eligible(module):
+                    self.packs[module] = pack(module.weight)
+        self.version, self.model_id = version, id(model)
+
+    def clear(self) -> None:
+        self.packs, self.version, self.model_id = {}, None, None
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        """Each packed layer multiplies with its pack inside the ``with`` block (inputs of its weight's
+        dtype, outside autocast and autograd; others take the layer's own forward); the own forwards
+        come back after."""
+        patched = []
+        for module, packed in self.packs.items():
+            if "forward" in vars(module):  # someone else's instance forward: leave the layer alone
+                continue
+            module.forward = _packed_forward(module, packed)
+            patched.append(module)
+        try:
+            yield
+        finally:
+            for module in patched:
+                del module.forward
+
+
+def _packed_forward(module: torch.nn.Linear, packed: torch.Tensor):
+    dtype = module.weight.dtype
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        if x.dtype is dtype and x.device.type == "cpu" and x.numel() > 0 \
+                and not torch.is_autocast_enabled("cpu") and not torch.is_grad_enabled():
+            return packed_linear(x, packed, module.bias)
+        return type(module).forward(module, x)  # the class's forward (cpu_linear's kernel, if installed)
+
+    return forward
