@@ -46,6 +46,10 @@ def load_weights(path: str | Path, model: torch.nn.Module) -> None:
         _read_json_object(config)
     state = _read_weights(path)
     own = model.state_dict()
+    if getattr(getattr(model, "config", None), "vision_config", None) is not None and not set(state) <= set(own):
+        # a vision-language model: Transformers saves it under the original checkpoint's names (its
+        # conversion mapping), which its own loader maps back to the module's
+        state = type(model).from_pretrained(str(path), dtype=next(model.parameters()).dtype).state_dict()
     loaded_ptrs = {own[k].data_ptr() for k in state if k in own}
     missing = [k for k in own if k not in state and own[k].data_ptr() not in loaded_ptrs]
     unexpected = [k for k in state if k not in own]

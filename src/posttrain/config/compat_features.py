@@ -186,6 +186,37 @@ def _truncation_features() -> list[Feature]:
     ]
 
 
+MM_KEYS_ALONE = ("reuse_image_embeds", "freeze_vision_tower", "vit_forward_micro_batch_size",
+                 "actor_image_embeds_dispatch_size")  # rl_config keys that only a multimodal run reads
+
+
+def _mm_keys_set(cfg: RunConfig) -> list[str]:
+    return [k for k in MM_KEYS_ALONE if getattr(cfg.rl, k) not in (None, False)]
+
+
+def _multimodal_features() -> list[Feature]:
+    """rl_config.is_multimodal (docs/multimodal.md) and the multimodal keys that need it or each other."""
+    rl = lambda c: c.rl  # noqa: E731
+    return [
+        _on("rl_config.is_multimodal", name="multimodal", shown="rl_config.is_multimodal: true", when="true"),
+        Feature("mm_key_alone", tuple(f"rl_config.{k}" for k in MM_KEYS_ALONE),
+                lambda c: not rl(c).is_multimodal and bool(_mm_keys_set(c)),
+                shown=lambda c: ", ".join(f"rl_config.{k}={fmt_value(getattr(c.rl, k))}" for k in _mm_keys_set(c)),
+                when="set, without is_multimodal: true", title="a multimodal key without rl_config.is_multimodal"),
+        Feature("vision_tower_trained", ("rl_config.freeze_vision_tower",),
+                lambda c: rl(c).is_multimodal and not rl(c).freeze_vision_tower,
+                shown="rl_config.freeze_vision_tower: false", when="false, with is_multimodal: true"),
+        Feature("reuse_image_embeds", ("rl_config.reuse_image_embeds",),
+                lambda c: rl(c).is_multimodal and rl(c).reuse_image_embeds,
+                shown="rl_config.reuse_image_embeds: true", when="true, with is_multimodal: true"),
+        Feature("mm_eval", ("rl_config.eval_data_path",), lambda c: rl(c).is_multimodal and bool(rl(c).eval_data_path),
+                when="set, with is_multimodal: true"),
+        Feature("image_embeds_dispatch_alone", ("rl_config.actor_image_embeds_dispatch_size",),
+                lambda c: rl(c).actor_image_embeds_dispatch_size is not None and not rl(c).reuse_image_embeds,
+                when="set, without reuse_image_embeds: true"),
+    ]
+
+
 def _features() -> dict[str, Feature]:
     per_request = Feature("per_request", ("rl_config.async_engine", "rl_config.multi_turn_enable"),
                           lambda c: c.rl.async_engine or c.rl.multi_turn_enable,
@@ -262,6 +293,7 @@ def _features() -> dict[str, Feature]:
         *_diagnostics(),
         *_turn_credit_features(),
         *_truncation_features(),
+        *_multimodal_features(),
     ]
     return {f.name: f for f in features}
 

@@ -37,7 +37,9 @@ def check_run_files(plan: Plan) -> None:
     actor starts from, the prompt template, the LoRA targets, the held-out dataset."""
     d, p = plan.data, plan.policy
     if plan.stage.on_policy:
-        build_prompt_dataset(d.data_path, d.max_prompt_length, additional_keys=d.additional_keys, split=d.split)
+        mm = plan.multimodal  # a multimodal run's dataset must hold the images
+        build_prompt_dataset(d.data_path, d.max_prompt_length, additional_keys=d.additional_keys, split=d.split,
+                             images_per_prompt=mm.images_per_prompt if mm else None)
     else:
         build_offline_dataset(d.data_path, plan.stage.name, seq_length=d.seq_length, split=d.split)
     dirs = run_dirs(plan)
@@ -126,8 +128,11 @@ def _check_lora(options: lora.LoraOptions | None, path: Path) -> None:
         config = AutoConfig.from_pretrained(str(lora.adapter_base(path) if has_adapter else path))
     except (OSError, ValueError, KeyError):
         return  # the model's own loader names what is wrong with its config.json
+    auto = AutoModelForCausalLM
+    if getattr(config, "vision_config", None) is not None:  # a vision-language model (Qwen2.5-VL)
+        from transformers import AutoModelForImageTextToText as auto
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        model = auto.from_config(config)
     if has_adapter:
         lora.check_adapter_keys(path, options, model)
     lora.hf_targets(options.target_modules, model)

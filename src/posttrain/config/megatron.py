@@ -113,10 +113,10 @@ TOKENIZER_TYPE = refused("posttrain builds PretrainedFromHF (HuggingFaceTokenize
                          "Face tokenizer directory), GPT2BPETokenizer or SentencePieceTokenizer",
                          ok=(None, "PretrainedFromHF", "HuggingFaceTokenizer", "GPT2BPETokenizer",
                              "SentencePieceTokenizer"))
-MULTIMODAL_MODEL = refused("multimodal training is not implemented yet", "remove the key", active="set")
-VISION_MODEL = refused("multimodal training is not implemented yet (init-model builds the vision-language model "
-                       "and its log-probs are computed, docs/multimodal.md; the training loop does not feed images "
-                       "yet)", "use a text model", active="set")
+MULTIMODAL_MODEL = refused("posttrain reads the vision-language model from its Hugging Face directory "
+                           "(actor_config.load / tokenizer_name_or_path), not from MindSpeed-MM's model json",
+                           "remove the key", active="set")
+VISION_MODEL = HONOURED  # the model yaml's tower sizes: init-model and the plan's parameter count read them
 
 
 class MegatronConfig(Section):

@@ -19,6 +19,7 @@ from typing import Mapping
 
 from posttrain.algo.truncation import Truncation
 from posttrain.config import options
+from posttrain.config.multimodal import MultimodalOptions, multimodal_options
 from posttrain.config.arch import model_arch
 from posttrain.config.backend import ModelParallel, model_parallel
 from posttrain.config.check import Refusals, check_device, collect_checks, uses_ray
@@ -126,6 +127,7 @@ class Plan:
     parallel: ModelParallel = ModelParallel()  # the training backend and the actor's TP/PP/DP layout
     target: Target | None = None  # posttrain plan --target: the hardware planned for (None: this machine)
     separated: SeparatedRoles = field(default_factory=SeparatedRoles)  # roles in Ray worker groups of their own (use_integrated_worker)
+    multimodal: MultimodalOptions | None = None  # rl_config.is_multimodal (docs/multimodal.md)
 
     @property
     def name(self) -> str:
@@ -288,6 +290,7 @@ def build_plan(cfg: RunConfig, layout: DeviceLayout, arch: ModelArch | None = No
         parallel=parallel, multi_turn=_multi_turn_line(cfg) if on_policy else "",
         off_policy_rollout=_off_policy_line(cfg) if on_policy else "", target=target,
         separated=separated_options(cfg) if on_policy else SeparatedRoles(),
+        multimodal=multimodal_options(cfg, reads) if on_policy else None,
     )
     if arch is not None:
         plan = _replace(plan, num_params=arch.num_params(), memory=estimate_memory(cfg, plan, arch))

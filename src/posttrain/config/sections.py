@@ -60,8 +60,14 @@ REWARD_RESOURCE = refused("in integrated mode the reward model runs on the actor
 CRITIC_RESOURCE = refused("in integrated mode the critic runs on the actor's devices (in the actor's process or "
                           "workers)", "remove the key, give it actor_resource's num_npus, or set "
                           "use_integrated_worker: false (a group of its own)", active="actor_devices")
-MULTIMODAL = refused("multimodal training is not implemented yet")
-MULTIMODAL_SET = refused("multimodal training is not implemented yet", "remove the key", active="set")
+# multimodal (docs/multimodal.md): the keys that need is_multimodal: true, or another feature, are refused by
+# the compatibility table (compat.py rows mm-*)
+VIT_RESOURCE = refused("the ViT on devices of its own waits for separated ViT roles (a ViT worker group); the vision "
+                       "tower runs in the actor's process, on its devices", "remove the key", active="set")
+VIT_COLOCATED = ignored("posttrain always runs the vision tower in the actor's process, on its devices (a ViT of its "
+                        "own needs vit_resource, which is refused)")
+NO_VIDEOS = refused("videos are not fed to the training loop yet (the rollout and the log-prob passes take images "
+                    "only)", "set it to 0 and give a video's frames as images")
 DP_BALANCE = HONOURED  # Ray workers: cluster/group.py balances the replicas' shares; one process: compat row
 # td: the TransferDock keeps the cells in the driver; tq: in TransferQueue (posttrain.cluster.transfer_queue)
 DATA_STRATEGY = HONOURED
@@ -124,7 +130,7 @@ class RLConfig(Section):
                                              "group", REWARD_RESOURCE)
     critic_resource: Opt[Resource] = F(None, "critic devices (PPO); separated mode: its own worker group",
                                        CRITIC_RESOURCE)
-    vit_resource: Opt[Resource] = F(None, "multimodal: ViT devices", MULTIMODAL_SET)
+    vit_resource: Opt[Resource] = F(None, "multimodal: ViT devices", VIT_RESOURCE)
     num_samples_per_step: int = F(1, "samples per step", SEED_UNUSED)
     max_prompt_length: int = F(512, "prompts with token length >= this are filtered out", HONOURED, ge=1,
                                note="prompts this long or longer are dropped")
@@ -203,7 +209,9 @@ class RLConfig(Section):
                                  "(and of every update mini-batch) balanced by prompt + response tokens", DP_BALANCE)
     ref_forward_micro_batch_size: Opt[int] = F(None, "reference log-prob micro batch", HONOURED, ge=1)
     actor_forward_micro_batch_size: Opt[int] = F(None, "old log-prob micro batch", HONOURED, ge=1)
-    vit_forward_micro_batch_size: Opt[int] = F(None, "multimodal: ViT micro batch", MULTIMODAL_SET)
+    vit_forward_micro_batch_size: Opt[int] = F(None, "multimodal: images per vision-tower forward in every pass "
+                                                        "(log-probs and update); unset: a micro-batch's images at once",
+                                                  HONOURED, ge=1, note="images per vision-tower forward")
     actor_rollout_dispatch_size: Opt[int] = F(None, "TD read size for rollout", HONOURED, ge=1, note=ROWS_PER_READ)
     actor_logprob_dispatch_size: Opt[int] = F(None, "TD read size for old log-probs", HONOURED,
                                               ge=1, note=ROWS_PER_READ)
@@ -217,17 +225,20 @@ class RLConfig(Section):
                                               ge=1, note=ROWS_PER_READ)
     critic_value_dispatch_size: Opt[int] = F(None, "TD read size for critic values", HONOURED, ge=1, note=ROWS_PER_READ)
     kl_dispatch_size: Opt[int] = F(None, "TD read size for KL-in-reward", VALIDATED_ONLY, ge=1, note=ROWS_PER_READ)
-    actor_image_embeds_dispatch_size: Opt[int] = F(None, "multimodal: TD read size for image embeddings",
-                                                   MULTIMODAL_SET)
-    is_multimodal: bool = F(False, "multimodal model and data", MULTIMODAL)
+    actor_image_embeds_dispatch_size: Opt[int] = F(None, "multimodal: TD read size for image embeddings "
+                                                         "(reuse_image_embeds)", HONOURED, ge=1, note=ROWS_PER_READ)
+    is_multimodal: bool = F(False, "multimodal model and data: each prompt's images (the dataset's media store) go "
+                                         "to the rollout and the log-prob passes (hf backend, docs/multimodal.md)",
+                            HONOURED)
     use_remove_padding: bool = F(True, "pack valid tokens of a micro-batch into one row (posttrain's default: "
                                        "true, exact and faster; the seed's: false; false pads every row)", HONOURED)
     share_prompt_prefix: bool = F(True, "posttrain: with use_remove_padding, pack a prompt shared by several "
                                         "rows (a group's n samples) once", HONOURED)
-    reuse_image_embeds: bool = F(False, "multimodal: reuse image embeddings", MULTIMODAL)
+    reuse_image_embeds: bool = F(False, "multimodal: the vision tower runs once per iteration (phase "
+                                              "image_embeds) and every pass reuses its image embeddings", HONOURED)
     freeze_vision_tower: bool = F(False, "posttrain: multimodal: the vision tower gets no gradient (the seed's "
-                                         "docs name no such key)", MULTIMODAL)
-    colocate_actor_and_vit: bool = F(False, "multimodal: ViT on the actor's devices", MULTIMODAL)
+                                         "docs name no such key)", HONOURED)
+    colocate_actor_and_vit: bool = F(False, "multimodal: ViT on the actor's devices", VIT_COLOCATED)
     n_samples_per_prompt: int = F(1, "group size n", HONOURED, ge=1, note="responses per prompt")
     mini_batch_size: int = F(1, "prompts per optimizer step", HONOURED, ge=1, note="prompts per optimizer step")
     use_dynamic_bsz: bool = F(False, "token-budget micro-batches", HONOURED)
@@ -341,8 +352,10 @@ class SamplingConfig(Section):
 
 
 class GenerateConfig(Section):
-    limit_mm_image_per_prompt: int = F(1, "multimodal: images per prompt", MULTIMODAL)
-    limit_mm_video_per_prompt: int = F(0, "multimodal: videos per prompt", MULTIMODAL)
+    limit_mm_image_per_prompt: int = F(1, "multimodal: the most images a training prompt may hold (more: a "
+                                                 "DataError naming the prompt)", HONOURED, ge=0,
+                                       note="images per prompt")
+    limit_mm_video_per_prompt: int = F(0, "multimodal: videos per prompt", NO_VIDEOS)
     data_parallel_size: Opt[int] = F(None, "rollout data parallel size", COMPUTED)
     tokenizer_name_or_path: str = F("/path/to/tokenizer", "rollout tokenizer", GEN_TOKENIZER)
     trust_remote_code: bool = F(False, "HF trust_remote_code", REMOTE_CODE)

@@ -208,9 +208,8 @@ def _check_sequences(cfg: RunConfig) -> None:
                           "pipeline parallelism! Please set 'no_pad_to_seq_lengths=True'.")
     if not a.reset_attention_mask:
         raise ConfigError("'use_remove_padding' feature requires 'reset_attention_mask=True'! ")
-    if rl.is_multimodal:
-        raise ConfigError("'multimodal' models cannot use 'use_remove_padding' feature! Please set "
-                          "'use_remove_padding=False' in the RLConfig.")
+    # the seed refuses remove padding for multimodal models; posttrain packs their rows (the 3-D rotary
+    # positions per sequence, docs/multimodal.md), so that rule is not kept
 
 
 def _check_devices(cfg: RunConfig, num_nodes: int) -> _Batch:
@@ -258,6 +257,8 @@ def _dispatch_sizes(cfg: RunConfig, b: _Batch) -> dict[str, int]:
         "reward_dispatch_size": gbs * n // b.num_nodes,
         "actor_update_dispatch_size": b.train_gbs * n // b.actor_dp,
     }
+    if rl.is_multimodal and rl.reuse_image_embeds:  # the image_embeds phase (loops/multimodal.py)
+        derived["actor_image_embeds_dispatch_size"] = b.train_gbs * n // b.actor_dp
     if cfg.stage == "ppo":
         critic_dp = _critic_dp(cfg, b)
         derived.update(critic_update_dispatch_size=gbs * n // critic_dp,
@@ -291,6 +292,8 @@ def _check_experience(cfg: RunConfig, b: _Batch, dispatch: dict[str, int]) -> No
                   "Actor Update": dispatch["actor_update_dispatch_size"]}
     if b.filtering:
         experience["Dynamic Sampling"] = dispatch["dynamic_sampling_dispatch_size"]
+    if "actor_image_embeds_dispatch_size" in dispatch:
+        experience["Image Embeds"] = dispatch["actor_image_embeds_dispatch_size"]
     if cfg.stage == "ppo":
         experience.update({"Critic Infer": dispatch["critic_value_dispatch_size"], "KL": dispatch["kl_dispatch_size"],
                            "Critic Update": dispatch["critic_update_dispatch_size"]})
@@ -305,7 +308,8 @@ def _check_experience(cfg: RunConfig, b: _Batch, dispatch: dict[str, int]) -> No
         raise ConfigError(f"actor_update_dispatch_size={dispatch['actor_update_dispatch_size']} must be >= "
                           f"mini_batch_size/actor_data_parallel_size ({mini}/{b.actor_dp}={mini // b.actor_dp})")
     for key in ("actor_rollout_dispatch_size", "actor_logprob_dispatch_size", "ref_dispatch_size",
-                "actor_update_dispatch_size", "critic_update_dispatch_size", "critic_value_dispatch_size"):
+                "actor_update_dispatch_size", "critic_update_dispatch_size", "critic_value_dispatch_size",
+                "actor_image_embeds_dispatch_size"):
         value = dispatch.get(key)
         # the rollout runs on the inference DP, the critic on its own
         dp = b.infer_dp if key == "actor_rollout_dispatch_size" else _critic_dp(cfg, b) if key.startswith("critic") \

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
+from posttrain.models.vlm import MM_KEYS, SampleImages
 from posttrain.training.batch import build_batch, per_token, unpad
 from posttrain.transfer_dock import TransferDock
 
@@ -42,12 +43,15 @@ def new_dock(rows: int, n: int, *, guarantee_order: bool, seed: int, extra_colum
 
 
 def read_batch(td: TransferDock, consumer: str, columns: Sequence[str], count: int | None, *, pad_token_id: int,
-               device=None, indexes: Sequence[int] | None = None) -> tuple[dict[str, torch.Tensor], list[int], list[int]]:
+               device=None, indexes: Sequence[int] | None = None,
+               vit_micro_batch_size: int | None = None) -> tuple[dict[str, torch.Tensor], list[int], list[int]]:
     """``count`` rows (or the rows ``indexes``) for ``consumer`` as a training batch (the layout of
     :func:`build_batch` plus the per-token ``columns`` as ``[B, R]``), their dock indexes and their
-    response lengths."""
+    response lengths. A multimodal dock's rows bring their images (``images``: a
+    :class:`~posttrain.models.vlm.SampleImages`, with ``vit_micro_batch_size`` images per tower forward)."""
     tool_mask = "response_mask" in td.columns  # multi-turn: 0 on tool tokens
-    read = ["prompts", "responses", "response_length", *columns, *(["response_mask"] if tool_mask else [])]
+    images = [c for c in (*MM_KEYS, "image_embeds") if c in td.columns]
+    read = ["prompts", "responses", "response_length", *columns, *(["response_mask"] if tool_mask else []), *images]
     batch, idx = td.get(consumer, read, count, indexes=indexes)
     tensors = build_batch(batch["prompts"], batch["responses"], pad_token_id=pad_token_id)
     width = tensors["response_mask"].shape[1]
@@ -55,6 +59,9 @@ def read_batch(td: TransferDock, consumer: str, columns: Sequence[str], count: i
         tensors["response_mask"] = tensors["response_mask"] * per_token(batch["response_mask"], width).long()
     for column in columns:
         tensors[column] = per_token(batch[column], width)
+    if images:
+        tensors["images"] = SampleImages([{c: batch[c][i] for c in images} for i in range(len(idx))],
+                                         vit_micro_batch_size)
     if device is not None:
         tensors = {k: v.to(device) for k, v in tensors.items()}
     return tensors, idx, [int(x) for x in batch["response_length"]]

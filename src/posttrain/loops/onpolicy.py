@@ -32,6 +32,7 @@ from posttrain.metrics.timers import Timers
 from posttrain.training.loss_fns import make_actor_loss_fn
 from posttrain.loops.dump_points import dump_experience, dumped_phase
 from posttrain.loops.experience import per_group, per_token, read_batch, write_rows
+from posttrain.loops.multimodal import compute_image_embeds
 from posttrain.loops.overlap import overlapped_passes
 from posttrain.loops.ppo import CriticPhases
 from posttrain.loops.produce import Experience, Producer
@@ -53,6 +54,8 @@ class OnPolicyTrainer:
         self.critic = CriticPhases(plan, session) if plan.uses_critic else None
         self.producer = Producer(plan, session)
         self.source: ExperienceSource | None = None  # opened by the first iteration (a rollout thread starts)
+        # multimodal: images per vision-tower forward in the log-prob passes and the update
+        self.vit_micro_batch_size = plan.multimodal.vit_micro_batch_size if plan.multimodal else None
 
     # ------------------------------------------------------------------------------------------
     def fit(self) -> dict[str, float]:
@@ -114,6 +117,10 @@ class OnPolicyTrainer:
             with timers("adv"):
                 self.advantages(td)
         overlap = bool(plan.separated) and not plan.separated.blocking  # the separated roles' passes started together (loops/overlap.py)
+        mm = plan.multimodal
+        if mm is not None and mm.reuse_image_embeds:  # the vision tower once; every pass reads its embeddings
+            with timers("image_embeds"):
+                compute_image_embeds(td, s.policy.model, mm.embeds_dispatch_size, s.device, mm.vit_micro_batch_size)
         if overlap:
             overlapped_passes(self, td, timers)
         if s.policy.reference is not None and not overlap:
@@ -191,7 +198,7 @@ class OnPolicyTrainer:
         """``column`` (``ref_logprobs`` or ``old_logprobs``): the response log-probs under ``engine``."""
         while not td.all_consumed(column):
             batch, idx, lengths = read_batch(td, column, [], count, pad_token_id=self.s.policy.pad_token_id,
-                                             device=self.s.device)
+                                             device=self.s.device, vit_micro_batch_size=self.vit_micro_batch_size)
             lp = engine.compute_logprobs(batch, temperature=self.plan.logprob_temperature,
                                          micro_batch_size=micro_batch_size)
             write_rows(td, [column], idx, [lp], lengths)
@@ -233,7 +240,8 @@ class OnPolicyTrainer:
                                                         else 0.0))
         while not td.all_consumed("actor_update"):
             batch, _, _ = read_batch(td, "actor_update", columns, plan.reads["actor_update_dispatch_size"],
-                                     pad_token_id=s.policy.pad_token_id, device=s.device)
+                                     pad_token_id=s.policy.pad_token_id, device=s.device,
+                                     vit_micro_batch_size=self.vit_micro_batch_size)
             steps = s.policy.actor.update(batch, loss_fn, mini_batch_size=plan.mini_batch_rows, epochs=u.epochs,
                                           shuffle=u.shuffle, seed=u.seed + iteration)
             for step in steps:

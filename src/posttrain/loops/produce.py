@@ -27,6 +27,8 @@ from posttrain.metrics.timers import Timers
 from posttrain.reward.decoding import decode_labels, decode_responses
 from posttrain.loops.dynamic_sampling import DynamicSampler, score_columns
 from posttrain.loops.experience import MULTI_TURN_COLUMNS, new_dock
+from posttrain.loops.multimodal import EMBEDS_COLUMN, dock_columns, encode_prompts, rollout_images
+from posttrain.models.vlm import MM_KEYS
 from posttrain.loops.partial_rollout import STATE_FILE, PartialRollout
 from posttrain.loops.resume_files import load_partial
 from posttrain.loops.session import Session
@@ -64,10 +66,16 @@ class PlainGeneration:
 
     def __init__(self, plan: Plan, session: Session, extra: tuple[str, ...]):
         self.plan, self.s, self.extra = plan, session, extra
+        self.images = plan.multimodal is not None  # each prompt's images (loops/multimodal.py)
 
     def fill(self, td, iteration, engine, version, timers, acc) -> None:
-        prompts, labels = next_prompts(self.s)
-        td.put_prompts({"prompts": prompts, "prompt_length": [len(p) for p in prompts], "labels": labels})
+        items = next_items(self.s)
+        prompts, labels = prompt_ids(items), prompt_labels(items)
+        columns = {}
+        if self.images:  # the image pads expanded, and each prompt's pixel_values / image_grid_thw
+            policy = self.s.policy
+            prompts, columns = encode_prompts(policy.processor, int(policy.model.config.image_token_id), items)
+        td.put_prompts({"prompts": prompts, "prompt_length": [len(p) for p in prompts], "labels": labels, **columns})
         with timers("rollout"):
             self.rollout(td, iteration, engine, version)
 
@@ -75,11 +83,13 @@ class PlainGeneration:
         n, policy = self.plan.n, self.s.policy
         stops, sampling = policy.stop_token_ids, self.s.sampling_for(iteration)
         while not td.all_consumed("rollout"):
-            batch, idx = td.get("rollout", ["prompts"], self.plan.reads["actor_rollout_dispatch_size"],
-                                get_n_samples=True)
+            batch, idx = td.get("rollout", ["prompts", *(MM_KEYS if self.images else ())],
+                                self.plan.reads["actor_rollout_dispatch_size"], get_n_samples=True)
             unique = [batch["prompts"][k].tolist() for k in range(0, len(idx), n)]
             keys = [idx[k] // n for k in range(0, len(idx), n)]
-            outs = [o for group in engine.generate(unique, n, sampling, stops, prompt_keys=keys) for o in group]
+            images = {"images": rollout_images(batch, n)} if self.images else {}
+            outs = [o for group in engine.generate(unique, n, sampling, stops, prompt_keys=keys, **images)
+                    for o in group]
             responses = [torch.tensor(o.token_ids, dtype=torch.long) for o in outs]
             td.put(["responses", "response_length", "rollout_logprobs", "policy_version"], idx,
                    [responses, [len(r) for r in responses],
@@ -112,8 +122,8 @@ class PartialGeneration:
         pool = self.pool
         with timers("rollout"):
             while len(pool.free_groups()) >= self.gbs:
-                prompts, labels = next_prompts(self.s)
-                pool.add_prompts([p.tolist() for p in prompts], labels)
+                items = next_items(self.s)
+                pool.add_prompts([p.tolist() for p in prompt_ids(items)], prompt_labels(items))
             pool.fill(engine, self.s.sampling_for(iteration), self.s.policy.stop_token_ids, version)
             batch, metrics = pool.take()
             columns = ["prompts", "prompt_length", "labels", "responses", "rollout_logprobs", "policy_version"]
@@ -125,11 +135,17 @@ class PartialGeneration:
         return {STATE_FILE: self.pool.state_dict()}
 
 
-def next_prompts(session: Session) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """The next batch of prompts from the session's sampler, and their labels."""
-    items = [session.dataset[i] for i in session.sampler.next_batch()]
-    return ([torch.as_tensor(it["prompts"], dtype=torch.long) for it in items],
-            [torch.as_tensor(it.get("labels", []), dtype=torch.long) for it in items])
+def next_items(session: Session) -> list[dict[str, Any]]:
+    """The dataset items of the next batch of prompts from the session's sampler."""
+    return [session.dataset[i] for i in session.sampler.next_batch()]
+
+
+def prompt_ids(items: list[dict[str, Any]]) -> list[torch.Tensor]:
+    return [torch.as_tensor(it["prompts"], dtype=torch.long) for it in items]
+
+
+def prompt_labels(items: list[dict[str, Any]]) -> list[torch.Tensor]:
+    return [torch.as_tensor(it.get("labels", []), dtype=torch.long) for it in items]
 
 
 class Producer:
@@ -139,11 +155,14 @@ class Producer:
     def __init__(self, plan: Plan, session: Session):
         self.plan, self.s = plan, session
         self.extra = MULTI_TURN_COLUMNS if plan.rollout.tools is not None else ()  # tool-token mask, call counts
+        mm = plan.multimodal
+        self.image_columns = dock_columns(mm.reuse_image_embeds) if mm is not None else ()  # loops/multimodal.py
         self.generation: Generation = (PartialGeneration(plan, session) if plan.off_policy.partial
                                        else PlainGeneration(plan, session, self.extra))
+        carry = (*self.extra, *(MM_KEYS if mm is not None else ()))  # what a kept DAPO group brings along
         self.dynamic = (DynamicSampler(plan.dynamic_sampling, n=plan.n, global_batch_size=plan.prompts_per_iteration,
                                        train_prompts=plan.prompts_per_update, seed=plan.policy.seed,
-                                       guarantee_order=plan.guarantee_order, carry=self.extra, queue=session.queue)
+                                       guarantee_order=plan.guarantee_order, carry=carry, queue=session.queue)
                         if plan.dynamic_sampling is not None else None)
 
     def __call__(self, iteration: int, engine, version: int) -> Experience:
@@ -165,8 +184,10 @@ class Producer:
 
     def new_dock(self, iteration: int) -> TransferDock:
         """The empty dock of iteration ``iteration``'s experience."""
+        embeds = (EMBEDS_COLUMN,) if EMBEDS_COLUMN in self.image_columns else ()  # its phase reads the dock
         return new_dock(self.plan.rows_per_update, self.plan.n, guarantee_order=self.plan.guarantee_order,
-                        seed=self.plan.policy.seed + iteration, extra_columns=self.extra, queue=self.s.queue)
+                        seed=self.plan.policy.seed + iteration, extra_columns=(*self.extra, *self.image_columns),
+                        extra_consumers=embeds, queue=self.s.queue)
 
     def state_files(self) -> dict[str, Any]:
         return self.generation.state_files()

@@ -95,8 +95,9 @@ class Session:
     def _dataset(self):
         d, stage = self.plan.data, self.plan.stage
         if stage.on_policy:
+            mm = self.plan.multimodal
             return build_prompt_dataset(d.data_path, d.max_prompt_length, additional_keys=d.additional_keys,
-                                        split=d.split)
+                                        split=d.split, images_per_prompt=mm.images_per_prompt if mm else None)
         return build_offline_dataset(d.data_path, stage.name, seq_length=d.seq_length, split=d.split)
 
     def _build(self, start: Start) -> None:
@@ -286,7 +287,7 @@ class Session:
 
             with on_device(p.actor, getattr(self.critic, "engine", None)):  # an offloaded state is saved too
                 path = save_checkpoint(s.save, iteration, p.model, p.actor.optimizer, p.actor.scheduler,
-                                       tokenizer=p.tokenizer, sampler_state=self.sampler.state_dict(),
+                                       tokenizer=p.processor or p.tokenizer, sampler_state=self.sampler.state_dict(),
                                        trainer_state=state, save_optim=s.save_optim, save_rng=s.save_rng,
                                        extra=self.extra_parts, files=self.extra_files, adapter_only=s.adapter_only)
         self._write_card(path, iteration)

@@ -177,16 +177,10 @@ def init_model_dir(name: str, keys: dict, output: str | Path, corpus: str | Path
         else:
             texts = default_corpus()
         tok = train_tokenizer(texts, vocab_size or int(keys.get("tokenizer_vocab_size", 512)))
-    vlm = keys.get("hf_model_type") in VLM_TYPES
-    vision_ids = add_vision_tokens(tok) if vlm else {}
+    vision_ids = add_vision_tokens(tok) if keys.get("hf_model_type") in VLM_TYPES else {}
     divisor = int(keys.get("make_vocab_size_divisible_by") or 1)
-    arch = arch_from_model_yaml(name, keys, vocab_size=_round_up(len(tok), divisor))
-    hf_cfg = arch.to_hf_config()
     special = {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id}
-    hf_cfg.update(special, **vision_ids)
-    if "text_config" in hf_cfg:  # a VLM: its language model reads them too
-        hf_cfg["text_config"].update(special)
-    net = _random_model(name, hf_cfg, seed, vlm)
+    net, arch = random_model(name, keys, _round_up(len(tok), divisor), {**special, **vision_ids}, seed)
 
     try:
         output.parent.mkdir(parents=True, exist_ok=True)
@@ -210,6 +204,24 @@ def init_model_dir(name: str, keys: dict, output: str | Path, corpus: str | Path
         if tmp.exists():
             shutil.rmtree(tmp)
     return output
+
+
+def random_model(name: str, keys: dict, vocab_size: int, token_ids: dict, seed: int,
+                 text_config: dict | None = None):
+    """The random-init model of the model yaml ``name`` (its architecture ``keys``) and its
+    :class:`~posttrain.models.arch.ModelArch`: ``vocab_size`` rows, the tokenizer's special
+    ``token_ids`` (``bos/eos/pad_token_id``, a VLM's vision token ids), ``text_config``: more HF
+    config values of the language model (a VLM's) or the model (e.g. ``initializer_range``)."""
+    vlm = keys.get("hf_model_type") in VLM_TYPES
+    arch = arch_from_model_yaml(name, keys, vocab_size=vocab_size)
+    hf_cfg = arch.to_hf_config()
+    special = {k: v for k, v in token_ids.items() if k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    hf_cfg.update(token_ids)
+    if "text_config" in hf_cfg:  # a VLM: its language model reads them too
+        hf_cfg["text_config"].update(special, **(text_config or {}))
+    else:
+        hf_cfg.update(text_config or {})
+    return _random_model(name, hf_cfg, seed, vlm), arch
 
 
 def _random_model(name: str, hf_cfg: dict, seed: int, vlm: bool) -> torch.nn.Module:

@@ -11,6 +11,7 @@ from posttrain.checkpoint import STATE_FILE, resolve_checkpoint
 from posttrain.errors import ConfigError
 from posttrain.models.mcore.cache import hf_cache_for
 from posttrain.models.mcore.mcore_files import is_mcore_checkpoint
+from posttrain.models.vlm import is_vlm_dir
 
 DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
           "float16": "float16", "fp16": "float16"}
@@ -56,6 +57,10 @@ def load_causal_lm(path: str | Path, *, device: str = "cpu", dtype: str = "float
     kwargs = {"dtype": torch_dtype(dtype)}
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
+    if is_vlm_dir(path):  # a vision-language model (Qwen2.5-VL): its conditional-generation class
+        from transformers import AutoModelForImageTextToText
+
+        return AutoModelForImageTextToText.from_pretrained(str(path), **kwargs).to(device)
     model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
     return model.to(device)
 

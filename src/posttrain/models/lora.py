@@ -132,8 +132,11 @@ def lora_config(options: LoraOptions, model):
     if options.alpha is None or options.alpha <= 0:
         raise ConfigError(f"actor_config.lora_alpha={options.alpha}: must be > 0 (the update is scaled by "
                           f"lora_alpha / lora_r)")
+    # a vision-language model: the adapter on the language model only (its vision tower has linears of the same names)
+    exclude = r".*\bvisual\b.*" if hasattr(getattr(model, "model", None), "visual") else None
     return LoraConfig(r=int(options.r), lora_alpha=options.alpha, lora_dropout=0.0, bias="none",
-                      target_modules=hf_targets(options.target_modules, model), task_type="CAUSAL_LM")
+                      target_modules=hf_targets(options.target_modules, model), task_type="CAUSAL_LM",
+                      exclude_modules=exclude)
 
 
 def add_adapter(model, options: LoraOptions):

@@ -83,6 +83,27 @@ class ImageTextProcessor:
     def apply_chat_template(self, messages, **kwargs):
         return self.tokenizer.apply_chat_template(messages, **kwargs)
 
+    def save_pretrained(self, directory: str | Path) -> None:
+        """The tokenizer and ``preprocessor_config.json`` into ``directory`` (a checkpoint loads with
+        :func:`load_processor`, and with ``AutoProcessor`` where torchvision is installed)."""
+        self.image_processor.save_pretrained(str(directory))
+        self.tokenizer.save_pretrained(str(directory))
+
+    def encode_images(self, prompt_ids: Sequence[int], images: Sequence, image_token_id: int) -> dict:
+        """One prompt's token ids (each ``image_token_id`` expanded to its image's tokens, as
+        ``__call__`` expands the text) and its ``pixel_values`` / ``image_grid_thw`` (no rows for no image)."""
+        if not images:
+            return {"input_ids": list(prompt_ids), **empty_images(self.image_processor)}
+        vision = self.image_processor(images=list(images), return_tensors="pt")
+        counts = (vision["image_grid_thw"].prod(-1) // self.merge ** 2).tolist()
+        ids = list(prompt_ids)
+        if ids.count(image_token_id) != len(counts):
+            raise ValueError(f"the prompt holds {ids.count(image_token_id)} image tokens for {len(counts)} images")
+        expanded, it = [], iter(counts)
+        for token in ids:
+            expanded.extend([token] * int(next(it)) if token == image_token_id else [token])
+        return {"input_ids": expanded, "pixel_values": vision["pixel_values"], "image_grid_thw": vision["image_grid_thw"]}
+
     def __call__(self, text: Sequence[str], images=None, return_tensors: str = "pt") -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
         text = list(text)
@@ -94,6 +115,12 @@ class ImageTextProcessor:
             text = [_expand(t, pad, counts) for t in text]
         out.update(self.tokenizer(text, return_tensors=return_tensors, padding=True))
         return out
+
+
+def empty_images(image_processor) -> dict[str, torch.Tensor]:
+    """A text-only sample's image inputs: no rows (``pixel_values [0, C*T*P*P]``, ``image_grid_thw [0, 3]``)."""
+    p, t = int(image_processor.patch_size), int(image_processor.temporal_patch_size)
+    return {"pixel_values": torch.zeros(0, 3 * t * p * p), "image_grid_thw": torch.zeros(0, 3, dtype=torch.long)}
 
 
 def _expand(text: str, pad: str, counts) -> str:
@@ -131,3 +158,46 @@ def concat_samples(samples: Sequence[dict[str, torch.Tensor]]) -> dict[str, torc
     """The micro-batch inputs of samples in row order: their ``pixel_values`` and ``image_grid_thw``
     rows concatenated."""
     return {key: torch.cat([s[key] for s in samples]) for key in MM_KEYS}
+
+
+class SampleImages:
+    """The image inputs of a batch's rows, one entry per row (``{pixel_values, image_grid_thw}`` and,
+    with ``reuse_image_embeds``, ``image_embeds``; no rows for a text-only sample), carried beside the
+    row tensors of a training batch under the key ``images``: it is indexed by rows and moved to a
+    device like them, so every micro-batch split (fixed size, token budget, grouped by prompt) keeps
+    each sample's images with its row. ``vit_micro_batch_size``: images per vision-tower forward."""
+
+    def __init__(self, samples: Sequence[dict[str, torch.Tensor]], vit_micro_batch_size: int | None = None):
+        self.samples = list(samples)
+        self.vit_micro_batch_size = vit_micro_batch_size
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    @property
+    def shape(self) -> tuple[int]:
+        return (len(self.samples),)
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def __getitem__(self, rows) -> "SampleImages":
+        index = rows.tolist() if isinstance(rows, torch.Tensor) else list(range(len(self)))[rows] \
+            if isinstance(rows, slice) else list(rows)
+        return SampleImages([self.samples[int(i)] for i in index], self.vit_micro_batch_size)
+
+    def to(self, device, non_blocking: bool = False) -> "SampleImages":
+        moved = [{k: v.to(device, non_blocking=non_blocking) for k, v in s.items()} for s in self.samples]
+        return SampleImages(moved, self.vit_micro_batch_size)
+
+    def num_images(self) -> int:
+        return sum(int(s["image_grid_thw"].shape[0]) for s in self.samples)
+
+    def concat(self) -> dict[str, torch.Tensor]:
+        """The rows' inputs joined in row order (:func:`concat_samples`; ``image_embeds`` too when every
+        sample has them)."""
+        out = concat_samples(self.samples)
+        if self.samples and all("image_embeds" in s for s in self.samples):
+            out["image_embeds"] = torch.cat([s["image_embeds"] for s in self.samples])
+        return out

@@ -65,6 +65,7 @@ class Policy:
     rollout: RolloutEngine | None
     stop_token_ids: list[int]
     state: dict[str, Any]  # the trainer state: resumed from a checkpoint, or a fresh run's
+    processor: Any = None  # a multimodal run: the tokenizer and image processor (models.vlm.ImageTextProcessor)
 
     @property
     def pad_token_id(self) -> int:
@@ -283,6 +284,7 @@ def build_policy(plan: Plan, device: str, *, source: str | None = None, with_rol
     p = plan.policy
     model, tokenizer, source = build_actor_model(p, device, source, frozen_dtype=plan.frozen_dtype)
     warn_dropout_across_workers(model, plan.workers)
+    processor = multimodal_actor(plan, model, p.tokenizer or resolve_model_dir(source)) if plan.multimodal else None
     actor = build_train_engine(model, p.optim, plan, plan.actor_engine, metric_prefix=plan.stage.metric_prefix
                                if not plan.stage.on_policy else "actor", dp_group=dp_group)
     state = resume(source, model, actor, p.checkpoint)
@@ -299,4 +301,18 @@ def build_policy(plan: Plan, device: str, *, source: str | None = None, with_rol
     if rollout is not None and plan.rollout.offload_weights and not device.startswith("cpu"):
         rollout = weights_off_during_rollout(rollout, model)  # generate_config.offload_train_param (a CPU: no effect)
     return Policy(model=model, tokenizer=tokenizer, actor=actor, reference=reference, rollout=rollout,
-                  stop_token_ids=stops, state=state)
+                  stop_token_ids=stops, state=state, processor=processor)
+
+
+def multimodal_actor(plan: Plan, model, processor_dir):
+    """A multimodal run's actor: a vision-language model (else a ConfigError), its vision tower frozen
+    with ``freeze_vision_tower`` (before the optimizer is built), and its processor from ``processor_dir``."""
+    from posttrain.models.vlm import load_processor
+    from posttrain.training.multimodal import freeze_vision_tower
+
+    if getattr(model.config, "image_token_id", None) is None or getattr(model.config, "vision_config", None) is None:
+        raise ConfigError(f"rl_config.is_multimodal: true, but the actor ({type(model).__name__}) is a text model; "
+                          "give a vision-language model (Qwen2.5-VL) in actor_config.load, or set is_multimodal: false")
+    if plan.multimodal.freeze_vision_tower:
+        freeze_vision_tower(model)
+    return load_processor(processor_dir)

@@ -43,6 +43,7 @@ from typing import Any
 import torch
 
 from posttrain.errors import ConfigError, PosttrainError
+from posttrain.models.vlm import SampleImages
 from posttrain.training.base import LossFn
 from posttrain.training.options import EngineOptions, TokenBudget
 from posttrain.training.dynamic_batch import split_by_tokens
@@ -91,7 +92,7 @@ def minibatch_order(num_rows: int, mini_batch_size: int, *, epochs: int = 1, shu
 
 
 def _num_rows(batch: dict[str, torch.Tensor]) -> int:
-    bad = [key for key, value in batch.items() if not isinstance(value, torch.Tensor)]
+    bad = [key for key, value in batch.items() if not isinstance(value, (torch.Tensor, SampleImages))]
     if bad:
         raise ConfigError(f"Batch values must be tensors with one row per sample; not tensors: {bad}.")
     sizes = {key: value.shape[0] for key, value in batch.items()}

@@ -21,8 +21,8 @@ from posttrain.training.batch import default_position_ids
 
 
 def is_multimodal(batch: dict[str, torch.Tensor]) -> bool:
-    """Whether ``batch`` carries images (``image_grid_thw``)."""
-    return "image_grid_thw" in batch
+    """Whether ``batch`` carries images (``image_grid_thw``, or the rows' :class:`SampleImages` under ``images``)."""
+    return "image_grid_thw" in batch or "images" in batch
 
 
 def _vlm(model: torch.nn.Module) -> torch.nn.Module:
@@ -37,10 +37,21 @@ def vision_tower(model: torch.nn.Module) -> torch.nn.Module:
     return _vlm(model).visual
 
 
-def image_embeds(model: torch.nn.Module, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> torch.Tensor:
-    """The vision tower's features of the images: ``[image tokens, H]`` (tokens of every image, in order)."""
-    output = _vlm(model).get_image_features(pixel_values, image_grid_thw, return_dict=True)
-    return torch.cat(output.pooler_output, dim=0)
+def image_embeds(model: torch.nn.Module, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor,
+                 micro_batch_size: int | None = None) -> torch.Tensor:
+    """The vision tower's features of the images: ``[image tokens, H]`` (tokens of every image, in
+    order), ``micro_batch_size`` images per tower forward (None: all at once)."""
+    images = int(image_grid_thw.shape[0])
+    step = micro_batch_size or max(images, 1)
+    patches = image_grid_thw.prod(-1).tolist()
+    out, first = [], 0
+    for start in range(0, images, step):
+        num = int(sum(patches[start:start + step]))
+        output = _vlm(model).get_image_features(pixel_values[first:first + num], image_grid_thw[start:start + step],
+                                                return_dict=True)
+        out += list(output.pooler_output)
+        first += num
+    return torch.cat(out, dim=0)
 
 
 def freeze_vision_tower(model: torch.nn.Module, frozen: bool = True) -> None:
@@ -57,11 +68,18 @@ def multimodal_inputs(model: torch.nn.Module, batch: dict[str, torch.Tensor]) ->
     if "pixel_values_videos" in batch or "video_grid_thw" in batch:
         raise ValueError("the batch carries videos (pixel_values_videos / video_grid_thw): posttrain's multimodal "
                          "forward takes images only so far; give the frames as images")
+    micro = None
+    if "images" in batch:  # the rows' SampleImages (posttrain.models.vlm): joined in row order
+        images = batch["images"]
+        batch = {**{k: v for k, v in batch.items() if k != "images"}, **images.concat()}
+        micro = images.vit_micro_batch_size
+        if images.num_images() == 0:  # text-only rows: the plain forward
+            return {k: v for k, v in batch.items() if k not in MM_KEYS and k != "image_embeds"}
     vlm = _vlm(model)
     ids, attention = batch["input_ids"], batch["attention_mask"]
     features = batch.get("image_embeds")
     if features is None:
-        features = image_embeds(model, batch["pixel_values"], batch["image_grid_thw"])
+        features = image_embeds(model, batch["pixel_values"], batch["image_grid_thw"], micro)
     embeds = vlm.get_input_embeddings()(ids)
     image_mask = (ids == vlm.config.image_token_id) & attention.bool()
     if int(image_mask.sum()) != features.shape[0]:

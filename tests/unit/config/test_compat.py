@@ -44,6 +44,8 @@ OFFLOAD_PARAM = ["generate_config.offload_train_param=true"]
 GRAPHS = ["generate_config.enforce_eager=false"]
 MSPROBE = ["msprobe_config.msprobe=true"]
 TRUNC = ["rl_config.truncated_sampling_logprobs=true"]
+MM = ["rl_config.is_multimodal=true"]
+MM_FROZEN = [*MM, "rl_config.freeze_vision_tower=true"]
 
 # row id -> (overrides that turn the row on, device); a new row needs its example here
 EXAMPLES: dict[str, tuple[list[str], str]] = {
@@ -142,6 +144,24 @@ EXAMPLES: dict[str, tuple[list[str], str]] = {
     "truncated-logprobs-greedy": ([*TRUNC, "generate_config.sampling_config.temperature=0"], "cpu"),
     "truncated-logprobs-untruncated": ([*TRUNC, "generate_config.sampling_config.top_k=-1"], "cpu"),
     "truncated-logprobs-vllm-min-p": ([*TRUNC, *VLLM, "generate_config.sampling_config.min_p=0.1"], "cpu"),
+    "mm-megatron": ([*MM, *TP2], "cpu"),
+    "mm-engine": ([*MM, *VLLM], "cpu"),
+    "mm-ray": ([*MM, *RAY], "cpu"),
+    "mm-stage": ([*MM, *PPO], "cpu"),
+    "mm-partial": ([*MM, *PARTIAL], "cpu"),
+    "mm-per_request": ([*MM, "rl_config.async_engine=true"], "cpu"),
+    "mm-reward_model": ([*MM, "reward_config.load=/models/rm"], "cpu"),
+    "mm-async": ([*MM, *ASYNC], "cpu"),
+    "mm-rollout_worker": ([*MM, *WORKER], "cpu"),
+    "mm-separated": ([*MM, *SEP_REF], "cpu"),
+    "mm-transfer_queue": ([*MM, *TQ], "cpu"),
+    "mm-lora-tower": ([*MM, *LORA], "cpu"),
+    "mm-reuse-trained-tower": ([*MM, "rl_config.reuse_image_embeds=true"], "cpu"),
+    "mm-reuse-ref-model": ([*MM_FROZEN, "rl_config.reuse_image_embeds=true",
+                            "rl_config.integrated_mode_config.ref_model_load_path=/models/ref"], "cpu"),
+    "mm-eval": ([*MM, "rl_config.eval_data_path=/data/eval"], "cpu"),
+    "mm-key-alone": (["rl_config.freeze_vision_tower=true"], "cpu"),
+    "mm-embeds-dispatch": ([*MM_FROZEN, "rl_config.actor_image_embeds_dispatch_size=4"], "cpu"),
 }
 # rows an earlier rule of the one check answers first, with its own message (the row documents the fact)
 ANSWERED_FIRST = {"vllm-infer_pipeline_parallel_size": "pipeline_parallel for vllm is not supported yet ! "}
@@ -219,7 +239,9 @@ def test_features_alone_pass_the_table():
                       ["rl_config.async_engine=true", *VLLM], ["rl_config.async_engine=true", *VLLM, *GRAPHS],
                       [*ASYNC, *VLLM], [*ASYNC, *PARTIAL, *VLLM], [*ASYNC, *TURNS, *VLLM], [*WORKER, *VLLM],
                       [*WORKER, *ASYNC, *VLLM], [*ASYNC, *VLLM, *RAY], [*ASYNC, *PARTIAL, *VLLM, *RAY], [*ASYNC, *TP2],
-                      [*ASYNC, *PARTIAL, *TP2]):
+                      [*ASYNC, *PARTIAL, *TP2], MM, [*MM_FROZEN, *LORA, "rl_config.reuse_image_embeds=true",
+                                                     "rl_config.actor_image_embeds_dispatch_size=4",
+                                                     "rl_config.vit_forward_micro_batch_size=2"]):
         cfg = config(overrides)
         for device in ("cpu", "cuda"):
             check_compat(cfg, setup_of(cfg, device))

@@ -39,7 +39,6 @@ def refusal(overrides, device_type="cpu") -> str:
 
 
 MP = "tensor/pipeline/expert parallelism needs backend megatron, and backend is hf"
-MM = "multimodal training is not implemented yet"
 TQ = "TransferQueue (transferqueue 0.1.11) binds its ZMQ sockets to free ports that it picks itself"
 EPLB = "expert load balancing (EPLB) is not implemented"
 
@@ -82,17 +81,11 @@ CASES = [
      "megatron_training.ai_framework=mindspore: posttrain runs on PyTorch", "remove the key"),
     (["megatron_training.tokenizer_type=Llama2Tokenizer"], "megatron_training.tokenizer_type=Llama2Tokenizer: ",
      "set it to PretrainedFromHF"),
-    (["actor_config.mm_model=vit"], f"actor_config.mm_model=vit: {MM}", "remove the key"),
-    (["actor_config.vision_tower.depth=2"], f"actor_config.vision_tower={{depth: 2}}: {MM}", "use a text model"),
+    (["actor_config.mm_model=vit"], "actor_config.mm_model=vit: posttrain reads the vision-language model from its "
+     "Hugging Face directory", "remove the key"),
     # rl_config
-    (["rl_config.is_multimodal=true"], f"rl_config.is_multimodal=true: {MM}", "set it to false"),
-    (["rl_config.reuse_image_embeds=true"], f"rl_config.reuse_image_embeds=true: {MM}", "set it to false"),
-    (["rl_config.freeze_vision_tower=true"], f"rl_config.freeze_vision_tower=true: {MM}", "set it to false"),
-    (["rl_config.colocate_actor_and_vit=true"], f"rl_config.colocate_actor_and_vit=true: {MM}", "set it to false"),
-    (["rl_config.vit_resource.num_npus=1"], f"rl_config.vit_resource={{num_npus: 1}}: {MM}", "remove the key"),
-    (["rl_config.vit_forward_micro_batch_size=2"], f"rl_config.vit_forward_micro_batch_size=2: {MM}", "remove the key"),
-    (["rl_config.actor_image_embeds_dispatch_size=4"], f"rl_config.actor_image_embeds_dispatch_size=4: {MM}",
-     "remove the key"),
+    (["rl_config.vit_resource.num_npus=1"], "rl_config.vit_resource={num_npus: 1}: the ViT on devices of its own "
+     "waits for separated ViT roles", "remove the key"),
     (["rl_config.reward_resource.num_npus=2"],
      "rl_config.reward_resource={num_npus: 2}: in integrated mode the reward model runs on the actor's devices",
      "give it actor_resource's num_npus"),
@@ -109,10 +102,8 @@ CASES = [
      "remove the key"),
     (["generate_config.infer_pipeline_parallel_size=2"], "generate_config.infer_pipeline_parallel_size=2: ",
      "set it to 1"),
-    (["generate_config.limit_mm_image_per_prompt=2"], f"generate_config.limit_mm_image_per_prompt=2: {MM}",
-     "set it to 1"),
-    (["generate_config.limit_mm_video_per_prompt=1"], f"generate_config.limit_mm_video_per_prompt=1: {MM}",
-     "set it to 0"),
+    (["generate_config.limit_mm_video_per_prompt=1"], "generate_config.limit_mm_video_per_prompt=1: videos are not "
+     "fed to the training loop yet", "set it to 0"),
     # whole sections and the critic's keys that follow the actor
     ([*PPO, "critic_config.save_interval=7"], "critic_config.save_interval=7: the critic is saved at the actor's",
      "the actor's value"),

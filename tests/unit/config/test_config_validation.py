@@ -61,8 +61,6 @@ CASES = [
      "'use_remove_padding' feature requires 'no_pad_to_seq_lengths=True' when using pipeline parallelism!"),
     (["rl_config.use_remove_padding=true", "actor_config.reset_attention_mask=false"],
      "'use_remove_padding' feature requires 'reset_attention_mask=True'! "),
-    (["rl_config.use_remove_padding=true", "actor_config.reset_attention_mask=true", "rl_config.is_multimodal=true"],
-     "'multimodal' models cannot use 'use_remove_padding' feature!"),
     (["actor_config.tensor_model_parallel_size=3"],
      "Invalid Actor resource allocation! Resource=4 must be divisible by (tensor_parallel * pipeline_parallel * "
      "context_parallel) = 3*1*1=3"),

@@ -30,8 +30,16 @@ NO_TOOLS = ["rl_config.multi_turn_enable=false",
 TOOLS = ["rl_config.multi_turn_enable=true", "rl_config.max_tool_calls=2", "rl_config.max_total_response_length=64",
          "rl_config.tool_config_path=configs/tools/retool.yaml"]
 
+MM = ["rl_config.is_multimodal=true", "rl_config.freeze_vision_tower=true"]
+
 # key -> (config name, context overrides of both plans, the change)
 OBSERVERS: dict[str, tuple[str, list[str], list[str]]] = {
+    "rl_config.freeze_vision_tower": (BASE, ["rl_config.is_multimodal=true"], ["rl_config.freeze_vision_tower=true"]),
+    "rl_config.reuse_image_embeds": (BASE, MM, ["rl_config.reuse_image_embeds=true"]),
+    "rl_config.vit_forward_micro_batch_size": (BASE, MM, ["rl_config.vit_forward_micro_batch_size=2"]),
+    "rl_config.actor_image_embeds_dispatch_size": (BASE, [*MM, "rl_config.reuse_image_embeds=true"],
+                                                   ["rl_config.actor_image_embeds_dispatch_size=2"]),
+    "generate_config.limit_mm_image_per_prompt": (BASE, MM, ["generate_config.limit_mm_image_per_prompt=2"]),
     "actor_config.lr_decay_style": (BASE, [], ["actor_config.lr_decay_style=cosine"]),
     "actor_config.data_path": (BASE, [], ["actor_config.data_path=runs/other/data"]),
     "actor_config.split": (BASE, [], ["actor_config.split=90,10,0"]),
@@ -142,6 +150,7 @@ for _key, _value in (("profile_step_start", 0), ("profile_step_end", 3)):
 
 # key -> the test that observes it (a run's files, loggers, tokenizer, the cluster...): it must exist and name the key
 ELSEWHERE: dict[str, str] = {
+    "actor_config.vision_tower": "tests/unit/models/test_vlm.py::test_vision_tower_keys_are_checked",
     "actor_config.model": "tests/unit/config/test_config_loader.py::test_unknown_model_in_section",
     "actor_config.tokenizer_vocab_size": "tests/unit/models/test_arch_keys.py::test_qwen3_moe_dense_layers_and_llama3_rope_scaling",
     "actor_config.make_vocab_size_divisible_by": "tests/unit/models/mcore/test_convert.py::test_a_checkpoint_whose_padded_vocabulary_does_not_fit_tp_is_refused",

@@ -129,3 +129,47 @@ def test_frozen_vision_tower_gets_no_gradient(vlm, samples, frozen):
     finally:
         freeze_vision_tower(model, False)
         model.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize("budget", [None, 120], ids=["micro-3", "token-budget"])
+def test_the_updates_micro_batches_carry_each_rows_images(vlm, samples, budget):
+    """The loop's path: the dock's per-sample image cells -> read_batch (SampleImages beside the rows)
+    -> TrainEngine.update (shuffled mini-batch, packed micro-batches of 3 rows or of <= 120 tokens, the
+    tower one image at a time): each row's log-probs equal its own HF forward, a text-only row too."""
+    from posttrain.loops.experience import new_dock, read_batch
+    from posttrain.models.vlm import empty_images
+    from posttrain.training.engine import TrainEngine
+    from posttrain.training.options import EngineOptions, TokenBudget
+
+    model, processor = vlm
+    text_only = {"prompt": processor.tokenizer("Count.", return_tensors="pt")["input_ids"][0],
+                 "response": torch.tensor([7, 8, 9]), "image": empty_images(processor.image_processor)}
+    rows = [*samples, text_only]
+    references = [reference_logprobs(model, s) for s in samples[:3]]
+    ids = torch.cat([text_only["prompt"], text_only["response"]])[None]
+    with torch.no_grad():
+        logp = torch.log_softmax(model(input_ids=ids).logits[0, -4:-1].float(), -1)
+    references.append(logp.gather(-1, text_only["response"][:, None])[:, 0])
+    td = new_dock(len(rows), 1, guarantee_order=True, seed=0, extra_columns=("pixel_values", "image_grid_thw"))
+    td.put_prompts({"prompts": [s["prompt"] for s in rows], "prompt_length": [len(s["prompt"]) for s in rows],
+                    "pixel_values": [s["image"]["pixel_values"] for s in rows],
+                    "image_grid_thw": [s["image"]["image_grid_thw"] for s in rows]})
+    td.put(["responses", "response_length"], list(range(len(rows))),
+           [[s["response"] for s in rows], [len(s["response"]) for s in rows]])
+    batch, idx, _ = read_batch(td, "actor_update", [], None, pad_token_id=0, indexes=range(len(rows)),
+                               vit_micro_batch_size=1)
+    batch["row"] = torch.tensor(idx)
+    seen = {}
+
+    def record(m, micro, *, num_tokens, num_seqs, packing):
+        logprobs, _ = response_logprobs(m, micro, packing=packing)
+        for r, lp in zip(micro["row"].tolist(), logprobs):
+            seen[r] = lp.detach()
+        return logprobs.sum() * 0.0, {}
+
+    options = EngineOptions(use_remove_padding=True, update_budget=TokenBudget(budget) if budget else None)
+    engine = TrainEngine(model, torch.optim.SGD(model.parameters(), lr=0.0), micro_batch_size=3, options=options)
+    engine.update(batch, record, mini_batch_size=4, shuffle=True, seed=1)
+    model.eval()
+    check_equal(torch.stack([torch.nn.functional.pad(seen[r], (0, 7 - seen[r].numel())) for r in range(4)]),
+                references)

@@ -1,0 +1,174 @@
+"""The multimodal GRPO loop (rl_config.is_multimodal) on the tiny Qwen2.5-VL of ``posttrain init-model``,
+in one process on the hf backend: 4 prompts x 2 samples, one 56x56 image each (4 image tokens).
+
+* GRPO trains: finite metrics, the language model and the vision tower change; the saved checkpoint
+  loads with ``AutoModelForImageTextToText`` and ``load_processor``; a run stopped after iteration 1
+  and resumed from its checkpoint repeats the straight run's iteration 2 and weights.
+* The update's log-probs (packed rows, micro-batches of 3 with the images of their rows) equal a
+  per-sample Hugging Face forward of the same model with the same images (fp32, 1e-5).
+* DAPO (dynamic sampling, the vision tower frozen: it stays as it was) and LoRA (frozen tower, reused
+  image embeddings, one image per tower forward; the adapter loads with PEFT and resumes) run an iteration.
+* A multimodal dataset needs its images and honours limit_mm_image_per_prompt.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from PIL import Image, ImageDraw
+
+from posttrain.reward.verifiers import register_verifier
+from tests.helpers.configs import OMIT, run_config
+from tests.helpers.runs import metrics_by_iteration
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+COLOURS = ["red", "blue", "green", "black"]
+
+
+@register_verifier("test_mm_token_share", overwrite=True)
+def token_share(response: str, label: str, **_) -> float:
+    """Dense and deterministic: the share of the response's characters that are letters of the label."""
+    return sum(c in label for c in response) / max(len(response), 1)
+
+
+@pytest.fixture(scope="module")
+def mm_data(tiny_vlm_dir, tmp_path_factory):
+    """4 prompts "<image> what colour?", each with a 56x56 picture of one coloured square."""
+    root = tmp_path_factory.mktemp("mm")
+    rows = []
+    for i, colour in enumerate(COLOURS):
+        image = Image.new("RGB", (56, 56), "white")
+        ImageDraw.Draw(image).rectangle((8 + 4 * i, 8, 40, 40), fill=colour)
+        image.save(root / f"{i}.png")
+        rows.append({"problem": "<image> colour?", "answer": colour, "images": [f"{i}.png"]})
+    from posttrain.data.preprocess import preprocess
+    from tests.helpers.data import write_jsonl
+
+    write_jsonl(root / "in.jsonl", rows)
+    preprocess({"input": str(root / "in.jsonl"), "handler_name": "R1AlpacaStyleInstructionHandler",
+                "tokenizer_name_or_path": str(tiny_vlm_dir), "prompt_type": "qwen2_vl",
+                "output_prefix": str(root / "data" / "mm"), "map_keys": {"prompt": "problem", "response": "answer"},
+                "dataset_additional_keys": ["labels"], "workers": 1}, progress=False)
+    return str(root / "data" / "mm")
+
+
+def mm_config(model_dir, data, out, iters=2, **over):
+    """The multimodal GRPO run: 4 prompts x 2 samples a iteration, 6 new tokens, checkpoints every iteration."""
+    sections = {"megatron_training": {"global_batch_size": 4, "micro_batch_size": 2, "seq_length": 256, "lr": 1e-3,
+                                      "seed": 5, "bf16": OMIT, "prompt_type": "qwen2_vl", "save": str(out / "ckpt"),
+                                      "save_interval": 1, "train_iters": iters},
+                "rl_config": {"n_samples_per_prompt": 2, "verifier_function": ["test_mm_token_share"],
+                              "verifier_modules": OMIT, "verifier_parallel": 0, "init_kl_coef": 0.01,
+                              "max_prompt_length": 160, "kl_penalty": "low_var_kl", "device": OMIT,
+                              "is_multimodal": True, "mini_batch_size": 2},
+                "generate_config": {"max_num_seqs": 16, "limit_mm_image_per_prompt": 1, "max_model_len": 256,
+                                    "sampling_config": {"max_tokens": 6, "temperature": 1.0, "top_k": -1}},
+                "actor_config": {}}
+    for key, value in over.items():
+        section, name = key.split("__")
+        sections.setdefault(section, {})[name] = value
+    return run_config(model_dir, data, out / "run", name="mm_test", **sections)
+
+
+@pytest.fixture(scope="module")
+def straight(tiny_vlm_dir, mm_data, tmp_path_factory):
+    """The reference run: 2 GRPO iterations (2 mini-batches each, so old log-probs are computed)."""
+    from posttrain.commands.train import train_config as train
+
+    out = tmp_path_factory.mktemp("straight")
+    train(mm_config(tiny_vlm_dir, mm_data, out))
+    return out
+
+
+def test_grpo_trains_the_vlm_and_saves_a_loadable_checkpoint(tiny_vlm_dir, straight):
+    from transformers import AutoModelForImageTextToText
+
+    from posttrain.models.vlm import load_processor
+
+    metrics = metrics_by_iteration(straight / "run")
+    assert sorted(metrics) == [1, 2]
+    for row in metrics.values():
+        for key in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "grpo/score/mean", "response_length/mean"):
+            assert math.isfinite(row[key]), (key, row[key])
+        assert row["prompt_length/mean"] > 4  # the image pad expanded to the picture's 4 tokens
+    ckpt = straight / "ckpt" / "iter_0000002"
+    assert (ckpt / "preprocessor_config.json").is_file()
+    after = AutoModelForImageTextToText.from_pretrained(ckpt).state_dict()
+    before = AutoModelForImageTextToText.from_pretrained(tiny_vlm_dir).state_dict()
+    changed = {k for k in before if not torch.equal(before[k], after[k])}
+    assert any(".visual." in k or k.startswith("model.visual") for k in changed)  # the tower learns too
+    assert any("language_model" in k for k in changed)
+    processor = load_processor(ckpt)
+    out = processor(text=["<|vision_start|><|image_pad|><|vision_end|> hi"], images=[Image.new("RGB", (56, 56))])
+    assert out["image_grid_thw"].tolist() == [[1, 4, 4]]
+
+
+def test_a_resumed_run_repeats_the_straight_one(tiny_vlm_dir, mm_data, straight, tmp_path):
+    from posttrain.commands.train import train_config as train
+
+    first = tmp_path / "resumed"
+    train(mm_config(tiny_vlm_dir, mm_data, first, iters=1))  # stopped after iteration 1 (as if killed then)
+    train(mm_config(tiny_vlm_dir, mm_data, first, iters=2, actor_config__load=str(first / "ckpt")))
+    a, b = metrics_by_iteration(straight / "run"), metrics_by_iteration(first / "run")
+    keys = [k for k in a[2] if not k.startswith("timing/") and not k.endswith("_tps") and k != "time"]
+    for k in keys:
+        assert b[2][k] == pytest.approx(a[2][k], rel=1e-5, abs=1e-7), k
+    from safetensors.torch import load_file
+
+    x = load_file(straight / "ckpt" / "iter_0000002" / "model.safetensors")
+    y = load_file(first / "ckpt" / "iter_0000002" / "model.safetensors")
+    for k in x:
+        torch.testing.assert_close(y[k], x[k], rtol=0, atol=1e-6)
+
+
+LORA = {"actor_config__lora_target_modules": ["linear_qkv", "linear_fc1"], "actor_config__lora_r": 4,
+        "actor_config__lora_alpha": 8, "rl_config__freeze_vision_tower": True, "rl_config__reuse_image_embeds": True,
+        "rl_config__vit_forward_micro_batch_size": 1}
+DAPO = {"rl_config__freeze_vision_tower": True, "rl_config__filter_groups_enable": True, "rl_config__filter_groups_metric": "test_mm_token_share",
+        "rl_config__filter_groups_train_batch_size": 2, "rl_config__filter_groups_max_batches": 4,
+        "rl_config__clip_higher_enable": True, "rl_config__clip_ratio_low": 0.2, "rl_config__clip_ratio_high": 0.28}
+
+
+@pytest.mark.parametrize("name,stage,over", [("lora", "ray_grpo", LORA), ("dapo", "ray_dapo", DAPO)])
+def test_lora_and_dapo_run_an_iteration_on_the_vlm(tiny_vlm_dir, mm_data, tmp_path, name, stage, over):
+    from peft import PeftModel
+    from transformers import AutoModelForImageTextToText
+
+    from posttrain.commands.train import train_config as train
+
+    cfg = mm_config(tiny_vlm_dir, mm_data, tmp_path, iters=1, megatron_training__stage=stage, **over)
+    metrics = train(cfg)
+    assert math.isfinite(metrics["actor/pg_loss"]) and metrics["actor/grad_norm"] > 0
+    ckpt = tmp_path / "ckpt" / "iter_0000001"
+    if name == "dapo":
+        assert metrics["train/num_gen_batches"] >= 1 and "dapo/num_kept_groups" in metrics
+        before = AutoModelForImageTextToText.from_pretrained(tiny_vlm_dir).state_dict()
+        after = AutoModelForImageTextToText.from_pretrained(ckpt).state_dict()
+        changed = {k for k in before if not torch.equal(before[k], after[k])}
+        assert changed and not any("visual" in k for k in changed)  # freeze_vision_tower: the tower kept
+        return
+    assert "timing/image_embeds" in metrics  # the tower ran once, every pass reused its embeddings
+    config = json.loads((ckpt / "adapter_config.json").read_text())
+    assert config["r"] == 4 and config["exclude_modules"]  # the adapter keeps off the vision tower
+    base = AutoModelForImageTextToText.from_pretrained(tiny_vlm_dir)
+    adapted = PeftModel.from_pretrained(base, ckpt)  # PEFT's own loader
+    names = [n for n, _ in adapted.named_parameters() if "lora_B" in n]
+    assert names and not any("visual" in n for n in names)
+    assert any(float(p.abs().sum()) > 0 for n, p in adapted.named_parameters() if "lora_B" in n)  # trained
+    resumed = train(mm_config(tiny_vlm_dir, mm_data, tmp_path, iters=2, megatron_training__stage=stage,
+                              actor_config__load=str(tmp_path / "ckpt"), **over))  # the adapter resumes
+    assert math.isfinite(resumed["actor/pg_loss"]) and sorted(metrics_by_iteration(tmp_path / "run")) == [1, 2]
+
+
+def test_images_are_required_and_limited(mm_data, tiny_prompt_data):
+    from posttrain.data.builders import build_prompt_dataset
+    from posttrain.errors import DataError
+
+    with pytest.raises(DataError, match="is_multimodal: true, but the dataset .* has no images"):
+        build_prompt_dataset(tiny_prompt_data, 512, images_per_prompt=1)
+    assert len(build_prompt_dataset(mm_data, 512, images_per_prompt=1)[0]["images"]) == 1
+    with pytest.raises(DataError, match="prompt 0 holds 1 images, more than generate_config.limit_mm_image_per_"):
+        build_prompt_dataset(mm_data, 512, images_per_prompt=0)[0]
