@@ -1,8 +1,9 @@
 """A synthetic visual task drawn locally with PIL: "how many shapes are in the picture?" (1-4).
 
 Each picture is a white square with 1 to :data:`MAX_COUNT` filled shapes (circle, square,
-triangle) of random colours, sizes and places; the shapes never touch (a gap of at least
-:data:`GAP` pixels), so a connected-component count of the non-white pixels gives the answer back
+triangle) of random colours, sizes and places, each in its own cell of a grid of :data:`CELL`-pixel
+squares (one merged image token each); the shapes never touch (a gap of at least :data:`GAP`
+pixels), so a connected-component count of the non-white pixels gives the answer back
 (the unit test's independent check). A picture is a :class:`Layout`: the list of its shapes; two
 layouts with the same shapes are the same problem.
 
@@ -12,9 +13,9 @@ public multimodal format ``posttrain preprocess`` reads (docs/data.md, "Images a
 ``{"prompt": "<image>How many ...", "answer": "3", "images": ["images/train_00000.png"]}`` with
 the image path relative to the JSONL file.
 
-The answer formats: the strict reward is the project's ``math_equiv`` verifier (``\\boxed{3}``,
-"The answer is 3." and the other formats it accepts); the lenient one is ``last_number`` (the
-last number of the reply is the count), the two accuracies the evaluation reports.
+The answer formats: the strict reward is the seed's ``acc`` verifier at full marks (the reply's
+``\\boxed{}`` holds the count; the demo's GRPO reward is ``acc``); the lenient one is
+``last_number`` (the last number of the reply is the count), the two accuracies the demo reports.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ IMAGE_SIZE = 56  # pixels; with patch 14 and 2x2 merge a 56x56 picture is 4 imag
 GAP = 3  # the least number of white pixels between two shapes
 SHAPES = ("circle", "square", "triangle")
 COLOURS = ((220, 40, 40), (40, 140, 40), (40, 70, 220), (200, 150, 0), (150, 40, 170), (0, 0, 0))
-QUESTION = "<image>How many shapes are in the picture? Put the final answer in \\boxed{}."
+QUESTION = "<image>How many shapes? Answer in \\boxed{}."
 
 
 @dataclass(frozen=True)
@@ -47,27 +48,23 @@ class Shape:
 Layout = tuple[Shape, ...]
 
 
-def _apart(a: Shape, b: Shape) -> bool:
-    """Whether the bounding boxes of ``a`` and ``b`` are at least :data:`GAP` pixels apart."""
-    return (a.x + a.size + GAP <= b.x or b.x + b.size + GAP <= a.x
-            or a.y + a.size + GAP <= b.y or b.y + b.size + GAP <= a.y)
+CELL = 28  # pixels: one merged image token (patch 14, 2x2 merge) sees one cell of the grid
 
 
 def draw_layout(rng: random.Random, count: int, image_size: int = IMAGE_SIZE) -> Layout:
-    """``count`` non-touching shapes placed at random in an ``image_size`` square."""
-    low, high = max(6, image_size // 8), max(8, image_size // 4)
-    for _ in range(1000):
-        shapes: list[Shape] = []
-        for _ in range(count):
-            size = rng.randint(low, high)
-            shape = Shape(rng.choice(SHAPES), rng.randint(1, image_size - size - 2),
-                          rng.randint(1, image_size - size - 2), size, rng.choice(COLOURS))
-            if not all(_apart(shape, other) for other in shapes):
-                break
-            shapes.append(shape)
-        if len(shapes) == count:
-            return tuple(shapes)
-    raise ConfigError(f"could not place {count} shapes in a {image_size}-pixel picture; use a larger image_size")
+    """``count`` shapes, each inside its own cell of the picture's grid of ``CELL``-pixel squares (at
+    random cells, sizes and offsets), at least ``GAP`` pixels from the cell's border, so no two touch."""
+    side = image_size // CELL
+    if count > side * side:
+        raise ConfigError(f"{count} shapes need {count} grid cells; a {image_size}-pixel picture has "
+                          f"{side * side}: use a larger image_size")
+    shapes = []
+    for cell in sorted(rng.sample(range(side * side), count)):
+        size = rng.randint(CELL // 3, CELL - 2 * GAP)
+        x = (cell % side) * CELL + rng.randint(GAP, CELL - GAP - size)
+        y = (cell // side) * CELL + rng.randint(GAP, CELL - GAP - size)
+        shapes.append(Shape(rng.choice(SHAPES), x, y, size, rng.choice(COLOURS)))
+    return tuple(shapes)
 
 
 def render(layout: Layout, image_size: int = IMAGE_SIZE):
@@ -137,3 +134,18 @@ def write_vision_data(out: Path, num_train: int, num_test: int, seed: int = 0,
 def sft_response(answer: str) -> str:
     """The warm start's target reply for a count: the strict format."""
     return f"\\boxed{{{answer}}}"
+
+
+def strict_reward(response: str, answer: str) -> float:
+    """The strict score: 1.0 when the seed's ``acc`` verifier (the GRPO reward of the demo) gives full
+    marks, i.e. the reply's ``\\boxed{}`` holds the count; else 0.0."""
+    from posttrain.reward.verifiers import VERIFIERS
+
+    return 1.0 if VERIFIERS.get("acc").fn(response, answer) >= 1.0 else 0.0
+
+
+def lenient_reward(response: str, answer: str) -> float:
+    """The lenient score: the last number of the reply is the count (the ``last_number`` verifier)."""
+    from posttrain.reward.verifiers.numbers import last_number_reward
+
+    return float(last_number_reward(response, answer))
