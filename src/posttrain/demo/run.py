@@ -81,10 +81,12 @@ def run_vision(args: argparse.Namespace, out: Path) -> int:
     """``--task vision``: the tiny-VLM demo of :mod:`posttrain.demo.vision` (its own model and config)."""
     from posttrain.demo.vision import main_vision
 
+    if args.task != "vision":
+        raise ConfigError(f"--seeds belongs to --task vision; with --task {args.task} give one --seed")
     refused = [flag for flag, value in (("--model", args.model), ("--config-name", args.config_name)) if value]
-    if args.task != "vision" or refused:
-        raise ConfigError(f"{', '.join(refused) or '--seeds'}: not taken with --task {args.task}; --seeds belongs "
-                          f"to --task vision, which builds its own model with its own config")
+    if refused:
+        raise ConfigError(f"{', '.join(refused)}: not taken with --task vision, which builds its own model "
+                          f"(tiny_qwen25_vl) and uses its own config (grpo_tiny_vl_vision_demo); drop the flag")
     if args.seeds and args.seed is not None:
         raise ConfigError("give --seed S or --seeds S1 S2 ..., not both")
     seeds = args.seeds or [args.seed if args.seed is not None else 1]

@@ -5,8 +5,8 @@ The stages, for each seed (``--seed S``, or ``--seeds 1 2 3`` for several, each 
 1. the task (:mod:`posttrain.demo.vision_task`): seeded, disjoint train / held-out splits of 56x56
    pictures with 1-4 shapes, written as public multimodal rows (``images`` column, ``<image>``);
 2. the model: ``posttrain init-model tiny_qwen25_vl`` (random init, local tokenizer, seeded);
-3. the warm start (:func:`posttrain.demo.vision_sft.warm_start`): a few SFT steps, stopped early
-   so the policy is right about half of the time;
+3. the warm start (:func:`posttrain.demo.vision_sft.warm_start`): SFT, stopped once half of a
+   check set of training pictures is answered right (``VisionSettings.sft_target``);
 4. GRPO (``configs/grpo_tiny_vl_vision_demo.yaml``, ``rl_config.is_multimodal``) from the warm
    start, a checkpoint per iteration;
 5. greedy held-out accuracy, strict (the seed's ``acc``: the right ``\\boxed{N}``) and lenient (the
@@ -42,7 +42,8 @@ class VisionSettings:
 
     num_train: int = 2000
     num_test: int = 200
-    sft_steps: int = 70
+    sft_max_steps: int = 300
+    sft_target: float = 0.5  # the warm start stops once this share of training pictures is answered right
     sft_lr: float = 5e-4
     sft_batch_size: int = 32
     image_size: int = IMAGE_SIZE
@@ -119,9 +120,10 @@ def run_seed(out: Path, seed: int, settings: VisionSettings = VisionSettings(), 
     init_model("tiny_qwen25_vl", out / "model_init", seed=seed)
     train_layouts, test, data = prepare(out, seed, settings)
     sft_start = time.time()
-    sft_dir = warm_start(out / "model_init", out / "model_sft", train_layouts, QUESTION, steps=settings.sft_steps,
-                         lr=settings.sft_lr, batch_size=settings.sft_batch_size, seed=seed,
-                         image_size=settings.image_size)
+    sft_dir, sft = warm_start(out / "model_init", out / "model_sft", train_layouts, QUESTION,
+                              max_steps=settings.sft_max_steps, target=settings.sft_target, lr=settings.sft_lr,
+                              batch_size=settings.sft_batch_size, seed=seed,
+                              image_size=settings.image_size)
     sft_seconds = time.time() - sft_start
     grpo_seconds = run_grpo(out, sft_dir, data, seed, iters, list(overrides))
     rows = evaluate_run(out, sft_dir, test, settings)
@@ -132,6 +134,7 @@ def run_seed(out: Path, seed: int, settings: VisionSettings = VisionSettings(), 
                "accuracy_before": rows[0]["eval/accuracy"], "accuracy_after": rows[-1]["eval/accuracy"],
                "lenient_accuracy_before": rows[0]["eval/lenient_accuracy"],
                "lenient_accuracy_after": rows[-1]["eval/lenient_accuracy"], "per_iteration": rows,
+               "sft_steps": sft["steps"], "sft_check_accuracy": sft["check_accuracy"],
                "sft_seconds": sft_seconds, "grpo_seconds": grpo_seconds, "total_seconds": time.time() - start,
                "loadavg": _loadavg()}
     write_text_atomic(out / "summary.json", json.dumps(summary, indent=2))

@@ -1,9 +1,10 @@
 """The vision demo's warm start and held-out evaluation, on a Hugging Face Qwen2.5-VL directory.
 
-* :func:`warm_start`: supervised fine-tuning on ``(picture, "\\boxed{N}")`` pairs, a few steps of
-  AdamW in plain PyTorch with the model directory's processor (``posttrain sft`` takes no images yet:
-  the offline datasets read text only, docs/multimodal.md), loss on the reply tokens only. It stops
-  early, by design: the demo wants a policy that is right about half of the time, for GRPO to improve.
+* :func:`warm_start`: supervised fine-tuning on ``(picture, "\\boxed{N}")`` pairs, AdamW in plain
+  PyTorch with the model directory's processor (``posttrain sft`` takes no images yet: the offline
+  datasets read text only, docs/multimodal.md), loss on the reply tokens only. It stops early, by
+  design, once the answer is right on a target share of training pictures: the demo wants a policy
+  that is right about half of the time, for GRPO to improve.
 * :func:`greedy_accuracy`: greedy replies (Transformers' ``generate``, independent of the rollout
   engine that GRPO trains with) to held-out pictures, scored strict and lenient
   (:func:`posttrain.demo.vision_task.strict_reward` / ``lenient_reward``).
@@ -56,29 +57,51 @@ def _sft_batch(processor, prompt: str, layouts: list[Layout], image_size: int):
     return batch, labels
 
 
-def warm_start(model_dir: str | Path, output: str | Path, layouts: list[Layout], question: str, *, steps: int,
-               lr: float, batch_size: int, seed: int, image_size: int) -> Path:
-    """``steps`` AdamW steps of SFT on random batches of ``layouts``; the model and its processor saved to ``output``."""
+@torch.no_grad()
+def answer_accuracy(model, processor, prompt: str, layouts: list[Layout], image_size: int) -> float:
+    """The share of ``layouts`` whose count is the model's most likely token after ``prompt + "\\boxed{"``
+    (one forward pass: the warm start's cheap stopping test, on pictures of the training split)."""
+    tok = processor.tokenizer
+    tok.padding_side = "right"
+    batch = processor(text=[prompt + "\\boxed{"] * len(layouts), images=[render(x, image_size) for x in layouts])
+    logits = model(**batch).logits
+    last = batch["attention_mask"].sum(1) - 1
+    predicted = logits[torch.arange(len(layouts)), last].argmax(-1).tolist()
+    return sum(p == tok.convert_tokens_to_ids(str(len(x))) for p, x in zip(predicted, layouts)) / len(layouts)
+
+
+def warm_start(model_dir: str | Path, output: str | Path, layouts: list[Layout], question: str, *, max_steps: int,
+               target: float, lr: float, batch_size: int, seed: int, image_size: int, check_every: int = 5,
+               num_check: int = 64) -> tuple[Path, dict]:
+    """SFT on random batches of ``layouts`` (AdamW) until the answer accuracy on ``num_check`` of them
+    (:func:`answer_accuracy`, every ``check_every`` steps) reaches ``target``, or ``max_steps``; the
+    model and its processor saved to ``output``. Returns the directory and ``{"steps", "check_accuracy"}``."""
     torch.manual_seed(seed)
     model, processor = load_vlm(model_dir)
-    processor.tokenizer.padding_side = "right"
     prompt = chat_prompt(processor.tokenizer, question)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     rng = random.Random(seed)
-    model.train()
-    for _ in range(steps):
+    check = layouts[:num_check]
+    steps, accuracy = 0, 0.0
+    while steps < max_steps:
+        model.train()
+        processor.tokenizer.padding_side = "right"
         batch, labels = _sft_batch(processor, prompt, rng.sample(layouts, min(batch_size, len(layouts))), image_size)
-        loss = model(**batch, labels=labels).loss
-        loss.backward()
+        model(**batch, labels=labels).loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad()
+        steps += 1
+        if steps % check_every == 0 or steps == max_steps:
+            accuracy = answer_accuracy(model.eval(), processor, prompt, check, image_size)
+            if accuracy >= target:
+                break
     output = Path(output)
     model.eval().save_pretrained(output)
     for name in PROCESSOR_FILES:
         if (Path(model_dir) / name).is_file():
             shutil.copy(Path(model_dir) / name, output / name)
-    return output
+    return output, {"steps": steps, "check_accuracy": accuracy}
 
 
 @torch.no_grad()
