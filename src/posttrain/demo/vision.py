@@ -82,7 +82,7 @@ def run_grpo(out: Path, model_dir: Path, data: str, seed: int, iters: int | None
 
 
 def clear_previous_run(out: Path) -> None:
-    """Remove what an earlier demo run wrote into ``out`` (its models, GRPO metrics and checkpoints):
+    """Remove what an earlier demo run wrote into ``out`` (its models, data, results and checkpoints):
     the demo is not resumed, and ``train`` refuses a directory holding another run's results."""
     import shutil
 
@@ -90,7 +90,8 @@ def clear_previous_run(out: Path) -> None:
         if (out / name).is_dir():
             shutil.rmtree(out / name)
     save = out / "ckpt"
-    for path in [save / TRACKER, *save.glob("iter_*")]:
+    for path in [out / "summary.json", out / "vision_metrics.jsonl", out / "reward_accuracy.png",
+                 save / TRACKER, *save.glob("iter_*")]:
         if path.is_dir():
             shutil.rmtree(path)
         elif path.exists():

@@ -71,8 +71,8 @@ def answer_accuracy(model, processor, prompt: str, layouts: list[Layout], image_
 
 
 def warm_start(model_dir: str | Path, output: str | Path, layouts: list[Layout], question: str, *, max_steps: int,
-               target: float, lr: float, batch_size: int, seed: int, image_size: int, check_every: int = 5,
-               num_check: int = 64) -> tuple[Path, dict]:
+               target: float, lr: float, batch_size: int, seed: int, image_size: int, check_every: int = 1,
+               num_check: int = 128) -> tuple[Path, dict]:
     """SFT on random batches of ``layouts`` (AdamW) until the answer accuracy on ``num_check`` of them
     (:func:`answer_accuracy`, every ``check_every`` steps) reaches ``target``, or ``max_steps``; the
     model and its processor saved to ``output``. Returns the directory and ``{"steps", "check_accuracy"}``."""
