@@ -12,7 +12,8 @@ The stages, for each seed (``--seed S``, or ``--seeds 1 2 3`` for several, each 
 5. greedy held-out accuracy, strict (the seed's ``acc``: the right ``\\boxed{N}``) and lenient (the
    last number) of the warm start and of every checkpoint;
 6. ``vision_metrics.jsonl`` (reward and accuracies per iteration), ``reward_accuracy.png`` and
-   ``summary.json`` in the seed's directory; with several seeds ``OUT/summary.json`` gathers them.
+   ``summary.json`` in the seed's directory; with several seeds ``OUT/summary.json`` gathers them
+   and ``OUT/reward_accuracy.png`` plots every seed's accuracies.
 """
 
 from __future__ import annotations
@@ -158,6 +159,26 @@ def print_summary(s: dict) -> None:
           f"GRPO {s['grpo_seconds']:.0f} s), load {s['loadavg']}")
 
 
+def gather_seeds(out: Path, summaries: list[dict]) -> Path:
+    """``out/seeds_metrics.jsonl``: per iteration, each seed's strict and lenient accuracy."""
+    rows: dict[int, dict] = {}
+    for s in summaries:
+        for r in s["per_iteration"]:
+            row = rows.setdefault(r["iteration"], {"iteration": r["iteration"]})
+            row[f"seed {s['seed']}: strict"] = r["eval/accuracy"]
+            row[f"seed {s['seed']}: lenient"] = r["eval/lenient_accuracy"]
+    write_text_atomic(out / "seeds_metrics.jsonl", "".join(json.dumps(rows[i]) + "\n" for i in sorted(rows)))
+    return out / "seeds_metrics.jsonl"
+
+
+def plot_seeds(out: Path, summaries: list[dict]) -> Path:
+    """:func:`gather_seeds` and its plot ``out/reward_accuracy.png``: one panel per seed and accuracy."""
+    gather_seeds(out, summaries)
+    keys = [f"seed {s['seed']}: {kind}" for s in summaries for kind in ("strict", "lenient")]
+    return plot_metrics(out / "seeds_metrics.jsonl", out / "reward_accuracy.png", keys,
+                        title="Vision demo: held-out greedy accuracy during GRPO (iteration 0: the SFT warm start)")
+
+
 def main_vision(out: Path, seeds: list[int], iters: int | None, overrides: list[str],
                 settings: VisionSettings = VisionSettings()) -> int:
     """The demo for each seed (one seed: in ``out``; several: in ``out/seed_S``) and, for several, ``out/summary.json``."""
@@ -172,6 +193,7 @@ def main_vision(out: Path, seeds: list[int], iters: int | None, overrides: list[
         joined = {"seeds": seeds, "mean_strict_gain": sum(gains) / len(gains),
                   "mean_lenient_gain": sum(lenient) / len(lenient), "runs": summaries}
         write_text_atomic(out / "summary.json", json.dumps(joined, indent=2))
+        plot_seeds(out, summaries)
         print(f"mean gain over {len(seeds)} seeds: strict {joined['mean_strict_gain'] * 100:+.1f} points, "
               f"lenient {joined['mean_lenient_gain'] * 100:+.1f} points")
     return 0

@@ -98,3 +98,15 @@ def test_the_demo_refuses_flags_of_the_other_task():
         main(["--task", "products", "--seeds", "1", "2"])
     with pytest.raises(ConfigError, match="--model"):
         main(["--task", "vision", "--model", "somewhere"])
+
+
+def test_several_seeds_are_gathered_per_iteration(tmp_path):
+    from posttrain.demo.vision import gather_seeds
+
+    summaries = [{"seed": seed, "per_iteration": [
+        {"iteration": i, "eval/accuracy": 0.1 * i + seed, "eval/lenient_accuracy": 0.2 * i + seed} for i in (0, 1)]}
+        for seed in (1, 2)]
+    gather_seeds(tmp_path, summaries)
+    rows = [json.loads(line) for line in (tmp_path / "seeds_metrics.jsonl").read_text().splitlines()]
+    assert rows[1] == {"iteration": 1, "seed 1: strict": 1.1, "seed 1: lenient": 1.2, "seed 2: strict": 2.1,
+                       "seed 2: lenient": 2.2}
