@@ -176,7 +176,7 @@ def plot_seeds(out: Path, summaries: list[dict]) -> Path:
     gather_seeds(out, summaries)
     keys = [f"seed {s['seed']}: {kind}" for s in summaries for kind in ("strict", "lenient")]
     return plot_metrics(out / "seeds_metrics.jsonl", out / "reward_accuracy.png", keys,
-                        title="Vision demo: held-out greedy accuracy during GRPO (iteration 0: the SFT warm start)")
+                        title="Vision demo: held-out greedy accuracy (iteration 0: SFT)")
 
 
 def main_vision(out: Path, seeds: list[int], iters: int | None, overrides: list[str],
