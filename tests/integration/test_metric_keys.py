@@ -27,6 +27,8 @@ ELSEWHERE = {
     "tool_call_num/max": "tests/e2e/test_e2e_tool_use.py",
     "tool_call_num/min": "tests/e2e/test_e2e_tool_use.py",
     "rollout/sync_probe_diff": "tests/vllm/test_vllm_loop.py",
+    "env/turns/mean": "tests/unit/envs/test_openenv_local.py",  # rl_config.env_config.type: openenv
+    "env/done/mean": "tests/unit/envs/test_openenv_local.py",
 }
 GPU_ONLY = {"timing/resharding_to_train"}  # vLLM's sleep: no sleep mode on a CPU (the doc says so)
 

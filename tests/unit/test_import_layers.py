@@ -28,7 +28,8 @@ PKG = "posttrain"
 LAYERS: list[set[str]] = [
     {"errors", "paths", "device", "registry", "extras", "version", "files"},
     # the stages of the data flow, and the store: they take plain values and typed options, never the config
-    {"algo", "data", "models", "metrics", "reward", "rollout", "tools", "checkpoint", "rundir", "transfer_dock"},
+    {"algo", "data", "models", "metrics", "reward", "rollout", "tools", "checkpoint", "rundir", "transfer_dock",
+     "envs"},
     {"training"},
     {"config"},  # the YAML in, the typed plan out
     {"roles"},
@@ -40,6 +41,7 @@ LAYER_OF = {top: i for i, tops in enumerate(LAYERS) for top in tops}
 # Heavy dependency -> the only places (module names or package prefixes) that may import it.
 EDGE_DEPENDENCIES = {
     "ray": ("posttrain.cluster",),
+    "verifiers": ("posttrain.envs",),  # rl_config.env_config (the [envs] extra)
     "transfer_queue": ("posttrain.cluster.transfer_queue",),  # data_strategy: tq; it imports ray
     "tensordict": ("posttrain.cluster.transfer_queue",),
     "vllm": ("posttrain.rollout.vllm_engine", "posttrain.rollout.vllm_probe", "posttrain.rollout.vllm_receiver"),

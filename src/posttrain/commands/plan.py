@@ -70,6 +70,8 @@ def format_plan(plan: Plan, cpu_linear: str = "blas") -> str:
     ]
     if plan.multi_turn:
         rows.append(("multi-turn rollout", plan.multi_turn))
+    if plan.multimodal is not None:  # rl_config.is_multimodal (docs/multimodal.md)
+        rows.append(("multimodal", plan.multimodal.describe()))
     if plan.off_policy_rollout:
         rows.append(("off-policy rollout", plan.off_policy_rollout))
     if plan.train_iters:

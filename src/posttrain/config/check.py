@@ -28,6 +28,7 @@ import os
 import re
 from pathlib import Path
 
+from posttrain.envs.config import env_options
 from posttrain.config.arch import model_arch
 from posttrain.config.async_rollout import check_async
 from posttrain.config.backend import ModelParallel, check_backend, check_mapped, resolve_backend, uses_ray
@@ -125,6 +126,10 @@ def collect_checks(cfg: RunConfig, refusals: Refusals, *, device_type: str = "cp
     if here and backend == "megatron":
         refusals.run(require, "megatron.core", f"the megatron backend ({actor_key(cfg, 'backend')}: megatron)")
     refusals.run(check_multi_turn, cfg)
+    if stage.on_policy and cfg.rl.env_config is not None:  # posttrain.envs: checked before the packages
+        refusals.run(_check_env, cfg)
+        if here and isinstance(cfg.rl.env_config, dict) and cfg.rl.env_config.get("type") == "verifiers":
+            refusals.run(require, "verifiers", "rl_config.env_config (a verifiers taskset)")
     if stage.on_policy and (cfg.rl.rule_reward or cfg.rl.eval_data_path):  # training scores, held-out accuracy
         refusals.run(check_verifiers, cfg)
     refusals.run(_check_prompt_type_path, cfg)
@@ -189,6 +194,16 @@ def check_verifiers(cfg: RunConfig) -> None:
         raise
     for name in rl.verifier_function:
         VERIFIERS.get(name)
+
+
+def _check_env(cfg: RunConfig) -> None:
+    """``rl_config.env_config`` (posttrain.envs): its keys; an environment that answers each turn needs
+    a template whose ``format_observation`` wraps the answers."""
+    options = env_options(cfg.rl.env_config)
+    if options.multi_turn and cfg.actor.prompt_type in (None, "", "hf_chat_template"):
+        raise ConfigError(f"actor_config.prompt_type={cfg.actor.prompt_type!r}: rl_config.env_config.type: openenv "
+                          "wraps the environment's answers with a templates.json template's format_observation; "
+                          "name one, e.g. qwen_retool")
 
 
 def _check_prompt_type_path(cfg: RunConfig) -> None:

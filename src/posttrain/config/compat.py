@@ -32,6 +32,30 @@ __all__ = ["DIMENSIONS", "EFFECTS", "FEATURES", "GROUPS", "NOT_NATIVE", "OFFLINE
            "Feature", "Row", "Setup", "check_compat", "no_effect", "refusals", "rows_of", "setup_of", "value_of"]
 
 
+_ENV = (
+    ("offline", "env", dict(stage=OFFLINE), "{setting}: stage {stage} rolls nothing out, so an environment has "
+     "nothing to score; use stage grpo, dapo or ppo, or remove the key"),
+    ("ray", "env", dict(placement=RAY), "{setting} on Ray actor workers is not built: the environment's rewards "
+     "score in the driver's process only; run in one process (no actor_resource.num_npus > 1, no ray_address)"),
+    *((name, "env", dict(with_=name), "{setting} with {other} is not built: the environment's rewards score the "
+       "experience of the in-process, single-turn loop; remove " + "{other_key}" + " or the environment")
+      for name in ("multi_turn", "dynamic_sampling", "async", "rollout_worker", "separated", "partial")),
+    ("turns-engine", "env_turns", dict(engine=NOT_NATIVE), "{setting} runs its turns on the native engine (one "
+     "generate call per turn, continuing each row's keyed random stream); set rl_config.rollout_engine: native"),
+    ("turns-ppo", "env_turns", dict(stage=("ppo",)), "{setting} runs with GRPO and DAPO; PPO's critic over the "
+     "environment's observation tokens is not supported. Use stage grpo or dapo"),
+    ("data-path", "env_data_path", {}, "{setting}: with rl_config.env_config the prompts are the environment's "
+     "tasks, not a dataset's (nor a split of one); remove data_path and split (or the environment)"),
+    ("eval-data", "env_eval_data", {}, "{setting}: the held-out evaluation scores with the rule verifiers, not the "
+     "environment's rewards; remove rl_config.eval_data_path while training on an environment"),
+    ("verifiers", "env_verifiers", {}, "{setting}: with rl_config.env_config the reward is the environment's own "
+     "(its reward functions or its episodes' rewards, no timeout or overlong penalty of the rule verifiers); remove "
+     "the rule verifiers' keys (verifier_function, verifier_weight, verifier_parallel, verifier_timeout, "
+     "verifier_modules, overlong_buffer_enable, overlong_buffer, overlong_buffer_penalty_factor) and keep "
+     "rule_reward: true"),
+)
+
+
 # ---- the table -----------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Row:
@@ -173,7 +197,8 @@ _MULTIMODAL_ROWS = (  # rl_config.is_multimodal: the hf backend in one process, 
         ("async", "the asynchronous rollout is not tested with images; remove the key"),
         ("rollout_worker", "a rollout worker of its own is not given the images; set it to false"),
         ("separated", "the separated roles' batches do not carry the images; use the integrated worker"),
-        ("transfer_queue", "the TransferQueue store is not tested with image columns; use data_strategy: td"))),
+        ("transfer_queue", "the TransferQueue store is not tested with image columns; use data_strategy: td"),
+        ("env", "an environment's tasks carry no images; remove env_config or set is_multimodal: false"))),
     Row("mm-lora-tower", "vision_tower_trained", "{setting} with {other}: LoRA adapts the language model and PEFT "
         "freezes every base weight, the vision tower's too; set rl_config.freeze_vision_tower: true", with_="lora"),
     Row("mm-reuse-trained-tower", "reuse_image_embeds", "{setting} with {other}: reused image embeddings carry no "
@@ -338,6 +363,12 @@ ROWS: tuple[Row, ...] = (
         "the initial weights; SFT has none); remove the key", stage=("grpo", "dapo", "ppo", "sft")),
     *(Row(f"truncated-logprobs-{suffix}", feature, message, **where) for suffix, feature, where, message in _TRUNCATED),
     *_MULTIMODAL_ROWS,
+    Row("kto-megatron", "kto", "{setting}: KTO on unpaired rows is built on the hf backend only; use backend hf "
+        "(no TP/PP/CP/EP > 1) or a pairwise dpo_loss_type{megatron}", backend=MEGATRON, stage=("dpo",)),
+    Row("kto-ray", "kto", "{setting} on Ray actor workers is not built yet (tested in one process only); train in one "
+        "process (no actor_resource.num_npus > 1, no ray_address)", placement=RAY, stage=("dpo",)),
+    # rl_config.env_config (posttrain.envs): the environment's prompts and reward in this process
+    *(Row(f"env-{suffix}", feature, message, **where) for suffix, feature, where, message in _ENV),
     Row("reward-model-offline", "reward_model", "reward_config: stage {stage} scores no responses (a reward model is "
         "read by the on-policy stages ray_grpo, ray_dapo and ray_ppo); remove reward_config", stage=OFFLINE),
 )

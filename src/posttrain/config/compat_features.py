@@ -290,12 +290,42 @@ def _features() -> dict[str, Feature]:
         *_queue_features(),
         _on("rl_config.async_engine", shown="rl_config.async_engine: true", when="true"),
         _on("rl_config.multi_turn_enable", name="multi_turn", shown="rl_config.multi_turn_enable: true", when="true"),
+        *_env_features(),
         *_diagnostics(),
         *_turn_credit_features(),
         *_truncation_features(),
         *_multimodal_features(),
     ]
     return {f.name: f for f in features}
+
+
+def _env_features() -> list[Feature]:
+    """rl_config.env_config (posttrain.envs), and the keys it replaces."""
+    env = lambda c: c.rl.env_config is not None  # noqa: E731
+    return [
+        _on("rl_config.env_config", lambda v: v is not None, name="env", shown="rl_config.env_config", when="set"),
+        Feature("env_turns", ("rl_config.env_config",), lambda c: env(c) and c.rl.env_config.get("type") == "openenv",
+                shown="rl_config.env_config.type: openenv", when="type openenv (multi-turn)"),
+        Feature("env_data_path", ("actor_config.data_path", "actor_config.split"),
+                lambda c: env(c) and bool(c.actor.data_path or c.actor.split),
+                shown=lambda c: " and ".join(role_label(c, "actor_config", k) for k in ("data_path", "split")
+                                             if getattr(c.actor, k)),
+                when="either set, with rl_config.env_config"),
+        Feature("env_eval_data", ("rl_config.eval_data_path",), lambda c: env(c) and bool(c.rl.eval_data_path),
+                when="set, with rl_config.env_config"),
+        Feature("env_verifiers", tuple(f"rl_config.{k}" for k in RULE_REWARD_KEYS),
+                lambda c: env(c) and (any(c.explicitly_set("rl_config", k) for k in RULE_REWARD_KEYS[:-1])
+                                      or not c.rl.rule_reward),
+                shown=lambda c: ", ".join(f"rl_config.{k}" for k in RULE_REWARD_KEYS[:-1]
+                                          if c.explicitly_set("rl_config", k)) or "rl_config.rule_reward: false",
+                when="one written, or rule_reward: false, with rl_config.env_config"),
+    ]
+
+
+# the rule verifiers' keys (posttrain.reward.rule_reward), which an environment's reward replaces
+RULE_REWARD_KEYS = ("verifier_function", "verifier_weight", "verifier_parallel", "verifier_timeout",
+                    "verifier_modules", "overlong_buffer_enable", "overlong_buffer", "overlong_buffer_penalty_factor",
+                    "rule_reward")
 
 
 def _turn_credit_estimator_unknown(cfg: RunConfig) -> bool:
@@ -330,6 +360,7 @@ def _run_features() -> dict[str, Feature]:
         Feature("critic_skip_train", ("critic_config.skip_train",), _written("critic_config.skip_train", bool),
                 when="written as true"),
         _on("actor_config.refer_model_iter", lambda v: v != 1, when="not 1"),
+        _on("actor_config.dpo_loss_type", lambda v: v == "kto", name="kto", when="kto"),
         Feature("critic_pretrained_checkpoint", ("critic_config.pretrained_checkpoint",),
                 _written("critic_config.pretrained_checkpoint", bool), when="written"),
     ]

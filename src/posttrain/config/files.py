@@ -22,6 +22,7 @@ from posttrain.data.templates import get_template
 from posttrain.errors import CheckpointError, ConfigError
 from posttrain.models import lora
 from posttrain.models.mcore import mcore_files
+from posttrain.envs.dataset import build_env_dataset
 from posttrain.rundir import RunDirs, check_dir_contents
 from posttrain.paths import shipped_file
 
@@ -36,12 +37,15 @@ def check_run_files(plan: Plan) -> None:
     (:class:`posttrain.loops.session.Session`): the dataset, the directories it writes, what the
     actor starts from, the prompt template, the LoRA targets, the held-out dataset."""
     d, p = plan.data, plan.policy
-    if plan.stage.on_policy:
+    if plan.stage.on_policy and d.env is not None:  # rl_config.env_config: the environment's tasks
+        build_env_dataset(d.env, p, d.max_prompt_length)
+    elif plan.stage.on_policy:
         mm = plan.multimodal  # a multimodal run's dataset must hold the images
         build_prompt_dataset(d.data_path, d.max_prompt_length, additional_keys=d.additional_keys, split=d.split,
                              images_per_prompt=mm.images_per_prompt if mm else None)
     else:
-        build_offline_dataset(d.data_path, plan.stage.name, seq_length=d.seq_length, split=d.split)
+        build_offline_dataset(d.data_path, plan.stage.name, seq_length=d.seq_length, split=d.split,
+                              unpaired=plan.dpo is not None and plan.dpo.unpaired)
     dirs = run_dirs(plan)
     for key, directory in [(dirs.run_dir_key, dirs.run_dir), *dirs.log_dirs.items(), ("actor_config.save", dirs.save),
                            ("critic_config.save", dirs.critic_save)]:

@@ -346,13 +346,19 @@ class MegatronConfig(Section):
                                               "on load) or torch (per-rank files; same layout only)", CKPT_FORMAT,
                                   note="the megatron backend's; the hf backend saves Hugging Face directories")
     # ---- DPO ------------------------------------------------------------------------------------
-    dpo_loss_type: str = F("sigmoid", "sigmoid, hinge, ipo, kto_pair or orpo (posttrain: reference-free)",
-                           HONOURED)
+    dpo_loss_type: str = F("sigmoid", "sigmoid, hinge, ipo, kto_pair, orpo (posttrain: reference-free) or kto "
+                                      "(posttrain: KTO on unpaired rows, UnpairedPreferenceHandler data)", HONOURED)
     dpo_beta: float = F(0.1, "DPO beta", HONOURED, gt=0, finite=True, note="the seed's default is 0.1")
     dpo_label_smoothing: float = F(0.0, "DPO label smoothing", HONOURED, ge=0, lt=0.5,
                                     note="the probability that a preference label is flipped")
     pref_ftx: float = F(0.0, "SFT loss weight on chosen responses", HONOURED, ge=0, finite=True,
                          note="the weight of the SFT term")
+    kto_desirable_weight: float = F(1.0, "posttrain: KTO's lambda_D, the weight of the desirable rows' loss "
+                                         "(dpo_loss_type: kto)", HONOURED, gt=0, finite=True,
+                                    note="lambda_D; the paper advises lambda_D n_D / (lambda_U n_U) in [1, 4/3]")
+    kto_undesirable_weight: float = F(1.0, "posttrain: KTO's lambda_U, the weight of the undesirable rows' loss "
+                                           "(dpo_loss_type: kto)", HONOURED, gt=0, finite=True,
+                                      note="lambda_U; the paper advises lambda_D n_D / (lambda_U n_U) in [1, 4/3]")
     ref_model: Opt[str] = F("", "reference model path (DPO)", HONOURED)
     refer_model_iter: int = F(1, "DPO: the iteration of ref_model's checkpoint directory the reference loads "
                                  "(posttrain.config.dpo_reference)", HONOURED)

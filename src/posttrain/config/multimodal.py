@@ -25,9 +25,19 @@ class MultimodalOptions:
     embeds_dispatch_size: int | None = None
     vit_micro_batch_size: int | None = None
 
+    def describe(self) -> str:
+        """In words, for ``posttrain plan``."""
+        tower = "frozen" if self.freeze_vision_tower else "trained"
+        embeds = (f"computed once per iteration, {self.embeds_dispatch_size} rows a read (reuse_image_embeds)"
+                  if self.reuse_image_embeds else "recomputed by every pass")
+        vit = f"{self.vit_micro_batch_size} image(s)" if self.vit_micro_batch_size else "a micro-batch's images"
+        return (f"<= {self.images_per_prompt} image(s) a prompt; vision tower {tower}; image embeddings {embeds}; "
+                f"{vit} per tower forward")
+
 
 def multimodal_options(cfg: RunConfig, dispatch_sizes: dict[str, int]) -> MultimodalOptions | None:
-    """The options of a run with ``rl_config.is_multimodal: true`` (None for a text run)."""
+    """The options of a run with ``rl_config.is_multimodal: true`` (None for a text run; an offline
+    stage with it is refused by the compatibility table, row mm-stage)."""
     rl = cfg.rl
     if not rl.is_multimodal:
         return None

@@ -19,6 +19,7 @@ import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from posttrain.envs.config import EnvOptions, env_options
 from posttrain.checkpoint.files import CheckpointLoad
 from posttrain.config.dpo_reference import dpo_reference
 from posttrain.config.megatron import MegatronConfig
@@ -224,12 +225,20 @@ class DynamicSamplingOptions:
 
 @dataclass(frozen=True)
 class DPOOptions:
-    """``dpo_loss_type``, ``dpo_beta``, ``dpo_label_smoothing``, ``pref_ftx``."""
+    """``dpo_loss_type``, ``dpo_beta``, ``dpo_label_smoothing``, ``pref_ftx``, and KTO's
+    ``kto_desirable_weight`` / ``kto_undesirable_weight``."""
 
     loss_type: str = "sigmoid"
     beta: float = 0.1
     label_smoothing: float = 0.0
     pref_ftx: float = 0.0
+    desirable_weight: float = 1.0
+    undesirable_weight: float = 1.0
+
+    @property
+    def unpaired(self) -> bool:
+        """KTO (``dpo_loss_type: kto``) trains on unpaired rows (UnpairedPreferenceHandler data)."""
+        return self.loss_type == "kto"
 
 
 # ---- data, schedule, logs, cluster ----------------------------------------------------------------
@@ -250,6 +259,7 @@ class DataOptions:
     full_shuffle: bool = False
     eval_data_path: str | None = None
     eval_limit: int | None = None
+    env: EnvOptions | None = None  # rl_config.env_config: the prompts (and reward) of an environment
 
 
 @dataclass(frozen=True)
@@ -467,7 +477,8 @@ def dynamic_sampling_options(cfg: RunConfig) -> DynamicSamplingOptions:
 def dpo_options(cfg: RunConfig) -> DPOOptions:
     a = cfg.actor
     return DPOOptions(loss_type=a.dpo_loss_type, beta=a.dpo_beta, label_smoothing=a.dpo_label_smoothing,
-                      pref_ftx=a.pref_ftx)
+                      pref_ftx=a.pref_ftx, desirable_weight=a.kto_desirable_weight,
+                      undesirable_weight=a.kto_undesirable_weight)
 
 
 def rule_reward_options(cfg: RunConfig) -> RuleRewardOptions:
@@ -485,7 +496,8 @@ def data_options(cfg: RunConfig) -> DataOptions:
                        additional_keys=tuple(a.dataset_additional_keys or ["labels"]), seq_length=a.seq_length,
                        seed=a.seed, no_shuffle=bool(a.no_shuffle),
                        full_shuffle=bool(a.full_shuffle_instruction_dataset),
-                       eval_data_path=rl.eval_data_path or None, eval_limit=rl.eval_limit)
+                       eval_data_path=rl.eval_data_path or None, eval_limit=rl.eval_limit,
+                       env=env_options(rl.env_config))
 
 
 def schedule_options(cfg: RunConfig) -> ScheduleOptions:

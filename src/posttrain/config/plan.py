@@ -247,7 +247,8 @@ def build_plan(cfg: RunConfig, layout: DeviceLayout, arch: ModelArch | None = No
     budgets = token_budgets(cfg)
     engine = EngineOptions(use_remove_padding=rl.use_remove_padding, share_prompt_prefix=rl.share_prompt_prefix,
                            update_budget=budgets["update"] if budgets else None,
-                           loss_mask_key="chosen_response_mask" if stage.name == "dpo" else "response_mask")
+                           loss_mask_key="chosen_response_mask" if stage.name == "dpo" and a.dpo_loss_type != "kto"
+                           else "response_mask")  # KTO's rows are plain rows
     steps_per_iteration = mini_batches * epochs
     max_num_seqs = gen.max_num_seqs if cfg.explicitly_set("generate_config", "max_num_seqs") else 256
     off = options.off_policy_options(cfg) if on_policy else OffPolicyOptions()
@@ -289,8 +290,7 @@ def build_plan(cfg: RunConfig, layout: DeviceLayout, arch: ModelArch | None = No
         warnings=warnings, arch=arch, reward_model=reward_model_options(cfg, device, on_policy=on_policy),
         parallel=parallel, multi_turn=_multi_turn_line(cfg) if on_policy else "",
         off_policy_rollout=_off_policy_line(cfg) if on_policy else "", target=target,
-        separated=separated_options(cfg) if on_policy else SeparatedRoles(),
-        multimodal=multimodal_options(cfg, reads) if on_policy else None,
+        separated=separated_options(cfg) if on_policy else SeparatedRoles(), multimodal=multimodal_options(cfg, reads),
     )
     if arch is not None:
         plan = _replace(plan, num_params=arch.num_params(), memory=estimate_memory(cfg, plan, arch))

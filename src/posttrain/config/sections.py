@@ -305,6 +305,9 @@ class RLConfig(Section):
     rollout_engine: str = F("auto", "posttrain: auto (vLLM on a GPU where the layout runs it and vllm is installed, "
                                     "else native), native or vllm", HONOURED)
     output_dir: Opt[str] = F(None, "posttrain: run directory for metrics (default runs/<config>)", HONOURED)
+    env_config: Opt[dict[str, Any]] = F(None, "posttrain: train on an environment's tasks and rewards instead of "
+                                              "data_path and the rule verifiers: {type: verifiers or openenv, id, "
+                                              "args, limit, resets, max_turns} (docs/environments.md)", HONOURED)
     eval_data_path: Opt[str] = F(None, "posttrain: held-out prompt dataset prefix for eval during training", HONOURED)
     eval_interval: int = F(0, "posttrain: evaluate every N iterations (0: only before and after)", HONOURED,
                            ge=0)

@@ -13,7 +13,7 @@ grpo     if kl > 0   no           in the loss          PPO clip, token-mean
 dapo     never       no           none                 clip-higher, token_level_loss, dyn. sampling
 ppo      if KL in    yes (GAE)    in the reward        PPO clip, token-mean; critic: clipped value
          reward                   (use_kl_in_reward)   loss
-dpo      always      no           (the DPO loss)       DPO (dpo_loss_type)
+dpo      always      no           (the DPO loss)       DPO (dpo_loss_type); KTO on unpaired rows
 sft      never       no           none                 cross-entropy on response tokens
 =======  ==========  ===========  ===================  ============================================
 
@@ -142,9 +142,34 @@ def check_ppo(cfg: "RunConfig") -> None:
 def check_dpo(cfg: "RunConfig") -> None:
     """DPO's own rules (the loss type is checked with the seed's message by the seed's rules; the
     ranges of dpo_beta, dpo_label_smoothing and pref_ftx are declared on their fields)."""
-    if not cfg.actor.is_pairwise_dataset:
+    a = cfg.actor
+    if a.dpo_loss_type == "kto":
+        _check_kto(cfg)
+        return
+    if not a.is_pairwise_dataset:
         raise ConfigError("stage dpo trains on preference pairs: set megatron_training.is_pairwise_dataset: true "
                           "and preprocess the data with handler_name: AlpacaStylePairwiseHandler")
+    for key in ("kto_desirable_weight", "kto_undesirable_weight"):
+        if getattr(a, key) != 1.0:
+            raise ConfigError(f"megatron_training.{key}={getattr(a, key)} weighs KTO's rows (dpo_loss_type: kto), "
+                              f"not dpo_loss_type: {a.dpo_loss_type}; remove it or set dpo_loss_type: kto")
+
+
+def _check_kto(cfg: "RunConfig") -> None:
+    """KTO (posttrain.algo.kto_loss) trains on unpaired rows, with no label smoothing or SFT term."""
+    a = cfg.actor
+    if a.is_pairwise_dataset:
+        raise ConfigError("dpo_loss_type: kto trains on unpaired rows (prompt, completion, label): set "
+                          "megatron_training.is_pairwise_dataset: false and preprocess the data with handler_name: "
+                          "UnpairedPreferenceHandler")
+    for key in ("dpo_label_smoothing", "pref_ftx"):
+        if getattr(a, key) != 0:
+            raise ConfigError(f"megatron_training.{key}={getattr(a, key)} is for the pairwise DPO losses; "
+                              "dpo_loss_type: kto has no such term: remove it")
+    if (a.global_batch_size or 0) < 2:
+        raise ConfigError(f"megatron_training.global_batch_size={a.global_batch_size}: dpo_loss_type: kto estimates "
+                          "its KL reference point on each row's prompt with another row's completion, so a batch "
+                          "needs at least 2 rows")
 
 
 def check_sft(cfg: "RunConfig") -> None:
@@ -159,7 +184,7 @@ STAGES: dict[str, Stage] = {s.name: s for s in (
           dynamic_sampling=lambda cfg: cfg.rl.filter_groups_enable),
     Stage("ppo", ("ray_ppo", "ppo"), ONPOLICY, check_ppo, "critic",
           uses_reference=lambda cfg: cfg.rl.use_kl_in_reward, uses_critic=True),
-    Stage("dpo", ("dpo", "ray_dpo"), "posttrain.loops.dpo:DPOTrainer", check_dpo, "dpo",
+    Stage("dpo", ("dpo", "ray_dpo"), "posttrain.loops.dpo:preference_trainer", check_dpo, "dpo",
           uses_reference=lambda cfg: _dpo_reads_a_reference(cfg)),
     Stage("sft", ("sft",), "posttrain.loops.offline:SFTTrainer", check_sft, "sft"),
 )}

@@ -383,9 +383,10 @@ def _validate_offline(cfg: RunConfig, num_nodes: int) -> DeviceLayout:
     _require(a.seq_length, "megatron_training.seq_length")
     if cfg.stage == "dpo":
         from posttrain.algo.dpo_loss import DPO_LOSSES  # lazy: algo/ imports torch; keeps config/ light
+        from posttrain.algo.kto_loss import KTO
 
-        if a.dpo_loss_type not in DPO_LOSSES:  # the seed's message, with its list and posttrain's additions
-            seed = ["sigmoid", "hinge", "ipo", "kto_pair"]
+        if a.dpo_loss_type not in DPO_LOSSES and a.dpo_loss_type != KTO:  # the seed's message, with its list
+            seed = ["sigmoid", "hinge", "ipo", "kto_pair"]  # and posttrain's additions
             raise ConfigError(f"Unknown loss type: {a.dpo_loss_type}. Should be one of "
-                              f"{seed + [name for name in DPO_LOSSES.names() if name not in seed]}")
+                              f"{seed + [name for name in DPO_LOSSES.names() if name not in seed] + [KTO]}")
     return DeviceLayout(num_devices=num_devices, actor_dp=dp, infer_dp=dp, ref_dp=dp, num_nodes=num_nodes)

@@ -8,6 +8,7 @@
     system   system prompt column         (default: none)
     history  list of [user, assistant] pairs (default: none)
     chosen / rejected   pairwise answers  (defaults "chosen" / "rejected")
+    label    unpaired preference label, a JSON/Parquet bool (default "label"; UnpairedPreferenceHandler)
     images / videos     multimodal media  (defaults "images" / "videos"; posttrain.data.media)
 
 A row becomes an :class:`Aligned` conversation, or a skip reason (a short string that the
@@ -23,11 +24,12 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from posttrain.errors import ConfigError
+from posttrain.errors import ConfigError, DataError
 
 MAP_KEY_DEFAULTS: dict[str, str | None] = {"prompt": "instruction", "query": "input", "response": "output",
                                            "system": None, "history": None, "chosen": "chosen",
-                                           "rejected": "rejected", "images": "images", "videos": "videos"}
+                                           "rejected": "rejected", "images": "images", "videos": "videos",
+                                           "label": "label"}
 
 SKIP_EMPTY_PROMPT = "empty prompt"
 SKIP_EMPTY_RESPONSE = "empty response"
@@ -188,3 +190,23 @@ def align_pairwise(row: dict, keys: dict, extra_keys: list[str]) -> Aligned | st
         return SKIP_EMPTY_RESPONSE
     system = _plain(row.get(keys["system"]), "system") if keys["system"] else ""
     return Aligned(prompt, [chosen, rejected], system, _extras(row, extra_keys))
+
+
+class RowError(DataError):
+    """A row that cannot be trained on and must not be skipped silently (preprocess names the row)."""
+
+
+@_skip_structured
+def align_unpaired(row: dict, keys: dict, extra_keys: list[str]) -> Aligned | str:
+    """Unpaired preference (KTO): a prompt, one completion (the ``response`` column) and a ``label``
+    that is true (desirable) or false (undesirable); the label is kept in ``extras["label"]``. A
+    missing or non-bool label raises :class:`RowError`."""
+    label = row.get(keys["label"]) if keys["label"] else None
+    if not isinstance(label, bool):
+        what = "no label" if label is None else f"label {label!r} ({type(label).__name__})"
+        raise RowError(f"{what}: an unpaired preference row needs a JSON/Parquet bool label, true (desirable) or "
+                       f"false (undesirable), in column '{keys['label'] or 'label'}' (map_keys.label)")
+    aligned = align_alpaca.__wrapped__(row, keys, extra_keys)
+    if isinstance(aligned, Aligned):
+        aligned.extras["label"] = label
+    return aligned

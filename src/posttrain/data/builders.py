@@ -38,12 +38,15 @@ def build_prompt_dataset(prefix: str | None, max_prompt_length: int, *, addition
 
 
 _OFFLINE = {"sft": ("SFT dataset", "SFTDataset"),
-            "dpo": ("pairwise dataset (AlpacaStylePairwiseHandler)", "PairwiseDataset")}
+            "dpo": ("pairwise dataset (AlpacaStylePairwiseHandler)", "PairwiseDataset"),
+            "kto": ("unpaired preference dataset (UnpairedPreferenceHandler)", "UnpairedPreferenceDataset")}
 
 
-def build_offline_dataset(prefix: str | None, stage: str, *, seq_length: int, split: str | None = None):
-    """SFT samples (``AlpacaStyleInstructionHandler`` data) or DPO pairs (``AlpacaStylePairwiseHandler``)."""
-    kind, cls = _OFFLINE[stage]
+def build_offline_dataset(prefix: str | None, stage: str, *, seq_length: int, split: str | None = None,
+                          unpaired: bool = False):
+    """SFT samples (``AlpacaStyleInstructionHandler`` data), DPO pairs (``AlpacaStylePairwiseHandler``)
+    or, with ``unpaired`` (KTO), unpaired preference rows (``UnpairedPreferenceHandler``)."""
+    kind, cls = _OFFLINE["kto" if unpaired else stage]
     if not prefix:
         raise DataError(f"megatron_training.data_path is not set: give the prefix of a preprocessed {kind}")
     dataset = getattr(datasets, cls)(prefix, seq_length=seq_length, split=split)

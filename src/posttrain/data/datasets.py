@@ -11,6 +11,8 @@
   (1, 2, ...; 0 = padding) and ``position_ids`` restart at 0 for each sample.
 * :class:`PairwiseDataset` (DPO, reward models): ``chosen_input_ids``, ``chosen_labels``,
   ``rejected_input_ids``, ``rejected_labels`` (labels as in SFT).
+* :class:`UnpairedPreferenceDataset` (KTO): ``input_ids``, ``labels`` (as in SFT) and ``desirable``
+  (one id per row: 1 desirable, 0 undesirable), from ``UnpairedPreferenceHandler``.
 """
 
 from __future__ import annotations
@@ -26,8 +28,8 @@ from posttrain.data.indexed import IndexedDataset
 from posttrain.data.sampler import ResumableSampler
 from posttrain.errors import ConfigError, DataError
 
-__all__ = ["PromptDataset", "SFTDataset", "PairwiseDataset", "ResumableSampler", "find_fields",
-           "split_range"]
+__all__ = ["PromptDataset", "SFTDataset", "PairwiseDataset", "UnpairedPreferenceDataset", "ResumableSampler",
+           "find_fields", "split_range"]
 
 SPLIT_NAMES = {"train": 0, "valid": 1, "validation": 1, "test": 2}
 
@@ -207,3 +209,37 @@ class PairwiseDataset(_FieldsDataset):
     def __getitem__(self, i: int) -> dict[str, np.ndarray]:
         return {k: self._get(k, i)[: self.seq_length] if self.seq_length else self._get(k, i) for k in self.KEYS}
 
+
+
+class UnpairedPreferenceDataset(_FieldsDataset):
+    """Unpaired preference (KTO) rows: a prompt and completion as one SFT row, and its label."""
+
+    KEYS = ["input_ids", "labels", "desirable"]
+
+    def __init__(self, data_prefix: str | Path, seq_length: int | None = None, split: str | None = None,
+                 split_part: int | str = "train"):
+        super().__init__(data_prefix, self.KEYS)
+        self._check_same_lengths("input_ids", "labels")
+        lengths = self._lengths("desirable")
+        bad = np.flatnonzero(lengths != 1)
+        if len(bad) == 0:
+            values = self.fields["desirable"].first_tokens().astype(np.int64)
+            bad = np.flatnonzero((values != 0) & (values != 1))
+        if len(bad):
+            raise DataError(f"data_path {data_prefix}: row {int(bad[0])} of desirable "
+                            f"({self.fields['desirable'].path_prefix}.idx) is not one 0/1 label; re-run posttrain "
+                            "preprocess with handler_name: UnpairedPreferenceHandler")
+        self.desirable = values.astype(bool)
+        self.seq_length = seq_length
+        self._select(None, split, split_part)
+
+    def label_counts(self) -> tuple[int, int]:
+        """(desirable, undesirable) rows of this split."""
+        chosen = int(self.desirable[self.rows].sum())
+        return chosen, len(self.rows) - chosen
+
+    def __getitem__(self, i: int) -> dict[str, np.ndarray]:
+        ids, labels = self._get("input_ids", i), self._get("labels", i)
+        if self.seq_length:
+            ids, labels = ids[: self.seq_length], labels[: self.seq_length]
+        return {"input_ids": ids, "labels": labels, "desirable": self._get("desirable", i)}

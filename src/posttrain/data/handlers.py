@@ -8,6 +8,8 @@ AlpacaStyleInstructionHandler              SFT: ``input_ids``, ``attention_mask`
                                            (-100 on prompt tokens), pack mode
 AlpacaStylePairwiseHandler                 DPO/RM: ``chosen_input_ids``, ``chosen_labels``,
                                            ``rejected_input_ids``, ``rejected_labels``
+UnpairedPreferenceHandler (posttrain)      KTO: ``input_ids``, ``labels`` (-100 on the prompt),
+                                           ``desirable`` (one id: 1 desirable, 0 undesirable)
 =========================================  ==================================================
 """
 
@@ -38,11 +40,15 @@ class Handler:
 
     def bind_columns(self, columns: list[str]) -> None:
         """Check map_keys and extra keys against the input's columns."""
-        self.keys = align.resolve_map_keys(self.cfg.map_keys, columns, self.needed_keys)
+        self.keys = align.resolve_map_keys(self.map_keys(columns), columns, self.needed_keys)
         missing = [k for k in self.extra_keys if k != "labels" and k not in columns]
         if missing:
             raise ConfigError(f"dataset_additional_keys: column(s) {', '.join(missing)} not in the input. "
                               f"The input has columns: {', '.join(sorted(columns))}.")
+
+    def map_keys(self, columns: list[str]) -> dict | None:
+        """The ``map_keys`` the columns are resolved with (the config's)."""
+        return self.cfg.map_keys
 
     def output_keys(self) -> list[str]:
         raise NotImplementedError
@@ -137,10 +143,39 @@ class AlpacaStylePairwiseHandler(Handler):
         return out
 
 
+class UnpairedPreferenceHandler(AlpacaStyleInstructionHandler):
+    """KTO (posttrain; the seed has no unpaired data): rows of a prompt, one completion and a bool
+    ``label`` (true: desirable). Encoded as SFT rows plus ``desirable`` = ``[1]`` or ``[0]``. The
+    columns default to TRL's names ``prompt`` / ``completion`` / ``label`` where the input has them
+    and ``map_keys`` does not say otherwise; a missing or non-bool label stops preprocessing with
+    the row named (:class:`~posttrain.data.align.RowError`)."""
+
+    align_fn = staticmethod(align.align_unpaired)
+    TRL_COLUMNS = {"prompt": "prompt", "response": "completion"}
+
+    def __init__(self, cfg, tokenizer, template):
+        if cfg.pack:
+            raise ConfigError("pack: true with handler_name: UnpairedPreferenceHandler: each KTO row is trained "
+                              "with its own label, so rows cannot be packed; set pack: false")
+        super().__init__(cfg, tokenizer, template)
+
+    def map_keys(self, columns: list[str]) -> dict:
+        given = dict(self.cfg.map_keys or {})
+        return {**{k: c for k, c in self.TRL_COLUMNS.items() if k not in given and c in columns}, **given}
+
+    def output_keys(self) -> list[str]:
+        return ["input_ids", "labels", "desirable"]
+
+    def encode_batch(self, items):
+        rows = super().encode_batch(items)
+        return [{"input_ids": enc["input_ids"], "labels": enc["labels"], "desirable": [int(item.extras["label"])]}
+                for enc, item in zip(rows, items)]
+
+
 # handler_name -> Handler subclass; register one with @HANDLERS.register("MyHandler").
 HANDLERS = Registry("data handler", key="handler_name")
 for _cls in (R1AlpacaStyleInstructionHandler, Math17kAlpacaStyleInstructionHandler,
-             AlpacaStyleInstructionHandler, AlpacaStylePairwiseHandler):
+             AlpacaStyleInstructionHandler, AlpacaStylePairwiseHandler, UnpairedPreferenceHandler):
     HANDLERS.add(_cls.__name__, _cls)
 
 

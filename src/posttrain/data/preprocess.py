@@ -33,6 +33,7 @@ import numpy as np
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from transformers import AutoTokenizer
 
+from posttrain.data.align import RowError
 from posttrain.data.config import DataHandlerConfig, make_config, resolve_path, warn_inert
 from posttrain.data.handlers import HANDLERS
 from posttrain.data.indexed import IndexedDatasetBuilder
@@ -159,7 +160,10 @@ def process_batch(rows: list[tuple[dict, str]], handler=None, cfg=None) -> Batch
     max_chars = _max_chars(handler, cfg)
     multimodal = getattr(handler, "media", None)
     for n, (row, where) in enumerate(rows):
-        item = handler.align(row)
+        try:
+            item = handler.align(row)
+        except RowError as err:  # a row that must not be skipped (UnpairedPreferenceHandler's labels)
+            raise DataError(f"{where}: {err}") from None
         if isinstance(item, str):
             skipped.append((n, where, item))
         elif max_chars is not None and _longest_text(item) > max_chars:  # cannot fit: not tokenized at all

@@ -19,6 +19,9 @@ The reference is ``ref_model`` when set (an HF directory or checkpoint), else a 
 initial policy (none for ``orpo``). Metrics: ``dpo/loss``, ``rewards/chosen``, ``rewards/rejected``
 (``beta (logp_policy - logp_ref)``), ``rewards/accuracies``, ``rewards/margins``,
 ``dpo/grad_norm``, ``dpo/lr``, ``timing/all``.
+
+``dpo_loss_type: kto`` trains on unpaired rows instead: :func:`preference_trainer` (the stage's
+loop) then runs :class:`posttrain.loops.kto.KTOTrainer`.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from posttrain.algo.dpo_loss import AVERAGED, REFERENCE_FREE
+from posttrain.loops.kto import KTOTrainer
 from posttrain.loops.offline import OfflineTrainer, labelled_batch
 from posttrain.training.loss_fns import make_dpo_loss_fn
 
@@ -86,3 +90,11 @@ class DPOTrainer(OfflineTrainer):
                                                               micro_batch_size=self.plan.policy.optim.micro_batch_size)
         batch.update(ref_chosen_logps=chosen.cpu(), ref_rejected_logps=rejected.cpu())
         return batch
+
+
+def preference_trainer(plan, session) -> OfflineTrainer:
+    """The dpo stage's loop: :class:`KTOTrainer` on unpaired rows (``dpo_loss_type: kto``), else
+    :class:`DPOTrainer` on pairs."""
+    if plan.dpo.unpaired:
+        return KTOTrainer(plan, session)
+    return DPOTrainer(plan, session)

@@ -1,7 +1,9 @@
 """The on-policy loop (GRPO, DAPO, PPO): one iteration reads like the algorithm.
 
-    experience (prompts x n -> rollout -> reward) -> advantages -> reference logprobs
-        -> old logprobs -> rollout correction -> update -> publish the weights
+    experience (prompts x n -> rollout -> reward) -> advantages -> [image embeddings] -> reference
+        logprobs -> old logprobs -> rollout correction -> update -> publish the weights
+
+(image embeddings: a multimodal run with ``reuse_image_embeds``, :mod:`posttrain.loops.multimodal`.)
 
 The experience comes from the plan's :class:`~posttrain.loops.sources.ExperienceSource`:
 produced now with the trainer's weights, or ahead by a rollout thread with weights up to

@@ -10,7 +10,13 @@ times) or partial rollout (:class:`PartialGeneration`: rounds over two batches o
 :mod:`posttrain.loops.partial_rollout`). DAPO's dynamic sampling
 (:mod:`posttrain.loops.dynamic_sampling`) repeats generate-and-score until enough groups vary.
 
-The reward is the rule verifiers' score and/or a reward model's (``reward_config``), by weight.
+The reward is the rule verifiers' score and/or a reward model's (``reward_config``), by weight;
+with ``rl_config.env_config`` the environment's (a verifiers taskset's reward functions, in place of
+the verifiers; an OpenEnv-style environment's episode rewards, :mod:`posttrain.loops.env_turns`).
+
+A multimodal run (``rl_config.is_multimodal``) puts each prompt's images beside it (its image pads
+expanded, ``pixel_values`` and ``image_grid_thw`` per row: :mod:`posttrain.loops.multimodal`) and
+passes them to the engine's ``generate(images=)``; DAPO's kept groups bring them along.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from posttrain.metrics.reduce import MetricAccumulator
 from posttrain.metrics.timers import Timers
 from posttrain.reward.decoding import decode_labels, decode_responses
 from posttrain.loops.dynamic_sampling import DynamicSampler, score_columns
+from posttrain.loops.env_turns import EnvTurns
 from posttrain.loops.experience import MULTI_TURN_COLUMNS, new_dock
 from posttrain.loops.multimodal import EMBEDS_COLUMN, dock_columns, encode_prompts, rollout_images
 from posttrain.models.vlm import MM_KEYS
@@ -135,6 +142,12 @@ class PartialGeneration:
         return {STATE_FILE: self.pool.state_dict()}
 
 
+def next_prompts(session: Session) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The next batch of prompts from the session's sampler, and their labels."""
+    items = next_items(session)
+    return prompt_ids(items), prompt_labels(items)
+
+
 def next_items(session: Session) -> list[dict[str, Any]]:
     """The dataset items of the next batch of prompts from the session's sampler."""
     return [session.dataset[i] for i in session.sampler.next_batch()]
@@ -154,10 +167,12 @@ class Producer:
 
     def __init__(self, plan: Plan, session: Session):
         self.plan, self.s = plan, session
-        self.extra = MULTI_TURN_COLUMNS if plan.rollout.tools is not None else ()  # tool-token mask, call counts
+        env_turns = plan.data.env is not None and plan.data.env.multi_turn  # an environment answers each turn
+        self.extra = MULTI_TURN_COLUMNS if plan.rollout.tools is not None or env_turns else ()  # tool-token mask, calls
         mm = plan.multimodal
         self.image_columns = dock_columns(mm.reuse_image_embeds) if mm is not None else ()  # loops/multimodal.py
-        self.generation: Generation = (PartialGeneration(plan, session) if plan.off_policy.partial
+        self.generation: Generation = (EnvTurns(plan, session, next_prompts) if env_turns
+                                       else PartialGeneration(plan, session) if plan.off_policy.partial
                                        else PlainGeneration(plan, session, self.extra))
         carry = (*self.extra, *(MM_KEYS if mm is not None else ()))  # what a kept DAPO group brings along
         self.dynamic = (DynamicSampler(plan.dynamic_sampling, n=plan.n, global_batch_size=plan.prompts_per_iteration,
@@ -204,7 +219,9 @@ class Producer:
                                            *(["tool_call_num"] if self.extra else [])],
                                 self.plan.reads["reward_dispatch_size"])
             scores = [0.0] * len(idx)
-            if self.plan.scores_by_rules:
+            if isinstance(self.generation, EnvTurns):  # the episodes' rewards, summed while they ran
+                scores = self.generation.scores(idx)
+            elif self.plan.scores_by_rules:
                 with timers("rule_reward"):
                     scores = self.rule_scores(td, batch, idx, acc)
             if model is not None:

@@ -25,6 +25,7 @@ import torch
 from posttrain.config.files import run_dirs
 from posttrain.config.plan import Plan
 from posttrain.data.builders import build_offline_dataset, build_prompt_dataset, build_sampler
+from posttrain.envs.dataset import build_env_dataset
 from posttrain.metrics.sinks import MetricsLogger, append_line, cut_jsonl, write_text_atomic
 from posttrain.models import cpu_linear
 from posttrain.roles.policy import Policy, build_policy, seed_everything
@@ -94,11 +95,14 @@ class Session:
 
     def _dataset(self):
         d, stage = self.plan.data, self.plan.stage
+        if stage.on_policy and d.env is not None:  # rl_config.env_config: the environment's tasks (posttrain.envs)
+            return build_env_dataset(d.env, self.plan.policy, d.max_prompt_length)
         if stage.on_policy:
             mm = self.plan.multimodal
             return build_prompt_dataset(d.data_path, d.max_prompt_length, additional_keys=d.additional_keys,
                                         split=d.split, images_per_prompt=mm.images_per_prompt if mm else None)
-        return build_offline_dataset(d.data_path, stage.name, seq_length=d.seq_length, split=d.split)
+        return build_offline_dataset(d.data_path, stage.name, seq_length=d.seq_length, split=d.split,
+                                     unpaired=self.plan.dpo is not None and self.plan.dpo.unpaired)
 
     def _build(self, start: Start) -> None:
         plan, on_policy = self.plan, self.plan.stage.on_policy
@@ -165,6 +169,10 @@ class Session:
         write_text_atomic(self.run_dir / "run.json", json.dumps(info, indent=2) + "\n")
 
     def _rule_reward(self):
+        if self.plan.data.env is not None:  # the environment's own reward functions score its tasks' responses
+            from posttrain.envs.reward import EnvReward
+
+            return EnvReward(self.dataset.env)
         from posttrain.reward.rule_reward import RuleReward
 
         return RuleReward.from_options(self.plan.rule_reward)

@@ -183,8 +183,10 @@ class SampleImages:
         return torch.device("cpu")
 
     def __getitem__(self, rows) -> "SampleImages":
-        index = rows.tolist() if isinstance(rows, torch.Tensor) else list(range(len(self)))[rows] \
-            if isinstance(rows, slice) else list(rows)
+        """The entries of ``rows`` (a tensor or list of row indexes, or a slice), in that order."""
+        if isinstance(rows, slice):
+            rows = range(len(self))[rows]
+        index = rows.tolist() if isinstance(rows, torch.Tensor) else list(rows)
         return SampleImages([self.samples[int(i)] for i in index], self.vit_micro_batch_size)
 
     def to(self, device, non_blocking: bool = False) -> "SampleImages":

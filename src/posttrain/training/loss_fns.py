@@ -18,6 +18,9 @@ None). Batch keys (layout in :mod:`posttrain.training.forward`):
   ``ref_chosen_logps [N]`` and ``ref_rejected_logps [N]`` (sums over response tokens under the
   reference; see :func:`sequence_logps`). DPO normalises by pairs (``num_seqs``), whatever the
   engine's ``loss_mask_key``.
+* kto: the rows' model keys plus per-row ``ref_logps [N]``, ``kto_desirable [N]`` (1 / 0),
+  ``kto_reference_point [N]`` (the batch's ``z0``, repeated) and ``kto_num_desirable`` /
+  ``kto_num_undesirable [N]`` (the mini-batch's counts, repeated; for the metrics).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from posttrain.algo.dpo_loss import AVERAGED, dpo_loss
+from posttrain.algo.kto_loss import kto_loss
 from posttrain.algo.policy_loss import actor_loss
 from posttrain.algo.value_loss import value_loss
 from posttrain.training.base import AfterForward, Batch, LossFn, LossOutput
@@ -225,3 +229,20 @@ def make_dpo_loss_fn(
                          None if num_seqs is None else num_seqs / 2)
 
     return PairLossFn(after_forward, after_pairs=after_pairs, average=average)
+
+
+def make_kto_loss_fn(*, beta: float = 0.1, desirable_weight: float = 1.0, undesirable_weight: float = 1.0) -> LossFn:
+    """KTO (:func:`posttrain.algo.kto_loss.kto_loss`) on unpaired rows: each row's sequence log-prob
+    (sum over its response tokens), averaged over the mini-batch's rows (``num_seqs``). Metrics
+    ``dpo/loss``, ``rewards/chosen`` (desirable rows), ``rewards/rejected`` (undesirable rows)."""
+
+    def after_forward(logprobs, entropy, micro_batch, *, num_tokens=None, num_seqs=None):
+        logps, _ = row_sequence_logps(logprobs, micro_batch["response_mask"], average=False)
+        loss, metrics = kto_loss(logps, micro_batch["ref_logps"].to(logps.dtype), micro_batch["kto_desirable"],
+                                 micro_batch["kto_reference_point"][0], beta=beta, desirable_weight=desirable_weight,
+                                 undesirable_weight=undesirable_weight, num_rows=num_seqs,
+                                 num_desirable=micro_batch["kto_num_desirable"][0],
+                                 num_undesirable=micro_batch["kto_num_undesirable"][0])
+        return loss, {"dpo/loss": loss.detach(), **metrics}
+
+    return LossFn(after_forward)

@@ -121,7 +121,7 @@ DPO = {"global_batch_size": 8, "micro_batch_size": 4, "is_pairwise_dataset": Tru
 
 @pytest.mark.parametrize("train,message", [
     ({"dpo_loss_type": "simpo"}, r"Unknown loss type: simpo. Should be one of \['sigmoid', 'hinge', 'ipo', "
-                                 r"'kto_pair', 'orpo'\]"),
+                                 r"'kto_pair', 'orpo', 'kto'\]"),
     ({"is_pairwise_dataset": False}, "set megatron_training.is_pairwise_dataset: true"),
     ({"dpo_beta": 0.0}, r"^megatron_training.dpo_beta=0.0: must be a finite number > 0 \(the seed's default is 0.1\)"),
     ({"dpo_label_smoothing": 0.5}, r"^megatron_training.dpo_label_smoothing=0.5: must be a number in \[0, 0.5\)"),
@@ -130,6 +130,32 @@ DPO = {"global_batch_size": 8, "micro_batch_size": 4, "is_pairwise_dataset": Tru
 def test_dpo_wrong_config_message(train, message):
     with pytest.raises(ConfigError, match=message):
         check(make("dpo", train={**DPO, **train}))
+
+
+KTO = {"global_batch_size": 8, "micro_batch_size": 4, "dpo_loss_type": "kto"}
+
+
+@pytest.mark.parametrize("stage_train,message", [
+    ({**KTO, "is_pairwise_dataset": True}, "dpo_loss_type: kto trains on unpaired rows .* set megatron_training"
+                                           ".is_pairwise_dataset: false .* handler_name: UnpairedPreferenceHandler"),
+    ({**KTO, "dpo_label_smoothing": 0.1}, r"megatron_training.dpo_label_smoothing=0.1 is for the pairwise DPO losses"),
+    ({**KTO, "pref_ftx": 0.5}, r"megatron_training.pref_ftx=0.5 is for the pairwise DPO losses"),
+    ({**KTO, "global_batch_size": 1, "micro_batch_size": 1}, r"global_batch_size=1: dpo_loss_type: kto .* at least 2"),
+    ({**DPO, "kto_desirable_weight": 2.0}, r"kto_desirable_weight=2.0 weighs KTO's rows .* not dpo_loss_type: sigmoid"),
+    ({**KTO, "kto_undesirable_weight": 0.0}, r"^megatron_training.kto_undesirable_weight=0.0: must be a finite number"),
+])
+def test_kto_wrong_config_message(stage_train, message):
+    with pytest.raises(ConfigError, match=message):
+        check(make("dpo", train=stage_train))
+
+
+def test_kto_good_config_reaches_the_plan():
+    cfg = make("dpo", train={**KTO, "dpo_beta": 0.2, "kto_desirable_weight": 1.3, "kto_undesirable_weight": 0.7})
+    check(cfg)
+    plan = resolve_plan(cfg)
+    assert plan.uses_reference and plan.dpo.unpaired
+    assert (plan.dpo.beta, plan.dpo.desirable_weight, plan.dpo.undesirable_weight) == (0.2, 1.3, 0.7)
+    assert plan.stage.loop == "posttrain.loops.dpo:preference_trainer"
 
 
 def test_dpo_good_config():

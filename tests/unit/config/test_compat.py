@@ -24,6 +24,7 @@ GRPO = {
 ARCH = ModelArch(model_type="qwen2", num_layers=4, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
                  num_kv_heads=2, head_dim=16, vocab_size=256, tie_embeddings=True)
 DPO = ["megatron_training.stage=dpo", "megatron_training.is_pairwise_dataset=true"]
+KTO = ["megatron_training.stage=dpo", "actor_config.dpo_loss_type=kto"]
 PPO = ["megatron_training.stage=ray_ppo", "rl_config.adv_estimator=gae", "critic_config.micro_batch_size=2"]
 DAPO = ["megatron_training.stage=ray_dapo", "rl_config.filter_groups_enable=true",
         "rl_config.filter_groups_metric=base_acc", "rl_config.filter_groups_train_batch_size=4"]
@@ -42,6 +43,7 @@ TQ = ["rl_config.data_strategy=queue"]  # the seed's spelling of tq
 SPEC = ["generate_config.num_speculative_tokens=4"]
 OFFLOAD_PARAM = ["generate_config.offload_train_param=true"]
 GRAPHS = ["generate_config.enforce_eager=false"]
+ENV = ["rl_config.env_config={type: verifiers, id: my_tasks}"]  # posttrain.envs
 MSPROBE = ["msprobe_config.msprobe=true"]
 TRUNC = ["rl_config.truncated_sampling_logprobs=true"]
 MM = ["rl_config.is_multimodal=true"]
@@ -107,6 +109,19 @@ EXAMPLES: dict[str, tuple[list[str], str]] = {
     "multi-turn-engine": ([*TURNS, *OTHER], "cpu"),
     "multi-turn-partial": ([*TURNS, *PARTIAL], "cpu"),
     "turn-credit-single-turn": (["rl_config.turn_credit=turn"], "cpu"),
+    "env-offline": ([*ENV, *DPO], "cpu"),
+    "env-ray": ([*ENV, *RAY], "cpu"),
+    "env-multi_turn": ([*ENV, *TURNS], "cpu"),
+    "env-dynamic_sampling": ([*ENV, *DAPO], "cpu"),
+    "env-async": ([*ENV, *ASYNC], "cpu"),
+    "env-rollout_worker": ([*ENV, *WORKER], "cpu"),
+    "env-separated": ([*ENV, *SEP_REF], "cpu"),
+    "env-partial": ([*ENV, *PARTIAL], "cpu"),
+    "env-turns-engine": (["rl_config.env_config={type: openenv, id: m:E}", *VLLM], "cuda"),
+    "env-turns-ppo": (["rl_config.env_config={type: openenv, id: m:E}", *PPO], "cpu"),
+    "env-data-path": ([*ENV, "actor_config.data_path=some/prefix"], "cpu"),
+    "env-eval-data": ([*ENV, "rl_config.eval_data_path=some/prefix"], "cpu"),
+    "env-verifiers": ([*ENV, "rl_config.verifier_function=[acc]"], "cpu"),
     "turn-credit-estimator": ([*TURNS, "rl_config.turn_credit=turn", "rl_config.adv_estimator=rloo"], "cpu"),
     "turn-credit-megatron": ([*TURNS, *TP2, "rl_config.turn_credit=turn"], "cpu"),
     "speculation-per-request": ([*SPEC, "rl_config.async_engine=true"], "cpu"),
@@ -133,6 +148,8 @@ EXAMPLES: dict[str, tuple[list[str], str]] = {
                               "cpu"),
     "blocking-integrated": (["rl_config.blocking=false"], "cpu"),
     "reward-model-offline": ([*DPO, "reward_config.load=/models/rm"], "cpu"),
+    "kto-megatron": ([*KTO, *TP2], "cpu"),
+    "kto-ray": ([*KTO, *RAY], "cpu"),
     "transfer-queue-offline": ([*DPO, *TQ], "cpu"),
     "transfer-queue-partial": ([*TQ, *PARTIAL], "cpu"),
     "transfer-queue-shards": (["rl_config.transfer_queue_data_shard_num=2"], "cpu"),
@@ -155,6 +172,7 @@ EXAMPLES: dict[str, tuple[list[str], str]] = {
     "mm-rollout_worker": ([*MM, *WORKER], "cpu"),
     "mm-separated": ([*MM, *SEP_REF], "cpu"),
     "mm-transfer_queue": ([*MM, *TQ], "cpu"),
+    "mm-env": ([*MM, *ENV], "cpu"),
     "mm-lora-tower": ([*MM, *LORA], "cpu"),
     "mm-reuse-trained-tower": ([*MM, "rl_config.reuse_image_embeds=true"], "cpu"),
     "mm-reuse-ref-model": ([*MM_FROZEN, "rl_config.reuse_image_embeds=true",

@@ -144,7 +144,7 @@ def test_dynamic_sampling_dispatch_divisible_by_n():
 def test_dpo_unknown_loss_type():
     base = {"megatron_training": {"stage": "dpo", "global_batch_size": 4, "micro_batch_size": 1, "seq_length": 64,
                                   "dpo_loss_type": "simpo"}}
-    with pytest.raises(ConfigError, match=r"Unknown loss type: simpo. Should be one of \['sigmoid', 'hinge', 'ipo', 'kto_pair', 'orpo'\]"):
+    with pytest.raises(ConfigError, match=r"Unknown loss type: simpo. Should be one of \['sigmoid', 'hinge', 'ipo', 'kto_pair', 'orpo', 'kto'\]"):
         check([], base=base)
 
 

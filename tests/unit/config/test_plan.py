@@ -144,3 +144,22 @@ def test_data_strategy_spellings_reach_the_plan():
         assert (plan.data_strategy, plan.queue_shards) == (want, 3 if want == "tq" else 1)
     with pytest.raises(ConfigError, match="data_strategy='redis': must be one of td, transfer_dock, dock, tq, transfer_queue, queue"):
         load_run_config("r1_zero_qwen25_7b", overrides=["rl_config.data_strategy=redis"])
+
+
+def test_a_multimodal_plan_carries_its_keys_and_says_them():
+    from posttrain.commands.plan import format_plan
+
+    mm = ["rl_config.is_multimodal=true", "rl_config.eval_data_path=null", "rl_config.freeze_vision_tower=true",
+          "rl_config.reuse_image_embeds=true", "rl_config.vit_forward_micro_batch_size=2",
+          "generate_config.limit_mm_image_per_prompt=3"]
+    cfg = load_run_config("grpo_tiny_qwen2", overrides=mm)
+    plan = build_plan(cfg, validate_run_config(cfg))
+    m = plan.multimodal
+    # the image_embeds read: gbs x n // actor DP, derived as the seed's other dispatch sizes
+    gbs_n = plan.responses_per_iteration
+    assert (m.images_per_prompt, m.freeze_vision_tower, m.reuse_image_embeds, m.vit_micro_batch_size,
+            m.embeds_dispatch_size) == (3, True, True, 2, gbs_n)
+    assert ("multimodal" + " " * 36 + " <= 3 image(s) a prompt; vision tower frozen; image embeddings computed "
+            f"once per iteration, {gbs_n} rows a read") in format_plan(plan)
+    text = load_run_config("grpo_tiny_qwen2")
+    assert build_plan(text, validate_run_config(text)).multimodal is None

@@ -22,6 +22,7 @@ DYNAMIC = ["rl_config.use_dynamic_bsz=true"]
 LORA = ["actor_config.lora_target_modules=[q_proj,v_proj]"]
 ASYNC = ["rl_config.async_staleness=1"]
 MSPROBE = ["msprobe_config.msprobe=true"]
+KTO = ["actor_config.dpo_loss_type=kto", "actor_config.is_pairwise_dataset=false"]
 MULTI_TURN_KEYS = ("max_tool_calls", "max_total_response_length", "tool_config_path", "tool_parser_format",
                    "max_parallel_calls", "max_tool_response_length", "tool_response_truncate_side")
 NAMES = ("tool_config_path", "tool_parser_format", "tool_response_truncate_side")
@@ -30,11 +31,14 @@ NO_TOOLS = ["rl_config.multi_turn_enable=false",
 TOOLS = ["rl_config.multi_turn_enable=true", "rl_config.max_tool_calls=2", "rl_config.max_total_response_length=64",
          "rl_config.tool_config_path=configs/tools/retool.yaml"]
 
-MM = ["rl_config.is_multimodal=true", "rl_config.freeze_vision_tower=true"]
+NO_EVAL = ["rl_config.eval_data_path=null"]  # the held-out evaluation takes no images (compat row mm-eval)
+MM = [*NO_EVAL, "rl_config.is_multimodal=true", "rl_config.freeze_vision_tower=true"]
 
 # key -> (config name, context overrides of both plans, the change)
 OBSERVERS: dict[str, tuple[str, list[str], list[str]]] = {
-    "rl_config.freeze_vision_tower": (BASE, ["rl_config.is_multimodal=true"], ["rl_config.freeze_vision_tower=true"]),
+    "rl_config.is_multimodal": (BASE, NO_EVAL, ["rl_config.is_multimodal=true"]),
+    "rl_config.freeze_vision_tower": (BASE, [*NO_EVAL, "rl_config.is_multimodal=true"],
+                                      ["rl_config.freeze_vision_tower=true"]),
     "rl_config.reuse_image_embeds": (BASE, MM, ["rl_config.reuse_image_embeds=true"]),
     "rl_config.vit_forward_micro_batch_size": (BASE, MM, ["rl_config.vit_forward_micro_batch_size=2"]),
     "rl_config.actor_image_embeds_dispatch_size": (BASE, [*MM, "rl_config.reuse_image_embeds=true"],
@@ -52,6 +56,8 @@ OBSERVERS: dict[str, tuple[str, list[str], list[str]]] = {
     "actor_config.dpo_beta": ("dpo_tiny_qwen2", [], ["actor_config.dpo_beta=0.5"]),
     "actor_config.dpo_label_smoothing": ("dpo_tiny_qwen2", [], ["actor_config.dpo_label_smoothing=0.2"]),
     "actor_config.pref_ftx": ("dpo_tiny_qwen2", [], ["actor_config.pref_ftx=0.5"]),
+    "actor_config.kto_desirable_weight": ("dpo_tiny_qwen2", KTO, ["actor_config.kto_desirable_weight=1.5"]),
+    "actor_config.kto_undesirable_weight": ("dpo_tiny_qwen2", KTO, ["actor_config.kto_undesirable_weight=1.5"]),
     "actor_config.lora_r": (BASE, LORA, ["actor_config.lora_r=4"]),
     "actor_config.lora_alpha": (BASE, LORA, ["actor_config.lora_alpha=4"]),
     "actor_config.lora_target_modules": (BASE, [], LORA),
@@ -151,6 +157,7 @@ for _key, _value in (("profile_step_start", 0), ("profile_step_end", 3)):
 # key -> the test that observes it (a run's files, loggers, tokenizer, the cluster...): it must exist and name the key
 ELSEWHERE: dict[str, str] = {
     "actor_config.vision_tower": "tests/unit/models/test_vlm.py::test_vision_tower_keys_are_checked",
+    "rl_config.env_config": "tests/unit/envs/test_verifiers_env.py::test_grpo_on_a_verifiers_taskset_raises_its_reward",
     "actor_config.model": "tests/unit/config/test_config_loader.py::test_unknown_model_in_section",
     "actor_config.tokenizer_vocab_size": "tests/unit/models/test_arch_keys.py::test_qwen3_moe_dense_layers_and_llama3_rope_scaling",
     "actor_config.make_vocab_size_divisible_by": "tests/unit/models/mcore/test_convert.py::test_a_checkpoint_whose_padded_vocabulary_does_not_fit_tp_is_refused",

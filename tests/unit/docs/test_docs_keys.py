@@ -11,6 +11,9 @@ ROOT = Path(__file__).resolve().parents[3]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "examples").glob("**/*.md"))]
 SECTIONS = ("megatron_training", "actor_config", "ref_config", "reward_config", "critic_config", "rl_config",
             "generate_config", "profiler_config", "msprobe_config")
+# the keys of the mapping-valued keys (checked by their own code, not the schema)
+DICT_KEYS = {"integrated_mode_config": ("ref_model_load_path",),
+             "env_config": ("type", "id", "args", "limit", "resets", "max_turns")}  # posttrain.envs.config.KEYS
 KEY = re.compile(r"\b(" + "|".join(SECTIONS) + r")((?:\.[A-Za-z_][A-Za-z0-9_]*)+)")
 
 
@@ -26,7 +29,7 @@ def schema_has(section: str, path: list[str]) -> bool:
         cls, path = ProfilerConfig, path[1:] if path[:1] == ["integrated"] else path
     for i, name in enumerate(path):
         if not (isinstance(cls, type) and issubclass(cls, BaseModel)) or name not in cls.model_fields:
-            return i > 0 and name in ("ref_model_load_path",) and path[i - 1] == "integrated_mode_config"
+            return i > 0 and name in DICT_KEYS.get(path[i - 1], ())
         annotation = cls.model_fields[name].annotation
         args = getattr(annotation, "__args__", ())
         cls = next((a for a in (annotation, *args) if isinstance(a, type) and issubclass(a, BaseModel)), None)
