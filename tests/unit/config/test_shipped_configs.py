@@ -11,7 +11,7 @@ from posttrain.errors import ConfigError
 
 RUNNABLE = ["ppo_tiny_qwen2", "dapo_tiny_qwen2", "dpo_tiny_qwen2", "ppo_smollm2_demo", "dapo_smollm2_demo",
             "dpo_smollm2_demo", "grpo_tiny_qwen2", "grpo_smollm2_demo", "grpo_smollm2_demo_sums", "sft_tiny_qwen2",
-            "dapo_tiny_multi_turn"]
+            "dapo_tiny_multi_turn", "grpo_tiny_vl_vision_demo"]
 SEED_LAYOUTS = ["ppo_qwen25_32b", "dapo_qwen25_32b", "dpo_qwen3_30b_a3b", "r1_zero_qwen25_7b"]
 
 

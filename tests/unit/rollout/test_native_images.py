@@ -45,15 +45,21 @@ def image_inputs(requests):
 
 
 def hf_greedy(model, request) -> list[int]:
-    """Reference: the model's own ``generate`` on one request (no padding), greedy, no stop token."""
+    """Reference: the model's own ``generate`` on one request (no padding), greedy, no stop token, the
+    vision special tokens suppressed (the engine never samples them: rollout/images.py)."""
     ids = torch.tensor([request["input_ids"]])
     extra = {k: request[k] for k in ("pixel_values", "image_grid_thw") if k in request}
     if extra:
         extra["mm_token_type_ids"] = (ids == model.config.image_token_id).int()
     with torch.no_grad():
         out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=STEPS,
-                             do_sample=False, eos_token_id=None, **extra)
+                             do_sample=False, eos_token_id=None, suppress_tokens=vision_ids(model), **extra)
     return out[0, ids.shape[1]:].tolist()
+
+
+def vision_ids(model) -> list[int]:
+    c = model.config
+    return [c.image_token_id, c.video_token_id, c.vision_start_token_id, c.vision_end_token_id]
 
 
 def tokens(outs):
