@@ -22,20 +22,27 @@ SCORE_PARSERS: dict[str, str] = {
 CHOICE = re.compile(r"Better\s*[:=]\s*\**\s*\(?([AB])\b")
 
 
+def _one_group_regex(spec: str, key: str, what: str, example: str, names: str = "") -> re.Pattern:
+    """``spec`` compiled, when it is a valid regex with exactly one capture group (around ``what``);
+    ConfigError naming ``key`` otherwise (``names``: the parser names that could be given instead)."""
+    instead = f"; or use one of {names}" if names else ""
+    try:
+        compiled = re.compile(spec)
+    except re.error as err:
+        raise ConfigError(f"{key}={spec!r}: not a valid regex ({err}); give one with a capture group around "
+                          f"{what}, e.g. {example!r}{instead}") from err
+    if compiled.groups != 1:
+        raise ConfigError(f"{key}={spec!r}: the regex needs exactly one capture group around {what} (it has "
+                          f"{compiled.groups}), e.g. {example!r}{instead}")
+    return compiled
+
+
 def compile_parser(spec: str, key: str = "rl_config.judge_parser") -> re.Pattern:
     """The regex of a parser name (:data:`SCORE_PARSERS`) or of a regex with exactly one capture
     group (the score); ConfigError naming ``key`` otherwise."""
-    pattern = SCORE_PARSERS.get(spec, spec)
-    try:
-        compiled = re.compile(pattern)
-    except re.error as err:
-        raise ConfigError(f"{key}={spec!r}: neither a parser name ({', '.join(SCORE_PARSERS)}) nor a valid regex "
-                          f"({err}); give a name or a regex with one capture group around the score") from err
-    if compiled.groups != 1:
-        raise ConfigError(f"{key}={spec!r}: a custom parser is a regex with exactly one capture group around the "
-                          f"score (it has {compiled.groups}), e.g. 'Rating: (\\d+)'; or use one of "
-                          f"{', '.join(SCORE_PARSERS)}")
-    return compiled
+    if spec in SCORE_PARSERS:
+        return re.compile(SCORE_PARSERS[spec])
+    return _one_group_regex(spec, key, "the score", r"Rating: (\d+)", ", ".join(SCORE_PARSERS))
 
 
 def parse_score(text: str, parser: re.Pattern, max_score: float) -> float | None:
@@ -62,14 +69,4 @@ def parse_choice(text: str, choice: re.Pattern = CHOICE) -> str | None:
 
 def compile_choice(spec: str | None, key: str = "--choice-parser") -> re.Pattern:
     """The regex (one capture group around A or B) of ``spec``; :data:`CHOICE` for None."""
-    if spec is None:
-        return CHOICE
-    try:
-        compiled = re.compile(spec)
-    except re.error as err:
-        raise ConfigError(f"{key}={spec!r}: not a valid regex ({err}); give one with a capture group around A or B, "
-                          f"e.g. 'Winner: ([AB])'") from err
-    if compiled.groups != 1:
-        raise ConfigError(f"{key}={spec!r}: the regex needs exactly one capture group around A or B (it has "
-                          f"{compiled.groups})")
-    return compiled
+    return CHOICE if spec is None else _one_group_regex(spec, key, "A or B", "Winner: ([AB])")

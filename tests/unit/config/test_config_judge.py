@@ -40,10 +40,9 @@ def test_the_plan_holds_the_judge(tmp_path):
     (["rl_config.judge_weight=2"], r"^rl_config.judge_weight=2.0: there is no judge \(rl_config.judge_path is not "
                                    r"set\); remove the key, or set judge_path"),
     ([*JUDGE, "rl_config.judge_parser=Score (\\d+) of (\\d+)"],
-     r"^rl_config.judge_parser=.*: a custom parser is a regex with exactly one capture group around the score "
-     r"\(it has 2\)"),
-    ([*JUDGE, "rl_config.judge_parser='([0-9'"], r"^rl_config.judge_parser=.*neither a parser name \(score, "
-                                                       r"boxed\) nor a valid regex"),
+     r"^rl_config.judge_parser=.*: the regex needs exactly one capture group around the score \(it has 2\)"),
+    ([*JUDGE, "rl_config.judge_parser='([0-9'"], r"^rl_config.judge_parser=.*not a valid regex .*; or use one "
+                                                       r"of score, boxed"),
     ([*JUDGE, "rl_config.judge_template=/no/such/template.txt"],
      r"^rl_config.judge_template='/no/such/template.txt': neither a template \(it lacks \{response\}\) nor an "
      r"existing file"),

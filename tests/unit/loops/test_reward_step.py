@@ -33,6 +33,18 @@ def _config(model_dir, rm_dir, weight):
     }, name="reward_step")
 
 
+
+def dock_of_responses(prompts: list[list[int]], responses: list[list[int]]):
+    """A dock of two prompts (token lists) with 4 samples each, holding ``responses`` (8 token lists)."""
+    from posttrain.loops.experience import new_dock
+
+    td = new_dock(8, 4, guarantee_order=True, seed=0)
+    td.put_prompts({"prompts": [torch.tensor(p) for p in prompts], "prompt_length": [len(p) for p in prompts],
+                    "labels": [torch.tensor([0]), torch.tensor([0])]})
+    td.put(["responses", "response_length"], list(range(8)),
+           [[torch.tensor(r) for r in responses], [len(r) for r in responses]])
+    return td
+
 def test_reward_step_adds_the_weighted_reward_model_score_to_the_rule_score(tiny_model_dir, tiny_tokenizer,
                                                                              lowercase_rm_dir):
     from posttrain.config.plan import resolve_plan
@@ -41,7 +53,6 @@ def test_reward_step_adds_the_weighted_reward_model_score_to_the_rule_score(tiny
     from posttrain.reward.reward_model import RewardModelScorer
     from posttrain.reward.rule_reward import RuleReward
     from posttrain.roles.reward_model import build_reward_scorer
-    from posttrain.loops.experience import new_dock
     from posttrain.loops.produce import Producer
 
     tok, weight = tiny_tokenizer, 0.375
@@ -58,11 +69,7 @@ def test_reward_step_adds_the_weighted_reward_model_score_to_the_rule_score(tiny
     words = ["the answer is", "7", "12 + 30", "think", "x y z", "42"]
     prompts = [tok("What is 3 + 4?")["input_ids"], tok("Sum 9 and 1")["input_ids"]]
     responses = [tok(" ".join(rng.choice(words) for _ in range(3)))["input_ids"] for _ in range(8)]
-    td = new_dock(8, 4, guarantee_order=True, seed=0)
-    td.put_prompts({"prompts": [torch.tensor(p) for p in prompts], "prompt_length": [len(p) for p in prompts],
-                    "labels": [torch.tensor([0]), torch.tensor([0])]})
-    td.put(["responses", "response_length"], list(range(8)),
-           [[torch.tensor(r) for r in responses], [len(r) for r in responses]])
+    td = dock_of_responses(prompts, responses)
     acc, timers = MetricAccumulator(), Timers()
     producer.reward(td, acc, timers)
 

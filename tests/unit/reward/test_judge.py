@@ -40,7 +40,7 @@ def test_parsers_read_scores_and_fail_clearly(spec, text, expected):
 def test_choices_and_bad_parsers():
     assert [parse_choice(t) for t in ("Better: A", "better: B", "Better: (B)", "A is better", "Better: C")] == \
         ["A", None, "B", None, None]
-    with pytest.raises(ConfigError, match=r"rl_config.judge_parser='x\(': neither a parser name"):
+    with pytest.raises(ConfigError, match=r"rl_config.judge_parser='x\(': not a valid regex .* or use one of score"):
         compile_parser("x(")
     with pytest.raises(ConfigError, match="exactly one capture group"):
         compile_parser("Score: \\d+")
@@ -142,14 +142,13 @@ def test_the_reward_step_adds_rule_reward_model_and_judge_by_weight(tiny_model_d
 
     from posttrain.config.plan import resolve_plan
     from posttrain.config.run import run_config_from_dict
-    from posttrain.loops.experience import new_dock
     from posttrain.loops.produce import Producer
     from posttrain.metrics.reduce import MetricAccumulator
     from posttrain.metrics.timers import Timers
     from posttrain.reward.rule_reward import RuleReward
     from posttrain.roles.judge import build_judge
     from posttrain.roles.reward_model import build_reward_scorer
-    from tests.unit.loops.test_reward_step import _config
+    from tests.unit.loops.test_reward_step import _config, dock_of_responses
 
     tok = tiny_tokenizer
     raw = _config(tiny_model_dir, lowercase_rm_dir, 0.375).raw
@@ -163,11 +162,7 @@ def test_the_reward_step_adds_rule_reward_model_and_judge_by_weight(tiny_model_d
     texts = held_out[0][:8]
     prompts = [tok("What is 3 + 4?")["input_ids"], tok("Sum 9 and 1")["input_ids"]]
     responses = [tok(t)["input_ids"] for t in texts]
-    td = new_dock(8, 4, guarantee_order=True, seed=0)
-    td.put_prompts({"prompts": [torch.tensor(p) for p in prompts], "prompt_length": [len(p) for p in prompts],
-                    "labels": [torch.tensor([0]), torch.tensor([0])]})
-    td.put(["responses", "response_length"], list(range(8)),
-           [[torch.tensor(r) for r in responses], [len(r) for r in responses]])
+    td = dock_of_responses(prompts, responses)
     acc, timers = MetricAccumulator(), Timers()
     Producer(plan, session).reward(td, acc, timers)
 
