@@ -71,3 +71,15 @@ def test_lora_pushes_the_merged_weights_at_every_sync(vllm_world, tmp_path, one_
         assert row["rollout/sync_probe_diff"] < 1e-4, (it, row)
         assert row["rollout/logprob_diff_max"] < 1e-4, (it, row)
     assert metrics[1]["actor/grad_norm"] > 0  # the adapter moved before iteration 2 sampled
+
+
+def test_distillation_scores_the_tokens_vllm_sampled(vllm_world, tmp_path, one_thread):
+    """rl_config.teacher_model with vLLM's samples: the teacher is the starting model and the learning
+    rate too small to move it, so the teacher's log-prob of every sampled token equals vLLM's and the
+    reverse-KL estimate is zero at every iteration (a teacher read at shifted positions is ~1 nat off)."""
+    metrics = run(vllm_world, tmp_path, "vllm", iters=2,
+                  rl_config={"teacher_model": str(vllm_world / "model"), "mini_batch_size": 1},
+                  megatron_training={"global_batch_size": 2, "micro_batch_size": 2, "lr": 1e-20})
+    for it, row in metrics.items():
+        assert row["distill/student_logprob"] < -1.0, (it, row)
+        assert abs(row["distill/reverse_kl"]) < 1e-4, (it, row)

@@ -229,6 +229,8 @@ _DISTILL = [  # rl_config.teacher_model (posttrain.algo.distill): a teacher besi
      "image columns are not passed to it); remove one"),
     ("env", dict(with_="env"), "{setting} with {other}: distillation is not tested with an environment's turns; "
      "remove one"),
+    ("multi-turn", dict(with_="multi_turn"), "{setting} with {other}: the teacher's scores of tool-turn "
+     "conversations are not tested; remove one"),
 ]
 
 ROWS: tuple[Row, ...] = (

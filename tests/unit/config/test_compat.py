@@ -200,6 +200,7 @@ EXAMPLES: dict[str, tuple[list[str], str]] = {
     "distill-without-teacher": (["rl_config.distill_coef=0.5"], "cpu"),
     "teacher-model-multimodal": ([*TEACHER, *MM], "cpu"),
     "teacher-model-env": ([*TEACHER, *ENV], "cpu"),
+    "teacher-model-multi-turn": ([*TEACHER, *TURNS], "cpu"),
 }
 # rows an earlier rule of the one check answers first, with its own message (the row documents the fact)
 ANSWERED_FIRST = {"vllm-infer_pipeline_parallel_size": "pipeline_parallel for vllm is not supported yet ! "}
