@@ -34,7 +34,7 @@ from posttrain.cluster.remote import Pending
 from posttrain.cluster.shares import spans, update_shards
 from posttrain.cluster.worker import free_port, worker_node_id, wrap_ddp
 from posttrain.config.separated import ROLE_RESOURCES
-from posttrain.models.cpu_linear import set_cpu_linear
+from posttrain.models.packed_linear import install_run_kernels
 from posttrain.roles.critic import Critic
 from posttrain.roles.policy import build_reference, load_policy_tokenizer, seed_everything
 from posttrain.roles.reward_model import build_reward_scorer
@@ -70,7 +70,7 @@ class RoleWorker:
             self.device = "cuda:0"
         else:
             torch.set_num_threads(self.cpu_threads)
-            set_cpu_linear(start["cpu_linear"])  # for the worker's life: the run's fp32 linear kernel
+            install_run_kernels(start)  # for the worker's life: the run's fp32 kernel and packing choice
         seed_everything(plan.policy.seed)
         if plan.policy.deterministic:
             torch.use_deterministic_algorithms(True)

@@ -18,7 +18,7 @@ import torch
 
 from posttrain.cluster import launch
 from posttrain.cluster.remote import gather
-from posttrain.models.cpu_linear import set_cpu_linear
+from posttrain.models.packed_linear import install_run_kernels
 from posttrain.roles.policy import build_actor_model, build_rollout, rollout_stop_ids
 from posttrain.rollout.base import RolloutEngine, SamplingParams
 
@@ -33,7 +33,7 @@ class RolloutWorker:
     def setup(self, plan, start: dict, state: dict[str, torch.Tensor], cwd: str) -> None:
         """The actor's model and rollout engine, with the trainer's weights ``state``."""
         os.chdir(cwd)  # relative paths of the config (templates, tools) resolve as on the driver
-        set_cpu_linear(start["cpu_linear"])  # for the worker's life: this process is the run's
+        install_run_kernels(start)  # for the worker's life: the run's fp32 kernel and packing choice
         model, tokenizer, _ = build_actor_model(plan.policy, plan.device, start["source"],
                                                 frozen_dtype=plan.frozen_dtype)
         for p in model.parameters():

@@ -41,7 +41,8 @@ from posttrain.checkpoint import save_checkpoint
 from posttrain.cluster import fsdp
 from posttrain.cluster.fsdp import FullCopy, full_state, gathered
 from posttrain.cluster.rollout_copy import EngineCopy, RolloutCopy
-from posttrain.models.cpu_linear import installed, set_cpu_linear
+from posttrain.models.cpu_linear import installed
+from posttrain.models.packed_linear import install_run_kernels
 from posttrain.roles.critic import Critic
 from posttrain.roles.policy import build_policy, build_rollout, seed_everything
 from posttrain.roles.reward_model import build_reward_scorer
@@ -114,7 +115,7 @@ class ActorWorker:
         else:
             torch.set_num_threads(self.cpu_threads)
             os.environ["OMP_NUM_THREADS"] = str(self.cpu_threads)  # a vLLM engine's CPU worker keeps this count
-            set_cpu_linear(start["cpu_linear"])  # for the worker's life: this process is the run's
+            install_run_kernels(start)  # for the worker's life: the run's fp32 kernel and packing choice
         timeout = datetime.timedelta(seconds=timeout_s)
         dist.init_process_group("nccl" if use_gpu else "gloo", init_method=f"tcp://{master[0]}:{master[1]}",
                                 rank=self.rank, world_size=self.world_size, timeout=timeout)

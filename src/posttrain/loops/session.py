@@ -28,7 +28,7 @@ from posttrain.data.builders import build_offline_dataset, build_prompt_dataset,
 from posttrain.envs.dataset import build_env_dataset
 from posttrain.metrics.sinks import MetricsLogger, append_line, cut_jsonl, write_text_atomic
 from posttrain.models import cpu_linear
-from posttrain.models.packed_linear import rollout_packed_weights
+from posttrain.models.packed_linear import rollout_packed_weights, use_rollout_packed
 from posttrain.roles.policy import Policy, build_policy, seed_everything
 from posttrain.rundir import DirLock, Start, checked_start, claim_run_dirs
 from posttrain.training.engine import NaNLossError
@@ -111,10 +111,13 @@ class Session:
         self.start_source = start.source  # what the policy loads (a replica of it too)
         self.num_threads = self._set_threads(plan.schedule.num_threads, start.saved_state.get("num_threads"))
         self.cpu_linear = self._linear_kernel(start.saved_state.get("cpu_linear"))
+        # the native rollout on prepacked weights or not: decided once for the run (models.packed_linear)
+        self.rollout_packed = rollout_packed_weights(plan, self.cpu_linear, start.saved_state.get("rollout_packed"))
+        self.settings.enter_context(use_rollout_packed(self.rollout_packed))
         if plan.use_ray:  # the roles run as Ray actors (posttrain.cluster); the same methods
             from posttrain.cluster import build_cluster
 
-            self.cluster = build_cluster(plan, {"source": start.source, "cpu_linear": self.cpu_linear})
+            self.cluster = build_cluster(plan, self.worker_start())
             self.policy: Policy = self.cluster.policy
             self.device = "cpu"  # the driver's batches stay on CPU; the workers move them to their device
         else:
@@ -173,7 +176,7 @@ class Session:
         info = {"device": plan.device, "train_dtype": plan.train_dtype, "rollout_dtype": plan.rollout_dtype,
                 "num_threads": self.num_threads, "cpu_linear": self.cpu_linear,
                 "compile_regions": plan.actor_engine.compile_regions,
-                "rollout_packed_weights": rollout_packed_weights(plan)}
+                "rollout_packed_weights": self.rollout_packed}
         write_text_atomic(self.run_dir / "run.json", json.dumps(info, indent=2) + "\n")
 
     def _rule_reward(self):
@@ -204,6 +207,11 @@ class Session:
         self.settings.callback(torch.set_num_threads, before)
         log.info("torch threads: %d (%s)", threads, why)
         return threads
+
+    def worker_start(self) -> dict:
+        """What a Ray worker of the run starts from: the policy's source and the run's kernel choices
+        (installed there by :func:`posttrain.models.packed_linear.install_run_kernels`)."""
+        return {"source": self.start_source, "cpu_linear": self.cpu_linear, "rollout_packed": self.rollout_packed}
 
     def _linear_kernel(self, stored: str | None) -> str:
         """The fp32 linear kernel of the run (:func:`posttrain.models.cpu_linear.resolve_cpu_linear`,
@@ -294,7 +302,7 @@ class Session:
         self._check_finite_weights(iteration)
         state = {"iteration": iteration, "consumed_samples": self.consumed_samples,
                  "initial_model": self.initial_model, "num_threads": self.num_threads,
-                 "cpu_linear": self.cpu_linear, **extra_state}
+                 "cpu_linear": self.cpu_linear, "rollout_packed": self.rollout_packed, **extra_state}
         if self.cluster is not None:
             path = self.cluster.save(s.save, iteration, sampler_state=self.sampler.state_dict(), trainer_state=state,
                                      save_optim=s.save_optim, save_rng=s.save_rng, files=self.extra_files)

@@ -112,7 +112,7 @@ def open_source(plan: Plan, session: Session, producer: Producer) -> ExperienceS
 
     p, start = session.policy, session.iteration
     if plan.off_policy.separate_worker:
-        replica = RemoteReplica(plan, {"source": session.start_source, "cpu_linear": session.cpu_linear}, p.model)
+        replica = RemoteReplica(plan, session.worker_start(), p.model)
     elif session.cluster is not None:  # the workers' rollout copies (megatron: the leaders'; cluster/rollout_copy.py)
         replica = WorkersReplica(session.cluster)
     elif getattr(p.rollout, "holds_weights", False):  # vLLM: its own copy of the weights is the replica

@@ -19,8 +19,12 @@ holds a second copy of the layers' weights (0.5 GiB for SmolLM2-135M's fp32 laye
 half that for the bf16 sampling copy).
 
 Unless ``$POSTTRAIN_ROLLOUT_PACKED`` (``on`` or ``off``) pins it, :func:`resolve_packed` times a
-64-row product packed against the plain one (in fp32: the kernel ``cpu_linear`` installed now), once
-per process, thread count and dtype, and packs where that is at least :data:`FASTER_BY` faster.
+64-row product packed against the plain one (in fp32: the run's ``cpu_linear`` kernel), once per
+process, thread count and dtype, and packs where that is at least :data:`FASTER_BY` faster. A run
+decides once (:func:`rollout_packed_weights`, in the driver), keeps the choice in its checkpoints
+and installs it (:func:`set_rollout_packed`) in its process and its Ray workers, so every engine of
+the run packs or none does, and a resumed run keeps the choice: packed and plain products round
+differently, so a choice left to each process's timing could change a run's samples.
 """
 
 from __future__ import annotations
@@ -94,27 +98,74 @@ def speedup(threads: int, kernel: str, dtype: str = "float32", rows: int = DECOD
     return ratio
 
 
-def resolve_packed(device: str, dtype: str = "float32") -> bool:
-    """Whether a rollout in ``dtype`` (float32 or bfloat16) packs its weights on ``device``:
-    ``$POSTTRAIN_ROLLOUT_PACKED`` when set, else on a CPU where packing is at least :data:`FASTER_BY`
-    faster than the plain product (the fp32 kernel installed now; timed at torch's thread count)."""
+_run_choice: bool | None = None  # the run's choice, installed in this process (set_rollout_packed)
+
+
+def set_rollout_packed(choice: bool | None) -> None:
+    """Make every engine of this process pack (``True``) or not (``False``) where it can, as the run
+    decided; ``None``: each engine resolves it (:func:`resolve_packed`)."""
+    global _run_choice
+    _run_choice = choice
+
+
+@contextlib.contextmanager
+def use_rollout_packed(choice: bool | None) -> Iterator[None]:
+    """``choice`` installed for the ``with`` block; the one before is restored after."""
+    before = _run_choice
+    set_rollout_packed(choice)
+    try:
+        yield
+    finally:
+        set_rollout_packed(before)
+
+
+def can_pack(device: str, dtype: str) -> bool:
+    """Whether a rollout in ``dtype`` on ``device`` can run on packed weights (a CPU with oneDNN)."""
+    return device.startswith("cpu") and dtype in DTYPES and available()
+
+
+def install_run_kernels(start: dict) -> None:
+    """In a Ray worker, for its life: the run's fp32 linear kernel and packing choice, as its driver
+    decided them (``start``: ``cpu_linear``, ``rollout_packed``; ``Session.worker_start``)."""
+    from posttrain.models.cpu_linear import set_cpu_linear
+
+    set_cpu_linear(start["cpu_linear"])
+    set_rollout_packed(start.get("rollout_packed"))
+
+
+def _pinned() -> bool | None:
+    pinned = os.environ.get(ENV, "").strip().lower()
+    if pinned and pinned not in CHOICES:
+        raise ConfigError(f"${ENV}={pinned!r}: use one of {', '.join(CHOICES)} (or leave it unset: measured)")
+    return CHOICES[pinned] if pinned else None
+
+
+def resolve_packed(device: str, dtype: str = "float32", kernel: str | None = None) -> bool:
+    """Whether a rollout in ``dtype`` (float32 or bfloat16) packs its weights on ``device``: where it
+    can, ``$POSTTRAIN_ROLLOUT_PACKED`` when set, else the run's installed choice, else whether packing
+    is at least :data:`FASTER_BY` faster than the plain product (the fp32 ``kernel``, by default the
+    one installed now; timed at torch's thread count)."""
     from posttrain.models.cpu_linear import installed
 
-    pinned = os.environ.get(ENV, "").strip().lower()
-    if pinned:
-        if pinned not in CHOICES:
-            raise ConfigError(f"${ENV}={pinned!r}: use one of {', '.join(CHOICES)} (or leave it unset: measured)")
-        return CHOICES[pinned] and available() and device.startswith("cpu") and dtype in DTYPES
-    if not device.startswith("cpu") or dtype not in DTYPES:
+    if not can_pack(device, dtype):
         return False
-    return speedup(torch.get_num_threads(), installed(), dtype) >= FASTER_BY
+    choice = _pinned()
+    choice = _run_choice if choice is None else choice
+    if choice is not None:
+        return choice
+    return speedup(torch.get_num_threads(), kernel or installed(), dtype) >= FASTER_BY
 
 
-def rollout_packed_weights(plan: Any) -> bool:
-    """Whether a run's native rollout on this process's device packs its weights (what its engine
-    resolves; recorded in ``run.json``). Ray workers resolve it in their own processes."""
+def rollout_packed_weights(plan: Any, kernel: str, stored: bool | None = None) -> bool:
+    """The run's choice (recorded in ``run.json`` and its checkpoints): whether its native rollout
+    packs its weights: ``$POSTTRAIN_ROLLOUT_PACKED`` when set, else the checkpoint's choice
+    (``stored``) on a resume, else measured against the run's fp32 ``kernel``."""
     rollout = getattr(plan, "rollout", None)
-    return bool(rollout is not None and rollout.engine == "native" and resolve_packed(plan.device, plan.rollout_dtype))
+    if rollout is None or rollout.engine != "native":
+        return False
+    if stored is not None and _pinned() is None:
+        return bool(stored) and can_pack(plan.device, plan.rollout_dtype)
+    return resolve_packed(plan.device, plan.rollout_dtype, kernel)
 
 
 class PackedLinears:

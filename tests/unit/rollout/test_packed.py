@@ -104,10 +104,37 @@ def test_run_json_records_what_the_native_rollout_does(monkeypatch):
 
     monkeypatch.setenv(packed_linear.ENV, "on")
     plan = SimpleNamespace(rollout=SimpleNamespace(engine="native"), rollout_dtype="float32", device="cpu")
-    assert packed_linear.rollout_packed_weights(plan) is True
-    assert packed_linear.rollout_packed_weights(SimpleNamespace(**{**vars(plan), "rollout_dtype": "bfloat16"})) is True
-    assert packed_linear.rollout_packed_weights(SimpleNamespace(**{**vars(plan), "rollout_dtype": "float16"})) is False
-    assert packed_linear.rollout_packed_weights(SimpleNamespace(**{**vars(plan), "device": "cuda:0"})) is False
-    assert packed_linear.rollout_packed_weights(SimpleNamespace(**{**vars(plan), "rollout": None})) is False  # SFT, DPO
-    vllm = SimpleNamespace(**{**vars(plan), "rollout": SimpleNamespace(engine="vllm")})
-    assert packed_linear.rollout_packed_weights(vllm) is False
+
+    def choice(stored=None, **changes):
+        return packed_linear.rollout_packed_weights(SimpleNamespace(**{**vars(plan), **changes}), "blas", stored)
+
+    assert choice() is True and choice(rollout_dtype="bfloat16") is True
+    assert choice(rollout_dtype="float16") is False and choice(device="cuda:0") is False
+    assert choice(rollout=None) is False  # SFT, DPO
+    assert choice(rollout=SimpleNamespace(engine="vllm")) is False
+    assert choice(stored=False) is True  # the environment pins it over the checkpoint's choice
+    monkeypatch.delenv(packed_linear.ENV)
+    assert choice(stored=False) is False and choice(stored=True) is True  # a resumed run keeps its choice
+    assert choice(stored=True, device="cuda:0") is False
+
+
+def test_the_runs_choice_rules_every_engine_of_the_process_unless_the_environment_pins_it(monkeypatch):
+    """Session installs the run's choice (and Ray workers the driver's: install_run_kernels), so no
+    engine of the run times the products for itself: packed and plain round differently."""
+    monkeypatch.delenv(packed_linear.ENV, raising=False)
+    monkeypatch.setattr(packed_linear, "speedup", lambda *a: pytest.fail("timed despite the run's choice"))
+    for choice in (True, False):
+        with packed_linear.use_rollout_packed(choice):
+            assert packed_linear.resolve_packed("cpu") is choice
+            assert packed_linear.resolve_packed("cpu", "float16") is False
+            assert NativeEngine(torch.nn.Linear(2, 2), pad_token_id=0, eos_token_ids=[]).packed_weights is choice
+    assert packed_linear._run_choice is None  # restored
+    monkeypatch.setenv(packed_linear.ENV, "off")
+    with packed_linear.use_rollout_packed(True):
+        assert packed_linear.resolve_packed("cpu") is False
+    packed_linear.install_run_kernels({"cpu_linear": "blas", "rollout_packed": True})
+    try:
+        monkeypatch.delenv(packed_linear.ENV)
+        assert packed_linear.resolve_packed("cpu") is True
+    finally:
+        packed_linear.set_rollout_packed(None)
