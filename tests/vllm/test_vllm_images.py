@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import sys
 
 import pytest
 
@@ -17,10 +18,12 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("torchvision") is not N
                                 reason="torchvision is installed: vLLM's Qwen2.5-VL needs no shim here")
 
 
-def test_vllm_model_code_imports_with_the_shim_but_its_processor_needs_torchvision(tmp_path):
+def test_vllm_model_code_imports_with_the_shim_but_its_processor_needs_torchvision(tmp_path, monkeypatch):
     from tests.helpers.tiny_vlm import write_tiny_vlm
 
-    vllm_vision_shim.install()
+    monkeypatch.setitem(sys.modules, vllm_vision_shim.TORCHVISION_MODULE, None)  # the stand-in removed afterwards
+    del sys.modules[vllm_vision_shim.TORCHVISION_MODULE]
+    assert vllm_vision_shim.install()
     model_module = importlib.import_module("vllm.model_executor.models.qwen2_5_vl")  # failed before the shim
     from transformers.models.qwen2_5_vl import Qwen2_5_VLProcessor
     from vllm.transformers_utils.processor import get_processor
