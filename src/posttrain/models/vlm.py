@@ -20,8 +20,9 @@ from posttrain.errors import ConfigError
 from posttrain.models.vision_arch import KINDS, VISION_TOKENS, VLM_TYPES, VisionTower
 
 IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
-# Qwen2.5-VL's (and Qwen3-VL's) chat template, reduced to its content parts: a message's content is a string or a list of {"type": "image"} and
-# {"type": "text", "text": ...} parts; an image part becomes the placeholder the processor expands.
+# Qwen2.5-VL's and Qwen3-VL's chat template, reduced to its content parts: a message's content is a
+# string or a list of {"type": "image"} and {"type": "text", "text": ...} parts; an image part becomes the
+# placeholder the processor expands.
 VLM_CHAT_TEMPLATE = (
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\n' }}"
