@@ -204,5 +204,7 @@ class SampleImages:
         sample has them)."""
         out = concat_samples(self.samples)
         if self.samples and all("image_embeds" in s for s in self.samples):
-            out["image_embeds"] = torch.cat([s["image_embeds"] for s in self.samples])
+            # a text-only sample's cell has no rows (and may be [0, H] beside Qwen3-VL's [N, (1 + D) * H])
+            embeds = [s["image_embeds"] for s in self.samples if s["image_embeds"].shape[0]]
+            out["image_embeds"] = torch.cat(embeds) if embeds else self.samples[0]["image_embeds"]
         return out

@@ -70,6 +70,13 @@ def test_split_and_concat_samples_round_trip():
     assert torch.equal(joined["pixel_values"], pixels) and torch.equal(joined["image_grid_thw"], grid)
     with pytest.raises(ValueError, match="3 image_grid_thw rows"):
         split_samples(pixels, grid, [1, 1])
+    # reused embeddings: a text-only sample's empty cell joins Qwen3-VL's wider ones ((1 + deepstack) * H)
+    from posttrain.models.vlm import SampleImages
+
+    wide = torch.arange(4 * 6, dtype=torch.float32).reshape(4, 6)
+    cells = [{**samples[0], "image_embeds": wide}, {**samples[1], "image_embeds": torch.zeros(0, 3)}]
+    assert torch.equal(SampleImages(cells).concat()["image_embeds"], wide)
+    assert SampleImages(cells[1:]).concat()["image_embeds"].shape == (0, 3)
 
 
 def test_vision_tower_keys_are_checked():
