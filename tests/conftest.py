@@ -60,6 +60,15 @@ def tiny_vlm_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen3_vl_dir(tmp_path_factory) -> Path:
+    """A random-init tiny Qwen3-VL (text 2 layers, hidden 128, query/key norms; vision depth 2, hidden 64,
+    patch 16, deepstack on block 0), with its tokenizer and image processor (``posttrain init-model``)."""
+    from posttrain.commands.init_model import init_model
+
+    return init_model("tiny_qwen3_vl", tmp_path_factory.mktemp("models") / "tiny_qwen3_vl", seed=1234)
+
+
+@pytest.fixture(scope="session")
 def tiny_tokenizer(tiny_model_dir):
     from transformers import AutoTokenizer
 

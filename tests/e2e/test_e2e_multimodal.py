@@ -1,13 +1,16 @@
-"""The multimodal GRPO loop (rl_config.is_multimodal) on the tiny Qwen2.5-VL of ``posttrain init-model``,
-in one process on the hf backend: 4 prompts x 2 samples, one 56x56 image each (4 image tokens).
+"""The multimodal GRPO loop (rl_config.is_multimodal) on the tiny Qwen2.5-VL of ``posttrain init-model``
+(and its tiny Qwen3-VL), in one process on the hf backend: 4 prompts x 2 samples, one 56x56 image each
+(4 image tokens).
 
-* GRPO trains: finite metrics, the language model and the vision tower change; the saved checkpoint
-  loads with ``AutoModelForImageTextToText`` and ``load_processor``; a run that dies after saving
+* GRPO trains (Qwen2.5-VL and Qwen3-VL): finite metrics, the language model and the vision tower
+  (Qwen3-VL: its deepstack merger too) change; the saved checkpoint loads with
+  ``AutoModelForImageTextToText`` and ``load_processor``; a run that dies after saving
   iteration 1, resumed from its checkpoint, repeats the straight run's iteration 2 and weights.
 * The update's log-probs (packed rows, micro-batches of 3 with the images of their rows) equal a
   per-sample Hugging Face forward of the same model with the same images (fp32, 1e-5).
 * DAPO (dynamic sampling, the vision tower frozen: it stays as it was) and LoRA (frozen tower, reused
-  image embeddings, one image per tower forward; the adapter loads with PEFT and resumes) run an iteration.
+  image embeddings, one image per tower forward; the adapter loads with PEFT and resumes) run an
+  iteration; LoRA on Qwen3-VL too (its reused embeddings carry the deepstack features).
 * A multimodal dataset needs its images and honours limit_mm_image_per_prompt.
 """
 
@@ -83,11 +86,31 @@ def straight(tiny_vlm_dir, mm_data, tmp_path_factory):
     return out
 
 
-def test_grpo_trains_the_vlm_and_saves_a_loadable_checkpoint(tiny_vlm_dir, straight):
+# Qwen3-VL's runs: one image per vision-tower forward; seed 2, whose first iteration's rewards are not all 0
+QWEN3 = {"rl_config__vit_forward_micro_batch_size": 1, "megatron_training__seed": 2}
+
+
+@pytest.fixture(scope="module")
+def straight_qwen3(tiny_qwen3_vl_dir, tiny_vlm_dir, mm_data, tmp_path_factory):
+    """The same 2 GRPO iterations on the tiny Qwen3-VL (deepstack on vision block 0), one image per
+    vision-tower forward. The data's token ids are its own too: init-model gives both the same tokenizer."""
+    from posttrain.commands.train import train_config as train
+
+    assert (tiny_qwen3_vl_dir / "tokenizer.json").read_bytes() == (tiny_vlm_dir / "tokenizer.json").read_bytes()
+    out = tmp_path_factory.mktemp("straight_qwen3")
+    train(mm_config(tiny_qwen3_vl_dir, mm_data, out, **QWEN3))
+    return out
+
+
+@pytest.mark.parametrize("model_dir,run,cls", [("tiny_vlm_dir", "straight", "Qwen2_5_VLForConditionalGeneration"),
+                                               ("tiny_qwen3_vl_dir", "straight_qwen3",
+                                                "Qwen3VLForConditionalGeneration")], ids=["qwen2_5_vl", "qwen3_vl"])
+def test_grpo_trains_the_vlm_and_saves_a_loadable_checkpoint(request, model_dir, run, cls):
     from transformers import AutoModelForImageTextToText
 
     from posttrain.models.vlm import load_processor
 
+    tiny_vlm_dir, straight = request.getfixturevalue(model_dir), request.getfixturevalue(run)
     metrics = metrics_by_iteration(straight / "run")
     assert sorted(metrics) == [1, 2]
     for row in metrics.values():
@@ -96,11 +119,15 @@ def test_grpo_trains_the_vlm_and_saves_a_loadable_checkpoint(tiny_vlm_dir, strai
         assert row["prompt_length/mean"] > 4  # the image pad expanded to the picture's 4 tokens
     ckpt = straight / "ckpt" / "iter_0000002"
     assert (ckpt / "preprocessor_config.json").is_file()
-    after = AutoModelForImageTextToText.from_pretrained(ckpt).state_dict()
+    loaded = AutoModelForImageTextToText.from_pretrained(ckpt)
+    assert type(loaded).__name__ == cls
+    after = loaded.state_dict()
     before = AutoModelForImageTextToText.from_pretrained(tiny_vlm_dir).state_dict()
     changed = {k for k in before if not torch.equal(before[k], after[k])}
     assert any(".visual." in k or k.startswith("model.visual") for k in changed)  # the tower learns too
     assert any("language_model" in k for k in changed)
+    if cls.startswith("Qwen3"):  # the deepstack merger gets its gradient through the first decoder layer
+        assert any("deepstack_merger" in k for k in changed)
     processor = load_processor(ckpt)
     out = processor(text=["<|vision_start|><|image_pad|><|vision_end|> hi"], images=[Image.new("RGB", (56, 56))])
     assert out["image_grid_thw"].tolist() == [[1, 4, 4]]
@@ -110,9 +137,15 @@ class Killed(Exception):
     """The run dies here (as under a kill): nothing after it runs."""
 
 
-def test_a_resumed_run_repeats_the_straight_one(tiny_vlm_dir, mm_data, straight, tmp_path, monkeypatch):
+@pytest.mark.parametrize("model_dir,run,over", [("tiny_vlm_dir", "straight", {}),
+                                                ("tiny_qwen3_vl_dir", "straight_qwen3",
+                                                 QWEN3)],
+                         ids=["qwen2_5_vl", "qwen3_vl"])
+def test_a_resumed_run_repeats_the_straight_one(request, mm_data, tmp_path, monkeypatch, model_dir, run, over):
     from posttrain.commands.train import train_config as train
     from posttrain.loops.onpolicy import OnPolicyTrainer
+
+    tiny_vlm_dir, straight = request.getfixturevalue(model_dir), request.getfixturevalue(run)
 
     real = OnPolicyTrainer.train_step
 
@@ -124,10 +157,10 @@ def test_a_resumed_run_repeats_the_straight_one(tiny_vlm_dir, mm_data, straight,
     first = tmp_path / "resumed"
     monkeypatch.setattr(OnPolicyTrainer, "train_step", dies_at_iteration_2)
     with pytest.raises(Killed):  # the 2-iteration run dies after saving iteration 1
-        train(mm_config(tiny_vlm_dir, mm_data, first, iters=2))
+        train(mm_config(tiny_vlm_dir, mm_data, first, iters=2, **over))
     monkeypatch.undo()
     assert sorted(metrics_by_iteration(first / "run")) == [1]
-    train(mm_config(tiny_vlm_dir, mm_data, first, iters=2, actor_config__load=str(first / "ckpt")))
+    train(mm_config(tiny_vlm_dir, mm_data, first, iters=2, actor_config__load=str(first / "ckpt"), **over))
     a, b = metrics_by_iteration(straight / "run"), metrics_by_iteration(first / "run")
     keys = [k for k in a[2] if not k.startswith("timing/") and not k.endswith("_tps") and k != "time"]
     for k in keys:
@@ -148,11 +181,16 @@ DAPO = {"rl_config__freeze_vision_tower": True, "rl_config__filter_groups_enable
         "rl_config__clip_higher_enable": True, "rl_config__clip_ratio_low": 0.2, "rl_config__clip_ratio_high": 0.28}
 
 
-@pytest.mark.parametrize("name,stage,over", [("lora", "ray_grpo", LORA), ("dapo", "ray_dapo", DAPO)])
-def test_lora_and_dapo_run_an_iteration_on_the_vlm(tiny_vlm_dir, mm_data, tmp_path, monkeypatch, name, stage, over):
+@pytest.mark.parametrize("name,stage,over,model_dir", [("lora", "ray_grpo", LORA, "tiny_vlm_dir"),
+                                                        ("dapo", "ray_dapo", DAPO, "tiny_vlm_dir"),
+                                                        ("lora", "ray_grpo", {**LORA, **QWEN3}, "tiny_qwen3_vl_dir")],
+                         ids=["lora", "dapo", "lora-qwen3_vl"])
+def test_lora_and_dapo_run_an_iteration_on_the_vlm(mm_data, tmp_path, monkeypatch, name, stage, over, model_dir,
+                                                   request):
     from peft import PeftModel
     from transformers import AutoModelForImageTextToText
 
+    tiny_vlm_dir = request.getfixturevalue(model_dir)
     import posttrain.loops.multimodal  # noqa: F401  (imported first: its image_embeds phase keeps the real tower call)
     import posttrain.training.multimodal as forward
     from posttrain.commands.train import train_config as train

@@ -2,8 +2,8 @@
 tokens, and the image processor, which :func:`write_tiny_vlm` saves together in one folder.
 
 Text model: 2 layers, hidden 128, 4 heads, vocab 64. Vision: depth 2, hidden 64, patch 14, merge 2,
-so a 112x112 image gives 8x8 patches, merged into 16 image tokens. ``kind="qwen3_vl"`` builds a
-Qwen3-VL with the same text model (vision patch 16, deepstack on layer 0).
+so a 112x112 image gives 8x8 patches, merged into 16 image tokens. ``kind="qwen3_vl"`` builds the
+Qwen3-VL of ``configs/model/tiny_qwen3_vl.yaml`` (vision patch 16, deepstack on block 0).
 """
 
 from __future__ import annotations
@@ -34,16 +34,16 @@ def tiny_vlm_tokenizer():
 
 
 PATCH = {"qwen2_5_vl": 14, "qwen3_vl": 16}  # vision patch size of each kind
+MODEL_YAML = {"qwen2_5_vl": "tiny_qwen25_vl", "qwen3_vl": "tiny_qwen3_vl"}  # configs/model/<name>.yaml of each kind
 
 
 def tiny_vlm(seed: int = 0, init: float = 0.02, kind: str = "qwen2_5_vl"):
-    """The random ``Qwen2_5_VLForConditionalGeneration`` of ``posttrain init-model tiny_qwen25_vl``'s own
-    builder (:func:`posttrain.models.init_model.random_model`; here with vocab 64, this tokenizer's ids,
-    windowed attention in vision block 0) or, ``kind="qwen3_vl"`` (which init-model does not build), a
-    ``Qwen3VLForConditionalGeneration`` with the same text model, patch 16 and deepstack on vision layer
-    0; fp32, eval mode; ``init`` is the text model's ``initializer_range``."""
-    import transformers
-
+    """The random VLM of ``posttrain init-model tiny_qwen25_vl`` (``kind="qwen2_5_vl"``: a
+    ``Qwen2_5_VLForConditionalGeneration``, here with windowed attention in vision block 0) or
+    ``tiny_qwen3_vl`` (``kind="qwen3_vl"``: a ``Qwen3VLForConditionalGeneration``, patch 16, deepstack
+    on vision block 0), built by init-model's own builder
+    (:func:`posttrain.models.init_model.random_model`) with vocab 64 and this tokenizer's ids; fp32,
+    eval mode; ``init`` is the text model's ``initializer_range``."""
     from posttrain.config.loader import load_model_yaml
     from posttrain.models.init_model import random_model
 
@@ -51,25 +51,11 @@ def tiny_vlm(seed: int = 0, init: float = 0.02, kind: str = "qwen2_5_vl"):
     tokens = dict(pad_token_id=0, eos_token_id=1, bos_token_id=1, image_token_id=ids["<|image_pad|>"],
                   video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
                   vision_end_token_id=ids["<|vision_end|>"])
+    name, keys = load_model_yaml(MODEL_YAML[kind])
     if kind == "qwen2_5_vl":
-        name, keys = load_model_yaml("tiny_qwen25_vl")
         keys = {**keys, "vision_tower": {**keys["vision_tower"], "window_size": 56, "fullatt_block_indexes": [1]}}
-        model, _ = random_model(name, keys, VOCAB, tokens, seed, text_config={"initializer_range": init})
-        return model.eval()
-    import torch
-
-    text = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, head_dim=32, max_position_embeddings=512, initializer_range=init,
-                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 6, 6],
-                                 "mrope_interleaved": True}, pad_token_id=0, eos_token_id=1, bos_token_id=1)
-    vision = dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=4, patch_size=PATCH[kind],
-                  spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=128, deepstack_visual_indexes=[0],
-                  num_position_embeddings=64)
-    config = transformers.Qwen3VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=False,
-                                        **{k: tokens[k] for k in ("image_token_id", "video_token_id",
-                                                                     "vision_start_token_id", "vision_end_token_id")})
-    torch.manual_seed(seed)
-    return transformers.Qwen3VLForConditionalGeneration(config).eval()
+    model, _ = random_model(name, keys, VOCAB, tokens, seed, text_config={"initializer_range": init})
+    return model.eval()
 
 
 def tiny_vlm_image_processor(kind: str = "qwen2_5_vl"):

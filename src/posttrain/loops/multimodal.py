@@ -7,7 +7,8 @@
 The dock holds one ``pixel_values [patches, dim]`` and ``image_grid_thw [images, 3]`` cell per
 sample row (a text-only prompt: no rows); :func:`posttrain.loops.experience.read_batch` hands them
 to the training engine beside the rows. With ``reuse_image_embeds`` the phase ``image_embeds`` runs
-the actor's (frozen) vision tower once per iteration and writes ``image_embeds [image tokens, H]``;
+the actor's (frozen) vision tower once per iteration and writes ``image_embeds [image tokens, (1 + D) * H]``
+(Qwen3-VL: the ``D`` deepstack levels beside the merged features);
 every later pass (reference, old log-probs, update) reads them instead of running the tower.
 """
 
@@ -18,7 +19,7 @@ from typing import Any
 import torch
 
 from posttrain.models.vlm import MM_KEYS, ImageTextProcessor
-from posttrain.training.multimodal import image_embeds
+from posttrain.training.multimodal import embeds_width, image_embeds
 from posttrain.transfer_dock import TransferDock
 
 EMBEDS_COLUMN = "image_embeds"
@@ -61,11 +62,11 @@ def compute_image_embeds(td: TransferDock, model: torch.nn.Module, count: int, d
     try:
         while not td.all_consumed(EMBEDS_COLUMN):
             batch, idx = td.get(EMBEDS_COLUMN, list(MM_KEYS), count)
-            hidden = model.config.text_config.hidden_size
+            width = embeds_width(model)  # (1 + deepstack levels) * hidden size
             embeds = []
             for pixels, grid in zip(batch["pixel_values"], batch["image_grid_thw"]):
                 if grid.shape[0] == 0:
-                    embeds.append(torch.zeros(0, hidden))
+                    embeds.append(torch.zeros(0, width))
                     continue
                 out = image_embeds(model, pixels.to(device), grid.long().to(device), vit_micro_batch_size)
                 embeds.append(out.float().cpu())

@@ -15,7 +15,7 @@ from typing import Any, Mapping
 
 from posttrain.errors import ConfigError
 from posttrain.models.arch_keys import MLA, Router, deepseek_moe, dense_layers, mla, rope_scaling
-from posttrain.models.vision_arch import VisionTower, mrope_section, vision_from_hf_config, vision_tower
+from posttrain.models.vision_arch import KINDS, VisionTower, vision_from_hf_config, vision_tower
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,7 @@ class ModelArch:
     dense_layers: tuple[int, ...] = ()  # MoE: the layers (0-based) whose MLP is dense, not experts
     n_shared_experts: int = 0  # MoE: shared experts every token passes through (DeepSeek-V3)
     router: Router | None = None  # DeepSeek-V3's grouped sigmoid router; None: softmax top-k
-    vision: VisionTower | None = None  # a vision-language model's vision tower (Qwen2.5-VL); None: text only
+    vision: VisionTower | None = None  # a vision-language model's vision tower (Qwen2.5-VL, Qwen3-VL); None: text only
 
     # ---- sizes -------------------------------------------------------------------------------
     def num_params(self) -> int:
@@ -122,12 +122,14 @@ class ModelArch:
         return cfg
 
     def _vlm_config(self, text: dict[str, Any]) -> dict[str, Any]:
-        """Qwen2.5-VL's nested config: the language model's keys (with its 3-D rotary split) in
+        """A VLM's nested config (Qwen2.5-VL, Qwen3-VL): the language model's keys (with its 3-D rotary split) in
         ``text_config``, the tower's in ``vision_config``; the vision token ids are the tokenizer's."""
         assert self.vision is not None
         text = {k: v for k, v in text.items() if k not in ("model_type", "architectures", "tie_word_embeddings")}
+        kind = KINDS[self.model_type]
         text["rope_parameters"] = {"rope_type": "default", "rope_theta": text.pop("rope_theta"),
-                                   "mrope_section": mrope_section(self.head_dim)}
+                                   "mrope_section": kind.mrope(self.head_dim),
+                                   **({"mrope_interleaved": True} if kind.mrope_interleaved else {})}
         return {"model_type": self.model_type, "architectures": [_ARCHITECTURES[self.model_type]],
                 "tie_word_embeddings": self.tie_embeddings, "text_config": text,
                 "vision_config": self.vision.to_hf_config()}
@@ -150,7 +152,7 @@ class ModelArch:
 
 _ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
                   "llama": "LlamaForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
-                  "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}
+                  **{model_type: kind.hf_class for model_type, kind in KINDS.items()}}
 
 
 def arch_from_model_yaml(name: str, keys: Mapping[str, Any], vocab_size: int | None = None) -> ModelArch:
@@ -238,7 +240,7 @@ def arch_from_hf_config(path: str | Path) -> ModelArch:
         raise ConfigError(f"{path}: an HF config.json is a JSON object, not {type(cfg).__name__}")
     vision = None
     if isinstance(cfg.get("text_config"), dict) and isinstance(cfg.get("vision_config"), dict):  # a VLM
-        vision = vision_from_hf_config(cfg["vision_config"])
+        vision = vision_from_hf_config(cfg["vision_config"], str(cfg.get("model_type")))
         cfg = {"tie_word_embeddings": cfg.get("tie_word_embeddings", False), **cfg["text_config"],
                "model_type": cfg.get("model_type")}
     for key in _HF_REQUIRED:
@@ -261,7 +263,7 @@ def arch_from_hf_config(path: str | Path) -> ModelArch:
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         qkv_bias=cfg.get("model_type") in ("qwen2", "qwen2_5_vl") or (bool(cfg.get("attention_bias", False))
                                                        and cfg.get("model_type") != "deepseek_v3"),
-        qk_norm=cfg.get("model_type") in ("qwen3", "qwen3_moe"),
+        qk_norm=cfg.get("model_type") in ("qwen3", "qwen3_moe", "qwen3_vl"),
         rope_theta=float(cfg.get("rope_theta", 10000.0)),
         norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),

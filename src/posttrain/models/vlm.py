@@ -1,4 +1,4 @@
-"""Vision-language models (Qwen2.5-VL) on the hf backend: the model directory, its processor, and the
+"""Vision-language models (Qwen2.5-VL, Qwen3-VL) on the hf backend: the model directory, its processor, and the
 per-sample multimodal inputs of a batch.
 
 A sample's image inputs are what the processor gives: ``pixel_values [patches, C * T_p * P * P]``
@@ -17,11 +17,12 @@ from pathlib import Path
 import torch
 
 from posttrain.errors import ConfigError
-from posttrain.models.vision_arch import VISION_TOKENS, VLM_TYPES, VisionTower
+from posttrain.models.vision_arch import KINDS, VISION_TOKENS, VLM_TYPES, VisionTower
 
 IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
-# Qwen2.5-VL's chat template: a message's content is a string or a list of {"type": "image"} and
-# {"type": "text", "text": ...} parts; an image part becomes the placeholder the processor expands.
+# Qwen2.5-VL's and Qwen3-VL's chat template, reduced to its content parts: a message's content is a
+# string or a list of {"type": "image"} and {"type": "text", "text": ...} parts; an image part becomes the
+# placeholder the processor expands.
 VLM_CHAT_TEMPLATE = (
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\n' }}"
@@ -56,16 +57,18 @@ def add_vision_tokens(tokenizer) -> dict[str, int]:
     return {key: tokenizer.convert_tokens_to_ids(token) for token, key in VISION_TOKENS.items()}
 
 
-def save_processor(directory: str | Path, tokenizer, tower: VisionTower, min_pixels: int = 56 * 56,
-                   max_pixels: int = 28 * 28 * 256) -> None:
-    """Write the tokenizer and a Qwen2.5-VL image processor for ``tower``'s patches (the PIL one: no
-    torchvision needed) into ``directory``, so ``AutoProcessor.from_pretrained`` loads them offline.
-    (Transformers' processor object cannot be built without a video processor, which needs torchvision.)"""
+def save_processor(directory: str | Path, tokenizer, tower: VisionTower) -> None:
+    """Write the tokenizer and the image processor of ``tower``'s architecture (Transformers' PIL
+    Qwen2-VL image processor, which Qwen2.5-VL and Qwen3-VL share; no torchvision needed) into
+    ``directory``: ``tower``'s patches, images of 4 to 256 merged patches (56x56 to 392x392 pixels at
+    patch 14), the architecture's normalisation. (Transformers' processor object cannot be built
+    without a video processor, which needs torchvision; :func:`load_processor` reads these files.)"""
     from transformers import Qwen2VLImageProcessorPil
 
+    merged = (tower.patch_size * tower.spatial_merge_size) ** 2
     images = Qwen2VLImageProcessorPil(patch_size=tower.patch_size, merge_size=tower.spatial_merge_size,
-                                      temporal_patch_size=tower.temporal_patch_size,
-                                      min_pixels=min_pixels, max_pixels=max_pixels)
+                                      temporal_patch_size=tower.temporal_patch_size, min_pixels=4 * merged,
+                                      max_pixels=256 * merged, **KINDS[tower.model_type].image_processor)
     images.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
 
@@ -201,5 +204,7 @@ class SampleImages:
         sample has them)."""
         out = concat_samples(self.samples)
         if self.samples and all("image_embeds" in s for s in self.samples):
-            out["image_embeds"] = torch.cat([s["image_embeds"] for s in self.samples])
+            # a text-only sample's cell has no rows (and may be [0, H] beside Qwen3-VL's [N, (1 + D) * H])
+            embeds = [s["image_embeds"] for s in self.samples if s["image_embeds"].shape[0]]
+            out["image_embeds"] = torch.cat(embeds) if embeds else self.samples[0]["image_embeds"]
         return out

@@ -19,7 +19,7 @@ from posttrain.algo.logprob import entropy_from_logits, logprobs_from_logits
 from posttrain.algo.truncation import Truncation
 from posttrain.training.batch import default_position_ids, response_width
 from posttrain.training.lm_head import detached_head, head_logprobs
-from posttrain.training.multimodal import is_multimodal, multimodal_inputs
+from posttrain.training.multimodal import is_multimodal, model_kwargs, multimodal_inputs
 from posttrain.training.remove_padding import Packing, packed_response_logprobs
 
 
@@ -36,11 +36,11 @@ def _model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     position_ids = batch.get("position_ids")
     if position_ids is None:
         position_ids = default_position_ids(batch["attention_mask"])
-    tokens = "inputs_embeds" if "inputs_embeds" in batch else "input_ids"  # a multimodal batch: embeddings
     return {
-        tokens: batch[tokens],
+        "input_ids": batch["input_ids"],
         "attention_mask": batch["attention_mask"],
         "position_ids": position_ids,
+        **model_kwargs(batch),  # a multimodal batch: its image features (training/multimodal.py)
     }
 
 

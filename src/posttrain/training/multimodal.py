@@ -1,23 +1,39 @@
-"""The multimodal part of a log-prob forward (Qwen2.5-VL on the hf backend).
+"""The multimodal part of a log-prob forward (Qwen2.5-VL, Qwen3-VL on the hf backend).
 
 A multimodal micro-batch is the text layout of :mod:`posttrain.training.batch` plus the
 concatenated image inputs of its rows (:func:`posttrain.models.vlm.concat_samples`):
 ``pixel_values [patches, dim]`` and ``image_grid_thw [images, 3]``, optionally ``image_embeds
-[image tokens, H]`` (the vision tower's output computed once, ``reuse_image_embeds``). Here they
-become the language model's inputs: ``inputs_embeds [B, T, H]`` (the token embeddings with each
-``<|image_pad|>`` replaced by its image feature, in row order) and the model's 3-D rotary
-positions (its ``get_rope_index``: an image's tokens take (t, h, w) grid positions, the text after
-it continues from the largest) below the plain text positions: ``position_ids [4, B, T]``, the
-layout Transformers' Qwen2.5-VL reads for packed rows. Both padded and packed forwards
-(:mod:`posttrain.training.remove_padding`) take these instead of ``input_ids``.
+[image tokens, (1 + D) * H]`` (the vision tower's output computed once, ``reuse_image_embeds``).
+Here they become the model's inputs beside ``input_ids``:
+
+* ``image_features [image tokens, 1 + D, H]``: the tower's merged features of every image token,
+  in row order, and (Qwen3-VL) its ``D`` deepstack features, the merged outputs of the tower blocks
+  ``deepstack_visual_indexes`` that the model adds to the hidden states of its first ``D`` decoder
+  layers at the image tokens (Qwen2.5-VL: ``D = 0``). The model's forward reads them as
+  ``mm_encoder_outputs`` (:func:`model_kwargs`): it puts the merged features at the
+  ``<|image_pad|>`` tokens of ``input_ids`` and the deepstack ones at the same tokens (its
+  ``visual_pos_masks``), so one code path serves both architectures;
+* ``image_mask [B, T]``: where the image tokens are (a packed row reorders the features with it:
+  :func:`pack_image_features`);
+* ``position_ids [4, B, T]``: the plain text positions (restarting per sequence), then the model's
+  3-D rotary positions (its ``get_rope_index`` with ``mm_token_type_ids`` = 1 on image tokens: an
+  image's tokens take (t, h, w) grid positions, the text after it continues from the largest), the
+  layout Transformers' Qwen-VL models read for packed rows.
+
+Both padded and packed forwards (:mod:`posttrain.training.remove_padding`) take these.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+from transformers.modeling_outputs import BaseModelOutputWithPooling
 
 from posttrain.models.vlm import MM_KEYS
 from posttrain.training.batch import default_position_ids
+
+FEATURES = "image_features"
 
 
 def is_multimodal(batch: dict[str, torch.Tensor]) -> bool:
@@ -26,7 +42,7 @@ def is_multimodal(batch: dict[str, torch.Tensor]) -> bool:
 
 
 def _vlm(model: torch.nn.Module) -> torch.nn.Module:
-    """The Qwen2.5-VL base model (``Qwen2_5_VLModel``) of ``model`` (DDP and PEFT wrappers unwrapped)."""
+    """The VLM base model (``Qwen2_5_VLModel``, ``Qwen3VLModel``) of ``model`` (DDP and PEFT wrappers unwrapped)."""
     inner = getattr(model, "module", model)
     get_base = getattr(inner, "get_base_model", None)
     inner = get_base() if callable(get_base) else inner
@@ -37,10 +53,19 @@ def vision_tower(model: torch.nn.Module) -> torch.nn.Module:
     return _vlm(model).visual
 
 
+def embeds_width(model: torch.nn.Module) -> int:
+    """The width of :func:`image_embeds`' rows: ``(1 + D) * H`` (``D`` deepstack levels, ``H`` the
+    language model's hidden size)."""
+    config = _vlm(model).config
+    levels = len(getattr(config.vision_config, "deepstack_visual_indexes", None) or ())
+    return (1 + levels) * int(config.text_config.hidden_size)
+
+
 def image_embeds(model: torch.nn.Module, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor,
                  micro_batch_size: int | None = None) -> torch.Tensor:
-    """The vision tower's features of the images: ``[image tokens, H]`` (tokens of every image, in
-    order), ``micro_batch_size`` images per tower forward (None: all at once)."""
+    """The vision tower's features of the images: ``[image tokens, (1 + D) * H]`` (tokens of every
+    image, in order; the merged features, then each deepstack level's), ``micro_batch_size`` images
+    per tower forward (None: all at once)."""
     images = int(image_grid_thw.shape[0])
     step = micro_batch_size or max(images, 1)
     patches = image_grid_thw.prod(-1).tolist()
@@ -49,7 +74,8 @@ def image_embeds(model: torch.nn.Module, pixel_values: torch.Tensor, image_grid_
         num = int(sum(patches[start:start + step]))
         output = _vlm(model).get_image_features(pixel_values[first:first + num], image_grid_thw[start:start + step],
                                                 return_dict=True)
-        out += list(output.pooler_output)
+        levels = [output.pooler_output, *(getattr(output, "deepstack_features", None) or [])]
+        out.append(torch.cat([torch.cat(list(level), dim=0) for level in levels], dim=-1))
         first += num
     return torch.cat(out, dim=0)
 
@@ -61,10 +87,9 @@ def freeze_vision_tower(model: torch.nn.Module, frozen: bool = True) -> None:
 
 
 def multimodal_inputs(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``batch`` with ``inputs_embeds [B, T, H]`` and ``position_ids [4, B, T]`` (the text
-    positions, then the 3-D rotary ones) for the language model (the image inputs removed).
-    ``batch["image_embeds"]``, when present, is used instead of running the vision tower (it must
-    equal :func:`image_embeds` of the same images)."""
+    """``batch`` with ``image_features``, ``image_mask`` and ``position_ids [4, B, T]`` (see the
+    module docstring; the image inputs removed). ``batch["image_embeds"]``, when present, is used
+    instead of running the vision tower (it must equal :func:`image_embeds` of the same images)."""
     if "pixel_values_videos" in batch or "video_grid_thw" in batch:
         raise ValueError("the batch carries videos (pixel_values_videos / video_grid_thw): posttrain's multimodal "
                          "forward takes images only so far; give the frames as images")
@@ -80,17 +105,50 @@ def multimodal_inputs(model: torch.nn.Module, batch: dict[str, torch.Tensor]) ->
     features = batch.get("image_embeds")
     if features is None:
         features = image_embeds(model, batch["pixel_values"], batch["image_grid_thw"], micro)
-    embeds = vlm.get_input_embeddings()(ids)
+    hidden = int(vlm.config.text_config.hidden_size)
+    if features.shape[-1] != embeds_width(model):
+        raise ValueError(f"image_embeds have {features.shape[-1]} features a token, the model's tower gives "
+                         f"{embeds_width(model)}: they come from another model")
     image_mask = (ids == vlm.config.image_token_id) & attention.bool()
     if int(image_mask.sum()) != features.shape[0]:
         raise ValueError(f"the batch has {int(image_mask.sum())} image tokens for {features.shape[0]} image "
                          f"features: its rows and pixel_values/image_grid_thw do not match")
-    embeds = embeds.masked_scatter(image_mask[..., None], features.to(embeds.dtype))
     rope, _ = vlm.get_rope_index(ids, image_mask.int(), image_grid_thw=batch["image_grid_thw"],
                                  attention_mask=attention)
     # row 0: the text positions (restarting per sequence), which the model reads, as Transformers
     # documents, to find the sequences of a packed row (its flash-attention varlen path)
     positions = torch.cat([default_position_ids(attention)[None], rope])
     out = {k: v for k, v in batch.items() if k not in MM_KEYS and k != "image_embeds"}
-    out.update(inputs_embeds=embeds, position_ids=positions)
+    out.update({FEATURES: features.reshape(features.shape[0], -1, hidden), "image_mask": image_mask,
+                "position_ids": positions})
     return out
+
+
+def pack_image_features(batch: dict[str, torch.Tensor], order: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The ``image_features`` of a packed row (:func:`posttrain.training.remove_padding.pack`;
+    ``order [N]``: the flat padded token of each packed position), in the order of its image tokens;
+    none for a batch without them."""
+    if FEATURES not in batch:
+        return {}
+    mask = batch["image_mask"].reshape(-1)
+    rank = mask.long().cumsum(0) - 1  # flat padded token -> its row in image_features
+    return {FEATURES: batch[FEATURES].index_select(0, rank[order[mask[order]]])}
+
+
+@dataclass
+class EncodedImages(BaseModelOutputWithPooling):
+    """The tower's output as a Qwen-VL forward reads it from ``mm_encoder_outputs["image"]`` (a
+    Transformers model output): ``pooler_output``, the merged features, and ``deepstack_features``,
+    each deepstack level's (a tuple of per-image chunks each; here one chunk of all image tokens)."""
+
+    deepstack_features: list[tuple[torch.Tensor, ...]] | None = None
+
+
+def model_kwargs(batch: dict[str, torch.Tensor]) -> dict:
+    """The model's keyword arguments for the images of ``batch`` (its ``image_features``): its
+    ``mm_encoder_outputs``; none for a text batch."""
+    if FEATURES not in batch:
+        return {}
+    levels = batch[FEATURES].unbind(1)
+    encoded = EncodedImages(pooler_output=(levels[0],), deepstack_features=[(level,) for level in levels[1:]])
+    return {"mm_encoder_outputs": {"image": encoded}}

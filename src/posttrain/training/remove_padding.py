@@ -53,6 +53,7 @@ from posttrain.algo.truncation import Truncation
 from posttrain.errors import ConfigError
 from posttrain.training.batch import default_position_ids
 from posttrain.training.lm_head import detached_head, head_logprobs
+from posttrain.training.multimodal import model_kwargs, pack_image_features
 
 ATTN_NAME = "posttrain_packed"
 # set only while _packed_logits runs the model, so the attention function knows a packed forward
@@ -292,9 +293,8 @@ def _packed_logits(model: torch.nn.Module, packed: dict[str, torch.Tensor]) -> t
     blocks, owner = split_blocks(packed)
     token = _IN_FORWARD.set(True)
     try:
-        tokens = {"inputs_embeds": packed["inputs_embeds"]} if "inputs_embeds" in packed else \
-            {"input_ids": packed["input_ids"]}
-        output = model(**tokens, position_ids=packed["position_ids"], attention_mask=None,
+        output = model(input_ids=packed["input_ids"], **model_kwargs(packed), position_ids=packed["position_ids"],
+                       attention_mask=None,
                        logits_to_keep=packed["keep"], use_cache=False, posttrain_blocks=blocks, posttrain_owner=owner)
     finally:
         _IN_FORWARD.reset(token)
@@ -317,9 +317,7 @@ def packed_response_logprobs(
     # sharing needs posttrain's attention; a flash-attention varlen model keeps its own sequences
     share = enable(model) and share_prompts
     packed = pack(batch, share_prompts=share)
-    if "inputs_embeds" in batch:  # a multimodal batch (posttrain.training.multimodal): its embeddings, packed
-        embeds = batch["inputs_embeds"]
-        packed["inputs_embeds"] = embeds.reshape(-1, embeds.shape[-1]).index_select(0, packed["order"])[None]
+    packed.update(pack_image_features(batch, packed["order"]))  # a multimodal batch's (training/multimodal.py)
     with detached_head(model) as head:  # the forward returns hidden states: the head runs in chunks
         out = _packed_logits(model, packed)
     select, labels = packed["select"], packed["labels"]

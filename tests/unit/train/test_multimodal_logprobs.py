@@ -1,4 +1,4 @@
-"""Log-probs of a multimodal (Qwen2.5-VL) micro-batch on the hf backend: packed and padded batches
+"""Log-probs of a multimodal (Qwen2.5-VL, Qwen3-VL) micro-batch on the hf backend: packed and padded batches
 equal each sample's own Hugging Face forward; reused image embeddings equal recomputed ones; a
 frozen vision tower gets no gradient."""
 
@@ -29,12 +29,14 @@ def drawn_image(width: int, height: int, seed: int) -> Image.Image:
     return image
 
 
-@pytest.fixture(scope="module")
-def vlm(tiny_vlm_dir):
+@pytest.fixture(scope="module", params=["tiny_vlm_dir", "tiny_qwen3_vl_dir"], ids=["qwen2_5_vl", "qwen3_vl"])
+def vlm(request):
+    """The tiny Qwen2.5-VL, then the tiny Qwen3-VL (deepstack on vision block 0) of ``posttrain init-model``."""
     from transformers import AutoModelForImageTextToText
 
-    model = AutoModelForImageTextToText.from_pretrained(str(tiny_vlm_dir), dtype=torch.float32).eval()
-    return model, load_processor(tiny_vlm_dir)
+    model_dir = request.getfixturevalue(request.param)
+    model = AutoModelForImageTextToText.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    return model, load_processor(model_dir)
 
 
 @pytest.fixture(scope="module")
@@ -105,6 +107,12 @@ def test_reused_image_embeds_equal_recomputed_and_skip_the_tower(vlm, samples):
             hook.remove()
     assert calls == []
     torch.testing.assert_close(reused, recomputed, rtol=0, atol=1e-6)
+    hidden = model.config.text_config.hidden_size
+    if embeds.shape[-1] > hidden:  # Qwen3-VL: the deepstack features are reused too, and they matter
+        no_deepstack = torch.cat([embeds[:, :hidden], torch.zeros_like(embeds[:, hidden:])], dim=-1)
+        with torch.no_grad():
+            other, _ = response_logprobs(model, {**batch, "image_embeds": no_deepstack}, packing=Packing())
+        assert not torch.allclose(other, recomputed, atol=1e-4)
     with pytest.raises(ValueError, match="image tokens for"):
         response_logprobs(model, {**batch, "image_embeds": embeds[:-1]}, packing=Packing())
     with pytest.raises(ValueError, match="takes images only"):
