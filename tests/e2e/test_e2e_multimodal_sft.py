@@ -234,3 +234,23 @@ def test_dpo_with_images_stays_refused_and_sft_is_planned(tiny_vlm_dir, sft_data
     with pytest.raises(ConfigError, match="reuse_image_embeds.*stage sft"):
         resolve_plan(sft_config(tiny_vlm_dir, sft_data, tmp_path, iters=1, rl_config__freeze_vision_tower=True,
                               rl_config__reuse_image_embeds=True))
+
+
+def test_a_sample_cut_inside_its_images_is_refused(tiny_vlm_dir, sft_data):
+    from posttrain.data.builders import build_offline_dataset
+    from posttrain.errors import DataError
+    from posttrain.loops.sft_images import image_samples
+    from posttrain.models.vlm import load_processor
+
+    processor = load_processor(tiny_vlm_dir)
+    pad = processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    whole = build_offline_dataset(sft_data, "sft", seq_length=128, images_per_sample=2)
+    samples, images = image_samples([whole[2]], processor, pad, sft_data)
+    assert images[0]["image_grid_thw"].tolist() == [[1, 4, 4], [1, 4, 4]]
+    assert samples[0][0].tolist().count(pad) == 8 and samples[0][1][samples[0][0] == pad].tolist() == [-100] * 8
+    second = [i for i, t in enumerate(whole[2]["input_ids"].tolist()) if t == pad][1]
+    cut = build_offline_dataset(sft_data, "sft", seq_length=second, images_per_sample=2)
+    with pytest.raises(DataError, match=r"SFT sample 2: the prompt holds 1 image tokens for 2 images .*seq_length"):
+        image_samples([cut[2]], processor, pad, sft_data)
+    with pytest.raises(DataError, match="prompt 2 holds 2 images, more than generate_config.limit_mm_image_per_prompt=1"):
+        build_offline_dataset(sft_data, "sft", seq_length=128, images_per_sample=1)[2]
