@@ -14,16 +14,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from posttrain.data.datasets import SFTDataset
 from posttrain.data.image_prompts import ImagePromptDataset
 
 
 class ImageSFTDataset(ImagePromptDataset):
-    """``samples`` with the images of each row; a sample with more than ``images_per_sample`` images
+    """``ImageSFTDataset(samples: SFTDataset, prefix, images_per_sample)``: the samples with the images
+    of each row; a sample with more than ``images_per_sample`` images
     (``generate_config.limit_mm_image_per_prompt``) or with video frames is refused when read."""
-
-    def __init__(self, samples: SFTDataset, prefix: str, images_per_sample: int):
-        super().__init__(samples, prefix, images_per_sample)
 
     def __getitem__(self, i: int) -> dict[str, Any]:
         item = super().__getitem__(i)
