@@ -189,8 +189,12 @@ _MULTIMODAL_ROWS = (  # rl_config.is_multimodal: the hf backend in one process, 
         engine=NOT_NATIVE),
     Row("mm-ray", "multimodal", "{setting} on Ray actor workers: the workers' batches do not carry the images yet; "
         "run in one process (actor_resource.num_npus: 1)", placement=RAY),
-    Row("mm-stage", "multimodal", "{setting} with stage {stage}: the multimodal loop runs GRPO and DAPO (PPO's critic "
-        "and the DPO/SFT datasets take no images yet); use ray_grpo or ray_dapo", stage=("ppo", "dpo", "sft")),
+    Row("mm-stage", "multimodal", "{setting} with stage {stage}: the multimodal loops run GRPO, DAPO and SFT (PPO's "
+        "critic and the DPO datasets take no images yet); use ray_grpo, ray_dapo or sft", stage=("ppo", "dpo")),
+    Row("mm-sft-ray", "multimodal", "{setting} with stage sft on Ray actor workers: multimodal SFT is built and "
+        "tested in one process; set actor_resource.num_npus: 1", stage=("sft",), placement=RAY),
+    Row("mm-sft-reuse", "reuse_image_embeds", "{setting} with stage sft: the image embeddings are reused by the "
+        "on-policy passes of one iteration, and SFT makes one pass; set reuse_image_embeds: false", stage=("sft",)),
     *(Row(f"mm-{other}", "multimodal", _MM_ONE_PROCESS + why, with_=other) for other, why in (
         ("partial", "the partial-rollout pool keeps no images; remove the key"),
         ("per_request", "the per-request decode loop (multi-turn, async_engine) takes no images; set both to false"),

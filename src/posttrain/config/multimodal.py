@@ -36,8 +36,8 @@ class MultimodalOptions:
 
 
 def multimodal_options(cfg: RunConfig, dispatch_sizes: dict[str, int]) -> MultimodalOptions | None:
-    """The options of a run with ``rl_config.is_multimodal: true`` (None for a text run; an offline
-    stage with it is refused by the compatibility table, row mm-stage)."""
+    """The options of a run with ``rl_config.is_multimodal: true`` (None for a text run): GRPO, DAPO
+    or SFT (PPO and DPO with it are refused by the compatibility table, row mm-stage)."""
     rl = cfg.rl
     if not rl.is_multimodal:
         return None

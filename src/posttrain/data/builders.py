@@ -43,15 +43,21 @@ _OFFLINE = {"sft": ("SFT dataset", "SFTDataset"),
 
 
 def build_offline_dataset(prefix: str | None, stage: str, *, seq_length: int, split: str | None = None,
-                          unpaired: bool = False):
+                          unpaired: bool = False, images_per_sample: int | None = None):
     """SFT samples (``AlpacaStyleInstructionHandler`` data), DPO pairs (``AlpacaStylePairwiseHandler``)
-    or, with ``unpaired`` (KTO), unpaired preference rows (``UnpairedPreferenceHandler``)."""
+    or, with ``unpaired`` (KTO), unpaired preference rows (``UnpairedPreferenceHandler``); with
+    ``images_per_sample`` (a multimodal SFT run) each SFT sample's images too
+    (:class:`~posttrain.data.image_samples.ImageSFTDataset`)."""
     kind, cls = _OFFLINE["kto" if unpaired else stage]
     if not prefix:
         raise DataError(f"megatron_training.data_path is not set: give the prefix of a preprocessed {kind}")
     dataset = getattr(datasets, cls)(prefix, seq_length=seq_length, split=split)
     if len(dataset) == 0:
         raise DataError(f"the {kind} {prefix} is empty")
+    if images_per_sample is not None:
+        from posttrain.data.image_samples import ImageSFTDataset
+
+        return ImageSFTDataset(dataset, prefix, images_per_sample)
     return dataset
 
 

@@ -1,10 +1,11 @@
 """The vision demo's warm start and held-out evaluation, on a Hugging Face Qwen2.5-VL directory.
 
 * :func:`warm_start`: supervised fine-tuning on ``(picture, "\\boxed{N}")`` pairs, AdamW in plain
-  PyTorch with the model directory's processor (``posttrain sft`` takes no images yet: the offline
-  datasets read text only, docs/multimodal.md), loss on the reply tokens only. It stops early, by
-  design, once the answer is right on a target share of training pictures: the demo wants a policy
-  that is right about half of the time, for GRPO to improve.
+  PyTorch with the model directory's processor, loss on the reply tokens only. It stops early, by
+  design, once the answer is right on a target share of training pictures (checked after every
+  step): the demo wants a policy that is right about half of the time, for GRPO to improve.
+  ``posttrain sft`` trains a VLM on image+text rows too (docs/multimodal.md), but it has no such
+  stop, and the demo's measured results (docs/demo.md) were made with this loop, so it stays.
 * :func:`greedy_accuracy`: greedy replies (Transformers' ``generate``, independent of the rollout
   engine that GRPO trains with) to held-out pictures, scored strict and lenient
   (:func:`posttrain.demo.vision_task.strict_reward` / ``lenient_reward``).

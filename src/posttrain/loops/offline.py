@@ -2,7 +2,8 @@
 one optimizer step per global batch.
 
 SFT samples come from ``AlpacaStyleInstructionHandler`` data: ``input_ids`` with ``labels`` that are
--100 (IGNORE) on the prompt tokens. Each sample is split there into prompt and response, put in the
+-100 (IGNORE) on the prompt tokens (with ``rl_config.is_multimodal``, and each sample's images:
+:mod:`posttrain.loops.sft_images`). Each sample is split there into prompt and response, put in the
 training layout of :mod:`posttrain.training.forward`, and trained with cross-entropy on the response
 tokens, token-mean over the whole global batch. The run itself (data, policy, sampler, logs,
 checkpoints) is the :class:`~posttrain.loops.session.Session` that every loop shares.
@@ -23,6 +24,8 @@ from posttrain.metrics.timers import Timers
 from posttrain.training.batch import build_batch, per_token
 from posttrain.training.loss_fns import make_sft_loss_fn
 from posttrain.loops.dump_points import dump_batch
+from posttrain.loops.sft_images import image_samples
+from posttrain.models.vlm import SampleImages
 from posttrain.loops.session import Session, check_finite_step
 
 log = logging.getLogger(__name__)
@@ -98,10 +101,18 @@ class OfflineTrainer:
 
 
 class SFTTrainer(OfflineTrainer):
-    """Cross-entropy on the response tokens of ``AlpacaStyleInstructionHandler`` data."""
+    """Cross-entropy on the response tokens of ``AlpacaStyleInstructionHandler`` data; with
+    ``rl_config.is_multimodal`` each sample's images too (:mod:`posttrain.loops.sft_images`)."""
 
     def batch(self) -> dict[str, torch.Tensor]:
-        tensors = labelled_batch([(it["input_ids"], it["labels"]) for it in self.items()], self.s.policy.pad_token_id)
+        items, policy, mm = self.items(), self.s.policy, self.plan.multimodal
+        if mm is None:
+            tensors = labelled_batch([(it["input_ids"], it["labels"]) for it in items], policy.pad_token_id)
+        else:
+            samples, images = image_samples(items, policy.processor, int(policy.model.config.image_token_id),
+                                            str(self.plan.data.data_path))
+            tensors = labelled_batch(samples, policy.pad_token_id)
+            tensors["images"] = SampleImages(images, mm.vit_micro_batch_size)
         return {k: v.to(self.s.device) for k, v in tensors.items()}
 
     def loss_fn(self):

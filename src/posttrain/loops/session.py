@@ -103,8 +103,10 @@ class Session:
             mm = self.plan.multimodal
             return build_prompt_dataset(d.data_path, d.max_prompt_length, additional_keys=d.additional_keys,
                                         split=d.split, images_per_prompt=mm.images_per_prompt if mm else None)
+        mm = self.plan.multimodal  # stage sft with images (docs/multimodal.md)
         return build_offline_dataset(d.data_path, stage.name, seq_length=d.seq_length, split=d.split,
-                                     unpaired=self.plan.dpo is not None and self.plan.dpo.unpaired)
+                                     unpaired=self.plan.dpo is not None and self.plan.dpo.unpaired,
+                                     images_per_sample=mm.images_per_prompt if mm else None)
 
     def _build(self, start: Start) -> None:
         plan, on_policy = self.plan, self.plan.stage.on_policy

@@ -188,6 +188,8 @@ EXAMPLES: dict[str, tuple[list[str], str]] = {
     "mm-env": ([*MM, *ENV], "cpu"),
     "mm-lora-tower": ([*MM, *LORA], "cpu"),
     "mm-reuse-trained-tower": ([*MM, "rl_config.reuse_image_embeds=true"], "cpu"),
+    "mm-sft-ray": ([*MM, *RAY, "megatron_training.stage=sft"], "cpu"),
+    "mm-sft-reuse": ([*MM_FROZEN, "rl_config.reuse_image_embeds=true", "megatron_training.stage=sft"], "cpu"),
     "mm-reuse-ref-model": ([*MM_FROZEN, "rl_config.reuse_image_embeds=true",
                             "rl_config.integrated_mode_config.ref_model_load_path=/models/ref"], "cpu"),
     "mm-eval": ([*MM, "rl_config.eval_data_path=/data/eval"], "cpu"),
