@@ -136,6 +136,16 @@ def test_the_first_step_loss_is_the_hf_masked_cross_entropy(tiny_vlm_dir, sft_da
     assert first["sft/loss"] == pytest.approx(hf_masked_cross_entropy(tiny_vlm_dir, sft_data), rel=1e-5)
 
 
+def test_qwen3_vl_first_step_loss_is_the_hf_masked_cross_entropy(tiny_qwen3_vl_dir, tmp_path):
+    """The same on the tiny Qwen3-VL (patch 16, deepstack features injected into the first layer)."""
+    from posttrain.commands.train import train_config as train
+
+    data = preprocess_sft(write_rows(tmp_path, ROWS), tiny_qwen3_vl_dir, tmp_path / "data" / "sft")
+    train(sft_config(tiny_qwen3_vl_dir, data, tmp_path, iters=1, megatron_training__save=OMIT))
+    first = metrics_by_iteration(tmp_path / "run")[1]
+    assert first["sft/loss"] == pytest.approx(hf_masked_cross_entropy(tiny_qwen3_vl_dir, data), rel=1e-5)
+
+
 def test_the_checkpoint_loads_and_the_tower_learns(tiny_vlm_dir, straight):
     from transformers import AutoModelForImageTextToText
 
