@@ -68,7 +68,7 @@ class Policy:
     state: dict[str, Any]  # the trainer state: resumed from a checkpoint, or a fresh run's
     processor: Any = None  # a multimodal run: the tokenizer and image processor (models.vlm.ImageTextProcessor)
     teacher: ReferenceEngine | None = None  # rl_config.teacher_model: on-policy distillation's frozen teacher
-    image_token_id: int | None = None  # a multimodal run: the model config's <|image_pad|> id (the driver holds no model)
+    image_token_id: int | None = None  # a multimodal run: the config's <|image_pad|> id (the Ray driver has no model)
 
     @property
     def pad_token_id(self) -> int:
