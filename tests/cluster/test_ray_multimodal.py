@@ -97,7 +97,7 @@ def test_two_workers_equal_one_process(ray_cluster, tiny_vlm_dir, mm_data, tmp_p
     sessions = {where: session_and_trainer(mm_config(tiny_vlm_dir, mm_data, tmp_path / where, workers=workers,
                                                      iters=2, rl={"vit_forward_micro_batch_size": 1}))
                 for where, workers in (("local", 1), ("ray", 2))}
-    (local, local_trainer), (remote, remote_trainer) = sessions["local"], sessions["ray"]
+    (local, _), (remote, _) = sessions["local"], sessions["ray"]
     passes, slices = [], []  # the log-prob passes' shares; the images of each worker's update slice
     row_shares, update_shards, update = remote.cluster.row_shares, group.update_shards, remote.policy.actor.update
 

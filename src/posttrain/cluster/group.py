@@ -28,6 +28,10 @@ session has:
   cuts every mini-batch into ``W`` equal slices and sends worker ``r`` its slices in step order. Each worker
   runs one optimizer step per slice; the engine sums token counts over ranks and DDP averages
   gradients, so every step is the step of the whole global mini-batch.
+* A multimodal run (``rl_config.is_multimodal``, docs/multimodal.md): each prompt's images go with
+  its rollout share (``generate(images=)``), a batch's ``images`` (:class:`~posttrain.models.vlm.SampleImages`)
+  are cut with its rows for every pass and update slice, and ``actor.embed_images`` runs the workers'
+  vision towers on shares of the samples (``reuse_image_embeds``). The driver holds the processor.
 * ``reference.compute_pair_logps`` (DPO): pairs cut into contiguous shares, as log-probs are.
 * ``reward_model.score_sequences`` (``reward_config``): every actor worker loads the reward model;
   rows cut into contiguous shares, scores concatenated in order.
