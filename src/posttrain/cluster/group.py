@@ -337,12 +337,13 @@ class RolloutRole(RolloutEngine):
         if stop_when is not None:  # partial rollout's rounds in one call: one call per round here
             return decode_rounds(self.generate, prompt_token_ids, n, sampling, stop_token_ids, keys, sample_offsets,
                                  position_offsets, max_new_tokens, stop_when, stop_every)
-        per_prompt = [sample_offsets, position_offsets, max_new_tokens, images]  # a continued response's, or None
+        per_prompt = [sample_offsets, position_offsets, max_new_tokens]  # a continued response's, or None
 
         def args(rank, share):
             share = share.tolist()
-            return ([prompt_token_ids[i] for i in share], n, sampling, stop_token_ids, [keys[i] for i in share],
-                    *[None if values is None else [list(values)[i] for i in share] for values in per_prompt])
+            out = ([prompt_token_ids[i] for i in share], n, sampling, stop_token_ids, [keys[i] for i in share],
+                   *[None if values is None else [list(values)[i] for i in share] for values in per_prompt])
+            return out if images is None else (*out, [images[i] for i in share])  # a multimodal run's
 
         # contiguous shares (the responses' lengths are not known yet); FSDP2's parameter gather is a
         # collective for the native engines on the trained weights; vLLM engines and rollout copies need none
