@@ -72,7 +72,8 @@ def wrap_ddp(model, device_ids, find_unused: bool = False):
     and text-only micro-batches), which DDP then reduces as unused."""
     params = inspect.signature(DistributedDataParallel.__init__).parameters
     option = "forward_sync_buffers" if "forward_sync_buffers" in params else "broadcast_buffers"
-    return DistributedDataParallel(model, device_ids=device_ids, find_unused_parameters=find_unused, **{option: False})
+    return DistributedDataParallel(model, device_ids=device_ids, find_unused_parameters=find_unused,
+                                   **{option: False})
 
 
 def _full(tensor):
@@ -309,7 +310,8 @@ class ActorWorker:
         extra = {"critic": self.critic.part} if self.critic is not None and self.critic.save_dir is None else None
         with on_device(p.actor, getattr(self.critic, "engine", None)):  # an offloaded state is saved too
             path = save_checkpoint(save_dir, iteration, model, optimizer, p.actor.scheduler,
-                                   tokenizer=p.processor or p.tokenizer, sampler_state=sampler_state, trainer_state=trainer_state,
+                                   tokenizer=p.processor or p.tokenizer,  # a VLM: its image processor too
+                                   sampler_state=sampler_state, trainer_state=trainer_state,
                                    save_optim=save_optim, save_rng=save_rng, extra=extra, files=files,
                                    adapter_only=self.adapter_only)
         return str(path)
