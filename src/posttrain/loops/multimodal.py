@@ -14,12 +14,14 @@ every later pass (reference, old log-probs, update) reads them instead of runnin
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
 
 from posttrain.models.vlm import MM_KEYS, ImageTextProcessor
-from posttrain.training.multimodal import embeds_width, image_embeds
+from posttrain.training.sample_embeds import embed_samples
 from posttrain.transfer_dock import TransferDock
 
 EMBEDS_COLUMN = "image_embeds"
@@ -52,24 +54,19 @@ def rollout_images(batch: dict[str, list[torch.Tensor]], n: int) -> list[dict[st
     return out
 
 
-@torch.no_grad()
-def compute_image_embeds(td: TransferDock, model: torch.nn.Module, count: int, device,
-                         vit_micro_batch_size: int | None) -> None:
-    """The ``image_embeds`` column: the actor's vision tower on each sample's images (eval mode, no
-    gradient), ``count`` rows per read, ``vit_micro_batch_size`` images per tower forward."""
-    was_training = model.training
-    model.eval()
-    try:
-        while not td.all_consumed(EMBEDS_COLUMN):
-            batch, idx = td.get(EMBEDS_COLUMN, list(MM_KEYS), count)
-            width = embeds_width(model)  # (1 + deepstack levels) * hidden size
-            embeds = []
-            for pixels, grid in zip(batch["pixel_values"], batch["image_grid_thw"]):
-                if grid.shape[0] == 0:
-                    embeds.append(torch.zeros(0, width))
-                    continue
-                out = image_embeds(model, pixels.to(device), grid.long().to(device), vit_micro_batch_size)
-                embeds.append(out.float().cpu())
-            td.put([EMBEDS_COLUMN], idx, [embeds])
-    finally:
-        model.train(was_training)
+def image_embedder(policy, device, vit_micro_batch_size: int | None) -> Callable[..., list[torch.Tensor]]:
+    """``embed(pixel_values, image_grid_thw)``: one sample's ``image_embeds`` per entry, from the actor's
+    vision tower: the Ray actor workers' (``policy.actor.embed_images``, each worker on its share of
+    the rows) or, in this process, ``policy.model``'s."""
+    remote = getattr(policy.actor, "embed_images", None)
+    if remote is not None:
+        return partial(remote, vit_micro_batch_size=vit_micro_batch_size)
+    return partial(embed_samples, policy.model, device=device, vit_micro_batch_size=vit_micro_batch_size)
+
+
+def compute_image_embeds(td: TransferDock, embed: Callable[..., list[torch.Tensor]], count: int) -> None:
+    """The ``image_embeds`` column: ``embed`` (:func:`image_embedder`: the actor's vision tower, eval
+    mode, no gradient) on each sample's images, ``count`` rows per read."""
+    while not td.all_consumed(EMBEDS_COLUMN):
+        batch, idx = td.get(EMBEDS_COLUMN, list(MM_KEYS), count)
+        td.put([EMBEDS_COLUMN], idx, [embed(batch["pixel_values"], batch["image_grid_thw"])])

@@ -36,7 +36,7 @@ from posttrain.metrics.timers import Timers
 from posttrain.training.loss_fns import make_actor_loss_fn
 from posttrain.loops.dump_points import dump_experience, dumped_phase
 from posttrain.loops.experience import per_group, per_token, read_batch, write_rows
-from posttrain.loops.multimodal import compute_image_embeds
+from posttrain.loops.multimodal import compute_image_embeds, image_embedder
 from posttrain.loops.overlap import overlapped_passes
 from posttrain.loops.ppo import CriticPhases
 from posttrain.loops.produce import Experience, Producer
@@ -124,7 +124,8 @@ class OnPolicyTrainer:
         mm = plan.multimodal
         if mm is not None and mm.reuse_image_embeds:  # the vision tower once; every pass reads its embeddings
             with timers("image_embeds"):
-                compute_image_embeds(td, s.policy.model, mm.embeds_dispatch_size, s.device, mm.vit_micro_batch_size)
+                compute_image_embeds(td, image_embedder(s.policy, s.device, mm.vit_micro_batch_size),
+                                     mm.embeds_dispatch_size)
         if overlap:
             overlapped_passes(self, td, timers)
         if s.policy.reference is not None and not overlap:

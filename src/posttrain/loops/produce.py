@@ -82,7 +82,7 @@ class PlainGeneration:
         columns = {}
         if self.images:  # the image pads expanded, and each prompt's pixel_values / image_grid_thw
             policy = self.s.policy
-            prompts, columns = encode_prompts(policy.processor, int(policy.model.config.image_token_id), items)
+            prompts, columns = encode_prompts(policy.processor, policy.image_token_id, items)
         td.put_prompts({"prompts": prompts, "prompt_length": [len(p) for p in prompts], "labels": labels, **columns})
         with timers("rollout"):
             self.rollout(td, iteration, engine, version)

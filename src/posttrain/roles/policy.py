@@ -68,6 +68,7 @@ class Policy:
     state: dict[str, Any]  # the trainer state: resumed from a checkpoint, or a fresh run's
     processor: Any = None  # a multimodal run: the tokenizer and image processor (models.vlm.ImageTextProcessor)
     teacher: ReferenceEngine | None = None  # rl_config.teacher_model: on-policy distillation's frozen teacher
+    image_token_id: int | None = None  # a multimodal run: the config's <|image_pad|> id (the Ray driver has no model)
 
     @property
     def pad_token_id(self) -> int:
@@ -96,6 +97,14 @@ def load_policy_tokenizer(policy: PolicyOptions, source: str | None = None):
     """The actor's tokenizer and the token ids its rollout stops on (the driver needs no weights)."""
     tokenizer = load_tokenizer(policy.tokenizer or resolve_model_dir(source or model_source(policy)))
     return tokenizer, rollout_stop_ids(tokenizer, policy)
+
+
+def load_policy_processor(policy: PolicyOptions, source: str | None = None):
+    """A multimodal run's processor (tokenizer and image processor) where the driver holds no weights:
+    the directory :func:`multimodal_actor` reads it from."""
+    from posttrain.models.vlm import load_processor
+
+    return load_processor(policy.tokenizer or resolve_model_dir(source or model_source(policy)))
 
 
 def rollout_stop_ids(tokenizer, policy: PolicyOptions) -> list[int]:
@@ -335,7 +344,8 @@ def build_policy(plan: Plan, device: str, *, source: str | None = None, with_rol
         rollout = weights_off_during_rollout(rollout, model)  # generate_config.offload_train_param (a CPU: no effect)
     teacher = build_teacher(plan, device, model, tokenizer, dp_group) if plan.distill is not None else None
     return Policy(model=model, tokenizer=tokenizer, actor=actor, reference=reference, rollout=rollout,
-                  stop_token_ids=stops, state=state, processor=processor, teacher=teacher)
+                  stop_token_ids=stops, state=state, processor=processor, teacher=teacher,
+                  image_token_id=int(model.config.image_token_id) if plan.multimodal else None)
 
 
 def multimodal_actor(plan: Plan, model, processor_dir):

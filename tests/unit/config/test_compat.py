@@ -176,7 +176,7 @@ EXAMPLES: dict[str, tuple[list[str], str]] = {
     "truncated-logprobs-vllm-min-p": ([*TRUNC, *VLLM, "generate_config.sampling_config.min_p=0.1"], "cpu"),
     "mm-megatron": ([*MM, *TP2], "cpu"),
     "mm-engine": ([*MM, *VLLM], "cpu"),
-    "mm-ray": ([*MM, *RAY], "cpu"),
+    "mm-fsdp2": ([*MM, *RAY, "rl_config.ray_sharding=fsdp2"], "cpu"),
     "mm-stage": ([*MM, *PPO], "cpu"),
     "mm-partial": ([*MM, *PARTIAL], "cpu"),
     "mm-per_request": ([*MM, "rl_config.async_engine=true"], "cpu"),

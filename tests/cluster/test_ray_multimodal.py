@@ -1,0 +1,158 @@
+"""Multimodal GRPO (``rl_config.is_multimodal``) on 2 Ray actor workers (DDP) against the same run in
+one process: the tiny Qwen2.5-VL of ``posttrain init-model``, 4 prompts x 2 samples, three with one
+56x56 image each (4 image tokens) and one text-only.
+
+Each sample's images travel with its rows: to the workers' native engines (``generate(images=)``),
+into the log-prob passes (rows shared by tokens, ``use_dp_batch_balance``) and into the update (the
+vision tower trained through DDP, which must reduce it while one worker's step holds only the
+text-only prompt's rows). The workers draw the same responses; the image embeddings they compute on
+their shares of the samples (``reuse_image_embeds``'s phase) and the log-probs read with them equal
+the one-process ones; two iterations log the same metrics and leave the same weights (the tower's
+too) as in one process; rank 0 saves the processor with the weights.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from PIL import Image, ImageDraw
+
+from tests.cluster.cluster_helpers import column, sample, session_and_trainer
+from tests.cluster.test_ray_grpo import is_wall_clock, same
+from tests.helpers.configs import OMIT, VERIFIERS, run_config
+
+pytestmark = pytest.mark.ray
+COLOURS = ["red", "blue", "green", "black"]
+TEXT_ONLY = 3  # the prompt without an image
+
+
+@pytest.fixture(scope="module")
+def mm_data(tiny_vlm_dir, tmp_path_factory):
+    """4 prompts "<image> colour?", each with a 56x56 picture of one coloured square."""
+    from posttrain.data.preprocess import preprocess
+    from tests.helpers.data import write_jsonl
+
+    root = tmp_path_factory.mktemp("ray_mm")
+    rows = []
+    for i, colour in enumerate(COLOURS):
+        image = Image.new("RGB", (56, 56), "white")
+        ImageDraw.Draw(image).rectangle((8 + 4 * i, 8, 40, 40), fill=colour)
+        image.save(root / f"{i}.png")
+        if i == TEXT_ONLY:
+            rows.append({"problem": "colour?", "answer": colour, "images": []})
+            continue
+        rows.append({"problem": "<image> colour?", "answer": colour, "images": [f"{i}.png"]})
+    write_jsonl(root / "in.jsonl", rows)
+    preprocess({"input": str(root / "in.jsonl"), "handler_name": "R1AlpacaStyleInstructionHandler",
+                "tokenizer_name_or_path": str(tiny_vlm_dir), "prompt_type": "qwen2_vl",
+                "output_prefix": str(root / "data" / "mm"), "map_keys": {"prompt": "problem", "response": "answer"},
+                "dataset_additional_keys": ["labels"], "workers": 1}, progress=False)
+    return str(root / "data" / "mm")
+
+
+def mm_config(model_dir, data, out, *, workers: int, iters: int, rl: dict):
+    """4 prompts x 2 samples an iteration (2 optimizer steps of 4 rows), 6 new tokens, the lowercase
+    reward (the reward workers import its module), KL in the loss,
+    a checkpoint at the last iteration, on ``workers`` Ray actor workers (1: in process)."""
+    return run_config(model_dir, data, out / "run", name=out.name, iters=iters, megatron_training={
+        "global_batch_size": 4, "micro_batch_size": 2, "seq_length": 256, "lr": 1e-3, "seed": 5, "bf16": OMIT,
+        "prompt_type": "qwen2_vl", "save": str(out / "ckpt"), "save_interval": iters}, rl_config={
+        "n_samples_per_prompt": 2, "verifier_function": ["e2e_lowercase"], "verifier_modules": [VERIFIERS],
+        "verifier_parallel": 0, "init_kl_coef": 0.01, "max_prompt_length": 160, "kl_penalty": "low_var_kl",
+        "device": OMIT, "is_multimodal": True, "mini_batch_size": 2, "actor_resource": {"num_devices": workers},
+        "ray_timeout_s": 120, "guarantee_order": True, **rl}, generate_config={
+        "max_num_seqs": 16, "limit_mm_image_per_prompt": 1, "max_model_len": 256,
+        "sampling_config": {"max_tokens": 6, "temperature": 1.0, "top_k": -1}}, actor_config={})
+
+
+def initial_weights(path) -> dict[str, torch.Tensor]:
+    """The weights of a saved VLM directory, as Transformers' loader names them (the model's own names)."""
+    from transformers import AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText.from_pretrained(str(path)).state_dict()
+
+
+def reused_embeds_pass(trainer) -> "TransferDock":  # noqa: F821
+    """A batch of samples (the rollout with each prompt's images) in a dock with the ``image_embeds``
+    column, the embeddings computed by the actor's tower (2 samples a read, 1 image a tower forward;
+    on Ray each worker its share) and the old log-probs read with them."""
+    from posttrain.loops.experience import new_dock
+    from posttrain.loops.multimodal import EMBEDS_COLUMN, compute_image_embeds, dock_columns, image_embedder
+
+    td = new_dock(trainer.plan.rows_per_update, trainer.plan.n, guarantee_order=True, seed=0,
+                  extra_columns=dock_columns(True), extra_consumers=(EMBEDS_COLUMN,))
+    sample(trainer, td)
+    compute_image_embeds(td, image_embedder(trainer.s.policy, trainer.s.device, 1), 2)
+    trainer.logprobs(td, "old_logprobs", trainer.s.policy.actor, trainer.plan.reads["actor_logprob_dispatch_size"],
+                     None)
+    return td
+
+
+def test_two_workers_equal_one_process(ray_cluster, tiny_vlm_dir, mm_data, tmp_path, monkeypatch):
+    """The same rollout, reused image embeddings and log-probs read with them (rows shared by tokens);
+    then 2 iterations with the tower trained, one worker's step on text-only rows alone: the same
+    metrics and weights (the tower's too), and rank 0 saves the processor with the weights."""
+    from posttrain.cluster import group
+
+    sessions = {where: session_and_trainer(mm_config(tiny_vlm_dir, mm_data, tmp_path / where, workers=workers,
+                                                     iters=2, rl={"vit_forward_micro_batch_size": 1}))
+                for where, workers in (("local", 1), ("ray", 2))}
+    (local, _), (remote, _) = sessions["local"], sessions["ray"]
+    passes, slices = [], []  # the log-prob passes' shares; the images of each worker's update slice
+    row_shares, update_shards, update = remote.cluster.row_shares, group.update_shards, remote.policy.actor.update
+
+    def recording_shares(count, batch=None, collective=True):
+        passes.append(row_shares(count, batch, collective))
+        return passes[-1]
+
+    def recording_update(batch, *args, **kwargs):
+        images = [int(sample["image_grid_thw"].shape[0]) for sample in batch["images"].samples]
+
+        def recording_shards(count, mini_batch_size, replicas, *rest):  # each replica's rows, step after step
+            out = update_shards(count, mini_batch_size, replicas, *rest)
+            step = mini_batch_size // replicas
+            slices.extend([images[i] for i in rows[k:k + step].tolist()] for rows in out
+                          for k in range(0, len(rows), step))
+            return out
+
+        monkeypatch.setattr(group, "update_shards", recording_shards)
+        return update(batch, *args, **kwargs)
+
+    monkeypatch.setattr(remote.cluster, "row_shares", recording_shares)
+    monkeypatch.setattr(remote.policy.actor, "update", recording_update)
+    try:
+        assert remote.policy.model is None and remote.cluster.world == 2 and local.cluster is None
+        pad = remote.policy.processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")  # the driver's processor
+        assert remote.policy.image_token_id == local.policy.image_token_id == pad
+        remote.cluster.balance = True  # rl_config.use_dp_batch_balance for the passes before the update
+        docks = {where: reused_embeds_pass(trainer) for where, (_, trainer) in sessions.items()}
+        remote.cluster.balance = False  # contiguous update slices: rank 0's second step is the text-only prompt's
+        assert any(share.tolist() != list(range(int(share[0]), int(share[0]) + len(share)))
+                   for shares in passes for share in shares)  # the balance moved rows
+        assert torch.equal(column(docks["ray"], "responses"), column(docks["local"], "responses"))
+        assert column(docks["local"], "image_embeds").numel() == 6 * 4 * 128  # 6 samples with an image x 4 tokens x H
+        for name in ("image_embeds", "old_logprobs"):
+            torch.testing.assert_close(column(docks["ray"], name), column(docks["local"], name), rtol=1e-5, atol=1e-5)
+        rows = {where: [trainer.train_step(iteration) for iteration in (1, 2)]
+                for where, (_, trainer) in sessions.items()}
+        assert [0, 0] in slices and any(sum(images) for images in slices)  # a step with no image on one rank only
+        for want, got in zip(rows["local"], rows["ray"]):
+            assert sorted(got) == sorted(want)
+            compared = [k for k in want if not is_wall_clock(k)]
+            for key in compared:
+                assert same(got[key], want[key], key), (key, got[key], want[key])
+            assert want["actor/grad_norm"] > 0 and want["actor/kl_loss"] > 0 and len(compared) > 15
+        before, local_weights = initial_weights(tiny_vlm_dir), local.policy.model.state_dict()
+        for ray_weights in remote.cluster.state_dicts():
+            for key, value in local_weights.items():
+                torch.testing.assert_close(ray_weights[key], value, rtol=1e-4, atol=1e-5,
+                                           msg=lambda m, key=key: f"{key}: {m}")
+        changed = {k for k in before if not torch.equal(before[k], local_weights[k])}
+        assert any("visual" in k for k in changed) and any("language_model" in k for k in changed)
+        path = remote.save(2, {})
+        assert (path / "preprocessor_config.json").is_file() and (path / "model.safetensors").is_file()
+    finally:
+        for session, trainer in sessions.values():
+            if trainer.source is not None:
+                trainer.source.close()
+            session.close()
