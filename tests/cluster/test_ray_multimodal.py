@@ -1,6 +1,7 @@
 """Multimodal GRPO (``rl_config.is_multimodal``) on 2 Ray actor workers (DDP) against the same run in
-one process: the tiny Qwen2.5-VL of ``posttrain init-model``, 4 prompts x 2 samples, three with one
-56x56 image each (4 image tokens) and one text-only.
+one process: the tiny Qwen2.5-VL (tied embeddings) and Qwen3-VL (an untied LM head, a deepstack level)
+of ``posttrain init-model``, 4 prompts x 2 samples, three with one 56x56 image each (4 image tokens)
+and one text-only.
 
 Each sample's images travel with its rows: to the workers' native engines (``generate(images=)``),
 into the log-prob passes (rows shared by tokens, ``use_dp_batch_balance``) and into the update (the
@@ -26,8 +27,13 @@ COLOURS = ["red", "blue", "green", "black"]
 TEXT_ONLY = 3  # the prompt without an image
 
 
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
+def vlm_dir(request):
+    return request.getfixturevalue({"qwen2_5_vl": "tiny_vlm_dir", "qwen3_vl": "tiny_qwen3_vl_dir"}[request.param])
+
+
 @pytest.fixture(scope="module")
-def mm_data(tiny_vlm_dir, tmp_path_factory):
+def mm_data(vlm_dir, tmp_path_factory):
     """4 prompts "<image> colour?", each with a 56x56 picture of one coloured square."""
     from posttrain.data.preprocess import preprocess
     from tests.helpers.data import write_jsonl
@@ -44,7 +50,7 @@ def mm_data(tiny_vlm_dir, tmp_path_factory):
         rows.append({"problem": "<image> colour?", "answer": colour, "images": [f"{i}.png"]})
     write_jsonl(root / "in.jsonl", rows)
     preprocess({"input": str(root / "in.jsonl"), "handler_name": "R1AlpacaStyleInstructionHandler",
-                "tokenizer_name_or_path": str(tiny_vlm_dir), "prompt_type": "qwen2_vl",
+                "tokenizer_name_or_path": str(vlm_dir), "prompt_type": "qwen2_vl",
                 "output_prefix": str(root / "data" / "mm"), "map_keys": {"prompt": "problem", "response": "answer"},
                 "dataset_additional_keys": ["labels"], "workers": 1}, progress=False)
     return str(root / "data" / "mm")
@@ -88,13 +94,14 @@ def reused_embeds_pass(trainer) -> "TransferDock":  # noqa: F821
     return td
 
 
-def test_two_workers_equal_one_process(ray_cluster, tiny_vlm_dir, mm_data, tmp_path, monkeypatch):
+def test_two_workers_equal_one_process(ray_cluster, vlm_dir, mm_data, tmp_path, monkeypatch):
     """The same rollout, reused image embeddings and log-probs read with them (rows shared by tokens);
     then 2 iterations with the tower trained, one worker's step on text-only rows alone: the same
     metrics and weights (the tower's too), and rank 0 saves the processor with the weights."""
     from posttrain.cluster import group
+    from posttrain.training.multimodal import embeds_width
 
-    sessions = {where: session_and_trainer(mm_config(tiny_vlm_dir, mm_data, tmp_path / where, workers=workers,
+    sessions = {where: session_and_trainer(mm_config(vlm_dir, mm_data, tmp_path / where, workers=workers,
                                                      iters=2, rl={"vit_forward_micro_batch_size": 1}))
                 for where, workers in (("local", 1), ("ray", 2))}
     (local, _), (remote, _) = sessions["local"], sessions["ray"]
@@ -130,7 +137,9 @@ def test_two_workers_equal_one_process(ray_cluster, tiny_vlm_dir, mm_data, tmp_p
         assert any(share.tolist() != list(range(int(share[0]), int(share[0]) + len(share)))
                    for shares in passes for share in shares)  # the balance moved rows
         assert torch.equal(column(docks["ray"], "responses"), column(docks["local"], "responses"))
-        assert column(docks["local"], "image_embeds").numel() == 6 * 4 * 128  # 6 samples with an image x 4 tokens x H
+        width = embeds_width(local.policy.model)  # H = 128, beside it Qwen3-VL's deepstack level's 128
+        assert width == (256 if "qwen3" in str(vlm_dir) else 128)
+        assert column(docks["local"], "image_embeds").numel() == 6 * 4 * width  # 6 samples with an image x 4 tokens
         for name in ("image_embeds", "old_logprobs"):
             torch.testing.assert_close(column(docks["ray"], name), column(docks["local"], name), rtol=1e-5, atol=1e-5)
         rows = {where: [trainer.train_step(iteration) for iteration in (1, 2)]
@@ -142,7 +151,7 @@ def test_two_workers_equal_one_process(ray_cluster, tiny_vlm_dir, mm_data, tmp_p
             for key in compared:
                 assert same(got[key], want[key], key), (key, got[key], want[key])
             assert want["actor/grad_norm"] > 0 and want["actor/kl_loss"] > 0 and len(compared) > 15
-        before, local_weights = initial_weights(tiny_vlm_dir), local.policy.model.state_dict()
+        before, local_weights = initial_weights(vlm_dir), local.policy.model.state_dict()
         for ray_weights in remote.cluster.state_dicts():
             for key, value in local_weights.items():
                 torch.testing.assert_close(ray_weights[key], value, rtol=1e-4, atol=1e-5,

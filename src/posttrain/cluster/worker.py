@@ -66,15 +66,14 @@ def worker_node_id() -> str:
     return ray.get_runtime_context().get_node_id()
 
 
-def wrap_ddp(model, device_ids, find_unused: bool = False):
+def wrap_ddp(model, device_ids):
     """DDP without buffer syncs in forward (the rotary buffers are equal on all ranks, and the
     log-prob passes must not need a collective); torch >= 2.13 names the option forward_sync_buffers.
-    ``find_unused``: a step may leave trainable weights without a gradient (a trained vision tower
-    and text-only micro-batches), which DDP then reduces as unused."""
+    Every trainable weight gets a gradient at each backward (a text-only micro-batch gives a trained
+    vision tower a zero one: :func:`posttrain.training.multimodal.tower_anchor`)."""
     params = inspect.signature(DistributedDataParallel.__init__).parameters
     option = "forward_sync_buffers" if "forward_sync_buffers" in params else "broadcast_buffers"
-    return DistributedDataParallel(model, device_ids=device_ids, find_unused_parameters=find_unused,
-                                   **{option: False})
+    return DistributedDataParallel(model, device_ids=device_ids, **{option: False})
 
 
 def _full(tensor):
@@ -162,8 +161,7 @@ class ActorWorker:
         if self.fsdp:  # parameters, gradients and optimizer state sharded (cluster/fsdp.py)
             self.param_names = fsdp.shard(p.model, p.actor, plan.policy.optim, plan.total_optimizer_steps)
         else:
-            tower_trained = plan.multimodal is not None and not plan.multimodal.freeze_vision_tower
-            p.actor.model = wrap_ddp(p.model, [0] if use_gpu else None, find_unused=tower_trained)
+            p.actor.model = wrap_ddp(p.model, [0] if use_gpu else None)
         self.critic = None
         if plan.uses_critic and "critic" not in own:  # PPO: colocated with the actor, data parallel over its ranks
             self.critic = c = Critic(plan, p.state, device)

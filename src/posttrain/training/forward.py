@@ -19,7 +19,7 @@ from posttrain.algo.logprob import entropy_from_logits, logprobs_from_logits
 from posttrain.algo.truncation import Truncation
 from posttrain.training.batch import default_position_ids, response_width
 from posttrain.training.lm_head import detached_head, head_logprobs
-from posttrain.training.multimodal import is_multimodal, model_kwargs, multimodal_inputs
+from posttrain.training.multimodal import TOWER_ANCHOR, is_multimodal, model_kwargs, multimodal_inputs
 from posttrain.training.remove_padding import Packing, packed_response_logprobs
 
 
@@ -80,6 +80,11 @@ def response_logprobs(
     if is_multimodal(batch):
         batch = multimodal_inputs(model, batch)
         packing = Packing(share_prompts=False) if packing is not None else None
+        anchor = batch.pop(TOWER_ANCHOR, None)
+        if anchor is not None:  # a text-only micro-batch of a DDP replica whose tower trains: a zero term
+            logprobs, entropy = response_logprobs(model, batch, temperature=temperature, with_entropy=with_entropy,
+                                                  entropy_grad=entropy_grad, packing=packing, truncation=truncation)
+            return logprobs + anchor, entropy
     if packing is not None:
         return packed_response_logprobs(model, batch, temperature=temperature, with_entropy=with_entropy,
                                         entropy_grad=entropy_grad, share_prompts=packing.share_prompts,

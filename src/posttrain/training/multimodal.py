@@ -34,6 +34,7 @@ from posttrain.models.vlm import MM_KEYS
 from posttrain.training.batch import default_position_ids
 
 FEATURES = "image_features"
+TOWER_ANCHOR = "tower_anchor"  # a text-only DDP micro-batch's zero term of the tower (tower_anchor)
 
 
 def is_multimodal(batch: dict[str, torch.Tensor]) -> bool:
@@ -80,6 +81,27 @@ def image_embeds(model: torch.nn.Module, pixel_values: torch.Tensor, image_grid_
     return torch.cat(out, dim=0)
 
 
+def tower_anchor(model: torch.nn.Module) -> torch.Tensor | None:
+    """For a text-only micro-batch of a DDP replica whose vision tower trains: zero times the tower's
+    features of a blank one-token image, which the forward adds to its log-probs (None otherwise).
+    DDP reduces every trainable weight's gradient at each backward and waits for all of them, so a
+    rank whose rows hold no image must still give its tower a (zero) gradient. (DDP's
+    ``find_unused_parameters`` would mark as unused, then see twice, the LM head that posttrain
+    applies outside the model's forward in chunks, when it is not tied to the embeddings.)"""
+    if not (isinstance(model, torch.nn.parallel.DistributedDataParallel) and torch.is_grad_enabled()):
+        return None
+    tower = vision_tower(model)
+    param = next(tower.parameters())
+    if not param.requires_grad:
+        return None
+    vision = _vlm(model).config.vision_config
+    merge = int(vision.spatial_merge_size)
+    grid = torch.tensor([[1, merge, merge]], device=param.device)
+    width = vision.in_channels * vision.temporal_patch_size * vision.patch_size ** 2
+    pixels = torch.zeros(merge * merge, width, dtype=param.dtype, device=param.device)
+    return 0.0 * image_embeds(model, pixels, grid).float().sum()
+
+
 def freeze_vision_tower(model: torch.nn.Module, frozen: bool = True) -> None:
     """Train the vision tower or not (``requires_grad``): a frozen tower gets no gradient and no update."""
     for param in vision_tower(model).parameters():
@@ -99,7 +121,9 @@ def multimodal_inputs(model: torch.nn.Module, batch: dict[str, torch.Tensor]) ->
         batch = {**{k: v for k, v in batch.items() if k != "images"}, **images.concat()}
         micro = images.vit_micro_batch_size
         if images.num_images() == 0:  # text-only rows: the plain forward
-            return {k: v for k, v in batch.items() if k not in MM_KEYS and k != "image_embeds"}
+            text = {k: v for k, v in batch.items() if k not in MM_KEYS and k != "image_embeds"}
+            anchor = tower_anchor(model)
+            return text if anchor is None else {**text, TOWER_ANCHOR: anchor}
     vlm = _vlm(model)
     ids, attention = batch["input_ids"], batch["attention_mask"]
     features = batch.get("image_embeds")
