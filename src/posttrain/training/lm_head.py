@@ -30,6 +30,7 @@ from torch.utils.checkpoint import checkpoint
 
 from posttrain.algo.logprob import scaled_logprobs_and_entropy, truncated_logprobs_and_entropy
 from posttrain.algo.truncation import Truncation
+from posttrain.training import compiled_logprob
 
 CHUNK_ELEMENTS = 1 << 25  # logits per chunk (128 MiB in fp32): 682 tokens of a 49,152-entry vocabulary
 RECOMPUTE_ABOVE = 1 << 28  # logits of a whole call (1 GiB in fp32) above which autograd recomputes them
@@ -84,8 +85,12 @@ def head_logprobs(head: torch.nn.Linear, hidden: torch.Tensor, labels: torch.Ten
 
     def piece(h: torch.Tensor, y: torch.Tensor):
         entropy = with_entropy and (entropy_needs_grad or not recomputing[0])
+        truncated = truncation is not None and truncation.active
+        if compiled_logprob.active() and not truncated:  # the compiled log-softmax-gather (fused_regions)
+            return compiled_logprob.compiled_logprobs_and_entropy()(head(h), y, temperature, entropy,
+                                                                    entropy_needs_grad)
         z = scaled_logits(head, h, temperature)
-        if truncation is not None and truncation.active:
+        if truncated:
             return truncated_logprobs_and_entropy(z, y, truncation, entropy, entropy_needs_grad)
         return scaled_logprobs_and_entropy(z, y, entropy, entropy_needs_grad)
 

@@ -1,6 +1,6 @@
-"""The compiled RMSNorm / SiLU-mul regions equal the eager path within 1e-5 in fp32 (forward,
-backward, one AdamW step), on a tiny Llama through posttrain's packed forward, and leaving the block
-restores the eager forwards."""
+"""The compiled RMSNorm / SiLU-mul / rotary / LM-head log-prob regions equal the eager path within 1e-5
+in fp32 (forward, backward, one AdamW step), together and each alone, on a tiny Llama through
+posttrain's packed forward, and leaving the block restores the eager forwards."""
 
 import copy
 
@@ -11,7 +11,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from posttrain.training.batch import build_batch
 from posttrain.training.engine import TrainEngine
 from posttrain.training.forward import response_logprobs
-from posttrain.training.fused_regions import fused_regions, regions
+from posttrain.training import compiled_logprob
+from posttrain.training.fused_regions import REGIONS, fused_regions, regions
 from posttrain.training.options import EngineOptions
 from posttrain.training.remove_padding import Packing
 
@@ -43,39 +44,69 @@ def models():
     return eager, copy.deepcopy(eager)
 
 
+def _assert_close(got, want):
+    assert torch.allclose(got[0], want[0], atol=1e-5, rtol=0)
+    for name in want[1]:
+        assert torch.allclose(got[1][name], want[1][name], atol=1e-5, rtol=1e-5), name
+        assert torch.allclose(got[2][name], want[2][name], atol=1e-5, rtol=0), name
+
+
 def test_compiled_regions_equal_eager_forward_backward_and_step(models):
     eager, fused = models
-    assert [len(m) for m in regions(fused).values()] == [5, 2]  # 2 x 2 layer norms + the final one; 2 MLPs
+    assert [len(m) for m in regions(fused).values()] == [5, 2, 2]  # 2 x 2 layer norms + the final one; 2 MLPs
     opt_e = torch.optim.AdamW(eager.parameters(), lr=1e-2, fused=True)
     opt_f = torch.optim.AdamW(fused.parameters(), lr=1e-2, fused=True)
     for resp_lens in ((4, 1, 6, 3), (2, 7, 5, 1)):  # two packed lengths (the regions compile with dynamic shapes)
         batch = _batch(resp_lens)
         want = _step(eager, batch, opt_e)
         with fused_regions(fused) as swapped:
-            assert swapped == 7
+            assert swapped == 10  # 5 norms, 2 MLPs, 2 attentions' rotary, the LM head's log-probs
+            assert compiled_logprob.active()
             got = _step(fused, batch, opt_f)
-        assert torch.allclose(got[0], want[0], atol=1e-5, rtol=0)
-        for name in want[1]:
-            assert torch.allclose(got[1][name], want[1][name], atol=1e-5, rtol=1e-5), name
-            assert torch.allclose(got[2][name], want[2][name], atol=1e-5, rtol=0), name
+        _assert_close(got, want)
+
+
+@pytest.mark.parametrize("name", REGIONS)
+def test_each_region_alone_equals_eager(models, name, monkeypatch):
+    """One region at a time (compiled already by the test above: milliseconds each), and it is the one used."""
+    from posttrain.training import fused_regions as module
+
+    calls, compiled, head = [], module.compiled, compiled_logprob.compiled_logprobs_and_entropy
+    monkeypatch.setattr(module, "compiled", lambda region: calls.append(region) or compiled(region))
+    monkeypatch.setattr(compiled_logprob, "compiled_logprobs_and_entropy", lambda: calls.append("logprob") or head())
+    batch = _batch((3, 5, 2, 6), seed=4)
+    steps = []
+    for on in (False, True):
+        model = copy.deepcopy(models[0])
+        with fused_regions(model, enabled=on, names=(name,)) as swapped:
+            assert (swapped > 0) is on
+            steps.append(_step(model, batch, torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)))
+    assert set(calls) == {name}
+    _assert_close(steps[1], steps[0])
 
 
 def test_leaving_the_block_restores_eager(models):
     _, model = models
-    norms, mlps = regions(model).values()
+    from transformers.models.llama import modeling_llama
+
+    norms, mlps, _ = regions(model).values()
+    eager_rotary = modeling_llama.apply_rotary_pos_emb
     with fused_regions(model):
         assert "forward" in norms[0].__dict__ and "forward" in mlps[0].__dict__
+        assert modeling_llama.apply_rotary_pos_emb is not eager_rotary and compiled_logprob.active()
         with fused_regions(model) as inner:  # nested: nothing swapped twice, the outer block restores
             assert inner == 0
         assert "forward" in norms[0].__dict__
+        assert modeling_llama.apply_rotary_pos_emb is not eager_rotary and compiled_logprob.active()
     assert all("forward" not in m.__dict__ for m in norms + mlps)
+    assert modeling_llama.apply_rotary_pos_emb is eager_rotary and not compiled_logprob.active()
     assert type(norms[0]).forward is norms[0].forward.__func__  # the class's eager forward again
     with fused_regions(model, enabled=False) as swapped:
         assert swapped == 0 and "forward" not in norms[0].__dict__
+        assert modeling_llama.apply_rotary_pos_emb is eager_rotary and not compiled_logprob.active()
     with pytest.raises(ValueError, match="unknown compiled regions"):
         with fused_regions(model, names=("rope",)):
             pass
-
 
 
 def test_the_engine_updates_through_the_regions_only_when_asked(models, monkeypatch):
