@@ -132,3 +132,46 @@ def test_the_engine_updates_through_the_regions_only_when_asked(models, monkeypa
     assert not torch.equal(weights[0], torch.cat([p.detach().reshape(-1) for p in models[0].parameters()]))
     assert torch.allclose(weights[0], weights[1], atol=1e-5, rtol=0)
 
+
+
+def test_auto_compiles_only_what_can_pay_back_and_uses_what_wins(models, monkeypatch, tmp_path):
+    """compile_regions auto: a region whose eager time over the run's updates is below the compile's estimate
+    is not compiled; otherwise it compiles (timed, recorded for the next process) and is used where it wins."""
+    from posttrain.training import compile_auto
+
+    monkeypatch.setattr(compile_auto, "_record_path", lambda: tmp_path / compile_auto.RECORD)
+    model = models[0]
+    probes = compile_auto.probes(model, tokens=40, response_tokens=24)
+    assert set(probes) == set(REGIONS)
+    assert probes["rms_norm"][3] == 5 and probes["rotary"][3] == 2  # calls per update: modules x tokens / probe
+    calls = []
+    for region, (eager, fused, args, per_update) in probes.items():
+        counted = (lambda f: lambda *a: calls.append(region) or f(*a))(fused)
+        short = compile_auto.choose(region, (eager, counted, args, per_update), updates_left=1)
+        assert not short.on and short.compiled_s is None and calls == []  # milliseconds < seconds of compile
+        assert short.compile_s == compile_auto.COLD_COMPILE_S[region] and "less than the compile" in short.reason
+        if region not in ("rms_norm", "silu_mul"):  # compiled by the tests above for these inputs: cheap
+            continue
+        long = compile_auto.choose(region, (eager, counted, args, per_update), updates_left=10**9)
+        assert calls and long.compiled_s is not None and long.compile_s >= 0
+        assert long.on == (long.compiled_s < (1 - compile_auto.MARGIN) * long.eager_s)
+        assert compile_auto._recorded()[region] == round(long.compile_s, 2)  # the next process's estimate
+        calls.clear()
+
+
+def test_the_engine_with_auto_records_its_choices_and_updates_through_them(models):
+    from posttrain.training.compile_auto import Choice
+    from posttrain.training.loss_fns import make_actor_loss_fn
+
+    batch = _batch((4, 1, 6, 3))
+    batch["advantages"] = torch.randn(batch["response_mask"].shape, generator=torch.Generator().manual_seed(3))
+    model = copy.deepcopy(models[0])
+    engine = TrainEngine(model, torch.optim.SGD(model.parameters(), lr=0.1), micro_batch_size=4,
+                         options=EngineOptions(use_remove_padding=True, compile_regions="auto", compile_updates=1))
+    engine.update(batch, make_actor_loss_fn(), mini_batch_size=4)
+    assert set(engine.region_choices) == set(REGIONS) and not any(c.on for c in engine.region_choices.values())
+    with engine.compiled_regions() as swapped:
+        assert swapped == 0  # nothing chosen: the eager path
+    engine.region_choices = {"rotary": Choice(True, 1.0, 0.5, 0.1, "test"), "rms_norm": Choice(False, 1, None, 9, "")}
+    with engine.compiled_regions() as swapped:
+        assert swapped == 2 and not compiled_logprob.active()  # the 2 attentions' rotary only
