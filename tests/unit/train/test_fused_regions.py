@@ -175,3 +175,14 @@ def test_the_engine_with_auto_records_its_choices_and_updates_through_them(model
     engine.region_choices = {"rotary": Choice(True, 1.0, 0.5, 0.1, "test"), "rms_norm": Choice(False, 1, None, 9, "")}
     with engine.compiled_regions() as swapped:
         assert swapped == 2 and not compiled_logprob.active()  # the 2 attentions' rotary only
+
+
+def test_the_config_takes_true_false_or_auto_and_names_the_key_otherwise():
+    from posttrain.config.run import run_config_from_dict
+    from posttrain.errors import ConfigError
+
+    base = {"rl_config": {}}
+    assert run_config_from_dict(base, overrides=["rl_config.compile_regions=auto"]).rl.compile_regions == "auto"
+    assert run_config_from_dict(base, overrides=["rl_config.compile_regions=true"]).rl.compile_regions is True
+    with pytest.raises(ConfigError, match="rl_config.compile_regions"):
+        run_config_from_dict(base, overrides=["rl_config.compile_regions=fast"])
