@@ -13,6 +13,9 @@ its logits from the saved hidden states and the head's weight, at the cost of on
 forward. On SmolLM2 that recomputation makes a micro-batch's forward and backward about 10% slower
 on a CPU, so it is kept for the micro-batches whose logits would not fit comfortably. The result
 equals the unchunked computation up to float rounding (``tests/unit/train/test_lm_head.py``).
+Inside :func:`~posttrain.training.fused_regions.fused_regions` (``rl_config.compile_regions``) a
+chunk's log-softmax-gather after the matmul runs as a compiled region
+(:mod:`posttrain.training.compiled_logprob`), except under a truncated sampling distribution.
 
 The head is detached only from a model whose ``get_output_embeddings()`` is a plain ``nn.Linear``
 with ordinary parameters (a Hugging Face causal LM, alone, under DDP or with a PEFT adapter on
