@@ -17,11 +17,16 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 from collections.abc import Iterator
 
 import torch
 
-_ACTIVE = [0]  # how many enclosing blocks turned the region on
+_STATE = threading.local()  # per thread: an asynchronous rollout's thread keeps the eager log-probs
+
+
+def _depth() -> int:
+    return getattr(_STATE, "depth", 0)  # how many enclosing blocks of this thread turned the region on
 
 
 def logprobs_and_entropy(logits: torch.Tensor, labels: torch.Tensor, temperature: float, with_entropy: bool,
@@ -48,15 +53,15 @@ def compiled_logprobs_and_entropy():
 
 
 def active() -> bool:
-    """Whether the LM head's log-probs go through the compiled region now."""
-    return _ACTIVE[0] > 0
+    """Whether the LM head's log-probs go through the compiled region now, in this thread."""
+    return _depth() > 0
 
 
 @contextlib.contextmanager
 def logprob_region() -> Iterator[None]:
     """Inside, :func:`active` is true."""
-    _ACTIVE[0] += 1
+    _STATE.depth = _depth() + 1
     try:
         yield
     finally:
-        _ACTIVE[0] -= 1
+        _STATE.depth = _depth() - 1

@@ -21,8 +21,9 @@ fp32 (forward, backward and an optimizer step) and that leaving the block restor
 Two more regions: ``rotary``, the attention's ``apply_rotary_pos_emb`` (``q * cos + rotate_half(q)
 * sin`` and the same for ``k``: a slice, a negation, a cat and three elementwise ops each, fused into
 one loop). Hugging Face's attention calls it as a global of its modeling module, so the block
-replaces that global (for every model of the class in the process, while the block lasts) in the
-modules of the known attention classes (:data:`ATTENTIONS`) found in ``model``. And ``logprob``, the
+replaces that global (for every model of the class, in the thread that entered the block, while the
+block lasts; an asynchronous rollout's thread keeps the eager function) in the modules of the known
+attention classes (:data:`ATTENTIONS`) found in ``model``. And ``logprob``, the
 LM head's log-softmax-gather (:mod:`posttrain.training.compiled_logprob`).
 """
 
@@ -31,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import sys
+import threading
 from collections.abc import Iterator
 
 import torch
@@ -77,8 +79,10 @@ def compiled(name: str):
 
 
 def _compiled_rotary(eager):
+    owner = threading.get_ident()  # another thread (an asynchronous rollout's) keeps the eager function
+
     def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
-        if unsqueeze_dim != 1:  # not the layout the region is written for
+        if unsqueeze_dim != 1 or threading.get_ident() != owner:  # not the layout or the thread of the region
             return eager(q, k, cos, sin, unsqueeze_dim)
         return compiled("rotary")(q, k, cos, sin)
     apply_rotary_pos_emb.eager = eager

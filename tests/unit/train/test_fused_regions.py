@@ -3,6 +3,7 @@ in fp32 (forward, backward, one AdamW step), together and each alone, on a tiny 
 posttrain's packed forward, and leaving the block restores the eager forwards."""
 
 import copy
+import threading
 
 import pytest
 import torch
@@ -85,6 +86,20 @@ def test_each_region_alone_equals_eager(models, name, monkeypatch):
     _assert_close(steps[1], steps[0])
 
 
+def _rotary_compiles(apply_rotary_pos_emb) -> bool:
+    """Whether a call of ``apply_rotary_pos_emb`` in this thread goes through the compiled region."""
+    from posttrain.training import fused_regions as module
+
+    calls, compiled = [], module.compiled
+    module.compiled = lambda name: calls.append(name) or module.rotary  # counted, not compiled
+    try:
+        q, cos = torch.randn(1, 2, 3, 4), torch.randn(1, 3, 4)
+        apply_rotary_pos_emb(q, q, cos, cos)
+    finally:
+        module.compiled = compiled
+    return calls == ["rotary"]
+
+
 def test_leaving_the_block_restores_eager(models):
     _, model = models
     from transformers.models.llama import modeling_llama
@@ -94,6 +109,12 @@ def test_leaving_the_block_restores_eager(models):
     with fused_regions(model):
         assert "forward" in norms[0].__dict__ and "forward" in mlps[0].__dict__
         assert modeling_llama.apply_rotary_pos_emb is not eager_rotary and compiled_logprob.active()
+        seen = []  # another thread (an asynchronous rollout's) keeps the eager rotary and log-probs
+        worker = threading.Thread(target=lambda: seen.append((compiled_logprob.active(), _rotary_compiles(
+            modeling_llama.apply_rotary_pos_emb))))
+        worker.start()
+        worker.join()
+        assert seen == [(False, False)] and _rotary_compiles(modeling_llama.apply_rotary_pos_emb)
         with fused_regions(model) as inner:  # nested: nothing swapped twice, the outer block restores
             assert inner == 0
         assert "forward" in norms[0].__dict__
