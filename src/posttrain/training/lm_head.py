@@ -15,7 +15,8 @@ on a CPU, so it is kept for the micro-batches whose logits would not fit comfort
 equals the unchunked computation up to float rounding (``tests/unit/train/test_lm_head.py``).
 Inside :func:`~posttrain.training.fused_regions.fused_regions` (``rl_config.compile_regions``) a
 chunk's log-softmax-gather after the matmul runs as a compiled region
-(:mod:`posttrain.training.compiled_logprob`), except under a truncated sampling distribution.
+(:mod:`posttrain.training.compiled_logprob`), except under a truncated sampling distribution and
+for the checkpointed (recomputed) chunks.
 
 The head is detached only from a model whose ``get_output_embeddings()`` is a plain ``nn.Linear``
 with ordinary parameters (a Hugging Face causal LM, alone, under DDP or with a PEFT adapter on
@@ -89,7 +90,9 @@ def head_logprobs(head: torch.nn.Linear, hidden: torch.Tensor, labels: torch.Ten
     def piece(h: torch.Tensor, y: torch.Tensor):
         entropy = with_entropy and (entropy_needs_grad or not recomputing[0])
         truncated = truncation is not None and truncation.active
-        if compiled_logprob.active() and not truncated:  # the compiled log-softmax-gather (fused_regions)
+        # the compiled log-softmax-gather (fused_regions); not under the checkpoint, whose backward re-runs
+        # `piece` without the entropy: another compiled graph, which saves other tensors than the forward's
+        if compiled_logprob.active() and not truncated and not recompute:
             return compiled_logprob.compiled_logprobs_and_entropy()(head(h), y, temperature, entropy,
                                                                     entropy_needs_grad)
         z = scaled_logits(head, h, temperature)

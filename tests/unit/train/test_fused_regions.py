@@ -214,3 +214,18 @@ def test_the_config_takes_true_false_or_auto_and_names_the_key_otherwise():
     assert run_config_from_dict(base, overrides=["rl_config.compile_regions=true"]).rl.compile_regions is True
     with pytest.raises(ConfigError, match="rl_config.compile_regions"):
         run_config_from_dict(base, overrides=["rl_config.compile_regions=fast"])
+
+
+def test_checkpointed_head_chunks_stay_eager_in_the_block(monkeypatch):
+    """Above RECOMPUTE_ABOVE the head's chunks are checkpointed; their recomputation (without the entropy) would
+    select another compiled graph than the forward's, so the region leaves them eager: same values, no call."""
+    from posttrain.training import lm_head
+
+    monkeypatch.setattr(lm_head, "RECOMPUTE_ABOVE", 0)
+    monkeypatch.setattr(compiled_logprob, "compiled_logprobs_and_entropy", lambda: pytest.fail("compiled"))
+    head, h = torch.nn.Linear(8, 20, bias=False), torch.randn(6, 8, requires_grad=True)
+    with compiled_logprob.logprob_region():
+        lp, ent = lm_head.head_logprobs(head, h, torch.randint(0, 20, (6,)), 0.7, with_entropy=True,
+                                        entropy_grad=False, chunk_tokens=4)
+        lp.sum().backward()
+    assert h.grad is not None and ent.shape == lp.shape
