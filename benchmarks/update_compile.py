@@ -177,6 +177,8 @@ def main() -> None:
     p.add_argument("--profile-compiled", action="store_true", help="profile one step with the regions on")
     p.add_argument("--no-logprob", action="store_true", help="time the update step only")
     p.add_argument("--regions-only", action="store_true", help="time each region alone (SmolLM2's shapes)")
+    p.add_argument("--auto", type=int, metavar="UPDATES", help="what compile_regions auto chooses for a run of "
+                   "UPDATES updates of this workload (posttrain.training.compile_auto), then exit")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     names = tuple(args.regions.split(","))
@@ -187,6 +189,14 @@ def main() -> None:
     set_cpu_linear(kernel)
     model = load(args.model)
     batch = chat_batch(model.config.vocab_size)
+    if args.auto:
+        from posttrain.training.compile_auto import choose_regions, update_tokens
+
+        start = time.perf_counter()
+        choices = choose_regions(model, *update_tokens(batch, share_prompts=True), args.auto)
+        for region, choice in choices.items():
+            print(f"{region:<9} {'on ' if choice.on else 'off'} {choice.reason}", flush=True)
+        return print(f"chosen in {time.perf_counter() - start:.1f} s", flush=True)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-7, fused=True)
     print(f"{cpu_model()}; {args.threads} threads; linear {kernel}; torch {torch.__version__}; "
           f"regions {','.join(names)}; load {Path('/proc/loadavg').read_text().strip()}", flush=True)

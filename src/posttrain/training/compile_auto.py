@@ -158,7 +158,7 @@ def choose(region: str, probe: tuple, updates_left: int) -> Choice:
     eager_s, expected = per_call * calls, _recorded().get(region, COLD_COMPILE_S[region])
     if eager_s * updates_left <= expected:
         return Choice(False, eager_s, None, expected, f"its eager time, {eager_s * updates_left:.2f} s over "
-                      f"{updates_left} updates, is less than the compile's (about {expected:.0f} s)")
+                      f"{updates_left} updates, is less than the compile's (about {expected:.1f} s)")
     compile_s = max(0.0, _timed(fused) - per_call)
     _record(region, compile_s)
     pairs = [(_timed(eager), _timed(fused)) for _ in range(REPEATS)]
