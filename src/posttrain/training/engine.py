@@ -288,8 +288,8 @@ class TrainEngine:
         step_metrics = []
         if self.offload is not None:
             self.offload.to_device()
-        self.choose_regions(batch, epochs)
         try:
+            self.choose_regions(batch, epochs)
             for rows in steps:
                 step_metrics.append(self._step(_take(batch, rows), loss_fn, micro_batch_size))
         finally:
