@@ -226,8 +226,7 @@ def build_plan(cfg: RunConfig, layout: DeviceLayout, arch: ModelArch | None = No
     stage = stage_named(cfg.actor.stage or cfg.actor.algorithm)
     a, rl, gen = cfg.actor, cfg.rl, cfg.generate
     on_policy = stage.on_policy
-    n = rl.n_samples_per_prompt if on_policy else 1
-    gbs = a.global_batch_size
+    n, gbs = (rl.n_samples_per_prompt if on_policy else 1), a.global_batch_size
     mini = rl.mini_batch_size if on_policy else gbs
     epochs = rl.epochs if on_policy else 1
     dynamic = stage.dynamic_sampling(cfg)
@@ -250,7 +249,8 @@ def build_plan(cfg: RunConfig, layout: DeviceLayout, arch: ModelArch | None = No
     temperature = gen.sampling_config.temperature or 1.0
     budgets = token_budgets(cfg)
     engine = EngineOptions(use_remove_padding=rl.use_remove_padding, share_prompt_prefix=rl.share_prompt_prefix,
-                           compile_regions=rl.compile_regions, update_budget=budgets["update"] if budgets else None,
+                           compile_regions=rl.compile_regions, compile_updates=max(1, a.train_iters or 1),
+                           update_budget=budgets["update"] if budgets else None,
                            loss_mask_key="chosen_response_mask" if stage.name == "dpo" and a.dpo_loss_type != "kto"
                            else "response_mask")  # KTO's rows are plain rows
     steps_per_iteration = mini_batches * epochs

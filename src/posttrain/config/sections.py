@@ -235,9 +235,11 @@ class RLConfig(Section):
                                        "true, exact and faster; the seed's: false; false pads every row)", HONOURED)
     share_prompt_prefix: bool = F(True, "posttrain: with use_remove_padding, pack a prompt shared by several "
                                         "rows (a group's n samples) once", HONOURED)
-    compile_regions: bool = F(False, "posttrain: the hf backend's update runs the RMSNorm and SiLU-mul of "
-                                     "Llama-family layers as torch.compile (Inductor) regions; exact within 1e-5, "
-                                     "compiled once per process (CPU; docs/performance.md)", HONOURED)
+    compile_regions: bool | Literal["auto"] = F(
+        False, "posttrain: the hf backend's update runs the RMSNorm, SiLU-mul, rotary and LM-head log-softmax-gather "
+        "of Llama-family models as torch.compile (Inductor) regions; exact within 1e-5, compiled once per process "
+        "(CPU); auto: at the first update, only the regions whose measured saving over the run's iterations beats "
+        "their compile time (run.json records why; docs/performance.md)", HONOURED)
     reuse_image_embeds: bool = F(False, "multimodal: the vision tower runs once per iteration (phase "
                                               "image_embeds) and every pass reuses its image embeddings", HONOURED)
     freeze_vision_tower: bool = F(False, "posttrain: multimodal: the vision tower gets no gradient (the seed's "

@@ -246,6 +246,7 @@ class Session:
     def after_iteration(self, iteration: int, metrics: dict[str, float], extra_state: dict | None = None) -> None:
         """Log ``metrics``, then save and evaluate on the config's schedule."""
         self.iteration = iteration
+        self._record_region_choices()
         self.logger.log(iteration, metrics)
         self.last_metrics = dict(metrics)  # the model card of a checkpoint saved now
         self.consumed_samples += self.plan.prompts_per_iteration
@@ -253,6 +254,17 @@ class Session:
             self.save(iteration, extra_state or {})
         if self._evaluates(iteration):
             self.log_eval(iteration)
+
+    def _record_region_choices(self) -> None:
+        """``compile_regions: auto``: the actor's choices (made at its first update) into ``run.json``, once."""
+        choices = getattr(getattr(self.policy, "actor", None), "region_choices", None)
+        if not choices or getattr(self, "_regions_recorded", False):
+            return
+        path = self.run_dir / "run.json"
+        info = json.loads(path.read_text())
+        info["compiled_regions"] = {region: choice.to_json() for region, choice in choices.items()}
+        write_text_atomic(path, json.dumps(info, indent=2) + "\n")
+        self._regions_recorded = True
 
     def finish(self, extra_state: dict | None = None) -> None:
         """The final save and evaluation; closes the session."""

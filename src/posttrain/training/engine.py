@@ -138,6 +138,7 @@ class TrainEngine:
         self.options = options
         self.offload = offload  # optimizer state / gradients on the host between updates
         self.packing = Packing(options.share_prompt_prefix) if options.use_remove_padding else None
+        self.region_choices: dict | None = None  # compile_regions auto's choices (compile_auto.Choice), once chosen
         if activation_checkpointing:
             self._enable_checkpointing()
 
@@ -167,8 +168,24 @@ class TrainEngine:
     def compiled_regions(self) -> contextlib.AbstractContextManager:
         """The model's compiled regions (:mod:`posttrain.training.fused_regions`) with
         ``options.compile_regions``: around the update's forwards only, where their fused backward
-        pays (a forward alone gains about 1%, docs/performance.md)."""
-        return fused_regions(self.model, enabled=self.options.compile_regions)
+        pays (a forward alone gains about 1%, docs/performance.md); with ``"auto"`` the regions
+        :meth:`choose_regions` chose."""
+        if self.options.compile_regions == "auto":
+            names = tuple(region for region, choice in (self.region_choices or {}).items() if choice.on)
+            return fused_regions(self.model, enabled=bool(names), names=names)
+        return fused_regions(self.model, enabled=bool(self.options.compile_regions))
+
+    def choose_regions(self, batch: dict[str, torch.Tensor], epochs: int) -> None:
+        """With ``compile_regions: auto``, once (at the first update): the regions that pay back in the run's
+        updates (:mod:`posttrain.training.compile_auto`), on this update's token counts."""
+        if self.options.compile_regions != "auto" or self.region_choices is not None:
+            return
+        from posttrain.training.compile_auto import choose_regions, update_tokens
+
+        share = self.packing is not None and self.packing.share_prompts
+        tokens, response_tokens = update_tokens(batch, share, self.options.loss_mask_key)
+        self.region_choices = choose_regions(self.model, tokens * epochs, response_tokens * epochs,
+                                             self.options.compile_updates)
 
     def _chunks(self, batch, micro_batch_size: int | None, budget: TokenBudget | None) -> list[torch.Tensor]:
         """Row indices of each micro-batch: fixed-size chunks, or token-balanced ones under a budget."""
@@ -272,6 +289,7 @@ class TrainEngine:
         if self.offload is not None:
             self.offload.to_device()
         try:
+            self.choose_regions(batch, epochs)
             for rows in steps:
                 step_metrics.append(self._step(_take(batch, rows), loss_fn, micro_batch_size))
         finally:

@@ -17,19 +17,32 @@ one, and restores the eager forward when the block exits; other modules are left
 ``benchmarks/update_compile.py`` measures whether the compiled regions pay for themselves, and
 ``tests/unit/train/test_fused_regions.py`` checks that they equal the eager path within 1e-5 in
 fp32 (forward, backward and an optimizer step) and that leaving the block restores it.
+
+Two more regions: ``rotary``, the attention's ``apply_rotary_pos_emb`` (``q * cos + rotate_half(q)
+* sin`` and the same for ``k``: a slice, a negation, a cat and three elementwise ops each, fused into
+one loop). Hugging Face's attention calls it as a global of its modeling module, so the block
+replaces that global (for every model of the class, in the thread that entered the block, while the
+block lasts; an asynchronous rollout's thread keeps the eager function) in the modules of the known
+attention classes (:data:`ATTENTIONS`) found in ``model``. And ``logprob``, the
+LM head's log-softmax-gather (:mod:`posttrain.training.compiled_logprob`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import sys
+import threading
 from collections.abc import Iterator
 
 import torch
 
+from posttrain.training import compiled_logprob
+
 RMS_NORMS = ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm")  # w * (x * rsqrt(mean x^2 + eps))
 MLPS = ("LlamaMLP", "Qwen2MLP", "Qwen3MLP", "MistralMLP")  # down(act(gate(x)) * up(x))
-REGIONS = ("rms_norm", "silu_mul")
+ATTENTIONS = ("LlamaAttention", "Qwen2Attention", "Qwen3Attention", "MistralAttention")  # apply_rotary_pos_emb
+REGIONS = ("rms_norm", "silu_mul", "rotary", "logprob")
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -45,12 +58,35 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.silu(gate) * up
 
 
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Hugging Face's ``apply_rotary_pos_emb`` (``unsqueeze_dim=1``): ``q [B, h, T, D]``, ``cos, sin [B, T, D]``."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
 @functools.lru_cache(maxsize=None)
 def compiled(name: str):
-    """The compiled region ``name`` (``rms_norm`` or ``silu_mul``), compiled once per process on its first call."""
+    """The compiled region ``name`` (``rms_norm``, ``silu_mul`` or ``rotary``), compiled once per process on its
+    first call."""
     # one compile thread: a region is a few kernels, and Inductor's pool of worker processes costs more to start
-    return torch.compile({"rms_norm": rms_norm, "silu_mul": silu_mul}[name], dynamic=True,
+    return torch.compile({"rms_norm": rms_norm, "silu_mul": silu_mul, "rotary": rotary}[name], dynamic=True,
                          options={"compile_threads": 1})
+
+
+def _compiled_rotary(eager):
+    owner = threading.get_ident()  # another thread (an asynchronous rollout's) keeps the eager function
+
+    def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+        if unsqueeze_dim != 1 or threading.get_ident() != owner:  # not the layout or the thread of the region
+            return eager(q, k, cos, sin, unsqueeze_dim)
+        return compiled("rotary")(q, k, cos, sin)
+    apply_rotary_pos_emb.eager = eager
+    return apply_rotary_pos_emb
 
 
 def _norm_forward(module: torch.nn.Module):
@@ -72,36 +108,64 @@ def _is_silu(module: torch.nn.Module) -> bool:
 
 def regions(model: torch.nn.Module) -> dict[str, list[torch.nn.Module]]:
     """The modules of ``model`` whose forward a compiled region replaces, by region."""
-    found: dict[str, list[torch.nn.Module]] = {"rms_norm": [], "silu_mul": []}
+    found: dict[str, list[torch.nn.Module]] = {"rms_norm": [], "silu_mul": [], "rotary": []}
     for module in model.modules():
         name = type(module).__name__
         if name in RMS_NORMS and isinstance(getattr(module, "weight", None), torch.Tensor):
             found["rms_norm"].append(module)
         elif name in MLPS and _is_silu(module):
             found["silu_mul"].append(module)
+        elif name in ATTENTIONS and callable(getattr(sys.modules.get(type(module).__module__),
+                                                     "apply_rotary_pos_emb", None)):
+            found["rotary"].append(module)
     return found
+
+
+def _swap_rotary(attentions: list[torch.nn.Module]) -> list:
+    """Replace ``apply_rotary_pos_emb`` in the modeling modules of ``attentions``; the modules replaced."""
+    patched = []
+    for source in {sys.modules[type(m).__module__] for m in attentions}:
+        if not hasattr(source.apply_rotary_pos_emb, "eager"):  # not already replaced by an enclosing block
+            source.apply_rotary_pos_emb = _compiled_rotary(source.apply_rotary_pos_emb)
+            patched.append(source)
+    return patched
+
+
+def _swap_forwards(model: torch.nn.Module, names: tuple[str, ...]) -> tuple[list, list, int]:
+    """Install the regions ``names`` on ``model``: (modules whose forward was swapped, modeling modules whose
+    rotary was replaced, how many modules compute through a region)."""
+    swapped, count = [], 0
+    found = regions(model)
+    for region in ("rms_norm", "silu_mul"):
+        if region in names:
+            make = _norm_forward if region == "rms_norm" else _mlp_forward
+            for module in found[region]:
+                if "forward" not in module.__dict__:  # not already swapped by an enclosing block
+                    module.forward = make(module)
+                    swapped.append(module)
+    count = len(swapped)
+    patched = _swap_rotary(found["rotary"]) if "rotary" in names else []
+    if patched:
+        count += sum(sys.modules[type(m).__module__] in patched for m in found["rotary"])
+    return swapped, patched, count
 
 
 @contextlib.contextmanager
 def fused_regions(model: torch.nn.Module, enabled: bool = True,
                   names: tuple[str, ...] = REGIONS) -> Iterator[int]:
-    """Inside, ``model``'s RMSNorms and gated MLPs compute through their compiled regions ``names``
-    (when ``enabled``); yields how many modules were swapped. The eager forwards return on exit."""
+    """Inside, ``model``'s RMSNorms, gated MLPs, rotary embeddings and LM-head log-probs compute through
+    their compiled regions ``names`` (when ``enabled``); yields how many modules were swapped (the LM
+    head's region counts one). The eager forwards return on exit."""
     unknown = set(names) - set(REGIONS)
     if unknown:
         raise ValueError(f"unknown compiled regions {sorted(unknown)}; known: {', '.join(REGIONS)}")
-    swapped = []
-    if enabled:
-        for region, modules in regions(model).items():
-            if region not in names:
-                continue
-            make = _norm_forward if region == "rms_norm" else _mlp_forward
-            for module in modules:
-                if "forward" not in module.__dict__:  # not already swapped by an enclosing block
-                    module.forward = make(module)
-                    swapped.append(module)
+    swapped, patched, count = _swap_forwards(model, names) if enabled else ([], [], 0)
+    logprob = enabled and "logprob" in names and not compiled_logprob.active()
     try:
-        yield len(swapped)
+        with compiled_logprob.logprob_region() if logprob else contextlib.nullcontext():
+            yield count + logprob
     finally:
         for module in swapped:
             del module.forward
+        for source in patched:
+            source.apply_rotary_pos_emb = source.apply_rotary_pos_emb.eager

@@ -13,6 +13,10 @@ its logits from the saved hidden states and the head's weight, at the cost of on
 forward. On SmolLM2 that recomputation makes a micro-batch's forward and backward about 10% slower
 on a CPU, so it is kept for the micro-batches whose logits would not fit comfortably. The result
 equals the unchunked computation up to float rounding (``tests/unit/train/test_lm_head.py``).
+Inside :func:`~posttrain.training.fused_regions.fused_regions` (``rl_config.compile_regions``) a
+chunk's log-softmax-gather after the matmul runs as a compiled region
+(:mod:`posttrain.training.compiled_logprob`), except under a truncated sampling distribution and
+for the checkpointed (recomputed) chunks.
 
 The head is detached only from a model whose ``get_output_embeddings()`` is a plain ``nn.Linear``
 with ordinary parameters (a Hugging Face causal LM, alone, under DDP or with a PEFT adapter on
@@ -30,6 +34,7 @@ from torch.utils.checkpoint import checkpoint
 
 from posttrain.algo.logprob import scaled_logprobs_and_entropy, truncated_logprobs_and_entropy
 from posttrain.algo.truncation import Truncation
+from posttrain.training import compiled_logprob
 
 CHUNK_ELEMENTS = 1 << 25  # logits per chunk (128 MiB in fp32): 682 tokens of a 49,152-entry vocabulary
 RECOMPUTE_ABOVE = 1 << 28  # logits of a whole call (1 GiB in fp32) above which autograd recomputes them
@@ -84,8 +89,14 @@ def head_logprobs(head: torch.nn.Linear, hidden: torch.Tensor, labels: torch.Ten
 
     def piece(h: torch.Tensor, y: torch.Tensor):
         entropy = with_entropy and (entropy_needs_grad or not recomputing[0])
+        truncated = truncation is not None and truncation.active
+        # the compiled log-softmax-gather (fused_regions); not under the checkpoint, whose backward re-runs
+        # `piece` without the entropy: another compiled graph, which saves other tensors than the forward's
+        if compiled_logprob.active() and not truncated and not recompute:
+            return compiled_logprob.compiled_logprobs_and_entropy()(head(h), y, temperature, entropy,
+                                                                    entropy_needs_grad)
         z = scaled_logits(head, h, temperature)
-        if truncation is not None and truncation.active:
+        if truncated:
             return truncated_logprobs_and_entropy(z, y, truncation, entropy, entropy_needs_grad)
         return scaled_logprobs_and_entropy(z, y, entropy, entropy_needs_grad)
 

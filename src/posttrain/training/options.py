@@ -28,11 +28,14 @@ class EngineOptions:
     (``update_budget``); ``loss_mask_key`` names the mask whose tokens a mini-batch's loss counts;
     ``truncation`` (the actor's, with ``rl_config.truncated_sampling_logprobs``) makes the log-prob
     passes report the log-probs of the truncated sampling distribution; ``compile_regions``
-    (``rl_config.compile_regions``) runs the forwards with :mod:`posttrain.training.fused_regions`."""
+    (``rl_config.compile_regions``: true, false or ``"auto"``) runs the update's forwards with
+    :mod:`posttrain.training.fused_regions`; ``"auto"`` chooses the regions at the first update
+    (:mod:`posttrain.training.compile_auto`) for ``compile_updates`` updates (the run's iterations)."""
 
     use_remove_padding: bool = False
     share_prompt_prefix: bool = True
-    compile_regions: bool = False
+    compile_regions: bool | str = False
+    compile_updates: int = 1
     forward_budget: TokenBudget | None = None
     update_budget: TokenBudget | None = None
     loss_mask_key: str = "response_mask"

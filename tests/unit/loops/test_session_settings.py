@@ -47,8 +47,13 @@ def test_the_kernel_is_recorded_installed_for_the_run_only_and_kept_by_a_resume(
     assert read_trainer_state(run / "ckpt" / "iter_0000001")["cpu_linear"] == "onednn"
     # a resume with nothing pinned keeps the kernel the checkpoint recorded (not a new measurement)
     monkeypatch.setattr(cpu_linear, "speedup", lambda *a, **k: 0.0)  # a measurement would now say blas
-    _train(mini_world, run, monkeypatch, None, iters=2, actor_config={"load": str(run / "ckpt"), "finetune": False})
-    assert json.loads((run / "out" / "run.json").read_text())["cpu_linear"] == "onednn"
+    _train(mini_world, run, monkeypatch, None, iters=2, actor_config={"load": str(run / "ckpt"), "finetune": False},
+           rl_config={"compile_regions": "auto"})
+    info = json.loads((run / "out" / "run.json").read_text())
+    assert info["cpu_linear"] == "onednn" and info["compile_regions"] == "auto"
+    # auto, on a tiny model with one update left: no region's eager time can pay for its compile
+    assert info["compiled_regions"] and not any(c["on"] or c["compiled_s"] for c in info["compiled_regions"].values())
+    assert all("less than the compile" in c["reason"] for c in info["compiled_regions"].values())
     assert read_trainer_state(run / "ckpt" / "iter_0000002")["cpu_linear"] == "onednn"
     assert cpu_linear.installed() == "blas"
 
