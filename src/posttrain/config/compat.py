@@ -254,6 +254,8 @@ ROWS: tuple[Row, ...] = (
         "modules' forwards, which the megatron backend does not run; set it false{megatron}", backend=MEGATRON),
     Row("compile-regions-cuda", "compile_regions", "{setting}: the compiled regions are measured and tested on "
         "CPUs only; set it false on CUDA", device=("cuda",)),
+    Row("compile-regions-auto-ray", "compile_auto", "{setting} on Ray actor workers: each worker would time the "
+        "regions and choose for itself, so the workers' choices could differ; set true or false", placement=RAY),
     Row("compile-regions-fsdp2", "compile_regions", "{setting}: the compiled regions are not tested with FSDP2's "
         "sharded parameters; set it false with ray_sharding fsdp2", placement=("ray-fsdp2",)),
     Row("megatron-share-prompt-prefix", "share_prompt_prefix", "{setting}: the megatron backend packs every row's "

@@ -302,7 +302,8 @@ def _features() -> dict[str, Feature]:
 def _kernel_features() -> list[Feature]:
     """The CPU's thread count and the compiled update regions."""
     return [_on("rl_config.num_threads", lambda v: v is not None, when="set"),
-            _on("rl_config.compile_regions", when="true or auto")]
+            _on("rl_config.compile_regions", when="true or auto"),
+            _on("rl_config.compile_regions", lambda v: v == "auto", name="compile_auto", when="auto")]
 
 
 def _env_features() -> list[Feature]:

@@ -64,6 +64,7 @@ EXAMPLES: dict[str, tuple[list[str], str]] = {
     "megatron-share-prompt-prefix": ([*TP2, "rl_config.share_prompt_prefix=true"], "cpu"),
     "megatron-compile-regions": ([*TP2, "rl_config.compile_regions=true"], "cpu"),
     "compile-regions-cuda": (["rl_config.compile_regions=true"], "cuda"),
+    "compile-regions-auto-ray": ([*RAY, "rl_config.compile_regions=auto"], "cpu"),
     "compile-regions-fsdp2": ([*RAY, "rl_config.ray_sharding=fsdp2", "rl_config.compile_regions=true"], "cpu"),
     "megatron-ref_config.tensor_model_parallel_size": ([*TP2, *SEPARATE, "ref_config.tensor_model_parallel_size=1"],
                                                        "cpu"),
