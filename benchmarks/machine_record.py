@@ -32,3 +32,14 @@ def machine(threads: int | None = None) -> dict:
 
     return {**cpu(), "loadavg": load_average(), "torch": torch.__version__,
             "threads": threads if threads is not None else torch.get_num_threads()}
+
+
+def available_gib() -> float | None:
+    """``MemAvailable`` of ``/proc/meminfo`` in GiB (None where it cannot be read)."""
+    path = Path("/proc/meminfo")
+    if not path.exists():
+        return None
+    for line in path.read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) / 2**20
+    return None

@@ -25,7 +25,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
-from machine_record import load_average, machine  # noqa: E402
+from machine_record import available_gib, load_average, machine  # noqa: E402
 
 SCRIPTS = {"posttrain": HERE / "run_posttrain.py", "trl": HERE / "run_trl.py"}
 
@@ -38,6 +38,10 @@ def one_run(side: str, args, rep: int) -> dict:
     if side == "posttrain":
         for item in args.set:
             cmd += ["--set", item]
+    free = available_gib()
+    if args.min_free_gib and free is not None and free < args.min_free_gib:
+        raise SystemExit(f"{side} run {rep}: {free:.1f} GiB of memory available, under --min-free-gib "
+                         f"{args.min_free_gib} (TRL's fp32 chat run peaks near 19 GiB); free memory or lower it")
     start, load_before = time.time(), load_average()
     proc = subprocess.run(cmd, capture_output=True, text=True)
     load_after = load_average()
@@ -50,6 +54,7 @@ def one_run(side: str, args, rep: int) -> dict:
     result["others_cores"] = statistics.median(r["cpu/others_cores"] for r in timed)
     result["peak_mib"] = result.get("peak_memory_mib") or result.get("bench", {}).get("peak_memory_mib")
     result["loadavg"] = {"before": load_before, "after": load_after}
+    result["mem_available_gib_before"] = free
     chosen = result.get("bench", {}).get("run", {})  # posttrain's kernel choices (its run.json)
     kernels = f"  linear {chosen.get('cpu_linear')}, packed rollout {chosen.get('rollout_packed_weights')}" \
         if chosen else ""
@@ -69,6 +74,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--set", action="append", default=[], help="extra posttrain config key=value")
     p.add_argument("--output", default=None)
+    p.add_argument("--min-free-gib", type=float, default=0.0,
+                   help="refuse to start a run with less memory available (a shared machine: an OOM kill hits others)")
     p.add_argument("--precision", default="fp32", choices=["fp32", "bf16"],
                    help="bf16: TRL with bf16=True, posttrain with its hardware default")
     args = p.parse_args()
