@@ -249,13 +249,28 @@ def compare(args) -> None:
     print(f"wrote {out}")
 
 
+def summarise(saved: list[dict]) -> None:
+    """Print the per-run rows and the medians of saved comparisons, their rounds numbered in turn."""
+    if len({(x["size"], x["precision"]) for x in saved}) != 1:
+        raise SystemExit("--summarise: give comparisons of one size and precision")
+    runs, offset = [], 0
+    for one in saved:
+        runs += [{**r, "round": r["round"] + offset} for r in one["runs"]]
+        offset = max(r["round"] for r in runs) + 1
+    variants = list(dict.fromkeys(r["variant"] for r in runs))
+    print(f"{saved[0]['size']}, {saved[0]['precision']}, {saved[0]['machine']}:")
+    print("\n".join(run_rows(runs)) + "\n")
+    print("\n".join(median_table(runs, variants)))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("profile_dir", nargs="?", help="the --profile DIR of posttrain bench (trace.json, bench.json)")
     p.add_argument("--bench", default=None, help="posttrain bench --output JSON (default: DIR/bench.json)")
     p.add_argument("--compare", action="store_true", help="run the variants alternating in rounds")
-    p.add_argument("--summarise", default=None, metavar="JSON",
-                   help="print the medians of a --compare JSON (also one stopped early: the rounds it finished)")
+    p.add_argument("--summarise", nargs="+", default=None, metavar="JSON",
+                   help="print the medians of --compare JSONs of one precision, their rounds in turn (also one "
+                        "stopped early: the rounds it finished)")
     p.add_argument("--size", default="chat", help="--compare: the workload (benchmarks/vs_trl/common.py)")
     p.add_argument("--precision", default="fp32", choices=["fp32", "bf16"],
                    help="--compare: fp32 pinned, or bf16: posttrain's hardware default")
@@ -269,11 +284,7 @@ def main() -> None:
         compare(args)
         return
     if args.summarise:
-        saved = json.loads(Path(args.summarise).read_text())
-        variants = list(dict.fromkeys(r["variant"] for r in saved["runs"]))
-        print(f"{saved['size']}, {saved['precision']}, {saved['machine']}:")
-        print("\n".join(run_rows(saved["runs"])) + "\n")
-        print("\n".join(median_table(saved["runs"], variants)))
+        summarise([json.loads(Path(path).read_text()) for path in args.summarise])
         return
     if not args.profile_dir:
         p.error("give a profile DIR, or --compare")
