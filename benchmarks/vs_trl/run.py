@@ -24,6 +24,9 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+from machine_record import available_gib, load_average, machine  # noqa: E402
+
 SCRIPTS = {"posttrain": HERE / "run_posttrain.py", "trl": HERE / "run_trl.py"}
 
 
@@ -35,8 +38,13 @@ def one_run(side: str, args, rep: int) -> dict:
     if side == "posttrain":
         for item in args.set:
             cmd += ["--set", item]
-    start = time.time()
+    free = available_gib()
+    if args.min_free_gib and free is not None and free < args.min_free_gib:
+        raise SystemExit(f"{side} run {rep}: {free:.1f} GiB of memory available, under --min-free-gib "
+                         f"{args.min_free_gib} (TRL's fp32 chat run peaks near 19 GiB); free memory or lower it")
+    start, load_before = time.time(), load_average()
     proc = subprocess.run(cmd, capture_output=True, text=True)
+    load_after = load_average()
     if proc.returncode != 0:
         raise SystemExit(f"{side} run failed:\n{proc.stderr[-4000:]}")
     result = json.loads(out.read_text())
@@ -45,9 +53,15 @@ def one_run(side: str, args, rep: int) -> dict:
     result["step_s"] = statistics.median(r["cpu/wall_s"] for r in timed)
     result["others_cores"] = statistics.median(r["cpu/others_cores"] for r in timed)
     result["peak_mib"] = result.get("peak_memory_mib") or result.get("bench", {}).get("peak_memory_mib")
+    result["loadavg"] = {"before": load_before, "after": load_after}
+    result["mem_available_gib_before"] = free
+    chosen = result.get("bench", {}).get("run", {})  # posttrain's kernel choices (its run.json)
+    kernels = f"  linear {chosen.get('cpu_linear')}, packed rollout {chosen.get('rollout_packed_weights')}" \
+        if chosen else ""
     print(f"  rep {rep} {side:<9} {result['tps']:8.1f} tok/s  step {result['step_s']:6.2f} s  "
           f"peak RSS {result['peak_mib'] or 0:.0f} MiB  others {result['others_cores']:.2f} cores  "
-          f"({time.time() - start:.0f} s)", flush=True)
+          f"load {load_before[0] if load_before else 0:.1f}->{load_after[0] if load_after else 0:.1f} "
+          f"({time.time() - start:.0f} s){kernels}", flush=True)
     return result
 
 
@@ -60,6 +74,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--set", action="append", default=[], help="extra posttrain config key=value")
     p.add_argument("--output", default=None)
+    p.add_argument("--min-free-gib", type=float, default=0.0,
+                   help="refuse to start a run with less memory available (a shared machine: an OOM kill hits others)")
     p.add_argument("--precision", default="fp32", choices=["fp32", "bf16"],
                    help="bf16: TRL with bf16=True, posttrain with its hardware default")
     args = p.parse_args()
@@ -68,6 +84,9 @@ def main() -> None:
     from common import prepare
 
     prepare(Path(args.work), args.size)
+    host = machine(args.threads)
+    print(f"{host['cpu']} ({', '.join(host['flags'])}; {host['cpus']} CPUs), torch {host['torch']}, "
+          f"{args.threads} threads, load {host['loadavg']}", flush=True)
     runs: dict[str, list[dict]] = {"posttrain": [], "trl": []}
     for rep in range(args.repeats):
         order = ["posttrain", "trl"] if rep % 2 == 0 else ["trl", "posttrain"]
@@ -80,6 +99,8 @@ def main() -> None:
             "tps_median": statistics.median(r["tps"] for r in results),
             "tps_runs": [r["tps"] for r in results],
             "step_s_median": statistics.median(r["step_s"] for r in results),
+            "step_s_runs": [[rec["cpu/wall_s"] for rec in r["records"][1:]] for r in results],
+            "loadavg_runs": [r["loadavg"] for r in results],
             "others_cores_runs": [r["others_cores"] for r in results],
             "peak_mib_runs": [r["peak_mib"] for r in results],
             "reward_curve": [statistics.mean(x for x in col if x is not None) for col in zip(*rewards)],
@@ -97,7 +118,7 @@ def main() -> None:
         print(f"  reward per step {side:<9}: {curve}")
     report = {"size": args.size, "steps": args.steps, "repeats": args.repeats, "threads": args.threads,
               "precision": args.precision,
-              "posttrain_settings": args.set, "ratio": ratio, "summary": summary,
+              "posttrain_settings": args.set, "ratio": ratio, "summary": summary, "machine": host,
               "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     out = Path(args.output or Path(args.work) / f"vs_trl_{args.size}_{args.precision}.json")
     out.write_text(json.dumps(report, indent=2))

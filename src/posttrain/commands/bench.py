@@ -13,7 +13,8 @@ It builds the same session and loop as ``posttrain train`` (checkpoints and eval
 * how many CPU cores other processes used during each iteration (:class:`CpuMeter`, from
   ``/proc/stat``), since a shared machine makes every timing noisy.
 
-The JSON written by ``--output`` holds the summary and every measured iteration. With
+The JSON written by ``--output`` holds the summary, every measured iteration and the run's ``run.json``
+(device, dtypes, threads, the fp32 linear kernel, packed rollout weights, compile regions). With
 ``--profile DIR`` the last iteration runs under ``torch.profiler`` (:func:`profiled`): the ops
 that took the most time go to ``DIR/profile.txt`` (each phase is a ``record_function`` span named
 ``timing/<phase>``) and a trace to ``DIR/trace.json``.
@@ -263,9 +264,11 @@ def _report(cfg, plan, session, all_records, peak, warmup) -> dict:
         [f"mfu/{p}" for p in PHASES] + ["floor_s", "cpu/own_cores", "cpu/others_cores"]
     summary = {k: _summary([r[k] for r in records]) for k in keys if all(k in r for r in records)}
     step = summary["timing/all"]["median"]
+    run_json = Path(session.run_dir) / "run.json"  # the kernels and threads the run chose
     return {
         "config": cfg.name, "device": session.device, "train_dtype": plan.train_dtype,
         "rollout_dtype": plan.rollout_dtype, "torch_threads": torch.get_num_threads(),
+        "run": json.loads(run_json.read_text()) if run_json.exists() else {},
         "num_params": sum(p.numel() for p in session.policy.model.parameters()),
         "matmul_params": matmul_params(session.policy.model), "matmul_peak_gflops": peak / 1e9,
         "warmup": warmup, "iters": len(records), "peak_memory_mib": peak_memory_mib(session.device),

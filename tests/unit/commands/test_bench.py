@@ -2,6 +2,7 @@
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -87,6 +88,44 @@ def test_bench_cli_end_to_end(tiny_model_dir, tmp_path, sum_prompts):
     assert ("aten::mm" in profile or "mkldnn::_linear_pointwise" in profile)  # the BLAS or oneDNN (cpu_linear)
     assert "timing/update" in profile and "timing/rollout" in profile
     assert json.loads((tmp_path / "prof" / "trace.json").read_text())["traceEvents"]
+    assert report["run"]["cpu_linear"] in ("blas", "onednn") and report["run"]["train_dtype"] == report["train_dtype"]
+    # benchmarks/floor_gap.py splits the profiled iteration's phases into matmuls, attention and the rest
+    floor_gap = _floor_gap()
+    split = floor_gap.analyse(tmp_path / "prof", report)
+    last = report["iterations"][-1]
+    assert set(split["phases"]) == {"rollout", "reference_model", "update"} and split["step"] == last["timing/all"]
+    for phase, row in split["phases"].items():
+        assert row["time"] == last[f"timing/{phase}"] and 0 < row["matmul"] < row["time"], (phase, row)
+        assert row["rest"] == pytest.approx(row["time"] - row["matmul"] - row["attention"])
+    assert split["phases"]["update"]["attention"] > 0  # the packed SDPA's forward and backward
+
+
+def _floor_gap():
+    import importlib
+    import sys
+
+    bench_dir = str(Path(__file__).resolve().parents[3] / "benchmarks")
+    sys.path.insert(0, bench_dir)
+    try:
+        return importlib.import_module("floor_gap")
+    finally:
+        sys.path.remove(bench_dir)
+
+
+def test_floor_gap_counts_kernels_inside_each_phase():
+    """Leaf matmul and SDPA kernels count in the phase whose span holds their start; others do not count."""
+    ev = [{"ph": "X", "name": "timing/rollout", "ts": 0, "dur": 100}, {"ph": "X", "name": "timing/update", "ts": 200,
+                                                                      "dur": 100},
+          {"ph": "X", "name": "aten::addmm", "ts": 10, "dur": 30}, {"ph": "X", "name": "aten::linear", "ts": 10, "dur": 35},
+          {"ph": "X", "name": "mkldnn::_linear_pointwise", "ts": 50, "dur": 20},
+          {"ph": "X", "name": "aten::_scaled_dot_product_flash_attention_for_cpu", "ts": 210, "dur": 7},
+          {"ph": "X", "name": "aten::mm", "ts": 150, "dur": 40}, {"ph": "i", "name": "aten::mm", "ts": 220}]
+    floor_gap = _floor_gap()
+    spans = floor_gap.phase_spans({"traceEvents": ev})
+    assert spans == {"rollout": (0, 100), "update": (200, 300)}
+    got = floor_gap.kernel_times({"traceEvents": ev}, spans)
+    assert got == {"rollout": {"matmul": pytest.approx(50e-6), "attention": 0.0},
+                   "update": {"matmul": 0.0, "attention": pytest.approx(7e-6)}}
 
 
 @pytest.mark.parametrize("flag,kind", [("--output", "dir"), ("--output", "file"), ("--profile", "file"),
