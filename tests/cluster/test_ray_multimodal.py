@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from PIL import Image, ImageDraw
 
 from tests.cluster.cluster_helpers import column, sample, session_and_trainer
 from tests.cluster.test_ray_grpo import is_wall_clock, same
 from tests.helpers.configs import OMIT, VERIFIERS, run_config
+from tests.helpers.tiny_vlm import colour_prompts
 
 pytestmark = pytest.mark.ray
-COLOURS = ["red", "blue", "green", "black"]
 TEXT_ONLY = 3  # the prompt without an image
 
 
@@ -34,26 +33,8 @@ def vlm_dir(request):
 
 @pytest.fixture(scope="module")
 def mm_data(vlm_dir, tmp_path_factory):
-    """4 prompts "<image> colour?", each with a 56x56 picture of one coloured square."""
-    from posttrain.data.preprocess import preprocess
-    from tests.helpers.data import write_jsonl
-
-    root = tmp_path_factory.mktemp("ray_mm")
-    rows = []
-    for i, colour in enumerate(COLOURS):
-        image = Image.new("RGB", (56, 56), "white")
-        ImageDraw.Draw(image).rectangle((8 + 4 * i, 8, 40, 40), fill=colour)
-        image.save(root / f"{i}.png")
-        if i == TEXT_ONLY:
-            rows.append({"problem": "colour?", "answer": colour, "images": []})
-            continue
-        rows.append({"problem": "<image> colour?", "answer": colour, "images": [f"{i}.png"]})
-    write_jsonl(root / "in.jsonl", rows)
-    preprocess({"input": str(root / "in.jsonl"), "handler_name": "R1AlpacaStyleInstructionHandler",
-                "tokenizer_name_or_path": str(vlm_dir), "prompt_type": "qwen2_vl",
-                "output_prefix": str(root / "data" / "mm"), "map_keys": {"prompt": "problem", "response": "answer"},
-                "dataset_additional_keys": ["labels"], "workers": 1}, progress=False)
-    return str(root / "data" / "mm")
+    """4 prompts "<image> colour?", each with a 56x56 picture of one coloured square (the last without)."""
+    return colour_prompts(tmp_path_factory.mktemp("ray_mm"), vlm_dir, text_only=(TEXT_ONLY,))
 
 
 def mm_config(model_dir, data, out, *, workers: int, iters: int, rl: dict):

@@ -21,14 +21,14 @@ import math
 
 import pytest
 import torch
-from PIL import Image, ImageDraw
+from PIL import Image
 
 from posttrain.reward.verifiers import register_verifier
 from tests.helpers.configs import OMIT, run_config
 from tests.helpers.runs import metrics_by_iteration
+from tests.helpers.tiny_vlm import colour_prompts
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-COLOURS = ["red", "blue", "green", "black"]
 
 
 @register_verifier("test_mm_token_share", overwrite=True)
@@ -40,22 +40,7 @@ def token_share(response: str, label: str, **_) -> float:
 @pytest.fixture(scope="module")
 def mm_data(tiny_vlm_dir, tmp_path_factory):
     """4 prompts "<image> what colour?", each with a 56x56 picture of one coloured square."""
-    root = tmp_path_factory.mktemp("mm")
-    rows = []
-    for i, colour in enumerate(COLOURS):
-        image = Image.new("RGB", (56, 56), "white")
-        ImageDraw.Draw(image).rectangle((8 + 4 * i, 8, 40, 40), fill=colour)
-        image.save(root / f"{i}.png")
-        rows.append({"problem": "<image> colour?", "answer": colour, "images": [f"{i}.png"]})
-    from posttrain.data.preprocess import preprocess
-    from tests.helpers.data import write_jsonl
-
-    write_jsonl(root / "in.jsonl", rows)
-    preprocess({"input": str(root / "in.jsonl"), "handler_name": "R1AlpacaStyleInstructionHandler",
-                "tokenizer_name_or_path": str(tiny_vlm_dir), "prompt_type": "qwen2_vl",
-                "output_prefix": str(root / "data" / "mm"), "map_keys": {"prompt": "problem", "response": "answer"},
-                "dataset_additional_keys": ["labels"], "workers": 1}, progress=False)
-    return str(root / "data" / "mm")
+    return colour_prompts(tmp_path_factory.mktemp("mm"), tiny_vlm_dir)
 
 
 def mm_config(model_dir, data, out, iters=2, **over):

@@ -116,3 +116,31 @@ def shapes_image(count: int, seed: int, size: int = 112):
 def image_prompt(num_images: int, words: str = "how many shapes ?") -> str:
     """The prompt text: one vision block (start, image pad, end) per image, then ``words``."""
     return "<|vision_start|> <|image_pad|> <|vision_end|> " * num_images + words
+
+
+COLOURS = ["red", "blue", "green", "black"]
+
+
+def colour_prompts(root: Path, model_dir, text_only: tuple[int, ...] = ()) -> str:
+    """4 prompts "<image> colour?" in ``root``, each with a 56x56 picture of one coloured square (the
+    label: its colour), preprocessed for the VLM in ``model_dir``; the prompts ``text_only`` get no
+    picture. Returns the dataset's prefix."""
+    from PIL import Image, ImageDraw
+
+    from posttrain.data.preprocess import preprocess
+    from tests.helpers.data import write_jsonl
+
+    rows = []
+    for i, colour in enumerate(COLOURS):
+        image = Image.new("RGB", (56, 56), "white")
+        ImageDraw.Draw(image).rectangle((8 + 4 * i, 8, 40, 40), fill=colour)
+        image.save(root / f"{i}.png")
+        pictured = i not in text_only
+        rows.append({"problem": "<image> colour?" if pictured else "colour?", "answer": colour,
+                     "images": [f"{i}.png"] if pictured else []})
+    write_jsonl(root / "in.jsonl", rows)
+    preprocess({"input": str(root / "in.jsonl"), "handler_name": "R1AlpacaStyleInstructionHandler",
+                "tokenizer_name_or_path": str(model_dir), "prompt_type": "qwen2_vl",
+                "output_prefix": str(root / "data" / "mm"), "map_keys": {"prompt": "problem", "response": "answer"},
+                "dataset_additional_keys": ["labels"], "workers": 1}, progress=False)
+    return str(root / "data" / "mm")
