@@ -122,6 +122,7 @@ def test_the_runs_choice_rules_every_engine_of_the_process_unless_the_environmen
     """Session installs the run's choice (and Ray workers the driver's: install_run_kernels), so no
     engine of the run times the products for itself: packed and plain round differently."""
     monkeypatch.delenv(packed_linear.ENV, raising=False)
+    monkeypatch.setattr(packed_linear, "_run_choice", None)  # whatever an earlier test's session left
     monkeypatch.setattr(packed_linear, "speedup", lambda *a: pytest.fail("timed despite the run's choice"))
     for choice in (True, False):
         with packed_linear.use_rollout_packed(choice):
@@ -133,8 +134,5 @@ def test_the_runs_choice_rules_every_engine_of_the_process_unless_the_environmen
     with packed_linear.use_rollout_packed(True):
         assert packed_linear.resolve_packed("cpu") is False
     packed_linear.install_run_kernels({"cpu_linear": "blas", "rollout_packed": True})
-    try:
-        monkeypatch.delenv(packed_linear.ENV)
-        assert packed_linear.resolve_packed("cpu") is True
-    finally:
-        packed_linear.set_rollout_packed(None)
+    monkeypatch.delenv(packed_linear.ENV)
+    assert packed_linear.resolve_packed("cpu") is True
