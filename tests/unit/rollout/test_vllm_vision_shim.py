@@ -1,5 +1,5 @@
 """The torchvision-free stand-in for Transformers' Qwen2-VL image-processor module
-(posttrain.rollout.vllm_vision_shim): the same smart_resize code, installed only without torchvision."""
+(tests.helpers.vllm_vision_shim): the same smart_resize code, installed only without torchvision."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from posttrain.rollout import vllm_vision_shim as shim
+from tests.helpers import vllm_vision_shim as shim
 
 
 def _function_tree(source: str, name: str) -> str:

