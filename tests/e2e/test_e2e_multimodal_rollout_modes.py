@@ -1,0 +1,180 @@
+"""Partial rollout and asynchronous rollout with images (rl_config.is_multimodal with
+partial_rollout_max_split: 2, or async_staleness: 1) on the tiny Qwen2.5-VL, in one process.
+
+The learning rate (1e-20) does not move the policy, so over 2 GRPO iterations every sampled token's
+log-prob must be the starting model's, computed by an independent Hugging Face forward of the
+sample (prompt + response) with its prompt's picture, read again from the picture file the prompt's
+label names:
+
+* the rollout's own log-prob (the native engine's; it never samples the vision tokens, so the
+  reference is renormalised without them), for responses cut at an iteration's budget and continued
+  with their images in the next one (partial) and for samples drawn by the replica a version behind
+  (async), within 1e-4;
+* the trainer's old log-prob (the update's samples carry their images), within 1e-4; and the
+  update's first mini-batch sees the same log-probs (``actor/ppo_kl`` ~ 0).
+
+These log-probs are about -5.6 nats a token on the random model, and a continuation prefilled with
+a blank picture in place of its own moves them by 0.05 (the mutation test: the check fails).
+The partial run reuses the image embeddings (a frozen tower), the async run trains the tower.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from PIL import Image
+
+from posttrain.loops.partial_rollout import PartialRollout
+from posttrain.loops.onpolicy import OnPolicyTrainer
+from tests.e2e.test_e2e_multimodal import mm_config  # also registers its verifier, test_mm_token_share
+from tests.helpers.runs import metrics_by_iteration
+from tests.helpers.tiny_vlm import COLOURS, colour_prompts
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+# partial: max_num_seqs 8 < the pool's 16 rows, so the pool runs its rounds (one generate per round of
+# 3 tokens): after the first round the text-only samples are complete (MAX_MODEL_LEN) and make the
+# first update, and the pictured ones are cut and continued in iteration 2
+MODES = {"partial": {"rl_config__partial_rollout_max_split": 2, "rl_config__reuse_image_embeds": True,
+                     "rl_config__freeze_vision_tower": True, "generate_config__max_num_seqs": 8},
+         "async": {"rl_config__async_staleness": 1}}
+CAPTURED = ("prompts", "responses", "labels", "rollout_logprobs", "old_logprobs", "policy_version")
+
+
+# prompt lengths in tokens (the qwen2_vl template on init-model's tokenizer): "<image> colour?" with the
+# picture's 4 image tokens, and the text-only question, 3 tokens longer
+PICTURED_LENGTH, TEXT_LENGTH = 68, 71
+MAX_MODEL_LEN = TEXT_LENGTH + 3  # a text-only sample is complete after one round (6 // 2 tokens), a pictured one is not
+
+
+@pytest.fixture(scope="module")
+def colour_data(tiny_vlm_dir, tmp_path_factory):
+    """The colour pictures of :func:`colour_prompts`, asked about as there ("<image> colour?") in prompts
+    0 and 2 and by a longer text-only question in prompts 1 and 3. Returns (the pictures' folder, the
+    dataset prefix, the pictured prompts' length in tokens)."""
+    from posttrain.data.preprocess import preprocess
+    from tests.helpers.data import write_jsonl
+
+    root = tmp_path_factory.mktemp("mm_modes")
+    colour_prompts(root, tiny_vlm_dir)  # the pictures
+    rows = [{"problem": "<image> colour?" if i % 2 == 0 else "what colour is the square", "answer": colour,
+             "images": [f"{i}.png"] if i % 2 == 0 else []} for i, colour in enumerate(COLOURS)]
+    write_jsonl(root / "modes.jsonl", rows)
+    preprocess({"input": str(root / "modes.jsonl"), "handler_name": "R1AlpacaStyleInstructionHandler",
+                "tokenizer_name_or_path": str(tiny_vlm_dir), "prompt_type": "qwen2_vl",
+                "output_prefix": str(root / "data" / "modes"), "map_keys": {"prompt": "problem", "response": "answer"},
+                "dataset_additional_keys": ["labels"], "workers": 1}, progress=False)
+    return root, str(root / "data" / "modes")
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_vlm_dir, colour_data):
+    """``logprobs(sample) -> (full, without vision tokens)``: the starting model's forward of the sample
+    with the picture of its label, read from its file by the model directory's processor."""
+    from transformers import AutoModelForImageTextToText
+
+    from posttrain.models.vlm import load_processor
+
+    root, _ = colour_data
+    model = AutoModelForImageTextToText.from_pretrained(tiny_vlm_dir).eval()
+    processor = load_processor(tiny_vlm_dir)
+    config = model.config
+    vision = [config.image_token_id, config.video_token_id, config.vision_start_token_id, config.vision_end_token_id]
+
+    def logprobs(sample):
+        ids = torch.cat([sample["prompts"], sample["responses"]])[None]
+        pictures = {}
+        if (ids == config.image_token_id).any():
+            colour = processor.tokenizer.decode(sample["labels"].tolist()).strip()
+            image = Image.open(root / f"{COLOURS.index(colour)}.png").convert("RGB")
+            encoded = processor.image_processor(images=[image], return_tensors="pt")
+            pictures = {"pixel_values": encoded["pixel_values"], "image_grid_thw": encoded["image_grid_thw"]}
+        with torch.no_grad():
+            logits = model(input_ids=ids, mm_token_type_ids=(ids == config.image_token_id).int(), **pictures).logits[0]
+        start, length = sample["prompts"].numel(), sample["responses"].numel()
+        logits = logits[start - 1:start + length - 1].float()
+        token = sample["responses"][:, None]
+        masked = logits.clone()
+        masked[:, vision] = float("-inf")
+        return (torch.log_softmax(logits, -1).gather(-1, token)[:, 0],
+                torch.log_softmax(masked, -1).gather(-1, token)[:, 0])
+
+    return logprobs
+
+
+def run_mode(mode, tiny_vlm_dir, colour_data, out, monkeypatch, blank_continuations=False):
+    """Two learning-free GRPO iterations of ``mode``; returns (metrics by iteration, the samples each
+    update learned from, the continued rows' count). ``blank_continuations``: the mutation, a
+    continued sample is re-prefilled with a blank picture."""
+    from posttrain.commands.train import train_config as train
+
+    samples, continued = [], []
+    real_correct, real_images = OnPolicyTrainer.correct, PartialRollout.row_images
+
+    def correct(self, td, acc, iteration):  # the dock after the old log-prob pass
+        samples.extend({c: td.cell(c, r) for c in CAPTURED} for r in range(td.max_len))
+        return real_correct(self, td, acc, iteration)
+
+    def row_images(self, rows):
+        images = real_images(self, rows)
+        for k, r in enumerate(rows):
+            if self.dock.cell("responses", r).numel():  # a continued sample: re-prefilled with its images
+                continued.append(r)
+                if blank_continuations:
+                    entry = images["images"][k]
+                    images["images"][k] = {**entry, "pixel_values": torch.zeros_like(entry["pixel_values"])}
+        return images
+
+    monkeypatch.setattr(OnPolicyTrainer, "correct", correct)
+    monkeypatch.setattr(PartialRollout, "row_images", row_images)
+    _, data = colour_data
+    train(mm_config(tiny_vlm_dir, data, out, iters=2, megatron_training__lr=1e-20,
+                    generate_config__max_model_len=MAX_MODEL_LEN, megatron_training__seq_length=MAX_MODEL_LEN,
+                    **MODES[mode]))
+    return metrics_by_iteration(out / "run"), samples, len(continued)
+
+
+def worst_differences(samples, reference) -> tuple[float, float]:
+    """The largest |rollout - reference without vision tokens| and |old - reference| over every token."""
+    rollout = old = 0.0
+    for sample in samples:
+        full, masked = reference(sample)
+        rollout = max(rollout, (sample["rollout_logprobs"] - masked).abs().max().item())
+        old = max(old, (sample["old_logprobs"] - full).abs().max().item())
+    return rollout, old
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_images_reach_every_pass(mode, tiny_vlm_dir, colour_data, reference, tmp_path, monkeypatch):
+    metrics, samples, continued = run_mode(mode, tiny_vlm_dir, colour_data, tmp_path, monkeypatch)
+    assert sorted(metrics) == [1, 2]
+    for row in metrics.values():
+        for key in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "grpo/score/mean", "response_length/mean"):
+            assert math.isfinite(row[key]), (key, row[key])
+        assert abs(row["actor/ppo_kl"]) < 1e-6, row  # the update's log-probs are the old ones
+    assert len(samples) == 16  # 4 prompts x 2 samples, 2 iterations
+    assert {s["prompts"].numel() for s in samples} <= {PICTURED_LENGTH, TEXT_LENGTH}
+    pictured = [s for s in samples if s["prompts"].numel() == PICTURED_LENGTH]
+    assert pictured and max(s["responses"].numel() for s in pictured) == 6
+    if mode == "partial":  # iteration 2 learns from the pictured samples cut in 1 and continued with their images
+        assert continued == 8
+        assert all(s["prompts"].numel() == PICTURED_LENGTH and int(s["policy_version"]) == 0 for s in samples[8:])
+        assert metrics[2]["rollout/staleness_max"] == 1
+    else:  # iteration 2's samples were drawn by the replica still holding version 0
+        assert metrics[2]["rollout/staleness_max"] == 1
+        assert all(int(s["policy_version"]) == 0 for s in samples[8:])
+    rollout, old = worst_differences(samples, reference)
+    assert rollout < 1e-4 and old < 1e-4, (rollout, old)
+    assert min(s["rollout_logprobs"].mean().item() for s in samples if s["responses"].numel()) < -1.0  # not ~0
+
+
+def test_a_continuation_without_its_picture_fails_the_check(tiny_vlm_dir, colour_data, reference, tmp_path,
+                                                            monkeypatch):
+    metrics, samples, continued = run_mode("partial", tiny_vlm_dir, colour_data, tmp_path, monkeypatch,
+                                           blank_continuations=True)
+    assert continued == 8 and sorted(metrics) == [1, 2]
+    rollout, old = worst_differences(samples, reference)
+    assert old < 1e-4  # the trainer's passes still read the dock's pictures
+    assert rollout > 1e-2, rollout  # the continued tokens were sampled without the picture
