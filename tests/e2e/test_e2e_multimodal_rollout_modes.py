@@ -34,12 +34,19 @@ from tests.helpers.tiny_vlm import COLOURS, colour_prompts
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-# partial: max_num_seqs 8 < the pool's 16 rows, so the pool runs its rounds (one generate per round of
-# 3 tokens): after the first round the text-only samples are complete (MAX_MODEL_LEN) and make the
-# first update, and the pictured ones are cut and continued in iteration 2
-MODES = {"partial": {"rl_config__partial_rollout_max_split": 2, "rl_config__reuse_image_embeds": True,
-                     "rl_config__freeze_vision_tower": True, "generate_config__max_num_seqs": 8},
-         "async": {"rl_config__async_staleness": 1}}
+# Partial rollout (max_tokens 6, split 2: rounds of 3 tokens) over a pool of 8 groups of 2. Iteration
+# 1 has 16 rows to sample, more than max_num_seqs, so the pool runs rounds (one generate each); after
+# the first round the text-only samples are complete (MAX_MODEL_LEN) and make the first update, and
+# the pictured ones are cut. Iteration 2 continues them with their pictures: in a round (``rounds``:
+# prompts 0 and 2 pictured, max_num_seqs 8), or (``decode``: prompt 0 pictured, max_num_seqs 12, so
+# the 12 rows left fit one decode) in the one decode that keeps its KV cache.
+PARTIAL = {"rl_config__partial_rollout_max_split": 2}
+MODES = {"partial-rounds": ("half", {**PARTIAL, "generate_config__max_num_seqs": 8, "rl_config__freeze_vision_tower":
+                                     True, "rl_config__reuse_image_embeds": True}),
+         "partial-decode": ("one", {**PARTIAL, "generate_config__max_num_seqs": 12}),
+         "async": ("half", {"rl_config__async_staleness": 1}),
+         "async-partial": ("half", {**PARTIAL, "generate_config__max_num_seqs": 8, "rl_config__async_staleness": 1})}
+PICTURED = {"half": (0, 2), "one": (0,)}  # the pictured prompts of each dataset
 CAPTURED = ("prompts", "responses", "labels", "rollout_logprobs", "old_logprobs", "policy_version")
 
 
@@ -51,22 +58,25 @@ MAX_MODEL_LEN = TEXT_LENGTH + 3  # a text-only sample is complete after one roun
 
 @pytest.fixture(scope="module")
 def colour_data(tiny_vlm_dir, tmp_path_factory):
-    """The colour pictures of :func:`colour_prompts`, asked about as there ("<image> colour?") in prompts
-    0 and 2 and by a longer text-only question in prompts 1 and 3. Returns (the pictures' folder, the
-    dataset prefix, the pictured prompts' length in tokens)."""
+    """The colour pictures of :func:`colour_prompts`, asked about as there ("<image> colour?") in the
+    pictured prompts of each dataset of :data:`PICTURED` and by a longer text-only question in the
+    others. Returns (the pictures' folder, {dataset: its prefix})."""
     from posttrain.data.preprocess import preprocess
     from tests.helpers.data import write_jsonl
 
     root = tmp_path_factory.mktemp("mm_modes")
     colour_prompts(root, tiny_vlm_dir)  # the pictures
-    rows = [{"problem": "<image> colour?" if i % 2 == 0 else "what colour is the square", "answer": colour,
-             "images": [f"{i}.png"] if i % 2 == 0 else []} for i, colour in enumerate(COLOURS)]
-    write_jsonl(root / "modes.jsonl", rows)
-    preprocess({"input": str(root / "modes.jsonl"), "handler_name": "R1AlpacaStyleInstructionHandler",
-                "tokenizer_name_or_path": str(tiny_vlm_dir), "prompt_type": "qwen2_vl",
-                "output_prefix": str(root / "data" / "modes"), "map_keys": {"prompt": "problem", "response": "answer"},
-                "dataset_additional_keys": ["labels"], "workers": 1}, progress=False)
-    return root, str(root / "data" / "modes")
+    prefixes = {}
+    for name, pictured in PICTURED.items():
+        rows = [{"problem": "<image> colour?" if i in pictured else "what colour is the square", "answer": colour,
+                 "images": [f"{i}.png"] if i in pictured else []} for i, colour in enumerate(COLOURS)]
+        write_jsonl(root / f"{name}.jsonl", rows)
+        preprocess({"input": str(root / f"{name}.jsonl"), "handler_name": "R1AlpacaStyleInstructionHandler",
+                    "tokenizer_name_or_path": str(tiny_vlm_dir), "prompt_type": "qwen2_vl",
+                    "output_prefix": str(root / name / "modes"), "map_keys": {"prompt": "problem", "response": "answer"},
+                    "dataset_additional_keys": ["labels"], "workers": 1}, progress=False)
+        prefixes[name] = str(root / name / "modes")
+    return root, prefixes
 
 
 @pytest.fixture(scope="module")
@@ -104,14 +114,14 @@ def reference(tiny_vlm_dir, colour_data):
     return logprobs
 
 
-def run_mode(mode, tiny_vlm_dir, colour_data, out, monkeypatch, blank_continuations=False):
+def run_mode(mode, tiny_vlm_dir, colour_data, out, monkeypatch, blank_continuations=False, **extra):
     """Two learning-free GRPO iterations of ``mode``; returns (metrics by iteration, the samples each
-    update learned from, the continued rows' count). ``blank_continuations``: the mutation, a
-    continued sample is re-prefilled with a blank picture."""
+    update learned from, the continued rows' count, the pool's decodes). ``blank_continuations``: the
+    mutation, a continued sample is re-prefilled with a blank picture. ``extra``: more config keys."""
     from posttrain.commands.train import train_config as train
 
-    samples, continued = [], []
-    real_correct, real_images = OnPolicyTrainer.correct, PartialRollout.row_images
+    samples, continued, decodes = [], [], []
+    real_correct, real_images, real_decode = OnPolicyTrainer.correct, PartialRollout.row_images, PartialRollout.decode
 
     def correct(self, td, acc, iteration):  # the dock after the old log-prob pass
         samples.extend({c: td.cell(c, r) for c in CAPTURED} for r in range(td.max_len))
@@ -129,11 +139,12 @@ def run_mode(mode, tiny_vlm_dir, colour_data, out, monkeypatch, blank_continuati
 
     monkeypatch.setattr(OnPolicyTrainer, "correct", correct)
     monkeypatch.setattr(PartialRollout, "row_images", row_images)
-    _, data = colour_data
-    train(mm_config(tiny_vlm_dir, data, out, iters=2, megatron_training__lr=1e-20,
+    monkeypatch.setattr(PartialRollout, "decode", lambda self, *a: decodes.append(1) or real_decode(self, *a))
+    data, over = MODES[mode]
+    train(mm_config(tiny_vlm_dir, colour_data[1][data], out, iters=2, megatron_training__lr=1e-20,
                     generate_config__max_model_len=MAX_MODEL_LEN, megatron_training__seq_length=MAX_MODEL_LEN,
-                    **MODES[mode]))
-    return metrics_by_iteration(out / "run"), samples, len(continued)
+                    **over, **extra))
+    return metrics_by_iteration(out / "run"), samples, len(continued), len(decodes)
 
 
 def worst_differences(samples, reference) -> tuple[float, float]:
@@ -146,9 +157,23 @@ def worst_differences(samples, reference) -> tuple[float, float]:
     return rollout, old
 
 
+@pytest.fixture(scope="module")
+def mode_runs(tiny_vlm_dir, colour_data, tmp_path_factory):
+    """``run(mode)``: :func:`run_mode`'s result, each mode run once for the module."""
+    done = {}
+
+    def run(mode):
+        if mode not in done:
+            with pytest.MonkeyPatch.context() as monkeypatch:
+                done[mode] = run_mode(mode, tiny_vlm_dir, colour_data, tmp_path_factory.mktemp(mode), monkeypatch)
+        return done[mode]
+
+    return run
+
+
 @pytest.mark.parametrize("mode", MODES)
-def test_images_reach_every_pass(mode, tiny_vlm_dir, colour_data, reference, tmp_path, monkeypatch):
-    metrics, samples, continued = run_mode(mode, tiny_vlm_dir, colour_data, tmp_path, monkeypatch)
+def test_images_reach_every_pass(mode, mode_runs, reference):
+    metrics, samples, continued, decodes = mode_runs(mode)
     assert sorted(metrics) == [1, 2]
     for row in metrics.values():
         for key in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "grpo/score/mean", "response_length/mean"):
@@ -158,11 +183,14 @@ def test_images_reach_every_pass(mode, tiny_vlm_dir, colour_data, reference, tmp
     assert {s["prompts"].numel() for s in samples} <= {PICTURED_LENGTH, TEXT_LENGTH}
     pictured = [s for s in samples if s["prompts"].numel() == PICTURED_LENGTH]
     assert pictured and max(s["responses"].numel() for s in pictured) == 6
-    if mode == "partial":  # iteration 2 learns from the pictured samples cut in 1 and continued with their images
-        assert continued == 8
-        assert all(s["prompts"].numel() == PICTURED_LENGTH and int(s["policy_version"]) == 0 for s in samples[8:])
+    if "partial" in mode:  # iteration 2 learns from the pictured samples cut in 1, continued with their images
+        assert continued == 4 * len(PICTURED[MODES[mode][0]])  # both batches' pictured groups of 2 rows
+        assert [s for s in samples[:8] if s["prompts"].numel() == PICTURED_LENGTH] == []
+        assert sum(s["prompts"].numel() == PICTURED_LENGTH for s in samples[8:]) == continued
+        assert all(int(s["policy_version"]) == 0 for s in samples[8:])
         assert metrics[2]["rollout/staleness_max"] == 1
-    else:  # iteration 2's samples were drawn by the replica still holding version 0
+        assert decodes == (1 if mode == "partial-decode" else 0)
+    if "async" in mode:  # iteration 2's samples were drawn by the replica still holding version 0
         assert metrics[2]["rollout/staleness_max"] == 1
         assert all(int(s["policy_version"]) == 0 for s in samples[8:])
     rollout, old = worst_differences(samples, reference)
@@ -170,11 +198,50 @@ def test_images_reach_every_pass(mode, tiny_vlm_dir, colour_data, reference, tmp
     assert min(s["rollout_logprobs"].mean().item() for s in samples if s["responses"].numel()) < -1.0  # not ~0
 
 
-def test_a_continuation_without_its_picture_fails_the_check(tiny_vlm_dir, colour_data, reference, tmp_path,
+@pytest.mark.parametrize("mode", ["partial-rounds", "partial-decode"])
+def test_a_continuation_without_its_picture_fails_the_check(mode, tiny_vlm_dir, colour_data, reference, tmp_path,
                                                             monkeypatch):
-    metrics, samples, continued = run_mode("partial", tiny_vlm_dir, colour_data, tmp_path, monkeypatch,
-                                           blank_continuations=True)
-    assert continued == 8 and sorted(metrics) == [1, 2]
+    metrics, samples, continued, _ = run_mode(mode, tiny_vlm_dir, colour_data, tmp_path, monkeypatch,
+                                              blank_continuations=True)
+    assert continued == 4 * len(PICTURED[MODES[mode][0]]) and sorted(metrics) == [1, 2]
     rollout, old = worst_differences(samples, reference)
     assert old < 1e-4  # the trainer's passes still read the dock's pictures
     assert rollout > 1e-2, rollout  # the continued tokens were sampled without the picture
+
+
+class Killed(Exception):
+    """The run dies here (as under a kill): nothing after it runs."""
+
+
+@pytest.mark.parametrize("mode", ["partial-rounds", "async"])
+def test_a_resumed_run_learns_from_the_straight_runs_samples(mode, mode_runs, tiny_vlm_dir, colour_data, tmp_path,
+                                                              monkeypatch):
+    """The checkpoint of iteration 1 holds the pictures of the samples not trained on yet: the partial
+    pool's cut samples (``partial_rollout.pt``), continued by the resumed run, or the asynchronous
+    run's finished iteration 2 (``in_flight.pt``); the resumed iteration 2 learns from the straight
+    run's samples, its old log-probs read with their pictures."""
+    _, straight, _, _ = mode_runs(mode)
+    real = OnPolicyTrainer.train_step
+
+    def dies_at_iteration_2(self, iteration):
+        if iteration == 2:
+            raise Killed
+        return real(self, iteration)
+
+    with monkeypatch.context() as dying:
+        dying.setattr(OnPolicyTrainer, "train_step", dies_at_iteration_2)
+        with pytest.raises(Killed):  # the run dies after saving iteration 1
+            run_mode(mode, tiny_vlm_dir, colour_data, tmp_path, dying)
+    saved = torch.load(tmp_path / "ckpt" / "iter_0000001" / ("partial_rollout.pt" if "partial" in mode
+                                                             else "in_flight.pt"), weights_only=True)
+    cells = saved["data"] if "partial" in mode else saved[2]["dock"]["data"]
+    pictured = 8 if "partial" in mode else 4  # the cut samples of 4 pictured groups; iteration 2's 2 pictured groups
+    assert sum(cell is not None and cell.shape[0] > 0 for cell in cells["pixel_values"]) == pictured
+    metrics, resumed, continued, _ = run_mode(mode, tiny_vlm_dir, colour_data, tmp_path, monkeypatch,
+                                              actor_config__load=str(tmp_path / "ckpt"))
+    assert sorted(metrics) == [1, 2] and len(resumed) == 8
+    assert continued == (8 if "partial" in mode else 0)
+    for a, b in zip(straight[8:], resumed):
+        assert torch.equal(a["prompts"], b["prompts"]) and torch.equal(a["responses"], b["responses"])
+        for column in ("rollout_logprobs", "old_logprobs"):
+            torch.testing.assert_close(a[column], b[column], rtol=0, atol=1e-6)

@@ -205,11 +205,12 @@ _MULTIMODAL_ROWS = (  # rl_config.is_multimodal: the hf backend in one process, 
         ("env", "an environment's tasks carry no images; remove env_config or set is_multimodal: false"))),
     *(Row(f"mm-{other}-ray", "multimodal", "{setting} with {other} on Ray actor workers: " + why, placement=RAY,
           with_=other) for other, why in (
-        ("partial", "the partial-rollout pool carries the images in one process only (the workers' continuation "
-                    "with images is not tested); run in one process (actor_resource.num_npus: 1) or remove the key"),
-        ("async", "the asynchronous rollout with images is built on the in-process replica only (the workers' "
-                  "rollout copies are not given the images); run in one process (actor_resource.num_npus: 1) or "
-                  "remove the key"))),
+        ("partial", "partial rollout with images is built and tested in one process (the workers' continuation "
+                    "of a cut sample with its images is not tested yet); run in one process "
+                    "(actor_resource.num_npus: 1) or remove the key"),
+        ("async", "the asynchronous rollout with images is built and tested on the in-process replica (the "
+                  "workers' rollout copies sampling with images a version behind are not tested yet); run in one "
+                  "process (actor_resource.num_npus: 1) or remove the key"))),
     Row("mm-lora-tower", "vision_tower_trained", "{setting} with {other}: LoRA adapts the language model and PEFT "
         "freezes every base weight, the vision tower's too; set rl_config.freeze_vision_tower: true", with_="lora"),
     Row("mm-reuse-trained-tower", "reuse_image_embeds", "{setting} with {other}: reused image embeddings carry no "
