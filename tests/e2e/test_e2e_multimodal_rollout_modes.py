@@ -1,5 +1,5 @@
 """Partial rollout and asynchronous rollout with images (rl_config.is_multimodal with
-partial_rollout_max_split: 2, or async_staleness: 1) on the tiny Qwen2.5-VL, in one process.
+partial_rollout_max_split: 2, async_staleness: 1, or both) on the tiny Qwen2.5-VL, in one process.
 
 The learning rate (1e-20) does not move the policy, so over 2 GRPO iterations every sampled token's
 log-prob must be the starting model's, computed by an independent Hugging Face forward of the
@@ -11,11 +11,13 @@ label names:
   with their images in the next one (partial) and for samples drawn by the replica a version behind
   (async), within 1e-4;
 * the trainer's old log-prob (the update's samples carry their images), within 1e-4; and the
-  update's first mini-batch sees the same log-probs (``actor/ppo_kl`` ~ 0).
+  update sees the same log-probs (``actor/ppo_kl`` ~ 0).
 
 These log-probs are about -5.6 nats a token on the random model, and a continuation prefilled with
 a blank picture in place of its own moves them by 0.05 (the mutation test: the check fails).
-The partial run reuses the image embeddings (a frozen tower), the async run trains the tower.
+The partial runs in rounds (alone, and with async) reuse the image embeddings (a frozen tower); the
+others train the tower. A run that dies after saving iteration 1 and resumes learns from the
+straight run's samples: the saved pool and in-flight experiences hold the pictures.
 """
 
 from __future__ import annotations
@@ -45,7 +47,8 @@ MODES = {"partial-rounds": ("half", {**PARTIAL, "generate_config__max_num_seqs":
                                      True, "rl_config__reuse_image_embeds": True}),
          "partial-decode": ("one", {**PARTIAL, "generate_config__max_num_seqs": 12}),
          "async": ("half", {"rl_config__async_staleness": 1}),
-         "async-partial": ("half", {**PARTIAL, "generate_config__max_num_seqs": 8, "rl_config__async_staleness": 1})}
+         "async-partial": ("half", {**PARTIAL, "generate_config__max_num_seqs": 8, "rl_config__async_staleness": 1,
+                                    "rl_config__freeze_vision_tower": True, "rl_config__reuse_image_embeds": True})}
 PICTURED = {"half": (0, 2), "one": (0,)}  # the pictured prompts of each dataset
 CAPTURED = ("prompts", "responses", "labels", "rollout_logprobs", "old_logprobs", "policy_version")
 

@@ -67,8 +67,7 @@ class PartialRollout:
                     images: dict[str, list[torch.Tensor]] | None = None) -> None:
         """Put a batch of prompts into the lowest free groups (each prompt ``n`` times), age 0;
         ``images``: each prompt's ``pixel_values`` and ``image_grid_thw`` (a pool with images)."""
-        if self.images != (images is not None):
-            raise ValueError("add_prompts: give images exactly when the pool keeps them (images=True)")
+        assert self.images == (images is not None), "a pool with images takes each prompt's images, others none"
         groups = self.free_groups()[: len(prompts)]
         rows = [g * self.n + j for g in groups for j in range(self.n)]
         rep = lambda values: [v for v in values for _ in range(self.n)]  # noqa: E731
