@@ -197,14 +197,20 @@ _MULTIMODAL_ROWS = (  # rl_config.is_multimodal: the hf backend in one process, 
     Row("mm-sft-reuse", "reuse_image_embeds", "{setting} with stage sft: the image embeddings are reused by the "
         "on-policy passes of one iteration, and SFT makes one pass; set reuse_image_embeds: false", stage=("sft",)),
     *(Row(f"mm-{other}", "multimodal", _MM_ONE_PROCESS + why, with_=other) for other, why in (
-        ("partial", "the partial-rollout pool keeps no images; remove the key"),
         ("per_request", "the per-request decode loop (multi-turn, async_engine) takes no images; set both to false"),
         ("reward_model", "the reward model scores text only; remove reward_config or use rule verifiers"),
-        ("async", "the asynchronous rollout is not tested with images; remove the key"),
         ("rollout_worker", "a rollout worker of its own is not given the images; set it to false"),
         ("separated", "the separated roles' batches do not carry the images; use the integrated worker"),
         ("transfer_queue", "the TransferQueue store is not tested with image columns; use data_strategy: td"),
         ("env", "an environment's tasks carry no images; remove env_config or set is_multimodal: false"))),
+    *(Row(f"mm-{other}-ray", "multimodal", "{setting} with {other} on Ray actor workers: " + why, placement=RAY,
+          with_=other) for other, why in (
+        ("partial", "partial rollout with images is built and tested in one process (the workers' continuation "
+                    "of a cut sample with its images is not tested yet); run in one process "
+                    "(actor_resource.num_npus: 1) or remove the key"),
+        ("async", "the asynchronous rollout with images is built and tested on the in-process replica (the "
+                  "workers' rollout copies sampling with images a version behind are not tested yet); run in one "
+                  "process (actor_resource.num_npus: 1) or remove the key"))),
     Row("mm-lora-tower", "vision_tower_trained", "{setting} with {other}: LoRA adapts the language model and PEFT "
         "freezes every base weight, the vision tower's too; set rl_config.freeze_vision_tower: true", with_="lora"),
     Row("mm-reuse-trained-tower", "reuse_image_embeds", "{setting} with {other}: reused image embeddings carry no "

@@ -20,6 +20,13 @@ ratio is taken against the trainer's recomputed old log-probs, and the rollout c
 
 The dock columns ``age`` (iterations waited) and ``finished`` (per row) are the seed's
 completeness and age tracking; :meth:`PartialRollout.state_dict` is saved with each checkpoint.
+
+With images (``rl_config.is_multimodal``, ``images=True``) the dock also keeps each sample's
+``pixel_values`` and ``image_grid_thw`` (:data:`posttrain.models.vlm.MM_KEYS`): every generate call
+(a fresh prompt, or a continued sample re-prefilled from its prompt and partial response) passes
+the row's images, so the engine's prefill embeds them and builds the 3-D rotary positions of the
+whole sequence, and :meth:`PartialRollout.take` hands them to the update with the finished samples.
+The saved dock holds them too, so a resumed run continues its samples with their images.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ from dataclasses import replace
 import numpy as np
 import torch
 
+from posttrain.models.vlm import MM_KEYS
 from posttrain.transfer_dock import TransferDock
 
 COLUMNS = ("prompts", "prompt_length", "labels", "responses", "rollout_logprobs", "policy_version", "age", "finished")
@@ -39,12 +47,14 @@ class PartialRollout:
     """The rollout dock of partial rollout and its rounds (see the module docstring)."""
 
     def __init__(self, *, n: int, global_batch_size: int, max_split: int, max_tokens: int, max_model_len: int | None,
-                 require_max_age_all_finished: bool = True):
+                 require_max_age_all_finished: bool = True, images: bool = False):
         self.n, self.gbs, self.max_age = n, global_batch_size, max_split
         self.max_tokens, self.max_model_len = max_tokens, max_model_len
         self.budget = max(1, max_tokens // max_split)
         self.require_oldest = require_max_age_all_finished
-        self.dock = TransferDock(2 * global_batch_size * n, COLUMNS, ("partial_rollout",), n_samples_per_prompt=n,
+        self.images = images  # each row keeps its prompt's images (MM_KEYS) and every generate gets them
+        self.columns = (*COLUMNS, *(MM_KEYS if images else ()))
+        self.dock = TransferDock(2 * global_batch_size * n, self.columns, ("partial_rollout",), n_samples_per_prompt=n,
                                  guarantee_order=True)
         self.rounds = 0
 
@@ -53,15 +63,31 @@ class PartialRollout:
         ready = self.dock.ready_rows("prompts").reshape(-1, self.n)[:, 0]
         return [int(g) for g in np.flatnonzero(~ready)]
 
-    def add_prompts(self, prompts: list[list[int]], labels: list[torch.Tensor]) -> None:
-        """Put a batch of prompts into the lowest free groups (each prompt ``n`` times), age 0."""
+    def add_prompts(self, prompts: list[list[int]], labels: list[torch.Tensor],
+                    images: dict[str, list[torch.Tensor]] | None = None) -> None:
+        """Put a batch of prompts into the lowest free groups (each prompt ``n`` times), age 0;
+        ``images``: each prompt's ``pixel_values`` and ``image_grid_thw`` (a pool with images)."""
+        assert self.images == (images is not None), "a pool with images takes each prompt's images, others none"
         groups = self.free_groups()[: len(prompts)]
         rows = [g * self.n + j for g in groups for j in range(self.n)]
         rep = lambda values: [v for v in values for _ in range(self.n)]  # noqa: E731
-        self.dock.put(list(COLUMNS), rows, [
+        self.dock.put(list(self.columns), rows, [
             rep([torch.tensor(p, dtype=torch.long) for p in prompts]), rep([len(p) for p in prompts]), rep(labels),
             [torch.zeros(0, dtype=torch.long)] * len(rows), [torch.zeros(0)] * len(rows), [-1] * len(rows),
-            [0] * len(rows), [0] * len(rows)])
+            [0] * len(rows), [0] * len(rows), *(rep(images[key]) for key in (MM_KEYS if images else ()))])
+
+    def row_images(self, rows: list[int]) -> dict[str, list]:
+        """``generate``'s ``images=`` argument for ``rows`` (one entry per row: its pixel_values and
+        image_grid_thw, None for a text-only prompt); no argument for a pool without images."""
+        if not self.images:
+            return {}
+        cell = self.dock.cell
+        out = []
+        for r in rows:
+            grid = cell("image_grid_thw", r)
+            out.append({"pixel_values": cell("pixel_values", r), "image_grid_thw": grid.long()} if grid.shape[0]
+                       else None)
+        return {"images": out}
 
     def fill(self, engine, sampling, stop_token_ids: list[int], version: int) -> None:
         """Rounds of generation with ``engine`` (weights ``version``) until an update is ready: in
@@ -92,7 +118,7 @@ class PartialRollout:
                                sample_offsets=[r % self.n for r in rows],
                                position_offsets=[cell("responses", r).numel() for r in rows],
                                max_new_tokens=[self.max_tokens - cell("responses", r).numel() for r in rows],
-                               stop_when=ready, stop_every=self.budget)
+                               stop_when=ready, stop_every=self.budget, **self.row_images(rows))
         for r, group in zip(rows, outs):
             self._append(r, group[0], version)
         longest = max((len(group[0].token_ids) for group in outs), default=0)
@@ -116,7 +142,8 @@ class PartialRollout:
                     calls.setdefault(self._budget(g, cell("responses", r).numel()), []).append((g, r - g * self.n))
         if fresh:
             outs = engine.generate([cell("prompts", g * self.n).tolist() for g in fresh], self.n,
-                                   replace(sampling, max_tokens=self.budget), stop_token_ids, prompt_keys=fresh)
+                                   replace(sampling, max_tokens=self.budget), stop_token_ids, prompt_keys=fresh,
+                                   **self.row_images([g * self.n for g in fresh]))
             for g, group in zip(fresh, outs):
                 for j, out in enumerate(group):
                     self._append(g * self.n + j, out, version)
@@ -128,7 +155,7 @@ class PartialRollout:
                 offsets.append(cell("responses", r).numel())
             outs = engine.generate(prompts, 1, replace(sampling, max_tokens=budget), stop_token_ids,
                                    prompt_keys=[g for g, _ in rows], sample_offsets=[j for _, j in rows],
-                                   position_offsets=offsets)
+                                   position_offsets=offsets, **self.row_images([g * self.n + j for g, j in rows]))
             for (g, j), group in zip(rows, outs):
                 self._append(g * self.n + j, group[0], version)
 
@@ -148,7 +175,7 @@ class PartialRollout:
         ages = self._ages()
         chosen = sorted(self._complete(), key=lambda g: (-ages[g], g))[: self.gbs]
         rows = [g * self.n + j for g in chosen for j in range(self.n)]
-        batch, _ = self.dock.get("partial_rollout", list(COLUMNS), indexes=rows)
+        batch, _ = self.dock.get("partial_rollout", list(self.columns), indexes=rows)
         taken = [ages[g] for g in chosen]
         self.dock.clear_rows(rows)
         for g in self._occupied():

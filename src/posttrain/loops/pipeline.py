@@ -16,6 +16,9 @@ exactly, and ``k = 0`` samples exactly what synchronous training samples. The tr
 new version over with :meth:`RolloutPipeline.publish`: a copy of the weights that the thread
 loads when it starts the iteration that needs it (``timing/resharding_to_infer``).
 
+A multimodal run's replica (in this process) samples each prompt with its images, and the
+experience it hands over carries them in its dock (docs/multimodal.md).
+
 Saving pauses the thread once it has produced every iteration that the published versions allow;
 those finished experiences are saved with the checkpoint (``in_flight.pt``), so a resume trains
 on exactly the samples the uninterrupted run would have (docs/async.md).

@@ -17,7 +17,8 @@ the verifiers; an OpenEnv-style environment's episode rewards, :mod:`posttrain.l
 
 A multimodal run (``rl_config.is_multimodal``) puts each prompt's images beside it (its image pads
 expanded, ``pixel_values`` and ``image_grid_thw`` per row: :mod:`posttrain.loops.multimodal`) and
-passes them to the engine's ``generate(images=)``; DAPO's kept groups bring them along.
+passes them to the engine's ``generate(images=)`` (partial rollout: the pool keeps them and
+continues each sample with them); DAPO's kept groups bring them along.
 """
 
 from __future__ import annotations
@@ -112,14 +113,16 @@ class PlainGeneration:
 
 class PartialGeneration:
     """Partial rollout (``partial_rollout_max_split`` N > 1): rounds over two batches of prompts
-    until an update's groups are complete; the dock is resumed from the checkpoint's."""
+    until an update's groups are complete; the dock is resumed from the checkpoint's. A multimodal
+    run's pool keeps each prompt's images and continues its samples with them."""
 
     def __init__(self, plan: Plan, session: Session):
         off, r = plan.off_policy, plan.rollout
         self.s, self.gbs = session, plan.prompts_per_iteration
         self.pool = PartialRollout(n=plan.n, global_batch_size=self.gbs, max_split=off.partial_max_split,
                                    max_tokens=r.sampling.max_tokens, max_model_len=r.max_model_len,
-                                   require_max_age_all_finished=off.require_max_age_all_finished)
+                                   require_max_age_all_finished=off.require_max_age_all_finished,
+                                   images=plan.multimodal is not None)
         path = session.trainer_state.get("checkpoint_dir") if session.iteration else None
         if path and (Path(path) / STATE_FILE).is_file():
             load_partial(Path(path) / STATE_FILE, self.pool.dock)
@@ -127,14 +130,18 @@ class PartialGeneration:
     def fill(self, td, iteration, engine, version, timers, acc) -> None:
         """Fill the pool's free groups with prompts, run rounds until an update is ready, and put the
         update's groups (oldest first) into ``td``."""
-        pool = self.pool
+        pool, policy = self.pool, self.s.policy
         with timers("rollout"):
             while len(pool.free_groups()) >= self.gbs:
                 items = next_items(self.s)
-                pool.add_prompts([p.tolist() for p in prompt_ids(items)], prompt_labels(items))
-            pool.fill(engine, self.s.sampling_for(iteration), self.s.policy.stop_token_ids, version)
+                prompts, images = prompt_ids(items), None
+                if pool.images:  # the image pads expanded, and each prompt's pixel_values / image_grid_thw
+                    prompts, images = encode_prompts(policy.processor, policy.image_token_id, items)
+                pool.add_prompts([p.tolist() for p in prompts], prompt_labels(items), images)
+            pool.fill(engine, self.s.sampling_for(iteration), policy.stop_token_ids, version)
             batch, metrics = pool.take()
-            columns = ["prompts", "prompt_length", "labels", "responses", "rollout_logprobs", "policy_version"]
+            columns = ["prompts", "prompt_length", "labels", "responses", "rollout_logprobs", "policy_version",
+                       *(MM_KEYS if pool.images else ())]
             td.put([*columns, "response_length"], list(range(td.max_len)),
                    [batch[c] for c in columns] + [[r.numel() for r in batch["responses"]]])
         acc.update(metrics)
