@@ -285,6 +285,7 @@ def build_rollout(rollout: RolloutOptions, policy: PolicyOptions, model, tokeniz
                           enable_prefix_caching=v.enable_prefix_caching, trust_remote_code=v.trust_remote_code,
                           enable_expert_parallel=v.enable_expert_parallel)
         else:
+            kwargs["max_model_len"] = rollout.max_model_len  # a response stops there, as on vLLM
             if rollout.speculative_tokens:  # the native engine's n-gram speculation
                 kwargs["speculative_tokens"] = rollout.speculative_tokens
             if not rollout.enforce_eager:  # graph mode: CUDA graphs on a GPU (a CPU warned at start-up)

@@ -240,7 +240,7 @@ class NativeEngine(RolloutEngine):
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 8192, dtype: str = "float32",
                  compact_fraction: float = 0.125, static_cache: bool | None = None,
                  cuda_graphs: bool = False, sampling_copy: bool | None = None, speculative_tokens: int = 0,
-                 speculative_budget: int = 16, packed_weights: bool | None = None):
+                 speculative_budget: int = 16, packed_weights: bool | None = None, max_model_len: int | None = None):
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ConfigError("generate_config.max_num_seqs and max_num_batched_tokens must be >= 1 "
                               f"(got {max_num_seqs}, {max_num_batched_tokens}).")
@@ -250,6 +250,7 @@ class NativeEngine(RolloutEngine):
         self.eos_token_ids = [int(t) for t in eos]
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len  # prompt + response at most (a response stops there, as vLLM's)
         self.dtype = resolve_dtype(dtype)
         self.compact_fraction = compact_fraction
         on_cuda = self.device.type == "cuda"
@@ -304,7 +305,9 @@ class NativeEngine(RolloutEngine):
         the number of response tokens it already has as its position offset. ``sampling.seed=None``
         draws one seed per call from torch's global generator.
 
-        ``max_new_tokens[i]`` caps prompt ``i``'s samples below ``sampling.max_tokens``.
+        ``max_new_tokens[i]`` caps prompt ``i``'s samples below ``sampling.max_tokens``; so does the
+        engine's ``max_model_len`` (a prompt and its response hold at most that many tokens, finish
+        reason ``"length"`` there; a prompt of ``max_model_len`` tokens or more is refused, as vLLM does).
         ``stop_when(finished)``, asked every ``stop_every`` decode steps with one bool per sample row
         (prompt-major), ends the whole call when it returns True: rows not finished then return the
         tokens they have (finish reason ``"length"``). It needs the call to fit one wave
@@ -327,6 +330,7 @@ class NativeEngine(RolloutEngine):
         if images is not None and not self.supports_images:
             raise ConfigError(f"{type(self).__name__}.generate does not take images; use the one-turn native engine")
         images = None if images is None else check_requests(self.model, prompt_token_ids, images)
+        max_new_tokens = self._model_len_caps(prompt_token_ids, sampling.max_tokens, max_new_tokens)
         keys = RowKeys.build(len(prompt_token_ids), sampling.seed, prompt_keys, sample_offsets, position_offsets)
         stops = torch.tensor(sorted(set(self.eos_token_ids) | set(stop_token_ids or [])),
                              dtype=torch.long, device=self.device)
@@ -347,6 +351,22 @@ class NativeEngine(RolloutEngine):
                 for (idx, _), outs in zip(wave, self._run_wave(prompts, counts, sampling, stops, rows)):
                     results[idx].extend(outs)
         return results
+
+    def _model_len_caps(self, prompts: list[list[int]], max_tokens: int, caps: list[int] | None) -> list[int] | None:
+        """The per-prompt caps with ``max_model_len``'s room after each prompt (None where no prompt
+        needs one: the default decode path)."""
+        if self.max_model_len is None:
+            return caps
+        room = [self.max_model_len - len(p) for p in prompts]
+        for i, left in enumerate(room):
+            if left < 1:
+                raise DataError(f"prompt {i} holds {len(prompts[i])} tokens: no room for a response within "
+                                f"generate_config.max_model_len={self.max_model_len}; raise max_model_len or "
+                                "lower rl_config.max_prompt_length")
+        if caps is None and min(room) >= max_tokens:
+            return None
+        return [min(left, max_tokens if caps is None else int(cap))
+                for left, cap in zip(room, caps or [max_tokens] * len(room))]
 
     def pop_metrics(self) -> dict[str, float]:
         """Speculation (when on), since the last call: ``rollout/draft_tokens``, the draft tokens fed

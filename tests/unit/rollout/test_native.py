@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from posttrain.rollout.base import ROLLOUT_ENGINES, SamplingParams
+from posttrain.errors import DataError
 from posttrain.rollout.native import NativeEngine
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [14, 15, 16, 17]]  # unequal: left padding is exercised
@@ -172,3 +173,22 @@ def test_out_of_memory_names_the_keys_that_size_the_rollout(model, monkeypatch):
     monkeypatch.setattr(eng, "_run_wave", boom)
     with pytest.raises(torch.OutOfMemoryError, match="max_num_seqs.*gpu_memory_utilization"):
         eng.generate(PROMPTS, 2, SamplingParams(max_tokens=4, seed=0))
+
+
+def test_max_model_len_stops_each_response_at_its_room(model):
+    """A prompt and its response hold at most ``max_model_len`` tokens (as vLLM cuts them): each
+    sample of a prompt of length L stops after ``max_model_len - L`` tokens with finish reason
+    "length", its tokens the first ones of the uncapped engine's keyed sample; a prompt without
+    room is refused."""
+    sp = SamplingParams(temperature=1.0, top_k=-1, max_tokens=12, seed=5)
+    free = NativeEngine(model, pad_token_id=0, eos_token_ids=[]).generate(PROMPTS, 2, sp)
+    limit = min(len(p) for p in PROMPTS) + 7
+    capped = NativeEngine(model, pad_token_id=0, eos_token_ids=[], max_model_len=limit).generate(PROMPTS, 2, sp)
+    rooms = {limit - len(p) for p in PROMPTS}
+    assert len(rooms) > 1, "test needs prompts of different lengths"
+    for prompt, mine, theirs in zip(PROMPTS, capped, free):
+        for a, b in zip(mine, theirs):
+            assert len(a.token_ids) == min(12, limit - len(prompt)) and a.finish_reason == "length"
+            assert a.token_ids == b.token_ids[:len(a.token_ids)]
+    with pytest.raises(DataError, match="max_model_len=3"):
+        NativeEngine(model, pad_token_id=0, eos_token_ids=[], max_model_len=3).generate(PROMPTS, 1, sp)
