@@ -99,3 +99,56 @@ def test_a_batch_of_image_video_and_text_rows_equals_each_rows_own_forward(vlm, 
     flipped = media["pixel_values_videos"].reshape(t, h * w, -1).flip(0).reshape(t * h * w, -1)
     other = reference_logprobs(model, {**samples[1], "media": {**media, "pixel_values_videos": flipped}})
     assert not torch.allclose(other, references[1], atol=1e-4)
+
+
+def test_native_greedy_tokens_with_a_video_equal_hf_generate():
+    """Prompts with a video, an image and a video, and none (left padding): greedy tokens of the native
+    engine equal the model's own ``generate`` with the same inputs; without the videos they differ."""
+    from posttrain.models.video_frames import video_inputs
+    from posttrain.rollout.base import SamplingParams
+    from posttrain.rollout.native import NativeEngine
+    from tests.helpers.tiny_vlm import encode, shapes_image, tiny_vlm, tiny_vlm_image_processor, tiny_vlm_tokenizer
+
+    model = tiny_vlm(seed=0, init=0.3)  # init 0.3: greedy tokens vary step to step (tests/unit/rollout)
+    tok, processor = tiny_vlm_tokenizer(), tiny_vlm_image_processor()
+    video = "<|vision_start|> <|video_pad|> <|vision_end|> "
+    image = "<|vision_start|> <|image_pad|> <|vision_end|> "
+    requests = [encode(tok, processor, video + "how many shapes ?", []),
+                encode(tok, processor, image + video + "is there a square", [shapes_image(2, 1)]),
+                encode(tok, processor, "how many red shapes are there ?", [])]
+    clips = [[shapes_image(1, 10 + f) for f in range(4)], None, None]
+    clips[1] = [shapes_image(3, 20 + f, size=84) for f in range(3)]
+    merge = processor.merge_size ** 2
+    for request, frames in zip(requests, clips):
+        if frames is None:
+            continue
+        request.update(video_inputs(processor, [frames]))
+        count = int(request["video_grid_thw"].prod()) // merge
+        ids, request["input_ids"] = request["input_ids"], []
+        for token in ids:
+            request["input_ids"] += [token] * count if token == model.config.video_token_id else [token]
+        request.setdefault("pixel_values", torch.zeros(0, 1176))
+        request.setdefault("image_grid_thw", torch.zeros(0, 3, dtype=torch.long))
+    steps, suppress = 8, [model.config.image_token_id, model.config.video_token_id, model.config.vision_start_token_id,
+                          model.config.vision_end_token_id]
+    want = []
+    for r in requests:
+        ids = torch.tensor([r["input_ids"]])
+        extra = {k: v for k, v in r.items() if k != "input_ids" and v.shape[0]}
+        if extra:
+            extra["mm_token_type_ids"] = ((ids == model.config.image_token_id).int()
+                                          + 2 * (ids == model.config.video_token_id).int())
+        with torch.no_grad():
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=steps,
+                                 do_sample=False, eos_token_id=None, suppress_tokens=suppress, **extra)
+        want.append(out[0, ids.shape[1]:].tolist())
+    engine = NativeEngine(model, pad_token_id=0, eos_token_ids=[])
+    media = [None if "video_grid_thw" not in r else {k: v for k, v in r.items() if k != "input_ids"} for r in requests]
+    got = engine.generate([r["input_ids"] for r in requests], 1, SamplingParams(temperature=0, max_tokens=steps),
+                          images=media)
+    assert [o.token_ids for group in got for o in group] == want
+    assert len({t for row in want for t in row}) > 6, "the reference should not repeat one token"
+    frozen = [{**m, "pixel_values_videos": torch.zeros_like(m["pixel_values_videos"])} for m in media[:2]]
+    blind = engine.generate([r["input_ids"] for r in requests[:2]], 1, SamplingParams(temperature=0, max_tokens=steps),
+                            images=frozen)
+    assert [o.token_ids for group in blind for o in group] != want[:2]
