@@ -12,17 +12,26 @@ torchvision (:mod:`posttrain.models.video_frames`).
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from PIL import Image, ImageDraw
 
 from posttrain.models.vlm import load_processor
+from posttrain.reward.verifiers import register_verifier
 from posttrain.training.batch import build_batch
 from posttrain.training.forward import response_logprobs
 from posttrain.training.remove_padding import Packing
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 COLOURS = ["red", "blue", "green", "black"]
+
+
+@register_verifier("test_video_token_share", overwrite=True)
+def token_share(response: str, label: str, **_) -> float:
+    """Dense and deterministic: the share of the response's characters that are letters of the label."""
+    return sum(c in label for c in response) / max(len(response), 1)
 
 
 def square_frames(colour: str, frames: int = 4, size: int = 56) -> list[Image.Image]:
@@ -152,3 +161,84 @@ def test_native_greedy_tokens_with_a_video_equal_hf_generate():
     blind = engine.generate([r["input_ids"] for r in requests[:2]], 1, SamplingParams(temperature=0, max_tokens=steps),
                             images=frozen)
     assert [o.token_ids for group in blind for o in group] != want[:2]
+
+
+def video_prompts(root, model_dir) -> str:
+    """4 prompts "<video> colour?" (the last "<image> <video> colour?"), each video 4 frames of a moving
+    square of the label's colour, preprocessed with limit_mm_video_per_prompt 1; the dataset's prefix."""
+    from posttrain.data.preprocess import preprocess
+    from tests.helpers.data import write_jsonl
+
+    rows = []
+    for i, colour in enumerate(COLOURS):
+        names = []
+        for f, frame in enumerate(square_frames(colour)):
+            frame.save(root / f"{i}_{f}.png")
+            names.append(f"{i}_{f}.png")
+        row = {"problem": "<video> colour?", "answer": colour, "videos": [names], "images": []}
+        if i == 3:
+            square_frames("blue", 1)[0].save(root / "still.png")
+            row.update(problem="<image> <video> colour?", images=["still.png"])
+        rows.append(row)
+    write_jsonl(root / "in.jsonl", rows)
+    preprocess({"input": str(root / "in.jsonl"), "handler_name": "R1AlpacaStyleInstructionHandler",
+                "tokenizer_name_or_path": str(model_dir), "prompt_type": "qwen2_vl",
+                "output_prefix": str(root / "data" / "mv"), "map_keys": {"prompt": "problem", "response": "answer"},
+                "dataset_additional_keys": ["labels"], "workers": 1, "limit_mm_video_per_prompt": 1}, progress=False)
+    return str(root / "data" / "mv")
+
+
+@pytest.fixture(scope="module")
+def video_data(tiny_vlm_dir, tmp_path_factory):
+    return video_prompts(tmp_path_factory.mktemp("mv"), tiny_vlm_dir)
+
+
+def video_config(model_dir, data, out, iters=2, **generate):
+    from tests.helpers.configs import OMIT, run_config
+
+    return run_config(
+        model_dir, data, out / "run", name="mv_test",
+        megatron_training={"global_batch_size": 4, "micro_batch_size": 2, "seq_length": 256, "lr": 1e-3, "seed": 5,
+                           "bf16": OMIT, "prompt_type": "qwen2_vl", "save": str(out / "ckpt"), "save_interval": 1,
+                           "train_iters": iters},
+        rl_config={"n_samples_per_prompt": 2, "verifier_function": ["test_video_token_share"], "verifier_modules": OMIT,
+                   "verifier_parallel": 0, "init_kl_coef": 0.01, "max_prompt_length": 160, "device": OMIT,
+                   "kl_penalty": "low_var_kl", "is_multimodal": True, "mini_batch_size": 2},
+        generate_config={"max_num_seqs": 16, "limit_mm_image_per_prompt": 1, "limit_mm_video_per_prompt": 1,
+                         "max_model_len": 256, "sampling_config": {"max_tokens": 6, "temperature": 1.0, "top_k": -1},
+                         **generate},
+        actor_config={})
+
+
+def test_grpo_trains_on_video_prompts(tiny_vlm_dir, video_data, tmp_path):
+    from transformers import AutoModelForImageTextToText
+
+    from posttrain.commands.train import train_config as train
+    from tests.helpers.runs import metrics_by_iteration
+
+    from posttrain.data.builders import build_prompt_dataset
+
+    train(video_config(tiny_vlm_dir, video_data, tmp_path))
+    metrics = metrics_by_iteration(tmp_path / "run")
+    assert sorted(metrics) == [1, 2]
+    for row in metrics.values():
+        for key in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "response_length/mean", "grpo/score/mean"):
+            assert math.isfinite(row[key]), (key, row[key])
+    # each video (4 frames of 56x56: t 2 x 4 x 4 patches) fills 8 tokens where 1 pad is stored, an image 4
+    stored = [len(item["prompts"]) for item in build_prompt_dataset(video_data, 512, images_per_prompt=1,
+                                                                     videos_per_prompt=1)]
+    assert metrics[1]["prompt_length/mean"] == pytest.approx(sum(stored) / 4 + 7 + 3 / 4)
+    after = AutoModelForImageTextToText.from_pretrained(tmp_path / "ckpt" / "iter_0000002").state_dict()
+    before = AutoModelForImageTextToText.from_pretrained(tiny_vlm_dir).state_dict()
+    changed = {k for k in before if not torch.equal(before[k], after[k])}
+    assert any("visual" in k for k in changed) and any("language_model" in k for k in changed)
+
+
+def test_videos_are_limited(video_data):
+    from posttrain.data.builders import build_prompt_dataset
+    from posttrain.errors import DataError
+
+    item = build_prompt_dataset(video_data, 512, images_per_prompt=1, videos_per_prompt=1)[3]
+    assert len(item["images"]) == 1 and [len(v) for v in item["videos"]] == [4]
+    with pytest.raises(DataError, match="prompt 0 holds 1 video.*limit_mm_video_per_prompt=0"):
+        build_prompt_dataset(video_data, 512, images_per_prompt=1, videos_per_prompt=0)[0]

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from posttrain.models.vlm import MM_KEYS, ImageTextProcessor
+from posttrain.models.vlm import MM_KEYS, VIDEO_PAD, ImageTextProcessor
 from posttrain.training.sample_embeds import embed_samples
 from posttrain.transfer_dock import TransferDock
 
@@ -34,10 +34,14 @@ def dock_columns(reuse_image_embeds: bool) -> tuple[str, ...]:
 
 def encode_prompts(processor: ImageTextProcessor, image_token_id: int, items: list[dict[str, Any]]
                    ) -> tuple[list[torch.Tensor], dict[str, list[torch.Tensor]]]:
-    """Each item's prompt ids with its image pads expanded, and the per-prompt image columns."""
+    """Each item's prompt ids with its image (and video) pads expanded, and the per-prompt image and
+    video columns (:data:`~posttrain.models.vlm.MM_KEYS`; the video pad's id is the tokenizer's)."""
     prompts, columns = [], {key: [] for key in MM_KEYS}
     for item in items:
-        encoded = processor.encode_images(item["prompts"].tolist(), item.get("images") or [], image_token_id)
+        videos = item.get("videos") or []
+        video_id = processor.tokenizer.convert_tokens_to_ids(VIDEO_PAD) if videos else None
+        encoded = processor.encode_images(item["prompts"].tolist(), item.get("images") or [], image_token_id,
+                                          videos=videos, video_token_id=video_id)
         prompts.append(torch.tensor(encoded["input_ids"], dtype=torch.long))
         for key in MM_KEYS:
             columns[key].append(encoded[key])
@@ -49,8 +53,9 @@ def rollout_images(batch: dict[str, list[torch.Tensor]], n: int) -> list[dict[st
     as the native engine's ``generate(images=)`` takes them (None: a text-only prompt)."""
     out = []
     for k in range(0, len(batch["image_grid_thw"]), n):
-        grid = batch["image_grid_thw"][k]
-        out.append({"pixel_values": batch["pixel_values"][k], "image_grid_thw": grid.long()} if grid.shape[0] else None)
+        entry = {key: batch[key][k] for key in MM_KEYS if key in batch}
+        media = entry["image_grid_thw"].shape[0] + (entry["video_grid_thw"].shape[0] if "video_grid_thw" in entry else 0)
+        out.append(entry if media else None)
     return out
 
 

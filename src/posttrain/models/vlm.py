@@ -23,6 +23,7 @@ from posttrain.models.video_frames import VIDEO_KEYS, empty_videos, video_inputs
 from posttrain.models.vision_arch import KINDS, VISION_TOKENS, VLM_TYPES, VisionTower
 
 IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
+VIDEO_PAD = "<|video_pad|>"
 # Qwen2.5-VL's and Qwen3-VL's chat template, reduced to its content parts: a message's content is a
 # string or a list of {"type": "image"} and {"type": "text", "text": ...} parts; an image part becomes the
 # placeholder the processor expands.
