@@ -193,7 +193,7 @@ def video_data(tiny_vlm_dir, tmp_path_factory):
     return video_prompts(tmp_path_factory.mktemp("mv"), tiny_vlm_dir)
 
 
-def video_config(model_dir, data, out, iters=2, **generate):
+def video_config(model_dir, data, out, iters=2, actor_config=None):
     from tests.helpers.configs import OMIT, run_config
 
     return run_config(
@@ -205,21 +205,27 @@ def video_config(model_dir, data, out, iters=2, **generate):
                    "verifier_parallel": 0, "init_kl_coef": 0.01, "max_prompt_length": 160, "device": OMIT,
                    "kl_penalty": "low_var_kl", "is_multimodal": True, "mini_batch_size": 2},
         generate_config={"max_num_seqs": 16, "limit_mm_image_per_prompt": 1, "limit_mm_video_per_prompt": 1,
-                         "max_model_len": 256, "sampling_config": {"max_tokens": 6, "temperature": 1.0, "top_k": -1},
-                         **generate},
-        actor_config={})
+                         "max_model_len": 256, "sampling_config": {"max_tokens": 6, "temperature": 1.0, "top_k": -1}},
+        actor_config=actor_config or {})
 
 
-def test_grpo_trains_on_video_prompts(tiny_vlm_dir, video_data, tmp_path):
+@pytest.fixture(scope="module")
+def video_run(tiny_vlm_dir, video_data, tmp_path_factory):
+    """2 GRPO iterations on the video prompts, a checkpoint each."""
+    from posttrain.commands.train import train_config as train
+
+    out = tmp_path_factory.mktemp("video_run")
+    train(video_config(tiny_vlm_dir, video_data, out))
+    return out
+
+
+def test_grpo_trains_on_video_prompts(tiny_vlm_dir, video_data, video_run):
     from transformers import AutoModelForImageTextToText
 
-    from posttrain.commands.train import train_config as train
+    from posttrain.data.builders import build_prompt_dataset
     from tests.helpers.runs import metrics_by_iteration
 
-    from posttrain.data.builders import build_prompt_dataset
-
-    train(video_config(tiny_vlm_dir, video_data, tmp_path))
-    metrics = metrics_by_iteration(tmp_path / "run")
+    metrics = metrics_by_iteration(video_run / "run")
     assert sorted(metrics) == [1, 2]
     for row in metrics.values():
         for key in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "response_length/mean", "grpo/score/mean"):
@@ -228,10 +234,42 @@ def test_grpo_trains_on_video_prompts(tiny_vlm_dir, video_data, tmp_path):
     stored = [len(item["prompts"]) for item in build_prompt_dataset(video_data, 512, images_per_prompt=1,
                                                                      videos_per_prompt=1)]
     assert metrics[1]["prompt_length/mean"] == pytest.approx(sum(stored) / 4 + 7 + 3 / 4)
-    after = AutoModelForImageTextToText.from_pretrained(tmp_path / "ckpt" / "iter_0000002").state_dict()
+    after = AutoModelForImageTextToText.from_pretrained(video_run / "ckpt" / "iter_0000002").state_dict()
     before = AutoModelForImageTextToText.from_pretrained(tiny_vlm_dir).state_dict()
     changed = {k for k in before if not torch.equal(before[k], after[k])}
     assert any("visual" in k for k in changed) and any("language_model" in k for k in changed)
+
+
+class Killed(Exception):
+    """The run dies here (as under a kill)."""
+
+
+def test_a_resumed_video_run_repeats_the_straight_one(tiny_vlm_dir, video_data, video_run, tmp_path, monkeypatch):
+    from safetensors.torch import load_file
+
+    from posttrain.commands.train import train_config as train
+    from posttrain.loops.onpolicy import OnPolicyTrainer
+    from tests.helpers.runs import metrics_by_iteration
+
+    real = OnPolicyTrainer.train_step
+
+    def dies_at_iteration_2(self, iteration):
+        if iteration == 2:
+            raise Killed
+        return real(self, iteration)
+
+    monkeypatch.setattr(OnPolicyTrainer, "train_step", dies_at_iteration_2)
+    with pytest.raises(Killed):  # dies after saving iteration 1
+        train(video_config(tiny_vlm_dir, video_data, tmp_path))
+    monkeypatch.undo()
+    train(video_config(tiny_vlm_dir, video_data, tmp_path, actor_config={"load": str(tmp_path / "ckpt")}))
+    a, b = metrics_by_iteration(video_run / "run"), metrics_by_iteration(tmp_path / "run")
+    for k in (k for k in a[2] if not k.startswith("timing/") and not k.endswith("_tps") and k != "time"):
+        assert b[2][k] == pytest.approx(a[2][k], rel=1e-5, abs=1e-7), k
+    x = load_file(video_run / "ckpt" / "iter_0000002" / "model.safetensors")
+    y = load_file(tmp_path / "ckpt" / "iter_0000002" / "model.safetensors")
+    for k in x:
+        torch.testing.assert_close(y[k], x[k], rtol=0, atol=1e-6)
 
 
 def test_videos_are_limited(video_data):
