@@ -71,6 +71,8 @@ def samples(vlm):
     out = []
     for enc, length in zip(encoded, (5, 3, 6)):
         media = {k: v for k, v in enc.items() if k != "input_ids"}
+        if media["video_grid_thw"].shape[0]:  # 4 s a temporal patch (fps 0.5), not the default 1 s: the time counts
+            media["second_per_grid_ts"] = torch.tensor([4.0])
         out.append({"prompt": torch.tensor(enc["input_ids"]), "response": torch.randint(6, 60, (length,), generator=gen),
                     "media": media})
     return out
@@ -108,6 +110,9 @@ def test_a_batch_of_image_video_and_text_rows_equals_each_rows_own_forward(vlm, 
     flipped = media["pixel_values_videos"].reshape(t, h * w, -1).flip(0).reshape(t * h * w, -1)
     other = reference_logprobs(model, {**samples[1], "media": {**media, "pixel_values_videos": flipped}})
     assert not torch.allclose(other, references[1], atol=1e-4)
+    # ... and so does the time a temporal patch spans (second_per_grid_ts)
+    faster = reference_logprobs(model, {**samples[1], "media": {**media, "second_per_grid_ts": torch.tensor([1.0])}})
+    assert not torch.allclose(faster, references[1], atol=1e-4)
 
 
 def test_native_greedy_tokens_with_a_video_equal_hf_generate():
@@ -131,7 +136,7 @@ def test_native_greedy_tokens_with_a_video_equal_hf_generate():
     for request, frames in zip(requests, clips):
         if frames is None:
             continue
-        request.update(video_inputs(processor, [frames]))
+        request.update(video_inputs(processor, [frames], fps=0.5 if len(frames) == 4 else 2.0))  # 4 s, 1 s a patch
         count = int(request["video_grid_thw"].prod()) // merge
         ids, request["input_ids"] = request["input_ids"], []
         for token in ids:
@@ -280,3 +285,12 @@ def test_videos_are_limited(video_data):
     assert len(item["images"]) == 1 and [len(v) for v in item["videos"]] == [4]
     with pytest.raises(DataError, match="prompt 0 holds 1 video.*limit_mm_video_per_prompt=0"):
         build_prompt_dataset(video_data, 512, images_per_prompt=1, videos_per_prompt=0)[0]
+
+
+def test_videos_on_qwen3_vl_are_refused_at_start(tiny_qwen3_vl_dir, video_data, tmp_path):
+    from posttrain.commands.train import train_config as train
+    from posttrain.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="limit_mm_video_per_prompt=1: posttrain feeds videos to qwen2_5_vl only, "
+                                          "not model_type qwen3_vl"):
+        train(video_config(tiny_qwen3_vl_dir, video_data, tmp_path))

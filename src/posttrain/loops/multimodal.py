@@ -5,7 +5,8 @@
         passes and the update (each batch row carries its sample's images: SampleImages)
 
 The dock holds one ``pixel_values [patches, dim]`` and ``image_grid_thw [images, 3]`` cell per
-sample row (a text-only prompt: no rows); :func:`posttrain.loops.experience.read_batch` hands them
+sample row (a text-only prompt: no rows), and the videos' ``pixel_values_videos``, ``video_grid_thw``
+and ``second_per_grid_ts`` beside them (Qwen2.5-VL, ``limit_mm_video_per_prompt``; no rows for none); :func:`posttrain.loops.experience.read_batch` hands them
 to the training engine beside the rows. With ``reuse_image_embeds`` the phase ``image_embeds`` runs
 the actor's (frozen) vision tower once per iteration and writes ``image_embeds [image tokens, (1 + D) * H]``
 (Qwen3-VL: the ``D`` deepstack levels beside the merged features);
@@ -49,8 +50,8 @@ def encode_prompts(processor: ImageTextProcessor, image_token_id: int, items: li
 
 
 def rollout_images(batch: dict[str, list[torch.Tensor]], n: int) -> list[dict[str, torch.Tensor] | None]:
-    """The images of each prompt of a rollout read (every ``n``-th row: the first sample of a group),
-    as the native engine's ``generate(images=)`` takes them (None: a text-only prompt)."""
+    """The images and videos of each prompt of a rollout read (every ``n``-th row: the first sample of
+    a group), as the native engine's ``generate(images=)`` takes them (None: a text-only prompt)."""
     out = []
     for k in range(0, len(batch["image_grid_thw"]), n):
         entry = {key: batch[key][k] for key in MM_KEYS if key in batch}

@@ -5,9 +5,11 @@ A request with images gives its prompt ids with every image pad already expanded
 the processor's ``pixel_values`` [patches, C*T*P*P] and ``image_grid_thw`` [images, 3]. The prefill
 runs the model on them: its forward embeds the images into the pad positions. The rotary positions
 come from the model's own ``get_rope_index`` (Qwen2.5-VL, Qwen3-VL: 3-D positions, temporal x
-height x width, on image tokens; text tokens continue after ``max`` of an image's positions), and its
-per-prompt ``rope delta`` (last position + 1 - prompt length) shifts every decode position, so decode
-feeds text tokens at ``prompt length + t + delta`` as the model's ``generate`` does.
+height x width, on image tokens; text tokens continue after ``max`` of an image's positions), and a
+per-prompt ``rope delta`` (the prompt's last position + 1 - prompt length; not the model's own delta,
+which counts from the largest position: a video's temporal positions may pass the text after it)
+shifts every decode position, so decode feeds text tokens at ``prompt length + t + delta`` as the
+model's ``generate`` does (it continues from the last position).
 """
 
 from __future__ import annotations
@@ -145,9 +147,12 @@ def prefill_inputs(model: Any, ids: torch.Tensor, mask: torch.Tensor,
         return {}, positions[None].expand(3, -1, -1), torch.zeros(ids.shape[0], dtype=torch.long, device=ids.device)
     grid = torch.cat([entry.image_grid_thw for entry in present]).to(ids.device)
     videos = _videos(present, ids.device)
-    positions, deltas = vision_model(model).get_rope_index(
+    positions, _ = vision_model(model).get_rope_index(
         ids, mm_token_type_ids=kinds, image_grid_thw=grid, video_grid_thw=videos.get("video_grid_thw"),
         second_per_grid_ts=videos.get("second_per_grid_ts"), attention_mask=mask)
+    # the decode continues after the prompt's last position, as generate does (its last position + 1), not after
+    # the largest one: a video's temporal positions (spaced by second_per_grid_ts) may pass the text after it
+    deltas = positions[:, :, -1].max(0).values + 1 - mask.sum(-1)
     pixels = torch.cat([entry.pixel_values for entry in present]).to(ids.device)
     inputs = {"mm_token_type_ids": kinds, **videos}
     if grid.shape[0]:
