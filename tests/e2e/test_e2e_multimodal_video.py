@@ -4,10 +4,13 @@ torchvision (:mod:`posttrain.models.video_frames`).
 
 * A packed (and a padded) batch mixing an image sample, a video sample and a text-only sample gives
   each row the log-probs of its own Hugging Face forward (``pixel_values_videos``, ``video_grid_thw``,
-  ``second_per_grid_ts``), fp32, 1e-5; the frames' order matters.
-* The native engine's greedy tokens with a video equal Hugging Face ``generate`` with the same inputs.
-* GRPO runs 2 iterations on prompts of 4-frame videos of coloured squares: finite metrics, the
-  weights change; a prompt with more videos than ``limit_mm_video_per_prompt`` is refused.
+  ``second_per_grid_ts``), fp32, 1e-5; the frames' order and the time a temporal patch spans matter.
+* The native engine's greedy tokens with videos (one at 4 s a temporal patch, whose temporal
+  positions pass the text after it) equal Hugging Face ``generate`` with the same inputs.
+* GRPO runs 2 iterations on prompts of 4-frame videos of coloured squares (one with an image too):
+  finite metrics, the video pads expanded, the tower and the language model change; a run killed
+  after iteration 1 and resumed repeats iteration 2; a prompt with more videos than
+  ``limit_mm_video_per_prompt`` is refused, and so are videos on Qwen3-VL.
 """
 
 from __future__ import annotations

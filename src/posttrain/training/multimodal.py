@@ -172,9 +172,9 @@ def multimodal_inputs(model: torch.nn.Module, batch: dict[str, torch.Tensor]) ->
     _check_tokens(image_mask, features, "image")
     _check_tokens(video_mask, videos, "video")
     kinds = image_mask.int() + 2 * video_mask.int()  # the model's mm_token_type_ids: text 0, image 1, video 2
-    rope, _ = vlm.get_rope_index(ids, kinds, image_grid_thw=batch["image_grid_thw"],
-                                 video_grid_thw=batch.get("video_grid_thw") if videos is not None else None,
-                                 second_per_grid_ts=batch.get("second_per_grid_ts"), attention_mask=attention)
+    timing = {} if videos is None else {"video_grid_thw": batch["video_grid_thw"],
+                                        "second_per_grid_ts": batch["second_per_grid_ts"]}
+    rope, _ = vlm.get_rope_index(ids, kinds, image_grid_thw=batch["image_grid_thw"], attention_mask=attention, **timing)
     # row 0: the text positions (restarting per sequence), which the model reads, as Transformers
     # documents, to find the sequences of a packed row (its flash-attention varlen path)
     positions = torch.cat([default_position_ids(attention)[None], rope])
