@@ -7,7 +7,8 @@ tensor whose length may differ from row to row (a response of 17 tokens next to 
 column is stored as a Python list of tensors, with a boolean *ready* vector beside it. The
 columns of :data:`MATRIX_COLUMNS` (a vision-language sample's images) hold a 2-D tensor per cell
 instead: ``pixel_values [patches, dim]``, ``image_grid_thw [images, 3]``, ``image_embeds
-[image tokens, (1 + D) * H]`` (D: Qwen3-VL's deepstack levels), each sample with its own number of rows.
+[image tokens, (1 + D) * H]`` (D: Qwen3-VL's deepstack levels), and the videos' ``pixel_values_videos``,
+``video_grid_thw`` (``second_per_grid_ts``: 1-D), each sample with its own number of rows.
 
 Producers ``put`` cells by row index. Consumers (the phases: ``rollout``, ``advantages``, ...)
 ``get`` rows whose requested columns are all ready and that this consumer has not consumed yet;
@@ -45,7 +46,7 @@ class TransferDockError(PosttrainError, ValueError):
 
 
 # columns whose cells are 2-D (a sample's image inputs: its own number of rows, a fixed width)
-MATRIX_COLUMNS = frozenset({"pixel_values", "image_grid_thw", "image_embeds"})
+MATRIX_COLUMNS = frozenset({"pixel_values", "image_grid_thw", "image_embeds", "pixel_values_videos", "video_grid_thw"})
 
 
 def _as_rows(values: Any, count: int, column: str) -> list[torch.Tensor]:

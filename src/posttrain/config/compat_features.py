@@ -186,6 +186,7 @@ def _truncation_features() -> list[Feature]:
     ]
 
 
+VIDEO_KEY = "generate_config.limit_mm_video_per_prompt"  # videos in the multimodal loop (Qwen2.5-VL)
 MM_KEYS_ALONE = ("reuse_image_embeds", "freeze_vision_tower", "vit_forward_micro_batch_size",
                  "actor_image_embeds_dispatch_size")  # rl_config keys that only a multimodal run reads
 
@@ -214,6 +215,10 @@ def _multimodal_features() -> list[Feature]:
         Feature("image_embeds_dispatch_alone", ("rl_config.actor_image_embeds_dispatch_size",),
                 lambda c: rl(c).actor_image_embeds_dispatch_size is not None and not rl(c).reuse_image_embeds,
                 when="set, without reuse_image_embeds: true"),
+        Feature("videos", (VIDEO_KEY,), lambda c: rl(c).is_multimodal and c.generate.limit_mm_video_per_prompt > 0,
+                when="> 0, with is_multimodal: true"),
+        Feature("videos_alone", (VIDEO_KEY,), lambda c: not rl(c).is_multimodal and c.generate.limit_mm_video_per_prompt > 0,
+                when="> 0, without is_multimodal: true"),
     ]
 
 

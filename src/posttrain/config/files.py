@@ -42,7 +42,8 @@ def check_run_files(plan: Plan) -> None:
     elif plan.stage.on_policy:
         mm = plan.multimodal  # a multimodal run's dataset must hold the images
         build_prompt_dataset(d.data_path, d.max_prompt_length, additional_keys=d.additional_keys, split=d.split,
-                             images_per_prompt=mm.images_per_prompt if mm else None)
+                             images_per_prompt=mm.images_per_prompt if mm else None,
+                             videos_per_prompt=mm.videos_per_prompt if mm else 0)
     else:
         build_offline_dataset(d.data_path, plan.stage.name, seq_length=d.seq_length, split=d.split,
                               unpaired=plan.dpo is not None and plan.dpo.unpaired)

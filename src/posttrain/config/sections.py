@@ -67,8 +67,6 @@ VIT_RESOURCE = refused("the ViT on devices of its own waits for separated ViT ro
                        "tower runs in the actor's process, on its devices", "remove the key", active="set")
 VIT_COLOCATED = ignored("posttrain always runs the vision tower in the actor's process, on its devices (a ViT of its "
                         "own needs vit_resource, which is refused)")
-NO_VIDEOS = refused("videos are not fed to the training loop yet (the rollout and the log-prob passes take images "
-                    "only)", "set it to 0 and give a video's frames as images")
 DP_BALANCE = HONOURED  # Ray workers: cluster/group.py balances the replicas' shares; one process: compat row
 # td: the TransferDock keeps the cells in the driver; tq: in TransferQueue (posttrain.cluster.transfer_queue)
 DATA_STRATEGY = HONOURED
@@ -389,7 +387,9 @@ class GenerateConfig(Section):
     limit_mm_image_per_prompt: int = F(1, "multimodal: the most images a training prompt may hold (more: a "
                                                  "DataError naming the prompt)", HONOURED, ge=0,
                                        note="images per prompt")
-    limit_mm_video_per_prompt: int = F(0, "multimodal: videos per prompt", NO_VIDEOS)
+    limit_mm_video_per_prompt: int = F(0, "multimodal: the most videos a training prompt may hold (Qwen2.5-VL; "
+                                             "more: a DataError naming the prompt)", HONOURED, ge=0,
+                                       note="videos per prompt")
     data_parallel_size: Opt[int] = F(None, "rollout data parallel size", COMPUTED)
     tokenizer_name_or_path: str = F("/path/to/tokenizer", "rollout tokenizer", GEN_TOKENIZER)
     trust_remote_code: bool = F(False, "HF trust_remote_code", REMOTE_CODE)

@@ -12,10 +12,11 @@ from posttrain.errors import ConfigError, DataError
 
 def build_prompt_dataset(prefix: str | None, max_prompt_length: int, *, additional_keys: Sequence[str] = ("labels",),
                          split: str | None = None, key: str = "megatron_training.data_path",
-                         images_per_prompt: int | None = None):
+                         images_per_prompt: int | None = None, videos_per_prompt: int = 0):
     """The on-policy prompts of the preprocessed dataset ``prefix`` (the config's ``key``), without
     the prompts of ``max_prompt_length`` tokens or more; with ``images_per_prompt`` (a multimodal
-    run) each prompt's images too (:class:`~posttrain.data.image_prompts.ImagePromptDataset`)."""
+    run) each prompt's images (and at most ``videos_per_prompt`` videos) too
+    (:class:`~posttrain.data.image_prompts.ImagePromptDataset`)."""
     if not prefix:
         raise ConfigError(f"{key} is not set: give the prefix of a preprocessed dataset")
     try:
@@ -33,7 +34,7 @@ def build_prompt_dataset(prefix: str | None, max_prompt_length: int, *, addition
     if images_per_prompt is not None:
         from posttrain.data.image_prompts import ImagePromptDataset
 
-        return ImagePromptDataset(dataset, prefix, images_per_prompt)
+        return ImagePromptDataset(dataset, prefix, images_per_prompt, videos_per_prompt)
     return dataset
 
 

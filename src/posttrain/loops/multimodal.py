@@ -5,7 +5,8 @@
         passes and the update (each batch row carries its sample's images: SampleImages)
 
 The dock holds one ``pixel_values [patches, dim]`` and ``image_grid_thw [images, 3]`` cell per
-sample row (a text-only prompt: no rows); :func:`posttrain.loops.experience.read_batch` hands them
+sample row (a text-only prompt: no rows), and the videos' ``pixel_values_videos``, ``video_grid_thw``
+and ``second_per_grid_ts`` beside them (Qwen2.5-VL, ``limit_mm_video_per_prompt``; no rows for none); :func:`posttrain.loops.experience.read_batch` hands them
 to the training engine beside the rows. With ``reuse_image_embeds`` the phase ``image_embeds`` runs
 the actor's (frozen) vision tower once per iteration and writes ``image_embeds [image tokens, (1 + D) * H]``
 (Qwen3-VL: the ``D`` deepstack levels beside the merged features);
@@ -20,7 +21,7 @@ from typing import Any
 
 import torch
 
-from posttrain.models.vlm import MM_KEYS, ImageTextProcessor
+from posttrain.models.vlm import MM_KEYS, VIDEO_PAD, ImageTextProcessor
 from posttrain.training.sample_embeds import embed_samples
 from posttrain.transfer_dock import TransferDock
 
@@ -34,10 +35,14 @@ def dock_columns(reuse_image_embeds: bool) -> tuple[str, ...]:
 
 def encode_prompts(processor: ImageTextProcessor, image_token_id: int, items: list[dict[str, Any]]
                    ) -> tuple[list[torch.Tensor], dict[str, list[torch.Tensor]]]:
-    """Each item's prompt ids with its image pads expanded, and the per-prompt image columns."""
+    """Each item's prompt ids with its image (and video) pads expanded, and the per-prompt image and
+    video columns (:data:`~posttrain.models.vlm.MM_KEYS`; the video pad's id is the tokenizer's)."""
     prompts, columns = [], {key: [] for key in MM_KEYS}
     for item in items:
-        encoded = processor.encode_images(item["prompts"].tolist(), item.get("images") or [], image_token_id)
+        videos = item.get("videos") or []
+        video_id = processor.tokenizer.convert_tokens_to_ids(VIDEO_PAD) if videos else None
+        encoded = processor.encode_images(item["prompts"].tolist(), item.get("images") or [], image_token_id,
+                                          videos=videos, video_token_id=video_id)
         prompts.append(torch.tensor(encoded["input_ids"], dtype=torch.long))
         for key in MM_KEYS:
             columns[key].append(encoded[key])
@@ -45,13 +50,17 @@ def encode_prompts(processor: ImageTextProcessor, image_token_id: int, items: li
 
 
 def rollout_images(batch: dict[str, list[torch.Tensor]], n: int) -> list[dict[str, torch.Tensor] | None]:
-    """The images of each prompt of a rollout read (every ``n``-th row: the first sample of a group),
-    as the native engine's ``generate(images=)`` takes them (None: a text-only prompt)."""
-    out = []
-    for k in range(0, len(batch["image_grid_thw"]), n):
-        grid = batch["image_grid_thw"][k]
-        out.append({"pixel_values": batch["pixel_values"][k], "image_grid_thw": grid.long()} if grid.shape[0] else None)
-    return out
+    """The images and videos of each prompt of a rollout read (every ``n``-th row: the first sample of
+    a group), as the native engine's ``generate(images=)`` takes them (None: a text-only prompt)."""
+    return [prompt_media({key: batch[key][k] for key in MM_KEYS if key in batch})
+            for k in range(0, len(batch["image_grid_thw"]), n)]
+
+
+def prompt_media(cells: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+    """One prompt's media cells (``MM_KEYS``) as ``generate(images=)`` takes them: None for a prompt
+    with neither images nor videos."""
+    media = cells["image_grid_thw"].shape[0] + (cells["video_grid_thw"].shape[0] if "video_grid_thw" in cells else 0)
+    return cells if media else None
 
 
 def image_embedder(policy, device, vit_micro_batch_size: int | None) -> Callable[..., list[torch.Tensor]]:

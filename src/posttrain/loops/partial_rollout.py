@@ -36,6 +36,7 @@ from dataclasses import replace
 import numpy as np
 import torch
 
+from posttrain.loops.multimodal import prompt_media
 from posttrain.models.vlm import MM_KEYS
 from posttrain.transfer_dock import TransferDock
 
@@ -77,17 +78,11 @@ class PartialRollout:
             [0] * len(rows), [0] * len(rows), *(rep(images[key]) for key in (MM_KEYS if images else ()))])
 
     def row_images(self, rows: list[int]) -> dict[str, list]:
-        """``generate``'s ``images=`` argument for ``rows`` (one entry per row: its pixel_values and
-        image_grid_thw, None for a text-only prompt); no argument for a pool without images."""
+        """``generate``'s ``images=`` argument for ``rows`` (one entry per row: its images' and videos'
+        cells, None for a text-only prompt); no argument for a pool without images."""
         if not self.images:
             return {}
-        cell = self.dock.cell
-        out = []
-        for r in rows:
-            grid = cell("image_grid_thw", r)
-            out.append({"pixel_values": cell("pixel_values", r), "image_grid_thw": grid.long()} if grid.shape[0]
-                       else None)
-        return {"images": out}
+        return {"images": [prompt_media({key: self.dock.cell(key, r) for key in MM_KEYS}) for r in rows]}
 
     def fill(self, engine, sampling, stop_token_ids: list[int], version: int) -> None:
         """Rounds of generation with ``engine`` (weights ``version``) until an update is ready: in

@@ -102,7 +102,8 @@ class Session:
         if stage.on_policy:
             mm = self.plan.multimodal
             return build_prompt_dataset(d.data_path, d.max_prompt_length, additional_keys=d.additional_keys,
-                                        split=d.split, images_per_prompt=mm.images_per_prompt if mm else None)
+                                        split=d.split, images_per_prompt=mm.images_per_prompt if mm else None,
+                                        videos_per_prompt=mm.videos_per_prompt if mm else 0)
         mm = self.plan.multimodal  # stage sft with images (docs/multimodal.md)
         return build_offline_dataset(d.data_path, stage.name, seq_length=d.seq_length, split=d.split,
                                      unpaired=self.plan.dpo is not None and self.plan.dpo.unpaired,

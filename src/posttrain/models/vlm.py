@@ -5,7 +5,9 @@ A sample's image inputs are what the processor gives: ``pixel_values [patches, C
 (every image's patches, flattened) and ``image_grid_thw [images, 3]`` (each image's temporal,
 height and width patch counts; an image fills ``t * h * w / merge**2`` ``<|image_pad|>`` tokens of
 the prompt). A micro-batch concatenates its samples' rows in sample order, which is the order in
-which the model fills the image tokens of the batch's rows.
+which the model fills the image tokens of the batch's rows. A sample's videos ride beside them
+(``pixel_values_videos``, ``video_grid_thw``, ``second_per_grid_ts``: Qwen2.5-VL,
+:mod:`posttrain.models.video_frames`), filling its ``<|video_pad|>`` tokens in the same way.
 """
 
 from __future__ import annotations
@@ -17,9 +19,11 @@ from pathlib import Path
 import torch
 
 from posttrain.errors import ConfigError
+from posttrain.models.video_frames import VIDEO_KEYS, empty_videos, video_inputs
 from posttrain.models.vision_arch import KINDS, VISION_TOKENS, VLM_TYPES, VisionTower
 
 IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
+VIDEO_PAD = "<|video_pad|>"
 # Qwen2.5-VL's and Qwen3-VL's chat template, reduced to its content parts: a message's content is a
 # string or a list of {"type": "image"} and {"type": "text", "text": ...} parts; an image part becomes the
 # placeholder the processor expands.
@@ -35,7 +39,9 @@ VLM_CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
-MM_KEYS = ("pixel_values", "image_grid_thw")  # a sample's image inputs, as the batch and the dock name them
+IMAGE_KEYS = ("pixel_values", "image_grid_thw")
+# a sample's image and video inputs, as the batch and the dock name them (no rows for none)
+MM_KEYS = (*IMAGE_KEYS, *VIDEO_KEYS)
 
 
 def is_vlm_dir(path: str | Path) -> bool:
@@ -92,20 +98,20 @@ class ImageTextProcessor:
         self.image_processor.save_pretrained(str(directory))
         self.tokenizer.save_pretrained(str(directory))
 
-    def encode_images(self, prompt_ids: Sequence[int], images: Sequence, image_token_id: int) -> dict:
-        """One prompt's token ids (each ``image_token_id`` expanded to its image's tokens, as
-        ``__call__`` expands the text) and its ``pixel_values`` / ``image_grid_thw`` (no rows for no image)."""
-        if not images:
-            return {"input_ids": list(prompt_ids), **empty_images(self.image_processor)}
-        vision = self.image_processor(images=list(images), return_tensors="pt")
-        counts = (vision["image_grid_thw"].prod(-1) // self.merge ** 2).tolist()
+    def encode_images(self, prompt_ids: Sequence[int], images: Sequence, image_token_id: int,
+                      videos: Sequence[Sequence] = (), video_token_id: int | None = None) -> dict:
+        """One prompt's token ids (each ``image_token_id`` expanded to its image's tokens, each
+        ``video_token_id`` to its video's, as ``__call__`` expands the text) and its image and video
+        inputs (:data:`MM_KEYS`; no rows for none; videos: :mod:`posttrain.models.video_frames`)."""
         ids = list(prompt_ids)
-        if ids.count(image_token_id) != len(counts):
-            raise ValueError(f"the prompt holds {ids.count(image_token_id)} image tokens for {len(counts)} images")
-        expanded, it = [], iter(counts)
-        for token in ids:
-            expanded.extend([token] * int(next(it)) if token == image_token_id else [token])
-        return {"input_ids": expanded, "pixel_values": vision["pixel_values"], "image_grid_thw": vision["image_grid_thw"]}
+        out = {**empty_images(self.image_processor), **video_inputs(self.image_processor, list(videos))}
+        if images:
+            vision = self.image_processor(images=list(images), return_tensors="pt")
+            out.update(pixel_values=vision["pixel_values"], image_grid_thw=vision["image_grid_thw"])
+        ids = _expand_ids(ids, image_token_id, out["image_grid_thw"], self.merge, "image")
+        if videos or video_token_id is not None:
+            ids = _expand_ids(ids, video_token_id, out["video_grid_thw"], self.merge, "video")
+        return {"input_ids": ids, **out}
 
     def __call__(self, text: Sequence[str], images=None, return_tensors: str = "pt") -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
@@ -121,9 +127,23 @@ class ImageTextProcessor:
 
 
 def empty_images(image_processor) -> dict[str, torch.Tensor]:
-    """A text-only sample's image inputs: no rows (``pixel_values [0, C*T*P*P]``, ``image_grid_thw [0, 3]``)."""
+    """A text-only sample's inputs: no rows (``pixel_values [0, C*T*P*P]``, ``image_grid_thw [0, 3]``, and
+    the empty video inputs of :func:`posttrain.models.video_frames.empty_videos`)."""
     p, t = int(image_processor.patch_size), int(image_processor.temporal_patch_size)
-    return {"pixel_values": torch.zeros(0, 3 * t * p * p), "image_grid_thw": torch.zeros(0, 3, dtype=torch.long)}
+    return {"pixel_values": torch.zeros(0, 3 * t * p * p), "image_grid_thw": torch.zeros(0, 3, dtype=torch.long),
+            **empty_videos(image_processor)}
+
+
+def _expand_ids(ids: list[int], token_id: int | None, grid_thw: torch.Tensor, merge: int, what: str) -> list[int]:
+    """``ids`` with each ``token_id`` repeated by its item's ``t*h*w / merge**2`` (``grid_thw`` rows in order)."""
+    counts = (grid_thw.prod(-1) // merge ** 2).tolist()
+    found = ids.count(token_id) if token_id is not None else 0
+    if found != len(counts):
+        raise ValueError(f"the prompt holds {found} {what} tokens for {len(counts)} {what}s")
+    expanded, it = [], iter(counts)
+    for token in ids:
+        expanded.extend([token] * int(next(it)) if token == token_id else [token])
+    return expanded
 
 
 def _expand(text: str, pad: str, counts) -> str:
@@ -159,8 +179,9 @@ def split_samples(pixel_values: torch.Tensor, image_grid_thw: torch.Tensor,
 
 def concat_samples(samples: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """The micro-batch inputs of samples in row order: their ``pixel_values`` and ``image_grid_thw``
-    rows concatenated."""
-    return {key: torch.cat([s[key] for s in samples]) for key in MM_KEYS}
+    rows (and the video inputs, where every sample carries them) concatenated."""
+    keys = [key for key in MM_KEYS if key in IMAGE_KEYS or all(key in s for s in samples)]
+    return {key: torch.cat([s[key] for s in samples]) for key in keys}
 
 
 class SampleImages:
@@ -197,7 +218,9 @@ class SampleImages:
         return SampleImages(moved, self.vit_micro_batch_size)
 
     def num_images(self) -> int:
-        return sum(int(s["image_grid_thw"].shape[0]) for s in self.samples)
+        """The rows' images and videos."""
+        return sum(int(s["image_grid_thw"].shape[0]) + (int(s["video_grid_thw"].shape[0]) if "video_grid_thw" in s else 0)
+                   for s in self.samples)
 
     def concat(self) -> dict[str, torch.Tensor]:
         """The rows' inputs joined in row order (:func:`concat_samples`; ``image_embeds`` too when every

@@ -353,11 +353,16 @@ def multimodal_actor(plan: Plan, model, processor_dir):
     """A multimodal run's actor: a vision-language model (else a ConfigError), its vision tower frozen
     with ``freeze_vision_tower`` (before the optimizer is built), and its processor from ``processor_dir``."""
     from posttrain.models.vlm import load_processor
-    from posttrain.training.multimodal import freeze_vision_tower
+    from posttrain.training.multimodal import VIDEO_MODEL_TYPES, freeze_vision_tower
 
     if getattr(model.config, "image_token_id", None) is None or getattr(model.config, "vision_config", None) is None:
         raise ConfigError(f"rl_config.is_multimodal: true, but the actor ({type(model).__name__}) is a text model; "
                           "give a vision-language model (Qwen2.5-VL) in actor_config.load, or set is_multimodal: false")
+    if plan.multimodal.videos_per_prompt and model.config.model_type not in VIDEO_MODEL_TYPES:
+        raise ConfigError(f"generate_config.limit_mm_video_per_prompt={plan.multimodal.videos_per_prompt}: posttrain "
+                          f"feeds videos to {', '.join(VIDEO_MODEL_TYPES)} only, not model_type "
+                          f"{model.config.model_type} (Qwen3-VL's processor writes frame timestamps into the prompt, "
+                          f"which is not built); set it to 0 and give a video's frames as images")
     if plan.multimodal.freeze_vision_tower:
         freeze_vision_tower(model)
     return load_processor(processor_dir)

@@ -20,6 +20,13 @@ Here they become the model's inputs beside ``input_ids``:
   image's tokens take (t, h, w) grid positions, the text after it continues from the largest), the
   layout Transformers' Qwen-VL models read for packed rows.
 
+Videos (Qwen2.5-VL; the rows' ``pixel_values_videos``, ``video_grid_thw``, ``second_per_grid_ts`` of
+:mod:`posttrain.models.video_frames`) go the same way: ``video_features [video tokens, H]`` from the
+model's ``get_video_features``, ``video_mask`` at the ``<|video_pad|>`` tokens, ``mm_token_type_ids``
+2 there, and ``get_rope_index`` spaces a video's temporal positions by ``second_per_grid_ts`` times
+the model's ``tokens_per_second``. Qwen3-VL's videos are refused (its processor writes frame
+timestamps into the prompt, which posttrain does not build).
+
 Both padded and packed forwards (:mod:`posttrain.training.remove_padding`) take these.
 """
 
@@ -34,6 +41,8 @@ from posttrain.models.vlm import MM_KEYS
 from posttrain.training.batch import default_position_ids
 
 FEATURES = "image_features"
+VIDEO_FEATURES = "video_features"
+VIDEO_MODEL_TYPES = ("qwen2_5_vl",)  # the VLMs whose videos posttrain feeds (Qwen3-VL: timestamps in the prompt)
 TOWER_ANCHOR = "tower_anchor"  # a text-only DDP micro-batch's zero term of the tower (tower_anchor)
 
 
@@ -63,18 +72,19 @@ def embeds_width(model: torch.nn.Module) -> int:
 
 
 def image_embeds(model: torch.nn.Module, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor,
-                 micro_batch_size: int | None = None) -> torch.Tensor:
+                 micro_batch_size: int | None = None, videos: bool = False) -> torch.Tensor:
     """The vision tower's features of the images: ``[image tokens, (1 + D) * H]`` (tokens of every
     image, in order; the merged features, then each deepstack level's), ``micro_batch_size`` images
-    per tower forward (None: all at once)."""
+    per tower forward (None: all at once). ``videos``: the inputs are videos (``pixel_values_videos``,
+    ``video_grid_thw``), through the model's ``get_video_features``."""
     images = int(image_grid_thw.shape[0])
     step = micro_batch_size or max(images, 1)
     patches = image_grid_thw.prod(-1).tolist()
     out, first = [], 0
     for start in range(0, images, step):
         num = int(sum(patches[start:start + step]))
-        output = _vlm(model).get_image_features(pixel_values[first:first + num], image_grid_thw[start:start + step],
-                                                return_dict=True)
+        encode = _vlm(model).get_video_features if videos else _vlm(model).get_image_features
+        output = encode(pixel_values[first:first + num], image_grid_thw[start:start + step], return_dict=True)
         levels = [output.pooler_output, *(getattr(output, "deepstack_features", None) or [])]
         out.append(torch.cat([torch.cat(list(level), dim=0) for level in levels], dim=-1))
         first += num
@@ -108,13 +118,42 @@ def freeze_vision_tower(model: torch.nn.Module, frozen: bool = True) -> None:
         param.requires_grad_(not frozen)
 
 
+def _image_features(model: torch.nn.Module, batch: dict[str, torch.Tensor], micro: int | None) -> torch.Tensor:
+    """The batch's image tokens' features ``[image tokens, (1 + D) * H]``: its ``image_embeds``, or the tower's."""
+    features = batch.get("image_embeds")
+    if features is None:
+        features = image_embeds(model, batch["pixel_values"], batch["image_grid_thw"], micro)
+    if features.shape[-1] != embeds_width(model):
+        raise ValueError(f"image_embeds have {features.shape[-1]} features a token, the model's tower gives "
+                         f"{embeds_width(model)}: they come from another model")
+    return features
+
+
+def _video_features(model: torch.nn.Module, batch: dict[str, torch.Tensor], micro: int | None) -> torch.Tensor | None:
+    """The batch's video tokens' features ``[video tokens, H]`` (Qwen2.5-VL; None without videos)."""
+    grid = batch.get("video_grid_thw")
+    if grid is None or grid.shape[0] == 0:
+        return None
+    model_type = _vlm(model).config.model_type
+    if model_type not in VIDEO_MODEL_TYPES:
+        raise ValueError(f"the batch carries videos, which posttrain feeds to {', '.join(VIDEO_MODEL_TYPES)} only, not "
+                         f"model_type {model_type} (Qwen3-VL's processor writes frame timestamps into the prompt); "
+                         f"set generate_config.limit_mm_video_per_prompt: 0 or give a video's frames as images")
+    return image_embeds(model, batch["pixel_values_videos"], grid, micro, videos=True)
+
+
+def _check_tokens(mask: torch.Tensor, features: torch.Tensor | None, what: str) -> None:
+    found, given = int(mask.sum()), (0 if features is None else features.shape[0])
+    if found != given:
+        raise ValueError(f"the batch has {found} {what} tokens for {given} {what} features: its rows and their "
+                         f"{what} inputs do not match")
+
+
 def multimodal_inputs(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``batch`` with ``image_features``, ``image_mask`` and ``position_ids [4, B, T]`` (see the
-    module docstring; the image inputs removed). ``batch["image_embeds"]``, when present, is used
-    instead of running the vision tower (it must equal :func:`image_embeds` of the same images)."""
-    if "pixel_values_videos" in batch or "video_grid_thw" in batch:
-        raise ValueError("the batch carries videos (pixel_values_videos / video_grid_thw): posttrain's multimodal "
-                         "forward takes images only so far; give the frames as images")
+    """``batch`` with ``image_features`` / ``image_mask``, ``video_features`` / ``video_mask`` (where it
+    holds videos) and ``position_ids [4, B, T]`` (see the module docstring; the image and video inputs
+    removed). ``batch["image_embeds"]``, when present, is used instead of running the vision tower on
+    the images (it must equal :func:`image_embeds` of the same images)."""
     micro = None
     if "images" in batch:  # the rows' SampleImages (posttrain.models.vlm): joined in row order
         images = batch["images"]
@@ -126,37 +165,40 @@ def multimodal_inputs(model: torch.nn.Module, batch: dict[str, torch.Tensor]) ->
             return text if anchor is None else {**text, TOWER_ANCHOR: anchor}
     vlm = _vlm(model)
     ids, attention = batch["input_ids"], batch["attention_mask"]
-    features = batch.get("image_embeds")
-    if features is None:
-        features = image_embeds(model, batch["pixel_values"], batch["image_grid_thw"], micro)
-    hidden = int(vlm.config.text_config.hidden_size)
-    if features.shape[-1] != embeds_width(model):
-        raise ValueError(f"image_embeds have {features.shape[-1]} features a token, the model's tower gives "
-                         f"{embeds_width(model)}: they come from another model")
     image_mask = (ids == vlm.config.image_token_id) & attention.bool()
-    if int(image_mask.sum()) != features.shape[0]:
-        raise ValueError(f"the batch has {int(image_mask.sum())} image tokens for {features.shape[0]} image "
-                         f"features: its rows and pixel_values/image_grid_thw do not match")
-    rope, _ = vlm.get_rope_index(ids, image_mask.int(), image_grid_thw=batch["image_grid_thw"],
-                                 attention_mask=attention)
+    video_mask = (ids == vlm.config.video_token_id) & attention.bool()
+    features = _image_features(model, batch, micro) if batch["image_grid_thw"].shape[0] else None
+    videos = _video_features(model, batch, micro)
+    _check_tokens(image_mask, features, "image")
+    _check_tokens(video_mask, videos, "video")
+    kinds = image_mask.int() + 2 * video_mask.int()  # the model's mm_token_type_ids: text 0, image 1, video 2
+    timing = {} if videos is None else {"video_grid_thw": batch["video_grid_thw"],
+                                        "second_per_grid_ts": batch["second_per_grid_ts"]}
+    rope, _ = vlm.get_rope_index(ids, kinds, image_grid_thw=batch["image_grid_thw"], attention_mask=attention, **timing)
     # row 0: the text positions (restarting per sequence), which the model reads, as Transformers
     # documents, to find the sequences of a packed row (its flash-attention varlen path)
     positions = torch.cat([default_position_ids(attention)[None], rope])
     out = {k: v for k, v in batch.items() if k not in MM_KEYS and k != "image_embeds"}
-    out.update({FEATURES: features.reshape(features.shape[0], -1, hidden), "image_mask": image_mask,
-                "position_ids": positions})
+    hidden = int(vlm.config.text_config.hidden_size)
+    if features is not None:
+        out.update({FEATURES: features.reshape(features.shape[0], -1, hidden), "image_mask": image_mask})
+    if videos is not None:
+        out.update({VIDEO_FEATURES: videos, "video_mask": video_mask})
+    out["position_ids"] = positions
     return out
 
 
 def pack_image_features(batch: dict[str, torch.Tensor], order: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The ``image_features`` of a packed row (:func:`posttrain.training.remove_padding.pack`;
-    ``order [N]``: the flat padded token of each packed position), in the order of its image tokens;
-    none for a batch without them."""
-    if FEATURES not in batch:
-        return {}
-    mask = batch["image_mask"].reshape(-1)
-    rank = mask.long().cumsum(0) - 1  # flat padded token -> its row in image_features
-    return {FEATURES: batch[FEATURES].index_select(0, rank[order[mask[order]]])}
+    """The ``image_features`` (and ``video_features``) of a packed row
+    (:func:`posttrain.training.remove_padding.pack`; ``order [N]``: the flat padded token of each
+    packed position), in the order of its image (video) tokens; none for a batch without them."""
+    out = {}
+    for features, mask_key in ((FEATURES, "image_mask"), (VIDEO_FEATURES, "video_mask")):
+        if features in batch:
+            mask = batch[mask_key].reshape(-1)
+            rank = mask.long().cumsum(0) - 1  # flat padded token -> its row in the features
+            out[features] = batch[features].index_select(0, rank[order[mask[order]]])
+    return out
 
 
 @dataclass
@@ -169,10 +211,12 @@ class EncodedImages(BaseModelOutputWithPooling):
 
 
 def model_kwargs(batch: dict[str, torch.Tensor]) -> dict:
-    """The model's keyword arguments for the images of ``batch`` (its ``image_features``): its
-    ``mm_encoder_outputs``; none for a text batch."""
-    if FEATURES not in batch:
-        return {}
-    levels = batch[FEATURES].unbind(1)
-    encoded = EncodedImages(pooler_output=(levels[0],), deepstack_features=[(level,) for level in levels[1:]])
-    return {"mm_encoder_outputs": {"image": encoded}}
+    """The model's keyword arguments for the images and videos of ``batch`` (its ``image_features``,
+    ``video_features``): its ``mm_encoder_outputs``; none for a text batch."""
+    encoded = {}
+    if FEATURES in batch:
+        levels = batch[FEATURES].unbind(1)
+        encoded["image"] = EncodedImages(pooler_output=(levels[0],), deepstack_features=[(lv,) for lv in levels[1:]])
+    if VIDEO_FEATURES in batch:
+        encoded["video"] = EncodedImages(pooler_output=(batch[VIDEO_FEATURES],))
+    return {"mm_encoder_outputs": encoded} if encoded else {}

@@ -102,8 +102,6 @@ CASES = [
      "remove the key"),
     (["generate_config.infer_pipeline_parallel_size=2"], "generate_config.infer_pipeline_parallel_size=2: ",
      "set it to 1"),
-    (["generate_config.limit_mm_video_per_prompt=1"], "generate_config.limit_mm_video_per_prompt=1: videos are not "
-     "fed to the training loop yet", "set it to 0"),
     # whole sections and the critic's keys that follow the actor
     ([*PPO, "critic_config.save_interval=7"], "critic_config.save_interval=7: the critic is saved at the actor's",
      "the actor's value"),

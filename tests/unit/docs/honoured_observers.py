@@ -45,6 +45,7 @@ OBSERVERS: dict[str, tuple[str, list[str], list[str]]] = {
     "rl_config.actor_image_embeds_dispatch_size": (BASE, [*MM, "rl_config.reuse_image_embeds=true"],
                                                    ["rl_config.actor_image_embeds_dispatch_size=2"]),
     "generate_config.limit_mm_image_per_prompt": (BASE, MM, ["generate_config.limit_mm_image_per_prompt=2"]),
+    "generate_config.limit_mm_video_per_prompt": (BASE, MM, ["generate_config.limit_mm_video_per_prompt=1"]),
     "actor_config.lr_decay_style": (BASE, [], ["actor_config.lr_decay_style=cosine"]),
     "actor_config.data_path": (BASE, [], ["actor_config.data_path=runs/other/data"]),
     "actor_config.split": (BASE, [], ["actor_config.split=90,10,0"]),

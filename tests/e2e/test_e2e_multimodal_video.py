@@ -1,0 +1,349 @@
+"""Videos in the multimodal loop (Qwen2.5-VL, hf backend, native engine), on the tiny Qwen2.5-VL of
+``posttrain init-model``: a video is a list of frames (PIL images), its inputs built without
+torchvision (:mod:`posttrain.models.video_frames`).
+
+* A packed (and a padded) batch mixing an image sample, a video sample and a text-only sample gives
+  each row the log-probs of its own Hugging Face forward (``pixel_values_videos``, ``video_grid_thw``,
+  ``second_per_grid_ts``), fp32, 1e-5; the frames' order and the time a temporal patch spans matter.
+* The native engine's greedy tokens with videos (one at 4 s a temporal patch, whose temporal
+  positions pass the text after it) equal Hugging Face ``generate`` with the same inputs.
+* GRPO runs 2 iterations on prompts of 4-frame videos of coloured squares (one with an image too):
+  finite metrics, the video pads expanded, the tower and the language model change; a run killed
+  after iteration 1 and resumed repeats iteration 2; a prompt with more videos than
+  ``limit_mm_video_per_prompt`` is refused, and so are videos on Qwen3-VL.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from PIL import Image, ImageDraw
+
+from posttrain.models.vlm import load_processor
+from posttrain.reward.verifiers import register_verifier
+from posttrain.training.batch import build_batch
+from posttrain.training.forward import response_logprobs
+from posttrain.training.remove_padding import Packing
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+COLOURS = ["red", "blue", "green", "black"]
+
+
+@register_verifier("test_video_token_share", overwrite=True)
+def token_share(response: str, label: str, **_) -> float:
+    """Dense and deterministic: the share of the response's characters that are letters of the label."""
+    return sum(c in label for c in response) / max(len(response), 1)
+
+
+def square_frames(colour: str, frames: int = 4, size: int = 56) -> list[Image.Image]:
+    """``frames`` pictures of a ``colour`` square moving right by 4 pixels a frame."""
+    out = []
+    for f in range(frames):
+        image = Image.new("RGB", (size, size), "white")
+        ImageDraw.Draw(image).rectangle((4 + 4 * f, 8, 28 + 4 * f, 32), fill=colour)
+        out.append(image)
+    return out
+
+
+@pytest.fixture(scope="module")
+def vlm(tiny_vlm_dir):
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(str(tiny_vlm_dir), dtype=torch.float32).eval()
+    return model, load_processor(tiny_vlm_dir)
+
+
+def prompt_ids(processor, model, text: str, images=(), videos=()) -> dict:
+    ids = processor.tokenizer(text)["input_ids"]
+    return processor.encode_images(ids, list(images), model.config.image_token_id, videos=list(videos),
+                                   video_token_id=model.config.video_token_id)
+
+
+@pytest.fixture(scope="module")
+def samples(vlm):
+    """An image sample, a video sample (5 frames: the last one repeated), a text-only sample, each with a response."""
+    model, processor = vlm
+    image = square_frames("red", 1, size=84)[0]
+    encoded = [prompt_ids(processor, model, "<|vision_start|> <|image_pad|> <|vision_end|> how many shapes ?", [image]),
+               prompt_ids(processor, model, "<|vision_start|> <|video_pad|> <|vision_end|> how many ?",
+                          videos=[square_frames("blue", 5)]),
+               prompt_ids(processor, model, "how many shapes ?")]
+    gen = torch.Generator().manual_seed(0)
+    out = []
+    for enc, length in zip(encoded, (5, 3, 6)):
+        media = {k: v for k, v in enc.items() if k != "input_ids"}
+        if media["video_grid_thw"].shape[0]:  # 4 s a temporal patch (fps 0.5), not the default 1 s: the time counts
+            media["second_per_grid_ts"] = torch.tensor([4.0])
+        out.append({"prompt": torch.tensor(enc["input_ids"]), "response": torch.randint(6, 60, (length,), generator=gen),
+                    "media": media})
+    return out
+
+
+def reference_logprobs(model, sample, never=()) -> torch.Tensor:
+    """The sample alone through Hugging Face's forward, given only its own images or videos (``never``:
+    token ids left out of the softmax, as the native engine never samples the vision tokens)."""
+    ids = torch.cat([sample["prompt"], sample["response"]])[None]
+    types = (ids == model.config.image_token_id).int() + 2 * (ids == model.config.video_token_id).int()
+    media = {k: v for k, v in sample["media"].items() if v.shape[0]}
+    if "second_per_grid_ts" in media:
+        media["second_per_grid_ts"] = media["second_per_grid_ts"].tolist()
+    with torch.no_grad():
+        logits = model(input_ids=ids, mm_token_type_ids=types, **media).logits[0].float()
+    logits[:, list(never)] = float("-inf")
+    start, length = sample["prompt"].numel(), sample["response"].numel()
+    return torch.log_softmax(logits[start - 1:start + length - 1], -1).gather(-1, sample["response"][:, None])[:, 0]
+
+
+@pytest.mark.parametrize("packing", [Packing(), None], ids=["packed", "padded"])
+def test_a_batch_of_image_video_and_text_rows_equals_each_rows_own_forward(vlm, samples, packing):
+    from posttrain.models.vlm import SampleImages
+
+    model, _ = vlm
+    assert samples[1]["media"]["video_grid_thw"].tolist() == [[3, 4, 4]]  # 5 frames -> 6 -> t = 3
+    batch = build_batch([s["prompt"] for s in samples], [s["response"] for s in samples], pad_token_id=0)
+    batch["images"] = SampleImages([s["media"] for s in samples])
+    with torch.no_grad():
+        logprobs, _ = response_logprobs(model, batch, packing=packing)
+    references = [reference_logprobs(model, s) for s in samples]
+    for row, ref in enumerate(references):
+        torch.testing.assert_close(logprobs[row, :ref.numel()], ref, rtol=0, atol=1e-5)
+    # the frames' order matters: the video reversed in time gives other log-probs
+    media = samples[1]["media"]
+    t, h, w = media["video_grid_thw"][0].tolist()
+    flipped = media["pixel_values_videos"].reshape(t, h * w, -1).flip(0).reshape(t * h * w, -1)
+    other = reference_logprobs(model, {**samples[1], "media": {**media, "pixel_values_videos": flipped}})
+    assert not torch.allclose(other, references[1], atol=1e-4)
+    # ... and so does the time a temporal patch spans (second_per_grid_ts)
+    faster = reference_logprobs(model, {**samples[1], "media": {**media, "second_per_grid_ts": torch.tensor([1.0])}})
+    assert not torch.allclose(faster, references[1], atol=1e-4)
+
+
+def test_native_greedy_tokens_with_a_video_equal_hf_generate():
+    """Prompts with a video, an image and a video, and none (left padding): greedy tokens of the native
+    engine equal the model's own ``generate`` with the same inputs; without the videos they differ."""
+    from posttrain.models.video_frames import video_inputs
+    from posttrain.rollout.base import SamplingParams
+    from posttrain.rollout.native import NativeEngine
+    from tests.helpers.tiny_vlm import encode, shapes_image, tiny_vlm, tiny_vlm_image_processor, tiny_vlm_tokenizer
+
+    model = tiny_vlm(seed=0, init=0.3)  # init 0.3: greedy tokens vary step to step (tests/unit/rollout)
+    tok, processor = tiny_vlm_tokenizer(), tiny_vlm_image_processor()
+    video = "<|vision_start|> <|video_pad|> <|vision_end|> "
+    image = "<|vision_start|> <|image_pad|> <|vision_end|> "
+    requests = [encode(tok, processor, video + "how many shapes ?", []),
+                encode(tok, processor, image + video + "is there a square", [shapes_image(2, 1)]),
+                encode(tok, processor, "how many red shapes are there ?", [])]
+    clips = [[shapes_image(1, 10 + f) for f in range(4)], None, None]
+    clips[1] = [shapes_image(3, 20 + f, size=84) for f in range(3)]
+    merge = processor.merge_size ** 2
+    for request, frames in zip(requests, clips):
+        if frames is None:
+            continue
+        request.update(video_inputs(processor, [frames], fps=0.5 if len(frames) == 4 else 2.0))  # 4 s, 1 s a patch
+        count = int(request["video_grid_thw"].prod()) // merge
+        ids, request["input_ids"] = request["input_ids"], []
+        for token in ids:
+            request["input_ids"] += [token] * count if token == model.config.video_token_id else [token]
+        request.setdefault("pixel_values", torch.zeros(0, 1176))
+        request.setdefault("image_grid_thw", torch.zeros(0, 3, dtype=torch.long))
+    steps, suppress = 8, [model.config.image_token_id, model.config.video_token_id, model.config.vision_start_token_id,
+                          model.config.vision_end_token_id]
+    want = []
+    for r in requests:
+        ids = torch.tensor([r["input_ids"]])
+        extra = {k: v for k, v in r.items() if k != "input_ids" and v.shape[0]}
+        if extra:
+            extra["mm_token_type_ids"] = ((ids == model.config.image_token_id).int()
+                                          + 2 * (ids == model.config.video_token_id).int())
+        with torch.no_grad():
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=steps,
+                                 do_sample=False, eos_token_id=None, suppress_tokens=suppress, **extra)
+        want.append(out[0, ids.shape[1]:].tolist())
+    engine = NativeEngine(model, pad_token_id=0, eos_token_ids=[])
+    media = [None if "video_grid_thw" not in r else {k: v for k, v in r.items() if k != "input_ids"} for r in requests]
+    got = engine.generate([r["input_ids"] for r in requests], 1, SamplingParams(temperature=0, max_tokens=steps),
+                          images=media)
+    assert [o.token_ids for group in got for o in group] == want
+    assert len({t for row in want for t in row}) > 6, "the reference should not repeat one token"
+    frozen = [{**m, "pixel_values_videos": torch.zeros_like(m["pixel_values_videos"])} for m in media[:2]]
+    blind = engine.generate([r["input_ids"] for r in requests[:2]], 1, SamplingParams(temperature=0, max_tokens=steps),
+                            images=frozen)
+    assert [o.token_ids for group in blind for o in group] != want[:2]
+
+
+def video_prompts(root, model_dir) -> str:
+    """4 prompts "<video> colour?" (the last "<image> <video> colour?"), each video 4 frames of a moving
+    square of the label's colour, preprocessed with limit_mm_video_per_prompt 1; the dataset's prefix."""
+    from posttrain.data.preprocess import preprocess
+    from tests.helpers.data import write_jsonl
+
+    rows = []
+    for i, colour in enumerate(COLOURS):
+        names = []
+        for f, frame in enumerate(square_frames(colour)):
+            frame.save(root / f"{i}_{f}.png")
+            names.append(f"{i}_{f}.png")
+        row = {"problem": "<video> colour?", "answer": colour, "videos": [names], "images": []}
+        if i == 3:
+            square_frames("blue", 1)[0].save(root / "still.png")
+            row.update(problem="<image> <video> colour?", images=["still.png"])
+        rows.append(row)
+    write_jsonl(root / "in.jsonl", rows)
+    preprocess({"input": str(root / "in.jsonl"), "handler_name": "R1AlpacaStyleInstructionHandler",
+                "tokenizer_name_or_path": str(model_dir), "prompt_type": "qwen2_vl",
+                "output_prefix": str(root / "data" / "mv"), "map_keys": {"prompt": "problem", "response": "answer"},
+                "dataset_additional_keys": ["labels"], "workers": 1, "limit_mm_video_per_prompt": 1}, progress=False)
+    return str(root / "data" / "mv")
+
+
+@pytest.fixture(scope="module")
+def video_data(tiny_vlm_dir, tmp_path_factory):
+    return video_prompts(tmp_path_factory.mktemp("mv"), tiny_vlm_dir)
+
+
+def video_config(model_dir, data, out, iters=2, actor_config=None, lr=1e-3, rl=None, max_num_seqs=16):
+    from tests.helpers.configs import OMIT, run_config
+
+    return run_config(
+        model_dir, data, out / "run", name="mv_test",
+        megatron_training={"global_batch_size": 4, "micro_batch_size": 2, "seq_length": 256, "lr": lr, "seed": 5,
+                           "bf16": OMIT, "prompt_type": "qwen2_vl", "save": str(out / "ckpt"), "save_interval": 1,
+                           "train_iters": iters},
+        rl_config={"n_samples_per_prompt": 2, "verifier_function": ["test_video_token_share"], "verifier_modules": OMIT,
+                   "verifier_parallel": 0, "init_kl_coef": 0.01, "max_prompt_length": 160, "device": OMIT,
+                   "kl_penalty": "low_var_kl", "is_multimodal": True, "mini_batch_size": 2, **(rl or {})},
+        generate_config={"max_num_seqs": max_num_seqs, "limit_mm_image_per_prompt": 1, "limit_mm_video_per_prompt": 1,
+                         "max_model_len": 256, "sampling_config": {"max_tokens": 6, "temperature": 1.0, "top_k": -1}},
+        actor_config=actor_config or {})
+
+
+@pytest.fixture(scope="module")
+def video_run(tiny_vlm_dir, video_data, tmp_path_factory):
+    """2 GRPO iterations on the video prompts, a checkpoint each."""
+    from posttrain.commands.train import train_config as train
+
+    out = tmp_path_factory.mktemp("video_run")
+    train(video_config(tiny_vlm_dir, video_data, out))
+    return out
+
+
+def test_grpo_trains_on_video_prompts(tiny_vlm_dir, video_data, video_run):
+    from transformers import AutoModelForImageTextToText
+
+    from posttrain.data.builders import build_prompt_dataset
+    from tests.helpers.runs import metrics_by_iteration
+
+    metrics = metrics_by_iteration(video_run / "run")
+    assert sorted(metrics) == [1, 2]
+    for row in metrics.values():
+        for key in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "response_length/mean", "grpo/score/mean"):
+            assert math.isfinite(row[key]), (key, row[key])
+    # each video (4 frames of 56x56: t 2 x 4 x 4 patches) fills 8 tokens where 1 pad is stored, an image 4
+    stored = [len(item["prompts"]) for item in build_prompt_dataset(video_data, 512, images_per_prompt=1,
+                                                                     videos_per_prompt=1)]
+    assert metrics[1]["prompt_length/mean"] == pytest.approx(sum(stored) / 4 + 7 + 3 / 4)
+    after = AutoModelForImageTextToText.from_pretrained(video_run / "ckpt" / "iter_0000002").state_dict()
+    before = AutoModelForImageTextToText.from_pretrained(tiny_vlm_dir).state_dict()
+    changed = {k for k in before if not torch.equal(before[k], after[k])}
+    assert any("visual" in k for k in changed) and any("language_model" in k for k in changed)
+
+
+class Killed(Exception):
+    """The run dies here (as under a kill)."""
+
+
+def test_a_resumed_video_run_repeats_the_straight_one(tiny_vlm_dir, video_data, video_run, tmp_path, monkeypatch):
+    from safetensors.torch import load_file
+
+    from posttrain.commands.train import train_config as train
+    from posttrain.loops.onpolicy import OnPolicyTrainer
+    from tests.helpers.runs import metrics_by_iteration
+
+    real = OnPolicyTrainer.train_step
+
+    def dies_at_iteration_2(self, iteration):
+        if iteration == 2:
+            raise Killed
+        return real(self, iteration)
+
+    monkeypatch.setattr(OnPolicyTrainer, "train_step", dies_at_iteration_2)
+    with pytest.raises(Killed):  # dies after saving iteration 1
+        train(video_config(tiny_vlm_dir, video_data, tmp_path))
+    monkeypatch.undo()
+    train(video_config(tiny_vlm_dir, video_data, tmp_path, actor_config={"load": str(tmp_path / "ckpt")}))
+    a, b = metrics_by_iteration(video_run / "run"), metrics_by_iteration(tmp_path / "run")
+    for k in (k for k in a[2] if not k.startswith("timing/") and not k.endswith("_tps") and k != "time"):
+        assert b[2][k] == pytest.approx(a[2][k], rel=1e-5, abs=1e-7), k
+    x = load_file(video_run / "ckpt" / "iter_0000002" / "model.safetensors")
+    y = load_file(tmp_path / "ckpt" / "iter_0000002" / "model.safetensors")
+    for k in x:
+        torch.testing.assert_close(y[k], x[k], rtol=0, atol=1e-6)
+
+
+def test_videos_are_limited(video_data):
+    from posttrain.data.builders import build_prompt_dataset
+    from posttrain.errors import DataError
+
+    item = build_prompt_dataset(video_data, 512, images_per_prompt=1, videos_per_prompt=1)[3]
+    assert len(item["images"]) == 1 and [len(v) for v in item["videos"]] == [4]
+    with pytest.raises(DataError, match="prompt 0 holds 1 video.*limit_mm_video_per_prompt=0"):
+        build_prompt_dataset(video_data, 512, images_per_prompt=1, videos_per_prompt=0)[0]
+
+
+def test_videos_on_qwen3_vl_are_refused_at_start(tiny_qwen3_vl_dir, video_data, tmp_path):
+    from posttrain.commands.train import train_config as train
+    from posttrain.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="limit_mm_video_per_prompt=1: posttrain feeds videos to qwen2_5_vl only, "
+                                          "not model_type qwen3_vl"):
+        train(video_config(tiny_qwen3_vl_dir, video_data, tmp_path))
+
+
+@pytest.mark.parametrize("mode", ["partial", "async"])
+def test_partial_and_async_rollout_sample_with_the_videos(mode, vlm, tiny_vlm_dir, video_data, tmp_path, monkeypatch):
+    """Partial rollout (rounds of 3 of the 6 tokens; max_num_seqs 4, so a continued sample is
+    re-prefilled: a cut sample's continuation gets its prompt's video and image cells) and
+    asynchronous rollout (iteration 2 learns from samples drawn a version behind): with lr 1e-20 every
+    sampled token's rollout log-prob equals the sample's own Hugging Face forward with its video (the
+    vision tokens left out, as the engine never samples them)."""
+    from posttrain.commands.train import train_config as train
+    from posttrain.loops.onpolicy import OnPolicyTrainer
+    from posttrain.loops.partial_rollout import PartialRollout
+    from posttrain.models.vlm import MM_KEYS
+    from posttrain.rollout.images import vision_token_ids
+
+    samples, continued = [], []
+    real_correct, real_media = OnPolicyTrainer.correct, PartialRollout.row_images
+
+    def correct(self, td, acc, iteration):  # the dock after the old log-prob pass
+        samples.extend({"prompt": td.cell("prompts", r), "response": td.cell("responses", r),
+                        "rollout": td.cell("rollout_logprobs", r), "media": {k: td.cell(k, r) for k in MM_KEYS}}
+                       for r in range(td.max_len))
+        return real_correct(self, td, acc, iteration)
+
+    def row_images(self, rows):
+        media = real_media(self, rows)
+        continued.extend(r for k, r in enumerate(rows) if self.dock.cell("responses", r).numel()
+                         and media["images"][k]["video_grid_thw"].shape[0])
+        return media
+
+    monkeypatch.setattr(OnPolicyTrainer, "correct", correct)
+    monkeypatch.setattr(PartialRollout, "row_images", row_images)
+    if mode == "partial":
+        train(video_config(tiny_vlm_dir, video_data, tmp_path, iters=1, lr=1e-20, rl={"partial_rollout_max_split": 2},
+                           max_num_seqs=4))
+        assert continued, "no sample with a video was cut and continued"
+    else:
+        train(video_config(tiny_vlm_dir, video_data, tmp_path, lr=1e-20, rl={"async_staleness": 1}))
+        from tests.helpers.runs import metrics_by_iteration
+
+        assert metrics_by_iteration(tmp_path / "run")[2]["rollout/staleness_max"] == 1
+    model, never = vlm[0], vision_token_ids(vlm[0])
+    for sample in samples:
+        sample["media"]["image_grid_thw"] = sample["media"]["image_grid_thw"].long()
+        sample["media"]["video_grid_thw"] = sample["media"]["video_grid_thw"].long()
+        want = reference_logprobs(model, sample, never)
+        assert torch.allclose(sample["rollout"], want, atol=1e-4), (sample["rollout"] - want).abs().max()
+    assert len(samples) == (8 if mode == "partial" else 16)
