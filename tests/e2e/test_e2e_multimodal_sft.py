@@ -92,28 +92,37 @@ def straight(tiny_vlm_dir, sft_data, tmp_path_factory):
 
 def hf_masked_cross_entropy(model_dir, data) -> float:
     """The token-mean cross-entropy of the response tokens of every stored sample, each by its own
-    Hugging Face forward (image pads expanded to the image's tokens, as Qwen2.5-VL's processor does)."""
+    Hugging Face forward (image and video pads expanded to their tokens, as Qwen2.5-VL's processor
+    does; a video's inputs from its frames: posttrain.models.video_frames, as the model takes them)."""
     from transformers import AutoImageProcessor, AutoModelForImageTextToText
 
     from posttrain.data.datasets import SFTDataset
     from posttrain.data.media_store import ImageDataset
+    from posttrain.models.video_frames import video_inputs
 
     model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
     processor = AutoImageProcessor.from_pretrained(model_dir)
-    pad = model.config.image_token_id
+    pads = (model.config.image_token_id, model.config.video_token_id)
     texts, media, total, count = SFTDataset(data), ImageDataset(data), 0.0, 0
     for i in range(len(texts)):
         ids, labels = texts[i]["input_ids"].tolist(), texts[i]["labels"].tolist()
         images = [im.convert("RGB") for im in media[i]["images"]]
-        inputs = {}
+        videos = [[frame.convert("RGB") for frame in frames] for frames in media[i]["videos"]]
+        inputs, sizes = {}, {pad: iter(()) for pad in pads}
         if images:
             inputs = dict(processor(images=images, return_tensors="pt"))
-            sizes = iter((inputs["image_grid_thw"].prod(-1) // 4).tolist())
-            pairs = [(t, lab) for t, lab in zip(ids, labels) for _ in range(next(sizes) if t == pad else 1)]
-            ids, labels = [t for t, _ in pairs], [-100 if t == pad else lab for t, lab in pairs]
+            sizes[pads[0]] = iter((inputs["image_grid_thw"].prod(-1) // 4).tolist())
+        if videos:
+            clips = video_inputs(processor, videos)
+            inputs.update(pixel_values_videos=clips["pixel_values_videos"], video_grid_thw=clips["video_grid_thw"],
+                          second_per_grid_ts=clips["second_per_grid_ts"].tolist())
+            sizes[pads[1]] = iter((clips["video_grid_thw"].prod(-1) // 4).tolist())
+        pairs = [(t, lab) for t, lab in zip(ids, labels) for _ in range(next(sizes[t]) if t in pads else 1)]
+        ids, labels = [t for t, _ in pairs], [-100 if t in pads else lab for t, lab in pairs]
         ids = torch.tensor([ids])
-        with torch.no_grad():  # mm_token_type_ids: where the image tokens are (Transformers' 3-D positions)
-            logits = model(input_ids=ids, mm_token_type_ids=(ids == pad).int(), **inputs).logits[0, :-1].double()
+        kinds = (ids == pads[0]).int() + 2 * (ids == pads[1]).int()  # Transformers' 3-D positions: image 1, video 2
+        with torch.no_grad():
+            logits = model(input_ids=ids, mm_token_type_ids=kinds, **inputs).logits[0, :-1].double()
         target = torch.tensor(labels[1:])
         keep = target != -100
         total += float(torch.nn.functional.cross_entropy(logits[keep], target[keep], reduction="sum"))
@@ -144,6 +153,62 @@ def test_qwen3_vl_first_step_loss_is_the_hf_masked_cross_entropy(tiny_qwen3_vl_d
     train(sft_config(tiny_qwen3_vl_dir, data, tmp_path, iters=1, megatron_training__save=OMIT))
     first = metrics_by_iteration(tmp_path / "run")[1]
     assert first["sft/loss"] == pytest.approx(hf_masked_cross_entropy(tiny_qwen3_vl_dir, data), rel=1e-5)
+
+
+def square_clip(colour: str, frames: int = 4) -> list[Image.Image]:
+    """``frames`` pictures of a ``colour`` square moving right by 6 pixels a frame."""
+    out = []
+    for f in range(frames):
+        image = Image.new("RGB", (56, 56), "white")
+        ImageDraw.Draw(image).rectangle((4 + 6 * f, 8, 28 + 6 * f, 32), fill=colour)
+        out.append(image)
+    return out
+
+
+def test_videos_first_step_loss_is_the_hf_masked_cross_entropy(tiny_vlm_dir, tmp_path):
+    """Samples with a video (4 and 3 frames), an image and a video, and text only (limit_mm_video_per_prompt
+    1): the first step's loss (packed) equals Hugging Face's masked cross-entropy with the videos; the
+    video pads are expanded (4 frames of 56x56: 8 tokens, labels -100 there)."""
+    from posttrain.commands.train import train_config as train
+    from posttrain.data.builders import build_offline_dataset
+    from posttrain.data.preprocess import preprocess
+    from posttrain.errors import DataError
+    from posttrain.loops.sft_images import image_samples
+    from posttrain.models.vlm import load_processor
+    from tests.helpers.data import write_jsonl
+
+    rows = []
+    for i, (prompt, response, colour, frames) in enumerate([("<video> which colour?", "red", "red", 4),
+                                                            ("<image> <video> same colour?", "no , blue", "green", 3),
+                                                            ("<video> moving?", "yes to the right", "black", 4),
+                                                            ("say hi", "hi there", None, 0)]):
+        names = []
+        for f, frame in enumerate(square_clip(colour, frames) if colour else []):
+            frame.save(tmp_path / f"{i}_{f}.png")
+            names.append(f"{i}_{f}.png")
+        images = []
+        if "<image>" in prompt:
+            square_clip("blue", 1)[0].save(tmp_path / "still.png")
+            images = ["still.png"]
+        rows.append({"prompt": prompt, "response": response, "images": images, "videos": [names] if names else []})
+    write_jsonl(tmp_path / "in.jsonl", rows)
+    data = tmp_path / "data" / "sftv"
+    preprocess({"input": str(tmp_path / "in.jsonl"), "handler_name": "AlpacaStyleInstructionHandler",
+                "tokenizer_name_or_path": str(tiny_vlm_dir), "prompt_type": "qwen2_vl", "output_prefix": str(data),
+                "map_keys": {"prompt": "prompt", "response": "response"}, "limit_mm_image_per_prompt": 1,
+                "limit_mm_video_per_prompt": 1, "workers": 1}, progress=False)
+    processor = load_processor(tiny_vlm_dir)
+    pad = processor.tokenizer.convert_tokens_to_ids("<|video_pad|>")
+    item = build_offline_dataset(str(data), "sft", seq_length=128, images_per_sample=1, videos_per_sample=1)[0]
+    (ids, labels), = image_samples([item], processor, processor.tokenizer.convert_tokens_to_ids("<|image_pad|>"),
+                                   str(data))[0]
+    assert ids.tolist().count(pad) == 8 and labels[ids == pad].tolist() == [-100] * 8
+    with pytest.raises(DataError, match="prompt 0 holds 1 video.*limit_mm_video_per_prompt=0"):
+        build_offline_dataset(str(data), "sft", seq_length=128, images_per_sample=1)[0]
+    train(sft_config(tiny_vlm_dir, str(data), tmp_path, iters=1, megatron_training__save=OMIT,
+                     generate_config__limit_mm_image_per_prompt=1, generate_config__limit_mm_video_per_prompt=1))
+    first = metrics_by_iteration(tmp_path / "run")[1]
+    assert first["sft/loss"] == pytest.approx(hf_masked_cross_entropy(tiny_vlm_dir, str(data)), rel=1e-5)
 
 
 def test_the_checkpoint_loads_and_the_tower_learns(tiny_vlm_dir, straight):

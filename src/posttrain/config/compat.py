@@ -227,8 +227,6 @@ _MULTIMODAL_ROWS = (  # rl_config.is_multimodal: the hf backend in one process, 
         "them"),
     Row("mm-video-alone", "videos_alone", "{setting}: videos are fed to the multimodal loop only; set "
         "rl_config.is_multimodal: true (a Qwen2.5-VL and a dataset with videos) or set the key to 0"),
-    Row("mm-video-sft", "videos", "{setting} with stage sft: multimodal SFT reads images only (its samples' videos are "
-        "refused); set the key to 0, or give a video's frames as images", stage=("sft",)),
     Row("mm-video-ray", "videos", "{setting} on Ray actor workers: videos are built and tested in one process; set "
         "actor_resource.num_npus: 1, or the key to 0", placement=RAY),
     Row("mm-video-reuse", "videos", "{setting} with {other}: the reused embeddings are the images' only (videos would "

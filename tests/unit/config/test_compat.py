@@ -197,7 +197,6 @@ EXAMPLES: dict[str, tuple[list[str], str]] = {
     "mm-key-alone": (["rl_config.freeze_vision_tower=true"], "cpu"),
     "mm-embeds-dispatch": ([*MM_FROZEN, "rl_config.actor_image_embeds_dispatch_size=4"], "cpu"),
     "mm-video-alone": (["generate_config.limit_mm_video_per_prompt=1"], "cpu"),
-    "mm-video-sft": ([*MM, "generate_config.limit_mm_video_per_prompt=1", "megatron_training.stage=sft"], "cpu"),
     "mm-video-ray": ([*MM, *RAY, "generate_config.limit_mm_video_per_prompt=1"], "cpu"),
     "mm-video-reuse": ([*MM_FROZEN, "rl_config.reuse_image_embeds=true", "generate_config.limit_mm_video_per_prompt=1"],
                        "cpu"),
