@@ -120,6 +120,42 @@ def test_a_batch_of_image_video_and_text_rows_equals_each_rows_own_forward(vlm, 
     assert not torch.allclose(faster, references[1], atol=1e-4)
 
 
+def test_reused_embeddings_of_images_and_videos_equal_the_recomputed_ones(vlm, samples):
+    """reuse_image_embeds: the tower run once per sample on its images and videos (embed_samples: a
+    cell of the image tokens' rows, then the video tokens') gives, packed, the log-probs of the tower
+    run in the forward (1e-5), without running the tower; the video rows of the cell matter."""
+    from posttrain.models.vlm import SampleImages
+    from posttrain.training.multimodal import vision_tower
+    from posttrain.training.sample_embeds import embed_samples
+
+    model, _ = vlm
+    media = [s["media"] for s in samples]
+    media = [{**media[0], "pixel_values_videos": media[1]["pixel_values_videos"], "video_grid_thw": media[1]["video_grid_thw"],
+              "second_per_grid_ts": media[1]["second_per_grid_ts"]}, *media[1:]]  # row 0: an image and a video
+    prompts = [torch.cat([samples[1]["prompt"], samples[0]["prompt"]]), samples[1]["prompt"], samples[2]["prompt"]]
+    batch = build_batch(prompts, [s["response"] for s in samples], pad_token_id=0)
+    embeds = embed_samples(model, [m["pixel_values"] for m in media], [m["image_grid_thw"] for m in media], "cpu",
+                           pixel_values_videos=[m["pixel_values_videos"] for m in media],
+                           video_grid_thw=[m["video_grid_thw"] for m in media])
+    assert [e.shape[0] for e in embeds] == [9 + 12, 12, 0]  # image tokens (84x84: 9), then video tokens
+    calls = []
+    with torch.no_grad():
+        recomputed, _ = response_logprobs(model, {**batch, "images": SampleImages(media)}, packing=Packing())
+        hook = vision_tower(model).register_forward_hook(lambda *args: calls.append(1))
+        try:
+            reused, _ = response_logprobs(model, {**batch, "images": SampleImages(
+                [{**m, "image_embeds": e} for m, e in zip(media, embeds)])}, packing=Packing())
+            blind = [e.clone() for e in embeds]
+            blind[1][:] = 0  # the video sample's video rows
+            other, _ = response_logprobs(model, {**batch, "images": SampleImages(
+                [{**m, "image_embeds": e} for m, e in zip(media, blind)])}, packing=Packing())
+        finally:
+            hook.remove()
+    assert calls == []
+    torch.testing.assert_close(reused, recomputed, rtol=0, atol=1e-5)
+    assert torch.equal(other[0], reused[0]) and not torch.allclose(other[1], reused[1], atol=1e-4)
+
+
 def test_native_greedy_tokens_with_a_video_equal_hf_generate():
     """Prompts with a video, an image and a video, and none (left padding): greedy tokens of the native
     engine equal the model's own ``generate`` with the same inputs; without the videos they differ."""
@@ -248,6 +284,31 @@ def test_grpo_trains_on_video_prompts(tiny_vlm_dir, video_data, video_run):
     before = AutoModelForImageTextToText.from_pretrained(tiny_vlm_dir).state_dict()
     changed = {k for k in before if not torch.equal(before[k], after[k])}
     assert any("visual" in k for k in changed) and any("language_model" in k for k in changed)
+
+
+def test_grpo_reuses_the_video_embeddings(tiny_vlm_dir, video_data, tmp_path, monkeypatch):
+    """reuse_image_embeds with videos (frozen tower, 1 iteration): the tower runs only in the
+    image_embeds phase, on each sample's images and videos, and every metric equals the same run that
+    runs the tower in every pass."""
+    import posttrain.loops.multimodal  # noqa: F401  (imported first: its image_embeds phase keeps the real tower call)
+    import posttrain.training.multimodal as forward
+    from posttrain.commands.train import train_config as train
+
+    real, towers = forward.image_embeds, []  # towers: the vision tower run by a log-prob pass or the update
+
+    def counted(*args, **kwargs):
+        towers.append(kwargs.get("videos", False))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(forward, "image_embeds", counted)
+    runs = {}
+    for reuse in (True, False):
+        rl = {"freeze_vision_tower": True, "reuse_image_embeds": reuse, "guarantee_order": True}  # (the dock draws no rows)
+        runs[reuse] = train(video_config(tiny_vlm_dir, video_data, tmp_path / str(reuse), iters=1, rl=rl))
+        assert (towers == []) == reuse and (reuse or True in towers)  # recomputed: the videos' tower too
+    assert "timing/image_embeds" in runs[True]
+    for key in (k for k in runs[False] if not k.startswith("timing/") and not k.endswith("_tps") and k != "time"):
+        assert runs[True][key] == pytest.approx(runs[False][key], rel=1e-5, abs=1e-7), key
 
 
 class Killed(Exception):

@@ -224,10 +224,25 @@ class SampleImages:
 
     def concat(self) -> dict[str, torch.Tensor]:
         """The rows' inputs joined in row order (:func:`concat_samples`; ``image_embeds`` too when every
-        sample has them)."""
+        sample has them, and ``video_embeds`` where they hold videos: a sample's cell holds its image
+        tokens' rows, then its video tokens', :func:`split_embeds`)."""
         out = concat_samples(self.samples)
         if self.samples and all("image_embeds" in s for s in self.samples):
             # a text-only sample's cell has no rows (and may be [0, H] beside Qwen3-VL's [N, (1 + D) * H])
-            embeds = [s["image_embeds"] for s in self.samples if s["image_embeds"].shape[0]]
-            out["image_embeds"] = torch.cat(embeds) if embeds else self.samples[0]["image_embeds"]
+            parts = [split_embeds(s) for s in self.samples if s["image_embeds"].shape[0]]
+            images = [images for images, _ in parts if images.shape[0]]
+            out["image_embeds"] = torch.cat(images) if images else self.samples[0]["image_embeds"][:0]
+            if any(videos.shape[0] for _, videos in parts):
+                out["video_embeds"] = torch.cat([videos for _, videos in parts])
         return out
+
+
+def split_embeds(sample: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A sample's ``image_embeds`` cell as its images' rows and its videos' rows (each image or video
+    fills ``t * h * w / merge**2`` rows, one merge size for both: the image tokens' share of the rows
+    is the images' share of the patches)."""
+    embeds = sample["image_embeds"]
+    images = int(sample["image_grid_thw"].prod(-1).sum())
+    videos = int(sample["video_grid_thw"].prod(-1).sum()) if "video_grid_thw" in sample else 0
+    first = embeds.shape[0] * images // (images + videos) if images + videos else embeds.shape[0]
+    return embeds[:first], embeds[first:]

@@ -43,6 +43,7 @@ from posttrain.training.batch import default_position_ids
 FEATURES = "image_features"
 VIDEO_FEATURES = "video_features"
 VIDEO_MODEL_TYPES = ("qwen2_5_vl",)  # the VLMs whose videos posttrain feeds (Qwen3-VL: timestamps in the prompt)
+EMBEDS_KEYS = ("image_embeds", "video_embeds")  # the reused tower features (reuse_image_embeds)
 TOWER_ANCHOR = "tower_anchor"  # a text-only DDP micro-batch's zero term of the tower (tower_anchor)
 
 
@@ -123,6 +124,10 @@ def _image_features(model: torch.nn.Module, batch: dict[str, torch.Tensor], micr
     features = batch.get("image_embeds")
     if features is None:
         features = image_embeds(model, batch["pixel_values"], batch["image_grid_thw"], micro)
+    return _checked_width(model, features)
+
+
+def _checked_width(model: torch.nn.Module, features: torch.Tensor) -> torch.Tensor:
     if features.shape[-1] != embeds_width(model):
         raise ValueError(f"image_embeds have {features.shape[-1]} features a token, the model's tower gives "
                          f"{embeds_width(model)}: they come from another model")
@@ -134,6 +139,8 @@ def _video_features(model: torch.nn.Module, batch: dict[str, torch.Tensor], micr
     grid = batch.get("video_grid_thw")
     if grid is None or grid.shape[0] == 0:
         return None
+    if "video_embeds" in batch:  # reuse_image_embeds: the tower's features, computed once
+        return _checked_width(model, batch["video_embeds"])
     model_type = _vlm(model).config.model_type
     if model_type not in VIDEO_MODEL_TYPES:
         raise ValueError(f"the batch carries videos, which posttrain feeds to {', '.join(VIDEO_MODEL_TYPES)} only, not "
@@ -160,7 +167,7 @@ def multimodal_inputs(model: torch.nn.Module, batch: dict[str, torch.Tensor]) ->
         batch = {**{k: v for k, v in batch.items() if k != "images"}, **images.concat()}
         micro = images.vit_micro_batch_size
         if images.num_images() == 0:  # text-only rows: the plain forward
-            text = {k: v for k, v in batch.items() if k not in MM_KEYS and k != "image_embeds"}
+            text = {k: v for k, v in batch.items() if k not in (*MM_KEYS, *EMBEDS_KEYS)}
             anchor = tower_anchor(model)
             return text if anchor is None else {**text, TOWER_ANCHOR: anchor}
     vlm = _vlm(model)
@@ -178,7 +185,7 @@ def multimodal_inputs(model: torch.nn.Module, batch: dict[str, torch.Tensor]) ->
     # row 0: the text positions (restarting per sequence), which the model reads, as Transformers
     # documents, to find the sequences of a packed row (its flash-attention varlen path)
     positions = torch.cat([default_position_ids(attention)[None], rope])
-    out = {k: v for k, v in batch.items() if k not in MM_KEYS and k != "image_embeds"}
+    out = {k: v for k, v in batch.items() if k not in (*MM_KEYS, *EMBEDS_KEYS)}
     hidden = int(vlm.config.text_config.hidden_size)
     if features is not None:
         out.update({FEATURES: features.reshape(features.shape[0], -1, hidden), "image_mask": image_mask})

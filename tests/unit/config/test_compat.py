@@ -198,8 +198,6 @@ EXAMPLES: dict[str, tuple[list[str], str]] = {
     "mm-embeds-dispatch": ([*MM_FROZEN, "rl_config.actor_image_embeds_dispatch_size=4"], "cpu"),
     "mm-video-alone": (["generate_config.limit_mm_video_per_prompt=1"], "cpu"),
     "mm-video-ray": ([*MM, *RAY, "generate_config.limit_mm_video_per_prompt=1"], "cpu"),
-    "mm-video-reuse": ([*MM_FROZEN, "rl_config.reuse_image_embeds=true", "generate_config.limit_mm_video_per_prompt=1"],
-                       "cpu"),
     "teacher-model-offline": ([*DPO, *TEACHER], "cpu"),
     "teacher-model-ppo": ([*PPO, *TEACHER], "cpu"),
     "teacher-model-megatron": ([*TP2, *TEACHER], "cpu"),
