@@ -90,6 +90,32 @@ def straight(tiny_vlm_dir, sft_data, tmp_path_factory):
     return out
 
 
+def qwen3_video_prompt(model_dir, ids, labels, sizes, frames, patches):
+    """A Qwen3-VL sample's ids and labels as its processor writes the prompt text (the prompt: the
+    tokens before the first label, decoded): each image pad repeated by its size, each
+    ``<|vision_start|><|video_pad|><|vision_end|>`` replaced, per temporal patch, by ``<t seconds>``
+    (the mean time of the patch's two frames, 2 frames a second, an odd count repeating the last)
+    and the patch's own vision block; the text tokenized whole."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    image_pad, video_pad = "<|image_pad|>", "<|video_pad|>"
+    first = next(k for k, label in enumerate(labels) if label != -100)
+    pieces = tokenizer.decode(ids[:first]).split("<|vision_start|>" + video_pad + "<|vision_end|>")
+    image_sizes = sizes[tokenizer.convert_tokens_to_ids(image_pad)]
+    pieces = [p.replace(image_pad, image_pad * next(image_sizes)) if image_pad in p else p for p in pieces]
+    text, video_sizes = pieces[0], sizes[tokenizer.convert_tokens_to_ids(video_pad)]
+    for piece, count, t in zip(pieces[1:], frames, patches):
+        per_frame = next(video_sizes) // t
+        index = list(range(count)) + [count - 1] * (count % 2)
+        for k in range(t):
+            text += f"<{(index[2 * k] + index[2 * k + 1]) / 4:.1f} seconds><|vision_start|>"
+            text += video_pad * per_frame + "<|vision_end|>"
+        text += piece
+    prompt = tokenizer(text, add_special_tokens=False)["input_ids"]
+    return prompt + ids[first:], [-100] * len(prompt) + labels[first:]
+
+
 def hf_masked_cross_entropy(model_dir, data) -> float:
     """The token-mean cross-entropy of the response tokens of every stored sample, each by its own
     Hugging Face forward (image and video pads expanded to their tokens, as Qwen2.5-VL's processor
@@ -117,8 +143,12 @@ def hf_masked_cross_entropy(model_dir, data) -> float:
             inputs.update(pixel_values_videos=clips["pixel_values_videos"], video_grid_thw=clips["video_grid_thw"],
                           second_per_grid_ts=clips["second_per_grid_ts"].tolist())
             sizes[pads[1]] = iter((clips["video_grid_thw"].prod(-1) // 4).tolist())
-        pairs = [(t, lab) for t, lab in zip(ids, labels) for _ in range(next(sizes[t]) if t in pads else 1)]
-        ids, labels = [t for t, _ in pairs], [-100 if t in pads else lab for t, lab in pairs]
+        if videos and model.config.model_type == "qwen3_vl":  # the processor's text: times around the frames
+            ids, labels = qwen3_video_prompt(model_dir, ids, labels, sizes, [len(v) for v in videos],
+                                             inputs["video_grid_thw"][:, 0].tolist())
+        else:
+            pairs = [(t, lab) for t, lab in zip(ids, labels) for _ in range(next(sizes[t]) if t in pads else 1)]
+            ids, labels = [t for t, _ in pairs], [-100 if t in pads else lab for t, lab in pairs]
         ids = torch.tensor([ids])
         kinds = (ids == pads[0]).int() + 2 * (ids == pads[1]).int()  # Transformers' 3-D positions: image 1, video 2
         with torch.no_grad():
@@ -165,10 +195,13 @@ def square_clip(colour: str, frames: int = 4) -> list[Image.Image]:
     return out
 
 
-def test_videos_first_step_loss_is_the_hf_masked_cross_entropy(tiny_vlm_dir, tmp_path):
+@pytest.mark.parametrize("model_dir", ["tiny_vlm_dir", "tiny_qwen3_vl_dir"], ids=["qwen2_5_vl", "qwen3_vl"])
+def test_videos_first_step_loss_is_the_hf_masked_cross_entropy(model_dir, tmp_path, request):
     """Samples with a video (4 and 3 frames), an image and a video, and text only (limit_mm_video_per_prompt
     1): the first step's loss (packed) equals Hugging Face's masked cross-entropy with the videos; the
-    video pads are expanded (4 frames of 56x56: 8 tokens, labels -100 there)."""
+    video pads are expanded (4 frames of 56x56: 8 tokens, labels -100 there). Qwen3-VL: the prompt as
+    its processor writes it, each temporal patch's time before its frame tokens."""
+    tiny_vlm_dir = request.getfixturevalue(model_dir)
     from posttrain.commands.train import train_config as train
     from posttrain.data.builders import build_offline_dataset
     from posttrain.data.preprocess import preprocess

@@ -60,12 +60,29 @@ def image_samples(items: list[dict[str, Any]], processor: ImageTextProcessor, im
             raise DataError(f"{prefix}: SFT sample {item.get('row', '?')}: {err} (a sample longer than "
                             f"megatron_training.seq_length loses its end; raise seq_length, or re-run "
                             f"posttrain preprocess)") from None
-        counts = {image_token_id: (encoded["image_grid_thw"].prod(-1) // processor.merge ** 2).tolist()}
-        if video_id is not None:
-            counts[video_id] = (encoded["video_grid_thw"].prod(-1) // processor.merge ** 2).tolist()
-        ids, labels = expand_labels(ids, labels, counts)
+        if video_id is not None and processor.frame_timestamps:  # Qwen3-VL: times written around the frames
+            ids, labels = encoded["input_ids"], prompt_labels(ids, labels, encoded["input_ids"], prefix, item)
+        else:
+            counts = {image_token_id: (encoded["image_grid_thw"].prod(-1) // processor.merge ** 2).tolist()}
+            if video_id is not None:
+                counts[video_id] = (encoded["video_grid_thw"].prod(-1) // processor.merge ** 2).tolist()
+            ids, labels = expand_labels(ids, labels, counts)
         samples.append((np.asarray(ids, dtype=np.int64), np.asarray(labels, dtype=np.int64)))
         cells = {key: encoded[key] for key in MM_KEYS}
         cells.update(image_grid_thw=cells["image_grid_thw"].long(), video_grid_thw=cells["video_grid_thw"].long())
         media.append(cells)
     return samples, media
+
+
+def prompt_labels(ids: Sequence[int], labels: Sequence[int], expanded: Sequence[int], prefix: str,
+                  item: dict[str, Any]) -> list[int]:
+    """The labels of ``expanded`` (``ids`` with its videos' prompt written by the processor, which also
+    re-tokenizes the text before a video: :meth:`~posttrain.models.vlm.ImageTextProcessor.encode_images`):
+    -100 up to the first labelled token of ``ids``, whose tokens and labels follow unchanged. A video
+    among the labelled tokens is refused."""
+    first = next((k for k, label in enumerate(labels) if label != IGNORE_INDEX), len(labels))
+    tail = len(ids) - first
+    if len(expanded) < tail or list(expanded[len(expanded) - tail:]) != list(ids[first:]):
+        raise DataError(f"{prefix}: SFT sample {item.get('row', '?')}: a video among the trained (response) tokens; "
+                        f"Qwen3-VL's videos are taken in the prompt only: move the <video> mark into the prompt")
+    return [IGNORE_INDEX] * (len(expanded) - tail) + list(labels[first:])
