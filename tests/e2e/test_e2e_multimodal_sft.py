@@ -362,3 +362,15 @@ def test_a_sample_cut_inside_its_images_is_refused(tiny_vlm_dir, sft_data):
         image_samples([cut[2]], processor, pad, sft_data)
     with pytest.raises(DataError, match="prompt 2 holds 2 images, more than generate_config.limit_mm_image_per_prompt=1"):
         build_offline_dataset(sft_data, "sft", seq_length=128, images_per_sample=1)[2]
+
+
+def test_qwen3_vl_labels_follow_the_rewritten_prompt_and_a_response_video_is_refused():
+    """Qwen3-VL's video prompt is rewritten (timestamps re-tokenize the text before it): the labels are
+    -100 up to the response, which keeps its tokens and labels; a video in the response is refused."""
+    from posttrain.errors import DataError
+    from posttrain.loops.sft_images import prompt_labels
+
+    ids, labels = [7, 8, 5, 9, 10], [-100, -100, -100, 9, 10]
+    assert prompt_labels(ids, labels, [7, 11, 12, 5, 5, 13, 9, 10], "d", {"row": 3}) == [-100] * 6 + [9, 10]
+    with pytest.raises(DataError, match="d: SFT sample 3: a video among the trained"):
+        prompt_labels([7, 9, 5], [-100, 9, 5], [7, 9, 11, 5, 5], "d", {"row": 3})

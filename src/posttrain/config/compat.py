@@ -226,7 +226,7 @@ _MULTIMODAL_ROWS = (  # rl_config.is_multimodal: the hf backend in one process, 
         "need rl_config.is_multimodal: true (a vision-language model and a dataset with images); set it or remove "
         "them"),
     Row("mm-video-alone", "videos_alone", "{setting}: videos are fed to the multimodal loop only; set "
-        "rl_config.is_multimodal: true (a Qwen2.5-VL and a dataset with videos) or set the key to 0"),
+        "rl_config.is_multimodal: true (a Qwen2.5-VL or Qwen3-VL and a dataset with videos) or set the key to 0"),
     Row("mm-video-ray", "videos", "{setting} on Ray actor workers: videos are built and tested in one process; set "
         "actor_resource.num_npus: 1, or the key to 0", placement=RAY),
     Row("mm-embeds-dispatch", "image_embeds_dispatch_alone", "{setting}: the read size of the image_embeds phase, "

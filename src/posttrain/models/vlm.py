@@ -6,7 +6,7 @@ A sample's image inputs are what the processor gives: ``pixel_values [patches, C
 height and width patch counts; an image fills ``t * h * w / merge**2`` ``<|image_pad|>`` tokens of
 the prompt). A micro-batch concatenates its samples' rows in sample order, which is the order in
 which the model fills the image tokens of the batch's rows. A sample's videos ride beside them
-(``pixel_values_videos``, ``video_grid_thw``, ``second_per_grid_ts``: Qwen2.5-VL,
+(``pixel_values_videos``, ``video_grid_thw``, ``second_per_grid_ts``: Qwen2.5-VL, Qwen3-VL,
 :mod:`posttrain.models.video_frames`), filling its ``<|video_pad|>`` tokens in the same way.
 """
 
