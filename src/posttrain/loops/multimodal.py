@@ -82,5 +82,5 @@ def compute_image_embeds(td: TransferDock, embed: Callable[..., list[torch.Tenso
         batch, idx = td.get(EMBEDS_COLUMN, list(MM_KEYS), count)
         grids = batch.get("video_grid_thw") or []
         videos = ({"pixel_values_videos": batch["pixel_values_videos"], "video_grid_thw": grids}
-                  if any(grid.shape[0] for grid in grids) else {})  # (Ray workers: videos refused, mm-video-ray)
+                  if any(grid.shape[0] for grid in grids) else {})
         td.put([EMBEDS_COLUMN], idx, [embed(batch["pixel_values"], batch["image_grid_thw"], **videos)])
