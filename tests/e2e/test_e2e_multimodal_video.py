@@ -265,6 +265,10 @@ def test_qwen3_vl_native_greedy_tokens_with_a_video_equal_hf_generate(tiny_qwen3
                           SamplingParams(temperature=0, max_tokens=steps), images=media)
     assert [o.token_ids for group in got for o in group] == want
     assert len({t for row in want for t in row}) > 6, "the reference should not repeat one token"
+    blank = [{**m, "pixel_values_videos": torch.zeros_like(m["pixel_values_videos"])} for m in media[:2]]
+    blind = engine.generate([s["prompt"].tolist() for s in qwen3_samples[:2]], 1,
+                            SamplingParams(temperature=0, max_tokens=steps), images=blank)
+    assert [o.token_ids for group in blind for o in group] != want[:2]  # the videos count
 
 
 def test_native_greedy_tokens_with_a_video_equal_hf_generate():
