@@ -90,30 +90,69 @@ def straight(tiny_vlm_dir, sft_data, tmp_path_factory):
     return out
 
 
+def qwen3_video_prompt(model_dir, ids, labels, sizes, frames, patches):
+    """A Qwen3-VL sample's ids and labels as its processor writes the prompt text (the prompt: the
+    tokens before the first label, decoded): each image pad repeated by its size, each
+    ``<|vision_start|><|video_pad|><|vision_end|>`` replaced, per temporal patch, by ``<t seconds>``
+    (the mean time of the patch's two frames, 2 frames a second, an odd count repeating the last)
+    and the patch's own vision block; the text tokenized whole."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    image_pad, video_pad = "<|image_pad|>", "<|video_pad|>"
+    first = next(k for k, label in enumerate(labels) if label != -100)
+    pieces = tokenizer.decode(ids[:first]).split("<|vision_start|>" + video_pad + "<|vision_end|>")
+    image_sizes = sizes[tokenizer.convert_tokens_to_ids(image_pad)]
+    pieces = [p.replace(image_pad, image_pad * next(image_sizes)) if image_pad in p else p for p in pieces]
+    text, video_sizes = pieces[0], sizes[tokenizer.convert_tokens_to_ids(video_pad)]
+    for piece, count, t in zip(pieces[1:], frames, patches):
+        per_frame = next(video_sizes) // t
+        index = list(range(count)) + [count - 1] * (count % 2)
+        for k in range(t):
+            text += f"<{(index[2 * k] + index[2 * k + 1]) / 4:.1f} seconds><|vision_start|>"
+            text += video_pad * per_frame + "<|vision_end|>"
+        text += piece
+    prompt = tokenizer(text, add_special_tokens=False)["input_ids"]
+    return prompt + ids[first:], [-100] * len(prompt) + labels[first:]
+
+
 def hf_masked_cross_entropy(model_dir, data) -> float:
     """The token-mean cross-entropy of the response tokens of every stored sample, each by its own
-    Hugging Face forward (image pads expanded to the image's tokens, as Qwen2.5-VL's processor does)."""
+    Hugging Face forward (image and video pads expanded to their tokens, as Qwen2.5-VL's processor
+    does; a video's inputs from its frames: posttrain.models.video_frames, as the model takes them)."""
     from transformers import AutoImageProcessor, AutoModelForImageTextToText
 
     from posttrain.data.datasets import SFTDataset
     from posttrain.data.media_store import ImageDataset
+    from posttrain.models.video_frames import video_inputs
 
     model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
     processor = AutoImageProcessor.from_pretrained(model_dir)
-    pad = model.config.image_token_id
+    pads = (model.config.image_token_id, model.config.video_token_id)
     texts, media, total, count = SFTDataset(data), ImageDataset(data), 0.0, 0
     for i in range(len(texts)):
         ids, labels = texts[i]["input_ids"].tolist(), texts[i]["labels"].tolist()
         images = [im.convert("RGB") for im in media[i]["images"]]
-        inputs = {}
+        videos = [[frame.convert("RGB") for frame in frames] for frames in media[i]["videos"]]
+        inputs, sizes = {}, {pad: iter(()) for pad in pads}
         if images:
             inputs = dict(processor(images=images, return_tensors="pt"))
-            sizes = iter((inputs["image_grid_thw"].prod(-1) // 4).tolist())
-            pairs = [(t, lab) for t, lab in zip(ids, labels) for _ in range(next(sizes) if t == pad else 1)]
-            ids, labels = [t for t, _ in pairs], [-100 if t == pad else lab for t, lab in pairs]
+            sizes[pads[0]] = iter((inputs["image_grid_thw"].prod(-1) // 4).tolist())
+        if videos:
+            clips = video_inputs(processor, videos)
+            inputs.update(pixel_values_videos=clips["pixel_values_videos"], video_grid_thw=clips["video_grid_thw"],
+                          second_per_grid_ts=clips["second_per_grid_ts"].tolist())
+            sizes[pads[1]] = iter((clips["video_grid_thw"].prod(-1) // 4).tolist())
+        if videos and model.config.model_type == "qwen3_vl":  # the processor's text: times around the frames
+            ids, labels = qwen3_video_prompt(model_dir, ids, labels, sizes, [len(v) for v in videos],
+                                             inputs["video_grid_thw"][:, 0].tolist())
+        else:
+            pairs = [(t, lab) for t, lab in zip(ids, labels) for _ in range(next(sizes[t]) if t in pads else 1)]
+            ids, labels = [t for t, _ in pairs], [-100 if t in pads else lab for t, lab in pairs]
         ids = torch.tensor([ids])
-        with torch.no_grad():  # mm_token_type_ids: where the image tokens are (Transformers' 3-D positions)
-            logits = model(input_ids=ids, mm_token_type_ids=(ids == pad).int(), **inputs).logits[0, :-1].double()
+        kinds = (ids == pads[0]).int() + 2 * (ids == pads[1]).int()  # Transformers' 3-D positions: image 1, video 2
+        with torch.no_grad():
+            logits = model(input_ids=ids, mm_token_type_ids=kinds, **inputs).logits[0, :-1].double()
         target = torch.tensor(labels[1:])
         keep = target != -100
         total += float(torch.nn.functional.cross_entropy(logits[keep], target[keep], reduction="sum"))
@@ -144,6 +183,65 @@ def test_qwen3_vl_first_step_loss_is_the_hf_masked_cross_entropy(tiny_qwen3_vl_d
     train(sft_config(tiny_qwen3_vl_dir, data, tmp_path, iters=1, megatron_training__save=OMIT))
     first = metrics_by_iteration(tmp_path / "run")[1]
     assert first["sft/loss"] == pytest.approx(hf_masked_cross_entropy(tiny_qwen3_vl_dir, data), rel=1e-5)
+
+
+def square_clip(colour: str, frames: int = 4) -> list[Image.Image]:
+    """``frames`` pictures of a ``colour`` square moving right by 6 pixels a frame."""
+    out = []
+    for f in range(frames):
+        image = Image.new("RGB", (56, 56), "white")
+        ImageDraw.Draw(image).rectangle((4 + 6 * f, 8, 28 + 6 * f, 32), fill=colour)
+        out.append(image)
+    return out
+
+
+@pytest.mark.parametrize("model_dir", ["tiny_vlm_dir", "tiny_qwen3_vl_dir"], ids=["qwen2_5_vl", "qwen3_vl"])
+def test_videos_first_step_loss_is_the_hf_masked_cross_entropy(model_dir, tmp_path, request):
+    """Samples with a video (4 and 3 frames), an image and a video, and text only (limit_mm_video_per_prompt
+    1): the first step's loss (packed) equals Hugging Face's masked cross-entropy with the videos; the
+    video pads are expanded (4 frames of 56x56: 8 tokens, labels -100 there). Qwen3-VL: the prompt as
+    its processor writes it, each temporal patch's time before its frame tokens."""
+    tiny_vlm_dir = request.getfixturevalue(model_dir)
+    from posttrain.commands.train import train_config as train
+    from posttrain.data.builders import build_offline_dataset
+    from posttrain.data.preprocess import preprocess
+    from posttrain.errors import DataError
+    from posttrain.loops.sft_images import image_samples
+    from posttrain.models.vlm import load_processor
+    from tests.helpers.data import write_jsonl
+
+    rows = []
+    for i, (prompt, response, colour, frames) in enumerate([("<video> which colour?", "red", "red", 4),
+                                                            ("<image> <video> same colour?", "no , blue", "green", 3),
+                                                            ("<video> moving?", "yes to the right", "black", 4),
+                                                            ("say hi", "hi there", None, 0)]):
+        names = []
+        for f, frame in enumerate(square_clip(colour, frames) if colour else []):
+            frame.save(tmp_path / f"{i}_{f}.png")
+            names.append(f"{i}_{f}.png")
+        images = []
+        if "<image>" in prompt:
+            square_clip("blue", 1)[0].save(tmp_path / "still.png")
+            images = ["still.png"]
+        rows.append({"prompt": prompt, "response": response, "images": images, "videos": [names] if names else []})
+    write_jsonl(tmp_path / "in.jsonl", rows)
+    data = tmp_path / "data" / "sftv"
+    preprocess({"input": str(tmp_path / "in.jsonl"), "handler_name": "AlpacaStyleInstructionHandler",
+                "tokenizer_name_or_path": str(tiny_vlm_dir), "prompt_type": "qwen2_vl", "output_prefix": str(data),
+                "map_keys": {"prompt": "prompt", "response": "response"}, "limit_mm_image_per_prompt": 1,
+                "limit_mm_video_per_prompt": 1, "workers": 1}, progress=False)
+    processor = load_processor(tiny_vlm_dir)
+    pad = processor.tokenizer.convert_tokens_to_ids("<|video_pad|>")
+    item = build_offline_dataset(str(data), "sft", seq_length=128, images_per_sample=1, videos_per_sample=1)[0]
+    (ids, labels), = image_samples([item], processor, processor.tokenizer.convert_tokens_to_ids("<|image_pad|>"),
+                                   str(data))[0]
+    assert ids.tolist().count(pad) == 8 and labels[ids == pad].tolist() == [-100] * 8
+    with pytest.raises(DataError, match="prompt 0 holds 1 video.*limit_mm_video_per_prompt=0"):
+        build_offline_dataset(str(data), "sft", seq_length=128, images_per_sample=1)[0]
+    train(sft_config(tiny_vlm_dir, str(data), tmp_path, iters=1, megatron_training__save=OMIT,
+                     generate_config__limit_mm_image_per_prompt=1, generate_config__limit_mm_video_per_prompt=1))
+    first = metrics_by_iteration(tmp_path / "run")[1]
+    assert first["sft/loss"] == pytest.approx(hf_masked_cross_entropy(tiny_vlm_dir, str(data)), rel=1e-5)
 
 
 def test_the_checkpoint_loads_and_the_tower_learns(tiny_vlm_dir, straight):
@@ -264,3 +362,15 @@ def test_a_sample_cut_inside_its_images_is_refused(tiny_vlm_dir, sft_data):
         image_samples([cut[2]], processor, pad, sft_data)
     with pytest.raises(DataError, match="prompt 2 holds 2 images, more than generate_config.limit_mm_image_per_prompt=1"):
         build_offline_dataset(sft_data, "sft", seq_length=128, images_per_sample=1)[2]
+
+
+def test_qwen3_vl_labels_follow_the_rewritten_prompt_and_a_response_video_is_refused():
+    """Qwen3-VL's video prompt is rewritten (timestamps re-tokenize the text before it): the labels are
+    -100 up to the response, which keeps its tokens and labels; a video in the response is refused."""
+    from posttrain.errors import DataError
+    from posttrain.loops.sft_images import prompt_labels
+
+    ids, labels = [7, 8, 5, 9, 10], [-100, -100, -100, 9, 10]
+    assert prompt_labels(ids, labels, [7, 11, 12, 5, 5, 13, 9, 10], "d", {"row": 3}) == [-100] * 6 + [9, 10]
+    with pytest.raises(DataError, match="d: SFT sample 3: a video among the trained"):
+        prompt_labels([7, 9, 5], [-100, 9, 5], [7, 9, 11, 5, 5], "d", {"row": 3})

@@ -10,7 +10,13 @@ torchvision (:mod:`posttrain.models.video_frames`).
 * GRPO runs 2 iterations on prompts of 4-frame videos of coloured squares (one with an image too):
   finite metrics, the video pads expanded, the tower and the language model change; a run killed
   after iteration 1 and resumed repeats iteration 2; a prompt with more videos than
-  ``limit_mm_video_per_prompt`` is refused, and so are videos on Qwen3-VL.
+  ``limit_mm_video_per_prompt`` is refused.
+* ``reuse_image_embeds``: the tower once per sample on its images and videos gives the recomputed
+  log-probs, and a GRPO iteration equals the one that runs the tower in every pass.
+* Qwen3-VL: a video's prompt holds each temporal patch's ``<t seconds>`` and its own vision block
+  (equal to the tokens of the processor's text); a packed batch with video rows equals each row's
+  own Hugging Face forward (reused embeddings too); greedy native tokens equal ``generate``; GRPO
+  runs an iteration on the video prompts.
 """
 
 from __future__ import annotations
@@ -87,8 +93,9 @@ def reference_logprobs(model, sample, never=()) -> torch.Tensor:
     ids = torch.cat([sample["prompt"], sample["response"]])[None]
     types = (ids == model.config.image_token_id).int() + 2 * (ids == model.config.video_token_id).int()
     media = {k: v for k, v in sample["media"].items() if v.shape[0]}
-    if "second_per_grid_ts" in media:
-        media["second_per_grid_ts"] = media["second_per_grid_ts"].tolist()
+    if "second_per_grid_ts" in media:  # (Qwen3-VL takes none: the times are in its prompt)
+        seconds = media.pop("second_per_grid_ts").tolist()
+        media.update({"second_per_grid_ts": seconds} if model.config.model_type == "qwen2_5_vl" else {})
     with torch.no_grad():
         logits = model(input_ids=ids, mm_token_type_ids=types, **media).logits[0].float()
     logits[:, list(never)] = float("-inf")
@@ -118,6 +125,150 @@ def test_a_batch_of_image_video_and_text_rows_equals_each_rows_own_forward(vlm, 
     # ... and so does the time a temporal patch spans (second_per_grid_ts)
     faster = reference_logprobs(model, {**samples[1], "media": {**media, "second_per_grid_ts": torch.tensor([1.0])}})
     assert not torch.allclose(faster, references[1], atol=1e-4)
+
+
+def test_reused_embeddings_of_images_and_videos_equal_the_recomputed_ones(vlm, samples):
+    """reuse_image_embeds: the tower run once per sample on its images and videos (embed_samples: a
+    cell of the image tokens' rows, then the video tokens') gives, packed, the log-probs of the tower
+    run in the forward (1e-5), without running the tower; the video rows of the cell matter."""
+    from posttrain.models.vlm import SampleImages
+    from posttrain.training.multimodal import vision_tower
+    from posttrain.training.sample_embeds import embed_samples
+
+    model, _ = vlm
+    media = [s["media"] for s in samples]
+    media = [{**media[0], "pixel_values_videos": media[1]["pixel_values_videos"], "video_grid_thw": media[1]["video_grid_thw"],
+              "second_per_grid_ts": media[1]["second_per_grid_ts"]}, *media[1:]]  # row 0: an image and a video
+    prompts = [torch.cat([samples[1]["prompt"], samples[0]["prompt"]]), samples[1]["prompt"], samples[2]["prompt"]]
+    batch = build_batch(prompts, [s["response"] for s in samples], pad_token_id=0)
+    embeds = embed_samples(model, [m["pixel_values"] for m in media], [m["image_grid_thw"] for m in media], "cpu",
+                           pixel_values_videos=[m["pixel_values_videos"] for m in media],
+                           video_grid_thw=[m["video_grid_thw"] for m in media])
+    assert [e.shape[0] for e in embeds] == [9 + 12, 12, 0]  # image tokens (84x84: 9), then video tokens
+    calls = []
+    with torch.no_grad():
+        recomputed, _ = response_logprobs(model, {**batch, "images": SampleImages(media)}, packing=Packing())
+        hook = vision_tower(model).register_forward_hook(lambda *args: calls.append(1))
+        try:
+            reused, _ = response_logprobs(model, {**batch, "images": SampleImages(
+                [{**m, "image_embeds": e} for m, e in zip(media, embeds)])}, packing=Packing())
+            blind = [e.clone() for e in embeds]
+            blind[1][:] = 0  # the video sample's video rows
+            other, _ = response_logprobs(model, {**batch, "images": SampleImages(
+                [{**m, "image_embeds": e} for m, e in zip(media, blind)])}, packing=Packing())
+        finally:
+            hook.remove()
+    assert calls == []
+    torch.testing.assert_close(reused, recomputed, rtol=0, atol=1e-5)
+    assert torch.equal(other[0], reused[0]) and not torch.allclose(other[1], reused[1], atol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def qwen3(tiny_qwen3_vl_dir):
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(str(tiny_qwen3_vl_dir), dtype=torch.float32).eval()
+    return model, load_processor(tiny_qwen3_vl_dir)
+
+
+def test_qwen3_vl_video_prompt_is_the_processors_text(qwen3):
+    """Qwen3-VL's processor writes, for each temporal patch of a video, ``<t seconds>`` (the mean time of
+    its 2 frames at 2 frames a second) and the patch's own vision block in place of the video's
+    ``<|vision_start|><|video_pad|><|vision_end|>``: the expanded ids equal the tokens of that text
+    (built here by hand), a timestamp after a space included (" <" is one token)."""
+    model, processor = qwen3
+    wrapper = "<|vision_start|><|video_pad|><|vision_end|>"
+    text = "<|im_start|>user\nwhat moves ? {} and\n{} colour ?<|im_end|>\n"
+    enc = prompt_ids(processor, model, text.format(wrapper, wrapper),
+                     videos=[square_frames("red", 5), square_frames("blue", 2)])
+    grids = enc["video_grid_thw"].tolist()
+    assert [g[0] for g in grids] == [3, 1]  # 5 frames -> 6 -> 3 patches; 2 frames -> 1
+    blocks = [[f"<{t} seconds><|vision_start|>" + "<|video_pad|>" * (g[1] * g[2] // 4) + "<|vision_end|>" for t in times]
+              for times, g in zip([("0.2", "1.2", "2.0"), ("0.2",)], grids)]
+    want = processor.tokenizer(text.format(*("".join(b) for b in blocks)), add_special_tokens=False)["input_ids"]
+    assert enc["input_ids"] == want
+    assert processor.tokenizer.convert_tokens_to_ids("Ġ<") in want  # the first timestamp joins the text before it
+
+
+@pytest.fixture(scope="module")
+def qwen3_samples(qwen3):
+    """Qwen3-VL: an image and a video, a video (5 frames), a text-only prompt, each with a response."""
+    model, processor = qwen3
+    image = square_frames("red", 1, size=84)[0]
+    start, wrapper = "<|im_start|>user\n", "<|vision_start|><|video_pad|><|vision_end|>"
+    encoded = [prompt_ids(processor, model, start + "<|vision_start|><|image_pad|><|vision_end|> then " + wrapper + " ?",
+                          [image], [square_frames("green", 4)]),
+               prompt_ids(processor, model, start + wrapper + " how many ?", videos=[square_frames("blue", 5)]),
+               prompt_ids(processor, model, start + "how many shapes ?")]
+    gen = torch.Generator().manual_seed(0)
+    return [{"prompt": torch.tensor(enc["input_ids"]), "response": torch.randint(6, 250, (length,), generator=gen),
+             "media": {k: v for k, v in enc.items() if k != "input_ids"}} for enc, length in zip(encoded, (5, 3, 6))]
+
+
+def test_qwen3_vl_batch_with_videos_equals_each_rows_own_forward(qwen3, qwen3_samples):
+    """A packed (and a padded) Qwen3-VL batch of an image+video row, a video row and a text row: each
+    row's log-probs equal its own Hugging Face forward (fp32, 1e-5; the video's deepstack features
+    too); reused embeddings (images and videos) give the same; the timestamps in the prompt matter."""
+    from posttrain.models.vlm import SampleImages
+    from posttrain.training.sample_embeds import embed_samples
+
+    model, _ = qwen3
+    batch = build_batch([s["prompt"] for s in qwen3_samples], [s["response"] for s in qwen3_samples], pad_token_id=0)
+    media = [s["media"] for s in qwen3_samples]
+    embeds = embed_samples(model, [m["pixel_values"] for m in media], [m["image_grid_thw"] for m in media], "cpu",
+                           pixel_values_videos=[m["pixel_values_videos"] for m in media],
+                           video_grid_thw=[m["video_grid_thw"] for m in media])
+    references = [reference_logprobs(model, s) for s in qwen3_samples]
+    with torch.no_grad():
+        for packing, cells in ((Packing(), media), (None, media),
+                               (Packing(), [{**m, "image_embeds": e} for m, e in zip(media, embeds)])):
+            logprobs, _ = response_logprobs(model, {**batch, "images": SampleImages(cells)}, packing=packing)
+            for row, ref in enumerate(references):
+                torch.testing.assert_close(logprobs[row, :ref.numel()], ref, rtol=0, atol=1e-5)
+    prompt = qwen3_samples[1]["prompt"]
+    stamp = torch.nonzero(prompt == model.config.vision_start_token_id)[1, 0] - 2  # the "2" of the 2nd "<1.2 seconds>"
+    other = reference_logprobs(model, {**qwen3_samples[1], "prompt": prompt.index_fill(0, stamp, int(prompt[stamp - 2]))})
+    assert not torch.allclose(other, references[1], atol=1e-4)
+
+
+def test_qwen3_vl_native_greedy_tokens_with_a_video_equal_hf_generate(tiny_qwen3_vl_dir, qwen3_samples):
+    """The native engine's greedy tokens for Qwen3-VL prompts with videos (and an image, and none)
+    equal the model's own ``generate`` (the tiny model's language weights drawn at std 0.3, so the
+    greedy tokens vary)."""
+    from transformers import AutoModelForImageTextToText
+
+    from posttrain.rollout.base import SamplingParams
+    from posttrain.rollout.native import NativeEngine
+
+    model = AutoModelForImageTextToText.from_pretrained(str(tiny_qwen3_vl_dir), dtype=torch.float32).eval()
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "language_model" in name and param.dim() == 2:
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.3)
+    config, steps = model.config, 8
+    suppress = [config.image_token_id, config.video_token_id, config.vision_start_token_id, config.vision_end_token_id]
+    want = []
+    for sample in qwen3_samples:
+        ids = sample["prompt"][None]
+        extra = {k: v for k, v in sample["media"].items() if v.shape[0] and k != "second_per_grid_ts"}
+        if extra:
+            extra["mm_token_type_ids"] = (ids == config.image_token_id).int() + 2 * (ids == config.video_token_id).int()
+        with torch.no_grad():
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=steps,
+                                 do_sample=False, eos_token_id=None, suppress_tokens=suppress, **extra)
+        want.append(out[0, ids.shape[1]:].tolist())
+    engine = NativeEngine(model, pad_token_id=0, eos_token_ids=[])
+    media = [s["media"] if s["media"]["image_grid_thw"].shape[0] + s["media"]["video_grid_thw"].shape[0] else None
+             for s in qwen3_samples]
+    got = engine.generate([s["prompt"].tolist() for s in qwen3_samples], 1,
+                          SamplingParams(temperature=0, max_tokens=steps), images=media)
+    assert [o.token_ids for group in got for o in group] == want
+    assert len({t for row in want for t in row}) > 6, "the reference should not repeat one token"
+    blank = [{**m, "pixel_values_videos": torch.zeros_like(m["pixel_values_videos"])} for m in media[:2]]
+    blind = engine.generate([s["prompt"].tolist() for s in qwen3_samples[:2]], 1,
+                            SamplingParams(temperature=0, max_tokens=steps), images=blank)
+    assert [o.token_ids for group in blind for o in group] != want[:2]  # the videos count
 
 
 def test_native_greedy_tokens_with_a_video_equal_hf_generate():
@@ -250,6 +401,31 @@ def test_grpo_trains_on_video_prompts(tiny_vlm_dir, video_data, video_run):
     assert any("visual" in k for k in changed) and any("language_model" in k for k in changed)
 
 
+def test_grpo_reuses_the_video_embeddings(tiny_vlm_dir, video_data, tmp_path, monkeypatch):
+    """reuse_image_embeds with videos (frozen tower, 1 iteration): the tower runs only in the
+    image_embeds phase, on each sample's images and videos, and every metric equals the same run that
+    runs the tower in every pass."""
+    import posttrain.loops.multimodal  # noqa: F401  (imported first: its image_embeds phase keeps the real tower call)
+    import posttrain.training.multimodal as forward
+    from posttrain.commands.train import train_config as train
+
+    real, towers = forward.image_embeds, []  # towers: the vision tower run by a log-prob pass or the update
+
+    def counted(*args, **kwargs):
+        towers.append(kwargs.get("videos", False))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(forward, "image_embeds", counted)
+    runs = {}
+    for reuse in (True, False):
+        rl = {"freeze_vision_tower": True, "reuse_image_embeds": reuse, "guarantee_order": True}  # (the dock draws no rows)
+        runs[reuse] = train(video_config(tiny_vlm_dir, video_data, tmp_path / str(reuse), iters=1, rl=rl))
+        assert (towers == []) == reuse and (reuse or True in towers)  # recomputed: the videos' tower too
+    assert "timing/image_embeds" in runs[True]
+    for key in (k for k in runs[False] if not k.startswith("timing/") and not k.endswith("_tps") and k != "time"):
+        assert runs[True][key] == pytest.approx(runs[False][key], rel=1e-5, abs=1e-7), key
+
+
 class Killed(Exception):
     """The run dies here (as under a kill)."""
 
@@ -292,13 +468,21 @@ def test_videos_are_limited(video_data):
         build_prompt_dataset(video_data, 512, images_per_prompt=1, videos_per_prompt=0)[0]
 
 
-def test_videos_on_qwen3_vl_are_refused_at_start(tiny_qwen3_vl_dir, video_data, tmp_path):
+def test_grpo_trains_on_qwen3_vl_video_prompts(tiny_qwen3_vl_dir, video_data, qwen3, tmp_path):
+    """One GRPO iteration of the tiny Qwen3-VL on the video prompts: finite metrics, the prompts
+    expanded with their timestamps (the processor's layout, as encode_images builds it)."""
     from posttrain.commands.train import train_config as train
-    from posttrain.errors import ConfigError
+    from posttrain.data.builders import build_prompt_dataset
 
-    with pytest.raises(ConfigError, match="limit_mm_video_per_prompt=1: posttrain feeds videos to qwen2_5_vl only, "
-                                          "not model_type qwen3_vl"):
-        train(video_config(tiny_qwen3_vl_dir, video_data, tmp_path))
+    model, processor = qwen3
+    metrics = train(video_config(tiny_qwen3_vl_dir, video_data, tmp_path, iters=1))
+    for key in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "grpo/score/mean"):
+        assert math.isfinite(metrics[key]), key
+    items = build_prompt_dataset(video_data, 512, images_per_prompt=1, videos_per_prompt=1)
+    lengths = [len(prompt_ids(processor, model, processor.tokenizer.decode(it["prompts"]), it["images"],
+                              it["videos"])["input_ids"]) for it in (items[k] for k in range(4))]
+    assert all(length > len(items[0]["prompts"]) + 8 for length in lengths)  # 2 patches: times and blocks
+    assert metrics["prompt_length/mean"] == pytest.approx(sum(lengths) / 4)
 
 
 @pytest.mark.parametrize("mode", ["partial", "async"])

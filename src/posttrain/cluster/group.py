@@ -409,13 +409,18 @@ class ActorRole:
         return self.c.update_calls("actor update", "update", batch, loss_fn, mini_batch_size, epochs, shuffle, seed,
                                    micro_batch_size)
 
-    def embed_images(self, pixel_values: list, image_grid_thw: list, *, vit_micro_batch_size=None) -> list:
-        """``reuse_image_embeds``: each sample's image embeddings from the workers' vision towers
-        (contiguous shares of the samples, no collective), in the samples' order."""
+    def embed_images(self, pixel_values: list, image_grid_thw: list, *, vit_micro_batch_size=None,
+                     pixel_values_videos: list = (), video_grid_thw: list = ()) -> list:
+        """``reuse_image_embeds``: each sample's image (and video) embeddings from the workers' vision
+        towers (contiguous shares of the samples, no collective), in the samples' order."""
         rows = self.c.row_shares(len(pixel_values), collective=False)
+
+        def pick(cells: list, share: torch.Tensor) -> list:  # the share's cells (none given: none)
+            return [cells[i] for i in share.tolist()] if len(cells) else []
+
         parts = self.c.sharded("image embeddings", "embed_images", rows, lambda r, share: (
-            [pixel_values[i] for i in share.tolist()], [image_grid_thw[i] for i in share.tolist()],
-            vit_micro_batch_size))
+            pick(pixel_values, share), pick(image_grid_thw, share), vit_micro_batch_size,
+            pick(pixel_values_videos, share), pick(video_grid_thw, share)))
         out = [None] * len(pixel_values)
         for share, part in zip(rows, parts):
             for i, embeds in zip(share.tolist(), part):

@@ -252,10 +252,12 @@ class ActorWorker:
             batch = {k: v.to(self.device) for k, v in batch.items()}
             return engine.compute_logprobs(batch, temperature=temperature, micro_batch_size=micro_batch_size).cpu()
 
-    def embed_images(self, pixel_values: list, image_grid_thw: list, vit_micro_batch_size) -> list:
-        """``reuse_image_embeds``: the actor's vision tower on this worker's share of the samples
-        (:func:`~posttrain.training.sample_embeds.embed_samples`; no collective)."""
-        return embed_samples(self.policy.model, pixel_values, image_grid_thw, self.device, vit_micro_batch_size)
+    def embed_images(self, pixel_values: list, image_grid_thw: list, vit_micro_batch_size,
+                     pixel_values_videos: list = (), video_grid_thw: list = ()) -> list:
+        """``reuse_image_embeds``: the actor's vision tower on this worker's share of the samples, their
+        videos too (:func:`~posttrain.training.sample_embeds.embed_samples`; no collective)."""
+        return embed_samples(self.policy.model, pixel_values, image_grid_thw, self.device, vit_micro_batch_size,
+                             pixel_values_videos, video_grid_thw)
 
     def compute_pair_logps(self, batch: dict, average: bool, micro_batch_size):
         """DPO: the reference's sequence log-probs of this worker's share of the pairs."""

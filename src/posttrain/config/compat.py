@@ -226,13 +226,9 @@ _MULTIMODAL_ROWS = (  # rl_config.is_multimodal: the hf backend in one process, 
         "need rl_config.is_multimodal: true (a vision-language model and a dataset with images); set it or remove "
         "them"),
     Row("mm-video-alone", "videos_alone", "{setting}: videos are fed to the multimodal loop only; set "
-        "rl_config.is_multimodal: true (a Qwen2.5-VL and a dataset with videos) or set the key to 0"),
-    Row("mm-video-sft", "videos", "{setting} with stage sft: multimodal SFT reads images only (its samples' videos are "
-        "refused); set the key to 0, or give a video's frames as images", stage=("sft",)),
+        "rl_config.is_multimodal: true (a Qwen2.5-VL or Qwen3-VL and a dataset with videos) or set the key to 0"),
     Row("mm-video-ray", "videos", "{setting} on Ray actor workers: videos are built and tested in one process; set "
         "actor_resource.num_npus: 1, or the key to 0", placement=RAY),
-    Row("mm-video-reuse", "videos", "{setting} with {other}: the reused embeddings are the images' only (videos would "
-        "run the tower in every pass); set reuse_image_embeds: false, or the key to 0", with_="reuse_image_embeds"),
     Row("mm-embeds-dispatch", "image_embeds_dispatch_alone", "{setting}: the read size of the image_embeds phase, "
         "which runs with reuse_image_embeds: true (and is_multimodal: true); set those or remove the key"),
 )

@@ -186,7 +186,7 @@ def _truncation_features() -> list[Feature]:
     ]
 
 
-VIDEO_KEY = "generate_config.limit_mm_video_per_prompt"  # videos in the multimodal loop (Qwen2.5-VL)
+VIDEO_KEY = "generate_config.limit_mm_video_per_prompt"  # videos in the multimodal loop (Qwen2.5-VL, Qwen3-VL)
 MM_KEYS_ALONE = ("reuse_image_embeds", "freeze_vision_tower", "vit_forward_micro_batch_size",
                  "actor_image_embeds_dispatch_size")  # rl_config keys that only a multimodal run reads
 

@@ -387,7 +387,7 @@ class GenerateConfig(Section):
     limit_mm_image_per_prompt: int = F(1, "multimodal: the most images a training prompt may hold (more: a "
                                                  "DataError naming the prompt)", HONOURED, ge=0,
                                        note="images per prompt")
-    limit_mm_video_per_prompt: int = F(0, "multimodal: the most videos a training prompt may hold (Qwen2.5-VL; "
+    limit_mm_video_per_prompt: int = F(0, "multimodal: the most videos a training prompt may hold (Qwen2.5-VL, Qwen3-VL; "
                                              "more: a DataError naming the prompt)", HONOURED, ge=0,
                                        note="videos per prompt")
     data_parallel_size: Opt[int] = F(None, "rollout data parallel size", COMPUTED)

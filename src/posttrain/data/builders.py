@@ -44,11 +44,11 @@ _OFFLINE = {"sft": ("SFT dataset", "SFTDataset"),
 
 
 def build_offline_dataset(prefix: str | None, stage: str, *, seq_length: int, split: str | None = None,
-                          unpaired: bool = False, images_per_sample: int | None = None):
+                          unpaired: bool = False, images_per_sample: int | None = None, videos_per_sample: int = 0):
     """SFT samples (``AlpacaStyleInstructionHandler`` data), DPO pairs (``AlpacaStylePairwiseHandler``)
     or, with ``unpaired`` (KTO), unpaired preference rows (``UnpairedPreferenceHandler``); with
-    ``images_per_sample`` (a multimodal SFT run) each SFT sample's images too
-    (:class:`~posttrain.data.image_samples.ImageSFTDataset`)."""
+    ``images_per_sample`` (a multimodal SFT run) each SFT sample's images and its videos (at most
+    ``videos_per_sample``) too (:class:`~posttrain.data.image_samples.ImageSFTDataset`)."""
     kind, cls = _OFFLINE["kto" if unpaired else stage]
     if not prefix:
         raise DataError(f"megatron_training.data_path is not set: give the prefix of a preprocessed {kind}")
@@ -58,7 +58,7 @@ def build_offline_dataset(prefix: str | None, stage: str, *, seq_length: int, sp
     if images_per_sample is not None:
         from posttrain.data.image_samples import ImageSFTDataset
 
-        return ImageSFTDataset(dataset, prefix, images_per_sample)
+        return ImageSFTDataset(dataset, prefix, images_per_sample, videos_per_sample)
     return dataset
 
 

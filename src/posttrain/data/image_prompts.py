@@ -48,7 +48,7 @@ class ImagePromptDataset:
         if len(media["videos"]) > self.videos_per_prompt:
             raise DataError(f"{self.prefix}: prompt {row} holds {len(media['videos'])} video(s), more than "
                             f"generate_config.limit_mm_video_per_prompt={self.videos_per_prompt}; raise the limit "
-                            f"(Qwen2.5-VL) or drop the prompt")
+                            f"or drop the prompt")
         if len(media["images"]) > self.images_per_prompt:
             raise DataError(f"{self.prefix}: prompt {row} holds {len(media['images'])} images, more than "
                             f"generate_config.limit_mm_image_per_prompt={self.images_per_prompt}; raise the limit "

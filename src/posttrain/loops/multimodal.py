@@ -8,8 +8,9 @@ The dock holds one ``pixel_values [patches, dim]`` and ``image_grid_thw [images,
 sample row (a text-only prompt: no rows), and the videos' ``pixel_values_videos``, ``video_grid_thw``
 and ``second_per_grid_ts`` beside them (Qwen2.5-VL, ``limit_mm_video_per_prompt``; no rows for none); :func:`posttrain.loops.experience.read_batch` hands them
 to the training engine beside the rows. With ``reuse_image_embeds`` the phase ``image_embeds`` runs
-the actor's (frozen) vision tower once per iteration and writes ``image_embeds [image tokens, (1 + D) * H]``
-(Qwen3-VL: the ``D`` deepstack levels beside the merged features);
+the actor's (frozen) vision tower once per iteration on each sample's images and videos and writes
+``image_embeds [image tokens + video tokens, (1 + D) * H]`` (Qwen3-VL: the ``D`` deepstack levels
+beside the merged features);
 every later pass (reference, old log-probs, update) reads them instead of running the tower.
 """
 
@@ -75,7 +76,11 @@ def image_embedder(policy, device, vit_micro_batch_size: int | None) -> Callable
 
 def compute_image_embeds(td: TransferDock, embed: Callable[..., list[torch.Tensor]], count: int) -> None:
     """The ``image_embeds`` column: ``embed`` (:func:`image_embedder`: the actor's vision tower, eval
-    mode, no gradient) on each sample's images, ``count`` rows per read."""
+    mode, no gradient) on each sample's images and videos (a cell: the image tokens' rows, then the
+    video tokens'), ``count`` rows per read."""
     while not td.all_consumed(EMBEDS_COLUMN):
         batch, idx = td.get(EMBEDS_COLUMN, list(MM_KEYS), count)
-        td.put([EMBEDS_COLUMN], idx, [embed(batch["pixel_values"], batch["image_grid_thw"])])
+        grids = batch.get("video_grid_thw") or []
+        videos = ({"pixel_values_videos": batch["pixel_values_videos"], "video_grid_thw": grids}
+                  if any(grid.shape[0] for grid in grids) else {})
+        td.put([EMBEDS_COLUMN], idx, [embed(batch["pixel_values"], batch["image_grid_thw"], **videos)])

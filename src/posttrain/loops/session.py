@@ -107,7 +107,8 @@ class Session:
         mm = self.plan.multimodal  # stage sft with images (docs/multimodal.md)
         return build_offline_dataset(d.data_path, stage.name, seq_length=d.seq_length, split=d.split,
                                      unpaired=self.plan.dpo is not None and self.plan.dpo.unpaired,
-                                     images_per_sample=mm.images_per_prompt if mm else None)
+                                     images_per_sample=mm.images_per_prompt if mm else None,
+                                     videos_per_sample=mm.videos_per_prompt if mm else 0)
 
     def _build(self, start: Start) -> None:
         plan, on_policy = self.plan, self.plan.stage.on_policy

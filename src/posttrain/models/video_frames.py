@@ -17,6 +17,12 @@ processor writes:
 * ``second_per_grid_ts [videos]`` = ``T / fps``: the seconds one temporal patch spans, which
   Qwen2.5-VL's rotary positions scale by its ``tokens_per_second``. The frames carry no timing, so
   ``fps`` is :data:`VIDEO_FPS` (2 frames a second, qwen-vl-utils' default sampling rate).
+
+Qwen3-VL takes the same inputs (its video processor's patch layout is Qwen2-VL's) but no
+``second_per_grid_ts``: its processor writes each temporal patch's time into the prompt instead,
+``<t seconds>`` before that patch's frame tokens, each patch wrapped in its own
+``<|vision_start|> ... <|vision_end|>`` (:func:`frame_timestamps`, :func:`timestamp_text`;
+:meth:`posttrain.models.vlm.ImageTextProcessor.encode_images` builds the prompt).
 """
 
 from __future__ import annotations
@@ -73,3 +79,17 @@ def video_inputs(image_processor, videos: Sequence[Sequence], fps: float = VIDEO
     seconds = float(image_processor.temporal_patch_size) / float(fps)
     return {"pixel_values_videos": torch.cat(patches).float(), "video_grid_thw": torch.tensor(grids, dtype=torch.long),
             "second_per_grid_ts": torch.full((len(videos),), seconds)}
+
+
+def frame_timestamps(num_frames: int, temporal_patch_size: int, fps: float = VIDEO_FPS) -> list[float]:
+    """The seconds of each temporal patch of a ``num_frames`` video (Qwen3-VL's prompt): frame ``i`` is at
+    ``i / fps`` (the frames are the sampled ones), an odd count repeats the last frame's index, and a
+    patch's time is the mean of its first and last frames' times."""
+    indices = list(range(num_frames)) + [num_frames - 1] * (-num_frames % temporal_patch_size)
+    times = [index / float(fps) for index in indices]
+    return [(times[k] + times[k + temporal_patch_size - 1]) / 2 for k in range(0, len(times), temporal_patch_size)]
+
+
+def timestamp_text(seconds: float) -> str:
+    """A temporal patch's time as Qwen3-VL's processor writes it before the patch: ``<0.2 seconds>``."""
+    return f"<{seconds:.1f} seconds>"

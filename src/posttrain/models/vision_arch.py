@@ -12,7 +12,8 @@ architectures lives in one :class:`VisionKind` of :data:`KINDS`:
   (16), ``spatial_merge_size``, ``temporal_patch_size``, ``num_position_embeddings`` (a learned
   position grid), ``deepstack_visual_indexes`` (the tower blocks whose merged features are added to
   the first decoder layers' hidden states at the image tokens); LayerNorm blocks with a plain MLP;
-  the language model normalises queries and keys (``qk_layernorm``), no QKV bias, interleaved 3-D rotary.
+  the language model normalises queries and keys (``qk_layernorm``), no QKV bias, interleaved 3-D rotary;
+  a video's prompt holds each temporal patch's time (``frame_timestamps``).
 
 The training forward is the same for both (:mod:`posttrain.training.multimodal` passes the tower's
 features, deepstack ones included, through Transformers' ``mm_encoder_outputs``). No torch import.
@@ -129,6 +130,7 @@ class VisionKind:
     mrope_interleaved: bool
     attention: Mapping[str, bool]
     image_processor: Mapping[str, Any] = field(default_factory=dict)  # processor settings beyond the patches
+    frame_timestamps: bool = False  # a video's prompt holds each temporal patch's time (models/video_frames.py)
 
 
 _SIZES = ("patch_size", "spatial_merge_size", "temporal_patch_size", "in_channels")
@@ -139,7 +141,7 @@ KINDS: dict[str, VisionKind] = {
     "qwen3_vl": VisionKind("Qwen3VLForConditionalGeneration", _SIZES + ("num_position_embeddings",),
                            {"patch_size": 16, "num_position_embeddings": 2304}, _qwen3_params, _qwen3_hf,
                            qwen3_mrope_section, True, {"add_qkv_bias": False, "qk_layernorm": True},
-                           {"image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}),
+                           {"image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}, frame_timestamps=True),
 }
 VLM_TYPES = tuple(KINDS)
 _REQUIRED = ("depth", "hidden_size", "num_heads", "intermediate_size")

@@ -6,7 +6,7 @@ A sample's image inputs are what the processor gives: ``pixel_values [patches, C
 height and width patch counts; an image fills ``t * h * w / merge**2`` ``<|image_pad|>`` tokens of
 the prompt). A micro-batch concatenates its samples' rows in sample order, which is the order in
 which the model fills the image tokens of the batch's rows. A sample's videos ride beside them
-(``pixel_values_videos``, ``video_grid_thw``, ``second_per_grid_ts``: Qwen2.5-VL,
+(``pixel_values_videos``, ``video_grid_thw``, ``second_per_grid_ts``: Qwen2.5-VL, Qwen3-VL,
 :mod:`posttrain.models.video_frames`), filling its ``<|video_pad|>`` tokens in the same way.
 """
 
@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from posttrain.errors import ConfigError
-from posttrain.models.video_frames import VIDEO_KEYS, empty_videos, video_inputs
+from posttrain.models.video_frames import VIDEO_KEYS, empty_videos, frame_timestamps, timestamp_text, video_inputs
 from posttrain.models.vision_arch import KINDS, VISION_TOKENS, VLM_TYPES, VisionTower
 
 IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
@@ -85,9 +85,10 @@ class ImageTextProcessor:
     image's ``t * h * w / merge**2`` tokens. (Transformers' own ``AutoProcessor`` for Qwen2.5-VL also
     builds a video processor, which needs torchvision; use it where torchvision is installed.)"""
 
-    def __init__(self, tokenizer, image_processor):
+    def __init__(self, tokenizer, image_processor, frame_timestamps: bool = False):
         self.tokenizer, self.image_processor = tokenizer, image_processor
         self.merge = int(image_processor.merge_size)
+        self.frame_timestamps = frame_timestamps  # Qwen3-VL: a video's prompt holds its patches' times
 
     def apply_chat_template(self, messages, **kwargs):
         return self.tokenizer.apply_chat_template(messages, **kwargs)
@@ -109,9 +110,51 @@ class ImageTextProcessor:
             vision = self.image_processor(images=list(images), return_tensors="pt")
             out.update(pixel_values=vision["pixel_values"], image_grid_thw=vision["image_grid_thw"])
         ids = _expand_ids(ids, image_token_id, out["image_grid_thw"], self.merge, "image")
-        if videos or video_token_id is not None:
+        if videos and self.frame_timestamps:
+            ids = self._timestamped_videos(ids, video_token_id, out["video_grid_thw"], [len(v) for v in videos])
+        elif videos or video_token_id is not None:
             ids = _expand_ids(ids, video_token_id, out["video_grid_thw"], self.merge, "video")
         return {"input_ids": ids, **out}
+
+    def _timestamped_videos(self, ids: list[int], video_token_id: int, grid_thw: torch.Tensor,
+                            frame_counts: Sequence[int]) -> list[int]:
+        """Qwen3-VL's video prompt, as its processor writes the text: each video pad (with the
+        ``<|vision_start|>``/``<|vision_end|>`` around it, when there are) becomes, for each temporal
+        patch, ``<t seconds>``, ``<|vision_start|>``, the patch's ``h * w / merge**2`` pads,
+        ``<|vision_end|>``. The tokenizer splits a text at its added (special) tokens and tokenizes
+        the pieces apart, so the first ``<t seconds>`` is tokenized with the text piece before it
+        (decoded from ``ids`` back to the last added token: ``" <"`` may be one token), the others alone."""
+        if ids.count(video_token_id) != len(frame_counts):
+            raise ValueError(f"the prompt holds {ids.count(video_token_id)} video tokens for {len(frame_counts)} videos")
+        start, end = (self.tokenizer.convert_tokens_to_ids(t) for t in ("<|vision_start|>", "<|vision_end|>"))
+        temporal = int(self.image_processor.temporal_patch_size)
+        out, videos, skip = [], iter(zip(grid_thw.tolist(), frame_counts)), False
+        for i, token in enumerate(ids):
+            if skip:  # the wrapper's end: each patch has its own
+                skip = False
+                continue
+            if token != video_token_id:
+                out.append(token)
+                continue
+            (_, h, w), frames = next(videos)
+            skip = out[-1:] == [start] and ids[i + 1:i + 2] == [end]
+            if skip:
+                out.pop()
+            for k, seconds in enumerate(frame_timestamps(frames, temporal)):
+                stamp = self._text_before(out) if k == 0 else ""
+                out += [*self.tokenizer(stamp + timestamp_text(seconds), add_special_tokens=False)["input_ids"],
+                        start, *[video_token_id] * (h * w // self.merge ** 2), end]
+        return out
+
+    def _text_before(self, out: list[int]) -> str:
+        """The text of ``out``'s last piece (after its last added token), removed from ``out``."""
+        added = set(self.tokenizer.added_tokens_decoder)
+        first = len(out)
+        while first and out[first - 1] not in added:
+            first -= 1
+        text = self.tokenizer.decode(out[first:], clean_up_tokenization_spaces=False) if first < len(out) else ""
+        del out[first:]
+        return text
 
     def __call__(self, text: Sequence[str], images=None, return_tensors: str = "pt") -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
@@ -159,7 +202,11 @@ def load_processor(path: str | Path) -> ImageTextProcessor:
     if not (Path(path) / "preprocessor_config.json").is_file():
         raise ConfigError(f"{path}: no preprocessor_config.json; a vision-language model directory needs its "
                           f"image processor (posttrain init-model writes one)")
-    return ImageTextProcessor(AutoTokenizer.from_pretrained(str(path)), AutoImageProcessor.from_pretrained(str(path)))
+    config = Path(path) / "config.json"
+    model_type = json.loads(config.read_text(encoding="utf-8")).get("model_type") if config.is_file() else None
+    stamps = model_type in KINDS and KINDS[model_type].frame_timestamps
+    return ImageTextProcessor(AutoTokenizer.from_pretrained(str(path)), AutoImageProcessor.from_pretrained(str(path)),
+                              frame_timestamps=stamps)
 
 
 def split_samples(pixel_values: torch.Tensor, image_grid_thw: torch.Tensor,
@@ -224,10 +271,25 @@ class SampleImages:
 
     def concat(self) -> dict[str, torch.Tensor]:
         """The rows' inputs joined in row order (:func:`concat_samples`; ``image_embeds`` too when every
-        sample has them)."""
+        sample has them, and ``video_embeds`` where they hold videos: a sample's cell holds its image
+        tokens' rows, then its video tokens', :func:`split_embeds`)."""
         out = concat_samples(self.samples)
         if self.samples and all("image_embeds" in s for s in self.samples):
             # a text-only sample's cell has no rows (and may be [0, H] beside Qwen3-VL's [N, (1 + D) * H])
-            embeds = [s["image_embeds"] for s in self.samples if s["image_embeds"].shape[0]]
-            out["image_embeds"] = torch.cat(embeds) if embeds else self.samples[0]["image_embeds"]
+            parts = [split_embeds(s) for s in self.samples if s["image_embeds"].shape[0]]
+            images = [images for images, _ in parts if images.shape[0]]
+            out["image_embeds"] = torch.cat(images) if images else self.samples[0]["image_embeds"][:0]
+            if any(videos.shape[0] for _, videos in parts):
+                out["video_embeds"] = torch.cat([videos for _, videos in parts])
         return out
+
+
+def split_embeds(sample: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A sample's ``image_embeds`` cell as its images' rows and its videos' rows (each image or video
+    fills ``t * h * w / merge**2`` rows, one merge size for both: the image tokens' share of the rows
+    is the images' share of the patches)."""
+    embeds = sample["image_embeds"]
+    images = int(sample["image_grid_thw"].prod(-1).sum())
+    videos = int(sample["video_grid_thw"].prod(-1).sum()) if "video_grid_thw" in sample else 0
+    first = embeds.shape[0] * images // (images + videos) if images + videos else embeds.shape[0]
+    return embeds[:first], embeds[first:]

@@ -361,8 +361,7 @@ def multimodal_actor(plan: Plan, model, processor_dir):
     if plan.multimodal.videos_per_prompt and model.config.model_type not in VIDEO_MODEL_TYPES:
         raise ConfigError(f"generate_config.limit_mm_video_per_prompt={plan.multimodal.videos_per_prompt}: posttrain "
                           f"feeds videos to {', '.join(VIDEO_MODEL_TYPES)} only, not model_type "
-                          f"{model.config.model_type} (Qwen3-VL's processor writes frame timestamps into the prompt, "
-                          f"which is not built); set it to 0 and give a video's frames as images")
+                          f"{model.config.model_type}; set it to 0 and give a video's frames as images")
     if plan.multimodal.freeze_vision_tower:
         freeze_vision_tower(model)
     return load_processor(processor_dir)

@@ -24,7 +24,8 @@ from posttrain.errors import ConfigError, DataError
 # the model types whose greedy tokens with images are compared with their own ``generate``
 # (tests/unit/rollout/test_native_images.py); another vision model may need other prefill inputs
 TESTED_MODEL_TYPES = {"qwen2_5_vl", "qwen3_vl"}
-VIDEO_MODEL_TYPES = {"qwen2_5_vl"}  # ... and with videos (tests/e2e/test_e2e_multimodal_video.py)
+VIDEO_MODEL_TYPES = {"qwen2_5_vl", "qwen3_vl"}  # ... and with videos (tests/e2e/test_e2e_multimodal_video.py)
+TIMED_VIDEO_TYPES = {"qwen2_5_vl"}  # take second_per_grid_ts (Qwen3-VL: the times are in the prompt)
 
 
 @dataclass
@@ -118,8 +119,8 @@ def check_requests(model: Any, prompts: list[list[int]], images: list) -> list[I
                             f"need {videos}: expand each video pad as posttrain.models.video_frames does.")
         if videos and config.model_type not in VIDEO_MODEL_TYPES:
             raise ConfigError(f"generate(images=...): prompt {i} holds a video; the native engine takes videos for "
-                              f"{sorted(VIDEO_MODEL_TYPES)} only, not model_type {config.model_type!r} (Qwen3-VL's "
-                              f"processor writes frame timestamps into the prompt); give the frames as images.")
+                              f"{sorted(VIDEO_MODEL_TYPES)} only, not model_type {config.model_type!r}; give the "
+                              f"frames as images.")
     return entries
 
 
@@ -154,6 +155,8 @@ def prefill_inputs(model: Any, ids: torch.Tensor, mask: torch.Tensor,
     # the largest one: a video's temporal positions (spaced by second_per_grid_ts) may pass the text after it
     deltas = positions[:, :, -1].max(0).values + 1 - mask.sum(-1)
     pixels = torch.cat([entry.pixel_values for entry in present]).to(ids.device)
+    if config.model_type not in TIMED_VIDEO_TYPES:
+        videos.pop("second_per_grid_ts", None)
     inputs = {"mm_token_type_ids": kinds, **videos}
     if grid.shape[0]:
         inputs.update(pixel_values=pixels, image_grid_thw=grid)

@@ -20,12 +20,13 @@ Here they become the model's inputs beside ``input_ids``:
   image's tokens take (t, h, w) grid positions, the text after it continues from the largest), the
   layout Transformers' Qwen-VL models read for packed rows.
 
-Videos (Qwen2.5-VL; the rows' ``pixel_values_videos``, ``video_grid_thw``, ``second_per_grid_ts`` of
-:mod:`posttrain.models.video_frames`) go the same way: ``video_features [video tokens, H]`` from the
-model's ``get_video_features``, ``video_mask`` at the ``<|video_pad|>`` tokens, ``mm_token_type_ids``
-2 there, and ``get_rope_index`` spaces a video's temporal positions by ``second_per_grid_ts`` times
-the model's ``tokens_per_second``. Qwen3-VL's videos are refused (its processor writes frame
-timestamps into the prompt, which posttrain does not build).
+Videos (the rows' ``pixel_values_videos``, ``video_grid_thw``, ``second_per_grid_ts`` of
+:mod:`posttrain.models.video_frames`) go the same way: ``video_features [video tokens, 1 + D, H]`` from
+the model's ``get_video_features`` (Qwen3-VL: its deepstack levels too), ``video_mask`` at the
+``<|video_pad|>`` tokens, ``mm_token_type_ids`` 2 there. Qwen2.5-VL's ``get_rope_index`` spaces a
+video's temporal positions by ``second_per_grid_ts`` times the model's ``tokens_per_second``;
+Qwen3-VL's gives each temporal patch (its own ``<|vision_start|>`` block after its ``<t seconds>``
+text) the positions of a one-frame image.
 
 Both padded and packed forwards (:mod:`posttrain.training.remove_padding`) take these.
 """
@@ -42,7 +43,8 @@ from posttrain.training.batch import default_position_ids
 
 FEATURES = "image_features"
 VIDEO_FEATURES = "video_features"
-VIDEO_MODEL_TYPES = ("qwen2_5_vl",)  # the VLMs whose videos posttrain feeds (Qwen3-VL: timestamps in the prompt)
+VIDEO_MODEL_TYPES = ("qwen2_5_vl", "qwen3_vl")  # the VLMs whose videos posttrain feeds
+EMBEDS_KEYS = ("image_embeds", "video_embeds")  # the reused tower features (reuse_image_embeds)
 TOWER_ANCHOR = "tower_anchor"  # a text-only DDP micro-batch's zero term of the tower (tower_anchor)
 
 
@@ -123,6 +125,10 @@ def _image_features(model: torch.nn.Module, batch: dict[str, torch.Tensor], micr
     features = batch.get("image_embeds")
     if features is None:
         features = image_embeds(model, batch["pixel_values"], batch["image_grid_thw"], micro)
+    return _checked_width(model, features)
+
+
+def _checked_width(model: torch.nn.Module, features: torch.Tensor) -> torch.Tensor:
     if features.shape[-1] != embeds_width(model):
         raise ValueError(f"image_embeds have {features.shape[-1]} features a token, the model's tower gives "
                          f"{embeds_width(model)}: they come from another model")
@@ -134,11 +140,13 @@ def _video_features(model: torch.nn.Module, batch: dict[str, torch.Tensor], micr
     grid = batch.get("video_grid_thw")
     if grid is None or grid.shape[0] == 0:
         return None
+    if "video_embeds" in batch:  # reuse_image_embeds: the tower's features, computed once
+        return _checked_width(model, batch["video_embeds"])
     model_type = _vlm(model).config.model_type
     if model_type not in VIDEO_MODEL_TYPES:
         raise ValueError(f"the batch carries videos, which posttrain feeds to {', '.join(VIDEO_MODEL_TYPES)} only, not "
-                         f"model_type {model_type} (Qwen3-VL's processor writes frame timestamps into the prompt); "
-                         f"set generate_config.limit_mm_video_per_prompt: 0 or give a video's frames as images")
+                         f"model_type {model_type}; set generate_config.limit_mm_video_per_prompt: 0 or give a video's "
+                         f"frames as images")
     return image_embeds(model, batch["pixel_values_videos"], grid, micro, videos=True)
 
 
@@ -160,7 +168,7 @@ def multimodal_inputs(model: torch.nn.Module, batch: dict[str, torch.Tensor]) ->
         batch = {**{k: v for k, v in batch.items() if k != "images"}, **images.concat()}
         micro = images.vit_micro_batch_size
         if images.num_images() == 0:  # text-only rows: the plain forward
-            text = {k: v for k, v in batch.items() if k not in MM_KEYS and k != "image_embeds"}
+            text = {k: v for k, v in batch.items() if k not in (*MM_KEYS, *EMBEDS_KEYS)}
             anchor = tower_anchor(model)
             return text if anchor is None else {**text, TOWER_ANCHOR: anchor}
     vlm = _vlm(model)
@@ -178,12 +186,12 @@ def multimodal_inputs(model: torch.nn.Module, batch: dict[str, torch.Tensor]) ->
     # row 0: the text positions (restarting per sequence), which the model reads, as Transformers
     # documents, to find the sequences of a packed row (its flash-attention varlen path)
     positions = torch.cat([default_position_ids(attention)[None], rope])
-    out = {k: v for k, v in batch.items() if k not in MM_KEYS and k != "image_embeds"}
+    out = {k: v for k, v in batch.items() if k not in (*MM_KEYS, *EMBEDS_KEYS)}
     hidden = int(vlm.config.text_config.hidden_size)
     if features is not None:
         out.update({FEATURES: features.reshape(features.shape[0], -1, hidden), "image_mask": image_mask})
     if videos is not None:
-        out.update({VIDEO_FEATURES: videos, "video_mask": video_mask})
+        out.update({VIDEO_FEATURES: videos.reshape(videos.shape[0], -1, hidden), "video_mask": video_mask})
     out["position_ids"] = positions
     return out
 
@@ -214,9 +222,8 @@ def model_kwargs(batch: dict[str, torch.Tensor]) -> dict:
     """The model's keyword arguments for the images and videos of ``batch`` (its ``image_features``,
     ``video_features``): its ``mm_encoder_outputs``; none for a text batch."""
     encoded = {}
-    if FEATURES in batch:
-        levels = batch[FEATURES].unbind(1)
-        encoded["image"] = EncodedImages(pooler_output=(levels[0],), deepstack_features=[(lv,) for lv in levels[1:]])
-    if VIDEO_FEATURES in batch:
-        encoded["video"] = EncodedImages(pooler_output=(batch[VIDEO_FEATURES],))
+    for kind, key in (("image", FEATURES), ("video", VIDEO_FEATURES)):
+        if key in batch:
+            levels = batch[key].unbind(1)
+            encoded[kind] = EncodedImages(pooler_output=(levels[0],), deepstack_features=[(lv,) for lv in levels[1:]])
     return {"mm_encoder_outputs": encoded} if encoded else {}
