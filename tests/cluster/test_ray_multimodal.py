@@ -37,19 +37,20 @@ def mm_data(vlm_dir, tmp_path_factory):
     return colour_prompts(tmp_path_factory.mktemp("ray_mm"), vlm_dir, text_only=(TEXT_ONLY,))
 
 
-def mm_config(model_dir, data, out, *, workers: int, iters: int, rl: dict):
+def mm_config(model_dir, data, out, *, workers: int, iters: int, rl: dict, generate: dict | None = None):
     """4 prompts x 2 samples an iteration (2 optimizer steps of 4 rows), 6 new tokens, the lowercase
     reward (the reward workers import its module), KL in the loss,
-    a checkpoint at the last iteration, on ``workers`` Ray actor workers (1: in process)."""
+    a checkpoint at the last iteration, on ``workers`` Ray actor workers (1: in process);
+    ``generate``: more generate_config keys (its max_model_len is the seq_length too)."""
     return run_config(model_dir, data, out / "run", name=out.name, iters=iters, megatron_training={
-        "global_batch_size": 4, "micro_batch_size": 2, "seq_length": 256, "lr": 1e-3, "seed": 5, "bf16": OMIT,
+        "global_batch_size": 4, "micro_batch_size": 2, "seq_length": (generate or {}).get("max_model_len", 256), "lr": 1e-3, "seed": 5, "bf16": OMIT,
         "prompt_type": "qwen2_vl", "save": str(out / "ckpt"), "save_interval": iters}, rl_config={
         "n_samples_per_prompt": 2, "verifier_function": ["e2e_lowercase"], "verifier_modules": [VERIFIERS],
         "verifier_parallel": 0, "init_kl_coef": 0.01, "max_prompt_length": 160, "kl_penalty": "low_var_kl",
         "device": OMIT, "is_multimodal": True, "mini_batch_size": 2, "actor_resource": {"num_devices": workers},
         "ray_timeout_s": 120, "guarantee_order": True, **rl}, generate_config={
         "max_num_seqs": 16, "limit_mm_image_per_prompt": 1, "max_model_len": 256,
-        "sampling_config": {"max_tokens": 6, "temperature": 1.0, "top_k": -1}}, actor_config={})
+        "sampling_config": {"max_tokens": 6, "temperature": 1.0, "top_k": -1}, **(generate or {})}, actor_config={})
 
 
 def initial_weights(path) -> dict[str, torch.Tensor]:
@@ -146,3 +147,108 @@ def test_two_workers_equal_one_process(ray_cluster, vlm_dir, mm_data, tmp_path, 
             if trainer.source is not None:
                 trainer.source.close()
             session.close()
+
+
+@pytest.fixture(scope="module")
+def video_data(tiny_vlm_dir, tmp_path_factory):
+    """4 prompts "<video> colour?" of 4-frame videos (the last with an image too; tests/e2e)."""
+    from tests.e2e.test_e2e_multimodal_video import video_prompts
+
+    return video_prompts(tmp_path_factory.mktemp("ray_mv"), tiny_vlm_dir)
+
+
+def logprob_pass(trainer) -> "TransferDock":  # noqa: F821
+    """A batch of samples (the rollout with each prompt's images and videos) in a dock, with the old
+    log-probs read with them."""
+    from posttrain.loops.experience import new_dock
+    from posttrain.loops.multimodal import dock_columns
+
+    td = new_dock(trainer.plan.rows_per_update, trainer.plan.n, guarantee_order=True, seed=0,
+                  extra_columns=dock_columns(False))
+    sample(trainer, td)
+    trainer.logprobs(td, "old_logprobs", trainer.s.policy.actor, trainer.plan.reads["actor_logprob_dispatch_size"],
+                     None)
+    return td
+
+
+def compare_runs(sessions, vlm_dir) -> None:
+    """Two iterations of both trainers: the same metrics; then the same weights on every worker as in
+    one process, the vision tower's and the language model's changed."""
+    rows = {where: [trainer.train_step(iteration) for iteration in (1, 2)] for where, (_, trainer) in sessions.items()}
+    for want, got in zip(rows["local"], rows["ray"]):
+        assert sorted(got) == sorted(want)
+        compared = [k for k in want if not is_wall_clock(k)]
+        for key in compared:
+            assert same(got[key], want[key], key), (key, got[key], want[key])
+        assert want["actor/grad_norm"] > 0 and want["actor/kl_loss"] > 0 and len(compared) > 15
+    (local, _), (remote, _) = sessions["local"], sessions["ray"]
+    before, local_weights = initial_weights(vlm_dir), local.policy.model.state_dict()
+    for ray_weights in remote.cluster.state_dicts():
+        for key, value in local_weights.items():
+            torch.testing.assert_close(ray_weights[key], value, rtol=1e-4, atol=1e-5, msg=lambda m, key=key: f"{key}: {m}")
+    changed = {k for k in before if not torch.equal(before[k], local_weights[k])}
+    assert any("visual" in k for k in changed) and any("language_model" in k for k in changed)
+
+
+def close(sessions) -> None:
+    for session, trainer in sessions.values():
+        if trainer.source is not None:
+            trainer.source.close()
+        session.close()
+
+
+def test_videos_two_workers_equal_one_process(ray_cluster, tiny_vlm_dir, video_data, tmp_path):
+    """Videos (``limit_mm_video_per_prompt``) on 2 workers: each sample's video cells go with its rows
+    to the engines, the log-prob passes and the update; the same responses, log-probs (1e-5), metrics
+    and weights as in one process."""
+    sessions = {where: session_and_trainer(mm_config(tiny_vlm_dir, video_data, tmp_path / where, workers=workers,
+                                                     iters=2, rl={}, generate={"limit_mm_video_per_prompt": 1}))
+                for where, workers in (("local", 1), ("ray", 2))}
+    try:
+        assert sessions["ray"][0].cluster.world == 2 and sessions["local"][0].cluster is None
+        docks = {where: logprob_pass(trainer) for where, (_, trainer) in sessions.items()}
+        assert column(docks["local"], "video_grid_thw").numel() == 8 * 3  # every sample a video: (t, h, w)
+        assert torch.equal(column(docks["ray"], "responses"), column(docks["local"], "responses"))
+        for name in ("video_grid_thw", "pixel_values_videos", "old_logprobs"):
+            torch.testing.assert_close(column(docks["ray"], name), column(docks["local"], name), rtol=1e-5, atol=1e-5)
+        compare_runs(sessions, tiny_vlm_dir)
+    finally:
+        close(sessions)
+
+
+@pytest.fixture(scope="module")
+def image_data(tiny_vlm_dir, tmp_path_factory):
+    """:func:`mm_data`'s prompts for the tiny Qwen2.5-VL alone."""
+    return colour_prompts(tmp_path_factory.mktemp("ray_mm_rollout"), tiny_vlm_dir, text_only=(TEXT_ONLY,))
+
+
+# prompt lengths in tokens (tests/e2e/test_e2e_multimodal_rollout_modes.py): a pictured one 68, the text-only one 71;
+# with room for 74 tokens a text-only sample is complete after one round of 3 (6 // 2) tokens, a pictured one is cut
+ROLLOUT_MODES = {"partial_rollout_max_split": 2, "async_staleness": 1, "guarantee_order": False}
+
+
+def test_partial_and_async_rollout_with_images_on_two_workers_equal_one_process(ray_cluster, tiny_vlm_dir,
+                                                                                  image_data, tmp_path):
+    """Partial rollout with ``async_staleness: 1`` and images, 3 iterations on 2 workers: each round a
+    call over both workers' rows (the cut samples continued with their prompts' images), sampled by
+    the workers' rollout copies a version behind. The same responses, ages, staleness and metrics
+    as in one process."""
+    from tests.cluster.cluster_helpers import record_run
+
+    runs = {where: record_run(mm_config(tiny_vlm_dir, image_data, tmp_path / where, workers=workers, iters=3,
+                                        rl=ROLLOUT_MODES, generate={"max_model_len": 74}))
+            for where, workers in (("local", 1), ("ray", 2))}
+    (local_batches, local_rows, _), (ray_batches, ray_rows, _) = runs["local"], runs["ray"]
+    assert ray_batches == local_batches and local_batches[1] != local_batches[2]
+    local_rows, ray_rows = [r for r in local_rows if "actor/pg_loss" in r], [r for r in ray_rows if "actor/pg_loss" in r]
+    assert [r["iteration"] for r in ray_rows] == [r["iteration"] for r in local_rows] == [1, 2, 3]
+    for want, got in zip(local_rows, ray_rows):
+        assert sorted(got) == sorted(want)
+        for key in (k for k in want if not is_wall_clock(k)):
+            # GRPO's pg_loss, a mean of ratio x advantage near 0: the workers' sums leave ~1e-7 absolute (as in
+            # test_ray_grpo.py's partial and async run)
+            noise = key == "actor/pg_loss" and abs(want[key]) < 1e-2
+            equal = got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-6) if noise else same(got[key], want[key], key)
+            assert equal, (want["iteration"], key, got[key], want[key])
+    assert max(r["rollout/age_max"] for r in local_rows) >= 1  # pictured samples were cut and continued
+    assert local_rows[-1]["rollout/staleness_max"] >= 1  # sampled a version behind

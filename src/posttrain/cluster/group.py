@@ -336,7 +336,7 @@ class RolloutRole(RolloutEngine):
             sampling = replace(sampling, seed=random_seed())
         if stop_when is not None:  # partial rollout's rounds in one call: one call per round here
             return decode_rounds(self.generate, prompt_token_ids, n, sampling, stop_token_ids, keys, sample_offsets,
-                                 position_offsets, max_new_tokens, stop_when, stop_every)
+                                 position_offsets, max_new_tokens, stop_when, stop_every, images)
         per_prompt = [sample_offsets, position_offsets, max_new_tokens]  # a continued response's, or None
 
         def args(rank, share):

@@ -203,14 +203,6 @@ _MULTIMODAL_ROWS = (  # rl_config.is_multimodal: the hf backend in one process, 
         ("separated", "the separated roles' batches do not carry the images; use the integrated worker"),
         ("transfer_queue", "the TransferQueue store is not tested with image columns; use data_strategy: td"),
         ("env", "an environment's tasks carry no images; remove env_config or set is_multimodal: false"))),
-    *(Row(f"mm-{other}-ray", "multimodal", "{setting} with {other} on Ray actor workers: " + why, placement=RAY,
-          with_=other) for other, why in (
-        ("partial", "partial rollout with images is built and tested in one process (the workers' continuation "
-                    "of a cut sample with its images is not tested yet); run in one process "
-                    "(actor_resource.num_npus: 1) or remove the key"),
-        ("async", "the asynchronous rollout with images is built and tested on the in-process replica (the "
-                  "workers' rollout copies sampling with images a version behind are not tested yet); run in one "
-                  "process (actor_resource.num_npus: 1) or remove the key"))),
     Row("mm-lora-tower", "vision_tower_trained", "{setting} with {other}: LoRA adapts the language model and PEFT "
         "freezes every base weight, the vision tower's too; set rl_config.freeze_vision_tower: true", with_="lora"),
     Row("mm-reuse-trained-tower", "reuse_image_embeds", "{setting} with {other}: reused image embeddings carry no "
@@ -229,8 +221,6 @@ _MULTIMODAL_ROWS = (  # rl_config.is_multimodal: the hf backend in one process, 
         "rl_config.is_multimodal: true (a Qwen2.5-VL and a dataset with videos) or set the key to 0"),
     Row("mm-video-sft", "videos", "{setting} with stage sft: multimodal SFT reads images only (its samples' videos are "
         "refused); set the key to 0, or give a video's frames as images", stage=("sft",)),
-    Row("mm-video-ray", "videos", "{setting} on Ray actor workers: videos are built and tested in one process; set "
-        "actor_resource.num_npus: 1, or the key to 0", placement=RAY),
     Row("mm-video-reuse", "videos", "{setting} with {other}: the reused embeddings are the images' only (videos would "
         "run the tower in every pass); set reuse_image_embeds: false, or the key to 0", with_="reuse_image_embeds"),
     Row("mm-embeds-dispatch", "image_embeds_dispatch_alone", "{setting}: the read size of the image_embeds phase, "
