@@ -149,99 +149,87 @@ def test_two_workers_equal_one_process(ray_cluster, vlm_dir, mm_data, tmp_path, 
             session.close()
 
 
-@pytest.fixture(scope="module")
-def video_data(tiny_vlm_dir, tmp_path_factory):
-    """4 prompts "<video> colour?" of 4-frame videos (the last with an image too; tests/e2e)."""
-    from tests.e2e.test_e2e_multimodal_video import video_prompts
+def media_prompts(root, model_dir) -> tuple[str, int]:
+    """4 prompts of colours: with a 56x56 picture, with a 4-frame video, with both, and a longer
+    text-only one; preprocessed (limit_mm_video_per_prompt 1). Returns the dataset's prefix and the
+    longest prompt's length in tokens (the text-only one's; a picture fills 4 tokens, a video 8)."""
+    from posttrain.data.builders import build_prompt_dataset
+    from posttrain.data.preprocess import preprocess
+    from tests.e2e.test_e2e_multimodal_video import square_frames
+    from tests.helpers.data import write_jsonl
 
-    return video_prompts(tmp_path_factory.mktemp("ray_mv"), tiny_vlm_dir)
-
-
-def logprob_pass(trainer) -> "TransferDock":  # noqa: F821
-    """A batch of samples (the rollout with each prompt's images and videos) in a dock, with the old
-    log-probs read with them."""
-    from posttrain.loops.experience import new_dock
-    from posttrain.loops.multimodal import dock_columns
-
-    td = new_dock(trainer.plan.rows_per_update, trainer.plan.n, guarantee_order=True, seed=0,
-                  extra_columns=dock_columns(False))
-    sample(trainer, td)
-    trainer.logprobs(td, "old_logprobs", trainer.s.policy.actor, trainer.plan.reads["actor_logprob_dispatch_size"],
-                     None)
-    return td
-
-
-def compare_runs(sessions, vlm_dir) -> None:
-    """Two iterations of both trainers: the same metrics; then the same weights on every worker as in
-    one process, the vision tower's and the language model's changed."""
-    rows = {where: [trainer.train_step(iteration) for iteration in (1, 2)] for where, (_, trainer) in sessions.items()}
-    for want, got in zip(rows["local"], rows["ray"]):
-        assert sorted(got) == sorted(want)
-        compared = [k for k in want if not is_wall_clock(k)]
-        for key in compared:
-            assert same(got[key], want[key], key), (key, got[key], want[key])
-        assert want["actor/grad_norm"] > 0 and want["actor/kl_loss"] > 0 and len(compared) > 15
-    (local, _), (remote, _) = sessions["local"], sessions["ray"]
-    before, local_weights = initial_weights(vlm_dir), local.policy.model.state_dict()
-    for ray_weights in remote.cluster.state_dicts():
-        for key, value in local_weights.items():
-            torch.testing.assert_close(ray_weights[key], value, rtol=1e-4, atol=1e-5, msg=lambda m, key=key: f"{key}: {m}")
-    changed = {k for k in before if not torch.equal(before[k], local_weights[k])}
-    assert any("visual" in k for k in changed) and any("language_model" in k for k in changed)
-
-
-def close(sessions) -> None:
-    for session, trainer in sessions.values():
-        if trainer.source is not None:
-            trainer.source.close()
-        session.close()
-
-
-def test_videos_two_workers_equal_one_process(ray_cluster, tiny_vlm_dir, video_data, tmp_path):
-    """Videos (``limit_mm_video_per_prompt``) on 2 workers: each sample's video cells go with its rows
-    to the engines, the log-prob passes and the update; the same responses, log-probs (1e-5), metrics
-    and weights as in one process."""
-    sessions = {where: session_and_trainer(mm_config(tiny_vlm_dir, video_data, tmp_path / where, workers=workers,
-                                                     iters=2, rl={}, generate={"limit_mm_video_per_prompt": 1}))
-                for where, workers in (("local", 1), ("ray", 2))}
-    try:
-        assert sessions["ray"][0].cluster.world == 2 and sessions["local"][0].cluster is None
-        docks = {where: logprob_pass(trainer) for where, (_, trainer) in sessions.items()}
-        assert column(docks["local"], "video_grid_thw").numel() == 8 * 3  # every sample a video: (t, h, w)
-        assert torch.equal(column(docks["ray"], "responses"), column(docks["local"], "responses"))
-        for name in ("video_grid_thw", "pixel_values_videos", "old_logprobs"):
-            torch.testing.assert_close(column(docks["ray"], name), column(docks["local"], name), rtol=1e-5, atol=1e-5)
-        compare_runs(sessions, tiny_vlm_dir)
-    finally:
-        close(sessions)
+    rows = []
+    for i, (colour, image, video) in enumerate([("red", True, False), ("blue", False, True), ("green", True, True),
+                                                ("black", False, False)]):
+        images, videos = [], []
+        if image:
+            square_frames(colour, 1)[0].save(root / f"{i}.png")
+            images.append(f"{i}.png")
+        if video:
+            for f, frame in enumerate(square_frames(colour)):
+                frame.save(root / f"{i}_{f}.png")
+            videos.append([f"{i}_{f}.png" for f in range(4)])
+        marks = "<image> " * image + "<video> " * video
+        rows.append({"problem": marks + ("colour?" if images or videos else "what colour is the square in the "
+                                                                                  "picture, in one word?"),
+                     "answer": colour, "images": images, "videos": videos})
+    write_jsonl(root / "in.jsonl", rows)
+    prefix = root / "data" / "media"
+    preprocess({"input": str(root / "in.jsonl"), "handler_name": "R1AlpacaStyleInstructionHandler",
+                "tokenizer_name_or_path": str(model_dir), "prompt_type": "qwen2_vl", "output_prefix": str(prefix),
+                "map_keys": {"prompt": "problem", "response": "answer"}, "dataset_additional_keys": ["labels"],
+                "workers": 1, "limit_mm_video_per_prompt": 1}, progress=False)
+    items = build_prompt_dataset(str(prefix), 512, images_per_prompt=1, videos_per_prompt=1)
+    lengths = [len(items[i]["prompts"]) + 3 * len(items[i]["images"]) + 7 * len(items[i]["videos"]) for i in range(4)]
+    assert max(lengths) == lengths[3] > max(lengths[:3]) + 3, lengths  # the text-only prompt is the longest
+    return str(prefix), lengths[3]
 
 
 @pytest.fixture(scope="module")
-def image_data(tiny_vlm_dir, tmp_path_factory):
-    """:func:`mm_data`'s prompts for the tiny Qwen2.5-VL alone."""
-    return colour_prompts(tmp_path_factory.mktemp("ray_mm_rollout"), tiny_vlm_dir, text_only=(TEXT_ONLY,))
+def media_data(tiny_vlm_dir, tmp_path_factory):
+    return media_prompts(tmp_path_factory.mktemp("ray_media"), tiny_vlm_dir)
 
 
-# prompt lengths in tokens (tests/e2e/test_e2e_multimodal_rollout_modes.py): a pictured one 68, the text-only one 71;
-# with room for 74 tokens a text-only sample is complete after one round of 3 (6 // 2) tokens, a pictured one is cut
+# partial rollout (6 tokens in rounds of 3) with asynchronous rollout (a version behind); room for the
+# text-only prompt + 3 tokens: its samples are complete after the first round, the others are cut
+# there and continued with their pictures and videos
 ROLLOUT_MODES = {"partial_rollout_max_split": 2, "async_staleness": 1, "guarantee_order": False}
 
 
-def test_partial_and_async_rollout_with_images_on_two_workers_equal_one_process(ray_cluster, tiny_vlm_dir,
-                                                                                  image_data, tmp_path):
-    """Partial rollout with ``async_staleness: 1`` and images, 3 iterations on 2 workers: each round a
-    call over both workers' rows (the cut samples continued with their prompts' images), sampled by
-    the workers' rollout copies a version behind. The same responses, ages, staleness and metrics
-    as in one process."""
+def test_videos_with_partial_and_async_rollout_on_two_workers_equal_one_process(ray_cluster, tiny_vlm_dir,
+                                                                               media_data, tmp_path, monkeypatch):
+    """Videos and pictures on 2 workers (``limit_mm_video_per_prompt``), with partial rollout and
+    ``async_staleness: 1``, 2 iterations: the workers' rollout copies sample the prompts with their
+    images and video cells a version behind, each round a call over both workers' rows (a cut sample
+    continued with its media), and the log-prob passes and the update cut the video cells with their
+    rows. The same responses, old log-probs (1e-5), ages, staleness, metrics and checkpoint weights (the
+    tower's too) as in one process."""
+    from safetensors.torch import load_file
+
+    from posttrain.loops.onpolicy import OnPolicyTrainer
     from tests.cluster.cluster_helpers import record_run
 
-    runs = {where: record_run(mm_config(tiny_vlm_dir, image_data, tmp_path / where, workers=workers, iters=3,
-                                        rl=ROLLOUT_MODES, generate={"max_model_len": 74}))
-            for where, workers in (("local", 1), ("ray", 2))}
+    data, longest = media_data
+    passes = {"local": [], "ray": []}  # each run's old log-prob passes: (responses, old_logprobs, video_grid_thw)
+    real_correct = OnPolicyTrainer.correct
+    runs = {}
+    for where, workers in (("local", 1), ("ray", 2)):
+        def correct(self, td, acc, iteration, where=where):  # the dock after the old log-prob pass
+            passes[where].append([column(td, name) for name in ("responses", "old_logprobs", "video_grid_thw")])
+            return real_correct(self, td, acc, iteration)
+
+        monkeypatch.setattr(OnPolicyTrainer, "correct", correct)
+        runs[where] = record_run(mm_config(tiny_vlm_dir, data, tmp_path / where, workers=workers, iters=2,
+                                           rl=ROLLOUT_MODES, generate={"limit_mm_video_per_prompt": 1,
+                                                                       "max_model_len": longest + 3}))
     (local_batches, local_rows, _), (ray_batches, ray_rows, _) = runs["local"], runs["ray"]
-    assert ray_batches == local_batches and local_batches[1] != local_batches[2]
+    assert ray_batches == local_batches and len(local_batches) >= 2
+    assert len(passes["ray"]) == len(passes["local"]) == 2
+    for got, want in zip(passes["ray"], passes["local"]):
+        assert torch.equal(got[0], want[0]) and torch.equal(got[2], want[2]) and want[2].numel() >= 3 * 2
+        torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-5)
     local_rows, ray_rows = [r for r in local_rows if "actor/pg_loss" in r], [r for r in ray_rows if "actor/pg_loss" in r]
-    assert [r["iteration"] for r in ray_rows] == [r["iteration"] for r in local_rows] == [1, 2, 3]
+    assert [r["iteration"] for r in ray_rows] == [r["iteration"] for r in local_rows] == [1, 2]
     for want, got in zip(local_rows, ray_rows):
         assert sorted(got) == sorted(want)
         for key in (k for k in want if not is_wall_clock(k)):
@@ -250,5 +238,43 @@ def test_partial_and_async_rollout_with_images_on_two_workers_equal_one_process(
             noise = key == "actor/pg_loss" and abs(want[key]) < 1e-2
             equal = got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-6) if noise else same(got[key], want[key], key)
             assert equal, (want["iteration"], key, got[key], want[key])
-    assert max(r["rollout/age_max"] for r in local_rows) >= 1  # pictured samples were cut and continued
+    assert max(r["rollout/age_max"] for r in local_rows) >= 1  # samples were cut and continued
     assert local_rows[-1]["rollout/staleness_max"] >= 1  # sampled a version behind
+    before = load_file(tiny_vlm_dir / "model.safetensors")  # the tiny VLM, saved as a checkpoint saves it
+    want, got = (load_file(tmp_path / where / "ckpt" / "iter_0000002" / "model.safetensors") for where in ("local", "ray"))
+    for key, value in want.items():
+        torch.testing.assert_close(got[key], value, rtol=1e-4, atol=1e-5, msg=lambda m, key=key: f"{key}: {m}")
+    changed = {k for k in before if not torch.equal(before[k], want[k])}
+    assert any("visual" in k for k in changed) and any("visual" not in k for k in changed)  # the tower and the LM
+
+
+def test_multimodal_sft_on_two_workers_equals_one_process(ray_cluster, tiny_vlm_dir, tmp_path):
+    """Multimodal SFT (stage sft) on 2 workers, 2 steps: the driver encodes each sample's images
+    into the batch (no model on the driver) and every worker trains its share of the rows with their
+    images (4 samples: one with two pictures, one text-only). The same loss, grad norm and token
+    count a step, and the same checkpoint weights (the tower's too) as in one process."""
+    from safetensors.torch import load_file
+
+    from posttrain.commands.train import train_config as train
+    from tests.e2e.test_e2e_multimodal_sft import ROWS, metrics_by_iteration, preprocess_sft, sft_config, write_rows
+
+    (tmp_path / "data").mkdir()
+    data = preprocess_sft(write_rows(tmp_path / "data", ROWS), tiny_vlm_dir, tmp_path / "data" / "sft")
+    for where, workers in (("local", 1), ("ray", 2)):
+        train(sft_config(tiny_vlm_dir, data, tmp_path / where, iters=2, rl_config__ray_timeout_s=120,
+                         rl_config__actor_resource={"num_devices": workers}))
+    local, ray = (metrics_by_iteration(tmp_path / where / "run") for where in ("local", "ray"))
+    assert sorted(local) == sorted(ray) == [1, 2] and local[2]["sft/loss"] < local[1]["sft/loss"]
+    for iteration, want in local.items():
+        assert {"sft/loss", "sft/grad_norm", "sft/tokens"} <= set(want)
+        for key in (k for k in want if not is_wall_clock(k)):
+            assert ray[iteration][key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), (iteration, key)
+    before = load_file(tiny_vlm_dir / "model.safetensors")  # the tiny VLM, saved as a checkpoint saves it
+    want, got = (load_file(tmp_path / where / "ckpt" / "iter_0000002" / "model.safetensors")
+                 for where in ("local", "ray"))
+    assert sorted(got) == sorted(want)
+    for key, value in want.items():
+        torch.testing.assert_close(got[key], value, rtol=1e-4, atol=1e-5, msg=lambda m, key=key: f"{key}: {m}")
+    changed = {k for k in before if not torch.equal(before[k], want[k])}
+    assert any("visual" in k for k in changed) and any("visual" not in k for k in changed)  # the tower and the LM
+    assert (tmp_path / "ray" / "ckpt" / "iter_0000002" / "preprocessor_config.json").is_file()

@@ -192,8 +192,6 @@ _MULTIMODAL_ROWS = (  # rl_config.is_multimodal: the hf backend in one process, 
         "(the Ray actor workers carry the images with DDP)", placement=("ray-fsdp2",)),
     Row("mm-stage", "multimodal", "{setting} with stage {stage}: the multimodal loops run GRPO, DAPO and SFT (PPO's "
         "critic and the DPO datasets take no images yet); use ray_grpo, ray_dapo or sft", stage=("ppo", "dpo")),
-    Row("mm-sft-ray", "multimodal", "{setting} with stage sft on Ray actor workers: multimodal SFT is built and "
-        "tested in one process; set actor_resource.num_npus: 1", stage=("sft",), placement=RAY),
     Row("mm-sft-reuse", "reuse_image_embeds", "{setting} with stage sft: the image embeddings are reused by the "
         "on-policy passes of one iteration, and SFT makes one pass; set reuse_image_embeds: false", stage=("sft",)),
     *(Row(f"mm-{other}", "multimodal", _MM_ONE_PROCESS + why, with_=other) for other, why in (

@@ -187,7 +187,6 @@ EXAMPLES: dict[str, tuple[list[str], str]] = {
     "mm-env": ([*MM, *ENV], "cpu"),
     "mm-lora-tower": ([*MM, *LORA], "cpu"),
     "mm-reuse-trained-tower": ([*MM, "rl_config.reuse_image_embeds=true"], "cpu"),
-    "mm-sft-ray": ([*MM, *RAY, "megatron_training.stage=sft"], "cpu"),
     "mm-sft-reuse": ([*MM_FROZEN, "rl_config.reuse_image_embeds=true", "megatron_training.stage=sft"], "cpu"),
     "mm-reuse-ref-model": ([*MM_FROZEN, "rl_config.reuse_image_embeds=true",
                             "rl_config.integrated_mode_config.ref_model_load_path=/models/ref"], "cpu"),
@@ -286,7 +285,8 @@ def test_features_alone_pass_the_table():
                       [*ASYNC, *PARTIAL, *TP2], MM, [*MM_FROZEN, *LORA, "rl_config.reuse_image_embeds=true",
                                                      "rl_config.actor_image_embeds_dispatch_size=4",
                                                      "rl_config.vit_forward_micro_batch_size=2"],
-                      [*MM, *RAY, "generate_config.limit_mm_video_per_prompt=1"], [*MM, *RAY, *PARTIAL, *ASYNC]):
+                      [*MM, *RAY, "generate_config.limit_mm_video_per_prompt=1"], [*MM, *RAY, *PARTIAL, *ASYNC],
+                      [*MM, *RAY, "megatron_training.stage=sft"]):
         cfg = config(overrides)
         for device in ("cpu", "cuda"):
             check_compat(cfg, setup_of(cfg, device))
