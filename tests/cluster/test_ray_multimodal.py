@@ -10,6 +10,11 @@ text-only prompt's rows). The workers draw the same responses; the image embeddi
 their shares of the samples (``reuse_image_embeds``'s phase) and the log-probs read with them equal
 the one-process ones; two iterations log the same metrics and leave the same weights (the tower's
 too) as in one process; rank 0 saves the processor with the weights.
+
+Videos with partial and asynchronous rollout (tiny Qwen2.5-VL; prompts with a picture, a video, both,
+and none): the rounds over the workers and their rollout copies sample with each prompt's media, a
+cut sample continues with them, and 2 iterations give the one-process responses, old log-probs,
+metrics and weights. Multimodal SFT on 2 workers: the one-process losses and weights.
 """
 
 from __future__ import annotations
