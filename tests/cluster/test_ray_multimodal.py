@@ -10,6 +10,11 @@ text-only prompt's rows). The workers draw the same responses; the image embeddi
 their shares of the samples (``reuse_image_embeds``'s phase) and the log-probs read with them equal
 the one-process ones; two iterations log the same metrics and leave the same weights (the tower's
 too) as in one process; rank 0 saves the processor with the weights.
+
+Videos with partial and asynchronous rollout (tiny Qwen2.5-VL; prompts with a picture, a video, both,
+and none): the rounds over the workers and their rollout copies sample with each prompt's media, a
+cut sample continues with them, and 2 iterations give the one-process responses, old log-probs,
+metrics and weights. Multimodal SFT on 2 workers: the one-process losses and weights.
 """
 
 from __future__ import annotations
@@ -37,19 +42,20 @@ def mm_data(vlm_dir, tmp_path_factory):
     return colour_prompts(tmp_path_factory.mktemp("ray_mm"), vlm_dir, text_only=(TEXT_ONLY,))
 
 
-def mm_config(model_dir, data, out, *, workers: int, iters: int, rl: dict):
+def mm_config(model_dir, data, out, *, workers: int, iters: int, rl: dict, generate: dict | None = None):
     """4 prompts x 2 samples an iteration (2 optimizer steps of 4 rows), 6 new tokens, the lowercase
     reward (the reward workers import its module), KL in the loss,
-    a checkpoint at the last iteration, on ``workers`` Ray actor workers (1: in process)."""
+    a checkpoint at the last iteration, on ``workers`` Ray actor workers (1: in process);
+    ``generate``: more generate_config keys (its max_model_len is the seq_length too)."""
     return run_config(model_dir, data, out / "run", name=out.name, iters=iters, megatron_training={
-        "global_batch_size": 4, "micro_batch_size": 2, "seq_length": 256, "lr": 1e-3, "seed": 5, "bf16": OMIT,
+        "global_batch_size": 4, "micro_batch_size": 2, "seq_length": (generate or {}).get("max_model_len", 256), "lr": 1e-3, "seed": 5, "bf16": OMIT,
         "prompt_type": "qwen2_vl", "save": str(out / "ckpt"), "save_interval": iters}, rl_config={
         "n_samples_per_prompt": 2, "verifier_function": ["e2e_lowercase"], "verifier_modules": [VERIFIERS],
         "verifier_parallel": 0, "init_kl_coef": 0.01, "max_prompt_length": 160, "kl_penalty": "low_var_kl",
         "device": OMIT, "is_multimodal": True, "mini_batch_size": 2, "actor_resource": {"num_devices": workers},
         "ray_timeout_s": 120, "guarantee_order": True, **rl}, generate_config={
         "max_num_seqs": 16, "limit_mm_image_per_prompt": 1, "max_model_len": 256,
-        "sampling_config": {"max_tokens": 6, "temperature": 1.0, "top_k": -1}}, actor_config={})
+        "sampling_config": {"max_tokens": 6, "temperature": 1.0, "top_k": -1}, **(generate or {})}, actor_config={})
 
 
 def initial_weights(path) -> dict[str, torch.Tensor]:
@@ -146,3 +152,134 @@ def test_two_workers_equal_one_process(ray_cluster, vlm_dir, mm_data, tmp_path, 
             if trainer.source is not None:
                 trainer.source.close()
             session.close()
+
+
+def media_prompts(root, model_dir) -> tuple[str, int]:
+    """4 prompts of colours: with a 56x56 picture, with a 4-frame video, with both, and a longer
+    text-only one; preprocessed (limit_mm_video_per_prompt 1). Returns the dataset's prefix and the
+    longest prompt's length in tokens (the text-only one's; a picture fills 4 tokens, a video 8)."""
+    from posttrain.data.builders import build_prompt_dataset
+    from posttrain.data.preprocess import preprocess
+    from tests.e2e.test_e2e_multimodal_video import square_frames
+    from tests.helpers.data import write_jsonl
+
+    rows = []
+    for i, (colour, image, video) in enumerate([("red", True, False), ("blue", False, True), ("green", True, True),
+                                                ("black", False, False)]):
+        images, videos = [], []
+        if image:
+            square_frames(colour, 1)[0].save(root / f"{i}.png")
+            images.append(f"{i}.png")
+        if video:
+            for f, frame in enumerate(square_frames(colour)):
+                frame.save(root / f"{i}_{f}.png")
+            videos.append([f"{i}_{f}.png" for f in range(4)])
+        marks = "<image> " * image + "<video> " * video
+        rows.append({"problem": marks + ("colour?" if images or videos else "what colour is the square in the "
+                                                                                  "picture, in one word?"),
+                     "answer": colour, "images": images, "videos": videos})
+    write_jsonl(root / "in.jsonl", rows)
+    prefix = root / "data" / "media"
+    preprocess({"input": str(root / "in.jsonl"), "handler_name": "R1AlpacaStyleInstructionHandler",
+                "tokenizer_name_or_path": str(model_dir), "prompt_type": "qwen2_vl", "output_prefix": str(prefix),
+                "map_keys": {"prompt": "problem", "response": "answer"}, "dataset_additional_keys": ["labels"],
+                "workers": 1, "limit_mm_video_per_prompt": 1}, progress=False)
+    items = build_prompt_dataset(str(prefix), 512, images_per_prompt=1, videos_per_prompt=1)
+    lengths = [len(items[i]["prompts"]) + 3 * len(items[i]["images"]) + 7 * len(items[i]["videos"]) for i in range(4)]
+    assert max(lengths) == lengths[3] > max(lengths[:3]) + 3, lengths  # the text-only prompt is the longest
+    return str(prefix), lengths[3]
+
+
+@pytest.fixture(scope="module")
+def media_data(tiny_vlm_dir, tmp_path_factory):
+    return media_prompts(tmp_path_factory.mktemp("ray_media"), tiny_vlm_dir)
+
+
+# partial rollout (6 tokens in rounds of 3) with asynchronous rollout (a version behind); room for the
+# text-only prompt + 3 tokens: its samples are complete after the first round, the others are cut
+# there and continued with their pictures and videos
+ROLLOUT_MODES = {"partial_rollout_max_split": 2, "async_staleness": 1, "guarantee_order": False}
+
+
+def test_videos_with_partial_and_async_rollout_on_two_workers_equal_one_process(ray_cluster, tiny_vlm_dir,
+                                                                               media_data, tmp_path, monkeypatch):
+    """Videos and pictures on 2 workers (``limit_mm_video_per_prompt``), with partial rollout and
+    ``async_staleness: 1``, 2 iterations: the workers' rollout copies sample the prompts with their
+    images and video cells a version behind, each round a call over both workers' rows (a cut sample
+    continued with its media), and the log-prob passes and the update cut the video cells with their
+    rows. The same responses, old log-probs (1e-5), ages, staleness, metrics and checkpoint weights (the
+    tower's too) as in one process."""
+    from safetensors.torch import load_file
+
+    from posttrain.loops.onpolicy import OnPolicyTrainer
+    from tests.cluster.cluster_helpers import record_run
+
+    data, longest = media_data
+    passes = {"local": [], "ray": []}  # each run's old log-prob passes: (responses, old_logprobs, video_grid_thw)
+    real_correct = OnPolicyTrainer.correct
+    runs = {}
+    for where, workers in (("local", 1), ("ray", 2)):
+        def correct(self, td, acc, iteration, where=where):  # the dock after the old log-prob pass
+            passes[where].append([column(td, name) for name in ("responses", "old_logprobs", "video_grid_thw")])
+            return real_correct(self, td, acc, iteration)
+
+        monkeypatch.setattr(OnPolicyTrainer, "correct", correct)
+        runs[where] = record_run(mm_config(tiny_vlm_dir, data, tmp_path / where, workers=workers, iters=2,
+                                           rl=ROLLOUT_MODES, generate={"limit_mm_video_per_prompt": 1,
+                                                                       "max_model_len": longest + 3}))
+    (local_batches, local_rows, _), (ray_batches, ray_rows, _) = runs["local"], runs["ray"]
+    assert ray_batches == local_batches and len(local_batches) >= 2
+    assert len(passes["ray"]) == len(passes["local"]) == 2
+    for got, want in zip(passes["ray"], passes["local"]):
+        assert torch.equal(got[0], want[0]) and torch.equal(got[2], want[2]) and want[2].numel() >= 3 * 2
+        torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-5)
+    local_rows, ray_rows = [r for r in local_rows if "actor/pg_loss" in r], [r for r in ray_rows if "actor/pg_loss" in r]
+    assert [r["iteration"] for r in ray_rows] == [r["iteration"] for r in local_rows] == [1, 2]
+    for want, got in zip(local_rows, ray_rows):
+        assert sorted(got) == sorted(want)
+        for key in (k for k in want if not is_wall_clock(k)):
+            # GRPO's pg_loss, a mean of ratio x advantage near 0: the workers' sums leave ~1e-7 absolute (as in
+            # test_ray_grpo.py's partial and async run)
+            noise = key == "actor/pg_loss" and abs(want[key]) < 1e-2
+            equal = got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-6) if noise else same(got[key], want[key], key)
+            assert equal, (want["iteration"], key, got[key], want[key])
+    assert max(r["rollout/age_max"] for r in local_rows) >= 1  # samples were cut and continued
+    assert local_rows[-1]["rollout/staleness_max"] >= 1  # sampled a version behind
+    before = load_file(tiny_vlm_dir / "model.safetensors")  # the tiny VLM, saved as a checkpoint saves it
+    want, got = (load_file(tmp_path / where / "ckpt" / "iter_0000002" / "model.safetensors") for where in ("local", "ray"))
+    for key, value in want.items():
+        torch.testing.assert_close(got[key], value, rtol=1e-4, atol=1e-5, msg=lambda m, key=key: f"{key}: {m}")
+    changed = {k for k in before if not torch.equal(before[k], want[k])}
+    assert any("visual" in k for k in changed) and any("visual" not in k for k in changed)  # the tower and the LM
+
+
+def test_multimodal_sft_on_two_workers_equals_one_process(ray_cluster, tiny_vlm_dir, tmp_path):
+    """Multimodal SFT (stage sft) on 2 workers, 2 steps: the driver encodes each sample's images
+    into the batch (no model on the driver) and every worker trains its share of the rows with their
+    images (4 samples: one with two pictures, one text-only). The same loss, grad norm and token
+    count a step, and the same checkpoint weights (the tower's too) as in one process."""
+    from safetensors.torch import load_file
+
+    from posttrain.commands.train import train_config as train
+    from tests.e2e.test_e2e_multimodal_sft import ROWS, metrics_by_iteration, preprocess_sft, sft_config, write_rows
+
+    (tmp_path / "data").mkdir()
+    data = preprocess_sft(write_rows(tmp_path / "data", ROWS), tiny_vlm_dir, tmp_path / "data" / "sft")
+    for where, workers in (("local", 1), ("ray", 2)):
+        train(sft_config(tiny_vlm_dir, data, tmp_path / where, iters=2, rl_config__ray_timeout_s=120,
+                         rl_config__actor_resource={"num_devices": workers}))
+    local, ray = (metrics_by_iteration(tmp_path / where / "run") for where in ("local", "ray"))
+    assert sorted(local) == sorted(ray) == [1, 2] and local[2]["sft/loss"] < local[1]["sft/loss"]
+    for iteration, want in local.items():
+        assert {"sft/loss", "sft/grad_norm", "sft/tokens"} <= set(want)
+        for key in (k for k in want if not is_wall_clock(k)):
+            assert ray[iteration][key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), (iteration, key)
+    before = load_file(tiny_vlm_dir / "model.safetensors")  # the tiny VLM, saved as a checkpoint saves it
+    want, got = (load_file(tmp_path / where / "ckpt" / "iter_0000002" / "model.safetensors")
+                 for where in ("local", "ray"))
+    assert sorted(got) == sorted(want)
+    for key, value in want.items():
+        torch.testing.assert_close(got[key], value, rtol=1e-4, atol=1e-5, msg=lambda m, key=key: f"{key}: {m}")
+    changed = {k for k in before if not torch.equal(before[k], want[k])}
+    assert any("visual" in k for k in changed) and any("visual" not in k for k in changed)  # the tower and the LM
+    assert (tmp_path / "ray" / "ckpt" / "iter_0000002" / "preprocessor_config.json").is_file()

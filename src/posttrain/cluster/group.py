@@ -155,7 +155,8 @@ class Cluster:
             reference = GroupReference(self, self.groups["reference"]) if "reference" in self.groups \
                 else ReferenceRole(self)
         self.policy = Policy(model=None, tokenizer=tokenizer, actor=ActorRole(self), reference=reference,
-                             rollout=RolloutRole(self, plan.rollout.max_num_seqs) if plan.stage.on_policy else None,
+                             rollout=RolloutRole(self, plan.rollout.max_num_seqs, max_model_len=plan.rollout.max_model_len)
+                             if plan.stage.on_policy else None,
                              stop_token_ids=stops, state=states[0],
                              teacher=TeacherRole(self) if plan.distill is not None else None,
                              # a multimodal run: the driver encodes the prompts' images (loops/multimodal.py)
@@ -317,8 +318,9 @@ class RolloutRole(RolloutEngine):
     (``supports_rounds``: the native engine), so does this role, with the rounds' check made here
     over every worker's rows (:func:`~posttrain.cluster.rounds.decode_rounds`)."""
 
-    def __init__(self, cluster: Cluster, max_num_seqs: int, method: str = "generate"):
+    def __init__(self, cluster: Cluster, max_num_seqs: int, method: str = "generate", max_model_len: int | None = None):
         self.c = cluster
+        self.max_model_len = max_model_len  # the engines' room for prompt + response (partial rollout's rounds)
         self.supports_rounds = all(i.get("rollout_supports_rounds", False) for i in cluster.info if i["leader"])
         self.max_num_seqs = max_num_seqs  # the rows one process decodes at once (partial rollout's choice)
         # "generate_copy": the workers' rollout copies (async_staleness; cluster/rollout_copy.py), no collective
@@ -336,7 +338,7 @@ class RolloutRole(RolloutEngine):
             sampling = replace(sampling, seed=random_seed())
         if stop_when is not None:  # partial rollout's rounds in one call: one call per round here
             return decode_rounds(self.generate, prompt_token_ids, n, sampling, stop_token_ids, keys, sample_offsets,
-                                 position_offsets, max_new_tokens, stop_when, stop_every)
+                                 position_offsets, max_new_tokens, stop_when, stop_every, images, self.max_model_len)
         per_prompt = [sample_offsets, position_offsets, max_new_tokens]  # a continued response's, or None
 
         def args(rank, share):

@@ -17,14 +17,17 @@ from posttrain.rollout.base import RolloutOutput
 
 
 def decode_rounds(generate, prompts, n, sampling, stop_token_ids, keys, sample_offsets, position_offsets,
-                  max_new_tokens, stop_when, stop_every) -> list[list[RolloutOutput]]:
+                  max_new_tokens, stop_when, stop_every, images=None, max_model_len=None) -> list[list[RolloutOutput]]:
     """The native engine's ``generate(stop_when=..., stop_every=...)`` by calls of ``generate`` (an
     engine's, without ``stop_when``): every sample row (prompt-major) decodes ``stop_every`` tokens a
     call (up to its cap: ``max_new_tokens`` and ``sampling.max_tokens``), continued from where it
     stopped with the same keyed streams, until every row is finished or ``stop_when(finished)``
     holds after a call; rows not finished then return the tokens they have (``"length"``). The
     samples are those of one decode in one process (each token is keyed by its position); each call
-    re-prefills the rows it continues (one wave in one process keeps its KV cache: float noise)."""
+    re-prefills the rows it continues (one wave in one process keeps its KV cache: float noise).
+    ``images``: each prompt's (a multimodal run's), passed with every call's rows of that prompt.
+    ``max_model_len``: the engines' (a row whose prompt and tokens fill it is finished, ``"length"``,
+    as in one decode; another call would be refused for want of room)."""
     if stop_every < 1:
         raise ConfigError(f"generate(stop_when=...) needs stop_every >= 1 (got {stop_every})")
     samples = [0] * len(prompts) if sample_offsets is None else list(sample_offsets)
@@ -40,12 +43,14 @@ def decode_rounds(generate, prompts, n, sampling, stop_token_ids, keys, sample_o
                         stop_token_ids, prompt_keys=[keys[rows[r][0]] for r in live],
                         sample_offsets=[samples[rows[r][0]] + rows[r][1] for r in live],
                         position_offsets=[positions[rows[r][0]] + len(tokens[r]) for r in live],
-                        max_new_tokens=[min(stop_every, caps[rows[r][0]] - len(tokens[r])) for r in live])
+                        max_new_tokens=[min(stop_every, caps[rows[r][0]] - len(tokens[r])) for r in live],
+                        **({} if images is None else {"images": [images[rows[r][0]] for r in live]}))
         for r, (out,) in zip(live, outs):
             tokens[r] += list(out.token_ids)
             logprobs[r] += list(out.logprobs)
             stopped[r] = out.finish_reason == "stop"
-            done[r] = stopped[r] or len(tokens[r]) >= caps[rows[r][0]]
+            full = max_model_len is not None and len(prompts[rows[r][0]]) + len(tokens[r]) >= max_model_len
+            done[r] = stopped[r] or full or len(tokens[r]) >= caps[rows[r][0]]
         if not all(done) and stop_when(list(done)):
             break
     results: list[list[RolloutOutput]] = [[] for _ in prompts]

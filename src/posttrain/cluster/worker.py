@@ -200,13 +200,13 @@ class ActorWorker:
                                                 **continued(sample_offsets, position_offsets, max_new_tokens, images))
 
     def generate_copy(self, prompts: list[list[int]], n: int, sampling, stop_token_ids, prompt_keys=None,
-                      sample_offsets=None, position_offsets=None, max_new_tokens=None) -> list:
+                      sample_offsets=None, position_offsets=None, max_new_tokens=None, images=None) -> list:
         """:meth:`generate` on the rollout copy of the weights (``async_staleness``): no collective,
-        and it may run while an update runs in the actor's other thread."""
+        and it may run while an update runs in the actor's other thread (``images``: as :meth:`generate`'s)."""
         if not prompts:
             return []
         return self.copy.generate(prompts, n, sampling, stop_token_ids, prompt_keys=prompt_keys,
-                                  **continued(sample_offsets, position_offsets, max_new_tokens))
+                                  **continued(sample_offsets, position_offsets, max_new_tokens, images))
 
     def snapshot_copy(self, version: int) -> None:
         """Keep the trained weights now as snapshot ``version`` of the rollout copy (FSDP2: the full

@@ -19,7 +19,8 @@ class WorkersReplica:
         # vLLM: the workers' engines are their rollout copies and the ones that evaluate too, so the
         # pipeline has them hold the trained weights while it is drained (RolloutPipeline.hold_published)
         self.shares_trainer_engine = cluster.rollout_holds_weights
-        self.engine = RolloutRole(cluster, cluster.policy.rollout.max_num_seqs, method="generate_copy")
+        self.engine = RolloutRole(cluster, cluster.policy.rollout.max_num_seqs, method="generate_copy",
+                                  max_model_len=cluster.policy.rollout.max_model_len)
         self.taken = 0  # snapshots taken: each one's number
 
     def snapshot(self, model) -> int:

@@ -192,8 +192,6 @@ _MULTIMODAL_ROWS = (  # rl_config.is_multimodal: the hf backend in one process, 
         "(the Ray actor workers carry the images with DDP)", placement=("ray-fsdp2",)),
     Row("mm-stage", "multimodal", "{setting} with stage {stage}: the multimodal loops run GRPO, DAPO and SFT (PPO's "
         "critic and the DPO datasets take no images yet); use ray_grpo, ray_dapo or sft", stage=("ppo", "dpo")),
-    Row("mm-sft-ray", "multimodal", "{setting} with stage sft on Ray actor workers: multimodal SFT is built and "
-        "tested in one process; set actor_resource.num_npus: 1", stage=("sft",), placement=RAY),
     Row("mm-sft-reuse", "reuse_image_embeds", "{setting} with stage sft: the image embeddings are reused by the "
         "on-policy passes of one iteration, and SFT makes one pass; set reuse_image_embeds: false", stage=("sft",)),
     *(Row(f"mm-{other}", "multimodal", _MM_ONE_PROCESS + why, with_=other) for other, why in (
@@ -203,14 +201,6 @@ _MULTIMODAL_ROWS = (  # rl_config.is_multimodal: the hf backend in one process, 
         ("separated", "the separated roles' batches do not carry the images; use the integrated worker"),
         ("transfer_queue", "the TransferQueue store is not tested with image columns; use data_strategy: td"),
         ("env", "an environment's tasks carry no images; remove env_config or set is_multimodal: false"))),
-    *(Row(f"mm-{other}-ray", "multimodal", "{setting} with {other} on Ray actor workers: " + why, placement=RAY,
-          with_=other) for other, why in (
-        ("partial", "partial rollout with images is built and tested in one process (the workers' continuation "
-                    "of a cut sample with its images is not tested yet); run in one process "
-                    "(actor_resource.num_npus: 1) or remove the key"),
-        ("async", "the asynchronous rollout with images is built and tested on the in-process replica (the "
-                  "workers' rollout copies sampling with images a version behind are not tested yet); run in one "
-                  "process (actor_resource.num_npus: 1) or remove the key"))),
     Row("mm-lora-tower", "vision_tower_trained", "{setting} with {other}: LoRA adapts the language model and PEFT "
         "freezes every base weight, the vision tower's too; set rl_config.freeze_vision_tower: true", with_="lora"),
     Row("mm-reuse-trained-tower", "reuse_image_embeds", "{setting} with {other}: reused image embeddings carry no "
@@ -227,8 +217,6 @@ _MULTIMODAL_ROWS = (  # rl_config.is_multimodal: the hf backend in one process, 
         "them"),
     Row("mm-video-alone", "videos_alone", "{setting}: videos are fed to the multimodal loop only; set "
         "rl_config.is_multimodal: true (a Qwen2.5-VL or Qwen3-VL and a dataset with videos) or set the key to 0"),
-    Row("mm-video-ray", "videos", "{setting} on Ray actor workers: videos are built and tested in one process; set "
-        "actor_resource.num_npus: 1, or the key to 0", placement=RAY),
     Row("mm-embeds-dispatch", "image_embeds_dispatch_alone", "{setting}: the read size of the image_embeds phase, "
         "which runs with reuse_image_embeds: true (and is_multimodal: true); set those or remove the key"),
 )

@@ -109,7 +109,7 @@ class SFTTrainer(OfflineTrainer):
         if mm is None:
             tensors = labelled_batch([(it["input_ids"], it["labels"]) for it in items], policy.pad_token_id)
         else:
-            samples, images = image_samples(items, policy.processor, int(policy.model.config.image_token_id),
+            samples, images = image_samples(items, policy.processor, int(policy.image_token_id),  # Ray: no model here
                                             str(self.plan.data.data_path))
             tensors = labelled_batch(samples, policy.pad_token_id)
             tensors["images"] = SampleImages(images, mm.vit_micro_batch_size)

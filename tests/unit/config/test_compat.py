@@ -179,17 +179,14 @@ EXAMPLES: dict[str, tuple[list[str], str]] = {
     "mm-engine": ([*MM, *VLLM], "cpu"),
     "mm-fsdp2": ([*MM, *RAY, "rl_config.ray_sharding=fsdp2"], "cpu"),
     "mm-stage": ([*MM, *PPO], "cpu"),
-    "mm-partial-ray": ([*MM, *PARTIAL, *RAY], "cpu"),
     "mm-per_request": ([*MM, "rl_config.async_engine=true"], "cpu"),
     "mm-reward_model": ([*MM, "reward_config.load=/models/rm"], "cpu"),
-    "mm-async-ray": ([*MM, *ASYNC, *RAY], "cpu"),
     "mm-rollout_worker": ([*MM, *WORKER], "cpu"),
     "mm-separated": ([*MM, *SEP_REF], "cpu"),
     "mm-transfer_queue": ([*MM, *TQ], "cpu"),
     "mm-env": ([*MM, *ENV], "cpu"),
     "mm-lora-tower": ([*MM, *LORA], "cpu"),
     "mm-reuse-trained-tower": ([*MM, "rl_config.reuse_image_embeds=true"], "cpu"),
-    "mm-sft-ray": ([*MM, *RAY, "megatron_training.stage=sft"], "cpu"),
     "mm-sft-reuse": ([*MM_FROZEN, "rl_config.reuse_image_embeds=true", "megatron_training.stage=sft"], "cpu"),
     "mm-reuse-ref-model": ([*MM_FROZEN, "rl_config.reuse_image_embeds=true",
                             "rl_config.integrated_mode_config.ref_model_load_path=/models/ref"], "cpu"),
@@ -197,7 +194,6 @@ EXAMPLES: dict[str, tuple[list[str], str]] = {
     "mm-key-alone": (["rl_config.freeze_vision_tower=true"], "cpu"),
     "mm-embeds-dispatch": ([*MM_FROZEN, "rl_config.actor_image_embeds_dispatch_size=4"], "cpu"),
     "mm-video-alone": (["generate_config.limit_mm_video_per_prompt=1"], "cpu"),
-    "mm-video-ray": ([*MM, *RAY, "generate_config.limit_mm_video_per_prompt=1"], "cpu"),
     "teacher-model-offline": ([*DPO, *TEACHER], "cpu"),
     "teacher-model-ppo": ([*PPO, *TEACHER], "cpu"),
     "teacher-model-megatron": ([*TP2, *TEACHER], "cpu"),
@@ -285,7 +281,9 @@ def test_features_alone_pass_the_table():
                       [*WORKER, *ASYNC, *VLLM], [*ASYNC, *VLLM, *RAY], [*ASYNC, *PARTIAL, *VLLM, *RAY], [*ASYNC, *TP2],
                       [*ASYNC, *PARTIAL, *TP2], MM, [*MM_FROZEN, *LORA, "rl_config.reuse_image_embeds=true",
                                                      "rl_config.actor_image_embeds_dispatch_size=4",
-                                                     "rl_config.vit_forward_micro_batch_size=2"]):
+                                                     "rl_config.vit_forward_micro_batch_size=2"],
+                      [*MM, *RAY, "generate_config.limit_mm_video_per_prompt=1"], [*MM, *RAY, *PARTIAL, *ASYNC],
+                      [*MM, *RAY, "megatron_training.stage=sft"]):
         cfg = config(overrides)
         for device in ("cpu", "cuda"):
             check_compat(cfg, setup_of(cfg, device))

@@ -21,9 +21,10 @@ class _TwoWorkers:
 
     rollout_holds_weights = False
 
-    def __init__(self, model):
+    def __init__(self, model, max_model_len=None):
         self.info = [{"leader": True, "rollout_supports_rounds": True}] * 2
-        self.engines = [NativeEngine(model, pad_token_id=0, eos_token_ids=list(range(80, 96))) for _ in range(2)]
+        self.engines = [NativeEngine(model, pad_token_id=0, eos_token_ids=list(range(80, 96)),
+                                     max_model_len=max_model_len) for _ in range(2)]
         self.calls = 0
 
     def row_shares(self, count, batch=None, collective=True):
@@ -82,3 +83,20 @@ def test_rounds_over_two_workers_sample_what_one_decode_samples(model, wanted):
     else:
         assert any(o.finish_reason == "length" and len(o.token_ids) < cap for o, cap in zip(
             [o for g in got for o in g], [c for c in call["max_new_tokens"] for _ in range(2)]))
+
+
+def test_a_row_that_fills_max_model_len_is_finished_between_the_calls(model):
+    """With the engines' ``max_model_len`` 13, the 7-token prompt's rows fill it after 6 tokens, at a
+    call's end: they are finished there (``"length"``), as in one decode, not sent again (the engine
+    would refuse a prompt with no room left)."""
+    from posttrain.cluster.group import RolloutRole
+
+    sampling = SamplingParams(temperature=0.9, top_k=-1, max_tokens=12, seed=3)
+    one = NativeEngine(model, pad_token_id=0, eos_token_ids=list(range(80, 96)), max_model_len=13).generate(
+        PROMPTS, 2, sampling, [], stop_when=lambda finished: False, stop_every=3)
+    got = RolloutRole(_TwoWorkers(model, max_model_len=13), max_num_seqs=256, max_model_len=13).generate(
+        PROMPTS, 2, sampling, [], stop_when=lambda finished: False, stop_every=3)
+    for want_group, got_group in zip(one, got):
+        for want, out in zip(want_group, got_group):
+            assert (out.token_ids, out.finish_reason) == (want.token_ids, want.finish_reason)
+    assert any(len(o.token_ids) == 6 and o.finish_reason == "length" for o in got[0])  # 7 + 6 fills 13
