@@ -50,7 +50,8 @@ def enabled(device: torch.device) -> bool:
 @functools.lru_cache(maxsize=None)
 def bf16_in_fp32() -> bool:
     """bf16 attention computed in fp32: on a CPU without AMX tiles (where the bf16 kernels are slower)."""
-    return not torch.cpu._is_amx_tile_supported()
+    has_amx = getattr(torch.cpu, "_is_amx_tile_supported", None)  # torch >= 2.3; without it: assume none
+    return not (has_amx is not None and has_amx())
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
