@@ -17,7 +17,9 @@ Before against after on a shared machine, variants alternating in rounds of fres
 ...), so a change of load falls on all of them. Variants (:data:`VARIANTS`): ``before`` =
 ``POSTTRAIN_ROLLOUT_PACKED=off`` and ``rl_config.compile_regions=false`` (issue 43's sampler change
 has no switch, so ``before`` samples with the new sampler); ``after`` = posttrain's defaults;
-``regions`` = the defaults plus ``rl_config.compile_regions=true``. Every run uses ``--threads``
+``regions`` = the defaults plus ``rl_config.compile_regions=true``; ``masked_attention`` = the
+defaults with ``POSTTRAIN_CPU_ATTENTION=off`` (the packed attention's masked SDPA, before its CPU
+path: ``posttrain.training.cpu_attention``). Every run uses ``--threads``
 torch threads (default 1: two threads on a 2-core machine where others hold a core stall each
 other) and records the load average before and after, the CPU cores other processes used during
 each iteration (``posttrain bench``'s ``CpuMeter``, from ``/proc/stat``), the CPU model and flags,
@@ -59,6 +61,7 @@ VARIANTS = {  # name: (environment, config overrides)
     "before": ({"POSTTRAIN_ROLLOUT_PACKED": "off"}, ["rl_config.compile_regions=false"]),
     "after": ({}, []),
     "regions": ({}, ["rl_config.compile_regions=true"]),
+    "masked_attention": ({"POSTTRAIN_CPU_ATTENTION": "off"}, []),  # issue 43's attention before its CPU path
 }
 
 
@@ -145,7 +148,7 @@ def run_variant(variant: str, rnd: int, name: str, args) -> dict:
     """One fresh ``posttrain bench`` process of ``variant``; its analysed result with the load."""
     env_extra, overrides = VARIANTS[variant]
     folder = Path(args.work) / "floor_gap_runs" / f"{name}_{variant}_{rnd}"
-    env = {k: v for k, v in os.environ.items() if k != "POSTTRAIN_ROLLOUT_PACKED"}  # the default: measured
+    env = {k: v for k, v in os.environ.items() if k not in ("POSTTRAIN_ROLLOUT_PACKED", "POSTTRAIN_CPU_ATTENTION")}
     env.update(env_extra, OMP_NUM_THREADS=str(args.threads))
     cmd = [sys.executable, "-m", "posttrain", "bench", "--config-name", name, "--config-path", args.work,
            "--iters", "2", "--warmup", "1", "--profile", str(folder), "--output", str(folder / "bench.json"),

@@ -9,7 +9,9 @@ ids that restart at 0 for every sequence, and:
 * attention never crosses sequences: the ``posttrain_packed`` attention function (registered in
   Hugging Face's ``AttentionInterface``) gathers each sequence's queries/keys/values back into
   ``[B_k, H, L_k, D]`` blocks and runs one causal SDPA with a key-padding mask per block, i.e. a
-  block-diagonal causal mask over the packed row, without ever building the ``N x N`` mask. The
+  block-diagonal causal mask over the packed row, without ever building the ``N x N`` mask (on a
+  CPU: ``is_causal`` with no mask, GQA inside SDPA, bf16 in fp32 without AMX; see
+  :mod:`posttrain.training.cpu_attention`). The
   rows go into up to 4 blocks of similar length (:func:`block_rows`), so the many short answers of
   an RL batch are not padded to its longest one (the attention costs ``rows x width^2``); a model
   loaded with ``flash_attention_2`` uses the varlen kernel instead (it reads the restarts of the
@@ -51,6 +53,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 from posttrain.algo.logprob import entropy_from_logits, logprobs_from_logits
 from posttrain.algo.truncation import Truncation
 from posttrain.errors import ConfigError
+from posttrain.training import cpu_attention
 from posttrain.training.batch import default_position_ids
 from posttrain.training.lm_head import detached_head, head_logprobs
 from posttrain.training.multimodal import model_kwargs, pack_image_features
@@ -98,13 +101,17 @@ def _block_attention(module, query, key, value, index, valid, dropout, scaling) 
         return x[0].transpose(0, 1).index_select(0, flat).view(rows, width, heads, dim).permute(0, 2, 1, 3)
 
     q, k, v = gather(query), gather(key), gather(value)
+    p = dropout if module.training else 0.0
+    if cpu_attention.enabled(query.device):  # causal, GQA in SDPA, bf16 in fp32 without AMX (exact: see there)
+        out = cpu_attention.causal_block_sdpa(q, k, v, p, scaling)
+        return out.transpose(1, 2).reshape(rows * width, out.shape[1], out.shape[-1])
     causal = torch.ones(width, width, dtype=torch.bool, device=query.device).tril()
     mask = causal[None, None] & valid[:, None, None, :]
     groups = q.shape[1] // k.shape[1]
     if groups > 1:
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     out = torch.nn.functional.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, dropout_p=dropout if module.training else 0.0, scale=scaling)
+        q, k, v, attn_mask=mask, dropout_p=p, scale=scaling)
     heads, dim = out.shape[1], out.shape[-1]
     return out.transpose(1, 2).reshape(rows * width, heads, dim)  # [B, H, L, D] -> [B * L, H, D]
 
