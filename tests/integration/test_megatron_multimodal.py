@@ -1,8 +1,15 @@
 """Qwen2.5-VL on the megatron backend (posttrain.training.megatron.vision): the language model as
 Megatron-Core's GPTModel with multimodal rotary positions, the Hugging Face vision tower frozen
-beside it. Its log-probs of a packed and of a padded batch (two image rows of different sizes and a
-text-only row) equal each sample's own Hugging Face forward (fp32: 1e-5 at TP 1, 1e-4 at TP 2, on
-2 gloo ranks)."""
+beside it, on 2 gloo ranks (one spawn for every check, to keep the suite short):
+
+* its log-probs of a packed and of a padded batch (two image rows of different sizes and a
+  text-only row) equal each sample's own Hugging Face forward (fp32: 1e-5 at TP 1, 1e-4 at TP 2);
+  the images matter (row 0 with its patches reversed: other log-probs);
+* at TP 2, one GRPO update (Adam, clipped ratio and gradient norm) with the images equals the hf
+  backend's (TrainEngine) with a frozen tower: the step's metrics, the next log-probs; and the
+  trained language model copied into the Hugging Face VLM and saved is a Qwen2.5-VL directory that
+  ``AutoModelForImageTextToText`` loads, with the tower's weights unchanged and the hf backend's
+  trained weights and log-probs."""
 
 from __future__ import annotations
 
@@ -13,6 +20,7 @@ from tests.megatron.spawn_ranks import run_on_ranks
 
 pytestmark = pytest.mark.slow
 
+LR = 1e-2
 SIZES = [(56, 84), None, (84, 56)]  # (width, height) of each row's image; None: a text-only row
 RESPONSE_LENGTHS = [5, 3, 7]
 
@@ -68,7 +76,90 @@ def megatron_batch(model, rows) -> dict:
     return {**batch, "images": SampleImages([s["image"] for s in rows])}
 
 
-def logprobs_worker(rank: int, model_dir: str) -> None:
+def grpo_inputs(model, batch) -> dict:
+    """``batch`` with old log-probs a little off the model's and random advantages (both clippings at work)."""
+    from posttrain.training.engine import TrainEngine
+
+    g = torch.Generator().manual_seed(3)
+    mask = batch["response_mask"].float()
+    logprobs = TrainEngine(model, micro_batch_size=3).compute_logprobs(batch)
+    return {**batch, "old_logprobs": (logprobs + 0.3 * torch.randn(logprobs.shape, generator=g)) * mask,
+            "advantages": torch.tensor([[1.0], [-0.5], [0.8]]).expand_as(mask) * mask}
+
+
+def hf_update(model_dir: str, batch) -> tuple:
+    """The hf backend's GRPO step on ``batch`` (frozen tower): its metrics, the next log-probs, the model."""
+    from transformers import AutoModelForImageTextToText
+
+    from posttrain.training.engine import TrainEngine
+    from posttrain.training.loss_fns import make_actor_loss_fn
+    from posttrain.training.multimodal import freeze_vision_tower
+    from posttrain.training.optim import build_optimizer
+    from posttrain.training.options import ActorLossOptions
+
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
+    freeze_vision_tower(model)
+    engine = TrainEngine(model, build_optimizer(model, LR, weight_decay=0.0), clip_grad=1.0, micro_batch_size=3)
+    [metrics] = engine.update(batch, make_actor_loss_fn(ActorLossOptions()), mini_batch_size=3)
+    return metrics, engine.compute_logprobs(batch), model
+
+
+def megatron_update(model_dir: str, hf, batch, out: str) -> tuple:
+    """The megatron engine's GRPO step at TP 2 (the tower frozen, outside Megatron's optimizer); the
+    trained language model copied into ``hf`` and saved in ``out`` (rank 0)."""
+    import torch.distributed as dist
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    from posttrain.training.loss_fns import make_actor_loss_fn
+    from posttrain.training.megatron.engine import MegatronEngine
+    from posttrain.training.megatron.model import hf_to_megatron
+    from posttrain.training.megatron.vision import VisionInputs, copy_language_model
+    from posttrain.training.options import ActorLossOptions
+
+    [chunk], args = hf_to_megatron(model_dir, for_training=True)
+    wrapped = DistributedDataParallel(chunk.config, DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False), chunk)
+    optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=LR, weight_decay=0.0, clip_grad=1.0,
+                                                       bf16=False), [wrapped])
+    engine = MegatronEngine(wrapped, optimizer, vocab_size=hf.config.text_config.vocab_size, micro_batch_size=3,
+                            vision=VisionInputs(hf))
+    [metrics] = engine.update(batch, make_actor_loss_fn(ActorLossOptions()), mini_batch_size=3)
+    after = engine.compute_logprobs(batch)
+    assert copy_language_model([chunk], args, hf) > 0
+    if dist.get_rank() == 0:
+        hf.save_pretrained(out)
+    dist.barrier()
+    return metrics, after
+
+
+def check_update(model_dir: str, hf, batch, out: str) -> None:
+    from transformers import AutoModelForImageTextToText
+
+    from posttrain.training.engine import TrainEngine
+
+    tower = {k: v.clone() for k, v in hf.model.visual.state_dict().items()}
+    batch = grpo_inputs(hf, batch)
+    want, want_after, want_model = hf_update(model_dir, batch)
+    got, got_after = megatron_update(model_dir, hf, batch, out)
+    assert sorted(got) == sorted(want)
+    for key in want:
+        assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-5), (key, got, want)
+    assert want["actor/pg_clipfrac"] > 0 and want["actor/grad_norm"] > 1, want
+    torch.testing.assert_close(got_after, want_after, rtol=0, atol=1e-4)
+    saved = AutoModelForImageTextToText.from_pretrained(out, dtype=torch.float32).eval()
+    for name, value in saved.model.visual.state_dict().items():
+        torch.testing.assert_close(value, tower[name], rtol=0, atol=0, msg=name)
+    trained = dict(want_model.named_parameters())
+    for name, value in saved.named_parameters():
+        if "visual" not in name:  # Adam's first step moves each weight by about lr: a wrong layout by far more
+            assert (value - trained[name]).abs().max() <= 0.2 * LR, name
+    assert (saved.lm_head.weight - hf.lm_head.weight).abs().max() == 0
+    torch.testing.assert_close(TrainEngine(saved, micro_batch_size=3).compute_logprobs(batch), want_after,
+                               rtol=0, atol=1e-4)
+
+
+def worker(rank: int, model_dir: str, out: str) -> None:
     from megatron.core import parallel_state as ps
     from transformers import AutoModelForImageTextToText
 
@@ -101,8 +192,10 @@ def logprobs_worker(rank: int, model_dir: str) -> None:
             flipped = megatron_batch(hf, [{**rows[0], "image": {**image, "pixel_values": image["pixel_values"].flip(0)}}])
             other = engine.compute_logprobs(flipped)[0, :want[0].numel()]
             assert (other - want[0]).abs().max() > 10 * atol
+            if tp == 2:
+                check_update(model_dir, hf, batch, out)
             ps.destroy_model_parallel()
 
 
-def test_megatron_vlm_logprobs_equal_each_samples_hf_forward(tiny_vlm_dir, tmp_path):
-    run_on_ranks(logprobs_worker, str(tiny_vlm_dir), out=tmp_path)
+def test_megatron_vlm_logprobs_and_update_equal_the_hf_backend(tiny_vlm_dir, tmp_path):
+    run_on_ranks(worker, str(tiny_vlm_dir), str(tmp_path / "saved"), out=tmp_path)

@@ -112,9 +112,12 @@ class LanguageModelWeights:
 
 def with_mrope(args: argparse.Namespace, hf_dir: str | Path) -> argparse.Namespace:
     """``args`` (Megatron-LM arguments of the language model) with Megatron-Core's multimodal rotary
-    embedding: ``position_embedding_type="mrope"`` and the HF config's ``mrope_section``."""
+    embedding: ``position_embedding_type="mrope"`` and the HF config's ``mrope_section``. They
+    describe the ``GPTModel``, a Qwen2 language model (``hf_model_type``); ``vlm_model_type`` names
+    the VLM it belongs to."""
     args.position_embedding_type = "mrope"
     args.mrope_section = mrope_section(hf_dir)
+    args.vlm_model_type, args.hf_model_type = args.hf_model_type, "qwen2"
     return args
 
 
@@ -196,3 +199,29 @@ def _decoder_input(chunk, ids: torch.Tensor, image_mask: torch.Tensor, features:
     placed = torch.zeros_like(embeds)
     placed[image_mask] = features[:, 0].to(embeds.dtype)
     return torch.where(image_mask[..., None], placed, embeds).transpose(0, 1).contiguous()
+
+
+def hf_param_name(name: str) -> str:
+    """The in-memory Transformers name of the language-model weight ``name`` of
+    :func:`posttrain.training.megatron.model.hf_weights` (``model.layers.0...`` ->
+    ``model.language_model.layers.0...``; ``lm_head.weight`` stays)."""
+    return LANGUAGE_PREFIX + name[len("model."):] if name.startswith("model.") else name
+
+
+def copy_language_model(chunks: list, args: argparse.Namespace, hf_model: torch.nn.Module) -> int:
+    """The trained language model of ``chunks`` (this rank's part; gathered on every rank, so all
+    ranks call it together) copied into ``hf_model`` (a ``Qwen2_5_VLForConditionalGeneration``, whose
+    vision tower stays as it is): the rollout's weight sync, and what a Hugging Face checkpoint saves
+    (``hf_model.save_pretrained``). Returns the number of tensors copied."""
+    from posttrain.training.megatron.model import hf_weights
+
+    params = dict(hf_model.named_parameters(remove_duplicate=False))
+    count = 0
+    with torch.no_grad():
+        for name, tensor in hf_weights(chunks, args):
+            target = params.get(hf_param_name(name))
+            if target is None:
+                raise KeyError(f"{name}: no such language-model weight in the Hugging Face VLM")
+            target.copy_(tensor.to(target.dtype))
+            count += 1
+    return count
