@@ -114,7 +114,8 @@ def megatron_update(model_dir: str, hf, batch, out: str) -> tuple:
     from posttrain.training.loss_fns import make_actor_loss_fn
     from posttrain.training.megatron.engine import MegatronEngine
     from posttrain.training.megatron.model import hf_to_megatron
-    from posttrain.training.megatron.vision import VisionInputs, copy_language_model
+    from posttrain.training.megatron.vision import VisionInputs
+    from posttrain.training.megatron.vlm_weights import copy_language_model
     from posttrain.training.options import ActorLossOptions
 
     [chunk], args = hf_to_megatron(model_dir, for_training=True)

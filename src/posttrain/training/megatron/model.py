@@ -258,7 +258,7 @@ def hf_to_megatron(hf_dir: str | Path, *, divisor: int = 128, for_training: bool
         if value_head:
             raise ConfigError(f"{hf_dir}: a vision-language model has no critic or reward head on the megatron "
                               f"backend; use stage ray_grpo or ray_dapo")
-        vision.check_layout()
+        vision.check_layout(bool(options.get("sequence_parallel")))
         weights, arch = vision.LanguageModelWeights(weights), vision.language_arch(hf_dir)
     else:
         arch = hf_arch(Path(hf_dir), weights, orm=orm, moe=True)

@@ -121,10 +121,13 @@ def with_mrope(args: argparse.Namespace, hf_dir: str | Path) -> argparse.Namespa
     return args
 
 
-def check_layout() -> None:
+def check_layout(sequence_parallel: bool = False) -> None:
     """Refuse the parallel layouts this module does not build (see the module docstring)."""
     from megatron.core import parallel_state as ps
 
+    if sequence_parallel:
+        raise ConfigError("a vision-language model on the megatron backend runs without sequence parallelism (the "
+                          "image features enter the whole sequence's embeddings); set sequence_parallel: false")
     pp, cp = ps.get_pipeline_model_parallel_world_size(), ps.get_context_parallel_world_size()
     if pp > 1 or cp > 1:
         raise ConfigError(f"a vision-language model on the megatron backend runs with pipeline and context parallel "
@@ -200,28 +203,3 @@ def _decoder_input(chunk, ids: torch.Tensor, image_mask: torch.Tensor, features:
     placed[image_mask] = features[:, 0].to(embeds.dtype)
     return torch.where(image_mask[..., None], placed, embeds).transpose(0, 1).contiguous()
 
-
-def hf_param_name(name: str) -> str:
-    """The in-memory Transformers name of the language-model weight ``name`` of
-    :func:`posttrain.training.megatron.model.hf_weights` (``model.layers.0...`` ->
-    ``model.language_model.layers.0...``; ``lm_head.weight`` stays)."""
-    return LANGUAGE_PREFIX + name[len("model."):] if name.startswith("model.") else name
-
-
-def copy_language_model(chunks: list, args: argparse.Namespace, hf_model: torch.nn.Module) -> int:
-    """The trained language model of ``chunks`` (this rank's part; gathered on every rank, so all
-    ranks call it together) copied into ``hf_model`` (a ``Qwen2_5_VLForConditionalGeneration``, whose
-    vision tower stays as it is): the rollout's weight sync, and what a Hugging Face checkpoint saves
-    (``hf_model.save_pretrained``). Returns the number of tensors copied."""
-    from posttrain.training.megatron.model import hf_weights
-
-    params = dict(hf_model.named_parameters(remove_duplicate=False))
-    count = 0
-    with torch.no_grad():
-        for name, tensor in hf_weights(chunks, args):
-            target = params.get(hf_param_name(name))
-            if target is None:
-                raise KeyError(f"{name}: no such language-model weight in the Hugging Face VLM")
-            target.copy_(tensor.to(target.dtype))
-            count += 1
-    return count
