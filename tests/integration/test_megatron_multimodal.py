@@ -164,6 +164,7 @@ def worker(rank: int, model_dir: str, out: str) -> None:
     from megatron.core import parallel_state as ps
     from transformers import AutoModelForImageTextToText
 
+    from posttrain.errors import ConfigError
     from posttrain.training.megatron.cpu_shims import cpu_megatron
     from posttrain.training.megatron.engine import MegatronEngine
     from posttrain.training.megatron.model import hf_to_megatron
@@ -179,6 +180,10 @@ def worker(rank: int, model_dir: str, out: str) -> None:
     with cpu_megatron():
         for tp, atol in ((1, 1e-5), (2, 1e-4)):
             ps.initialize_model_parallel(tensor_model_parallel_size=tp)
+            with pytest.raises(ConfigError, match="sequence_parallel: false"):
+                hf_to_megatron(model_dir, sequence_parallel=True)
+            with pytest.raises(ConfigError, match="no critic or reward head"):
+                hf_to_megatron(model_dir, value_head=True)
             [chunk], _ = hf_to_megatron(model_dir)
             for packed in (True, False):
                 engine = MegatronEngine(chunk, vocab_size=hf.config.text_config.vocab_size, micro_batch_size=3,
@@ -200,3 +205,35 @@ def worker(rank: int, model_dir: str, out: str) -> None:
 
 def test_megatron_vlm_logprobs_and_update_equal_the_hf_backend(tiny_vlm_dir, tmp_path):
     run_on_ranks(worker, str(tiny_vlm_dir), str(tmp_path / "saved"), out=tmp_path)
+
+
+def test_what_the_megatron_vlm_refuses_and_the_language_model_names(tiny_vlm_dir, tmp_path):
+    """Qwen3-VL and a rotary split that does not fill the head are refused naming the file; a trained
+    tower is refused naming the key; weights named ``model.language_model.*`` read as the text model's."""
+    import json
+
+    from safetensors.torch import save_file
+    from transformers import AutoModelForImageTextToText
+
+    from posttrain.errors import ConfigError
+    from posttrain.models.mcore.hf_files import HFWeights
+    from posttrain.training.megatron.vision import LanguageModelWeights, VisionInputs, mrope_section
+
+    assert mrope_section(tiny_vlm_dir) == [4, 6, 6]  # the tiny model's split of its 32-dim heads
+    config = json.loads((tiny_vlm_dir / "config.json").read_text())
+    for change, refusal in (({"model_type": "qwen3_vl"}, "model_type 'qwen3_vl'"),
+                            ({"text_config": {**config["text_config"], "rope_parameters": {
+                                "rope_type": "default", "mrope_section": [4, 6, 4]}}}, "must add up to half")):
+        (tmp_path / "config.json").write_text(json.dumps({**config, **change}))
+        with pytest.raises(ConfigError, match=refusal) as err:
+            mrope_section(tmp_path)
+        assert str(tmp_path / "config.json") in str(err.value)
+    model = AutoModelForImageTextToText.from_pretrained(str(tiny_vlm_dir), dtype=torch.float32)
+    with pytest.raises(ConfigError, match="freeze_vision_tower: true"):
+        VisionInputs(model)  # the tower trains (requires_grad)
+    save_file({"model.language_model.layers.0.mlp.down_proj.weight": torch.arange(6.0).view(2, 3),
+               "lm_head.weight": torch.ones(2, 2)}, str(tmp_path / "model.safetensors"))
+    weights = LanguageModelWeights(HFWeights(tmp_path))
+    assert sorted(weights.names()) == ["lm_head.weight", "model.layers.0.mlp.down_proj.weight"]
+    assert weights.cols("model.layers.0.mlp.down_proj.weight", 1, 3).tolist() == [[1.0, 2.0], [4.0, 5.0]]
+    assert weights.shape("lm_head.weight") == (2, 2)
