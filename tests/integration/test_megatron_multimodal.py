@@ -7,9 +7,11 @@ beside it, on 2 gloo ranks (one spawn for every check, to keep the suite short):
   the images matter (row 0 with its patches reversed: other log-probs);
 * at TP 2, one GRPO update (Adam, clipped ratio and gradient norm) with the images equals the hf
   backend's (TrainEngine) with a frozen tower: the step's metrics, the next log-probs; and the
-  trained language model copied into the Hugging Face VLM and saved is a Qwen2.5-VL directory that
-  ``AutoModelForImageTextToText`` loads, with the tower's weights unchanged and the hf backend's
-  trained weights and log-probs."""
+  trained language model saved with the Hugging Face VLM (``save_vlm``) is a Qwen2.5-VL directory
+  that ``AutoModelForImageTextToText`` and ``load_processor`` load, with the tower's weights
+  unchanged and the hf backend's trained weights and log-probs;
+* the refusals (sequence parallelism, a value head, Qwen3-VL, a trained tower) name the key or file.
+"""
 
 from __future__ import annotations
 
@@ -115,7 +117,8 @@ def megatron_update(model_dir: str, hf, batch, out: str) -> tuple:
     from posttrain.training.megatron.engine import MegatronEngine
     from posttrain.training.megatron.model import hf_to_megatron
     from posttrain.training.megatron.vision import VisionInputs
-    from posttrain.training.megatron.vlm_weights import copy_language_model
+    from posttrain.models.vlm import load_processor
+    from posttrain.training.megatron.vlm_weights import save_vlm
     from posttrain.training.options import ActorLossOptions
 
     [chunk], args = hf_to_megatron(model_dir, for_training=True)
@@ -127,9 +130,8 @@ def megatron_update(model_dir: str, hf, batch, out: str) -> tuple:
                             vision=VisionInputs(hf))
     [metrics] = engine.update(batch, make_actor_loss_fn(ActorLossOptions()), mini_batch_size=3)
     after = engine.compute_logprobs(batch)
-    assert copy_language_model([chunk], args, hf) > 0
-    if dist.get_rank() == 0:
-        hf.save_pretrained(out)
+    saved = save_vlm([chunk], args, hf, out, load_processor(model_dir))
+    assert (saved is not None) == (dist.get_rank() == 0)
     dist.barrier()
     return metrics, after
 
@@ -137,6 +139,7 @@ def megatron_update(model_dir: str, hf, batch, out: str) -> tuple:
 def check_update(model_dir: str, hf, batch, out: str) -> None:
     from transformers import AutoModelForImageTextToText
 
+    from posttrain.models.vlm import load_processor
     from posttrain.training.engine import TrainEngine
 
     tower = {k: v.clone() for k, v in hf.model.visual.state_dict().items()}
@@ -149,6 +152,7 @@ def check_update(model_dir: str, hf, batch, out: str) -> None:
     assert want["actor/pg_clipfrac"] > 0 and want["actor/grad_norm"] > 1, want
     torch.testing.assert_close(got_after, want_after, rtol=0, atol=1e-4)
     saved = AutoModelForImageTextToText.from_pretrained(out, dtype=torch.float32).eval()
+    assert load_processor(out).image_processor.merge_size == 2  # the processor saved beside it
     for name, value in saved.model.visual.state_dict().items():
         torch.testing.assert_close(value, tower[name], rtol=0, atol=0, msg=name)
     trained = dict(want_model.named_parameters())
@@ -195,7 +199,8 @@ def worker(rank: int, model_dir: str, out: str) -> None:
                     assert torch.all(got[row, ref.numel():] == 0)
             # the images matter: row 0's patches in another order give other log-probs
             image = rows[0]["image"]
-            flipped = megatron_batch(hf, [{**rows[0], "image": {**image, "pixel_values": image["pixel_values"].flip(0)}}])
+            reversed_patches = {**image, "pixel_values": image["pixel_values"].flip(0)}
+            flipped = megatron_batch(hf, [{**rows[0], "image": reversed_patches}])
             other = engine.compute_logprobs(flipped)[0, :want[0].numel()]
             assert (other - want[0]).abs().max() > 10 * atol
             if tp == 2:

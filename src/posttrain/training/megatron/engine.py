@@ -26,6 +26,11 @@ schedule and optimizer.
   in lockstep: packed micro-batches of one length and count on every data-parallel rank (empty ones
   pad the count, as with virtual stages).
 
+* A vision-language model (``vision``, :class:`posttrain.training.megatron.vision.VisionInputs`):
+  each micro-batch's rows carry their images (``images``); the model gets their 3-D rotary
+  positions and, as ``decoder_input``, its word embeddings with the frozen tower's features at the
+  image tokens (packed or padded).
+
 The Ray worker groups build it (:mod:`posttrain.roles.megatron_policy`); docs/parallelism.md.
 """
 

@@ -247,7 +247,9 @@ def hf_to_megatron(hf_dir: str | Path, *, divisor: int = 128, for_training: bool
     with; and the Megatron arguments that describe it. ``for_training``: built so that Megatron's
     optimizer can tell the tensor-parallel parameters from the replicated ones (see
     :func:`transformer_config`); ``value_head``: the critic (:func:`attach_value_head`; a reward
-    model's ``score`` head is loaded into it); ``options``: more ``TransformerConfig`` fields."""
+    model's ``score`` head is loaded into it); ``options``: more ``TransformerConfig`` fields. A
+    Qwen2.5-VL directory gives its language model, with multimodal rotary positions
+    (:mod:`posttrain.training.megatron.vision`; its tower stays with the Hugging Face model)."""
     from megatron.core import parallel_state as ps
 
     tp, pp, vpp, ep = _sizes()

@@ -4,9 +4,14 @@ VLM (:mod:`posttrain.training.megatron.vision`): the weight sync, and what its H
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
+import tempfile
+from pathlib import Path
 
 import torch
 
+from posttrain.checkpoint.files import make_readable
 from posttrain.training.megatron import vision
 from posttrain.training.megatron.model import hf_weights
 
@@ -33,3 +38,31 @@ def copy_language_model(chunks: list, args: argparse.Namespace, hf_model: torch.
             target.copy_(tensor.to(target.dtype))
             count += 1
     return count
+
+
+def save_vlm(chunks: list, args: argparse.Namespace, hf_model: torch.nn.Module, out_dir: str | Path,
+             processor=None) -> Path | None:
+    """Save the VLM with the trained language model of ``chunks`` as a Hugging Face Qwen2.5-VL
+    directory ``out_dir`` (``AutoModelForImageTextToText`` loads it; the processor's tokenizer and
+    ``preprocessor_config.json`` beside it): every rank gathers (:func:`copy_language_model`), the
+    first writes, into a temporary directory renamed when complete. Returns ``out_dir`` on the writer."""
+    import torch.distributed as dist
+
+    copy_language_model(chunks, args, hf_model)
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return None
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        hf_model.save_pretrained(str(tmp))
+        if processor is not None:
+            processor.save_pretrained(tmp)
+        make_readable(tmp)
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir
