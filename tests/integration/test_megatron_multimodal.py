@@ -3,7 +3,8 @@ Megatron-Core's GPTModel with multimodal rotary positions, the Hugging Face visi
 beside it, on 2 gloo ranks (one spawn for every check, to keep the suite short):
 
 * its log-probs of a packed and of a padded batch (two image rows of different sizes and a
-  text-only row) equal each sample's own Hugging Face forward (fp32: 1e-5 at TP 1, 1e-4 at TP 2);
+  text-only row), in one micro-batch or one a row, equal each sample's own Hugging Face forward
+  (fp32: 1e-5 at TP 1, 1e-4 at TP 2);
   the images matter (row 0 with its patches reversed: other log-probs);
 * at TP 2, one GRPO update (Adam, clipped ratio and gradient norm) with the images equals the hf
   backend's (TrainEngine) with a frozen tower: the step's metrics, the next log-probs; and the
@@ -190,12 +191,14 @@ def worker(rank: int, model_dir: str, out: str) -> None:
                 hf_to_megatron(model_dir, value_head=True)
             [chunk], _ = hf_to_megatron(model_dir)
             for packed in (True, False):
-                engine = MegatronEngine(chunk, vocab_size=hf.config.text_config.vocab_size, micro_batch_size=3,
+                # one micro-batch of all 3 rows, or one a row (the text-only row's alone: its plain positions)
+                rows_each = 3 if packed == (tp == 2) else 1
+                engine = MegatronEngine(chunk, vocab_size=hf.config.text_config.vocab_size, micro_batch_size=rows_each,
                                         options=EngineOptions(use_remove_padding=packed), vision=VisionInputs(hf))
                 got = engine.compute_logprobs(batch)
                 for row, ref in enumerate(want):
                     torch.testing.assert_close(got[row, :ref.numel()], ref, rtol=0, atol=atol,
-                                               msg=f"TP {tp}, packed {packed}, row {row}")
+                                               msg=f"TP {tp}, packed {packed}, {rows_each} a micro-batch, row {row}")
                     assert torch.all(got[row, ref.numel():] == 0)
             # the images matter: row 0's patches in another order give other log-probs
             image = rows[0]["image"]
