@@ -10,7 +10,9 @@ beside it, on 2 gloo ranks (one spawn for every check, to keep the suite short):
   backend's (TrainEngine) with a frozen tower: the step's metrics, the next log-probs; and the
   trained language model saved with the Hugging Face VLM (``save_vlm``) is a Qwen2.5-VL directory
   that ``AutoModelForImageTextToText`` and ``load_processor`` load, with the tower's weights
-  unchanged and the hf backend's trained weights and log-probs;
+  unchanged and the hf backend's trained weights and log-probs; the native rollout on that VLM
+  samples with the images, and the megatron engine's log-probs of the samples equal the rollout
+  copy's own forward's (1e-4);
 * the refusals (sequence parallelism, a value head, Qwen3-VL, a trained tower) name the key or file.
 """
 
@@ -134,10 +136,10 @@ def megatron_update(model_dir: str, hf, batch, out: str) -> tuple:
     saved = save_vlm([chunk], args, hf, out, load_processor(model_dir))
     assert (saved is not None) == (dist.get_rank() == 0)
     dist.barrier()
-    return metrics, after
+    return metrics, after, engine
 
 
-def check_update(model_dir: str, hf, batch, out: str) -> None:
+def check_update(model_dir: str, hf, rows: list[dict], batch, out: str) -> None:
     from transformers import AutoModelForImageTextToText
 
     from posttrain.models.vlm import load_processor
@@ -146,7 +148,7 @@ def check_update(model_dir: str, hf, batch, out: str) -> None:
     tower = {k: v.clone() for k, v in hf.model.visual.state_dict().items()}
     batch = grpo_inputs(hf, batch)
     want, want_after, want_model = hf_update(model_dir, batch)
-    got, got_after = megatron_update(model_dir, hf, batch, out)
+    got, got_after, engine = megatron_update(model_dir, hf, batch, out)
     assert sorted(got) == sorted(want)
     for key in want:
         assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-5), (key, got, want)
@@ -163,6 +165,27 @@ def check_update(model_dir: str, hf, batch, out: str) -> None:
     assert (saved.lm_head.weight - hf.lm_head.weight).abs().max() == 0
     torch.testing.assert_close(TrainEngine(saved, micro_batch_size=3).compute_logprobs(batch), want_after,
                                rtol=0, atol=1e-4)
+    check_sampled(hf, engine, rows)
+
+
+def check_sampled(hf, engine, rows: list[dict]) -> None:
+    """The rollout (the native engine on ``hf``, the VLM the trained language model was copied into)
+    samples 2 responses to each prompt of ``rows`` with its image; the megatron engine's log-probs
+    of those samples equal the rollout copy's own forward's (what the hf backend's trainer
+    computes), 1e-4."""
+    from posttrain.rollout.base import SamplingParams
+    from posttrain.rollout.native import NativeEngine
+    from posttrain.training.engine import TrainEngine
+
+    images = [{k: r["image"][k] for k in ("pixel_values", "image_grid_thw")} if r["image"]["image_grid_thw"].shape[0]
+              else None for r in rows]
+    outs = NativeEngine(hf, pad_token_id=0, eos_token_ids=[]).generate(
+        [r["prompt"].tolist() for r in rows], 2, SamplingParams(temperature=1.0, top_k=-1, max_tokens=4, seed=7),
+        images=images)
+    sampled = megatron_batch(hf, [{**r, "response": torch.tensor(o.token_ids)} for r, group in zip(rows, outs)
+                                  for o in group])
+    torch.testing.assert_close(engine.compute_logprobs(sampled),
+                               TrainEngine(hf, micro_batch_size=6).compute_logprobs(sampled), rtol=0, atol=1e-4)
 
 
 def worker(rank: int, model_dir: str, out: str) -> None:
@@ -207,7 +230,7 @@ def worker(rank: int, model_dir: str, out: str) -> None:
             other = engine.compute_logprobs(flipped)[0, :want[0].numel()]
             assert (other - want[0]).abs().max() > 10 * atol
             if tp == 2:
-                check_update(model_dir, hf, batch, out)
+                check_update(model_dir, hf, rows, batch, out)
             ps.destroy_model_parallel()
 
 
