@@ -65,7 +65,7 @@ from posttrain.rollout.keyed import random_seed, row_states, uniforms
 from posttrain.rollout.kv_cache import concat_caches, new_cache, select_rows, to_static
 from posttrain.rollout.ngram import propose
 from posttrain.rollout.sampling import sample_next
-from posttrain.rollout.scheduling import plan_waves, prefill_chunks
+from posttrain.rollout.scheduling import model_len_caps, plan_waves, prefill_chunks
 
 # generate_config.dtype -> torch dtype used for the forward (autocast when weights are wider)
 DTYPES: dict[str, torch.dtype] = {
@@ -330,7 +330,7 @@ class NativeEngine(RolloutEngine):
         if images is not None and not self.supports_images:
             raise ConfigError(f"{type(self).__name__}.generate does not take images; use the one-turn native engine")
         images = None if images is None else check_requests(self.model, prompt_token_ids, images)
-        max_new_tokens = self._model_len_caps(prompt_token_ids, sampling.max_tokens, max_new_tokens)
+        max_new_tokens = model_len_caps(self.max_model_len, prompt_token_ids, sampling.max_tokens, max_new_tokens)
         keys = RowKeys.build(len(prompt_token_ids), sampling.seed, prompt_keys, sample_offsets, position_offsets)
         stops = torch.tensor(sorted(set(self.eos_token_ids) | set(stop_token_ids or [])),
                              dtype=torch.long, device=self.device)
@@ -351,22 +351,6 @@ class NativeEngine(RolloutEngine):
                 for (idx, _), outs in zip(wave, self._run_wave(prompts, counts, sampling, stops, rows)):
                     results[idx].extend(outs)
         return results
-
-    def _model_len_caps(self, prompts: list[list[int]], max_tokens: int, caps: list[int] | None) -> list[int] | None:
-        """The per-prompt caps with ``max_model_len``'s room after each prompt (None where no prompt
-        needs one: the default decode path)."""
-        if self.max_model_len is None:
-            return caps
-        room = [self.max_model_len - len(p) for p in prompts]
-        for i, left in enumerate(room):
-            if left < 1:
-                raise DataError(f"prompt {i} holds {len(prompts[i])} tokens: no room for a response within "
-                                f"generate_config.max_model_len={self.max_model_len}; raise max_model_len or "
-                                "lower rl_config.max_prompt_length")
-        if caps is None and min(room) >= max_tokens:
-            return None
-        return [min(left, max_tokens if caps is None else int(cap))
-                for left, cap in zip(room, caps or [max_tokens] * len(room))]
 
     def pop_metrics(self) -> dict[str, float]:
         """Speculation (when on), since the last call: ``rollout/draft_tokens``, the draft tokens fed

@@ -8,7 +8,7 @@ rows. Prompts are grouped by length so that left padding stays small.
 
 from __future__ import annotations
 
-from posttrain.errors import ConfigError
+from posttrain.errors import ConfigError, DataError
 
 Wave = list[tuple[int, int]]
 
@@ -47,3 +47,22 @@ def prefill_chunks(num_prompts: int, padded_len: int, max_num_batched_tokens: in
         raise ConfigError(f"generate_config.max_num_batched_tokens={max_num_batched_tokens}: must be >= 1.")
     per_chunk = max(1, max_num_batched_tokens // max(1, padded_len))
     return [range(s, min(s + per_chunk, num_prompts)) for s in range(0, num_prompts, per_chunk)]
+
+
+def model_len_caps(max_model_len: int | None, prompts: list[list[int]], max_tokens: int,
+                   caps: list[int] | None) -> list[int] | None:
+    """Each prompt's cap on new tokens: ``caps`` (or ``max_tokens``) within the room that
+    ``max_model_len`` leaves after the prompt; None where no prompt needs one (the default decode
+    path). A prompt that leaves no room is refused, as vLLM refuses it."""
+    if max_model_len is None:
+        return caps
+    room = [max_model_len - len(p) for p in prompts]
+    for i, left in enumerate(room):
+        if left < 1:
+            raise DataError(f"prompt {i} holds {len(prompts[i])} tokens: no room for a response within "
+                            f"generate_config.max_model_len={max_model_len}; raise max_model_len or lower "
+                            "rl_config.max_prompt_length")
+    if caps is None and min(room) >= max_tokens:
+        return None
+    return [min(left, max_tokens if caps is None else int(cap))
+            for left, cap in zip(room, caps or [max_tokens] * len(room))]
