@@ -7,11 +7,11 @@ passes and the update on both TP ranks). The honest check, sample by sample: eve
 rollout log-prob equals the Hugging Face forward, with the sample's own image, of the VLM that
 sampled it (the vision tokens left out of the softmax, as the native engine never samples them),
 and the trainer's old log-prob equals the same forward's (all tokens): iteration 1 against the
-initial VLM, iteration 2 against the checkpoint of iteration 1 (``iter_0000001/hf``, which
-``AutoModelForImageTextToText`` loads): so the synced rollout copy, the Megatron chunks and the
-saved directory hold the same trained weights. The metrics are finite, the language model's weights
-changed, the tower's did not, and a Megatron checkpoint of a VLM is refused as a start (with what to
-load instead).
+initial VLM, iteration 2 against it with the language model the workers hold after update 1
+(gathered from the Megatron shards): so the leader's synced rollout copy and the chunks agree. The
+metrics are finite; the checkpoint's ``iter_0000002/hf`` loads with ``AutoModelForImageTextToText``,
+its language model's weights changed and its tower's did not; and a Megatron checkpoint of a VLM is
+refused as a start (with what to load instead).
 """
 
 from __future__ import annotations
@@ -30,10 +30,10 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 def megatron_mm_config(model_dir, data, out, *, load=None):
     """4 prompts x 2 samples an iteration (2 optimizer steps of 4 rows), 6 new tokens, KL in the loss,
-    on the megatron backend at TP 2 (2 Ray workers), a checkpoint every iteration."""
+    on the megatron backend at TP 2 (2 Ray workers), a checkpoint at the end."""
     return run_config(model_dir, data, out / "run", name=out.name, iters=2, megatron_training={
         "global_batch_size": 4, "micro_batch_size": 2, "seq_length": 256, "lr": 1e-2, "seed": 5, "bf16": OMIT,
-        "prompt_type": "qwen2_vl", "save": str(out / "ckpt"), "save_interval": 1, "backend": "megatron",
+        "prompt_type": "qwen2_vl", "save": str(out / "ckpt"), "save_interval": 2, "backend": "megatron",
         "tensor_model_parallel_size": 2}, rl_config={
         "n_samples_per_prompt": 2, "verifier_function": ["e2e_lowercase"], "verifier_modules": [VERIFIERS],
         "verifier_parallel": 0, "init_kl_coef": 0.01, "max_prompt_length": 160, "kl_penalty": "low_var_kl",
@@ -52,13 +52,16 @@ def test_grpo_with_images_on_the_megatron_backend(ray_cluster, tiny_vlm_dir, tmp
     from posttrain.loops.onpolicy import OnPolicyTrainer
     from posttrain.models.vlm import MM_KEYS
     from posttrain.rollout.images import vision_token_ids
+    from posttrain.training.megatron.vlm_weights import hf_param_name
     from tests.helpers.runs import metrics_by_iteration
 
     (tmp_path / "data").mkdir()
     data = colour_prompts(tmp_path / "data", tiny_vlm_dir, text_only=(3,))
-    samples, real_correct = [], OnPolicyTrainer.correct
+    samples, trained, real_correct = [], {}, OnPolicyTrainer.correct
 
     def correct(self, td, acc, iteration):  # the dock after the old log-prob pass
+        if iteration == 2:  # the weights after update 1, gathered from the workers (HF names)
+            trained.update(self.s.cluster.state_dicts()[0])
         samples.extend({"iteration": iteration, "prompt": td.cell("prompts", r), "response": td.cell("responses", r),
                         "rollout": td.cell("rollout_logprobs", r), "old": td.cell("old_logprobs", r),
                         "media": {k: td.cell(k, r) for k in MM_KEYS}} for r in range(td.max_len))
@@ -74,7 +77,11 @@ def test_grpo_with_images_on_the_megatron_backend(ray_cluster, tiny_vlm_dir, tmp
         assert all(math.isfinite(v) for v in row.values() if isinstance(v, float)), row
         assert row["actor/grad_norm"] > 0
     load = lambda path: AutoModelForImageTextToText.from_pretrained(str(path)).eval()  # noqa: E731
-    models = {1: load(tiny_vlm_dir), 2: load(out / "ckpt/iter_0000001/hf"), 3: load(out / "ckpt/iter_0000002/hf")}
+    models = {1: load(tiny_vlm_dir), 2: load(tiny_vlm_dir), 3: load(out / "ckpt/iter_0000002/hf")}
+    params = dict(models[2].named_parameters())
+    with torch.no_grad():
+        for name, tensor in trained.items():
+            params[hf_param_name(name)].copy_(tensor)
     never = vision_token_ids(models[1])
     assert len(samples) == 16 and sum(int(s["media"]["image_grid_thw"].shape[0]) for s in samples) == 12
     for sample in samples:
