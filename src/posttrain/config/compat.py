@@ -184,7 +184,8 @@ _MULTIMODAL_ROWS = (  # rl_config.is_multimodal: the hf backend in one process, 
     # the megatron backend: a Qwen2.5-VL's language model as GPTModel, its HF tower frozen (training/megatron/vision.py)
     Row("mm-megatron-split", "mm_model_split", "{setting} with rl_config.is_multimodal: true on the megatron backend: "
         "the image features enter the whole sequence's input of the first stage, so a VLM trains with tensor and data "
-        "parallelism only; set them to 1 (false){megatron}", backend=MEGATRON),
+        "parallelism only; set pipeline_model_parallel_size, context_parallel_size and expert_model_parallel_size to "
+        "1 and sequence_parallel to false{megatron}", backend=MEGATRON),
     Row("mm-megatron-tower", "vision_tower_trained", "{setting} on the megatron backend: its HF vision tower stays "
         "frozen beside the GPTModel (a trained tower's gradients would need reducing over the tensor-parallel ranks); "
         "set rl_config.freeze_vision_tower: true or train on backend hf", backend=MEGATRON),
