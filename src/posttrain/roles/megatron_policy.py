@@ -212,6 +212,16 @@ class MegatronPolicy:
                                           plan.ref_engine)
             if a.offload_reference:
                 self.reference = offloaded_reference(self.reference)
+        self._build_rollout(tokenizer, stop_token_ids)
+        self.policy = Policy(model=None, tokenizer=tokenizer, actor=self.engine, reference=self.reference,
+                             rollout=self.rollout, stop_token_ids=stop_token_ids, state=self.state,
+                             image_token_id=int(self.vlm.config.image_token_id) if self.vlm is not None else None)
+
+    # ---- set-up ---------------------------------------------------------------------------------
+    def _build_rollout(self, tokenizer, stop_token_ids: list[int]) -> None:
+        """The leader's rollout: vLLM started from the stream of layers (the other ranks follow), or
+        the native engine on an HF copy (a VLM's: its frozen HF model), synced from the chunks."""
+        plan, a, device = self.plan, self.plan.policy, self.device
         self.rollout = self.view = None
         if plan.stage.on_policy and plan.rollout.engine == "vllm":  # vLLM started from the stream of layers
             self.view = MegatronView(self.chunks, self.args, self.engine, hf_config_of(self.state["initial_model"],
@@ -230,11 +240,7 @@ class MegatronPolicy:
                                                                                   self.args, device, plan.rollout_dtype)
                 self.rollout = build_rollout(plan.rollout, a, self.hf_model, tokenizer, stop_token_ids)
             self.sync_rollout()
-        self.policy = Policy(model=None, tokenizer=tokenizer, actor=self.engine, reference=self.reference,
-                             rollout=self.rollout, stop_token_ids=stop_token_ids, state=self.state,
-                             image_token_id=int(self.vlm.config.image_token_id) if self.vlm is not None else None)
 
-    # ---- set-up ---------------------------------------------------------------------------------
     def _attach_lora(self, source: str, resuming: bool) -> None:
         """``actor_config.lora_*``: PEFT's adapters on the Megatron linears (docs/lora.md), the base
         frozen; a fresh run's drawn by PEFT on the HF model ``source`` with the run's seed (the hf
