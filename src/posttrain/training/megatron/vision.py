@@ -19,7 +19,8 @@ multimodal rotary positions, the vision tower kept as the Hugging Face module.
   (:func:`posttrain.training.multimodal.multimodal_inputs`), in the padded layout or packed with
   the row's tokens.
 
-Not built (refused by the config, compat row ``mm-megatron``): pipeline parallelism (the first
+The loop builds it in :mod:`posttrain.roles.megatron_vlm`. Not built (refused by the config, compat
+rows ``mm-megatron-*``, and here): pipeline parallelism (the first
 stage's ``decoder_input`` only), sequence parallelism, a trained tower (its gradients would have
 to be reduced over the tensor-parallel ranks), Qwen3-VL (interleaved mrope and deepstack), videos
 and ``reuse_image_embeds``.
