@@ -191,6 +191,9 @@ _MULTIMODAL_ROWS = (  # rl_config.is_multimodal: the hf backend in one process, 
         "set rl_config.freeze_vision_tower: true or train on backend hf", backend=MEGATRON),
     Row("mm-megatron-reuse", "reuse_image_embeds", "{setting} on the megatron backend: its workers run the frozen "
         "tower in every pass; set reuse_image_embeds: false", backend=MEGATRON),
+    Row("mm-megatron-bf16", "mm_bf16", "{setting} with rl_config.is_multimodal: true on the megatron backend on a GPU: "
+        "a VLM there is built and tested in float32 (gloo on CPUs; bf16's Float16Module does not cast the image "
+        "features' decoder_input); set bf16: false (megatron_training or actor_config.bf16)", backend=MEGATRON, device=("cuda",)),
     Row("mm-megatron-lora", "multimodal", "{setting} with {other} on the megatron backend: LoRA on a VLM's language "
         "model is not tested there; remove the lora keys or train on backend hf", backend=MEGATRON, with_="lora"),
     Row("mm-engine", "multimodal", "{setting} with rl_config.rollout_engine {engine}: the vLLM adapter passes no "

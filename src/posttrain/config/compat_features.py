@@ -228,6 +228,8 @@ def _multimodal_features() -> list[Feature]:
                 shown=lambda c: ", ".join(f"actor_config.{k}={fmt_value(getattr(c.actor, k))}" for k in _split_set(c)),
                 when="PP, CP or EP > 1 or sequence_parallel, with is_multimodal: true",
                 title="pipeline, context or expert parallelism or sequence parallelism with images"),
+        Feature("mm_bf16", ("actor_config.bf16",), lambda c: rl(c).is_multimodal and bool(c.actor.bf16),
+                when="true (the default), with is_multimodal: true"),
         Feature("videos", (VIDEO_KEY,), lambda c: rl(c).is_multimodal and c.generate.limit_mm_video_per_prompt > 0,
                 when="> 0, with is_multimodal: true"),
         Feature("videos_alone", (VIDEO_KEY,), lambda c: not rl(c).is_multimodal and c.generate.limit_mm_video_per_prompt > 0,

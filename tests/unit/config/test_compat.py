@@ -180,6 +180,7 @@ EXAMPLES: dict[str, tuple[list[str], str]] = {
     "mm-megatron-tower": ([*MM, *TP2], "cpu"),
     "mm-megatron-reuse": ([*MM_FROZEN, "rl_config.reuse_image_embeds=true", *TP2], "cpu"),
     "mm-megatron-lora": ([*MM_FROZEN, *LORA, *TP2], "cpu"),
+    "mm-megatron-bf16": ([*MM_FROZEN, *TP2], "cuda"),
     "mm-engine": ([*MM, *VLLM], "cpu"),
     "mm-fsdp2": ([*MM, *RAY, "rl_config.ray_sharding=fsdp2"], "cpu"),
     "mm-stage": ([*MM, *PPO], "cpu"),
