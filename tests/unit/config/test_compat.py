@@ -315,3 +315,19 @@ def test_a_row_with_an_unknown_name_is_an_error(kw):
 
     with pytest.raises(ValueError, match="compatibility row x: unknown"):
         Row(**{"id": "x", "feature": "lora", "message": "{setting}", **kw})
+
+
+def test_a_vlm_on_the_megatron_backend_trains_with_its_images_and_from_its_hf_directory(tmp_path):
+    """Qwen2.5-VL's language model is mapped with is_multimodal only (Qwen3-VL never); a VLM's Megatron
+    checkpoint as load is refused, naming what to load instead."""
+    from posttrain.config.backend import check_mapped
+
+    vlm, qwen3_vl = dataclasses.replace(ARCH, model_type="qwen2_5_vl"), dataclasses.replace(ARCH, model_type="qwen3_vl")
+    check_mapped(config([*MM_FROZEN, *TP2]), vlm)
+    with pytest.raises(ConfigError, match="set rl_config.is_multimodal: true"):
+        check_mapped(config(TP2), vlm)
+    with pytest.raises(ConfigError, match="qwen3_vl is not mapped to Megatron-Core"):
+        check_mapped(config([*MM_FROZEN, *TP2]), qwen3_vl)
+    (tmp_path / "iter_0000002/mp_rank_00").mkdir(parents=True)
+    with pytest.raises(ConfigError, match=r"actor_config.load=.*iter_XXXXXXX/hf"):
+        check_mapped(config([*MM_FROZEN, *TP2, f"actor_config.load={tmp_path}"]), vlm)
