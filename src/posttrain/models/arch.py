@@ -299,6 +299,7 @@ def _hf_extras(cfg: Mapping[str, Any]) -> dict[str, Any]:
 # the architectures the Hugging Face <-> Megatron-Core mapping (posttrain.models.mcore) covers
 MCORE_DENSE = ("qwen2", "qwen3", "llama")
 MCORE_MOE = ("qwen3_moe",)
+MCORE_VLM = ("qwen2_5_vl",)  # vision-language models whose language model is mapped (training/megatron/vision.py)
 
 
 def mcore_gap(arch: ModelArch) -> tuple[str, str] | None:
@@ -309,9 +310,10 @@ def mcore_gap(arch: ModelArch) -> tuple[str, str] | None:
     if arch.num_experts and arch.model_type not in MCORE_MOE:
         return "num_experts", (f"of the mixture-of-experts models the mapping covers {', '.join(MCORE_MOE)} "
                                f"(Qwen3-MoE) only, not {arch.model_type}")
-    if not arch.num_experts and arch.model_type not in MCORE_DENSE:
+    if not arch.num_experts and arch.model_type not in MCORE_DENSE + MCORE_VLM:
         return "hf_model_type", (f"model_type {arch.model_type} is not mapped to Megatron-Core (the mapping covers "
-                                 f"{', '.join(MCORE_DENSE + MCORE_MOE)})")
+                                 f"{', '.join(MCORE_DENSE + MCORE_MOE)}, and the language model of "
+                                 f"{', '.join(MCORE_VLM)} with rl_config.is_multimodal: true)")
     if arch.dense_layers:
         return "first_k_dense_replace", "the mapping covers mixture-of-experts models with experts in every layer"
     if arch.rope_scaling:

@@ -25,6 +25,10 @@
   time from that stream and reloads the stream after every update, through a view of the sharded
   actor (:class:`~posttrain.roles.megatron_view.MegatronView`: the stream, and the probe's
   log-probs by a forward over the replica); the other ranks follow each request's collectives.
+* **A vision-language model** (``rl_config.is_multimodal``, a Qwen2.5-VL): the chunks are its
+  language model; every rank also holds the frozen HF VLM (:mod:`posttrain.roles.megatron_vlm`):
+  its tower feeds the engine's passes (each batch row carries its images), and on the leader it is
+  the native rollout's copy, its language model refreshed after every update.
 * **Checkpoints**: Megatron's legacy layout (:mod:`posttrain.training.megatron.checkpoint`), with the
   LR schedule and the trainer state in every rank file; ``posttrain convert`` turns them into HF.
 
@@ -43,12 +47,14 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from posttrain.checkpoint import resolve_checkpoint
+from posttrain.config.backend import check_vlm_load
 from posttrain.errors import ConfigError
 from posttrain.models.arch import arch_from_hf_config
 from posttrain.models.mcore import mcore_files
 from posttrain.models.mcore.mcore_files import is_mcore_checkpoint
 from posttrain.models.lora import AdapterOff, adapter_base, is_adapter_dir
 from posttrain.roles.critic import critic_source
+from posttrain.roles.megatron_vlm import load_vlm, save_hf_vlm
 from posttrain.roles.megatron_view import MegatronView, replica_gpus
 from posttrain.roles.policy import Policy, build_rollout, model_source, offloaded_reference, reference_source
 from posttrain.training.megatron import lora as megatron_lora
@@ -56,6 +62,8 @@ from posttrain.training.megatron.checkpoint import (VALUE_MODEL, Part, load_mega
                                                  save_megatron_checkpoint, saved_adapter_only, saved_value_model)
 from posttrain.training.megatron.engine import MegatronEngine, MegatronOffload
 from posttrain.training.megatron.model import hf_to_megatron, hf_weights, mcore_to_megatron
+from posttrain.training.megatron.vision import VisionInputs
+from posttrain.training.megatron.vlm_weights import copy_language_model
 from posttrain.training.offload import on_device
 from posttrain.training.optim import build_scheduler
 
@@ -148,6 +156,8 @@ class MegatronPolicy:
         a, par = plan.policy, plan.parallel
         self.plan, self.device = plan, device
         source = source or model_source(a)
+        if plan.multimodal:  # a VLM starts from its HF directory (roles/megatron_vlm.py)
+            check_vlm_load(str(source))
         vpp = num_layers(source) // (par.pp * par.vpp_layers) if par.vpp_layers else None  # chunks per rank
         vpp = vpp if vpp and vpp > 1 else None
         # the parallel-state groups wait as long as the Ray calls (rl_config.ray_timeout_s), not Megatron's 30 min
@@ -178,6 +188,9 @@ class MegatronPolicy:
                                               lora_actor=a.lora is not None)
         if a.lora is not None:  # adapters on the frozen base, before Megatron's DDP and optimizer see it
             self._attach_lora(source, resuming)
+        # a VLM: its frozen HF model on every rank (the tower's features, the leader's rollout copy)
+        self.vlm = load_vlm(str(resolve_checkpoint(source)[0]), device, plan.rollout_dtype) if plan.multimodal else None
+        self.vision = VisionInputs(self.vlm) if self.vlm is not None else None
         self.models, self.optimizer, self.scheduler = self._trainable(a.optim, plan, self.chunks)
         self.engine = self._engine(self.models, self.optimizer, self.scheduler, plan.stage.metric_prefix
                                    if not plan.stage.on_policy else "actor", a.optim, plan.actor_engine)
@@ -199,6 +212,16 @@ class MegatronPolicy:
                                           plan.ref_engine)
             if a.offload_reference:
                 self.reference = offloaded_reference(self.reference)
+        self._build_rollout(tokenizer, stop_token_ids)
+        self.policy = Policy(model=None, tokenizer=tokenizer, actor=self.engine, reference=self.reference,
+                             rollout=self.rollout, stop_token_ids=stop_token_ids, state=self.state,
+                             image_token_id=int(self.vlm.config.image_token_id) if self.vlm is not None else None)
+
+    # ---- set-up ---------------------------------------------------------------------------------
+    def _build_rollout(self, tokenizer, stop_token_ids: list[int]) -> None:
+        """The leader's rollout: vLLM started from the stream of layers (the other ranks follow), or
+        the native engine on an HF copy (a VLM's: its frozen HF model), synced from the chunks."""
+        plan, a, device = self.plan, self.plan.policy, self.device
         self.rollout = self.view = None
         if plan.stage.on_policy and plan.rollout.engine == "vllm":  # vLLM started from the stream of layers
             self.view = MegatronView(self.chunks, self.args, self.engine, hf_config_of(self.state["initial_model"],
@@ -213,13 +236,11 @@ class MegatronPolicy:
                 self.view.follow()
         elif plan.stage.on_policy:
             if self.leader:
-                self.hf_model = hf_skeleton(self.state["initial_model"], self.args, device, plan.rollout_dtype)
+                self.hf_model = self.vlm if self.vlm is not None else hf_skeleton(self.state["initial_model"],
+                                                                                  self.args, device, plan.rollout_dtype)
                 self.rollout = build_rollout(plan.rollout, a, self.hf_model, tokenizer, stop_token_ids)
             self.sync_rollout()
-        self.policy = Policy(model=None, tokenizer=tokenizer, actor=self.engine, reference=self.reference,
-                             rollout=self.rollout, stop_token_ids=stop_token_ids, state=self.state)
 
-    # ---- set-up ---------------------------------------------------------------------------------
     def _attach_lora(self, source: str, resuming: bool) -> None:
         """``actor_config.lora_*``: PEFT's adapters on the Megatron linears (docs/lora.md), the base
         frozen; a fresh run's drawn by PEFT on the HF model ``source`` with the run's seed (the hf
@@ -270,7 +291,7 @@ class MegatronPolicy:
         """An engine; a trained one with the plan's offload of its optimizer state and gradients."""
         engine = MegatronEngine(model, optimizer, scheduler, vocab_size=int(self.args.vocab_size),
                                 micro_batch_size=optim.micro_batch_size or 1, metric_prefix=prefix,
-                                value_head=value_head, options=options)
+                                value_head=value_head, options=options, vision=None if value_head else self.vision)
         plan = self.plan
         if optimizer is not None and (plan.offload_optimizer or plan.offload_grads):
             engine.offload = MegatronOffload(engine.models, optimizer, optimizer_state=plan.offload_optimizer,
@@ -323,6 +344,9 @@ class MegatronPolicy:
         the native engine's HF copy, or the vLLM engine (then proven by its probe, a forward over the
         replica); returns the seconds it took."""
         start = time.perf_counter()
+        if self.vlm is not None:  # a VLM: its language model, on every rank (roles/megatron_vlm.py)
+            copy_language_model(self.chunks, self.args, self.vlm)
+            return time.perf_counter() - start
         if self.view is not None:
             if self.rollout is not None:
                 self.rollout.sync_weights(self.view)
@@ -374,8 +398,11 @@ class MegatronPolicy:
 
     def _write_more(self, directory: Path, files: dict) -> None:
         """A LoRA actor's adapter in PEFT's format next to the Megatron files (a collective; base
-        model: the HF directory the run started from), and rank 0 ``files``."""
+        model: the HF directory the run started from), a VLM's Hugging Face directory (``hf/``, a
+        collective), and rank 0 ``files``."""
         lora = self.plan.policy.lora
+        if self.vlm is not None:  # the trained VLM as a Hugging Face directory (roles/megatron_vlm.py)
+            save_hf_vlm(self.chunks, self.args, self.vlm, directory, resolve_checkpoint(self.state["initial_model"])[0])
         if lora is not None:
             base = resolve_checkpoint(self.state["initial_model"])[0]
             megatron_lora.write_adapter(self.chunks, self.args, lora, str(Path(base).resolve()), directory)

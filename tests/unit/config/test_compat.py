@@ -175,7 +175,15 @@ EXAMPLES: dict[str, tuple[list[str], str]] = {
     "truncated-logprobs-greedy": ([*TRUNC, "generate_config.sampling_config.temperature=0"], "cpu"),
     "truncated-logprobs-untruncated": ([*TRUNC, "generate_config.sampling_config.top_k=-1"], "cpu"),
     "truncated-logprobs-vllm-min-p": ([*TRUNC, *VLLM, "generate_config.sampling_config.min_p=0.1"], "cpu"),
-    "mm-megatron": ([*MM, *TP2], "cpu"),
+    "mm-megatron-split": ([*MM_FROZEN, "actor_config.pipeline_model_parallel_size=2",
+                           "rl_config.actor_resource.num_npus=2"], "cpu"),
+    "mm-megatron-tower": ([*MM, *TP2], "cpu"),
+    "mm-megatron-reuse": ([*MM_FROZEN, "rl_config.reuse_image_embeds=true", *TP2], "cpu"),
+    "mm-megatron-lora": ([*MM_FROZEN, *LORA, *TP2], "cpu"),
+    "mm-megatron-bf16": ([*MM_FROZEN, *TP2], "cuda"),
+    "mm-megatron-video": ([*MM_FROZEN, *TP2, "generate_config.limit_mm_video_per_prompt=1"], "cpu"),
+    "mm-megatron-partial": ([*MM_FROZEN, *TP2, *PARTIAL], "cpu"),
+    "mm-megatron-async": ([*MM_FROZEN, *TP2, *ASYNC], "cpu"),
     "mm-engine": ([*MM, *VLLM], "cpu"),
     "mm-fsdp2": ([*MM, *RAY, "rl_config.ray_sharding=fsdp2"], "cpu"),
     "mm-stage": ([*MM, *PPO], "cpu"),
@@ -305,3 +313,19 @@ def test_a_row_with_an_unknown_name_is_an_error(kw):
 
     with pytest.raises(ValueError, match="compatibility row x: unknown"):
         Row(**{"id": "x", "feature": "lora", "message": "{setting}", **kw})
+
+
+def test_a_vlm_on_the_megatron_backend_trains_with_its_images_and_from_its_hf_directory(tmp_path):
+    """Qwen2.5-VL's language model is mapped with is_multimodal only (Qwen3-VL never); a VLM's Megatron
+    checkpoint as load is refused, naming what to load instead."""
+    from posttrain.config.backend import check_mapped
+
+    vlm, qwen3_vl = dataclasses.replace(ARCH, model_type="qwen2_5_vl"), dataclasses.replace(ARCH, model_type="qwen3_vl")
+    check_mapped(config([*MM_FROZEN, *TP2]), vlm)
+    with pytest.raises(ConfigError, match="set rl_config.is_multimodal: true"):
+        check_mapped(config(TP2), vlm)
+    with pytest.raises(ConfigError, match="qwen3_vl is not mapped to Megatron-Core"):
+        check_mapped(config([*MM_FROZEN, *TP2]), qwen3_vl)
+    (tmp_path / "iter_0000002/mp_rank_00").mkdir(parents=True)
+    with pytest.raises(ConfigError, match=r"actor_config.load=.*iter_XXXXXXX/hf"):
+        check_mapped(config([*MM_FROZEN, *TP2, f"actor_config.load={tmp_path}"]), vlm)

@@ -26,6 +26,11 @@ schedule and optimizer.
   in lockstep: packed micro-batches of one length and count on every data-parallel rank (empty ones
   pad the count, as with virtual stages).
 
+* A vision-language model (``vision``, :class:`posttrain.training.megatron.vision.VisionInputs`):
+  each micro-batch's rows carry their images (``images``); the model gets their 3-D rotary
+  positions and, as ``decoder_input``, its word embeddings with the frozen tower's features at the
+  image tokens (packed or padded).
+
 The Ray worker groups build it (:mod:`posttrain.roles.megatron_policy`); docs/parallelism.md.
 """
 
@@ -142,7 +147,8 @@ class MegatronEngine:
     scheduler: Any
 
     def __init__(self, model, optimizer=None, scheduler=None, *, vocab_size: int, micro_batch_size: int = 1,
-                 metric_prefix: str = "actor", value_head: bool = False, options: EngineOptions | None = None):
+                 metric_prefix: str = "actor", value_head: bool = False, options: EngineOptions | None = None,
+                 vision=None):
         self.models = list(model) if isinstance(model, (list, tuple)) else [model]
         self.model = self.models[0] if len(self.models) == 1 else torch.nn.ModuleList(self.models)
         self.optimizer, self.scheduler = optimizer, scheduler
@@ -150,6 +156,7 @@ class MegatronEngine:
         self.value_head = value_head  # the critic: the model returns values, the loss consumes them
         self.options = options or EngineOptions()
         self.offload: MegatronOffload | None = None  # set by the policy (generate_config.offload_train_*)
+        self.vision = vision  # a VLM's VisionInputs (training/megatron/vision.py): images, 3-D positions
         # packed micro-batches with remove padding, and always under a token budget or with virtual
         # stages (rows per micro-batch vary there, and the pipeline's buffers need one shape)
         from megatron.core import parallel_state as ps
@@ -213,15 +220,28 @@ class MegatronEngine:
             rows = next(micro_iter)
             if self.packing:
                 *inputs, gather = _packed_inputs(batch, rows, shape[1])
-                return model(*inputs), lambda logits: (on_logits(rows, logits[0][gather]), {})
+                output = self._forward(model, batch, rows, inputs)
+                return output, lambda logits: (on_logits(rows, logits[0][gather]), {})
             *inputs, response = _inputs(batch, rows, shape[1])
-            return model(*inputs), lambda logits: (on_logits(rows, logits[:, response]), {})
+            return self._forward(model, batch, rows, inputs), lambda logits: (on_logits(rows, logits[:, response]), {})
 
         iterators = [iter(micro_batches) for _ in self.models]  # each chunk reads every micro-batch once
         get_forward_backward_func()(forward_step_func=forward_step,
                                     data_iterator=iterators if len(self.models) > 1 else iterators[0],
                                     model=self.models, num_microbatches=len(micro_batches), seq_length=shape[1],
                                     micro_batch_size=shape[0], forward_only=forward_only)
+
+    def _forward(self, model, batch, rows: torch.Tensor, inputs: list):
+        """``model``'s output on ``inputs`` (ids, positions, mask); a VLM's with its rows' images
+        (:class:`posttrain.training.megatron.vision.VisionInputs`: the 3-D positions and ``decoder_input``)."""
+        if self.vision is None:
+            return model(*inputs)
+        ids, positions, mask = inputs
+        if self.packing:
+            positions, embeds = self.vision.packed(model, batch, rows, ids)
+        else:
+            positions, embeds = self.vision.padded(model, batch, rows, ids, positions)
+        return model(ids, positions, mask, decoder_input=embeds)
 
     def _inference(self, batch, micro_batch_size, on_logits) -> torch.Tensor | None:
         """``on_logits(rows, logits) -> [B, R]`` over every micro-batch without gradients; the rows'

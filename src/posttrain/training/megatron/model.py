@@ -23,6 +23,7 @@ from posttrain.errors import CheckpointError, ConfigError
 from posttrain.models.mcore import mapping, mcore_files, splits
 from posttrain.models.mcore.convert import _stage_state, hf_arch
 from posttrain.models.mcore.hf_files import HFWeights
+from posttrain.training.megatron import vision
 from posttrain.training.megatron.lora import from_stage, merged_state_dict
 
 
@@ -45,7 +46,7 @@ def transformer_config(args: argparse.Namespace, tp: int, pp: int, vpp, layers, 
     ``TransformerConfig`` fields (the run's ``recompute_*`` and ``sequence_parallel``)."""
     from megatron.core.transformer import TransformerConfig
 
-    if arg(args, "position_embedding_type", "rope") != "rope":
+    if arg(args, "position_embedding_type", "rope") not in ("rope", "mrope"):
         raise NotImplementedError(f"position_embedding_type={args.position_embedding_type!r}")
     swiglu = bool(arg(args, "swiglu", False))
     gqa = bool(arg(args, "group_query_attention", False))
@@ -90,6 +91,8 @@ def transformer_config(args: argparse.Namespace, tp: int, pp: int, vpp, layers, 
         attention_softmax_in_fp32=True,
         sequence_parallel=False,
     )
+    if arg(args, "position_embedding_type", "rope") == "mrope":  # a VLM's language model (training/megatron/vision.py)
+        fields["mrope_section"] = list(args.mrope_section)
     if not arg(args, "num_experts", None):  # a dense model: no router options
         options = {k: v for k, v in options.items() if not k.startswith("moe_")}
     else:
@@ -159,7 +162,7 @@ def build_chunks(args: argparse.Namespace, config, vpp, *, value_head: bool = Fa
                 post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
                 parallel_output=True,
                 share_embeddings_and_output_weights=tied,
-                position_embedding_type="rope",
+                position_embedding_type=arg(args, "position_embedding_type", "rope"),
                 rotary_percent=float(arg(args, "rotary_percent", 1.0)),
                 rotary_base=int(arg(args, "rotary_base", 10000)),
                 vp_stage=stage,
@@ -244,13 +247,23 @@ def hf_to_megatron(hf_dir: str | Path, *, divisor: int = 128, for_training: bool
     with; and the Megatron arguments that describe it. ``for_training``: built so that Megatron's
     optimizer can tell the tensor-parallel parameters from the replicated ones (see
     :func:`transformer_config`); ``value_head``: the critic (:func:`attach_value_head`; a reward
-    model's ``score`` head is loaded into it); ``options``: more ``TransformerConfig`` fields."""
+    model's ``score`` head is loaded into it); ``options``: more ``TransformerConfig`` fields. A
+    Qwen2.5-VL directory gives its language model, with multimodal rotary positions
+    (:mod:`posttrain.training.megatron.vision`; its tower stays with the Hugging Face model)."""
     from megatron.core import parallel_state as ps
 
     tp, pp, vpp, ep = _sizes()
     weights = HFWeights(Path(hf_dir))
     orm = value_head and is_reward_model_dir(Path(hf_dir))
-    arch = hf_arch(Path(hf_dir), weights, orm=orm, moe=True)
+    vlm = vision.is_vlm_dir(hf_dir)
+    if vlm:  # a Qwen2.5-VL: its language model, with multimodal rotary positions
+        if value_head:
+            raise ConfigError(f"{hf_dir}: a vision-language model has no critic or reward head on the megatron "
+                              f"backend; use stage ray_grpo or ray_dapo")
+        vision.check_layout(bool(options.get("sequence_parallel")))
+        weights, arch = vision.LanguageModelWeights(weights), vision.language_arch(hf_dir)
+    else:
+        arch = hf_arch(Path(hf_dir), weights, orm=orm, moe=True)
     padded = splits.padded_vocab_size(arch.vocab_size, divisor, tp)
     splits.check_tp(tp, heads=arch.num_attention_heads, groups=arch.num_kv_heads,
                     ffn=arch.moe_ffn_hidden_size if arch.num_experts else arch.ffn_hidden_size, padded_vocab=padded)
@@ -261,6 +274,8 @@ def hf_to_megatron(hf_dir: str | Path, *, divisor: int = 128, for_training: bool
     par = mcore_files.Parallel(tp, pp, ep, mcore_files.pipeline_stages(arch.num_layers, pp, None, per_chunk))
     args = mcore_files.make_args(arch, par, padded_vocab=padded, divisor=divisor, params_dtype=torch.float32,
                             num_layer_list=None, layers_per_virtual_stage=per_chunk, orm=False)
+    if vlm:
+        args = vision.with_mrope(args, hf_dir)
     chunks = build_chunks(args, transformer_config(args, tp, pp, vpp, None, initialize=for_training, ep=ep,
                                                    **options), vpp, value_head=value_head)
     for index, chunk in enumerate(chunks):
