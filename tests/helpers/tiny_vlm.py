@@ -113,6 +113,20 @@ def shapes_image(count: int, seed: int, size: int = 112):
     return image
 
 
+def drawn_image(width: int, height: int, seed: int):
+    """A ``width x height`` white picture with 3 coloured squares placed by ``seed``."""
+    import torch
+    from PIL import Image, ImageDraw
+
+    rng = torch.Generator().manual_seed(seed)
+    image = Image.new("RGB", (width, height), (255, 255, 255))
+    draw = ImageDraw.Draw(image)
+    for _ in range(3):
+        x, y, c = (int(torch.randint(0, 40, (), generator=rng)) for _ in range(3))
+        draw.rectangle((x, y, x + 12, y + 12), fill=(6 * c, 255 - 6 * c, 3 * c))
+    return image
+
+
 def image_prompt(num_images: int, words: str = "how many shapes ?") -> str:
     """The prompt text: one vision block (start, image pad, end) per image, then ``words``."""
     return "<|vision_start|> <|image_pad|> <|vision_end|> " * num_images + words

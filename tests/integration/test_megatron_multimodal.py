@@ -21,6 +21,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.helpers.tiny_vlm import drawn_image
 from tests.megatron.spawn_ranks import run_on_ranks
 
 pytestmark = pytest.mark.slow
@@ -28,18 +29,6 @@ pytestmark = pytest.mark.slow
 LR = 1e-2
 SIZES = [(56, 84), None, (84, 56)]  # (width, height) of each row's image; None: a text-only row
 RESPONSE_LENGTHS = [5, 3, 7]
-
-
-def drawn_image(width: int, height: int, seed: int):
-    from PIL import Image, ImageDraw
-
-    rng = torch.Generator().manual_seed(seed)
-    image = Image.new("RGB", (width, height), (255, 255, 255))
-    draw = ImageDraw.Draw(image)
-    for _ in range(3):
-        x, y, c = (int(torch.randint(0, 40, (), generator=rng)) for _ in range(3))
-        draw.rectangle((x, y, x + 12, y + 12), fill=(6 * c, 255 - 6 * c, 3 * c))
-    return image
 
 
 def samples(model_dir) -> list[dict]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from PIL import Image, ImageDraw
+from tests.helpers.tiny_vlm import drawn_image
 
 from posttrain.models.vlm import concat_samples, load_processor
 from posttrain.training.batch import build_batch
@@ -17,16 +17,6 @@ from posttrain.training.remove_padding import Packing
 SIZES = [(56, 84), (56, 56), (84, 56)]  # (width, height): 6 x 4, 4 x 4 and 4 x 6 patches
 QUESTIONS = ["How many shapes?", "Count them.", "What is shown here, and how many?"]
 RESPONSE_LENGTHS = [5, 2, 7]
-
-
-def drawn_image(width: int, height: int, seed: int) -> Image.Image:
-    rng = torch.Generator().manual_seed(seed)
-    image = Image.new("RGB", (width, height), (255, 255, 255))
-    draw = ImageDraw.Draw(image)
-    for _ in range(3):
-        x, y, c = (int(torch.randint(0, 40, (), generator=rng)) for _ in range(3))
-        draw.rectangle((x, y, x + 12, y + 12), fill=(6 * c, 255 - 6 * c, 3 * c))
-    return image
 
 
 @pytest.fixture(scope="module", params=["tiny_vlm_dir", "tiny_qwen3_vl_dir"], ids=["qwen2_5_vl", "qwen3_vl"])
