@@ -176,8 +176,12 @@ def check_mapped(cfg: RunConfig, arch: ModelArch | None) -> None:
     :func:`posttrain.config.check.collect_checks` next to :func:`check_backend`), so that the layout's
     refusals are reported with it."""
     mp = model_parallel(cfg)
-    if mp.backend == "megatron" and cfg.rl.is_multimodal and cfg.actor.load:
-        check_vlm_load(cfg.actor.load, bool(cfg.actor.finetune))
+    if mp.backend == "megatron" and cfg.rl.is_multimodal:  # load, or pretrained_checkpoint (finetune)
+        from posttrain.config.options import checkpoint_load
+
+        start = checkpoint_load(cfg.actor)
+        if start.load:
+            check_vlm_load(start.load, start.finetune)
     gap = mcore_gap(arch) if arch is not None and mp.backend == "megatron" else None
     if gap is None and arch is not None and mp.backend == "megatron" and arch.model_type in MCORE_VLM \
             and not cfg.rl.is_multimodal:  # a VLM's language model trains with its images
