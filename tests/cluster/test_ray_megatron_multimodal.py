@@ -10,8 +10,12 @@ and the trainer's old log-prob equals the same forward's (all tokens): iteration
 initial VLM, iteration 2 against it with the language model the workers hold after update 1
 (gathered from the Megatron shards): so the leader's synced rollout copy and the chunks agree. The
 metrics are finite; the checkpoint's ``iter_0000002/hf`` loads with ``AutoModelForImageTextToText``,
-its language model's weights changed and its tower's did not; and a Megatron checkpoint of a VLM is
-refused as a start (with what to load instead).
+its language model's weights changed and its tower's did not. A run resumed from the straight run's
+``iter_0000001`` (a kill after iteration 1: the GPTModel with mrope from the checkpoint's args, the
+optimizer, LR schedule and trainer state from its files, the frozen VLM from its ``hf/``) takes
+iteration 2 exactly as the straight run did (every metric but the wall-clock ones, and every saved
+weight, equal: the text megatron resume tests' tolerance); ``finetune: true`` from that checkpoint is
+refused (with what to load instead).
 """
 
 from __future__ import annotations
@@ -28,12 +32,12 @@ from tests.helpers.tiny_vlm import colour_prompts
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 
-def megatron_mm_config(model_dir, data, out, *, load=None):
+def megatron_mm_config(model_dir, data, out, *, load=None, finetune=False):
     """4 prompts x 2 samples an iteration (2 optimizer steps of 4 rows), 6 new tokens, KL in the loss,
-    on the megatron backend at TP 2 (2 Ray workers), a checkpoint at the end."""
+    on the megatron backend at TP 2 (2 Ray workers), a checkpoint after each iteration."""
     return run_config(model_dir, data, out / "run", name=out.name, iters=2, megatron_training={
         "global_batch_size": 4, "micro_batch_size": 2, "seq_length": 256, "lr": 1e-2, "seed": 5, "bf16": OMIT,
-        "prompt_type": "qwen2_vl", "save": str(out / "ckpt"), "save_interval": 2, "backend": "megatron",
+        "prompt_type": "qwen2_vl", "save": str(out / "ckpt"), "save_interval": 1, "backend": "megatron",
         "tensor_model_parallel_size": 2}, rl_config={
         "n_samples_per_prompt": 2, "verifier_function": ["e2e_lowercase"], "verifier_modules": [VERIFIERS],
         "verifier_parallel": 0, "init_kl_coef": 0.01, "max_prompt_length": 160, "kl_penalty": "low_var_kl",
@@ -41,7 +45,7 @@ def megatron_mm_config(model_dir, data, out, *, load=None):
         "ray_timeout_s": 120, "guarantee_order": True}, generate_config={
         "max_num_seqs": 16, "limit_mm_image_per_prompt": 1, "max_model_len": 256,
         "sampling_config": {"max_tokens": 6, "temperature": 1.0, "top_k": -1}},
-        actor_config={**({"load": str(load)} if load else {})})
+        actor_config={**({"load": str(load)} if load else {}), **({"finetune": True} if finetune else {})})
 
 
 def test_grpo_with_images_on_the_megatron_backend(ray_cluster, tiny_vlm_dir, tmp_path, monkeypatch):
@@ -95,5 +99,28 @@ def test_grpo_with_images_on_the_megatron_backend(ray_cluster, tiny_vlm_dir, tmp
     assert any("language_model" in k for k in changed) and not any("visual" in k for k in changed), changed
     assert (out / "ckpt/iter_0000002/hf/preprocessor_config.json").is_file()
 
-    with pytest.raises(ConfigError, match="iter_XXXXXXX/hf"):  # its Megatron checkpoint does not start a run
-        train(megatron_mm_config(tiny_vlm_dir, data, tmp_path / "resumed", load=out / "ckpt"))
+    assert_resumed_exactly(tmp_path, tiny_vlm_dir, data, out, monkeypatch)
+    with pytest.raises(ConfigError, match="finetune: true"):  # its weights alone would start a new run: not built
+        train(megatron_mm_config(tiny_vlm_dir, data, tmp_path / "tuned", load=out / "ckpt/iter_0000001",
+                                 finetune=True))
+
+
+def assert_resumed_exactly(tmp_path, model_dir, data, straight, monkeypatch):
+    """The run resumed from ``straight``'s first checkpoint took its iteration 2: the same metrics (the
+    wall clock aside) and the same saved weights (the trained VLM of ``iter_0000002/hf``, gathered from the
+    Megatron shards)."""
+    from safetensors.torch import load_file
+
+    from posttrain.commands.train import train_config as train
+    from tests.cluster.test_ray_grpo import is_wall_clock
+    from tests.helpers.runs import metrics_by_iteration
+
+    monkeypatch.undo()  # the straight run's recorder
+    resumed = tmp_path / "resumed"
+    train(megatron_mm_config(model_dir, data, resumed, load=straight / "ckpt/iter_0000001"))
+    want, got = metrics_by_iteration(straight / "run"), metrics_by_iteration(resumed / "run")
+    assert sorted(got) == [2]
+    assert {k: v for k, v in got[2].items() if not is_wall_clock(k)} == \
+        {k: v for k, v in want[2].items() if not is_wall_clock(k)}
+    x, y = (load_file(str(run / "ckpt/iter_0000002/hf/model.safetensors")) for run in (straight, resumed))
+    assert sorted(x) == sorted(y) and all(torch.equal(x[k], y[k]) for k in x)

@@ -176,8 +176,12 @@ def check_mapped(cfg: RunConfig, arch: ModelArch | None) -> None:
     :func:`posttrain.config.check.collect_checks` next to :func:`check_backend`), so that the layout's
     refusals are reported with it."""
     mp = model_parallel(cfg)
-    if mp.backend == "megatron" and cfg.rl.is_multimodal and cfg.actor.load:
-        check_vlm_load(cfg.actor.load)
+    if mp.backend == "megatron" and cfg.rl.is_multimodal:  # load, or pretrained_checkpoint (finetune)
+        from posttrain.config.options import checkpoint_load
+
+        start = checkpoint_load(cfg.actor)
+        if start.load:
+            check_vlm_load(start.load, start.finetune)
     gap = mcore_gap(arch) if arch is not None and mp.backend == "megatron" else None
     if gap is None and arch is not None and mp.backend == "megatron" and arch.model_type in MCORE_VLM \
             and not cfg.rl.is_multimodal:  # a VLM's language model trains with its images
@@ -195,17 +199,26 @@ def check_mapped(cfg: RunConfig, arch: ModelArch | None) -> None:
                       f"another model{why}")
 
 
-def check_vlm_load(load: str) -> None:
-    """A multimodal run on the megatron backend starts from the VLM's Hugging Face directory: a Megatron
-    checkpoint as ``actor_config.load`` (a resume) is refused (posttrain.roles.megatron_vlm)."""
-    from posttrain.models.mcore.mcore_files import is_mcore_checkpoint  # lazy: torch
+def check_vlm_load(load: str, finetune: bool = False) -> None:
+    """A multimodal run on the megatron backend starts from the VLM's Hugging Face directory or
+    resumes its own Megatron checkpoint (an ``iter_*`` with the trained VLM in ``hf/``, ``finetune:
+    false``: posttrain.roles.megatron_vlm); any other Megatron checkpoint as ``actor_config.load`` is
+    refused."""
+    from posttrain.models.mcore.mcore_files import is_mcore_checkpoint, iteration_dir  # lazy: torch
+    from posttrain.models.vlm import saved_vlm_dir
 
-    if is_mcore_checkpoint(load):
-        raise ConfigError(f"actor_config.load={load}: a multimodal run on the megatron backend starts from the "
-                          f"Hugging Face Qwen2.5-VL directory; resuming or loading its Megatron checkpoint is not "
-                          f"built (the vision tower and the multimodal rotary layout come from the HF directory). "
-                          f"Load the trained VLM saved beside it (iter_XXXXXXX/hf: a new run, its optimizer state "
-                          f"restarts) or run on backend hf")
+    if not is_mcore_checkpoint(load):
+        return
+    it_dir = iteration_dir(load)
+    if not finetune and saved_vlm_dir(it_dir) is not None:
+        return
+    why = ("finetune: true (its weights without its optimizer state) is not built" if finetune else
+           f"{it_dir} is no iteration that a multimodal megatron run saved (no iter_XXXXXXX with the trained VLM "
+           f"in hf/; a converted checkpoint has no vision tower)")
+    raise ConfigError(f"actor_config.load={load}: a multimodal run on the megatron backend starts from the Hugging "
+                      f"Face Qwen2.5-VL directory or resumes its own checkpoint with finetune: false; {why}. Load "
+                      f"the trained VLM saved in iter_XXXXXXX/hf (a new run, its optimizer state restarts), resume "
+                      f"with finetune: false, or run on backend hf")
 
 
 def _check_legacy_layout(cfg: RunConfig, mp: ModelParallel, why: str) -> None:

@@ -56,6 +56,16 @@ def is_vlm_dir(path: str | Path) -> bool:
     return isinstance(cfg, dict) and cfg.get("model_type") in VLM_TYPES and "vision_config" in cfg
 
 
+MEGATRON_HF_SUBDIR = "hf"  # a multimodal megatron checkpoint's iteration: the trained VLM as a Hugging Face directory
+
+
+def saved_vlm_dir(it_dir: str | Path) -> Path | None:
+    """The trained VLM that a multimodal megatron run saved in its checkpoint iteration ``it_dir``
+    (``iter_XXXXXXX/hf``), or None where there is none (a text run's, or a converted ``release``)."""
+    hf_dir = Path(it_dir) / MEGATRON_HF_SUBDIR
+    return hf_dir if Path(it_dir).name.startswith("iter_") and is_vlm_dir(hf_dir) else None
+
+
 def add_vision_tokens(tokenizer) -> dict[str, int]:
     """Add the vision special tokens to ``tokenizer`` (with the VLM chat template); their config ids."""
     tokenizer.add_special_tokens({"additional_special_tokens": list(VISION_TOKENS)})

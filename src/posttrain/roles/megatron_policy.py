@@ -54,7 +54,7 @@ from posttrain.models.mcore import mcore_files
 from posttrain.models.mcore.mcore_files import is_mcore_checkpoint
 from posttrain.models.lora import AdapterOff, adapter_base, is_adapter_dir
 from posttrain.roles.critic import critic_source
-from posttrain.roles.megatron_vlm import load_vlm, save_hf_vlm
+from posttrain.roles.megatron_vlm import load_vlm, save_hf_vlm, vlm_source
 from posttrain.roles.megatron_view import MegatronView, replica_gpus
 from posttrain.roles.policy import Policy, build_rollout, model_source, offloaded_reference, reference_source
 from posttrain.training.megatron import lora as megatron_lora
@@ -156,8 +156,8 @@ class MegatronPolicy:
         a, par = plan.policy, plan.parallel
         self.plan, self.device = plan, device
         source = source or model_source(a)
-        if plan.multimodal:  # a VLM starts from its HF directory (roles/megatron_vlm.py)
-            check_vlm_load(str(source))
+        if plan.multimodal:  # a VLM starts from its HF directory or resumes (roles/megatron_vlm.py)
+            check_vlm_load(str(source), a.checkpoint.finetune)
         vpp = num_layers(source) // (par.pp * par.vpp_layers) if par.vpp_layers else None  # chunks per rank
         vpp = vpp if vpp and vpp > 1 else None
         # the parallel-state groups wait as long as the Ray calls (rl_config.ray_timeout_s), not Megatron's 30 min
@@ -189,7 +189,7 @@ class MegatronPolicy:
         if a.lora is not None:  # adapters on the frozen base, before Megatron's DDP and optimizer see it
             self._attach_lora(source, resuming)
         # a VLM: its frozen HF model on every rank (the tower's features, the leader's rollout copy)
-        self.vlm = load_vlm(str(resolve_checkpoint(source)[0]), device, plan.rollout_dtype) if plan.multimodal else None
+        self.vlm = load_vlm(vlm_source(str(source)), device, plan.rollout_dtype) if plan.multimodal else None
         self.vision = VisionInputs(self.vlm) if self.vlm is not None else None
         self.models, self.optimizer, self.scheduler = self._trainable(a.optim, plan, self.chunks)
         self.engine = self._engine(self.models, self.optimizer, self.scheduler, plan.stage.metric_prefix

@@ -12,9 +12,17 @@
   trained VLM as a Hugging Face Qwen2.5-VL directory with its processor
   (:func:`~posttrain.training.megatron.vlm_weights.save_vlm`), which
   ``AutoModelForImageTextToText`` loads and a new run can start from.
-* **Not built** (refused by :func:`posttrain.config.backend.check_vlm_load`): starting or resuming
-  from a Megatron checkpoint of a VLM (its arguments would need the multimodal rotary layout, and
-  the tower its HF directory).
+* **Resume** (``actor_config.load`` a run's checkpoint, ``finetune: false``): the ``GPTModel``
+  from the Megatron files (their saved arguments hold the multimodal rotary layout:
+  ``position_embedding_type: mrope`` and ``mrope_section``), with the optimizer, LR schedule and
+  trainer state; the frozen HF VLM from the checkpoint's ``iter_XXXXXXX/hf`` (:func:`vlm_source`):
+  the tower is frozen, so it is the original directory's, and the checkpoint is then complete on its
+  own (the original directory may have moved); its language model is overwritten from the chunks
+  before the first rollout anyway. The reference is rebuilt from the run's ``initial_model`` (the
+  original HF directory) as for a text run.
+* **Not built** (refused by :func:`posttrain.config.backend.check_vlm_load`): ``finetune: true``
+  from a VLM's Megatron checkpoint, or a Megatron checkpoint without the trained VLM beside it (a
+  converted ``release``: no tower).
 """
 
 from __future__ import annotations
@@ -24,8 +32,23 @@ from pathlib import Path
 import torch
 
 from posttrain.errors import ConfigError
+from posttrain.models.vlm import MEGATRON_HF_SUBDIR, saved_vlm_dir
 
-HF_SUBDIR = "hf"  # the trained VLM as a Hugging Face directory inside each Megatron checkpoint iteration
+HF_SUBDIR = MEGATRON_HF_SUBDIR  # the trained VLM as a Hugging Face directory in each checkpoint iteration
+
+
+def vlm_source(source: str) -> str:
+    """The Hugging Face directory a rank's frozen VLM loads from: the run's own checkpoint
+    iteration's ``hf/`` when ``source`` is a Megatron checkpoint (a resume), else ``source``'s."""
+    from posttrain.checkpoint import resolve_checkpoint
+    from posttrain.models.mcore.mcore_files import is_mcore_checkpoint, iteration_dir
+
+    if not is_mcore_checkpoint(source):
+        return str(resolve_checkpoint(source)[0])
+    hf_dir = saved_vlm_dir(iteration_dir(source))
+    if hf_dir is None:  # the config check refuses it first (posttrain.config.backend.check_vlm_load)
+        raise ConfigError(f"actor_config.load={source}: no trained VLM in {iteration_dir(source)}/{HF_SUBDIR}")
+    return str(hf_dir)
 
 
 def load_vlm(hf_dir: str, device: str, dtype: str) -> torch.nn.Module:

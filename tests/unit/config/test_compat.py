@@ -316,8 +316,9 @@ def test_a_row_with_an_unknown_name_is_an_error(kw):
 
 
 def test_a_vlm_on_the_megatron_backend_trains_with_its_images_and_from_its_hf_directory(tmp_path):
-    """Qwen2.5-VL's language model is mapped with is_multimodal only (Qwen3-VL never); a VLM's Megatron
-    checkpoint as load is refused, naming what to load instead."""
+    """Qwen2.5-VL's language model is mapped with is_multimodal only (Qwen3-VL never); a Megatron
+    checkpoint as load resumes where its iteration holds the trained VLM (``hf/``) and finetune is off,
+    else it is refused, naming what to load instead."""
     from posttrain.config.backend import check_mapped
 
     vlm, qwen3_vl = dataclasses.replace(ARCH, model_type="qwen2_5_vl"), dataclasses.replace(ARCH, model_type="qwen3_vl")
@@ -327,5 +328,11 @@ def test_a_vlm_on_the_megatron_backend_trains_with_its_images_and_from_its_hf_di
     with pytest.raises(ConfigError, match="qwen3_vl is not mapped to Megatron-Core"):
         check_mapped(config([*MM_FROZEN, *TP2]), qwen3_vl)
     (tmp_path / "iter_0000002/mp_rank_00").mkdir(parents=True)
-    with pytest.raises(ConfigError, match=r"actor_config.load=.*iter_XXXXXXX/hf"):
-        check_mapped(config([*MM_FROZEN, *TP2, f"actor_config.load={tmp_path}"]), vlm)
+    with pytest.raises(ConfigError, match=r"actor_config.load=.*no iteration that a multimodal.*iter_XXXXXXX/hf"):
+        check_mapped(config([*MM_FROZEN, *TP2, f"actor_config.load={tmp_path}"]), vlm)  # a text run's: no hf/
+    (tmp_path / "iter_0000002/hf").mkdir()
+    (tmp_path / "iter_0000002/hf/config.json").write_text(
+        '{"model_type": "qwen2_5_vl", "vision_config": {}, "text_config": {}}', encoding="utf-8")
+    check_mapped(config([*MM_FROZEN, *TP2, f"actor_config.load={tmp_path}"]), vlm)  # a multimodal run's: resumes
+    with pytest.raises(ConfigError, match=r"finetune: true .* is not built"):
+        check_mapped(config([*MM_FROZEN, *TP2, f"actor_config.load={tmp_path}", "actor_config.finetune=true"]), vlm)
