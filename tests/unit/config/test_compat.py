@@ -186,6 +186,7 @@ EXAMPLES: dict[str, tuple[list[str], str]] = {
     "mm-megatron-async": ([*MM_FROZEN, *TP2, *ASYNC], "cpu"),
     "mm-engine": ([*MM, *VLLM], "cpu"),
     "mm-fsdp2-tower": ([*MM, *RAY, "rl_config.ray_sharding=fsdp2"], "cpu"),
+    "mm-fsdp2-bf16": ([*MM_FROZEN, *RAY, "rl_config.ray_sharding=fsdp2"], "cuda"),
     "mm-fsdp2-lora": ([*MM_FROZEN, *LORA, *RAY, "rl_config.ray_sharding=fsdp2"], "cpu"),
     "mm-stage": ([*MM, *PPO], "cpu"),
     "mm-per_request": ([*MM, "rl_config.async_engine=true"], "cpu"),
