@@ -14,7 +14,8 @@ too) as in one process; rank 0 saves the processor with the weights.
 Videos with partial and asynchronous rollout (tiny Qwen2.5-VL; prompts with a picture, a video, both,
 and none): the rounds over the workers and their rollout copies sample with each prompt's media, a
 cut sample continues with them, and 2 iterations give the one-process responses, old log-probs,
-metrics and weights. Multimodal SFT on 2 workers: the one-process losses and weights.
+metrics and weights. Multimodal SFT on 2 workers: the one-process losses and weights. FSDP2
+(``ray_sharding: fsdp2``) with a frozen tower, the tower whole on each worker: the one-process run.
 """
 
 from __future__ import annotations
