@@ -297,8 +297,8 @@ def test_fsdp2_with_a_frozen_tower_on_two_workers_equals_one_process(ray_cluster
     """``ray_sharding: fsdp2`` with images (tiny Qwen2.5-VL, ``freeze_vision_tower``), 2 iterations:
     the language model sharded over 2 workers, the frozen tower whole on each (outside FSDP2, never a
     DTensor), the image features scattered into the sharded model's forward. The same responses, old
-    log-probs (1e-5), metrics and checkpoint weights as in one process; the tower unchanged; the
-    checkpoint loads with ``AutoModelForImageTextToText``."""
+    log-probs (1e-5), metrics, checkpoint weights and AdamW moments as in one process; the tower
+    unchanged; the checkpoint loads with ``AutoModelForImageTextToText``."""
     from transformers import AutoModelForImageTextToText
 
     from posttrain.loops.onpolicy import OnPolicyTrainer
@@ -347,3 +347,10 @@ def test_fsdp2_with_a_frozen_tower_on_two_workers_equals_one_process(ray_cluster
     changed = {k for k in before if not torch.equal(before[k], want[k])}
     assert changed and not any("visual" in k for k in changed)  # the LM trained, the tower frozen
     assert (path["ray"] / "preprocessor_config.json").is_file()
+    # the AdamW moments, matched as a one-process resume matches them (group by group, in order)
+    want, got = (torch.load(path[where] / "optimizer.pt", weights_only=False) for where in ("local", "ray"))
+    assert [len(g["params"]) for g in got["param_groups"]] == [len(g["params"]) for g in want["param_groups"]]
+    for want_group, got_group in zip(want["param_groups"], got["param_groups"]):
+        for w, g in zip(want_group["params"], got_group["params"]):
+            for key in ("exp_avg", "exp_avg_sq", "step"):
+                torch.testing.assert_close(got["state"][g][key], want["state"][w][key], rtol=1e-3, atol=1e-8)
