@@ -6,13 +6,15 @@ AdamW state sharded over the workers instead of replicated (DDP).
   sharded: its parameters are left out of FSDP2 (``ignored_params``) and stay whole on every rank,
   so the tower's forward, which posttrain runs outside the model's forward (the image features,
   :mod:`posttrain.training.multimodal`), reads full weights; the embedding lookup that the
-  features are scattered into runs in the model's forward, whose root unit gathers the embedding. The parameters become DTensors, so the optimizer and the LR
-  schedule are rebuilt on them; a state resumed into the unsharded model is carried over
-  (``get_optimizer_state_dict`` before, ``set_optimizer_state_dict`` after).
-* **Precision**: with bf16 training (``megatron_training.bf16``, on a GPU; on a CPU with bf16
-  units) the shards get ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``: the
-  parameters are gathered and computed in bf16, gradients are reduced in fp32, and the sharded
-  master weights and AdamW state stay fp32.
+  features are scattered into runs in the model's forward, whose root unit gathers the embedding.
+  The parameters become DTensors, so the optimizer and the LR schedule are rebuilt on them; a
+  state resumed into the unsharded model is carried over (``get_optimizer_state_dict`` before,
+  ``set_optimizer_state_dict`` after).
+* **Precision**: with bf16 training (``megatron_training.bf16``, on a GPU, refused there with
+  images: row ``mm-fsdp2-bf16``; on a CPU with bf16 units) the shards get
+  ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``: the parameters are gathered
+  and computed in bf16, gradients are reduced in fp32, and the sharded master weights and AdamW
+  state stay fp32.
 * **Update**: unchanged :class:`TrainEngine` code. FSDP2 averages gradients over ranks (reduce-
   scatter) like DDP, so the engine's loss scale by the world size applies; ``clip_grad_norm_``
   computes the global norm of the DTensor gradients.
@@ -43,6 +45,7 @@ import contextlib
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
+from posttrain.errors import ConfigError
 from posttrain.rollout.vllm_weights import ModelView, hf_name
 from posttrain.training.optim import build_role_optimizer, build_scheduler
 from posttrain.training.options import OptimOptions
@@ -106,7 +109,7 @@ def whole_tower(model) -> torch.nn.Module | None:
     except AttributeError:  # a causal LM: no .model.visual
         return None
     if any(param.requires_grad for param in tower.parameters()):
-        raise ValueError("rl_config.ray_sharding: fsdp2 shards a VLM with a frozen vision tower only; set "
+        raise ConfigError("rl_config.ray_sharding: fsdp2 shards a VLM with a frozen vision tower only; set "
                          "rl_config.freeze_vision_tower: true or ray_sharding: ddp")
     return tower
 
@@ -180,8 +183,8 @@ def full_state(model, optimizer, names: list[str], *, trainable_only: bool = Fal
 class FullCopy:
     """What save_checkpoint needs from a model and an optimizer, from gathered full states: a CPU
     HF model with the full weights (``save_pretrained``; a VLM: ``AutoModelForImageTextToText``) and
-    the optimizer's ``state_dict``. A PEFT (LoRA) model: a PEFT copy holding the gathered tensors, the rest of it never allocated
-    (:func:`posttrain.models.lora.meta_copy`; with the adapter alone, the base is not read)."""
+    the optimizer's ``state_dict``. A PEFT (LoRA) model: a PEFT copy holding the gathered tensors,
+    the rest of it never allocated (:func:`posttrain.models.lora.meta_copy`; with the adapter alone, the base is not read)."""
 
     def __init__(self, model, weights: dict, optim_state: dict):
         if hasattr(model, "peft_config"):
