@@ -14,7 +14,8 @@ too) as in one process; rank 0 saves the processor with the weights.
 Videos with partial and asynchronous rollout (tiny Qwen2.5-VL; prompts with a picture, a video, both,
 and none): the rounds over the workers and their rollout copies sample with each prompt's media, a
 cut sample continues with them, and 2 iterations give the one-process responses, old log-probs,
-metrics and weights. Multimodal SFT on 2 workers: the one-process losses and weights.
+metrics and weights. Multimodal SFT on 2 workers: the one-process losses and weights. FSDP2
+(``ray_sharding: fsdp2``) with a frozen tower, the tower whole on each worker: the one-process run.
 """
 
 from __future__ import annotations
@@ -283,3 +284,73 @@ def test_multimodal_sft_on_two_workers_equals_one_process(ray_cluster, tiny_vlm_
     changed = {k for k in before if not torch.equal(before[k], want[k])}
     assert any("visual" in k for k in changed) and any("visual" not in k for k in changed)  # the tower and the LM
     assert (tmp_path / "ray" / "ckpt" / "iter_0000002" / "preprocessor_config.json").is_file()
+
+
+@pytest.fixture(scope="module")
+def qwen25_data(tiny_vlm_dir, tmp_path_factory):
+    """:func:`mm_data`'s prompts for the tiny Qwen2.5-VL alone."""
+    return colour_prompts(tmp_path_factory.mktemp("ray_mm_fsdp2"), tiny_vlm_dir, text_only=(TEXT_ONLY,))
+
+
+def test_fsdp2_with_a_frozen_tower_on_two_workers_equals_one_process(ray_cluster, tiny_vlm_dir, qwen25_data,
+                                                                     tmp_path, monkeypatch):
+    """``ray_sharding: fsdp2`` with images (tiny Qwen2.5-VL, ``freeze_vision_tower``), 2 iterations:
+    the language model sharded over 2 workers, the frozen tower whole on each (outside FSDP2, never a
+    DTensor), the image features scattered into the sharded model's forward. The same responses, old
+    log-probs (1e-5), metrics, checkpoint weights and AdamW moments as in one process; the tower
+    unchanged; the checkpoint loads with ``AutoModelForImageTextToText``."""
+    from transformers import AutoModelForImageTextToText
+
+    from posttrain.loops.onpolicy import OnPolicyTrainer
+    from tests.cluster.cluster_helpers import record_run
+
+    frozen = {"freeze_vision_tower": True}
+    passes = {"local": [], "ray": []}  # each run's (responses, old_logprobs) after the old log-prob pass
+    shares = []  # each worker's parameter bytes, trainable and frozen, during the run
+    real_correct = OnPolicyTrainer.correct
+    runs = {}
+    for where, rl in (("local", {**frozen}), ("ray", {**frozen, "ray_sharding": "fsdp2"})):
+        def correct(self, td, acc, iteration, where=where):
+            passes[where].append([column(td, name) for name in ("responses", "old_logprobs")])
+            if where == "ray" and not shares:
+                shares.extend(self.s.cluster.parameter_bytes())
+            return real_correct(self, td, acc, iteration)
+
+        monkeypatch.setattr(OnPolicyTrainer, "correct", correct)
+        runs[where] = record_run(mm_config(tiny_vlm_dir, qwen25_data, tmp_path / where,
+                                           workers=1 if where == "local" else 2, iters=2, rl=rl))
+    before = initial_weights(tiny_vlm_dir)
+    tower = sum(v.numel() * v.element_size() for k, v in before.items() if "visual" in k)
+    language = sum(v.numel() * v.element_size() for k, v in before.items() if "visual" not in k)
+    assert len(shares) == 2 and all(share["frozen"] == tower for share in shares)  # the tower whole on each
+    assert all(share["trainable"] < 0.75 * language for share in shares)  # the LM sharded
+    (local_batches, local_rows, _), (ray_batches, ray_rows, _) = runs["local"], runs["ray"]
+    assert ray_batches == local_batches and len(local_batches) == 2
+    assert len(passes["ray"]) == len(passes["local"]) == 2
+    for got, want in zip(passes["ray"], passes["local"]):
+        assert torch.equal(got[0], want[0])
+        torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-5)
+    local_rows = [r for r in local_rows if "actor/pg_loss" in r]
+    ray_rows = [r for r in ray_rows if "actor/pg_loss" in r]
+    assert [r["iteration"] for r in ray_rows] == [r["iteration"] for r in local_rows] == [1, 2]
+    for want, got in zip(local_rows, ray_rows):
+        assert sorted(got) == sorted(want)
+        for key in (k for k in want if not is_wall_clock(k)):
+            assert same(got[key], want[key], key), (want["iteration"], key, got[key], want[key])
+        assert want["actor/grad_norm"] > 0
+    path = {where: tmp_path / where / "ckpt" / "iter_0000002" for where in ("local", "ray")}
+    want = initial_weights(path["local"])
+    got = AutoModelForImageTextToText.from_pretrained(str(path["ray"])).state_dict()  # the FSDP2 run's checkpoint
+    assert sorted(got) == sorted(want)
+    for key, value in want.items():
+        torch.testing.assert_close(got[key], value, rtol=1e-4, atol=1e-5, msg=lambda m, key=key: f"{key}: {m}")
+    changed = {k for k in before if not torch.equal(before[k], want[k])}
+    assert changed and not any("visual" in k for k in changed)  # the LM trained, the tower frozen
+    assert (path["ray"] / "preprocessor_config.json").is_file()
+    # the AdamW moments, matched as a one-process resume matches them (group by group, in order)
+    want, got = (torch.load(path[where] / "optimizer.pt", weights_only=False) for where in ("local", "ray"))
+    assert [len(g["params"]) for g in got["param_groups"]] == [len(g["params"]) for g in want["param_groups"]]
+    for want_group, got_group in zip(want["param_groups"], got["param_groups"]):
+        for w, g in zip(want_group["params"], got_group["params"]):
+            for key in ("exp_avg", "exp_avg_sq", "step"):
+                torch.testing.assert_close(got["state"][g][key], want["state"][w][key], rtol=1e-3, atol=1e-8)

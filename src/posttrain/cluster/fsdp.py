@@ -2,13 +2,19 @@
 AdamW state sharded over the workers instead of replicated (DDP).
 
 * **Sharding**: every decoder layer (the HF model's ``_no_split_modules`` classes) and then the
-  whole model get ``fully_shard``. The parameters become DTensors, so the optimizer and the LR
-  schedule are rebuilt on them; a state resumed into the unsharded model is carried over
-  (``get_optimizer_state_dict`` before, ``set_optimizer_state_dict`` after).
-* **Precision**: with bf16 training (``megatron_training.bf16``, on a GPU; on a CPU with bf16
-  units) the shards get ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``: the
-  parameters are gathered and computed in bf16, gradients are reduced in fp32, and the sharded
-  master weights and AdamW state stay fp32.
+  whole model get ``fully_shard``. A VLM's frozen vision tower (``freeze_vision_tower``) is not
+  sharded: its parameters are left out of FSDP2 (``ignored_params``) and stay whole on every rank,
+  so the tower's forward, which posttrain runs outside the model's forward (the image features,
+  :mod:`posttrain.training.multimodal`), reads full weights; the embedding lookup that the
+  features are scattered into runs in the model's forward, whose root unit gathers the embedding.
+  The parameters become DTensors, so the optimizer and the LR schedule are rebuilt on them; a
+  state resumed into the unsharded model is carried over (``get_optimizer_state_dict`` before,
+  ``set_optimizer_state_dict`` after).
+* **Precision**: with bf16 training (``megatron_training.bf16``, on a GPU, refused there with
+  images: row ``mm-fsdp2-bf16``; on a CPU with bf16 units) the shards get
+  ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``: the parameters are gathered
+  and computed in bf16, gradients are reduced in fp32, and the sharded master weights and AdamW
+  state stay fp32.
 * **Update**: unchanged :class:`TrainEngine` code. FSDP2 averages gradients over ranks (reduce-
   scatter) like DDP, so the engine's loss scale by the world size applies; ``clip_grad_norm_``
   computes the global norm of the DTensor gradients.
@@ -37,8 +43,9 @@ from __future__ import annotations
 import contextlib
 
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
+from posttrain.errors import ConfigError
 from posttrain.rollout.vllm_weights import ModelView, hf_name
 from posttrain.training.optim import build_role_optimizer, build_scheduler
 from posttrain.training.options import OptimOptions
@@ -75,10 +82,12 @@ def shard(model, engine, optim: OptimOptions, total_steps: int) -> list[str]:
     full_optim = get_optimizer_state_dict(model, engine.optimizer, options=_options()) if has_state else None
     scheduler_state = engine.scheduler.state_dict() if engine.scheduler is not None else None
     layers = set(getattr(model, "_no_split_modules", None) or [])
+    tower = whole_tower(model)
+    kept = set() if tower is None else set(tower.modules())
     for module in list(model.modules()):
-        if type(module).__name__ in layers:
+        if type(module).__name__ in layers and module not in kept:
             fully_shard(module, mp_policy=policy)
-    fully_shard(model, mp_policy=policy)
+    fully_shard(model, mp_policy=policy, ignored_params={p for m in kept for p in m.parameters(recurse=False)})
     engine.optimizer = build_role_optimizer(model, optim)
     if engine.offload is not None:  # generate_config.offload_train_*: the new optimizer's state moves
         engine.offload.optimizer = engine.optimizer
@@ -88,6 +97,21 @@ def shard(model, engine, optim: OptimOptions, total_steps: int) -> list[str]:
     if scheduler_state is not None:
         engine.scheduler.load_state_dict(scheduler_state)
     return names
+
+
+def whole_tower(model) -> torch.nn.Module | None:
+    """A VLM's vision tower, kept whole on every rank (frozen: no gradient to reduce); None for a
+    text model. A trained tower is refused by the config (row ``mm-fsdp2-tower``)."""
+    from posttrain.training.multimodal import vision_tower
+
+    try:
+        tower = vision_tower(model)
+    except AttributeError:  # a causal LM: no .model.visual
+        return None
+    if any(param.requires_grad for param in tower.parameters()):
+        raise ConfigError("rl_config.ray_sharding: fsdp2 shards a VLM with a frozen vision tower only; set "
+                         "rl_config.freeze_vision_tower: true or ray_sharding: ddp")
+    return tower
 
 
 def fsdp_modules(model) -> list:
@@ -158,9 +182,9 @@ def full_state(model, optimizer, names: list[str], *, trainable_only: bool = Fal
 
 class FullCopy:
     """What save_checkpoint needs from a model and an optimizer, from gathered full states: a CPU
-    HF model with the full weights (``save_pretrained``) and the optimizer's ``state_dict``. A
-    PEFT (LoRA) model: a PEFT copy holding the gathered tensors, the rest of it never allocated
-    (:func:`posttrain.models.lora.meta_copy`; with the adapter alone, the base is not read)."""
+    HF model with the full weights (``save_pretrained``; a VLM: ``AutoModelForImageTextToText``) and
+    the optimizer's ``state_dict``. A PEFT (LoRA) model: a PEFT copy holding the gathered tensors,
+    the rest of it never allocated (:func:`posttrain.models.lora.meta_copy`; with the adapter alone, the base is not read)."""
 
     def __init__(self, model, weights: dict, optim_state: dict):
         if hasattr(model, "peft_config"):
@@ -168,7 +192,8 @@ class FullCopy:
 
             copy = meta_copy(model, weights)
         else:
-            copy = AutoModelForCausalLM.from_config(model.config)
+            vlm = hasattr(model.config, "vision_config")  # a VLM: its own class, the tower included
+            copy = (AutoModelForImageTextToText if vlm else AutoModelForCausalLM).from_config(model.config)
             copy.load_state_dict(weights, strict=False)
         self.model, self.optim_state = copy, optim_state
 

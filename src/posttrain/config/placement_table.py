@@ -89,8 +89,10 @@ FEATURES: dict[str, Feature] = {
     "partial": Feature("partial", "grpo_tiny_qwen2", ("rl_config.partial_rollout_max_split=2",)),
     "reward-model": Feature("reward model", "grpo_tiny_qwen2", _REWARD_MODEL),
     "vllm": Feature("vLLM", "grpo_tiny_qwen2", ("rl_config.rollout_engine=vllm",)),
-    # images reach the native engine only (rollout_engine: vllm with images is refused: mm-engine)
+    # images reach the native engine only (rollout_engine: vllm with images is refused: mm-engine); a frozen
+    # tower (FSDP2 and the megatron backend train the language model alone: mm-fsdp2-tower, mm-megatron-tower)
     "multimodal": Feature("multimodal", "grpo_tiny_qwen2", ("rl_config.is_multimodal=true",
+                                                             "rl_config.freeze_vision_tower=true",
                                                              "rl_config.eval_data_path=null",
                                                              "rl_config.rollout_engine=native")),
 }
@@ -152,6 +154,8 @@ TESTED: dict[tuple[str, str], str] = {
     ("multi-node", "grpo"): _C + "test_multi_node.py::test_grpo_with_its_workers_on_two_nodes_equals_the_run_in_one_process",
     ("process", "multimodal"): _E + "test_e2e_multimodal.py::test_a_resumed_run_repeats_the_straight_one",
     ("ray-ddp", "multimodal"): _C + "test_ray_multimodal.py::test_two_workers_equal_one_process",
+    ("ray-fsdp2", "multimodal"): _C + "test_ray_multimodal.py::test_fsdp2_with_a_frozen_tower_on_two_workers_equals_one_process",
+    ("megatron", "multimodal"): _C + "test_ray_megatron_multimodal.py::test_grpo_with_images_on_the_megatron_backend",
 }
 # the megatron backend across nodes is a multi-node test too (its own placement column is megatron's)
 MULTI_NODE_MEGATRON = _C + "test_multi_node.py::test_megatron_tensor_parallel_across_two_nodes_trains_and_resumes"
