@@ -19,7 +19,8 @@ Variants, timed interleaved (A B C A B C ..., one call each, medians over ``--re
 * ``...+fp32`` (bf16 only): q/k/v cast to fp32 for the SDPA, the output cast back to bf16;
 * decode (one query row against the KV cache, with the key-padding mask): ``pack`` (what the rollout
   runs: transformers' ``pack_gqa``, the 3 query heads of a key/value head as 3 query rows, no copy),
-  ``repeat`` (``repeat_interleave``), ``gqa`` (``enable_gqa=True``).
+  ``repeat`` (``repeat_interleave``), ``gqa`` (``enable_gqa=True``); without a mask (no row padded),
+  ``nomask-gqa`` (transformers' path: ``enable_gqa``) and ``nomask-pack`` (posttrain's on a CPU).
 
 ``fwd`` times the forward alone (under ``no_grad``), ``fwd+bwd`` the forward and the backward of a
 random output gradient. The kernel each variant dispatches to is read from ``torch.profiler``.
@@ -99,9 +100,12 @@ def update_variants(dtype: torch.dtype, mask: torch.Tensor) -> dict:
 
 
 def decode_variants(dtype: torch.dtype, mask: torch.Tensor) -> dict:
-    """``pack``: the rollout's path (transformers' ``sdpa_attention_forward`` for one query row)."""
+    """``pack``: transformers' ``sdpa_attention_forward`` for one query row with a mask (a batch with
+    padded rows); ``nomask-gqa``: its path without one (no row padded: prompts of one length), which
+    ``enable_gqa`` runs; ``nomask-pack``: ``posttrain.models.cpu_attention.decode_sdpa``'s path then."""
     variants = {"pack": (mask, False, "pack", False), "repeat": (mask, False, False, False),
-                "gqa": (mask, False, True, False)}
+                "gqa": (mask, False, True, False), "nomask-gqa": (None, False, True, False),
+                "nomask-pack": (None, False, "pack", False)}
     if dtype != torch.float32:
         variants.update({"pack+fp32": (mask, False, "pack", True), "gqa+fp32": (mask, False, True, True)})
     return variants

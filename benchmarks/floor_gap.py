@@ -19,7 +19,7 @@ Before against after on a shared machine, variants alternating in rounds of fres
 has no switch, so ``before`` samples with the new sampler); ``after`` = posttrain's defaults;
 ``regions`` = the defaults plus ``rl_config.compile_regions=true``; ``masked_attention`` = the
 defaults with ``POSTTRAIN_CPU_ATTENTION=off`` (the packed attention's masked SDPA, before its CPU
-path: ``posttrain.training.cpu_attention``). Every run uses ``--threads``
+path: ``posttrain.models.cpu_attention``). Every run uses ``--threads``
 torch threads (default 1: two threads on a 2-core machine where others hold a core stall each
 other) and records the load average before and after, the CPU cores other processes used during
 each iteration (``posttrain bench``'s ``CpuMeter``, from ``/proc/stat``), the CPU model and flags,

@@ -94,7 +94,7 @@ def test_dpo_prefers_the_right_sum(tiny):
     assert len(rows) == 40
     accuracies = [r["rewards/accuracies"] for r in rows]
     margins = [r["rewards/margins"] for r in rows]
-    assert sum(accuracies[-5:]) / 5 > 0.9, accuracies
+    assert sum(accuracies[-10:]) / 10 > 0.9, accuracies  # a batch holds 32 pairs: one batch's accuracy is noisy
     first, last = first_last(margins)
     assert last > first + 0.5, f"margin did not grow: {margins}"
     assert rows[-1]["rewards/chosen"] > rows[-1]["rewards/rejected"]

@@ -58,6 +58,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from posttrain.errors import ConfigError, DataError
+from posttrain.models import cpu_attention
 from posttrain.models.packed_linear import PackedLinears, resolve_packed
 from posttrain.rollout.base import RolloutEngine, RolloutOutput, SamplingParams
 from posttrain.rollout.images import ImageInputs, check_requests, prefill_inputs, vision_token_ids
@@ -394,6 +395,7 @@ class NativeEngine(RolloutEngine):
         if self._copy is None:
             self._copy = copy.deepcopy(self.model).to(self.dtype).eval()
             self._copy.requires_grad_(False)
+            cpu_attention.use_decode_sdpa(self._copy)  # its one-token queries without a mask: pack_gqa
         elif version != self._copy_version:
             with torch.no_grad():
                 for mine, theirs in zip(self._copy.parameters(), params):

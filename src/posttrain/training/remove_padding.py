@@ -11,7 +11,7 @@ ids that restart at 0 for every sequence, and:
   ``[B_k, H, L_k, D]`` blocks and runs one causal SDPA with a key-padding mask per block, i.e. a
   block-diagonal causal mask over the packed row, without ever building the ``N x N`` mask (on a
   CPU: ``is_causal`` with no mask, GQA inside SDPA, bf16 in fp32 without AMX; see
-  :mod:`posttrain.training.cpu_attention`). The
+  :mod:`posttrain.models.cpu_attention`). The
   rows go into up to 4 blocks of similar length (:func:`block_rows`), so the many short answers of
   an RL batch are not padded to its longest one (the attention costs ``rows x width^2``); a model
   loaded with ``flash_attention_2`` uses the varlen kernel instead (it reads the restarts of the
@@ -47,13 +47,12 @@ from dataclasses import dataclass
 
 import torch
 from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
 from posttrain.algo.logprob import entropy_from_logits, logprobs_from_logits
 from posttrain.algo.truncation import Truncation
 from posttrain.errors import ConfigError
-from posttrain.training import cpu_attention
+from posttrain.models import cpu_attention
 from posttrain.training.batch import default_position_ids
 from posttrain.training.lm_head import detached_head, head_logprobs
 from posttrain.training.multimodal import model_kwargs, pack_image_features
@@ -82,9 +81,9 @@ def _packed_attention(module, query, key, value, attention_mask, dropout=0.0, sc
     packed position its output.
     """
     blocks = kwargs.get("posttrain_blocks")
-    if blocks is None:  # not a packed forward (rollout, padded batches): the model's own attention
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
-                                      scaling=scaling, **kwargs)
+    if blocks is None:  # not a packed forward (rollout, padded batches): SDPA, as decode_sdpa runs it
+        return cpu_attention.decode_sdpa(module, query, key, value, attention_mask, dropout=dropout,
+                                         scaling=scaling, **kwargs)
     outs = [_block_attention(module, query, key, value, index, valid, dropout, scaling) for index, valid in blocks]
     out = outs[0] if len(outs) == 1 else torch.cat(outs)
     return out.index_select(0, kwargs["posttrain_owner"]).unsqueeze(0), None  # [1, N, H, D]

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from posttrain.errors import ConfigError
-from posttrain.training import cpu_attention
+from posttrain.models import cpu_attention
 from posttrain.training import remove_padding as rp
 
 HEADS, KV_HEADS, DIM = 6, 2, 8
