@@ -20,8 +20,8 @@ AMX, 1 thread, torch 2.13): forward + backward 2.2-2.8x faster in bf16 and 1.09-
 SDPA kernel is ``_scaled_dot_product_flash_attention_for_cpu`` either way. The bf16 result is closer
 to the fp32 one than bf16 SDPA's (it rounds once, at the output).
 
-**The rollout's decode** (:func:`decode_sdpa`; the native engine's sampling copy and the packed
-attention's unpacked forwards): transformers runs a one-token query's GQA with ``enable_gqa=True``
+**The rollout's decode** (:func:`decode_sdpa`; the models the native engine samples from, and the
+packed attention's unpacked forwards): transformers runs a one-token query's GQA with ``enable_gqa=True``
 when the batch needs no mask (no row padded: prompts of one length, or one prompt's samples) and as
 ``pack_gqa`` (the 3 query heads of a key/value head as 3 query rows, no copy) when it does. The
 first is far slower in bf16 on a CPU: SmolLM2-135M's heads, 64 rows, 60 / 118 cache columns, 1
@@ -103,12 +103,17 @@ def decode_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=
 
 
 def use_decode_sdpa(model: torch.nn.Module) -> None:
-    """Switch a sampling model (never trained) from transformers' ``sdpa`` attention to
-    :func:`decode_sdpa` on a CPU (models with sub-configs, such as vision-language models, keep theirs)."""
-    config = getattr(model, "config", None)
-    param = next(iter(model.parameters()), None)
-    if (param is None or not enabled(param.device) or getattr(config, "sub_configs", None)
-            or getattr(config, "_attn_implementation", None) != "sdpa"):
+    """Switch ``model`` (or a DDP wrapper's module) from transformers' ``sdpa`` attention to
+    :func:`decode_sdpa` on a CPU: the same attention for every call but a one-token query without a
+    mask (a vision-language model's sub-configs follow, as for the packed attention).
+
+    The native engine switches the model it samples from when it is built, so a process's first
+    rollout, which runs before the packed attention is installed (its unpacked forwards call
+    :func:`decode_sdpa` too), computes as every later one: a resumed run repeats the straight one."""
+    inner = getattr(model, "module", model)
+    config = getattr(inner, "config", None)
+    param = next(iter(inner.parameters()), None)
+    if param is None or not enabled(param.device) or getattr(config, "_attn_implementation", None) != "sdpa":
         return
     AttentionInterface.register(DECODE_SDPA, decode_sdpa)
     AttentionMaskInterface.register(DECODE_SDPA, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])

@@ -246,6 +246,7 @@ class NativeEngine(RolloutEngine):
             raise ConfigError("generate_config.max_num_seqs and max_num_batched_tokens must be >= 1 "
                               f"(got {max_num_seqs}, {max_num_batched_tokens}).")
         self.model = model
+        cpu_attention.use_decode_sdpa(model)  # a CPU decode's one-token queries without a mask: pack_gqa
         self.pad_token_id = int(pad_token_id)
         eos = [] if eos_token_ids is None else ([eos_token_ids] if isinstance(eos_token_ids, int) else eos_token_ids)
         self.eos_token_ids = [int(t) for t in eos]
@@ -395,7 +396,6 @@ class NativeEngine(RolloutEngine):
         if self._copy is None:
             self._copy = copy.deepcopy(self.model).to(self.dtype).eval()
             self._copy.requires_grad_(False)
-            cpu_attention.use_decode_sdpa(self._copy)  # its one-token queries without a mask: pack_gqa
         elif version != self._copy_version:
             with torch.no_grad():
                 for mine, theirs in zip(self._copy.parameters(), params):

@@ -14,6 +14,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from posttrain.models import cpu_attention
 from posttrain.rollout.base import SamplingParams
 from posttrain.rollout.native import NativeEngine
+from posttrain.training import remove_padding
 
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11, 12]]  # one length: the decode's batch needs no mask
 
@@ -64,9 +65,18 @@ def test_the_sampling_copy_decodes_with_pack_gqa_and_off_restores_enable_gqa(mod
             assert torch.allclose(torch.tensor(out.logprobs), torch.tensor(out_off.logprobs), atol=2e-2)
 
 
-def test_models_with_sub_configs_keep_their_attention(monkeypatch):
+def test_a_first_rollout_computes_as_the_rollouts_after_the_packed_attention_is_installed(model, monkeypatch):
+    """A process's first rollout runs before training installs the packed attention (whose unpacked
+    forwards call decode_sdpa): the engine switches the model it samples from when it is built, so both
+    compute alike and a resumed run repeats the straight one bit for bit."""
     monkeypatch.delenv(cpu_attention.ENV, raising=False)
-    model = torch.nn.Linear(2, 2)
-    model.config = type("Config", (), {"sub_configs": {"vision_config": object}, "_attn_implementation": "sdpa"})()
-    cpu_attention.use_decode_sdpa(model)
-    assert model.config._attn_implementation == "sdpa"
+    actor = copy.deepcopy(model)
+    actor.config._attn_implementation = "sdpa"
+    engine = NativeEngine(actor, pad_token_id=0, eos_token_ids=[])  # fp32: the actor samples itself
+    sampling = SamplingParams(temperature=1.0, max_tokens=8, seed=3)
+    first = engine.generate(PROMPTS, 3, sampling)
+    assert actor.config._attn_implementation == cpu_attention.DECODE_SDPA
+    remove_padding.enable(actor)
+    assert actor.config._attn_implementation == remove_padding.ATTN_NAME
+    again = engine.generate(PROMPTS, 3, sampling)
+    assert [o.logprobs for g in first for o in g] == [o.logprobs for g in again for o in g]
