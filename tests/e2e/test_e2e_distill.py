@@ -94,7 +94,7 @@ def test_distillation_moves_the_student_to_the_teacher_on_held_out_prompts(tmp_p
                                   tmp_path / "held" / "data", prompt_type="trl", workers=1)
     held_prompts = [p for p, _ in prompts_and_answers(held_out)]
     cfg = run_config(mini_world / "model", mini_world / "data" / "rl", tmp_path / "out", name="distill", iters=ITERS,
-                     megatron_training={"global_batch_size": 16, "micro_batch_size": 64, "lr": 2e-2,
+                     megatron_training={"global_batch_size": 16, "micro_batch_size": 64, "lr": 1e-2,
                                         "save": str(tmp_path / "ckpt")},
                      rl_config={"n_samples_per_prompt": 8, "mini_batch_size": 16,
                                 "teacher_model": str(teacher_dir), "verifier_function": ["last_number"],
@@ -105,7 +105,7 @@ def test_distillation_moves_the_student_to_the_teacher_on_held_out_prompts(tmp_p
     for key in ("timing/teacher_model", "distill/teacher_logprob", "distill/student_logprob"):
         assert key in last, key
     kls = [r["distill/reverse_kl"] for r in read_metrics(tmp_path / "out") if "distill/reverse_kl" in r]
-    # on the student's own samples (measured, seeds 1 and 2: 6.1 nats per token over the first 3 iterations,
+    # on the student's own samples (measured, seed 1: 6.0 nats per token over the first 3 iterations,
     # 3.1 over the last 5)
     assert len(kls) == ITERS and sum(kls[-5:]) / 5 < 0.75 * sum(kls[:3]) / 3, kls
 
@@ -114,6 +114,7 @@ def test_distillation_moves_the_student_to_the_teacher_on_held_out_prompts(tmp_p
                               tokenizer.eos_token_id)
     after = agreement_and_kl(load_causal_lm(resolve_model_dir(tmp_path / "ckpt")).eval(), teacher, held_prompts,
                              tokenizer.eos_token_id)
-    # measured (seeds 1 and 2): agreement 0.125 -> 0.59 and 0.625, reverse KL 6.5 -> 2.6 and 2.3 nats per token
+    # measured (seeds 1-4, lr 1e-2): agreement 0.125 -> 0.59-0.625, reverse KL 6.5 -> 2.5-3.2 nats per token. At lr
+    # 2e-2 seed 1 once stalled at 0.34 / 5.8 after a 1-ulp change of the rollout's attention (seeds 2-5: 0.625)
     assert after[0] >= before[0] + 0.25, (before, after)  # the held-out agreement rises
     assert after[1] < 0.6 * before[1], (before, after)  # and the reverse KL there falls by 40% or more
