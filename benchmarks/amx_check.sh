@@ -32,17 +32,17 @@ PIN=(taskset -c "$CORES")
   echo "== cpu"
   lscpu | grep -E 'Model name|^CPU\(s\)|Thread|Socket|L2|L3'
   grep -o -w -E 'amx_bf16|amx_tile|amx_int8|avx512_bf16|avx512f|avx2' /proc/cpuinfo | sort | uniq -c
-  "$PYTHON" - <<'EOF'
+  "$PYTHON" - <<'EOF' || exit 1
 import torch
 from posttrain.device import cpu_supports_bf16, precision
-from posttrain.training import cpu_attention
+from posttrain.models import cpu_attention
 print("torch", torch.__version__, "| AMX tiles:", torch.cpu._is_amx_tile_supported(),
       "| posttrain: cpu bf16 =", cpu_supports_bf16(), "| precision(cpu, bf16 asked) =",
       precision("cpu", bf16=True, rollout_dtype="bfloat16"),
       "| bf16 attention in fp32 =", cpu_attention.bf16_in_fp32())
 EOF
   echo "== random-init SmolLM2-135M at $POSTTRAIN_MODEL_CACHE"
-  "$PYTHON" - "$FILES" <<'EOF'
+  "$PYTHON" - "$FILES" <<'EOF' || exit 1
 import shutil, sys
 from pathlib import Path
 import torch

@@ -53,11 +53,12 @@ DECODE_SDPA = "posttrain_sdpa"  # the name decode_sdpa is registered under (Atte
 
 
 def enabled(device: torch.device) -> bool:
-    """Whether the packed attention on ``device`` takes this module's path (``$POSTTRAIN_CPU_ATTENTION``)."""
+    """Whether attention on ``device`` takes this module's paths (``$POSTTRAIN_CPU_ATTENTION``)."""
     pinned = os.environ.get(ENV, "").strip().lower()
     if pinned and pinned not in CHOICES:
-        raise ConfigError(f"${ENV}={pinned!r}: use on (causal, GQA in SDPA, bf16 in fp32 without AMX) "
-                          "or off (the general masked SDPA), or leave it unset (on)")
+        raise ConfigError(f"${ENV}={pinned!r}: use on (packed blocks causal with GQA in SDPA, bf16 in fp32 "
+                          "without AMX; the decode's unmasked queries as pack_gqa) or off (transformers' and "
+                          "the general masked SDPA), or leave it unset (on)")
     return device.type == "cpu" and CHOICES.get(pinned, True)
 
 
