@@ -19,7 +19,9 @@ Before against after on a shared machine, variants alternating in rounds of fres
 has no switch, so ``before`` samples with the new sampler); ``after`` = posttrain's defaults;
 ``regions`` = the defaults plus ``rl_config.compile_regions=true``; ``masked_attention`` = the
 defaults with ``POSTTRAIN_CPU_ATTENTION=off`` (the packed attention's masked SDPA, before its CPU
-path: ``posttrain.models.cpu_attention``). Every run uses ``--threads``
+path: ``posttrain.models.cpu_attention``); ``base`` = the defaults of the posttrain in ``--base-src``
+(another checkout's ``src``, e.g. a ``git worktree`` of the commit before a change that has no
+switch). Every run uses ``--threads``
 torch threads (default 1: two threads on a 2-core machine where others hold a core stall each
 other) and records the load average before and after, the CPU cores other processes used during
 each iteration (``posttrain bench``'s ``CpuMeter``, from ``/proc/stat``), the CPU model and flags,
@@ -62,6 +64,7 @@ VARIANTS = {  # name: (environment, config overrides)
     "after": ({}, []),
     "regions": ({}, ["rl_config.compile_regions=true"]),
     "masked_attention": ({"POSTTRAIN_CPU_ATTENTION": "off"}, []),  # issue 43's attention before its CPU path
+    "base": ({}, []),  # the defaults, run from --base-src
 }
 
 
@@ -150,6 +153,11 @@ def run_variant(variant: str, rnd: int, name: str, args) -> dict:
     folder = Path(args.work) / "floor_gap_runs" / f"{name}_{variant}_{rnd}"
     env = {k: v for k, v in os.environ.items() if k not in ("POSTTRAIN_ROLLOUT_PACKED", "POSTTRAIN_CPU_ATTENTION")}
     env.update(env_extra, OMP_NUM_THREADS=str(args.threads))
+    if variant == "base":
+        if not args.base_src or not (Path(args.base_src) / "posttrain").is_dir():
+            raise SystemExit(f"the base variant needs --base-src: another checkout's src folder (got {args.base_src!r})")
+        env["PYTHONPATH"] = os.pathsep.join([args.base_src, *[p for p in env.get("PYTHONPATH", "").split(os.pathsep)
+                                                              if p and Path(p).resolve() != HERE.parent / "src"]])
     cmd = [sys.executable, "-m", "posttrain", "bench", "--config-name", name, "--config-path", args.work,
            "--iters", "2", "--warmup", "1", "--profile", str(folder), "--output", str(folder / "bench.json"),
            "--force", *overrides]
@@ -279,6 +287,7 @@ def main() -> None:
                    help="--compare: fp32 pinned, or bf16: posttrain's hardware default")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--variants", default="before,after", help=f"--compare: some of {', '.join(VARIANTS)}")
+    p.add_argument("--base-src", default=None, help="the base variant's posttrain: another checkout's src folder")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--work", default="/tmp/perf/work")
     p.add_argument("--output", default=None, help="--compare: JSON of every run (default: WORK/floor_gap_*.json)")

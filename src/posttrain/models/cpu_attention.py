@@ -75,15 +75,17 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def causal_block_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float,
-                      scale: float | None) -> torch.Tensor:
-    """Causal SDPA of ``q [B, H, L, D]`` over ``k/v [B, H_kv, L, D]`` (``H`` a multiple of ``H_kv``),
-    in :func:`compute_dtype`; the output ``[B, H, L, D]`` in the dtype the plain call returns (the
-    autocast dtype under CPU autocast, else ``q``'s)."""
+                      scale: float | None, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal SDPA of ``q [B, H, Q, D]`` over ``k/v [B, H_kv, L, D]`` (``H`` a multiple of ``H_kv``), in
+    :func:`compute_dtype`; the output ``[B, H, Q, D]`` in the dtype the plain call returns (the
+    autocast dtype under CPU autocast, else ``q``'s). Without ``mask`` (``Q = L``) ``is_causal``;
+    with one (a boolean ``[B, 1, Q, L]``: queries that are a suffix of the keys) that mask."""
     out_dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else q.dtype
     dtype = compute_dtype(out_dtype)
     with torch.autocast("cpu", enabled=False):
-        out = F.scaled_dot_product_attention(q.to(dtype), k.to(dtype), v.to(dtype), dropout_p=dropout,
-                                             is_causal=True, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+        out = F.scaled_dot_product_attention(q.to(dtype), k.to(dtype), v.to(dtype), attn_mask=mask,
+                                             dropout_p=dropout, is_causal=mask is None, scale=scale,
+                                             enable_gqa=k.shape[1] != q.shape[1])
     return out.to(out_dtype)
 
 

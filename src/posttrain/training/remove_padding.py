@@ -27,7 +27,10 @@ ids that restart at 0 for every sequence, and:
   sample: computing them once is exact, and the linear layers run on
   ``sum(unique prompts) + sum(responses)`` tokens instead of ``n x`` the prompts. With long
   prompts and short answers (the demo: ~65 prompt and ~10 response tokens, n = 8) that is about
-  4x fewer FLOPs in every update and log-prob pass. The flash-attention varlen path does not
+  4x fewer FLOPs in every update and log-prob pass. The attention runs the prompt's queries once
+  too: the group's first row in a full block, the other rows in suffix blocks whose queries are
+  their responses' slots only (``pack``'s ``query_start``), so a group's attention costs
+  ``P^2 + n R (P + R)`` rather than ``n (P + R)^2``. The flash-attention varlen path does not
   share (its sequences must be contiguous).
 
 The result equals the padded path (up to float rounding); ``tests/unit/perf`` checks it.
@@ -73,45 +76,51 @@ class Packing:
 def _packed_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """``query [1, H, N, D]``, ``key/value [1, H_kv, N, D]`` -> ``[1, N, H, D]``, per-sequence causal.
 
-    ``posttrain_blocks`` is a list of ``(pad_index [B_k, L_k], valid [B_k, L_k])``, one per block of
-    rows of similar length (:func:`split_blocks`): for slot ``l`` of a block's row ``b``, its packed
-    position (clamped for padding slots) and whether the slot is real (a prefix of each row), so a
-    padded query only sees keys of its own sequence. A shared prompt position appears in several
-    rows; ``posttrain_owner [N]`` says which slot of the blocks' outputs, laid end to end, gives each
-    packed position its output.
+    ``posttrain_blocks`` (:func:`split_blocks`) holds blocks of rows of similar length. A row's slot
+    ``l`` is its sequence's ``l``-th token; ``pad_index [B_k, L_k]`` gives each slot's packed position
+    (clamped for padding slots, which are a suffix of the row). A full block ``(pad_index, valid)`` runs
+    every slot of its rows as a query (``valid [B_k, L_k]``: the real slots); a suffix block
+    ``(pad_index, valid, query_index [B_k, Q_k], mask)`` runs only the queries ``query_index`` gives,
+    the slots from a row's first response token on (a shared prompt's later samples, whose prompt
+    queries the group's first row runs once), with ``mask [B_k, 1, Q_k, L_k]`` causal by slot and
+    hiding padding keys. ``posttrain_owner [N]`` says which query of
+    the blocks' outputs, laid end to end, gives each packed position its output.
     """
     blocks = kwargs.get("posttrain_blocks")
     if blocks is None:  # not a packed forward (rollout, padded batches): SDPA, as decode_sdpa runs it
         return cpu_attention.decode_sdpa(module, query, key, value, attention_mask, dropout=dropout,
                                          scaling=scaling, **kwargs)
-    outs = [_block_attention(module, query, key, value, index, valid, dropout, scaling) for index, valid in blocks]
+    p = dropout if module.training else 0.0
+    outs = [_block_attention(module, query, key, value, p, scaling, *block) for block in blocks]
     out = outs[0] if len(outs) == 1 else torch.cat(outs)
     return out.index_select(0, kwargs["posttrain_owner"]).unsqueeze(0), None  # [1, N, H, D]
 
 
-def _block_attention(module, query, key, value, index, valid, dropout, scaling) -> torch.Tensor:
-    """One block's causal SDPA over its rows' slots: ``[B_k * L_k, H, D]``."""
+def _gather(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``[1, h, N, D]`` -> ``[B, h, L, D]`` at the packed positions ``index [B, L]``, by whole rows of
+    ``[N, h, D]`` (the projections' layout): index_select's backward (index_add_) is 7x faster on a
+    CPU than advanced indexing's (index_put_)."""
     rows, width = index.shape
-    flat = index.reshape(-1)
+    heads, dim = x.shape[1], x.shape[-1]
+    return x[0].transpose(0, 1).index_select(0, index.reshape(-1)).view(rows, width, heads, dim).permute(0, 2, 1, 3)
 
-    def gather(x):  # [1, h, N, D] -> [B, h, L, D], by whole rows of [N, h, D] (the projections' layout):
-        # index_select's backward (index_add_) is 7x faster on a CPU than advanced indexing's (index_put_)
-        heads, dim = x.shape[1], x.shape[-1]
-        return x[0].transpose(0, 1).index_select(0, flat).view(rows, width, heads, dim).permute(0, 2, 1, 3)
 
-    q, k, v = gather(query), gather(key), gather(value)
-    p = dropout if module.training else 0.0
-    if cpu_attention.enabled(query.device):  # causal, GQA in SDPA, bf16 in fp32 without AMX (exact: see there)
-        out = cpu_attention.causal_block_sdpa(q, k, v, p, scaling)
-        return out.transpose(1, 2).reshape(rows * width, out.shape[1], out.shape[-1])
-    causal = torch.ones(width, width, dtype=torch.bool, device=query.device).tril()
-    mask = causal[None, None] & valid[:, None, None, :]
-    groups = q.shape[1] // k.shape[1]
-    if groups > 1:
-        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    out = torch.nn.functional.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, dropout_p=p, scale=scaling)
-    heads, dim = out.shape[1], out.shape[-1]
+def _block_attention(module, query, key, value, dropout, scaling, index, valid, query_index=None, mask=None):
+    """One block's causal SDPA: ``[B_k * Q_k, H, D]`` (``Q_k = L_k`` for a full block)."""
+    q = _gather(query, index if query_index is None else query_index)
+    k, v = _gather(key, index), _gather(value, index)
+    if cpu_attention.enabled(query.device):  # GQA in SDPA, bf16 in fp32 without AMX (exact: see there)
+        out = cpu_attention.causal_block_sdpa(q, k, v, dropout, scaling, mask)
+    else:
+        if mask is None:  # a full block: causal and key padding
+            causal = torch.ones(k.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
+            mask = causal[None, None] & valid[:, None, None, :]
+        groups = q.shape[1] // k.shape[1]
+        if groups > 1:
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout,
+                                                               scale=scaling)
+    rows, heads, width, dim = out.shape
     return out.transpose(1, 2).reshape(rows * width, heads, dim)  # [B, H, L, D] -> [B * L, H, D]
 
 
@@ -119,27 +128,37 @@ MAX_BLOCKS = 4  # attention blocks of rows of similar length per packed forward
 _CANDIDATES = 32  # block boundaries considered (rows sorted by length, in groups of about equal count)
 
 
-def block_rows(lengths: list[int], max_blocks: int = MAX_BLOCKS) -> list[list[int]]:
+def block_rows(lengths: list[int], max_blocks: int = MAX_BLOCKS, queries: list[int] | None = None) -> list[list[int]]:
     """Rows (indices into ``lengths``) in at most ``max_blocks`` blocks of similar length, chosen to
-    least ``sum(rows_k * width_k ** 2)`` (a block's attention cost: its rows padded to its longest).
+    least ``sum(rows_k * width_k * queries_k)`` (a block's attention cost: its rows padded to its
+    longest, ``queries_k`` its most query slots; ``queries`` defaults to ``lengths``: a row's every
+    slot is a query).
 
     One RL micro-batch holds many short answers and a few long ones; padding every row to the
     longest costs the attention that square for all of them."""
-    order = sorted(range(len(lengths)), key=lengths.__getitem__)
+    queries = lengths if queries is None else queries
+    order = sorted(range(len(lengths)), key=lambda r: (lengths[r], queries[r]))
     step = -(-len(order) // _CANDIDATES)
     ends = list(range(step, len(order), step)) + [len(order)]  # candidate block ends (exclusive)
     width = [lengths[order[e - 1]] for e in ends]
     inf = float("inf")
+
+    most = [max(queries[r] for r in order[start:end]) for start, end in zip([0, *ends], ends)]  # per candidate
+    top = {(i, j): max(most[i + 1:j + 1]) for j in range(len(ends)) for i in range(-1, j)}
+
+    def cost(i: int, j: int) -> int:  # rows order[ends[i]:ends[j]] (i = -1: from the first) as one block
+        return (ends[j] - (ends[i] if i >= 0 else 0)) * width[j] * top[i, j]
+
     best = [[inf] * len(ends) for _ in range(max_blocks)]  # best[k][j]: rows[:ends[j]] in k + 1 blocks
     cut: list[list[int]] = [[-1] * len(ends) for _ in range(max_blocks)]
-    for j, end in enumerate(ends):
-        best[0][j] = end * width[j] ** 2
+    for j in range(len(ends)):
+        best[0][j] = cost(-1, j)
     for k in range(1, max_blocks):
         for j in range(len(ends)):
             for i in range(j):
-                cost = best[k - 1][i] + (ends[j] - ends[i]) * width[j] ** 2
-                if cost < best[k][j]:
-                    best[k][j], cut[k][j] = cost, i
+                total = best[k - 1][i] + cost(i, j)
+                if total < best[k][j]:
+                    best[k][j], cut[k][j] = total, i
     least = min(best[b][-1] for b in range(max_blocks))
     k = next(b for b in range(max_blocks) if best[b][-1] <= 1.1 * least)  # another block only for > 10%
     blocks, j = [], len(ends) - 1
@@ -150,22 +169,40 @@ def block_rows(lengths: list[int], max_blocks: int = MAX_BLOCKS) -> list[list[in
     return blocks[::-1]
 
 
-def split_blocks(packed: dict[str, torch.Tensor]) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
+def split_blocks(packed: dict[str, torch.Tensor]) -> tuple[list[tuple[torch.Tensor, ...]], torch.Tensor]:
     """``pack``'s one block of all rows (``pad_index``/``valid [B, L]``, ``owner`` into ``B * L``
-    slots) as :func:`block_rows`' blocks, each trimmed to its longest row, and ``owner`` pointing
-    into their slots laid end to end."""
+    slots, ``query_start [B]``) as the attention's blocks (see :func:`_packed_attention`): rows whose
+    every slot is a query (``query_start`` 0) in :func:`block_rows`' full blocks, each trimmed to its
+    longest row; rows whose queries start later (a shared prompt's later samples) in suffix blocks;
+    and ``owner`` pointing into the blocks' queries laid end to end."""
     index, valid, owner = packed["pad_index"], packed["valid"], packed["owner"]
     rows, width = index.shape
     lengths = valid.sum(-1).tolist()
+    first = packed["query_start"].tolist()
     blocks, base = [], [0] * rows
     offset = 0
-    for members in block_rows(lengths):
-        widest = max(1, max(lengths[b] for b in members))
-        pick = torch.tensor(members, device=index.device)
-        blocks.append((index.index_select(0, pick)[:, :widest], valid.index_select(0, pick)[:, :widest]))
-        for j, b in enumerate(members):
-            base[b] = offset + j * widest
-        offset += len(members) * widest
+    for suffix in (False, True):
+        members_of = [b for b in range(rows) if (first[b] > 0) == suffix]
+        if not members_of:
+            continue
+        sub = block_rows([lengths[b] for b in members_of],
+                         queries=[lengths[b] - first[b] for b in members_of] if suffix else None)
+        for group in sub:
+            members = [members_of[i] for i in group]
+            widest = max(1, max(lengths[b] for b in members))
+            pick = torch.tensor(members, device=index.device)
+            block = (index.index_select(0, pick)[:, :widest], valid.index_select(0, pick)[:, :widest])
+            span = widest
+            if suffix:
+                span = max(1, max(lengths[b] - first[b] for b in members))
+                start = torch.tensor([first[b] for b in members], device=index.device)[:, None]
+                slot = start + torch.arange(span, device=index.device)[None, :]  # [B_k, Q_k] query slots
+                causal = torch.arange(widest, device=index.device)[None, None, :] <= slot[:, :, None]
+                block += (block[0].gather(1, slot.clamp(max=widest - 1)), (causal & block[1][:, None, :])[:, None])
+            for j, b in enumerate(members):
+                base[b] = offset + j * span - first[b]
+            offset += len(members) * span
+            blocks.append(block)
     base_t = torch.tensor(base, device=owner.device)
     return blocks, base_t[owner // width] + owner % width
 
@@ -213,7 +250,9 @@ def pack(batch: dict[str, torch.Tensor], share_prompts: bool = False) -> dict[st
     Returns ``input_ids [1, N]``, ``position_ids [1, N]`` (restarting per sequence; a response
     continues its prompt's positions; ``[A, 1, N]`` from multi-axis positions ``[A, B, T]``), ``order [N]`` (the
     flat padded token of each packed position), ``pad_index``/``valid [B, L_max]`` (for attention),
-    ``owner [N]`` (the block slot that computes each packed position), ``keep [K]`` (packed
+    ``owner [N]`` (the block slot that computes each packed position), ``query_start [B]`` (a row's
+    first slot whose output is read: its first response token where an earlier row of its group
+    computes the shared prompt, else 0), ``keep [K]`` (packed
     positions whose logits predict a response token), ``labels [K]`` and ``select [B, R]``
     (where those ``K`` values go in the ``[B, R]`` output). With ``share_prompts`` a prompt that
     several rows have in common is packed once (see the module docstring).
@@ -234,12 +273,14 @@ def pack(batch: dict[str, torch.Tensor], share_prompts: bool = False) -> dict[st
     # flat padded [B, P + R] layout, its first slot in the flat [B, L] attention blocks, length).
     segments: list[tuple[int, int, int]] = []
     prompt_start, resp_start, packed = [0] * rows, [0] * rows, 0
+    query_start = [0] * rows  # the first slot whose output a row computes: its response, if another row has its prompt
     for members in groups.values():
         lead, plen = members[0], prompt_lens[members[0]]
         segments.append((lead * row_width + prompt_width - plen, lead * width, plen))
         start, packed = packed, packed + plen
         for b in members:
             prompt_start[b], resp_start[b] = start, packed
+            query_start[b] = plen if b != lead else 0
             segments.append((b * row_width + prompt_width, b * width + prompt_lens[b], resp_lens[b]))
             packed += resp_lens[b]
     device = ids.device
@@ -264,6 +305,7 @@ def pack(batch: dict[str, torch.Tensor], share_prompts: bool = False) -> dict[st
         positions.reshape(positions.shape[0], -1)[:, order][:, None]
     return {"input_ids": ids.reshape(-1)[order][None], "position_ids": packed_positions, "order": order,
             "pad_index": pad_index, "valid": valid, "owner": owner,
+            "query_start": torch.tensor(query_start, device=device),
             "keep": predictor[select], "labels": ids[:, prompt_width:][select], "select": select}
 
 

@@ -42,7 +42,7 @@ def _reference(q, k, v, index, valid):
 def _run(q, k, v, index, valid, dtype=torch.float32):
     """``_block_attention`` on the real slots: output and the grads of q/k/v for a fixed output grad."""
     leaves = [x.detach().to(dtype).requires_grad_() for x in (q, k, v)]
-    out = rp._block_attention(_Module().eval(), *leaves, index, valid, 0.0, None)
+    out = rp._block_attention(_Module().eval(), *leaves, 0.0, None, index, valid)
     real = valid.reshape(-1)
     grad = torch.linspace(-1, 1, int(real.sum()) * HEADS * DIM).reshape(-1, HEADS, DIM)
     (out[real].float() * grad).sum().backward()
@@ -78,7 +78,7 @@ def test_bf16_is_within_bf16_rounding_and_closer_to_fp32(monkeypatch):
 def test_bf16_under_autocast_returns_bf16_from_fp32_inputs():
     q, k, v, index, valid = _block_inputs(seed=2)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        out = rp._block_attention(_Module().eval(), q, k, v, index, valid, 0.0, None)
+        out = rp._block_attention(_Module().eval(), q, k, v, 0.0, None, index, valid)
     assert out.dtype == torch.bfloat16
     assert torch.allclose(out[valid.reshape(-1)].float(), _reference(q, k, v, index, valid)[valid.reshape(-1)], atol=1e-2)
 

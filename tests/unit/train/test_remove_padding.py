@@ -110,6 +110,8 @@ def test_shared_prompt_layout_by_hand():
                                         [True, True, False, False]]
     # each packed position's output comes from one block slot (b * 4 + l): the prompt from row 0
     assert packed["owner"].tolist() == [0, 1, 2, 6, 7, 8, 9]
+    # row 0 computes the shared prompt: row 1's queries start at its response (slot 2)
+    assert packed["query_start"].tolist() == [0, 2, 0]
     # both first response tokens are predicted by the shared prompt's last token (packed 1)
     assert packed["keep"].tolist() == [1, 1, 3, 5]
     assert packed["labels"].tolist() == [1, 2, 3, 4]
@@ -180,8 +182,9 @@ def test_dpo_update_with_remove_padding_matches(dynamic):
     assert torch.allclose(results[0][1], results[1][1], atol=1e-5)
 
 
-def _cost(lengths, blocks):
-    return sum(len(b) * max(lengths[r] for r in b) ** 2 for b in blocks)
+def _cost(lengths, blocks, queries=None):
+    queries = lengths if queries is None else queries
+    return sum(len(b) * max(lengths[r] for r in b) * max(queries[r] for r in b) for b in blocks)
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -197,14 +200,45 @@ def test_block_rows_cost_is_within_ten_percent_of_the_least(seed):
     assert least <= _cost(lengths, blocks) <= 1.1 * least
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_block_rows_with_fewer_queries_than_keys_costs_rows_times_width_times_queries(seed):
+    # suffix rows (a shared prompt's later samples): the cost counts their queries, not their width
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(20, 60, (7,), generator=g).tolist()
+    queries = [n - int(torch.randint(1, n, (1,), generator=g)) for n in lengths]
+    blocks = rp.block_rows(lengths, queries=queries)
+    assert sorted(r for b in blocks for r in b) == list(range(len(lengths))) and len(blocks) <= rp.MAX_BLOCKS
+    order = sorted(range(len(lengths)), key=lambda r: (lengths[r], queries[r]))
+    least = min(  # every split of the rows in that order into at most 4 contiguous blocks
+        _cost(lengths, [order[a:b] for a, b in zip((0, *cuts), (*cuts, len(order)))], queries)
+        for k in range(rp.MAX_BLOCKS) for cuts in __import__("itertools").combinations(range(1, len(order)), k))
+    assert least <= _cost(lengths, blocks, queries) <= 1.1 * least
+
+
+def test_shared_prompt_queries_run_once():
+    # rows 0 and 1 share the prompt [5, 6]; row 2 has its own [7]: row 1 runs only its response's queries
+    batch = build_batch([[5, 6], [5, 6], [7]], [[1], [2, 3], [4]], pad_token_id=0)
+    blocks, owner = rp.split_blocks(rp.pack(batch, share_prompts=True))
+    full = [b for b in blocks if len(b) == 2]
+    (suffix,) = [b for b in blocks if len(b) == 4]
+    index, valid, query_index, mask = suffix
+    assert index.tolist() == [[0, 1, 3, 4]] and query_index.tolist() == [[3, 4]]
+    assert mask.tolist() == [[[[True, True, True, False], [True, True, True, True]]]]  # causal by slot
+    assert sum(b[0].numel() for b in full) + query_index.numel() == 7  # 7 packed positions, 7 queries (9 before)
+    slots = torch.cat([b[0].reshape(-1) for b in full] + [query_index.reshape(-1)])
+    assert slots[owner].tolist() == list(range(7))  # each packed position computed by a query of its own
+
+
 def test_block_rows_splits_a_long_tail_off():
     lengths = [60] * 60 + [120] * 4  # an RL batch: many short answers, a few long ones
     blocks = rp.block_rows(lengths)
     assert sorted(map(len, blocks)) == [4, 60]
 
 
+@pytest.mark.parametrize("cpu_path", ["on", "off"])  # off: the general masked form other devices run
 @pytest.mark.parametrize("share", [False, True])
-def test_blocks_of_mixed_lengths_equal_padded(share):
+def test_blocks_of_mixed_lengths_equal_padded(share, cpu_path, monkeypatch):
+    monkeypatch.setenv("POSTTRAIN_CPU_ATTENTION", cpu_path)
     g = torch.Generator().manual_seed(7)
     prompts = [torch.randint(1, 64, (n,), generator=g).tolist() for n in (5, 3)]
     rows = [prompts[0]] * 6 + [prompts[1]] * 6
