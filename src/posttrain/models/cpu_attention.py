@@ -8,7 +8,9 @@ heads (``repeat_interleave``) to the query heads. On a CPU this module runs the 
 
 * ``is_causal=True`` and no mask. Exact: a row's real slots are a prefix of it, so under the causal
   mask a real query never sees a padding key; a padding query sees some (finite values gathered from
-  other positions), but its output is never read, so it sends no gradient back either;
+  other positions), but its output is never read, so it sends no gradient back either (a suffix
+  block, whose queries are only a shared prompt's later samples' responses, keeps its boolean mask:
+  causal by slot, so not ``is_causal``'s top-left alignment);
 * ``enable_gqa=True`` instead of copying the key/value heads;
 * bf16 (a bf16 model, or bf16 autocast, which casts SDPA's inputs) computed in fp32, the output cast
   back to bf16: ATen's CPU flash-attention kernels run bf16 through AMX tiles where the CPU has them
