@@ -231,8 +231,9 @@ class RLConfig(Section):
                             HONOURED)
     use_remove_padding: bool = F(True, "pack valid tokens of a micro-batch into one row (posttrain's default: "
                                        "true, exact and faster; the seed's: false; false pads every row)", HONOURED)
-    share_prompt_prefix: bool = F(True, "posttrain: with use_remove_padding, pack a prompt shared by several "
-                                        "rows (a group's n samples) once", HONOURED)
+    share_prompt_prefix: bool = F(True, "posttrain: with use_remove_padding, pack every prefix that several "
+                                        "rows share once (a group's prompt, a common system prompt, answers' common "
+                                        "beginnings)", HONOURED)
     compile_regions: bool | Literal["auto"] = F(
         False, "posttrain: the hf backend's update runs the RMSNorm, SiLU-mul, rotary and LM-head log-softmax-gather "
         "of Llama-family models as torch.compile (Inductor) regions; exact within 1e-5, compiled once per process "

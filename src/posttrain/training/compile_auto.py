@@ -29,6 +29,7 @@ import torch
 
 from posttrain.files import write_text_atomic
 from posttrain.training import compiled_logprob, fused_regions
+from posttrain.training.remove_padding import pack
 from posttrain.training.lm_head import CHUNK_ELEMENTS
 
 log = logging.getLogger(__name__)
@@ -171,16 +172,15 @@ def choose(region: str, probe: tuple, updates_left: int) -> Choice:
 
 def update_tokens(batch: dict[str, torch.Tensor], share_prompts: bool, mask_key: str = "response_mask") -> tuple[int, int]:
     """(packed tokens, tokens reaching the LM head) of one pass over ``batch``: with ``share_prompts`` each
-    distinct prompt counts once (posttrain's packing with shared prompts)."""
+    distinct prefix counts once (posttrain's packing, :func:`posttrain.training.remove_padding.pack`)."""
     mask, responses = batch.get("attention_mask"), batch.get(mask_key)
     if mask is None:
         return 0, 0
     response_tokens = int(responses.sum()) if responses is not None else 0
     if not share_prompts or responses is None or "input_ids" not in batch:
         return int(mask.sum()), response_tokens
-    width = batch["input_ids"].shape[1] - responses.shape[1]
-    prompts = {tuple(row[keep.bool()].tolist()) for row, keep in zip(batch["input_ids"][:, :width], mask[:, :width])}
-    return sum(map(len, prompts)) + int(mask[:, width:].sum()), response_tokens
+    packed = pack({**batch, "response_mask": responses}, share_prompts=True)
+    return packed["input_ids"].shape[1], packed["keep"].numel()
 
 
 def choose_regions(model: torch.nn.Module, tokens: int, response_tokens: int, updates_left: int) -> dict[str, Choice]:

@@ -257,3 +257,69 @@ def test_blocks_of_mixed_lengths_equal_padded(share, cpu_path, monkeypatch):
         (fn() * batch["response_mask"]).sum().backward()
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
     assert torch.allclose(grads[0], grads[1], atol=1e-5)
+
+
+def test_common_prefixes_layout_by_hand():
+    # a system token 9 common to every row; rows 0, 1, 3 share the prompt [9, 5, 6] and the answer's
+    # first token 1; row 3 repeats row 0's answer exactly; row 2 shares only the 9
+    batch = build_batch([[9, 5, 6], [9, 5, 6], [9, 7], [9, 5, 6]], [[1, 2], [1, 3], [4], [1, 2]], pad_token_id=0)
+    packed = rp.pack(batch, share_prompts=True)
+    assert packed["input_ids"].tolist() == [[9, 5, 6, 1, 2, 3, 7, 4]]  # each distinct prefix once
+    assert packed["position_ids"].tolist() == [[0, 1, 2, 3, 4, 4, 1, 2]]
+    real = torch.where(packed["valid"], packed["pad_index"], -1)
+    assert real.tolist() == [[0, 1, 2, 3, 4], [0, 1, 2, 3, 5], [0, 6, 7, -1, -1], [0, 1, 2, 3, 4]]
+    assert packed["query_start"].tolist() == [0, 4, 1, 5]  # row 3 computes nothing of its own
+    # (predicting position, label) once per distinct pair; pick: each response token's pair
+    assert packed["keep"].tolist() == [2, 3, 3, 6] and packed["labels"].tolist() == [1, 2, 3, 4]
+    assert packed["pick"].tolist() == [0, 1, 0, 2, 3, 0, 1]
+    blocks, owner = rp.split_blocks(packed)
+    queries = torch.cat([b[0].reshape(-1) if len(b) == 2 else b[2].reshape(-1) for b in blocks])
+    assert queries.numel() == 8 and queries[owner].tolist() == list(range(8))  # each position computed once
+
+
+def _prefix_batch(seed=11):
+    """Three GRPO groups whose prompts start with one system prompt; in each group of four samples two
+    answers begin alike, one repeats another exactly and one is a prefix of another."""
+    g = torch.Generator().manual_seed(seed)
+    draw = lambda n: torch.randint(1, 64, (n,), generator=g).tolist()  # noqa: E731
+    system, rows, resps = draw(6), [], []
+    for own in (2, 4, 3):
+        prompt, a, b = system + draw(own), draw(3), draw(5)
+        rows += [prompt] * 4
+        resps += [a + draw(2), a + draw(4), b, b[:3]]
+    return build_batch(rows, resps, pad_token_id=0)
+
+
+def _distinct_prefixes(batch) -> int:
+    """The number of distinct (token, position) prefixes of the batch's rows, by brute force."""
+    prefixes = set()
+    for ids, mask in zip(batch["input_ids"].tolist(), batch["attention_mask"].tolist()):
+        seq = [t for t, m in zip(ids, mask) if m]
+        prefixes.update(tuple(seq[:i + 1]) for i in range(len(seq)))
+    return len(prefixes)
+
+
+def test_common_prefixes_are_packed_once():
+    batch = _prefix_batch()
+    packed = rp.pack(batch, share_prompts=True)
+    assert packed["input_ids"].shape[1] == _distinct_prefixes(batch) < rp.pack(batch)["input_ids"].shape[1]
+    blocks, owner = rp.split_blocks(packed)
+    queries = torch.cat([b[0].reshape(-1) if len(b) == 2 else b[2].reshape(-1) for b in blocks])
+    assert queries[owner].tolist() == list(range(packed["input_ids"].shape[1]))
+
+
+@pytest.mark.parametrize("cpu_path", ["on", "off"])
+def test_common_prefixes_equal_padded(cpu_path, monkeypatch):
+    monkeypatch.setenv("POSTTRAIN_CPU_ATTENTION", cpu_path)
+    model, batch = _model(), _prefix_batch()
+    ref_lp, ref_ent = response_logprobs(model, batch, temperature=0.7, with_entropy=True)
+    lp, ent = rp.packed_response_logprobs(model, batch, temperature=0.7, with_entropy=True, share_prompts=True)
+    assert torch.allclose(lp, ref_lp, atol=1e-5) and torch.allclose(ent, ref_ent, atol=1e-5)
+    weights = torch.linspace(-1, 1, batch["response_mask"].numel()).reshape(batch["response_mask"].shape)
+    grads = []
+    for fn in (lambda: response_logprobs(model, batch)[0],
+               lambda: rp.packed_response_logprobs(model, batch, share_prompts=True)[0]):
+        model.zero_grad()
+        (fn() * weights).sum().backward()
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
+    assert grads[0].abs().sum() > 0 and torch.allclose(grads[0], grads[1], atol=1e-5)
