@@ -83,6 +83,12 @@ def new_cache(model: Any, capacity: int) -> Cache:
     return cache
 
 
+def slab_model(model: Any) -> bool:
+    """Whether ``model``'s caches are slab caches (every layer plain full attention)."""
+    layers = new_cache(model, 1).layers
+    return bool(layers) and all(isinstance(layer, SlabLayer) for layer in layers)
+
+
 def _initialized(layer) -> bool:
     return bool(getattr(layer, "is_initialized", False)) and getattr(layer, "keys", None) is not None
 

@@ -4,7 +4,9 @@ It runs on the actor's own model object (colocated: no copy, so after an optimiz
 ``generate`` sees the new weights) on any torch device. Per wave of prompts (see ``scheduling``):
 
 1. prefill: the wave's unique prompts, left-padded to a common length, in chunks of at most
-   ``max_num_batched_tokens`` tokens; logits are computed for the last position only;
+   ``max_num_batched_tokens`` tokens; logits are computed for the last position only. A prefix that
+   all of them start with (``scheduling.shared_prefix``: a system prompt, at least 16 tokens) runs
+   once, in one row, and each chunk continues from copies of its cache;
 2. expand: the prompt cache rows are index-selected ``n`` times (one copy per sample), so each
    prompt is prefilled once, not n times;
 3. decode: one token per row per step with ``past_key_values``; rows that hit a stop token or
@@ -63,10 +65,11 @@ from posttrain.models.packed_linear import PackedLinears, resolve_packed
 from posttrain.rollout.base import RolloutEngine, RolloutOutput, SamplingParams
 from posttrain.rollout.images import ImageInputs, check_requests, prefill_inputs, vision_token_ids
 from posttrain.rollout.keyed import random_seed, row_states, uniforms
-from posttrain.rollout.kv_cache import concat_caches, new_cache, select_rows, to_static
+from posttrain.rollout.kv_cache import (concat_caches, new_cache, select_rows, slab_model, take_rows,
+                                         to_static)
 from posttrain.rollout.ngram import propose
 from posttrain.rollout.sampling import sample_next
-from posttrain.rollout.scheduling import model_len_caps, plan_waves, prefill_chunks
+from posttrain.rollout.scheduling import model_len_caps, plan_waves, prefill_chunks, shared_prefix
 
 # generate_config.dtype -> torch dtype used for the forward (autocast when weights are wider)
 DTYPES: dict[str, torch.dtype] = {
@@ -451,24 +454,40 @@ class NativeEngine(RolloutEngine):
     def _prefill(self, prompts: list[list[int]], capacity: int,
                  images: list[ImageInputs | None] | None = None) -> tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Left-pad and prefill each prompt once. Returns (cache, last logits [P, V], mask [P, L], the
-        position of each prompt's next token [P]: its length, plus the model's rope delta with ``images``)."""
-        length = max(len(p) for p in prompts)
+        position of each prompt's next token [P]: its length, plus the model's rope delta with ``images``).
+
+        A prefix that every prompt starts with (a system prompt, an instruction: ``shared_prefix``) is
+        prefilled once, in one row, and each prompt's rest attends to a copy of its cache: the columns
+        are then ``[prefix][left padding][rest]``."""
+        shared = shared_prefix(prompts) if images is None and len(prompts) > 1 and slab_model(self.model) else 0
+        rests = [p[shared:] for p in prompts]
+        length = shared + max(len(r) for r in rests)
         ids = torch.full((len(prompts), length), self.pad_token_id, dtype=torch.long)
         mask = torch.zeros((len(prompts), length), dtype=torch.long)
-        for row, prompt in enumerate(prompts):
-            ids[row, length - len(prompt):] = torch.tensor(prompt, dtype=torch.long)
-            mask[row, length - len(prompt):] = 1
+        ids[:, :shared], mask[:, :shared] = torch.tensor(prompts[0][:shared], dtype=torch.long), 1
+        for row, rest in enumerate(rests):
+            ids[row, length - len(rest):] = torch.tensor(rest, dtype=torch.long)
+            mask[row, length - len(rest):] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        prefix = new_cache(self.model, shared) if shared else None
+        if prefix is not None:
+            self._forward(ids[:1, :shared], mask[:1, :shared], positions[:1, :shared], prefix)
+        return self._prefill_rows(ids, mask, positions, shared, capacity, prefix, images)
+
+    def _prefill_rows(self, ids, mask, positions, shared: int, capacity: int, prefix, images):
+        """``_prefill``'s forward of every prompt's columns from ``shared`` on, in chunks of at most
+        ``max_num_batched_tokens`` tokens, each on a copy of the ``prefix`` cache (or a new cache)."""
         caches, logits, deltas = [], [], []
-        for rows in prefill_chunks(len(prompts), length, self.max_num_batched_tokens):
-            cache = new_cache(self.model, capacity)
+        for rows in prefill_chunks(ids.shape[0], ids.shape[1] - shared, self.max_num_batched_tokens):
             sl, extra = slice(rows.start, rows.stop), {}
-            chunk_positions = positions[sl]
+            cache = new_cache(self.model, capacity) if prefix is None else \
+                take_rows(prefix, torch.zeros(len(rows), dtype=torch.long, device=ids.device), capacity - shared)
+            chunk_positions = positions[sl, shared:]
             if images is not None:  # the model's 3-D positions (and image embeddings)
                 extra, chunk_positions, delta = prefill_inputs(self._sampler, ids[sl], mask[sl], images[sl])
                 deltas.append(delta)
-            logits.append(self._forward(ids[sl], mask[sl], chunk_positions, cache, **extra))
+            logits.append(self._forward(ids[sl, shared:], mask[sl], chunk_positions, cache, **extra))
             caches.append(cache)
         lengths = mask.sum(-1) + (torch.cat(deltas) if deltas else 0)
         return concat_caches(caches), torch.cat(logits), mask, lengths

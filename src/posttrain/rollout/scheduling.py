@@ -49,6 +49,19 @@ def prefill_chunks(num_prompts: int, padded_len: int, max_num_batched_tokens: in
     return [range(s, min(s + per_chunk, num_prompts)) for s in range(0, num_prompts, per_chunk)]
 
 
+MIN_SHARED_PREFIX = 16  # a prefix common to a wave's prompts is prefilled once from this many tokens
+
+
+def shared_prefix(prompts: list[list[int]]) -> int:
+    """How many first tokens every prompt has in common, to prefill once (0 below
+    ``MIN_SHARED_PREFIX``); every prompt keeps at least one token of its own, whose logits start its
+    sampling."""
+    first, common = prompts[0], min(len(p) for p in prompts) - 1
+    for prompt in prompts[1:]:
+        common = next((i for i, (a, b) in enumerate(zip(first[:common], prompt)) if a != b), common)
+    return common if common >= MIN_SHARED_PREFIX else 0
+
+
 def model_len_caps(max_model_len: int | None, prompts: list[list[int]], max_tokens: int,
                    caps: list[int] | None) -> list[int] | None:
     """Each prompt's cap on new tokens: ``caps`` (or ``max_tokens``) within the room that

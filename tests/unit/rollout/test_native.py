@@ -192,3 +192,43 @@ def test_max_model_len_stops_each_response_at_its_room(model):
             assert a.token_ids == b.token_ids[:len(a.token_ids)]
     with pytest.raises(DataError, match="max_model_len=3"):
         NativeEngine(model, pad_token_id=0, eos_token_ids=[], max_model_len=3).generate(PROMPTS, 1, sp)
+
+
+SYSTEM = list(range(30, 50))  # a 20-token prefix every prompt starts with (a system prompt)
+
+
+def test_common_prefix_is_prefilled_once_and_samples_as_without(model, monkeypatch):
+    """Prompts that start alike: the prefix runs once (one row of 20 tokens, then each prompt's rest),
+    and the samples and their log-probs are those of a prefill of whole prompts."""
+    from posttrain.rollout import scheduling
+
+    prompts = [SYSTEM + p for p in PROMPTS]
+    assert scheduling.shared_prefix(prompts) == 20
+    sp = SamplingParams(temperature=0.8, top_k=-1, max_tokens=12, seed=5)
+    eng = NativeEngine(model, pad_token_id=0, eos_token_ids=list(range(80, 96)))
+    fed = []
+    forward = eng._forward
+    monkeypatch.setattr(eng, "_forward", lambda ids, *a, **k: fed.append(tuple(ids.shape)) or forward(ids, *a, **k))
+    shared = eng.generate(prompts, 3, sp)
+    assert fed[:2] == [(1, 20), (3, 7)]  # the prefix once, then the rests (the longest 7 tokens)
+    monkeypatch.setattr(scheduling, "MIN_SHARED_PREFIX", 10**6)
+    calls = len(fed)
+    whole = eng.generate(prompts, 3, sp)
+    assert fed[calls] == (3, 27) and tokens(shared) == tokens(whole)  # whole prompts: the longest 27 tokens
+    assert len({tuple(t) for t in tokens(shared)}) > 6  # the samples really are random
+    for prompt, got, want in zip(prompts, shared, whole):
+        for a, b in zip(got, want):
+            assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5)
+            assert torch.allclose(torch.tensor(a.logprobs), teacher_forced(model, prompt, a.token_ids, 0.8), atol=1e-4)
+
+
+@pytest.mark.parametrize("prompts, want", [
+    ([SYSTEM + [1], SYSTEM + [2, 3]], 20),
+    ([SYSTEM, SYSTEM + [2, 3]], 19),  # every prompt keeps a token of its own
+    ([SYSTEM + [1], SYSTEM[:10] + [2]], 0),  # 10 tokens in common: below MIN_SHARED_PREFIX
+    ([SYSTEM + [1], [7] + SYSTEM], 0),
+])
+def test_shared_prefix_length(prompts, want):
+    from posttrain.rollout.scheduling import shared_prefix
+
+    assert shared_prefix(prompts) == want
