@@ -16,7 +16,9 @@ picks another kernel).
 its packed weight, with no autograd (the rollout runs under ``inference_mode``). The engine repacks
 when the model's weights may have changed (the version it passes, see ``rollout.native``); a pack
 holds a second copy of the layers' weights (0.5 GiB for SmolLM2-135M's fp32 layers, LM head included;
-half that for the bf16 sampling copy).
+half that for the bf16 sampling copy). Layers that read the same input (a decoder layer's q/k/v and
+gate/up projections) may be packed as one stacked weight instead (``fuse``), for
+:mod:`posttrain.models.lean_forward`.
 
 Unless ``$POSTTRAIN_ROLLOUT_PACKED`` (``on`` or ``off``) pins it, :func:`resolve_packed` times a
 64-row product packed against the plain one (in fp32: the run's ``cpu_linear`` kernel), once per
@@ -169,26 +171,36 @@ def rollout_packed_weights(plan: Any, kernel: str, stored: bool | None = None) -
 
 
 class PackedLinears:
-    """Packed weights of a model's eligible ``nn.Linear`` layers, repacked when ``version`` changes."""
+    """Packed weights of a model's eligible ``nn.Linear`` layers, repacked when ``version`` changes.
+
+    ``fused`` (:meth:`refresh`'s ``fuse``): groups of layers that read the same input, each packed as
+    one weight with theirs stacked along the outputs, ``(pack, bias or None)`` by group; the members
+    of such a group have no pack of their own (``posttrain.models.lean_forward`` runs them)."""
 
     def __init__(self) -> None:
         self.packs: dict[torch.nn.Linear, torch.Tensor] = {}
+        self.fused: dict[tuple[torch.nn.Linear, ...], tuple[torch.Tensor, torch.Tensor | None]] = {}
         self.version: Any = None
         self.model_id: int | None = None
 
-    def refresh(self, model: torch.nn.Module, version: Any) -> None:
-        """Pack ``model``'s eligible layers unless the packs already hold ``version`` of ``model``."""
-        if self.model_id == id(model) and self.version == version and self.packs:
+    def refresh(self, model: torch.nn.Module, version: Any, fuse: list[tuple[torch.nn.Linear, ...]] = ()) -> None:
+        """Pack ``model``'s eligible layers (the groups of ``fuse`` stacked, when all their members
+        are eligible) unless the packs already hold ``version`` of ``model``."""
+        if self.model_id == id(model) and self.version == version and (self.packs or self.fused):
             return
-        self.packs = {}
+        self.packs, self.fused = {}, {}
         with torch.no_grad():
+            for group in fuse:
+                if all(eligible(m) and m.weight.dtype == group[0].weight.dtype for m in group):
+                    self.fused[tuple(group)] = (pack(torch.cat([m.weight for m in group])), _stacked_bias(group))
+            members = {m for group in self.fused for m in group}
             for module in model.modules():
-                if eligible(module):
+                if eligible(module) and module not in members:
                     self.packs[module] = pack(module.weight)
         self.version, self.model_id = version, id(model)
 
     def clear(self) -> None:
-        self.packs, self.version, self.model_id = {}, None, None
+        self.packs, self.fused, self.version, self.model_id = {}, {}, None, None
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[None]:
@@ -206,6 +218,13 @@ class PackedLinears:
         finally:
             for module in patched:
                 del module.forward
+
+
+def _stacked_bias(group: tuple[torch.nn.Linear, ...]) -> torch.Tensor | None:
+    """The group's biases stacked as its weights are (zeros for a member without one); None if none has one."""
+    if all(m.bias is None for m in group):
+        return None
+    return torch.cat([m.bias if m.bias is not None else m.weight.new_zeros(m.out_features) for m in group]).detach()
 
 
 def _packed_forward(module: torch.nn.Linear, packed: torch.Tensor):

@@ -60,12 +60,12 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from posttrain.errors import ConfigError, DataError
-from posttrain.models import cpu_attention
+from posttrain.models import cpu_attention, lean_forward
 from posttrain.models.packed_linear import PackedLinears, resolve_packed
 from posttrain.rollout.base import RolloutEngine, RolloutOutput, SamplingParams
 from posttrain.rollout.images import ImageInputs, check_requests, prefill_inputs, vision_token_ids
 from posttrain.rollout.keyed import random_seed, row_states, uniforms
-from posttrain.rollout.kv_cache import (concat_caches, new_cache, select_rows, slab_model, take_rows,
+from posttrain.rollout.kv_cache import (SlabLayer, concat_caches, new_cache, select_rows, slab_model, take_rows,
                                          to_static)
 from posttrain.rollout.ngram import propose
 from posttrain.rollout.sampling import sample_next
@@ -284,6 +284,9 @@ class NativeEngine(RolloutEngine):
         self.packed_weights = resolve_packed(self.device.type, str(self.dtype).removeprefix("torch.")) \
             if packed_weights is None else bool(packed_weights)
         self._packs = PackedLinears()
+        # with packed weights, a Llama-family model samples through models.lean_forward (stacked q/k/v, gate/up)
+        self.use_lean_forward = self.packed_weights and lean_forward.enabled() and lean_forward.supported(model)
+        self._fused: dict | None = None  # the stacked packs while a generate call runs on them
         # the static decode step, recorded as a CUDA graph on its first call per shape
         self._graph_step = torch.compile(self._forward, mode="reduce-overhead", dynamic=False) \
             if self.cuda_graphs else None
@@ -415,7 +418,9 @@ class NativeEngine(RolloutEngine):
         have changed (``packed_weights``, no autocast; a null context otherwise)."""
         if not self.packed_weights or autocast:
             return contextlib.nullcontext()
-        self._packs.refresh(self._sampler, (self._weights_version(), self._sampler is self.model))
+        fuse = lean_forward.fused_groups(self._sampler) if self.use_lean_forward else ()
+        self._packs.refresh(self._sampler, (self._weights_version(), self._sampler is self.model), fuse)
+        self._fused = self._packs.fused if fuse and len(self._packs.fused) == len(fuse) else None
         return self._packs.installed()
 
     @contextlib.contextmanager
@@ -436,17 +441,21 @@ class NativeEngine(RolloutEngine):
                     yield
         finally:
             self.model.train(was_training)
-            self._sampler = self.model
+            self._sampler, self._fused = self.model, None
 
     def _forward(self, input_ids, attention_mask, position_ids, cache, keep: int = 0, **extra) -> torch.Tensor:
         """One model call (``extra``: the prefill's image inputs); returns the last-position logits
         [B, V] in float32, or (``keep`` > 0) the last ``keep`` positions' [B, keep, V]."""
-        kwargs = {"logits_to_keep": max(keep, 1)} if self._has_logits_to_keep else {}
-        kwargs[self._cache_kwarg] = cache
-        kwargs.update(extra)
-        out = self._sampler(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                         use_cache=True, **kwargs)
-        logits = out.logits[:, -keep:, :].float() if keep else out.logits[:, -1, :].float()
+        if self._fused is not None and not extra and isinstance(cache.layers[0], SlabLayer):
+            out = lean_forward.forward(self._sampler, self._fused, input_ids, attention_mask, position_ids, cache,
+                                       max(keep, 1))
+        else:
+            kwargs = {"logits_to_keep": max(keep, 1)} if self._has_logits_to_keep else {}
+            kwargs[self._cache_kwarg] = cache
+            kwargs.update(extra)
+            out = self._sampler(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                use_cache=True, **kwargs).logits
+        logits = out[:, -keep:, :].float() if keep else out[:, -1, :].float()
         if self._never_sampled:
             logits[..., self._never_sampled] = float("-inf")
         return logits

@@ -1,0 +1,78 @@
+"""The rollout's lean Llama-family forward (``models.lean_forward``) equals the model's own forward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from posttrain.models import lean_forward
+from posttrain.models.packed_linear import PackedLinears
+from posttrain.rollout.base import SamplingParams
+from posttrain.rollout.kv_cache import new_cache
+from posttrain.rollout.native import NativeEngine
+
+COMMON = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=256)
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [14, 15, 16, 17]]
+
+
+def _model(kind: str):
+    torch.manual_seed(0)
+    if kind == "llama":  # biases in the MLP: the stacked gate/up bias
+        return LlamaForCausalLM(LlamaConfig(**COMMON, mlp_bias=True)).eval()
+    return Qwen2ForCausalLM(Qwen2Config(**COMMON)).eval()  # biases in q/k/v
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_forward_equals_the_model_with_a_cache_and_padding(kind):
+    model = _model(kind)
+    packs = PackedLinears()
+    packs.refresh(model, 0, lean_forward.fused_groups(model))
+    assert len(packs.fused) == 2 * COMMON["num_hidden_layers"] and model.model.layers[0].self_attn.q_proj not in packs.packs
+    ids = torch.randint(1, 96, (2, 8), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(2, 8, dtype=torch.long)
+    mask[0, :2] = 0  # row 0 left-padded
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    cache = new_cache(model, 16)
+    with torch.inference_mode():
+        ref = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+        with packs.installed():  # a prefill of 4 columns, 3 fed at once (speculation), then 1 (decode)
+            parts = [lean_forward.forward(model, packs.fused, ids[:, a:b], mask[:, :b], positions[:, a:b], cache, b - a)
+                     for a, b in ((0, 4), (4, 7), (7, 8))]
+    got = torch.cat(parts, 1)
+    real = mask.bool()
+    assert torch.allclose(got[real], ref[real], atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_engine_samples_as_with_the_model_forward(kind, monkeypatch):
+    """Same tokens and log-probs with the lean forward as with the model's own (packed weights both);
+    ``$POSTTRAIN_LEAN_FORWARD=off`` restores the model's forward."""
+    model = _model(kind)
+    sp = SamplingParams(temperature=0.8, top_k=-1, max_tokens=12, seed=2)
+    shapes = []
+    real = lean_forward.forward
+    monkeypatch.setattr(lean_forward, "forward", lambda *a, **k: shapes.append(tuple(a[2].shape)) or real(*a, **k))
+    engine = dict(pad_token_id=0, eos_token_ids=list(range(80, 96)), packed_weights=True, compact_fraction=0.01)
+    lean = NativeEngine(model, **engine)
+    got = lean.generate(PROMPTS, 3, sp)
+    assert lean.use_lean_forward and shapes[0] == (3, 7) and shapes[1][1] == 1  # the prefill and the decode
+    monkeypatch.setenv(lean_forward.ENV, "off")
+    plain = NativeEngine(model, **engine)
+    calls = len(shapes)
+    want = plain.generate(PROMPTS, 3, sp)
+    assert not plain.use_lean_forward and len(shapes) == calls
+    assert len({len(o.token_ids) for g in want for o in g}) > 1, "test needs rows that finish at different steps"
+    assert [o.token_ids for g in got for o in g] == [o.token_ids for g in want for o in g]
+    for g, w in zip(got, want):
+        for a, b in zip(g, w):
+            assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5)
+
+
+def test_supported_models():
+    assert lean_forward.supported(_model("llama")) and lean_forward.supported(_model("qwen2"))
+    sliding = MistralForCausalLM(MistralConfig(**COMMON, sliding_window=4))
+    assert not lean_forward.supported(sliding)  # another model type (and a sliding window)
+    tp = LlamaForCausalLM(LlamaConfig(**COMMON, pretraining_tp=2))
+    assert not lean_forward.supported(tp)
