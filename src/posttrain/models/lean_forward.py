@@ -31,6 +31,8 @@ import os
 import torch
 import torch.nn.functional as F
 
+from posttrain.models.packed_linear import packed_linear
+
 ENV = "POSTTRAIN_LEAN_FORWARD"
 MODEL_TYPES = ("llama", "qwen2")
 
@@ -87,8 +89,6 @@ def forward(model, fused: dict, ids: torch.Tensor, mask: torch.Tensor, positions
     [B, Q]`` after the cache's columns (``mask [B, L]`` over cache and fed columns); the fed keys and
     values are written into ``cache`` (its slab layers). ``fused``: a stacked pack per
     :func:`fused_groups` entry (:class:`~posttrain.models.packed_linear.PackedLinears`)."""
-    from posttrain.models.packed_linear import packed_linear
-
     inner = model.model
     rows, queries = ids.shape
     hidden = inner.embed_tokens(ids)

@@ -67,7 +67,7 @@ from posttrain.rollout.images import ImageInputs, check_requests, prefill_inputs
 from posttrain.rollout.keyed import random_seed, row_states, uniforms
 from posttrain.rollout.kv_cache import (SlabLayer, concat_caches, new_cache, select_rows, slab_model, take_rows,
                                          to_static)
-from posttrain.rollout.ngram import propose
+from posttrain.rollout.ngram import Drafter
 from posttrain.rollout.sampling import sample_next
 from posttrain.rollout.scheduling import model_len_caps, plan_waves, prefill_chunks, shared_prefix
 
@@ -164,41 +164,6 @@ def emitted_samples(samples: torch.Tensor, drafts: torch.Tensor, emitted: torch.
     is_stop = torch.isin(samples, stops) & valid
     valid &= (is_stop.cumsum(1) - is_stop.long()) == 0  # nothing after the first stop
     return valid, is_stop
-
-
-class _Drafter:
-    """Draft tokens for a wave's rows by n-gram lookup (:mod:`posttrain.rollout.ngram`), while few
-    enough rows are left that a step is bound by reading the weights rather than by compute: at most
-    ``budget`` tokens fed per step, so ``min(tokens, budget // rows - 1)`` drafts per row."""
-
-    def __init__(self, prompts: list[list[int]], groups: list[int], tokens: int, budget: int, pad: int = 0):
-        self.prompts, self.groups, self.tokens, self.budget, self.pad = prompts, groups, tokens, budget, pad
-        self.members: dict[int, list[int]] = {}
-        for row, group in enumerate(groups):
-            self.members.setdefault(group, []).append(row)
-
-    def drafts(self, out_tokens: torch.Tensor, out_len: torch.Tensor, active: torch.Tensor,
-               finished: torch.Tensor) -> torch.Tensor:
-        """[A, k] drafts for the batch rows ``active`` (finished rows get padding; k = 0 when no
-        row would speculate)."""
-        live = int((~finished).sum())
-        k = min(self.tokens, self.budget // max(live, 1) - 1)
-        if k < 1:
-            return out_tokens.new_zeros((active.numel(), 0))
-        lengths = out_len.tolist()
-        responses = [row[:n] for row, n in zip(out_tokens.tolist(), lengths)]
-        drafts, found = [], False
-        for row, done in zip(active.tolist(), finished.tolist()):
-            draft: list[int] = []
-            if not done:
-                prompt = self.prompts[self.groups[row]]
-                siblings = [prompt[-3:] + responses[other] for other in self.members[self.groups[row]] if other != row]
-                draft = propose(prompt + responses[row], siblings, k)
-                found |= bool(draft)
-            drafts.append(draft + [self.pad] * (k - len(draft)))
-        if not found:
-            return out_tokens.new_zeros((active.numel(), 0))
-        return torch.tensor(drafts, dtype=torch.long, device=out_tokens.device)
 
 
 def prompt_major(stop_when, wave, n: int):
@@ -594,7 +559,7 @@ class NativeEngine(RolloutEngine):
         mask = torch.zeros((num_rows, capacity if static is None else static.layers[0].max_cache_len),
                            dtype=torch.long, device=device)
         mask[:, :cur_len] = prompt_mask.index_select(0, expand)
-        drafter = _Drafter(prompts, expand.tolist(), self.speculative_tokens, self.speculative_budget,
+        drafter = Drafter(prompts, expand.tolist(), self.speculative_tokens, self.speculative_budget,
                            self.pad_token_id) \
             if self.speculative_tokens and static is None else None
         return cache if static is None else static, logits, base, mask, cur_len, static, drafter
