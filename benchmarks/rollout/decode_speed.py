@@ -8,7 +8,10 @@ between the variants so that the machine's load falls on all of them alike. Vari
 * ``plain``: the engine as before issue 43's rollout work: weights as they are (the fp32 kernel
   ``--kernel`` installed, default oneDNN), the compacting dynamic KV cache;
 * ``packed``: prepacked oneDNN weights (``posttrain.models.packed_linear``), repacked before every
-  repeat (a run repacks after every update, so the packing is part of the cost);
+  repeat (a run repacks after every update, so the packing is part of the cost), sampled through
+  the lean forward (``posttrain.models.lean_forward``: stacked q/k/v and gate/up packs);
+* ``packed_model_forward``: the same packed weights through transformers' own forward (the lean
+  forward off, as ``POSTTRAIN_LEAN_FORWARD=off``);
 * ``static``: packed, on the fixed-shape static KV cache (``static_cache=True``; no compaction);
 * ``compiled`` (``--compile``): static on plain weights (Inductor cannot lower the opaque packed
   ones), its decode step compiled by ``torch.compile(dynamic=False)`` (Inductor's CPU backend); the
@@ -80,7 +83,9 @@ def engines(model, tokenizer, dtype: str, compile_step: bool, static: bool) -> d
 
     common = dict(pad_token_id=tokenizer.pad_token_id or 0, eos_token_ids=[tokenizer.eos_token_id], dtype=dtype)
     out = {"plain": NativeEngine(model, packed_weights=False, **common),
+           "packed_model_forward": NativeEngine(model, packed_weights=True, **common),
            "packed": NativeEngine(model, packed_weights=True, **common)}
+    out["packed_model_forward"].use_lean_forward = False  # transformers' forward on the packed layers
     if static:
         out["static"] = NativeEngine(model, packed_weights=True, static_cache=True, **common)
     if compile_step:
