@@ -30,6 +30,7 @@ import os
 
 import torch
 import torch.nn.functional as F
+from transformers.models.llama.modeling_llama import rotate_half
 
 from posttrain.models.packed_linear import packed_linear
 
@@ -68,11 +69,6 @@ def fused_groups(model) -> list[tuple[torch.nn.Linear, ...]]:
     return groups
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 def _attention_mask(mask: torch.Tensor, queries: int) -> torch.Tensor | None:
     """``mask [B, L]`` (1: a real column) as SDPA's boolean ``[B, 1, Q, L]``, causal for the last
     ``Q`` columns (the ones fed now); None for one query over all-real columns."""
@@ -101,7 +97,7 @@ def forward(model, fused: dict, ids: torch.Tensor, mask: torch.Tensor, positions
         qkv = packed_linear(layer.input_layernorm(hidden), *fused[(attn.q_proj, attn.k_proj, attn.v_proj)])
         q, k, v = (part.view(rows, queries, -1, dim).transpose(1, 2)
                    for part in qkv.split([q_size, kv_size, kv_size], dim=-1))
-        q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
         k, v = cache.layers[index].update(k, v)
         if queries == 1:  # a key/value head's query heads as its query rows (transformers' pack_gqa)
             out = F.scaled_dot_product_attention(q.reshape(rows, k.shape[1], -1, dim), k, v, attn_mask=attn_mask,

@@ -232,3 +232,16 @@ def test_shared_prefix_length(prompts, want):
     from posttrain.rollout.scheduling import shared_prefix
 
     assert shared_prefix(prompts) == want
+
+
+def test_static_cache_decode_after_a_shared_prefill_equals_dynamic(model):
+    """The static cache (CUDA's default) copies a prefill whose columns are [prefix][padding][rest]."""
+    prompts = [SYSTEM + p for p in PROMPTS]
+    sp = SamplingParams(temperature=0.8, top_k=-1, max_tokens=10, seed=6)
+    stops = list(range(80, 96))
+    dynamic = NativeEngine(model, pad_token_id=0, eos_token_ids=stops).generate(prompts, 2, sp)
+    static = NativeEngine(model, pad_token_id=0, eos_token_ids=stops, static_cache=True).generate(prompts, 2, sp)
+    assert tokens(static) == tokens(dynamic)
+    for g, w in zip(static, dynamic):
+        for a, b in zip(g, w):
+            assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5)
