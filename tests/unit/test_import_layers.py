@@ -26,7 +26,7 @@ PKG = "posttrain"
 # Lowest first. Modules in one layer may import each other across packages; nothing imports a
 # higher layer.
 LAYERS: list[set[str]] = [
-    {"errors", "paths", "device", "registry", "extras", "version", "files"},
+    {"errors", "paths", "device", "host_memory", "registry", "extras", "version", "files"},
     # the stages of the data flow, and the store: they take plain values and typed options, never the config
     {"algo", "data", "models", "metrics", "reward", "rollout", "tools", "checkpoint", "rundir", "transfer_dock",
      "envs"},

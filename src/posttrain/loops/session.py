@@ -25,7 +25,9 @@ import torch
 from posttrain.config.files import run_dirs
 from posttrain.config.plan import Plan
 from posttrain.data.builders import build_offline_dataset, build_prompt_dataset, build_sampler
+from posttrain.device import device_type
 from posttrain.envs.dataset import build_env_dataset
+from posttrain.host_memory import keep_freed_memory
 from posttrain.metrics.sinks import MetricsLogger, append_line, cut_jsonl, write_text_atomic
 from posttrain.models import cpu_linear
 from posttrain.models.packed_linear import rollout_packed_weights, use_rollout_packed
@@ -118,6 +120,11 @@ class Session:
         # the native rollout on prepacked weights or not: decided once for the run (models.packed_linear)
         self.rollout_packed = rollout_packed_weights(plan, self.cpu_linear, start.saved_state.get("rollout_packed"))
         self.settings.enter_context(use_rollout_packed(self.rollout_packed))
+        self.keeps_freed_memory = not plan.use_ray and self.settings.enter_context(
+            keep_freed_memory(device_type(plan.device)))
+        if self.keeps_freed_memory:
+            log.info("freed host memory stays in the process for reuse (posttrain.host_memory; "
+                     "POSTTRAIN_MALLOC=default keeps glibc's behaviour)")
         if plan.use_ray:  # the roles run as Ray actors (posttrain.cluster); the same methods
             from posttrain.cluster import build_cluster
 
@@ -180,7 +187,7 @@ class Session:
         info = {"device": plan.device, "train_dtype": plan.train_dtype, "rollout_dtype": plan.rollout_dtype,
                 "num_threads": self.num_threads, "cpu_linear": self.cpu_linear,
                 "compile_regions": plan.actor_engine.compile_regions,
-                "rollout_packed_weights": self.rollout_packed}
+                "rollout_packed_weights": self.rollout_packed, "keep_freed_memory": self.keeps_freed_memory}
         write_text_atomic(self.run_dir / "run.json", json.dumps(info, indent=2) + "\n")
 
     def _rule_reward(self):
