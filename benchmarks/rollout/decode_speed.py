@@ -17,8 +17,8 @@ between the variants so that the machine's load falls on all of them alike. Vari
   ones), its decode step compiled by ``torch.compile(dynamic=False)`` (Inductor's CPU backend); the
   first call's compile time is reported apart.
 
-It also times the sampler alone on ``[64, 49152]`` logits (the workload's rows x SmolLM2's
-vocabulary) with today's inverse CDF against the one that clamped every row (before issue 43).
+It also times the sampler alone on ``[rows, 49152]`` logits (64, 8 and 1 rows of SmolLM2's vocabulary:
+the workload's first and last decode steps) against its two predecessors (:func:`sampler_ms`).
 Each line records the load average, the CPU model and flags, the kernel and the thread count.
 
     OMP_NUM_THREADS=1 PYTHONPATH=src .venv/bin/python benchmarks/rollout/decode_speed.py --threads 1 --repeats 3
@@ -57,24 +57,35 @@ def old_inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor
     return torch.minimum(index, (probs > 0).cumsum(dim=-1).argmax(dim=-1))
 
 
-def sampler_ms(repeats: int = 20) -> dict[str, float]:
-    """Median ms of one sampling step on [64, 49152] logits, new and old inverse CDF, interleaved."""
+def whole_row_sample(logits: torch.Tensor, temperature: float, uniforms: torch.Tensor, inverse_cdf):
+    """The untruncated draw before the blocked one: the tempered logits, their softmax, the inverse
+    CDF on it, and the sampled token's log-softmax (a second pass of ``exp``)."""
+    scaled = logits / temperature
+    tokens = inverse_cdf(torch.softmax(scaled, dim=-1), uniforms)
+    return tokens, scaled.gather(-1, tokens[:, None]).squeeze(-1) - torch.logsumexp(scaled, dim=-1)
+
+
+def sampler_ms(repeats: int = 20, rows: int = 64) -> dict[str, float]:
+    """Median ms of one sampling step on [rows, 49152] logits at temperature 0.5, interleaved:
+    ``new`` = today's sampler (one exp pass, the inverse CDF by blocks); ``whole_row`` = a softmax
+    and a whole-row float64 cumulative sum (before the blocks, 2026-12-06); ``old`` = that with the
+    clamp on every row (before issue 43)."""
     from posttrain.rollout import sampling
     from posttrain.rollout.base import SamplingParams
 
     torch.manual_seed(0)
-    logits, u = torch.randn(64, 49152) * 3, torch.rand(64, dtype=torch.float64)
+    logits, u = torch.randn(rows, 49152) * 3, torch.rand(rows, dtype=torch.float64)
     sp = SamplingParams(max_tokens=1, seed=0, temperature=0.5, top_k=-1)
-    new = sampling.inverse_cdf
-    times: dict[str, list[float]] = {"new": [], "old": []}
+    variants = {"new": lambda: sampling.sample_next(logits, sp, u),
+                "whole_row": lambda: whole_row_sample(logits, 0.5, u, sampling._inverse_cdf_flat),
+                "old": lambda: whole_row_sample(logits, 0.5, u, old_inverse_cdf)}
+    times: dict[str, list[float]] = {name: [] for name in variants}
     for _ in range(repeats):
-        for name, fn in (("new", new), ("old", old_inverse_cdf)):
-            sampling.inverse_cdf = fn
+        for name, fn in variants.items():
             start = time.perf_counter()
-            tokens = sampling.sample_next(logits, sp, u)[0]
+            tokens = fn()[0]
             times[name].append(time.perf_counter() - start)
-    sampling.inverse_cdf = new
-    assert torch.equal(tokens, sampling.sample_next(logits, sp, u)[0])
+        assert all(torch.equal(tokens, fn()[0]) for fn in variants.values())
     return {k: 1e3 * statistics.median(v) for k, v in times.items()}
 
 
@@ -117,7 +128,8 @@ def main() -> None:
     model = _smollm2_instruct().eval()
     tokenizer = AutoTokenizer.from_pretrained(str(ensure_smollm2()))
     prompts, sp = chat_prompts(8), SamplingParams(max_tokens=64, seed=1, temperature=0.5, top_k=-1)
-    report = {"machine_start": machine(), "kernel": args.kernel, "dtype": args.dtype, "sampler_ms": sampler_ms()}
+    report = {"machine_start": machine(), "kernel": args.kernel, "dtype": args.dtype,
+              "sampler_ms": {rows: sampler_ms(rows=rows) for rows in (64, 8, 1)}}
     print(json.dumps(report))
     with use_cpu_linear(args.kernel):
         variants = engines(model, tokenizer, args.dtype, args.compile, not args.no_static)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from posttrain.algo.truncation import candidates, filter_candidates
+from posttrain.algo.truncation import Truncation, candidates, filter_candidates
 from posttrain.rollout.base import SamplingParams
 
 
@@ -35,14 +35,27 @@ def _token_logprob(scaled: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     return picked - torch.logsumexp(scaled, dim=-1)
 
 
+# Rows of at least BLOCKED_FROM entries are drawn by blocks of CDF_BLOCK (one float64 pass of block
+# sums, then a cumulative sum inside the one block that holds the target), not by a float64 copy and
+# cumulative sum of the whole row.
+CDF_BLOCK = 1024
+BLOCKED_FROM = 4 * CDF_BLOCK
+
+
 def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """Index [B] of the first entry of each row of ``probs`` [B, K] whose cumulative sum exceeds
     ``uniforms[b] * total[b]`` (``total`` = the row's sum, so rows need not be normalised).
 
     Entries with zero probability are never chosen: if rounding puts the target at the row's total,
-    the index is clamped to the last entry with positive probability. The cumulative sum is taken
+    the index is clamped to the last entry with positive probability. The cumulative sums are taken
     in float64, the precision of the 53-bit uniforms.
     """
+    if probs.shape[-1] < BLOCKED_FROM:
+        return _inverse_cdf_flat(probs, uniforms)
+    return _inverse_cdf_blocked(probs, uniforms)
+
+
+def _inverse_cdf_flat(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     cdf = probs.double().cumsum(dim=-1)
     target = uniforms.to(cdf.dtype)[:, None] * cdf[:, -1:]
     index = torch.searchsorted(cdf, target, right=True).squeeze(-1)
@@ -53,6 +66,28 @@ def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     if bool(past_end.any()):
         last_valid = (probs > 0).cumsum(dim=-1).argmax(dim=-1)  # the first index reaching the final count
         index = torch.where(past_end, last_valid, index)
+    return index
+
+
+def _inverse_cdf_blocked(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """:func:`inverse_cdf` by blocks. A row whose target rounding puts outside the block found (the
+    block sums and the cumulative sum inside a block add in different orders; u near 1) is drawn
+    flat."""
+    rows, width = probs.shape
+    padding = -width % CDF_BLOCK
+    blocks = (torch.nn.functional.pad(probs, (0, padding)) if padding else probs).view(rows, -1, CDF_BLOCK)
+    block_sums = blocks.sum(dim=-1, dtype=torch.float64)
+    block_cdf = block_sums.cumsum(dim=-1)
+    target = uniforms.to(torch.float64)[:, None] * block_cdf[:, -1:]
+    block = torch.searchsorted(block_cdf, target, right=True).clamp_(max=block_cdf.shape[-1] - 1)
+    before = (block_cdf.gather(-1, block) - block_sums.gather(-1, block)).squeeze(-1)
+    block = block.squeeze(-1)
+    inside = blocks[torch.arange(rows), block].double().cumsum(dim=-1) + before[:, None]
+    offset = torch.searchsorted(inside, target, right=True).squeeze(-1)
+    index = block * CDF_BLOCK + offset
+    astray = (offset >= CDF_BLOCK) | (index >= width) | (target.squeeze(-1) < before)
+    if bool(astray.any()):
+        index[astray] = _inverse_cdf_flat(probs[astray], uniforms[astray])
     return index
 
 
@@ -67,6 +102,8 @@ def sample_next(logits: torch.Tensor, sampling: SamplingParams,
     if uniforms is None or uniforms.shape != logits.shape[:1]:
         raise ValueError(f"sample_next needs one uniform per row: {logits.shape[0]} rows, "
                          f"got {None if uniforms is None else tuple(uniforms.shape)}")
+    if not Truncation(sampling.top_k, sampling.top_p, sampling.min_p).active:
+        return _sample_untruncated(logits, sampling.temperature, uniforms)
     scaled = logits / sampling.temperature if sampling.temperature != 1.0 else logits
     cand, cand_ids = candidates(scaled, sampling.top_k, need_sorted=sampling.top_p < 1.0)
     cand = filter_candidates(cand, sampling.top_p, sampling.min_p)
@@ -76,3 +113,15 @@ def sample_next(logits: torch.Tensor, sampling: SamplingParams,
     if sampling.truncated_logprobs:  # log mu(y): the kept candidates' logsumexp renormalises
         return tokens, cand.gather(-1, choice[:, None]).squeeze(-1) - torch.logsumexp(cand, dim=-1)
     return tokens, _token_logprob(scaled, tokens)
+
+
+def _sample_untruncated(logits: torch.Tensor, temperature: float,
+                        uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The draw from ``softmax(logits / T)`` and its logprob from one pass of ``exp``: the weights
+    ``exp((logits - max) / T)`` are the draw's, unnormalised, and their sum is the logprob's normaliser."""
+    peak = logits.amax(dim=-1, keepdim=True)
+    weights = (logits - peak).div_(temperature).exp_()
+    tokens = inverse_cdf(weights, uniforms)
+    log_total = weights.sum(dim=-1, dtype=torch.float64).log()
+    picked = (logits.gather(-1, tokens[:, None]) - peak).squeeze(-1) / temperature
+    return tokens, (picked.double() - log_total).float()

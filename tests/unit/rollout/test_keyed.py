@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from posttrain.rollout import keyed
+from posttrain.rollout import keyed, sampling
 from posttrain.rollout.base import SamplingParams
 from posttrain.rollout.sampling import inverse_cdf, sample_next
 
@@ -131,3 +131,40 @@ def test_sample_next_needs_one_uniform_per_row_unless_greedy():
         sample_next(logits, SamplingParams(temperature=1.0), torch.rand(2, dtype=torch.float64))
     tokens, _ = sample_next(logits, SamplingParams(temperature=0.0), None)
     assert tokens.tolist() == logits.argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("width", [sampling.BLOCKED_FROM, sampling.BLOCKED_FROM + 3 * sampling.CDF_BLOCK + 17])
+def test_blocked_inverse_cdf_draws_as_the_whole_row_cumulative_sum(width, monkeypatch):
+    """Rows wide enough to be drawn by blocks: the same index as the whole row's float64 cumulative
+    sum, on rows with zero runs (whole zero blocks, trailing zeros), one positive entry, u up to 1."""
+    gen = torch.Generator().manual_seed(3)
+    probs = torch.rand(96, width, generator=gen) ** 8
+    probs[probs < 0.3] = 0.0
+    probs[::5, : 2 * sampling.CDF_BLOCK] = 0.0  # whole blocks without mass
+    probs[1::5, width // 2:] = 0.0  # trailing zeros
+    probs[2::5] = 0.0
+    probs[2::5, width - 1] = 0.5  # a single positive entry, the row's last
+    u = torch.rand(96, generator=gen, dtype=torch.float64)
+    u[::6] = 1.0
+    u[1::6] = 0.0
+    u[2::6] = 1 - 2.0 ** -53
+    flat = sampling._inverse_cdf_flat
+    drawn_flat = []
+    monkeypatch.setattr(sampling, "_inverse_cdf_flat", lambda p, v: drawn_flat.append(len(p)) or flat(p, v))
+    assert torch.equal(sampling.inverse_cdf(probs, u), flat(probs, u))
+    assert sum(drawn_flat) <= 96 // 6 * 2  # only rows whose target rounding put at a block's end (u near 1)
+
+
+def test_untruncated_sampling_equals_softmax_then_cumulative_sum():
+    """The one-exp-pass draw: the tokens of a softmax + whole-row inverse CDF, the log-probs of a
+    log-softmax within 1e-6, at a temperature and on a vocabulary drawn by blocks."""
+    gen = torch.Generator().manual_seed(4)
+    logits = 4 * torch.randn(64, 49152, generator=gen)
+    logits[:8, 100:] = float("-inf")  # rows with few tokens allowed
+    u = torch.rand(64, generator=gen, dtype=torch.float64)
+    tokens, logprobs = sample_next(logits, SamplingParams(temperature=0.5, top_k=-1), u)
+    scaled = logits / 0.5
+    assert torch.equal(tokens, sampling._inverse_cdf_flat(torch.softmax(scaled, -1), u))
+    want = torch.log_softmax(scaled.double(), -1).gather(-1, tokens[:, None]).squeeze(-1)
+    assert (logprobs.double() - want).abs().max() < 1e-6
+    assert logprobs.dtype == torch.float32
