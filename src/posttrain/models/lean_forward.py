@@ -95,9 +95,10 @@ def forward(model, fused: dict, ids: torch.Tensor, mask: torch.Tensor, positions
         attn, mlp = layer.self_attn, layer.mlp
         dim, q_size, kv_size = attn.head_dim, attn.q_proj.out_features, attn.k_proj.out_features
         qkv = packed_linear(layer.input_layernorm(hidden), *fused[(attn.q_proj, attn.k_proj, attn.v_proj)])
-        q, k, v = (part.view(rows, queries, -1, dim).transpose(1, 2)
-                   for part in qkv.split([q_size, kv_size, kv_size], dim=-1))
-        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        qk, v = (part.view(rows, queries, -1, dim).transpose(1, 2)
+                 for part in qkv.split([q_size + kv_size, kv_size], dim=-1))
+        qk = qk * cos + rotate_half(qk) * sin  # the query and key heads rotated together: the same numbers
+        q, k = qk.split([q_size // dim, kv_size // dim], dim=1)
         k, v = cache.layers[index].update(k, v)
         if queries == 1:  # a key/value head's query heads as its query rows (transformers' pack_gqa)
             out = F.scaled_dot_product_attention(q.reshape(rows, k.shape[1], -1, dim), k, v, attn_mask=attn_mask,

@@ -62,14 +62,22 @@ class SlabLayer(DynamicLayer):
         return self.length
 
     def select(self, index: torch.Tensor) -> None:
-        self.key_buf = self.key_buf.index_select(0, index)
-        self.value_buf = self.value_buf.index_select(0, index)
+        self.key_buf = _written_rows(self.key_buf, index, self.length)
+        self.value_buf = _written_rows(self.value_buf, index, self.length)
         self._refresh_views()
 
     def concat(self, others: list["SlabLayer"]) -> None:
         self.key_buf = torch.cat([self.key_buf] + [o.key_buf for o in others], dim=0)
         self.value_buf = torch.cat([self.value_buf] + [o.value_buf for o in others], dim=0)
         self._refresh_views()
+
+
+def _written_rows(buf: torch.Tensor, index: torch.Tensor, length: int) -> torch.Tensor:
+    """A slab of ``buf``'s capacity holding its rows ``index`` (repeated where ``index`` repeats):
+    only the ``length`` written positions are copied, the rest stays unwritten, as in any slab."""
+    out = buf.new_empty((index.numel(), *buf.shape[1:]))
+    torch.index_select(buf[:, :, :length], 0, index, out=out[:, :, :length])
+    return out
 
 
 def new_cache(model: Any, capacity: int) -> Cache:
