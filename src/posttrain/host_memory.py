@@ -10,7 +10,9 @@ the whole run's first touch. :func:`keep_freed_memory` turns both off for the ru
 come from the heap too, and the heap is not trimmed below 2 GiB free), so a step reuses the pages
 of the step before; on leaving, glibc's defaults come back and the free memory is returned
 (``malloc_trim``). The cost: the process holds the largest heap it has used, and its peak RSS grows
-by what the heap fragments (about 10% on that workload).
+by what the heap fragments (about 10% on that workload; torch's 64-byte-aligned blocks are reused
+only once the heap holds a few free ones: a loop that frees and reallocates one 64 MiB block settles
+after 7 of them, 450 MiB over its first).
 
 Only on Linux with glibc and a CPU device; ``POSTTRAIN_MALLOC=default`` keeps glibc's behaviour.
 """

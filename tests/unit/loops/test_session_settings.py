@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from posttrain.checkpoint import read_trainer_state
+from posttrain.host_memory import glibc
 from posttrain.models import cpu_linear, packed_linear
 from tests.helpers.runs import world_run_config
 
@@ -44,6 +45,7 @@ def test_the_kernel_is_recorded_installed_for_the_run_only_and_kept_by_a_resume(
     assert info["cpu_linear"] == "onednn" and info["num_threads"] == 1
     assert info["compile_regions"] is False  # rl_config.compile_regions, off by default
     assert info["rollout_packed_weights"] is packed_linear.available()  # fp32 or bf16 rollout, on a CPU
+    assert info["keep_freed_memory"] is (glibc() is not None)  # a CPU run reuses freed memory (host_memory)
     assert read_trainer_state(run / "ckpt" / "iter_0000001")["cpu_linear"] == "onednn"
     # a resume with nothing pinned keeps the kernel the checkpoint recorded (not a new measurement)
     monkeypatch.setattr(cpu_linear, "speedup", lambda *a, **k: 0.0)  # a measurement would now say blas
