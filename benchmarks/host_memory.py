@@ -34,12 +34,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from update_compile import chat_batch, cpu_model, load, make_step  # noqa: E402
 
 from posttrain.commands.bench import CpuMeter  # noqa: E402
-from posttrain.host_memory import DEFAULTS, KEEP, M_MMAP_MAX, M_TRIM_THRESHOLD, glibc  # noqa: E402
+from posttrain.host_memory import DEFAULTS, KEEP, M_TRIM_THRESHOLD, glibc  # noqa: E402
 from posttrain.models.cpu_linear import resolve_cpu_linear, set_cpu_linear  # noqa: E402
 
 M_MMAP_THRESHOLD = -3
-GLIBC_WARM = {**DEFAULTS, M_MMAP_MAX: DEFAULTS[M_MMAP_MAX], M_MMAP_THRESHOLD: 32 * 1024 * 1024,
-              M_TRIM_THRESHOLD: 64 * 1024 * 1024}
+GLIBC_WARM = {**DEFAULTS, M_MMAP_THRESHOLD: 32 * 1024 * 1024, M_TRIM_THRESHOLD: 64 * 1024 * 1024}
 
 
 def settle(libc, setting: str) -> None:

@@ -85,7 +85,7 @@ def sampler_ms(repeats: int = 20, rows: int = 64) -> dict[str, float]:
             start = time.perf_counter()
             tokens = fn()[0]
             times[name].append(time.perf_counter() - start)
-        assert all(torch.equal(tokens, fn()[0]) for fn in variants.values())
+    assert all(torch.equal(tokens, fn()[0]) for fn in variants.values())  # the same draws
     return {k: 1e3 * statistics.median(v) for k, v in times.items()}
 
 

