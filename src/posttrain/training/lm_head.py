@@ -66,8 +66,8 @@ def scaled_logits(head: torch.nn.Linear, hidden: torch.Tensor, temperature: floa
     entropies together. (Dividing the hidden states instead would touch H values a token rather
     than V, but rounds differently from Megatron's ``logits / temperature``, and the Megatron engine
     is tested to equal this one.)"""
-    z = head(hidden).float()
-    return z / temperature if temperature != 1.0 else z
+    z = head(hidden).float()  # a new tensor (the product, or its float32 copy): divided in place
+    return z.div_(temperature) if temperature != 1.0 else z
 
 
 def head_logprobs(head: torch.nn.Linear, hidden: torch.Tensor, labels: torch.Tensor, temperature: float,
