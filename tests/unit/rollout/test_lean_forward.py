@@ -76,3 +76,27 @@ def test_supported_models():
     assert not lean_forward.supported(sliding)  # another model type (and a sliding window)
     tp = LlamaForCausalLM(LlamaConfig(**COMMON, pretraining_tp=2))
     assert not lean_forward.supported(tp)
+
+
+def test_the_lean_pieces_compute_transformers_numbers_bitwise():
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm, rotate_half
+
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(3, 12, 2, 64, generator=gen)
+    cos, sin = torch.randn(3, 1, 2, 64, generator=gen), torch.randn(3, 1, 2, 64, generator=gen)
+    assert torch.equal(lean_forward._rotary(cos, sin)(x), x * cos + rotate_half(x) * sin)
+    norm = LlamaRMSNorm(64, eps=1e-5)
+    norm.weight.data = torch.randn(64, generator=gen)
+    hidden = 3 * torch.randn(3, 2, 64, generator=gen)
+    assert torch.equal(lean_forward._norm(norm, hidden), norm(hidden))
+    assert torch.equal(lean_forward._norm(norm.to(torch.bfloat16), hidden.bfloat16()),
+                       norm.to(torch.bfloat16)(hidden.bfloat16()))  # bf16: the module itself
+    mask = torch.ones(3, 9, dtype=torch.long)
+    mask[0, :3] = 0
+    q, k, v = (torch.randn(3, 4, queries, 8, generator=gen) for queries in (2, 9, 9))
+    boolean = torch.ones(2, 9, dtype=torch.bool).tril(7)[None, None] & mask.bool()[:, None, None, :]
+    additive = lean_forward._attention_mask(mask, 2, torch.float32)
+    assert additive.dtype == torch.float32 and bool(additive[0, 0, 0, :3].isinf().all())
+    assert torch.equal(torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=additive),
+                       torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=boolean))
+    assert lean_forward._attention_mask(torch.ones(3, 9, dtype=torch.long), 1, torch.float32) is None
