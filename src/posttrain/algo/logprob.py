@@ -90,9 +90,11 @@ class _LabelLogProb(torch.autograd.Function):
     three passes and zero-fill a full-size tensor for the gather, per chunk of tokens."""
 
     @staticmethod
-    def forward(ctx, z: torch.Tensor, labels: torch.Tensor, with_entropy: bool):
+    def forward(ctx, z: torch.Tensor, labels: torch.Tensor, with_entropy: bool, temperature: float = 1.0):
+        z = z / temperature if temperature != 1.0 else z  # the division's gradient folds into backward's
         logprobs, w, total = _label_log_softmax(z, labels)
         ctx.save_for_backward(w, labels, total)
+        ctx.temperature = temperature
         if not with_entropy:
             return logprobs, None
         entropy = _entropy(z, labels, logprobs, w, total)
@@ -102,23 +104,26 @@ class _LabelLogProb(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor, _entropy_grad):
         w, labels, total = ctx.saved_tensors
+        grad = grad / ctx.temperature if ctx.temperature != 1.0 else grad
         dz = w * (-grad / total)[:, None]
         dz.scatter_add_(-1, labels[:, None], grad[:, None])
-        return dz, None, None
+        return dz, None, None, None
 
 
 def scaled_logprobs_and_entropy(z: torch.Tensor, labels: torch.Tensor, with_entropy: bool = True,
-                                entropy_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs of ``labels [N]`` and (``with_entropy``) entropies under ``softmax(z)``, for
-    ``z [N, V]`` float32 logits already divided by the temperature: the formulas of
+                                entropy_grad: bool = True, temperature: float = 1.0
+                                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs of ``labels [N]`` and (``with_entropy``) entropies under ``softmax(z / temperature)``,
+    for ``z [N, V]`` float32 logits (``temperature`` 1: already divided): the formulas of
     :func:`logprobs_from_logits` and :func:`entropy_from_logits`, sharing one normaliser. The
     log-probs are differentiable; the entropies only with ``entropy_grad``."""
     grad = torch.is_grad_enabled() and z.requires_grad
+    if grad and not (with_entropy and entropy_grad):
+        return _LabelLogProb.apply(z, labels, with_entropy, temperature)
+    z = z / temperature if temperature != 1.0 else z
     if not grad:
         logprobs, w, total = _label_log_softmax(z, labels)
         return logprobs, _entropy(z, labels, logprobs, w, total) if with_entropy else None
-    if not (with_entropy and entropy_grad):
-        return _LabelLogProb.apply(z, labels, with_entropy)
     lse = torch.logsumexp(z, dim=-1)
     logprobs = torch.gather(z, -1, labels[:, None]).squeeze(-1) - lse
     return logprobs, lse - (torch.softmax(z, dim=-1) * z).sum(dim=-1)
