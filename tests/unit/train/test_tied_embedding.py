@@ -33,15 +33,17 @@ def test_the_embedding_sends_its_rows_only_inside_and_the_weight_gradient_ends_d
     ids = torch.tensor([[3, 5, 3, 7]])
     with tied.sparse_embedding_grad(model) as on:
         assert on and embed.sparse
-        embed(ids).sum().backward()  # the embedding alone: its own (sparse) gradient
-        assert embed.weight.grad.is_sparse
-        embed.weight.grad = None
+        assert torch.autograd.grad(embed(ids).sum(), embed.weight)[0].is_sparse  # the embedding's own gradient
         model(ids).logits.square().mean().backward()  # head and embedding: dense + sparse = dense
-        sparse_sum = embed.weight.grad
-    assert not embed.sparse and sparse_sum.layout == torch.strided
-    embed.weight.grad = None
+        sparse_sum, embed.weight.grad = embed.weight.grad, None
+        model.model(ids).last_hidden_state.square().mean().backward()  # the embedding's rows alone, made dense
+        rows_only, embed.weight.grad = embed.weight.grad, None
+    assert not embed.sparse and sparse_sum.layout == torch.strided and rows_only.layout == torch.strided
     model(ids).logits.square().mean().backward()
     assert torch.allclose(sparse_sum, embed.weight.grad, atol=1e-7, rtol=1e-6)
+    embed.weight.grad = None
+    model.model(ids).last_hidden_state.square().mean().backward()
+    assert torch.equal(rows_only, embed.weight.grad)
 
 
 def test_an_update_step_equals_the_dense_gradients(monkeypatch):
