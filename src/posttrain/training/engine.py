@@ -53,7 +53,6 @@ from posttrain.training.loss_fns import pair_logps
 from posttrain.training.offload import StateOffload
 from posttrain.training.remove_padding import Packing, group_rows_by_prompt
 from posttrain.training.parallel import dp_world_size, global_counts, maybe_no_sync, reduce_metric_totals
-from posttrain.training.tied_embedding import sparse_embedding_grad
 
 _DTYPES = {"float32": None, "fp32": None, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
@@ -291,9 +290,8 @@ class TrainEngine:
             self.offload.to_device()
         try:
             self.choose_regions(batch, epochs)
-            with sparse_embedding_grad(self.model):
-                for rows in steps:
-                    step_metrics.append(self._step(_take(batch, rows), loss_fn, micro_batch_size))
+            for rows in steps:
+                step_metrics.append(self._step(_take(batch, rows), loss_fn, micro_batch_size))
         finally:
             self.model.train(was_training)
             if self.offload is not None:
