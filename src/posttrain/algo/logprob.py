@@ -58,74 +58,45 @@ def logprobs_from_logits(
     return torch.cat(pieces).reshape(labels.shape)
 
 
-def _label_log_softmax(z: torch.Tensor, labels: torch.Tensor):
-    """``(log softmax(z)[labels], w, total)`` for ``z [N, V]``, with ``w = exp(log_softmax(z))`` and
-    ``total`` its row sums (1 up to rounding: ``softmax(z) = w / total``).
-
-    ``log_softmax`` reads the logits once (the max, the exponentials' sum and the subtraction of
-    each row run while the row is in cache), where ``z - logsumexp(z)`` and ``exp(z - lse)`` took
-    six passes over ``[N, V]``; but it accumulates the row's sum in one float32 loop, which over
-    49,152 entries leaves the log-probs off by up to about 1e-5, the same for a whole row.
-    ``total`` (``torch.sum``'s cascaded summation) measures that error, and ``log(total)`` removes
-    it: the log-probs are as close to float64's as ``z - logsumexp(z)`` was (a few 1e-6)."""
-    w = torch.log_softmax(z, dim=-1)
-    picked = w.gather(-1, labels[:, None]).squeeze(-1)
-    w = w.exp_()
-    total = w.sum(dim=-1)
-    return picked - total.log(), w, total
-
-
-def _entropy(z: torch.Tensor, labels: torch.Tensor, logprobs: torch.Tensor, w: torch.Tensor,
-             total: torch.Tensor) -> torch.Tensor:
-    """``logsumexp(z) - sum_v softmax(z)_v z_v`` from :func:`_label_log_softmax`'s parts (the
-    logsumexp is ``z_y - log p(y)``)."""
-    lse = z.gather(-1, labels[:, None]).squeeze(-1) - logprobs
-    return lse - (w * z).sum(dim=-1) / total
-
-
 class _LabelLogProb(torch.autograd.Function):
     """``log softmax(z)[labels]`` (and, without a gradient, the entropy of ``softmax(z)``), whose
-    backward reuses the forward's probabilities: ``dz = g * (onehot(labels) - softmax(z))``, one
-    pass over the vocabulary. Autograd's logsumexp and gather backward rebuild ``exp(z - lse)`` in
+    backward reuses the forward's softmax: ``dz = g * (onehot(labels) - softmax(z))``, one pass
+    over the vocabulary. Autograd's logsumexp and gather backward rebuild ``exp(z - lse)`` in
     three passes and zero-fill a full-size tensor for the gather, per chunk of tokens."""
 
     @staticmethod
-    def forward(ctx, z: torch.Tensor, labels: torch.Tensor, with_entropy: bool, temperature: float = 1.0):
-        z = z / temperature if temperature != 1.0 else z  # the division's gradient folds into backward's
-        logprobs, w, total = _label_log_softmax(z, labels)
-        ctx.save_for_backward(w, labels, total)
-        ctx.temperature = temperature
+    def forward(ctx, z: torch.Tensor, labels: torch.Tensor, with_entropy: bool):
+        lse = torch.logsumexp(z, dim=-1)
+        probs = (z - lse[:, None]).exp_()
+        ctx.save_for_backward(probs, labels)
+        logprobs = torch.gather(z, -1, labels[:, None]).squeeze(-1) - lse
         if not with_entropy:
             return logprobs, None
-        entropy = _entropy(z, labels, logprobs, w, total)
+        entropy = lse - (probs * z).sum(dim=-1)
         ctx.mark_non_differentiable(entropy)
         return logprobs, entropy
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor, _entropy_grad):
-        w, labels, total = ctx.saved_tensors
-        grad = grad / ctx.temperature if ctx.temperature != 1.0 else grad
-        dz = w * (-grad / total)[:, None]
+        probs, labels = ctx.saved_tensors
+        dz = probs * -grad[:, None]
         dz.scatter_add_(-1, labels[:, None], grad[:, None])
-        return dz, None, None, None
+        return dz, None, None
 
 
 def scaled_logprobs_and_entropy(z: torch.Tensor, labels: torch.Tensor, with_entropy: bool = True,
-                                entropy_grad: bool = True, temperature: float = 1.0
-                                ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs of ``labels [N]`` and (``with_entropy``) entropies under ``softmax(z / temperature)``,
-    for ``z [N, V]`` float32 logits (``temperature`` 1: already divided): the formulas of
-    :func:`logprobs_from_logits` and :func:`entropy_from_logits`, sharing one normaliser. The
+                                entropy_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs of ``labels [N]`` and (``with_entropy``) entropies under ``softmax(z)``, for
+    ``z [N, V]`` float32 logits already divided by the temperature: the formulas of
+    :func:`logprobs_from_logits` and :func:`entropy_from_logits`, sharing one logsumexp. The
     log-probs are differentiable; the entropies only with ``entropy_grad``."""
     grad = torch.is_grad_enabled() and z.requires_grad
     if grad and not (with_entropy and entropy_grad):
-        return _LabelLogProb.apply(z, labels, with_entropy, temperature)
-    z = z / temperature if temperature != 1.0 else z
-    if not grad:
-        logprobs, w, total = _label_log_softmax(z, labels)
-        return logprobs, _entropy(z, labels, logprobs, w, total) if with_entropy else None
+        return _LabelLogProb.apply(z, labels, with_entropy)
     lse = torch.logsumexp(z, dim=-1)
     logprobs = torch.gather(z, -1, labels[:, None]).squeeze(-1) - lse
+    if not with_entropy:
+        return logprobs, None
     return logprobs, lse - (torch.softmax(z, dim=-1) * z).sum(dim=-1)
 
 

@@ -3,9 +3,9 @@
 
 :func:`posttrain.training.lm_head.head_logprobs` applies the head to a chunk of tokens, then reduces
 the chunk's ``[N, V]`` logits to ``N`` log-probs: eager PyTorch divides by the temperature, takes a
-log-softmax, its exponentials and their sum and, for the entropy, multiplies them by the logits and
-sums, each a pass over the vocabulary; its backward is another pass
-(:class:`posttrain.algo.logprob._LabelLogProb`). Compiled (``torch.compile``,
+logsumexp (a max and a sum of exponentials), gathers the labels' logits and, for the entropy,
+multiplies the softmax by the logits and sums, each a pass over the vocabulary; its backward is
+another pass (:class:`posttrain.algo.logprob._LabelLogProb`). Compiled (``torch.compile``,
 TorchInductor's CPU backend, ``dynamic=True`` for the last chunk's shorter length), the passes fuse
 into a few loops forward and one backward; the matmul stays on the linear layer's kernel
 (oneDNN or the BLAS). :func:`fused_regions <posttrain.training.fused_regions.fused_regions>` turns

@@ -95,12 +95,10 @@ def head_logprobs(head: torch.nn.Linear, hidden: torch.Tensor, labels: torch.Ten
         if compiled_logprob.active() and not truncated and not recompute:
             return compiled_logprob.compiled_logprobs_and_entropy()(head(h), y, temperature, entropy,
                                                                     entropy_needs_grad)
+        z = scaled_logits(head, h, temperature)
         if truncated:
-            return truncated_logprobs_and_entropy(scaled_logits(head, h, temperature), y, truncation, entropy,
-                                                  entropy_needs_grad)
-        if torch.is_grad_enabled():  # the temperature's division inside, its gradient in the one backward pass
-            return scaled_logprobs_and_entropy(head(h).float(), y, entropy, entropy_needs_grad, temperature)
-        return scaled_logprobs_and_entropy(scaled_logits(head, h, temperature), y, entropy, entropy_needs_grad)
+            return truncated_logprobs_and_entropy(z, y, truncation, entropy, entropy_needs_grad)
+        return scaled_logprobs_and_entropy(z, y, entropy, entropy_needs_grad)
 
     logprobs, entropies = [], []
     for start in range(0, flat_y.shape[0], chunk):
