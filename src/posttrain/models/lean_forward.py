@@ -14,7 +14,10 @@ query groups), with changes that leave every number as it was:
   211 for SmolLM2's 30 layers; oneDNN computes every output column as it does unstacked, so the
   logits are bitwise those of the unfused packed layers (``tests/unit/rollout/test_lean_forward.py``);
 * the layers are called directly (no hooks, no attention interface, the mask built once a call,
-  as the additive float mask SDPA would otherwise build from a boolean one at every layer);
+  as the additive float mask SDPA would otherwise build from a boolean one at every layer), from a
+  :func:`plan` of each layer's packs, norms and head sizes made once a generate call: the output
+  and down projections multiply with their packs directly (no module call), and no step looks up a
+  submodule or an attribute (in a few-row step each such Python call costs several microseconds);
 * fewer operators for the same arithmetic: a float32 RMSNorm as ``F.rms_norm`` (one operator for
   the module's eight, bitwise equal), the rotary embedding's ``rotate_half`` as a ``roll`` with the
   sign moved onto ``sin``.
@@ -31,6 +34,8 @@ model's own forward. The native engine uses this forward whenever it samples wit
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -64,12 +69,48 @@ def supported(model) -> bool:
 
 
 def fused_groups(model) -> list[tuple[torch.nn.Linear, ...]]:
-    """The layers whose products this forward runs as one: per decoder layer (q, k, v) and (gate, up)."""
-    groups = []
-    for layer in model.model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        groups += [(attn.q_proj, attn.k_proj, attn.v_proj), (mlp.gate_proj, mlp.up_proj)]
-    return groups
+    """The layers this forward multiplies with packs of its own: per decoder layer (q, k, v) and
+    (gate, up) stacked, and o and down alone (called directly, not through their modules)."""
+    return [group for layer in model.model.layers for group in _groups(layer)]
+
+
+def _groups(layer) -> list[tuple[torch.nn.Linear, ...]]:
+    attn, mlp = layer.self_attn, layer.mlp
+    return [(attn.q_proj, attn.k_proj, attn.v_proj), (attn.o_proj,), (mlp.gate_proj, mlp.up_proj), (mlp.down_proj,)]
+
+
+@dataclass(frozen=True)
+class Layer:
+    """One decoder layer as :func:`forward` runs it: its norms, its packs (``(pack, bias)``: stacked
+    q/k/v, o, stacked gate/up, down), its cache index and the sizes of its heads."""
+
+    index: int
+    input_norm: Callable[[torch.Tensor], torch.Tensor]
+    post_norm: Callable[[torch.Tensor], torch.Tensor]
+    qkv: tuple
+    o: tuple
+    gate_up: tuple
+    down: tuple
+    q_heads: int
+    kv_heads: int
+    dim: int
+    scaling: float
+
+
+def plan(model, fused: dict) -> list[Layer] | None:
+    """``model``'s layers with the packs of ``fused`` (:class:`~posttrain.models.packed_linear.PackedLinears`'
+    ``fused`` for :func:`fused_groups`), looked up once a generate call rather than at every step (a
+    decode step's operators are few-row products, where Python's attribute lookups and module calls
+    count); None unless every group has its pack."""
+    layers = []
+    for index, layer in enumerate(model.model.layers):
+        attn, groups = layer.self_attn, _groups(layer)
+        if any(group not in fused for group in groups):
+            return None
+        layers.append(Layer(index, _norm(layer.input_layernorm), _norm(layer.post_attention_layernorm),
+                            *(fused[group] for group in groups), attn.q_proj.out_features // attn.head_dim,
+                            attn.k_proj.out_features // attn.head_dim, attn.head_dim, attn.scaling))
+    return layers
 
 
 def _attention_mask(mask: torch.Tensor, queries: int, dtype: torch.dtype) -> torch.Tensor | None:
@@ -87,12 +128,13 @@ def _attention_mask(mask: torch.Tensor, queries: int, dtype: torch.dtype) -> tor
     return torch.zeros(keep.shape, dtype=dtype, device=mask.device).masked_fill_(~keep, float("-inf"))
 
 
-def _norm(norm: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-    """The layer's RMSNorm; in float32 as ``F.rms_norm`` (one operator, the same numbers as the
+def _norm(norm: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The layer's RMSNorm; on float32 as ``F.rms_norm`` (one operator, the same numbers as the
     module's eight; in bf16 the module's, which rounds its float32 result before the weight)."""
-    if hidden.dtype == torch.float32 and norm.weight.dtype == torch.float32:
-        return F.rms_norm(hidden, norm.weight.shape, norm.weight, norm.variance_epsilon)
-    return norm(hidden)
+    if norm.weight.dtype != torch.float32:
+        return norm
+    shape, weight, eps = norm.weight.shape, norm.weight, norm.variance_epsilon
+    return lambda hidden: F.rms_norm(hidden, shape, weight, eps) if hidden.dtype == torch.float32 else norm(hidden)
 
 
 def _rotary(cos: torch.Tensor, sin: torch.Tensor):
@@ -104,34 +146,33 @@ def _rotary(cos: torch.Tensor, sin: torch.Tensor):
     return lambda x: x * cos + x.roll(half, -1) * signed_sin
 
 
-def forward(model, fused: dict, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache,
+def forward(model, layers: list[Layer], ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache,
             keep: int) -> torch.Tensor:
     """Logits ``[B, keep, V]`` of the last ``keep`` fed positions, ``ids [B, Q]`` fed at ``positions
     [B, Q]`` after the cache's columns (``mask [B, L]`` over cache and fed columns); the fed keys and
-    values are written into ``cache`` (its slab layers). ``fused``: a stacked pack per
-    :func:`fused_groups` entry (:class:`~posttrain.models.packed_linear.PackedLinears`)."""
+    values are written into ``cache`` (its slab layers). ``layers``: :func:`plan`."""
     inner = model.model
     rows, queries = ids.shape
     hidden = inner.embed_tokens(ids)
     cos, sin = inner.rotary_emb(hidden, positions)
     rotate = _rotary(cos[:, None], sin[:, None])  # [B, 1, Q, D]: broadcast over heads
     attn_mask = _attention_mask(mask, queries, hidden.dtype)
-    for index, layer in enumerate(inner.layers):
-        attn, mlp = layer.self_attn, layer.mlp
-        dim, q_size, kv_size = attn.head_dim, attn.q_proj.out_features, attn.k_proj.out_features
-        qkv = packed_linear(_norm(layer.input_layernorm, hidden), *fused[(attn.q_proj, attn.k_proj, attn.v_proj)])
+    cache_layers = cache.layers
+    for layer in layers:
+        dim, q_heads, kv_heads = layer.dim, layer.q_heads, layer.kv_heads
+        qkv = packed_linear(layer.input_norm(hidden), *layer.qkv)
         qk, v = (part.view(rows, queries, -1, dim).transpose(1, 2)
-                 for part in qkv.split([q_size + kv_size, kv_size], dim=-1))
-        q, k = rotate(qk).split([q_size // dim, kv_size // dim], dim=1)  # query and key heads rotated together
-        k, v = cache.layers[index].update(k, v)
+                 for part in qkv.split([(q_heads + kv_heads) * dim, kv_heads * dim], dim=-1))
+        q, k = rotate(qk).split([q_heads, kv_heads], dim=1)  # query and key heads rotated together
+        k, v = cache_layers[layer.index].update(k, v)
         if queries == 1:  # a key/value head's query heads as its query rows (transformers' pack_gqa)
-            out = F.scaled_dot_product_attention(q.reshape(rows, k.shape[1], -1, dim), k, v, attn_mask=attn_mask,
-                                                 scale=attn.scaling)
+            out = F.scaled_dot_product_attention(q.reshape(rows, kv_heads, -1, dim), k, v, attn_mask=attn_mask,
+                                                 scale=layer.scaling)
         else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=attn.scaling,
-                                                 enable_gqa=k.shape[1] != q.shape[1])
-        hidden = hidden + attn.o_proj(out.reshape(rows, -1, queries, dim).transpose(1, 2).reshape(rows, queries, -1))
-        gate, up = packed_linear(_norm(layer.post_attention_layernorm, hidden),
-                                 *fused[(mlp.gate_proj, mlp.up_proj)]).chunk(2, -1)
-        hidden = hidden + mlp.down_proj(mlp.act_fn(gate) * up)
-    return model.lm_head(_norm(inner.norm, hidden[:, -keep:]))
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=layer.scaling,
+                                                 enable_gqa=kv_heads != q_heads)
+        hidden = hidden + packed_linear(out.reshape(rows, -1, queries, dim).transpose(1, 2).reshape(rows, queries, -1),
+                                        *layer.o)
+        gate, up = packed_linear(layer.post_norm(hidden), *layer.gate_up).chunk(2, -1)
+        hidden = hidden + packed_linear(F.silu(gate) * up, *layer.down)
+    return model.lm_head(_norm(inner.norm)(hidden[:, -keep:]))

@@ -62,10 +62,9 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 
 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x @ W^T + bias`` for ``x`` [..., K] with ``W`` packed by :func:`pack` (no gradient)."""
-    flat = x.reshape(-1, x.shape[-1])
-    out = torch.ops.mkldnn._linear_pointwise(flat, packed, bias, "none", [], "")
-    return out.reshape(*x.shape[:-1], packed.shape[0])
+    """``x @ W^T + bias`` for ``x`` [..., K] with ``W`` packed by :func:`pack` (no gradient; the
+    operator flattens and restores the leading dimensions itself)."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
 def eligible(module: Any) -> bool:
@@ -192,7 +191,8 @@ class PackedLinears:
         with torch.no_grad():
             for group in fuse:
                 if all(eligible(m) and m.weight.dtype == group[0].weight.dtype for m in group):
-                    self.fused[tuple(group)] = (pack(torch.cat([m.weight for m in group])), _stacked_bias(group))
+                    weight = group[0].weight if len(group) == 1 else torch.cat([m.weight for m in group])
+                    self.fused[tuple(group)] = (pack(weight), _stacked_bias(group))
             members = {m for group in self.fused for m in group}
             for module in model.modules():
                 if eligible(module) and module not in members:

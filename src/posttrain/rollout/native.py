@@ -251,7 +251,7 @@ class NativeEngine(RolloutEngine):
         self._packs = PackedLinears()
         # with packed weights, a Llama-family model samples through models.lean_forward (stacked q/k/v, gate/up)
         self.use_lean_forward = self.packed_weights and lean_forward.enabled() and lean_forward.supported(model)
-        self._fused: dict | None = None  # the stacked packs while a generate call runs on them
+        self._lean_layers: list | None = None  # lean_forward.plan while a generate call runs on the packs
         # the static decode step, recorded as a CUDA graph on its first call per shape
         self._graph_step = torch.compile(self._forward, mode="reduce-overhead", dynamic=False) \
             if self.cuda_graphs else None
@@ -385,7 +385,7 @@ class NativeEngine(RolloutEngine):
             return contextlib.nullcontext()
         fuse = lean_forward.fused_groups(self._sampler) if self.use_lean_forward else ()
         self._packs.refresh(self._sampler, (self._weights_version(), self._sampler is self.model), fuse)
-        self._fused = self._packs.fused if fuse and len(self._packs.fused) == len(fuse) else None
+        self._lean_layers = lean_forward.plan(self._sampler, self._packs.fused) if fuse else None
         return self._packs.installed()
 
     @contextlib.contextmanager
@@ -406,13 +406,13 @@ class NativeEngine(RolloutEngine):
                     yield
         finally:
             self.model.train(was_training)
-            self._sampler, self._fused = self.model, None
+            self._sampler, self._lean_layers = self.model, None
 
     def _forward(self, input_ids, attention_mask, position_ids, cache, keep: int = 0, **extra) -> torch.Tensor:
         """One model call (``extra``: the prefill's image inputs); returns the last-position logits
         [B, V] in float32, or (``keep`` > 0) the last ``keep`` positions' [B, keep, V]."""
-        if self._fused is not None and not extra and isinstance(cache.layers[0], SlabLayer):
-            out = lean_forward.forward(self._sampler, self._fused, input_ids, attention_mask, position_ids, cache,
+        if self._lean_layers is not None and not extra and isinstance(cache.layers[0], SlabLayer):
+            out = lean_forward.forward(self._sampler, self._lean_layers, input_ids, attention_mask, position_ids, cache,
                                        max(keep, 1))
         else:
             kwargs = {"logits_to_keep": max(keep, 1)} if self._has_logits_to_keep else {}

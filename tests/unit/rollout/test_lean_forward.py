@@ -29,7 +29,8 @@ def test_forward_equals_the_model_with_a_cache_and_padding(kind):
     model = _model(kind)
     packs = PackedLinears()
     packs.refresh(model, 0, lean_forward.fused_groups(model))
-    assert len(packs.fused) == 2 * COMMON["num_hidden_layers"] and model.model.layers[0].self_attn.q_proj not in packs.packs
+    assert len(packs.fused) == 4 * COMMON["num_hidden_layers"] and model.model.layers[0].self_attn.q_proj not in packs.packs
+    layers = lean_forward.plan(model, packs.fused)
     ids = torch.randint(1, 96, (2, 8), generator=torch.Generator().manual_seed(1))
     mask = torch.ones(2, 8, dtype=torch.long)
     mask[0, :2] = 0  # row 0 left-padded
@@ -38,7 +39,7 @@ def test_forward_equals_the_model_with_a_cache_and_padding(kind):
     with torch.inference_mode():
         ref = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
         with packs.installed():  # a prefill of 4 columns, 3 fed at once (speculation), then 1 (decode)
-            parts = [lean_forward.forward(model, packs.fused, ids[:, a:b], mask[:, :b], positions[:, a:b], cache, b - a)
+            parts = [lean_forward.forward(model, layers, ids[:, a:b], mask[:, :b], positions[:, a:b], cache, b - a)
                      for a, b in ((0, 4), (4, 7), (7, 8))]
     got = torch.cat(parts, 1)
     real = mask.bool()
@@ -88,8 +89,8 @@ def test_the_lean_pieces_compute_transformers_numbers_bitwise():
     norm = LlamaRMSNorm(64, eps=1e-5)
     norm.weight.data = torch.randn(64, generator=gen)
     hidden = 3 * torch.randn(3, 2, 64, generator=gen)
-    assert torch.equal(lean_forward._norm(norm, hidden), norm(hidden))
-    assert torch.equal(lean_forward._norm(norm.to(torch.bfloat16), hidden.bfloat16()),
+    assert torch.equal(lean_forward._norm(norm)(hidden), norm(hidden))
+    assert torch.equal(lean_forward._norm(norm.to(torch.bfloat16))(hidden.bfloat16()),
                        norm.to(torch.bfloat16)(hidden.bfloat16()))  # bf16: the module itself
     mask = torch.ones(3, 9, dtype=torch.long)
     mask[0, :3] = 0
