@@ -32,7 +32,10 @@ rounds are printed per variant and phase, with the non-matmul share of the step 
 there every floor is set at the best matmul peak that any of the runs measured (a run's own
 measurement under load is low, and its floor high, by whatever share of the cores it got). A last
 row per variant estimates the plain iteration's non-matmul share (:func:`plain_non_matmul_share`),
-which the profiler's own cost per operator does not inflate.
+which the profiler's own cost per operator does not inflate. With ``--twin`` each run is repeated
+without the profiler: a seeded run's iterations repeat their tokens, so the profiled iteration's
+matmul time is set against the very same iteration's plain time (:func:`twin_share`), which needs
+no scaling.
 
 ``posttrain bench`` sets each phase's floor at its model FLOPs over the matmul peak it measured on
 the spot (``timing/<phase> x mfu/<phase>``, the better of a measurement before and after the
@@ -176,6 +179,13 @@ def run_variant(variant: str, rnd: int, name: str, args) -> dict:
                   others_cores=[it["cpu/others_cores"] for it in bench["iterations"]],
                   peak_gflops=bench["matmul_peak_gflops"], dtypes=[bench["train_dtype"], bench["rollout_dtype"]],
                   peak_memory_mib=bench["peak_memory_mib"], wall_s=time.time() - start)
+    if args.twin:  # the same run without the profiler: a seeded run repeats its iterations' tokens
+        twin_cmd = [c for c in cmd if c not in ("--profile", str(folder))]
+        twin_cmd[twin_cmd.index(str(folder / "bench.json"))] = str(folder / "twin.json")
+        proc = subprocess.run(twin_cmd, capture_output=True, text=True, env=env)
+        if proc.returncode != 0:
+            raise SystemExit(f"{variant} twin run failed ({' '.join(twin_cmd)}):\n{proc.stderr[-4000:]}")
+        result["twin"] = twin_share(result, bench, json.loads((folder / "twin.json").read_text()))
     print(f"  round {rnd} {variant:<8} step {result['plain_step']:6.1f} s plain / {result['step']:6.1f} s profiled, "
           f"floor {result['plain_floor']:.2f} s, rest {100 * result['rest_share']:.0f}%, load "
           f"{load_before[0]:.1f}->{result['loadavg']['after'][0]:.1f}, others "
@@ -223,6 +233,12 @@ def median_table(runs: list[dict], variants: list[str]) -> list[str]:
         scaled = med([plain_non_matmul_share(r) for r in mine])
         lines.append(f"| {variant} | plain step, estimated | | | | | not linear about {100 * scaled:.0f}% "
                      f"(matmul time scaled by the FLOPs) | |")
+        twins = [r["twin"] for r in mine if r.get("twin", {}).get("same_tokens")]
+        if twins:
+            shares = ", ".join(f"{100 * t['share']:.1f}" for t in twins)
+            lines.append(f"| {variant} | the profiled iteration's twin, unprofiled | {med([t['step'] for t in twins]):.2f} | | "
+                         f"{med([r['matmul'] for r in mine if r.get('twin', {}).get('same_tokens')]):.2f} | | "
+                         f"not linear **{100 * med([t['share'] for t in twins]):.1f}%** (runs {shares}) | |")
     return lines
 
 
@@ -232,6 +248,18 @@ def plain_non_matmul_share(run: dict) -> float:
     (some 3 s of a 15 s profiled step here, over about 200,000 small operators) falls on the
     non-matmul side; the plain iteration has none, but its matmul time is only estimated."""
     return 1 - run["matmul"] * (run["plain_floor"] / run["floor"]) / run["plain_step"]
+
+
+def twin_share(result: dict, bench: dict, twin: dict) -> dict:
+    """The profiled iteration's non-matmul share (attention counted) against its twin: the same
+    iteration of the same seeded run, unprofiled, in another process (the same tokens: checked by the
+    response length). The matmuls are a few thousand large operators, which the profiler times
+    closely; the plain step is the twin's, which no profiler slowed."""
+    mine, other = bench["iterations"][-1], twin["iterations"][-1]
+    same = mine.get("response_length/mean") == other.get("response_length/mean")
+    step = other["timing/all"]
+    return {"same_tokens": same, "step": step, "share": 1 - result["matmul"] / step,
+            "phases": {p: other[f"timing/{p}"] for p in result["phases"]}}
 
 
 def run_rows(runs: list[dict]) -> list[str]:
@@ -302,6 +330,9 @@ def main() -> None:
     p.add_argument("--variants", default="before,after", help=f"--compare: some of {', '.join(VARIANTS)}")
     p.add_argument("--base-src", default=None, help="the base variant's posttrain: another checkout's src folder")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--twin", action="store_true",
+                   help="--compare: also run each bench unprofiled; the non-matmul share of the profiled "
+                        "iteration's matmuls against its twin's plain step (twin_share)")
     p.add_argument("--work", default="/tmp/perf/work")
     p.add_argument("--output", default=None, help="--compare: JSON of every run (default: WORK/floor_gap_*.json)")
     args = p.parse_args()
