@@ -152,10 +152,10 @@ def write_config(work: Path, size: str, precision: str) -> str:
     return name
 
 
-def run_variant(variant: str, rnd: int, name: str, args) -> dict:
-    """One fresh ``posttrain bench`` process of ``variant``; its analysed result with the load."""
+def variant_env(variant: str, args) -> tuple[dict, list[str]]:
+    """The environment and config overrides of one ``variant``'s run (:data:`VARIANTS`; ``base``: the
+    posttrain of ``--base-src`` first on ``PYTHONPATH``, this checkout's ``src`` off it)."""
     env_extra, overrides = VARIANTS[variant]
-    folder = Path(args.work) / "floor_gap_runs" / f"{name}_{variant}_{rnd}"
     env = {k: v for k, v in os.environ.items() if k not in ("POSTTRAIN_ROLLOUT_PACKED", "POSTTRAIN_CPU_ATTENTION")}
     env.update(env_extra, OMP_NUM_THREADS=str(args.threads))
     if variant == "base":
@@ -163,6 +163,13 @@ def run_variant(variant: str, rnd: int, name: str, args) -> dict:
             raise SystemExit(f"the base variant needs --base-src: another checkout's src folder (got {args.base_src!r})")
         env["PYTHONPATH"] = os.pathsep.join([args.base_src, *[p for p in env.get("PYTHONPATH", "").split(os.pathsep)
                                                               if p and Path(p).resolve() != HERE.parent / "src"]])
+    return env, overrides
+
+
+def run_variant(variant: str, rnd: int, name: str, args) -> dict:
+    """One fresh ``posttrain bench`` process of ``variant``; its analysed result with the load."""
+    env, overrides = variant_env(variant, args)
+    folder = Path(args.work) / "floor_gap_runs" / f"{name}_{variant}_{rnd}"
     cmd = [sys.executable, "-m", "posttrain", "bench", "--config-name", name, "--config-path", args.work,
            "--iters", "2", "--warmup", "1", "--profile", str(folder), "--output", str(folder / "bench.json"),
            "--force", *overrides]
@@ -277,7 +284,10 @@ def run_rows(runs: list[dict]) -> list[str]:
     return lines
 
 
-def compare(args) -> None:
+def alternating(args, script: str, run_one, note: str = "") -> tuple[list[dict], list[str], Path]:
+    """``run_one(variant, round, config_name, args)`` for each of ``--variants`` in ``--rounds`` rounds,
+    their order turning each round, on the workload's config written under ``--work``; every run is
+    saved to ``--output`` (default ``WORK/<script>_<size>_<precision>.json``) as it ends."""
     variants = args.variants.split(",")
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:
@@ -286,15 +296,20 @@ def compare(args) -> None:
     name = write_config(work, args.size, args.precision)
     host = machine(args.threads)
     print(f"{host['cpu']} ({', '.join(host['flags'])}; {host['cpus']} CPUs), torch {host['torch']}, "
-          f"{args.threads} threads, {args.precision}, load {host['loadavg']}", flush=True)
+          f"{args.threads} threads, {args.precision}{note}, load {host['loadavg']}", flush=True)
     runs: list[dict] = []
-    out = Path(args.output or work / f"floor_gap_{args.size}_{args.precision}.json")
+    out = Path(args.output or work / f"{script}_{args.size}_{args.precision}.json")
     for rnd in range(args.rounds):
         for variant in variants[rnd % len(variants):] + variants[:rnd % len(variants)]:
-            runs.append(run_variant(variant, rnd, name, args))
+            runs.append(run_one(variant, rnd, name, args))
             out.write_text(json.dumps({"size": args.size, "precision": args.precision, "machine": host,
                                        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                                        "runs": runs}, indent=2, default=str))
+    return runs, variants, out
+
+
+def compare(args) -> None:
+    runs, variants, out = alternating(args, "floor_gap", run_variant)
     print("\n" + "\n".join(run_rows(runs)))
     print(f"\nmedians over {args.rounds} rounds ({args.size}, {args.precision}, {args.threads} threads):")
     print("\n".join(median_table(runs, variants)))
@@ -315,6 +330,17 @@ def summarise(saved: list[dict]) -> None:
     print("\n".join(median_table(runs, variants)))
 
 
+def add_run_arguments(p: argparse.ArgumentParser, rounds: int, variants: str) -> None:
+    """The workload, precision, rounds, variants and threads of :func:`alternating`."""
+    p.add_argument("--size", default="chat", help="the workload (benchmarks/vs_trl/common.py)")
+    p.add_argument("--precision", default="fp32", choices=["fp32", "bf16"],
+                   help="fp32 pinned, or bf16: posttrain's hardware default")
+    p.add_argument("--rounds", type=int, default=rounds)
+    p.add_argument("--variants", default=variants, help=f"some of {', '.join(VARIANTS)}")
+    p.add_argument("--base-src", default=None, help="the base variant's posttrain: another checkout's src folder")
+    p.add_argument("--threads", type=int, default=1)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("profile_dir", nargs="?", help="the --profile DIR of posttrain bench (trace.json, bench.json)")
@@ -323,13 +349,7 @@ def main() -> None:
     p.add_argument("--summarise", nargs="+", default=None, metavar="JSON",
                    help="print the medians of --compare JSONs of one precision, their rounds in turn (also one "
                         "stopped early: the rounds it finished)")
-    p.add_argument("--size", default="chat", help="--compare: the workload (benchmarks/vs_trl/common.py)")
-    p.add_argument("--precision", default="fp32", choices=["fp32", "bf16"],
-                   help="--compare: fp32 pinned, or bf16: posttrain's hardware default")
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--variants", default="before,after", help=f"--compare: some of {', '.join(VARIANTS)}")
-    p.add_argument("--base-src", default=None, help="the base variant's posttrain: another checkout's src folder")
-    p.add_argument("--threads", type=int, default=1)
+    add_run_arguments(p, rounds=3, variants="before,after")
     p.add_argument("--twin", action="store_true",
                    help="--compare: also run each bench unprofiled; the non-matmul share of the profiled "
                         "iteration's matmuls against its twin's plain step (twin_share)")

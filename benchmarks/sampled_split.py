@@ -44,7 +44,6 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import os
 import re
 import shutil
 import statistics
@@ -55,8 +54,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from floor_gap import VARIANTS, write_config  # noqa: E402
-from machine_record import load_average, machine  # noqa: E402
+from floor_gap import add_run_arguments, alternating, variant_env  # noqa: E402
+from machine_record import load_average  # noqa: E402
 
 ATTENTION = re.compile(r"scaled_?dot_?product|flash_attention", re.I)
 MATMUL = re.compile(r"gemm|inner_product|mkldnn_linear_pointwise|mkldnn_matmul|_ops::(linear|matmul|mm|addmm|bmm)(_out)?::"
@@ -150,16 +149,9 @@ def _innermost_python(stack: list[dict]) -> str:
 
 def run_variant(variant: str, rnd: int, name: str, args) -> dict:
     """One sampled ``posttrain bench`` process of ``variant``; its split with the load and step times."""
-    env_extra, overrides = VARIANTS[variant]
+    env, overrides = variant_env(variant, args)
     folder = Path(args.work) / "sampled_split_runs" / f"{name}_{variant}_{rnd}"
     folder.mkdir(parents=True, exist_ok=True)
-    env = {k: v for k, v in os.environ.items() if k not in ("POSTTRAIN_ROLLOUT_PACKED", "POSTTRAIN_CPU_ATTENTION")}
-    env.update(env_extra, OMP_NUM_THREADS=str(args.threads))
-    if variant == "base":
-        if not args.base_src or not (Path(args.base_src) / "posttrain").is_dir():
-            raise SystemExit(f"the base variant needs --base-src: another checkout's src folder (got {args.base_src!r})")
-        env["PYTHONPATH"] = os.pathsep.join([args.base_src, *[p for p in env.get("PYTHONPATH", "").split(os.pathsep)
-                                                              if p and Path(p).resolve() != HERE.parent / "src"]])
     trace_path = folder / "stacks.json"
     bench_cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "bench", "--config-name", name,
                  "--config-path", args.work, "--iters", str(args.iters), "--warmup", "1", "--force", *overrides]
@@ -266,14 +258,9 @@ def main() -> None:
         child(sys.argv[2:])
         return
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--size", default="chat", help="the workload (benchmarks/vs_trl/common.py)")
-    p.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
+    add_run_arguments(p, rounds=1, variants="after")
     p.add_argument("--iters", type=int, default=4, help="sampled iterations per run (after one warm-up)")
     p.add_argument("--rate", type=int, default=25, help="samples a second")
-    p.add_argument("--rounds", type=int, default=1)
-    p.add_argument("--variants", default="after", help=f"some of {', '.join(VARIANTS)}")
-    p.add_argument("--base-src", default=None, help="the base variant's posttrain: another checkout's src folder")
-    p.add_argument("--threads", type=int, default=1)
     p.add_argument("--twin", action="store_true",
                    help="also run each bench without the sampler: the same iterations' phase times, to show "
                         "how much sampling slowed each phase")
@@ -283,23 +270,7 @@ def main() -> None:
     args = p.parse_args()
     if not Path(args.py_spy).exists():
         raise SystemExit(f"py-spy not found at {args.py_spy}: pip install py-spy, or give --py-spy PATH")
-    variants = args.variants.split(",")
-    unknown = [v for v in variants if v not in VARIANTS]
-    if unknown:
-        raise SystemExit(f"--variants: unknown {unknown}; use some of {', '.join(VARIANTS)}")
-    work = Path(args.work)
-    name = write_config(work, args.size, args.precision)
-    host = machine(args.threads)
-    print(f"{host['cpu']} ({', '.join(host['flags'])}; {host['cpus']} CPUs), torch {host['torch']}, "
-          f"{args.threads} threads, {args.precision}, {args.rate} samples/s, load {host['loadavg']}", flush=True)
-    out = Path(args.output or work / f"sampled_split_{args.size}_{args.precision}.json")
-    runs: list[dict] = []
-    for rnd in range(args.rounds):
-        for variant in variants[rnd % len(variants):] + variants[:rnd % len(variants)]:
-            runs.append(run_variant(variant, rnd, name, args))
-            out.write_text(json.dumps({"size": args.size, "precision": args.precision, "machine": host,
-                                       "rate": args.rate, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                                       "runs": runs}, indent=2, default=str))
+    runs, variants, out = alternating(args, "sampled_split", run_variant, f", {args.rate} samples/s")
     print("\n" + "\n".join(report(runs, variants)))
     for variant in variants:
         top = collections.Counter()
