@@ -240,12 +240,13 @@ def median_table(runs: list[dict], variants: list[str]) -> list[str]:
         scaled = med([plain_non_matmul_share(r) for r in mine])
         lines.append(f"| {variant} | plain step, estimated | | | | | not linear about {100 * scaled:.0f}% "
                      f"(matmul time scaled by the FLOPs) | |")
-        twins = [r["twin"] for r in mine if r.get("twin", {}).get("same_tokens")]
-        if twins:
-            shares = ", ".join(f"{100 * t['share']:.1f}" for t in twins)
-            lines.append(f"| {variant} | the profiled iteration's twin, unprofiled | {med([t['step'] for t in twins]):.2f} | | "
-                         f"{med([r['matmul'] for r in mine if r.get('twin', {}).get('same_tokens')]):.2f} | | "
-                         f"not linear **{100 * med([t['share'] for t in twins]):.1f}%** (runs {shares}) | |")
+        paired = [r for r in mine if r.get("twin", {}).get("same_tokens")]
+        if paired:
+            shares = [100 * r["twin"]["share"] for r in paired]
+            lines.append(f"| {variant} | the profiled iteration's twin, unprofiled | "
+                         f"{med([r['twin']['step'] for r in paired]):.2f} | | "
+                         f"{med([r['matmul'] for r in paired]):.2f} | | "
+                         f"not linear **{med(shares):.1f}%** (runs {', '.join(f'{x:.1f}' for x in shares)}) | |")
     return lines
 
 
