@@ -58,8 +58,9 @@ from floor_gap import add_run_arguments, alternating, variant_env  # noqa: E402
 from machine_record import load_average  # noqa: E402
 
 ATTENTION = re.compile(r"scaled_?dot_?product|flash_attention", re.I)
-MATMUL = re.compile(r"gemm|inner_product|mkldnn_linear_pointwise|mkldnn_matmul|_ops::(linear|matmul|mm|addmm|bmm)(_out)?::"
-                    r"|THPVariable_(linear|matmul|mm|addmm|bmm)\b|(Mm|Addmm|Bmm)Backward", re.I)
+MATMUL = re.compile(r"gemm|inner_product|mkldnn_linear_pointwise|mkldnn_matmul"
+                    r"|_ops::(linear|matmul|mm|addmm|bmm)(_out)?::|THPVariable_(linear|matmul|mm|addmm|bmm)\b"
+                    r"|(Mm|Addmm|Bmm)Backward", re.I)
 JIT = re.compile(r"^0x[0-9a-f]+$")  # a frame py-spy could not name, in no library ("?"): code generated at run time
 PACKING = ("pack", "refresh")  # packed_linear's weight reorders: oneDNN's generated code too, but no matmul
 MARK = "marked_sdpa"  # the Python frames of install_marked_sdpa's marked_sdpa and MarkedSDPA
@@ -89,9 +90,9 @@ def phase_of(stack: list[dict]) -> str:
 
 def intervals(trace: list[dict]):
     """``(seconds, stack, step)`` per sampled interval of the thread that runs the steps, from
-    py-spy's chrometrace (``B``/``E`` events per frame at sample times). ``step`` counts the
-    iterations from 0 (None outside ``train_step``): one begins where the rollout begins after
-    anything else of a step (each on-policy iteration is a rollout, then the rest)."""
+    py-spy's chrometrace (``B``/``E`` events per frame at sample times), inside ``train_step`` only.
+    ``step`` counts the iterations from 0 (-1 before the first rollout): one begins where a rollout
+    begins after anything else of a step (each on-policy iteration is a rollout, then the rest)."""
     threads = collections.defaultdict(list)
     for event in trace:
         if event.get("ph") in ("B", "E"):
