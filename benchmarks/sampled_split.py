@@ -200,8 +200,8 @@ def report(runs: list[dict], variants: list[str]) -> list[str]:
             if not total:
                 continue
             twins = [r for r in mine if "plain_phase_s" in r and phase in PHASES]
-            slower = (f"{sum(r['sampled_phase_s'][phase] for r in twins) / sum(r['plain_phase_s'][phase] for r in twins):.2f}x"
-                      if twins else "")
+            sampled, plain = (sum(r[key][phase] for r in twins) for key in ("sampled_phase_s", "plain_phase_s"))
+            slower = f"{sampled / plain:.2f}x" if twins else ""
             lines.append(f"| {variant} | {phase} | {total:.1f} | " +
                          " | ".join(f"{100 * row[k] / total:.1f}%" for k in KINDS) + f" | {slower} |")
         shares = [100 * r["non_matmul_share"] for r in mine]
