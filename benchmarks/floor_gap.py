@@ -31,11 +31,12 @@ second under ``torch.profiler`` (the split into matmuls, attention and the rest)
 rounds are printed per variant and phase, with the non-matmul share of the step and step / floor;
 there every floor is set at the best matmul peak that any of the runs measured (a run's own
 measurement under load is low, and its floor high, by whatever share of the cores it got). A last
-row per variant estimates the plain iteration's non-matmul share (:func:`plain_non_matmul_share`),
-which the profiler's own cost per operator does not inflate. With ``--twin`` each run is repeated
-without the profiler: a seeded run's iterations repeat their tokens, so the profiled iteration's
-matmul time is set against the very same iteration's plain time (:func:`twin_share`), which needs
-no scaling.
+row per variant estimates the plain iteration's non-matmul share (:func:`plain_non_matmul_share`).
+On the chat workload the profiler costs about 0-3% (a profiled iteration against the same
+iteration unprofiled); the plain iteration is shorter because it samples shorter answers. With
+``--twin`` each run is repeated without the profiler: a seeded run's iterations repeat their
+tokens, so the profiled iteration's matmul time is set against the very same iteration's plain
+time (:func:`twin_share`), which needs no scaling.
 
 ``posttrain bench`` sets each phase's floor at its model FLOPs over the matmul peak it measured on
 the spot (``timing/<phase> x mfu/<phase>``, the better of a measurement before and after the
@@ -166,6 +167,14 @@ def variant_env(variant: str, args) -> tuple[dict, list[str]]:
     return env, overrides
 
 
+def run_bench(cmd: list[str], env: dict, output: Path) -> dict:
+    """Run a ``posttrain bench`` command; its ``--output`` JSON (``output``)."""
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if proc.returncode != 0 or not output.exists():
+        raise SystemExit(f"failed: {' '.join(cmd)}\n{proc.stderr[-4000:]}")
+    return json.loads(output.read_text())
+
+
 def run_variant(variant: str, rnd: int, name: str, args) -> dict:
     """One fresh ``posttrain bench`` process of ``variant``; its analysed result with the load."""
     env, overrides = variant_env(variant, args)
@@ -174,10 +183,7 @@ def run_variant(variant: str, rnd: int, name: str, args) -> dict:
            "--iters", "2", "--warmup", "1", "--profile", str(folder), "--output", str(folder / "bench.json"),
            "--force", *overrides]
     start, load_before = time.time(), load_average()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    if proc.returncode != 0:
-        raise SystemExit(f"{variant} run failed ({' '.join(cmd)}):\n{proc.stderr[-4000:]}")
-    bench = json.loads((folder / "bench.json").read_text())
+    bench = run_bench(cmd, env, folder / "bench.json")
     result = analyse(folder, bench)
     plain = bench["iterations"][-2]  # the measured iteration before the profiled one
     result.update(variant=variant, round=rnd, plain_step=plain["timing/all"], plain_floor=plain["floor_s"],
@@ -189,10 +195,7 @@ def run_variant(variant: str, rnd: int, name: str, args) -> dict:
     if args.twin:  # the same run without the profiler: a seeded run repeats its iterations' tokens
         twin_cmd = [c for c in cmd if c not in ("--profile", str(folder))]
         twin_cmd[twin_cmd.index(str(folder / "bench.json"))] = str(folder / "twin.json")
-        proc = subprocess.run(twin_cmd, capture_output=True, text=True, env=env)
-        if proc.returncode != 0:
-            raise SystemExit(f"{variant} twin run failed ({' '.join(twin_cmd)}):\n{proc.stderr[-4000:]}")
-        result["twin"] = twin_share(result, bench, json.loads((folder / "twin.json").read_text()))
+        result["twin"] = twin_share(result, bench, run_bench(twin_cmd, env, folder / "twin.json"))
     print(f"  round {rnd} {variant:<8} step {result['plain_step']:6.1f} s plain / {result['step']:6.1f} s profiled, "
           f"floor {result['plain_floor']:.2f} s, rest {100 * result['rest_share']:.0f}%, load "
           f"{load_before[0]:.1f}->{result['loadavg']['after'][0]:.1f}, others "
@@ -252,9 +255,8 @@ def median_table(runs: list[dict], variants: list[str]) -> list[str]:
 
 def plain_non_matmul_share(run: dict) -> float:
     """The plain iteration's non-matmul share (attention counted), its matmul time estimated from the
-    profiled iteration's by the ratio of their FLOP floors. The profiler's own cost per operator
-    (some 3 s of a 15 s profiled step here, over about 200,000 small operators) falls on the
-    non-matmul side; the plain iteration has none, but its matmul time is only estimated."""
+    profiled iteration's by the ratio of their FLOP floors (the two iterations sample different tokens;
+    :func:`twin_share` compares the same iteration instead)."""
     return 1 - run["matmul"] * (run["plain_floor"] / run["floor"]) / run["plain_step"]
 
 
