@@ -46,11 +46,11 @@ def test_forward_equals_the_model_with_a_cache_and_padding(kind):
     assert torch.allclose(got[real], ref[real], atol=1e-5)
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])
-def test_engine_samples_as_with_the_model_forward(kind, monkeypatch):
-    """Same tokens and log-probs with the lean forward as with the model's own (packed weights both);
-    ``$POSTTRAIN_LEAN_FORWARD=off`` restores the model's forward."""
-    model = _model(kind)
+@pytest.mark.parametrize("kind,dtype", [("llama", torch.float32), ("qwen2", torch.float32), ("llama", torch.bfloat16)])
+def test_engine_samples_as_with_the_model_forward(kind, dtype, monkeypatch):
+    """Same tokens and log-probs with the lean forward as with the model's own (packed weights both,
+    fp32 or a bf16 model); ``$POSTTRAIN_LEAN_FORWARD=off`` restores the model's forward."""
+    model = _model(kind).to(dtype)
     sp = SamplingParams(temperature=0.8, top_k=-1, max_tokens=12, seed=2)
     shapes = []
     real = lean_forward.forward
