@@ -2,7 +2,8 @@
 
 Workload: issue 22's chat rollout (SmolLM2-135M-Instruct, the products demo's first 8 problems in
 its chat template, 8 samples each, up to 64 new tokens, temperature 0.5, no top-k/top-p, stop at
-EOS), fp32 (``--dtype bfloat16``: the bf16 sampling copy), one engine per variant kept across repeats (as a run keeps one), repeats alternating
+EOS), fp32 (``--dtype bfloat16``: the bf16 sampling copy), one engine per variant kept across repeats
+(as a run keeps one), freed memory kept (as a run does, ``posttrain.host_memory``), repeats alternating
 between the variants so that the machine's load falls on all of them alike. Variants:
 
 * ``plain``: the engine as before issue 43's rollout work: weights as they are (the fp32 kernel
@@ -15,18 +16,28 @@ between the variants so that the machine's load falls on all of them alike. Vari
 * ``static``: packed, on the fixed-shape static KV cache (``static_cache=True``; no compaction);
 * ``compiled`` (``--compile``): static on plain weights (Inductor cannot lower the opaque packed
   ones), its decode step compiled by ``torch.compile(dynamic=False)`` (Inductor's CPU backend); the
-  first call's compile time is reported apart.
+  first call's compile time is reported apart;
+* ``base`` (``--base-src DIR``): ``packed`` through the lean forward of another checkout's ``src``
+  (``DIR/posttrain/models/lean_forward.py``, e.g. a ``git worktree`` of the commit before a change),
+  swapped into the engine for each of its calls; the rest of posttrain is this tree's. In one process
+  a change to the decode layer shows at 1-2% of the rollout, which whole-step comparisons between
+  processes (whose speeds differ by up to 8-19% here) cannot resolve.
+
+``--variants`` picks some (e.g. ``packed,base``); the order of the variants turns every repeat.
 
 It also times the sampler alone on ``[rows, 49152]`` logits (64, 8 and 1 rows of SmolLM2's vocabulary:
 the workload's first and last decode steps) against its two predecessors (:func:`sampler_ms`).
 Each line records the load average, the CPU model and flags, the kernel and the thread count.
 
     OMP_NUM_THREADS=1 PYTHONPATH=src .venv/bin/python benchmarks/rollout/decode_speed.py --threads 1 --repeats 3
+    OMP_NUM_THREADS=1 PYTHONPATH=src .venv/bin/python benchmarks/rollout/decode_speed.py --threads 1 --repeats 8 \
+        --kernel blas --dtype bfloat16 --variants packed,base --base-src /tmp/base/src
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
@@ -89,7 +100,32 @@ def sampler_ms(repeats: int = 20, rows: int = 64) -> dict[str, float]:
     return {k: 1e3 * statistics.median(v) for k, v in times.items()}
 
 
-def engines(model, tokenizer, dtype: str, compile_step: bool, static: bool) -> dict:
+class OtherLeanForward:
+    """An engine whose calls run through another ``lean_forward`` module (``base_src``'s)."""
+
+    def __init__(self, engine, base_src: str):
+        path = Path(base_src) / "posttrain" / "models" / "lean_forward.py"
+        if not path.is_file():
+            raise SystemExit(f"--base-src {base_src}: no {path}")
+        spec = importlib.util.spec_from_file_location("base_lean_forward", path)
+        self.module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # dataclasses look it up
+        spec.loader.exec_module(self.module)
+        self.engine = engine
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def generate(self, *args, **kwargs):
+        from posttrain.rollout import native
+
+        own, native.lean_forward = native.lean_forward, self.module
+        try:
+            return self.engine.generate(*args, **kwargs)
+        finally:
+            native.lean_forward = own
+
+
+def engines(model, tokenizer, dtype: str, compile_step: bool, static: bool, base_src: str | None = None) -> dict:
     from posttrain.rollout.native import NativeEngine
 
     common = dict(pad_token_id=tokenizer.pad_token_id or 0, eos_token_ids=[tokenizer.eos_token_id], dtype=dtype)
@@ -103,6 +139,8 @@ def engines(model, tokenizer, dtype: str, compile_step: bool, static: bool) -> d
         # Inductor cannot lower a prepacked (opaque mkldnn) weight: the compiled step multiplies plain weights
         out["compiled"] = NativeEngine(model, packed_weights=False, static_cache=True, **common)
         out["compiled"]._graph_step = torch.compile(out["compiled"]._forward, dynamic=False)
+    if base_src:
+        out["base"] = OtherLeanForward(NativeEngine(model, packed_weights=True, **common), base_src)
     return out
 
 
@@ -115,6 +153,8 @@ def main() -> None:
                    help="the rollout dtype (bfloat16: the engine's bf16 sampling copy)")
     p.add_argument("--no-static", action="store_true", help="leave the static-cache variant out")
     p.add_argument("--compile", action="store_true", help="add the compiled static step (minutes to compile)")
+    p.add_argument("--base-src", default=None, help="add the variant base: packed through DIR's lean forward")
+    p.add_argument("--variants", default=None, help="comma-separated variants to run (default: all built)")
     p.add_argument("--output", default=None, help="write the results as JSON here")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -122,6 +162,7 @@ def main() -> None:
 
     from bench_rollout import _smollm2_instruct, chat_prompts
     from posttrain.demo.pretrained import ensure_smollm2
+    from posttrain.host_memory import keep_freed_memory
     from posttrain.models.cpu_linear import use_cpu_linear
     from posttrain.rollout.base import SamplingParams
 
@@ -131,22 +172,31 @@ def main() -> None:
     report = {"machine_start": machine(), "kernel": args.kernel, "dtype": args.dtype,
               "sampler_ms": {rows: sampler_ms(rows=rows) for rows in (64, 8, 1)}}
     print(json.dumps(report))
-    with use_cpu_linear(args.kernel):
-        variants = engines(model, tokenizer, args.dtype, args.compile, not args.no_static)
+    with use_cpu_linear(args.kernel), keep_freed_memory("cpu"):  # as a run does
+        variants = engines(model, tokenizer, args.dtype, args.compile, not args.no_static, args.base_src)
+        if args.variants:
+            chosen = args.variants.split(",")
+            unknown = sorted(set(chosen) - set(variants))
+            if unknown:
+                raise SystemExit(f"--variants: no {', '.join(unknown)}; built: {', '.join(variants)}")
+            variants = {name: variants[name] for name in chosen}
         first = {}
         for name, engine in variants.items():  # warm-up (and compile): not counted
             start = time.perf_counter()
             first[name] = engine.generate(prompts, 8, sp)
             report.setdefault("first_call_s", {})[name] = round(time.perf_counter() - start, 2)
-        want = first["plain"]
+        reference = "plain" if "plain" in first else next(iter(first))
+        want = first[reference]
         for name, outs in first.items():
             diff = max((abs(a - b) for g, h in zip(outs, want) for o, r in zip(g, h)
                         for a, b in zip(o.logprobs, r.logprobs)), default=0.0)
             same = [o.token_ids for g in outs for o in g] == [o.token_ids for g in want for o in g]
-            report.setdefault("equal_to_plain", {})[name] = {"tokens": same, "max_logprob_diff": diff}
+            report.setdefault(f"equal_to_{reference}", {})[name] = {"tokens": same, "max_logprob_diff": diff}
         times: dict[str, list[float]] = {name: [] for name in variants}
-        for _ in range(args.repeats):
-            for name, engine in variants.items():
+        names = list(variants)
+        for repeat in range(args.repeats):
+            for name in names if repeat % 2 == 0 else names[::-1]:
+                engine = variants[name]
                 engine._packs.clear()  # as after an update: the packing is part of each call
                 start = time.perf_counter()
                 engine.generate(prompts, 8, sp)
@@ -154,6 +204,9 @@ def main() -> None:
             print({name: round(t[-1], 2) for name, t in times.items()}, Path("/proc/loadavg").read_text().strip())
     report["seconds"] = {name: sorted(round(x, 2) for x in t) for name, t in times.items()}
     report["median_s"] = {name: round(statistics.median(t), 2) for name, t in times.items()}
+    # the first variant's time over each other's, repeat by repeat (both ran in the same repeat)
+    report[f"median_{names[0]}_over"] = {name: round(statistics.median(a / b for a, b in zip(times[names[0]], t)), 3)
+                                         for name, t in times.items() if name != names[0]}
     report["machine_end"] = machine()
     print(json.dumps(report, indent=1))
     if args.output:
