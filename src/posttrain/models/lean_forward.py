@@ -4,8 +4,8 @@ A decode step multiplies a few rows by every weight of the model, so on a CPU mu
 fixed cost of each operator call and of Hugging Face's generic module code (decorators, keyword
 plumbing, the attention and mask dispatch), not arithmetic: with one row, SmolLM2-135M's fp32 step
 took 39-41 ms at 2 threads, of which the linear layers' weights take about 26. This forward runs
-the same operators in the same order as transformers' ``LlamaForCausalLM`` / ``Qwen2ForCausalLM``
-(RMSNorm in float32, rotary on the query/key heads, SDPA with the key/value heads shared by their
+the same operators in the same order as transformers' ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` /
+``Qwen3ForCausalLM`` (RMSNorm in float32, rotary on the query/key heads, SDPA with the key/value heads shared by their
 query groups), with changes that leave every number as it was:
 
 * each layer's query/key/value projections are one product with the three weights stacked (and
@@ -25,10 +25,11 @@ query groups), with changes that leave every number as it was:
 Measured (SmolLM2-135M-Instruct, fp32, 2 threads, AMD EPYC with AVX512-BF16): a decode step of 1 row
 41 -> 32 ms, 3 rows 40 -> 31 ms, 64 rows 162-176 -> 139-152 ms.
 
-:func:`supported` admits a model whose ``config.model_type`` is ``llama`` or ``qwen2`` with every
-layer full attention, SiLU MLPs, no query/key norms and ``pretraining_tp`` 1; others keep the
-model's own forward. The native engine uses this forward whenever it samples with packed weights
-(:mod:`posttrain.rollout.native`; ``$POSTTRAIN_LEAN_FORWARD=off`` turns it off).
+:func:`supported` admits a model whose ``config.model_type`` is ``llama``, ``qwen2`` or ``qwen3``
+(its query/key head norms applied as one norm and one product) with every layer full attention, SiLU
+MLPs, no other query/key norms and ``pretraining_tp`` 1; others keep the model's own forward. The
+native engine uses this forward whenever it samples with packed weights (:mod:`posttrain.rollout.native`;
+``$POSTTRAIN_LEAN_FORWARD=off`` turns it off).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ import torch.nn.functional as F
 from posttrain.models.packed_linear import packed_linear
 
 ENV = "POSTTRAIN_LEAN_FORWARD"
-MODEL_TYPES = ("llama", "qwen2")
+MODEL_TYPES = ("llama", "qwen2", "qwen3")
 
 
 def enabled() -> bool:
@@ -64,8 +65,18 @@ def supported(model) -> bool:
         return False
     need = ("q_proj", "k_proj", "v_proj", "o_proj")
     return all(all(isinstance(getattr(layer.self_attn, n, None), torch.nn.Linear) for n in need)
-               and not hasattr(layer.self_attn, "q_norm") and hasattr(layer.mlp, "gate_proj")
+               and _head_norms_supported(layer.self_attn, config.model_type) and hasattr(layer.mlp, "gate_proj")
                for layer in inner.layers)
+
+
+def _head_norms_supported(attn, model_type: str) -> bool:
+    """No query/key norms, or Qwen3's: an RMSNorm of each head (one weight of ``head_dim``, one epsilon)."""
+    norms = [getattr(attn, name, None) for name in ("q_norm", "k_norm")]
+    if norms == [None, None]:
+        return True
+    return model_type == "qwen3" and all(
+        isinstance(getattr(norm, "weight", None), torch.Tensor) and tuple(norm.weight.shape) == (attn.head_dim,)
+        and getattr(norm, "variance_epsilon", None) == norms[0].variance_epsilon for norm in norms)
 
 
 def fused_groups(model) -> list[tuple[torch.nn.Linear, ...]]:
@@ -82,7 +93,8 @@ def _groups(layer) -> list[tuple[torch.nn.Linear, ...]]:
 @dataclass(frozen=True)
 class Layer:
     """One decoder layer as :func:`forward` runs it: its norms, its packs (``(pack, bias)``: stacked
-    q/k/v, o, stacked gate/up, down), its cache index and the sizes of its heads."""
+    q/k/v, o, stacked gate/up, down), its cache index, the sizes of its heads and, for Qwen3, the
+    norm of its query and key heads (:func:`_head_norm`)."""
 
     index: int
     input_norm: Callable[[torch.Tensor], torch.Tensor]
@@ -95,6 +107,7 @@ class Layer:
     kv_heads: int
     dim: int
     scaling: float
+    head_norm: Callable[[torch.Tensor], torch.Tensor] | None = None
 
 
 def plan(model, fused: dict) -> list[Layer] | None:
@@ -109,7 +122,8 @@ def plan(model, fused: dict) -> list[Layer] | None:
             return None
         layers.append(Layer(index, _norm(layer.input_layernorm), _norm(layer.post_attention_layernorm),
                             *(fused[group] for group in groups), attn.q_proj.out_features // attn.head_dim,
-                            attn.k_proj.out_features // attn.head_dim, attn.head_dim, attn.scaling))
+                            attn.k_proj.out_features // attn.head_dim, attn.head_dim, attn.scaling,
+                            _head_norm(attn)))
     return layers
 
 
@@ -137,6 +151,19 @@ def _norm(norm: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
     return lambda hidden: F.rms_norm(hidden, shape, weight, eps) if hidden.dtype == torch.float32 else norm(hidden)
 
 
+def _head_norm(attn) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """Qwen3's RMSNorm of every query head (``q_norm``) and key head (``k_norm``) as one: ``[B, Q,
+    heads, D]`` with the query heads first, normalised in float32, rounded to the input's dtype, then
+    times the heads' weights stacked ``[heads, D]`` (the modules' numbers: two calls in one); None
+    without such norms."""
+    if getattr(attn, "q_norm", None) is None:
+        return None
+    q_heads, kv_heads = attn.q_proj.out_features // attn.head_dim, attn.k_proj.out_features // attn.head_dim
+    weight = torch.cat([attn.q_norm.weight.detach().expand(q_heads, -1), attn.k_norm.weight.detach().expand(kv_heads, -1)])
+    shape, eps = (attn.head_dim,), attn.q_norm.variance_epsilon
+    return lambda heads: F.rms_norm(heads.float(), shape, None, eps).to(heads.dtype) * weight
+
+
 def _rotary(cos: torch.Tensor, sin: torch.Tensor):
     """``x -> x * cos + rotate_half(x) * sin`` as ``x * cos + roll(x) * signed_sin`` (the halves
     swapped by one ``roll``, the sign of ``rotate_half``'s negated half moved onto ``sin``): the
@@ -161,9 +188,11 @@ def forward(model, layers: list[Layer], ids: torch.Tensor, mask: torch.Tensor, p
     for layer in layers:
         dim, q_heads, kv_heads = layer.dim, layer.q_heads, layer.kv_heads
         qkv = packed_linear(layer.input_norm(hidden), *layer.qkv)
-        qk, v = (part.view(rows, queries, -1, dim).transpose(1, 2)
-                 for part in qkv.split([(q_heads + kv_heads) * dim, kv_heads * dim], dim=-1))
-        q, k = rotate(qk).split([q_heads, kv_heads], dim=1)  # query and key heads rotated together
+        qk, v = (part.view(rows, queries, -1, dim) for part in qkv.split([(q_heads + kv_heads) * dim, kv_heads * dim], -1))
+        if layer.head_norm is not None:
+            qk = layer.head_norm(qk)
+        q, k = rotate(qk.transpose(1, 2)).split([q_heads, kv_heads], dim=1)  # query and key heads rotated together
+        v = v.transpose(1, 2)
         k, v = cache_layers[layer.index].update(k, v)
         if queries == 1:  # a key/value head's query heads as its query rows (transformers' pack_gqa)
             out = F.scaled_dot_product_attention(q.reshape(rows, kv_heads, -1, dim), k, v, attn_mask=attn_mask,

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
+                          Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
 from posttrain.models import lean_forward
 from posttrain.models.packed_linear import PackedLinears
@@ -21,10 +22,17 @@ def _model(kind: str):
     torch.manual_seed(0)
     if kind == "llama":  # biases in the MLP: the stacked gate/up bias
         return LlamaForCausalLM(LlamaConfig(**COMMON, mlp_bias=True)).eval()
+    if kind == "qwen3":  # query/key head norms (weights off 1: each head's own weight must apply)
+        model = Qwen3ForCausalLM(Qwen3Config(**COMMON, head_dim=16)).eval()
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+                    norm.weight.add_(0.5 * torch.randn(norm.weight.shape))
+        return model
     return Qwen2ForCausalLM(Qwen2Config(**COMMON)).eval()  # biases in q/k/v
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
 def test_forward_equals_the_model_with_a_cache_and_padding(kind):
     model = _model(kind)
     packs = PackedLinears()
@@ -46,7 +54,8 @@ def test_forward_equals_the_model_with_a_cache_and_padding(kind):
     assert torch.allclose(got[real], ref[real], atol=1e-5)
 
 
-@pytest.mark.parametrize("kind,dtype", [("llama", torch.float32), ("qwen2", torch.float32), ("llama", torch.bfloat16)])
+@pytest.mark.parametrize("kind,dtype", [("llama", torch.float32), ("qwen2", torch.float32), ("llama", torch.bfloat16),
+                                        ("qwen3", torch.float32), ("qwen3", torch.bfloat16)])
 def test_engine_samples_as_with_the_model_forward(kind, dtype, monkeypatch):
     """Same tokens and log-probs with the lean forward as with the model's own (packed weights both,
     fp32 or a bf16 model); ``$POSTTRAIN_LEAN_FORWARD=off`` restores the model's forward."""
@@ -77,7 +86,10 @@ def test_engine_samples_as_with_the_model_forward(kind, dtype, monkeypatch):
 
 
 def test_supported_models():
-    assert lean_forward.supported(_model("llama")) and lean_forward.supported(_model("qwen2"))
+    assert all(lean_forward.supported(_model(kind)) for kind in ("llama", "qwen2", "qwen3"))
+    odd = _model("qwen3")
+    odd.model.layers[1].self_attn.k_norm.variance_epsilon = 1e-3  # one epsilon for both norms, or not lean
+    assert not lean_forward.supported(odd)
     sliding = MistralForCausalLM(MistralConfig(**COMMON, sliding_window=4))
     assert not lean_forward.supported(sliding)  # another model type (and a sliding window)
     tp = LlamaForCausalLM(LlamaConfig(**COMMON, pretraining_tp=2))
@@ -106,3 +118,11 @@ def test_the_lean_pieces_compute_transformers_numbers_bitwise():
     assert torch.equal(torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=additive),
                        torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=boolean))
     assert lean_forward._attention_mask(torch.ones(3, 9, dtype=torch.long), 1, torch.float32) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_qwen3_head_norm_computes_the_modules_numbers_bitwise(dtype):
+    attn = _model("qwen3").to(dtype).model.layers[0].self_attn  # 4 query heads, 2 key heads of 16
+    heads = 3 * torch.randn(3, 5, 6, 16, generator=torch.Generator().manual_seed(3)).to(dtype)  # [B, Q, heads, D]
+    want = torch.cat([attn.q_norm(heads[:, :, :4]), attn.k_norm(heads[:, :, 4:])], dim=2)
+    assert torch.equal(lean_forward._head_norm(attn)(heads), want)
