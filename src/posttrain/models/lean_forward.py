@@ -159,7 +159,8 @@ def _head_norm(attn) -> Callable[[torch.Tensor], torch.Tensor] | None:
     if getattr(attn, "q_norm", None) is None:
         return None
     q_heads, kv_heads = attn.q_proj.out_features // attn.head_dim, attn.k_proj.out_features // attn.head_dim
-    weight = torch.cat([attn.q_norm.weight.detach().expand(q_heads, -1), attn.k_norm.weight.detach().expand(kv_heads, -1)])
+    norms = (attn.q_norm, q_heads), (attn.k_norm, kv_heads)
+    weight = torch.cat([norm.weight.detach().expand(heads, -1) for norm, heads in norms])
     shape, eps = (attn.head_dim,), attn.q_norm.variance_epsilon
     return lambda heads: F.rms_norm(heads.float(), shape, None, eps).to(heads.dtype) * weight
 
@@ -188,7 +189,8 @@ def forward(model, layers: list[Layer], ids: torch.Tensor, mask: torch.Tensor, p
     for layer in layers:
         dim, q_heads, kv_heads = layer.dim, layer.q_heads, layer.kv_heads
         qkv = packed_linear(layer.input_norm(hidden), *layer.qkv)
-        qk, v = (part.view(rows, queries, -1, dim) for part in qkv.split([(q_heads + kv_heads) * dim, kv_heads * dim], -1))
+        qk, v = (part.view(rows, queries, -1, dim)
+                 for part in qkv.split([(q_heads + kv_heads) * dim, kv_heads * dim], dim=-1))
         if layer.head_norm is not None:
             qk = layer.head_norm(qk)
         q, k = rotate(qk.transpose(1, 2)).split([q_heads, kv_heads], dim=1)  # query and key heads rotated together
