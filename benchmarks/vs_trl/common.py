@@ -20,6 +20,7 @@ hyperparameters, written once into a work folder and read by both sides.
 from __future__ import annotations
 
 import json
+import os
 import random
 from pathlib import Path
 
@@ -42,9 +43,13 @@ SIZE_SETTINGS["products"] = {**SIZE_SETTINGS["demo"], "num_prompts": 8, "n": 8, 
                              "verifier": "answer_is"}
 
 
+WORKLOAD_ENV = "VS_TRL_WORKLOAD"  # JSON of SETTINGS keys that override a size's (run.py --workload)
+
+
 def settings(size: str) -> dict:
-    """SETTINGS with the overrides of model ``size``."""
-    return {**SETTINGS, **SIZE_SETTINGS[size]}
+    """SETTINGS with the overrides of model ``size``, then those of ``$VS_TRL_WORKLOAD`` (both sides
+    read it: ``run.py --workload`` sets it for the runs it starts)."""
+    return {**SETTINGS, **SIZE_SETTINGS[size], **json.loads(os.environ.get(WORKLOAD_ENV) or "{}")}
 
 
 def prepare(work: Path, size: str = "tiny") -> dict[str, str]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -24,14 +25,15 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
+sys.path[:0] = [str(HERE), str(HERE.parent)]
+from common import MODELS, SETTINGS, WORKLOAD_ENV, prepare  # noqa: E402
 from machine_record import available_gib, load_average, machine  # noqa: E402
 
 SCRIPTS = {"posttrain": HERE / "run_posttrain.py", "trl": HERE / "run_trl.py"}
 
 
 def one_run(side: str, args, rep: int) -> dict:
-    out = Path(args.work) / "runs" / f"{args.size}_{args.precision}_{side}_{rep}.json"
+    out = Path(args.work) / "runs" / f"{name(args)}_{side}_{rep}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, str(SCRIPTS[side]), "--work", args.work, "--size", args.size, "--steps",
            str(args.steps), "--threads", str(args.threads), "--out", str(out), "--precision", args.precision]
@@ -43,7 +45,8 @@ def one_run(side: str, args, rep: int) -> dict:
         raise SystemExit(f"{side} run {rep}: {free:.1f} GiB of memory available, under --min-free-gib "
                          f"{args.min_free_gib} (TRL's fp32 chat run peaks near 19 GiB); free memory or lower it")
     start, load_before = time.time(), load_average()
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    env = {**os.environ, WORKLOAD_ENV: json.dumps(args.workload)}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     load_after = load_average()
     if proc.returncode != 0:
         raise SystemExit(f"{side} run failed:\n{proc.stderr[-4000:]}")
@@ -65,10 +68,31 @@ def one_run(side: str, args, rep: int) -> dict:
     return result
 
 
+def workload(parser, items: list[str]) -> dict:
+    """``--workload KEY=VALUE`` items as a dict of SETTINGS keys (YAML values)."""
+    import yaml
+
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or key not in SETTINGS:
+            parser.error(f"--workload {item!r}: use KEY=VALUE with KEY one of {', '.join(SETTINGS)}")
+        out[key] = yaml.safe_load(value)
+    return out
+
+
+def name(args) -> str:
+    """The size, the changed settings and the precision, for file names and the summary."""
+    changed = "".join(f"_{key}{value}" for key, value in sorted(args.workload.items()))
+    return f"{args.size}{changed}_{args.precision}"
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--work", default="/tmp/perf/work")
-    p.add_argument("--size", default="tiny", choices=["tiny", "smollm2", "demo", "chat"])
+    p.add_argument("--size", default="tiny", choices=list(MODELS))
+    p.add_argument("--workload", action="append", default=[], metavar="KEY=VALUE",
+                   help=f"a setting of both sides changed from the size's (common.SETTINGS: {', '.join(SETTINGS)})")
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--threads", type=int, default=2)
@@ -79,9 +103,7 @@ def main() -> None:
     p.add_argument("--precision", default="fp32", choices=["fp32", "bf16"],
                    help="bf16: TRL with bf16=True, posttrain with its hardware default")
     args = p.parse_args()
-
-    sys.path.insert(0, str(HERE))
-    from common import prepare
+    args.workload = workload(p, args.workload)
 
     prepare(Path(args.work), args.size)
     host = machine(args.threads)
@@ -106,7 +128,7 @@ def main() -> None:
             "reward_curve": [statistics.mean(x for x in col if x is not None) for col in zip(*rewards)],
         }
     ratio = summary["posttrain"]["tps_median"] / summary["trl"]["tps_median"]
-    print(f"\n{args.size}: posttrain {summary['posttrain']['tps_median']:.1f} tok/s, "
+    print(f"\n{name(args)}: posttrain {summary['posttrain']['tps_median']:.1f} tok/s, "
           f"TRL {summary['trl']['tps_median']:.1f} tok/s, ratio {ratio:.2f}x "
           f"({args.repeats} repeats x {args.steps - 1} timed steps, {args.threads} threads, {args.precision})")
     pt, trl = summary["posttrain"], summary["trl"]
@@ -116,11 +138,11 @@ def main() -> None:
     for side in runs:
         curve = " ".join(f"{x:.3f}" for x in summary[side]["reward_curve"])
         print(f"  reward per step {side:<9}: {curve}")
-    report = {"size": args.size, "steps": args.steps, "repeats": args.repeats, "threads": args.threads,
-              "precision": args.precision,
+    report = {"size": args.size, "workload": args.workload, "steps": args.steps, "repeats": args.repeats,
+              "threads": args.threads, "precision": args.precision,
               "posttrain_settings": args.set, "ratio": ratio, "summary": summary, "machine": host,
               "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    out = Path(args.output or Path(args.work) / f"vs_trl_{args.size}_{args.precision}.json")
+    out = Path(args.output or Path(args.work) / f"vs_trl_{name(args)}.json")
     out.write_text(json.dumps(report, indent=2))
     print(f"wrote {out}")
 

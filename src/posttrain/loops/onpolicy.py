@@ -95,8 +95,19 @@ class OnPolicyTrainer:
             timers.merge(exp.timers)
             acc.merge(exp.acc)
             self.learn(exp.td, iteration, timers, acc)
+            self.release_gradients()
             self.source.publish(iteration, self.s.policy.model, timers)
         return self.iteration_metrics(exp, acc, timers, iteration)
+
+    def release_gradients(self) -> None:
+        """Free the actor's (and the critic's) gradients after the update: nothing reads them before
+        the next update's backward, and the rollout in between would carry a copy of the trained
+        weights' size (engines that keep their gradients in place, Megatron's, have no
+        ``release_gradients``)."""
+        for engine in (self.s.policy.actor, getattr(self.s.critic, "engine", None)):
+            release = getattr(engine, "release_gradients", None)
+            if release is not None:
+                release()
 
     @contextlib.contextmanager
     def checkpoint_files(self, iteration: int | None = None):

@@ -54,7 +54,11 @@ class SyncSource:
         self.producer, self.engine = producer, engine
 
     def next(self, iteration: int, timers: Timers) -> Experience:
-        return self.producer(iteration, self.engine, iteration - 1)
+        exp = self.producer(iteration, self.engine, iteration - 1)
+        drop = getattr(self.engine, "drop_packed_weights", None)  # the native engine's, through wrappers
+        if drop is not None:
+            drop()  # before the update: it changes the weights they pack, and they would add to its peak
+        return exp
 
     def publish(self, iteration: int, model, timers: Timers) -> None:
         began = timers.clock()

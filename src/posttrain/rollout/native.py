@@ -357,6 +357,14 @@ class NativeEngine(RolloutEngine):
         if self.samples_from_copy:
             self._sampling_model()
 
+    def drop_packed_weights(self) -> None:
+        """Free the packed weights (``packed_weights``) until the next ``generate`` packs them again. A
+        synchronous loop calls it between its rollout and its update: the update changes the weights
+        they pack, so they would be repacked anyway, and held through it they add a copy of the
+        layers' weights to its peak memory."""
+        self._packs.clear()
+        self._lean_layers = None
+
     def _sampling_model(self) -> Any:
         """The actor itself, or (``sampling_copy``) its copy in ``dtype``, refreshed when the actor's
         parameters may have changed since the copy was taken (see the module docstring)."""

@@ -337,6 +337,12 @@ class TrainEngine:
         out[f"{self.metric_prefix}/lr"] = lr
         return out
 
+    def release_gradients(self) -> None:
+        """Free the gradients until the next step's backward makes them again (each step starts from
+        none): a loop calls it after its update, so the rest of the iteration does not hold them."""
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=True)
+
     def _clip_gradients(self) -> float:
         """Clip the global gradient norm to ``clip_grad`` (if > 0); returns the norm before clipping."""
         params = [p for p in self.model.parameters() if p.grad is not None]
