@@ -262,6 +262,20 @@ def test_offload_follows_the_hf_backends_rules():
     assert plan.memory.off_during_rollout == ("weights", "optimizer", "gradients")
 
 
+def test_the_plan_counts_the_gradients_the_loop_frees_off_during_the_rollout():
+    """An in-process HF run frees its gradients after each update (``OnPolicyTrainer.release_gradients``);
+    a pipelined rollout runs through the update, Ray workers and Megatron keep them, unless ``offload_train_grad``."""
+    def off(overrides):
+        cfg = config(overrides)
+        layout, _ = check_run_config(cfg, device_type="cpu", arch=ARCH)
+        return build_plan(cfg, layout, ARCH, device="cpu").memory.off_during_rollout
+
+    one = ["rl_config.actor_resource.num_npus=1"]  # in process: no Ray workers
+    assert off(one) == ("gradients",)
+    assert off([*one, "rl_config.async_staleness=1"]) == () and off([]) == () and off(TP2) == ()
+    assert off([*TP2, "generate_config.offload_train_grad=true"]) == ("gradients",)
+
+
 def test_virtual_stages_plan_on_megatron():
     cfg = config(["actor_config.pipeline_model_parallel_size=2", "actor_config.num_layers_per_virtual_pipeline_stage=1"])
     layout, _ = check_run_config(cfg, device_type="cpu", arch=ARCH)
