@@ -20,6 +20,7 @@ import copy
 import pytest
 import torch
 
+from posttrain.models import packed_linear
 from tests.cluster.cluster_helpers import column, grpo_config, record_run, sample, session_and_trainer
 from tests.helpers.runs import read_metrics
 
@@ -186,17 +187,38 @@ def mean(values):
 
 @pytest.fixture(scope="module")
 def trained(ray_cluster, work):
-    """12 GRPO iterations on 2 Ray workers and in process, each saving its last iteration."""
+    """12 GRPO iterations on 2 Ray workers and in process (packed rollout weights pinned on), each
+    saving its last iteration; the Ray run records the packs its workers free before each update and
+    their gradients before and after they free them after it."""
+    from posttrain.cluster.group import ActorRole, RolloutRole
     from posttrain.commands.train import train_config as train
+    from posttrain.models import packed_linear
+
+    freed = {"packs": [], "gradients": []}
+    drop, release = RolloutRole.drop_packed_weights, ActorRole.release_gradients
+
+    def drop_spy(self):
+        freed["packs"].append(drop(self))
+        return freed["packs"][-1]
+
+    def release_spy(self):
+        before = sum(len(grads) for grads in self.c.grads())
+        release(self)
+        freed["gradients"].append((before, sum(len(grads) for grads in self.c.grads())))
 
     runs = {}
-    for name, workers in (("ray", 2), ("local", 1)):
-        cfg = grpo_config(work, f"learn_{name}", workers=workers, iters=12,
-                          rl={"eval_data_path": str(work / "prompts/data"), "eval_limit": 4},
-                          train={"save": str(work / f"ckpt_{name}"), "save_interval": 12})
-        last = train(cfg)
-        runs[name] = {"last": last, "metrics": read_metrics(work / f"run_learn_{name}"),
-                      "ckpt": work / f"ckpt_{name}"}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(packed_linear.ENV, "on")
+        patch.setattr(RolloutRole, "drop_packed_weights", drop_spy)
+        patch.setattr(ActorRole, "release_gradients", release_spy)
+        for name, workers in (("ray", 2), ("local", 1)):
+            cfg = grpo_config(work, f"learn_{name}", workers=workers, iters=12,
+                              rl={"eval_data_path": str(work / "prompts/data"), "eval_limit": 4},
+                              train={"save": str(work / f"ckpt_{name}"), "save_interval": 12})
+            last = train(cfg)
+            runs[name] = {"last": last, "metrics": read_metrics(work / f"run_learn_{name}"),
+                          "ckpt": work / f"ckpt_{name}"}
+    runs["ray"]["freed"] = freed
     return runs
 
 
@@ -209,6 +231,17 @@ def test_reward_goes_up_on_two_workers_as_in_process(trained):
         evals = (run["ckpt"].parent / f"run_learn_{name}" / "eval.jsonl").read_text().splitlines()
         assert len(evals) == 2 and all('"eval/num_prompts": 4.0' in line for line in evals)  # before, after
     assert "timing/update" in trained["ray"]["last"] and trained["ray"]["last"]["actor/grad_norm"] > 0
+
+
+@pytest.mark.skipif(not packed_linear.available(), reason="this torch build cannot pack weights for oneDNN")
+def test_the_workers_free_their_packs_before_the_update_and_their_gradients_after_it(trained):
+    """As a run in one process does (tests/unit/loops/test_sync_memory.py): each iteration the workers'
+    native engines free the packed weights their rollout made, and the workers the gradients their
+    update made."""
+    freed = trained["ray"]["freed"]
+    assert len(freed["packs"]) == len(freed["gradients"]) == 12
+    assert all(count > 0 for count in freed["packs"]), freed["packs"]
+    assert all(before > 0 and after == 0 for before, after in freed["gradients"]), freed["gradients"]
 
 
 def checkpoint_weights(path):

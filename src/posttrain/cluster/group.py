@@ -367,6 +367,16 @@ class RolloutRole(RolloutEngine):
         counts = self.c._all("weight sync to the rollout engines", "sync_rollout")
         return int(counts[0])
 
+    def drop_packed_weights(self) -> int:
+        """The workers' native engines free their packed weights before the update (as
+        :class:`~posttrain.rollout.native.NativeEngine`'s in one process, called by
+        ``loops.sources.SyncSource``); the number of packs freed over the workers. Rollout copies
+        (``generate_copy``) and vLLM engines keep theirs."""
+        if self.method != "generate" or self.c.rollout_holds_weights:
+            return 0
+        self.c._check()
+        return sum(self.c._all("packed weights freed", "drop_packed_weights"))
+
     def pop_metrics(self) -> dict[str, float]:
         """The engines' metrics of :data:`WORKER_ROLLOUT_METRICS` since the last call, combined over
         the workers (vLLM's ``rollout/sync_probe_diff``: the largest). The native engines' counters
@@ -410,6 +420,12 @@ class ActorRole:
     def update(self, batch, loss_fn, *, mini_batch_size, epochs=1, shuffle=False, seed=0, micro_batch_size=None):
         return self.c.update_calls("actor update", "update", batch, loss_fn, mini_batch_size, epochs, shuffle, seed,
                                    micro_batch_size)
+
+    def release_gradients(self) -> None:
+        """The workers free their actors' (and colocated critics') gradients after the update, as the
+        loop does in one process (``OnPolicyTrainer.release_gradients``)."""
+        self.c._check()
+        self.c._all("gradients freed", "release_gradients")
 
     def embed_images(self, pixel_values: list, image_grid_thw: list, *, vit_micro_batch_size=None,
                      pixel_values_videos: list = (), video_grid_thw: list = ()) -> list:

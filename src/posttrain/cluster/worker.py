@@ -275,6 +275,22 @@ class ActorWorker:
         return self.policy.actor.update(batch, loss_fn, mini_batch_size=mini_batch_size, epochs=1, shuffle=False,
                                         micro_batch_size=micro_batch_size)
 
+    def release_gradients(self) -> None:
+        """Free the actor's (and a colocated critic's) gradients after the update, as the loop does in
+        one process (``OnPolicyTrainer.release_gradients``, through :class:`~posttrain.cluster.group.ActorRole`):
+        the rollout in between never reads them. Megatron's engines keep theirs in their buffers."""
+        for engine in (self.policy.actor, getattr(getattr(self, "critic", None), "engine", None)):
+            release = getattr(engine, "release_gradients", None)
+            if release is not None:
+                release()
+
+    def drop_packed_weights(self) -> int:
+        """Free this worker's rollout packs before the update, which changes the weights they pack
+        (``loops.sources.SyncSource``, through :class:`~posttrain.cluster.group.RolloutRole`); the
+        number of packs freed."""
+        drop = getattr(self.policy.rollout, "drop_packed_weights", None)  # a native engine's (None: Megatron's others)
+        return drop() if drop is not None else 0
+
     def compute_values(self, batch: dict, micro_batch_size):
         rows, width = batch["response_mask"].shape
         if rows == 0:

@@ -253,9 +253,9 @@ def estimate_memory(cfg: RunConfig, plan: "Plan", arch: ModelArch) -> MemoryEsti
             rollout_copy = merge_copy + (frozen_bytes * params if fsdp else 0.0)
     on_device = not plan.device.startswith("cpu")
     weights_off = bool(plan.rollout and plan.rollout.offload_weights) and on_device
-    # the loop frees an in-process HF/FSDP2 actor's gradients after each update (OnPolicyTrainer.release_gradients);
-    # a pipelined rollout runs through the update, a Ray worker keeps them, Megatron's buffers stay
-    freed = on_policy and not megatron and not plan.use_ray and not plan.off_policy.pipelined
+    # the loop frees an HF/FSDP2 actor's gradients after each update (OnPolicyTrainer.release_gradients; in
+    # Ray workers through ActorRole); a pipelined rollout runs through the update, Megatron's buffers stay
+    freed = on_policy and not megatron and not plan.off_policy.pipelined
     off = tuple(part for part, on in (("weights", weights_off), ("optimizer", plan.offload_optimizer),
                                       ("gradients", plan.offload_grads or freed)) if on)
     return MemoryEstimate(weights=weights, gradients=trained, optimizer=optimizer, reference=reference,

@@ -409,8 +409,8 @@ class GenerateConfig(Section):
     offload_train_optimizer: bool = F(False, "the actor's (and PPO critic's) optimizer state on the host between "
                                              "updates", OFFLOAD)
     offload_train_grad: bool = F(False, "the actor's (and PPO critic's) gradients freed between updates (on a CPU "
-                                        "too, the memory handed back to the system; an on-policy run of the HF "
-                                        "backend in one process frees them after each update without it)", HONOURED)
+                                        "too, the memory handed back to the system; a synchronous on-policy run of "
+                                        "the HF backend frees them after each update without it)", HONOURED)
     offload_train_param: bool = F(False, "the actor's weights on the host during rollout, back for the update (where "
                                          "the rollout samples from a copy: vLLM, the native engine's bf16 copy)",
                                   OFFLOAD_PARAM)

@@ -26,8 +26,9 @@ Unless ``$POSTTRAIN_ROLLOUT_PACKED`` (``on`` or ``off``) pins it, :func:`resolve
 process, thread count and dtype, and packs where that is at least :data:`FASTER_BY` faster. A run
 decides once (:func:`rollout_packed_weights`, in the driver), keeps the choice in its checkpoints
 and installs it (:func:`set_rollout_packed`) in its process and its Ray workers, so every engine of
-the run packs or none does, and a resumed run keeps the choice: packed and plain products round
-differently, so a choice left to each process's timing could change a run's samples.
+the run packs or none does (an installed choice rules over a worker's own ``$POSTTRAIN_ROLLOUT_PACKED``,
+which the driver's choice has already read where it was set), and a resumed run keeps the choice: packed
+and plain products round differently, so a choice left to each process's timing could change a run's samples.
 """
 
 from __future__ import annotations
@@ -144,30 +145,37 @@ def _pinned() -> bool | None:
 
 def resolve_packed(device: str, dtype: str = "float32", kernel: str | None = None) -> bool:
     """Whether a rollout in ``dtype`` (float32 or bfloat16) packs its weights on ``device``: where it
-    can, ``$POSTTRAIN_ROLLOUT_PACKED`` when set, else the run's installed choice, else whether packing
+    can, the run's installed choice, else ``$POSTTRAIN_ROLLOUT_PACKED`` when set, else whether packing
     is at least :data:`FASTER_BY` faster than the plain product (the fp32 ``kernel``, by default the
     one installed now; timed at torch's thread count)."""
+    if _run_choice is not None:
+        return _run_choice and can_pack(device, dtype)
+    return _unless_pinned(device, dtype, kernel)
+
+
+def _unless_pinned(device: str, dtype: str, kernel: str | None, stored: bool | None = None) -> bool:
+    """Where packing can run: ``$POSTTRAIN_ROLLOUT_PACKED`` when set, else ``stored`` when given, else
+    whether packing is at least :data:`FASTER_BY` faster than the plain product."""
     from posttrain.models.cpu_linear import installed
 
     if not can_pack(device, dtype):
         return False
     choice = _pinned()
-    choice = _run_choice if choice is None else choice
+    choice = stored if choice is None else choice
     if choice is not None:
-        return choice
+        return bool(choice)
     return speedup(torch.get_num_threads(), kernel or installed(), dtype) >= FASTER_BY
 
 
 def rollout_packed_weights(plan: Any, kernel: str, stored: bool | None = None) -> bool:
     """The run's choice (recorded in ``run.json`` and its checkpoints): whether its native rollout
     packs its weights: ``$POSTTRAIN_ROLLOUT_PACKED`` when set, else the checkpoint's choice
-    (``stored``) on a resume, else measured against the run's fp32 ``kernel``."""
+    (``stored``) on a resume, else measured against the run's fp32 ``kernel`` (never another run's
+    choice installed in this process)."""
     rollout = getattr(plan, "rollout", None)
     if rollout is None or rollout.engine != "native":
         return False
-    if stored is not None and _pinned() is None:
-        return bool(stored) and can_pack(plan.device, plan.rollout_dtype)
-    return resolve_packed(plan.device, plan.rollout_dtype, kernel)
+    return _unless_pinned(plan.device, plan.rollout_dtype, kernel, stored)
 
 
 class PackedLinears:

@@ -357,13 +357,15 @@ class NativeEngine(RolloutEngine):
         if self.samples_from_copy:
             self._sampling_model()
 
-    def drop_packed_weights(self) -> None:
+    def drop_packed_weights(self) -> int:
         """Free the packed weights (``packed_weights``) until the next ``generate`` packs them again. A
         synchronous loop calls it between its rollout and its update: the update changes the weights
         they pack, so they would be repacked anyway, and held through it they add a copy of the
-        layers' weights to its peak memory."""
+        layers' weights to its peak memory. Returns the number of packs freed."""
+        count = len(self._packs.packs) + len(self._packs.fused)
         self._packs.clear()
         self._lean_layers = None
+        return count
 
     def _sampling_model(self) -> Any:
         """The actor itself, or (``sampling_copy``) its copy in ``dtype``, refreshed when the actor's

@@ -9,9 +9,9 @@ between its uses.
   starts by zeroing them (as the seed's offloader does, ``copy_data=False``). On a CPU the host is
   the device: the plan leaves the state where it is (the config lists ``offload_train_optimizer``
   as having no effect there), while freeing the gradients still lowers the process's memory. (An
-  on-policy run of the HF backend in one process frees the gradients after each update without
-  the key, :meth:`posttrain.loops.onpolicy.OnPolicyTrainer.release_gradients`; the key adds
-  ``malloc_trim`` on a CPU, and frees them in Ray workers and Megatron's buffers.)
+  synchronous on-policy run of the HF backend frees the gradients after each update without the
+  key, in process and in Ray workers, :meth:`posttrain.loops.onpolicy.OnPolicyTrainer.release_gradients`;
+  the key adds ``malloc_trim`` on a CPU, frees them under a pipelined rollout and frees Megatron's buffers.)
 * :class:`OffloadedReference`, ``rl_config.offload_reference``: the frozen reference's weights off
   the device between its log-prob passes.
 * :class:`WeightOffload` and :class:`WeightsOffDuringRollout`, the seed's

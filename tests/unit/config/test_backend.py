@@ -263,16 +263,18 @@ def test_offload_follows_the_hf_backends_rules():
 
 
 def test_the_plan_counts_the_gradients_the_loop_frees_off_during_the_rollout():
-    """An in-process HF run frees its gradients after each update (``OnPolicyTrainer.release_gradients``);
-    a pipelined rollout runs through the update, Ray workers and Megatron keep them, unless ``offload_train_grad``."""
+    """An HF run frees its gradients after each update (``OnPolicyTrainer.release_gradients``), in process
+    and in Ray workers; a pipelined rollout runs through the update, Megatron keeps them, unless
+    ``offload_train_grad``."""
     def off(overrides):
         cfg = config(overrides)
         layout, _ = check_run_config(cfg, device_type="cpu", arch=ARCH)
         return build_plan(cfg, layout, ARCH, device="cpu").memory.off_during_rollout
 
     one = ["rl_config.actor_resource.num_npus=1"]  # in process: no Ray workers
-    assert off(one) == ("gradients",)
-    assert off([*one, "rl_config.async_staleness=1"]) == () and off([]) == () and off(TP2) == ()
+    assert off(one) == off([]) == ("gradients",)  # in process, and in two Ray workers
+    assert off([*one, "rl_config.async_staleness=1"]) == () and off(["rl_config.async_staleness=1"]) == ()
+    assert off(TP2) == ()
     assert off([*TP2, "generate_config.offload_train_grad=true"]) == ("gradients",)
 
 

@@ -113,14 +113,19 @@ def test_run_json_records_what_the_native_rollout_does(monkeypatch):
     assert choice(rollout=None) is False  # SFT, DPO
     assert choice(rollout=SimpleNamespace(engine="vllm")) is False
     assert choice(stored=False) is True  # the environment pins it over the checkpoint's choice
+    with packed_linear.use_rollout_packed(False):  # an earlier run's choice, installed in this process
+        assert choice() is True
     monkeypatch.delenv(packed_linear.ENV)
     assert choice(stored=False) is False and choice(stored=True) is True  # a resumed run keeps its choice
+    with packed_linear.use_rollout_packed(True):
+        assert choice(stored=False) is False
     assert choice(stored=True, device="cuda:0") is False
 
 
-def test_the_runs_choice_rules_every_engine_of_the_process_unless_the_environment_pins_it(monkeypatch):
+def test_the_runs_choice_rules_every_engine_of_the_process_and_of_its_workers(monkeypatch):
     """Session installs the run's choice (and Ray workers the driver's: install_run_kernels), so no
-    engine of the run times the products for itself: packed and plain round differently."""
+    engine of the run times the products for itself (packed and plain round differently), nor follows
+    its own process's environment (a worker's may differ from the driver's, whose choice read it)."""
     monkeypatch.delenv(packed_linear.ENV, raising=False)
     monkeypatch.setattr(packed_linear, "_run_choice", None)  # whatever an earlier test's session left
     monkeypatch.setattr(packed_linear, "speedup", lambda *a: pytest.fail("timed despite the run's choice"))
@@ -131,8 +136,6 @@ def test_the_runs_choice_rules_every_engine_of_the_process_unless_the_environmen
             assert NativeEngine(torch.nn.Linear(2, 2), pad_token_id=0, eos_token_ids=[]).packed_weights is choice
     assert packed_linear._run_choice is None  # restored
     monkeypatch.setenv(packed_linear.ENV, "off")
-    with packed_linear.use_rollout_packed(True):
-        assert packed_linear.resolve_packed("cpu") is False
+    assert packed_linear.resolve_packed("cpu") is False  # no run's choice: the environment pins it
     packed_linear.install_run_kernels({"cpu_linear": "blas", "rollout_packed": True})
-    monkeypatch.delenv(packed_linear.ENV)
     assert packed_linear.resolve_packed("cpu") is True
