@@ -195,7 +195,7 @@ def trained(ray_cluster, work):
     from posttrain.models import packed_linear
 
     freed = {"packs": [], "gradients": []}
-    drop, release = RolloutRole.drop_packed_weights, ActorRole.release_gradients
+    drop, release = RolloutRole.drop_sampling_weights, ActorRole.release_gradients
 
     def drop_spy(self):
         freed["packs"].append(drop(self))
@@ -209,7 +209,7 @@ def trained(ray_cluster, work):
     runs = {}
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(packed_linear.ENV, "on")
-        patch.setattr(RolloutRole, "drop_packed_weights", drop_spy)
+        patch.setattr(RolloutRole, "drop_sampling_weights", drop_spy)
         patch.setattr(ActorRole, "release_gradients", release_spy)
         for name, workers in (("ray", 2), ("local", 1)):
             cfg = grpo_config(work, f"learn_{name}", workers=workers, iters=12,

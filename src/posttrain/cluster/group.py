@@ -367,15 +367,15 @@ class RolloutRole(RolloutEngine):
         counts = self.c._all("weight sync to the rollout engines", "sync_rollout")
         return int(counts[0])
 
-    def drop_packed_weights(self) -> int:
-        """The workers' native engines free their packed weights before the update (as
-        :class:`~posttrain.rollout.native.NativeEngine`'s in one process, called by
-        ``loops.sources.SyncSource``); the number of packs freed over the workers. Rollout copies
-        (``generate_copy``) and vLLM engines keep theirs."""
+    def drop_sampling_weights(self) -> int:
+        """The workers' native engines free the weights only sampling reads (packs, a bf16 sampling
+        copy's) before the update (as :class:`~posttrain.rollout.native.NativeEngine`'s in one process,
+        called by ``loops.sources.SyncSource``); the number of tensors freed over the workers. Rollout
+        copies (``generate_copy``) and vLLM engines keep theirs."""
         if self.method != "generate" or self.c.rollout_holds_weights:
             return 0
         self.c._check()
-        return sum(self.c._all("packed weights freed", "drop_packed_weights"))
+        return sum(self.c._all("sampling weights freed", "drop_sampling_weights"))
 
     def pop_metrics(self) -> dict[str, float]:
         """The engines' metrics of :data:`WORKER_ROLLOUT_METRICS` since the last call, combined over

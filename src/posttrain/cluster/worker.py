@@ -284,11 +284,11 @@ class ActorWorker:
             if release is not None:
                 release()
 
-    def drop_packed_weights(self) -> int:
-        """Free this worker's rollout packs before the update, which changes the weights they pack
-        (``loops.sources.SyncSource``, through :class:`~posttrain.cluster.group.RolloutRole`); the
-        number of packs freed."""
-        drop = getattr(self.policy.rollout, "drop_packed_weights", None)  # a native engine's (None: Megatron's others)
+    def drop_sampling_weights(self) -> int:
+        """Free the weights only this worker's rollout reads (packs, the bf16 sampling copy's) before the
+        update, which changes them (``loops.sources.SyncSource``, through
+        :class:`~posttrain.cluster.group.RolloutRole`); the number of tensors freed."""
+        drop = getattr(self.policy.rollout, "drop_sampling_weights", None)  # None: Megatron's ranks without a rollout
         return drop() if drop is not None else 0
 
     def compute_values(self, batch: dict, micro_batch_size):

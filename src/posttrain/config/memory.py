@@ -84,13 +84,15 @@ class MemoryEstimate:
     reward_model: float = 0.0  # the frozen reward model of reward_config (0 when none, or its size is unknown)
     rollout_copy: float = 0.0  # the rollout's own copy of the weights (vLLM's share, a leader's HF copy, ...)
     rollout_sleeps: bool = False  # vLLM's sleep mode (GPU): its copy and KV cache leave the device for the update
+    copy_freed_for_update: bool = False  # the native engine's bf16 copy, freed by a synchronous loop for the update
     off_during_rollout: tuple[str, ...] = ()  # the training parts offloaded while the rollout runs (offload_train_*)
 
     @property
     def update_peak(self) -> float:
         """On the device during the update: the training state, the frozen models, one micro-batch's
-        activations, and the rollout's copy and KV cache unless they sleep."""
-        rollout = 0.0 if self.rollout_sleeps else self.rollout_copy + self.kv_cache
+        activations, and the rollout's copy and KV cache unless they sleep (or the copy is freed)."""
+        copy = 0.0 if self.copy_freed_for_update else self.rollout_copy
+        rollout = 0.0 if self.rollout_sleeps else self.kv_cache + copy
         return (self.weights + self.gradients + self.optimizer + self.reference + self.critic + self.reward_model
                 + self.activations + rollout)
 
@@ -254,7 +256,8 @@ def estimate_memory(cfg: RunConfig, plan: "Plan", arch: ModelArch) -> MemoryEsti
     on_device = not plan.device.startswith("cpu")
     weights_off = bool(plan.rollout and plan.rollout.offload_weights) and on_device
     # the loop frees an HF/FSDP2 actor's gradients after each update (OnPolicyTrainer.release_gradients; in
-    # Ray workers through ActorRole); a pipelined rollout runs through the update, Megatron's buffers stay
+    # Ray workers through ActorRole), and the native engine's bf16 copy before it (drop_sampling_weights); a
+    # pipelined rollout runs through the update, Megatron's buffers stay
     freed = on_policy and not megatron and not plan.off_policy.pipelined
     off = tuple(part for part, on in (("weights", weights_off), ("optimizer", plan.offload_optimizer),
                                       ("gradients", plan.offload_grads or freed)) if on)
@@ -263,6 +266,7 @@ def estimate_memory(cfg: RunConfig, plan: "Plan", arch: ModelArch) -> MemoryEsti
                           reward_model=rm_bytes * value_model_params(rm_arch) if rm_arch is not None
                           and "reward" not in own else 0.0,
                           rollout_copy=rollout_copy, off_during_rollout=off,
+                          copy_freed_for_update=freed and not (vllm_tp or fsdp or plan.lora),
                           rollout_sleeps=bool(vllm_tp) and on_policy and on_device)
 
 

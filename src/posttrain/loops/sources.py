@@ -55,9 +55,9 @@ class SyncSource:
 
     def next(self, iteration: int, timers: Timers) -> Experience:
         exp = self.producer(iteration, self.engine, iteration - 1)
-        drop = getattr(self.engine, "drop_packed_weights", None)  # the native engine's, through wrappers
+        drop = getattr(self.engine, "drop_sampling_weights", None)  # the native engine's, through wrappers
         if drop is not None:
-            drop()  # before the update: it changes the weights they pack, and they would add to its peak
+            drop()  # before the update: it changes the weights they hold, and they would add to its peak
         return exp
 
     def publish(self, iteration: int, model, timers: Timers) -> None:

@@ -17,7 +17,7 @@ its packed weight, with no autograd (the rollout runs under ``inference_mode``).
 when the model's weights may have changed (the version it passes, see ``rollout.native``); a pack
 holds a second copy of the layers' weights (0.5 GiB for SmolLM2-135M's fp32 layers, LM head included;
 half that for the bf16 sampling copy), which a synchronous run frees for its update (:meth:`PackedLinears.clear`,
-through ``NativeEngine.drop_packed_weights``). Layers that read the same input (a decoder layer's q/k/v and
+through ``NativeEngine.drop_sampling_weights``). Layers that read the same input (a decoder layer's q/k/v and
 gate/up projections) may be packed as one stacked weight instead (``fuse``), for
 :mod:`posttrain.models.lean_forward`.
 

@@ -36,7 +36,8 @@ With ``dtype: bfloat16`` and fp32 training weights the engine samples from a bf1
 every weight at every decode step; on a CPU with AVX512-BF16 it decoded 1.3x faster than autocast),
 refreshed from the actor whenever its parameters may have changed since the last call: an optimizer
 stepped (a global step hook counts the steps; fused optimizers do not bump version counters), or
-the parameters' version counters moved (``copy_``, ``load_state_dict``).
+the parameters' version counters moved (``copy_``, ``load_state_dict``); a synchronous loop frees
+it and the packs below for its update (:meth:`NativeEngine.drop_sampling_weights`).
 
 On a CPU (``packed_weights``, measured unless ``$POSTTRAIN_ROLLOUT_PACKED`` pins it) the sampling
 model's fp32 or bf16 linear layers multiply with weights prepacked into oneDNN's layout
@@ -357,15 +358,16 @@ class NativeEngine(RolloutEngine):
         if self.samples_from_copy:
             self._sampling_model()
 
-    def drop_packed_weights(self) -> int:
-        """Free the packed weights (``packed_weights``) until the next ``generate`` packs them again. A
-        synchronous loop calls it between its rollout and its update: the update changes the weights
-        they pack, so they would be repacked anyway, and held through it they add a copy of the
-        layers' weights to its peak memory. Returns the number of packs freed."""
-        count = len(self._packs.packs) + len(self._packs.fused)
+    def drop_sampling_weights(self) -> int:
+        """Free the packed weights and the bf16 sampling copy's (its modules stay) until the next ``generate``
+        makes them again (a synchronous loop, before its update changes them); the number of tensors freed."""
+        freed = len(self._packs.packs) + len(self._packs.fused)
         self._packs.clear()
-        self._lean_layers = None
-        return count
+        self._lean_layers, self._copy_version = None, None  # a copy is refreshed whole at the next call
+        for param in self._copy.parameters() if self._copy is not None else ():
+            freed += param.numel() > 0
+            param.data = param.data.new_empty(0)
+        return freed
 
     def _sampling_model(self) -> Any:
         """The actor itself, or (``sampling_copy``) its copy in ``dtype``, refreshed when the actor's
@@ -380,6 +382,8 @@ class NativeEngine(RolloutEngine):
         elif version != self._copy_version:
             with torch.no_grad():
                 for mine, theirs in zip(self._copy.parameters(), params):
+                    if mine.shape != theirs.shape:  # freed for the update (drop_sampling_weights)
+                        mine.data = mine.data.new_empty(theirs.shape)  # on the copy's device
                     mine.copy_(theirs)
         self._copy_version = version
         return self._copy

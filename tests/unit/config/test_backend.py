@@ -278,6 +278,23 @@ def test_the_plan_counts_the_gradients_the_loop_frees_off_during_the_rollout():
     assert off([*TP2, "generate_config.offload_train_grad=true"]) == ("gradients",)
 
 
+def test_the_plan_counts_the_bf16_sampling_copy_off_during_a_synchronous_update():
+    """A synchronous loop frees the native engine's bf16 sampling copy for the update
+    (``NativeEngine.drop_sampling_weights``): the update's peak leaves it out; a pipelined rollout keeps it."""
+    import dataclasses
+
+    def memory(overrides):
+        cfg = config(["rl_config.actor_resource.num_npus=1", *overrides])
+        layout, _ = check_run_config(cfg, device_type="cuda", arch=ARCH)
+        return build_plan(cfg, layout, ARCH, device="cuda").memory
+
+    sync, pipelined = memory([]), memory(["rl_config.async_staleness=1"])
+    assert sync.rollout_copy > 0 and sync.copy_freed_for_update and not pipelined.copy_freed_for_update
+    held = dataclasses.replace(sync, copy_freed_for_update=False)
+    assert held.update_peak - sync.update_peak == pytest.approx(sync.rollout_copy)
+    assert held.rollout_peak == sync.rollout_peak  # the rollout samples from it
+
+
 def test_virtual_stages_plan_on_megatron():
     cfg = config(["actor_config.pipeline_model_parallel_size=2", "actor_config.num_layers_per_virtual_pipeline_stage=1"])
     layout, _ = check_run_config(cfg, device_type="cpu", arch=ARCH)

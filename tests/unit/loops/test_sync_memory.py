@@ -1,5 +1,5 @@
 """A synchronous on-policy run holds the rollout's packed weights and the actor's gradients only while
-they are used: the update runs without the packs (``NativeEngine.drop_packed_weights``, called by
+they are used: the update runs without the packs (``NativeEngine.drop_sampling_weights``, called by
 ``loops.sources.SyncSource``) and the rollout without the gradients (``TrainEngine.release_gradients``,
 called by ``OnPolicyTrainer`` after its update)."""
 

@@ -127,20 +127,27 @@ def test_static_cache_decode_equals_dynamic(model):
     assert tokens(capped) == tokens(dynamic.generate(PROMPTS, 2, sp, max_new_tokens=[3, 20, 5]))
 
 
-def test_bf16_sampling_copy_follows_every_optimizer_step():
-    """``sampling_copy`` samples from a bf16 copy of the fp32 actor; after each optimizer step
-    (fused AdamW too, which bumps no version counter) it samples what a fresh copy samples."""
+def small_fp32_actor():
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(1)
     cfg = Qwen2Config(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-    actor = Qwen2ForCausalLM(cfg).float()
+    return Qwen2ForCausalLM(cfg).float()
+
+
+def test_bf16_sampling_copy_follows_every_optimizer_step():
+    """``sampling_copy`` samples from a bf16 copy of the fp32 actor; after each optimizer step
+    (fused AdamW too, which bumps no version counter) it samples what a fresh copy samples, also
+    when its weights were freed for the update (``drop_sampling_weights``, as a synchronous loop does)."""
+    actor = small_fp32_actor()
     greedy = SamplingParams(temperature=0, max_tokens=10)
     engine = NativeEngine(actor, pad_token_id=0, eos_token_ids=[], dtype="bfloat16", sampling_copy=True)
     before = engine.generate(PROMPTS, 1, greedy)
     changed = []
     for fused in (False, True):
+        if fused:
+            engine.drop_sampling_weights()
         optimizer = torch.optim.AdamW(actor.parameters(), lr=0.05, fused=fused)
         batch = torch.tensor([[1, 2, 3, 4, 5, 6]])
         actor(batch, labels=batch).loss.backward()
@@ -155,6 +162,27 @@ def test_bf16_sampling_copy_follows_every_optimizer_step():
         before = after
     assert any(changed), "the steps should change what is sampled"
     assert all(p.dtype == torch.float32 for p in actor.parameters())
+
+
+def test_freed_sampling_weights_come_back_at_the_next_call():
+    """``drop_sampling_weights`` frees the bf16 copy's weights (and the packs); the next call samples
+    as before from the refreshed copy, though no optimizer step moved the actor's version."""
+    from posttrain.models import packed_linear
+
+    actor = small_fp32_actor()
+    greedy = SamplingParams(temperature=0, max_tokens=10)
+    packed = packed_linear.available()
+    engine = NativeEngine(actor, pad_token_id=0, eos_token_ids=[], dtype="bfloat16", sampling_copy=True,
+                          packed_weights=packed)
+    first = engine.generate(PROMPTS, 2, greedy)
+    packs = len(engine._packs.packs) + len(engine._packs.fused)
+    assert (packs > 0) == packed
+    assert engine.drop_sampling_weights() == packs + len(list(actor.parameters()))
+    assert all(p.numel() == 0 for p in engine._copy.parameters()) and not engine._packs.packs
+    assert tokens(engine.generate(PROMPTS, 2, greedy)) == tokens(first)
+    for mine, theirs in zip(engine._copy.parameters(), actor.parameters()):
+        assert torch.equal(mine, theirs.to(torch.bfloat16))
+    assert engine.drop_sampling_weights() == packs + len(list(actor.parameters()))  # made again, freed again
 
 
 def test_cuda_graphs_need_cuda(model):
