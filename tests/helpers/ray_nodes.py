@@ -50,9 +50,12 @@ def free_ports(count: int) -> list[int]:
             s.close()
 
 
-def free_range(width: int, low: int = 30000, high: int = 60000) -> int:
-    """The first port of ``width`` consecutive ports that are all free now."""
+def free_range(width: int, low: int = 30000, high: int = 60000, avoid=()) -> int:
+    """The first port of ``width`` consecutive ports that are all free now and none of ``avoid``
+    (ports drawn for the node's components, free too until ``ray start`` binds them)."""
     for start in range(low + (os.getpid() * 97) % (high - low - width), high - width, width):
+        if any(start <= port < start + width for port in avoid):
+            continue
         try:
             held = []
             for port in range(start, start + width):
@@ -80,7 +83,7 @@ def node_args(temp_dir: Path, *more_ports: str) -> list[str]:
     comes from one :func:`free_ports` call, so no two of them can be the same."""
     names = (*PORT_NAMES, *more_ports)
     ports = dict(zip(names, free_ports(len(names))))
-    first = free_range(WORKER_PORTS)
+    first = free_range(WORKER_PORTS, avoid=ports.values())
     return ([f"--temp-dir={temp_dir}", "--disable-usage-stats", "--object-store-memory=100000000",
              f"--min-worker-port={first}", f"--max-worker-port={first + WORKER_PORTS - 1}"]
             + [f"--{name}={port}" for name, port in ports.items()])

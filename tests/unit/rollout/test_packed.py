@@ -88,6 +88,8 @@ def test_packs_follow_the_optimizer_step(model):
 
 
 def test_resolve_packed_is_pinned_by_the_environment(monkeypatch):
+    """Outside a run (no run's choice installed: it would rule, see below)."""
+    monkeypatch.setattr(packed_linear, "_run_choice", None)  # whatever an earlier test's session left
     monkeypatch.setenv(packed_linear.ENV, "on")
     assert packed_linear.resolve_packed("cpu") is True
     assert packed_linear.resolve_packed("cuda:0") is False  # CPU weights only
