@@ -46,7 +46,7 @@ from posttrain.models.packed_linear import install_run_kernels
 from posttrain.roles.critic import Critic
 from posttrain.roles.policy import build_policy, build_rollout, seed_everything
 from posttrain.roles.reward_model import build_reward_scorer
-from posttrain.training.engine import TrainEngine
+from posttrain.training.engine import TrainEngine, release_gradients_of
 from posttrain.training.offload import on_device
 from posttrain.training.sample_embeds import embed_samples
 
@@ -279,10 +279,7 @@ class ActorWorker:
         """Free the actor's (and a colocated critic's) gradients after the update, as the loop does in
         one process (``OnPolicyTrainer.release_gradients``, through :class:`~posttrain.cluster.group.ActorRole`):
         the rollout in between never reads them. Megatron's engines keep theirs in their buffers."""
-        for engine in (self.policy.actor, getattr(getattr(self, "critic", None), "engine", None)):
-            release = getattr(engine, "release_gradients", None)
-            if release is not None:
-                release()
+        release_gradients_of(self.policy.actor, getattr(getattr(self, "critic", None), "engine", None))
 
     def drop_sampling_weights(self) -> int:
         """Free the weights only this worker's rollout reads (packs, the bf16 sampling copy's) before the

@@ -33,6 +33,7 @@ from posttrain.config.plan import Plan
 from posttrain.metrics.reduce import MetricAccumulator
 from posttrain.metrics.stats import compute_tps, data_metrics, stat_metrics
 from posttrain.metrics.timers import Timers
+from posttrain.training.engine import release_gradients_of
 from posttrain.training.loss_fns import make_actor_loss_fn
 from posttrain.loops.dump_points import dump_experience, dumped_phase
 from posttrain.loops.experience import per_group, per_token, read_batch, write_rows
@@ -102,12 +103,9 @@ class OnPolicyTrainer:
     def release_gradients(self) -> None:
         """Free the actor's (and the critic's) gradients after the update: nothing reads them before
         the next update's backward, and the rollout in between would carry a copy of the trained
-        weights' size (engines that keep their gradients in place, Megatron's, have no
-        ``release_gradients``)."""
-        for engine in (self.s.policy.actor, getattr(self.s.critic, "engine", None)):
-            release = getattr(engine, "release_gradients", None)
-            if release is not None:
-                release()
+        weights' size (Ray workers free theirs through ``ActorRole``; engines that keep their gradients
+        in place, Megatron's, have no ``release_gradients``)."""
+        release_gradients_of(self.s.policy.actor, getattr(self.s.critic, "engine", None))
 
     @contextlib.contextmanager
     def checkpoint_files(self, iteration: int | None = None):

@@ -102,6 +102,15 @@ def _num_rows(batch: dict[str, torch.Tensor]) -> int:
     return next(iter(sizes.values()))
 
 
+def release_gradients_of(*engines) -> None:
+    """:meth:`TrainEngine.release_gradients` on each of ``engines`` that has it (through the LoRA and
+    offload wrappers); None and engines that keep their gradients in buffers (Megatron's) are skipped."""
+    for engine in engines:
+        release = getattr(engine, "release_gradients", None)
+        if release is not None:
+            release()
+
+
 class TrainEngine:
     """Owns a model, its optimizer and LR schedule; runs forward/backward in micro-batches."""
 
