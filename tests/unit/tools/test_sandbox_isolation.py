@@ -178,7 +178,7 @@ def test_memory_is_limited_over_all_of_a_calls_processes(isolation):
     result = run_python("import os, select\nr, w = os.pipe()\nfor i in range(3):\n    if os.fork() == 0:\n"
                         "        b = bytearray(100 * 2**20)\n        for j in range(0, len(b), 4096): b[j] = 1\n"
                         "        os.write(w, b'x'); select.select([], [], [], 30); os._exit(0)\nos.close(w)\n"
-                        "held = b''\nwhile len(held) < 3 and select.select([r], [], [], 20)[0]:\n"
+                        "held = b''\nwhile len(held) < 3 and select.select([r], [], [], 6)[0]:\n"
                         "    held += os.read(r, 3)\nprint(len(held))\nos._exit(0)", memory_mb=160, timeout_s=60)
     assert int(result.output) < 3, result.text
     assert "the call went past its memory limit of 160 MB (all its processes together)" in result.error
