@@ -317,16 +317,33 @@ def test_a_whole_run_on_two_workers_equals_the_run_in_one_process(ray_cluster, w
     """2 iterations with KL (a reference; offloaded on the GRPO workers) and 2 epochs of shuffled
     mini-batches: the same response tokens and every logged metric but the wall-clock ones within
     1e-5 relative. DAPO regenerates until enough groups vary: the same generation batches, kept
-    groups and metrics. PPO: its colocated critic's values, value loss and grad norms too."""
+    groups and metrics. PPO: its colocated critic's values, value loss and grad norms too, and the
+    workers free both models' gradients after each update."""
+    from posttrain.cluster.group import ActorRole
+
     extra = {"dapo": DAPO, "ppo": PPO}.get(algorithm, {})
     rl = {"epochs": 2, "shuffle_mini_batch": True, "init_kl_coef": 0.05, **extra}
     train = {"stage": f"ray_{algorithm}"}
     # the 2-worker GRPO run also drops its reference between uses (rl_config.offload_reference): no
     # result may change
     offload = {"offload_reference": True} if algorithm == "grpo" else {}
-    runs = {name: record_run(grpo_config(work, f"same_{algorithm}_{name}", workers=workers, iters=2,
-                                                      rl={**rl, **extra}, train=train))
-            for name, workers, extra in (("local", 1, {}), ("ray", 2, offload))}
+    released = []  # per update on the workers: gradient tensors of the actor and the critic, before and after
+    release = ActorRole.release_gradients
+
+    def counts(role) -> list[int] | None:
+        return [sum(map(len, role.c.grads(model))) for model in ("actor", "critic")] if algorithm == "ppo" else None
+
+    def release_spy(self):
+        before = counts(self)
+        release(self)
+        released.append((before, counts(self)))
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(ActorRole, "release_gradients", release_spy)
+        runs = {name: record_run(grpo_config(work, f"same_{algorithm}_{name}", workers=workers, iters=2,
+                                                          rl={**rl, **extra}, train=train))
+                for name, workers, extra in (("local", 1, {}), ("ray", 2, offload))}
+    assert len(released) == 2  # once an iteration, on the workers only
     (local_batches, local_rows, _), (ray_batches, ray_rows, _) = runs["local"], runs["ray"]
     assert ray_batches == local_batches
     assert len(local_batches) >= 2 and local_batches[0] != local_batches[1]  # fresh samples each batch
@@ -343,6 +360,8 @@ def test_a_whole_run_on_two_workers_equals_the_run_in_one_process(ray_cluster, w
     elif algorithm == "ppo":  # the critic trained, and the KL is in the reward
         assert all(r["critic/vf_loss"] > 0 and r["critic/grad_norm"] > 0 for r in local_rows)
         assert local_rows[-1]["actor/reward_kl_penalty"] != 0
+        # the workers free both models' gradients after each update, as the loop does in one process
+        assert all(min(before) > 0 and after == [0, 0] for before, after in released), released
     else:  # some iteration needed a second generation batch (its own seed)
         assert max(r["train/num_gen_batches"] for r in local_rows) >= 2 and "dapo/score/mean" in local_rows[-1]
 

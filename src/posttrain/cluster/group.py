@@ -271,9 +271,10 @@ class Cluster:
         self._check()
         return self._all("state_dict", "state_dict")
 
-    def grads(self) -> list[dict]:
+    def grads(self, role: str = "actor") -> list[dict]:
+        """Each worker's gradients of the actor (or the colocated critic): :meth:`ActorWorker.grads`."""
         self._check()
-        return self._all("grads", "grads")
+        return self._all("grads", "grads", role)
 
     def parameter_bytes(self) -> list[dict[str, int]]:
         """Each worker's own parameter storage, trainable and frozen (FSDP2: its shards)."""

@@ -352,10 +352,11 @@ class ActorWorker:
             out["trainable" if param.requires_grad else "frozen"] += local.numel() * local.element_size()
         return out
 
-    def grads(self) -> dict:
-        """The full gradients of the last optimizer step (after the all-reduce and clipping), on
-        CPU (FSDP2: a collective)."""
-        return {n: _full(p.grad) for n, p in self.policy.model.named_parameters() if p.grad is not None}
+    def grads(self, role: str = "actor") -> dict:
+        """The full gradients of the last optimizer step (after the all-reduce and clipping) of the
+        actor, or with ``role="critic"`` of the colocated critic, on CPU (FSDP2: a collective)."""
+        model = self.critic.model if role == "critic" else self.policy.model
+        return {n: _full(p.grad) for n, p in model.named_parameters() if p.grad is not None}
 
     def allreduce_probe(self, numel: int, repeats: int) -> float:
         """Median milliseconds of one all-reduce of ``numel`` float32 over the group (all ranks call
