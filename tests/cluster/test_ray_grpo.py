@@ -189,16 +189,17 @@ def mean(values):
 def trained(ray_cluster, work):
     """12 GRPO iterations on 2 Ray workers and in process (packed rollout weights pinned on), each
     saving its last iteration; the Ray run records the packs its workers free before each update and
-    their gradients before and after they free them after it."""
+    their gradients before and after they free them after it, and what a second drop finds."""
     from posttrain.cluster.group import ActorRole, RolloutRole
     from posttrain.commands.train import train_config as train
     from posttrain.models import packed_linear
 
-    freed = {"packs": [], "gradients": []}
+    freed = {"packs": [], "left": [], "gradients": []}
     drop, release = RolloutRole.drop_sampling_weights, ActorRole.release_gradients
 
     def drop_spy(self):
         freed["packs"].append(drop(self))
+        freed["left"].append(drop(self))  # what a second drop finds: nothing, if the first freed all
         return freed["packs"][-1]
 
     def release_spy(self):
@@ -241,6 +242,7 @@ def test_the_workers_free_their_packs_before_the_update_and_their_gradients_afte
     freed = trained["ray"]["freed"]
     assert len(freed["packs"]) == len(freed["gradients"]) == 12
     assert all(count > 0 for count in freed["packs"]), freed["packs"]
+    assert freed["left"] == [0] * 12  # the workers' engines hold no packs through the update
     assert all(before > 0 and after == 0 for before, after in freed["gradients"]), freed["gradients"]
 
 
