@@ -10,7 +10,9 @@ a LoRA run's adapter into its base model and writes ``<save-dir>`` as a plain HF
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
+from typing import Iterator
 
 from posttrain.errors import ConfigError
 
@@ -108,21 +110,32 @@ def _check_shaping_flags(args: argparse.Namespace) -> list[str]:
     return noted
 
 
-def _stop_on_sigterm() -> None:
-    """SIGTERM ends convert as Ctrl-C does, so its staging directory is removed on the way out."""
+@contextlib.contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """Inside, SIGTERM ends convert as Ctrl-C does, so its staging directory is removed on the way out;
+    the process's own SIGTERM handling comes back after (an in-process caller's, and what the processes
+    it forks later inherit: a forked pool's workers would otherwise outlive its terminate)."""
     import signal  # lazy: as above
 
     def stop(signum, frame):
         raise KeyboardInterrupt
 
-    signal.signal(signal.SIGTERM, stop)
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def run(args: argparse.Namespace) -> int:
+    _check(args)
+    with _sigterm_as_interrupt():
+        return _convert(args)
+
+
+def _convert(args: argparse.Namespace) -> int:
     from posttrain.models.mcore.convert import MG2HF, hf_to_mcore, mcore_to_hf  # lazy: --help imports this module
 
-    _check(args)
-    _stop_on_sigterm()
     noted = [f"--{n.replace('_', '-')}" for n in NO_OPS if getattr(args, n) not in (None, False, "GPT")]
     noted += _check_shaping_flags(args)
     if noted:

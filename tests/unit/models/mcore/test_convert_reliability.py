@@ -297,14 +297,14 @@ def test_a_dead_runs_staging_dir_is_removed_by_the_next_run(ckpts, tmp_path):
         d.mkdir()
     (dead / targets.STAGING_MARKER).write_text("999999999\n")
     (live / targets.STAGING_MARKER).write_text(f"{os.getppid()}\n")
+    before = signal.getsignal(signal.SIGTERM)
     assert main(hf_to_mg(ckpts, mg, "--force")) == 0
     assert not dead.exists() and unmarked.exists() and live.exists()
-    from posttrain.commands.convert import _stop_on_sigterm
+    assert signal.getsignal(signal.SIGTERM) is before  # the caller's SIGTERM handling is back
+    from posttrain.commands.convert import _sigterm_as_interrupt
 
-    before = signal.getsignal(signal.SIGTERM)
     try:
-        _stop_on_sigterm()
-        with pytest.raises(KeyboardInterrupt):
+        with _sigterm_as_interrupt(), pytest.raises(KeyboardInterrupt):
             os.kill(os.getpid(), signal.SIGTERM)
     finally:
         signal.signal(signal.SIGTERM, before)
