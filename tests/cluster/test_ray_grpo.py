@@ -332,8 +332,10 @@ def test_a_whole_run_on_two_workers_equals_the_run_in_one_process(ray_cluster, w
     released = []  # per update on the workers: gradient tensors of the actor and the critic, before and after
     release = ActorRole.release_gradients
 
-    def counts(role) -> list[int] | None:
-        return [sum(map(len, role.c.grads(model))) for model in ("actor", "critic")] if algorithm == "ppo" else None
+    def counts(actor_role) -> list[int] | None:  # PPO: gradient tensors over the workers, of each model
+        if algorithm != "ppo":
+            return None
+        return [sum(map(len, actor_role.c.grads(model))) for model in ("actor", "critic")]
 
     def release_spy(self):
         before = counts(self)
